@@ -1,0 +1,16 @@
+"""The decoder-only transformer (Llama / Qwen2), its HF checkpoint I/O and its TP layout."""
+
+from models.args import ModelArgs
+from models.checkpoint import iter_hf_tensors, load_model_args
+from models.parallel_plan import tp_shard_dim
+from models.transformer import Transformer, cu_seqlens_from_lengths, position_ids_from_lengths
+
+__all__ = [
+    "ModelArgs",
+    "Transformer",
+    "cu_seqlens_from_lengths",
+    "iter_hf_tensors",
+    "load_model_args",
+    "position_ids_from_lengths",
+    "tp_shard_dim",
+]

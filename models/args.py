@@ -1,0 +1,158 @@
+"""Model hyper-parameters for the Llama / Qwen2 decoder family.
+
+`ModelArgs` is the one description of a model shape that the training model, the engine and
+the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
+by meshppo loads in `transformers` and the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    attention_bias: bool = False  # q/k/v bias (Qwen2 always has it)
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)  # kept for a faithful save
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; meshppo supports {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads}; give head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def rope_type(self) -> str:
+        rs = self.rope_scaling or {}
+        return rs.get("rope_type", rs.get("type", "default"))
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count (the LM head counted once, even when untied)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        block = attn + mlp + 2 * h
+        n = self.num_hidden_layers * block + h
+        if include_embedding:
+            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    # ---------------------------------------------------------------- HF conversion
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "ModelArgs":
+        """Build from a `transformers.PretrainedConfig` (v4 `rope_theta` or v5 `rope_parameters`)."""
+        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}"
+            )
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 use_sliding_window=true is not supported")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            model_type=model_type,
+            initializer_range=cfg.get("initializer_range", 0.02),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")},
+        )
+
+    def to_hf_config(self, architecture: str | None = None):
+        """A `transformers` config object equivalent to these arguments."""
+        from transformers import AutoConfig
+
+        kwargs: dict[str, Any] = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            hidden_act="silu",
+        )
+        if self.model_type == "llama":
+            kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        elif self.head_dim != self.hidden_size // self.num_attention_heads:
+            raise ValueError("qwen2 configs cannot express head_dim != hidden_size // num_attention_heads")
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        cfg = AutoConfig.for_model(self.model_type, **kwargs)
+        # transformers v5 reads rope_parameters, v4 reads rope_theta / rope_scaling: set both.
+        if hasattr(cfg, "rope_parameters"):
+            cfg.rope_parameters = rope
+        cfg.rope_theta = self.rope_theta
+        if self.rope_scaling:
+            cfg.rope_scaling = dict(self.rope_scaling)
+        if architecture:
+            cfg.architectures = [architecture]
+        return cfg

@@ -1,0 +1,166 @@
+"""Hugging Face checkpoint directories: `config.json` + single or sharded `*.safetensors`.
+
+Loading builds the model on the meta device and copies one tensor at a time out of the
+memory-mapped safetensors files, so a large model never exists whole in CPU RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from models.args import ModelArgs
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+
+# HF keys carry a `model.` prefix on the backbone; heads sit at the top level.
+_TOP_LEVEL = ("lm_head.", "score.")
+
+
+def hf_key_to_meshppo(key: str) -> str | None:
+    if key.startswith("model."):
+        return key[len("model."):]
+    if key.startswith(_TOP_LEVEL):
+        return key
+    return None
+
+
+def meshppo_key_to_hf(key: str) -> str:
+    return key if key.startswith(_TOP_LEVEL) else "model." + key
+
+
+def load_model_args(path) -> ModelArgs:
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+
+
+def safetensors_files(path) -> list[Path]:
+    path = Path(path)
+    if (path / SAFE_INDEX).is_file():
+        with open(path / SAFE_INDEX) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted({path / name for name in weight_map.values()})
+    elif (path / SAFE_SINGLE).is_file():
+        files = [path / SAFE_SINGLE]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weights")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{SAFE_INDEX} in {str(path)!r} names missing files: {missing}")
+    return files
+
+
+def iter_hf_tensors(path):
+    """Yield `(meshppo_name, tensor)` from a checkpoint directory, one tensor at a time."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = hf_key_to_meshppo(key)
+                if name is not None:
+                    yield name, f.get_tensor(key)
+
+
+def load_pretrained(cls, path, dtype=torch.float32, device="cpu", head: str = "lm"):
+    """Load a checkpoint into `cls(args, head)`.
+
+    For `head="value"` the `score` weight comes from a `*ForTokenClassification` /
+    `*ForSequenceClassification` checkpoint (a missing `score.bias` is zero); a causal-LM
+    checkpoint has no head, which then starts at zero (the critic first predicts 0).
+    """
+    args = load_model_args(path)
+    with torch.device("meta"):
+        model = cls(args, head=head)
+    model.to_empty(device=device)
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, tensor in iter_hf_tensors(path):
+        if name not in params:
+            if name == "lm_head.weight" and (head == "value" or args.tie_word_embeddings):
+                continue  # a value model drops the LM head; a tied model re-uses the embedding
+            raise ValueError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not have")
+        p = params[name]
+        if name == "score.weight" and tensor.shape[0] != 1:
+            raise ValueError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head needs 1")
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(dtype))
+        seen.add(name)
+    missing = set(params) - seen
+    if head == "value":
+        # SequenceClassification heads have no bias; causal-LM checkpoints have no head at all.
+        for name in ("score.bias", "score.weight") if "score.weight" in missing else ("score.bias",):
+            if name in missing:
+                with torch.no_grad():
+                    params[name].zero_()
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} lacks tensors: {sorted(missing)[:8]}")
+    model.reset_buffers()
+    return model
+
+
+def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**30):
+    """Write `config.json` and safetensors (sharded with an index above `max_shard_size` bytes).
+
+    `state_dict` defaults to the model's own; pass a gathered full state dict for a sharded
+    model. Files are written under a temporary name and renamed, so an interrupted save
+    never leaves a half-written weight file under the final name.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    args: ModelArgs = model.args
+    if model.head == "value":
+        arch = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification"}[args.model_type]
+    else:
+        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[args.model_type]
+    hf_config = args.to_hf_config(architecture=arch)
+    if model.head == "value":
+        hf_config.num_labels = 1
+    sd = state_dict if state_dict is not None else model.state_dict()
+    tensors = {meshppo_key_to_hf(k): v.detach().contiguous().cpu() for k, v in sd.items()}
+
+    shards, current, size = [], {}, 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if current and size + nbytes > max_shard_size:
+            shards.append(current)
+            current, size = {}, 0
+        current[k] = v
+        size += nbytes
+    shards.append(current)
+
+    for old in list(path.glob("*.safetensors")) + [path / SAFE_INDEX]:
+        if old.exists():
+            old.unlink()
+    if len(shards) == 1:
+        names = [SAFE_SINGLE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        tmp = path / (name + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / name)
+    if len(shards) > 1:
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        with open(path / SAFE_INDEX, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config.save_pretrained(str(path))

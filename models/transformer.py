@@ -1,0 +1,241 @@
+"""A decoder-only transformer for the Llama and Qwen2 families.
+
+A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
+applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
+without the leading `model.` (`layers.0.self_attn.q_proj.weight`), which keeps checkpoint
+conversion a prefix change. q/k/v and gate/up stay separate parameters on purpose: each
+FSDP chunk range of one of them is then exactly one TP shard (DESIGN.md §5).
+
+Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.args import ModelArgs
+from models.attention import attention_packed, attention_padded
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as Hugging Face does: this
+        # ordering is what makes bf16 logits agree with checkpoints trained there.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
+    """Inverse frequencies [D/2] for `rope_theta` with `rope_scaling` none / linear / llama3."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    rs = args.rope_scaling or {}
+    if args.rope_type == "linear":
+        inv_freq = inv_freq / float(rs["factor"])
+    elif args.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [..., D] for integer positions [...], computed in float32 then cast."""
+    with torch.autocast(device_type=position_ids.device.type, enabled=False):
+        freqs = position_ids.float()[..., None] * inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D]; cos/sin [..., D] broadcast over heads (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.scale = d ** -0.5
+
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cu_seqlens is not None:
+            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale)
+        else:
+            out = attention_padded(q, k, v, attention_mask, self.scale)
+        return self.o_proj(out.reshape(*shape, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, m = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, m, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(h, m, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(m, h, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor, device=None) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int32, device=device)
+    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def position_ids_from_lengths(lengths: list[int], device=None) -> torch.Tensor:
+    return torch.cat([torch.arange(n, device=device) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM (`head="lm"`, logits) or value model (`head="value"`, one scalar per token).
+
+    Forward layouts:
+      padded: `input_ids [B, S]`, optional `attention_mask [B, S]` (left or right padding) and
+              `position_ids [B, S]` (default: count of real tokens before each position)
+      packed: `input_ids [T]` or `[1, T]`, `cu_seqlens [N+1]` (int32), `position_ids` like the
+              input (default: restart at 0 in each sequence)
+    Returns logits `[..., V]` (lm) or values `[...]` (value).
+    """
+
+    def __init__(self, args: ModelArgs, head: str = "lm"):
+        super().__init__()
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        self.args, self.head = args, head
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if head == "value":
+            self.score = nn.Linear(args.hidden_size, 1, bias=True)
+        elif not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    # ------------------------------------------------------------- construction
+    @classmethod
+    def build(cls, args: ModelArgs, head: str = "lm", device="cpu", dtype=torch.float32, seed: int | None = None):
+        """Build on the meta device, then materialise on `device` with random init."""
+        with torch.device("meta"):
+            model = cls(args, head=head)
+        model.to_empty(device=device)
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.init_weights()
+        return model.to(dtype)
+
+    def init_weights(self):
+        std = self.args.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.reset_parameters()
+        self.reset_buffers()
+
+    def reset_buffers(self):
+        """Recompute non-persistent buffers (they are garbage after `to_empty`)."""
+        self.inv_freq = rope_inv_freq(self.args, device=self.embed_tokens.weight.device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu", head: str = "lm"):
+        from models.checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device, head=head)
+
+    def save_pretrained(self, path, state_dict=None, max_shard_size: int = 5 * 2**30):
+        from models.checkpoint import save_pretrained
+
+        save_pretrained(self, path, state_dict=state_dict, max_shard_size=max_shard_size)
+
+    # ------------------------------------------------------------- forward
+    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        """Final-normed hidden states `[..., H]` (see the class docstring for layouts)."""
+        packed = cu_seqlens is not None
+        if packed:
+            squeeze = input_ids.dim() == 2
+            input_ids = input_ids.reshape(-1)
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1])
+            if position_ids is None:
+                position_ids = position_ids_from_lengths(lengths.tolist(), device=input_ids.device)
+                if position_ids.numel() < input_ids.numel():
+                    position_ids = F.pad(position_ids, (0, input_ids.numel() - position_ids.numel()))
+            position_ids = position_ids.reshape(-1)
+            if max_seqlen is None:
+                max_seqlen = int(lengths.max()) if lengths.numel() else 0
+        elif position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen)
+        x = self.norm(x)
+        if packed and squeeze:
+            x = x.unsqueeze(0)
+        return x
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
+        if self.head == "value":
+            return self.score(h).squeeze(-1)
+        if self.args.tie_word_embeddings:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)

@@ -1,0 +1,67 @@
+"""Run a function on N CPU processes with the gloo backend (multi-rank tests).
+
+    def _body(rank, world_size, tmp):      # module-level so it pickles
+        ...assertions...
+
+    def test_something(tmp_path):
+        run_distributed(_body, 2, str(tmp_path))
+
+Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set and a
+default process group initialised; a failure on any rank fails the test with that rank's
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errors):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, tb = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"processes exited abnormally (rank, exitcode): {bad}")

@@ -1,0 +1,143 @@
+"""meshppo's transformer against `transformers` on tiny random checkpoints (float32)."""
+
+import pytest
+import torch
+
+from models import ModelArgs, Transformer, cu_seqlens_from_lengths
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+
+
+def _hf_model(kind: str, **overrides):
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common.update(overrides)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(tie_word_embeddings=True, **common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(tie_word_embeddings=False, **common)
+        cls = transformers.LlamaForCausalLM
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases; give them values so the test sees them
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+ROPE_VARIANTS = [
+    ("qwen2", {}),
+    ("llama", {}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+]
+
+
+def _save(hf, tmp_path):
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("kind,overrides", ROPE_VARIANTS)
+def test_padded_logits_match_hf(tmp_path, kind, overrides):
+    hf = _hf_model(kind, **overrides)
+    if "rope_scaling" in overrides:  # transformers v5 keeps scaling in rope_parameters
+        rp = dict(overrides["rope_scaling"], rope_theta=10000.0)
+        hf.config.rope_parameters = rp
+        hf = type(hf)(hf.config).eval()
+    ours = Transformer.from_pretrained(_save(hf, tmp_path), dtype=torch.float32)
+    if "rope_scaling" in overrides:
+        assert ours.args.rope_type == overrides["rope_scaling"]["rope_type"]
+    torch.manual_seed(1)
+    ids = torch.randint(0, 97, (3, 40))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # left padding
+    mask[1, :15] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, position_ids=pos, attention_mask=mask)
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_packed_logits_match_hf_per_sequence(tmp_path, kind):
+    hf = _hf_model(kind)
+    ours = Transformer.from_pretrained(_save(hf, tmp_path))
+    torch.manual_seed(2)
+    lengths = [5, 17, 1, 30]
+    seqs = [torch.randint(0, 97, (n,)) for n in lengths]
+    packed = torch.cat(seqs)[None]
+    cu = cu_seqlens_from_lengths(lengths)
+    with torch.no_grad():
+        got = ours(packed, cu_seqlens=cu)[0]
+        for i, s in enumerate(seqs):
+            ref = hf(input_ids=s[None]).logits[0]
+            assert (got[cu[i]:cu[i + 1]] - ref).abs().max().item() <= TOL
+
+
+def test_save_load_round_trip_exact(tmp_path):
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, model_type="qwen2",
+                     attention_bias=True, tie_word_embeddings=False)
+    model = Transformer.build(args, seed=3)
+    # A tiny shard size forces the sharded-with-index layout.
+    model.save_pretrained(tmp_path / "m", max_shard_size=20_000)
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    again = Transformer.from_pretrained(tmp_path / "m")
+    sd1, sd2 = model.state_dict(), again.state_dict()
+    assert sd1.keys() == sd2.keys()
+    for k in sd1:
+        assert torch.equal(sd1[k], sd2[k]), k
+    # and transformers reads it back with the same logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - model(ids)).abs().max().item() <= TOL
+
+
+def test_value_model_from_token_classification(tmp_path):
+    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, num_labels=1)
+    torch.manual_seed(4)
+    hf = transformers.Qwen2ForTokenClassification(cfg).eval()
+    with torch.no_grad():
+        hf.score.bias.fill_(0.37)
+    hf.save_pretrained(tmp_path / "v")
+    critic = Transformer.from_pretrained(tmp_path / "v", head="value")
+    ids = torch.randint(0, 40, (2, 7))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[..., 0]
+        got = critic(ids)
+    assert got.shape == (2, 7)
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_value_model_from_causal_lm_starts_at_zero(tmp_path):
+    hf = _hf_model("qwen2")
+    critic = Transformer.from_pretrained(_save(hf, tmp_path), head="value")
+    with torch.no_grad():
+        assert torch.equal(critic(torch.randint(0, 97, (2, 5))), torch.zeros(2, 5))
+
+
+def test_meta_build_never_allocates_full_model_on_cpu(tmp_path):
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        m = Transformer(args)
+    assert all(p.is_meta for p in m.parameters())
+
+
+def test_bad_checkpoint_dir_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Transformer.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Transformer.from_pretrained(tmp_path / "empty")
