@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from models.args import ModelArgs
 from models.attention import attention_packed, attention_padded
+from models.lm_head import chunked_token_logprobs
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +135,18 @@ def position_ids_from_lengths(lengths: list[int], device=None) -> torch.Tensor:
     return torch.cat([torch.arange(n, device=device) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
 
 
+class LMHead(nn.Linear):
+    """The output projection. Called with `labels` it returns per-token log-probs (and
+    entropy) without materialising full logits; being a module call keeps FSDP's
+    all-gather hooks in charge of the weight."""
+
+    def forward(self, h, labels=None, temperature: float = 1.0, with_entropy: bool = False,
+                chunk_size: int = 2048):
+        if labels is None:
+            return super().forward(h)
+        return chunked_token_logprobs(h, self.weight, labels, temperature, chunk_size, with_entropy)
+
+
 class Transformer(nn.Module):
     """Decoder-only LM (`head="lm"`, logits) or value model (`head="value"`, one scalar per token).
 
@@ -142,7 +155,10 @@ class Transformer(nn.Module):
               `position_ids [B, S]` (default: count of real tokens before each position)
       packed: `input_ids [T]` or `[1, T]`, `cu_seqlens [N+1]` (int32), `position_ids` like the
               input (default: restart at 0 in each sequence)
-    Returns logits `[..., V]` (lm) or values `[...]` (value).
+    Returns logits `[..., V]` (lm) or values `[...]` (value). With `labels` (same shape as
+    the input: the token each position should predict) an LM returns `(logprobs, entropy)`
+    per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
+    unless `with_entropy`.
     """
 
     def __init__(self, args: ModelArgs, head: str = "lm"):
@@ -156,7 +172,7 @@ class Transformer(nn.Module):
         if head == "value":
             self.score = nn.Linear(args.hidden_size, 1, bias=True)
         elif not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     # ------------------------------------------------------------- construction
@@ -232,10 +248,13 @@ class Transformer(nn.Module):
             x = x.unsqueeze(0)
         return x
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048):
         h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if self.head == "value":
             return self.score(h).squeeze(-1)
-        if self.args.tie_word_embeddings:
+        if not self.args.tie_word_embeddings:
+            return self.lm_head(h, labels, temperature, with_entropy, chunk_size)
+        if labels is None:
             return F.linear(h, self.embed_tokens.weight)
-        return self.lm_head(h)
+        return chunked_token_logprobs(h, self.embed_tokens.weight, labels, temperature, chunk_size, with_entropy)

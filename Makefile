@@ -1,0 +1,34 @@
+# meshppo tasks. `make demo` and `make test` are the two commands of the README's quick start.
+PYTHON ?= python3
+NPROC ?= 2
+DEMO_DIR ?= runs/demo_assets
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-gpu lint bench-gpu plot
+
+install:  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -r requirements.txt triton pyflakes
+
+demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks
+	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR)
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml $(ARGS)
+	$(PYTHON) -m tools.plot runs/demo
+
+test: install  ## the whole CPU test suite (what CI runs)
+	$(PYTHON) -m pytest tests -ra -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-gpu:  ## GPU-only tests (need CUDA)
+	$(PYTHON) -m pytest tests/gpu -ra -q
+
+lint:  ## static checks
+	$(PYTHON) -m pyflakes train_ppo.py models sharding rollout kl ppo data rewards bench tools tests
+
+bench-gpu:  ## the GPU benchmarks (one H200): rollout, reshard, training MFU, end-to-end step
+	$(PYTHON) bench/rollout.py --quick
+	$(PYTHON) bench/reshard.py
+	$(PYTHON) bench/train.py
+	$(PYTHON) bench/ppo_step.py
+
+plot:  ## PNG plots of a run: make plot RUN=runs/demo
+	$(PYTHON) -m tools.plot $(RUN)

@@ -1,0 +1,409 @@
+"""Prompt datasets in verl's format, and the loader that batches them for PPO.
+
+A row is one JSON object (a `.jsonl`/`.json` line or a `.parquet` row)::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],      # or a plain string
+     "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0}}
+
+`RLHFDataset` validates and tokenizes every row once, at construction, so that a bad
+row fails before the first GPU minute is spent, with the file and row number in the
+message. `PromptDataLoader` yields lists of items in a seeded per-epoch order and can be
+checkpointed and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row cannot be used; the message names the file and row."""
+
+
+def _load_pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise DatasetError(
+            "reading or writing .parquet files needs pyarrow: `pip install pyarrow` "
+            "(or convert the data to .jsonl)"
+        ) from err
+    return pq
+
+
+def _file_kind(path: str) -> str:
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith(".jsonl") or lower.endswith(".json"):
+        return "json"
+    raise DatasetError(f"{path}: unsupported file type; expected .jsonl, .json or .parquet")
+
+
+def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
+    """Read a `.jsonl`/`.json` (one object per line) or `.parquet` file.
+
+    Returns `(row_number, row)` pairs with 1-based row numbers: the line number for
+    JSON files, the row position for parquet. Blank lines at the end of a JSON file are
+    ignored; a blank line anywhere else, a malformed line or a value that is not an
+    object raises `DatasetError` naming `path:row`.
+    """
+    path = os.fspath(path)
+    kind = _file_kind(path)
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: dataset file not found")
+    if kind == "parquet":
+        pq = _load_pyarrow_parquet()
+        rows = pq.read_table(path).to_pylist()
+        return [(i + 1, row) for i, row in enumerate(rows)]
+
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise DatasetError(f"{path}:{lineno}: empty row (blank line)")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{path}:{lineno}: malformed JSON: {err.msg} at column {err.colno}") from err
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        records.append((lineno, row))
+    return records
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike) -> str:
+    """Write rows as JSON lines (UTF-8, one object per line); returns the path."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_records(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> str:
+    """Write rows to `.jsonl`/`.json` (JSON lines) or `.parquet`, chosen by extension."""
+    path = os.fspath(path)
+    if _file_kind(path) == "json":
+        return write_jsonl(rows, path)
+    pq = _load_pyarrow_parquet()
+    import pyarrow as pa
+
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    return path
+
+
+def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
+    if not messages:
+        raise DatasetError(f"{where}: field '{prompt_key}' is an empty message list")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DatasetError(
+                f"{where}: field '{prompt_key}' message {j} must be an object with 'role' and "
+                f"'content', got {type(message).__name__}"
+            )
+        for key in ("role", "content"):
+            if key not in message:
+                raise DatasetError(f"{where}: field '{prompt_key}' message {j} has no '{key}'")
+            if not isinstance(message[key], str):
+                raise DatasetError(
+                    f"{where}: field '{prompt_key}' message {j} '{key}' must be a string, "
+                    f"got {type(message[key]).__name__}"
+                )
+
+
+def _ground_truth(row: dict[str, Any], where: str) -> str | None:
+    reward_model = row.get("reward_model")
+    if reward_model is None:
+        return None
+    if not isinstance(reward_model, dict):
+        raise DatasetError(
+            f"{where}: field 'reward_model' must be an object, got {type(reward_model).__name__}"
+        )
+    value = reward_model.get("ground_truth")
+    if value is None or isinstance(value, str):
+        return value
+    # Numeric answers written by other tools are still answers; compare them as text. An
+    # integral float is written as an integer, since pandas turns int columns with a gap
+    # into floats and "72.0" would never match a model's "72".
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(
+        f"{where}: field 'reward_model.ground_truth' must be a string or a number, "
+        f"got {type(value).__name__}"
+    )
+
+
+class RLHFDataset:
+    """Prompts for RL, read from local files in verl's row format and tokenized once.
+
+    Args:
+        files: one path or a list of paths (`.jsonl`, `.json` with one object per line,
+            `.parquet`); rows are concatenated in order.
+        tokenizer: a Hugging Face tokenizer.
+        prompt_key: the row field holding the prompt: a string (tokenized as is, with the
+            tokenizer's own special tokens such as a Llama BOS) or a list of chat messages
+            `{"role", "content"}` (rendered with the tokenizer's chat template and the
+            generation prompt, then tokenized without adding special tokens, because the
+            template already contains them).
+        max_prompt_length: longest prompt in tokens.
+        filter_overlong_prompts: drop longer prompts (counted in `num_filtered`) instead of
+            applying `truncation`.
+        truncation: for overlong prompts that are not filtered: `"error"` raises, `"left"`
+            keeps the last `max_prompt_length` tokens, `"right"` the first.
+        apply_chat_template: when False, chat prompts are not templated: the message
+            contents are joined with newlines and tokenized as text (for base models
+            without a chat template).
+
+    Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
+    `data_source`, `ground_truth` (str or None), `extra_info` (dict) and `index`
+    (the item's position in this dataset).
+    """
+
+    def __init__(
+        self,
+        files: list[str] | str,
+        tokenizer,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        apply_chat_template: bool = True,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
+        if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        self.files = [os.fspath(f) for f in files]
+        if not self.files:
+            raise DatasetError("no dataset files given")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.num_filtered = 0
+        self._items: list[dict[str, Any]] = []
+        for path in self.files:
+            self._load_file(path)
+        if self.num_filtered:
+            logger.warning(
+                "filtered %d prompt(s) longer than max_prompt_length=%d tokens from %s",
+                self.num_filtered, max_prompt_length, ", ".join(self.files),
+            )
+        if not self._items:
+            detail = (
+                f" ({self.num_filtered} row(s) filtered as longer than max_prompt_length="
+                f"{max_prompt_length}; raise it or set filter_overlong_prompts=False)"
+                if self.num_filtered else ""
+            )
+            raise DatasetError(f"{', '.join(self.files)}: dataset is empty{detail}")
+
+    def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
+        """Returns the prompt's text and whether it came from a chat template."""
+        key = self.prompt_key
+        if isinstance(prompt, str):
+            return prompt, False
+        if not isinstance(prompt, list):
+            raise DatasetError(
+                f"{where}: field '{key}' must be a string or a list of chat messages, "
+                f"got {type(prompt).__name__}"
+            )
+        _validate_messages(prompt, where, key)
+        if not self.apply_chat_template:
+            return "\n".join(m["content"] for m in prompt), False
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DatasetError(
+                f"{where}: field '{key}' is a list of chat messages but the tokenizer has no "
+                "chat template; use text prompts, set data.apply_chat_template=False, or use a "
+                "tokenizer with a `chat_template`"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            raise DatasetError(f"{where}: the chat template failed on field '{key}': {err}") from err
+        return text, True
+
+    def _load_file(self, path: str) -> None:
+        parsed = []
+        for rownum, row in read_records(path):
+            where = f"{path}:{rownum}"
+            if not row:
+                raise DatasetError(f"{where}: empty row")
+            if self.prompt_key not in row or row[self.prompt_key] is None:
+                raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
+            prompt = row[self.prompt_key]
+            text, templated = self._prompt_text(prompt, where)
+            data_source = row.get("data_source")
+            if data_source is not None and not isinstance(data_source, str):
+                raise DatasetError(
+                    f"{where}: field 'data_source' must be a string, got {type(data_source).__name__}"
+                )
+            extra_info = row.get("extra_info")
+            if extra_info is None:
+                extra_info = {}
+            elif not isinstance(extra_info, dict):
+                raise DatasetError(
+                    f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
+                )
+            parsed.append((where, prompt, text, templated, data_source, _ground_truth(row, where), extra_info))
+
+        # One batched call per kind is much faster than a call per row with fast tokenizers.
+        ids_by_row: list[list[int] | None] = [None] * len(parsed)
+        for templated in (True, False):
+            positions = [i for i, p in enumerate(parsed) if p[3] is templated]
+            if positions:
+                encoded = self.tokenizer(
+                    [parsed[i][2] for i in positions], add_special_tokens=not templated
+                )["input_ids"]
+                for i, ids in zip(positions, encoded):
+                    ids_by_row[i] = list(ids)
+
+        limit = self.max_prompt_length
+        for (where, prompt, text, _, data_source, ground_truth, extra_info), ids in zip(parsed, ids_by_row):
+            if len(ids) > limit:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation == "error":
+                    raise DatasetError(
+                        f"{where}: prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
+                        "set filter_overlong_prompts=True or truncation='left'/'right'"
+                    )
+                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+            self._items.append({
+                "input_ids": ids,
+                "raw_prompt": prompt,
+                "prompt_text": text,
+                "data_source": data_source,
+                "ground_truth": ground_truth,
+                "extra_info": extra_info,
+                "index": len(self._items),
+            })
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self._items[i]
+        # A copy, so that a caller editing a batch cannot corrupt later epochs.
+        return {**item, "input_ids": list(item["input_ids"])}
+
+
+class PromptDataLoader:
+    """Batches of dataset items in a seeded order, resumable to the exact next batch.
+
+    Epoch `e` visits the items in `torch.randperm(len(dataset))` drawn from a generator
+    seeded with `seed + e` (or in order when `shuffle=False`), so the order depends only
+    on `(seed, epoch)` and a resumed run needs nothing but `{"epoch", "position"}`.
+
+    `next_batch()` returns the next batch and rolls over to the next epoch as needed
+    (the trainer's loop); iterating over the loader yields the rest of the current epoch.
+    """
+
+    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True) -> None:
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if batch_size > len(dataset):
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the dataset ({len(dataset)} prompts); "
+                "lower data.train_batch_size or add prompts"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self._epoch = 0
+        self._position = 0
+        self._order: list[int] | None = None
+        self._order_epoch = -1
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self._epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + self._epoch)
+                self._order = torch.randperm(n, generator=generator).tolist()
+            else:
+                self._order = list(range(n))
+            self._order_epoch = self._epoch
+        return self._order
+
+    def _has_batch(self) -> bool:
+        remaining = len(self.dataset) - self._position
+        return remaining >= self.batch_size or (remaining > 0 and not self.drop_last)
+
+    def next_batch(self) -> list[dict[str, Any]]:
+        """The next batch of items, starting a new epoch when the current one is done."""
+        if not self._has_batch():
+            self._epoch += 1
+            self._position = 0
+        order = self._epoch_order()
+        end = min(self._position + self.batch_size, len(order))
+        batch = [self.dataset[i] for i in order[self._position:end]]
+        self._position = end
+        # Advance eagerly so that a checkpoint taken after the last batch of an epoch
+        # already points at the next epoch, and `__iter__` knows where the epoch ends.
+        if not self._has_batch():
+            self._epoch += 1
+            self._position = 0
+        return batch
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        """Yields the remaining batches of the current epoch."""
+        epoch = self._epoch
+        while self._epoch == epoch:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """`{"epoch", "position"}`: where the next batch starts."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume so that `next_batch()` returns the batch an uninterrupted run would."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.dataset):
+            raise ValueError(
+                f"invalid loader state {state}: epoch must be >= 0 and position within "
+                f"[0, {len(self.dataset)}] (the dataset size)"
+            )
+        self._epoch = epoch
+        self._position = position

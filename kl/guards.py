@@ -1,0 +1,189 @@
+"""KL guards: watch the policy's KL to the reference and decide how to react.
+
+A run whose KL to the reference grows out of control is usually lost a few steps later
+(reward hacking, collapsed entropy, NaN log-probs). The guard turns the per-step mean KL
+into a decision: "healthy", "warning" (above ``warn_kl``) or "exploding" (above
+``explode_kl``, or non-finite), and, once a level has persisted for ``patience``
+consecutive steps, the configured action. It is pure bookkeeping: the trainer applies the
+action (multiply the KL coefficient, lower the learning rate, reload the last checkpoint,
+stop), which keeps this module free of optimisers, models and ``torch.distributed``.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KL_GUARD_ACTIONS", "GUARD_STATUSES", "KLGuardConfig", "GuardDecision", "KLGuard"]
+
+KL_GUARD_ACTIONS: tuple[str, ...] = ("warn", "raise_coef", "lower_lr", "rollback", "stop")
+"""What the trainer may do when a threshold is crossed: only log ("warn"), multiply the KL
+coefficient ("raise_coef"), multiply the learning rate ("lower_lr"), reload the last
+checkpoint ("rollback") or end training ("stop")."""
+
+GUARD_STATUSES: tuple[str, ...] = ("healthy", "warning", "exploding")
+
+
+@dataclass
+class KLGuardConfig:
+    """Thresholds and reactions of the KL guard (``algorithm.kl_guard`` in the config)."""
+
+    enable: bool = field(default=True, metadata={"help": "Check the KL every step and report actions."})
+    warn_kl: float = field(
+        default=0.02, metadata={"help": "Mean per-token KL above which the step is a 'warning'."}
+    )
+    explode_kl: float = field(
+        default=0.05, metadata={"help": "Mean per-token KL above which the step is 'exploding' (> warn_kl)."}
+    )
+    warn_action: str = field(
+        default="warn", metadata={"help": f"Reaction to a persistent warning, one of {list(KL_GUARD_ACTIONS)}."}
+    )
+    explode_action: str = field(
+        default="raise_coef",
+        metadata={"help": f"Reaction to a persistent explosion, one of {list(KL_GUARD_ACTIONS)}."},
+    )
+    coef_multiplier: float = field(
+        default=2.0, metadata={"help": "Factor (> 1) applied to the KL coefficient by 'raise_coef'."}
+    )
+    lr_multiplier: float = field(
+        default=0.5, metadata={"help": "Factor in (0, 1) applied to the learning rate by 'lower_lr'."}
+    )
+    patience: int = field(
+        default=1, metadata={"help": "Consecutive steps above a threshold before its action fires (>= 1)."}
+    )
+    max_kl_coef: float = field(
+        default=1.0, metadata={"help": "Upper bound on the KL coefficient that 'raise_coef' can reach."}
+    )
+
+    def __post_init__(self):
+        for name in ("warn_kl", "explode_kl", "coef_multiplier", "lr_multiplier", "max_kl_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"KLGuardConfig.{name} must be a finite number, got {value!r}")
+        if self.warn_kl <= 0:
+            raise ValueError(f"KLGuardConfig.warn_kl must be > 0, got {self.warn_kl}")
+        if self.explode_kl <= self.warn_kl:
+            raise ValueError(
+                f"KLGuardConfig.explode_kl ({self.explode_kl}) must be greater than warn_kl ({self.warn_kl})"
+            )
+        for name in ("warn_action", "explode_action"):
+            if getattr(self, name) not in KL_GUARD_ACTIONS:
+                raise ValueError(
+                    f"KLGuardConfig.{name} must be one of {list(KL_GUARD_ACTIONS)}, got {getattr(self, name)!r}"
+                )
+        if self.coef_multiplier <= 1:
+            raise ValueError(f"KLGuardConfig.coef_multiplier must be > 1, got {self.coef_multiplier}")
+        if not 0 < self.lr_multiplier < 1:
+            raise ValueError(f"KLGuardConfig.lr_multiplier must be in (0, 1), got {self.lr_multiplier}")
+        if not isinstance(self.patience, int) or isinstance(self.patience, bool) or self.patience < 1:
+            raise ValueError(f"KLGuardConfig.patience must be an integer >= 1, got {self.patience!r}")
+        if self.max_kl_coef <= 0:
+            raise ValueError(f"KLGuardConfig.max_kl_coef must be > 0, got {self.max_kl_coef}")
+
+
+@dataclass
+class GuardDecision:
+    """The guard's verdict on one step."""
+
+    status: str
+    """One of ``GUARD_STATUSES``: the level of this step alone, before patience."""
+    action: str | None
+    """The reaction the trainer must apply now (one of ``KL_GUARD_ACTIONS``), or None while
+    the step is healthy, the level has not yet lasted ``patience`` steps, or the guard is
+    disabled."""
+    message: str
+    """Human-readable explanation, suitable for the log."""
+
+
+class KLGuard:
+    """Stateful threshold monitor over the per-step mean KL.
+
+    Counting rules:
+
+    - a step above ``explode_kl`` (or with a non-finite KL) is also above ``warn_kl``, so it
+      advances both the exploding and the warning counters; a warning step resets the
+      exploding counter; a healthy step resets both;
+    - when a counter reaches ``patience`` its action fires (the exploding action wins) and
+      that counter restarts, so a condition that persists fires again every ``patience``
+      steps (with ``raise_coef`` the coefficient keeps growing, up to ``max_kl_coef``);
+    - a non-finite KL fires the exploding action at once, whatever ``patience`` says: the
+      update that produced it must not be followed by more of the same.
+    """
+
+    def __init__(self, config: KLGuardConfig):
+        self.config = config
+        self.warn_steps = 0
+        self.explode_steps = 0
+        self.num_actions = 0
+
+    def check(self, mean_kl: float, max_kl: float | None = None) -> GuardDecision:
+        """Classify one step and return the action to take, if any.
+
+        Args:
+            mean_kl: mean per-token KL of the step (masked mean over response tokens).
+            max_kl: optional largest per-token KL of the step; reported in the message, and a
+                non-finite value marks the step as exploding.
+        """
+        cfg = self.config
+        mean_kl = float(mean_kl)
+        max_kl = None if max_kl is None else float(max_kl)
+        non_finite = not math.isfinite(mean_kl) or (max_kl is not None and not math.isfinite(max_kl))
+
+        if non_finite or mean_kl > cfg.explode_kl:
+            status = "exploding"
+        elif mean_kl > cfg.warn_kl:
+            status = "warning"
+        else:
+            status = "healthy"
+
+        detail = f"mean KL {mean_kl:.6g}" + ("" if max_kl is None else f", max KL {max_kl:.6g}")
+        if not cfg.enable:
+            return GuardDecision(status, None, f"{detail}; KL guard disabled")
+
+        if status == "healthy":
+            self.warn_steps = 0
+            self.explode_steps = 0
+            return GuardDecision(status, None, f"{detail} <= warn_kl {cfg.warn_kl}")
+
+        self.warn_steps += 1
+        self.explode_steps = self.explode_steps + 1 if status == "exploding" else 0
+
+        if status == "exploding":
+            reason = "non-finite KL" if non_finite else f"{detail} > explode_kl {cfg.explode_kl}"
+            if non_finite or self.explode_steps >= cfg.patience:
+                steps = self.explode_steps
+                self.explode_steps = 0
+                self.warn_steps = 0
+                return self._fire(status, cfg.explode_action, f"{reason} for {steps} consecutive step(s)")
+        else:
+            reason = f"{detail} > warn_kl {cfg.warn_kl}"
+        if self.warn_steps >= cfg.patience:
+            steps = self.warn_steps
+            self.warn_steps = 0
+            return self._fire(status, cfg.warn_action, f"{reason} for {steps} consecutive step(s)")
+        return GuardDecision(
+            status, None, f"{reason}; {self.warn_steps}/{cfg.patience} consecutive step(s) before reacting"
+        )
+
+    def _fire(self, status: str, action: str, reason: str) -> GuardDecision:
+        self.num_actions += 1
+        return GuardDecision(status, action, f"{reason}: action {action!r}")
+
+    def next_kl_coef(self, kl_coef: float) -> float:
+        """The coefficient after a ``raise_coef`` action: multiplied, capped at ``max_kl_coef``.
+
+        A coefficient already above the cap is left as it is (raising never lowers it), and a
+        zero coefficient stays zero: multiplying cannot create a penalty the run disabled.
+        """
+        return max(kl_coef, min(kl_coef * self.config.coef_multiplier, self.config.max_kl_coef))
+
+    def next_lr(self, lr: float) -> float:
+        """The learning rate after a ``lower_lr`` action."""
+        return lr * self.config.lr_multiplier
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"warn_steps": self.warn_steps, "explode_steps": self.explode_steps, "num_actions": self.num_actions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.warn_steps = int(state["warn_steps"])
+        self.explode_steps = int(state["explode_steps"])
+        self.num_actions = int(state["num_actions"])

@@ -1,0 +1,216 @@
+"""Typed, strictly checked configuration from YAML and dotted `key=value` overrides.
+
+Config sections are dataclasses whose fields carry a one-line help string (`opt(...)`).
+`load_config` merges a YAML file with command-line overrides and builds the dataclass tree,
+rejecting unknown keys (naming the closest valid one), values of the wrong type, values
+outside a field's `choices`, and options that verl has but meshppo does not support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import MISSING, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: printed without a traceback, exit code 2."""
+
+
+def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, unsupported=None):
+    """A config field with a one-line `help`, optional allowed `choices`, and `unsupported`:
+    a predicate on the value that marks verl settings meshppo does not implement."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "unsupported": unsupported}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls, help: str = ""):
+    """A nested config section."""
+    return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None})
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        if len(errors) == 1:
+            raise ConfigError(errors[0] + " (or null)")
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping (a config section), got {value!r}")
+        return build_dataclass(tp, value, key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, (str, int, float)) and item_tp is str:
+            value = [value]  # `trainer.logger=console` is a one-element list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads `3e-5` as a string: accept what float() accepts.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _closest(key: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def build_dataclass(cls, data: dict, prefix: str = ""):
+    """Build `cls` from a nested dict, checking every key and value."""
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in by_name:
+            all_keys = [f"{prefix}.{k}" if prefix else k for k in by_name]
+            raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys)}")
+        f = by_name[key]
+        coerced = _coerce(value, hints[key], full)
+        choices = f.metadata.get("choices")
+        if choices and coerced not in choices:
+            raise ConfigError(f"{full}: {coerced!r} is not one of {list(choices)}")
+        unsupported = f.metadata.get("unsupported")
+        if unsupported is not None and coerced is not None and unsupported(coerced):
+            raise ConfigError(f"{full}={coerced!r} is not supported by meshppo")
+        kwargs[key] = coerced
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    if "=" not in arg:
+        raise ConfigError(f"override {arg!r} must look like dotted.key=value")
+    key, raw = arg.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {arg!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {arg!r}: value is not valid YAML ({e})") from None
+    return key.split("."), value
+
+
+def merge_override(data: dict, path: list[str], value) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(cls, path=None, overrides: list[str] = ()):
+    data = read_yaml(path) if path else {}
+    for arg in overrides:
+        merge_override(data, *parse_override(arg))
+    return build_dataclass(cls, data)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_commented_yaml(cfg, indent: int = 0) -> str:
+    """The resolved config as YAML, each option followed by its help string as a comment."""
+    lines = []
+    pad = "  " * indent
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        help_ = f.metadata.get("help", "")
+        if is_dataclass(value):
+            lines.append(f"{pad}{f.name}:" + (f"  # {help_}" if help_ else ""))
+            lines.append(to_commented_yaml(value, indent + 1))
+            continue
+        dumped = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+        if dumped.endswith("\n...") or dumped.endswith("..."):
+            dumped = dumped.replace("\n...", "").removesuffix("...").strip()
+        lines.append(f"{pad}{f.name}: {dumped}" + (f"  # {help_}" if help_ else ""))
+    return "\n".join(line for line in lines if line)
+
+
+def iter_options(cls, prefix: str = ""):
+    """Yield `(dotted_key, type_name, default, help)` for every leaf option (for docs)."""
+    hints = typing.get_type_hints(cls)
+    inst = cls()
+    for f in fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if is_dataclass(hints[f.name]) or is_dataclass(getattr(inst, f.name)):
+            yield from iter_options(type(getattr(inst, f.name)), key)
+        else:
+            yield key, _type_name(hints[f.name]), getattr(inst, f.name), f.metadata.get("help", "")

@@ -1,0 +1,695 @@
+"""The RL maths of PPO for language models, as pure functions of tensors.
+
+Advantage estimators (GAE and the critic-free group estimators), the clipped policy and
+value losses, loss aggregation with global normalisation, and memory-bounded entropy /
+log-probability of logits. Names and signatures follow verl's
+``verl/trainer/ppo/core_algos.py`` so that a verl user finds what they expect; where
+meshppo deviates (empty rows, global normalisation in ``agg_loss``), the docstring says so.
+
+Shape notation: ``[B, T]`` is batch x response tokens; ``response_mask`` is 1 for real
+response tokens and 0 for padding (and for observation tokens in multi-turn rollouts).
+Masks are binary. Nothing here imports ``torch.distributed``: cross-rank counts are passed
+in by the trainer (see ``agg_loss`` and ``count_loss_units``).
+"""
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "ADV_ESTIMATORS",
+    "get_adv_estimator_fn",
+    "LOSS_AGG_MODES",
+    "agg_loss",
+    "count_loss_units",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "logprobs_from_logits",
+]
+
+GroupIndex = Sequence | np.ndarray | torch.Tensor
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` over the positions where ``mask`` is 1.
+
+    Masked-out entries are selected away rather than multiplied by zero, so padding that
+    holds inf or NaN (e.g. the log-prob of a pad token) cannot leak into the result.
+
+    Args:
+        values: ``[B, T]`` (any shape).
+        mask: same shape as ``values``, binary.
+        axis: dimension to reduce; ``None`` reduces everything to a scalar.
+    """
+    valid = torch.where(mask.bool(), values, 0.0)
+    return valid.sum() if axis is None else valid.sum(dim=axis)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is 1; 0 where the mask is empty.
+
+    Unlike verl, which divides by ``mask.sum() + 1e-8``, the division is exact; an empty
+    mask (or an empty row when ``axis`` is given) gives 0 with a finite gradient.
+    """
+    total = masked_sum(values, mask, axis)
+    bool_mask = mask.bool()
+    count = (bool_mask.sum() if axis is None else bool_mask.sum(dim=axis)).to(total.dtype)
+    return total / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions (a scalar).
+
+    With ``unbiased`` the Bessel correction ``n / (n - 1)`` is applied, which needs at least
+    two valid positions: fewer raise ``ValueError``, as in verl. That check reads the count
+    on the host, which is fine once per step (advantage whitening) but not per micro-batch.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = int(mask.bool().sum())
+        if count == 0:
+            raise ValueError("masked_var: the mask is empty; at least two elements must be 1.")
+        if count == 1:
+            raise ValueError("masked_var: the mask has a single element; the unbiased variance is undefined.")
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``values`` to zero mean and unit variance over the masked positions.
+
+    ``(values - mean) / sqrt(var + 1e-8)`` with the unbiased masked variance; with
+    ``shift_mean=False`` the mean is added back (only the scale changes). Positions outside
+    the mask are transformed too but carry no meaning.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16/fp16 inputs are computed in float32; float64 (tests) stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over the response tokens (Schulman et al. 2016,
+    https://arxiv.org/abs/1506.02438), with verl's handling of masked positions.
+
+    Backwards over ``t``::
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+
+    where ``V_next`` and ``A_next`` are those of the next *valid* token (0 after the last):
+    at a masked position neither is updated, so the recursion passes through masked
+    positions (padding, or observation tokens inside a multi-turn response) as if they were
+    absent. Returns are ``A + V`` before whitening; advantages are then whitened over the
+    mask.
+
+    Args:
+        token_level_rewards: ``[B, T]`` per-token rewards (score on the last token, minus any
+            in-reward KL penalty).
+        values: ``[B, T]`` critic values V(s_t).
+        response_mask: ``[B, T]`` binary.
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]`` in at least float32, zero outside the mask.
+    """
+    dtype = _float_dtype(values.dtype)
+    mask = response_mask.bool()
+    # torch.where, not multiplication: NaN values at padding must not enter the carry.
+    rewards = torch.where(mask, token_level_rewards.to(dtype), 0.0)
+    values = torch.where(mask, values.to(dtype), 0.0)
+    next_values = torch.zeros_like(values[:, 0])
+    last_gae_lam = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(values.shape[-1])):
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        gae_lam = delta + gamma * lam * last_gae_lam
+        next_values = torch.where(mask[:, t], values[:, t], next_values)
+        last_gae_lam = torch.where(mask[:, t], gae_lam, last_gae_lam)
+        advantages_reversed.append(last_gae_lam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = torch.where(mask, advantages + values, 0.0)
+    advantages = torch.where(mask, masked_whiten(advantages, mask), 0.0)
+    return advantages, returns
+
+
+def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels (uid strings, ints) to dense ids ``[B]`` in ``[0, G)``."""
+    if isinstance(index, torch.Tensor):
+        index = index.detach().cpu().numpy()
+    labels = np.asarray(index)
+    if labels.shape != (batch_size,):
+        raise ValueError(f"index must hold one group id per row: expected shape ({batch_size},), got {labels.shape}")
+    _, dense = np.unique(labels, return_inverse=True)
+    dense = dense.reshape(-1)
+    num_groups = int(dense.max()) + 1 if batch_size else 0
+    return torch.as_tensor(dense, dtype=torch.long, device=device), num_groups
+
+
+def _group_sums(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)
+
+
+def _group_mean_std(
+    scores: torch.Tensor, group: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group size, mean and unbiased std, with verl's convention that a group of one
+    has mean 0 and std 1 (its sample std is undefined)."""
+    counts = _group_sums(torch.ones_like(scores), group, num_groups)
+    mean = _group_sums(scores, group, num_groups) / counts
+    sq_dev = _group_sums((scores - mean[group]) ** 2, group, num_groups)
+    std = torch.sqrt(sq_dev / (counts - 1).clamp(min=1))
+    singleton = counts == 1
+    mean = torch.where(singleton, 0.0, mean)
+    std = torch.where(singleton, 1.0, std)
+    return counts[group], mean[group], std[group]
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
+    # As in verl the whole row is summed, not only its masked part: an outcome reward sits on
+    # one token, and an empty response's score must still count in its group's statistics.
+    return token_level_rewards.to(_float_dtype(token_level_rewards.dtype)).sum(dim=-1)
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's group-relative outcome advantage (Shao et al. 2024, https://arxiv.org/abs/2402.03300).
+
+    For response ``i`` with score ``s_i = sum_t r_{i,t}`` in group ``g``::
+
+        A_i = (s_i - mean_g) / (std_g + epsilon)     # norm_adv_by_std_in_grpo=True
+        A_i =  s_i - mean_g                          # False: Dr. GRPO, https://arxiv.org/abs/2503.20783
+
+    with the unbiased std; a group of size 1 uses mean 0 and std 1 (verl's convention).
+    ``A_i`` is broadcast to every valid token of the response.
+
+    Args:
+        token_level_rewards: ``[B, T]``.
+        response_mask: ``[B, T]`` binary.
+        index: ``[B]`` group id of each row (numpy array of uid strings, ints, a list or a
+            tensor); rows with equal ids are samples of the same prompt.
+        epsilon: added to the std to avoid division by zero in uniform groups.
+        norm_adv_by_std_in_grpo: divide by the group std.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
+    """
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, mean, std = _group_mean_std(scores, group, num_groups)
+    advantage = scores - mean
+    if norm_adv_by_std_in_grpo:
+        advantage = advantage / (std + epsilon)
+    advantages = torch.where(response_mask.bool(), advantage[:, None], 0.0)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Leave-One-Out outcome advantage (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
+
+    For a group of size ``n > 1``: ``A_i = s_i - (sum_{j != i} s_j) / (n - 1)``, the score
+    minus the mean of the other samples; a group of size 1 keeps its raw score (verl).
+
+    Args:
+        token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
+        epsilon: accepted so all group estimators share one signature (verl's); the
+            leave-one-out baseline divides by ``n - 1 >= 1`` and needs no epsilon.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
+    """
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    counts = _group_sums(torch.ones_like(scores), group, num_groups)[group]
+    group_totals = _group_sums(scores, group, num_groups)[group]
+    leave_one_out = scores - (group_totals - scores) / (counts - 1).clamp(min=1)
+    advantage = torch.where(counts > 1, leave_one_out, scores)
+    advantages = torch.where(response_mask.bool(), advantage[:, None], 0.0)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantage (Hu 2025, https://arxiv.org/abs/2501.03262): discounted
+    returns-to-go, whitened over the whole batch's valid tokens.
+
+    ``G_t = r_t + gamma * G_{t+1}``, with the running return reset to 0 at every masked
+    position (verl: after EOS, and between turns of a multi-turn response).
+
+    Args:
+        token_level_rewards: ``[B, T]``.
+        response_mask: ``[B, T]`` binary.
+        gamma: discount factor.
+
+    Returns:
+        ``(advantages, returns)``: whitened and raw returns, ``[B, T]``, zero outside the mask.
+    """
+    mask = response_mask.bool()
+    rewards = torch.where(mask, token_level_rewards.to(_float_dtype(token_level_rewards.dtype)), 0.0)
+    returns = torch.zeros_like(rewards)
+    running_return = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running_return = rewards[:, t] + gamma * running_return
+        returns[:, t] = running_return
+        running_return = torch.where(mask[:, t], running_return, 0.0)
+    returns = torch.where(mask, returns, 0.0)
+    advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
+
+    ``s_i - mean_g`` (mean 0 for a group of one) is broadcast over the response's valid
+    tokens and then whitened over all valid tokens of the batch, so the scale comes from
+    the batch rather than from each (small) group.
+
+    Args:
+        token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
+        epsilon: accepted so all group estimators share one signature (verl's); the batch
+            whitening uses ``masked_whiten``'s own 1e-8.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
+    """
+    mask = response_mask.bool()
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, mean, _ = _group_mean_std(scores, group, num_groups)
+    centred = torch.where(mask, (scores - mean)[:, None], 0.0)
+    advantages = torch.where(mask, masked_whiten(centred, mask), 0.0)
+    return advantages, advantages
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": compute_gae_advantage_return,
+    "grpo": compute_grpo_outcome_advantage,
+    "rloo": compute_rloo_outcome_advantage,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+}
+"""``algorithm.adv_estimator`` name -> function. The functions take different arguments
+(GAE needs values, gamma and lam; the group estimators need ``index``); the trainer passes
+each what its signature asks for."""
+
+
+def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The advantage estimator registered under ``name`` (``algorithm.adv_estimator``)."""
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator {name!r}; valid names are {list(ADV_ESTIMATORS)}.")
+    return ADV_ESTIMATORS[name]
+
+
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+"""Valid ``loss_agg_mode`` values (``actor_rollout_ref.actor.loss_agg_mode``)."""
+
+
+def _check_loss_agg_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {list(LOSS_AGG_MODES)}.")
+
+
+def count_loss_units(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """How many units ``agg_loss`` averages over in this (micro-)batch.
+
+    Tokens for ``token-mean``; non-empty sequences (rows with at least one valid token) for
+    the ``seq-mean-*`` modes. The trainer sums this over the micro-batches of a mini-batch
+    and all-reduces the sum over the data-parallel group to get ``global_num_tokens`` /
+    ``global_num_seqs``. Reads the count on the host (once per micro-batch, before the
+    forward, so it does not stall a running kernel queue).
+    """
+    _check_loss_agg_mode(loss_agg_mode)
+    mask = response_mask.bool()
+    if loss_agg_mode == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(dim=-1) > 0).sum())
+
+
+def _divide(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
+    # A zero count only happens when there is nothing to average, where total is 0 too;
+    # dividing by 1 then gives 0 instead of NaN.
+    if isinstance(count, torch.Tensor):
+        count = count.to(device=total.device, dtype=total.dtype)
+        return total / torch.where(count > 0, count, torch.ones_like(count))
+    return total / (count if count > 0 else 1.0)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_num_tokens: torch.Tensor | float | None = None,
+    global_num_seqs: torch.Tensor | float | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss matrix to the scalar to back-propagate.
+
+    Modes (``L_{i,t}`` the loss, ``m_{i,t}`` the mask, ``n_i = sum_t m_{i,t}``):
+
+    - ``token-mean``: ``sum_{i,t} m L / N_tokens`` -- every token weighs the same (DAPO).
+    - ``seq-mean-token-sum``: ``sum_i (sum_t m L) / N_seqs``.
+    - ``seq-mean-token-mean``: ``sum_i (sum_t m L / n_i) / N_seqs`` -- every sequence weighs
+      the same (the original GRPO).
+    - ``seq-mean-token-sum-norm``: ``sum_i (sum_t m L / T_max) / N_seqs`` with
+      ``T_max = loss_scale_factor`` or else ``loss_mask.shape[-1]`` (Dr. GRPO's constant
+      normaliser). verl's version omits the ``1 / N_seqs``, which makes the loss scale with
+      the micro-batch size; meshppo keeps the mean the mode's name promises.
+
+    ``N_seqs`` counts non-empty rows only: a padding row (all-zero mask) contributes
+    nothing and is not counted (verl divides by all rows, and gets NaN from empty rows in
+    ``seq-mean-token-mean``).
+
+    Normalisation contract. Without global counts, ``N_tokens`` / ``N_seqs`` are this
+    call's own counts: the plain local mean. With ``global_num_tokens`` (token-mean) or
+    ``global_num_seqs`` (seq-mean modes) -- the counts over the whole mini-batch, summed
+    over micro-batches *and* data-parallel ranks (``count_loss_units`` + all-reduce) --
+    the result is ``sum(local terms) / global_count * dp_size``. Then summing the returned
+    losses over a rank's micro-batches (no division by the number of micro-batches) and
+    averaging gradients over ``dp_size`` ranks (FSDP's reduce-scatter) yields exactly the
+    gradient of the global mean. Averaging per-micro-batch means instead (verl) weighs a
+    token of a short micro-batch more than one of a long micro-batch.
+
+    For ``seq-mean-token-sum-norm`` with dynamic micro-batches, pass a constant
+    ``loss_scale_factor`` (e.g. the configured response length): ``loss_mask.shape[-1]``
+    varies with each micro-batch's padding, and so would the gradient's weight.
+
+    Args:
+        loss_mat: ``[B, T]`` per-token loss.
+        loss_mask: ``[B, T]`` binary.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        global_num_tokens: mini-batch token count over all micro-batches and ranks.
+        global_num_seqs: mini-batch non-empty sequence count over all micro-batches and ranks.
+        dp_size: number of data-parallel ranks whose gradients are averaged.
+        loss_scale_factor: constant ``T_max`` for ``seq-mean-token-sum-norm``.
+
+    Returns:
+        A scalar tensor.
+    """
+    _check_loss_agg_mode(loss_agg_mode)
+    mask = loss_mask.bool()
+    if loss_agg_mode == "token-mean":
+        total = masked_sum(loss_mat, mask)
+        global_count, other, unit = global_num_tokens, global_num_seqs, "global_num_tokens"
+        local_count = mask.sum()
+    else:
+        token_sums = masked_sum(loss_mat, mask, axis=-1)
+        lengths = mask.sum(dim=-1)
+        if loss_agg_mode == "seq-mean-token-sum":
+            seq_losses = token_sums
+        elif loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = token_sums / torch.where(lengths > 0, lengths, 1).to(token_sums.dtype)
+        else:
+            seq_losses = token_sums / (loss_scale_factor if loss_scale_factor is not None else mask.shape[-1])
+        total = seq_losses.sum()
+        global_count, other, unit = global_num_seqs, global_num_tokens, "global_num_seqs"
+        local_count = (lengths > 0).sum()
+
+    if global_count is None:
+        if other is not None:
+            raise ValueError(f"loss_agg_mode={loss_agg_mode!r} normalises by {unit}, which was not given.")
+        if dp_size != 1:
+            raise ValueError(f"dp_size={dp_size} only applies with global normalisation; pass {unit} too.")
+        return _divide(total, local_count)
+    return _divide(total, global_count) * dp_size
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate loss with asymmetric and dual clipping.
+
+    With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and advantage ``A``::
+
+        L_clip = max(-A * r, -A * clip(r, 1 - cliprange_low, 1 + cliprange_high))   # Schulman et al. 2017
+        L      = min(L_clip, -A * clip_ratio_c)   if A < 0   else L_clip          # dual-clip, Ye et al. 2020
+
+    The asymmetric range is DAPO's "clip-higher" (https://arxiv.org/abs/2503.14476). The
+    dual clip (https://arxiv.org/abs/1912.09729) bounds the loss of a token with negative
+    advantage whose ratio has grown large, where plain PPO's ``max`` would follow ``-A r``
+    without bound; on that branch the token carries no gradient. The ``[-20, 20]`` clamp
+    keeps ``exp`` finite when the two policies disagree wildly.
+
+    Args:
+        old_log_prob: ``[B, T]`` log-probs under the rollout (behaviour) policy.
+        log_prob: ``[B, T]`` log-probs under the policy being trained (carries gradient).
+        advantages: ``[B, T]``.
+        response_mask: ``[B, T]`` binary.
+        cliprange: epsilon of PPO (``actor.clip_ratio``).
+        cliprange_low, cliprange_high: the two sides of the ratio clip; default ``cliprange``.
+        clip_ratio_c: dual-clip bound, > 1.
+        loss_agg_mode: see ``agg_loss``.
+        **agg_kwargs: forwarded to ``agg_loss`` (``global_num_tokens``, ``global_num_seqs``,
+            ``dp_size``, ``loss_scale_factor``).
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss, the fraction
+        of valid tokens where the ratio clip is active, the mean of ``old - new`` log-prob
+        (an estimate of KL(old || new)), and the fraction where the dual clip is active.
+        The three statistics are detached local masked means.
+    """
+    if cliprange_low is None:
+        cliprange_low = cliprange
+    if cliprange_high is None:
+        cliprange_high = cliprange
+    if cliprange_low is None or cliprange_high is None:
+        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high.")
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (the dual-clip bound) must be > 1.0, got {clip_ratio_c}")
+
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    negative = advantages < 0
+    pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(pg_losses.dtype), response_mask)
+        pg_clipfrac_lower = masked_mean(((clip_pg_losses1 > pg_losses3) & negative).to(pg_losses.dtype), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss (as in OpenAI baselines' ppo2 and verl).
+
+    ``0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``: the critic may not
+    gain by moving further than ``c`` from the values it had at rollout time.
+
+    Args:
+        vpreds: ``[B, T]`` values predicted by the critic being trained (carry gradient).
+        returns: ``[B, T]`` targets (from ``compute_gae_advantage_return``).
+        values: ``[B, T]`` values at rollout time.
+        response_mask: ``[B, T]`` binary.
+        cliprange_value: ``c`` (``critic.cliprange_value``).
+        loss_agg_mode, **agg_kwargs: see ``agg_loss``.
+
+    Returns:
+        ``(vf_loss, vf_clipfrac)``: the scalar loss and the detached fraction of valid tokens
+        where the clipped term is the larger one.
+    """
+    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).to(vf_losses1.dtype), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax over the last dim of ``[N, V]`` logits, one row-chunk at a time.
+
+    A plain autograd graph would keep each chunk's softmax alive until backward, i.e. the
+    whole ``[N, V]`` in float32. Here forward saves only the logits (no copy) and two floats
+    per row; backward recomputes the softmax chunk by chunk, using
+    ``dH/dx_j = p_j * (E_p[x] - x_j)``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        dtype = _float_dtype(logits.dtype)
+        num_rows = logits.shape[0]
+        lse = torch.empty(num_rows, dtype=dtype, device=logits.device)
+        mean_logit = torch.empty_like(lse)
+        for start in range(0, num_rows, chunk_size):
+            x = logits[start : start + chunk_size].to(dtype)
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            probs = (x - chunk_lse[:, None]).exp_()
+            lse[start : start + chunk_size] = chunk_lse
+            mean_logit[start : start + chunk_size] = probs.mul_(x).sum(dim=-1)
+        ctx.save_for_backward(logits, lse, mean_logit)
+        ctx.chunk_size = chunk_size
+        return lse - mean_logit
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_entropy: torch.Tensor):
+        logits, lse, mean_logit = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            x = logits[rows].to(lse.dtype)
+            probs = (x - lse[rows, None]).exp_()
+            grad = (mean_logit[rows, None] - x).mul_(probs).mul_(grad_entropy[rows, None])
+            grad_logits[rows] = grad
+        return grad_logits, None
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """``log softmax(logits)[label]`` for ``[N, V]`` logits, one row-chunk at a time.
+
+    Saves the logits (no copy), the labels and the per-row logsumexp; backward recomputes
+    the softmax chunk by chunk, using ``d log p_y / dx_j = 1[j = y] - p_j``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        dtype = _float_dtype(logits.dtype)
+        num_rows = logits.shape[0]
+        lse = torch.empty(num_rows, dtype=dtype, device=logits.device)
+        for start in range(0, num_rows, chunk_size):
+            lse[start : start + chunk_size] = torch.logsumexp(logits[start : start + chunk_size].to(dtype), dim=-1)
+        label_logits = logits.gather(-1, labels[:, None]).squeeze(-1).to(dtype)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_size = chunk_size
+        return label_logits - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprob: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            grad = (logits[rows].to(lse.dtype) - lse[rows, None]).exp_().neg_()
+            grad.scatter_add_(-1, labels[rows, None], torch.ones_like(lse[rows, None]))
+            grad_logits[rows] = grad.mul_(grad_logprob[rows, None])
+        return grad_logits, None, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Per-position entropy ``H = logsumexp(x) - sum_j softmax(x)_j x_j`` of the categorical
+    distribution given by ``logits``.
+
+    The leading dims are flattened and processed ``chunk_size`` rows at a time, in forward
+    and in backward, so the extra memory is a few ``[chunk_size, V]`` float32 temporaries,
+    never a second ``[N, V]`` tensor. Non-contiguous logits are copied once by the flatten;
+    pass contiguous ones. Supports one backward pass (not double backward).
+
+    Args:
+        logits: ``[..., V]`` in any float dtype.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``[...]`` entropy in float32 (float64 for float64 logits).
+    """
+    _check_chunk_size(chunk_size)
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _ChunkedEntropy.apply(flat, chunk_size).reshape(logits.shape[:-1])
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Per-position ``log p(label) = logits[label] - logsumexp(logits)``.
+
+    Chunked over the flattened leading dims like ``entropy_from_logits``, with the same
+    memory bound in forward and backward.
+
+    Args:
+        logits: ``[..., V]`` in any float dtype.
+        labels: ``[...]`` integer token ids.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``[...]`` log-probabilities in float32 (float64 for float64 logits).
+    """
+    _check_chunk_size(chunk_size)
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim, "
+                         f"{tuple(logits.shape[:-1])}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _ChunkedLogProbs.apply(flat, labels.reshape(-1).long(), chunk_size).reshape(labels.shape)

@@ -1,0 +1,115 @@
+"""Forward passes over (prompt, response) pairs: token log-probs, entropies and values.
+
+A micro-batch is a list of sequences `prompt + response`. Two layouts, same results:
+
+* packed (`use_remove_padding=True`): all sequences concatenated into one row with
+  `cu_seqlens`; no compute is spent on padding.
+* padded: prompts left-padded to the longest prompt, responses right-padded, so every
+  response starts at the same column.
+
+Either way the output is `[B, R]` (R = the batch's response width) holding, for response
+token j of sequence b, the quantity computed at the position that predicts it (log-prob of
+the token, entropy of that position's distribution, or the value of the state before it).
+Padding positions hold 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models import cu_seqlens_from_lengths, position_ids_from_lengths
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor          # [1, T] packed or [B, S] padded
+    labels: torch.Tensor             # same shape: the next token at each position
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+    src_index: torch.Tensor          # flat positions in the model output that predict response tokens
+    dst_row: torch.Tensor            # where each goes in the [B, R] result
+    dst_col: torch.Tensor
+    last_index: torch.Tensor         # flat position of each sequence's last token (reward models)
+    batch_size: int
+
+
+def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
+                      pad_token_id: int = 0) -> MicroBatch:
+    """Lay out `prompts[i] + responses[i]` for one forward pass."""
+    if not prompts:  # a rank with no work still runs one forward (FSDP collectives must match)
+        prompts, responses = [[pad_token_id]], [[]]
+    src, rows, cols, last = [], [], [], []
+    if packed:
+        seqs = [p + r for p, r in zip(prompts, responses)]
+        lengths = [len(s) for s in seqs]
+        flat = [t for s in seqs for t in s]
+        labels = []
+        offset = 0
+        for b, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
+            labels.extend(s[1:] + [pad_token_id])
+            start = offset + len(p) - 1
+            src.extend(range(start, start + len(r)))
+            rows.extend([b] * len(r))
+            cols.extend(range(len(r)))
+            last.append(offset + len(s) - 1)
+            offset += len(s)
+        input_ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
+        labels_t = torch.tensor(labels, dtype=torch.long, device=device)[None]
+        cu = cu_seqlens_from_lengths(lengths, device=device)
+        pos = position_ids_from_lengths(lengths, device=device)[None]
+        return MicroBatch(input_ids, labels_t, pos, None, cu, max(lengths),
+                          torch.tensor(src, dtype=torch.long, device=device),
+                          torch.tensor(rows, dtype=torch.long, device=device),
+                          torch.tensor(cols, dtype=torch.long, device=device),
+                          torch.tensor(last, dtype=torch.long, device=device), len(prompts))
+    max_p = max(len(p) for p in prompts)
+    max_r = max((len(r) for r in responses), default=0)
+    width = max_p + max_r
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        s = max_p - len(p)
+        ids[b, s:max_p + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        mask[b, s:max_p + len(r)] = 1
+        src.extend(b * width + max_p - 1 + j for j in range(len(r)))
+        rows.extend([b] * len(r))
+        cols.extend(range(len(r)))
+        last.append(b * width + max_p + len(r) - 1)
+    labels = torch.roll(ids, -1, dims=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return MicroBatch(ids.to(device), labels.to(device), pos.to(device), mask.to(device), None, None,
+                      t(src), t(rows), t(cols), t(last), len(prompts))
+
+
+def _scatter(mb: MicroBatch, flat: torch.Tensor, width: int) -> torch.Tensor:
+    out = flat.new_zeros(mb.batch_size, width)
+    return out.index_put((mb.dst_row, mb.dst_col), flat.reshape(-1)[mb.src_index])
+
+
+def _model_kwargs(mb: MicroBatch) -> dict:
+    return dict(position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+
+
+def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool):
+    """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens."""
+    logp, ent = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
+                      **_model_kwargs(mb))
+    return _scatter(mb, logp, width), (_scatter(mb, ent, width) if with_entropy else None)
+
+
+def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:
+    """Values `[B, R]` of the states before each response token (value-head model)."""
+    values = model(mb.input_ids, **_model_kwargs(mb))
+    return _scatter(mb, values.float(), width)
+
+
+def last_token_scores(model, mb: MicroBatch) -> torch.Tensor:
+    """Value-head output at each sequence's last token `[B]` (reward models)."""
+    values = model(mb.input_ids, **_model_kwargs(mb))
+    return values.float().reshape(-1)[mb.last_index]

@@ -1,0 +1,195 @@
+"""Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine, rollouts.
+
+Order matters and is the same on every rank (each step may be a collective): meshes ->
+actor -> reference -> critic -> reward model -> engine -> resharder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from models import ModelArgs, load_model_args
+from ppo.config import OptimConfig, PPOConfig
+from ppo.launch import DistContext
+from sharding.fsdp import build_fsdp_model, load_states, offload_states
+from sharding.mesh import ParallelDims, ParallelMeshes
+
+
+@dataclass
+class Models:
+    dims: ParallelDims
+    meshes: ParallelMeshes
+    actor_args: ModelArgs
+    actor: torch.nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: torch.optim.lr_scheduler.LRScheduler
+    ref: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optim: torch.optim.Optimizer | None = None
+    critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    reward_model: torch.nn.Module | None = None
+
+    @torch.no_grad()
+    def reward_scores(self, ro, rm_cfg) -> torch.Tensor:
+        """Reward-model score at each sequence's last token, `[N_local]`."""
+        from ppo.forward import build_micro_batch, last_token_scores
+        from ppo.workers import plan_micro_batches
+
+        out = torch.zeros(len(ro), device=ro.device)
+        parts = plan_micro_batches(list(range(len(ro))), ro.lengths(), rm_cfg.micro_batch_size_per_gpu,
+                                   rm_cfg.use_dynamic_bsz, rm_cfg.forward_max_token_len_per_gpu)
+        for part in parts:
+            prompts, responses = ro.select(part)
+            scores = last_token_scores(self.reward_model, build_micro_batch(prompts, responses, ro.device, True))
+            if part:
+                out[part] = scores
+        return out
+
+
+def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
+    """AdamW plus a linear warm-up followed by a constant or cosine schedule (verl's options)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
+                              foreach=True)
+    total = oc.total_training_steps if oc.total_training_steps > 0 else total_steps
+    warmup = oc.lr_warmup_steps if oc.lr_warmup_steps >= 0 else int(oc.lr_warmup_steps_ratio * total)
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if oc.warmup_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+def _compute_dtype_guard(cfg_fsdp, device: torch.device):
+    """bf16 matmuls on CPU are slow and lossy; CPU runs compute in the master dtype."""
+    if device.type == "cpu":
+        cfg_fsdp.mixed_precision.param_dtype = cfg_fsdp.model_dtype
+    return cfg_fsdp
+
+
+def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
+    arr = cfg.actor_rollout_ref
+    path = arr.model.path
+    actor_args = load_model_args(path)
+    dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
+                        tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
+    meshes = dims.build_meshes(ctx.device.type)
+    seed = cfg.trainer.seed
+    actor = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.actor.fsdp_config, ctx.device),
+                             device=ctx.device, trainable=True, seed=seed,
+                             enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+                             enable_activation_offload=arr.model.enable_activation_offload)
+    if arr.actor.use_torch_compile:
+        from sharding.compile import apply_compile
+
+        apply_compile(actor)
+    actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
+    models = Models(dims, meshes, actor_args, actor, actor_optim, actor_sched)
+    if cfg.uses_ref:
+        models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
+                                      device=ctx.device, trainable=False, seed=seed)
+    if cfg.uses_critic:
+        cm = cfg.critic.model
+        models.critic = build_fsdp_model(cm.path or path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
+                                         head="value", device=ctx.device, trainable=True, seed=seed,
+                                         enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
+                                         enable_activation_offload=cm.enable_activation_offload)
+        models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
+                                                                  ctx.device)
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        models.reward_model = build_fsdp_model(rm.path, meshes.train, _compute_dtype_guard(rm.fsdp_config, ctx.device),
+                                               head="value", device=ctx.device, trainable=False, seed=seed)
+    return models
+
+
+# ---------------------------------------------------------------------- generation
+def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
+    """meshppo's engine for `rollout.name=native` (None for the `hf` reference loop)."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "native":
+        return None
+    from rollout import EngineConfig, LLMEngine
+
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32}[r.dtype]
+    if ctx.device.type == "cpu":
+        dtype = torch.float32
+    max_len = r.max_model_len or (cfg.prompt_length + cfg.response_length)
+    ec = EngineConfig(dtype=dtype, block_size=r.block_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                      max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=max_len,
+                      enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
+                      free_cache_engine=r.free_cache_engine)
+    tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
+    return LLMEngine(models.actor_args, ec, tp_mesh=tp_mesh, device=ctx.device)
+
+
+def _all_gather_outputs(local: list, index: int, count: int) -> list:
+    """Every engine replica's outputs, in replica order (each replica's TP ranks agree)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (index, local))
+    by_replica = {}
+    for idx, outs in gathered:
+        by_replica.setdefault(idx, outs)
+    return [o for i in range(count) for o in by_replica[i]]
+
+
+def build_rollout_fn(cfg: PPOConfig, ctx: DistContext, models: Models, engine, timer) -> Callable:
+    """A function `(prompt_ids, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k)
+    -> list[RequestOutput]` over ALL prompts: each engine replica generates its slice, then all
+    outputs are shared with every rank (prompt-major, n samples per prompt)."""
+    r = cfg.actor_rollout_ref.rollout
+    dims = models.dims
+    replica = dims.rollout_dp_rank(ctx.rank)
+    fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
+
+    def slice_for(prompts):
+        n = len(prompts)
+        lo, hi = replica * n // dims.rollout_dp, (replica + 1) * n // dims.rollout_dp
+        return lo, prompts[lo:hi]
+
+    if engine is None:
+        from ppo.hf_rollout import generate_no_cache
+
+        def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
+            lo, mine = slice_for(prompts)
+            outs = generate_no_cache(models.actor, mine, n=n, max_tokens=max_tokens, eos_ids=eos_ids,
+                                     ignore_eos=ignore_eos, seed=seed + lo, temperature=temperature, top_p=top_p,
+                                     top_k=top_k, device=ctx.device, pad_token_id=0)
+            return _all_gather_outputs(outs, replica, dims.rollout_dp)
+
+        return generate
+
+    from rollout import SamplingParams
+    from sharding.resharder import Resharder
+
+    resharder = Resharder(models.actor, engine, models.meshes)
+
+    def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
+        with timer("reshard"):
+            resharder.reshard()
+        offload_states(models.actor, models.actor_optim, fsdp_cfg)
+        lo, mine = slice_for(prompts)
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            eos_token_id=list(eos_ids), ignore_eos=ignore_eos, seed=seed + replica)
+        outs = engine.generate(mine, sp) if mine else []
+        if r.free_cache_engine:
+            engine.free_cache()
+        load_states(models.actor, models.actor_optim, fsdp_cfg, ctx.device)
+        return _all_gather_outputs(outs, replica, dims.rollout_dp)
+
+    generate.resharder = resharder
+    return generate

@@ -1,0 +1,533 @@
+"""The KL-PPO trainer: one SPMD program, the same on every rank.
+
+`PPOTrainer.step` is the whole algorithm in order (DESIGN.md §3):
+
+    reshard actor -> generate -> free KV cache -> rewards -> old / ref log-probs, values
+    -> KL in reward -> advantages -> critic update -> actor update -> metrics -> checkpoint
+
+Everything else here is set-up (models, engine, data), validation, checkpoints and the
+reactions of the KL guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kl import KLGuard, get_kl_controller, kl_penalty
+from ppo.checkpointing import CheckpointManager
+from ppo.config import PPOConfig, validate
+from ppo.configlib import ConfigError
+from ppo.core_algos import get_adv_estimator_fn, masked_mean
+from ppo.launch import DistContext, init_distributed
+from ppo.rollout_data import Rollouts
+from ppo.setup import build_engine, build_models, build_rollout_fn
+from ppo.tracking import Timer, Tracking
+from ppo.workers import PolicyWorker, ValueWorker, all_reduce_sum, masked_mean_global
+
+# Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+class UserError(RuntimeError):
+    """A problem with the user's input found at run time (printed without a traceback)."""
+
+
+class StopTraining(RuntimeError):
+    """A guard or the non-finite counter asked the run to stop."""
+
+
+def _seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        validate(cfg, ctx.world_size)
+        t = cfg.trainer
+        if t.nnodes * t.n_gpus_per_node not in (ctx.world_size, 1):
+            raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but "
+                              f"the launch has {ctx.world_size} processes")
+        _seed_everything(t.seed)
+        self.device = ctx.device
+        self.run_dir = t.default_local_dir
+        self.timer = Timer(self.device)
+
+        from transformers import AutoTokenizer
+
+        from data import PromptDataLoader, RLHFDataset
+
+        tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.path
+        if not os.path.isdir(tok_path):
+            raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
+                            "actor_rollout_ref.model.path)")
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        d = cfg.data
+        ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                     filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                     apply_chat_template=d.apply_chat_template)
+        self.train_ds = RLHFDataset(d.train_files, self.tokenizer, **ds_kw)
+        self.val_ds = RLHFDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
+        if len(self.train_ds) < d.train_batch_size:
+            raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) is larger than the training set "
+                              f"({len(self.train_ds)} prompts after filtering)")
+        self.loader = PromptDataLoader(self.train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        self.models = build_models(cfg, ctx, self.total_steps)
+        arr = cfg.actor_rollout_ref
+        packed = arr.model.use_remove_padding
+        temp = arr.rollout.temperature if arr.rollout.do_sample else 1.0
+        m = self.models
+        self.actor = PolicyWorker(m.actor, m.actor_optim, m.actor_sched, packed=packed, temperature=temp,
+                                  pad_token_id=self.pad_id, device=self.device, world_size=ctx.world_size,
+                                  response_length=cfg.response_length)
+        self.ref = (PolicyWorker(m.ref, packed=packed, temperature=temp, pad_token_id=self.pad_id,
+                                 device=self.device, world_size=ctx.world_size, response_length=cfg.response_length)
+                    if m.ref is not None else None)
+        self.critic = (ValueWorker(m.critic, m.critic_optim, m.critic_sched, packed=cfg.critic.model.use_remove_padding,
+                                   pad_token_id=self.pad_id, device=self.device, world_size=ctx.world_size,
+                                   response_length=cfg.response_length)
+                       if m.critic is not None else None)
+        self.engine = build_engine(cfg, ctx, m)
+        self.generate = build_rollout_fn(cfg, ctx, m, self.engine)
+
+        from rewards import get_reward_fn
+
+        self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+        self.kl_loss_coef = arr.actor.kl_loss_coef
+        self.guard = KLGuard(cfg.algorithm.kl_guard)
+        self.global_step = 0
+        self.nonfinite_streak = 0
+        self.ckpt = CheckpointManager(self, os.path.join(self.run_dir, "checkpoints"))
+        self._stop_signal = None
+        self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
+                                 dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
+
+    # ------------------------------------------------------------------ helpers
+    def _eos_ids(self) -> list[int]:
+        ids = []
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def log(self, text: str):
+        self.tracking.message(text)
+
+    def _install_signal_handlers(self):
+        def handler(signum, frame):
+            self._stop_signal = signum
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+
+    def _agreed_stop_signal(self) -> bool:
+        """True on every rank if any rank received SIGTERM/SIGUSR1 (so all stop at the same step)."""
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ rollouts
+    def _sampling(self, validate: bool):
+        r = self.cfg.actor_rollout_ref.rollout
+        if validate:
+            v = r.val_kwargs
+            temp = v.temperature if v.do_sample else 0.0
+            return dict(n=v.n, temperature=temp, top_p=v.top_p, top_k=v.top_k)
+        temp = r.temperature if r.do_sample else 0.0
+        return dict(n=r.n, temperature=temp, top_p=r.top_p, top_k=r.top_k)
+
+    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> Rollouts:
+        """Generate for every prompt of `items` (split over rollout-DP groups), gather all
+        outputs on every rank, and return them as (not yet partitioned) rollouts."""
+        sp = self._sampling(validate)
+        outs = self.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
+                             eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
+                             seed=seed, **sp)
+        n = sp["n"]
+        prompts, responses, uids, reasons, lps = [], [], [], [], []
+        for k, o in enumerate(outs):
+            i = k // n
+            prompts.append(list(items[i]["input_ids"]))
+            responses.append(list(o.token_ids))
+            uids.append(i)
+            reasons.append(o.finish_reason)
+            lps.append(list(o.logprobs))
+        width = max((len(r) for r in responses), default=1) or 1
+        rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
+        return Rollouts(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
+                        reasons, lps, width, self.device)
+
+    def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[int]]:
+        """This rank's share of the rollouts: equal counts, balanced token totals."""
+        from ppo.batching import balanced_equal_partitions
+
+        w, r = self.ctx.world_size, self.ctx.rank
+        n = len(ro)
+        if self.cfg.trainer.balance_batch:
+            parts = balanced_equal_partitions(ro.lengths(), w)
+            idx = parts[r]
+        else:
+            idx = list(range(r * n // w, (r + 1) * n // w))
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        local = Rollouts(pick(ro.prompts), pick(ro.responses), pick(ro.uids), pick(ro.data_sources),
+                         pick(ro.ground_truths), pick(ro.extra_infos), pick(ro.finish_reasons),
+                         pick(ro.rollout_log_probs), ro.width, self.device)
+        return local, idx
+
+    def _gather_rows(self, t: torch.Tensor, idx: list[int], n_total: int) -> torch.Tensor:
+        """Rebuild the full `[N, R]` tensor from every rank's rows (placed by global index)."""
+        if self.ctx.world_size == 1:
+            full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            full[idx] = t
+            return full
+        parts = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
+        dist.all_gather(parts, t.contiguous())
+        idx_t = torch.tensor(idx, dtype=torch.long, device=t.device)
+        idx_parts = [torch.empty_like(idx_t) for _ in range(self.ctx.world_size)]
+        dist.all_gather(idx_parts, idx_t)
+        full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        for p, ix in zip(parts, idx_parts):
+            full[ix] = p
+        return full
+
+    # ------------------------------------------------------------------ rewards
+    def _score(self, ro: Rollouts) -> tuple[torch.Tensor, dict]:
+        """Scores `[N_local]` from the rule / custom function or the reward model. A failing reward
+        function fails every rank together (an error on one rank would otherwise hang the rest)."""
+        from rewards import RewardError, score_responses
+
+        texts = self.tokenizer.batch_decode(ro.responses, skip_special_tokens=True)
+        err, scores, extras = None, None, {}
+        rm_cfg = self.cfg.reward_model
+        use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
+        if use_rule:
+            try:
+                scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
+                                                 ro.extra_infos)
+            except RewardError as e:
+                err = str(e)
+        failed = torch.tensor([1.0 if err else 0.0], device=self.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise UserError(err or "the reward function failed on another rank (see its log)")
+        out = torch.tensor(scores if scores is not None else [0.0] * len(ro), dtype=torch.float32,
+                           device=self.device)
+        if rm_cfg.enable:
+            out = out + self.models.reward_scores(ro, rm_cfg)
+        return out, extras
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> dict:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        timer, metrics = self.timer, {}
+        items = self.loader.next_batch()
+        with timer("step"):
+            with timer("gen"):
+                full = self._generate_all(items, validate=False,
+                                          seed=cfg.trainer.seed * 1_000_003 + self.global_step)
+            ro, idx = self._partition(full)
+            n_total = len(full)
+            mask = ro.response_mask
+            with timer("reward"):
+                scores, extras = self._score(ro)
+            token_scores = torch.zeros(len(ro), ro.width, device=self.device)
+            last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
+            token_scores[torch.arange(len(ro), device=self.device), last] = scores
+            ro.tensors["token_level_scores"] = token_scores
+
+            lp = arr.rollout
+            with timer("old_log_prob"):
+                micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+                old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
+                                                       lp.log_prob_max_token_len_per_gpu, with_entropy=True)
+                ro.tensors["old_log_probs"] = old
+                metrics["actor/entropy"] = masked_mean_global(ent, mask, self.device)
+                if lp.calculate_log_probs:
+                    rl = torch.zeros_like(old)
+                    for i, r in enumerate(ro.rollout_log_probs):
+                        rl[i, :len(r)] = torch.tensor(r, device=self.device)
+                    metrics["rollout/logprob_diff"] = masked_mean_global((rl - old).abs(), mask, self.device)
+            if self.ref is not None:
+                rc = arr.ref
+                with timer("ref"):
+                    ref, _ = self.ref.compute_log_prob(
+                        ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
+                        rc.log_prob_max_token_len_per_gpu)
+                ro.tensors["ref_log_probs"] = ref
+                metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask, self.device)
+            if self.critic is not None:
+                cc = cfg.critic
+                with timer("values"):
+                    ro.tensors["values"] = self.critic.compute_values(
+                        ro, cc.forward_micro_batch_size_per_gpu or cc.ppo_micro_batch_size_per_gpu
+                        or arr.actor.ppo_micro_batch_size_per_gpu,
+                        cc.use_dynamic_bsz, cc.forward_max_token_len_per_gpu)
+
+            with timer("adv"):
+                rewards = token_scores
+                if cfg.algorithm.use_kl_in_reward:
+                    kld = kl_penalty(old, ro.tensors["ref_log_probs"], cfg.algorithm.kl_penalty) * mask
+                    beta = self.kl_ctrl.value
+                    rewards = token_scores - beta * kld
+                    current_kl = masked_mean_global(kld, mask, self.device)
+                    self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
+                    metrics.update({"critic/kl": current_kl, "critic/kl_coef": beta})
+                ro.tensors["token_level_rewards"] = rewards
+                adv, ret = self._advantages(ro, idx, n_total)
+                ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
+
+            num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
+            if self.critic is not None:
+                cmini = cfg.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size
+                with timer("update_critic"):
+                    metrics.update(self.critic.update(ro, cfg.critic, arr.actor, cfg.data.train_batch_size // cmini,
+                                                      seed=cfg.trainer.seed + self.global_step))
+                self.critic.scheduler.step()
+            if self.global_step >= cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl_loss_coef,
+                                                     seed=cfg.trainer.seed + self.global_step))
+                self.actor.scheduler.step()
+        self.global_step += 1
+        metrics.update(self._batch_metrics(ro, scores, extras))
+        metrics.update(self.timer.pop())
+        metrics.update(self._perf_metrics(ro, metrics))
+        if arr.actor.use_kl_loss:
+            metrics["actor/kl_coef"] = self.kl_loss_coef
+        return metrics
+
+    def _advantages(self, ro: Rollouts, idx: list[int], n_total: int):
+        """Advantages over the whole batch (whitening and group baselines are batch-wide), then
+        this rank's rows."""
+        alg = self.cfg.algorithm
+        name = alg.adv_estimator
+        full_mask = self._gather_rows(ro.response_mask, idx, n_total)
+        full_rewards = self._gather_rows(ro.tensors["token_level_rewards"], idx, n_total)
+        fn = get_adv_estimator_fn(name)
+        if name == "gae":
+            full_values = self._gather_rows(ro.tensors["values"], idx, n_total)
+            adv, ret = fn(full_rewards, full_values, full_mask, alg.gamma, alg.lam)
+        elif name in ("grpo",):
+            uids = self._gather_uids(ro, idx, n_total)
+            adv, ret = fn(full_rewards, full_mask, uids, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        elif name in ("rloo", "reinforce_plus_plus_baseline"):
+            adv, ret = fn(full_rewards, full_mask, self._gather_uids(ro, idx, n_total))
+        else:  # reinforce_plus_plus
+            adv, ret = fn(full_rewards, full_mask, alg.gamma)
+        sel = torch.tensor(idx, dtype=torch.long, device=self.device)
+        return adv[sel], ret[sel]
+
+    def _gather_uids(self, ro: Rollouts, idx, n_total) -> np.ndarray:
+        u = torch.tensor(ro.uids, dtype=torch.float64, device=self.device)[:, None]
+        return self._gather_rows(u, idx, n_total)[:, 0].long().cpu().numpy()
+
+    def _batch_metrics(self, ro: Rollouts, scores: torch.Tensor, extras: dict) -> dict:
+        mask = ro.response_mask
+        dev = self.device
+        lengths = mask.sum(-1)
+        n = all_reduce_sum(float(len(ro)), dev)
+
+        def gmean(x):
+            return all_reduce_sum(float(x.sum()), dev) / max(n, 1.0)
+
+        def gextreme(x, op):
+            t = x.float().reshape(-1)
+            v = torch.tensor([float(t.max() if op == "max" else -t.min()) if t.numel() else -math.inf], device=dev)
+            if self.ctx.world_size > 1:
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            return float(v) if op == "max" else -float(v)
+
+        seq_sum = lambda name: ro.tensors[name].sum(-1)  # noqa: E731
+        m = {
+            "critic/score/mean": gmean(scores), "critic/score/max": gextreme(scores, "max"),
+            "critic/score/min": gextreme(scores, "min"),
+            "critic/rewards/mean": gmean(seq_sum("token_level_rewards")),
+            "critic/advantages/mean": masked_mean_global(ro.tensors["advantages"], mask, dev),
+            "critic/returns/mean": masked_mean_global(ro.tensors["returns"], mask, dev),
+            "response_length/mean": gmean(lengths), "response_length/max": gextreme(lengths, "max"),
+            "response_length/min": gextreme(lengths, "min"),
+            "response_length/clip_ratio": gmean(torch.tensor([1.0 if r == "length" else 0.0 for r in
+                                                              ro.finish_reasons], device=dev)),
+            "prompt_length/mean": gmean(torch.tensor([float(len(p)) for p in ro.prompts], device=dev)),
+        }
+        if "values" in ro.tensors:
+            v, ret = ro.tensors["values"], ro.tensors["returns"]
+            m["critic/values/mean"] = masked_mean_global(v, mask, dev)
+            # explained variance 1 - Var(ret - v) / Var(ret), over every rank's tokens
+            cnt = all_reduce_sum(float(mask.sum()), dev)
+            mu_r = all_reduce_sum(float((ret * mask).sum()), dev) / cnt
+            mu_d = all_reduce_sum(float(((ret - v) * mask).sum()), dev) / cnt
+            var_r = all_reduce_sum(float((((ret - mu_r) ** 2) * mask).sum()), dev) / cnt
+            var_d = all_reduce_sum(float((((ret - v - mu_d) ** 2) * mask).sum()), dev) / cnt
+            m["critic/vf_explained_var"] = 1.0 - var_d / (var_r + 1e-8)
+        for k, vals in extras.items():
+            t = torch.tensor(vals, dtype=torch.float64, device=dev)
+            ok = ~torch.isnan(t)
+            m[f"reward_extra/{k}/mean"] = all_reduce_sum(float(t[ok].sum()), dev) / max(
+                all_reduce_sum(float(ok.sum()), dev), 1.0)
+        return m
+
+    def _perf_metrics(self, ro: Rollouts, metrics: dict) -> dict:
+        dev = self.device
+        tokens = all_reduce_sum(float(sum(ro.lengths())), dev)
+        step_s = metrics.get("timing_s/step", float("nan"))
+        out = {"perf/total_num_tokens": tokens,
+               "perf/throughput": tokens / step_s / self.ctx.world_size if step_s > 0 else 0.0}
+        if dev.type == "cuda":
+            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
+            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 2**30
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            import resource
+
+            out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak = _peak_flops(dev)
+        upd = metrics.get("timing_s/update_actor")
+        if peak and upd:
+            args = self.models.actor_args
+            n_params = args.num_params()
+            attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
+            lengths = ro.lengths()
+            local_flops = sum(6 * n_params * L + attn * L * L / 2 for L in lengths)
+            flops = all_reduce_sum(local_flops, dev) * self.cfg.actor_rollout_ref.actor.ppo_epochs
+            out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict:
+        if self.val_ds is None:
+            return {}
+        from rewards import score_responses
+
+        items = [self.val_ds[i] for i in range(len(self.val_ds))]
+        bs = self.cfg.data.val_batch_size or len(items)
+        sums: dict[str, list[float]] = {}
+        with self.timer("validate"):
+            for s in range(0, len(items), bs):
+                chunk = items[s:s + bs]
+                ro = self._generate_all(chunk, validate=True, seed=self.cfg.trainer.seed)
+                texts = self.tokenizer.batch_decode(ro.responses, skip_special_tokens=True)
+                scores, _ = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths, ro.extra_infos)
+                for src, sc in zip(ro.data_sources, scores):
+                    sums.setdefault(str(src), []).append(sc)
+                if s == 0 and self.cfg.trainer.log_val_generations:
+                    for k in range(min(self.cfg.trainer.log_val_generations, len(texts))):
+                        prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
+                        self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
+        out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
+        out.update(self.timer.pop())
+        return out
+
+    # ------------------------------------------------------------------ loop
+    def _apply_guard(self, metrics: dict) -> None:
+        kl = metrics.get("actor/ref_kl", metrics.get("critic/kl"))
+        if kl is None or not self.cfg.algorithm.kl_guard.enable:
+            return
+        decision = self.guard.check(kl)
+        metrics["kl_guard/status"] = {"healthy": 0.0, "warning": 1.0, "exploding": 2.0}[decision.status]
+        if decision.action is None:
+            return
+        self.log(f"[kl_guard] step {self.global_step}: {decision.message} -> {decision.action}")
+        metrics["kl_guard/action"] = decision.action
+        if decision.action == "raise_coef":
+            if self.cfg.actor_rollout_ref.actor.use_kl_loss:
+                self.kl_loss_coef = self.guard.next_kl_coef(self.kl_loss_coef)
+            if self.cfg.algorithm.use_kl_in_reward:
+                self.kl_ctrl.value = self.guard.next_kl_coef(self.kl_ctrl.value)
+        elif decision.action == "lower_lr":
+            for worker in (self.actor, self.critic):
+                if worker is not None:
+                    worker.scheduler.base_lrs = [self.guard.next_lr(lr) for lr in worker.scheduler.base_lrs]
+                    for group in worker.optimizer.param_groups:
+                        group["lr"] = self.guard.next_lr(group["lr"])
+        elif decision.action == "rollback":
+            if not self.ckpt.rollback():
+                self.log("[kl_guard] no checkpoint to roll back to; continuing")
+        elif decision.action == "stop":
+            raise StopTraining(f"KL guard stopped the run at step {self.global_step}: {decision.message}")
+
+    def train(self) -> int:
+        t = self.cfg.trainer
+        self.ckpt.maybe_resume()
+        self._install_signal_handlers()
+        if t.val_before_train and self.global_step == 0 and self.val_ds is not None:
+            self.tracking.log(self.validate(), step=0)
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.step()
+                self._apply_guard(metrics)
+                skipped = metrics.get("actor/nonfinite_skipped", 0.0) + metrics.get("critic/nonfinite_skipped", 0.0)
+                self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+                if self.nonfinite_streak >= t.max_nonfinite_steps:
+                    raise StopTraining(f"{self.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
+                                       "norm (optimizer steps skipped); lower the learning rate or check the data")
+                last = self.global_step >= self.total_steps
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                self.tracking.log(metrics, step=self.global_step)
+                stop = self._agreed_stop_signal()
+                if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                    self.ckpt.save()
+                if stop:
+                    self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
+                             f"{self.global_step}, exiting")
+                    return 0
+            if t.export_hf_at_end:
+                self.ckpt.export_hf(os.path.join(self.run_dir, "hf_actor"))
+            return 0
+        finally:
+            self.tracking.close()
+
+
+def run(cfg: PPOConfig) -> int:
+    """Entry point used by train_ppo.py. User errors -> message on rank 0, exit code 1."""
+    from data import DatasetError
+    from rewards import RewardError
+
+    ctx = init_distributed(cfg.trainer.device)
+    try:
+        trainer = PPOTrainer(cfg, ctx)
+        return trainer.train()
+    except ConfigError as e:
+        if ctx.is_main:
+            print(f"meshppo: config error: {e}", file=sys.stderr)
+        return 2
+    except (UserError, DatasetError, RewardError, FileNotFoundError) as e:
+        if ctx.is_main or not isinstance(e, UserError):
+            print(f"meshppo: error (rank {ctx.rank}): {e}", file=sys.stderr)
+        return 1
+    except StopTraining as e:
+        if ctx.is_main:
+            print(f"meshppo: stopped: {e}", file=sys.stderr)
+        return 3
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["PPOTrainer", "run", "UserError", "StopTraining", "time"]

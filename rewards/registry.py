@@ -1,0 +1,171 @@
+"""Choosing and calling reward functions.
+
+All reward functions have verl's signature::
+
+    fn(data_source, solution_str, ground_truth, extra_info=None) -> float | bool | dict
+
+A dict result carries the score under `"score"`; its other numeric entries become extra
+metrics. `default_compute_score` dispatches the built-in data sources; a user's own
+function is loaded from a Python file with `load_custom_reward_fn` (verl's
+`custom_reward_function.path` / `.name`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rewards import demo, gsm8k
+
+RewardFn = Callable[..., Any]
+
+
+class RewardError(RuntimeError):
+    """A reward function is missing, cannot be loaded, fails, or returns an unusable value."""
+
+
+def _gsm8k_strict(solution_str: str, ground_truth: str) -> float:
+    return gsm8k.compute_score(solution_str, ground_truth, method="strict")
+
+
+_SCORERS: dict[str, Callable[[str, str], float]] = {
+    "openai/gsm8k": _gsm8k_strict,
+    "meshppo/demo_add": demo.compute_score,
+}
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """The built-in rule-based score for `data_source`.
+
+    Raises `RewardError` for a data source without a built-in scorer.
+    """
+    scorer = _SCORERS.get(data_source)
+    if scorer is None:
+        raise RewardError(
+            f"no built-in reward for data_source {data_source!r} (built-in: {sorted(_SCORERS)}); "
+            "set custom_reward_function.path to a Python file defining "
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+        )
+    return scorer(solution_str, ground_truth)
+
+
+def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> RewardFn:
+    """Load function `name` from the Python file at `path`.
+
+    The file is executed as a fresh module each call. Raises `RewardError` naming the
+    path and function when the file is missing, fails to import, or lacks a callable
+    `name`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise RewardError(f"custom reward file not found: {path} (looking for function {name!r})")
+    # A module name derived from the path keeps two reward files with the same basename apart.
+    module_name = f"meshppo_custom_reward_{abs(hash(os.path.abspath(path)))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"cannot import {path} as a Python module (looking for function {name!r})")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before execution so that dataclasses and pickling inside the file work.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise RewardError(f"importing custom reward file {path} failed: {type(err).__name__}: {err}") from err
+    if not hasattr(module, name):
+        available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RewardError(f"custom reward file {path} has no function {name!r} (it defines: {available})")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(f"{name!r} in custom reward file {path} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def get_reward_fn(custom_path: str | os.PathLike | None = None, custom_name: str = "compute_score") -> RewardFn:
+    """The user's function when `custom_path` is set, else `default_compute_score`."""
+    if custom_path:
+        return load_custom_reward_fn(custom_path, custom_name)
+    return default_compute_score
+
+
+def _fn_name(fn: RewardFn) -> str:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None) or repr(fn)
+    if module and not module.startswith("meshppo_custom_reward_"):
+        return f"{module}.{qualname}"
+    return qualname
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, (bool, numbers.Real)):
+        return float(value)
+    return None
+
+
+def score_responses(
+    fn: RewardFn,
+    data_sources: Sequence[str],
+    solution_strs: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict | None] | None = None,
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Score every response with `fn`.
+
+    Returns `(scores, extras)`: one float per sample, and for every extra numeric key
+    returned in a dict result a list aligned with the samples (NaN where a sample did
+    not return that key). Non-numeric extra values (e.g. a predicted answer string) are
+    not metrics and are left out.
+
+    Raises `RewardError` when `fn` raises (chained from the original error) or returns
+    something that is not a finite number, naming the function, sample index and data
+    source.
+    """
+    n = len(solution_strs)
+    if extra_infos is None:
+        extra_infos = [None] * n
+    lengths = {"data_sources": len(data_sources), "solution_strs": n,
+               "ground_truths": len(ground_truths), "extra_infos": len(extra_infos)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"score_responses needs inputs of one length, got {lengths}")
+
+    name = _fn_name(fn)
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for i in range(n):
+        where = f"sample {i} (data_source={data_sources[i]!r})"
+        try:
+            result = fn(data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i])
+        except Exception as err:
+            raise RewardError(f"reward function {name} raised on {where}: {type(err).__name__}: {err}") from err
+        sample_extras: dict[str, float] = {}
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardError(
+                    f"reward function {name} returned a dict without a 'score' key on {where}: "
+                    f"keys {sorted(result)}"
+                )
+            for key, value in result.items():
+                if key != "score" and (as_float := _as_float(value)) is not None:
+                    sample_extras[key] = as_float
+            result = result["score"]
+        score = _as_float(result)
+        if score is None:
+            raise RewardError(
+                f"reward function {name} returned {type(result).__name__} {result!r} on {where}; "
+                "expected a number, a bool or a dict with a 'score' key"
+            )
+        if not math.isfinite(score):
+            raise RewardError(f"reward function {name} returned non-finite score {score} on {where}")
+        scores.append(score)
+        for key in sample_extras.keys() - extras.keys():
+            extras[key] = [math.nan] * i
+        for key, values in extras.items():
+            values.append(sample_extras.get(key, math.nan))
+    return scores, extras

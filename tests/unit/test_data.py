@@ -1,0 +1,400 @@
+"""Datasets, the prompt loader, the demo task and tokenizer, and the GSM8K converter."""
+
+import json
+import logging
+
+import pytest
+
+from data import DatasetError, PromptDataLoader, RLHFDataset, read_records, write_jsonl, write_records
+from data.demo import (
+    CHAT_TEMPLATE,
+    DATA_SOURCE,
+    DEMO_VOCAB_SIZE,
+    build_demo_tokenizer,
+    make_demo_rows,
+    prepare_demo,
+)
+from data.gsm8k import INSTRUCTION, convert_file, main as gsm8k_main
+
+transformers = pytest.importorskip("transformers")
+
+# Ids as laid out by build_demo_tokenizer: 6 special tokens, then "0".."9", "+", "-", "*", "=", " ".
+PAD, BOS, EOS, USER, ASSISTANT, UNK = range(6)
+DIGIT = {str(d): 6 + d for d in range(10)}
+PLUS, MINUS, TIMES, EQ, SPACE = 16, 17, 18, 19, 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    build_demo_tokenizer(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _chat_row(content, answer="1", **extra):
+    row = {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": content}],
+           "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer}}
+    row.update(extra)
+    return row
+
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+# ---- demo tokenizer
+
+
+def test_tokenizer_is_character_level_without_added_specials(tokenizer):
+    assert len(tokenizer) == DEMO_VOCAB_SIZE == 21
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (PAD, BOS, EOS)
+    assert tokenizer("12+3=")["input_ids"] == [DIGIT["1"], DIGIT["2"], PLUS, DIGIT["3"], EQ]
+    assert tokenizer("9 - 4*0")["input_ids"] == [DIGIT["9"], SPACE, MINUS, SPACE, DIGIT["4"], TIMES, DIGIT["0"]]
+    assert tokenizer("1a")["input_ids"] == [DIGIT["1"], UNK]
+    assert tokenizer.convert_ids_to_tokens([USER, ASSISTANT]) == ["<|user|>", "<|assistant|>"]
+
+
+@pytest.mark.parametrize("text", ["37+58=95", " 1 + 2 = 3 ", "<|user|>5*5=<|assistant|>25<|eos|>", ""])
+def test_tokenizer_round_trip(tokenizer, text):
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_tokenizer_decode_skips_special_tokens(tokenizer):
+    ids = tokenizer("<|assistant|>95<|eos|><|pad|>")["input_ids"]
+    assert ids == [ASSISTANT, DIGIT["9"], DIGIT["5"], EOS, PAD]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "95"
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "user", "content": "1+2="}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|user|>1+2=<|assistant|>"
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(ids) == [USER, DIGIT["1"], PLUS, DIGIT["2"], EQ, ASSISTANT]
+    convo = messages + [{"role": "assistant", "content": "3"}]
+    assert tokenizer.apply_chat_template(convo, tokenize=False) == "<|user|>1+2=<|assistant|>3"
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    with pytest.raises(Exception, match="only supports the user and assistant roles, got system"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)
+
+
+# ---- demo rows and files
+
+
+def test_make_demo_rows_format_and_determinism():
+    rows = make_demo_rows(50, seed=3, max_value=20, split="val")
+    assert rows == make_demo_rows(50, seed=3, max_value=20, split="val")
+    assert rows != make_demo_rows(50, seed=4, max_value=20, split="val")
+    pairs = set()
+    for i, row in enumerate(rows):
+        assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+        assert row["data_source"] == "meshppo/demo_add" and row["ability"] == "math"
+        assert row["extra_info"] == {"split": "val", "index": i}
+        [message] = row["prompt"]
+        assert message["role"] == "user" and message["content"].endswith("=")
+        a, b = map(int, message["content"][:-1].split("+"))
+        assert 0 <= a <= 20 and 0 <= b <= 20
+        assert row["reward_model"] == {"style": "rule", "ground_truth": str(a + b)}
+        pairs.add((a, b))
+    assert len(pairs) == 50
+
+
+def test_make_demo_rows_exclude_and_exhaustion():
+    every_pair_but_one = {(a, b) for a in range(3) for b in range(3)} - {(2, 1)}
+    [row] = make_demo_rows(1, seed=0, max_value=2, exclude=every_pair_but_one)
+    assert row["prompt"][0]["content"] == "2+1=" and row["reward_model"]["ground_truth"] == "3"
+    with pytest.raises(ValueError, match="asked for 2 distinct pairs but only 1 exist"):
+        make_demo_rows(2, seed=0, max_value=2, exclude=every_pair_but_one)
+
+
+def test_prepare_demo_writes_disjoint_splits_loadable_by_the_dataset(tmp_path):
+    paths = prepare_demo(tmp_path / "demo", n_train=300, n_val=40, seed=7, max_value=30)
+    train = [row for _, row in read_records(paths.train_file)]
+    val = [row for _, row in read_records(paths.val_file)]
+    assert (len(train), len(val)) == (300, 40)
+    # The training file is exactly make_demo_rows with the same seed and range.
+    assert train == make_demo_rows(300, seed=7, max_value=30)
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    assert len(prompts(val)) == 40 and not prompts(train) & prompts(val)
+    assert {r["extra_info"]["split"] for r in val} == {"val"}
+
+    tok = transformers.AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    dataset = RLHFDataset(paths.val_file, tok, max_prompt_length=16)
+    item = dataset[0]
+    a, b = map(int, item["raw_prompt"][0]["content"][:-1].split("+"))
+    assert item["prompt_text"] == f"<|user|>{a}+{b}=<|assistant|>"
+    assert item["input_ids"][0] == USER and item["input_ids"][-2:] == [EQ, ASSISTANT]
+    assert item["ground_truth"] == str(a + b) and item["data_source"] == DATA_SOURCE
+
+    with pytest.raises(ValueError, match="exceeds the 16 distinct pairs"):
+        prepare_demo(tmp_path / "too_many", n_train=10, n_val=7, max_value=3)
+    assert not (tmp_path / "too_many").exists()
+
+
+def test_demo_cli(tmp_path, capsys):
+    from data.demo import main
+
+    assert main(["--out", str(tmp_path), "--n-train", "5", "--n-val", "2", "--max-value", "9"]) == 0
+    assert len(read_records(tmp_path / "train.jsonl")) == 5 and len(read_records(tmp_path / "val.jsonl")) == 2
+    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    assert "train: " in capsys.readouterr().out
+
+
+# ---- RLHFDataset
+
+
+def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
+    path = write_jsonl([
+        _chat_row("12+3=", "15", extra_info={"index": 7}),
+        {"prompt": "4+4=", "data_source": "mine", "reward_model": {"ground_truth": 8}},
+        {"prompt": "1+1="},
+        {"prompt": "2+2=", "reward_model": {"ground_truth": 4.0}},
+        {"prompt": "2+2=", "reward_model": {"ground_truth": 0.5}},
+    ], tmp_path / "d.jsonl")
+    ds = RLHFDataset([path], tokenizer)
+    assert len(ds) == 5 and ds.num_filtered == 0
+    assert [ds[3]["ground_truth"], ds[4]["ground_truth"]] == ["4", "0.5"]
+    assert ds[0] == {
+        "input_ids": [USER, DIGIT["1"], DIGIT["2"], PLUS, DIGIT["3"], EQ, ASSISTANT],
+        "raw_prompt": [{"role": "user", "content": "12+3="}],
+        "prompt_text": "<|user|>12+3=<|assistant|>",
+        "data_source": DATA_SOURCE,
+        "ground_truth": "15",
+        "extra_info": {"index": 7},
+        "index": 0,
+    }
+    # Text prompts are not templated; a numeric ground truth is compared as text.
+    assert ds[1]["input_ids"] == [DIGIT["4"], PLUS, DIGIT["4"], EQ] and ds[1]["prompt_text"] == "4+4="
+    assert ds[1]["ground_truth"] == "8" and ds[1]["extra_info"] == {}
+    assert ds[2]["ground_truth"] is None and ds[2]["data_source"] is None and ds[2]["index"] == 2
+    # Items are copies: editing one does not change the dataset.
+    ds[0]["input_ids"].append(PAD)
+    assert len(ds[0]["input_ids"]) == 7
+
+
+def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenizer):
+    a = write_jsonl([{"question": "1+2="}], tmp_path / "a.jsonl")
+    b = write_records([_chat_row("3+4=", question="5+6=")], tmp_path / "b.parquet")
+    ds = RLHFDataset([a, b], tokenizer, prompt_key="question")
+    assert [item["prompt_text"] for item in ds] == ["1+2=", "5+6="]
+    assert ds[1]["ground_truth"] == "1" and ds[1]["data_source"] == DATA_SOURCE
+    ds = RLHFDataset(b, tokenizer)
+    assert ds[0]["raw_prompt"] == [{"role": "user", "content": "3+4="}]
+    assert ds[0]["input_ids"] == [USER, DIGIT["3"], PLUS, DIGIT["4"], EQ, ASSISTANT]
+
+
+def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"prompt": "1="}) + "\n\n\n", encoding="utf-8")
+    assert len(RLHFDataset(str(path), tokenizer)) == 1
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "1="}', "", '{"prompt": "2="}'], r"d\.jsonl:2: empty row \(blank line\)"),
+    (['{"prompt": "1="}', '{"prompt": "2="'], r"d\.jsonl:2: malformed JSON"),
+    (['{"prompt": "1="}', "[1, 2]"], r"d\.jsonl:2: expected a JSON object, got list"),
+    (["{}"], r"d\.jsonl:1: empty row"),
+    (['{"prompt": "1="}', '{"data_source": "x"}'], r"d\.jsonl:2: missing field 'prompt'"),
+    (['{"prompt": 5}'], r"d\.jsonl:1: field 'prompt' must be a string or a list of chat messages, got int"),
+    (['{"prompt": [{"role": "user"}]}'], r"d\.jsonl:1: field 'prompt' message 0 has no 'content'"),
+    (['{"prompt": [{"content": "1="}]}'], r"d\.jsonl:1: field 'prompt' message 0 has no 'role'"),
+    (['{"prompt": ["1="]}'], r"d\.jsonl:1: field 'prompt' message 0 must be an object"),
+    (['{"prompt": []}'], r"d\.jsonl:1: field 'prompt' is an empty message list"),
+    (['{"prompt": "1=", "reward_model": {"ground_truth": [1]}}'],
+     r"d\.jsonl:1: field 'reward_model\.ground_truth' must be a string or a number, got list"),
+    (['{"prompt": "1=", "extra_info": 3}'], r"d\.jsonl:1: field 'extra_info' must be an object, got int"),
+    (['{"prompt": [{"role": "system", "content": "1="}]}'],
+     r"d\.jsonl:1: the chat template failed on field 'prompt': .*got system"),
+])
+def test_dataset_errors_name_file_row_and_field(tmp_path, tokenizer, lines, message):
+    path = _write_lines(tmp_path / "d.jsonl", lines)
+    with pytest.raises(DatasetError, match=message):
+        RLHFDataset(path, tokenizer)
+
+
+def test_dataset_missing_file_and_bad_options(tmp_path, tokenizer):
+    with pytest.raises(DatasetError, match=r"nope\.jsonl: dataset file not found"):
+        RLHFDataset(str(tmp_path / "nope.jsonl"), tokenizer)
+    with pytest.raises(DatasetError, match=r"d\.csv: unsupported file type"):
+        RLHFDataset(str(tmp_path / "d.csv"), tokenizer)
+    path = write_jsonl([{"prompt": "1="}], tmp_path / "d.jsonl")
+    with pytest.raises(ValueError, match=r"truncation must be one of \['error', 'left', 'right'\], got 'middle'"):
+        RLHFDataset(path, tokenizer, truncation="middle")
+    empty = _write_lines(tmp_path / "empty.jsonl", [])
+    with pytest.raises(DatasetError, match=r"empty\.jsonl: dataset is empty"):
+        RLHFDataset(empty, tokenizer)
+
+
+def test_chat_prompt_without_chat_template(tmp_path, tokenizer_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = None
+    path = write_jsonl([{"prompt": "1+1="}, _chat_row("1+2=")], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: field 'prompt' is a list of chat messages but the "
+                                           r"tokenizer has no chat template; use text prompts.*`chat_template`"):
+        RLHFDataset(path, tok)
+    # Without templating, the message contents are joined and tokenized as text.
+    ds = RLHFDataset(path, tok, apply_chat_template=False)
+    assert ds[1]["prompt_text"] == "1+2=" and ds[1]["input_ids"] == [DIGIT["1"], PLUS, DIGIT["2"], EQ]
+
+
+def test_overlong_prompts_filtered_and_logged(tmp_path, tokenizer, caplog):
+    # Chat prompt lengths: 2 template tokens + content length.
+    path = write_jsonl([_chat_row("1+2="), _chat_row("11+22="), _chat_row("1+1="), _chat_row("123+456=")],
+                       tmp_path / "d.jsonl")
+    with caplog.at_level(logging.WARNING, logger="data.dataset"):
+        ds = RLHFDataset(path, tokenizer, max_prompt_length=6)
+    assert ds.num_filtered == 2
+    assert [item["raw_prompt"][0]["content"] for item in ds] == ["1+2=", "1+1="]
+    assert [item["index"] for item in ds] == [0, 1]
+    filtered_logs = [r for r in caplog.records if "filtered" in r.getMessage()]
+    assert len(filtered_logs) == 1 and "filtered 2 prompt(s)" in filtered_logs[0].getMessage()
+
+    with pytest.raises(DatasetError, match=r"dataset is empty \(2 row\(s\) filtered as longer than "
+                                           r"max_prompt_length=5"):
+        RLHFDataset(write_jsonl([_chat_row("11+22="), _chat_row("1+22=")], tmp_path / "e.jsonl"),
+                    tokenizer, max_prompt_length=5)
+
+
+def test_overlong_prompts_truncation(tmp_path, tokenizer):
+    path = write_jsonl([{"prompt": "1+2="}, {"prompt": "123+456="}], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: prompt is 8 tokens, longer than max_prompt_length=4"):
+        RLHFDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=False)
+    left = RLHFDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=False, truncation="left")
+    right = RLHFDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=False, truncation="right")
+    assert left[1]["input_ids"] == [DIGIT["4"], DIGIT["5"], DIGIT["6"], EQ]
+    assert right[1]["input_ids"] == [DIGIT["1"], DIGIT["2"], DIGIT["3"], PLUS]
+    assert left[0]["input_ids"] == right[0]["input_ids"] == [DIGIT["1"], PLUS, DIGIT["2"], EQ]
+    assert left.num_filtered == 0 and len(left) == 2
+
+
+# ---- PromptDataLoader
+
+
+class _Range:
+    """A stand-in dataset whose items are their own indices."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_loader_epochs_are_seeded_permutations():
+    import torch
+
+    loader = PromptDataLoader(_Range(10), batch_size=3, seed=5)
+    assert len(loader) == 3
+    epoch0 = list(loader)
+    assert loader.epoch == 1
+    epoch1 = list(loader)
+    expected0 = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    expected1 = torch.randperm(10, generator=torch.Generator().manual_seed(6)).tolist()
+    assert epoch0 == [expected0[0:3], expected0[3:6], expected0[6:9]]  # last item dropped
+    assert epoch1 == [expected1[0:3], expected1[3:6], expected1[6:9]]
+
+    ordered = PromptDataLoader(_Range(5), batch_size=2, shuffle=False, drop_last=False)
+    assert len(ordered) == 3 and list(ordered) == [[0, 1], [2, 3], [4]]
+    assert [ordered.next_batch() for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
+
+
+def test_loader_resume_gives_the_next_batch():
+    uninterrupted = PromptDataLoader(_Range(10), batch_size=3, seed=1)
+    reference = [uninterrupted.next_batch() for _ in range(8)]  # crosses two epoch boundaries
+
+    for stop in (3, 6):  # mid-epoch, and right at an epoch boundary
+        first = PromptDataLoader(_Range(10), batch_size=3, seed=1)
+        for _ in range(stop):
+            first.next_batch()
+        state = first.state_dict()
+        assert set(state) == {"epoch", "position"}
+        resumed = PromptDataLoader(_Range(10), batch_size=3, seed=1)
+        resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
+        assert [resumed.next_batch() for _ in range(8 - stop)] == reference[stop:]
+    assert first.state_dict() == {"epoch": 2, "position": 0}
+
+
+def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
+    ds = RLHFDataset(write_jsonl(make_demo_rows(20, seed=0), tmp_path / "d.jsonl"), tokenizer)
+    loader = PromptDataLoader(ds, batch_size=4, seed=3)
+    for _ in range(3):
+        loader.next_batch()
+    fourth = loader.next_batch()
+    resumed = PromptDataLoader(ds, batch_size=4, seed=3)
+    for _, batch in zip(range(3), resumed):
+        pass
+    state = resumed.state_dict()
+    assert state == {"epoch": 0, "position": 12}
+    again = PromptDataLoader(ds, batch_size=4, seed=3)
+    again.load_state_dict(state)
+    assert again.next_batch() == fourth
+
+
+def test_loader_errors():
+    with pytest.raises(ValueError, match=r"batch_size=11 is larger than the dataset \(10 prompts\)"):
+        PromptDataLoader(_Range(10), batch_size=11)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        PromptDataLoader(_Range(10), batch_size=0)
+    with pytest.raises(ValueError, match="invalid loader state"):
+        PromptDataLoader(_Range(10), batch_size=2).load_state_dict({"epoch": 0, "position": 11})
+
+
+# ---- GSM8K converter
+
+
+GSM8K_SAMPLE = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+    {"question": "A car costs $1,200 plus $300 tax. Total?", "answer": "1200+300=1500\n#### 1,500"},
+]
+
+
+@pytest.mark.parametrize("in_ext, out_ext", [("jsonl", "jsonl"), ("parquet", "parquet")])
+def test_gsm8k_conversion(tmp_path, in_ext, out_ext):
+    src = write_records(GSM8K_SAMPLE, tmp_path / f"in.{in_ext}")
+    dst = str(tmp_path / f"out.{out_ext}")
+    assert gsm8k_main(["--input", src, "--output", dst, "--split", "test"]) == 0
+    rows = [row for _, row in read_records(dst)]
+    assert rows[0] == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many? "
+                                               "Let's think step by step and output the final answer after \"####\"."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "7"},
+        "extra_info": {"split": "test", "index": 0, "answer": GSM8K_SAMPLE[0]["answer"],
+                       "question": GSM8K_SAMPLE[0]["question"]},
+    }
+    assert rows[1]["reward_model"]["ground_truth"] == "1500" and rows[1]["extra_info"]["index"] == 1
+    assert rows[1]["prompt"][0]["content"].endswith(INSTRUCTION)
+
+
+def test_gsm8k_converted_file_feeds_the_dataset(tmp_path, tokenizer):
+    dst = str(tmp_path / "out.jsonl")
+    assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst) == 2
+    ds = RLHFDataset(dst, tokenizer, max_prompt_length=1000)
+    assert [item["ground_truth"] for item in ds] == ["7", "1500"]
+    assert ds[0]["prompt_text"].startswith("<|user|>Tom has 3") and ds[0]["data_source"] == "openai/gsm8k"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"question": "q"}, r"in\.jsonl:2: missing field 'answer'"),
+    ({"question": 3, "answer": "#### 1"}, r"in\.jsonl:2: field 'question' must be a string, got int"),
+    ({"question": "q", "answer": "the answer is 4"}, r"in\.jsonl:2: field 'answer' does not end with '#### <number>'"),
+])
+def test_gsm8k_malformed_rows(tmp_path, capsys, row, message):
+    src = write_jsonl([GSM8K_SAMPLE[0], row], tmp_path / "in.jsonl")
+    with pytest.raises(DatasetError, match=message):
+        convert_file(src, str(tmp_path / "out.jsonl"))
+    with pytest.raises(SystemExit) as exit_info:
+        gsm8k_main(["--input", src, "--output", str(tmp_path / "out.jsonl")])
+    assert exit_info.value.code == 1
+    assert "in.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()

@@ -1,0 +1,230 @@
+"""KL estimators, controllers and guards against hand-computed and float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from kl import (
+    VALID_KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    KLGuard,
+    KLGuardConfig,
+    get_kl_controller,
+    kl_penalty,
+)
+
+
+def _reference_kl(logp: float, ref: float, name: str) -> float:
+    base = name.rstrip("+")
+    if base in ("kl", "k1"):
+        return logp - ref
+    if base == "abs":
+        return abs(logp - ref)
+    if base in ("mse", "k2"):
+        return 0.5 * (logp - ref) ** 2
+    d = min(max(ref - logp, -20.0), 20.0)
+    return min(max(math.exp(d) - d - 1.0, -10.0), 10.0)
+
+
+@pytest.fixture
+def logprobs():
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 9, generator=gen, dtype=torch.float64) * 5
+    ref = -torch.rand(4, 9, generator=gen, dtype=torch.float64) * 5
+    # Extreme differences exercise both k3 clamps.
+    logp[0, 0], ref[0, 0] = 0.0, -30.0
+    logp[0, 1], ref[0, 1] = -30.0, 0.0
+    logp[0, 2], ref[0, 2] = -1.0, 2.0
+    return logp, ref
+
+
+@pytest.mark.parametrize("name", VALID_KL_PENALTIES)
+def test_kl_penalty_matches_float64_reference(logprobs, name):
+    logp, ref = logprobs
+    out = kl_penalty(logp, ref, name)
+    expected = torch.tensor(
+        [
+            [_reference_kl(a, b, name) for a, b in zip(row_p, row_r)]
+            for row_p, row_r in zip(logp.tolist(), ref.tolist())
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_k3_hand_values():
+    logp = torch.tensor([0.0, 0.0, -1.0, -0.5], dtype=torch.float64)
+    ref = torch.tensor([-1.0, -30.0, 2.0, -0.5], dtype=torch.float64)
+    out = kl_penalty(logp, ref, "k3")
+    # d = ref - logp: -1 -> e^-1 + 1 - 1; -30 -> clamped to -20 -> 19 + e^-20; 3 -> e^3 - 4 = 16.09 -> 10; 0 -> 0.
+    expected = torch.tensor([math.exp(-1.0), 10.0, 10.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert kl_penalty(logp, ref, "low_var_kl").equal(out)
+
+
+@pytest.mark.parametrize("name", ["k3+", "low_var_kl+", "k1+", "kl+", "abs+", "k2+", "mse+"])
+def test_straight_through_value_and_k2_gradient(logprobs, name):
+    logp, ref = (t.clone().requires_grad_(True) for t in logprobs)
+    out = kl_penalty(logp, ref, name)
+    base = name[:-1]
+    torch.testing.assert_close(out.detach(), kl_penalty(logp.detach(), ref.detach(), base), rtol=1e-12, atol=1e-12)
+
+    weights = torch.linspace(0.5, 2.0, out.numel(), dtype=torch.float64).reshape(out.shape)
+    (out * weights).sum().backward()
+    diff = (logprobs[0] - logprobs[1])
+    torch.testing.assert_close(logp.grad, weights * diff, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref.grad, -weights * diff, rtol=1e-12, atol=1e-12)
+
+
+def test_plain_k3_gradient_is_not_k2_gradient(logprobs):
+    # Guards the previous test against an implementation that always returns k2's gradient.
+    logp = logprobs[0][1:].clone().requires_grad_(True)
+    ref = logprobs[1][1:]
+    kl_penalty(logp, ref, "k3").sum().backward()
+    d = (ref - logp.detach()).clamp(-20, 20)
+    torch.testing.assert_close(logp.grad, 1.0 - torch.exp(d), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(logp.grad, logp.detach() - ref)
+
+
+def test_kl_penalty_rejects_full_and_unknown():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="full"):
+        kl_penalty(x, x, "full")
+    with pytest.raises(ValueError, match="low_var_kl"):
+        kl_penalty(x, x, "k4")
+    with pytest.raises(ValueError):
+        kl_penalty(x, x, "k3++")
+
+
+def test_adaptive_controller_three_steps_by_hand():
+    ctrl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.05, horizon=100)
+    # kl 0.1: error clip(1.0) = 0.2, mult 1 + 0.2 * 10 / 100 = 1.02 -> 0.102
+    ctrl.update(current_kl=0.1, n_steps=10)
+    assert ctrl.value == pytest.approx(0.102, rel=1e-12)
+    # kl 0.04: error -0.2, mult 0.98 -> 0.09996
+    ctrl.update(current_kl=0.04, n_steps=10)
+    assert ctrl.value == pytest.approx(0.09996, rel=1e-12)
+    # kl 0.055: error 0.1, mult 1 + 0.1 * 20 / 100 = 1.02 -> 0.1019592
+    ctrl.update(current_kl=0.055, n_steps=20)
+    assert ctrl.value == pytest.approx(0.1019592, rel=1e-12)
+    # A non-finite KL leaves the coefficient alone.
+    ctrl.update(current_kl=float("nan"), n_steps=20)
+    assert ctrl.value == pytest.approx(0.1019592, rel=1e-12)
+
+
+def test_adaptive_controller_state_round_trip():
+    ctrl = AdaptiveKLController(init_kl_coef=0.2, target_kl=0.01, horizon=1000)
+    for kl_value in (0.05, 0.002, 0.011):
+        ctrl.update(kl_value, n_steps=64)
+    resumed = AdaptiveKLController(init_kl_coef=0.2, target_kl=0.01, horizon=1000)
+    resumed.load_state_dict(ctrl.state_dict())
+    assert resumed.value == ctrl.value != 0.2
+    for kl_value in (0.03, 0.004):
+        ctrl.update(kl_value, n_steps=64)
+        resumed.update(kl_value, n_steps=64)
+        assert resumed.value == ctrl.value
+
+
+def test_fixed_controller_and_factory():
+    ctrl = get_kl_controller("fixed", kl_coef=0.05, target_kl=0.1, horizon=10)
+    assert isinstance(ctrl, FixedKLController)
+    ctrl.update(10.0, n_steps=1000)
+    assert ctrl.value == 0.05
+    other = FixedKLController(0.3)
+    other.load_state_dict(ctrl.state_dict())
+    assert other.value == 0.05
+
+    adaptive = get_kl_controller("adaptive", kl_coef=0.05, target_kl=0.1, horizon=10)
+    assert isinstance(adaptive, AdaptiveKLController)
+    assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.05, 0.1, 10)
+    with pytest.raises(ValueError, match="adaptive"):
+        get_kl_controller("pid", kl_coef=0.05, target_kl=0.1, horizon=10)
+    with pytest.raises(ValueError, match="horizon"):
+        get_kl_controller("adaptive", kl_coef=0.05, target_kl=0.1, horizon=0)
+    with pytest.raises(ValueError, match="kl_coef"):
+        FixedKLController(-1.0)
+    with pytest.raises(KeyError):
+        other.load_state_dict({})
+
+
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"warn_kl": 0.05, "explode_kl": 0.05}, "explode_kl"),
+        ({"warn_kl": -0.1}, "warn_kl"),
+        ({"warn_action": "panic"}, "warn_action"),
+        ({"explode_action": "restart"}, "explode_action"),
+        ({"coef_multiplier": 1.0}, "coef_multiplier"),
+        ({"lr_multiplier": 1.5}, "lr_multiplier"),
+        ({"patience": 0}, "patience"),
+        ({"max_kl_coef": 0.0}, "max_kl_coef"),
+        ({"warn_kl": float("nan")}, "warn_kl"),
+    ],
+)
+def test_guard_config_validation_names_the_field(kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        KLGuardConfig(**kwargs)
+
+
+def test_guard_config_fields_have_help():
+    from dataclasses import fields
+
+    assert all(f.metadata.get("help") for f in fields(KLGuardConfig))
+
+
+def test_guard_decisions_with_patience_and_nan():
+    guard = KLGuard(KLGuardConfig(patience=2, warn_action="lower_lr", explode_action="raise_coef"))
+    sequence = [
+        (0.01, "healthy", None),
+        (0.03, "warning", None),  # 1/2 steps above warn_kl
+        (0.03, "warning", "lower_lr"),  # 2/2: fires, counter restarts
+        (0.03, "warning", None),  # 1/2 again
+        (0.06, "exploding", "lower_lr"),  # 2 steps above warn_kl, only 1 above explode_kl
+        (0.07, "exploding", "raise_coef"),  # 2 steps above explode_kl
+        (0.01, "healthy", None),  # resets everything
+        (0.06, "exploding", None),  # 1/2
+        (0.01, "healthy", None),
+        (float("nan"), "exploding", "raise_coef"),  # non-finite: immediate, whatever patience says
+        (0.06, "exploding", None),  # counters were restarted by the NaN reaction
+    ]
+    for step, (kl_value, status, action) in enumerate(sequence):
+        decision = guard.check(kl_value)
+        assert (decision.status, decision.action) == (status, action), f"step {step}: {decision}"
+        assert decision.message
+    assert guard.num_actions == 4
+
+
+def test_guard_max_kl_infinite_and_disabled():
+    guard = KLGuard(KLGuardConfig(patience=3))
+    decision = guard.check(0.001, max_kl=float("inf"))
+    assert (decision.status, decision.action) == ("exploding", "raise_coef")
+    assert "non-finite" in decision.message
+    decision = guard.check(0.001, max_kl=4.0)
+    assert (decision.status, decision.action) == ("healthy", None)
+
+    off = KLGuard(KLGuardConfig(enable=False))
+    for kl_value in (0.03, 0.5, float("nan")):
+        decision = off.check(kl_value)
+        assert decision.action is None
+    assert decision.status == "exploding"
+    assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0}
+
+
+def test_guard_state_round_trip_and_reactions():
+    cfg = KLGuardConfig(patience=3, coef_multiplier=2.0, max_kl_coef=1.0, lr_multiplier=0.5)
+    guard = KLGuard(cfg)
+    for kl_value in (0.06, 0.07):
+        assert guard.check(kl_value).action is None
+    resumed = KLGuard(cfg)
+    resumed.load_state_dict(guard.state_dict())
+    assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0}
+    # Both continue identically: the third exploding step fires the exploding action.
+    assert guard.check(0.08).action == resumed.check(0.08).action == "raise_coef"
+
+    assert guard.next_kl_coef(0.3) == pytest.approx(0.6)
+    assert guard.next_kl_coef(0.6) == 1.0
+    assert guard.next_kl_coef(2.0) == 2.0
+    assert guard.next_kl_coef(0.0) == 0.0
+    assert guard.next_lr(1e-6) == pytest.approx(5e-7)

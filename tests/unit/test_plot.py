@@ -1,0 +1,67 @@
+"""tools.plot: PNGs from a run's metrics.jsonl."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from tools.plot import MetricsError, main, plot_run, read_metrics  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_metrics(run_dir, records, tail=""):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in records]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail, encoding="utf-8")
+
+
+def _is_png(path):
+    data = path.read_bytes()
+    return len(data) > 1000 and data.startswith(PNG_SIGNATURE)
+
+
+def test_main_writes_one_png_per_plot_with_data(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_metrics(run, [
+        {"step": s, "critic/score/mean": 0.1 * s, "actor/ppo_kl": 0.01 * s, "actor/kl_loss": 0.02,
+         "response_length/mean": 10 + s, "perf/throughput": 1000.0 + s}
+        for s in range(1, 6)
+    ] + [{"step": 5, "val/meshppo/demo_add/score": 0.4, "val/openai/gsm8k/score": 0.2}])
+    out = tmp_path / "plots"
+    assert main([str(run), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["kl.png", "response_length.png", "reward.png", "throughput.png"]
+    assert all(_is_png(out / name) for name in names)
+    assert capsys.readouterr().out.split() == [str(out / n) for n in
+                                               ("reward.png", "kl.png", "response_length.png", "throughput.png")]
+
+
+def test_plots_without_data_are_skipped_and_out_defaults_to_run_dir(tmp_path):
+    run = tmp_path / "run"
+    # Only rewards (one of them only on the validation line); a NaN and a string value are ignored.
+    _write_metrics(run, [{"step": 1, "critic/score/mean": 0.5, "actor/ppo_kl": float("nan")},
+                         {"step": 2, "critic/score/mean": "n/a", "val/x/score": 1.0}])
+    written = plot_run(run)
+    assert written == [str(run / "reward.png")]
+    assert _is_png(run / "reward.png") and not (run / "kl.png").exists()
+
+
+def test_truncated_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_path):
+    run = tmp_path / "run"
+    _write_metrics(run, [{"step": 1, "perf/throughput": 5.0}], tail='{"step": 2, "perf/thr')
+    assert read_metrics(run / "metrics.jsonl") == [{"step": 1, "perf/throughput": 5.0}]
+    assert main([str(run)]) == 0 and _is_png(run / "throughput.png")
+
+    (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n', encoding="utf-8")
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl:2: malformed JSON"):
+        read_metrics(run / "metrics.jsonl")
+
+
+def test_missing_file_and_nothing_to_plot_exit_1(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 1
+    assert "metrics file not found: " in capsys.readouterr().err
+    _write_metrics(tmp_path / "run", [{"step": 1, "timing_s/gen": 2.0}])
+    assert main([str(tmp_path / "run")]) == 1
+    assert "no plottable metrics" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""Rule-based scorers, the reward registry, custom reward files and score_responses."""
+
+import math
+
+import pytest
+
+from rewards import RewardError, default_compute_score, get_reward_fn, load_custom_reward_fn, score_responses
+from rewards import demo, gsm8k
+
+
+@pytest.mark.parametrize("solution, method, expected", [
+    ("3 + 4 = 7\n#### 7", "strict", "7"),
+    ("#### 1,234.5", "strict", "1234.5"),
+    ("#### $18", "strict", "18"),
+    ("#### -3 then later #### 12", "strict", "12"),
+    ("The answer is 7", "strict", None),
+    ("####7", "strict", None),  # verl's strict format needs the space
+    ("The answer is 1,500 dollars.", "flexible", "1500"),
+    ("first 3, then 4.", "flexible", "4"),
+    ("no digits here.", "flexible", None),
+    ("#### 5" + " filler" * 60, "strict", None),  # the marker is outside the last 300 characters
+])
+def test_gsm8k_extract_solution(solution, method, expected):
+    assert gsm8k.extract_solution(solution, method=method) == expected
+
+
+def test_gsm8k_compute_score():
+    assert gsm8k.compute_score("so #### 72", "72") == 1.0
+    assert gsm8k.compute_score("so #### 71", "72") == 0.0
+    assert gsm8k.compute_score("so #### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("no answer", "72", format_score=0.1) == 0.0
+    assert gsm8k.compute_score("so 72", "72") == 0.0
+    assert gsm8k.compute_score("so 72", "72", method="flexible", score=2.0) == 2.0
+    with pytest.raises(ValueError, match="method must be 'strict' or 'flexible'"):
+        gsm8k.compute_score("#### 1", "1", method="loose")
+
+
+def test_demo_compute_score():
+    assert demo.compute_score("95", "95") == 1.0
+    assert demo.compute_score(" 95\n", "95") == 1.0
+    assert demo.compute_score("095", "95") == 0.0
+    assert demo.compute_score("95+1", "95") == 0.0
+    assert demo.compute_score("", "0") == 0.0
+
+
+def test_default_compute_score_dispatch():
+    assert default_compute_score("openai/gsm8k", "#### 1,000", "1000") == 1.0
+    assert default_compute_score("openai/gsm8k", "1000", "1000") == 0.0  # strict format required
+    assert default_compute_score("meshppo/demo_add", "12", "12", {"index": 0}) == 1.0
+    with pytest.raises(RewardError,
+                       match=r"no built-in reward for data_source 'my/data'.*custom_reward_function\.path"):
+        default_compute_score("my/data", "x", "y")
+    assert get_reward_fn() is default_compute_score
+
+
+CUSTOM = '''
+import math
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "length": len(solution_str), "pred": solution_str}
+
+def boolean(data_source, solution_str, ground_truth, extra_info=None):
+    return solution_str == ground_truth
+
+def with_info(data_source, solution_str, ground_truth, extra_info=None):
+    return extra_info["weight"] * (solution_str == ground_truth)
+
+def broken(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "boom":
+        raise KeyError("boom")
+    return 1.0
+
+def wrong_type(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+def not_finite(data_source, solution_str, ground_truth, extra_info=None):
+    return math.nan
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def custom_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM)
+    return str(path)
+
+
+def test_load_custom_reward_fn(custom_file, tmp_path):
+    fn = load_custom_reward_fn(custom_file)
+    assert fn("d", "4", "4")["score"] == 1.0
+    assert get_reward_fn(custom_file, "boolean")("d", "4", "5") is False
+    with pytest.raises(RewardError, match=r"custom reward file not found: .*missing\.py \(looking for function 'f'\)"):
+        load_custom_reward_fn(str(tmp_path / "missing.py"), "f")
+    with pytest.raises(RewardError, match=r"my_reward\.py has no function 'score_fn' \(it defines: .*'boolean'"):
+        load_custom_reward_fn(custom_file, "score_fn")
+    with pytest.raises(RewardError, match=r"'NOT_A_FUNCTION' in custom reward file .*my_reward\.py is a int"):
+        load_custom_reward_fn(custom_file, "NOT_A_FUNCTION")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(RewardError,
+                       match=r"importing custom reward file .*bad\.py failed: ModuleNotFoundError") as info:
+        load_custom_reward_fn(str(bad))
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_score_responses_numbers_bools_and_extras(custom_file):
+    scores, extras = score_responses(
+        default_compute_score, ["meshppo/demo_add", "openai/gsm8k", "meshppo/demo_add"],
+        ["5", "#### 9", "6"], ["5", "9", "5"], [None, {}, None])
+    assert scores == [1.0, 1.0, 0.0] and extras == {}
+
+    scores, extras = score_responses(load_custom_reward_fn(custom_file, "boolean"), ["d"] * 2, ["a", "b"], ["a", "a"])
+    assert scores == [1.0, 0.0] and all(type(s) is float for s in scores)
+
+    scores, extras = score_responses(load_custom_reward_fn(custom_file), ["d"] * 2, ["ab", "c"], ["ab", "x"], None)
+    # Numeric extras become metrics; the string "pred" does not.
+    assert scores == [1.0, 0.0] and extras == {"length": [2.0, 1.0]}
+
+    fn = load_custom_reward_fn(custom_file, "with_info")
+    scores, _ = score_responses(fn, ["d"] * 2, ["a", "a"], ["a", "a"], [{"weight": 0.5}, {"weight": 2}])
+    assert scores == [0.5, 2.0]
+
+
+def test_score_responses_extras_missing_in_some_samples_are_nan():
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1, "late": 3} if solution_str == "late" else {"score": 0, "early": 1}
+
+    scores, extras = score_responses(fn, ["d"] * 3, ["early", "late", "early"], ["", "", ""])
+    assert scores == [0.0, 1.0, 0.0]
+    assert extras["early"][0] == 1.0 and math.isnan(extras["early"][1]) and extras["early"][2] == 1.0
+    assert math.isnan(extras["late"][0]) and extras["late"][1] == 3.0 and math.isnan(extras["late"][2])
+
+
+def test_score_responses_errors(custom_file):
+    with pytest.raises(RewardError, match=r"reward function broken raised on sample 1 \(data_source='gsm'\): "
+                                          r"KeyError: 'boom'") as info:
+        score_responses(load_custom_reward_fn(custom_file, "broken"), ["d", "gsm"], ["ok", "boom"], ["", ""])
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(RewardError, match=r"wrong_type returned str '1\.0' on sample 0 .*expected a number"):
+        score_responses(load_custom_reward_fn(custom_file, "wrong_type"), ["d"], ["x"], ["x"])
+    with pytest.raises(RewardError, match=r"not_finite returned non-finite score nan on sample 0"):
+        score_responses(load_custom_reward_fn(custom_file, "not_finite"), ["d"], ["x"], ["x"])
+    with pytest.raises(RewardError, match=r"no_score returned a dict without a 'score' key on sample 0 .*\['acc'\]"):
+        score_responses(load_custom_reward_fn(custom_file, "no_score"), ["d"], ["x"], ["x"])
+    with pytest.raises(RewardError, match=r"rewards\.registry\.default_compute_score raised on sample 0 "
+                                          r"\(data_source='unknown/x'\)"):
+        score_responses(default_compute_score, ["unknown/x"], ["x"], ["x"])
+    with pytest.raises(ValueError, match="inputs of one length"):
+        score_responses(default_compute_score, ["d"], ["x", "y"], ["x", "y"])

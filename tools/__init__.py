@@ -1,0 +1,1 @@
+"""Command-line tools for inspecting runs (`python -m tools.plot RUN_DIR`)."""

@@ -1,0 +1,155 @@
+"""Plot a run's learning curves from its `metrics.jsonl`.
+
+    python -m tools.plot RUN_DIR [--out DIR]
+
+Writes `reward.png` (train score and every `val/<data_source>/score`), `kl.png`
+(`actor/ppo_kl`, `actor/kl_loss`, `critic/kl`), `response_length.png` and
+`throughput.png` into `--out` (default: RUN_DIR). A plot whose metrics never appear is
+skipped. The x axis is `step` when the lines have one, else the line number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class MetricsError(RuntimeError):
+    """The metrics file is missing or unreadable."""
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """One PNG: its file name, title, y label, and which metric keys it draws."""
+
+    filename: str
+    title: str
+    ylabel: str
+    selects: Callable[[str], bool]
+
+
+def _one_of(*keys: str) -> Callable[[str], bool]:
+    return lambda key: key in keys
+
+
+_VAL_SCORE = re.compile(r"^val/.+/score$")
+
+PLOTS = (
+    PlotSpec("reward.png", "Reward", "score",
+             lambda key: key == "critic/score/mean" or bool(_VAL_SCORE.match(key))),
+    PlotSpec("kl.png", "KL", "KL", _one_of("actor/ppo_kl", "actor/kl_loss", "critic/kl")),
+    PlotSpec("response_length.png", "Response length", "tokens",
+             _one_of("response_length/mean", "response_length/max", "response_length/min")),
+    PlotSpec("throughput.png", "Throughput", "tokens / s / GPU", _one_of("perf/throughput")),
+)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON objects in a metrics file, one per line.
+
+    A malformed last line is dropped, because a run killed mid-write leaves one; a
+    malformed line elsewhere raises `MetricsError` naming the line.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise MetricsError(f"metrics file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if lineno == len(lines):
+                print(f"warning: {path}:{lineno}: ignoring truncated last line", file=sys.stderr)
+                break
+            raise MetricsError(f"{path}:{lineno}: malformed JSON: {err.msg}") from err
+        if not isinstance(record, dict):
+            raise MetricsError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for lineno, record in enumerate(records, start=1):
+        value = record.get(key)
+        # Booleans are JSON numbers to Python but never a curve; NaN/inf would break the axes.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        step = record.get("step", lineno)
+        xs.append(step if isinstance(step, (int, float)) and not isinstance(step, bool) else lineno)
+        ys.append(float(value))
+    return xs, ys
+
+
+def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[str]:
+    """Write the PNGs for `run_dir/metrics.jsonl` into `out_dir` (default `run_dir`).
+
+    Returns the paths written, in `PLOTS` order.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes; also keeps tests headless
+    import matplotlib.pyplot as plt
+
+    run_dir = os.fspath(run_dir)
+    out_dir = os.fspath(out_dir) if out_dir is not None else run_dir
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    keys = sorted({key for record in records for key in record})
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for spec in PLOTS:
+        series = {key: _series(records, key) for key in keys if spec.selects(key)}
+        series = {key: xy for key, xy in series.items() if xy[0]}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for key, (xs, ys) in series.items():
+            # Markers keep sparse series (validation every N steps, short runs) readable.
+            ax.plot(xs, ys, label=key, marker="o" if len(xs) <= 30 else None, markersize=3)
+        ax.set_title(f"{spec.title} — {os.path.basename(os.path.abspath(run_dir))}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(spec.ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(out_dir, spec.filename)
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (1 when there is nothing to plot)."""
+    parser = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="run directory containing metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except MetricsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if not written:
+        print(f"error: no plottable metrics in {os.path.join(args.run_dir, 'metrics.jsonl')}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
