@@ -27,7 +27,8 @@ class DataConfig:
     train_files: list[str] = opt(default_factory=list, help="training prompt files (.jsonl or .parquet, verl format)")
     val_files: list[str] = opt(default_factory=list, help="validation prompt files (.jsonl or .parquet)")
     prompt_key: str = opt("prompt", "field holding the prompt (text or chat messages)")
-    reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function")
+    reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
+                             choices=("data_source",))
     max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are filtered or truncated")
     max_response_length: int = opt(512, "maximum generated tokens per response")
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)")
@@ -155,7 +156,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticModelConfig:
     path: str | None = opt(None, "critic checkpoint; default: the actor's model path (value head starts at zero)")
-    tokenizer_path: str | None = opt(None, "must match the actor's tokenizer; accepted for verl compatibility")
+    tokenizer_path: str | None = opt(None, "critic tokenizer; must be the actor's (checked), null: the actor's")
     override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
                                 unsupported=lambda v: bool(v))
     enable_gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward")
@@ -187,7 +188,8 @@ class RewardModelConfig:
     enable: bool = opt(False, "score responses with a reward model instead of (or added to) the rule reward")
     path: str | None = opt(None, "reward model: meshppo value-model or HF *ForSequenceClassification directory")
     micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward")
-    max_length: int | None = opt(None, "accepted for verl compatibility (prompt + response bounds the length)")
+    max_length: int | None = opt(None, "not supported (prompt + response length bounds the input): must be null",
+                                 unsupported=lambda v: v is not None)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward")
     reward_manager: str = opt("naive", "how rule rewards are computed (naive: one call per response)",
@@ -243,7 +245,8 @@ class TrainerConfig:
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)")
-    max_critic_ckpt_to_keep: int | None = opt(None, "accepted for verl compatibility: the critic is saved with the actor")
+    max_critic_ckpt_to_keep: int | None = opt(None, "not supported: the critic is saved and rotated with the actor "
+                                              "(max_actor_ckpt_to_keep)", unsupported=lambda v: v is not None)
     log_val_generations: int = opt(0, "validation samples printed to the log")
     seed: int = opt(1, "global seed (model init, sampling)")
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory")
@@ -334,6 +337,10 @@ def validate(cfg: PPOConfig, world_size: int) -> None:
                                   "per mini-batch (or set critic.use_dynamic_bsz=true)")
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1, got {actor.clip_ratio_c}")
+    tok = cfg.data.tokenizer or arr.model.path
+    if cfg.critic.model.tokenizer_path not in (None, tok):
+        raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
+                          f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
     if cfg.reward_model.enable and not cfg.reward_model.path:
         raise ConfigError("reward_model.enable=true needs reward_model.path")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

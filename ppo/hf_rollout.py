@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rollout import RequestOutput
-from rollout.sampler import apply_top_k_top_p
+from rollout.config import RequestOutput
+from rollout.sampler import truncation_threshold
 
 
 @torch.no_grad()
@@ -53,7 +53,8 @@ def generate_no_cache(model, prompts: list[list[int]], *, n: int, max_tokens: in
         scaled = logits / (temperature if temperature > 0 else 1.0)
         logp_all = torch.log_softmax(scaled, -1)
         if temperature > 0:
-            probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), -1)
+            keep = scaled >= truncation_threshold(scaled, top_k, top_p)[:, None]
+            probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), -1)
             tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
         else:
             tok = logits.argmax(-1)

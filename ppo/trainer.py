@@ -111,7 +111,7 @@ class PPOTrainer:
                                    response_length=cfg.response_length)
                        if m.critic is not None else None)
         self.engine = build_engine(cfg, ctx, m)
-        self.generate = build_rollout_fn(cfg, ctx, m, self.engine)
+        self.generate = build_rollout_fn(cfg, ctx, m, self.engine, self.timer)
 
         from rewards import get_reward_fn
 

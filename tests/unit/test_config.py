@@ -56,7 +56,7 @@ def test_bad_overrides_name_the_problem(override, message):
 @pytest.mark.parametrize("overrides,world,message", [
     (["data.train_batch_size=30"], 2, "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], 2, "must divide the world size"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 2, "multiple of"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=48"], 2, "multiple of"),
     (["actor_rollout_ref.rollout.n=1"], 2, "needs groups"),
     (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 2, "clip_ratio_c must be > 1"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33",
@@ -118,3 +118,10 @@ def test_cli_malformed_yaml(tmp_path):
     assert r.returncode == 2 and "is not valid YAML" in r.stderr and "Traceback" not in r.stderr
     r = _cli("--config", str(tmp_path / "missing.yaml"), "--print-config")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_config_reference_is_current():
+    from tools.config_doc import PATH, render
+
+    with open(PATH) as f:
+        assert f.read() == render(), "docs/CONFIG.md is stale: run python -m tools.config_doc"

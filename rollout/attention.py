@@ -1,0 +1,89 @@
+"""Attention over the paged KV cache: metadata and the pure-PyTorch reference paths.
+
+Cache layout (one layer): `k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]`;
+sequence `n`'s position `p` lives at row `block_tables[slots[n], p // block_size] * block_size
++ p % block_size`. A step's new K/V are written into the cache first (`rope_and_cache`), so
+attention always reads the whole context - the cached prefix and the new tokens - from the
+cache.
+
+* decode: one query per sequence, `q [B, Hq, D]`, context `context_lens[b]` tokens.
+* prefill: packed chunks `q [T, Hq, D]`, sequence `n`'s queries are rows
+  `cu_q[n] .. cu_q[n+1]` at positions `context_lens[n] - q_len .. context_lens[n] - 1`,
+  causal over its whole context (prefix included).
+
+The reference functions run on any device and are what the Triton kernels are tested
+against. Padding positions of the gathered context are zeroed before the product: stale or
+never-written cache rows may hold anything, NaN included, and `0 * NaN` would leak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Query rows per prefill tile of the Triton kernel; the runner cuts each chunk into such tiles.
+PREFILL_TILE = 64
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention of one step needs (device tensors int32 unless noted)."""
+
+    is_decode: bool
+    slots: torch.Tensor  # [N] block-table row of each sequence
+    context_lens: torch.Tensor  # [N] tokens in the cache for each sequence, this step's included
+    max_context_len: int  # host value, >= every context_lens (reference path only)
+    num_splits: int = 1  # decode: split-K partitions per sequence (Triton path)
+    cu_q: torch.Tensor | None = None  # prefill: [N+1] query row offsets
+    max_q_len: int = 0  # prefill: host value
+    tile_seq: torch.Tensor | None = None  # prefill (Triton): sequence of each query tile
+    tile_start: torch.Tensor | None = None  # prefill (Triton): first query row (within the sequence) of each tile
+    host_cu_q: list[int] | None = None  # prefill: cu_q on the host (reference path)
+    host_context_lens: list[int] | None = None  # prefill: context_lens on the host (reference path)
+
+
+def _gather_context(k_cache, v_cache, block_tables, slots, length: int):
+    """K, V `[N, length, Hkv, D]` of the first `length` positions of each sequence's context."""
+    block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    j = torch.arange(length, device=k_cache.device)
+    pages = block_tables[slots.long()][:, j // block_size].long()  # [N, length]
+    rows = pages * block_size + j % block_size
+    return k_cache.view(-1, hkv, d)[rows], v_cache.view(-1, hkv, d)[rows]
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q [N, Hq, M, D], k/v [N, L, Hkv, D], mask [N, M, L] (True = attend) -> [N, Hq, M, D]."""
+    n_rep = q.shape[1] // k.shape[2]
+    k = k.masked_fill(~mask.any(1)[..., None, None], 0).transpose(1, 2).repeat_interleave(n_rep, dim=1)
+    v = v.masked_fill(~mask.any(1)[..., None, None], 0).transpose(1, 2).repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    """q `[B, Hq, D]` -> `[B, Hq * D]`."""
+    b, hq, d = q.shape
+    length = meta.max_context_len
+    k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots, length)
+    valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
+    out = _sdpa(q[:, :, None, :], k, v, valid[:, None, :], scale)
+    return out.reshape(b, hq * d)
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """q `[T, Hq, D]` (packed chunks) -> `[T, Hq * D]`, causal over each sequence's cached context."""
+    t, hq, d = q.shape
+    out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
+    cu, ctx = meta.host_cu_q, meta.host_context_lens
+    for n in range(len(ctx)):
+        q0, q1, length = cu[n], cu[n + 1], ctx[n]
+        m = q1 - q0
+        k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots[n:n + 1], length)
+        qpos = torch.arange(length - m, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [M, L]
+        o = _sdpa(q[q0:q1].transpose(0, 1)[None], k, v, mask[None], scale)  # [1, Hq, M, D]
+        out[q0:q1] = o[0].transpose(0, 1).reshape(m, hq * d)
+    return out

@@ -1,0 +1,151 @@
+"""Configuration and result types of the generation engine.
+
+`EngineConfig` sizes the engine (KV pool, batch limits, CUDA graphs); `SamplingParams`
+describes one `generate()` call; `RequestOutput` is one generated sample.
+
+Log-probabilities. Every sampled token comes with
+`log_softmax(logits / temperature)[token]`: the log-probability under the
+temperature-scaled distribution *before* top-k / top-p truncation (with `temperature == 0`,
+greedy, the logits are divided by 1). It is computed from the same logits the token was
+sampled from, so a trainer that recomputes `old_log_prob` with its own forward and the same
+temperature gets the same number up to the forward's numerics (bf16 matmul order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def default_cudagraph_capture_sizes(max_size: int = 512) -> list[int]:
+    """The batch-size ladder 1, 2, 4, 8, 16, 24, 32, ..., max_size (multiples of 8 from 16)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
+    sizes += list(range(16, max_size + 1, 8))
+    return sizes
+
+
+@dataclass
+class EngineConfig:
+    """How the engine is sized. One line of documentation per field."""
+
+    dtype: torch.dtype = torch.bfloat16
+    """dtype of the engine's weights, activations and KV cache."""
+    block_size: int = 16
+    """tokens per KV-cache block (page)."""
+    gpu_memory_utilization: float = 0.5
+    """on CUDA: fraction of the memory free after the weights that the KV pool and activations may use."""
+    num_kv_blocks: int | None = None
+    """explicit KV pool size in blocks (tests, CPU); overrides the memory-based sizing."""
+    max_num_seqs: int = 256
+    """most sequences in one step (the decode batch size limit)."""
+    max_num_batched_tokens: int = 8192
+    """most tokens in one prefill step (the chunk budget)."""
+    enable_chunked_prefill: bool = True
+    """split prompts longer than the remaining budget over several prefill steps."""
+    max_model_len: int | None = None
+    """longest sequence (prompt + response); default: the model's max_position_embeddings."""
+    enforce_eager: bool = False
+    """never use CUDA graphs."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """decode batch sizes captured as CUDA graphs; default 1, 2, 4, 8, 16, 24, ..., 512 (capped at max_num_seqs)."""
+    free_cache_engine: bool = True
+    """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
+
+    def __post_init__(self):
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = sorted(set(int(s) for s in self.cudagraph_capture_sizes))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"EngineConfig.cudagraph_capture_sizes must be positive, got {self.cudagraph_capture_sizes}")
+            self.cudagraph_capture_sizes = sizes
+
+    def capture_sizes(self) -> list[int]:
+        """The graph ladder actually used: configured (or default) sizes up to the first one >= max_num_seqs."""
+        sizes = self.cudagraph_capture_sizes or default_cudagraph_capture_sizes(max(512, self.max_num_seqs))
+        out = []
+        for s in sizes:
+            out.append(s)
+            if s >= self.max_num_seqs:
+                break
+        return out
+
+
+@dataclass
+class SamplingParams:
+    """Sampling for one generate() call (the same for every prompt of the call).
+
+    `temperature == 0` is greedy. `top_k == -1` (or 0) and `top_p == 1` disable truncation.
+    `eos_token_id=None` uses the model's `eos_token_id` (from its config); `ignore_eos`
+    disables EOS stopping but keeps `stop_token_ids`. `seed` makes sampling reproducible: the
+    noise of a token is a pure function of (seed, prompt index, sample index, position), so
+    it does not depend on the batch, the schedule or preemption.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    eos_token_id: int | list[int] | None = None
+    ignore_eos: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_truncation(self) -> bool:
+        """True when top-k / top-p change the sampled distribution (never for greedy)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    def stop_set(self, model_eos: int | list[int] | None) -> frozenset[int]:
+        """Token ids that end a sample: stop_token_ids, plus EOS unless ignore_eos."""
+        stops = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            eos = self.eos_token_id if self.eos_token_id is not None else model_eos
+            if isinstance(eos, int):
+                stops.add(eos)
+            elif eos is not None:
+                stops.update(int(e) for e in eos)
+        return frozenset(stops)
+
+
+@dataclass
+class RequestOutput:
+    """One sample: `token_ids` / `logprobs` of the response (same length), and why it ended."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop token, included in token_ids) | "length"

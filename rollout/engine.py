@@ -1,0 +1,234 @@
+"""`LLMEngine`: meshppo's generation engine (tensor-parallel, paged KV cache, continuous batching).
+
+    engine = LLMEngine(model_args, EngineConfig(), tp_mesh=mesh["tp"])
+    for name, slot in engine.param_slots().items(): slot.view.copy_(my_shard_of(name))   # the resharder
+    outs = engine.generate(prompt_token_ids, SamplingParams(n=4, temperature=1.0, max_tokens=256))
+
+Every rank of a TP group runs the same program: same prompts, same parameters, same
+scheduling decisions (the KV pool size is agreed on with a MIN all-reduce), and the
+sampled tokens are identical on all ranks because the ranks combine the same partials.
+
+The loop of `generate` overlaps the host with the GPU: decode step t+1 is scheduled and
+launched before step t's tokens are read back (the model takes its input tokens from the
+device), so the scheduler's Python runs while the GPU computes. Before a prefill step -
+which needs token values on the host - the pending results are processed first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from models.args import ModelArgs
+from rollout.block_manager import BlockManager, cdiv
+from rollout.config import EngineConfig, RequestOutput, SamplingParams
+from rollout.model import EngineModel, ParamSlot, check_tp_divisibility
+from rollout.parallel import TPGroup
+from rollout.runner import ModelRunner
+from rollout.scheduler import Scheduler
+from rollout.sequence import Sequence
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU (allocated lazily by the OS)
+WATERMARK_FRACTION = 0.01  # blocks kept free at admission, as in vLLM
+
+
+def _resolve_device(device, tp_mesh) -> torch.device:
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if tp_mesh is not None and tp_mesh.device_type == "cuda" or tp_mesh is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class LLMEngine:
+    """Generation engine for one TP rank; see the module docstring and `rollout/__init__.py`."""
+
+    def __init__(self, model_args: ModelArgs, config: EngineConfig, tp_mesh=None, device=None):
+        self.args, self.config = model_args, config
+        self.tp = TPGroup.from_mesh(tp_mesh)
+        check_tp_divisibility(model_args, self.tp.size)
+        self.device = _resolve_device(device, tp_mesh)
+        self.max_model_len = config.max_model_len or model_args.max_position_embeddings
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}): a whole prompt has to fit in one step")
+        self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len)
+        self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, path, config: EngineConfig, tp_mesh=None, device=None) -> "LLMEngine":
+        """An engine with the weights of a Hugging Face checkpoint directory (each rank reads only its shards' bytes)."""
+        from models.checkpoint import iter_hf_tensors, load_model_args
+
+        engine = cls(load_model_args(path), config, tp_mesh=tp_mesh, device=device)
+        loaded = engine.load_weights(iter_hf_tensors(path))
+        missing = sorted(set(engine.param_slots()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {str(path)!r} lacks tensors: {missing[:8]}")
+        return engine
+
+    # ------------------------------------------------------------------ weights
+    def param_slots(self) -> dict[str, ParamSlot]:
+        """Training parameter name -> view of this rank's TP shard inside the engine's weights."""
+        return self.model.param_slots()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy FULL tensors (training names) into the slots, taking this rank's shard. Returns the names loaded.
+
+        `lm_head.weight` is skipped for tied embeddings (Hugging Face checkpoints may carry it).
+        """
+        slots = self.param_slots()
+        t, r = self.tp.size, self.tp.rank
+        loaded = set()
+        for name, tensor in named_tensors:
+            if name not in slots:
+                if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                    continue
+                raise ValueError(f"load_weights: the engine has no parameter {name!r}")
+            full = self.model.full_shapes[name]
+            if tuple(tensor.shape) != full:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {full}")
+            slot = slots[name]
+            if slot.shard_dim is not None:
+                n = full[slot.shard_dim] // t
+                tensor = tensor.narrow(slot.shard_dim, r * n, n)
+            slot.view.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def free_weights(self) -> None:
+        """Release the weight buffer (param_slots() views become invalid)."""
+        self.model.free()
+
+    def init_weights_storage(self) -> None:
+        """Re-allocate the weight buffer (uninitialised); call param_slots() again for the new views."""
+        if not self.model.allocated:
+            self.model.allocate()
+
+    # ------------------------------------------------------------------ KV cache
+    def _activation_reserve_bytes(self) -> int:
+        """Rough peak of activations outside the pool: a full prefill step and a decode step's logits."""
+        m, c = self.model, self.config
+        elem = torch.empty((), dtype=m.dtype).element_size()
+        per_token = (4 * m.hidden + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 3 * m.inter) * elem
+        rows = max(c.max_num_seqs, max(self.runner.capture_sizes, default=1))
+        logits = rows * m.args.vocab_size * (elem + 4 + 8)  # logits, float32 scaled copy, sort indices
+        return c.max_num_batched_tokens * per_token + 2 * logits + (256 << 20)
+
+    def _num_kv_blocks(self) -> int:
+        c, runner = self.config, self.runner
+        per_block = runner.kv_bytes_per_block()
+        if c.num_kv_blocks is not None:
+            n = c.num_kv_blocks
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * c.gpu_memory_utilization) - self._activation_reserve_bytes()
+            else:
+                budget = CPU_KV_CACHE_BYTES
+            cap = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)  # more could never be used
+            n = min(max(budget // per_block, 0), cap)
+            need = cdiv(self.max_model_len, c.block_size)
+            if n < need:
+                raise RuntimeError(
+                    f"the KV pool would hold {n} blocks ({n * per_block / 2**30:.2f} GiB) but one sequence of "
+                    f"max_model_len={self.max_model_len} needs {need}: free memory or raise gpu_memory_utilization")
+        # Every rank must schedule identically: agree on the smallest pool.
+        return self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
+
+    def init_cache(self) -> None:
+        """Allocate the KV pool (no-op if it exists)."""
+        if self.runner.kv_cache is None:
+            self.runner.allocate_cache(self._num_kv_blocks())
+
+    def free_cache(self) -> None:
+        """Release the KV pool (generate() re-allocates it)."""
+        self.runner.free_cache()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    # ------------------------------------------------------------------ generation
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        v = self.args.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves no room "
+                                 f"for a response")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= v:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {v})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams) -> list[RequestOutput]:
+        """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`."""
+        if not self.model.allocated:
+            raise RuntimeError("the engine's weights are released: call init_weights_storage() and load them")
+        params = sampling_params
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        self._validate(prompts, params)
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        self.init_cache()
+        c = self.config
+        bm = BlockManager(self.runner.num_blocks, c.block_size, int(WATERMARK_FRACTION * self.runner.num_blocks))
+        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
+        stops = params.stop_set(self.args.eos_token_id)
+        n = params.n
+        for i, p in enumerate(prompts):
+            sched.add(Sequence(seq_id=i * n, prompt_index=i, sample_index=0, token_ids=list(p),
+                               num_prompt_tokens=len(p), max_len=min(len(p) + params.max_tokens, self.max_model_len),
+                               seed=params.seed, num_samples=n, stop_token_ids=stops))
+        self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
+
+        samples: dict[tuple[int, int], Sequence] = {}
+        steps = {"prefill": 0, "decode": 0}
+        pending = None
+        while sched.has_unfinished():
+            if pending is not None and sched.next_is_prefill():
+                self._process(sched, pending, samples)
+                pending = None
+            batch = sched.schedule()
+            steps["prefill" if batch.is_prefill else "decode"] += 1
+            launched = self.runner.execute(batch)
+            if pending is not None:
+                self._process(sched, pending, samples)
+            pending = launched
+        if pending is not None:
+            self._process(sched, pending, samples)
+
+        outputs = []
+        for i, p in enumerate(prompts):
+            for k in range(n):
+                s = samples[(i, k)]
+                outputs.append(RequestOutput(prompt_index=i, sample_index=k, prompt_token_ids=p,
+                                             token_ids=s.output_token_ids, logprobs=s.logprobs,
+                                             finish_reason=s.finish_reason))
+        self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
+                           "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
+                           "wall_s": time.perf_counter() - t0}
+        if c.free_cache_engine:
+            self.free_cache()
+        return outputs
+
+    @staticmethod
+    def _process(sched: Scheduler, step, samples: dict) -> None:
+        tokens, logprobs = step.result()
+        for s in step.batch.sample_seqs:
+            samples[(s.prompt_index, s.sample_index)] = s
+        sched.postprocess(step.batch, tokens, logprobs)

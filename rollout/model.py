@@ -1,0 +1,246 @@
+"""The engine's tensor-parallel copy of the `models.Transformer` weights and its forward.
+
+All weights of one rank live in one flat buffer (`storage`), so that they can be released
+and re-allocated between PPO phases as one block, and a CUDA graph captured over them
+stays valid as long as that one pointer does. Inside it:
+
+* column-parallel (output rows sharded, TP shard j = rows [j n/t, (j+1) n/t)): the fused
+  `qkv` ([q | k | v] of this rank's heads) and `gate_up` ([gate | up]) projections and
+  their biases; the vocab-parallel embedding and LM head (rows = vocabulary ids);
+* row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
+  all-reduce on the TP group (the only collectives of a layer);
+* replicated: the norms and `down_proj`'s bias (added once, after the all-reduce).
+
+`param_slots()` exposes, for every parameter of the training model (its names), the view of
+this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
+the shard dimension, and construction checks that the fused layout agrees with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.args import ModelArgs
+from models.parallel_plan import tp_shard_dim
+from models.transformer import Transformer, rope_cos_sin, rope_inv_freq
+from rollout.attention import AttentionMetadata
+from rollout.parallel import TPGroup
+
+_ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vectorised loads
+
+
+@dataclass
+class ParamSlot:
+    """A view into the engine's weights holding this rank's TP shard of one training parameter.
+
+    `shard_dim` is `tp_shard_dim(name)`: the view is rows/columns `[j n/t, (j+1) n/t)` of the full
+    parameter along it (j = TP rank), or the whole parameter when it is None.
+    """
+
+    view: torch.Tensor
+    shard_dim: int | None
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor  # [H]
+    qkv_w: torch.Tensor  # [(Hq + 2 Hkv) D / t, H]
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor  # [H, Hq D / t]
+    post_norm: torch.Tensor  # [H]
+    gate_up_w: torch.Tensor  # [2 I / t, H]
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor  # [H, I / t]
+    down_b: torch.Tensor | None  # [H], replicated
+
+
+def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
+    for what, value in (("vocab_size", args.vocab_size), ("num_attention_heads", args.num_attention_heads),
+                        ("num_key_value_heads", args.num_key_value_heads),
+                        ("intermediate_size", args.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
+
+
+class EngineModel:
+    """Weights (one flat buffer) + the forward of the paged-KV engine for one TP rank."""
+
+    def __init__(self, args: ModelArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_model_len: int):
+        check_tp_divisibility(args, tp.size)
+        self.args, self.tp, self.dtype, self.device = args, tp, dtype, device
+        t = tp.size
+        self.hidden = args.hidden_size
+        self.head_dim = args.head_dim
+        self.num_heads = args.num_attention_heads // t
+        self.num_kv_heads = args.num_key_value_heads // t
+        self.inter = args.intermediate_size // t
+        self.vocab_local = args.vocab_size // t
+        self.vocab_start = tp.rank * self.vocab_local
+        self.scale = self.head_dim ** -0.5
+        self._plan_layout()
+        # RoPE tables [max_model_len, D/2] in the model dtype, computed as the training model
+        # computes them (float32 angles, then cast), on the engine's device.
+        pos = torch.arange(max_model_len, device=device)
+        cos, sin = rope_cos_sin(rope_inv_freq(args, device=device), pos, dtype)
+        self.cos = cos[:, :self.head_dim // 2].contiguous()
+        self.sin = sin[:, :self.head_dim // 2].contiguous()
+        self.storage: torch.Tensor | None = None
+        self.allocate()
+
+    # ------------------------------------------------------------------ layout
+    def _plan_layout(self) -> None:
+        """Engine buffers (name -> local shape) and the training-name -> buffer mapping."""
+        a, t = self.args, self.tp.size
+        h, d = self.hidden, self.head_dim
+        q, kv, inter = self.num_heads * d, self.num_kv_heads * d, self.inter
+        buffers: dict[str, tuple[int, ...]] = {"embed": (self.vocab_local, h), "norm": (h,)}
+        if not a.tie_word_embeddings:
+            buffers["lm_head"] = (self.vocab_local, h)
+        # training name -> (buffer, first row, rows or None for the whole buffer)
+        plan: dict[str, tuple[str, int, int | None]] = {
+            "embed_tokens.weight": ("embed", 0, None), "norm.weight": ("norm", 0, None)}
+        if not a.tie_word_embeddings:
+            plan["lm_head.weight"] = ("lm_head", 0, None)
+        for i in range(a.num_hidden_layers):
+            p, b = f"layers.{i}.", f"layers.{i}."
+            buffers[b + "in_norm"] = (h,)
+            buffers[b + "post_norm"] = (h,)
+            buffers[b + "qkv_w"] = (q + 2 * kv, h)
+            buffers[b + "o_w"] = (h, q)
+            buffers[b + "gate_up_w"] = (2 * inter, h)
+            buffers[b + "down_w"] = (h, inter)
+            plan[p + "input_layernorm.weight"] = (b + "in_norm", 0, None)
+            plan[p + "post_attention_layernorm.weight"] = (b + "post_norm", 0, None)
+            plan[p + "self_attn.o_proj.weight"] = (b + "o_w", 0, None)
+            plan[p + "mlp.down_proj.weight"] = (b + "down_w", 0, None)
+            for kind in ("weight",) + (("bias",) if a.attention_bias else ()):
+                buf = b + ("qkv_w" if kind == "weight" else "qkv_b")
+                plan[p + f"self_attn.q_proj.{kind}"] = (buf, 0, q)
+                plan[p + f"self_attn.k_proj.{kind}"] = (buf, q, kv)
+                plan[p + f"self_attn.v_proj.{kind}"] = (buf, q + kv, kv)
+            if a.attention_bias:
+                buffers[b + "qkv_b"] = (q + 2 * kv,)
+            for kind in ("weight",) + (("bias",) if a.mlp_bias else ()):
+                buf = b + ("gate_up_w" if kind == "weight" else "gate_up_b")
+                plan[p + f"mlp.gate_proj.{kind}"] = (buf, 0, inter)
+                plan[p + f"mlp.up_proj.{kind}"] = (buf, inter, inter)
+            if a.mlp_bias:
+                buffers[b + "gate_up_b"] = (2 * inter,)
+                buffers[b + "down_b"] = (h,)
+                plan[p + "mlp.down_proj.bias"] = (b + "down_b", 0, None)
+        self._buffers, self._plan = buffers, plan
+
+        # The training model is the source of truth for names and full shapes.
+        with torch.device("meta"):
+            ref = Transformer(a)
+        self.full_shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+        if set(self.full_shapes) != set(plan):
+            raise AssertionError(f"engine layout and models.Transformer disagree: "
+                                 f"{sorted(set(self.full_shapes) ^ set(plan))[:6]}")
+        for name, full in self.full_shapes.items():
+            buf, _, rows = plan[name]
+            local = (rows,) + buffers[buf][1:] if rows is not None else buffers[buf]
+            dim = tp_shard_dim(name)
+            expect = tuple(s // t if i == dim else s for i, s in enumerate(full))
+            if tuple(local) != expect:
+                raise AssertionError(f"{name}: engine shard {tuple(local)} != {expect} (tp_shard_dim={dim})")
+            if dim == 1 and rows is not None:
+                raise AssertionError(f"{name}: a fused buffer cannot hold a dim-1 shard")
+
+    # ------------------------------------------------------------------ storage
+    def allocate(self) -> None:
+        """(Re-)allocate the flat weight buffer, uninitialised, and rebuild every view."""
+        offsets, total = {}, 0
+        for name, shape in self._buffers.items():
+            offsets[name] = total
+            n = 1
+            for s in shape:
+                n *= s
+            total += -(-n // _ALIGN) * _ALIGN
+        self.storage = torch.empty(total, dtype=self.dtype, device=self.device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, shape in self._buffers.items():
+            n = 1
+            for s in shape:
+                n *= s
+            self.buffers[name] = self.storage[offsets[name]:offsets[name] + n].view(shape)
+        self._slots = {}
+        for name, (buf, row0, rows) in self._plan.items():
+            view = self.buffers[buf] if rows is None else self.buffers[buf][row0:row0 + rows]
+            self._slots[name] = ParamSlot(view, tp_shard_dim(name))
+        B = self.buffers
+        self.embed_w = B["embed"]
+        self.norm_w = B["norm"]
+        self.head_w = B["embed"] if self.args.tie_word_embeddings else B["lm_head"]
+        self.layers = [
+            LayerWeights(B[f"layers.{i}.in_norm"], B[f"layers.{i}.qkv_w"], B.get(f"layers.{i}.qkv_b"),
+                         B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
+                         B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"))
+            for i in range(self.args.num_hidden_layers)]
+
+    def free(self) -> None:
+        self.storage = None
+        self.buffers, self._slots, self.layers = {}, {}, []
+        self.embed_w = self.norm_w = self.head_w = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.storage is not None
+
+    @property
+    def weight_bytes(self) -> int:
+        n = sum(torch.Size(s).numel() for s in self._buffers.values())
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def param_slots(self) -> dict[str, ParamSlot]:
+        if not self.allocated:
+            raise RuntimeError("the engine's weights are released: call init_weights_storage() first")
+        return dict(self._slots)
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: each rank looks up its rows, zeros the rest, all-reduce."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed_w)
+        local = ids.long() - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_local)
+        x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
+        return self.tp.all_reduce(x)
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, w, b)
+        y = self.tp.all_reduce(F.linear(x, w))
+        return y if b is None else y + b
+
+    def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
+                ops) -> torch.Tensor:
+        """Tokens `[T]` at `positions [T]` of the sequences in rows `token_slots [T]` -> final-normed hidden `[T, H]`.
+
+        Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`.
+        """
+        eps = self.args.rms_norm_eps
+        x = self.embed(input_ids)
+        residual = None
+        for i, w in enumerate(self.layers):
+            h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
+            qkv = F.linear(h, w.qkv_w, w.qkv_b)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache, block_tables,
+                                   self.num_heads, self.num_kv_heads, self.head_dim)
+            if meta.is_decode:
+                o = ops.decode_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
+            else:
+                o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
+            x = self._row_parallel(o, w.o_w, None)
+            h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
+            x = self._row_parallel(ops.silu_and_mul(F.linear(h, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+        h, _ = ops.rms_norm(x, self.norm_w, eps, residual)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, `[R, V/t]` in the model dtype."""
+        return F.linear(h, self.head_w)

@@ -1,0 +1,84 @@
+"""The engine's fused operations, as a PyTorch reference (`TorchOps`) and Triton kernels (`TritonOps`).
+
+Both classes have the same methods and the same numerics contract: every op reproduces the
+rounding of the training model (`models.transformer`) in the model dtype, so that the
+engine's bf16 logits track the trainer's. `TorchOps` runs everywhere (it is the CPU path
+and the reference in tests); `TritonOps` (in `rollout.triton_kernels`, imported only when
+asked for) runs on CUDA, or on CPU under `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.transformer import apply_rope
+from rollout.attention import AttentionMetadata, decode_attention_ref, prefill_attention_ref
+from rollout.sampler import sample_partials_ref
+
+
+def slot_mapping(block_tables, token_slots, positions, block_size: int) -> torch.Tensor:
+    """Cache row `[T]` (int64) of each token: its page's id times block_size plus the offset in the page."""
+    pos = positions.long()
+    pages = block_tables[token_slots.long(), pos // block_size].long()
+    return pages * block_size + pos % block_size
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x, weight, eps: float, residual=None):
+        """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`."""
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return weight * y, x
+
+    @staticmethod
+    def silu_and_mul(gate_up):
+        """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
+                       num_heads: int, num_kv_heads: int, head_dim: int):
+        """Rotate q and k of `qkv [T, (Hq + 2 Hkv) D]`, write k and v into the cache; return q `[T, Hq, D]`.
+
+        `cos, sin [max_pos, D/2]` in the model dtype (both halves of HF's cos/sin are equal).
+        """
+        t = qkv.shape[0]
+        hq, hkv, d = num_heads, num_kv_heads, head_dim
+        q = qkv[:, :hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        pos = positions.long()
+        c, s = cos[pos], sin[pos]
+        c, s = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        rows = slot_mapping(block_tables, token_slots, positions, k_cache.shape[1])
+        k_cache.view(-1, hkv, d).index_copy_(0, rows, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, rows, v)
+        return q
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
+
+    @staticmethod
+    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+        return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
+
+    @staticmethod
+    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
+        return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start)
+
+
+def get_ops(use_triton: bool):
+    if use_triton:
+        from rollout.triton_kernels import TritonOps
+
+        return TritonOps
+    return TorchOps

@@ -1,0 +1,283 @@
+"""Executes scheduled steps on the device: KV pool, per-sequence device tables, CUDA graphs.
+
+Device-side state that outlives a step, indexed by a sequence's `slot`:
+
+* `block_tables [max_num_seqs + 1, max_blocks_per_seq]` int32: each slot's pages. The
+  scheduler's changes arrive as (slot, column, block) updates, so a decode step uploads
+  only a few integers instead of whole tables.
+* `last_tokens [max_num_seqs + 1]` int64: the last sampled token of each slot. A decode
+  step reads its input tokens from here and writes the sampled ones back, on the device:
+  the host never has to see a token before the next step can start, which lets the engine
+  overlap its bookkeeping of step t with the GPU running step t+1.
+
+Slot `max_num_seqs` is a dummy that pads a decode batch up to its CUDA-graph size; its
+pages all point at a scratch block (the last one of the pool), so padding rows write and
+read only there.
+
+A decode step is `[slots | positions | keys]` (3 x rows int32, one copy from pinned
+memory) in, a replay of the graph captured for the padded batch size (embedding, layers,
+LM head, sampling, `last_tokens` update), and tokens + log-probs out through pinned
+memory with an event: no host synchronisation inside the step. Graphs are captured
+lazily, the first time a batch size is used, and are kept while the weight and KV-pool
+pointers they were captured with stay the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout.attention import PREFILL_TILE, AttentionMetadata
+from rollout.block_manager import cdiv
+from rollout.config import EngineConfig
+from rollout.model import EngineModel
+from rollout.ops import get_ops
+from rollout.sampler import Sampler
+from rollout.sequence import ScheduledBatch
+
+
+def triton_usable(device: torch.device, head_dim: int) -> bool:
+    """Triton kernels need CUDA, an importable triton and a power-of-two head_dim."""
+    if device.type != "cuda" or head_dim & (head_dim - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class StepOutput:
+    """The sampled tokens of a launched step, readable once its event has completed."""
+
+    def __init__(self, batch: ScheduledBatch, tokens: torch.Tensor, logprobs: torch.Tensor, event, n: int):
+        self.batch, self._tokens, self._logprobs, self._event, self.n = batch, tokens, logprobs, event, n
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens[:self.n].tolist(), self._logprobs[:self.n].tolist()
+
+
+class ModelRunner:
+    def __init__(self, model: EngineModel, config: EngineConfig, device: torch.device, max_model_len: int):
+        self.model, self.config, self.device = model, config, device
+        self.use_triton = triton_usable(device, model.head_dim)
+        self.is_cuda = device.type == "cuda"
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.dummy_slot = config.max_num_seqs
+        self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
+        self.capture_sizes = config.capture_sizes() if self.is_cuda and not config.enforce_eager else []
+        self.max_rows = max([config.max_num_seqs] + self.capture_sizes)
+
+        self.block_tables = torch.zeros(self.max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        self.last_tokens = torch.zeros(self.max_num_seqs + 1, dtype=torch.int64, device=device)
+        self.sampler = Sampler(model.tp, model.args.vocab_size, device)
+        self.dec_in = torch.zeros(3, self.max_rows, dtype=torch.int32, device=device)
+        self.dec_tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
+        self.dec_logprobs = torch.zeros(self.max_rows, dtype=torch.float32, device=device)
+        pin = self.is_cuda
+        self._in_host = [torch.zeros(3, self.max_rows, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._tok_host = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._lp_host = [torch.zeros(self.max_rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
+
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._graph_key = None
+        self.step_events: list | None = None  # set to [] to record (is_prefill, rows, start, end) CUDA events
+
+    @property
+    def ops(self):
+        return get_ops(self.use_triton)
+
+    # ------------------------------------------------------------------ KV pool
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=m.dtype).element_size()
+        return m.args.num_hidden_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """The pool `[layers, 2, num_blocks + 1, block_size, Hkv/t, D]`; block `num_blocks` is the scratch block."""
+        m = self.model
+        self.kv_cache = torch.empty(m.args.num_hidden_layers, 2, num_blocks + 1, self.block_size, m.num_kv_heads,
+                                    m.head_dim, dtype=m.dtype, device=self.device)
+        self.num_blocks = num_blocks
+        self.block_tables[self.dummy_slot].fill_(num_blocks)
+
+    def free_cache(self) -> None:
+        self.kv_cache = None
+        self.num_blocks = 0
+
+    def _check_graphs(self) -> None:
+        """Drop graphs captured over other weight / KV-pool memory than the current one."""
+        key = (self.model.storage.data_ptr(), self.kv_cache.data_ptr(), self.num_blocks)
+        if key != self._graph_key:
+            self.graphs = {}
+            self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
+            self._graph_key = key
+
+    # ------------------------------------------------------------------ splits
+    def _decode_splits(self, rows: int) -> int:
+        if not self.use_triton:
+            return 1
+        from rollout.triton_kernels import num_sms
+
+        # Enough (sequence, KV head, split) programs for two waves; the chunk per split is
+        # derived from each sequence's own length inside the kernel, so this is graph-safe.
+        return max(1, min(16, cdiv(2 * num_sms(self.device), rows * self.model.num_kv_heads)))
+
+    def _sample_splits(self, rows: int) -> int:
+        if not self.use_triton:
+            return 1
+        from rollout.triton_kernels import num_sms
+
+        return max(1, min(self.model.vocab_local // 4096 or 1, cdiv(2 * num_sms(self.device), rows)))
+
+    # ------------------------------------------------------------------ steps
+    def begin_generate(self, temperature: float, top_k: int, top_p: float) -> None:
+        self.sampler.set_params(temperature, top_k, top_p)
+        self._check_graphs()
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Launch one step (asynchronously on CUDA); the returned handle yields its sampled tokens."""
+        start = end = None
+        if self.step_events is not None and self.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._apply_updates(batch)
+        if batch.is_prefill:
+            tokens, logprobs = self._run_prefill(batch)
+        else:
+            tokens, logprobs = self._run_decode(batch)
+        n = len(batch.sample_seqs)
+        f = self._flip
+        self._flip ^= 1
+        tok_h, lp_h = self._tok_host[f], self._lp_host[f]
+        tok_h[:n].copy_(tokens[:n], non_blocking=self.is_cuda)
+        lp_h[:n].copy_(logprobs[:n], non_blocking=self.is_cuda)
+        event = None
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if end is not None:
+            end.record()
+            self.step_events.append((batch.is_prefill, len(batch.seqs), start, end))
+        return StepOutput(batch, tok_h, lp_h, event, n)
+
+    def _apply_updates(self, batch: ScheduledBatch) -> None:
+        if batch.block_table_updates:
+            u = torch.from_numpy(np.asarray(batch.block_table_updates, dtype=np.int64)).to(self.device, non_blocking=True)
+            self.block_tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+        if batch.copies:
+            c = torch.from_numpy(np.asarray(batch.copies, dtype=np.int64)).to(self.device, non_blocking=True)
+            self.kv_cache[:, :, c[:, 1]] = self.kv_cache[:, :, c[:, 0]]
+
+    # ------------------------------------------------------------------ decode
+    def _graph_size(self, rows: int) -> int | None:
+        for s in self.capture_sizes:
+            if s >= rows:
+                return s
+        return None
+
+    def _run_decode(self, batch: ScheduledBatch):
+        b = len(batch.seqs)
+        padded = self._graph_size(b)
+        use_graph = padded is not None and not self.sampler.truncates
+        rows = padded if use_graph else b
+        host = self._in_host[self._flip].numpy()
+        host[0, :b] = batch.slots
+        host[1, :b] = batch.starts
+        host[2, :b] = np.asarray([s.key for s in batch.seqs], dtype=np.uint32).view(np.int32)
+        host[0, b:rows] = self.dummy_slot
+        host[1:, b:rows] = 0
+        if use_graph and rows not in self.graphs:
+            self._capture(rows)
+        self.dec_in.copy_(self._in_host[self._flip], non_blocking=self.is_cuda)
+        if use_graph:
+            self.graphs[rows].replay()
+        else:
+            self._decode_body(rows, max(batch.starts) + 1)
+        return self.dec_tokens, self.dec_logprobs
+
+    def _decode_body(self, rows: int, max_context_len: int) -> None:
+        """One decode step over the first `rows` entries of `dec_in`; results in `dec_tokens` / `dec_logprobs`."""
+        m, ops = self.model, self.ops
+        slots, positions, keys = self.dec_in[0, :rows], self.dec_in[1, :rows], self.dec_in[2, :rows]
+        context_lens = positions + 1
+        meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=context_lens,
+                                 max_context_len=max_context_len, num_splits=self._decode_splits(rows))
+        slots_l = slots.long()
+        h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops)
+        logits = m.logits(h)
+        tokens, logprobs = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
+                                        self._sample_splits(rows))
+        self.last_tokens[slots_l] = tokens
+        self.dec_tokens[:rows].copy_(tokens)
+        self.dec_logprobs[:rows].copy_(logprobs)
+
+    def _capture(self, rows: int) -> None:
+        """Capture the decode step for `rows` sequences (inputs: the dummy slot, harmless to real state)."""
+        self.dec_in[0, :rows].fill_(self.dummy_slot)
+        self.dec_in[1:, :rows].zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._decode_body(rows, 1)  # warm-up: Triton compilation, cuBLAS workspaces
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._decode_body(rows, 1)
+        self.graphs[rows] = graph
+
+    # ------------------------------------------------------------------ prefill
+    def _run_prefill(self, batch: ScheduledBatch):
+        m = self.model
+        ids: list[int] = []
+        cu = [0]
+        ctx, tile_seq, tile_start = [], [], []
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.chunk_lens)):
+            ids.extend(seq.token_ids[start:start + n])
+            cu.append(cu[-1] + n)
+            ctx.append(start + n)
+            for t0 in range(0, n, PREFILL_TILE):
+                tile_seq.append(i)
+                tile_start.append(t0)
+        if min(ids) < 0:
+            raise RuntimeError("prefill of a token whose value is unknown: results were not processed first")
+        starts = np.asarray(batch.starts, dtype=np.int32)
+        lens = np.asarray(batch.chunk_lens, dtype=np.int32)
+        slots = np.asarray(batch.slots, dtype=np.int32)
+        positions = np.repeat(starts - np.cumsum(np.concatenate([[0], lens[:-1]])), lens) + np.arange(len(ids))
+        cu_np = np.asarray(cu, dtype=np.int32)
+        rows_src = cu_np[1:][np.asarray(batch.sample_src, dtype=np.int64)] - 1
+        keys = np.asarray([s.key for s in batch.sample_seqs], dtype=np.uint32).view(np.int32)
+        parts = [np.asarray(ids, dtype=np.int32), positions.astype(np.int32), np.repeat(slots, lens), cu_np,
+                 np.asarray(ctx, dtype=np.int32), slots, np.asarray(tile_seq, dtype=np.int32),
+                 np.asarray(tile_start, dtype=np.int32), rows_src.astype(np.int32),
+                 np.asarray(batch.sample_slots, dtype=np.int32), keys,
+                 np.asarray(batch.sample_positions, dtype=np.int32)]
+        # One upload. From pageable memory a non-blocking copy is staged before it returns, so
+        # `flat`'s host source may go away; it does not wait for the GPU.
+        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        views, o = [], 0
+        for p in parts:
+            views.append(flat[o:o + len(p)])
+            o += len(p)
+        (ids_d, pos_d, tslots_d, cu_d, ctx_d, slots_d, tseq_d, tstart_d, src_d, rslots_d, keys_d, spos_d) = views
+        meta = AttentionMetadata(is_decode=False, slots=slots_d, context_lens=ctx_d, max_context_len=max(ctx),
+                                 cu_q=cu_d, max_q_len=int(lens.max()), tile_seq=tseq_d, tile_start=tstart_d,
+                                 host_cu_q=cu, host_context_lens=ctx)
+        h = m.forward(ids_d, pos_d, tslots_d, meta, self.kv_cache, self.block_tables, self.ops)
+        if not batch.sample_seqs:
+            return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
+        logits = m.logits(h[src_d.long()])
+        r = logits.shape[0]
+        tokens, logprobs = self.sampler(logits, keys_d, spos_d, self.ops, self.sampler.threshold(logits),
+                                        self._sample_splits(r))
+        self.last_tokens[rslots_d.long()] = tokens
+        return tokens, logprobs

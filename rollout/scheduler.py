@@ -1,0 +1,222 @@
+"""Continuous batching with chunked prefill and preemption by recompute (pure Python).
+
+Each step is either a prefill step or a decode step:
+
+* prefill (taken whenever there is prefill work that fits): continue the prompts already
+  being prefilled, then admit waiting sequences first-come first-served while there are
+  slots (`max_num_seqs`, counting the `n` samples of a prompt), KV blocks for the whole
+  prompt (above a small watermark) and token budget (`max_num_batched_tokens`; a prompt
+  longer than what is left is split into chunks when `enable_chunked_prefill`).
+* decode: one token for every running sequence, in admission order. A sequence that needs
+  a block when none is free preempts the most recently admitted running sequence (possibly
+  itself): its blocks are freed and it goes back to the front of the queue, to be
+  recomputed later as a prompt made of its prompt and the tokens it has generated.
+
+Separating the two keeps every decode step a pure, fixed-shape batch that a CUDA graph can
+replay. The scheduler never needs token *values* for decode steps (the engine feeds the
+model from the tokens it sampled on the device), so `schedule()` can run before the
+previous step's tokens are back on the host; `postprocess()` fills them in later and ends
+sequences on a stop token, at most one step late (the extra token is dropped).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rollout.block_manager import BlockManager
+from rollout.sequence import PLACEHOLDER, ScheduledBatch, Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out 0 first
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+    def add(self, seq: Sequence) -> None:
+        """Queue a fresh prompt (`seq.num_samples` samples will fork from it)."""
+        bm = self.block_manager
+        if seq.num_samples > self.max_num_seqs:
+            raise ValueError(f"n={seq.num_samples} samples exceed max_num_seqs={self.max_num_seqs}")
+        # A preempted sequence is recomputed from up to max_len - 1 tokens; that must fit alone.
+        need = bm.blocks_for(seq.max_len - 1)
+        if need > bm.num_blocks - bm.watermark_blocks:
+            raise ValueError(
+                f"a sequence of {seq.max_len} tokens needs {need} KV blocks but the pool has "
+                f"{bm.num_blocks} (watermark {bm.watermark_blocks}): raise num_kv_blocks / "
+                f"gpu_memory_utilization or lower max_tokens")
+        if not self.enable_chunked_prefill and seq.max_len - 1 > self.max_num_batched_tokens:
+            raise ValueError(
+                f"a sequence of {seq.max_len} tokens cannot be prefilled in one step of "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} without chunked prefill")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admissible(self, seq: Sequence, budget: int) -> bool:
+        if len(self.free_slots) < seq.num_samples:
+            return False
+        if not self.enable_chunked_prefill and seq.num_tokens > budget:
+            return False
+        return self.block_manager.can_allocate(seq.num_tokens)
+
+    def next_is_prefill(self) -> bool:
+        """Whether `schedule()` would now return a prefill step (it needs host-side token values)."""
+        if any(s.prefilling for s in self.running):
+            return True
+        return bool(self.waiting) and self._admissible(self.waiting[0], self.max_num_batched_tokens)
+
+    # ----------------------------------------------------------------- scheduling
+    def schedule(self) -> ScheduledBatch:
+        if self.next_is_prefill():
+            batch = self._schedule_prefill()
+        else:
+            batch = self._schedule_decode()
+        if not batch.seqs and self.has_unfinished():
+            raise RuntimeError("scheduler made no progress: nothing running and the next prompt does not fit")
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=True)
+        budget = self.max_num_batched_tokens
+        finished: list[Sequence] = []
+        for seq in self.running:
+            if not seq.prefilling or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            budget -= n
+            self._add_chunk(batch, seq, n, finished)
+        bm = self.block_manager
+        while self.waiting and budget > 0 and self._admissible(self.waiting[0], budget):
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            seq.reserved_slots = [self.free_slots.pop() for _ in range(seq.num_samples - 1)]
+            batch.block_table_updates += bm.allocate(seq, seq.num_tokens)
+            seq.status = SeqStatus.RUNNING
+            seq.prefilling = True
+            seq.num_computed_tokens = 0
+            self.running.append(seq)
+            n = min(seq.num_tokens, budget)
+            budget -= n
+            self._add_chunk(batch, seq, n, finished)
+        # Freed only now: a block or slot released mid-step must not be handed to another
+        # sequence of the same step, whose writes would race with this one's.
+        for seq in finished:
+            self._release(seq)
+        return batch
+
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, n: int, finished: list[Sequence]) -> None:
+        idx = len(batch.seqs)
+        batch.seqs.append(seq)
+        batch.slots.append(seq.slot)
+        batch.starts.append(seq.num_computed_tokens)
+        batch.chunk_lens.append(n)
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens < seq.num_tokens:
+            return  # more chunks to come
+        seq.prefilling = False
+        rows = [seq]
+        for k in range(1, seq.num_samples):
+            child = Sequence(
+                seq_id=seq.seq_id + k, prompt_index=seq.prompt_index, sample_index=seq.sample_index + k,
+                token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens, max_len=seq.max_len,
+                seed=seq.seed, stop_token_ids=seq.stop_token_ids, status=SeqStatus.RUNNING,
+                num_computed_tokens=seq.num_computed_tokens, slot=seq.reserved_slots[k - 1])
+            batch.block_table_updates += self.block_manager.fork(seq, child)
+            self.running.append(child)
+            rows.append(child)
+        seq.num_samples, seq.reserved_slots = 1, []
+        for s in rows:
+            self._add_sample(batch, s, idx, finished)
+
+    def _add_sample(self, batch: ScheduledBatch, seq: Sequence, src: int, finished: list[Sequence]) -> None:
+        batch.sample_seqs.append(seq)
+        batch.sample_slots.append(seq.slot)
+        batch.sample_src.append(src)
+        batch.sample_positions.append(len(seq.token_ids))
+        seq.token_ids.append(PLACEHOLDER)
+        if len(seq.token_ids) >= seq.max_len:
+            finished.append(seq)  # its last token is scheduled: no further step needs it
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=False)
+        bm = self.block_manager
+        running = self.running
+        finished: list[Sequence] = []
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            while not bm.can_append(seq):
+                victim = running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # preempted itself: it was the last one
+            update, copy = bm.append_slot(seq)
+            if update is not None:
+                batch.block_table_updates.append(update)
+            if copy is not None:
+                batch.copies.append(copy)
+            idx = len(batch.seqs)
+            batch.seqs.append(seq)
+            batch.slots.append(seq.slot)
+            batch.starts.append(seq.num_computed_tokens)
+            batch.chunk_lens.append(1)
+            seq.num_computed_tokens += 1
+            self._add_sample(batch, seq, idx, finished)
+            i += 1
+        for seq in finished:
+            self._release(seq)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's KV; it is recomputed from its tokens when readmitted."""
+        self.block_manager.free(seq)
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
+        seq.num_computed_tokens = 0
+        seq.prefilling = False
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back everything a sequence holds (idempotent)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+        self.free_slots.extend(seq.reserved_slots)
+        seq.slot, seq.reserved_slots = -1, []
+        seq.status = SeqStatus.FINISHED
+
+    # ----------------------------------------------------------------- results
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float]) -> None:
+        """Record the sampled tokens of `batch` (one per sample row) and end stopped sequences."""
+        for seq, pos, tok, lp in zip(batch.sample_seqs, batch.sample_positions, token_ids, logprobs):
+            if seq.finish_reason is not None:
+                continue  # stopped at an earlier token; this one was computed before we knew
+            assert len(seq.logprobs) == pos - seq.num_prompt_tokens, "results processed out of order"
+            seq.token_ids[pos] = tok
+            seq.logprobs.append(lp)
+            if tok in seq.stop_token_ids:
+                seq.finish_reason = "stop"
+                del seq.token_ids[pos + 1:]
+                self._release(seq)
+            elif pos + 1 >= seq.max_len:
+                seq.finish_reason = "length"

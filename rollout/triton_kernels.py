@@ -1,0 +1,407 @@
+"""Triton kernels of the engine (CUDA; also runnable on CPU under `TRITON_INTERPRET=1`).
+
+`TritonOps` has the methods of `rollout.ops.TorchOps` and the same numerics (roundings to the
+model dtype where the training model rounds). Kernels with a fixed grid per batch size and
+no host synchronisation, so that a decode step can be captured in a CUDA graph:
+
+* `rms_norm`: residual add + RMSNorm in one pass.
+* `silu_and_mul`: the gated MLP activation.
+* `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache.
+* `decode_attention`: split-K flash decoding over the paged cache; one program per
+  (sequence, KV head, split) computes all query heads of its group with one `tl.dot`, so
+  each K/V row is read once; a second kernel merges splits by log-sum-exp.
+* `prefill_attention`: flash attention of packed query chunks over their paged context
+  (prefix included), causal.
+* `sample_partials`: the exponential race and log-normaliser over vocabulary chunks.
+
+float32 inputs use IEEE dot products (`input_precision="ieee"`): TF32 would cost the
+float32 engine its agreement with the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.attention import PREFILL_TILE, AttentionMetadata
+
+# ---------------------------------------------------------------------------- norms, MLP
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
+        tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * rstd).to(x.dtype)  # HF casts back before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    tl.store(out_ptr + row * stride_o + col, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+
+
+# ---------------------------------------------------------------------------- RoPE + cache write
+
+
+@triton.jit
+def _rotate(x1, x2, c, s):
+    """HF's `x * cos + rotate_half(x) * sin`, each product rounded to the dtype as torch does."""
+    dt = x1.dtype
+    a = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
+    b = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
+    e = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
+    f = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
+    return (a - b).to(dt), (e + f).to(dt)
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt, cos_ptr, sin_ptr,
+                       k_cache_ptr, v_cache_ptr,
+                       PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       HQ_P: tl.constexpr, HKV_P: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(tslot_ptr + t).to(tl.int64)
+    page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
+    row = page * PAGE + pos % PAGE
+    HALF: tl.constexpr = D // 2
+    i = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
+    base = qkv_ptr + t * stride_t
+
+    h = tl.arange(0, HQ_P)[:, None]
+    hm = h < HQ
+    p = base + h * D + i[None, :]
+    o1, o2 = _rotate(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s)
+    tl.store(p, o1, mask=hm)
+    tl.store(p + HALF, o2, mask=hm)
+
+    h = tl.arange(0, HKV_P)[:, None]
+    hm = h < HKV
+    p = base + HQ * D + h * D + i[None, :]
+    o1, o2 = _rotate(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s)
+    dst = row * (HKV * D) + h * D + i[None, :]
+    tl.store(k_cache_ptr + dst, o1, mask=hm)
+    tl.store(k_cache_ptr + dst + HALF, o2, mask=hm)
+    d = tl.arange(0, D)[None, :]
+    v = tl.load(base + (HQ + HKV) * D + h * D + d, mask=hm)
+    tl.store(v_cache_ptr + row * (HKV * D) + h * D + d, v, mask=hm)
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
+                        out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale,
+                        HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
+        off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
+        k = tl.load(k_ptr + off, mask=nm[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale  # log2 units
+        qk = tl.where(nm[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        nonempty = l_i > 0  # a split past the end of a short context saw no key
+        safe_l = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, m_i + tl.log2(safe_l), float("-inf"))
+        idx = (b * HQ + heads) * NUM_SPLITS + sp
+        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], acc / safe_l[:, None], mask=gm[:, None])
+        tl.store(part_lse_ptr + idx, lse, mask=gm)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob,
+                          HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_P: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_P)
+    sm = s < NUM_SPLITS
+    d = tl.arange(0, D)
+    idx = (b * HQ + h) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + idx, mask=sm, other=float("-inf"))
+    w = tl.where(sm, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # split 0 is never empty: the max is finite
+    o = tl.load(part_o_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
+                         cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
+                         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    m0 = tl.load(tile_start_ptr + tile)
+    q0 = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q0
+    ctx = tl.load(ctx_ptr + seq)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    kvh = h // G
+
+    m = m0 + tl.arange(0, BLOCK_M)
+    mm = m < q_len
+    qpos = ctx - q_len + m
+    d = tl.arange(0, D)
+    rows = (q0 + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * D + d[None, :], mask=mm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the tile's last query are masked anyway
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < hi
+        page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
+        off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
+        k = tl.load(k_ptr + off, mask=nm[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        qk = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mm[:, None])
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_ptr, noise_ptr, parts_ptr,
+                   V_LOCAL, VOCAB_START, PER_SPLIT, NUM_SPLITS: tl.constexpr,
+                   HAS_THRESH: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    key = tl.load(keys_ptr + r).to(tl.uint32)
+    pos = tl.load(pos_ptr + r).to(tl.uint32)
+    k1 = _mix32(key ^ _mix32(pos + 0x68E31DA4))
+    k2 = _mix32(k1 + 0x1B56C4E9)
+    inv_t = tl.load(inv_t_ptr)
+    noise = tl.load(noise_ptr)
+    if HAS_THRESH:
+        thresh = tl.load(thresh_ptr + r)
+    else:
+        thresh = float("-inf")
+    start = sp * PER_SPLIT
+    end = tl.minimum(start + PER_SPLIT, V_LOCAL)
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_idx = tl.zeros([BLOCK], tl.int32)
+    lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_m = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_z = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(start, end, BLOCK):
+        idx = v0 + tl.arange(0, BLOCK)
+        msk = idx < end
+        x = tl.load(logits_ptr + r * stride_l + idx, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
+        h = _mix32(_mix32((idx + VOCAB_START).to(tl.uint32) ^ k1) + k2)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = tl.where(msk & (x >= thresh), x - tl.log(-tl.log(u)) * noise, float("-inf"))
+        better = score > lane_best  # strict: a lane keeps its lowest index among ties
+        lane_best = tl.where(better, score, lane_best)
+        lane_idx = tl.where(better, idx, lane_idx)
+        lane_s = tl.where(better, x, lane_s)
+        m_new = tl.maximum(lane_m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        lane_z = lane_z * tl.exp(lane_m - m_safe) + tl.exp(x - m_safe)
+        lane_m = m_new
+    best = tl.max(lane_best, 0)
+    win = tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0)
+    s_win = tl.max(tl.where((lane_idx == win) & (lane_best == best), lane_s, float("-inf")), 0)
+    mmax = tl.max(lane_m, 0)
+    msafe = tl.where(mmax == float("-inf"), 0.0, mmax)
+    z = tl.sum(lane_z * tl.exp(lane_m - msafe), 0)
+    out = parts_ptr + (r * NUM_SPLITS + sp) * 5
+    tl.store(out, best)
+    tl.store(out + 1, (win + VOCAB_START).to(tl.int32).to(tl.float32, bitcast=True))
+    tl.store(out + 2, s_win)
+    tl.store(out + 3, mmax)
+    tl.store(out + 4, z)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.type == "cuda" and device.index is not None else 0)
+
+
+class TritonOps:
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x, weight, eps: float, residual=None):
+        t, n = x.shape
+        block = _pow2(n)
+        out = torch.empty_like(x)
+        if t == 0:
+            return out, (x if residual is None else residual)
+        res = residual if residual is not None else x
+        _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+                               HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        return out, res  # the residual sum is written into `residual` in place
+
+    @staticmethod
+    def silu_and_mul(gate_up):
+        t, n2 = gate_up.shape
+        n = n2 // 2
+        out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+        if t:
+            block = min(1024, _pow2(n))
+            _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+                                                         BLOCK=block, num_warps=4)
+        return out
+
+    @staticmethod
+    def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
+                       num_heads: int, num_kv_heads: int, head_dim: int):
+        t = qkv.shape[0]
+        if t:
+            _rope_cache_kernel[(t,)](qkv, qkv.stride(0), positions, token_slots, block_tables, block_tables.stride(0),
+                                     cos, sin, k_cache, v_cache, PAGE=k_cache.shape[1], HQ=num_heads,
+                                     HKV=num_kv_heads, D=head_dim, HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
+                                     num_warps=4 if num_heads * head_dim >= 2048 else 2)
+        return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+        b, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        g = hq // hkv
+        splits = meta.num_splits
+        out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
+        if b == 0:
+            return out
+        block_n = 64 if d <= 64 else 32
+        if splits > 1:
+            part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+        else:
+            part_o = part_lse = out  # unused
+        _decode_attn_kernel[(b, hkv, splits)](
+            q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens,
+            out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634,
+            HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
+            NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
+        if splits > 1:
+            _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), HQ=hq, D=d, NUM_SPLITS=splits,
+                                           S_P=_pow2(splits), num_warps=4 if d >= 128 else 2)
+        return out
+
+    @staticmethod
+    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+        t, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
+        num_tiles = meta.tile_seq.shape[0]
+        if num_tiles == 0:
+            return out
+        fp32 = q.dtype == torch.float32
+        block_n = 32 if fp32 and d > 64 else 64
+        _prefill_attn_kernel[(num_tiles, hq)](
+            q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), out, out.stride(0),
+            meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
+            HKV=hkv, G=hq // hkv, D=d, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_TILE, BLOCK_N=block_n,
+            IEEE=fp32, num_warps=4)
+        return out
+
+    @staticmethod
+    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
+        r, v = logits.shape
+        block = 1024 if v >= 1024 else _pow2(v)
+        per_split = triton.cdiv(triton.cdiv(v, num_splits), block) * block
+        parts = torch.empty(r, num_splits, 5, dtype=torch.float32, device=logits.device)
+        if r:
+            _sample_kernel[(r, num_splits)](
+                logits, logits.stride(0), keys, positions, thresh if thresh is not None else inv_temp,
+                inv_temp, noise_scale, parts, v, vocab_start, per_split,
+                NUM_SPLITS=num_splits, HAS_THRESH=thresh is not None, BLOCK=block, num_warps=4)
+        return parts

@@ -1,0 +1,404 @@
+"""FSDP2 (`fully_shard`) for the actor, the reference model and the critic.
+
+The order, as in torchtitan: build on meta → `apply_fsdp` (casts to `model_dtype`, applies
+activation checkpointing / offload per block, shards) → `to_empty` → load or initialise the
+local shards (`build_fsdp_model` does all of it). Units, in execution order:
+
+* `embed_tokens` on its own — unless the embedding is tied to the LM head: the tied weight is
+  used again by the root's forward after the last block, so it must stay gathered for the
+  whole forward and therefore lives in the root unit (with the final norm);
+* one unit per transformer block (or per group of blocks, `wrap_policy.min_num_params`);
+* `[norm, lm_head]` (or `[norm, score]` for the critic) as one unit, not resharded after
+  forward when training: backward starts there immediately;
+* the root last, holding whatever is left.
+
+`shard_placement_fn` shards every parameter on its TP dimension (`models.parallel_plan`), so
+that chunk `k` of the shard group lies inside TP shard `k // (S/t)` and the resharder can fill
+the engine with zero redundancy (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from models import ModelArgs, Transformer, iter_hf_tensors, load_model_args, tp_shard_dim
+from models.transformer import RMSNorm
+from sharding.ac import apply_ac
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+_FP16 = ("fp16", "float16", "half")
+# meshppo's block and the Hugging Face classes a verl config names for the same layer.
+_BLOCK_CLASS_NAMES = ("TransformerBlock", "LlamaDecoderLayer", "Qwen2DecoderLayer")
+_WRAP_POLICY_KEYS = ("min_num_params", "transformer_layer_cls_to_wrap")
+
+
+def torch_dtype(name: str, key: str) -> torch.dtype:
+    """`"bf16"` / `"fp32"` (and long spellings) → torch dtype; `key` names the config field in errors."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    if name in _FP16:
+        raise ValueError(f"{key}={name!r} is not supported: fp16 needs loss scaling, which meshppo does not do; use bf16")
+    if name not in _DTYPES:
+        raise ValueError(f"{key}={name!r} is not a dtype meshppo knows; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[name]
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """verl's `fsdp_config.mixed_precision`."""
+
+    param_dtype: str = field(default="bf16", metadata={"help": "dtype parameters are all-gathered and computed in"})
+    reduce_dtype: str = field(default="fp32", metadata={"help": "dtype gradients are reduce-scattered (averaged) in"})
+    buffer_dtype: str = field(default="fp32", metadata={"help": "dtype of module buffers (RoPE frequencies); only fp32"})
+
+    def __post_init__(self):
+        torch_dtype(self.param_dtype, "mixed_precision.param_dtype")
+        torch_dtype(self.reduce_dtype, "mixed_precision.reduce_dtype")
+        if torch_dtype(self.buffer_dtype, "mixed_precision.buffer_dtype") != torch.float32:
+            raise ValueError(f"mixed_precision.buffer_dtype={self.buffer_dtype!r} is not supported: the only buffer is "
+                             f"the RoPE frequency table, which meshppo keeps in fp32")
+
+
+@dataclass
+class FSDPConfig:
+    """verl's `fsdp_config` (actor, ref and critic each have one)."""
+
+    param_offload: bool = field(default=False, metadata={
+        "help": "move the sharded parameters to CPU between phases (offload_states / load_states)"})
+    optimizer_offload: bool = field(default=False, metadata={
+        "help": "move the optimizer states to CPU between phases (offload_states / load_states)"})
+    offload_policy: bool = field(default=False, metadata={
+        "help": "FSDP2 CPUOffloadPolicy: parameters, gradients and the optimizer step live on CPU permanently"})
+    reshard_after_forward: bool = field(default=True, metadata={
+        "help": "free gathered parameters after forward and gather again in backward (ZeRO-3); False: ZeRO-2-like"})
+    fsdp_size: int = field(default=-1, metadata={
+        "help": "-1: FULL_SHARD over all ranks; N: HYBRID_SHARD, shard over groups of N ranks, replicate across"})
+    forward_prefetch: bool = field(default=False, metadata={
+        "help": "explicit prefetch chains: gather the next unit in forward (previous in backward) while computing"})
+    model_dtype: str = field(default="fp32", metadata={
+        "help": "dtype of the sharded (master) parameters: fp32 to train, bf16 is enough for a frozen reference"})
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig, metadata={
+        "help": "compute / reduce dtypes (param_dtype, reduce_dtype, buffer_dtype)"})
+    wrap_policy: dict = field(default_factory=lambda: {"min_num_params": 0}, metadata={
+        "help": "min_num_params: 0 = one FSDP unit per block, N = consecutive blocks grouped into units of >= N params"})
+
+    def __post_init__(self):
+        if isinstance(self.mixed_precision, dict):
+            known = {f.name for f in fields(MixedPrecisionConfig)}
+            unknown = set(self.mixed_precision) - known
+            if unknown:
+                raise ValueError(f"fsdp_config.mixed_precision has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            self.mixed_precision = MixedPrecisionConfig(**self.mixed_precision)
+        for name in ("param_offload", "optimizer_offload", "offload_policy", "reshard_after_forward", "forward_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fsdp_config.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.fsdp_size, int) or self.fsdp_size == 0 or self.fsdp_size < -1:
+            raise ValueError(f"fsdp_config.fsdp_size must be -1 or a positive integer, got {self.fsdp_size!r}")
+        torch_dtype(self.model_dtype, "fsdp_config.model_dtype")
+        if self.offload_policy and (self.param_offload or self.optimizer_offload):
+            raise ValueError("fsdp_config.offload_policy keeps parameters and optimizer states on CPU permanently; "
+                             "param_offload / optimizer_offload (moving them between phases) are then meaningless: "
+                             "set them to false")
+        if not isinstance(self.wrap_policy, dict):
+            raise ValueError(f"fsdp_config.wrap_policy must be a mapping, got {self.wrap_policy!r}")
+        unknown = set(self.wrap_policy) - set(_WRAP_POLICY_KEYS)
+        if unknown:
+            raise ValueError(f"fsdp_config.wrap_policy keys {sorted(unknown)} are not supported; meshppo wraps "
+                             f"transformer blocks and supports {list(_WRAP_POLICY_KEYS)}")
+        mnp = self.wrap_policy.get("min_num_params", 0)
+        if not isinstance(mnp, int) or mnp < 0:
+            raise ValueError(f"fsdp_config.wrap_policy.min_num_params must be a non-negative integer, got {mnp!r}")
+        classes = self.wrap_policy.get("transformer_layer_cls_to_wrap")
+        if classes is not None:
+            classes = [classes] if isinstance(classes, str) else list(classes)
+            bad = [c for c in classes if c not in _BLOCK_CLASS_NAMES]
+            if bad:
+                raise ValueError(f"fsdp_config.wrap_policy.transformer_layer_cls_to_wrap={bad} is not supported: "
+                                 f"meshppo wraps its decoder blocks (one of {list(_BLOCK_CLASS_NAMES)})")
+
+    @property
+    def param_torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.mixed_precision.param_dtype, "mixed_precision.param_dtype")
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.mixed_precision.reduce_dtype, "mixed_precision.reduce_dtype")
+
+    @property
+    def model_torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.model_dtype, "fsdp_config.model_dtype")
+
+
+def fsdp_shard_dim(name: str, shape: torch.Size | tuple[int, ...], shard_size: int) -> int:
+    """The dimension FSDP shards parameter `name` on: its TP dimension, 0 for replicated ones.
+
+    FSDP2 requires even sharding on dimensions other than 0; a row-parallel weight whose input
+    dimension is not divisible by the shard-group size falls back to dim 0 (the resharder then
+    gathers it whole for that parameter, and counts it).
+    """
+    d = tp_shard_dim(name)
+    if d is None or d >= len(shape):
+        return 0
+    if d != 0 and shape[d] % shard_size:
+        return 0
+    return d
+
+
+def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = True,
+               enable_gradient_checkpointing: bool = False, enable_activation_offload: bool = False) -> Transformer:
+    """Shard `model` (in place, on meta or materialised) with FSDP2 on the training `mesh`.
+
+    `mesh`: 1-D `("dp_shard",)` (FULL_SHARD) or 2-D `("dp_replicate", "dp_shard")`
+    (HYBRID_SHARD), e.g. `ParallelMeshes.train`. `trainable=False` (reference model) freezes
+    the parameters and reshards every unit after forward, so a forward-only pass never holds
+    more than one or two gathered units.
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(f"apply_fsdp expects a models.Transformer, got {type(model).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"the training mesh must be 1-D (FULL_SHARD) or 2-D (HYBRID_SHARD), got {mesh.ndim}-D")
+    model.to(cfg.model_torch_dtype)
+    if not trainable:
+        model.requires_grad_(False)
+    apply_ac(model, enable_gradient_checkpointing, enable_activation_offload)
+
+    shard_size = mesh.size(mesh.ndim - 1)
+    names = {p: n for n, p in model.named_parameters()}
+
+    def shard_placement_fn(param: nn.Parameter) -> Shard:
+        return Shard(fsdp_shard_dim(names[param], param.shape, shard_size))
+
+    param_dtype = cfg.param_torch_dtype
+    mp = MixedPrecisionPolicy(
+        # Casting to the dtype the master weights already have would only add copies.
+        param_dtype=None if param_dtype == cfg.model_torch_dtype else param_dtype,
+        reduce_dtype=cfg.reduce_torch_dtype,
+    )
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.offload_policy else OffloadPolicy()
+    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, shard_placement_fn=shard_placement_fn)
+    reshard = cfg.reshard_after_forward or not trainable
+
+    tied = model.head == "lm" and model.args.tie_word_embeddings
+    units: list[nn.Module] = []
+    if not tied:
+        fully_shard(model.embed_tokens, reshard_after_forward=reshard, **common)
+        units.append(model.embed_tokens)
+    groups = _block_groups(model, cfg.wrap_policy.get("min_num_params", 0))
+    for k, group in enumerate(groups):
+        # Backward starts with the last blocks: resharding them after forward would only make
+        # FSDP gather them again at once.
+        last = k == len(groups) - 1
+        fully_shard(group if len(group) > 1 else group[0],
+                    reshard_after_forward=reshard and not (trainable and last), **common)
+        units.append(group[0])
+    if not tied:
+        head = model.score if model.head == "value" else model.lm_head
+        fully_shard([model.norm, head], reshard_after_forward=not trainable, **common)
+        units.append(model.norm)
+    # Root last: it owns what no unit took (the tied embedding and the norm), whose weights are
+    # used at both ends of the forward.
+    fully_shard(model, reshard_after_forward=not trainable, **common)
+
+    if cfg.forward_prefetch:
+        # FSDP2 issues a unit's all-gather in its pre-forward hook, so with a CPU that does not run
+        # far ahead of the GPU the gather is exposed. Asking each unit to prefetch the next one
+        # (the previous one in backward) overlaps the gather with the current unit's compute.
+        model.set_modules_to_forward_prefetch(units[:1])
+        for prev, nxt in zip(units, units[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+    return model
+
+
+def _block_groups(model: Transformer, min_num_params: int) -> list[list[nn.Module]]:
+    blocks = list(model.layers)
+    if min_num_params <= 0 or not blocks:
+        return [[b] for b in blocks]
+    per_block = sum(p.numel() for p in blocks[0].parameters())
+    n = max(1, math.ceil(min_num_params / per_block))
+    return [blocks[i:i + n] for i in range(0, len(blocks), n)]
+
+
+# ------------------------------------------------------------------ building and materialising
+def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfig, *, head: str = "lm",
+                     device: torch.device | str | None = None, trainable: bool = True, seed: int = 0,
+                     enable_gradient_checkpointing: bool = False,
+                     enable_activation_offload: bool = False) -> Transformer:
+    """Build a sharded actor / reference / critic without any rank holding the whole model.
+
+    `source` is either `ModelArgs` (random init, identical on every rank and equal to
+    `Transformer.build(args, head, seed=seed)` on CPU, so tests can compare with an unsharded
+    model) or a Hugging Face checkpoint directory (each rank reads one tensor at a time from the
+    memory-mapped safetensors and keeps only its shard). `device` is the compute device
+    (default: the current CUDA device for a CUDA mesh, else CPU); with `offload_policy` the
+    shards themselves live on CPU.
+    """
+    path = None
+    if isinstance(source, ModelArgs):
+        args = source
+    else:
+        path = source
+        args = load_model_args(path)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(args, head=head)
+    apply_fsdp(model, mesh, cfg, trainable=trainable, enable_gradient_checkpointing=enable_gradient_checkpointing,
+               enable_activation_offload=enable_activation_offload)
+    model.to_empty(device="cpu" if cfg.offload_policy else device)
+    if path is None:
+        tensors = _random_init_tensors(model, seed)
+    else:
+        tensors = _checkpoint_tensors(model, path)
+    load_full_tensors(model, tensors)
+    model.reset_buffers()
+    # Buffers are not sharded and are used on the compute device even when the parameter
+    # shards live on CPU (offload_policy).
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    return model
+
+
+def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's piece of `full` under `param`'s placements (torch.chunk semantics, as FSDP2)."""
+    coord = param.device_mesh.get_coordinate()
+    t = full
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(t, param.device_mesh.size(mesh_dim), dim=placement.dim)
+            idx = coord[mesh_dim]
+            t = chunks[idx] if idx < len(chunks) else t.narrow(placement.dim, 0, 0)
+    return t
+
+
+@torch.no_grad()
+def load_full_tensors(model: nn.Module, tensors) -> None:
+    """Copy `(name, full tensor)` pairs into the local shards of an FSDP model.
+
+    Every parameter must be given exactly once; each full tensor is dropped as soon as its
+    shard is copied, so the peak is one full tensor, never the model.
+    """
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, full in tensors:
+        p = params[name]
+        if tuple(full.shape) != tuple(p.shape):
+            raise ValueError(f"{name!r}: got shape {tuple(full.shape)}, the model has {tuple(p.shape)}")
+        if isinstance(p, DTensor):
+            p.to_local().copy_(local_shard(full, p))
+        else:
+            p.copy_(full)
+        seen.add(name)
+    missing = set(params) - seen
+    if missing:
+        raise ValueError(f"no weights given for {sorted(missing)[:8]}")
+
+
+def _random_init_tensors(model: Transformer, seed: int):
+    """Full initial tensors in the order and with the rules of `Transformer.init_weights`.
+
+    Generated on CPU from one seeded generator, so every rank draws the same numbers without
+    communicating and the result equals `Transformer.build(args, seed=seed)` on CPU (a
+    multi-process test holds the two to that).
+    """
+    g = torch.Generator().manual_seed(seed)
+    std = model.args.initializer_range
+    for mod_name, m in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(m, nn.Linear):
+            yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=g)
+            if m.bias is not None:
+                yield prefix + "bias", torch.zeros(m.bias.shape)
+        elif isinstance(m, nn.Embedding):
+            yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=g)
+        elif isinstance(m, RMSNorm):
+            yield prefix + "weight", torch.ones(m.weight.shape)
+
+
+def _checkpoint_tensors(model: Transformer, path):
+    """Tensors of a HF checkpoint for `model`, with `models.checkpoint.load_pretrained`'s rules:
+    a tied or value model drops `lm_head.weight`; a value head missing from the checkpoint
+    (causal-LM checkpoint, or a classification head without bias) starts at zero."""
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, tensor in iter_hf_tensors(path):
+        if name not in params:
+            if name == "lm_head.weight" and (model.head == "value" or model.args.tie_word_embeddings):
+                continue
+            raise ValueError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not have")
+        if name == "score.weight" and tensor.shape[0] != 1:
+            raise ValueError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head needs 1")
+        seen.add(name)
+        yield name, tensor
+    if model.head == "value":
+        for name in ("score.weight", "score.bias"):
+            if name not in seen:
+                seen.add(name)
+                yield name, torch.zeros(params[name].shape)
+
+
+# ------------------------------------------------------------------ offload between phases
+def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
+    """Move the sharded parameters (and gradients) to CPU and give the device memory back.
+
+    `FSDPModule._apply` reshards first and re-points FSDP's own shard storage at the moved
+    tensors, and `nn.Module._apply` keeps the parameter objects, so an optimizer built on them
+    stays valid.
+    """
+    model.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def load_fsdp_model_to_device(model: nn.Module, device: torch.device | str) -> None:
+    """Bring the sharded parameters back to `device` (inverse of `offload_fsdp_model_to_cpu`)."""
+    model.to(device)
+
+
+def _move_optimizer_states(optimizer: torch.optim.Optimizer, device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            # Scalar `step` counters stay where the optimizer created them: Adam expects them on
+            # CPU unless `capturable`, and they are a few bytes.
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                # Asynchronous only host→device: a device→host copy into pageable memory
+                # could be read before it lands.
+                state[k] = v.to(device, non_blocking=torch.device(device).type != "cpu")
+
+
+def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer states (Adam moments: 2× the fp32 shard) to CPU and free the device memory."""
+    _move_optimizer_states(optimizer, "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Bring the optimizer states back to `device` (inverse of `offload_fsdp_optimizer`)."""
+    _move_optimizer_states(optimizer, device)
+
+
+def offload_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: FSDPConfig) -> None:
+    """Before generation: offload what `cfg.param_offload` / `cfg.optimizer_offload` ask for."""
+    if cfg.param_offload:
+        offload_fsdp_model_to_cpu(model)
+    if cfg.optimizer_offload and optimizer is not None:
+        offload_fsdp_optimizer(optimizer)
+
+
+def load_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: FSDPConfig, device) -> None:
+    """Before a training (or forward) phase: bring back what `offload_states` moved."""
+    if cfg.param_offload:
+        load_fsdp_model_to_device(model, device)
+    if cfg.optimizer_offload and optimizer is not None:
+        load_fsdp_optimizer(optimizer, device)

@@ -1,0 +1,199 @@
+"""Process-group layout: the training mesh, the generation mesh and the resharder's groups.
+
+One validated dataclass, `ParallelDims`, turns the two user-facing sizes into every group the
+program needs (DESIGN.md §4–§5):
+
+* training: `fsdp_size` (verl's `actor_rollout_ref.actor.fsdp_config.fsdp_size`) — `-1` (or
+  the world size) shards over the whole world (FULL_SHARD, 1-D mesh `("dp_shard",)`); any
+  other divisor `S` of the world gives HYBRID_SHARD on a 2-D mesh
+  `("dp_replicate", "dp_shard") = (W/S, S)`: shard inside a group of `S` ranks, replicate
+  across groups.
+* generation: `tp` (`actor_rollout_ref.rollout.tensor_model_parallel_size`) gives the 2-D mesh
+  `("rollout_dp", "tp") = (W/t, t)`.
+
+FSDP2 puts chunk `k` of a sharded dimension on the `k`-th rank of the shard group. With
+`m = S/t`, TP shard `j` of every parameter is then exactly FSDP chunks `[j·m, (j+1)·m)`, held by
+the contiguous ranks of "micro-DP group" `j`. A TP group must therefore hold one rank of each
+micro-DP group: for shard-local rank `l = i + j·m` it is `{i + j'·m : j' < t}` — strided — and
+the resharder gathers only inside micro-DP groups. Everything below is laid out relative to
+the shard group `g` (global ranks `[g·S, (g+1)·S)`), so HSDP replicas reshard independently.
+
+The rank arithmetic is pure Python (`tp_group`, `micro_dp_group`, ...) so it is unit-tested
+without processes; `build_meshes` turns it into `DeviceMesh`es.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+FSDP_SIZE_KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@dataclass
+class ParallelDims:
+    """Validated parallel sizes; derived sizes are filled in by `__post_init__`."""
+
+    world_size: int = field(metadata={"help": "number of ranks (WORLD_SIZE)"})
+    fsdp_size: int = field(default=-1, metadata={"help": f"{FSDP_SIZE_KEY}: -1 shards over the world, else HSDP shard-group size"})
+    tp: int = field(default=1, metadata={"help": f"{TP_KEY}: tensor-parallel size of the generation engine"})
+    local_world_size: int | None = field(
+        default=None, metadata={"help": "ranks per node (LOCAL_WORLD_SIZE); TP groups must stay inside one node; None: one node"})
+
+    dp_shard: int = field(init=False, metadata={"help": "ranks one parameter is sharded over (S)"})
+    dp_replicate: int = field(init=False, metadata={"help": "number of HSDP replicas (W/S)"})
+    rollout_dp: int = field(init=False, metadata={"help": "number of engine replicas (W/t)"})
+    micro_dp: int = field(init=False, metadata={"help": "ranks holding one TP shard inside a shard group (S/t)"})
+
+    def __post_init__(self):
+        w, t = self.world_size, self.tp
+        if not isinstance(w, int) or w < 1:
+            raise ValueError(f"world_size must be a positive integer, got {w!r}")
+        if not isinstance(t, int) or t < 1:
+            raise ValueError(f"{TP_KEY} must be a positive integer, got {t!r}")
+        fs = self.fsdp_size
+        if not isinstance(fs, int) or fs == 0 or fs < -1:
+            raise ValueError(f"{FSDP_SIZE_KEY} must be -1 (shard over all {w} ranks) or a positive divisor of the "
+                             f"world size, got {fs!r}")
+        if fs != -1 and (fs > w or w % fs):
+            raise ValueError(
+                f"{FSDP_SIZE_KEY}={fs} does not divide the world size {w}: HYBRID_SHARD needs world_size = "
+                f"dp_replicate x fsdp_size; use -1 to shard over all ranks or one of {_divisors(w)}")
+        self.dp_shard = w if fs == -1 else fs
+        self.dp_replicate = w // self.dp_shard
+        if self.dp_shard % t:
+            hint = (f"with {FSDP_SIZE_KEY}={fs} each shard group has {self.dp_shard} ranks" if fs != -1
+                    else f"the world has {w} ranks")
+            raise ValueError(
+                f"{TP_KEY}={t} must divide the FSDP shard-group size ({hint}): a TP group is built from "
+                f"ranks of one shard group so that each rank's FSDP chunk lies inside its TP shard; "
+                f"use one of {_divisors(self.dp_shard)}")
+        self.rollout_dp = w // t
+        self.micro_dp = self.dp_shard // t
+        lws = self.local_world_size
+        if lws is not None:
+            if not isinstance(lws, int) or lws < 1 or w % lws:
+                raise ValueError(f"local_world_size (LOCAL_WORLD_SIZE) {lws!r} must be a positive divisor of the "
+                                 f"world size {w}")
+            if t > lws:
+                raise ValueError(f"{TP_KEY}={t} is larger than the {lws} ranks of one node: TP groups must stay "
+                                 f"inside a node (NVLink)")
+            for r in range(w):
+                nodes = {q // lws for q in self.tp_group(r)}
+                if len(nodes) > 1:
+                    raise ValueError(
+                        f"{TP_KEY}={t} with a shard group of {self.dp_shard} ranks puts the TP group "
+                        f"{self.tp_group(r)} on nodes {sorted(nodes)} (a TP group is strided by "
+                        f"{self.micro_dp} ranks, DESIGN.md §5); set {FSDP_SIZE_KEY}={lws} (HYBRID_SHARD inside "
+                        f"each node of {lws} ranks) so that TP groups stay inside a node")
+
+    @classmethod
+    def from_env(cls, fsdp_size: int = -1, tp: int = 1) -> "ParallelDims":
+        """Sizes from the torchrun environment (or the initialised default group)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        return cls(world_size=world, fsdp_size=fsdp_size, tp=tp, local_world_size=int(lws) if lws else None)
+
+    @property
+    def hsdp(self) -> bool:
+        """True for HYBRID_SHARD (a 2-D training mesh)."""
+        return self.dp_replicate > 1
+
+    # ------------------------------------------------------------- rank arithmetic
+    def shard_group(self, rank: int) -> list[int]:
+        """Global ranks of `rank`'s FSDP shard group, in shard-rank (= chunk) order."""
+        base = rank - rank % self.dp_shard
+        return list(range(base, base + self.dp_shard))
+
+    def tp_rank(self, rank: int) -> int:
+        """Which TP shard `rank` holds for generation (= its micro-DP group index)."""
+        return (rank % self.dp_shard) // self.micro_dp
+
+    def tp_group(self, rank: int) -> list[int]:
+        """Global ranks of `rank`'s TP group, ordered by TP rank."""
+        base, local = rank - rank % self.dp_shard, rank % self.dp_shard
+        i = local % self.micro_dp
+        return [base + i + j * self.micro_dp for j in range(self.tp)]
+
+    def micro_dp_group(self, rank: int) -> list[int]:
+        """Global ranks holding the same TP shard as `rank` inside its shard group (contiguous)."""
+        base, local = rank - rank % self.dp_shard, rank % self.dp_shard
+        start = base + (local // self.micro_dp) * self.micro_dp
+        return list(range(start, start + self.micro_dp))
+
+    def rollout_dp_rank(self, rank: int) -> int:
+        """Index of `rank`'s engine replica (which slice of the prompts it generates for)."""
+        g, local = divmod(rank, self.dp_shard)
+        return g * self.micro_dp + local % self.micro_dp
+
+    def gen_mesh_ranks(self) -> torch.Tensor:
+        """`[rollout_dp, tp]` global ranks; row `d` is the TP group of engine replica `d`."""
+        rows = [None] * self.rollout_dp
+        for r in range(self.world_size):
+            rows[self.rollout_dp_rank(r)] = self.tp_group(r)
+        return torch.tensor(rows, dtype=torch.int)
+
+    def micro_dp_mesh_ranks(self) -> torch.Tensor:
+        """`[dp_replicate * tp, micro_dp]` global ranks; each row is one micro-DP group."""
+        rows = sorted({tuple(self.micro_dp_group(r)) for r in range(self.world_size)})
+        return torch.tensor(rows, dtype=torch.int)
+
+    # ------------------------------------------------------------- meshes
+    def build_meshes(self, device_type: str | None = None) -> "ParallelMeshes":
+        """Create the DeviceMeshes (collective: every rank must call it, in the same order).
+
+        `device_type` defaults to "cuda" when CUDA is available (NCCL), else "cpu" (gloo). On
+        CUDA, call `torch.cuda.set_device(local_rank)` first.
+        """
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("build_meshes needs an initialised default process group (torchrun + init_process_group)")
+        if torch.distributed.get_world_size() != self.world_size:
+            raise ValueError(f"ParallelDims.world_size={self.world_size} but the process group has "
+                             f"{torch.distributed.get_world_size()} ranks")
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.hsdp:
+            train = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
+                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+        else:
+            train = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        gen = DeviceMesh(device_type, self.gen_mesh_ranks(), mesh_dim_names=("rollout_dp", "tp"))
+        if self.hsdp:
+            # Under HSDP a rollout-DP column spans replicas, but the gather must stay inside one
+            # shard group (only it holds this replica's chunks): a mesh of its own.
+            micro = DeviceMesh(device_type, self.micro_dp_mesh_ranks(), mesh_dim_names=("tp_shard", "micro_dp"))["micro_dp"]
+        else:
+            # Without replicas a rollout-DP column of the generation mesh *is* a micro-DP group.
+            micro = gen["rollout_dp"]
+        return ParallelMeshes(dims=self, train=train, gen=gen, micro_dp=micro)
+
+
+@dataclass
+class ParallelMeshes:
+    """The DeviceMeshes of one run, named by role."""
+
+    dims: ParallelDims
+    train: object  # DeviceMesh: ("dp_shard",) or ("dp_replicate", "dp_shard") — pass to apply_fsdp
+    gen: object  # DeviceMesh ("rollout_dp", "tp") — `gen["tp"]` goes to the engine
+    micro_dp: object  # 1-D DeviceMesh: the ranks this rank gathers its TP shard from
+
+    @property
+    def tp(self):
+        """1-D TP mesh for `LLMEngine(..., tp_mesh=...)`."""
+        return self.gen["tp"]
+
+    @property
+    def shard(self):
+        """1-D mesh of this rank's FSDP shard group."""
+        return self.train["dp_shard"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,43 @@
+"""Shared fixtures for end-to-end runs: demo assets built once per test session."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe)."""
+    out = tmp_path_factory.mktemp("demo_assets")
+    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dict | None = None,
+             extra_torchrun: list[str] = ()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *extra_torchrun, os.path.join(ROOT, "train_ppo.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def demo_args(assets, run_dir, *overrides) -> list[str]:
+    return ["--config", os.path.join(ROOT, "configs", "demo.yaml"),
+            f"data.train_files=[{assets}/train.jsonl]", f"data.val_files=[{assets}/val.jsonl]",
+            f"actor_rollout_ref.model.path={assets}/sft_model", f"trainer.default_local_dir={run_dir}",
+            "trainer.logger=[jsonl]", *overrides]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
