@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppo import faults
 from sharding.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -93,6 +94,7 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         _barrier()
         save_checkpoint(os.path.join(tmp, "actor"), tr.models.actor, tr.models.actor_optim)
+        faults.crash_in_save(step, tr.ctx.rank)
         if tr.models.critic is not None:
             save_checkpoint(os.path.join(tmp, "critic"), tr.models.critic, tr.models.critic_optim)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{tr.ctx.rank}.pt"))

@@ -251,7 +251,8 @@ class TrainerConfig:
     seed: int = opt(1, "global seed (model init, sampling)")
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory")
     max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm")
-    preemption_grace_s: float = opt(120.0, "seconds allowed to checkpoint after SIGTERM/SIGUSR1")
+    preemption_grace_s: float = opt(120.0, "after SIGTERM/SIGUSR1, a step whose updates would end later than this "
+                                    "is abandoned (redone on resume) so the checkpoint is written in time")
 
 
 @dataclass

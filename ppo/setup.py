@@ -176,7 +176,7 @@ def build_rollout_fn(cfg: PPOConfig, ctx: DistContext, models: Models, engine, t
     from rollout import SamplingParams
     from sharding.resharder import Resharder
 
-    resharder = Resharder(models.actor, engine, models.meshes)
+    resharder = Resharder(models.actor, models.meshes, engine)
 
     def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
         with timer("reshard"):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from kl import KLGuard, get_kl_controller, kl_penalty
+from ppo import faults
 from ppo.checkpointing import CheckpointManager
 from ppo.config import PPOConfig, validate
 from ppo.configlib import ConfigError
@@ -32,7 +33,8 @@ from ppo.launch import DistContext, init_distributed
 from ppo.rollout_data import Rollouts
 from ppo.setup import build_engine, build_models, build_rollout_fn
 from ppo.tracking import Timer, Tracking
-from ppo.workers import PolicyWorker, ValueWorker, all_reduce_sum, masked_mean_global
+from ppo.workers import PolicyWorker, ValueWorker, all_reduce_sum, masked_mean_global, resident
+from sharding.fsdp import offload_states
 
 # Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -44,6 +46,10 @@ class UserError(RuntimeError):
 
 class StopTraining(RuntimeError):
     """A guard or the non-finite counter asked the run to stop."""
+
+
+class _AbandonStep(Exception):
+    """Preemption: the rest of this step would not fit in the grace period."""
 
 
 def _seed_everything(seed: int):
@@ -110,6 +116,11 @@ class PPOTrainer:
                                    pad_token_id=self.pad_id, device=self.device, world_size=ctx.world_size,
                                    response_length=cfg.response_length)
                        if m.critic is not None else None)
+        # A reference / critic with param_offload or optimizer_offload waits on CPU between its phases.
+        if m.ref is not None:
+            offload_states(m.ref, None, arr.ref.fsdp_config)
+        if m.critic is not None:
+            offload_states(m.critic, m.critic_optim, cfg.critic.model.fsdp_config)
         self.engine = build_engine(cfg, ctx, m)
         self.generate = build_rollout_fn(cfg, ctx, m, self.engine, self.timer)
 
@@ -123,7 +134,7 @@ class PPOTrainer:
         self.global_step = 0
         self.nonfinite_streak = 0
         self.ckpt = CheckpointManager(self, os.path.join(self.run_dir, "checkpoints"))
-        self._stop_signal = None
+        self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
 
@@ -140,6 +151,7 @@ class PPOTrainer:
     def _install_signal_handlers(self):
         def handler(signum, frame):
             self._stop_signal = signum
+            self._stop_time = time.monotonic()
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, handler)
 
@@ -149,6 +161,19 @@ class PPOTrainer:
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def _check_abandon(self) -> None:
+        """Before the first update of a step: if any rank was signalled and the updates (timed on
+        the previous step) would end after the grace period, every rank abandons the step."""
+        since = time.monotonic() - self._stop_time if self._stop_signal is not None else -1.0
+        t = torch.tensor([since], dtype=torch.float64, device=self.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        since = float(t.item())
+        if since < 0:
+            return
+        if since + self._last_update_s > self.cfg.trainer.preemption_grace_s:
+            raise _AbandonStep()
 
     # ------------------------------------------------------------------ rollouts
     def _sampling(self, validate: bool):
@@ -245,6 +270,7 @@ class PPOTrainer:
     def step(self) -> dict:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timer, metrics = self.timer, {}
+        faults.at_step_start(self.global_step + 1, self.ctx.rank)
         items = self.loader.next_batch()
         with timer("step"):
             with timer("gen"):
@@ -274,7 +300,7 @@ class PPOTrainer:
                     metrics["rollout/logprob_diff"] = masked_mean_global((rl - old).abs(), mask, self.device)
             if self.ref is not None:
                 rc = arr.ref
-                with timer("ref"):
+                with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
                     ref, _ = self.ref.compute_log_prob(
                         ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
                         rc.log_prob_max_token_len_per_gpu)
@@ -282,7 +308,7 @@ class PPOTrainer:
                 metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask, self.device)
             if self.critic is not None:
                 cc = cfg.critic
-                with timer("values"):
+                with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
                     ro.tensors["values"] = self.critic.compute_values(
                         ro, cc.forward_micro_batch_size_per_gpu or cc.ppo_micro_batch_size_per_gpu
                         or arr.actor.ppo_micro_batch_size_per_gpu,
@@ -302,17 +328,22 @@ class PPOTrainer:
                 ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
 
             num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
+            self._check_abandon()
+            t_update = time.perf_counter()
             if self.critic is not None:
                 cmini = cfg.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size
-                with timer("update_critic"):
+                with timer("update_critic"), resident(self.critic.model, self.critic.optimizer,
+                                                       cfg.critic.model.fsdp_config, self.device):
                     metrics.update(self.critic.update(ro, cfg.critic, arr.actor, cfg.data.train_batch_size // cmini,
                                                       seed=cfg.trainer.seed + self.global_step))
                 self.critic.scheduler.step()
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
                     metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl_loss_coef,
-                                                     seed=cfg.trainer.seed + self.global_step))
+                                                     seed=cfg.trainer.seed + self.global_step,
+                                                     step=self.global_step + 1))
                 self.actor.scheduler.step()
+            self._last_update_s = time.perf_counter() - t_update
         self.global_step += 1
         metrics.update(self._batch_metrics(ro, scores, extras))
         metrics.update(self.timer.pop())
@@ -479,7 +510,17 @@ class PPOTrainer:
             self.tracking.log(self.validate(), step=0)
         try:
             while self.global_step < self.total_steps:
-                metrics = self.step()
+                loader_state = self.loader.state_dict()
+                try:
+                    metrics = self.step()
+                except _AbandonStep:
+                    # Nothing was updated: rewind the data so the resumed run redoes this step.
+                    self.loader.load_state_dict(loader_state)
+                    self.timer.pop()
+                    self.ckpt.save()
+                    self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
+                             f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
+                    return 0
                 self._apply_guard(metrics)
                 skipped = metrics.get("actor/nonfinite_skipped", 0.0) + metrics.get("critic/nonfinite_skipped", 0.0)
                 self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0

@@ -10,15 +10,32 @@ micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from kl import kl_penalty
+from ppo import faults
 from ppo.batching import fixed_size_partitions, token_budget_partitions
 from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, count_loss_units, masked_mean
 from ppo.forward import build_micro_batch, response_logprobs, response_values
 from ppo.rollout_data import Rollouts
+from sharding.fsdp import load_states, offload_states
+
+
+@contextmanager
+def resident(model, optimizer, fsdp_cfg, device):
+    """Bring offloaded parameters / optimizer states (fsdp_config.param_offload /
+    optimizer_offload) to the device for one phase and send them back after it."""
+    if fsdp_cfg is None:
+        yield
+        return
+    load_states(model, optimizer, fsdp_cfg, device)
+    try:
+        yield
+    finally:
+        offload_states(model, optimizer, fsdp_cfg)
 
 
 def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int | None, dynamic: bool,
@@ -47,9 +64,10 @@ def all_reduce_sum(x: float, device) -> float:
     return float(t.item())
 
 
-def _grad_norm_and_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
+def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1) -> tuple[float, bool]:
     """Clip the global grad norm; step only if it is finite. Every rank sees the same norm
     (it is reduced over all shards), so a skip is consistent without extra communication."""
+    faults.poison_grads(model, step, dist.get_rank() if dist.is_initialized() else 0)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -109,7 +127,7 @@ class PolicyWorker:
                     ent[part] = en
         return logp, ent
 
-    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int) -> dict:
+    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1) -> dict:
         """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy)."""
         mask = ro.response_mask
         stats = _Mean()
@@ -154,7 +172,7 @@ class PolicyWorker:
                     sums["actor/pg_loss"] = sums["actor/pg_loss"] + pg_loss.detach()
                     stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
                                  "actor/pg_clipfrac_lower": clipfrac_lower})
-                grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
+                grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
                 stats.add(**{k: all_reduce_sum(float(v), self.device) / self.world_size for k, v in sums.items()})
                 stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": 0.0 if finite else 1.0})
         out = stats.result()

@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out 0 first
         self.num_preemptions = 0
+        self.num_prefilling = 0  # running sequences whose last prefill chunk is not scheduled yet
 
     # ----------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
@@ -71,7 +72,7 @@ class Scheduler:
 
     def next_is_prefill(self) -> bool:
         """Whether `schedule()` would now return a prefill step (it needs host-side token values)."""
-        if any(s.prefilling for s in self.running):
+        if self.num_prefilling:
             return True
         return bool(self.waiting) and self._admissible(self.waiting[0], self.max_num_batched_tokens)
 
@@ -103,6 +104,7 @@ class Scheduler:
             batch.block_table_updates += bm.allocate(seq, seq.num_tokens)
             seq.status = SeqStatus.RUNNING
             seq.prefilling = True
+            self.num_prefilling += 1
             seq.num_computed_tokens = 0
             self.running.append(seq)
             n = min(seq.num_tokens, budget)
@@ -124,6 +126,7 @@ class Scheduler:
         if seq.num_computed_tokens < seq.num_tokens:
             return  # more chunks to come
         seq.prefilling = False
+        self.num_prefilling -= 1
         rows = [seq]
         for k in range(1, seq.num_samples):
             child = Sequence(
@@ -150,30 +153,44 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=False)
         bm = self.block_manager
+        bs, refs = bm.block_size, bm.ref_counts
         running = self.running
         finished: list[Sequence] = []
+        # This loop runs once per sequence per token: keep the common case (room left in a
+        # private last block) free of calls.
+        seqs, slots, starts, lens = batch.seqs, batch.slots, batch.starts, batch.chunk_lens
+        s_seqs, s_slots, s_src, s_pos = batch.sample_seqs, batch.sample_slots, batch.sample_src, batch.sample_positions
         i = 0
         while i < len(running):
             seq = running[i]
-            while not bm.can_append(seq):
-                victim = running.pop()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                break  # preempted itself: it was the last one
-            update, copy = bm.append_slot(seq)
-            if update is not None:
-                batch.block_table_updates.append(update)
-            if copy is not None:
-                batch.copies.append(copy)
-            idx = len(batch.seqs)
-            batch.seqs.append(seq)
-            batch.slots.append(seq.slot)
-            batch.starts.append(seq.num_computed_tokens)
-            batch.chunk_lens.append(1)
-            seq.num_computed_tokens += 1
-            self._add_sample(batch, seq, idx, finished)
+            pos = seq.num_computed_tokens
+            if pos % bs == 0 or refs[seq.block_table[-1]] > 1:
+                while not bm.can_append(seq):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    break  # preempted itself: it was the last one
+                update, copy = bm.append_slot(seq)
+                if update is not None:
+                    batch.block_table_updates.append(update)
+                if copy is not None:
+                    batch.copies.append(copy)
+            idx = len(seqs)
+            seqs.append(seq)
+            slots.append(seq.slot)
+            starts.append(pos)
+            lens.append(1)
+            seq.num_computed_tokens = pos + 1
+            tokens = seq.token_ids
+            s_seqs.append(seq)
+            s_slots.append(seq.slot)
+            s_src.append(idx)
+            s_pos.append(len(tokens))
+            tokens.append(PLACEHOLDER)
+            if len(tokens) >= seq.max_len:
+                finished.append(seq)
             i += 1
         for seq in finished:
             self._release(seq)
@@ -185,7 +202,7 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         seq.slot = -1
         seq.num_computed_tokens = 0
-        seq.prefilling = False
+        assert not seq.prefilling, "prefilling sequences are never preempted (decode steps only)"
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -196,6 +213,9 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            if seq.prefilling:
+                seq.prefilling = False
+                self.num_prefilling -= 1
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

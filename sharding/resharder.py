@@ -71,7 +71,6 @@ class ReshardStats:
 class _Item:
     name: str
     param: DTensor
-    slot: torch.Tensor
     tp_dim: int | None
     fsdp_dim: int
     route: str  # "local" | "micro" | "full"
@@ -103,6 +102,11 @@ class Resharder:
     (anything with `param_slots()`) or a mapping `training name → slot`, where a slot has
     `.view` (this rank's TP shard of the parameter, a view into the engine's buffers) and
     `.shard_dim` (the TP dimension, None when replicated).
+
+    The slots are fetched again at every call and not kept afterwards: holding the views would
+    keep the engine's weight buffer alive through `engine.free_weights()`, and after
+    `engine.init_weights_storage()` they would point at the old buffer. The plan (routes,
+    buckets, offsets) depends only on names and shapes and is built once.
     """
 
     def __init__(self, model: torch.nn.Module, meshes, target):
@@ -118,12 +122,13 @@ class Resharder:
                                f"chunks lie in TP shard {self.tp_rank}; build the meshes with ParallelDims.build_meshes")
         self._shard_group = meshes.shard.get_group()
         self._micro_group = meshes.micro_dp.get_group()
-        self.refresh_slots()
+        self._build_plan(self._slots())
+
+    def _slots(self):
+        return self._target.param_slots() if hasattr(self._target, "param_slots") else self._target
 
     # ------------------------------------------------------------- plan
-    def refresh_slots(self) -> None:
-        """Re-read the engine's slots and rebuild the plan (after the engine re-allocated its weights)."""
-        slots = self._target.param_slots() if hasattr(self._target, "param_slots") else self._target
+    def _build_plan(self, slots) -> None:
         params = dict(self.model.named_parameters())
         if set(slots) != set(params):
             raise ValueError(f"engine slots and model parameters differ: only in the engine "
@@ -136,8 +141,8 @@ class Resharder:
         self.device = next(iter(slots.values())).view.device
         S, t, m = self.dims.dp_shard, self.dims.tp, self.dims.micro_dp
         buckets: dict[str, _Bucket] = {}
-        self.param_bytes = self.bound_bytes = self.slot_bytes = 0
-        self.num_fallback = 0
+        self.param_bytes = self.slot_bytes = self.num_fallback = 0
+        bound = 0.0
         for name, p in params.items():
             slot = slots[name]
             if not isinstance(p, DTensor) or not isinstance(p.placements[-1], Shard):
@@ -156,26 +161,22 @@ class Resharder:
             n = p.numel()
             self.param_bytes += n * self.esize
             self.slot_bytes += slot.view.numel() * self.esize
-            if tp_dim is None:
-                self.bound_bytes += n * (1 - 1 / S) * self.esize
-            else:
-                self.bound_bytes += n / t * (1 - t / S) * self.esize
+            bound += n * (1 - 1 / S) if tp_dim is None else n / t * (1 - t / S)
             aligned = tp_dim is not None and fsdp_dim == tp_dim and p.shape[tp_dim] % S == 0
+            chunk = list(p.shape)
             if aligned:
                 route = "local" if m == 1 else "micro"
-                chunk = list(p.shape)
                 chunk[fsdp_dim] //= S
             else:
-                route = "full"
                 # FSDP pads uneven dim-0 chunks to the size of chunk 0; the gather moves padded chunks.
-                chunk = list(p.shape)
+                route = "full"
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
             fallback = tp_dim is not None and not aligned
             self.num_fallback += fallback
-            m_ = _LAYER.match(name)
-            key = f"layers.{m_.group(1)}" if m_ else name.split(".")[0]
+            layer = _LAYER.match(name)
+            key = f"layers.{layer.group(1)}" if layer else name.split(".")[0]
             bucket = buckets.setdefault(key, _Bucket(key))
-            item = _Item(name, p, slot.view, tp_dim, fsdp_dim, route, fallback, tuple(chunk))
+            item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk))
             if route == "micro":
                 item.offset = bucket.micro_numel
                 bucket.micro_numel += item.numel
@@ -185,13 +186,12 @@ class Resharder:
             else:
                 bucket.local.append(item)
         for b in buckets.values():
-            # full items follow the micro items in the per-rank send buffer
-            for item in b.full:
+            for item in b.full:  # full items follow the micro items in the per-rank send buffer
                 item.offset = b.micro_numel + b.full_numel
                 b.full_numel += item.numel
-            b.direct = (len(b.micro) == 1 and b.micro[0].fsdp_dim == 0 and b.micro[0].slot.is_contiguous())
+            b.direct = len(b.micro) == 1 and b.micro[0].fsdp_dim == 0 and slots[b.micro[0].name].view.is_contiguous()
         self.buckets = list(buckets.values())
-        self.bound_bytes = int(round(self.bound_bytes))
+        self.bound_bytes = int(round(bound * self.esize))
         self.num_params = len(params)
         self._sizes = (
             max((b.micro_numel + b.full_numel for b in self.buckets), default=0),
@@ -199,12 +199,20 @@ class Resharder:
             max((b.full_numel * S for b in self.buckets), default=0),
         )
 
+    def _views(self) -> dict[str, torch.Tensor]:
+        views = {name: slot.view for name, slot in self._slots().items()}
+        for b in self.buckets:
+            if b.direct and not views[b.micro[0].name].is_contiguous():
+                raise RuntimeError(f"{b.micro[0].name}: the engine's view is no longer contiguous")
+        return views
+
     # ------------------------------------------------------------- zero-redundancy path
     @torch.no_grad()
     def reshard(self) -> ReshardStats:
         """Fill this rank's engine slots from the FSDP shards (collective over each shard group)."""
         t0 = time.perf_counter()
         stats = self._new_stats(naive=False)
+        views = self._views()
         cuda = self.device.type == "cuda"
         nbuf = 2 if cuda else 1
         send_n, micro_n, full_n = self._sizes
@@ -212,18 +220,18 @@ class Resharder:
                  torch.empty(micro_n, dtype=self.dtype, device=self.device),
                  torch.empty(full_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf)]
         stats.buffer_bytes = nbuf * (send_n + micro_n + full_n) * self.esize
-        if not cuda:
-            for b in self.buckets:
-                self._gather(b, bufs[0], stats)
-                self._copy_out(b, bufs[0])
+        if cuda:
+            self._pipelined(bufs, stats, views)
         else:
-            self._pipelined(bufs, stats)
-        del bufs
+            for b in self.buckets:
+                self._gather(b, bufs[0], stats, views)
+                self._copy_out(b, bufs[0], views)
+        del bufs, views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _pipelined(self, bufs, stats: ReshardStats) -> None:
+    def _pipelined(self, bufs, stats: ReshardStats, views) -> None:
         """Gathers of bucket i+1 on a side stream overlap the copies of bucket i on the current stream."""
         main = torch.cuda.current_stream(self.device)
         if self._side_stream is None:
@@ -233,14 +241,14 @@ class Resharder:
         # and buffers just allocated there.
         side.wait_stream(main)
         gathered = [torch.cuda.Event(), torch.cuda.Event()]
-        copied: list[torch.cuda.Event | None] = [None, None]
+        copied: list = [None, None]
 
         def issue(i: int):
             k = i % 2
             with torch.cuda.stream(side):
                 if copied[k] is not None:
                     side.wait_event(copied[k])  # bucket i-2 has left this buffer
-                self._gather(self.buckets[i], bufs[k], stats)
+                self._gather(self.buckets[i], bufs[k], stats, views)
                 gathered[k].record(side)
 
         if self.buckets:
@@ -250,23 +258,23 @@ class Resharder:
                 issue(i + 1)
             k = i % 2
             main.wait_event(gathered[k])
-            self._copy_out(b, bufs[k])
+            self._copy_out(b, bufs[k], views)
             copied[k] = torch.cuda.Event()
             copied[k].record(main)
         main.wait_stream(side)
 
-    def _gather(self, b: _Bucket, buf, stats: ReshardStats) -> None:
+    def _gather(self, b: _Bucket, buf, stats: ReshardStats, views) -> None:
         send, recv_micro, recv_full = buf
         m, S = self.dims.micro_dp, self.dims.dp_shard
         per = b.micro_numel + b.full_numel
-        for item in b.micro:
-            send[item.offset:item.offset + item.numel].view(item.chunk_shape).copy_(item.param.to_local())
-        for item in b.full:
-            local = item.param.to_local()
-            dst = send[item.offset:item.offset + item.numel].view(item.chunk_shape)
-            dst.narrow(item.fsdp_dim, 0, local.shape[item.fsdp_dim]).copy_(local)
+        for it in b.micro:
+            send[it.offset:it.offset + it.numel].view(it.chunk_shape).copy_(it.param.to_local())
+        for it in b.full:
+            local = it.param.to_local()
+            dst = send[it.offset:it.offset + it.numel].view(it.chunk_shape)
+            dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]).copy_(local)
         if b.micro:
-            out = b.micro[0].slot.view(-1) if b.direct else recv_micro[:m * b.micro_numel]
+            out = views[b.micro[0].name].view(-1) if b.direct else recv_micro[:m * b.micro_numel]
             _all_gather(out, send[:b.micro_numel], group=self._micro_group)
             stats.bytes_received += (m - 1) * b.micro_numel * self.esize
             stats.num_collectives += 1
@@ -275,17 +283,17 @@ class Resharder:
             stats.bytes_received += (S - 1) * b.full_numel * self.esize
             stats.num_collectives += 1
 
-    def _copy_out(self, b: _Bucket, buf) -> None:
+    def _copy_out(self, b: _Bucket, buf, views) -> None:
         _, recv_micro, recv_full = buf
         m, S, t = self.dims.micro_dp, self.dims.dp_shard, self.dims.tp
         if b.local:
-            _copy_many([it.slot for it in b.local], [it.param.to_local() for it in b.local])
+            _copy_many([views[it.name] for it in b.local], [it.param.to_local() for it in b.local])
         if b.micro and not b.direct:
             rows = recv_micro[:m * b.micro_numel].view(m, b.micro_numel)
             for it in b.micro:
                 src = rows[:, it.offset:it.offset + it.numel].unflatten(1, it.chunk_shape)  # [m, *chunk]
                 d = it.fsdp_dim
-                it.slot.unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
+                views[it.name].unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
         if b.full:
             rows = recv_full[:S * b.full_numel].view(S, b.full_numel)
             for it in b.full:
@@ -293,7 +301,7 @@ class Resharder:
                 src = rows[:, off:off + it.numel].unflatten(1, it.chunk_shape)  # [S, *padded chunk]
                 d = it.fsdp_dim
                 full = src.movedim(0, d).flatten(d, d + 1).narrow(d, 0, it.param.shape[d])
-                it.slot.copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+                views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
 
     # ------------------------------------------------------------- naive reference
     @torch.no_grad()
@@ -301,17 +309,18 @@ class Resharder:
         """Reference / baseline: all-gather every full parameter over the shard group, slice, copy."""
         t0 = time.perf_counter()
         stats = self._new_stats(naive=True)
+        views = self._views()
         S, t = self.dims.dp_shard, self.dims.tp
         for b in self.buckets:
             for it in b.local + b.micro + b.full:
                 # Cast before gathering so the baseline moves the same dtype as the fast path.
-                local = it.param.to(self.dtype)
-                full = local.full_tensor()
+                full = it.param.to(self.dtype).full_tensor()
                 padded = list(it.param.shape)
                 padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // S)
                 stats.bytes_received += (S - 1) * math.prod(padded) * self.esize
                 stats.num_collectives += 1
-                it.slot.copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+                views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+        del views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
         return stats

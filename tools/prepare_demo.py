@@ -31,7 +31,7 @@ from models import ModelArgs, Transformer
 from ppo.forward import build_micro_batch, response_logprobs
 
 DEFAULTS = dict(n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2,
-                sft_steps=250, sft_batch=64, lr=3e-3, seed=0)
+                sft_steps=300, sft_batch=64, lr=3e-3, seed=0)
 STAMP = "prepare_demo.json"
 
 

@@ -11,8 +11,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
-    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe)."""
-    out = tmp_path_factory.mktemp("demo_assets")
+    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe).
+
+    MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
+    default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
+    out = os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets")
     r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -41,3 +44,14 @@ def read_metrics(run_dir) -> list[dict]:
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    """Demo assets with an untrained model (no warm-up): for runs that test plumbing, not learning."""
+    out = tmp_path_factory.mktemp("tiny_assets")
+    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), "--sft-steps", "0",
+                        "--n-train", "64", "--n-val", "16", "--layers", "1", "--hidden", "32"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out

@@ -27,7 +27,7 @@ def _check_finite(rows, keys):
 
 @pytest.mark.parametrize("name,overrides,extra_keys", [
     ("gae_kl_loss", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
-                     "critic.ppo_micro_batch_size_per_gpu=16", "critic.optim.lr=1e-3"],
+                     "critic.ppo_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-3"],
      REQUIRED_CRITIC + ["actor/kl_loss", "actor/kl_coef", "timing_s/ref"]),
     ("grpo", [], ["actor/kl_loss", "timing_s/ref"]),
     ("kl_in_reward_adaptive", ["actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",

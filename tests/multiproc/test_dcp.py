@@ -48,7 +48,6 @@ def _save_body(rank, world, tmp):
         assert set(full) == {n for n, _ in model.named_parameters()}
         assert all(v.device.type == "cpu" for v in full.values())
         torch.save({"model": full, "optim": optim_full}, tmp / "expected.pt")
-        model.save_pretrained(tmp / "hf", state_dict=full)
     else:
         assert full == {}
 
@@ -76,7 +75,12 @@ def _load_body(rank, world, tmp):
     for name, p in hsdp.named_parameters():
         assert torch.equal(p.full_tensor(), expected["model"][name]), name
 
-    # The Hugging Face export loads back sharded, and unsharded through models/.
+    # The Hugging Face export (done here rather than by the 4 saving ranks: importing
+    # transformers costs seconds per process) loads back sharded, and unsharded through models/.
+    full = gather_full_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(tmp / "hf", state_dict=full)
+    dist.barrier()
     meshes = ParallelDims(world).build_meshes("cpu")
     from_hf = build_fsdp_model(tmp / "hf", meshes.train, CFG)
     for name, p in from_hf.named_parameters():

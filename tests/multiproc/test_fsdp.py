@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from models import ModelArgs, Transformer, tp_shard_dim
 from sharding import FSDPConfig, ParallelDims, build_fsdp_model
@@ -41,89 +42,88 @@ def _train(model, batches, head):
     return losses
 
 
-def _check_equivalent(rank, world, dims, cfg, *, tie=False, head="lm", seed=0, **build_kw):
+def _check_equivalent(mesh, cfg, *, tie=False, head="lm", seed=0, **build_kw):
+    """Train on `mesh` (1-D FULL_SHARD or 2-D HSDP; every rank of it is a data-parallel rank)."""
     args = ModelArgs(**ARGS, tie_word_embeddings=tie)
-    meshes = dims.build_meshes("cpu")
     gen = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, args.vocab_size, (GLOBAL_BATCH, SEQ), generator=gen) for _ in range(STEPS)]
     ref = Transformer.build(args, head=head, seed=seed)
     ref_losses = _train(ref, batches, head)
 
-    model = build_fsdp_model(args, meshes.train, cfg, head=head, seed=seed, **build_kw)
-    per = GLOBAL_BATCH // world
-    local = [b[rank * per:(rank + 1) * per] for b in batches]
-    losses = _train(model, local, head)
+    model = build_fsdp_model(args, mesh, cfg, head=head, seed=seed, **build_kw)
+    dp_size, dp_rank = mesh.size(), _dp_rank(mesh)
+    per = GLOBAL_BATCH // dp_size
+    losses = _train(model, [b[dp_rank * per:(dp_rank + 1) * per] for b in batches], head)
 
     ref_sd = ref.state_dict()
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         torch.testing.assert_close(p.full_tensor(), ref_sd[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    group = mesh.get_group() if mesh.ndim == 1 else None  # the 2-D meshes here span the world
     for loss, ref_loss in zip(losses, ref_losses):
         mean = loss.clone()
-        dist.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss, rtol=1e-5, atol=1e-6)
+        dist.all_reduce(mean, group=group)
+        torch.testing.assert_close(mean / dp_size, ref_loss, rtol=1e-5, atol=1e-6)
     return model
 
 
-def _full_shard_body(rank, world):
-    dims = ParallelDims(world, fsdp_size=-1)
+def _dp_rank(mesh):
+    coord = mesh.get_coordinate()
+    return coord[0] * mesh.size(1) + coord[1] if mesh.ndim > 1 else coord[0]
+
+
+def _body(rank, world):
     fp32 = {"param_dtype": "fp32"}
-    model = _check_equivalent(rank, world, dims, FSDPConfig(mixed_precision=fp32))
+    # FULL_SHARD over 2 ranks: ranks {0, 1} and {2, 3} each form an independent 1-D mesh and
+    # run the same training (one process launch serves the 2-rank and the 4-rank cases).
+    pair = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp_shard"))["dp_shard"]
+    model = _check_equivalent(pair, FSDPConfig(mixed_precision=fp32))
     # The placement follows the TP plan: row-parallel weights on dim 1, the rest on dim 0.
     for name, p in model.named_parameters():
-        want = tp_shard_dim(name) or 0
-        assert p.placements == (Shard(want),), (name, p.placements)
-        assert p.device_mesh.mesh_dim_names == ("dp_shard",)
+        assert p.placements == (Shard(tp_shard_dim(name) or 0),), (name, p.placements)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    # embed, 2 blocks, [norm, lm_head] (both FSDPModule), root
-    assert len(units) == 6, [type(m).__name__ for m in units]
-    if world == 2:
-        # Variants on the same data: tied embeddings (embedding in the root unit), a critic,
-        # prefetch chains + checkpointing + activation offload, blocks grouped by wrap_policy,
-        # no reshard after forward.
-        _check_equivalent(rank, world, dims, FSDPConfig(mixed_precision=fp32), tie=True)
-        _check_equivalent(rank, world, dims, FSDPConfig(mixed_precision=fp32), head="value")
-        _check_equivalent(rank, world, dims, FSDPConfig(mixed_precision=fp32, forward_prefetch=True),
-                          enable_gradient_checkpointing=True, enable_activation_offload=True)
-        grouped = _check_equivalent(rank, world, dims, FSDPConfig(mixed_precision=fp32, reshard_after_forward=False,
-                                                                   wrap_policy={"min_num_params": 10**6}))
-        assert sum(isinstance(b, FSDPModule) for b in grouped.layers) == 2  # one unit spanning both blocks
-        assert grouped.layers[0]._get_fsdp_state() is grouped.layers[1]._get_fsdp_state()
-        _mixed_precision_checks(rank, world)
+    assert len(units) == 6, [type(m).__name__ for m in units]  # embed, 2 blocks, norm + lm_head, root
 
+    # Variants on the same data: tied embeddings (embedding in the root unit), a critic,
+    # prefetch chains + checkpointing + activation offload, blocks grouped by wrap_policy with
+    # no reshard after forward.
+    _check_equivalent(pair, FSDPConfig(mixed_precision=fp32), tie=True)
+    _check_equivalent(pair, FSDPConfig(mixed_precision=fp32), head="value")
+    _check_equivalent(pair, FSDPConfig(mixed_precision=fp32, forward_prefetch=True),
+                      enable_gradient_checkpointing=True, enable_activation_offload=True)
+    grouped = _check_equivalent(pair, FSDPConfig(mixed_precision=fp32, reshard_after_forward=False,
+                                                 wrap_policy={"min_num_params": 10**6}))
+    assert sum(isinstance(b, FSDPModule) for b in grouped.layers) == 2  # one unit spanning both blocks
+    assert grouped.layers[0]._get_fsdp_state() is grouped.layers[1]._get_fsdp_state()
+    _mixed_precision_checks(pair)
 
-def _hsdp_body(rank, world):
-    _full_shard_body(rank, world)
-    dims = ParallelDims(world, fsdp_size=2)
-    model = _check_equivalent(rank, world, dims, FSDPConfig(fsdp_size=2, mixed_precision={"param_dtype": "fp32"}))
+    # FULL_SHARD over all 4 ranks, then HYBRID_SHARD 2 x 2, built from ParallelDims.
+    meshes = ParallelDims(world).build_meshes("cpu")
+    assert meshes.train.mesh_dim_names == ("dp_shard",)
+    _check_equivalent(meshes.train, FSDPConfig(mixed_precision=fp32))
+    meshes = ParallelDims(world, fsdp_size=2).build_meshes("cpu")
+    model = _check_equivalent(meshes.train, FSDPConfig(fsdp_size=2, mixed_precision=fp32))
     p = model.layers[0].self_attn.o_proj.weight
     assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
-    assert p.placements[1] == Shard(1)
-    assert p.to_local().shape == (64, 32)  # 64 input features / 2 shard ranks
+    assert p.placements == (Replicate(), Shard(1))
+    assert p.to_local().shape == (64, 32)  # 64 input features over 2 shard ranks
 
 
-def _mixed_precision_checks(rank, world):
-    # bf16 compute, fp32 master weights and reduction: the master stays fp32 and training moves
-    # the parameters close to (not exactly onto) the fp32 run.
+def _mixed_precision_checks(mesh):
+    # bf16 compute with fp32 master weights and gradients; a bf16 frozen reference model.
     args = ModelArgs(**ARGS)
-    meshes = ParallelDims(world).build_meshes("cpu")
-    model = build_fsdp_model(args, meshes.train, FSDPConfig(), seed=0)
+    model = build_fsdp_model(args, mesh, FSDPConfig(), seed=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    ids = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     logits = model(ids)
     assert logits.dtype == torch.bfloat16
     logits.float().mean().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    ref = build_fsdp_model(args, meshes.train, FSDPConfig(model_dtype="bf16"), seed=0, trainable=False)
+    ref = build_fsdp_model(args, mesh, FSDPConfig(model_dtype="bf16"), seed=0, trainable=False)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ref.parameters())
     with torch.no_grad():
         torch.testing.assert_close(ref(ids).float(), logits.detach().float(), rtol=0.05, atol=0.05)
 
 
-def test_full_shard_two_ranks_matches_single_process():
-    """Also: tied / critic / prefetch + AC + activation offload / grouped blocks; bf16 mixed precision."""
-    run_distributed(_full_shard_body, 2)
-
-
-def test_full_shard_four_ranks_and_hsdp_2x2_match_single_process():
-    run_distributed(_hsdp_body, 4)
+def test_fsdp_full_shard_2_and_4_ranks_and_hsdp_2x2_match_single_process():
+    run_distributed(_body, 4)

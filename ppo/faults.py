@@ -1,0 +1,60 @@
+"""Fault injection for the reliability tests, driven by the MESHPPO_FAULTS environment variable.
+
+    MESHPPO_FAULTS="nan_grad@2,sigkill@3:1,sigterm@3,crash_in_save@4"
+
+`name@step[:rank]` (rank defaults to every rank):
+
+* `nan_grad@K`   — the actor's gradients are NaN in step K (the optimizer step must be skipped)
+* `sigkill@K:R`  — rank R kills itself with SIGKILL at the start of step K, on the first launch
+                   only (torchrun's restarts see TORCHELASTIC_RESTART_COUNT > 0)
+* `sigterm@K:R`  — rank R sends itself SIGTERM at the start of step K (preemption)
+* `crash_in_save@K` — the process dies half-way through writing the checkpoint of step K
+
+Unset in normal runs: every hook is then a dictionary lookup that finds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def _parse(spec: str) -> dict[str, tuple[int, int | None]]:
+    faults = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if not name or not step.isdigit():
+            raise ValueError(f"MESHPPO_FAULTS item {item!r} must look like name@step[:rank]")
+        faults[name] = (int(step), int(rank) if rank else None)
+    return faults
+
+
+FAULTS = _parse(os.environ.get("MESHPPO_FAULTS", ""))
+
+
+def armed(name: str, step: int, rank: int) -> bool:
+    if name not in FAULTS:
+        return False
+    at, who = FAULTS[name]
+    return at == step and (who is None or who == rank)
+
+
+def at_step_start(step: int, rank: int) -> None:
+    if armed("sigkill", step, rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if armed("sigterm", step, rank):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def poison_grads(model, step: int, rank: int) -> None:
+    if armed("nan_grad", step, rank):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+                return
+
+
+def crash_in_save(step: int, rank: int) -> None:
+    if armed("crash_in_save", step, rank):
+        os._exit(17)

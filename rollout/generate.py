@@ -1,0 +1,192 @@
+"""Command-line generation with the engine.
+
+    python -m rollout.generate --model HF_DIR --prompts IN.jsonl --out OUT.jsonl --max-new-tokens N \
+        [--temperature T --top-p P --top-k K --n N --seed S --tp T --dtype bfloat16|float16|float32]
+    torchrun --nproc_per_node=2 -m rollout.generate ... --tp 2      # tensor parallel
+
+Input: one JSON object per line with `"prompt"` (text, tokenized with the checkpoint's
+tokenizer, special tokens as the tokenizer adds them) or `"prompt_token_ids"`. Output: one
+line per (prompt, sample), prompt-major, with `prompt_index`, `sample_index`,
+`prompt_token_ids`, `token_ids`, `logprobs` (see `rollout.config`), `finish_reason`
+("stop" | "length") and `text` when the checkpoint has a tokenizer. Generation stops at the
+EOS ids of config.json and generation_config.json unless `--ignore-eos`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rollout.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--prompts", required=True, help="input JSONL: 'prompt' (text) or 'prompt_token_ids' per line")
+    p.add_argument("--out", required=True, help="output JSONL, one line per (prompt, sample)")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (= torchrun's nproc_per_node)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    return p.parse_args(argv)
+
+
+def load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def model_eos_ids(model_dir: Path, config_eos) -> list[int]:
+    """EOS ids from config.json and generation_config.json (instruct models list several there)."""
+    ids = []
+    sources = [config_eos]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for e in sources:
+        if isinstance(e, int):
+            ids.append(e)
+        elif isinstance(e, list):
+            ids.extend(int(x) for x in e)
+    return sorted(set(ids))
+
+
+def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """Token ids of every prompt; any problem is a CLIError naming the file and line."""
+    if not path.is_file():
+        raise CLIError(f"prompts file {str(path)!r} does not exist")
+    prompts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CLIError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_token_ids" in obj):
+                raise CLIError(f"{where}: expected an object with exactly one of 'prompt' or 'prompt_token_ids'")
+            if "prompt" in obj:
+                if not isinstance(obj["prompt"], str):
+                    raise CLIError(f"{where}: 'prompt' must be a string")
+                if tokenizer is None:
+                    raise CLIError(f"{where}: text prompt but the model directory has no tokenizer; "
+                                   f"give 'prompt_token_ids'")
+                ids = tokenizer(obj["prompt"])["input_ids"]
+            else:
+                ids = obj["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise CLIError(f"{where}: 'prompt_token_ids' must be a list of integers")
+            if not ids:
+                raise CLIError(f"{where}: empty prompt")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise CLIError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+            if len(ids) >= max_model_len:
+                raise CLIError(f"{where}: prompt has {len(ids)} tokens, the model's context is {max_model_len} "
+                               f"(no room for a response)")
+            prompts.append(list(ids))
+    if not prompts:
+        raise CLIError(f"prompts file {str(path)!r} has no prompts")
+    return prompts
+
+
+def _setup_distributed(tp: int):
+    """(tp_mesh or None, device) for this process; under torchrun the world is the TP group."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise CLIError(f"--tp {tp} needs exactly {tp} processes (torchrun --nproc_per_node={tp}); found {world}")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if tp == 1:
+        return None, device
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))["tp"], device
+
+
+def run(args: argparse.Namespace) -> int:
+    from models.checkpoint import load_model_args
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise CLIError(f"--model {args.model!r} is not a model directory (no config.json)")
+    mesh, device = _setup_distributed(args.tp)
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model_args = load_model_args(model_dir)
+    max_model_len = args.max_model_len or model_args.max_position_embeddings
+    tokenizer = load_tokenizer(model_dir)
+    prompts = read_prompts(Path(args.prompts), tokenizer, model_args.vocab_size, max_model_len)
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                                eos_token_id=model_eos_ids(model_dir, model_args.eos_token_id))
+        config = EngineConfig(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(args.max_num_seqs, args.n),
+                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)
+    outputs = engine.generate(prompts, params)
+    if mesh is None or mesh.get_local_rank() == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            for o in outputs:
+                rec = {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
+                       "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
+                       "finish_reason": o.finish_reason}
+                if tokenizer is not None:
+                    rec["text"] = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    owned = not dist.is_initialized()
+    try:
+        return run(args)
+    except CLIError as e:
+        print(f"rollout.generate: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

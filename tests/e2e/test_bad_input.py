@@ -1,0 +1,100 @@
+"""Bad input: each case fails with a message naming the problem, a non-zero exit code and
+no traceback, and nothing already written is lost (table-driven, in-process, world size 1)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import train_ppo
+from tests.e2e.conftest import demo_args
+
+BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "trainer.logger=[jsonl]"]
+
+
+def _run(args, capsys):
+    code = train_ppo.main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def _reward_file(tmp_path, body):
+    return _write(tmp_path / "reward.py", f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                          f"    {body}\n")
+
+
+CASES = {
+    "missing model dir": (lambda a, t: [f"actor_rollout_ref.model.path={t}/nope", f"data.tokenizer={a}/tokenizer"],
+                          1, "does not exist"),
+    "model dir without weights": (lambda a, t: [f"actor_rollout_ref.model.path={_no_weights(a, t)}"], 1,
+                                  "has no *.safetensors weights"),
+    "chat prompts without chat template": (lambda a, t: [f"data.tokenizer={_no_template(a, t)}"], 1,
+                                           "chat template"),
+    "empty dataset": (lambda a, t: [f"data.train_files=[{_write(t / 'empty.jsonl', '')}]"], 1, "empty.jsonl"),
+    "malformed row": (lambda a, t: [f"data.train_files=[{_write(t / 'bad.jsonl', open(f'{a}/train.jsonl').readline() + '{oops' + chr(10))}]"],
+                      1, "bad.jsonl"),
+    "overlong prompt, truncation=error": (lambda a, t: ["data.max_prompt_length=4", "data.filter_overlong_prompts=false",
+                                                         "data.truncation=error"], 1, "max_prompt_length"),
+    "reward function raises": (lambda a, t: [f"custom_reward_function.path={_reward_file(t, 'raise KeyError(1)')}"],
+                               1, "compute_score"),
+    "reward function returns a string": (lambda a, t: [f"custom_reward_function.path={_reward_file(t, 'return \"good\"')}"],
+                                         1, "good"),
+    "resume path missing": (lambda a, t: ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={t}/ckpt"],
+                            1, "does not exist"),
+    "impossible batch sizes": (lambda a, t: ["data.train_batch_size=12"], 2, "ppo_mini_batch_size"),
+    "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],
+                                   2, "larger than the training set"),
+}
+
+
+def _no_weights(assets, tmp):
+    d = tmp / "no_weights"
+    shutil.copytree(f"{assets}/sft_model", d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    return d
+
+
+def _no_template(assets, tmp):
+    d = tmp / "tok_no_template"
+    shutil.copytree(f"{assets}/tokenizer", d)
+    for f in d.glob("chat_template*"):
+        f.unlink()
+    cfg_file = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("chat_template", None)
+    cfg_file.write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case, tiny_assets, tmp_path, capsys):
+    make, code, message = CASES[case]
+    extra = make(tiny_assets, tmp_path)
+    got, err = _run(demo_args(tiny_assets, tmp_path / "run", *BASE, *extra), capsys)
+    assert got == code, err
+    assert message in err, err
+
+
+def test_resume_from_a_different_model_is_refused(tiny_assets, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, err = _run(demo_args(tiny_assets, run, *BASE, "trainer.export_hf_at_end=false"), capsys)
+    assert code == 0, err
+    state_file = run / "checkpoints" / "global_step_1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    state["model"]["hidden_size"] += 32  # as if written by a wider model
+    torch.save(state, state_file)
+    before = sorted(os.listdir(run / "checkpoints"))
+    code, err = _run(demo_args(tiny_assets, run, *BASE, "trainer.total_training_steps=2"), capsys)
+    assert code == 1 and "belongs to a different model" in err, err
+    assert sorted(os.listdir(run / "checkpoints")) == before  # nothing written or removed

@@ -1,0 +1,89 @@
+"""Faults under torchrun (2 CPU ranks): a killed rank, preemption, a crash inside a checkpoint
+write, a NaN gradient. Faults are injected with MESHPPO_FAULTS (ppo/faults.py)."""
+
+import os
+
+import pytest
+
+from tests.e2e.conftest import demo_args, read_metrics, torchrun
+
+COMMON = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
+          "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "trainer.export_hf_at_end=false",
+          "actor_rollout_ref.rollout.n=4"]
+
+
+def _strip(row):
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def _same(a, b):
+    sa, sb = _strip(a), _strip(b)
+    assert sa.keys() == sb.keys(), set(sa) ^ set(sb)
+    for k in sa:
+        assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (a["step"], k, sa[k], sb[k])
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_assets, tmp_path_factory):
+    run = tmp_path_factory.mktemp("faults") / "straight"
+    r = torchrun(demo_args(tiny_assets, run, *COMMON))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return read_metrics(run)
+
+
+def test_sigkill_of_a_rank_restarts_and_matches(tiny_assets, tmp_path, reference_run):
+    run = tmp_path / "killed"
+    r = torchrun(demo_args(tiny_assets, run, *COMMON, "trainer.save_freq=1"), extra_torchrun=["--max-restarts=1"],
+                 env_extra={"MESHPPO_FAULTS": "sigkill@3:1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    _same(rows[-1], reference_run[-1])
+
+
+@pytest.mark.parametrize("grace,saved_step", [(120.0, 2), (0.0, 1)])
+def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, reference_run, grace, saved_step):
+    """SIGTERM during step 2: with time to spare the step finishes (checkpoint 2); with a zero
+    grace period it is abandoned before any update (checkpoint 1) and redone after resume."""
+    run = tmp_path / "preempted"
+    r = torchrun(demo_args(tiny_assets, run, *COMMON, f"trainer.preemption_grace_s={grace}"),
+                 env_extra={"MESHPPO_FAULTS": "sigterm@2:0"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.pt")
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, saved_step + 1))
+    r = torchrun(demo_args(tiny_assets, run, *COMMON))
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for a, b in zip(rows, reference_run):
+        _same(a, b)
+
+
+def test_crash_inside_checkpoint_write_keeps_previous(tiny_assets, tmp_path):
+    run = tmp_path / "crash"
+    r = torchrun(demo_args(tiny_assets, run, *COMMON, "trainer.save_freq=2"),
+                 env_extra={"MESHPPO_FAULTS": "crash_in_save@4"})
+    assert r.returncode != 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (ckpts / "global_step_4").exists()
+    # the previous checkpoint loads: a fresh launch resumes from step 2 and finishes
+    r = torchrun(demo_args(tiny_assets, run, *COMMON, "trainer.save_freq=2"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr and "global_step_2" in r.stderr
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not (ckpts / "global_step_4.tmp").exists()
+
+
+def test_nan_gradient_skips_the_step_everywhere(tiny_assets, tmp_path):
+    run = tmp_path / "nan"
+    r = torchrun(demo_args(tiny_assets, run, *COMMON), env_extra={"MESHPPO_FAULTS": "nan_grad@2:0"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    # both mini-batches of step 2 skipped (NaN norm seen by every rank); the others stepped
+    assert rows[1]["actor/nonfinite_skipped"] == 2.0
+    assert all(row["actor/nonfinite_skipped"] == 0.0 for i, row in enumerate(rows) if i != 1)
+    # grad_norm of step 2 is reported as non-finite (null in JSON)
+    assert rows[1]["actor/grad_norm"] is None or rows[1]["actor/grad_norm"] != rows[1]["actor/grad_norm"]

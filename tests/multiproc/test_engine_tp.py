@@ -1,0 +1,68 @@
+"""Tensor parallelism: TP=2 over two gloo processes equals TP=1 (float32, CPU)."""
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+
+def _tp_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models import ModelArgs, Transformer, tp_shard_dim
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+
+    results = []
+    for kind in ("qwen2", "llama"):
+        if kind == "qwen2":
+            args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+        else:
+            args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             model_type="llama", mlp_bias=True, tie_word_embeddings=False)
+        model = Transformer.build(args, seed=0)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.15 * torch.randn(p.shape, generator=g))
+        params = dict(model.named_parameters())
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+        tp2 = LLMEngine(args, config, tp_mesh=mesh["tp"], device="cpu")
+        tp2.load_weights(model.named_parameters())
+        tp1 = LLMEngine(args, config, device="cpu")  # TP=1 needs no process group
+        tp1.load_weights(model.named_parameters())
+
+        # Each slot holds this rank's shard j = rows/cols [j n/t, (j+1) n/t) along tp_shard_dim.
+        for name, slot in tp2.param_slots().items():
+            full = params[name].detach()
+            dim = tp_shard_dim(name)
+            assert slot.shard_dim == dim
+            expect = full if dim is None else full.chunk(2, dim=dim)[rank]
+            assert torch.equal(slot.view, expect), name
+
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
+        for sp in (SamplingParams(temperature=0, max_tokens=10),
+                   SamplingParams(n=2, temperature=0.9, max_tokens=10, seed=5),
+                   SamplingParams(n=2, temperature=0.9, top_k=5, max_tokens=8, seed=6),
+                   SamplingParams(n=2, temperature=1.1, top_p=0.8, top_k=20, max_tokens=8, seed=7)):
+            a, b = tp1.generate(prompts, sp), tp2.generate(prompts, sp)
+            assert [o.token_ids for o in a] == [o.token_ids for o in b], (kind, sp)
+            diff = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
+            assert diff < 1e-5, (kind, sp, diff)
+            results.append(b)
+        assert tp2.last_stats["preemptions"] > 0  # the tight pool made both ranks preempt identically
+
+    # Both ranks return the same outputs.
+    mine = [[o.token_ids for o in outs] for outs in results]
+    gathered = [None, None]
+    dist.all_gather_object(gathered, mine)
+    assert gathered[0] == gathered[1]
+
+
+def test_tp2_equals_tp1():
+    run_distributed(_tp_body, 2)

@@ -1,0 +1,285 @@
+"""The engine on CPU (float32) against the training model `models.Transformer`.
+
+Anchors (DESIGN.md §8): greedy output equals a plain no-cache forward loop token for token,
+with chunked prefill and preemption forced; sampled tokens are exactly the exponential race
+over the training forward's logits with the engine's counter-based noise; the returned
+log-probs equal log_softmax(logits / T) of the training forward on the generated sequence.
+"""
+
+import json
+
+import pytest
+import torch
+
+from models import ModelArgs, Transformer, tp_shard_dim
+from rollout import EngineConfig, LLMEngine, ParamSlot, RequestOutput, SamplingParams
+from rollout.model import check_tp_divisibility
+from rollout.sampler import gumbel_noise, truncation_threshold
+from rollout.sequence import sequence_key
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: intra-op threads only add synchronisation (and stall badly on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_args(kind: str, **kw) -> ModelArgs:
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    if kind == "qwen2":
+        common.update(model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+    else:
+        common.update(model_type="llama", mlp_bias=True, tie_word_embeddings=False, eos_token_id=3)
+    common.update(kw)
+    return ModelArgs(**common)
+
+
+def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    """Random weights large enough that the logits are decisive (no near-ties for argmax to flip on)."""
+    model = Transformer.build(args, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def make_engine(model: Transformer, **cfg) -> LLMEngine:
+    config = EngineConfig(dtype=torch.float32, **{"block_size": 4, "num_kv_blocks": 256, **cfg})
+    engine = LLMEngine(model.args, config, device="cpu")
+    engine.load_weights(model.named_parameters())
+    return engine
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt, max_new):
+    ids = list(prompt)
+    for _ in range(max_new):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def check_against_training_forward(model, out: RequestOutput, params: SamplingParams):
+    """Teacher-forced: every token is the race winner over the training logits; log-probs agree."""
+    p = len(out.prompt_token_ids)
+    seq = torch.tensor([out.prompt_token_ids + out.token_ids])
+    logits = model(seq)[0, p - 1:-1].float()  # [n_new, V]: logits that produced each new token
+    temp = params.temperature if params.temperature > 0 else 1.0
+    s = logits / temp
+    tokens = torch.tensor(out.token_ids)
+    ref_lp = torch.log_softmax(s, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref_lp, atol=5e-5, rtol=0)
+    if params.temperature == 0:
+        assert torch.equal(s.argmax(-1), tokens)
+        return
+    n_new = len(out.token_ids)
+    key = sequence_key(params.seed, out.prompt_index, out.sample_index)
+    g = gumbel_noise(torch.full((n_new,), key), torch.arange(p, p + n_new), torch.arange(s.shape[1]))
+    score = s + g
+    if params.needs_truncation:
+        score = torch.where(s >= truncation_threshold(s, params.top_k, params.top_p)[:, None], score, float("-inf"))
+    assert torch.equal(score.argmax(-1), tokens)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_greedy_equals_no_cache_loop_with_chunking_and_preemption(kind):
+    model = tiny_model(tiny_args(kind, eos_token_id=None))
+    prompts = prompts_of([1, 7, 13, 29, 4, 22, 16])
+    max_new = 14
+    # 16-token chunks split the long prompts; 18 blocks of 4 cannot hold all 7 sequences.
+    engine = make_engine(model, num_kv_blocks=18, max_num_batched_tokens=16)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new))
+    stats = engine.last_stats
+    assert stats["preemptions"] > 0
+    assert stats["prefill_steps"] >= 8
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(model, prompt, max_new)
+        assert out.finish_reason == "length" and len(out.logprobs) == max_new
+        check_against_training_forward(model, out, SamplingParams(temperature=0))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=5),
+    SamplingParams(n=2, temperature=1.3, top_k=7, top_p=0.8, max_tokens=12, seed=11),
+])
+def test_sampling_is_the_race_over_training_logits(params):
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([5, 17, 2, 9], seed=1)
+    engine = make_engine(model, num_kv_blocks=16, max_num_batched_tokens=12)
+    outs = engine.generate(prompts, params)
+    assert engine.last_stats["preemptions"] > 0
+    assert [(o.prompt_index, o.sample_index) for o in outs] == [(i, k) for i in range(4) for k in range(params.n)]
+    for o in outs:
+        check_against_training_forward(model, o, params)
+    # The n samples of a prompt differ (distinct keys), yet share the prompt's prefill.
+    assert outs[0].token_ids != outs[1].token_ids
+
+
+def test_samples_do_not_depend_on_batching_or_preemption():
+    model = tiny_model(tiny_args("llama"))
+    prompts = prompts_of([6, 11, 3, 19, 8], seed=2)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3, ignore_eos=True)
+    roomy = make_engine(model).generate(prompts, params)
+    tight_engine = make_engine(model, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=8)
+    tight = tight_engine.generate(prompts, params)
+    assert tight_engine.last_stats["preemptions"] > 0
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
+
+
+def test_stop_conditions():
+    model = tiny_model(tiny_args("llama"))  # eos_token_id = 3
+    engine = make_engine(model)
+    prompts = prompts_of([5, 8, 12], seed=4)
+    free = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    stop = free[1].token_ids[4]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop],
+                                                   ignore_eos=True))
+    for f, o in zip(free, outs):
+        if stop in f.token_ids:
+            cut = f.token_ids.index(stop) + 1
+            assert o.token_ids == f.token_ids[:cut] and o.finish_reason == "stop"
+            assert len(o.logprobs) == cut
+        else:
+            assert o.token_ids == f.token_ids and o.finish_reason == "length"
+    # EOS from the model config stops unless ignored; an explicit eos_token_id overrides it.
+    eos = SamplingParams(temperature=0, max_tokens=20, eos_token_id=stop)
+    assert [o.token_ids for o in engine.generate(prompts, eos)] == [o.token_ids for o in outs]
+    # max_model_len caps the response.
+    capped = make_engine(model, max_model_len=10)
+    out = capped.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_param_slots_are_views_of_the_engine_weights():
+    model = tiny_model(tiny_args("qwen2"))
+    engine = make_engine(model)
+    slots = engine.param_slots()
+    params = dict(model.named_parameters())
+    assert set(slots) == set(params) and "lm_head.weight" not in slots  # tied
+    storage = engine.model.storage.untyped_storage().data_ptr()
+    for name, slot in slots.items():
+        assert isinstance(slot, ParamSlot) and slot.shard_dim == tp_shard_dim(name)
+        assert slot.view.untyped_storage().data_ptr() == storage
+        assert torch.equal(slot.view, params[name].detach())
+    # Writing through the slots (as the resharder does) is the same as load_weights.
+    fresh = LLMEngine(model.args, engine.config, device="cpu")
+    with torch.no_grad():
+        for name, slot in fresh.param_slots().items():
+            slot.view.copy_(params[name])
+    prompts = prompts_of([4, 9], seed=5)
+    sp = SamplingParams(temperature=0.9, max_tokens=6)
+    assert [o.token_ids for o in fresh.generate(prompts, sp)] == [o.token_ids for o in engine.generate(prompts, sp)]
+
+
+def test_free_and_reallocate_cache_and_weights():
+    model = tiny_model(tiny_args("llama"))
+    engine = make_engine(model, free_cache_engine=False)
+    prompts = prompts_of([4, 9], seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    ref = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert engine.runner.kv_cache is not None  # kept: free_cache_engine=False
+    engine.free_cache()
+    assert engine.runner.kv_cache is None
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == ref  # re-allocated by generate
+    engine.free_weights()
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(prompts, sp)
+    with pytest.raises(RuntimeError, match="released"):
+        engine.param_slots()
+    engine.init_weights_storage()
+    engine.load_weights(model.named_parameters())
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+    default = make_engine(model)  # free_cache_engine=True releases after every call
+    default.generate(prompts, sp)
+    assert default.runner.kv_cache is None
+
+
+def test_bad_inputs_are_clear_errors():
+    args = tiny_args("qwen2")
+    model = tiny_model(args)
+    engine = make_engine(model, max_model_len=16)
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], sp)
+    with pytest.raises(ValueError, match="no room"):
+        engine.generate([[1] * 16], sp)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[VOCAB]], sp)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_tp_divisibility(args, 4)
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_tp_divisibility(tiny_args("qwen2", vocab_size=97), 2)
+    with pytest.raises(ValueError, match="no parameter"):
+        engine.load_weights([("layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="chunked"):
+        LLMEngine(args, EngineConfig(dtype=torch.float32, enable_chunked_prefill=False, max_num_batched_tokens=64),
+                  device="cpu")
+
+
+def _save_checkpoint(model, path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
+
+
+def test_cli_generate(tmp_path, capsys):
+    from rollout.generate import main
+
+    model = tiny_model(tiny_args("llama", eos_token_id=None))
+    ckpt = tmp_path / "ckpt"
+    _save_checkpoint(model, ckpt)
+    prompts = prompts_of([3, 7], seed=7)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt_token_ids": prompts[0]}) + "\n\n"
+                   + json.dumps({"prompt": " ".join(f"w{t}" for t in prompts[1])}) + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(out), "--max-new-tokens", "6",
+               "--temperature", "0", "--n", "2", "--dtype", "float32"])
+    assert rc == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["prompt_index"], x["sample_index"]) for x in lines] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for x in lines:
+        p = prompts[x["prompt_index"]]
+        assert x["prompt_token_ids"] == p
+        assert x["token_ids"] == greedy_reference(model, p, 6)
+        assert len(x["logprobs"]) == 6 and x["finish_reason"] == "length"
+        assert x["text"] == " ".join(f"w{t}" for t in x["token_ids"])
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_token_ids": [1]}) + "\n{not json\n")
+    assert main(["--model", str(ckpt), "--prompts", str(bad), "--out", str(out), "--max-new-tokens", "2"]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt_token_ids": [1] * 128}) + "\n")
+    assert main(["--model", str(ckpt), "--prompts", str(long), "--out", str(out), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{long}:1" in err and "context" in err
+    assert main(["--model", str(ckpt), "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(out),
+                 "--max-new-tokens", "2"]) == 2
+    assert "does not exist" in capsys.readouterr().err

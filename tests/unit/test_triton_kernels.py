@@ -1,0 +1,210 @@
+"""Triton kernels against the PyTorch reference ops, on CPU under Triton's interpreter.
+
+`TRITON_INTERPRET=1` must be set before triton is imported and would change every later
+`@triton.jit` in the process, so the checks run in one child process (this file run as a
+script) and the tests here read its report; nothing leaks into the pytest process.
+The interpreter emulates bf16 dot products wrongly (triton 3.9), so the checks use float32
+and float16; bf16 is checked on the GPU (tests/gpu/test_engine_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
+          "engine_greedy"]
+
+
+def _check_all() -> dict:
+    import torch
+
+    from rollout.attention import PREFILL_TILE, AttentionMetadata
+    from rollout.ops import TorchOps
+    from rollout.sampler import combine_partials
+    from rollout.triton_kernels import TritonOps
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    report = {}
+
+    def close(a, b, tol):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= tol, f"max error {err} > {tol}"
+        return err
+
+    def rms_norm():
+        errs = []
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            x = torch.randn(5, 96, dtype=dtype)
+            res = torch.randn(5, 96, dtype=dtype)
+            w = (1 + 0.1 * torch.randn(96)).to(dtype)
+            ref_out, ref_res = TorchOps.rms_norm(x, w, 1e-6, res.clone())
+            out, new_res = TritonOps.rms_norm(x, w, 1e-6, res)  # residual updated in place
+            errs += [close(out, ref_out, tol), close(new_res, ref_res, 0), close(res, ref_res, 0)]
+            out, same = TritonOps.rms_norm(x, w, 1e-6, None)
+            errs.append(close(out, TorchOps.rms_norm(x, w, 1e-6)[0], tol))
+            assert same is x
+        return max(errs)
+
+    def silu_and_mul():
+        errs = []
+        for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+            x = torch.randn(4, 2 * 80, dtype=dtype)
+            errs.append(close(TritonOps.silu_and_mul(x), TorchOps.silu_and_mul(x), tol))
+        return max(errs)
+
+    def paged_setup(dtype, hkv, d, lengths, page=4, num_blocks=40):
+        """A KV pool holding `lengths` tokens per sequence in scattered pages."""
+        k_cache = torch.randn(num_blocks, page, hkv, d, dtype=dtype)
+        v_cache = torch.randn(num_blocks, page, hkv, d, dtype=dtype)
+        perm = torch.randperm(num_blocks).tolist()
+        width = max(-(-n // page) for n in lengths) + 1
+        bt = torch.zeros(len(lengths) + 1, width, dtype=torch.int32)
+        slots = torch.tensor([len(lengths) - i for i in range(len(lengths))], dtype=torch.int32)  # not 0..N-1
+        for i, n in enumerate(lengths):
+            for c in range(-(-n // page)):
+                bt[slots[i], c] = perm.pop()
+        return k_cache, v_cache, bt, slots
+
+    def rope_and_cache():
+        from models import ModelArgs
+        from models.transformer import rope_cos_sin, rope_inv_freq
+
+        errs = []
+        for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 0.0)):
+            hq, hkv, d, t = 6, 2, 16, 7
+            args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
+            cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(64), dtype)
+            cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+            k_ref, v_ref, bt, _ = paged_setup(dtype, hkv, d, [20, 20])
+            k_tri, v_tri = k_ref.clone(), v_ref.clone()
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype)
+            positions = torch.tensor([0, 5, 19, 3, 4, 17, 9], dtype=torch.int32)
+            token_slots = torch.tensor([2, 2, 2, 1, 1, 1, 2], dtype=torch.int32)
+            q_ref = TorchOps.rope_and_cache(qkv.clone(), positions, token_slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+            qkv_tri = qkv.clone()
+            q_tri = TritonOps.rope_and_cache(qkv_tri, positions, token_slots, cos, sin, k_tri, v_tri, bt, hq, hkv, d)
+            errs += [close(q_tri, q_ref, tol), close(k_tri, k_ref, tol), close(v_tri, v_ref, 0)]
+            assert q_tri.data_ptr() == qkv_tri.data_ptr()  # q is rotated in place
+        return max(errs)
+
+    def decode_attention():
+        errs = []
+        for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32))), (torch.float16, 2e-3, ((4, 2, 16),))):
+            for hq, hkv, d in shapes:
+                lengths = [1, 9, 33, 16]
+                k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, lengths)
+                q = torch.randn(len(lengths), hq, d, dtype=dtype)
+                for splits in (1, 3):
+                    meta = AttentionMetadata(is_decode=True, slots=slots,
+                                             context_lens=torch.tensor(lengths, dtype=torch.int32),
+                                             max_context_len=max(lengths), num_splits=splits)
+                    ref = TorchOps.decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
+                    out = TritonOps.decode_attention(q, k_cache, v_cache, bt, meta, d ** -0.5)
+                    errs.append(close(out, ref, tol))
+        return max(errs)
+
+    def prefill_attention():
+        errs = []
+        for dtype, tol in ((torch.float32, 2e-5), (torch.float16, 2e-3)):
+            hq, hkv, d = 4, 2, 16
+            starts, q_lens = [0, 7, 3], [PREFILL_TILE + 5, 1, 12]  # a fresh prompt over 2 tiles, a decode, a chunk
+            ctx = [s + n for s, n in zip(starts, q_lens)]
+            k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, ctx, num_blocks=48)
+            cu = [0]
+            tiles = []
+            for i, n in enumerate(q_lens):
+                cu.append(cu[-1] + n)
+                tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
+            i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+            meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
+                                     cu_q=i32(cu), max_q_len=max(q_lens), tile_seq=i32([a for a, _ in tiles]),
+                                     tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
+            q = torch.randn(cu[-1], hq, d, dtype=dtype)
+            ref = TorchOps.prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
+            errs.append(close(TritonOps.prefill_attention(q, k_cache, v_cache, bt, meta, d ** -0.5), ref, tol))
+        return max(errs)
+
+    def sample_partials():
+        r, v = 4, 2100
+        logits = torch.randn(r, v) * 2
+        logits[0, 10] = logits[0, 2000] = 50.0  # a greedy tie across kernel splits: lowest id wins
+        keys = torch.randint(-2**31, 2**31 - 1, (r,), dtype=torch.int32)
+        pos = torch.arange(r, dtype=torch.int32) * 7
+        for temperature in (0.0, 0.7):
+            inv_t = torch.tensor(1.0 if temperature == 0 else 1 / temperature)
+            noise = torch.tensor(0.0 if temperature == 0 else 1.0)
+            for thresh, start in ((None, 0), (torch.quantile(logits.float() * inv_t, 0.99, dim=-1), 4096)):
+                ref = combine_partials(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, thresh, start, 1))
+                for splits in (1, 3):
+                    got = combine_partials(TritonOps.sample_partials(logits, keys, pos, inv_t, noise, thresh,
+                                                                     start, splits))
+                    assert torch.equal(got[0], ref[0]), (temperature, splits, got[0], ref[0])
+                    close(got[1], ref[1], 1e-5)
+                if temperature == 0:
+                    assert got[0][0].item() == start + 10
+        return 0.0
+
+    def engine_greedy():
+        from models import ModelArgs, Transformer
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+
+        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = Transformer.build(args, seed=0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, 0.3)
+        engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
+                                              max_num_batched_tokens=8), device="cpu")
+        engine.load_weights(model.named_parameters())
+        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+        sp = SamplingParams(temperature=0.9, n=2, max_tokens=3, seed=1)
+        ref = engine.generate(prompts, sp)
+        engine.runner.use_triton = True
+        got = engine.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+
+    import time
+
+    for name in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            report[name] = {"ok": True, "err": locals()[name](), "s": time.perf_counter() - t0}
+        except Exception as e:  # reported to the parent test
+            import traceback
+
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return report
+
+
+@pytest.fixture(scope="module")
+def interpreter_report():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    marker = "TRITON_REPORT "
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(marker)]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len(marker):])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_triton_kernel_matches_torch_under_interpreter(interpreter_report, check):
+    result = interpreter_report[check]
+    assert result["ok"], result.get("error")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    sys.path.insert(0, str(ROOT))
+    print("TRITON_REPORT " + json.dumps(_check_all()), flush=True)
