@@ -27,8 +27,7 @@ lint:  ## static checks
 bench-gpu:  ## the GPU benchmarks (one H200): rollout, reshard, training MFU, end-to-end step
 	$(PYTHON) bench/rollout.py --quick
 	$(PYTHON) bench/reshard.py
-	$(PYTHON) bench/train.py
-	$(PYTHON) bench/ppo_step.py
+	bash bench/run_gpu_suite.sh
 
 plot:  ## PNG plots of a run: make plot RUN=runs/demo
 	$(PYTHON) -m tools.plot $(RUN)

@@ -27,7 +27,11 @@ mkdir -p "$LOG_DIR"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-exec python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+# An explicit c10d rendezvous on a free local port rather than --standalone: restarted workers
+# (--max-restarts) hang in init_process_group under --standalone (seen with torch 2.13).
+PORT=${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+exec python -m torch.distributed.run --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint="127.0.0.1:$PORT" \
+  --nproc_per_node="$NPROC" \
   --max-restarts="${MAX_RESTARTS:-0}" --log-dir="$LOG_DIR" --redirects=3 --tee=3 \
   --local-ranks-filter=0 \
   train_ppo.py "$@"

@@ -26,7 +26,7 @@ def _chunk_stats(h, w, labels, temperature):
 
 class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy, out_shape):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
@@ -40,11 +40,15 @@ class _ChunkedLogprob(torch.autograd.Function):
                 ent[s:e] = lse - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, labels, lse_all, ent)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        return logp, ent
+        # Outputs are fresh tensors in their final shape, not views: FSDP2 hooks a module's
+        # outputs for backward, and a view would bypass that hook. The copy is [tokens] floats.
+        return logp.reshape(out_shape).clone(), (ent.reshape(out_shape).clone() if with_entropy else ent)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, labels, lse_all, ent = ctx.saved_tensors
+        grad_logp = grad_logp.reshape(-1)
+        grad_ent = grad_ent.reshape(-1) if grad_ent is not None and grad_ent.numel() else None
         t, cs = ctx.temperature, ctx.chunk_size
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
@@ -67,7 +71,7 @@ class _ChunkedLogprob(torch.autograd.Function):
                 grad_w += dz.t() @ hf
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -77,8 +81,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     hidden `[..., H]`, weight `[V, H]`, labels `[...]` (int64, valid ids everywhere: mask
     afterwards) -> (logprobs `[...]`, entropy `[...]` or None).
     """
-    shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _ChunkedLogprob.apply(h, weight, labels.reshape(-1).long(), float(temperature),
-                                      int(chunk_size), bool(with_entropy))
-    return logp.view(shape), (ent.view(shape) if with_entropy else None)
+                                      int(chunk_size), bool(with_entropy), tuple(labels.shape))
+    return logp, (ent if with_entropy else None)

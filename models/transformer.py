@@ -252,7 +252,9 @@ class Transformer(nn.Module):
                 labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048):
         h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if self.head == "value":
-            return self.score(h).squeeze(-1)
+            # sum over the size-1 label dim: same values as squeeze, but not a view (FSDP2
+            # hooks module outputs for backward; a view would bypass the hook)
+            return self.score(h).sum(-1)
         if not self.args.tie_word_embeddings:
             return self.lm_head(h, labels, temperature, with_entropy, chunk_size)
         if labels is None:

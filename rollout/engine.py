@@ -60,6 +60,7 @@ class LLMEngine:
                 f">= max_model_len ({self.max_model_len}): a whole prompt has to fit in one step")
         self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len)
         self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
+        self._kv_blocks: int | None = None  # sized at the first init_cache(), then kept
         self.last_stats: dict = {}
 
     @classmethod
@@ -146,9 +147,16 @@ class LLMEngine:
         return self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
 
     def init_cache(self) -> None:
-        """Allocate the KV pool (no-op if it exists)."""
+        """Allocate the KV pool (no-op if it exists).
+
+        The pool is sized from free memory the first time only; re-allocations keep that size,
+        so that the captured CUDA graphs (whose kernels address the pool per layer) stay valid
+        whenever the allocator hands back the same memory.
+        """
         if self.runner.kv_cache is None:
-            self.runner.allocate_cache(self._num_kv_blocks())
+            if self._kv_blocks is None:
+                self._kv_blocks = self._num_kv_blocks()
+            self.runner.allocate_cache(self._kv_blocks)
 
     def free_cache(self) -> None:
         """Release the KV pool (generate() re-allocates it)."""

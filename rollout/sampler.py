@@ -105,7 +105,7 @@ def truncation_threshold(s: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     v = s.shape[-1]
     k = min(top_k, v) if top_k > 0 else v
     if top_p >= 1.0:
-        return torch.topk(s, k, dim=-1).values[:, -1]
+        return torch.topk(s, k, dim=-1).values[:, -1].contiguous()
     srt = torch.sort(s, dim=-1, descending=True).values
     if k < v:
         srt = srt.clone()
@@ -113,7 +113,7 @@ def truncation_threshold(s: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     probs = torch.softmax(srt, dim=-1)
     exclusive = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
     count = (exclusive < top_p).sum(-1).clamp(min=1, max=k)
-    return srt.gather(1, (count - 1)[:, None]).squeeze(1)
+    return srt.gather(1, (count - 1)[:, None]).squeeze(1).contiguous()
 
 
 class Sampler:

@@ -122,16 +122,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
-                        out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale,
+                        out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                        SPLIT: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = sp * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -158,7 +158,7 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=gm[:, None])
@@ -166,20 +166,20 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
         nonempty = l_i > 0  # a split past the end of a short context saw no key
         safe_l = tl.where(nonempty, l_i, 1.0)
         lse = tl.where(nonempty, m_i + tl.log2(safe_l), float("-inf"))
-        idx = (b * HQ + heads) * NUM_SPLITS + sp
+        idx = (b * HQ + heads) * num_splits + sp
         tl.store(part_o_ptr + idx[:, None] * D + d[None, :], acc / safe_l[:, None], mask=gm[:, None])
         tl.store(part_lse_ptr + idx, lse, mask=gm)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob,
-                          HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_P: tl.constexpr):
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_splits,
+                          HQ: tl.constexpr, D: tl.constexpr, S_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_P)
-    sm = s < NUM_SPLITS
+    sm = s < num_splits
     d = tl.arange(0, D)
-    idx = (b * HQ + h) * NUM_SPLITS + s
+    idx = (b * HQ + h) * num_splits + s
     lse = tl.load(part_lse_ptr + idx, mask=sm, other=float("-inf"))
     w = tl.where(sm, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # split 0 is never empty: the max is finite
     o = tl.load(part_o_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
@@ -246,7 +246,7 @@ def _mix32(x):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_ptr, noise_ptr, parts_ptr,
-                   V_LOCAL, VOCAB_START, PER_SPLIT, NUM_SPLITS: tl.constexpr,
+                   V_LOCAL, VOCAB_START, PER_SPLIT, num_splits,
                    HAS_THRESH: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -288,7 +288,7 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
     mmax = tl.max(lane_m, 0)
     msafe = tl.where(mmax == float("-inf"), 0.0, mmax)
     z = tl.sum(lane_z * tl.exp(lane_m - msafe), 0)
-    out = parts_ptr + (r * NUM_SPLITS + sp) * 5
+    out = parts_ptr + (r * num_splits + sp) * 5
     tl.store(out, best)
     tl.store(out + 1, (win + VOCAB_START).to(tl.int32).to(tl.float32, bitcast=True))
     tl.store(out + 2, s_win)
@@ -297,6 +297,11 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
 
 
 # ---------------------------------------------------------------------------- launchers
+
+# Kernels that must round like PyTorch's unfused ops (RoPE; the sampler's scaled logits,
+# which the top-k / top-p threshold is compared against) are compiled without FMA
+# contraction: fused, `x1 * cos - x2 * sin` skips the rounding of `x1 * cos` that torch does.
+_NO_FMA = {"enable_fp_fusion": False}
 
 
 def _pow2(n: int) -> int:
@@ -348,7 +353,7 @@ class TritonOps:
             _rope_cache_kernel[(t,)](qkv, qkv.stride(0), positions, token_slots, block_tables, block_tables.stride(0),
                                      cos, sin, k_cache, v_cache, PAGE=k_cache.shape[1], HQ=num_heads,
                                      HKV=num_kv_heads, D=head_dim, HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
-                                     num_warps=4 if num_heads * head_dim >= 2048 else 2)
+                                     num_warps=4 if num_heads * head_dim >= 2048 else 2, **_NO_FMA)
         return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
 
     @staticmethod
@@ -368,11 +373,11 @@ class TritonOps:
             part_o = part_lse = out  # unused
         _decode_attn_kernel[(b, hkv, splits)](
             q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens,
-            out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634,
+            out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-            NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
+            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
         if splits > 1:
-            _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), HQ=hq, D=d, NUM_SPLITS=splits,
+            _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
                                            S_P=_pow2(splits), num_warps=4 if d >= 128 else 2)
         return out
 
@@ -401,7 +406,8 @@ class TritonOps:
         parts = torch.empty(r, num_splits, 5, dtype=torch.float32, device=logits.device)
         if r:
             _sample_kernel[(r, num_splits)](
-                logits, logits.stride(0), keys, positions, thresh if thresh is not None else inv_temp,
-                inv_temp, noise_scale, parts, v, vocab_start, per_split,
-                NUM_SPLITS=num_splits, HAS_THRESH=thresh is not None, BLOCK=block, num_warps=4)
+                logits, logits.stride(0), keys.contiguous(), positions.contiguous(),
+                thresh.contiguous() if thresh is not None else inv_temp,
+                inv_temp, noise_scale, parts, v, vocab_start, per_split, num_splits,
+                HAS_THRESH=thresh is not None, BLOCK=block, num_warps=4, **_NO_FMA)
         return parts

@@ -44,9 +44,9 @@ from models import tp_shard_dim
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Tensors at least this large get their own copy kernel; smaller ones go through one
-# multi-tensor `_foreach_copy_` launch per bucket, which saves a launch per norm / bias / small
-# projection where launch latency, not bandwidth, is the cost.
-_FOREACH_MAX_NUMEL = 1 << 22
+# multi-tensor `_foreach_copy_` call, which saves a launch per norm / bias / small projection
+# where launch latency, not bandwidth, is the cost.
+FOREACH_MAX_NUMEL = 1 << 22
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -101,7 +101,10 @@ class Resharder:
     DTensors on `meshes.train`). `meshes`: `ParallelDims.build_meshes()`. `target`: the engine
     (anything with `param_slots()`) or a mapping `training name → slot`, where a slot has
     `.view` (this rank's TP shard of the parameter, a view into the engine's buffers) and
-    `.shard_dim` (the TP dimension, None when replicated).
+    `.shard_dim` (the TP dimension, None when replicated). `foreach_max_numel`: on CUDA, local
+    cast-copies of tensors smaller than this go through one multi-tensor `_foreach_copy_`
+    call (0: one copy kernel per tensor; None: everything through `_foreach_copy_`); a knob for
+    the benchmark.
 
     The slots are fetched again at every call and not kept afterwards: holding the views would
     keep the engine's weight buffer alive through `engine.free_weights()`, and after
@@ -109,8 +112,9 @@ class Resharder:
     buckets, offsets) depends only on names and shapes and is built once.
     """
 
-    def __init__(self, model: torch.nn.Module, meshes, target):
+    def __init__(self, model: torch.nn.Module, meshes, target, *, foreach_max_numel: int | None = FOREACH_MAX_NUMEL):
         self.model, self.meshes = model, meshes
+        self.foreach_max_numel = foreach_max_numel
         self.dims = meshes.dims
         self._target = target
         self.total_bytes_received = 0
@@ -164,7 +168,9 @@ class Resharder:
             bound += n * (1 - 1 / S) if tp_dim is None else n / t * (1 - t / S)
             aligned = tp_dim is not None and fsdp_dim == tp_dim and p.shape[tp_dim] % S == 0
             chunk = list(p.shape)
-            if aligned:
+            if S == 1:
+                route = "local"  # one rank holds everything (then t == 1): a cast-copy
+            elif aligned:
                 route = "local" if m == 1 else "micro"
                 chunk[fsdp_dim] //= S
             else:
@@ -191,6 +197,7 @@ class Resharder:
                 b.full_numel += item.numel
             b.direct = len(b.micro) == 1 and b.micro[0].fsdp_dim == 0 and slots[b.micro[0].name].view.is_contiguous()
         self.buckets = list(buckets.values())
+        self._needs_comm = any(b.micro or b.full for b in self.buckets)
         self.bound_bytes = int(round(bound * self.esize))
         self.num_params = len(params)
         self._sizes = (
@@ -220,10 +227,15 @@ class Resharder:
                  torch.empty(micro_n, dtype=self.dtype, device=self.device),
                  torch.empty(full_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf)]
         stats.buffer_bytes = nbuf * (send_n + micro_n + full_n) * self.esize
-        if cuda:
+        if not self._needs_comm:
+            # One GPU (or t == S without replicated params): every parameter is a cast-copy of
+            # the local shard; no buffers, streams or events, and one batched copy call.
+            local = [it for b in self.buckets for it in b.local]
+            _copy_many([views[it.name] for it in local], [it.param.to_local() for it in local], self.foreach_max_numel)
+        elif cuda:
             self._pipelined(bufs, stats, views)
         else:
-            for b in self.buckets:
+            for b in self.buckets:  # gloo is synchronous: nothing to overlap
                 self._gather(b, bufs[0], stats, views)
                 self._copy_out(b, bufs[0], views)
         del bufs, views
@@ -287,7 +299,8 @@ class Resharder:
         _, recv_micro, recv_full = buf
         m, S, t = self.dims.micro_dp, self.dims.dp_shard, self.dims.tp
         if b.local:
-            _copy_many([views[it.name] for it in b.local], [it.param.to_local() for it in b.local])
+            _copy_many([views[it.name] for it in b.local], [it.param.to_local() for it in b.local],
+                       self.foreach_max_numel)
         if b.micro and not b.direct:
             rows = recv_micro[:m * b.micro_numel].view(m, b.micro_numel)
             for it in b.micro:
@@ -337,11 +350,20 @@ def _tp_slice(full: torch.Tensor, tp_dim: int | None, tp_rank: int, tp: int) -> 
     return full.narrow(tp_dim, tp_rank * n, n)
 
 
-def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dst ← src (with a dtype cast) for many pairs; small ones batched into one launch."""
+def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach_max_numel: int | None) -> None:
+    """dst ← src (with a dtype cast) for many pairs; on CUDA the small ones in one multi-tensor call."""
+    if not dsts:
+        return
+    if dsts[0].device.type != "cuda":
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+        return
+    if foreach_max_numel is None:
+        torch._foreach_copy_(dsts, srcs)
+        return
     small_d, small_s = [], []
     for d, s in zip(dsts, srcs):
-        if d.numel() >= _FOREACH_MAX_NUMEL or d.device.type != "cuda":
+        if d.numel() >= foreach_max_numel:
             d.copy_(s)
         else:
             small_d.append(d)

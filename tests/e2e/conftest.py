@@ -27,7 +27,12 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dic
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    from tests.dist_utils import free_port
+
+    # An explicit c10d rendezvous, not --standalone: with --standalone, torch 2.13's restarted
+    # workers (--max-restarts) hang in init_process_group.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--nproc_per_node={nproc}",
            *extra_torchrun, os.path.join(ROOT, "train_ppo.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

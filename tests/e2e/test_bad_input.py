@@ -33,6 +33,8 @@ def _reward_file(tmp_path, body):
                                           f"    {body}\n")
 
 
+RETURN_STR = 'return "good"'
+
 CASES = {
     "missing model dir": (lambda a, t: [f"actor_rollout_ref.model.path={t}/nope", f"data.tokenizer={a}/tokenizer"],
                           1, "does not exist"),
@@ -41,13 +43,13 @@ CASES = {
     "chat prompts without chat template": (lambda a, t: [f"data.tokenizer={_no_template(a, t)}"], 1,
                                            "chat template"),
     "empty dataset": (lambda a, t: [f"data.train_files=[{_write(t / 'empty.jsonl', '')}]"], 1, "empty.jsonl"),
-    "malformed row": (lambda a, t: [f"data.train_files=[{_write(t / 'bad.jsonl', open(f'{a}/train.jsonl').readline() + '{oops' + chr(10))}]"],
+    "malformed row": (lambda a, t: [f"data.train_files=[{_write(t / 'bad.jsonl', _first_row(a) + '{oops' + chr(10))}]"],
                       1, "bad.jsonl"),
     "overlong prompt, truncation=error": (lambda a, t: ["data.max_prompt_length=4", "data.filter_overlong_prompts=false",
                                                          "data.truncation=error"], 1, "max_prompt_length"),
     "reward function raises": (lambda a, t: [f"custom_reward_function.path={_reward_file(t, 'raise KeyError(1)')}"],
                                1, "compute_score"),
-    "reward function returns a string": (lambda a, t: [f"custom_reward_function.path={_reward_file(t, 'return \"good\"')}"],
+    "reward function returns a string": (lambda a, t: ["custom_reward_function.path=" + _reward_file(t, RETURN_STR)],
                                          1, "good"),
     "resume path missing": (lambda a, t: ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={t}/ckpt"],
                             1, "does not exist"),
@@ -55,6 +57,11 @@ CASES = {
     "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],
                                    2, "larger than the training set"),
 }
+
+
+def _first_row(assets):
+    with open(f"{assets}/train.jsonl") as f:
+        return f.readline()
 
 
 def _no_weights(assets, tmp):

@@ -9,7 +9,7 @@ from tests.e2e.conftest import demo_args, read_metrics, torchrun
 
 COMMON = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "trainer.export_hf_at_end=false",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
           "actor_rollout_ref.rollout.n=4"]
 
 

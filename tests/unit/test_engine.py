@@ -53,9 +53,9 @@ def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def make_engine(model: Transformer, **cfg) -> LLMEngine:
-    config = EngineConfig(dtype=torch.float32, **{"block_size": 4, "num_kv_blocks": 256, **cfg})
-    engine = LLMEngine(model.args, config, device="cpu")
+def make_engine(model: Transformer, device="cpu", **cfg) -> LLMEngine:
+    config = EngineConfig(**{"dtype": torch.float32, "block_size": 4, "num_kv_blocks": 256, **cfg})
+    engine = LLMEngine(model.args, config, device=device)
     engine.load_weights(model.named_parameters())
     return engine
 
@@ -67,23 +67,25 @@ def prompts_of(lengths, seed=0):
 
 @torch.no_grad()
 def greedy_reference(model, prompt, max_new):
+    """The plain no-cache loop: the whole sequence through the training forward for every token."""
+    device = next(model.parameters()).device
     ids = list(prompt)
     for _ in range(max_new):
-        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        ids.append(int(model(torch.tensor([ids], device=device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 
 @torch.no_grad()
-def check_against_training_forward(model, out: RequestOutput, params: SamplingParams):
+def check_against_training_forward(model, out: RequestOutput, params: SamplingParams, atol: float = 5e-5):
     """Teacher-forced: every token is the race winner over the training logits; log-probs agree."""
     p = len(out.prompt_token_ids)
-    seq = torch.tensor([out.prompt_token_ids + out.token_ids])
-    logits = model(seq)[0, p - 1:-1].float()  # [n_new, V]: logits that produced each new token
+    seq = torch.tensor([out.prompt_token_ids + out.token_ids], device=next(model.parameters()).device)
+    logits = model(seq)[0, p - 1:-1].float().cpu()  # [n_new, V]: logits that produced each new token
     temp = params.temperature if params.temperature > 0 else 1.0
     s = logits / temp
     tokens = torch.tensor(out.token_ids)
     ref_lp = torch.log_softmax(s, -1).gather(1, tokens[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(out.logprobs), ref_lp, atol=5e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref_lp, atol=atol, rtol=0)
     if params.temperature == 0:
         assert torch.equal(s.argmax(-1), tokens)
         return

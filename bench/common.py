@@ -1,0 +1,75 @@
+"""Shared helpers of the benchmarks under `bench/`: model shapes, ceilings, one JSON line per measurement.
+
+Every benchmark prints one JSON object per measurement (PERF.md, "Method"): the benchmark
+name, the workload, the hardware, the commit, and its figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.args import ModelArgs  # noqa: E402
+
+# Measured ceilings of one H200 (PERF.md): device copy, and bf16 matmul on random data.
+H200_HBM_BYTES_PER_S = 4.3e12
+H200_BF16_FLOPS = 790e12
+
+_QWEN25 = dict(model_type="qwen2", attention_bias=True, max_position_embeddings=32768, rope_theta=1_000_000.0,
+               rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+
+# The PERF.md workloads (random weights: speed does not depend on the values).
+MODEL_SHAPES: dict[str, ModelArgs] = {
+    "qwen2.5-0.5b": ModelArgs(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, **_QWEN25),
+    "qwen2.5-1.5b": ModelArgs(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                              num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, **_QWEN25),
+    "qwen2.5-7b": ModelArgs(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, **_QWEN25),
+}
+
+
+def model_args(name: str, **overrides) -> ModelArgs:
+    """A fresh copy of a named shape (`qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`)."""
+    if name not in MODEL_SHAPES:
+        raise KeyError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
+    return dataclasses.replace(MODEL_SHAPES[name], **overrides)
+
+
+def git_commit() -> str:
+    """HEAD's short hash (+ "-dirty"), or $MESHPPO_COMMIT where the tree is no git checkout."""
+    if os.environ.get("MESHPPO_COMMIT"):
+        return os.environ["MESHPPO_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        return head + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def hardware() -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    return info
+
+
+def emit(benchmark: str, workload: dict, **figures) -> dict:
+    """Print one measurement as a JSON line (and return it)."""
+    rec = {"benchmark": benchmark, "workload": workload, **figures, "hardware": hardware(), "commit": git_commit(),
+           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print(json.dumps(rec), flush=True)
+    return rec

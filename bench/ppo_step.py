@@ -1,0 +1,153 @@
+"""The full PPO step of the trainer (same code path as train_ppo.py) on random-weight models.
+
+    python bench/ppo_step.py [--model qwen2.5-0.5b] [--workloads ppo,grpo] [--steps 4]
+    torchrun --nproc_per_node=N bench/ppo_step.py ...      (several GPUs)
+
+Workloads (PERF.md / issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
+  ppo:  critic (GAE) + reference + k3 KL loss, 256 prompts x 1 sample
+  grpo: reference + k3 KL loss (beta 0.04), 32 prompts x 8 samples
+The model, a word-level tokenizer over its whole vocabulary and random prompts are written to
+`--work-dir` first (random weights: speed does not depend on their values); the reward is a
+rule (a custom function scoring a token's frequency). Prints one JSON object per workload:
+`perf/throughput` (prompt + response tokens per second per GPU, median over the measured
+steps), the phase breakdown `timing_s/*`, the reshard share of the step and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import emit, model_args  # noqa: E402
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    words = solution_str.split()
+    return sum(w == ground_truth for w in words) / max(len(words), 1)
+'''
+
+
+SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_id=1)
+
+
+def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, shape: dict):
+    """Random HF checkpoint + tokenizer + prompt file (rank 0 writes, others wait)."""
+    import torch.distributed as dist
+
+    tag = name + ("-smoke" if shape else "")
+    model_dir, data = work / f"{tag}-random", work / f"{tag}_prompts_{n_prompts}x{prompt_len}.jsonl"
+    if rank == 0 and not (model_dir / "tokenizer.json").exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        from models import Transformer
+
+        args = model_args(name, **shape)
+        model = Transformer.build(args, device="cpu", dtype=torch.bfloat16, seed=0)
+        model.save_pretrained(model_dir)
+        vocab = {f"t{i}": i for i in range(args.vocab_size)}
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"t{args.eos_token_id}", pad_token="t0",
+                                      unk_token="t0")
+        tok.save_pretrained(model_dir)
+    if rank == 0 and not data.exists():
+        g = torch.Generator().manual_seed(0)
+        vocab = model_args(name, **shape).vocab_size
+        with open(data, "w") as f:
+            for i in range(n_prompts):
+                ids = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+                f.write(json.dumps({"data_source": "bench", "prompt": " ".join(f"t{t}" for t in ids),
+                                    "reward_model": {"ground_truth": f"t{ids[0]}"}}) + "\n")
+        (work / "reward.py").write_text(REWARD)
+    if dist.is_initialized():
+        dist.barrier()
+    return model_dir, data, work / "reward.py"
+
+
+def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: int) -> list[str]:
+    common = [f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}","actor_rollout_ref.rollout.ignore_eos=true",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
+              "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
+              "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16",
+              "actor_rollout_ref.rollout.gpu_memory_utilization=0.5", "trainer.val_before_train=false",
+              "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.export_hf_at_end=false",
+              "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "algorithm.kl_guard.enable=false"]
+    if workload == "ppo":
+        return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(64, prompts)}",
+                         "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae",
+                         "actor_rollout_ref.actor.kl_loss_coef=0.001", "critic.use_dynamic_bsz=true",
+                         "critic.ppo_max_token_len_per_gpu=32768", "critic.forward_max_token_len_per_gpu=32768"]
+    return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(8, prompts)}",
+                     "actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo",
+                     "actor_rollout_ref.actor.kl_loss_coef=0.04"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--workloads", default="ppo,grpo")
+    p.add_argument("--steps", type=int, default=4, help="steps per workload; the first is warm-up")
+    p.add_argument("--work-dir", default="runs/bench_ppo_step")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and batch (CPU check that the bench runs)")
+    p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
+    a = p.parse_args(argv)
+
+    from ppo.config import PPOConfig
+    from ppo.configlib import load_config
+    from ppo.launch import init_distributed
+    from ppo.trainer import PPOTrainer
+
+    ctx = init_distributed("auto")
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    shape = SMOKE_SHAPE if a.smoke else {}
+    prompt_len, response_len = (16, 8) if a.smoke else (128, 256)
+    for workload in a.workloads.split(","):
+        prompts = (256 if workload == "ppo" else 32) // (16 if a.smoke else 1)
+        model_dir, data, reward = prepare(work, a.model, prompts * a.steps, prompt_len, ctx.rank, shape)
+        run_dir = work / f"run_{workload}"
+        if ctx.is_main and (run_dir / "metrics.jsonl").exists():
+            os.remove(run_dir / "metrics.jsonl")
+        ov = overrides_for(workload, prompts, prompt_len, response_len) + [
+            f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data}]",
+            f"custom_reward_function.path={reward}", f"trainer.default_local_dir={run_dir}",
+            f"trainer.total_training_steps={a.steps}", f"trainer.n_gpus_per_node={ctx.world_size}",
+            "data.shuffle=false", *a.overrides]
+        cfg = load_config(PPOConfig, None, ov)
+        trainer = PPOTrainer(cfg, ctx)
+        trainer.train()
+        if ctx.is_main:
+            rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+            measured = rows[1:] or rows
+            med = lambda k: statistics.median(r[k] for r in measured if k in r)  # noqa: E731
+            timing = {k: med(k) for k in measured[0] if k.startswith("timing_s/")}
+            emit("ppo_step", {"model": a.model, "workload": workload, "prompts": prompts,
+                              "n": cfg.actor_rollout_ref.rollout.n, "prompt_len": prompt_len,
+                              "response_len": response_len, "smoke": a.smoke,
+                              "world_size": ctx.world_size},
+                 throughput_tok_s_per_gpu=med("perf/throughput"), timing_s=timing,
+                 reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
+                 peak_memory_gb=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
+                 mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
+                 steps_measured=len(measured))
+        del trainer
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

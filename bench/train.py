@@ -1,0 +1,154 @@
+"""Training-side throughput: the actor update and the forward log-prob pass, packed sequences.
+
+    python bench/train.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 16384] [--seq-len 512]
+
+Runs the trainer's own code (`ppo.workers.PolicyWorker` on an FSDP2 actor, world size 1) on
+random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
+`--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
+`--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (PERF.md's FLOP
+count over 989 TFLOP/s), peak memory, and the floors. Variants (`--variants`) switch one
+lever at a time: `compile` (torch.compile per block), `ac` (activation checkpointing),
+`full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import H200_BF16_FLOPS, emit, model_args  # noqa: E402
+from ppo.launch import init_distributed  # noqa: E402
+from ppo.rollout_data import Rollouts  # noqa: E402
+from ppo.workers import PolicyWorker  # noqa: E402
+from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
+from sharding.mesh import ParallelDims  # noqa: E402
+
+PEAK = 989e12  # dense bf16 H100/H200, PERF.md's MFU denominator
+
+
+def train_flops(args, lengths) -> float:
+    """PERF.md: 6·N per token plus attention 12·L·H·D·ctx (causal: mean context ≈ len/2)."""
+    n = args.num_params()
+    attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
+    return sum(6 * n * s + attn * s * s / 2 for s in lengths)
+
+
+def make_rollouts(args, n_seqs, seq_len, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p_len = seq_len // 4
+    prompts = torch.randint(0, args.vocab_size, (n_seqs, p_len), generator=g).tolist()
+    responses = torch.randint(0, args.vocab_size, (n_seqs, seq_len - p_len), generator=g).tolist()
+    r = seq_len - p_len
+    ro = Rollouts(prompts, responses, list(range(n_seqs)), [None] * n_seqs, [None] * n_seqs, [{}] * n_seqs,
+                  ["length"] * n_seqs, [[]] * n_seqs, r, device)
+    mask = ro.response_mask
+    ro.tensors["advantages"] = torch.randn(n_seqs, r, generator=g).to(device) * mask
+    ro.tensors["old_log_probs"] = (-torch.rand(n_seqs, r, generator=g).to(device) * 5) * mask
+    ro.tensors["ref_log_probs"] = ro.tensors["old_log_probs"] + 0.01 * mask
+    return ro
+
+
+def actor_cfg(tokens):
+    return SimpleNamespace(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=None,
+                           use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, entropy_coeff=0.0,
+                           use_kl_loss=True, kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None,
+                           clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0)
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def bench_one(name, variant, tokens, seq_len, repeats, ctx):
+    args = model_args(name)
+    dims = ParallelDims(world_size=1)
+    meshes = dims.build_meshes("cuda")
+    cfg = FSDPConfig(model_dtype="fp32")
+    model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
+                             enable_gradient_checkpointing=(variant == "ac"))
+    if variant == "compile":
+        from sharding.compile import apply_compile
+
+        apply_compile(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    worker = PolicyWorker(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
+                          world_size=1, response_length=seq_len)
+    n_seqs = tokens // seq_len
+    ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
+    lengths = ro.lengths()
+    workload = {"model": name, "variant": variant, "tokens": sum(lengths), "seq_len": seq_len}
+
+    if variant == "full_logits":
+        # What chunking avoids: logits [tokens, vocab] in fp32 and their log-softmax, kept for backward.
+        from ppo.forward import build_micro_batch
+
+        mb = build_micro_batch(ro.prompts, ro.responses, ctx.device, True)
+
+        def fwd_full():
+            with torch.no_grad():
+                logits = model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
+                               max_seqlen=mb.max_seqlen).float()
+                torch.log_softmax(logits, -1).gather(-1, mb.labels[..., None])
+
+        fwd_full()
+        torch.cuda.reset_peak_memory_stats()
+        med, _ = timed(fwd_full, repeats)
+        emit("train", {**workload, "phase": "forward_logprob"}, seconds=med,
+             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+        return
+
+    def fwd():
+        worker.compute_log_prob(ro, None, True, tokens)
+
+    def upd():
+        worker.update(ro, actor_cfg(tokens), num_mini_batches=1, kl_loss_coef=0.001, seed=0)
+
+    for phase, fn, flops in (("forward_logprob", fwd, train_flops(args, lengths) / 3),
+                             ("actor_update", upd, train_flops(args, lengths))):
+        fn()  # warm-up (and compile)
+        fn()
+        torch.cuda.reset_peak_memory_stats()
+        med, times = timed(fn, repeats)
+        emit("train", {**workload, "phase": phase}, seconds=med, tokens_per_s=sum(lengths) / med,
+             mfu=flops / med / PEAK, tflops=flops / med / 1e12,
+             floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
+             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times)
+    del model, optim, worker
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--variants", default="base", help="comma list of base, compile, ac, full_logits")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/train.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    ctx = init_distributed("cuda")
+    for name in a.models.split(","):
+        for variant in a.variants.split(","):
+            bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

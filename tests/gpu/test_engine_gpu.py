@@ -1,0 +1,244 @@
+"""The engine on a CUDA GPU: Triton kernels against the PyTorch reference ops, CUDA graphs
+against eager execution, and the engine against the training model. Skipped without CUDA."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from models import Transformer  # noqa: E402
+from rollout import SamplingParams  # noqa: E402
+from rollout.attention import PREFILL_TILE, AttentionMetadata  # noqa: E402
+from rollout.ops import TorchOps  # noqa: E402
+from rollout.sampler import combine_partials  # noqa: E402
+from tests.unit.test_engine import (check_against_training_forward, greedy_reference, make_engine,  # noqa: E402
+                                    prompts_of, tiny_args, tiny_model)
+
+DEV = "cuda"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative L2 error
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _triton():
+    from rollout.triton_kernels import TritonOps
+
+    return TritonOps
+
+
+def _paged(dtype, hkv, d, lengths, page=16, spare=8):
+    nblocks = sum(-(-n // page) for n in lengths) + spare
+    k = torch.randn(nblocks, page, hkv, d, device=DEV).to(dtype)
+    v = torch.randn(nblocks, page, hkv, d, device=DEV).to(dtype)
+    perm = torch.randperm(nblocks).tolist()
+    width = max(-(-n // page) for n in lengths) + 2
+    bt = torch.zeros(len(lengths) + 3, width, dtype=torch.int32)
+    slots = torch.randperm(len(lengths) + 3)[:len(lengths)].to(torch.int32)
+    for i, n in enumerate(lengths):
+        for c in range(-(-n // page)):
+            bt[slots[i], c] = perm.pop()
+    return k, v, bt.to(DEV), slots.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_kernels(dtype):
+    from models import ModelArgs
+    from models.transformer import rope_cos_sin, rope_inv_freq
+
+    T = _triton()
+    torch.manual_seed(0)
+    x, res = torch.randn(37, 896, device=DEV).to(dtype), torch.randn(37, 896, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(896, device=DEV)).to(dtype)
+    ref_out, ref_res = TorchOps.rms_norm(x, w, 1e-6, res.clone())
+    out, new_res = T.rms_norm(x, w, 1e-6, res)
+    assert torch.equal(new_res, ref_res)
+    assert _rel(out, ref_out) < TOL[dtype] / 10
+    gu = torch.randn(37, 2 * 4864, device=DEV).to(dtype)
+    assert _rel(T.silu_and_mul(gu), TorchOps.silu_and_mul(gu)) < TOL[dtype] / 10
+
+    hq, hkv, d = 14, 2, 64
+    args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, rope_theta=1e6)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device=DEV), torch.arange(512, device=DEV), dtype)
+    cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+    lengths = [300, 40, 129]
+    k_ref, v_ref, bt, slots = _paged(dtype, hkv, d, lengths)
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    pos = torch.cat([torch.randperm(n, device=DEV)[:20] for n in lengths]).int()
+    tslots = slots.repeat_interleave(20)
+    qkv = torch.randn(60, (hq + 2 * hkv) * d, device=DEV).to(dtype)
+    q_ref = TorchOps.rope_and_cache(qkv.clone(), pos, tslots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+    q_tri = T.rope_and_cache(qkv.clone(), pos, tslots, cos, sin, k_tri, v_tri, bt, hq, hkv, d)
+    # Same roundings as torch (no FMA contraction): at most a rare double-rounding difference.
+    assert _rel(q_tri, q_ref) < 1e-5 and _rel(k_tri, k_ref) < 1e-5
+    assert torch.equal(v_tri, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
+def test_decode_attention_kernel(dtype, hq, hkv, d):
+    T = _triton()
+    torch.manual_seed(1)
+    lengths = [1, 15, 16, 17, 129, 384, 2000, 57]
+    k, v, bt, slots = _paged(dtype, hkv, d, lengths)
+    q = torch.randn(len(lengths), hq, d, device=DEV).to(dtype)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    for splits in (1, 4, 16):
+        meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=ctx, max_context_len=max(lengths),
+                                 num_splits=splits)
+        ref = TorchOps.decode_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
+        out = T.decode_attention(q, k, v, bt, meta, d ** -0.5)
+        assert out.dtype == dtype and _rel(out, ref) < TOL[dtype], splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128)])
+def test_prefill_attention_kernel(dtype, hq, hkv, d):
+    T = _triton()
+    torch.manual_seed(2)
+    starts, q_lens = [0, 0, 100, 31, 500], [128, 1, 37, 2 * PREFILL_TILE + 3, 1]  # fresh, tiny, chunk, long, decode
+    ctx = [s + n for s, n in zip(starts, q_lens)]
+    k, v, bt, slots = _paged(dtype, hkv, d, ctx)
+    cu, tiles = [0], []
+    for i, n in enumerate(q_lens):
+        cu.append(cu[-1] + n)
+        tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
+
+    def i32(x):
+        return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+    meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
+                             cu_q=i32(cu), max_q_len=max(q_lens), tile_seq=i32([a for a, _ in tiles]),
+                             tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
+    q = torch.randn(cu[-1], hq, d, device=DEV).to(dtype)
+    ref = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
+    assert _rel(T.prefill_attention(q, k, v, bt, meta, d ** -0.5), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_kernel(dtype):
+    T = _triton()
+    torch.manual_seed(3)
+    r, v = 33, 151936 // 2
+    logits = (torch.randn(r, v, device=DEV) * 3).to(dtype)
+    keys = torch.randint(-2**31, 2**31 - 1, (r,), dtype=torch.int32, device=DEV)
+    pos = torch.randint(0, 4000, (r,), dtype=torch.int32, device=DEV)
+    for temperature, thresh in ((0.0, None), (1.0, None), (0.7, "top")):
+        inv_t = torch.tensor(1.0 if temperature == 0 else 1 / temperature, device=DEV)
+        noise = torch.tensor(0.0 if temperature == 0 else 1.0, device=DEV)
+        th = None if thresh is None else torch.topk(logits.float() * inv_t, 50, dim=-1).values[:, -1]
+        ref_t, ref_lp = combine_partials(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, th, v, 1))
+        for splits in (1, 7, 37):
+            t, lp = combine_partials(T.sample_partials(logits, keys, pos, inv_t, noise, th, v, splits))
+            # Same noise integers; log/exp may differ in the last bit, so a near-tie could flip.
+            assert (t == ref_t).float().mean() >= 0.96, (temperature, splits)
+            same = t == ref_t
+            assert (lp[same] - ref_lp[same]).abs().max() < 1e-4
+            if temperature == 0:
+                assert torch.equal(t, ref_t) and torch.equal(t - v, logits.float().argmax(-1))
+
+
+def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):
+    args = tiny_args(kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                     max_position_embeddings=512, **kw)
+    return tiny_model(args).to(DEV, dtype)
+
+
+def test_engine_greedy_with_graphs_matches_no_cache_loop():
+    model = _gpu_model(eos_token_id=None)
+    prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=14, max_num_batched_tokens=48)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    assert engine.runner.use_triton and engine.runner.graphs, "expected the Triton + CUDA-graph decode path"
+    assert engine.last_stats["preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == greedy_reference(model, p, 40)
+        check_against_training_forward(model, o, SamplingParams(temperature=0), atol=1e-4)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0.9, max_tokens=24, seed=2),
+                                    SamplingParams(n=2, temperature=1.2, top_k=9, top_p=0.9, max_tokens=16, seed=4)])
+def test_engine_graphs_equal_eager_equal_torch_backend(params):
+    model = _gpu_model("llama")
+    prompts = prompts_of([5, 40, 3, 17, 90], seed=4)
+    cfg = dict(device=DEV, block_size=16, num_kv_blocks=64)
+    graph = make_engine(model, **cfg)
+    eager = make_engine(model, enforce_eager=True, **cfg)
+    torch_path = make_engine(model, enforce_eager=True, **cfg)
+    torch_path.runner.use_triton = False
+    a, b, c = graph.generate(prompts, params), eager.generate(prompts, params), torch_path.generate(prompts, params)
+    if not params.needs_truncation:
+        assert graph.runner.graphs
+    for x, y, z in zip(a, b, c):
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, z.logprobs)) < 1e-4
+        check_against_training_forward(model, x, params, atol=1e-4)
+
+
+def _logprob_errors(outs, models):
+    """Mean |log-prob - float32 reference| over the generated tokens: of the engine, then of each other model.
+
+    `models[0]` is the float32 reference.
+    """
+    ref32, others = models[0], models[1:]
+    errs = [[] for _ in range(1 + len(others))]
+    for o in outs:
+        seq = torch.tensor([o.prompt_token_ids + o.token_ids], device=DEV)
+        p = len(o.prompt_token_ids)
+        tok = torch.tensor(o.token_ids, device=DEV)[:, None]
+        with torch.no_grad():
+            lps = [torch.log_softmax(m(seq)[0, p - 1:-1].float(), -1).gather(1, tok).squeeze(1).cpu()
+                   for m in (ref32, *others)]
+        errs[0].append((torch.tensor(o.logprobs) - lps[0]).abs())
+        for i in range(len(others)):
+            errs[i + 1].append((lps[i + 1] - lps[0]).abs())
+    return [torch.cat(e).mean().item() for e in errs]
+
+
+def test_engine_bf16_tracks_training_forward():
+    """bf16 engine log-probs are as close to the float32 truth as the bf16 training forward's."""
+    model32 = _gpu_model("qwen2")
+    model16 = _gpu_model("qwen2", dtype=torch.bfloat16)
+    prompts = prompts_of([12, 30, 64, 7], seed=5)
+    engine = make_engine(model32, device=DEV, dtype=torch.bfloat16, block_size=16, num_kv_blocks=64)
+    outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=32, seed=1))
+    engine_err, train_err = _logprob_errors(outs, [model32, model16])
+    assert engine_err <= 1.5 * train_err + 1e-3, (engine_err, train_err)
+
+
+def test_cache_and_weights_cycle_keeps_outputs():
+    model = _gpu_model("llama")
+    prompts = prompts_of([9, 31], seed=6)
+    sp = SamplingParams(temperature=0.8, max_tokens=12, seed=9)
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=32)
+    ref = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert engine.runner.kv_cache is None  # free_cache_engine
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+    engine.free_weights()
+    engine.init_weights_storage()
+    engine.load_weights(model.named_parameters())
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+
+
+def test_qwen_shape_smoke():
+    """The real qwen2.5-0.5b shape (GQA 7, vocab 151936) in bf16: as accurate as the bf16 training forward."""
+    from bench.common import model_args
+    from rollout import EngineConfig, LLMEngine
+
+    args = model_args("qwen2.5-0.5b", max_position_embeddings=256)
+    engine = LLMEngine(args, EngineConfig(max_num_seqs=16, gpu_memory_utilization=0.3), device=DEV)
+    ref32 = Transformer.build(args, device=DEV, dtype=torch.float32, seed=0)
+    with torch.no_grad():
+        for n, p in ref32.named_parameters():
+            if "norm" not in n:
+                p.mul_(3)  # std 0.06: logits far from uniform
+    engine.load_weights(ref32.named_parameters())
+    ref16 = Transformer.build(args, device=DEV, dtype=torch.bfloat16)
+    ref16.load_state_dict(ref32.state_dict())
+    prompts = prompts_of([16] * 8, seed=7)
+    outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True))
+    assert len(outs) == 16 and all(len(o.token_ids) == 8 for o in outs)
+    engine_err, train_err = _logprob_errors(outs, [ref32, ref16])
+    assert engine_err <= 1.5 * train_err + 1e-3, (engine_err, train_err)
