@@ -30,9 +30,24 @@ from bench.common import emit, model_args  # noqa: E402
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    words = solution_str.split()
-    return sum(w == ground_truth for w in words) / max(len(words), 1)
+    return solution_str.count(ground_truth) / max(len(solution_str), 1)
 '''
+
+
+def token_chars(n: int) -> list[str]:
+    """One character per token id: a character-level tokenizer over the model's whole
+    vocabulary, built like the demo's. Printable characters and private-use code points (there
+    are too few assigned printable ones for a 152k vocabulary); no spaces, no surrogates."""
+    import unicodedata
+
+    chars = []
+    for c in range(0x21, 0x110000):
+        ch = chr(c)
+        if (ch.isprintable() or unicodedata.category(ch) == "Co") and not ch.isspace():
+            chars.append(ch)
+            if len(chars) == n:
+                return chars
+    raise ValueError(f"not enough characters for a vocabulary of {n}")
 
 
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -46,7 +61,7 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
     tag = name + ("-smoke" if shape else "")
     model_dir, data = work / f"{tag}-random", work / f"{tag}_prompts_{n_prompts}x{prompt_len}.jsonl"
     if rank == 0 and not (model_dir / "tokenizer.json").exists():
-        from tokenizers import Tokenizer, models, pre_tokenizers
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
         from models import Transformer
@@ -54,20 +69,21 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
         args = model_args(name, **shape)
         model = Transformer.build(args, device="cpu", dtype=torch.bfloat16, seed=0)
         model.save_pretrained(model_dir)
-        vocab = {f"t{i}": i for i in range(args.vocab_size)}
-        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"t{args.eos_token_id}", pad_token="t0",
-                                      unk_token="t0")
+        chars = token_chars(args.vocab_size)
+        backend = Tokenizer(models.WordLevel(vocab={ch: i for i, ch in enumerate(chars)}, unk_token=chars[0]))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=chars[args.eos_token_id], pad_token=chars[0],
+                                      unk_token=chars[0], clean_up_tokenization_spaces=False)
         tok.save_pretrained(model_dir)
     if rank == 0 and not data.exists():
         g = torch.Generator().manual_seed(0)
-        vocab = model_args(name, **shape).vocab_size
+        chars = token_chars(model_args(name, **shape).vocab_size)
         with open(data, "w") as f:
             for i in range(n_prompts):
-                ids = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
-                f.write(json.dumps({"data_source": "bench", "prompt": " ".join(f"t{t}" for t in ids),
-                                    "reward_model": {"ground_truth": f"t{ids[0]}"}}) + "\n")
+                ids = torch.randint(1, len(chars), (prompt_len,), generator=g).tolist()
+                f.write(json.dumps({"data_source": "bench", "prompt": "".join(chars[t] for t in ids),
+                                    "reward_model": {"ground_truth": chars[ids[0]]}}) + "\n")
         (work / "reward.py").write_text(REWARD)
     if dist.is_initialized():
         dist.barrier()

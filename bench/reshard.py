@@ -1,5 +1,6 @@
 """Resharding FSDP actor → engine TP weights: the zero-redundancy path against the naive one.
 
+    python bench/reshard.py                               # one GPU (or CPU): one process
     torchrun --nproc_per_node=N bench/reshard.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tp 1] [--fsdp-size -1]
     torchrun --nproc_per_node=2 bench/reshard.py --num-layers 2        # quick CPU run (gloo)
 
@@ -107,6 +108,9 @@ def main():
     ap.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     opts = ap.parse_args()
 
+    if "RANK" not in os.environ:  # plain `python bench/reshard.py`: a one-process world
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

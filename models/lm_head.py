@@ -18,7 +18,9 @@ import torch
 
 
 def _chunk_stats(h, w, labels, temperature):
-    z = (h.float() @ w.float().t()) / temperature
+    # The matmul runs in the weights' dtype (bf16 under mixed precision: tensor cores, fp32
+    # accumulation); everything after it in fp32.
+    z = (h.to(w.dtype) @ w.t()).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp_y = z.gather(-1, labels[:, None]).squeeze(-1) - lse
     return z, lse, logp_y
@@ -52,11 +54,11 @@ class _ChunkedLogprob(torch.autograd.Function):
         t, cs = ctx.temperature, ctx.chunk_size
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        wf = weight.float()
+        mm = weight.dtype  # matmuls in the weights' dtype, as in forward; accumulation in fp32
         for s in range(0, hidden.shape[0], cs):
             e = min(s + cs, hidden.shape[0])
-            hf = hidden[s:e].float()
-            z = (hf @ wf.t()) / t
+            hc = hidden[s:e].to(mm)
+            z = (hc @ weight.t()).float() / t
             logp_all = z - lse_all[s:e, None]
             p = logp_all.exp()
             # d/dz of (g_logp * logp_y): g * (onehot - p)
@@ -64,11 +66,11 @@ class _ChunkedLogprob(torch.autograd.Function):
             dz.scatter_add_(-1, labels[s:e, None], grad_logp[s:e, None])
             if ctx.with_entropy and grad_ent is not None:
                 dz -= p * (logp_all + ent[s:e, None]) * grad_ent[s:e, None]
-            dz /= t
+            dz = (dz / t).to(mm)
             if grad_h is not None:
-                grad_h[s:e] = (dz @ wf).to(hidden.dtype)
+                grad_h[s:e] = (dz @ weight).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += dz.t() @ hf
+                grad_w += (dz.t() @ hc).float()
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None

@@ -78,15 +78,14 @@ class PPOTrainer:
         self.run_dir = t.default_local_dir
         self.timer = Timer(self.device)
 
-        from transformers import AutoTokenizer
-
         from data import PromptDataLoader, RLHFDataset
+        from models.tokenizer import load_tokenizer
 
         tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.path
         if not os.path.isdir(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
                             "actor_rollout_ref.model.path)")
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.tokenizer = load_tokenizer(tok_path)
         d = cfg.data
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,

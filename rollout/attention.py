@@ -37,7 +37,6 @@ class AttentionMetadata:
     max_context_len: int  # host value, >= every context_lens (reference path only)
     num_splits: int = 1  # decode: split-K partitions per sequence (Triton path)
     cu_q: torch.Tensor | None = None  # prefill: [N+1] query row offsets
-    max_q_len: int = 0  # prefill: host value
     tile_seq: torch.Tensor | None = None  # prefill (Triton): sequence of each query tile
     tile_start: torch.Tensor | None = None  # prefill (Triton): first query row (within the sequence) of each tile
     host_cu_q: list[int] | None = None  # prefill: cu_q on the host (reference path)

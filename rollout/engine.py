@@ -40,9 +40,8 @@ def _resolve_device(device, tp_mesh) -> torch.device:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    if tp_mesh is not None and tp_mesh.device_type == "cuda" or tp_mesh is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    on_cuda = tp_mesh.device_type == "cuda" if tp_mesh is not None else torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
 
 class LLMEngine:

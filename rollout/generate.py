@@ -55,9 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_tokenizer(model_dir: Path):
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from models.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load(str(model_dir))
 
 
 def model_eos_ids(model_dir: Path, config_eos) -> list[int]:

@@ -270,7 +270,7 @@ class ModelRunner:
             o += len(p)
         (ids_d, pos_d, tslots_d, cu_d, ctx_d, slots_d, tseq_d, tstart_d, src_d, rslots_d, keys_d, spos_d) = views
         meta = AttentionMetadata(is_decode=False, slots=slots_d, context_lens=ctx_d, max_context_len=max(ctx),
-                                 cu_q=cu_d, max_q_len=int(lens.max()), tile_seq=tseq_d, tile_start=tstart_d,
+                                 cu_q=cu_d, tile_seq=tseq_d, tile_start=tstart_d,
                                  host_cu_q=cu, host_context_lens=ctx)
         h = m.forward(ids_d, pos_d, tslots_d, meta, self.kv_cache, self.block_tables, self.ops)
         if not batch.sample_seqs:

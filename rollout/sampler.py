@@ -64,11 +64,6 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.T
     return -torch.log(-torch.log(uniform_noise(keys, positions, vocab_ids)))
 
 
-def to_int32_bits(x: int) -> int:
-    """A 32-bit unsigned key as the int32 with the same bits (for int32 device buffers)."""
-    return x - (1 << 32) if x >= (1 << 31) else x
-
-
 def sample_partials_ref(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                         inv_temp: torch.Tensor, noise_scale: torch.Tensor, thresh: torch.Tensor | None,
                         vocab_start: int) -> torch.Tensor:

@@ -76,10 +76,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_done(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class ScheduledBatch:
@@ -110,6 +106,3 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.chunk_lens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)

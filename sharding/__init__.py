@@ -1,13 +1,27 @@
 """Training-side parallelism: meshes, FSDP2 wrapping, the FSDP → engine resharder, checkpoints.
 
-Call order for the trainer (DESIGN.md §3–§5):
+The trainer's order (every call is collective unless noted; DESIGN.md §3–§5):
 
-    dims = ParallelDims.from_env(fsdp_size=cfg.fsdp_size, tp=rollout.tensor_model_parallel_size)
-    meshes = dims.build_meshes()
-    actor = build_fsdp_model(path, meshes.train, actor_fsdp_cfg, trainable=True, ...)
-    engine = LLMEngine(args, EngineConfig(...), tp_mesh=meshes.tp, device=device)
+    dims = ParallelDims.from_env(fsdp_size=actor.fsdp_config.fsdp_size,
+                                 tp=rollout.tensor_model_parallel_size)           # validates sizes
+    meshes = dims.build_meshes()                                                  # train / gen / micro-DP
+    actor = build_fsdp_model(path, meshes.train, actor.fsdp_config, trainable=True,
+                             enable_gradient_checkpointing=..., enable_activation_offload=...)
+    ref = build_fsdp_model(path, meshes.train, ref.fsdp_config, trainable=False)
+    critic = build_fsdp_model(critic_path, meshes.train, critic.fsdp_config, head="value")
+    optimizers on actor.parameters() / critic.parameters()
+    engine = LLMEngine(args, EngineConfig(...), tp_mesh=meshes.tp)
     resharder = Resharder(actor, meshes, engine)
-    ...each step: resharder.reshard() → generate → train
+    (load_checkpoint(dir, actor, actor_optim) to resume)
+
+    each step:
+      resharder.reshard()                                  # FSDP shards → engine weights
+      offload_states(actor, actor_optim, actor_cfg)        # param_offload / optimizer_offload
+      engine.generate(prompts for rollout_dp_rank)         # then engine.free_cache() per config
+      load_states(actor, actor_optim, actor_cfg, device)   # back for log-probs and the update
+      ...forward / backward / optimizer steps on actor, ref, critic...
+      save_checkpoint(dir, actor, actor_optim, extra=...)  # every save_freq steps
+    export: sd = gather_full_state_dict(actor); rank 0: actor.save_pretrained(path, state_dict=sd)
 """
 
 from sharding.ac import apply_ac
@@ -25,6 +39,8 @@ from sharding.fsdp import (
     offload_fsdp_model_to_cpu,
     offload_fsdp_optimizer,
     offload_states,
+    offloaded_tensors,
+    reshard_all,
 )
 from sharding.mesh import ParallelDims, ParallelMeshes
 from sharding.resharder import Resharder, ReshardStats
@@ -49,5 +65,7 @@ __all__ = [
     "offload_fsdp_model_to_cpu",
     "offload_fsdp_optimizer",
     "offload_states",
+    "offloaded_tensors",
+    "reshard_all",
     "save_checkpoint",
 ]

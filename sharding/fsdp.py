@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from models import ModelArgs, Transformer, iter_hf_tensors, load_model_args, tp_shard_dim
@@ -79,7 +79,8 @@ class FSDPConfig:
     reshard_after_forward: bool = field(default=True, metadata={
         "help": "free gathered parameters after forward and gather again in backward (ZeRO-3); False: ZeRO-2-like"})
     fsdp_size: int = field(default=-1, metadata={
-        "help": "-1: FULL_SHARD over all ranks; N: HYBRID_SHARD, shard over groups of N ranks, replicate across"})
+        "help": "-1: FULL_SHARD over all ranks; N: HYBRID_SHARD, shard over groups of N ranks, replicate across "
+                "(the actor's value builds the one training mesh; ref / critic: -1 or the same)"})
     forward_prefetch: bool = field(default=False, metadata={
         "help": "explicit prefetch chains: gather the next unit in forward (previous in backward) while computing"})
     model_dtype: str = field(default="fp32", metadata={
@@ -87,7 +88,8 @@ class FSDPConfig:
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig, metadata={
         "help": "compute / reduce dtypes (param_dtype, reduce_dtype, buffer_dtype)"})
     wrap_policy: dict = field(default_factory=lambda: {"min_num_params": 0}, metadata={
-        "help": "min_num_params: 0 = one FSDP unit per block, N = consecutive blocks grouped into units of >= N params"})
+        "help": "min_num_params: 0 = one FSDP unit per block, N = consecutive blocks grouped into units of >= N "
+                "params; transformer_layer_cls_to_wrap may only name the decoder block (always wrapped)"})
 
     def __post_init__(self):
         if isinstance(self.mixed_precision, dict):
@@ -170,6 +172,11 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
     apply_ac(model, enable_gradient_checkpointing, enable_activation_offload)
 
     shard_size = mesh.size(mesh.ndim - 1)
+    if cfg.fsdp_size not in (-1, shard_size):
+        # One training mesh serves actor, reference and critic (DESIGN.md §4).
+        raise ValueError(f"fsdp_config.fsdp_size={cfg.fsdp_size} but the training mesh shards over {shard_size} ranks: "
+                         f"meshppo builds one mesh for all models from actor_rollout_ref.actor.fsdp_config.fsdp_size; "
+                         f"set this one to -1 or {shard_size}")
     names = {p: n for n, p in model.named_parameters()}
 
     def shard_placement_fn(param: nn.Parameter) -> Shard:
@@ -348,44 +355,123 @@ def _checkpoint_tensors(model: Transformer, path):
 
 
 # ------------------------------------------------------------------ offload between phases
-def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
-    """Move the sharded parameters (and gradients) to CPU and give the device memory back.
+# Offload copies each device storage (a parameter's padded FSDP shard, its gradient, an Adam
+# moment) to a host buffer and shrinks the storage to zero bytes, the way FSDP2 itself frees
+# unsharded parameters; loading re-grows the storages and copies back. Every tensor object —
+# the DTensor parameters, FSDP's internal references to their shards, the optimizer's state —
+# stays the same object throughout, so nothing can keep pointing at a stale copy and no
+# reference anywhere can keep device memory alive. (Moving with `module.to("cpu")` swaps
+# tensor objects instead; on torch 2.11 + CUDA that was measured to leave the fp32 shards
+# allocated on the device.) The host buffers are kept and reused by the next offload; on CUDA
+# they are pinned, so both copies run asynchronously on the current stream.
+_OFFLOAD_ATTR = "_meshppo_offload"
 
-    `FSDPModule._apply` reshards first and re-points FSDP's own shard storage at the moved
-    tensors, and `nn.Module._apply` keeps the parameter objects, so an optimizer built on them
-    stays valid.
-    """
-    model.to("cpu")
-    if torch.cuda.is_available():
+
+@dataclass
+class _Offloaded:
+    flats: list[torch.Tensor]  # uint8 views of the device storages (zero bytes while offloaded)
+    hosts: list[torch.Tensor]  # host copies, same byte sizes
+    device: torch.device
+    active: bool
+
+
+def _flat_storages(tensors) -> list[torch.Tensor]:
+    """One flat uint8 tensor over each distinct, non-empty storage behind `tensors`."""
+    seen, flats = set(), []
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        flats.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
+    return flats
+
+
+@torch.no_grad()
+def _offload(owner, tensors) -> None:
+    state: _Offloaded | None = owner.__dict__.get(_OFFLOAD_ATTR)
+    if state is not None and state.active:
+        return  # already offloaded
+    flats = _flat_storages(tensors)
+    if not flats:
+        return
+    device = flats[0].device
+    pin = device.type == "cuda"
+    hosts = state.hosts if state is not None else []
+    if [h.numel() for h in hosts] != [f.numel() for f in flats]:
+        hosts = [torch.empty(f.numel(), dtype=torch.uint8, pin_memory=pin) for f in flats]
+    for flat, host in zip(flats, hosts):
+        host.copy_(flat, non_blocking=pin)
+    # Shrinking a storage hands its block back to the caching allocator; later device work is
+    # ordered after the copies on this stream, so the block cannot be overwritten before they read it.
+    for flat in flats:
+        flat.untyped_storage().resize_(0)
+    owner.__dict__[_OFFLOAD_ATTR] = _Offloaded(flats, hosts, device, True)
+    if pin:
         torch.cuda.empty_cache()
 
 
-def load_fsdp_model_to_device(model: nn.Module, device: torch.device | str) -> None:
-    """Bring the sharded parameters back to `device` (inverse of `offload_fsdp_model_to_cpu`)."""
-    model.to(device)
+@torch.no_grad()
+def _load(owner, device) -> None:
+    state: _Offloaded | None = owner.__dict__.get(_OFFLOAD_ATTR)
+    if state is None or not state.active:
+        return
+    if device is not None and torch.device(device).type != state.device.type:
+        raise ValueError(f"the offloaded states came from {state.device}; they cannot be loaded onto {device}")
+    for flat, host in zip(state.flats, state.hosts):
+        flat.untyped_storage().resize_(host.numel())
+        flat.copy_(host, non_blocking=state.device.type == "cuda")
+    state.active = False
 
 
-def _move_optimizer_states(optimizer: torch.optim.Optimizer, device) -> None:
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            # Scalar `step` counters stay where the optimizer created them: Adam expects them on
-            # CPU unless `capturable`, and they are a few bytes.
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                # Asynchronous only host→device: a device→host copy into pageable memory
-                # could be read before it lands.
-                state[k] = v.to(device, non_blocking=torch.device(device).type != "cpu")
+def offloaded_tensors(owner: nn.Module | torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The host copies holding `owner`'s offloaded states (empty when nothing is offloaded)."""
+    state: _Offloaded | None = owner.__dict__.get(_OFFLOAD_ATTR)
+    return list(state.hosts) if state is not None and state.active else []
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Register the sharded parameters on every FSDP unit, freeing gathered ones.
+
+    Units that skip resharding after forward (the root, the head, the last block) keep their
+    gathered parameters registered after a forward pass; anything that works on the shards
+    (offload, the resharder) calls this first.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
+    """Copy the sharded parameters (and gradients, if any) to host memory and free their device memory.
+
+    Call after the last use of the parameters in a phase (after resharding into the engine);
+    the model must not run until `load_fsdp_model_to_device`.
+    """
+    reshard_all(model)
+    params = list(model.parameters())
+    _offload(model, params + [p.grad for p in params if p.grad is not None])
+
+
+def load_fsdp_model_to_device(model: nn.Module, device: torch.device | str | None = None) -> None:
+    """Inverse of `offload_fsdp_model_to_cpu`: the shards come back into the same tensors."""
+    _load(model, device)
 
 
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Move the optimizer states (Adam moments: 2× the fp32 shard) to CPU and free the device memory."""
-    _move_optimizer_states(optimizer, "cpu")
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Copy the optimizer states (Adam moments: 2x the fp32 shard) to host memory and free their device memory.
+
+    Scalar `step` counters stay: Adam keeps them on CPU unless `capturable`, and they are bytes.
+    """
+    _offload(optimizer, [v for state in optimizer.state.values() for v in state.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0])
 
 
-def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Bring the optimizer states back to `device` (inverse of `offload_fsdp_optimizer`)."""
-    _move_optimizer_states(optimizer, device)
+def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> None:
+    """Inverse of `offload_fsdp_optimizer`."""
+    _load(optimizer, device)
 
 
 def offload_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: FSDPConfig) -> None:
@@ -396,7 +482,7 @@ def offload_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cf
         offload_fsdp_optimizer(optimizer)
 
 
-def load_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: FSDPConfig, device) -> None:
+def load_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: FSDPConfig, device=None) -> None:
     """Before a training (or forward) phase: bring back what `offload_states` moved."""
     if cfg.param_offload:
         load_fsdp_model_to_device(model, device)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from models import tp_shard_dim
+from sharding.fsdp import reshard_all
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); the GPU image runs 2.11.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,6 +127,7 @@ class Resharder:
                                f"chunks lie in TP shard {self.tp_rank}; build the meshes with ParallelDims.build_meshes")
         self._shard_group = meshes.shard.get_group()
         self._micro_group = meshes.micro_dp.get_group()
+        reshard_all(model)  # the plan holds the sharded DTensors, which FSDP keeps for the model's life
         self._build_plan(self._slots())
 
     def _slots(self):

@@ -86,9 +86,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     torch.manual_seed(a.seed)
     paths = prepare_demo(a.out, n_train=a.n_train, n_val=a.n_val, seed=a.seed, max_value=a.max_value)
-    from transformers import AutoTokenizer
+    from models.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    tok = load_tokenizer(paths.tokenizer_dir)
     args = demo_model_args(len(tok), a.hidden, a.layers, a.heads, a.kv_heads, tok.eos_token_id, tok.pad_token_id)
     model = Transformer.build(args, seed=a.seed)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

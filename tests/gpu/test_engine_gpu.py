@@ -110,7 +110,7 @@ def test_prefill_attention_kernel(dtype, hq, hkv, d):
         return torch.tensor(x, dtype=torch.int32, device=DEV)
 
     meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                             cu_q=i32(cu), max_q_len=max(q_lens), tile_seq=i32([a for a, _ in tiles]),
+                             cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
                              tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
     q = torch.randn(cu[-1], hq, d, device=DEV).to(dtype)
     ref = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)

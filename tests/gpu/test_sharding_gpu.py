@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from models import ModelArgs, Transformer  # noqa: E402
+from models import ModelArgs  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from sharding import (FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors,  # noqa: E402
-                      load_states, offload_fsdp_model_to_cpu, offload_states)
+                      load_states, offload_fsdp_model_to_cpu, offload_states, offloaded_tensors)
 from tests.dist_utils import run_distributed  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -100,8 +100,9 @@ def test_param_and_optimizer_offload_free_device_memory(meshes):
     offload_states(model, opt, FSDPConfig(optimizer_offload=True))  # the optimizer half of offload_states
     torch.cuda.synchronize()
     after_optim = torch.cuda.memory_allocated(DEV)
-    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
-    assert all(s["exp_avg"].device.type == "cpu" for s in opt.state.values())
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(s["exp_avg"].to_local().untyped_storage().nbytes() == 0 for s in opt.state.values())
+    assert all(h.device.type == "cpu" and h.is_pinned() for h in offloaded_tensors(model) + offloaded_tensors(opt))
     # The fp32 shards, then the two Adam moments, must leave the device.
     freed_params, freed_optim = before - after_params, after_params - after_optim
     ok = freed_params >= 0.95 * param_bytes and freed_optim >= 0.95 * 2 * param_bytes

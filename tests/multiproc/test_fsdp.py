@@ -97,6 +97,8 @@ def _body(rank, world):
     assert sum(isinstance(b, FSDPModule) for b in grouped.layers) == 2  # one unit spanning both blocks
     assert grouped.layers[0]._get_fsdp_state() is grouped.layers[1]._get_fsdp_state()
     _mixed_precision_checks(pair)
+    with pytest.raises(ValueError, match="one mesh for all models"):  # a critic asking for another shard size
+        build_fsdp_model(ModelArgs(**ARGS), pair, FSDPConfig(fsdp_size=4), head="value")
 
     # FULL_SHARD over all 4 ranks, then HYBRID_SHARD 2 x 2, built from ParallelDims.
     meshes = ParallelDims(world).build_meshes("cpu")

@@ -1,9 +1,10 @@
 """Parameter / optimizer offload between phases, and FSDP2's CPUOffloadPolicy (gloo, CPU, 2 ranks).
 
-On CPU the "device" is the CPU too, so these tests check the bookkeeping that breaks in
-practice — FSDP's own shard storage, parameter identity for the optimizer, optimizer states,
-values across the round trip, training afterwards — while `tests/gpu/test_sharding_gpu.py`
-checks that device memory is really given back.
+Offload copies each shard / moment storage to host memory and shrinks the storage to zero
+bytes; on CPU the "device" is the CPU too, but the mechanics are the same: storages released,
+host copies holding exactly the shard bytes, parameter identity for the optimizer, values
+across the round trip, training afterwards. `tests/gpu/test_sharding_gpu.py` measures the
+device memory given back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelArgs
-from sharding import FSDPConfig, ParallelDims, build_fsdp_model, load_states, offload_states
+from sharding import FSDPConfig, ParallelDims, build_fsdp_model, load_states, offload_states, offloaded_tensors
 from tests.dist_utils import run_distributed
 
 ARGS = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,17 +45,26 @@ def _body(rank, world):
     params_before = {n: p.to_local().clone() for n, p in off.named_parameters()}
     states_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt_off.state.items()}
     param_objects = list(off.parameters())
+    shard_bytes = sum(p.to_local().untyped_storage().nbytes() for p in off.parameters())
 
     offload_states(off, opt_off, off_cfg)
+    offload_states(off, opt_off, off_cfg)  # a second call is a no-op, not a second copy
+    # The shards' own storage is released; the data lives in host copies.
     for n, p in off.named_parameters():
-        assert p.to_local().device.type == "cpu", n
+        assert p.to_local().untyped_storage().nbytes() == 0, n
     for s in opt_off.state.values():
-        assert s["exp_avg"].device.type == "cpu" and s["exp_avg_sq"].device.type == "cpu"
-    # The optimizer must still hold the model's parameter objects (FSDP swaps data, not objects).
+        assert s["exp_avg"].to_local().untyped_storage().nbytes() == 0
+    hosts, opt_hosts = offloaded_tensors(off), offloaded_tensors(opt_off)
+    assert all(h.device.type == "cpu" for h in hosts + opt_hosts)
+    assert sum(h.numel() for h in hosts) == shard_bytes
+    assert sum(h.numel() for h in opt_hosts) == 2 * shard_bytes  # exp_avg and exp_avg_sq
+    # The optimizer still holds the model's parameter objects.
     assert all(a is b for a, b in zip(param_objects, off.parameters()))
     assert all(a is b for a, b in zip(param_objects, opt_off.param_groups[0]["params"]))
 
     load_states(off, opt_off, off_cfg, device)
+    load_states(off, opt_off, off_cfg, device)  # idempotent too
+    assert offloaded_tensors(off) == [] and offloaded_tensors(opt_off) == []
     for n, p in off.named_parameters():
         assert torch.equal(p.to_local(), params_before[n]), n
     for p, s in opt_off.state.items():

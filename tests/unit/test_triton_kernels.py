@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
-          "engine_greedy"]
+          "engine_end_to_end"]
 
 
 def _check_all() -> dict:
@@ -125,7 +125,7 @@ def _check_all() -> dict:
                 tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
             i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
             meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                                     cu_q=i32(cu), max_q_len=max(q_lens), tile_seq=i32([a for a, _ in tiles]),
+                                     cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
                                      tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
             q = torch.randn(cu[-1], hq, d, dtype=dtype)
             ref = TorchOps.prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
@@ -154,7 +154,7 @@ def _check_all() -> dict:
                     assert got[0][0].item() == start + 10
         return 0.0
 
-    def engine_greedy():
+    def engine_end_to_end():
         from models import ModelArgs, Transformer
         from rollout import EngineConfig, LLMEngine, SamplingParams
 
