@@ -39,8 +39,11 @@ def _torch_varlen():
         causal_kw = {"is_causal": True}
     else:
         return None, None
-    gqa_native = "enable_gqa" in params
-    return varlen_attn, (causal_kw, gqa_native)
+    # FlashAttention takes fewer K/V heads than query heads natively; newer PyTorch only asks
+    # for the flag to be set (without it, 2.10/2.11 pass GQA through unchanged: checked on an
+    # H200 with torch 2.11, identical outputs to repeated K/V).
+    gqa_flag = "enable_gqa" in params
+    return varlen_attn, (causal_kw, gqa_flag)
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
@@ -84,11 +87,9 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
                                  softmax_scale=scale, causal=True)
         varlen, spec = _torch_varlen()
         if varlen is not None:
-            causal_kw, gqa_native = spec
-            if gqa_native:
+            causal_kw, gqa_flag = spec
+            if gqa_flag:
                 causal_kw = {**causal_kw, "enable_gqa": n_rep > 1}
-            else:
-                k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
             return varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **causal_kw)
     total = q.shape[0]
     mask = block_causal_mask(cu_seqlens.long(), total)
