@@ -15,13 +15,13 @@ demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ran
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml $(ARGS)
 	$(PYTHON) -m tools.plot runs/demo
 
-test: install  ## the whole CPU test suite (what CI runs)
+test: install lint  ## static checks, then the whole CPU test suite (what CI runs)
 	$(PYTHON) -m pytest tests -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-gpu:  ## GPU-only tests (need CUDA)
 	$(PYTHON) -m pytest tests/gpu -ra -q
 
-lint:  ## static checks
+lint:  ## static checks (pyflakes)
 	$(PYTHON) -m pyflakes train_ppo.py models sharding rollout kl ppo data rewards bench tools tests
 
 bench-gpu:  ## the GPU benchmarks (one H200): rollout, reshard, training MFU, end-to-end step

@@ -183,7 +183,6 @@ def profile_decode(name: str, batch: int, args, steps: int = 32) -> None:
     print("| ms/step | launches/step | kernel |\n| --- | --- | --- |")
     for ms, n, key in rows[:16]:
         print(f"| {ms:.4f} | {n:g} | {key[:80]} |")
-    del engine
 
 
 def _release():

@@ -128,8 +128,6 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx):
              mfu=flops / med / PEAK, tflops=flops / med / 1e12,
              floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
              peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times)
-    del model, optim, worker
-    torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:

@@ -87,32 +87,42 @@ def load_pretrained(cls, path, dtype=torch.float32, device="cpu", head: str = "l
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in checkpoint_tensors(model, path):
+            params[name].copy_(tensor.to(dtype))
+    model.reset_buffers()
+    return model
+
+
+def checkpoint_tensors(model, path):
+    """Yield `(name, full tensor)` of checkpoint `path` for `model` (any `Transformer`, also a
+    meta or sharded one), one at a time, with the loading rules: a tied or value model drops
+    `lm_head.weight`; a value head the checkpoint lacks (a causal-LM checkpoint, or a
+    SequenceClassification head without bias) starts at zero. Unknown, misshapen or missing
+    tensors raise ValueError naming the checkpoint."""
+    params = dict(model.named_parameters())
+    args = model.args
     seen = set()
     for name, tensor in iter_hf_tensors(path):
         if name not in params:
-            if name == "lm_head.weight" and (head == "value" or args.tie_word_embeddings):
-                continue  # a value model drops the LM head; a tied model re-uses the embedding
+            if name == "lm_head.weight" and (model.head == "value" or args.tie_word_embeddings):
+                continue
             raise ValueError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not have")
-        p = params[name]
         if name == "score.weight" and tensor.shape[0] != 1:
             raise ValueError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head needs 1")
-        if tuple(tensor.shape) != tuple(p.shape):
-            raise ValueError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(dtype))
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
         seen.add(name)
+        yield name, tensor
+    if model.head == "value":
+        for name in ("score.weight", "score.bias"):
+            if name not in seen:
+                seen.add(name)
+                yield name, torch.zeros(params[name].shape)
     missing = set(params) - seen
-    if head == "value":
-        # SequenceClassification heads have no bias; causal-LM checkpoints have no head at all.
-        for name in ("score.bias", "score.weight") if "score.weight" in missing else ("score.bias",):
-            if name in missing:
-                with torch.no_grad():
-                    params[name].zero_()
-                missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks tensors: {sorted(missing)[:8]}")
-    model.reset_buffers()
-    return model
 
 
 def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**30):

@@ -182,22 +182,33 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args, head=head)
         model.to_empty(device=device)
-        if seed is not None:
-            torch.manual_seed(seed)
-        model.init_weights()
+        model.init_weights(seed)
         return model.to(dtype)
 
-    def init_weights(self):
+    def init_tensors(self, generator: torch.Generator | None = None):
+        """Yield `(name, full initial tensor)` on CPU, drawn in module order from `generator`:
+        normal(0, initializer_range) for linear and embedding weights, zero biases, unit norms.
+        The one definition of the initialisation: sharded builds (`sharding/`) draw the same
+        numbers without ever materialising the model on one device."""
         std = self.args.initializer_range
-        for m in self.modules():
+        for mod_name, m in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, std)
+                yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=generator)
                 if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                    yield prefix + "bias", torch.zeros(m.bias.shape)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
+                yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=generator)
             elif isinstance(m, RMSNorm):
-                m.reset_parameters()
+                yield prefix + "weight", torch.ones(m.weight.shape)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        """Random initialisation (`init_tensors`), seeded when `seed` is given."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        params = dict(self.named_parameters())
+        for name, t in self.init_tensors(g):
+            params[name].copy_(t)
         self.reset_buffers()
 
     def reset_buffers(self):

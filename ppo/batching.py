@@ -61,9 +61,3 @@ def token_budget_partitions(costs: list[int], max_tokens: int, min_parts: int = 
         parts[p].append(i)
         heapq.heappush(heap, (load + costs[i], p))
     return [sorted(p) for p in parts]
-
-
-def fixed_size_partitions(n: int, size: int) -> list[list[int]]:
-    if size < 1 or n % size:
-        raise ValueError(f"{n} sequences cannot be split into micro-batches of {size}")
-    return [list(range(s, s + size)) for s in range(0, n, size)]

@@ -60,6 +60,12 @@ def init_distributed(device: str = "auto") -> DistContext:
             os.environ["MASTER_PORT"] = str(_free_port())
         backend = "nccl" if device == "cuda" else "gloo"
         kwargs = {"device_id": dev} if device == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        # torchrun keeps one store across restarts (--max-restarts): keys written by the killed
+        # attempt (a dead rank's gloo address) would be read by the new one and its connect
+        # fails. Each attempt therefore gets its own key prefix.
+        store, _, _ = next(dist.rendezvous("env://", rank, world))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
         owns = True
     return DistContext(rank, world, local_rank, local_world, dev, owns)

@@ -28,7 +28,7 @@ from ppo import faults
 from ppo.checkpointing import CheckpointManager
 from ppo.config import PPOConfig, validate
 from ppo.configlib import ConfigError
-from ppo.core_algos import get_adv_estimator_fn, masked_mean
+from ppo.core_algos import get_adv_estimator_fn
 from ppo.launch import DistContext, init_distributed
 from ppo.rollout_data import Rollouts
 from ppo.setup import build_engine, build_models, build_rollout_fn

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from kl import kl_penalty
 from ppo import faults
-from ppo.batching import fixed_size_partitions, token_budget_partitions
-from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, count_loss_units, masked_mean
+from ppo.batching import token_budget_partitions
+from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, count_loss_units
 from ppo.forward import build_micro_batch, response_logprobs, response_values
 from ppo.rollout_data import Rollouts
 from sharding.fsdp import load_states, offload_states
@@ -256,5 +256,4 @@ def masked_mean_global(values: torch.Tensor, mask: torch.Tensor, device) -> floa
     return s / max(c, 1.0)
 
 
-__all__ = ["PolicyWorker", "ValueWorker", "plan_micro_batches", "all_reduce_sum", "masked_mean_global",
-           "masked_mean"]
+__all__ = ["PolicyWorker", "ValueWorker", "plan_micro_batches", "all_reduce_sum", "masked_mean_global", "resident"]

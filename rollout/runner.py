@@ -40,11 +40,9 @@ def triton_usable(device: torch.device, head_dim: int) -> bool:
     """Triton kernels need CUDA, an importable triton and a power-of-two head_dim."""
     if device.type != "cuda" or head_dim & (head_dim - 1):
         return False
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 class StepOutput:

@@ -28,8 +28,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from models import ModelArgs, Transformer, iter_hf_tensors, load_model_args, tp_shard_dim
-from models.transformer import RMSNorm
+from models import ModelArgs, Transformer, load_model_args, tp_shard_dim
+from models.checkpoint import checkpoint_tensors
 from sharding.ac import apply_ac
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -262,9 +262,9 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
                enable_activation_offload=enable_activation_offload)
     model.to_empty(device="cpu" if cfg.offload_policy else device)
     if path is None:
-        tensors = _random_init_tensors(model, seed)
+        tensors = model.init_tensors(torch.Generator().manual_seed(seed))
     else:
-        tensors = _checkpoint_tensors(model, path)
+        tensors = checkpoint_tensors(model, path)
     load_full_tensors(model, tensors)
     model.reset_buffers()
     # Buffers are not sharded and are used on the compute device even when the parameter
@@ -309,49 +309,6 @@ def load_full_tensors(model: nn.Module, tensors) -> None:
     missing = set(params) - seen
     if missing:
         raise ValueError(f"no weights given for {sorted(missing)[:8]}")
-
-
-def _random_init_tensors(model: Transformer, seed: int):
-    """Full initial tensors in the order and with the rules of `Transformer.init_weights`.
-
-    Generated on CPU from one seeded generator, so every rank draws the same numbers without
-    communicating and the result equals `Transformer.build(args, seed=seed)` on CPU (a
-    multi-process test holds the two to that).
-    """
-    g = torch.Generator().manual_seed(seed)
-    std = model.args.initializer_range
-    for mod_name, m in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(m, nn.Linear):
-            yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=g)
-            if m.bias is not None:
-                yield prefix + "bias", torch.zeros(m.bias.shape)
-        elif isinstance(m, nn.Embedding):
-            yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=g)
-        elif isinstance(m, RMSNorm):
-            yield prefix + "weight", torch.ones(m.weight.shape)
-
-
-def _checkpoint_tensors(model: Transformer, path):
-    """Tensors of a HF checkpoint for `model`, with `models.checkpoint.load_pretrained`'s rules:
-    a tied or value model drops `lm_head.weight`; a value head missing from the checkpoint
-    (causal-LM checkpoint, or a classification head without bias) starts at zero."""
-    params = dict(model.named_parameters())
-    seen = set()
-    for name, tensor in iter_hf_tensors(path):
-        if name not in params:
-            if name == "lm_head.weight" and (model.head == "value" or model.args.tie_word_embeddings):
-                continue
-            raise ValueError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not have")
-        if name == "score.weight" and tensor.shape[0] != 1:
-            raise ValueError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head needs 1")
-        seen.add(name)
-        yield name, tensor
-    if model.head == "value":
-        for name in ("score.weight", "score.bias"):
-            if name not in seen:
-                seen.add(name)
-                yield name, torch.zeros(params[name].shape)
 
 
 # ------------------------------------------------------------------ offload between phases

@@ -20,7 +20,7 @@ def _cfg(*overrides):
 def test_demo_config_loads_and_validates():
     cfg = _cfg()
     validate(cfg, 2)
-    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.rollout.n == 8
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.uses_ref and not cfg.uses_critic
 
