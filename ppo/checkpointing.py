@@ -133,7 +133,11 @@ class CheckpointManager:
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # --------------------------------------------------------------- load
-    def load(self, path: str) -> None:
+    def load(self, path: str, keep_progress: bool = False) -> None:
+        """Restore the run from checkpoint `path`. With `keep_progress` (a KL-guard rollback) only
+        the learned state comes back (models, optimizers, schedulers, KL controller): the step
+        counter, data position, guard and RNG move on, so the run continues on new data instead
+        of replaying the batches that led to the rollback."""
         from ppo.trainer import UserError
 
         tr = self.trainer
@@ -149,14 +153,16 @@ class CheckpointManager:
             if not os.path.isdir(os.path.join(path, "critic")):
                 raise UserError(f"checkpoint {path!r} has no critic but this run trains one (algorithm.adv_estimator)")
             load_checkpoint(os.path.join(path, "critic"), tr.models.critic, tr.models.critic_optim)
-        tr.global_step = state["global_step"]
-        tr.loader.load_state_dict(state["loader"])
         tr.models.actor_sched.load_state_dict(state["actor_sched"])
         if tr.models.critic_sched is not None and state["critic_sched"] is not None:
             tr.models.critic_sched.load_state_dict(state["critic_sched"])
         tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        tr.guard.load_state_dict(state["kl_guard"])
         tr.kl_loss_coef = state["kl_loss_coef"]
+        if keep_progress:
+            return
+        tr.global_step = state["global_step"]
+        tr.loader.load_state_dict(state["loader"])
+        tr.guard.load_state_dict(state["kl_guard"])
         tr.nonfinite_streak = state["nonfinite_streak"]
         rng_file = os.path.join(path, "rng", f"rank_{tr.ctx.rank}.pt")
         if os.path.isfile(rng_file) and state["world_size"] == tr.ctx.world_size:
@@ -183,8 +189,9 @@ class CheckpointManager:
         path = self.latest()
         if path is None:
             return False
-        self.load(path)
-        self.trainer.log(f"rolled back to {path} (step {self.trainer.global_step})")
+        self.load(path, keep_progress=True)
+        self.trainer.log(f"rolled back the models to {path}; continuing at step {self.trainer.global_step + 1} "
+                         "with new data")
         return True
 
     # --------------------------------------------------------------- export
