@@ -91,7 +91,7 @@ def _coerce(value, tp, key: str):
             try:
                 return float(value)
             except ValueError:
-                pass
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
