@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -71,6 +72,18 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
         rows = pq.read_table(path).to_pylist()
         return [(i + 1, row) for i, row in enumerate(rows)]
 
+    return parse_json_lines(path)
+
+
+def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blank: bool = False,
+                     drop_truncated_tail: bool = False) -> list[tuple[int, dict[str, Any]]]:
+    """`(line_number, object)` for each line of a JSON-lines file (the one JSONL reader).
+
+    Trailing blank lines are ignored. A blank line elsewhere is skipped with `skip_blank`, else
+    an error; with `drop_truncated_tail` a malformed *last* line (a writer killed mid-line) is
+    dropped with a warning. Other malformed lines and non-objects raise `error` naming
+    `path:line`.
+    """
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     while lines and not lines[-1].strip():
@@ -78,13 +91,18 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     records = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
-            raise DatasetError(f"{path}:{lineno}: empty row (blank line)")
+            if skip_blank:
+                continue
+            raise error(f"{path}:{lineno}: empty row (blank line)")
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DatasetError(f"{path}:{lineno}: malformed JSON: {err.msg} at column {err.colno}") from err
+            if drop_truncated_tail and lineno == len(lines):
+                print(f"warning: {path}:{lineno}: ignoring truncated last line", file=sys.stderr)
+                break
+            raise error(f"{path}:{lineno}: malformed JSON: {err.msg} at column {err.colno}") from err
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise error(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         records.append((lineno, row))
     return records
 

@@ -17,27 +17,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = [
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
-    "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage",
-    "compute_rloo_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "ADV_ESTIMATORS",
-    "get_adv_estimator_fn",
-    "LOSS_AGG_MODES",
-    "agg_loss",
-    "count_loss_units",
-    "compute_policy_loss",
-    "compute_value_loss",
-    "entropy_from_logits",
-    "logprobs_from_logits",
-]
-
 GroupIndex = Sequence | np.ndarray | torch.Tensor
 
 

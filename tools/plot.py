@@ -11,7 +11,6 @@ skipped. The x axis is `step` when the lines have one, else the line number.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -19,6 +18,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from data.dataset import parse_json_lines
 
 
 class MetricsError(RuntimeError):
@@ -60,25 +61,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise MetricsError(f"metrics file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    records = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if lineno == len(lines):
-                print(f"warning: {path}:{lineno}: ignoring truncated last line", file=sys.stderr)
-                break
-            raise MetricsError(f"{path}:{lineno}: malformed JSON: {err.msg}") from err
-        if not isinstance(record, dict):
-            raise MetricsError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        records.append(record)
-    return records
+    return [record for _, record in parse_json_lines(path, MetricsError, skip_blank=True, drop_truncated_tail=True)]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:

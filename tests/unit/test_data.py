@@ -330,8 +330,8 @@ def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
         loader.next_batch()
     fourth = loader.next_batch()
     resumed = PromptDataLoader(ds, batch_size=4, seed=3)
-    for _, batch in zip(range(3), resumed):
-        pass
+    consumed = [batch for _, batch in zip(range(3), resumed)]  # __iter__ advances the state too
+    assert len(consumed) == 3
     state = resumed.state_dict()
     assert state == {"epoch": 0, "position": 12}
     again = PromptDataLoader(ds, batch_size=4, seed=3)
