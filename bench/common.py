@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,45 @@ def emit(benchmark: str, workload: dict, **figures) -> dict:
            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(json.dumps(rec), flush=True)
     return rec
+
+
+_ANNOTATION = re.compile(r"^[A-Za-z_][\w.:]*#")  # "Optimizer.step#AdamW.step"; kernels read "void ...{lambda()#3}"
+_KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("nccl", ("nccl",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
+    ("triton", ("triton",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cat", "index", "scatter", "gather")),
+    ("reduce", ("reduce", "norm", "softmax", "logsumexp")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_breakdown(prof, wall_s: float, top: int = 12) -> dict:
+    """Device time of a `torch.profiler` run by kernel class (gemm, attention, elementwise, ...),
+    the share of the wall time at least one kernel ran (union of kernel intervals), and the most
+    expensive kernels. User annotations on the device timeline (`Optimizer.step#AdamW.step`,
+    FSDP's ranges) span kernels counted on their own and are left out."""
+    per_class: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    spans = []
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA" or getattr(ev, "is_user_annotation", False) or _ANNOTATION.match(ev.name):
+            continue
+        name = ev.name
+        us = ev.time_range.end - ev.time_range.start
+        spans.append((ev.time_range.start, ev.time_range.end))
+        low = name.lower()
+        cls = next((c for c, keys in _KERNEL_CLASSES if any(k in low for k in keys)), "other")
+        per_class[cls] = per_class.get(cls, 0.0) + us / 1e3
+        kernels[name] = kernels.get(name, 0.0) + us / 1e3
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    busy /= 1e3
+    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy, "gpu_busy_share": busy / (wall_s * 1e3),
+            "ms_by_class": dict(sorted(per_class.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": {k[:90]: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}

@@ -92,8 +92,9 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
 
 def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: int) -> list[str]:
     common = [f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}","actor_rollout_ref.rollout.ignore_eos=true",
+              "actor_rollout_ref.actor.use_torch_compile=true",
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
               "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
               "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",

@@ -17,21 +17,4 @@ run() {  # name, command...
   run ppo_step_ppo python bench/ppo_step.py --workloads ppo --steps "${STEPS:-4}" --work-dir /tmp/meshppo_bench
   run ppo_step_grpo python bench/ppo_step.py --workloads grpo --steps "${STEPS:-4}" --work-dir /tmp/meshppo_bench
 }
-python - "$OUT" <<'PY'
-import json, sys, glob
-print(f"{'bench':10} {'model':14} {'what':22} {'figure':>14} {'mfu':>6} {'peak GB':>8}")
-for f in sorted(glob.glob(sys.argv[1] + "/*.jsonl")):
-    for line in open(f):
-        if not line.startswith("{"):
-            continue
-        r = json.loads(line); w = r["workload"]
-        if r["benchmark"] == "train":
-            fig = f"{r.get('tokens_per_s', 0):,.0f} tok/s" if "tokens_per_s" in r else f"{r['seconds']*1e3:.0f} ms"
-            print(f"train      {w['model']:14} {w['variant'] + '/' + w['phase']:22} {fig:>14} "
-                  f"{r.get('mfu', 0) * 100:5.1f}% {r['peak_memory_gb']:8.1f}")
-        elif r["benchmark"] == "ppo_step":
-            t = r["timing_s"]
-            print(f"ppo_step   {w['model']:14} {w['workload']:22} {r['throughput_tok_s_per_gpu']:>10,.0f} tok/s "
-                  f"{(r['mfu_actor'] or 0) * 100:5.1f}% {r['peak_memory_gb']:8.1f}  reshard {r['reshard_share']*100:.2f}%  "
-                  + " ".join(f"{k.split('/')[1]}={v:.2f}" for k, v in t.items()))
-PY
+python bench/table.py "$OUT"/*.jsonl

@@ -7,8 +7,9 @@ random weights and random token ids: one mini-batch of `--tokens` tokens in sequ
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
 `--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (PERF.md's FLOP
 count over 989 TFLOP/s), peak memory, and the floors. Variants (`--variants`) switch one
-lever at a time: `compile` (torch.compile per block), `ac` (activation checkpointing),
+lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
+`--profile` adds, per measurement, the device time by kernel class from `torch.profiler`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import H200_BF16_FLOPS, emit, model_args  # noqa: E402
+from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # noqa: E402
+from ppo.config import OptimConfig  # noqa: E402
 from ppo.launch import init_distributed  # noqa: E402
+from ppo.setup import make_optimizer  # noqa: E402
 from ppo.rollout_data import Rollouts  # noqa: E402
 from ppo.workers import PolicyWorker  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
@@ -74,24 +77,64 @@ def timed(fn, repeats):
     return statistics.median(times), times
 
 
-def bench_one(name, variant, tokens, seq_len, repeats, ctx):
+def profiled(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return kernel_breakdown(prof, wall)
+
+
+def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
     args = model_args(name)
     dims = ParallelDims(world_size=1)
     meshes = dims.build_meshes("cuda")
-    cfg = FSDPConfig(model_dtype="fp32")
+    cfg = FSDPConfig(model_dtype="fp32", reshard_after_forward=(variant != "keep_gathered"))
     model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
                              enable_gradient_checkpointing=(variant == "ac"))
     if variant == "compile":
         from sharding.compile import apply_compile
 
         apply_compile(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    optim, _ = make_optimizer(model, OptimConfig(lr=1e-6), 1, ctx.device)
     worker = PolicyWorker(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
                           world_size=1, response_length=seq_len)
     n_seqs = tokens // seq_len
     ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
     lengths = ro.lengths()
     workload = {"model": name, "variant": variant, "tokens": sum(lengths), "seq_len": seq_len}
+
+    if variant == "lm_head":
+        # The LM head alone (log-probs of every position), forward and forward + backward.
+        from models.lm_head import chunked_token_logprobs
+
+        g = torch.Generator(device=ctx.device).manual_seed(0)
+        n = sum(lengths)
+        hid = torch.randn(n, args.hidden_size, device=ctx.device, generator=g, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(args.vocab_size, args.hidden_size, device=ctx.device, generator=g) * 0.02).to(torch.bfloat16)
+        w.requires_grad_(True)
+        lab = torch.randint(0, args.vocab_size, (n,), device=ctx.device, generator=g)
+        flops = 2 * n * args.hidden_size * args.vocab_size
+
+        def head_fwd():
+            with torch.no_grad():
+                chunked_token_logprobs(hid, w, lab)
+
+        def head_upd():
+            logp, _ = chunked_token_logprobs(hid, w, lab)
+            logp.sum().backward()
+
+        for phase, fn, fl in (("lm_head_forward", head_fwd, flops), ("lm_head_fwd_bwd", head_upd, 3 * flops)):
+            fn()
+            med, times = timed(fn, repeats)
+            emit("train", {**workload, "phase": phase}, seconds=med, tflops=fl / med / 1e12,
+                 floor_s=fl / H200_BF16_FLOPS, ratio_to_floor=med / (fl / H200_BF16_FLOPS), times=times,
+                 peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None)
+        return
 
     if variant == "full_logits":
         # What chunking avoids: logits [tokens, vocab] in fp32 and their log-softmax, kept for backward.
@@ -127,7 +170,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx):
         emit("train", {**workload, "phase": phase}, seconds=med, tokens_per_s=sum(lengths) / med,
              mfu=flops / med / PEAK, tflops=flops / med / 1e12,
              floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
-             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times)
+             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times,
+             profile=profiled(fn) if profile else None)
 
 
 def main(argv=None) -> int:
@@ -137,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="add a torch.profiler kernel breakdown per measurement")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
@@ -144,7 +189,7 @@ def main(argv=None) -> int:
     ctx = init_distributed("cuda")
     for name in a.models.split(","):
         for variant in a.variants.split(","):
-            bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx)
+            bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx, a.profile)
     return 0
 
 

@@ -14,7 +14,6 @@ Two layouts reach this function:
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,7 @@ except Exception:  # pragma: no cover - depends on the machine
     _flash_varlen = None
 
 
-@lru_cache(maxsize=1)
-def _torch_varlen():
+def _resolve_torch_varlen():
     """PyTorch's varlen flash attention and the keyword it wants for causality (API moved in 2.10)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -44,6 +42,10 @@ def _torch_varlen():
     # H200 with torch 2.11, identical outputs to repeated K/V).
     gqa_flag = "enable_gqa" in params
     return varlen_attn, (causal_kw, gqa_flag)
+
+
+# Resolved once at import: a lookup inside the forward would be traced by torch.compile.
+_TORCH_VARLEN = _resolve_torch_varlen()
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
@@ -85,7 +87,7 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         if _flash_varlen is not None:
             return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                  softmax_scale=scale, causal=True)
-        varlen, spec = _torch_varlen()
+        varlen, spec = _TORCH_VARLEN
         if varlen is not None:
             causal_kw, gqa_flag = spec
             if gqa_flag:

@@ -4,8 +4,11 @@
 float32 tensor of several GB, kept alive for backward by the naive
 `log_softmax(...).gather(...)`. Here the forward computes logits one chunk of tokens at a
 time and keeps only the per-token log-sum-exp; the backward recomputes each chunk's logits
-and turns them into gradients for the hidden states and the weight. Peak extra memory is one
-`[chunk, V]` float32 block in both passes.
+and turns them into gradients for the hidden states and the weight, one chunk of logits alive
+at a time. On CUDA, Triton kernels (`models/lm_head_triton.py`) read a chunk's logits once in
+the matmul dtype and write its gradient over them: the extra memory is that one `[chunk, V]`
+block. The PyTorch path (CPU, or `MESHPPO_LM_HEAD=torch`; the reference) makes a few float32
+copies of it.
 
 Gradients, with z = logits / temperature, p = softmax(z), y the label:
   d logp_y / dz = onehot(y) - p
@@ -14,16 +17,64 @@ Gradients, with z = logits / temperature, p = softmax(z), y the label:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
 
 
-def _chunk_stats(h, w, labels, temperature):
-    # The matmul runs in the weights' dtype (bf16 under mixed precision: tensor cores, fp32
-    # accumulation); everything after it in fp32.
-    z = (h.to(w.dtype) @ w.t()).float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp_y = z.gather(-1, labels[:, None]).squeeze(-1) - lse
-    return z, lse, logp_y
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """The Triton kernels for CUDA tensors when triton is importable. `MESHPPO_LM_HEAD=torch`
+    forces the PyTorch path; `=triton` forces the kernels, on CPU tensors too (tests run them
+    there under `TRITON_INTERPRET=1`)."""
+    choice = os.environ.get("MESHPPO_LM_HEAD", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"MESHPPO_LM_HEAD must be auto, torch or triton, got {choice!r}")
+    if choice != "auto":
+        return choice == "triton"
+    return t.is_cuda and _triton_importable()
+
+
+def _fp32_scaled(logits, inv_temp: float):
+    x = logits.float()
+    return x if inv_temp == 1.0 else x * inv_temp
+
+
+def torch_logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None):
+    """The PyTorch reference of `lm_head_triton.logit_stats` (same arguments and outputs)."""
+    x = _fp32_scaled(logits, inv_temp)
+    lse.copy_(torch.logsumexp(x, dim=-1))
+    logp.copy_(x.gather(-1, labels[:, None]).squeeze(-1) - lse)
+    if ent is not None:
+        ent.copy_(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+
+
+def torch_logit_grad(logits, labels, inv_temp: float, lse, grad_logp, ent=None, grad_ent=None):
+    """The PyTorch reference of `lm_head_triton.logit_grad_`; returns the gradient in the
+    logits' dtype, a new tensor (the kernel writes it over `logits`)."""
+    log_p = _fp32_scaled(logits, inv_temp) - lse[:, None]
+    p = log_p.exp()
+    # d/dz of (g_logp * logp_y): g * (onehot - p)
+    dx = -p * grad_logp[:, None]
+    dx.scatter_add_(-1, labels[:, None], grad_logp[:, None])
+    if grad_ent is not None:
+        dx -= p * (log_p + ent[:, None]) * grad_ent[:, None]
+    return (dx if inv_temp == 1.0 else dx * inv_temp).to(logits.dtype)
+
+
+def _row_ops(use_triton: bool):
+    """(logit_stats, logit_grad) of the chosen path."""
+    if use_triton:
+        from models import lm_head_triton
+
+        return lm_head_triton.logit_stats, lm_head_triton.logit_grad_
+    return torch_logit_stats, torch_logit_grad
 
 
 class _ChunkedLogprob(torch.autograd.Function):
@@ -32,45 +83,43 @@ class _ChunkedLogprob(torch.autograd.Function):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
-        lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        use_triton = _use_triton(hidden)
+        logit_stats, _ = _row_ops(use_triton)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z, lse, logp_y = _chunk_stats(hidden[s:e], weight, labels[s:e], temperature)
-            logp[s:e], lse_all[s:e] = logp_y, lse
-            if with_entropy:
-                p = torch.softmax(z, dim=-1)
-                ent[s:e] = lse - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, labels, lse_all, ent)
+            # The matmul runs in the weights' dtype (bf16 under mixed precision: tensor cores,
+            # fp32 accumulation); everything after it in fp32.
+            z = hidden[s:e].to(weight.dtype) @ weight.t()
+            logit_stats(z, labels[s:e], 1.0 / temperature, lse[s:e], logp[s:e], ent[s:e] if with_entropy else None)
+            del z  # before the next chunk's logits are allocated: one [chunk, V] block at a time
+        ctx.save_for_backward(hidden, weight, labels, lse, ent)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.use_triton = use_triton
         # Outputs are fresh tensors in their final shape, not views: FSDP2 hooks a module's
         # outputs for backward, and a view would bypass that hook. The copy is [tokens] floats.
         return logp.reshape(out_shape).clone(), (ent.reshape(out_shape).clone() if with_entropy else ent)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, labels, lse_all, ent = ctx.saved_tensors
+        hidden, weight, labels, lse, ent = ctx.saved_tensors
         grad_logp = grad_logp.reshape(-1)
-        grad_ent = grad_ent.reshape(-1) if grad_ent is not None and grad_ent.numel() else None
-        t, cs = ctx.temperature, ctx.chunk_size
+        grad_ent = grad_ent.reshape(-1) if ctx.with_entropy and grad_ent is not None else None
+        _, logit_grad = _row_ops(ctx.use_triton)
+        cs = ctx.chunk_size
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         mm = weight.dtype  # matmuls in the weights' dtype, as in forward; accumulation in fp32
         for s in range(0, hidden.shape[0], cs):
             e = min(s + cs, hidden.shape[0])
             hc = hidden[s:e].to(mm)
-            z = (hc @ weight.t()).float() / t
-            logp_all = z - lse_all[s:e, None]
-            p = logp_all.exp()
-            # d/dz of (g_logp * logp_y): g * (onehot - p)
-            dz = -p * grad_logp[s:e, None]
-            dz.scatter_add_(-1, labels[s:e, None], grad_logp[s:e, None])
-            if ctx.with_entropy and grad_ent is not None:
-                dz -= p * (logp_all + ent[s:e, None]) * grad_ent[s:e, None]
-            dz = (dz / t).to(mm)
+            dz = logit_grad(hc @ weight.t(), labels[s:e], 1.0 / ctx.temperature, lse[s:e], grad_logp[s:e],
+                            *((ent[s:e], grad_ent[s:e]) if grad_ent is not None else ()))
             if grad_h is not None:
                 grad_h[s:e] = (dz @ weight).to(hidden.dtype)
             if grad_w is not None:
                 grad_w += (dz.t() @ hc).float()
+            del dz  # as in forward
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None

@@ -158,7 +158,8 @@ class Transformer(nn.Module):
     Returns logits `[..., V]` (lm) or values `[...]` (value). With `labels` (same shape as
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
-    unless `with_entropy`.
+    unless `with_entropy`. `label_index` (flat positions, int64) restricts that to the given
+    positions: the outputs are then `[len(label_index)]`.
     """
 
     def __init__(self, args: ModelArgs, head: str = "lm"):
@@ -260,8 +261,14 @@ class Transformer(nn.Module):
         return x
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
-                labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048):
+                labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048,
+                label_index=None):
         h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
+        if labels is not None and label_index is not None:
+            # Only these (flat) positions are scored: the LM head, the model's widest matmul,
+            # then skips prompt tokens and padding.
+            h = h.reshape(-1, h.shape[-1])[label_index]
+            labels = labels.reshape(-1)[label_index]
         if self.head == "value":
             # sum over the size-1 label dim: same values as squeeze, but not a view (FSDP2
             # hooks module outputs for backward; a view would bypass the hook)

@@ -87,7 +87,8 @@ class ActorConfig:
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
     ppo_epochs: int = opt(1, "passes over each batch of rollouts")
     shuffle: bool = opt(False, "shuffle sequences before splitting mini-batches")
-    use_torch_compile: bool = opt(False, "torch.compile each transformer block")
+    use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor (and, by default, of "
+                                         "the reference model and critic)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
@@ -100,6 +101,8 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU")
     log_prob_use_dynamic_bsz: bool = opt(False, "pack reference forwards by token count")
     log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one reference forward with dynamic bsz")
+    use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
+                                              "setting")
 
 
 @dataclass

@@ -86,9 +86,13 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
                       t(src), t(rows), t(cols), t(last), len(prompts))
 
 
+def _place(mb: MicroBatch, selected: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, R]` from the values at the response positions (`mb.src_index` order), 0 elsewhere."""
+    return selected.new_zeros(mb.batch_size, width).index_put((mb.dst_row, mb.dst_col), selected)
+
+
 def _scatter(mb: MicroBatch, flat: torch.Tensor, width: int) -> torch.Tensor:
-    out = flat.new_zeros(mb.batch_size, width)
-    return out.index_put((mb.dst_row, mb.dst_col), flat.reshape(-1)[mb.src_index])
+    return _place(mb, flat.reshape(-1)[mb.src_index], width)
 
 
 def _model_kwargs(mb: MicroBatch) -> dict:
@@ -97,10 +101,11 @@ def _model_kwargs(mb: MicroBatch) -> dict:
 
 
 def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool):
-    """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens."""
+    """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens (only those
+    positions go through the LM head)."""
     logp, ent = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
-                      **_model_kwargs(mb))
-    return _scatter(mb, logp, width), (_scatter(mb, ent, width) if with_entropy else None)
+                      label_index=mb.src_index, **_model_kwargs(mb))
+    return _place(mb, logp, width), (_place(mb, ent, width) if with_entropy else None)
 
 
 def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from models import ModelArgs, load_model_args
 from ppo.config import OptimConfig, PPOConfig
 from ppo.launch import DistContext
+from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model, load_states, offload_states
 from sharding.mesh import ParallelDims, ParallelMeshes
 
@@ -54,8 +55,11 @@ class Models:
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
     """AdamW plus a linear warm-up followed by a constant or cosine schedule (verl's options)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # On the GPU the fused kernel (one pass over each parameter's fp32 state) is ~3x faster
+    # than foreach (BENCHMARKS.md); parameters kept on CPU (offload_policy) use foreach.
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
     optim = torch.optim.AdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
-                              foreach=True)
+                              foreach=not fused, fused=fused)
     total = oc.total_training_steps if oc.total_training_steps > 0 else total_steps
     warmup = oc.lr_warmup_steps if oc.lr_warmup_steps >= 0 else int(oc.lr_warmup_steps_ratio * total)
 
@@ -90,20 +94,22 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
                              enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
                              enable_activation_offload=arr.model.enable_activation_offload)
     if arr.actor.use_torch_compile:
-        from sharding.compile import apply_compile
-
         apply_compile(actor)
     actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
     models = Models(dims, meshes, actor_args, actor, actor_optim, actor_sched)
     if cfg.uses_ref:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
                                       device=ctx.device, trainable=False, seed=seed)
+        if arr.actor.use_torch_compile if arr.ref.use_torch_compile is None else arr.ref.use_torch_compile:
+            apply_compile(models.ref)
     if cfg.uses_critic:
         cm = cfg.critic.model
         models.critic = build_fsdp_model(cm.path or path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
                                          head="value", device=ctx.device, trainable=True, seed=seed,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
                                          enable_activation_offload=cm.enable_activation_offload)
+        if arr.actor.use_torch_compile:
+            apply_compile(models.critic)
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
                                                                   ctx.device)
     if cfg.reward_model.enable:

@@ -1,14 +1,25 @@
-"""`torch.compile` inside each transformer block (`actor_rollout_ref.actor.use_torch_compile`).
+"""`torch.compile` of each transformer block (`actor_rollout_ref.actor.use_torch_compile`).
 
-The attention and MLP sub-modules are compiled in place (`Module.compile`): parameter names
-do not change, FSDP2's hooks (on the blocks) stay outside the compiled graphs, and every
-block re-uses the same compiled code, so compile time does not grow with depth.
+Each block's `forward` is compiled in place (after activation checkpointing wrapped it, as
+torchtitan orders it): parameter names do not change, FSDP2's hooks on the block's
+`__call__` stay outside the compiled graph, and every block re-uses the same compiled code,
+so compile time does not grow with depth. Compiling the whole block rather than its attention
+and MLP lets Inductor fuse the RMSNorms, residual adds, RoPE and SwiGLU with their
+neighbours: on an H200 this took the 1.5b actor update from 30 % to 35 % MFU, where
+compiling attention and MLP alone gained nothing (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import torch
 
-def apply_compile(model) -> None:
+_COMPILED = "_meshppo_compiled"
+
+
+def apply_compile(model, backend: str = "inductor") -> None:
+    """Compile every block of `model.layers` (dynamic shapes: micro-batches vary in length)."""
     for block in model.layers:
-        block.self_attn.compile(dynamic=True)
-        block.mlp.compile(dynamic=True)
+        if getattr(block, _COMPILED, False):
+            raise RuntimeError("apply_compile was already applied to this model")
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
+        setattr(block, _COMPILED, True)

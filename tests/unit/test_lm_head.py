@@ -48,3 +48,23 @@ def test_model_labels_path_equals_log_softmax_of_logits(tied):
     ref = torch.log_softmax(m(ids) / 0.9, -1)
     assert torch.allclose(logp, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_label_index_scores_only_those_positions_with_the_same_values_and_grads():
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    m = Transformer.build(args, seed=0)
+    ids = torch.randint(0, 41, (2, 9))
+    labels = torch.roll(ids, -1, dims=1)
+    index = torch.tensor([3, 4, 5, 12, 16, 17])
+    weights = torch.randn(len(index))
+    full, _ = m(ids, labels=labels)
+    (full.reshape(-1)[index] * weights).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    part, _ = m(ids, labels=labels, label_index=index)
+    assert part.shape == (len(index),)
+    assert torch.allclose(part, full.reshape(-1)[index].detach(), atol=1e-6)
+    (part * weights).sum().backward()
+    for n, p in m.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-6), n

@@ -1,0 +1,41 @@
+"""Print a short table of benchmark JSON lines (files or stdin): `python bench/table.py OUT/*.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def rows(paths):
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("{"):
+                    yield json.loads(line)
+
+
+def line(r: dict) -> str:
+    w = r["workload"]
+    if r["benchmark"] == "train":
+        fig = f"{r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else f"{r['seconds'] * 1e3:.1f} ms"
+        extra = f"{r['mfu'] * 100:5.1f}%" if "mfu" in r else f"{r.get('tflops', 0):4.0f}TF"
+        out = f"train    {w['model']:13} {w['variant'] + '/' + w['phase']:30} {fig:>15} {extra:>6} " \
+              f"{r['peak_memory_gb']:6.1f}GB"
+    elif r["benchmark"] == "ppo_step":
+        t = r["timing_s"]
+        out = f"ppo_step {w['model']:13} {w['workload']:30} {r['throughput_tok_s_per_gpu']:>11,.0f} tok/s " \
+              f"{(r.get('mfu_actor') or 0) * 100:5.1f}% {r['peak_memory_gb']:6.1f}GB reshard " \
+              f"{r['reshard_share'] * 100:.2f}% " + " ".join(f"{k.split('/')[1]}={v:.2f}" for k, v in t.items())
+    else:
+        out = f"{r['benchmark']:8} {json.dumps(w)[:60]} " + " ".join(
+            f"{k}={v}" for k, v in r.items() if isinstance(v, (int, float)))[:120]
+    prof = r.get("profile")
+    if prof:
+        out += f"\n         busy {prof['gpu_busy_share'] * 100:.0f}% of {prof['wall_ms']:.0f} ms: " + \
+               ", ".join(f"{k} {v:.0f}" for k, v in prof["ms_by_class"].items())
+    return out
+
+
+if __name__ == "__main__":
+    for r in rows(sys.argv[1:] or ["/dev/stdin"]):
+        print(line(r))

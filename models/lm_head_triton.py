@@ -1,0 +1,108 @@
+"""Triton kernels of the chunked LM head (`models/lm_head.py`); CUDA, or CPU under `TRITON_INTERPRET=1`.
+
+Each kernel reads one chunk of logits `z [C, V]` in the matmul dtype once, with fp32
+arithmetic, where PyTorch would make a dozen fp32 passes over `[C, V]`
+(cast, temperature, log-sum-exp, gather, softmax, products, scatter, cast back):
+
+* `logit_stats`: per row of x = z * inv_temp, the log-sum-exp, x[label] - lse and, if asked,
+  the entropy lse - sum(softmax(x) * x). One program per row, an online (rescaled) sum over
+  vocabulary tiles.
+* `logit_grad_`: d(g_logp * logp + g_ent * ent) / dz, written over the logits it reads.
+  Purely elementwise given the row statistics: one program per (row, vocabulary tile).
+
+Imported only when `models.lm_head` takes the Triton path, so triton stays optional.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# 8 KB of bf16 logits per tile; 8 warps give each thread 16 elements: wide loads, few registers.
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _logit_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, logp_ptr, ent_ptr, V, inv_temp,
+                        WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # row * stride_z exceeds int32 for 16k rows of a 150k vocabulary
+    z_row = z_ptr + row * stride_z
+    m = tl.full([], float("-inf"), tl.float32)  # running max of x
+    s = tl.zeros([BLOCK_V], tl.float32)  # per lane: sum of exp(x - m)
+    t = tl.zeros([BLOCK_V], tl.float32)  # per lane: sum of exp(x - m) * x
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        s = s * alpha + e
+        if WITH_ENTROPY:
+            t = t * alpha + tl.where(mask, e * x, 0.0)  # the tail's x is -inf, and 0 * -inf is NaN
+        m = m_new
+    s_row = tl.sum(s, axis=0)
+    lse = m + tl.log(s_row)
+    x_label = tl.load(z_row + tl.load(labels_ptr + row)).to(tl.float32) * inv_temp
+    tl.store(lse_ptr + row, lse)
+    tl.store(logp_ptr + row, x_label - lse)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + row, lse - tl.sum(t, axis=0) / s_row)
+
+
+@triton.jit
+def _logit_grad_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr, V, inv_temp,
+                       WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    ptrs = z_ptr + row * stride_z + cols
+    z = tl.load(ptrs, mask=mask, other=0.0)
+    x = z.to(tl.float32) * inv_temp
+    lse = tl.load(lse_ptr + row)
+    g_logp = tl.load(g_logp_ptr + row)
+    p = tl.exp(x - lse)
+    dx = tl.where(cols == tl.load(labels_ptr + row), g_logp, 0.0) - g_logp * p
+    if WITH_ENTROPY:
+        dx -= tl.load(g_ent_ptr + row) * p * (x - lse + tl.load(ent_ptr + row))
+    tl.store(ptrs, (dx * inv_temp).to(z.dtype), mask=mask)
+
+
+def _check_rows(logits, *vectors):
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [C, V] with contiguous rows"
+    for v in vectors:
+        assert v.shape == logits.shape[:1] and v.is_contiguous() and v.dtype == torch.float32, v
+
+
+def logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None, block_v: int = BLOCK_V):
+    """Row statistics of x = logits * inv_temp into float32 `[C]` buffers: `lse`, `logp`
+    (x[label] - lse) and, unless `ent` is None, the entropy lse - sum(softmax(x) * x).
+    logits `[C, V]`, labels `[C]` (int64, valid ids)."""
+    _check_rows(logits, lse, logp, *([] if ent is None else [ent]))
+    c, v = logits.shape
+    if c:
+        _logit_stats_kernel[(c,)](logits, logits.stride(0), labels.contiguous(), lse, logp,
+                                  lse if ent is None else ent, v, float(inv_temp),
+                                  WITH_ENTROPY=ent is not None, BLOCK_V=block_v, num_warps=NUM_WARPS)
+
+
+def logit_grad_(logits, labels, inv_temp: float, lse, grad_logp, ent=None, grad_ent=None, block_v: int = BLOCK_V):
+    """Overwrite `logits [C, V]` with the gradient of sum(grad_logp * logp + grad_ent * ent)
+    with respect to them, given the forward's `lse` (and `ent`); returns `logits`. With
+    x = logits * inv_temp, p = exp(x - lse):
+        dz = inv_temp * (grad_logp * (onehot(label) - p) - grad_ent * p * (x - lse + ent))
+    (the entropy term only when `grad_ent` is given)."""
+    with_entropy = grad_ent is not None
+    grad_logp = grad_logp.float().contiguous()  # the grad of a summed output is an expanded (stride 0) tensor
+    if with_entropy:
+        grad_ent = grad_ent.float().contiguous()
+    _check_rows(logits, lse, grad_logp, *([ent, grad_ent] if with_entropy else []))
+    c, v = logits.shape
+    if c:
+        _logit_grad_kernel[(c, triton.cdiv(v, block_v))](
+            logits, logits.stride(0), labels.contiguous(), lse, ent if with_entropy else lse, grad_logp,
+            grad_ent if with_entropy else lse, v, float(inv_temp),
+            WITH_ENTROPY=with_entropy, BLOCK_V=block_v, num_warps=NUM_WARPS)
+    return logits

@@ -1,0 +1,187 @@
+"""The LM head's Triton kernels against the PyTorch path and float64, on CPU under Triton's interpreter.
+
+As in tests/unit/test_triton_kernels.py: `TRITON_INTERPRET=1` must be set before triton is
+imported, so the checks run in one child process (this file run as a script) and the tests
+read its report. The interpreter mishandles bf16 (triton 3.9), so the checks use float32 and
+float16; bf16 at full size is checked on the GPU (tests/gpu/test_lm_head_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.lm_head import _use_triton
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ["logit_stats", "logit_grad", "end_to_end"]
+# (rows, vocabulary, tile, temperature, with entropy): tiles smaller than the vocabulary, which
+# is never a multiple of them
+CASES = [(1, 50, 16, 1.0, True), (1, 50, 16, 0.7, False), (7, 1000, 128, 0.7, False), (7, 1000, 128, 1.0, True),
+         (33, 4099, 512, 1.3, True), (33, 4099, 512, 1.0, False)]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error, relative to max(1, max |reference|)
+PAD = 3  # columns past V in each logits row, NaN: a kernel that reads or writes them fails
+
+
+def _check_all() -> dict:
+    from models import lm_head_triton
+    from models.lm_head import chunked_token_logprobs, torch_logit_grad, torch_logit_stats
+    from tests.unit.test_lm_head import _reference
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    def close(a, b, tol):
+        a, b = a.double(), b.double()
+        assert torch.isfinite(a).all(), "non-finite values (an unwritten or corrupted element)"
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1)).item()
+        assert err <= tol, f"max error {err} > {tol}"
+        return err
+
+    def padded_logits(c, v, dtype):
+        """Logits `[c, v]`, a view with NaN columns after each row, and labels hitting both ends."""
+        buf = torch.full((c, v + PAD), float("nan"), dtype=dtype)
+        buf[:, :v] = (3 * torch.randn(c, v)).to(dtype)
+        labels = torch.randint(0, v, (c,))
+        labels[0], labels[-1] = v - 1, 0
+        return buf, buf[:, :v], labels
+
+    def float64_stats(logits, labels, inv_temp):
+        log_p = torch.log_softmax(logits.double() * inv_temp, -1)
+        return (torch.logsumexp(logits.double() * inv_temp, -1), log_p.gather(-1, labels[:, None]).squeeze(-1),
+                -(log_p.exp() * log_p).sum(-1))
+
+    def cases():
+        for dtype in TOL:
+            for case in CASES:
+                yield dtype, *case
+
+    def logit_stats():
+        errs = []
+        for dtype, c, v, block, temperature, with_entropy in cases():
+            _, z, labels = padded_logits(c, v, dtype)
+            got = [torch.full((c,), float("nan")) for _ in range(3 if with_entropy else 2)]
+            lm_head_triton.logit_stats(z, labels, 1 / temperature, *got, block_v=block)
+            ref = [torch.empty(c) for _ in got]
+            torch_logit_stats(z, labels, 1 / temperature, *ref)
+            exact = float64_stats(z, labels, 1 / temperature)
+            for g, r, e in zip(got, ref, exact):
+                errs += [close(g, r, 1e-5), close(g, e, 1e-5)]  # fp32 arithmetic on exact inputs either way
+        return max(errs)
+
+    def logit_grad():
+        errs = []
+        for dtype, c, v, block, temperature, with_entropy in cases():
+            buf, z, labels = padded_logits(c, v, dtype)
+            lse, logp, ent = torch.empty(c), torch.empty(c), torch.empty(c)
+            torch_logit_stats(z, labels, 1 / temperature, lse, logp, ent)
+            g_logp, g_ent = torch.randn(c), (torch.randn(c) if with_entropy else None)
+            ent_args = (ent, g_ent) if with_entropy else ()
+            ref = torch_logit_grad(z.clone(), labels, 1 / temperature, lse, g_logp, *ent_args)
+
+            x = (z.double() / temperature).requires_grad_()
+            log_p = torch.log_softmax(x, -1)
+            loss = (log_p.gather(-1, labels[:, None]).squeeze(-1) * g_logp).sum()
+            if with_entropy:
+                loss = loss - ((log_p.exp() * log_p).sum(-1) * g_ent).sum()
+            exact, = torch.autograd.grad(loss, x)
+            exact = exact / temperature
+
+            got = lm_head_triton.logit_grad_(z, labels, 1 / temperature, lse, g_logp, *ent_args, block_v=block)
+            assert got.data_ptr() == buf.data_ptr(), "the gradient is written over the logits"
+            assert torch.isnan(buf[:, v:]).all(), "wrote past the vocabulary"
+            errs += [close(got, ref, TOL[dtype]), close(got, exact, TOL[dtype])]
+        return max(errs)
+
+    def end_to_end():
+        calls = {"stats": 0, "grad": 0}
+        stats, grad = lm_head_triton.logit_stats, lm_head_triton.logit_grad_
+
+        def counted(name, fn):
+            def run(*args, **kwargs):
+                calls[name] += 1
+                return fn(*args, **kwargs)
+            return run
+
+        lm_head_triton.logit_stats, lm_head_triton.logit_grad_ = counted("stats", stats), counted("grad", grad)
+        os.environ["MESHPPO_LM_HEAD"] = "triton"
+        errs = []
+        # vocabulary 4099: one full default tile (4096) and a 3-column tail
+        for temperature, chunk, n, with_entropy in ((1.0, 5, 13, True), (0.7, 64, 9, True), (1.3, 4, 6, False)):
+            hdim, vocab = 16, 4099
+            h = (0.5 * torch.randn(n, hdim)).requires_grad_()
+            w = (0.5 * torch.randn(vocab, hdim)).requires_grad_()
+            labels = torch.randint(0, vocab, (n,))
+            g1, g2 = torch.randn(n), torch.randn(n)
+            rh, rw = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+            logp, ent = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy)
+            ref_logp, ref_ent = _reference(rh, rw, labels, temperature)
+            for lp, en in ((logp, ent), (ref_logp, ref_ent)):
+                ((lp * g1).sum() + ((en * g2).sum() if with_entropy else 0)).backward()
+            errs += [close(logp, ref_logp, 1e-4), close(h.grad, rh.grad, 1e-4), close(w.grad, rw.grad, 1e-4)]
+            if with_entropy:
+                errs.append(close(ent, ref_ent, 1e-4))
+            # only log p in the loss: its grad arrives expanded (stride 0), the entropy's as zeros
+            h.grad = w.grad = None
+            logp, _ = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy)
+            logp.sum().backward()
+            rh.grad = rw.grad = None
+            _reference(rh, rw, labels, temperature)[0].sum().backward()
+            errs += [close(h.grad, rh.grad, 1e-4), close(w.grad, rw.grad, 1e-4)]
+        assert calls["stats"] and calls["grad"], f"the Triton path did not run: {calls}"
+        return max(errs)
+
+    import time
+
+    report = {}
+    for name in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            report[name] = {"ok": True, "err": locals()[name](), "s": time.perf_counter() - t0}
+        except Exception as e:  # reported to the parent test
+            import traceback
+
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return report
+
+
+@pytest.fixture(scope="module")
+def interpreter_report():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    marker = "TRITON_REPORT "
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(marker)]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len(marker):])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_lm_head_kernel_matches_torch_under_interpreter(interpreter_report, check):
+    result = interpreter_report[check]
+    assert result["ok"], result.get("error")
+
+
+def test_path_choice(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.delenv("MESHPPO_LM_HEAD", raising=False)
+    assert not _use_triton(cpu)
+    monkeypatch.setenv("MESHPPO_LM_HEAD", "triton")
+    assert _use_triton(cpu)
+    monkeypatch.setenv("MESHPPO_LM_HEAD", "torch")
+    assert not _use_triton(cpu)
+    monkeypatch.setenv("MESHPPO_LM_HEAD", "trition")
+    with pytest.raises(ValueError, match="MESHPPO_LM_HEAD"):
+        _use_triton(cpu)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    sys.path.insert(0, str(ROOT))
+    print("TRITON_REPORT " + json.dumps(_check_all()), flush=True)
