@@ -113,6 +113,11 @@ def kernel_breakdown(prof, wall_s: float, top: int = 12) -> dict:
             busy += b - max(a, end)
             end = b
     busy /= 1e3
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    syncs = {e.key: [e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in prof.key_averages()
+             if any(k in e.key for k in ("Synchronize", "local_scalar_dense", "cudaMemcpy"))}
     return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy, "gpu_busy_share": busy / (wall_s * 1e3),
+            "host_self_ms_top": {e.key[:60]: [e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in host[:top]},
+            "host_syncs": syncs,
             "ms_by_class": dict(sorted(per_class.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": {k[:90]: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}

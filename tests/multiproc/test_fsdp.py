@@ -100,6 +100,12 @@ def _body(rank, world):
     with pytest.raises(ValueError, match="one mesh for all models"):  # a critic asking for another shard size
         build_fsdp_model(ModelArgs(**ARGS), pair, FSDPConfig(fsdp_size=4), head="value")
 
+    # A one-rank mesh (a single GPU): the whole model is one unit, and still trains exactly.
+    solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("solo", "dp_shard"))["dp_shard"]
+    for tie, head in ((False, "lm"), (True, "lm"), (False, "value")):
+        model = _check_equivalent(solo, FSDPConfig(mixed_precision=fp32), tie=tie, head=head)
+        assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model]
+
     # FULL_SHARD over all 4 ranks, then HYBRID_SHARD 2 x 2, built from ParallelDims.
     meshes = ParallelDims(world).build_meshes("cpu")
     assert meshes.train.mesh_dim_names == ("dp_shard",)
