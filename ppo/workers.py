@@ -22,6 +22,7 @@ from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, co
 from ppo.forward import build_micro_batch, response_logprobs, response_values
 from ppo.rollout_data import Rollouts
 from sharding.fsdp import load_states, offload_states
+from sharding.grad_norm import clip_grad_norm_
 
 
 @contextmanager
@@ -68,10 +69,7 @@ def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1) -> t
     """Clip the global grad norm; step only if it is finite. Every rank sees the same norm
     (it is reduced over all shards), so a skip is consistent without extra communication."""
     faults.poison_grads(model, step, dist.get_rank() if dist.is_initialized() else 0)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    norm = float(norm)
+    norm = float(clip_grad_norm_(model.parameters(), max_norm=grad_clip))
     finite = math.isfinite(norm)
     if finite:
         optimizer.step()

@@ -169,3 +169,36 @@ def test_activation_checkpointing_and_offload_keep_gradients_and_save_less():
             torch.testing.assert_close(g, base_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
         with pytest.raises(RuntimeError, match="already applied"):
             apply_ac(model, ckpt, offload)
+
+
+def _grad_norm_body(rank, world):
+    from sharding.grad_norm import clip_grad_norm_
+
+    args = ModelArgs(**ARGS)
+    ids = torch.randint(0, args.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(rank))
+    pair = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp_shard"))["dp_shard"]
+    hsdp = ParallelDims(world, fsdp_size=2).build_meshes("cpu").train
+    for mesh, max_norm in ((pair, 0.5), (hsdp, 0.5), (hsdp, 1e6)):
+        model = build_fsdp_model(args, mesh, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), seed=0)
+        _loss(model, ids, "lm").backward()
+        before = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in before.values()]))
+        norm = clip_grad_norm_(list(model.parameters()), max_norm)
+        torch.testing.assert_close(norm, expected, rtol=1e-5, atol=1e-6)
+        scale = min(1.0, max_norm / (float(expected) + 1e-6))
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), before[n] * scale, rtol=1e-5, atol=1e-7, msg=n)
+        if max_norm < float(expected):
+            total = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]))
+            torch.testing.assert_close(total, torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
+    # plain tensors (no process group involved)
+    g = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
+    params = [torch.nn.Parameter(torch.zeros_like(x)) for x in g]
+    for p, x in zip(params, g):
+        p.grad = x.clone()
+    assert abs(float(clip_grad_norm_(params, 1.0)) - 4.0) < 1e-6  # sqrt(3*4 + 4*1)
+    assert abs(float(params[0].grad[0]) - 0.5) < 1e-5
+
+
+def test_clip_grad_norm_over_shards_matches_the_full_gradient():
+    run_distributed(_grad_norm_body, 4)

@@ -1,0 +1,50 @@
+"""Global gradient-norm clipping over FSDP2 shards without DTensor dispatch.
+
+`torch.nn.utils.clip_grad_norm_` on DTensor gradients works, but every foreach op goes
+through DTensor's sharding propagation: on an H200 that host work (~10 ms per optimizer step
+for a 0.5b model) left the GPU idle. Here the norms are taken over the local shards with one
+`_foreach_norm`, the squared sums are all-reduced over the mesh dimensions the gradients are
+sharded on (replicated dimensions hold copies and are not summed), and the local shards are
+scaled in place: the same result, one collective per sharding layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _layout(g: torch.Tensor):
+    """(mesh, mesh dims the tensor is sharded on) or None for a plain tensor."""
+    if not isinstance(g, DTensor):
+        return None
+    return g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+
+
+def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Scale the gradients of `parameters` so that their global L2 norm is at most `max_norm`;
+    return the norm before clipping (a 0-dim float32 tensor on the gradients' device, the same
+    on every rank). Non-finite norms are returned as they are, gradients then hold garbage:
+    the caller skips the step."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault(_layout(g), []).append(g)
+    total = None
+    for layout, members in groups.items():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in members]
+        sq = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
+        if layout is not None and dist.is_initialized():
+            mesh, dims = layout
+            for d in dims:
+                if mesh.size(d) > 1:
+                    dist.all_reduce(sq, group=mesh.get_group(d))
+        total = sq if total is None else total + sq
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for members in groups.values():
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in members], coef)
+    return norm
