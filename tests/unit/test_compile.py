@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer, cu_seqlens_from_lengths
+from sharding.ac import apply_ac
 from sharding.compile import apply_compile
 
 ARGS = ModelArgs(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -16,11 +17,13 @@ def _loss_and_grads(model, ids, labels, cu, index):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_compiled_blocks_match_eager_values_and_grads():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_blocks_match_eager_values_and_grads(checkpointing):
     torch.manual_seed(0)
     eager = Transformer.build(ARGS, seed=0)
     compiled = Transformer.build(ARGS, seed=0)
     names = [n for n, _ in compiled.named_parameters()]
+    apply_ac(compiled, enable_gradient_checkpointing=checkpointing)  # torchtitan's order: AC, then compile
     apply_compile(compiled, backend="aot_eager")
     assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints and the resharder key on these
     for lengths in ([5, 9, 3], [7, 11]):  # a second shape: dynamic, no stale graph
