@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_demo_steps_on_gpu(tmp_path, estimator):
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-steps", "50"],
+    subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50"],
                    cwd=ROOT, check=True, capture_output=True)
     run = tmp_path / "run"
     n = "1" if estimator == "gae" else "8"
