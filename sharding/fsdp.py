@@ -428,7 +428,8 @@ def load_fsdp_model_to_device(model: nn.Module, device: torch.device | str | Non
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Copy the optimizer states (Adam moments: 2x the fp32 shard) to host memory and free their device memory.
 
-    Scalar `step` counters stay: Adam keeps them on CPU unless `capturable`, and they are bytes.
+    Scalar `step` counters stay where they are (on CPU for foreach Adam, on the device for
+    fused Adam): they are bytes.
     """
     _offload(optimizer, [v for state in optimizer.state.values() for v in state.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0])
