@@ -8,18 +8,14 @@ float16; bf16 at full size is checked on the GPU (tests/gpu/test_lm_head_gpu.py)
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from models.lm_head import _use_triton
+from tests import interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["logit_stats", "logit_grad", "end_to_end"]
 # (rows, vocabulary, tile, temperature, with entropy): tiles smaller than the vocabulary, which
 # is never a multiple of them
@@ -29,7 +25,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error, relative to max(1
 PAD = 3  # columns past V in each logits row, NaN: a kernel that reads or writes them fails
 
 
-def _check_all() -> dict:
+def _checks() -> dict:
     from models import lm_head_triton
     from models.lm_head import chunked_token_logprobs, torch_logit_grad, torch_logit_stats
     from tests.unit.test_lm_head import _reference
@@ -137,29 +133,13 @@ def _check_all() -> dict:
         assert calls["stats"] and calls["grad"], f"the Triton path did not run: {calls}"
         return max(errs)
 
-    import time
-
-    report = {}
-    for name in CHECKS:
-        t0 = time.perf_counter()
-        try:
-            report[name] = {"ok": True, "err": locals()[name](), "s": time.perf_counter() - t0}
-        except Exception as e:  # reported to the parent test
-            import traceback
-
-            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    return report
+    scope = locals()
+    return {name: scope[name] for name in CHECKS}
 
 
 @pytest.fixture(scope="module")
 def interpreter_report():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    marker = "TRITON_REPORT "
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(marker)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len(marker):])
+    return interpreter.report(__file__)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -182,6 +162,4 @@ def test_path_choice(monkeypatch):
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    sys.path.insert(0, str(ROOT))
-    print("TRITON_REPORT " + json.dumps(_check_all()), flush=True)
+    interpreter.main(_checks())

@@ -9,20 +9,15 @@ and float16; bf16 is checked on the GPU (tests/gpu/test_engine_gpu.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import interpreter
+
 CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
           "engine_end_to_end"]
 
 
-def _check_all() -> dict:
+def _checks() -> dict:
     import torch
 
     from rollout.attention import PREFILL_TILE, AttentionMetadata
@@ -32,7 +27,6 @@ def _check_all() -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    report = {}
 
     def close(a, b, tol):
         err = (a.float() - b.float()).abs().max().item()
@@ -176,28 +170,13 @@ def _check_all() -> dict:
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
-    import time
-
-    for name in CHECKS:
-        t0 = time.perf_counter()
-        try:
-            report[name] = {"ok": True, "err": locals()[name](), "s": time.perf_counter() - t0}
-        except Exception as e:  # reported to the parent test
-            import traceback
-
-            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    return report
+    scope = locals()
+    return {name: scope[name] for name in CHECKS}
 
 
 @pytest.fixture(scope="module")
 def interpreter_report():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    marker = "TRITON_REPORT "
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(marker)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len(marker):])
+    return interpreter.report(__file__)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -207,6 +186,4 @@ def test_triton_kernel_matches_torch_under_interpreter(interpreter_report, check
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    sys.path.insert(0, str(ROOT))
-    print("TRITON_REPORT " + json.dumps(_check_all()), flush=True)
+    interpreter.main(_checks())
