@@ -121,6 +121,26 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
+              HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+    """K and V tiles `[len(n), D]` of one KV head at positions `n` (masked by `nm`), read
+    through the sequence's block table."""
+    page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
+    off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
+    return tl.load(k_ptr + off, mask=nm[:, None], other=0.0), tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one tile of base-2 scores `qk [R, N]` (masked entries -inf) and its values
+    `v [N, D]` into the running row max, exp-sum and unnormalised output."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+
+
+@triton.jit
 def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
                         out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -146,18 +166,10 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
-        page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
-        off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
-        k = tl.load(k_ptr + off, mask=nm[:, None], other=0.0)
-        v = tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
         qk = _dot(q, tl.trans(k), IEEE) * qk_scale  # log2 units
         qk = tl.where(nm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -215,18 +227,10 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
-        page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
-        off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
-        k = tl.load(k_ptr + off, mask=nm[:, None], other=0.0)
-        v = tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
         qk = _dot(q, tl.trans(k), IEEE) * qk_scale
         qk = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mm[:, None])
