@@ -144,8 +144,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
         def fwd_full():
             with torch.no_grad():
-                logits = model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
-                               max_seqlen=mb.max_seqlen).float()
+                logits = model(mb.input_ids, **mb.model_kwargs()).float()
                 torch.log_softmax(logits, -1).gather(-1, mb.labels[..., None])
 
         fwd_full()

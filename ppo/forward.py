@@ -36,6 +36,11 @@ class MicroBatch:
     last_index: torch.Tensor         # flat position of each sequence's last token (reward models)
     batch_size: int
 
+    def model_kwargs(self) -> dict:
+        """The layout arguments of `Transformer.forward` for this micro-batch."""
+        return dict(position_ids=self.position_ids, attention_mask=self.attention_mask,
+                    cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
+
 
 def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
                       pad_token_id: int = 0) -> MicroBatch:
@@ -95,26 +100,21 @@ def _scatter(mb: MicroBatch, flat: torch.Tensor, width: int) -> torch.Tensor:
     return _place(mb, flat.reshape(-1)[mb.src_index], width)
 
 
-def _model_kwargs(mb: MicroBatch) -> dict:
-    return dict(position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
-
-
 def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool):
     """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens (only those
     positions go through the LM head)."""
     logp, ent = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
-                      label_index=mb.src_index, **_model_kwargs(mb))
+                      label_index=mb.src_index, **mb.model_kwargs())
     return _place(mb, logp, width), (_place(mb, ent, width) if with_entropy else None)
 
 
 def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:
     """Values `[B, R]` of the states before each response token (value-head model)."""
-    values = model(mb.input_ids, **_model_kwargs(mb))
+    values = model(mb.input_ids, **mb.model_kwargs())
     return _scatter(mb, values.float(), width)
 
 
 def last_token_scores(model, mb: MicroBatch) -> torch.Tensor:
     """Value-head output at each sequence's last token `[B]` (reward models)."""
-    values = model(mb.input_ids, **_model_kwargs(mb))
+    values = model(mb.input_ids, **mb.model_kwargs())
     return values.float().reshape(-1)[mb.last_index]

@@ -57,8 +57,7 @@ def greedy_accuracy(model, prompts: list[list[int]], answers: list[list[int]], b
     exact = 0
     for s in range(0, len(prompts), batch):
         mb = build_micro_batch(prompts[s:s + batch], answers[s:s + batch], "cpu", packed=True)
-        logits = model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
-                       max_seqlen=mb.max_seqlen).reshape(-1, model.args.vocab_size)
+        logits = model(mb.input_ids, **mb.model_kwargs()).reshape(-1, model.args.vocab_size)
         wrong = (logits[mb.src_index].argmax(-1) != mb.labels.reshape(-1)[mb.src_index]).long()
         exact += int((torch.zeros(mb.batch_size, dtype=torch.long).index_add_(0, mb.dst_row, wrong) == 0).sum())
     return exact / max(len(prompts), 1)
