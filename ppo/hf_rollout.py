@@ -14,10 +14,10 @@ top-p only restrict which tokens can be drawn.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from rollout.config import RequestOutput
 from rollout.sampler import truncation_threshold
+from sharding import comm
 
 
 @torch.no_grad()
@@ -32,13 +32,9 @@ def generate_no_cache(model, prompts: list[list[int]], *, n: int, max_tokens: in
     done = [False] * len(reqs)
     reasons = ["length"] * len(reqs)
     eos = set(eos_ids)
-    multi = dist.is_initialized() and dist.get_world_size() > 1
     for _ in range(max_tokens):
         active = [k for k, d in enumerate(done) if not d]
-        flag = torch.tensor([float(len(active))], device=device)
-        if multi:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        if comm.all_reduce_values([len(active)], "max")[0] == 0:
             break
         batch = [seqs[k] for k in active] or [[pad_token_id]]
         width = max(len(s) for s in batch)

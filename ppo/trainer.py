@@ -33,7 +33,8 @@ from ppo.launch import DistContext, init_distributed
 from ppo.rollout_data import Rollouts
 from ppo.setup import build_engine, build_models, build_rollout_fn
 from ppo.tracking import Timer, Tracking
-from ppo.workers import PolicyWorker, ValueWorker, all_reduce_sum, masked_mean_global, resident
+from ppo.workers import PolicyWorker, ValueWorker, masked_mean_global, resident
+from sharding import comm
 from sharding.fsdp import offload_states
 
 # Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
@@ -156,19 +157,13 @@ class PPOTrainer:
 
     def _agreed_stop_signal(self) -> bool:
         """True on every rank if any rank received SIGTERM/SIGUSR1 (so all stop at the same step)."""
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return comm.all_reduce_values([1.0 if self._stop_signal is not None else 0.0], "max")[0] > 0
 
     def _check_abandon(self) -> None:
         """Before the first update of a step: if any rank was signalled and the updates (timed on
         the previous step) would end after the grace period, every rank abandons the step."""
         since = time.monotonic() - self._stop_time if self._stop_signal is not None else -1.0
-        t = torch.tensor([since], dtype=torch.float64, device=self.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        since = float(t.item())
+        since = comm.all_reduce_values([since], "max")[0]
         if since < 0:
             return
         if since + self._last_update_s > self.cfg.trainer.preemption_grace_s:
@@ -228,11 +223,8 @@ class PPOTrainer:
             full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             full[idx] = t
             return full
-        parts = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
-        dist.all_gather(parts, t.contiguous())
-        idx_t = torch.tensor(idx, dtype=torch.long, device=t.device)
-        idx_parts = [torch.empty_like(idx_t) for _ in range(self.ctx.world_size)]
-        dist.all_gather(idx_parts, idx_t)
+        parts = comm.all_gather(t)
+        idx_parts = comm.all_gather(torch.tensor(idx, dtype=torch.long, device=t.device))
         full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         for p, ix in zip(parts, idx_parts):
             full[ix] = p
@@ -254,10 +246,7 @@ class PPOTrainer:
                                                  ro.extra_infos)
             except RewardError as e:
                 err = str(e)
-        failed = torch.tensor([1.0 if err else 0.0], device=self.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
+        if comm.all_reduce_values([1.0 if err else 0.0], "max")[0]:
             raise UserError(err or "the reward function failed on another rank (see its log)")
         out = torch.tensor(scores if scores is not None else [0.0] * len(ro), dtype=torch.float32,
                            device=self.device)
@@ -291,12 +280,12 @@ class PPOTrainer:
                 old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
                                                        lp.log_prob_max_token_len_per_gpu, with_entropy=True)
                 ro.tensors["old_log_probs"] = old
-                metrics["actor/entropy"] = masked_mean_global(ent, mask, self.device)
+                metrics["actor/entropy"] = masked_mean_global(ent, mask)
                 if lp.calculate_log_probs:
                     rl = torch.zeros_like(old)
                     for i, r in enumerate(ro.rollout_log_probs):
                         rl[i, :len(r)] = torch.tensor(r, device=self.device)
-                    metrics["rollout/logprob_diff"] = masked_mean_global((rl - old).abs(), mask, self.device)
+                    metrics["rollout/logprob_diff"] = masked_mean_global((rl - old).abs(), mask)
             if self.ref is not None:
                 rc = arr.ref
                 with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
@@ -304,7 +293,7 @@ class PPOTrainer:
                         ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
                         rc.log_prob_max_token_len_per_gpu)
                 ro.tensors["ref_log_probs"] = ref
-                metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask, self.device)
+                metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask)
             if self.critic is not None:
                 cc = cfg.critic
                 with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
@@ -319,7 +308,7 @@ class PPOTrainer:
                     kld = kl_penalty(old, ro.tensors["ref_log_probs"], cfg.algorithm.kl_penalty) * mask
                     beta = self.kl_ctrl.value
                     rewards = token_scores - beta * kld
-                    current_kl = masked_mean_global(kld, mask, self.device)
+                    current_kl = masked_mean_global(kld, mask)
                     self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
                     metrics.update({"critic/kl": current_kl, "critic/kl_coef": beta})
                 ro.tensors["token_level_rewards"] = rewards
@@ -380,25 +369,24 @@ class PPOTrainer:
         mask = ro.response_mask
         dev = self.device
         lengths = mask.sum(-1)
-        n = all_reduce_sum(float(len(ro)), dev)
+        n = comm.all_reduce_sum(float(len(ro)))
 
         def gmean(x):
-            return all_reduce_sum(float(x.sum()), dev) / max(n, 1.0)
+            return comm.all_reduce_sum(float(x.sum())) / max(n, 1.0)
 
         def gextreme(x, op):
             t = x.float().reshape(-1)
-            v = torch.tensor([float(t.max() if op == "max" else -t.min()) if t.numel() else -math.inf], device=dev)
-            if self.ctx.world_size > 1:
-                dist.all_reduce(v, op=dist.ReduceOp.MAX)
-            return float(v) if op == "max" else -float(v)
+            v = comm.all_reduce_values([float(t.max() if op == "max" else -t.min()) if t.numel() else -math.inf],
+                                       "max")[0]
+            return v if op == "max" else -v
 
         seq_sum = lambda name: ro.tensors[name].sum(-1)  # noqa: E731
         m = {
             "critic/score/mean": gmean(scores), "critic/score/max": gextreme(scores, "max"),
             "critic/score/min": gextreme(scores, "min"),
             "critic/rewards/mean": gmean(seq_sum("token_level_rewards")),
-            "critic/advantages/mean": masked_mean_global(ro.tensors["advantages"], mask, dev),
-            "critic/returns/mean": masked_mean_global(ro.tensors["returns"], mask, dev),
+            "critic/advantages/mean": masked_mean_global(ro.tensors["advantages"], mask),
+            "critic/returns/mean": masked_mean_global(ro.tensors["returns"], mask),
             "response_length/mean": gmean(lengths), "response_length/max": gextreme(lengths, "max"),
             "response_length/min": gextreme(lengths, "min"),
             "response_length/clip_ratio": gmean(torch.tensor([1.0 if r == "length" else 0.0 for r in
@@ -407,24 +395,24 @@ class PPOTrainer:
         }
         if "values" in ro.tensors:
             v, ret = ro.tensors["values"], ro.tensors["returns"]
-            m["critic/values/mean"] = masked_mean_global(v, mask, dev)
+            m["critic/values/mean"] = masked_mean_global(v, mask)
             # explained variance 1 - Var(ret - v) / Var(ret), over every rank's tokens
-            cnt = all_reduce_sum(float(mask.sum()), dev)
-            mu_r = all_reduce_sum(float((ret * mask).sum()), dev) / cnt
-            mu_d = all_reduce_sum(float(((ret - v) * mask).sum()), dev) / cnt
-            var_r = all_reduce_sum(float((((ret - mu_r) ** 2) * mask).sum()), dev) / cnt
-            var_d = all_reduce_sum(float((((ret - v - mu_d) ** 2) * mask).sum()), dev) / cnt
+            cnt, s_r, s_d = comm.all_reduce_values([float(mask.sum()), float((ret * mask).sum()),
+                                                    float(((ret - v) * mask).sum())])
+            mu_r, mu_d = s_r / cnt, s_d / cnt
+            var_r, var_d = (x / cnt for x in comm.all_reduce_values([
+                float((((ret - mu_r) ** 2) * mask).sum()), float((((ret - v - mu_d) ** 2) * mask).sum())]))
             m["critic/vf_explained_var"] = 1.0 - var_d / (var_r + 1e-8)
         for k, vals in extras.items():
             t = torch.tensor(vals, dtype=torch.float64, device=dev)
             ok = ~torch.isnan(t)
-            m[f"reward_extra/{k}/mean"] = all_reduce_sum(float(t[ok].sum()), dev) / max(
-                all_reduce_sum(float(ok.sum()), dev), 1.0)
+            total, count = comm.all_reduce_values([float(t[ok].sum()), float(ok.sum())])
+            m[f"reward_extra/{k}/mean"] = total / max(count, 1.0)
         return m
 
     def _perf_metrics(self, ro: Rollouts, metrics: dict) -> dict:
         dev = self.device
-        tokens = all_reduce_sum(float(sum(ro.lengths())), dev)
+        tokens = comm.all_reduce_sum(float(sum(ro.lengths())))
         step_s = metrics.get("timing_s/step", float("nan"))
         out = {"perf/total_num_tokens": tokens,
                "perf/throughput": tokens / step_s / self.ctx.world_size if step_s > 0 else 0.0}
@@ -444,7 +432,7 @@ class PPOTrainer:
             attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
             lengths = ro.lengths()
             local_flops = sum(6 * n_params * L + attn * L * L / 2 for L in lengths)
-            flops = all_reduce_sum(local_flops, dev) * self.cfg.actor_rollout_ref.actor.ppo_epochs
+            flops = comm.all_reduce_sum(local_flops) * self.cfg.actor_rollout_ref.actor.ppo_epochs
             out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
         return out
 

@@ -13,7 +13,6 @@ import math
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 from kl import kl_penalty
 from ppo import faults
@@ -21,6 +20,7 @@ from ppo.batching import token_budget_partitions
 from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, count_loss_units
 from ppo.forward import build_micro_batch, response_logprobs, response_values
 from ppo.rollout_data import Rollouts
+from sharding import comm
 from sharding.fsdp import load_states, offload_states
 from sharding.grad_norm import clip_grad_norm_
 
@@ -51,24 +51,16 @@ def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int |
         return [indices[s:s + size] for s in range(0, len(indices), size)] or [[]]
     costs = [lengths[i] for i in indices]
     parts = token_budget_partitions(costs, max_tokens)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        n = torch.tensor([len(parts)], dtype=torch.long)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        parts = token_budget_partitions(costs, max_tokens, min_parts=int(n.item()))
+    if comm.world_size() > 1:
+        n = int(comm.all_reduce_values([len(parts)], "max")[0])
+        parts = token_budget_partitions(costs, max_tokens, min_parts=n)
     return [[indices[j] for j in p] for p in parts]
-
-
-def all_reduce_sum(x: float, device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return float(t.item())
 
 
 def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1) -> tuple[float, bool]:
     """Clip the global grad norm; step only if it is finite. Every rank sees the same norm
     (it is reduced over all shards), so a skip is consistent without extra communication."""
-    faults.poison_grads(model, step, dist.get_rank() if dist.is_initialized() else 0)
+    faults.poison_grads(model, step, comm.rank())
     norm = float(clip_grad_norm_(model.parameters(), max_norm=grad_clip))
     finite = math.isfinite(norm)
     if finite:
@@ -138,7 +130,7 @@ class PolicyWorker:
             for m in range(num_mini_batches):
                 mb_idx = order[m * mini:(m + 1) * mini]
                 units = count_loss_units(mask[mb_idx], cfg.loss_agg_mode)
-                g_units = all_reduce_sum(units, self.device)
+                g_units = comm.all_reduce_sum(units)
                 agg_kw = _agg_kwargs(cfg.loss_agg_mode, g_units, self.world_size, self.response_length)
                 parts = plan_micro_batches(mb_idx, lengths, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                            cfg.ppo_max_token_len_per_gpu)
@@ -171,7 +163,8 @@ class PolicyWorker:
                     stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
                                  "actor/pg_clipfrac_lower": clipfrac_lower})
                 grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
-                stats.add(**{k: all_reduce_sum(float(v), self.device) / self.world_size for k, v in sums.items()})
+                totals = comm.all_reduce_values([float(v) for v in sums.values()])
+                stats.add(**{k: v / self.world_size for k, v in zip(sums, totals)})
                 stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": 0.0 if finite else 1.0})
         out = stats.result()
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -218,7 +211,7 @@ class ValueWorker:
             order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
             for m in range(num_mini_batches):
                 mb_idx = order[m * mini:(m + 1) * mini]
-                g_units = all_reduce_sum(count_loss_units(mask[mb_idx], cfg.loss_agg_mode), self.device)
+                g_units = comm.all_reduce_sum(count_loss_units(mask[mb_idx], cfg.loss_agg_mode))
                 agg_kw = _agg_kwargs(cfg.loss_agg_mode, g_units, self.world_size, self.response_length)
                 vf_sum = torch.zeros((), device=self.device)
                 for part in plan_micro_batches(mb_idx, lengths, micro, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu):
@@ -233,7 +226,7 @@ class ValueWorker:
                     vf_sum = vf_sum + vf_loss.detach()
                     stats.add(**{"critic/vf_clipfrac": vf_clipfrac})
                 grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
-                stats.add(**{"critic/vf_loss": all_reduce_sum(float(vf_sum), self.device) / self.world_size,
+                stats.add(**{"critic/vf_loss": comm.all_reduce_sum(float(vf_sum)) / self.world_size,
                              "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": 0.0 if finite else 1.0})
         out = stats.result()
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -247,11 +240,10 @@ def _agg_kwargs(mode: str, global_units: float, world_size: int, response_length
     return {key: max(global_units, 1.0), "dp_size": world_size, "loss_scale_factor": float(response_length)}
 
 
-def masked_mean_global(values: torch.Tensor, mask: torch.Tensor, device) -> float:
-    """Mean over all ranks' masked entries."""
-    s = all_reduce_sum(float((values * mask).sum()), device)
-    c = all_reduce_sum(float(mask.sum()), device)
+def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over all ranks' masked entries (one collective)."""
+    s, c = comm.all_reduce_values([float((values * mask).sum()), float(mask.sum())])
     return s / max(c, 1.0)
 
 
-__all__ = ["PolicyWorker", "ValueWorker", "plan_micro_batches", "all_reduce_sum", "masked_mean_global", "resident"]
+__all__ = ["PolicyWorker", "ValueWorker", "plan_micro_batches", "masked_mean_global", "resident"]

@@ -6,13 +6,17 @@ for a 0.5b model) left the GPU idle. Here the norms are taken over the local sha
 `_foreach_norm`, the squared sums are all-reduced over the mesh dimensions the gradients are
 sharded on (replicated dimensions hold copies and are not summed), and the local shards are
 scaled in place: the same result, one collective per sharding layout.
+
+With `offload_policy` the gradients live on the CPU while the mesh's groups are NCCL groups:
+the squared sums go through `sharding.comm`, which moves each to the group's device.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from sharding import comm
 
 
 def _layout(g: torch.Tensor):
@@ -37,11 +41,11 @@ def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Ten
     for layout, members in groups.items():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in members]
         sq = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
-        if layout is not None and dist.is_initialized():
+        if layout is not None:
             mesh, dims = layout
             for d in dims:
                 if mesh.size(d) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(d))
+                    sq = comm.all_reduce(sq, group=mesh.get_group(d))
         total = sq if total is None else total + sq
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)

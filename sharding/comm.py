@@ -1,0 +1,77 @@
+"""The trainer's collectives, each on a tensor its group's backend accepts.
+
+NCCL only moves CUDA tensors and gloo only CPU tensors; a CPU scalar handed to an NCCL
+all-reduce fails at run time ("No backend type associated with device type cpu"), and no gloo
+test notices. So the runtime never calls `torch.distributed` directly for tensors it built
+itself: it calls these functions, which put the data on `group_device(group)` and hand the
+result back on the caller's device. Where the data already lives on the right device (every
+GPU-resident statistic) nothing is copied.
+
+The one exception is the engine (`rollout/parallel.py`), whose collectives only ever see
+tensors on the engine's device; FSDP2 and DTensor issue their own. A multi-rank test traces
+every collective of trainer runs and fails on any other call site
+(`tests/multiproc/test_collective_devices.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def group_device(group=None) -> torch.device:
+    """The device a tensor must live on for a collective on `group`: the current CUDA device
+    for NCCL, the CPU for gloo (and for no process group at all)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """The reduction of `t` over `group` (`op`: sum, max, min), on `t`'s device. `t` itself is
+    reduced in place when it already lives on the group's device."""
+    if world_size(group) == 1:
+        return t
+    dev = group_device(group)
+    buf = t if t.device == dev else t.to(dev)
+    dist.all_reduce(buf, op=_OPS[op], group=group)
+    if buf is t:
+        return t
+    return t.copy_(buf) if t.is_contiguous() else buf.to(t.device)
+
+
+def all_reduce_values(values: Sequence[float], op: str = "sum", group=None) -> list[float]:
+    """Reduce a few Python numbers in one collective (float64, so integer counts stay exact)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=group_device(group))
+    return all_reduce(t, op, group).tolist()
+
+
+def all_reduce_sum(x: float, group=None) -> float:
+    return all_reduce_values([x], "sum", group)[0]
+
+
+def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape on every rank), in rank order, on `t`'s device."""
+    n = world_size(group)
+    if n == 1:
+        return [t]
+    dev = group_device(group)
+    buf = t.contiguous().to(dev)
+    parts = [torch.empty_like(buf) for _ in range(n)]
+    dist.all_gather(parts, buf, group=group)
+    return [p.to(t.device) for p in parts]
+
+
+__all__ = ["all_gather", "all_reduce", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
