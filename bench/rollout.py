@@ -92,7 +92,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
     best = min(runs, key=lambda r: r["wall"])
     gpu_ms = best["decode_ms"]
     nbytes = step_bytes(engine, batch, p + new / 2)
-    flops = 2 * engine.args.num_params() * batch
+    flops = engine.args.flops(batch, batch, batch * (p + new / 2))  # one decode step
     floor_ms = max(nbytes / H200_HBM_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3
     return emit(
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,

@@ -37,11 +37,10 @@ from sharding.mesh import ParallelDims  # noqa: E402
 PEAK = 989e12  # dense bf16 H100/H200, PERF.md's MFU denominator
 
 
-def train_flops(args, lengths) -> float:
-    """PERF.md: 6·N per token plus attention 12·L·H·D·ctx (causal: mean context ≈ len/2)."""
-    n = args.num_params()
-    attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
-    return sum(6 * n * s + attn * s * s / 2 for s in lengths)
+def run_flops(args, ro, backward: bool) -> float:
+    """FLOPs that run over the rollouts `ro` (`ModelArgs.flops`): the LM head on response positions."""
+    lengths = ro.lengths()
+    return args.flops(sum(lengths), sum(len(r) for r in ro.responses), sum(s * s / 2 for s in lengths), backward)
 
 
 def make_rollouts(args, n_seqs, seq_len, device, seed=0):
@@ -118,7 +117,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
         w = (torch.randn(args.vocab_size, args.hidden_size, device=ctx.device, generator=g) * 0.02).to(torch.bfloat16)
         w.requires_grad_(True)
         lab = torch.randint(0, args.vocab_size, (n,), device=ctx.device, generator=g)
-        flops = 2 * n * args.hidden_size * args.vocab_size
+        flops = args.flops(0, n, 0)  # the LM head alone
 
         def head_fwd():
             with torch.no_grad():
@@ -160,8 +159,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
     def upd():
         worker.update(ro, actor_cfg(tokens), num_mini_batches=1, kl_loss_coef=0.001, seed=0)
 
-    for phase, fn, flops in (("forward_logprob", fwd, train_flops(args, lengths) / 3),
-                             ("actor_update", upd, train_flops(args, lengths))):
+    for phase, fn, flops in (("forward_logprob", fwd, run_flops(args, ro, backward=False)),
+                             ("actor_update", upd, run_flops(args, ro, backward=True))):
         fn()  # warm-up (and compile)
         fn()
         torch.cuda.reset_peak_memory_stats()

@@ -65,7 +65,8 @@ class ModelArgs:
         return rs.get("rope_type", rs.get("type", "default"))
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count (the LM head counted once, even when untied)."""
+        """Parameter count. `include_embedding` adds the input embedding and the LM head: one
+        `[vocab, hidden]` matrix when tied, two when untied."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
@@ -75,6 +76,18 @@ class ModelArgs:
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
+
+    def flops(self, tokens: float, head_positions: float, attention_pairs: float, backward: bool = False) -> float:
+        """The floating-point operations that run, for MFU (the one formula the trainer and the
+        benchmarks use): `2·N_body` per token for the blocks' matmuls (forward; `6·N_body` with
+        the backward), `2·hidden·vocab` (`6·`) per position the LM head is evaluated on — the
+        trainer evaluates it on response positions only, the input embedding is a lookup and
+        costs none — and `4·layers·heads·head_dim` (`12·`) per (query, key) pair attended:
+        `attention_pairs` is `Σ L²/2` for causal sequences of lengths `L`, `Σ context` in decode."""
+        k = 6 if backward else 2
+        body = self.num_params(include_embedding=False)
+        attn = 2 * k * self.num_hidden_layers * self.num_attention_heads * self.head_dim
+        return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
 
     # ---------------------------------------------------------------- HF conversion
     @classmethod

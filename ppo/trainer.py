@@ -412,10 +412,16 @@ class PPOTrainer:
 
     def _perf_metrics(self, ro: Rollouts, metrics: dict) -> dict:
         dev = self.device
-        tokens = comm.all_reduce_sum(float(sum(ro.lengths())))
+        lengths = ro.lengths()
+        response_tokens = [len(r) for r in ro.responses]
+        tokens, generated, pairs = comm.all_reduce_values([float(sum(lengths)), float(sum(response_tokens)),
+                                                           sum(L * L / 2 for L in lengths)])
         step_s = metrics.get("timing_s/step", float("nan"))
-        out = {"perf/total_num_tokens": tokens,
-               "perf/throughput": tokens / step_s / self.ctx.world_size if step_s > 0 else 0.0}
+        per_gpu_s = step_s * self.ctx.world_size if step_s > 0 else float("inf")
+        # perf/throughput counts prompt + response tokens per sample (verl's and TRL's figure);
+        # the generated tokens alone are what the rollout produced.
+        out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / per_gpu_s,
+               "perf/response_throughput": generated / per_gpu_s}
         if dev.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 2**30
@@ -427,13 +433,8 @@ class PPOTrainer:
         peak = _peak_flops(dev)
         upd = metrics.get("timing_s/update_actor")
         if peak and upd:
-            args = self.models.actor_args
-            n_params = args.num_params()
-            attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
-            lengths = ro.lengths()
-            local_flops = sum(6 * n_params * L + attn * L * L / 2 for L in lengths)
-            flops = comm.all_reduce_sum(local_flops) * self.cfg.actor_rollout_ref.actor.ppo_epochs
-            out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
+            flops = self.models.actor_args.flops(tokens, generated, pairs, backward=True)
+            out["perf/mfu/actor"] = flops * self.cfg.actor_rollout_ref.actor.ppo_epochs / (upd * peak * self.ctx.world_size)
         return out
 
     # ------------------------------------------------------------------ validation
