@@ -121,3 +121,58 @@ def kernel_breakdown(prof, wall_s: float, top: int = 12) -> dict:
             "host_syncs": syncs,
             "ms_by_class": dict(sorted(per_class.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": {k[:90]: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(xs, ys) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def comm_exposure(prof) -> dict:
+    """Per trainer phase (the `phase:<name>` ranges of `ppo.tracking.Timer`): wall time, NCCL
+    kernel time, and the *exposed* NCCL time — when an NCCL kernel runs and no other kernel
+    does, i.e. communication that compute does not hide. Milliseconds, from one profiled step.
+    A kernel belongs to the innermost phase whose host range contains its start (the timer
+    synchronises the device at both ends of a phase, so its kernels cannot spill out)."""
+    phases = [(ev.name.removeprefix("phase:"), ev.time_range.start, ev.time_range.end) for ev in prof.events()
+              if ev.device_type.name == "CPU" and ev.name.startswith("phase:")]
+    kernels: dict[str, tuple[list, list]] = {name: ([], []) for name, _, _ in phases}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA" or getattr(ev, "is_user_annotation", False) or _ANNOTATION.match(ev.name):
+            continue
+        s, e = ev.time_range.start, ev.time_range.end
+        inside = [(b - a, name) for name, a, b in phases if a <= s <= b]
+        if not inside:
+            continue
+        name = min(inside)[1]
+        kernels[name][0 if "nccl" in ev.name.lower() else 1].append((s, e))
+    out = {}
+    for name, a, b in phases:
+        comm_spans, compute_spans = (_union(k) for k in kernels[name])
+        nccl = _length(comm_spans)
+        hidden = _length(_intersect(comm_spans, compute_spans))
+        out[name] = {"wall_ms": (b - a) / 1e3, "nccl_ms": nccl / 1e3, "exposed_nccl_ms": (nccl - hidden) / 1e3,
+                     "compute_busy_ms": _length(compute_spans) / 1e3}
+    return out

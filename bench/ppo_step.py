@@ -1,7 +1,14 @@
 """The full PPO step of the trainer (same code path as train_ppo.py) on random-weight models.
 
     python bench/ppo_step.py [--model qwen2.5-0.5b] [--workloads ppo,grpo] [--steps 4]
-    torchrun --nproc_per_node=N bench/ppo_step.py ...      (several GPUs)
+    torchrun --nproc_per_node=N bench/ppo_step.py [--scaling strong|weak] [--baseline ONE_GPU.jsonl] ...
+
+On N GPUs, `--scaling strong` (default) keeps the one-GPU global batch (each GPU does 1/N of
+it) and `--scaling weak` multiplies the prompts and the mini-batch by N (each GPU keeps the
+one-GPU work). `--baseline` names the JSON lines of the same workloads on one GPU: each
+record then carries `scaling` — the strong-scaling speedup of the step and of each phase, or
+the weak-scaling efficiency of the per-GPU throughput. `--profile` profiles one more step and
+reports, per phase, the NCCL time and the part of it no compute kernel hides.
 
 Workloads (PERF.md / issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
   ppo:  critic (GAE) + reference + k3 KL loss, 256 prompts x 1 sample
@@ -90,7 +97,7 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
     return model_dir, data, work / "reward.py"
 
 
-def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: int) -> list[str]:
+def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: int, mini_scale: int = 1) -> list[str]:
     common = [f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}","actor_rollout_ref.rollout.ignore_eos=true",
               "actor_rollout_ref.actor.use_torch_compile=true",
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -104,13 +111,38 @@ def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: in
               "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.export_hf_at_end=false",
               "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "algorithm.kl_guard.enable=false"]
     if workload == "ppo":
-        return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(64, prompts)}",
+        return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(64 * mini_scale, prompts)}",
                          "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae",
                          "actor_rollout_ref.actor.kl_loss_coef=0.001", "critic.use_dynamic_bsz=true",
                          "critic.ppo_max_token_len_per_gpu=32768", "critic.forward_max_token_len_per_gpu=32768"]
-    return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(8, prompts)}",
+    return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(8 * mini_scale, prompts)}",
                      "actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo",
                      "actor_rollout_ref.actor.kl_loss_coef=0.04"]
+
+
+def scaling(base: dict | None, timing: dict, throughput: float, world: int, mode: str) -> dict | None:
+    """Against the one-GPU record of the same workload: strong scaling, the speedup of the step
+    and of each phase (one-GPU time / this time; ideal: the world size); weak scaling, the
+    per-GPU throughput as a share of one GPU's (ideal: 1)."""
+    if base is None or world == 1:
+        return None
+    if mode == "weak":
+        return {"efficiency": throughput / base["throughput_tok_s_per_gpu"]}
+    return {"step_speedup": base["timing_s"]["timing_s/step"] / timing["timing_s/step"],
+            "phase_time_ratio": {k.removeprefix("timing_s/"): timing[k] / v for k, v in base["timing_s"].items()
+                                 if k in timing and v > 0}}
+
+
+def profile_step(trainer) -> dict:
+    """One more step under torch.profiler: per phase, NCCL time and the exposed part of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import comm_exposure
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.step()
+    trainer.timer.pop()
+    return comm_exposure(prof)
 
 
 def main(argv=None) -> int:
@@ -120,6 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per workload; the first is warm-up")
     p.add_argument("--work-dir", default="runs/bench_ppo_step")
     p.add_argument("--smoke", action="store_true", help="a tiny model and batch (CPU check that the bench runs)")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
+    p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
+    p.add_argument("--profile", action="store_true", help="profile one more step: exposed NCCL time per phase")
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
     a = p.parse_args(argv)
 
@@ -133,13 +169,21 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     shape = SMOKE_SHAPE if a.smoke else {}
     prompt_len, response_len = (16, 8) if a.smoke else (128, 256)
+    scale = ctx.world_size if a.scaling == "weak" else 1
+    baseline = {}
+    if a.baseline:
+        for line in open(a.baseline):
+            rec = json.loads(line)
+            if rec.get("benchmark") == "ppo_step" and rec["workload"]["world_size"] == 1:
+                baseline[(rec["workload"]["model"], rec["workload"]["workload"])] = rec
     for workload in a.workloads.split(","):
-        prompts = (256 if workload == "ppo" else 32) // (16 if a.smoke else 1)
-        model_dir, data, reward = prepare(work, a.model, prompts * a.steps, prompt_len, ctx.rank, shape)
+        prompts = (256 if workload == "ppo" else 32) // (16 if a.smoke else 1) * scale
+        steps = a.steps + (1 if a.profile else 0)
+        model_dir, data, reward = prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape)
         run_dir = work / f"run_{workload}"
         if ctx.is_main and (run_dir / "metrics.jsonl").exists():
             os.remove(run_dir / "metrics.jsonl")
-        ov = overrides_for(workload, prompts, prompt_len, response_len) + [
+        ov = overrides_for(workload, prompts, prompt_len, response_len, scale) + [
             f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data}]",
             f"custom_reward_function.path={reward}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={a.steps}", f"trainer.n_gpus_per_node={ctx.world_size}",
@@ -147,6 +191,7 @@ def main(argv=None) -> int:
         cfg = load_config(PPOConfig, None, ov)
         trainer = PPOTrainer(cfg, ctx)
         trainer.train()
+        exposure = profile_step(trainer) if a.profile else None
         if ctx.is_main:
             rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
             measured = rows[1:] or rows
@@ -160,7 +205,10 @@ def main(argv=None) -> int:
                  reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
                  peak_memory_gb=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
-                 steps_measured=len(measured))
+                 response_tok_s_per_gpu=med("perf/response_throughput"), scaling_mode=a.scaling,
+                 scaling=scaling(baseline.get((a.model, workload)), timing, med("perf/throughput"), ctx.world_size,
+                                 a.scaling),
+                 comm_exposure=exposure, steps_measured=len(measured))
         del trainer
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return 0

@@ -33,10 +33,12 @@ class Timer:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
-            yield
+            # A profiler range per phase: bench/ppo_step.py --profile attributes kernels to phases.
+            with torch.profiler.record_function(f"phase:{name}"):
+                yield
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def pop(self) -> dict[str, float]:

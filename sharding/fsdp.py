@@ -192,11 +192,13 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
     common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, shard_placement_fn=shard_placement_fn)
     reshard = cfg.reshard_after_forward or not trainable
 
-    if mesh.size() == 1:
-        # One rank holds every parameter whole: per-block units would save no memory (the
-        # gathered bf16 copy is a third of the fp32 master weights) and cost a set of hooks,
-        # copies and a collective per block and pass, which the CPU pays on every step (on an
-        # H200 the 0.5b update was CPU-bound: BENCHMARKS.md). One unit: the whole model.
+    if shard_size == 1:
+        # Every rank holds every parameter whole (one GPU, or HYBRID_SHARD with fsdp_size=1,
+        # i.e. plain data parallelism): per-block units would save no memory (the gathered bf16
+        # copy is a third of the fp32 master weights) and cost a set of hooks, copies and a
+        # collective per block and pass, which the CPU pays on every step (on an H200 the 0.5b
+        # update was CPU-bound: BENCHMARKS.md). One unit: the whole model; with replicas its
+        # gradients are all-reduced once, after the backward.
         fully_shard(model, reshard_after_forward=not trainable, **common)
         return model
 

@@ -117,6 +117,12 @@ def _body(rank, world):
     assert p.placements == (Replicate(), Shard(1))
     assert p.to_local().shape == (64, 32)  # 64 input features over 2 shard ranks
 
+    # HYBRID_SHARD with shard groups of one (data parallelism): nothing is sharded, so the whole
+    # model is one unit whose gradients are all-reduced over the 4 replicas, and still exact.
+    meshes = ParallelDims(world, fsdp_size=1).build_meshes("cpu")
+    model = _check_equivalent(meshes.train, FSDPConfig(fsdp_size=1, mixed_precision=fp32))
+    assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model]
+
 
 def _mixed_precision_checks(mesh):
     # bf16 compute with fp32 master weights and gradients; a bf16 frozen reference model.
