@@ -23,9 +23,20 @@ def line(r: dict) -> str:
               f"{r['peak_memory_gb']:6.1f}GB"
     elif r["benchmark"] == "ppo_step":
         t = r["timing_s"]
-        out = f"ppo_step {w['model']:13} {w['workload']:30} {r['throughput_tok_s_per_gpu']:>11,.0f} tok/s " \
+        name = f"{w['workload']} x{w.get('world_size', 1)} {r.get('scaling_mode', '')}"
+        out = f"ppo_step {w['model']:13} {name:30} {r['throughput_tok_s_per_gpu']:>11,.0f} tok/s " \
               f"{(r.get('mfu_actor') or 0) * 100:5.1f}% {r['peak_memory_gb']:6.1f}GB reshard " \
               f"{r['reshard_share'] * 100:.2f}% " + " ".join(f"{k.split('/')[1]}={v:.2f}" for k, v in t.items())
+        sc = r.get("scaling")
+        if sc and "efficiency" in sc:
+            out += f"\n         weak scaling: {sc['efficiency'] * 100:.0f}% per-GPU throughput of one GPU"
+        elif sc:
+            out += f"\n         strong scaling: step {sc['step_speedup']:.2f}x faster; time vs one GPU: " + \
+                   " ".join(f"{k}={v:.2f}" for k, v in sc["phase_time_ratio"].items())
+        for phase, c in (r.get("comm_exposure") or {}).items():
+            if c["nccl_ms"] > 0:
+                out += f"\n         {phase:14} wall {c['wall_ms']:7.1f} ms  nccl {c['nccl_ms']:6.1f}  " \
+                       f"exposed {c['exposed_nccl_ms']:6.1f} ({c['exposed_nccl_ms'] / c['wall_ms'] * 100:4.1f}%)"
     else:
         out = f"{r['benchmark']:8} {json.dumps(w)[:60]} " + " ".join(
             f"{k}={v}" for k, v in r.items() if isinstance(v, (int, float)))[:120]
