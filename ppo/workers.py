@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -46,32 +47,76 @@ def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int |
     Fixed size: ranks hold equally many sequences, so the count already agrees. Dynamic:
     pack by token budget, then agree on the largest count over ranks and rebalance into it.
     """
+    return _plan([indices], lengths, micro_size, dynamic, max_tokens)[0]
+
+
+def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, dynamic: bool,
+          max_tokens: int) -> list[list[list[int]]]:
+    """`plan_micro_batches` for several batches with one collective (dynamic sizes only)."""
     if not dynamic:
-        size = micro_size or len(indices)
-        return [indices[s:s + size] for s in range(0, len(indices), size)] or [[]]
-    costs = [lengths[i] for i in indices]
-    parts = token_budget_partitions(costs, max_tokens)
+        out = []
+        for indices in batches:
+            size = micro_size or len(indices)
+            out.append([indices[s:s + size] for s in range(0, len(indices), size)] or [[]])
+        return out
+    costs = [[lengths[i] for i in indices] for indices in batches]
+    parts = [token_budget_partitions(c, max_tokens) for c in costs]
     if comm.world_size() > 1:
-        n = int(comm.all_reduce_values([len(parts)], "max")[0])
-        parts = token_budget_partitions(costs, max_tokens, min_parts=n)
-    return [[indices[j] for j in p] for p in parts]
+        counts = comm.all_reduce_values([len(p) for p in parts], "max")
+        parts = [token_budget_partitions(c, max_tokens, min_parts=int(n)) for c, n in zip(costs, counts)]
+    return [[[indices[j] for j in p] for p in ps] for indices, ps in zip(batches, parts)]
 
 
-def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1) -> tuple[float, bool]:
-    """Clip the global grad norm; step only if it is finite. Every rank sees the same norm
-    (it is reduced over all shards), so a skip is consistent without extra communication."""
+@dataclass
+class MiniBatch:
+    """One optimizer step of an update: this rank's micro-batches and the loss units (tokens or
+    sequences) of the whole mini-batch summed over every rank, for the global-mean loss."""
+
+    parts: list[list[int]]
+    global_units: float
+
+
+def plan_update(ro: Rollouts, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
+                micro_size: int | None, dynamic: bool, max_tokens: int) -> list[MiniBatch]:
+    """Every mini-batch of every epoch, planned before the first forward with two collectives
+    (the loss units and the micro-batch counts), so that the update loop itself never waits
+    for the host: a collective read back inside it would drain the GPU queue each mini-batch."""
+    n = len(ro)
+    mini = n // num_mini_batches
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
+        batches += [order[m * mini:(m + 1) * mini] for m in range(num_mini_batches)]
+    mask = ro.response_mask.cpu()  # one copy instead of a read-back per mini-batch
+    units = comm.all_reduce_values([count_loss_units(mask[idx], loss_agg_mode) for idx in batches])
+    plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
+    return [MiniBatch(parts, u) for parts, u in zip(plans, units)]
+
+
+def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1):
+    """Clip the global grad norm and step only if it is finite; returns (norm, skipped) as 0-dim
+    tensors. Every rank sees the same norm (it is reduced over all shards), so a skip is
+    consistent without extra communication. Fused optimizers take the skip as a device flag
+    (`found_inf`, as under a GradScaler: no update, no step count), so nothing waits for the
+    host; others read the norm back."""
     faults.poison_grads(model, step, comm.rank())
-    norm = float(clip_grad_norm_(model.parameters(), max_norm=grad_clip))
-    finite = math.isfinite(norm)
-    if finite:
+    norm = clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    if optimizer.defaults.get("fused"):
+        skipped = (~torch.isfinite(norm)).float()
+        optimizer.found_inf = skipped
         optimizer.step()
+    else:
+        skipped = torch.tensor(0.0 if math.isfinite(float(norm)) else 1.0)
+        if not skipped:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, finite
+    return norm, skipped
 
 
 class _Mean:
-    """Averages metrics over micro-/mini-batches. Values may be device tensors: they are
-    only read back (one host sync) in `result()`, never inside a micro-batch."""
+    """Averages metrics over micro-/mini-batches. Values may be device tensors: they are only
+    read back in `result()` (one host sync), never inside the update loop."""
 
     def __init__(self):
         self.values: dict[str, list] = {}
@@ -80,11 +125,17 @@ class _Mean:
         for k, v in kv.items():
             self.values.setdefault(k, []).append(v.detach().float().reshape(()) if torch.is_tensor(v) else float(v))
 
-    def result(self) -> dict[str, float]:
-        out = {}
-        for k, vs in self.values.items():
-            out[k] = float(sum(float(v) for v in vs)) / len(vs) if vs and not torch.is_tensor(vs[0]) \
-                else float(torch.stack([torch.as_tensor(v) for v in vs]).mean())
+    def result(self, rank_means: tuple[str, ...] = ()) -> dict[str, float]:
+        """Means over the added values; the keys in `rank_means` are also averaged over ranks
+        (one collective for all of them)."""
+        means = [torch.stack(vs).mean() if torch.is_tensor(vs[0]) else torch.tensor(sum(vs) / len(vs))
+                 for vs in self.values.values()]
+        dev = next((m.device for m in means if m.device.type != "cpu"), torch.device("cpu"))
+        local = torch.stack([m.to(dev) for m in means]).tolist() if means else []
+        out = dict(zip(self.values, local))
+        keys = [k for k in rank_means if k in out]
+        for k, v in zip(keys, comm.all_reduce_values([out[k] for k in keys])):
+            out[k] = v / comm.world_size()
         return out
 
 
@@ -119,56 +170,45 @@ class PolicyWorker:
 
     def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1) -> dict:
         """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy)."""
-        mask = ro.response_mask
         stats = _Mean()
-        n = len(ro)
-        mini = n // num_mini_batches
-        lengths = ro.lengths()
-        gen = torch.Generator().manual_seed(seed)
-        for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
-            for m in range(num_mini_batches):
-                mb_idx = order[m * mini:(m + 1) * mini]
-                units = count_loss_units(mask[mb_idx], cfg.loss_agg_mode)
-                g_units = comm.all_reduce_sum(units)
-                agg_kw = _agg_kwargs(cfg.loss_agg_mode, g_units, self.world_size, self.response_length)
-                parts = plan_micro_batches(mb_idx, lengths, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                           cfg.ppo_max_token_len_per_gpu)
-                zero = torch.zeros((), device=self.device)
-                sums = {"actor/pg_loss": zero, "actor/kl_loss": zero, "actor/entropy_loss": zero}
-                for part in parts:
-                    need_entropy = cfg.entropy_coeff != 0
-                    logp, ent = self._forward(ro, part, need_entropy)
-                    if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
-                        (logp.sum() * 0.0).backward()
-                        continue
-                    m_mask = ro.rows("response_mask", part)
-                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                        ro.rows("old_log_probs", part), logp, ro.rows("advantages", part), m_mask,
-                        cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
-                        cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                        loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-                    loss = pg_loss
-                    if need_entropy:
-                        ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
-                        loss = loss - cfg.entropy_coeff * ent_loss
-                        sums["actor/entropy_loss"] = sums["actor/entropy_loss"] + ent_loss.detach()
-                    if cfg.use_kl_loss:
-                        kld = kl_penalty(logp, ro.rows("ref_log_probs", part), cfg.kl_loss_type)
-                        kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
-                        loss = loss + kl_loss_coef * kl_loss
-                        sums["actor/kl_loss"] = sums["actor/kl_loss"] + kl_loss.detach()
-                    loss.backward()
-                    sums["actor/pg_loss"] = sums["actor/pg_loss"] + pg_loss.detach()
-                    stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
-                                 "actor/pg_clipfrac_lower": clipfrac_lower})
-                grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
-                totals = comm.all_reduce_values([float(v) for v in sums.values()])
-                stats.add(**{k: v / self.world_size for k, v in zip(sums, totals)})
-                stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": 0.0 if finite else 1.0})
-        out = stats.result()
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
+                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        need_entropy = cfg.entropy_coeff != 0
+        sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
+        for mb in plan:
+            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
+            totals = dict.fromkeys(sums, torch.zeros((), device=self.device))
+            for part in mb.parts:
+                logp, ent = self._forward(ro, part, need_entropy)
+                if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
+                    (logp.sum() * 0.0).backward()
+                    continue
+                m_mask = ro.rows("response_mask", part)
+                pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                    ro.rows("old_log_probs", part), logp, ro.rows("advantages", part), m_mask,
+                    cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
+                    cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                    loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
+                loss = pg_loss
+                if need_entropy:
+                    ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
+                    loss = loss - cfg.entropy_coeff * ent_loss
+                    totals["actor/entropy_loss"] = totals["actor/entropy_loss"] + ent_loss.detach()
+                if cfg.use_kl_loss:
+                    kld = kl_penalty(logp, ro.rows("ref_log_probs", part), cfg.kl_loss_type)
+                    kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
+                    loss = loss + kl_loss_coef * kl_loss
+                    totals["actor/kl_loss"] = totals["actor/kl_loss"] + kl_loss.detach()
+                loss.backward()
+                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg_loss.detach()
+                stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
+                             "actor/pg_clipfrac_lower": clipfrac_lower})
+            grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
+            stats.add(**totals)
+            stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": skipped})
+        out = stats.result(rank_means=sums)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * (cfg.ppo_epochs * num_mini_batches)
+        out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * len(plan)
         if not cfg.use_kl_loss:
             out.pop("actor/kl_loss")
         if cfg.entropy_coeff == 0:
@@ -200,35 +240,28 @@ class ValueWorker:
         return values * ro.response_mask
 
     def update(self, ro: Rollouts, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:
-        mask = ro.response_mask
         stats = _Mean()
-        n, lengths = len(ro), ro.lengths()
-        mini = n // num_mini_batches
         epochs = cfg.ppo_epochs or actor_cfg.ppo_epochs
         micro = cfg.ppo_micro_batch_size_per_gpu or actor_cfg.ppo_micro_batch_size_per_gpu
-        gen = torch.Generator().manual_seed(seed)
-        for epoch in range(epochs):
-            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
-            for m in range(num_mini_batches):
-                mb_idx = order[m * mini:(m + 1) * mini]
-                g_units = comm.all_reduce_sum(count_loss_units(mask[mb_idx], cfg.loss_agg_mode))
-                agg_kw = _agg_kwargs(cfg.loss_agg_mode, g_units, self.world_size, self.response_length)
-                vf_sum = torch.zeros((), device=self.device)
-                for part in plan_micro_batches(mb_idx, lengths, micro, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu):
-                    vpreds = self._forward(ro, part)
-                    if not part:
-                        (vpreds.sum() * 0.0).backward()
-                        continue
-                    vf_loss, vf_clipfrac = compute_value_loss(
-                        vpreds, ro.rows("returns", part), ro.rows("values", part), ro.rows("response_mask", part),
-                        cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-                    vf_loss.backward()
-                    vf_sum = vf_sum + vf_loss.detach()
-                    stats.add(**{"critic/vf_clipfrac": vf_clipfrac})
-                grad_norm, finite = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
-                stats.add(**{"critic/vf_loss": comm.all_reduce_sum(float(vf_sum)) / self.world_size,
-                             "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": 0.0 if finite else 1.0})
-        out = stats.result()
+        plan = plan_update(ro, epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode, micro,
+                           cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        for mb in plan:
+            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
+            vf_sum = torch.zeros((), device=self.device)
+            for part in mb.parts:
+                vpreds = self._forward(ro, part)
+                if not part:
+                    (vpreds.sum() * 0.0).backward()
+                    continue
+                vf_loss, vf_clipfrac = compute_value_loss(
+                    vpreds, ro.rows("returns", part), ro.rows("values", part), ro.rows("response_mask", part),
+                    cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
+                vf_loss.backward()
+                vf_sum = vf_sum + vf_loss.detach()
+                stats.add(**{"critic/vf_clipfrac": vf_clipfrac})
+            grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
+            stats.add(**{"critic/vf_loss": vf_sum, "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": skipped})
+        out = stats.result(rank_means=("critic/vf_loss",))
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 

@@ -1,6 +1,7 @@
 """Batch splitting, and: packed / padded / dynamic micro-batches give the same update."""
 
 import copy
+import math
 import random
 from types import SimpleNamespace
 
@@ -100,3 +101,31 @@ def test_update_independent_of_packing_and_micro_batching(mode):
     for other in results[1:]:
         for k in ref:
             assert torch.allclose(ref[k], other[k], atol=2e-6), k
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_non_finite_gradient_skips_the_step_on_device_and_on_host(fused):
+    """Fused optimizers skip on a device flag (no host read per mini-batch), others on the host:
+    either way a NaN gradient leaves the weights and Adam's step count untouched, and a finite
+    one after it is applied."""
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    model = Transformer.build(args, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    worker = PolicyWorker(model, opt, None, packed=True, temperature=1.0, pad_token_id=0,
+                          device=torch.device("cpu"), world_size=1, response_length=5)
+    ro = _rollouts()
+    with torch.no_grad():
+        old, _ = worker.compute_log_prob(ro, 8, False, 0)
+    ro.tensors["old_log_probs"] = old - 0.05 * ro.response_mask
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ro.tensors["advantages"][0, 0] = float("nan")
+    out = worker.update(ro, _actor_cfg(grad_clip=1.0), num_mini_batches=1, kl_loss_coef=0.1, seed=0)
+    assert out["actor/nonfinite_skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(float(s["step"]) == 0 for s in opt.state.values())
+    ro.tensors["advantages"][0, 0] = 0.5
+    out = worker.update(ro, _actor_cfg(grad_clip=1.0), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
+    assert out["actor/nonfinite_skipped"] == 0.0 and math.isfinite(out["actor/grad_norm"])
+    assert not torch.equal(before["layers.0.mlp.up_proj.weight"], model.state_dict()["layers.0.mlp.up_proj.weight"])
+    assert all(float(s["step"]) == 2 for s in opt.state.values())
