@@ -49,6 +49,20 @@ def build_actor(args, mesh, device, seed):
     return model
 
 
+def profiled(fn, device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import kernel_breakdown
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    return kernel_breakdown(prof, wall)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,6 +120,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    ap.add_argument("--profile", action="store_true", help="add the device time by kernel class of one reshard")
     opts = ap.parse_args()
 
     if "RANK" not in os.environ:  # plain `python bench/reshard.py`: a one-process world
@@ -164,6 +179,8 @@ def main():
                            fallback_params=stats.num_fallback, collectives=stats.num_collectives,
                            ms=round(ms, 3), ms_per_gb=round(ms / gb, 3), peak_extra_bytes=int(max_over_ranks(peak, device)),
                            bucket_buffer_bytes=stats.buffer_bytes)
+            if opts.profile and device.type == "cuda":
+                figures["profile"] = profiled(fn, device)
             if device.type == "cuda" and dims.world_size == 1:
                 figures.update(floor_ms_per_gb=CAST_COPY_MS_PER_GB,
                                ratio_to_floor=round(ms / gb / CAST_COPY_MS_PER_GB, 2))
