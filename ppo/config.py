@@ -256,6 +256,8 @@ class TrainerConfig:
     max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm")
     preemption_grace_s: float = opt(120.0, "after SIGTERM/SIGUSR1, a step whose updates would end later than this "
                                     "is abandoned (redone on resume) so the checkpoint is written in time")
+    nccl_timeout: int = opt(600, "seconds a collective may wait for the other ranks before the run fails with a "
+                                 "message naming the rank and the phase (the process group's timeout; gloo too)")
 
 
 @dataclass

@@ -9,6 +9,7 @@
                    only (torchrun's restarts see TORCHELASTIC_RESTART_COUNT > 0)
 * `sigterm@K:R`  — rank R sends itself SIGTERM at the start of step K (preemption)
 * `crash_in_save@K` — the process dies half-way through writing the checkpoint of step K
+* `hang@K:R`     — rank R stops for 120 s at the start of step K (the others' collectives time out)
 
 Unset in normal runs: every hook is then a dictionary lookup that finds nothing.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def _parse(spec: str) -> dict[str, tuple[int, int | None]]:
@@ -45,6 +47,8 @@ def at_step_start(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if armed("sigterm", step, rank):
         os.kill(os.getpid(), signal.SIGTERM)
+    if armed("hang", step, rank):
+        time.sleep(120)
 
 
 def poison_grads(model, step: int, rank: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -35,11 +36,12 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto") -> DistContext:
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistContext:
     """Initialise the default process group (nccl on CUDA, gloo on CPU) from torchrun's env.
 
     A single process without torchrun's variables still gets a (world size 1) group, so the
-    rest of the code has one path: FSDP2 and DTensor need a process group.
+    rest of the code has one path: FSDP2 and DTensor need a process group. `timeout_s`
+    (`trainer.nccl_timeout`) bounds how long a collective waits for the other ranks.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,6 +62,8 @@ def init_distributed(device: str = "auto") -> DistContext:
             os.environ["MASTER_PORT"] = str(_free_port())
         backend = "nccl" if device == "cuda" else "gloo"
         kwargs = {"device_id": dev} if device == "cuda" else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         # torchrun keeps one store across restarts (--max-restarts): keys written by the killed
         # attempt (a dead rank's gloo address) would be read by the new one and its connect
         # fails. Each attempt therefore gets its own key prefix.

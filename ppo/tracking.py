@@ -38,6 +38,11 @@ class Timer:
                 yield
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+        except BaseException as e:
+            # The innermost phase an error left (a timed-out collective is reported with it).
+            if not hasattr(e, "meshppo_phase"):
+                e.meshppo_phase = name
+            raise
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 

@@ -12,6 +12,7 @@ reactions of the KL guard.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import math
 import os
 import random
@@ -533,12 +534,20 @@ class PPOTrainer:
             self.tracking.close()
 
 
+def _collective_failure(e: RuntimeError) -> bool:
+    """A timed-out or broken collective: NCCL raises DistError, gloo a RuntimeError from its transport."""
+    return isinstance(e, dist.DistError) or "gloo/transport" in str(e) or "Timed out waiting" in str(e)
+
+
 def run(cfg: PPOConfig) -> int:
     """Entry point used by train_ppo.py. User errors -> message on rank 0, exit code 1."""
     from data import DatasetError
     from rewards import RewardError
 
-    ctx = init_distributed(cfg.trainer.device)
+    # An NCCL watchdog timeout aborts the process from a C++ thread: the Python stacks it prints
+    # then show the phase each rank was in.
+    faulthandler.enable()
+    ctx = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.nccl_timeout)
     try:
         trainer = PPOTrainer(cfg, ctx)
         return trainer.train()
@@ -554,6 +563,15 @@ def run(cfg: PPOConfig) -> int:
         if ctx.is_main:
             print(f"meshppo: stopped: {e}", file=sys.stderr)
         return 3
+    except RuntimeError as e:
+        if not _collective_failure(e):
+            raise
+        # A collective timed out or lost a peer: say where, on every rank.
+        first = str(e).strip().splitlines()[0]
+        print(f"meshppo: error (rank {ctx.rank}): a collective failed in phase "
+              f"'{getattr(e, 'meshppo_phase', 'setup')}' (trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): "
+              f"{first[:300]}", file=sys.stderr)
+        return 1
     finally:
         if ctx.owns_group and dist.is_initialized():
             dist.destroy_process_group()
