@@ -61,11 +61,13 @@ SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_id=1)
 
 
-def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, shape: dict):
-    """Random HF checkpoint + tokenizer + prompt file (rank 0 writes, others wait)."""
+def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, shape: dict, dummy: bool = False):
+    """Random HF checkpoint + tokenizer + prompt file (rank 0 writes, others wait). `dummy`:
+    config.json and the tokenizer only, for `actor_rollout_ref.model.load_format=dummy` (the
+    ranks draw their shards themselves: nothing large is built or written)."""
     import torch.distributed as dist
 
-    tag = name + ("-smoke" if shape else "")
+    tag = name + ("-smoke" if shape else "") + ("-dummy" if dummy else "")
     model_dir, data = work / f"{tag}-random", work / f"{tag}_prompts_{n_prompts}x{prompt_len}.jsonl"
     if rank == 0 and not (model_dir / "tokenizer.json").exists():
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -74,8 +76,10 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
         from models import Transformer
 
         args = model_args(name, **shape)
-        model = Transformer.build(args, device="cpu", dtype=torch.bfloat16, seed=0)
-        model.save_pretrained(model_dir)
+        if dummy:
+            args.to_hf_config(architecture="Qwen2ForCausalLM").save_pretrained(str(model_dir))
+        else:
+            Transformer.build(args, device="cpu", dtype=torch.bfloat16, seed=0).save_pretrained(model_dir)
         chars = token_chars(args.vocab_size)
         backend = Tokenizer(models.WordLevel(vocab={ch: i for i, ch in enumerate(chars)}, unk_token=chars[0]))
         backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -156,6 +160,8 @@ def main(argv=None) -> int:
                    help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
     p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
     p.add_argument("--profile", action="store_true", help="profile one more step: exposed NCCL time per phase")
+    p.add_argument("--dummy", action="store_true",
+                   help="random weights drawn by the ranks (model.load_format=dummy): no checkpoint written")
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
     a = p.parse_args(argv)
 
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
     for workload in a.workloads.split(","):
         prompts = (256 if workload == "ppo" else 32) // (16 if a.smoke else 1) * scale
         steps = a.steps + (1 if a.profile else 0)
-        model_dir, data, reward = prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape)
+        model_dir, data, reward = prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape, a.dummy)
         run_dir = work / f"run_{workload}"
         if ctx.is_main and (run_dir / "metrics.jsonl").exists():
             os.remove(run_dir / "metrics.jsonl")
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
             f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data}]",
             f"custom_reward_function.path={reward}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={a.steps}", f"trainer.n_gpus_per_node={ctx.world_size}",
-            "data.shuffle=false", *a.overrides]
+            "data.shuffle=false", *(["actor_rollout_ref.model.load_format=dummy"] if a.dummy else []), *a.overrides]
         cfg = load_config(PPOConfig, None, ov)
         trainer = PPOTrainer(cfg, ctx)
         trainer.train()

@@ -58,6 +58,8 @@ class OptimConfig:
 @dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
+    load_format: str = opt("auto", "auto: read the safetensors; dummy: random weights drawn on each rank's shards "
+                                   "(benchmarks: only config.json is read)", choices=("auto", "dummy"))
     override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
                                 unsupported=lambda v: bool(v))
     enable_gradient_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward")

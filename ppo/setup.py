@@ -89,8 +89,9 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
     meshes = dims.build_meshes(ctx.device.type)
     seed = cfg.trainer.seed
+    dummy = arr.model.load_format == "dummy"
     actor = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.actor.fsdp_config, ctx.device),
-                             device=ctx.device, trainable=True, seed=seed,
+                             device=ctx.device, trainable=True, seed=seed, dummy_weights=dummy,
                              enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
                              enable_activation_offload=arr.model.enable_activation_offload)
     if arr.actor.use_torch_compile:
@@ -99,13 +100,14 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
     models = Models(dims, meshes, actor_args, actor, actor_optim, actor_sched)
     if cfg.uses_ref:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
-                                      device=ctx.device, trainable=False, seed=seed)
+                                      device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy)
         if arr.actor.use_torch_compile if arr.ref.use_torch_compile is None else arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
         cm = cfg.critic.model
         models.critic = build_fsdp_model(cm.path or path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
                                          head="value", device=ctx.device, trainable=True, seed=seed,
+                                         dummy_weights=dummy and not cm.path,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
                                          enable_activation_offload=cm.enable_activation_offload)
         if arr.actor.use_torch_compile:

@@ -247,7 +247,7 @@ def _block_groups(model: Transformer, min_num_params: int) -> list[list[nn.Modul
 def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfig, *, head: str = "lm",
                      device: torch.device | str | None = None, trainable: bool = True, seed: int = 0,
                      enable_gradient_checkpointing: bool = False,
-                     enable_activation_offload: bool = False) -> Transformer:
+                     enable_activation_offload: bool = False, dummy_weights: bool = False) -> Transformer:
     """Build a sharded actor / reference / critic without any rank holding the whole model.
 
     `source` is either `ModelArgs` (random init, identical on every rank and equal to
@@ -256,6 +256,12 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     memory-mapped safetensors and keeps only its shard). `device` is the compute device
     (default: the current CUDA device for a CUDA mesh, else CPU); with `offload_policy` the
     shards themselves live on CPU.
+
+    `dummy_weights` (`actor_rollout_ref.model.load_format=dummy`, for benchmarks: speed does
+    not depend on the values) reads only the config and draws each rank's local shards where
+    they live, from a generator seeded by `seed` and the rank: no full tensor anywhere and no
+    checkpoint to write. Models built with the same seed on the same mesh get the same weights
+    (the reference equals the initial actor).
     """
     path = None
     if isinstance(source, ModelArgs):
@@ -271,11 +277,12 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     apply_fsdp(model, mesh, cfg, trainable=trainable, enable_gradient_checkpointing=enable_gradient_checkpointing,
                enable_activation_offload=enable_activation_offload)
     model.to_empty(device="cpu" if cfg.offload_policy else device)
-    if path is None:
-        tensors = model.init_tensors(torch.Generator().manual_seed(seed))
+    if dummy_weights:
+        _init_local_shards(model, seed)
     else:
-        tensors = checkpoint_tensors(model, path)
-    load_full_tensors(model, tensors)
+        tensors = model.init_tensors(torch.Generator().manual_seed(seed)) if path is None else \
+            checkpoint_tensors(model, path)
+        load_full_tensors(model, tensors)
     model.reset_buffers()
     # Buffers are not sharded and are used on the compute device even when the parameter
     # shards live on CPU (offload_policy).
@@ -284,6 +291,26 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
             if buf is not None:
                 module._buffers[name] = buf.to(device)
     return model
+
+
+@torch.no_grad()
+def _init_local_shards(model: Transformer, seed: int) -> None:
+    """normal(0, initializer_range) weights, unit norms, zero biases: `init_tensors`' recipe,
+    drawn shard by shard on each rank's own device."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    generators: dict = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name.endswith(".bias"):
+            local.zero_()
+        else:
+            if local.device not in generators:
+                generators[local.device] = torch.Generator(device=local.device).manual_seed(seed * 65537 + rank)
+            local.normal_(0.0, model.args.initializer_range, generator=generators[local.device])
 
 
 def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
