@@ -247,14 +247,15 @@ class _Launch:
                 pass
         failed = sorted(set(pids) - set(codes))
         if returncode != 0 or failed or not pids:
-            shown = [r for r in failed if r != 0]  # rank 0's output is already on the terminal
-            for r in shown:
-                _print_tail(os.path.join(self.log_dir, f"rank{r}.log"), f"rank {r}")
-            if not pids:
-                _print_tail(self.torchrun_log, "torchrun")
-            who = f"rank {', '.join(map(str, failed))}" if failed else "torchrun"
-            print(f"meshppo: {who} failed (torchrun exit code {returncode}); logs: {self.log_dir}/rank<R>.log, "
-                  f"torchrun's report: {self.torchrun_log}", file=sys.stderr)
+            # A crash, not a user error: show what there is. Rank 0's output is already shown.
+            for r in failed:
+                if r != 0:
+                    _print_tail(os.path.join(self.log_dir, f"rank{r}.log"), f"rank {r}")
+            _print_tail(self.torchrun_log, "torchrun")
+            who = (f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} crashed" if failed
+                   else "torchrun failed")
+            print(f"meshppo: {who} (torchrun exit code {returncode}); logs: {self.log_dir}/rank<R>.log and "
+                  f"{self.torchrun_log}", file=sys.stderr)
             return returncode or 1
         code = next((codes[r] for r in sorted(codes) if codes[r]), 0)
         if code == 0 and self.stop_signal is not None:
@@ -280,7 +281,9 @@ def _print_tail(path: str, what: str, lines: int = 30) -> None:
             tail = f.read().splitlines()[-lines:]
     except FileNotFoundError:
         return
-    print(f"meshppo: last lines of {what}'s log ({path}):", file=sys.stderr)
+    if not tail:
+        return
+    print(f"meshppo: the end of {what}'s log ({path}):", file=sys.stderr)
     print("\n".join(tail), file=sys.stderr)
 
 
