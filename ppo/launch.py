@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,6 +146,7 @@ class _Launch:
         self.torchrun_log = os.path.join(self.log_dir, f"torchrun-{socket.gethostname()}.log")
         self.stop_signal: int | None = None
         self.notice: int | None = None  # a first stop signal not yet announced
+        self.aborted = False  # a second Ctrl-C killed everything
         self.signalled: set[int] = set()  # rank pids the stop signal has reached
         self.proc: subprocess.Popen | None = None
 
@@ -185,8 +187,6 @@ class _Launch:
             self._pump()
             return self._report(self.proc.returncode)
         finally:
-            import shutil
-
             shutil.rmtree(self.launch_dir, ignore_errors=True)
 
     def _rank_pids(self) -> dict[int, int]:
@@ -204,6 +204,7 @@ class _Launch:
         # No output here: the handler may interrupt a write to stderr in `_pump` (a reentrant
         # write raises); `_pump` prints the notice.
         if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+            self.aborted = True
             for pid in [*self._rank_pids().values(), self.proc.pid]:
                 _kill(pid, signal.SIGKILL)
             return
@@ -237,6 +238,10 @@ class _Launch:
         sys.stderr.flush()
 
     def _report(self, returncode: int) -> int:
+        if self.aborted:
+            print(f"meshppo: stopped at once by a second Ctrl-C; the last checkpoint is "
+                  f"{self._latest_checkpoint() or 'none'}", file=sys.stderr)
+            return 128 + signal.SIGINT
         pids = self._rank_pids()
         codes = {}
         for r in pids:
@@ -259,13 +264,18 @@ class _Launch:
             return returncode or 1
         code = next((codes[r] for r in sorted(codes) if codes[r]), 0)
         if code == 0 and self.stop_signal is not None:
-            from ppo.checkpointing import CheckpointManager
-
-            latest = CheckpointManager(None, os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
+            latest = self._latest_checkpoint()
             where = f"checkpoint at {latest}" if latest else "no checkpoint was written"
-            print(f"meshppo: preempted by {signal.Signals(self.stop_signal).name}, {where}; the same command "
+            how = "preempted" if self.stop_signal in STOP_SIGNALS else "stopped"
+            print(f"meshppo: {how} by {signal.Signals(self.stop_signal).name}, {where}; the same command "
                   "resumes it (trainer.resume_mode=auto)", file=sys.stderr)
         return code
+
+
+    def _latest_checkpoint(self) -> str | None:
+        from ppo.checkpointing import CheckpointManager
+
+        return CheckpointManager(None, os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+import train_ppo
 from tests.e2e.conftest import ROOT, demo_args, read_metrics
 
 STEPS = 40  # far more than run before the signal lands: the run is stopped, not finished
@@ -53,6 +56,15 @@ def test_config_error_is_one_line_before_any_rank(tiny_assets, tmp_path):
     assert _lines(out) == ["meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean "
                            "'trainer.total_epochs'?"], out
     assert not (tmp_path / "run" / "logs").exists()  # no rank was started
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_plain_torchrun_only_rank_0_says_a_config_error(monkeypatch, capsys, rank):
+    for key, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    code = train_ppo.main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "trainer.total_epoch=2"])
+    said = "meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean 'trainer.total_epochs'?\n"
+    assert code == 2 and capsys.readouterr().err == (said if rank == "0" else "")
 
 
 def test_input_error_on_the_ranks_is_one_line(tiny_assets, tmp_path):
