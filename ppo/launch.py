@@ -373,6 +373,10 @@ def init_distributed(device: str = "auto") -> DistContext:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        # No rank goes on before every rank has finished connecting: a rank that then stops at
+        # once (bad data) would otherwise close its sockets under a peer still inside gloo's
+        # connectFullMesh, which fails with a traceback instead of the one-line error.
+        dist.barrier()
         owns = True
     return DistContext(rank, world, local_rank, local_world, dev, owns)
 
