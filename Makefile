@@ -3,12 +3,22 @@ PYTHON ?= python3
 NPROC ?= 2
 DEMO_DIR ?= runs/demo_assets
 PYTEST_ARGS ?=
+CONFIG ?= configs/demo.yaml
+# One stamp per interpreter (e.g. PYTHON=.venv/bin/python): `make install` runs pip again only
+# when requirements.txt is newer than the stamp.
+INSTALL_STAMP := .make/installed$(subst /,_,$(abspath $(shell command -v $(PYTHON))))
 
-.PHONY: install demo test test-gpu lint bench-gpu plot
+.PHONY: install demo train test test-gpu lint bench-gpu plot
 
-install:  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
+install: $(INSTALL_STAMP)  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
+
+$(INSTALL_STAMP): requirements.txt
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -r requirements.txt triton pyflakes
+	@mkdir -p $(dir $@) && touch $@
+
+train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml ARGS="trainer.total_training_steps=5"
+	launch/run_single_node.sh --config $(CONFIG) $(ARGS)
 
 demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks
 	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR)

@@ -1,5 +1,6 @@
 """meshppo: KL-regularized PPO for LLMs. Every rank runs this program under torchrun.
 
+    launch/run_single_node.sh --config configs/demo.yaml [dotted.key=value ...]    # the launcher
     torchrun --nproc_per_node=N train_ppo.py --config configs/demo.yaml [dotted.key=value ...]
     python train_ppo.py --config configs/demo.yaml --print-config
 """
@@ -11,33 +12,51 @@ import sys
 
 
 def parse_args(argv=None):
+    from ppo.launch import add_config_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo.yaml", help="YAML config file (default: configs/demo.yaml)")
-    p.add_argument("--print-config", action="store_true", help="validate, print the resolved config and exit")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5")
+    p.add_argument("--print-config", action="store_true",
+                   help="validate against the launch the config describes, print the resolved config and exit")
+    add_config_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ppo.configlib import ConfigError, load_config, to_commented_yaml
-    from ppo.config import PPOConfig
+    from ppo import launch
 
+    launch.attach()
+    return launch.finish(_run(args))
+
+
+def _run(args) -> int:
+    from ppo.config import PPOConfig, config_notes, validate
+    from ppo.configlib import ConfigError, load_config, to_commented_yaml
+    from ppo.launch import local_world_size_from_env, rank_from_env, world_size_from_env
+
+    # Every rank finds the same config error: only rank 0 says it.
+    is_main = rank_from_env() == 0
     try:
         cfg = load_config(PPOConfig, args.config, args.overrides)
         if args.print_config:
-            from ppo.config import validate
-            from ppo.launch import world_size_from_env
-
-            validate(cfg, world_size_from_env())
+            validate(cfg)
             print(to_commented_yaml(cfg))
-            return 0
-        from ppo.trainer import run
+        else:
+            from ppo.setup import preflight
 
-        return run(cfg)
+            preflight(cfg, world_size_from_env(), local_world_size_from_env())
     except ConfigError as e:
-        print(f"meshppo: config error: {e}", file=sys.stderr)
+        if is_main:
+            print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
+    if is_main:
+        for note in config_notes(cfg):
+            print(f"meshppo: {note}", file=sys.stderr)
+    if args.print_config:
+        return 0
+    from ppo.trainer import run
+
+    return run(cfg)
 
 
 if __name__ == "__main__":

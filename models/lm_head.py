@@ -130,8 +130,13 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     """log p(labels) and optionally entropy, per token, float32.
 
     hidden `[..., H]`, weight `[V, H]`, labels `[...]` (int64, valid ids everywhere: mask
-    afterwards) -> (logprobs `[...]`, entropy `[...]` or None).
+    afterwards) -> (logprobs `[...]`, entropy `[...]` or None). `temperature == 0` means greedy
+    decoding, whose tokens are scored at temperature 1, as the engine reports them.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        temperature = 1.0
     h = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _ChunkedLogprob.apply(h, weight, labels.reshape(-1).long(), float(temperature),
                                       int(chunk_size), bool(with_entropy), tuple(labels.shape))

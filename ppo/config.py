@@ -7,6 +7,7 @@ at their neutral value; anything else fails with "not supported" instead of bein
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kl import VALID_KL_PENALTIES as KL_TYPES
@@ -14,11 +15,27 @@ from kl.guards import KLGuardConfig
 from ppo.configlib import ConfigError, opt, section
 from ppo.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
 from sharding.fsdp import FSDPConfig
+from sharding.mesh import ParallelDims
+
 DTYPES = ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 
 
 def _not(value):
     return lambda v: v != value
+
+
+@dataclass
+class FSDPOptions(FSDPConfig):
+    """`fsdp_config` as a verl config writes it. As in verl, `offload_policy` supersedes
+    `param_offload` / `optimizer_offload` (verl's FSDP2 recipe sets them together): with the
+    policy the states live on CPU for the whole run, so the manual moves between phases are
+    turned off here; `superseded` names what was turned off, for `config_notes`."""
+
+    def __post_init__(self):
+        self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
+        for k in self.superseded:
+            setattr(self, k, False)
+        super().__post_init__()
 
 
 @dataclass
@@ -29,12 +46,13 @@ class DataConfig:
     prompt_key: str = opt("prompt", "field holding the prompt (text or chat messages)")
     reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
                              choices=("data_source",))
-    max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are filtered or truncated")
-    max_response_length: int = opt(512, "maximum generated tokens per response")
-    train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)")
-    val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set")
+    max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are filtered or truncated", ge=1)
+    max_response_length: int = opt(512, "maximum generated tokens per response", ge=1)
+    train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
+    val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set",
+                                     ge=1)
     shuffle: bool = opt(True, "shuffle the training prompts every epoch")
-    seed: int = opt(1, "seed of the prompt shuffle")
+    seed: int = opt(1, "seed of the prompt shuffle", ge=0)
     filter_overlong_prompts: bool = opt(False, "drop (and count) prompts longer than max_prompt_length")
     truncation: str = opt("error", "overlong prompts when not filtered: error, left or right",
                           choices=("error", "left", "right"))
@@ -44,15 +62,15 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-6, "peak learning rate (AdamW)")
-    lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio")
-    lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps")
-    min_lr_ratio: float = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr")
+    lr: float = opt(1e-6, "peak learning rate (AdamW)", ge=0)
+    lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio", ge=-1)
+    lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps", ge=0, le=1)
+    min_lr_ratio: float = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr", ge=0, le=1)
     warmup_style: str = opt("constant", "schedule after warm-up: constant or cosine", choices=("constant", "cosine"))
-    weight_decay: float = opt(0.01, "AdamW weight decay")
-    betas: list[float] = opt(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
-    eps: float = opt(1e-8, "AdamW epsilon")
-    total_training_steps: int = opt(-1, "set by the trainer from the data; leave at -1")
+    weight_decay: float = opt(0.01, "AdamW weight decay", ge=0)
+    betas: list[float] = opt(default_factory=lambda: [0.9, 0.999], help="AdamW betas", ge=0, lt=1, length=2)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    total_training_steps: int = opt(-1, "set by the trainer from the data; leave at -1", ge=-1)
 
 
 @dataclass
@@ -73,46 +91,47 @@ class ModelConfig:
 @dataclass
 class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
-    ppo_mini_batch_size: int = opt(256, "prompts per optimizer step (global; multiplied by rollout.n)")
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU")
+    ppo_mini_batch_size: int = opt(256, "prompts per optimizer step (global; multiplied by rollout.n)", ge=1)
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
-    ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz")
-    grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
-    clip_ratio: float = opt(0.2, "PPO clip range epsilon")
-    clip_ratio_low: float | None = opt(None, "lower clip range; default clip_ratio")
-    clip_ratio_high: float | None = opt(None, "upper clip range; default clip_ratio (DAPO's clip-higher)")
-    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (> 1)")
+    ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz", ge=1)
+    grad_clip: float = opt(1.0, "gradient-norm clipping threshold", gt=0)
+    clip_ratio: float = opt(0.2, "PPO clip range epsilon", gt=0, le=1)
+    clip_ratio_low: float | None = opt(None, "lower clip range; default clip_ratio", gt=0, le=1)
+    clip_ratio_high: float | None = opt(None, "upper clip range; default clip_ratio (DAPO's clip-higher)", gt=0)
+    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages", gt=1)
     loss_agg_mode: str = opt("token-mean", "how token losses are aggregated", choices=LOSS_AGG_MODES)
-    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
     use_kl_loss: bool = opt(False, "add a KL(actor || ref) loss term (GRPO style)")
-    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
+    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
-    ppo_epochs: int = opt(1, "passes over each batch of rollouts")
+    ppo_epochs: int = opt(1, "passes over each batch of rollouts", ge=1)
     shuffle: bool = opt(False, "shuffle sequences before splitting mini-batches")
     use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor (and, by default, of "
                                          "the reference model and critic)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
-    fsdp_config: FSDPConfig = section(FSDPConfig, "actor FSDP2 settings")
+    fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
 
 
 @dataclass
 class RefConfig:
-    fsdp_config: FSDPConfig = section(FSDPConfig, "reference model FSDP2 settings")
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU")
+    fsdp_config: FSDPOptions = section(FSDPOptions, "reference model FSDP2 settings")
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
     log_prob_use_dynamic_bsz: bool = opt(False, "pack reference forwards by token count")
-    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one reference forward with dynamic bsz")
+    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one reference forward with dynamic bsz",
+                                                ge=1)
     use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
                                               "setting")
 
 
 @dataclass
 class SamplingOverrides:
-    top_k: int = opt(-1, "top-k for validation (-1: off)")
-    top_p: float = opt(1.0, "top-p for validation")
-    temperature: float = opt(0.0, "validation temperature (0: greedy)")
-    n: int = opt(1, "samples per validation prompt")
+    top_k: int = opt(-1, "top-k for validation (-1 or 0: off)", ge=-1)
+    top_p: float = opt(1.0, "top-p for validation", gt=0, le=1)
+    temperature: float = opt(0.0, "validation temperature (0: greedy)", ge=0)
+    n: int = opt(1, "samples per validation prompt", ge=1)
     do_sample: bool = opt(False, "sample during validation (false: greedy)")
 
 
@@ -121,28 +140,30 @@ class RolloutConfig:
     name: str = opt("native", "generation engine: native (meshppo's paged-KV engine) or hf (plain loop, reference)",
                     choices=("native", "hf"))
     mode: str = opt("sync", "only sync (colocated SPMD) rollouts", choices=("sync",))
-    temperature: float = opt(1.0, "sampling temperature")
-    top_k: int = opt(-1, "top-k sampling (-1: off)")
-    top_p: float = opt(1.0, "nucleus sampling threshold")
+    temperature: float = opt(1.0, "sampling temperature; 0: greedy decoding, scored at temperature 1 (as "
+                                  "do_sample=false)", ge=0)
+    top_k: int = opt(-1, "top-k sampling (-1 or 0: off)", ge=-1)
+    top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
     do_sample: bool = opt(True, "sample (false: greedy)")
-    n: int = opt(1, "responses per prompt")
-    prompt_length: int | None = opt(None, "defaults to data.max_prompt_length")
-    response_length: int | None = opt(None, "defaults to data.max_response_length")
+    n: int = opt(1, "responses per prompt", ge=1)
+    prompt_length: int | None = opt(None, "defaults to data.max_prompt_length", ge=1)
+    response_length: int | None = opt(None, "defaults to data.max_response_length", ge=1)
     dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
-    gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache")
+    gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
     enforce_eager: bool = opt(False, "disable CUDA graphs for decode")
     free_cache_engine: bool = opt(True, "release the KV cache (and engine weights) after generation")
-    tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine")
-    max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)")
-    max_num_seqs: int = opt(256, "sequences decoded at once")
-    max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length")
+    tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
+    max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
+    max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
+    max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length", ge=2)
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
-    block_size: int = opt(16, "tokens per KV-cache block")
-    cudagraph_capture_sizes: list[int] | None = opt(None, "decode batch sizes captured as CUDA graphs")
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU")
+    block_size: int = opt(16, "tokens per KV-cache block", ge=1)
+    cudagraph_capture_sizes: list[int] | None = opt(None, "decode batch sizes captured as CUDA graphs", ge=1)
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU", ge=1)
     log_prob_use_dynamic_bsz: bool = opt(False, "pack old-log-prob forwards by token count")
-    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one old-log-prob forward with dynamic bsz")
+    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one old-log-prob forward with dynamic bsz",
+                                                ge=1)
     calculate_log_probs: bool = opt(False, "also log the engine's own log-probs vs the actor's (metric rollout/logprob_diff)")
     load_format: str = opt("dtensor", "accepted for verl compatibility: weights always come from the resharder",
                            choices=("dtensor", "auto", "dummy_dtensor"))
@@ -167,7 +188,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward")
     enable_activation_offload: bool = opt(False, "keep saved activations on CPU between forward and backward")
     use_remove_padding: bool = opt(True, "padding-free packed forwards")
-    fsdp_config: FSDPConfig = section(FSDPConfig, "critic FSDP2 settings")
+    fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
 
 
 @dataclass
@@ -175,16 +196,16 @@ class CriticConfig:
     strategy: str = opt("fsdp2", "training backend", choices=("fsdp", "fsdp2"))
     optim: OptimConfig = section(OptimConfig, "critic optimizer")
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
-    ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's")
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU")
-    forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU")
+    ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)
+    forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack critic micro-batches by token count")
-    ppo_max_token_len_per_gpu: int = opt(32768, "token budget of one critic micro-batch")
-    forward_max_token_len_per_gpu: int = opt(32768, "token budget of one value forward")
-    ppo_epochs: int | None = opt(None, "critic passes per batch; default: the actor's")
+    ppo_max_token_len_per_gpu: int = opt(32768, "token budget of one critic micro-batch", ge=1)
+    forward_max_token_len_per_gpu: int = opt(32768, "token budget of one value forward", ge=1)
+    ppo_epochs: int | None = opt(None, "critic passes per batch; default: the actor's", ge=1)
     shuffle: bool = opt(False, "shuffle sequences before mini-batches")
-    grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
-    cliprange_value: float = opt(0.5, "value clipping range")
+    grad_clip: float = opt(1.0, "gradient-norm clipping threshold", gt=0)
+    cliprange_value: float = opt(0.5, "value clipping range", gt=0)
     loss_agg_mode: str = opt("token-mean", "aggregation of the value loss", choices=LOSS_AGG_MODES)
 
 
@@ -192,15 +213,15 @@ class CriticConfig:
 class RewardModelConfig:
     enable: bool = opt(False, "score responses with a reward model instead of (or added to) the rule reward")
     path: str | None = opt(None, "reward model: meshppo value-model or HF *ForSequenceClassification directory")
-    micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward")
+    micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward", ge=1)
     max_length: int | None = opt(None, "not supported (prompt + response length bounds the input): must be null",
                                  unsupported=lambda v: v is not None)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
-    forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward")
+    forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
     reward_manager: str = opt("naive", "how rule rewards are computed (naive: one call per response)",
                               choices=("naive",))
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
-    fsdp_config: FSDPConfig = section(FSDPConfig, "reward model FSDP2 settings")
+    fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
 
 
 @dataclass
@@ -212,15 +233,15 @@ class CustomRewardConfig:
 @dataclass
 class KLCtrlConfig:
     type: str = opt("fixed", "KL coefficient controller", choices=("fixed", "adaptive"))
-    kl_coef: float = opt(0.001, "initial / fixed KL coefficient for KL-in-reward")
-    horizon: int = opt(10000, "adaptive controller horizon (Ziegler et al.)")
-    target_kl: float = opt(0.1, "adaptive controller target KL")
+    kl_coef: float = opt(0.001, "initial / fixed KL coefficient for KL-in-reward", ge=0)
+    horizon: int = opt(10000, "adaptive controller horizon (Ziegler et al.)", ge=1)
+    target_kl: float = opt(0.1, "adaptive controller target KL", gt=0)
 
 
 @dataclass
 class AlgorithmConfig:
-    gamma: float = opt(1.0, "discount factor")
-    lam: float = opt(1.0, "GAE lambda")
+    gamma: float = opt(1.0, "discount factor", ge=0, le=1)
+    lam: float = opt(1.0, "GAE lambda", ge=0, le=1)
     adv_estimator: str = opt("gae", "advantage estimator", choices=ADV_ESTIMATORS)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
     use_kl_in_reward: bool = opt(False, "subtract kl_coef * KL(actor || ref) from the token rewards")
@@ -235,31 +256,33 @@ class TrainerConfig:
     experiment_name: str = opt("run", "experiment name (loggers)")
     logger: list[str] = opt(default_factory=lambda: ["console", "jsonl"],
                             help="any of console, jsonl, tensorboard, wandb")
-    total_epochs: int = opt(1, "passes over the training prompts")
-    total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)")
-    nnodes: int = opt(1, "nodes (checked against the launch)")
-    n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)")
+    total_epochs: int = opt(1, "passes over the training prompts", ge=1)
+    total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)", ge=1)
+    nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
+    n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
     device: str = opt("auto", "cuda, cpu, or auto (cuda when available)", choices=("auto", "cuda", "cpu"))
     balance_batch: bool = opt(True, "reorder sequences so ranks get balanced token counts")
-    critic_warmup: int = opt(0, "steps that train only the critic")
-    test_freq: int = opt(-1, "validate every this many steps (-1: never)")
+    critic_warmup: int = opt(0, "steps that train only the critic", ge=0)
+    test_freq: int = opt(-1, "validate every this many steps (-1 or 0: never)", ge=-1)
     val_before_train: bool = opt(True, "validate once before the first step")
-    save_freq: int = opt(-1, "checkpoint every this many steps (-1: only at the end)")
+    save_freq: int = opt(-1, "checkpoint every this many steps (-1 or 0: only at the end)", ge=-1)
     default_local_dir: str = opt("runs/default", "run directory: checkpoints, metrics.jsonl, logs")
     resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path",
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
-    max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)")
+    max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)", ge=1)
     max_critic_ckpt_to_keep: int | None = opt(None, "not supported: the critic is saved and rotated with the actor "
                                               "(max_actor_ckpt_to_keep)", unsupported=lambda v: v is not None)
-    log_val_generations: int = opt(0, "validation samples printed to the log")
-    seed: int = opt(1, "global seed (model init, sampling)")
+    log_val_generations: int = opt(0, "validation samples printed to the log", ge=0)
+    seed: int = opt(1, "global seed (model init, sampling)", ge=0)
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory")
-    max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm")
+    max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm",
+                                    ge=1)
     preemption_grace_s: float = opt(120.0, "after SIGTERM/SIGUSR1, a step whose updates would end later than this "
-                                    "is abandoned (redone on resume) so the checkpoint is written in time")
+                                    "is abandoned (redone on resume) so the checkpoint is written in time", ge=0)
     nccl_timeout: int = opt(600, "seconds a collective may wait for the other ranks before the run fails with a "
-                                 "message naming the rank and the phase (the process group's timeout; gloo too)")
+                                 "message naming the rank and the phase (the process group's timeout; gloo too)",
+                            ge=1)
 
 
 @dataclass
@@ -292,8 +315,44 @@ class PPOConfig:
         return p if p is not None else self.data.max_prompt_length
 
 
-def validate(cfg: PPOConfig, world_size: int) -> None:
-    """Cross-field checks that need the world size. Raises ConfigError saying what to change."""
+def config_notes(cfg, prefix: str = "") -> list[str]:
+    """One line for each setting whose effect differs from how it reads (printed at start-up)."""
+    notes = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if isinstance(value, FSDPOptions) and value.superseded:
+            notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
+                         "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "
+                         "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
+        elif dataclasses.is_dataclass(value):
+            notes.extend(config_notes(value, f"{key}."))
+    return notes
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def described_launch(cfg: PPOConfig) -> tuple[int, int]:
+    """(ranks, ranks per node) of the launch the config describes: `trainer.nnodes` x `trainer.n_gpus_per_node`."""
+    t = cfg.trainer
+    return t.nnodes * t.n_gpus_per_node, t.n_gpus_per_node
+
+
+def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
+    """Cross-field checks against the launch the config describes (`described_launch`). Given the
+    real launch's sizes, first checks that they are the described ones. Raises ConfigError saying
+    what to change."""
+    t = cfg.trainer
+    described, per_node = described_launch(cfg)
+    shape = f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x {t.n_gpus_per_node}"
+    if world_size is not None and world_size != described:
+        raise ConfigError(f"this launch has {world_size} processes but the config describes {shape} = {described}: "
+                          "launch that many (launch/run_single_node.sh starts n_gpus_per_node ranks) or change "
+                          "trainer.nnodes / trainer.n_gpus_per_node")
+    if local_world_size is not None and local_world_size != per_node:
+        raise ConfigError(f"this launch has {local_world_size} processes per node but the config describes "
+                          f"trainer.n_gpus_per_node = {per_node}")
+    world_size = described
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     n = rollout.n
@@ -302,14 +361,26 @@ def validate(cfg: PPOConfig, world_size: int) -> None:
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model directory)")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give at least one .jsonl or .parquet file")
-    for key, value in (("data.train_batch_size", bs), ("actor_rollout_ref.actor.ppo_mini_batch_size",
-                       actor.ppo_mini_batch_size), ("actor_rollout_ref.rollout.n", n),
-                       ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)):
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: set "
-                          "actor_rollout_ref.rollout.n >= 2")
+    adv = cfg.algorithm.adv_estimator
+    if adv in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
+    if adv in GROUP_ESTIMATORS and (not rollout.do_sample or rollout.temperature == 0):
+        setting = ("actor_rollout_ref.rollout.do_sample=false" if not rollout.do_sample
+                   else "actor_rollout_ref.rollout.temperature=0")
+        raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
+                          f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "
+                          "rollout.n=1 with algorithm.adv_estimator=gae or reinforce_plus_plus")
+    try:
+        ParallelDims(world_size=world_size, fsdp_size=actor.fsdp_config.fsdp_size,
+                     tp=rollout.tensor_model_parallel_size, local_world_size=per_node)
+    except ValueError as e:
+        raise ConfigError(f"{e} (the config describes {shape} ranks)") from None
+    for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config), ("critic.model", cfg.critic.model.fsdp_config),
+                    ("reward_model", cfg.reward_model.fsdp_config)):
+        if fc.fsdp_size not in (-1, actor.fsdp_config.fsdp_size):
+            raise ConfigError(f"{key}.fsdp_config.fsdp_size={fc.fsdp_size}: every model shares the actor's training "
+                              f"mesh; use -1 or {actor.fsdp_config.fsdp_size} (actor_rollout_ref.actor.fsdp_config."
+                              "fsdp_size)")
     if bs % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({bs}) must be a multiple of "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
@@ -324,10 +395,6 @@ def validate(cfg: PPOConfig, world_size: int) -> None:
         if (mini_seqs // world_size) % micro:
             raise ConfigError(f"sequences per rank per mini-batch ({mini_seqs // world_size}) must be a multiple of "
                               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
-    tp = rollout.tensor_model_parallel_size
-    if tp < 1 or world_size % tp:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the "
-                          f"world size ({world_size})")
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")
@@ -343,8 +410,6 @@ def validate(cfg: PPOConfig, world_size: int) -> None:
             if cmicro is None or ((cmini * n) // world_size) % cmicro:
                 raise ConfigError("critic.ppo_micro_batch_size_per_gpu must divide the critic's sequences per rank "
                                   "per mini-batch (or set critic.use_dynamic_bsz=true)")
-    if actor.clip_ratio_c <= 1.0:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1, got {actor.clip_ratio_c}")
     tok = cfg.data.tokenizer or arr.model.path
     if cfg.critic.model.tokenizer_path not in (None, tok):
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "

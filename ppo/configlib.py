@@ -3,13 +3,15 @@
 Config sections are dataclasses whose fields carry a one-line help string (`opt(...)`).
 `load_config` merges a YAML file with command-line overrides and builds the dataclass tree,
 rejecting unknown keys (naming the closest valid one), values of the wrong type, values
-outside a field's `choices`, and options that verl has but meshppo does not support.
+outside a field's `choices` or range (`ge`/`gt`/`le`/`lt`, for lists: of every item), and
+options that verl has but meshppo does not support.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -23,10 +25,15 @@ class ConfigError(ValueError):
     """A user error in the configuration: printed without a traceback, exit code 2."""
 
 
-def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, unsupported=None):
-    """A config field with a one-line `help`, optional allowed `choices`, and `unsupported`:
-    a predicate on the value that marks verl settings meshppo does not implement."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "unsupported": unsupported}
+def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, unsupported=None,
+        ge=None, gt=None, le=None, lt=None, length=None):
+    """A config field with a one-line `help`, optional allowed `choices`, `unsupported`: a
+    predicate on the value that marks verl settings meshppo does not implement, and the allowed
+    range of a number (of each item of a list): `ge` (>=), `gt` (>), `le` (<=), `lt` (<), plus
+    a list's `length`. `null` is always allowed where the type allows it."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "unsupported": unsupported,
+            "bounds": bounds, "length": length}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -35,6 +42,44 @@ def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, 
 def section(cls, help: str = ""):
     """A nested config section."""
     return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None})
+
+
+def allowed_range(meta) -> str:
+    """`bounds` as text: `> 0`, `>= -1`, `[0, 1]`, `(0, 1]`; `""` when unbounded."""
+    b = meta.get("bounds") or {}
+    low = ("[", b["ge"]) if "ge" in b else ("(", b["gt"]) if "gt" in b else None
+    high = ("]", b["le"]) if "le" in b else (")", b["lt"]) if "lt" in b else None
+    if low and high:
+        return f"{low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
+    return ""
+
+
+def describe(meta) -> str:
+    """A field's help line with its allowed range, as `--print-config` and docs/CONFIG.md show it."""
+    help_, rng = meta.get("help", ""), allowed_range(meta)
+    return f"{help_}; allowed: {rng}" if rng else help_
+
+
+_IN_RANGE = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b,
+             "lt": lambda v, b: v < b}
+
+
+def _check_range(value, meta, key: str) -> None:
+    length = meta.get("length")
+    if length is not None and isinstance(value, list) and len(value) != length:
+        raise ConfigError(f"{key}: expected a list of {length} values, got {value!r}")
+    bounds = meta.get("bounds")
+    if not bounds or value is None:
+        return
+    items = enumerate(value) if isinstance(value, list) else [(None, value)]
+    for i, v in items:
+        if not all(_IN_RANGE[op](v, b) for op, b in bounds.items()):
+            where = key if i is None else f"{key}[{i}]"
+            raise ConfigError(f"{where}: {v!r} is out of range; allowed: {allowed_range(meta)}")
 
 
 def _type_name(tp) -> str:
@@ -89,11 +134,13 @@ def _coerce(value, tp, key: str):
         if isinstance(value, str):
             # PyYAML (YAML 1.1) reads `3e-5` as a string: accept what float() accepts.
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -122,6 +169,7 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         choices = f.metadata.get("choices")
         if choices and coerced not in choices:
             raise ConfigError(f"{full}: {coerced!r} is not one of {list(choices)}")
+        _check_range(coerced, f.metadata, full)
         unsupported = f.metadata.get("unsupported")
         if unsupported is not None and coerced is not None and unsupported(coerced):
             raise ConfigError(f"{full}={coerced!r} is not supported by meshppo")
@@ -192,7 +240,7 @@ def to_commented_yaml(cfg, indent: int = 0) -> str:
     pad = "  " * indent
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        help_ = f.metadata.get("help", "")
+        help_ = describe(f.metadata)
         if is_dataclass(value):
             lines.append(f"{pad}{f.name}:" + (f"  # {help_}" if help_ else ""))
             lines.append(to_commented_yaml(value, indent + 1))
@@ -213,4 +261,4 @@ def iter_options(cls, prefix: str = ""):
         if is_dataclass(hints[f.name]) or is_dataclass(getattr(inst, f.name)):
             yield from iter_options(type(getattr(inst, f.name)), key)
         else:
-            yield key, _type_name(hints[f.name]), getattr(inst, f.name), f.metadata.get("help", "")
+            yield key, _type_name(hints[f.name]), getattr(inst, f.name), describe(f.metadata)

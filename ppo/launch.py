@@ -1,27 +1,335 @@
-"""Process-group and device set-up for the SPMD trainer (torchrun or a plain single process)."""
+"""Starting the SPMD program: the launcher around torchrun, each rank's side of it, and the
+process group.
+
+`python -m ppo.launch [--nnodes N ...] --config CONFIG [dotted.key=value ...]` is what
+`launch/run_single_node.sh` and the SLURM templates run. Over plain torchrun it adds:
+
+* a pre-flight in one process before any rank starts (`ppo.setup.preflight`: the config
+  against the launch it describes and against this one, optional packages, GPUs): a config
+  error is one line and exit code 2;
+* exit codes: a rank that stops on a user error (1 input, 2 config, 3 stopped by a guard)
+  records the code in the launch directory and exits 0, so torchrun neither restarts the job
+  (a restart cannot fix the input) nor prints its failure report; the launcher exits with the
+  recorded code;
+* signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 are the launcher's. It forwards SIGUSR1 as
+  is and the others as SIGTERM to the ranks, which write a checkpoint and exit 0, and reports
+  the preemption in one line. torchrun is started with them ignored: it would turn them into a
+  `SignalException` traceback and exit 1. A second SIGINT (Ctrl-C) kills the ranks at once;
+* output: each rank writes to `LOG_DIR/rank<R>.log`; the launcher copies rank 0's log to its
+  stderr byte for byte (a progress bar redraws in place) and keeps torchrun's own output in
+  `LOG_DIR/torchrun-<host>.log`, shown only when a rank or torchrun fails without a message.
+
+Each rank calls `attach` first and exits with `finish(code)`; both do nothing without the
+launcher's MESHPPO_LAUNCH_DIR (plain torchrun, a single process).
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+LAUNCH_DIR_ENV, LOG_DIR_ENV = "MESHPPO_LAUNCH_DIR", "MESHPPO_LOG_DIR"
+# What the trainer reacts to (checkpoint and exit 0), and what the launcher takes from torchrun.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_ppo.py")
+
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size_from_env() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size_from_env())))
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """`--config` and the dotted overrides, as train_ppo.py and the launcher take them."""
+    p.add_argument("--config", default="configs/demo.yaml", help="YAML config file (default: configs/demo.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5")
+
+
+# ---------------------------------------------------------------------- a rank's side
+def _write(directory: str, name: str, text: str) -> None:
+    tmp = os.path.join(directory, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(directory, name))
+
+
+def attach() -> None:
+    """Under the launcher: send this rank's output to its log file, register its pid (for the
+    launcher's signals) and take back the signals torchrun was told to ignore."""
+    launch_dir = os.environ.get(LAUNCH_DIR_ENV)
+    if not launch_dir:
+        return
+    rank = rank_from_env()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(os.environ[LOG_DIR_ENV], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        os.remove(os.path.join(launch_dir, f"rank{rank}.exit"))  # left by a restarted attempt
+    except FileNotFoundError:
+        pass
+    _write(launch_dir, f"rank{rank}.pid", str(os.getpid()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    _hold_stop_signals()
+
+
+def _hold_stop_signals() -> None:
+    """A stop signal that arrives before the trainer installs its handlers (at the start of
+    training) is held and delivered again once they are in place: a preemption during start-up
+    then stops the run at the first step boundary, with a checkpoint, instead of being lost."""
+    held: list[int] = []
+
+    def hold(signum, frame):
+        held.append(signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, hold)
+
+    def redeliver():
+        while any(signal.getsignal(s) is hold for s in STOP_SIGNALS):
+            time.sleep(0.5)
+        for s in dict.fromkeys(held):
+            os.kill(os.getpid(), s)
+
+    threading.Thread(target=redeliver, name="meshppo-held-signals", daemon=True).start()
+
+
+def finish(code: int) -> int:
+    """The rank's exit code. Under the launcher a deliberate exit (0 finished or preempted,
+    1 input error, 2 config error, 3 stopped) is recorded for it, and the rank exits 0."""
+    launch_dir = os.environ.get(LAUNCH_DIR_ENV)
+    if not launch_dir:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _write(launch_dir, f"rank{rank_from_env()}.exit", str(code))
+    return 0
+
+
+# ---------------------------------------------------------------------- the launcher
+class _Launch:
+    """One torchrun on this node, its ranks' signals and output, and the report at the end."""
+
+    def __init__(self, cfg, args, nproc: int):
+        self.cfg, self.args, self.nproc = cfg, args, nproc
+        self.log_dir = os.path.abspath(args.log_dir or os.path.join(cfg.trainer.default_local_dir, "logs"))
+        self.launch_dir = tempfile.mkdtemp(prefix="meshppo-launch-")
+        self.torchrun_log = os.path.join(self.log_dir, f"torchrun-{socket.gethostname()}.log")
+        self.stop_signal: int | None = None
+        self.notice: int | None = None  # a first stop signal not yet announced
+        self.aborted = False  # a second Ctrl-C killed everything
+        self.signalled: set[int] = set()  # rank pids the stop signal has reached
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        a = self.args
+        # An explicit c10d rendezvous rather than --standalone: restarted workers
+        # (--max-restarts) hang in init_process_group under --standalone (torch 2.13).
+        endpoint = a.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.nnodes}",
+                f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id={a.rdzv_id}", f"--max-restarts={a.max_restarts}", TRAIN_SCRIPT,
+                "--config", a.config, *a.overrides]
+
+    def run(self) -> int:
+        os.makedirs(self.log_dir, exist_ok=True)
+        rank0_log = os.path.join(self.log_dir, "rank0.log")
+        self.offset = os.path.getsize(rank0_log) if os.path.exists(rank0_log) else 0
+        env = dict(os.environ, **{LAUNCH_DIR_ENV: self.launch_dir, LOG_DIR_ENV: self.log_dir},
+                   PYTHONUNBUFFERED="1",
+                   # torchrun handles only SIGQUIT: the ignored signals below stay ignored in it.
+                   PET_SIGNALS_TO_HANDLE="SIGQUIT")
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+        with open(self.torchrun_log, "ab") as out:
+            # Ignored dispositions are inherited through fork and exec, so torchrun starts with them.
+            previous = {s: signal.signal(s, signal.SIG_IGN) for s in LAUNCHER_SIGNALS}
+            try:
+                self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=env)
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+        for s in LAUNCHER_SIGNALS:
+            signal.signal(s, self._on_signal)
+        try:
+            while self.proc.poll() is None:
+                self._pump()
+                time.sleep(0.2)
+            self._pump()
+            return self._report(self.proc.returncode)
+        finally:
+            shutil.rmtree(self.launch_dir, ignore_errors=True)
+
+    def _rank_pids(self) -> dict[int, int]:
+        pids = {}
+        for name in os.listdir(self.launch_dir):
+            if name.startswith("rank") and name.endswith(".pid"):
+                try:
+                    with open(os.path.join(self.launch_dir, name)) as f:
+                        pids[int(name[4:-4])] = int(f.read())
+                except (OSError, ValueError):
+                    pass  # being written
+        return pids
+
+    def _on_signal(self, signum, frame):
+        # No output here: the handler may interrupt a write to stderr in `_pump` (a reentrant
+        # write raises); `_pump` prints the notice.
+        if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+            self.aborted = True
+            for pid in [*self._rank_pids().values(), self.proc.pid]:
+                _kill(pid, signal.SIGKILL)
+            return
+        if self.stop_signal is None:
+            self.notice = signum
+        self.stop_signal = signum
+        self.signalled.clear()  # (again) to every rank
+
+    def _pump(self) -> None:
+        """Forward a pending stop signal to ranks it has not reached (started late or restarted),
+        and copy what rank 0 wrote since the last call to our stderr."""
+        pids = self._rank_pids()
+        if self.notice is not None:
+            again = "; Ctrl-C again to stop at once" if self.notice == signal.SIGINT else ""
+            print(f"\nmeshppo: {signal.Signals(self.notice).name} received: the ranks write a checkpoint and "
+                  f"exit{again}", file=sys.stderr, flush=True)
+            self.notice = None
+        if self.stop_signal is not None:
+            sig = signal.SIGUSR1 if self.stop_signal == signal.SIGUSR1 else signal.SIGTERM
+            for pid in pids.values():
+                if pid not in self.signalled:
+                    _kill(pid, sig)
+                    self.signalled.add(pid)
+        if 0 not in pids:  # rank 0 runs on another node, or has not started
+            return
+        with open(os.path.join(self.log_dir, "rank0.log"), "rb") as f:
+            f.seek(self.offset)
+            while chunk := f.read(1 << 16):
+                self.offset += len(chunk)
+                sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+
+    def _report(self, returncode: int) -> int:
+        if self.aborted:
+            print(f"meshppo: stopped at once by a second Ctrl-C; the last checkpoint is "
+                  f"{self._latest_checkpoint() or 'none'}", file=sys.stderr)
+            return 128 + signal.SIGINT
+        pids = self._rank_pids()
+        codes = {}
+        for r in pids:
+            try:
+                with open(os.path.join(self.launch_dir, f"rank{r}.exit")) as f:
+                    codes[r] = int(f.read())
+            except FileNotFoundError:
+                pass
+        failed = sorted(set(pids) - set(codes))
+        if returncode != 0 or failed or not pids:
+            # A crash, not a user error: show what there is. Rank 0's output is already shown.
+            for r in failed:
+                if r != 0:
+                    _print_tail(os.path.join(self.log_dir, f"rank{r}.log"), f"rank {r}")
+            _print_tail(self.torchrun_log, "torchrun")
+            who = (f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} crashed" if failed
+                   else "torchrun failed")
+            print(f"meshppo: {who} (torchrun exit code {returncode}); logs: {self.log_dir}/rank<R>.log and "
+                  f"{self.torchrun_log}", file=sys.stderr)
+            return returncode or 1
+        code = next((codes[r] for r in sorted(codes) if codes[r]), 0)
+        if code == 0 and self.stop_signal is not None:
+            latest = self._latest_checkpoint()
+            where = f"checkpoint at {latest}" if latest else "no checkpoint was written"
+            how = "preempted" if self.stop_signal in STOP_SIGNALS else "stopped"
+            print(f"meshppo: {how} by {signal.Signals(self.stop_signal).name}, {where}; the same command "
+                  "resumes it (trainer.resume_mode=auto)", file=sys.stderr)
+        return code
+
+
+    def _latest_checkpoint(self) -> str | None:
+        from ppo.checkpointing import CheckpointManager
+
+        return CheckpointManager(None, os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _print_tail(path: str, what: str, lines: int = 30) -> None:
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except FileNotFoundError:
+        return
+    if not tail:
+        return
+    print(f"meshppo: the end of {what}'s log ({path}):", file=sys.stderr)
+    print("\n".join(tail), file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ppo.launch",
+                                description="meshppo's launcher: torchrun with a pre-flight check of the config, "
+                                            "one-line errors with their exit codes, clean preemption, rank 0's "
+                                            "output on the terminal (ppo/launch.py explains each)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks on this node; default: the config's trainer.n_gpus_per_node (checked against it)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (checked against trainer.nnodes)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT of the c10d rendezvous (several nodes); default: a free local port")
+    p.add_argument("--rdzv-id", default="meshppo", help="rendezvous id (several nodes: the job id)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all ranks after a crash this many times (they resume from the last checkpoint)")
+    p.add_argument("--log-dir", default=None, help="rank and torchrun logs; default: <trainer.default_local_dir>/logs")
+    add_config_args(p)
+    args = p.parse_args(argv)
+
+    from ppo.config import PPOConfig
+    from ppo.configlib import ConfigError, load_config
+    from ppo.setup import preflight
+
+    try:
+        cfg = load_config(PPOConfig, args.config, args.overrides)
+        nproc = args.nproc_per_node or cfg.trainer.n_gpus_per_node
+        preflight(cfg, args.nnodes * nproc, nproc)
+    except ConfigError as e:
+        print(f"meshppo: config error: {e}", file=sys.stderr)
+        return 2
+    return _Launch(cfg, args, nproc).run()
+
+
+# ---------------------------------------------------------------------- the process group
 @dataclass
 class DistContext:
     rank: int
@@ -47,9 +355,9 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but CUDA is not available on this machine")
-    rank, world = int(os.environ.get("RANK", "0")), world_size_from_env()
+    rank, world = rank_from_env(), world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_world = local_world_size_from_env()
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -71,5 +379,13 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        # No rank goes on before every rank has finished connecting: a rank that then stops at
+        # once (bad data) would otherwise close its sockets under a peer still inside gloo's
+        # connectFullMesh, which fails with a traceback instead of the one-line error.
+        dist.barrier()
         owns = True
     return DistContext(rank, world, local_rank, local_world, dev, owns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

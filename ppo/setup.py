@@ -1,11 +1,13 @@
 """Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine, rollouts.
 
-Order matters and is the same on every rank (each step may be a collective): meshes ->
-actor -> reference -> critic -> reward model -> engine -> resharder.
+`preflight` runs first, in every process before any work (and in the launcher before it
+starts the ranks). Then, in the same order on every rank (each step may be a collective):
+meshes -> actor -> reference -> critic -> reward model -> engine -> resharder.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -14,11 +16,35 @@ import torch
 import torch.distributed as dist
 
 from models import ModelArgs, load_model_args
-from ppo.config import OptimConfig, PPOConfig
+from ppo.config import OptimConfig, PPOConfig, described_launch, validate
+from ppo.configlib import ConfigError
 from ppo.launch import DistContext
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model, load_states, offload_states
 from sharding.mesh import ParallelDims, ParallelMeshes
+
+
+# trainer.logger entries that need a package requirements.txt does not install.
+OPTIONAL_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
+    """Everything that can be checked before any work: the config against the launch it
+    describes and, given, against the real one (`validate`); the packages the loggers need;
+    the devices. Raises ConfigError."""
+    validate(cfg, world_size, local_world_size)
+    for name in cfg.trainer.logger:
+        package = OPTIONAL_LOGGER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"trainer.logger includes {name} but the {package} package is not installed: "
+                              f"pip install {package}, or remove {name} from trainer.logger")
+    device = cfg.trainer.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
+    per_node = described_launch(cfg)[1]
+    if device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < per_node:
+        raise ConfigError(f"trainer.n_gpus_per_node={per_node} but this node has {torch.cuda.device_count()} "
+                          "visible GPUs (CUDA_VISIBLE_DEVICES)")
 
 
 @dataclass

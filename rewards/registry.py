@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,7 +79,8 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") 
         spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[module_name]
-        raise RewardError(f"importing custom reward file {path} failed: {type(err).__name__}: {err}") from err
+        raise RewardError(f"importing custom reward file {path} failed{_where(err, path)}: "
+                          f"{type(err).__name__}: {err}") from err
     if not hasattr(module, name):
         available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise RewardError(f"custom reward file {path} has no function {name!r} (it defines: {available})")
@@ -101,6 +103,17 @@ def _fn_name(fn: RewardFn) -> str:
     if module and not module.startswith("meshppo_custom_reward_"):
         return f"{module}.{qualname}"
     return qualname
+
+
+def _where(err: BaseException, path: str | None) -> str:
+    """` at FILE:LINE` of the deepest line of `path` in `err`'s traceback (the user's line even
+    when the error is raised inside a library it calls); without one, of the deepest line."""
+    if isinstance(err, SyntaxError) and err.filename and err.lineno:
+        return f" at {err.filename}:{err.lineno}"
+    frames = traceback.extract_tb(err.__traceback__)
+    mine = [f for f in frames if path and os.path.abspath(f.filename) == os.path.abspath(path)]
+    frame = (mine or frames or [None])[-1]
+    return f" at {frame.filename}:{frame.lineno}" if frame else ""
 
 
 def _as_float(value: Any) -> float | None:
@@ -136,6 +149,7 @@ def score_responses(
         raise ValueError(f"score_responses needs inputs of one length, got {lengths}")
 
     name = _fn_name(fn)
+    code = getattr(fn, "__code__", None)
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for i in range(n):
@@ -143,7 +157,8 @@ def score_responses(
         try:
             result = fn(data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i])
         except Exception as err:
-            raise RewardError(f"reward function {name} raised on {where}: {type(err).__name__}: {err}") from err
+            at = _where(err, code.co_filename if code else None)
+            raise RewardError(f"reward function {name} raised on {where}{at}: {type(err).__name__}: {err}") from err
         sample_extras: dict[str, float] = {}
         if isinstance(result, dict):
             if "score" not in result:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_ppo
-from tests.e2e.conftest import demo_args
+from tests.e2e.conftest import demo_args, read_metrics
 
 BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -48,12 +48,16 @@ CASES = {
     "overlong prompt, truncation=error": (lambda a, t: ["data.max_prompt_length=4", "data.filter_overlong_prompts=false",
                                                          "data.truncation=error"], 1, "max_prompt_length"),
     "reward function raises": (lambda a, t: [f"custom_reward_function.path={_reward_file(t, 'raise KeyError(1)')}"],
-                               1, "compute_score"),
+                               1, "reward.py:2: KeyError: 1"),
     "reward function returns a string": (lambda a, t: ["custom_reward_function.path=" + _reward_file(t, RETURN_STR)],
                                          1, "good"),
     "resume path missing": (lambda a, t: ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={t}/ckpt"],
                             1, "does not exist"),
     "impossible batch sizes": (lambda a, t: ["data.train_batch_size=12"], 2, "ppo_mini_batch_size"),
+    "launch unlike the config": (lambda a, t: ["trainer.n_gpus_per_node=2"], 2,
+                                 "this launch has 1 processes but the config describes"),
+    "negative learning rate": (lambda a, t: ["actor_rollout_ref.actor.optim.lr=-1e-4"], 2,
+                               "actor_rollout_ref.actor.optim.lr: -0.0001 is out of range; allowed: >= 0"),
     "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],
                                    2, "larger than the training set"),
 }
@@ -105,3 +109,20 @@ def test_resume_from_a_different_model_is_refused(tiny_assets, tmp_path, capsys)
     code, err = _run(demo_args(tiny_assets, run, *BASE, "trainer.total_training_steps=2"), capsys)
     assert code == 1 and "belongs to a different model" in err, err
     assert sorted(os.listdir(run / "checkpoints")) == before  # nothing written or removed
+
+
+def test_greedy_rollouts_are_scored_at_temperature_one(tiny_assets, tmp_path, capsys):
+    """rollout.temperature=0 (n=1, no groups) once divided by zero in the LM head; it means greedy
+    decoding scored at temperature 1, which is exactly what do_sample=false runs."""
+    greedy = ["algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.rollout.n=1",
+              "trainer.total_training_steps=2", "trainer.export_hf_at_end=false",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+    rows = {}
+    for name, how in (("temperature_0", "actor_rollout_ref.rollout.temperature=0"),
+                      ("no_sampling", "actor_rollout_ref.rollout.do_sample=false")):
+        code, err = _run(demo_args(tiny_assets, tmp_path / name, *BASE, *greedy, how), capsys)
+        assert code == 0, err
+        rows[name] = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+                      for r in read_metrics(tmp_path / name)]
+    assert len(rows["temperature_0"]) == 2 and rows["temperature_0"] == rows["no_sampling"]
+    assert all(abs(r["actor/pg_loss"]) < float("inf") for r in rows["temperature_0"])

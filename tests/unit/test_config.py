@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ppo.config import PPOConfig, validate
+from ppo.config import PPOConfig, config_notes, validate
 from ppo.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +19,7 @@ def _cfg(*overrides):
 
 def test_demo_config_loads_and_validates():
     cfg = _cfg()
-    validate(cfg, 2)
+    validate(cfg, 2, 2)
     assert cfg.actor_rollout_ref.rollout.n == 8
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.uses_ref and not cfg.uses_critic
@@ -46,6 +46,24 @@ def test_dotted_override_types():
     ("actor_rollout_ref.model.lora_rank=8", "not supported"),
     ("actor_rollout_ref.actor.fsdp_config.wrap_policy={foo: 1}", "not supported"),
     ("noequals", "must look like dotted.key=value"),
+    ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr: -1e-06 is out of range; allowed: >= 0"),
+    ("actor_rollout_ref.actor.clip_ratio=0", "actor_rollout_ref.actor.clip_ratio: 0.0 is out of range; allowed: (0, 1]"),
+    ("actor_rollout_ref.actor.clip_ratio_c=0.5", "clip_ratio_c: 0.5 is out of range; allowed: > 1"),
+    ("algorithm.gamma=1.5", "algorithm.gamma: 1.5 is out of range; allowed: [0, 1]"),
+    ("algorithm.lam=-0.1", "algorithm.lam: -0.1 is out of range; allowed: [0, 1]"),
+    ("algorithm.kl_ctrl.kl_coef=-1", "algorithm.kl_ctrl.kl_coef: -1.0 is out of range; allowed: >= 0"),
+    ("algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.target_kl: 0.0 is out of range; allowed: > 0"),
+    ("actor_rollout_ref.actor.kl_loss_coef=-0.1", "kl_loss_coef: -0.1 is out of range; allowed: >= 0"),
+    ("actor_rollout_ref.rollout.temperature=-1", "rollout.temperature: -1.0 is out of range; allowed: >= 0"),
+    ("actor_rollout_ref.rollout.top_p=0", "rollout.top_p: 0.0 is out of range; allowed: (0, 1]"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization: 1.5 is out of range; allowed: (0, 1]"),
+    ("data.train_batch_size=0", "data.train_batch_size: 0 is out of range; allowed: >= 1"),
+    ("critic.ppo_micro_batch_size_per_gpu=0", "critic.ppo_micro_batch_size_per_gpu: 0 is out of range"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9, 1.0]", "optim.betas[1]: 1.0 is out of range; allowed: [0, 1)"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", "optim.betas: expected a list of 2 values"),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes=[1, 0]", "cudagraph_capture_sizes[1]: 0 is out of range"),
+    ("algorithm.gamma=.nan", "algorithm.gamma: expected a finite number, got nan"),
+    ("trainer.preemption_grace_s=-5", "trainer.preemption_grace_s: -5.0 is out of range; allowed: >= 0"),
 ])
 def test_bad_overrides_name_the_problem(override, message):
     with pytest.raises(ConfigError) as e:
@@ -53,20 +71,76 @@ def test_bad_overrides_name_the_problem(override, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["data.train_batch_size=30"], 2, "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], 2, "must divide the world size"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=48"], 2, "multiple of"),
-    (["actor_rollout_ref.rollout.n=1"], 2, "needs groups"),
-    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 2, "clip_ratio_c must be > 1"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33",
-      "actor_rollout_ref.rollout.n=2"], 4, "must split evenly over 4 ranks"),
-    (["reward_model.enable=true"], 2, "needs reward_model.path"),
+@pytest.mark.parametrize("overrides,message", [
+    (["data.train_batch_size=30"], "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size=3 must divide the FSDP "
+                                                                 "shard-group size"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=48"], "multiple of"),
+    (["actor_rollout_ref.rollout.n=1"], "needs groups"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
+      "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
+    (["reward_model.enable=true"], "needs reward_model.path"),
+    # greedy decoding: the n responses of a group are identical, every group advantage is zero
+    (["actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0 decodes greedily"),
+    (["actor_rollout_ref.rollout.do_sample=false"], "rollout.do_sample=false decodes greedily"),
+    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"], "fsdp_size=3 does not divide the world size 2"),
+    (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"], "actor_rollout_ref.ref.fsdp_config.fsdp_size=1: every model "
+                                                        "shares the actor's training mesh"),
+    # two nodes of 4: a TP group of 8 would span both
+    (["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
+     "larger than the 4 ranks of one node"),
 ])
-def test_impossible_combinations(overrides, world, message):
+def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(_cfg(*overrides), world)
+        validate(_cfg(*overrides))
     assert message in str(e.value)
+
+
+def test_greedy_rollouts_without_groups_are_valid():
+    validate(_cfg("actor_rollout_ref.rollout.temperature=0", "algorithm.adv_estimator=gae",
+                  "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"))
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
+def test_shipped_configs_validate_against_the_launch_they_describe(name):
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", name))
+    validate(cfg)
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    validate(cfg, world, cfg.trainer.n_gpus_per_node)  # the real launch, when it matches
+    with pytest.raises(ConfigError, match=f"this launch has {world + 1} processes but the config describes"):
+        validate(cfg, world + 1)
+
+
+def test_the_launch_must_match_the_config():
+    with pytest.raises(ConfigError, match="1 processes per node but the config describes trainer.n_gpus_per_node = 2"):
+        validate(_cfg("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "data.train_batch_size=32"), 4, 1)
+
+
+def test_offload_policy_supersedes_the_manual_offloads():
+    """verl's FSDP2 recipe sets offload_policy with param_offload: accepted, as in verl, with one note."""
+    key = "actor_rollout_ref.actor.fsdp_config"
+    cfg = _cfg(f"{key}.offload_policy=true", f"{key}.param_offload=true", f"{key}.optimizer_offload=true")
+    fc = cfg.actor_rollout_ref.actor.fsdp_config
+    assert fc.offload_policy and not fc.param_offload and not fc.optimizer_offload
+    assert config_notes(cfg) == [
+        f"{key}.offload_policy=true supersedes param_offload=true and optimizer_offload=true (as in verl): parameters, "
+        "gradients and optimizer states stay on CPU for the whole run (FSDP2 CPUOffloadPolicy) and are not moved "
+        "between phases"]
+    assert config_notes(_cfg(f"{key}.offload_policy=true")) == []
+
+
+@pytest.mark.parametrize("logger,package", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_preflight_names_a_missing_logger_package(monkeypatch, logger, package):
+    import importlib.util
+
+    from ppo import setup
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(ConfigError, match=f"trainer.logger includes {logger} but the {package} package is not "
+                                          f"installed"):
+        setup.preflight(_cfg(f"trainer.logger=[console, {logger}]"))
+    setup.preflight(_cfg("trainer.logger=[console, jsonl]"))
 
 
 def test_every_option_is_documented():

@@ -79,6 +79,9 @@ def not_finite(data_source, solution_str, ground_truth, extra_info=None):
 def no_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"acc": 1.0}
 
+def calls_library(data_source, solution_str, ground_truth, extra_info=None):
+    return math.sqrt(-1.0)
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -101,11 +104,14 @@ def test_load_custom_reward_fn(custom_file, tmp_path):
     with pytest.raises(RewardError, match=r"'NOT_A_FUNCTION' in custom reward file .*my_reward\.py is a int"):
         load_custom_reward_fn(custom_file, "NOT_A_FUNCTION")
     bad = tmp_path / "bad.py"
-    bad.write_text("import not_a_module_anywhere\n")
+    bad.write_text("import os\nimport not_a_module_anywhere\n")
     with pytest.raises(RewardError,
-                       match=r"importing custom reward file .*bad\.py failed: ModuleNotFoundError") as info:
+                       match=r"importing custom reward file .*bad\.py failed at .*bad\.py:2: ModuleNotFoundError") as info:
         load_custom_reward_fn(str(bad))
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    bad.write_text("def compute_score(a, b, c, d=None):\n    return (\n")
+    with pytest.raises(RewardError, match=r"importing custom reward file .*bad\.py failed at .*bad\.py:2: SyntaxError"):
+        load_custom_reward_fn(str(bad))
 
 
 def test_score_responses_numbers_bools_and_extras(custom_file):
@@ -137,10 +143,16 @@ def test_score_responses_extras_missing_in_some_samples_are_nan():
 
 
 def test_score_responses_errors(custom_file):
-    with pytest.raises(RewardError, match=r"reward function broken raised on sample 1 \(data_source='gsm'\): "
-                                          r"KeyError: 'boom'") as info:
+    line = CUSTOM.splitlines().index('        raise KeyError("boom")') + 1
+    with pytest.raises(RewardError, match=r"reward function broken raised on sample 1 \(data_source='gsm'\) "
+                                          rf"at .*my_reward\.py:{line}: KeyError: 'boom'") as info:
         score_responses(load_custom_reward_fn(custom_file, "broken"), ["d", "gsm"], ["ok", "boom"], ["", ""])
     assert isinstance(info.value.__cause__, KeyError)
+    # an error inside a library the function calls: the user's calling line is named
+    line = CUSTOM.splitlines().index("    return math.sqrt(-1.0)") + 1
+    with pytest.raises(RewardError, match=rf"calls_library raised on sample 0 .* at .*my_reward\.py:{line}: "
+                                          r"ValueError: math domain error"):
+        score_responses(load_custom_reward_fn(custom_file, "calls_library"), ["d"], ["x"], ["x"])
     with pytest.raises(RewardError, match=r"wrong_type returned str '1\.0' on sample 0 .*expected a number"):
         score_responses(load_custom_reward_fn(custom_file, "wrong_type"), ["d"], ["x"], ["x"])
     with pytest.raises(RewardError, match=r"not_finite returned non-finite score nan on sample 0"):

@@ -1,0 +1,150 @@
+"""The documented launch paths on 2 CPU ranks: `launch/run_single_node.sh` (meshppo's launcher
+around torchrun) and the SLURM template with stand-in `srun` / `scontrol` scripts. A user error
+is one line and its exit code; a stop signal is a checkpoint, exit 0 and one line."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train_ppo
+from tests.e2e.conftest import ROOT, demo_args, read_metrics
+
+STEPS = 40  # far more than run before the signal lands: the run is stopped, not finished
+COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+          "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
+          "actor_rollout_ref.rollout.n=4"]
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", **extra)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+class _Job(subprocess.Popen):
+    """A launch with its output as one string, carriage returns kept (no universal newlines)."""
+
+    def __init__(self, cmd, env):
+        super().__init__(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def output(self, timeout) -> str:
+        return self.communicate(timeout=timeout)[0].decode()
+
+
+def _single_node(args, **env):
+    return _Job(["bash", os.path.join(ROOT, "launch", "run_single_node.sh"), *args], _env(**env))
+
+
+def _lines(out: str) -> list[str]:
+    return [line for line in out.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def _no_launcher_noise(out: str):
+    for noise in ("Traceback", "ChildFailedError", "SignalException", "[default0]:", "[rank0]:"):
+        assert noise not in out, out
+
+
+def test_config_error_is_one_line_before_any_rank(tiny_assets, tmp_path):
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, "trainer.total_epoch=2"))
+    out = p.output(timeout=300)
+    assert p.returncode == 2, out
+    assert _lines(out) == ["meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean "
+                           "'trainer.total_epochs'?"], out
+    assert not (tmp_path / "run" / "logs").exists()  # no rank was started
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_plain_torchrun_only_rank_0_says_a_config_error(monkeypatch, capsys, rank):
+    for key, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    code = train_ppo.main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "trainer.total_epoch=2"])
+    said = "meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean 'trainer.total_epochs'?\n"
+    assert code == 2 and capsys.readouterr().err == (said if rank == "0" else "")
+
+
+def test_input_error_on_the_ranks_is_one_line(tiny_assets, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    with open(f"{tiny_assets}/train.jsonl") as f:
+        bad.write_text(f.readline() + "{oops\n")
+    run = tmp_path / "run"
+    p = _single_node(demo_args(tiny_assets, run, *COMMON, f"data.train_files=[{bad}]"))
+    out = p.output(timeout=600)
+    assert p.returncode == 1, out
+    assert _lines(out) == [f"meshppo: error (rank 0): {bad}:2: malformed JSON: Expecting property name enclosed in "
+                           "double quotes at column 2"], out
+    _no_launcher_noise(out)
+    assert "(rank 1)" in (run / "logs" / "rank1.log").read_text()  # the other rank's log is kept
+
+
+def _wait_for_a_step(p, run, timeout=600):
+    t0 = time.time()
+    while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+        assert p.poll() is None, p.output(60)
+        assert time.time() - t0 < timeout
+        time.sleep(0.2)
+
+
+def _checkpointed_step(out: str, run) -> int:
+    latest = (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip()
+    assert 0 < int(latest) < STEPS, latest
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, int(latest) + 1))
+    return int(latest)
+
+
+def test_sigterm_is_a_clean_preemption(tiny_assets, tmp_path):
+    run = tmp_path / "run"
+    p = _single_node(demo_args(tiny_assets, run, *COMMON, "trainer.logger=[console,jsonl]"))
+    _wait_for_a_step(p, run)
+    p.send_signal(signal.SIGTERM)
+    out = p.output(timeout=600)
+    assert p.returncode == 0, out
+    step = _checkpointed_step(out, run)
+    lines = _lines(out)
+    assert lines[-1] == (f"meshppo: preempted by SIGTERM, checkpoint at {run}/checkpoints/global_step_{step}; the "
+                         "same command resumes it (trainer.resume_mode=auto)"), out
+    _no_launcher_noise(out)
+    # the progress bar redraws in place (carriage returns), not one prefixed line per update
+    assert "\rppo:" in out and "it/s" in out, out
+
+
+def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_path):
+    """single_node.sbatch with stand-ins: `srun` runs its command here (exec, so a signal to srun
+    reaches it as real srun forwards it), `scontrol` records its calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol_calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $# -gt 0 && $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n[[ $1 == show ]] && echo localhost\n'
+                                      "exit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    run = tmp_path / "run"
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="1",
+               SLURM_JOB_NODELIST="localhost", PYTHON=sys.executable)
+    cmd = ["bash", os.path.join(ROOT, "launch", "slurm", "single_node.sbatch"), *demo_args(tiny_assets, run, *COMMON)]
+    # the "--config CONFIG" of demo_args: the template takes the config as its first argument
+    cmd.remove("--config")
+
+    def job():
+        return _Job(cmd, env)
+
+    p = job()
+    _wait_for_a_step(p, run)
+    p.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 does before the time limit
+    out = p.output(timeout=600)
+    assert p.returncode == 0, out
+    step = _checkpointed_step(out, run)
+    assert f"meshppo: preempted by SIGUSR1, checkpoint at {run}/checkpoints/global_step_{step}" in out, out
+    _no_launcher_noise(out)
+    assert calls.read_text().splitlines() == ["requeue 4242"]
+
+    p = job()  # the requeued job
+    out = p.output(timeout=900)
+    assert p.returncode == 0, out
+    assert f"resumed from {run}/checkpoints/global_step_{step}" in out, out
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, STEPS + 1))
+    assert calls.read_text().splitlines() == ["requeue 4242"]  # finished: not requeued again
