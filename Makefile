@@ -8,7 +8,7 @@ CONFIG ?= configs/demo.yaml
 # when requirements.txt is newer than the stamp.
 INSTALL_STAMP := .make/installed$(subst /,_,$(abspath $(shell command -v $(PYTHON))))
 
-.PHONY: install demo train test test-gpu lint bench-gpu plot
+.PHONY: install demo train test test-gpu test-gpu-multi lint bench-gpu plot
 
 install: $(INSTALL_STAMP)  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
 
@@ -30,6 +30,9 @@ test: install lint  ## static checks, then the whole CPU test suite (what CI run
 
 test-gpu:  ## GPU-only tests (need CUDA)
 	$(PYTHON) -m pytest tests/gpu -ra -q
+
+test-gpu-multi:  ## multi-GPU tests (2+ CUDA GPUs): trainer configs, same update on 1 and 2 GPUs, engine TP, resharder
+	NCCL_NVLS_ENABLE=0 $(PYTHON) -m pytest tests/gpu/test_multi_gpu.py -ra -q $(PYTEST_ARGS)
 
 lint:  ## static checks (pyflakes)
 	$(PYTHON) -m pyflakes train_ppo.py models sharding rollout kl ppo data rewards bench tools tests

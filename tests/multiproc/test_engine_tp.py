@@ -6,7 +6,10 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 
 
-def _tp_body(rank, world_size):
+def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float):
+    """TP=2 over the two ranks of the default group against TP=1 on each rank, float32 engines on
+    `device`: same tokens (greedy, top-k, top-p sampling), log-probs within `logprob_tol`. The
+    GPU check (tests/gpu/multi_gpu_checks.py) runs it over NCCL."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import ModelArgs, Transformer, tp_shard_dim
@@ -29,11 +32,11 @@ def _tp_body(rank, world_size):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
                         else 0.15 * torch.randn(p.shape, generator=g))
         params = dict(model.named_parameters())
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("tp",))
         config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
-        tp2 = LLMEngine(args, config, tp_mesh=mesh["tp"], device="cpu")
+        tp2 = LLMEngine(args, config, tp_mesh=mesh["tp"], device=device)
         tp2.load_weights(model.named_parameters())
-        tp1 = LLMEngine(args, config, device="cpu")  # TP=1 needs no process group
+        tp1 = LLMEngine(args, config, device=device)  # TP=1 needs no process group
         tp1.load_weights(model.named_parameters())
 
         # Each slot holds this rank's shard j = rows/cols [j n/t, (j+1) n/t) along tp_shard_dim.
@@ -42,7 +45,7 @@ def _tp_body(rank, world_size):
             dim = tp_shard_dim(name)
             assert slot.shard_dim == dim
             expect = full if dim is None else full.chunk(2, dim=dim)[rank]
-            assert torch.equal(slot.view, expect), name
+            assert torch.equal(slot.view.cpu(), expect), name
 
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
@@ -54,7 +57,7 @@ def _tp_body(rank, world_size):
             a, b = tp1.generate(prompts, sp), tp2.generate(prompts, sp)
             assert [o.token_ids for o in a] == [o.token_ids for o in b], (kind, sp)
             diff = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
-            assert diff < 1e-5, (kind, sp, diff)
+            assert diff < logprob_tol, (kind, sp, diff)
             results.append(b)
         assert tp2.last_stats["preemptions"] > 0  # the tight pool made both ranks preempt identically
 
@@ -63,6 +66,10 @@ def _tp_body(rank, world_size):
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
     assert gathered[0] == gathered[1]
+
+
+def _tp_body(rank, world_size):
+    check_tp2_equals_tp1(rank, torch.device("cpu"), 1e-5)
 
 
 def test_tp2_equals_tp1():
