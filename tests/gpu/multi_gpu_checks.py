@@ -27,6 +27,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -146,6 +147,11 @@ def check_trainer(ctx, a):
                                  "cuda_graphs": graphs, "actor_param_max_change": moved}
             del trainer
             _free_device_memory(ctx.device)
+            # The trainer always checkpoints its last step (DCP, every rank): that ran, but 4-8 GB
+            # a configuration at this shape need not stay on disk.
+            dist.barrier()
+            if ctx.is_main:
+                shutil.rmtree(run_dir / "checkpoints")
     _emit(ctx, "trainer", **summary)
 
 

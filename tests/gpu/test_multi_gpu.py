@@ -30,7 +30,8 @@ UPDATE_RTOL = 1e-4
 
 def launch(check: str, nproc: int = 2, *args: str, device: str = "cuda", timeout: int = 600) -> list[dict]:
     """Run one check on `nproc` ranks; return the figures it printed (one JSON object per line)."""
-    # No NVLink multicast (NCCL's NVLS algorithms, symmetric memory): not every NVLink host can map it.
+    # NCCL's NVLS algorithms and symmetric memory need NVLink multicast, which not every NVLink
+    # machine offers; nothing here depends on them.
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", PYTHONUNBUFFERED="1")
     # An explicit c10d rendezvous on a free port, as the end-to-end tests (tests/e2e/conftest.py).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
