@@ -140,9 +140,9 @@ def test_truncated_race_stays_inside_the_set_but_reports_full_logprob():
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-6)
 
 
-def _int32(key: int) -> int:
-    """A 32-bit key as the engine passes it: its int32 bit pattern."""
-    return key - (1 << 32) if key >= 1 << 31 else key
+def key_rows(key: int, n: int, device="cpu") -> torch.Tensor:
+    """`[n]` copies of a 32-bit sample key as the engine passes it: int32 bit patterns."""
+    return torch.full((n,), key - (1 << 32) if key >= 1 << 31 else key, dtype=torch.int32, device=device)
 
 
 def expected_probs(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -158,7 +158,7 @@ def draw_tokens(temperature: float, top_k: int, top_p: float, n: int = N_DRAWS, 
     sampler = Sampler(tp, len(LOGITS), device)
     sampler.set_params(temperature, top_k, top_p)
     shard = LOGITS.to(device).chunk(tp.size)[tp.rank].expand(n, -1)
-    keys = torch.full((n,), _int32(DRAW_KEY), dtype=torch.int32, device=device)
+    keys = key_rows(DRAW_KEY, n, device)
     positions = torch.arange(n, dtype=torch.int32, device=device)
     return sampler(shard, keys, positions, ops, sampler.threshold(shard), num_splits)
 
