@@ -178,7 +178,8 @@ def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int = 1) -> None:
     """Greedy and sampling over 12 tokens where the noise is at its extremes: infinite or NaN noise
-    at TOP_TOKEN would make it win (or win greedy), a wrong minimum would let LOW_TOKEN win."""
+    at TOP_TOKEN would make it win, greedy or buried 40 below the others; LOW_TOKEN, at the
+    smallest noise, must lose a flat race."""
     tp = tp or TPGroup(None)
     sampler = Sampler(tp, 12, device)
 
