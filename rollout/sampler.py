@@ -5,12 +5,14 @@ uniforms `u_i`, `argmax_i s_i - log(-log u_i)` is distributed as `softmax(s)`. E
 races over its vocabulary shard and reports `[best score, its token, its s, max s, sum exp(s - max)]`
 per vocabulary chunk ("partials", `[R, P, 5]` float32 with the token id bit-cast); the ranks
 exchange only these, and `combine_partials` picks the winner and the log-normaliser.
-Greedy is the same race with the noise switched off (and T = 1).
+Greedy (T = 0) is the same race over `s = logit` (T = 1) with no noise term at all: the
+score is selected as `s` itself, not computed as `s + 0 * noise`, so it is an exact argmax.
 
 The uniforms are counter-based: `u = hash(key of the sample, position of the token,
 global vocabulary index)`, so a token does not depend on the batch it was computed in, on
-preemption, or on the TP degree. `gumbel_noise` is the PyTorch definition; the Triton kernel
-computes the same integers.
+preemption, or on the TP degree. `uniform_from_bits` maps the hash into (0, 1) exactly
+(never 0 or 1, so the noise is always finite); `gumbel_noise` is the PyTorch definition, and
+the Triton kernel computes the same integers and the same uniforms.
 
 top-k / top-p become one threshold per row on `s` (the k-th largest value; the smallest
 value inside the nucleus); tokens below it are left out of the race. Ties at the threshold
@@ -52,25 +54,39 @@ def row_keys(keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor,
     return k1, k2
 
 
+def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
+    """Uniforms strictly inside (0, 1), float32, from 32-bit hashes `h` (int64 tensor): `(k + 1/2) 2**-23`
+    with `k = h >> 9`, the midpoints of 2**23 equal bins.
+
+    Every step is exact in float32, so `2**-24 <= u <= 1 - 2**-24` holds by construction: `k < 2**23`
+    converts exactly; `k + 1/2 < 2**23` needs 24 significant bits, which float32 has; the scale is a
+    power of two. Hence `-log(-log u)` lies in [-2.81, 16.64]. (With 24 bits, `k + 1/2` needs 25: for
+    `k = 2**24 - 1` the sum rounds up to `2**24`, `u` to 1 and the noise to +inf.)
+    """
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
 def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), `[R, len(vocab_ids)]` float32, from 24 hash bits."""
+    """Uniforms in (0, 1), `[R, len(vocab_ids)]` float32, from the hash of (key, position, vocabulary id)."""
     k1, k2 = row_keys(keys, positions)
-    h = mix32_t(mix32_t(vocab_ids.long()[None, :] ^ k1[:, None]) + k2[:, None])
-    return ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return uniform_from_bits(mix32_t(mix32_t(vocab_ids.long()[None, :] ^ k1[:, None]) + k2[:, None]))
 
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise `-log(-log u)`, `[R, V]` float32."""
+    """Standard Gumbel noise `-log(-log u)`, `[R, V]` float32; always finite."""
     return -torch.log(-torch.log(uniform_noise(keys, positions, vocab_ids)))
 
 
 def sample_partials_ref(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                         inv_temp: torch.Tensor, noise_scale: torch.Tensor, thresh: torch.Tensor | None,
                         vocab_start: int) -> torch.Tensor:
-    """Partials `[R, 1, 5]` of local logits `[R, Vl]` (reference; the Triton kernel splits Vl)."""
+    """Partials `[R, 1, 5]` of local logits `[R, Vl]` (reference; the Triton kernel splits Vl).
+
+    `noise_scale` 0 (greedy) races `s` itself: the noise is left out, not multiplied by zero.
+    """
     s = logits.float() * inv_temp
     vocab_ids = torch.arange(vocab_start, vocab_start + logits.shape[1], device=logits.device)
-    score = s + gumbel_noise(keys, positions, vocab_ids) * noise_scale
+    score = torch.where(noise_scale > 0, s + gumbel_noise(keys, positions, vocab_ids) * noise_scale, s)
     if thresh is not None:
         score = torch.where(s >= thresh[:, None], score, float("-inf"))
     best, idx = score.max(-1)
@@ -115,7 +131,8 @@ class Sampler:
     """TP-aware sampling of local logits `[R, V/tp]` into tokens `[R]` and log-probs `[R]`.
 
     `inv_temp` and `noise_scale` are 0-d device tensors (1/T and 1, or 1 and 0 for greedy)
-    so that a captured CUDA graph serves every temperature.
+    so that a captured CUDA graph serves every temperature; greedy selects the noise-free
+    score on the device (`torch.where`), so no host branch is baked into a graph.
     """
 
     def __init__(self, tp: TPGroup, vocab_size: int, device):

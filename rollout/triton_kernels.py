@@ -12,7 +12,8 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
   each K/V row is read once; a second kernel merges splits by log-sum-exp.
 * `prefill_attention`: flash attention of packed query chunks over their paged context
   (prefix included), causal.
-* `sample_partials`: the exponential race and log-normaliser over vocabulary chunks.
+* `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
+  noise and the greedy rule of `rollout.sampler`).
 
 float32 inputs use IEEE dot products (`input_precision="ieee"`): TF32 would cost the
 float32 engine its agreement with the reference.
@@ -276,8 +277,9 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
         msk = idx < end
         x = tl.load(logits_ptr + r * stride_l + idx, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
         h = _mix32(_mix32((idx + VOCAB_START).to(tl.uint32) ^ k1) + k2)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(msk & (x >= thresh), x - tl.log(-tl.log(u)) * noise, float("-inf"))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact, in (0, 1): `sampler.uniform_from_bits`
+        race = tl.where(noise > 0, x - tl.log(-tl.log(u)) * noise, x)  # greedy: no noise term at all
+        score = tl.where(msk & (x >= thresh), race, float("-inf"))
         better = score > lane_best  # strict: a lane keeps its lowest index among ties
         lane_best = tl.where(better, score, lane_best)
         lane_idx = tl.where(better, idx, lane_idx)

@@ -13,6 +13,8 @@ from rollout.ops import TorchOps  # noqa: E402
 from rollout.sampler import combine_partials  # noqa: E402
 from tests.unit.test_engine import (check_against_training_forward, greedy_reference, make_engine,  # noqa: E402
                                     prompts_of, tiny_args, tiny_model)
+from tests.unit.test_sampler import (CASES, DRAW_KEY, LOGITS, P_REJECT, check_extremes,  # noqa: E402
+                                     chi_square_pvalue, draw_tokens, expected_probs, key_rows)
 
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative L2 error
@@ -138,6 +140,44 @@ def test_sampler_kernel(dtype):
             assert (lp[same] - ref_lp[same]).abs().max() < 1e-4
             if temperature == 0:
                 assert torch.equal(t, ref_t) and torch.equal(t - v, logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampler_kernel_fits_softmax(case):
+    """The kernel's draws fit softmax(logits / T) (truncated): 16x the CPU test's draws
+    (tests/unit/test_sampler.py explains the bound), with and without vocabulary splits."""
+    T = _triton()
+    probs = expected_probs(*case)
+    for splits in (1, 3):
+        tokens, logprobs = draw_tokens(*case, n=1 << 22, ops=T, device=DEV, num_splits=splits)
+        assert chi_square_pvalue(tokens, probs) > P_REJECT, splits
+        ref = torch.log_softmax(LOGITS.to(DEV) / case[0], -1)[tokens]
+        assert (logprobs - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_sampler_kernel_at_the_hash_extremes(splits):
+    """Finite noise at u = 1 - 2**-24 needs an accurate log near 1 (an approximate one may return 0)."""
+    check_extremes(_triton(), device=DEV, num_splits=splits)
+
+
+def test_sampler_kernel_large_vocab_draws_no_uniform_tokens():
+    """Issue 14 at its scale: over a 152k vocabulary the old uniform was exactly 1 for some token
+    about once per 110 rows, and that token (uniformly random) won: about 2400 of these rows. Here
+    the other tokens sit 30 below the largest of LOGITS, beyond the 19.45 that finite noise (within
+    [-2.81, 16.64]) can bridge, so they are never drawn."""
+    from rollout.parallel import TPGroup
+    from rollout.sampler import Sampler
+
+    v, n = 151936, 1 << 18
+    logits = torch.full((v,), -30.0, device=DEV)
+    logits[:len(LOGITS)] = LOGITS.to(DEV)
+    sampler = Sampler(TPGroup(None), v, DEV)
+    sampler.set_params(1.0, -1, 1.0)
+    positions = torch.arange(n, dtype=torch.int32, device=DEV)
+    tokens, _ = sampler(logits.expand(n, -1), key_rows(DRAW_KEY, n, DEV), positions, _triton(), None, 8)
+    assert int((tokens >= len(LOGITS)).sum()) == 0
+    assert chi_square_pvalue(tokens, expected_probs(1.0, -1, 1.0)) > P_REJECT
 
 
 def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):

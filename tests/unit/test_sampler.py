@@ -1,13 +1,47 @@
-"""Sampling maths: counter-based noise, the exponential race, partial combination, top-k / top-p."""
+"""Sampling maths: counter-based noise, the exponential race, partial combination, top-k / top-p;
+goodness of fit of the drawn tokens to softmax(logits / T); the noise at the hash's extremes.
 
-import math
+The fit and extreme checks are shared: tests/multiproc/test_sampler_tp.py runs them at TP 2,
+tests/unit/test_triton_kernels.py (extremes) and tests/gpu/test_engine_gpu.py on the Triton kernel.
+"""
+
+import functools
 
 import pytest
 import torch
 
-from rollout.sampler import (combine_partials, gumbel_noise, mix32_t, sample_partials_ref, truncation_threshold,
-                             uniform_noise)
+from rollout.ops import TorchOps
+from rollout.parallel import TPGroup
+from rollout.sampler import (Sampler, combine_partials, gumbel_noise, mix32_t, sample_partials_ref,
+                             truncation_threshold, uniform_from_bits, uniform_noise)
 from rollout.sequence import mix32, sequence_key
+from tests.unit import test_engine
+
+# Goodness of fit. 12 tokens with geometric probabilities (ratio e^-0.65 per rank; shuffled, so
+# that rank and token id differ); one sample key, one draw per position, as the engine draws a
+# sample's tokens. With 2**18 draws, a sampler that draws 1 time in 110 a uniform token of the
+# allowed set (issue 14) has a chi-square noncentrality of 189 or more in every case, against a
+# critical value below 49 at P_REJECT: it passes with probability below 1e-13. The draws are
+# counter-based hashes, the same integers on every machine, so each p-value is fixed; a last-bit
+# difference of log / exp could only flip a near-tie, moving the statistic negligibly. A correct
+# sampler falls below P_REJECT by chance with probability 1e-6 per case.
+LOGITS = -0.65 * torch.tensor([8, 0, 5, 9, 7, 4, 2, 10, 3, 1, 11, 6], dtype=torch.float32)
+# (temperature, top_k, top_p). The first ignores every option: its draws serve as a biased sampler
+# for the others. Each top-p is at least 8e-4 away from every cumulative mass, so float32 and
+# float64 agree on the nucleus.
+CASES = [(1.0, -1, 1.0), (0.7, 10, 1.0), (1.3, -1, 1.0), (1.0, -1, 0.996), (1.1, 11, 0.998)]
+N_DRAWS = 1 << 18
+DRAW_KEY = sequence_key(14, 0, 0)
+P_REJECT = 1e-6
+
+_one_thread = test_engine._one_thread  # autouse fixture: the hash's int64 ops run faster on one thread
+
+# The hash's outermost bins, found by a search over keys at position 7: token 10 of TOP_KEY hashes to
+# 4294967142 >= 2**32 - 256, which the former 24-bit uniform rounded to exactly 1 (infinite noise,
+# NaN in greedy); token 0 of LOW_KEY hashes to 66 < 2**9.
+EXTREME_POS = 7
+TOP_KEY, TOP_TOKEN, TOP_HASH = 730101, 10, 4294967142
+LOW_KEY, LOW_TOKEN, LOW_HASH = 1775441, 0, 66
 
 
 def _scalars(temperature):
@@ -40,22 +74,6 @@ def test_uniform_noise_is_uniform_and_deterministic():
     # A different position or key gives unrelated noise.
     other = uniform_noise(keys, pos + 1, vocab)
     assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1].item()) < 0.01
-
-
-def test_exponential_race_samples_softmax():
-    torch.manual_seed(0)
-    logits = torch.randn(12) * 1.5
-    temperature = 0.7
-    rows = 20_000
-    keys = torch.full((rows,), sequence_key(3, 0, 0), dtype=torch.int64)
-    pos = torch.arange(rows)
-    inv_t, noise = _scalars(temperature)
-    parts = sample_partials_ref(logits.expand(rows, -1), keys, pos, inv_t, noise, None, 0)
-    tokens, logprobs = combine_partials(parts)
-    freq = torch.bincount(tokens, minlength=12).float() / rows
-    p = torch.softmax(logits / temperature, -1)
-    assert (freq - p).abs().max() < 4 * math.sqrt(p.max() / rows) + 1e-3
-    assert torch.allclose(logprobs, torch.log_softmax(logits / temperature, -1)[tokens], atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -120,3 +138,125 @@ def test_truncated_race_stays_inside_the_set_but_reports_full_logprob():
     top3 = set(torch.topk(logits[0], 3).indices.tolist())
     assert set(tokens.tolist()) == top3
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-6)
+
+
+def key_rows(key: int, n: int, device="cpu") -> torch.Tensor:
+    """`[n]` copies of a 32-bit sample key as the engine passes it: int32 bit patterns."""
+    return torch.full((n,), key - (1 << 32) if key >= 1 << 31 else key, dtype=torch.int32, device=device)
+
+
+def expected_probs(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """float64 softmax(LOGITS / T) restricted to the top-k / top-p set (brute-force threshold)."""
+    s = LOGITS.double() / temperature
+    return torch.softmax(s.masked_fill(s < _brute_threshold(s, top_k, top_p), float("-inf")), -1)
+
+
+def draw_tokens(temperature: float, top_k: int, top_p: float, n: int = N_DRAWS, tp: TPGroup | None = None,
+                ops=TorchOps, device="cpu", num_splits: int = 1):
+    """Tokens and log-probs `[n]` drawn by `Sampler` from LOGITS, over this rank's vocabulary shard."""
+    tp = tp or TPGroup(None)
+    sampler = Sampler(tp, len(LOGITS), device)
+    sampler.set_params(temperature, top_k, top_p)
+    shard = LOGITS.to(device).chunk(tp.size)[tp.rank].expand(n, -1)
+    keys = key_rows(DRAW_KEY, n, device)
+    positions = torch.arange(n, dtype=torch.int32, device=device)
+    return sampler(shard, keys, positions, ops, sampler.threshold(shard), num_splits)
+
+
+def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit p-value of `tokens` as draws from `probs [V]`; 0 if a token of
+    probability 0 was drawn."""
+    counts = torch.bincount(tokens.cpu(), minlength=len(probs)).double()
+    support = probs > 0
+    if counts[~support].any():
+        return 0.0
+    expected = probs[support] * len(tokens)
+    assert expected.min() >= 20, "too few expected draws of a token for the chi-square approximation"
+    x2 = ((counts[support] - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64), x2 / 2).item()
+
+
+def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int = 1) -> None:
+    """Greedy and sampling over 12 tokens where the noise is at its extremes: infinite or NaN noise
+    at TOP_TOKEN would make it win, greedy or buried 40 below the others; LOW_TOKEN, at the
+    smallest noise, must lose a flat race."""
+    tp = tp or TPGroup(None)
+    sampler = Sampler(tp, 12, device)
+
+    def race(logits, keys, temperature):
+        sampler.set_params(temperature, -1, 1.0)
+        shard = logits.to(device).chunk(tp.size, dim=1)[tp.rank]
+        keys = torch.tensor(keys, dtype=torch.int32, device=device)
+        pos = torch.full_like(keys, EXTREME_POS)
+        return sampler(shard, keys, pos, ops, None, num_splits)[0].tolist()
+
+    peaked = torch.zeros(12)
+    peaked[3] = 1.0
+    assert race(peaked.expand(2, -1), [TOP_KEY, LOW_KEY], 0.0) == [3, 3]  # greedy: the argmax, whatever the noise
+    flat, buried = torch.zeros(12), torch.zeros(12)
+    buried[TOP_TOKEN] = -40.0  # finite noise (at most 16.64) cannot lift it past the others
+    tokens = race(torch.stack([flat, buried, flat]), [TOP_KEY, TOP_KEY, LOW_KEY], 1.0)
+    assert tokens[0] == TOP_TOKEN  # the largest noise of all wins a flat race
+    assert tokens[1] != TOP_TOKEN and tokens[2] != LOW_TOKEN, tokens
+
+
+def _host_hash(key: int, position: int, vocab_id: int) -> int:
+    """The noise hash in plain Python integers (`rollout.sampler.row_keys` / `uniform_noise`)."""
+    k1 = mix32(key ^ mix32(position + 0x68E31DA4))
+    k2 = mix32(k1 + 0x1B56C4E9)
+    return mix32(mix32(vocab_id ^ k1) + k2)
+
+
+def test_uniform_from_bits_is_exact_and_inside_the_unit_interval():
+    h = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = uniform_from_bits(h)
+    assert u.dtype == torch.float32 and ((u > 0) & (u < 1)).all(), u
+    g = -torch.log(-torch.log(u))
+    assert torch.isfinite(g).all()
+    assert torch.equal(u.double(), ((h >> 9).double() + 0.5) / 2**23)  # no rounding anywhere
+    assert u.min().item() == 2**-24 and u.max().item() == 1 - 2**-24
+    torch.testing.assert_close(g.double(), -torch.log(-torch.log(u.double())), atol=1e-4, rtol=0)
+    assert abs(g.max().item() - 16.6355) < 1e-3 and abs(g.min().item() + 2.8116) < 1e-3
+
+
+def test_noise_at_the_hash_extremes():
+    assert _host_hash(TOP_KEY, EXTREME_POS, TOP_TOKEN) == TOP_HASH and TOP_HASH >> 9 == 2**23 - 1
+    assert _host_hash(LOW_KEY, EXTREME_POS, LOW_TOKEN) == LOW_HASH and LOW_HASH >> 9 == 0
+    keys = torch.tensor([TOP_KEY, LOW_KEY])
+    pos = torch.full((2,), EXTREME_POS)
+    assert torch.isfinite(gumbel_noise(keys, pos, torch.arange(12))).all()
+    u = uniform_noise(keys, pos, torch.arange(12))
+    assert u[0, TOP_TOKEN].item() == 1 - 2**-24 and u[1, LOW_TOKEN].item() == 2**-24
+
+
+def test_greedy_and_sampling_at_the_hash_extremes():
+    check_extremes(TorchOps)
+
+
+@functools.cache
+def _draws(case):
+    return draw_tokens(*case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampled_tokens_fit_the_truncated_softmax(case):
+    temperature, top_k, top_p = case
+    probs = expected_probs(*case)
+    tokens, logprobs = _draws(case)
+    assert chi_square_pvalue(tokens, probs) > P_REJECT
+    assert torch.allclose(logprobs, torch.log_softmax(LOGITS / temperature, -1)[tokens], atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chi_square_check_rejects_biased_samplers(case):
+    probs = expected_probs(*case)
+    tokens = _draws(case)[0].clone()
+    # Issue 14's sampler: 1 draw in 110 a uniformly random token of the allowed set.
+    g = torch.Generator().manual_seed(1)
+    support = probs.nonzero().squeeze(1)
+    hit = torch.rand(len(tokens), generator=g) < 1 / 110
+    tokens[hit] = support[torch.randint(len(support), (int(hit.sum()),), generator=g)]
+    assert chi_square_pvalue(tokens, probs) < P_REJECT
+    # A sampler ignoring the temperature, top-k and top-p: the draws of CASES[0].
+    if case != CASES[0]:
+        assert chi_square_pvalue(_draws(CASES[0])[0], probs) < P_REJECT

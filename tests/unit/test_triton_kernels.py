@@ -14,7 +14,7 @@ import pytest
 from tests import interpreter
 
 CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
-          "engine_end_to_end"]
+          "sample_extremes", "engine_end_to_end"]
 
 
 def _checks() -> dict:
@@ -146,6 +146,16 @@ def _checks() -> dict:
                     close(got[1], ref[1], 1e-5)
                 if temperature == 0:
                     assert got[0][0].item() == start + 10
+        return 0.0
+
+    def sample_extremes():
+        # The interpreter runs a row in ~16 ms, too slow for the goodness-of-fit draws: those run on
+        # the PyTorch path (same integers and uniforms: `sample_partials` above asserts equal tokens)
+        # and on the GPU (tests/gpu/test_engine_gpu.py).
+        from tests.unit.test_sampler import check_extremes
+
+        for splits in (1, 2):
+            check_extremes(TritonOps, num_splits=splits)
         return 0.0
 
     def engine_end_to_end():
