@@ -100,11 +100,15 @@ def banner(info: dict) -> str:
     accel = (f"CUDA {info['cuda']}, NCCL {info['nccl']}" if info["device"] == "cuda" else "CPU (no CUDA)")
     replicate = f" x {info['dp_replicate']} replicas" if info["fsdp"] == "HYBRID_SHARD" else ""
     start = f"resumed at step {info['start_step']}" if info["start_step"] else "fresh start"
+    def count(n, what):
+        return f"{n} {what}" + ("" if n == 1 else "s")
+
     return "\n".join([
         f"meshppo {info['meshppo']} | torch {info['torch']} | {accel} | python {info['python']}",
-        f"world: {info['world_size']} ranks = {info['nodes']} node(s) x {info['ranks_per_node']}, "
-        f"{info['device']}{gpu}, {info['backend']} | training: {info['fsdp']} over {info['dp_shard']} "
-        f"ranks{replicate} | generation: TP {info['tp']} x {info['rollout_dp']} engine replicas",
+        f"world: {count(info['world_size'], 'rank')} = {count(info['nodes'], 'node')} x {info['ranks_per_node']}, "
+        f"{info['device']}{gpu}, {info['backend']} | training: {info['fsdp']} over "
+        f"{count(info['dp_shard'], 'rank')}{replicate} | generation: TP {info['tp']} x "
+        f"{count(info['rollout_dp'], 'engine replica')}",
         f"run directory: {info['run_dir']} ({start})",
     ])
 

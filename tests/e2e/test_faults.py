@@ -74,6 +74,8 @@ def test_crash_inside_checkpoint_write_keeps_previous(tiny_assets, tmp_path):
     assert "resumed from" in r.stderr and "global_step_2" in r.stderr
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not (ckpts / "global_step_4.tmp").exists()
+    # steps 3 and 4 were logged before the crash and again after the resume: each is kept once
+    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
 
 
 def test_nan_gradient_skips_the_step_everywhere(tiny_assets, tmp_path):

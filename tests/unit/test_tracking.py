@@ -48,7 +48,7 @@ def test_begin_keeps_metrics_up_to_the_start_step_and_records_the_run(tmp_path, 
     assert info["torch"] == torch.__version__ and info["start_step"] == 2
     err = capsys.readouterr().err
     assert f"torch {torch.__version__}" in err and "CPU (no CUDA)" in err
-    assert "world: 2 ranks = 1 node(s) x 2, cpu" in err and "FULL_SHARD over 2 ranks" in err
+    assert "world: 2 ranks = 1 node x 2, cpu" in err and "FULL_SHARD over 2 ranks" in err
     assert f"run directory: {run.resolve()} (resumed at step 2)" in err
     # a fresh start keeps nothing of an earlier run
     Tracking(["jsonl"], str(run), "p", "e", {}, 10, enabled=True).begin(0, "{}", _info(run))
@@ -62,7 +62,7 @@ def test_banner_of_a_gpu_hsdp_run():
             "start_step": 0}
     assert banner(info).splitlines() == [
         "meshppo abc | torch 2.13 | CUDA 12.8, NCCL 2.27.3 | python 3.11",
-        "world: 16 ranks = 2 node(s) x 8, cuda (NVIDIA H200), nccl | training: HYBRID_SHARD over 8 ranks x 2 "
+        "world: 16 ranks = 2 nodes x 8, cuda (NVIDIA H200), nccl | training: HYBRID_SHARD over 8 ranks x 2 "
         "replicas | generation: TP 2 x 8 engine replicas",
         "run directory: /r (fresh start)"]
 
