@@ -50,7 +50,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, refer
     r = torchrun(demo_args(tiny_assets, run, *COMMON, f"trainer.preemption_grace_s={grace}"),
                  env_extra={"MESHPPO_FAULTS": "sigterm@2:0"})
     assert r.returncode == 0, r.stderr[-4000:]
-    assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.pt")
+    assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.json")
     assert [row["step"] for row in read_metrics(run)] == list(range(1, saved_step + 1))
     r = torchrun(demo_args(tiny_assets, run, *COMMON))
     assert r.returncode == 0, r.stderr[-4000:]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.unit.test_checkpoint_state import _Payload
 
 BATCH = 16
 # In-process runs at world size 1 on the untrained tiny model: two steps, a checkpoint at the end.
@@ -94,14 +95,6 @@ def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run
     code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
-
-
-class _Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
 
 
 def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run, tmp_path, capsys):
