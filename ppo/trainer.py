@@ -585,8 +585,9 @@ def run(cfg: PPOConfig) -> int:
     from rewards import RewardError
 
     # An NCCL watchdog timeout aborts the process from a C++ thread: the Python stacks it prints
-    # then show the phase each rank was in.
-    faulthandler.enable()
+    # then show the phase each rank was in. The process's own stderr: sys.stderr may be a
+    # stream without a file descriptor (an in-process run whose output is captured).
+    faulthandler.enable(file=sys.__stderr__)
     ctx = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.nccl_timeout)
     try:
         trainer = PPOTrainer(cfg, ctx)
