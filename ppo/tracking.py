@@ -81,7 +81,13 @@ def run_info(device: torch.device, world_size: int, local_world_size: int, dims,
 
     `dims` is the run's `sharding.mesh.ParallelDims`; `step` the step the run starts from."""
     cuda = torch.version.cuda if device.type == "cuda" else None
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+    nccl = None
+    if device.type == "cuda":
+        try:
+            v = torch.cuda.nccl.version()  # a tuple; an int in older torch
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except (AttributeError, RuntimeError):
+            nccl = "unavailable"
     return {
         "meshppo": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
         "cuda": cuda, "nccl": nccl,
