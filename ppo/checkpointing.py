@@ -26,6 +26,7 @@ it, and how the run executes (micro-batches, offload, world size) or logs may ch
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import pickle
@@ -345,6 +346,9 @@ class CheckpointManager:
         else:
             path = self.latest()
             if path is None:
+                legacy = sorted(glob.glob(os.path.join(self.root, "global_step_*", "trainer_state.pt")))
+                if legacy:  # an older meshppo's pickled checkpoint: say so rather than start over on it
+                    read_trainer_state(os.path.dirname(legacy[-1]))
                 return
         self.load(path)
         self.trainer.log(f"resumed from {path} at step {self.trainer.global_step}")

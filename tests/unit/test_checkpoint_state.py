@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from ppo.checkpointing import (
     NOT_SAME_RUN_OPTIONS,
+    CheckpointManager,
     SAME_RUN_OPTIONS,
     _rng_state,
     _set_rng_state,
@@ -126,3 +128,14 @@ def test_trainer_state_is_json_and_an_old_pickle_is_not_loaded(tmp_path):
         read_trainer_state(str(step))
     (step / "trainer_state.json").write_text(json.dumps({"global_step": 3, "loader": {"epoch": 0, "position": 8}}))
     assert read_trainer_state(str(step))["loader"] == {"epoch": 0, "position": 8}
+
+
+def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
+    """resume_mode=auto finds no checkpoint it may load; it must not start over silently on
+    top of an older meshppo's run (whose trainer state was a pickle)."""
+    (tmp_path / "global_step_4").mkdir()
+    torch.save({"global_step": 4}, tmp_path / "global_step_4" / "trainer_state.pt")
+    trainer = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="auto")))
+    with pytest.raises(UserError, match=r"global_step_4' stores its trainer state as a pickle"):
+        CheckpointManager(trainer, str(tmp_path)).maybe_resume()
+    CheckpointManager(trainer, str(tmp_path / "empty")).maybe_resume()  # nothing there: a fresh start
