@@ -35,29 +35,47 @@ def balanced_equal_partitions(costs: list[int], k: int) -> list[list[int]]:
 
 def token_budget_partitions(costs: list[int], max_tokens: int, min_parts: int = 1) -> list[list[int]]:
     """Group indices into as few parts as fit under `max_tokens` each (at least `min_parts`),
-    then rebalance into exactly that many parts by cost.
+    balancing the parts' costs without ever exceeding the budget.
 
-    A single item above the budget gets a part of its own (it cannot be split). The number of
-    parts is what the caller all-reduces (max) across ranks before calling again with
-    `min_parts` set, so every rank runs the same number of micro-batches.
+    The budget is a memory promise: a part's total cost never exceeds `max_tokens`, except a
+    part made of a single item above the budget (it cannot be split). The number of parts is
+    what the caller all-reduces (max) across ranks before calling again with `min_parts` set,
+    so every rank runs the same number of micro-batches; the result always has exactly
+    `max(first-fit-decreasing count, min_parts)` parts (some may be empty).
     """
     if not costs:
         return [[] for _ in range(min_parts)]
-    # first-fit decreasing gives the count
-    bins: list[int] = []
-    for c in sorted(costs, reverse=True):
-        for b, load in enumerate(bins):
-            if load + c <= max_tokens:
-                bins[b] += c
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    # First-fit decreasing gives the count, and a packing that keeps the budget.
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + costs[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += costs[i]
                 break
         else:
-            bins.append(c)
-    k = max(len(bins), min_parts)  # parts may be empty when a rank has fewer items than k
-    order = sorted(range(len(costs)), key=lambda i: -costs[i])
-    heap = [(0, p) for p in range(k)]
-    parts: list[list[int]] = [[] for _ in range(k)]
-    for i in order:
-        load, p = heapq.heappop(heap)
-        parts[p].append(i)
-        heapq.heappush(heap, (load + costs[i], p))
+            bins.append([i])
+            loads.append(costs[i])
+    k = max(len(bins), min_parts)
+    balanced = _balanced_under_budget(costs, order, max_tokens, k)
+    parts = balanced if balanced is not None else bins + [[] for _ in range(k - len(bins))]
     return [sorted(p) for p in parts]
+
+
+def _balanced_under_budget(costs: list[int], order: list[int], max_tokens: int, k: int) -> list[list[int]] | None:
+    """Longest-first: each item (in `order`, by decreasing cost) goes to the lightest of the `k`
+    parts that it fits in; an item above the budget takes an empty part. None when some item
+    fits nowhere (greedy can fail where first-fit decreasing succeeded)."""
+    parts: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in order:
+        c = costs[i]
+        fits = [p for p in range(k) if (loads[p] + c <= max_tokens) or (c > max_tokens and not parts[p])]
+        if not fits:
+            return None
+        p = min(fits, key=lambda q: (loads[q], q))
+        parts[p].append(i)
+        loads[p] += c
+    return parts

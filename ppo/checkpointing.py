@@ -5,20 +5,31 @@ Layout under `trainer.default_local_dir/checkpoints/`:
     global_step_K/
         actor/            model + optimizer, sharded (torch.distributed.checkpoint)
         critic/           the same, when there is a critic
-        trainer_state.pt  step, data-loader position, LR schedulers, KL controller and guard,
-                          the actor's shape (to refuse a checkpoint of another model)
-        rng/rank_R.pt     every rank's RNG states
+        trainer_state.json  step, data-loader position, LR schedulers, KL controller and guard,
+                            the actor's shape and the run's resolved config (to refuse a
+                            checkpoint of another model or another run)
+        rng/rank_R.pt       every rank's RNG states: plain tensors and numbers only
     latest_checkpointed_iteration.txt   (verl's name) the newest complete step
 
 A checkpoint is written into `global_step_K.tmp/` and renamed once every rank has finished,
 and only then does the `latest` file move (os.replace): a save interrupted at any point
 leaves the previous checkpoint, and the pointer to it, intact.
+
+Trainer state is JSON and the RNG files are read with `torch.load(weights_only=True)`, so a
+checkpoint made by someone else cannot run code when it is resumed (a pickle could).
+
+A checkpoint resumes only the run that wrote it: the options in `SAME_RUN_OPTIONS` (what the
+run learns from and how) must be unchanged; `trainer.total_training_steps` may grow to extend
+it, and how the run executes (micro-batches, offload, world size) or logs may change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -28,9 +39,141 @@ import torch
 import torch.distributed as dist
 
 from ppo import faults
+from ppo.config import PPOConfig
+from ppo.configlib import iter_options
 from sharding.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 
 LATEST = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+
+# What a run learns from and how: a checkpoint resumes only under the same values. A dotted
+# prefix covers every option under it; NOT_SAME_RUN_OPTIONS carves out of those prefixes the
+# options that only change how the same computation executes (micro-batching, memory
+# placement, compilation), what is validated or logged, or how long the run is.
+SAME_RUN_OPTIONS = (
+    "data",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.actor",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.do_sample",
+    "actor_rollout_ref.rollout.prompt_length",
+    "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.ignore_eos",
+    "critic",
+    "reward_model",
+    "custom_reward_function",
+    "algorithm",
+    "trainer.seed",
+    "trainer.critic_warmup",
+)
+NOT_SAME_RUN_OPTIONS = (
+    "data.val_files",
+    "data.val_batch_size",
+    "data.return_raw_chat",
+    "data.reward_fn_key",
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.actor.use_torch_compile",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.optim.total_training_steps",
+    "actor_rollout_ref.actor.fsdp_config",
+    "critic.strategy",
+    "critic.optim.total_training_steps",
+    "critic.model.tokenizer_path",
+    "critic.model.override_config",
+    "critic.model.enable_gradient_checkpointing",
+    "critic.model.enable_activation_offload",
+    "critic.model.use_remove_padding",
+    "critic.model.fsdp_config",
+    "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size_per_gpu",
+    "critic.use_dynamic_bsz",
+    "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
+    "reward_model.micro_batch_size_per_gpu",
+    "reward_model.max_length",
+    "reward_model.use_dynamic_bsz",
+    "reward_model.forward_max_token_len_per_gpu",
+    "reward_model.fsdp_config",
+)
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def same_run_keys() -> list[tuple[str, object]]:
+    """`(dotted key, default)` of every option that must match for a checkpoint to resume."""
+    return [(key, default) for key, _, default, _ in iter_options(PPOConfig)
+            if _under(key, SAME_RUN_OPTIONS) and not _under(key, NOT_SAME_RUN_OPTIONS)]
+
+
+def _lookup(tree: dict, key: str, default):
+    node = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default  # an option newer than the checkpoint: it ran with the default
+        node = node[part]
+    return node
+
+
+def run_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """`(key, saved value, current value)` for each `SAME_RUN_OPTIONS` option that differs
+    between two resolved configs (`dataclasses.asdict` of `PPOConfig`)."""
+    out = []
+    for key, default in same_run_keys():
+        old, new = _lookup(saved, key, default), _lookup(current, key, default)
+        if old != new:
+            out.append((key, old, new))
+    return out
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights-only refusal that names what was refused (its other lines
+    explain how to load the file unsafely, which is not advice meshppo repeats)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = [line for line in lines
+              if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation"))]
+    return (detail or lines or [type(err).__name__])[0]
+
+
+def read_trainer_state(step_dir: str) -> dict:
+    """The JSON trainer state of a checkpoint directory (never a pickle)."""
+    from ppo.trainer import UserError
+
+    path = os.path.join(step_dir, STATE_FILE)
+    if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(step_dir, "trainer_state.pt")):
+            raise UserError(f"checkpoint {step_dir!r} stores its trainer state as a pickle (trainer_state.pt, "
+                            "an older meshppo); pickles are not loaded because they can run code: start a fresh "
+                            "run (trainer.resume_mode=disable or another trainer.default_local_dir)")
+        raise UserError(f"resume checkpoint {step_dir!r} does not exist or is incomplete (no {STATE_FILE})")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint file {path!r} is not readable JSON: {e}") from None
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise UserError(f"checkpoint file {path!r} is not a meshppo trainer state")
+    return state
+
+
+def read_rng_state(path: str) -> dict:
+    """A rank's RNG states, loaded as tensors and numbers only (`weights_only=True`)."""
+    from ppo.trainer import UserError
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"RNG state file {path!r} was refused: it is not the plain tensors and numbers meshppo "
+                        f"writes, and loading it could run code ({_unpickling_reason(e)})") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise UserError(f"RNG state file {path!r} is not readable: {e}") from None
 
 
 def _barrier():
@@ -39,7 +182,11 @@ def _barrier():
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors, ints, floats and tuples: what `weights_only` loads."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -47,7 +194,9 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -67,7 +216,7 @@ class CheckpointManager:
         steps = []
         for name in os.listdir(self.root):
             m = re.fullmatch(r"global_step_(\d+)", name)
-            if m and os.path.isfile(os.path.join(self.root, name, "trainer_state.pt")):
+            if m and os.path.isfile(os.path.join(self.root, name, STATE_FILE)):
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
@@ -76,7 +225,7 @@ class CheckpointManager:
         if os.path.isfile(pointer):
             with open(pointer) as f:
                 text = f.read().strip()
-            if text.isdigit() and os.path.isfile(os.path.join(self.step_dir(int(text)), "trainer_state.pt")):
+            if text.isdigit() and os.path.isfile(os.path.join(self.step_dir(int(text)), STATE_FILE)):
                 return self.step_dir(int(text))
         steps = self.complete_steps()
         return self.step_dir(steps[-1]) if steps else None
@@ -110,9 +259,11 @@ class CheckpointManager:
                 "nonfinite_streak": tr.nonfinite_streak,
                 "world_size": tr.ctx.world_size,
                 "model": self._fingerprint(),
+                "config": dataclasses.asdict(tr.cfg),
             }
-            # trainer_state.pt is written last: its presence marks a complete checkpoint.
-            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            # The trainer state is written last: its presence marks a complete checkpoint.
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=1)
         _barrier()
         if tr.ctx.is_main:
             shutil.rmtree(final, ignore_errors=True)
@@ -141,13 +292,21 @@ class CheckpointManager:
         from ppo.trainer import UserError
 
         tr = self.trainer
-        state_file = os.path.join(path, "trainer_state.pt")
-        if not os.path.isfile(state_file):
-            raise UserError(f"resume checkpoint {path!r} does not exist or is incomplete (no trainer_state.pt)")
-        state = torch.load(state_file, weights_only=False)
+        # Everything read from files is checked before any model or optimizer changes.
+        state = read_trainer_state(path)
         if state["model"] != self._fingerprint():
             diff = {k: (state["model"].get(k), v) for k, v in self._fingerprint().items() if state["model"].get(k) != v}
             raise UserError(f"checkpoint {path!r} belongs to a different model: (checkpoint, config) differ in {diff}")
+        diffs = run_differences(state.get("config", {}), dataclasses.asdict(tr.cfg))
+        if diffs:
+            listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs)
+            raise UserError(f"checkpoint {path!r} comes from a run with other training settings ({listed}); it "
+                            "cannot continue under these. Start a new run in another trainer.default_local_dir, or "
+                            f"start {tr.run_dir!r} over with trainer.resume_mode=disable (this deletes its "
+                            "checkpoints and metrics)")
+        rng_file = os.path.join(path, "rng", f"rank_{tr.ctx.rank}.pt")
+        same_world = state["world_size"] == tr.ctx.world_size
+        rng = read_rng_state(rng_file) if not keep_progress and same_world and os.path.isfile(rng_file) else None
         load_checkpoint(os.path.join(path, "actor"), tr.models.actor, tr.models.actor_optim)
         if tr.models.critic is not None:
             if not os.path.isdir(os.path.join(path, "critic")):
@@ -164,15 +323,21 @@ class CheckpointManager:
         tr.loader.load_state_dict(state["loader"])
         tr.guard.load_state_dict(state["kl_guard"])
         tr.nonfinite_streak = state["nonfinite_streak"]
-        rng_file = os.path.join(path, "rng", f"rank_{tr.ctx.rank}.pt")
-        if os.path.isfile(rng_file) and state["world_size"] == tr.ctx.world_size:
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+        if rng is not None:
+            _set_rng_state(rng)
 
     def maybe_resume(self) -> None:
+        """Continue from a checkpoint (`trainer.resume_mode`), or start fresh. `disable` starts
+        the run directory over: an earlier run's checkpoints there are deleted, so that they can
+        be neither resumed nor rotated in place of this run's."""
         from ppo.trainer import UserError
 
         t = self.trainer.cfg.trainer
         if t.resume_mode == "disable":
+            if self.trainer.ctx.is_main and os.path.isdir(self.root) and os.listdir(self.root):
+                self.trainer.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
+                shutil.rmtree(self.root)
+            _barrier()
             return
         if t.resume_mode == "resume_path":
             if not os.path.isdir(t.resume_from_path):
@@ -181,6 +346,9 @@ class CheckpointManager:
         else:
             path = self.latest()
             if path is None:
+                legacy = sorted(glob.glob(os.path.join(self.root, "global_step_*", "trainer_state.pt")))
+                if legacy:  # an older meshppo's pickled checkpoint: say so rather than start over on it
+                    read_trainer_state(os.path.dirname(legacy[-1]))
                 return
         self.load(path)
         self.trainer.log(f"resumed from {path} at step {self.trainer.global_step}")

@@ -274,6 +274,10 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: int | None = opt(None, "not supported: the critic is saved and rotated with the actor "
                                               "(max_actor_ckpt_to_keep)", unsupported=lambda v: v is not None)
     log_val_generations: int = opt(0, "validation samples printed to the log", ge=0)
+    rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
+                                       "score, reward, advantage, ...)")
+    validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "
+                                          "gts, score, ...)")
     seed: int = opt(1, "global seed (model init, sampling)", ge=0)
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory")
     max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm",

@@ -255,8 +255,11 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """REINFORCE++ advantage (Hu 2025, https://arxiv.org/abs/2501.03262): discounted
     returns-to-go, whitened over the whole batch's valid tokens.
 
-    ``G_t = r_t + gamma * G_{t+1}``, with the running return reset to 0 at every masked
-    position (verl: after EOS, and between turns of a multi-turn response).
+    ``G_t = r_t + gamma * G_next``, where ``G_next`` is the return of the next *valid* token
+    (0 after the last). Masked positions follow GAE's rule: the running return passes
+    through them unchanged and undiscounted, as if they were absent, so an outcome reward
+    reaches the actions before an observation span of a multi-turn response (verl does the
+    same since verl-project/verl#7300). Rewards at masked positions are ignored.
 
     Args:
         token_level_rewards: ``[B, T]``.
@@ -271,9 +274,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
     returns = torch.zeros_like(rewards)
     running_return = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[-1])):
-        running_return = rewards[:, t] + gamma * running_return
+        running_return = torch.where(mask[:, t], rewards[:, t] + gamma * running_return, running_return)
         returns[:, t] = running_return
-        running_return = torch.where(mask[:, t], running_return, 0.0)
     returns = torch.where(mask, returns, 0.0)
     advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)
     return advantages, returns

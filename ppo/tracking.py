@@ -1,7 +1,11 @@
-"""Metric sinks: console progress bar, `metrics.jsonl`, TensorBoard, Weights & Biases.
+"""Metric sinks: console progress bar, `metrics.jsonl`, TensorBoard, Weights & Biases; the
+run directory's record of the run (`config.yaml`, `run_info.json`, the start-up banner) and
+the per-step sample dumps (verl's `trainer.rollout_data_dir` / `validation_data_dir`).
 
 Only rank 0 logs. `metrics.jsonl` gets one JSON object per step (verl's metric names) and
-is appended to, so a resumed run continues the same file.
+is appended to, so a resumed run continues the same file; when a run (re)starts at step S,
+lines of later steps (logged by an attempt that ended before its next checkpoint) are dropped,
+so that the file holds each step once.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -60,6 +66,73 @@ def _jsonable(v):
     return v
 
 
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=9", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def run_info(device: torch.device, world_size: int, local_world_size: int, dims, run_dir: str, step: int) -> dict:
+    """What a bug report needs about a run: versions, the world layout and the run directory.
+
+    `dims` is the run's `sharding.mesh.ParallelDims`; `step` the step the run starts from."""
+    cuda = torch.version.cuda if device.type == "cuda" else None
+    nccl = None
+    if device.type == "cuda":
+        try:
+            v = torch.cuda.nccl.version()  # a tuple; an int in older torch
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except (AttributeError, RuntimeError):
+            nccl = "unavailable"
+    return {
+        "meshppo": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+        "cuda": cuda, "nccl": nccl,
+        "device": device.type, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "world_size": world_size, "nodes": world_size // local_world_size, "ranks_per_node": local_world_size,
+        "fsdp": "HYBRID_SHARD" if dims.hsdp else "FULL_SHARD", "dp_shard": dims.dp_shard,
+        "dp_replicate": dims.dp_replicate, "tp": dims.tp, "rollout_dp": dims.rollout_dp,
+        "run_dir": os.path.abspath(run_dir), "start_step": step,
+    }
+
+
+def banner(info: dict) -> str:
+    """The start-up banner: three lines from `run_info`."""
+    gpu = f" ({info['gpu']})" if info["gpu"] else ""
+    accel = (f"CUDA {info['cuda']}, NCCL {info['nccl']}" if info["device"] == "cuda" else "CPU (no CUDA)")
+    replicate = f" x {info['dp_replicate']} replicas" if info["fsdp"] == "HYBRID_SHARD" else ""
+    start = f"resumed at step {info['start_step']}" if info["start_step"] else "fresh start"
+    def count(n, what):
+        return f"{n} {what}" + ("" if n == 1 else "s")
+
+    return "\n".join([
+        f"meshppo {info['meshppo']} | torch {info['torch']} | {accel} | python {info['python']}",
+        f"world: {count(info['world_size'], 'rank')} = {count(info['nodes'], 'node')} x {info['ranks_per_node']}, "
+        f"{info['device']}{gpu}, {info['backend']} | training: {info['fsdp']} over "
+        f"{count(info['dp_shard'], 'rank')}{replicate} | generation: TP {info['tp']} x "
+        f"{count(info['rollout_dp'], 'engine replica')}",
+        f"run directory: {info['run_dir']} ({start})",
+    ])
+
+
+def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
+    """Write one step's samples as `DUMP_DIR/{step}.jsonl` (verl's layout: one JSON object per
+    sample with `input`, `output`, `gts`, `score`, `step` and more); returns the path."""
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, f"{step}.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            # default=str: a ground truth from Parquet may be a NumPy value; a dump is for reading
+            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 class Tracking:
     def __init__(self, loggers: list[str], run_dir: str, project: str, experiment: str, config: dict,
                  total_steps: int, enabled: bool):
@@ -93,6 +166,33 @@ class Tracking:
                 self._bar = tqdm(total=total_steps, desc="ppo", dynamic_ncols=True, file=sys.stderr)
             except ImportError:
                 self._bar = None
+
+    def begin(self, step: int, resolved_config: str, info: dict) -> None:
+        """The run starts at `step` (0, or the resumed step): keep `metrics.jsonl` lines up to
+        it only (none on a fresh start), save the resolved config (`config.yaml`, loadable
+        with `--config`) and `run_info.json`, and print the banner."""
+        if not self.enabled:
+            return
+        metrics = self.run_dir / "metrics.jsonl"
+        if "jsonl" in self.loggers and metrics.is_file():
+            kept = []
+            with open(metrics) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # the torn last line of a killed attempt
+                    if step > 0 and isinstance(row, dict) and row.get("step", step + 1) <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+            tmp = metrics.with_name(metrics.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, metrics)
+        (self.run_dir / "config.yaml").write_text(resolved_config + "\n")
+        (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+        self.message(banner(info))
 
     def log(self, metrics: dict, step: int):
         if not self.enabled:

@@ -28,12 +28,12 @@ from kl import KLGuard, get_kl_controller, kl_penalty
 from ppo import faults
 from ppo.checkpointing import CheckpointManager
 from ppo.config import PPOConfig, validate
-from ppo.configlib import ConfigError
-from ppo.core_algos import get_adv_estimator_fn
+from ppo.configlib import ConfigError, to_commented_yaml
+from ppo.core_algos import get_adv_estimator_fn, masked_mean
 from ppo.launch import DistContext, init_distributed
 from ppo.rollout_data import Rollouts
 from ppo.setup import build_engine, build_models, build_rollout_fn
-from ppo.tracking import Timer, Tracking
+from ppo.tracking import Timer, Tracking, dump_generations, run_info
 from ppo.workers import PolicyWorker, ValueWorker, masked_mean_global, resident
 from sharding import comm
 from sharding.fsdp import offload_states
@@ -311,7 +311,7 @@ class PPOTrainer:
                     rewards = token_scores - beta * kld
                     current_kl = masked_mean_global(kld, mask)
                     self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
-                    metrics.update({"critic/kl": current_kl, "critic/kl_coef": beta})
+                    metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
                 ro.tensors["token_level_rewards"] = rewards
                 adv, ret = self._advantages(ro, idx, n_total)
                 ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
@@ -333,6 +333,9 @@ class PPOTrainer:
                                                      step=self.global_step + 1))
                 self.actor.scheduler.step()
             self._last_update_s = time.perf_counter() - t_update
+            if cfg.trainer.rollout_data_dir:
+                with timer("dump_rollout"):
+                    self._dump_rollouts(full, ro, idx, scores, extras)
         self.global_step += 1
         metrics.update(self._batch_metrics(ro, scores, extras))
         metrics.update(self.timer.pop())
@@ -340,6 +343,29 @@ class PPOTrainer:
         if arr.actor.use_kl_loss:
             metrics["actor/kl_coef"] = self.kl_loss_coef
         return metrics
+
+    def _dump_rollouts(self, full: Rollouts, ro: Rollouts, idx: list[int], scores: torch.Tensor, extras: dict):
+        """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step, written by rank 0;
+        `reward` is the score minus any KL-in-reward penalty, `advantage` the mean over the
+        response's tokens."""
+        mask = ro.response_mask
+        cols = [scores.double(), ro.tensors["token_level_rewards"].double().sum(-1),
+                masked_mean(ro.tensors["advantages"].double(), mask, axis=-1)]
+        cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in sorted(extras)]
+        per_sample = self._gather_rows(torch.stack(cols, dim=1), idx, len(full)).cpu().tolist()
+        if not self.ctx.is_main:
+            return
+        inputs = self.tokenizer.batch_decode(full.prompts, skip_special_tokens=True)
+        outputs = self.tokenizer.batch_decode(full.responses, skip_special_tokens=True)
+        rows = []
+        for i, vals in enumerate(per_sample):
+            row = {"input": inputs[i], "output": outputs[i], "gts": full.ground_truths[i], "score": vals[0],
+                   "reward": vals[1], "advantage": vals[2], "data_source": full.data_sources[i],
+                   "response_length": len(full.responses[i]), "finish_reason": full.finish_reasons[i],
+                   "step": self.global_step + 1}
+            row.update({k: v for k, v in zip(sorted(extras), vals[3:])})
+            rows.append(row)
+        dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
     def _advantages(self, ro: Rollouts, idx: list[int], n_total: int):
         """Advantages over the whole batch (whitening and group baselines are batch-wide), then
@@ -447,25 +473,36 @@ class PPOTrainer:
         items = [self.val_ds[i] for i in range(len(self.val_ds))]
         bs = self.cfg.data.val_batch_size or len(items)
         sums: dict[str, list[float]] = {}
+        dump_dir = self.cfg.trainer.validation_data_dir
+        dumped: list[dict] = []
         with self.timer("validate"):
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
                 ro = self._generate_all(chunk, validate=True, seed=self.cfg.trainer.seed)
                 texts = self.tokenizer.batch_decode(ro.responses, skip_special_tokens=True)
-                scores, _ = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths, ro.extra_infos)
+                scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
+                                                 ro.extra_infos)
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)
+                if dump_dir and self.ctx.is_main:
+                    inputs = self.tokenizer.batch_decode(ro.prompts, skip_special_tokens=True)
+                    for i in range(len(texts)):
+                        dumped.append({"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i],
+                                       "score": scores[i], "data_source": ro.data_sources[i],
+                                       "step": self.global_step, **{k: v[i] for k, v in extras.items()}})
                 if s == 0 and self.cfg.trainer.log_val_generations:
                     for k in range(min(self.cfg.trainer.log_val_generations, len(texts))):
                         prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
                         self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
+        if dumped:
+            dump_generations(dump_dir, self.global_step, dumped)
         out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
         out.update(self.timer.pop())
         return out
 
     # ------------------------------------------------------------------ loop
     def _apply_guard(self, metrics: dict) -> None:
-        kl = metrics.get("actor/ref_kl", metrics.get("critic/kl"))
+        kl = metrics.get("actor/ref_kl", metrics.get("actor/reward_kl_penalty"))
         if kl is None or not self.cfg.algorithm.kl_guard.enable:
             return
         decision = self.guard.check(kl)
@@ -494,6 +531,9 @@ class PPOTrainer:
     def train(self) -> int:
         t = self.cfg.trainer
         self.ckpt.maybe_resume()
+        self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
+                            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
+                                     self.run_dir, self.global_step))
         self._install_signal_handlers()
         if t.val_before_train and self.global_step == 0 and self.val_ds is not None:
             self.tracking.log(self.validate(), step=0)
@@ -545,8 +585,9 @@ def run(cfg: PPOConfig) -> int:
     from rewards import RewardError
 
     # An NCCL watchdog timeout aborts the process from a C++ thread: the Python stacks it prints
-    # then show the phase each rank was in.
-    faulthandler.enable()
+    # then show the phase each rank was in. The process's own stderr: sys.stderr may be a
+    # stream without a file descriptor (an in-process run whose output is captured).
+    faulthandler.enable(file=sys.__stderr__)
     ctx = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.nccl_timeout)
     try:
         trainer = PPOTrainer(cfg, ctx)

@@ -3,14 +3,17 @@
     python -m tools.plot RUN_DIR [--out DIR]
 
 Writes `reward.png` (train score and every `val/<data_source>/score`), `kl.png`
-(`actor/ppo_kl`, `actor/kl_loss`, `critic/kl`), `response_length.png` and
-`throughput.png` into `--out` (default: RUN_DIR). A plot whose metrics never appear is
-skipped. The x axis is `step` when the lines have one, else the line number.
+(`actor/ref_kl`, the KL to the reference that the progress bar shows, and `actor/ppo_kl`,
+`actor/kl_loss`, `actor/reward_kl_penalty`), `response_length.png` and `throughput.png`
+into `--out` (default: RUN_DIR). A plot whose metrics never appear is skipped. The x axis is
+`step` when the lines have one, else the line number. Throughput is per GPU on a GPU run and
+per rank on a CPU run (`run_info.json`, written by the trainer, says which).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -45,11 +48,23 @@ _VAL_SCORE = re.compile(r"^val/.+/score$")
 PLOTS = (
     PlotSpec("reward.png", "Reward", "score",
              lambda key: key == "critic/score/mean" or bool(_VAL_SCORE.match(key))),
-    PlotSpec("kl.png", "KL", "KL", _one_of("actor/ppo_kl", "actor/kl_loss", "critic/kl")),
+    PlotSpec("kl.png", "KL", "KL",
+             _one_of("actor/ref_kl", "actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     PlotSpec("response_length.png", "Response length", "tokens",
              _one_of("response_length/mean", "response_length/max", "response_length/min")),
-    PlotSpec("throughput.png", "Throughput", "tokens / s / GPU", _one_of("perf/throughput")),
+    PlotSpec("throughput.png", "Throughput", "tokens / s / {worker}", _one_of("perf/throughput")),
 )
+
+
+def _worker(run_dir: str) -> str:
+    """What `perf/throughput` is counted per: "GPU" on CUDA runs, "CPU rank" on CPU runs, and
+    "rank" when the run directory does not say (no readable `run_info.json`)."""
+    try:
+        with open(os.path.join(run_dir, "run_info.json")) as f:
+            device = json.load(f).get("device")
+    except (OSError, ValueError, AttributeError):
+        return "rank"
+    return {"cuda": "GPU", "cpu": "CPU rank"}.get(device, "rank")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -104,7 +119,7 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
             ax.plot(xs, ys, label=key, marker="o" if len(xs) <= 30 else None, markersize=3)
         ax.set_title(f"{spec.title} — {os.path.basename(os.path.abspath(run_dir))}")
         ax.set_xlabel("step")
-        ax.set_ylabel(spec.ylabel)
+        ax.set_ylabel(spec.ylabel.format(worker=_worker(run_dir)))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()

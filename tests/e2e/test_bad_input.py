@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics
@@ -101,10 +100,10 @@ def test_resume_from_a_different_model_is_refused(tiny_assets, tmp_path, capsys)
     run = tmp_path / "run"
     code, err = _run(demo_args(tiny_assets, run, *BASE, "trainer.export_hf_at_end=false"), capsys)
     assert code == 0, err
-    state_file = run / "checkpoints" / "global_step_1" / "trainer_state.pt"
-    state = torch.load(state_file, weights_only=False)
+    state_file = run / "checkpoints" / "global_step_1" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
     state["model"]["hidden_size"] += 32  # as if written by a wider model
-    torch.save(state, state_file)
+    state_file.write_text(json.dumps(state))
     before = sorted(os.listdir(run / "checkpoints"))
     code, err = _run(demo_args(tiny_assets, run, *BASE, "trainer.total_training_steps=2"), capsys)
     assert code == 1 and "belongs to a different model" in err, err

@@ -50,7 +50,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, refer
     r = torchrun(demo_args(tiny_assets, run, *COMMON, f"trainer.preemption_grace_s={grace}"),
                  env_extra={"MESHPPO_FAULTS": "sigterm@2:0"})
     assert r.returncode == 0, r.stderr[-4000:]
-    assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.pt")
+    assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.json")
     assert [row["step"] for row in read_metrics(run)] == list(range(1, saved_step + 1))
     r = torchrun(demo_args(tiny_assets, run, *COMMON))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -74,6 +74,8 @@ def test_crash_inside_checkpoint_write_keeps_previous(tiny_assets, tmp_path):
     assert "resumed from" in r.stderr and "global_step_2" in r.stderr
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not (ckpts / "global_step_4.tmp").exists()
+    # steps 3 and 4 were logged before the crash and again after the resume: each is kept once
+    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
 
 
 def test_nan_gradient_skips_the_step_everywhere(tiny_assets, tmp_path):

@@ -3,6 +3,7 @@ configured action happens and is logged. warn_kl=1e-9 makes every step after the
 KL to the reference is exactly 0) trigger the warning action."""
 
 import pytest
+import torch
 
 import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics
@@ -48,9 +49,40 @@ def test_stop_ends_the_run_with_exit_code_3(tiny_assets, tmp_path, capsys):
     assert [row["step"] for row in read_metrics(tmp_path / "s")] == [1]
 
 
+def _actor_checkpoint(run, step):
+    """The actor's weights and optimizer state saved at `step`, as plain tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run / f"actor_{step}.pt"
+    dcp_to_torch_save(run / "checkpoints" / f"global_step_{step}" / "actor", out)
+    return torch.load(out, weights_only=True)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_rollback_restores_the_last_checkpoint_and_moves_on(tiny_assets, tmp_path, capsys):
-    code, err = _run(tiny_assets, tmp_path / "b", capsys, "algorithm.kl_guard.warn_action=rollback",
-                     "trainer.save_freq=1")
+    run = tmp_path / "b"
+    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1")
     assert code == 0, err
     assert "rolled back the models to" in err and "global_step_1" in err
-    assert [row["step"] for row in read_metrics(tmp_path / "b")] == [1, 2, 3]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3]  # the step counter moved on
+    assert [row.get("kl_guard/action") for row in rows] == [None, "rollback", "rollback"]
+    # Steps 2 and 3 updated the actor (non-zero gradients, AdamW), and each update was undone
+    # before its checkpoint: checkpoints 2 and 3 hold step 1's weights and optimizer state.
+    assert all(row["actor/grad_norm"] > 0 for row in rows[1:])
+    first = _actor_checkpoint(run, 1)
+    moments = [state["exp_avg"] for state in first["optim"]["state"].values()]
+    assert moments and any(m.abs().sum() > 0 for m in moments)
+    for step in (2, 3):
+        later = _actor_checkpoint(run, step)
+        assert _equal(later["model"], first["model"]), step
+        assert _equal(later["optim"], first["optim"]), step

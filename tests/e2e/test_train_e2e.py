@@ -32,7 +32,8 @@ def _check_finite(rows, keys):
     ("grpo", [], ["actor/kl_loss", "timing_s/ref"]),
     ("kl_in_reward_adaptive", ["actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
                                "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
-                               "algorithm.adv_estimator=rloo"], ["critic/kl", "critic/kl_coef", "timing_s/ref"]),
+                               "algorithm.adv_estimator=rloo"],
+     ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/ref"]),
 ])
 def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides, extra_keys):
     run = tmp_path / name
@@ -47,7 +48,7 @@ def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides
     assert os.path.isfile(run / "hf_actor" / "config.json")
     if name == "kl_in_reward_adaptive":
         # the adaptive controller moved the coefficient between the two steps
-        assert rows[0]["critic/kl_coef"] != rows[1]["critic/kl_coef"]
+        assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
 
 
 def test_demo_learns(demo_assets, tmp_path):

@@ -39,6 +39,36 @@ def test_token_budget_partitions_respects_budget_and_min_parts():
     assert sorted(map(sorted, lonely)) == [[0], [1]]
 
 
+def test_token_budget_rebalance_keeps_the_budget():
+    # First-fit decreasing needs 2 parts; balancing them longest-first without the budget
+    # used to give loads [11, 9].
+    costs = [7, 3, 3, 3, 2, 2]
+    parts = token_budget_partitions(costs, 10)
+    assert sorted(sum(costs[i] for i in p) for p in parts) == [10, 10]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_budget_partitions_random_inputs_keep_the_promise(seed):
+    rng = random.Random(seed)
+    for _ in range(500):
+        budget = rng.randint(4, 64)
+        costs = [rng.randint(1, budget + budget // 4) for _ in range(rng.randint(1, 40))]
+        base = token_budget_partitions(costs, budget)
+        min_parts = rng.randint(1, len(base) + 3)
+        parts = token_budget_partitions(costs, budget, min_parts=min_parts)
+        # the count every rank agrees on: the minimal one, raised to min_parts
+        assert len(parts) == max(len(base), min_parts)
+        assert sorted(i for p in parts for i in p) == list(range(len(costs)))
+        for p in parts:
+            load = sum(costs[i] for i in p)
+            assert load <= budget or len(p) == 1, (costs, budget, min_parts, parts)
+        # not wasteful either: any two first-fit parts hold more than the budget together,
+        # and an item above the budget has a part of its own
+        fitting = sum(c for c in costs if c <= budget)
+        oversize = sum(1 for c in costs if c > budget)
+        assert len(base) <= oversize + 2 * -(-fitting // budget)
+
+
 def _rollouts(n=8, seed=0, vocab=41):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()

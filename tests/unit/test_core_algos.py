@@ -219,7 +219,7 @@ def test_rloo_matches_reference():
 
 
 def test_reinforce_plus_plus_matches_reference():
-    rewards = rand(*MASK.shape, seed=5)
+    rewards = rand(*MASK.shape, seed=5).masked_fill(MASK == 0, 123.0)  # rewards outside the mask are ignored
     gamma = 0.9
     advantages, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, MASK, gamma)
     r = rewards.tolist()
@@ -227,11 +227,9 @@ def test_reinforce_plus_plus_matches_reference():
     for i in range(6):
         running = 0.0
         for t in reversed(range(7)):
-            if MASK[i, t]:
+            if MASK[i, t]:  # a masked position is skipped: the return carries across it
                 running = r[i][t] + gamma * running
                 ref_returns[i][t] = running
-            else:
-                running = 0.0  # reset at every masked position (verl)
     white = ref_whiten(ref_returns, MASK)
     for i in range(6):
         for t in range(7):
@@ -240,6 +238,44 @@ def test_reinforce_plus_plus_matches_reference():
                 assert advantages[i, t].item() == pytest.approx(white[i][t], rel=1e-8, abs=1e-10)
             else:
                 assert returns[i, t].item() == 0.0 and advantages[i, t].item() == 0.0
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's valid positions moved to the front, in order (the row without its holes)."""
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        pos = valid_positions(mask[i])
+        out[i, :len(pos)] = x[i, pos]
+    return out
+
+
+def test_gae_and_reinforce_plus_plus_treat_a_hole_as_absent():
+    """One rule for masked tokens: a response with an observation span (a hole in the mask)
+    gets, on its valid tokens, exactly what the same response without the span gets."""
+    mask = make_mask([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 1], [1, 1, 1, 0, 0, 0, 0],
+                      [0, 0, 1, 1, 1, 1, 1]])
+    compact_mask = _compact(mask, mask)
+    rewards = rand(*mask.shape, seed=11)
+    values = rand(*mask.shape, seed=12)
+    # The outcome reward on each row's last valid token, as the trainer places it.
+    outcome = torch.zeros_like(rewards)
+    for i in range(mask.shape[0]):
+        outcome[i, valid_positions(mask[i])[-1]] = 1.0 + i
+    for r in (rewards, outcome):
+        with_hole = {"gae": compute_gae_advantage_return(r, values, mask, 0.9, 0.8),
+                     "reinforce++": compute_reinforce_plus_plus_outcome_advantage(r, mask, 0.9)}
+        r_c, v_c = _compact(r, mask), _compact(values, mask)
+        without = {"gae": compute_gae_advantage_return(r_c, v_c, compact_mask, 0.9, 0.8),
+                   "reinforce++": compute_reinforce_plus_plus_outcome_advantage(r_c, compact_mask, 0.9)}
+        for name, (adv, ret) in with_hole.items():
+            adv_c, ret_c = without[name]
+            torch.testing.assert_close(_compact(ret, mask), ret_c, rtol=1e-12, atol=1e-12, msg=name)
+            torch.testing.assert_close(_compact(adv, mask), adv_c, rtol=1e-12, atol=1e-12, msg=name)
+    # Hand values, gamma 0.5: reward 1 on the last token of [a, a, obs, obs, a, a] reaches the
+    # first action as 0.5^3 (three valid steps later), not 0 (a reset) nor 0.5^5 (the span counted).
+    _, ret = compute_reinforce_plus_plus_outcome_advantage(torch.tensor([[0, 0, 0, 0, 0, 1.0]], dtype=F64),
+                                                            make_mask([[1, 1, 0, 0, 1, 1]]), 0.5)
+    torch.testing.assert_close(ret, torch.tensor([[0.125, 0.25, 0, 0, 0.5, 1.0]], dtype=F64))
 
 
 def test_reinforce_plus_plus_baseline_matches_reference():

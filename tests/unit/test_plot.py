@@ -65,3 +65,39 @@ def test_missing_file_and_nothing_to_plot_exit_1(tmp_path, capsys):
     _write_metrics(tmp_path / "run", [{"step": 1, "timing_s/gen": 2.0}])
     assert main([str(tmp_path / "run")]) == 1
     assert "no plottable metrics" in capsys.readouterr().err
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The y label and legend of every figure plot_run saves, by file name."""
+    import matplotlib.figure
+
+    seen = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kwargs):
+        ax = fig.axes[0]
+        seen[str(path).rsplit("/", 1)[-1]] = (ax.get_ylabel(), [t.get_text() for t in ax.get_legend().get_texts()])
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    return seen
+
+
+@pytest.mark.parametrize("device,worker", [("cpu", "CPU rank"), ("cuda", "GPU"), (None, "rank")])
+def test_throughput_label_names_what_the_run_ran_on(tmp_path, drawn, device, worker):
+    run = tmp_path / "run"
+    _write_metrics(run, [{"step": 1, "perf/throughput": 10.0}, {"step": 2, "perf/throughput": 12.0}])
+    if device is not None:  # the trainer writes run_info.json; an older run directory has none
+        (run / "run_info.json").write_text(json.dumps({"device": device, "world_size": 2}))
+    plot_run(run)
+    assert drawn["throughput.png"][0] == f"tokens / s / {worker}"
+
+
+def test_kl_plot_shows_the_progress_bar_kl_and_the_kl_in_reward(tmp_path, drawn):
+    run = tmp_path / "run"
+    _write_metrics(run, [{"step": s, "actor/ref_kl": 0.01 * s, "actor/ppo_kl": 0.001, "actor/reward_kl_penalty": 0.02,
+                          "actor/reward_kl_penalty_coeff": 0.001} for s in (1, 2, 3)])
+    plot_run(run)
+    # the coefficient is not a KL: it stays off the KL axis
+    assert sorted(drawn["kl.png"][1]) == ["actor/ppo_kl", "actor/ref_kl", "actor/reward_kl_penalty"]

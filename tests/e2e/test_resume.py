@@ -1,0 +1,179 @@
+"""What a user meets when a run directory already holds a run: resume only the same run (with
+a message naming what changed), `resume_mode=disable` starting over, a crafted checkpoint
+refused, the per-step sample dumps, and resuming on another world size (torchrun)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_ppo
+from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.unit.test_checkpoint_state import _Payload
+
+BATCH = 16
+# In-process runs at world size 1 on the untrained tiny model: two steps, a checkpoint at the end.
+BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", f"data.train_batch_size={BATCH}", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "actor_rollout_ref.rollout.n=4",
+        "trainer.export_hf_at_end=false"]
+LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return {'score': float(len(solution_str)), 'has_digit': float(any(c.isdigit() for c in "
+                 "solution_str))}\n")
+
+
+def _main(assets, run, capsys, *extra):
+    # The untrained model never solves the task: reward the response length, so that scores
+    # and advantages are not all zero. (The reward file's path is part of what makes the run.)
+    reward = run.parent.parent / "reward.py"
+    reward.write_text(LENGTH_REWARD)
+    code = train_ppo.main(demo_args(assets, run, *BASE, f"custom_reward_function.path={reward}", *extra))
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tiny_assets, tmp_path_factory):
+    """A finished 2-step GRPO run, with validation and sample dumps; tests work on copies."""
+    root = tmp_path_factory.mktemp("resume")
+    (root / "reward.py").write_text(LENGTH_REWARD)
+    code = train_ppo.main(demo_args(tiny_assets, root / "base" / "run", *BASE,
+                                    f"custom_reward_function.path={root / 'reward.py'}",
+                                    "trainer.val_before_train=true", "trainer.test_freq=2",
+                                    # sampled validation: responses of several lengths to score
+                                    "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                    "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+                                    f"trainer.rollout_data_dir={root / 'rollouts'}",
+                                    f"trainer.validation_data_dir={root / 'validation'}"))
+    assert code == 0
+    return root
+
+
+def _copy(two_step_run, name):
+    """A copy of the base run next to it (the same reward file)."""
+    run = two_step_run / name / "run"
+    shutil.copytree(two_step_run / "base" / "run", run)
+    return run
+
+
+def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_run, capsys):
+    run = _copy(two_step_run, "changed")
+    before = (run / "checkpoints" / "global_step_2" / "trainer_state.json").read_text()
+    code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo",
+                      "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.total_training_steps=3")
+    assert code == 1
+    assert "comes from a run with other training settings (actor_rollout_ref.actor.optim.lr: 0.0001 -> 0.001; " \
+           "algorithm.adv_estimator: 'grpo' -> 'rloo')" in err
+    assert "trainer.default_local_dir" in err and "trainer.resume_mode=disable" in err
+    # nothing of the refused run was kept
+    assert (run / "checkpoints" / "global_step_2" / "trainer_state.json").read_text() == before
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]  # validation before step 1 and with step 2
+    assert "adv_estimator: grpo" in (run / "config.yaml").read_text()
+
+    # more steps, another logger and smaller micro-batches: the same run, continued
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3", "trainer.logger=[console,jsonl]",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
+    assert code == 0, err
+    assert "resumed from" in err and "(resumed at step 2)" in err
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH}
+
+
+def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run, capsys):
+    run = _copy(two_step_run, "disabled")
+    code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo", "trainer.resume_mode=disable",
+                      "trainer.total_training_steps=1")
+    assert code == 0, err
+    assert "deleting the earlier run's checkpoints" in err and "(fresh start)" in err
+    assert [r["step"] for r in read_metrics(run)] == [1]
+    assert sorted(os.listdir(run / "checkpoints")) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+    assert "adv_estimator: rloo" in (run / "config.yaml").read_text()
+    # and the new run is the one that resumes
+    code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run, tmp_path, capsys):
+    run = _copy(two_step_run, "crafted")
+    marker = str(tmp_path / "pwned")
+    rng = run / "checkpoints" / "global_step_2" / "rng" / "rank_0.pt"
+    torch.save({"python": _Payload(marker)}, rng)
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 1
+    assert f"meshppo: error (rank 0): RNG state file '{rng}' was refused" in err and "could run code" in err
+    assert not os.path.exists(marker)
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rollout_and_validation_dumps_agree_with_the_metrics(two_step_run):
+    rows = read_metrics(two_step_run / "base" / "run")
+    assert sorted(os.listdir(two_step_run / "rollouts")) == ["1.jsonl", "2.jsonl"]
+    assert sorted(os.listdir(two_step_run / "validation")) == ["0.jsonl", "2.jsonl"]
+    for step in (1, 2):
+        dumped = _lines(two_step_run / "rollouts" / f"{step}.jsonl")
+        (metrics,) = [r for r in rows if r["step"] == step and "critic/score/mean" in r]
+        assert len(dumped) == BATCH * 4 and {d["step"] for d in dumped} == {step}
+        assert {"input", "output", "gts", "score", "reward", "advantage", "has_digit"} <= set(dumped[0])
+        assert all(d["score"] == float(len(d["output"])) for d in dumped)  # the length reward
+        assert sum(d["score"] for d in dumped) / len(dumped) == pytest.approx(metrics["critic/score/mean"], rel=1e-9)
+        # the token-weighted mean of the per-sample advantages is the logged masked mean
+        tokens = sum(d["response_length"] for d in dumped)
+        adv = sum(d["advantage"] * d["response_length"] for d in dumped) / tokens
+        assert adv == pytest.approx(metrics["critic/advantages/mean"], rel=1e-6, abs=1e-9)
+        # GRPO: each prompt's advantages are centred on its group
+        by_prompt = {}
+        for d in dumped:
+            by_prompt.setdefault(d["input"], []).append(d["advantage"])
+        assert all(abs(sum(a)) < 1e-4 for a in by_prompt.values())
+    for step in (0, 2):
+        dumped = _lines(two_step_run / "validation" / f"{step}.jsonl")
+        (val,) = [r for r in rows if r["step"] == step and "val/meshppo/demo_add/score" in r]
+        assert len(dumped) == 16 and {d["data_source"] for d in dumped} == {"meshppo/demo_add"}
+        assert all(d["score"] == float(len(d["output"])) for d in dumped)
+        assert sum(d["score"] for d in dumped) / 16 == pytest.approx(val["val/meshppo/demo_add/score"], rel=1e-9)
+
+
+# ---------------------------------------------------------------------- another world size
+WORLD = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+         f"data.train_batch_size={BATCH}", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
+         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr_warmup_steps=4"]
+
+
+def _weights(run):
+    return load_file(str(run / "hf_actor" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("before,after,then_train", [(4, 2, False), (2, 1, True)])
+def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then_train):
+    run = tmp_path / "run"
+    r = torchrun(demo_args(tiny_assets, run, *WORLD, f"trainer.n_gpus_per_node={before}"), nproc=before)
+    assert r.returncode == 0, r.stderr[-4000:]
+    saved = _weights(run)
+    # Resumed on `after` ranks with nothing left to train, the exported actor is the
+    # checkpoint's, bit for bit (DCP reshards the FSDP shards on load).
+    r = torchrun(demo_args(tiny_assets, run, *WORLD, f"trainer.n_gpus_per_node={after}"), nproc=after)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"world: {after} rank" in r.stderr and "(resumed at step 2)" in r.stderr
+    loaded = _weights(run)
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    if not then_train:  # what follows does not depend on the world sizes: once is enough
+        return
+    # One more step continues the schedule (warm-up: lr x 3/4 at step 3) and the data.
+    r = torchrun(demo_args(tiny_assets, run, *WORLD, f"trainer.n_gpus_per_node={after}",
+                           "trainer.total_training_steps=3"), nproc=after)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["actor/lr"] for row in rows] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)
+    state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH} and state["world_size"] == after

@@ -1,0 +1,141 @@
+"""ppo.checkpointing without a trainer: which options make "the same run", and trainer
+state that cannot run code (JSON, and RNG files loaded with weights_only)."""
+
+import dataclasses
+import json
+import os
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ppo.checkpointing import (
+    NOT_SAME_RUN_OPTIONS,
+    CheckpointManager,
+    SAME_RUN_OPTIONS,
+    _rng_state,
+    _set_rng_state,
+    read_rng_state,
+    read_trainer_state,
+    run_differences,
+    same_run_keys,
+)
+from ppo.config import PPOConfig
+from ppo.configlib import iter_options
+from ppo.trainer import UserError
+
+ALL_KEYS = [key for key, *_ in iter_options(PPOConfig)]
+
+
+def test_every_listed_option_exists():
+    # a misspelt entry would silently leave an option out of (or in) the check
+    for prefix in SAME_RUN_OPTIONS + NOT_SAME_RUN_OPTIONS:
+        assert any(k == prefix or k.startswith(prefix + ".") for k in ALL_KEYS), prefix
+
+
+def test_what_makes_the_same_run():
+    keys = {k for k, _ in same_run_keys()}
+    # what the issue names: model, data, algorithm and KL settings, batch sizes, n, learning rate
+    for k in ("actor_rollout_ref.model.path", "data.train_files", "data.max_response_length", "data.seed",
+              "data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
+              "actor_rollout_ref.actor.optim.lr", "critic.optim.lr", "algorithm.adv_estimator", "algorithm.gamma",
+              "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef", "actor_rollout_ref.actor.use_kl_loss",
+              "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.clip_ratio",
+              "actor_rollout_ref.rollout.temperature", "custom_reward_function.path", "reward_model.path",
+              "trainer.seed"):
+        assert k in keys, k
+    # how long, where, how it executes, what is logged: free to change on resume
+    for k in ("trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq",
+              "trainer.logger", "trainer.default_local_dir", "trainer.resume_mode", "trainer.n_gpus_per_node",
+              "trainer.rollout_data_dir", "trainer.validation_data_dir", "data.val_files",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+              "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+              "actor_rollout_ref.actor.optim.total_training_steps", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+              "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.val_kwargs.temperature",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"):
+        assert k in ALL_KEYS and k not in keys, k
+
+
+def test_run_differences_lists_changed_training_options_only():
+    saved = PPOConfig()
+    current = PPOConfig()
+    current.algorithm.adv_estimator = "rloo"
+    current.actor_rollout_ref.actor.optim.lr = 1e-4
+    current.trainer.total_training_steps = 100  # extends the run
+    current.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 4  # execution only
+    diffs = run_differences(dataclasses.asdict(saved), dataclasses.asdict(current))
+    assert diffs == [("actor_rollout_ref.actor.optim.lr", 1e-6, 1e-4), ("algorithm.adv_estimator", "gae", "rloo")]
+    assert run_differences(dataclasses.asdict(current), dataclasses.asdict(current)) == []
+    # an option the checkpoint predates ran at its default
+    old = dataclasses.asdict(saved)
+    del old["algorithm"]["norm_adv_by_std_in_grpo"]
+    assert run_differences(old, dataclasses.asdict(saved)) == []
+    current = PPOConfig()
+    current.algorithm.norm_adv_by_std_in_grpo = False
+    assert run_differences(old, dataclasses.asdict(current)) == [("algorithm.norm_adv_by_std_in_grpo", True, False)]
+
+
+class _Payload:
+    """A pickle that creates a directory when it is unpickled (what a malicious one could do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_a_crafted_rng_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = str(tmp_path / "pwned")
+    path = tmp_path / "rank_0.pt"
+    torch.save({"python": _Payload(marker), "torch": torch.get_rng_state()}, path)
+    with pytest.raises(UserError, match=r"rank_0\.pt' was refused: .*could run code \(.*posix\.mkdir"):
+        read_rng_state(str(path))
+    assert not os.path.exists(marker)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match=r"was refused: .*\(Unsupported operand"):
+        read_rng_state(str(path))
+
+
+def test_rng_state_round_trips_through_weights_only(tmp_path):
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # a cached Gaussian is part of numpy's state
+    torch.save(_rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    _set_rng_state(read_rng_state(str(tmp_path / "rng.pt")))
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_trainer_state_is_json_and_an_old_pickle_is_not_loaded(tmp_path):
+    step = tmp_path / "global_step_3"
+    step.mkdir()
+    with pytest.raises(UserError, match="does not exist or is incomplete"):
+        read_trainer_state(str(step))
+    marker = str(tmp_path / "pwned")
+    torch.save({"global_step": _Payload(marker)}, step / "trainer_state.pt")
+    with pytest.raises(UserError, match=r"trainer_state\.pt.*pickles are not loaded because they can run code"):
+        read_trainer_state(str(step))
+    assert not os.path.exists(marker)
+    (step / "trainer_state.json").write_text('{"global_step": 3')
+    with pytest.raises(UserError, match="is not readable JSON"):
+        read_trainer_state(str(step))
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 3, "loader": {"epoch": 0, "position": 8}}))
+    assert read_trainer_state(str(step))["loader"] == {"epoch": 0, "position": 8}
+
+
+def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
+    """resume_mode=auto finds no checkpoint it may load; it must not start over silently on
+    top of an older meshppo's run (whose trainer state was a pickle)."""
+    (tmp_path / "global_step_4").mkdir()
+    torch.save({"global_step": 4}, tmp_path / "global_step_4" / "trainer_state.pt")
+    trainer = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="auto")))
+    with pytest.raises(UserError, match=r"global_step_4' stores its trainer state as a pickle"):
+        CheckpointManager(trainer, str(tmp_path)).maybe_resume()
+    CheckpointManager(trainer, str(tmp_path / "empty")).maybe_resume()  # nothing there: a fresh start

@@ -1,0 +1,174 @@
+"""ppo.tracking: what each sink writes, read back (metrics.jsonl, progress bar, TensorBoard,
+wandb offline), the run directory's record (config.yaml, run_info.json, banner) and dumps."""
+
+import dataclasses
+import glob
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ppo.config import PPOConfig
+from ppo.configlib import load_config, to_commented_yaml
+from ppo.tracking import Tracking, banner, dump_generations, run_info
+
+ROW = {"critic/score/mean": 0.5, "actor/ref_kl": 0.0123, "perf/throughput": 1234.0,
+       "val/meshppo/demo_add/score": 0.45}
+
+
+def _info(run_dir, step=0):
+    dims = SimpleNamespace(hsdp=False, dp_shard=2, dp_replicate=1, tp=1, rollout_dp=2)
+    return run_info(torch.device("cpu"), 2, 2, dims, str(run_dir), step)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_begin_keeps_metrics_up_to_the_start_step_and_records_the_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    # steps 0..4 from an attempt that checkpointed step 2, then died mid-write of step 5
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5))
+                                       + '{"step": 5, "x"')
+    cfg = PPOConfig()
+    cfg.algorithm.adv_estimator = "rloo"
+    t = Tracking(["jsonl"], str(run), "p", "e", {}, 10, enabled=True)
+    t.begin(2, to_commented_yaml(cfg), _info(run, 2))
+    assert [r["step"] for r in _lines(run / "metrics.jsonl")] == [0, 1, 2]
+    t.log({"x": 3}, step=3)
+    assert [r["step"] for r in _lines(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    # the saved config is the resolved one, and loads back as the same config
+    assert dataclasses.asdict(load_config(PPOConfig, run / "config.yaml")) == dataclasses.asdict(cfg)
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["device"] == "cpu" and info["world_size"] == 2 and info["run_dir"] == str(run.resolve())
+    assert info["torch"] == torch.__version__ and info["start_step"] == 2
+    err = capsys.readouterr().err
+    assert f"torch {torch.__version__}" in err and "CPU (no CUDA)" in err
+    assert "world: 2 ranks = 1 node x 2, cpu" in err and "FULL_SHARD over 2 ranks" in err
+    assert f"run directory: {run.resolve()} (resumed at step 2)" in err
+    # a fresh start keeps nothing of an earlier run
+    Tracking(["jsonl"], str(run), "p", "e", {}, 10, enabled=True).begin(0, "{}", _info(run))
+    assert (run / "metrics.jsonl").read_text() == ""
+
+
+def test_banner_of_a_gpu_hsdp_run():
+    info = {"meshppo": "abc", "torch": "2.13", "python": "3.11", "cuda": "12.8", "nccl": "2.27.3", "device": "cuda",
+            "gpu": "NVIDIA H200", "backend": "nccl", "world_size": 16, "nodes": 2, "ranks_per_node": 8,
+            "fsdp": "HYBRID_SHARD", "dp_shard": 8, "dp_replicate": 2, "tp": 2, "rollout_dp": 8, "run_dir": "/r",
+            "start_step": 0}
+    assert banner(info).splitlines() == [
+        "meshppo abc | torch 2.13 | CUDA 12.8, NCCL 2.27.3 | python 3.11",
+        "world: 16 ranks = 2 nodes x 8, cuda (NVIDIA H200), nccl | training: HYBRID_SHARD over 8 ranks x 2 "
+        "replicas | generation: TP 2 x 8 engine replicas",
+        "run directory: /r (fresh start)"]
+
+
+def test_dump_generations_writes_verl_layout(tmp_path):
+    rows = [{"input": "1+2=", "output": "3", "gts": "3", "score": 1.0, "acc": float("nan"), "step": 7},
+            {"input": "2+2=", "output": "5", "gts": "4", "score": 0.0, "acc": 0.0, "step": 7}]
+    path = dump_generations(str(tmp_path / "dumps"), 7, rows)
+    assert path == str(tmp_path / "dumps" / "7.jsonl")
+    back = _lines(tmp_path / "dumps" / "7.jsonl")
+    assert back[1] == rows[1] and back[0]["acc"] is None  # NaN is not JSON
+
+
+def _bar_text(err: str) -> str:
+    return err.replace("\r", "\n").strip().splitlines()[-1]
+
+
+def test_progress_bar_shows_reward_kl_throughput_and_validation(tmp_path, capsys):
+    t = Tracking(["console"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    t.log(ROW, step=3)
+    line = _bar_text(capsys.readouterr().err)
+    assert "3/10" in line
+    assert "reward=0.5, kl=0.0123, tok/s=1234, demo_add_val=0.450" in line
+    t.close()
+
+
+def test_progress_without_tqdm_prints_one_line_per_step(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    t = Tracking(["console"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    t.log(ROW, step=3)
+    assert capsys.readouterr().err == ("step 3: {'reward': '0.5', 'kl': '0.0123', 'tok/s': '1234'} "
+                                       "{'demo_add_val': '0.450'}\n")
+
+
+def test_other_ranks_write_nothing(tmp_path, capsys):
+    t = Tracking(["console", "jsonl"], str(tmp_path / "r1"), "p", "e", {}, 10, enabled=False)
+    t.begin(0, "{}", _info(tmp_path))
+    t.log(ROW, step=1)
+    t.close()
+    assert not (tmp_path / "r1").exists() and capsys.readouterr().err == ""
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracking(["tensorboard"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    for step in (1, 2, 3):
+        t.log({"critic/score/mean": 0.25 * step, "kl_guard/action": "warn"}, step=step)
+    t.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["critic/score/mean"]  # a string is not a scalar
+    events = acc.Scalars("critic/score/mean")
+    assert [(e.step, e.value) for e in events] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def _wandb_records(path):
+    """The protobuf records of a `.wandb` file: a 7-byte ":W&B" header, then LevelDB's log
+    format (32 KiB blocks of chunks with a 7-byte header: crc32c, length, type)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, pending, records = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # Tracking makes it offline by default
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = Tracking(["wandb"], str(tmp_path), "proj", "exp", {"algorithm": {"adv_estimator": "grpo"}}, 10, enabled=True)
+    for step in (1, 2):
+        t.log({"critic/score/mean": 0.5 * step, "actor/ref_kl": 0.01}, step=step)
+    t.close()
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    # wandb's service process may still be flushing the file when finish() returns
+    deadline = time.monotonic() + 60
+    while (records := _wandb_records(path))[-1:] == [] or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the offline run file never got its exit record"
+        time.sleep(0.2)
+    history, config = [], {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind == "run":
+            assert record.run.project == "proj" and record.run.display_name == "exp"
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    assert [(h["_step"], h["critic/score/mean"], h["actor/ref_kl"]) for h in history] == [(1, 0.5, 0.01),
+                                                                                         (2, 1.0, 0.01)]
+    assert config["algorithm"] == {"adv_estimator": "grpo"}
