@@ -15,10 +15,8 @@ engine tensors only). Any other call site fails with its file and line.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -101,18 +99,8 @@ def _body(rank, world_size, assets, run_root):
     assert own, "no collective went through sharding/comm.py or the engine: the trace is not wired"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_assets")
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), "--sft-max-steps", "0",
-                        "--n-train", "64", "--n-val", "8", "--layers", "1", "--hidden", "32"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
-
-
-def test_trainer_collectives_go_through_comm(tiny, tmp_path):
-    run_distributed(_body, 2, str(tiny), str(tmp_path), timeout=600)
+def test_trainer_collectives_go_through_comm(tiny_assets, tmp_path):
+    run_distributed(_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
 
 
 def test_tracer_catches_a_direct_collective():
