@@ -250,15 +250,17 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = opt(None, "importance weights pi_old / pi_rollout on the policy loss: token, sequence "
                                        "(one product per sequence), or null (off)",
                                  choices=(*ROLLOUT_IS_LEVELS, None))
-    rollout_is_threshold: str | float = opt(2.0, "weights are truncated at this bound (TIS), or with 'lower_upper' "
-                                                 "(quoted, e.g. '0.5_2.0') zeroed outside it (IcePop)")
+    rollout_is_threshold: str | float = opt(2.0, "weights above it are truncated to it (TIS); 'lower_upper' zeroes "
+                                                 "them outside (IcePop): write a decimal point in each bound, "
+                                                 "0.5_2.0 (YAML reads 0.5_2 as the number 0.52)")
     rollout_is_batch_normalize: bool = opt(False, "not supported: must be false", unsupported=bool)
     rollout_rs: str | None = opt(None, "rejection sampling, comma-separated: token_k1/k2/k3, seq_sum_k1/k2/k3, "
                                        "seq_mean_k1/k2/k3, seq_max_k2/k3 (k1: log-ratio, k2: its square / 2, "
                                        "k3: KL estimate); null: off")
     rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs, one shared or one per option "
-                                                         "(comma-separated): k1 'lower_upper' on the ratio or C "
-                                                         "for [1/C, C]; k2 / k3 an upper bound")
+                                                         "(comma-separated): k1 'lower_upper' on the ratio "
+                                                         "(0.5_2.0, decimal points as above) or C for [1/C, C]; "
+                                                         "k2 / k3 an upper bound")
     bypass_mode: bool = opt(False, "take the engine's log-probs as the old log-probs and skip the actor's "
                                    "recompute pass")
     loss_type: str = opt("ppo_clip", "policy loss in bypass mode: ppo_clip (ratio to pi_rollout, clipped) or "
