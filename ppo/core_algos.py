@@ -1,10 +1,12 @@
 """The RL maths of PPO for language models, as pure functions of tensors.
 
 Advantage estimators (GAE and the critic-free group estimators), the clipped policy and
-value losses, loss aggregation with global normalisation, and memory-bounded entropy /
-log-probability of logits. Names and signatures follow verl's
-``verl/trainer/ppo/core_algos.py`` so that a verl user finds what they expect; where
-meshppo deviates (empty rows, global normalisation in ``agg_loss``), the docstring says so.
+value losses, loss aggregation with global normalisation, rollout correction (importance
+weights and rejection for the gap between the engine's and the trainer's log-probs), and
+memory-bounded entropy / log-probability of logits. Names and signatures follow verl's
+``verl/trainer/ppo/core_algos.py`` and ``rollout_corr_helper.py`` so that a verl user finds
+what they expect; where meshppo deviates (empty rows, global normalisation in ``agg_loss``,
+the k1 rejection bounds), the docstring says so.
 
 Shape notation: ``[B, T]`` is batch x response tokens; ``response_mask`` is 1 for real
 response tokens and 0 for padding (and for observation tokens in multi-turn rollouts).
