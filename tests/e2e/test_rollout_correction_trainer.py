@@ -3,11 +3,8 @@ the actor's recomputed ones, so bypass mode (no recompute pass) must train exact
 default mode, with the same entropy, reference KL and KL-in-reward."""
 
 import os
-import subprocess
-import sys
 
 import pytest
-import torch
 
 from tests.dist_utils import run_distributed
 
@@ -38,14 +35,15 @@ SAME = ["actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/ref_kl", "criti
         "critic/rewards/mean", "critic/advantages/mean", "rollout/logprob_diff"]
 
 
-def _config(assets, run_dir, *overrides):
+def _config(assets, run_root, name, *overrides):
+    """The run `name` under `run_root`, which holds the reward function."""
     from ppo.config import PPOConfig
     from ppo.configlib import load_config
 
     return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
         f"data.train_files=[{assets}/train.jsonl]", f"actor_rollout_ref.model.path={assets}/sft_model",
-        f"custom_reward_function.path={assets}/dense_reward.py", f"trainer.default_local_dir={run_dir}", *COMMON,
-        *overrides])
+        f"custom_reward_function.path={run_root}/dense_reward.py", f"trainer.default_local_dir={run_root}/{name}",
+        *COMMON, *overrides])
 
 
 def _shards(trainer) -> dict:
@@ -60,7 +58,7 @@ def _train_body(rank, world_size, assets, run_root, case):
     runs = {}
     for mode in ("recompute", "bypass"):
         extra = ["algorithm.rollout_correction.bypass_mode=true"] if mode == "bypass" else []
-        trainer = PPOTrainer(_config(assets, f"{run_root}/{case}_{mode}", *CASES[case], *extra), ctx)
+        trainer = PPOTrainer(_config(assets, run_root, f"{case}_{mode}", *CASES[case], *extra), ctx)
         start = _shards(trainer)
         if mode == "bypass":
             def no_recompute(*args, **kwargs):
@@ -89,7 +87,7 @@ def _logprob_body(rank, world_size, assets, run_root):
 
     ctx = init_distributed("cpu")
     for engine in ("native", "hf"):
-        trainer = PPOTrainer(_config(assets, f"{run_root}/lp_{engine}", f"actor_rollout_ref.rollout.name={engine}"),
+        trainer = PPOTrainer(_config(assets, run_root, f"lp_{engine}", f"actor_rollout_ref.rollout.name={engine}"),
                              ctx)
         full = trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=3)
         ro, _ = trainer._partition(full)
@@ -99,24 +97,14 @@ def _logprob_body(rank, world_size, assets, run_root):
         assert any(x < -0.1 for lps in ro.rollout_log_probs for x in lps)  # sampled, not all near-certain
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_assets")
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), "--sft-max-steps", "0",
-                        "--n-train", "64", "--n-val", "8", "--layers", "1", "--hidden", "32"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    (out / "dense_reward.py").write_text(DENSE_REWARD)
-    return out
-
-
-def test_engine_log_probs_equal_the_recomputed_ones_in_fp32(tiny, tmp_path):
+def test_engine_log_probs_equal_the_recomputed_ones_in_fp32(tiny_assets, tmp_path):
     """At temperature 0.7 with top-k / top-p: both engines report log softmax(logits / T) of
     the untruncated distribution, which is what the actor recomputes."""
-    run_distributed(_logprob_body, 2, str(tiny), str(tmp_path), timeout=600)
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_logprob_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bypass_mode_trains_like_the_recompute(tiny, tmp_path, case):
-    assert torch.get_default_dtype() == torch.float32
-    run_distributed(_train_body, 2, str(tiny), str(tmp_path), case, timeout=600)
+def test_bypass_mode_trains_like_the_recompute(tiny_assets, tmp_path, case):
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_train_body, 2, str(tiny_assets), str(tmp_path), case, timeout=600)
