@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from ppo.configlib import ConfigError, opt, section
-from ppo.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
+from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
+                            parse_rollout_is_threshold, parse_rollout_rs)
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
 
@@ -239,6 +240,47 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction`: the engine's sampling policy pi_rollout differs
+    from the trainer's pi_old by numerics. Decoupled mode (default) recomputes pi_old and can
+    weight (`rollout_is`) and reject (`rollout_rs`) by pi_old / pi_rollout; bypass mode takes
+    the engine's log-probs as pi_old, skips the recompute, and weights / rejects each
+    micro-batch by pi_theta / pi_rollout. The parsed bounds are `is_bounds` and `rejection`."""
+
+    rollout_is: str | None = opt(None, "importance weights pi_old / pi_rollout on the policy loss: token, sequence "
+                                       "(one product per sequence), or null (off)",
+                                 choices=(*ROLLOUT_IS_LEVELS, None))
+    rollout_is_threshold: str | float = opt(2.0, "weights above it are truncated to it (TIS); 'lower_upper' zeroes "
+                                                 "them outside (IcePop): write a decimal point in each bound, "
+                                                 "0.5_2.0 (YAML reads 0.5_2 as the number 0.52)")
+    rollout_is_batch_normalize: bool = opt(False, "not supported: must be false", unsupported=bool)
+    rollout_rs: str | None = opt(None, "rejection sampling, comma-separated: token_k1/k2/k3, seq_sum_k1/k2/k3, "
+                                       "seq_mean_k1/k2/k3, seq_max_k2/k3 (k1: log-ratio, k2: its square / 2, "
+                                       "k3: KL estimate); null: off")
+    rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs, one shared or one per option "
+                                                         "(comma-separated): k1 'lower_upper' on the ratio "
+                                                         "(0.5_2.0, decimal points as above) or C for [1/C, C]; "
+                                                         "k2 / k3 an upper bound")
+    bypass_mode: bool = opt(False, "take the engine's log-probs as the old log-probs and skip the actor's "
+                                   "recompute pass")
+    loss_type: str = opt("ppo_clip", "policy loss in bypass mode: ppo_clip (ratio to pi_rollout, clipped) or "
+                                     "reinforce (-w * A * log pi)", choices=POLICY_LOSSES)
+
+    def __post_init__(self):
+        self.is_bounds = parse_rollout_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs is None and self.rollout_rs_threshold is not None:
+            raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold!r} needs rollout_rs")
+        self.rejection = () if self.rollout_rs is None else parse_rollout_rs(self.rollout_rs,
+                                                                             self.rollout_rs_threshold)
+        if self.loss_type != "ppo_clip" and not self.bypass_mode:
+            raise ValueError(f"loss_type={self.loss_type} applies to bypass mode only: set bypass_mode=true")
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
+            raise ValueError(f"rollout_is={self.rollout_is} with bypass_mode and loss_type=ppo_clip: the PPO ratio "
+                             "pi_theta / pi_rollout already is the importance weight; set rollout_is=null or "
+                             "loss_type=reinforce")
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = opt(1.0, "discount factor", ge=0, le=1)
     lam: float = opt(1.0, "GAE lambda", ge=0, le=1)
@@ -248,6 +290,8 @@ class AlgorithmConfig:
     kl_penalty: str = opt("kl", "KL estimator for KL-in-reward", choices=KL_TYPES)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "KL-in-reward controller")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "reactions when KL crosses thresholds")
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the gap between the engine's "
+                                                          "and the trainer's log-probs")
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The RL maths of PPO for language models, as pure functions of tensors.
 
 Advantage estimators (GAE and the critic-free group estimators), the clipped policy and
-value losses, loss aggregation with global normalisation, and memory-bounded entropy /
-log-probability of logits. Names and signatures follow verl's
-``verl/trainer/ppo/core_algos.py`` so that a verl user finds what they expect; where
-meshppo deviates (empty rows, global normalisation in ``agg_loss``), the docstring says so.
+value losses, loss aggregation with global normalisation, rollout correction (importance
+weights and rejection for the gap between the engine's and the trainer's log-probs), and
+memory-bounded entropy / log-probability of logits. Names and signatures follow verl's
+``verl/trainer/ppo/core_algos.py`` and ``rollout_corr_helper.py`` so that a verl user finds
+what they expect; where meshppo deviates (empty rows, global normalisation in ``agg_loss``,
+the k1 rejection bounds), the docstring says so.
 
 Shape notation: ``[B, T]`` is batch x response tokens; ``response_mask`` is 1 for real
 response tokens and 0 for padding (and for observation tokens in multi-turn rollouts).
@@ -12,12 +14,17 @@ Masks are binary. Nothing here imports ``torch.distributed``: cross-rank counts 
 in by the trainer (see ``agg_loss`` and ``count_loss_units``).
 """
 
+import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 GroupIndex = Sequence | np.ndarray | torch.Tensor
+
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios of two policies are clamped to ``[-20, 20]`` before ``exp`` (finite in float32)."""
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -459,6 +466,7 @@ def compute_policy_loss(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate loss with asymmetric and dual clipping.
@@ -474,6 +482,10 @@ def compute_policy_loss(
     without bound; on that branch the token carries no gradient. The ``[-20, 20]`` clamp
     keeps ``exp`` finite when the two policies disagree wildly.
 
+    With ``rollout_is_weights`` (rollout correction, ``compute_rollout_correction``) each
+    token's ``L`` is multiplied by its detached weight before aggregation; the normaliser of
+    ``agg_loss`` is unchanged, so a rejected token (weight 0) simply adds nothing.
+
     Args:
         old_log_prob: ``[B, T]`` log-probs under the rollout (behaviour) policy.
         log_prob: ``[B, T]`` log-probs under the policy being trained (carries gradient).
@@ -483,6 +495,7 @@ def compute_policy_loss(
         cliprange_low, cliprange_high: the two sides of the ratio clip; default ``cliprange``.
         clip_ratio_c: dual-clip bound, > 1.
         loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: ``[B, T]`` detached per-token weights, or None.
         **agg_kwargs: forwarded to ``agg_loss`` (``global_num_tokens``, ``global_num_seqs``,
             ``dp_size``, ``loss_scale_factor``).
 
@@ -502,7 +515,7 @@ def compute_policy_loss(
         raise ValueError(f"clip_ratio_c (the dual-clip bound) must be > 1.0, got {clip_ratio_c}")
 
     log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    ratio = torch.exp(torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND))
 
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
@@ -511,6 +524,8 @@ def compute_policy_loss(
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     negative = advantages < 0
     pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
 
     with torch.no_grad():
@@ -518,6 +533,365 @@ def compute_policy_loss(
         pg_clipfrac_lower = masked_mean(((clip_pg_losses1 > pg_losses3) & negative).to(pg_losses.dtype), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_policy_loss_reinforce(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain policy gradient (REINFORCE, Williams 1992) with optional importance weights:
+    verl's ``rollout_correction.loss_type=reinforce`` (bypass mode)::
+
+        L = -w * A * log_prob        w = rollout_is_weights (detached), 1 without them
+
+    Its gradient ``-w A grad log pi`` is the policy gradient for tokens sampled from the policy
+    whose log-probs are ``old_log_prob`` (the engine's, in bypass mode), corrected by ``w``.
+    There is no ratio and no clip: the truncation of ``w`` and rejection are the only bounds.
+
+    Args:
+        old_log_prob: ``[B, T]`` log-probs of the sampling policy (only for ``ppo_kl``).
+        log_prob, advantages, response_mask, loss_agg_mode, rollout_is_weights, **agg_kwargs:
+            as in ``compute_policy_loss``.
+        cliprange, cliprange_low, cliprange_high, clip_ratio_c: accepted so that every entry
+            of ``POLICY_LOSSES`` has one signature; nothing is clipped.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` with both clip fractions 0.
+    """
+    pg_losses = -advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
+        zero = torch.zeros_like(ppo_kl)
+    return pg_loss, zero, ppo_kl, zero
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "ppo_clip": compute_policy_loss,
+    "reinforce": compute_policy_loss_reinforce,
+}
+"""Policy losses by ``algorithm.rollout_correction.loss_type``; one keyword signature."""
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The policy loss registered under ``name``."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"Unknown policy loss {name!r}; valid names are {list(POLICY_LOSSES)}.")
+    return POLICY_LOSSES[name]
+
+
+# Rollout correction (verl's ``algorithm.rollout_correction``; Yao et al. 2025, "Your efficient
+# RL framework secretly brings you off-policy RL training", https://fengyao.notion.site/off-policy-rl;
+# Liu, Li et al. 2025, "When speed kills stability", https://richardli.xyz/rl-collapse).
+#
+# The engine samples from pi_rollout, whose log-probs differ from the trainer's pi_old by
+# numerics (bf16 kernels, another attention path). With delta_t = log pi_old(y_t) -
+# log pi_rollout(y_t) and rho_t = exp(delta_t), importance weights rho re-weight the loss
+# towards pi_old, and rejection drops the tokens or sequences where the two disagree too much.
+
+ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""Valid ``rollout_is`` values (null turns importance weights off)."""
+
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+"""Valid ``rollout_rs`` options (a comma-separated list of them; see
+``compute_rollout_rejection_mask``)."""
+
+
+class RejectionCriterion(NamedTuple):
+    """One ``rollout_rs`` option with its bounds: ``lower`` for the log-ratio (k1) options
+    only, ``upper`` for all."""
+
+    option: str
+    lower: float | None
+    upper: float
+
+
+def _parse_bounds(spec: str | float, key: str) -> tuple[float | None, float]:
+    """``"lower_upper"`` or one number -> ``(lower or None, upper)``, positive, lower <= upper."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"{key}: expected a number or a 'lower_upper' string, got {spec!r}")
+    if isinstance(spec, str):
+        parts = spec.strip().split("_")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{key}: {spec!r} is neither a number nor 'lower_upper' (e.g. '0.5_2.0')") from None
+        if len(values) > 2:
+            raise ValueError(f"{key}: {spec!r} has more than two bounds; write 'lower_upper' (e.g. '0.5_2.0')")
+        lower, upper = (None, values[0]) if len(values) == 1 else values
+    else:
+        lower, upper = None, float(spec)
+    if not (math.isfinite(upper) and upper > 0) or (lower is not None and not (math.isfinite(lower) and lower > 0)):
+        raise ValueError(f"{key}: bounds must be positive finite numbers, got {spec!r}")
+    if lower is not None and lower > upper:
+        raise ValueError(f"{key}: the lower bound of {spec!r} is above the upper bound")
+    return lower, upper
+
+
+def parse_rollout_is_threshold(spec: str | float) -> tuple[float | None, float]:
+    """``rollout_is_threshold`` -> ``(lower, upper)``: one number ``C`` gives ``(None, C)``,
+    truncation at ``C`` (TIS); ``"lower_upper"`` gives both bounds, and weights outside them
+    become 0 (IcePop)."""
+    return _parse_bounds(spec, "rollout_is_threshold")
+
+
+def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) -> tuple[RejectionCriterion, ...]:
+    """``rollout_rs`` / ``rollout_rs_threshold`` -> the criteria, in the order given.
+
+    ``rollout_rs`` is a comma-separated list of ``ROLLOUT_RS_OPTIONS`` (repeats dropped);
+    ``rollout_rs_threshold`` one bound specification shared by all of them, or one per option
+    (comma-separated). A k1 option takes ``"lower_upper"`` or one number ``C``, meaning
+    ``[1/C, C]``; a k2 / k3 option takes one upper bound.
+    """
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    if not options:
+        raise ValueError(f"rollout_rs: {rollout_rs!r} names no option; valid options are {list(ROLLOUT_RS_OPTIONS)}")
+    for o in options:
+        if o not in ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"rollout_rs: unknown option {o!r}; valid options are {list(ROLLOUT_RS_OPTIONS)}")
+    if rollout_rs_threshold is None:
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold")
+    specs = ([s.strip() for s in rollout_rs_threshold.split(",")] if isinstance(rollout_rs_threshold, str)
+             else [rollout_rs_threshold])
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(f"rollout_rs_threshold: {len(specs)} bounds for {len(options)} rollout_rs options; "
+                         "give one shared bound or one per option")
+    criteria = []
+    for option, spec in zip(options, specs):
+        lower, upper = _parse_bounds(spec, f"rollout_rs_threshold ({option})")
+        if option.endswith("k1"):
+            lower = 1.0 / upper if lower is None else lower
+        elif lower is not None:
+            raise ValueError(f"rollout_rs_threshold ({option}): a k2 / k3 divergence takes one upper bound, "
+                             f"not {spec!r}")
+        criteria.append(RejectionCriterion(option, lower, upper))
+    return tuple(criteria)
+
+
+def _log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``delta = log pi_old - log pi_rollout`` in at least float32, clamped to the PPO ratio's
+    ``[-20, 20]`` (exp stays finite), 0 outside the mask."""
+    dtype = _float_dtype(torch.promote_types(old_log_prob.dtype, rollout_log_prob.dtype))
+    delta = old_log_prob.to(dtype) - rollout_log_prob.to(dtype)
+    return torch.where(mask, delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0)
+
+
+@torch.no_grad()
+def compute_rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str,
+    lower: float | None,
+    upper: float,
+) -> torch.Tensor:
+    """Importance weights ``pi_old / pi_rollout``, truncated, at token or sequence level.
+
+    ``token``: ``w_t = rho_t``. ``sequence``: ``w_t = prod_s rho_s`` over the sequence's valid
+    tokens, the same for all of them: unbiased for a sequence-level objective, with variance
+    that grows with the length. Then, with one bound (``lower=None``), truncated importance
+    sampling ``min(w, upper)`` (Ionides 2008; "TIS" in Yao et al. 2025); with two, IcePop: ``w``
+    where ``lower <= w <= upper`` and 0 elsewhere. The log-ratios are clamped to ``[-20, 20]``
+    first (for sequences: their sum).
+
+    Args:
+        old_log_prob: ``[B, T]`` log-probs of the policy the loss is relative to.
+        rollout_log_prob: ``[B, T]`` log-probs of the sampling policy (the engine).
+        response_mask: ``[B, T]`` binary.
+        rollout_is: ``"token"`` or ``"sequence"``.
+        lower, upper: from ``parse_rollout_is_threshold``.
+
+    Returns:
+        ``[B, T]`` detached weights in at least float32, 0 outside the mask.
+    """
+    if rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout_is must be one of {list(ROLLOUT_IS_LEVELS)}, got {rollout_is!r}")
+    mask = response_mask.bool()
+    delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
+    if rollout_is == "sequence":
+        delta = delta.sum(-1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).expand_as(delta)
+    w = torch.exp(delta)
+    if lower is None:
+        w = w.clamp(max=upper)
+    else:
+        w = torch.where((w >= lower) & (w <= upper), w, 0.0)
+    return torch.where(mask, w, 0.0)
+
+
+def _sequence_stat(values: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """``[B]`` sum, mean or max of ``values`` over each row's valid tokens."""
+    if how == "sum":
+        return masked_sum(values, mask, axis=-1)
+    if how == "mean":
+        return masked_mean(values, mask, axis=-1)
+    return torch.where(mask, values, -math.inf).max(dim=-1).values
+
+
+@torch.no_grad()
+def compute_rollout_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    criteria: Sequence[RejectionCriterion],
+) -> torch.Tensor:
+    """Which tokens survive rejection sampling: a hard trust region around ``pi_rollout``.
+
+    Per token, from ``delta_t = log rho_t``::
+
+        k1 = delta_t                  a log-ratio
+        k2 = delta_t^2 / 2            >= 0
+        k3 = rho_t - 1 - delta_t      >= 0; its mean estimates KL(pi_rollout || pi_old) (Schulman 2020)
+
+    ``token_kX`` judges every token by its own statistic; ``seq_sum_kX`` / ``seq_mean_kX`` /
+    ``seq_max_kX`` judge a whole sequence by the sum / mean / max over its valid tokens and keep
+    or reject all its tokens together. A k1 statistic passes when it lies in
+    ``[log lower, log upper]``: the ratio (token), the product of the ratios (seq_sum) or their
+    geometric mean (seq_mean, "Geo-RS") lies in ``[lower, upper]``. A k2 / k3 statistic passes
+    when it is at most ``upper``. A token is kept when every criterion passes.
+
+    verl 0.9.1's code compares ``-delta`` with the k1 bounds, i.e. bounds ``1 / rho``; it
+    agrees with its documentation (and with this function) for symmetric bounds
+    (``lower = 1 / upper``, which a single number gives).
+
+    Args:
+        old_log_prob, rollout_log_prob, response_mask: as in ``compute_rollout_is_weights``.
+        criteria: from ``parse_rollout_rs``.
+
+    Returns:
+        ``[B, T]`` float, 1 for kept tokens, 0 for rejected ones and outside the mask.
+    """
+    mask = response_mask.bool()
+    delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
+    keep = mask.clone()
+    for criterion in criteria:
+        keep &= _passes(delta, mask, criterion)
+    return keep.to(delta.dtype)
+
+
+def _passes(delta: torch.Tensor, mask: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
+    """``[B, T]`` (or ``[B, 1]`` for a sequence criterion) bool: where ``criterion`` passes."""
+    option, lower, upper = criterion
+    if option not in ROLLOUT_RS_OPTIONS:
+        raise ValueError(f"unknown rollout_rs option {option!r}; valid options are {list(ROLLOUT_RS_OPTIONS)}")
+    level, kind = option.rsplit("_", 1)
+    stat = {"k1": delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[kind]
+    if level != "token":
+        stat = _sequence_stat(stat, mask, level.removeprefix("seq_"))[:, None]
+    if kind == "k1":
+        return (stat >= math.log(lower)) & (stat <= math.log(upper))
+    return stat <= upper
+
+
+@torch.no_grad()
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_lower: float | None = None,
+    rollout_is_upper: float = 2.0,
+    rejection: Sequence[RejectionCriterion] = (),
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The per-token multiplier of the policy-gradient loss, and verl's ``rollout_corr/`` metrics.
+
+    The multiplier is the importance weight (``compute_rollout_is_weights``) times the
+    rejection mask (``compute_rollout_rejection_mask``), whichever are configured; None when
+    neither is. It enters ``compute_policy_loss`` / ``compute_policy_loss_reinforce`` as
+    ``rollout_is_weights``.
+
+    Metrics (detached 0-dim tensors, means over this call's valid tokens or non-empty
+    sequences; no host sync)::
+
+        rollout_corr/kl                 mean_t (log pi_rollout - log pi_old): KL(pi_rollout || pi_old), k1
+        rollout_corr/k3_kl              mean_t (rho - 1 - log rho): the same KL, k3
+        rollout_corr/chi2_token         mean_t rho^2 - 1
+        rollout_corr/chi2_seq           mean_i (prod_t rho)^2 - 1
+        rollout_corr/training_ppl       mean_i exp(-mean_t log pi_old)
+        rollout_corr/rollout_ppl        mean_i exp(-mean_t log pi_rollout)
+        rollout_corr/log_ppl_abs_diff   mean_i |mean_t log pi_rollout - mean_t log pi_old|
+      with rollout_is:
+        rollout_corr/rollout_is_mean                 mean_t of the applied weights
+        rollout_corr/rollout_is_ratio_fraction_high  share of tokens (sequences, at sequence
+        rollout_corr/rollout_is_ratio_fraction_low   level) whose weight before truncation is
+                                                     above upper / below lower (1 / upper for TIS)
+      with rejection:
+        rollout_corr/rollout_rs_masked_fraction      share of tokens rejected
+        rollout_corr/rollout_rs_seq_masked_fraction  share of sequences with a rejected token
+        rollout_corr/rollout_rs_<option>_masked_fraction   share of tokens that option rejects
+
+    Args:
+        old_log_prob: ``[B, T]`` the policy the loss is relative to: the recomputed actor
+            (decoupled mode) or the policy being trained (bypass mode).
+        rollout_log_prob: ``[B, T]`` the engine's log-probs of the sampled tokens.
+        response_mask: ``[B, T]`` binary.
+        rollout_is: ``"token"``, ``"sequence"`` or None.
+        rollout_is_lower, rollout_is_upper: from ``parse_rollout_is_threshold``.
+        rejection: from ``parse_rollout_rs``; empty for none.
+
+    Returns:
+        ``(rollout_is_weights or None, metrics)``.
+    """
+    mask = response_mask.bool()
+    delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
+    dtype = delta.dtype
+    rows = mask.any(dim=-1)
+    old = torch.where(mask, old_log_prob.to(dtype), 0.0)
+    rollout = torch.where(mask, rollout_log_prob.to(dtype), 0.0)
+    old_mean, rollout_mean = masked_mean(old, mask, axis=-1), masked_mean(rollout, mask, axis=-1)
+    seq_delta = delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    metrics = {
+        "rollout_corr/kl": masked_mean(-delta, mask),
+        "rollout_corr/k3_kl": masked_mean(torch.expm1(delta) - delta, mask),
+        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1.0,
+        "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_delta), rows) - 1.0,
+        "rollout_corr/training_ppl": masked_mean(torch.exp(-old_mean), rows),
+        "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout_mean), rows),
+        "rollout_corr/log_ppl_abs_diff": masked_mean((rollout_mean - old_mean).abs(), rows),
+    }
+    weights = None
+    if rollout_is is not None:
+        weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, rollout_is,
+                                             rollout_is_lower, rollout_is_upper)
+        lower = rollout_is_lower if rollout_is_lower is not None else 1.0 / rollout_is_upper
+        if rollout_is == "token":
+            raw, where = delta, mask
+        else:
+            raw, where = seq_delta, rows
+        metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask)
+        metrics["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean(
+            (raw > math.log(rollout_is_upper)).to(dtype), where)
+        metrics["rollout_corr/rollout_is_ratio_fraction_low"] = masked_mean((raw < math.log(lower)).to(dtype), where)
+    if rejection:
+        keep = mask.clone()
+        for criterion in rejection:
+            passed = _passes(delta, mask, criterion)
+            metrics[f"rollout_corr/rollout_rs_{criterion.option}_masked_fraction"] = masked_mean(
+                (~passed).expand_as(mask).to(dtype), mask)
+            keep &= passed
+        rejected = mask & ~keep
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.to(dtype), mask)
+        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dtype), rows)
+        keep = keep.to(dtype)
+        weights = keep if weights is None else weights * keep
+    return weights, metrics
 
 
 def compute_value_loss(

@@ -29,7 +29,7 @@ from ppo import faults
 from ppo.checkpointing import CheckpointManager
 from ppo.config import PPOConfig, validate
 from ppo.configlib import ConfigError, to_commented_yaml
-from ppo.core_algos import get_adv_estimator_fn, masked_mean
+from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from ppo.launch import DistContext, init_distributed
 from ppo.rollout_data import Rollouts
 from ppo.setup import build_engine, build_models, build_rollout_fn
@@ -275,18 +275,35 @@ class PPOTrainer:
             token_scores[torch.arange(len(ro), device=self.device), last] = scores
             ro.tensors["token_level_scores"] = token_scores
 
-            lp = arr.rollout
-            with timer("old_log_prob"):
-                micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-                old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
-                                                       lp.log_prob_max_token_len_per_gpu, with_entropy=True)
-                ro.tensors["old_log_probs"] = old
-                metrics["actor/entropy"] = masked_mean_global(ent, mask)
-                if lp.calculate_log_probs:
-                    rl = torch.zeros_like(old)
-                    for i, r in enumerate(ro.rollout_log_probs):
-                        rl[i, :len(r)] = torch.tensor(r, device=self.device)
-                    metrics["rollout/logprob_diff"] = masked_mean_global((rl - old).abs(), mask)
+            lp, correction = arr.rollout, cfg.algorithm.rollout_correction
+            micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+            reweighted = correction.rollout_is is not None or bool(correction.rejection)
+            if correction.bypass_mode or reweighted or lp.calculate_log_probs:
+                rl = torch.zeros(len(ro), ro.width)
+                for i, r in enumerate(ro.rollout_log_probs):
+                    rl[i, :len(r)] = torch.tensor(r)
+                ro.tensors["rollout_log_probs"] = rl.to(self.device)
+            if correction.bypass_mode:
+                # The engine's log-probs are the old ones (the same softmax of logits / temperature):
+                # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
+                old = ro.tensors["old_log_probs"] = ro.tensors["rollout_log_probs"]
+            else:
+                with timer("old_log_prob"):
+                    old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
+                                                           lp.log_prob_max_token_len_per_gpu, with_entropy=True)
+                    ro.tensors["old_log_probs"] = old
+                    metrics["actor/entropy"] = masked_mean_global(ent, mask)
+                    if lp.calculate_log_probs:
+                        metrics["rollout/logprob_diff"] = masked_mean_global(
+                            (ro.tensors["rollout_log_probs"] - old).abs(), mask)
+                if reweighted or lp.calculate_log_probs:
+                    # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
+                    weights, corr = compute_rollout_correction(
+                        *(self._gather_rows(t, idx, n_total) for t in (old, ro.tensors["rollout_log_probs"], mask)),
+                        correction.rollout_is, *correction.is_bounds, correction.rejection)
+                    if weights is not None:
+                        ro.tensors["rollout_is_weights"] = weights[torch.tensor(idx, device=self.device)]
+                    metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
             if self.ref is not None:
                 rc = arr.ref
                 with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
@@ -330,7 +347,7 @@ class PPOTrainer:
                 with timer("update_actor"):
                     metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl_loss_coef,
                                                      seed=cfg.trainer.seed + self.global_step,
-                                                     step=self.global_step + 1))
+                                                     step=self.global_step + 1, rollout_correction=correction))
                 self.actor.scheduler.step()
             self._last_update_s = time.perf_counter() - t_update
             if cfg.trainer.rollout_data_dir:

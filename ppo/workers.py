@@ -18,7 +18,8 @@ import torch
 from kl import kl_penalty
 from ppo import faults
 from ppo.batching import token_budget_partitions
-from ppo.core_algos import agg_loss, compute_policy_loss, compute_value_loss, count_loss_units
+from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
+                            get_policy_loss_fn, masked_sum)
 from ppo.forward import build_micro_batch, response_logprobs, response_values
 from ppo.rollout_data import Rollouts
 from sharding import comm
@@ -168,27 +169,51 @@ class PolicyWorker:
                     ent[part] = en
         return logp, ent
 
-    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1) -> dict:
-        """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy)."""
+    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
+               rollout_correction=None) -> dict:
+        """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy).
+
+        `rollout_correction` (`algorithm.rollout_correction`): in decoupled mode its weights
+        were computed once per step (`ro.tensors["rollout_is_weights"]`); in bypass mode they
+        are computed here per micro-batch from pi_theta / pi_rollout (`rollout_log_probs`),
+        with the `rollout_corr/` metrics, and `actor/entropy` and `rollout/logprob_diff` come
+        from the first mini-batch: its forwards run before any optimizer step, so they see the
+        actor that the skipped recompute pass would have used."""
         stats = _Mean()
         plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
                            cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         need_entropy = cfg.entropy_coeff != 0
+        rc = rollout_correction
+        bypass = rc is not None and rc.bypass_mode
+        policy_loss = get_policy_loss_fn(rc.loss_type if rc is not None else "ppo_clip")
+        # bypass mode: masked sums of entropy and |log-prob - engine log-prob|, and the token count, over mini-batch 0
+        first = torch.zeros(3, dtype=torch.float64, device=self.device)
         sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
-        for mb in plan:
+        for k, mb in enumerate(plan):
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
             totals = dict.fromkeys(sums, torch.zeros((), device=self.device))
+            before_step = bypass and k == 0
             for part in mb.parts:
-                logp, ent = self._forward(ro, part, need_entropy)
+                logp, ent = self._forward(ro, part, need_entropy or before_step)
                 if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
                     (logp.sum() * 0.0).backward()
                     continue
                 m_mask = ro.rows("response_mask", part)
-                pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                if bypass:
+                    rollout_lp = ro.rows("rollout_log_probs", part)
+                    weights, corr = compute_rollout_correction(
+                        logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
+                    stats.add(**corr)
+                    if before_step:
+                        first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
+                            (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
+                else:
+                    weights = ro.rows("rollout_is_weights", part) if "rollout_is_weights" in ro.tensors else None
+                pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
                     ro.rows("old_log_probs", part), logp, ro.rows("advantages", part), m_mask,
                     cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                     cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
+                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
                 loss = pg_loss
                 if need_entropy:
                     ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
@@ -206,7 +231,12 @@ class PolicyWorker:
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": skipped})
-        out = stats.result(rank_means=sums)
+        corr_keys = tuple(k for k in stats.values if k.startswith("rollout_corr/"))
+        out = stats.result(rank_means=sums + corr_keys)
+        if bypass:
+            ent_sum, diff_sum, tokens = comm.all_reduce(first).tolist()
+            out["actor/entropy"] = ent_sum / max(tokens, 1.0)
+            out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * len(plan)
         if not cfg.use_kl_loss:

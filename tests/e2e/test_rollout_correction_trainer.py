@@ -1,0 +1,110 @@
+"""Rollout correction in the trainer (2 CPU ranks, gloo, fp32): the engine's log-probs equal
+the actor's recomputed ones, so bypass mode (no recompute pass) must train exactly like the
+default mode, with the same entropy, reference KL and KL-in-reward."""
+
+import os
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DENSE_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return solution_str.count("1") / max(len(solution_str), 1)
+'''
+
+# One mini-batch per step: every forward of the update runs before its optimizer step, so the
+# bypass update's first mini-batch is the whole batch under the actor the recompute would use.
+# AdamW with eps=1 is close to SGD (step = lr g / (|g| + 1)): parameter gaps then follow the
+# fp32 gradient gaps, where the default eps would blow a near-zero gradient's noise up to lr.
+COMMON = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+          "data.val_files=[]", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1.0",
+          "actor_rollout_ref.actor.optim.eps=1.0", "actor_rollout_ref.rollout.calculate_log_probs=true",
+          "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.top_p=0.9",
+          "actor_rollout_ref.rollout.top_k=20", "trainer.resume_mode=disable", "trainer.export_hf_at_end=false",
+          "trainer.logger=[jsonl]"]
+CASES = {
+    "grpo_kl_loss": [],
+    "rloo_kl_in_reward": ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.use_kl_loss=false",
+                          "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"],
+}
+SAME = ["actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/ref_kl", "critic/score/mean",
+        "critic/rewards/mean", "critic/advantages/mean", "rollout/logprob_diff"]
+
+
+def _config(assets, run_root, name, *overrides):
+    """The run `name` under `run_root`, which holds the reward function."""
+    from ppo.config import PPOConfig
+    from ppo.configlib import load_config
+
+    return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{assets}/train.jsonl]", f"actor_rollout_ref.model.path={assets}/sft_model",
+        f"custom_reward_function.path={run_root}/dense_reward.py", f"trainer.default_local_dir={run_root}/{name}",
+        *COMMON, *overrides])
+
+
+def _shards(trainer) -> dict:
+    return {k: v.to_local().detach().clone() for k, v in trainer.actor.model.state_dict().items()}
+
+
+def _train_body(rank, world_size, assets, run_root, case):
+    from ppo.launch import init_distributed
+    from ppo.trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+    runs = {}
+    for mode in ("recompute", "bypass"):
+        extra = ["algorithm.rollout_correction.bypass_mode=true"] if mode == "bypass" else []
+        trainer = PPOTrainer(_config(assets, run_root, f"{case}_{mode}", *CASES[case], *extra), ctx)
+        start = _shards(trainer)
+        if mode == "bypass":
+            def no_recompute(*args, **kwargs):
+                raise AssertionError("bypass mode ran the old-log-prob pass")
+            trainer.actor.compute_log_prob = no_recompute
+        runs[mode] = [trainer.step() for _ in range(2)], _shards(trainer)
+    (plain, plain_params), (bypass, bypass_params) = runs["recompute"], runs["bypass"]
+    moved = max((plain_params[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3, moved
+    gap = max((plain_params[k] - bypass_params[k]).abs().max().item() for k in start)
+    assert gap < 1e-5, f"rank {rank}: bypass parameters differ by {gap} (the update moved them by {moved})"
+    keys = SAME + (["critic/kl"] if case == "rloo_kl_in_reward" else [])
+    for step, (a, b) in enumerate(zip(plain, bypass), 1):
+        assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-6 + 1e-5 * abs(a[k]), (step, k, a[k], b[k])
+    # the second step's KL is not trivially 0: the actor has left the reference
+    kl_key = "critic/kl" if case == "rloo_kl_in_reward" else "actor/ref_kl"
+    assert plain[1][kl_key] > 1e-4, plain[1][kl_key]
+    assert plain[0]["rollout/logprob_diff"] < 1e-6 and bypass[0]["rollout_corr/kl"] == pytest.approx(0, abs=1e-6)
+
+
+def _logprob_body(rank, world_size, assets, run_root):
+    from ppo.launch import init_distributed
+    from ppo.trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+    for engine in ("native", "hf"):
+        trainer = PPOTrainer(_config(assets, run_root, f"lp_{engine}", f"actor_rollout_ref.rollout.name={engine}"),
+                             ctx)
+        full = trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=3)
+        ro, _ = trainer._partition(full)
+        old, _ = trainer.actor.compute_log_prob(ro, 8, False, 0)
+        gaps = [abs(a - b) for i, lps in enumerate(ro.rollout_log_probs) for a, b in zip(lps, old[i].tolist())]
+        assert len(gaps) > 100 and max(gaps) < 1e-5, (engine, max(gaps))
+        assert any(x < -0.1 for lps in ro.rollout_log_probs for x in lps)  # sampled, not all near-certain
+
+
+def test_engine_log_probs_equal_the_recomputed_ones_in_fp32(tiny_assets, tmp_path):
+    """At temperature 0.7 with top-k / top-p: both engines report log softmax(logits / T) of
+    the untruncated distribution, which is what the actor recomputes."""
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_logprob_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bypass_mode_trains_like_the_recompute(tiny_assets, tmp_path, case):
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_train_body, 2, str(tiny_assets), str(tmp_path), case, timeout=600)

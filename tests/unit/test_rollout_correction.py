@@ -1,0 +1,303 @@
+"""Rollout correction: importance weights, rejection masks, their place in the policy losses,
+the config section, and the actor update in decoupled and bypass mode (hand-computed values)."""
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import ModelArgs, Transformer
+from ppo.config import PPOConfig
+from ppo.configlib import ConfigError, load_config
+from ppo.core_algos import (RejectionCriterion, compute_policy_loss, compute_policy_loss_reinforce,
+                            compute_rollout_correction, compute_rollout_is_weights, compute_rollout_rejection_mask,
+                            get_policy_loss_fn, parse_rollout_is_threshold, parse_rollout_rs)
+from ppo.forward import build_micro_batch, response_logprobs
+from ppo.workers import PolicyWorker
+from tests.unit.test_batching import _actor_cfg, _rollouts
+
+F64 = torch.float64
+E = math.e
+
+# Two sequences: log pi_old - log pi_rollout = [0.5, -1.0, 0.0 | pad] and [1.0, 0.2 | pad, pad].
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=F64)
+ROLLOUT = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-2.0, -0.7, 0.0, 0.0]], dtype=F64)
+OLD = ROLLOUT + torch.tensor([[0.5, -1.0, 0.0, 7.0], [1.0, 0.2, 9.0, 9.0]], dtype=F64)  # junk at padding
+
+
+def _k(option, lower, upper):
+    return (RejectionCriterion(option, lower, upper),)
+
+
+def test_token_weights_are_truncated_ratios():
+    w = compute_rollout_is_weights(OLD, ROLLOUT, MASK, "token", None, 1.5)
+    expected = torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0], [1.5, math.exp(0.2), 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_sequence_weights_are_one_product_per_sequence():
+    w = compute_rollout_is_weights(OLD, ROLLOUT, MASK, "sequence", None, 2.0)
+    # exp(0.5 - 1 + 0) = e^-0.5 for every token of row 0; exp(1.2) = 3.32 truncated to 2 in row 1
+    expected = torch.tensor([[math.exp(-0.5)] * 3 + [0.0], [2.0, 2.0, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_icepop_zeroes_weights_outside_the_bounds():
+    w = compute_rollout_is_weights(OLD, ROLLOUT, MASK, "token", 0.5, 1.5)
+    expected = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, math.exp(0.2), 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+    seq = compute_rollout_is_weights(OLD, ROLLOUT, MASK, "sequence", 0.5, 1.5)
+    torch.testing.assert_close(seq[0, :3], torch.full((3,), math.exp(-0.5), dtype=F64))
+    assert torch.all(seq[1] == 0)
+
+
+def test_weights_are_detached():
+    old = OLD.clone().requires_grad_()
+    assert not compute_rollout_is_weights(old, ROLLOUT, MASK, "token", None, 2.0).requires_grad
+
+
+@pytest.mark.parametrize("criteria,expected", [
+    # token_k1, C=2: ratio in [0.5, 2], i.e. log-ratio in [-0.69, 0.69]: row 0's -1.0 and row 1's 1.0 fail
+    (_k("token_k1", 0.5, 2.0), [[1, 0, 1], [0, 1, 0]]),
+    # the bounds are on pi_old / pi_rollout: [0.9, 2] keeps the ratio e^0.5 = 1.65 (verl's code would
+    # bound the inverse, 0.61, and reject it)
+    (_k("token_k1", 0.9, 2.0), [[1, 0, 1], [0, 1, 0]]),
+    (_k("token_k1", 1.2, 2.0), [[1, 0, 0], [0, 1, 0]]),
+    # product of the ratios: e^-0.5 = 0.61 and e^1.2 = 3.3
+    (_k("seq_sum_k1", 0.5, 2.0), [[1, 1, 1], [0, 0, 0]]),
+    # geometric mean: e^(-0.5/3) = 0.85 and e^0.6 = 1.82
+    (_k("seq_mean_k1", 0.8, 2.0), [[1, 1, 1], [1, 1, 0]]),
+    (_k("seq_mean_k1", 0.9, 2.0), [[0, 0, 0], [1, 1, 0]]),
+    # k2 = delta^2 / 2: [0.125, 0.5, 0] and [0.5, 0.02]
+    (_k("token_k2", None, 0.2), [[1, 0, 1], [0, 1, 0]]),
+    (_k("seq_sum_k2", None, 0.6), [[0, 0, 0], [1, 1, 0]]),   # sums 0.625 and 0.52
+    (_k("seq_mean_k2", None, 0.22), [[1, 1, 1], [0, 0, 0]]),  # means 0.2083 and 0.26
+    (_k("seq_max_k2", None, 0.4), [[0, 0, 0], [0, 0, 0]]),   # maxima 0.5 and 0.5
+    # k3 = e^d - 1 - d: [0.1487, 0.3679, 0] and [0.7183, 0.0214]
+    (_k("token_k3", None, 0.2), [[1, 0, 1], [0, 1, 0]]),
+    (_k("seq_mean_k3", None, 0.2), [[1, 1, 1], [0, 0, 0]]),  # means 0.1722 and 0.3698
+    (_k("seq_sum_k3", None, 0.5), [[0, 0, 0], [0, 0, 0]]),   # sums 0.5166 and 0.7397
+    (_k("seq_max_k3", None, 0.72), [[1, 1, 1], [1, 1, 0]]),  # maxima 0.3679 and 0.7183
+    # every criterion must pass
+    (_k("seq_mean_k1", 0.8, 2.0) + _k("token_k2", None, 0.2), [[1, 0, 1], [0, 1, 0]]),
+])
+def test_rejection_mask_hand_computed(criteria, expected):
+    keep = compute_rollout_rejection_mask(OLD, ROLLOUT, MASK, criteria)
+    want = torch.zeros(2, 4, dtype=F64)
+    want[:, :3] = torch.tensor(expected, dtype=F64)
+    torch.testing.assert_close(keep, want * MASK)
+
+
+def test_correction_combines_weights_and_rejection_and_reports_metrics():
+    rejection = _k("token_k1", 0.5, 2.0)
+    weights, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5, rejection)
+    # the weight of a kept token, 0 for a rejected one
+    expected = torch.tensor([[1.5, 0.0, 1.0, 0.0], [0.0, math.exp(0.2), 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=1e-12)
+    deltas = [0.5, -1.0, 0.0, 1.0, 0.2]
+    near = lambda key, value: math.isclose(float(m[key]), value, rel_tol=1e-12, abs_tol=1e-12)  # noqa: E731
+    assert near("rollout_corr/kl", -sum(deltas) / 5)
+    assert near("rollout_corr/k3_kl", sum(math.exp(d) - 1 - d for d in deltas) / 5)
+    assert near("rollout_corr/chi2_token", sum(math.exp(2 * d) for d in deltas) / 5 - 1)
+    assert near("rollout_corr/chi2_seq", (math.exp(-1.0) + math.exp(2.4)) / 2 - 1)
+    old_means, rollout_means = [(-1.0 - 2.0 - 0.5) / 3, (-1.0 - 0.5) / 2], [-1.0, -1.35]
+    assert near("rollout_corr/training_ppl", sum(math.exp(-x) for x in old_means) / 2)
+    assert near("rollout_corr/rollout_ppl", sum(math.exp(-x) for x in rollout_means) / 2)
+    assert near("rollout_corr/log_ppl_abs_diff", sum(abs(r - o) for r, o in zip(rollout_means, old_means)) / 2)
+    assert near("rollout_corr/rollout_is_mean", (1.5 + math.exp(-1.0) + 1.0 + 1.5 + math.exp(0.2)) / 5)
+    assert near("rollout_corr/rollout_is_ratio_fraction_high", 2 / 5)  # e^0.5 and e^1 > 1.5
+    assert near("rollout_corr/rollout_is_ratio_fraction_low", 1 / 5)   # e^-1 < 1 / 1.5
+    assert near("rollout_corr/rollout_rs_masked_fraction", 2 / 5)
+    assert near("rollout_corr/rollout_rs_token_k1_masked_fraction", 2 / 5)
+    assert near("rollout_corr/rollout_rs_seq_masked_fraction", 1.0)
+    # sequence level: the fractions count sequences (e^-0.5 is below 1/1.2, e^1.2 above 1.2)
+    _, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "sequence", None, 1.2)
+    assert near("rollout_corr/rollout_is_ratio_fraction_high", 0.5)
+    assert near("rollout_corr/rollout_is_ratio_fraction_low", 0.5)
+    assert not any(k.startswith("rollout_corr/rollout_rs") for k in m)
+
+
+def test_no_weights_without_is_or_rejection():
+    weights, m = compute_rollout_correction(OLD, ROLLOUT, MASK)
+    assert weights is None and "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
+
+
+def test_policy_loss_multiplies_each_token_by_its_weight():
+    adv = torch.tensor([[1.0, -2.0, 0.5, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=F64)
+    old = torch.tensor([[-1.0, -0.5, -2.0, 0.0]], dtype=F64)
+    logp = old.clone().requires_grad_()  # ratio 1: no clipping
+    w = torch.tensor([[2.0, 0.0, 0.5, 0.0]], dtype=F64)
+    loss, *_ = compute_policy_loss(old, logp, adv, mask, cliprange=0.2, rollout_is_weights=w)
+    assert math.isclose(loss.item(), (-1.0 * 2.0 + 0.0 - 0.5 * 0.5) / 3, rel_tol=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 3, 0.0, -0.25 / 3, 0.0]], dtype=F64))
+
+
+def test_reinforce_loss_is_the_weighted_policy_gradient():
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=F64)
+    rollout = torch.tensor([[-1.0, -0.5, -2.0, 0.0]], dtype=F64)
+    logp = (rollout + 0.7 * mask).requires_grad_()  # far outside any clip range: nothing is clipped
+    w = torch.tensor([[2.0, 1.0, 0.0, 5.0]], dtype=F64)
+    fn = get_policy_loss_fn("reinforce")
+    assert fn is compute_policy_loss_reinforce
+    loss, clipfrac, ppo_kl, clipfrac_lower = fn(rollout, logp, adv, mask, cliprange=0.2, rollout_is_weights=w)
+    assert math.isclose(loss.item(), -(1.0 * 2.0 * -0.3 + -2.0 * 1.0 * 0.2) / 3, rel_tol=1e-12)
+    assert clipfrac.item() == clipfrac_lower.item() == 0.0 and math.isclose(ppo_kl.item(), -0.7, rel_tol=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 3, 2.0 / 3, 0.0, 0.0]], dtype=F64))
+    with pytest.raises(ValueError, match="valid names"):
+        get_policy_loss_fn("gspo")
+
+
+def test_threshold_parsing():
+    assert parse_rollout_is_threshold(2.0) == (None, 2.0)
+    assert parse_rollout_is_threshold("2") == (None, 2.0)
+    assert parse_rollout_is_threshold("0.5_5.0") == (0.5, 5.0)
+    assert parse_rollout_rs("seq_mean_k1, token_k3,seq_mean_k1", "0.99_1.01,0.1") == (
+        RejectionCriterion("seq_mean_k1", 0.99, 1.01), RejectionCriterion("token_k3", None, 0.1))
+    assert parse_rollout_rs("token_k1,seq_max_k2", 2.0) == (
+        RejectionCriterion("token_k1", 0.5, 2.0), RejectionCriterion("seq_max_k2", None, 2.0))
+    for args, message in [(("token_k4", 2.0), "unknown option 'token_k4'"), (("token_k1", None), "needs"),
+                          (("token_k2", "0.5_2.0"), "one upper bound"), (("token_k1,token_k2", "1,2,3"), "3 bounds"),
+                          (("token_k1", "2_0.5"), "above the upper"), (("token_k1", "-1"), "positive"),
+                          ((" , ", 2.0), "names no option")]:
+        with pytest.raises(ValueError, match=message):
+            parse_rollout_rs(*args)
+    for spec in ("a_b", "1_2_3", 0, True):
+        with pytest.raises(ValueError):
+            parse_rollout_is_threshold(spec)
+
+
+def _load(*overrides):
+    return load_config(PPOConfig, "configs/demo.yaml", [f"algorithm.rollout_correction.{o}" for o in overrides])
+
+
+def test_config_section_resolves_bounds():
+    rc = _load("rollout_is=sequence", "rollout_is_threshold='0.5_4.0'", "rollout_rs=seq_mean_k3",
+               "rollout_rs_threshold=0.01").algorithm.rollout_correction
+    assert rc.is_bounds == (0.5, 4.0) and rc.rejection == (RejectionCriterion("seq_mean_k3", None, 0.01),)
+    default = _load().algorithm.rollout_correction
+    assert (default.rollout_is, default.rejection, default.bypass_mode, default.loss_type) == (None, (), False,
+                                                                                                "ppo_clip")
+    assert _load("bypass_mode=true", "loss_type=reinforce", "rollout_is=token").algorithm.rollout_correction.bypass_mode
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout_is=tokens"], "rollout_is: 'tokens' is not one of"),
+    (["rollout_is_batch_normalize=true"], "not supported"),
+    (["loss_type=reinforce"], "bypass mode only"),
+    (["loss_type=vanilla"], "not one of"),
+    (["bypass_mode=true", "rollout_is=sequence"], "already is the importance weight"),
+    (["rollout_rs_threshold=2.0"], "needs rollout_rs"),
+    (["rollout_rs=token_k1"], "needs rollout_rs_threshold"),
+    (["rollout_rs=geometric", "rollout_rs_threshold=2.0"], "unknown option 'geometric'"),
+    (["rollout_is_threshold=-1.0"], "positive"),
+])
+def test_config_errors_name_the_section(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _load(*overrides)
+    assert "algorithm.rollout_correction" in str(e.value)
+
+
+ARGS = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+PG_ONLY = dict(entropy_coeff=0.0, use_kl_loss=False)
+
+
+def _worker(model):
+    return PolicyWorker(model, torch.optim.SGD(model.parameters(), lr=1.0), None, packed=True, temperature=0.8,
+                        pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5)
+
+
+def _rc(**kw):
+    base = dict(bypass_mode=False, loss_type="ppo_clip", rollout_is=None, is_bounds=(None, 2.0), rejection=())
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _step(base, rollout_shift=0.0, weights=None, rc=None, **cfg):
+    """One update of a copy of `base` on fixed rollouts: (parameter change, metrics)."""
+    model = copy.deepcopy(base)
+    worker = _worker(model)
+    ro = _rollouts()
+    old, _ = worker.compute_log_prob(ro, 8, False, 0)
+    ro.tensors["old_log_probs"] = old
+    ro.tensors["rollout_log_probs"] = old - rollout_shift * ro.response_mask
+    if rc is not None and rc.bypass_mode:  # as the trainer does
+        ro.tensors["old_log_probs"] = ro.tensors["rollout_log_probs"]
+    if weights is not None:
+        ro.tensors["rollout_is_weights"] = weights * ro.response_mask
+    out = worker.update(ro, _actor_cfg(**{**PG_ONLY, **cfg}), num_mini_batches=1, kl_loss_coef=0.1, seed=0,
+                        rollout_correction=rc)
+    delta = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+    return delta, out
+
+
+def _assert_same(a, b, scale=1.0, atol=1e-6):
+    for k in a:
+        torch.testing.assert_close(a[k] * scale, b[k], rtol=0, atol=atol, msg=k)
+
+
+def test_decoupled_weights_scale_the_policy_gradient():
+    base = Transformer.build(ARGS, seed=0)
+    plain, _ = _step(base)
+    assert max(v.abs().max().item() for v in plain.values()) > 1e-3  # the update moved the weights
+    doubled, _ = _step(base, weights=torch.tensor(2.0), rc=_rc(rollout_is="token"))
+    _assert_same(plain, doubled, scale=2.0)
+    zero, _ = _step(base, weights=torch.tensor(0.0), rc=_rc(rollout_is="token"))
+    assert all(torch.all(v == 0) for v in zero.values())
+
+
+def test_bypass_equals_recompute_when_the_engine_agrees():
+    """Bypass mode with engine log-probs equal to the recomputed ones: the same update, and the
+    metrics of the skipped pass (entropy, log-prob gap) from the update's first mini-batch."""
+    base = Transformer.build(ARGS, seed=0)
+    plain, _ = _step(base)
+    bypass, out = _step(base, rc=_rc(bypass_mode=True), ppo_micro_batch_size_per_gpu=2)
+    _assert_same(plain, bypass)
+    ro = _rollouts()
+    with torch.no_grad():
+        _, ent = response_logprobs(base, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, True)
+    expected_entropy = float((ent * ro.response_mask).sum() / ro.response_mask.sum())
+    assert math.isclose(out["actor/entropy"], expected_entropy, rel_tol=1e-6)
+    assert out["rollout/logprob_diff"] == pytest.approx(0.0, abs=1e-7)
+    # a known gap: the engine's log-probs 0.01 below the actor's
+    _, out = _step(base, rollout_shift=0.01, rc=_rc(bypass_mode=True))
+    assert out["rollout/logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+    assert out["rollout_corr/kl"] == pytest.approx(-0.01, abs=1e-6)
+
+
+def test_bypass_rejection_removes_the_policy_gradient():
+    base = Transformer.build(ARGS, seed=0)
+    rc = _rc(bypass_mode=True, rejection=(RejectionCriterion("token_k1", 0.99, 1.01),))
+    kept, out = _step(base, rollout_shift=0.001, rc=rc)  # ratio e^0.001: inside the bounds
+    assert out["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert max(v.abs().max().item() for v in kept.values()) > 1e-3
+    rejected, out = _step(base, rollout_shift=0.1, rc=rc)  # ratio e^0.1 = 1.105: every token rejected
+    assert out["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert all(torch.all(v == 0) for v in rejected.values())
+
+
+def test_bypass_reinforce_matches_a_hand_written_surrogate():
+    """loss_type=reinforce with token weights min(pi_theta / pi_rollout, 1.02): the update equals
+    one SGD step on mean_t(-w * A * log pi) computed here in one full-batch forward."""
+    base = Transformer.build(ARGS, seed=0)
+    shift = 0.03  # engine log-probs 0.03 lower: ratio e^0.03 = 1.030, truncated to 1.02
+    got, _ = _step(base, rollout_shift=shift, rc=_rc(bypass_mode=True, loss_type="reinforce", rollout_is="token",
+                                                     is_bounds=(None, 1.02)))
+    model = copy.deepcopy(base)
+    ro = _rollouts()
+    logp, _ = response_logprobs(model, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, False)
+    mask = ro.response_mask
+    loss = (-1.02 * ro.tensors["advantages"] * logp * mask).sum() / mask.sum()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    want = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+    assert max(v.abs().max().item() for v in want.values()) > 1e-3
+    _assert_same(want, got)
