@@ -70,13 +70,13 @@ def _train_body(rank, world_size, assets, run_root, case):
     assert moved > 1e-3, moved
     gap = max((plain_params[k] - bypass_params[k]).abs().max().item() for k in start)
     assert gap < 1e-5, f"rank {rank}: bypass parameters differ by {gap} (the update moved them by {moved})"
-    keys = SAME + (["critic/kl"] if case == "rloo_kl_in_reward" else [])
+    keys = SAME + (["actor/reward_kl_penalty"] if case == "rloo_kl_in_reward" else [])
     for step, (a, b) in enumerate(zip(plain, bypass), 1):
         assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-6 + 1e-5 * abs(a[k]), (step, k, a[k], b[k])
     # the second step's KL is not trivially 0: the actor has left the reference
-    kl_key = "critic/kl" if case == "rloo_kl_in_reward" else "actor/ref_kl"
+    kl_key = "actor/reward_kl_penalty" if case == "rloo_kl_in_reward" else "actor/ref_kl"
     assert plain[1][kl_key] > 1e-4, plain[1][kl_key]
     assert plain[0]["rollout/logprob_diff"] < 1e-6 and bypass[0]["rollout_corr/kl"] == pytest.approx(0, abs=1e-6)
 
