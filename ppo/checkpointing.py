@@ -15,8 +15,10 @@ A checkpoint is written into `global_step_K.tmp/` and renamed once every rank ha
 and only then does the `latest` file move (os.replace): a save interrupted at any point
 leaves the previous checkpoint, and the pointer to it, intact.
 
-Trainer state is JSON and the RNG files are read with `torch.load(weights_only=True)`, so a
-checkpoint made by someone else cannot run code when it is resumed (a pickle could).
+Trainer state is JSON, the RNG files are read with `torch.load(weights_only=True)` and the
+model and optimizer shards through `sharding.checkpoint`'s restricted readers, so a checkpoint
+made by someone else cannot run code when it is resumed (a pickle could): one that tries is
+refused with a message naming it.
 
 A checkpoint resumes only the run that wrote it: the options in `SAME_RUN_OPTIONS` (what the
 run learns from and how) must be unchanged; `trainer.total_training_steps` may grow to extend
@@ -41,7 +43,13 @@ import torch.distributed as dist
 from ppo import faults
 from ppo.config import PPOConfig
 from ppo.configlib import iter_options
-from sharding.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
+from sharding.checkpoint import (
+    UnsafeCheckpointError,
+    gather_full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    unpickling_reason,
+)
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -133,15 +141,6 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
     return out
 
 
-def _unpickling_reason(err: Exception) -> str:
-    """The line of torch's weights-only refusal that names what was refused (its other lines
-    explain how to load the file unsafely, which is not advice meshppo repeats)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    detail = [line for line in lines
-              if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation"))]
-    return (detail or lines or [type(err).__name__])[0]
-
-
 def read_trainer_state(step_dir: str) -> dict:
     """The JSON trainer state of a checkpoint directory (never a pickle)."""
     from ppo.trainer import UserError
@@ -171,7 +170,7 @@ def read_rng_state(path: str) -> dict:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UserError(f"RNG state file {path!r} was refused: it is not the plain tensors and numbers meshppo "
-                        f"writes, and loading it could run code ({_unpickling_reason(e)})") from None
+                        f"writes, and loading it could run code ({unpickling_reason(e)})") from None
     except (OSError, RuntimeError, EOFError) as e:
         raise UserError(f"RNG state file {path!r} is not readable: {e}") from None
 
@@ -307,11 +306,14 @@ class CheckpointManager:
         rng_file = os.path.join(path, "rng", f"rank_{tr.ctx.rank}.pt")
         same_world = state["world_size"] == tr.ctx.world_size
         rng = read_rng_state(rng_file) if not keep_progress and same_world and os.path.isfile(rng_file) else None
-        load_checkpoint(os.path.join(path, "actor"), tr.models.actor, tr.models.actor_optim)
-        if tr.models.critic is not None:
-            if not os.path.isdir(os.path.join(path, "critic")):
-                raise UserError(f"checkpoint {path!r} has no critic but this run trains one (algorithm.adv_estimator)")
-            load_checkpoint(os.path.join(path, "critic"), tr.models.critic, tr.models.critic_optim)
+        if tr.models.critic is not None and not os.path.isdir(os.path.join(path, "critic")):
+            raise UserError(f"checkpoint {path!r} has no critic but this run trains one (algorithm.adv_estimator)")
+        try:
+            load_checkpoint(os.path.join(path, "actor"), tr.models.actor, tr.models.actor_optim)
+            if tr.models.critic is not None:
+                load_checkpoint(os.path.join(path, "critic"), tr.models.critic, tr.models.critic_optim)
+        except UnsafeCheckpointError as e:
+            raise UserError(str(e)) from None
         tr.models.actor_sched.load_state_dict(state["actor_sched"])
         if tr.models.critic_sched is not None and state["critic_sched"] is not None:
             tr.models.critic_sched.load_state_dict(state["critic_sched"])

@@ -5,6 +5,13 @@ loads on any world size or mesh (DCP reshards on load). Saving is atomic: everyt
 `<dir>.tmp`, and rank 0 renames it to `<dir>` after every rank has finished writing, so a
 crash mid-save never leaves a half-written checkpoint under the final name.
 
+Loading runs no code from the checkpoint. DCP itself unpickles the `.metadata` file and the
+non-tensor items (the optimizer's `param_groups` values) with plain `pickle`, which runs whatever
+a crafted file names; `load_checkpoint` reads `.metadata` with an unpickler that rebuilds only
+DCP's metadata classes, shapes, dtypes and paths, and the non-tensor items with
+`torch.load(weights_only=True)`, as DCP already reads the tensors. A file that names anything
+else is refused with `UnsafeCheckpointError` before it runs.
+
 `gather_full_state_dict` assembles full CPU tensors on rank 0 for a Hugging Face export
 (`Transformer.save_pretrained(path, state_dict=...)`).
 """
@@ -13,12 +20,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +39,100 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 EXTRA_FILE = "extra.json"
+
+# What the `.metadata` pickle of a DCP checkpoint names (torch 2.6 to 2.13), besides torch's dtypes
+# and `pathlib.PosixPath` (the checkpoint path DCP records): the metadata dataclasses, the reader's
+# per-item file offsets, `torch.Size`, and torch's lookup of a layout by name. Each only builds data.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file holds a pickle that does more than rebuild checkpoint data: loading it
+    could run any code, so it was refused before anything in it ran."""
+
+
+def unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights-only refusal that names what was refused (its other lines
+    explain how to load the file unsafely, which is not advice meshppo repeats)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = [line for line in lines
+              if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation"))]
+    return (detail or lines or [type(err).__name__])[0]
+
+
+def _refusal(checkpoint, where: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"checkpoint {str(checkpoint)!r} holds a pickle ({where}) that {what}: "
+                                 "refusing to load it, as loading it could run any code")
+
+
+def _weights_only_refusal(checkpoint, where: str, err: Exception) -> UnsafeCheckpointError:
+    """The refusal of a pickle in `where` that torch's weights-only loader rejected with `err`."""
+    blocked = re.search(r"GLOBAL ([\w.]+)", str(err))
+    what = f"would call {blocked.group(1).rstrip('.')}" if blocked else f"is not plain data ({unpickling_reason(err)})"
+    return _refusal(checkpoint, where, what)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, checkpoint):
+        super().__init__(file)
+        self.checkpoint = checkpoint
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        if module in ("pathlib", "pathlib._local") and name == "PosixPath":  # pathlib._local: Python >= 3.13
+            return PosixPath
+        raise _refusal(self.checkpoint, ".metadata", f"would call {module}.{name}")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled by `_MetadataUnpickler`.
+
+    `read_metadata` takes no `rank`: DCP then never falls back to per-rank metadata files, which
+    `save_checkpoint` does not write.
+    """
+
+    def read_metadata(self) -> Metadata:
+        path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, self.path).load()
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{str(path)!r} is not the metadata of a torch.distributed.checkpoint "
+                             f"(it holds a {type(metadata).__name__})")
+        # as in FileSystemReader.read_metadata
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner with the non-tensor items read by `torch.load(weights_only=True)`."""
+
+    def __init__(self, checkpoint):
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _weights_only_refusal(self.checkpoint, f"item {fqn!r}", e) from None
+        # where DefaultLoadPlanner.load_bytes puts the item (torch 2.6 to 2.13)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def _tmp(path: Path) -> Path:
@@ -76,32 +181,43 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     """Load a checkpoint written by `save_checkpoint` (any world size) into `model` / `optimizer`.
 
     The model must already be sharded (`apply_fsdp`) and materialised; the optimizer built on
-    its parameters. Returns the `extra` dict that was saved.
+    its parameters. Returns the `extra` dict that was saved. A checkpoint whose pickles would run
+    code raises `UnsafeCheckpointError` on every rank.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a meshppo checkpoint (no .metadata); "
                                 f"an interrupted save leaves only {str(_tmp(path))!r}")
+    reader = _SafeReader(path)
+    # Every rank reads the metadata itself, before any state changes: a refused one stops each
+    # rank here with its own error, not wrapped in DCP's collective failure.
+    saved = reader.read_metadata().state_dict_metadata
+    if optimizer is not None and not any(k.startswith("optim.") for k in saved):
+        raise ValueError(f"checkpoint {str(path)!r} has no optimizer state; load it without an optimizer")
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    has_optim = _saved_keys(path, "optim")
-    if optimizer is not None and not has_optim:
-        raise ValueError(f"checkpoint {str(path)!r} has no optimizer state; load it without an optimizer")
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(path))
+    except dcp.CheckpointException as e:
+        # DCP gathers the failures of all ranks and raises them on every rank; report a refusal
+        # (the tensor items' own weights-only refusal included) as one line.
+        errors = [err for err, _ in e.failures.values()]
+        refusal = next((err for err in errors if isinstance(err, UnsafeCheckpointError)), None)
+        if refusal is None:
+            unpickling = next((err for err in errors if isinstance(err, pickle.UnpicklingError)), None)
+            if unpickling is None:
+                raise
+            refusal = _weights_only_refusal(path, "a tensor item", unpickling)
+        raise refusal from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     extra_file = path / EXTRA_FILE
     return json.loads(extra_file.read_text()) if extra_file.is_file() else {}
-
-
-def _saved_keys(path: Path, prefix: str) -> bool:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(k.startswith(prefix + ".") for k in metadata.state_dict_metadata)
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ refused, the per-step sample dumps, and resuming on another world size (torchrun
 
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -105,6 +106,16 @@ def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run
     code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
     assert code == 1
     assert f"meshppo: error (rank 0): RNG state file '{rng}' was refused" in err and "could run code" in err
+    assert not os.path.exists(marker)
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    # the actor's sharded checkpoint: its DCP metadata is a pickle too
+    shutil.copy(two_step_run / "base" / "run" / "checkpoints" / "global_step_2" / "rng" / "rank_0.pt", rng)
+    actor = run / "checkpoints" / "global_step_2" / "actor"
+    (actor / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 1 and "Traceback" not in err
+    assert (f"meshppo: error (rank 0): checkpoint '{actor}' holds a pickle (.metadata) that would call posix.mkdir: "
+            "refusing to load it") in err
     assert not os.path.exists(marker)
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 

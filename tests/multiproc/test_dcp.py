@@ -1,19 +1,26 @@
 """Sharded checkpoints: saved by 4 ranks, loaded by 2, identical weights and optimizer state;
-full-state-dict export to a Hugging Face directory that `build_fsdp_model` loads back sharded."""
+full-state-dict export to a Hugging Face directory that `build_fsdp_model` loads back sharded;
+a checkpoint whose pickles would run code is refused on every rank before they run."""
 
 from __future__ import annotations
 
+import io
+import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from models import ModelArgs, Transformer
 from sharding import FSDPConfig, ParallelDims, build_fsdp_model, gather_full_state_dict, load_checkpoint, save_checkpoint
+from sharding.checkpoint import UnsafeCheckpointError
 from tests.dist_utils import run_distributed
+from tests.unit.test_checkpoint_state import _Payload
 
 ARGS = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, attention_bias=True)
@@ -96,3 +103,74 @@ def _load_body(rank, world, tmp):
 def test_checkpoint_saved_by_4_ranks_loads_on_2(tmp_path):
     run_distributed(_save_body, 4, str(tmp_path))
     run_distributed(_load_body, 2, str(tmp_path))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _craft_item(ckpt: Path, fqn: str, payload: bytes) -> None:
+    """Point the first stored chunk of item `fqn` at `payload`, appended to its data file (rank 0)."""
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == fqn and not any(i.offset or ()))
+    info = metadata.storage_data[index]
+    data_file = ckpt / info.relative_path
+    info.offset, info.length = data_file.stat().st_size, len(payload)
+    with open(data_file, "ab") as f:
+        f.write(payload)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _refusal_body(rank, world, tmp):
+    ckpt, marker = Path(tmp) / "ckpt", Path(tmp) / "pwned"  # what the crafted pickles would create
+    model, opt = _model_and_optim(-1, seed=0)
+    ids = torch.randint(0, ARGS.vocab_size, (2, 10), generator=torch.Generator().manual_seed(rank))
+    F.cross_entropy(model(ids[:, :-1]).reshape(-1, ARGS.vocab_size).float(), ids[:, 1:].reshape(-1)).backward()
+    opt.step()
+    save_checkpoint(ckpt, model, opt)
+    metadata = (ckpt / ".metadata").read_bytes()
+    payload = io.BytesIO()
+    torch.save(_Payload(str(marker)), payload)
+    ckpt_re = re.escape(str(ckpt))
+    fresh, fresh_opt = _model_and_optim(-1, seed=7)
+    before = {name: p.full_tensor() for name, p in fresh.named_parameters()}
+
+    def refused(match):
+        dist.barrier()  # rank 0 has crafted the checkpoint
+        with pytest.raises(UnsafeCheckpointError, match=match):
+            load_checkpoint(ckpt, fresh, fresh_opt)
+        assert not marker.exists()
+        dist.barrier()  # every rank is done with it before rank 0 restores it
+        if rank == 0:
+            (ckpt / ".metadata").write_bytes(metadata)
+
+    # A real checkpoint's metadata with a payload inside: refused before any state changes.
+    if rank == 0:
+        tampered = pickle.loads(metadata)
+        tampered.storage_meta.modules = [_Payload(str(marker))]
+        (ckpt / ".metadata").write_bytes(pickle.dumps(tampered))
+    refused(rf"^checkpoint '{ckpt_re}' holds a pickle \(\.metadata\) that would call posix\.mkdir: refusing to load it")
+    assert all(torch.equal(p.full_tensor(), before[name]) for name, p in fresh.named_parameters())
+
+    # An optimizer hyper-parameter (a pickled non-tensor item), then a tensor shard.
+    if rank == 0:
+        _craft_item(ckpt, "optim.param_groups.0.lr", payload.getvalue())
+    refused(rf"^checkpoint '{ckpt_re}' holds a pickle \(item 'optim\.param_groups\.0\.lr'\) that would call posix\.mkdir")
+    if rank == 0:
+        _craft_item(ckpt, "model.embed_tokens.weight", payload.getvalue())
+    refused(rf"^checkpoint '{ckpt_re}' holds a pickle \(a tensor item\) that would call posix\.mkdir")
+
+    # The checkpoint as saved loads through the same readers, bit for bit.
+    dist.barrier()
+    load_checkpoint(ckpt, fresh, fresh_opt)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+        saved, loaded = opt.state[p], fresh_opt.state[q]
+        assert saved.keys() == loaded.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in saved:
+            assert torch.equal(_local(saved[k]), _local(loaded[k])), (name, k)
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_a_checkpoint_whose_pickles_would_run_code_is_refused(tmp_path):
+    run_distributed(_refusal_body, 2, str(tmp_path))
