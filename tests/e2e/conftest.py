@@ -9,17 +9,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="session")
-def demo_assets(tmp_path_factory):
-    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe).
-
-    MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
-    default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
-    out = os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets")
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out)], cwd=ROOT,
+def build_demo_assets(out, *args: str):
+    """`python -m tools.prepare_demo --out OUT ARGS...`; returns OUT."""
+    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe, seed 0).
+
+    MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
+    default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
+    return build_demo_assets(os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets"))
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dict | None = None,
@@ -53,10 +57,7 @@ def read_metrics(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    """Demo assets with an untrained model (no warm-up): for runs that test plumbing, not learning."""
-    out = tmp_path_factory.mktemp("tiny_assets")
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), "--sft-max-steps", "0",
-                        "--n-train", "64", "--n-val", "16", "--layers", "1", "--hidden", "32"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
+    """Demo assets with an untrained model (no warm-up): for runs that test plumbing, not learning.
+    Initialised with std 0.02, not the demo's 0.1, so the policy starts near uniform."""
+    return build_demo_assets(tmp_path_factory.mktemp("tiny_assets"), "--sft-max-steps", "0", "--init-std", "0.02",
+                             "--n-train", "64", "--n-val", "16", "--layers", "1", "--hidden", "32")
