@@ -1,14 +1,18 @@
 # meshppo tasks. `make demo` and `make test` are the two commands of the README's quick start.
 PYTHON ?= python3
 NPROC ?= 2
-DEMO_DIR ?= runs/demo_assets
+SEED ?= 0
+# Seed 0 keeps the README's paths; another seed gets its own assets and run directory.
+DEMO_TAG = $(if $(filter 0,$(SEED)),,_seed$(SEED))
+DEMO_DIR ?= runs/demo_assets$(DEMO_TAG)
+DEMO_RUN ?= runs/demo$(DEMO_TAG)
 PYTEST_ARGS ?=
 CONFIG ?= configs/demo.yaml
 # One stamp per interpreter (e.g. PYTHON=.venv/bin/python): `make install` runs pip again only
 # when requirements.txt is newer than the stamp.
 INSTALL_STAMP := .make/installed$(subst /,_,$(abspath $(shell command -v $(PYTHON))))
 
-.PHONY: install demo train test test-gpu test-gpu-multi lint bench-gpu plot
+.PHONY: install demo train test test-slow test-gpu test-gpu-multi lint bench-gpu plot
 
 install: $(INSTALL_STAMP)  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
 
@@ -20,13 +24,19 @@ $(INSTALL_STAMP): requirements.txt
 train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml ARGS="trainer.total_training_steps=5"
 	launch/run_single_node.sh --config $(CONFIG) $(ARGS)
 
-demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks
-	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR)
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml $(ARGS)
-	$(PYTHON) -m tools.plot runs/demo
+demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks (SEED=k: another seed)
+	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR) --seed $(SEED)
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml \
+		data.train_files=[$(DEMO_DIR)/train.jsonl] data.val_files=[$(DEMO_DIR)/val.jsonl] \
+		actor_rollout_ref.model.path=$(DEMO_DIR)/sft_model trainer.default_local_dir=$(DEMO_RUN) \
+		data.seed=$(SEED) trainer.seed=$(SEED) trainer.resume_mode=disable $(ARGS)
+	$(PYTHON) -m tools.plot $(DEMO_RUN)
 
-test: install lint  ## static checks, then the whole CPU test suite (what CI runs)
-	$(PYTHON) -m pytest tests -ra -q -p no:cacheprovider $(PYTEST_ARGS)
+test: install lint  ## static checks, then the CPU test suite without the slow tests (what CI runs)
+	$(PYTHON) -m pytest tests -m "not slow" -ra -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-slow: install  ## the slow CPU tests: the full demo recipe on seeds 0, 1 and 2 (about 10 min on 2 cores)
+	$(PYTHON) -m pytest tests -m slow -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-gpu:  ## GPU-only tests (need CUDA)
 	$(PYTHON) -m pytest tests/gpu -ra -q

@@ -23,7 +23,9 @@ __all__ = [
     "DEMO_VOCAB_SIZE",
     "DemoPaths",
     "build_demo_tokenizer",
+    "forgotten_carry",
     "make_demo_rows",
+    "operands",
     "prepare_demo",
     "write_jsonl",
 ]
@@ -111,6 +113,19 @@ def _sample_pairs(
             drawn.add(pair)
             pairs.append(pair)
     return pairs
+
+
+def operands(row: dict[str, Any]) -> tuple[int, int]:
+    """`(a, b)` of a demo row (its prompt is `"a+b="`)."""
+    a, b = row["prompt"][0]["content"].removesuffix("=").split("+")
+    return int(a), int(b)
+
+
+def forgotten_carry(a: int, b: int) -> int:
+    """`a + b` written by someone who forgets the carry out of the units column
+    (`37+58` -> 85, `95+7` -> 92); `a + b` when there is no such carry. The systematic slip
+    of the demonstrations that the demo's supervised warm-up imitates (`tools.prepare_demo`)."""
+    return a + b - 10 if a % 10 + b % 10 >= 10 else a + b
 
 
 def _rows(pairs: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:

@@ -1,17 +1,23 @@
 """Build the embedded demo's starting point: tokenizer, prompt files and a warm-started model.
 
-Real RLHF starts from a supervised (SFT) model; so does the demo. This writes
+Real RLHF starts from a supervised (SFT) model that imitates imperfect demonstrations; so does
+the demo. This writes
 
     OUT/tokenizer/           character-level tokenizer (data.demo)
-    OUT/train.jsonl, val.jsonl   addition prompts in verl's format
-    OUT/sft_model/           a tiny Qwen2-shaped model after a short supervised warm-up,
+    OUT/train.jsonl, val.jsonl   addition prompts in verl's format, with the true sums
+    OUT/sft_model/           a tiny Qwen2-shaped model after a supervised warm-up,
                              as a Hugging Face directory (config, safetensors, tokenizer)
 
-The warm-up is deliberately short: it stops once greedy decoding answers 30 % of the
-validation prompts exactly, leaving room for PPO to raise the exact-match score. Everything is seeded, so the
-same command gives the same files; an existing, complete OUT is left alone.
+The warm-up imitates a demonstrator who is right, except that on `--slip` (70 %) of the
+problems with a carry out of the units column (45 % of them) they forget it: 37+58=85
+(`data.demo.forgotten_carry`). After its `--sft-max-steps` (1000) steps the model adds, but
+its greedy answer to a carry problem is the slip, while the right answer is still among its
+samples (22 to 30 % of the time on seeds 0-2): the exact-match reward of PPO has something to fix on
+every seed, and the greedy validation score shows it. `--seed` seeds everything (the data,
+the model's initialisation, the warm-up's batches and slips), so the same command gives the
+same files; an existing, complete OUT is left alone.
 
-    python -m tools.prepare_demo --out runs/demo_assets
+    python -m tools.prepare_demo --out runs/demo_assets [--seed 0]
 """
 
 from __future__ import annotations
@@ -27,26 +33,25 @@ import time
 import torch
 
 from data.dataset import RLHFDataset, read_records
-from data.demo import prepare_demo
+from data.demo import forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
 from ppo.forward import build_micro_batch, response_logprobs
 
-DEFAULTS = dict(n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2,
-                sft_target_accuracy=0.3, sft_max_steps=800, sft_batch=64, lr=3e-3, seed=0)
+DEFAULTS = dict(n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2, init_std=0.1,
+                slip=0.7, sft_max_steps=1000, sft_batch=64, lr=3e-3, seed=0)
+# init_std 0.1, not the usual 0.02: from 0.02 this 96-wide model sat on a loss plateau for 500
+# to more than 1500 warm-up steps depending on the seed; from 0.1 seeds 0-2 leave it within ~300.
 STAMP = "prepare_demo.json"
 
 
-def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, eos: int, pad: int):
+def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, eos: int, pad: int,
+                    init_std: float):
     # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks.
     return ModelArgs(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=hidden, intermediate_size=hidden * 2,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=64, model_type="qwen2", attention_bias=True,
-                     tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1)
-
-
-def _answer_ids(tokenizer, path: str) -> list[list[int]]:
-    return [tokenizer(str(rec["reward_model"]["ground_truth"]), add_special_tokens=False)["input_ids"]
-            + [tokenizer.eos_token_id] for _, rec in read_records(path)]
+                     tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1,
+                     initializer_range=init_std)
 
 
 @torch.no_grad()
@@ -63,48 +68,53 @@ def greedy_accuracy(model, prompts: list[list[int]], answers: list[list[int]], b
     return exact / max(len(prompts), 1)
 
 
-def supervised_warmup(model, tokenizer, train_file: str, val_file: str, target_accuracy: float, max_steps: int,
-                      batch: int, lr: float, seed: int, check_every: int = 10, log=print) -> tuple[int, float]:
-    """Teacher-forced training on `answer + eos` after each chat-formatted prompt, until the
-    greedy exact-match accuracy on the validation prompts reaches `target_accuracy` (checked
-    every `check_every` steps) or `max_steps`. Returns (steps, accuracy).
+def supervised_warmup(model, tokenizer, train_file: str, val_file: str, slip: float, steps: int, batch: int,
+                      lr: float, seed: int, log=print) -> float:
+    """`steps` steps of teacher-forced training on `answer + eos` after each chat-formatted
+    prompt, where the answer is the demonstrator's: `forgotten_carry(a, b)` with probability
+    `slip` (drawn anew each time a prompt is drawn, so that no prompt is always slipped), else
+    `a + b`. Returns the share of validation prompts on which greedy decoding then gives the
+    demonstrator's most likely answer.
 
-    Stopping on accuracy rather than after a fixed step count gives PPO the same kind of start
-    whatever the seed: this tiny model learns addition in a sudden transition whose timing
-    varies by a few hundred steps between seeds (and with rounding-level changes to the code),
-    and a start before it leaves PPO too few correct samples to learn from in 20 steps."""
+    A fixed length rather than a stop on accuracy: greedy decoding imitates the demonstrator
+    soon after this tiny model's sudden transition into adding (300 to 400 steps on seeds 0-2),
+    but the probability it gives the right answer to a carry problem, which is what PPO needs
+    to sample, keeps rising towards 1 - slip for a few hundred steps more."""
     ds = RLHFDataset([train_file], tokenizer, max_prompt_length=32)
-    answers = _answer_ids(tokenizer, train_file)
+    encode = lambda n: tokenizer(str(n), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # noqa: E731
+    pairs = [operands(rec) for _, rec in read_records(train_file)]
+    right = [encode(a + b) for a, b in pairs]
+    slipped = [encode(forgotten_carry(a, b)) for a, b in pairs]
     val = RLHFDataset([val_file], tokenizer, max_prompt_length=32)
     val_prompts = [val[i]["input_ids"] for i in range(len(val))]
-    val_answers = _answer_ids(tokenizer, val_file)
+    likely = forgotten_carry if slip > 0.5 else (lambda a, b: a + b)
+    val_answers = [encode(likely(*operands(rec))) for _, rec in read_records(val_file)]
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # Linear warm-up, then cosine decay to a tenth over max_steps: at a constant 3e-3 some
-    # seeds never settle into the solution.
+    # Linear warm-up, then cosine decay to a tenth: at a constant 3e-3 some seeds never
+    # settle into the solution.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(s, max_steps) / max(max_steps, 1)))))
-    step, acc = 0, 0.0
-    for step in range(1, max_steps + 1):
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))))
+    for step in range(1, steps + 1):
         idx = torch.randint(0, len(ds), (batch,), generator=gen).tolist()
-        mb = build_micro_batch([ds[i]["input_ids"] for i in idx], [answers[i] for i in idx], "cpu", packed=True)
-        width = max(len(answers[i]) for i in idx)
-        logp, _ = response_logprobs(model, mb, width, 1.0, with_entropy=False)
+        slips = (torch.rand(batch, generator=gen) < slip).tolist()
+        answers = [slipped[i] if s else right[i] for i, s in zip(idx, slips)]
+        mb = build_micro_batch([ds[i]["input_ids"] for i in idx], answers, "cpu", packed=True)
+        logp, _ = response_logprobs(model, mb, max(map(len, answers)), 1.0, with_entropy=False)
         mask = torch.zeros_like(logp)
-        for b, i in enumerate(idx):
-            mask[b, :len(answers[i])] = 1
+        for b, ans in enumerate(answers):
+            mask[b, :len(ans)] = 1
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-        if step % check_every == 0 or step == max_steps:
-            acc = greedy_accuracy(model, val_prompts, val_answers)
-            if step % 100 == 0 or acc >= target_accuracy or step == max_steps:
-                log(f"sft step {step}: loss {loss.item():.4f}, greedy val accuracy {acc:.3f}")
-            if acc >= target_accuracy:
-                break
-    return step, acc
+        if step % 100 == 0 and step < steps:
+            log(f"sft step {step}: loss {loss.item():.4f}")
+    acc = greedy_accuracy(model, val_prompts, val_answers)
+    log(f"sft done after {steps} steps: greedy decoding gives the demonstrator's most likely answer to "
+        f"{acc:.1%} of the validation prompts")
+    return acc
 
 
 def main(argv=None) -> int:
@@ -114,6 +124,8 @@ def main(argv=None) -> int:
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     a = p.parse_args(argv)
+    if not 0.0 <= a.slip <= 1.0:
+        p.error(f"--slip must be in [0, 1], got {a.slip}")
     settings = {k: getattr(a, k) for k in DEFAULTS}
     stamp = os.path.join(a.out, STAMP)
     if not a.force and os.path.exists(stamp):
@@ -122,19 +134,20 @@ def main(argv=None) -> int:
                 print(f"demo assets in {a.out} are up to date")
                 return 0
     t0 = time.time()
+    # One thread: this model's ops take microseconds, so a second OpenMP thread gains ~10 % on an
+    # idle 2-core machine, while on a busy one every op's barrier waits for a descheduled thread
+    # (2 threads there took over 10x longer than 1).
+    torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     paths = prepare_demo(a.out, n_train=a.n_train, n_val=a.n_val, seed=a.seed, max_value=a.max_value)
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths.tokenizer_dir)
-    args = demo_model_args(len(tok), a.hidden, a.layers, a.heads, a.kv_heads, tok.eos_token_id, tok.pad_token_id)
+    args = demo_model_args(len(tok), a.hidden, a.layers, a.heads, a.kv_heads, tok.eos_token_id, tok.pad_token_id,
+                           init_std=a.init_std)
     model = Transformer.build(args, seed=a.seed)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    steps, acc = supervised_warmup(model, tok, paths.train_file, paths.val_file, a.sft_target_accuracy,
-                                   a.sft_max_steps, a.sft_batch, a.lr, a.seed)
-    if a.sft_max_steps > 0 and acc < a.sft_target_accuracy:
-        print(f"warning: the supervised warm-up stopped at --sft-max-steps={a.sft_max_steps} with greedy val "
-              f"accuracy {acc:.3f} < --sft-target-accuracy={a.sft_target_accuracy}", file=sys.stderr)
+    supervised_warmup(model, tok, paths.train_file, paths.val_file, a.slip, a.sft_max_steps, a.sft_batch, a.lr,
+                      a.seed)
     out_model = os.path.join(a.out, "sft_model")
     tmp = out_model + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

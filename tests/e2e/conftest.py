@@ -9,17 +9,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="session")
-def demo_assets(tmp_path_factory):
-    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe).
-
-    MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
-    default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
-    out = os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets")
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out)], cwd=ROOT,
+def build_demo_assets(out, *args: str):
+    """`python -m tools.prepare_demo --out OUT ARGS...`; returns OUT."""
+    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """Tokenizer, prompts and the supervised starting model of the demo (the real recipe, seed 0).
+
+    MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
+    default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
+    return build_demo_assets(os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets"))
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dict | None = None,

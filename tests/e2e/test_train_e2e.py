@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.e2e.conftest import build_demo_assets, demo_args, read_metrics, torchrun
 
 REQUIRED_ACTOR = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                   "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
@@ -51,23 +51,40 @@ def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides
         assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
 
 
+def _val_scores(rows) -> list[float]:
+    return [row["val/meshppo/demo_add/score"] for row in rows if "val/meshppo/demo_add/score" in row]
+
+
 def test_demo_learns(demo_assets, tmp_path):
-    """The shipped demo recipe, shortened: the greedy validation score must rise clearly."""
+    """The shipped demo recipe (seed 0), shortened to 10 steps: the greedy validation score
+    rises far beyond what floating-point drift between machines can move. The warm-up answers
+    carry problems with the demonstrators' slip, so greedy decoding starts at 0.54-0.63 on
+    seeds 0-2; after 10 GRPO steps it has gained 0.274, 0.277 and 0.281 (BENCHMARKS.md), and
+    the threshold is half the smallest of these."""
     run = tmp_path / "learn"
-    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=20", "trainer.test_freq=10"))
+    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=10", "trainer.test_freq=5"))
     assert r.returncode == 0, r.stderr[-4000:]
     rows = read_metrics(run)
-    val = [row["val/meshppo/demo_add/score"] for row in rows if "val/meshppo/demo_add/score" in row]
+    val = _val_scores(rows)
     assert len(val) == 3, rows
-    # The warm-up's teacher-forced exact-match accuracy is what the engine's greedy decoding scores.
-    assert val[0] >= 0.3, val
-    # The warm-up stops at 30 % greedy accuracy (tools.prepare_demo); 20 GRPO steps add about
-    # 0.1 to 0.2 on every seed tried, and the sampled training reward rises with it.
-    assert max(val[1:]) >= val[0] + 0.07, f"validation score {val}"
-    score = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row]
-    assert sum(score[-5:]) / 5 >= sum(score[:5]) / 5 + 0.03, f"training reward {score}"
+    assert val[0] < 0.75, f"the warm-up should leave carry problems slipped: {val}"
+    assert val[-1] >= val[0] + 0.13, f"validation score {val}"
     kl = [row["actor/ref_kl"] for row in rows if "actor/ref_kl" in row]
     assert max(kl) < 0.5, kl  # bounded KL to the reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_demo_learns_on_every_seed(tmp_path, seed):
+    """`make demo SEED=seed` as it ships (assets, then 40 GRPO steps): the greedy validation
+    score gained 0.340, 0.379 and 0.309 on seeds 0, 1 and 2 (README); the threshold is half
+    the smallest, far beyond drift between machines."""
+    assets = build_demo_assets(tmp_path / "assets", "--seed", str(seed))
+    run = tmp_path / "run"
+    r = torchrun(demo_args(assets, run, f"data.seed={seed}", f"trainer.seed={seed}"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    val = _val_scores(read_metrics(run))
+    assert len(val) == 9 and val[-1] >= val[0] + 0.15, f"validation score {val}"
 
 
 def _strip(row):

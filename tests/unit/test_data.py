@@ -11,7 +11,9 @@ from data.demo import (
     DATA_SOURCE,
     DEMO_VOCAB_SIZE,
     build_demo_tokenizer,
+    forgotten_carry,
     make_demo_rows,
+    operands,
     prepare_demo,
 )
 from data.gsm8k import INSTRUCTION, convert_file, main as gsm8k_main
@@ -97,12 +99,20 @@ def test_make_demo_rows_format_and_determinism():
         assert row["data_source"] == "meshppo/demo_add" and row["ability"] == "math"
         assert row["extra_info"] == {"split": "val", "index": i}
         [message] = row["prompt"]
-        assert message["role"] == "user" and message["content"].endswith("=")
-        a, b = map(int, message["content"][:-1].split("+"))
+        assert message["role"] == "user" and message["content"] == "{}+{}=".format(*operands(row))
+        a, b = operands(row)
         assert 0 <= a <= 20 and 0 <= b <= 20
         assert row["reward_model"] == {"style": "rule", "ground_truth": str(a + b)}
         pairs.add((a, b))
     assert len(pairs) == 50
+
+
+@pytest.mark.parametrize("a,b,written", [
+    (37, 58, 85), (95, 7, 92), (5, 5, 0), (99, 99, 188), (9, 91, 90),  # the units carry is dropped
+    (37, 52, 89), (90, 10, 100), (0, 0, 0), (64, 35, 99),  # no units carry: the true sum
+])
+def test_forgotten_carry(a, b, written):
+    assert forgotten_carry(a, b) == forgotten_carry(b, a) == written
 
 
 def test_make_demo_rows_exclude_and_exhaustion():
@@ -144,6 +154,15 @@ def test_demo_cli(tmp_path, capsys):
     assert len(read_records(tmp_path / "train.jsonl")) == 5 and len(read_records(tmp_path / "val.jsonl")) == 2
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert "train: " in capsys.readouterr().out
+
+
+def test_prepare_demo_rejects_a_slip_outside_0_1(tmp_path, capsys):
+    from tools.prepare_demo import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["--out", str(tmp_path / "assets"), "--slip", "1.5"])
+    assert err.value.code == 2 and "--slip must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "assets").exists()
 
 
 # ---- RLHFDataset
