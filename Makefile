@@ -35,7 +35,7 @@ demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ran
 test: install lint  ## static checks, then the CPU test suite without the slow tests (what CI runs)
 	$(PYTHON) -m pytest tests -m "not slow" -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-slow: install  ## the slow CPU tests: the full demo recipe on seeds 0, 1 and 2 (about 10 min on 2 cores)
+test-slow: install  ## the slow CPU tests: the full demo recipe on seeds 0, 1 and 2 (about 4.5 min on 2 cores)
 	$(PYTHON) -m pytest tests -m slow -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-gpu:  ## GPU-only tests (need CUDA)
