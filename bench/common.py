@@ -107,12 +107,7 @@ def kernel_breakdown(prof, wall_s: float, top: int = 12) -> dict:
         cls = next((c for c, keys in _KERNEL_CLASSES if any(k in low for k in keys)), "other")
         per_class[cls] = per_class.get(cls, 0.0) + us / 1e3
         kernels[name] = kernels.get(name, 0.0) + us / 1e3
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    busy /= 1e3
+    busy = _length(_union(spans)) / 1e3
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     syncs = {e.key: [e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in prof.key_averages()
              if any(k in e.key for k in ("Synchronize", "local_scalar_dense", "cudaMemcpy"))}

@@ -26,6 +26,7 @@ launcher's MESHPPO_LAUNCH_DIR (plain torchrun, a single process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shutil
@@ -93,10 +94,8 @@ def attach() -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(launch_dir, f"rank{rank}.exit"))  # left by a restarted attempt
-    except FileNotFoundError:
-        pass
     _write(launch_dir, f"rank{rank}.pid", str(os.getpid()))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -193,12 +192,11 @@ class _Launch:
     def _rank_pids(self) -> dict[int, int]:
         pids = {}
         for name in os.listdir(self.launch_dir):
+            # `_write` renames complete files into place (its temporaries start with "."), so a
+            # listed pid file is whole.
             if name.startswith("rank") and name.endswith(".pid"):
-                try:
-                    with open(os.path.join(self.launch_dir, name)) as f:
-                        pids[int(name[4:-4])] = int(f.read())
-                except (OSError, ValueError):
-                    pass  # being written
+                with open(os.path.join(self.launch_dir, name)) as f:
+                    pids[int(name[4:-4])] = int(f.read())
         return pids
 
     def _on_signal(self, signum, frame):
@@ -246,11 +244,8 @@ class _Launch:
         pids = self._rank_pids()
         codes = {}
         for r in pids:
-            try:
-                with open(os.path.join(self.launch_dir, f"rank{r}.exit")) as f:
-                    codes[r] = int(f.read())
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(self.launch_dir, f"rank{r}.exit")) as f:
+                codes[r] = int(f.read())
         failed = sorted(set(pids) - set(codes))
         if returncode != 0 or failed or not pids:
             # A crash, not a user error: show what there is. Rank 0's output is already shown.
@@ -280,10 +275,8 @@ class _Launch:
 
 
 def _kill(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the rank has already exited
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _print_tail(path: str, what: str, lines: int = 30) -> None:

@@ -40,16 +40,17 @@ def group_device(group=None) -> torch.device:
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
-    """The reduction of `t` over `group` (`op`: sum, max, min), on `t`'s device. `t` itself is
-    reduced in place when it already lives on the group's device."""
+    """The reduction of `t` over `group` (`op`: sum, max, min), on `t`'s device: `t` itself,
+    reduced in place, when it lives on the group's device; otherwise a reduced copy."""
     if world_size(group) == 1:
         return t
     dev = group_device(group)
-    buf = t if t.device == dev else t.to(dev)
-    dist.all_reduce(buf, op=_OPS[op], group=group)
-    if buf is t:
+    if t.device == dev:
+        dist.all_reduce(t, op=_OPS[op], group=group)
         return t
-    return t.copy_(buf) if t.is_contiguous() else buf.to(t.device)
+    buf = t.to(dev)
+    dist.all_reduce(buf, op=_OPS[op], group=group)
+    return buf.to(t.device)
 
 
 def all_reduce_values(values: Sequence[float], op: str = "sum", group=None) -> list[float]:
