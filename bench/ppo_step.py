@@ -125,9 +125,10 @@ def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: in
 
 
 def scaling(base: dict | None, timing: dict, throughput: float, world: int, mode: str) -> dict | None:
-    """Against the one-GPU record of the same workload: strong scaling, the speedup of the step
-    and of each phase (one-GPU time / this time; ideal: the world size); weak scaling, the
-    per-GPU throughput as a share of one GPU's (ideal: 1)."""
+    """Against the one-GPU record of the same workload: strong scaling, the step's speed-up
+    (one-GPU time / this time; ideal: the world size) and each phase's time ratio (this time /
+    one-GPU time; ideal: 1 / world size); weak scaling, the per-GPU throughput as a share of
+    one GPU's (ideal: 1)."""
     if base is None or world == 1:
         return None
     if mode == "weak":
