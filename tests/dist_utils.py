@@ -13,6 +13,7 @@ traceback.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import traceback
@@ -35,6 +36,9 @@ def _worker(rank, world_size, port, fn, args, errors):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
+        # No rank tears gloo down while a peer is still inside its last collective: that can
+        # abort the process ("terminate called without an active exception") after a pass.
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
