@@ -145,7 +145,7 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
     return out
 
 
-def comm_exposure(prof) -> dict:
+def comm_exposure(prof, host_top: int = 12) -> dict:
     """Per trainer phase (the `phase:<name>` ranges of `ppo.tracking.Timer`): wall time, NCCL
     kernel time, and the *exposed* NCCL time — when an NCCL kernel runs and no other kernel
     does, i.e. communication that compute does not hide. Milliseconds, from one profiled step.
@@ -163,11 +163,24 @@ def comm_exposure(prof) -> dict:
             continue
         name = min(inside)[1]
         kernels[name][0 if "nccl" in ev.name.lower() else 1].append((s, e))
+    host: dict[str, dict[str, list]] = {name: {} for name, _, _ in phases}
+    for ev in prof.events():
+        if ev.device_type.name != "CPU" or ev.name.startswith("phase:"):
+            continue
+        s = ev.time_range.start
+        inside = [(b - a, name) for name, a, b in phases if a <= s <= b]
+        if inside:
+            acc = host[min(inside)[1]].setdefault(ev.name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += ev.self_cpu_time_total / 1e3
     out = {}
     for name, a, b in phases:
         comm_spans, compute_spans = (_union(k) for k in kernels[name])
         nccl = _length(comm_spans)
         hidden = _length(_intersect(comm_spans, compute_spans))
         out[name] = {"wall_ms": (b - a) / 1e3, "nccl_ms": nccl / 1e3, "exposed_nccl_ms": (nccl - hidden) / 1e3,
-                     "compute_busy_ms": _length(compute_spans) / 1e3}
+                     "compute_busy_ms": _length(compute_spans) / 1e3,
+                     # where the host spends a phase that the GPU does not fill
+                     "host_self_ms_top": {k[:60]: [n, round(ms, 2)] for k, (n, ms) in
+                                          sorted(host[name].items(), key=lambda kv: -kv[1][1])[:host_top]}}
     return out

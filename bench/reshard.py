@@ -156,6 +156,12 @@ def main():
                           "reshard"),
                          ("zero_redundancy_all_foreach", Resharder(model, meshes, engine, foreach_max_numel=None),
                           "reshard")]
+            if dims.world_size > 1:
+                # Gather bucket size: a layer per bucket, and buckets four times the default.
+                variants += [("zero_redundancy_layer_buckets", Resharder(model, meshes, engine, bucket_bytes=0),
+                              "reshard"),
+                             ("zero_redundancy_256mb_buckets",
+                              Resharder(model, meshes, engine, bucket_bytes=256 << 20), "reshard")]
         if not opts.no_naive:
             variants.append(("naive", variants[0][1], "reshard_naive"))
         results = {}
@@ -177,7 +183,8 @@ def main():
                            zero_redundancy_bound=stats.bytes_bound,
                            naive_bytes=int(stats.param_bytes * (1 - 1 / dims.dp_shard)),
                            fallback_params=stats.num_fallback, collectives=stats.num_collectives,
-                           ms=round(ms, 3), ms_per_gb=round(ms / gb, 3), peak_extra_bytes=int(max_over_ranks(peak, device)),
+                           ms=round(ms, 3), ms_per_gb=round(ms / gb, 3),
+                           received_gb_per_s=round(stats.bytes_received / seconds / 1e9, 1), peak_extra_bytes=int(max_over_ranks(peak, device)),
                            bucket_buffer_bytes=stats.buffer_bytes)
             if opts.profile and device.type == "cuda":
                 figures["profile"] = profiled(fn, device)

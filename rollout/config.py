@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.parallel import ALL_REDUCE_IMPLS
+
 
 def default_cudagraph_capture_sizes(max_size: int = 512) -> list[int]:
     """The batch-size ladder 1, 2, 4, 8, 16, 24, 32, ..., max_size (multiples of 8 from 16)."""
@@ -51,8 +53,14 @@ class EngineConfig:
     """decode batch sizes captured as CUDA graphs; default 1, 2, 4, 8, 16, 24, ..., 512 (capped at max_num_seqs)."""
     free_cache_engine: bool = True
     """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
+    tp_all_reduce: str = "auto"
+    """TP > 1: the all-reduce of the layers' outputs. `symm_mem`: through a symmetric-memory
+    buffer (CUDA, NVLink peers; no NCCL launch), `nccl`, or `auto` (the first where it can be
+    set up)."""
 
     def __post_init__(self):
+        if self.tp_all_reduce not in ALL_REDUCE_IMPLS:
+            raise ValueError(f"EngineConfig.tp_all_reduce must be one of {ALL_REDUCE_IMPLS}, got {self.tp_all_reduce!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.block_size < 1:

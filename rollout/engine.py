@@ -58,6 +58,11 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len}): a whole prompt has to fit in one step")
         self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len)
+        # The largest all-reduce is a prefill step's [tokens, hidden]; the buffer stops at 64 MiB.
+        esize = torch.empty((), dtype=config.dtype).element_size()
+        self.tp_all_reduce = self.tp.setup_all_reduce(
+            config.tp_all_reduce, self.device, config.dtype,
+            max_numel=min(config.max_num_batched_tokens * model_args.hidden_size, (64 << 20) // esize))
         self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
         self._kv_blocks: int | None = None  # sized at the first init_cache(), then kept
         self.last_stats: dict = {}

@@ -15,12 +15,17 @@ Each parameter takes one of three routes, fixed once in a plan:
   whose chunks do not line up with TP shards (a dimension not divisible by `S`; counted in
   `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
 
-Parameters are bucketed per layer: one collective per route per bucket, packed into
-preallocated buffers in the engine dtype (bf16). On CUDA the packing and gathers of bucket
-`i+1` run on a side stream while the default stream copies bucket `i` into the engine
-(double-buffered: the extra memory is two bucket buffers, about two layers of one TP shard,
-never a full model). A bucket made of one dim-0 parameter whose engine view is contiguous (the
-embedding, the LM head) is gathered straight into the engine buffer, with no bucket buffer.
+Replicated parameters of the whole model go in one gather (one collective, first); the others
+are bucketed by consecutive layers, about `BUCKET_BYTES` per rank per bucket: one collective per
+route per bucket, packed by one multi-tensor cast-copy into preallocated buffers in the engine
+dtype (bf16), and copied out of the gathered rows by one `split_with_sizes_copy` for every
+parameter split on dim 0 (the rest, split on dim 1, one strided copy each). On CUDA the packing
+and gathers of bucket `i+1` run on a side stream while the default stream copies bucket `i` into
+the engine (double-buffered: the extra memory is two bucket buffers, never a full model), and
+the local cast-copies run first, under the first gathers. A parameter larger than a bucket that
+is split on dim 0 with a contiguous engine view (the embedding, the LM head) is gathered straight
+into the engine buffer, with no bucket buffer. The host work per call is thus a few calls per
+bucket, not several per parameter: on two GPUs the per-parameter version was host-bound.
 
 Going back to training needs no communication: the FSDP shards are only read. The naive path
 (`reshard_naive`: `DTensor.full_tensor()` per parameter, then slice) is kept as the reference
@@ -48,6 +53,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # multi-tensor `_foreach_copy_` call, which saves a launch per norm / bias / small projection
 # where launch latency, not bandwidth, is the cost.
 FOREACH_MAX_NUMEL = 1 << 22
+
+# Gather buckets of about this many bytes per rank: a collective, an event pair and a copy-out
+# call per bucket are host time, which a layer-sized bucket of a small model does not cover.
+BUCKET_BYTES = 64 << 20
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -78,6 +87,10 @@ class _Item:
     fallback: bool
     chunk_shape: tuple[int, ...]  # per-rank piece as packed (padded to FSDP's padded chunk for "full")
     offset: int = 0  # into the bucket's per-rank send buffer
+    # Gathered rows land in the engine view by one `split_with_sizes_copy` over the bucket: the
+    # item is split along dim 0 with no padding, no TP slicing, and a contiguous engine view, so
+    # the view read as [G, numel/G] is exactly the gathered [G ranks, chunk] rows.
+    split: bool = False
 
     @property
     def numel(self) -> int:
@@ -87,7 +100,6 @@ class _Item:
 @dataclass
 class _Bucket:
     name: str
-    local: list[_Item] = field(default_factory=list)
     micro: list[_Item] = field(default_factory=list)
     full: list[_Item] = field(default_factory=list)
     micro_numel: int = 0
@@ -104,8 +116,9 @@ class Resharder:
     `.view` (this rank's TP shard of the parameter, a view into the engine's buffers) and
     `.shard_dim` (the TP dimension, None when replicated). `foreach_max_numel`: on CUDA, local
     cast-copies of tensors smaller than this go through one multi-tensor `_foreach_copy_`
-    call (0: one copy kernel per tensor; None: everything through `_foreach_copy_`); a knob for
-    the benchmark.
+    call (0: one copy kernel per tensor; None: everything through `_foreach_copy_`).
+    `bucket_bytes`: consecutive layers share a gather bucket until its per-rank send buffer
+    reaches this size (0: one bucket per layer). Both are knobs for the benchmark.
 
     The slots are fetched again at every call and not kept afterwards: holding the views would
     keep the engine's weight buffer alive through `engine.free_weights()`, and after
@@ -113,9 +126,11 @@ class Resharder:
     buckets, offsets) depends only on names and shapes and is built once.
     """
 
-    def __init__(self, model: torch.nn.Module, meshes, target, *, foreach_max_numel: int | None = FOREACH_MAX_NUMEL):
+    def __init__(self, model: torch.nn.Module, meshes, target, *, foreach_max_numel: int | None = FOREACH_MAX_NUMEL,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.model, self.meshes = model, meshes
         self.foreach_max_numel = foreach_max_numel
+        self.bucket_bytes = bucket_bytes
         self.dims = meshes.dims
         self._target = target
         self.total_bytes_received = 0
@@ -146,7 +161,9 @@ class Resharder:
         self.esize = torch.empty((), dtype=self.dtype).element_size()
         self.device = next(iter(slots.values())).view.device
         S, t, m = self.dims.dp_shard, self.dims.tp, self.dims.micro_dp
-        buckets: dict[str, _Bucket] = {}
+        layers: dict[str, _Bucket] = {}
+        replicated = _Bucket("replicated")  # norms and row-parallel biases of every layer: one gather
+        self.local: list[_Item] = []
         self.param_bytes = self.slot_bytes = self.num_fallback = 0
         bound = 0.0
         for name, p in params.items():
@@ -181,25 +198,30 @@ class Resharder:
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
             fallback = tp_dim is not None and not aligned
             self.num_fallback += fallback
-            layer = _LAYER.match(name)
-            key = f"layers.{layer.group(1)}" if layer else name.split(".")[0]
-            bucket = buckets.setdefault(key, _Bucket(key))
             item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk))
-            if route == "micro":
-                item.offset = bucket.micro_numel
-                bucket.micro_numel += item.numel
-                bucket.micro.append(item)
-            elif route == "full":
-                bucket.full.append(item)
-            else:
-                bucket.local.append(item)
-        for b in buckets.values():
-            for item in b.full:  # full items follow the micro items in the per-rank send buffer
-                item.offset = b.micro_numel + b.full_numel
-                b.full_numel += item.numel
-            b.direct = len(b.micro) == 1 and b.micro[0].fsdp_dim == 0 and slots[b.micro[0].name].view.is_contiguous()
-        self.buckets = list(buckets.values())
-        self._needs_comm = any(b.micro or b.full for b in self.buckets)
+            item.split = (route != "local" and fsdp_dim == 0 and p.shape[0] % S == 0 and slot.view.is_contiguous()
+                          and (route == "micro" or tp_dim is None or t == 1))
+            if route == "local":
+                self.local.append(item)
+                continue
+            if route == "full" and not fallback:
+                replicated.full.append(item)
+                continue
+            layer = _LAYER.match(name)
+            bucket = layers.setdefault(f"layers.{layer.group(1)}" if layer else name.split(".")[0], _Bucket(name))
+            (bucket.micro if route == "micro" else bucket.full).append(item)
+        buckets = ([replicated] if replicated.full else []) + self._merge(list(layers.values()))
+        for b in buckets:
+            # Per-rank send buffer: micro items, then full items; in each, the split items first.
+            off = 0
+            for items in (b.micro, b.full):
+                items.sort(key=lambda it: not it.split)
+                for it in items:
+                    it.offset, off = off, off + it.numel
+            b.micro_numel = sum(it.numel for it in b.micro)
+            b.full_numel = sum(it.numel for it in b.full)
+        self.buckets = buckets
+        self._needs_comm = bool(buckets)
         self.bound_bytes = int(round(bound * self.esize))
         self.num_params = len(params)
         self._sizes = (
@@ -207,6 +229,24 @@ class Resharder:
             max((0 if b.direct else b.micro_numel * m for b in self.buckets), default=0),
             max((b.full_numel * S for b in self.buckets), default=0),
         )
+
+    def _merge(self, layers: list[_Bucket]) -> list[_Bucket]:
+        """Consecutive layer buckets merged until a bucket's send buffer reaches `bucket_bytes`;
+        an item that alone exceeds it (the embedding, the LM head) is gathered straight into
+        its engine view when its layout allows, with no bucket buffer."""
+        out: list[_Bucket] = []
+        cur = None
+        for b in layers:
+            if (len(b.micro) == 1 and not b.full and b.micro[0].split
+                    and b.micro[0].numel * self.esize >= self.bucket_bytes):
+                out.append(_Bucket(b.name, micro=b.micro, direct=True))
+                continue
+            if cur is None or sum(it.numel for it in cur.micro + cur.full) * self.esize >= max(self.bucket_bytes, 1):
+                cur = _Bucket(b.name)
+                out.append(cur)
+            cur.micro += b.micro
+            cur.full += b.full
+        return out
 
     def _views(self) -> dict[str, torch.Tensor]:
         views = {name: slot.view for name, slot in self._slots().items()}
@@ -223,21 +263,19 @@ class Resharder:
         stats = self._new_stats(naive=False)
         views = self._views()
         cuda = self.device.type == "cuda"
-        nbuf = 2 if cuda else 1
+        nbuf = 2 if cuda and len(self.buckets) > 1 else 1
         send_n, micro_n, full_n = self._sizes
         bufs = [(torch.empty(send_n, dtype=self.dtype, device=self.device),
                  torch.empty(micro_n, dtype=self.dtype, device=self.device),
-                 torch.empty(full_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf)]
-        stats.buffer_bytes = nbuf * (send_n + micro_n + full_n) * self.esize
-        if not self._needs_comm:
-            # One GPU (or t == S without replicated params): every parameter is a cast-copy of
-            # the local shard; no buffers, streams or events, and one batched copy call.
-            local = [it for b in self.buckets for it in b.local]
-            _copy_many([views[it.name] for it in local], [it.param.to_local() for it in local], self.foreach_max_numel)
-        elif cuda:
+                 torch.empty(full_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf if self.buckets else 0)]
+        stats.buffer_bytes = len(bufs) * (send_n + micro_n + full_n) * self.esize
+        if cuda and self._needs_comm:
             self._pipelined(bufs, stats, views)
         else:
-            for b in self.buckets:  # gloo is synchronous: nothing to overlap
+            # One GPU: every parameter is a cast-copy of the local shard, in one batched copy
+            # call. gloo is synchronous: nothing to overlap.
+            self._copy_local(views)
+            for b in self.buckets:
                 self._gather(b, bufs[0], stats, views)
                 self._copy_out(b, bufs[0], views)
         del bufs, views
@@ -245,8 +283,14 @@ class Resharder:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def _copy_local(self, views) -> None:
+        _copy_many([views[it.name] for it in self.local], [it.param.to_local() for it in self.local],
+                   self.foreach_max_numel)
+
     def _pipelined(self, bufs, stats: ReshardStats, views) -> None:
-        """Gathers of bucket i+1 on a side stream overlap the copies of bucket i on the current stream."""
+        """Gathers of bucket i+1 on a side stream overlap the copies of bucket i on the current
+        stream; the cast-copies of the parameters that need no communication run first on the
+        current stream, under the first gathers."""
         main = torch.cuda.current_stream(self.device)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
@@ -254,23 +298,24 @@ class Resharder:
         # The side stream reads parameters last written on the current stream (optimizer step)
         # and buffers just allocated there.
         side.wait_stream(main)
-        gathered = [torch.cuda.Event(), torch.cuda.Event()]
-        copied: list = [None, None]
+        nbuf = len(bufs)
+        gathered = [torch.cuda.Event() for _ in range(nbuf)]
+        copied: list = [None] * nbuf
 
         def issue(i: int):
-            k = i % 2
+            k = i % nbuf
             with torch.cuda.stream(side):
                 if copied[k] is not None:
-                    side.wait_event(copied[k])  # bucket i-2 has left this buffer
+                    side.wait_event(copied[k])  # bucket i-nbuf has left this buffer
                 self._gather(self.buckets[i], bufs[k], stats, views)
                 gathered[k].record(side)
 
-        if self.buckets:
-            issue(0)
+        issue(0)
+        self._copy_local(views)
         for i, b in enumerate(self.buckets):
             if i + 1 < len(self.buckets):
                 issue(i + 1)
-            k = i % 2
+            k = i % nbuf
             main.wait_event(gathered[k])
             self._copy_out(b, bufs[k], views)
             copied[k] = torch.cuda.Event()
@@ -281,12 +326,13 @@ class Resharder:
         send, recv_micro, recv_full = buf
         m, S = self.dims.micro_dp, self.dims.dp_shard
         per = b.micro_numel + b.full_numel
-        for it in b.micro:
-            send[it.offset:it.offset + it.numel].view(it.chunk_shape).copy_(it.param.to_local())
-        for it in b.full:
+        dsts, srcs = [], []
+        for it in b.micro + b.full:
             local = it.param.to_local()
             dst = send[it.offset:it.offset + it.numel].view(it.chunk_shape)
-            dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]).copy_(local)
+            dsts.append(dst if it.route == "micro" else dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]))
+            srcs.append(local)
+        torch._foreach_copy_(dsts, srcs)
         if b.micro:
             out = views[b.micro[0].name].view(-1) if b.direct else recv_micro[:m * b.micro_numel]
             _all_gather(out, send[:b.micro_numel], group=self._micro_group)
@@ -300,18 +346,15 @@ class Resharder:
     def _copy_out(self, b: _Bucket, buf, views) -> None:
         _, recv_micro, recv_full = buf
         m, S, t = self.dims.micro_dp, self.dims.dp_shard, self.dims.tp
-        if b.local:
-            _copy_many([views[it.name] for it in b.local], [it.param.to_local() for it in b.local],
-                       self.foreach_max_numel)
         if b.micro and not b.direct:
             rows = recv_micro[:m * b.micro_numel].view(m, b.micro_numel)
-            for it in b.micro:
+            for it in _unpack_split(rows, b.micro, views):
                 src = rows[:, it.offset:it.offset + it.numel].unflatten(1, it.chunk_shape)  # [m, *chunk]
                 d = it.fsdp_dim
                 views[it.name].unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
         if b.full:
             rows = recv_full[:S * b.full_numel].view(S, b.full_numel)
-            for it in b.full:
+            for it in _unpack_split(rows, b.full, views):
                 off = it.offset - b.micro_numel
                 src = rows[:, off:off + it.numel].unflatten(1, it.chunk_shape)  # [S, *padded chunk]
                 d = it.fsdp_dim
@@ -326,15 +369,14 @@ class Resharder:
         stats = self._new_stats(naive=True)
         views = self._views()
         S, t = self.dims.dp_shard, self.dims.tp
-        for b in self.buckets:
-            for it in b.local + b.micro + b.full:
-                # Cast before gathering so the baseline moves the same dtype as the fast path.
-                full = it.param.to(self.dtype).full_tensor()
-                padded = list(it.param.shape)
-                padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // S)
-                stats.bytes_received += (S - 1) * math.prod(padded) * self.esize
-                stats.num_collectives += 1
-                views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+        for it in self.local + [it for b in self.buckets for it in b.micro + b.full]:
+            # Cast before gathering so the baseline moves the same dtype as the fast path.
+            full = it.param.to(self.dtype).full_tensor()
+            padded = list(it.param.shape)
+            padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // S)
+            stats.bytes_received += (S - 1) * math.prod(padded) * self.esize
+            stats.num_collectives += 1
+            views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
         del views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
@@ -372,3 +414,16 @@ def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach_max_n
             small_s.append(s)
     if small_d:
         torch._foreach_copy_(small_d, small_s)
+
+
+def _unpack_split(rows: torch.Tensor, items: list[_Item], views) -> list[_Item]:
+    """Copy the `split` items, which lead their section of the send buffer, out of the gathered
+    `rows [G, section numel]` with one `split_with_sizes_copy`; returns the items left for
+    per-item copies."""
+    split = [it for it in items if it.split]
+    if split:
+        G = rows.shape[0]
+        n = sum(it.numel for it in split)
+        torch.split_with_sizes_copy(rows[:, :n], [it.numel for it in split], dim=1,
+                                    out=[views[it.name].view(G, -1) for it in split])
+    return [it for it in items if not it.split]

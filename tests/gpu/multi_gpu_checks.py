@@ -10,7 +10,9 @@
   losses, SGD) on one fixed global batch; rank 0 saves the parameters before and after to
   `--out`, and the test compares a 1-rank and a 2-rank launch.
 * `engine_tp`: TP 2 against TP 1: float32 small models (tokens equal, greedy and sampled), and
-  bf16 at the qwen2.5-1.5b shape (log-probs on the common greedy prefix, statistical bounds).
+  bf16 at the qwen2.5-1.5b shape (log-probs on the common greedy prefix, statistical bounds);
+  on CUDA the symmetric-memory all-reduce of the TP group against NCCL's, bitwise, eagerly and
+  in a CUDA graph.
 * `reshard`: the resharder's slots against the full weights cast to bf16, bitwise, on both
   paths, for FULL_SHARD TP 1 / TP 2 and HYBRID_SHARD 2 x 1.
 
@@ -305,16 +307,55 @@ def _bf16_tp2_vs_tp1(ctx, full_shape: bool) -> dict:
              "logprob_diff_mean": sum(diffs) / max(len(diffs), 1), "logprob_diff_max": max(diffs, default=0.0),
              "agree_8": sum(k >= 8 for k in prefixes) / len(prefixes), "distinct_tokens": distinct,
              "mean_logprob": sum(x for o in one for x in o.logprobs) / (BF16_PROMPTS * BF16_NEW_TOKENS),
-             "cuda_graphs": graphs}
+             "cuda_graphs": graphs, "tp_all_reduce": tp2.tp_all_reduce}
     del tp1, tp2
     _free_device_memory(ctx.device)
     return stats
+
+
+def _symm_mem_all_reduce(ctx) -> dict:
+    """The symmetric-memory all-reduce of the engine's TP group equals NCCL's, eagerly and
+    replayed from a CUDA graph (as the decode steps run it). Two ranks: each sum is one
+    rounding of a + b, whichever kernel adds, so the results are bitwise equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollout.parallel import TPGroup
+
+    mesh = init_device_mesh("cuda", (ctx.world_size,), mesh_dim_names=("tp",))
+    tp = TPGroup.from_mesh(mesh["tp"])
+    shape = (256, 3584)  # a decode step's [batch, hidden] at the 7b shape
+    assert tp.setup_all_reduce("symm_mem", ctx.device, torch.bfloat16, max_numel=8192 * 3584) == "symm_mem"
+    g = torch.Generator(device=ctx.device).manual_seed(11 + ctx.rank)
+    x = torch.randn(shape, generator=g, device=ctx.device).to(torch.bfloat16)
+    want = x.clone()
+    dist.all_reduce(want, group=tp.group)
+    eager = tp.all_reduce(x.clone())
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tp.all_reduce(static.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tp.all_reduce(static)
+    static.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, want) and torch.equal(out, want), (eager - want).abs().max()
+    odd = torch.randn(3, 5, generator=g, device=ctx.device).to(torch.bfloat16)  # not 16-byte splittable: NCCL
+    want_odd = odd.clone()
+    dist.all_reduce(want_odd, group=tp.group)
+    assert torch.equal(tp.all_reduce(odd), want_odd)
+    return {"symm_mem_all_reduce": "equal to NCCL, eager and in a CUDA graph"}
 
 
 def check_engine_tp(ctx, a):
     from tests.multiproc.test_engine_tp import check_tp2_equals_tp1
 
     assert ctx.world_size == 2, "engine_tp compares TP 2 with TP 1: launch 2 ranks"
+    if ctx.device.type == "cuda":
+        _emit(ctx, "engine_tp", **_symm_mem_all_reduce(ctx))
     # float32: only the order of the partial sums of the row-parallel all-reduce differs.
     check_tp2_equals_tp1(ctx.rank, ctx.device, 1e-4)
     stats = _bf16_tp2_vs_tp1(ctx, a.shape == "full" or (a.shape == "auto" and ctx.device.type == "cuda"))

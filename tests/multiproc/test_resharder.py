@@ -82,11 +82,18 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
 
     engine = _engine(args, torch.bfloat16, meshes, device)
     resharder = Resharder(model, meshes, engine)
+    # One bucket per layer: the embedding then exceeds a bucket and is gathered straight into
+    # the engine (the default merges this tiny model's layers into one bucket).
+    per_layer = Resharder(model, meshes, engine, bucket_bytes=0)
     tp_rank, S, t = dims.tp_rank(rank), dims.dp_shard, dims.tp
-    for path in ("zero_redundancy", "naive"):
+    if dims.micro_dp > 1:
+        assert len(per_layer.buckets) > len(resharder.buckets)
+        assert any(b.direct for b in per_layer.buckets) == (args.vocab_size % S == 0)  # the embedding
+    for path in ("zero_redundancy", "per_layer", "naive"):
         for slot in engine.param_slots().values():
             slot.view.fill_(float("nan"))  # anything not written fails the bitwise comparison
-        stats = resharder.reshard() if path == "zero_redundancy" else resharder.reshard_naive()
+        stats = {"zero_redundancy": resharder.reshard, "per_layer": per_layer.reshard,
+                 "naive": resharder.reshard_naive}[path]()
         for name, slot in engine.param_slots().items():
             want = _expected_slice(full[name].to(torch.bfloat16), slot.shard_dim, tp_rank, t)
             assert torch.equal(slot.view, want), (path, name, fsdp_size, tp)
@@ -107,6 +114,7 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
     if t > 1 and kind == "even":
         assert fast.bytes_received < stats.bytes_received / t
     assert resharder.total_bytes_received == fast.bytes_received + stats.bytes_received
+    assert per_layer.total_bytes_received == fast.bytes_received
     for n, p in model.named_parameters():
         assert torch.equal(p.to_local(), local_before[n]), n  # training shards untouched
 
