@@ -65,7 +65,7 @@ def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> float:
 def build_engine(name: str, max_seqs: int, max_len: int, args) -> LLMEngine:
     config = EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
                           gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce)
     engine = LLMEngine(model_args(name), config, tp_mesh=args.tp_mesh, device=torch.device("cuda"))
     random_weights(engine)
     return engine
@@ -99,7 +99,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
     floor_ms = max(nbytes / H200_HBM_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3
     return emit(
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
-                    "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager},
+                    "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
+                    "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(batch * new / best["wall"], 1),
         wall_s=round(best["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -209,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")
     ap.add_argument("--profile", default="", help="MODEL:BATCH[,MODEL:BATCH]: print a decode kernel profile")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: run under torchrun with this many ranks")
+    ap.add_argument("--tp-all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
+                    help="TP > 1: the engine's all-reduce (EngineConfig.tp_all_reduce)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA GPU", file=sys.stderr)

@@ -44,7 +44,11 @@ class MicroBatch:
 
 def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
                       pad_token_id: int = 0) -> MicroBatch:
-    """Lay out `prompts[i] + responses[i]` for one forward pass."""
+    """Lay out `prompts[i] + responses[i]` for one forward pass.
+
+    Everything is built on the host and moved in one copy from pinned memory that does not
+    wait for the device: a blocking host-to-device copy synchronises the stream, which in an
+    update loop would let the GPU drain before every micro-batch."""
     if not prompts:  # a rank with no work still runs one forward (FSDP collectives must match)
         prompts, responses = [[pad_token_id]], [[]]
     src, rows, cols, last = [], [], [], []
@@ -62,15 +66,10 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
             cols.extend(range(len(r)))
             last.append(offset + len(s) - 1)
             offset += len(s)
-        input_ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
-        labels_t = torch.tensor(labels, dtype=torch.long, device=device)[None]
-        cu = cu_seqlens_from_lengths(lengths, device=device)
-        pos = position_ids_from_lengths(lengths, device=device)[None]
-        return MicroBatch(input_ids, labels_t, pos, None, cu, max(lengths),
-                          torch.tensor(src, dtype=torch.long, device=device),
-                          torch.tensor(rows, dtype=torch.long, device=device),
-                          torch.tensor(cols, dtype=torch.long, device=device),
-                          torch.tensor(last, dtype=torch.long, device=device), len(prompts))
+        host = [torch.tensor(flat, dtype=torch.long)[None], torch.tensor(labels, dtype=torch.long)[None],
+                position_ids_from_lengths(lengths)[None], cu_seqlens_from_lengths(lengths).long()]
+        ids, labels_t, pos, cu, *index = host_to_device(host + [_long(x) for x in (src, rows, cols, last)], device)
+        return MicroBatch(ids, labels_t, pos, None, cu.int(), max(lengths), *index, len(prompts))
     max_p = max(len(p) for p in prompts)
     max_r = max((len(r) for r in responses), default=0)
     width = max_p + max_r
@@ -86,9 +85,28 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
         last.append(b * width + max_p + len(r) - 1)
     labels = torch.roll(ids, -1, dims=1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return MicroBatch(ids.to(device), labels.to(device), pos.to(device), mask.to(device), None, None,
-                      t(src), t(rows), t(cols), t(last), len(prompts))
+    ids, labels, pos, mask, *index = host_to_device([ids, labels, pos, mask] + [_long(x) for x in (src, rows, cols, last)],
+                                                device)
+    return MicroBatch(ids, labels, pos, mask, None, None, *index, len(prompts))
+
+
+def _long(x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.long)
+
+
+def index_on(idx: list[int], device) -> torch.Tensor:
+    """Row indices as a device tensor, without waiting for the device (see `host_to_device`)."""
+    return host_to_device([_long(idx)], device)[0]
+
+
+def host_to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host int64 tensors on `device`: on CUDA one non-blocking copy of their concatenation from
+    pinned memory (the caching host allocator keeps the pinned block until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(device, non_blocking=True)
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def _place(mb: MicroBatch, selected: torch.Tensor, width: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ppo.forward import index_on
+
 
 @dataclass
 class Rollouts:
@@ -46,4 +48,9 @@ class Rollouts:
         return [self.prompts[i] for i in idx], [self.responses[i] for i in idx]
 
     def rows(self, name: str, idx: list[int]) -> torch.Tensor:
-        return self.tensors[name][torch.as_tensor(idx, dtype=torch.long, device=self.device)]
+        return self.tensors[name][self.index(idx)]
+
+    def index(self, idx: list[int]) -> torch.Tensor:
+        """`idx` as a device tensor; the copy does not wait for the device (an update loop that
+        synchronised here would let the GPU drain before every micro-batch)."""
+        return index_on(idx, self.device)

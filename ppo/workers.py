@@ -164,9 +164,10 @@ class PolicyWorker:
         for part in plan_micro_batches(list(range(len(ro))), lengths, micro_size, dynamic, max_tokens):
             lp, en = self._forward(ro, part, with_entropy)
             if part:
-                logp[part] = lp
+                rows = ro.index(part)
+                logp[rows] = lp
                 if with_entropy:
-                    ent[part] = en
+                    ent[rows] = en
         return logp, ent
 
     def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
@@ -266,7 +267,7 @@ class ValueWorker:
         for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), micro_size, dynamic, max_tokens):
             v = self._forward(ro, part)
             if part:
-                values[part] = v
+                values[ro.index(part)] = v
         return values * ro.response_mask
 
     def update(self, ro: Rollouts, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:

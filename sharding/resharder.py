@@ -15,14 +15,15 @@ Each parameter takes one of three routes, fixed once in a plan:
   whose chunks do not line up with TP shards (a dimension not divisible by `S`; counted in
   `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
 
-Replicated parameters of the whole model go in one gather (one collective, first); the others
-are bucketed by consecutive layers, about `BUCKET_BYTES` per rank per bucket: one collective per
-route per bucket, packed by one multi-tensor cast-copy into preallocated buffers in the engine
-dtype (bf16), and copied out of the gathered rows by one `split_with_sizes_copy` for every
-parameter split on dim 0 (the rest, split on dim 1, one strided copy each). On CUDA the packing
-and gathers of bucket `i+1` run on a side stream while the default stream copies bucket `i` into
-the engine (double-buffered: the extra memory is two bucket buffers, never a full model), and
-the local cast-copies run first, under the first gathers. A parameter larger than a bucket that
+Replicated parameters of the whole model go in one gather (first); the others are bucketed by
+consecutive layers, about `BUCKET_BYTES` per rank per bucket. A bucket is packed by one
+multi-tensor cast-copy into a preallocated buffer in the engine dtype (bf16) and gathered by
+one collective per route and layout: the parameters split on dim 0 land as contiguous rows that
+one `split_with_sizes_copy` copies out, the others (split on dim 1, or padded) take one strided
+copy each. On CUDA the packing and gathers of bucket `i+1` run on a side stream while the
+default stream copies bucket `i` into the engine (double-buffered: the extra memory is two
+bucket buffers, never a full model), and the local cast-copies run first, under the first
+gathers. A parameter larger than a bucket that
 is split on dim 0 with a contiguous engine view (the embedding, the LM head) is gathered straight
 into the engine buffer, with no bucket buffer. The host work per call is thus a few calls per
 bucket, not several per parameter: on two GPUs the per-parameter version was host-bound.
@@ -105,6 +106,9 @@ class _Bucket:
     micro_numel: int = 0
     full_numel: int = 0
     direct: bool = False  # the single micro item is gathered straight into its engine view
+    # (route, split, items, start in the send buffer, numel): one collective each, so that the
+    # gathered rows of the split items are contiguous for `split_with_sizes_copy`
+    sections: list = field(default_factory=list)
 
 
 class Resharder:
@@ -220,6 +224,11 @@ class Resharder:
                     it.offset, off = off, off + it.numel
             b.micro_numel = sum(it.numel for it in b.micro)
             b.full_numel = sum(it.numel for it in b.full)
+            for route, items in (("micro", b.micro), ("full", b.full)):
+                for split in (True, False):
+                    part = [it for it in items if it.split == split]
+                    if part:
+                        b.sections.append((route, split, part, part[0].offset, sum(it.numel for it in part)))
         self.buckets = buckets
         self._needs_comm = bool(buckets)
         self.bound_bytes = int(round(bound * self.esize))
@@ -323,9 +332,7 @@ class Resharder:
         main.wait_stream(side)
 
     def _gather(self, b: _Bucket, buf, stats: ReshardStats, views) -> None:
-        send, recv_micro, recv_full = buf
-        m, S = self.dims.micro_dp, self.dims.dp_shard
-        per = b.micro_numel + b.full_numel
+        send = buf[0]
         dsts, srcs = [], []
         for it in b.micro + b.full:
             local = it.param.to_local()
@@ -333,33 +340,40 @@ class Resharder:
             dsts.append(dst if it.route == "micro" else dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]))
             srcs.append(local)
         torch._foreach_copy_(dsts, srcs)
-        if b.micro:
-            out = views[b.micro[0].name].view(-1) if b.direct else recv_micro[:m * b.micro_numel]
-            _all_gather(out, send[:b.micro_numel], group=self._micro_group)
-            stats.bytes_received += (m - 1) * b.micro_numel * self.esize
-            stats.num_collectives += 1
-        if b.full:
-            _all_gather(recv_full[:S * b.full_numel], send[b.micro_numel:per], group=self._shard_group)
-            stats.bytes_received += (S - 1) * b.full_numel * self.esize
+        for route, _, items, start, n in b.sections:
+            G, group = self._route_group(route)
+            out = (views[items[0].name] if b.direct else self._rows(b, buf, route, start, n)).view(-1)
+            _all_gather(out, send[start:start + n], group=group)
+            stats.bytes_received += (G - 1) * n * self.esize
             stats.num_collectives += 1
 
+    def _route_group(self, route: str):
+        return (self.dims.micro_dp, self._micro_group) if route == "micro" else (self.dims.dp_shard, self._shard_group)
+
+    def _rows(self, b: _Bucket, buf, route: str, start: int, n: int) -> torch.Tensor:
+        """The gathered `[G, n]` rows of the section at `start` of the send buffer."""
+        G = self._route_group(route)[0]
+        rel = start - (0 if route == "micro" else b.micro_numel)
+        return buf[1 if route == "micro" else 2][G * rel:G * (rel + n)].view(G, n)
+
     def _copy_out(self, b: _Bucket, buf, views) -> None:
-        _, recv_micro, recv_full = buf
-        m, S, t = self.dims.micro_dp, self.dims.dp_shard, self.dims.tp
-        if b.micro and not b.direct:
-            rows = recv_micro[:m * b.micro_numel].view(m, b.micro_numel)
-            for it in _unpack_split(rows, b.micro, views):
-                src = rows[:, it.offset:it.offset + it.numel].unflatten(1, it.chunk_shape)  # [m, *chunk]
+        if b.direct:
+            return
+        m, t = self.dims.micro_dp, self.dims.tp
+        for route, split, items, start, n in b.sections:
+            rows = self._rows(b, buf, route, start, n)
+            if split:
+                torch.split_with_sizes_copy(rows, [it.numel for it in items], dim=1,
+                                            out=[views[it.name].view(rows.shape[0], -1) for it in items])
+                continue
+            for it in items:
+                src = rows[:, it.offset - start:it.offset - start + it.numel].unflatten(1, it.chunk_shape)  # [G, *chunk]
                 d = it.fsdp_dim
-                views[it.name].unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
-        if b.full:
-            rows = recv_full[:S * b.full_numel].view(S, b.full_numel)
-            for it in _unpack_split(rows, b.full, views):
-                off = it.offset - b.micro_numel
-                src = rows[:, off:off + it.numel].unflatten(1, it.chunk_shape)  # [S, *padded chunk]
-                d = it.fsdp_dim
-                full = src.movedim(0, d).flatten(d, d + 1).narrow(d, 0, it.param.shape[d])
-                views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+                if route == "micro":
+                    views[it.name].unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
+                else:  # padded chunks of the whole parameter, then this rank's TP slice
+                    full = src.movedim(0, d).flatten(d, d + 1).narrow(d, 0, it.param.shape[d])
+                    views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
 
     # ------------------------------------------------------------- naive reference
     @torch.no_grad()
@@ -415,15 +429,3 @@ def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach_max_n
     if small_d:
         torch._foreach_copy_(small_d, small_s)
 
-
-def _unpack_split(rows: torch.Tensor, items: list[_Item], views) -> list[_Item]:
-    """Copy the `split` items, which lead their section of the send buffer, out of the gathered
-    `rows [G, section numel]` with one `split_with_sizes_copy`; returns the items left for
-    per-item copies."""
-    split = [it for it in items if it.split]
-    if split:
-        G = rows.shape[0]
-        n = sum(it.numel for it in split)
-        torch.split_with_sizes_copy(rows[:, :n], [it.numel for it in split], dim=1,
-                                    out=[views[it.name].view(G, -1) for it in split])
-    return [it for it in items if not it.split]
