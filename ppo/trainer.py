@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kl import KLGuard, get_kl_controller, kl_penalty
-from ppo import faults
+from ppo import faults, gc_control
 from ppo.checkpointing import CheckpointManager
 from ppo.config import PPOConfig, validate
 from ppo.configlib import ConfigError, to_commented_yaml
@@ -261,7 +261,7 @@ class PPOTrainer:
         timer, metrics = self.timer, {}
         faults.at_step_start(self.global_step + 1, self.ctx.rank)
         items = self.loader.next_batch()
-        with timer("step"):
+        with gc_control.collect_after(self.global_step + 1), timer("step"):
             with timer("gen"):
                 full = self._generate_all(items, validate=False,
                                           seed=cfg.trainer.seed * 1_000_003 + self.global_step)
