@@ -81,7 +81,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ weights
     def param_slots(self) -> dict[str, ParamSlot]:
-        """Training parameter name -> view of this rank's TP shard inside the engine's weights."""
+        """Training parameter name -> view of this rank's TP shard inside the engine's weights.
+
+        The caller is about to write the weights (the resharder asks at every reshard): weights
+        released by `free_weights()` are re-allocated first. The views are the same tensor objects
+        for the engine's whole life.
+        """
+        self.init_weights_storage()
         return self.model.param_slots()
 
     @torch.no_grad()
@@ -110,13 +116,21 @@ class LLMEngine:
         return loaded
 
     def free_weights(self) -> None:
-        """Release the weight buffer (param_slots() views become invalid)."""
-        self.model.free()
+        """Release the weights and the CUDA graphs (with their memory pool) until the next weight load.
+
+        Between PPO phases, with `free_cache()`: the actor trains in the memory the engine held.
+        The weights' tensor objects (`param_slots()` views) stay valid; `param_slots()` or
+        `init_weights_storage()` re-allocates the memory, which the next reshard or
+        `load_weights` fills. The graphs are recaptured by the next `generate()`, whose
+        `last_stats["graph_capture_s"]` says what that cost.
+        """
+        if self.model.allocated:
+            self.model.release()
+        self.runner.drop_graphs()
 
     def init_weights_storage(self) -> None:
-        """Re-allocate the weight buffer (uninitialised); call param_slots() again for the new views."""
-        if not self.model.allocated:
-            self.model.allocate()
+        """Re-allocate weights released by `free_weights()` (uninitialised; no-op when allocated)."""
+        self.model.restore()
 
     # ------------------------------------------------------------------ KV cache
     def _activation_reserve_bytes(self) -> int:
@@ -189,13 +203,15 @@ class LLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams) -> list[RequestOutput]:
         """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`."""
         if not self.model.allocated:
-            raise RuntimeError("the engine's weights are released: call init_weights_storage() and load them")
+            raise RuntimeError("the engine's weights are released (free_weights()): load them first "
+                               "(load_weights() or a reshard into param_slots())")
         params = sampling_params
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         self._validate(prompts, params)
         if not prompts:
             return []
         t0 = time.perf_counter()
+        capture_s0, captures0 = self.runner.capture_s, self.runner.num_captures
         self.init_cache()
         c = self.config
         bm = BlockManager(self.runner.num_blocks, c.block_size, int(WATERMARK_FRACTION * self.runner.num_blocks))
@@ -210,6 +226,7 @@ class LLMEngine:
 
         samples: dict[tuple[int, int], Sequence] = {}
         steps = {"prefill": 0, "decode": 0}
+        decode_rows = 0  # sequences summed over decode steps: their mean is the batch continuous batching kept
         pending = None
         while sched.has_unfinished():
             if pending is not None and sched.next_is_prefill():
@@ -217,6 +234,8 @@ class LLMEngine:
                 pending = None
             batch = sched.schedule()
             steps["prefill" if batch.is_prefill else "decode"] += 1
+            if not batch.is_prefill:
+                decode_rows += len(batch.seqs)
             launched = self.runner.execute(batch)
             if pending is not None:
                 self._process(sched, pending, samples)
@@ -232,8 +251,11 @@ class LLMEngine:
                                              token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
+                           "decode_rows": decode_rows,
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
-                           "wall_s": time.perf_counter() - t0}
+                           "wall_s": time.perf_counter() - t0,
+                           "graph_capture_s": self.runner.capture_s - capture_s0,
+                           "graphs_captured": self.runner.num_captures - captures0}
         if c.free_cache_engine:
             self.free_cache()
         return outputs

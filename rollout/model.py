@@ -2,7 +2,10 @@
 
 All weights of one rank live in one flat buffer (`storage`), so that they can be released
 and re-allocated between PPO phases as one block, and a CUDA graph captured over them
-stays valid as long as that one pointer does. Inside it:
+stays valid as long as that one pointer does. Releasing shrinks the buffer's storage to
+zero bytes and re-allocating grows it back (`untyped_storage().resize_`): every tensor
+object - `storage`, the per-layer views, the `ParamSlot` views the resharder writes - keeps
+its identity and follows the new memory. Inside it:
 
 * column-parallel (output rows sharded, TP shard j = rows [j n/t, (j+1) n/t)): the fused
   `qkv` ([q | k | v] of this rank's heads) and `gate_up` ([gate | up]) projections and
@@ -87,7 +90,6 @@ class EngineModel:
         cos, sin = rope_cos_sin(rope_inv_freq(args, device=device), pos, dtype)
         self.cos = cos[:, :self.head_dim // 2].contiguous()
         self.sin = sin[:, :self.head_dim // 2].contiguous()
-        self.storage: torch.Tensor | None = None
         self.allocate()
 
     # ------------------------------------------------------------------ layout
@@ -152,20 +154,16 @@ class EngineModel:
 
     # ------------------------------------------------------------------ storage
     def allocate(self) -> None:
-        """(Re-)allocate the flat weight buffer, uninitialised, and rebuild every view."""
+        """Allocate the flat weight buffer, uninitialised, and build every view of it (once)."""
         offsets, total = {}, 0
         for name, shape in self._buffers.items():
             offsets[name] = total
-            n = 1
-            for s in shape:
-                n *= s
-            total += -(-n // _ALIGN) * _ALIGN
+            total += -(-torch.Size(shape).numel() // _ALIGN) * _ALIGN
         self.storage = torch.empty(total, dtype=self.dtype, device=self.device)
+        self._storage_nbytes = self.storage.untyped_storage().nbytes()
         self.buffers: dict[str, torch.Tensor] = {}
         for name, shape in self._buffers.items():
-            n = 1
-            for s in shape:
-                n *= s
+            n = torch.Size(shape).numel()
             self.buffers[name] = self.storage[offsets[name]:offsets[name] + n].view(shape)
         self._slots = {}
         for name, (buf, row0, rows) in self._plan.items():
@@ -181,14 +179,18 @@ class EngineModel:
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"))
             for i in range(self.args.num_hidden_layers)]
 
-    def free(self) -> None:
-        self.storage = None
-        self.buffers, self._slots, self.layers = {}, {}, []
-        self.embed_w = self.norm_w = self.head_w = None
+    def release(self) -> None:
+        """Give the weights' memory back (the views stay, over zero bytes, until `restore()`)."""
+        self.storage.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Re-allocate released weight memory, uninitialised, under the same tensor objects."""
+        if not self.allocated:
+            self.storage.untyped_storage().resize_(self._storage_nbytes)
 
     @property
     def allocated(self) -> bool:
-        return self.storage is not None
+        return self.storage.untyped_storage().nbytes() > 0
 
     @property
     def weight_bytes(self) -> int:
@@ -196,8 +198,6 @@ class EngineModel:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
     def param_slots(self) -> dict[str, ParamSlot]:
-        if not self.allocated:
-            raise RuntimeError("the engine's weights are released: call init_weights_storage() first")
         return dict(self._slots)
 
     # ------------------------------------------------------------------ forward

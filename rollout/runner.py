@@ -24,6 +24,8 @@ pointers they were captured with stay the same.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -87,6 +89,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._graph_key = None
+        self._warmed: set[int] = set()  # batch sizes run eagerly once: Triton compiled, cuBLAS initialised
+        self.capture_s = 0.0  # host time spent capturing graphs (warm-up included), and how many
+        self.num_captures = 0
         self.step_events: list | None = None  # set to [] to record (is_prefill, rows, start, end) CUDA events
 
     @property
@@ -111,11 +116,18 @@ class ModelRunner:
         self.kv_cache = None
         self.num_blocks = 0
 
+    def drop_graphs(self) -> None:
+        """Destroy the captured graphs; their private memory pool goes back to the caching allocator
+        (to the device at the next `torch.cuda.empty_cache()`, or when an allocation needs it)."""
+        self.graphs = {}
+        self._graph_pool = None
+        self._graph_key = None
+
     def _check_graphs(self) -> None:
         """Drop graphs captured over other weight / KV-pool memory than the current one."""
         key = (self.model.storage.data_ptr(), self.kv_cache.data_ptr(), self.num_blocks)
         if key != self._graph_key:
-            self.graphs = {}
+            self.drop_graphs()
             self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
             self._graph_key = key
 
@@ -219,18 +231,27 @@ class ModelRunner:
         self.dec_logprobs[:rows].copy_(logprobs)
 
     def _capture(self, rows: int) -> None:
-        """Capture the decode step for `rows` sequences (inputs: the dummy slot, harmless to real state)."""
+        """Capture the decode step for `rows` sequences (inputs: the dummy slot, harmless to real state).
+
+        The eager warm-up (Triton compilation, cuBLAS set-up) runs only the first time a size is
+        captured: a recapture after `drop_graphs()` finds both done.
+        """
+        t0 = time.perf_counter()
         self.dec_in[0, :rows].fill_(self.dummy_slot)
         self.dec_in[1:, :rows].zero_()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._decode_body(rows, 1)  # warm-up: Triton compilation, cuBLAS workspaces
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if rows not in self._warmed:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._decode_body(rows, 1)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._warmed.add(rows)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool):  # synchronises the device on entry
             self._decode_body(rows, 1)
         self.graphs[rows] = graph
+        self.capture_s += time.perf_counter() - t0
+        self.num_captures += 1
 
     # ------------------------------------------------------------------ prefill
     def _run_prefill(self, batch: ScheduledBatch):

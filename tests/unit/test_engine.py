@@ -200,11 +200,23 @@ def test_free_and_reallocate_cache_and_weights():
     engine.free_cache()
     assert engine.runner.kv_cache is None
     assert [o.token_ids for o in engine.generate(prompts, sp)] == ref  # re-allocated by generate
+    slots = engine.param_slots()
+    storage = engine.model.storage
     engine.free_weights()
+    assert storage.untyped_storage().nbytes() == 0  # the memory itself is gone, not only a reference
     with pytest.raises(RuntimeError, match="released"):
         engine.generate(prompts, sp)
-    with pytest.raises(RuntimeError, match="released"):
-        engine.param_slots()
+    # What the resharder does at every reshard: ask for the slots (re-allocating) and write them.
+    again = engine.param_slots()
+    assert engine.model.storage is storage and storage.untyped_storage().nbytes() == storage.numel() * storage.element_size()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, slot in again.items():
+            assert slot.view is slots[name].view  # the same tensor objects, over the new memory
+            slot.view.copy_(params[name])
+    assert all(torch.equal(slots[n].view, params[n]) for n in slots)
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+    engine.free_weights()
     engine.init_weights_storage()
     engine.load_weights(model.named_parameters())
     assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
