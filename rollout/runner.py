@@ -68,7 +68,10 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.dummy_slot = config.max_num_seqs
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        self.capture_sizes = config.capture_sizes() if self.is_cuda and not config.enforce_eager else []
+        # Graphs need the Triton decode attention: the reference path sizes its context gather
+        # from a host value, which a graph would freeze at its capture-time value.
+        graphs = self.is_cuda and self.use_triton and not config.enforce_eager
+        self.capture_sizes = config.capture_sizes() if graphs else []
         self.max_rows = max([config.max_num_seqs] + self.capture_sizes)
 
         self.block_tables = torch.zeros(self.max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32,
@@ -86,10 +89,11 @@ class ModelRunner:
 
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (padded rows, the sampler's static truncation) -> graph; temperature and greedy are device values
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._graph_key = None
-        self._warmed: set[int] = set()  # batch sizes run eagerly once: Triton compiled, cuBLAS initialised
+        self._warmed: set[tuple] = set()  # graph keys run eagerly once: Triton compiled, cuBLAS initialised
         self.capture_s = 0.0  # host time spent capturing graphs (warm-up included), and how many
         self.num_captures = 0
         self.step_events: list | None = None  # set to [] to record (is_prefill, rows, start, end) CUDA events
@@ -119,9 +123,15 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Destroy the captured graphs; their private memory pool goes back to the caching allocator
         (to the device at the next `torch.cuda.empty_cache()`, or when an allocation needs it)."""
+        had = bool(self.graphs)
         self.graphs = {}
         self._graph_pool = None
         self._graph_key = None
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if had and clear is not None:
+            # cuBLAS keeps the workspace it allocated inside the last capture, a live block that
+            # would pin a segment of the pool; it allocates a new one at its next matmul.
+            clear()
 
     def _check_graphs(self) -> None:
         """Drop graphs captured over other weight / KV-pool memory than the current one."""
@@ -197,19 +207,20 @@ class ModelRunner:
     def _run_decode(self, batch: ScheduledBatch):
         b = len(batch.seqs)
         padded = self._graph_size(b)
-        use_graph = padded is not None and not self.sampler.truncates
+        use_graph = padded is not None
         rows = padded if use_graph else b
+        key = (rows, self.sampler.truncation)
         host = self._in_host[self._flip].numpy()
         host[0, :b] = batch.slots
         host[1, :b] = batch.starts
         host[2, :b] = np.asarray([s.key for s in batch.seqs], dtype=np.uint32).view(np.int32)
         host[0, b:rows] = self.dummy_slot
         host[1:, b:rows] = 0
-        if use_graph and rows not in self.graphs:
-            self._capture(rows)
+        if use_graph and key not in self.graphs:
+            self._capture(key)
         self.dec_in.copy_(self._in_host[self._flip], non_blocking=self.is_cuda)
         if use_graph:
-            self.graphs[rows].replay()
+            self.graphs[key].replay()
         else:
             self._decode_body(rows, max(batch.starts) + 1)
         return self.dec_tokens, self.dec_logprobs
@@ -230,26 +241,27 @@ class ModelRunner:
         self.dec_tokens[:rows].copy_(tokens)
         self.dec_logprobs[:rows].copy_(logprobs)
 
-    def _capture(self, rows: int) -> None:
-        """Capture the decode step for `rows` sequences (inputs: the dummy slot, harmless to real state).
+    def _capture(self, key: tuple) -> None:
+        """Capture the decode step for `key = (rows, truncation)` (inputs: the dummy slot, harmless to real state).
 
-        The eager warm-up (Triton compilation, cuBLAS set-up) runs only the first time a size is
+        The eager warm-up (Triton compilation, cuBLAS set-up) runs only the first time a key is
         captured: a recapture after `drop_graphs()` finds both done.
         """
         t0 = time.perf_counter()
+        rows = key[0]
         self.dec_in[0, :rows].fill_(self.dummy_slot)
         self.dec_in[1:, :rows].zero_()
-        if rows not in self._warmed:
+        if key not in self._warmed:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._decode_body(rows, 1)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            self._warmed.add(rows)
+            self._warmed.add(key)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):  # synchronises the device on entry
             self._decode_body(rows, 1)
-        self.graphs[rows] = graph
+        self.graphs[key] = graph
         self.capture_s += time.perf_counter() - t0
         self.num_captures += 1
 

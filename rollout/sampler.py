@@ -153,6 +153,15 @@ class Sampler:
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0
 
+    @property
+    def truncation(self) -> tuple[int, float] | None:
+        """The static part of the sampling parameters, (top_k, top_p), or None without truncation.
+
+        The threshold's shapes (top-k's k) and constants (top-p's p) are baked into a captured
+        decode step, so the runner keeps one graph per batch size and value of this key.
+        """
+        return (self.top_k, self.top_p) if self.truncates else None
+
     def threshold(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The top-k / top-p threshold `[R]`, identical on every rank; None without truncation."""
         if not self.truncates:

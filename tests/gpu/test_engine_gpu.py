@@ -14,7 +14,8 @@ from rollout.sampler import combine_partials  # noqa: E402
 from tests.unit.test_engine import (check_against_training_forward, greedy_reference, make_engine,  # noqa: E402
                                     prompts_of, tiny_args, tiny_model)
 from tests.unit.test_sampler import (CASES, DRAW_KEY, LOGITS, P_REJECT, check_extremes,  # noqa: E402
-                                     chi_square_pvalue, draw_tokens, expected_probs, key_rows)
+                                     chi_square_pvalue, constant_logit_engine, draw_tokens, expected_probs,
+                                     key_rows, load_decode_inputs)
 
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative L2 error
@@ -209,8 +210,8 @@ def test_engine_graphs_equal_eager_equal_torch_backend(params):
     torch_path = make_engine(model, enforce_eager=True, **cfg)
     torch_path.runner.use_triton = False
     a, b, c = graph.generate(prompts, params), eager.generate(prompts, params), torch_path.generate(prompts, params)
-    if not params.needs_truncation:
-        assert graph.runner.graphs
+    assert graph.runner.graphs and not eager.runner.graphs  # top-k / top-p run inside the graph too
+    assert all(key[1] == graph.runner.sampler.truncation for key in graph.runner.graphs)
     for x, y, z in zip(a, b, c):
         assert x.token_ids == y.token_ids == z.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, z.logprobs)) < 1e-4
@@ -260,6 +261,71 @@ def test_cache_and_weights_cycle_keeps_outputs():
     engine.init_weights_storage()
     engine.load_weights(model.named_parameters())
     assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] > 0 or c[2] < 1])
+def test_truncated_sampling_inside_a_cuda_graph_fits_softmax(case):
+    """A captured decode step with top-k / top-p (threshold, Triton race, combine, write-back):
+    replays equal the eager step token for token, and 2**22 draws (4 replays over fresh keys) fit
+    the truncated softmax (tests/unit/test_sampler.py explains the bound)."""
+    rows = 1 << 20
+    engine = constant_logit_engine(rows, device=DEV)
+    runner = engine.runner
+    assert runner.use_triton
+    runner.begin_generate(*case)
+    key = (rows, runner.sampler.truncation)
+    runner._capture(key)
+    tokens, logprobs = [], []
+    for rep in range(4):
+        load_decode_inputs(runner, rows, offset=rep * rows)
+        runner.graphs[key].replay()
+        tokens.append(runner.dec_tokens[:rows].clone())
+        logprobs.append(runner.dec_logprobs[:rows].clone())
+    runner._decode_body(rows, 1)  # eager, on the last inputs
+    assert torch.equal(runner.dec_tokens[:rows], tokens[-1])
+    tokens, logprobs = torch.cat(tokens), torch.cat(logprobs)
+    assert chi_square_pvalue(tokens, expected_probs(*case)) > P_REJECT
+    assert (logprobs - torch.log_softmax(LOGITS.to(DEV) / case[0], -1)[tokens]).abs().max() < 1e-5
+
+
+def _memory():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def test_free_weights_gives_memory_back_and_recaptured_graphs_agree():
+    """Issue 14 part 3: `free_weights()` returns the weights (their own segment: > 10 MB) and the
+    graphs' pool to the device; refilling through `param_slots()` (as the resharder does) and
+    recapturing gives the same tokens, greedy and sampled with top-k / top-p."""
+    args = tiny_args("llama", hidden_size=512, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                     num_hidden_layers=4, max_position_embeddings=512)
+    model = tiny_model(args).to(DEV)
+    prompts = prompts_of([9, 31, 5, 17, 40, 3], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=16),
+              SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.9, max_tokens=16, seed=3)]
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=64)  # frees its KV pool after each call
+    refs = []
+    for sp in params:
+        refs.append([o.token_ids for o in engine.generate(prompts, sp)])
+        assert engine.last_stats["graphs_captured"] > 0 and engine.last_stats["graph_capture_s"] > 0
+    wbytes = engine.model.storage.numel() * engine.model.storage.element_size()
+    assert wbytes > 10 << 20
+    alloc0, res0 = _memory()
+    engine.model.release()  # the weights alone first, to see the graphs' share separately
+    alloc1, res1 = _memory()
+    engine.free_weights()
+    alloc2, res2 = _memory()
+    # (block rounding: 512 B; a segment's 2 MiB granularity, with expandable segments)
+    assert 0 <= alloc0 - alloc1 - wbytes < 512 and res0 - res1 >= wbytes - (2 << 20), (alloc0, alloc1, res0, res1)
+    assert not engine.runner.graphs and res2 < res1, (res1, res2)  # the pool is gone too
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            engine.param_slots()[name].view.copy_(p)
+    assert torch.cuda.memory_allocated() >= alloc2 + wbytes
+    for sp, ref in zip(params, refs):
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+        assert engine.last_stats["graphs_captured"] > 0
 
 
 def test_qwen_shape_smoke():

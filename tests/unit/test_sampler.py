@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.ops import TorchOps
 from rollout.parallel import TPGroup
@@ -16,6 +17,8 @@ from rollout.sampler import (Sampler, combine_partials, gumbel_noise, mix32_t, s
                              truncation_threshold, uniform_from_bits, uniform_noise)
 from rollout.sequence import mix32, sequence_key
 from tests.unit import test_engine
+
+aten = torch.ops.aten
 
 # Goodness of fit. 12 tokens with geometric probabilities (ratio e^-0.65 per rank; shuffled, so
 # that rank and token id differ); one sample key, one draw per position, as the engine draws a
@@ -260,3 +263,74 @@ def test_chi_square_check_rejects_biased_samplers(case):
     # A sampler ignoring the temperature, top-k and top-p: the draws of CASES[0].
     if case != CASES[0]:
         assert chi_square_pvalue(_draws(CASES[0])[0], probs) < P_REJECT
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on what a CUDA graph cannot capture: a read of a device value by the host (`.item()`,
+    `bool(t)`, `torch.equal`) or an output whose shape depends on values (`nonzero`, a boolean index)."""
+
+    FORBIDDEN = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+                 aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+                 aten.unique_consecutive.default, aten.unique_dim.default, aten.repeat_interleave.Tensor}
+    INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"{func} synchronises with the host or has a value-dependent shape")
+        if func in self.INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            raise AssertionError(f"{func} with a boolean index has a value-dependent shape")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_check_catches_syncs():
+    x = torch.arange(6.0)
+    for bad in (lambda: x.sum().item(), lambda: bool(x[0] > 1), lambda: x[x > 2], lambda: x.nonzero()):
+        with pytest.raises(AssertionError, match="synchronises|value-dependent"), NoHostSync():
+            bad()
+
+
+def constant_logit_engine(rows: int, device="cpu"):
+    """An engine whose every decode row has the logits LOGITS exactly: one layer whose attention and
+    MLP add zeros, embedding rows of ones (RMSNorm with eps 0 keeps them ones) and an LM head
+    `[LOGITS | 0]`, so the decode step's sampling can be checked against softmax(LOGITS / T). head_dim
+    is 16, the smallest a Triton `tl.dot` takes."""
+    from models import ModelArgs
+    from rollout import EngineConfig, LLMEngine
+
+    args = ModelArgs(vocab_size=len(LOGITS), hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8, rms_norm_eps=0.0,
+                     model_type="llama", tie_word_embeddings=False)
+    engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=4, max_num_seqs=rows),
+                       device=device)
+    with torch.no_grad():
+        for name, slot in engine.param_slots().items():
+            slot.view.fill_(1.0 if "norm" in name or "embed" in name else 0.0)
+        engine.param_slots()["lm_head.weight"].view[:, 0] = LOGITS.to(device)
+    engine.init_cache()
+    return engine
+
+
+def load_decode_inputs(runner, rows: int, offset: int = 0) -> None:
+    """Decode inputs for `rows` rows at position 0 with distinct keys (`offset` picks another set):
+    all in the dummy slot, whose scratch page takes the (identical) K/V writes."""
+    keys = mix32_t(torch.arange(offset, offset + rows, device=runner.dec_in.device) + 0x5EED)
+    runner.dec_in[0, :rows].fill_(runner.dummy_slot)
+    runner.dec_in[1, :rows].zero_()
+    runner.dec_in[2, :rows] = (keys - (keys >= 2**31).long() * 2**32).int()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] > 0 or c[2] < 1])
+def test_decode_step_with_truncation_is_graph_safe_and_fits_the_softmax(case):
+    """The function a CUDA graph captures for a decode step (`ModelRunner._decode_body`: forward, top-k /
+    top-p threshold, race, write-back), with truncation: no host synchronisation, no value-dependent
+    shape, and its draws fit the truncated softmax (2**18 rows, one key each, all in one step)."""
+    engine = constant_logit_engine(N_DRAWS)
+    runner = engine.runner
+    runner.begin_generate(*case)
+    assert runner.sampler.truncation == case[1:]
+    load_decode_inputs(runner, N_DRAWS)
+    with NoHostSync():
+        runner._decode_body(N_DRAWS, 1)
+    tokens, logprobs = runner.dec_tokens[:N_DRAWS], runner.dec_logprobs[:N_DRAWS]
+    assert chi_square_pvalue(tokens, expected_probs(*case)) > P_REJECT
+    assert torch.allclose(logprobs, torch.log_softmax(LOGITS / case[0], -1)[tokens], atol=1e-6)
