@@ -17,16 +17,11 @@ Gradients, with z = logits / temperature, p = softmax(z), y the label:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 
 import torch
 
-
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+from models.triton_support import triton_usable
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -38,7 +33,7 @@ def _use_triton(t: torch.Tensor) -> bool:
         raise ValueError(f"MESHPPO_LM_HEAD must be auto, torch or triton, got {choice!r}")
     if choice != "auto":
         return choice == "triton"
-    return t.is_cuda and _triton_importable()
+    return triton_usable(t.device)
 
 
 def _fp32_scaled(logits, inv_temp: float):

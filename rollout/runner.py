@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from models.triton_support import triton_usable
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.block_manager import cdiv
 from rollout.config import EngineConfig
@@ -38,13 +39,9 @@ from rollout.sampler import Sampler
 from rollout.sequence import ScheduledBatch
 
 
-def triton_usable(device: torch.device, head_dim: int) -> bool:
-    """Triton kernels need CUDA, an importable triton and a power-of-two head_dim."""
-    if device.type != "cuda" or head_dim & (head_dim - 1):
-        return False
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
+def triton_ops_usable(device: torch.device, head_dim: int) -> bool:
+    """The engine's Triton kernels need what every Triton kernel needs, and a power-of-two head_dim."""
+    return triton_usable(device) and head_dim & (head_dim - 1) == 0
 
 
 class StepOutput:
@@ -62,7 +59,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: EngineModel, config: EngineConfig, device: torch.device, max_model_len: int):
         self.model, self.config, self.device = model, config, device
-        self.use_triton = triton_usable(device, model.head_dim)
+        self.use_triton = triton_ops_usable(device, model.head_dim)
         self.is_cuda = device.type == "cuda"
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
