@@ -3,22 +3,42 @@
     python bench/rollout.py                 # 0.5b and 1.5b at 256 and 512 prompts, batch-1 steps, HF at 256
     python bench/rollout.py --skip-hf       # engine only
     python bench/rollout.py --quick         # 0.5b at 256 only, no HF
+    python bench/rollout.py --models qwen2.5-0.5b --batches "" --batch1-models "" --skip-hf --eos-models qwen2.5-0.5b
+                                            # the EOS workload only (variable lengths, continuous batching)
     torchrun --nproc_per_node=2 bench/rollout.py --tp 2 --models qwen2.5-7b --batch1-models "" --skip-hf
                                             # one engine over 2 GPUs (tensor parallel, NCCL)
 
-Workload: random weights, B prompts of 128 random tokens, 256 new tokens each, EOS ignored,
-temperature 1.0 (no truncation). Prints one JSON object per measurement (rank 0), figures of
-the median of `--repeats` runs:
+Fixed workload: random weights, B prompts of 128 random tokens, 256 new tokens each, EOS
+ignored, temperature 1.0 (no truncation). Prints one JSON object per measurement (rank 0);
+figures are those of the median run of `--repeats` (odd, default 3; the run of median wall
+time, so the figures of one record come from one run):
 
 * `generated_tok_per_s`: B x new tokens / wall time of `generate()` (prefill included).
 * `decode_ms_per_step_gpu`: median GPU time of a full-batch decode step (CUDA events around
   the step: input upload, graph replay, output download); `decode_ms_per_step_wall`: wall
   time of the decode phase / decode steps (the host's share shows as the difference).
-* `bandwidth_util`: bytes a decode step must read (the weights once, plus the K/V of the
-  mean context) / GPU step time / 4.3 TB/s; `floor_ms` is the larger of that byte floor and
-  the FLOP floor (2 x params x B / 790 TFLOP/s), `ratio_to_floor` = floor / measured.
+* `bytes_per_step_gb`: what a decode step really reads: every weight once, except the input
+  embedding table, of which only the B looked-up rows are read (tied embeddings: the table
+  is read whole as the LM head), plus the K/V of every sequence's context (the mean context
+  of the run). `bandwidth_util` = those bytes / GPU step time / 4.3 TB/s; `floor_ms` is the
+  larger of that byte floor and the FLOP floor (2 x params x B / 790 TFLOP/s),
+  `ratio_to_floor` = floor / measured. `logits_gb`: the logits a step writes and the sampler
+  reads back (not in the byte count: a head fused with the sampler would not move them).
 * `peak_memory_gb`: torch's peak allocation during the run (weights + KV pool + activations);
   the pool is sized for the workload (`max_model_len` = prompt + new tokens).
+
+EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
+of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
+EOS honoured. Random weights never pick a particular token, so EOS is made likely on purpose:
+M = V / `--eos-mean` token ids, spread evenly over the vocabulary, are all EOS ids
+(`SamplingParams.eos_token_id` as a list, verl's multi-EOS form). With random weights the
+next-token distribution is broad and, on average, the same for every id, so a sample ends at
+each step with probability about 1 / eos_mean: geometric lengths (mean about eos_mean, the
+mode at 1, a long tail up to the cap), deterministic for a seed. Reported: generated tok/s
+(tokens actually generated / wall), the length distribution (p50 / p90 / p99 / max, the
+fraction cut at the cap), and how continuous batching keeps the batch full: the mean running
+batch over decode steps, `occupancy` = that mean / slots, the fraction of decode steps at full
+batch, and prefill steps (slots refilled while others decode).
 """
 
 from __future__ import annotations
@@ -54,12 +74,20 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> float:
-    """Bytes one decode step must read: every weight once + the K/V of every sequence's context."""
+def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> tuple[float, float]:
+    """(bytes one decode step reads, bytes of its logits); see the module docstring."""
     m = engine.model
     elem = torch.empty((), dtype=m.dtype).element_size()
+    table = m.vocab_local * m.hidden * elem
+    rows = min(batch, m.vocab_local) * m.hidden * elem
+    weights = m.weight_bytes - (0 if m.args.tie_word_embeddings else table) + rows
     kv_per_token = m.args.num_hidden_layers * 2 * m.num_kv_heads * m.head_dim * elem
-    return m.weight_bytes + batch * mean_context * kv_per_token
+    return weights + batch * mean_context * kv_per_token, 2.0 * batch * m.vocab_local * elem
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
 
 
 def build_engine(name: str, max_seqs: int, max_len: int, args) -> LLMEngine:
@@ -92,9 +120,9 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         prefill_s = sum(s.elapsed_time(e) for pre, _, s, e in events if pre) / 1e3
         runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=prefill_s,
                          decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated()))
-    best = sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]  # the median run (lower middle)
+    best = median_run(runs)
     gpu_ms = best["decode_ms"]
-    nbytes = step_bytes(engine, batch, p + new / 2)
+    nbytes, logits_bytes = step_bytes(engine, batch, p + new / 2)
     flops = engine.args.flops(batch, batch, batch * (p + new / 2))  # one decode step
     floor_ms = max(nbytes / H200_HBM_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3
     return emit(
@@ -109,12 +137,88 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         decode_ms_per_step_wall=round((best["wall"] - best["prefill_s"]) / best["decode_steps"] * 1e3, 4),
         decode_steps=best["decode_steps"],
         bytes_per_step_gb=round(nbytes / 1e9, 4),
+        logits_gb=round(logits_bytes / 1e9, 4),
         bandwidth_util=round(nbytes / (gpu_ms / 1e3) / H200_HBM_BYTES_PER_S, 4),
         floor_ms=round(floor_ms, 4),
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(best["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
     )
+
+
+def eos_ids(vocab_size: int, mean_len: int) -> list[int]:
+    """vocab_size / mean_len ids spread evenly over the vocabulary (the EOS workload's stop set)."""
+    m = max(1, round(vocab_size / mean_len))
+    return [i * vocab_size // m for i in range(m)]
+
+
+def measure_eos(name: str, args) -> dict:
+    """The EOS workload (module docstring): variable lengths, more prompts than slots."""
+    p, cap, slots = args.prompt_len, args.eos_max_tokens, args.eos_max_seqs
+    engine = build_engine(name, slots, p + cap, args)
+    prompts = random_prompts(args.eos_prompts, p, engine.args.vocab_size, seed=7)
+    params = SamplingParams(temperature=1.0, max_tokens=cap, eos_token_id=eos_ids(engine.args.vocab_size,
+                                                                                   args.eos_mean), seed=1)
+    engine.generate(prompts, params)  # warm-up: compiles and captures every batch size the run visits
+    first_capture = engine.last_stats
+    runs = []
+    for rep in range(args.repeats):
+        engine.runner.step_events = []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        events, engine.runner.step_events = engine.runner.step_events, None
+        decode_rows = [rows for pre, rows, _, _ in events if not pre]
+        st = engine.last_stats
+        assert sum(decode_rows) == st["decode_rows"] and len(decode_rows) == st["decode_steps"]
+        runs.append(dict(wall=wall, lens=sorted(len(o.token_ids) for o in outs), decode_rows=decode_rows,
+                         stats=st, capped=sum(o.finish_reason == "length" for o in outs)))
+    run = median_run(runs)
+    lens, rows, st = run["lens"], run["decode_rows"], run["stats"]
+
+    def q(f):
+        return lens[min(len(lens) - 1, int(f * len(lens)))]
+
+    mean_rows = sum(rows) / len(rows)
+    # Between PPO phases (free_cache_engine): what releasing gives back, and what the next
+    # generate() pays to recapture its graphs.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    engine.free_cache()
+    engine.free_weights()
+    torch.cuda.empty_cache()
+    alloc1, res1 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    random_weights(engine)  # through param_slots(), which re-allocates, as the resharder's call does
+    engine.generate(prompts, params)
+    again = engine.last_stats
+    rec = emit(
+        "rollout_eos", {"engine": "meshppo", "model": name, "prompts": args.eos_prompts, "max_num_seqs": slots,
+                        "prompt_len": p, "max_tokens": cap, "eos_ids": len(params.eos_token_id),
+                        "expected_mean_len": args.eos_mean, "temperature": 1.0, "tp": args.tp,
+                        "cuda_graphs": not args.enforce_eager},
+        generated_tok_per_s=round(sum(lens) / run["wall"], 1),
+        wall_s=round(run["wall"], 4),
+        walls_s=[round(r["wall"], 4) for r in runs],
+        generated_tokens=sum(lens),
+        len_mean=round(sum(lens) / len(lens), 1), len_p50=q(0.5), len_p90=q(0.9), len_p99=q(0.99), len_max=lens[-1],
+        frac_capped=round(run["capped"] / len(lens), 4),
+        decode_steps=st["decode_steps"], prefill_steps=st["prefill_steps"],
+        mean_decode_batch=round(mean_rows, 2),
+        occupancy=round(mean_rows / slots, 4),
+        frac_steps_full=round(sum(r == slots for r in rows) / len(rows), 4),
+        graphs_captured=first_capture["graphs_captured"],
+        graph_capture_s_first=round(first_capture["graph_capture_s"], 4),
+        graph_capture_s_after_free=round(again["graph_capture_s"], 4),
+        wall_s_after_free=round(again["wall_s"], 4),
+        freed_allocated_gb=round((alloc0 - alloc1) / 1e9, 3),
+        freed_reserved_gb=round((res0 - res1) / 1e9, 3),
+        weights_gb=round(engine.model.weight_bytes / 1e9, 3),
+    )
+    del engine
+    return rec
 
 
 def measure_hf(name: str, batch: int, args) -> dict:
@@ -203,7 +307,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-batches", default="256", help="batches run through HF generate")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (odd: figures of the median run)")
+    ap.add_argument("--eos-models", default="", help="models run through the EOS workload")
+    ap.add_argument("--eos-prompts", type=int, default=1024)
+    ap.add_argument("--eos-max-seqs", type=int, default=256)
+    ap.add_argument("--eos-max-tokens", type=int, default=1024)
+    ap.add_argument("--eos-mean", type=int, default=256, help="V / this many ids end a sample (mean length)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
@@ -213,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
                     help="TP > 1: the engine's all-reduce (EngineConfig.tp_all_reduce)")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean) < 1:
+        ap.error("--repeats and the --eos-* sizes must be >= 1")
     if not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -237,7 +348,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     records = []
     max_len = args.prompt_len + args.new_tokens
-    for name in [m for m in args.models.split(",") if m]:
+    for name in [m for m in args.models.split(",") if m and batches]:
         engine = build_engine(name, max(batches), max_len, args)
         for b in batches:
             records.append(measure_engine(engine, name, b, args))
@@ -247,6 +358,10 @@ def main(argv=None) -> int:
         engine = build_engine(name, 1, max_len, args)
         records.append(measure_engine(engine, name, 1, args))
         del engine
+        _release()
+    eos_records = []
+    for name in [m for m in args.eos_models.split(",") if m]:
+        eos_records.append(measure_eos(name, args))
         _release()
     for spec in [x for x in args.profile.split(",") if x]:
         name, b = spec.split(":")
@@ -265,6 +380,16 @@ def main(argv=None) -> int:
         print(f"| {w['engine']} | {w['model']} | {w['prompts']} | {r['generated_tok_per_s']:,.0f} | "
               f"{r.get('decode_ms_per_step_gpu', '-')} | {r.get('decode_ms_per_step_wall', '-')} | "
               f"{r.get('bandwidth_util', '-')} | {r.get('ratio_to_floor', '-')} | {r['peak_memory_gb']} |")
+    if eos_records:
+        print("\n| model | prompts / slots | tok/s | len p50 / p90 / p99 / max | mean batch | occupancy | "
+              "full steps | capture s (first / after free) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in eos_records:
+            w = r["workload"]
+            print(f"| {w['model']} | {w['prompts']} / {w['max_num_seqs']} | {r['generated_tok_per_s']:,.0f} | "
+                  f"{r['len_p50']} / {r['len_p90']} / {r['len_p99']} / {r['len_max']} | {r['mean_decode_batch']} | "
+                  f"{r['occupancy']} | {r['frac_steps_full']} | {r['graph_capture_s_first']} / "
+                  f"{r['graph_capture_s_after_free']} |")
     return 0
 
 
