@@ -38,7 +38,11 @@ mode at 1, a long tail up to the cap), deterministic for a seed. Reported: gener
 (tokens actually generated / wall), the length distribution (p50 / p90 / p99 / max, the
 fraction cut at the cap), and how continuous batching keeps the batch full: the mean running
 batch over decode steps, `occupancy` = that mean / slots, the fraction of decode steps at full
-batch, and prefill steps (slots refilled while others decode).
+batch, and prefill steps (slots refilled while others decode). Then, as between PPO phases,
+the engine frees its KV pool, weights and graphs (`freed_*_gb`: what that gave back), refills
+its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
+the graphs of every batch size it visits (`graph_capture_s_first` includes the eager warm-up
+of the first capture). `--capture-sizes` with fewer sizes trades padding for capture time.
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def median_run(runs: list[dict]) -> dict:
 def build_engine(name: str, max_seqs: int, max_len: int, args) -> LLMEngine:
     config = EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
                           gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
-                          enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce)
+                          enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
+                          cudagraph_capture_sizes=args.capture_sizes)
     engine = LLMEngine(model_args(name), config, tp_mesh=args.tp_mesh, device=torch.device("cuda"))
     random_weights(engine)
     return engine
@@ -120,8 +125,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         prefill_s = sum(s.elapsed_time(e) for pre, _, s, e in events if pre) / 1e3
         runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=prefill_s,
                          decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated()))
-    best = median_run(runs)
-    gpu_ms = best["decode_ms"]
+    run = median_run(runs)
+    gpu_ms = run["decode_ms"]
     nbytes, logits_bytes = step_bytes(engine, batch, p + new / 2)
     flops = engine.args.flops(batch, batch, batch * (p + new / 2))  # one decode step
     floor_ms = max(nbytes / H200_HBM_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3
@@ -129,19 +134,19 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
                     "tp_all_reduce": engine.tp_all_reduce},
-        generated_tok_per_s=round(batch * new / best["wall"], 1),
-        wall_s=round(best["wall"], 4),
+        generated_tok_per_s=round(batch * new / run["wall"], 1),
+        wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
-        prefill_s_gpu=round(best["prefill_s"], 4),
+        prefill_s_gpu=round(run["prefill_s"], 4),
         decode_ms_per_step_gpu=round(gpu_ms, 4),
-        decode_ms_per_step_wall=round((best["wall"] - best["prefill_s"]) / best["decode_steps"] * 1e3, 4),
-        decode_steps=best["decode_steps"],
+        decode_ms_per_step_wall=round((run["wall"] - run["prefill_s"]) / run["decode_steps"] * 1e3, 4),
+        decode_steps=run["decode_steps"],
         bytes_per_step_gb=round(nbytes / 1e9, 4),
         logits_gb=round(logits_bytes / 1e9, 4),
         bandwidth_util=round(nbytes / (gpu_ms / 1e3) / H200_HBM_BYTES_PER_S, 4),
         floor_ms=round(floor_ms, 4),
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
-        peak_memory_gb=round(best["peak"] / 1e9, 3),
+        peak_memory_gb=round(run["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
     )
 
@@ -163,20 +168,16 @@ def measure_eos(name: str, args) -> dict:
     first_capture = engine.last_stats
     runs = []
     for rep in range(args.repeats):
-        engine.runner.step_events = []
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        events, engine.runner.step_events = engine.runner.step_events, None
-        decode_rows = [rows for pre, rows, _, _ in events if not pre]
-        st = engine.last_stats
-        assert sum(decode_rows) == st["decode_rows"] and len(decode_rows) == st["decode_steps"]
-        runs.append(dict(wall=wall, lens=sorted(len(o.token_ids) for o in outs), decode_rows=decode_rows,
-                         stats=st, capped=sum(o.finish_reason == "length" for o in outs)))
+        runs.append(dict(wall=wall, lens=sorted(len(o.token_ids) for o in outs), stats=engine.last_stats,
+                         capped=sum(o.finish_reason == "length" for o in outs)))
     run = median_run(runs)
-    lens, rows, st = run["lens"], run["decode_rows"], run["stats"]
+    lens, st = run["lens"], run["stats"]
+    rows = st["decode_batch_sizes"]
 
     def q(f):
         return lens[min(len(lens) - 1, int(f * len(lens)))]
@@ -198,7 +199,7 @@ def measure_eos(name: str, args) -> dict:
         "rollout_eos", {"engine": "meshppo", "model": name, "prompts": args.eos_prompts, "max_num_seqs": slots,
                         "prompt_len": p, "max_tokens": cap, "eos_ids": len(params.eos_token_id),
                         "expected_mean_len": args.eos_mean, "temperature": 1.0, "tp": args.tp,
-                        "cuda_graphs": not args.enforce_eager},
+                        "cuda_graphs": not args.enforce_eager, "capture_sizes": engine.runner.capture_sizes},
         generated_tok_per_s=round(sum(lens) / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -315,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eos-mean", type=int, default=256, help="V / this many ids end a sample (mean length)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--capture-sizes", default="",
+                    help="CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (default: the engine's ladder)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")
     ap.add_argument("--profile", default="", help="MODEL:BATCH[,MODEL:BATCH]: print a decode kernel profile")
@@ -322,6 +325,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
                     help="TP > 1: the engine's all-reduce (EngineConfig.tp_all_reduce)")
     args = ap.parse_args(argv)
+    args.capture_sizes = [int(x) for x in args.capture_sizes.split(",") if x] or None
     if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean) < 1:
         ap.error("--repeats and the --eos-* sizes must be >= 1")
     if not torch.cuda.is_available():

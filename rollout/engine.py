@@ -226,7 +226,7 @@ class LLMEngine:
 
         samples: dict[tuple[int, int], Sequence] = {}
         steps = {"prefill": 0, "decode": 0}
-        decode_rows = 0  # sequences summed over decode steps: their mean is the batch continuous batching kept
+        decode_sizes: list[int] = []  # sequences per decode step: how full continuous batching kept the batch
         pending = None
         while sched.has_unfinished():
             if pending is not None and sched.next_is_prefill():
@@ -235,7 +235,7 @@ class LLMEngine:
             batch = sched.schedule()
             steps["prefill" if batch.is_prefill else "decode"] += 1
             if not batch.is_prefill:
-                decode_rows += len(batch.seqs)
+                decode_sizes.append(len(batch.seqs))
             launched = self.runner.execute(batch)
             if pending is not None:
                 self._process(sched, pending, samples)
@@ -251,7 +251,7 @@ class LLMEngine:
                                              token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
-                           "decode_rows": decode_rows,
+                           "decode_batch_sizes": decode_sizes,
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
                            "wall_s": time.perf_counter() - t0,
                            "graph_capture_s": self.runner.capture_s - capture_s0,
