@@ -39,7 +39,8 @@ mode at 1, a long tail up to the cap), deterministic for a seed. Reported: gener
 fraction cut at the cap), and how continuous batching keeps the batch full: the mean running
 batch over decode steps, `occupancy` = that mean / slots, the fraction of decode steps at full
 batch, and prefill steps (slots refilled while others decode). Then, as between PPO phases,
-the engine frees its KV pool, weights and graphs (`freed_*_gb`: what that gave back), refills
+the engine frees its KV pool, then its weights and graphs (`freed_*_gb`: what each gave
+back, allocated and reserved; `left_allocated_gb`: what the engine still holds), refills
 its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
 the graphs of every batch size it visits (`graph_capture_s_first` includes the eager warm-up
 of the first capture). `--capture-sizes` with fewer sizes trades padding for capture time.
@@ -185,13 +186,16 @@ def measure_eos(name: str, args) -> dict:
     mean_rows = sum(rows) / len(rows)
     # Between PPO phases (free_cache_engine): what releasing gives back, and what the next
     # generate() pays to recapture its graphs.
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    def memory():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    alloc0, res0 = memory()
     engine.free_cache()
+    alloc1, res1 = memory()
     engine.free_weights()
-    torch.cuda.empty_cache()
-    alloc1, res1 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    alloc2, res2 = memory()
     random_weights(engine)  # through param_slots(), which re-allocates, as the resharder's call does
     engine.generate(prompts, params)
     again = engine.last_stats
@@ -214,9 +218,12 @@ def measure_eos(name: str, args) -> dict:
         graph_capture_s_first=round(first_capture["graph_capture_s"], 4),
         graph_capture_s_after_free=round(again["graph_capture_s"], 4),
         wall_s_after_free=round(again["wall_s"], 4),
-        freed_allocated_gb=round((alloc0 - alloc1) / 1e9, 3),
-        freed_reserved_gb=round((res0 - res1) / 1e9, 3),
+        freed_kv_allocated_gb=round((alloc0 - alloc1) / 1e9, 3),
+        freed_kv_reserved_gb=round((res0 - res1) / 1e9, 3),
+        freed_weights_graphs_allocated_gb=round((alloc1 - alloc2) / 1e9, 3),
+        freed_weights_graphs_reserved_gb=round((res1 - res2) / 1e9, 3),
         weights_gb=round(engine.model.weight_bytes / 1e9, 3),
+        left_allocated_gb=round(alloc2 / 1e9, 3),
     )
     del engine
     return rec
