@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from models.transformer import apply_rope
 from rollout.attention import AttentionMetadata, decode_attention_ref, prefill_attention_ref
-from rollout.sampler import combine_partials, sample_partials_ref
+from rollout.sampler import sample_partials_ref
 
 
 def slot_mapping(block_tables, token_slots, positions, block_size: int) -> torch.Tensor:
@@ -74,16 +74,6 @@ class TorchOps:
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
         return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start)
-
-    @staticmethod
-    def combine_and_store(parts, tokens, logprobs, table=None, rows=None):
-        """`combine_partials(parts)` into `tokens [R]` (int64) and `logprobs [R]`; with a `table`,
-        also `table[rows] = tokens` (duplicate rows - padding - receive the same kind of value)."""
-        t, lp = combine_partials(parts)
-        tokens.copy_(t)
-        logprobs.copy_(lp)
-        if table is not None:
-            table[rows.long()] = t
 
 
 def get_ops(use_triton: bool):

@@ -229,11 +229,14 @@ class ModelRunner:
         context_lens = positions + 1
         meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=context_lens,
                                  max_context_len=max_context_len, num_splits=self._decode_splits(rows))
-        h = m.forward(self.last_tokens.index_select(0, slots), positions, slots, meta, self.kv_cache,
-                      self.block_tables, ops)
+        slots_l = slots.long()
+        h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops)
         logits = m.logits(h)
-        self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits), self._sample_splits(rows),
-                     out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]), store=(self.last_tokens, slots))
+        tokens, logprobs = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
+                                        self._sample_splits(rows))
+        self.last_tokens[slots_l] = tokens
+        self.dec_tokens[:rows].copy_(tokens)
+        self.dec_logprobs[:rows].copy_(logprobs)
 
     def _capture(self, key: tuple) -> None:
         """Capture the decode step for `key = (rows, truncation)` (inputs: the dummy slot, harmless to real state).
@@ -302,5 +305,7 @@ class ModelRunner:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
         logits = m.logits(h[src_d.long()])
         r = logits.shape[0]
-        return self.sampler(logits, keys_d, spos_d, self.ops, self.sampler.threshold(logits), self._sample_splits(r),
-                            store=(self.last_tokens, rslots_d))
+        tokens, logprobs = self.sampler(logits, keys_d, spos_d, self.ops, self.sampler.threshold(logits),
+                                        self._sample_splits(r))
+        self.last_tokens[rslots_d.long()] = tokens
+        return tokens, logprobs

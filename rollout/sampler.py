@@ -177,21 +177,11 @@ class Sampler:
         return truncation_threshold(s, self.top_k, self.top_p)
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ops,
-                 thresh: torch.Tensor | None = None, num_splits: int = 1, out=None, store=None):
-        """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled).
-
-        Returns tokens `[R]` int64 and log-probs `[R]` float32, written into `out = (tokens, logprobs)`
-        when given; `store = (table, rows)` also writes `table[rows[r]] = tokens[r]` (the runner's
-        `last_tokens`), in the same launch on the Triton path.
-        """
+                 thresh: torch.Tensor | None = None, num_splits: int = 1):
+        """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)."""
         parts = ops.sample_partials(logits, keys, positions, self.inv_temp, self.noise_scale, thresh,
                                     self.vocab_start, num_splits)
         if self.tp.size > 1:
             parts = self.tp.all_gather(parts)  # [tp, R, S, 5]
             parts = parts.permute(1, 0, 2, 3).reshape(parts.shape[1], -1, NUM_PARTIAL_FIELDS)
-        r = parts.shape[0]
-        if out is None:
-            out = (torch.empty(r, dtype=torch.int64, device=parts.device),
-                   torch.empty(r, dtype=torch.float32, device=parts.device))
-        ops.combine_and_store(parts, out[0], out[1], *(store or (None, None)))
-        return out
+        return combine_partials(parts)

@@ -14,8 +14,6 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
   (prefix included), causal.
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
   noise and the greedy rule of `rollout.sampler`).
-* `combine_and_store`: the winner and log-probability of each row from its partials, and
-  the write of the token into `last_tokens` (one launch for ~15 small PyTorch ops).
 
 float32 inputs use IEEE dot products (`input_precision="ieee"`): TF32 would cost the
 float32 engine its agreement with the reference.
@@ -304,32 +302,6 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
     tl.store(out + 4, z)
 
 
-@triton.jit
-def _combine_kernel(parts_ptr, parts_i_ptr, P, tok_ptr, lp_ptr, rows_ptr, table_ptr,
-                    HAS_STORE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """`sampler.combine_partials` for one row (+ the `last_tokens` write): one launch instead of ~15."""
-    r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_P)
-    msk = offs < P
-    base = (r * P + offs) * 5
-    score = tl.load(parts_ptr + base, mask=msk, other=float("-inf"))
-    tok = tl.load(parts_i_ptr + base + 1, mask=msk, other=0)
-    s = tl.load(parts_ptr + base + 2, mask=msk, other=0.0)
-    m = tl.load(parts_ptr + base + 3, mask=msk, other=float("-inf"))
-    z = tl.load(parts_ptr + base + 4, mask=msk, other=0.0)
-    best = tl.max(score, 0)
-    j = tl.min(tl.where(msk & (score == best), offs, BLOCK_P), 0)  # the lowest partial among ties, like argmax
-    token = tl.sum(tl.where(offs == j, tok, 0), 0).to(tl.int64)
-    s_tok = tl.sum(tl.where(offs == j, s, 0.0), 0)
-    mmax = tl.max(m, 0)
-    msafe = tl.where(mmax == float("-inf"), 0.0, mmax)
-    lse = msafe + tl.log(tl.sum(z * tl.exp(m - msafe), 0))
-    tl.store(tok_ptr + r, token)
-    tl.store(lp_ptr + r, s_tok - lse)
-    if HAS_STORE:
-        tl.store(table_ptr + tl.load(rows_ptr + r).to(tl.int64), token)
-
-
 # ---------------------------------------------------------------------------- launchers
 
 # Kernels that must round like PyTorch's unfused ops (RoPE; the sampler's scaled logits,
@@ -445,12 +417,3 @@ class TritonOps:
                 inv_temp, noise_scale, parts, v, vocab_start, per_split, num_splits,
                 HAS_THRESH=thresh is not None, BLOCK=block, num_warps=4, **_NO_FMA)
         return parts
-
-    @staticmethod
-    def combine_and_store(parts, tokens, logprobs, table=None, rows=None):
-        r, p, _ = parts.shape
-        if r:
-            parts = parts.contiguous()
-            _combine_kernel[(r,)](parts, parts.view(torch.int32), p, tokens, logprobs,
-                                  rows if rows is not None else tokens, table if table is not None else tokens,
-                                  HAS_STORE=table is not None, BLOCK_P=max(16, _pow2(p)), num_warps=1)

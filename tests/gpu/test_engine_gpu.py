@@ -143,29 +143,6 @@ def test_sampler_kernel(dtype):
                 assert torch.equal(t, ref_t) and torch.equal(t - v, logits.float().argmax(-1))
 
 
-@pytest.mark.parametrize("tp_splits", [1, 37, 2 * 16])
-def test_combine_kernel(tp_splits):
-    """The fused combine + `last_tokens` write equals `combine_partials` and an index_put."""
-    T = _triton()
-    torch.manual_seed(4)
-    r = 300
-    parts = torch.randn(r, tp_splits, 5, device=DEV) * 4
-    parts[..., 4] = parts[..., 4].abs() * 100 + 1  # z > 0
-    parts.view(torch.int32)[..., 1] = torch.randint(0, 151936, (r, tp_splits), dtype=torch.int32, device=DEV)
-    parts[:, -1, 0] = parts[:, 0, 0]  # ties: the first partial wins
-    rows = torch.randint(0, 64, (r,), dtype=torch.int32, device=DEV)
-    ref_t, ref_lp = combine_partials(parts)
-    tokens, lps = torch.empty(r, dtype=torch.int64, device=DEV), torch.empty(r, device=DEV)
-    table = torch.full((64,), -1, dtype=torch.int64, device=DEV)
-    T.combine_and_store(parts, tokens, lps, table, rows)
-    assert torch.equal(tokens, ref_t) and (lps - ref_lp).abs().max() < 1e-4  # |lse| ~ 20: a few float32 ulps
-    same = rows[:, None] == rows[None, :]
-    assert ((table[rows.long()][:, None] == tokens[None, :]) & same).any(1).all()  # a shared row: one of its tokens
-    untouched = torch.ones(64, dtype=torch.bool, device=DEV)
-    untouched[rows.long()] = False
-    assert (table[untouched] == -1).all()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_sampler_kernel_fits_softmax(case):
     """The kernel's draws fit softmax(logits / T) (truncated): 16x the CPU test's draws

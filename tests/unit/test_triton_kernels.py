@@ -14,7 +14,7 @@ import pytest
 from tests import interpreter
 
 CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
-          "sample_extremes", "combine_and_store", "engine_end_to_end"]
+          "sample_extremes", "engine_end_to_end"]
 
 
 def _checks() -> dict:
@@ -157,34 +157,6 @@ def _checks() -> dict:
         for splits in (1, 2):
             check_extremes(TritonOps, num_splits=splits)
         return 0.0
-
-    def combine_and_store():
-        # Partials of 6 rows over P = 5 and 37 chunks, with the race tied across chunks (the lowest
-        # chunk wins, like argmax) and empty chunks (past the vocabulary: -inf, z = 0).
-        errs = []
-        for p in (5, 37):
-            logits = torch.randn(6, p * 40) * 2
-            logits[0, 7] = logits[0, 40 * (p - 1) + 3] = 60.0
-            keys = torch.randint(-2**31, 2**31 - 1, (6,), dtype=torch.int32)
-            pos = torch.arange(6, dtype=torch.int32)
-            inv_t, noise = torch.tensor(1.0), torch.tensor(0.0)  # greedy: the tie is exact
-            chunks = [TorchOps.sample_partials(logits[:, c * 40:(c + 1) * 40], keys, pos, inv_t, noise, None,
-                                               c * 40, 1) for c in range(p)]
-            parts = torch.cat(chunks, dim=1)
-            parts[5, 1:] = torch.tensor([float("-inf"), 0.0, float("-inf"), float("-inf"), 0.0])
-            rows = torch.tensor([3, 1, 4, 4, 0, 2], dtype=torch.int32)  # 4 twice: padding rows share a slot
-            outs, tables = [], []
-            for ops in (TorchOps, TritonOps):
-                tokens, lps, table = torch.full((6,), -1), torch.zeros(6), torch.full((5,), -1)
-                ops.combine_and_store(parts, tokens, lps, table, rows)
-                outs.append((tokens, lps))
-                tables.append(table)
-            assert torch.equal(outs[0][0], outs[1][0]) and outs[1][0][0].item() == 7, (outs[0][0], outs[1][0])
-            assert torch.equal(outs[0][0], combine_partials(parts)[0])
-            assert torch.equal(tables[0][[3, 1, 0, 2]], tables[1][[3, 1, 0, 2]])
-            assert tables[1][4].item() in (outs[1][0][2].item(), outs[1][0][3].item())
-            errs.append(close(outs[1][1], outs[0][1], 1e-6))
-        return max(errs)
 
     def engine_end_to_end():
         from models import ModelArgs, Transformer
