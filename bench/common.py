@@ -146,7 +146,7 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
 
 
 def comm_exposure(prof) -> dict:
-    """Per trainer phase (the `phase:<name>` ranges of `ppo.tracking.Timer`): wall time, NCCL
+    """Per trainer phase (the `phase:<name>` ranges of `trainer.tracking.Timer`): wall time, NCCL
     kernel time, and the *exposed* NCCL time — when an NCCL kernel runs and no other kernel
     does, i.e. communication that compute does not hide. Milliseconds, from one profiled step.
     A kernel belongs to the innermost phase whose host range contains its start (the timer

@@ -166,10 +166,10 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
     a = p.parse_args(argv)
 
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("auto")
     work = Path(a.work_dir)

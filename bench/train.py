@@ -2,7 +2,7 @@
 
     python bench/train.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 16384] [--seq-len 512]
 
-Runs the trainer's own code (`ppo.workers.PolicyWorker` on an FSDP2 actor, world size 1) on
+Runs the trainer's own code (`trainer.roles.PolicyWorker` on an FSDP2 actor, world size 1) on
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
 `--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (PERF.md's FLOP
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # noqa: E402
-from ppo.config import OptimConfig  # noqa: E402
-from ppo.launch import init_distributed  # noqa: E402
-from ppo.setup import make_optimizer  # noqa: E402
-from ppo.rollout_data import Rollouts  # noqa: E402
-from ppo.workers import PolicyWorker  # noqa: E402
+from trainer.config import OptimConfig  # noqa: E402
+from trainer.launch import init_distributed  # noqa: E402
+from trainer.setup import make_optimizer  # noqa: E402
+from trainer.rollout_batch import Rollouts  # noqa: E402
+from trainer.roles import PolicyWorker  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
 from sharding.mesh import ParallelDims  # noqa: E402
 
@@ -137,7 +137,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
     if variant == "full_logits":
         # What chunking avoids: logits [tokens, vocab] in fp32 and their log-softmax, kept for backward.
-        from ppo.forward import build_micro_batch
+        from trainer.forward import build_micro_batch
 
         mb = build_micro_batch(ro.prompts, ro.responses, ctx.device, True)
 

@@ -1,7 +1,7 @@
 """PPO algorithm core: advantages, losses and their aggregation (pure tensor maths).
 
 Only ``ppo.core_algos`` is re-exported here so that ``import ppo`` stays light and has no
-side effects; the trainer is imported explicitly from ``ppo.trainer``.
+side effects; the trainer is imported explicitly from ``trainer.ppo_trainer``.
 """
 
 from ppo.core_algos import (

@@ -37,8 +37,8 @@ SAME = ["actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/ref_kl", "criti
 
 def _config(assets, run_root, name, *overrides):
     """The run `name` under `run_root`, which holds the reward function."""
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
 
     return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
         f"data.train_files=[{assets}/train.jsonl]", f"actor_rollout_ref.model.path={assets}/sft_model",
@@ -51,8 +51,8 @@ def _shards(trainer) -> dict:
 
 
 def _train_body(rank, world_size, assets, run_root, case):
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("cpu")
     runs = {}
@@ -82,8 +82,8 @@ def _train_body(rank, world_size, assets, run_root, case):
 
 
 def _logprob_body(rank, world_size, assets, run_root):
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("cpu")
     for engine in ("native", "hf"):

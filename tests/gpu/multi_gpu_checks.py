@@ -78,9 +78,9 @@ def _local_copy(model, name: str) -> torch.Tensor:
 def check_trainer(ctx, a):
     from bench.common import model_args
     from bench.ppo_step import SMOKE_SHAPE, overrides_for, prepare
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
-    from ppo.trainer import PPOTrainer
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.ppo_trainer import PPOTrainer
 
     cuda = ctx.device.type == "cuda"
     full = a.shape == "full" or (a.shape == "auto" and cuda)
@@ -163,7 +163,7 @@ UPDATE_SEQS, UPDATE_MINI_BATCHES = 16, 2
 
 
 def _rollouts(prompts, responses, width, device):
-    from ppo.rollout_data import Rollouts
+    from trainer.rollout_batch import Rollouts
 
     n = len(prompts)
     return Rollouts(prompts, responses, list(range(n)), [None] * n, [None] * n, [{} for _ in range(n)],
@@ -172,8 +172,8 @@ def _rollouts(prompts, responses, width, device):
 
 def check_same_update(ctx, a):
     from models import ModelArgs, Transformer
-    from ppo.config import ActorConfig
-    from ppo.workers import PolicyWorker, plan_micro_batches
+    from trainer.config import ActorConfig
+    from trainer.roles import PolicyWorker, plan_micro_batches
     from sharding import FSDPConfig, ParallelDims, build_fsdp_model
 
     w, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     # Full float32 matmuls: the float32 comparisons would otherwise see TF32's 10-bit mantissa.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from ppo.launch import init_distributed
+    from trainer.launch import init_distributed
 
     # A hang fails within 5 minutes instead of holding both GPUs until the test's own timeout;
     # the NCCL watchdog's abort then prints every thread's Python stack.

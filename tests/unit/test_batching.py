@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from ppo.batching import balanced_equal_partitions, token_budget_partitions
-from ppo.forward import build_micro_batch, response_logprobs
-from ppo.rollout_data import Rollouts
-from ppo.workers import PolicyWorker
+from trainer.batching import balanced_equal_partitions, token_budget_partitions
+from trainer.forward import build_micro_batch, response_logprobs
+from trainer.rollout_batch import Rollouts
+from trainer.roles import PolicyWorker
 
 
 def test_balanced_equal_partitions_sizes_and_balance():

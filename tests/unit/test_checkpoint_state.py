@@ -1,4 +1,4 @@
-"""ppo.checkpointing without a trainer: which options make "the same run", and trainer
+"""trainer.checkpointing without a trainer: which options make "the same run", and trainer
 state that cannot run code (JSON, and RNG files loaded with weights_only)."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppo.checkpointing import (
+from trainer.checkpointing import (
     NOT_SAME_RUN_OPTIONS,
     CheckpointManager,
     SAME_RUN_OPTIONS,
@@ -22,9 +22,9 @@ from ppo.checkpointing import (
     run_differences,
     same_run_keys,
 )
-from ppo.config import PPOConfig
-from ppo.configlib import iter_options
-from ppo.trainer import UserError
+from trainer.config import PPOConfig
+from trainer.configlib import iter_options
+from trainer.ppo_trainer import UserError
 
 ALL_KEYS = [key for key, *_ in iter_options(PPOConfig)]
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from ppo.config import PPOConfig, config_notes, validate
-from ppo.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
+from trainer.config import PPOConfig, config_notes, validate
+from trainer.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
@@ -133,7 +133,7 @@ def test_offload_policy_supersedes_the_manual_offloads():
 def test_preflight_names_a_missing_logger_package(monkeypatch, logger, package):
     import importlib.util
 
-    from ppo import setup
+    from trainer import setup
 
     real = importlib.util.find_spec
     monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from ppo.config import PPOConfig
-from ppo.configlib import ConfigError, load_config
+from trainer.config import PPOConfig
+from trainer.configlib import ConfigError, load_config
 from ppo.core_algos import (RejectionCriterion, compute_policy_loss, compute_policy_loss_reinforce,
                             compute_rollout_correction, compute_rollout_is_weights, compute_rollout_rejection_mask,
                             get_policy_loss_fn, parse_rollout_is_threshold, parse_rollout_rs)
-from ppo.forward import build_micro_batch, response_logprobs
-from ppo.workers import PolicyWorker
+from trainer.forward import build_micro_batch, response_logprobs
+from trainer.roles import PolicyWorker
 from tests.unit.test_batching import _actor_cfg, _rollouts
 
 F64 = torch.float64

@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 
 from kl import KLGuard, get_kl_controller, kl_penalty
-from ppo import faults
-from ppo.checkpointing import CheckpointManager
-from ppo.config import PPOConfig, validate
-from ppo.configlib import ConfigError, to_commented_yaml
+from trainer import faults
+from trainer.checkpointing import CheckpointManager
+from trainer.config import PPOConfig, validate
+from trainer.configlib import ConfigError, to_commented_yaml
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
-from ppo.launch import DistContext, init_distributed
-from ppo.rollout_data import Rollouts
-from ppo.setup import build_engine, build_models, build_rollout_fn
-from ppo.tracking import Timer, Tracking, dump_generations, run_info
-from ppo.workers import PolicyWorker, ValueWorker, masked_mean_global, resident
+from trainer.launch import DistContext, init_distributed
+from trainer.rollout_batch import Rollouts
+from trainer.setup import build_engine, build_models, build_rollout_fn
+from trainer.tracking import Timer, Tracking, dump_generations, run_info
+from trainer.roles import PolicyWorker, ValueWorker, masked_mean_global, resident
 from sharding import comm
 from sharding.fsdp import offload_states
 
@@ -203,7 +203,7 @@ class PPOTrainer:
 
     def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[int]]:
         """This rank's share of the rollouts: equal counts, balanced token totals."""
-        from ppo.batching import balanced_equal_partitions
+        from trainer.batching import balanced_equal_partitions
 
         w, r = self.ctx.world_size, self.ctx.rank
         n = len(ro)

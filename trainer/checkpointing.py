@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppo import faults
-from ppo.config import PPOConfig
-from ppo.configlib import iter_options
+from trainer import faults
+from trainer.config import PPOConfig
+from trainer.configlib import iter_options
 from sharding.checkpoint import (
     UnsafeCheckpointError,
     gather_full_state_dict,
@@ -143,7 +143,7 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
 
 def read_trainer_state(step_dir: str) -> dict:
     """The JSON trainer state of a checkpoint directory (never a pickle)."""
-    from ppo.trainer import UserError
+    from trainer.ppo_trainer import UserError
 
     path = os.path.join(step_dir, STATE_FILE)
     if not os.path.isfile(path):
@@ -164,7 +164,7 @@ def read_trainer_state(step_dir: str) -> dict:
 
 def read_rng_state(path: str) -> dict:
     """A rank's RNG states, loaded as tensors and numbers only (`weights_only=True`)."""
-    from ppo.trainer import UserError
+    from trainer.ppo_trainer import UserError
 
     try:
         return torch.load(path, weights_only=True)
@@ -288,7 +288,7 @@ class CheckpointManager:
         the learned state comes back (models, optimizers, schedulers, KL controller): the step
         counter, data position, guard and RNG move on, so the run continues on new data instead
         of replaying the batches that led to the rollback."""
-        from ppo.trainer import UserError
+        from trainer.ppo_trainer import UserError
 
         tr = self.trainer
         # Everything read from files is checked before any model or optimizer changes.
@@ -332,7 +332,7 @@ class CheckpointManager:
         """Continue from a checkpoint (`trainer.resume_mode`), or start fresh. `disable` starts
         the run directory over: an earlier run's checkpoints there are deleted, so that they can
         be neither resumed nor rotated in place of this run's."""
-        from ppo.trainer import UserError
+        from trainer.ppo_trainer import UserError
 
         t = self.trainer.cfg.trainer
         if t.resume_mode == "disable":

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from models import ModelArgs, load_model_args
-from ppo.config import OptimConfig, PPOConfig, described_launch, validate
-from ppo.configlib import ConfigError
-from ppo.launch import DistContext
+from trainer.config import OptimConfig, PPOConfig, described_launch, validate
+from trainer.configlib import ConfigError
+from trainer.launch import DistContext
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model, load_states, offload_states
 from sharding.mesh import ParallelDims, ParallelMeshes
@@ -64,8 +64,8 @@ class Models:
     @torch.no_grad()
     def reward_scores(self, ro, rm_cfg) -> torch.Tensor:
         """Reward-model score at each sequence's last token, `[N_local]`."""
-        from ppo.forward import build_micro_batch, last_token_scores
-        from ppo.workers import plan_micro_batches
+        from trainer.forward import build_micro_batch, last_token_scores
+        from trainer.roles import plan_micro_batches
 
         out = torch.zeros(len(ro), device=ro.device)
         parts = plan_micro_batches(list(range(len(ro))), ro.lengths(), rm_cfg.micro_batch_size_per_gpu,
@@ -196,7 +196,7 @@ def build_rollout_fn(cfg: PPOConfig, ctx: DistContext, models: Models, engine, t
         return lo, prompts[lo:hi]
 
     if engine is None:
-        from ppo.hf_rollout import generate_no_cache
+        from trainer.hf_rollout import generate_no_cache
 
         def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
             lo, mine = slice_for(prompts)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
-from ppo.configlib import ConfigError, opt, section
+from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from sharding.fsdp import FSDPConfig

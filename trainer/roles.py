@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from kl import kl_penalty
-from ppo import faults
-from ppo.batching import token_budget_partitions
+from trainer import faults
+from trainer.batching import token_budget_partitions
 from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
                             get_policy_loss_fn, masked_sum)
-from ppo.forward import build_micro_batch, response_logprobs, response_values
-from ppo.rollout_data import Rollouts
+from trainer.forward import build_micro_batch, response_logprobs, response_values
+from trainer.rollout_batch import Rollouts
 from sharding import comm
 from sharding.fsdp import load_states, offload_states
 from sharding.grad_norm import clip_grad_norm_
