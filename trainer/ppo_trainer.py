@@ -201,33 +201,28 @@ class PPOTrainer:
         return Rollouts(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
                         reasons, lps, width, self.device)
 
-    def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[int]]:
-        """This rank's share of the rollouts: equal counts, balanced token totals."""
+    def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[list[int]]]:
+        """This rank's share of the rollouts (equal counts, balanced token totals) and every
+        rank's row indices: each rank computes the same partition, so none is communicated."""
         from trainer.batching import balanced_equal_partitions
 
         w, r = self.ctx.world_size, self.ctx.rank
         n = len(ro)
         if self.cfg.trainer.balance_batch:
             parts = balanced_equal_partitions(ro.lengths(), w)
-            idx = parts[r]
         else:
-            idx = list(range(r * n // w, (r + 1) * n // w))
+            parts = [list(range(k * n // w, (k + 1) * n // w)) for k in range(w)]
+        idx = parts[r]
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         local = Rollouts(pick(ro.prompts), pick(ro.responses), pick(ro.uids), pick(ro.data_sources),
                          pick(ro.ground_truths), pick(ro.extra_infos), pick(ro.finish_reasons),
                          pick(ro.rollout_log_probs), ro.width, self.device)
-        return local, idx
+        return local, parts
 
-    def _gather_rows(self, t: torch.Tensor, idx: list[int], n_total: int) -> torch.Tensor:
-        """Rebuild the full `[N, R]` tensor from every rank's rows (placed by global index)."""
-        if self.ctx.world_size == 1:
-            full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            full[idx] = t
-            return full
-        parts = comm.all_gather(t)
-        idx_parts = comm.all_gather(torch.tensor(idx, dtype=torch.long, device=t.device))
+    def _gather_rows(self, t: torch.Tensor, parts: list[list[int]], n_total: int) -> torch.Tensor:
+        """Rebuild the full `[N, ...]` tensor from every rank's rows (`parts[k]`: rank k's rows)."""
         full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        for p, ix in zip(parts, idx_parts):
+        for p, ix in zip(comm.all_gather(t), parts):
             full[ix] = p
         return full
 
@@ -265,7 +260,8 @@ class PPOTrainer:
             with timer("gen"):
                 full = self._generate_all(items, validate=False,
                                           seed=cfg.trainer.seed * 1_000_003 + self.global_step)
-            ro, idx = self._partition(full)
+            ro, parts = self._partition(full)
+            idx = parts[self.ctx.rank]
             n_total = len(full)
             mask = ro.response_mask
             with timer("reward"):
@@ -299,7 +295,8 @@ class PPOTrainer:
                 if reweighted or lp.calculate_log_probs:
                     # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
                     weights, corr = compute_rollout_correction(
-                        *(self._gather_rows(t, idx, n_total) for t in (old, ro.tensors["rollout_log_probs"], mask)),
+                        *(self._gather_rows(t, parts, n_total) for t in (old, ro.tensors["rollout_log_probs"])),
+                        full.response_mask,
                         correction.rollout_is, *correction.is_bounds, correction.rejection)
                     if weights is not None:
                         ro.tensors["rollout_is_weights"] = weights[torch.tensor(idx, device=self.device)]
@@ -330,7 +327,7 @@ class PPOTrainer:
                     self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
                     metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
                 ro.tensors["token_level_rewards"] = rewards
-                adv, ret = self._advantages(ro, idx, n_total)
+                adv, ret = self._advantages(full, ro, parts)
                 ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
 
             num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
@@ -352,7 +349,7 @@ class PPOTrainer:
             self._last_update_s = time.perf_counter() - t_update
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout"):
-                    self._dump_rollouts(full, ro, idx, scores, extras)
+                    self._dump_rollouts(full, ro, parts, scores, extras)
         self.global_step += 1
         metrics.update(self._batch_metrics(ro, scores, extras))
         metrics.update(self.timer.pop())
@@ -361,7 +358,8 @@ class PPOTrainer:
             metrics["actor/kl_coef"] = self.kl_loss_coef
         return metrics
 
-    def _dump_rollouts(self, full: Rollouts, ro: Rollouts, idx: list[int], scores: torch.Tensor, extras: dict):
+    def _dump_rollouts(self, full: Rollouts, ro: Rollouts, parts: list[list[int]], scores: torch.Tensor,
+                       extras: dict):
         """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step, written by rank 0;
         `reward` is the score minus any KL-in-reward penalty, `advantage` the mean over the
         response's tokens."""
@@ -369,7 +367,7 @@ class PPOTrainer:
         cols = [scores.double(), ro.tensors["token_level_rewards"].double().sum(-1),
                 masked_mean(ro.tensors["advantages"].double(), mask, axis=-1)]
         cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in sorted(extras)]
-        per_sample = self._gather_rows(torch.stack(cols, dim=1), idx, len(full)).cpu().tolist()
+        per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
         if not self.ctx.is_main:
             return
         inputs = self.tokenizer.batch_decode(full.prompts, skip_special_tokens=True)
@@ -384,30 +382,19 @@ class PPOTrainer:
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
-    def _advantages(self, ro: Rollouts, idx: list[int], n_total: int):
+    def _advantages(self, full: Rollouts, ro: Rollouts, parts: list[list[int]]):
         """Advantages over the whole batch (whitening and group baselines are batch-wide), then
-        this rank's rows."""
+        this rank's rows. Only the rank-local rewards and values are gathered: the response
+        mask and the group ids are known to every rank already (`full`)."""
         alg = self.cfg.algorithm
-        name = alg.adv_estimator
-        full_mask = self._gather_rows(ro.response_mask, idx, n_total)
-        full_rewards = self._gather_rows(ro.tensors["token_level_rewards"], idx, n_total)
-        fn = get_adv_estimator_fn(name)
-        if name == "gae":
-            full_values = self._gather_rows(ro.tensors["values"], idx, n_total)
-            adv, ret = fn(full_rewards, full_values, full_mask, alg.gamma, alg.lam)
-        elif name in ("grpo",):
-            uids = self._gather_uids(ro, idx, n_total)
-            adv, ret = fn(full_rewards, full_mask, uids, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        elif name in ("rloo", "reinforce_plus_plus_baseline"):
-            adv, ret = fn(full_rewards, full_mask, self._gather_uids(ro, idx, n_total))
-        else:  # reinforce_plus_plus
-            adv, ret = fn(full_rewards, full_mask, alg.gamma)
-        sel = torch.tensor(idx, dtype=torch.long, device=self.device)
+        gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
+        values = ro.tensors.get("values")
+        adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
+            token_level_rewards=gather(ro.tensors["token_level_rewards"]), response_mask=full.response_mask,
+            values=gather(values) if values is not None else None, index=np.asarray(full.uids),
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
         return adv[sel], ret[sel]
-
-    def _gather_uids(self, ro: Rollouts, idx, n_total) -> np.ndarray:
-        u = torch.tensor(ro.uids, dtype=torch.float64, device=self.device)[:, None]
-        return self._gather_rows(u, idx, n_total)[:, 0].long().cpu().numpy()
 
     def _batch_metrics(self, ro: Rollouts, scores: torch.Tensor, extras: dict) -> dict:
         mask = ro.response_mask

@@ -209,12 +209,12 @@ class PolicyWorker:
                             (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
                 else:
                     weights = ro.rows("rollout_is_weights", part) if "rollout_is_weights" in ro.tensors else None
-                pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                    ro.rows("old_log_probs", part), logp, ro.rows("advantages", part), m_mask,
-                    cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
+                pg = policy_loss(
+                    old_log_prob=ro.rows("old_log_probs", part), log_prob=logp, advantages=ro.rows("advantages", part),
+                    response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                     cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                     loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
-                loss = pg_loss
+                loss = pg.pg_loss
                 if need_entropy:
                     ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
                     loss = loss - cfg.entropy_coeff * ent_loss
@@ -225,9 +225,9 @@ class PolicyWorker:
                     loss = loss + kl_loss_coef * kl_loss
                     totals["actor/kl_loss"] = totals["actor/kl_loss"] + kl_loss.detach()
                 loss.backward()
-                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg_loss.detach()
-                stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
-                             "actor/pg_clipfrac_lower": clipfrac_lower})
+                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg.pg_loss.detach()
+                stats.add(**{"actor/pg_clipfrac": pg.pg_clipfrac, "actor/ppo_kl": pg.ppo_kl,
+                             "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": skipped})
@@ -283,12 +283,12 @@ class ValueWorker:
                 if not part:
                     (vpreds.sum() * 0.0).backward()
                     continue
-                vf_loss, vf_clipfrac = compute_value_loss(
+                vf = compute_value_loss(
                     vpreds, ro.rows("returns", part), ro.rows("values", part), ro.rows("response_mask", part),
                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-                vf_loss.backward()
-                vf_sum = vf_sum + vf_loss.detach()
-                stats.add(**{"critic/vf_clipfrac": vf_clipfrac})
+                vf.vf_loss.backward()
+                vf_sum = vf_sum + vf.vf_loss.detach()
+                stats.add(**{"critic/vf_clipfrac": vf.vf_clipfrac})
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
             stats.add(**{"critic/vf_loss": vf_sum, "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": skipped})
         out = stats.result(rank_means=("critic/vf_loss",))
