@@ -29,7 +29,7 @@ from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # 
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
 from trainer.setup import make_optimizer  # noqa: E402
-from trainer.rollout_batch import Rollouts  # noqa: E402
+from trainer.rollout_batch import RolloutBatch  # noqa: E402
 from trainer.roles import PolicyWorker  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
 from sharding.mesh import ParallelDims  # noqa: E402
@@ -49,12 +49,12 @@ def make_rollouts(args, n_seqs, seq_len, device, seed=0):
     prompts = torch.randint(0, args.vocab_size, (n_seqs, p_len), generator=g).tolist()
     responses = torch.randint(0, args.vocab_size, (n_seqs, seq_len - p_len), generator=g).tolist()
     r = seq_len - p_len
-    ro = Rollouts(prompts, responses, list(range(n_seqs)), [None] * n_seqs, [None] * n_seqs, [{}] * n_seqs,
-                  ["length"] * n_seqs, [[]] * n_seqs, r, device)
+    ro = RolloutBatch(prompts, responses, list(range(n_seqs)), [None] * n_seqs, [None] * n_seqs, [{}] * n_seqs,
+                      ["length"] * n_seqs, [[]] * n_seqs, r, device)
     mask = ro.response_mask
-    ro.tensors["advantages"] = torch.randn(n_seqs, r, generator=g).to(device) * mask
-    ro.tensors["old_log_probs"] = (-torch.rand(n_seqs, r, generator=g).to(device) * 5) * mask
-    ro.tensors["ref_log_probs"] = ro.tensors["old_log_probs"] + 0.01 * mask
+    ro.advantages = torch.randn(n_seqs, r, generator=g).to(device) * mask
+    ro.old_log_probs = (-torch.rand(n_seqs, r, generator=g).to(device) * 5) * mask
+    ro.ref_log_probs = ro.old_log_probs + 0.01 * mask
     return ro
 
 

@@ -31,7 +31,7 @@ from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
-from trainer.rollout_batch import Rollouts
+from trainer.rollout_batch import RolloutBatch
 from trainer.setup import build_engine, build_models, build_rollout_fn
 from trainer.tracking import Timer, Tracking, dump_generations, run_info
 from trainer.roles import PolicyWorker, ValueWorker, masked_mean_global, resident
@@ -180,7 +180,7 @@ class PPOTrainer:
         temp = r.temperature if r.do_sample else 0.0
         return dict(n=r.n, temperature=temp, top_p=r.top_p, top_k=r.top_k)
 
-    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> Rollouts:
+    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> RolloutBatch:
         """Generate for every prompt of `items` (split over rollout-DP groups), gather all
         outputs on every rank, and return them as (not yet partitioned) rollouts."""
         sp = self._sampling(validate)
@@ -198,10 +198,10 @@ class PPOTrainer:
             lps.append(list(o.logprobs))
         width = max((len(r) for r in responses), default=1) or 1
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
-        return Rollouts(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
-                        reasons, lps, width, self.device)
+        return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
+                            reasons, lps, width, self.device)
 
-    def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[list[int]]]:
+    def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
         """This rank's share of the rollouts (equal counts, balanced token totals) and every
         rank's row indices: each rank computes the same partition, so none is communicated."""
         from trainer.batching import balanced_equal_partitions
@@ -212,11 +212,7 @@ class PPOTrainer:
             parts = balanced_equal_partitions(ro.lengths(), w)
         else:
             parts = [list(range(k * n // w, (k + 1) * n // w)) for k in range(w)]
-        idx = parts[r]
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        local = Rollouts(pick(ro.prompts), pick(ro.responses), pick(ro.uids), pick(ro.data_sources),
-                         pick(ro.ground_truths), pick(ro.extra_infos), pick(ro.finish_reasons),
-                         pick(ro.rollout_log_probs), ro.width, self.device)
+        local = ro.take(parts[r])
         return local, parts
 
     def _gather_rows(self, t: torch.Tensor, parts: list[list[int]], n_total: int) -> torch.Tensor:
@@ -227,7 +223,7 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: Rollouts) -> tuple[torch.Tensor, dict]:
+    def _score(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Scores `[N_local]` from the rule / custom function or the reward model. A failing reward
         function fails every rank together (an error on one rank would otherwise hang the rest)."""
         from rewards import RewardError, score_responses
@@ -269,37 +265,37 @@ class PPOTrainer:
             token_scores = torch.zeros(len(ro), ro.width, device=self.device)
             last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
             token_scores[torch.arange(len(ro), device=self.device), last] = scores
-            ro.tensors["token_level_scores"] = token_scores
+            ro.token_level_scores = token_scores
 
             lp, correction = arr.rollout, cfg.algorithm.rollout_correction
             micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
             reweighted = correction.rollout_is is not None or bool(correction.rejection)
             if correction.bypass_mode or reweighted or lp.calculate_log_probs:
                 rl = torch.zeros(len(ro), ro.width)
-                for i, r in enumerate(ro.rollout_log_probs):
+                for i, r in enumerate(ro.engine_log_probs):
                     rl[i, :len(r)] = torch.tensor(r)
-                ro.tensors["rollout_log_probs"] = rl.to(self.device)
+                ro.rollout_log_probs = rl.to(self.device)
             if correction.bypass_mode:
                 # The engine's log-probs are the old ones (the same softmax of logits / temperature):
                 # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
-                old = ro.tensors["old_log_probs"] = ro.tensors["rollout_log_probs"]
+                old = ro.old_log_probs = ro.rollout_log_probs
             else:
                 with timer("old_log_prob"):
                     old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
                                                            lp.log_prob_max_token_len_per_gpu, with_entropy=True)
-                    ro.tensors["old_log_probs"] = old
+                    ro.old_log_probs = old
                     metrics["actor/entropy"] = masked_mean_global(ent, mask)
                     if lp.calculate_log_probs:
                         metrics["rollout/logprob_diff"] = masked_mean_global(
-                            (ro.tensors["rollout_log_probs"] - old).abs(), mask)
+                            (ro.rollout_log_probs - old).abs(), mask)
                 if reweighted or lp.calculate_log_probs:
                     # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
                     weights, corr = compute_rollout_correction(
-                        *(self._gather_rows(t, parts, n_total) for t in (old, ro.tensors["rollout_log_probs"])),
+                        *(self._gather_rows(t, parts, n_total) for t in (old, ro.rollout_log_probs)),
                         full.response_mask,
                         correction.rollout_is, *correction.is_bounds, correction.rejection)
                     if weights is not None:
-                        ro.tensors["rollout_is_weights"] = weights[torch.tensor(idx, device=self.device)]
+                        ro.rollout_is_weights = weights[torch.tensor(idx, device=self.device)]
                     metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
             if self.ref is not None:
                 rc = arr.ref
@@ -307,12 +303,12 @@ class PPOTrainer:
                     ref, _ = self.ref.compute_log_prob(
                         ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
                         rc.log_prob_max_token_len_per_gpu)
-                ro.tensors["ref_log_probs"] = ref
+                ro.ref_log_probs = ref
                 metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask)
             if self.critic is not None:
                 cc = cfg.critic
                 with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
-                    ro.tensors["values"] = self.critic.compute_values(
+                    ro.values = self.critic.compute_values(
                         ro, cc.forward_micro_batch_size_per_gpu or cc.ppo_micro_batch_size_per_gpu
                         or arr.actor.ppo_micro_batch_size_per_gpu,
                         cc.use_dynamic_bsz, cc.forward_max_token_len_per_gpu)
@@ -320,15 +316,15 @@ class PPOTrainer:
             with timer("adv"):
                 rewards = token_scores
                 if cfg.algorithm.use_kl_in_reward:
-                    kld = kl_penalty(old, ro.tensors["ref_log_probs"], cfg.algorithm.kl_penalty) * mask
+                    kld = kl_penalty(old, ro.ref_log_probs, cfg.algorithm.kl_penalty) * mask
                     beta = self.kl_ctrl.value
                     rewards = token_scores - beta * kld
                     current_kl = masked_mean_global(kld, mask)
                     self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
                     metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
-                ro.tensors["token_level_rewards"] = rewards
+                ro.token_level_rewards = rewards
                 adv, ret = self._advantages(full, ro, parts)
-                ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
+                ro.advantages, ro.returns = adv, ret
 
             num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
             self._check_abandon()
@@ -358,14 +354,14 @@ class PPOTrainer:
             metrics["actor/kl_coef"] = self.kl_loss_coef
         return metrics
 
-    def _dump_rollouts(self, full: Rollouts, ro: Rollouts, parts: list[list[int]], scores: torch.Tensor,
+    def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
                        extras: dict):
         """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step, written by rank 0;
         `reward` is the score minus any KL-in-reward penalty, `advantage` the mean over the
         response's tokens."""
         mask = ro.response_mask
-        cols = [scores.double(), ro.tensors["token_level_rewards"].double().sum(-1),
-                masked_mean(ro.tensors["advantages"].double(), mask, axis=-1)]
+        cols = [scores.double(), ro.token_level_rewards.double().sum(-1),
+                masked_mean(ro.advantages.double(), mask, axis=-1)]
         cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in sorted(extras)]
         per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
         if not self.ctx.is_main:
@@ -382,21 +378,21 @@ class PPOTrainer:
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
-    def _advantages(self, full: Rollouts, ro: Rollouts, parts: list[list[int]]):
+    def _advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]]):
         """Advantages over the whole batch (whitening and group baselines are batch-wide), then
         this rank's rows. Only the rank-local rewards and values are gathered: the response
         mask and the group ids are known to every rank already (`full`)."""
         alg = self.cfg.algorithm
         gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
-        values = ro.tensors.get("values")
+        values = ro.values
         adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
-            token_level_rewards=gather(ro.tensors["token_level_rewards"]), response_mask=full.response_mask,
+            token_level_rewards=gather(ro.token_level_rewards), response_mask=full.response_mask,
             values=gather(values) if values is not None else None, index=np.asarray(full.uids),
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
         return adv[sel], ret[sel]
 
-    def _batch_metrics(self, ro: Rollouts, scores: torch.Tensor, extras: dict) -> dict:
+    def _batch_metrics(self, ro: RolloutBatch, scores: torch.Tensor, extras: dict) -> dict:
         mask = ro.response_mask
         dev = self.device
         lengths = mask.sum(-1)
@@ -411,21 +407,21 @@ class PPOTrainer:
                                        "max")[0]
             return v if op == "max" else -v
 
-        seq_sum = lambda name: ro.tensors[name].sum(-1)  # noqa: E731
+        seq_sum = lambda t: t.sum(-1)  # noqa: E731
         m = {
             "critic/score/mean": gmean(scores), "critic/score/max": gextreme(scores, "max"),
             "critic/score/min": gextreme(scores, "min"),
-            "critic/rewards/mean": gmean(seq_sum("token_level_rewards")),
-            "critic/advantages/mean": masked_mean_global(ro.tensors["advantages"], mask),
-            "critic/returns/mean": masked_mean_global(ro.tensors["returns"], mask),
+            "critic/rewards/mean": gmean(seq_sum(ro.token_level_rewards)),
+            "critic/advantages/mean": masked_mean_global(ro.advantages, mask),
+            "critic/returns/mean": masked_mean_global(ro.returns, mask),
             "response_length/mean": gmean(lengths), "response_length/max": gextreme(lengths, "max"),
             "response_length/min": gextreme(lengths, "min"),
             "response_length/clip_ratio": gmean(torch.tensor([1.0 if r == "length" else 0.0 for r in
                                                               ro.finish_reasons], device=dev)),
             "prompt_length/mean": gmean(torch.tensor([float(len(p)) for p in ro.prompts], device=dev)),
         }
-        if "values" in ro.tensors:
-            v, ret = ro.tensors["values"], ro.tensors["returns"]
+        if ro.values is not None:
+            v, ret = ro.values, ro.returns
             m["critic/values/mean"] = masked_mean_global(v, mask)
             # explained variance 1 - Var(ret - v) / Var(ret), over every rank's tokens
             cnt, s_r, s_d = comm.all_reduce_values([float(mask.sum()), float((ret * mask).sum()),
@@ -441,7 +437,7 @@ class PPOTrainer:
             m[f"reward_extra/{k}/mean"] = total / max(count, 1.0)
         return m
 
-    def _perf_metrics(self, ro: Rollouts, metrics: dict) -> dict:
+    def _perf_metrics(self, ro: RolloutBatch, metrics: dict) -> dict:
         dev = self.device
         lengths = ro.lengths()
         response_tokens = [len(r) for r in ro.responses]

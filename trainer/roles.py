@@ -21,7 +21,7 @@ from trainer.batching import token_budget_partitions
 from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
                             get_policy_loss_fn, masked_sum)
 from trainer.forward import build_micro_batch, response_logprobs, response_values
-from trainer.rollout_batch import Rollouts
+from trainer.rollout_batch import RolloutBatch
 from sharding import comm
 from sharding.fsdp import load_states, offload_states
 from sharding.grad_norm import clip_grad_norm_
@@ -77,7 +77,7 @@ class MiniBatch:
     global_units: float
 
 
-def plan_update(ro: Rollouts, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
+def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
                 micro_size: int | None, dynamic: bool, max_tokens: int) -> list[MiniBatch]:
     """Every mini-batch of every epoch, planned before the first forward with two collectives
     (the loss units and the micro-batch counts), so that the update loop itself never waits
@@ -150,13 +150,13 @@ class PolicyWorker:
         self.packed, self.temperature, self.pad = packed, temperature, pad_token_id
         self.device, self.world_size = device, world_size
 
-    def _forward(self, ro: Rollouts, idx: list[int], with_entropy: bool):
-        prompts, responses = ro.select(idx)
-        mb = build_micro_batch(prompts, responses, self.device, self.packed, self.pad)
+    def _forward(self, ro: RolloutBatch, idx: list[int], with_entropy: bool):
+        sub = ro.take(idx)
+        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
         return response_logprobs(self.model, mb, ro.width, self.temperature, with_entropy)
 
     @torch.no_grad()
-    def compute_log_prob(self, ro: Rollouts, micro_size, dynamic, max_tokens, with_entropy=False):
+    def compute_log_prob(self, ro: RolloutBatch, micro_size, dynamic, max_tokens, with_entropy=False):
         """Log-probs `[N, R]` (and entropy) of this rank's responses under the model."""
         logp = torch.zeros(len(ro), ro.width, device=self.device)
         ent = torch.zeros(len(ro), ro.width, device=self.device) if with_entropy else None
@@ -169,12 +169,12 @@ class PolicyWorker:
                     ent[part] = en
         return logp, ent
 
-    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
+    def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
         """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy).
 
         `rollout_correction` (`algorithm.rollout_correction`): in decoupled mode its weights
-        were computed once per step (`ro.tensors["rollout_is_weights"]`); in bypass mode they
+        were computed once per step (`ro.rollout_is_weights`); in bypass mode they
         are computed here per micro-batch from pi_theta / pi_rollout (`rollout_log_probs`),
         with the `rollout_corr/` metrics, and `actor/entropy` and `rollout/logprob_diff` come
         from the first mini-batch: its forwards run before any optimizer step, so they see the
@@ -198,9 +198,10 @@ class PolicyWorker:
                 if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
                     (logp.sum() * 0.0).backward()
                     continue
-                m_mask = ro.rows("response_mask", part)
+                sub = ro.take(part)
+                m_mask = sub.response_mask
                 if bypass:
-                    rollout_lp = ro.rows("rollout_log_probs", part)
+                    rollout_lp = sub.rollout_log_probs
                     weights, corr = compute_rollout_correction(
                         logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
                     stats.add(**corr)
@@ -208,9 +209,9 @@ class PolicyWorker:
                         first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
                             (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
                 else:
-                    weights = ro.rows("rollout_is_weights", part) if "rollout_is_weights" in ro.tensors else None
+                    weights = sub.rollout_is_weights
                 pg = policy_loss(
-                    old_log_prob=ro.rows("old_log_probs", part), log_prob=logp, advantages=ro.rows("advantages", part),
+                    old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
                     response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                     cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                     loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
@@ -220,7 +221,7 @@ class PolicyWorker:
                     loss = loss - cfg.entropy_coeff * ent_loss
                     totals["actor/entropy_loss"] = totals["actor/entropy_loss"] + ent_loss.detach()
                 if cfg.use_kl_loss:
-                    kld = kl_penalty(logp, ro.rows("ref_log_probs", part), cfg.kl_loss_type)
+                    kld = kl_penalty(logp, sub.ref_log_probs, cfg.kl_loss_type)
                     kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
                     loss = loss + kl_loss_coef * kl_loss
                     totals["actor/kl_loss"] = totals["actor/kl_loss"] + kl_loss.detach()
@@ -255,13 +256,13 @@ class ValueWorker:
         self.response_length = response_length
         self.packed, self.pad, self.device, self.world_size = packed, pad_token_id, device, world_size
 
-    def _forward(self, ro: Rollouts, idx):
-        prompts, responses = ro.select(idx)
-        mb = build_micro_batch(prompts, responses, self.device, self.packed, self.pad)
+    def _forward(self, ro: RolloutBatch, idx):
+        sub = ro.take(idx)
+        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
         return response_values(self.model, mb, ro.width)
 
     @torch.no_grad()
-    def compute_values(self, ro: Rollouts, micro_size, dynamic, max_tokens) -> torch.Tensor:
+    def compute_values(self, ro: RolloutBatch, micro_size, dynamic, max_tokens) -> torch.Tensor:
         values = torch.zeros(len(ro), ro.width, device=self.device)
         for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), micro_size, dynamic, max_tokens):
             v = self._forward(ro, part)
@@ -269,7 +270,7 @@ class ValueWorker:
                 values[part] = v
         return values * ro.response_mask
 
-    def update(self, ro: Rollouts, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:
+    def update(self, ro: RolloutBatch, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:
         stats = _Mean()
         epochs = cfg.ppo_epochs or actor_cfg.ppo_epochs
         micro = cfg.ppo_micro_batch_size_per_gpu or actor_cfg.ppo_micro_batch_size_per_gpu
@@ -283,8 +284,9 @@ class ValueWorker:
                 if not part:
                     (vpreds.sum() * 0.0).backward()
                     continue
+                sub = ro.take(part)
                 vf = compute_value_loss(
-                    vpreds, ro.rows("returns", part), ro.rows("values", part), ro.rows("response_mask", part),
+                    vpreds, sub.returns, sub.values, sub.response_mask,
                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
                 vf.vf_loss.backward()
                 vf_sum = vf_sum + vf.vf_loss.detach()

@@ -71,8 +71,9 @@ class Models:
         parts = plan_micro_batches(list(range(len(ro))), ro.lengths(), rm_cfg.micro_batch_size_per_gpu,
                                    rm_cfg.use_dynamic_bsz, rm_cfg.forward_max_token_len_per_gpu)
         for part in parts:
-            prompts, responses = ro.select(part)
-            scores = last_token_scores(self.reward_model, build_micro_batch(prompts, responses, ro.device, True))
+            sub = ro.take(part)
+            scores = last_token_scores(self.reward_model, build_micro_batch(sub.prompts, sub.responses, ro.device,
+                                                                            True))
             if part:
                 out[part] = scores
         return out

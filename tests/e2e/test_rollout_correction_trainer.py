@@ -92,9 +92,9 @@ def _logprob_body(rank, world_size, assets, run_root):
         full = trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=3)
         ro, _ = trainer._partition(full)
         old, _ = trainer.actor.compute_log_prob(ro, 8, False, 0)
-        gaps = [abs(a - b) for i, lps in enumerate(ro.rollout_log_probs) for a, b in zip(lps, old[i].tolist())]
+        gaps = [abs(a - b) for i, lps in enumerate(ro.engine_log_probs) for a, b in zip(lps, old[i].tolist())]
         assert len(gaps) > 100 and max(gaps) < 1e-5, (engine, max(gaps))
-        assert any(x < -0.1 for lps in ro.rollout_log_probs for x in lps)  # sampled, not all near-certain
+        assert any(x < -0.1 for lps in ro.engine_log_probs for x in lps)  # sampled, not all near-certain
 
 
 def test_engine_log_probs_equal_the_recomputed_ones_in_fp32(tiny_assets, tmp_path):

@@ -163,11 +163,11 @@ UPDATE_SEQS, UPDATE_MINI_BATCHES = 16, 2
 
 
 def _rollouts(prompts, responses, width, device):
-    from trainer.rollout_batch import Rollouts
+    from trainer.rollout_batch import RolloutBatch
 
     n = len(prompts)
-    return Rollouts(prompts, responses, list(range(n)), [None] * n, [None] * n, [{} for _ in range(n)],
-                    ["length"] * n, [[] for _ in range(n)], width, device)
+    return RolloutBatch(prompts, responses, list(range(n)), [None] * n, [None] * n, [{} for _ in range(n)],
+                        ["length"] * n, [[] for _ in range(n)], width, device)
 
 
 def check_same_update(ctx, a):
@@ -201,7 +201,8 @@ def check_same_update(ctx, a):
     assert per_mini % w == 0, f"{UPDATE_SEQS} sequences in {UPDATE_MINI_BATCHES} mini-batches do not split over {w} ranks"
     rows = [m * per_mini + r * per_mini // w + i for m in range(UPDATE_MINI_BATCHES) for i in range(per_mini // w)]
     local = _rollouts([prompts[i] for i in rows], [responses[i] for i in rows], width, dev)
-    local.tensors.update({k: v[rows].to(dev) for k, v in tensors.items()})
+    for k, v in tensors.items():
+        setattr(local, k, v[rows].to(dev))
 
     meshes = ParallelDims(w).build_meshes(dev.type)
     model = build_fsdp_model(args, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=dev, seed=0)
