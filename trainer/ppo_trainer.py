@@ -83,7 +83,7 @@ class PPOTrainer:
         from data import PromptDataLoader, RLHFDataset
         from models.tokenizer import load_tokenizer
 
-        tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.path
+        tok_path = cfg.data.tokenizer
         if not os.path.isdir(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
                             "actor_rollout_ref.model.path)")
@@ -268,7 +268,6 @@ class PPOTrainer:
             ro.token_level_scores = token_scores
 
             lp, correction = arr.rollout, cfg.algorithm.rollout_correction
-            micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
             reweighted = correction.rollout_is is not None or bool(correction.rejection)
             if correction.bypass_mode or reweighted or lp.calculate_log_probs:
                 rl = torch.zeros(len(ro), ro.width)
@@ -281,7 +280,7 @@ class PPOTrainer:
                 old = ro.old_log_probs = ro.rollout_log_probs
             else:
                 with timer("old_log_prob"):
-                    old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
+                    old, ent = self.actor.compute_log_prob(ro, lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                            lp.log_prob_max_token_len_per_gpu, with_entropy=True)
                     ro.old_log_probs = old
                     metrics["actor/entropy"] = masked_mean_global(ent, mask)
@@ -301,7 +300,7 @@ class PPOTrainer:
                 rc = arr.ref
                 with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
                     ref, _ = self.ref.compute_log_prob(
-                        ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
+                        ro, rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz,
                         rc.log_prob_max_token_len_per_gpu)
                 ro.ref_log_probs = ref
                 metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask)
@@ -309,8 +308,7 @@ class PPOTrainer:
                 cc = cfg.critic
                 with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
                     ro.values = self.critic.compute_values(
-                        ro, cc.forward_micro_batch_size_per_gpu or cc.ppo_micro_batch_size_per_gpu
-                        or arr.actor.ppo_micro_batch_size_per_gpu,
+                        ro, cc.forward_micro_batch_size_per_gpu,
                         cc.use_dynamic_bsz, cc.forward_max_token_len_per_gpu)
 
             with timer("adv"):
@@ -330,10 +328,10 @@ class PPOTrainer:
             self._check_abandon()
             t_update = time.perf_counter()
             if self.critic is not None:
-                cmini = cfg.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size
+                cmini = cfg.critic.ppo_mini_batch_size
                 with timer("update_critic"), resident(self.critic.model, self.critic.optimizer,
                                                        cfg.critic.model.fsdp_config, self.device):
-                    metrics.update(self.critic.update(ro, cfg.critic, arr.actor, cfg.data.train_batch_size // cmini,
+                    metrics.update(self.critic.update(ro, cfg.critic, cfg.data.train_batch_size // cmini,
                                                       seed=cfg.trainer.seed + self.global_step))
                 self.critic.scheduler.step()
             if self.global_step >= cfg.trainer.critic_warmup:

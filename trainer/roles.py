@@ -270,12 +270,10 @@ class ValueWorker:
                 values[part] = v
         return values * ro.response_mask
 
-    def update(self, ro: RolloutBatch, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:
+    def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
         stats = _Mean()
-        epochs = cfg.ppo_epochs or actor_cfg.ppo_epochs
-        micro = cfg.ppo_micro_batch_size_per_gpu or actor_cfg.ppo_micro_batch_size_per_gpu
-        plan = plan_update(ro, epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode, micro,
-                           cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
+                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         for mb in plan:
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
             vf_sum = torch.zeros((), device=self.device)

@@ -128,13 +128,13 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
     if cfg.uses_ref:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
                                       device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy)
-        if arr.actor.use_torch_compile if arr.ref.use_torch_compile is None else arr.ref.use_torch_compile:
+        if arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
         cm = cfg.critic.model
-        models.critic = build_fsdp_model(cm.path or path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
+        models.critic = build_fsdp_model(cm.path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
                                          head="value", device=ctx.device, trainable=True, seed=seed,
-                                         dummy_weights=dummy and not cm.path,
+                                         dummy_weights=dummy and cm.path == path,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
                                          enable_activation_offload=cm.enable_activation_offload)
         if arr.actor.use_torch_compile:
@@ -160,10 +160,9 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
              "float32": torch.float32, "fp32": torch.float32}[r.dtype]
     if ctx.device.type == "cpu":
         dtype = torch.float32
-    max_len = r.max_model_len or (cfg.prompt_length + cfg.response_length)
     ec = EngineConfig(dtype=dtype, block_size=r.block_size, gpu_memory_utilization=r.gpu_memory_utilization,
                       max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=max_len,
+                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=r.max_model_len,
                       enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
                       free_cache_engine=r.free_cache_engine)
     tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
