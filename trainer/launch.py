@@ -271,7 +271,7 @@ class _Launch:
     def _latest_checkpoint(self) -> str | None:
         from trainer.checkpointing import CheckpointManager
 
-        return CheckpointManager(None, os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
+        return CheckpointManager(os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
 
 
 def _kill(pid: int, sig: int) -> None:

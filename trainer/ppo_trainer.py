@@ -24,11 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kl import KLGuard, get_kl_controller, kl_penalty
+from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults
-from trainer.checkpointing import CheckpointManager
+from trainer.checkpointing import CheckpointManager, export_hf
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
+from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
 from trainer.rollout_batch import RolloutBatch
@@ -40,14 +41,6 @@ from sharding.fsdp import offload_states
 
 # Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-class UserError(RuntimeError):
-    """A problem with the user's input found at run time (printed without a traceback)."""
-
-
-class StopTraining(RuntimeError):
-    """A guard or the non-finite counter asked the run to stop."""
 
 
 class _AbandonStep(Exception):
@@ -129,15 +122,31 @@ class PPOTrainer:
 
         self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-        self.kl_loss_coef = arr.actor.kl_loss_coef
+        self.kl = KLCoefficients(in_reward=get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
+                                 in_loss=FixedKLController(arr.actor.kl_loss_coef))
         self.guard = KLGuard(cfg.algorithm.kl_guard)
         self.global_step = 0
         self.nonfinite_streak = 0
-        self.ckpt = CheckpointManager(self, os.path.join(self.run_dir, "checkpoints"))
+        states = {"trainer": self, "loader": self.loader, "kl": self.kl, "kl_guard": self.guard,
+                  "actor_sched": m.actor_sched}
+        models = {"actor": (m.actor, m.actor_optim)}
+        if m.critic is not None:
+            states["critic_sched"] = m.critic_sched
+            models["critic"] = (m.critic, m.critic_optim)
+        self.ckpt = CheckpointManager(
+            os.path.join(self.run_dir, "checkpoints"), states=states, models=models,
+            learned=("kl", "actor_sched", "critic_sched"), fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None},
+            config=cfg, rank=ctx.rank, world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
+
+    # ------------------------------------------------------------------ checkpointed state
+    def state_dict(self) -> dict:
+        return {"global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step, self.nonfinite_streak = state["global_step"], state["nonfinite_streak"]
 
     # ------------------------------------------------------------------ helpers
     def _eos_ids(self) -> list[int]:
@@ -315,10 +324,10 @@ class PPOTrainer:
                 rewards = token_scores
                 if cfg.algorithm.use_kl_in_reward:
                     kld = kl_penalty(old, ro.ref_log_probs, cfg.algorithm.kl_penalty) * mask
-                    beta = self.kl_ctrl.value
+                    beta = self.kl.in_reward.value
                     rewards = token_scores - beta * kld
                     current_kl = masked_mean_global(kld, mask)
-                    self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
+                    self.kl.in_reward.update(current_kl, n_steps=cfg.data.train_batch_size)
                     metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
                 ro.token_level_rewards = rewards
                 adv, ret = self._advantages(full, ro, parts)
@@ -336,7 +345,7 @@ class PPOTrainer:
                 self.critic.scheduler.step()
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl_loss_coef,
+                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl.in_loss.value,
                                                      seed=cfg.trainer.seed + self.global_step,
                                                      step=self.global_step + 1, rollout_correction=correction))
                 self.actor.scheduler.step()
@@ -349,7 +358,7 @@ class PPOTrainer:
         metrics.update(self.timer.pop())
         metrics.update(self._perf_metrics(ro, metrics))
         if arr.actor.use_kl_loss:
-            metrics["actor/kl_coef"] = self.kl_loss_coef
+            metrics["actor/kl_coef"] = self.kl.in_loss.value
         return metrics
 
     def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
@@ -510,25 +519,26 @@ class PPOTrainer:
         self.log(f"[kl_guard] step {self.global_step}: {decision.message} -> {decision.action}")
         metrics["kl_guard/action"] = decision.action
         if decision.action == "raise_coef":
-            if self.cfg.actor_rollout_ref.actor.use_kl_loss:
-                self.kl_loss_coef = self.guard.next_kl_coef(self.kl_loss_coef)
-            if self.cfg.algorithm.use_kl_in_reward:
-                self.kl_ctrl.value = self.guard.next_kl_coef(self.kl_ctrl.value)
+            self.kl.raise_coefs(self.guard.next_kl_coef, in_reward=self.cfg.algorithm.use_kl_in_reward,
+                                in_loss=self.cfg.actor_rollout_ref.actor.use_kl_loss)
         elif decision.action == "lower_lr":
-            for worker in (self.actor, self.critic):
-                if worker is not None:
-                    worker.scheduler.base_lrs = [self.guard.next_lr(lr) for lr in worker.scheduler.base_lrs]
-                    for group in worker.optimizer.param_groups:
-                        group["lr"] = self.guard.next_lr(group["lr"])
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    role.scale_lr(self.guard.next_lr)
         elif decision.action == "rollback":
-            if not self.ckpt.rollback():
+            path = self.ckpt.rollback()
+            if path is None:
                 self.log("[kl_guard] no checkpoint to roll back to; continuing")
+            else:
+                self.log(f"rolled back the models to {path}; continuing at step {self.global_step + 1} with new data")
         elif decision.action == "stop":
             raise StopTraining(f"KL guard stopped the run at step {self.global_step}: {decision.message}")
 
     def train(self) -> int:
         t = self.cfg.trainer
-        self.ckpt.maybe_resume()
+        resumed = self.ckpt.maybe_resume(t.resume_mode, t.resume_from_path)
+        if resumed is not None:
+            self.log(f"resumed from {resumed} at step {self.global_step}")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
                             run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
                                      self.run_dir, self.global_step))
@@ -544,7 +554,7 @@ class PPOTrainer:
                     # Nothing was updated: rewind the data so the resumed run redoes this step.
                     self.loader.load_state_dict(loader_state)
                     self.timer.pop()
-                    self.ckpt.save()
+                    self.ckpt.save(self.global_step)
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
@@ -560,13 +570,14 @@ class PPOTrainer:
                 self.tracking.log(metrics, step=self.global_step)
                 stop = self._agreed_stop_signal()
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                    self.ckpt.save()
+                    self.ckpt.save(self.global_step)
                 if stop:
                     self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
                              f"{self.global_step}, exiting")
                     return 0
             if t.export_hf_at_end:
-                self.ckpt.export_hf(os.path.join(self.run_dir, "hf_actor"))
+                export_hf(self.models.actor, self.models.actor_args, self.tokenizer,
+                          os.path.join(self.run_dir, "hf_actor"), self.ctx.is_main)
             return 0
         finally:
             self.tracking.close()
@@ -616,4 +627,4 @@ def run(cfg: PPOConfig) -> int:
             dist.destroy_process_group()
 
 
-__all__ = ["PPOTrainer", "run", "UserError", "StopTraining", "time"]
+__all__ = ["PPOTrainer", "run"]

@@ -150,6 +150,13 @@ class PolicyWorker:
         self.packed, self.temperature, self.pad = packed, temperature, pad_token_id
         self.device, self.world_size = device, world_size
 
+    def scale_lr(self, next_lr) -> None:
+        """Apply `next_lr` to the learning rate now and to the schedule's base (a KL guard's
+        `lower_lr`)."""
+        self.scheduler.base_lrs = [next_lr(lr) for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] = next_lr(group["lr"])
+
     def _forward(self, ro: RolloutBatch, idx: list[int], with_entropy: bool):
         sub = ro.take(idx)
         mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
@@ -255,6 +262,8 @@ class ValueWorker:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.response_length = response_length
         self.packed, self.pad, self.device, self.world_size = packed, pad_token_id, device, world_size
+
+    scale_lr = PolicyWorker.scale_lr
 
     def _forward(self, ro: RolloutBatch, idx):
         sub = ro.take(idx)
