@@ -10,7 +10,7 @@ record then carries `scaling` — the strong-scaling speedup of the step and of 
 the weak-scaling efficiency of the per-GPU throughput. `--profile` profiles one more step and
 reports, per phase, the NCCL time and the part of it no compute kernel hides.
 
-Workloads (PERF.md / issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
+Workloads (`bench/common.py`, issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
   ppo:  critic (GAE) + reference + k3 KL loss, 256 prompts x 1 sample
   grpo: reference + k3 KL loss (beta 0.04), 32 prompts x 8 samples
 The model, a word-level tokenizer over its whole vocabulary and random prompts are written to

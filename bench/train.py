@@ -5,7 +5,7 @@
 Runs the trainer's own code (`trainer.roles.PolicyWorker` on an FSDP2 actor, world size 1) on
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
-`--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (PERF.md's FLOP
+`--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (`ModelArgs.flops`' FLOP
 count over 989 TFLOP/s), peak memory, and the floors. Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # noqa: E402
+from models import PEAK_BF16_FLOPS  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
 from trainer.setup import make_optimizer  # noqa: E402
@@ -34,7 +35,7 @@ from trainer.roles import PolicyWorker  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
 from sharding.mesh import ParallelDims  # noqa: E402
 
-PEAK = 989e12  # dense bf16 H100/H200, PERF.md's MFU denominator
+PEAK = PEAK_BF16_FLOPS["H200"]  # the MFU denominator
 
 
 def run_flops(args, ro, backward: bool) -> float:

@@ -295,6 +295,11 @@ class CheckpointManager:
         of replaying the batches that led to the rollback."""
         # Everything read from files is checked before any model or optimizer changes.
         state = read_trainer_state(path)
+        missing = [name for name in self.states if name not in state]
+        if missing:
+            raise UserError(f"checkpoint {path!r} has no {missing} state: it was written by an older meshppo (see "
+                            "the README); start a fresh run (trainer.resume_mode=disable or another "
+                            "trainer.default_local_dir)")
         if state["model"] != self.fingerprint:
             diff = {k: (state["model"].get(k), v) for k, v in self.fingerprint.items() if state["model"].get(k) != v}
             raise UserError(f"checkpoint {path!r} belongs to a different model: (checkpoint, config) differ in {diff}")
@@ -305,11 +310,6 @@ class CheckpointManager:
                             "cannot continue under these. Start a new run in another trainer.default_local_dir, or "
                             f"start {os.path.dirname(self.root)!r} over with trainer.resume_mode=disable (this "
                             "deletes its checkpoints and metrics)")
-        missing = [name for name in self.states if name not in state]
-        if missing:
-            raise UserError(f"checkpoint {path!r} has no {missing} state: it was written by an older meshppo (see "
-                            "the README); start a fresh run (trainer.resume_mode=disable or another "
-                            "trainer.default_local_dir)")
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
         rng = read_rng_state(rng_file) if not keep_progress and same_world and os.path.isfile(rng_file) else None

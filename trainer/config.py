@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
+from models import torch_dtypes
 from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
 
-DTYPES = ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+DTYPES = tuple(torch_dtypes())
 
 
 def _not(value):

@@ -1,6 +1,6 @@
 """The KL-PPO trainer: one SPMD program, the same on every rank.
 
-`PPOTrainer.step` is the whole algorithm in order (DESIGN.md §3):
+`PPOTrainer.step` is the whole algorithm in order (docs/ARCHITECTURE.md):
 
     reshard actor -> generate -> free KV cache -> rewards -> old / ref log-probs, values
     -> KL in reward -> advantages -> critic update -> actor update -> metrics -> checkpoint
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from models import peak_bf16_flops
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults
 from trainer.checkpointing import CheckpointManager, export_hf
@@ -39,10 +40,6 @@ from trainer.roles import PolicyWorker, ValueWorker, masked_mean_global, residen
 from sharding import comm
 from sharding.fsdp import offload_states
 
-# Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
 class _AbandonStep(Exception):
     """Preemption: the rest of this step would not fit in the grace period."""
 
@@ -56,8 +53,7 @@ def _seed_everything(seed: int):
 def _peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 class PPOTrainer:

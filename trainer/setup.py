@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from models import ModelArgs, load_model_args
+from models import ModelArgs, load_model_args, torch_dtypes
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.launch import DistContext
@@ -156,8 +156,7 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
         return None
     from rollout import EngineConfig, LLMEngine
 
-    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32}[r.dtype]
+    dtype = torch_dtypes()[r.dtype]
     if ctx.device.type == "cpu":
         dtype = torch.float32
     ec = EngineConfig(dtype=dtype, block_size=r.block_size, gpu_memory_utilization=r.gpu_memory_utilization,
