@@ -122,18 +122,21 @@ def _check_signature(fn: Callable, inputs: tuple[str, ...], kind: str) -> None:
                         f"need no other argument (needs {required})")
 
 
-def register_adv_est(name: str) -> Callable:
-    """Register an advantage estimator under ``name``; it must accept every keyword of
-    ``ADV_ESTIMATOR_INPUTS`` and return ``(advantages, returns)``, each ``[B, T]``."""
-
+def _registrar(registry: dict, inputs: tuple[str, ...], kind: str, name: str) -> Callable:
     def decorator(fn):
-        _check_signature(fn, ADV_ESTIMATOR_INPUTS, "advantage estimator")
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
+        _check_signature(fn, inputs, kind)
+        if name in registry:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        registry[name] = fn
         return fn
 
     return decorator
+
+
+def register_adv_est(name: str) -> Callable:
+    """Register an advantage estimator under ``name``; it must accept every keyword of
+    ``ADV_ESTIMATOR_INPUTS`` and return ``(advantages, returns)``, each ``[B, T]``."""
+    return _registrar(ADV_ESTIMATORS, ADV_ESTIMATOR_INPUTS, "advantage estimator", name)
 
 
 @register_adv_est("gae")
@@ -550,15 +553,7 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {}
 def register_policy_loss(name: str) -> Callable:
     """Register a policy loss under ``name``; it takes the keywords of ``POLICY_LOSS_INPUTS``
     (plus ``**agg_kwargs`` for ``agg_loss``) and returns a ``PolicyLossOutput``."""
-
-    def decorator(fn):
-        _check_signature(fn, POLICY_LOSS_INPUTS, "policy loss")
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
+    return _registrar(POLICY_LOSSES, POLICY_LOSS_INPUTS, "policy loss", name)
 
 
 @register_policy_loss("ppo_clip")
