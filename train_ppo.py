@@ -5,59 +5,9 @@
     python train_ppo.py --config configs/demo.yaml --print-config
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-
-def parse_args(argv=None):
-    from ppo.launch import add_config_args
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--print-config", action="store_true",
-                   help="validate against the launch the config describes, print the resolved config and exit")
-    add_config_args(p)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from ppo import launch
-
-    launch.attach()
-    return launch.finish(_run(args))
-
-
-def _run(args) -> int:
-    from ppo.config import PPOConfig, config_notes, validate
-    from ppo.configlib import ConfigError, load_config, to_commented_yaml
-    from ppo.launch import local_world_size_from_env, rank_from_env, world_size_from_env
-
-    # Every rank finds the same config error: only rank 0 says it.
-    is_main = rank_from_env() == 0
-    try:
-        cfg = load_config(PPOConfig, args.config, args.overrides)
-        if args.print_config:
-            validate(cfg)
-            print(to_commented_yaml(cfg))
-        else:
-            from ppo.setup import preflight
-
-            preflight(cfg, world_size_from_env(), local_world_size_from_env())
-    except ConfigError as e:
-        if is_main:
-            print(f"meshppo: config error: {e}", file=sys.stderr)
-        return 2
-    if is_main:
-        for note in config_notes(cfg):
-            print(f"meshppo: {note}", file=sys.stderr)
-    if args.print_config:
-        return 0
-    from ppo.trainer import run
-
-    return run(cfg)
-
+from trainer.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

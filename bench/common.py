@@ -1,6 +1,6 @@
 """Shared helpers of the benchmarks under `bench/`: model shapes, ceilings, one JSON line per measurement.
 
-Every benchmark prints one JSON object per measurement (PERF.md, "Method"): the benchmark
+Every benchmark prints one JSON object per measurement: the benchmark
 name, the workload, the hardware, the commit, and its figures.
 """
 
@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.args import ModelArgs  # noqa: E402
 
-# Measured ceilings of one H200 (PERF.md): device copy, and bf16 matmul on random data.
+# Measured ceilings of one H200: device copy, and bf16 matmul on random data.
 H200_HBM_BYTES_PER_S = 4.3e12
 H200_BF16_FLOPS = 790e12
 
 _QWEN25 = dict(model_type="qwen2", attention_bias=True, max_position_embeddings=32768, rope_theta=1_000_000.0,
                rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
 
-# The PERF.md workloads (random weights: speed does not depend on the values).
+# The benchmark workloads (random weights: speed does not depend on the values).
 MODEL_SHAPES: dict[str, ModelArgs] = {
     "qwen2.5-0.5b": ModelArgs(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                               num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, **_QWEN25),
@@ -146,7 +146,7 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
 
 
 def comm_exposure(prof, host_top: int = 12) -> dict:
-    """Per trainer phase (the `phase:<name>` ranges of `ppo.tracking.Timer`): wall time, NCCL
+    """Per trainer phase (the `phase:<name>` ranges of `trainer.tracking.Timer`): wall time, NCCL
     kernel time, and the *exposed* NCCL time — when an NCCL kernel runs and no other kernel
     does, i.e. communication that compute does not hide. Milliseconds, from one profiled step.
     A kernel belongs to the innermost phase whose host range contains its start (the timer

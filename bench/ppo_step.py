@@ -10,7 +10,7 @@ record then carries `scaling` — the strong-scaling speedup of the step and of 
 the weak-scaling efficiency of the per-GPU throughput. `--profile` profiles one more step and
 reports, per phase, the NCCL time and the part of it no compute kernel hides.
 
-Workloads (PERF.md / issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
+Workloads (`bench/common.py`, issue 7), 128 prompt tokens and 256 response tokens, EOS ignored:
   ppo:  critic (GAE) + reference + k3 KL loss, 256 prompts x 1 sample
   grpo: reference + k3 KL loss (beta 0.04), 32 prompts x 8 samples
 The model, a word-level tokenizer over its whole vocabulary and random prompts are written to
@@ -166,10 +166,10 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
     a = p.parse_args(argv)
 
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("auto")
     work = Path(a.work_dir)

@@ -10,7 +10,7 @@ Per model and path it prints one JSON line: world, tp, bf16 parameter bytes P, b
 per rank (max over ranks), the zero-redundancy bound `P/t·(1 − t/S)`, ms (median over
 repeats, synchronised), ms per GB of bf16 weights, the peak extra device memory, and for
 a summary line the speed-up over the naive path measured in the same run. On one
-GPU the floor is the fp32→bf16 cast-copy, 0.70 ms per GB of output (PERF.md).
+GPU the floor is the fp32→bf16 cast-copy, 0.70 ms per GB of output.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from models import Transformer  # noqa: E402
 from rollout import EngineConfig, LLMEngine  # noqa: E402
 from sharding import FSDPConfig, ParallelDims, Resharder, apply_fsdp  # noqa: E402
 
-CAST_COPY_MS_PER_GB = 0.70  # H200 fp32 → bf16 cast-copy, per GB of bf16 output (PERF.md)
+CAST_COPY_MS_PER_GB = 0.70  # H200 fp32 → bf16 cast-copy, per GB of bf16 output
 
 
 def build_actor(args, mesh, device, seed):

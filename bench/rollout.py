@@ -1,4 +1,4 @@
-"""Rollout throughput of the engine on the PERF.md workloads, with Hugging Face `generate` as the baseline.
+"""Rollout throughput of the engine on the workloads of `bench/common.py`, with Hugging Face `generate` as the baseline.
 
     python bench/rollout.py                 # 0.5b and 1.5b at 256 and 512 prompts, batch-1 steps, HF at 256
     python bench/rollout.py --skip-hf       # engine only
@@ -64,7 +64,7 @@ from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
 def random_weights(engine: LLMEngine, seed: int = 0) -> None:
-    """Normal(0, 0.02) weights, unit norms: never time on all-zero data (PERF.md)."""
+    """Normal(0, 0.02) weights, unit norms: never time on all-zero data."""
     g = torch.Generator(device=engine.device).manual_seed(seed)
     with torch.no_grad():
         for name, slot in engine.param_slots().items():

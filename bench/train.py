@@ -2,10 +2,10 @@
 
     python bench/train.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 16384] [--seq-len 512]
 
-Runs the trainer's own code (`ppo.workers.PolicyWorker` on an FSDP2 actor, world size 1) on
+Runs the trainer's own code (`trainer.roles.PolicyWorker` on an FSDP2 actor, world size 1) on
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
-`--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (PERF.md's FLOP
+`--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (`ModelArgs.flops`' FLOP
 count over 989 TFLOP/s), peak memory, and the floors. Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
@@ -26,15 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # noqa: E402
-from ppo.config import OptimConfig  # noqa: E402
-from ppo.launch import init_distributed  # noqa: E402
-from ppo.setup import make_optimizer  # noqa: E402
-from ppo.rollout_data import Rollouts  # noqa: E402
-from ppo.workers import PolicyWorker  # noqa: E402
+from models import PEAK_BF16_FLOPS  # noqa: E402
+from trainer.config import OptimConfig  # noqa: E402
+from trainer.launch import init_distributed  # noqa: E402
+from trainer.setup import make_optimizer  # noqa: E402
+from trainer.rollout_batch import RolloutBatch  # noqa: E402
+from trainer.roles import PolicyWorker  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
 from sharding.mesh import ParallelDims  # noqa: E402
 
-PEAK = 989e12  # dense bf16 H100/H200, PERF.md's MFU denominator
+PEAK = PEAK_BF16_FLOPS["H200"]  # the MFU denominator
 
 
 def run_flops(args, ro, backward: bool) -> float:
@@ -49,12 +50,12 @@ def make_rollouts(args, n_seqs, seq_len, device, seed=0):
     prompts = torch.randint(0, args.vocab_size, (n_seqs, p_len), generator=g).tolist()
     responses = torch.randint(0, args.vocab_size, (n_seqs, seq_len - p_len), generator=g).tolist()
     r = seq_len - p_len
-    ro = Rollouts(prompts, responses, list(range(n_seqs)), [None] * n_seqs, [None] * n_seqs, [{}] * n_seqs,
-                  ["length"] * n_seqs, [[]] * n_seqs, r, device)
+    ro = RolloutBatch(prompts, responses, list(range(n_seqs)), [None] * n_seqs, [None] * n_seqs, [{}] * n_seqs,
+                      ["length"] * n_seqs, [[]] * n_seqs, r, device)
     mask = ro.response_mask
-    ro.tensors["advantages"] = torch.randn(n_seqs, r, generator=g).to(device) * mask
-    ro.tensors["old_log_probs"] = (-torch.rand(n_seqs, r, generator=g).to(device) * 5) * mask
-    ro.tensors["ref_log_probs"] = ro.tensors["old_log_probs"] + 0.01 * mask
+    ro.advantages = torch.randn(n_seqs, r, generator=g).to(device) * mask
+    ro.old_log_probs = (-torch.rand(n_seqs, r, generator=g).to(device) * 5) * mask
+    ro.ref_log_probs = ro.old_log_probs + 0.01 * mask
     return ro
 
 
@@ -137,7 +138,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
     if variant == "full_logits":
         # What chunking avoids: logits [tokens, vocab] in fp32 and their log-softmax, kept for backward.
-        from ppo.forward import build_micro_batch
+        from trainer.forward import build_micro_batch
 
         mb = build_micro_batch(ro.prompts, ro.responses, ctx.device, True)
 

@@ -3,7 +3,7 @@
 Pure maths and bookkeeping; nothing here imports ``torch.distributed``.
 """
 
-from kl.controllers import AdaptiveKLController, FixedKLController, get_kl_controller
+from kl.controllers import AdaptiveKLController, FixedKLController, KLCoefficients, get_kl_controller
 from kl.estimators import VALID_KL_PENALTIES, kl_penalty
 from kl.guards import GUARD_STATUSES, KL_GUARD_ACTIONS, GuardDecision, KLGuard, KLGuardConfig
 
@@ -12,6 +12,7 @@ __all__ = [
     "VALID_KL_PENALTIES",
     "FixedKLController",
     "AdaptiveKLController",
+    "KLCoefficients",
     "get_kl_controller",
     "KLGuardConfig",
     "KLGuard",

@@ -11,7 +11,7 @@ Both controllers expose ``value`` (the coefficient to use now) and are checkpoin
 import math
 from typing import Any
 
-__all__ = ["FixedKLController", "AdaptiveKLController", "get_kl_controller"]
+__all__ = ["FixedKLController", "AdaptiveKLController", "KLCoefficients", "get_kl_controller"]
 
 
 def _check_coef(kl_coef: float) -> float:
@@ -108,3 +108,26 @@ def get_kl_controller(
     if kl_ctrl_type == "adaptive":
         return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
     raise ValueError(f"Unknown kl_ctrl type {kl_ctrl_type!r}; valid types are ['fixed', 'adaptive'].")
+
+
+class KLCoefficients:
+    """The run's two KL coefficients as one checkpointed state: ``in_reward`` (KL in the reward,
+    ``algorithm.kl_ctrl``) and ``in_loss`` (the actor's KL loss, a fixed controller at
+    ``kl_loss_coef``). Both are controllers, so a guard's ``raise_coef`` acts on each the same
+    way (``raise_coefs``)."""
+
+    def __init__(self, in_reward, in_loss):
+        self.in_reward, self.in_loss = in_reward, in_loss
+
+    def raise_coefs(self, next_coef, in_reward: bool, in_loss: bool) -> None:
+        """Set each enabled coefficient to ``next_coef(value)``."""
+        for ctrl, enabled in ((self.in_loss, in_loss), (self.in_reward, in_reward)):
+            if enabled:
+                ctrl.value = next_coef(ctrl.value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"in_reward": self.in_reward.state_dict(), "in_loss": self.in_loss.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.in_reward.load_state_dict(state["in_reward"])
+        self.in_loss.load_state_dict(state["in_loss"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node: meshppo's launcher (python -m ppo.launch, around torchrun) with one rank per GPU the
+# One node: meshppo's launcher (python -m trainer.launch, around torchrun) with one rank per GPU the
 # config describes (trainer.n_gpus_per_node; CPU ranks with gloo where there is no GPU).
 #
 #   launch/run_single_node.sh --config configs/gsm8k_qwen2.5_0.5b.yaml trainer.total_epochs=2
@@ -22,4 +22,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=(--max-restarts="${MAX_RESTARTS:-0}")
 if [[ -n "${NPROC:-}" ]]; then args+=(--nproc-per-node="$NPROC"); fi
 if [[ -n "${LOG_DIR:-}" ]]; then args+=(--log-dir="$LOG_DIR"); fi
-exec "${PYTHON:-python3}" -m ppo.launch "${args[@]}" "$@"
+exec "${PYTHON:-python3}" -m trainer.launch "${args[@]}" "$@"

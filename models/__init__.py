@@ -1,11 +1,14 @@
 """The decoder-only transformer (Llama / Qwen2), its HF checkpoint I/O and its TP layout."""
 
-from models.args import ModelArgs
+from models.args import PEAK_BF16_FLOPS, ModelArgs, peak_bf16_flops, torch_dtypes
 from models.checkpoint import iter_hf_tensors, load_model_args
 from models.parallel_plan import tp_shard_dim
 from models.transformer import Transformer, cu_seqlens_from_lengths, position_ids_from_lengths
 
 __all__ = [
+    "PEAK_BF16_FLOPS",
+    "peak_bf16_flops",
+    "torch_dtypes",
     "ModelArgs",
     "Transformer",
     "cu_seqlens_from_lengths",

@@ -169,3 +169,20 @@ class ModelArgs:
         if architecture:
             cfg.architectures = [architecture]
         return cfg
+
+
+# Dense bf16 peak per GPU (datasheet), the denominator of MFU; matched against the device name.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The MFU denominator of a GPU named `device_name` (`torch.cuda.get_device_name`), or None."""
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+
+
+def torch_dtypes() -> dict:
+    """Dtype names a config or command line may use -> torch dtypes (one map for the project)."""
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+            "float32": torch.float32, "fp32": torch.float32}

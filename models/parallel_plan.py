@@ -2,7 +2,7 @@
 
 The single source of truth for the TP layout, shared by the engine (`rollout/`, which slices
 weights on load) and the resharder (`sharding/`, which makes FSDP shard the same dimension so
-that a rank's FSDP chunk lies inside the TP shard it needs, DESIGN.md §5).
+that a rank's FSDP chunk lies inside the TP shard it needs, docs/ARCHITECTURE.md).
 
 * column-parallel (dim 0): q/k/v projections (weights and biases), gate/up projections,
   embedding rows and the LM head (vocab-parallel)

@@ -4,7 +4,7 @@ A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpoin
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
 without the leading `model.` (`layers.0.self_attn.q_proj.weight`), which keeps checkpoint
 conversion a prefix change. q/k/v and gate/up stay separate parameters on purpose: each
-FSDP chunk range of one of them is then exactly one TP shard (DESIGN.md §5).
+FSDP chunk range of one of them is then exactly one TP shard (docs/ARCHITECTURE.md).
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """

@@ -1,12 +1,18 @@
 """PPO algorithm core: advantages, losses and their aggregation (pure tensor maths).
 
-Only ``ppo.core_algos`` is re-exported here so that ``import ppo`` stays light and has no
-side effects; the trainer is imported explicitly from ``ppo.trainer``.
+Estimators and policy losses are registries with one keyword signature per kind
+(``register_adv_est``, ``register_policy_loss``). The runtime that calls them is the
+``trainer`` package (docs/ARCHITECTURE.md); nothing here imports ``torch.distributed``.
 """
 
 from ppo.core_algos import (
+    ADV_ESTIMATOR_INPUTS,
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSS_INPUTS,
+    POLICY_LOSSES,
+    PolicyLossOutput,
+    ValueLossOutput,
     agg_loss,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
@@ -16,13 +22,14 @@ from ppo.core_algos import (
     compute_rloo_outcome_advantage,
     compute_value_loss,
     count_loss_units,
-    entropy_from_logits,
     get_adv_estimator_fn,
-    logprobs_from_logits,
+    get_policy_loss_fn,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    register_adv_est,
+    register_policy_loss,
 )
 
 __all__ = [
@@ -35,13 +42,19 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "ADV_ESTIMATOR_INPUTS",
     "ADV_ESTIMATORS",
+    "register_adv_est",
     "get_adv_estimator_fn",
     "LOSS_AGG_MODES",
     "agg_loss",
     "count_loss_units",
+    "POLICY_LOSS_INPUTS",
+    "POLICY_LOSSES",
+    "PolicyLossOutput",
+    "register_policy_loss",
+    "get_policy_loss_fn",
     "compute_policy_loss",
+    "ValueLossOutput",
     "compute_value_loss",
-    "entropy_from_logits",
-    "logprobs_from_logits",
 ]

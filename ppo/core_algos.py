@@ -2,8 +2,9 @@
 
 Advantage estimators (GAE and the critic-free group estimators), the clipped policy and
 value losses, loss aggregation with global normalisation, rollout correction (importance
-weights and rejection for the gap between the engine's and the trainer's log-probs), and
-memory-bounded entropy / log-probability of logits. Names and signatures follow verl's
+weights and rejection for the gap between the engine's and the trainer's log-probs). The
+memory-bounded log-probability and entropy of the LM head live with the model
+(``models/lm_head.py``). Names and signatures follow verl's
 ``verl/trainer/ppo/core_algos.py`` and ``rollout_corr_helper.py`` so that a verl user finds
 what they expect; where meshppo deviates (empty rows, global normalisation in ``agg_loss``,
 the k1 rejection bounds), the docstring says so.
@@ -12,8 +13,13 @@ Shape notation: ``[B, T]`` is batch x response tokens; ``response_mask`` is 1 fo
 response tokens and 0 for padding (and for observation tokens in multi-turn rollouts).
 Masks are binary. Nothing here imports ``torch.distributed``: cross-rank counts are passed
 in by the trainer (see ``agg_loss`` and ``count_loss_units``).
+
+Interchangeable algorithms register by name (``register_adv_est``, ``register_policy_loss``)
+and share one keyword signature per kind, so the trainer calls ``fn(**inputs)`` without
+knowing which one it runs (as verl's ``core_algos.py``). Losses return named results.
 """
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -93,13 +99,57 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+ADV_ESTIMATOR_INPUTS: tuple[str, ...] = (
+    "token_level_rewards", "response_mask", "values", "index", "gamma", "lam", "norm_adv_by_std_in_grpo",
+)
+"""The keywords every advantage estimator accepts (``values`` is None without a critic);
+each uses the ones its formula needs and says which it only accepts."""
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+"""``algorithm.adv_estimator`` name -> function, filled by ``register_adv_est``."""
+
+
+def _check_signature(fn: Callable, inputs: tuple[str, ...], kind: str) -> None:
+    """Registered functions of one kind all accept the keywords ``inputs``, and any other
+    parameter of theirs has a default, so a caller passes the same ``**inputs`` to whichever
+    one it holds."""
+    params = inspect.signature(fn).parameters
+    missing = [k for k in inputs if k not in params]
+    required = [k for k, p in params.items() if k not in inputs and p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    if missing or required:
+        raise TypeError(f"{kind} {fn.__name__} must accept the keywords {list(inputs)} (lacks {missing}) and "
+                        f"need no other argument (needs {required})")
+
+
+def _registrar(registry: dict, inputs: tuple[str, ...], kind: str, name: str) -> Callable:
+    def decorator(fn):
+        _check_signature(fn, inputs, kind)
+        if name in registry:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        registry[name] = fn
+        return fn
+
+    return decorator
+
+
+def register_adv_est(name: str) -> Callable:
+    """Register an advantage estimator under ``name``; it must accept every keyword of
+    ``ADV_ESTIMATOR_INPUTS`` and return ``(advantages, returns)``, each ``[B, T]``."""
+    return _registrar(ADV_ESTIMATORS, ADV_ESTIMATOR_INPUTS, "advantage estimator", name)
+
+
+@register_adv_est("gae")
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    *,
+    index: GroupIndex | None = None,
+    norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation over the response tokens (Schulman et al. 2016,
     https://arxiv.org/abs/1506.02438), with verl's handling of masked positions.
@@ -122,10 +172,14 @@ def compute_gae_advantage_return(
         response_mask: ``[B, T]`` binary.
         gamma: discount factor.
         lam: GAE lambda.
+        index, norm_adv_by_std_in_grpo: accepted for the one signature
+            (``ADV_ESTIMATOR_INPUTS``); GAE has no groups.
 
     Returns:
         ``(advantages, returns)``, each ``[B, T]`` in at least float32, zero outside the mask.
     """
+    if values is None:
+        raise ValueError("the gae advantage estimator needs values: a critic")
     dtype = _float_dtype(values.dtype)
     mask = response_mask.bool()
     # torch.where, not multiplication: NaN values at padding must not enter the carry.
@@ -144,6 +198,7 @@ def compute_gae_advantage_return(
     returns = torch.where(mask, advantages + values, 0.0)
     advantages = torch.where(mask, masked_whiten(advantages, mask), 0.0)
     return advantages, returns
+
 
 
 def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -184,6 +239,7 @@ def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
     return token_level_rewards.to(_float_dtype(token_level_rewards.dtype)).sum(dim=-1)
 
 
+@register_adv_est("grpo")
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -191,6 +247,10 @@ def compute_grpo_outcome_advantage(
     index: GroupIndex,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's group-relative outcome advantage (Shao et al. 2024, https://arxiv.org/abs/2402.03300).
 
@@ -209,6 +269,8 @@ def compute_grpo_outcome_advantage(
             tensor); rows with equal ids are samples of the same prompt.
         epsilon: added to the std to avoid division by zero in uniform groups.
         norm_adv_by_std_in_grpo: divide by the group std.
+        values, gamma, lam: accepted for the one signature; an outcome advantage is not
+            discounted and has no critic.
 
     Returns:
         ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
@@ -223,12 +285,18 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est("rloo")
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: GroupIndex,
     epsilon: float = 1e-6,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out outcome advantage (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
@@ -239,6 +307,8 @@ def compute_rloo_outcome_advantage(
         token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
         epsilon: accepted so all group estimators share one signature (verl's); the
             leave-one-out baseline divides by ``n - 1 >= 1`` and needs no epsilon.
+        norm_adv_by_std_in_grpo, values, gamma, lam: accepted for the one signature
+            (``ADV_ESTIMATOR_INPUTS``).
 
     Returns:
         ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
@@ -253,11 +323,17 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
+    *,
+    values: torch.Tensor | None = None,
+    index: GroupIndex | None = None,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantage (Hu 2025, https://arxiv.org/abs/2501.03262): discounted
     returns-to-go, whitened over the whole batch's valid tokens.
@@ -272,6 +348,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
         token_level_rewards: ``[B, T]``.
         response_mask: ``[B, T]`` binary.
         gamma: discount factor.
+        values, index, lam, norm_adv_by_std_in_grpo: accepted for the one signature
+            (``ADV_ESTIMATOR_INPUTS``).
 
     Returns:
         ``(advantages, returns)``: whitened and raw returns, ``[B, T]``, zero outside the mask.
@@ -288,12 +366,18 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+@register_adv_est("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: GroupIndex,
     epsilon: float = 1e-6,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
 
@@ -305,6 +389,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
         epsilon: accepted so all group estimators share one signature (verl's); the batch
             whitening uses ``masked_whiten``'s own 1e-8.
+        norm_adv_by_std_in_grpo, values, gamma, lam: accepted for the one signature
+            (``ADV_ESTIMATOR_INPUTS``).
 
     Returns:
         ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
@@ -316,18 +402,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     centred = torch.where(mask, (scores - mean)[:, None], 0.0)
     advantages = torch.where(mask, masked_whiten(centred, mask), 0.0)
     return advantages, advantages
-
-
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
-}
-"""``algorithm.adv_estimator`` name -> function. The functions take different arguments
-(GAE needs values, gamma and lam; the group estimators need ``index``); the trainer passes
-each what its signature asks for."""
 
 
 def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -456,6 +530,33 @@ def agg_loss(
     return _divide(total, global_count) * dp_size
 
 
+class PolicyLossOutput(NamedTuple):
+    """What every policy loss returns: the scalar loss (carries gradient) and detached local
+    statistics over the valid tokens."""
+
+    pg_loss: torch.Tensor
+    pg_clipfrac: torch.Tensor          # fraction of tokens where the ratio clip is active
+    ppo_kl: torch.Tensor               # mean of old - new log-prob: an estimate of KL(old || new)
+    pg_clipfrac_lower: torch.Tensor    # fraction of tokens where the dual clip is active
+
+
+POLICY_LOSS_INPUTS: tuple[str, ...] = (
+    "old_log_prob", "log_prob", "advantages", "response_mask", "cliprange", "cliprange_low", "cliprange_high",
+    "clip_ratio_c", "loss_agg_mode", "rollout_is_weights",
+)
+"""The keywords every policy loss accepts, besides ``agg_loss``'s normalisation options."""
+
+POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {}
+"""Policy losses by ``algorithm.rollout_correction.loss_type``, filled by ``register_policy_loss``."""
+
+
+def register_policy_loss(name: str) -> Callable:
+    """Register a policy loss under ``name``; it takes the keywords of ``POLICY_LOSS_INPUTS``
+    (plus ``**agg_kwargs`` for ``agg_loss``) and returns a ``PolicyLossOutput``."""
+    return _registrar(POLICY_LOSSES, POLICY_LOSS_INPUTS, "policy loss", name)
+
+
+@register_policy_loss("ppo_clip")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -468,7 +569,7 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> PolicyLossOutput:
     """PPO's clipped surrogate loss with asymmetric and dual clipping.
 
     With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and advantage ``A``::
@@ -500,10 +601,10 @@ def compute_policy_loss(
             ``dp_size``, ``loss_scale_factor``).
 
     Returns:
-        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss, the fraction
-        of valid tokens where the ratio clip is active, the mean of ``old - new`` log-prob
-        (an estimate of KL(old || new)), and the fraction where the dual clip is active.
-        The three statistics are detached local masked means.
+        ``PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss,
+        the fraction of valid tokens where the ratio clip is active, the mean of ``old - new``
+        log-prob (an estimate of KL(old || new)), and the fraction where the dual clip is
+        active. The three statistics are detached local masked means.
     """
     if cliprange_low is None:
         cliprange_low = cliprange
@@ -532,9 +633,10 @@ def compute_policy_loss(
         pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(pg_losses.dtype), response_mask)
         pg_clipfrac_lower = masked_mean(((clip_pg_losses1 > pg_losses3) & negative).to(pg_losses.dtype), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
+@register_policy_loss("reinforce")
 def compute_policy_loss_reinforce(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -547,7 +649,7 @@ def compute_policy_loss_reinforce(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> PolicyLossOutput:
     """The plain policy gradient (REINFORCE, Williams 1992) with optional importance weights:
     verl's ``rollout_correction.loss_type=reinforce`` (bypass mode)::
 
@@ -565,7 +667,7 @@ def compute_policy_loss_reinforce(
             of ``POLICY_LOSSES`` has one signature; nothing is clipped.
 
     Returns:
-        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` with both clip fractions 0.
+        ``PolicyLossOutput`` with both clip fractions 0.
     """
     pg_losses = -advantages * log_prob
     if rollout_is_weights is not None:
@@ -574,17 +676,10 @@ def compute_policy_loss_reinforce(
     with torch.no_grad():
         ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
         zero = torch.zeros_like(ppo_kl)
-    return pg_loss, zero, ppo_kl, zero
+    return PolicyLossOutput(pg_loss, zero, ppo_kl, zero)
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
-    "ppo_clip": compute_policy_loss,
-    "reinforce": compute_policy_loss_reinforce,
-}
-"""Policy losses by ``algorithm.rollout_correction.loss_type``; one keyword signature."""
-
-
-def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def get_policy_loss_fn(name: str) -> Callable[..., PolicyLossOutput]:
     """The policy loss registered under ``name``."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"Unknown policy loss {name!r}; valid names are {list(POLICY_LOSSES)}.")
@@ -894,6 +989,11 @@ def compute_rollout_correction(
     return weights, metrics
 
 
+class ValueLossOutput(NamedTuple):
+    vf_loss: torch.Tensor       # the scalar loss (carries gradient)
+    vf_clipfrac: torch.Tensor   # detached fraction of valid tokens where the clipped term is the larger
+
+
 def compute_value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
@@ -902,7 +1002,7 @@ def compute_value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     **agg_kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> ValueLossOutput:
     """PPO's clipped value loss (as in OpenAI baselines' ppo2 and verl).
 
     ``0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``: the critic may not
@@ -917,8 +1017,8 @@ def compute_value_loss(
         loss_agg_mode, **agg_kwargs: see ``agg_loss``.
 
     Returns:
-        ``(vf_loss, vf_clipfrac)``: the scalar loss and the detached fraction of valid tokens
-        where the clipped term is the larger one.
+        ``ValueLossOutput(vf_loss, vf_clipfrac)``: the scalar loss and the detached fraction of
+        valid tokens where the clipped term is the larger one.
     """
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
@@ -926,125 +1026,4 @@ def compute_value_loss(
     vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).to(vf_losses1.dtype), response_mask)
-    return vf_loss, vf_clipfrac
-
-
-def _check_chunk_size(chunk_size: int) -> None:
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-
-
-class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy of softmax over the last dim of ``[N, V]`` logits, one row-chunk at a time.
-
-    A plain autograd graph would keep each chunk's softmax alive until backward, i.e. the
-    whole ``[N, V]`` in float32. Here forward saves only the logits (no copy) and two floats
-    per row; backward recomputes the softmax chunk by chunk, using
-    ``dH/dx_j = p_j * (E_p[x] - x_j)``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        dtype = _float_dtype(logits.dtype)
-        num_rows = logits.shape[0]
-        lse = torch.empty(num_rows, dtype=dtype, device=logits.device)
-        mean_logit = torch.empty_like(lse)
-        for start in range(0, num_rows, chunk_size):
-            x = logits[start : start + chunk_size].to(dtype)
-            chunk_lse = torch.logsumexp(x, dim=-1)
-            probs = (x - chunk_lse[:, None]).exp_()
-            lse[start : start + chunk_size] = chunk_lse
-            mean_logit[start : start + chunk_size] = probs.mul_(x).sum(dim=-1)
-        ctx.save_for_backward(logits, lse, mean_logit)
-        ctx.chunk_size = chunk_size
-        return lse - mean_logit
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_entropy: torch.Tensor):
-        logits, lse, mean_logit = ctx.saved_tensors
-        chunk_size = ctx.chunk_size
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            x = logits[rows].to(lse.dtype)
-            probs = (x - lse[rows, None]).exp_()
-            grad = (mean_logit[rows, None] - x).mul_(probs).mul_(grad_entropy[rows, None])
-            grad_logits[rows] = grad
-        return grad_logits, None
-
-
-class _ChunkedLogProbs(torch.autograd.Function):
-    """``log softmax(logits)[label]`` for ``[N, V]`` logits, one row-chunk at a time.
-
-    Saves the logits (no copy), the labels and the per-row logsumexp; backward recomputes
-    the softmax chunk by chunk, using ``d log p_y / dx_j = 1[j = y] - p_j``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        dtype = _float_dtype(logits.dtype)
-        num_rows = logits.shape[0]
-        lse = torch.empty(num_rows, dtype=dtype, device=logits.device)
-        for start in range(0, num_rows, chunk_size):
-            lse[start : start + chunk_size] = torch.logsumexp(logits[start : start + chunk_size].to(dtype), dim=-1)
-        label_logits = logits.gather(-1, labels[:, None]).squeeze(-1).to(dtype)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk_size = chunk_size
-        return label_logits - lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprob: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
-        chunk_size = ctx.chunk_size
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            grad = (logits[rows].to(lse.dtype) - lse[rows, None]).exp_().neg_()
-            grad.scatter_add_(-1, labels[rows, None], torch.ones_like(lse[rows, None]))
-            grad_logits[rows] = grad.mul_(grad_logprob[rows, None])
-        return grad_logits, None, None
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-position entropy ``H = logsumexp(x) - sum_j softmax(x)_j x_j`` of the categorical
-    distribution given by ``logits``.
-
-    The leading dims are flattened and processed ``chunk_size`` rows at a time, in forward
-    and in backward, so the extra memory is a few ``[chunk_size, V]`` float32 temporaries,
-    never a second ``[N, V]`` tensor. Non-contiguous logits are copied once by the flatten;
-    pass contiguous ones. Supports one backward pass (not double backward).
-
-    Args:
-        logits: ``[..., V]`` in any float dtype.
-        chunk_size: rows per chunk.
-
-    Returns:
-        ``[...]`` entropy in float32 (float64 for float64 logits).
-    """
-    _check_chunk_size(chunk_size)
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _ChunkedEntropy.apply(flat, chunk_size).reshape(logits.shape[:-1])
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-position ``log p(label) = logits[label] - logsumexp(logits)``.
-
-    Chunked over the flattened leading dims like ``entropy_from_logits``, with the same
-    memory bound in forward and backward.
-
-    Args:
-        logits: ``[..., V]`` in any float dtype.
-        labels: ``[...]`` integer token ids.
-        chunk_size: rows per chunk.
-
-    Returns:
-        ``[...]`` log-probabilities in float32 (float64 for float64 logits).
-    """
-    _check_chunk_size(chunk_size)
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim, "
-                         f"{tuple(logits.shape[:-1])}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _ChunkedLogProbs.apply(flat, labels.reshape(-1).long(), chunk_size).reshape(labels.shape)
+    return ValueLossOutput(vf_loss, vf_clipfrac)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from models.args import torch_dtypes
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -42,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (= torchrun's nproc_per_node)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    p.add_argument("--dtype", choices=sorted(torch_dtypes()), default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"--model {args.model!r} is not a model directory (no config.json)")
     mesh, device = _setup_distributed(args.tp)
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch_dtypes()[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model_args = load_model_args(model_dir)
     max_model_len = args.max_model_len or model_args.max_position_embeddings
     tokenizer = load_tokenizer(model_dir)

@@ -1,6 +1,6 @@
 """Training-side parallelism: meshes, FSDP2 wrapping, the FSDP → engine resharder, checkpoints.
 
-The trainer's order (every call is collective unless noted; DESIGN.md §3–§5):
+The trainer's order (every call is collective unless noted; docs/ARCHITECTURE.md):
 
     dims = ParallelDims.from_env(fsdp_size=actor.fsdp_config.fsdp_size,
                                  tp=rollout.tensor_model_parallel_size)           # validates sizes

@@ -14,7 +14,7 @@ local shards (`build_fsdp_model` does all of it). Units, in execution order:
 
 `shard_placement_fn` shards every parameter on its TP dimension (`models.parallel_plan`), so
 that chunk `k` of the shard group lies inside TP shard `k // (S/t)` and the resharder can fill
-the engine with zero redundancy (DESIGN.md §5).
+the engine with zero redundancy (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from models import ModelArgs, Transformer, load_model_args, tp_shard_dim
+from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim
 from models.checkpoint import checkpoint_tensors
 from sharding.ac import apply_ac
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 _FP16 = ("fp16", "float16", "half")
+_DTYPES = {k: v for k, v in torch_dtypes().items() if k not in _FP16}
 # meshppo's block and the Hugging Face classes a verl config names for the same layer.
 _BLOCK_CLASS_NAMES = ("TransformerBlock", "LlamaDecoderLayer", "Qwen2DecoderLayer")
 _WRAP_POLICY_KEYS = ("min_num_params", "transformer_layer_cls_to_wrap")
@@ -173,7 +173,7 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
 
     shard_size = mesh.size(mesh.ndim - 1)
     if cfg.fsdp_size not in (-1, shard_size):
-        # One training mesh serves actor, reference and critic (DESIGN.md §4).
+        # One training mesh serves actor, reference and critic (docs/ARCHITECTURE.md).
         raise ValueError(f"fsdp_config.fsdp_size={cfg.fsdp_size} but the training mesh shards over {shard_size} ranks: "
                          f"meshppo builds one mesh for all models from actor_rollout_ref.actor.fsdp_config.fsdp_size; "
                          f"set this one to -1 or {shard_size}")

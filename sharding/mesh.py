@@ -1,7 +1,7 @@
 """Process-group layout: the training mesh, the generation mesh and the resharder's groups.
 
 One validated dataclass, `ParallelDims`, turns the two user-facing sizes into every group the
-program needs (DESIGN.md §4–§5):
+program needs (docs/ARCHITECTURE.md):
 
 * training: `fsdp_size` (verl's `actor_rollout_ref.actor.fsdp_config.fsdp_size`) — `-1` (or
   the world size) shards over the whole world (FULL_SHARD, 1-D mesh `("dp_shard",)`); any
@@ -87,7 +87,7 @@ class ParallelDims:
                     raise ValueError(
                         f"{TP_KEY}={t} with a shard group of {self.dp_shard} ranks puts the TP group "
                         f"{self.tp_group(r)} on nodes {sorted(nodes)} (a TP group is strided by "
-                        f"{self.micro_dp} ranks, DESIGN.md §5); set {FSDP_SIZE_KEY}={lws} (HYBRID_SHARD inside "
+                        f"{self.micro_dp} ranks, docs/ARCHITECTURE.md); set {FSDP_SIZE_KEY}={lws} (HYBRID_SHARD inside "
                         f"each node of {lws} ranks) so that TP groups stay inside a node")
 
     @classmethod

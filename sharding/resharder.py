@@ -1,4 +1,4 @@
-"""FSDP actor → tensor-parallel engine weights, with zero redundancy (DESIGN.md §5).
+"""FSDP actor → tensor-parallel engine weights, with zero redundancy (docs/ARCHITECTURE.md).
 
 `apply_fsdp` shards every parameter on its TP dimension, and `ParallelDims` builds TP groups so
 that TP shard `j` of a parameter is exactly FSDP chunks `[j·m, (j+1)·m)` (`m = S/t`, `S` the

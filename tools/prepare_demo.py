@@ -35,7 +35,7 @@ import torch
 from data.dataset import RLHFDataset, read_records
 from data.demo import forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
-from ppo.forward import build_micro_batch, response_logprobs
+from trainer.forward import build_micro_batch, response_logprobs
 
 DEFAULTS = dict(n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2, init_std=0.1,
                 slip=0.7, sft_max_steps=1000, sft_batch=64, lr=3e-3, seed=0)

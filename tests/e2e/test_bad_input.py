@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics
+from trainer import cli
 
 BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -16,7 +16,7 @@ BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.
 
 
 def _run(args, capsys):
-    code = train_ppo.main(args)
+    code = cli.main(args)
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err

@@ -5,8 +5,8 @@ KL to the reference is exactly 0) trigger the warning action."""
 import pytest
 import torch
 
-import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics
+from trainer import cli
 
 BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -22,7 +22,7 @@ def _run(assets, run, capsys, *extra):
     reward = run / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str))\n")
-    code = train_ppo.main(demo_args(assets, run, *BASE, f"custom_reward_function.path={reward}", *extra))
+    code = cli.main(demo_args(assets, run, *BASE, f"custom_reward_function.path={reward}", *extra))
     return code, capsys.readouterr().err
 
 

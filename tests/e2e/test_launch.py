@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-import train_ppo
 from tests.e2e.conftest import ROOT, demo_args, read_metrics
+from trainer import cli
 
 STEPS = 40  # far more than run before the signal lands: the run is stopped, not finished
 COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
@@ -62,7 +62,7 @@ def test_config_error_is_one_line_before_any_rank(tiny_assets, tmp_path):
 def test_under_plain_torchrun_only_rank_0_says_a_config_error(monkeypatch, capsys, rank):
     for key, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(key, value)
-    code = train_ppo.main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "trainer.total_epoch=2"])
+    code = cli.main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "trainer.total_epoch=2"])
     said = "meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean 'trainer.total_epochs'?\n"
     assert code == 2 and capsys.readouterr().err == (said if rank == "0" else "")
 

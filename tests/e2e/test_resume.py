@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train_ppo
 from tests.e2e.conftest import demo_args, read_metrics, torchrun
 from tests.unit.test_checkpoint_state import _Payload
+from trainer import cli
 
 BATCH = 16
 # In-process runs at world size 1 on the untrained tiny model: two steps, a checkpoint at the end.
@@ -31,7 +31,7 @@ def _main(assets, run, capsys, *extra):
     # and advantages are not all zero. (The reward file's path is part of what makes the run.)
     reward = run.parent.parent / "reward.py"
     reward.write_text(LENGTH_REWARD)
-    code = train_ppo.main(demo_args(assets, run, *BASE, f"custom_reward_function.path={reward}", *extra))
+    code = cli.main(demo_args(assets, run, *BASE, f"custom_reward_function.path={reward}", *extra))
     return code, capsys.readouterr().err
 
 
@@ -40,7 +40,7 @@ def two_step_run(tiny_assets, tmp_path_factory):
     """A finished 2-step GRPO run, with validation and sample dumps; tests work on copies."""
     root = tmp_path_factory.mktemp("resume")
     (root / "reward.py").write_text(LENGTH_REWARD)
-    code = train_ppo.main(demo_args(tiny_assets, root / "base" / "run", *BASE,
+    code = cli.main(demo_args(tiny_assets, root / "base" / "run", *BASE,
                                     f"custom_reward_function.path={root / 'reward.py'}",
                                     "trainer.val_before_train=true", "trainer.test_freq=2",
                                     # sampled validation: responses of several lengths to score

@@ -37,8 +37,8 @@ SAME = ["actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/ref_kl", "criti
 
 def _config(assets, run_root, name, *overrides):
     """The run `name` under `run_root`, which holds the reward function."""
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
 
     return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
         f"data.train_files=[{assets}/train.jsonl]", f"actor_rollout_ref.model.path={assets}/sft_model",
@@ -51,8 +51,8 @@ def _shards(trainer) -> dict:
 
 
 def _train_body(rank, world_size, assets, run_root, case):
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("cpu")
     runs = {}
@@ -82,8 +82,8 @@ def _train_body(rank, world_size, assets, run_root, case):
 
 
 def _logprob_body(rank, world_size, assets, run_root):
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("cpu")
     for engine in ("native", "hf"):
@@ -92,9 +92,9 @@ def _logprob_body(rank, world_size, assets, run_root):
         full = trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=3)
         ro, _ = trainer._partition(full)
         old, _ = trainer.actor.compute_log_prob(ro, 8, False, 0)
-        gaps = [abs(a - b) for i, lps in enumerate(ro.rollout_log_probs) for a, b in zip(lps, old[i].tolist())]
+        gaps = [abs(a - b) for i, lps in enumerate(ro.engine_log_probs) for a, b in zip(lps, old[i].tolist())]
         assert len(gaps) > 100 and max(gaps) < 1e-5, (engine, max(gaps))
-        assert any(x < -0.1 for lps in ro.rollout_log_probs for x in lps)  # sampled, not all near-certain
+        assert any(x < -0.1 for lps in ro.engine_log_probs for x in lps)  # sampled, not all near-certain
 
 
 def test_engine_log_probs_equal_the_recomputed_ones_in_fp32(tiny_assets, tmp_path):

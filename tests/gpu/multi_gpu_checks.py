@@ -80,9 +80,9 @@ def _local_copy(model, name: str) -> torch.Tensor:
 def check_trainer(ctx, a):
     from bench.common import model_args
     from bench.ppo_step import SMOKE_SHAPE, overrides_for, prepare
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
-    from ppo.trainer import PPOTrainer
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.ppo_trainer import PPOTrainer
 
     cuda = ctx.device.type == "cuda"
     full = a.shape == "full" or (a.shape == "auto" and cuda)
@@ -165,17 +165,17 @@ UPDATE_SEQS, UPDATE_MINI_BATCHES = 16, 2
 
 
 def _rollouts(prompts, responses, width, device):
-    from ppo.rollout_data import Rollouts
+    from trainer.rollout_batch import RolloutBatch
 
     n = len(prompts)
-    return Rollouts(prompts, responses, list(range(n)), [None] * n, [None] * n, [{} for _ in range(n)],
-                    ["length"] * n, [[] for _ in range(n)], width, device)
+    return RolloutBatch(prompts, responses, list(range(n)), [None] * n, [None] * n, [{} for _ in range(n)],
+                        ["length"] * n, [[] for _ in range(n)], width, device)
 
 
 def check_same_update(ctx, a):
     from models import ModelArgs, Transformer
-    from ppo.config import ActorConfig
-    from ppo.workers import PolicyWorker, plan_micro_batches
+    from trainer.config import ActorConfig
+    from trainer.roles import PolicyWorker, plan_micro_batches
     from sharding import FSDPConfig, ParallelDims, build_fsdp_model
 
     w, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -203,7 +203,8 @@ def check_same_update(ctx, a):
     assert per_mini % w == 0, f"{UPDATE_SEQS} sequences in {UPDATE_MINI_BATCHES} mini-batches do not split over {w} ranks"
     rows = [m * per_mini + r * per_mini // w + i for m in range(UPDATE_MINI_BATCHES) for i in range(per_mini // w)]
     local = _rollouts([prompts[i] for i in rows], [responses[i] for i in rows], width, dev)
-    local.tensors.update({k: v[rows].to(dev) for k, v in tensors.items()})
+    for k, v in tensors.items():
+        setattr(local, k, v[rows].to(dev))
 
     meshes = ParallelDims(w).build_meshes(dev.type)
     model = build_fsdp_model(args, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=dev, seed=0)
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
     # Full float32 matmuls: the float32 comparisons would otherwise see TF32's 10-bit mantissa.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from ppo.launch import init_distributed
+    from trainer.launch import init_distributed
 
     # A hang fails within 5 minutes instead of holding both GPUs until the test's own timeout;
     # the NCCL watchdog's abort then prints every thread's Python stack.

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo.tracking import banner, run_info
+from trainer.tracking import banner, run_info
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -69,10 +69,10 @@ def _trace(calls: list):
 
 
 def _body(rank, world_size, assets, run_root):
-    from ppo.config import PPOConfig
-    from ppo.configlib import load_config
-    from ppo.launch import init_distributed
-    from ppo.trainer import PPOTrainer
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
 
     calls: list = []
     _trace(calls)

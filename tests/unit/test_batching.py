@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from ppo.batching import balanced_equal_partitions, token_budget_partitions
-from ppo.forward import build_micro_batch, response_logprobs
-from ppo.rollout_data import Rollouts
-from ppo.workers import PolicyWorker
+from trainer.batching import balanced_equal_partitions, token_budget_partitions
+from trainer.forward import build_micro_batch, response_logprobs
+from trainer.rollout_batch import RolloutBatch
+from trainer.roles import PolicyWorker
 
 
 def test_balanced_equal_partitions_sizes_and_balance():
@@ -76,11 +76,11 @@ def _rollouts(n=8, seed=0, vocab=41):
     responses = [torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
                  for _ in range(n)]
     width = max(len(r) for r in responses)
-    ro = Rollouts(prompts, responses, list(range(n)), [None] * n, [None] * n, [{}] * n, ["stop"] * n,
-                  [[0.0] * len(r) for r in responses], width, torch.device("cpu"))
+    ro = RolloutBatch(prompts, responses, list(range(n)), [None] * n, [None] * n, [{}] * n, ["stop"] * n,
+                      [[0.0] * len(r) for r in responses], width, torch.device("cpu"))
     mask = ro.response_mask
-    ro.tensors["advantages"] = torch.randn(n, width, generator=g) * mask
-    ro.tensors["ref_log_probs"] = -torch.rand(n, width, generator=g) * mask
+    ro.advantages = torch.randn(n, width, generator=g) * mask
+    ro.ref_log_probs = -torch.rand(n, width, generator=g) * mask
     return ro
 
 
@@ -121,7 +121,7 @@ def test_update_independent_of_packing_and_micro_batching(mode):
         ro = _rollouts()
         with torch.no_grad():
             old, _ = worker.compute_log_prob(ro, 8, False, 0)
-        ro.tensors["old_log_probs"] = old - 0.05 * ro.response_mask  # ratios != 1, some clipped
+        ro.old_log_probs = old - 0.05 * ro.response_mask  # ratios != 1, some clipped
         worker.update(ro, _actor_cfg(loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic),
                       num_mini_batches=1, kl_loss_coef=0.1, seed=0)
         results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -147,14 +147,14 @@ def test_a_non_finite_gradient_skips_the_step_on_device_and_on_host(fused):
     ro = _rollouts()
     with torch.no_grad():
         old, _ = worker.compute_log_prob(ro, 8, False, 0)
-    ro.tensors["old_log_probs"] = old - 0.05 * ro.response_mask
+    ro.old_log_probs = old - 0.05 * ro.response_mask
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ro.tensors["advantages"][0, 0] = float("nan")
+    ro.advantages[0, 0] = float("nan")
     out = worker.update(ro, _actor_cfg(grad_clip=1.0), num_mini_batches=1, kl_loss_coef=0.1, seed=0)
     assert out["actor/nonfinite_skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(float(s["step"]) == 0 for s in opt.state.values())
-    ro.tensors["advantages"][0, 0] = 0.5
+    ro.advantages[0, 0] = 0.5
     out = worker.update(ro, _actor_cfg(grad_clip=1.0), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
     assert out["actor/nonfinite_skipped"] == 0.0 and math.isfinite(out["actor/grad_norm"])
     assert not torch.equal(before["layers.0.mlp.up_proj.weight"], model.state_dict()["layers.0.mlp.up_proj.weight"])

@@ -1,17 +1,16 @@
-"""ppo.checkpointing without a trainer: which options make "the same run", and trainer
+"""trainer.checkpointing without a trainer: which options make "the same run", and trainer
 state that cannot run code (JSON, and RNG files loaded with weights_only)."""
 
 import dataclasses
 import json
 import os
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from ppo.checkpointing import (
+from trainer.checkpointing import (
     NOT_SAME_RUN_OPTIONS,
     CheckpointManager,
     SAME_RUN_OPTIONS,
@@ -22,9 +21,9 @@ from ppo.checkpointing import (
     run_differences,
     same_run_keys,
 )
-from ppo.config import PPOConfig
-from ppo.configlib import iter_options
-from ppo.trainer import UserError
+from trainer.config import PPOConfig
+from trainer.configlib import iter_options
+from trainer.errors import UserError
 
 ALL_KEYS = [key for key, *_ in iter_options(PPOConfig)]
 
@@ -135,7 +134,6 @@ def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
     top of an older meshppo's run (whose trainer state was a pickle)."""
     (tmp_path / "global_step_4").mkdir()
     torch.save({"global_step": 4}, tmp_path / "global_step_4" / "trainer_state.pt")
-    trainer = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="auto")))
     with pytest.raises(UserError, match=r"global_step_4' stores its trainer state as a pickle"):
-        CheckpointManager(trainer, str(tmp_path)).maybe_resume()
-    CheckpointManager(trainer, str(tmp_path / "empty")).maybe_resume()  # nothing there: a fresh start
+        CheckpointManager(str(tmp_path)).maybe_resume("auto")
+    CheckpointManager(str(tmp_path / "empty")).maybe_resume("auto")  # nothing there: a fresh start

@@ -1,13 +1,14 @@
 """The config system: strict keys, types, choices, unsupported verl options, cross checks, CLI."""
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
-from ppo.config import PPOConfig, config_notes, validate
-from ppo.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
+from trainer.config import PPOConfig, config_notes, validate
+from trainer.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
@@ -133,7 +134,7 @@ def test_offload_policy_supersedes_the_manual_offloads():
 def test_preflight_names_a_missing_logger_package(monkeypatch, logger, package):
     import importlib.util
 
-    from ppo import setup
+    from trainer import setup
 
     real = importlib.util.find_spec
     monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
@@ -199,3 +200,17 @@ def test_config_reference_is_current():
 
     with open(PATH) as f:
         assert f.read() == render(), "docs/CONFIG.md is stale: run python -m tools.config_doc"
+
+
+def test_resolve_fills_inherited_values_once_and_keeps_explicit_ones():
+    cfg = load_config(PPOConfig, DEMO, ["actor_rollout_ref.actor.ppo_epochs=3", "critic.ppo_micro_batch_size_per_gpu=4",
+                                        "data.max_response_length=9"])
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    assert critic.ppo_epochs == 3 and critic.ppo_mini_batch_size == arr.actor.ppo_mini_batch_size == 16
+    assert critic.ppo_micro_batch_size_per_gpu == 4 and critic.forward_micro_batch_size_per_gpu == 4
+    assert arr.rollout.log_prob_micro_batch_size_per_gpu == arr.ref.log_prob_micro_batch_size_per_gpu == 64
+    assert arr.rollout.response_length == cfg.response_length == 9 and arr.rollout.max_model_len == 16 + 9
+    assert cfg.data.tokenizer == critic.model.path == critic.model.tokenizer_path == arr.model.path
+    assert arr.ref.use_torch_compile is arr.actor.use_torch_compile is False
+    again = build_dataclass(PPOConfig, dataclasses.asdict(cfg))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)

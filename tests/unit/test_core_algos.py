@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from ppo import (
+    ADV_ESTIMATOR_INPUTS,
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     agg_loss,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
@@ -18,13 +20,13 @@ from ppo import (
     compute_rloo_outcome_advantage,
     compute_value_loss,
     count_loss_units,
-    entropy_from_logits,
     get_adv_estimator_fn,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    register_adv_est,
+    register_policy_loss,
 )
 
 F64 = torch.float64
@@ -295,6 +297,38 @@ def test_reinforce_plus_plus_baseline_matches_reference():
             assert advantages[i, t].item() == pytest.approx(want, rel=1e-8, abs=1e-10)
 
 
+def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
+    rewards, values = rand(6, 7, seed=30), rand(6, 7, seed=31)
+    inputs = dict(token_level_rewards=rewards, response_mask=MASK, values=values, index=GROUPS_INT, gamma=0.9,
+                  lam=0.8, norm_adv_by_std_in_grpo=False)
+    assert set(inputs) == set(ADV_ESTIMATOR_INPUTS)
+    direct = {
+        "gae": compute_gae_advantage_return(rewards, values, MASK, 0.9, 0.8),
+        "grpo": compute_grpo_outcome_advantage(rewards, MASK, GROUPS_INT, norm_adv_by_std_in_grpo=False),
+        "rloo": compute_rloo_outcome_advantage(rewards, MASK, GROUPS_INT),
+        "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage(rewards, MASK, 0.9),
+        "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, MASK,
+                                                                                                GROUPS_INT),
+    }
+    for name, fn in ADV_ESTIMATORS.items():
+        for got, want in zip(fn(**inputs), direct[name]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="needs values"):
+        compute_gae_advantage_return(**(inputs | {"values": None}))
+
+
+def test_registration_refuses_another_signature():
+    with pytest.raises(TypeError, match="lacks \\['values'"):
+        register_adv_est("no_values")(lambda token_level_rewards, response_mask, index, gamma, lam,
+                                      norm_adv_by_std_in_grpo: None)
+    with pytest.raises(TypeError, match="needs \\['baseline'\\]"):
+        register_policy_loss("extra")(lambda old_log_prob, log_prob, advantages, response_mask, cliprange,
+                                      cliprange_low, cliprange_high, clip_ratio_c, loss_agg_mode,
+                                      rollout_is_weights, baseline: None)
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("ppo_clip")(compute_policy_loss)
+    assert "no_values" not in ADV_ESTIMATORS and "extra" not in POLICY_LOSSES
+
 def test_adv_estimator_registry():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
@@ -511,60 +545,3 @@ def test_value_loss_reference_and_gradients():
         for i in range(6)
     ]
     assert got.item() == pytest.approx(0.5 * ref_agg(per_token, MASK, "seq-mean-token-mean"), rel=1e-12)
-
-
-def ref_log_softmax_rows(logits_2d):
-    out = []
-    for row in logits_2d.tolist():
-        m = max(row)
-        lse = m + math.log(sum(math.exp(x - m) for x in row))
-        out.append([x - lse for x in row])
-    return torch.tensor(out, dtype=F64)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
-def test_entropy_and_logprobs_match_reference(chunk_size):
-    logits = 3 * rand(3, 5, 11, seed=19)
-    labels = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
-    log_p = ref_log_softmax_rows(logits.reshape(15, 11)).reshape(3, 5, 11)
-    ref_entropy = -(log_p.exp() * log_p).sum(-1)
-    ref_logprob = log_p.gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(entropy_from_logits(logits, chunk_size), ref_entropy, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(logprobs_from_logits(logits, labels, chunk_size), ref_logprob, rtol=1e-12, atol=1e-12)
-
-
-def test_entropy_and_logprobs_gradients():
-    logits = (3 * rand(15, 11, seed=20)).requires_grad_(True)
-    labels = torch.randint(0, 11, (15,), generator=torch.Generator().manual_seed(1))
-    weights = rand(15, seed=21)
-
-    (entropy_from_logits(logits, chunk_size=4) * weights).sum().backward()
-    got = logits.grad.clone()
-    logits.grad = None
-    log_p = torch.log_softmax(logits, -1)
-    (-(log_p.exp() * log_p).sum(-1) * weights).sum().backward()
-    torch.testing.assert_close(got, logits.grad, rtol=1e-10, atol=1e-12)
-
-    logits.grad = None
-    (logprobs_from_logits(logits, labels, chunk_size=4) * weights).sum().backward()
-    got = logits.grad.clone()
-    probs = torch.softmax(logits.detach(), -1)
-    expected = (torch.nn.functional.one_hot(labels, 11).to(F64) - probs) * weights[:, None]
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-
-
-def test_entropy_and_logprobs_low_precision_inputs_compute_in_float32():
-    logits = (4 * rand(2, 6, 50, seed=22)).to(torch.bfloat16).requires_grad_(True)
-    labels = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(2))
-    entropy = entropy_from_logits(logits, chunk_size=5)
-    logprob = logprobs_from_logits(logits, labels, chunk_size=5)
-    assert entropy.dtype == logprob.dtype == torch.float32
-    log_p = torch.log_softmax(logits.detach().to(F64), -1)
-    torch.testing.assert_close(entropy.to(F64), -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logprob.to(F64), log_p.gather(-1, labels[..., None]).squeeze(-1), rtol=1e-5, atol=1e-5)
-    (entropy.sum() + logprob.sum()).backward()
-    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
-    with pytest.raises(ValueError, match="chunk_size"):
-        entropy_from_logits(logits, chunk_size=0)
-    with pytest.raises(ValueError, match="labels"):
-        logprobs_from_logits(logits, labels[:, :3])

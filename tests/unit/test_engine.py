@@ -1,6 +1,6 @@
 """The engine on CPU (float32) against the training model `models.Transformer`.
 
-Anchors (DESIGN.md §8): greedy output equals a plain no-cache forward loop token for token,
+Anchors (docs/ARCHITECTURE.md): greedy output equals a plain no-cache forward loop token for token,
 with chunked prefill and preemption forced; sampled tokens are exactly the exponential race
 over the training forward's logits with the engine's counter-based noise; the returned
 log-probs equal log_softmax(logits / T) of the training forward on the generated sequence.

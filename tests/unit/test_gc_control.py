@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from ppo import gc_control
+from trainer import gc_control
 
 
 class _Node:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models import Transformer
-from ppo.forward import build_micro_batch, last_token_scores
+from trainer.forward import build_micro_batch, last_token_scores
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from ppo.config import PPOConfig
-from ppo.configlib import ConfigError, load_config
+from trainer.config import PPOConfig
+from trainer.configlib import ConfigError, load_config
 from ppo.core_algos import (RejectionCriterion, compute_policy_loss, compute_policy_loss_reinforce,
                             compute_rollout_correction, compute_rollout_is_weights, compute_rollout_rejection_mask,
                             get_policy_loss_fn, parse_rollout_is_threshold, parse_rollout_rs)
-from ppo.forward import build_micro_batch, response_logprobs
-from ppo.workers import PolicyWorker
+from trainer.forward import build_micro_batch, response_logprobs
+from trainer.roles import PolicyWorker
 from tests.unit.test_batching import _actor_cfg, _rollouts
 
 F64 = torch.float64
@@ -225,12 +225,12 @@ def _step(base, rollout_shift=0.0, weights=None, rc=None, **cfg):
     worker = _worker(model)
     ro = _rollouts()
     old, _ = worker.compute_log_prob(ro, 8, False, 0)
-    ro.tensors["old_log_probs"] = old
-    ro.tensors["rollout_log_probs"] = old - rollout_shift * ro.response_mask
+    ro.old_log_probs = old
+    ro.rollout_log_probs = old - rollout_shift * ro.response_mask
     if rc is not None and rc.bypass_mode:  # as the trainer does
-        ro.tensors["old_log_probs"] = ro.tensors["rollout_log_probs"]
+        ro.old_log_probs = ro.rollout_log_probs
     if weights is not None:
-        ro.tensors["rollout_is_weights"] = weights * ro.response_mask
+        ro.rollout_is_weights = weights * ro.response_mask
     out = worker.update(ro, _actor_cfg(**{**PG_ONLY, **cfg}), num_mini_batches=1, kl_loss_coef=0.1, seed=0,
                         rollout_correction=rc)
     delta = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
@@ -293,7 +293,7 @@ def test_bypass_reinforce_matches_a_hand_written_surrogate():
     ro = _rollouts()
     logp, _ = response_logprobs(model, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, False)
     mask = ro.response_mask
-    loss = (-1.02 * ro.tensors["advantages"] * logp * mask).sum() / mask.sum()
+    loss = (-1.02 * ro.advantages * logp * mask).sum() / mask.sum()
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():

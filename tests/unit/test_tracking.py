@@ -1,4 +1,4 @@
-"""ppo.tracking: what each sink writes, read back (metrics.jsonl, progress bar, TensorBoard,
+"""trainer.tracking: what each sink writes, read back (metrics.jsonl, progress bar, TensorBoard,
 wandb offline), the run directory's record (config.yaml, run_info.json, banner) and dumps."""
 
 import dataclasses
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo.config import PPOConfig
-from ppo.configlib import load_config, to_commented_yaml
-from ppo.tracking import Tracking, banner, dump_generations, run_info
+from trainer.config import PPOConfig
+from trainer.configlib import load_config, to_commented_yaml
+from trainer.tracking import Tracking, banner, dump_generations, run_info
 
 ROW = {"critic/score/mean": 0.5, "actor/ref_kl": 0.0123, "perf/throughput": 1234.0,
        "val/meshppo/demo_add/score": 0.45}

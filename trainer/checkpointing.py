@@ -5,9 +5,10 @@ Layout under `trainer.default_local_dir/checkpoints/`:
     global_step_K/
         actor/            model + optimizer, sharded (torch.distributed.checkpoint)
         critic/           the same, when there is a critic
-        trainer_state.json  step, data-loader position, LR schedulers, KL controller and guard,
-                            the actor's shape and the run's resolved config (to refuse a
-                            checkpoint of another model or another run)
+        trainer_state.json  the step, world size, the actor's shape and the run's resolved config
+                            (to refuse a checkpoint of another model or another run), and the
+                            `state_dict()` of every registered `Stateful` under its name
+                            (trainer counters, data loader, LR schedulers, KL coefficients, guard)
         rng/rank_R.pt       every rank's RNG states: plain tensors and numbers only
     latest_checkpointed_iteration.txt   (verl's name) the newest complete step
 
@@ -19,6 +20,11 @@ Trainer state is JSON, the RNG files are read with `torch.load(weights_only=True
 model and optimizer shards through `sharding.checkpoint`'s restricted readers, so a checkpoint
 made by someone else cannot run code when it is resumed (a pickle could): one that tries is
 refused with a message naming it.
+
+The manager owns no training state: whoever has state to keep registers it by name
+(`states={"trainer": ..., "loader": ..., "kl": ...}`, as torchtitan's trainer does) and the
+manager only calls `state_dict()` / `load_state_dict()`; the models and optimizers are
+registered the same way (`models={"actor": (model, optimizer), ...}`).
 
 A checkpoint resumes only the run that wrote it: the options in `SAME_RUN_OPTIONS` (what the
 run learns from and how) must be unchanged; `trainer.total_training_steps` may grow to extend
@@ -35,14 +41,16 @@ import pickle
 import random
 import re
 import shutil
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppo import faults
-from ppo.config import PPOConfig
-from ppo.configlib import iter_options
+from trainer import faults
+from trainer.config import PPOConfig
+from trainer.configlib import iter_options
+from trainer.errors import UserError
 from sharding.checkpoint import (
     UnsafeCheckpointError,
     gather_full_state_dict,
@@ -143,8 +151,6 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
 
 def read_trainer_state(step_dir: str) -> dict:
     """The JSON trainer state of a checkpoint directory (never a pickle)."""
-    from ppo.trainer import UserError
-
     path = os.path.join(step_dir, STATE_FILE)
     if not os.path.isfile(path):
         if os.path.isfile(os.path.join(step_dir, "trainer_state.pt")):
@@ -164,8 +170,6 @@ def read_trainer_state(step_dir: str) -> dict:
 
 def read_rng_state(path: str) -> dict:
     """A rank's RNG states, loaded as tensors and numbers only (`weights_only=True`)."""
-    from ppo.trainer import UserError
-
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -201,9 +205,26 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class CheckpointManager:
-    def __init__(self, trainer, root: str):
-        self.trainer, self.root = trainer, root
+    """Saves and restores what is registered with it.
+
+    `states`: JSON-able `Stateful`s by name; `models`: `(model, optimizer)` pairs by name,
+    written sharded. A KL-guard rollback (`keep_progress`) restores only the models and the
+    states named in `learned`: the step counter, data position, guard and RNG move on."""
+
+    def __init__(self, root: str, *, states: dict[str, Stateful] | None = None,
+                 models: dict[str, tuple] | None = None, learned: tuple[str, ...] = (), fingerprint: dict | None = None,
+                 config: PPOConfig | None = None, rank: int = 0, world_size: int = 1, keep: int | None = None,
+                 log: Callable[[str], None] = print):
+        self.root, self.states, self.models, self.learned = root, states or {}, models or {}, learned
+        self.fingerprint, self.config, self.keep, self.log = fingerprint, config, keep, log
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
 
     # --------------------------------------------------------------- discovery
     def step_dir(self, step: int) -> str:
@@ -230,41 +251,26 @@ class CheckpointManager:
         return self.step_dir(steps[-1]) if steps else None
 
     # --------------------------------------------------------------- save
-    def _fingerprint(self) -> dict:
-        return dataclasses.asdict(self.trainer.models.actor_args) | {"extra_hf": None}
-
-    def save(self) -> str:
-        tr = self.trainer
-        step = tr.global_step
+    def save(self, step: int) -> str:
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
-        if tr.ctx.is_main:
+        if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         _barrier()
-        save_checkpoint(os.path.join(tmp, "actor"), tr.models.actor, tr.models.actor_optim)
-        faults.crash_in_save(step, tr.ctx.rank)
-        if tr.models.critic is not None:
-            save_checkpoint(os.path.join(tmp, "critic"), tr.models.critic, tr.models.critic_optim)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{tr.ctx.rank}.pt"))
-        if tr.ctx.is_main:
-            state = {
-                "global_step": step,
-                "loader": tr.loader.state_dict(),
-                "actor_sched": tr.models.actor_sched.state_dict(),
-                "critic_sched": tr.models.critic_sched.state_dict() if tr.models.critic_sched else None,
-                "kl_ctrl": tr.kl_ctrl.state_dict(),
-                "kl_guard": tr.guard.state_dict(),
-                "kl_loss_coef": tr.kl_loss_coef,
-                "nonfinite_streak": tr.nonfinite_streak,
-                "world_size": tr.ctx.world_size,
-                "model": self._fingerprint(),
-                "config": dataclasses.asdict(tr.cfg),
-            }
+        for k, (name, (model, optimizer)) in enumerate(self.models.items()):
+            save_checkpoint(os.path.join(tmp, name), model, optimizer)
+            if k == 0:
+                faults.crash_in_save(step, self.rank)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+        if self.is_main:
+            state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,
+                     "config": dataclasses.asdict(self.config)}
+            state.update({name: s.state_dict() for name, s in self.states.items()})
             # The trainer state is written last: its presence marks a complete checkpoint.
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
         _barrier()
-        if tr.ctx.is_main:
+        if self.is_main:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
@@ -276,108 +282,96 @@ class CheckpointManager:
         return final
 
     def _rotate(self):
-        keep = self.trainer.cfg.trainer.max_actor_ckpt_to_keep
-        if keep is None or keep <= 0:
+        if self.keep is None or self.keep <= 0:
             return
-        for step in self.complete_steps()[:-keep]:
+        for step in self.complete_steps()[:-self.keep]:
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # --------------------------------------------------------------- load
     def load(self, path: str, keep_progress: bool = False) -> None:
         """Restore the run from checkpoint `path`. With `keep_progress` (a KL-guard rollback) only
-        the learned state comes back (models, optimizers, schedulers, KL controller): the step
+        the learned state comes back (models, optimizers and the `learned` states): the step
         counter, data position, guard and RNG move on, so the run continues on new data instead
         of replaying the batches that led to the rollback."""
-        from ppo.trainer import UserError
-
-        tr = self.trainer
         # Everything read from files is checked before any model or optimizer changes.
         state = read_trainer_state(path)
-        if state["model"] != self._fingerprint():
-            diff = {k: (state["model"].get(k), v) for k, v in self._fingerprint().items() if state["model"].get(k) != v}
+        missing = [name for name in self.states if name not in state]
+        if missing:
+            raise UserError(f"checkpoint {path!r} has no {missing} state: it was written by an older meshppo (see "
+                            "the README); start a fresh run (trainer.resume_mode=disable or another "
+                            "trainer.default_local_dir)")
+        if state["model"] != self.fingerprint:
+            diff = {k: (state["model"].get(k), v) for k, v in self.fingerprint.items() if state["model"].get(k) != v}
             raise UserError(f"checkpoint {path!r} belongs to a different model: (checkpoint, config) differ in {diff}")
-        diffs = run_differences(state.get("config", {}), dataclasses.asdict(tr.cfg))
+        diffs = run_differences(state.get("config", {}), dataclasses.asdict(self.config))
         if diffs:
             listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs)
             raise UserError(f"checkpoint {path!r} comes from a run with other training settings ({listed}); it "
                             "cannot continue under these. Start a new run in another trainer.default_local_dir, or "
-                            f"start {tr.run_dir!r} over with trainer.resume_mode=disable (this deletes its "
-                            "checkpoints and metrics)")
-        rng_file = os.path.join(path, "rng", f"rank_{tr.ctx.rank}.pt")
-        same_world = state["world_size"] == tr.ctx.world_size
+                            f"start {os.path.dirname(self.root)!r} over with trainer.resume_mode=disable (this "
+                            "deletes its checkpoints and metrics)")
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        same_world = state["world_size"] == self.world_size
         rng = read_rng_state(rng_file) if not keep_progress and same_world and os.path.isfile(rng_file) else None
-        if tr.models.critic is not None and not os.path.isdir(os.path.join(path, "critic")):
-            raise UserError(f"checkpoint {path!r} has no critic but this run trains one (algorithm.adv_estimator)")
+        for name in self.models:
+            if not os.path.isdir(os.path.join(path, name)):
+                raise UserError(f"checkpoint {path!r} has no {name} but this run trains one (algorithm.adv_estimator)")
         try:
-            load_checkpoint(os.path.join(path, "actor"), tr.models.actor, tr.models.actor_optim)
-            if tr.models.critic is not None:
-                load_checkpoint(os.path.join(path, "critic"), tr.models.critic, tr.models.critic_optim)
+            for name, (model, optimizer) in self.models.items():
+                load_checkpoint(os.path.join(path, name), model, optimizer)
         except UnsafeCheckpointError as e:
             raise UserError(str(e)) from None
-        tr.models.actor_sched.load_state_dict(state["actor_sched"])
-        if tr.models.critic_sched is not None and state["critic_sched"] is not None:
-            tr.models.critic_sched.load_state_dict(state["critic_sched"])
-        tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        tr.kl_loss_coef = state["kl_loss_coef"]
-        if keep_progress:
-            return
-        tr.global_step = state["global_step"]
-        tr.loader.load_state_dict(state["loader"])
-        tr.guard.load_state_dict(state["kl_guard"])
-        tr.nonfinite_streak = state["nonfinite_streak"]
+        for name, s in self.states.items():
+            if name in self.learned or not keep_progress:
+                s.load_state_dict(state[name])
         if rng is not None:
             _set_rng_state(rng)
 
-    def maybe_resume(self) -> None:
-        """Continue from a checkpoint (`trainer.resume_mode`), or start fresh. `disable` starts
-        the run directory over: an earlier run's checkpoints there are deleted, so that they can
-        be neither resumed nor rotated in place of this run's."""
-        from ppo.trainer import UserError
-
-        t = self.trainer.cfg.trainer
-        if t.resume_mode == "disable":
-            if self.trainer.ctx.is_main and os.path.isdir(self.root) and os.listdir(self.root):
-                self.trainer.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
+    def maybe_resume(self, resume_mode: str, resume_from_path: str | None = None) -> str | None:
+        """Continue from a checkpoint (`trainer.resume_mode`), or start fresh; the checkpoint's path
+        if one was loaded.
+        `disable` starts the run directory over: an earlier run's checkpoints there are deleted,
+        so that they can be neither resumed nor rotated in place of this run's."""
+        if resume_mode == "disable":
+            if self.is_main and os.path.isdir(self.root) and os.listdir(self.root):
+                self.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
                 shutil.rmtree(self.root)
             _barrier()
-            return
-        if t.resume_mode == "resume_path":
-            if not os.path.isdir(t.resume_from_path):
-                raise UserError(f"trainer.resume_from_path {t.resume_from_path!r} does not exist")
-            path = t.resume_from_path
+            return None
+        if resume_mode == "resume_path":
+            if not os.path.isdir(resume_from_path):
+                raise UserError(f"trainer.resume_from_path {resume_from_path!r} does not exist")
+            path = resume_from_path
         else:
             path = self.latest()
             if path is None:
                 legacy = sorted(glob.glob(os.path.join(self.root, "global_step_*", "trainer_state.pt")))
                 if legacy:  # an older meshppo's pickled checkpoint: say so rather than start over on it
                     read_trainer_state(os.path.dirname(legacy[-1]))
-                return
+                return None
         self.load(path)
-        self.trainer.log(f"resumed from {path} at step {self.trainer.global_step}")
+        return path
 
-    def rollback(self) -> bool:
+    def rollback(self) -> str | None:
+        """Load the learned state of the newest checkpoint; its path, or None if there is none."""
         path = self.latest()
-        if path is None:
-            return False
-        self.load(path, keep_progress=True)
-        self.trainer.log(f"rolled back the models to {path}; continuing at step {self.trainer.global_step + 1} "
-                         "with new data")
-        return True
+        if path is not None:
+            self.load(path, keep_progress=True)
+        return path
 
-    # --------------------------------------------------------------- export
-    def export_hf(self, out_dir: str) -> None:
-        """Write the actor as a Hugging Face directory (rank 0 writes; all ranks gather)."""
-        tr = self.trainer
-        full = gather_full_state_dict(tr.models.actor)
-        if tr.ctx.is_main:
-            from models import Transformer
 
-            with torch.device("meta"):
-                shell = Transformer(tr.models.actor_args)
-            tmp = out_dir + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shell.save_pretrained(tmp, state_dict=full)
-            tr.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out_dir, ignore_errors=True)
-            os.replace(tmp, out_dir)
-        _barrier()
+def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool) -> None:
+    """Write `model` as a Hugging Face directory (rank 0 writes; all ranks gather)."""
+    full = gather_full_state_dict(model)
+    if is_main:
+        from models import Transformer
+
+        with torch.device("meta"):
+            shell = Transformer(model_args)
+        tmp = out_dir + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shell.save_pretrained(tmp, state_dict=full)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier()

@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from models import ModelArgs, load_model_args
-from ppo.config import OptimConfig, PPOConfig, described_launch, validate
-from ppo.configlib import ConfigError
-from ppo.launch import DistContext
+from models import ModelArgs, load_model_args, torch_dtypes
+from trainer.config import OptimConfig, PPOConfig, described_launch, validate
+from trainer.configlib import ConfigError
+from trainer.launch import DistContext
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model, load_states, offload_states
 from sharding.mesh import ParallelDims, ParallelMeshes
@@ -64,15 +64,16 @@ class Models:
     @torch.no_grad()
     def reward_scores(self, ro, rm_cfg) -> torch.Tensor:
         """Reward-model score at each sequence's last token, `[N_local]`."""
-        from ppo.forward import build_micro_batch, last_token_scores
-        from ppo.workers import plan_micro_batches
+        from trainer.forward import build_micro_batch, last_token_scores
+        from trainer.roles import plan_micro_batches
 
         out = torch.zeros(len(ro), device=ro.device)
         parts = plan_micro_batches(list(range(len(ro))), ro.lengths(), rm_cfg.micro_batch_size_per_gpu,
                                    rm_cfg.use_dynamic_bsz, rm_cfg.forward_max_token_len_per_gpu)
         for part in parts:
-            prompts, responses = ro.select(part)
-            scores = last_token_scores(self.reward_model, build_micro_batch(prompts, responses, ro.device, True))
+            sub = ro.take(part)
+            scores = last_token_scores(self.reward_model, build_micro_batch(sub.prompts, sub.responses, ro.device,
+                                                                            True))
             if part:
                 out[part] = scores
         return out
@@ -127,13 +128,13 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
     if cfg.uses_ref:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
                                       device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy)
-        if arr.actor.use_torch_compile if arr.ref.use_torch_compile is None else arr.ref.use_torch_compile:
+        if arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
         cm = cfg.critic.model
-        models.critic = build_fsdp_model(cm.path or path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
+        models.critic = build_fsdp_model(cm.path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
                                          head="value", device=ctx.device, trainable=True, seed=seed,
-                                         dummy_weights=dummy and not cm.path,
+                                         dummy_weights=dummy and cm.path == path,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
                                          enable_activation_offload=cm.enable_activation_offload)
         if arr.actor.use_torch_compile:
@@ -155,14 +156,12 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
         return None
     from rollout import EngineConfig, LLMEngine
 
-    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32}[r.dtype]
+    dtype = torch_dtypes()[r.dtype]
     if ctx.device.type == "cpu":
         dtype = torch.float32
-    max_len = r.max_model_len or (cfg.prompt_length + cfg.response_length)
     ec = EngineConfig(dtype=dtype, block_size=r.block_size, gpu_memory_utilization=r.gpu_memory_utilization,
                       max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=max_len,
+                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=r.max_model_len,
                       enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
                       free_cache_engine=r.free_cache_engine)
     tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
@@ -196,7 +195,7 @@ def build_rollout_fn(cfg: PPOConfig, ctx: DistContext, models: Models, engine, t
         return lo, prompts[lo:hi]
 
     if engine is None:
-        from ppo.hf_rollout import generate_no_cache
+        from trainer.hf_rollout import generate_no_cache
 
         def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
             lo, mine = slice_for(prompts)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from kl import kl_penalty
-from ppo import faults
-from ppo.batching import token_budget_partitions
+from trainer import faults
+from trainer.batching import token_budget_partitions
 from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
                             get_policy_loss_fn, masked_sum)
-from ppo.forward import build_micro_batch, response_logprobs, response_values
-from ppo.rollout_data import Rollouts
+from trainer.forward import build_micro_batch, response_logprobs, response_values
+from trainer.rollout_batch import RolloutBatch
 from sharding import comm
 from sharding.fsdp import load_states, offload_states
 from sharding.grad_norm import clip_grad_norm_
@@ -77,7 +77,7 @@ class MiniBatch:
     global_units: float
 
 
-def plan_update(ro: Rollouts, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
+def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
                 micro_size: int | None, dynamic: bool, max_tokens: int) -> list[MiniBatch]:
     """Every mini-batch of every epoch, planned before the first forward with two collectives
     (the loss units and the micro-batch counts), so that the update loop itself never waits
@@ -150,13 +150,20 @@ class PolicyWorker:
         self.packed, self.temperature, self.pad = packed, temperature, pad_token_id
         self.device, self.world_size = device, world_size
 
-    def _forward(self, ro: Rollouts, idx: list[int], with_entropy: bool):
-        prompts, responses = ro.select(idx)
-        mb = build_micro_batch(prompts, responses, self.device, self.packed, self.pad)
+    def scale_lr(self, next_lr) -> None:
+        """Apply `next_lr` to the learning rate now and to the schedule's base (a KL guard's
+        `lower_lr`)."""
+        self.scheduler.base_lrs = [next_lr(lr) for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] = next_lr(group["lr"])
+
+    def _forward(self, ro: RolloutBatch, idx: list[int], with_entropy: bool):
+        sub = ro.take(idx)
+        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
         return response_logprobs(self.model, mb, ro.width, self.temperature, with_entropy)
 
     @torch.no_grad()
-    def compute_log_prob(self, ro: Rollouts, micro_size, dynamic, max_tokens, with_entropy=False):
+    def compute_log_prob(self, ro: RolloutBatch, micro_size, dynamic, max_tokens, with_entropy=False):
         """Log-probs `[N, R]` (and entropy) of this rank's responses under the model."""
         logp = torch.zeros(len(ro), ro.width, device=self.device)
         ent = torch.zeros(len(ro), ro.width, device=self.device) if with_entropy else None
@@ -170,12 +177,12 @@ class PolicyWorker:
                     ent[rows] = en
         return logp, ent
 
-    def update(self, ro: Rollouts, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
+    def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
         """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy).
 
         `rollout_correction` (`algorithm.rollout_correction`): in decoupled mode its weights
-        were computed once per step (`ro.tensors["rollout_is_weights"]`); in bypass mode they
+        were computed once per step (`ro.rollout_is_weights`); in bypass mode they
         are computed here per micro-batch from pi_theta / pi_rollout (`rollout_log_probs`),
         with the `rollout_corr/` metrics, and `actor/entropy` and `rollout/logprob_diff` come
         from the first mini-batch: its forwards run before any optimizer step, so they see the
@@ -199,9 +206,10 @@ class PolicyWorker:
                 if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
                     (logp.sum() * 0.0).backward()
                     continue
-                m_mask = ro.rows("response_mask", part)
+                sub = ro.take(part)
+                m_mask = sub.response_mask
                 if bypass:
-                    rollout_lp = ro.rows("rollout_log_probs", part)
+                    rollout_lp = sub.rollout_log_probs
                     weights, corr = compute_rollout_correction(
                         logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
                     stats.add(**corr)
@@ -209,26 +217,26 @@ class PolicyWorker:
                         first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
                             (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
                 else:
-                    weights = ro.rows("rollout_is_weights", part) if "rollout_is_weights" in ro.tensors else None
-                pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                    ro.rows("old_log_probs", part), logp, ro.rows("advantages", part), m_mask,
-                    cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
+                    weights = sub.rollout_is_weights
+                pg = policy_loss(
+                    old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
+                    response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                     cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                     loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
-                loss = pg_loss
+                loss = pg.pg_loss
                 if need_entropy:
                     ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
                     loss = loss - cfg.entropy_coeff * ent_loss
                     totals["actor/entropy_loss"] = totals["actor/entropy_loss"] + ent_loss.detach()
                 if cfg.use_kl_loss:
-                    kld = kl_penalty(logp, ro.rows("ref_log_probs", part), cfg.kl_loss_type)
+                    kld = kl_penalty(logp, sub.ref_log_probs, cfg.kl_loss_type)
                     kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
                     loss = loss + kl_loss_coef * kl_loss
                     totals["actor/kl_loss"] = totals["actor/kl_loss"] + kl_loss.detach()
                 loss.backward()
-                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg_loss.detach()
-                stats.add(**{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
-                             "actor/pg_clipfrac_lower": clipfrac_lower})
+                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg.pg_loss.detach()
+                stats.add(**{"actor/pg_clipfrac": pg.pg_clipfrac, "actor/ppo_kl": pg.ppo_kl,
+                             "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": skipped})
@@ -256,13 +264,15 @@ class ValueWorker:
         self.response_length = response_length
         self.packed, self.pad, self.device, self.world_size = packed, pad_token_id, device, world_size
 
-    def _forward(self, ro: Rollouts, idx):
-        prompts, responses = ro.select(idx)
-        mb = build_micro_batch(prompts, responses, self.device, self.packed, self.pad)
+    scale_lr = PolicyWorker.scale_lr
+
+    def _forward(self, ro: RolloutBatch, idx):
+        sub = ro.take(idx)
+        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
         return response_values(self.model, mb, ro.width)
 
     @torch.no_grad()
-    def compute_values(self, ro: Rollouts, micro_size, dynamic, max_tokens) -> torch.Tensor:
+    def compute_values(self, ro: RolloutBatch, micro_size, dynamic, max_tokens) -> torch.Tensor:
         values = torch.zeros(len(ro), ro.width, device=self.device)
         for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), micro_size, dynamic, max_tokens):
             v = self._forward(ro, part)
@@ -270,12 +280,10 @@ class ValueWorker:
                 values[ro.index(part)] = v
         return values * ro.response_mask
 
-    def update(self, ro: Rollouts, cfg, actor_cfg, num_mini_batches: int, seed: int) -> dict:
+    def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
         stats = _Mean()
-        epochs = cfg.ppo_epochs or actor_cfg.ppo_epochs
-        micro = cfg.ppo_micro_batch_size_per_gpu or actor_cfg.ppo_micro_batch_size_per_gpu
-        plan = plan_update(ro, epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode, micro,
-                           cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
+                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         for mb in plan:
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
             vf_sum = torch.zeros((), device=self.device)
@@ -284,12 +292,13 @@ class ValueWorker:
                 if not part:
                     (vpreds.sum() * 0.0).backward()
                     continue
-                vf_loss, vf_clipfrac = compute_value_loss(
-                    vpreds, ro.rows("returns", part), ro.rows("values", part), ro.rows("response_mask", part),
+                sub = ro.take(part)
+                vf = compute_value_loss(
+                    vpreds, sub.returns, sub.values, sub.response_mask,
                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-                vf_loss.backward()
-                vf_sum = vf_sum + vf_loss.detach()
-                stats.add(**{"critic/vf_clipfrac": vf_clipfrac})
+                vf.vf_loss.backward()
+                vf_sum = vf_sum + vf.vf_loss.detach()
+                stats.add(**{"critic/vf_clipfrac": vf.vf_clipfrac})
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
             stats.add(**{"critic/vf_loss": vf_sum, "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": skipped})
         out = stats.result(rank_means=("critic/vf_loss",))

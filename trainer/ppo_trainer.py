@@ -1,6 +1,6 @@
 """The KL-PPO trainer: one SPMD program, the same on every rank.
 
-`PPOTrainer.step` is the whole algorithm in order (DESIGN.md §3):
+`PPOTrainer.step` is the whole algorithm in order (docs/ARCHITECTURE.md):
 
     reshard actor -> generate -> free KV cache -> rewards -> old / ref log-probs, values
     -> KL in reward -> advantages -> critic update -> actor update -> metrics -> checkpoint
@@ -24,31 +24,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kl import KLGuard, get_kl_controller, kl_penalty
-from ppo import faults, gc_control
-from ppo.checkpointing import CheckpointManager
-from ppo.config import PPOConfig, validate
-from ppo.configlib import ConfigError, to_commented_yaml
+from models import peak_bf16_flops
+from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
+from trainer import faults, gc_control
+from trainer.checkpointing import CheckpointManager, export_hf
+from trainer.config import PPOConfig, validate
+from trainer.configlib import ConfigError, to_commented_yaml
+from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
-from ppo.launch import DistContext, init_distributed
-from ppo.rollout_data import Rollouts
-from ppo.setup import build_engine, build_models, build_rollout_fn
-from ppo.tracking import Timer, Tracking, dump_generations, run_info
-from ppo.workers import PolicyWorker, ValueWorker, masked_mean_global, resident
+from trainer.launch import DistContext, init_distributed
+from trainer.rollout_batch import RolloutBatch
+from trainer.setup import build_engine, build_models, build_rollout_fn
+from trainer.tracking import Timer, Tracking, dump_generations, run_info
+from trainer.roles import PolicyWorker, ValueWorker, masked_mean_global, resident
 from sharding import comm
 from sharding.fsdp import offload_states
-
-# Dense bf16 peak per GPU for MFU (PERF.md counts against 989 TFLOP/s on H100/H200).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-class UserError(RuntimeError):
-    """A problem with the user's input found at run time (printed without a traceback)."""
-
-
-class StopTraining(RuntimeError):
-    """A guard or the non-finite counter asked the run to stop."""
-
 
 class _AbandonStep(Exception):
     """Preemption: the rest of this step would not fit in the grace period."""
@@ -63,8 +53,7 @@ def _seed_everything(seed: int):
 def _peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 class PPOTrainer:
@@ -83,7 +72,7 @@ class PPOTrainer:
         from data import PromptDataLoader, RLHFDataset
         from models.tokenizer import load_tokenizer
 
-        tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.path
+        tok_path = cfg.data.tokenizer
         if not os.path.isdir(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
                             "actor_rollout_ref.model.path)")
@@ -129,15 +118,31 @@ class PPOTrainer:
 
         self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-        self.kl_loss_coef = arr.actor.kl_loss_coef
+        self.kl = KLCoefficients(in_reward=get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
+                                 in_loss=FixedKLController(arr.actor.kl_loss_coef))
         self.guard = KLGuard(cfg.algorithm.kl_guard)
         self.global_step = 0
         self.nonfinite_streak = 0
-        self.ckpt = CheckpointManager(self, os.path.join(self.run_dir, "checkpoints"))
+        states = {"trainer": self, "loader": self.loader, "kl": self.kl, "kl_guard": self.guard,
+                  "actor_sched": m.actor_sched}
+        models = {"actor": (m.actor, m.actor_optim)}
+        if m.critic is not None:
+            states["critic_sched"] = m.critic_sched
+            models["critic"] = (m.critic, m.critic_optim)
+        self.ckpt = CheckpointManager(
+            os.path.join(self.run_dir, "checkpoints"), states=states, models=models,
+            learned=("kl", "actor_sched", "critic_sched"), fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None},
+            config=cfg, rank=ctx.rank, world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
+
+    # ------------------------------------------------------------------ checkpointed state
+    def state_dict(self) -> dict:
+        return {"global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step, self.nonfinite_streak = state["global_step"], state["nonfinite_streak"]
 
     # ------------------------------------------------------------------ helpers
     def _eos_ids(self) -> list[int]:
@@ -180,7 +185,7 @@ class PPOTrainer:
         temp = r.temperature if r.do_sample else 0.0
         return dict(n=r.n, temperature=temp, top_p=r.top_p, top_k=r.top_k)
 
-    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> Rollouts:
+    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> RolloutBatch:
         """Generate for every prompt of `items` (split over rollout-DP groups), gather all
         outputs on every rank, and return them as (not yet partitioned) rollouts."""
         sp = self._sampling(validate)
@@ -198,41 +203,32 @@ class PPOTrainer:
             lps.append(list(o.logprobs))
         width = max((len(r) for r in responses), default=1) or 1
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
-        return Rollouts(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
-                        reasons, lps, width, self.device)
+        return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
+                            reasons, lps, width, self.device)
 
-    def _partition(self, ro: Rollouts) -> tuple[Rollouts, list[int]]:
-        """This rank's share of the rollouts: equal counts, balanced token totals."""
-        from ppo.batching import balanced_equal_partitions
+    def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
+        """This rank's share of the rollouts (equal counts, balanced token totals) and every
+        rank's row indices: each rank computes the same partition, so none is communicated."""
+        from trainer.batching import balanced_equal_partitions
 
         w, r = self.ctx.world_size, self.ctx.rank
         n = len(ro)
         if self.cfg.trainer.balance_batch:
             parts = balanced_equal_partitions(ro.lengths(), w)
-            idx = parts[r]
         else:
-            idx = list(range(r * n // w, (r + 1) * n // w))
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        local = Rollouts(pick(ro.prompts), pick(ro.responses), pick(ro.uids), pick(ro.data_sources),
-                         pick(ro.ground_truths), pick(ro.extra_infos), pick(ro.finish_reasons),
-                         pick(ro.rollout_log_probs), ro.width, self.device)
-        return local, idx
+            parts = [list(range(k * n // w, (k + 1) * n // w)) for k in range(w)]
+        local = ro.take(parts[r])
+        return local, parts
 
-    def _gather_rows(self, t: torch.Tensor, idx: list[int], n_total: int) -> torch.Tensor:
-        """Rebuild the full `[N, R]` tensor from every rank's rows (placed by global index)."""
-        if self.ctx.world_size == 1:
-            full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            full[idx] = t
-            return full
-        parts = comm.all_gather(t)
-        idx_parts = comm.all_gather(torch.tensor(idx, dtype=torch.long, device=t.device))
+    def _gather_rows(self, t: torch.Tensor, parts: list[list[int]], n_total: int) -> torch.Tensor:
+        """Rebuild the full `[N, ...]` tensor from every rank's rows (`parts[k]`: rank k's rows)."""
         full = torch.zeros((n_total,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        for p, ix in zip(parts, idx_parts):
+        for p, ix in zip(comm.all_gather(t), parts):
             full[ix] = p
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: Rollouts) -> tuple[torch.Tensor, dict]:
+    def _score(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Scores `[N_local]` from the rule / custom function or the reward model. A failing reward
         function fails every rank together (an error on one rank would otherwise hang the rest)."""
         from rewards import RewardError, score_responses
@@ -265,7 +261,8 @@ class PPOTrainer:
             with timer("gen"):
                 full = self._generate_all(items, validate=False,
                                           seed=cfg.trainer.seed * 1_000_003 + self.global_step)
-            ro, idx = self._partition(full)
+            ro, parts = self._partition(full)
+            idx = parts[self.ctx.rank]
             n_total = len(full)
             mask = ro.response_mask
             with timer("reward"):
@@ -273,103 +270,103 @@ class PPOTrainer:
             token_scores = torch.zeros(len(ro), ro.width, device=self.device)
             last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
             token_scores[torch.arange(len(ro), device=self.device), last] = scores
-            ro.tensors["token_level_scores"] = token_scores
+            ro.token_level_scores = token_scores
 
             lp, correction = arr.rollout, cfg.algorithm.rollout_correction
-            micro = lp.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
             reweighted = correction.rollout_is is not None or bool(correction.rejection)
             if correction.bypass_mode or reweighted or lp.calculate_log_probs:
                 rl = torch.zeros(len(ro), ro.width)
-                for i, r in enumerate(ro.rollout_log_probs):
+                for i, r in enumerate(ro.engine_log_probs):
                     rl[i, :len(r)] = torch.tensor(r)
-                ro.tensors["rollout_log_probs"] = rl.to(self.device)
+                ro.rollout_log_probs = rl.to(self.device)
             if correction.bypass_mode:
                 # The engine's log-probs are the old ones (the same softmax of logits / temperature):
                 # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
-                old = ro.tensors["old_log_probs"] = ro.tensors["rollout_log_probs"]
+                old = ro.old_log_probs = ro.rollout_log_probs
             else:
                 with timer("old_log_prob"):
-                    old, ent = self.actor.compute_log_prob(ro, micro, lp.log_prob_use_dynamic_bsz,
+                    old, ent = self.actor.compute_log_prob(ro, lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                            lp.log_prob_max_token_len_per_gpu, with_entropy=True)
-                    ro.tensors["old_log_probs"] = old
+                    ro.old_log_probs = old
                     metrics["actor/entropy"] = masked_mean_global(ent, mask)
                     if lp.calculate_log_probs:
                         metrics["rollout/logprob_diff"] = masked_mean_global(
-                            (ro.tensors["rollout_log_probs"] - old).abs(), mask)
+                            (ro.rollout_log_probs - old).abs(), mask)
                 if reweighted or lp.calculate_log_probs:
                     # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
                     weights, corr = compute_rollout_correction(
-                        *(self._gather_rows(t, idx, n_total) for t in (old, ro.tensors["rollout_log_probs"], mask)),
+                        *(self._gather_rows(t, parts, n_total) for t in (old, ro.rollout_log_probs)),
+                        full.response_mask,
                         correction.rollout_is, *correction.is_bounds, correction.rejection)
                     if weights is not None:
-                        ro.tensors["rollout_is_weights"] = weights[torch.tensor(idx, device=self.device)]
+                        ro.rollout_is_weights = weights[torch.tensor(idx, device=self.device)]
                     metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
             if self.ref is not None:
                 rc = arr.ref
                 with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
                     ref, _ = self.ref.compute_log_prob(
-                        ro, rc.log_prob_micro_batch_size_per_gpu or micro, rc.log_prob_use_dynamic_bsz,
+                        ro, rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz,
                         rc.log_prob_max_token_len_per_gpu)
-                ro.tensors["ref_log_probs"] = ref
+                ro.ref_log_probs = ref
                 metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask)
             if self.critic is not None:
                 cc = cfg.critic
                 with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
-                    ro.tensors["values"] = self.critic.compute_values(
-                        ro, cc.forward_micro_batch_size_per_gpu or cc.ppo_micro_batch_size_per_gpu
-                        or arr.actor.ppo_micro_batch_size_per_gpu,
+                    ro.values = self.critic.compute_values(
+                        ro, cc.forward_micro_batch_size_per_gpu,
                         cc.use_dynamic_bsz, cc.forward_max_token_len_per_gpu)
 
             with timer("adv"):
                 rewards = token_scores
                 if cfg.algorithm.use_kl_in_reward:
-                    kld = kl_penalty(old, ro.tensors["ref_log_probs"], cfg.algorithm.kl_penalty) * mask
-                    beta = self.kl_ctrl.value
+                    kld = kl_penalty(old, ro.ref_log_probs, cfg.algorithm.kl_penalty) * mask
+                    beta = self.kl.in_reward.value
                     rewards = token_scores - beta * kld
                     current_kl = masked_mean_global(kld, mask)
-                    self.kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size)
+                    self.kl.in_reward.update(current_kl, n_steps=cfg.data.train_batch_size)
                     metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
-                ro.tensors["token_level_rewards"] = rewards
-                adv, ret = self._advantages(ro, idx, n_total)
-                ro.tensors["advantages"], ro.tensors["returns"] = adv, ret
+                ro.token_level_rewards = rewards
+                adv, ret = self._advantages(full, ro, parts)
+                ro.advantages, ro.returns = adv, ret
 
             num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
             self._check_abandon()
             t_update = time.perf_counter()
             if self.critic is not None:
-                cmini = cfg.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size
+                cmini = cfg.critic.ppo_mini_batch_size
                 with timer("update_critic"), resident(self.critic.model, self.critic.optimizer,
                                                        cfg.critic.model.fsdp_config, self.device):
-                    metrics.update(self.critic.update(ro, cfg.critic, arr.actor, cfg.data.train_batch_size // cmini,
+                    metrics.update(self.critic.update(ro, cfg.critic, cfg.data.train_batch_size // cmini,
                                                       seed=cfg.trainer.seed + self.global_step))
                 self.critic.scheduler.step()
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl_loss_coef,
+                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl.in_loss.value,
                                                      seed=cfg.trainer.seed + self.global_step,
                                                      step=self.global_step + 1, rollout_correction=correction))
                 self.actor.scheduler.step()
             self._last_update_s = time.perf_counter() - t_update
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout"):
-                    self._dump_rollouts(full, ro, idx, scores, extras)
+                    self._dump_rollouts(full, ro, parts, scores, extras)
         self.global_step += 1
         metrics.update(self._batch_metrics(ro, scores, extras))
         metrics.update(self.timer.pop())
         metrics.update(self._perf_metrics(ro, metrics))
         if arr.actor.use_kl_loss:
-            metrics["actor/kl_coef"] = self.kl_loss_coef
+            metrics["actor/kl_coef"] = self.kl.in_loss.value
         return metrics
 
-    def _dump_rollouts(self, full: Rollouts, ro: Rollouts, idx: list[int], scores: torch.Tensor, extras: dict):
+    def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
+                       extras: dict):
         """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step, written by rank 0;
         `reward` is the score minus any KL-in-reward penalty, `advantage` the mean over the
         response's tokens."""
         mask = ro.response_mask
-        cols = [scores.double(), ro.tensors["token_level_rewards"].double().sum(-1),
-                masked_mean(ro.tensors["advantages"].double(), mask, axis=-1)]
+        cols = [scores.double(), ro.token_level_rewards.double().sum(-1),
+                masked_mean(ro.advantages.double(), mask, axis=-1)]
         cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in sorted(extras)]
-        per_sample = self._gather_rows(torch.stack(cols, dim=1), idx, len(full)).cpu().tolist()
+        per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
         if not self.ctx.is_main:
             return
         inputs = self.tokenizer.batch_decode(full.prompts, skip_special_tokens=True)
@@ -384,32 +381,21 @@ class PPOTrainer:
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
-    def _advantages(self, ro: Rollouts, idx: list[int], n_total: int):
+    def _advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]]):
         """Advantages over the whole batch (whitening and group baselines are batch-wide), then
-        this rank's rows."""
+        this rank's rows. Only the rank-local rewards and values are gathered: the response
+        mask and the group ids are known to every rank already (`full`)."""
         alg = self.cfg.algorithm
-        name = alg.adv_estimator
-        full_mask = self._gather_rows(ro.response_mask, idx, n_total)
-        full_rewards = self._gather_rows(ro.tensors["token_level_rewards"], idx, n_total)
-        fn = get_adv_estimator_fn(name)
-        if name == "gae":
-            full_values = self._gather_rows(ro.tensors["values"], idx, n_total)
-            adv, ret = fn(full_rewards, full_values, full_mask, alg.gamma, alg.lam)
-        elif name in ("grpo",):
-            uids = self._gather_uids(ro, idx, n_total)
-            adv, ret = fn(full_rewards, full_mask, uids, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        elif name in ("rloo", "reinforce_plus_plus_baseline"):
-            adv, ret = fn(full_rewards, full_mask, self._gather_uids(ro, idx, n_total))
-        else:  # reinforce_plus_plus
-            adv, ret = fn(full_rewards, full_mask, alg.gamma)
-        sel = torch.tensor(idx, dtype=torch.long, device=self.device)
+        gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
+        values = ro.values
+        adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
+            token_level_rewards=gather(ro.token_level_rewards), response_mask=full.response_mask,
+            values=gather(values) if values is not None else None, index=np.asarray(full.uids),
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
         return adv[sel], ret[sel]
 
-    def _gather_uids(self, ro: Rollouts, idx, n_total) -> np.ndarray:
-        u = torch.tensor(ro.uids, dtype=torch.float64, device=self.device)[:, None]
-        return self._gather_rows(u, idx, n_total)[:, 0].long().cpu().numpy()
-
-    def _batch_metrics(self, ro: Rollouts, scores: torch.Tensor, extras: dict) -> dict:
+    def _batch_metrics(self, ro: RolloutBatch, scores: torch.Tensor, extras: dict) -> dict:
         mask = ro.response_mask
         dev = self.device
         lengths = mask.sum(-1)
@@ -424,21 +410,21 @@ class PPOTrainer:
                                        "max")[0]
             return v if op == "max" else -v
 
-        seq_sum = lambda name: ro.tensors[name].sum(-1)  # noqa: E731
+        seq_sum = lambda t: t.sum(-1)  # noqa: E731
         m = {
             "critic/score/mean": gmean(scores), "critic/score/max": gextreme(scores, "max"),
             "critic/score/min": gextreme(scores, "min"),
-            "critic/rewards/mean": gmean(seq_sum("token_level_rewards")),
-            "critic/advantages/mean": masked_mean_global(ro.tensors["advantages"], mask),
-            "critic/returns/mean": masked_mean_global(ro.tensors["returns"], mask),
+            "critic/rewards/mean": gmean(seq_sum(ro.token_level_rewards)),
+            "critic/advantages/mean": masked_mean_global(ro.advantages, mask),
+            "critic/returns/mean": masked_mean_global(ro.returns, mask),
             "response_length/mean": gmean(lengths), "response_length/max": gextreme(lengths, "max"),
             "response_length/min": gextreme(lengths, "min"),
             "response_length/clip_ratio": gmean(torch.tensor([1.0 if r == "length" else 0.0 for r in
                                                               ro.finish_reasons], device=dev)),
             "prompt_length/mean": gmean(torch.tensor([float(len(p)) for p in ro.prompts], device=dev)),
         }
-        if "values" in ro.tensors:
-            v, ret = ro.tensors["values"], ro.tensors["returns"]
+        if ro.values is not None:
+            v, ret = ro.values, ro.returns
             m["critic/values/mean"] = masked_mean_global(v, mask)
             # explained variance 1 - Var(ret - v) / Var(ret), over every rank's tokens
             cnt, s_r, s_d = comm.all_reduce_values([float(mask.sum()), float((ret * mask).sum()),
@@ -454,7 +440,7 @@ class PPOTrainer:
             m[f"reward_extra/{k}/mean"] = total / max(count, 1.0)
         return m
 
-    def _perf_metrics(self, ro: Rollouts, metrics: dict) -> dict:
+    def _perf_metrics(self, ro: RolloutBatch, metrics: dict) -> dict:
         dev = self.device
         lengths = ro.lengths()
         response_tokens = [len(r) for r in ro.responses]
@@ -529,25 +515,26 @@ class PPOTrainer:
         self.log(f"[kl_guard] step {self.global_step}: {decision.message} -> {decision.action}")
         metrics["kl_guard/action"] = decision.action
         if decision.action == "raise_coef":
-            if self.cfg.actor_rollout_ref.actor.use_kl_loss:
-                self.kl_loss_coef = self.guard.next_kl_coef(self.kl_loss_coef)
-            if self.cfg.algorithm.use_kl_in_reward:
-                self.kl_ctrl.value = self.guard.next_kl_coef(self.kl_ctrl.value)
+            self.kl.raise_coefs(self.guard.next_kl_coef, in_reward=self.cfg.algorithm.use_kl_in_reward,
+                                in_loss=self.cfg.actor_rollout_ref.actor.use_kl_loss)
         elif decision.action == "lower_lr":
-            for worker in (self.actor, self.critic):
-                if worker is not None:
-                    worker.scheduler.base_lrs = [self.guard.next_lr(lr) for lr in worker.scheduler.base_lrs]
-                    for group in worker.optimizer.param_groups:
-                        group["lr"] = self.guard.next_lr(group["lr"])
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    role.scale_lr(self.guard.next_lr)
         elif decision.action == "rollback":
-            if not self.ckpt.rollback():
+            path = self.ckpt.rollback()
+            if path is None:
                 self.log("[kl_guard] no checkpoint to roll back to; continuing")
+            else:
+                self.log(f"rolled back the models to {path}; continuing at step {self.global_step + 1} with new data")
         elif decision.action == "stop":
             raise StopTraining(f"KL guard stopped the run at step {self.global_step}: {decision.message}")
 
     def train(self) -> int:
         t = self.cfg.trainer
-        self.ckpt.maybe_resume()
+        resumed = self.ckpt.maybe_resume(t.resume_mode, t.resume_from_path)
+        if resumed is not None:
+            self.log(f"resumed from {resumed} at step {self.global_step}")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
                             run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
                                      self.run_dir, self.global_step))
@@ -563,7 +550,7 @@ class PPOTrainer:
                     # Nothing was updated: rewind the data so the resumed run redoes this step.
                     self.loader.load_state_dict(loader_state)
                     self.timer.pop()
-                    self.ckpt.save()
+                    self.ckpt.save(self.global_step)
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
@@ -579,13 +566,14 @@ class PPOTrainer:
                 self.tracking.log(metrics, step=self.global_step)
                 stop = self._agreed_stop_signal()
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                    self.ckpt.save()
+                    self.ckpt.save(self.global_step)
                 if stop:
                     self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
                              f"{self.global_step}, exiting")
                     return 0
             if t.export_hf_at_end:
-                self.ckpt.export_hf(os.path.join(self.run_dir, "hf_actor"))
+                export_hf(self.models.actor, self.models.actor_args, self.tokenizer,
+                          os.path.join(self.run_dir, "hf_actor"), self.ctx.is_main)
             return 0
         finally:
             self.tracking.close()
@@ -635,4 +623,4 @@ def run(cfg: PPOConfig) -> int:
             dist.destroy_process_group()
 
 
-__all__ = ["PPOTrainer", "run", "UserError", "StopTraining", "time"]
+__all__ = ["PPOTrainer", "run"]

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
-from ppo.configlib import ConfigError, opt, section
+from models import torch_dtypes
+from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
 
-DTYPES = ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+DTYPES = tuple(torch_dtypes())
 
 
 def _not(value):
@@ -343,6 +344,35 @@ class PPOConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and KL")
     trainer: TrainerConfig = section(TrainerConfig, "the run")
 
+    def __post_init__(self):
+        self.resolve()
+
+    def resolve(self) -> None:
+        """Fill every inherited or defaulted value, once, right after loading: a null option
+        that means "the same as X" becomes X's value, so nothing downstream falls back. Idempotent
+        (a resolved config resolves to itself)."""
+        d, arr, critic = self.data, self.actor_rollout_ref, self.critic
+        actor, ref, rollout = arr.actor, arr.ref, arr.rollout
+
+        def inherit(obj, name, value):
+            if getattr(obj, name) is None:
+                setattr(obj, name, value)
+
+        inherit(d, "tokenizer", arr.model.path)
+        inherit(rollout, "prompt_length", d.max_prompt_length)
+        inherit(rollout, "response_length", d.max_response_length)
+        inherit(rollout, "max_model_len", rollout.prompt_length + rollout.response_length)
+        inherit(rollout, "log_prob_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
+        inherit(ref, "log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
+        inherit(ref, "use_torch_compile", actor.use_torch_compile)
+        # The critic inherits the actor's batch sizes, epochs, model and tokenizer.
+        inherit(critic, "ppo_mini_batch_size", actor.ppo_mini_batch_size)
+        inherit(critic, "ppo_epochs", actor.ppo_epochs)
+        inherit(critic, "ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
+        inherit(critic, "forward_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu)
+        inherit(critic.model, "path", arr.model.path)
+        inherit(critic.model, "tokenizer_path", d.tokenizer)
+
     # --------------------------------------------------------------- derived views
     @property
     def uses_critic(self) -> bool:
@@ -354,13 +384,11 @@ class PPOConfig:
 
     @property
     def response_length(self) -> int:
-        r = self.actor_rollout_ref.rollout.response_length
-        return r if r is not None else self.data.max_response_length
+        return self.actor_rollout_ref.rollout.response_length
 
     @property
     def prompt_length(self) -> int:
-        p = self.actor_rollout_ref.rollout.prompt_length
-        return p if p is not None else self.data.max_prompt_length
+        return self.actor_rollout_ref.rollout.prompt_length
 
 
 def config_notes(cfg, prefix: str = "") -> list[str]:
@@ -448,18 +476,18 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           f"({world_size})")
     if cfg.uses_critic:
         critic = cfg.critic
-        cmini = (critic.ppo_mini_batch_size or actor.ppo_mini_batch_size)
+        cmini = critic.ppo_mini_batch_size
         if bs % cmini:
             raise ConfigError(f"data.train_batch_size ({bs}) must be a multiple of critic.ppo_mini_batch_size ({cmini})")
         if (cmini * n) % world_size:
             raise ConfigError(f"critic.ppo_mini_batch_size x rollout.n ({cmini * n}) must split over {world_size} ranks")
         if not critic.use_dynamic_bsz:
-            cmicro = critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+            cmicro = critic.ppo_micro_batch_size_per_gpu
             if cmicro is None or ((cmini * n) // world_size) % cmicro:
                 raise ConfigError("critic.ppo_micro_batch_size_per_gpu must divide the critic's sequences per rank "
                                   "per mini-batch (or set critic.use_dynamic_bsz=true)")
-    tok = cfg.data.tokenizer or arr.model.path
-    if cfg.critic.model.tokenizer_path not in (None, tok):
+    tok = cfg.data.tokenizer
+    if cfg.critic.model.tokenizer_path != tok:
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
                           f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
     if cfg.reward_model.enable and not cfg.reward_model.path:

@@ -1,10 +1,10 @@
 """Starting the SPMD program: the launcher around torchrun, each rank's side of it, and the
 process group.
 
-`python -m ppo.launch [--nnodes N ...] --config CONFIG [dotted.key=value ...]` is what
+`python -m trainer.launch [--nnodes N ...] --config CONFIG [dotted.key=value ...]` is what
 `launch/run_single_node.sh` and the SLURM templates run. Over plain torchrun it adds:
 
-* a pre-flight in one process before any rank starts (`ppo.setup.preflight`: the config
+* a pre-flight in one process before any rank starts (`trainer.setup.preflight`: the config
   against the launch it describes and against this one, optional packages, GPUs): a config
   error is one line and exit code 2;
 * exit codes: a rank that stops on a user error (1 input, 2 config, 3 stopped by a guard)
@@ -269,9 +269,9 @@ class _Launch:
 
 
     def _latest_checkpoint(self) -> str | None:
-        from ppo.checkpointing import CheckpointManager
+        from trainer.checkpointing import CheckpointManager
 
-        return CheckpointManager(None, os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
+        return CheckpointManager(os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -292,7 +292,7 @@ def _print_tail(path: str, what: str, lines: int = 30) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ppo.launch",
+    p = argparse.ArgumentParser(prog="python -m trainer.launch",
                                 description="meshppo's launcher: torchrun with a pre-flight check of the config, "
                                             "one-line errors with their exit codes, clean preemption, rank 0's "
                                             "output on the terminal (ppo/launch.py explains each)")
@@ -308,9 +308,9 @@ def main(argv=None) -> int:
     add_config_args(p)
     args = p.parse_args(argv)
 
-    from ppo.config import PPOConfig
-    from ppo.configlib import ConfigError, load_config
-    from ppo.setup import preflight
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
+    from trainer.setup import preflight
 
     try:
         cfg = load_config(PPOConfig, args.config, args.overrides)

@@ -1,0 +1,76 @@
+"""The rollouts of one PPO step as they travel between its phases.
+
+After generation every rank knows every sequence's tokens (they are small); each rank then
+keeps its own rows (`take`) for the forward/backward work, and per-token tensors `[N_local, R]`
+are padded to the global response width `R` so they can be all-gathered for batch-wide maths
+(advantage whitening, group baselines). The phases fill the optional tensors in the order of
+`PPOTrainer.step` (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.forward import index_on
+
+# The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
+SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
+                   "engine_log_probs")
+TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "rollout_is_weights", "ref_log_probs",
+                "values", "token_level_rewards", "advantages", "returns")
+
+
+@dataclass
+class RolloutBatch:
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    uids: list[int]                   # index of the prompt in the step's batch (group id)
+    data_sources: list[str | None]
+    ground_truths: list[str | None]
+    extra_infos: list[dict]
+    finish_reasons: list[str]
+    engine_log_probs: list[list[float]]  # the engine's log-prob of each sampled token
+    width: int                        # global response width R
+    device: torch.device
+    # [N, R] per-token tensors; None until the phase that computes them has run
+    token_level_scores: torch.Tensor | None = None  # the score on each response's last token
+    rollout_log_probs: torch.Tensor | None = None   # `engine_log_probs` padded (rollout correction)
+    old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode)
+    rollout_is_weights: torch.Tensor | None = None  # importance weights pi_old / pi_rollout (decoupled mode)
+    ref_log_probs: torch.Tensor | None = None       # the reference policy
+    values: torch.Tensor | None = None              # the critic before the update
+    token_level_rewards: torch.Tensor | None = None  # scores minus any KL-in-reward penalty
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    _response_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """`[N, R]`, 1.0 on each response's tokens."""
+        if self._response_mask is None:
+            mask = torch.zeros(len(self), self.width, device=self.device)
+            for i, r in enumerate(self.responses):
+                mask[i, :len(r)] = 1.0
+            self._response_mask = mask
+        return self._response_mask
+
+    def lengths(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def index(self, idx: list[int]) -> torch.Tensor:
+        """`idx` as a device tensor; the copy does not wait for the device (an update loop that
+        synchronised here would let the GPU drain before every micro-batch)."""
+        return index_on(idx, self.device)
+
+    def take(self, idx: list[int]) -> RolloutBatch:
+        """The rows `idx`, in that order: of every per-sequence list and of every tensor set."""
+        rows = self.index(idx)
+        lists = {name: [getattr(self, name)[i] for i in idx] for name in SEQUENCE_FIELDS}
+        tensors = {name: t[rows] for name in TOKEN_FIELDS + ("_response_mask",)
+                   if (t := getattr(self, name)) is not None}
+        return RolloutBatch(**lists, width=self.width, device=self.device, **tensors)
