@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import git_commit, hardware  # noqa: E402
-from data.arith import DATA_SOURCE, forgotten_carries, has_forgotten_carry, make_rows, operands  # noqa: E402
+from data.arith import (DATA_SOURCE, answer, forgotten_carries, has_forgotten_carry, make_rows, operands,  # noqa: E402
+                        problem)
 
 ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "rloo": "rloo"}  # run name -> algorithm.adv_estimator
 GREEDY = f"val-core/{DATA_SOURCE}/acc/greedy"
@@ -100,7 +101,7 @@ class Settings:
     def __post_init__(self):
         checks = {"digits": self.digits >= 1, "slip": 0 <= self.slip <= 1, "n": self.n >= 2,
                   "prompts": self.prompts % self.mini_batch == 0, "eval_n": self.eval_n >= 1,
-                  "max_response_length": self.max_response_length >= self.digits + 2,
+                  "max_response_length": self.max_response_length >= self.digits + 2,  # the answer + EOS
                   "n_train": self.n_train + self.n_val <= 10 ** (2 * self.digits),
                   "eval_every": self.eval_every >= 1, "steps": self.steps >= 1}
         bad = [k for k, ok in checks.items() if not ok]
@@ -139,6 +140,11 @@ class Warmup:
     def stats(self) -> dict:
         return json.loads((self.dir / "warmup.json").read_text())
 
+    @property
+    def summary(self) -> dict:
+        """What a run record keeps of it: the diagnostics, hash and weights checksum, not the loss curve."""
+        return {"dir": str(self.dir), **{k: v for k, v in self.stats.items() if k not in ("loss_history", "settings")}}
+
 
 def model_args(s: Settings, tokenizer):
     from models import ModelArgs
@@ -150,14 +156,14 @@ def model_args(s: Settings, tokenizer):
                      initializer_range=s.init_std)
 
 
-def _encode_answer(tokenizer, value: int) -> list[int]:
-    return tokenizer(str(value), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+def _encode_answer(tokenizer, value: int, digits: int) -> list[int]:
+    return tokenizer(answer(value, digits), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def encode_prompt(tokenizer, a: int, b: int) -> list[int]:
+def encode_prompt(tokenizer, a: int, b: int, digits: int) -> list[int]:
     """`a+b=` as the trainer's dataset tokenizes a chat prompt (template, then no special tokens)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": problem(a, b, digits)}],
+                                         add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -181,14 +187,14 @@ def teacher_forced(model, prompts: list[list[int]], answers: list[list[int]], de
     return greedy, logp
 
 
-def warmup_diagnostics(model, tokenizer, val_rows: list[dict], device) -> dict:
+def warmup_diagnostics(model, tokenizer, val_rows: list[dict], digits: int, device) -> dict:
     """What RL starts from, on the validation prompts: greedy accuracy, the probability of a right
     sample (the limit of mean@N), and the share of carry problems whose greedy answer is the slip."""
     pairs = [operands(r) for r in val_rows]
-    prompts = [encode_prompt(tokenizer, a, b) for a, b in pairs]
-    right_greedy, right_lp = teacher_forced(model, prompts, [_encode_answer(tokenizer, a + b) for a, b in pairs],
-                                            device)
-    slip_greedy, _ = teacher_forced(model, prompts, [_encode_answer(tokenizer, forgotten_carries(a, b))
+    prompts = [encode_prompt(tokenizer, a, b, digits) for a, b in pairs]
+    right_greedy, right_lp = teacher_forced(model, prompts, [_encode_answer(tokenizer, a + b, digits)
+                                                             for a, b in pairs], device)
+    slip_greedy, _ = teacher_forced(model, prompts, [_encode_answer(tokenizer, forgotten_carries(a, b), digits)
                                                      for a, b in pairs], device)
     carry = [has_forgotten_carry(a, b) for a, b in pairs]
     n_carry = max(sum(carry), 1)
@@ -221,12 +227,21 @@ def build_warmup(s: Settings, work: Path, device, log=print) -> Warmup:
     write_jsonl(train_rows, tmp / "train.jsonl")
     write_jsonl(val_rows, tmp / "val.jsonl")
     model = Transformer.build(model_args(s, tokenizer), device=device, seed=s.seed)
+    # Deterministic kernels: a device call that finds no checkpoint (a fresh machine) rebuilds the
+    # same weights, so runs made in different calls still start from one checkpoint (the record's
+    # `weights_sha1` shows it). fp32 weights, TF32 matmuls: no mixed-precision path to get right.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights, TF32 matmuls: no mixed-precision path needed
-    history = supervised_warmup(model, tokenizer, s, {operands(r) for r in val_rows}, device, log)
-    stats = warmup_diagnostics(model, tokenizer, val_rows, device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        history = supervised_warmup(model, tokenizer, s, {operands(r) for r in val_rows}, device, log)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    stats = warmup_diagnostics(model, tokenizer, val_rows, s.digits, device)
     model.save_pretrained(tmp)
     stats.update(settings={k: getattr(s, k) for k in s.WARMUP_FIELDS}, hash=s.warmup_hash(),
+                 weights_sha1=hashlib.sha1((tmp / "model.safetensors").read_bytes()).hexdigest()[:12],
                  params=model.args.num_params(), seconds=time.time() - t0, loss_history=history,
                  device=str(device), commit=git_commit())
     (tmp / "warmup.json").write_text(json.dumps(stats, indent=1))
@@ -261,8 +276,9 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
             a, b = rng.randrange(top), rng.randrange(top)
             if (a, b) in held_out:
                 continue
-            prompts.append(encode_prompt(tokenizer, a, b))
-            answers.append(_encode_answer(tokenizer, forgotten_carries(a, b) if rng.random() < s.slip else a + b))
+            prompts.append(encode_prompt(tokenizer, a, b, s.digits))
+            answers.append(_encode_answer(tokenizer, forgotten_carries(a, b) if rng.random() < s.slip else a + b,
+                                          s.digits))
         mb = build_micro_batch(prompts, answers, device, packed=False)
         logits = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[mb.src_index].float(),
@@ -375,10 +391,11 @@ STEP_KEYS = {"reward": "critic/score/mean", "kl": "actor/ref_kl", "response_leng
 
 
 def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=print) -> dict:
-    """One RL run `ALGORITHM:SEED`: its record (also written to `OUT/<algorithm>_<seed>.json`)."""
+    """One RL run `ALGORITHM:SEED`: its record (also written to `OUT/<algorithm>_<seed>.json`); the
+    trainer's own directory is `WORK/runs/<algorithm>_<seed>` (beside the warm-up checkpoints)."""
     algorithm, seed = parse_run(spec)
     name = f"{algorithm}_{seed}"
-    run_dir = out / "runs" / name
+    run_dir = warm.dir.parent / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     run = MeshppoRun(overrides_for(algorithm, seed, s, warm, run_dir, device))
@@ -413,15 +430,11 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
         evaluate(step)
     run.close()
     record = {"benchmark": "learn", "framework": "meshppo", "run": name, "algorithm": algorithm, "seed": seed,
-              "settings": dataclasses.asdict(s), "warmup": {"dir": str(warm.dir), **_warmup_summary(warm)},
+              "settings": dataclasses.asdict(s), "warmup": warm.summary,
               "samples_per_step": samples_per_step, "setup_s": setup_s, "train_wall_s": train_s,
               "points": points, "steps": steps, **gain(points), "hardware": hardware(), "commit": git_commit()}
     write_json(out / f"{name}.json", record)
     return record
-
-
-def _warmup_summary(warm: Warmup) -> dict:
-    return {k: v for k, v in warm.stats.items() if k not in ("loss_history", "settings")}
 
 
 def gain(points: list[dict]) -> dict:
@@ -500,7 +513,9 @@ def summarize(out: Path) -> dict:
     runs = {r["run"]: {k: r[k] for k in ("framework", "greedy_start", "greedy_end", "greedy_gain", "reached_target",
                                           "train_wall_s", "samples_per_step")}
             | {"steps": r["points"][-1]["step"], "samples": r["points"][-1]["samples"]} for r in records}
+    checkpoints = sorted({(r["warmup"]["hash"], r["warmup"].get("weights_sha1")) for r in records})
     summary = {"benchmark": "learn_summary", "target_gain": TARGET_GAIN, "runs": runs,
+               "warmup_checkpoints": [{"hash": h, "weights_sha1": w} for h, w in checkpoints],
                "all_meshppo_reached": all(v["reached_target"] for v in runs.values() if v["framework"] == "meshppo")}
     grpo = [r for r in records if r["framework"] == "meshppo" and r["algorithm"] == "grpo"]
     trl = next((r for r in records if r["framework"] == "trl"), None)
@@ -594,6 +609,7 @@ def main(argv=None) -> int:
     if specs or a.warmup_only:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         warm = build_warmup(s, Path(a.work), device)
+        print(json.dumps({"warmup": warm.summary}), flush=True)
         for spec in specs:
             rec = rl_run(spec, s, warm, out, device.type)
             print(json.dumps({k: rec[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain",

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(warm.dir), dtype=torch.float32).to(device)
 
     per_generation = s.prompts // s.mini_batch  # optimizer steps per meshppo step
-    args = trl_args(s, str(out / "runs" / "trl"), s.steps * per_generation, cuda)
+    args = trl_args(s, str(warm.dir.parent / "runs" / "trl"), s.steps * per_generation, cuda)
     print("TRL GRPOConfig pinned to meshppo's settings:\n" + "\n".join(f"  {k} = {v!r}" for k, v in args.items()))
     samples_per_opt_step = s.mini_batch * s.n
     points, steps = [], []
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
               "seed": s.seed, "settings": dataclasses.asdict(s), "trl_args": args,
               "generation": "transformers generate (vLLM cannot travel to the GPU machine)",
               "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
-              "warmup": {"dir": str(warm.dir), "hash": s.warmup_hash()}, "samples_per_step": s.prompts * s.n,
+              "warmup": warm.summary, "samples_per_step": s.prompts * s.n,
               "setup_s": setup_s, "train_wall_s": points[-1]["train_wall_s"], "points": points, "steps": steps,
               **gain(points), "hardware": hardware(), "commit": git_commit()}
     write_json(out / "trl.json", record)
