@@ -156,15 +156,25 @@ def model_args(s: Settings, tokenizer):
                      initializer_range=s.init_std)
 
 
-def _encode_answer(tokenizer, value: int, digits: int) -> list[int]:
-    return tokenizer(answer(value, digits), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+class Encoder:
+    """Token ids of the task's prompts and answers, in batches. A prompt is rendered as the
+    trainer's dataset renders a chat prompt (the chat template with the generation prompt, then
+    tokenized without special tokens); the template is rendered once, around a placeholder, since
+    a warm-up step encodes hundreds of problems."""
 
+    def __init__(self, tokenizer, digits: int):
+        self.tokenizer, self.digits = tokenizer, digits
+        self.template = tokenizer.apply_chat_template([{"role": "user", "content": "\0"}], add_generation_prompt=True,
+                                                      tokenize=False)
 
-def encode_prompt(tokenizer, a: int, b: int, digits: int) -> list[int]:
-    """`a+b=` as the trainer's dataset tokenizes a chat prompt (template, then no special tokens)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": problem(a, b, digits)}],
-                                         add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    def prompts(self, pairs: list[tuple[int, int]]) -> list[list[int]]:
+        texts = [self.template.replace("\0", problem(a, b, self.digits)) for a, b in pairs]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def answers(self, values: list[int]) -> list[list[int]]:
+        """`answer(value) + EOS` for each value."""
+        ids = self.tokenizer([answer(v, self.digits) for v in values], add_special_tokens=False)["input_ids"]
+        return [x + [self.tokenizer.eos_token_id] for x in ids]
 
 
 @torch.no_grad()
@@ -191,11 +201,10 @@ def warmup_diagnostics(model, tokenizer, val_rows: list[dict], digits: int, devi
     """What RL starts from, on the validation prompts: greedy accuracy, the probability of a right
     sample (the limit of mean@N), and the share of carry problems whose greedy answer is the slip."""
     pairs = [operands(r) for r in val_rows]
-    prompts = [encode_prompt(tokenizer, a, b, digits) for a, b in pairs]
-    right_greedy, right_lp = teacher_forced(model, prompts, [_encode_answer(tokenizer, a + b, digits)
-                                                             for a, b in pairs], device)
-    slip_greedy, _ = teacher_forced(model, prompts, [_encode_answer(tokenizer, forgotten_carries(a, b), digits)
-                                                     for a, b in pairs], device)
+    enc = Encoder(tokenizer, digits)
+    prompts = enc.prompts(pairs)
+    right_greedy, right_lp = teacher_forced(model, prompts, enc.answers([a + b for a, b in pairs]), device)
+    slip_greedy, _ = teacher_forced(model, prompts, enc.answers([forgotten_carries(a, b) for a, b in pairs]), device)
     carry = [has_forgotten_carry(a, b) for a, b in pairs]
     n_carry = max(sum(carry), 1)
     return {"greedy_acc": sum(right_greedy) / len(pairs),
@@ -264,21 +273,22 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
     from ppo.forward import build_micro_batch
 
     rng = random.Random(s.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.warmup_lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.warmup_lr, weight_decay=0.0, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
     ramp = max(s.warmup_steps // 20, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / ramp) * (
         0.1 + 0.45 * (1 + math.cos(math.pi * min(k, s.warmup_steps) / s.warmup_steps))))
     top = 10 ** s.digits
     history = []
+    enc = Encoder(tokenizer, s.digits)
     for step in range(1, s.warmup_steps + 1):
-        prompts, answers = [], []
-        while len(prompts) < s.warmup_batch:
-            a, b = rng.randrange(top), rng.randrange(top)
-            if (a, b) in held_out:
-                continue
-            prompts.append(encode_prompt(tokenizer, a, b, s.digits))
-            answers.append(_encode_answer(tokenizer, forgotten_carries(a, b) if rng.random() < s.slip else a + b,
-                                          s.digits))
+        pairs = []
+        while len(pairs) < s.warmup_batch:
+            pair = (rng.randrange(top), rng.randrange(top))
+            if pair not in held_out:
+                pairs.append(pair)
+        prompts = enc.prompts(pairs)
+        answers = enc.answers([forgotten_carries(a, b) if rng.random() < s.slip else a + b for a, b in pairs])
         mb = build_micro_batch(prompts, answers, device, packed=False)
         logits = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[mb.src_index].float(),
@@ -293,6 +303,21 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
             if step % 500 == 0:
                 log(f"warm-up step {step}: loss {history[-1][1]:.4f}")
     return history
+
+
+def warmup_problem(stats: dict) -> str | None:
+    """Why RL from this warm-up would not measure learning (None: it is the intended start): the
+    model must add (greedy right on problems without a carry), imitate the slip greedily on carry
+    problems (the headroom) and still sample the right answer to them now and then."""
+    if stats["greedy_acc_no_carry"] < 0.8:
+        return f"greedy accuracy on problems without a carry is {stats['greedy_acc_no_carry']:.2f} (< 0.8): it cannot add"
+    if stats["greedy_slip_on_carry"] < 0.5:
+        return (f"its greedy answer to carry problems is the slip only {stats['greedy_slip_on_carry']:.0%} of the time "
+                "(< 50 %): no headroom to measure")
+    if stats["p_right_sample_carry"] < 0.05:
+        return (f"it samples the right answer to a carry problem with probability {stats['p_right_sample_carry']:.3f} "
+                "(< 0.05): exact-match RL would rarely see a reward")
+    return None
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -610,6 +635,9 @@ def main(argv=None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         warm = build_warmup(s, Path(a.work), device)
         print(json.dumps({"warmup": warm.summary}), flush=True)
+        if (why := warmup_problem(warm.stats)) and not a.tiny:
+            raise SystemExit(f"bench/learn.py: the warm-up checkpoint {warm.dir} is not a usable start: {why}; "
+                             "change --warmup-steps, --warmup-lr or --init-std (a new checkpoint)")
         for spec in specs:
             rec = rl_run(spec, s, warm, out, device.type)
             print(json.dumps({k: rec[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain",

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from bench.common import git_commit, hardware  # noqa: E402
 from bench.learn import (GREEDY, Settings, build_warmup, gain, mean_at, settings_from, settings_parser,  # noqa: E402
-                         val_metrics, write_json)
+                         val_metrics, warmup_problem, write_json)
 from data.arith import DATA_SOURCE  # noqa: E402
 
 
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     t_setup = time.perf_counter()
     warm = build_warmup(s, Path(a.work), device)
+    if (problem := warmup_problem(warm.stats)) and not a.tiny:
+        raise SystemExit(f"bench/learn_trl.py: the warm-up checkpoint {warm.dir} is not a usable start: {problem}")
     tokenizer = load_tokenizer(str(warm.dir))
     render = lambda row: tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)  # noqa: E731
     train = [row for _, row in read_records(warm.train_file)]

@@ -127,16 +127,18 @@ def test_warmup_is_reused_and_loads_in_transformers(tiny_bench):
     assert r.returncode == 0 and "reusing" in r.stdout, r.stdout + r.stderr
     from transformers import AutoModelForCausalLM
 
-    from bench.learn import encode_prompt
+    from bench.learn import Encoder
     from models import Transformer
     from models.tokenizer import load_tokenizer
 
     (warm,) = work.glob("warmup-*")
     tok = load_tokenizer(str(warm))
-    ids = encode_prompt(tok, 7, 35, 2)
+    enc = Encoder(tok, 2)
+    ids = enc.prompts([(7, 35)])[0]
     text = tok.apply_chat_template([{"role": "user", "content": problem(7, 35, 2)}], add_generation_prompt=True,
                                    tokenize=False)
     assert tok(text)["input_ids"] == ids and tok.decode(ids) == "<|user|>07+35=<|assistant|>"
+    assert enc.answers([42]) == [tok("042")["input_ids"] + [tok.eos_token_id]]
     x = torch.tensor([ids])
     ours = Transformer.from_pretrained(str(warm))(x)
     hf = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)(x).logits
