@@ -83,7 +83,7 @@ class Settings:
     n: int = 8                      # samples per prompt
     mini_batch: int = 32            # prompts per optimizer step
     epochs: int = 1
-    lr: float = 3e-5
+    lr: float = 2e-5
     critic_lr: float = 1e-4
     kl_coef: float = 0.01           # k3 (low_var_kl) KL loss coefficient; TRL's beta
     clip_ratio: float = 0.2
@@ -239,12 +239,16 @@ def build_warmup(s: Settings, work: Path, device, log=print) -> Warmup:
     # Deterministic kernels: a device call that finds no checkpoint (a fresh machine) rebuilds the
     # same weights, so runs made in different calls still start from one checkpoint (the record's
     # `weights_sha1` shows it). fp32 weights, TF32 matmuls: no mixed-precision path to get right.
+    # The math SDPA backend: its backward is matmuls, deterministic (these sequences are 16 tokens).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        history = supervised_warmup(model, tokenizer, s, {operands(r) for r in val_rows}, device, log)
+        with sdpa_kernel(SDPBackend.MATH):
+            history = supervised_warmup(model, tokenizer, s, {operands(r) for r in val_rows}, device, log)
     finally:
         torch.use_deterministic_algorithms(False)
     stats = warmup_diagnostics(model, tokenizer, val_rows, s.digits, device)
@@ -377,6 +381,10 @@ def overrides_for(algorithm: str, seed: int, s: Settings, warm: Warmup, run_dir:
           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
           f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
           f"{rollout}.gpu_memory_utilization=0.3",
+          # one engine wave for a step's 512 samples and 1024 of the 4096 validation samples; a few
+          # decode graphs (captured at every trainer build) instead of the 130-size default ladder
+          f"{rollout}.max_num_seqs=1024", f"{rollout}.max_num_batched_tokens=16384",
+          f"{rollout}.cudagraph_capture_sizes=[8,32,128,256,512,1024]",
           f"algorithm.adv_estimator={ALGORITHMS[algorithm]}", "algorithm.norm_adv_by_std_in_grpo=true",
           "algorithm.kl_guard.enable=false",
           f"custom_reward_function.path={ROOT / 'rewards' / 'arith.py'}",
