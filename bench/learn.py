@@ -424,8 +424,9 @@ STEP_KEYS = {"reward": "critic/score/mean", "kl": "actor/ref_kl", "response_leng
 
 
 def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=print) -> dict:
-    """One RL run `ALGORITHM:SEED`: its record (also written to `OUT/<algorithm>_<seed>.json`); the
-    trainer's own directory is `WORK/runs/<algorithm>_<seed>` (beside the warm-up checkpoints)."""
+    """One RL run `ALGORITHM:SEED`: its record, written to `OUT/<algorithm>_<seed>.json` after every
+    evaluation (`complete: false` until the run ends, so a call stopped by its time limit still
+    leaves the curve so far); the trainer's own directory is `WORK/runs/<algorithm>_<seed>`."""
     algorithm, seed = parse_run(spec)
     name = f"{algorithm}_{seed}"
     run_dir = warm.dir.parent / "runs" / name
@@ -437,6 +438,15 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
     steps, points = [], []
     train_s, last = 0.0, {}
 
+    def record(complete: bool) -> dict:
+        rec = {"benchmark": "learn", "framework": "meshppo", "run": name, "algorithm": algorithm, "seed": seed,
+               "complete": complete, "settings": dataclasses.asdict(s), "warmup": warm.summary,
+               "samples_per_step": samples_per_step, "setup_s": setup_s, "train_wall_s": train_s,
+               "wall_s": time.perf_counter() - t0, "points": points, "steps": steps, **gain(points),
+               "hardware": hardware(), "commit": git_commit()}
+        write_json(out / f"{name}.json", rec)
+        return rec
+
     def evaluate(step: int):
         t = time.perf_counter()
         m = val_metrics(run.samples(1, 0.0), run.samples(s.eval_n, s.temperature), s.eval_n)
@@ -446,6 +456,7 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
         log(f"[{name}] step {step:4d} ({train_s:6.1f}s): greedy {m[GREEDY]:.3f}  mean@{s.eval_n} "
             f"{m[mean_at(s.eval_n)]:.3f}  reward {last.get('reward', float('nan')):.3f}  "
             f"kl {last.get('kl', float('nan')):.4f}")
+        record(complete=False)
 
     evaluate(0)
     step = 0
@@ -462,12 +473,7 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
     if points[-1]["step"] != step:
         evaluate(step)
     run.close()
-    record = {"benchmark": "learn", "framework": "meshppo", "run": name, "algorithm": algorithm, "seed": seed,
-              "settings": dataclasses.asdict(s), "warmup": warm.summary,
-              "samples_per_step": samples_per_step, "setup_s": setup_s, "train_wall_s": train_s,
-              "points": points, "steps": steps, **gain(points), "hardware": hardware(), "commit": git_commit()}
-    write_json(out / f"{name}.json", record)
-    return record
+    return record(complete=True)
 
 
 def gain(points: list[dict]) -> dict:
@@ -543,8 +549,8 @@ def summarize(out: Path) -> dict:
     records = load_records(out)
     if not records:
         raise SystemExit(f"no run records (*.json with benchmark 'learn') in {out}")
-    runs = {r["run"]: {k: r[k] for k in ("framework", "greedy_start", "greedy_end", "greedy_gain", "reached_target",
-                                          "train_wall_s", "samples_per_step")}
+    runs = {r["run"]: {k: r[k] for k in ("framework", "complete", "greedy_start", "greedy_end", "greedy_gain",
+                                          "reached_target", "train_wall_s", "samples_per_step")}
             | {"steps": r["points"][-1]["step"], "samples": r["points"][-1]["samples"]} for r in records}
     checkpoints = sorted({(r["warmup"]["hash"], r["warmup"].get("weights_sha1")) for r in records})
     summary = {"benchmark": "learn_summary", "target_gain": TARGET_GAIN, "runs": runs,
@@ -626,10 +632,14 @@ def settings_from(a: argparse.Namespace) -> Settings:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     p = settings_parser(__doc__)
     p.add_argument("--warmup-only", action="store_true", help="build (or reuse) the warm-up checkpoint and stop")
     p.add_argument("--runs", default="", help="comma-separated ALGORITHM:SEED (grpo, ppo, rloo), e.g. grpo:0,ppo:0")
     p.add_argument("--summarize", action="store_true", help="summary.json and curves of every record in --out")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="start a run only if it should end within this many minutes of the command's start, warm-up "
+                        "included (judged by the longest run so far); the rest are listed as not_started")
     a = p.parse_args(argv)
     s = settings_from(a)
     specs = [r for r in a.runs.split(",") if r]
@@ -646,10 +656,18 @@ def main(argv=None) -> int:
         if (why := warmup_problem(warm.stats)) and not a.tiny:
             raise SystemExit(f"bench/learn.py: the warm-up checkpoint {warm.dir} is not a usable start: {why}; "
                              "change --warmup-steps, --warmup-lr or --init-std (a new checkpoint)")
-        for spec in specs:
+        longest = s.max_minutes * 60 + 60  # a first guess at a run's wall time (set-up and evaluation included)
+        for i, spec in enumerate(specs):
+            elapsed = time.perf_counter() - started
+            if a.budget_minutes and elapsed + longest > a.budget_minutes * 60:
+                print(json.dumps({"not_started": specs[i:], "reason": f"--budget-minutes {a.budget_minutes}: "
+                                  f"{elapsed:.0f}s spent, a run takes up to {longest:.0f}s"}), flush=True)
+                break
             rec = rl_run(spec, s, warm, out, device.type)
+            longest = max(longest if i else 0.0, rec["wall_s"])
             print(json.dumps({k: rec[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain",
-                                                  "reached_target", "train_wall_s", "setup_s")}), flush=True)
+                                                  "reached_target", "train_wall_s", "setup_s", "wall_s")}),
+                  flush=True)
     if a.summarize:
         print(json.dumps(summarize(out), indent=1))
     if not (specs or a.warmup_only or a.summarize):

@@ -131,6 +131,19 @@ def main(argv=None) -> int:
     points, steps = [], []
     clock = {"start": None, "eval": 0.0, "last": {}}
 
+    def record(complete: bool) -> dict:
+        """`OUT/trl.json` in `bench/learn.py`'s schema, rewritten after every evaluation."""
+        rec = {"benchmark": "learn", "framework": "trl", "run": f"trl_grpo_{s.seed}", "algorithm": "grpo",
+               "seed": s.seed, "complete": complete, "settings": dataclasses.asdict(s), "trl_args": args,
+               "generation": "transformers generate (vLLM cannot travel to the GPU machine)",
+               "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                            "torch": torch.__version__},
+               "warmup": warm.summary, "samples_per_step": s.prompts * s.n, "setup_s": clock.get("setup_s"),
+               "train_wall_s": points[-1]["train_wall_s"], "points": points, "steps": steps, **gain(points),
+               "hardware": hardware(), "commit": git_commit()}
+        write_json(out / "trl.json", rec)
+        return rec
+
     def train_s() -> float:
         return time.perf_counter() - clock["start"] - clock["eval"]
 
@@ -145,6 +158,7 @@ def main(argv=None) -> int:
         points.append({"step": opt_step / per_generation, "samples": opt_step * samples_per_opt_step,
                        "train_wall_s": now, **m, **clock["last"], "eval_s": time.perf_counter() - t})
         clock["eval"] += time.perf_counter() - t
+        record(complete=False)
         print(f"[trl] step {opt_step / per_generation:6.1f} ({now:6.1f}s): greedy {m[GREEDY]:.3f}  "
               f"mean@{s.eval_n} {m[mean_at(s.eval_n)]:.3f}  {clock['last']}", flush=True)
 
@@ -170,17 +184,10 @@ def main(argv=None) -> int:
 
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_fn, args=trl.GRPOConfig(**args),
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[Bench()])
-    setup_s = time.perf_counter() - t_setup
+    clock["setup_s"] = time.perf_counter() - t_setup
     trainer.train()
-    record = {"benchmark": "learn", "framework": "trl", "run": f"trl_grpo_{s.seed}", "algorithm": "grpo",
-              "seed": s.seed, "settings": dataclasses.asdict(s), "trl_args": args,
-              "generation": "transformers generate (vLLM cannot travel to the GPU machine)",
-              "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
-              "warmup": warm.summary, "samples_per_step": s.prompts * s.n,
-              "setup_s": setup_s, "train_wall_s": points[-1]["train_wall_s"], "points": points, "steps": steps,
-              **gain(points), "hardware": hardware(), "commit": git_commit()}
-    write_json(out / "trl.json", record)
-    print(json.dumps({k: record[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain", "train_wall_s")}))
+    rec = record(complete=True)
+    print(json.dumps({k: rec[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain", "train_wall_s")}))
     return 0
 
 
