@@ -77,6 +77,9 @@ def test_compare_with_trl_by_hand():
     # TRL's last accuracy 0.8 at 160 s; seeds reach it at 20 s, 20 s, never -> no median
     assert c["trl_wall_s_to_last"] == 160 and c["meshppo_wall_s_to_trl_last"] == [20, 20, None]
     assert c["wall_ratio_median"] is None
+    # start + 0.3 = 0.6: TRL at 80 s (0.75 >= 0.6), the seeds at 20, 10, 10 s -> median 10 s
+    assert c["trl_wall_s_to_gain"] == 80 and c["meshppo_wall_s_to_gain"] == [20, 10, 10]
+    assert c["gain_wall_ratio_median"] == pytest.approx(10 / 80)
     c = compare(seeds[:2], trl)
     assert c["wall_ratio_median"] == pytest.approx(20 / 160)
 
