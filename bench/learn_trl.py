@@ -22,8 +22,8 @@ The pinned `GRPOConfig` values are printed and kept in the record (`trl_args`):
   learning_rate = lr, constant schedule, no warm-up, weight_decay = 0, AdamW (0.9, 0.999, 1e-8)
   bf16 autocast on a GPU (meshppo: bf16 compute, fp32 master weights), no gradient checkpointing
 
-It trains until `--minutes` of training wall-clock (evaluation excluded) or `--steps` meshppo-sized
-steps, evaluating like `bench/learn.py` (same validation prompts, greedy and mean@N, here with
+It trains until `--minutes` of training wall-clock (evaluation excluded), `--steps` meshppo-sized
+steps or `--deadline-minutes` after its start (less a minute), evaluating like `bench/learn.py` (same validation prompts, greedy and mean@N, here with
 `generate`) at the same sample counts, and writes `OUT/trl.json` in `bench/learn.py`'s schema.
 """
 
@@ -92,8 +92,12 @@ def generate_rows(model, tokenizer, prompts: list[str], ground_truths: list[str]
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     p = settings_parser(__doc__)
     p.add_argument("--minutes", type=float, default=8.0, help="training wall-clock budget (evaluation excluded)")
+    p.add_argument("--deadline-minutes", type=float, default=None,
+                   help="also stop training this many minutes after the command started, less a minute for the "
+                        "last evaluation (a device call with a time limit, a warm-up rebuilt first)")
     a = p.parse_args(argv)
     if a.steps is None and not a.tiny:
         a.steps = 10**6  # the wall-clock budget decides
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
                               **clock["last"]})
 
         def on_step_end(self, args_, state, control, model=None, **kw):
-            done = train_s() >= s.max_minutes * 60 or state.global_step >= args_.max_steps
+            late = a.deadline_minutes is not None and time.perf_counter() - started >= (a.deadline_minutes - 1) * 60
+            done = late or train_s() >= s.max_minutes * 60 or state.global_step >= args_.max_steps
             if state.global_step % (s.eval_every * per_generation) == 0 or done:
                 evaluate(model, state.global_step)
             if done:
