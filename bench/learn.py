@@ -5,11 +5,13 @@ trainer's own step.
     python bench/learn.py --warmup-only                      # build (or reuse) the warm-up checkpoint
     python bench/learn.py --runs grpo:0,grpo:1,grpo:2        # RL runs: ALGORITHM:SEED (grpo, ppo, rloo)
     python bench/learn.py --runs ppo:0,rloo:0                # more runs into the same --out
+    python bench/learn.py --runs grpo:0,ppo:0 --budget-minutes 8.5   # only the runs that fit (device calls)
     python bench/learn.py --summarize                        # summary.json + PNG curves of every run in --out
                                                              # (with bench/learn_trl.py's trl.json: the comparison)
+    python bench/learn.py --tiny ...                         # a tiny model and task: checks the wiring on a CPU
 
-The task (`data.arith`): `a+b=` with 3-digit operands, answered by the sum's digits and scored by
-exact match (`rewards/arith.py`). The supervised warm-up imitates a demonstrator who, on 70 % of
+The task (`data.arith`): `a+b=` with 3-digit operands written with 3 digits (`007+358=`),
+answered by the sum written with 4 (`0365`) and scored by exact match (`rewards/arith.py`). The supervised warm-up imitates a demonstrator who, on 70 % of
 the problems, forgets every carry between columns; after it the model's greedy answer to a
 problem with such a carry (70 % of them) is the slip, while about 30 % of its samples are right:
 greedy validation accuracy starts near 0.3 with room to reach 1. The warm-up draws fresh problems

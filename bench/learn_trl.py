@@ -19,7 +19,7 @@ The pinned `GRPOConfig` values are printed and kept in the record (`trl_args`):
                                  mini-batches), gradient_accumulation_steps = 1
   num_iterations = epochs        passes over a generated batch (ppo_epochs)
   epsilon = clip_ratio, max_grad_norm = grad_clip, temperature, top_p = 1, top_k = 0
-  learning_rate = lr, constant schedule, no warm-up, weight_decay = 0, AdamW (0.9, 0.999, 1e-8)
+  learning_rate = lr, constant schedule, no warm-up, weight_decay = 0, AdamW (0.9, 0.999, 1e-8; fused on a GPU)
   bf16 autocast on a GPU (meshppo: bf16 compute, fp32 master weights), no gradient checkpointing
 
 It trains until `--minutes` of training wall-clock (evaluation excluded), `--steps` meshppo-sized
@@ -54,7 +54,8 @@ def trl_args(s: Settings, output_dir: str, max_steps: int, cuda: bool) -> dict:
         beta=s.kl_coef, loss_type="dapo", scale_rewards="group", epsilon=s.clip_ratio, max_grad_norm=s.grad_clip,
         temperature=s.temperature, top_p=1.0, top_k=0, max_completion_length=s.max_response_length,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",  # fused on a GPU, as meshppo's AdamW
         bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, use_vllm=False,
         mask_truncated_completions=False, shuffle_dataset=True, remove_unused_columns=False,
         logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
