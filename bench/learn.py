@@ -183,7 +183,7 @@ class Encoder:
 def teacher_forced(model, prompts: list[list[int]], answers: list[list[int]], device, batch: int = 512):
     """Per answer: whether greedy decoding reproduces it exactly (every answer token, EOS
     included, is the argmax after the right prefix) and its log-probability under the model."""
-    from ppo.forward import build_micro_batch
+    from trainer.forward import build_micro_batch
 
     greedy, logp = [], []
     for s in range(0, len(prompts), batch):
@@ -276,7 +276,7 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
     a tenth. Returns `[step, loss]` every 100 steps."""
     import torch.nn.functional as F
 
-    from ppo.forward import build_micro_batch
+    from trainer.forward import build_micro_batch
 
     rng = random.Random(s.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.warmup_lr, weight_decay=0.0, betas=(0.9, 0.95),
@@ -335,10 +335,10 @@ class MeshppoRun:
     evaluation at its own points and a wall-clock budget."""
 
     def __init__(self, overrides: list[str]):
-        from ppo.config import PPOConfig
-        from ppo.configlib import load_config
-        from ppo.launch import init_distributed
-        from ppo.trainer import PPOTrainer
+        from trainer.config import PPOConfig
+        from trainer.configlib import load_config
+        from trainer.launch import init_distributed
+        from trainer.ppo_trainer import PPOTrainer
 
         cfg = load_config(PPOConfig, None, overrides)
         self.trainer = PPOTrainer(cfg, init_distributed(cfg.trainer.device))
