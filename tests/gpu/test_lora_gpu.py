@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from models import Transformer  # noqa: E402
 from models.lora import LoRAConfig, adapters_disabled, inject_lora  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors, reshard_all  # noqa: E402
+from sharding import FSDPConfig, Resharder, build_fsdp_model, load_full_tensors, reshard_all  # noqa: E402
 from tests.gpu.test_engine_gpu import _logprob_errors  # noqa: E402
 from tests.gpu.test_sharding_gpu import SMALL, _peaky_weights  # noqa: E402
 from tests.unit.test_engine import prompts_of  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 LORA = LoRAConfig(rank=16, alpha=32)
-
-
-@pytest.fixture(scope="module")
-def meshes():
-    """A one-rank NCCL world in this process."""
-    torch.cuda.set_device(DEV)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield ParallelDims(1).build_meshes("cuda")
-    dist.destroy_process_group()
 
 
 def test_bf16_engine_with_merged_adapters_tracks_the_adapted_training_forward(meshes):
