@@ -1,7 +1,8 @@
-"""The decoder-only transformer (Llama / Qwen2), its HF checkpoint I/O and its TP layout."""
+"""The decoder-only transformer (Llama / Qwen2), its HF checkpoint I/O, its TP layout and LoRA adapters."""
 
 from models.args import PEAK_BF16_FLOPS, ModelArgs, peak_bf16_flops, torch_dtypes
 from models.checkpoint import iter_hf_tensors, load_model_args
+from models.lora import LoRAConfig
 from models.parallel_plan import tp_shard_dim
 from models.transformer import Transformer, cu_seqlens_from_lengths, position_ids_from_lengths
 
@@ -9,6 +10,7 @@ __all__ = [
     "PEAK_BF16_FLOPS",
     "peak_bf16_flops",
     "torch_dtypes",
+    "LoRAConfig",
     "ModelArgs",
     "Transformer",
     "cu_seqlens_from_lengths",

@@ -99,8 +99,11 @@ def checkpoint_tensors(model, path):
     meta or sharded one), one at a time, with the loading rules: a tied or value model drops
     `lm_head.weight`; a value head the checkpoint lacks (a causal-LM checkpoint, or a
     SequenceClassification head without bias) starts at zero. Unknown, misshapen or missing
-    tensors raise ValueError naming the checkpoint."""
-    params = dict(model.named_parameters())
+    tensors raise ValueError naming the checkpoint. LoRA adapters (`models.lora`) are not part of
+    a base checkpoint and are skipped."""
+    from models.lora import is_lora_name
+
+    params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}
     args = model.args
     seen = set()
     for name, tensor in iter_hf_tensors(path):

@@ -22,6 +22,18 @@ The trainer's order (every call is collective unless noted; docs/ARCHITECTURE.md
       ...forward / backward / optimizer steps on actor, ref, critic...
       save_checkpoint(dir, actor, actor_optim, extra=...)  # every save_freq steps
     export: sd = gather_full_state_dict(actor); rank 0: actor.save_pretrained(path, state_dict=sd)
+
+A LoRA actor (`models.lora`) changes four calls and drops the reference model:
+
+    actor = build_fsdp_model(path, meshes.train, actor.fsdp_config, lora=LoRAConfig(rank, alpha, target_modules),
+                             lora_adapter_path=None or a peft adapter directory, ...)
+    optimizer on models.lora.trainable_parameters(actor)                # the adapters only
+    ref log-probs: with torch.no_grad(), adapters_disabled(actor): actor(...)
+    save_checkpoint / load_checkpoint as above: they hold the trainable parameters only
+    Resharder(actor, meshes, engine) as above: adapted slots get base + scaling·B@A
+    export: sd = gather_full_state_dict(actor, trainable_only=True); rank 0: save_peft_adapter(path, sd, cfg, base)
+            merged: sd = gather_full_state_dict(actor); rank 0:
+                    actor.save_pretrained(path, state_dict=merged_state_dict(sd, cfg.scaling))
 """
 
 from sharding.ac import apply_ac

@@ -152,11 +152,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left over from an interrupted save
     dist.barrier()
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+    state = _states(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         with open(tmp / EXTRA_FILE, "w") as f:
@@ -194,11 +190,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     saved = reader.read_metadata().state_dict_metadata
     if optimizer is not None and not any(k.startswith("optim.") for k in saved):
         raise ValueError(f"checkpoint {str(path)!r} has no optimizer state; load it without an optimizer")
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+    state = _states(model, optimizer)
     try:
         dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(path))
     except dcp.CheckpointException as e:
@@ -212,18 +204,34 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                 raise
             refusal = _weights_only_refusal(path, "a tensor item", unpickling)
         raise refusal from None
+    # Not strict: the frozen parameters (a LoRA actor's base) are not in the checkpoint by design;
+    # DCP has already failed on any trainable one the checkpoint lacks.
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=opts)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=opts)
     extra_file = path / EXTRA_FILE
     return json.loads(extra_file.read_text()) if extra_file.is_file() else {}
 
 
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _states(model, optimizer) -> dict:
+    """What a checkpoint holds: the trainable parameters and their optimizer state. Frozen
+    parameters (the base of a LoRA actor) come from the model path again, not from here."""
+    opts = StateDictOptions(ignore_frozen_params=True)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=opts)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Full, unsharded CPU tensors on rank 0 (`{}` on other ranks); collective.
 
     Parameters are gathered one at a time and moved to CPU at once, so device memory never
-    holds more than one full parameter.
+    holds more than one full parameter. `trainable_only`: only the parameters that train (a
+    LoRA actor's adapters, for `models.lora.save_peft_adapter`).
     """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))

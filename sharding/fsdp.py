@@ -19,6 +19,7 @@ the engine with zero redundancy (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim
 from models.checkpoint import checkpoint_tensors
+from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensors, read_peft_adapter
 from sharding.ac import apply_ac
 
 _FP16 = ("fp16", "float16", "half")
@@ -169,6 +171,8 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
     model.to(cfg.model_torch_dtype)
     if not trainable:
         model.requires_grad_(False)
+    else:
+        _store_frozen_in_compute_dtype(model, cfg.param_torch_dtype)
     apply_ac(model, enable_gradient_checkpointing, enable_activation_offload)
 
     shard_size = mesh.size(mesh.ndim - 1)
@@ -234,6 +238,17 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
     return model
 
 
+def _store_frozen_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen base of a LoRA actor is never updated, so master precision buys it nothing:
+    it is stored in the compute dtype (half the bytes of fp32, no cast per all-gather) while the
+    trainable adapters keep `model_dtype`. FSDP2 needs one dtype only among the trainable
+    parameters of a unit."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and not p.requires_grad and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+
+
 def _block_groups(model: Transformer, min_num_params: int) -> list[list[nn.Module]]:
     blocks = list(model.layers)
     if min_num_params <= 0 or not blocks:
@@ -247,7 +262,8 @@ def _block_groups(model: Transformer, min_num_params: int) -> list[list[nn.Modul
 def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfig, *, head: str = "lm",
                      device: torch.device | str | None = None, trainable: bool = True, seed: int = 0,
                      enable_gradient_checkpointing: bool = False,
-                     enable_activation_offload: bool = False, dummy_weights: bool = False) -> Transformer:
+                     enable_activation_offload: bool = False, dummy_weights: bool = False,
+                     lora: LoRAConfig | None = None, lora_adapter_path: str | os.PathLike | None = None) -> Transformer:
     """Build a sharded actor / reference / critic without any rank holding the whole model.
 
     `source` is either `ModelArgs` (random init, identical on every rank and equal to
@@ -262,6 +278,11 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     they live, from a generator seeded by `seed` and the rank: no full tensor anywhere and no
     checkpoint to write. Models built with the same seed on the same mesh get the same weights
     (the reference equals the initial actor).
+
+    `lora`: inject LoRA adapters (`models.lora.inject_lora`) on the meta model before sharding:
+    the base is frozen (and stored in the compute dtype), the adapters start from peft's
+    initialisation (A from a generator seeded by `seed`, B zero: the initial policy is the
+    base) or from the peft adapter directory `lora_adapter_path`, checked against `lora`.
     """
     path = None
     if isinstance(source, ModelArgs):
@@ -272,16 +293,31 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
+    adapter = None
+    if lora_adapter_path is not None:
+        if lora is None:
+            raise ValueError("lora_adapter_path is set but LoRA is not (lora_rank 0): set lora_rank to the adapter's r")
+        adapter = read_peft_adapter(lora_adapter_path)
     with torch.device("meta"):
         model = Transformer(args, head=head)
+    if lora is not None:
+        inject_lora(model, lora)
+        if adapter is not None:
+            check_adapter(model, *adapter, str(lora_adapter_path))
     apply_fsdp(model, mesh, cfg, trainable=trainable, enable_gradient_checkpointing=enable_gradient_checkpointing,
                enable_activation_offload=enable_activation_offload)
     model.to_empty(device="cpu" if cfg.offload_policy else device)
     if dummy_weights:
         _init_local_shards(model, seed)
+        if adapter is not None:
+            load_full_tensors(model, adapter[1].items(), partial=True)
     else:
         tensors = model.init_tensors(torch.Generator().manual_seed(seed)) if path is None else \
             checkpoint_tensors(model, path)
+        if lora is not None:
+            adapters = adapter[1].items() if adapter is not None else \
+                lora_init_tensors(model, torch.Generator().manual_seed(seed))
+            tensors = itertools.chain(tensors, adapters)
         load_full_tensors(model, tensors)
     model.reset_buffers()
     # Buffers are not sharded and are used on the compute device even when the parameter
@@ -296,21 +332,31 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
 @torch.no_grad()
 def _init_local_shards(model: Transformer, seed: int) -> None:
     """normal(0, initializer_range) weights, unit norms, zero biases: `init_tensors`' recipe,
-    drawn shard by shard on each rank's own device."""
+    drawn shard by shard on each rank's own device; LoRA adapters as `lora_init_tensors`
+    (A uniform in ±1/√in, B zero), from their own generator so that the base weights are those
+    of the same build without LoRA (the reference model)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     generators: dict = {}
+
+    def generator(device, stream: int) -> torch.Generator:
+        if (device, stream) not in generators:
+            generators[device, stream] = torch.Generator(device=device).manual_seed(seed * 65537 + rank + stream)
+        return generators[device, stream]
+
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         if name.endswith("norm.weight"):
             local.fill_(1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", ".lora_B")):
             local.zero_()
+        elif name.endswith(".lora_A"):
+            # A is sharded by rows: every shard keeps the fan-in (its columns) of the bound.
+            bound = p.shape[1] ** -0.5
+            local.uniform_(-bound, bound, generator=generator(local.device, 1 << 20))
         else:
-            if local.device not in generators:
-                generators[local.device] = torch.Generator(device=local.device).manual_seed(seed * 65537 + rank)
-            local.normal_(0.0, model.args.initializer_range, generator=generators[local.device])
+            local.normal_(0.0, model.args.initializer_range, generator=generator(local.device, 0))
 
 
 def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
@@ -326,11 +372,11 @@ def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_full_tensors(model: nn.Module, tensors) -> None:
+def load_full_tensors(model: nn.Module, tensors, partial: bool = False) -> None:
     """Copy `(name, full tensor)` pairs into the local shards of an FSDP model.
 
-    Every parameter must be given exactly once; each full tensor is dropped as soon as its
-    shard is copied, so the peak is one full tensor, never the model.
+    Every parameter must be given exactly once (`partial`: at most once); each full tensor is
+    dropped as soon as its shard is copied, so the peak is one full tensor, never the model.
     """
     params = dict(model.named_parameters())
     seen = set()
@@ -344,7 +390,7 @@ def load_full_tensors(model: nn.Module, tensors) -> None:
             p.copy_(full)
         seen.add(name)
     missing = set(params) - seen
-    if missing:
+    if missing and not partial:
         raise ValueError(f"no weights given for {sorted(missing)[:8]}")
 
 

@@ -28,6 +28,15 @@ is split on dim 0 with a contiguous engine view (the embedding, the LM head) is 
 into the engine buffer, with no bucket buffer. The host work per call is thus a few calls per
 bucket, not several per parameter: on two GPUs the per-parameter version was host-bound.
 
+A LoRA actor (`models.lora`): the engine gets the adapted policy, merged, without any copy of
+the base beyond its own slots. After the base weights are in the slots, each adapted slot is
+rewritten as `base + scaling·B@A` (`models.lora.merge_weight`: float32, one cast), its rows of B
+(column-parallel) or columns of A (row-parallel) taken from the layer's adapters gathered whole
+(one collective per layer; adapters are `r × hidden`; `ReshardStats.adapter_bytes_received`).
+The base bytes move exactly as without LoRA when the base dtype casts exactly into the engine
+dtype (a bf16 base, which `apply_fsdp` stores for a LoRA actor under bf16 compute); an fp32
+base into a bf16 engine is merged from the fp32 base itself (`num_wide`: gathered whole).
+
 Going back to training needs no communication: the FSDP shards are only read. The naive path
 (`reshard_naive`: `DTensor.full_tensor()` per parameter, then slice) is kept as the reference
 and the benchmark baseline.
@@ -45,6 +54,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from models import tp_shard_dim
+from models.lora import is_lora_name, lora_modules, merge_weight
 from sharding.fsdp import reshard_all
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); the GPU image runs 2.11.
@@ -58,6 +68,10 @@ FOREACH_MAX_NUMEL = 1 << 22
 # Gather buckets of about this many bytes per rank: a collective, an event pair and a copy-out
 # call per bucket are host time, which a layer-sized bucket of a small model does not cover.
 BUCKET_BYTES = 64 << 20
+
+# LoRA merges run over row blocks of a slot so that their float32 temporaries (the base rows and
+# B·A) stay near this size, not two float32 copies of the largest weight.
+MERGE_CHUNK_BYTES = 64 << 20
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -76,6 +90,11 @@ class ReshardStats:
     buffer_bytes: int = 0  # bucket buffers allocated for this call (the peak extra memory)
     seconds: float = 0.0  # host time of the call (the GPU may still be copying; synchronise to time it)
     naive: bool = False
+    # LoRA (counted apart from the base bytes above, which they do not change):
+    num_merged: int = 0  # engine slots written as base + scaling·B@A
+    adapter_bytes_received: int = 0  # adapters gathered whole over the shard group, in their own dtype
+    num_wide: int = 0  # merged weights whose base is wider than the engine dtype, gathered whole in the base
+    # dtype (their bytes are in bytes_received, at that dtype): a bf16 base into a bf16 engine needs none
 
 
 @dataclass
@@ -96,6 +115,17 @@ class _Item:
     @property
     def numel(self) -> int:
         return math.prod(self.chunk_shape)
+
+
+@dataclass
+class _LoRAItem:
+    """An engine slot that receives `base + scaling · B @ A` (TP-sliced) instead of the base."""
+
+    item: _Item  # the base weight
+    lora_A: DTensor  # [r, in]
+    lora_B: DTensor  # [out, r]
+    scaling: float
+    wide: bool  # the base dtype does not cast exactly into the engine dtype
 
 
 @dataclass
@@ -154,7 +184,10 @@ class Resharder:
 
     # ------------------------------------------------------------- plan
     def _build_plan(self, slots) -> None:
-        params = dict(self.model.named_parameters())
+        # LoRA adapters have no engine slot of their own: they are merged into their base weight's.
+        all_params = dict(self.model.named_parameters())
+        params = {n: p for n, p in all_params.items() if not is_lora_name(n)}
+        merged = {f"{mod}.weight": m for mod, m in lora_modules(self.model).items()}
         if set(slots) != set(params):
             raise ValueError(f"engine slots and model parameters differ: only in the engine "
                              f"{sorted(set(slots) - set(params))[:6]}, only in the model {sorted(set(params) - set(slots))[:6]}")
@@ -168,6 +201,7 @@ class Resharder:
         layers: dict[str, _Bucket] = {}
         replicated = _Bucket("replicated")  # norms and row-parallel biases of every layer: one gather
         self.local: list[_Item] = []
+        self.lora: list[_LoRAItem] = []
         self.param_bytes = self.slot_bytes = self.num_fallback = 0
         bound = 0.0
         for name, p in params.items():
@@ -205,6 +239,14 @@ class Resharder:
             item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk))
             item.split = (route != "local" and fsdp_dim == 0 and p.shape[0] % S == 0 and slot.view.is_contiguous()
                           and (route == "micro" or tp_dim is None or t == 1))
+            if name in merged:
+                mod = merged[name]
+                # bf16 → fp32 is exact, so the base cast into the slot is the base and the merge
+                # can read it there; fp32 → bf16 is not, and the merge needs the base itself.
+                wide = torch.promote_types(p.dtype, self.dtype) != self.dtype
+                self.lora.append(_LoRAItem(item, mod.lora_A, mod.lora_B, mod.scaling, wide))
+                if wide and route != "local":
+                    continue  # gathered whole in its own dtype at merge time, not in a bucket
             if route == "local":
                 self.local.append(item)
                 continue
@@ -233,6 +275,10 @@ class Resharder:
         self._needs_comm = bool(buckets)
         self.bound_bytes = int(round(bound * self.esize))
         self.num_params = len(params)
+        self._lora_layers: dict[str, list[_LoRAItem]] = {}
+        for li in self.lora:
+            layer = _LAYER.match(li.item.name)
+            self._lora_layers.setdefault(layer.group(0) if layer else li.item.name, []).append(li)
         self._sizes = (
             max((b.micro_numel + b.full_numel for b in self.buckets), default=0),
             max((0 if b.direct else b.micro_numel * m for b in self.buckets), default=0),
@@ -287,7 +333,9 @@ class Resharder:
             for b in self.buckets:
                 self._gather(b, bufs[0], stats, views)
                 self._copy_out(b, bufs[0], views)
-        del bufs, views
+        del bufs
+        self._merge_lora(stats, views)
+        del views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -295,6 +343,65 @@ class Resharder:
     def _copy_local(self, views) -> None:
         _copy_many([views[it.name] for it in self.local], [it.param.to_local() for it in self.local],
                    self.foreach_max_numel)
+
+    # ------------------------------------------------------------- LoRA
+    def _merge_lora(self, stats: ReshardStats, views) -> None:
+        """Slot ← base + scaling · B @ A for every adapted weight, after the base is in the slots.
+
+        A TP shard of a column-parallel weight (rows) needs the same rows of B and all of A; of a
+        row-parallel one (columns), all of B and the same columns of A. Adapters are `r × hidden`,
+        so each layer's are gathered whole over the shard group in one collective. The base is
+        read from the slot when its cast there was exact, else from its own shard (or gathered
+        whole, `num_wide`); the merge is float32 with one cast into the slot, and the FSDP
+        shards the reference reads are never written."""
+        t = self.dims.tp
+        for items in self._lora_layers.values():
+            adapters = self._gather_adapters(items, stats)
+            for li in items:
+                it = li.item
+                view = views[it.name]
+                if not li.wide:
+                    base = view
+                elif it.route == "local":
+                    base = it.param.to_local()
+                else:
+                    base = _tp_slice(it.param.full_tensor(), it.tp_dim, self.tp_rank, t)
+                    padded = list(it.param.shape)
+                    padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // self.dims.dp_shard)
+                    stats.bytes_received += (self.dims.dp_shard - 1) * math.prod(padded) * base.element_size()
+                    stats.num_collectives += 1
+                    stats.num_wide += 1
+                A, B = adapters[id(li.lora_A)], adapters[id(li.lora_B)]
+                A = _tp_slice(A, 1, self.tp_rank, t) if it.tp_dim == 1 else A
+                B = _tp_slice(B, 0, self.tp_rank, t) if it.tp_dim == 0 else B
+                rows = max(1, MERGE_CHUNK_BYTES // (4 * view.shape[1]))
+                for r0 in range(0, view.shape[0], rows):
+                    view[r0:r0 + rows] = merge_weight(base[r0:r0 + rows], A, B[r0:r0 + rows], li.scaling, self.dtype)
+                stats.num_merged += 1
+
+    def _gather_adapters(self, items: list[_LoRAItem], stats: ReshardStats) -> dict[int, torch.Tensor]:
+        """Full A and B of `items` (keyed by `id` of the parameter): FSDP's dim-0 chunks of every
+        rank of the shard group, padded to chunk 0's rows, in one all-gather."""
+        params = [p for li in items for p in (li.lora_A, li.lora_B)]
+        S = self.dims.dp_shard
+        if S == 1:
+            return {id(p): p.to_local() for p in params}
+        rows = [-(-p.shape[0] // S) for p in params]
+        sizes = [r * p.shape[1] for r, p in zip(rows, params)]
+        dtype, device = params[0].dtype, params[0].to_local().device
+        send = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        for p, off in zip(params, offsets):
+            local = p.to_local()
+            send[off:off + local.numel()].copy_(local.reshape(-1))
+        out = torch.empty(S, send.numel(), dtype=dtype, device=device)
+        _all_gather(out.view(-1), send, group=self._shard_group)
+        stats.adapter_bytes_received += (S - 1) * send.numel() * send.element_size()
+        stats.num_collectives += 1
+        return {id(p): out[:, off:off + size].reshape(S * r, p.shape[1])[:p.shape[0]]
+                for p, r, off, size in zip(params, rows, offsets, sizes)}
 
     def _pipelined(self, bufs, stats: ReshardStats, views) -> None:
         """Gathers of bucket i+1 on a side stream overlap the copies of bucket i on the current
@@ -383,13 +490,23 @@ class Resharder:
         stats = self._new_stats(naive=True)
         views = self._views()
         S, t = self.dims.dp_shard, self.dims.tp
-        for it in self.local + [it for b in self.buckets for it in b.micro + b.full]:
-            # Cast before gathering so the baseline moves the same dtype as the fast path.
-            full = it.param.to(self.dtype).full_tensor()
+        lora = {li.item.name: li for li in self.lora}
+        wide = [li.item for li in self.lora if li.wide and li.item.route != "local"]
+        for it in self.local + [it for b in self.buckets for it in b.micro + b.full] + wide:
+            li = lora.get(it.name)
+            # Cast before gathering so the baseline moves the same dtype as the fast path (an
+            # adapted weight is merged from the base itself, then cast).
+            full = (it.param if li is not None else it.param.to(self.dtype)).full_tensor()
             padded = list(it.param.shape)
             padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // S)
-            stats.bytes_received += (S - 1) * math.prod(padded) * self.esize
+            stats.bytes_received += (S - 1) * math.prod(padded) * full.element_size()
             stats.num_collectives += 1
+            if li is not None:
+                A, B = li.lora_A.full_tensor(), li.lora_B.full_tensor()
+                stats.adapter_bytes_received += (S - 1) * (A.numel() + B.numel()) * A.element_size() // S
+                stats.num_collectives += 2
+                full = merge_weight(full, A, B, li.scaling, self.dtype)
+                stats.num_merged += 1
             views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
         del views
         self.total_bytes_received += stats.bytes_received

@@ -30,15 +30,6 @@ def _peaky_weights(model, seed):
                      else 0.15 * torch.randn(p.shape, generator=g))
 
 
-@pytest.fixture(scope="module")
-def meshes():
-    """A one-rank NCCL world in this process."""
-    torch.cuda.set_device(DEV)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield ParallelDims(1).build_meshes("cuda")
-    dist.destroy_process_group()
-
-
 def _train_step(model, opt, vocab, seed=0, batch=2, seq=64):
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(DEV)
     logits = model(ids[:, :-1])

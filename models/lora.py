@@ -1,0 +1,315 @@
+"""LoRA adapters on a `models.Transformer`: injection, the adapters-off switch, peft I/O, merging.
+
+A targeted projection `y = x Wᵀ + b` becomes `y = x Wᵀ + b + scaling · (x Aᵀ) Bᵀ` with
+`A [r, in]`, `B [out, r]`, `scaling = alpha / r` — peft's `LoraLayer` (no dropout, no bias on
+the adapters). A is Kaiming-uniform (peft's `a=√5`: uniform in `±1/√in`) and B is zero, so a
+fresh adapter leaves the model unchanged and the policy starts at the reference.
+
+The projection stays the same module with the same `weight` / `bias` parameters (its class
+becomes `LoRALinear`) and gains two parameters, `lora_A` and `lora_B`: every base name
+(`layers.0.self_attn.q_proj.weight`) is unchanged, so checkpoint loading, `tp_shard_dim`,
+FSDP's shard placement and the resharder see the base exactly as without LoRA. The base is
+frozen; only the adapters (and a value head, which must learn) train.
+
+The reference policy is the same model with the adapters off (`adapters_disabled`): the
+forward then runs exactly the base computation, no second copy of the weights.
+
+Files: `save_peft_adapter` writes what `peft.PeftModel.from_pretrained` reads
+(`adapter_config.json` + `adapter_model.safetensors`, keys
+`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`); `read_peft_adapter` reads
+it back with shape and rank checks; `merged_state_dict` folds the adapters into the base
+weights (fp32 maths) for a plain Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.checkpoint import meshppo_key_to_hf
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ATTN_PROJ + MLP_PROJ
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+# peft options meshppo's adapters do not have; an adapter that sets them is refused, not approximated.
+_PEFT_UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
+                     "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+@dataclass
+class LoRAConfig:
+    """verl's `actor_rollout_ref.model.lora_rank` / `lora_alpha` / `target_modules`."""
+
+    rank: int = field(metadata={"help": "adapter rank r (lora_rank); > 0"})
+    alpha: float = field(default=16.0, metadata={"help": "lora_alpha: the adapter output is scaled by alpha / rank"})
+    target_modules: str | list[str] = field(default="all-linear", metadata={
+        "help": "'all-linear' or a list of projection names among q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                "up_proj, down_proj"})
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"lora_rank must be a positive integer, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"lora_alpha must be a positive number, got {self.alpha!r}")
+        tm = self.target_modules
+        if isinstance(tm, str):
+            if tm != "all-linear":
+                raise ValueError(f"target_modules={tm!r}: give 'all-linear' or a list of names among {list(ALL_LINEAR)}")
+            return
+        if not isinstance(tm, (list, tuple)) or not tm:
+            raise ValueError(f"target_modules must be 'all-linear' or a non-empty list, got {tm!r}")
+        bad = [m for m in tm if m not in ALL_LINEAR]
+        if bad:
+            raise ValueError(f"target_modules has {bad}: meshppo's LoRA targets the projections {list(ALL_LINEAR)}")
+        if len(set(tm)) != len(tm):
+            raise ValueError(f"target_modules lists a projection twice: {list(tm)}")
+        self.target_modules = [m for m in ALL_LINEAR if m in tm]  # model order: configs compare by value
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The projection names, in model order."""
+        return ALL_LINEAR if self.target_modules == "all-linear" else tuple(
+            m for m in ALL_LINEAR if m in self.target_modules)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` with a low-rank update (peft's `lora.Linear`, without dropout)."""
+
+    lora_A: nn.Parameter  # [r, in]
+    lora_B: nn.Parameter  # [out, r]
+    scaling: float
+    lora_enabled: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return y
+        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | None = None) -> nn.Module:
+    """Turn the targeted projections of every block of `model` (a `models.Transformer`) into
+    `LoRALinear`, in place, and freeze everything but the adapters (and a value head).
+
+    Works on the meta device (then `lora_init_tensors` gives the initial values after
+    `to_empty`, e.g. through `sharding.build_fsdp_model(..., lora=cfg)`); on a materialised
+    model the adapters are initialised here from `generator`. Must precede `apply_fsdp`.
+    """
+    if getattr(model, "lora_config", None) is not None:
+        raise RuntimeError("inject_lora was already applied to this model")
+    if any(type(p) is not nn.Parameter for p in model.parameters()):
+        raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
+    for name, module in _targets(model, cfg):
+        if type(module) is not nn.Linear:
+            raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
+        w = module.weight
+        module.__class__ = LoRALinear
+        module.lora_A = nn.Parameter(torch.empty(cfg.rank, w.shape[1], device=w.device, dtype=w.dtype))
+        module.lora_B = nn.Parameter(torch.empty(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
+        module.scaling = cfg.scaling
+        module.lora_enabled = True
+    model.lora_config = cfg
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_lora_name(name) or name.startswith("score."))
+    if not any(p.is_meta for p in model.parameters()):
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, t in lora_init_tensors(model, generator):
+                params[name].copy_(t)
+    return model
+
+
+def _targets(model: nn.Module, cfg: LoRAConfig):
+    for i, block in enumerate(model.layers):
+        for proj in cfg.targets:
+            parent = block.self_attn if proj in ATTN_PROJ else block.mlp
+            yield f"layers.{i}.{'self_attn' if proj in ATTN_PROJ else 'mlp'}.{proj}", getattr(parent, proj)
+
+
+def is_lora_name(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """`{module name: LoRALinear}` (empty for a model without adapters)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_init_tensors(model: nn.Module, generator: torch.Generator | None = None):
+    """Yield `(name, full initial tensor)` on CPU for every adapter: A Kaiming-uniform as peft
+    (`a=√5`), B zero. Drawn from its own generator, so the base weights of a seeded build are
+    those of the same build without LoRA."""
+    for name, m in lora_modules(model).items():
+        a = torch.empty(m.lora_A.shape)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        yield f"{name}.lora_A", a
+        yield f"{name}.lora_B", torch.zeros(m.lora_B.shape)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What the optimizer gets: the adapters (and a value head) of a LoRA model, all parameters otherwise."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
+    for m in lora_modules(model).values():
+        m.lora_enabled = enabled
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model inside the block: the reference policy of a LoRA actor.
+
+    Use it around forward-only passes (`torch.no_grad()`): a backward recomputing checkpointed
+    blocks after the block has exited would see the adapters on again.
+    """
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("adapters_disabled: the model has no LoRA adapters")
+    before = {n: m.lora_enabled for n, m in mods.items()}
+    set_adapters_enabled(model, False)
+    try:
+        yield model
+    finally:
+        for n, m in mods.items():
+            m.lora_enabled = before[n]
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter parameters of `model` by meshppo name (`layers.0.self_attn.q_proj.lora_A`).
+    On a sharded model these are the local shards; `sharding.gather_full_state_dict(model,
+    trainable_only=True)` gathers the full ones."""
+    return {n: p for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`weight + scaling · B @ A` in float32, cast once to `dtype` (default: the weight's).
+
+    The one definition of the merge: the merged export and the resharder (on TP slices:
+    rows of B for a row slice of the weight, columns of A for a column slice) both call it."""
+    merged = weight.float() + (lora_B.float() @ lora_A.float()) * scaling
+    return merged.to(dtype or weight.dtype)
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A full state dict with adapters → the plain model's state dict with the adapters merged
+    into their weights (`merge_weight`), for `Transformer.save_pretrained`."""
+    out = {k: v for k, v in state_dict.items() if not is_lora_name(k)}
+    for k in state_dict:
+        if k.endswith(".lora_A"):
+            mod = k[:-len(".lora_A")]
+            out[mod + ".weight"] = merge_weight(state_dict[mod + ".weight"], state_dict[k],
+                                                state_dict[mod + ".lora_B"], scaling)
+    return out
+
+
+# ------------------------------------------------------------------ peft files
+def _peft_key(name: str) -> str:
+    mod, which = name.rsplit(".", 1)  # "layers.0.self_attn.q_proj", "lora_A"
+    return f"{_PEFT_PREFIX}{meshppo_key_to_hf(mod)}.{which}.weight"
+
+
+def _meshppo_key(key: str) -> str | None:
+    if not (key.startswith(_PEFT_PREFIX + "model.") and key.endswith((".lora_A.weight", ".lora_B.weight"))):
+        return None
+    return key[len(_PEFT_PREFIX + "model."):-len(".weight")]
+
+
+def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor], cfg: LoRAConfig,
+                      base_model_name_or_path: str | None = None) -> None:
+    """Write `adapters` (full tensors by meshppo name, e.g. `adapter_state_dict(model)`) as a peft
+    adapter directory. The weights go under a temporary name first, so an interrupted save
+    never leaves a half-written file under the final name."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {_peft_key(k): v.detach().contiguous().cpu() for k, v in adapters.items() if is_lora_name(k)}
+    if not tensors:
+        raise ValueError("save_peft_adapter: no adapter tensors given")
+    tmp = path / (ADAPTER_WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path / ADAPTER_WEIGHTS)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+        "target_modules": list(cfg.targets), "lora_dropout": 0.0, "init_lora_weights": True,
+        "base_model_name_or_path": base_model_name_or_path, "inference_mode": True, **_PEFT_UNSUPPORTED,
+    }
+    with open(path / ADAPTER_CONFIG, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name).
+    Options meshppo's adapters lack (DoRA, rsLoRA, per-layer ranks, ...) are refused."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {f.name}")
+    raw = json.loads(cfg_file.read_text())
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"{cfg_file}: peft_type is {raw.get('peft_type')!r}, meshppo loads LORA adapters")
+    for key, default in _PEFT_UNSUPPORTED.items():
+        if raw.get(key, default) not in (default, None, {}, False, "none"):
+            raise ValueError(f"{cfg_file}: {key}={raw[key]!r} is not supported by meshppo's LoRA")
+    try:
+        cfg = LoRAConfig(rank=raw.get("r"), alpha=raw.get("lora_alpha"), target_modules=raw.get("target_modules"))
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
+    tensors = {}
+    for key, t in load_file(str(weights)).items():
+        name = _meshppo_key(key)
+        if name is None:
+            raise ValueError(f"{weights}: tensor {key!r} is not a LoRA A/B weight of the decoder layers")
+        tensors[name] = t
+    return cfg, tensors
+
+
+def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ValueError naming `source` unless `tensors` (from `read_peft_adapter`) are exactly the
+    adapters of `model` with the same rank, alpha and targets."""
+    mine: LoRAConfig | None = getattr(model, "lora_config", None)
+    if mine is None:
+        raise ValueError(f"adapter {source!r}: the model has no LoRA adapters (inject_lora first)")
+    for what, theirs, ours in (("r (lora_rank)", cfg.rank, mine.rank), ("lora_alpha", cfg.alpha, mine.alpha),
+                               ("target_modules", cfg.targets, mine.targets)):
+        if theirs != ours:
+            raise ValueError(f"adapter {source!r} has {what}={theirs!r}, the configuration says {ours!r}")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_name(n)}
+    if set(tensors) != set(shapes):
+        extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
+        raise ValueError(f"adapter {source!r} does not match the model: extra {extra[:4]}, missing {missing[:4]}")
+    for n, t in tensors.items():
+        if tuple(t.shape) != shapes[n]:
+            raise ValueError(f"adapter {source!r}: {n} has shape {tuple(t.shape)}, the model needs {shapes[n]}")
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy a peft adapter into an (unsharded) LoRA model; `sharding.build_fsdp_model(...,
+    lora=cfg, lora_adapter_path=path)` does it for a sharded one."""
+    cfg, tensors = read_peft_adapter(path)
+    check_adapter(model, cfg, tensors, str(path))
+    params = dict(model.named_parameters())
+    for n, t in tensors.items():
+        params[n].copy_(t)
