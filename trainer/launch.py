@@ -358,19 +358,24 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         dev = torch.device("cpu")
     owns = False
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
         backend = "nccl" if device == "cuda" else "gloo"
         kwargs = {"device_id": dev} if device == "cuda" else {}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        # torchrun keeps one store across restarts (--max-restarts): keys written by the killed
-        # attempt (a dead rank's gloo address) would be read by the new one and its connect
-        # fails. Each attempt therefore gets its own key prefix.
-        store, _, _ = next(dist.rendezvous("env://", rank, world))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
+        if world == 1:
+            # One rank meets nobody: an in-memory store, no socket (a port inherited from an
+            # earlier run in the same environment may still be taken).
+            store = dist.HashStore()
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            if "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(_free_port())
+            # torchrun keeps one store across restarts (--max-restarts): keys written by the
+            # killed attempt (a dead rank's gloo address) would be read by the new one and its
+            # connect fails. Each attempt therefore gets its own key prefix.
+            store, _, _ = next(dist.rendezvous("env://", rank, world))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
         # No rank goes on before every rank has finished connecting: a rank that then stops at
         # once (bad data) would otherwise close its sockets under a peer still inside gloo's
