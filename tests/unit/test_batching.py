@@ -12,7 +12,7 @@ from models import ModelArgs, Transformer
 from trainer.batching import balanced_equal_partitions, token_budget_partitions
 from trainer.forward import build_micro_batch, response_logprobs
 from trainer.rollout_batch import RolloutBatch
-from trainer.roles import PolicyWorker
+from trainer.roles import Actor, MicroBatching
 
 
 def test_balanced_equal_partitions_sizes_and_balance():
@@ -116,11 +116,11 @@ def test_update_independent_of_packing_and_micro_batching(mode):
     for packed, micro, dynamic in [(True, 8, False), (False, 2, False), (True, None, True), (False, 4, False)]:
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        worker = PolicyWorker(model, opt, None, packed=packed, temperature=1.0, pad_token_id=0,
-                              device=torch.device("cpu"), world_size=1, response_length=5)
+        worker = Actor(model, opt, None, packed=packed, temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                       world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
         ro = _rollouts()
         with torch.no_grad():
-            old, _ = worker.compute_log_prob(ro, 8, False, 0)
+            old, _ = worker.log_probs(ro)
         ro.old_log_probs = old - 0.05 * ro.response_mask  # ratios != 1, some clipped
         worker.update(ro, _actor_cfg(loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic),
                       num_mini_batches=1, kl_loss_coef=0.1, seed=0)
@@ -142,11 +142,11 @@ def test_a_non_finite_gradient_skips_the_step_on_device_and_on_host(fused):
                      num_attention_heads=4, num_key_value_heads=2)
     model = Transformer.build(args, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
-    worker = PolicyWorker(model, opt, None, packed=True, temperature=1.0, pad_token_id=0,
-                          device=torch.device("cpu"), world_size=1, response_length=5)
+    worker = Actor(model, opt, None, packed=True, temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                   world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
     ro = _rollouts()
     with torch.no_grad():
-        old, _ = worker.compute_log_prob(ro, 8, False, 0)
+        old, _ = worker.log_probs(ro)
     ro.old_log_probs = old - 0.05 * ro.response_mask
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ro.advantages[0, 0] = float("nan")
