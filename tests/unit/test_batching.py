@@ -12,7 +12,7 @@ from models import ModelArgs, Transformer
 from trainer.batching import balanced_equal_partitions, token_budget_partitions
 from trainer.forward import build_micro_batch, response_logprobs
 from trainer.rollout_batch import RolloutBatch
-from trainer.roles import Actor, MicroBatching
+from trainer.roles import Actor, Critic, MicroBatching, ReferencePolicy, RewardModel
 
 
 def test_balanced_equal_partitions_sizes_and_balance():
@@ -105,6 +105,34 @@ def test_packed_and_padded_forward_agree():
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
     # padding positions are zero, real ones are log-probs (< 0)
     assert torch.all(a[ro.response_mask == 0] == 0) and torch.all(a[ro.response_mask == 1] < 0)
+
+
+BATCHINGS = [MicroBatching(None, False, 0), MicroBatching(3, False, 0), MicroBatching(None, True, 12)]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_forward_roles_put_each_sequence_in_its_row(packed, batching):
+    """The one forward loop (plan -> forward -> scatter) under every role: each row holds what a
+    lone forward of that sequence gives, whatever the micro-batches and the layout."""
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    policy, value = Transformer.build(args, seed=0), Transformer.build(args, head="value", seed=1)
+    ro = _rollouts(n=7)
+    kw = dict(packed=packed, pad_token_id=0, device=torch.device("cpu"), batching=batching)
+    with torch.no_grad():
+        logp = ReferencePolicy(policy, temperature=0.7, **kw).log_probs(ro)
+        values = Critic(value, None, None, world_size=1, response_length=5, **kw).values(ro)
+        scores = RewardModel(value, **kw).scores(ro)
+        for i, (p, r) in enumerate(zip(ro.prompts, ro.responses)):
+            ids = torch.tensor([p + r])
+            logits = policy(ids)[0].float() / 0.7
+            lone_logp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(-1, torch.tensor(r)[:, None])[:, 0]
+            lone_values = value(ids)[0].float()
+            assert torch.allclose(logp[i, :len(r)], lone_logp, atol=1e-5) and torch.all(logp[i, len(r):] == 0)
+            assert torch.allclose(values[i, :len(r)], lone_values[len(p) - 1:-1], atol=1e-5)
+            assert torch.all(values[i, len(r):] == 0)
+            assert abs(float(scores[i]) - float(lone_values[-1])) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
