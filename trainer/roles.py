@@ -257,7 +257,7 @@ class TrainableRole(Role):
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
-        rank_means = sum_keys + tuple(k for k in stats.values if rank_mean_prefixes and k.startswith(rank_mean_prefixes))
+        rank_means = sum_keys + tuple(k for k in stats.values if k.startswith(rank_mean_prefixes))
         out = stats.result(rank_means=rank_means)
         out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
@@ -364,8 +364,8 @@ class ReferencePolicy(Role):
 
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with self.resident(with_optimizer=False):
-            logp, = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
-                self.model, self._micro_batch(sub), sub.width, self.temperature, False)[:1])
+            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
+                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False))
         return logp
 
 
