@@ -211,8 +211,8 @@ class PPOTrainer:
         outputs on every rank, and return them as (not yet partitioned) rollouts."""
         sp = self._sampling(validate)
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
-                             eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
-                             seed=seed, **sp)
+                                     eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
+                                     seed=seed, **sp)
         n = sp["n"]
         prompts, responses, uids, reasons, lps = [], [], [], [], []
         for k, o in enumerate(outs):
