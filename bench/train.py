@@ -2,7 +2,7 @@
 
     python bench/train.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 16384] [--seq-len 512]
 
-Runs the trainer's own code (`trainer.roles.PolicyWorker` on an FSDP2 actor, world size 1) on
+Runs the trainer's own code (`trainer.roles.Actor` on an FSDP2 actor, world size 1) on
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
 `--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (`ModelArgs.flops`' FLOP
@@ -31,7 +31,7 @@ from trainer.config import OptimConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
 from trainer.setup import make_optimizer  # noqa: E402
 from trainer.rollout_batch import RolloutBatch  # noqa: E402
-from trainer.roles import PolicyWorker  # noqa: E402
+from trainer.roles import Actor, MicroBatching  # noqa: E402
 from sharding.fsdp import FSDPConfig, build_fsdp_model  # noqa: E402
 from sharding.mesh import ParallelDims  # noqa: E402
 
@@ -101,8 +101,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
         apply_compile(model)
     optim, _ = make_optimizer(model, OptimConfig(lr=1e-6), 1, ctx.device)
-    worker = PolicyWorker(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
-                          world_size=1, response_length=seq_len)
+    worker = Actor(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
+                   world_size=1, response_length=seq_len, batching=MicroBatching(None, True, tokens))
     n_seqs = tokens // seq_len
     ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
     lengths = ro.lengths()
@@ -155,7 +155,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
         return
 
     def fwd():
-        worker.compute_log_prob(ro, None, True, tokens)
+        worker.log_probs(ro)
 
     def upd():
         worker.update(ro, actor_cfg(tokens), num_mini_batches=1, kl_loss_coef=0.001, seed=0)

@@ -154,7 +154,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
     enforce_eager: bool = opt(False, "disable CUDA graphs for decode")
-    free_cache_engine: bool = opt(True, "release the KV cache (and engine weights) after generation")
+    free_cache_engine: bool = opt(True, "release the engine's KV cache after generation (the next generation "
+                                        "re-allocates it); the engine's weights and CUDA graphs stay: "
+                                        "free_engine_weights releases them too")
+    free_engine_weights: bool = opt(False, "also release the engine's weights and decode CUDA graphs after "
+                                           "generation, so the training phases get their memory; the next reshard "
+                                           "re-allocates the weights and the next generation recaptures the graphs "
+                                           "(timing_s/graph_capture). Needs free_cache_engine and name=native")
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
@@ -474,6 +480,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")
+    if rollout.free_engine_weights and not rollout.free_cache_engine:
+        raise ConfigError("actor_rollout_ref.rollout.free_engine_weights=true needs free_cache_engine=true "
+                          "(it releases the engine's weights and graphs in addition to its KV cache)")
+    if rollout.free_engine_weights and rollout.name != "native":
+        raise ConfigError(f"actor_rollout_ref.rollout.free_engine_weights=true needs rollout.name=native: "
+                          f"rollout.name={rollout.name} generates with the training model, there is no engine")
     if cfg.uses_critic:
         critic = cfg.critic
         cmini = critic.ppo_mini_batch_size

@@ -2,11 +2,13 @@
 
 `PPOTrainer.step` is the whole algorithm in order (docs/ARCHITECTURE.md):
 
-    reshard actor -> generate -> free KV cache -> rewards -> old / ref log-probs, values
-    -> KL in reward -> advantages -> critic update -> actor update -> metrics -> checkpoint
+    rollout (reshard -> generate -> free engine memory) -> rewards -> old / ref log-probs,
+    values -> KL in reward -> advantages -> critic update -> actor update -> metrics -> checkpoint
 
-Everything else here is set-up (models, engine, data), validation, checkpoints and the
-reactions of the KL guard.
+The roles (`trainer.roles`: actor, reference, critic, reward model) and the rollout phase
+(`trainer.rollout_phase`) do the work of the phases and own their memory moves. Everything
+else here is set-up (models, roles, engine, data), validation, checkpoints and the reactions
+of the KL guard.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
 from trainer.rollout_batch import RolloutBatch
-from trainer.setup import build_engine, build_models, build_rollout_fn
-from trainer.tracking import Timer, Tracking, dump_generations, run_info
-from trainer.roles import PolicyWorker, ValueWorker, masked_mean_global, resident
+from trainer.roles import (Actor, Critic, MicroBatching, Reference, ReferencePolicy, RewardModel,
+                           masked_mean_global)
+from trainer.rollout_phase import build_rollout
+from trainer.setup import build_engine, build_models
+from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, run_info
 from sharding import comm
-from sharding.fsdp import offload_states
 
 class _AbandonStep(Exception):
     """Preemption: the rest of this step would not fit in the grace period."""
@@ -92,37 +95,21 @@ class PPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
         self.models = build_models(cfg, ctx, self.total_steps)
-        arr = cfg.actor_rollout_ref
-        packed = arr.model.use_remove_padding
-        temp = arr.rollout.temperature if arr.rollout.do_sample else 1.0
-        m = self.models
-        self.actor = PolicyWorker(m.actor, m.actor_optim, m.actor_sched, packed=packed, temperature=temp,
-                                  pad_token_id=self.pad_id, device=self.device, world_size=ctx.world_size,
-                                  response_length=cfg.response_length)
-        self.ref = (PolicyWorker(m.ref, packed=packed, temperature=temp, pad_token_id=self.pad_id,
-                                 device=self.device, world_size=ctx.world_size, response_length=cfg.response_length)
-                    if m.ref is not None else None)
-        self.critic = (ValueWorker(m.critic, m.critic_optim, m.critic_sched, packed=cfg.critic.model.use_remove_padding,
-                                   pad_token_id=self.pad_id, device=self.device, world_size=ctx.world_size,
-                                   response_length=cfg.response_length)
-                       if m.critic is not None else None)
-        # A reference / critic with param_offload or optimizer_offload waits on CPU between its phases.
-        if m.ref is not None:
-            offload_states(m.ref, None, arr.ref.fsdp_config)
-        if m.critic is not None:
-            offload_states(m.critic, m.critic_optim, cfg.critic.model.fsdp_config)
-        self.engine = build_engine(cfg, ctx, m)
-        self.generate = build_rollout_fn(cfg, ctx, m, self.engine, self.timer)
+        self.peaks = PeakMemory(self.device)
+        self._build_roles()
+        self.engine = build_engine(cfg, ctx, self.models)
+        self.rollout = build_rollout(cfg, self.models, self.actor, self.engine, ctx.rank, self.peaks, self.timer)
 
         from rewards import get_reward_fn
 
         self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         kc = cfg.algorithm.kl_ctrl
         self.kl = KLCoefficients(in_reward=get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
-                                 in_loss=FixedKLController(arr.actor.kl_loss_coef))
+                                 in_loss=FixedKLController(cfg.actor_rollout_ref.actor.kl_loss_coef))
         self.guard = KLGuard(cfg.algorithm.kl_guard)
         self.global_step = 0
         self.nonfinite_streak = 0
+        m = self.models
         states = {"trainer": self, "loader": self.loader, "kl": self.kl, "kl_guard": self.guard,
                   "actor_sched": m.actor_sched}
         models = {"actor": (m.actor, m.actor_optim)}
@@ -136,6 +123,40 @@ class PPOTrainer:
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
+
+    def _build_roles(self) -> None:
+        """The actor, and the reference, critic and reward model when the config uses them; each
+        with its micro-batching and memory placement (a role whose states are offloaded starts
+        in host memory)."""
+        cfg, m = self.cfg, self.models
+        arr = cfg.actor_rollout_ref
+        common = dict(device=self.device, pad_token_id=self.pad_id)
+        policy = dict(common, packed=arr.model.use_remove_padding,
+                      temperature=arr.rollout.temperature if arr.rollout.do_sample else 1.0)
+        trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
+        lp = arr.rollout
+        self.actor = Actor(m.actor, m.actor_optim, m.actor_sched, **policy, **trainable,
+                           fsdp_cfg=arr.actor.fsdp_config,
+                           batching=MicroBatching(lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
+                                                  lp.log_prob_max_token_len_per_gpu))
+        self.ref: Reference | None = None
+        if m.ref is not None:
+            rc = arr.ref
+            self.ref = ReferencePolicy(m.ref, **policy, fsdp_cfg=rc.fsdp_config, batching=MicroBatching(
+                rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz, rc.log_prob_max_token_len_per_gpu))
+        self.critic = None
+        if m.critic is not None:
+            cc = cfg.critic
+            self.critic = Critic(m.critic, m.critic_optim, m.critic_sched, **common, **trainable,
+                                 packed=cc.model.use_remove_padding, fsdp_cfg=cc.model.fsdp_config,
+                                 batching=MicroBatching(cc.forward_micro_batch_size_per_gpu, cc.use_dynamic_bsz,
+                                                        cc.forward_max_token_len_per_gpu))
+        self.reward_model = None
+        if m.reward_model is not None:
+            rm = cfg.reward_model
+            self.reward_model = RewardModel(m.reward_model, **common, packed=True, fsdp_cfg=rm.fsdp_config,
+                                            batching=MicroBatching(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
+                                                                   rm.forward_max_token_len_per_gpu))
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
@@ -189,9 +210,9 @@ class PPOTrainer:
         """Generate for every prompt of `items` (split over rollout-DP groups), gather all
         outputs on every rank, and return them as (not yet partitioned) rollouts."""
         sp = self._sampling(validate)
-        outs = self.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
-                             eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
-                             seed=seed, **sp)
+        outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
+                                     eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
+                                     seed=seed, **sp)
         n = sp["n"]
         prompts, responses, uids, reasons, lps = [], [], [], [], []
         for k, o in enumerate(outs):
@@ -248,114 +269,123 @@ class PPOTrainer:
         out = torch.tensor(scores if scores is not None else [0.0] * len(ro), dtype=torch.float32,
                            device=self.device)
         if rm_cfg.enable:
-            out = out + self.models.reward_scores(ro, rm_cfg)
+            out = out + self.reward_model.scores(ro)
         return out, extras
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict:
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        timer, metrics = self.timer, {}
+        """One PPO step, each phase one call in the order of docs/ARCHITECTURE.md. The phases fill
+        the optional fields of this rank's `RolloutBatch` and add their metrics."""
+        metrics = {}
         faults.at_step_start(self.global_step + 1, self.ctx.rank)
         items = self.loader.next_batch()
-        with gc_control.collect_after(self.global_step + 1), timer("step"):
-            with timer("gen"):
+        with gc_control.collect_after(self.global_step + 1), self.timer("step"):
+            with self.timer("gen"):
                 full = self._generate_all(items, validate=False,
-                                          seed=cfg.trainer.seed * 1_000_003 + self.global_step)
+                                          seed=self.cfg.trainer.seed * 1_000_003 + self.global_step)
             ro, parts = self._partition(full)
-            idx = parts[self.ctx.rank]
-            n_total = len(full)
-            mask = ro.response_mask
-            with timer("reward"):
-                scores, extras = self._score(ro)
-            token_scores = torch.zeros(len(ro), ro.width, device=self.device)
-            last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
-            token_scores[torch.arange(len(ro), device=self.device), last] = scores
-            ro.token_level_scores = token_scores
-
-            lp, correction = arr.rollout, cfg.algorithm.rollout_correction
-            reweighted = correction.rollout_is is not None or bool(correction.rejection)
-            if correction.bypass_mode or reweighted or lp.calculate_log_probs:
-                rl = torch.zeros(len(ro), ro.width)
-                for i, r in enumerate(ro.engine_log_probs):
-                    rl[i, :len(r)] = torch.tensor(r)
-                ro.rollout_log_probs = rl.to(self.device)
-            if correction.bypass_mode:
-                # The engine's log-probs are the old ones (the same softmax of logits / temperature):
-                # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
-                old = ro.old_log_probs = ro.rollout_log_probs
-            else:
-                with timer("old_log_prob"):
-                    old, ent = self.actor.compute_log_prob(ro, lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
-                                                           lp.log_prob_max_token_len_per_gpu, with_entropy=True)
-                    ro.old_log_probs = old
-                    metrics["actor/entropy"] = masked_mean_global(ent, mask)
-                    if lp.calculate_log_probs:
-                        metrics["rollout/logprob_diff"] = masked_mean_global(
-                            (ro.rollout_log_probs - old).abs(), mask)
-                if reweighted or lp.calculate_log_probs:
-                    # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
-                    weights, corr = compute_rollout_correction(
-                        *(self._gather_rows(t, parts, n_total) for t in (old, ro.rollout_log_probs)),
-                        full.response_mask,
-                        correction.rollout_is, *correction.is_bounds, correction.rejection)
-                    if weights is not None:
-                        ro.rollout_is_weights = weights[torch.tensor(idx, device=self.device)]
-                    metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
-            if self.ref is not None:
-                rc = arr.ref
-                with timer("ref"), resident(self.ref.model, None, rc.fsdp_config, self.device):
-                    ref, _ = self.ref.compute_log_prob(
-                        ro, rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz,
-                        rc.log_prob_max_token_len_per_gpu)
-                ro.ref_log_probs = ref
-                metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(old, ref, "low_var_kl"), mask)
-            if self.critic is not None:
-                cc = cfg.critic
-                with timer("values"), resident(self.critic.model, None, cc.model.fsdp_config, self.device):
-                    ro.values = self.critic.compute_values(
-                        ro, cc.forward_micro_batch_size_per_gpu,
-                        cc.use_dynamic_bsz, cc.forward_max_token_len_per_gpu)
-
-            with timer("adv"):
-                rewards = token_scores
-                if cfg.algorithm.use_kl_in_reward:
-                    kld = kl_penalty(old, ro.ref_log_probs, cfg.algorithm.kl_penalty) * mask
-                    beta = self.kl.in_reward.value
-                    rewards = token_scores - beta * kld
-                    current_kl = masked_mean_global(kld, mask)
-                    self.kl.in_reward.update(current_kl, n_steps=cfg.data.train_batch_size)
-                    metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
-                ro.token_level_rewards = rewards
-                adv, ret = self._advantages(full, ro, parts)
-                ro.advantages, ro.returns = adv, ret
-
-            num_mini = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
+            scores, extras = self._reward(ro)
+            self._old_log_probs(full, ro, parts, metrics)
+            self._ref_log_probs(ro, metrics)
+            self._values(ro)
+            self._compute_advantages(full, ro, parts, metrics)
             self._check_abandon()
             t_update = time.perf_counter()
-            if self.critic is not None:
-                cmini = cfg.critic.ppo_mini_batch_size
-                with timer("update_critic"), resident(self.critic.model, self.critic.optimizer,
-                                                       cfg.critic.model.fsdp_config, self.device):
-                    metrics.update(self.critic.update(ro, cfg.critic, cfg.data.train_batch_size // cmini,
-                                                      seed=cfg.trainer.seed + self.global_step))
-                self.critic.scheduler.step()
-            if self.global_step >= cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    metrics.update(self.actor.update(ro, arr.actor, num_mini, self.kl.in_loss.value,
-                                                     seed=cfg.trainer.seed + self.global_step,
-                                                     step=self.global_step + 1, rollout_correction=correction))
-                self.actor.scheduler.step()
+            self._update_critic(ro, metrics)
+            self._update_actor(ro, metrics)
             self._last_update_s = time.perf_counter() - t_update
-            if cfg.trainer.rollout_data_dir:
-                with timer("dump_rollout"):
+            if self.device.type == "cuda":
+                metrics["perf/max_memory_allocated_update_gb"] = self.peaks.since_split_gb()
+            if self.cfg.trainer.rollout_data_dir:
+                with self.timer("dump_rollout"):
                     self._dump_rollouts(full, ro, parts, scores, extras)
         self.global_step += 1
         metrics.update(self._batch_metrics(ro, scores, extras))
         metrics.update(self.timer.pop())
         metrics.update(self._perf_metrics(ro, metrics))
-        if arr.actor.use_kl_loss:
+        if self.cfg.actor_rollout_ref.actor.use_kl_loss:
             metrics["actor/kl_coef"] = self.kl.in_loss.value
         return metrics
+
+    def _reward(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        """Scores `[N_local]` and the reward function's extra columns; `ro.token_level_scores`
+        holds each score on its response's last token."""
+        with self.timer("reward"):
+            scores, extras = self._score(ro)
+        token_scores = torch.zeros(len(ro), ro.width, device=self.device)
+        last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
+        token_scores[torch.arange(len(ro), device=self.device), last] = scores
+        ro.token_level_scores = token_scores
+        return scores, extras
+
+    def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
+        """`old_log_probs`: the actor's recompute (with `actor/entropy`), or the engine's own in
+        bypass mode; and rollout correction's pi_old / pi_rollout weights, over the whole batch."""
+        lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
+        mask = ro.response_mask
+        reweighted = correction.rollout_is is not None or bool(correction.rejection)
+        if correction.bypass_mode or reweighted or lp.calculate_log_probs:
+            rl = torch.zeros(len(ro), ro.width)
+            for i, r in enumerate(ro.engine_log_probs):
+                rl[i, :len(r)] = torch.tensor(r)
+            ro.rollout_log_probs = rl.to(self.device)
+        if correction.bypass_mode:
+            # The engine's log-probs are the old ones (the same softmax of logits / temperature):
+            # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
+            ro.old_log_probs = ro.rollout_log_probs
+            return
+        with self.timer("old_log_prob"):
+            old, ent = self.actor.log_probs(ro, with_entropy=True)
+            ro.old_log_probs = old
+            metrics["actor/entropy"] = masked_mean_global(ent, mask)
+            if lp.calculate_log_probs:
+                metrics["rollout/logprob_diff"] = masked_mean_global((ro.rollout_log_probs - old).abs(), mask)
+        if reweighted or lp.calculate_log_probs:
+            # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
+            weights, corr = compute_rollout_correction(
+                *(self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs)),
+                full.response_mask, correction.rollout_is, *correction.is_bounds, correction.rejection)
+            if weights is not None:
+                ro.rollout_is_weights = weights[torch.tensor(parts[self.ctx.rank], device=self.device)]
+            metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
+
+    def _ref_log_probs(self, ro: RolloutBatch, metrics: dict) -> None:
+        """`ref_log_probs` from the reference role, and `actor/ref_kl`."""
+        if self.ref is None:
+            return
+        with self.timer("ref"):
+            ro.ref_log_probs = self.ref.log_probs(ro)
+        metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(ro.old_log_probs, ro.ref_log_probs, "low_var_kl"),
+                                                     ro.response_mask)
+
+    def _values(self, ro: RolloutBatch) -> None:
+        """`values` from the critic (before its update)."""
+        if self.critic is None:
+            return
+        with self.timer("values"):
+            ro.values = self.critic.values(ro)
+
+    def _update_critic(self, ro: RolloutBatch, metrics: dict) -> None:
+        if self.critic is None:
+            return
+        cfg = self.cfg
+        with self.timer("update_critic"):
+            metrics.update(self.critic.update(ro, cfg.critic, cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size,
+                                              seed=cfg.trainer.seed + self.global_step))
+        self.critic.scheduler.step()
+
+    def _update_actor(self, ro: RolloutBatch, metrics: dict) -> None:
+        """The actor's update, once the critic has had `trainer.critic_warmup` steps."""
+        cfg = self.cfg
+        if self.global_step < cfg.trainer.critic_warmup:
+            return
+        actor_cfg = cfg.actor_rollout_ref.actor
+        with self.timer("update_actor"):
+            metrics.update(self.actor.update(ro, actor_cfg, cfg.data.train_batch_size // actor_cfg.ppo_mini_batch_size,
+                                             self.kl.in_loss.value, seed=cfg.trainer.seed + self.global_step,
+                                             step=self.global_step + 1,
+                                             rollout_correction=cfg.algorithm.rollout_correction))
+        self.actor.scheduler.step()
 
     def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
                        extras: dict):
@@ -381,19 +411,32 @@ class PPOTrainer:
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
-    def _advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]]):
-        """Advantages over the whole batch (whitening and group baselines are batch-wide), then
-        this rank's rows. Only the rank-local rewards and values are gathered: the response
-        mask and the group ids are known to every rank already (`full`)."""
-        alg = self.cfg.algorithm
-        gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
-        values = ro.values
-        adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
-            token_level_rewards=gather(ro.token_level_rewards), response_mask=full.response_mask,
-            values=gather(values) if values is not None else None, index=np.asarray(full.uids),
-            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
-        return adv[sel], ret[sel]
+    def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
+        """`token_level_rewards` (scores minus the KL-in-reward penalty, with its controller's
+        update), then `advantages` and `returns` over the whole batch (whitening and group
+        baselines are batch-wide) and this rank's rows of them. Only the rank-local rewards and
+        values are gathered: the response mask and the group ids are known to every rank already
+        (`full`)."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        mask = ro.response_mask
+        with self.timer("adv"):
+            rewards = ro.token_level_scores
+            if alg.use_kl_in_reward:
+                kld = kl_penalty(ro.old_log_probs, ro.ref_log_probs, alg.kl_penalty) * mask
+                beta = self.kl.in_reward.value
+                rewards = rewards - beta * kld
+                current_kl = masked_mean_global(kld, mask)
+                self.kl.in_reward.update(current_kl, n_steps=cfg.data.train_batch_size)
+                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+            ro.token_level_rewards = rewards
+            gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
+            values = ro.values
+            adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
+                token_level_rewards=gather(ro.token_level_rewards), response_mask=full.response_mask,
+                values=gather(values) if values is not None else None, index=np.asarray(full.uids),
+                gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+            sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
+            ro.advantages, ro.returns = adv[sel], ret[sel]
 
     def _batch_metrics(self, ro: RolloutBatch, scores: torch.Tensor, extras: dict) -> dict:
         mask = ro.response_mask
@@ -453,9 +496,7 @@ class PPOTrainer:
         out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / per_gpu_s,
                "perf/response_throughput": generated / per_gpu_s}
         if dev.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
-            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 2**30
-            torch.cuda.reset_peak_memory_stats(dev)
+            out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"] = self.peaks.step_gb()
         else:
             import resource
 

@@ -1,10 +1,13 @@
-"""Actor, reference and critic computations on this rank's rollouts.
+"""The roles of a PPO step: actor, reference, critic and reward model.
 
-Each worker wraps one FSDP2-sharded model. Forward-only passes (old log-probs, reference
-log-probs, values) run in micro-batches without gradients; updates run PPO epochs ×
-mini-batches × micro-batches with the loss normalised to the global token (or sequence)
-mean of the mini-batch, so the gradient does not depend on how sequences were packed into
-micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
+Each role owns its FSDP2-sharded model, its optimizer and scheduler (the trainable ones) and
+its memory placement (`fsdp_config.param_offload` / `optimizer_offload`: where its states wait
+between the phases that use them). Forward-only passes (old log-probs, reference log-probs,
+values, reward scores) all run through one micro-batch loop, `forward_micro_batches`; the actor
+and critic updates share one skeleton, `TrainableRole._update`, which takes the role's loss: PPO
+epochs × mini-batches × micro-batches with the loss normalised to the global token (or
+sequence) mean of the mini-batch, so the gradient does not depend on how sequences were packed
+into micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -20,25 +24,11 @@ from trainer import faults
 from trainer.batching import token_budget_partitions
 from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
                             get_policy_loss_fn, masked_sum)
-from trainer.forward import build_micro_batch, response_logprobs, response_values
+from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import RolloutBatch
 from sharding import comm
-from sharding.fsdp import load_states, offload_states
+from sharding.fsdp import FSDPConfig, load_states, offload_states
 from sharding.grad_norm import clip_grad_norm_
-
-
-@contextmanager
-def resident(model, optimizer, fsdp_cfg, device):
-    """Bring offloaded parameters / optimizer states (fsdp_config.param_offload /
-    optimizer_offload) to the device for one phase and send them back after it."""
-    if fsdp_cfg is None:
-        yield
-        return
-    load_states(model, optimizer, fsdp_cfg, device)
-    try:
-        yield
-    finally:
-        offload_states(model, optimizer, fsdp_cfg)
 
 
 def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int | None, dynamic: bool,
@@ -66,6 +56,36 @@ def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, 
         counts = comm.all_reduce_values([len(p) for p in parts], "max")
         parts = [token_budget_partitions(c, max_tokens, min_parts=int(n)) for c, n in zip(costs, counts)]
     return [[[indices[j] for j in p] for p in ps] for indices, ps in zip(batches, parts)]
+
+
+class MicroBatching(NamedTuple):
+    """How a forward-only pass cuts this rank's rows: `size` sequences a micro-batch (None: all),
+    or with `dynamic` packed under `max_tokens` tokens each."""
+
+    size: int | None
+    dynamic: bool
+    max_tokens: int
+
+
+@torch.no_grad()
+def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching,
+                          forward: Callable[[RolloutBatch], tuple]) -> list[torch.Tensor | None]:
+    """The one micro-batch loop of the forward-only passes: plan the micro-batches (every rank
+    the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` on each, scatter each
+    output into `[N, ...]` (float32 zeros where no row wrote). A micro-batch without rows still
+    runs its forward, so that FSDP's collectives stay in step over ranks."""
+    outs = None
+    for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching):
+        results = forward(ro.take(part))
+        if outs is None:
+            outs = [None if r is None else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device)
+                    for r in results]
+        if part:
+            rows = ro.index(part)
+            for out, r in zip(outs, results):
+                if r is not None:
+                    out[rows] = r
+    return outs
 
 
 @dataclass
@@ -140,15 +160,62 @@ class _Mean:
         return out
 
 
-class PolicyWorker:
-    """The actor (trainable) or the reference policy (`optimizer=None`)."""
+class LossTerms(NamedTuple):
+    """What a role's loss gives the update skeleton for one micro-batch: the loss to backpropagate,
+    detached terms summed over the mini-batch's micro-batches (each a share of the global mean:
+    averaged over mini-batches and ranks), and detached statistics averaged over micro-batches."""
 
-    def __init__(self, model, optimizer=None, scheduler=None, *, packed: bool, temperature: float, pad_token_id: int,
-                 device: torch.device, world_size: int, response_length: int):
+    loss: torch.Tensor
+    sums: dict[str, torch.Tensor]
+    means: dict[str, torch.Tensor]
+
+
+class Role:
+    """One model on this rank and its memory placement: with `fsdp_config.param_offload` /
+    `optimizer_offload` its states wait in host memory between the phases that use them
+    (`offload` / `load`, or `resident()` for one phase). `fsdp_cfg=None`: always on the device."""
+
+    def __init__(self, model, *, device: torch.device, packed: bool, pad_token_id: int,
+                 batching: MicroBatching | None = None, fsdp_cfg: FSDPConfig | None = None, optimizer=None,
+                 scheduler=None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.response_length = response_length
-        self.packed, self.temperature, self.pad = packed, temperature, pad_token_id
-        self.device, self.world_size = device, world_size
+        self.device, self.packed, self.pad = device, packed, pad_token_id
+        self.batching, self.fsdp_cfg = batching, fsdp_cfg
+
+    def offload(self) -> None:
+        """Send the states the FSDP config offloads to host memory (no-op for flags that are off)."""
+        if self.fsdp_cfg is not None:
+            offload_states(self.model, self.optimizer, self.fsdp_cfg)
+
+    def load(self) -> None:
+        """Bring back what `offload` moved."""
+        if self.fsdp_cfg is not None:
+            load_states(self.model, self.optimizer, self.fsdp_cfg, self.device)
+
+    @contextmanager
+    def resident(self, with_optimizer: bool):
+        """The parameters (and, `with_optimizer`, the optimizer states) on the device for one
+        phase, back in host memory after it."""
+        if self.fsdp_cfg is None:
+            yield
+            return
+        optimizer = self.optimizer if with_optimizer else None
+        load_states(self.model, optimizer, self.fsdp_cfg, self.device)
+        try:
+            yield
+        finally:
+            offload_states(self.model, optimizer, self.fsdp_cfg)
+
+    def _micro_batch(self, sub: RolloutBatch):
+        return build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
+
+
+class TrainableRole(Role):
+    """A role with an optimizer and a learning-rate schedule: the actor and the critic."""
+
+    def __init__(self, model, optimizer, scheduler, *, world_size: int, response_length: int, **kw):
+        super().__init__(model, optimizer=optimizer, scheduler=scheduler, **kw)
+        self.world_size, self.response_length = world_size, response_length
 
     def scale_lr(self, next_lr) -> None:
         """Apply `next_lr` to the learning rate now and to the schedule's base (a KL guard's
@@ -157,24 +224,67 @@ class PolicyWorker:
         for group in self.optimizer.param_groups:
             group["lr"] = next_lr(group["lr"])
 
-    def _forward(self, ro: RolloutBatch, idx: list[int], with_entropy: bool):
-        sub = ro.take(idx)
-        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
-        return response_logprobs(self.model, mb, ro.width, self.temperature, with_entropy)
+    def _update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int, prefix: str,
+                forward: Callable[[RolloutBatch, int], tuple],
+                loss: Callable[[RolloutBatch, tuple, int, dict], LossTerms], sum_keys: tuple[str, ...],
+                rank_mean_prefixes: tuple[str, ...] = (), step: int = -1) -> dict:
+        """The update skeleton: PPO epochs × mini-batches × micro-batches of `loss`.
 
-    @torch.no_grad()
-    def compute_log_prob(self, ro: RolloutBatch, micro_size, dynamic, max_tokens, with_entropy=False):
-        """Log-probs `[N, R]` (and entropy) of this rank's responses under the model."""
-        logp = torch.zeros(len(ro), ro.width, device=self.device)
-        ent = torch.zeros(len(ro), ro.width, device=self.device) if with_entropy else None
-        lengths = ro.lengths()
-        for part in plan_micro_batches(list(range(len(ro))), lengths, micro_size, dynamic, max_tokens):
-            lp, en = self._forward(ro, part, with_entropy)
-            if part:
-                rows = ro.index(part)
-                logp[rows] = lp
-                if with_entropy:
-                    ent[rows] = en
+        `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
+        tensor); `loss(rows, outputs, k, agg_kwargs)` gives the `LossTerms`. The whole update is
+        planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
+        indices go over without a sync (`RolloutBatch.index`, `forward.host_to_device`), a
+        non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
+        read back once, at the end. Returns `<prefix>/...` metrics with the sums (`sum_keys`) and
+        the statistics starting with `rank_mean_prefixes` averaged over ranks."""
+        stats = _Mean()
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
+                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        for k, mb in enumerate(plan):
+            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
+            totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
+            for part in mb.parts:
+                sub = ro.take(part)
+                outputs = forward(sub, k)
+                if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
+                    (outputs[0].sum() * 0.0).backward()
+                    continue
+                terms = loss(sub, outputs, k, agg_kw)
+                terms.loss.backward()
+                for key, v in terms.sums.items():
+                    totals[key] = totals[key] + v
+                stats.add(**terms.means)
+            grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
+            stats.add(**totals)
+            stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
+        rank_means = sum_keys + tuple(k for k in stats.values if k.startswith(rank_mean_prefixes))
+        out = stats.result(rank_means=rank_means)
+        out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+
+class Reference(Protocol):
+    """The reference role: log-probs `[N, R]` of this rank's responses under the reference policy.
+
+    `ReferencePolicy` is a separate frozen copy of the initial model; an actor trained with LoRA
+    adapters can be its own reference by implementing this with the adapters switched off."""
+
+    def log_probs(self, ro: RolloutBatch) -> torch.Tensor: ...
+
+
+class Actor(TrainableRole):
+    """The policy being trained: old log-probs and entropy before the update, and the update."""
+
+    def __init__(self, model, optimizer, scheduler, *, temperature: float, **kw):
+        super().__init__(model, optimizer, scheduler, **kw)
+        self.temperature = temperature
+
+    def _forward(self, sub: RolloutBatch, with_entropy: bool):
+        return response_logprobs(self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy)
+
+    def log_probs(self, ro: RolloutBatch, with_entropy: bool = False):
+        """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor."""
+        logp, ent = forward_micro_batches(ro, self.batching, lambda sub: self._forward(sub, with_entropy))
         return logp, ent
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
@@ -187,123 +297,121 @@ class PolicyWorker:
         with the `rollout_corr/` metrics, and `actor/entropy` and `rollout/logprob_diff` come
         from the first mini-batch: its forwards run before any optimizer step, so they see the
         actor that the skipped recompute pass would have used."""
-        stats = _Mean()
-        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
-                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         need_entropy = cfg.entropy_coeff != 0
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
         policy_loss = get_policy_loss_fn(rc.loss_type if rc is not None else "ppo_clip")
         # bypass mode: masked sums of entropy and |log-prob - engine log-prob|, and the token count, over mini-batch 0
         first = torch.zeros(3, dtype=torch.float64, device=self.device)
-        sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
-        for k, mb in enumerate(plan):
-            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
-            totals = dict.fromkeys(sums, torch.zeros((), device=self.device))
-            before_step = bypass and k == 0
-            for part in mb.parts:
-                logp, ent = self._forward(ro, part, need_entropy or before_step)
-                if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
-                    (logp.sum() * 0.0).backward()
-                    continue
-                sub = ro.take(part)
-                m_mask = sub.response_mask
-                if bypass:
-                    rollout_lp = sub.rollout_log_probs
-                    weights, corr = compute_rollout_correction(
-                        logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
-                    stats.add(**corr)
-                    if before_step:
-                        first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
-                            (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
-                else:
-                    weights = sub.rollout_is_weights
-                pg = policy_loss(
-                    old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
-                    response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
-                    cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
-                loss = pg.pg_loss
-                if need_entropy:
-                    ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
-                    loss = loss - cfg.entropy_coeff * ent_loss
-                    totals["actor/entropy_loss"] = totals["actor/entropy_loss"] + ent_loss.detach()
-                if cfg.use_kl_loss:
-                    kld = kl_penalty(logp, sub.ref_log_probs, cfg.kl_loss_type)
-                    kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
-                    loss = loss + kl_loss_coef * kl_loss
-                    totals["actor/kl_loss"] = totals["actor/kl_loss"] + kl_loss.detach()
-                loss.backward()
-                totals["actor/pg_loss"] = totals["actor/pg_loss"] + pg.pg_loss.detach()
-                stats.add(**{"actor/pg_clipfrac": pg.pg_clipfrac, "actor/ppo_kl": pg.ppo_kl,
-                             "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
-            grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
-            stats.add(**totals)
-            stats.add(**{"actor/grad_norm": grad_norm, "actor/nonfinite_skipped": skipped})
-        corr_keys = tuple(k for k in stats.values if k.startswith("rollout_corr/"))
-        out = stats.result(rank_means=sums + corr_keys)
+        sum_keys = (("actor/pg_loss",) + (("actor/kl_loss",) if cfg.use_kl_loss else ())
+                    + (("actor/entropy_loss",) if need_entropy else ()))
+
+        def forward(sub, k):
+            return self._forward(sub, need_entropy or (bypass and k == 0))
+
+        def loss(sub, outputs, k, agg_kw):
+            nonlocal first
+            logp, ent = outputs
+            m_mask = sub.response_mask
+            means = {}
+            if bypass:
+                rollout_lp = sub.rollout_log_probs
+                weights, corr = compute_rollout_correction(
+                    logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
+                means.update(corr)
+                if k == 0:
+                    first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
+                        (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
+            else:
+                weights = sub.rollout_is_weights
+            pg = policy_loss(
+                old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
+                response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
+                cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
+            total = pg.pg_loss
+            sums = {"actor/pg_loss": pg.pg_loss.detach()}
+            if need_entropy:
+                ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
+                total = total - cfg.entropy_coeff * ent_loss
+                sums["actor/entropy_loss"] = ent_loss.detach()
+            if cfg.use_kl_loss:
+                kld = kl_penalty(logp, sub.ref_log_probs, cfg.kl_loss_type)
+                kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
+                total = total + kl_loss_coef * kl_loss
+                sums["actor/kl_loss"] = kl_loss.detach()
+            means.update({"actor/pg_clipfrac": pg.pg_clipfrac, "actor/ppo_kl": pg.ppo_kl,
+                          "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
+            return LossTerms(total, sums, means)
+
+        out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys,
+                           rank_mean_prefixes=("rollout_corr/",), step=step)
         if bypass:
             ent_sum, diff_sum, tokens = comm.all_reduce(first).tolist()
             out["actor/entropy"] = ent_sum / max(tokens, 1.0)
             out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
-        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * len(plan)
-        if not cfg.use_kl_loss:
-            out.pop("actor/kl_loss")
-        if cfg.entropy_coeff == 0:
-            out.pop("actor/entropy_loss")
+        out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
         return out
 
 
-class ValueWorker:
-    """The critic: values of the states before each response token, and its update."""
+class ReferencePolicy(Role):
+    """The reference as a frozen copy of the initial policy (`Reference`)."""
 
-    def __init__(self, model, optimizer, scheduler, *, packed: bool, pad_token_id: int, device, world_size: int,
-                 response_length: int):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.response_length = response_length
-        self.packed, self.pad, self.device, self.world_size = packed, pad_token_id, device, world_size
+    def __init__(self, model, *, temperature: float, **kw):
+        super().__init__(model, **kw)
+        self.temperature = temperature
+        self.offload()  # waits in host memory until its phase (param_offload)
 
-    scale_lr = PolicyWorker.scale_lr
+    def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
+        with self.resident(with_optimizer=False):
+            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
+                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False))
+        return logp
 
-    def _forward(self, ro: RolloutBatch, idx):
-        sub = ro.take(idx)
-        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
-        return response_values(self.model, mb, ro.width)
 
-    @torch.no_grad()
-    def compute_values(self, ro: RolloutBatch, micro_size, dynamic, max_tokens) -> torch.Tensor:
-        values = torch.zeros(len(ro), ro.width, device=self.device)
-        for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), micro_size, dynamic, max_tokens):
-            v = self._forward(ro, part)
-            if part:
-                values[ro.index(part)] = v
+class Critic(TrainableRole):
+    """The value model: values of the states before each response token, and its update."""
+
+    def __init__(self, model, optimizer, scheduler, **kw):
+        super().__init__(model, optimizer, scheduler, **kw)
+        self.offload()  # waits in host memory until its phases (param_offload / optimizer_offload)
+
+    def _forward(self, sub: RolloutBatch):
+        return response_values(self.model, self._micro_batch(sub), sub.width)
+
+    def values(self, ro: RolloutBatch) -> torch.Tensor:
+        """Values `[N, R]` of this rank's response tokens (0 on padding)."""
+        with self.resident(with_optimizer=False):
+            values, = forward_micro_batches(ro, self.batching, lambda sub: (self._forward(sub),))
         return values * ro.response_mask
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
-        stats = _Mean()
-        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
-                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
-        for mb in plan:
-            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
-            vf_sum = torch.zeros((), device=self.device)
-            for part in mb.parts:
-                vpreds = self._forward(ro, part)
-                if not part:
-                    (vpreds.sum() * 0.0).backward()
-                    continue
-                sub = ro.take(part)
-                vf = compute_value_loss(
-                    vpreds, sub.returns, sub.values, sub.response_mask,
-                    cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-                vf.vf_loss.backward()
-                vf_sum = vf_sum + vf.vf_loss.detach()
-                stats.add(**{"critic/vf_clipfrac": vf.vf_clipfrac})
-            grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip)
-            stats.add(**{"critic/vf_loss": vf_sum, "critic/grad_norm": grad_norm, "critic/nonfinite_skipped": skipped})
-        out = stats.result(rank_means=("critic/vf_loss",))
-        out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-        return out
+        """PPO epochs × mini-batches × micro-batches of the clipped value loss."""
+
+        def loss(sub, outputs, k, agg_kw):
+            vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.response_mask,
+                                    cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
+            return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
+                             {"critic/vf_clipfrac": vf.vf_clipfrac})
+
+        with self.resident(with_optimizer=True):
+            return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),
+                                loss, ("critic/vf_loss",))
+
+
+class RewardModel(Role):
+    """A value-head model whose output at a sequence's last token is its score."""
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.offload()  # waits in host memory until its phase (param_offload)
+
+    def scores(self, ro: RolloutBatch) -> torch.Tensor:
+        """Scores `[N]` of this rank's sequences."""
+        with self.resident(with_optimizer=False):
+            scores, = forward_micro_batches(ro, self.batching,
+                                            lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),))
+        return scores
 
 
 def _agg_kwargs(mode: str, global_units: float, world_size: int, response_length: int) -> dict:
@@ -319,4 +427,5 @@ def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:
     return s / max(c, 1.0)
 
 
-__all__ = ["PolicyWorker", "ValueWorker", "plan_micro_batches", "masked_mean_global", "resident"]
+__all__ = ["Actor", "Critic", "MicroBatching", "Reference", "ReferencePolicy", "RewardModel", "forward_micro_batches",
+           "plan_micro_batches", "masked_mean_global"]

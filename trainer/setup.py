@@ -1,4 +1,4 @@
-"""Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine, rollouts.
+"""Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine.
 
 `preflight` runs first, in every process before any work (and in the launcher before it
 starts the ranks). Then, in the same order on every rank (each step may be a collective):
@@ -10,17 +10,15 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from models import ModelArgs, load_model_args, torch_dtypes
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.launch import DistContext
 from sharding.compile import apply_compile
-from sharding.fsdp import build_fsdp_model, load_states, offload_states
+from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
 
 
@@ -60,23 +58,6 @@ class Models:
     critic_optim: torch.optim.Optimizer | None = None
     critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
     reward_model: torch.nn.Module | None = None
-
-    @torch.no_grad()
-    def reward_scores(self, ro, rm_cfg) -> torch.Tensor:
-        """Reward-model score at each sequence's last token, `[N_local]`."""
-        from trainer.forward import build_micro_batch, last_token_scores
-        from trainer.roles import plan_micro_batches
-
-        out = torch.zeros(len(ro), device=ro.device)
-        parts = plan_micro_batches(list(range(len(ro))), ro.lengths(), rm_cfg.micro_batch_size_per_gpu,
-                                   rm_cfg.use_dynamic_bsz, rm_cfg.forward_max_token_len_per_gpu)
-        for part in parts:
-            sub = ro.take(part)
-            scores = last_token_scores(self.reward_model, build_micro_batch(sub.prompts, sub.responses, ro.device,
-                                                                            True))
-            if part:
-                out[part] = scores
-        return out
 
 
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
@@ -166,63 +147,3 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
                       free_cache_engine=r.free_cache_engine)
     tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
     return LLMEngine(models.actor_args, ec, tp_mesh=tp_mesh, device=ctx.device)
-
-
-def _all_gather_outputs(local: list, index: int, count: int) -> list:
-    """Every engine replica's outputs, in replica order (each replica's TP ranks agree)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (index, local))
-    by_replica = {}
-    for idx, outs in gathered:
-        by_replica.setdefault(idx, outs)
-    return [o for i in range(count) for o in by_replica[i]]
-
-
-def build_rollout_fn(cfg: PPOConfig, ctx: DistContext, models: Models, engine, timer) -> Callable:
-    """A function `(prompt_ids, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k)
-    -> list[RequestOutput]` over ALL prompts: each engine replica generates its slice, then all
-    outputs are shared with every rank (prompt-major, n samples per prompt)."""
-    r = cfg.actor_rollout_ref.rollout
-    dims = models.dims
-    replica = dims.rollout_dp_rank(ctx.rank)
-    fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
-
-    def slice_for(prompts):
-        n = len(prompts)
-        lo, hi = replica * n // dims.rollout_dp, (replica + 1) * n // dims.rollout_dp
-        return lo, prompts[lo:hi]
-
-    if engine is None:
-        from trainer.hf_rollout import generate_no_cache
-
-        def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
-            lo, mine = slice_for(prompts)
-            outs = generate_no_cache(models.actor, mine, n=n, max_tokens=max_tokens, eos_ids=eos_ids,
-                                     ignore_eos=ignore_eos, seed=seed + lo, temperature=temperature, top_p=top_p,
-                                     top_k=top_k, device=ctx.device, pad_token_id=0)
-            return _all_gather_outputs(outs, replica, dims.rollout_dp)
-
-        return generate
-
-    from rollout import SamplingParams
-    from sharding.resharder import Resharder
-
-    resharder = Resharder(models.actor, models.meshes, engine)
-
-    def generate(prompts, *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p, top_k):
-        with timer("reshard"):
-            resharder.reshard()
-        offload_states(models.actor, models.actor_optim, fsdp_cfg)
-        lo, mine = slice_for(prompts)
-        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            eos_token_id=list(eos_ids), ignore_eos=ignore_eos, seed=seed + replica)
-        outs = engine.generate(mine, sp) if mine else []
-        if r.free_cache_engine:
-            engine.free_cache()
-        load_states(models.actor, models.actor_optim, fsdp_cfg, ctx.device)
-        return _all_gather_outputs(outs, replica, dims.rollout_dp)
-
-    generate.resharder = resharder
-    return generate

@@ -52,10 +52,46 @@ class Timer:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` measured elsewhere (the engine's graph capture) as `timing_s/<name>`."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.times.items()}
         self.times = {}
         return out
+
+
+class PeakMemory:
+    """The CUDA peak-memory counters, split at the end of each generation.
+
+    `since_split_gb()` is the peak since the last generation (the update phase: log-probs,
+    values, updates); `step_gb()` is the peak over everything since the previous `step_gb()`
+    (generation included: the peaks seen at each split are kept), and starts the next step's
+    count. CPU has no resettable counter: `split` does nothing there.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.earlier = (0, 0)  # allocated, reserved bytes: peaks before the last split of this step
+
+    def split(self) -> None:
+        if self.device.type == "cuda":
+            self.earlier = tuple(max(a, b) for a, b in zip(self.earlier, self._peaks()))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def since_split_gb(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def step_gb(self) -> tuple[float, float]:
+        """(allocated, reserved) peaks of the step in GiB; resets the counters."""
+        allocated, reserved = (max(a, b) for a, b in zip(self.earlier, self._peaks()))
+        self.earlier = (0, 0)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return allocated / 2**30, reserved / 2**30
+
+    def _peaks(self) -> tuple[int, int]:
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
 
 
 def _jsonable(v):

@@ -63,7 +63,7 @@ def _train_body(rank, world_size, assets, run_root, case):
         if mode == "bypass":
             def no_recompute(*args, **kwargs):
                 raise AssertionError("bypass mode ran the old-log-prob pass")
-            trainer.actor.compute_log_prob = no_recompute
+            trainer.actor.log_probs = no_recompute
         runs[mode] = [trainer.step() for _ in range(2)], _shards(trainer)
     (plain, plain_params), (bypass, bypass_params) = runs["recompute"], runs["bypass"]
     moved = max((plain_params[k] - start[k]).abs().max().item() for k in start)
@@ -91,7 +91,7 @@ def _logprob_body(rank, world_size, assets, run_root):
                              ctx)
         full = trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=3)
         ro, _ = trainer._partition(full)
-        old, _ = trainer.actor.compute_log_prob(ro, 8, False, 0)
+        old, _ = trainer.actor.log_probs(ro)  # micro-batches of 8 (COMMON)
         gaps = [abs(a - b) for i, lps in enumerate(ro.engine_log_probs) for a, b in zip(lps, old[i].tolist())]
         assert len(gaps) > 100 and max(gaps) < 1e-5, (engine, max(gaps))
         assert any(x < -0.1 for lps in ro.engine_log_probs for x in lps)  # sampled, not all near-certain

@@ -6,7 +6,7 @@
 * `trainer`: the real trainer, 3 steps per configuration: GRPO (n=4) and PPO (GAE + critic) x
   {FULL_SHARD with engine TP 1, FULL_SHARD with TP 2, HYBRID_SHARD 2 replicas x 1 shard,
   FSDP2 `offload_policy`}, bf16, the qwen2.5-1.5b shape cut to 2 layers, CUDA graphs on.
-* `same_update`: `PolicyWorker.update` (2 mini-batches, dynamic micro-batches, KL and entropy
+* `same_update`: `Actor.update` (2 mini-batches, dynamic micro-batches, KL and entropy
   losses, SGD) on one fixed global batch; rank 0 saves the parameters before and after to
   `--out`, and the test compares a 1-rank and a 2-rank launch.
 * `engine_tp`: TP 2 against TP 1: float32 small models (tokens equal, greedy and sampled), and
@@ -126,7 +126,7 @@ def check_trainer(ctx, a):
             if critic_before is not None:
                 c_moved = (_local_copy(trainer.models.critic, WATCHED_PARAM) - critic_before).abs().max().item()
                 assert c_moved > 0, f"{name}: the critic's {WATCHED_PARAM} did not change"
-            graphs = len(trainer.engine.runner.graphs)
+            graphs = trainer.engine.runner.num_captures
             if cuda:
                 # Decode replays CUDA graphs (enforce_eager is false); under TP 2 they hold the
                 # engine's NCCL all-reduces.
@@ -143,6 +143,8 @@ def check_trainer(ctx, a):
                         assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (name, i, k, row.get(k))
                     assert row["actor/grad_norm"] > 0 and row["perf/throughput"] > 0, (name, i, row)
                     assert row.get("actor/nonfinite_skipped", 0.0) == 0.0, (name, i, row)
+                    # the update phase's peak is part of the step's
+                    assert 0 < row["perf/max_memory_allocated_update_gb"] <= row["perf/max_memory_allocated_gb"], row
                 summary[name] = {"throughput_tok_s_per_gpu": [round(r["perf/throughput"], 1) for r in rows],
                                  "actor_grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
                                  "step_s": [round(r["timing_s/step"], 2) for r in rows],
@@ -175,7 +177,7 @@ def _rollouts(prompts, responses, width, device):
 def check_same_update(ctx, a):
     from models import ModelArgs, Transformer
     from trainer.config import ActorConfig
-    from trainer.roles import PolicyWorker, plan_micro_batches
+    from trainer.roles import Actor, MicroBatching, ReferencePolicy, plan_micro_batches
     from sharding import FSDPConfig, ParallelDims, build_fsdp_model
 
     w, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -189,9 +191,9 @@ def check_same_update(ctx, a):
     full = _rollouts(prompts, responses, width, torch.device("cpu"))
     # Log-probs of the initial policy from an unsharded CPU copy (bitwise the same on every
     # launch); old and reference log-probs sit 0.1 nats around them, so the PPO ratios are near 1.
-    reference = PolicyWorker(Transformer.build(args, seed=0), packed=True, temperature=1.0, pad_token_id=0,
-                             device=torch.device("cpu"), world_size=1, response_length=width)
-    logp, _ = reference.compute_log_prob(full, None, False, 0)
+    reference = ReferencePolicy(Transformer.build(args, seed=0), packed=True, temperature=1.0, pad_token_id=0,
+                                device=torch.device("cpu"), batching=MicroBatching(None, False, 0))
+    logp = reference.log_probs(full)
     mask = full.response_mask
     tensors = {"old_log_probs": (logp + 0.1 * torch.randn(logp.shape, generator=g)) * mask,
                "ref_log_probs": (logp + 0.1 * torch.randn(logp.shape, generator=g)) * mask,
@@ -213,8 +215,8 @@ def check_same_update(ctx, a):
     # SGD: the update is lr x the (clipped) gradient, with no Adam normalisation to magnify
     # rounding differences of tiny gradient entries into full-size steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    worker = PolicyWorker(model, optimizer, packed=True, temperature=1.0, pad_token_id=0, device=dev, world_size=w,
-                          response_length=width)
+    worker = Actor(model, optimizer, None, packed=True, temperature=1.0, pad_token_id=0, device=dev, world_size=w,
+                   response_length=width)
     # Ratio clips out of reach: a clip decision is a step in the loss, which a ratio within
     # rounding of the boundary would take differently on 1 and 2 ranks.
     cfg = ActorConfig(ppo_mini_batch_size=per_mini, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64,

@@ -12,7 +12,7 @@ from models import ModelArgs, Transformer
 from trainer.batching import balanced_equal_partitions, token_budget_partitions
 from trainer.forward import build_micro_batch, response_logprobs
 from trainer.rollout_batch import RolloutBatch
-from trainer.roles import PolicyWorker
+from trainer.roles import Actor, Critic, MicroBatching, ReferencePolicy, RewardModel
 
 
 def test_balanced_equal_partitions_sizes_and_balance():
@@ -107,6 +107,34 @@ def test_packed_and_padded_forward_agree():
     assert torch.all(a[ro.response_mask == 0] == 0) and torch.all(a[ro.response_mask == 1] < 0)
 
 
+BATCHINGS = [MicroBatching(None, False, 0), MicroBatching(3, False, 0), MicroBatching(None, True, 12)]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_forward_roles_put_each_sequence_in_its_row(packed, batching):
+    """The one forward loop (plan -> forward -> scatter) under every role: each row holds what a
+    lone forward of that sequence gives, whatever the micro-batches and the layout."""
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    policy, value = Transformer.build(args, seed=0), Transformer.build(args, head="value", seed=1)
+    ro = _rollouts(n=7)
+    kw = dict(packed=packed, pad_token_id=0, device=torch.device("cpu"), batching=batching)
+    with torch.no_grad():
+        logp = ReferencePolicy(policy, temperature=0.7, **kw).log_probs(ro)
+        values = Critic(value, None, None, world_size=1, response_length=5, **kw).values(ro)
+        scores = RewardModel(value, **kw).scores(ro)
+        for i, (p, r) in enumerate(zip(ro.prompts, ro.responses)):
+            ids = torch.tensor([p + r])
+            logits = policy(ids)[0].float() / 0.7
+            lone_logp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(-1, torch.tensor(r)[:, None])[:, 0]
+            lone_values = value(ids)[0].float()
+            assert torch.allclose(logp[i, :len(r)], lone_logp, atol=1e-5) and torch.all(logp[i, len(r):] == 0)
+            assert torch.allclose(values[i, :len(r)], lone_values[len(p) - 1:-1], atol=1e-5)
+            assert torch.all(values[i, len(r):] == 0)
+            assert abs(float(scores[i]) - float(lone_values[-1])) < 1e-5
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_update_independent_of_packing_and_micro_batching(mode):
     args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -116,11 +144,11 @@ def test_update_independent_of_packing_and_micro_batching(mode):
     for packed, micro, dynamic in [(True, 8, False), (False, 2, False), (True, None, True), (False, 4, False)]:
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        worker = PolicyWorker(model, opt, None, packed=packed, temperature=1.0, pad_token_id=0,
-                              device=torch.device("cpu"), world_size=1, response_length=5)
+        worker = Actor(model, opt, None, packed=packed, temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                       world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
         ro = _rollouts()
         with torch.no_grad():
-            old, _ = worker.compute_log_prob(ro, 8, False, 0)
+            old, _ = worker.log_probs(ro)
         ro.old_log_probs = old - 0.05 * ro.response_mask  # ratios != 1, some clipped
         worker.update(ro, _actor_cfg(loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic),
                       num_mini_batches=1, kl_loss_coef=0.1, seed=0)
@@ -142,11 +170,11 @@ def test_a_non_finite_gradient_skips_the_step_on_device_and_on_host(fused):
                      num_attention_heads=4, num_key_value_heads=2)
     model = Transformer.build(args, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
-    worker = PolicyWorker(model, opt, None, packed=True, temperature=1.0, pad_token_id=0,
-                          device=torch.device("cpu"), world_size=1, response_length=5)
+    worker = Actor(model, opt, None, packed=True, temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                   world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
     ro = _rollouts()
     with torch.no_grad():
-        old, _ = worker.compute_log_prob(ro, 8, False, 0)
+        old, _ = worker.log_probs(ro)
     ro.old_log_probs = old - 0.05 * ro.response_mask
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ro.advantages[0, 0] = float("nan")

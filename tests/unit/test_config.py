@@ -90,6 +90,10 @@ def test_bad_overrides_name_the_problem(override, message):
     # two nodes of 4: a TP group of 8 would span both
     (["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
      "larger than the 4 ranks of one node"),
+    (["actor_rollout_ref.rollout.free_engine_weights=true", "actor_rollout_ref.rollout.free_cache_engine=false"],
+     "free_engine_weights=true needs free_cache_engine=true"),
+    (["actor_rollout_ref.rollout.free_engine_weights=true", "actor_rollout_ref.rollout.name=hf"],
+     "free_engine_weights=true needs rollout.name=native"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -15,7 +15,7 @@ from ppo.core_algos import (RejectionCriterion, compute_policy_loss, compute_pol
                             compute_rollout_correction, compute_rollout_is_weights, compute_rollout_rejection_mask,
                             get_policy_loss_fn, parse_rollout_is_threshold, parse_rollout_rs)
 from trainer.forward import build_micro_batch, response_logprobs
-from trainer.roles import PolicyWorker
+from trainer.roles import Actor, MicroBatching
 from tests.unit.test_batching import _actor_cfg, _rollouts
 
 F64 = torch.float64
@@ -209,8 +209,9 @@ PG_ONLY = dict(entropy_coeff=0.0, use_kl_loss=False)
 
 
 def _worker(model):
-    return PolicyWorker(model, torch.optim.SGD(model.parameters(), lr=1.0), None, packed=True, temperature=0.8,
-                        pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5)
+    return Actor(model, torch.optim.SGD(model.parameters(), lr=1.0), None, packed=True, temperature=0.8,
+                 pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5,
+                 batching=MicroBatching(8, False, 0))
 
 
 def _rc(**kw):
@@ -224,7 +225,7 @@ def _step(base, rollout_shift=0.0, weights=None, rc=None, **cfg):
     model = copy.deepcopy(base)
     worker = _worker(model)
     ro = _rollouts()
-    old, _ = worker.compute_log_prob(ro, 8, False, 0)
+    old, _ = worker.log_probs(ro)
     ro.old_log_probs = old
     ro.rollout_log_probs = old - rollout_shift * ro.response_mask
     if rc is not None and rc.bypass_mode:  # as the trainer does

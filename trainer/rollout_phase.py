@@ -1,0 +1,107 @@
+"""The rollout phase: generation for ALL prompts of a step, shared with every rank.
+
+Each engine replica (rollout-DP group) generates its slice of the prompts; then every rank
+gets every output (prompt-major, `n` samples per prompt). With meshppo's engine the phase's
+steps, and with them every memory move between training and generation, are in
+`EngineRollout.generate`:
+
+    reshard (FSDP actor -> engine weights) -> offload the actor's training states
+    -> generate -> free the KV cache (and, with free_engine_weights, the engine's weights and
+    CUDA graphs) -> split the peak-memory counters -> reload the actor's states -> share outputs
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from trainer.roles import Actor
+from trainer.tracking import PeakMemory, Timer
+
+
+def _all_gather_outputs(local: list, index: int, count: int) -> list:
+    """Every engine replica's outputs, in replica order (each replica's TP ranks agree)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (index, local))
+    by_replica = {}
+    for idx, outs in gathered:
+        by_replica.setdefault(idx, outs)
+    return [o for i in range(count) for o in by_replica[i]]
+
+
+class _Rollout:
+    def __init__(self, actor: Actor, replica: int, replicas: int, peaks: PeakMemory):
+        self.actor, self.replica, self.replicas, self.peaks = actor, replica, replicas, peaks
+
+    def _slice(self, prompts: list) -> tuple[int, list]:
+        """This replica's prompts and the index of the first."""
+        n = len(prompts)
+        lo, hi = self.replica * n // self.replicas, (self.replica + 1) * n // self.replicas
+        return lo, prompts[lo:hi]
+
+    def _share(self, outs: list) -> list:
+        return _all_gather_outputs(outs, self.replica, self.replicas)
+
+
+class EngineRollout(_Rollout):
+    """`rollout.name=native`: meshppo's paged-KV engine, colocated with the FSDP actor."""
+
+    def __init__(self, actor: Actor, engine, resharder, replica: int, replicas: int, peaks: PeakMemory, timer: Timer,
+                 free_cache: bool, free_weights: bool):
+        super().__init__(actor, replica, replicas, peaks)
+        self.engine, self.resharder, self.timer = engine, resharder, timer
+        self.free_cache, self.free_weights = free_cache, free_weights
+
+    def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
+                 top_k) -> list:
+        from rollout import SamplingParams
+
+        with self.timer("reshard"):
+            self.resharder.reshard()  # re-allocates engine weights that free_weights() released
+        self.actor.offload()
+        lo, mine = self._slice(prompts)
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            eos_token_id=list(eos_ids), ignore_eos=ignore_eos, seed=seed + self.replica)
+        outs = self.engine.generate(mine, sp) if mine else []
+        # Decode graphs are captured in the first generation and after every free_weights():
+        # the recapture is the price of freeing them, so every step shows it.
+        self.timer.add("graph_capture", self.engine.last_stats["graph_capture_s"] if mine else 0.0)
+        if self.free_cache:
+            self.engine.free_cache()
+        if self.free_weights:
+            self.engine.free_weights()
+        self.peaks.split()
+        self.actor.load()
+        return self._share(outs)
+
+
+class NoCacheRollout(_Rollout):
+    """`rollout.name=hf`: the plain sampling loop on the FSDP actor itself (`trainer.hf_rollout`)."""
+
+    def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
+                 top_k) -> list:
+        from trainer.hf_rollout import generate_no_cache
+
+        lo, mine = self._slice(prompts)
+        outs = generate_no_cache(self.actor.model, mine, n=n, max_tokens=max_tokens, eos_ids=eos_ids,
+                                 ignore_eos=ignore_eos, seed=seed + lo, temperature=temperature, top_p=top_p,
+                                 top_k=top_k, device=self.actor.device, pad_token_id=0)
+        self.peaks.split()
+        return self._share(outs)
+
+
+def build_rollout(cfg, models, actor: Actor, engine, rank: int, peaks: PeakMemory, timer: Timer):
+    """The rollout phase for `cfg.actor_rollout_ref.rollout.name`."""
+    dims = models.dims
+    replica = dims.rollout_dp_rank(rank)
+    if engine is None:
+        return NoCacheRollout(actor, replica, dims.rollout_dp, peaks)
+    from sharding.resharder import Resharder
+
+    r = cfg.actor_rollout_ref.rollout
+    return EngineRollout(actor, engine, Resharder(models.actor, models.meshes, engine), replica, dims.rollout_dp,
+                         peaks, timer, free_cache=r.free_cache_engine, free_weights=r.free_engine_weights)
+
+
+__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout"]
