@@ -285,16 +285,21 @@ def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, to
     return cfg, tensors
 
 
+def check_adapter_config(mine: LoRAConfig, cfg: LoRAConfig, source: str) -> None:
+    """Raise ValueError naming `source` unless the adapter's `cfg` has the rank, alpha and targets of `mine`."""
+    for what, theirs, ours in (("r (lora_rank)", cfg.rank, mine.rank), ("lora_alpha", cfg.alpha, mine.alpha),
+                               ("target_modules", cfg.targets, mine.targets)):
+        if theirs != ours:
+            raise ValueError(f"adapter {source!r} has {what}={theirs!r}, the configuration says {ours!r}")
+
+
 def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Raise ValueError naming `source` unless `tensors` (from `read_peft_adapter`) are exactly the
     adapters of `model` with the same rank, alpha and targets."""
     mine: LoRAConfig | None = getattr(model, "lora_config", None)
     if mine is None:
         raise ValueError(f"adapter {source!r}: the model has no LoRA adapters (inject_lora first)")
-    for what, theirs, ours in (("r (lora_rank)", cfg.rank, mine.rank), ("lora_alpha", cfg.alpha, mine.alpha),
-                               ("target_modules", cfg.targets, mine.targets)):
-        if theirs != ours:
-            raise ValueError(f"adapter {source!r} has {what}={theirs!r}, the configuration says {ours!r}")
+    check_adapter_config(mine, cfg, source)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_name(n)}
     if set(tensors) != set(shapes):
         extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
+from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
@@ -86,8 +87,33 @@ class ModelConfig:
     enable_activation_offload: bool = opt(False, "keep saved activations on CPU between forward and backward")
     use_remove_padding: bool = opt(True, "padding-free packed forwards (variable-length attention)")
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
-    lora_rank: int = opt(0, "LoRA is not supported: must be 0", unsupported=_not(0))
+    lora_rank: int = opt(0, "LoRA adapter rank on the actor; 0: full fine-tuning. With the KL's reference, the "
+                            "reference is the actor with its adapters off (no second model)", ge=0)
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter output is scaled by lora_alpha / lora_rank",
+                            gt=0)
+    target_modules: str | list[str] = opt("all-linear", "projections that get adapters: all-linear or a list among "
+                                                         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
+                                              "adapter_model.safetensors); needs the same lora_rank, lora_alpha and "
+                                              "target_modules")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
+
+    def __post_init__(self):
+        if self.lora_rank:
+            self.lora  # a bad target_modules / lora_alpha fails here, naming the key
+        elif self.lora_adapter_path is not None:
+            raise ConfigError("actor_rollout_ref.model.lora_adapter_path is set but lora_rank is 0: set lora_rank to "
+                              "the adapter's r")
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The actor's `LoRAConfig`, None when lora_rank is 0."""
+        if not self.lora_rank:
+            return None
+        try:
+            return LoRAConfig(self.lora_rank, self.lora_alpha, self.target_modules)
+        except ValueError as e:
+            raise ConfigError(f"actor_rollout_ref.model: {e}") from None
 
 
 @dataclass
@@ -502,6 +528,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.critic.model.tokenizer_path != tok:
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
                           f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
+    lora, adapter = arr.model.lora, arr.model.lora_adapter_path
+    if lora is not None and adapter is not None:
+        try:
+            check_adapter_config(lora, read_peft_adapter(adapter)[0], adapter)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
     if cfg.reward_model.enable and not cfg.reward_model.path:
         raise ConfigError("reward_model.enable=true needs reward_model.path")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

@@ -44,7 +44,10 @@ def test_dotted_override_types():
     ("actor_rollout_ref.rollout.name=vllm", "'vllm' is not one of ['native', 'hf']"),
     ("algorithm.adv_estimator=ppo2", "is not one of"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "not supported"),
-    ("actor_rollout_ref.model.lora_rank=8", "not supported"),
+    ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank: -1 is out of range; allowed: >= 0"),
+    ("actor_rollout_ref.model.lora_rank=2.5", "actor_rollout_ref.model.lora_rank: expected an integer"),
+    ("actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.lora_alpha: 0.0 is out of range; allowed: > 0"),
+    ("actor_rollout_ref.model.lora_adapter_path=/x", "lora_adapter_path is set but lora_rank is 0"),
     ("actor_rollout_ref.actor.fsdp_config.wrap_policy={foo: 1}", "not supported"),
     ("noequals", "must look like dotted.key=value"),
     ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr: -1e-06 is out of range; allowed: >= 0"),
@@ -99,6 +102,33 @@ def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(_cfg(*overrides))
     assert message in str(e.value)
+
+
+def test_lora_options_build_the_actor_lora_config():
+    cfg = _cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[v_proj, q_proj]")
+    validate(cfg)
+    lora = cfg.actor_rollout_ref.model.lora
+    assert (lora.rank, lora.alpha, lora.targets) == (8, 16.0, ("q_proj", "v_proj"))
+    assert _cfg().actor_rollout_ref.model.lora is None
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model: target_modules has \['qkv'\]"):
+        _cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj, qkv]")
+
+
+@pytest.mark.parametrize("rank,message", [(8, None), (4, "has r (lora_rank)=8, the configuration says 4"),
+                                          (None, "has no adapter_config.json")])
+def test_lora_adapter_path_is_checked_before_work(tmp_path, rank, message):
+    import torch
+    from models.lora import LoRAConfig, save_peft_adapter
+
+    if rank is not None:  # a written adapter of rank 8; rank None: an empty directory
+        save_peft_adapter(tmp_path, {"layers.0.self_attn.q_proj.lora_A": torch.zeros(8, 4)}, LoRAConfig(8))
+    cfg = _cfg(f"actor_rollout_ref.model.lora_rank={rank or 8}", f"actor_rollout_ref.model.lora_adapter_path={tmp_path}")
+    if message is None:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "actor_rollout_ref.model.lora_adapter_path:" in str(e.value) and message in str(e.value)
 
 
 def test_greedy_rollouts_without_groups_are_valid():
