@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
 from trainer.config import PPOConfig
 from trainer.configlib import iter_options
@@ -69,6 +70,10 @@ STATE_FILE = "trainer_state.json"
 SAME_RUN_OPTIONS = (
     "data",
     "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.actor",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.temperature",
@@ -360,18 +365,36 @@ class CheckpointManager:
         return path
 
 
-def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool) -> None:
-    """Write `model` as a Hugging Face directory (rank 0 writes; all ranks gather)."""
+def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter_dir: str | None = None,
+              base_model: str | None = None) -> None:
+    """Write `model` as a Hugging Face directory (rank 0 writes; all ranks gather). A LoRA model
+    is written with its adapters merged into the weights, and its adapters alone as the peft
+    adapter directory `adapter_dir` (`base_model`: the adapter's `base_model_name_or_path`)."""
+    lora = getattr(model, "lora_config", None)
+    if lora is not None and adapter_dir is None:
+        raise ValueError("export_hf: a LoRA model needs adapter_dir for its peft adapter")
     full = gather_full_state_dict(model)
     if is_main:
         from models import Transformer
 
+        if lora is not None:
+            adapters = {k: v for k, v in full.items() if is_lora_name(k)}
+            full = merged_state_dict(full, lora.scaling)
+            _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
         with torch.device("meta"):
             shell = Transformer(model_args)
-        tmp = out_dir + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shell.save_pretrained(tmp, state_dict=full)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+
+        def write(tmp):
+            shell.save_pretrained(tmp, state_dict=full)
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(out_dir, write)
     _barrier()
+
+
+def _replace_dir(out_dir: str, write) -> None:
+    """`write(tmp)` a directory next to `out_dir`, then put it in `out_dir`'s place."""
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)

@@ -356,7 +356,9 @@ class TrainerConfig:
     validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "
                                           "gts, score, ...)")
     seed: int = opt(1, "global seed (model init, sampling)", ge=0)
-    export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory")
+    export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory (hf_actor/; a LoRA "
+                                                "actor with its adapters merged, and the adapters as a peft "
+                                                "directory lora_adapter/)")
     max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps with a non-finite loss or grad norm",
                                     ge=1)
     preemption_grace_s: float = opt(120.0, "after SIGTERM/SIGUSR1, a step whose updates would end later than this "

@@ -36,8 +36,8 @@ from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
 from trainer.rollout_batch import RolloutBatch
-from trainer.roles import (Actor, Critic, MicroBatching, Reference, ReferencePolicy, RewardModel,
-                           masked_mean_global)
+from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
+                           RewardModel, masked_mean_global)
 from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, run_info
@@ -140,10 +140,13 @@ class PPOTrainer:
                            batching=MicroBatching(lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                   lp.log_prob_max_token_len_per_gpu))
         self.ref: Reference | None = None
+        rc = arr.ref
+        ref_batching = MicroBatching(rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz,
+                                     rc.log_prob_max_token_len_per_gpu)
         if m.ref is not None:
-            rc = arr.ref
-            self.ref = ReferencePolicy(m.ref, **policy, fsdp_cfg=rc.fsdp_config, batching=MicroBatching(
-                rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz, rc.log_prob_max_token_len_per_gpu))
+            self.ref = ReferencePolicy(m.ref, **policy, fsdp_cfg=rc.fsdp_config, batching=ref_batching)
+        elif cfg.uses_ref:  # a LoRA actor (setup.build_models built no reference model)
+            self.ref = AdaptersOffReference(self.actor, ref_batching)
         self.critic = None
         if m.critic is not None:
             cc = cfg.critic
@@ -614,7 +617,9 @@ class PPOTrainer:
                     return 0
             if t.export_hf_at_end:
                 export_hf(self.models.actor, self.models.actor_args, self.tokenizer,
-                          os.path.join(self.run_dir, "hf_actor"), self.ctx.is_main)
+                          os.path.join(self.run_dir, "hf_actor"), self.ctx.is_main,
+                          adapter_dir=os.path.join(self.run_dir, "lora_adapter"),
+                          base_model=self.cfg.actor_rollout_ref.model.path)
             return 0
         finally:
             self.tracking.close()

@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from kl import kl_penalty
+from models.lora import adapters_disabled, lora_modules
 from trainer import faults
 from trainer.batching import token_budget_partitions
 from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
@@ -266,8 +267,8 @@ class TrainableRole(Role):
 class Reference(Protocol):
     """The reference role: log-probs `[N, R]` of this rank's responses under the reference policy.
 
-    `ReferencePolicy` is a separate frozen copy of the initial model; an actor trained with LoRA
-    adapters can be its own reference by implementing this with the adapters switched off."""
+    `ReferencePolicy` is a separate frozen copy of the initial model; `AdaptersOffReference` is
+    an actor trained with LoRA adapters with the adapters switched off."""
 
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor: ...
 
@@ -369,6 +370,22 @@ class ReferencePolicy(Role):
         return logp
 
 
+class AdaptersOffReference:
+    """The reference of a LoRA actor (`Reference`): the actor's own base weights with its adapters
+    off, no second model. Runs while the actor is resident (between generation and the update);
+    forward-only, as `models.lora.adapters_disabled` requires."""
+
+    def __init__(self, actor: Actor, batching: MicroBatching):
+        if not lora_modules(actor.model):
+            raise ValueError("AdaptersOffReference needs an actor with LoRA adapters")
+        self.actor, self.batching = actor, batching
+
+    def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
+        with torch.no_grad(), adapters_disabled(self.actor.model):
+            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False))
+        return logp
+
+
 class Critic(TrainableRole):
     """The value model: values of the states before each response token, and its update."""
 
@@ -427,5 +444,6 @@ def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:
     return s / max(c, 1.0)
 
 
-__all__ = ["Actor", "Critic", "MicroBatching", "Reference", "ReferencePolicy", "RewardModel", "forward_micro_batches",
+__all__ = ["Actor", "AdaptersOffReference", "Critic", "MicroBatching", "Reference", "ReferencePolicy", "RewardModel",
+           "forward_micro_batches",
            "plan_micro_batches", "masked_mean_global"]

@@ -2,7 +2,7 @@
 
 `preflight` runs first, in every process before any work (and in the launcher before it
 starts the ranks). Then, in the same order on every rank (each step may be a collective):
-meshes -> actor -> reference -> critic -> reward model -> engine -> resharder.
+meshes -> actor -> reference (none for a LoRA actor) -> critic -> reward model -> engine -> resharder.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
+from models.lora import trainable_parameters
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.launch import DistContext
@@ -61,8 +62,9 @@ class Models:
 
 
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
-    """AdamW plus a linear warm-up followed by a constant or cosine schedule (verl's options)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over the trainable parameters (a LoRA model's adapters only) plus a linear warm-up
+    followed by a constant or cosine schedule (verl's options)."""
+    params = trainable_parameters(model)
     # On the GPU the fused kernel (one pass over each parameter's fp32 state) is ~3x faster
     # than foreach (BENCHMARKS.md); parameters kept on CPU (offload_policy) use foreach.
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
@@ -101,12 +103,14 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
     actor = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.actor.fsdp_config, ctx.device),
                              device=ctx.device, trainable=True, seed=seed, dummy_weights=dummy,
                              enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-                             enable_activation_offload=arr.model.enable_activation_offload)
+                             enable_activation_offload=arr.model.enable_activation_offload,
+                             lora=arr.model.lora, lora_adapter_path=arr.model.lora_adapter_path)
     if arr.actor.use_torch_compile:
         apply_compile(actor)
     actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
     models = Models(dims, meshes, actor_args, actor, actor_optim, actor_sched)
-    if cfg.uses_ref:
+    # A LoRA actor is its own reference with the adapters off (roles.AdaptersOffReference): no second model.
+    if cfg.uses_ref and arr.model.lora is None:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
                                       device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy)
         if arr.ref.use_torch_compile:

@@ -1,0 +1,122 @@
+"""A LoRA actor in the trainer (CPU, gloo, fp32, the tiny model): only the adapters train and
+have optimizer state; the reference is the actor with its adapters off, no second model, and
+its log-probs are bitwise those of a separately built frozen base model; a run resumed from a
+checkpoint (adapters + optimizer + trainer state) reproduces the uninterrupted one; the end
+of training writes the merged Hugging Face model and the peft adapter."""
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.e2e.conftest import demo_args, read_metrics
+from tests.e2e.test_resume import LENGTH_REWARD
+from trainer import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=[q_proj, v_proj, down_proj]", "actor_rollout_ref.actor.optim.lr=1e-2"]
+COMMON = ["trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_batch_size=8",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+          "actor_rollout_ref.rollout.n=4", "trainer.logger=[jsonl]"]
+
+
+def _reference_body(rank, world_size, assets, run_root):
+    from models.lora import is_lora_name, lora_modules
+    from sharding.fsdp import build_fsdp_model
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+    from trainer.roles import AdaptersOffReference, ReferencePolicy
+
+    ctx = init_distributed("cpu")
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
+        f"actor_rollout_ref.model.path={assets}/sft_model", f"custom_reward_function.path={run_root}/reward.py",
+        f"trainer.default_local_dir={run_root}/ref", "trainer.total_training_steps=2", "trainer.resume_mode=disable",
+        *COMMON, *LORA])
+    trainer = PPOTrainer(cfg, ctx)
+    m = trainer.models
+    assert m.ref is None and isinstance(trainer.ref, AdaptersOffReference)  # no second model
+    trained = {n for n, p in m.actor.named_parameters() if p.requires_grad}
+    assert trained and all(is_lora_name(n) for n in trained)
+    assert len(lora_modules(m.actor)) == 3 * m.actor_args.num_hidden_layers
+    optimized = {id(p) for g in m.actor_optim.param_groups for p in g["params"]}
+    assert optimized == {id(p) for p in m.actor.parameters() if p.requires_grad}
+    start = {n: p.to_local().detach().clone() for n, p in m.actor.named_parameters()}
+    steps = [trainer.step() for _ in range(2)]
+    now = {n: p.to_local().detach() for n, p in m.actor.named_parameters()}
+    for n in start:  # the base is frozen bit for bit; the adapters moved
+        assert torch.equal(start[n], now[n]) != (n in trained), n
+    assert steps[1]["actor/ref_kl"] > 1e-6, steps[1]
+
+    # a frozen base model built on its own, read through the same micro-batch loop
+    arr = cfg.actor_rollout_ref
+    base = build_fsdp_model(arr.model.path, m.meshes.train, arr.ref.fsdp_config, device=ctx.device, trainable=False,
+                            seed=cfg.trainer.seed)
+    separate = ReferencePolicy(base, device=ctx.device, packed=True, pad_token_id=trainer.pad_id,
+                               temperature=arr.rollout.temperature, batching=trainer.ref.batching)
+    ro, _ = trainer._partition(trainer._generate_all(trainer.loader.next_batch(), validate=False, seed=5))
+    mask = ro.response_mask.bool()
+    ref_lp, base_lp = trainer.ref.log_probs(ro), separate.log_probs(ro)
+    actor_lp, _ = trainer.actor.log_probs(ro)
+    assert torch.equal(ref_lp, base_lp), (ref_lp - base_lp).abs().max()
+    assert (actor_lp - ref_lp)[mask].abs().max() > 1e-4  # the adapters change the policy, and are back on
+    assert all(mod.lora_enabled for mod in lora_modules(m.actor).values())
+
+
+def test_lora_reference_is_the_actor_with_adapters_off(tiny_assets, tmp_path):
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    run_distributed(_reference_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
+
+def _strip(row):
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def _run(assets, run, reward, *extra):
+    code = cli.main(demo_args(assets, run, "trainer.n_gpus_per_node=1", f"custom_reward_function.path={reward}",
+                              *COMMON, *LORA, *extra))
+    assert code == 0
+
+
+def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_assets, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from models import Transformer
+    from models.lora import LoRAConfig, inject_lora, load_peft_adapter, read_peft_adapter
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(LENGTH_REWARD)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _run(tiny_assets, straight, reward, "trainer.total_training_steps=4")
+    _run(tiny_assets, split, reward, "trainer.total_training_steps=2", "trainer.export_hf_at_end=false")
+    ckpt = split / "checkpoints" / "global_step_2"
+    saved = [k for f in ckpt.rglob(".metadata") for k in FileSystemReader(str(f.parent)).read_metadata()
+             .state_dict_metadata]
+    assert any(k.startswith("model.") for k in saved) and any(k.startswith("optim.") for k in saved), saved[:8]
+    held = [k for k in saved if k.startswith(("model.", "optim.state.")) and "lora_" not in k]
+    assert not held, f"the checkpoint holds base weights or their optimizer state: {held[:4]}"
+    _run(tiny_assets, split, reward, "trainer.total_training_steps=4")  # resume_mode=auto: from global_step_2
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [row["step"] for row in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        sa, sb = _strip(ra), _strip(rb)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (ra["step"], k, sa[k], sb[k])
+
+    # the end of training: the merged model equals the base with the exported peft adapter
+    cfg, tensors = read_peft_adapter(straight / "lora_adapter")
+    assert cfg == LoRAConfig(4, 8.0, ["q_proj", "v_proj", "down_proj"])
+    assert max(t.abs().max().item() for n, t in tensors.items() if n.endswith("lora_B")) > 1e-4  # trained
+    adapted = Transformer.from_pretrained(tiny_assets / "sft_model")
+    inject_lora(adapted, cfg)
+    load_peft_adapter(adapted, straight / "lora_adapter")
+    merged = Transformer.from_pretrained(straight / "hf_actor")
+    ids = torch.randint(0, merged.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = adapted(ids), merged(ids)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
