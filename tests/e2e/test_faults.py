@@ -5,23 +5,12 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics, torchrun
 
 COMMON = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
           "actor_rollout_ref.rollout.n=4"]
-
-
-def _strip(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-
-
-def _same(a, b):
-    sa, sb = _strip(a), _strip(b)
-    assert sa.keys() == sb.keys(), set(sa) ^ set(sb)
-    for k in sa:
-        assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (a["step"], k, sa[k], sb[k])
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,7 @@ def test_sigkill_of_a_rank_restarts_and_matches(tiny_assets, tmp_path, reference
     assert r.returncode == 0, r.stderr[-4000:]
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    _same(rows[-1], reference_run[-1])
+    assert_same_metrics(rows[-1], reference_run[-1])
 
 
 @pytest.mark.parametrize("grace,saved_step", [(120.0, 2), (0.0, 1)])
@@ -57,7 +46,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, refer
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, reference_run):
-        _same(a, b)
+        assert_same_metrics(a, b)
 
 
 def test_crash_inside_checkpoint_write_keeps_previous(tiny_assets, tmp_path):

@@ -6,11 +6,10 @@ of training writes the merged Hugging Face model and the peft adapter."""
 
 import os
 
-import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.e2e.conftest import demo_args, read_metrics
+from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
@@ -72,10 +71,6 @@ def test_lora_reference_is_the_actor_with_adapters_off(tiny_assets, tmp_path):
     run_distributed(_reference_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
 
 
-def _strip(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-
-
 def _run(assets, run, reward, *extra):
     code = cli.main(demo_args(assets, run, "trainer.n_gpus_per_node=1", f"custom_reward_function.path={reward}",
                               *COMMON, *LORA, *extra))
@@ -103,10 +98,7 @@ def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_asse
     a, b = read_metrics(straight), read_metrics(split)
     assert [row["step"] for row in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
-        sa, sb = _strip(ra), _strip(rb)
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (ra["step"], k, sa[k], sb[k])
+        assert_same_metrics(ra, rb)
 
     # the end of training: the merged model equals the base with the exported peft adapter
     cfg, tensors = read_peft_adapter(straight / "lora_adapter")

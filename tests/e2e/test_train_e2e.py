@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import build_demo_assets, demo_args, read_metrics, torchrun
+from tests.e2e.conftest import assert_same_metrics, build_demo_assets, demo_args, read_metrics, torchrun
 
 REQUIRED_ACTOR = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                   "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
@@ -94,10 +94,6 @@ def test_demo_learns_on_every_seed(tmp_path, seed):
     assert len(val) == 9 and val[-1] >= val[0] + 0.15, f"validation score {val}"
 
 
-def _strip(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-
-
 def test_resume_reproduces_uninterrupted_run(demo_assets, tmp_path):
     common = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
               "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -114,10 +110,7 @@ def test_resume_reproduces_uninterrupted_run(demo_assets, tmp_path):
     a, b = read_metrics(straight), read_metrics(split)
     assert [row["step"] for row in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
-        sa, sb = _strip(ra), _strip(rb)
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (ra["step"], k, sa[k], sb[k])
+        assert_same_metrics(ra, rb)
 
 
 DENSE_REWARD = '''
