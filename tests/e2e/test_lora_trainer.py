@@ -82,6 +82,7 @@ def _run(assets, run, reward, *extra):
 
 
 def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_assets, tmp_path):
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     from models import Transformer
@@ -116,3 +117,10 @@ def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_asse
     with torch.no_grad():
         want, got = adapted(ids), merged(ids)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+    # lora_adapter_path starts a run from that adapter: at lr 0 its export is the same model again
+    again = tmp_path / "from_adapter"
+    _run(tiny_assets, again, reward, "trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.lr=0",
+         f"actor_rollout_ref.model.lora_adapter_path={straight / 'lora_adapter'}")
+    first, second = (load_file(str(d / "hf_actor" / "model.safetensors")) for d in (straight, again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
