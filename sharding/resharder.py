@@ -246,6 +246,12 @@ class Resharder:
                 wide = torch.promote_types(p.dtype, self.dtype) != self.dtype
                 self.lora.append(_LoRAItem(item, mod.lora_A, mod.lora_B, mod.scaling, wide))
                 if wide and route != "local":
+                    if p.to_local().device != self.device:
+                        # DTensor's whole-tensor gather of a host-resident shard would hand a
+                        # CPU tensor to the device's backend (NCCL rejects it).
+                        raise ValueError(f"{name!r}: a LoRA-adapted weight kept in {p.dtype} on the host "
+                                         f"(offload) cannot be merged into a {self.dtype} engine across ranks; "
+                                         "keep the frozen base in the engine dtype (model_dtype) or on the device")
                     continue  # gathered whole in its own dtype at merge time, not in a bucket
             if route == "local":
                 self.local.append(item)
@@ -363,7 +369,7 @@ class Resharder:
                 if not li.wide:
                     base = view
                 elif it.route == "local":
-                    base = it.param.to_local()
+                    base = it.param.to_local().to(self.device)  # an offloaded shard is on the host
                 else:
                     base = _tp_slice(it.param.full_tensor(), it.tp_dim, self.tp_rank, t)
                     padded = list(it.param.shape)
@@ -385,10 +391,12 @@ class Resharder:
         params = [p for li in items for p in (li.lora_A, li.lora_B)]
         S = self.dims.dp_shard
         if S == 1:
-            return {id(p): p.to_local() for p in params}
+            return {id(p): p.to_local().to(self.device) for p in params}
         rows = [-(-p.shape[0] // S) for p in params]
         sizes = [r * p.shape[1] for r, p in zip(rows, params)]
-        dtype, device = params[0].dtype, params[0].to_local().device
+        # On the engine's device, never the shards' own: offloaded shards live on the host,
+        # and the group's backend (NCCL) takes device tensors only.
+        dtype, device = params[0].dtype, self.device
         send = torch.zeros(sum(sizes), dtype=dtype, device=device)
         offsets = [0]
         for size in sizes:

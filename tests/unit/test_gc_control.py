@@ -7,7 +7,7 @@ from trainer import gc_control
 
 
 class _Node:
-    pass
+    """A plain object that can sit in a reference cycle (and be weakly referenced)."""
 
 
 def test_no_automatic_collection_inside_and_cycles_collected_after():
@@ -30,7 +30,7 @@ def test_previous_setting_restored_and_full_collection_on_schedule(monkeypatch):
     try:
         for step in (1, gc_control.FULL_EVERY, gc_control.FULL_EVERY + 1):
             with gc_control.collect_after(step):
-                pass
+                assert not gc.isenabled()
             assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
