@@ -7,6 +7,11 @@ so compile time does not grow with depth. Compiling the whole block rather than 
 and MLP lets Inductor fuse the RMSNorms, residual adds, RoPE and SwiGLU with their
 neighbours: on an H200 this took the 1.5b actor update from 30 % to 35 % MFU, where
 compiling attention and MLP alone gained nothing (BENCHMARKS.md).
+
+Python floats the block reads (norm epsilons, the LoRA scaling) are compiled in as constants
+(`specialize_float`): left unspecialised, Dynamo passes each as a 0-d float64 CPU tensor, and
+with LoRA's `* scaling` Inductor then built a CPU kernel inside the GPU block (a host C++
+compile on the first step, which failed on the H200 machine).
 """
 
 from __future__ import annotations
@@ -21,5 +26,6 @@ def apply_compile(model, backend: str = "inductor") -> None:
     for block in model.layers:
         if getattr(block, _COMPILED, False):
             raise RuntimeError("apply_compile was already applied to this model")
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
+        compiled = torch.compile(block.forward, backend=backend, dynamic=True)
+        block.forward = torch._dynamo.config.patch(specialize_float=True)(compiled)
         setattr(block, _COMPILED, True)

@@ -45,3 +45,25 @@ def test_compiling_twice_is_an_error():
     apply_compile(m, backend="aot_eager")
     with pytest.raises(RuntimeError, match="already applied"):
         apply_compile(m, backend="aot_eager")
+
+
+def test_compiled_lora_blocks_take_no_host_scalars():
+    """The LoRA scaling and the norm epsilons are constants of the compiled graph: were a Python
+    float a graph input, Dynamo would pass it as a 0-d float64 CPU tensor, and Inductor put a CPU
+    kernel inside a GPU block (the LoRA update failed so on an H200)."""
+    from models.lora import LoRAConfig, inject_lora
+
+    m = inject_lora(Transformer.build(ARGS, seed=0), LoRAConfig(rank=4, alpha=8), torch.Generator().manual_seed(1))
+    graph_inputs = []
+
+    def backend(gm, example_inputs):
+        graph_inputs.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
+        return gm.forward
+
+    apply_compile(m, backend=backend)
+    ids = torch.randint(0, ARGS.vocab_size, (1, 12))
+    m(ids, labels=torch.roll(ids, -1, dims=1))
+    assert graph_inputs, "the blocks were not compiled"
+    scalars = [x for x in graph_inputs if x.dim() == 0]
+    assert not scalars, f"0-d host tensors among the compiled blocks' inputs: {scalars}"
+    assert not any(x.dtype == torch.float64 for x in graph_inputs)
