@@ -15,9 +15,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, estimator, *extra):
+def _run(tmp_path, estimator, *extra, model=()):
+    """Three steps of the demo recipe on the GPU; `model`: prepare_demo's model flags."""
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50"],
+    subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50", *model],
                    cwd=ROOT, check=True, capture_output=True)
     run = tmp_path / "run"
     n = "1" if estimator == "gae" else "8"
@@ -51,8 +52,10 @@ def test_demo_steps_on_gpu(tmp_path, estimator):
 
 def test_engine_weights_freed_between_phases_on_gpu(tmp_path):
     """rollout.free_engine_weights: the weights and the decode graphs are released after every
-    generation, so every step recaptures its graphs (and says so), and training goes on."""
-    rows, steps = _run(tmp_path, "grpo", "actor_rollout_ref.rollout.free_engine_weights=true")
+    generation, so every step recaptures its graphs (and says so), and training goes on. The demo
+    model's head_dim (96 / 4 = 24) has no Triton decode kernel, hence no graphs: this one has 32."""
+    rows, steps = _run(tmp_path, "grpo", "actor_rollout_ref.rollout.free_engine_weights=true",
+                       model=("--hidden", "128", "--heads", "4"))
     for row in steps:
         assert row["timing_s/graph_capture"] > 0, row
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
