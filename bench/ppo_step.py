@@ -207,10 +207,12 @@ def main(argv=None) -> int:
             emit("ppo_step", {"model": a.model, "workload": workload, "prompts": prompts,
                               "n": cfg.actor_rollout_ref.rollout.n, "prompt_len": prompt_len,
                               "response_len": response_len, "smoke": a.smoke,
-                              "world_size": ctx.world_size},
+                              "world_size": ctx.world_size, "overrides": list(a.overrides)},
                  throughput_tok_s_per_gpu=med("perf/throughput"), timing_s=timing,
                  reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
                  peak_memory_gb=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
+                 # the update phase's own peak (after generation: what the actor trains in)
+                 peak_memory_update_gb=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
                  response_tok_s_per_gpu=med("perf/response_throughput"), scaling_mode=a.scaling,
                  scaling=scaling(baseline.get((a.model, workload)), timing, med("perf/throughput"), ctx.world_size,
