@@ -599,6 +599,9 @@ def plot(records: list[dict], out: Path) -> list[str]:
                         linestyle="--" if r["framework"] == "trl" else "-")
             ax.set_title(title)
             ax.set_xlabel(xlabel)
+            # Runs differ in length by 5× and more (TRL's budget is wall-clock), and learning
+            # happens in the first steps: a log axis keeps both readable (linear below 1).
+            ax.set_xscale("symlog", linthresh=1.0)
             ax.grid(alpha=0.3)
         axes.flat[0].legend(fontsize=8)
         fig.tight_layout()
