@@ -468,8 +468,10 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
         train_s += time.perf_counter() - t
         step += 1
         last = {k: float(metrics[v]) for k, v in STEP_KEYS.items() if v in metrics}
+        # the trainer's phase times: where a step goes (generation, log-prob passes, update, ...)
+        phases = {k.removeprefix("timing_s/"): v for k, v in metrics.items() if k.startswith("timing_s/")}
         steps.append({"step": step, "samples": step * samples_per_step, "train_wall_s": train_s, **last,
-                      "step_s": metrics.get("timing_s/step")})
+                      "step_s": metrics.get("timing_s/step"), "phases_s": phases})
         if step % s.eval_every == 0 or step == s.steps:
             evaluate(step)
     if points[-1]["step"] != step:

@@ -108,6 +108,9 @@ def test_learn_tiny_writes_records(tiny_bench):
     assert walls[0] == 0 and walls == sorted(walls)
     for s in rec["steps"]:
         assert 0 <= s["reward"] <= 1 and s["kl"] >= -1e-6 and 1 <= s["response_length"] <= 5  # k3 >= 0
+        phases = s["phases_s"]  # where the step went, phase by phase
+        assert {"gen", "old_log_prob", "ref", "update_actor", "step"} <= phases.keys()
+        assert all(v >= 0 for v in phases.values()) and phases["step"] == s["step_s"]
     assert rec["greedy_gain"] == pytest.approx(rec["greedy_end"] - rec["greedy_start"])
     # the trainer's greedy validation before any step and the warm-up's teacher-forced greedy
     # check measure the same thing two ways (engine decoding vs argmax under teacher forcing)
