@@ -108,12 +108,18 @@ class ModelConfig:
     @property
     def lora(self) -> LoRAConfig | None:
         """The actor's `LoRAConfig`, None when lora_rank is 0."""
-        if not self.lora_rank:
-            return None
-        try:
-            return LoRAConfig(self.lora_rank, self.lora_alpha, self.target_modules)
-        except ValueError as e:
-            raise ConfigError(f"actor_rollout_ref.model: {e}") from None
+        return _lora_config("actor_rollout_ref.model", self)
+
+
+def _lora_config(key: str, model) -> LoRAConfig | None:
+    """The `LoRAConfig` of a model section's `lora_rank`, `lora_alpha` and `target_modules` (None
+    when lora_rank is 0); a bad value is a `ConfigError` naming the section `key`."""
+    if not model.lora_rank:
+        return None
+    try:
+        return LoRAConfig(model.lora_rank, model.lora_alpha, model.target_modules)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 @dataclass
@@ -222,7 +228,24 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward")
     enable_activation_offload: bool = opt(False, "keep saved activations on CPU between forward and backward")
     use_remove_padding: bool = opt(True, "padding-free packed forwards")
+    lora_rank: int = opt(0, "LoRA adapter rank on the critic; 0: the whole critic trains. With adapters only "
+                            "they and the value head train and are checkpointed (the base is re-read from path)",
+                         ge=0)
+    lora_alpha: float = opt(16.0, "critic LoRA scaling numerator: the adapter output is scaled by "
+                                  "lora_alpha / lora_rank", gt=0)
+    target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters: all-linear or a list "
+                                                         "among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                                         "down_proj")
     fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
+
+    def __post_init__(self):
+        if self.lora_rank:
+            self.lora  # a bad target_modules / lora_alpha fails here, naming the key
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The critic's `LoRAConfig`, None when lora_rank is 0."""
+        return _lora_config("critic.model", self)
 
 
 @dataclass

@@ -121,7 +121,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
                                          head="value", device=ctx.device, trainable=True, seed=seed,
                                          dummy_weights=dummy and cm.path == path,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
-                                         enable_activation_offload=cm.enable_activation_offload)
+                                         enable_activation_offload=cm.enable_activation_offload, lora=cm.lora)
         if arr.actor.use_torch_compile:
             apply_compile(models.critic)
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
