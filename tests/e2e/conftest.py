@@ -48,6 +48,28 @@ def demo_args(assets, run_dir, *overrides) -> list[str]:
             "trainer.logger=[jsonl]", *overrides]
 
 
+def demo_trainer(assets, run_dir, reward, *overrides):
+    """A `PPOTrainer` of the demo recipe on `assets` with the rule reward file `reward`, built in
+    this process (a rank of `tests.dist_utils.run_distributed`, gloo), no validation set, no resume."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
+        f"actor_rollout_ref.model.path={assets}/sft_model", f"custom_reward_function.path={reward}",
+        f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", *overrides])
+    return PPOTrainer(cfg, init_distributed("cpu"))
+
+
+def assert_trains_only(model, optimizer, trained: set[str]) -> None:
+    """`model`'s parameters that require grad are exactly `trained`, and `optimizer` holds exactly them."""
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trained
+    optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+
+
 def read_metrics(run_dir) -> list[dict]:
     import json
 

@@ -3,16 +3,13 @@ and its value head train and have optimizer state, its base stays frozen bit for
 checkpoint holds no base weight, and a run resumed from that checkpoint (the base re-read from
 the model path) reproduces the uninterrupted one."""
 
-import os
-
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics
+from tests.e2e.conftest import assert_same_metrics, assert_trains_only, demo_args, demo_trainer, read_metrics
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CRITIC_LORA = ["critic.model.lora_rank=4", "critic.model.lora_alpha=8",
                "critic.model.target_modules=[q_proj, v_proj, down_proj]", "critic.optim.lr=1e-2"]
 COMMON = ["trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_batch_size=8",
@@ -23,26 +20,15 @@ COMMON = ["trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_
 
 def _critic_body(rank, world_size, assets, run_root):
     from models.lora import is_lora_name, lora_modules
-    from trainer.config import PPOConfig
-    from trainer.configlib import load_config
-    from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
 
-    ctx = init_distributed("cpu")
-    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
-        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
-        f"actor_rollout_ref.model.path={assets}/sft_model", f"custom_reward_function.path={run_root}/reward.py",
-        f"trainer.default_local_dir={run_root}/run", "trainer.total_training_steps=2", "trainer.resume_mode=disable",
-        *COMMON, *CRITIC_LORA])
-    trainer = PPOTrainer(cfg, ctx)
+    trainer = demo_trainer(assets, f"{run_root}/run", f"{run_root}/reward.py", "trainer.total_training_steps=2",
+                           *COMMON, *CRITIC_LORA)
     m = trainer.models
     critic = m.critic
-    trained = {n for n, p in critic.named_parameters() if p.requires_grad}
-    assert trained == {n for n, _ in critic.named_parameters() if is_lora_name(n) or n.startswith("score.")}
+    trained = {n for n, _ in critic.named_parameters() if is_lora_name(n) or n.startswith("score.")}
     assert any(n.startswith("score.") for n in trained) and len(trained) > 2
+    assert_trains_only(critic, m.critic_optim, trained)
     assert len(lora_modules(critic)) == 3 * m.actor_args.num_hidden_layers
-    optimized = {id(p) for g in m.critic_optim.param_groups for p in g["params"]}
-    assert optimized == {id(p) for p in critic.parameters() if p.requires_grad}
     # the actor is untouched by the critic's options: fully trained, no adapters
     assert not lora_modules(m.actor) and all(p.requires_grad for p in m.actor.parameters())
     start = {n: p.to_local().detach().clone() for n, p in critic.named_parameters()}

@@ -4,16 +4,13 @@ its log-probs are bitwise those of a separately built frozen base model; a run r
 checkpoint (adapters + optimizer + trainer state) reproduces the uninterrupted one; the end
 of training writes the merged Hugging Face model and the peft adapter."""
 
-import os
-
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics
+from tests.e2e.conftest import assert_same_metrics, assert_trains_only, demo_args, demo_trainer, read_metrics
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.model.target_modules=[q_proj, v_proj, down_proj]", "actor_rollout_ref.actor.optim.lr=1e-2"]
 COMMON = ["trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_batch_size=8",
@@ -24,26 +21,15 @@ COMMON = ["trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_
 def _reference_body(rank, world_size, assets, run_root):
     from models.lora import is_lora_name, lora_modules
     from sharding.fsdp import build_fsdp_model
-    from trainer.config import PPOConfig
-    from trainer.configlib import load_config
-    from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
     from trainer.roles import AdaptersOffReference, ReferencePolicy
 
-    ctx = init_distributed("cpu")
-    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
-        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
-        f"actor_rollout_ref.model.path={assets}/sft_model", f"custom_reward_function.path={run_root}/reward.py",
-        f"trainer.default_local_dir={run_root}/ref", "trainer.total_training_steps=2", "trainer.resume_mode=disable",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", *COMMON, *LORA])
-    trainer = PPOTrainer(cfg, ctx)
-    m = trainer.models
+    trainer = demo_trainer(assets, f"{run_root}/ref", f"{run_root}/reward.py", "trainer.total_training_steps=2",
+                           "actor_rollout_ref.rollout.calculate_log_probs=true", *COMMON, *LORA)
+    cfg, ctx, m = trainer.cfg, trainer.ctx, trainer.models
     assert m.ref is None and isinstance(trainer.ref, AdaptersOffReference)  # no second model
-    trained = {n for n, p in m.actor.named_parameters() if p.requires_grad}
-    assert trained and all(is_lora_name(n) for n in trained)
+    trained = {n for n, _ in m.actor.named_parameters() if is_lora_name(n)}
+    assert_trains_only(m.actor, m.actor_optim, trained)
     assert len(lora_modules(m.actor)) == 3 * m.actor_args.num_hidden_layers
-    optimized = {id(p) for g in m.actor_optim.param_groups for p in g["params"]}
-    assert optimized == {id(p) for p in m.actor.parameters() if p.requires_grad}
     start = {n: p.to_local().detach().clone() for n, p in m.actor.named_parameters()}
     steps = [trainer.step() for _ in range(2)]
     now = {n: p.to_local().detach() for n, p in m.actor.named_parameters()}
