@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,23 @@ def assert_trains_only(model, optimizer, trained: set[str]) -> None:
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trained
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def checkpoint_keys(ckpt_dir) -> list[str]:
+    """The state-dict keys of every DCP checkpoint under `ckpt_dir` (e.g. `model.…`, `optim.state.…`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return [k for f in Path(ckpt_dir).rglob(".metadata")
+            for k in FileSystemReader(str(f.parent)).read_metadata().state_dict_metadata]
+
+
+def assert_resumed_run_matches(straight, resumed, steps: int) -> None:
+    """The run in `resumed`, stopped and resumed from a checkpoint, logged the same `steps`
+    steps as the uninterrupted run in `straight`."""
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [row["step"] for row in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b):
+        assert_same_metrics(ra, rb)
 
 
 def read_metrics(run_dir) -> list[dict]:

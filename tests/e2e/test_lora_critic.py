@@ -6,7 +6,7 @@ the model path) reproduces the uninterrupted one."""
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.e2e.conftest import assert_same_metrics, assert_trains_only, demo_args, demo_trainer, read_metrics
+from tests.e2e.conftest import assert_resumed_run_matches, assert_trains_only, checkpoint_keys, demo_args, demo_trainer
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
@@ -52,21 +52,14 @@ def _run(assets, run, reward, *extra):
 
 
 def test_lora_critic_resume_reproduces_the_uninterrupted_run(tiny_assets, tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
     reward = tmp_path / "reward.py"
     reward.write_text(LENGTH_REWARD)
     straight, split = tmp_path / "straight", tmp_path / "split"
     _run(tiny_assets, straight, reward, "trainer.total_training_steps=3")
     _run(tiny_assets, split, reward, "trainer.total_training_steps=2")
-    critic_ckpt = split / "checkpoints" / "global_step_2" / "critic"
-    saved = [k for f in critic_ckpt.rglob(".metadata") for k in FileSystemReader(str(f.parent)).read_metadata()
-             .state_dict_metadata]
+    saved = checkpoint_keys(split / "checkpoints" / "global_step_2" / "critic")
     assert any(k.startswith("optim.state.") for k in saved), saved[:8]
     held = [k for k in saved if k.startswith(("model.", "optim.state.")) and "lora_" not in k and ".score." not in k]
     assert not held, f"the critic's checkpoint holds base weights or their optimizer state: {held[:4]}"
     _run(tiny_assets, split, reward, "trainer.total_training_steps=3")  # resume_mode=auto: from global_step_2
-    a, b = read_metrics(straight), read_metrics(split)
-    assert [row["step"] for row in b] == [1, 2, 3]
-    for ra, rb in zip(a, b):
-        assert_same_metrics(ra, rb)
+    assert_resumed_run_matches(straight, split, 3)

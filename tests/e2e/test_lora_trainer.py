@@ -7,7 +7,7 @@ of training writes the merged Hugging Face model and the peft adapter."""
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.e2e.conftest import assert_same_metrics, assert_trains_only, demo_args, demo_trainer, read_metrics
+from tests.e2e.conftest import assert_resumed_run_matches, assert_trains_only, checkpoint_keys, demo_args, demo_trainer
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
@@ -69,7 +69,6 @@ def _run(assets, run, reward, *extra):
 
 def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_assets, tmp_path):
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint import FileSystemReader
 
     from models import Transformer
     from models.lora import LoRAConfig, inject_lora, load_peft_adapter, read_peft_adapter
@@ -79,17 +78,12 @@ def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_asse
     straight, split = tmp_path / "straight", tmp_path / "split"
     _run(tiny_assets, straight, reward, "trainer.total_training_steps=4")
     _run(tiny_assets, split, reward, "trainer.total_training_steps=2", "trainer.export_hf_at_end=false")
-    ckpt = split / "checkpoints" / "global_step_2"
-    saved = [k for f in ckpt.rglob(".metadata") for k in FileSystemReader(str(f.parent)).read_metadata()
-             .state_dict_metadata]
+    saved = checkpoint_keys(split / "checkpoints" / "global_step_2")
     assert any(k.startswith("model.") for k in saved) and any(k.startswith("optim.") for k in saved), saved[:8]
     held = [k for k in saved if k.startswith(("model.", "optim.state.")) and "lora_" not in k]
     assert not held, f"the checkpoint holds base weights or their optimizer state: {held[:4]}"
     _run(tiny_assets, split, reward, "trainer.total_training_steps=4")  # resume_mode=auto: from global_step_2
-    a, b = read_metrics(straight), read_metrics(split)
-    assert [row["step"] for row in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a, b):
-        assert_same_metrics(ra, rb)
+    assert_resumed_run_matches(straight, split, 4)
 
     # the end of training: the merged model equals the base with the exported peft adapter
     cfg, tensors = read_peft_adapter(straight / "lora_adapter")
