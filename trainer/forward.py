@@ -100,8 +100,9 @@ def index_on(idx: list[int], device) -> torch.Tensor:
 
 
 def host_to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Host int64 tensors on `device`: on CUDA one non-blocking copy of their concatenation from
-    pinned memory (the caching host allocator keeps the pinned block until the copy is done)."""
+    """Host tensors (of one dtype) on `device`: on CUDA one non-blocking copy of their
+    concatenation from pinned memory (the caching host allocator keeps the pinned block until
+    the copy is done)."""
     device = torch.device(device)
     if device.type != "cuda":
         return [t.to(device) for t in tensors]

@@ -328,10 +328,7 @@ class PPOTrainer:
         mask = ro.response_mask
         reweighted = correction.rollout_is is not None or bool(correction.rejection)
         if correction.bypass_mode or reweighted or lp.calculate_log_probs:
-            rl = torch.zeros(len(ro), ro.width)
-            for i, r in enumerate(ro.engine_log_probs):
-                rl[i, :len(r)] = torch.tensor(r)
-            ro.rollout_log_probs = rl.to(self.device)
+            ro.rollout_log_probs = ro.padded(ro.engine_log_probs)
         if correction.bypass_mode:
             # The engine's log-probs are the old ones (the same softmax of logits / temperature):
             # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.forward import index_on
+from trainer.forward import host_to_device, index_on
 
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
@@ -53,11 +53,20 @@ class RolloutBatch:
     def response_mask(self) -> torch.Tensor:
         """`[N, R]`, 1.0 on each response's tokens."""
         if self._response_mask is None:
-            mask = torch.zeros(len(self), self.width, device=self.device)
-            for i, r in enumerate(self.responses):
-                mask[i, :len(r)] = 1.0
-            self._response_mask = mask
+            # From the lengths in one non-blocking copy: no per-row kernel, no wait for the device.
+            lengths = index_on([len(r) for r in self.responses], self.device)
+            columns = torch.arange(self.width, device=self.device)
+            self._response_mask = (columns < lengths[:, None]).float()
         return self._response_mask
+
+    def padded(self, rows: list[list[float]]) -> torch.Tensor:
+        """Per-token host values, one list per sequence as long as its response (the engine's
+        log-probs), as `[N, R]` float32 on the device, zero after each response: one copy."""
+        lengths = torch.tensor([len(r) for r in rows])
+        out = torch.zeros(len(rows), self.width)
+        out[torch.arange(self.width) < lengths[:, None]] = torch.tensor([x for r in rows for x in r],
+                                                                         dtype=torch.float32)
+        return host_to_device([out], self.device)[0]
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]

@@ -84,6 +84,16 @@ def _rollouts(n=8, seed=0, vocab=41):
     return ro
 
 
+def test_response_mask_marks_each_response_and_travels_with_take():
+    ro = RolloutBatch([[1], [2, 3], [4]], [[5, 6, 7], [8], []], [0, 1, 2], [None] * 3, [None] * 3, [{}] * 3,
+                      ["stop"] * 3, [[0.0] * 3, [0.0], []], 4, torch.device("cpu"))
+    want = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    assert ro.response_mask.dtype == torch.float32 and torch.equal(ro.response_mask, want)
+    assert torch.equal(ro.take([2, 0]).response_mask, want[[2, 0]])
+    lp = ro.padded([[-0.5, -1.0, -2.0], [-3.0], []])
+    assert torch.equal(lp, torch.tensor([[-0.5, -1.0, -2.0, 0.0], [-3.0, 0, 0, 0], [0, 0, 0, 0]]))
+
+
 def _actor_cfg(**kw):
     base = dict(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=2,
                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, entropy_coeff=0.01, use_kl_loss=True,
