@@ -9,6 +9,8 @@ trainer's own step.
     python bench/learn.py --summarize                        # summary.json + PNG curves of every run in --out
                                                              # (with bench/learn_trl.py's trl.json: the comparison)
     python bench/learn.py --tiny ...                         # a tiny model and task: checks the wiring on a CPU
+    python bench/learn.py --runs grpo:0 --trainer-override actor_rollout_ref.actor.use_torch_compile=true
+                                                             # any trainer option (kept in the run's record)
 
 The task (`data.arith`): `a+b=` with 3-digit operands written with 3 digits (`007+358=`),
 answered by the sum written with 4 (`0365`) and scored by exact match (`rewards/arith.py`). The supervised warm-up imitates a demonstrator who, on 70 % of
@@ -425,16 +427,19 @@ def val_metrics(greedy_rows: list[dict], sampled_rows: list[dict], n: int) -> di
 STEP_KEYS = {"reward": "critic/score/mean", "kl": "actor/ref_kl", "response_length": "response_length/mean"}
 
 
-def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=print) -> dict:
+def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=print,
+           trainer_overrides: tuple[str, ...] = ()) -> dict:
     """One RL run `ALGORITHM:SEED`: its record, written to `OUT/<algorithm>_<seed>.json` after every
     evaluation (`complete: false` until the run ends, so a call stopped by its time limit still
-    leaves the curve so far); the trainer's own directory is `WORK/runs/<algorithm>_<seed>`."""
+    leaves the curve so far); the trainer's own directory is `WORK/runs/<algorithm>_<seed>`.
+    `trainer_overrides` (dotted config keys, e.g. `actor_rollout_ref.actor.use_torch_compile=true`)
+    come last and are kept in the record."""
     algorithm, seed = parse_run(spec)
     name = f"{algorithm}_{seed}"
     run_dir = warm.dir.parent / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    run = MeshppoRun(overrides_for(algorithm, seed, s, warm, run_dir, device))
+    run = MeshppoRun(overrides_for(algorithm, seed, s, warm, run_dir, device) + list(trainer_overrides))
     setup_s = time.perf_counter() - t0
     samples_per_step = s.prompts * s.n
     steps, points = [], []
@@ -442,7 +447,8 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
 
     def record(complete: bool) -> dict:
         rec = {"benchmark": "learn", "framework": "meshppo", "run": name, "algorithm": algorithm, "seed": seed,
-               "complete": complete, "settings": dataclasses.asdict(s), "warmup": warm.summary,
+               "complete": complete, "settings": dataclasses.asdict(s),
+               "trainer_overrides": list(trainer_overrides), "warmup": warm.summary,
                "samples_per_step": samples_per_step, "setup_s": setup_s, "train_wall_s": train_s,
                "wall_s": time.perf_counter() - t0, "points": points, "steps": steps, **gain(points),
                "hardware": hardware(), "commit": git_commit()}
@@ -565,6 +571,7 @@ def summarize(out: Path) -> dict:
         raise SystemExit(f"no run records (*.json with benchmark 'learn') in {out}")
     runs = {r["run"]: {k: r[k] for k in ("framework", "complete", "greedy_start", "greedy_end", "greedy_gain",
                                           "reached_target", "train_wall_s", "samples_per_step")}
+            | {"trainer_overrides": r.get("trainer_overrides", [])}
             | {"steps": r["points"][-1]["step"], "samples": r["points"][-1]["samples"]} for r in records}
     checkpoints = sorted({(r["warmup"]["hash"], r["warmup"].get("weights_sha1")) for r in records})
     summary = {"benchmark": "learn_summary", "target_gain": TARGET_GAIN, "runs": runs,
@@ -652,6 +659,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     p = settings_parser(__doc__)
     p.add_argument("--warmup-only", action="store_true", help="build (or reuse) the warm-up checkpoint and stop")
+    p.add_argument("--trainer-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer config override for the RL runs (repeatable; kept in each record), e.g. "
+                        "algorithm.rollout_correction.bypass_mode=true")
     p.add_argument("--runs", default="", help="comma-separated ALGORITHM:SEED (grpo, ppo, rloo), e.g. grpo:0,ppo:0")
     p.add_argument("--summarize", action="store_true", help="summary.json and curves of every record in --out")
     p.add_argument("--budget-minutes", type=float, default=None,
@@ -680,7 +690,7 @@ def main(argv=None) -> int:
                 print(json.dumps({"not_started": specs[i:], "reason": f"--budget-minutes {a.budget_minutes}: "
                                   f"{elapsed:.0f}s spent, a run takes up to {longest:.0f}s"}), flush=True)
                 break
-            rec = rl_run(spec, s, warm, out, device.type)
+            rec = rl_run(spec, s, warm, out, device.type, trainer_overrides=tuple(a.trainer_override))
             longest = max(longest if i else 0.0, rec["wall_s"])
             print(json.dumps({k: rec[k] for k in ("run", "greedy_start", "greedy_end", "greedy_gain",
                                                   "reached_target", "train_wall_s", "setup_s", "wall_s")}),

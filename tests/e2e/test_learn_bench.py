@@ -84,14 +84,18 @@ def test_compare_with_trl_by_hand():
     assert c["wall_ratio_median"] == pytest.approx(20 / 160)
 
 
+BYPASS = "algorithm.rollout_correction.bypass_mode=true"  # a trainer override the records must show
+
+
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
-    """Warm-up, two GRPO steps and the summary at the tiny size, in a subprocess (its own process group)."""
+    """Warm-up, two GRPO steps (bypass mode, by a trainer override) and the summary at the tiny size,
+    in a subprocess (its own process group)."""
     work, out = tmp_path_factory.mktemp("learn_work"), tmp_path_factory.mktemp("learn_out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "bench/learn.py", "--tiny", "--runs", "grpo:0", "--summarize",
-                        "--work", str(work), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=env)
+                        "--work", str(work), "--out", str(out), "--trainer-override", BYPASS],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return work, out, r.stdout
 
@@ -109,7 +113,8 @@ def test_learn_tiny_writes_records(tiny_bench):
     for s in rec["steps"]:
         assert 0 <= s["reward"] <= 1 and s["kl"] >= -1e-6 and 1 <= s["response_length"] <= 5  # k3 >= 0
         phases = s["phases_s"]  # where the step went, phase by phase
-        assert {"gen", "old_log_prob", "ref", "update_actor", "step"} <= phases.keys()
+        assert {"gen", "ref", "update_actor", "step"} <= phases.keys()
+        assert "old_log_prob" not in phases  # the override took: bypass mode skips the recompute pass
         assert all(v >= 0 for v in phases.values()) and phases["step"] == s["step_s"]
     assert rec["greedy_gain"] == pytest.approx(rec["greedy_end"] - rec["greedy_start"])
     # the trainer's greedy validation before any step and the warm-up's teacher-forced greedy
@@ -117,6 +122,7 @@ def test_learn_tiny_writes_records(tiny_bench):
     assert abs(rec["points"][0][GREEDY] - rec["warmup"]["greedy_acc"]) <= 1 / 64 + 1e-9
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"]["grpo_0"]["reached_target"] == rec["reached_target"]
+    assert rec["trainer_overrides"] == summary["runs"]["grpo_0"]["trainer_overrides"] == [BYPASS]
     for png in ("curves_step.png", "curves_wall.png", "accuracy_samples.png"):
         assert (out / png).stat().st_size > 1000
     (warm,) = work.glob("warmup-*")
