@@ -163,8 +163,9 @@ def model_args(s: Settings, tokenizer):
 class Encoder:
     """Token ids of the task's prompts and answers, in batches. A prompt is rendered as the
     trainer's dataset renders a chat prompt (the chat template with the generation prompt, then
-    tokenized without special tokens); the template is rendered once, around a placeholder, since
-    a warm-up step encodes hundreds of problems."""
+    tokenized without special tokens). The template is rendered once with a NUL character as the
+    user message, and each problem is substituted for it, since a warm-up step encodes hundreds
+    of problems."""
 
     def __init__(self, tokenizer, digits: int):
         self.tokenizer, self.digits = tokenizer, digits

@@ -5,7 +5,9 @@
 
 * `trainer`: the real trainer, 3 steps per configuration: GRPO (n=4) and PPO (GAE + critic) x
   {FULL_SHARD with engine TP 1, FULL_SHARD with TP 2, HYBRID_SHARD 2 replicas x 1 shard,
-  FSDP2 `offload_policy`}, bf16, the qwen2.5-1.5b shape cut to 2 layers, CUDA graphs on.
+  FSDP2 `offload_policy`, LoRA on the actor and the critic with engine TP 2}, bf16, the
+  qwen2.5-1.5b shape cut to 2 layers, CUDA graphs on. A watched weight must move in every
+  configuration; under LoRA an adapter must move and the base weight must not.
 * `same_update`: `Actor.update` (2 mini-batches, dynamic micro-batches, KL and entropy
   losses, SGD) on one fixed global batch; rank 0 saves the parameters before and after to
   `--out`, and the test compares a 1-rank and a 2-rank launch.
@@ -14,7 +16,8 @@
   on CUDA the symmetric-memory all-reduce of the TP group against NCCL's, bitwise, eagerly and
   in a CUDA graph.
 * `reshard`: the resharder's slots against the full weights cast to bf16, bitwise, on both
-  paths, for FULL_SHARD TP 1 / TP 2 and HYBRID_SHARD 2 x 1.
+  paths, for FULL_SHARD TP 1 / TP 2 and HYBRID_SHARD 2 x 1; and a LoRA actor's adapters merged
+  into the slots (tests/multiproc/test_resharder_lora.py's check) at TP 1 and TP 2.
 
 Rank 0 prints one JSON line of measured figures per check and `CHECK ok` at the end; a failed
 assertion exits non-zero (torchrun then stops the other ranks). `--device cpu` runs the same
@@ -66,8 +69,12 @@ TRAINER_LAYOUTS = {
     "full_shard_tp2": ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
     "hybrid_shard_tp1": ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1"],
     "offload_policy_tp1": ["actor_rollout_ref.actor.fsdp_config.offload_policy=true"],
+    # LoRA on the actor (its reference: the actor with adapters off) and on the critic, engine TP 2
+    "lora_tp2": ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
+                 "actor_rollout_ref.model.lora_alpha=16", "critic.model.lora_rank=8", "critic.model.lora_alpha=16"],
 }
 WATCHED_PARAM = "layers.1.self_attn.q_proj.weight"
+WATCHED_ADAPTER = "layers.1.self_attn.q_proj.lora_B"  # what trains instead under LoRA (starts at zero)
 
 
 def _local_copy(model, name: str) -> torch.Tensor:
@@ -117,15 +124,20 @@ def check_trainer(ctx, a):
                 "actor_rollout_ref.actor.optim.weight_decay=0", "critic.optim.weight_decay=0",
                 *dtype, *extra]
             trainer = PPOTrainer(load_config(PPOConfig, None, overrides), ctx)
-            actor_before = _local_copy(trainer.models.actor, WATCHED_PARAM)
-            critic_before = (_local_copy(trainer.models.critic, WATCHED_PARAM)
-                             if trainer.models.critic is not None else None)
+            models = {"actor": trainer.models.actor, "critic": trainer.models.critic}
+            models = {role: m for role, m in models.items() if m is not None}
+            lora = "lora" in layout
+            # Under LoRA the adapter moves and the base (the reference's weights) must not.
+            trains, frozen = (WATCHED_ADAPTER, WATCHED_PARAM) if lora else (WATCHED_PARAM, None)
+            before = {(role, p): _local_copy(m, p) for role, m in models.items() for p in (trains, frozen) if p}
             assert trainer.train() == 0, name
-            moved = (_local_copy(trainer.models.actor, WATCHED_PARAM) - actor_before).abs().max().item()
-            assert moved > 0, f"{name}: rank {ctx.rank}'s shard of {WATCHED_PARAM} did not change in {STEPS} steps"
-            if critic_before is not None:
-                c_moved = (_local_copy(trainer.models.critic, WATCHED_PARAM) - critic_before).abs().max().item()
-                assert c_moved > 0, f"{name}: the critic's {WATCHED_PARAM} did not change"
+            change = {key: (_local_copy(models[key[0]], key[1]) - v).abs().max().item() for key, v in before.items()}
+            for (role, param), c in change.items():
+                if param == trains:
+                    assert c > 0, f"{name}: rank {ctx.rank}'s shard of the {role}'s {param} did not change in {STEPS} steps"
+                else:
+                    assert c == 0, f"{name}: the {role}'s frozen {param} changed by {c}"
+            moved = change[("actor", trains)]
             graphs = trainer.engine.runner.num_captures
             if cuda:
                 # Decode replays CUDA graphs (enforce_eager is false); under TP 2 they hold the
@@ -143,8 +155,8 @@ def check_trainer(ctx, a):
                         assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (name, i, k, row.get(k))
                     assert row["actor/grad_norm"] > 0 and row["perf/throughput"] > 0, (name, i, row)
                     assert row.get("actor/nonfinite_skipped", 0.0) == 0.0, (name, i, row)
-                    # the update phase's peak is part of the step's
-                    assert 0 < row["perf/max_memory_allocated_update_gb"] <= row["perf/max_memory_allocated_gb"], row
+                    if cuda:  # the update phase's peak (a CUDA figure) is part of the step's
+                        assert 0 < row["perf/max_memory_allocated_update_gb"] <= row["perf/max_memory_allocated_gb"], row
                 summary[name] = {"throughput_tok_s_per_gpu": [round(r["perf/throughput"], 1) for r in rows],
                                  "actor_grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
                                  "step_s": [round(r["timing_s/step"], 2) for r in rows],
@@ -376,16 +388,22 @@ def check_engine_tp(ctx, a):
 
 # ----------------------------------------------------------------------------- reshard
 RESHARD_LAYOUTS = [(-1, 1), (-1, 2), (1, 1)]  # (fsdp_size, tp) on 2 ranks
+LORA_RESHARD_LAYOUTS = [(-1, 1, "even"), (-1, 2, "even"), (-1, 1, "uneven")]  # (fsdp_size, tp, model)
 
 
 def check_reshard(ctx, a):
     from tests.multiproc.test_resharder import MODELS, _check
+    from tests.multiproc.test_resharder_lora import _check as _check_lora
 
     for fsdp_size, tp in RESHARD_LAYOUTS:
         for kind in MODELS:
             _check(ctx.rank, ctx.world_size, fsdp_size, tp, kind, ctx.device)
             _free_device_memory(ctx.device)
-    _emit(ctx, "reshard", layouts=RESHARD_LAYOUTS, models=list(MODELS))
+    # A LoRA actor: adapters gathered on the device and merged into the engine's slots.
+    for fsdp_size, tp, kind in LORA_RESHARD_LAYOUTS:
+        _check_lora(ctx.rank, ctx.world_size, fsdp_size, tp, kind, ctx.device)
+        _free_device_memory(ctx.device)
+    _emit(ctx, "reshard", layouts=RESHARD_LAYOUTS, models=list(MODELS), lora_layouts=LORA_RESHARD_LAYOUTS)
 
 
 CHECKS = {"trainer": check_trainer, "same_update": check_same_update, "engine_tp": check_engine_tp,

@@ -38,15 +38,17 @@ def _base_weights(model, seed):
     return [(n, t) for n, t in _peaky_weights(model, seed) if not n.endswith((".lora_A", ".lora_B"))]
 
 
-def _check(rank, world, fsdp_size, tp, kind):
+def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
+    """One configuration on `device` (the GPU check, tests/gpu/multi_gpu_checks.py, runs it over NCCL)."""
+    device = torch.device(device)
     args, lora = MODELS[kind], LORA[kind]
     dims = ParallelDims(world, fsdp_size=fsdp_size, tp=tp)
-    meshes = dims.build_meshes("cpu")
+    meshes = dims.build_meshes(device.type)
     tp_rank, S, t = dims.tp_rank(rank), dims.dp_shard, dims.tp
     n_adapted = args.num_hidden_layers * len(lora.targets)
     for base_dtype in ("bf16", "fp32"):
         cfg = FSDPConfig(fsdp_size=fsdp_size, mixed_precision={"param_dtype": base_dtype})
-        model = build_fsdp_model(args, meshes.train, cfg, lora=lora)
+        model = build_fsdp_model(args, meshes.train, cfg, lora=lora, device=device)
         load_full_tensors(model, _base_weights(model, seed=3) + _dyadic_adapters(model, seed=4))
         assert {p.dtype for n, p in model.named_parameters() if not p.requires_grad} == \
             {torch.bfloat16 if base_dtype == "bf16" else torch.float32}
@@ -60,7 +62,7 @@ def _check(rank, world, fsdp_size, tp, kind):
         reshard_all(model)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
 
-        engine = _engine(args, torch.bfloat16, meshes)
+        engine = _engine(args, torch.bfloat16, meshes, device)
         resharder = Resharder(model, meshes, engine)
         for path in ("zero_redundancy", "naive"):
             for slot in engine.param_slots().values():
@@ -92,14 +94,14 @@ def _check(rank, world, fsdp_size, tp, kind):
     # A training step moves only the adapters; the fp32 engine's greedy tokens then equal the
     # unmerged adapted model's (the fp32 `model` above: same base, same adapters).
     opt = torch.optim.SGD(trainable_parameters(model), lr=0.05)
-    ids = torch.randint(0, args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank)).to(device)
     F.cross_entropy(model(ids[:, :-1]).reshape(-1, args.vocab_size), ids[:, 1:].reshape(-1)).backward()
     opt.step()
     reshard_all(model)
     for n, p in model.named_parameters():
         assert torch.equal(p.to_local(), before[n]) != p.requires_grad, n
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    engine32 = _engine(args, torch.float32, meshes)
+    full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+    engine32 = _engine(args, torch.float32, meshes, device)
     Resharder(model, meshes, engine32).reshard()
     ref = inject_lora(Transformer(args), lora)
     ref.load_state_dict(full)
