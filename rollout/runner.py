@@ -90,6 +90,7 @@ class ModelRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._graph_key = None
+        self._capture_stream = None
         self._warmed: set[tuple] = set()  # graph keys run eagerly once: Triton compiled, cuBLAS initialised
         self.capture_s = 0.0  # host time spent capturing graphs (warm-up included), and how many
         self.num_captures = 0
@@ -255,9 +256,23 @@ class ModelRunner:
                 self._decode_body(rows, 1)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
+        # Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
+        # allocator and the pinned host cache, so that after every recapture (each step with
+        # `free_weights()`) the trainer's next allocations went back to cudaMalloc / cudaHostAlloc.
+        # The capture needs a side stream, ordered after the work already queued.
+        main = torch.cuda.current_stream(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        stream.wait_stream(main)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):  # synchronises the device on entry
-            self._decode_body(rows, 1)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._graph_pool)
+            try:
+                self._decode_body(rows, 1)
+            finally:
+                graph.capture_end()
+        main.wait_stream(stream)
         self.graphs[key] = graph
         self.capture_s += time.perf_counter() - t0
         self.num_captures += 1
