@@ -138,8 +138,9 @@ def scaling(base: dict | None, timing: dict, throughput: float, world: int, mode
                                  if k in timing and v > 0}}
 
 
-def profile_step(trainer) -> dict:
-    """One more step under torch.profiler: per phase, NCCL time and the exposed part of it."""
+def profile_step(trainer, trace: str | None = None) -> dict:
+    """One more step under torch.profiler: per phase, NCCL time and the exposed part of it;
+    `trace`: also write this rank's Chrome trace there (open it in Perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.common import comm_exposure
@@ -147,6 +148,8 @@ def profile_step(trainer) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.step()
     trainer.timer.pop()
+    if trace:
+        prof.export_chrome_trace(trace)
     return comm_exposure(prof)
 
 
@@ -161,10 +164,14 @@ def main(argv=None) -> int:
                    help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
     p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
     p.add_argument("--profile", action="store_true", help="profile one more step: exposed NCCL time per phase")
+    p.add_argument("--trace", metavar="DIR", help="with --profile: each rank's Chrome trace of the profiled step "
+                   "goes to DIR/<workload>_rank<r>.json")
     p.add_argument("--dummy", action="store_true",
                    help="random weights drawn by the ranks (model.load_format=dummy): no checkpoint written")
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
     a = p.parse_args(argv)
+    if a.trace and not a.profile:
+        p.error("--trace needs --profile (the trace is of the profiled step)")
 
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
@@ -198,7 +205,11 @@ def main(argv=None) -> int:
         cfg = load_config(PPOConfig, None, ov)
         trainer = PPOTrainer(cfg, ctx)
         trainer.train()
-        exposure = profile_step(trainer) if a.profile else None
+        trace = None
+        if a.trace:
+            Path(a.trace).mkdir(parents=True, exist_ok=True)
+            trace = str(Path(a.trace) / f"{workload}_rank{ctx.rank}.json")
+        exposure = profile_step(trainer, trace) if a.profile else None
         if ctx.is_main:
             rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
             measured = rows[1:] or rows
