@@ -11,25 +11,46 @@ trainer's own step.
     python bench/learn.py --tiny ...                         # a tiny model and task: checks the wiring on a CPU
     python bench/learn.py --runs grpo:0 --trainer-override actor_rollout_ref.actor.use_torch_compile=true
                                                              # any trainer option (kept in the run's record)
+    python bench/learn.py --task worked --runs grpo:0,grpo:1,grpo:2   # the worked task (its own warm-up
+    python bench/learn.py --task worked --summarize          # and --out, runs/learn/out_worked)
 
-The task (`data.arith`): `a+b=` with 3-digit operands written with 3 digits (`007+358=`),
-answered by the sum written with 4 (`0365`) and scored by exact match (`rewards/arith.py`). The supervised warm-up imitates a demonstrator who, on 70 % of
-the problems, forgets every carry between columns; after it the model's greedy answer to a
-problem with such a carry (70 % of them) is the slip, while about 30 % of its samples are right:
-greedy validation accuracy starts near 0.3 with room to reach 1. The warm-up draws fresh problems
-every step (never a validation one), runs once per settings and is saved as a Hugging Face
-directory `WORK/warmup-<hash>/` (config, safetensors, tokenizer, the prompt files, `warmup.json`),
-the hash covering every setting it depends on: later calls, other runs and TRL
-(`bench/learn_trl.py`) load the same one.
+The task (`data.arith`, `--task sum`, the default): `a+b=` with 3-digit operands written with 3
+digits (`007+358=`), answered by the sum written with 4 (`0365`) and scored by exact match
+(`rewards/arith.py`). The supervised warm-up imitates a demonstrator who, on 70 % of the
+problems, forgets every carry between columns; after it the model's greedy answer to a problem
+with such a carry (70 % of them) is the slip, while about 30 % of its samples are right: greedy
+validation accuracy starts near 0.3 with room to reach 1.
+
+`--task worked`: the same problems at 4 digits (`WORKED`'s defaults), answered with the work
+column by column, units first, then the sum, 41 characters (42 tokens with EOS):
+
+    4728+1196=  ->  8+6+0=14 2+9+1=12 7+1+1=09 4+1+0=05=05924
+
+and scored on the sum after the last `=` alone. The demonstrator who forgets writes every carry
+into a column as 0 (`...7+1+0=08 4+1+0=05=05814`); 83 % of 4-digit problems have a carry to
+forget, so greedy accuracy starts near 0.17. Why a second task: the sum's answers are 5 tokens,
+so an RL step is mostly per-step fixed cost on either framework and a fast rollout engine has
+nothing to win; answers of 42 tokens make generation (42 decoding steps a rollout) the part of a
+step that grows, and the wall-clock comparison with TRL (`generate`) measures it.
+
+The warm-up draws fresh problems every step (never a validation one), runs once per settings and
+is saved as a Hugging Face directory `WORK/warmup-<hash>/` (config, safetensors, tokenizer, the
+prompt files, `warmup.json`), the hash covering every setting it depends on (the task too, except
+the first task, `sum`, whose checkpoints keep the names they had): later calls, other runs and
+TRL (`bench/learn_trl.py`) load the same one. `--max-response-length` defaults to the task's
+answer + EOS + 3 tokens (8 for the 3-digit sum, 45 worked at 4 digits); shorter is an error.
 
 Each RL run (`OUT/<algorithm>_<seed>.json`) evaluates on 512 held-out problems every
-`--eval-every` steps: greedy accuracy (`val-core/meshppo/add_carry/acc/greedy`) and the mean
-accuracy of `--eval-n` samples per prompt at the training temperature (verl's
-`val-core/meshppo/add_carry/acc/mean@N`), with the step's KL to the reference (`actor/ref_kl`,
-k3), training reward and response length; `train_wall_s` counts the training steps only
-(evaluation and set-up excluded). A run stops after `--steps` steps or `--max-minutes` of
-training, whichever comes first. Every run uses the same prompts per step, samples per prompt,
-mini-batches, learning rate and KL loss coefficient, so runs and TRL compare at equal samples.
+`--eval-every` steps: greedy accuracy (`val-core/meshppo/add_carry/acc/greedy`; `add_carry_worked`
+for the worked task) and the mean accuracy of `--eval-n` samples per prompt at the training
+temperature (verl's `val-core/meshppo/add_carry/acc/mean@N`), with the step's KL to the reference
+(`actor/ref_kl`, k3), training reward and response length; `train_wall_s` counts the training
+steps only (evaluation and set-up excluded). A run stops after `--steps` steps or
+`--max-minutes` of training, whichever comes first. Every run uses the same prompts per step,
+samples per prompt, mini-batches, learning rate and KL loss coefficient, so runs and TRL compare
+at equal samples; give `bench/learn_trl.py` the same `--eval-every` (the default is the same),
+and `--summarize` reads the wall-clock to a level on both sides at the sample counts where both
+evaluated (`compare`), so neither is seen reaching it sooner for being evaluated more often.
 """
 
 from __future__ import annotations
@@ -53,22 +74,38 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import git_commit, hardware  # noqa: E402
-from data.arith import (DATA_SOURCE, answer, forgotten_carries, has_forgotten_carry, make_rows, operands,  # noqa: E402
-                        problem)
+from data.arith import (TASKS, data_source, has_forgotten_carry, make_rows, operands, problem,  # noqa: E402
+                        response, response_chars)
 
 ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "rloo": "rloo"}  # run name -> algorithm.adv_estimator
-GREEDY = f"val-core/{DATA_SOURCE}/acc/greedy"
 TARGET_GAIN = 0.3
+ROOM = 3  # response tokens allowed past the answer + EOS (a model may ramble), unless --max-response-length
 
 
-def mean_at(n: int) -> str:
-    return f"val-core/{DATA_SOURCE}/acc/mean@{n}"
+def greedy_key(task: str = "sum") -> str:
+    """The record key of greedy validation accuracy (verl's name) for `task`'s data source."""
+    return f"val-core/{data_source(task)}/acc/greedy"
+
+
+def mean_at(n: int, task: str = "sum") -> str:
+    """The record key of verl's mean@N validation accuracy for `task`'s data source."""
+    return f"val-core/{data_source(task)}/acc/mean@{n}"
+
+
+GREEDY = greedy_key("sum")
+
+
+def task_of(rec: dict) -> str:
+    """A run record's task (records written before `task` existed are the `sum` task's)."""
+    return rec.get("settings", {}).get("task", "sum")
 
 
 @dataclass
 class Settings:
-    """Everything a run depends on. The `WARMUP_FIELDS` name the warm-up checkpoint (`warmup_hash`)."""
+    """Everything a run depends on. The `WARMUP_FIELDS` name the warm-up checkpoint (`warmup_hash`).
+    The defaults are the `sum` task's; `--task worked` on the command line also sets `WORKED`'s."""
 
+    task: str = "sum"               # answer format (data.arith.TASKS): "sum" (0365) or "worked" (work, then sum)
     digits: int = 3                 # operands in [0, 10**digits)
     n_train: int = 20000            # RL training prompts (the warm-up draws its own problems)
     n_val: int = 512                # held-out prompts (never drawn by the warm-up)
@@ -93,36 +130,85 @@ class Settings:
     clip_ratio: float = 0.2
     grad_clip: float = 1.0
     temperature: float = 1.0
-    max_response_length: int = 8    # digits + EOS, with room to ramble
+    max_response_length: int = 0    # 0: derived, the task's answer + EOS + ROOM (8 for the 3-digit sum)
     steps: int = 300
     max_minutes: float = 2.0        # training wall-clock per run, evaluation excluded
-    eval_every: int = 10
+    eval_every: int = 10            # steps between evaluations: meshppo's runs and TRL's alike
     eval_n: int = 8
 
     WARMUP_FIELDS = ("digits", "n_train", "n_val", "hidden", "layers", "heads", "kv_heads", "intermediate",
-                     "init_std", "slip", "warmup_steps", "warmup_batch", "warmup_lr", "seed")
+                     "init_std", "slip", "warmup_steps", "warmup_batch", "warmup_lr", "seed", "task")
 
     def __post_init__(self):
-        checks = {"digits": self.digits >= 1, "slip": 0 <= self.slip <= 1, "n": self.n >= 2,
-                  "prompts": self.prompts % self.mini_batch == 0, "eval_n": self.eval_n >= 1,
-                  "max_response_length": self.max_response_length >= self.digits + 2,  # the answer + EOS
-                  "n_train": self.n_train + self.n_val <= 10 ** (2 * self.digits),
-                  "eval_every": self.eval_every >= 1, "steps": self.steps >= 1}
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"bad setting --{bad[0].replace('_', '-')}={getattr(self, bad[0])} "
-                             "(prompts must be a multiple of mini_batch, max_response_length >= digits + 2, "
-                             "n_train + n_val <= 100**digits, slip in [0, 1], n >= 2)")
+        def bad(option: str, why: str):
+            raise ValueError(f"bad setting --{option.replace('_', '-')}={getattr(self, option)!r}: {why}")
+
+        if self.task not in TASKS:
+            bad("task", f"one of {', '.join(TASKS)}")
+        if self.digits < 1:
+            bad("digits", "must be >= 1")
+        need = self.answer_tokens
+        if self.max_response_length == 0:
+            self.max_response_length = need + ROOM
+        checks = {"slip": (0 <= self.slip <= 1, "must be in [0, 1]"),
+                  "n": (self.n >= 2, "must be >= 2 (group baselines need 2 samples per prompt)"),
+                  "prompts": (self.prompts % self.mini_batch == 0,
+                              f"must be a multiple of --mini-batch ({self.mini_batch})"),
+                  "eval_n": (self.eval_n >= 1, "must be >= 1"),
+                  "n_train": (self.n_train + self.n_val <= 10 ** (2 * self.digits),
+                              f"with --n-val {self.n_val}, more than the 100**{self.digits} distinct problems"),
+                  "eval_every": (self.eval_every >= 1, "must be >= 1"), "steps": (self.steps >= 1, "must be >= 1")}
+        checks["max_response_length"] = (
+            need <= self.max_response_length <= self.context - self.prompt_tokens,
+            f"the {self.task} task's answers at --digits {self.digits} take {need} tokens (EOS included) and the "
+            f"warm-up model's context is {self.context} positions, {self.prompt_tokens} of them the prompt: "
+            f"give {need} to {self.context - self.prompt_tokens}, or leave it out for {need + ROOM}")
+        for option, (ok, why) in checks.items():
+            if not ok:
+                bad(option, why)
+
+    @property
+    def answer_tokens(self) -> int:
+        """Tokens of every answer of the task, EOS included (5 for the 3-digit sum, 42 worked at 4 digits)."""
+        return response_chars(self.digits, self.task) + 1
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every chat-formatted prompt: `<|user|>`, `a+b=` (2 * digits + 2), `<|assistant|>`."""
+        return 2 * self.digits + 4
+
+    @property
+    def context(self) -> int:
+        """The warm-up model's `max_position_embeddings` (the engine's longest sequence): the least
+        multiple of 64 that holds a prompt, its answer + EOS and ROOM (64 for every task of <= 4 digits)."""
+        return 64 * math.ceil((self.prompt_tokens + self.answer_tokens + ROOM) / 64)
 
     def warmup_hash(self) -> str:
-        blob = json.dumps({k: getattr(self, k) for k in self.WARMUP_FIELDS}, sort_keys=True)
+        fields = {k: getattr(self, k) for k in self.WARMUP_FIELDS}
+        if fields["task"] == "sum":  # the first task: its checkpoints were named before `task` existed
+            del fields["task"]
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-# A model and batch small enough for a CPU (the tests, a first check of the wiring).
+# A model and batch small enough for a CPU (the tests, a first check of the wiring), either task.
 TINY = dict(digits=2, n_train=2000, n_val=64, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
             init_std=0.1, warmup_steps=200, warmup_batch=64, warmup_lr=3e-3, prompts=8, n=4, mini_batch=4,
-            lr=1e-4, critic_lr=1e-3, max_response_length=5, steps=2, eval_every=1, eval_n=2)
+            lr=1e-4, critic_lr=1e-3, steps=2, eval_every=1, eval_n=2)
+
+# What `--task worked` sets on the GPU unless an option says otherwise (the rest as for `sum`).
+# 4 digits: answers of 41 characters + EOS (a response length of 45 with ROOM) after 12-token
+# prompts, 54-token warm-up sequences where the sum's are 15. A problem is carry-free with
+# probability 0.55**3 = 0.17: the greedy accuracy the warm-up leaves (no `slip` above 0.5 moves
+# it, see data/arith.py), below the sum task's 0.30, so more headroom; `slip` stays 0.7, so a
+# carry problem is sampled right about 30 % of the time, as in the sum task. The warm-up: 1,000
+# steps of 192 sequences, 10.4M tokens where the sum's 3,000 of 256 are 11.5M, so at most the
+# sum's 241 s on an H200 if the time grew with tokens (it grows less: a step of these short
+# sequences is mostly fixed cost). The format is learnt fast: a 0.8M-parameter model on a CPU
+# is at the loss floor of the slip's coin after 500 steps of 64 and after 1,500 of them starts
+# where RL should (greedy 0.16, right on every carry-free problem, the slip on every carry
+# problem, a right sample on one with probability 0.35).
+WORKED = dict(digits=4, warmup_steps=1000, warmup_batch=192)
 
 
 # --------------------------------------------------------------------------- the warm-up
@@ -155,9 +241,9 @@ def model_args(s: Settings, tokenizer):
 
     return ModelArgs(vocab_size=(len(tokenizer) + 7) // 8 * 8, hidden_size=s.hidden, intermediate_size=s.intermediate,
                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                     max_position_embeddings=64, model_type="qwen2", attention_bias=True, tie_word_embeddings=True,
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=1,
-                     initializer_range=s.init_std)
+                     max_position_embeddings=s.context, model_type="qwen2", attention_bias=True,
+                     tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, bos_token_id=1, initializer_range=s.init_std)
 
 
 class Encoder:
@@ -167,8 +253,8 @@ class Encoder:
     user message, and each problem is substituted for it, since a warm-up step encodes hundreds
     of problems."""
 
-    def __init__(self, tokenizer, digits: int):
-        self.tokenizer, self.digits = tokenizer, digits
+    def __init__(self, tokenizer, digits: int, task: str = "sum"):
+        self.tokenizer, self.digits, self.task = tokenizer, digits, task
         self.template = tokenizer.apply_chat_template([{"role": "user", "content": "\0"}], add_generation_prompt=True,
                                                       tokenize=False)
 
@@ -176,9 +262,11 @@ class Encoder:
         texts = [self.template.replace("\0", problem(a, b, self.digits)) for a, b in pairs]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def answers(self, values: list[int]) -> list[list[int]]:
-        """`answer(value) + EOS` for each value."""
-        ids = self.tokenizer([answer(v, self.digits) for v in values], add_special_tokens=False)["input_ids"]
+    def responses(self, pairs: list[tuple[int, int]], forget: list[bool]) -> list[list[int]]:
+        """The demonstrator's answer in the task's format + EOS for each pair: right, or with
+        every carry forgotten where `forget` says so (`data.arith.response`)."""
+        texts = [response(a, b, self.digits, self.task, f) for (a, b), f in zip(pairs, forget, strict=True)]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [x + [self.tokenizer.eos_token_id] for x in ids]
 
 
@@ -202,15 +290,17 @@ def teacher_forced(model, prompts: list[list[int]], answers: list[list[int]], de
     return greedy, logp
 
 
-def warmup_diagnostics(model, tokenizer, val_rows: list[dict], digits: int, device) -> dict:
+def warmup_diagnostics(model, tokenizer, val_rows: list[dict], digits: int, device, task: str = "sum") -> dict:
     """What RL starts from, on the validation prompts: greedy accuracy, the probability of a right
-    sample (the limit of mean@N), and the share of carry problems whose greedy answer is the slip."""
+    sample (the limit of mean@N), and the share of carry problems whose greedy answer is the slip.
+    In the worked format "right" is the whole right derivation (a right sum after other work
+    also scores: the reward's accuracy can only be higher), "the slip" the demonstrator's."""
     pairs = [operands(r) for r in val_rows]
-    enc = Encoder(tokenizer, digits)
+    enc = Encoder(tokenizer, digits, task)
     prompts = enc.prompts(pairs)
-    right_greedy, right_lp = teacher_forced(model, prompts, enc.answers([a + b for a, b in pairs]), device)
-    slip_greedy, _ = teacher_forced(model, prompts, enc.answers([forgotten_carries(a, b) for a, b in pairs]), device)
-    carry = [has_forgotten_carry(a, b) for a, b in pairs]
+    right_greedy, right_lp = teacher_forced(model, prompts, enc.responses(pairs, [False] * len(pairs)), device)
+    slip_greedy, _ = teacher_forced(model, prompts, enc.responses(pairs, [True] * len(pairs)), device)
+    carry = [has_forgotten_carry(a, b, digits if task == "worked" else None) for a, b in pairs]
     n_carry = max(sum(carry), 1)
     return {"greedy_acc": sum(right_greedy) / len(pairs),
             "p_right_sample": sum(math.exp(x) for x in right_lp) / len(pairs),
@@ -235,16 +325,17 @@ def build_warmup(s: Settings, work: Path, device, log=print) -> Warmup:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = build_demo_tokenizer(tmp)
-    train_rows = make_rows(s.n_train, s.digits, seed=s.seed, split="train")
+    train_rows = make_rows(s.n_train, s.digits, seed=s.seed, split="train", task=s.task)
     val_rows = make_rows(s.n_val, s.digits, seed=s.seed + 1, split="val",
-                         exclude={operands(r) for r in train_rows})
+                         exclude={operands(r) for r in train_rows}, task=s.task)
     write_jsonl(train_rows, tmp / "train.jsonl")
     write_jsonl(val_rows, tmp / "val.jsonl")
     model = Transformer.build(model_args(s, tokenizer), device=device, seed=s.seed)
     # Deterministic kernels: a device call that finds no checkpoint (a fresh machine) rebuilds the
     # same weights, so runs made in different calls still start from one checkpoint (the record's
     # `weights_sha1` shows it). fp32 weights, TF32 matmuls: no mixed-precision path to get right.
-    # The math SDPA backend: its backward is matmuls, deterministic (these sequences are 16 tokens).
+    # The math SDPA backend: its backward is matmuls, deterministic (these sequences are 15 tokens,
+    # 54 in the 4-digit worked task).
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -256,9 +347,9 @@ def build_warmup(s: Settings, work: Path, device, log=print) -> Warmup:
             history = supervised_warmup(model, tokenizer, s, {operands(r) for r in val_rows}, device, log)
     finally:
         torch.use_deterministic_algorithms(False)
-    stats = warmup_diagnostics(model, tokenizer, val_rows, s.digits, device)
+    stats = warmup_diagnostics(model, tokenizer, val_rows, s.digits, device, s.task)
     model.save_pretrained(tmp)
-    stats.update(settings={k: getattr(s, k) for k in s.WARMUP_FIELDS}, hash=s.warmup_hash(),
+    stats.update(settings={k: getattr(s, k) for k in s.WARMUP_FIELDS}, task=s.task, hash=s.warmup_hash(),
                  weights_sha1=hashlib.sha1((tmp / "model.safetensors").read_bytes()).hexdigest()[:12],
                  params=model.args.num_params(), seconds=time.time() - t0, loss_history=history,
                  device=str(device), commit=git_commit())
@@ -274,9 +365,10 @@ def build_warmup(s: Settings, work: Path, device, log=print) -> Warmup:
 
 def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=print) -> list:
     """`warmup_steps` AdamW steps of teacher-forced cross-entropy on `answer + EOS` after fresh
-    chat-formatted problems (none in `held_out`), where the answer is `forgotten_carries(a, b)`
-    with probability `slip`, else `a + b`. Linear warm-up over 5 % of the steps, cosine decay to
-    a tenth. Returns `[step, loss]` every 100 steps."""
+    chat-formatted problems (none in `held_out`), where the answer, in the task's format, forgets
+    every carry (`data.arith.response(..., forget=True)`) with probability `slip`, else is right.
+    Linear warm-up over 5 % of the steps, cosine decay to a tenth. Returns `[step, loss]` every
+    100 steps."""
     import torch.nn.functional as F
 
     from trainer.forward import build_micro_batch
@@ -289,7 +381,7 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
         0.1 + 0.45 * (1 + math.cos(math.pi * min(k, s.warmup_steps) / s.warmup_steps))))
     top = 10 ** s.digits
     history = []
-    enc = Encoder(tokenizer, s.digits)
+    enc = Encoder(tokenizer, s.digits, s.task)
     for step in range(1, s.warmup_steps + 1):
         pairs = []
         while len(pairs) < s.warmup_batch:
@@ -297,7 +389,7 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
             if pair not in held_out:
                 pairs.append(pair)
         prompts = enc.prompts(pairs)
-        answers = enc.answers([forgotten_carries(a, b) if rng.random() < s.slip else a + b for a, b in pairs])
+        answers = enc.responses(pairs, [rng.random() < s.slip for _ in pairs])
         mb = build_micro_batch(prompts, answers, device, packed=False)
         logits = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[mb.src_index].float(),
@@ -410,18 +502,19 @@ def overrides_for(algorithm: str, seed: int, s: Settings, warm: Warmup, run_dir:
 
 
 # --------------------------------------------------------------------------- metrics
-def val_metrics(greedy_rows: list[dict], sampled_rows: list[dict], n: int) -> dict:
+def val_metrics(greedy_rows: list[dict], sampled_rows: list[dict], n: int, task: str = "sum") -> dict:
     """Greedy accuracy and verl's mean@N (per prompt, the mean score of its N samples; then the
     mean over prompts) from validation rows (`input`, `output`, `score`; N rows per prompt, in
-    any order), and the mean sampled response length in characters (digits; EOS not counted)."""
+    any order), and the mean sampled response length in characters (EOS not counted); keyed by
+    `task`'s data source."""
     per_prompt: dict[str, list[float]] = {}
     for r in sampled_rows:
         per_prompt.setdefault(r["input"], []).append(float(r["score"]))
     counts = {len(v) for v in per_prompt.values()}
     if counts != {n}:
         raise ValueError(f"mean@{n} needs {n} samples per prompt, got counts {sorted(counts)}")
-    return {GREEDY: sum(float(r["score"]) for r in greedy_rows) / len(greedy_rows),
-            mean_at(n): sum(sum(v) / n for v in per_prompt.values()) / len(per_prompt),
+    return {greedy_key(task): sum(float(r["score"]) for r in greedy_rows) / len(greedy_rows),
+            mean_at(n, task): sum(sum(v) / n for v in per_prompt.values()) / len(per_prompt),
             "val/response_length_chars": sum(len(r["output"]) for r in sampled_rows) / len(sampled_rows)}
 
 
@@ -451,19 +544,20 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
                "complete": complete, "settings": dataclasses.asdict(s),
                "trainer_overrides": list(trainer_overrides), "warmup": warm.summary,
                "samples_per_step": samples_per_step, "setup_s": setup_s, "train_wall_s": train_s,
-               "wall_s": time.perf_counter() - t0, "points": points, "steps": steps, **gain(points),
+               "wall_s": time.perf_counter() - t0, "points": points, "steps": steps,
+               **gain(points, greedy_key(s.task)),
                "hardware": hardware(), "commit": git_commit()}
         write_json(out / f"{name}.json", rec)
         return rec
 
     def evaluate(step: int):
         t = time.perf_counter()
-        m = val_metrics(run.samples(1, 0.0), run.samples(s.eval_n, s.temperature), s.eval_n)
+        m = val_metrics(run.samples(1, 0.0), run.samples(s.eval_n, s.temperature), s.eval_n, s.task)
         point = {"step": step, "samples": step * samples_per_step, "train_wall_s": train_s, **m,
                  **{k: last.get(k) for k in STEP_KEYS}, "eval_s": time.perf_counter() - t}
         points.append(point)
-        log(f"[{name}] step {step:4d} ({train_s:6.1f}s): greedy {m[GREEDY]:.3f}  mean@{s.eval_n} "
-            f"{m[mean_at(s.eval_n)]:.3f}  reward {last.get('reward', float('nan')):.3f}  "
+        log(f"[{name}] step {step:4d} ({train_s:6.1f}s): greedy {m[greedy_key(s.task)]:.3f}  mean@{s.eval_n} "
+            f"{m[mean_at(s.eval_n, s.task)]:.3f}  reward {last.get('reward', float('nan')):.3f}  "
             f"kl {last.get('kl', float('nan')):.4f}")
         record(complete=False)
 
@@ -487,8 +581,8 @@ def rl_run(spec: str, s: Settings, warm: Warmup, out: Path, device: str, log=pri
     return record(complete=True)
 
 
-def gain(points: list[dict]) -> dict:
-    first, final = points[0][GREEDY], points[-1][GREEDY]
+def gain(points: list[dict], metric: str = GREEDY) -> dict:
+    first, final = points[0][metric], points[-1][metric]
     return {"greedy_start": first, "greedy_end": final, "greedy_gain": final - first,
             "reached_target": final - first >= TARGET_GAIN}
 
@@ -527,33 +621,56 @@ def accuracy_at(points: list[dict], x: float, key: str = "samples", metric: str 
     return points[0][metric] if points and points[0][key] == x else None
 
 
-def time_to_reach(points: list[dict], level: float) -> float | None:
+def time_to_reach(points: list[dict], level: float, metric: str = GREEDY) -> float | None:
     """Training wall-clock of the first evaluation at or above `level` (None: never)."""
-    return next((p["train_wall_s"] for p in points if p[GREEDY] >= level), None)
+    return next((p["train_wall_s"] for p in points if p[metric] >= level), None)
+
+
+def eval_grid(records: list[dict]) -> int:
+    """The sample counts at which every one of `records` evaluated, as their interval: the least
+    common multiple of each run's `eval_every * samples_per_step` (one run's interval when all
+    share `--eval-every` and the batch)."""
+    return math.lcm(*(r["settings"]["eval_every"] * r["samples_per_step"] for r in records))
+
+
+def on_grid(points: list[dict], grid: int) -> list[dict]:
+    """The evaluations at multiples of `grid` samples: those every run has (a run's last
+    evaluation, where a budget stopped it between two, is not one of them)."""
+    return [p for p in points if p["samples"] % grid == 0]
 
 
 def compare(mesh_grpo: list[dict], trl: dict) -> dict:
-    """meshppo's GRPO seeds against TRL's run: at every TRL evaluation within meshppo's sample
-    range, meshppo's mean greedy accuracy against TRL's minus the spread (max - min) of the seeds;
-    meshppo's training wall-clock (median over seeds) to reach TRL's last accuracy against TRL's
-    (target <= 1/4), and the same for each run's own start + 0.3."""
+    """meshppo's GRPO seeds against TRL's run (from the same warm-up checkpoint): at every TRL
+    evaluation within meshppo's sample range, meshppo's mean greedy accuracy against TRL's minus
+    the spread (max - min) of the seeds; meshppo's training wall-clock (median over seeds) to
+    reach TRL's last accuracy against TRL's (target <= 1/4), and the same for each run's own
+    start + 0.3. The wall-clock is read on both sides at the same sample counts (`eval_grid`):
+    a run evaluated more often would otherwise be seen reaching a level sooner; TRL's "last
+    accuracy" is that of its last evaluation on the grid."""
+    metric = greedy_key(task_of(trl))
     rows = []
     for p in trl["points"]:
-        accs = [accuracy_at(r["points"], p["samples"]) for r in mesh_grpo]
+        accs = [accuracy_at(r["points"], p["samples"], metric=metric) for r in mesh_grpo]
         if any(a is None for a in accs):
             continue
         spread = max(accs) - min(accs)
         mean = sum(accs) / len(accs)
-        rows.append({"samples": p["samples"], "trl": p[GREEDY], "meshppo_mean": mean, "meshppo_spread": spread,
-                     "ok": mean >= p[GREEDY] - spread})
-    level = trl["points"][-1][GREEDY]
-    trl_t = time_to_reach(trl["points"], level)
-    mesh_t = [time_to_reach(r["points"], level) for r in mesh_grpo]
+        rows.append({"samples": p["samples"], "trl": p[metric], "meshppo_mean": mean, "meshppo_spread": spread,
+                     "ok": mean >= p[metric] - spread})
+    grid = eval_grid(mesh_grpo + [trl])
+    trl_points, mesh_points = on_grid(trl["points"], grid), [on_grid(r["points"], grid) for r in mesh_grpo]
+    level = trl_points[-1][metric]
+    trl_t = time_to_reach(trl_points, level, metric)
+    mesh_t = [time_to_reach(pts, level, metric) for pts in mesh_points]
     # the same for a level every run is meant to reach: its own start + TARGET_GAIN
-    trl_gain_t = time_to_reach(trl["points"], trl["points"][0][GREEDY] + TARGET_GAIN)
-    mesh_gain_t = [time_to_reach(r["points"], r["points"][0][GREEDY] + TARGET_GAIN) for r in mesh_grpo]
+    trl_gain_t = time_to_reach(trl_points, trl_points[0][metric] + TARGET_GAIN, metric)
+    mesh_gain_t = [time_to_reach(pts, pts[0][metric] + TARGET_GAIN, metric) for pts in mesh_points]
     return {"at_equal_samples": rows, "equal_samples_ok": bool(rows) and all(r["ok"] for r in rows),
-            "trl_last_accuracy": level, "trl_wall_s_to_last": trl_t, "meshppo_wall_s_to_trl_last": mesh_t,
+            "meshppo_runs": [r["run"] for r in mesh_grpo],
+            "eval_every": {"meshppo": sorted({r["settings"]["eval_every"] for r in mesh_grpo}),
+                           "trl": trl["settings"]["eval_every"]}, "eval_grid_samples": grid,
+            "trl_last_accuracy": level, "trl_last_samples": trl_points[-1]["samples"],
+            "trl_wall_s_to_last": trl_t, "meshppo_wall_s_to_trl_last": mesh_t,
             "wall_ratio_median": _ratio(mesh_t, trl_t), "wall_ratio_target": 0.25,
             "trl_wall_s_to_gain": trl_gain_t, "meshppo_wall_s_to_gain": mesh_gain_t,
             "gain_wall_ratio_median": _ratio(mesh_gain_t, trl_gain_t)}
@@ -572,16 +689,20 @@ def summarize(out: Path) -> dict:
         raise SystemExit(f"no run records (*.json with benchmark 'learn') in {out}")
     runs = {r["run"]: {k: r[k] for k in ("framework", "complete", "greedy_start", "greedy_end", "greedy_gain",
                                           "reached_target", "train_wall_s", "samples_per_step")}
-            | {"trainer_overrides": r.get("trainer_overrides", [])}
+            | {"task": task_of(r), "trainer_overrides": r.get("trainer_overrides", [])}
             | {"steps": r["points"][-1]["step"], "samples": r["points"][-1]["samples"]} for r in records}
     checkpoints = sorted({(r["warmup"]["hash"], r["warmup"].get("weights_sha1")) for r in records})
     summary = {"benchmark": "learn_summary", "target_gain": TARGET_GAIN, "runs": runs,
                "warmup_checkpoints": [{"hash": h, "weights_sha1": w} for h, w in checkpoints],
                "all_meshppo_reached": all(v["reached_target"] for v in runs.values() if v["framework"] == "meshppo")}
-    grpo = [r for r in records if r["framework"] == "meshppo" and r["algorithm"] == "grpo"]
     trl = next((r for r in records if r["framework"] == "trl"), None)
-    if trl is not None and grpo:
+    # compared: meshppo's GRPO runs from TRL's checkpoint (the same task, settings and start)
+    grpo = [r for r in records if r["framework"] == "meshppo" and r["algorithm"] == "grpo"
+            and trl is not None and r["warmup"]["hash"] == trl["warmup"]["hash"]]
+    if grpo:
         summary["vs_trl"] = compare(grpo, trl)
+    elif trl is not None:
+        summary["vs_trl_skipped"] = f"no meshppo GRPO run from TRL's warm-up checkpoint {trl['warmup']['hash']}"
     write_json(out / "summary.json", summary)
     plot(records, out)
     return summary
@@ -597,15 +718,16 @@ def plot(records: list[dict], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    panels = (("greedy accuracy", "points", GREEDY), ("reward (train)", "steps", "reward"),
+    panels = (("greedy accuracy", "points", None), ("reward (train)", "steps", "reward"),
               ("KL to reference (k3)", "steps", "kl"), ("response length (tokens)", "steps", "response_length"))
     for xkey, fname, xlabel in (("step", "curves_step.png", "step"),
                                 ("train_wall_s", "curves_wall.png", "training wall-clock (s)")):
         fig, axes = plt.subplots(2, 2, figsize=(12, 8))
         for ax, (title, series, key) in zip(axes.flat, panels):
             for r in records:
-                pts = [p for p in r[series] if p.get(key) is not None]
-                ax.plot([p[xkey] for p in pts], [p[key] for p in pts], label=r["run"],
+                k = key or greedy_key(task_of(r))  # accuracy: keyed by the record's task
+                pts = [p for p in r[series] if p.get(k) is not None]
+                ax.plot([p[xkey] for p in pts], [p[k] for p in pts], label=r["run"],
                         linestyle="--" if r["framework"] == "trl" else "-")
             ax.set_title(title)
             ax.set_xlabel(xlabel)
@@ -620,10 +742,10 @@ def plot(records: list[dict], out: Path) -> list[str]:
         written.append(fname)
     fig, ax = plt.subplots(figsize=(7, 5))
     for r in records:
-        n = r["settings"]["eval_n"]
-        line, = ax.plot([p["samples"] for p in r["points"]], [p[GREEDY] for p in r["points"]], label=f"{r['run']} greedy",
-                        linestyle="--" if r["framework"] == "trl" else "-")
-        ax.plot([p["samples"] for p in r["points"]], [p[mean_at(n)] for p in r["points"]], color=line.get_color(),
+        n, task = r["settings"]["eval_n"], task_of(r)
+        line, = ax.plot([p["samples"] for p in r["points"]], [p[greedy_key(task)] for p in r["points"]],
+                        label=f"{r['run']} greedy", linestyle="--" if r["framework"] == "trl" else "-")
+        ax.plot([p["samples"] for p in r["points"]], [p[mean_at(n, task)] for p in r["points"]], color=line.get_color(),
                 linestyle=":", alpha=0.6)
     ax.set_xlabel("samples seen")
     ax.set_ylabel("validation accuracy (solid/dashed: greedy; dotted: mean@N)")
@@ -640,20 +762,33 @@ def settings_parser(description: str) -> argparse.ArgumentParser:
     """The options every learning benchmark shares (also `bench/learn_trl.py`'s)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="runs/learn", help="where warm-up checkpoints live (reused across calls)")
-    p.add_argument("--out", default="runs/learn/out", help="run records, summary and curves")
+    p.add_argument("--out", default=None, help="run records, summary and curves (default: runs/learn/out, "
+                                               "runs/learn/out_worked for --task worked)")
     p.add_argument("--tiny", action="store_true", help="a tiny model, task and batch (CPU checks of the wiring)")
+    helps = {"task": "answer format: sum (0365) or worked (column by column, then the sum; also sets WORKED's "
+                     "defaults)",
+             "max_response_length": "response tokens (default: the task's answer + EOS + 3)",
+             "eval_every": "training steps between evaluations (give bench/learn_trl.py the same)"}
     for f in dataclasses.fields(Settings):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None, help=helps.get(f.name),
+                       choices=list(TASKS) if f.name == "task" else None)
     return p
 
 
-def settings_from(a: argparse.Namespace) -> Settings:
-    base = dict(TINY) if a.tiny else {}
+def settings_from(a: argparse.Namespace, prog: str = "bench/learn.py") -> Settings:
+    """The settings of a command line: the defaults, then `TINY`'s (`--tiny`) or `WORKED`'s
+    (`--task worked` on the GPU), then every option given."""
+    base = dict(TINY) if a.tiny else dict(WORKED) if a.task == "worked" else {}
     base.update({f.name: getattr(a, f.name) for f in dataclasses.fields(Settings) if getattr(a, f.name) is not None})
     try:
         return Settings(**base)
     except ValueError as e:
-        raise SystemExit(f"bench/learn.py: {e}")
+        raise SystemExit(f"{prog}: {e}")
+
+
+def out_dir(a: argparse.Namespace, s: Settings) -> Path:
+    """`--out`, by default one directory per task (a directory's TRL record is compared with its runs)."""
+    return Path(a.out or ("runs/learn/out" if s.task == "sum" else f"runs/learn/out_{s.task}"))
 
 
 def main(argv=None) -> int:
@@ -676,7 +811,7 @@ def main(argv=None) -> int:
             parse_run(spec)
     except ValueError as e:
         p.error(str(e))
-    out = Path(a.out)
+    out = out_dir(a, s)
     if specs or a.warmup_only:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         warm = build_warmup(s, Path(a.work), device)

@@ -2,13 +2,17 @@
 
     pip install -r requirements-bench.txt        # trl 1.16 and datasets: benchmark-only dependencies
     python bench/learn_trl.py --minutes 8        # then: python bench/learn.py --summarize
+    python bench/learn_trl.py --task worked --minutes 8   # then: python bench/learn.py --task worked --summarize
 
-Same task, warm-up checkpoint (`WORK/warmup-<hash>/`, built by `bench/learn.py` if missing: a
-Hugging Face Qwen2 directory that TRL loads as it is; the character-level tokenizer is passed as
-the processing class), training prompts, prompts per step, samples per prompt, mini-batches,
-learning rate, KL coefficient, clipping, gradient clipping and temperature as meshppo's GRPO
-runs. TRL generates with `transformers`' `generate` (vLLM does not travel to the GPU machine).
-The pinned `GRPOConfig` values are printed and kept in the record (`trl_args`):
+Same task (`--task sum`, 5-token answers, or `--task worked`, 42-token worked answers whose
+generation is a large part of a step: see `bench/learn.py`), warm-up checkpoint
+(`WORK/warmup-<hash>/`, built by `bench/learn.py` if missing: a Hugging Face Qwen2 directory that
+TRL loads as it is; the character-level tokenizer is passed as the processing class), training
+prompts, prompts per step, samples per prompt, mini-batches, learning rate, KL coefficient,
+clipping, gradient clipping and temperature as meshppo's GRPO runs. TRL generates with
+`transformers`' `generate` (vLLM does not travel to the GPU machine); the reward is
+`rewards/arith.py`'s, told the task by the dataset's `data_source` column. The pinned
+`GRPOConfig` values are printed and kept in the record (`trl_args`):
 
   beta = kl_coef                 k3 KL term added to the token loss (meshppo: use_kl_loss, low_var_kl)
   loss_type = "dapo"             token losses summed over an optimizer step's completions and divided by
@@ -19,12 +23,16 @@ The pinned `GRPOConfig` values are printed and kept in the record (`trl_args`):
                                  mini-batches), gradient_accumulation_steps = 1
   num_iterations = epochs        passes over a generated batch (ppo_epochs)
   epsilon = clip_ratio, max_grad_norm = grad_clip, temperature, top_p = 1, top_k = 0
+  max_completion_length = max_response_length   (the task's answer + EOS + 3 unless given)
   learning_rate = lr, constant schedule, no warm-up, weight_decay = 0, AdamW (0.9, 0.999, 1e-8; fused on a GPU)
   bf16 autocast on a GPU (meshppo: bf16 compute, fp32 master weights), no gradient checkpointing
 
 It trains until `--minutes` of training wall-clock (evaluation excluded), `--steps` meshppo-sized
-steps or `--deadline-minutes` after its start (less a minute), evaluating like `bench/learn.py` (same validation prompts, greedy and mean@N, here with
-`generate`) at the same sample counts, and writes `OUT/trl.json` in `bench/learn.py`'s schema.
+steps or `--deadline-minutes` after its start (less a minute), evaluating like `bench/learn.py`
+(same validation prompts, greedy and mean@N, here with `generate`) every `--eval-every`
+meshppo-sized steps, the same setting and default as meshppo's runs, so both evaluate at the same
+sample counts (and once more when a budget stops it between two), and writes `OUT/trl.json` in
+`bench/learn.py`'s schema (`OUT`: `--out`, by default the task's, as `bench/learn.py`'s).
 """
 
 from __future__ import annotations
@@ -40,9 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import git_commit, hardware  # noqa: E402
-from bench.learn import (GREEDY, Settings, build_warmup, gain, mean_at, settings_from, settings_parser,  # noqa: E402
-                         val_metrics, warmup_problem, write_json)
-from data.arith import DATA_SOURCE  # noqa: E402
+from bench.learn import (Settings, build_warmup, gain, greedy_key, mean_at, out_dir, settings_from,  # noqa: E402
+                         settings_parser, val_metrics, warmup_problem, write_json)
 
 
 def trl_args(s: Settings, output_dir: str, max_steps: int, cuda: bool) -> dict:
@@ -62,18 +69,19 @@ def trl_args(s: Settings, output_dir: str, max_steps: int, cuda: bool) -> dict:
     )
 
 
-def reward_fn(prompts, completions, ground_truth, **_):
-    """TRL's reward-function signature around the task's verl-style scorer (`rewards/arith.py`)."""
+def reward_fn(prompts, completions, ground_truth, data_source, **_):
+    """TRL's reward-function signature around the task's verl-style scorer (`rewards/arith.py`);
+    `ground_truth` and `data_source` are the dataset's columns."""
     from rewards.arith import compute_score
 
-    return [compute_score(DATA_SOURCE, c, gt) for c, gt in zip(completions, ground_truth)]
+    return [compute_score(ds, c, gt) for c, gt, ds in zip(completions, ground_truth, data_source, strict=True)]
 
 
 @torch.no_grad()
 def generate_rows(model, tokenizer, prompts: list[str], ground_truths: list[str], n: int, temperature: float,
-                  max_new_tokens: int, seed: int) -> list[dict]:
-    """`n` completions per prompt with `generate` (greedy at temperature 0), scored, prompt-major,
-    as the rows `bench.learn.val_metrics` reads."""
+                  max_new_tokens: int, seed: int, data_source: str) -> list[dict]:
+    """`n` completions per prompt with `generate` (greedy at temperature 0), scored as
+    `data_source`, prompt-major, as the rows `bench.learn.val_metrics` reads."""
     from rewards.arith import compute_score
 
     was_training = model.training
@@ -88,7 +96,7 @@ def generate_rows(model, tokenizer, prompts: list[str], ground_truths: list[str]
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sample)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
-    return [{"input": prompts[k // n], "output": t, "score": compute_score(DATA_SOURCE, t, ground_truths[k // n])}
+    return [{"input": prompts[k // n], "output": t, "score": compute_score(data_source, t, ground_truths[k // n])}
             for k, t in enumerate(texts)]
 
 
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
     if a.steps is None and not a.tiny:
         a.steps = 10**6  # the wall-clock budget decides
     a.max_minutes = a.minutes
-    s = settings_from(a)
+    s = settings_from(a, "bench/learn_trl.py")
 
     import transformers
     import trl
@@ -115,7 +123,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    out = Path(a.out)
+    out = out_dir(a, s)
     t_setup = time.perf_counter()
     warm = build_warmup(s, Path(a.work), device)
     if (problem := warmup_problem(warm.stats)) and not a.tiny:
@@ -124,9 +132,10 @@ def main(argv=None) -> int:
     render = lambda row: tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)  # noqa: E731
     train = [row for _, row in read_records(warm.train_file)]
     val = [row for _, row in read_records(warm.val_file)]
-    dataset = Dataset.from_list([{"prompt": render(r), "ground_truth": r["reward_model"]["ground_truth"]}
-                                 for r in train])
+    dataset = Dataset.from_list([{"prompt": render(r), "ground_truth": r["reward_model"]["ground_truth"],
+                                  "data_source": r["data_source"]} for r in train])
     val_prompts, val_truths = [render(r) for r in val], [r["reward_model"]["ground_truth"] for r in val]
+    (val_source,) = {r["data_source"] for r in val}
     model = AutoModelForCausalLM.from_pretrained(str(warm.dir), dtype=torch.float32).to(device)
 
     per_generation = s.prompts // s.mini_batch  # optimizer steps per meshppo step
@@ -144,7 +153,8 @@ def main(argv=None) -> int:
                "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                             "torch": torch.__version__},
                "warmup": warm.summary, "samples_per_step": s.prompts * s.n, "setup_s": clock.get("setup_s"),
-               "train_wall_s": points[-1]["train_wall_s"], "points": points, "steps": steps, **gain(points),
+               "train_wall_s": points[-1]["train_wall_s"], "points": points, "steps": steps,
+               **gain(points, greedy_key(s.task)),
                "hardware": hardware(), "commit": git_commit()}
         write_json(out / "trl.json", rec)
         return rec
@@ -153,19 +163,19 @@ def main(argv=None) -> int:
         return time.perf_counter() - clock["start"] - clock["eval"]
 
     def evaluate(trainer_model, opt_step: int):
+        now = train_s()  # read before this evaluation, whose time is then added to the excluded time
         t = time.perf_counter()
         greedy = generate_rows(trainer_model, tokenizer, val_prompts, val_truths, 1, 0.0, s.max_response_length,
-                               s.seed)
+                               s.seed, val_source)
         sampled = generate_rows(trainer_model, tokenizer, val_prompts, val_truths, s.eval_n, s.temperature,
-                                s.max_response_length, s.seed)
-        m = val_metrics(greedy, sampled, s.eval_n)
-        now = train_s()
+                                s.max_response_length, s.seed, val_source)
+        m = val_metrics(greedy, sampled, s.eval_n, s.task)
         points.append({"step": opt_step / per_generation, "samples": opt_step * samples_per_opt_step,
                        "train_wall_s": now, **m, **clock["last"], "eval_s": time.perf_counter() - t})
-        clock["eval"] += time.perf_counter() - t
         record(complete=False)
-        print(f"[trl] step {opt_step / per_generation:6.1f} ({now:6.1f}s): greedy {m[GREEDY]:.3f}  "
-              f"mean@{s.eval_n} {m[mean_at(s.eval_n)]:.3f}  {clock['last']}", flush=True)
+        print(f"[trl] step {opt_step / per_generation:6.1f} ({now:6.1f}s): greedy {m[greedy_key(s.task)]:.3f}  "
+              f"mean@{s.eval_n} {m[mean_at(s.eval_n, s.task)]:.3f}  {clock['last']}", flush=True)
+        clock["eval"] += time.perf_counter() - t  # the evaluation, record and log: not training time
 
     class Bench(TrainerCallback):
         def on_train_begin(self, args_, state, control, model=None, **kw):
