@@ -232,10 +232,15 @@ BYPASS = "algorithm.rollout_correction.bypass_mode=true"  # a trainer override t
 def tiny_bench(tmp_path_factory):
     """Warm-up, two GRPO steps (bypass mode, by a trainer override) and the summary at the tiny size,
     in a subprocess (its own process group)."""
-    work, out = tmp_path_factory.mktemp("learn_work"), tmp_path_factory.mktemp("learn_out")
+    return _tiny_run(tmp_path_factory, "learn", "--trainer-override", BYPASS)
+
+
+def _tiny_run(tmp_path_factory, name: str, *args: str):
+    """`bench/learn.py --tiny --runs grpo:0 --summarize ARGS` in a subprocess: (work, out, stdout)."""
+    work, out = tmp_path_factory.mktemp(f"{name}_work"), tmp_path_factory.mktemp(f"{name}_out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "bench/learn.py", "--tiny", "--runs", "grpo:0", "--summarize",
-                        "--work", str(work), "--out", str(out), "--trainer-override", BYPASS],
+                        "--work", str(work), "--out", str(out), *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return work, out, r.stdout
@@ -326,13 +331,7 @@ def test_learn_trl_tiny(tiny_bench):
 @pytest.fixture(scope="module")
 def tiny_worked(tmp_path_factory):
     """The worked task at the tiny size: warm-up, two GRPO steps and the summary, in a subprocess."""
-    work, out = tmp_path_factory.mktemp("learn_worked_work"), tmp_path_factory.mktemp("learn_worked_out")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "bench/learn.py", "--tiny", "--task", "worked", "--runs", "grpo:0",
-                        "--summarize", "--work", str(work), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return work, out, r.stdout
+    return _tiny_run(tmp_path_factory, "learn_worked", "--task", "worked")
 
 
 def test_learn_tiny_worked_task(tiny_worked):
