@@ -107,6 +107,8 @@ def check_trainer(ctx, a):
     summary = {"model": "qwen2.5-1.5b" if full else "smoke", "layers": model_args("qwen2.5-1.5b", **shape).num_hidden_layers}
     for workload, n in (("grpo", 4), ("ppo", 1)):
         for layout, extra in TRAINER_LAYOUTS.items():
+            if a.layouts and layout not in a.layouts.split(","):
+                continue
             name = f"{workload}_{layout}"
             if workload == "ppo" and "offload_policy" in layout:
                 extra = extra + ["critic.model.fsdp_config.offload_policy=true"]
@@ -416,11 +418,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="same_update: file rank 0 writes the parameters to")
     p.add_argument("--work-dir", default="runs/multi_gpu_checks", help="trainer: model, data and run directories")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--layouts", default="", help=f"trainer: comma-separated layouts to run (default: all of "
+                                                  f"{', '.join(TRAINER_LAYOUTS)})")
     p.add_argument("--shape", default="auto", choices=("auto", "small", "full"),
                    help="model of the trainer and the bf16 engine checks; auto: full on cuda, small on cpu")
     a = p.parse_args(argv)
     if a.check == "same_update" and not a.out:
         p.error("same_update needs --out FILE")
+    if unknown := set(filter(None, a.layouts.split(","))) - set(TRAINER_LAYOUTS):
+        p.error(f"--layouts: unknown {sorted(unknown)}; choose from {', '.join(TRAINER_LAYOUTS)}")
     # Full float32 matmuls: the float32 comparisons would otherwise see TF32's 10-bit mantissa.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
