@@ -105,6 +105,7 @@ def _body(rank, world):
     for tie, head in ((False, "lm"), (True, "lm"), (False, "value")):
         model = _check_equivalent(solo, FSDPConfig(mixed_precision=fp32), tie=tie, head=head)
         assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model]
+    _frozen_keeps_gathered(solo, ModelArgs(**ARGS), torch.randint(0, ARGS["vocab_size"], (2, SEQ)))
 
     # FULL_SHARD over all 4 ranks, then HYBRID_SHARD 2 x 2, built from ParallelDims.
     meshes = ParallelDims(world).build_meshes("cpu")
@@ -138,6 +139,30 @@ def _mixed_precision_checks(mesh):
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ref.parameters())
     with torch.no_grad():
         torch.testing.assert_close(ref(ids).float(), logits.detach().float(), rtol=0.05, atol=0.05)
+    _frozen_keeps_gathered(mesh, args, ids)
+
+
+def _frozen_keeps_gathered(mesh, args, ids):
+    """A frozen model resharding after forward (the default) holds only its shards between
+    passes; with `reshard_after_forward=False` every unit keeps its gathered (bf16) parameters
+    from the first forward on, so later passes gather nothing, and computes the same."""
+    def gathered(model):
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        return [g.is_unsharded for g in groups if g is not None]  # a unit that owns no parameter has no group
+
+    outs = {}
+    for keep in (False, True):
+        ref = build_fsdp_model(args, mesh, FSDPConfig(reshard_after_forward=not keep), seed=0, trainable=False)
+        with torch.no_grad():
+            first = ref(ids)
+            assert set(gathered(ref)) == {keep}, (keep, gathered(ref))
+            if keep:
+                assert not any(isinstance(p, DTensor) for p in ref.parameters())  # the gathered ones are registered
+                assert all(p.dtype == torch.bfloat16 for p in ref.parameters())
+            second = ref(ids)
+        assert torch.equal(first, second)
+        outs[keep] = first
+    assert torch.equal(outs[False], outs[True])
 
 
 def test_fsdp_full_shard_2_and_4_ranks_and_hsdp_2x2_match_single_process():
