@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import block_ops
 from models.args import ModelArgs
 from models.attention import attention_packed, attention_padded
 from models.lm_head import chunked_token_logprobs
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if block_ops.use_fused_ops(x, self.weight):
+            return block_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as Hugging Face does: this
         # ordering is what makes bf16 logits agree with checkpoints trained there.
         dtype = x.dtype
@@ -77,6 +80,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`apply_rope` on q and k: one fused launch for both where `block_ops.use_fused_ops` allows."""
+    if block_ops.use_fused_ops(q, k, cos, sin, same_dtype=True):
+        return block_ops.rope(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -93,7 +103,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin)
         if cu_seqlens is not None:
             out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
@@ -110,7 +120,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(m, h, bias=args.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if block_ops.use_fused_ops(gate, up, same_dtype=True):
+            return self.down_proj(block_ops.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

@@ -15,6 +15,9 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
   noise and the greedy rule of `rollout.sampler`).
 
+The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
+`models/block_triton.py`'s, which the training model's fused ops use too.
+
 float32 inputs use IEEE dot products (`input_precision="ieee"`): TF32 would cost the
 float32 engine its agreement with the reference.
 """
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 
 # ---------------------------------------------------------------------------- norms, MLP
@@ -43,9 +47,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    y = (xf * rstd).to(x.dtype)  # HF casts back before the weight
+    y, _ = rms_norm_row(x, N, eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
@@ -55,24 +57,12 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
-    g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-    tl.store(out_ptr + row * stride_o + col, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + col, silu_mul(g, u), mask=mask)
 
 
 # ---------------------------------------------------------------------------- RoPE + cache write
-
-
-@triton.jit
-def _rotate(x1, x2, c, s):
-    """HF's `x * cos + rotate_half(x) * sin`, each product rounded to the dtype as torch does."""
-    dt = x1.dtype
-    a = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
-    b = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
-    e = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
-    f = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
-    return (a - b).to(dt), (e + f).to(dt)
 
 
 @triton.jit
@@ -94,14 +84,14 @@ def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt,
     h = tl.arange(0, HQ_P)[:, None]
     hm = h < HQ
     p = base + h * D + i[None, :]
-    o1, o2 = _rotate(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s)
+    o1, o2 = rotate_half(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s, c, s)
     tl.store(p, o1, mask=hm)
     tl.store(p + HALF, o2, mask=hm)
 
     h = tl.arange(0, HKV_P)[:, None]
     hm = h < HKV
     p = base + HQ * D + h * D + i[None, :]
-    o1, o2 = _rotate(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s)
+    o1, o2 = rotate_half(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s, c, s)
     dst = row * (HKV * D) + h * D + i[None, :]
     tl.store(k_cache_ptr + dst, o1, mask=hm)
     tl.store(k_cache_ptr + dst + HALF, o2, mask=hm)
