@@ -2,8 +2,9 @@
 
 The variable must be set before triton is imported and changes every later `@triton.jit` in
 the process, so a test file runs itself as a script in a child (`report(__file__)`), the
-child runs its checks (`main(checks)`) and prints a JSON report, and the tests read it:
-nothing leaks into the pytest process.
+child runs its checks (`main(checks)`) and prints a JSON report, and the tests read it
+(`tests(__file__, CHECKS)`: one test per check, one child run per file): nothing leaks into the
+pytest process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ def report(test_file: str) -> dict:
     lines = [x for x in proc.stdout.splitlines() if x.startswith(_MARKER)]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len(_MARKER):])
+
+
+def tests(test_file: str, checks: list[str]):
+    """The pytest side of a file's checks, to bind at module level:
+    `interpreter_report, test_x = interpreter.tests(__file__, CHECKS)` (a module-scoped fixture
+    running the child once, and one test per check that fails with the check's error)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interpreter_report():
+        return report(test_file)
+
+    @pytest.mark.parametrize("check", checks)
+    def test_check(interpreter_report, check):
+        result = interpreter_report[check]
+        assert result["ok"], result.get("error")
+
+    return interpreter_report, test_check
 
 
 def main(checks: dict) -> None:

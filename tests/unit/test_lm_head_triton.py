@@ -137,15 +137,7 @@ def _checks() -> dict:
     return {name: scope[name] for name in CHECKS}
 
 
-@pytest.fixture(scope="module")
-def interpreter_report():
-    return interpreter.report(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_lm_head_kernel_matches_torch_under_interpreter(interpreter_report, check):
-    result = interpreter_report[check]
-    assert result["ok"], result.get("error")
+interpreter_report, test_lm_head_kernel_matches_torch_under_interpreter = interpreter.tests(__file__, CHECKS)
 
 
 def test_path_choice(monkeypatch):

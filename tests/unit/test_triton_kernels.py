@@ -9,8 +9,6 @@ and float16; bf16 is checked on the GPU (tests/gpu/test_engine_gpu.py).
 
 from __future__ import annotations
 
-import pytest
-
 from tests import interpreter
 
 CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
@@ -184,15 +182,7 @@ def _checks() -> dict:
     return {name: scope[name] for name in CHECKS}
 
 
-@pytest.fixture(scope="module")
-def interpreter_report():
-    return interpreter.report(__file__)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_triton_kernel_matches_torch_under_interpreter(interpreter_report, check):
-    result = interpreter_report[check]
-    assert result["ok"], result.get("error")
+interpreter_report, test_triton_kernel_matches_torch_under_interpreter = interpreter.tests(__file__, CHECKS)
 
 
 if __name__ == "__main__":
