@@ -141,3 +141,11 @@ def test_bad_checkpoint_dir_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Transformer.from_pretrained(tmp_path / "empty")
+
+
+def test_packed_position_ids_restart_at_each_sequence():
+    from models import position_ids_from_lengths
+
+    assert position_ids_from_lengths([3, 1, 0, 2]).tolist() == [0, 1, 2, 0, 0, 1]
+    assert position_ids_from_lengths([]).tolist() == []
+    assert position_ids_from_lengths([2]).dtype == torch.long
