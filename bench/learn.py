@@ -51,6 +51,12 @@ samples per prompt, mini-batches, learning rate and KL loss coefficient, so runs
 at equal samples; give `bench/learn_trl.py` the same `--eval-every` (the default is the same),
 and `--summarize` reads the wall-clock to a level on both sides at the sample counts where both
 evaluated (`compare`), so neither is seen reaching it sooner for being evaluated more often.
+
+The trainer runs as `train_ppo.py` would with the overrides of `overrides_for`, which include
+verl's rollout-correction bypass mode (the engine's sampling log-probs serve as the old
+log-probs; no recompute pass) and a reference kept gathered between forwards; a
+`--trainer-override` comes after them (`algorithm.rollout_correction.bypass_mode=false` puts the
+recompute pass back).
 """
 
 from __future__ import annotations
@@ -482,6 +488,10 @@ def overrides_for(algorithm: str, seed: int, s: Settings, warm: Warmup, run_dir:
           # decode graphs (captured at every trainer build) instead of the 130-size default ladder
           f"{rollout}.max_num_seqs=1024", f"{rollout}.max_num_batched_tokens=16384",
           f"{rollout}.cudagraph_capture_sizes=[8,32,128,256,512,1024]",
+          # The engine's log-probs are the old log-probs (verl's bypass mode): no recompute pass.
+          "algorithm.rollout_correction.bypass_mode=true",
+          # A 73M reference on one GPU: keep it gathered between forwards (no per-step gather).
+          "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false",
           f"algorithm.adv_estimator={ALGORITHMS[algorithm]}", "algorithm.norm_adv_by_std_in_grpo=true",
           "algorithm.kl_guard.enable=false",
           f"custom_reward_function.path={ROOT / 'rewards' / 'arith.py'}",
@@ -797,7 +807,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-only", action="store_true", help="build (or reuse) the warm-up checkpoint and stop")
     p.add_argument("--trainer-override", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer config override for the RL runs (repeatable; kept in each record), e.g. "
-                        "algorithm.rollout_correction.bypass_mode=true")
+                        "algorithm.rollout_correction.bypass_mode=false")
     p.add_argument("--runs", default="", help="comma-separated ALGORITHM:SEED (grpo, ppo, rloo), e.g. grpo:0,ppo:0")
     p.add_argument("--summarize", action="store_true", help="summary.json and curves of every record in --out")
     p.add_argument("--budget-minutes", type=float, default=None,

@@ -225,14 +225,14 @@ def test_compare_reads_the_committed_records():
     assert c["trl_last_samples"] % (20 * 512) == 0 and c["wall_ratio_median"] is not None
 
 
-BYPASS = "algorithm.rollout_correction.bypass_mode=true"  # a trainer override the records must show
+RECOMPUTE = "algorithm.rollout_correction.bypass_mode=false"  # a trainer override the records must show
 
 
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
-    """Warm-up, two GRPO steps (bypass mode, by a trainer override) and the summary at the tiny size,
-    in a subprocess (its own process group)."""
-    return _tiny_run(tmp_path_factory, "learn", "--trainer-override", BYPASS)
+    """Warm-up, two GRPO steps (the old-log-prob recompute pass back, by a trainer override over the
+    benchmark's bypass mode) and the summary at the tiny size, in a subprocess (its own process group)."""
+    return _tiny_run(tmp_path_factory, "learn", "--trainer-override", RECOMPUTE)
 
 
 def _tiny_run(tmp_path_factory, name: str, *args: str):
@@ -261,7 +261,7 @@ def test_learn_tiny_writes_records(tiny_bench):
         assert 0 <= s["reward"] <= 1 and s["kl"] >= -1e-6 and 1 <= s["response_length"] <= 7  # k3 >= 0
         phases = s["phases_s"]  # where the step went, phase by phase
         assert {"gen", "ref", "update_actor", "step"} <= phases.keys()
-        assert "old_log_prob" not in phases  # the override took: bypass mode skips the recompute pass
+        assert "old_log_prob" in phases  # the override took: the benchmark's bypass mode skips this pass
         assert all(v >= 0 for v in phases.values()) and phases["step"] == s["step_s"]
     assert rec["greedy_gain"] == pytest.approx(rec["greedy_end"] - rec["greedy_start"])
     # the trainer's greedy validation before any step and the warm-up's teacher-forced greedy
@@ -269,7 +269,7 @@ def test_learn_tiny_writes_records(tiny_bench):
     assert abs(rec["points"][0][GREEDY] - rec["warmup"]["greedy_acc"]) <= 1 / 64 + 1e-9
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"]["grpo_0"]["reached_target"] == rec["reached_target"]
-    assert rec["trainer_overrides"] == summary["runs"]["grpo_0"]["trainer_overrides"] == [BYPASS]
+    assert rec["trainer_overrides"] == summary["runs"]["grpo_0"]["trainer_overrides"] == [RECOMPUTE]
     for png in ("curves_step.png", "curves_wall.png", "accuracy_samples.png"):
         assert (out / png).stat().st_size > 1000
     (warm,) = work.glob("warmup-*")
@@ -347,6 +347,7 @@ def test_learn_tiny_worked_task(tiny_worked):
         assert 0 <= p[key] <= 1 and 0 <= p[mean_key] <= 1 and GREEDY not in p
     for st in rec["steps"]:
         assert 0 <= st["reward"] <= 1 and 1 <= st["response_length"] <= 25
+        assert "old_log_prob" not in st["phases_s"] and "ref" in st["phases_s"]  # the default: bypass mode
     assert rec["greedy_start"] == rec["points"][0][key]
     # the warm-up's greedy check is the whole right derivation; the reward reads the sum alone, so
     # the engine's greedy accuracy is at least as high, up to near-ties that the engine and the
