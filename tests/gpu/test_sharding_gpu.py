@@ -71,6 +71,40 @@ def test_reshard_one_gpu_is_a_bitwise_cast_copy(meshes):
     assert len({t for g in got for t in g}) > 3
 
 
+def test_frozen_reference_kept_gathered_on_cuda(meshes):
+    """`reshard_after_forward=False` on a frozen bf16-compute reference: after the first forward
+    its parameters stay gathered on the GPU (registered plain bf16 CUDA tensors), a second
+    forward allocates no new parameter memory and gives the same logits as a resharding one."""
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.randint(0, SMALL.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0)).to(DEV)
+    logits = {}
+    for keep in (False, True):
+        ref = build_fsdp_model(SMALL, meshes.train, FSDPConfig(reshard_after_forward=not keep), device=DEV,
+                               trainable=False)
+        load_full_tensors(ref, _peaky_weights(ref, seed=1))
+        with torch.no_grad():
+            first = ref(ids)
+            params = list(ref.parameters())
+            assert all(isinstance(p, DTensor) for p in params) != keep
+            if keep:
+                assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in params)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+            second = ref(ids)
+            if keep:
+                del second
+                torch.cuda.synchronize()
+                # the second pass's activations are freed and no second gathered copy was made
+                # (that would be the whole model in bf16 again)
+                gathered = sum(p.numel() * p.element_size() for p in params)
+                assert torch.cuda.memory_allocated() - before < gathered / 4
+                second = ref(ids)
+        assert torch.equal(first, second)
+        logits[keep] = first
+    assert torch.equal(logits[False], logits[True])
+
+
 def test_param_and_optimizer_offload_free_device_memory(meshes):
     args = ModelArgs(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256)
