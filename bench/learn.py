@@ -654,7 +654,9 @@ def compare(mesh_grpo: list[dict], trl: dict) -> dict:
     evaluation within meshppo's sample range, meshppo's mean greedy accuracy against TRL's minus
     the spread (max - min) of the seeds; meshppo's training wall-clock (median over seeds) to
     reach TRL's last accuracy against TRL's (target <= 1/4), and the same for each run's own
-    start + 0.3. The wall-clock is read on both sides at the same sample counts (`eval_grid`):
+    start + 0.3, and the median seconds per step on both sides (`seconds_per_step`, whose ratio
+    leaves out the first steps' one-time costs). The wall-clock is read on both sides at the
+    same sample counts (`eval_grid`):
     a run evaluated more often would otherwise be seen reaching a level sooner; TRL's "last
     accuracy" is that of its last evaluation on the grid."""
     metric = greedy_key(task_of(trl))
@@ -675,6 +677,7 @@ def compare(mesh_grpo: list[dict], trl: dict) -> dict:
     # the same for a level every run is meant to reach: its own start + TARGET_GAIN
     trl_gain_t = time_to_reach(trl_points, trl_points[0][metric] + TARGET_GAIN, metric)
     mesh_gain_t = [time_to_reach(pts, pts[0][metric] + TARGET_GAIN, metric) for pts in mesh_points]
+    mesh_step, trl_step = [seconds_per_step(r.get("steps", [])) for r in mesh_grpo], seconds_per_step(trl.get("steps", []))
     return {"at_equal_samples": rows, "equal_samples_ok": bool(rows) and all(r["ok"] for r in rows),
             "meshppo_runs": [r["run"] for r in mesh_grpo],
             "eval_every": {"meshppo": sorted({r["settings"]["eval_every"] for r in mesh_grpo}),
@@ -683,7 +686,18 @@ def compare(mesh_grpo: list[dict], trl: dict) -> dict:
             "trl_wall_s_to_last": trl_t, "meshppo_wall_s_to_trl_last": mesh_t,
             "wall_ratio_median": _ratio(mesh_t, trl_t), "wall_ratio_target": 0.25,
             "trl_wall_s_to_gain": trl_gain_t, "meshppo_wall_s_to_gain": mesh_gain_t,
-            "gain_wall_ratio_median": _ratio(mesh_gain_t, trl_gain_t)}
+            "gain_wall_ratio_median": _ratio(mesh_gain_t, trl_gain_t),
+            # the steady pace, which the ratios above mix with the first steps' one-time costs
+            "meshppo_step_s": mesh_step, "trl_step_s": trl_step, "step_ratio_median": _ratio(mesh_step, trl_step)}
+
+
+def seconds_per_step(steps: list[dict]) -> float | None:
+    """A run's median training wall-clock per (meshppo-sized) step, read the same way on both
+    frameworks: between consecutive step records (`step`, cumulative `train_wall_s`); None
+    without two records."""
+    rates = sorted((b["train_wall_s"] - a["train_wall_s"]) / (b["step"] - a["step"])
+                   for a, b in zip(steps, steps[1:]) if b["step"] > a["step"])
+    return rates[len(rates) // 2] if rates else None
 
 
 def _ratio(times: list[float | None], reference: float | None) -> float | None:

@@ -198,6 +198,16 @@ def test_compare_with_trl_by_hand():
     # 0.6 at 100 samples, 10 s, which TRL's schedule does not see) -> 20 / 80
     assert c["trl_wall_s_to_gain"] == 80 and c["meshppo_wall_s_to_gain"] == [20, 20, 20]
     assert c["gain_wall_ratio_median"] == pytest.approx(20 / 80)
+    assert c["meshppo_step_s"] == [None] * 3 and c["step_ratio_median"] is None  # no step records
+    # step records: the median of consecutive (wall-clock / steps); TRL logs mid-generation steps
+    for r, walls in zip(seeds, ([0.5, 1.5, 2.5, 3.5], [1.0, 1.2, 1.4, 5.0], [0.3, 0.4, 0.5, 0.6])):
+        r["steps"] = [{"step": i + 1, "train_wall_s": w} for i, w in enumerate(walls)]
+    trl["steps"] = [{"step": 0.5, "train_wall_s": 3.0}, {"step": 1.5, "train_wall_s": 7.0},
+                    {"step": 2.5, "train_wall_s": 11.0}, {"step": 4.5, "train_wall_s": 16.0}]
+    c = compare(seeds, trl)
+    # seeds: 1.0; (0.2, 0.2, 3.6) -> 0.2; 0.1 -> median 0.2; TRL: 4.0, 4.0, 2.5 per step -> 4.0
+    assert c["meshppo_step_s"] == pytest.approx([1.0, 0.2, 0.1]) and c["trl_step_s"] == pytest.approx(4.0)
+    assert c["step_ratio_median"] == pytest.approx(0.2 / 4.0)
     c = compare(seeds[:2], trl)
     assert c["wall_ratio_median"] == pytest.approx(20 / 160)
     # the worked task's records: the same comparison under its own keys
