@@ -91,7 +91,9 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.cons
     tl.store(rstd_ptr + row, rstd)
 
 
-@triton.jit
+# Row counts vary with every micro-batch: specialising on them (divisible by 16, equal to 1)
+# would compile another variant in the middle of a run; they are only loop bounds.
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dout_ptr, dx_ptr, dw_part_ptr, n_rows, N, rows_per_program,
                          WITH_DW: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
