@@ -111,7 +111,10 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
         order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
         batches += [order[m * mini:(m + 1) * mini] for m in range(num_mini_batches)]
     mask = ro.response_mask.cpu()  # one copy instead of a read-back per mini-batch
-    units = comm.all_reduce_values([count_loss_units(mask[idx], loss_agg_mode) for idx in batches])
+    # every mini-batch's rows in one gather (mini-batches are equal-sized): indexing with a Python
+    # list per mini-batch converts and gathers again each time
+    per_batch = mask[torch.tensor(batches, dtype=torch.long)]
+    units = comm.all_reduce_values([count_loss_units(m, loss_agg_mode) for m in per_batch])
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
     return [MiniBatch(parts, u) for parts, u in zip(plans, units)]
 
