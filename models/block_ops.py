@@ -16,12 +16,10 @@ packed forward and backward of 26k bf16 tokens in 49-54 ms instead of 72 ms, wit
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.triton_support import triton_usable
+from models.triton_support import path_choice, triton_usable
 
 _ENV = "MESHPPO_FUSED_OPS"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,9 +35,7 @@ def use_fused_ops(*tensors: torch.Tensor, same_dtype: bool = False) -> bool:
     `TRITON_INTERPRET=1`)."""
     if torch.compiler.is_compiling():
         return False
-    choice = os.environ.get(_ENV, "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_ENV} must be auto, torch or triton, got {choice!r}")
+    choice = path_choice(_ENV)
     if choice == "torch":
         return False
     if any(isinstance(t, DTensor) or t.dtype not in _DTYPES for t in tensors):

@@ -17,20 +17,16 @@ Gradients, with z = logits / temperature, p = softmax(z), y the label:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from models.triton_support import triton_usable
+from models.triton_support import path_choice, triton_usable
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     """The Triton kernels for CUDA tensors when triton is importable. `MESHPPO_LM_HEAD=torch`
     forces the PyTorch path; `=triton` forces the kernels, on CPU tensors too (tests run them
     there under `TRITON_INTERPRET=1`)."""
-    choice = os.environ.get("MESHPPO_LM_HEAD", "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"MESHPPO_LM_HEAD must be auto, torch or triton, got {choice!r}")
+    choice = path_choice("MESHPPO_LM_HEAD")
     if choice != "auto":
         return choice == "triton"
     return triton_usable(t.device)

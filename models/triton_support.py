@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -17,3 +18,13 @@ def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, when triton is importable (CPU runs them only under
     `TRITON_INTERPRET=1`, which callers ask for explicitly)."""
     return device.type == "cuda" and triton_importable()
+
+
+def path_choice(variable: str) -> str:
+    """The environment's choice between a Triton path and its PyTorch reference: `variable`'s
+    value, `auto` (default: Triton where `triton_usable`), `torch` or `triton` (forced, on CPU
+    tensors too, which tests run under `TRITON_INTERPRET=1`); anything else is an error naming it."""
+    choice = os.environ.get(variable, "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{variable} must be auto, torch or triton, got {choice!r}")
+    return choice
