@@ -235,6 +235,11 @@ def test_compare_reads_the_committed_records():
     assert c["trl_last_samples"] % (20 * 512) == 0 and c["wall_ratio_median"] is not None
 
 
+# Greedy accuracy on the 64 tiny validation problems read by two implementations (the engine,
+# teacher-forced argmax, TRL's `generate`; float32): near-ties in a tiny model's logits can break
+# apart differently on another CPU or package version, so a few problems, not one, may differ; a
+# broken path (prompt, tokenizer, scoring) is off by far more.
+NEAR_TIES = 4 / 64 + 1e-9
 RECOMPUTE = "algorithm.rollout_correction.bypass_mode=false"  # a trainer override the records must show
 
 
@@ -276,7 +281,7 @@ def test_learn_tiny_writes_records(tiny_bench):
     assert rec["greedy_gain"] == pytest.approx(rec["greedy_end"] - rec["greedy_start"])
     # the trainer's greedy validation before any step and the warm-up's teacher-forced greedy
     # check measure the same thing two ways (engine decoding vs argmax under teacher forcing)
-    assert abs(rec["points"][0][GREEDY] - rec["warmup"]["greedy_acc"]) <= 1 / 64 + 1e-9
+    assert abs(rec["points"][0][GREEDY] - rec["warmup"]["greedy_acc"]) <= NEAR_TIES
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"]["grpo_0"]["reached_target"] == rec["reached_target"]
     assert rec["trainer_overrides"] == summary["runs"]["grpo_0"]["trainer_overrides"] == [RECOMPUTE]
@@ -330,7 +335,7 @@ def test_learn_trl_tiny(tiny_bench):
     assert [p["step"] for p in rec["points"]] == [0, 1, 2] and [p["samples"] for p in rec["points"]] == [0, 32, 64]
     # same checkpoint, same validation prompts, greedy: the same accuracy before training
     meshppo = json.loads((out / "grpo_0.json").read_text())
-    assert abs(rec["points"][0][GREEDY] - meshppo["points"][0][GREEDY]) <= 1 / 64 + 1e-9
+    assert abs(rec["points"][0][GREEDY] - meshppo["points"][0][GREEDY]) <= NEAR_TIES
     r = subprocess.run([sys.executable, "bench/learn.py", "--tiny", "--summarize", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -360,10 +365,8 @@ def test_learn_tiny_worked_task(tiny_worked):
         assert "old_log_prob" not in st["phases_s"] and "ref" in st["phases_s"]  # the default: bypass mode
     assert rec["greedy_start"] == rec["points"][0][key]
     # the warm-up's greedy check is the whole right derivation; the reward reads the sum alone, so
-    # the engine's greedy accuracy is at least as high, up to near-ties that the engine and the
-    # teacher-forced check (two implementations, float32) may break apart on another CPU: a few
-    # problems of the 64, not a drift-sized margin of one
-    assert rec["points"][0][key] >= rec["warmup"]["greedy_acc"] - 4 / 64 - 1e-9
+    # the engine's greedy accuracy is at least as high, up to near-ties
+    assert rec["points"][0][key] >= rec["warmup"]["greedy_acc"] - NEAR_TIES
     (warm,) = work.glob("warmup-*")
     assert warm.name == f"warmup-{Settings(**TINY, task='worked').warmup_hash()}" == f"warmup-{rec['warmup']['hash']}"
     assert rec["warmup"]["task"] == "worked"
@@ -394,7 +397,7 @@ def test_learn_trl_tiny_worked(tiny_worked):
     assert [p["samples"] for p in rec["points"]] == [0, 32, 64] and all(key in p for p in rec["points"])
     assert rec["points"][0]["train_wall_s"] == pytest.approx(0, abs=0.5)  # read before the first evaluation
     meshppo = json.loads((out / "grpo_0.json").read_text())
-    assert abs(rec["points"][0][key] - meshppo["points"][0][key]) <= 1 / 64 + 1e-9
+    assert abs(rec["points"][0][key] - meshppo["points"][0][key]) <= NEAR_TIES
     r = subprocess.run([sys.executable, "bench/learn.py", "--tiny", "--task", "worked", "--summarize", "--out",
                         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
