@@ -6,14 +6,13 @@ Two layouts reach this function:
   (1 = real token). Runs SDPA with a causal + key-padding mask.
 * packed: `q [T, Hq, D]`, `k, v [T, Hkv, D]` with `cu_seqlens [N+1]` (int32, cumulative
   sequence starts). No attention crosses a sequence boundary. On CUDA this uses
-  flash-attn's varlen kernel when importable, else PyTorch's `varlen_attn` (FlashAttention
-  shipped with PyTorch); everywhere else SDPA with a block-diagonal causal mask, which is
+  flash-attn's varlen kernel when importable, else the FlashAttention kernels shipped with
+  PyTorch (`_FlashVarlen`); everywhere else SDPA with a block-diagonal causal mask, which is
   the reference path.
 """
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -24,28 +23,35 @@ except Exception:  # pragma: no cover - depends on the machine
     _flash_varlen = None
 
 
-def _resolve_torch_varlen():
-    """PyTorch's varlen flash attention and the keyword it wants for causality (API moved in 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except Exception:
-        return None, None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        causal_kw = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        causal_kw = {"is_causal": True}
-    else:
-        return None, None
-    # FlashAttention takes fewer K/V heads than query heads natively; newer PyTorch only asks
-    # for the flag to be set (without it, 2.10/2.11 pass GQA through unchanged: checked on an
-    # H200 with torch 2.11, identical outputs to repeated K/V).
-    gqa_flag = "enable_gqa" in params
-    return varlen_attn, (causal_kw, gqa_flag)
+class _FlashVarlen(torch.autograd.Function):
+    """Causal varlen FlashAttention (the kernels PyTorch ships) called through its aten ops.
+
+    `torch.nn.attention.varlen.varlen_attn` runs the same two kernels, but as custom ops whose
+    Python dispatch (forward, then a second custom op for the backward) cost about 0.2 ms of
+    host time per layer and call on an H200, where the host bounds a small model's update.
+    FlashAttention takes fewer K/V heads than query heads natively (GQA) and returns K/V
+    gradients with K/V's head count."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True,
+            rng_state, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
-# Resolved once at import: a lookup inside the forward would be traced by torch.compile.
-_TORCH_VARLEN = _resolve_torch_varlen()
+def flash_varlen_usable(q: torch.Tensor) -> bool:
+    """Whether `attention_packed` takes a FlashAttention kernel for `q`: CUDA, fp16/bf16."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
@@ -83,16 +89,12 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]."""
     n_rep = q.shape[1] // k.shape[1]
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if flash_varlen_usable(q):
         if _flash_varlen is not None:
             return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                  softmax_scale=scale, causal=True)
-        varlen, spec = _TORCH_VARLEN
-        if varlen is not None:
-            causal_kw, gqa_flag = spec
-            if gqa_flag:
-                causal_kw = {**causal_kw, "enable_gqa": n_rep > 1}
-            return varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **causal_kw)
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, int(max_seqlen),
+                                  float(scale))
     total = q.shape[0]
     mask = block_causal_mask(cu_seqlens.long(), total)
     mask = mask | torch.eye(total, dtype=torch.bool, device=q.device)

@@ -34,13 +34,12 @@ def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Ten
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    groups: dict = {}
+    groups: dict = {}  # layout -> the local tensors (`to_local` once: each call builds a tensor)
     for g in grads:
-        groups.setdefault(_layout(g), []).append(g)
+        groups.setdefault(_layout(g), []).append(g.to_local() if isinstance(g, DTensor) else g)
     total = None
-    for layout, members in groups.items():
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in members]
-        sq = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
+    for layout, local in groups.items():
+        sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float32)).pow(2).sum()
         if layout is not None:
             mesh, dims = layout
             for d in dims:
@@ -49,6 +48,6 @@ def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Ten
         total = sq if total is None else total + sq
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for members in groups.values():
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in members], coef)
+    for local in groups.values():
+        torch._foreach_mul_(local, coef)
     return norm
