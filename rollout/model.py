@@ -210,10 +210,10 @@ class EngineModel:
         x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
         return self.tp.all_reduce(x)
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, w, b)
-        y = self.tp.all_reduce(F.linear(x, w))
+            return ops.linear(x, w, b)
+        y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
@@ -227,7 +227,7 @@ class EngineModel:
         residual = None
         for i, w in enumerate(self.layers):
             h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
-            qkv = F.linear(h, w.qkv_w, w.qkv_b)
+            qkv = ops.linear(h, w.qkv_w, w.qkv_b)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache, block_tables,
                                    self.num_heads, self.num_kv_heads, self.head_dim)
@@ -235,9 +235,9 @@ class EngineModel:
                 o = ops.decode_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
             else:
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
-            x = self._row_parallel(o, w.o_w, None)
+            x = self._row_parallel(o, w.o_w, None, ops)
             h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
-            x = self._row_parallel(ops.silu_and_mul(F.linear(h, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+            x = self._row_parallel(ops.silu_and_mul(ops.linear(h, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b, ops)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual)
         return h
 

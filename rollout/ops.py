@@ -28,6 +28,11 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
+    def linear(x, weight, bias=None):
+        """`x [T, K] @ weight [N, K]^T (+ bias)`: the projections of a decode or prefill step."""
+        return F.linear(x, weight, bias)
+
+    @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
         """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`."""
         if residual is not None:

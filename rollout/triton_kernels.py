@@ -4,6 +4,8 @@
 model dtype where the training model rounds). Kernels with a fixed grid per batch size and
 no host synchronisation, so that a decode step can be captured in a CUDA graph:
 
+* `linear`: one row (a decode step of one sequence) times a weight `[N, K]`, a GEMV
+  that streams the weight once; more rows go to cuBLAS (`F.linear`).
 * `rms_norm`: residual add + RMSNorm in one pass.
 * `silu_and_mul`: the gated MLP activation.
 * `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache.
@@ -27,11 +29,35 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
+
+# ---------------------------------------------------------------------------- GEMV
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # BLOCK_N output features per program, each a dot product over K in float32: the weight
+    # rows are read once (evict-first: nothing reuses them), the products accumulated per lane
+    # and reduced once at the end.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(rows + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
 
 # ---------------------------------------------------------------------------- norms, MLP
 
@@ -300,6 +326,9 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
 _NO_FMA = {"enable_fp_fusion": False}
 
 
+GEMV_BLOCK_N, GEMV_BLOCK_K = 16, 1024  # the best of 10 shapes tried at qwen2.5-7b's projections
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -317,6 +346,19 @@ def num_sms(device: torch.device) -> int:
 
 class TritonOps:
     name = "triton"
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        # One row: cuBLAS reached 1.6-3.4 TB/s on qwen2.5-7b's projections at batch 1 on an H200,
+        # this kernel 1.9-3.7 (BENCHMARKS.md, "Sixth pass"); with 4 rows cuBLAS won.
+        if x.shape[0] != 1 or x.shape[-1] != weight.shape[1] or not (x.is_contiguous() and weight.stride(1) == 1):
+            return F.linear(x, weight, bias)
+        n, k = weight.shape
+        y = torch.empty(1, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
+                                                      weight.stride(0), HAS_BIAS=bias is not None,
+                                                      BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=8)
+        return y
 
     @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):

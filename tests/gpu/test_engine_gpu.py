@@ -121,6 +121,25 @@ def test_prefill_attention_kernel(dtype, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(4608, 3584, True), (3584, 18944, False), (9728, 896, True), (37, 1000, False)])
+def test_gemv_kernel(dtype, n, k, bias):
+    """One row through the GEMV (qwen2.5-7b's qkv and down, 0.5b's gate_up, a ragged shape):
+    within the error cuBLAS itself makes against float64 (bf16: one rounding of the output;
+    float32: IEEE products, no TF32), and more rows go to cuBLAS unchanged."""
+    T = _triton()
+    torch.manual_seed(5)
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    ours = (T.linear(x, w, b).double() - ref).abs().max().item()
+    cublas = (torch.nn.functional.linear(x, w, b).double() - ref).abs().max().item()
+    assert ours <= 1.5 * cublas + (1e-5 if dtype == torch.float32 else 1e-3), (ours, cublas)
+    x4 = torch.randn(4, k, device=DEV).to(dtype)
+    assert torch.equal(T.linear(x4, w, b), torch.nn.functional.linear(x4, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampler_kernel(dtype):
     T = _triton()
     torch.manual_seed(3)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from tests import interpreter
 
-CHECKS = ["rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention", "sample_partials",
-          "sample_extremes", "engine_end_to_end"]
+CHECKS = ["linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention",
+          "sample_partials", "sample_extremes", "engine_end_to_end"]
 
 
 def _checks() -> dict:
@@ -30,6 +30,24 @@ def _checks() -> dict:
         err = (a.float() - b.float()).abs().max().item()
         assert err <= tol, f"max error {err} > {tol}"
         return err
+
+    def linear():
+        # one row: the GEMV kernel, against float64 (N and K not multiples of its blocks; bias or
+        # none); more rows: F.linear itself
+        errs = []
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            for n, k, bias in ((37, 1500, True), (16, 64, False), (5, 2048, True)):
+                x = torch.randn(1, k, dtype=dtype)
+                w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+                b = torch.randn(n, dtype=dtype) if bias else None
+                ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+                y = TritonOps.linear(x, w, b)
+                assert y.shape == (1, n) and y.dtype == dtype
+                errs.append(close(y, ref, tol))
+            x3 = torch.randn(3, 64, dtype=dtype)
+            w3 = torch.randn(8, 64, dtype=dtype)
+            assert torch.equal(TritonOps.linear(x3, w3), torch.nn.functional.linear(x3, w3))
+        return max(errs)
 
     def rms_norm():
         errs = []
