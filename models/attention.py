@@ -13,7 +13,6 @@ Two layouts reach this function:
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +26,9 @@ class _FlashVarlen(torch.autograd.Function):
     """Causal varlen FlashAttention (the kernels PyTorch ships) called through its aten ops.
 
     `torch.nn.attention.varlen.varlen_attn` runs the same two kernels, but as custom ops whose
-    Python dispatch (forward, then a second custom op for the backward) cost about 0.2 ms of
-    host time per layer and call on an H200, where the host bounds a small model's update.
+    Python dispatch (forward, then a second custom op for the backward) took 648 µs of host time
+    per layer forward + backward on an H200 where this takes 274 µs; the host bounds a small
+    model's update.
     FlashAttention takes fewer K/V heads than query heads natively (GQA) and returns K/V
     gradients with K/V's head count."""
 
