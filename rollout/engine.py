@@ -263,6 +263,9 @@ class LLMEngine:
     @staticmethod
     def _process(sched: Scheduler, step, samples: dict) -> None:
         tokens, logprobs = step.result()
-        for s in step.batch.sample_seqs:
-            samples[(s.prompt_index, s.sample_index)] = s
+        if step.batch.is_prefill:
+            # Every sample is first sampled in a prefill step (its prompt's last chunk, or its
+            # recompute after a preemption): recorded there, not again at every decode step.
+            for s in step.batch.sample_seqs:
+                samples[(s.prompt_index, s.sample_index)] = s
         sched.postprocess(step.batch, tokens, logprobs)
