@@ -154,7 +154,9 @@ class ModelRunner:
             return 1
         from rollout.triton_kernels import num_sms
 
-        return max(1, min(self.model.vocab_local // 4096 or 1, cdiv(2 * num_sms(self.device), rows)))
+        # ~16 programs per SM: at 256 rows x 152k on an H200 the kernel took 175 us with 2 splits a
+        # row, 153 with 8 (BENCHMARKS.md, "Sixth pass")
+        return max(1, min(self.model.vocab_local // 4096 or 1, cdiv(16 * num_sms(self.device), rows)))
 
     # ------------------------------------------------------------------ steps
     def begin_generate(self, temperature: float, top_k: int, top_p: float) -> None:
