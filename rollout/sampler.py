@@ -12,7 +12,10 @@ The uniforms are counter-based: `u = hash(key of the sample, position of the tok
 global vocabulary index)`, so a token does not depend on the batch it was computed in, on
 preemption, or on the TP degree. `uniform_from_bits` maps the hash into (0, 1) exactly
 (never 0 or 1, so the noise is always finite); `gumbel_noise` is the PyTorch definition, and
-the Triton kernel computes the same integers and the same uniforms.
+the Triton kernel computes the same integers and the same uniforms. On CUDA the kernel takes
+the noise's outer log, `-log(E)` with `E = -log(u)`, through the hardware approximation (an
+error of ~1e-7 absolute: a token can differ from the reference's only at a near-tie of the
+race); `E` itself is exact, as it must be near u = 1.
 
 top-k / top-p become one threshold per row on `s` (the k-th largest value; the smallest
 value inside the nucleus); tokens below it are left out of the race. Ties at the threshold
