@@ -637,9 +637,12 @@ def run(cfg: PPOConfig) -> int:
     # stream without a file descriptor (an in-process run whose output is captured).
     faulthandler.enable(file=sys.__stderr__)
     ctx = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.nccl_timeout)
+    finished = False
     try:
         trainer = PPOTrainer(cfg, ctx)
-        return trainer.train()
+        code = trainer.train()
+        finished = code == 0
+        return code
     except ConfigError as e:
         if ctx.is_main:
             print(f"meshppo: config error: {e}", file=sys.stderr)
@@ -663,6 +666,12 @@ def run(cfg: PPOConfig) -> int:
         return 1
     finally:
         if ctx.owns_group and dist.is_initialized():
+            if finished:
+                # No rank tears its gloo threads down while a peer may still be inside the last
+                # collective: that aborted a rank at exit ("terminate called without an active
+                # exception", exit -6) after a run that had finished. After an error, a peer may
+                # never arrive: no barrier then.
+                dist.barrier()
             dist.destroy_process_group()
 
 
