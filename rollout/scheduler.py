@@ -155,43 +155,42 @@ class Scheduler:
         bm = self.block_manager
         bs, refs = bm.block_size, bm.ref_counts
         running = self.running
+        # This runs once per sequence per token, so in two passes. First the block work, in
+        # admission order: a sequence whose next token starts a block, or whose last block is
+        # shared, gets a block (copy-on-write), preempting the most recently admitted sequences
+        # while none is free (possibly itself: then it was the last one). Most sequences need
+        # nothing: the pass only tests them.
+        for seq in [s for s in running if s.num_computed_tokens % bs == 0 or refs[s.block_table[-1]] > 1]:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted for an earlier sequence's block
+            while not bm.can_append(seq):
+                victim = running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # preempted itself: every later sequence went before it
+            update, copy = bm.append_slot(seq)
+            if update is not None:
+                batch.block_table_updates.append(update)
+            if copy is not None:
+                batch.copies.append(copy)
+        # Then one token for every sequence still running, its lists built whole.
+        seqs = list(running)
+        batch.seqs, batch.sample_seqs = seqs, list(seqs)
+        batch.slots = [seq.slot for seq in seqs]
+        batch.sample_slots = list(batch.slots)
+        batch.starts = [seq.num_computed_tokens for seq in seqs]
+        batch.chunk_lens = [1] * len(seqs)
+        batch.sample_src = list(range(len(seqs)))
+        batch.sample_positions = [len(seq.token_ids) for seq in seqs]
         finished: list[Sequence] = []
-        # This loop runs once per sequence per token: keep the common case (room left in a
-        # private last block) free of calls.
-        seqs, slots, starts, lens = batch.seqs, batch.slots, batch.starts, batch.chunk_lens
-        s_seqs, s_slots, s_src, s_pos = batch.sample_seqs, batch.sample_slots, batch.sample_src, batch.sample_positions
-        i = 0
-        while i < len(running):
-            seq = running[i]
-            pos = seq.num_computed_tokens
-            if pos % bs == 0 or refs[seq.block_table[-1]] > 1:
-                while not bm.can_append(seq):
-                    victim = running.pop()
-                    self._preempt(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not SeqStatus.RUNNING:
-                    break  # preempted itself: it was the last one
-                update, copy = bm.append_slot(seq)
-                if update is not None:
-                    batch.block_table_updates.append(update)
-                if copy is not None:
-                    batch.copies.append(copy)
-            idx = len(seqs)
-            seqs.append(seq)
-            slots.append(seq.slot)
-            starts.append(pos)
-            lens.append(1)
-            seq.num_computed_tokens = pos + 1
+        for seq in seqs:
+            seq.num_computed_tokens += 1
             tokens = seq.token_ids
-            s_seqs.append(seq)
-            s_slots.append(seq.slot)
-            s_src.append(idx)
-            s_pos.append(len(tokens))
             tokens.append(PLACEHOLDER)
             if len(tokens) >= seq.max_len:
                 finished.append(seq)
-            i += 1
         for seq in finished:
             self._release(seq)
         return batch
