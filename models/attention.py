@@ -88,13 +88,13 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]."""
-    n_rep = q.shape[1] // k.shape[1]
     if flash_varlen_usable(q):
         if _flash_varlen is not None:
             return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                  softmax_scale=scale, causal=True)
         return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, int(max_seqlen),
                                   float(scale))
+    n_rep = q.shape[1] // k.shape[1]
     total = q.shape[0]
     mask = block_causal_mask(cu_seqlens.long(), total)
     mask = mask | torch.eye(total, dtype=torch.bool, device=q.device)

@@ -32,21 +32,39 @@ def _checks() -> dict:
         return err
 
     def linear():
-        # one row: the GEMV kernel, against float64 (N and K not multiples of its blocks; bias or
-        # none); more rows: F.linear itself
-        errs = []
-        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-            for n, k, bias in ((37, 1500, True), (16, 64, False), (5, 2048, True)):
-                x = torch.randn(1, k, dtype=dtype)
-                w = (torch.randn(n, k) / k ** 0.5).to(dtype)
-                b = torch.randn(n, dtype=dtype) if bias else None
-                ref = x.double() @ w.double().t() + (b.double() if bias else 0)
-                y = TritonOps.linear(x, w, b)
-                assert y.shape == (1, n) and y.dtype == dtype
-                errs.append(close(y, ref, tol))
-            x3 = torch.randn(3, 64, dtype=dtype)
-            w3 = torch.randn(8, 64, dtype=dtype)
-            assert torch.equal(TritonOps.linear(x3, w3), torch.nn.functional.linear(x3, w3))
+        # one row: the GEMV kernel (its launches counted: a fallback to F.linear would pass the
+        # error bound too), against float64 (N and K not multiples of its blocks; bias or none);
+        # more rows: F.linear itself, no launch
+        import rollout.triton_kernels as tk
+
+        kernel, launches = tk._gemv_kernel, []
+
+        class Counted:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return kernel[grid]
+
+        tk._gemv_kernel = Counted()
+        try:
+            errs = []
+            for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+                for n, k, bias in ((37, 1500, True), (16, 64, False), (5, 2048, True)):
+                    x = torch.randn(1, k, dtype=dtype)
+                    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+                    b = torch.randn(n, dtype=dtype) if bias else None
+                    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+                    before = len(launches)
+                    y = TritonOps.linear(x, w, b)
+                    assert len(launches) == before + 1, "one row did not take the GEMV kernel"
+                    assert y.shape == (1, n) and y.dtype == dtype
+                    errs.append(close(y, ref, tol))
+                x3 = torch.randn(3, 64, dtype=dtype)
+                w3 = torch.randn(8, 64, dtype=dtype)
+                before = len(launches)
+                assert torch.equal(TritonOps.linear(x3, w3), torch.nn.functional.linear(x3, w3))
+                assert len(launches) == before, "three rows launched the GEMV kernel"
+        finally:
+            tk._gemv_kernel = kernel
         return max(errs)
 
     def rms_norm():
