@@ -237,7 +237,7 @@ class EngineModel:
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
             x = self._row_parallel(o, w.o_w, None, ops)
             h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
-            x = self._row_parallel(ops.silu_and_mul(ops.linear(h, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b, ops)
+            x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual)
         return h
 

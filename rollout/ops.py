@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from models.transformer import apply_rope
 from rollout.attention import AttentionMetadata, decode_attention_ref, prefill_attention_ref
-from rollout.sampler import sample_partials_ref
+from rollout.sampler import combine_partials, sample_partials_ref
 
 
 def slot_mapping(block_tables, token_slots, positions, block_size: int) -> torch.Tensor:
@@ -48,6 +48,11 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def gated_linear(x, weight, bias=None):
+        """The SwiGLU MLP's input half: `silu_and_mul(linear(x, weight, bias))`, weight `[2I, K]` = [gate | up]."""
+        return TorchOps.silu_and_mul(F.linear(x, weight, bias))
+
+    @staticmethod
     def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
                        num_heads: int, num_kv_heads: int, head_dim: int):
         """Rotate q and k of `qkv [T, (Hq + 2 Hkv) D]`, write k and v into the cache; return q `[T, Hq, D]`.
@@ -79,6 +84,17 @@ class TorchOps:
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
         return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start)
+
+    @staticmethod
+    def combine_partials(parts, out=None):
+        """Tokens `[R]` int64 and log-probs `[R]` of partials `[R, P, 5]` (`rollout.sampler.combine_partials`),
+        written into `out = (tokens, logprobs)` when given."""
+        tokens, logprobs = combine_partials(parts)
+        if out is None:
+            return tokens, logprobs
+        out[0].copy_(tokens)
+        out[1].copy_(logprobs)
+        return out
 
 
 def get_ops(use_triton: bool):

@@ -235,11 +235,9 @@ class ModelRunner:
         slots_l = slots.long()
         h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops)
         logits = m.logits(h)
-        tokens, logprobs = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
-                                        self._sample_splits(rows))
+        tokens, _ = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
+                                 self._sample_splits(rows), out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]))
         self.last_tokens[slots_l] = tokens
-        self.dec_tokens[:rows].copy_(tokens)
-        self.dec_logprobs[:rows].copy_(logprobs)
 
     def _capture(self, key: tuple) -> None:
         """Capture the decode step for `key = (rows, truncation)` (inputs: the dummy slot, harmless to real state).

@@ -180,11 +180,12 @@ class Sampler:
         return truncation_threshold(s, self.top_k, self.top_p)
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ops,
-                 thresh: torch.Tensor | None = None, num_splits: int = 1):
-        """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)."""
+                 thresh: torch.Tensor | None = None, num_splits: int = 1, out=None):
+        """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)
+        -> tokens `[R]` int64 and log-probs `[R]` float32 (written into `out`, a pair, when given)."""
         parts = ops.sample_partials(logits, keys, positions, self.inv_temp, self.noise_scale, thresh,
                                     self.vocab_start, num_splits)
         if self.tp.size > 1:
             parts = self.tp.all_gather(parts)  # [tp, R, S, 5]
             parts = parts.permute(1, 0, 2, 3).reshape(parts.shape[1], -1, NUM_PARTIAL_FIELDS)
-        return combine_partials(parts)
+        return ops.combine_partials(parts, out)

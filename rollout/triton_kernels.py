@@ -4,8 +4,8 @@
 model dtype where the training model rounds). Kernels with a fixed grid per batch size and
 no host synchronisation, so that a decode step can be captured in a CUDA graph:
 
-* `linear`: one row (a decode step of one sequence) times a weight `[N, K]`, a GEMV
-  that streams the weight once; more rows go to cuBLAS (`F.linear`).
+* `linear`, `gated_linear`: one row (a decode step of one sequence) times a weight `[N, K]`;
+  more rows go to cuBLAS (`F.linear`).
 * `rms_norm`: residual add + RMSNorm in one pass.
 * `silu_and_mul`: the gated MLP activation.
 * `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache.
@@ -15,7 +15,14 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 * `prefill_attention`: flash attention of packed query chunks over their paged context
   (prefix included), causal.
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
-  noise and the greedy rule of `rollout.sampler`).
+  noise and the greedy rule of `rollout.sampler`); `combine_partials` merges the chunks.
+
+At one row, `linear` is a GEMV that streams the weight once and `gated_linear` adds the SwiGLU
+activation to it (gate and up rows in one program); the LM head stays on cuBLAS, which read
+it faster (BENCHMARKS.md, "Seventh pass"). On Hopper and later every kernel is
+launched with programmatic dependent launch (`_after_previous`): a decode step at batch 1 is
+~250 short kernels, and each one's start (for a GEMV, its first weight loads) then overlaps
+the previous one's end.
 
 The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
@@ -37,31 +44,72 @@ try:  # the CUDA math library's fast functions (the interpreter has none: CPU ru
     from triton.language.extra.cuda import libdevice
 except ImportError:  # pragma: no cover - depends on the triton version
     libdevice = None
+try:  # grid dependency control: programmatic dependent launch (Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the triton version
+    gdc_launch_dependents = gdc_wait = None
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 
-# ---------------------------------------------------------------------------- GEMV
+# ---------------------------------------------------------------------------- launch order
+
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    # BLOCK_N output features per program, each a dot product over K in float32: the weight
-    # rows are read once (evict-first: nothing reuses them), the products accumulated per lane
-    # and reduced once at the end.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+def _after_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL), a kernel may start while the previous one in
+    the stream is still running: wait here until that kernel has finished and its writes are
+    visible, then let the next kernel start. Every kernel below calls this before it reads
+    anything a previous kernel wrote or writes anything, and before it can finish: then each
+    kernel still completes after all earlier ones, as in plain stream order."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+# ---------------------------------------------------------------------------- GEMV
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # BLOCK_N weight rows per program, each a dot product over K in float32: the rows are read
+    # once (evict-first: nothing reuses them), the products accumulated per lane and reduced
+    # once at the end. GATED: the weight is [gate | up] (2N rows) and the program's rows pair
+    # gate feature j with up feature j (BLOCK_N / 2 features), stored as silu(gate) * up,
+    # rounded as the unfused ops round. The first weight tile loads before the wait for the
+    # previous kernel (no kernel of a step writes weights): under PDL it streams while that
+    # kernel finishes.
+    i = tl.arange(0, BLOCK_N)
+    if GATED:
+        feat = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        src = feat + (i % 2) * N
+    else:
+        feat = tl.program_id(0) * BLOCK_N + i
+        src = feat
+    fmask = feat < N
+    rows = w_ptr + src[:, None].to(tl.int64) * stride_w
+    rk = tl.arange(0, BLOCK_K)
+    w = tl.load(rows + rk[None, :], mask=fmask[:, None] & (rk[None, :] < K), other=0.0, eviction_policy="evict_first")
+    _after_previous(PDL)
+    x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(rows + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0,
+        w = tl.load(rows + rk[None, :], mask=fmask[:, None] & (rk[None, :] < K), other=0.0,
                     eviction_policy="evict_first")
         x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+        y += tl.load(b_ptr + src, mask=fmask, other=0.0).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
+    if GATED:
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + out, silu_mul(gate, up), mask=out < N)
+    else:
+        tl.store(y_ptr + feat, y, mask=fmask)
 
 
 # ---------------------------------------------------------------------------- norms, MLP
@@ -69,7 +117,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -84,7 +133,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
@@ -100,7 +150,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr)
 def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt, cos_ptr, sin_ptr,
                        k_cache_ptr, v_cache_ptr,
                        PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       HQ_P: tl.constexpr, HKV_P: tl.constexpr):
+                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(tslot_ptr + t).to(tl.int64)
@@ -167,7 +218,8 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
                         out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                        SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -207,7 +259,8 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
 
 @triton.jit
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_splits,
-                          HQ: tl.constexpr, D: tl.constexpr, S_P: tl.constexpr):
+                          HQ: tl.constexpr, D: tl.constexpr, S_P: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_P)
@@ -225,7 +278,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_spli
 def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
                          cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
                          HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -273,7 +327,8 @@ def _mix32(x):
 @triton.jit
 def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_ptr, noise_ptr, parts_ptr,
                    V_LOCAL, VOCAB_START, PER_SPLIT, num_splits,
-                   HAS_THRESH: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_THRESH: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     key = tl.load(keys_ptr + r).to(tl.uint32)
@@ -332,6 +387,28 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
     tl.store(out + 4, z)
 
 
+@triton.jit
+def _combine_kernel(parts_ptr, P, tokens_ptr, logprobs_ptr, P_P: tl.constexpr, PDL: tl.constexpr):
+    # `rollout.sampler.combine_partials` for one row: the first partial with the best score
+    # wins (vocabulary order: ties go to the lowest index), and the log-normaliser merges the
+    # partials' (max, sum exp) pairs.
+    _after_previous(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, P_P)
+    jm = j < P
+    base = parts_ptr + (r * P + j) * 5
+    best = tl.load(base, mask=jm, other=float("-inf"))
+    win = tl.min(tl.where(jm & (best == tl.max(best, 0)), j, P_P), 0)
+    token = tl.load(parts_ptr + (r * P + win) * 5 + 1).to(tl.int32, bitcast=True)
+    s_win = tl.load(parts_ptr + (r * P + win) * 5 + 2)
+    m = tl.load(base + 3, mask=jm, other=float("-inf"))
+    z = tl.load(base + 4, mask=jm, other=0.0)
+    mmax = tl.max(m, 0)
+    lse = mmax + tl.log(tl.sum(z * tl.exp(m - mmax), 0))
+    tl.store(tokens_ptr + r, token.to(tl.int64))
+    tl.store(logprobs_ptr + r, s_win - lse)
+
+
 # ---------------------------------------------------------------------------- launchers
 
 # Kernels that must round like PyTorch's unfused ops (RoPE; the sampler's scaled logits,
@@ -340,7 +417,11 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
 _NO_FMA = {"enable_fp_fusion": False}
 
 
-GEMV_BLOCK_N, GEMV_BLOCK_K = 16, 1024  # the best of 10 shapes tried at qwen2.5-7b's projections
+# Weight rows per program, columns per step, warps: the best total over qwen2.5-0.5b's and 7b's
+# projections of 16 blockings, timed as chains of PDL launches in a CUDA graph on an H200
+# (docs/results/gemv_sweep_pdl_h200.json). Few rows per program keep every SM streaming at
+# 0.5b's shapes (896 output features: 224 programs, against 56 with 16 rows).
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4
 
 
 def _pow2(n: int) -> int:
@@ -358,6 +439,35 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.type == "cuda" and device.index is not None else 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_device(device_index: int) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _launch(t: torch.Tensor) -> dict:
+    """Launch arguments of a kernel working on `t`: programmatic dependent launch (each kernel's
+    prologue overlaps the previous kernel's end; `_after_previous` keeps the order) on CUDA
+    devices of compute capability 9.0 and later."""
+    pdl = t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.shape[0] == 1 and x.shape[-1] == weight.shape[1] and x.is_contiguous() and weight.stride(1) == 1
+
+
+def _gemv(x, weight, bias, gated: bool):
+    n, k = weight.shape
+    if gated:
+        n //= 2
+    y = torch.empty(1, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    features = GEMV_BLOCK_N // 2 if gated else GEMV_BLOCK_N  # per program: a gated one reads 2 rows a feature
+    _gemv_kernel[(triton.cdiv(n, features),)](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+                                            HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=GEMV_BLOCK_N,
+                                            BLOCK_K=GEMV_BLOCK_K, num_warps=GEMV_WARPS, **_launch(x))
+    return y
+
+
 class TritonOps:
     name = "triton"
 
@@ -365,14 +475,15 @@ class TritonOps:
     def linear(x, weight, bias=None):
         # One row: cuBLAS reached 1.6-3.4 TB/s on qwen2.5-7b's projections at batch 1 on an H200,
         # this kernel 1.9-3.7 (BENCHMARKS.md, "Sixth pass"); with 4 rows cuBLAS won.
-        if x.shape[0] != 1 or x.shape[-1] != weight.shape[1] or not (x.is_contiguous() and weight.stride(1) == 1):
+        if not _gemv_fits(x, weight):
             return F.linear(x, weight, bias)
-        n, k = weight.shape
-        y = torch.empty(1, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
-                                                      weight.stride(0), HAS_BIAS=bias is not None,
-                                                      BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=8)
-        return y
+        return _gemv(x, weight, bias, gated=False)
+
+    @staticmethod
+    def gated_linear(x, weight, bias=None):
+        if not _gemv_fits(x, weight):
+            return TritonOps.silu_and_mul(F.linear(x, weight, bias))
+        return _gemv(x, weight, bias, gated=True)
 
     @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
@@ -383,7 +494,7 @@ class TritonOps:
             return out, (x if residual is None else residual)
         res = residual if residual is not None else x
         _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                               HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                               HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8, **_launch(x))
         return out, res  # the residual sum is written into `residual` in place
 
     @staticmethod
@@ -394,7 +505,7 @@ class TritonOps:
         if t:
             block = min(1024, _pow2(n))
             _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                         BLOCK=block, num_warps=4)
+                                                         BLOCK=block, num_warps=4, **_launch(gate_up))
         return out
 
     @staticmethod
@@ -405,7 +516,8 @@ class TritonOps:
             _rope_cache_kernel[(t,)](qkv, qkv.stride(0), positions, token_slots, block_tables, block_tables.stride(0),
                                      cos, sin, k_cache, v_cache, PAGE=k_cache.shape[1], HQ=num_heads,
                                      HKV=num_kv_heads, D=head_dim, HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
-                                     num_warps=4 if num_heads * head_dim >= 2048 else 2, **_NO_FMA)
+                                     num_warps=4 if num_heads * head_dim >= 2048 else 2, **_NO_FMA,
+                                     **_launch(qkv))
         return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
 
     @staticmethod
@@ -427,10 +539,11 @@ class TritonOps:
             q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens,
             out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **_launch(q))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
-                                           S_P=_pow2(splits), num_warps=4 if d >= 128 else 2)
+                                           S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,
+                                           **_launch(q))
         return out
 
     @staticmethod
@@ -447,8 +560,18 @@ class TritonOps:
             q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
             HKV=hkv, G=hq // hkv, D=d, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_TILE, BLOCK_N=block_n,
-            IEEE=fp32, num_warps=4)
+            IEEE=fp32, num_warps=4, **_launch(q))
         return out
+
+    @staticmethod
+    def combine_partials(parts, out=None):
+        r, p, _ = parts.shape
+        tokens, logprobs = out if out is not None else (
+            torch.empty(r, dtype=torch.int64, device=parts.device), torch.empty(r, dtype=torch.float32, device=parts.device))
+        if r:
+            _combine_kernel[(r,)](parts.contiguous(), p, tokens, logprobs, P_P=_pow2(p), num_warps=4 if p > 256 else 1,
+                                  **_launch(parts))
+        return tokens, logprobs
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
@@ -462,5 +585,5 @@ class TritonOps:
                 thresh.contiguous() if thresh is not None else inv_temp,
                 inv_temp, noise_scale, parts, v, vocab_start, per_split, num_splits,
                 HAS_THRESH=thresh is not None, FAST_LOG=logits.is_cuda and libdevice is not None, BLOCK=block,
-                num_warps=4, **_NO_FMA)
+                num_warps=4, **_NO_FMA, **_launch(logits))
         return parts

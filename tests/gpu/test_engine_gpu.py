@@ -140,6 +140,46 @@ def test_gemv_kernel(dtype, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(18944, 3584, False), (4864, 896, True), (21, 1000, False)])
+def test_gated_gemv_kernel(dtype, n, k, bias):
+    """One row through the fused gate/up GEMV + SiLU (qwen2.5-7b's and 0.5b's MLP, a ragged shape):
+    within the error of cuBLAS + the SiLU kernel against float64; more rows take that path."""
+    T = _triton()
+    torch.manual_seed(6)
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    w = (torch.randn(2 * n, k, device=DEV) / k ** 0.5).to(dtype)
+    b = torch.randn(2 * n, device=DEV).to(dtype) if bias else None
+    gu = x.double() @ w.double().t() + (b.double() if bias else 0)
+    ref = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    ours = (T.gated_linear(x, w, b).double() - ref).abs().max().item()
+    unfused = (T.silu_and_mul(torch.nn.functional.linear(x, w, b)).double() - ref).abs().max().item()
+    assert ours <= 1.5 * unfused + (1e-5 if dtype == torch.float32 else 1e-3), (ours, unfused)
+    x4 = torch.randn(4, k, device=DEV).to(dtype)
+    assert torch.equal(T.gated_linear(x4, w, b), T.silu_and_mul(torch.nn.functional.linear(x4, w, b)))
+
+
+def test_combine_kernel_and_programmatic_launch():
+    """The partials' merge in one kernel equals `combine_partials` (ties to the first chunk, empty
+    chunks); on Hopper and later the engine's kernels are launched with PDL."""
+    from rollout import triton_kernels as tk
+
+    torch.manual_seed(7)
+    r, p = 300, 37
+    parts = torch.randn(r, p, 5, device=DEV) * 4
+    parts[..., 4] = torch.rand(r, p, device=DEV) * 1000 + 1
+    parts.view(torch.int32)[..., 1] = torch.randint(0, 151936, (r, p), dtype=torch.int32, device=DEV)
+    parts[0, 3, 0] = parts[0, 30, 0] = 99.0
+    parts[1, 5:, 0] = parts[1, 5:, 3] = float("-inf")
+    parts[1, 5:, 4] = 0.0
+    ref_t, ref_lp = combine_partials(parts)
+    t, lp = _triton().combine_partials(parts)
+    assert torch.equal(t, ref_t) and t[0] == parts.view(torch.int32)[0, 3, 1]
+    assert (lp - ref_lp).abs().max() < 1e-4
+    x = torch.empty(1, device=DEV)
+    assert tk._launch(x)["launch_pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampler_kernel(dtype):
     T = _triton()
     torch.manual_seed(3)
@@ -235,6 +275,22 @@ def test_engine_graphs_equal_eager_equal_torch_backend(params):
         assert x.token_ids == y.token_ids == z.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, z.logprobs)) < 1e-4
         check_against_training_forward(model, x, params, atol=1e-4)
+
+
+def test_engine_one_sequence_graphs_equal_torch_backend():
+    """One sequence: every projection of a layer is a GEMV (the MLP's input half fused with SiLU)
+    and the step runs as a CUDA graph of PDL launches; same tokens as the PyTorch path."""
+    model = _gpu_model("qwen2")
+    prompt = prompts_of([23], seed=5)
+    params = SamplingParams(temperature=0.8, max_tokens=48, seed=3)
+    graph = make_engine(model, device=DEV, block_size=16, num_kv_blocks=16)
+    torch_path = make_engine(model, enforce_eager=True, device=DEV, block_size=16, num_kv_blocks=16)
+    torch_path.runner.use_triton = False
+    a, c = graph.generate(prompt, params)[0], torch_path.generate(prompt, params)[0]
+    assert [key[0] for key in graph.runner.graphs] == [1]
+    assert a.token_ids == c.token_ids
+    assert max(abs(p - q) for p, q in zip(a.logprobs, c.logprobs)) < 1e-4
+    check_against_training_forward(model, a, params, atol=1e-4)
 
 
 def _logprob_errors(outs, models):

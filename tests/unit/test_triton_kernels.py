@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from tests import interpreter
 
-CHECKS = ["linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "prefill_attention",
-          "sample_partials", "sample_extremes", "engine_end_to_end"]
+CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention",
+          "prefill_attention", "sample_partials", "combine_partials", "sample_extremes", "engine_end_to_end"]
 
 
 def _checks() -> dict:
@@ -62,6 +62,44 @@ def _checks() -> dict:
                 w3 = torch.randn(8, 64, dtype=dtype)
                 before = len(launches)
                 assert torch.equal(TritonOps.linear(x3, w3), torch.nn.functional.linear(x3, w3))
+                assert len(launches) == before, "three rows launched the GEMV kernel"
+        finally:
+            tk._gemv_kernel = kernel
+        return max(errs)
+
+    def gated_linear():
+        # one row: gate and up in one GEMV launch, silu(gate) * up against float64 (N not a multiple
+        # of the block, K past one weight tile, bias or none); more rows: cuBLAS, then the SiLU kernel
+        import rollout.triton_kernels as tk
+
+        kernel, launches = tk._gemv_kernel, []
+
+        class Counted:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return kernel[grid]
+
+        tk._gemv_kernel = Counted()
+        try:
+            errs = []
+            # relative to the largest output: the unfused ops round gate, up, silu and the product
+            # to the dtype (four half-ulps, 2e-3 in float16)
+            for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
+                for n, k, bias in ((21, 1500, True), (8, 64, False)):
+                    x = torch.randn(1, k, dtype=dtype)
+                    w = (torch.randn(2 * n, k) / k ** 0.5).to(dtype)
+                    b = torch.randn(2 * n, dtype=dtype) if bias else None
+                    gu = x.double() @ w.double().t() + (b.double() if bias else 0)
+                    ref = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+                    before = len(launches)
+                    y = TritonOps.gated_linear(x, w, b)
+                    assert len(launches) == before + 1, "one row did not take the fused GEMV"
+                    assert y.shape == (1, n) and y.dtype == dtype
+                    errs.append(close(y / ref.abs().max(), ref / ref.abs().max(), tol))
+                x3 = torch.randn(3, 64, dtype=dtype)
+                w3 = torch.randn(16, 64, dtype=dtype) / 8
+                before = len(launches)
+                errs.append(close(TritonOps.gated_linear(x3, w3), TorchOps.gated_linear(x3, w3), tol))
                 assert len(launches) == before, "three rows launched the GEMV kernel"
         finally:
             tk._gemv_kernel = kernel
@@ -182,6 +220,24 @@ def _checks() -> dict:
                     assert got[0][0].item() == start + 10
         return 0.0
 
+    def combine_partials_check():
+        # random partials with the race's edge cases: a tie for the best score across chunks (the
+        # first chunk wins, as torch.argmax), empty chunks (no token in the race: score -inf, z 0)
+        r, p = 5, 7
+        parts = torch.randn(r, p, 5)
+        parts[..., 4] = torch.rand(r, p) * 100 + 1
+        parts.view(torch.int32)[..., 1] = torch.randint(0, 150_000, (r, p), dtype=torch.int32)
+        parts[0, 2, 0] = parts[0, 5, 0] = 9.0
+        parts[1, 1:4, 0] = parts[1, 1:4, 3] = float("-inf")
+        parts[1, 1:4, 4] = 0.0
+        ref_t, ref_lp = combine_partials(parts)
+        got_t, got_lp = TritonOps.combine_partials(parts)
+        assert torch.equal(got_t, ref_t) and got_t.dtype == torch.int64 and ref_t[0] == parts.view(torch.int32)[0, 2, 1]
+        out = (torch.full((r,), -1, dtype=torch.int64), torch.zeros(r))
+        written = TritonOps.combine_partials(parts, out)
+        assert written[0] is out[0] and torch.equal(out[0], ref_t)
+        return max(close(got_lp, ref_lp, 1e-5), close(out[1], ref_lp, 1e-5))
+
     def sample_extremes():
         # The interpreter runs a row in ~16 ms, too slow for the goodness-of-fit draws: those run on
         # the PyTorch path (same integers and uniforms: `sample_partials` above asserts equal tokens)
@@ -208,13 +264,15 @@ def _checks() -> dict:
         engine.load_weights(model.named_parameters())
         prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
         sp = SamplingParams(temperature=0.9, n=2, max_tokens=3, seed=1)
-        ref = engine.generate(prompts, sp)
+        one = SamplingParams(temperature=0.9, max_tokens=4, seed=2)  # one sequence: decode steps of one row
+        ref = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
         engine.runner.use_triton = True
-        got = engine.generate(prompts, sp)
+        got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
     scope = locals()
+    scope["combine_partials"] = combine_partials_check
     return {name: scope[name] for name in CHECKS}
 
 
