@@ -16,6 +16,8 @@ CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache"
 
 
 def _checks() -> dict:
+    import contextlib
+
     import torch
 
     from rollout.attention import PREFILL_TILE, AttentionMetadata
@@ -31,10 +33,9 @@ def _checks() -> dict:
         assert err <= tol, f"max error {err} > {tol}"
         return err
 
-    def linear():
-        # one row: the GEMV kernel (its launches counted: a fallback to F.linear would pass the
-        # error bound too), against float64 (N and K not multiples of its blocks; bias or none);
-        # more rows: F.linear itself, no launch
+    @contextlib.contextmanager
+    def gemv_launches():
+        """The GEMV kernel's launches while inside: a fallback to F.linear would meet the error bounds too."""
         import rollout.triton_kernels as tk
 
         kernel, launches = tk._gemv_kernel, []
@@ -46,6 +47,14 @@ def _checks() -> dict:
 
         tk._gemv_kernel = Counted()
         try:
+            yield launches
+        finally:
+            tk._gemv_kernel = kernel
+
+    def linear():
+        # one row: the GEMV kernel (its launches counted), against float64 (N and K not multiples
+        # of its blocks; bias or none); more rows: F.linear itself, no launch
+        with gemv_launches() as launches:
             errs = []
             for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
                 for n, k, bias in ((37, 1500, True), (16, 64, False), (5, 2048, True)):
@@ -63,24 +72,12 @@ def _checks() -> dict:
                 before = len(launches)
                 assert torch.equal(TritonOps.linear(x3, w3), torch.nn.functional.linear(x3, w3))
                 assert len(launches) == before, "three rows launched the GEMV kernel"
-        finally:
-            tk._gemv_kernel = kernel
         return max(errs)
 
     def gated_linear():
         # one row: gate and up in one GEMV launch, silu(gate) * up against float64 (N not a multiple
         # of the block, K past one weight tile, bias or none); more rows: cuBLAS, then the SiLU kernel
-        import rollout.triton_kernels as tk
-
-        kernel, launches = tk._gemv_kernel, []
-
-        class Counted:
-            def __getitem__(self, grid):
-                launches.append(grid)
-                return kernel[grid]
-
-        tk._gemv_kernel = Counted()
-        try:
+        with gemv_launches() as launches:
             errs = []
             # relative to the largest output: the unfused ops round gate, up, silu and the product
             # to the dtype (four half-ulps, 2e-3 in float16)
@@ -101,8 +98,6 @@ def _checks() -> dict:
                 before = len(launches)
                 errs.append(close(TritonOps.gated_linear(x3, w3), TorchOps.gated_linear(x3, w3), tol))
                 assert len(launches) == before, "three rows launched the GEMV kernel"
-        finally:
-            tk._gemv_kernel = kernel
         return max(errs)
 
     def rms_norm():
