@@ -20,9 +20,9 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 At one row, `linear` is a GEMV that streams the weight once and `gated_linear` adds the SwiGLU
 activation to it (gate and up rows in one program); the LM head stays on cuBLAS, which read
 it faster (BENCHMARKS.md, "Seventh pass"). On Hopper and later every kernel is
-launched with programmatic dependent launch (`_after_previous`): a decode step at batch 1 is
-~250 short kernels, and each one's start (for a GEMV, its first weight loads) then overlaps
-the previous one's end.
+launched with programmatic dependent launch (`_after_previous`; `MESHPPO_PDL=off` turns it
+off): a decode step at batch 1 is ~250 short kernels, and each one's start (for a GEMV, its
+first weight loads) then overlaps the previous one's end.
 
 The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
@@ -34,6 +34,7 @@ float32 engine its agreement with the reference.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -439,6 +440,9 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.type == "cuda" and device.index is not None else 0)
 
 
+PDL_ENV = "MESHPPO_PDL"
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_device(device_index: int) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -447,8 +451,13 @@ def _pdl_device(device_index: int) -> bool:
 def _launch(t: torch.Tensor) -> dict:
     """Launch arguments of a kernel working on `t`: programmatic dependent launch (each kernel's
     prologue overlaps the previous kernel's end; `_after_previous` keeps the order) on CUDA
-    devices of compute capability 9.0 and later."""
-    pdl = t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    devices of compute capability 9.0 and later, unless `MESHPPO_PDL=off` (for a driver that
+    cannot capture such launches in a CUDA graph, or to rule PDL out while debugging)."""
+    choice = os.environ.get(PDL_ENV, "auto")
+    if choice not in ("auto", "off"):
+        raise ValueError(f"{PDL_ENV} must be auto or off, got {choice!r}")
+    pdl = choice == "auto" and t.is_cuda and _pdl_device(
+        t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": pdl, "launch_pdl": pdl}
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention",
-          "prefill_attention", "sample_partials", "combine_partials", "sample_extremes", "engine_end_to_end"]
+          "prefill_attention", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
+          "engine_end_to_end"]
 
 
 def _checks() -> dict:
@@ -232,6 +233,32 @@ def _checks() -> dict:
         written = TritonOps.combine_partials(parts, out)
         assert written[0] is out[0] and torch.equal(out[0], ref_t)
         return max(close(got_lp, ref_lp, 1e-5), close(out[1], ref_lp, 1e-5))
+
+    def pdl_switch():
+        # programmatic dependent launch: never for CPU tensors, `MESHPPO_PDL` checked on every launch
+        import os
+
+        import rollout.triton_kernels as tk
+
+        x = torch.zeros(1)
+        old = os.environ.get(tk.PDL_ENV)
+        try:
+            for value in ("auto", "off"):
+                os.environ[tk.PDL_ENV] = value
+                assert tk._launch(x) == {"PDL": False, "launch_pdl": False}
+            os.environ[tk.PDL_ENV] = "on"
+            try:
+                tk._launch(x)
+            except ValueError as e:
+                assert tk.PDL_ENV in str(e) and "'on'" in str(e)
+            else:
+                raise AssertionError(f"{tk.PDL_ENV}=on was accepted")
+        finally:
+            if old is None:
+                os.environ.pop(tk.PDL_ENV, None)
+            else:
+                os.environ[tk.PDL_ENV] = old
+        return 0.0
 
     def sample_extremes():
         # The interpreter runs a row in ~16 ms, too slow for the goodness-of-fit draws: those run on
