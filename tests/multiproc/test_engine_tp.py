@@ -1,15 +1,17 @@
 """Tensor parallelism: TP=2 over two gloo processes equals TP=1 (float32, CPU)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 
 
-def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float):
+def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp2_triton: bool = False):
     """TP=2 over the two ranks of the default group against TP=1 on each rank, float32 engines on
     `device`: same tokens (greedy, top-k, top-p sampling), log-probs within `logprob_tol`. The
-    GPU check (tests/gpu/multi_gpu_checks.py) runs it over NCCL."""
+    GPU check (tests/gpu/multi_gpu_checks.py) runs it over NCCL. `tp2_triton`: the TP=2 engine
+    runs the Triton kernels (on CPU under the interpreter), the TP=1 one the PyTorch ops."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import ModelArgs, Transformer, tp_shard_dim
@@ -38,6 +40,8 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float):
         tp2.load_weights(model.named_parameters())
         tp1 = LLMEngine(args, config, device=device)  # TP=1 needs no process group
         tp1.load_weights(model.named_parameters())
+        if tp2_triton:
+            tp2.runner.use_triton, tp1.runner.use_triton = True, False
 
         # Each slot holds this rank's shard j = rows/cols [j n/t, (j+1) n/t) along tp_shard_dim.
         for name, slot in tp2.param_slots().items():
@@ -53,13 +57,16 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float):
                            SamplingParams(n=2, temperature=0.9, top_k=5, max_tokens=8, seed=6)),
                  "llama": (SamplingParams(n=2, temperature=0.9, max_tokens=10, seed=5),
                            SamplingParams(n=2, temperature=1.1, top_p=0.8, top_k=20, max_tokens=8, seed=7))}
-        for sp in cases[kind]:
-            a, b = tp1.generate(prompts, sp), tp2.generate(prompts, sp)
+        one = SamplingParams(temperature=0.9, max_tokens=6, seed=8)  # one sequence: decode steps of one row
+        preemptions = 0
+        for sp, batch in [(sp, prompts) for sp in cases[kind]] + [(one, prompts[1:2])]:
+            a, b = tp1.generate(batch, sp), tp2.generate(batch, sp)
+            preemptions += tp2.last_stats["preemptions"]
             assert [o.token_ids for o in a] == [o.token_ids for o in b], (kind, sp)
             diff = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
             assert diff < logprob_tol, (kind, sp, diff)
             results.append(b)
-        assert tp2.last_stats["preemptions"] > 0  # the tight pool made both ranks preempt identically
+        assert preemptions > 0  # the tight pool made both ranks preempt identically
 
     # Both ranks return the same outputs.
     mine = [[o.token_ids for o in outs] for outs in results]
@@ -74,3 +81,17 @@ def _tp_body(rank, world_size):
 
 def test_tp2_equals_tp1():
     run_distributed(_tp_body, 2)
+
+
+def _tp_triton_body(rank, world_size):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    check_tp2_equals_tp1(rank, torch.device("cpu"), 1e-4, tp2_triton=True)
+
+
+def test_tp2_triton_kernels_equal_tp1_torch_ops():
+    """The engine's Triton kernels at TP 2 (vocabulary-sharded sampling partials, row-parallel
+    GEMVs and the gated GEMV at one row, all-reduces between them) against the PyTorch ops at TP 1."""
+    pytest.importorskip("triton")
+    run_distributed(_tp_triton_body, 2)
