@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -267,7 +268,9 @@ def profile_decode(name: str, batch: int, args, steps: int = 32) -> None:
 
     Profiles `generate` with 1 and with 1 + `steps` new tokens; the difference is `steps`
     decode steps without the prefill. Kernel durations are those of the graphed path; only
-    the launch gaps that graphs remove are missing.
+    the launch gaps that graphs remove are missing. Programmatic dependent launch is off here
+    (`MESHPPO_PDL=off`): under it a kernel may start early and its duration would include its
+    wait for the previous one.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -288,7 +291,15 @@ def profile_decode(name: str, batch: int, args, steps: int = 32) -> None:
                 out[e.key] = (t, e.count)
         return out
 
-    base, full = kernels(1), kernels(1 + steps)
+    pdl = os.environ.get("MESHPPO_PDL")
+    os.environ["MESHPPO_PDL"] = "off"
+    try:
+        base, full = kernels(1), kernels(1 + steps)
+    finally:
+        if pdl is None:
+            os.environ.pop("MESHPPO_PDL")
+        else:
+            os.environ["MESHPPO_PDL"] = pdl
     rows = []
     for key, (t, n) in full.items():
         t0, n0 = base.get(key, (0, 0))
@@ -341,8 +352,6 @@ def main(argv=None) -> int:
         return 1
     args.tp_mesh = None
     if args.tp > 1:
-        import os
-
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
