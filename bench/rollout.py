@@ -55,6 +55,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -291,15 +292,8 @@ def profile_decode(name: str, batch: int, args, steps: int = 32) -> None:
                 out[e.key] = (t, e.count)
         return out
 
-    pdl = os.environ.get("MESHPPO_PDL")
-    os.environ["MESHPPO_PDL"] = "off"
-    try:
+    with mock.patch.dict(os.environ, {"MESHPPO_PDL": "off"}):
         base, full = kernels(1), kernels(1 + steps)
-    finally:
-        if pdl is None:
-            os.environ.pop("MESHPPO_PDL")
-        else:
-            os.environ["MESHPPO_PDL"] = pdl
     rows = []
     for key, (t, n) in full.items():
         t0, n0 = base.get(key, (0, 0))

@@ -177,9 +177,12 @@ def test_combine_kernel_and_programmatic_launch():
     t, lp = _triton().combine_partials(parts)
     assert torch.equal(t, ref_t) and t[0] == parts.view(torch.int32)[0, 3, 1]
     assert (lp - ref_lp).abs().max() < 1e-4
-    x = torch.empty(1, device=DEV)
+    launch = tk._launch(parts)
     wanted = os.environ.get(tk.PDL_ENV, "auto") == "auto"
-    assert tk._launch(x)["launch_pdl"] == (wanted and torch.cuda.get_device_capability()[0] >= 9)
+    assert launch["launch_pdl"] == (wanted and torch.cuda.get_device_capability()[0] >= 9)
+    if launch["launch_pdl"]:  # the compiled kernel carries the launch attribute and waits for its predecessor
+        compiled = tk._combine_kernel[(r,)](parts, p, t, lp, P_P=64, num_warps=1, **launch)
+        assert compiled.metadata.launch_pdl and "griddepcontrol.wait" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,7 +23,7 @@ def _checks() -> dict:
 
     from rollout.attention import PREFILL_TILE, AttentionMetadata
     from rollout.ops import TorchOps
-    from rollout.sampler import combine_partials
+    from rollout.sampler import combine_partials as combine_ref
     from rollout.triton_kernels import TritonOps
 
     torch.manual_seed(0)
@@ -206,9 +206,9 @@ def _checks() -> dict:
             # A strided threshold (a column of topk values, as top-k produces it) must work too.
             top = torch.topk(logits.float() * inv_t, 20, dim=-1).values[:, -1]
             for thresh, start in ((None, 0), (top, 4096)):
-                ref = combine_partials(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, thresh, start, 1))
+                ref = combine_ref(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, thresh, start, 1))
                 for splits in (1, 3):
-                    got = combine_partials(TritonOps.sample_partials(logits, keys, pos, inv_t, noise, thresh,
+                    got = combine_ref(TritonOps.sample_partials(logits, keys, pos, inv_t, noise, thresh,
                                                                      start, splits))
                     assert torch.equal(got[0], ref[0]), (temperature, splits, got[0], ref[0])
                     close(got[1], ref[1], 1e-5)
@@ -216,7 +216,7 @@ def _checks() -> dict:
                     assert got[0][0].item() == start + 10
         return 0.0
 
-    def combine_partials_check():
+    def combine_partials():
         # random partials with the race's edge cases: a tie for the best score across chunks (the
         # first chunk wins, as torch.argmax), empty chunks (no token in the race: score -inf, z 0)
         r, p = 5, 7
@@ -226,7 +226,7 @@ def _checks() -> dict:
         parts[0, 2, 0] = parts[0, 5, 0] = 9.0
         parts[1, 1:4, 0] = parts[1, 1:4, 3] = float("-inf")
         parts[1, 1:4, 4] = 0.0
-        ref_t, ref_lp = combine_partials(parts)
+        ref_t, ref_lp = combine_ref(parts)
         got_t, got_lp = TritonOps.combine_partials(parts)
         assert torch.equal(got_t, ref_t) and got_t.dtype == torch.int64 and ref_t[0] == parts.view(torch.int32)[0, 2, 1]
         out = (torch.full((r,), -1, dtype=torch.int64), torch.zeros(r))
@@ -236,28 +236,21 @@ def _checks() -> dict:
 
     def pdl_switch():
         # programmatic dependent launch: never for CPU tensors, `MESHPPO_PDL` checked on every launch
-        import os
+        from unittest import mock
 
         import rollout.triton_kernels as tk
 
         x = torch.zeros(1)
-        old = os.environ.get(tk.PDL_ENV)
-        try:
-            for value in ("auto", "off"):
-                os.environ[tk.PDL_ENV] = value
+        for value in ("auto", "off"):
+            with mock.patch.dict("os.environ", {tk.PDL_ENV: value}):
                 assert tk._launch(x) == {"PDL": False, "launch_pdl": False}
-            os.environ[tk.PDL_ENV] = "on"
+        with mock.patch.dict("os.environ", {tk.PDL_ENV: "on"}):
             try:
                 tk._launch(x)
             except ValueError as e:
                 assert tk.PDL_ENV in str(e) and "'on'" in str(e)
             else:
                 raise AssertionError(f"{tk.PDL_ENV}=on was accepted")
-        finally:
-            if old is None:
-                os.environ.pop(tk.PDL_ENV, None)
-            else:
-                os.environ[tk.PDL_ENV] = old
         return 0.0
 
     def sample_extremes():
@@ -294,7 +287,6 @@ def _checks() -> dict:
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
     scope = locals()
-    scope["combine_partials"] = combine_partials_check
     return {name: scope[name] for name in CHECKS}
 
 
