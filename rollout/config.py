@@ -51,6 +51,9 @@ class EngineConfig:
     """never use CUDA graphs."""
     cudagraph_capture_sizes: list[int] | None = None
     """decode batch sizes captured as CUDA graphs; default 1, 2, 4, 8, 16, 24, ..., 512 (capped at max_num_seqs)."""
+    prefill_graph_max_tokens: int = 8192
+    """prefill steps of at most this many tokens (and `max_num_batched_tokens`) run as CUDA graphs,
+    padded to a bucket and captured the second time a bucket is used; 0: prefill always eager."""
     free_cache_engine: bool = True
     """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
     tp_all_reduce: str = "auto"
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"EngineConfig.prefill_graph_max_tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.cudagraph_capture_sizes is not None:

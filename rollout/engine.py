@@ -134,13 +134,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ KV cache
     def _activation_reserve_bytes(self) -> int:
-        """Rough peak of activations outside the pool: a full prefill step and a decode step's logits."""
+        """Rough peak of activations outside the pool: a full prefill step and a decode step's logits,
+        and the prefill graphs' private pool of the same size (next to the allocator's cache)."""
         m, c = self.model, self.config
         elem = torch.empty((), dtype=m.dtype).element_size()
         per_token = (4 * m.hidden + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 3 * m.inter) * elem
         rows = max(c.max_num_seqs, max(self.runner.capture_sizes, default=1))
         logits = rows * m.args.vocab_size * (elem + 4 + 8)  # logits, float32 scaled copy, sort indices
-        return c.max_num_batched_tokens * per_token + 2 * logits + (256 << 20)
+        tokens = c.max_num_batched_tokens + self.runner.prefill_graph_tokens
+        return tokens * per_token + 2 * logits + (256 << 20)
 
     def _num_kv_blocks(self) -> int:
         c, runner = self.config, self.runner

@@ -20,6 +20,16 @@ LM head, sampling, `last_tokens` update), and tokens + log-probs out through pin
 memory with an event: no host synchronisation inside the step. Graphs are captured
 lazily, the first time a batch size is used, and are kept while the weight and KV-pool
 pointers they were captured with stay the same.
+
+A prefill step of up to `EngineConfig.prefill_graph_max_tokens` tokens (with the Triton ops)
+runs padded to a token bucket (`prefill_bucket`) through static buffers: its inputs are one
+upload into a fixed layout, padding tokens write only the dummy slot's scratch block, padding
+sequences have no queries, and padding tiles of the attention grid end at once. Its forward
+(`[tokens bucket]`) and its sampling (`[rows bucket]`: LM head on the sampled rows, sampler,
+`last_tokens` update) are two graphs, each captured the second time its bucket is used: the
+first, eager use compiles the kernels, and a shape seen once (the single prefill of a PPO
+rollout) never pays for a capture. Eager, such a step costs ~200 kernel launches of host
+time, 10-14 ms on the H200 host, however few tokens it has.
 """
 
 from __future__ import annotations
@@ -37,6 +47,19 @@ from rollout.model import EngineModel
 from rollout.ops import get_ops
 from rollout.sampler import Sampler
 from rollout.sequence import ScheduledBatch
+
+
+PREFILL_BUCKET_STEP = 512  # above this many tokens, prefill buckets are multiples of it
+
+
+def prefill_bucket(tokens: int, cap: int) -> int:
+    """The padded size of a prefill step of `tokens` (<= cap) tokens: the next power of two from
+    PREFILL_TILE up to PREFILL_BUCKET_STEP, then the next multiple of it, at most `cap`."""
+    if tokens <= PREFILL_BUCKET_STEP:
+        b = max(PREFILL_TILE, 1 << (tokens - 1).bit_length())
+    else:
+        b = cdiv(tokens, PREFILL_BUCKET_STEP) * PREFILL_BUCKET_STEP
+    return min(b, cap)
 
 
 def triton_ops_usable(device: torch.device, head_dim: int) -> bool:
@@ -64,6 +87,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.dummy_slot = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         # Graphs need the Triton decode attention: the reference path sizes its context gather
         # from a host value, which a graph would freeze at its capture-time value.
@@ -95,6 +119,12 @@ class ModelRunner:
         self.capture_s = 0.0  # host time spent capturing graphs (warm-up included), and how many
         self.num_captures = 0
         self.step_events: list | None = None  # set to [] to record (is_prefill, rows, start, end) CUDA events
+        # Padded prefill (module docstring): ("prefill", tokens) / ("sample", rows, truncation) -> graph
+        self.prefill_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefill_uses: dict[tuple, int] = {}
+        self.prefill_graph_tokens = 0  # padded prefill for steps of at most this many tokens; 0: off
+        if graphs and config.prefill_graph_max_tokens:
+            self.setup_padded_prefill(min(config.max_num_batched_tokens, config.prefill_graph_max_tokens))
 
     @property
     def ops(self):
@@ -121,8 +151,10 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Destroy the captured graphs; their private memory pool goes back to the caching allocator
         (to the device at the next `torch.cuda.empty_cache()`, or when an allocation needs it)."""
-        had = bool(self.graphs)
+        had = bool(self.graphs or self.prefill_graphs)
         self.graphs = {}
+        self.prefill_graphs = {}
+        self._prefill_uses = {}
         self._graph_pool = None
         self._graph_key = None
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -256,6 +288,12 @@ class ModelRunner:
                 self._decode_body(rows, 1)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
+        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1))
+        self.capture_s += time.perf_counter() - t0
+        self.num_captures += 1
+
+    def _capture_graph(self, body) -> torch.cuda.CUDAGraph:
+        """A graph of `body()` in the runner's pool, ordered after the work already queued."""
         # Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
         # allocator and the pinned host cache, so that after every recapture (each step with
         # `free_weights()`) the trainer's next allocations went back to cudaMalloc / cudaHostAlloc.
@@ -269,17 +307,15 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._graph_pool)
             try:
-                self._decode_body(rows, 1)
+                body()
             finally:
                 graph.capture_end()
         main.wait_stream(stream)
-        self.graphs[key] = graph
-        self.capture_s += time.perf_counter() - t0
-        self.num_captures += 1
+        return graph
 
     # ------------------------------------------------------------------ prefill
-    def _run_prefill(self, batch: ScheduledBatch):
-        m = self.model
+    def _prefill_arrays(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
+        """The int32 inputs of a prefill step, by their names in the padded layout."""
         ids: list[int] = []
         cu = [0]
         ctx, tile_seq, tile_start = [], [], []
@@ -299,28 +335,110 @@ class ModelRunner:
         cu_np = np.asarray(cu, dtype=np.int32)
         rows_src = cu_np[1:][np.asarray(batch.sample_src, dtype=np.int64)] - 1
         keys = np.asarray([s.key for s in batch.sample_seqs], dtype=np.uint32).view(np.int32)
-        parts = [np.asarray(ids, dtype=np.int32), positions.astype(np.int32), np.repeat(slots, lens), cu_np,
-                 np.asarray(ctx, dtype=np.int32), slots, np.asarray(tile_seq, dtype=np.int32),
-                 np.asarray(tile_start, dtype=np.int32), rows_src.astype(np.int32),
-                 np.asarray(batch.sample_slots, dtype=np.int32), keys,
-                 np.asarray(batch.sample_positions, dtype=np.int32)]
+        arrays = dict(ids=ids, pos=positions, tslots=np.repeat(slots, lens), cu=cu_np, ctx=ctx, slots=slots,
+                      tseq=tile_seq, tstart=tile_start, src=rows_src, rslots=batch.sample_slots, keys=keys,
+                      spos=batch.sample_positions)
+        return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
+
+    def _run_prefill(self, batch: ScheduledBatch):
+        a = self._prefill_arrays(batch)
+        if self.use_triton and len(a["ids"]) <= self.prefill_graph_tokens:
+            return self._run_prefill_padded(a)
         # One upload. From pageable memory a non-blocking copy is staged before it returns, so
         # `flat`'s host source may go away; it does not wait for the GPU.
-        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
-        views, o = [], 0
-        for p in parts:
-            views.append(flat[o:o + len(p)])
-            o += len(p)
-        (ids_d, pos_d, tslots_d, cu_d, ctx_d, slots_d, tseq_d, tstart_d, src_d, rslots_d, keys_d, spos_d) = views
-        meta = AttentionMetadata(is_decode=False, slots=slots_d, context_lens=ctx_d, max_context_len=max(ctx),
-                                 cu_q=cu_d, tile_seq=tseq_d, tile_start=tstart_d,
-                                 host_cu_q=cu, host_context_lens=ctx)
-        h = m.forward(ids_d, pos_d, tslots_d, meta, self.kv_cache, self.block_tables, self.ops)
+        flat = torch.from_numpy(np.concatenate(list(a.values()))).to(self.device, non_blocking=True)
+        d, o = {}, 0
+        for name, v in a.items():
+            d[name] = flat[o:o + len(v)]
+            o += len(v)
+        meta = AttentionMetadata(is_decode=False, slots=d["slots"], context_lens=d["ctx"],
+                                 max_context_len=int(a["ctx"].max()), cu_q=d["cu"], tile_seq=d["tseq"],
+                                 tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())
+        h = self.model.forward(d["ids"], d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops)
         if not batch.sample_seqs:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
-        logits = m.logits(h[src_d.long()])
+        return self._sample_prefill(h[d["src"].long()], d)
+
+    def _sample_prefill(self, h, d: dict, out=None):
+        """Sample rows `h [R, H]` (LM head, sampler; into `out` when given) and set their slots' `last_tokens`."""
+        logits = self.model.logits(h)
         r = logits.shape[0]
-        tokens, logprobs = self.sampler(logits, keys_d, spos_d, self.ops, self.sampler.threshold(logits),
-                                        self._sample_splits(r))
-        self.last_tokens[rslots_d.long()] = tokens
+        tokens, logprobs = self.sampler(logits, d["keys"][:r], d["spos"][:r], self.ops, self.sampler.threshold(logits),
+                                        self._sample_splits(r), out=out)
+        self.last_tokens[d["rslots"][:r].long()] = tokens
         return tokens, logprobs
+
+    # ------------------------------------------------------------------ padded prefill
+    def _prefill_tiles(self, tokens: int) -> int:
+        """Attention tiles of the padded grid: chunks of T tokens over N <= min(max_num_seqs, T)
+        sequences cut into at most T // PREFILL_TILE + N tiles."""
+        return tokens // PREFILL_TILE + min(self.max_num_seqs, tokens)
+
+    def setup_padded_prefill(self, max_tokens: int) -> None:
+        """Static buffers for padded prefill steps of up to `max_tokens` tokens (the module docstring).
+
+        Called at construction when prefill graphs are on; on CPU (no graphs) a test may call it to
+        run the padded layout eagerly.
+        """
+        seqs = self.max_num_seqs + 1  # and a padding sequence with no tokens, which padding tiles point at
+        tiles, rows = self._prefill_tiles(max_tokens), self.max_rows
+        sizes = dict(ids=max_tokens, pos=max_tokens, tslots=max_tokens, cu=seqs + 1, ctx=seqs, slots=seqs,
+                     tseq=tiles, tstart=tiles, src=rows, rslots=rows, keys=rows, spos=rows)
+        self._pre_layout, o = {}, 0
+        for name, n in sizes.items():
+            self._pre_layout[name] = (o, n)
+            o += n
+        self._pre_host = torch.zeros(o, dtype=torch.int32, pin_memory=self.is_cuda)
+        self._pre_dev = torch.zeros(o, dtype=torch.int32, device=self.device)
+        self._pre_views = {name: self._pre_dev[o:o + n] for name, (o, n) in self._pre_layout.items()}
+        self._pre_h = torch.empty(max_tokens, self.model.hidden, dtype=self.model.dtype, device=self.device)
+        self._pre_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._pre_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
+        self._sample_ladder = self.capture_sizes or self.config.capture_sizes()
+        self.prefill_graph_tokens = max_tokens
+
+    def _run_prefill_padded(self, a: dict[str, np.ndarray]):
+        t, n, r = len(a["ids"]), len(a["slots"]), len(a["src"])
+        tb = prefill_bucket(t, self.prefill_graph_tokens)
+        pad = dict(ids=0, pos=0, tslots=self.dummy_slot, cu=t, ctx=0, slots=self.dummy_slot, tseq=n, tstart=0,
+                   src=0, rslots=self.dummy_slot, keys=0, spos=0)
+        # Every step rewrites the whole layout, padding included, in one upload. The pinned buffer
+        # is free again: before a prefill step the engine waits for the results of the last step.
+        host = self._pre_host.numpy()
+        for name, (o, size) in self._pre_layout.items():
+            v = a[name]
+            host[o:o + len(v)] = v
+            host[o + len(v):o + size] = pad[name]
+        self._pre_dev.copy_(self._pre_host, non_blocking=self.is_cuda)
+        self._graphed(("prefill", tb), lambda: self._padded_forward(tb))
+        if not r:
+            return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
+        rb = next(s for s in self._sample_ladder if s >= r)
+        self._graphed(("sample", rb, self.sampler.truncation), lambda: self._sample_prefill(
+            self._pre_h[self._pre_views["src"][:rb].long()], self._pre_views,
+            out=(self._pre_tokens[:rb], self._pre_logprobs[:rb])))
+        return self._pre_tokens, self._pre_logprobs
+
+    def _padded_forward(self, tokens: int) -> None:
+        v, tiles = self._pre_views, self._prefill_tiles(tokens)
+        meta = AttentionMetadata(is_decode=False, slots=v["slots"], context_lens=v["ctx"],
+                                 max_context_len=self.max_model_len, cu_q=v["cu"], tile_seq=v["tseq"][:tiles],
+                                 tile_start=v["tstart"][:tiles])
+        h = self.model.forward(v["ids"][:tokens], v["pos"][:tokens], v["tslots"][:tokens], meta, self.kv_cache,
+                               self.block_tables, self.ops)
+        self._pre_h[:tokens].copy_(h)
+
+    def _graphed(self, key: tuple, body) -> None:
+        """Run a padded prefill part: replay its graph; capture it on the second use of `key` (the
+        first, eager one compiled its kernels); else (first use, or no CUDA) run it eagerly."""
+        uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
+        graph = self.prefill_graphs.get(key)
+        if graph is None and self.is_cuda and uses >= 2:
+            t0 = time.perf_counter()
+            graph = self.prefill_graphs[key] = self._capture_graph(body)
+            self.capture_s += time.perf_counter() - t0
+            self.num_captures += 1
+        if graph is None:
+            body()
+        else:
+            graph.replay()

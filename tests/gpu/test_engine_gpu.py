@@ -299,6 +299,27 @@ def test_engine_one_sequence_graphs_equal_torch_backend():
     check_against_training_forward(model, a, params, atol=1e-4)
 
 
+def test_prefill_graphs_equal_eager():
+    """Prefill steps replayed from CUDA graphs, padded to their token and row buckets (prompts that
+    refill freed slots, chunked, forked): the eager engine's tokens, log-probs within 1e-4 (float32),
+    and the same again in a second call."""
+    model = _gpu_model("qwen2")
+    prompts = prompts_of([5, 40, 3, 17, 90, 12, 8, 33, 61, 2, 25, 14, 7, 70], seed=7)
+    params = SamplingParams(n=2, temperature=1.0, top_k=30, max_tokens=12, seed=5)
+    cfg = dict(device=DEV, block_size=16, num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=64)
+    graph, eager = make_engine(model, **cfg), make_engine(model, enforce_eager=True, **cfg)
+    a, b = graph.generate(prompts, params), eager.generate(prompts, params)
+    assert graph.runner.prefill_graph_tokens == 64 and eager.runner.prefill_graph_tokens == 0
+    kinds = {key[0] for key in graph.runner.prefill_graphs}
+    assert kinds == {"prefill", "sample"}, graph.runner.prefill_graphs.keys()
+    assert graph.last_stats["prefill_steps"] >= 6
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+    again = graph.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in a] and graph.runner.prefill_graphs
+
+
 def _logprob_errors(outs, models):
     """Mean |log-prob - float32 reference| over the generated tokens: of the engine, then of each other model.
 

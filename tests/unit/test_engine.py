@@ -249,6 +249,24 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="chunked"):
         LLMEngine(args, EngineConfig(dtype=torch.float32, enable_chunked_prefill=False, max_num_batched_tokens=64),
                   device="cpu")
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(prefill_graph_max_tokens=-1)
+
+
+@pytest.mark.parametrize("cap", [12, 700, 8192])
+def test_prefill_buckets_bound_the_padding(cap):
+    """A prefill step of t tokens runs padded to prefill_bucket(t): never fewer tokens, never more
+    than the cap, at most PREFILL_TILE or twice t up to 512 tokens and less than 512 more above."""
+    from rollout.attention import PREFILL_TILE
+    from rollout.runner import PREFILL_BUCKET_STEP, prefill_bucket
+
+    buckets = [prefill_bucket(t, cap) for t in range(1, cap + 1)]
+    assert buckets == sorted(buckets) and buckets[-1] == cap
+    for t, b in enumerate(buckets, start=1):
+        assert t <= b <= cap
+        assert b < PREFILL_BUCKET_STEP + t if t > PREFILL_BUCKET_STEP else b <= max(PREFILL_TILE, 2 * t - 1)
+    if cap == 8192:  # 64, 128, 256, 512, then 1024 ... 8192 by 512
+        assert len(set(buckets)) == 4 + 15
 
 
 def _save_checkpoint(model, path):

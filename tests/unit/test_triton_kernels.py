@@ -13,7 +13,7 @@ from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention",
           "prefill_attention", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
-          "engine_end_to_end"]
+          "engine_end_to_end", "engine_padded_prefill"]
 
 
 def _checks() -> dict:
@@ -285,6 +285,44 @@ def _checks() -> dict:
         got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+
+    def engine_padded_prefill():
+        # Prefill steps through the padded layout that CUDA graphs replay (here eagerly): padding
+        # tokens, sequences, tiles and sample rows; chunked prompts, steps with no sampled row
+        # (partial chunks only), forked samples, a preemption's recompute. Same tokens as the
+        # unpadded Triton path, and the padded path did run with real padding.
+        from models import ModelArgs, Transformer
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+        from rollout.runner import prefill_bucket
+
+        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = Transformer.build(args, seed=0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, 0.3)
+        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40], [7, 7, 9, 30, 31, 2]]
+        sp = SamplingParams(temperature=0.9, n=3, max_tokens=6, seed=1)
+        outs, stats = [], []
+        for padded in (False, True):
+            engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=10, max_num_seqs=8,
+                                                  max_num_batched_tokens=12), device="cpu")
+            engine.load_weights(model.named_parameters())
+            engine.runner.use_triton = True
+            if padded:
+                engine.runner.setup_padded_prefill(12)
+                steps = []
+                run = engine.runner._run_prefill_padded
+                engine.runner._run_prefill_padded = lambda a: steps.append((len(a["ids"]), len(a["src"]))) or run(a)
+            outs.append(engine.generate(prompts, sp))
+            stats.append(engine.last_stats)
+        assert stats[1]["preemptions"] > 0, stats[1]
+        assert any(prefill_bucket(t, 12) > t for t, _ in steps), steps  # padded tokens
+        assert any(r == 0 for _, r in steps) and any(r in (3, 5, 6, 7) for _, r in steps), steps  # no rows; padded rows
+        assert {k[0] for k in engine.runner._prefill_uses} == {"prefill", "sample"}
+        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+        return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
 
     scope = locals()
     return {name: scope[name] for name in CHECKS}
