@@ -28,9 +28,9 @@ sequences have no queries, and padding tiles of the attention grid end at once. 
 (`[tokens bucket]`) and its sampling (`[rows bucket]`: LM head on the sampled rows, sampler,
 `last_tokens` update) are two graphs, each captured the second time its bucket is used: the
 first, eager use compiles the kernels, and a shape seen once (the single prefill of a PPO
-rollout) never pays for a capture. They have their own memory pool: decode graphs captured
-into a pool that a large prefill graph had used ran 4 % slower (0.5b x 256 on an H200). Eager, such a step costs ~200 kernel launches of host
-time, 10-14 ms on the H200 host, however few tokens it has.
+rollout) never pays for a capture. All graphs share one memory pool: they run one after
+another and their outputs land in static buffers. Eager, such a step costs ~200 kernel
+launches of host time, 10-14 ms on the H200 host, however few tokens it has.
 """
 
 from __future__ import annotations
@@ -113,8 +113,7 @@ class ModelRunner:
         self.num_blocks = 0
         # (padded rows, the sampler's static truncation) -> graph; temperature and greedy are device values
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_pool = None  # decode graphs' memory pool
-        self._prefill_pool = None  # prefill graphs' own pool (module docstring)
+        self._graph_pool = None  # one memory pool for every graph: they never run concurrently
         self._graph_key = None
         self._capture_stream = None
         self._warmed: set[tuple] = set()  # graph keys run eagerly once: Triton compiled, cuBLAS initialised
@@ -125,6 +124,7 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._prefill_uses: dict[tuple, int] = {}
         self.prefill_graph_tokens = 0  # padded prefill for steps of at most this many tokens; 0: off
+        self._release_prefill_buffers()
         if graphs and config.prefill_graph_max_tokens:
             self.setup_padded_prefill(min(config.max_num_batched_tokens, config.prefill_graph_max_tokens))
 
@@ -157,7 +157,8 @@ class ModelRunner:
         self.graphs = {}
         self.prefill_graphs = {}
         self._prefill_uses = {}
-        self._graph_pool = self._prefill_pool = None
+        self._release_prefill_buffers()  # re-allocated by the next padded prefill step
+        self._graph_pool = None
         self._graph_key = None
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if had and clear is not None:
@@ -170,8 +171,7 @@ class ModelRunner:
         key = (self.model.storage.data_ptr(), self.kv_cache.data_ptr(), self.num_blocks)
         if key != self._graph_key:
             self.drop_graphs()
-            if self.is_cuda:
-                self._graph_pool, self._prefill_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+            self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
             self._graph_key = key
 
     # ------------------------------------------------------------------ splits
@@ -291,12 +291,12 @@ class ModelRunner:
                 self._decode_body(rows, 1)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
-        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1), self._graph_pool)
+        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1))
         self.capture_s += time.perf_counter() - t0
         self.num_captures += 1
 
-    def _capture_graph(self, body, pool) -> torch.cuda.CUDAGraph:
-        """A graph of `body()` in memory pool `pool`, ordered after the work already queued."""
+    def _capture_graph(self, body) -> torch.cuda.CUDAGraph:
+        """A graph of `body()` in the runner's pool, ordered after the work already queued."""
         # Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
         # allocator and the pinned host cache, so that after every recapture (each step with
         # `free_weights()`) the trainer's next allocations went back to cudaMalloc / cudaHostAlloc.
@@ -308,7 +308,7 @@ class ModelRunner:
         stream.wait_stream(main)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=self._graph_pool)
             try:
                 body()
             finally:
@@ -378,7 +378,8 @@ class ModelRunner:
         return tokens // PREFILL_TILE + min(self.max_num_seqs, tokens)
 
     def setup_padded_prefill(self, max_tokens: int) -> None:
-        """Static buffers for padded prefill steps of up to `max_tokens` tokens (the module docstring).
+        """Padded prefill steps of up to `max_tokens` tokens (the module docstring), through static
+        buffers allocated at the first such step and released with the graphs.
 
         Called at construction when prefill graphs are on; on CPU (no graphs) a test may call it to
         run the padded layout eagerly.
@@ -391,16 +392,27 @@ class ModelRunner:
         for name, n in sizes.items():
             self._pre_layout[name] = (o, n)
             o += n
-        self._pre_host = torch.zeros(o, dtype=torch.int32, pin_memory=self.is_cuda)
-        self._pre_dev = torch.zeros(o, dtype=torch.int32, device=self.device)
-        self._pre_views = {name: self._pre_dev[o:o + n] for name, (o, n) in self._pre_layout.items()}
-        self._pre_h = torch.empty(max_tokens, self.model.hidden, dtype=self.model.dtype, device=self.device)
-        self._pre_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._pre_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self._sample_ladder = self.capture_sizes or self.config.capture_sizes()
         self.prefill_graph_tokens = max_tokens
 
+    def _release_prefill_buffers(self) -> None:
+        self._pre_host = self._pre_dev = self._pre_h = self._pre_tokens = self._pre_logprobs = None
+        self._pre_views = {}
+
+    def _allocate_prefill_buffers(self) -> None:
+        size = sum(n for _, n in self._pre_layout.values())
+        rows = self._pre_layout["src"][1]
+        self._pre_host = torch.zeros(size, dtype=torch.int32, pin_memory=self.is_cuda)
+        self._pre_dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._pre_views = {name: self._pre_dev[o:o + n] for name, (o, n) in self._pre_layout.items()}
+        self._pre_h = torch.empty(self.prefill_graph_tokens, self.model.hidden, dtype=self.model.dtype,
+                                  device=self.device)
+        self._pre_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._pre_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
+
     def _run_prefill_padded(self, a: dict[str, np.ndarray]):
+        if self._pre_dev is None:
+            self._allocate_prefill_buffers()
         t, n, r = len(a["ids"]), len(a["slots"]), len(a["src"])
         tb = prefill_bucket(t, self.prefill_graph_tokens)
         pad = dict(ids=0, pos=0, tslots=self.dummy_slot, cu=t, ctx=0, slots=self.dummy_slot, tseq=n, tstart=0,
@@ -438,7 +450,7 @@ class ModelRunner:
         graph = self.prefill_graphs.get(key)
         if graph is None and self.is_cuda and uses >= 2:
             t0 = time.perf_counter()
-            graph = self.prefill_graphs[key] = self._capture_graph(body, self._prefill_pool)
+            graph = self.prefill_graphs[key] = self._capture_graph(body)
             self.capture_s += time.perf_counter() - t0
             self.num_captures += 1
         if graph is None:
