@@ -400,6 +400,9 @@ def test_free_weights_gives_memory_back_and_recaptured_graphs_agree():
     """Issue 14 part 3: `free_weights()` returns the weights (their own segment: > 10 MB) and the
     graphs' pool to the device; refilling through `param_slots()` (as the resharder does) and
     recapturing gives the same tokens, greedy and sampled with top-k / top-p."""
+    # Blocks cached by earlier tests would be split for the weights, whose segment would then hold
+    # other tensors (the padded prefill's buffers) and could not go back to the device alone.
+    torch.cuda.empty_cache()
     args = tiny_args("llama", hidden_size=512, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
                      num_hidden_layers=4, max_position_embeddings=512)
     model = tiny_model(args).to(DEV)
