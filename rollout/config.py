@@ -51,9 +51,11 @@ class EngineConfig:
     """never use CUDA graphs."""
     cudagraph_capture_sizes: list[int] | None = None
     """decode batch sizes captured as CUDA graphs; default 1, 2, 4, 8, 16, 24, ..., 512 (capped at max_num_seqs)."""
-    prefill_graph_max_tokens: int = 8192
+    prefill_graph_max_tokens: int = 2048
     """prefill steps of at most this many tokens (and `max_num_batched_tokens`) run as CUDA graphs,
-    padded to a bucket and captured the second time a bucket is used; 0: prefill always eager."""
+    padded to a bucket and captured the second time a bucket is used; 0: prefill always eager.
+    Small steps are where launches dominate; with 8192, qwen2.5-0.5b's decode steps at 256 rows
+    ran 4 % slower in the same run on an H200, for reasons not found (BENCHMARKS.md)."""
     free_cache_engine: bool = True
     """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
     tp_all_reduce: str = "auto"

@@ -185,7 +185,7 @@ class RolloutConfig:
     dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
     gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
-    enforce_eager: bool = opt(False, "disable CUDA graphs for decode")
+    enforce_eager: bool = opt(False, "disable CUDA graphs (decode and prefill steps)")
     free_cache_engine: bool = opt(True, "release the engine's KV cache after generation (the next generation "
                                         "re-allocates it); the engine's weights and CUDA graphs stay: "
                                         "free_engine_weights releases them too")
