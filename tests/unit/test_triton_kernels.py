@@ -263,9 +263,9 @@ def _checks() -> dict:
             check_extremes(TritonOps, num_splits=splits)
         return 0.0
 
-    def engine_end_to_end():
+    def tiny_model():
+        """A one-layer model whose weights are large enough to make every token choice matter."""
         from models import ModelArgs, Transformer
-        from rollout import EngineConfig, LLMEngine, SamplingParams
 
         args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -274,6 +274,12 @@ def _checks() -> dict:
             for name, p in model.named_parameters():
                 if "norm" not in name:
                     p.normal_(0, 0.3)
+        return args, model
+
+    def engine_end_to_end():
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+
+        args, model = tiny_model()
         engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
                                               max_num_batched_tokens=8), device="cpu")
         engine.load_weights(model.named_parameters())
@@ -291,17 +297,10 @@ def _checks() -> dict:
         # tokens, sequences, tiles and sample rows; chunked prompts, steps with no sampled row
         # (partial chunks only), forked samples, a preemption's recompute. Same tokens as the
         # unpadded Triton path, and the padded path did run with real padding.
-        from models import ModelArgs, Transformer
         from rollout import EngineConfig, LLMEngine, SamplingParams
         from rollout.runner import prefill_bucket
 
-        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        model = Transformer.build(args, seed=0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.normal_(0, 0.3)
+        args, model = tiny_model()
         prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40], [7, 7, 9, 30, 31, 2]]
         sp = SamplingParams(temperature=0.9, n=3, max_tokens=6, seed=1)
         outs, stats = [], []
