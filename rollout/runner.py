@@ -428,7 +428,7 @@ class ModelRunner:
         self._graphed(("prefill", tb), lambda: self._padded_forward(tb))
         if not r:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
-        rb = next(s for s in self._sample_ladder if s >= r)
+        rb = next((s for s in self._sample_ladder if s >= r), self.max_num_seqs)  # a ladder may stop short
         self._graphed(("sample", rb, self.sampler.truncation), lambda: self._sample_prefill(
             self._pre_h[self._pre_views["src"][:rb].long()], self._pre_views,
             out=(self._pre_tokens[:rb], self._pre_logprobs[:rb])))
