@@ -38,7 +38,10 @@ mode at 1, a long tail up to the cap), deterministic for a seed. Reported: gener
 (tokens actually generated / wall), the length distribution (p50 / p90 / p99 / max, the
 fraction cut at the cap), and how continuous batching keeps the batch full: the mean running
 batch over decode steps, `occupancy` = that mean / slots, the fraction of decode steps at full
-batch, and prefill steps (slots refilled while others decode). Then, as between PPO phases,
+batch, and prefill steps (slots refilled while others decode); where the wall time went:
+`prefill_s_gpu` and `decode_s_gpu` (CUDA events around each step, as above) and
+`gpu_idle_s`, the rest of the wall, when the GPU waited for the host (before a prefill step
+the engine waits for the last step's tokens). Then, as between PPO phases,
 the engine frees its KV pool, then its weights and graphs (`freed_*_gb`: what each gave
 back, allocated and reserved; `left_allocated_gb`: what the engine still holds), refills
 its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
@@ -92,6 +95,13 @@ def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> tuple[floa
     return weights + batch * mean_context * kv_per_token, 2.0 * batch * m.vocab_local * elem
 
 
+def step_seconds(events) -> tuple[float, float]:
+    """GPU seconds in the prefill steps and in the decode steps of `runner.step_events`."""
+    prefill = sum(s.elapsed_time(e) for pre, _, s, e in events if pre) / 1e3
+    decode = sum(s.elapsed_time(e) for pre, _, s, e in events if not pre) / 1e3
+    return prefill, decode
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median wall time (the lower middle one for an even count)."""
     return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
@@ -125,8 +135,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         engine.runner.step_events = None
         assert all(len(o.token_ids) == new for o in outs)
         decode = [s.elapsed_time(e) for pre, rows, s, e in events if not pre and rows == batch]
-        prefill_s = sum(s.elapsed_time(e) for pre, _, s, e in events if pre) / 1e3
-        runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=prefill_s,
+        runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=step_seconds(events)[0],
                          decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated()))
     run = median_run(runs)
     gpu_ms = run["decode_ms"]
@@ -171,13 +180,16 @@ def measure_eos(name: str, args) -> dict:
     first_capture = engine.last_stats
     runs = []
     for rep in range(args.repeats):
+        engine.runner.step_events = []
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+        gpu = step_seconds(engine.runner.step_events)
+        engine.runner.step_events = None
         runs.append(dict(wall=wall, lens=sorted(len(o.token_ids) for o in outs), stats=engine.last_stats,
-                         capped=sum(o.finish_reason == "length" for o in outs)))
+                         capped=sum(o.finish_reason == "length" for o in outs), gpu=gpu))
     run = median_run(runs)
     lens, st = run["lens"], run["stats"]
     rows = st["decode_batch_sizes"]
@@ -214,6 +226,8 @@ def measure_eos(name: str, args) -> dict:
         len_mean=round(sum(lens) / len(lens), 1), len_p50=q(0.5), len_p90=q(0.9), len_p99=q(0.99), len_max=lens[-1],
         frac_capped=round(run["capped"] / len(lens), 4),
         decode_steps=st["decode_steps"], prefill_steps=st["prefill_steps"],
+        prefill_s_gpu=round(run["gpu"][0], 4), decode_s_gpu=round(run["gpu"][1], 4),
+        gpu_idle_s=round(run["wall"] - sum(run["gpu"]), 4),
         mean_decode_batch=round(mean_rows, 2),
         occupancy=round(mean_rows / slots, 4),
         frac_steps_full=round(sum(r == slots for r in rows) / len(rows), 4),
@@ -397,13 +411,14 @@ def main(argv=None) -> int:
               f"{r.get('bandwidth_util', '-')} | {r.get('ratio_to_floor', '-')} | {r['peak_memory_gb']} |")
     if eos_records:
         print("\n| model | prompts / slots | tok/s | len p50 / p90 / p99 / max | mean batch | occupancy | "
-              "full steps | capture s (first / after free) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "full steps | GPU s: prefill / decode / idle | capture s (first / after free) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in eos_records:
             w = r["workload"]
             print(f"| {w['model']} | {w['prompts']} / {w['max_num_seqs']} | {r['generated_tok_per_s']:,.0f} | "
                   f"{r['len_p50']} / {r['len_p90']} / {r['len_p99']} / {r['len_max']} | {r['mean_decode_batch']} | "
-                  f"{r['occupancy']} | {r['frac_steps_full']} | {r['graph_capture_s_first']} / "
+                  f"{r['occupancy']} | {r['frac_steps_full']} | {r['prefill_s_gpu']} / {r['decode_s_gpu']} / "
+                  f"{r['gpu_idle_s']} | {r['graph_capture_s_first']} / "
                   f"{r['graph_capture_s_after_free']} |")
     return 0
 

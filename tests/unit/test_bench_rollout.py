@@ -1,8 +1,8 @@
-"""The byte count and the EOS stop set of bench/rollout.py (its GPU figures rest on them)."""
+"""The byte count, the EOS stop set and the step-time split of bench/rollout.py (its GPU figures rest on them)."""
 
 import torch
 
-from bench.rollout import eos_ids, step_bytes
+from bench.rollout import eos_ids, step_bytes, step_seconds
 from models import Transformer
 from rollout import EngineConfig, LLMEngine
 from tests.unit.test_engine import tiny_args
@@ -29,3 +29,17 @@ def test_eos_ids_spread_over_the_vocabulary():
     assert len(ids) == len(set(ids)) == 594 and ids[0] == 0 and ids[-1] < v  # V / 256 = 593.5 ids
     bounds = ids + [v]
     assert {b - a for a, b in zip(bounds, bounds[1:])} == {v // 594, v // 594 + 1}  # even spacing
+
+
+def test_step_seconds_splits_prefill_and_decode():
+    class Event:  # a CUDA event's timestamp, in ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    steps = [(True, 64, 0.0, 12.5), (False, 256, 13.0, 14.6), (True, 3, 15.0, 16.0), (False, 255, 16.5, 18.0)]
+    events = [(pre, rows, Event(a), Event(b)) for pre, rows, a, b in steps]
+    prefill, decode = step_seconds(events)
+    assert abs(prefill - 0.0135) < 1e-12 and abs(decode - 0.0031) < 1e-12
