@@ -199,7 +199,8 @@ class RolloutConfig:
     max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length", ge=2)
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
-    cudagraph_capture_sizes: list[int] | None = opt(None, "decode batch sizes captured as CUDA graphs", ge=1)
+    cudagraph_capture_sizes: list[int] | None = opt(
+        None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling)", ge=1)
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU", ge=1)
     log_prob_use_dynamic_bsz: bool = opt(False, "pack old-log-prob forwards by token count")
     log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one old-log-prob forward with dynamic bsz",
