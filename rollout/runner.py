@@ -291,12 +291,11 @@ class ModelRunner:
                 self._decode_body(rows, 1)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
-        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1))
-        self.capture_s += time.perf_counter() - t0
-        self.num_captures += 1
+        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1), t0)
 
-    def _capture_graph(self, body) -> torch.cuda.CUDAGraph:
-        """A graph of `body()` in the runner's pool, ordered after the work already queued."""
+    def _capture_graph(self, body, started: float) -> torch.cuda.CUDAGraph:
+        """A graph of `body()` in the runner's pool, ordered after the work already queued; counted
+        in `capture_s` from `started` (a `perf_counter` time: a warm-up before it counts too)."""
         # Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
         # allocator and the pinned host cache, so that after every recapture (each step with
         # `free_weights()`) the trainer's next allocations went back to cudaMalloc / cudaHostAlloc.
@@ -314,6 +313,8 @@ class ModelRunner:
             finally:
                 graph.capture_end()
         main.wait_stream(stream)
+        self.capture_s += time.perf_counter() - started
+        self.num_captures += 1
         return graph
 
     # ------------------------------------------------------------------ prefill
@@ -392,7 +393,7 @@ class ModelRunner:
         for name, n in sizes.items():
             self._pre_layout[name] = (o, n)
             o += n
-        self._sample_ladder = self.capture_sizes or self.config.capture_sizes()
+        self._sample_ladder = self.config.capture_sizes()  # the decode ladder, graphs on or not
         self.prefill_graph_tokens = max_tokens
 
     def _release_prefill_buffers(self) -> None:
@@ -449,10 +450,7 @@ class ModelRunner:
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
         graph = self.prefill_graphs.get(key)
         if graph is None and self.is_cuda and uses >= 2:
-            t0 = time.perf_counter()
-            graph = self.prefill_graphs[key] = self._capture_graph(body)
-            self.capture_s += time.perf_counter() - t0
-            self.num_captures += 1
+            graph = self.prefill_graphs[key] = self._capture_graph(body, time.perf_counter())
         if graph is None:
             body()
         else:
