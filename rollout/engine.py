@@ -10,8 +10,11 @@ sampled tokens are identical on all ranks because the ranks combine the same par
 
 The loop of `generate` overlaps the host with the GPU: decode step t+1 is scheduled and
 launched before step t's tokens are read back (the model takes its input tokens from the
-device), so the scheduler's Python runs while the GPU computes. Before a prefill step -
-which needs token values on the host - the pending results are processed first.
+device), so the scheduler's Python runs while the GPU computes. Prefill steps are launched
+the same way, although they read token values on the host: a fresh prompt's are known, and a
+preempted sequence (recomputed from its prompt and its generated tokens) was last sampled in
+the step before the one whose scheduling preempted it, and that step's results are processed
+as soon as the preempting step is launched. `ModelRunner` refuses a prefill of an unknown token.
 """
 
 from __future__ import annotations
@@ -231,9 +234,6 @@ class LLMEngine:
         decode_sizes: list[int] = []  # sequences per decode step: how full continuous batching kept the batch
         pending = None
         while sched.has_unfinished():
-            if pending is not None and sched.next_is_prefill():
-                self._process(sched, pending, samples)
-                pending = None
             batch = sched.schedule()
             steps["prefill" if batch.is_prefill else "decode"] += 1
             if not batch.is_prefill:

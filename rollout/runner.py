@@ -403,7 +403,7 @@ class ModelRunner:
     def _allocate_prefill_buffers(self) -> None:
         size = sum(n for _, n in self._pre_layout.values())
         rows = self._pre_layout["src"][1]
-        self._pre_host = torch.zeros(size, dtype=torch.int32, pin_memory=self.is_cuda)
+        self._pre_host = [torch.zeros(size, dtype=torch.int32, pin_memory=self.is_cuda) for _ in range(2)]
         self._pre_dev = torch.zeros(size, dtype=torch.int32, device=self.device)
         self._pre_views = {name: self._pre_dev[o:o + n] for name, (o, n) in self._pre_layout.items()}
         self._pre_h = torch.empty(self.prefill_graph_tokens, self.model.hidden, dtype=self.model.dtype,
@@ -418,14 +418,16 @@ class ModelRunner:
         tb = prefill_bucket(t, self.prefill_graph_tokens)
         pad = dict(ids=0, pos=0, tslots=self.dummy_slot, cu=t, ctx=0, slots=self.dummy_slot, tseq=n, tstart=0,
                    src=0, rslots=self.dummy_slot, keys=0, spos=0)
-        # Every step rewrites the whole layout, padding included, in one upload. The pinned buffer
-        # is free again: before a prefill step the engine waits for the results of the last step.
-        host = self._pre_host.numpy()
+        # Every step rewrites the whole layout, padding included, in one upload, from the pinned
+        # buffer of this step's parity (as decode steps do): the engine launches a step with at
+        # most the previous one unprocessed, so the step before that, which read this buffer, is done.
+        pinned = self._pre_host[self._flip]
+        host = pinned.numpy()
         for name, (o, size) in self._pre_layout.items():
             v = a[name]
             host[o:o + len(v)] = v
             host[o + len(v):o + size] = pad[name]
-        self._pre_dev.copy_(self._pre_host, non_blocking=self.is_cuda)
+        self._pre_dev.copy_(pinned, non_blocking=self.is_cuda)
         self._graphed(("prefill", tb), lambda: self._padded_forward(tb))
         if not r:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)

@@ -35,6 +35,8 @@ class FakeRunner:
         self.kv: dict[int, list[int]] = {}
         self.last: dict[int, int] = {}
         self.steps = []
+        self.overlapped_prefills = 0  # prefill steps launched before the previous step's results were processed
+        self.overlapped_recomputes = 0  # ... that recompute a preempted sequence
 
     def execute(self, batch):
         s = self.sched
@@ -69,17 +71,21 @@ class FakeRunner:
 
 
 def drive(sched: Scheduler, lag: bool = True, check_every_step: bool = True):
-    """The engine's loop: schedule, launch, then process the previous step's results (one step late)."""
+    """The engine's loop: schedule, launch, then process the previous step's results (one step late,
+    prefill steps included); `lag=False` processes every step before scheduling the next."""
     runner = FakeRunner(sched)
     pending = None
     guard = 0
     while sched.has_unfinished():
         guard += 1
         assert guard < 10_000, "no progress"
-        if pending is not None and (not lag or sched.next_is_prefill()):
+        if pending is not None and not lag:
             sched.postprocess(*pending)
             pending = None
         batch = sched.schedule()
+        if pending is not None and batch.is_prefill:
+            runner.overlapped_prefills += 1
+            runner.overlapped_recomputes += any(s.num_tokens > s.num_prompt_tokens for s in batch.seqs)
         launched = runner.execute(batch)
         if pending is not None:
             sched.postprocess(*pending)
@@ -199,14 +205,27 @@ def test_samples_share_prompt_blocks():
 def test_preemption_recomputes_and_gives_same_tokens(lag):
     rng = random.Random(4)
     prompts = _prompts(rng, 6, 3, 14)
-    sched, _ = run_all(prompts, n=3, max_new=20, num_blocks=14, block_size=4, budget=32, lag=lag)
+    sched, runner = run_all(prompts, n=3, max_new=20, num_blocks=14, block_size=4, budget=32, lag=lag)
     assert sched.num_preemptions > 0
+    # One step late, recomputes too are launched before the last step's results are processed:
+    # FakeRunner would have rejected a prefill of a token those results had not filled in yet.
+    assert runner.overlapped_recomputes > 0 if lag else runner.overlapped_prefills == 0
 
 
 def test_stop_tokens_end_samples_early():
     rng = random.Random(5)
     stops = frozenset(range(0, VOCAB, 4))
     sched, _ = run_all(_prompts(rng, 8, 2, 9), n=2, max_new=30, num_blocks=60, stops=stops)
+
+
+def test_refills_do_not_wait_for_the_last_step():
+    # More prompts than slots, samples ending early: fresh prompts refill freed slots in prefill
+    # steps launched while the previous step's results are still pending.
+    rng = random.Random(6)
+    stops = frozenset(range(0, VOCAB, 5))
+    sched, runner = run_all(_prompts(rng, 12, 2, 9), n=1, max_new=12, num_blocks=200, max_num_seqs=3, stops=stops)
+    assert sched.num_preemptions == 0
+    assert runner.overlapped_prefills >= 5
 
 
 def test_add_rejects_what_cannot_fit():
