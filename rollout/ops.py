@@ -82,8 +82,9 @@ class TorchOps:
         return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
 
     @staticmethod
-    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
-        return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start)
+    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,
+                        group: int = 1):
+        return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start, group)
 
     @staticmethod
     def combine_partials(parts, out=None):

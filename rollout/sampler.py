@@ -1,26 +1,34 @@
 """Sampling on the device, over a vocab-parallel LM head, without a full-vocabulary softmax.
 
 Sampling is an exponential race (Gumbel-max): with `s_i = logit_i / T` and independent
-uniforms `u_i`, `argmax_i s_i - log(-log u_i)` is distributed as `softmax(s)`. Each rank
-races over its vocabulary shard and reports `[best score, its token, its s, max s, sum exp(s - max)]`
-per vocabulary chunk ("partials", `[R, P, 5]` float32 with the token id bit-cast); the ranks
-exchange only these, and `combine_partials` picks the winner and the log-normaliser.
-Greedy (T = 0) is the same race over `s = logit` (T = 1) with no noise term at all: the
-score is selected as `s` itself, not computed as `s + 0 * noise`, so it is an exact argmax.
+uniforms `u_g`, `argmax_g log(sum_{i in g} exp(s_i)) - log(-log u_g)` picks a group g of
+tokens with probability proportional to its softmax mass. The vocabulary is raced in groups
+of `race_group(V/tp)` consecutive ids (16 where the shard allows, else 1), and the token
+inside the winning group is drawn by inverse CDF with a second uniform: together, token i
+with probability `softmax(s)_i`. Groups cost one pair of hashes and three logarithms per 16
+tokens, where a race of single tokens costs them per token; with groups of 1 the race is
+the classic per-token Gumbel-max.
 
-The uniforms are counter-based: `u = hash(key of the sample, position of the token,
-global vocabulary index)`, so a token does not depend on the batch it was computed in, on
-preemption, or on the TP degree. `uniform_from_bits` maps the hash into (0, 1) exactly
-(never 0 or 1, so the noise is always finite); `gumbel_noise` is the PyTorch definition, and
-the Triton kernel computes the same integers and the same uniforms. On CUDA the kernel takes
-the noise's outer log, `-log(E)` with `E = -log(u)`, through the hardware approximation (an
-error of ~1e-7 absolute: a token can differ from the reference's only at a near-tie of the
-race); `E` itself is exact, as it must be near u = 1.
+Each rank races over its vocabulary shard and reports `[best score, its token, its s, max s,
+sum exp(s - max)]` per vocabulary chunk ("partials", `[R, P, 5]` float32 with the token id
+bit-cast); the ranks exchange only these, and `combine_partials` picks the winner and the
+log-normaliser. Greedy (T = 0) races `s = logit` (T = 1) with no noise term at all: a group's
+score is its largest `s`, its token the first that reaches it, so the result is an exact argmax.
+
+The uniforms are counter-based: `u = hash(key of the sample, position of the token, global
+group index)`, so a token does not depend on the batch it was computed in, on preemption,
+or on the TP degree (among the degrees whose shards give the same group size).
+`uniform_from_bits` maps the hash into (0, 1) exactly (never 0 or 1, so the noise is always
+finite and the inverse CDF's target is below the group's mass); `group_uniforms` is the
+PyTorch definition, and the Triton kernel computes the same integers and the same uniforms.
+On CUDA the kernel takes the noise's outer log, `-log(E)` with `E = -log(u)`, through the
+hardware approximation (an error of ~1e-7 absolute: a token can differ from the reference's
+only at a near-tie of the race); `E` itself is exact, as it must be near u = 1.
 
 top-k / top-p become one threshold per row on `s` (the k-th largest value; the smallest
-value inside the nucleus); tokens below it are left out of the race. Ties at the threshold
-are all kept. The log-probability returned is always that of the untruncated `softmax(s)`
-(see `rollout.config`).
+value inside the nucleus); tokens below it have no mass in the race (a group without such
+tokens cannot win). Ties at the threshold are all kept. The log-probability returned is
+always that of the untruncated `softmax(s)` (see `rollout.config`).
 """
 
 from __future__ import annotations
@@ -69,30 +77,62 @@ def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
-def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), `[R, len(vocab_ids)]` float32, from the hash of (key, position, vocabulary id)."""
+RACE_GROUP = 16  # tokens per group of the race (`race_group`)
+_PICK_SALT = 0x9E3779B9  # the pick's hash input: group ids (< 2**31) never reach it, so it hashes apart from every race input
+
+
+def race_group(vocab_local: int) -> int:
+    """Tokens per group of the race over a vocabulary shard of `vocab_local` ids: RACE_GROUP when it
+    divides the shard (groups never straddle two ranks), else 1."""
+    return RACE_GROUP if vocab_local % RACE_GROUP == 0 else 1
+
+
+def group_uniforms(keys: torch.Tensor, positions: torch.Tensor,
+                   group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The race's and the pick's uniforms in (0, 1), `[R, len(group_ids)]` float32 each, from two
+    hashes of (key, position, global group index)."""
     k1, k2 = row_keys(keys, positions)
-    return uniform_from_bits(mix32_t(mix32_t(vocab_ids.long()[None, :] ^ k1[:, None]) + k2[:, None]))
+    x = group_ids.long()[None, :] ^ k1[:, None]
+    race = mix32_t(mix32_t(x) + k2[:, None])
+    pick = mix32_t(mix32_t(x ^ _PICK_SALT) + k2[:, None])
+    return uniform_from_bits(race), uniform_from_bits(pick)
 
 
-def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise `-log(-log u)`, `[R, V]` float32; always finite."""
-    return -torch.log(-torch.log(uniform_noise(keys, positions, vocab_ids)))
+def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise `-log(-log u)` of the race, `[R, len(group_ids)]` float32; always finite."""
+    return -torch.log(-torch.log(group_uniforms(keys, positions, group_ids)[0]))
 
 
 def sample_partials_ref(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                         inv_temp: torch.Tensor, noise_scale: torch.Tensor, thresh: torch.Tensor | None,
-                        vocab_start: int) -> torch.Tensor:
-    """Partials `[R, 1, 5]` of local logits `[R, Vl]` (reference; the Triton kernel splits Vl).
+                        vocab_start: int, group: int = 1) -> torch.Tensor:
+    """Partials `[R, 1, 5]` of local logits `[R, Vl]` raced in groups of `group` ids (reference; the
+    Triton kernel splits Vl). `vocab_start` and Vl are multiples of `group`.
 
-    `noise_scale` 0 (greedy) races `s` itself: the noise is left out, not multiplied by zero.
+    `noise_scale` 0 (greedy) races each group's largest `s` itself: no noise term, not one times zero.
     """
     s = logits.float() * inv_temp
-    vocab_ids = torch.arange(vocab_start, vocab_start + logits.shape[1], device=logits.device)
-    score = torch.where(noise_scale > 0, s + gumbel_noise(keys, positions, vocab_ids) * noise_scale, s)
+    r, v = s.shape
+    sg = s.view(r, v // group, group)
+    mg = sg.max(-1).values  # [R, groups]
+    w = torch.exp(sg - mg[..., None])
     if thresh is not None:
-        score = torch.where(s >= thresh[:, None], score, float("-inf"))
-    best, idx = score.max(-1)
+        w = torch.where(sg >= thresh[:, None, None], w, 0.0)
+    cw = torch.cumsum(w, -1)
+    mass = cw[..., -1]  # in units of exp(mg); 0 for a group without an allowed token
+    first = vocab_start // group
+    u_race, u_pick = group_uniforms(keys, positions, torch.arange(first, first + v // group, device=s.device))
+    j = torch.arange(group, device=s.device)
+    # Inverse CDF: the first token whose cumulative mass exceeds u * mass (u < 1, so one does but
+    # for rounding; then the last allowed token; 0 in a group with none, which cannot win).
+    pick = torch.minimum((cw <= (u_pick * mass)[..., None]).sum(-1),
+                         torch.where(w > 0, j, 0).max(-1).values)
+    noisy = mg + torch.log(mass) - torch.log(-torch.log(u_race)) * noise_scale
+    allowed = mg if thresh is None else torch.where(mg >= thresh[:, None], mg, float("-inf"))
+    score = torch.where(noise_scale > 0, noisy, allowed)
+    within = torch.where(noise_scale > 0, pick, (sg == mg[..., None]).int().argmax(-1))  # greedy: first max
+    best, g = score.max(-1)
+    idx = g * group + within.gather(1, g[:, None]).squeeze(1)
     m = s.max(-1).values
     parts = torch.stack([best, torch.zeros_like(best), s.gather(1, idx[:, None]).squeeze(1), m,
                          torch.exp(s - m[:, None]).sum(-1)], dim=-1)
@@ -142,6 +182,7 @@ class Sampler:
         self.tp = tp
         self.vocab_local = vocab_size // tp.size
         self.vocab_start = tp.rank * self.vocab_local
+        self.group = race_group(self.vocab_local)
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
         self.noise_scale = torch.zeros((), dtype=torch.float32, device=device)
         self.top_k, self.top_p = -1, 1.0
@@ -184,7 +225,7 @@ class Sampler:
         """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)
         -> tokens `[R]` int64 and log-probs `[R]` float32 (written into `out`, a pair, when given)."""
         parts = ops.sample_partials(logits, keys, positions, self.inv_temp, self.noise_scale, thresh,
-                                    self.vocab_start, num_splits)
+                                    self.vocab_start, num_splits, self.group)
         if self.tp.size > 1:
             parts = self.tp.all_gather(parts)  # [tp, R, S, 5]
             parts = parts.permute(1, 0, 2, 3).reshape(parts.shape[1], -1, NUM_PARTIAL_FIELDS)

@@ -327,9 +327,13 @@ def _mix32(x):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_ptr, noise_ptr, parts_ptr,
-                   V_LOCAL, VOCAB_START, PER_SPLIT, num_splits,
-                   HAS_THRESH: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                   V_LOCAL, VOCAB_START, PER_SPLIT, num_splits, HAS_THRESH: tl.constexpr, FAST_LOG: tl.constexpr,
+                   BLOCK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    # `rollout.sampler.sample_partials_ref` over one vocabulary split of one row: the race in
+    # groups of GROUP ids, one lane per group of a block, each lane keeping its best group's
+    # score and token and its share of the log-normaliser.
     _after_previous(PDL)
+    NG: tl.constexpr = BLOCK // GROUP
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     key = tl.load(keys_ptr + r).to(tl.uint32)
@@ -344,39 +348,54 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
         thresh = float("-inf")
     start = sp * PER_SPLIT
     end = tl.minimum(start + PER_SPLIT, V_LOCAL)
-    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_idx = tl.zeros([BLOCK], tl.int32)
-    lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_m = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_z = tl.zeros([BLOCK], tl.float32)
+    j = tl.arange(0, GROUP)
+    lane_best = tl.full([NG], float("-inf"), tl.float32)
+    lane_idx = tl.zeros([NG], tl.int32)
+    lane_m = tl.full([NG], float("-inf"), tl.float32)
+    lane_z = tl.zeros([NG], tl.float32)
+    row = logits_ptr + r * stride_l
     for v0 in range(start, end, BLOCK):
         idx = v0 + tl.arange(0, BLOCK)
-        msk = idx < end
-        x = tl.load(logits_ptr + r * stride_l + idx, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
-        h = _mix32(_mix32((idx + VOCAB_START).to(tl.uint32) ^ k1) + k2)
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact, in (0, 1): `sampler.uniform_from_bits`
+        x = tl.load(row + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        xg = tl.reshape(x, [NG, GROUP])
+        mg = tl.max(xg, 1)
+        mg_safe = tl.where(mg == float("-inf"), 0.0, mg)  # a group past the split's end
+        w = tl.exp(xg - mg_safe[:, None])
+        # The untruncated log-normaliser, merged per lane (two exponentials a group).
+        m_new = tl.maximum(lane_m, mg)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        lane_z = lane_z * tl.exp(lane_m - m_safe) + tl.sum(w, 1) * tl.exp(mg - m_safe)
+        lane_m = m_new
+        if HAS_THRESH:
+            w = tl.where(xg >= thresh, w, 0.0)
+        cw = tl.cumsum(w, 1)
+        mass = tl.max(cw, 1)
+        gid = ((v0 + VOCAB_START) // GROUP + tl.arange(0, NG)).to(tl.uint32) ^ k1
+        h_race = _mix32(_mix32(gid) + k2)
+        h_pick = _mix32(_mix32(gid ^ 0x9E3779B9) + k2)  # `sampler._PICK_SALT`
+        u_race = ((h_race >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact, in (0, 1): `uniform_from_bits`
+        u_pick = ((h_pick >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         # Gumbel noise -log(E), E = -log(u) ~ Exp(1). E stays exact: near u = 1 it is ~6e-8, where
         # an approximate log's error is as large as E (a zero would make the noise +inf, the bias
         # of a uniformly drawn token). The outer log needs only a small absolute error: on CUDA the
-        # hardware approximation (FAST_LOG; 33 of the kernel's 175 us at 256 rows x 152k on an H200).
-        e = -tl.log(u)
+        # hardware approximation (FAST_LOG).
+        e = -tl.log(u_race)
         if FAST_LOG:
             g = -libdevice.fast_logf(e)
         else:
             g = -tl.log(e)
-        race = tl.where(noise > 0, x + g * noise, x)  # greedy: no noise term at all
-        score = tl.where(msk & (x >= thresh), race, float("-inf"))
+        pick = tl.minimum(tl.sum((cw <= (u_pick * mass)[:, None]).to(tl.int32), 1),
+                          tl.max(tl.where(w > 0, j[None, :], 0), 1))
+        first_max = tl.min(tl.where(xg == mg[:, None], j[None, :], GROUP), 1)
+        allowed = tl.where(mg >= thresh, mg, float("-inf"))
+        score = tl.where(noise > 0, mg + tl.log(mass) + g * noise, allowed)  # greedy: no noise term at all
+        within = tl.where(noise > 0, pick, first_max)
         better = score > lane_best  # strict: a lane keeps its lowest index among ties
         lane_best = tl.where(better, score, lane_best)
-        lane_idx = tl.where(better, idx, lane_idx)
-        lane_s = tl.where(better, x, lane_s)
-        m_new = tl.maximum(lane_m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        lane_z = lane_z * tl.exp(lane_m - m_safe) + tl.exp(x - m_safe)
-        lane_m = m_new
+        lane_idx = tl.where(better, v0 + tl.arange(0, NG) * GROUP + within, lane_idx)
     best = tl.max(lane_best, 0)
     win = tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0)
-    s_win = tl.max(tl.where((lane_idx == win) & (lane_best == best), lane_s, float("-inf")), 0)
+    s_win = tl.load(row + win).to(tl.float32) * inv_t
     mmax = tl.max(lane_m, 0)
     msafe = tl.where(mmax == float("-inf"), 0.0, mmax)
     z = tl.sum(lane_z * tl.exp(lane_m - msafe), 0)
@@ -583,9 +602,10 @@ class TritonOps:
         return tokens, logprobs
 
     @staticmethod
-    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int):
+    def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,
+                        group: int = 1):
         r, v = logits.shape
-        block = 1024 if v >= 1024 else _pow2(v)
+        block = max(1024 if v >= 1024 else _pow2(v), group)
         per_split = triton.cdiv(triton.cdiv(v, num_splits), block) * block
         parts = torch.empty(r, num_splits, 5, dtype=torch.float32, device=logits.device)
         if r:
@@ -594,5 +614,5 @@ class TritonOps:
                 thresh.contiguous() if thresh is not None else inv_temp,
                 inv_temp, noise_scale, parts, v, vocab_start, per_split, num_splits,
                 HAS_THRESH=thresh is not None, FAST_LOG=logits.is_cuda and libdevice is not None, BLOCK=block,
-                num_warps=4, **_NO_FMA, **_launch(logits))
+                GROUP=group, num_warps=4, **_NO_FMA, **_launch(logits))
         return parts

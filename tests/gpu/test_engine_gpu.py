@@ -15,8 +15,8 @@ from rollout.ops import TorchOps  # noqa: E402
 from rollout.sampler import combine_partials  # noqa: E402
 from tests.unit.test_engine import (check_against_training_forward, greedy_reference, make_engine,  # noqa: E402
                                     prompts_of, tiny_args, tiny_model)
-from tests.unit.test_sampler import (CASES, DRAW_KEY, LOGITS, P_REJECT, check_extremes,  # noqa: E402
-                                     chi_square_pvalue, constant_logit_engine, draw_tokens, expected_probs,
+from tests.unit.test_sampler import (CASES, DRAW_KEY, FIT_IDS, FITS, LOGITS, P_REJECT, check_extremes,  # noqa: E402
+                                     check_group_extremes, chi_square_pvalue, constant_logit_engine, draw_tokens, expected_probs,
                                      key_rows, load_decode_inputs)
 
 DEV = "cuda"
@@ -197,27 +197,29 @@ def test_sampler_kernel(dtype):
         inv_t = torch.tensor(1.0 if temperature == 0 else 1 / temperature, device=DEV)
         noise = torch.tensor(0.0 if temperature == 0 else 1.0, device=DEV)
         th = None if thresh is None else torch.topk(logits.float() * inv_t, 50, dim=-1).values[:, -1]
-        ref_t, ref_lp = combine_partials(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, th, v, 1))
-        for splits in (1, 7, 37):
-            t, lp = combine_partials(T.sample_partials(logits, keys, pos, inv_t, noise, th, v, splits))
-            # Same noise integers; log/exp may differ in the last bit, so a near-tie could flip.
-            assert (t == ref_t).float().mean() >= 0.96, (temperature, splits)
-            same = t == ref_t
-            assert (lp[same] - ref_lp[same]).abs().max() < 1e-4
-            if temperature == 0:
-                assert torch.equal(t, ref_t) and torch.equal(t - v, logits.float().argmax(-1))
+        for group in (1, 16):
+            ref_t, ref_lp = combine_partials(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, th, v, 1, group))
+            for splits in (1, 7, 37):
+                t, lp = combine_partials(T.sample_partials(logits, keys, pos, inv_t, noise, th, v, splits, group))
+                # Same noise integers; log/exp may differ in the last bit, so a near-tie could flip.
+                assert (t == ref_t).float().mean() >= 0.96, (temperature, group, splits)
+                same = t == ref_t
+                assert (lp[same] - ref_lp[same]).abs().max() < 1e-4
+                if temperature == 0:
+                    assert torch.equal(t, ref_t) and torch.equal(t - v, logits.float().argmax(-1))
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_sampler_kernel_fits_softmax(case):
+@pytest.mark.parametrize("logits,case", FITS, ids=FIT_IDS)
+def test_sampler_kernel_fits_softmax(logits, case):
     """The kernel's draws fit softmax(logits / T) (truncated): 16x the CPU test's draws
-    (tests/unit/test_sampler.py explains the bound), with and without vocabulary splits."""
+    (tests/unit/test_sampler.py explains the bound), with and without vocabulary splits, raced
+    in groups of 1 (12 tokens) and of 16 (32 tokens)."""
     T = _triton()
-    probs = expected_probs(*case)
+    probs = expected_probs(*case, logits=logits)
     for splits in (1, 3):
-        tokens, logprobs = draw_tokens(*case, n=1 << 22, ops=T, device=DEV, num_splits=splits)
+        tokens, logprobs = draw_tokens(*case, n=1 << 22, ops=T, device=DEV, num_splits=splits, logits=logits)
         assert chi_square_pvalue(tokens, probs) > P_REJECT, splits
-        ref = torch.log_softmax(LOGITS.to(DEV) / case[0], -1)[tokens]
+        ref = torch.log_softmax(logits.to(DEV) / case[0], -1)[tokens]
         assert (logprobs - ref).abs().max() < 1e-5
 
 
@@ -225,6 +227,7 @@ def test_sampler_kernel_fits_softmax(case):
 def test_sampler_kernel_at_the_hash_extremes(splits):
     """Finite noise at u = 1 - 2**-24 needs an accurate log near 1 (an approximate one may return 0)."""
     check_extremes(_triton(), device=DEV, num_splits=splits)
+    check_group_extremes(_triton(), device=DEV, num_splits=splits)
 
 
 def test_sampler_kernel_large_vocab_draws_no_uniform_tokens():

@@ -14,7 +14,7 @@ import torch
 from models import ModelArgs, Transformer, tp_shard_dim
 from rollout import EngineConfig, LLMEngine, ParamSlot, RequestOutput, SamplingParams
 from rollout.model import check_tp_divisibility
-from rollout.sampler import gumbel_noise, truncation_threshold
+from rollout.sampler import combine_partials, race_group, sample_partials_ref, truncation_threshold
 from rollout.sequence import sequence_key
 
 VOCAB = 96
@@ -91,11 +91,10 @@ def check_against_training_forward(model, out: RequestOutput, params: SamplingPa
         return
     n_new = len(out.token_ids)
     key = sequence_key(params.seed, out.prompt_index, out.sample_index)
-    g = gumbel_noise(torch.full((n_new,), key), torch.arange(p, p + n_new), torch.arange(s.shape[1]))
-    score = s + g
-    if params.needs_truncation:
-        score = torch.where(s >= truncation_threshold(s, params.top_k, params.top_p)[:, None], score, float("-inf"))
-    assert torch.equal(score.argmax(-1), tokens)
+    thresh = truncation_threshold(s, params.top_k, params.top_p) if params.needs_truncation else None
+    parts = sample_partials_ref(s, torch.full((n_new,), key), torch.arange(p, p + n_new), torch.tensor(1.0),
+                                torch.tensor(1.0), thresh, 0, race_group(s.shape[1]))
+    assert torch.equal(combine_partials(parts)[0], tokens)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])

@@ -6,6 +6,7 @@ tests/unit/test_triton_kernels.py (extremes) and tests/gpu/test_engine_gpu.py on
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.ops import TorchOps
 from rollout.parallel import TPGroup
-from rollout.sampler import (Sampler, combine_partials, gumbel_noise, mix32_t, sample_partials_ref,
-                             truncation_threshold, uniform_from_bits, uniform_noise)
+from rollout.sampler import (RACE_GROUP, Sampler, combine_partials, group_uniforms, gumbel_noise, mix32_t,
+                             race_group, sample_partials_ref, truncation_threshold, uniform_from_bits)
 from rollout.sequence import mix32, sequence_key
 from tests.unit import test_engine
 
@@ -33,6 +34,13 @@ LOGITS = -0.65 * torch.tensor([8, 0, 5, 9, 7, 4, 2, 10, 3, 1, 11, 6], dtype=torc
 # for the others. Each top-p is at least 8e-4 away from every cumulative mass, so float32 and
 # float64 agree on the nucleus.
 CASES = [(1.0, -1, 1.0), (0.7, 10, 1.0), (1.3, -1, 1.0), (1.0, -1, 0.996), (1.1, 11, 0.998)]
+# The same checks over 32 tokens (ratio e^-0.2), raced in two groups of 16 (LOGITS: groups of 1);
+# each top-p is at least 3e-3 away from every cumulative mass.
+LOGITS32 = -0.2 * torch.tensor([12, 31, 25, 28, 19, 29, 9, 10, 6, 27, 4, 2, 3, 20, 24, 22, 14, 13, 15, 26, 18, 16, 23,
+                                11, 21, 5, 8, 1, 17, 0, 7, 30], dtype=torch.float32)
+CASES32 = [(1.0, -1, 1.0), (0.7, 20, 1.0), (1.3, -1, 1.0), (1.0, -1, 0.9), (1.1, 24, 0.95)]
+FITS = [(LOGITS, c) for c in CASES] + [(LOGITS32, c) for c in CASES32]
+FIT_IDS = [f"V{len(v)}-T{c[0]}-k{c[1]}-p{c[2]}" for v, c in FITS]
 N_DRAWS = 1 << 18
 DRAW_KEY = sequence_key(14, 0, 0)
 P_REJECT = 1e-6
@@ -45,6 +53,10 @@ _one_thread = test_engine._one_thread  # autouse fixture: the hash's int64 ops r
 EXTREME_POS = 7
 TOP_KEY, TOP_TOKEN, TOP_HASH = 730101, 10, 4294967142
 LOW_KEY, LOW_TOKEN, LOW_HASH = 1775441, 0, 66
+# Groups of 16: the race hashes the group index where single tokens hash their id, so TOP_KEY's
+# largest race noise falls on group 10 and LOW_KEY's smallest on group 0. The pick's top bin, from a
+# search as above: group 7 of PICK_KEY at position 7 hashes to 4294966900 >= 2**32 - 512.
+PICK_KEY, PICK_GROUP, PICK_HASH = 383321, 7, 4294966900
 
 
 def _scalars(temperature):
@@ -64,24 +76,57 @@ def test_sequence_keys_differ_per_sample_and_seed():
     assert all(0 <= k < 2**32 for k in keys)
 
 
-def test_uniform_noise_is_uniform_and_deterministic():
+def test_group_uniforms_are_uniform_independent_and_deterministic():
     keys = torch.tensor([sequence_key(0, i, 0) for i in range(64)], dtype=torch.int64)
     pos = torch.arange(64)
-    vocab = torch.arange(2048)
-    u = uniform_noise(keys, pos, vocab)
-    assert u.min() > 0 and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.003
-    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
-    assert (hist - 1 / 16).abs().max() < 0.003
-    assert torch.equal(u, uniform_noise(keys, pos, vocab))
-    # A different position or key gives unrelated noise.
-    other = uniform_noise(keys, pos + 1, vocab)
-    assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1].item()) < 0.01
+    groups = torch.arange(2048)
+    race, pick = group_uniforms(keys, pos, groups)
+    for u in (race, pick):
+        assert u.min() > 0 and u.max() < 1
+        assert abs(u.mean().item() - 0.5) < 0.003
+        hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+        assert (hist - 1 / 16).abs().max() < 0.003
+    assert torch.equal(race, group_uniforms(keys, pos, groups)[0])
+    # The pick is not a function of the race's bin, and another position or key gives unrelated noise.
+    other = group_uniforms(keys, pos + 1, groups)[0]
+    for a, b in ((race, pick), (race, other)):
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()) < 0.01
+    joint = torch.histc((race * 4).floor() * 4 + (pick * 4).floor(), bins=16, min=0, max=16) / race.numel()
+    assert (joint - 1 / 16).abs().max() < 0.003
 
 
+def test_race_group_divides_the_shard():
+    assert race_group(151936) == race_group(151936 // 8) == RACE_GROUP
+    assert race_group(96) == 16 and race_group(48) == 16 and race_group(12) == 1 and race_group(211) == 1
+
+
+def _grouped_race_f64(s, keys, positions, thresh, group):
+    """`sample_partials_ref`'s tokens, row by row in float64 loops: the independent check of the grouped race."""
+    race, pick = group_uniforms(keys, positions, torch.arange(s.shape[1] // group))
+    tokens = []
+    for r in range(s.shape[0]):
+        best, token = -float("inf"), None
+        for g in range(s.shape[1] // group):
+            vals = s[r, g * group:(g + 1) * group].double().tolist()
+            top = max(vals)
+            w = [math.exp(x - top) if thresh is None or x >= thresh[r] else 0.0 for x in vals]
+            if sum(w) == 0:
+                continue
+            score = top + math.log(sum(w)) - math.log(-math.log(race[r, g].item()))
+            if score > best:
+                acc, target = 0.0, pick[r, g].item() * sum(w)
+                choice = next(i for i, wi in enumerate(w) if (acc := acc + wi) > target)
+                best, token = score, g * group + choice
+        tokens.append(token)
+    return torch.tensor(tokens)
+
+
+@pytest.mark.parametrize("group", [1, 16])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_partials_over_chunks_equal_one_chunk(temperature):
-    """Splitting the vocabulary (TP ranks, kernel splits) changes nothing."""
+@pytest.mark.parametrize("top_k", [-1, 9])
+def test_partials_over_chunks_equal_one_chunk(temperature, group, top_k):
+    """Splitting the vocabulary (TP ranks, kernel splits) changes nothing; the race equals its
+    definition (per-token Gumbel-max for groups of 1, a float64 loop for groups of 16)."""
     torch.manual_seed(1)
     r, v = 7, 96
     logits = torch.randn(r, v) * 3
@@ -89,19 +134,26 @@ def test_partials_over_chunks_equal_one_chunk(temperature):
     keys = torch.tensor([sequence_key(1, i, 0) for i in range(r)], dtype=torch.int64)
     pos = torch.arange(r) + 10
     inv_t, noise = _scalars(temperature)
-    whole = combine_partials(sample_partials_ref(logits, keys, pos, inv_t, noise, None, 0))
-    chunks = [sample_partials_ref(logits[:, a:a + 32], keys, pos, inv_t, noise, None, a) for a in (0, 32, 64)]
+    s = logits * inv_t
+    th = truncation_threshold(s, top_k, 1.0) if top_k > 0 else None
+    whole = combine_partials(sample_partials_ref(logits, keys, pos, inv_t, noise, th, 0, group))
+    chunks = [sample_partials_ref(logits[:, a:a + 32], keys, pos, inv_t, noise, th, a, group) for a in (0, 32, 64)]
     split = combine_partials(torch.cat(chunks, dim=1))
     assert torch.equal(whole[0], split[0])
     assert torch.allclose(whole[1], split[1], atol=1e-6)
-    s = logits * inv_t
     assert torch.allclose(whole[1], torch.log_softmax(s, -1).gather(1, whole[0][:, None]).squeeze(1), atol=1e-6)
     if temperature == 0:
         assert torch.equal(whole[0], logits.argmax(-1))
         assert whole[0][0].item() == 5
+    elif group == 1:
+        score = s + gumbel_noise(keys, pos, torch.arange(v))
+        if th is not None:
+            score = torch.where(s >= th[:, None], score, float("-inf"))
+        assert torch.equal(whole[0], score.argmax(-1))
     else:
-        g = gumbel_noise(keys, pos, torch.arange(v))
-        assert torch.equal(whole[0], (s + g).argmax(-1))
+        assert torch.equal(whole[0], _grouped_race_f64(s, keys, pos, th, group))
+    if th is not None:
+        assert (s.gather(1, whole[0][:, None]).squeeze(1) >= th).all()
 
 
 def _brute_threshold(s_row, top_k, top_p):
@@ -148,19 +200,20 @@ def key_rows(key: int, n: int, device="cpu") -> torch.Tensor:
     return torch.full((n,), key - (1 << 32) if key >= 1 << 31 else key, dtype=torch.int32, device=device)
 
 
-def expected_probs(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """float64 softmax(LOGITS / T) restricted to the top-k / top-p set (brute-force threshold)."""
-    s = LOGITS.double() / temperature
+def expected_probs(temperature: float, top_k: int, top_p: float, logits: torch.Tensor = LOGITS) -> torch.Tensor:
+    """float64 softmax(logits / T) restricted to the top-k / top-p set (brute-force threshold)."""
+    s = logits.double() / temperature
     return torch.softmax(s.masked_fill(s < _brute_threshold(s, top_k, top_p), float("-inf")), -1)
 
 
 def draw_tokens(temperature: float, top_k: int, top_p: float, n: int = N_DRAWS, tp: TPGroup | None = None,
-                ops=TorchOps, device="cpu", num_splits: int = 1):
-    """Tokens and log-probs `[n]` drawn by `Sampler` from LOGITS, over this rank's vocabulary shard."""
+                ops=TorchOps, device="cpu", num_splits: int = 1, logits: torch.Tensor = LOGITS):
+    """Tokens and log-probs `[n]` drawn by `Sampler` from `logits`, over this rank's vocabulary shard."""
     tp = tp or TPGroup(None)
-    sampler = Sampler(tp, len(LOGITS), device)
+    sampler = Sampler(tp, len(logits), device)
+    assert sampler.group == (16 if len(logits) == 32 else 1)
     sampler.set_params(temperature, top_k, top_p)
-    shard = LOGITS.to(device).chunk(tp.size)[tp.rank].expand(n, -1)
+    shard = logits.to(device).chunk(tp.size)[tp.rank].expand(n, -1)
     keys = key_rows(DRAW_KEY, n, device)
     positions = torch.arange(n, dtype=torch.int32, device=device)
     return sampler(shard, keys, positions, ops, sampler.threshold(shard), num_splits)
@@ -203,8 +256,36 @@ def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int
     assert tokens[1] != TOP_TOKEN and tokens[2] != LOW_TOKEN, tokens
 
 
+def check_group_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int = 1) -> None:
+    """The race in groups of 16 (192 tokens) at the hashes' extremes: greedy stays the argmax; TOP_KEY's
+    largest race noise (group 10) wins a flat race unless buried, LOW_KEY's smallest (group 0) loses
+    one; PICK_KEY's pick uniform of 1 - 2**-24 in group 7, whose last token has no mass (exp(-200)
+    is 0 in float32), draws the group's last token with mass, never that one or the next group's."""
+    tp = tp or TPGroup(None)
+    sampler = Sampler(tp, 192, device)
+    assert sampler.group == 16
+
+    def race(logits, keys, temperature):
+        sampler.set_params(temperature, -1, 1.0)
+        shard = logits.to(device).chunk(tp.size, dim=1)[tp.rank]
+        keys = torch.tensor(keys, dtype=torch.int32, device=device)
+        pos = torch.full_like(keys, EXTREME_POS)
+        return sampler(shard, keys, pos, ops, None, num_splits)[0].tolist()
+
+    peaked = torch.zeros(192)
+    peaked[3] = 1.0
+    assert race(peaked.expand(2, -1), [TOP_KEY, LOW_KEY], 0.0) == [3, 3]
+    flat, buried, last = torch.zeros(192), torch.zeros(192), torch.full((192,), -40.0)
+    buried[160:176] = -40.0
+    last[16 * PICK_GROUP:16 * PICK_GROUP + 15] = 0.0
+    last[16 * PICK_GROUP + 15] = -200.0
+    tokens = race(torch.stack([flat, buried, flat, last]), [TOP_KEY, TOP_KEY, LOW_KEY, PICK_KEY], 1.0)
+    assert tokens[0] // 16 == 10 and tokens[1] // 16 != 10 and tokens[2] // 16 != 0, tokens
+    assert tokens[3] == 16 * PICK_GROUP + 14, tokens
+
+
 def _host_hash(key: int, position: int, vocab_id: int) -> int:
-    """The noise hash in plain Python integers (`rollout.sampler.row_keys` / `uniform_noise`)."""
+    """The race's hash in plain Python integers (`rollout.sampler.row_keys` / `group_uniforms`)."""
     k1 = mix32(key ^ mix32(position + 0x68E31DA4))
     k2 = mix32(k1 + 0x1B56C4E9)
     return mix32(mix32(vocab_id ^ k1) + k2)
@@ -228,41 +309,51 @@ def test_noise_at_the_hash_extremes():
     keys = torch.tensor([TOP_KEY, LOW_KEY])
     pos = torch.full((2,), EXTREME_POS)
     assert torch.isfinite(gumbel_noise(keys, pos, torch.arange(12))).all()
-    u = uniform_noise(keys, pos, torch.arange(12))
+    u = group_uniforms(keys, pos, torch.arange(12))[0]
     assert u[0, TOP_TOKEN].item() == 1 - 2**-24 and u[1, LOW_TOKEN].item() == 2**-24
+    pick = group_uniforms(torch.tensor([PICK_KEY]), pos[:1], torch.arange(12))[1]
+    assert pick[0, PICK_GROUP].item() == 1 - 2**-24 and PICK_HASH >> 9 == 2**23 - 1
 
 
 def test_greedy_and_sampling_at_the_hash_extremes():
     check_extremes(TorchOps)
+    check_group_extremes(TorchOps)
 
 
 @functools.cache
-def _draws(case):
-    return draw_tokens(*case)
+def _draws(case, vocab: int):
+    return draw_tokens(*case, logits=LOGITS32 if vocab == 32 else LOGITS)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_sampled_tokens_fit_the_truncated_softmax(case):
+@pytest.mark.parametrize("logits,case", FITS, ids=FIT_IDS)
+def test_sampled_tokens_fit_the_truncated_softmax(logits, case):
     temperature, top_k, top_p = case
-    probs = expected_probs(*case)
-    tokens, logprobs = _draws(case)
+    probs = expected_probs(*case, logits=logits)
+    tokens, logprobs = _draws(case, len(logits))
     assert chi_square_pvalue(tokens, probs) > P_REJECT
-    assert torch.allclose(logprobs, torch.log_softmax(LOGITS / temperature, -1)[tokens], atol=1e-6)
+    assert torch.allclose(logprobs, torch.log_softmax(logits / temperature, -1)[tokens], atol=1e-6)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_chi_square_check_rejects_biased_samplers(case):
-    probs = expected_probs(*case)
-    tokens = _draws(case)[0].clone()
-    # Issue 14's sampler: 1 draw in 110 a uniformly random token of the allowed set.
+@pytest.mark.parametrize("logits,case", FITS, ids=FIT_IDS)
+def test_chi_square_check_rejects_biased_samplers(logits, case):
+    probs = expected_probs(*case, logits=logits)
+    tokens = _draws(case, len(logits))[0].clone()
     g = torch.Generator().manual_seed(1)
-    support = probs.nonzero().squeeze(1)
-    hit = torch.rand(len(tokens), generator=g) < 1 / 110
-    tokens[hit] = support[torch.randint(len(support), (int(hit.sum()),), generator=g)]
+    if len(logits) == len(LOGITS):
+        # Issue 14's sampler: 1 draw in 110 a uniformly random token of the allowed set.
+        support = probs.nonzero().squeeze(1)
+        hit = torch.rand(len(tokens), generator=g) < 1 / 110
+        tokens[hit] = support[torch.randint(len(support), (int(hit.sum()),), generator=g)]
+    else:
+        # A grouped race whose pick ignores the weights: a uniform allowed token of the winning group.
+        for group in (0, 1):
+            support = probs[16 * group:16 * (group + 1)].nonzero().squeeze(1) + 16 * group
+            hit = tokens // 16 == group
+            tokens[hit] = support[torch.randint(len(support), (int(hit.sum()),), generator=g)]
     assert chi_square_pvalue(tokens, probs) < P_REJECT
-    # A sampler ignoring the temperature, top-k and top-p: the draws of CASES[0].
-    if case != CASES[0]:
-        assert chi_square_pvalue(_draws(CASES[0])[0], probs) < P_REJECT
+    # A sampler ignoring the temperature, top-k and top-p: the draws of the first case.
+    if case != (1.0, -1, 1.0):
+        assert chi_square_pvalue(_draws((1.0, -1, 1.0), len(logits))[0], probs) < P_REJECT
 
 
 class NoHostSync(TorchDispatchMode):

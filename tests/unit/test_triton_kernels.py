@@ -18,6 +18,7 @@ CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache"
 
 def _checks() -> dict:
     import contextlib
+    import itertools
 
     import torch
 
@@ -205,12 +206,14 @@ def _checks() -> dict:
             noise = torch.tensor(0.0 if temperature == 0 else 1.0)
             # A strided threshold (a column of topk values, as top-k produces it) must work too.
             top = torch.topk(logits.float() * inv_t, 20, dim=-1).values[:, -1]
-            for thresh, start in ((None, 0), (top, 4096)):
-                ref = combine_ref(TorchOps.sample_partials(logits, keys, pos, inv_t, noise, thresh, start, 1))
+            # Groups of 1 (2,100 tokens) and of 16 (the first 2,096).
+            for (thresh, start), group in itertools.product(((None, 0), (top, 4096)), (1, 16)):
+                x = logits[:, :v - v % group]
+                ref = combine_ref(TorchOps.sample_partials(x, keys, pos, inv_t, noise, thresh, start, 1, group))
                 for splits in (1, 3):
-                    got = combine_ref(TritonOps.sample_partials(logits, keys, pos, inv_t, noise, thresh,
-                                                                     start, splits))
-                    assert torch.equal(got[0], ref[0]), (temperature, splits, got[0], ref[0])
+                    got = combine_ref(TritonOps.sample_partials(x, keys, pos, inv_t, noise, thresh,
+                                                                start, splits, group))
+                    assert torch.equal(got[0], ref[0]), (temperature, group, splits, got[0], ref[0])
                     close(got[1], ref[1], 1e-5)
                 if temperature == 0:
                     assert got[0][0].item() == start + 10
@@ -257,10 +260,11 @@ def _checks() -> dict:
         # The interpreter runs a row in ~16 ms, too slow for the goodness-of-fit draws: those run on
         # the PyTorch path (same integers and uniforms: `sample_partials` above asserts equal tokens)
         # and on the GPU (tests/gpu/test_engine_gpu.py).
-        from tests.unit.test_sampler import check_extremes
+        from tests.unit.test_sampler import check_extremes, check_group_extremes
 
         for splits in (1, 2):
             check_extremes(TritonOps, num_splits=splits)
+            check_group_extremes(TritonOps, num_splits=splits)
         return 0.0
 
     def tiny_model():
