@@ -218,7 +218,8 @@ class EngineModel:
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
                 ops) -> torch.Tensor:
-        """Tokens `[T]` at `positions [T]` of the sequences in rows `token_slots [T]` -> final-normed hidden `[T, H]`.
+        """Tokens `[T]` at `positions [T]` of the sequences in rows `token_slots [T]` -> final-normed hidden `[T, H]`
+        (in a decode step, one token a sequence: `meta.context_lens - 1` and `meta.slots`).
 
         Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`.
         """
@@ -229,11 +230,12 @@ class EngineModel:
             h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
             qkv = ops.linear(h, w.qkv_w, w.qkv_b)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache, block_tables,
-                                   self.num_heads, self.num_kv_heads, self.head_dim)
-            if meta.is_decode:
-                o = ops.decode_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
+            if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
+                o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
+                                         self.scale, self.num_heads, self.num_kv_heads, self.head_dim)
             else:
+                q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
+                                       block_tables, self.num_heads, self.num_kv_heads, self.head_dim)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
             x = self._row_parallel(o, w.o_w, None, ops)
             h, residual = ops.rms_norm(x, w.post_norm, eps, residual)

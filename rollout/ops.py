@@ -74,7 +74,12 @@ class TorchOps:
         return q
 
     @staticmethod
-    def decode_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+    def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int):
+        """A decode step's attention from its projections `qkv [B, (Hq + 2 Hkv) D]`: RoPE and the K/V write of
+        each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention."""
+        q = TorchOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables,
+                                    num_heads, num_kv_heads, head_dim)
         return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
 
     @staticmethod

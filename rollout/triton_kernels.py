@@ -8,10 +8,13 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
   more rows go to cuBLAS (`F.linear`).
 * `rms_norm`: residual add + RMSNorm in one pass.
 * `silu_and_mul`: the gated MLP activation.
-* `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache.
-* `decode_attention`: split-K flash decoding over the paged cache; one program per
-  (sequence, KV head, split) computes all query heads of its group with one `tl.dot`, so
-  each K/V row is read once; a second kernel merges splits by log-sum-exp.
+* `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache
+  (prefill steps).
+* `decode_attention`: RoPE on the step's q and k, the K/V write, and split-K flash decoding
+  over the paged cache (one kernel when each sequence has one split, else after
+  `rope_and_cache`); one program per (sequence, KV head, split) computes all query heads of
+  its group with one `tl.dot`, so each K/V row is read once; a second kernel merges splits by
+  log-sum-exp.
 * `prefill_attention`: flash attention of packed query chunks over their paged context
   (prefix included), causal.
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
@@ -215,11 +218,16 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
+def _decode_attn_kernel(qkv_ptr, stride_qb, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
                         out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # ROPE: the step's token sits at position ctx - 1 of its sequence: every program rotates the
+    # query heads of its KV head (`rotate_half`, as `_rope_cache_kernel` does), and the program
+    # whose split holds that position rotates the token's key and writes it and the value into
+    # the cache before it reads the split's keys (the write is then visible to the whole program).
+    # Else `_rope_cache_kernel` has run: q is rotated in place in `qkv`, the cache written.
     _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -234,7 +242,28 @@ def _decode_attn_kernel(q_ptr, stride_qb, k_ptr, v_ptr, bt_ptr, stride_bt, slots
     gm = g < G
     d = tl.arange(0, D)
     heads = kvh * G + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    row = qkv_ptr + b * stride_qb
+    if ROPE:
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
+        pos = (ctx - 1).to(tl.int64)
+        c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
+        qp = row + heads[:, None] * D + i[None, :]
+        q1, q2 = rotate_half(tl.load(qp, mask=gm[:, None], other=0.0),
+                             tl.load(qp + HALF, mask=gm[:, None], other=0.0), c, s, c, s)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, D])
+        if (pos >= start) & (pos < end):
+            kp = row + HQ * D + kvh * D + i[None, :]
+            k1, k2 = rotate_half(tl.load(kp), tl.load(kp + HALF), c, s, c, s)
+            page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
+            dst = (page * PAGE + pos % PAGE) * (HKV * D) + kvh * D
+            tl.store(k_ptr + dst + i[None, :], k1)
+            tl.store(k_ptr + dst + HALF + i[None, :], k2)
+            tl.store(v_ptr + dst + d, tl.load(row + (HQ + HKV) * D + kvh * D + d))
+            tl.debug_barrier()
+    else:
+        q = tl.load(row + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -549,29 +578,36 @@ class TritonOps:
         return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
 
     @staticmethod
-    def decode_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
-        b, hq, d = q.shape
-        hkv = k_cache.shape[2]
+    def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int):
+        b = qkv.shape[0]
+        hq, hkv, d = num_heads, num_kv_heads, head_dim
         g = hq // hkv
         splits = meta.num_splits
-        out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
+        out = torch.empty(b, hq * d, dtype=qkv.dtype, device=qkv.device)
         if b == 0:
             return out
+        # RoPE and the K/V write inside the attention kernel when a sequence has one split (many
+        # rows): with several, each split's program would rotate the queries again, and on an
+        # H200 a one-sequence step (16 splits) ran 3 % slower fused (BENCHMARKS.md, "Ninth pass").
+        rope = splits == 1
+        if not rope:
+            TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d)
         block_n = 64 if d <= 64 else 32
         if splits > 1:
-            part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+            part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qkv.device)
+            part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=qkv.device)
         else:
             part_o = part_lse = out  # unused
         _decode_attn_kernel[(b, hkv, splits)](
-            q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens,
-            out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
+            qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots,
+            meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **_launch(q))
+            SPLIT=splits > 1, ROPE=rope, IEEE=qkv.dtype == torch.float32, num_warps=4, **_NO_FMA, **_launch(qkv))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
                                            S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,
-                                           **_launch(q))
+                                           **_launch(qkv))
         return out
 
     @staticmethod

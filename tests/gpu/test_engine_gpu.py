@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from models import Transformer  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
-from rollout.attention import PREFILL_TILE, AttentionMetadata  # noqa: E402
+from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref  # noqa: E402
 from rollout.ops import TorchOps  # noqa: E402
 from rollout.sampler import combine_partials  # noqa: E402
 from tests.unit.test_engine import (check_against_training_forward, greedy_reference, make_engine,  # noqa: E402
@@ -84,18 +84,30 @@ def test_pointwise_kernels(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
 def test_decode_attention_kernel(dtype, hq, hkv, d):
+    """RoPE and the K/V write of each sequence's new token, then attention, in one kernel: against
+    `rope_and_cache` in the same dtype and the reference attention in float32."""
+    from models import ModelArgs
+    from models.transformer import rope_cos_sin, rope_inv_freq
+
     T = _triton()
     torch.manual_seed(1)
     lengths = [1, 15, 16, 17, 129, 384, 2000, 57]
     k, v, bt, slots = _paged(dtype, hkv, d, lengths)
-    q = torch.randn(len(lengths), hq, d, device=DEV).to(dtype)
+    args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, rope_theta=1e6)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device=DEV), torch.arange(2048, device=DEV), dtype)
+    cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+    qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, device=DEV).to(dtype)
     ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-    for splits in (1, 4, 16):
+    for splits in (1, 4, 16):  # fused (one split a sequence) and after `rope_and_cache`
         meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=ctx, max_context_len=max(lengths),
                                  num_splits=splits)
-        ref = TorchOps.decode_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
-        out = T.decode_attention(q, k, v, bt, meta, d ** -0.5)
+        k_ref, v_ref, k_tri, v_tri = k.clone(), v.clone(), k.clone(), v.clone()
+        q = TorchOps.rope_and_cache(qkv, ctx - 1, slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+        ref = decode_attention_ref(q.float(), k_ref.float(), v_ref.float(), bt, meta, d ** -0.5)
+        out = T.decode_attention(qkv.clone(), ctx - 1, cos, sin, k_tri, v_tri, bt, meta, d ** -0.5, hq, hkv, d)
         assert out.dtype == dtype and _rel(out, ref) < TOL[dtype], splits
+        # Same roundings as torch (no FMA contraction): at most a rare double-rounding difference.
+        assert _rel(k_tri, k_ref) < 1e-5 and torch.equal(v_tri, v_ref), splits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,7 +22,7 @@ def _checks() -> dict:
 
     import torch
 
-    from rollout.attention import PREFILL_TILE, AttentionMetadata
+    from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref
     from rollout.ops import TorchOps
     from rollout.sampler import combine_partials as combine_ref
     from rollout.triton_kernels import TritonOps
@@ -159,19 +159,37 @@ def _checks() -> dict:
         return max(errs)
 
     def decode_attention():
+        # RoPE and the K/V write of each sequence's new token (at context_lens - 1), then attention:
+        # against `rope_and_cache` + the reference attention in float32 (the written K/V included).
+        from models import ModelArgs
+        from models.transformer import rope_cos_sin, rope_inv_freq
+
         errs = []
         for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32))), (torch.float16, 2e-3, ((4, 2, 16),))):
             for hq, hkv, d in shapes:
+                args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
+                cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(64), dtype)
+                cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
                 lengths = [1, 9, 33, 16]
                 k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, lengths)
-                q = torch.randn(len(lengths), hq, d, dtype=dtype)
-                for splits in (1, 3):
+                qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, dtype=dtype)
+                for splits in (1, 3):  # fused (one split a sequence) and after `rope_and_cache`
                     meta = AttentionMetadata(is_decode=True, slots=slots,
                                              context_lens=torch.tensor(lengths, dtype=torch.int32),
                                              max_context_len=max(lengths), num_splits=splits)
-                    ref = TorchOps.decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
-                    out = TritonOps.decode_attention(q, k_cache, v_cache, bt, meta, d ** -0.5)
-                    errs.append(close(out, ref, tol))
+                    # The reference rotates in the kernel's dtype (same roundings) and attends in float32.
+                    k_ref, v_ref, k_tri, v_tri = (c.clone() for c in (k_cache, v_cache, k_cache, v_cache))
+                    pos = meta.context_lens - 1
+                    q = TorchOps.rope_and_cache(qkv, pos, slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+                    ref = decode_attention_ref(q.float(), k_ref.float(), v_ref.float(), bt, meta, d ** -0.5)
+                    if dtype == torch.float32:
+                        k2, v2 = k_cache.clone(), v_cache.clone()
+                        both = TorchOps.decode_attention(qkv, pos, cos, sin, k2, v2, bt, meta, d ** -0.5, hq, hkv, d)
+                        assert torch.equal(both, ref) and torch.equal(k2, k_ref) and torch.equal(v2, v_ref)
+                    out = TritonOps.decode_attention(qkv.clone(), pos, cos, sin, k_tri, v_tri, bt, meta, d ** -0.5, hq, hkv, d)
+                    errs += [close(out, ref, tol), close(k_tri, k_ref, 1e-6 if dtype == torch.float32 else 0.0),
+                             close(v_tri, v_ref, 0)]
+                    assert not torch.equal(k_tri, k_cache) and not torch.equal(v_tri, v_cache)  # the new K/V landed
         return max(errs)
 
     def prefill_attention():
