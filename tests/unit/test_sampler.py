@@ -232,12 +232,11 @@ def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64), x2 / 2).item()
 
 
-def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int = 1) -> None:
-    """Greedy and sampling over 12 tokens where the noise is at its extremes: infinite or NaN noise
-    at TOP_TOKEN would make it win, greedy or buried 40 below the others; LOW_TOKEN, at the
-    smallest noise, must lose a flat race."""
+def _extreme_race(ops, tp: TPGroup | None, device, num_splits: int, vocab: int):
+    """A sampler over `vocab` tokens and `race(logits [R, vocab], keys [R], temperature)`: the tokens it
+    draws at position EXTREME_POS, over this rank's shard."""
     tp = tp or TPGroup(None)
-    sampler = Sampler(tp, 12, device)
+    sampler = Sampler(tp, vocab, device)
 
     def race(logits, keys, temperature):
         sampler.set_params(temperature, -1, 1.0)
@@ -245,6 +244,15 @@ def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int
         keys = torch.tensor(keys, dtype=torch.int32, device=device)
         pos = torch.full_like(keys, EXTREME_POS)
         return sampler(shard, keys, pos, ops, None, num_splits)[0].tolist()
+
+    return sampler, race
+
+
+def check_extremes(ops, tp: TPGroup | None = None, device="cpu", num_splits: int = 1) -> None:
+    """Greedy and sampling over 12 tokens where the noise is at its extremes: infinite or NaN noise
+    at TOP_TOKEN would make it win, greedy or buried 40 below the others; LOW_TOKEN, at the
+    smallest noise, must lose a flat race."""
+    _, race = _extreme_race(ops, tp, device, num_splits, 12)
 
     peaked = torch.zeros(12)
     peaked[3] = 1.0
@@ -261,16 +269,8 @@ def check_group_extremes(ops, tp: TPGroup | None = None, device="cpu", num_split
     largest race noise (group 10) wins a flat race unless buried, LOW_KEY's smallest (group 0) loses
     one; PICK_KEY's pick uniform of 1 - 2**-24 in group 7, whose last token has no mass (exp(-200)
     is 0 in float32), draws the group's last token with mass, never that one or the next group's."""
-    tp = tp or TPGroup(None)
-    sampler = Sampler(tp, 192, device)
+    sampler, race = _extreme_race(ops, tp, device, num_splits, 192)
     assert sampler.group == 16
-
-    def race(logits, keys, temperature):
-        sampler.set_params(temperature, -1, 1.0)
-        shard = logits.to(device).chunk(tp.size, dim=1)[tp.rank]
-        keys = torch.tensor(keys, dtype=torch.int32, device=device)
-        pos = torch.full_like(keys, EXTREME_POS)
-        return sampler(shard, keys, pos, ops, None, num_splits)[0].tolist()
 
     peaked = torch.zeros(192)
     peaked[3] = 1.0
