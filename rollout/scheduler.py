@@ -13,8 +13,10 @@ Each step is either a prefill step or a decode step:
   recomputed later as a prompt made of its prompt and the tokens it has generated.
 
 Separating the two keeps every decode step a pure, fixed-shape batch that a CUDA graph can
-replay. The scheduler never needs token *values* for decode steps (the engine feeds the
-model from the tokens it sampled on the device), so `schedule()` can run before the
+replay. The scheduler never needs the previous step's token *values*: a decode step's model
+input comes from the tokens sampled on the device, and a prefill step reads only known
+tokens (a fresh prompt's, or a preempted sequence's, whose last sample came from a step
+processed before the one that preempted it could be). So `schedule()` can run before the
 previous step's tokens are back on the host; `postprocess()` fills them in later and ends
 sequences on a stop token, at most one step late (the extra token is dropped).
 """
@@ -70,15 +72,15 @@ class Scheduler:
             return False
         return self.block_manager.can_allocate(seq.num_tokens)
 
-    def next_is_prefill(self) -> bool:
-        """Whether `schedule()` would now return a prefill step (it needs host-side token values)."""
+    def _next_is_prefill(self) -> bool:
+        """Whether `schedule()` now returns a prefill step: prompt chunks pending, or a waiting one admissible."""
         if self.num_prefilling:
             return True
         return bool(self.waiting) and self._admissible(self.waiting[0], self.max_num_batched_tokens)
 
     # ----------------------------------------------------------------- scheduling
     def schedule(self) -> ScheduledBatch:
-        if self.next_is_prefill():
+        if self._next_is_prefill():
             batch = self._schedule_prefill()
         else:
             batch = self._schedule_decode()

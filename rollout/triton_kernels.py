@@ -590,7 +590,7 @@ class TritonOps:
         # RoPE and the K/V write inside the attention kernel when a sequence has one split (many
         # rows): with several, each split's program would rotate the queries again, and on an
         # H200 a one-sequence step (16 splits) ran 3 % slower fused (BENCHMARKS.md, "Ninth pass").
-        rope = splits == 1
+        rope = splits == 1  # fused, the kernel takes each token's position as context_lens - 1 (= positions)
         if not rope:
             TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d)
         block_n = 64 if d <= 64 else 32
@@ -603,7 +603,8 @@ class TritonOps:
             qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots,
             meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-            SPLIT=splits > 1, ROPE=rope, IEEE=qkv.dtype == torch.float32, num_warps=4, **_NO_FMA, **_launch(qkv))
+            SPLIT=splits > 1, ROPE=rope, IEEE=qkv.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}),
+            **_launch(qkv))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
                                            S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,
