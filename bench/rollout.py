@@ -37,11 +37,11 @@ each step with probability about 1 / eos_mean: geometric lengths (mean about eos
 mode at 1, a long tail up to the cap), deterministic for a seed. Reported: generated tok/s
 (tokens actually generated / wall), the length distribution (p50 / p90 / p99 / max, the
 fraction cut at the cap), and how continuous batching keeps the batch full: the mean running
-batch over decode steps, `occupancy` = that mean / slots, the fraction of decode steps at full
-batch, and prefill steps (slots refilled while others decode); where the wall time went:
-`prefill_s_gpu` and `decode_s_gpu` (CUDA events around each step, as above) and
-`gpu_idle_s`, the rest of the wall, when the GPU waited for the host (before a prefill step
-the engine waits for the last step's tokens). Then, as between PPO phases,
+batch over the steps that decode (decode steps, and prefill steps that the decoding
+sequences ride along with: `prefill_steps_decoding`), `occupancy` = that mean / slots, the
+fraction of those steps at full batch, and prefill steps (slots refilled); where the wall
+time went: `prefill_s_gpu` and `decode_s_gpu` (CUDA events around each step, as above) and
+`gpu_idle_s`, the rest of the wall, when the GPU waited for the host. Then, as between PPO phases,
 the engine frees its KV pool, then its weights and graphs (`freed_*_gb`: what each gave
 back, allocated and reserved; `left_allocated_gb`: what the engine still holds), refills
 its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
@@ -226,6 +226,7 @@ def measure_eos(name: str, args) -> dict:
         len_mean=round(sum(lens) / len(lens), 1), len_p50=q(0.5), len_p90=q(0.9), len_p99=q(0.99), len_max=lens[-1],
         frac_capped=round(run["capped"] / len(lens), 4),
         decode_steps=st["decode_steps"], prefill_steps=st["prefill_steps"],
+        prefill_steps_decoding=st["prefill_steps_decoding"],
         prefill_s_gpu=round(run["gpu"][0], 4), decode_s_gpu=round(run["gpu"][1], 4),
         gpu_idle_s=round(run["wall"] - sum(run["gpu"]), 4),
         mean_decode_batch=round(mean_rows, 2),

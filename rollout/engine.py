@@ -230,14 +230,15 @@ class LLMEngine:
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
         samples: dict[tuple[int, int], Sequence] = {}
-        steps = {"prefill": 0, "decode": 0}
-        decode_sizes: list[int] = []  # sequences per decode step: how full continuous batching kept the batch
+        steps = {"prefill": 0, "decode": 0, "mixed": 0}
+        decode_sizes: list[int] = []  # sequences decoded per step that decodes: how full continuous batching kept the batch
         pending = None
         while sched.has_unfinished():
             batch = sched.schedule()
             steps["prefill" if batch.is_prefill else "decode"] += 1
-            if not batch.is_prefill:
-                decode_sizes.append(len(batch.seqs))
+            if batch.num_decode_rows:
+                decode_sizes.append(batch.num_decode_rows)
+                steps["mixed"] += batch.is_prefill
             launched = self.runner.execute(batch)
             if pending is not None:
                 self._process(sched, pending, samples)
@@ -253,6 +254,7 @@ class LLMEngine:
                                              token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
+                           "prefill_steps_decoding": steps["mixed"],
                            "decode_batch_sizes": decode_sizes,
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
                            "wall_s": time.perf_counter() - t0,

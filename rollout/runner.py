@@ -8,7 +8,8 @@ Device-side state that outlives a step, indexed by a sequence's `slot`:
 * `last_tokens [max_num_seqs + 1]` int64: the last sampled token of each slot. A decode
   step reads its input tokens from here and writes the sampled ones back, on the device:
   the host never has to see a token before the next step can start, which lets the engine
-  overlap its bookkeeping of step t with the GPU running step t+1.
+  overlap its bookkeeping of step t with the GPU running step t+1. A prefill step's
+  decoding rows (the scheduler's module docstring) read theirs from here too.
 
 Slot `max_num_seqs` is a dummy that pads a decode batch up to its CUDA-graph size; its
 pages all point at a scratch block (the last one of the pool), so padding rows write and
@@ -330,7 +331,8 @@ class ModelRunner:
             for t0 in range(0, n, PREFILL_TILE):
                 tile_seq.append(i)
                 tile_start.append(t0)
-        if min(ids) < 0:
+        decode_from = len(batch.seqs) - batch.num_decode_rows
+        if min(ids[:cu[decode_from]], default=0) < 0:
             raise RuntimeError("prefill of a token whose value is unknown: results were not processed first")
         starts = np.asarray(batch.starts, dtype=np.int32)
         lens = np.asarray(batch.chunk_lens, dtype=np.int32)
@@ -358,10 +360,16 @@ class ModelRunner:
         meta = AttentionMetadata(is_decode=False, slots=d["slots"], context_lens=d["ctx"],
                                  max_context_len=int(a["ctx"].max()), cu_q=d["cu"], tile_seq=d["tseq"],
                                  tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())
-        h = self.model.forward(d["ids"], d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops)
+        ids = self._known_ids(d["ids"], d["tslots"]) if a["ids"].min() < 0 else d["ids"]
+        h = self.model.forward(ids, d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops)
         if not batch.sample_seqs:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
         return self._sample_prefill(h[d["src"].long()], d)
+
+    def _known_ids(self, ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """`ids` with each placeholder (a decoding row's token, sampled by a step whose results
+        the host has not read yet) replaced by its slot's last sampled token."""
+        return torch.where(ids >= 0, ids, self.last_tokens[token_slots.long()].to(ids.dtype))
 
     def _sample_prefill(self, h, d: dict, out=None):
         """Sample rows `h [R, H]` (LM head, sampler; into `out` when given) and set their slots' `last_tokens`."""
@@ -442,7 +450,8 @@ class ModelRunner:
         meta = AttentionMetadata(is_decode=False, slots=v["slots"], context_lens=v["ctx"],
                                  max_context_len=self.max_model_len, cu_q=v["cu"], tile_seq=v["tseq"][:tiles],
                                  tile_start=v["tstart"][:tiles])
-        h = self.model.forward(v["ids"][:tokens], v["pos"][:tokens], v["tslots"][:tokens], meta, self.kv_cache,
+        ids = self._known_ids(v["ids"][:tokens], v["tslots"][:tokens])
+        h = self.model.forward(ids, v["pos"][:tokens], v["tslots"][:tokens], meta, self.kv_cache,
                                self.block_tables, self.ops)
         self._pre_h[:tokens].copy_(h)
 

@@ -6,16 +6,20 @@ Each step is either a prefill step or a decode step:
   being prefilled, then admit waiting sequences first-come first-served while there are
   slots (`max_num_seqs`, counting the `n` samples of a prompt), KV blocks for the whole
   prompt (above a small watermark) and token budget (`max_num_batched_tokens`; a prompt
-  longer than what is left is split into chunks when `enable_chunked_prefill`).
+  longer than what is left is split into chunks when `enable_chunked_prefill`). The
+  sequences already decoding ride along with one token each, in admission order, while
+  budget is left and their next token's block is at hand (a prefill step never preempts):
+  refilling a freed slot then costs the decoding sequences no step of their own.
 * decode: one token for every running sequence, in admission order. A sequence that needs
   a block when none is free preempts the most recently admitted running sequence (possibly
   itself): its blocks are freed and it goes back to the front of the queue, to be
   recomputed later as a prompt made of its prompt and the tokens it has generated.
 
-Separating the two keeps every decode step a pure, fixed-shape batch that a CUDA graph can
-replay. The scheduler never needs the previous step's token *values*: a decode step's model
-input comes from the tokens sampled on the device, and a prefill step reads only known
-tokens (a fresh prompt's, or a preempted sequence's, whose last sample came from a step
+Keeping decode steps apart keeps every one of them a pure, fixed-shape batch that a CUDA
+graph can replay. The scheduler never needs the previous step's token *values*: a decoding
+sequence's input is the token sampled on the device (in a prefill step too: its row's token
+id is a placeholder that the runner fills from the device), and a prefill chunk reads only
+known tokens (a fresh prompt's, or a preempted sequence's, whose last sample came from a step
 processed before the one that preempted it could be). So `schedule()` can run before the
 previous step's tokens are back on the host; `postprocess()` fills them in later and ends
 sequences on a stop token, at most one step late (the extra token is dropped).
@@ -92,6 +96,7 @@ class Scheduler:
         batch = ScheduledBatch(is_prefill=True)
         budget = self.max_num_batched_tokens
         finished: list[Sequence] = []
+        decoding = [s for s in self.running if not s.prefilling]  # before this step admits or forks any
         for seq in self.running:
             if not seq.prefilling or budget == 0:
                 continue
@@ -112,6 +117,16 @@ class Scheduler:
             n = min(seq.num_tokens, budget)
             budget -= n
             self._add_chunk(batch, seq, n, finished)
+        # The decoding sequences take what the prompts left: budget, and blocks without preempting.
+        for seq in decoding:
+            if budget == 0:
+                break
+            if not bm.can_append(seq):
+                continue  # waits for a decode step, which may preempt for it
+            self._append_block(batch, seq)
+            budget -= 1
+            batch.num_decode_rows += 1
+            self._add_chunk(batch, seq, 1, finished)
         # Freed only now: a block or slot released mid-step must not be handed to another
         # sequence of the same step, whose writes would race with this one's.
         for seq in finished:
@@ -127,6 +142,9 @@ class Scheduler:
         seq.num_computed_tokens += n
         if seq.num_computed_tokens < seq.num_tokens:
             return  # more chunks to come
+        if not seq.prefilling:  # a decoding sequence's token
+            self._add_sample(batch, seq, idx, finished)
+            return
         seq.prefilling = False
         self.num_prefilling -= 1
         rows = [seq]
@@ -172,11 +190,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # preempted itself: every later sequence went before it
-            update, copy = bm.append_slot(seq)
-            if update is not None:
-                batch.block_table_updates.append(update)
-            if copy is not None:
-                batch.copies.append(copy)
+            self._append_block(batch, seq)
         # Then one token for every sequence still running, its lists built whole.
         seqs = list(running)
         batch.seqs, batch.sample_seqs = seqs, list(seqs)
@@ -186,6 +200,7 @@ class Scheduler:
         batch.chunk_lens = [1] * len(seqs)
         batch.sample_src = list(range(len(seqs)))
         batch.sample_positions = [len(seq.token_ids) for seq in seqs]
+        batch.num_decode_rows = len(seqs)
         finished: list[Sequence] = []
         for seq in seqs:
             seq.num_computed_tokens += 1
@@ -196,6 +211,14 @@ class Scheduler:
         for seq in finished:
             self._release(seq)
         return batch
+
+    def _append_block(self, batch: ScheduledBatch, seq: Sequence) -> None:
+        """Room for `seq`'s next token (a new block, or a private copy of a shared last block)."""
+        update, copy = self.block_manager.append_slot(seq)
+        if update is not None:
+            batch.block_table_updates.append(update)
+        if copy is not None:
+            batch.copies.append(copy)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV; it is recomputed from its tokens when readmitted."""

@@ -1,7 +1,7 @@
 """Engine state as small dataclasses: one `Sequence` per sample, one `ScheduledBatch` per step.
 
-Token ids that are not yet known on the host are `PLACEHOLDER`: the engine schedules decode
-step t+1 before it has read step t's sampled tokens back from the GPU (the decode step takes
+Token ids that are not yet known on the host are `PLACEHOLDER`: the engine schedules step
+t+1 before it has read step t's sampled tokens back from the GPU (a decoding sequence takes
 its input token from a device buffer), and fills the values in when it processes step t.
 """
 
@@ -84,6 +84,9 @@ class ScheduledBatch:
     `seqs[i]` computes tokens `[starts[i], starts[i] + chunk_lens[i])` of its `token_ids`, in
     device slot `slots[i]` (recorded here: a sequence that ends in this step gives its slot back
     before the step runs).
+    The rows that decode (one token of a sequence past its prompt) are the last
+    `num_decode_rows` of `seqs`: all of a decode step's, and in a prefill step the decoding
+    sequences that ride along with the prompt chunks.
     Sampler row r gives `sample_seqs[r]` its token number `sample_positions[r]` (an index
     into token_ids) from the logits of the last token of `seqs[sample_src[r]]`; forked
     siblings share their parent's row source; `sample_slots[r]` is the row's slot. Before the forward, `copies` (src, dst)
@@ -102,6 +105,7 @@ class ScheduledBatch:
     sample_positions: list[int] = field(default_factory=list)
     block_table_updates: list[tuple[int, int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    num_decode_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -45,19 +45,23 @@ class FakeRunner:
         if batch.is_prefill:
             assert batch.num_tokens <= s.max_num_batched_tokens
         else:
-            assert all(n == 1 for n in batch.chunk_lens)
-        self.steps.append((batch.is_prefill, len(batch.seqs), batch.num_tokens))
-        for seq, slot, start, n in zip(batch.seqs, batch.slots, batch.starts, batch.chunk_lens):
+            assert all(n == 1 for n in batch.chunk_lens) and batch.num_decode_rows == len(batch.seqs)
+        decode_from = len(batch.seqs) - batch.num_decode_rows
+        self.steps.append((batch.is_prefill, len(batch.seqs), batch.num_tokens, batch.num_decode_rows))
+        for i, (seq, slot, start, n) in enumerate(zip(batch.seqs, batch.slots, batch.starts, batch.chunk_lens)):
             if start == 0:
                 self.kv[slot] = []
             cache = self.kv[slot]
             assert len(cache) == start, "step does not continue where the cache ends"
-            if batch.is_prefill:
+            if i >= decode_from:  # a decoding row: its input is the slot's last sampled token, on the device
+                assert n == 1 and start == len(seq.token_ids) - 2, "a decoding row that is not the latest token"
+                assert seq.token_ids[start] in (PLACEHOLDER, self.last[slot])
+                cache.append(self.last[slot])
+            else:
+                assert batch.is_prefill
                 chunk = seq.token_ids[start:start + n]
                 assert PLACEHOLDER not in chunk, "prefill of a token whose value is unknown"
                 cache.extend(chunk)
-            else:
-                cache.append(self.last[slot])
         tokens = []
         for seq, src, pos in zip(batch.sample_seqs, batch.sample_src, batch.sample_positions):
             ctx = self.kv[batch.slots[src]]
@@ -82,10 +86,14 @@ def drive(sched: Scheduler, lag: bool = True, check_every_step: bool = True):
         if pending is not None and not lag:
             sched.postprocess(*pending)
             pending = None
+        preemptions = sched.num_preemptions
         batch = sched.schedule()
+        if batch.is_prefill:
+            assert sched.num_preemptions == preemptions, "a prefill step preempted"
+        chunks = batch.seqs[:len(batch.seqs) - batch.num_decode_rows]
         if pending is not None and batch.is_prefill:
             runner.overlapped_prefills += 1
-            runner.overlapped_recomputes += any(s.num_tokens > s.num_prompt_tokens for s in batch.seqs)
+            runner.overlapped_recomputes += any(s.num_tokens > s.num_prompt_tokens + 1 for s in chunks)
         launched = runner.execute(batch)
         if pending is not None:
             sched.postprocess(*pending)
@@ -163,8 +171,8 @@ def test_chunked_prefill_respects_token_budget():
     prompts = _prompts(rng, 3, 30, 45)
     sched, runner = run_all(prompts, n=1, max_new=4, num_blocks=100, budget=16)
     prefill = [s for s in runner.steps if s[0]]
-    assert all(tokens <= 16 for _, _, tokens in prefill)
-    assert sum(tokens for _, _, tokens in prefill) == sum(map(len, prompts))
+    assert all(tokens <= 16 for _, _, tokens, _ in prefill)
+    assert sum(tokens - decoding for _, _, tokens, decoding in prefill) == sum(map(len, prompts))
     assert len(prefill) >= 6
 
 
@@ -173,13 +181,37 @@ def test_without_chunking_whole_prompts_only():
     prompts = _prompts(rng, 5, 5, 12)
     sched, runner = run_all(prompts, n=1, max_new=3, num_blocks=100, budget=24, chunked=False)
     # Every prefill step holds whole prompts: their lengths sum to the step's tokens.
-    assert sum(t for p, _, t in runner.steps if p) == sum(map(len, prompts))
+    assert sum(t - decoding for p, _, t, decoding in runner.steps if p) == sum(map(len, prompts))
 
 
 def test_max_num_seqs_limits_the_batch():
     rng = random.Random(3)
     sched, runner = run_all(_prompts(rng, 10, 2, 6), n=1, max_new=5, num_blocks=200, max_num_seqs=3)
-    assert max(n for _, n, _ in runner.steps) <= 3
+    assert max(n for _, n, _, _ in runner.steps) <= 3
+
+
+def test_decoding_sequences_ride_along_with_prefill_chunks():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seqs([[1] * 5, [2] * 6], n=1, max_new=8)
+    sched.add(a)
+    sched.schedule()  # a's prompt; its first token is not back on the host yet
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == [b, a] and batch.num_decode_rows == 1
+    assert batch.starts == [0, 5] and batch.chunk_lens == [6, 1] and batch.num_tokens == 7
+    assert batch.sample_seqs == [b, a] and batch.sample_src == [0, 1] and batch.sample_positions == [6, 6]
+    assert a.token_ids[5:] == [PLACEHOLDER, PLACEHOLDER]  # its input comes from the device
+
+
+def test_a_prefill_step_leaves_behind_a_decoding_sequence_it_has_no_block_for():
+    sched = Scheduler(BlockManager(5, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seqs([[1] * 4, [2] * 13], n=1, max_new=2)
+    sched.add(a)
+    sched.schedule()  # a fills its block: its next token needs a new one
+    sched.add(b)
+    batch = sched.schedule()  # b takes the 4 blocks left
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_decode_rows == 0
+    assert sched.num_preemptions == 0 and a.status is SeqStatus.RUNNING
 
 
 def test_samples_share_prompt_blocks():
@@ -226,6 +258,8 @@ def test_refills_do_not_wait_for_the_last_step():
     sched, runner = run_all(_prompts(rng, 12, 2, 9), n=1, max_new=12, num_blocks=200, max_num_seqs=3, stops=stops)
     assert sched.num_preemptions == 0
     assert runner.overlapped_prefills >= 5
+    # and the sequences decoding at a refill advance in it
+    assert sum(1 for prefill, _, _, decoding in runner.steps if prefill and decoding) >= 5
 
 
 def test_add_rejects_what_cannot_fit():

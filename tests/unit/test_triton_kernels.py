@@ -339,7 +339,7 @@ def _checks() -> dict:
                 engine.runner._run_prefill_padded = lambda a: steps.append((len(a["ids"]), len(a["src"]))) or run(a)
             outs.append(engine.generate(prompts, sp))
             stats.append(engine.last_stats)
-        assert stats[1]["preemptions"] > 0, stats[1]
+        assert stats[1]["preemptions"] > 0 and stats[1]["prefill_steps_decoding"] > 0, stats[1]
         assert any(prefill_bucket(t, 12) > t for t, _ in steps), steps  # padded tokens
         # no sampled row; rows padded to the ladder (2, 4), and past its end to max_num_seqs (8)
         assert {0, 3}.issubset(r for _, r in steps) and any(4 < r < 8 for _, r in steps), steps
