@@ -305,10 +305,39 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_spli
 
 
 @triton.jit
+def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx, slot, kvh,
+                    qk_scale, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # A sequence with one query (a decoding row of a prefill step, or a one-token chunk): the G
+    # query heads of KV head `kvh` are the rows of one tile, so its keys are read once, as in
+    # `_decode_attn_kernel`. The query is the context's last position: every key is visible.
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    row = q0.to(tl.int64)
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(0, ctx, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < ctx
+        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        qk = tl.where(nm[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None])
+
+
+@triton.jit
 def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
                          cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
-                         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                         PDL: tl.constexpr):
     _after_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -319,6 +348,11 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_
     ctx = tl.load(ctx_ptr + seq)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     kvh = h // G
+    if q_len == 1:  # the program of the first head of each KV head does them all
+        if h % G == 0:
+            _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx, slot,
+                            kvh, qk_scale, HKV, G, BLOCK_G, D, PAGE, BLOCK_N, IEEE)
+        return
 
     m = m0 + tl.arange(0, BLOCK_M)
     mm = m < q_len
@@ -624,8 +658,8 @@ class TritonOps:
         _prefill_attn_kernel[(num_tiles, hq)](
             q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
-            HKV=hkv, G=hq // hkv, D=d, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_TILE, BLOCK_N=block_n,
-            IEEE=fp32, num_warps=4, **_launch(q))
+            HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, PAGE=k_cache.shape[1],
+            BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, IEEE=fp32, num_warps=4, **_launch(q))
         return out
 
     @staticmethod

@@ -196,9 +196,11 @@ def _checks() -> dict:
         errs = []
         for dtype, tol in ((torch.float32, 2e-5), (torch.float16, 2e-3)):
             hq, hkv, d = 4, 2, 16
-            starts, q_lens = [0, 7, 3], [PREFILL_TILE + 5, 1, 12]  # a fresh prompt over 2 tiles, a decode, a chunk
+            # a fresh prompt over 2 tiles, decodes (one query: the heads of a KV head in one tile), one
+            # over several key blocks, a chunk
+            starts, q_lens = [0, 7, 3, 150], [PREFILL_TILE + 5, 1, 12, 1]
             ctx = [s + n for s, n in zip(starts, q_lens)]
-            k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, ctx, num_blocks=48)
+            k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, ctx, num_blocks=96)
             cu = [0]
             tiles = []
             for i, n in enumerate(q_lens):
