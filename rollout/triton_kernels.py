@@ -218,6 +218,24 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale, HKV: tl.constexpr,
+                 D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Queries `q [ROWS, D]` that see every key of positions `[start, end)` of KV head `kvh`: the
+    running row max (base 2), exp-sum and unnormalised output over them."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale  # log2 units
+        qk = tl.where(nm[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_attn_kernel(qkv_ptr, stride_qb, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
                         out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -264,16 +282,8 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_p
             tl.debug_barrier()
     else:
         q = tl.load(row + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < end
-        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale  # log2 units
-        qk = tl.where(nm[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale, HKV, D, PAGE,
+                                 BLOCK_G, BLOCK_N, IEEE)
     if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -317,16 +327,8 @@ def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, 
     heads = kvh * G + g
     row = q0.to(tl.int64)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(0, ctx, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < ctx
-        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-        qk = tl.where(nm[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    _, l_i, acc = _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, 0, ctx, kvh, d, qk_scale, HKV, D, PAGE,
+                               BLOCK_G, BLOCK_N, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=gm[:, None])
