@@ -54,8 +54,9 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 2048
     """prefill steps of at most this many tokens (and `max_num_batched_tokens`) run as CUDA graphs,
     padded to a bucket and captured the second time a bucket is used; 0: prefill always eager.
-    Small steps are where launches dominate; with 8192, qwen2.5-0.5b's decode steps at 256 rows
-    ran 4 % slower in the same run on an H200, for reasons not found (BENCHMARKS.md)."""
+    Small steps are where launches dominate (a larger step's kernels mostly outlast its launches),
+    and a PPO step, which drops the graphs, would capture a large bucket again at every step
+    that uses it twice (BENCHMARKS.md, "Eighth pass" and "Tenth pass")."""
     free_cache_engine: bool = True
     """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
     tp_all_reduce: str = "auto"

@@ -230,7 +230,7 @@ class LLMEngine:
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
         samples: dict[tuple[int, int], Sequence] = {}
-        steps = {"prefill": 0, "decode": 0, "mixed": 0}
+        steps = {"prefill": 0, "decode": 0, "prefill_decoding": 0}
         decode_sizes: list[int] = []  # sequences decoded per step that decodes: how full continuous batching kept the batch
         pending = None
         while sched.has_unfinished():
@@ -238,7 +238,7 @@ class LLMEngine:
             steps["prefill" if batch.is_prefill else "decode"] += 1
             if batch.num_decode_rows:
                 decode_sizes.append(batch.num_decode_rows)
-                steps["mixed"] += batch.is_prefill
+                steps["prefill_decoding"] += batch.is_prefill
             launched = self.runner.execute(batch)
             if pending is not None:
                 self._process(sched, pending, samples)
@@ -254,7 +254,7 @@ class LLMEngine:
                                              token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
-                           "prefill_steps_decoding": steps["mixed"],
+                           "prefill_steps_decoding": steps["prefill_decoding"],
                            "decode_batch_sizes": decode_sizes,
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
                            "wall_s": time.perf_counter() - t0,

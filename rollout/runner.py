@@ -331,9 +331,6 @@ class ModelRunner:
             for t0 in range(0, n, PREFILL_TILE):
                 tile_seq.append(i)
                 tile_start.append(t0)
-        decode_from = len(batch.seqs) - batch.num_decode_rows
-        if min(ids[:cu[decode_from]], default=0) < 0:
-            raise RuntimeError("prefill of a token whose value is unknown: results were not processed first")
         starts = np.asarray(batch.starts, dtype=np.int32)
         lens = np.asarray(batch.chunk_lens, dtype=np.int32)
         slots = np.asarray(batch.slots, dtype=np.int32)
@@ -341,6 +338,10 @@ class ModelRunner:
         cu_np = np.asarray(cu, dtype=np.int32)
         rows_src = cu_np[1:][np.asarray(batch.sample_src, dtype=np.int64)] - 1
         keys = np.asarray([s.key for s in batch.sample_seqs], dtype=np.uint32).view(np.int32)
+        ids = np.asarray(ids, dtype=np.int32)
+        # Only decoding rows (the last ones) may carry PLACEHOLDER: their tokens are on the device.
+        if (ids[:cu[len(batch.seqs) - batch.num_decode_rows]] < 0).any():
+            raise RuntimeError("prefill of a token whose value is unknown: results were not processed first")
         arrays = dict(ids=ids, pos=positions, tslots=np.repeat(slots, lens), cu=cu_np, ctx=ctx, slots=slots,
                       tseq=tile_seq, tstart=tile_start, src=rows_src, rslots=batch.sample_slots, keys=keys,
                       spos=batch.sample_positions)
@@ -360,15 +361,15 @@ class ModelRunner:
         meta = AttentionMetadata(is_decode=False, slots=d["slots"], context_lens=d["ctx"],
                                  max_context_len=int(a["ctx"].max()), cu_q=d["cu"], tile_seq=d["tseq"],
                                  tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())
-        ids = self._known_ids(d["ids"], d["tslots"]) if a["ids"].min() < 0 else d["ids"]
+        ids = self._known_ids(d["ids"], d["tslots"]) if batch.num_decode_rows else d["ids"]
         h = self.model.forward(ids, d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops)
         if not batch.sample_seqs:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
         return self._sample_prefill(h[d["src"].long()], d)
 
     def _known_ids(self, ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-        """`ids` with each placeholder (a decoding row's token, sampled by a step whose results
-        the host has not read yet) replaced by its slot's last sampled token."""
+        """`ids` with each `PLACEHOLDER` (a decoding row's input token, sampled by a step whose
+        results the host has not read yet) replaced by its slot's last sampled token."""
         return torch.where(ids >= 0, ids, self.last_tokens[token_slots.long()].to(ids.dtype))
 
     def _sample_prefill(self, h, d: dict, out=None):

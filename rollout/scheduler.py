@@ -17,8 +17,9 @@ Each step is either a prefill step or a decode step:
 
 Keeping decode steps apart keeps every one of them a pure, fixed-shape batch that a CUDA
 graph can replay. The scheduler never needs the previous step's token *values*: a decoding
-sequence's input is the token sampled on the device (in a prefill step too: its row's token
-id is a placeholder that the runner fills from the device), and a prefill chunk reads only
+sequence's input is the token sampled on the device (in a prefill step too: until the host
+has read it back, its row's token id is `PLACEHOLDER`, which the runner replaces on the
+device), and a prefill chunk reads only
 known tokens (a fresh prompt's, or a preempted sequence's, whose last sample came from a step
 processed before the one that preempted it could be). So `schedule()` can run before the
 previous step's tokens are back on the host; `postprocess()` fills them in later and ends

@@ -145,6 +145,22 @@ def test_samples_do_not_depend_on_batching_or_preemption():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
 
 
+def test_only_decoding_rows_of_a_prefill_step_may_lack_their_token_on_the_host():
+    from rollout.sequence import PLACEHOLDER, ScheduledBatch, Sequence
+
+    runner = make_engine(tiny_model(tiny_args("qwen2"))).runner
+    seq = Sequence(seq_id=0, prompt_index=0, sample_index=0, token_ids=[3, 4, PLACEHOLDER, PLACEHOLDER],
+                   num_prompt_tokens=2, max_len=8, slot=0)
+
+    def step(decoding: int):
+        return ScheduledBatch(is_prefill=True, seqs=[seq], slots=[0], starts=[2], chunk_lens=[1], sample_seqs=[seq],
+                              sample_slots=[0], sample_src=[0], sample_positions=[3], num_decode_rows=decoding)
+
+    assert runner._prefill_arrays(step(1))["ids"].tolist() == [PLACEHOLDER]  # filled on the device
+    with pytest.raises(RuntimeError, match="value is unknown"):
+        runner._prefill_arrays(step(0))  # a prompt chunk: its tokens must be known
+
+
 def test_stop_conditions():
     model = tiny_model(tiny_args("llama"))  # eos_token_id = 3
     engine = make_engine(model)
