@@ -33,6 +33,7 @@ from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_sha
 from models.checkpoint import checkpoint_tensors
 from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensors, read_peft_adapter
 from sharding.ac import apply_ac
+from sharding.replicate import apply_replicated, replicated_params
 
 _FP16 = ("fp16", "float16", "half")
 _DTYPES = {k: v for k, v in torch_dtypes().items() if k not in _FP16}
@@ -206,12 +207,18 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
 
     if shard_size == 1:
         # Every rank holds every parameter whole (one GPU, or HYBRID_SHARD with fsdp_size=1,
-        # i.e. plain data parallelism): per-block units would save no memory (the gathered bf16
-        # copy is a third of the fp32 master weights) and cost a set of hooks, copies and a
-        # collective per block and pass, which the CPU pays on every step (on an H200 the 0.5b
-        # update was CPU-bound: BENCHMARKS.md). One unit: the whole model; with replicas its
-        # gradients are all-reduced once, after the backward.
-        fully_shard(model, reshard_after_forward=ends, **common)
+        # i.e. plain data parallelism): nothing to gather, so FSDP2's per-parameter host work at
+        # every pass buys nothing (on an H200 the 0.5b update was bound by it: BENCHMARKS.md).
+        # The same DTensor parameters get a lean runtime instead: one cast kernel before a
+        # forward, one all-reduce of the gradients over the replicas after a backward
+        # (`sharding.replicate`). Parameters living on the CPU (`offload_policy`) stay with
+        # FSDP2's CPUOffloadPolicy, as one unit.
+        if cfg.offload_policy:
+            fully_shard(model, reshard_after_forward=ends, **common)
+        else:
+            apply_replicated(model, mesh, names, param_dtype=param_dtype, reduce_dtype=cfg.reduce_torch_dtype,
+                             keep_after_forward=not trainable and not reshard,
+                             shard_dim=lambda name, shape: fsdp_shard_dim(name, shape, 1))
         return model
 
     tied = model.head == "lm" and model.args.tie_word_embeddings
@@ -487,6 +494,9 @@ def reshard_all(model: nn.Module) -> None:
     gathered parameters registered after a forward pass; anything that works on the shards
     (offload, the resharder) calls this first.
     """
+    rp = replicated_params(model)
+    if rp is not None:
+        rp.release()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from models import ModelArgs, Transformer, tp_shard_dim
 from sharding import FSDPConfig, ParallelDims, build_fsdp_model
+from sharding.replicate import replicated_params
 from tests.dist_utils import run_distributed
 
 ARGS = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -100,12 +101,17 @@ def _body(rank, world):
     with pytest.raises(ValueError, match="one mesh for all models"):  # a critic asking for another shard size
         build_fsdp_model(ModelArgs(**ARGS), pair, FSDPConfig(fsdp_size=4), head="value")
 
-    # A one-rank mesh (a single GPU): the whole model is one unit, and still trains exactly.
+    # A one-rank mesh (a single GPU): no FSDP2 unit, the replicated runtime, and still exact.
     solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("solo", "dp_shard"))["dp_shard"]
     for tie, head in ((False, "lm"), (True, "lm"), (False, "value")):
         model = _check_equivalent(solo, FSDPConfig(mixed_precision=fp32), tie=tie, head=head)
-        assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model]
-    _frozen_keeps_gathered(solo, ModelArgs(**ARGS), torch.randint(0, ARGS["vocab_size"], (2, SEQ)))
+        assert not any(isinstance(m, FSDPModule) for m in model.modules())
+        assert replicated_params(model) is not None
+        for name, p in model.named_parameters():
+            assert p.placements == (Shard(tp_shard_dim(name) or 0),), (name, p.placements)
+    _check_equivalent(solo, FSDPConfig(mixed_precision=fp32), enable_gradient_checkpointing=True,
+                      enable_activation_offload=True)
+    _mixed_precision_checks(solo)
 
     # FULL_SHARD over all 4 ranks, then HYBRID_SHARD 2 x 2, built from ParallelDims.
     meshes = ParallelDims(world).build_meshes("cpu")
@@ -122,6 +128,12 @@ def _body(rank, world):
     # model is one unit whose gradients are all-reduced over the 4 replicas, and still exact.
     meshes = ParallelDims(world, fsdp_size=1).build_meshes("cpu")
     model = _check_equivalent(meshes.train, FSDPConfig(fsdp_size=1, mixed_precision=fp32))
+    assert replicated_params(model) is not None and not any(isinstance(m, FSDPModule) for m in model.modules())
+    p = model.layers[0].self_attn.o_proj.weight
+    assert p.placements == (Replicate(), Shard(1))
+    _mixed_precision_checks(meshes.train)
+    # With parameters on the CPU (offload_policy) FSDP2 keeps the model, as one unit.
+    model = _check_equivalent(meshes.train, FSDPConfig(fsdp_size=1, mixed_precision=fp32, offload_policy=True))
     assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model]
 
 
@@ -147,6 +159,9 @@ def _frozen_keeps_gathered(mesh, args, ids):
     passes; with `reshard_after_forward=False` every unit keeps its gathered (bf16) parameters
     from the first forward on, so later passes gather nothing, and computes the same."""
     def gathered(model):
+        rp = replicated_params(model)
+        if rp is not None:  # shard groups of one rank: the compute copies are registered or not
+            return [rp._installed]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
         return [g.is_unsharded for g in groups if g is not None]  # a unit that owns no parameter has no group
 

@@ -1,0 +1,257 @@
+"""Data parallelism without sharding: the training layout when every shard group is one rank.
+
+With one GPU, or HYBRID_SHARD with `fsdp_size=1`, every rank holds every parameter whole.
+FSDP2 still works there, but its runtime pays per parameter on the host at every pass: at one
+rank its unshard casts and copies each parameter in a Python loop, its post-backward builds
+each gradient as a DTensor, and a 0.5b update of one H200 was bound by that host work, not by
+the GPU (BENCHMARKS.md, "Eleventh pass"). `ReplicatedParams` keeps FSDP2's parameters — the
+same DTensors, placements and dtypes, so the optimizer, the gradient clipping, the resharder
+and the checkpoints see exactly what FSDP2 gives them — and replaces only the runtime:
+
+* the master parameters of each dtype live in one flat buffer, and so do their compute-dtype
+  copies: the cast before a forward is one kernel;
+* before a forward the compute copies are registered on the modules (after it, or after the
+  backward when there is one, the masters are registered again and the copies' memory freed);
+* at the end of each backward, the gradients (compute dtype) go into a flat buffer of reduce
+  dtype, are averaged over the replicas with one all-reduce (none on one rank), and are added
+  to the masters' gradients, DTensors over one flat buffer that stay the same objects.
+
+A frozen model whose masters already have the compute dtype (a bf16 reference, a LoRA base)
+is computed from its masters directly: no copy at all.
+
+Not covered: `offload_policy` (parameters living on the CPU); `apply_fsdp` keeps FSDP2's
+`CPUOffloadPolicy` for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from sharding import comm
+
+_ATTR = "_meshppo_replicated"
+
+
+def replicated_params(model: nn.Module) -> "ReplicatedParams | None":
+    """The runtime `apply_fsdp` attached to `model` when its shard groups are one rank."""
+    return model.__dict__.get(_ATTR)
+
+
+class _Flat:
+    """Tensors of one dtype laid out in one flat buffer (views), whose memory can be freed
+    (`free`) and re-allocated (`alloc`) without the views changing identity."""
+
+    def __init__(self, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device):
+        self.numels = [s.numel() for s in shapes]
+        self.buf = torch.empty(sum(self.numels), dtype=dtype, device=device)
+        self.views = [v.view(s) for v, s in zip(self.buf.split(self.numels), shapes)]
+        self.nbytes = self.buf.untyped_storage().nbytes()
+
+    @property
+    def allocated(self) -> bool:
+        return self.buf.untyped_storage().nbytes() > 0
+
+    def alloc(self) -> None:
+        if not self.allocated:
+            self.buf.untyped_storage().resize_(self.nbytes)
+
+    def free(self) -> None:
+        if self.allocated:
+            self.buf.untyped_storage().resize_(0)
+
+
+class ReplicatedParams:
+    """The unsharded training runtime of one model (see the module docstring).
+
+    `mesh`: the training mesh, `("dp_shard",)` of size 1 or `("dp_replicate", "dp_shard")`
+    with a shard dimension of size 1. `param_dtype`: the compute dtype; `reduce_dtype`: the
+    dtype gradients are averaged over the replicas in. `keep_after_forward`: a frozen model
+    keeps its compute copies registered between forwards (FSDP's `reshard_after_forward=False`).
+    """
+
+    def __init__(self, model: nn.Module, mesh, names: dict, *, param_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, keep_after_forward: bool, shard_dim):
+        if mesh.size(mesh.ndim - 1) != 1:
+            raise ValueError(f"ReplicatedParams needs shard groups of one rank, the mesh shards over "
+                             f"{mesh.size(mesh.ndim - 1)}")
+        self.model, self.mesh = model, mesh
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.keep_after_forward = keep_after_forward
+        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        self._group = mesh.get_group(0) if self.replicas > 1 else None
+        # Every registration (module, name) of a parameter, and the parameters once each.
+        self.slots: list[tuple[nn.Module, str, int]] = []
+        self.masters: list[nn.Parameter] = []
+        index: dict[int, int] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in index:
+                    index[id(p)] = len(self.masters)
+                    placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(shard_dim(names[p], p.shape)),)
+                    local = p.detach() if not isinstance(p, DTensor) else p.to_local().detach()
+                    self.masters.append(nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
+                                                     requires_grad=p.requires_grad))
+                self.slots.append((module, name, index[id(p)]))
+        for module, name, i in self.slots:
+            module._parameters[name] = self.masters[i]
+        self._built = False
+        self._installed = False
+        self._pending = False  # a forward with grad whose backward has not run yet
+        self._backward_queued = False
+
+    # ------------------------------------------------------------------ layout (first use)
+    def _build(self) -> None:
+        """Move the (materialised) masters of each dtype into one flat buffer and set up the
+        compute copies and the gradient buffer. Runs at the first forward: `apply_fsdp` sees a
+        meta model, and the weights are loaded after it."""
+        masters = self.masters
+        device = masters[0].to_local().device
+        self._cast_idx = [i for i, m in enumerate(masters) if m.dtype != self.param_dtype]
+        with torch.no_grad():
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in self._cast_idx:
+                by_dtype.setdefault(masters[i].dtype, []).append(i)
+            self._master_flats, self._compute_flats = [], []
+            for dtype, idx in by_dtype.items():
+                locals_ = [masters[i]._local_tensor for i in idx]
+                flat = _Flat([t.shape for t in locals_], dtype, device)
+                for t, v in zip(locals_, flat.views):
+                    v.copy_(t)
+                    t.set_(v)  # the DTensor's own local tensor now lives in the flat buffer
+                compute = _Flat([t.shape for t in locals_], self.param_dtype, device)
+                compute.free()
+                self._master_flats.append(flat)
+                self._compute_flats.append((compute, idx))
+        self.compute: list[nn.Parameter] = [None] * len(masters)  # type: ignore[list-item]
+        for compute, idx in self._compute_flats:
+            for i, v in zip(idx, compute.views):
+                self.compute[i] = nn.Parameter(v, requires_grad=masters[i].requires_grad)
+        for i, m in enumerate(masters):
+            if self.compute[i] is None:  # already in the compute dtype: computed from the master itself
+                self.compute[i] = nn.Parameter(m.to_local(), requires_grad=m.requires_grad)
+        self._trainable = [i for i, m in enumerate(masters) if m.requires_grad]
+        if self._trainable:
+            dtypes = {masters[i].dtype for i in self._trainable}
+            if len(dtypes) != 1:
+                raise ValueError(f"the trainable parameters of one model must share one dtype, got {sorted(map(str, dtypes))}")
+            self._grads = _Flat([masters[i].shape for i in self._trainable], dtypes.pop(), device)
+            self._grads.free()
+            self._grad_dtensors = [DTensor.from_local(v, self.mesh, masters[i].placements, run_check=False)
+                                   for i, v in zip(self._trainable, self._grads.views)]
+            self._reduce = _Flat([masters[i].shape for i in self._trainable], self.reduce_dtype, device) \
+                if self.replicas > 1 else None
+            if self._reduce is not None:
+                self._reduce.free()
+        self._built = True
+
+    # ------------------------------------------------------------------ runtime
+    def install(self) -> None:
+        """Cast the masters into the compute copies and register those on the modules."""
+        if not self._built:
+            self._build()
+        if self._installed:
+            return
+        if self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
+            self._grads.free()  # the optimizer dropped the gradients (zero_grad): so do we
+        with torch.no_grad():
+            for (compute, _), master in zip(self._compute_flats, self._master_flats):
+                compute.alloc()
+                compute.buf.copy_(master.buf)
+        for module, name, i in self.slots:
+            module._parameters[name] = self.compute[i]
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Register the masters again and free the compute copies."""
+        if not self._installed:
+            return
+        for module, name, i in self.slots:
+            module._parameters[name] = self.masters[i]
+        for compute, _ in self._compute_flats:
+            compute.free()
+        self._installed = False
+
+    def release(self) -> None:
+        """Masters registered, compute copies freed, and the gradient buffer freed when the
+        optimizer holds no gradients (before generation, before an offload)."""
+        self.uninstall()
+        if self._built and self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
+            self._grads.free()
+
+    def pre_forward(self, module, args, kwargs):
+        self.install()
+        return None
+
+    def post_forward(self, module, args, output):
+        outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs:
+            if not self.keep_after_forward and not self._pending:
+                self.uninstall()
+            return output
+        self._pending = True
+        self._backward_queued = False
+        for t in outs:
+            t.register_hook(self._queue_post_backward)
+        return output
+
+    def _queue_post_backward(self, grad):
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
+        return grad
+
+    @torch.no_grad()
+    def post_backward(self) -> None:
+        """This backward's gradients, averaged over the replicas, added to the masters'."""
+        masters, compute = self.masters, self.compute
+        new = [compute[i].grad for i in self._trainable]
+        if self._reduce is not None:
+            self._reduce.alloc()
+            present = [(v, g) for v, g in zip(self._reduce.views, new) if g is not None]
+            if len(present) < len(new):
+                self._reduce.buf.zero_()  # a parameter this rank's loss did not reach: zeros
+            if present:
+                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            comm.all_reduce(self._reduce.buf, group=self._group)
+            self._reduce.buf.mul_(1.0 / self.replicas)
+            new = self._reduce.views
+        have = [masters[i].grad is not None for i in self._trainable]
+        pairs = [(v, g) for v, g in zip(self._grads.views, new) if g is not None]
+        first = not any(have)
+        if first:  # the first backward since the optimizer dropped the gradients
+            self._grads.alloc()
+            if len(pairs) < len(new):
+                self._grads.buf.zero_()
+            for i, g in zip(self._trainable, self._grad_dtensors):
+                masters[i].grad = g
+        elif not all(have):
+            for k, i in enumerate(self._trainable):
+                if not have[k]:
+                    self._grads.views[k].zero_()
+                    masters[i].grad = self._grad_dtensors[k]
+        if pairs:
+            (torch._foreach_copy_ if first else torch._foreach_add_)([v for v, _ in pairs], [g for _, g in pairs])
+        for i in self._trainable:
+            compute[i].grad = None
+        if self._reduce is not None:
+            self._reduce.free()
+        self._pending = False
+        self.uninstall()
+
+
+def apply_replicated(model: nn.Module, mesh, names: dict, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                     keep_after_forward: bool, shard_dim) -> ReplicatedParams:
+    """Give `model` (on meta or materialised) the replicated runtime; returns it."""
+    if replicated_params(model) is not None:
+        raise RuntimeError("this model already has a replicated runtime")
+    rp = ReplicatedParams(model, mesh, names, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                          keep_after_forward=keep_after_forward, shard_dim=shard_dim)
+    model.register_forward_pre_hook(rp.pre_forward, with_kwargs=True)
+    model.register_forward_hook(rp.post_forward)
+    model.__dict__[_ATTR] = rp
+    return rp

@@ -1,0 +1,157 @@
+"""The replicated runtime of shard groups of one rank (`sharding.replicate`), on gloo.
+
+`tests/multiproc/test_fsdp.py` checks that it trains exactly like one process; here, what is
+particular to it: gradients accumulated over several backward passes, a parameter that one
+rank's loss does not reach, a forward without grad between a forward and its backward, the
+compute copies being the masters cast, and the memory it frees between uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models import ModelArgs, Transformer
+from sharding import FSDPConfig, ParallelDims, build_fsdp_model, reshard_all
+from sharding.replicate import replicated_params
+from tests.dist_utils import run_distributed
+
+ARGS = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attention_bias=True)
+FP32 = {"param_dtype": "fp32"}
+
+
+def _batches(world: int, n: int = 4, seq: int = 10):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, ARGS["vocab_size"], (n, seq), generator=gen) for _ in range(world)]
+
+
+def _body(rank, world):
+    args = ModelArgs(**ARGS)
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    model = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=1, mixed_precision=FP32), seed=0)
+    rp = replicated_params(model)
+    masters = list(model.parameters())
+    ref = Transformer.build(args, seed=0)
+    batches = _batches(world)
+
+    # Two backward passes (two micro-batches), with forwards without grad in between: the
+    # masters' gradients are the replica mean of the per-rank sums.
+    def loss(m, ids):
+        return m(ids).float().pow(2).mean()
+
+    ids = batches[rank]
+    loss(model, ids[:2]).backward()
+    assert rp._compute_flats == []  # fp32 compute: the masters themselves, nothing cast
+    with torch.no_grad():  # a forward without grad does not disturb the pending one below
+        model(ids[:1])
+    out = loss(model, ids[2:])
+    with torch.no_grad():
+        model(ids[:1])
+    assert rp._pending
+    out.backward()
+    assert not rp._pending and list(model.parameters()) == masters  # the masters are registered again
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        (loss(ref, batches[r][:2]) + loss(ref, batches[r][2:])).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad / world
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+    # The gradients are DTensors over one buffer, the same objects every step; an optimizer
+    # step updates the masters in place (their local tensors live in one flat buffer per dtype).
+    grads = [p.grad for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss(model, ids).backward()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    opt.zero_grad(set_to_none=True)
+    reshard_all(model)  # what the resharder does before generation: the gradient buffer goes
+    assert not rp._grads.allocated
+
+    # bf16 compute: the registered copies are the masters cast (one kernel), freed after use.
+    model = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=1), seed=0)
+    rp = replicated_params(model)
+    cast = Transformer.build(args, seed=0)  # parameters in bf16, the RoPE table in fp32 (as apply_fsdp keeps it)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), cast.parameters()):
+            p.to_local().mul_(1.0 + 1e-3 * rank)  # replicas that disagree would show below
+            q.data = p.to_local().to(torch.bfloat16)
+        assert torch.equal(model(ids), cast(ids))
+    assert not rp._installed and not any(c.allocated for c, _ in rp._compute_flats)
+    storages = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 1  # every fp32 master in one buffer
+    model(ids).float().mean().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    dist.barrier()
+
+
+def test_replicated_runtime_accumulates_reduces_and_frees():
+    run_distributed(_body, 2)
+
+
+def _frozen_body(rank, world):
+    """A frozen bf16 model (the reference) is computed from its masters: nothing is copied."""
+    args = ModelArgs(**ARGS)
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    ids = _batches(world)[rank]
+    for keep in (False, True):
+        ref = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=1, model_dtype="bf16", reshard_after_forward=not keep),
+                               seed=0, trainable=False)
+        rp = replicated_params(ref)
+        with torch.no_grad():
+            ref(ids)
+        assert rp._compute_flats == [] and rp._installed == keep
+        locals_ = {p.to_local().data_ptr() for p in rp.masters}
+        assert {c.data_ptr() for c in rp.compute} == locals_
+        reshard_all(ref)
+        assert not rp._installed
+
+
+def test_frozen_bf16_model_computes_from_its_masters():
+    run_distributed(_frozen_body, 2)
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _unused_body(rank, world):
+    """A parameter one rank's loss does not reach has no gradient there: it counts as zero in
+    the replica mean, and the ranks' collectives stay in step."""
+    from sharding.replicate import apply_replicated
+
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    torch.manual_seed(0)
+    model, ref = _TwoLayers(), _TwoLayers()
+    ref.load_state_dict(model.state_dict())
+    names = {p: n for n, p in model.named_parameters()}
+    apply_replicated(model, mesh, names, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                     keep_after_forward=False, shard_dim=lambda name, shape: 0)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for step in range(2):  # the second step accumulates onto the first's gradients
+        model(xs[rank], use_b=rank == 0).pow(2).sum().backward()
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        ref(xs[r], use_b=r == 0).pow(2).sum().backward()
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                expected[n] += 2 * p.grad / world
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert float(model.b.weight.grad.to_local().abs().sum()) > 0
+
+
+def test_a_parameter_one_rank_does_not_reach_counts_as_zero():
+    run_distributed(_unused_body, 2)
