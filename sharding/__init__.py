@@ -52,6 +52,7 @@ from sharding.fsdp import (
     offload_fsdp_optimizer,
     offload_states,
     offloaded_tensors,
+    release_gradients,
     reshard_all,
 )
 from sharding.mesh import ParallelDims, ParallelMeshes
@@ -78,6 +79,7 @@ __all__ = [
     "offload_fsdp_optimizer",
     "offload_states",
     "offloaded_tensors",
+    "release_gradients",
     "reshard_all",
     "save_checkpoint",
 ]

@@ -502,6 +502,17 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
+def release_gradients(model: nn.Module) -> None:
+    """After `optimizer.zero_grad(set_to_none=True)`: give back the gradients' memory.
+
+    FSDP2's gradients are freed with the references the optimizer drops; the runtime of shard
+    groups of one rank (`sharding.replicate`) keeps one gradient buffer for the next backward
+    and frees it here, so that the phases after an update (the critic's, generation) have it."""
+    rp = replicated_params(model)
+    if rp is not None:
+        rp.release_gradients()
+
+
 def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
     """Copy the sharded parameters (and gradients, if any) to host memory and free their device memory.
 

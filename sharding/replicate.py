@@ -155,8 +155,7 @@ class ReplicatedParams:
             self._build()
         if self._installed:
             return
-        if self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
-            self._grads.free()  # the optimizer dropped the gradients (zero_grad): so do we
+        self.release_gradients()  # the optimizer dropped the gradients (zero_grad): so do we
         with torch.no_grad():
             for (compute, _), master in zip(self._compute_flats, self._master_flats):
                 compute.alloc()
@@ -179,6 +178,12 @@ class ReplicatedParams:
         """Masters registered, compute copies freed, and the gradient buffer freed when the
         optimizer holds no gradients (before generation, before an offload)."""
         self.uninstall()
+        self.release_gradients()
+
+    def release_gradients(self) -> None:
+        """Free the gradient buffer if no master holds its gradient any more: FSDP2's gradients
+        go with `zero_grad(set_to_none=True)`, this buffer (which the gradients of the next
+        backward reuse) stays until told, as here, or until the next forward."""
         if self._built and self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
             self._grads.free()
 

@@ -28,7 +28,7 @@ from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import RolloutBatch
 from sharding import comm
-from sharding.fsdp import FSDPConfig, load_states, offload_states
+from sharding.fsdp import FSDPConfig, load_states, offload_states, release_gradients
 from sharding.grad_norm import clip_grad_norm_
 
 
@@ -136,6 +136,7 @@ def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1):
         if not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    release_gradients(model)
     return norm, skipped
 
 

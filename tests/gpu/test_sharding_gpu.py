@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from models import ModelArgs  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from sharding import (FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors,  # noqa: E402
-                      load_states, offload_fsdp_model_to_cpu, offload_states, offloaded_tensors)
+                      load_states, offload_fsdp_model_to_cpu, offload_states, offloaded_tensors, release_gradients)
 from tests.dist_utils import run_distributed  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -36,6 +36,7 @@ def _train_step(model, opt, vocab, seed=0, batch=2, seq=64):
     F.cross_entropy(logits.reshape(-1, vocab).float(), ids[:, 1:].reshape(-1)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    release_gradients(model)  # as the trainer's update does after each step
 
 
 def _engine(args, dtype, meshes):

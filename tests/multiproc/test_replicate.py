@@ -15,6 +15,7 @@ from models import ModelArgs, Transformer
 from sharding import FSDPConfig, ParallelDims, build_fsdp_model, reshard_all
 from sharding.replicate import replicated_params
 from tests.dist_utils import run_distributed
+from trainer.roles import _grad_norm_and_step
 
 ARGS = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, attention_bias=True)
@@ -64,10 +65,10 @@ def _body(rank, world):
     # step updates the masters in place (their local tensors live in one flat buffer per dtype).
     grads = [p.grad for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    _grad_norm_and_step(model, opt, 1.0)  # the trainer's step: clip, step, drop the gradients
+    assert not rp._grads.allocated  # ... and their memory, for the phases after the update
     loss(model, ids).backward()
-    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert rp._grads.allocated and all(p.grad is g for p, g in zip(model.parameters(), grads))
     opt.zero_grad(set_to_none=True)
     reshard_all(model)  # what the resharder does before generation: the gradient buffer goes
     assert not rp._grads.allocated
