@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sharding import comm
+from sharding.optim import local_tensor
 
 
 def _layout(g: torch.Tensor):
@@ -34,9 +35,9 @@ def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Ten
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    groups: dict = {}  # layout -> the local tensors (`to_local` once: each call builds a tensor)
+    groups: dict = {}  # layout -> the local tensors
     for g in grads:
-        groups.setdefault(_layout(g), []).append(g.to_local() if isinstance(g, DTensor) else g)
+        groups.setdefault(_layout(g), []).append(local_tensor(g))
     total = None
     for layout, local in groups.items():
         sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float32)).pow(2).sum()

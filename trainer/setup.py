@@ -21,6 +21,7 @@ from trainer.launch import DistContext
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
+from sharding.optim import ShardAdamW
 
 
 # trainer.logger entries that need a package requirements.txt does not install.
@@ -68,8 +69,9 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     # On the GPU the fused kernel (one pass over each parameter's fp32 state) is ~3x faster
     # than foreach (BENCHMARKS.md); parameters kept on CPU (offload_policy) use foreach.
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    optim = torch.optim.AdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
-                              foreach=not fused, fused=fused)
+    # AdamW itself, with the update kernels given the DTensors' local shards (sharding.optim).
+    optim = ShardAdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
+                       foreach=not fused, fused=fused)
     total = oc.total_training_steps if oc.total_training_steps > 0 else total_steps
     warmup = oc.lr_warmup_steps if oc.lr_warmup_steps >= 0 else int(oc.lr_warmup_steps_ratio * total)
 
