@@ -197,3 +197,37 @@ def test_a_non_finite_gradient_skips_the_step_on_device_and_on_host(fused):
     assert out["actor/nonfinite_skipped"] == 0.0 and math.isfinite(out["actor/grad_norm"])
     assert not torch.equal(before["layers.0.mlp.up_proj.weight"], model.state_dict()["layers.0.mlp.up_proj.weight"])
     assert all(float(s["step"]) == 2 for s in opt.state.values())
+
+
+def test_packed_layout_matches_a_per_sequence_reference():
+    """Every field of the packed micro-batch against a loop over sequences written out here:
+    sequences laid end to end, each token's label the next token of the same sequence (the pad
+    after its last), positions restarting at 0, and the position before each response token
+    mapped to its (row, column)."""
+    rng = random.Random(3)
+    for _ in range(60):
+        n = rng.randint(1, 7)
+        prompts = [[rng.randint(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+        responses = [[rng.randint(1, 50) for _ in range(rng.randint(0, 6))] for _ in range(n)]
+        ids, labels, pos, cu, src, rows, cols, last = [], [], [], [0], [], [], [], []
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            s = p + r
+            off = len(ids)
+            ids += s
+            labels += s[1:] + [5]
+            pos += list(range(len(s)))
+            cu.append(off + len(s))
+            for j in range(len(r)):
+                src.append(off + len(p) - 1 + j)
+                rows.append(b)
+                cols.append(j)
+            last.append(off + len(s) - 1)
+        mb = build_micro_batch(prompts, responses, "cpu", True, pad_token_id=5)
+        assert mb.input_ids.tolist() == [ids] and mb.labels.tolist() == [labels] and mb.position_ids.tolist() == [pos]
+        assert mb.cu_seqlens.dtype == torch.int32 and mb.cu_seqlens.tolist() == cu
+        assert (mb.src_index.tolist(), mb.dst_row.tolist(), mb.dst_col.tolist()) == (src, rows, cols)
+        assert mb.last_index.tolist() == last and mb.attention_mask is None
+        assert mb.max_seqlen == max(len(p) + len(r) for p, r in zip(prompts, responses)) and mb.batch_size == n
+    # a rank without sequences still lays out one pad token (its forward keeps collectives in step)
+    empty = build_micro_batch([], [], "cpu", True, pad_token_id=5)
+    assert empty.input_ids.tolist() == [[5]] and empty.src_index.numel() == 0 and empty.batch_size == 1
