@@ -12,6 +12,10 @@ local shards (`build_fsdp_model` does all of it). Units, in execution order:
   forward when training: backward starts there immediately;
 * the root last, holding whatever is left.
 
+With shard groups of one rank (one GPU, or HYBRID_SHARD with `fsdp_size=1`) there are no
+units: the same DTensor parameters get the lean runtime of `sharding.replicate`, unless they
+live on the CPU (`offload_policy`), where the whole model is one FSDP2 unit.
+
 `shard_placement_fn` shards every parameter on its TP dimension (`models.parallel_plan`), so
 that chunk `k` of the shard group lies inside TP shard `k // (S/t)` and the resharder can fill
 the engine with zero redundancy (docs/ARCHITECTURE.md).
@@ -86,14 +90,16 @@ class FSDPConfig:
         "help": "-1: FULL_SHARD over all ranks; N: HYBRID_SHARD, shard over groups of N ranks, replicate across "
                 "(the actor's value builds the one training mesh; ref / critic: -1 or the same)"})
     forward_prefetch: bool = field(default=False, metadata={
-        "help": "explicit prefetch chains: gather the next unit in forward (previous in backward) while computing"})
+        "help": "explicit prefetch chains: gather the next unit in forward (previous in backward) while computing "
+                "(nothing to gather with shard groups of one rank: one GPU, fsdp_size=1)"})
     model_dtype: str = field(default="fp32", metadata={
         "help": "dtype of the sharded (master) parameters: fp32 to train, bf16 is enough for a frozen reference"})
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig, metadata={
         "help": "compute / reduce dtypes (param_dtype, reduce_dtype, buffer_dtype)"})
     wrap_policy: dict = field(default_factory=lambda: {"min_num_params": 0}, metadata={
         "help": "min_num_params: 0 = one FSDP unit per block, N = consecutive blocks grouped into units of >= N "
-                "params; transformer_layer_cls_to_wrap may only name the decoder block (always wrapped)"})
+                "params; transformer_layer_cls_to_wrap may only name the decoder block (always wrapped); with shard "
+                "groups of one rank there are no units (sharding.replicate)"})
 
     def __post_init__(self):
         if isinstance(self.mixed_precision, dict):
