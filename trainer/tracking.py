@@ -140,16 +140,20 @@ def banner(info: dict) -> str:
     """The start-up banner: three lines from `run_info`."""
     gpu = f" ({info['gpu']})" if info["gpu"] else ""
     accel = (f"CUDA {info['cuda']}, NCCL {info['nccl']}" if info["device"] == "cuda" else "CPU (no CUDA)")
-    replicate = f" x {info['dp_replicate']} replicas" if info["fsdp"] == "HYBRID_SHARD" else ""
     start = f"resumed at step {info['start_step']}" if info["start_step"] else "fresh start"
     def count(n, what):
         return f"{n} {what}" + ("" if n == 1 else "s")
 
+    if info["dp_shard"] == 1:  # nothing sharded: every rank holds the whole model (sharding.replicate)
+        training = f"unsharded, {count(info['dp_replicate'], 'replica')}"
+    else:
+        replicate = f" x {info['dp_replicate']} replicas" if info["fsdp"] == "HYBRID_SHARD" else ""
+        training = f"{info['fsdp']} over {count(info['dp_shard'], 'rank')}{replicate}"
+
     return "\n".join([
         f"meshppo {info['meshppo']} | torch {info['torch']} | {accel} | python {info['python']}",
         f"world: {count(info['world_size'], 'rank')} = {count(info['nodes'], 'node')} x {info['ranks_per_node']}, "
-        f"{info['device']}{gpu}, {info['backend']} | training: {info['fsdp']} over "
-        f"{count(info['dp_shard'], 'rank')}{replicate} | generation: TP {info['tp']} x "
+        f"{info['device']}{gpu}, {info['backend']} | training: {training} | generation: TP {info['tp']} x "
         f"{count(info['rollout_dp'], 'engine replica')}",
         f"run directory: {info['run_dir']} ({start})",
     ])

@@ -65,6 +65,11 @@ def test_banner_of_a_gpu_hsdp_run():
         "world: 16 ranks = 2 nodes x 8, cuda (NVIDIA H200), nccl | training: HYBRID_SHARD over 8 ranks x 2 "
         "replicas | generation: TP 2 x 8 engine replicas",
         "run directory: /r (fresh start)"]
+    # shard groups of one rank: nothing sharded, each rank a replica (one GPU: one replica)
+    for world, replicas in ((1, "1 replica"), (8, "8 replicas")):
+        info.update(world_size=world, nodes=1, ranks_per_node=world, fsdp="HYBRID_SHARD" if world > 1 else "FULL_SHARD",
+                    dp_shard=1, dp_replicate=world, tp=1, rollout_dp=world)
+        assert f"| training: unsharded, {replicas} | generation: TP 1 x " in banner(info).splitlines()[1]
 
 
 def test_dump_generations_writes_verl_layout(tmp_path):
