@@ -148,6 +148,44 @@ def test_param_and_optimizer_offload_free_device_memory(meshes):
     _train_step(model, opt, args.vocab_size, seq=32)
 
 
+def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
+    """One GPU (a shard group of one rank, `sharding.replicate`): the fp32 masters live in one
+    buffer, the bf16 copy only from a forward to the end of its backward, the gradient buffer
+    only until the trainer's step drops it, and nothing grows from step to step; `ShardAdamW`
+    (fused, on the local tensors) updates bit for bit as `torch.optim.AdamW` (fused, through
+    DTensor), a skipped step (`found_inf`) included."""
+    from sharding.optim import ShardAdamW
+    from sharding.replicate import replicated_params
+
+    results = []
+    for cls in (torch.optim.AdamW, ShardAdamW):
+        model = build_fsdp_model(SMALL, meshes.train, FSDPConfig(), device=DEV)
+        load_full_tensors(model, _peaky_weights(model, seed=1))
+        rp = replicated_params(model)
+        opt = cls(model.parameters(), lr=1e-3, fused=True)
+        after = []
+        for step in range(3):
+            ids = torch.randint(0, SMALL.vocab_size, (2, 64), generator=torch.Generator().manual_seed(step)).to(DEV)
+            logits = model(ids[:, :-1])
+            assert rp._installed and all(c.allocated for c, _ in rp._compute_flats)
+            F.cross_entropy(logits.reshape(-1, SMALL.vocab_size).float(), ids[:, 1:].reshape(-1)).backward()
+            assert not rp._installed and not any(c.allocated for c, _ in rp._compute_flats)
+            assert rp._grads.allocated and all(p.grad.dtype == torch.float32 for p in model.parameters())
+            opt.found_inf = torch.tensor(1.0 if step == 1 else 0.0, device=DEV)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            release_gradients(model)
+            assert not rp._grads.allocated
+            torch.cuda.synchronize()
+            after.append(torch.cuda.memory_allocated(DEV))
+        assert after[2] <= after[1] + (1 << 20), after
+        assert len({p.to_local().untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        assert float(opt.state[next(model.parameters())]["step"]) == 2  # the flagged step was skipped
+        results.append([t.to_local().clone() for p in model.parameters()
+                        for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def _alive_cuda_tensors(min_bytes=1 << 20):
     """What still holds device memory (for the failure message): the largest live CUDA tensors and who refers to them."""
     import gc
