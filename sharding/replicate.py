@@ -12,9 +12,10 @@ and the checkpoints see exactly what FSDP2 gives them — and replaces only the 
   copies: the cast before a forward is one kernel;
 * before a forward the compute copies are registered on the modules (after it, or after the
   backward when there is one, the masters are registered again and the copies' memory freed);
-* at the end of each backward, the gradients (compute dtype) go into a flat buffer of reduce
-  dtype, are averaged over the replicas with one all-reduce (none on one rank), and are added
-  to the masters' gradients, DTensors over one flat buffer that stay the same objects.
+* at the end of each backward, the gradients (compute dtype) are concatenated into one flat
+  tensor, averaged over the replicas in the reduce dtype with one all-reduce (none on one
+  rank), and added to the masters' gradients, DTensors over one flat buffer that stay the same
+  objects.
 
 A frozen model whose masters already have the compute dtype (a bf16 reference, a LoRA base)
 is computed from its masters directly: no copy at all.
@@ -214,35 +215,32 @@ class ReplicatedParams:
     def post_backward(self) -> None:
         """This backward's gradients, averaged over the replicas, added to the masters'."""
         masters, compute = self.masters, self.compute
-        new = [compute[i].grad for i in self._trainable]
+        # The gradients as one flat tensor in the gradient buffer's layout, by one concatenation:
+        # handing them over one by one with a dtype change runs a kernel per parameter. A
+        # parameter this rank's loss did not reach contributes zeros.
+        flat = torch.cat([(compute[i].grad if compute[i].grad is not None else torch.zeros_like(compute[i])).reshape(-1)
+                          for i in self._trainable])
+        for i in self._trainable:
+            compute[i].grad = None
         if self._reduce is not None:
             self._reduce.alloc()
-            present = [(v, g) for v, g in zip(self._reduce.views, new) if g is not None]
-            if len(present) < len(new):
-                self._reduce.buf.zero_()  # a parameter this rank's loss did not reach: zeros
-            if present:
-                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            self._reduce.buf.copy_(flat)
+            del flat
             comm.all_reduce(self._reduce.buf, group=self._group)
-            self._reduce.buf.mul_(1.0 / self.replicas)
-            new = self._reduce.views
+            flat = self._reduce.buf.mul_(1.0 / self.replicas)
         have = [masters[i].grad is not None for i in self._trainable]
-        pairs = [(v, g) for v, g in zip(self._grads.views, new) if g is not None]
-        first = not any(have)
-        if first:  # the first backward since the optimizer dropped the gradients
+        if not any(have):  # the first backward since the optimizer dropped the gradients
             self._grads.alloc()
-            if len(pairs) < len(new):
-                self._grads.buf.zero_()
+            self._grads.buf.copy_(flat)
             for i, g in zip(self._trainable, self._grad_dtensors):
                 masters[i].grad = g
-        elif not all(have):
+        else:
             for k, i in enumerate(self._trainable):
                 if not have[k]:
                     self._grads.views[k].zero_()
                     masters[i].grad = self._grad_dtensors[k]
-        if pairs:
-            (torch._foreach_copy_ if first else torch._foreach_add_)([v for v, _ in pairs], [g for _, g in pairs])
-        for i in self._trainable:
-            compute[i].grad = None
+            self._grads.buf.add_(flat)
+        del flat
         if self._reduce is not None:
             self._reduce.free()
         self._pending = False
