@@ -215,7 +215,7 @@ def main(argv=None) -> int:
             measured = rows[1:] or rows
             med = lambda k: statistics.median(r[k] for r in measured if k in r)  # noqa: E731
             timing = {k: med(k) for k in measured[0] if k.startswith("timing_s/")}
-            emit("ppo_step", {"model": a.model, "workload": workload, "prompts": prompts,
+            emit("ppo_step", {"model": a.model, "workload": workload, "prompts": cfg.data.train_batch_size,
                               "n": cfg.actor_rollout_ref.rollout.n, "prompt_len": prompt_len,
                               "response_len": response_len, "smoke": a.smoke,
                               "world_size": ctx.world_size, "overrides": list(a.overrides)},
