@@ -222,7 +222,7 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
         if cfg.offload_policy:
             fully_shard(model, reshard_after_forward=ends, **common)
         else:
-            apply_replicated(model, mesh, names, param_dtype=param_dtype, reduce_dtype=cfg.reduce_torch_dtype,
+            apply_replicated(model, mesh, param_dtype=param_dtype, reduce_dtype=cfg.reduce_torch_dtype,
                              keep_after_forward=not trainable and not reshard,
                              shard_dim=lambda name, shape: fsdp_shard_dim(name, shape, 1))
         return model

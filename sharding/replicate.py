@@ -72,17 +72,18 @@ class ReplicatedParams:
     keeps its compute copies registered between forwards (FSDP's `reshard_after_forward=False`).
     """
 
-    def __init__(self, model: nn.Module, mesh, names: dict, *, param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, keep_after_forward: bool, shard_dim):
+    def __init__(self, model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 keep_after_forward: bool, shard_dim):
         if mesh.size(mesh.ndim - 1) != 1:
             raise ValueError(f"ReplicatedParams needs shard groups of one rank, the mesh shards over "
                              f"{mesh.size(mesh.ndim - 1)}")
-        self.model, self.mesh = model, mesh
+        self.mesh = mesh
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.keep_after_forward = keep_after_forward
         self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self._group = mesh.get_group(0) if self.replicas > 1 else None
         # Every registration (module, name) of a parameter, and the parameters once each.
+        names = {id(p): n for n, p in model.named_parameters()}
         self.slots: list[tuple[nn.Module, str, int]] = []
         self.masters: list[nn.Parameter] = []
         index: dict[int, int] = {}
@@ -92,9 +93,8 @@ class ReplicatedParams:
                     continue
                 if id(p) not in index:
                     index[id(p)] = len(self.masters)
-                    placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(shard_dim(names[p], p.shape)),)
-                    local = p.detach() if not isinstance(p, DTensor) else p.to_local().detach()
-                    self.masters.append(nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
+                    placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(shard_dim(names[id(p)], p.shape)),)
+                    self.masters.append(nn.Parameter(DTensor.from_local(p.detach(), mesh, placements, run_check=False),
                                                      requires_grad=p.requires_grad))
                 self.slots.append((module, name, index[id(p)]))
         for module, name, i in self.slots:
@@ -111,11 +111,11 @@ class ReplicatedParams:
         meta model, and the weights are loaded after it."""
         masters = self.masters
         device = masters[0].to_local().device
-        self._cast_idx = [i for i, m in enumerate(masters) if m.dtype != self.param_dtype]
         with torch.no_grad():
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for i in self._cast_idx:
-                by_dtype.setdefault(masters[i].dtype, []).append(i)
+            by_dtype: dict[torch.dtype, list[int]] = {}  # the masters to cast, by their dtype
+            for i, m in enumerate(masters):
+                if m.dtype != self.param_dtype:
+                    by_dtype.setdefault(m.dtype, []).append(i)
             self._master_flats, self._compute_flats = [], []
             for dtype, idx in by_dtype.items():
                 locals_ = [masters[i]._local_tensor for i in idx]
@@ -177,7 +177,7 @@ class ReplicatedParams:
 
     def release(self) -> None:
         """Masters registered, compute copies freed, and the gradient buffer freed when the
-        optimizer holds no gradients (before generation, before an offload)."""
+        optimizer holds no gradients (`reshard_all`: before an offload, when a resharder is built)."""
         self.uninstall()
         self.release_gradients()
 
@@ -247,12 +247,13 @@ class ReplicatedParams:
         self.uninstall()
 
 
-def apply_replicated(model: nn.Module, mesh, names: dict, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+def apply_replicated(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                      keep_after_forward: bool, shard_dim) -> ReplicatedParams:
-    """Give `model` (on meta or materialised) the replicated runtime; returns it."""
+    """Give `model` (on meta or materialised) the replicated runtime; returns it. `shard_dim(name,
+    shape)`: the dimension each parameter's placement names (FSDP2's choice, for the resharder)."""
     if replicated_params(model) is not None:
         raise RuntimeError("this model already has a replicated runtime")
-    rp = ReplicatedParams(model, mesh, names, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    rp = ReplicatedParams(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                           keep_after_forward=keep_after_forward, shard_dim=shard_dim)
     model.register_forward_pre_hook(rp.pre_forward, with_kwargs=True)
     model.register_forward_hook(rp.post_forward)

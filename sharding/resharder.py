@@ -321,9 +321,6 @@ class Resharder:
     def reshard(self) -> ReshardStats:
         """Fill this rank's engine slots from the FSDP shards (collective over each shard group)."""
         t0 = time.perf_counter()
-        # Frees what the training runtime still holds between phases (with shard groups of one
-        # rank: the gradient buffer the optimizer has dropped) before the engine fills up.
-        reshard_all(self.model)
         stats = self._new_stats(naive=False)
         views = self._views()
         cuda = self.device.type == "cuda"

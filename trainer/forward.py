@@ -78,8 +78,8 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
 
 def _packed_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, pad_token_id: int) -> MicroBatch:
     """The packed layout, built with whole-array operations: one pass over the token lists
-    (`np.fromiter`), none per sequence (per-sequence Python loops took 3.5 ms of host time for
-    a micro-batch of 32 sequences of 384 tokens; this takes 0.3 ms)."""
+    (`np.fromiter`), none per sequence (per-sequence Python loops took 3.4 ms of host time for
+    a micro-batch of 32 sequences of 384 tokens; this takes 0.4 ms)."""
     n = len(prompts)
     lp = np.fromiter(map(len, prompts), dtype=np.int64, count=n)
     lr = np.fromiter(map(len, responses), dtype=np.int64, count=n)

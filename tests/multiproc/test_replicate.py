@@ -70,7 +70,7 @@ def _body(rank, world):
     loss(model, ids).backward()
     assert rp._grads.allocated and all(p.grad is g for p, g in zip(model.parameters(), grads))
     opt.zero_grad(set_to_none=True)
-    reshard_all(model)  # what the resharder does before generation: the gradient buffer goes
+    reshard_all(model)  # what offload and the resharder's set-up call: the gradient buffer goes too
     assert not rp._grads.allocated
 
     # bf16 compute: the registered copies are the masters cast (one kernel), freed after use.
@@ -136,8 +136,7 @@ def _unused_body(rank, world):
     torch.manual_seed(0)
     model, ref = _TwoLayers(), _TwoLayers()
     ref.load_state_dict(model.state_dict())
-    names = {p: n for n, p in model.named_parameters()}
-    apply_replicated(model, mesh, names, param_dtype=torch.float32, reduce_dtype=torch.float32,
+    apply_replicated(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
                      keep_after_forward=False, shard_dim=lambda name, shape: 0)
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for step in range(2):  # the second step accumulates onto the first's gradients
