@@ -53,6 +53,18 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     return buf.to(t.device)
 
 
+def all_reduce_async(t: torch.Tensor, op: str = "sum", group=None):
+    """Start reducing `t` in place over `group`; returns the work to `wait()` on (None when
+    there is nothing to reduce). `t` must already live on the group's device: an asynchronous
+    reduction of a copy would hand nothing back."""
+    if world_size(group) == 1:
+        return None
+    dev = group_device(group)
+    if t.device != dev:
+        raise ValueError(f"all_reduce_async needs a tensor on {dev} for this group, got one on {t.device}")
+    return dist.all_reduce(t, op=_OPS[op], group=group, async_op=True)
+
+
 def all_reduce_values(values: Sequence[float], op: str = "sum", group=None) -> list[float]:
     """Reduce a few Python numbers in one collective (float64, so integer counts stay exact)."""
     t = torch.tensor(list(values), dtype=torch.float64, device=group_device(group))
@@ -75,4 +87,4 @@ def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [p.to(t.device) for p in parts]
 
 
-__all__ = ["all_gather", "all_reduce", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
+__all__ = ["all_gather", "all_reduce", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]

@@ -216,8 +216,8 @@ def apply_fsdp(model: Transformer, mesh, cfg: FSDPConfig, *, trainable: bool = T
         # i.e. plain data parallelism): nothing to gather, so FSDP2's per-parameter host work at
         # every pass buys nothing (on an H200 the 0.5b update was bound by it: BENCHMARKS.md).
         # The same DTensor parameters get a lean runtime instead: one cast kernel before a
-        # forward, one all-reduce of the gradients over the replicas after a backward
-        # (`sharding.replicate`). Parameters living on the CPU (`offload_policy`) stay with
+        # forward, the gradients all-reduced over the replicas in buckets while the backward
+        # runs (`sharding.replicate`). Parameters living on the CPU (`offload_policy`) stay with
         # FSDP2's CPUOffloadPolicy, as one unit.
         if cfg.offload_policy:
             fully_shard(model, reshard_after_forward=ends, **common)

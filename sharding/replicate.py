@@ -12,10 +12,19 @@ and the checkpoints see exactly what FSDP2 gives them — and replaces only the 
   copies: the cast before a forward is one kernel;
 * before a forward the compute copies are registered on the modules (after it, or after the
   backward when there is one, the masters are registered again and the copies' memory freed);
-* at the end of each backward, the gradients (compute dtype) are concatenated into one flat
-  tensor, averaged over the replicas in the reduce dtype with one all-reduce (none on one
-  rank), and added to the masters' gradients, DTensors over one flat buffer that stay the same
-  objects.
+* during each backward, the gradients (compute dtype) are handed over in buckets of at least
+  `bucket_numel` elements, as soon as every gradient of a bucket has been accumulated (in the
+  order the backward produces them: from the last layers to the first). With replicas each
+  bucket is copied into a reduce-dtype buffer and all-reduced asynchronously, so the
+  communication runs behind the rest of the backward (as PyTorch's DDP does); at the end of the
+  backward the average is added to the masters' gradients, DTensors over one flat buffer that
+  stay the same objects. On one rank a bucket goes straight into that buffer. Either way a
+  gradient's compute-dtype memory is freed as soon as its bucket is handed over.
+
+Buckets are always handed over in the same order on every rank: a bucket waits for the one
+before it, so a parameter that one rank's loss does not reach (its bucket, and those after it,
+go at the end of that rank's backward, with zeros for it) cannot put the ranks' all-reduces out
+of step.
 
 A frozen model whose masters already have the compute dtype (a bf16 reference, a LoRA base)
 is computed from its masters directly: no copy at all.
@@ -33,6 +42,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sharding import comm
 
 _ATTR = "_meshppo_replicated"
+
+#: Gradient elements per bucket (128 MB of fp32): on NVLink an all-reduce of that size runs near
+#: the link's bandwidth, and a 0.5b model has ~15 buckets to overlap with its backward.
+BUCKET_NUMEL = 1 << 25
 
 
 def replicated_params(model: nn.Module) -> "ReplicatedParams | None":
@@ -70,10 +83,15 @@ class ReplicatedParams:
     with a shard dimension of size 1. `param_dtype`: the compute dtype; `reduce_dtype`: the
     dtype gradients are averaged over the replicas in. `keep_after_forward`: a frozen model
     keeps its compute copies registered between forwards (FSDP's `reshard_after_forward=False`).
+    `bucket_numel`: gradient elements handed over together (a bucket closes with the parameter
+    that takes it to that size).
     """
 
     def __init__(self, model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 keep_after_forward: bool, shard_dim):
+                 keep_after_forward: bool, shard_dim, bucket_numel: int = BUCKET_NUMEL):
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be at least 1, got {bucket_numel}")
+        self.bucket_numel = bucket_numel
         if mesh.size(mesh.ndim - 1) != 1:
             raise ValueError(f"ReplicatedParams needs shard groups of one rank, the mesh shards over "
                              f"{mesh.size(mesh.ndim - 1)}")
@@ -135,6 +153,9 @@ class ReplicatedParams:
             if self.compute[i] is None:  # already in the compute dtype: computed from the master itself
                 self.compute[i] = nn.Parameter(m.to_local(), requires_grad=m.requires_grad)
         self._trainable = [i for i, m in enumerate(masters) if m.requires_grad]
+        self._grads = self._reduce = None
+        self._buckets, self._sizes = [], []
+        self._reset_buckets()
         if self._trainable:
             dtypes = {masters[i].dtype for i in self._trainable}
             if len(dtypes) != 1:
@@ -147,7 +168,39 @@ class ReplicatedParams:
                 if self.replicas > 1 else None
             if self._reduce is not None:
                 self._reduce.free()
+            self._make_buckets()
         self._built = True
+
+    def _make_buckets(self) -> None:
+        """Contiguous ranges of the trainable parameters (`self._trainable` positions, which are
+        also the gradient buffer's layout), from the last parameter backwards: bucket 0 holds the
+        parameters a backward reaches first. Each compute parameter gets a hook that counts its
+        bucket down once its gradient is accumulated."""
+        numels = self._grads.numels
+        self._offsets = [0]
+        for n in numels:
+            self._offsets.append(self._offsets[-1] + n)
+        self._buckets: list[tuple[int, int]] = []
+        hi = len(numels)
+        while hi > 0:  # a bucket closes once it holds bucket_numel elements (DDP's rule)
+            lo, size = hi, 0
+            while lo > 0 and size < self.bucket_numel:
+                lo -= 1
+                size += numels[lo]
+            self._buckets.append((lo, hi))
+            hi = lo
+        self._sizes = [hi - lo for lo, hi in self._buckets]
+        for b, (lo, hi) in enumerate(self._buckets):
+            for k in range(lo, hi):
+                self.compute[self._trainable[k]].register_post_accumulate_grad_hook(
+                    lambda _p, b=b: self._on_gradient(b))
+        self._remaining = list(self._sizes)
+
+    def _reset_buckets(self) -> None:
+        self._remaining = list(self._sizes)  # gradients each bucket still waits for in this backward
+        self._next = 0  # the next bucket to hand over
+        self._works: list = []  # this backward's pending all-reduces
+        self._fresh = False  # whether this backward's gradients start the masters' (else: add to them)
 
     # ------------------------------------------------------------------ runtime
     def install(self) -> None:
@@ -211,50 +264,83 @@ class ReplicatedParams:
             torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
         return grad
 
+    def _on_gradient(self, b: int) -> None:
+        """A gradient of bucket `b` has been accumulated: hand over every bucket that is complete
+        and has all the buckets before it handed over."""
+        if b < self._next:
+            raise RuntimeError("a parameter received a second gradient in one backward after its bucket was "
+                               "handed over; the replicated runtime supports one accumulation per backward")
+        self._remaining[b] -= 1
+        while self._next < len(self._buckets) and self._remaining[self._next] == 0:
+            self._hand_over(self._next)
+
+    @torch.no_grad()
+    def _hand_over(self, b: int) -> None:
+        """Bucket `b`'s gradients, as one concatenation (handing them over one by one with a dtype
+        change runs a kernel per parameter): all-reduced asynchronously into the reduce buffer
+        with replicas, else added to the masters' gradients. A parameter this backward did not
+        reach contributes zeros. Buckets are handed over in order, 0 first."""
+        masters, compute = self.masters, self.compute
+        if b == 0:  # the first bucket of a backward: where its gradients go
+            have = [masters[i].grad is not None for i in self._trainable]
+            self._fresh = not any(have)
+            if self._fresh:  # the first backward since the optimizer dropped the gradients
+                self._grads.alloc()
+            else:
+                for k, i in enumerate(self._trainable):
+                    if not have[k]:
+                        self._grads.views[k].zero_()
+                        masters[i].grad = self._grad_dtensors[k]
+            if self._reduce is not None:
+                self._reduce.alloc()
+        lo, hi = self._buckets[b]
+        idx = self._trainable[lo:hi]
+        flat = torch.cat([(compute[i].grad if compute[i].grad is not None else torch.zeros_like(compute[i])).reshape(-1)
+                          for i in idx])
+        for i in idx:
+            compute[i].grad = None
+        start, stop = self._offsets[lo], self._offsets[hi]
+        if self._reduce is not None:
+            dst = self._reduce.buf[start:stop]
+            dst.copy_(flat)
+            self._works.append(comm.all_reduce_async(dst, group=self._group))
+        elif self._fresh:
+            self._grads.buf[start:stop].copy_(flat)
+        else:
+            self._grads.buf[start:stop].add_(flat)
+        self._next = b + 1
+
     @torch.no_grad()
     def post_backward(self) -> None:
-        """This backward's gradients, averaged over the replicas, added to the masters'."""
-        masters, compute = self.masters, self.compute
-        # The gradients as one flat tensor in the gradient buffer's layout, by one concatenation:
-        # handing them over one by one with a dtype change runs a kernel per parameter. A
-        # parameter this rank's loss did not reach contributes zeros.
-        flat = torch.cat([(compute[i].grad if compute[i].grad is not None else torch.zeros_like(compute[i])).reshape(-1)
-                          for i in self._trainable])
-        for i in self._trainable:
-            compute[i].grad = None
+        """The end of a backward: the buckets not handed over yet (a parameter this backward did
+        not reach holds them back), then, with replicas, the all-reduced average added to the
+        masters' gradients."""
+        while self._next < len(self._buckets):
+            self._hand_over(self._next)
         if self._reduce is not None:
-            self._reduce.alloc()
-            self._reduce.buf.copy_(flat)
-            del flat
-            comm.all_reduce(self._reduce.buf, group=self._group)
+            for work in self._works:
+                work.wait()
             flat = self._reduce.buf.mul_(1.0 / self.replicas)
-        have = [masters[i].grad is not None for i in self._trainable]
-        if not any(have):  # the first backward since the optimizer dropped the gradients
-            self._grads.alloc()
-            self._grads.buf.copy_(flat)
-            for i, g in zip(self._trainable, self._grad_dtensors):
-                masters[i].grad = g
-        else:
-            for k, i in enumerate(self._trainable):
-                if not have[k]:
-                    self._grads.views[k].zero_()
-                    masters[i].grad = self._grad_dtensors[k]
-            self._grads.buf.add_(flat)
-        del flat
-        if self._reduce is not None:
+            if self._fresh:
+                self._grads.buf.copy_(flat)
+            else:
+                self._grads.buf.add_(flat)
             self._reduce.free()
+        if self._fresh:
+            for i, g in zip(self._trainable, self._grad_dtensors):
+                self.masters[i].grad = g
+        self._reset_buckets()
         self._pending = False
         self.uninstall()
 
-
 def apply_replicated(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                     keep_after_forward: bool, shard_dim) -> ReplicatedParams:
+                     keep_after_forward: bool, shard_dim, bucket_numel: int = BUCKET_NUMEL) -> ReplicatedParams:
     """Give `model` (on meta or materialised) the replicated runtime; returns it. `shard_dim(name,
     shape)`: the dimension each parameter's placement names (FSDP2's choice, for the resharder)."""
     if replicated_params(model) is not None:
         raise RuntimeError("this model already has a replicated runtime")
     rp = ReplicatedParams(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                          keep_after_forward=keep_after_forward, shard_dim=shard_dim)
+                          keep_after_forward=keep_after_forward, shard_dim=shard_dim, bucket_numel=bucket_numel)
     model.register_forward_pre_hook(rp.pre_forward, with_kwargs=True)
     model.register_forward_hook(rp.post_forward)
     model.__dict__[_ATTR] = rp

@@ -153,15 +153,19 @@ def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
     buffer, the bf16 copy only from a forward to the end of its backward, the gradient buffer
     only until the trainer's step drops it, and nothing grows from step to step; `ShardAdamW`
     (fused, on the local tensors) updates bit for bit as `torch.optim.AdamW` (fused, through
-    DTensor), a skipped step (`found_inf`) included."""
+    DTensor), a skipped step (`found_inf`) included; gradients handed over in small buckets
+    during the backward (hooks on the autograd thread, a copy per bucket) update bit for bit as
+    one bucket at its end."""
     from sharding.optim import ShardAdamW
     from sharding.replicate import replicated_params
 
     results = []
-    for cls in (torch.optim.AdamW, ShardAdamW):
+    for cls, bucket_numel in ((torch.optim.AdamW, None), (ShardAdamW, None), (ShardAdamW, 50_000)):
         model = build_fsdp_model(SMALL, meshes.train, FSDPConfig(), device=DEV)
         load_full_tensors(model, _peaky_weights(model, seed=1))
         rp = replicated_params(model)
+        if bucket_numel:
+            rp.bucket_numel = bucket_numel  # read when the buffers are laid out, at the first forward
         opt = cls(model.parameters(), lr=1e-3, fused=True)
         after = []
         for step in range(3):
@@ -181,9 +185,11 @@ def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
         assert after[2] <= after[1] + (1 << 20), after
         assert len({p.to_local().untyped_storage().data_ptr() for p in model.parameters()}) == 1
         assert float(opt.state[next(model.parameters())]["step"]) == 2  # the flagged step was skipped
+        assert len(rp._buckets) == (1 if bucket_numel is None else 21)
         results.append([t.to_local().clone() for p in model.parameters()
                         for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
 def _alive_cuda_tensors(min_bytes=1 << 20):

@@ -3,11 +3,13 @@
 `tests/multiproc/test_fsdp.py` checks that it trains exactly like one process; here, what is
 particular to it: gradients accumulated over several backward passes, a parameter that one
 rank's loss does not reach, a forward without grad between a forward and its backward, the
-compute copies being the masters cast, and the memory it frees between uses.
+compute copies being the masters cast, the memory it frees between uses, and the gradients
+handed over (all-reduced) in buckets while the backward still runs.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -94,6 +96,71 @@ def test_replicated_runtime_accumulates_reduces_and_frees():
     run_distributed(_body, 2)
 
 
+def _bucket_body(rank, world):
+    """Small buckets: the backward hands them over (all-reduces them, with replicas) while it
+    still runs, frees each bucket's compute gradients then, and the result is the same replica
+    mean as one reduction at the end."""
+    from sharding import comm
+
+    args = ModelArgs(**ARGS)
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    model = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=1, mixed_precision=FP32), seed=0)
+    rp = replicated_params(model)
+    rp.bucket_numel = 3000  # read when the buffers are laid out, at the first forward
+    ref = Transformer.build(args, seed=0)
+    batches = _batches(world)
+    started = []
+    real_async = comm.all_reduce_async
+    comm.all_reduce_async = lambda t, **kw: started.append(t.numel()) or real_async(t, **kw)
+    seen = []
+
+    def at_first_block(module, grad_output):  # the backward reaches the first block
+        handed = [rp._trainable[k] for lo, hi in rp._buckets[:rp._next] for k in range(lo, hi)]
+        seen.append((rp._next, len(started), all(rp.compute[i].grad is None for i in handed)))
+
+    model.layers[0].register_full_backward_pre_hook(at_first_block)
+    try:
+        def loss(m, ids):
+            return m(ids).float().pow(2).mean()
+
+        ids = batches[rank]
+        launches = []
+        for part in (ids[:2], ids[2:]):  # two micro-batches: the second adds to the first's gradients
+            started.clear()
+            loss(model, part).backward()
+            launches.append(len(started))
+    finally:
+        comm.all_reduce_async = real_async
+    # The buckets: contiguous ranges from the last parameter back to the first, each closed by the
+    # parameter that takes it to the size (the last one holds what is left).
+    numels = rp._grads.numels
+    assert len(rp._buckets) >= 6 and rp._buckets[0][1] == len(rp._trainable) and rp._buckets[-1][0] == 0
+    for (lo, hi), (lo2, hi2) in zip(rp._buckets, rp._buckets[1:]):
+        assert hi2 == lo and sum(numels[lo:hi]) >= 3000 > sum(numels[lo + 1:hi])
+    # Handed over during the backward: every bucket of the blocks after the first (their
+    # gradients already freed), and with replicas their all-reduces already started.
+    for handed, launched, freed in seen:
+        assert handed >= 4 and freed
+        assert launched == (handed if world > 1 else 0)
+    assert launches == [len(rp._buckets) if world > 1 else 0] * 2 and len(seen) == 2
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        (loss(ref, batches[r][:2]) + loss(ref, batches[r][2:])).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad / world
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
+def test_gradients_are_handed_over_in_buckets_during_the_backward():
+    run_distributed(_bucket_body, 2)
+
+
+def test_one_rank_hands_buckets_into_the_gradient_buffer():
+    run_distributed(_bucket_body, 1)
+
+
 def _frozen_body(rank, world):
     """A frozen bf16 model (the reference) is computed from its masters: nothing is copied."""
     args = ModelArgs(**ARGS)
@@ -127,17 +194,19 @@ class _TwoLayers(torch.nn.Module):
         return self.b(y) if use_b else y
 
 
-def _unused_body(rank, world):
+def _unused_body(rank, world, bucket_numel):
     """A parameter one rank's loss does not reach has no gradient there: it counts as zero in
-    the replica mean, and the ranks' collectives stay in step."""
+    the replica mean, and the ranks' collectives stay in step (with a bucket per parameter, the
+    rank that reaches `b` all-reduces every bucket during its backward, the other one all of
+    them at its end, in the same order)."""
     from sharding.replicate import apply_replicated
 
     mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
     torch.manual_seed(0)
     model, ref = _TwoLayers(), _TwoLayers()
     ref.load_state_dict(model.state_dict())
-    apply_replicated(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                     keep_after_forward=False, shard_dim=lambda name, shape: 0)
+    rp = apply_replicated(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                          keep_after_forward=False, shard_dim=lambda name, shape: 0, bucket_numel=bucket_numel)
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for step in range(2):  # the second step accumulates onto the first's gradients
         model(xs[rank], use_b=rank == 0).pow(2).sum().backward()
@@ -151,7 +220,9 @@ def _unused_body(rank, world):
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert float(model.b.weight.grad.to_local().abs().sum()) > 0
+    assert len(rp._buckets) == (4 if bucket_numel == 1 else 1)
 
 
-def test_a_parameter_one_rank_does_not_reach_counts_as_zero():
-    run_distributed(_unused_body, 2)
+@pytest.mark.parametrize("bucket_numel", [1, 1 << 25])
+def test_a_parameter_one_rank_does_not_reach_counts_as_zero(bucket_numel):
+    run_distributed(_unused_body, 2, bucket_numel)
