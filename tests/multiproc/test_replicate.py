@@ -29,6 +29,23 @@ def _batches(world: int, n: int = 4, seq: int = 10):
     return [torch.randint(0, ARGS["vocab_size"], (n, seq), generator=gen) for _ in range(world)]
 
 
+def _loss(m, ids):
+    return m(ids).float().pow(2).mean()
+
+
+def _assert_replica_mean(model, ref, batches, world):
+    """The masters' gradients are the replica mean of each rank's two micro-batches (rows :2 and
+    2: of its batch), computed again on the unsharded reference."""
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        (_loss(ref, batches[r][:2]) + _loss(ref, batches[r][2:])).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad / world
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
 def _body(rank, world):
     args = ModelArgs(**ARGS)
     mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
@@ -40,28 +57,18 @@ def _body(rank, world):
 
     # Two backward passes (two micro-batches), with forwards without grad in between: the
     # masters' gradients are the replica mean of the per-rank sums.
-    def loss(m, ids):
-        return m(ids).float().pow(2).mean()
-
     ids = batches[rank]
-    loss(model, ids[:2]).backward()
+    _loss(model, ids[:2]).backward()
     assert rp._compute_flats == []  # fp32 compute: the masters themselves, nothing cast
     with torch.no_grad():  # a forward without grad does not disturb the pending one below
         model(ids[:1])
-    out = loss(model, ids[2:])
+    out = _loss(model, ids[2:])
     with torch.no_grad():
         model(ids[:1])
     assert rp._pending
     out.backward()
     assert not rp._pending and list(model.parameters()) == masters  # the masters are registered again
-    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
-    for r in range(world):
-        ref.zero_grad(set_to_none=True)
-        (loss(ref, batches[r][:2]) + loss(ref, batches[r][2:])).backward()
-        for n, p in ref.named_parameters():
-            expected[n] += p.grad / world
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    _assert_replica_mean(model, ref, batches, world)
 
     # The gradients are DTensors over one buffer, the same objects every step; an optimizer
     # step updates the masters in place (their local tensors live in one flat buffer per dtype).
@@ -69,7 +76,7 @@ def _body(rank, world):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _grad_norm_and_step(model, opt, 1.0)  # the trainer's step: clip, step, drop the gradients
     assert not rp._grads.allocated  # ... and their memory, for the phases after the update
-    loss(model, ids).backward()
+    _loss(model, ids).backward()
     assert rp._grads.allocated and all(p.grad is g for p, g in zip(model.parameters(), grads))
     opt.zero_grad(set_to_none=True)
     reshard_all(model)  # what offload and the resharder's set-up call: the gradient buffer goes too
@@ -120,14 +127,11 @@ def _bucket_body(rank, world):
 
     model.layers[0].register_full_backward_pre_hook(at_first_block)
     try:
-        def loss(m, ids):
-            return m(ids).float().pow(2).mean()
-
         ids = batches[rank]
         launches = []
         for part in (ids[:2], ids[2:]):  # two micro-batches: the second adds to the first's gradients
             started.clear()
-            loss(model, part).backward()
+            _loss(model, part).backward()
             launches.append(len(started))
     finally:
         comm.all_reduce_async = real_async
@@ -143,14 +147,7 @@ def _bucket_body(rank, world):
         assert handed >= 4 and freed
         assert launched == (handed if world > 1 else 0)
     assert launches == [len(rp._buckets) if world > 1 else 0] * 2 and len(seen) == 2
-    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
-    for r in range(world):
-        ref.zero_grad(set_to_none=True)
-        (loss(ref, batches[r][:2]) + loss(ref, batches[r][2:])).backward()
-        for n, p in ref.named_parameters():
-            expected[n] += p.grad / world
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    _assert_replica_mean(model, ref, batches, world)
 
 
 def test_gradients_are_handed_over_in_buckets_during_the_backward():
