@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -506,6 +507,32 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module):
+    """Backward passes inside leave the gradients unreduced over the data-parallel replicas;
+    the next backward outside reduces everything accumulated (DDP's `no_sync`). For the
+    micro-batches of a mini-batch before its last: one reduction per optimizer step instead of
+    one per micro-batch. Every rank must run the same number of backward passes inside.
+
+    Shard groups of one rank (`sharding.replicate`): no all-reduce, the gradients add up in the
+    gradient buffer. HYBRID_SHARD under FSDP2: each backward still reduce-scatters inside its
+    shard group (its gradients stay sharded), only the all-reduce over the replicas waits
+    (`set_requires_all_reduce`). FULL_SHARD: nothing to defer."""
+    rp = replicated_params(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if rp is not None:
+        rp.sync_gradients = False
+    for unit in units:
+        unit.set_requires_all_reduce(False, recurse=False)
+    try:
+        yield
+    finally:
+        if rp is not None:
+            rp.sync_gradients = True
+        for unit in units:
+            unit.set_requires_all_reduce(True, recurse=False)
 
 
 def release_gradients(model: nn.Module) -> None:

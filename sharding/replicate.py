@@ -14,12 +14,15 @@ and the checkpoints see exactly what FSDP2 gives them — and replaces only the 
   backward when there is one, the masters are registered again and the copies' memory freed);
 * during each backward, the gradients (compute dtype) are handed over in buckets of at least
   `bucket_numel` elements, as soon as every gradient of a bucket has been accumulated (in the
-  order the backward produces them: from the last layers to the first). With replicas each
-  bucket is copied into a reduce-dtype buffer and all-reduced asynchronously, so the
-  communication runs behind the rest of the backward (as PyTorch's DDP does); at the end of the
-  backward the average is added to the masters' gradients, DTensors over one flat buffer that
-  stay the same objects. On one rank a bucket goes straight into that buffer. Either way a
-  gradient's compute-dtype memory is freed as soon as its bucket is handed over.
+  order the backward produces them: from the last layers to the first), into the masters'
+  gradients: DTensors over one flat buffer that stay the same objects. A gradient's
+  compute-dtype memory is freed as soon as its bucket is handed over. With replicas, each
+  bucket's slice of that buffer is then all-reduced in place, asynchronously, so the
+  communication runs behind the rest of the backward (as PyTorch's DDP does), and divided by
+  the number of replicas at the end of the backward. Whatever the buffer held before (a mean
+  reduced earlier, the same on every replica, or sums of backward passes run without the
+  reduction: `sync_gradients = False`, DDP's `no_sync`) comes out as the replica mean too. A
+  reduce dtype other than the gradients' goes through a staging buffer of that dtype.
 
 Buckets are always handed over in the same order on every rank: a bucket waits for the one
 before it, so a parameter that one rank's loss does not reach (its bucket, and those after it,
@@ -44,7 +47,8 @@ from sharding import comm
 _ATTR = "_meshppo_replicated"
 
 #: Gradient elements per bucket (128 MB of fp32): on NVLink an all-reduce of that size runs near
-#: the link's bandwidth, and a 0.5b model has ~15 buckets to overlap with its backward.
+#: the link's bandwidth, and a 0.5b model has 11 buckets to overlap with its backward (the last,
+#: with the tied embedding, ready only at the backward's end).
 BUCKET_NUMEL = 1 << 25
 
 
@@ -84,7 +88,9 @@ class ReplicatedParams:
     dtype gradients are averaged over the replicas in. `keep_after_forward`: a frozen model
     keeps its compute copies registered between forwards (FSDP's `reshard_after_forward=False`).
     `bucket_numel`: gradient elements handed over together (a bucket closes with the parameter
-    that takes it to that size).
+    that takes it to that size). `sync_gradients`: whether a backward all-reduces over the
+    replicas (`sharding.fsdp.no_gradient_sync` turns it off for the micro-batches before a
+    mini-batch's last).
     """
 
     def __init__(self, model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -92,6 +98,7 @@ class ReplicatedParams:
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be at least 1, got {bucket_numel}")
         self.bucket_numel = bucket_numel
+        self.sync_gradients = True
         if mesh.size(mesh.ndim - 1) != 1:
             raise ValueError(f"ReplicatedParams needs shard groups of one rank, the mesh shards over "
                              f"{mesh.size(mesh.ndim - 1)}")
@@ -153,7 +160,7 @@ class ReplicatedParams:
             if self.compute[i] is None:  # already in the compute dtype: computed from the master itself
                 self.compute[i] = nn.Parameter(m.to_local(), requires_grad=m.requires_grad)
         self._trainable = [i for i, m in enumerate(masters) if m.requires_grad]
-        self._grads = self._reduce = None
+        self._grads = self._stage = None
         self._buckets, self._sizes = [], []
         self._reset_buckets()
         if self._trainable:
@@ -164,10 +171,9 @@ class ReplicatedParams:
             self._grads.free()
             self._grad_dtensors = [DTensor.from_local(v, self.mesh, masters[i].placements, run_check=False)
                                    for i, v in zip(self._trainable, self._grads.views)]
-            self._reduce = _Flat([masters[i].shape for i in self._trainable], self.reduce_dtype, device) \
-                if self.replicas > 1 else None
-            if self._reduce is not None:
-                self._reduce.free()
+            if self.replicas > 1 and self.reduce_dtype != self._grads.buf.dtype:
+                self._stage = _Flat([masters[i].shape for i in self._trainable], self.reduce_dtype, device)
+                self._stage.free()
             self._make_buckets()
         self._built = True
 
@@ -201,6 +207,7 @@ class ReplicatedParams:
         self._next = 0  # the next bucket to hand over
         self._works: list = []  # this backward's pending all-reduces
         self._fresh = False  # whether this backward's gradients start the masters' (else: add to them)
+        self._reducing = False  # whether this backward all-reduces over the replicas
 
     # ------------------------------------------------------------------ runtime
     def install(self) -> None:
@@ -277,8 +284,8 @@ class ReplicatedParams:
     @torch.no_grad()
     def _hand_over(self, b: int) -> None:
         """Bucket `b`'s gradients, as one concatenation (handing them over one by one with a dtype
-        change runs a kernel per parameter): all-reduced asynchronously into the reduce buffer
-        with replicas, else added to the masters' gradients. A parameter this backward did not
+        change runs a kernel per parameter), into the masters' gradient buffer; then, when this
+        backward reduces, that slice's all-reduce started. A parameter this backward did not
         reach contributes zeros. Buckets are handed over in order, 0 first."""
         masters, compute = self.masters, self.compute
         if b == 0:  # the first bucket of a backward: where its gradients go
@@ -291,8 +298,9 @@ class ReplicatedParams:
                     if not have[k]:
                         self._grads.views[k].zero_()
                         masters[i].grad = self._grad_dtensors[k]
-            if self._reduce is not None:
-                self._reduce.alloc()
+            self._reducing = self.replicas > 1 and self.sync_gradients
+            if self._reducing and self._stage is not None:
+                self._stage.alloc()
         lo, hi = self._buckets[b]
         idx = self._trainable[lo:hi]
         flat = torch.cat([(compute[i].grad if compute[i].grad is not None else torch.zeros_like(compute[i])).reshape(-1)
@@ -300,38 +308,39 @@ class ReplicatedParams:
         for i in idx:
             compute[i].grad = None
         start, stop = self._offsets[lo], self._offsets[hi]
-        if self._reduce is not None:
-            dst = self._reduce.buf[start:stop]
+        dst = self._grads.buf[start:stop]
+        if self._fresh:
             dst.copy_(flat)
-            self._works.append(comm.all_reduce_async(dst, group=self._group))
-        elif self._fresh:
-            self._grads.buf[start:stop].copy_(flat)
         else:
-            self._grads.buf[start:stop].add_(flat)
+            dst.add_(flat)
+        del flat
+        if self._reducing:
+            if self._stage is not None:
+                dst = self._stage.buf[start:stop].copy_(dst)
+            self._works.append(comm.all_reduce_async(dst, group=self._group))
         self._next = b + 1
 
     @torch.no_grad()
     def post_backward(self) -> None:
         """The end of a backward: the buckets not handed over yet (a parameter this backward did
-        not reach holds them back), then, with replicas, the all-reduced average added to the
-        masters' gradients."""
+        not reach holds them back), then, when it reduces, the replica sums divided into means."""
         while self._next < len(self._buckets):
             self._hand_over(self._next)
-        if self._reduce is not None:
+        if self._reducing:
             for work in self._works:
                 work.wait()
-            flat = self._reduce.buf.mul_(1.0 / self.replicas)
-            if self._fresh:
-                self._grads.buf.copy_(flat)
-            else:
-                self._grads.buf.add_(flat)
-            self._reduce.free()
+            if self._stage is not None:
+                self._grads.buf.copy_(self._stage.buf)
+                self._stage.free()
+            self._grads.buf.mul_(1.0 / self.replicas)
         if self._fresh:
             for i, g in zip(self._trainable, self._grad_dtensors):
                 self.masters[i].grad = g
         self._reset_buckets()
         self._pending = False
+        self._backward_queued = False  # per backward, like the bucket counts
         self.uninstall()
+
 
 def apply_replicated(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                      keep_after_forward: bool, shard_dim, bucket_numel: int = BUCKET_NUMEL) -> ReplicatedParams:

@@ -13,7 +13,7 @@ into micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
@@ -28,7 +28,7 @@ from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import RolloutBatch
 from sharding import comm
-from sharding.fsdp import FSDPConfig, load_states, offload_states, release_gradients
+from sharding.fsdp import FSDPConfig, load_states, no_gradient_sync, offload_states, release_gradients
 from sharding.grad_norm import clip_grad_norm_
 
 
@@ -248,14 +248,17 @@ class TrainableRole(Role):
         for k, mb in enumerate(plan):
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
             totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
-            for part in mb.parts:
-                sub = ro.take(part)
-                outputs = forward(sub, k)
-                if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
-                    (outputs[0].sum() * 0.0).backward()
-                    continue
-                terms = loss(sub, outputs, k, agg_kw)
-                terms.loss.backward()
+            for j, part in enumerate(mb.parts):
+                # The replicas' gradients are reduced once, in the mini-batch's last backward
+                # (every rank runs as many micro-batches: `plan_update`).
+                with nullcontext() if j == len(mb.parts) - 1 else no_gradient_sync(self.model):
+                    sub = ro.take(part)
+                    outputs = forward(sub, k)
+                    if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
+                        (outputs[0].sum() * 0.0).backward()
+                        continue
+                    terms = loss(sub, outputs, k, agg_kw)
+                    terms.loss.backward()
                 for key, v in terms.sums.items():
                     totals[key] = totals[key] + v
                 stats.add(**terms.means)

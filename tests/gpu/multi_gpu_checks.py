@@ -222,8 +222,11 @@ def check_same_update(ctx, a):
     for k, v in tensors.items():
         setattr(local, k, v[rows].to(dev))
 
-    meshes = ParallelDims(w).build_meshes(dev.type)
-    model = build_fsdp_model(args, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=dev, seed=0)
+    # fsdp_size -1: FULL_SHARD over the ranks; 1: data parallelism (the replicated runtime, its
+    # gradients reduced once per mini-batch, in the last micro-batch's backward).
+    meshes = ParallelDims(w, fsdp_size=a.fsdp_size).build_meshes(dev.type)
+    model = build_fsdp_model(args, meshes.train, FSDPConfig(fsdp_size=a.fsdp_size, mixed_precision={"param_dtype": "fp32"}),
+                             device=dev, seed=0)
     # A copy: on one rank full_tensor() may hand back the parameter's own storage.
     before = {n: p.full_tensor().detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     # SGD: the update is lr x the (clipped) gradient, with no Adam normalisation to magnify
@@ -417,6 +420,8 @@ def main(argv=None) -> int:
     p.add_argument("check", choices=sorted(CHECKS))
     p.add_argument("--out", help="same_update: file rank 0 writes the parameters to")
     p.add_argument("--work-dir", default="runs/multi_gpu_checks", help="trainer: model, data and run directories")
+    p.add_argument("--fsdp-size", type=int, default=-1, choices=(-1, 1),
+                   help="same_update: -1 FULL_SHARD over the ranks, 1 data parallelism (shard groups of one rank)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--layouts", default="", help=f"trainer: comma-separated layouts to run (default: all of "
                                                   f"{', '.join(TRAINER_LAYOUTS)})")

@@ -248,3 +248,42 @@ def _grad_norm_body(rank, world):
 
 def test_clip_grad_norm_over_shards_matches_the_full_gradient():
     run_distributed(_grad_norm_body, 4)
+
+
+def _no_sync_hsdp_body(rank, world):
+    """HYBRID_SHARD under FSDP2 (2 replicas x 2 shards): inside `no_gradient_sync` a backward
+    reduce-scatters in its shard group but does not all-reduce over the replicas; the next
+    backward outside all-reduces what was accumulated. The gradients are the mean over every
+    rank's micro-batches, as without it."""
+    from sharding import no_gradient_sync
+
+    args = ModelArgs(**ARGS)
+    mesh = ParallelDims(world, fsdp_size=2).build_meshes("cpu").train
+    model = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=2, mixed_precision={"param_dtype": "fp32"}), seed=0)
+    ref = Transformer.build(args, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, ARGS["vocab_size"], (3, SEQ), generator=gen) for _ in range(world)]
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        with no_gradient_sync(model):
+            _loss(model, batches[rank][:1], "lm").backward()
+            _loss(model, batches[rank][1:2], "lm").backward()
+        deferred = len(calls)
+        _loss(model, batches[rank][2:], "lm").backward()
+    finally:
+        dist.all_reduce = real
+    assert deferred == 0 and len(calls) > 0
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        sum(_loss(ref, batches[r][s:s + 1], "lm") for s in range(3)).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad / world
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_no_gradient_sync_defers_hsdp_all_reduce():
+    run_distributed(_no_sync_hsdp_body, 4)

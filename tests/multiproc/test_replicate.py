@@ -223,3 +223,51 @@ def _unused_body(rank, world, bucket_numel):
 @pytest.mark.parametrize("bucket_numel", [1, 1 << 25])
 def test_a_parameter_one_rank_does_not_reach_counts_as_zero(bucket_numel):
     run_distributed(_unused_body, 2, bucket_numel)
+
+
+def _no_sync_body(rank, world, reduce_dtype):
+    """`no_gradient_sync`: micro-batches before the last add up unreduced, the last backward
+    all-reduces everything once: the replica mean of all micro-batches, with one all-reduce per
+    bucket in all. A reduce dtype like the gradients' reduces the gradient buffer in place (no
+    second buffer); another goes through a staging buffer that lives only for that backward."""
+    from sharding import comm, no_gradient_sync
+
+    args = ModelArgs(**ARGS)
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    model = build_fsdp_model(args, mesh, FSDPConfig(fsdp_size=1, mixed_precision={**FP32, "reduce_dtype": reduce_dtype}),
+                             seed=0)
+    rp = replicated_params(model)
+    rp.bucket_numel = 3000
+    ref = Transformer.build(args, seed=0)
+    batches = _batches(world, n=6)
+    started = []
+    real_async = comm.all_reduce_async
+    comm.all_reduce_async = lambda t, **kw: started.append(t.dtype) or real_async(t, **kw)
+    try:
+        ids = batches[rank]
+        with no_gradient_sync(model):
+            _loss(model, ids[:2]).backward()
+            _loss(model, ids[2:4]).backward()
+        assert not started and rp.sync_gradients  # nothing reduced so far; syncing again after the block
+        if reduce_dtype == "fp32":
+            assert rp._stage is None
+        _loss(model, ids[4:]).backward()
+    finally:
+        comm.all_reduce_async = real_async
+    assert len(started) == len(rp._buckets) and set(started) == {getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[reduce_dtype])}
+    if rp._stage is not None:
+        assert not rp._stage.allocated
+    expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        sum(_loss(ref, batches[r][s:s + 2]) for s in (0, 2, 4)).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad / world
+    tol = dict(rtol=1e-5, atol=1e-7) if reduce_dtype == "fp32" else dict(rtol=2e-2, atol=1e-4)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[n], **tol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+def test_no_gradient_sync_defers_the_reduction_to_the_last_backward(reduce_dtype):
+    run_distributed(_no_sync_body, 2, reduce_dtype)

@@ -1,0 +1,16 @@
+"""The workers' promise, on gloo: the same global batch gives the same update on 1 and on 2
+ranks, with FULL_SHARD and with data parallelism (the replicated runtime, whose gradients are
+reduced once per mini-batch: the micro-batches before the last run under `no_gradient_sync`).
+The check is tests/gpu/multi_gpu_checks.py's `same_update` (the GPU suite runs it over NCCL);
+its micro-batch budget makes each rank's mini-batch several micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.test_multi_gpu import same_update_on_one_and_two_ranks
+
+
+@pytest.mark.parametrize("fsdp_size", [-1, 1])
+def test_same_update_on_one_and_two_ranks(tmp_path, fsdp_size):
+    same_update_on_one_and_two_ranks(tmp_path, fsdp_size, "cpu")
