@@ -509,6 +509,13 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
+def _params_offloaded(model: nn.Module) -> bool:
+    """Whether FSDP2 keeps `model`'s sharded parameters in host memory (`offload_policy`): their
+    local tensors live off the mesh's device type."""
+    p = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    return p is not None and p.to_local().device.type != p.device_mesh.device_type
+
+
 @contextmanager
 def no_gradient_sync(model: nn.Module):
     """Backward passes inside leave the gradients unreduced over the data-parallel replicas;
@@ -518,10 +525,12 @@ def no_gradient_sync(model: nn.Module):
 
     Shard groups of one rank (`sharding.replicate`): no all-reduce, the gradients add up in the
     gradient buffer. HYBRID_SHARD under FSDP2: each backward still reduce-scatters inside its
-    shard group (its gradients stay sharded), only the all-reduce over the replicas waits
-    (`set_requires_all_reduce`). FULL_SHARD: nothing to defer."""
+    shard group, and the sharded sums wait on the device for the all-reduce over the replicas
+    (`set_requires_all_reduce`); with `offload_policy` they would hold device memory the
+    offload is there to save, so those units reduce at every backward. FULL_SHARD: nothing to
+    defer."""
     rp = replicated_params(model)
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [] if _params_offloaded(model) else [m for m in model.modules() if isinstance(m, FSDPModule)]
     if rp is not None:
         rp.sync_gradients = False
     for unit in units:

@@ -192,6 +192,25 @@ def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+def test_no_gradient_sync_leaves_offloaded_units_reducing(meshes):
+    """`no_gradient_sync` defers FSDP2's all-reduce over replicas by keeping the sharded sums on
+    the device; with `offload_policy` that would hold device memory the offload is there to
+    save, so units whose parameters live in host memory keep reducing at every backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from sharding import no_gradient_sync
+    from sharding.fsdp import _params_offloaded
+
+    offloaded = build_fsdp_model(SMALL, meshes.train, FSDPConfig(offload_policy=True), device=DEV)
+    assert _params_offloaded(offloaded)
+    assert not _params_offloaded(build_fsdp_model(SMALL, meshes.train, FSDPConfig(), device=DEV))
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in offloaded.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    assert groups
+    with no_gradient_sync(offloaded):
+        assert all(g.all_reduce_grads for g in groups)
+
+
 def _alive_cuda_tensors(min_bytes=1 << 20):
     """What still holds device memory (for the failure message): the largest live CUDA tensors and who refers to them."""
     import gc
