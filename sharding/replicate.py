@@ -38,6 +38,8 @@ Not covered: `offload_policy` (parameters living on the CPU); `apply_fsdp` keeps
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -161,8 +163,7 @@ class ReplicatedParams:
                 self.compute[i] = nn.Parameter(m.to_local(), requires_grad=m.requires_grad)
         self._trainable = [i for i, m in enumerate(masters) if m.requires_grad]
         self._grads = self._stage = None
-        self._buckets, self._sizes = [], []
-        self._reset_buckets()
+        self._buckets: list[tuple[int, int]] = []
         if self._trainable:
             dtypes = {masters[i].dtype for i in self._trainable}
             if len(dtypes) != 1:
@@ -175,6 +176,7 @@ class ReplicatedParams:
                 self._stage = _Flat([masters[i].shape for i in self._trainable], self.reduce_dtype, device)
                 self._stage.free()
             self._make_buckets()
+        self._reset_buckets()
         self._built = True
 
     def _make_buckets(self) -> None:
@@ -183,10 +185,7 @@ class ReplicatedParams:
         parameters a backward reaches first. Each compute parameter gets a hook that counts its
         bucket down once its gradient is accumulated."""
         numels = self._grads.numels
-        self._offsets = [0]
-        for n in numels:
-            self._offsets.append(self._offsets[-1] + n)
-        self._buckets: list[tuple[int, int]] = []
+        self._offsets = [0, *itertools.accumulate(numels)]  # each parameter's start in the buffer
         hi = len(numels)
         while hi > 0:  # a bucket closes once it holds bucket_numel elements (DDP's rule)
             lo, size = hi, 0
@@ -195,15 +194,13 @@ class ReplicatedParams:
                 size += numels[lo]
             self._buckets.append((lo, hi))
             hi = lo
-        self._sizes = [hi - lo for lo, hi in self._buckets]
         for b, (lo, hi) in enumerate(self._buckets):
             for k in range(lo, hi):
                 self.compute[self._trainable[k]].register_post_accumulate_grad_hook(
                     lambda _p, b=b: self._on_gradient(b))
-        self._remaining = list(self._sizes)
 
     def _reset_buckets(self) -> None:
-        self._remaining = list(self._sizes)  # gradients each bucket still waits for in this backward
+        self._remaining = [hi - lo for lo, hi in self._buckets]  # gradients each bucket still waits for
         self._next = 0  # the next bucket to hand over
         self._works: list = []  # this backward's pending all-reduces
         self._fresh = False  # whether this backward's gradients start the masters' (else: add to them)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import ModelArgs, Transformer
+from models import ModelArgs, Transformer, torch_dtypes
 from sharding import FSDPConfig, ParallelDims, build_fsdp_model, reshard_all
 from sharding.replicate import replicated_params
 from tests.dist_utils import run_distributed
@@ -254,7 +254,7 @@ def _no_sync_body(rank, world, reduce_dtype):
         _loss(model, ids[4:]).backward()
     finally:
         comm.all_reduce_async = real_async
-    assert len(started) == len(rp._buckets) and set(started) == {getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[reduce_dtype])}
+    assert len(started) == len(rp._buckets) and set(started) == {torch_dtypes()[reduce_dtype]}
     if rp._stage is not None:
         assert not rp._stage.allocated
     expected = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
