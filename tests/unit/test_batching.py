@@ -231,3 +231,35 @@ def test_packed_layout_matches_a_per_sequence_reference():
     # a rank without sequences still lays out one pad token (its forward keeps collectives in step)
     empty = build_micro_batch([], [], "cpu", True, pad_token_id=5)
     assert empty.input_ids.tolist() == [[5]] and empty.src_index.numel() == 0 and empty.batch_size == 1
+
+
+def test_padded_layout_matches_a_per_sequence_reference():
+    """Every field of the padded micro-batch against a loop over sequences written out here:
+    prompts left-padded to the longest prompt, responses right-padded after them, each row's
+    label the token one column to the right (wrapping), positions counting real tokens from 0
+    (0 on the left padding), and the column before each response token mapped to its (row, column)."""
+    rng = random.Random(4)
+    for _ in range(60):
+        n = rng.randint(1, 7)
+        prompts = [[rng.randint(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+        responses = [[rng.randint(1, 50) for _ in range(rng.randint(0, 6))] for _ in range(n)]
+        max_p, max_r = max(map(len, prompts)), max(map(len, responses))
+        width = max_p + max_r
+        ids, mask, pos, src, rows, cols, last = [], [], [], [], [], [], []
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            left = max_p - len(p)
+            row = [5] * left + p + r + [5] * (max_r - len(r))
+            ids.append(row)
+            mask.append([0] * left + [1] * (len(p) + len(r)) + [0] * (max_r - len(r)))
+            pos.append([0] * left + list(range(len(p) + len(r))) + [len(p) + len(r) - 1] * (max_r - len(r)))
+            for j in range(len(r)):
+                src.append(b * width + max_p - 1 + j)
+                rows.append(b)
+                cols.append(j)
+            last.append(b * width + max_p + len(r) - 1)
+        mb = build_micro_batch(prompts, responses, "cpu", False, pad_token_id=5)
+        assert mb.input_ids.tolist() == ids and mb.attention_mask.tolist() == mask and mb.position_ids.tolist() == pos
+        assert mb.labels.tolist() == [row[1:] + row[:1] for row in ids]
+        assert (mb.src_index.tolist(), mb.dst_row.tolist(), mb.dst_col.tolist()) == (src, rows, cols)
+        assert mb.last_index.tolist() == last and mb.cu_seqlens is None and mb.max_seqlen is None
+        assert mb.batch_size == n and mb.input_ids.dtype == torch.long
