@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ppo import core_algos
 from ppo import (
     ADV_ESTIMATOR_INPUTS,
     ADV_ESTIMATORS,
@@ -134,8 +135,16 @@ def test_gae_hand_computed():
     torch.testing.assert_close(advantages, (raw - 11 / 15) / math.sqrt(13 / 300 + 1e-8))
 
 
+# The backward recursions run as block matrix products (`SUFFIX_BLOCK` columns each) with a carry
+# between blocks: blocks of 2 columns put every boundary case (a carry across holes, a last block
+# of one column) into these 7-column references.
+BLOCKS = pytest.mark.parametrize("block", [2, core_algos.SUFFIX_BLOCK])
+
+
+@BLOCKS
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
-def test_gae_matches_reference_skipping_masked_positions(gamma, lam):
+def test_gae_matches_reference_skipping_masked_positions(gamma, lam, block, monkeypatch):
+    monkeypatch.setattr(core_algos, "SUFFIX_BLOCK", block)
     rewards = rand(*MASK.shape, seed=1)
     values = rand(*MASK.shape, seed=2)
     # Garbage outside the mask must not matter.
@@ -220,7 +229,9 @@ def test_rloo_matches_reference():
             assert advantages[i, t].item() == pytest.approx(want, rel=1e-10, abs=1e-12)
 
 
-def test_reinforce_plus_plus_matches_reference():
+@BLOCKS
+def test_reinforce_plus_plus_matches_reference(block, monkeypatch):
+    monkeypatch.setattr(core_algos, "SUFFIX_BLOCK", block)
     rewards = rand(*MASK.shape, seed=5).masked_fill(MASK == 0, 123.0)  # rewards outside the mask are ignored
     gamma = 0.9
     advantages, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, MASK, gamma)
