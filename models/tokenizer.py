@@ -30,3 +30,23 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def decode_batch(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """`tokenizer.batch_decode(sequences, skip_special_tokens=...)`, the same strings, faster.
+
+    transformers v5's `batch_decode` walks every token id in Python (`to_py_obj`) and then decodes
+    the sequences one by one; the `tokenizers` backend decodes a whole batch in one call, over
+    all cores (256 responses of 256 tokens: 25 against 10 ms on two cores). The backend is used
+    when that is all `batch_decode` would do: a fast tokenizer whose class keeps transformers'
+    decoding methods and has no `clean_up_tokenization_spaces` post-processing; anything else
+    goes through `batch_decode` itself."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(tokenizer)
+    plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and cls._decode is PreTrainedTokenizerFast._decode
+             and cls.decode is PreTrainedTokenizerBase.decode and cls.batch_decode is PreTrainedTokenizerBase.batch_decode)
+    if not plain or tokenizer.clean_up_tokenization_spaces:
+        return tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens)
+    return tokenizer.backend_tokenizer.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from models import peak_bf16_flops
+from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
@@ -257,7 +258,7 @@ class PPOTrainer:
         function fails every rank together (an error on one rank would otherwise hang the rest)."""
         from rewards import RewardError, score_responses
 
-        texts = self.tokenizer.batch_decode(ro.responses, skip_special_tokens=True)
+        texts = decode_batch(self.tokenizer, ro.responses)
         err, scores, extras = None, None, {}
         rm_cfg = self.cfg.reward_model
         use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
@@ -399,8 +400,8 @@ class PPOTrainer:
         per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
         if not self.ctx.is_main:
             return
-        inputs = self.tokenizer.batch_decode(full.prompts, skip_special_tokens=True)
-        outputs = self.tokenizer.batch_decode(full.responses, skip_special_tokens=True)
+        inputs = decode_batch(self.tokenizer, full.prompts)
+        outputs = decode_batch(self.tokenizer, full.responses)
         rows = []
         for i, vals in enumerate(per_sample):
             row = {"input": inputs[i], "output": outputs[i], "gts": full.ground_truths[i], "score": vals[0],
@@ -523,13 +524,13 @@ class PPOTrainer:
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
                 ro = self._generate_all(chunk, validate=True, seed=self.cfg.trainer.seed)
-                texts = self.tokenizer.batch_decode(ro.responses, skip_special_tokens=True)
+                texts = decode_batch(self.tokenizer, ro.responses)
                 scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
                                                  ro.extra_infos)
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)
                 if dump_dir and self.ctx.is_main:
-                    inputs = self.tokenizer.batch_decode(ro.prompts, skip_special_tokens=True)
+                    inputs = decode_batch(self.tokenizer, ro.prompts)
                     for i in range(len(texts)):
                         dumped.append({"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i],
                                        "score": scores[i], "data_source": ro.data_sources[i],

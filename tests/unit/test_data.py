@@ -417,3 +417,34 @@ def test_gsm8k_malformed_rows(tmp_path, capsys, row, message):
     assert exit_info.value.code == 1
     assert "in.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def _byte_level_bpe(clean_up: bool):
+    """A small trained byte-level BPE (Qwen's kind of tokenizer), as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["Natalia sold 48 clips in April , and half as many in May .", "héllo wörld ! 12+30=42"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                                clean_up_tokenization_spaces=clean_up)
+
+
+@pytest.mark.parametrize("kind", ["demo", "bpe", "bpe_clean_up"])
+def test_decode_batch_gives_batch_decode_strings(kind, tokenizer_dir):
+    """`models.tokenizer.decode_batch` (the backend's batch decode where that is all transformers
+    would do) returns exactly `batch_decode`'s strings: special tokens inside and at the ends,
+    empty sequences, non-ASCII bytes split over tokens, with and without skipping specials."""
+    from models.tokenizer import decode_batch, load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir) if kind == "demo" else _byte_level_bpe(clean_up=kind == "bpe_clean_up")
+    texts = ["<|user|>12+3=<|assistant|>15<|eos|>", "9 - 4*0<|pad|><|pad|>", ""] if kind == "demo" else \
+        ["Natalia sold 48 clips , and héllo<|im_end|>", "<|endoftext|>wörld !", "", "April . May ?"]
+    seqs = [tok(t)["input_ids"] for t in texts] + [[]]
+    seqs.append([i for s in seqs for i in s][::-1][:7])  # ids out of any natural order (partial UTF-8 too)
+    for skip in (True, False):
+        assert decode_batch(tok, seqs, skip_special_tokens=skip) == tok.batch_decode(seqs, skip_special_tokens=skip)
+    assert decode_batch(tok, [], skip_special_tokens=True) == []
