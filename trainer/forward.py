@@ -125,7 +125,8 @@ def host_to_device(arrays: list, device) -> list[torch.Tensor]:
     arrays = [a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in arrays]
     sizes = [a.size for a in arrays]
     if device.type == "cuda":
-        flat = torch.empty(sum(sizes), dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+        dtype = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype)).dtype
+        flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
         np.concatenate([a.reshape(-1) for a in arrays], out=flat.numpy())
         flat = flat.to(device, non_blocking=True)
     else:

@@ -9,8 +9,10 @@ are padded to the global response width `R` so they can be all-gathered for batc
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trainer.forward import host_to_device, index_on
@@ -62,10 +64,10 @@ class RolloutBatch:
     def padded(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-token host values, one list per sequence as long as its response (the engine's
         log-probs), as `[N, R]` float32 on the device, zero after each response: one copy."""
-        lengths = torch.tensor([len(r) for r in rows])
-        out = torch.zeros(len(rows), self.width)
-        out[torch.arange(self.width) < lengths[:, None]] = torch.tensor([x for r in rows for x in r],
-                                                                         dtype=torch.float32)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        out = np.zeros((len(rows), self.width), dtype=np.float32)
+        out[np.arange(self.width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(rows),
+                                                                    dtype=np.float32, count=int(lengths.sum()))
         return host_to_device([out], self.device)[0]
 
     def lengths(self) -> list[int]:
