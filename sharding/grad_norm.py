@@ -27,11 +27,18 @@ def _layout(g: torch.Tensor):
     return g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())
 
 
-def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6, *, flat: torch.Tensor | None = None) -> torch.Tensor:
     """Scale the gradients of `parameters` so that their global L2 norm is at most `max_norm`;
     return the norm before clipping (a 0-dim float32 tensor on the gradients' device, the same
     on every rank). Non-finite norms are returned as they are, gradients then hold garbage:
-    the caller skips the step."""
+    the caller skips the step.
+
+    `flat`: all of those gradients as one buffer, whole on every rank (the replicated runtime's,
+    `ReplicatedParams.flat_gradients`): one norm and one scale of it, no collective."""
+    if flat is not None:
+        norm = torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32)
+        flat.mul_(torch.clamp(max_norm / (norm + eps), max=1.0))
+        return norm
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())

@@ -245,6 +245,18 @@ class ReplicatedParams:
         if self._built and self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
             self._grads.free()
 
+    def flat_gradients(self) -> torch.Tensor | None:
+        """The trainable masters' gradients as one flat buffer (each gradient's local tensor is a
+        view of it), when they hold them, as after a backward; else None. Checked in O(1) on the
+        first and last gradient: the runtime sets all of them or none, and the optimizer drops
+        all of them (`zero_grad`)."""
+        if not self._built or not self._trainable:
+            return None
+        ends = (self.masters[self._trainable[0]].grad, self.masters[self._trainable[-1]].grad)
+        if ends[0] is not self._grad_dtensors[0] or ends[1] is not self._grad_dtensors[-1]:
+            return None
+        return self._grads.buf
+
     def pre_forward(self, module, args, kwargs):
         self.install()
         return None

@@ -30,6 +30,7 @@ from trainer.rollout_batch import RolloutBatch
 from sharding import comm
 from sharding.fsdp import FSDPConfig, load_states, no_gradient_sync, offload_states, release_gradients
 from sharding.grad_norm import clip_grad_norm_
+from sharding.replicate import replicated_params
 
 
 def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int | None, dynamic: bool,
@@ -126,7 +127,8 @@ def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1):
     (`found_inf`, as under a GradScaler: no update, no step count), so nothing waits for the
     host; others read the norm back."""
     faults.poison_grads(model, step, comm.rank())
-    norm = clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    rp = replicated_params(model)
+    norm = clip_grad_norm_(model.parameters(), max_norm=grad_clip, flat=rp.flat_gradients() if rp is not None else None)
     if optimizer.defaults.get("fused"):
         skipped = (~torch.isfinite(norm)).float()
         optimizer.found_inf = skipped

@@ -152,8 +152,8 @@ def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
     """One GPU (a shard group of one rank, `sharding.replicate`): the fp32 masters live in one
     buffer, the bf16 copy only from a forward to the end of its backward, the gradient buffer
     only until the trainer's step drops it, and nothing grows from step to step; `ShardAdamW`
-    (fused, on the local tensors) updates bit for bit as `torch.optim.AdamW` (fused, through
-    DTensor), a skipped step (`found_inf`) included; gradients handed over in small buckets
+    (fused, as one flat call over those buffers) updates bit for bit as `torch.optim.AdamW`
+    (fused, through DTensor), a skipped step (`found_inf`) included; gradients handed over in small buckets
     during the backward (hooks on the autograd thread, a copy per bucket) update bit for bit as
     one bucket at its end."""
     from sharding.optim import ShardAdamW
@@ -185,6 +185,7 @@ def test_replicated_runtime_and_shard_adamw_on_cuda(meshes):
         assert after[2] <= after[1] + (1 << 20), after
         assert len({p.to_local().untyped_storage().data_ptr() for p in model.parameters()}) == 1
         assert float(opt.state[next(model.parameters())]["step"]) == 2  # the flagged step was skipped
+        assert getattr(opt, "last_step_flat", True)  # ShardAdamW: one flat call over the runtime's buffers
         assert len(rp._buckets) == (1 if bucket_numel is None else 21)
         results.append([t.to_local().clone() for p in model.parameters()
                         for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])

@@ -3,6 +3,7 @@ bit for bit, on FSDP2's sharded parameters and on the replicated runtime's (gloo
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -108,3 +109,61 @@ def _mismatch_body(rank, world):
 
 def test_a_replicated_gradient_on_a_sharded_parameter_is_refused():
     run_distributed(_mismatch_body, 2)
+
+
+def _flat_body(rank, world):
+    """The replicated runtime (bf16 compute, fp32 masters and gradients in one buffer each): from
+    its first step `ShardAdamW` runs one flat fused call, and stays `AdamW` bit for bit through a
+    skipped step, a learning-rate change, an offload of its states, `state_dict` and a
+    `load_state_dict` (whose states it moves into flat buffers at the next step)."""
+    from sharding.fsdp import load_fsdp_optimizer, offload_fsdp_optimizer, release_gradients
+
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    cfg = FSDPConfig(mixed_precision={"param_dtype": "bf16"})
+    models = [build_fsdp_model(ModelArgs(**ARGS), mesh, cfg, seed=0) for _ in range(2)]
+    opts = [torch.optim.AdamW(models[0].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+            ShardAdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)]
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, ARGS["vocab_size"], (2, 9), generator=gen) for _ in range(6)]
+
+    def step(k):
+        for model, opt in zip(models, opts):
+            model(batches[k]).float().pow(2).mean().backward()
+            opt.found_inf = torch.tensor(1.0 if k == 2 else 0.0)
+            if k == 3:
+                opt.param_groups[0]["lr"] = 3e-3
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            release_gradients(model)  # the trainer's step: the gradient buffer is freed, then re-allocated
+
+    def assert_equal(tag):
+        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), (tag, n)
+        ref, got = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+        assert ref.keys() == got.keys()
+        for i in ref:
+            assert list(ref[i]) == list(got[i]), (tag, i)
+            for key in ref[i]:
+                assert torch.equal(_plain(ref[i][key]), _plain(got[i][key])), (tag, i, key)
+                assert type(ref[i][key]) is type(got[i][key]), (tag, i, key)
+
+    for k in range(4):
+        step(k)
+        assert opts[1].last_step_flat, k
+    assert float(opts[1].state[next(models[1].parameters())]["step"]) == 3  # one skipped
+    assert_equal("flat steps")
+    offload_fsdp_optimizer(opts[1])
+    load_fsdp_optimizer(opts[1], "cpu")
+    step(4)
+    assert opts[1].last_step_flat
+    assert_equal("after an offload")
+    # a copy, as a checkpoint holds: loading a live optimizer's own tensors would share them with it
+    opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    assert opts[1]._flat is None
+    step(5)
+    assert opts[1].last_step_flat
+    assert_equal("after load_state_dict")
+
+
+def test_flat_step_on_the_replicated_runtime_equals_adamw():
+    run_distributed(_flat_body, 2)

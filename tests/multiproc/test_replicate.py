@@ -271,3 +271,41 @@ def _no_sync_body(rank, world, reduce_dtype):
 @pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
 def test_no_gradient_sync_defers_the_reduction_to_the_last_backward(reduce_dtype):
     run_distributed(_no_sync_body, 2, reduce_dtype)
+
+
+def _flat_clip_body(rank, world):
+    """After a backward the runtime hands out its gradient buffer (every master's gradient a view
+    of it); clipping that buffer (one norm, one scale) gives the norm of the whole gradient and
+    the gradients that clipping each one (`clip_grad_norm_` without `flat`) gives. Without
+    gradients (after `zero_grad`) there is no buffer to hand out."""
+    from sharding.grad_norm import clip_grad_norm_
+
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    models = [build_fsdp_model(ModelArgs(**ARGS), mesh, FSDPConfig(fsdp_size=1), seed=0) for _ in range(2)]
+    rps = [replicated_params(m) for m in models]
+    ids = _batches(world)[rank]
+    for m in models:
+        _loss(m, ids).backward()
+    flat = rps[0].flat_gradients()
+    assert flat is not None and flat.numel() == sum(p.numel() for p in models[0].parameters())
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+    assert all(lo <= p.grad.to_local().data_ptr() < hi for p in models[0].parameters())
+    whole = torch.cat([p.grad.full_tensor().reshape(-1) for p in models[0].parameters()]).double()
+    max_norm = 0.5 * float(whole.norm())  # clips by a half
+    a = clip_grad_norm_(models[0].parameters(), max_norm, flat=flat)
+    b = clip_grad_norm_(models[1].parameters(), max_norm)
+    # float32 sums of ~60k squares in different orders: a few 1e-6 apart; a wrong scale or a
+    # missing gradient would be off by far more than 1e-4
+    torch.testing.assert_close(a.double(), whole.norm(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=0)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-4, atol=1e-9)
+    assert torch.linalg.vector_norm(flat.double()).item() == pytest.approx(max_norm, rel=1e-4)
+    for p in models[0].parameters():
+        p.grad = None
+    assert rps[0].flat_gradients() is None
+
+
+def test_clipping_the_gradient_buffer_as_one_tensor():
+    run_distributed(_flat_clip_body, 2)
+    run_distributed(_flat_clip_body, 1)
