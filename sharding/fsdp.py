@@ -517,6 +517,23 @@ def _params_offloaded(model: nn.Module) -> bool:
 
 
 @contextmanager
+def keep_compute_copies(model: nn.Module):
+    """Forward and backward passes inside share one cast of the masters into compute copies:
+    the micro-batches of one mini-batch (or of a forward-only phase), between which the masters
+    do not change. No optimizer step (nor anything else that changes the masters) may run inside.
+    Shard groups of one rank (`sharding.replicate`): the copies are cast at the first forward and
+    freed at the end of the scope, instead of once per forward (a copy of 6 bytes per parameter
+    read and written: ~0.6 ms at 0.5b, ~10 ms at 7b on an H200). FSDP2: nothing changes (its
+    units gather per forward)."""
+    rp = replicated_params(model)
+    if rp is None:
+        yield
+        return
+    with rp.kept():
+        yield
+
+
+@contextmanager
 def no_gradient_sync(model: nn.Module):
     """Backward passes inside leave the gradients unreduced over the data-parallel replicas;
     the next backward outside reduces everything accumulated (DDP's `no_sync`). For the

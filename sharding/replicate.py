@@ -11,7 +11,9 @@ and the checkpoints see exactly what FSDP2 gives them — and replaces only the 
 * the master parameters of each dtype live in one flat buffer, and so do their compute-dtype
   copies: the cast before a forward is one kernel;
 * before a forward the compute copies are registered on the modules (after it, or after the
-  backward when there is one, the masters are registered again and the copies' memory freed);
+  backward when there is one, the masters are registered again and the copies' memory freed;
+  inside `kept()` only at the end of the scope: the micro-batches of one mini-batch share one
+  cast);
 * during each backward, the gradients (compute dtype) are handed over in buckets of at least
   `bucket_numel` elements, as soon as every gradient of a bucket has been accumulated (in the
   order the backward produces them: from the last layers to the first), into the masters'
@@ -39,6 +41,7 @@ Not covered: `offload_policy` (parameters living on the CPU); `apply_fsdp` keeps
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -129,6 +132,7 @@ class ReplicatedParams:
         self._built = False
         self._installed = False
         self._pending = False  # a forward with grad whose backward has not run yet
+        self._kept = 0  # open `keep_compute_copies` scopes: the compute copies stay registered
         self._backward_queued = False
 
     # ------------------------------------------------------------------ layout (first use)
@@ -245,6 +249,18 @@ class ReplicatedParams:
         if self._built and self._trainable and not any(self.masters[i].grad is not None for i in self._trainable):
             self._grads.free()
 
+    @contextmanager
+    def kept(self):
+        """The compute copies stay registered from the first forward inside to the end of the
+        scope (see `sharding.fsdp.keep_compute_copies`)."""
+        self._kept += 1
+        try:
+            yield
+        finally:
+            self._kept -= 1
+            if not self._kept and not self._pending and not self.keep_after_forward:
+                self.uninstall()
+
     def flat_gradients(self) -> torch.Tensor | None:
         """The trainable masters' gradients as one flat buffer (each gradient's local tensor is a
         view of it), when they hold them, as after a backward; else None. Checked in O(1) on the
@@ -265,7 +281,7 @@ class ReplicatedParams:
         outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
                 if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs:
-            if not self.keep_after_forward and not self._pending:
+            if not self.keep_after_forward and not self._pending and not self._kept:
                 self.uninstall()
             return output
         self._pending = True
@@ -348,7 +364,8 @@ class ReplicatedParams:
         self._reset_buckets()
         self._pending = False
         self._backward_queued = False  # per backward, like the bucket counts
-        self.uninstall()
+        if not self._kept:
+            self.uninstall()
 
 
 def apply_replicated(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

@@ -28,7 +28,8 @@ from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import RolloutBatch
 from sharding import comm
-from sharding.fsdp import FSDPConfig, load_states, no_gradient_sync, offload_states, release_gradients
+from sharding.fsdp import (FSDPConfig, keep_compute_copies, load_states, no_gradient_sync, offload_states,
+                           release_gradients)
 from sharding.grad_norm import clip_grad_norm_
 from sharding.replicate import replicated_params
 
@@ -70,24 +71,26 @@ class MicroBatching(NamedTuple):
 
 
 @torch.no_grad()
-def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching,
-                          forward: Callable[[RolloutBatch], tuple]) -> list[torch.Tensor | None]:
+def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Callable[[RolloutBatch], tuple],
+                          model: torch.nn.Module) -> list[torch.Tensor | None]:
     """The one micro-batch loop of the forward-only passes: plan the micro-batches (every rank
-    the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` on each, scatter each
-    output into `[N, ...]` (float32 zeros where no row wrote). A micro-batch without rows still
-    runs its forward, so that FSDP's collectives stay in step over ranks."""
-    outs = None
-    for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching):
-        results = forward(ro.take(part))
-        if outs is None:
-            outs = [None if r is None else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device)
-                    for r in results]
-        if part:
-            rows = ro.index(part)
-            for out, r in zip(outs, results):
-                if r is not None:
-                    out[rows] = r
-    return outs
+    the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` (a forward of `model`)
+    on each, scatter each output into `[N, ...]` (float32 zeros where no row wrote). A
+    micro-batch without rows still runs its forward, so that FSDP's collectives stay in step
+    over ranks. The micro-batches share one cast of the masters (`keep_compute_copies`)."""
+    with keep_compute_copies(model):
+        outs = None
+        for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching):
+            results = forward(ro.take(part))
+            if outs is None:
+                outs = [None if r is None else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device)
+                        for r in results]
+            if part:
+                rows = ro.index(part)
+                for out, r in zip(outs, results):
+                    if r is not None:
+                        out[rows] = r
+        return outs
 
 
 @dataclass
@@ -250,20 +253,21 @@ class TrainableRole(Role):
         for k, mb in enumerate(plan):
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
             totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
-            for j, part in enumerate(mb.parts):
-                # The replicas' gradients are reduced once, in the mini-batch's last backward
-                # (every rank runs as many micro-batches: `plan_update`).
-                with nullcontext() if j == len(mb.parts) - 1 else no_gradient_sync(self.model):
-                    sub = ro.take(part)
-                    outputs = forward(sub, k)
-                    if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
-                        (outputs[0].sum() * 0.0).backward()
-                        continue
-                    terms = loss(sub, outputs, k, agg_kw)
-                    terms.loss.backward()
-                for key, v in terms.sums.items():
-                    totals[key] = totals[key] + v
-                stats.add(**terms.means)
+            with keep_compute_copies(self.model):  # the masters change only in the step below
+                for j, part in enumerate(mb.parts):
+                    # The replicas' gradients are reduced once, in the mini-batch's last backward
+                    # (every rank runs as many micro-batches: `plan_update`).
+                    with nullcontext() if j == len(mb.parts) - 1 else no_gradient_sync(self.model):
+                        sub = ro.take(part)
+                        outputs = forward(sub, k)
+                        if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
+                            (outputs[0].sum() * 0.0).backward()
+                            continue
+                        terms = loss(sub, outputs, k, agg_kw)
+                        terms.loss.backward()
+                    for key, v in terms.sums.items():
+                        totals[key] = totals[key] + v
+                    stats.add(**terms.means)
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
@@ -294,7 +298,7 @@ class Actor(TrainableRole):
 
     def log_probs(self, ro: RolloutBatch, with_entropy: bool = False):
         """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor."""
-        logp, ent = forward_micro_batches(ro, self.batching, lambda sub: self._forward(sub, with_entropy))
+        logp, ent = forward_micro_batches(ro, self.batching, lambda sub: self._forward(sub, with_entropy), self.model)
         return logp, ent
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
@@ -375,7 +379,7 @@ class ReferencePolicy(Role):
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with self.resident(with_optimizer=False):
             logp, _ = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
-                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False))
+                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False), self.model)
         return logp
 
 
@@ -391,7 +395,8 @@ class AdaptersOffReference:
 
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(self.actor.model):
-            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False))
+            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False),
+                                            self.actor.model)
         return logp
 
 
@@ -408,7 +413,7 @@ class Critic(TrainableRole):
     def values(self, ro: RolloutBatch) -> torch.Tensor:
         """Values `[N, R]` of this rank's response tokens (0 on padding)."""
         with self.resident(with_optimizer=False):
-            values, = forward_micro_batches(ro, self.batching, lambda sub: (self._forward(sub),))
+            values, = forward_micro_batches(ro, self.batching, lambda sub: (self._forward(sub),), self.model)
         return values * ro.response_mask
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
@@ -436,7 +441,8 @@ class RewardModel(Role):
         """Scores `[N]` of this rank's sequences."""
         with self.resident(with_optimizer=False):
             scores, = forward_micro_batches(ro, self.batching,
-                                            lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),))
+                                            lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),),
+                                            self.model)
         return scores
 
 

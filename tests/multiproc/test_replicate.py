@@ -9,12 +9,14 @@ handed over (all-reduced) in buckets while the backward still runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from models import ModelArgs, Transformer, torch_dtypes
-from sharding import FSDPConfig, ParallelDims, build_fsdp_model, reshard_all
+from sharding import FSDPConfig, ParallelDims, build_fsdp_model, no_gradient_sync, reshard_all
 from sharding.replicate import replicated_params
 from tests.dist_utils import run_distributed
 from trainer.roles import _grad_norm_and_step
@@ -309,3 +311,49 @@ def _flat_clip_body(rank, world):
 def test_clipping_the_gradient_buffer_as_one_tensor():
     run_distributed(_flat_clip_body, 2)
     run_distributed(_flat_clip_body, 1)
+
+
+def _kept_body(rank, world):
+    """`keep_compute_copies`: the micro-batches of a mini-batch, and the forwards of a no-grad
+    phase, share one cast of the masters (bf16 copies registered from the first forward to the
+    end of the scope, then freed), with gradients and outputs bit for bit those of one cast per
+    forward."""
+    from sharding import keep_compute_copies
+
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    models = [build_fsdp_model(ModelArgs(**ARGS), mesh, FSDPConfig(fsdp_size=1), seed=0) for _ in range(2)]
+    casts = [0, 0]
+    for i, m in enumerate(models):
+        rp = replicated_params(m)
+        install = rp.install
+
+        def counted(rp=rp, install=install, i=i):
+            casts[i] += not rp._installed
+            install()
+        rp.install = counted
+    ids = _batches(world)[rank]
+    masters = list(models[0].parameters())
+    with keep_compute_copies(models[0]):
+        for k in range(3):
+            with no_gradient_sync(models[0]) if k < 2 else contextlib.nullcontext():
+                _loss(models[0], ids[k:k + 2]).backward()
+        rp = replicated_params(models[0])
+        assert rp._installed and all(c.allocated for c, _ in rp._compute_flats)
+    assert not rp._installed and not any(c.allocated for c, _ in rp._compute_flats)
+    assert list(models[0].parameters()) == masters
+    for k in range(3):
+        with no_gradient_sync(models[1]) if k < 2 else contextlib.nullcontext():
+            _loss(models[1], ids[k:k + 2]).backward()
+    assert casts == [1, 3]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local())
+    with torch.no_grad():
+        with keep_compute_copies(models[0]):
+            kept = [models[0](ids[k:k + 1]) for k in range(3)]
+        each = [models[1](ids[k:k + 1]) for k in range(3)]
+    assert casts == [2, 6] and all(torch.equal(a, b) for a, b in zip(kept, each))
+    assert not replicated_params(models[0])._installed
+
+
+def test_keep_compute_copies_casts_once_per_scope():
+    run_distributed(_kept_body, 2)
