@@ -139,20 +139,24 @@ def register_adv_est(name: str) -> Callable:
     return _registrar(ADV_ESTIMATORS, ADV_ESTIMATOR_INPUTS, "advantage estimator", name)
 
 
-def _compact_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _valid_slots(mask: torch.Tensor) -> torch.Tensor:
+    """Each valid position's index among its row's valid positions (``mask`` boolean ``[B, T]``)."""
+    return mask.long().cumsum(1) - 1
+
+
+def _compact_valid(x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Each row's values at its valid positions, moved to the front in order (``[B, T]``, zeros
-    after them): the layout in which a recursion that passes through masked positions "as if
-    they were absent" runs over consecutive columns. No host sync (no boolean indexing)."""
+    after them; masked entries, NaN included, never read): the layout in which a recursion that
+    passes through masked positions "as if they were absent" runs over consecutive columns.
+    ``slots``: ``_valid_slots(mask)``. No host sync (no boolean indexing)."""
     b, t = mask.shape
-    slot = torch.where(mask, mask.long().cumsum(1) - 1, t)  # masked positions all go to a spare column t
-    out = torch.zeros(b, t + 1, dtype=x.dtype, device=x.device)
-    return out.scatter_(1, slot, torch.where(mask, x, 0.0))[:, :t]
+    out = torch.zeros(b, t + 1, dtype=x.dtype, device=x.device)  # masked positions all go to a spare column t
+    return out.scatter_(1, torch.where(mask, slots, t), torch.where(mask, x, 0.0))[:, :t]
 
 
-def _expand_valid(compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _expand_valid(compact: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The inverse of ``_compact_valid``: back to the valid positions, zero at the others."""
-    slot = (mask.long().cumsum(1) - 1).clamp(min=0)
-    return torch.where(mask, compact.gather(1, slot), 0.0)
+    return torch.where(mask, compact.gather(1, slots.clamp(min=0)), 0.0)
 
 
 #: Columns per block of ``_discounted_suffix_sum``: a block is one ``[B, C] @ [C, C]`` product.
@@ -229,14 +233,14 @@ def compute_gae_advantage_return(
         raise ValueError("the gae advantage estimator needs values: a critic")
     dtype = _float_dtype(values.dtype)
     mask = response_mask.bool()
-    # torch.where, not multiplication: NaN values at padding must not enter the recursion.
-    rewards = _compact_valid(torch.where(mask, token_level_rewards, 0.0).double(), mask)
-    values_c = _compact_valid(torch.where(mask, values, 0.0).double(), mask)
+    slots = _valid_slots(mask)
+    rewards = _compact_valid(token_level_rewards.double(), mask, slots)
+    values_c = _compact_valid(values.double(), mask, slots)
     # over the valid tokens laid out consecutively, V_next is the next column's value (0 after the last)
     next_values = torch.nn.functional.pad(values_c[:, 1:], (0, 1))
     advantages_c = _discounted_suffix_sum(rewards + gamma * next_values - values_c, gamma * lam)
-    advantages = _expand_valid(advantages_c, mask)
-    returns = _expand_valid(advantages_c + values_c, mask).to(dtype)
+    advantages = _expand_valid(advantages_c, mask, slots)
+    returns = _expand_valid(advantages_c + values_c, mask, slots).to(dtype)
     advantages = torch.where(mask, masked_whiten(advantages.to(dtype), mask), 0.0)
     return advantages, returns
 
@@ -396,8 +400,10 @@ def compute_reinforce_plus_plus_outcome_advantage(
         ``(advantages, returns)``: whitened and raw returns, ``[B, T]``, zero outside the mask.
     """
     mask = response_mask.bool()
-    rewards = _compact_valid(torch.where(mask, token_level_rewards, 0.0).double(), mask)
-    returns = _expand_valid(_discounted_suffix_sum(rewards, gamma), mask).to(_float_dtype(token_level_rewards.dtype))
+    slots = _valid_slots(mask)
+    rewards = _compact_valid(token_level_rewards.double(), mask, slots)
+    returns = _expand_valid(_discounted_suffix_sum(rewards, gamma), mask, slots)
+    returns = returns.to(_float_dtype(token_level_rewards.dtype))
     advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)
     return advantages, returns
 

@@ -58,19 +58,16 @@ class _FlatStep:
     """One parameter group's parameters, gradients and Adam moments as flat buffers, and its one
     `step` counter (see the module docstring)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, params: torch.Tensor, grads: torch.Tensor):
-        group = opt.param_groups[0]
-        self.ps = list(group["params"])
-        self.states = [opt.state[p] for p in self.ps]
-        self.params, self.grads = params, grads
-        self.exp_avg = local_tensor(self.states[0]["exp_avg"]).new_empty(0).set_(
-            local_tensor(self.states[0]["exp_avg"]).untyped_storage(), 0, (params.numel(),))
-        self.exp_avg_sq = local_tensor(self.states[0]["exp_avg_sq"]).new_empty(0).set_(
-            local_tensor(self.states[0]["exp_avg_sq"]).untyped_storage(), 0, (params.numel(),))
+    def __init__(self, opt: torch.optim.Optimizer, params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor):
+        ps = opt.param_groups[0]["params"]
+        states = [opt.state[p] for p in ps]
+        self.params, self.grads, self.exp_avg, self.exp_avg_sq = params, grads, exp_avg, exp_avg_sq
         # the first parameter's counter is the flat call's; the others are copied from it after each step
-        self.steps = [st["step"] for st in self.states]
+        self.steps = [st["step"] for st in states]
         # what `applies` compares: the gradient and moment tensors are kept, never replaced, while the layout holds
-        self.marks = (self.ps[0].grad, self.ps[-1].grad, self.states[0]["exp_avg"], self.states[-1]["exp_avg_sq"])
+        self.ends = (ps[0], ps[-1], len(ps))
+        self.marks = (ps[0].grad, ps[-1].grad, states[0]["exp_avg"], states[-1]["exp_avg_sq"])
 
     @classmethod
     @torch.no_grad()
@@ -97,40 +94,46 @@ class _FlatStep:
             return None
         sizes = [t.numel() for t in locals_]
         fresh = [len(opt.state[p]) == 0 for p in ps]
-        if all(fresh):
-            for key in ("exp_avg", "exp_avg_sq"):
-                views = torch.zeros_like(params).split(sizes)
-                for p, t, view in zip(ps, locals_, views):
-                    opt.state[p][key] = _moment(p, view.view(t.shape))
-            for p in ps:  # what AdamW's fused path creates: a float32 zero on the parameter's device
-                opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=params.device)
-                opt.state[p] = {k: opt.state[p][k] for k in ("step", "exp_avg", "exp_avg_sq")}
-        elif any(fresh) or not cls._adopt(opt, ps, locals_, sizes, params):
+        if all(fresh):  # what AdamW's fused path creates, laid out flat: a float32 zero step, zero moments
+            moments = [torch.zeros_like(params), torch.zeros_like(params)]
+            views = [m.split(sizes) for m in moments]
+            for p, t, m, v in zip(ps, locals_, *views):
+                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=params.device),
+                                "exp_avg": _moment(p, m.view(t.shape)), "exp_avg_sq": _moment(p, v.view(t.shape))}
+        elif any(fresh):
             return None
-        return cls(opt, params, grads)
+        else:
+            moments = cls._adopt(opt, ps, locals_, sizes, params)
+            if moments is None:
+                return None
+        return cls(opt, params, grads, *moments)
 
     @staticmethod
-    def _adopt(opt, ps, locals_, sizes, params) -> bool:
-        """Move existing moments (a loaded checkpoint's) into flat buffers, one moment at a time."""
+    def _adopt(opt, ps, locals_, sizes, params) -> list[torch.Tensor] | None:
+        """Move existing moments (a loaded checkpoint's) into flat buffers, one moment at a time;
+        the two buffers, or None (step counters that differ, too little free device memory)."""
         states = [opt.state[p] for p in ps]
         steps = torch.stack([s["step"].to(params.device) for s in states])
         if not bool((steps == steps[0]).all()):  # once per adoption: a host sync
-            return False
+            return None
         if params.is_cuda and torch.cuda.mem_get_info(params.device)[0] < 2 * params.nbytes:
-            return False
+            return None
+        moments = []
         for key in ("exp_avg", "exp_avg_sq"):
-            views = torch.empty_like(params).split(sizes)
-            for s, p, t, view in zip(states, ps, locals_, views):
+            flat = torch.empty_like(params)
+            for s, p, t, view in zip(states, ps, locals_, flat.split(sizes)):
                 view.copy_(local_tensor(s[key]).reshape(-1))
                 s[key] = _moment(p, view.view(t.shape))
-        return True
+            moments.append(flat)
+        return moments
 
     def applies(self, opt: torch.optim.Optimizer) -> bool:
         """Whether the layout still holds, checked in O(1): the same parameter list, the same
         gradient tensors on its first and last parameter (the replicated runtime keeps its
         gradient DTensors), the same moment tensors."""
         ps = opt.param_groups[0]["params"]
-        if len(opt.param_groups) != 1 or len(ps) != len(self.ps) or ps[0] is not self.ps[0] or ps[-1] is not self.ps[-1]:
+        first, last, count = self.ends
+        if len(opt.param_groups) != 1 or len(ps) != count or ps[0] is not first or ps[-1] is not last:
             return False
         now = (ps[0].grad, ps[-1].grad, opt.state[ps[0]].get("exp_avg"), opt.state[ps[-1]].get("exp_avg_sq"))
         return all(a is b for a, b in zip(now, self.marks))

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor          # [1, T] packed or [B, S] padded
@@ -58,35 +57,31 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
     n = len(prompts)
     lp = np.fromiter(map(len, prompts), dtype=np.int64, count=n)
     lr = np.fromiter(map(len, responses), dtype=np.int64, count=n)
-    # every response token j of sequence b: its row, its column, and its sequence's response start
-    rows = np.repeat(np.arange(n), lr)
-    response_starts = np.cumsum(lr) - lr
-    cols = np.arange(int(lr.sum())) - np.repeat(response_starts, lr)
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, responses))),
-                       dtype=np.int64, count=int(lp.sum() + lr.sum()))
-    if packed:
-        return _packed_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id)
-    return _padded_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id)
-
-
-def _packed_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id: int) -> MicroBatch:
-    """All sequences end to end in one row, with `cu_seqlens`."""
-    n = len(lp)
     lengths = lp + lr
     ends = np.cumsum(lengths)
-    starts = ends - lengths
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, responses))),
+                       dtype=np.int64, count=int(ends[-1]))
+    within = np.arange(len(flat)) - np.repeat(ends - lengths, lengths)  # each token's index in its sequence
+    # every response token j of sequence b: its row b and its column j
+    rows = np.repeat(np.arange(n), lr)
+    cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
+    layout = _packed_micro_batch if packed else _padded_micro_batch
+    return layout(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+
+
+def _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
+    """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0."""
     labels = np.empty_like(flat)  # the next token of the same sequence; the pad after its last
     labels[:-1] = flat[1:]
     labels[ends - 1] = pad_token_id
-    positions = np.arange(len(flat)) - np.repeat(starts, lengths)
     cu_seqlens = np.concatenate([[0], ends])
-    src = np.repeat(starts + lp - 1, lr) + cols  # the position before each response token predicts it
+    src = np.repeat(ends - lr - 1, lr) + cols  # the position before each response token predicts it
     ids, labels_t, pos, cu_t, *index = host_to_device(
-        [flat[None], labels[None], positions[None], cu_seqlens, src, rows, cols, ends - 1], device)
-    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), int(lengths.max()), *index, n)
+        [flat[None], labels[None], within[None], cu_seqlens, src, rows, cols, ends - 1], device)
+    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), int((lp + lr).max()), *index, len(lp))
 
 
-def _padded_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id: int) -> MicroBatch:
+def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
     """Prompts left-padded to the longest prompt and responses right-padded, so that every
     response starts at the same column `max_p`."""
     n = len(lp)
@@ -94,7 +89,6 @@ def _padded_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id: int) -> 
     width = max_p + max_r
     lengths = lp + lr
     seq = np.repeat(np.arange(n), lengths)  # each token's row
-    within = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # its index in its sequence
     column = within + np.repeat(max_p - lp, lengths)
     ids = np.full((n, width), pad_token_id, dtype=np.int64)
     mask = np.zeros((n, width), dtype=np.int64)
@@ -108,13 +102,9 @@ def _padded_micro_batch(flat, lp, lr, rows, cols, device, pad_token_id: int) -> 
     return MicroBatch(ids_t, labels_t, pos_t, mask_t, None, None, *index, n)
 
 
-def _long(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
-
-
 def index_on(idx: list[int], device) -> torch.Tensor:
     """Row indices as a device tensor, without waiting for the device (see `host_to_device`)."""
-    return host_to_device([_long(idx)], device)[0]
+    return host_to_device([np.asarray(idx, dtype=np.int64)], device)[0]
 
 
 def host_to_device(arrays: list, device) -> list[torch.Tensor]:

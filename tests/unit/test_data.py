@@ -419,7 +419,7 @@ def test_gsm8k_malformed_rows(tmp_path, capsys, row, message):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def _byte_level_bpe(clean_up: bool):
+def _byte_level_bpe():
     """A small trained byte-level BPE (Qwen's kind of tokenizer), as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -430,21 +430,38 @@ def _byte_level_bpe(clean_up: bool):
                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_end|>"],
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                                clean_up_tokenization_spaces=clean_up)
+                                                clean_up_tokenization_spaces=False)
 
 
-@pytest.mark.parametrize("kind", ["demo", "bpe", "bpe_clean_up"])
+def _words_with_clean_up():
+    """A word-level tokenizer whose decoding joins words with spaces, with transformers' clean-up
+    on: `batch_decode` turns "sold 48 clips ." into "sold 48 clips." where the backend alone does not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "<|im_end|>", "sold", "48", "clips", ".", ",", "and", "?", "May"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]",
+                                                clean_up_tokenization_spaces=True)
+
+
+@pytest.mark.parametrize("kind", ["demo", "bpe", "clean_up"])
 def test_decode_batch_gives_batch_decode_strings(kind, tokenizer_dir):
     """`models.tokenizer.decode_batch` (the backend's batch decode where that is all transformers
     would do) returns exactly `batch_decode`'s strings: special tokens inside and at the ends,
-    empty sequences, non-ASCII bytes split over tokens, with and without skipping specials."""
+    empty sequences, non-ASCII bytes split over tokens, with and without skipping specials; a
+    tokenizer with clean-up, whose strings the backend alone would get wrong, included."""
     from models.tokenizer import decode_batch, load_tokenizer
 
-    tok = load_tokenizer(tokenizer_dir) if kind == "demo" else _byte_level_bpe(clean_up=kind == "bpe_clean_up")
-    texts = ["<|user|>12+3=<|assistant|>15<|eos|>", "9 - 4*0<|pad|><|pad|>", ""] if kind == "demo" else \
-        ["Natalia sold 48 clips , and héllo<|im_end|>", "<|endoftext|>wörld !", "", "April . May ?"]
+    texts = {"demo": ["<|user|>12+3=<|assistant|>15<|eos|>", "9 - 4*0<|pad|><|pad|>", ""],
+             "bpe": ["Natalia sold 48 clips , and héllo<|im_end|>", "<|endoftext|>wörld !", "", "April . May ?"],
+             "clean_up": ["sold 48 clips , and May ?", "clips .<|im_end|>", ""]}[kind]
+    tok = {"demo": lambda: load_tokenizer(tokenizer_dir), "bpe": _byte_level_bpe, "clean_up": _words_with_clean_up}[kind]()
     seqs = [tok(t)["input_ids"] for t in texts] + [[]]
     seqs.append([i for s in seqs for i in s][::-1][:7])  # ids out of any natural order (partial UTF-8 too)
     for skip in (True, False):
         assert decode_batch(tok, seqs, skip_special_tokens=skip) == tok.batch_decode(seqs, skip_special_tokens=skip)
+    if kind == "clean_up":  # the case is only a test if the backend alone differs
+        assert tok.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True) != tok.batch_decode(
+            seqs, skip_special_tokens=True)
     assert decode_batch(tok, [], skip_special_tokens=True) == []
