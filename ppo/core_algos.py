@@ -150,8 +150,8 @@ def _compact_valid(x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> 
     passes through masked positions "as if they were absent" runs over consecutive columns.
     ``slots``: ``_valid_slots(mask)``. No host sync (no boolean indexing)."""
     b, t = mask.shape
-    out = torch.zeros(b, t + 1, dtype=x.dtype, device=x.device)  # masked positions all go to a spare column t
-    return out.scatter_(1, torch.where(mask, slots, t), torch.where(mask, x, 0.0))[:, :t]
+    out = torch.zeros(b, t + 1, dtype=x.dtype, device=x.device)  # masked entries all go to a spare column t, dropped
+    return out.scatter_(1, torch.where(mask, slots, t), x)[:, :t]
 
 
 def _expand_valid(compact: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
