@@ -467,20 +467,21 @@ def _check_loss_agg_mode(loss_agg_mode: str) -> None:
         raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {list(LOSS_AGG_MODES)}.")
 
 
-def count_loss_units(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+def count_loss_units(response_mask: torch.Tensor | np.ndarray, loss_agg_mode: str) -> float:
     """How many units ``agg_loss`` averages over in this (micro-)batch.
 
     Tokens for ``token-mean``; non-empty sequences (rows with at least one valid token) for
     the ``seq-mean-*`` modes. The trainer sums this over the micro-batches of a mini-batch
     and all-reduces the sum over the data-parallel group to get ``global_num_tokens`` /
-    ``global_num_seqs``. Reads the count on the host (once per micro-batch, before the
-    forward, so it does not stall a running kernel queue).
+    ``global_num_seqs``. Reads the count on the host, before the forward, so it does not
+    stall a running kernel queue; ``response_mask`` may be a NumPy array (the trainer's
+    planning counts without torch CPU ops, whose thread pool can stall on a busy host).
     """
     _check_loss_agg_mode(loss_agg_mode)
-    mask = response_mask.bool()
+    mask = response_mask != 0
     if loss_agg_mode == "token-mean":
         return float(mask.sum())
-    return float((mask.sum(dim=-1) > 0).sum())
+    return float((mask.sum(-1) > 0).sum())
 
 
 def _divide(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:

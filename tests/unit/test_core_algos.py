@@ -382,9 +382,11 @@ def test_agg_loss_local_matches_reference(mode):
 
 
 def test_count_loss_units_and_agg_errors():
-    assert count_loss_units(MASK, "token-mean") == 20.0
-    for mode in LOSS_AGG_MODES[1:]:
-        assert count_loss_units(MASK, mode) == 5.0
+    # a tensor, and the NumPy array the trainer's update planning counts (6 rows, one empty)
+    for mask in (MASK, MASK.numpy()):
+        assert count_loss_units(mask, "token-mean") == 20.0
+        for mode in LOSS_AGG_MODES[1:]:
+            assert count_loss_units(mask, mode) == 5.0
     loss = rand(*MASK.shape)
     with pytest.raises(ValueError, match="global_num_seqs"):
         agg_loss(loss, MASK, "seq-mean-token-mean", global_num_tokens=20)
