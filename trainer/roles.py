@@ -115,11 +115,10 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
         batches += [order[m * mini:(m + 1) * mini] for m in range(num_mini_batches)]
-    # One copy instead of a read-back per mini-batch, and every mini-batch's rows in one gather
+    # The host's own mask (no read-back of the device's), every mini-batch's rows in one gather
     # (mini-batches are equal-sized), in NumPy: a torch CPU op here waited up to 3 ms for torch's
     # thread pool on a busy host, with the GPU idle (profiled at the start of an update phase).
-    mask = ro.response_mask.cpu().numpy()
-    per_batch = mask[np.asarray(batches, dtype=np.int64)]
+    per_batch = ro.host_response_mask()[np.asarray(batches, dtype=np.int64)]
     units = comm.all_reduce_values([count_loss_units(m, loss_agg_mode) for m in per_batch])
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
     return [MiniBatch(parts, u) for parts, u in zip(plans, units)]

@@ -55,11 +55,15 @@ class RolloutBatch:
     def response_mask(self) -> torch.Tensor:
         """`[N, R]`, 1.0 on each response's tokens."""
         if self._response_mask is None:
-            # From the lengths in one non-blocking copy: no per-row kernel, no wait for the device.
-            lengths = index_on([len(r) for r in self.responses], self.device)
-            columns = torch.arange(self.width, device=self.device)
-            self._response_mask = (columns < lengths[:, None]).float()
+            # built on the host, moved in one non-blocking copy: no per-row kernel, no wait for the device
+            self._response_mask = host_to_device([self.host_response_mask()], self.device)[0]
         return self._response_mask
+
+    def host_response_mask(self) -> np.ndarray:
+        """`response_mask` as a NumPy float32 array, from the responses' lengths: for host-side
+        counting without reading the device back."""
+        lengths = np.fromiter(map(len, self.responses), dtype=np.int64, count=len(self.responses))
+        return (np.arange(self.width) < lengths[:, None]).astype(np.float32)
 
     def padded(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-token host values, one list per sequence as long as its response (the engine's

@@ -5,6 +5,7 @@ import math
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,6 +90,7 @@ def test_response_mask_marks_each_response_and_travels_with_take():
                       ["stop"] * 3, [[0.0] * 3, [0.0], []], 4, torch.device("cpu"))
     want = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
     assert ro.response_mask.dtype == torch.float32 and torch.equal(ro.response_mask, want)
+    assert ro.host_response_mask().dtype == np.float32 and np.array_equal(ro.host_response_mask(), want.numpy())
     assert torch.equal(ro.take([2, 0]).response_mask, want[[2, 0]])
     lp = ro.padded([[-0.5, -1.0, -2.0], [-3.0], []])
     assert torch.equal(lp, torch.tensor([[-0.5, -1.0, -2.0, 0.0], [-3.0, 0, 0, 0], [0, 0, 0, 0]]))
