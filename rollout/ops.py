@@ -17,6 +17,33 @@ from rollout.attention import AttentionMetadata, decode_attention_ref, prefill_a
 from rollout.sampler import combine_partials, sample_partials_ref
 
 
+def split_k_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """`x [T, K] @ weight [N, K]^T` as `splits` float32 products over consecutive ranges of K, `[S, T, N]`.
+
+    Their sum, taken in order and rounded once, is the projection with float32 accumulation, as
+    `F.linear` computes it: `rms_norm` takes the products in place of its input. On CUDA one
+    strided batched cuBLAS GEMM reads the bf16 operands where they are; elsewhere the product
+    runs in float32 on the operands' exact float32 values.
+    """
+    t, k = x.shape
+    n = weight.shape[0]
+    if k % splits:
+        raise ValueError(f"split-K: K={k} is not a multiple of {splits} splits")
+    a = x.view(t, splits, k // splits).transpose(0, 1)
+    b = weight.view(n, splits, k // splits).permute(1, 2, 0)
+    if x.is_cuda and x.dtype != torch.float32:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def sum_split_k(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The projection `[T, N]` in `dtype` from its split-K products `[S, T, N]`: summed in order, rounded once."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc.to(dtype)
+
+
 def slot_mapping(block_tables, token_slots, positions, block_size: int) -> torch.Tensor:
     """Cache row `[T]` (int64) of each token: its page's id times block_size plus the offset in the page."""
     pos = positions.long()
@@ -33,8 +60,21 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
+    def split_linear(x, weight, splits: int):
+        """A projection's split-K products `[S, T, N]` (`split_k_products`), for `rms_norm` to sum."""
+        return split_k_products(x, weight, splits)
+
+    @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
-        """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`."""
+        """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`.
+
+        `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_linear`),
+        summed in order and rounded to the residual's dtype first (a residual is then required).
+        """
+        if x.dim() == 3:
+            if residual is None:
+                raise ValueError("rms_norm of split-K products needs the residual (its dtype is the sum's)")
+            x = sum_split_k(x, residual.dtype)
         if residual is not None:
             x = x + residual
         xf = x.float()

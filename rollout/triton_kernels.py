@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover - depends on the triton version
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
+from rollout.ops import split_k_products
 
 # ---------------------------------------------------------------------------- launch order
 
@@ -120,8 +121,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_s, stride_x, stride_r, stride_o, N, eps,
+                     PARTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # PARTS > 0: x is a projection's PARTS float32 split-K products (stride_s apart), summed in
+    # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does.
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -129,6 +132,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        if PARTS > 0:
+            for s in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + s * stride_s + row * stride_x + offs, mask=mask, other=0.0)
+            x = x.to(r.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
     y, _ = rms_norm_row(x, N, eps)
@@ -579,15 +586,23 @@ class TritonOps:
         return _gemv(x, weight, bias, gated=True)
 
     @staticmethod
+    def split_linear(x, weight, splits: int):
+        return split_k_products(x, weight, splits)
+
+    @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
-        t, n = x.shape
+        parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`split_linear`), summed here
+        if parts and residual is None:
+            raise ValueError("rms_norm of split-K products needs the residual (its dtype is the sum's)")
+        t, n = x.shape[-2:]
         block = _pow2(n)
-        out = torch.empty_like(x)
+        out = torch.empty_like(x if residual is None else residual)
         if t == 0:
             return out, (x if residual is None else residual)
         res = residual if residual is not None else x
-        _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                               HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8, **_launch(x))
+        _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0) if parts else 0, x.stride(-2), res.stride(0),
+                               out.stride(0), n, eps, PARTS=parts, HAS_RES=residual is not None, BLOCK=block,
+                               num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
 
     @staticmethod
