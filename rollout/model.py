@@ -60,30 +60,30 @@ class LayerWeights:
     down_b: torch.Tensor | None  # [H], replicated
 
 
-# Rows of a step whose row-parallel projections run split-K (`split_k_splits`), and the K per split it
-# aims at: chosen from chains of projection + RMSNorm in a CUDA graph on an H200 at qwen2.5-0.5b's and
-# 1.5b's shapes (BENCHMARKS.md, "Fifteenth pass").
-SPLIT_K_ROWS = (2, 512)
-SPLIT_K_MIN_K = 2048
+# When a projection runs as two split-K products (`split_k_splits`): at most this many rows, and at most
+# this many output elements, scaled by the depth of K relative to N (up to twice as many for a K of
+# 2 N or more). Chosen from chains of projection + RMSNorm in a CUDA graph on an H200 at qwen2.5-0.5b's,
+# 1.5b's and 7b's o_proj and down_proj, 2 to 2,048 rows (docs/results/splitk_rows_h200.json;
+# BENCHMARKS.md, "Fifteenth pass").
+SPLIT_K_MAX_ROWS = 512
+SPLIT_K_MAX_OUTPUT = 400_000
 
 
-def split_k_splits(rows: int, k: int, dtype: torch.dtype) -> int:
-    """How many consecutive K ranges a row-parallel projection (`o_proj`, `down_proj`) of `rows` rows
-    is computed in, as float32 products that the next RMSNorm sums (1: one product, `F.linear`).
+def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """How many consecutive K ranges a projection `[rows, K] -> [rows, N]` is computed in, as float32
+    products that the next kernel sums (1: one product, `F.linear`).
 
-    At decode batch sizes cuBLAS covers these outputs with a few tiles of a 132-SM GPU, and for a
-    long K adds its own split-K and a separate reduce kernel. Split here, the products come from one
-    batched GEMM with more tiles, and their sum costs the RMSNorm that reads the projection anyway:
-    2 splits, doubled while each keeps at least `SPLIT_K_MIN_K` of K. Only in bf16 / fp16 (a float32
-    engine keeps `F.linear`'s exact agreement with the reference) and when K divides evenly into
-    ranges of whole 16-byte vectors.
+    At decode batch sizes cuBLAS covers a small output with a few tiles of a 132-SM GPU, each
+    running the whole depth of K, and for a long K adds its own split-K and a separate reduce
+    kernel. Two products from one batched GEMM give twice the tiles, and their sum costs the
+    kernel that reads the projection anyway (the RMSNorm after `o_proj` and `down_proj`). That
+    pays while the output is small for the depth of K; a one-row step has the GEMV. Only in
+    bf16 / fp16 (a float32 engine keeps `F.linear`'s exact agreement with the reference) and
+    when each half of K is whole 16-byte vectors.
     """
-    if dtype not in (torch.bfloat16, torch.float16) or not SPLIT_K_ROWS[0] <= rows <= SPLIT_K_ROWS[1]:
+    if dtype not in (torch.bfloat16, torch.float16) or not 2 <= rows <= SPLIT_K_MAX_ROWS or k % 16:
         return 1
-    splits = 2
-    while k % (2 * splits) == 0 and k // (2 * splits) >= SPLIT_K_MIN_K:
-        splits *= 2
-    return splits if k % (8 * splits) == 0 else 1
+    return 2 if rows * n <= SPLIT_K_MAX_OUTPUT * min(2.0, k / n) else 1
 
 
 def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
@@ -240,7 +240,7 @@ class EngineModel:
         """`o_proj` / `down_proj`: `[T, H]`, or at TP 1 their split-K products `[S, T, H]` for the next
         `rms_norm` to sum (`split_k_splits`)."""
         if self.tp.size == 1:
-            splits = split_k_splits(x.shape[0], x.shape[1], x.dtype) if b is None else 1
+            splits = split_k_splits(x.shape[0], w.shape[0], x.shape[1], x.dtype) if b is None else 1
             return ops.linear(x, w, b) if splits == 1 else ops.split_linear(x, w, splits)
         y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b

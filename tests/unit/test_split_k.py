@@ -43,13 +43,18 @@ def test_rms_norm_sums_the_products_before_the_residual():
 
 
 def test_split_k_splits_policy():
+    # (N, K) of qwen2.5's o_proj and down_proj at 0.5b, 1.5b and 7b, and the measured choices
     bf16 = torch.bfloat16
-    # qwen2.5 0.5b / 1.5b / 7b: o_proj K = hidden, down_proj K = intermediate
-    assert [split_k_splits(256, k, bf16) for k in (896, 4864, 1536, 8960, 3584, 18944)] == [2, 2, 2, 4, 2, 8]
-    assert split_k_splits(1, 4864, bf16) == 1  # one row: the GEMV
-    assert split_k_splits(8192, 4864, bf16) == 1  # a prefill step: cuBLAS has tiles enough
-    assert split_k_splits(256, 4864, torch.float32) == 1
-    assert split_k_splits(256, 100, bf16) == 1  # K / 2 is not whole 16-byte vectors
+    o05, down05, o15, down15, o7, down7 = (896, 896), (896, 4864), (1536, 1536), (1536, 8960), (3584, 3584), (3584, 18944)
+    assert [split_k_splits(256, n, k, bf16) for n, k in (o05, down05, o15, down15)] == [2, 2, 2, 2]
+    # 512 rows: the o_projs' outputs are large for their depth of K; the downs still split
+    assert [split_k_splits(512, n, k, bf16) for n, k in (o05, down05, o15, down15)] == [1, 2, 1, 2]
+    assert [split_k_splits(rows, *o7, bf16) for rows in (32, 128)] == [2, 1]
+    assert [split_k_splits(rows, *down7, bf16) for rows in (128, 256)] == [2, 1]
+    assert split_k_splits(1, *down05, bf16) == 1  # one row: the GEMV
+    assert split_k_splits(1024, *down05, bf16) == 1  # prefill-sized steps
+    assert split_k_splits(256, *down05, torch.float32) == 1
+    assert split_k_splits(256, 896, 904, bf16) == 1  # K / 2 is not whole 16-byte vectors
 
 
 def test_bf16_engine_with_split_k_decodes_as_without(monkeypatch):
@@ -62,7 +67,7 @@ def test_bf16_engine_with_split_k_decodes_as_without(monkeypatch):
                         staticmethod(lambda x, w, s: calls.append((x.shape[0], s)) or split_linear(x, w, s)))
     split = make_engine(model, dtype=torch.bfloat16, num_kv_blocks=64).generate(prompts, params)
     assert calls and all(s == 2 for _, s in calls) and any(rows > 1 for rows, _ in calls)
-    monkeypatch.setattr(engine_model, "split_k_splits", lambda rows, k, dtype: 1)
+    monkeypatch.setattr(engine_model, "split_k_splits", lambda rows, n, k, dtype: 1)
     calls.clear()
     plain = make_engine(model, dtype=torch.bfloat16, num_kv_blocks=64).generate(prompts, params)
     assert not calls
