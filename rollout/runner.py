@@ -41,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from models.transfer import host_to_device
 from models.triton_support import triton_usable
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.block_manager import cdiv
@@ -226,11 +227,13 @@ class ModelRunner:
         return StepOutput(batch, tok_h, lp_h, event, n)
 
     def _apply_updates(self, batch: ScheduledBatch) -> None:
+        # Through pinned memory (`host_to_device`): from pageable memory the copy could wait for
+        # the step before, which a decode step that starts new KV blocks would then not overlap.
         if batch.block_table_updates:
-            u = torch.from_numpy(np.asarray(batch.block_table_updates, dtype=np.int64)).to(self.device, non_blocking=True)
+            u, = host_to_device([np.asarray(batch.block_table_updates, dtype=np.int64)], self.device)
             self.block_tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
         if batch.copies:
-            c = torch.from_numpy(np.asarray(batch.copies, dtype=np.int64)).to(self.device, non_blocking=True)
+            c, = host_to_device([np.asarray(batch.copies, dtype=np.int64)], self.device)
             self.kv_cache[:, :, c[:, 1]] = self.kv_cache[:, :, c[:, 0]]
 
     # ------------------------------------------------------------------ decode
@@ -351,13 +354,8 @@ class ModelRunner:
         a = self._prefill_arrays(batch)
         if self.use_triton and len(a["ids"]) <= self.prefill_graph_tokens:
             return self._run_prefill_padded(a)
-        # One upload. From pageable memory a non-blocking copy is staged before it returns, so
-        # `flat`'s host source may go away; it does not wait for the GPU.
-        flat = torch.from_numpy(np.concatenate(list(a.values()))).to(self.device, non_blocking=True)
-        d, o = {}, 0
-        for name, v in a.items():
-            d[name] = flat[o:o + len(v)]
-            o += len(v)
+        # One upload, from pinned memory: it does not wait for the steps before (`host_to_device`).
+        d = dict(zip(a, host_to_device(list(a.values()), self.device)))
         meta = AttentionMetadata(is_decode=False, slots=d["slots"], context_lens=d["ctx"],
                                  max_context_len=int(a["ctx"].max()), cu_q=d["cu"], tile_seq=d["tseq"],
                                  tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())

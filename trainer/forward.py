@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.transfer import host_to_device
+
 
 @dataclass
 class MicroBatch:
@@ -105,23 +107,6 @@ def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_toke
 def index_on(idx: list[int], device) -> torch.Tensor:
     """Row indices as a device tensor, without waiting for the device (see `host_to_device`)."""
     return host_to_device([np.asarray(idx, dtype=np.int64)], device)[0]
-
-
-def host_to_device(arrays: list, device) -> list[torch.Tensor]:
-    """Host arrays of one dtype (NumPy arrays or CPU tensors) as tensors on `device`. On CUDA they
-    are written once, by NumPy, into one pinned buffer and moved by one non-blocking copy (the
-    caching host allocator keeps the pinned block until the copy is done)."""
-    device = torch.device(device)
-    arrays = [a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in arrays]
-    sizes = [a.size for a in arrays]
-    if device.type == "cuda":
-        dtype = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype)).dtype
-        flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
-        np.concatenate([a.reshape(-1) for a in arrays], out=flat.numpy())
-        flat = flat.to(device, non_blocking=True)
-    else:
-        flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays])).to(device)
-    return [piece.view(a.shape) for piece, a in zip(flat.split(sizes), arrays)]
 
 
 def _place(mb: MicroBatch, selected: torch.Tensor, width: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trainer.forward import host_to_device, index_on
+from models.transfer import host_to_device
+from trainer.forward import index_on
 
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",

@@ -468,3 +468,34 @@ def test_qwen_shape_smoke():
     assert len(outs) == 16 and all(len(o.token_ids) == 8 for o in outs)
     engine_err, train_err = _logprob_errors(outs, [ref32, ref16])
     assert engine_err <= 1.5 * train_err + 1e-3, (engine_err, train_err)
+
+
+def test_steps_are_queued_without_waiting_for_the_gpu():
+    """A step's host inputs (new KV blocks, copy-on-write copies, an eager prefill's arrays) go
+    over behind the work already queued: with the GPU busy, `execute` returns before it is done."""
+    model = _gpu_model("qwen2", eos_token_id=None)
+    # blocks of 4 tokens: decode steps start blocks; n=2 forks share a partial last block (copies);
+    # prefill_graph_max_tokens=0: every prefill step is eager
+    engine = make_engine(model, device=DEV, dtype=torch.bfloat16, block_size=4, num_kv_blocks=256,
+                         prefill_graph_max_tokens=0)
+    prompts = prompts_of([6, 13, 9, 21], seed=2)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
+    first = engine.generate(prompts, params)  # captures the decode graphs (a capture synchronises)
+    runner, execute, seen = engine.runner, engine.runner.execute, []
+
+    def busy_execute(batch):
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU work queued ahead of the step
+        queued = torch.cuda.Event()
+        queued.record()
+        out = execute(batch)
+        seen.append((batch.is_prefill, bool(batch.block_table_updates), bool(batch.copies), queued.query()))
+        return out
+
+    runner.execute = busy_execute
+    try:
+        again = engine.generate(prompts, params)
+    finally:
+        del runner.execute
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert any(p for p, *_ in seen) and any(u for _, u, _, _ in seen) and any(c for *_, c, _ in seen), seen
+    assert not any(done for *_, done in seen), seen
