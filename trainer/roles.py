@@ -244,7 +244,7 @@ class TrainableRole(Role):
         `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
         tensor); `loss(rows, outputs, k, agg_kwargs)` gives the `LossTerms`. The whole update is
         planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
-        indices go over without a sync (`RolloutBatch.index`, `forward.host_to_device`), a
+        indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
         read back once, at the end. Returns `<prefix>/...` metrics with the sums (`sum_keys`) and
         the statistics starting with `rank_mean_prefixes` averaged over ranks."""
