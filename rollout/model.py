@@ -76,7 +76,8 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
     At decode batch sizes cuBLAS covers a small output with a few tiles of a 132-SM GPU, each
     running the whole depth of K, and for a long K adds its own split-K and a separate reduce
     kernel. Two products from one batched GEMM give twice the tiles, and their sum costs the
-    kernel that reads the projection anyway (the RMSNorm after `o_proj` and `down_proj`). That
+    kernel that reads the projection anyway (the RMSNorm after `o_proj` and `down_proj`, the decode
+    attention after `qkv`, which adds qkv's bias to the sum). That
     pays while the output is small for the depth of K; a one-row step has the GEMV. Only in
     bf16 / fp16 (a float32 engine keeps `F.linear`'s exact agreement with the reference) and
     when each half of K is whole 16-byte vectors.
@@ -257,12 +258,16 @@ class EngineModel:
         residual = None
         for i, w in enumerate(self.layers):
             h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
-            qkv = ops.linear(h, w.qkv_w, w.qkv_b)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
+                # With one attention split a sequence the kernel reads qkv once per row: it can sum
+                # split-K products (and add the bias) as well.
+                splits = split_k_splits(h.shape[0], w.qkv_w.shape[0], h.shape[1], h.dtype) if meta.num_splits == 1 else 1
+                qkv = ops.linear(h, w.qkv_w, w.qkv_b) if splits == 1 else ops.split_linear(h, w.qkv_w, splits)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
-                                         self.scale, self.num_heads, self.num_kv_heads, self.head_dim)
+                                         self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b)
             else:
+                qkv = ops.linear(h, w.qkv_w, w.qkv_b)
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)

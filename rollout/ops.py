@@ -36,11 +36,14 @@ def split_k_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     return torch.bmm(a.float(), b.float())
 
 
-def sum_split_k(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The projection `[T, N]` in `dtype` from its split-K products `[S, T, N]`: summed in order, rounded once."""
+def sum_split_k(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The projection `[T, N]` in `dtype` from its split-K products `[S, T, N]`: summed in order, the
+    bias added last, rounded once (as `F.linear` with a bias rounds)."""
     acc = parts[0].clone()
     for p in parts[1:]:
         acc += p
+    if bias is not None:
+        acc += bias.float()
     return acc.to(dtype)
 
 
@@ -115,9 +118,15 @@ class TorchOps:
 
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int):
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None):
         """A decode step's attention from its projections `qkv [B, (Hq + 2 Hkv) D]`: RoPE and the K/V write of
-        each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention."""
+        each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention.
+
+        `qkv` may be the projection's split-K products `[S, B, (Hq + 2 Hkv) D]` (float32, `split_linear`),
+        summed with `qkv_bias` and rounded to the cache's dtype first (`sum_split_k`).
+        """
+        if qkv.dim() == 3:
+            qkv = sum_split_k(qkv, k_cache.dtype, qkv_bias)
         q = TorchOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables,
                                     num_heads, num_kv_heads, head_dim)
         return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)

@@ -243,16 +243,32 @@ def _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, q
 
 
 @triton.jit
-def _decode_attn_kernel(qkv_ptr, stride_qb, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, stride_bt, slots_ptr, ctx_ptr,
-                        out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
+def _qkv_load(row, col, mask, stride_s, b_ptr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Columns `col` of one decode row of qkv: the projection as stored, or (PARTS > 0) the sum in order
+    of its PARTS float32 split-K products plus the bias, in float32 (`rollout.ops.sum_split_k`, which
+    the caller's rounding to the cache dtype completes)."""
+    x = tl.load(row + col, mask=mask, other=0.0)
+    if PARTS > 0:
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(row + s * stride_s + col, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, stride_bt,
+                        slots_ptr, ctx_ptr, out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        IEEE: tl.constexpr, PDL: tl.constexpr):
     # ROPE: the step's token sits at position ctx - 1 of its sequence: every program rotates the
     # query heads of its KV head (`rotate_half`, as `_rope_cache_kernel` does), and the program
     # whose split holds that position rotates the token's key and writes it and the value into
     # the cache before it reads the split's keys (the write is then visible to the whole program).
     # Else `_rope_cache_kernel` has run: q is rotated in place in `qkv`, the cache written.
+    # PARTS > 0 (ROPE only): qkv is the projection's split-K products, summed here with its bias.
     _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -274,18 +290,23 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_p
         pos = (ctx - 1).to(tl.int64)
         c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
-        qp = row + heads[:, None] * D + i[None, :]
-        q1, q2 = rotate_half(tl.load(qp, mask=gm[:, None], other=0.0),
-                             tl.load(qp + HALF, mask=gm[:, None], other=0.0), c, s, c, s)
+        dt = k_ptr.dtype.element_ty
+        qc = heads[:, None] * D + i[None, :]
+        q1, q2 = rotate_half(_qkv_load(row, qc, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                             _qkv_load(row, qc + HALF, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                             c, s, c, s)
         q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, D])
         if (pos >= start) & (pos < end):
-            kp = row + HQ * D + kvh * D + i[None, :]
-            k1, k2 = rotate_half(tl.load(kp), tl.load(kp + HALF), c, s, c, s)
+            kc = HQ * D + kvh * D + i[None, :]
+            k1, k2 = rotate_half(_qkv_load(row, kc, kc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                                 _qkv_load(row, kc + HALF, kc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                                 c, s, c, s)
             page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
             dst = (page * PAGE + pos % PAGE) * (HKV * D) + kvh * D
             tl.store(k_ptr + dst + i[None, :], k1)
             tl.store(k_ptr + dst + HALF + i[None, :], k2)
-            tl.store(v_ptr + dst + d, tl.load(row + (HQ + HKV) * D + kvh * D + d))
+            vc = (HQ + HKV) * D + kvh * D + d
+            tl.store(v_ptr + dst + d, _qkv_load(row, vc, vc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt))
             tl.debug_barrier()
     else:
         q = tl.load(row + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
@@ -630,18 +651,21 @@ class TritonOps:
 
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int):
-        b = qkv.shape[0]
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None):
+        parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`split_linear`), summed in the kernel
+        b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
         g = hq // hkv
         splits = meta.num_splits
-        out = torch.empty(b, hq * d, dtype=qkv.dtype, device=qkv.device)
+        out = torch.empty(b, hq * d, dtype=k_cache.dtype, device=qkv.device)
         if b == 0:
             return out
         # RoPE and the K/V write inside the attention kernel when a sequence has one split (many
         # rows): with several, each split's program would rotate the queries again, and on an
         # H200 a one-sequence step (16 splits) ran 3 % slower fused (BENCHMARKS.md, "Ninth pass").
         rope = splits == 1  # fused, the kernel takes each token's position as context_lens - 1 (= positions)
+        if parts and not rope:
+            raise ValueError("decode attention takes split-K qkv products only with one split a sequence")
         if not rope:
             TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d)
         block_n = 64 if d <= 64 else 32
@@ -651,11 +675,12 @@ class TritonOps:
         else:
             part_o = part_lse = out  # unused
         _decode_attn_kernel[(b, hkv, splits)](
-            qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots,
-            meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
+            qkv, qkv.stride(-2), qkv.stride(0) if parts else 0, qkv_bias if qkv_bias is not None else qkv, cos, sin,
+            k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens, out, out.stride(0),
+            part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-            SPLIT=splits > 1, ROPE=rope, IEEE=qkv.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}),
-            **_launch(qkv))
+            SPLIT=splits > 1, ROPE=rope, PARTS=parts, HAS_BIAS=parts > 0 and qkv_bias is not None,
+            IEEE=k_cache.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}), **_launch(qkv))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
                                            S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,

@@ -23,7 +23,7 @@ def _checks() -> dict:
     import torch
 
     from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref
-    from rollout.ops import TorchOps
+    from rollout.ops import TorchOps, sum_split_k
     from rollout.sampler import combine_partials as combine_ref
     from rollout.triton_kernels import TritonOps
 
@@ -197,6 +197,21 @@ def _checks() -> dict:
                     errs += [close(out, ref, tol), close(k_tri, k_ref, 1e-6 if dtype == torch.float32 else 0.0),
                              close(v_tri, v_ref, 0)]
                     assert not torch.equal(k_tri, k_cache) and not torch.equal(v_tri, v_cache)  # the new K/V landed
+                # qkv as two float32 split-K products plus a bias, summed in the fused kernel (one split a
+                # sequence): as the reference path on their sum rounded once (`sum_split_k`)
+                parts, bias = torch.randn(2, len(lengths), qkv.shape[1]), torch.randn(qkv.shape[1], dtype=dtype)
+                meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=torch.tensor(lengths, dtype=torch.int32),
+                                         max_context_len=max(lengths), num_splits=1)
+                k_ref, v_ref, k_tri, v_tri = (c.clone() for c in (k_cache, v_cache, k_cache, v_cache))
+                pos = meta.context_lens - 1
+                summed = sum_split_k(parts, dtype, bias)
+                q = TorchOps.rope_and_cache(summed, pos, slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+                ref = decode_attention_ref(q.float(), k_ref.float(), v_ref.float(), bt, meta, d ** -0.5)
+                out = TritonOps.decode_attention(parts, pos, cos, sin, k_tri, v_tri, bt, meta, d ** -0.5, hq, hkv, d,
+                                                 qkv_bias=bias)
+                assert out.dtype == dtype
+                errs += [close(out, ref, tol), close(k_tri, k_ref, 1e-6 if dtype == torch.float32 else 0.0),
+                         close(v_tri, v_ref, 0)]
         return max(errs)
 
     def prefill_attention():
