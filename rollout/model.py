@@ -76,9 +76,9 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
     At decode batch sizes cuBLAS covers a small output with a few tiles of a 132-SM GPU, each
     running the whole depth of K, and for a long K adds its own split-K and a separate reduce
     kernel. Two products from one batched GEMM give twice the tiles, and their sum costs the
-    kernel that reads the projection anyway (the RMSNorm after `o_proj` and `down_proj`, the decode
-    attention after `qkv`, which adds qkv's bias to the sum). That
-    pays while the output is small for the depth of K; a one-row step has the GEMV. Only in
+    kernel that reads the projection anyway (the RMSNorm after `o_proj` and `down_proj`; the
+    decode attention after `qkv`, which adds qkv's bias to the sum). That pays while the output
+    is small for the depth of K; a one-row step has the GEMV. Only in
     bf16 / fp16 (a float32 engine keeps `F.linear`'s exact agreement with the reference) and
     when each half of K is whole 16-byte vectors.
     """
