@@ -95,3 +95,45 @@ def test_tp2_triton_kernels_equal_tp1_torch_ops():
     GEMVs and the gated GEMV at one row, all-reduces between them) against the PyTorch ops at TP 1."""
     pytest.importorskip("triton")
     run_distributed(_tp_triton_body, 2)
+
+
+def _tp_split_k_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import rollout.model as engine_model
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+    from rollout.ops import TorchOps
+    from tests.unit.test_engine import prompts_of, tiny_args, tiny_model
+
+    model = tiny_model(tiny_args("qwen2", eos_token_id=None)).to(torch.bfloat16)  # qkv bias, tied head
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    prompts = prompts_of([3, 9, 5, 12, 7, 4], seed=4)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=3)
+    calls = []
+    split_linear = TorchOps.split_linear
+    TorchOps.split_linear = staticmethod(lambda x, w, s: calls.append(w.shape[0]) or split_linear(x, w, s))
+    original = engine_model.split_k_splits
+    try:
+        outs = []
+        for rule in (original, lambda rows, n, k, dtype: 1):
+            engine_model.split_k_splits = rule
+            engine = LLMEngine(model.args, EngineConfig(dtype=torch.bfloat16, block_size=4, num_kv_blocks=64),
+                               tp_mesh=mesh["tp"], device="cpu")
+            engine.load_weights(model.named_parameters())
+            outs.append(engine.generate(prompts, params))
+    finally:
+        TorchOps.split_linear = split_linear
+        engine_model.split_k_splits = original
+    # At TP 2 only qkv (column-parallel: this rank's 64 of its 128 outputs) splits; o_proj and
+    # down_proj are all-reduced as one product each.
+    assert calls and set(calls) == {64}, set(calls)
+    split, plain = outs
+    assert [o.token_ids for o in split] == [o.token_ids for o in plain]
+    diff = max(abs(a - b) for s, p in zip(split, plain) for a, b in zip(s.logprobs, p.logprobs))
+    assert diff < 0.05, diff
+
+
+def test_tp2_bf16_split_k_qkv_decodes_as_without():
+    """bf16 at TP 2: the decode qkv's split-K products, summed with this rank's bias shard in the
+    attention, give the tokens of one product."""
+    run_distributed(_tp_split_k_body, 2)
