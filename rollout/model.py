@@ -30,6 +30,7 @@ from models.args import ModelArgs
 from models.parallel_plan import tp_shard_dim
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from rollout.attention import AttentionMetadata
+from rollout.ops import split_k_products
 from rollout.parallel import TPGroup
 
 _ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vectorised loads
@@ -237,14 +238,25 @@ class EngineModel:
         x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
         return self.tp.all_reduce(x)
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops) -> torch.Tensor:
-        """`o_proj` / `down_proj`: `[T, H]`, or at TP 1 their split-K products `[S, T, H]` for the next
-        `rms_norm` to sum (`split_k_splits`)."""
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops, splits: int) -> torch.Tensor:
+        """`o_proj` / `down_proj`: `[T, H]`, or (TP 1, `splits` > 1) their split-K products `[S, T, H]`
+        for the next `rms_norm` to sum."""
         if self.tp.size == 1:
-            splits = split_k_splits(x.shape[0], w.shape[0], x.shape[1], x.dtype) if b is None else 1
-            return ops.linear(x, w, b) if splits == 1 else ops.split_linear(x, w, splits)
+            return ops.linear(x, w, b) if splits == 1 else split_k_products(x, w, splits)
         y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b
+
+    def _splits(self, rows: int, meta: AttentionMetadata) -> tuple[int, int, int]:
+        """Split-K products of (qkv, o_proj, down_proj) in a step of `rows` rows, the same in every layer
+        (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
+        split a sequence); o_proj's and down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's
+        without a bias (the RMSNorm adds none)."""
+        w, dtype, h = self.layers[0], self.dtype, self.hidden
+        qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
+        if self.tp.size > 1:
+            return qkv, 1, 1
+        down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None else 1
+        return qkv, split_k_splits(rows, h, w.o_w.shape[1], dtype), down
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
                 ops) -> torch.Tensor:
@@ -255,15 +267,14 @@ class EngineModel:
         """
         eps = self.args.rms_norm_eps
         x = self.embed(input_ids)
+        qkv_splits, o_splits, down_splits = self._splits(x.shape[0], meta)
         residual = None
         for i, w in enumerate(self.layers):
             h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
-                # With one attention split a sequence the kernel reads qkv once per row: it can sum
-                # split-K products (and add the bias) as well.
-                splits = split_k_splits(h.shape[0], w.qkv_w.shape[0], h.shape[1], h.dtype) if meta.num_splits == 1 else 1
-                qkv = ops.linear(h, w.qkv_w, w.qkv_b) if splits == 1 else ops.split_linear(h, w.qkv_w, splits)
+                qkv = (ops.linear(h, w.qkv_w, w.qkv_b) if qkv_splits == 1
+                       else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
                                          self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b)
             else:
@@ -271,9 +282,9 @@ class EngineModel:
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
-            x = self._row_parallel(o, w.o_w, None, ops)
+            x = self._row_parallel(o, w.o_w, None, ops, o_splits)
             h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
-            x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops)
+            x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, down_splits)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual)
         return h
 

@@ -63,15 +63,10 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def split_linear(x, weight, splits: int):
-        """A projection's split-K products `[S, T, N]` (`split_k_products`), for `rms_norm` to sum."""
-        return split_k_products(x, weight, splits)
-
-    @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
         """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`.
 
-        `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_linear`),
+        `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_k_products`),
         summed in order and rounded to the residual's dtype first (a residual is then required).
         """
         if x.dim() == 3:
@@ -122,7 +117,7 @@ class TorchOps:
         """A decode step's attention from its projections `qkv [B, (Hq + 2 Hkv) D]`: RoPE and the K/V write of
         each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention.
 
-        `qkv` may be the projection's split-K products `[S, B, (Hq + 2 Hkv) D]` (float32, `split_linear`),
+        `qkv` may be the projection's split-K products `[S, B, (Hq + 2 Hkv) D]` (float32, `split_k_products`),
         summed with `qkv_bias` and rounded to the cache's dtype first (`sum_split_k`).
         """
         if qkv.dim() == 3:

@@ -55,7 +55,6 @@ except ImportError:  # pragma: no cover - depends on the triton version
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
-from rollout.ops import split_k_products
 
 # ---------------------------------------------------------------------------- launch order
 
@@ -607,12 +606,8 @@ class TritonOps:
         return _gemv(x, weight, bias, gated=True)
 
     @staticmethod
-    def split_linear(x, weight, splits: int):
-        return split_k_products(x, weight, splits)
-
-    @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):
-        parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`split_linear`), summed here
+        parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed here
         if parts and residual is None:
             raise ValueError("rms_norm of split-K products needs the residual (its dtype is the sum's)")
         t, n = x.shape[-2:]
@@ -652,7 +647,7 @@ class TritonOps:
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
                          scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None):
-        parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`split_linear`), summed in the kernel
+        parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed in the kernel
         b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
         g = hq // hkv

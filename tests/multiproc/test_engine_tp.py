@@ -102,7 +102,7 @@ def _tp_split_k_body(rank, world_size):
 
     import rollout.model as engine_model
     from rollout import EngineConfig, LLMEngine, SamplingParams
-    from rollout.ops import TorchOps
+    from rollout.ops import split_k_products
     from tests.unit.test_engine import prompts_of, tiny_args, tiny_model
 
     model = tiny_model(tiny_args("qwen2", eos_token_id=None)).to(torch.bfloat16)  # qkv bias, tied head
@@ -110,8 +110,7 @@ def _tp_split_k_body(rank, world_size):
     prompts = prompts_of([3, 9, 5, 12, 7, 4], seed=4)
     params = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=3)
     calls = []
-    split_linear = TorchOps.split_linear
-    TorchOps.split_linear = staticmethod(lambda x, w, s: calls.append(w.shape[0]) or split_linear(x, w, s))
+    engine_model.split_k_products = lambda x, w, s: calls.append(w.shape[0]) or split_k_products(x, w, s)
     original = engine_model.split_k_splits
     try:
         outs = []
@@ -122,7 +121,7 @@ def _tp_split_k_body(rank, world_size):
             engine.load_weights(model.named_parameters())
             outs.append(engine.generate(prompts, params))
     finally:
-        TorchOps.split_linear = split_linear
+        engine_model.split_k_products = split_k_products
         engine_model.split_k_splits = original
     # At TP 2 only qkv (column-parallel: this rank's 64 of its 128 outputs) splits; o_proj and
     # down_proj are all-reduced as one product each.

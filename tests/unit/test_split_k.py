@@ -62,9 +62,8 @@ def test_bf16_engine_with_split_k_decodes_as_without(monkeypatch):
     prompts = prompts_of([3, 9, 5, 12, 7, 4])
     params = SamplingParams(temperature=0, max_tokens=10)
     calls = []
-    split_linear = TorchOps.split_linear
-    monkeypatch.setattr(TorchOps, "split_linear",
-                        staticmethod(lambda x, w, s: calls.append((x.shape[0], w.shape[0], s)) or split_linear(x, w, s)))
+    monkeypatch.setattr(engine_model, "split_k_products",
+                        lambda x, w, s: calls.append((x.shape[0], w.shape[0], s)) or split_k_products(x, w, s))
     split = make_engine(model, dtype=torch.bfloat16, num_kv_blocks=64).generate(prompts, params)
     assert calls and all(s == 2 for *_, s in calls) and any(rows > 1 for rows, *_ in calls)
     assert {n for _, n, _ in calls} == {64, 128}  # o_proj and down_proj (N = hidden), qkv (summed in the attention)
