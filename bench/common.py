@@ -10,10 +10,15 @@ import dataclasses
 import datetime
 import json
 import os
+import contextlib
 import platform
 import re
+import shutil
+import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -74,6 +79,96 @@ def emit(benchmark: str, workload: dict, **figures) -> dict:
            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(json.dumps(rec), flush=True)
     return rec
+
+
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit")
+
+
+def parse_smi_line(line: str) -> tuple[float, ...] | None:
+    """One line of `nvidia-smi --query-gpu=<SMI_FIELDS> --format=csv,noheader,nounits` as floats;
+    None for anything else (a header, a warning, a field that reads "[N/A]")."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != len(SMI_FIELDS):
+        return None
+    try:
+        return tuple(float(p) for p in parts)
+    except ValueError:
+        return None
+
+
+class GpuTelemetry:
+    """The GPU's SM clock and board power, sampled in the background while a benchmark runs and
+    summarised over the intervals it marks with `window()`.
+
+    An H200 holds its power limit (700 W) by lowering the SM clock: a 1.5b decode at 256 rows
+    draws the limit and runs below the maximum clock, so its step time depends on the power
+    state, and a record should say which one it was measured in. Samples come from
+    `nvidia-smi -lms` (each line is stamped when the host reads it, within a period of its
+    measurement); `power.draw` is the driver's power reading, which recent drivers average
+    over up to a second. Without CUDA or `nvidia-smi` (or with `command=None`) there are no
+    samples, and `summary()` reports None for every figure.
+    """
+
+    def __init__(self, device_index: int = 0, period_ms: int = 50, command: list[str] | None | str = "auto"):
+        # device_index: nvidia-smi's numbering (the same as CUDA's unless CUDA_VISIBLE_DEVICES reorders);
+        # command: "auto" (nvidia-smi where there is CUDA and the tool), None (no samples), or a
+        # command printing lines as nvidia-smi does
+        if command == "auto":
+            command = None
+            if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+                command = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
+                           f"--id={device_index}", f"--loop-ms={period_ms}"]
+        self.command = command
+        self.samples: list[tuple[float, tuple[float, ...]]] = []  # (perf_counter when read, SMI_FIELDS)
+        self.windows: list[tuple[float, float]] = []
+        self._proc = self._reader = None
+
+    def __enter__(self) -> "GpuTelemetry":
+        if self.command:
+            try:
+                self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                              text=True, bufsize=1)
+            except OSError:
+                self._proc = None
+            else:
+                self._reader = threading.Thread(target=self._read, daemon=True)
+                self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            values = parse_smi_line(line)
+            if values is not None:
+                self.samples.append((time.perf_counter(), values))
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._reader.join(timeout=5)
+            self._proc = None
+
+    @contextlib.contextmanager
+    def window(self):
+        """Mark the enclosed code as measured: `summary()` reads the samples taken inside it."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.windows.append((t0, time.perf_counter()))
+
+    def summary(self) -> dict:
+        """Medians over the samples inside the windows: `gpu_clock_mhz` (SM clock), `gpu_max_clock_mhz`,
+        `gpu_power_w`, `gpu_power_limit_w`, and `gpu_power_capped_share`, the share of those samples
+        drawing at least 95 % of the limit; `gpu_samples` counts them."""
+        inside = [v for t, v in self.samples if any(a <= t <= b for a, b in self.windows)]
+        out = {"gpu_samples": len(inside)}
+        names = ("gpu_clock_mhz", "gpu_max_clock_mhz", "gpu_power_w", "gpu_power_limit_w")
+        for i, name in enumerate(names):
+            out[name] = round(statistics.median(v[i] for v in inside), 1) if inside else None
+        out["gpu_power_capped_share"] = (round(sum(v[2] >= 0.95 * v[3] for v in inside) / len(inside), 3)
+                                         if inside else None)
+        return out
 
 
 _ANNOTATION = re.compile(r"^[A-Za-z_][\w.:]*#")  # "Optimizer.step#AdamW.step"; kernels read "void ...{lambda()#3}"

@@ -26,6 +26,10 @@ time, so the figures of one record come from one run):
   reads back (not in the byte count: a head fused with the sampler would not move them).
 * `peak_memory_gb`: torch's peak allocation during the run (weights + KV pool + activations);
   the pool is sized for the workload (`max_model_len` = prompt + new tokens).
+* `gpu_clock_mhz`, `gpu_power_w`: the SM clock and board power over the measured runs (medians of
+  `nvidia-smi` samples, `bench.common.GpuTelemetry`; null without it), with `gpu_max_clock_mhz`,
+  `gpu_power_limit_w` and `gpu_power_capped_share` (samples at >= 95 % of the limit). An H200
+  at its power limit lowers its clock, and every time above with it.
 
 EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
 of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
@@ -64,7 +68,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, emit, model_args  # noqa: E402
+from bench.common import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, GpuTelemetry, emit, model_args  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
@@ -102,6 +106,13 @@ def step_seconds(events) -> tuple[float, float]:
     return prefill, decode
 
 
+def telemetry_summary(args) -> dict:
+    """The GPU's clock and power over the measured runs since the last call (`GpuTelemetry`)."""
+    out = args.telemetry.summary()
+    args.telemetry.windows.clear()
+    return out
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median wall time (the lower middle one for an even count)."""
     return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
@@ -127,10 +138,11 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         engine.runner.step_events = []
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with args.telemetry.window():
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
         events = engine.runner.step_events
         engine.runner.step_events = None
         assert all(len(o.token_ids) == new for o in outs)
@@ -160,6 +172,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(run["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
+        **telemetry_summary(args),
     )
 
 
@@ -182,10 +195,11 @@ def measure_eos(name: str, args) -> dict:
     for rep in range(args.repeats):
         engine.runner.step_events = []
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with args.telemetry.window():
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
         gpu = step_seconds(engine.runner.step_events)
         engine.runner.step_events = None
         runs.append(dict(wall=wall, lens=sorted(len(o.token_ids) for o in outs), stats=engine.last_stats,
@@ -242,6 +256,7 @@ def measure_eos(name: str, args) -> dict:
         freed_weights_graphs_reserved_gb=round((res1 - res2) / 1e9, 3),
         weights_gb=round(engine.model.weight_bytes / 1e9, 3),
         left_allocated_gb=round(alloc2 / 1e9, 3),
+        **telemetry_summary(args),
     )
     del engine
     return rec
@@ -373,6 +388,12 @@ def main(argv=None) -> int:
         args.skip_hf = True
         if dist.get_rank() != 0:  # every rank measures the same engine: rank 0 reports
             sys.stdout = open(os.devnull, "w")
+    with GpuTelemetry(torch.cuda.current_device()) as args.telemetry:
+        return run(args)
+
+
+def run(args) -> int:
+    """The measurements `args` ask for, then their tables."""
     if args.quick:
         args.models, args.batches, args.batch1_models, args.skip_hf = "qwen2.5-0.5b", "256", "", True
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -403,13 +424,15 @@ def main(argv=None) -> int:
                 records.append(measure_hf(name, b, args))
                 _release()
 
-    print("\n| engine | model | prompts | tok/s | ms/step gpu | ms/step wall | bw util | floor ratio | peak GB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| engine | model | prompts | tok/s | ms/step gpu | ms/step wall | bw util | floor ratio | peak GB | "
+          "SM MHz / W |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
         w = r["workload"]
         print(f"| {w['engine']} | {w['model']} | {w['prompts']} | {r['generated_tok_per_s']:,.0f} | "
               f"{r.get('decode_ms_per_step_gpu', '-')} | {r.get('decode_ms_per_step_wall', '-')} | "
-              f"{r.get('bandwidth_util', '-')} | {r.get('ratio_to_floor', '-')} | {r['peak_memory_gb']} |")
+              f"{r.get('bandwidth_util', '-')} | {r.get('ratio_to_floor', '-')} | {r['peak_memory_gb']} | "
+              f"{r.get('gpu_clock_mhz', '-')} / {r.get('gpu_power_w', '-')} |")
     if eos_records:
         print("\n| model | prompts / slots | tok/s | len p50 / p90 / p99 / max | mean batch | occupancy | "
               "full steps | GPU s: prefill / decode / idle | capture s (first / after free) |")
