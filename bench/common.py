@@ -170,6 +170,12 @@ class GpuTelemetry:
                                          if inside else None)
         return out
 
+    def take(self) -> dict:
+        """`summary()` of the windows marked since the last `take()`, which starts a new set."""
+        out = self.summary()
+        self.windows.clear()
+        return out
+
 
 _ANNOTATION = re.compile(r"^[A-Za-z_][\w.:]*#")  # "Optimizer.step#AdamW.step"; kernels read "void ...{lambda()#3}"
 _KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins

@@ -106,13 +106,6 @@ def step_seconds(events) -> tuple[float, float]:
     return prefill, decode
 
 
-def telemetry_summary(args) -> dict:
-    """The GPU's clock and power over the measured runs since the last call (`GpuTelemetry`)."""
-    out = args.telemetry.summary()
-    args.telemetry.windows.clear()
-    return out
-
-
 def median_run(runs: list[dict]) -> dict:
     """The run of median wall time (the lower middle one for an even count)."""
     return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
@@ -172,7 +165,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(run["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
-        **telemetry_summary(args),
+        **args.telemetry.take(),
     )
 
 
@@ -256,7 +249,7 @@ def measure_eos(name: str, args) -> dict:
         freed_weights_graphs_reserved_gb=round((res1 - res2) / 1e9, 3),
         weights_gb=round(engine.model.weight_bytes / 1e9, 3),
         left_allocated_gb=round(alloc2 / 1e9, 3),
-        **telemetry_summary(args),
+        **args.telemetry.take(),
     )
     del engine
     return rec

@@ -6,7 +6,9 @@ Runs the trainer's own code (`trainer.roles.Actor` on an FSDP2 actor, world size
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
 `--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (`ModelArgs.flops`' FLOP
-count over 989 TFLOP/s), peak memory, and the floors. Variants (`--variants`) switch one
+count over 989 TFLOP/s), peak memory, the floors, and the GPU's SM clock and power over the timed
+runs (`gpu_clock_mhz`, `gpu_power_w`, ...: `bench.common.GpuTelemetry`; at its power limit an
+H200 lowers its clock, and the MFU with it). Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
 `--profile` adds, per measurement, the device time by kernel class from `torch.profiler`.
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import H200_BF16_FLOPS, emit, kernel_breakdown, model_args  # noqa: E402
+from bench.common import H200_BF16_FLOPS, GpuTelemetry, emit, kernel_breakdown, model_args  # noqa: E402
 from models import PEAK_BF16_FLOPS  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
@@ -66,14 +68,15 @@ def actor_cfg(tokens):
                            clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0)
 
 
-def timed(fn, repeats):
+def timed(fn, repeats, telemetry: GpuTelemetry):
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        with telemetry.window():
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times), times
 
 
@@ -89,7 +92,7 @@ def profiled(fn) -> dict:
     return kernel_breakdown(prof, wall)
 
 
-def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
+def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False):
     args = model_args(name)
     dims = ParallelDims(world_size=1)
     meshes = dims.build_meshes("cuda")
@@ -130,10 +133,11 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
         for phase, fn, fl in (("lm_head_forward", head_fwd, flops), ("lm_head_fwd_bwd", head_upd, 3 * flops)):
             fn()
-            med, times = timed(fn, repeats)
+            med, times = timed(fn, repeats, telemetry)
             emit("train", {**workload, "phase": phase}, seconds=med, tflops=fl / med / 1e12,
                  floor_s=fl / H200_BF16_FLOPS, ratio_to_floor=med / (fl / H200_BF16_FLOPS), times=times,
-                 peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None)
+                 peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None,
+                 **telemetry.take())
         return
 
     if variant == "full_logits":
@@ -149,9 +153,9 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
 
         fwd_full()
         torch.cuda.reset_peak_memory_stats()
-        med, _ = timed(fwd_full, repeats)
+        med, _ = timed(fwd_full, repeats, telemetry)
         emit("train", {**workload, "phase": "forward_logprob"}, seconds=med,
-             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, **telemetry.take())
         return
 
     def fwd():
@@ -165,12 +169,12 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, profile=False):
         fn()  # warm-up (and compile)
         fn()
         torch.cuda.reset_peak_memory_stats()
-        med, times = timed(fn, repeats)
+        med, times = timed(fn, repeats, telemetry)
         emit("train", {**workload, "phase": phase}, seconds=med, tokens_per_s=sum(lengths) / med,
              mfu=flops / med / PEAK, tflops=flops / med / 1e12,
              floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
              peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times,
-             profile=profiled(fn) if profile else None)
+             profile=profiled(fn) if profile else None, **telemetry.take())
 
 
 def main(argv=None) -> int:
@@ -186,9 +190,10 @@ def main(argv=None) -> int:
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
         return 1
     ctx = init_distributed("cuda")
-    for name in a.models.split(","):
-        for variant in a.variants.split(","):
-            bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx, a.profile)
+    with GpuTelemetry(torch.cuda.current_device()) as telemetry:
+        for name in a.models.split(","):
+            for variant in a.variants.split(","):
+                bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile)
     return 0
 
 

@@ -49,6 +49,7 @@ def test_summary_reads_only_the_samples_inside_windows():
     high = sum(v[2] == 690.0 for v in inside)
     assert s["gpu_power_capped_share"] == round(high / k, 3) and 0 < high < k
     assert tel._proc is None  # the sampler is stopped on exit
+    assert tel.take() == s and tel.take()["gpu_samples"] == 0  # take() starts a new set of windows
 
 
 def test_without_a_sampler_every_figure_is_none():
