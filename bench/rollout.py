@@ -24,6 +24,9 @@ time, so the figures of one record come from one run):
   larger of that byte floor and the FLOP floor (2 x params x B / 790 TFLOP/s),
   `ratio_to_floor` = floor / measured. `logits_gb`: the logits a step writes and the sampler
   reads back (not in the byte count: a head fused with the sampler would not move them).
+* `decode_ms_first`, `decode_ms_last`: the median GPU time of the first and of the last 8
+  full-batch decode steps, and `decode_us_per_context_token` the slope of step time over the
+  run (each step's context is one token longer): what attention over a longer context costs.
 * `peak_memory_gb`: torch's peak allocation during the run (weights + KV pool + activations);
   the pool is sized for the workload (`max_model_len` = prompt + new tokens).
 * `gpu_clock_mhz`, `gpu_power_w`: the SM clock and board power over the measured runs (medians of
@@ -106,6 +109,21 @@ def step_seconds(events) -> tuple[float, float]:
     return prefill, decode
 
 
+def step_trend(step_ms: list[float], edge: int = 8) -> dict:
+    """How a run's decode steps (in order; the context grows by one token a step) change over it:
+    the medians of the first and the last `edge` steps, and the least-squares slope of step time
+    against step index, in µs per token of context (what each step's longer context costs)."""
+    n = len(step_ms)
+    if n < 2:
+        return {"decode_ms_first": None, "decode_ms_last": None, "decode_us_per_context_token": None}
+    mx, my = (n - 1) / 2, sum(step_ms) / n
+    slope = sum((i - mx) * (y - my) for i, y in enumerate(step_ms)) / sum((i - mx) ** 2 for i in range(n))
+    k = min(edge, n)
+    return {"decode_ms_first": round(statistics.median(step_ms[:k]), 4),
+            "decode_ms_last": round(statistics.median(step_ms[-k:]), 4),
+            "decode_us_per_context_token": round(slope * 1e3, 4)}
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median wall time (the lower middle one for an even count)."""
     return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
@@ -141,7 +159,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         assert all(len(o.token_ids) == new for o in outs)
         decode = [s.elapsed_time(e) for pre, rows, s, e in events if not pre and rows == batch]
         runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=step_seconds(events)[0],
-                         decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated()))
+                         decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated(),
+                         trend=step_trend(decode)))
     run = median_run(runs)
     gpu_ms = run["decode_ms"]
     nbytes, logits_bytes = step_bytes(engine, batch, p + new / 2)
@@ -165,6 +184,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(run["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
+        **run["trend"],
         **args.telemetry.take(),
     )
 

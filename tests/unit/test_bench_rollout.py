@@ -2,7 +2,7 @@
 
 import torch
 
-from bench.rollout import eos_ids, step_bytes, step_seconds
+from bench.rollout import eos_ids, step_bytes, step_seconds, step_trend
 from models import Transformer
 from rollout import EngineConfig, LLMEngine
 from tests.unit.test_engine import tiny_args
@@ -43,3 +43,15 @@ def test_step_seconds_splits_prefill_and_decode():
     events = [(pre, rows, Event(a), Event(b)) for pre, rows, a, b in steps]
     prefill, decode = step_seconds(events)
     assert abs(prefill - 0.0135) < 1e-12 and abs(decode - 0.0031) < 1e-12
+
+
+def test_step_trend_reads_the_cost_of_context():
+    # steps of 1.30 ms growing by 1.5 us a step, with a +-0.02 ms wobble that sums to zero and is
+    # orthogonal to the step index over each block of 4: the slope is exact
+    wobble = [0.02, -0.02, -0.02, 0.02]
+    steps = [1.30 + 0.0015 * i + wobble[i % 4] for i in range(40)]
+    t = step_trend(steps)
+    assert abs(t["decode_us_per_context_token"] - 1.5) < 1e-3
+    assert t["decode_ms_first"] == round(sorted(steps[:8])[3] / 2 + sorted(steps[:8])[4] / 2, 4)
+    assert t["decode_ms_last"] == round(sorted(steps[-8:])[3] / 2 + sorted(steps[-8:])[4] / 2, 4)
+    assert step_trend([1.0]) == {"decode_ms_first": None, "decode_ms_last": None, "decode_us_per_context_token": None}
