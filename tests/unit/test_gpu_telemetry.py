@@ -55,8 +55,9 @@ def test_summary_reads_only_the_samples_inside_windows():
 def test_without_a_sampler_every_figure_is_none():
     with GpuTelemetry(command=None) as tel:
         with tel.window():
-            pass
-    s = tel.summary()
-    assert s["gpu_samples"] == 0
+            time.sleep(0.05)
+        assert tel._proc is None and len(tel.windows) == 1 and tel.windows[0][1] - tel.windows[0][0] >= 0.05
+    s = tel.take()
+    assert s["gpu_samples"] == 0 and not tel.samples and not tel.windows
     assert all(s[k] is None for k in ("gpu_clock_mhz", "gpu_max_clock_mhz", "gpu_power_w", "gpu_power_limit_w",
                                       "gpu_power_capped_share"))
