@@ -146,6 +146,22 @@ class TorchOps:
         out[1].copy_(logprobs)
         return out
 
+    @staticmethod
+    def step_inputs(src, parity, dst, rows: int):
+        """`dst[:, :rows] = src[parity, :, :rows]`: a captured decode step's inputs `[V, R]` from the half of the
+        pinned buffers `src [2, V, R]` that `parity` (`[1]` int32, on the device) names. The reference of the
+        Triton kernel (it reads the parity on the host)."""
+        dst[:, :rows].copy_(src[int(parity[0])][:, :rows])
+        return dst
+
+    @staticmethod
+    def step_outputs(tokens, logprobs, parity, tok_dst, lp_dst, rows: int):
+        """A captured decode step's first `rows` tokens and log-probs into the half of the pinned buffers
+        `tok_dst`, `lp_dst` `[2, R]` that `parity` names (the reference of the Triton kernel)."""
+        half = int(parity[0])
+        tok_dst[half, :rows].copy_(tokens[:rows])
+        lp_dst[half, :rows].copy_(logprobs[:rows])
+
 
 def get_ops(use_triton: bool):
     if use_triton:

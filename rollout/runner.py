@@ -105,11 +105,16 @@ class ModelRunner:
         self.dec_in = torch.zeros(3, self.max_rows, dtype=torch.int32, device=device)
         self.dec_tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         self.dec_logprobs = torch.zeros(self.max_rows, dtype=torch.float32, device=device)
+        # A step's inputs and results pass through one half of these pinned buffers, halves taken in
+        # turn (`_flip`): the host fills the next step's half while the GPU may still read the other.
+        # A captured decode step reads and writes its half itself, the one `_parity` names on the
+        # device (`ops.step_inputs` / `step_outputs`): no copy between two replays.
         pin = self.is_cuda
-        self._in_host = [torch.zeros(3, self.max_rows, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._tok_host = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._lp_host = [torch.zeros(self.max_rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._in_host = torch.zeros(2, 3, self.max_rows, dtype=torch.int32, pin_memory=pin)
+        self._tok_host = torch.zeros(2, self.max_rows, dtype=torch.int64, pin_memory=pin)
+        self._lp_host = torch.zeros(2, self.max_rows, dtype=torch.float32, pin_memory=pin)
         self._flip = 0
+        self._parity = torch.zeros(1, dtype=torch.int32, device=device)
 
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -215,8 +220,9 @@ class ModelRunner:
         f = self._flip
         self._flip ^= 1
         tok_h, lp_h = self._tok_host[f], self._lp_host[f]
-        tok_h[:n].copy_(tokens[:n], non_blocking=self.is_cuda)
-        lp_h[:n].copy_(logprobs[:n], non_blocking=self.is_cuda)
+        if tokens is not None:  # else a captured decode step wrote them there itself
+            tok_h[:n].copy_(tokens[:n], non_blocking=self.is_cuda)
+            lp_h[:n].copy_(logprobs[:n], non_blocking=self.is_cuda)
         event = None
         if self.is_cuda:
             event = torch.cuda.Event()
@@ -255,14 +261,22 @@ class ModelRunner:
         host[2, :b] = np.asarray([s.key for s in batch.seqs], dtype=np.uint32).view(np.int32)
         host[0, b:rows] = self.dummy_slot
         host[1:, b:rows] = 0
-        if use_graph and key not in self.graphs:
-            self._capture(key)
-        self.dec_in.copy_(self._in_host[self._flip], non_blocking=self.is_cuda)
         if use_graph:
+            if key not in self.graphs:
+                self._capture(key)
+            self._parity.fill_(self._flip)  # a kernel, not a copy: the value is its argument
             self.graphs[key].replay()
-        else:
-            self._decode_body(rows, max(batch.starts) + 1)
+            return None, None  # the results are in this step's pinned half already
+        self.dec_in.copy_(self._in_host[self._flip], non_blocking=self.is_cuda)
+        self._decode_body(rows, max(batch.starts) + 1)
         return self.dec_tokens, self.dec_logprobs
+
+    def _graphed_decode(self, rows: int) -> None:
+        """The captured decode step: its inputs from the pinned half `_parity` names, the step, its results
+        into the same half of the result buffers."""
+        self.ops.step_inputs(self._in_host, self._parity, self.dec_in, rows)
+        self._decode_body(rows, 1)
+        self.ops.step_outputs(self.dec_tokens, self.dec_logprobs, self._parity, self._tok_host, self._lp_host, rows)
 
     def _decode_body(self, rows: int, max_context_len: int) -> None:
         """One decode step over the first `rows` entries of `dec_in`; results in `dec_tokens` / `dec_logprobs`."""
@@ -293,9 +307,14 @@ class ModelRunner:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._decode_body(rows, 1)
+                # The I/O kernels too, into scratch: the pinned halves may hold a step in flight.
+                self.ops.step_inputs(self._in_host, self._parity, torch.empty_like(self.dec_in), rows)
+                self.ops.step_outputs(self.dec_tokens, self.dec_logprobs, self._parity,
+                                      torch.empty_like(self._tok_host, device=self.device),
+                                      torch.empty_like(self._lp_host, device=self.device), rows)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
-        self.graphs[key] = self._capture_graph(lambda: self._decode_body(rows, 1), t0)
+        self.graphs[key] = self._capture_graph(lambda: self._graphed_decode(rows), t0)
 
     def _capture_graph(self, body, started: float) -> torch.cuda.CUDAGraph:
         """A graph of `body()` in the runner's pool, ordered after the work already queued; counted

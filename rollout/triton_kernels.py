@@ -19,6 +19,9 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
   (prefix included), causal.
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
   noise and the greedy rule of `rollout.sampler`); `combine_partials` merges the chunks.
+* `step_inputs`, `step_outputs`: a captured decode step's inputs read from, and its results
+  written to, pinned host memory, the half that a parity on the device names: no copy
+  between two replays.
 
 At one row, `linear` is a GEMV that streams the weight once and `gated_linear` adds the SwiGLU
 activation to it (gate and up rows in one program); the LM head stays on cuBLAS, which read
@@ -521,6 +524,38 @@ def _combine_kernel(parts_ptr, P, tokens_ptr, logprobs_ptr, P_P: tl.constexpr, P
     tl.store(logprobs_ptr + r, s_win - lse)
 
 
+# ---------------------------------------------------------------------------- a graphed step's I/O
+
+
+@triton.jit
+def _step_inputs_kernel(src_ptr, parity_ptr, dst_ptr, half_stride, src_stride, dst_stride, rows,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # Input vector `program_id` (slots, positions or keys) of the half of `src` that the device's
+    # parity names, into the step's device inputs; `src` is pinned host memory, read over the bus.
+    _after_previous(PDL)
+    v = tl.program_id(0).to(tl.int64)
+    half = tl.load(parity_ptr).to(tl.int64)
+    for c0 in range(0, rows, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < rows
+        x = tl.load(src_ptr + half * half_stride + v * src_stride + c, mask=m)
+        tl.store(dst_ptr + v * dst_stride + c, x, mask=m)
+
+
+@triton.jit
+def _step_outputs_kernel(tok_ptr, lp_ptr, parity_ptr, tok_dst_ptr, lp_dst_ptr, tok_half_stride, lp_half_stride,
+                         rows, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # The step's sampled tokens and log-probs into the half of the pinned result buffers that
+    # the device's parity names (written over the bus; the host reads them after the step's event).
+    _after_previous(PDL)
+    half = tl.load(parity_ptr).to(tl.int64)
+    for c0 in range(0, rows, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < rows
+        tl.store(tok_dst_ptr + half * tok_half_stride + c, tl.load(tok_ptr + c, mask=m), mask=m)
+        tl.store(lp_dst_ptr + half * lp_half_stride + c, tl.load(lp_ptr + c, mask=m), mask=m)
+
+
 # ---------------------------------------------------------------------------- launchers
 
 # Kernels that must round like PyTorch's unfused ops (RoPE; the sampler's scaled logits,
@@ -708,6 +743,20 @@ class TritonOps:
             _combine_kernel[(r,)](parts.contiguous(), p, tokens, logprobs, P_P=_pow2(p), num_warps=4 if p > 256 else 1,
                                   **_launch(parts))
         return tokens, logprobs
+
+    @staticmethod
+    def step_inputs(src, parity, dst, rows: int):
+        v = dst.shape[0]
+        if rows:
+            _step_inputs_kernel[(v,)](src, parity, dst, src.stride(0), src.stride(1), dst.stride(0), rows,
+                                      BLOCK=min(1024, _pow2(rows)), num_warps=4, **_launch(dst))
+        return dst
+
+    @staticmethod
+    def step_outputs(tokens, logprobs, parity, tok_dst, lp_dst, rows: int):
+        if rows:
+            _step_outputs_kernel[(1,)](tokens, logprobs, parity, tok_dst, lp_dst, tok_dst.stride(0), lp_dst.stride(0),
+                                       rows, BLOCK=min(1024, _pow2(rows)), num_warps=4, **_launch(tokens))
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,

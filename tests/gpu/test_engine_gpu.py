@@ -499,3 +499,31 @@ def test_steps_are_queued_without_waiting_for_the_gpu():
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert any(p for p, *_ in seen) and any(u for _, u, _, _ in seen) and any(c for *_, c, _ in seen), seen
     assert not any(done for *_, done in seen), seen
+
+
+def test_captured_decode_steps_copy_nothing_between_them():
+    """A captured decode step reads its inputs from and writes its results to pinned memory itself:
+    decode steps that start no KV block queue no copy at all (the step before this design queued
+    three: inputs up, tokens and log-probs down). Same tokens as the eager engine."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _gpu_model("qwen2", eos_token_id=None)
+    # 17-23 tokens: no new block of 16 before token 32; one sample a prompt: no copy-on-write
+    prompts = prompts_of([17, 20, 18, 23, 19, 21, 17, 22], seed=5)
+    cfg = dict(device=DEV, block_size=16, num_kv_blocks=64)
+    graph, eager = make_engine(model, **cfg), make_engine(model, enforce_eager=True, **cfg)
+
+    def copies(max_tokens):
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=6)
+        graph.generate(prompts, params)  # captures
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = graph.generate(prompts, params)
+            torch.cuda.synchronize()
+        n = sum(e.count for e in prof.key_averages() if e.key.startswith("Memcpy"))
+        return n, outs, params
+
+    before, _, _ = copies(1)  # the prefill step alone
+    after, outs, params = copies(9)  # and 8 decode steps, all before token 32
+    assert graph.runner.graphs and graph.last_stats["decode_steps"] == 8
+    assert after == before, (before, after)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, params)]

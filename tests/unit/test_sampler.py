@@ -403,11 +403,14 @@ def constant_logit_engine(rows: int, device="cpu"):
 
 def load_decode_inputs(runner, rows: int, offset: int = 0) -> None:
     """Decode inputs for `rows` rows at position 0 with distinct keys (`offset` picks another set):
-    all in the dummy slot, whose scratch page takes the (identical) K/V writes."""
+    all in the dummy slot, whose scratch page takes the (identical) K/V writes. Where an eager step
+    reads them (`dec_in`) and where a captured one does (pinned half 0, the device's parity set to it)."""
     keys = mix32_t(torch.arange(offset, offset + rows, device=runner.dec_in.device) + 0x5EED)
     runner.dec_in[0, :rows].fill_(runner.dummy_slot)
     runner.dec_in[1, :rows].zero_()
     runner.dec_in[2, :rows] = (keys - (keys >= 2**31).long() * 2**32).int()
+    runner._in_host[0, :, :rows].copy_(runner.dec_in[:, :rows])
+    runner._parity.fill_(0)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] > 0 or c[2] < 1])

@@ -13,7 +13,7 @@ from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention",
           "prefill_attention", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
-          "engine_end_to_end", "engine_padded_prefill"]
+          "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io"]
 
 
 def _checks() -> dict:
@@ -279,6 +279,30 @@ def _checks() -> dict:
         assert written[0] is out[0] and torch.equal(out[0], ref_t)
         return max(close(got_lp, ref_lp, 1e-5), close(out[1], ref_lp, 1e-5))
 
+    def step_io():
+        # a captured step's I/O: inputs from the half of [2, 3, R] that the parity names, results into
+        # the same half of [2, R]; the other half and the rows past `rows` untouched (rows not a
+        # power of two, nor a multiple of the kernel's block)
+        r = 300
+        src = torch.randint(-2**31, 2**31 - 1, (2, 3, r), dtype=torch.int32)
+        tokens, logprobs = torch.randint(0, 150_000, (r,)), torch.randn(r)
+        for half in (0, 1):
+            parity = torch.tensor([half], dtype=torch.int32)
+            for rows in (1, 257, r):
+                got, ref = torch.full((3, r), -7, dtype=torch.int32), torch.full((3, r), -7, dtype=torch.int32)
+                TritonOps.step_inputs(src, parity, got, rows)
+                TorchOps.step_inputs(src, parity, ref, rows)
+                assert torch.equal(got, ref) and torch.equal(got[:, :rows], src[half, :, :rows])
+                assert (got[:, rows:] == -7).all()
+                tok, lp = torch.full((2, r), -1, dtype=torch.int64), torch.full((2, r), -1.0)
+                tok_ref, lp_ref = tok.clone(), lp.clone()
+                TritonOps.step_outputs(tokens, logprobs, parity, tok, lp, rows)
+                TorchOps.step_outputs(tokens, logprobs, parity, tok_ref, lp_ref, rows)
+                assert torch.equal(tok, tok_ref) and torch.equal(lp, lp_ref)
+                assert torch.equal(tok[half, :rows], tokens[:rows]) and (tok[1 - half] == -1).all()
+                assert (tok[half, rows:] == -1).all() and (lp[1 - half] == -1).all()
+        return 0.0
+
     def pdl_switch():
         # programmatic dependent launch: never for CPU tensors, `MESHPPO_PDL` checked on every launch
         from unittest import mock
@@ -371,6 +395,45 @@ def _checks() -> dict:
         assert engine.runner._pre_dev is not None
         engine.free_weights()  # the padded prefill's buffers and use counts go with the graphs
         assert engine.runner._pre_dev is None and engine.runner._pre_h is None and not engine.runner._prefill_uses
+        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+        return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
+
+    def engine_graphed_io():
+        # The captured decode step's I/O through the pinned halves, with a graph stood in for by its
+        # body run at each replay: decode steps of 1-8 rows padded to the ladder, steps interleaved
+        # with prefill steps (whose results are copied), both halves in turn. Same tokens as the
+        # engine whose decode steps copy their inputs and results; a step reading the wrong half
+        # would read the previous step's positions and slots.
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+
+        args, model = tiny_model()
+        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40], [7, 7, 9, 30, 31, 2]]
+        # eight EOS ids of 64: samples end at different steps, and the decode batch shrinks
+        sp = SamplingParams(temperature=0.9, n=2, max_tokens=16, seed=3, eos_token_id=list(range(0, 64, 8)))
+        outs, replays = [], []
+
+        class Graph:  # what replaying a captured body does, without CUDA
+            def __init__(self, body):
+                self.body = body
+
+            def replay(self):
+                replays.append(1)
+                self.body()
+
+        for graphed in (False, True):
+            engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_seqs=8,
+                                                  max_num_batched_tokens=12), device="cpu")
+            engine.load_weights(model.named_parameters())
+            runner = engine.runner
+            runner.use_triton = True
+            if graphed:
+                runner.capture_sizes = [2, 4, 8]
+                runner._capture = lambda key, r=runner: r.graphs.__setitem__(
+                    key, Graph(lambda: r._graphed_decode(key[0])))
+            outs.append(engine.generate(prompts, sp))
+        assert len(replays) == engine.last_stats["decode_steps"] > 4
+        assert len({k[0] for k in engine.runner.graphs}) >= 2, engine.runner.graphs.keys()
+        assert len({len(o.token_ids) for o in outs[1]}) >= 3
         assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
         return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
 
