@@ -15,10 +15,11 @@ Slot `max_num_seqs` is a dummy that pads a decode batch up to its CUDA-graph siz
 pages all point at a scratch block (the last one of the pool), so padding rows write and
 read only there.
 
-A decode step is `[slots | positions | keys]` (3 x rows int32, one copy from pinned
-memory) in, a replay of the graph captured for the padded batch size (embedding, layers,
-LM head, sampling, `last_tokens` update), and tokens + log-probs out through pinned
-memory with an event: no host synchronisation inside the step. Graphs are captured
+A decode step is `[slots | positions | keys]` (3 x rows int32, in pinned memory) in, a
+replay of the graph captured for the padded batch size (the inputs read from pinned memory,
+embedding, layers, LM head, sampling, `last_tokens` update, tokens + log-probs written to
+pinned memory) and an event: no host synchronisation inside the step, and no copy between
+two replays (eager steps copy the same buffers up and down). Graphs are captured
 lazily, the first time a batch size is used, and are kept while the weight and KV-pool
 pointers they were captured with stay the same.
 
