@@ -133,7 +133,9 @@ def build_engine(name: str, max_seqs: int, max_len: int, args) -> LLMEngine:
     config = EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
                           gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
                           enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
-                          cudagraph_capture_sizes=args.capture_sizes)
+                          cudagraph_capture_sizes=args.capture_sizes,
+                          **({} if args.prefill_graph_max_tokens is None
+                             else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
     engine = LLMEngine(model_args(name), config, tp_mesh=args.tp_mesh, device=torch.device("cuda"))
     random_weights(engine)
     return engine
@@ -169,6 +171,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
     return emit(
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
+                    "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
                     "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(batch * new / run["wall"], 1),
         wall_s=round(run["wall"], 4),
@@ -245,6 +248,7 @@ def measure_eos(name: str, args) -> dict:
                         "prompt_len": p, "max_tokens": cap, "eos_ids": len(params.eos_token_id),
                         "expected_mean_len": args.eos_mean, "temperature": 1.0, "tp": args.tp,
                         "cuda_graphs": not args.enforce_eager, "capture_sizes": engine.runner.capture_sizes,
+                        "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
                         "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(sum(lens) / run["wall"], 1),
         wall_s=round(run["wall"], 4),
@@ -374,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--capture-sizes", default="",
                     help="CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (default: the engine's ladder)")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                    help="EngineConfig.prefill_graph_max_tokens (default: the engine's; 0: prefill always eager)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")
     ap.add_argument("--profile", default="", help="MODEL:BATCH[,MODEL:BATCH]: print a decode kernel profile")

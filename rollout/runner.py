@@ -53,7 +53,10 @@ from rollout.sampler import Sampler
 from rollout.sequence import ScheduledBatch
 
 
-PREFILL_BUCKET_STEP = 512  # above this many tokens, prefill buckets are multiples of it
+# Above this many tokens, prefill buckets are multiples of it. A continuous-batching refill is
+# typically one prompt riding with the decoding rows (128 + 255 = 383 tokens): 128-token steps pad
+# it to 384, where 512-token steps padded it to 512 (BENCHMARKS.md, "Seventeenth pass").
+PREFILL_BUCKET_STEP = 128
 
 
 def prefill_bucket(tokens: int, cap: int) -> int:

@@ -272,7 +272,8 @@ def test_bad_inputs_are_clear_errors():
 @pytest.mark.parametrize("cap", [12, 700, 8192])
 def test_prefill_buckets_bound_the_padding(cap):
     """A prefill step of t tokens runs padded to prefill_bucket(t): never fewer tokens, never more
-    than the cap, at most PREFILL_TILE or twice t up to 512 tokens and less than 512 more above."""
+    than the cap, at most PREFILL_TILE or twice t up to PREFILL_BUCKET_STEP (128) tokens and less
+    than PREFILL_BUCKET_STEP more above."""
     from rollout.attention import PREFILL_TILE
     from rollout.runner import PREFILL_BUCKET_STEP, prefill_bucket
 
@@ -281,8 +282,10 @@ def test_prefill_buckets_bound_the_padding(cap):
     for t, b in enumerate(buckets, start=1):
         assert t <= b <= cap
         assert b < PREFILL_BUCKET_STEP + t if t > PREFILL_BUCKET_STEP else b <= max(PREFILL_TILE, 2 * t - 1)
-    if cap == 8192:  # 64, 128, 256, 512, then 1024 ... 8192 by 512
-        assert len(set(buckets)) == 4 + 15
+    if cap == 8192:  # 64, 128, then 256 ... 8192 by 128
+        assert PREFILL_BUCKET_STEP == 128 and len(set(buckets)) == 2 + 63
+    if cap == 700:  # the refill of one 128-token prompt beside 255 decoding rows pads by one token
+        assert prefill_bucket(383, cap) == 384 and prefill_bucket(700, cap) == 700
 
 
 def _save_checkpoint(model, path):
