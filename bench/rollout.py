@@ -129,13 +129,18 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
 
 
+def engine_config(max_seqs: int, max_len: int, args) -> EngineConfig:
+    """The benchmarked engine's config: the command line's engine options, the engine's defaults otherwise."""
+    return EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
+                        gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
+                        enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
+                        cudagraph_capture_sizes=args.capture_sizes,
+                        **({} if args.prefill_graph_max_tokens is None
+                           else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
+
+
 def build_engine(name: str, max_seqs: int, max_len: int, args) -> LLMEngine:
-    config = EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
-                          enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
-                          cudagraph_capture_sizes=args.capture_sizes,
-                          **({} if args.prefill_graph_max_tokens is None
-                             else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
+    config = engine_config(max_seqs, max_len, args)
     engine = LLMEngine(model_args(name), config, tp_mesh=args.tp_mesh, device=torch.device("cuda"))
     random_weights(engine)
     return engine

@@ -2,7 +2,9 @@
 
 import torch
 
-from bench.rollout import eos_ids, step_bytes, step_seconds, step_trend
+import argparse
+
+from bench.rollout import engine_config, eos_ids, step_bytes, step_seconds, step_trend
 from models import Transformer
 from rollout import EngineConfig, LLMEngine
 from tests.unit.test_engine import tiny_args
@@ -55,3 +57,16 @@ def test_step_trend_reads_the_cost_of_context():
     assert t["decode_ms_first"] == round(sorted(steps[:8])[3] / 2 + sorted(steps[:8])[4] / 2, 4)
     assert t["decode_ms_last"] == round(sorted(steps[-8:])[3] / 2 + sorted(steps[-8:])[4] / 2, 4)
     assert step_trend([1.0]) == {"decode_ms_first": None, "decode_ms_last": None, "decode_us_per_context_token": None}
+
+
+def test_engine_options_reach_the_engine_config():
+    """`--prefill-graph-max-tokens` and the other engine flags land in the EngineConfig; unset, the engine's default."""
+    args = argparse.Namespace(gpu_memory_utilization=0.7, enforce_eager=True, tp_all_reduce="nccl",
+                              capture_sizes=[1, 8], prefill_graph_max_tokens=None)
+    c = engine_config(256, 384, args)
+    assert c.prefill_graph_max_tokens == EngineConfig().prefill_graph_max_tokens == 2048
+    assert (c.max_num_seqs, c.max_model_len, c.gpu_memory_utilization, c.enforce_eager, c.tp_all_reduce,
+            c.cudagraph_capture_sizes, c.free_cache_engine) == (256, 384, 0.7, True, "nccl", [1, 8], False)
+    for cap in (0, 8192):
+        assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "prefill_graph_max_tokens": cap})
+                             ).prefill_graph_max_tokens == cap
