@@ -119,15 +119,33 @@ class Scheduler:
             budget -= n
             self._add_chunk(batch, seq, n, finished)
         # The decoding sequences take what the prompts left: budget, and blocks without preempting.
+        # Like a decode step's, in two passes: the block work (only where the next token starts a
+        # block or the last block is shared), then each rider's one token, its lists built whole.
+        bs, refs = bm.block_size, bm.ref_counts
+        riders: list[Sequence] = []
         for seq in decoding:
-            if budget == 0:
+            if len(riders) == budget:
                 break
-            if not bm.can_append(seq):
-                continue  # waits for a decode step, which may preempt for it
-            self._append_block(batch, seq)
-            budget -= 1
-            batch.num_decode_rows += 1
-            self._add_chunk(batch, seq, 1, finished)
+            if seq.num_computed_tokens % bs == 0 or refs[seq.block_table[-1]] > 1:
+                if not bm.can_append(seq):
+                    continue  # waits for a decode step, which may preempt for it
+                self._append_block(batch, seq)
+            riders.append(seq)
+        first = len(batch.seqs)
+        batch.seqs += riders
+        batch.sample_seqs += riders
+        batch.slots += [seq.slot for seq in riders]
+        batch.sample_slots += [seq.slot for seq in riders]
+        batch.starts += [seq.num_computed_tokens for seq in riders]
+        batch.chunk_lens += [1] * len(riders)
+        batch.sample_src += range(first, first + len(riders))
+        batch.sample_positions += [len(seq.token_ids) for seq in riders]
+        batch.num_decode_rows += len(riders)
+        for seq in riders:
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(PLACEHOLDER)
+            if len(seq.token_ids) >= seq.max_len:
+                finished.append(seq)  # its last token is scheduled: no further step needs it
         # Freed only now: a block or slot released mid-step must not be handed to another
         # sequence of the same step, whose writes would race with this one's.
         for seq in finished:
