@@ -116,8 +116,7 @@ def step_trend(step_ms: list[float], edge: int = 8) -> dict:
     n = len(step_ms)
     if n < 2:
         return {"decode_ms_first": None, "decode_ms_last": None, "decode_us_per_context_token": None}
-    mx, my = (n - 1) / 2, sum(step_ms) / n
-    slope = sum((i - mx) * (y - my) for i, y in enumerate(step_ms)) / sum((i - mx) ** 2 for i in range(n))
+    slope = statistics.linear_regression(range(n), step_ms).slope
     k = min(edge, n)
     return {"decode_ms_first": round(statistics.median(step_ms[:k]), 4),
             "decode_ms_last": round(statistics.median(step_ms[-k:]), 4),

@@ -119,8 +119,8 @@ class Scheduler:
             budget -= n
             self._add_chunk(batch, seq, n, finished)
         # The decoding sequences take what the prompts left: budget, and blocks without preempting.
-        # Like a decode step's, in two passes: the block work (only where the next token starts a
-        # block or the last block is shared), then each rider's one token, its lists built whole.
+        # As in a decode step: block work only where the next token starts a block or the last
+        # block is shared, then one token for each of them (`_add_decode_rows`).
         bs, refs = bm.block_size, bm.ref_counts
         riders: list[Sequence] = []
         for seq in decoding:
@@ -131,21 +131,7 @@ class Scheduler:
                     continue  # waits for a decode step, which may preempt for it
                 self._append_block(batch, seq)
             riders.append(seq)
-        first = len(batch.seqs)
-        batch.seqs += riders
-        batch.sample_seqs += riders
-        batch.slots += [seq.slot for seq in riders]
-        batch.sample_slots += [seq.slot for seq in riders]
-        batch.starts += [seq.num_computed_tokens for seq in riders]
-        batch.chunk_lens += [1] * len(riders)
-        batch.sample_src += range(first, first + len(riders))
-        batch.sample_positions += [len(seq.token_ids) for seq in riders]
-        batch.num_decode_rows += len(riders)
-        for seq in riders:
-            seq.num_computed_tokens += 1
-            seq.token_ids.append(PLACEHOLDER)
-            if len(seq.token_ids) >= seq.max_len:
-                finished.append(seq)  # its last token is scheduled: no further step needs it
+        self._add_decode_rows(batch, riders, finished)
         # Freed only now: a block or slot released mid-step must not be handed to another
         # sequence of the same step, whose writes would race with this one's.
         for seq in finished:
@@ -210,26 +196,34 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break  # preempted itself: every later sequence went before it
             self._append_block(batch, seq)
-        # Then one token for every sequence still running, its lists built whole.
-        seqs = list(running)
-        batch.seqs, batch.sample_seqs = seqs, list(seqs)
-        batch.slots = [seq.slot for seq in seqs]
-        batch.sample_slots = list(batch.slots)
-        batch.starts = [seq.num_computed_tokens for seq in seqs]
-        batch.chunk_lens = [1] * len(seqs)
-        batch.sample_src = list(range(len(seqs)))
-        batch.sample_positions = [len(seq.token_ids) for seq in seqs]
-        batch.num_decode_rows = len(seqs)
+        # Then one token for every sequence still running.
         finished: list[Sequence] = []
+        self._add_decode_rows(batch, running, finished)
+        for seq in finished:
+            self._release(seq)
+        return batch
+
+    @staticmethod
+    def _add_decode_rows(batch: ScheduledBatch, seqs: list[Sequence], finished: list[Sequence]) -> None:
+        """Append one decoding row (one token, sampled) for each of `seqs`, their lists built whole
+        (this runs once per sequence per token); a sequence whose last token this is goes to `finished`."""
+        first = len(batch.seqs)
+        slots = [seq.slot for seq in seqs]
+        batch.seqs += seqs
+        batch.sample_seqs += seqs
+        batch.slots += slots
+        batch.sample_slots += slots
+        batch.starts += [seq.num_computed_tokens for seq in seqs]
+        batch.chunk_lens += [1] * len(seqs)
+        batch.sample_src += range(first, first + len(seqs))
+        batch.sample_positions += [len(seq.token_ids) for seq in seqs]
+        batch.num_decode_rows += len(seqs)
         for seq in seqs:
             seq.num_computed_tokens += 1
             tokens = seq.token_ids
             tokens.append(PLACEHOLDER)
             if len(tokens) >= seq.max_len:
-                finished.append(seq)
-        for seq in finished:
-            self._release(seq)
-        return batch
+                finished.append(seq)  # its last token is scheduled: no further step needs it
 
     def _append_block(self, batch: ScheduledBatch, seq: Sequence) -> None:
         """Room for `seq`'s next token (a new block, or a private copy of a shared last block)."""

@@ -1,8 +1,8 @@
 """The byte count, the EOS stop set and the step-time split of bench/rollout.py (its GPU figures rest on them)."""
 
-import torch
-
 import argparse
+
+import torch
 
 from bench.rollout import engine_config, eos_ids, step_bytes, step_seconds, step_trend
 from models import Transformer
