@@ -59,6 +59,11 @@ class EngineConfig:
     that uses it twice (BENCHMARKS.md, "Eighth pass" and "Tenth pass")."""
     free_cache_engine: bool = True
     """release the KV pool at the end of every generate() call (it is re-allocated by the next one)."""
+    quantization: str | None = None
+    """`fp8`: the qkv, gate/up and down projections run as e4m3 GEMMs (weights quantized with one scale a
+    tensor at the first generate() after every weight write, activations by the norms and the SiLU
+    kernel; `o_proj`, attention, the LM head and sampling stay in `dtype`). Faster and less exact: the
+    sampling log-probs move away from the actor's (see rollout correction). None: everything in `dtype`."""
     tp_all_reduce: str = "auto"
     """TP > 1: the all-reduce of the layers' outputs. `symm_mem`: through a symmetric-memory
     buffer (CUDA, NVLink peers; no NCCL launch), `nccl`, or `auto` (the first where it can be
@@ -67,6 +72,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.tp_all_reduce not in ALL_REDUCE_IMPLS:
             raise ValueError(f"EngineConfig.tp_all_reduce must be one of {ALL_REDUCE_IMPLS}, got {self.tp_all_reduce!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.block_size < 1:

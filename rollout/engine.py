@@ -60,7 +60,13 @@ class LLMEngine:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len}): a whole prompt has to fit in one step")
-        self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len)
+        if config.quantization == "fp8" and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"EngineConfig.quantization='fp8' needs e4m3 GEMMs (compute capability 8.9 or later); "
+                             f"{torch.cuda.get_device_name(self.device)} has "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len,
+                                 quantization=config.quantization)
         # The largest all-reduce is a prefill step's [tokens, hidden]; the buffer stops at 64 MiB.
         esize = torch.empty((), dtype=config.dtype).element_size()
         self.tp_all_reduce = self.tp.setup_all_reduce(
@@ -216,6 +222,12 @@ class LLMEngine:
         if not prompts:
             return []
         t0 = time.perf_counter()
+        quantize_s = 0.0
+        if self.model.fp8_layers and self.model.fp8_stale:
+            self.model.quantize_fp8()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            quantize_s = time.perf_counter() - t0
         capture_s0, captures0 = self.runner.capture_s, self.runner.num_captures
         self.init_cache()
         c = self.config
@@ -259,7 +271,8 @@ class LLMEngine:
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
                            "wall_s": time.perf_counter() - t0,
                            "graph_capture_s": self.runner.capture_s - capture_s0,
-                           "graphs_captured": self.runner.num_captures - captures0}
+                           "graphs_captured": self.runner.num_captures - captures0,
+                           "quantize_s": quantize_s}
         if c.free_cache_engine:
             self.free_cache()
         return outputs

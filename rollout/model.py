@@ -30,7 +30,7 @@ from models.args import ModelArgs
 from models.parallel_plan import tp_shard_dim
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from rollout.attention import AttentionMetadata
-from rollout.ops import split_k_products
+from rollout.ops import FP8, FP8_MAX, quantize_fp8, split_k_products
 from rollout.parallel import TPGroup
 
 _ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vectorised loads
@@ -59,6 +59,17 @@ class LayerWeights:
     gate_up_b: torch.Tensor | None
     down_w: torch.Tensor  # [H, I / t]
     down_b: torch.Tensor | None  # [H], replicated
+
+
+@dataclass
+class Fp8Layer:
+    """One layer's e4m3 projections for fp8 rollout: qkv and gate_up with the preceding RMSNorm's weight
+    folded in (`W diag(norm)`), down_proj as it is; each with one float32 scale (`scales [3]`)."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D / t, H]
+    gate_up: torch.Tensor  # [2 I / t, H]
+    down: torch.Tensor  # [H, I / t]
+    scales: torch.Tensor  # [3] float32: qkv, gate_up, down
 
 
 # When a projection runs as two split-K products (`split_k_splits`): at most this many rows, and at most
@@ -99,9 +110,11 @@ def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
 class EngineModel:
     """Weights (one flat buffer) + the forward of the paged-KV engine for one TP rank."""
 
-    def __init__(self, args: ModelArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_model_len: int):
+    def __init__(self, args: ModelArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 quantization: str | None = None):
         check_tp_divisibility(args, tp.size)
         self.args, self.tp, self.dtype, self.device = args, tp, dtype, device
+        self.quantization = quantization
         t = tp.size
         self.hidden = args.hidden_size
         self.head_dim = args.head_dim
@@ -118,6 +131,14 @@ class EngineModel:
         cos, sin = rope_cos_sin(rope_inv_freq(args, device=device), pos, dtype)
         self.cos = cos[:, :self.head_dim // 2].contiguous()
         self.sin = sin[:, :self.head_dim // 2].contiguous()
+        if quantization == "fp8":
+            # The normed activations |x / rms(x)| <= sqrt(H): one fixed scale maps them into e4m3's range
+            # (the norm's weight is folded into the next projection), so no pass over them measures it.
+            self.fp8_in_scale = torch.full((self.hidden,), FP8_MAX / self.hidden ** 0.5, device=device)
+            self.fp8_act_scale = torch.tensor(self.hidden ** 0.5 / FP8_MAX, device=device)
+            self.fp8_one = torch.ones((), device=device)
+        elif quantization is not None:
+            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
         self.allocate()
 
     # ------------------------------------------------------------------ layout
@@ -206,15 +227,47 @@ class EngineModel:
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"))
             for i in range(self.args.num_hidden_layers)]
+        self.fp8_layers: list[Fp8Layer] = []
+        if self.quantization == "fp8":
+            w0, n = self.layers[0], self.args.num_hidden_layers
+            shapes = [w0.qkv_w.shape, w0.gate_up_w.shape, w0.down_w.shape]
+            sizes = [-(-torch.Size(sh).numel() // _ALIGN) * _ALIGN for sh in shapes]
+            self.fp8_storage = torch.empty(n * sum(sizes), dtype=FP8, device=self.device)
+            self.fp8_scales = torch.ones(n, 3, device=self.device)
+            self._fp8_nbytes = self.fp8_storage.untyped_storage().nbytes()
+            at = 0
+            for i in range(n):
+                views = []
+                for sh, size in zip(shapes, sizes):
+                    views.append(self.fp8_storage[at:at + torch.Size(sh).numel()].view(sh))
+                    at += size
+                self.fp8_layers.append(Fp8Layer(*views, self.fp8_scales[i]))
+        self.fp8_stale = True
 
     def release(self) -> None:
         """Give the weights' memory back (the views stay, over zero bytes, until `restore()`)."""
         self.storage.untyped_storage().resize_(0)
+        if self.fp8_layers:
+            self.fp8_storage.untyped_storage().resize_(0)
 
     def restore(self) -> None:
         """Re-allocate released weight memory, uninitialised, under the same tensor objects."""
         if not self.allocated:
             self.storage.untyped_storage().resize_(self._storage_nbytes)
+            if self.fp8_layers:
+                self.fp8_storage.untyped_storage().resize_(self._fp8_nbytes)
+        self.fp8_stale = True
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Fill the e4m3 projections from the current weights (after every weight write: `fp8_stale`)."""
+        for w, q in zip(self.layers, self.fp8_layers):
+            for j, (dst, src, norm) in enumerate(((q.qkv, w.qkv_w, w.in_norm), (q.gate_up, w.gate_up_w, w.post_norm),
+                                                  (q.down, w.down_w, None))):
+                values, scale = quantize_fp8(src.float() if norm is None else src.float() * norm.float())
+                dst.copy_(values)
+                q.scales[j].copy_(scale)
+        self.fp8_stale = False
 
     @property
     def allocated(self) -> bool:
@@ -222,10 +275,18 @@ class EngineModel:
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the weights in the model dtype (what the resharder writes)."""
         n = sum(torch.Size(s).numel() for s in self._buffers.values())
         return n * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def fp8_weight_bytes(self) -> int:
+        """Bytes of the e4m3 projections (0 without fp8): held next to the model-dtype weights."""
+        return sum(t.numel() for q in self.fp8_layers for t in (q.qkv, q.gate_up, q.down))
+
     def param_slots(self) -> dict[str, ParamSlot]:
+        """The slots; the caller is about to write them, so the e4m3 projections are requantized before the next forward."""
+        self.fp8_stale = True
         return dict(self._slots)
 
     # ------------------------------------------------------------------ forward
@@ -246,16 +307,30 @@ class EngineModel:
         y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b
 
+    def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp8 `down_proj` of the gate/up output `h`: (x, x_scale) for the next `rms_norm` - at TP 1 without a bias
+        the float32 product rows and their scales (applied there, one rounding), else the projection itself."""
+        d, d_scale = ops.silu_and_mul_fp8(h)
+        y = ops.scaled_linear(d, q.down, self.fp8_one, q.scales[2], None, torch.float32)
+        if self.tp.size == 1 and w.down_b is None:
+            return y, d_scale
+        y = (y * d_scale[:, None]).to(self.dtype)
+        if self.tp.size > 1:
+            y = self.tp.all_reduce(y)
+        return (y if w.down_b is None else y + w.down_b), None
+
     def _splits(self, rows: int, meta: AttentionMetadata) -> tuple[int, int, int]:
         """Split-K products of (qkv, o_proj, down_proj) in a step of `rows` rows, the same in every layer
         (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
         split a sequence); o_proj's and down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's
         without a bias (the RMSNorm adds none)."""
-        w, dtype, h = self.layers[0], self.dtype, self.hidden
+        w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
+        if fp8:
+            qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype)
         if self.tp.size > 1:
             return qkv, 1, 1
-        down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None else 1
+        down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None and not fp8 else 1
         return qkv, split_k_splits(rows, h, w.o_w.shape[1], dtype), down
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
@@ -265,27 +340,39 @@ class EngineModel:
 
         Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`.
         """
+        if self.fp8_layers and self.fp8_stale:
+            raise RuntimeError("the weights changed since quantize_fp8(): the e4m3 projections are stale")
         eps = self.args.rms_norm_eps
         x = self.embed(input_ids)
         qkv_splits, o_splits, down_splits = self._splits(x.shape[0], meta)
-        residual = None
+        residual = x_scale = None
         for i, w in enumerate(self.layers):
-            h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
+            if self.fp8_layers:  # e4m3 qkv from the e4m3 norm (its weight is folded into qkv)
+                q8 = self.fp8_layers[i]
+                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, x_scale, out_dtype=FP8)
+                qkv = ops.scaled_linear(h, q8.qkv, self.fp8_act_scale, q8.scales[0], w.qkv_b, self.dtype)
+            else:
+                h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
                 qkv = (ops.linear(h, w.qkv_w, w.qkv_b) if qkv_splits == 1
                        else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
+            if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
                                          self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b)
             else:
-                qkv = ops.linear(h, w.qkv_w, w.qkv_b)
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
             x = self._row_parallel(o, w.o_w, None, ops, o_splits)
-            h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
-            x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, down_splits)
-        h, _ = ops.rms_norm(x, self.norm_w, eps, residual)
+            if self.fp8_layers:
+                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, out_dtype=FP8)
+                h = ops.scaled_linear(h, q8.gate_up, self.fp8_act_scale, q8.scales[1], w.gate_up_b, self.dtype)
+                x, x_scale = self._down_fp8(h, w, q8, ops)
+            else:
+                h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
+                x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops,
+                                       down_splits)
+        h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,31 @@ def split_k_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     return torch.bmm(a.float(), b.float())
 
 
+# fp8 rollout (`EngineConfig.quantization = "fp8"`): e4m3 weights and activations, float32 scales.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+FP8_TINY = 1e-30  # the smallest row maximum `silu_and_mul_fp8` scales by (an all-zero row: scale 448e30, stays 0)
+
+
+def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` as e4m3 values and one float32 scale (`t ~ q * scale`): the largest |t| maps to 448.
+
+    e4m3 is a float: every value within 2^14 of the largest keeps a 3-bit mantissa (relative error
+    at most 2^-4), so one scale a tensor loses nothing where the values are but in far-off tails.
+    """
+    f = t.float()
+    amax = f.abs().amax().clamp(min=FP8_TINY)
+    return (f * (FP8_MAX / amax)).to(FP8), amax / FP8_MAX
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`(x * x_scale) @ (weight * w_scale)^T (+ bias)` in `out_dtype` from e4m3 `x [T, K]`, `weight [N, K]` and
+    one-element float32 scales: the products are exact in float32 and accumulated there (cuBLASLt's fp8
+    GEMM on CUDA, torch's on CPU)."""
+    return torch._scaled_mm(x, weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
+
+
 def sum_split_k(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The projection `[T, N]` in `dtype` from its split-K products `[S, T, N]`: summed in order, the
     bias added last, rounded once (as `F.linear` with a bias rounds)."""
@@ -63,21 +88,25 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None):
         """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`.
 
         `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_k_products`),
         summed in order and rounded to the residual's dtype first (a residual is then required).
+        `x_scale [T]` (float32, with a residual): `x` is an fp8 projection's float32 output whose row t
+        is still to be multiplied by `x_scale[t]` (`silu_and_mul_fp8`), rounded once to the residual's
+        dtype. `out_dtype` (default: the residual's) is the normed output's: the product of the rounded
+        norm and `weight` (float32 `weight`: the fp8 path's constant scale) is rounded once to it.
         """
-        if x.dim() == 3:
+        if x.dim() == 3 or x_scale is not None:
             if residual is None:
-                raise ValueError("rms_norm of split-K products needs the residual (its dtype is the sum's)")
-            x = sum_split_k(x, residual.dtype)
+                raise ValueError("rms_norm of split-K products or scaled rows needs the residual (its dtype is the sum's)")
+            x = sum_split_k(x, residual.dtype) if x.dim() == 3 else (x.float() * x_scale[:, None]).to(residual.dtype)
         if residual is not None:
             x = x + residual
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return weight * y, x
+        return (weight.float() * y.float()).to(out_dtype or x.dtype), x
 
     @staticmethod
     def silu_and_mul(gate_up):
@@ -89,6 +118,16 @@ class TorchOps:
     def gated_linear(x, weight, bias=None):
         """The SwiGLU MLP's input half: `silu_and_mul(linear(x, weight, bias))`, weight `[2I, K]` = [gate | up]."""
         return TorchOps.silu_and_mul(F.linear(x, weight, bias))
+
+    @staticmethod
+    def silu_and_mul_fp8(gate_up):
+        """`silu_and_mul(gate_up)` `[T, I]` as e4m3 rows and their float32 scales `[T]`: row t's largest |value|
+        maps to 448 (`value ~ q[t] * scale[t]`; an all-zero row stays zero). The input of an fp8 `down_proj`."""
+        v = TorchOps.silu_and_mul(gate_up).float()
+        amax = v.abs().amax(-1).clamp(min=FP8_TINY)
+        return (v * (FP8_MAX / amax)[:, None]).to(FP8), amax / FP8_MAX
+
+    scaled_linear = staticmethod(scaled_linear)
 
     @staticmethod
     def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,

@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - depends on the triton version
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
+from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
 
 # ---------------------------------------------------------------------------- launch order
 
@@ -123,10 +124,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_s, stride_x, stride_r, stride_o, N, eps,
-                     PARTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x, stride_r, stride_o, N, eps,
+                     PARTS: tl.constexpr, HAS_RES: tl.constexpr, X_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     # PARTS > 0: x is a projection's PARTS float32 split-K products (stride_s apart), summed in
-    # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does.
+    # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does. X_SCALE: x is an
+    # fp8 projection's float32 rows, times their scales `xs [T]`, rounded to the residual's dtype.
+    # The output is rounded to out's dtype (the model's, or e4m3 on the fp8 path).
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -138,11 +142,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_s, stride_x, stride_
             for s in tl.static_range(1, PARTS):
                 x += tl.load(x_ptr + s * stride_s + row * stride_x + offs, mask=mask, other=0.0)
             x = x.to(r.dtype)
+        if X_SCALE:
+            x = (x.to(tl.float32) * tl.load(xs_ptr + row)).to(r.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
     y, _ = rms_norm_row(x, N, eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+    out = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
 @triton.jit
@@ -154,6 +161,32 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr,
     g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + col, silu_mul(g, u), mask=mask)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_MAX: tl.constexpr,
+                         FP8_TINY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # One row a program: its largest |silu(gate) * up| (first pass), then the row scaled to put it at
+    # FP8_MAX and rounded to e4m3 (second pass, recomputing the products), as `silu_and_mul_fp8`.
+    _after_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        col = start + tl.arange(0, BLOCK)
+        mask = col < N
+        g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(silu_mul(g, u).to(tl.float32)), axis=0))
+    amax = tl.maximum(amax, FP8_TINY)
+    inv = tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), amax)
+    for start in range(0, N, BLOCK):
+        col = start + tl.arange(0, BLOCK)
+        mask = col < N
+        g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+        q = silu_mul(g, u).to(tl.float32) * inv
+        tl.store(out_ptr + row * stride_o + col, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.full((), FP8_MAX, tl.float32)))
 
 
 # ---------------------------------------------------------------------------- RoPE + cache write
@@ -641,18 +674,19 @@ class TritonOps:
         return _gemv(x, weight, bias, gated=True)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None):
         parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed here
-        if parts and residual is None:
-            raise ValueError("rms_norm of split-K products needs the residual (its dtype is the sum's)")
+        if (parts or x_scale is not None) and residual is None:
+            raise ValueError("rms_norm of split-K products or scaled rows needs the residual (its dtype is the sum's)")
         t, n = x.shape[-2:]
         block = _pow2(n)
-        out = torch.empty_like(x if residual is None else residual)
-        if t == 0:
-            return out, (x if residual is None else residual)
         res = residual if residual is not None else x
-        _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0) if parts else 0, x.stride(-2), res.stride(0),
-                               out.stride(0), n, eps, PARTS=parts, HAS_RES=residual is not None, BLOCK=block,
+        out = torch.empty(t, n, dtype=out_dtype or res.dtype, device=x.device)
+        if t == 0:
+            return out, res
+        _rms_norm_kernel[(t,)](x, res, weight, out, x_scale if x_scale is not None else weight,
+                               x.stride(0) if parts else 0, x.stride(-2), res.stride(0), out.stride(0), n, eps,
+                               PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None, BLOCK=block,
                                num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
 
@@ -666,6 +700,19 @@ class TritonOps:
             _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                          BLOCK=block, num_warps=4, **_launch(gate_up))
         return out
+
+    @staticmethod
+    def silu_and_mul_fp8(gate_up):
+        t, n2 = gate_up.shape
+        n = n2 // 2
+        out = torch.empty(t, n, dtype=FP8, device=gate_up.device)
+        scale = torch.empty(t, dtype=torch.float32, device=gate_up.device)
+        if t:
+            _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, gate_up.stride(0), out.stride(0), n, FP8_MAX=FP8_MAX,
+                                       FP8_TINY=FP8_TINY, BLOCK=min(2048, _pow2(n)), num_warps=8, **_launch(gate_up))
+        return out, scale
+
+    scaled_linear = staticmethod(scaled_linear)
 
     @staticmethod
     def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
