@@ -98,6 +98,7 @@ def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> tuple[floa
     table = m.vocab_local * m.hidden * elem
     rows = min(batch, m.vocab_local) * m.hidden * elem
     weights = m.weight_bytes - (0 if m.args.tie_word_embeddings else table) + rows
+    weights -= m.fp8_weight_bytes * (elem - 1)  # fp8: the quantized projections are read as e4m3, one byte each
     kv_per_token = m.args.num_hidden_layers * 2 * m.num_kv_heads * m.head_dim * elem
     return weights + batch * mean_context * kv_per_token, 2.0 * batch * m.vocab_local * elem
 
@@ -133,7 +134,7 @@ def engine_config(max_seqs: int, max_len: int, args) -> EngineConfig:
     return EngineConfig(dtype=torch.bfloat16, max_num_seqs=max_seqs, max_model_len=max_len,
                         gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
                         enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
-                        cudagraph_capture_sizes=args.capture_sizes,
+                        cudagraph_capture_sizes=args.capture_sizes, quantization=args.quantization,
                         **({} if args.prefill_graph_max_tokens is None
                            else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
 
@@ -176,7 +177,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
                     "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
-                    "tp_all_reduce": engine.tp_all_reduce},
+                    "quantization": engine.config.quantization, "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(batch * new / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -253,7 +254,7 @@ def measure_eos(name: str, args) -> dict:
                         "expected_mean_len": args.eos_mean, "temperature": 1.0, "tp": args.tp,
                         "cuda_graphs": not args.enforce_eager, "capture_sizes": engine.runner.capture_sizes,
                         "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
-                        "tp_all_reduce": engine.tp_all_reduce},
+                        "quantization": engine.config.quantization, "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(sum(lens) / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -384,6 +385,8 @@ def main(argv=None) -> int:
                     help="CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (default: the engine's ladder)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="EngineConfig.prefill_graph_max_tokens (default: the engine's; 0: prefill always eager)")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="EngineConfig.quantization (default: none, every GEMM in bf16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")
     ap.add_argument("--profile", default="", help="MODEL:BATCH[,MODEL:BATCH]: print a decode kernel profile")

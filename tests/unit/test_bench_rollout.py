@@ -25,6 +25,17 @@ def test_step_bytes_reads_the_looked_up_embedding_rows_not_the_table():
         assert logits == 4 * 2 * batch * args.vocab_size
 
 
+def test_step_bytes_counts_fp8_projections_at_one_byte():
+    args = tiny_args("qwen2")
+    plain = LLMEngine(args, EngineConfig(dtype=torch.float32, num_kv_blocks=8), device="cpu")
+    fp8 = LLMEngine(args, EngineConfig(dtype=torch.float32, num_kv_blocks=8, quantization="fp8"), device="cpu")
+    h, i, d = args.hidden_size, args.intermediate_size, args.head_dim
+    projections = args.num_hidden_layers * ((args.num_attention_heads + 2 * args.num_key_value_heads) * d * h
+                                            + 2 * i * h + h * i)  # qkv, gate/up, down
+    assert fp8.model.fp8_weight_bytes == projections
+    assert step_bytes(plain, 3, 10)[0] - step_bytes(fp8, 3, 10)[0] == 3 * projections  # 4 bytes -> 1
+
+
 def test_eos_ids_spread_over_the_vocabulary():
     v = 151936
     ids = eos_ids(v, 256)
@@ -62,9 +73,11 @@ def test_step_trend_reads_the_cost_of_context():
 def test_engine_options_reach_the_engine_config():
     """`--prefill-graph-max-tokens` and the other engine flags land in the EngineConfig; unset, the engine's default."""
     args = argparse.Namespace(gpu_memory_utilization=0.7, enforce_eager=True, tp_all_reduce="nccl",
-                              capture_sizes=[1, 8], prefill_graph_max_tokens=None)
+                              capture_sizes=[1, 8], prefill_graph_max_tokens=None, quantization=None)
     c = engine_config(256, 384, args)
     assert c.prefill_graph_max_tokens == EngineConfig().prefill_graph_max_tokens == 2048
+    assert c.quantization is None
+    assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "quantization": "fp8"})).quantization == "fp8"
     assert (c.max_num_seqs, c.max_model_len, c.gpu_memory_utilization, c.enforce_eager, c.tp_all_reduce,
             c.cudagraph_capture_sizes, c.free_cache_engine) == (256, 384, 0.7, True, "nccl", [1, 8], False)
     for cap in (0, 8192):

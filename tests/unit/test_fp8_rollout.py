@@ -112,12 +112,12 @@ def _fake_quant_reference(model):
 
 def _logprob_errors(model, outs) -> torch.Tensor:
     """|engine log-prob - `model`'s teacher-forced log-prob| of every sampled token."""
-    errs = []
+    errs, device = [], next(model.parameters()).device
     for out in outs:
         p = len(out.prompt_token_ids)
         with torch.no_grad():
-            logits = model(torch.tensor([out.prompt_token_ids + out.token_ids]))[0, p - 1:-1].double()
-        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+            logits = model(torch.tensor([out.prompt_token_ids + out.token_ids], device=device))[0, p - 1:-1]
+        lp = torch.log_softmax(logits.double().cpu(), -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         errs.append((lp - torch.tensor(out.logprobs, dtype=torch.float64)).abs())
     return torch.cat(errs)
 
