@@ -233,7 +233,8 @@ class EngineModel:
             shapes = [w0.qkv_w.shape, w0.gate_up_w.shape, w0.down_w.shape]
             sizes = [-(-torch.Size(sh).numel() // _ALIGN) * _ALIGN for sh in shapes]
             self.fp8_storage = torch.empty(n * sum(sizes), dtype=FP8, device=self.device)
-            self.fp8_scales = torch.ones(n, 3, device=self.device)
+            # each scale 16 bytes from the next: cuBLASLt rejects a scale pointer that is not 16-byte aligned
+            self.fp8_scales = torch.ones(n, 3, 4, device=self.device)
             self._fp8_nbytes = self.fp8_storage.untyped_storage().nbytes()
             at = 0
             for i in range(n):
@@ -241,7 +242,7 @@ class EngineModel:
                 for sh, size in zip(shapes, sizes):
                     views.append(self.fp8_storage[at:at + torch.Size(sh).numel()].view(sh))
                     at += size
-                self.fp8_layers.append(Fp8Layer(*views, self.fp8_scales[i]))
+                self.fp8_layers.append(Fp8Layer(*views, self.fp8_scales[i, :, 0]))
         self.fp8_stale = True
 
     def release(self) -> None:
