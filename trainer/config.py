@@ -193,6 +193,10 @@ class RolloutConfig:
                                            "generation, so the training phases get their memory; the next reshard "
                                            "re-allocates the weights and the next generation recaptures the graphs "
                                            "(timing_s/graph_capture). Needs free_cache_engine and name=native")
+    quantization: str | None = opt(None, "fp8: the engine's qkv, gate/up and down projections as e4m3 GEMMs (weights "
+                                         "quantized after every reshard); faster, and its log-probs move away from "
+                                         "the actor's (pair with algorithm.rollout_correction). null: all in dtype",
+                                   choices=(None, "fp8"))
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
