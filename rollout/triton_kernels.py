@@ -165,11 +165,23 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr,
 
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_MAX: tl.constexpr,
-                         FP8_TINY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # One row a program: its largest |silu(gate) * up| (first pass), then the row scaled to put it at
-    # FP8_MAX and rounded to e4m3 (second pass, recomputing the products), as `silu_and_mul_fp8`.
+                         FP8_TINY: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr):
+    # One row a program, as `silu_and_mul_fp8`: the row's largest |silu(gate) * up|, then the row scaled
+    # to put it at FP8_MAX and rounded to e4m3. WHOLE_ROW (BLOCK >= N): the row stays in registers, one
+    # read of gate/up; otherwise two passes over it in blocks, the second recomputing the products.
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if WHOLE_ROW:
+        col = tl.arange(0, BLOCK)
+        mask = col < N
+        g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+        v = silu_mul(g, u).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=0), FP8_TINY)
+        inv = tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), amax)
+        tl.store(out_ptr + row * stride_o + col, (v * inv).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.full((), FP8_MAX, tl.float32)))
+        return
     amax = tl.zeros((), dtype=tl.float32)
     for start in range(0, N, BLOCK):
         col = start + tl.arange(0, BLOCK)
@@ -604,6 +616,9 @@ _NO_FMA = {"enable_fp_fusion": False}
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4
 
 
+SILU_FP8_WHOLE_ROW = 16384  # lanes: up to this row width `silu_and_mul_fp8` holds the row in registers
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -708,8 +723,11 @@ class TritonOps:
         out = torch.empty(t, n, dtype=FP8, device=gate_up.device)
         scale = torch.empty(t, dtype=torch.float32, device=gate_up.device)
         if t:
+            whole = _pow2(n) <= SILU_FP8_WHOLE_ROW  # e.g. 1.5b's 8,960 (16,384 lanes); 7b's 18,944 takes two passes
+            block = _pow2(n) if whole else 2048
             _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, gate_up.stride(0), out.stride(0), n, FP8_MAX=FP8_MAX,
-                                       FP8_TINY=FP8_TINY, BLOCK=min(2048, _pow2(n)), num_warps=8, **_launch(gate_up))
+                                       FP8_TINY=FP8_TINY, BLOCK=block, WHOLE_ROW=whole,
+                                       num_warps=max(4, min(16, block // 1024)), **_launch(gate_up))
         return out, scale
 
     scaled_linear = staticmethod(scaled_linear)

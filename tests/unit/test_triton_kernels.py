@@ -158,15 +158,24 @@ def _checks() -> dict:
         return ulps
 
     def silu_and_mul_fp8():
-        # rows past one block (a loop over the row twice), an all-zero row, the row scales bit for bit
+        # the row in registers, and (a lower limit for it) rows in blocks, two passes each; an all-zero row;
+        # the row scales bit for bit
+        import rollout.triton_kernels as tk
+
         x = torch.randn(4, 2 * 2500, dtype=torch.float16) * torch.tensor([1.0, 0.0, 30.0, 0.01], dtype=torch.float16)[:, None]
-        q, scale = TritonOps.silu_and_mul_fp8(x)
         ref_q, ref_scale = TorchOps.silu_and_mul_fp8(x)
-        assert torch.equal(scale, ref_scale) and not q[1].float().any()
-        assert (q.float().abs().amax(-1) == torch.tensor([448.0, 0.0, 448.0, 448.0])).all()
-        ulps = e4m3_ulps(q, ref_q)
-        assert ulps <= 1, f"{ulps} e4m3 steps"
-        return ulps
+        ulps = []
+        for whole_row in (tk.SILU_FP8_WHOLE_ROW, 1024):
+            saved, tk.SILU_FP8_WHOLE_ROW = tk.SILU_FP8_WHOLE_ROW, whole_row
+            try:
+                q, scale = TritonOps.silu_and_mul_fp8(x)
+            finally:
+                tk.SILU_FP8_WHOLE_ROW = saved
+            assert torch.equal(scale, ref_scale) and not q[1].float().any()
+            assert (q.float().abs().amax(-1) == torch.tensor([448.0, 0.0, 448.0, 448.0])).all()
+            ulps.append(e4m3_ulps(q, ref_q))
+            assert ulps[-1] <= 1, f"{ulps[-1]} e4m3 steps"
+        return max(ulps)
 
     def paged_setup(dtype, hkv, d, lengths, page=4, num_blocks=40):
         """A KV pool holding `lengths` tokens per sequence in scattered pages."""
