@@ -310,9 +310,9 @@ class EngineModel:
 
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp8 `down_proj` of the gate/up output `h`: (x, x_scale) for the next `rms_norm` - at TP 1 without a bias
-        the float32 product rows and their scales (applied there, one rounding), else the projection itself."""
+        the product rows in the model dtype and their scales (applied there), else the projection itself."""
         d, d_scale = ops.silu_and_mul_fp8(h)
-        y = ops.scaled_linear(d, q.down, self.fp8_one, q.scales[2], None, torch.float32)
+        y = ops.scaled_linear(d, q.down, self.fp8_one, q.scales[2], None, self.dtype)
         if self.tp.size == 1 and w.down_b is None:
             return y, d_scale
         y = (y * d_scale[:, None]).to(self.dtype)

@@ -95,8 +95,8 @@ class TorchOps:
 
         `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_k_products`),
         summed in order and rounded to the residual's dtype first (a residual is then required).
-        `x_scale [T]` (float32, with a residual): `x` is an fp8 projection's float32 output whose row t
-        is still to be multiplied by `x_scale[t]` (`silu_and_mul_fp8`), rounded once to the residual's
+        `x_scale [T]` (float32, with a residual): `x` is an fp8 projection's output whose row t is still
+        to be multiplied by `x_scale[t]` (`silu_and_mul_fp8`), in float32, then rounded to the residual's
         dtype. `out_dtype` (default: the residual's) is the normed output's: the product of the rounded
         norm and `weight` (float32 `weight`: the fp8 path's constant scale) is rounded once to it.
         """
