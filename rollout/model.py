@@ -261,11 +261,19 @@ class EngineModel:
 
     @torch.no_grad()
     def quantize_fp8(self) -> None:
-        """Fill the e4m3 projections from the current weights (after every weight write: `fp8_stale`)."""
-        for w, q in zip(self.layers, self.fp8_layers):
-            for j, (dst, src, norm) in enumerate(((q.qkv, w.qkv_w, w.in_norm), (q.gate_up, w.gate_up_w, w.post_norm),
-                                                  (q.down, w.down_w, None))):
-                values, scale = quantize_fp8(src.float() if norm is None else src.float() * norm.float())
+        """Fill the e4m3 projections from the current weights (after every weight write: `fp8_stale`).
+
+        One scale per full tensor, agreed over the TP group (the largest |value| of any shard), so that every
+        TP shard holds exactly the values TP 1 would."""
+        def folded(src, norm):
+            return src.float() if norm is None else src.float() * norm.float()
+
+        sources = [((w.qkv_w, w.in_norm), (w.gate_up_w, w.post_norm), (w.down_w, None)) for w in self.layers]
+        amax = torch.stack([torch.stack([folded(*s).abs().amax() for s in layer]) for layer in sources])
+        self.tp.all_reduce_max_(amax)
+        for layer, q, layer_amax in zip(sources, self.fp8_layers, amax):
+            for j, (source, dst) in enumerate(zip(layer, (q.qkv, q.gate_up, q.down))):
+                values, scale = quantize_fp8(folded(*source), layer_amax[j])
                 dst.copy_(values)
                 q.scales[j].copy_(scale)
         self.fp8_stale = False

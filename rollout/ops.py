@@ -42,14 +42,15 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_TINY = 1e-30  # the smallest row maximum `silu_and_mul_fp8` scales by (an all-zero row: scale 448e30, stays 0)
 
 
-def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`t` as e4m3 values and one float32 scale (`t ~ q * scale`): the largest |t| maps to 448.
+def quantize_fp8(t: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` as e4m3 values and one float32 scale (`t ~ q * scale`): the largest |t| (or `amax`, when `t` is
+    one shard of a tensor whose largest |value| that is) maps to 448.
 
     e4m3 is a float: every value within 2^14 of the largest keeps a 3-bit mantissa (relative error
     at most 2^-4), so one scale a tensor loses nothing where the values are but in far-off tails.
     """
     f = t.float()
-    amax = f.abs().amax().clamp(min=FP8_TINY)
+    amax = (f.abs().amax() if amax is None else amax.float()).clamp(min=FP8_TINY)
     return (f * (FP8_MAX / amax)).to(FP8), amax / FP8_MAX
 
 

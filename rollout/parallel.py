@@ -104,6 +104,12 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise largest `t` over the group, in place (quantization scales; not a hot path)."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """`[size, *t.shape]`: every rank's `t`, in rank order."""
         if self.size == 1:

@@ -136,3 +136,41 @@ def test_tp2_bf16_split_k_qkv_decodes_as_without():
     """bf16 at TP 2: the decode qkv's split-K products, summed with this rank's bias shard in the
     attention, give the tokens of one product."""
     run_distributed(_tp_split_k_body, 2)
+
+
+def _tp_fp8_body(rank, world_size):
+    """fp8 at TP 2: each rank's e4m3 shards and scales are exactly TP 1's (one scale per full tensor, agreed over
+    the group), and the engine computes what a fake-quantized training forward does with down_proj's input
+    scaled per rank (`tests.unit.test_fp8_rollout`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+    from tests.unit.test_engine import make_engine, prompts_of, tiny_args, tiny_model
+    from tests.unit.test_fp8_rollout import _fake_quant_reference, _logprob_errors
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for kind in ("qwen2", "llama"):
+        model = tiny_model(tiny_args(kind))
+        tp1 = make_engine(model, quantization="fp8")
+        tp2 = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=256,
+                                                 quantization="fp8"), tp_mesh=mesh["tp"], device="cpu")
+        tp2.load_weights(model.named_parameters())
+        params = SamplingParams(temperature=1.0, max_tokens=4, seed=3, ignore_eos=True)
+        prompts = prompts_of([3 + i % 12 for i in range(16)])
+        tp1.generate(prompts[:1], params)  # quantizes
+        outs = tp2.generate(prompts, params)
+        for q1, q2 in zip(tp1.model.fp8_layers, tp2.model.fp8_layers):
+            assert torch.equal(q1.scales, q2.scales)
+            for full, shard, dim in ((q1.qkv, q2.qkv, 0), (q1.gate_up, q2.gate_up, 0), (q1.down, q2.down, 1)):
+                if dim == 0:  # [q | k | v] and [gate | up]: each part split over the ranks
+                    parts = (tp1.model.num_heads * tp1.model.head_dim, tp1.model.num_kv_heads * tp1.model.head_dim,
+                             tp1.model.num_kv_heads * tp1.model.head_dim) if full is q1.qkv else (tp1.model.inter,) * 2
+                    expect = torch.cat([p.chunk(2, 0)[rank] for p in full.float().split(parts)])
+                else:
+                    expect = full.float().chunk(2, 1)[rank]
+                assert torch.equal(shard.float(), expect), kind
+        assert _logprob_errors(_fake_quant_reference(model, tp=2), outs).median().item() < 1e-4, kind
+
+
+def test_tp2_fp8_shards_are_tp1_and_match_a_fake_quantized_forward():
+    run_distributed(_tp_fp8_body, 2)

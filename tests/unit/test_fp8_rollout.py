@@ -72,11 +72,12 @@ def test_scaled_linear_against_float64():
         assert not bool(((scaled_linear(x, w, xs, torch.ones(()), bias, dtype).double() - exact).abs() <= bound).all())
 
 
-def _fake_quant_reference(model):
+def _fake_quant_reference(model, tp: int = 1):
     """The training model computing what the fp8 engine should, in float64, built from the model's own weights:
     each RMSNorm's weight folded into the projections after it (q/k/v, gate/up: the norms' weights become 1),
     every fused projection rounded to e4m3 with one scale (`quantize_fp8`), every q/k/v and gate/up input
-    rounded to e4m3 with the fixed scale sqrt(H) / 448, down_proj's input row by row."""
+    rounded to e4m3 with the fixed scale sqrt(H) / 448, down_proj's input row by row - with `tp` ranks, each
+    rank's slice of the row (its shard of the intermediate size) by its own scale."""
     ref = copy.deepcopy(model).double()
     act = model.args.hidden_size ** 0.5 / FP8_MAX
 
@@ -86,8 +87,9 @@ def _fake_quant_reference(model):
 
     def row_scale(_, inputs):
         (x,) = inputs
+        x = x.unflatten(-1, (tp, -1))
         s = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
-        return ((x / s).to(FP8).double() * s,)
+        return (((x / s).to(FP8).double() * s).flatten(-2),)
 
     def fake_quant(*weights, norm=None):
         w = torch.cat([m.weight.detach().float() for m in weights])
