@@ -33,6 +33,9 @@ time, so the figures of one record come from one run):
   `nvidia-smi` samples, `bench.common.GpuTelemetry`; null without it), with `gpu_max_clock_mhz`,
   `gpu_power_limit_w` and `gpu_power_capped_share` (samples at >= 95 % of the limit). An H200
   at its power limit lowers its clock, and every time above with it.
+* `--quantization fp8` (workload `quantization`): the engine's qkv, gate/up and down projections as
+  e4m3 GEMMs; the byte count reads them at one byte, and `quantize_s` is what quantizing them took
+  in the warm-up generate (the first after the weights were written).
 
 EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
 of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
@@ -151,6 +154,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
     prompts = random_prompts(batch, p, engine.args.vocab_size, seed=batch)
     params = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=1)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))  # compile + capture
+    quantize_s = engine.last_stats["quantize_s"]  # fp8: the first generate after the weights were written
     runs = []
     for rep in range(args.repeats):
         engine.runner.step_events = []
@@ -192,6 +196,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(run["peak"] / 1e9, 3),
         kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
+        quantize_s=round(quantize_s, 4),
         **run["trend"],
         **args.telemetry.take(),
     )
