@@ -129,7 +129,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
                      PDL: tl.constexpr):
     # PARTS > 0: x is a projection's PARTS float32 split-K products (stride_s apart), summed in
     # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does. X_SCALE: x is an
-    # fp8 projection's float32 rows, times their scales `xs [T]`, rounded to the residual's dtype.
+    # fp8 projection's rows, times their scales `xs [T]` in float32, rounded to the residual's dtype.
     # The output is rounded to out's dtype (the model's, or e4m3 on the fp8 path).
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
