@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: qkv, gate/up and down projections as e4m3 GEMMs (EngineConfig.quantization)")
     return p.parse_args(argv)
 
 
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                                 eos_token_id=model_eos_ids(model_dir, model_args.eos_token_id))
         config = EngineConfig(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(args.max_num_seqs, args.n),
-                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                              quantization=args.quantization)
     except ValueError as e:
         raise CLIError(str(e)) from None
     engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)
