@@ -61,6 +61,9 @@ class LayerWeights:
     down_b: torch.Tensor | None  # [H], replicated
 
 
+FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
+
+
 @dataclass
 class Fp8Layer:
     """One layer's e4m3 projections for fp8 rollout: qkv and gate_up with the preceding RMSNorm's weight
@@ -202,18 +205,38 @@ class EngineModel:
                 raise AssertionError(f"{name}: a fused buffer cannot hold a dim-1 shard")
 
     # ------------------------------------------------------------------ storage
-    def allocate(self) -> None:
-        """Allocate the flat weight buffer, uninitialised, and build every view of it (once)."""
+    def _flat(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One uninitialised flat buffer holding `shapes` (name -> shape) one after another, each start
+        `_ALIGN`-aligned, and the view of each."""
         offsets, total = {}, 0
-        for name, shape in self._buffers.items():
+        for name, shape in shapes.items():
             offsets[name] = total
             total += -(-torch.Size(shape).numel() // _ALIGN) * _ALIGN
-        self.storage = torch.empty(total, dtype=self.dtype, device=self.device)
+        flat = torch.empty(total, dtype=dtype, device=self.device)
+        return flat, {name: flat[offsets[name]:offsets[name] + torch.Size(shape).numel()].view(shape)
+                      for name, shape in shapes.items()}
+
+    def allocate(self) -> None:
+        """Allocate the flat weight buffer, uninitialised, and build every view of it (once).
+
+        fp8: the model-dtype qkv, gate/up and down weights live in a buffer of their own (`proj_storage`),
+        given back once `quantize_fp8` has read them and re-allocated by the next `restore()` (which
+        `param_slots()` and the resharder's writes come after); their e4m3 copies in `fp8_storage`."""
+        fp8 = self.quantization == "fp8"
+        proj = {n: s for n, s in self._buffers.items() if fp8 and n.rsplit(".", 1)[-1] in FP8_PROJECTIONS}
+        self.storage, self.buffers = self._flat({n: s for n, s in self._buffers.items() if n not in proj}, self.dtype)
         self._storage_nbytes = self.storage.untyped_storage().nbytes()
-        self.buffers: dict[str, torch.Tensor] = {}
-        for name, shape in self._buffers.items():
-            n = torch.Size(shape).numel()
-            self.buffers[name] = self.storage[offsets[name]:offsets[name] + n].view(shape)
+        self.fp8_layers: list[Fp8Layer] = []
+        if fp8:
+            self.proj_storage, views = self._flat(proj, self.dtype)
+            self._proj_nbytes = self.proj_storage.untyped_storage().nbytes()
+            self.buffers.update(views)
+            self.fp8_storage, q = self._flat(proj, FP8)
+            self._fp8_nbytes = self.fp8_storage.untyped_storage().nbytes()
+            # each scale 16 bytes from the next: cuBLASLt rejects a scale pointer that is not 16-byte aligned
+            self.fp8_scales = torch.ones(self.args.num_hidden_layers, 3, 4, device=self.device)
+            self.fp8_layers = [Fp8Layer(*(q[f"layers.{i}.{p}"] for p in FP8_PROJECTIONS), self.fp8_scales[i, :, 0])
+                               for i in range(self.args.num_hidden_layers)]
         self._slots = {}
         for name, (buf, row0, rows) in self._plan.items():
             view = self.buffers[buf] if rows is None else self.buffers[buf][row0:row0 + rows]
@@ -227,36 +250,23 @@ class EngineModel:
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"))
             for i in range(self.args.num_hidden_layers)]
-        self.fp8_layers: list[Fp8Layer] = []
-        if self.quantization == "fp8":
-            w0, n = self.layers[0], self.args.num_hidden_layers
-            shapes = [w0.qkv_w.shape, w0.gate_up_w.shape, w0.down_w.shape]
-            sizes = [-(-torch.Size(sh).numel() // _ALIGN) * _ALIGN for sh in shapes]
-            self.fp8_storage = torch.empty(n * sum(sizes), dtype=FP8, device=self.device)
-            # each scale 16 bytes from the next: cuBLASLt rejects a scale pointer that is not 16-byte aligned
-            self.fp8_scales = torch.ones(n, 3, 4, device=self.device)
-            self._fp8_nbytes = self.fp8_storage.untyped_storage().nbytes()
-            at = 0
-            for i in range(n):
-                views = []
-                for sh, size in zip(shapes, sizes):
-                    views.append(self.fp8_storage[at:at + torch.Size(sh).numel()].view(sh))
-                    at += size
-                self.fp8_layers.append(Fp8Layer(*views, self.fp8_scales[i, :, 0]))
         self.fp8_stale = True
 
     def release(self) -> None:
         """Give the weights' memory back (the views stay, over zero bytes, until `restore()`)."""
-        self.storage.untyped_storage().resize_(0)
-        if self.fp8_layers:
-            self.fp8_storage.untyped_storage().resize_(0)
+        for flat in (self.storage,) + ((self.proj_storage, self.fp8_storage) if self.fp8_layers else ()):
+            flat.untyped_storage().resize_(0)
 
     def restore(self) -> None:
-        """Re-allocate released weight memory, uninitialised, under the same tensor objects."""
+        """Re-allocate released weight memory, uninitialised, under the same tensor objects (fp8: the
+        model-dtype projections filled with NaN, so that one left unwritten fails `quantize_fp8`)."""
         if not self.allocated:
             self.storage.untyped_storage().resize_(self._storage_nbytes)
             if self.fp8_layers:
                 self.fp8_storage.untyped_storage().resize_(self._fp8_nbytes)
+        if self.fp8_layers and self.proj_storage.untyped_storage().nbytes() == 0:
+            self.proj_storage.untyped_storage().resize_(self._proj_nbytes)
+            self.proj_storage.fill_(float("nan"))
         self.fp8_stale = True
 
     @torch.no_grad()
@@ -270,12 +280,16 @@ class EngineModel:
 
         sources = [((w.qkv_w, w.in_norm), (w.gate_up_w, w.post_norm), (w.down_w, None)) for w in self.layers]
         amax = torch.stack([torch.stack([folded(*s).abs().amax() for s in layer]) for layer in sources])
+        if not self.tp.all_reduce_min(int(bool(torch.isfinite(amax).all())), self.device):
+            raise RuntimeError("quantize_fp8: a qkv, gate/up or down weight is not finite on some TP rank - "
+                               "param_slots() re-allocates them, and every slot must be written after it")
         self.tp.all_reduce_max_(amax)
         for layer, q, layer_amax in zip(sources, self.fp8_layers, amax):
             for j, (source, dst) in enumerate(zip(layer, (q.qkv, q.gate_up, q.down))):
                 values, scale = quantize_fp8(folded(*source), layer_amax[j])
                 dst.copy_(values)
                 q.scales[j].copy_(scale)
+        self.proj_storage.untyped_storage().resize_(0)  # read: the e4m3 copies serve until the next write
         self.fp8_stale = False
 
     @property

@@ -160,6 +160,25 @@ def test_fp8_weights_follow_every_weight_write():
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in second]
 
 
+def test_fp8_gives_the_model_dtype_projections_back_between_writes():
+    model = tiny_model(tiny_args("llama"))
+    engine = make_engine(model, quantization="fp8")
+    m = engine.model
+    proj_bytes = m.proj_storage.untyped_storage().nbytes()
+    assert proj_bytes == 4 * m.fp8_weight_bytes  # float32 engine: 4 bytes a projection weight, 1 in e4m3
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = prompts_of([6, 4])
+    first = engine.generate(prompts, params)
+    assert m.proj_storage.untyped_storage().nbytes() == 0 and m.allocated  # quantized, then given back
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in first]  # no write: kept
+    engine.param_slots()  # re-allocated for a write that does not come
+    assert m.proj_storage.untyped_storage().nbytes() == proj_bytes
+    with pytest.raises(RuntimeError, match="not finite"):
+        engine.generate(prompts, params)
+    engine.load_weights(model.named_parameters())
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in first]
+
+
 def test_fp8_config_errors():
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int8")
