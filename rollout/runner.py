@@ -179,7 +179,9 @@ class ModelRunner:
 
     def _check_graphs(self) -> None:
         """Drop graphs captured over other weight / KV-pool memory than the current one."""
-        key = (self.model.storage.data_ptr(), self.kv_cache.data_ptr(), self.num_blocks)
+        m = self.model
+        key = (m.storage.data_ptr(), m.fp8_storage.data_ptr() if m.fp8_layers else 0, self.kv_cache.data_ptr(),
+               self.num_blocks)
         if key != self._graph_key:
             self.drop_graphs()
             self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
