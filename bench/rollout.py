@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, GpuTelemetry, emit, model_args  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from rollout.config import QUANTIZATIONS  # noqa: E402
 
 
 def random_weights(engine: LLMEngine, seed: int = 0) -> None:
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
                     help="CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (default: the engine's ladder)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="EngineConfig.prefill_graph_max_tokens (default: the engine's; 0: prefill always eager)")
-    ap.add_argument("--quantization", default=None, choices=("fp8",),
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="EngineConfig.quantization (default: none, every GEMM in bf16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")

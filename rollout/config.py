@@ -20,6 +20,9 @@ import torch
 from rollout.parallel import ALL_REDUCE_IMPLS
 
 
+QUANTIZATIONS = ("fp8",)  # `EngineConfig.quantization` besides None (the engine, the trainer, the CLIs)
+
+
 def default_cudagraph_capture_sizes(max_size: int = 512) -> list[int]:
     """The batch-size ladder 1, 2, 4, 8, 16, 24, 32, ..., max_size (multiples of 8 from 16)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
@@ -72,8 +75,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.tp_all_reduce not in ALL_REDUCE_IMPLS:
             raise ValueError(f"EngineConfig.tp_all_reduce must be one of {ALL_REDUCE_IMPLS}, got {self.tp_all_reduce!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"EngineConfig.quantization must be None or one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.block_size < 1:

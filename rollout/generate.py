@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from models.args import torch_dtypes
+from rollout.config import QUANTIZATIONS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--quantization", choices=("fp8",), default=None,
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: qkv, gate/up and down projections as e4m3 GEMMs (EngineConfig.quantization)")
     return p.parse_args(argv)
 

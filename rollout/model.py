@@ -72,7 +72,7 @@ class Fp8Layer:
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D / t, H]
     gate_up: torch.Tensor  # [2 I / t, H]
     down: torch.Tensor  # [H, I / t]
-    scales: torch.Tensor  # [3] float32: qkv, gate_up, down
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # float32 scalars, 16-byte aligned: qkv, gate_up, down
 
 
 # When a projection runs as two split-K products (`split_k_splits`): at most this many rows, and at most
@@ -141,7 +141,7 @@ class EngineModel:
             self.fp8_act_scale = torch.tensor(self.hidden ** 0.5 / FP8_MAX, device=device)
             self.fp8_one = torch.ones((), device=device)
         elif quantization is not None:
-            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+            raise ValueError(f"quantization must be None or 'fp8' (EngineConfig.quantization), got {quantization!r}")
         self.allocate()
 
     # ------------------------------------------------------------------ layout
@@ -235,7 +235,9 @@ class EngineModel:
             self._fp8_nbytes = self.fp8_storage.untyped_storage().nbytes()
             # each scale 16 bytes from the next: cuBLASLt rejects a scale pointer that is not 16-byte aligned
             self.fp8_scales = torch.ones(self.args.num_hidden_layers, 3, 4, device=self.device)
-            self.fp8_layers = [Fp8Layer(*(q[f"layers.{i}.{p}"] for p in FP8_PROJECTIONS), self.fp8_scales[i, :, 0])
+            # the scale views made once: a forward indexes no tensor per layer
+            self.fp8_layers = [Fp8Layer(*(q[f"layers.{i}.{p}"] for p in FP8_PROJECTIONS),
+                                        tuple(self.fp8_scales[i, j, 0] for j in range(3)))
                                for i in range(self.args.num_hidden_layers)]
         self._slots = {}
         for name, (buf, row0, rows) in self._plan.items():

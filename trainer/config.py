@@ -17,6 +17,7 @@ from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
+from rollout.config import QUANTIZATIONS
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
 
@@ -196,7 +197,7 @@ class RolloutConfig:
     quantization: str | None = opt(None, "fp8: the engine's qkv, gate/up and down projections as e4m3 GEMMs (weights "
                                          "quantized after every reshard); faster, and its log-probs move away from "
                                          "the actor's (pair with algorithm.rollout_correction). null: all in dtype",
-                                   choices=(None, "fp8"))
+                                   choices=(None, *QUANTIZATIONS))
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)

@@ -160,7 +160,7 @@ def _tp_fp8_body(rank, world_size):
         tp1.generate(prompts[:1], params)  # quantizes
         outs = tp2.generate(prompts, params)
         for q1, q2 in zip(tp1.model.fp8_layers, tp2.model.fp8_layers):
-            assert torch.equal(q1.scales, q2.scales)
+            assert torch.equal(torch.stack(q1.scales), torch.stack(q2.scales))
             for full, shard, dim in ((q1.qkv, q2.qkv, 0), (q1.gate_up, q2.gate_up, 0), (q1.down, q2.down, 1)):
                 if dim == 0:  # [q | k | v] and [gate | up]: each part split over the ranks
                     parts = (tp1.model.num_heads * tp1.model.head_dim, tp1.model.num_kv_heads * tp1.model.head_dim,
