@@ -36,6 +36,8 @@ time, so the figures of one record come from one run):
 * `--quantization fp8` (workload `quantization`): the engine's qkv, gate/up and down projections as
   e4m3 GEMMs; the byte count reads them at one byte, and `quantize_s` is what quantizing them took
   in the warm-up generate (the first after the weights were written).
+* `--kv-cache-dtype fp8` (workload `kv_cache_dtype`): the KV cache as e4m3 values with a float32 scale
+  per token and KV head; the byte count reads the cache at that size (values and scales).
 
 EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
 of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
@@ -76,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, GpuTelemetry, emit, model_args  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from rollout.config import QUANTIZATIONS  # noqa: E402
+from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402
 
 
 def random_weights(engine: LLMEngine, seed: int = 0) -> None:
@@ -103,7 +105,7 @@ def step_bytes(engine: LLMEngine, batch: int, mean_context: float) -> tuple[floa
     rows = min(batch, m.vocab_local) * m.hidden * elem
     weights = m.weight_bytes - (0 if m.args.tie_word_embeddings else table) + rows
     weights -= m.fp8_weight_bytes * (elem - 1)  # fp8: the quantized projections are read as e4m3, one byte each
-    kv_per_token = m.args.num_hidden_layers * 2 * m.num_kv_heads * m.head_dim * elem
+    kv_per_token = engine.runner.kv_bytes_per_block() / engine.runner.block_size  # e4m3 cache: values and scales
     return weights + batch * mean_context * kv_per_token, 2.0 * batch * m.vocab_local * elem
 
 
@@ -139,6 +141,7 @@ def engine_config(max_seqs: int, max_len: int, args) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization, free_cache_engine=False,
                         enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
                         cudagraph_capture_sizes=args.capture_sizes, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         **({} if args.prefill_graph_max_tokens is None
                            else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
 
@@ -182,7 +185,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
                     "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
-                    "quantization": engine.config.quantization, "tp_all_reduce": engine.tp_all_reduce},
+                    "quantization": engine.config.quantization,
+                        "kv_cache_dtype": engine.config.kv_cache_dtype, "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(batch * new / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -196,7 +200,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         floor_ms=round(floor_ms, 4),
         ratio_to_floor=round(floor_ms / gpu_ms, 4),
         peak_memory_gb=round(run["peak"] / 1e9, 3),
-        kv_pool_gb=round(engine.runner.kv_cache.numel() * 2 / 1e9, 3),
+        kv_pool_gb=round(sum(t.nbytes for t in (engine.runner.kv_cache, engine.runner.kv_scales) if t is not None)
+                         / 1e9, 3),
         quantize_s=round(quantize_s, 4),
         **run["trend"],
         **args.telemetry.take(),
@@ -260,7 +265,8 @@ def measure_eos(name: str, args) -> dict:
                         "expected_mean_len": args.eos_mean, "temperature": 1.0, "tp": args.tp,
                         "cuda_graphs": not args.enforce_eager, "capture_sizes": engine.runner.capture_sizes,
                         "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
-                        "quantization": engine.config.quantization, "tp_all_reduce": engine.tp_all_reduce},
+                        "quantization": engine.config.quantization,
+                        "kv_cache_dtype": engine.config.kv_cache_dtype, "tp_all_reduce": engine.tp_all_reduce},
         generated_tok_per_s=round(sum(lens) / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -393,6 +399,8 @@ def main(argv=None) -> int:
                     help="EngineConfig.prefill_graph_max_tokens (default: the engine's; 0: prefill always eager)")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="EngineConfig.quantization (default: none, every GEMM in bf16)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="EngineConfig.kv_cache_dtype (default auto: the cache in bf16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="qwen2.5-0.5b at 256 prompts only, no HF")
     ap.add_argument("--profile", default="", help="MODEL:BATCH[,MODEL:BATCH]: print a decode kernel profile")

@@ -1,6 +1,8 @@
 """Attention over the paged KV cache: metadata and the pure-PyTorch reference paths.
 
-Cache layout (one layer): `k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]`;
+Cache layout (one layer): `k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]`, in the
+model dtype or (`EngineConfig.kv_cache_dtype = "fp8"`) as e4m3 values with one float32 scale per
+row of `head_dim` values, `k_scale, v_scale [num_blocks, block_size, kv_heads]` (`rollout.ops.quantize_kv`);
 sequence `n`'s position `p` lives at row `block_tables[slots[n], p // block_size] * block_size
 + p % block_size`. A step's new K/V are written into the cache first (`rope_and_cache`), so
 attention always reads the whole context - the cached prefix and the new tokens - from the
@@ -43,13 +45,17 @@ class AttentionMetadata:
     host_context_lens: list[int] | None = None  # prefill: context_lens on the host (reference path)
 
 
-def _gather_context(k_cache, v_cache, block_tables, slots, length: int):
-    """K, V `[N, length, Hkv, D]` of the first `length` positions of each sequence's context."""
+def _gather_context(k_cache, v_cache, block_tables, slots, length: int, k_scale=None, v_scale=None):
+    """K, V `[N, length, Hkv, D]` of the first `length` positions of each sequence's context: as cached, or
+    (an e4m3 cache, `k_scale` / `v_scale [blocks, block_size, Hkv]` given) in float32, each row times its scale."""
     block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     j = torch.arange(length, device=k_cache.device)
     pages = block_tables[slots.long()][:, j // block_size].long()  # [N, length]
     rows = pages * block_size + j % block_size
-    return k_cache.view(-1, hkv, d)[rows], v_cache.view(-1, hkv, d)[rows]
+    k, v = k_cache.view(-1, hkv, d)[rows], v_cache.view(-1, hkv, d)[rows]
+    if k_scale is None:
+        return k, v
+    return (k.float() * k_scale.reshape(-1, hkv)[rows][..., None], v.float() * v_scale.reshape(-1, hkv)[rows][..., None])
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -61,28 +67,29 @@ def _sdpa(q, k, v, mask, scale):
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-    """q `[B, Hq, D]` -> `[B, Hq * D]`."""
+                         scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """q `[B, Hq, D]` -> `[B, Hq * D]` (an e4m3 cache: attention in float32, rounded to q's dtype)."""
     b, hq, d = q.shape
     length = meta.max_context_len
-    k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots, length)
+    k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots, length, k_scale, v_scale)
     valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
-    out = _sdpa(q[:, :, None, :], k, v, valid[:, None, :], scale)
-    return out.reshape(b, hq * d)
+    out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, valid[:, None, :], scale)
+    return out.reshape(b, hq * d).to(q.dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor:
-    """q `[T, Hq, D]` (packed chunks) -> `[T, Hq * D]`, causal over each sequence's cached context."""
+                          scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """q `[T, Hq, D]` (packed chunks) -> `[T, Hq * D]`, causal over each sequence's cached context (an e4m3
+    cache: in float32, rounded to q's dtype)."""
     t, hq, d = q.shape
     out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
     cu, ctx = meta.host_cu_q, meta.host_context_lens
     for n in range(len(ctx)):
         q0, q1, length = cu[n], cu[n + 1], ctx[n]
         m = q1 - q0
-        k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots[n:n + 1], length)
+        k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots[n:n + 1], length, k_scale, v_scale)
         qpos = torch.arange(length - m, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [M, L]
-        o = _sdpa(q[q0:q1].transpose(0, 1)[None], k, v, mask[None], scale)  # [1, Hq, M, D]
+        o = _sdpa(q[q0:q1].transpose(0, 1)[None].to(k.dtype), k, v, mask[None], scale)  # [1, Hq, M, D]
         out[q0:q1] = o[0].transpose(0, 1).reshape(m, hq * d)
     return out

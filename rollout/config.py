@@ -21,6 +21,8 @@ from rollout.parallel import ALL_REDUCE_IMPLS
 
 
 QUANTIZATIONS = ("fp8",)  # `EngineConfig.quantization` besides None (the engine, the trainer, the CLIs)
+KV_CACHE_DTYPES = ("auto", "fp8")  # `EngineConfig.kv_cache_dtype` (vLLM's names)
+KV_FP8_DTYPES = (torch.bfloat16, torch.float32)  # engine dtypes an e4m3 KV cache works with
 
 
 def default_cudagraph_capture_sizes(max_size: int = 512) -> list[int]:
@@ -67,6 +69,11 @@ class EngineConfig:
     tensor at the first generate() after every weight write, activations by the norms and the SiLU
     kernel; `o_proj`, attention, the LM head and sampling stay in `dtype`). Faster and less exact: the
     sampling log-probs move away from the actor's (see rollout correction). None: everything in `dtype`."""
+    kv_cache_dtype: str = "auto"
+    """`fp8`: the KV cache holds e4m3 values, each token's K and V of each KV head with one float32 scale
+    (its largest |value| maps to 448), written by the RoPE / cache-write kernels and read by the
+    attention kernels: half the cache bytes a decode step reads, twice the tokens a pool holds. Less
+    exact (each value within 2^-4 of itself relative). `auto`: the cache in `dtype`."""
     tp_all_reduce: str = "auto"
     """TP > 1: the all-reduce of the layers' outputs. `symm_mem`: through a symmetric-memory
     buffer (CUDA, NVLink peers; no NCCL launch), `nccl`, or `auto` (the first where it can be
@@ -78,6 +85,12 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"EngineConfig.quantization must be None or one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.dtype not in KV_FP8_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype='fp8' needs dtype bfloat16 or float32, got {self.dtype}: the "
+                             f"attention multiplies each probability by its value's scale, which float16 would round "
+                             f"to subnormals")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.block_size < 1:

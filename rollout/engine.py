@@ -60,11 +60,12 @@ class LLMEngine:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len}): a whole prompt has to fit in one step")
-        if config.quantization == "fp8" and self.device.type == "cuda" and \
-                torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError(f"EngineConfig.quantization='fp8' needs e4m3 GEMMs (compute capability 8.9 or later); "
-                             f"{torch.cuda.get_device_name(self.device)} has "
-                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        for key, value, needs in (("quantization", config.quantization, "e4m3 GEMMs"),
+                                  ("kv_cache_dtype", config.kv_cache_dtype, "e4m3 conversions in its kernels")):
+            if value == "fp8" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError(f"EngineConfig.{key}='fp8' needs {needs} (compute capability 8.9 or later); "
+                                 f"{torch.cuda.get_device_name(self.device)} has "
+                                 f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
         self.model = EngineModel(model_args, self.tp, config.dtype, self.device, self.max_model_len,
                                  quantization=config.quantization)
         # The largest all-reduce is a prefill step's [tokens, hidden]; the buffer stops at 64 MiB.

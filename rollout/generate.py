@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from models.args import torch_dtypes
-from rollout.config import QUANTIZATIONS
+from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: qkv, gate/up and down projections as e4m3 GEMMs (EngineConfig.quantization)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8: the KV cache as e4m3 values with a scale per token and head (EngineConfig.kv_cache_dtype)")
     return p.parse_args(argv)
 
 
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                                 eos_token_id=model_eos_ids(model_dir, model_args.eos_token_id))
         config = EngineConfig(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(args.max_num_seqs, args.n),
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                              quantization=args.quantization)
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         raise CLIError(str(e)) from None
     engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)

@@ -359,11 +359,12 @@ class EngineModel:
         return qkv, split_k_splits(rows, h, w.o_w.shape[1], dtype), down
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
-                ops) -> torch.Tensor:
+                ops, kv_scales=None) -> torch.Tensor:
         """Tokens `[T]` at `positions [T]` of the sequences in rows `token_slots [T]` -> final-normed hidden `[T, H]`
         (in a decode step, one token a sequence: `meta.context_lens - 1` and `meta.slots`).
 
-        Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`.
+        Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`: in the model dtype, or
+        (`kv_scales [L, 2, blocks, block_size, Hkv/t]` given) as e4m3 values with those float32 scales.
         """
         if self.fp8_layers and self.fp8_stale:
             raise RuntimeError("the weights changed since quantize_fp8(): the e4m3 projections are stale")
@@ -373,6 +374,7 @@ class EngineModel:
         residual = x_scale = None
         for i, w in enumerate(self.layers):
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             if self.fp8_layers:  # e4m3 qkv from the e4m3 norm (its weight is folded into qkv)
                 q8 = self.fp8_layers[i]
                 h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, x_scale, out_dtype=FP8)
@@ -383,11 +385,12 @@ class EngineModel:
                        else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
-                                         self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b)
+                                         self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b,
+                                         k_scale, v_scale)
             else:
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
-                                       block_tables, self.num_heads, self.num_kv_heads, self.head_dim)
-                o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale)
+                                       block_tables, self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
+                o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale)
             x = self._row_parallel(o, w.o_w, None, ops, o_splits)
             if self.fp8_layers:
                 h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, out_dtype=FP8)

@@ -54,6 +54,14 @@ def quantize_fp8(t: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[tor
     return (f * (FP8_MAX / amax)).to(FP8), amax / FP8_MAX
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows `x [..., D]` for an e4m3 KV cache: e4m3 values and one float32 scale per row `[...]` (its largest
+    |value| maps to 448, `x ~ q * scale`; an all-zero row stays zero). The Triton cache writes compute the same."""
+    f = x.float()
+    amax = f.abs().amax(-1).clamp(min=FP8_TINY)
+    return (f * (FP8_MAX / amax)[..., None]).to(FP8), amax / FP8_MAX
+
+
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """`(x * x_scale) @ (weight * w_scale)^T (+ bias)` in `out_dtype` from e4m3 `x [T, K]`, `weight [N, K]` and
@@ -135,10 +143,12 @@ class TorchOps:
 
     @staticmethod
     def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
-                       num_heads: int, num_kv_heads: int, head_dim: int):
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale=None, v_scale=None):
         """Rotate q and k of `qkv [T, (Hq + 2 Hkv) D]`, write k and v into the cache; return q `[T, Hq, D]`.
 
-        `cos, sin [max_pos, D/2]` in the model dtype (both halves of HF's cos/sin are equal).
+        `cos, sin [max_pos, D/2]` in the model dtype (both halves of HF's cos/sin are equal). With `k_scale`,
+        `v_scale [blocks, block_size, Hkv]` (an e4m3 cache), each head's rotated k and v (in the model dtype)
+        are written as e4m3 values and their scale (`quantize_kv`).
         """
         t = qkv.shape[0]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
@@ -150,28 +160,35 @@ class TorchOps:
         c, s = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         rows = slot_mapping(block_tables, token_slots, positions, k_cache.shape[1])
-        k_cache.view(-1, hkv, d).index_copy_(0, rows, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, rows, v)
+        for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            if scales is not None:  # copied as bytes: index_copy_ has no e4m3 kernel on the CPU
+                x, x_scale = quantize_kv(x)
+                x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+                scales.view(-1, hkv).index_copy_(0, rows, x_scale)
+            cache.view(-1, hkv, d).index_copy_(0, rows, x)
         return q
 
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None):
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None,
+                         k_scale=None, v_scale=None):
         """A decode step's attention from its projections `qkv [B, (Hq + 2 Hkv) D]`: RoPE and the K/V write of
         each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention.
 
         `qkv` may be the projection's split-K products `[S, B, (Hq + 2 Hkv) D]` (float32, `split_k_products`),
-        summed with `qkv_bias` and rounded to the cache's dtype first (`sum_split_k`).
+        summed with `qkv_bias` and rounded to the model dtype (`cos`'s) first (`sum_split_k`).
+        `k_scale`, `v_scale`: an e4m3 cache's scales (`rope_and_cache`).
         """
         if qkv.dim() == 3:
-            qkv = sum_split_k(qkv, k_cache.dtype, qkv_bias)
+            qkv = sum_split_k(qkv, cos.dtype, qkv_bias)
         q = TorchOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables,
-                                    num_heads, num_kv_heads, head_dim)
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
+                                    num_heads, num_kv_heads, head_dim, k_scale, v_scale)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale)
 
     @staticmethod
-    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
-        return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale)
+    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float,
+                          k_scale=None, v_scale=None):
+        return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale)
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,

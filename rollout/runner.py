@@ -48,7 +48,7 @@ from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.block_manager import cdiv
 from rollout.config import EngineConfig
 from rollout.model import EngineModel
-from rollout.ops import get_ops
+from rollout.ops import FP8, get_ops
 from rollout.sampler import Sampler
 from rollout.sequence import ScheduledBatch
 
@@ -121,6 +121,8 @@ class ModelRunner:
         self._parity = torch.zeros(1, dtype=torch.int32, device=device)
 
         self.kv_cache: torch.Tensor | None = None
+        self.kv_fp8 = config.kv_cache_dtype == "fp8"
+        self.kv_scales: torch.Tensor | None = None  # e4m3 cache: one float32 scale per token and KV head
         self.num_blocks = 0
         # (padded rows, the sampler's static truncation) -> graph; temperature and greedy are device values
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -144,21 +146,29 @@ class ModelRunner:
         return get_ops(self.use_triton)
 
     # ------------------------------------------------------------------ KV pool
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return FP8 if self.kv_fp8 else self.model.dtype
+
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of the pool over all layers: K and V, and with an e4m3 cache their float32 scales."""
         m = self.model
-        elem = torch.empty((), dtype=m.dtype).element_size()
-        return m.args.num_hidden_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        per_head = m.head_dim * elem + (4 if self.kv_fp8 else 0)
+        return m.args.num_hidden_layers * 2 * self.block_size * m.num_kv_heads * per_head
 
     def allocate_cache(self, num_blocks: int) -> None:
-        """The pool `[layers, 2, num_blocks + 1, block_size, Hkv/t, D]`; block `num_blocks` is the scratch block."""
+        """The pool `[layers, 2, num_blocks + 1, block_size, Hkv/t, D]` (block `num_blocks` is the scratch block),
+        and with an e4m3 cache its scales `kv_scales [layers, 2, num_blocks + 1, block_size, Hkv/t]` (float32)."""
         m = self.model
-        self.kv_cache = torch.empty(m.args.num_hidden_layers, 2, num_blocks + 1, self.block_size, m.num_kv_heads,
-                                    m.head_dim, dtype=m.dtype, device=self.device)
+        shape = (m.args.num_hidden_layers, 2, num_blocks + 1, self.block_size, m.num_kv_heads)
+        self.kv_cache = torch.empty(*shape, m.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.kv_scales = torch.empty(shape, dtype=torch.float32, device=self.device) if self.kv_fp8 else None
         self.num_blocks = num_blocks
         self.block_tables[self.dummy_slot].fill_(num_blocks)
 
     def free_cache(self) -> None:
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         self.num_blocks = 0
 
     def drop_graphs(self) -> None:
@@ -181,7 +191,7 @@ class ModelRunner:
         """Drop graphs captured over other weight / KV-pool memory than the current one."""
         m = self.model
         key = (m.storage.data_ptr(), m.fp8_storage.data_ptr() if m.fp8_layers else 0, self.kv_cache.data_ptr(),
-               self.num_blocks)
+               self.kv_scales.data_ptr() if self.kv_fp8 else 0, self.num_blocks)
         if key != self._graph_key:
             self.drop_graphs()
             self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
@@ -247,6 +257,8 @@ class ModelRunner:
         if batch.copies:
             c, = host_to_device([np.asarray(batch.copies, dtype=np.int64)], self.device)
             self.kv_cache[:, :, c[:, 1]] = self.kv_cache[:, :, c[:, 0]]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, c[:, 1]] = self.kv_scales[:, :, c[:, 0]]
 
     # ------------------------------------------------------------------ decode
     def _graph_size(self, rows: int) -> int | None:
@@ -292,7 +304,8 @@ class ModelRunner:
         meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=context_lens,
                                  max_context_len=max_context_len, num_splits=self._decode_splits(rows))
         slots_l = slots.long()
-        h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops)
+        h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops,
+                      kv_scales=self.kv_scales)
         logits = m.logits(h)
         tokens, _ = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
                                  self._sample_splits(rows), out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]))
@@ -385,7 +398,8 @@ class ModelRunner:
                                  max_context_len=int(a["ctx"].max()), cu_q=d["cu"], tile_seq=d["tseq"],
                                  tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())
         ids = self._known_ids(d["ids"], d["tslots"]) if batch.num_decode_rows else d["ids"]
-        h = self.model.forward(ids, d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops)
+        h = self.model.forward(ids, d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops,
+                               kv_scales=self.kv_scales)
         if not batch.sample_seqs:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
         return self._sample_prefill(h[d["src"].long()], d)
@@ -476,7 +490,7 @@ class ModelRunner:
                                  tile_start=v["tstart"][:tiles])
         ids = self._known_ids(v["ids"][:tokens], v["tslots"][:tokens])
         h = self.model.forward(ids, v["pos"][:tokens], v["tslots"][:tokens], meta, self.kv_cache,
-                               self.block_tables, self.ops)
+                               self.block_tables, self.ops, kv_scales=self.kv_scales)
         self._pre_h[:tokens].copy_(h)
 
     def _graphed(self, key: tuple, body) -> None:

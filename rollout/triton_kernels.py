@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - depends on the triton version
 
 from models.block_triton import rms_norm_row, rotate_half, silu_mul
 from rollout.attention import PREFILL_TILE, AttentionMetadata
+from rollout.config import KV_FP8_DTYPES
 from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
 
 # ---------------------------------------------------------------------------- launch order
@@ -205,10 +206,21 @@ def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_M
 
 
 @triton.jit
+def _e4m3_scale(amax, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr):
+    """(multiplier, scale) of rows whose largest |value| is `amax` (float32): `rollout.ops.quantize_kv`'s."""
+    amax = tl.maximum(amax, FP8_TINY)
+    return tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax), \
+        tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt, cos_ptr, sin_ptr,
-                       k_cache_ptr, v_cache_ptr,
+                       k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
                        PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, PDL: tl.constexpr):
+                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                       FP8_TINY: tl.constexpr, PDL: tl.constexpr):
+    # KV_FP8: each head's rotated k (in the model dtype) and its v are written as e4m3 values and one
+    # float32 scale (`rollout.ops.quantize_kv`) at `ks_ptr` / `vs_ptr [rows, HKV]`.
     _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -233,11 +245,20 @@ def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt,
     p = base + HQ * D + h * D + i[None, :]
     o1, o2 = rotate_half(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s, c, s)
     dst = row * (HKV * D) + h * D + i[None, :]
-    tl.store(k_cache_ptr + dst, o1, mask=hm)
-    tl.store(k_cache_ptr + dst + HALF, o2, mask=hm)
     d = tl.arange(0, D)[None, :]
     v = tl.load(base + (HQ + HKV) * D + h * D + d, mask=hm)
-    tl.store(v_cache_ptr + row * (HKV * D) + h * D + d, v, mask=hm)
+    if KV_FP8:
+        o1, o2, v = o1.to(tl.float32), o2.to(tl.float32), v.to(tl.float32)
+        k_mul, k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(o1), 1), tl.max(tl.abs(o2), 1)), FP8_MAX, FP8_TINY)
+        v_mul, v_scale = _e4m3_scale(tl.max(tl.abs(v), 1), FP8_MAX, FP8_TINY)
+        o1, o2, v = o1 * k_mul[:, None], o2 * k_mul[:, None], v * v_mul[:, None]
+        hs = tl.arange(0, HKV_P)
+        tl.store(ks_ptr + row * HKV + hs, k_scale, mask=hs < HKV)
+        tl.store(vs_ptr + row * HKV + hs, v_scale, mask=hs < HKV)
+    et = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + dst, o1.to(et), mask=hm)
+    tl.store(k_cache_ptr + dst + HALF, o2.to(et), mask=hm)
+    tl.store(v_cache_ptr + row * (HKV * D) + h * D + d, v.to(et), mask=hm)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -252,28 +273,36 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
-              HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
-    """K and V tiles `[len(n), D]` of one KV head at positions `n` (masked by `nm`), read
-    through the sequence's block table."""
+def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, qk_scale,
+              HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr):
+    """K and V tiles `[len(n), D]` of one KV head at positions `n` (masked by `nm`), read through the
+    sequence's block table, and what the scores and the probabilities are to be multiplied by: `qk_scale`
+    and 1, or (KV_FP8: e4m3 tiles) `qk_scale` times each key's scale and each value's scale `[len(n)]`."""
     page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
-    off = (page * PAGE + n % PAGE)[:, None] * (HKV * D) + kvh * D + d[None, :]
-    return tl.load(k_ptr + off, mask=nm[:, None], other=0.0), tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+    r = page * PAGE + n % PAGE
+    off = r[:, None] * (HKV * D) + kvh * D + d[None, :]
+    k, v = tl.load(k_ptr + off, mask=nm[:, None], other=0.0), tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+    if KV_FP8:
+        return (k, v, tl.load(ks_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :] * qk_scale,
+                tl.load(vs_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :])
+    return k, v, qk_scale, 1.0
 
 
 @triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
-    """Fold one tile of base-2 scores `qk [R, N]` (masked entries -inf) and its values
-    `v [N, D]` into the running row max, exp-sum and unnormalised output."""
+def _online_softmax_step(qk, v, p_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one tile of base-2 scores `qk [R, N]` (masked entries -inf) and its values `v [N, D]`
+    (in the query's dtype) into the running row max, exp-sum and unnormalised output; the
+    probabilities are multiplied by `p_scale` (the values' e4m3 scales, or 1) before the product."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot((p * p_scale).to(v.dtype), v, IEEE)
 
 
 @triton.jit
-def _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale, HKV: tl.constexpr,
-                 D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale,
+                 HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KV_FP8: tl.constexpr, IEEE: tl.constexpr):
     """Queries `q [ROWS, D]` that see every key of positions `[start, end)` of KV head `kvh`: the
     running row max (base 2), exp-sum and unnormalised output over them."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -282,10 +311,11 @@ def _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, q
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
-        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale  # log2 units
+        k, v, k_scale, v_scale = _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
+                                           qk_scale, HKV, D, PAGE, KV_FP8)
+        qk = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale  # log2 units
         qk = tl.where(nm[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
 
 
@@ -304,11 +334,12 @@ def _qkv_load(row, col, mask, stride_s, b_ptr, PARTS: tl.constexpr, HAS_BIAS: tl
 
 
 @triton.jit
-def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, stride_bt,
-                        slots_ptr, ctx_ptr, out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale, num_splits,
-                        HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                        bt_ptr, stride_bt, slots_ptr, ctx_ptr, out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale,
+                        num_splits, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr,
                         IEEE: tl.constexpr, PDL: tl.constexpr):
     # ROPE: the step's token sits at position ctx - 1 of its sequence: every program rotates the
     # query heads of its KV head (`rotate_half`, as `_rope_cache_kernel` does), and the program
@@ -337,7 +368,7 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
         pos = (ctx - 1).to(tl.int64)
         c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
-        dt = k_ptr.dtype.element_ty
+        dt = cos_ptr.dtype.element_ty  # the model dtype
         qc = heads[:, None] * D + i[None, :]
         q1, q2 = rotate_half(_qkv_load(row, qc, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
                              _qkv_load(row, qc + HALF, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
@@ -349,16 +380,27 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
                                  _qkv_load(row, kc + HALF, kc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
                                  c, s, c, s)
             page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
-            dst = (page * PAGE + pos % PAGE) * (HKV * D) + kvh * D
-            tl.store(k_ptr + dst + i[None, :], k1)
-            tl.store(k_ptr + dst + HALF + i[None, :], k2)
+            r = page * PAGE + pos % PAGE
+            dst = r * (HKV * D) + kvh * D
             vc = (HQ + HKV) * D + kvh * D + d
-            tl.store(v_ptr + dst + d, _qkv_load(row, vc, vc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt))
+            v = _qkv_load(row, vc, vc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt)
+            if KV_FP8:  # e4m3 values and one scale per head (`rollout.ops.quantize_kv`)
+                k1, k2, v = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
+                k_mul, k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)),
+                                             FP8_MAX, FP8_TINY)
+                v_mul, v_scale = _e4m3_scale(tl.max(tl.abs(v), 0), FP8_MAX, FP8_TINY)
+                k1, k2, v = k1 * k_mul[:, None], k2 * k_mul[:, None], v * v_mul
+                tl.store(ks_ptr + r * HKV + kvh + tl.zeros([1], tl.int64), k_scale)
+                tl.store(vs_ptr + r * HKV + kvh, v_scale)
+            et = k_ptr.dtype.element_ty
+            tl.store(k_ptr + dst + i[None, :], k1.to(et))
+            tl.store(k_ptr + dst + HALF + i[None, :], k2.to(et))
+            tl.store(v_ptr + dst + d, v.to(et))
             tl.debug_barrier()
     else:
         q = tl.load(row + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-    m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale, HKV, D, PAGE,
-                                 BLOCK_G, BLOCK_N, IEEE)
+    m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d,
+                                 qk_scale, HKV, D, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
     if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -390,9 +432,9 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_spli
 
 
 @triton.jit
-def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx, slot, kvh,
-                    qk_scale, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx,
+                    slot, kvh, qk_scale, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
     # A sequence with one query (a decoding row of a prefill step, or a one-token chunk): the G
     # query heads of KV head `kvh` are the rows of one tile, so its keys are read once, as in
     # `_decode_attn_kernel`. The query is the context's last position: every key is visible.
@@ -402,19 +444,19 @@ def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, 
     heads = kvh * G + g
     row = q0.to(tl.int64)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-    _, l_i, acc = _attend_span(q, k_ptr, v_ptr, bt_ptr, slot, stride_bt, 0, ctx, kvh, d, qk_scale, HKV, D, PAGE,
-                               BLOCK_G, BLOCK_N, IEEE)
+    _, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, 0, ctx, kvh, d, qk_scale,
+                               HKV, D, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=gm[:, None])
 
 
 @triton.jit
-def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
+def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
                          cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
                          HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
     _after_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -427,8 +469,8 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_
     kvh = h // G
     if q_len == 1:  # the program of the first head of each KV head does them all
         if h % G == 0:
-            _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx, slot,
-                            kvh, qk_scale, HKV, G, BLOCK_G, D, PAGE, BLOCK_N, IEEE)
+            _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
+                            q0, ctx, slot, kvh, qk_scale, HKV, G, BLOCK_G, D, PAGE, BLOCK_N, KV_FP8, IEEE)
         return
 
     m = m0 + tl.arange(0, BLOCK_M)
@@ -444,10 +486,11 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, bt_ptr, stride_bt, out_
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
-        k, v = _paged_kv(k_ptr, v_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, HKV, D, PAGE)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        k, v, k_scale, v_scale = _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
+                                           qk_scale, HKV, D, PAGE, KV_FP8)
+        qk = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale
         qk = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mm[:, None])
@@ -671,6 +714,17 @@ def _gemv(x, weight, bias, gated: bool):
     return y
 
 
+def _kv_scales(k_scale, v_scale, k_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale pointers: an e4m3 cache's `k_scale`, `v_scale` (both or neither), else the cache (unread).
+    `dtype`: the model's (`rollout.config.KV_FP8_DTYPES` with an e4m3 cache)."""
+    if k_scale is None and v_scale is None:
+        return k_cache, k_cache
+    if k_scale is None or v_scale is None or k_cache.dtype != FP8 or dtype not in KV_FP8_DTYPES:
+        raise ValueError(f"an e4m3 KV cache needs k_scale and v_scale, an e4m3 cache and a model dtype in "
+                         f"{KV_FP8_DTYPES}; got a {k_cache.dtype} cache, {dtype}")
+    return k_scale, v_scale
+
+
 class TritonOps:
     name = "triton"
 
@@ -734,25 +788,28 @@ class TritonOps:
 
     @staticmethod
     def rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
-                       num_heads: int, num_kv_heads: int, head_dim: int):
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale=None, v_scale=None):
         t = qkv.shape[0]
         if t:
             _rope_cache_kernel[(t,)](qkv, qkv.stride(0), positions, token_slots, block_tables, block_tables.stride(0),
-                                     cos, sin, k_cache, v_cache, PAGE=k_cache.shape[1], HQ=num_heads,
+                                     cos, sin, k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, cos.dtype),
+                                     PAGE=k_cache.shape[1], HQ=num_heads,
                                      HKV=num_kv_heads, D=head_dim, HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
+                                     KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
                                      num_warps=4 if num_heads * head_dim >= 2048 else 2, **_NO_FMA,
                                      **_launch(qkv))
         return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
 
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None):
+                         scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None,
+                         k_scale=None, v_scale=None):
         parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed in the kernel
         b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
         g = hq // hkv
         splits = meta.num_splits
-        out = torch.empty(b, hq * d, dtype=k_cache.dtype, device=qkv.device)
+        out = torch.empty(b, hq * d, dtype=cos.dtype, device=qkv.device)  # the model dtype
         if b == 0:
             return out
         # RoPE and the K/V write inside the attention kernel when a sequence has one split (many
@@ -762,7 +819,8 @@ class TritonOps:
         if parts and not rope:
             raise ValueError("decode attention takes split-K qkv products only with one split a sequence")
         if not rope:
-            TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d)
+            TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d,
+                                     k_scale, v_scale)
         block_n = 64 if d <= 64 else 32
         if splits > 1:
             part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qkv.device)
@@ -771,11 +829,12 @@ class TritonOps:
             part_o = part_lse = out  # unused
         _decode_attn_kernel[(b, hkv, splits)](
             qkv, qkv.stride(-2), qkv.stride(0) if parts else 0, qkv_bias if qkv_bias is not None else qkv, cos, sin,
-            k_cache, v_cache, block_tables, block_tables.stride(0), meta.slots, meta.context_lens, out, out.stride(0),
-            part_o, part_lse, scale * 1.4426950408889634, splits,
+            k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, cos.dtype), block_tables, block_tables.stride(0), meta.slots,
+            meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
             SPLIT=splits > 1, ROPE=rope, PARTS=parts, HAS_BIAS=parts > 0 and qkv_bias is not None,
-            IEEE=k_cache.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}), **_launch(qkv))
+            KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
+            IEEE=cos.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}), **_launch(qkv))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
                                            S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,
@@ -783,7 +842,8 @@ class TritonOps:
         return out
 
     @staticmethod
-    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float):
+    def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float,
+                          k_scale=None, v_scale=None):
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
@@ -793,10 +853,12 @@ class TritonOps:
         fp32 = q.dtype == torch.float32
         block_n = 32 if fp32 and d > 64 else 64
         _prefill_attn_kernel[(num_tiles, hq)](
-            q, q.stride(0), k_cache, v_cache, block_tables, block_tables.stride(0), out, out.stride(0),
+            q, q.stride(0), k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, q.dtype), block_tables,
+            block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
             HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, PAGE=k_cache.shape[1],
-            BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, IEEE=fp32, num_warps=4, **_launch(q))
+            BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, KV_FP8=k_scale is not None, IEEE=fp32, num_warps=4,
+            **_launch(q))
         return out
 
     @staticmethod

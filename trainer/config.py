@@ -17,7 +17,7 @@ from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
-from rollout.config import QUANTIZATIONS
+from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
 
@@ -198,6 +198,10 @@ class RolloutConfig:
                                          "quantized after every reshard); faster, and its log-probs move away from "
                                          "the actor's (pair with algorithm.rollout_correction). null: all in dtype",
                                    choices=(None, *QUANTIZATIONS))
+    kv_cache_dtype: str = opt("auto", "fp8: the engine's KV cache as e4m3 values with one float32 scale per token and "
+                                      "KV head (half the bytes a decode step reads, twice the tokens the pool holds; "
+                                      "its log-probs move away from the actor's). auto: the cache in dtype",
+                              choices=KV_CACHE_DTYPES)
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
@@ -540,9 +544,16 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if rollout.free_engine_weights and not rollout.free_cache_engine:
         raise ConfigError("actor_rollout_ref.rollout.free_engine_weights=true needs free_cache_engine=true "
                           "(it releases the engine's weights and graphs in addition to its KV cache)")
-    if rollout.free_engine_weights and rollout.name != "native":
-        raise ConfigError(f"actor_rollout_ref.rollout.free_engine_weights=true needs rollout.name=native: "
-                          f"rollout.name={rollout.name} generates with the training model, there is no engine")
+    for key, value, off in (("free_engine_weights", rollout.free_engine_weights, False),
+                            ("quantization", rollout.quantization, None),
+                            ("kv_cache_dtype", rollout.kv_cache_dtype, "auto")):
+        if value != off and rollout.name != "native":
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={'true' if value is True else value} needs "
+                              f"rollout.name=native: "
+                              f"rollout.name={rollout.name} generates with the training model, there is no engine")
+    if rollout.kv_cache_dtype == "fp8" and rollout.dtype == "float16":
+        raise ConfigError("actor_rollout_ref.rollout.kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32, "
+                          "not float16 (the attention would round probability x scale products to subnormals)")
     if cfg.uses_critic:
         critic = cfg.critic
         cmini = critic.ppo_mini_batch_size

@@ -150,6 +150,7 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
                       max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                       enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=r.max_model_len,
                       enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
-                      free_cache_engine=r.free_cache_engine, quantization=r.quantization)
+                      free_cache_engine=r.free_cache_engine, quantization=r.quantization,
+                      kv_cache_dtype=r.kv_cache_dtype)
     tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
     return LLMEngine(models.actor_args, ec, tp_mesh=tp_mesh, device=ctx.device)

@@ -36,6 +36,15 @@ def test_step_bytes_counts_fp8_projections_at_one_byte():
     assert step_bytes(plain, 3, 10)[0] - step_bytes(fp8, 3, 10)[0] == 3 * projections  # 4 bytes -> 1
 
 
+def test_step_bytes_counts_an_e4m3_cache_with_its_scales():
+    # 3 rows x 10 tokens of context, per layer, K and V, KV head: D float32 values, or D e4m3 bytes and a scale
+    args = tiny_args("qwen2")
+    plain = LLMEngine(args, EngineConfig(dtype=torch.float32, num_kv_blocks=8), device="cpu")
+    kv8 = LLMEngine(args, EngineConfig(dtype=torch.float32, num_kv_blocks=8, kv_cache_dtype="fp8"), device="cpu")
+    rows = 3 * 10 * args.num_hidden_layers * 2 * args.num_key_value_heads
+    assert step_bytes(plain, 3, 10)[0] - step_bytes(kv8, 3, 10)[0] == rows * (4 * args.head_dim - (args.head_dim + 4))
+
+
 def test_eos_ids_spread_over_the_vocabulary():
     v = 151936
     ids = eos_ids(v, 256)
@@ -73,11 +82,13 @@ def test_step_trend_reads_the_cost_of_context():
 def test_engine_options_reach_the_engine_config():
     """`--prefill-graph-max-tokens` and the other engine flags land in the EngineConfig; unset, the engine's default."""
     args = argparse.Namespace(gpu_memory_utilization=0.7, enforce_eager=True, tp_all_reduce="nccl",
-                              capture_sizes=[1, 8], prefill_graph_max_tokens=None, quantization=None)
+                              capture_sizes=[1, 8], prefill_graph_max_tokens=None, quantization=None,
+                              kv_cache_dtype="auto")
     c = engine_config(256, 384, args)
     assert c.prefill_graph_max_tokens == EngineConfig().prefill_graph_max_tokens == 2048
-    assert c.quantization is None
+    assert c.quantization is None and c.kv_cache_dtype == "auto"
     assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "quantization": "fp8"})).quantization == "fp8"
+    assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "kv_cache_dtype": "fp8"})).kv_cache_dtype == "fp8"
     assert (c.max_num_seqs, c.max_model_len, c.gpu_memory_utilization, c.enforce_eager, c.tp_all_reduce,
             c.cudagraph_capture_sizes, c.free_cache_engine) == (256, 384, 0.7, True, "nccl", [1, 8], False)
     for cap in (0, 8192):

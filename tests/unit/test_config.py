@@ -97,6 +97,13 @@ def test_bad_overrides_name_the_problem(override, message):
      "free_engine_weights=true needs free_cache_engine=true"),
     (["actor_rollout_ref.rollout.free_engine_weights=true", "actor_rollout_ref.rollout.name=hf"],
      "free_engine_weights=true needs rollout.name=native"),
+    # engine options with no engine, and an e4m3 KV cache under a float16 engine
+    (["actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"],
+     "rollout.quantization=fp8 needs rollout.name=native"),
+    (["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.name=hf"],
+     "rollout.kv_cache_dtype=fp8 needs rollout.name=native"),
+    (["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.dtype=float16"],
+     "kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:

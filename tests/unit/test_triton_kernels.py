@@ -12,7 +12,7 @@ from __future__ import annotations
 from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rms_norm_fp8", "silu_and_mul_fp8", "rope_and_cache", "decode_attention",
-          "prefill_attention", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
+          "prefill_attention", "kv_cache_fp8", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
           "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io"]
 
 
@@ -283,6 +283,76 @@ def _checks() -> dict:
             ref = TorchOps.prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
             errs.append(close(TritonOps.prefill_attention(q, k_cache, v_cache, bt, meta, d ** -0.5), ref, tol))
         return max(errs)
+
+    def kv_cache_fp8():
+        # The e4m3 KV cache (float32 engine): the RoPE / cache-write kernel and the fused decode write against
+        # `quantize_kv` (scales to float32 noise, values within one e4m3 step, the interpreter's dropped carries
+        # aside); decode (fused and split) and prefill attention against the reference over the cache the kernel
+        # wrote (every row times its scale)
+        from models import ModelArgs
+        from models.transformer import rope_cos_sin, rope_inv_freq
+        from rollout.ops import quantize_kv
+
+        hq, hkv, d = 4, 2, 16
+        args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
+        cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(256), torch.float32)
+        cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+
+        def fp8_pool(lengths, num_blocks=40):
+            k, v, bt, slots = paged_setup(torch.float32, hkv, d, lengths, num_blocks=num_blocks)
+            (k8, ks), (v8, vs) = quantize_kv(k * 3), quantize_kv(v)
+            return [k8, v8, ks, vs], bt, slots
+
+        errs, ulps = [], []
+
+        def same_cache(tri, ref):
+            ulps.extend([e4m3_ulps(tri[0], ref[0]), e4m3_ulps(tri[1], ref[1])])
+            errs.extend([close(tri[2] / ref[2].clamp(min=1e-30), torch.ones_like(ref[2]), 1e-6),
+                         close(tri[3] / ref[3].clamp(min=1e-30), torch.ones_like(ref[3]), 1e-6)])
+            assert ulps[-1] <= 1 and ulps[-2] <= 1, ulps[-2:]
+
+        pool, bt, _ = fp8_pool([20, 20])
+        qkv = torch.randn(7, (hq + 2 * hkv) * d) * 2
+        positions = torch.tensor([0, 5, 19, 3, 4, 17, 9], dtype=torch.int32)
+        token_slots = torch.tensor([2, 2, 2, 1, 1, 1, 2], dtype=torch.int32)
+        ref, tri = [t.clone() for t in pool], [t.clone() for t in pool]
+        q_ref = TorchOps.rope_and_cache(qkv.clone(), positions, token_slots, cos, sin, ref[0], ref[1], bt, hq, hkv, d,
+                                        ref[2], ref[3])
+        q_tri = TritonOps.rope_and_cache(qkv.clone(), positions, token_slots, cos, sin, tri[0], tri[1], bt, hq, hkv, d,
+                                         tri[2], tri[3])
+        errs.append(close(q_tri, q_ref, 1e-6))
+        same_cache(tri, ref)
+        assert not torch.equal(tri[2], pool[2])  # the scales were written
+
+        lengths = [1, 9, 33, 16]
+        pool, bt, slots = fp8_pool(lengths)
+        qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d) * 2
+        for splits in (1, 3):
+            meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=torch.tensor(lengths, dtype=torch.int32),
+                                     max_context_len=max(lengths), num_splits=splits)
+            pos = meta.context_lens - 1
+            ref, tri = [t.clone() for t in pool], [t.clone() for t in pool]
+            q = TorchOps.rope_and_cache(qkv.clone(), pos, slots, cos, sin, ref[0], ref[1], bt, hq, hkv, d, ref[2], ref[3])
+            out = TritonOps.decode_attention(qkv.clone(), pos, cos, sin, tri[0], tri[1], bt, meta, d ** -0.5, hq, hkv, d,
+                                             None, tri[2], tri[3])
+            same_cache(tri, ref)
+            errs.append(close(out, decode_attention_ref(q, tri[0], tri[1], bt, meta, d ** -0.5, tri[2], tri[3]), 2e-5))
+
+        starts, q_lens = [0, 7, 3, 150], [PREFILL_TILE + 5, 1, 12, 1]
+        ctx = [s + n for s, n in zip(starts, q_lens)]
+        pool, bt, slots = fp8_pool(ctx, num_blocks=96)
+        cu, tiles = [0], []
+        for i, n in enumerate(q_lens):
+            cu.append(cu[-1] + n)
+            tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
+                                 cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
+                                 tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
+        q = torch.randn(cu[-1], hq, d)
+        errs.append(close(TritonOps.prefill_attention(q, *pool[:2], bt, meta, d ** -0.5, *pool[2:]),
+                          TorchOps.prefill_attention(q, *pool[:2], bt, meta, d ** -0.5, *pool[2:]), 2e-5))
+        return max(errs + ulps)
 
     def sample_partials():
         r, v = 4, 2100
