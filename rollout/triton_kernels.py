@@ -283,9 +283,12 @@ def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh,
     off = r[:, None] * (HKV * D) + kvh * D + d[None, :]
     k, v = tl.load(k_ptr + off, mask=nm[:, None], other=0.0), tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
     if KV_FP8:
-        return (k, v, tl.load(ks_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :] * qk_scale,
-                tl.load(vs_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :])
-    return k, v, qk_scale, 1.0
+        k_scale = tl.load(ks_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :] * qk_scale
+        v_scale = tl.load(vs_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :]
+    else:
+        k_scale = qk_scale
+        v_scale = 1.0
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
