@@ -717,6 +717,11 @@ def _gemv(x, weight, bias, gated: bool):
     return y
 
 
+def decode_block_n(head_dim: int, kv_fp8: bool) -> int:
+    """Keys per tile of the decode attention (one tile of K and one of V per loop step)."""
+    return 64 if head_dim <= 64 else 32
+
+
 def _kv_scales(k_scale, v_scale, k_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' scale pointers: an e4m3 cache's `k_scale`, `v_scale` (both or neither), else the cache (unread).
     `dtype`: the model's (`rollout.config.KV_FP8_DTYPES` with an e4m3 cache)."""
@@ -824,7 +829,7 @@ class TritonOps:
         if not rope:
             TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d,
                                      k_scale, v_scale)
-        block_n = 64 if d <= 64 else 32
+        block_n = decode_block_n(d, k_scale is not None)
         if splits > 1:
             part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qkv.device)
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=qkv.device)

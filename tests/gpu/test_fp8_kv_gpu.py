@@ -105,7 +105,7 @@ def test_kv_fp8_engine_graphs_equal_eager_and_match_rounded_kv(monkeypatch):
     model = _gpu_model("qwen2")
     prompts = prompts_of([5, 40, 3, 17, 90, 12, 8, 33] * 2, seed=4)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=2, ignore_eos=True)
-    cfg = dict(device=DEV, block_size=16, num_kv_blocks=128, kv_cache_dtype="fp8")
+    cfg = dict(device=DEV, block_size=16, num_kv_blocks=128, kv_cache_dtype="fp8", free_cache_engine=False)
     graph, eager = make_engine(model, **cfg), make_engine(model, enforce_eager=True, **cfg)
     a, b = graph.generate(prompts, params), eager.generate(prompts, params)
     assert graph.runner.use_triton and graph.runner.graphs and not eager.runner.graphs
