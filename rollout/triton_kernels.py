@@ -9,7 +9,9 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 * `rms_norm`: residual add + RMSNorm in one pass.
 * `silu_and_mul`: the gated MLP activation.
 * `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache
-  (prefill steps).
+  (prefill steps); with an e4m3 cache (`EngineConfig.kv_cache_dtype = "fp8"`) each row of K
+  and V is written as e4m3 values and one float32 scale, which the attention kernels apply to
+  the scores and to the probabilities.
 * `decode_attention`: RoPE on the step's q and k, the K/V write, and split-K flash decoding
   over the paged cache (one kernel when each sequence has one split, else after
   `rope_and_cache`); one program per (sequence, KV head, split) computes all query heads of
@@ -717,11 +719,6 @@ def _gemv(x, weight, bias, gated: bool):
     return y
 
 
-def decode_block_n(head_dim: int, kv_fp8: bool) -> int:
-    """Keys per tile of the decode attention (one tile of K and one of V per loop step)."""
-    return 64 if head_dim <= 64 else 32
-
-
 def _kv_scales(k_scale, v_scale, k_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' scale pointers: an e4m3 cache's `k_scale`, `v_scale` (both or neither), else the cache (unread).
     `dtype`: the model's (`rollout.config.KV_FP8_DTYPES` with an e4m3 cache)."""
@@ -829,7 +826,8 @@ class TritonOps:
         if not rope:
             TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d,
                                      k_scale, v_scale)
-        block_n = decode_block_n(d, k_scale is not None)
+        # keys a tile; with an e4m3 cache too (16, 64 and 128 were slower at 1.5b: BENCHMARKS.md, "Nineteenth pass")
+        block_n = 64 if d <= 64 else 32
         if splits > 1:
             part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qkv.device)
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=qkv.device)
