@@ -1,10 +1,18 @@
-"""Run Triton kernel checks on CPU under `TRITON_INTERPRET=1`, in a child process.
+"""Run Triton kernel checks on CPU under `TRITON_INTERPRET=1`, in a child process, and compile
+every kernel launch they made for a Hopper GPU.
 
 The variable must be set before triton is imported and changes every later `@triton.jit` in
 the process, so a test file runs itself as a script in a child (`report(__file__)`), the
 child runs its checks (`main(checks)`) and prints a JSON report, and the tests read it
 (`tests(__file__, CHECKS)`: one test per check, one child run per file): nothing leaks into the
 pytest process.
+
+The interpreter runs a kernel's Python, not Triton's compiler: a kernel that the compiler
+rejects (the return types of two branches of a `constexpr` if disagree, say) passes every
+interpreter check and fails on the GPU. So the child also records each distinct launch (kernel,
+argument types, `constexpr` values, options), and a second child, without the interpreter,
+compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed), with
+programmatic dependent launch on as on Hopper.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ def report(test_file: str) -> dict:
 
 def tests(test_file: str, checks: list[str]):
     """The pytest side of a file's checks, to bind at module level:
-    `interpreter_report, test_x = interpreter.tests(__file__, CHECKS)` (a module-scoped fixture
-    running the child once, and one test per check that fails with the check's error)."""
+    `interpreter_report, test_x, test_compiles = interpreter.tests(__file__, CHECKS)` (a module-scoped
+    fixture running the child once, one test per check that fails with the check's error, and one
+    that compiles every launch the checks made for sm_90)."""
     import pytest
 
     @pytest.fixture(scope="module")
@@ -48,17 +57,113 @@ def tests(test_file: str, checks: list[str]):
         result = interpreter_report[check]
         assert result["ok"], result.get("error")
 
-    return interpreter_report, test_check
+    def test_launches_compile_for_hopper(interpreter_report):
+        launches = interpreter_report[_LAUNCHES]
+        assert launches, "the checks launched no kernel"
+        failures = compile_report(launches)
+        assert not failures, "\n\n".join(failures)
+
+    return interpreter_report, test_check, test_launches_compile_for_hopper
+
+
+_LAUNCHES = "__launches__"
+_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
+                 "float8_e5m2": "fp8e5", "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8",
+                 "uint8": "u8", "bool": "i1"}
+
+
+def _launch_entry(fn, arg_names, args, kwargs) -> dict | None:
+    """What compiles one launch: the kernel's module and name, each argument's Triton type (or `constexpr`
+    and its value), the compile options. None for a kernel that is not importable by module and name."""
+    import inspect
+
+    import torch
+
+    if fn.__module__ == "__main__":
+        return None
+    params = inspect.signature(fn).parameters
+    bound = {**dict(zip(arg_names, args)), **{k: v for k, v in kwargs.items() if k in params}}
+    signature, constexprs = {}, {}
+    for name in arg_names:
+        value = bound.get(name, params[name].default)
+        if "constexpr" in str(params[name].annotation) or value is None:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[str(value.dtype).removeprefix("torch.")]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
+    if "PDL" in constexprs:
+        constexprs["PDL"] = True  # as launched on Hopper
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
+            "options": options}
+
+
+def _record_launches(launches: dict) -> None:
+    """Record each distinct launch of an interpreted kernel into `launches` (key: its JSON)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        entry = _launch_entry(self.fn, self.arg_names, args, kwargs)
+        if entry is not None:
+            launches.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+
+
+def compile_report(launches: list[dict]) -> list[str]:
+    """Compile `launches` for sm_90 in a child without the interpreter; the failures, one message each."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", "from tests.interpreter import compile_main; compile_main()"],
+                          input=json.dumps(launches), capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(_MARKER)]
+    assert proc.returncode == 0 and lines, f"compile run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len(_MARKER):])
+
+
+def compile_main() -> None:
+    """In the compile child: each launch from stdin through `triton.compile` for sm_90; print the failures."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    target, failures = GPUTarget("cuda", 90, 32), []
+    for e in json.loads(sys.stdin.read()):
+        kernel = getattr(importlib.import_module(e["module"]), e["name"])
+        names = list(e["signature"])
+        src = ASTSource(fn=kernel, signature=e["signature"],
+                        constexprs={(names.index(k),): v for k, v in e["constexprs"].items()})
+        try:
+            triton.compile(src, target=target, options=e["options"])
+        except Exception as exc:  # reported to the parent test
+            failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: {type(exc).__name__}: {exc}"[:4000])
+    print(_MARKER + json.dumps(failures), flush=True)
 
 
 def main(checks: dict) -> None:
-    """In the child: run each named check (returns its max error) and print the report."""
+    """In the child: run each named check (returns its max error), recording the kernel launches, and print
+    the report."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    out = {}
+    out, launches = {}, {}
+    _record_launches(launches)
     for name, check in checks.items():
         t0 = time.perf_counter()
         try:
             out[name] = {"ok": True, "err": check(), "s": time.perf_counter() - t0}
         except Exception as e:  # reported to the parent test
             out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    out[_LAUNCHES] = list(launches.values())
     print(_MARKER + json.dumps(out), flush=True)

@@ -116,22 +116,25 @@ def _fp8_body(rank, world_size, assets, run_root):
 
     ctx = init_distributed("cpu")
     gaps = {}
-    for quant in ("null", "fp8"):
-        trainer = PPOTrainer(_config(assets, run_root, f"q_{quant}", f"actor_rollout_ref.rollout.quantization={quant}",
+    for quant, kv in (("null", "auto"), ("fp8", "auto"), ("null", "fp8")):
+        trainer = PPOTrainer(_config(assets, run_root, f"q_{quant}_{kv}", f"actor_rollout_ref.rollout.quantization={quant}",
+                                     f"actor_rollout_ref.rollout.kv_cache_dtype={kv}",
                                      "algorithm.rollout_correction.rollout_is=token"), ctx)
         metrics = [trainer.step() for _ in range(2)]
         assert bool(trainer.engine.model.fp8_layers) == (quant == "fp8")
+        assert trainer.engine.runner.kv_fp8 == (kv == "fp8")
         if quant == "fp8":  # every reshard wrote new weights: each step's generate quantized them again
             assert trainer.engine.last_stats["quantize_s"] > 0 and not trainer.engine.model.fp8_stale
-        gaps[quant] = [m["rollout/logprob_diff"] for m in metrics]
+        gaps[quant, kv] = [m["rollout/logprob_diff"] for m in metrics]
         assert all(m["rollout_corr/rollout_is_mean"] > 0 for m in metrics)
-    # the e4m3 engine samples from another distribution than the actor's, the fp32 one from the same (mean
-    # |gaps| measured: 1.1e-3 and 3e-8)
-    assert max(gaps["null"]) < 1e-6 and min(gaps["fp8"]) > 1e-4, gaps
+    # the e4m3 engines sample from another distribution than the actor's, the fp32 one from the same (mean
+    # |gaps| measured: fp8 projections 1.1e-3, e4m3 cache GAP_KV, fp32 3e-8)
+    assert max(gaps["null", "auto"]) < 1e-6 and min(gaps["fp8", "auto"]) > 1e-4 and min(gaps["null", "fp8"]) > 1e-4, gaps
 
 
 def test_fp8_rollout_in_the_trainer(tiny_assets, tmp_path):
     """`actor_rollout_ref.rollout.quantization=fp8` reaches the engine, is requantized after every reshard, and
-    its log-probs differ from the actor's recomputed ones (which rollout correction then weighs)."""
+    its log-probs differ from the actor's recomputed ones (which rollout correction then weighs); so does
+    `kv_cache_dtype=fp8` (an e4m3 KV cache)."""
     (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
     run_distributed(_fp8_body, 2, str(tiny_assets), str(tmp_path), timeout=600)

@@ -294,7 +294,8 @@ def _checks(bf16: bool = True) -> dict:
     return {name: scope[name] for name in CHECKS}
 
 
-interpreter_report, test_fused_op_matches_float64_under_interpreter = interpreter.tests(__file__, CHECKS)
+interpreter_report, test_fused_op_matches_float64_under_interpreter, test_fused_op_kernels_compile_for_hopper = \
+    interpreter.tests(__file__, CHECKS)
 
 
 # ---------------------------------------------------------------------------- the path choice

@@ -137,7 +137,8 @@ def _checks() -> dict:
     return {name: scope[name] for name in CHECKS}
 
 
-interpreter_report, test_lm_head_kernel_matches_torch_under_interpreter = interpreter.tests(__file__, CHECKS)
+interpreter_report, test_lm_head_kernel_matches_torch_under_interpreter, test_lm_head_kernels_compile_for_hopper = \
+    interpreter.tests(__file__, CHECKS)
 
 
 def test_path_choice(monkeypatch):

@@ -558,7 +558,8 @@ def _checks() -> dict:
     return {name: scope[name] for name in CHECKS}
 
 
-interpreter_report, test_triton_kernel_matches_torch_under_interpreter = interpreter.tests(__file__, CHECKS)
+interpreter_report, test_triton_kernel_matches_torch_under_interpreter, test_engine_kernels_compile_for_hopper = \
+    interpreter.tests(__file__, CHECKS)
 
 
 if __name__ == "__main__":
