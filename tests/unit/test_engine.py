@@ -322,16 +322,17 @@ def test_cli_generate(tmp_path, capsys):
         assert len(x["logprobs"]) == 6 and x["finish_reason"] == "length"
         assert x["text"] == " ".join(f"w{t}" for t in x["token_ids"])
 
-    # --quantization fp8 reaches the engine: its samples are those of an fp8 engine on the same weights
-    fp8_out = tmp_path / "fp8.jsonl"
-    assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(fp8_out), "--max-new-tokens", "6",
-                 "--temperature", "0", "--dtype", "float32", "--quantization", "fp8"]) == 0
-    fp8 = make_engine(model, quantization="fp8")
-    expect = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
-    got = [json.loads(x) for x in fp8_out.read_text().splitlines()]
-    assert [x["token_ids"] for x in got] == [o.token_ids for o in expect]
-    assert [x["logprobs"] for x in got] == [o.logprobs for o in expect]
-    assert [x["logprobs"] for x in got] != [x["logprobs"] for x in lines if x["sample_index"] == 0]
+    # --quantization fp8 and --kv-cache-dtype fp8 reach the engine: its samples are those of such an engine on
+    # the same weights
+    for flag, cfg in (("--quantization", {"quantization": "fp8"}), ("--kv-cache-dtype", {"kv_cache_dtype": "fp8"})):
+        fp8_out = tmp_path / "fp8.jsonl"
+        assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(fp8_out), "--max-new-tokens", "6",
+                     "--temperature", "0", "--dtype", "float32", flag, "fp8"]) == 0
+        expect = make_engine(model, **cfg).generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+        got = [json.loads(x) for x in fp8_out.read_text().splitlines()]
+        assert [x["token_ids"] for x in got] == [o.token_ids for o in expect]
+        assert [x["logprobs"] for x in got] == [o.logprobs for o in expect]
+        assert [x["logprobs"] for x in got] != [x["logprobs"] for x in lines if x["sample_index"] == 0]
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt_token_ids": [1]}) + "\n{not json\n")
