@@ -44,6 +44,32 @@ class AttentionMetadata:
     host_cu_q: list[int] | None = None  # prefill: cu_q on the host (reference path)
     host_context_lens: list[int] | None = None  # prefill: context_lens on the host (reference path)
 
+    @classmethod
+    def prefill(cls, slots: torch.Tensor, q_lens: list[int], context_lens: list[int]) -> "AttentionMetadata":
+        """A prefill step's metadata from host lists: sequence n (block-table row `slots[n]`) has `q_lens[n]`
+        queries, the last `q_lens[n]` positions of its `context_lens[n]`; tensors on `slots`' device."""
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=slots.device)
+
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        tile_seq, tile_start = prefill_tiles(q_lens)
+        return cls(is_decode=False, slots=slots, context_lens=i32(context_lens), max_context_len=max(context_lens),
+                   cu_q=i32(cu), tile_seq=i32(tile_seq), tile_start=i32(tile_start), host_cu_q=cu,
+                   host_context_lens=list(context_lens))
+
+
+def prefill_tiles(q_lens) -> tuple[list[int], list[int]]:
+    """The query tiles of a prefill step whose sequences have `q_lens` queries: each tile's sequence and first
+    query row within it (`PREFILL_TILE` rows a tile)."""
+    tile_seq, tile_start = [], []
+    for i, n in enumerate(q_lens):
+        for t0 in range(0, n, PREFILL_TILE):
+            tile_seq.append(i)
+            tile_start.append(t0)
+    return tile_seq, tile_start
+
 
 def _gather_context(k_cache, v_cache, block_tables, slots, length: int, k_scale=None, v_scale=None):
     """K, V `[N, length, Hkv, D]` of the first `length` positions of each sequence's context: as cached, or

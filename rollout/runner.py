@@ -44,7 +44,7 @@ import torch
 
 from models.transfer import host_to_device
 from models.triton_support import triton_usable
-from rollout.attention import PREFILL_TILE, AttentionMetadata
+from rollout.attention import PREFILL_TILE, AttentionMetadata, prefill_tiles
 from rollout.block_manager import cdiv
 from rollout.config import EngineConfig
 from rollout.model import EngineModel
@@ -364,14 +364,12 @@ class ModelRunner:
         """The int32 inputs of a prefill step, by their names in the padded layout."""
         ids: list[int] = []
         cu = [0]
-        ctx, tile_seq, tile_start = [], [], []
-        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.chunk_lens)):
+        ctx = []
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.chunk_lens):
             ids.extend(seq.token_ids[start:start + n])
             cu.append(cu[-1] + n)
             ctx.append(start + n)
-            for t0 in range(0, n, PREFILL_TILE):
-                tile_seq.append(i)
-                tile_start.append(t0)
+        tile_seq, tile_start = prefill_tiles(batch.chunk_lens)
         starts = np.asarray(batch.starts, dtype=np.int32)
         lens = np.asarray(batch.chunk_lens, dtype=np.int32)
         slots = np.asarray(batch.slots, dtype=np.int32)

@@ -118,18 +118,8 @@ def test_prefill_attention_kernel(dtype, hq, hkv, d):
     starts, q_lens = [0, 0, 100, 31, 500], [128, 1, 37, 2 * PREFILL_TILE + 3, 1]  # fresh, tiny, chunk, long, decode
     ctx = [s + n for s, n in zip(starts, q_lens)]
     k, v, bt, slots = _paged(dtype, hkv, d, ctx)
-    cu, tiles = [0], []
-    for i, n in enumerate(q_lens):
-        cu.append(cu[-1] + n)
-        tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
-
-    def i32(x):
-        return torch.tensor(x, dtype=torch.int32, device=DEV)
-
-    meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                             cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
-                             tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
-    q = torch.randn(cu[-1], hq, d, device=DEV).to(dtype)
+    meta = AttentionMetadata.prefill(slots, q_lens, ctx)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV).to(dtype)
     ref = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
     assert _rel(T.prefill_attention(q, k, v, bt, meta, d ** -0.5), ref) < TOL[dtype]
 

@@ -83,18 +83,26 @@ def test_fp8_engine_gemms_on_hardware_and_graphs_equal_eager():
     assert _errors_against(model, a).mean().item() > 0.03  # e4m3 is really applied
 
 
-def test_fp8_qwen_shape_accuracy():
-    """qwen2.5-0.5b's shape in bf16 with e4m3 projections: how far its log-probs are from the float32 model's."""
+def qwen_shape_model():
+    """qwen2.5-0.5b's shape with random weights of std 0.06 (logits far from uniform), float32, on the GPU."""
     from bench.common import model_args
     from models import Transformer
-    from rollout import EngineConfig, LLMEngine
 
     args = model_args("qwen2.5-0.5b", max_position_embeddings=256)
     ref32 = Transformer.build(args, device=DEV, dtype=torch.float32, seed=0)
     with torch.no_grad():
         for n, p in ref32.named_parameters():
             if "norm" not in n:
-                p.mul_(3)  # std 0.06: logits far from uniform
+                p.mul_(3)
+    return args, ref32
+
+
+def test_fp8_qwen_shape_accuracy():
+    """qwen2.5-0.5b's shape in bf16 with e4m3 projections: how far its log-probs are from the float32 model's."""
+    from models import Transformer
+    from rollout import EngineConfig, LLMEngine
+
+    args, ref32 = qwen_shape_model()
     ref16 = Transformer.build(args, device=DEV, dtype=torch.bfloat16)
     ref16.load_state_dict(ref32.state_dict())
     prompts = prompts_of([16] * 8, seed=7)

@@ -12,7 +12,7 @@ from rollout import SamplingParams  # noqa: E402
 from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref  # noqa: E402
 from rollout.ops import FP8, TorchOps, quantize_kv  # noqa: E402
 from tests.gpu.test_engine_gpu import _gpu_model, _logprob_errors, _rel  # noqa: E402
-from tests.gpu.test_fp8_gpu import _e4m3_steps  # noqa: E402
+from tests.gpu.test_fp8_gpu import _e4m3_steps, qwen_shape_model  # noqa: E402
 from tests.unit.test_engine import make_engine, prompts_of  # noqa: E402
 from tests.unit.test_fp8_rollout import _logprob_errors as _errors_against  # noqa: E402
 
@@ -83,14 +83,7 @@ def test_kv_fp8_kernels_on_hardware():
     q = TritonOps.rope_and_cache(qkv.clone(), positions, token_slots, cos, sin, tri[0], tri[1], bt, hq, hkv, d,
                                  tri[2], tri[3])
     _same_cache(tri, ref)
-    cu, tiles = [0], []
-    for i, n in enumerate(q_lens):
-        cu.append(cu[-1] + n)
-        tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEV)  # noqa: E731
-    meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                             cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]), tile_start=i32([b for _, b in tiles]),
-                             host_cu_q=cu, host_context_lens=ctx)
+    meta = AttentionMetadata.prefill(slots, q_lens, ctx)
     out = TritonOps.prefill_attention(q, *tri[:2], bt, meta, d ** -0.5, *tri[2:])
     expect = TorchOps.prefill_attention(q.float(), *tri[:2], bt, meta, d ** -0.5, *tri[2:])
     assert _rel(out, expect) < 2 ** -8
@@ -124,16 +117,9 @@ def test_kv_fp8_engine_graphs_equal_eager_and_match_rounded_kv(monkeypatch):
 def test_kv_fp8_qwen_shape_accuracy():
     """qwen2.5-0.5b's shape in bf16 with an e4m3 KV cache (and with e4m3 projections too): how far its log-probs are
     from the float32 model's, next to the bf16 engine's."""
-    from bench.common import model_args
-    from models import Transformer
     from rollout import EngineConfig, LLMEngine
 
-    args = model_args("qwen2.5-0.5b", max_position_embeddings=256)
-    ref32 = Transformer.build(args, device=DEV, dtype=torch.float32, seed=0)
-    with torch.no_grad():
-        for n, p in ref32.named_parameters():
-            if "norm" not in n:
-                p.mul_(3)  # std 0.06: logits far from uniform
+    args, ref32 = qwen_shape_model()
     prompts = prompts_of([16] * 8, seed=7)
     errs = {}
     for quant, kv in ((None, "auto"), (None, "fp8"), ("fp8", "fp8")):

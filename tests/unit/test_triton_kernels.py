@@ -270,16 +270,8 @@ def _checks() -> dict:
             starts, q_lens = [0, 7, 3, 150], [PREFILL_TILE + 5, 1, 12, 1]
             ctx = [s + n for s, n in zip(starts, q_lens)]
             k_cache, v_cache, bt, slots = paged_setup(dtype, hkv, d, ctx, num_blocks=96)
-            cu = [0]
-            tiles = []
-            for i, n in enumerate(q_lens):
-                cu.append(cu[-1] + n)
-                tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
-            i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-            meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                                     cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
-                                     tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
-            q = torch.randn(cu[-1], hq, d, dtype=dtype)
+            meta = AttentionMetadata.prefill(slots, q_lens, ctx)
+            q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
             ref = TorchOps.prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, meta, d ** -0.5)
             errs.append(close(TritonOps.prefill_attention(q, k_cache, v_cache, bt, meta, d ** -0.5), ref, tol))
         return max(errs)
@@ -341,15 +333,8 @@ def _checks() -> dict:
         starts, q_lens = [0, 7, 3, 150], [PREFILL_TILE + 5, 1, 12, 1]
         ctx = [s + n for s, n in zip(starts, q_lens)]
         pool, bt, slots = fp8_pool(ctx, num_blocks=96)
-        cu, tiles = [0], []
-        for i, n in enumerate(q_lens):
-            cu.append(cu[-1] + n)
-            tiles += [(i, t0) for t0 in range(0, n, PREFILL_TILE)]
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-        meta = AttentionMetadata(is_decode=False, slots=slots, context_lens=i32(ctx), max_context_len=max(ctx),
-                                 cu_q=i32(cu), tile_seq=i32([a for a, _ in tiles]),
-                                 tile_start=i32([b for _, b in tiles]), host_cu_q=cu, host_context_lens=ctx)
-        q = torch.randn(cu[-1], hq, d)
+        meta = AttentionMetadata.prefill(slots, q_lens, ctx)
+        q = torch.randn(sum(q_lens), hq, d)
         errs.append(close(TritonOps.prefill_attention(q, *pool[:2], bt, meta, d ** -0.5, *pool[2:]),
                           TorchOps.prefill_attention(q, *pool[:2], bt, meta, d ** -0.5, *pool[2:]), 2e-5))
         return max(errs + ulps)
