@@ -174,3 +174,38 @@ def _tp_fp8_body(rank, world_size):
 
 def test_tp2_fp8_shards_are_tp1_and_match_a_fake_quantized_forward():
     run_distributed(_tp_fp8_body, 2)
+
+
+def _tp_kv_fp8_body(rank, world_size):
+    """An e4m3 KV cache at TP 2 (each rank holds its KV heads' values and scales) against the float64 training
+    forward whose attention sees K/V rounded as the cache holds them (`tests.unit.test_fp8_kv_cache`); forks
+    copy blocks with their scales on both ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+    from tests.unit.test_engine import prompts_of, tiny_args, tiny_model
+    from tests.unit.test_fp8_kv_cache import _kv_rounded_reference
+    from tests.unit.test_fp8_rollout import _logprob_errors
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for kind in ("qwen2", "llama"):
+        model = tiny_model(tiny_args(kind))
+        tp2 = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=256,
+                                                 kv_cache_dtype="fp8", free_cache_engine=False),
+                        tp_mesh=mesh["tp"], device="cpu")
+        tp2.load_weights(model.named_parameters())
+        outs = tp2.generate(prompts_of([3 + i % 12 for i in range(8)]),
+                            SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=3, ignore_eos=True))
+        assert tp2.runner.kv_scales.shape[-1] == model.args.num_key_value_heads // 2
+        monkeypatch = pytest.MonkeyPatch()
+        try:
+            with torch.no_grad():
+                ref = _kv_rounded_reference(model, monkeypatch)
+            assert _logprob_errors(ref, outs).median().item() < 1e-4, kind
+        finally:
+            monkeypatch.undo()
+        assert _logprob_errors(model, outs).mean().item() > 1e-3, kind
+
+
+def test_tp2_kv_fp8_matches_a_forward_over_rounded_kv():
+    run_distributed(_tp_kv_fp8_body, 2)
