@@ -199,8 +199,9 @@ class RolloutConfig:
                                          "the actor's (pair with algorithm.rollout_correction). null: all in dtype",
                                    choices=(None, *QUANTIZATIONS))
     kv_cache_dtype: str = opt("auto", "fp8: the engine's KV cache as e4m3 values with one float32 scale per token and "
-                                      "KV head (half the bytes a decode step reads, twice the tokens the pool holds; "
-                                      "its log-probs move away from the actor's). auto: the cache in dtype",
+                                      "KV head: 1.94x the tokens in the same pool (head dim 128), not a faster decode "
+                                      "step on an H200; its log-probs move away from the actor's (pair with "
+                                      "algorithm.rollout_correction). auto: the cache in dtype",
                               choices=KV_CACHE_DTYPES)
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
