@@ -2,7 +2,7 @@
 
 Cache layout (one layer): `k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]`, in the
 model dtype or (`EngineConfig.kv_cache_dtype = "fp8"`) as e4m3 values with one float32 scale per
-row of `head_dim` values, `k_scale, v_scale [num_blocks, block_size, kv_heads]` (`rollout.ops.quantize_kv`);
+row of `head_dim` values, `k_scale, v_scale [num_blocks, block_size, kv_heads]` (`rollout.ops.quantize_rows`);
 sequence `n`'s position `p` lives at row `block_tables[slots[n], p // block_size] * block_size
 + p % block_size`. A step's new K/V are written into the cache first (`rope_and_cache`), so
 attention always reads the whole context - the cached prefix and the new tokens - from the

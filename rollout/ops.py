@@ -54,9 +54,10 @@ def quantize_fp8(t: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[tor
     return (f * (FP8_MAX / amax)).to(FP8), amax / FP8_MAX
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K or V rows `x [..., D]` for an e4m3 KV cache: e4m3 values and one float32 scale per row `[...]` (its largest
-    |value| maps to 448, `x ~ q * scale`; an all-zero row stays zero). The Triton cache writes compute the same."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `x [..., D]` as e4m3 values and one float32 scale per row `[...]` (its largest |value| maps to 448,
+    `x ~ q * scale`; an all-zero row stays zero): an e4m3 KV cache's K and V rows (the Triton cache writes compute
+    the same) and fp8 `down_proj`'s input rows (`silu_and_mul_fp8`)."""
     f = x.float()
     amax = f.abs().amax(-1).clamp(min=FP8_TINY)
     return (f * (FP8_MAX / amax)[..., None]).to(FP8), amax / FP8_MAX
@@ -135,9 +136,7 @@ class TorchOps:
     def silu_and_mul_fp8(gate_up):
         """`silu_and_mul(gate_up)` `[T, I]` as e4m3 rows and their float32 scales `[T]`: row t's largest |value|
         maps to 448 (`value ~ q[t] * scale[t]`; an all-zero row stays zero). The input of an fp8 `down_proj`."""
-        v = TorchOps.silu_and_mul(gate_up).float()
-        amax = v.abs().amax(-1).clamp(min=FP8_TINY)
-        return (v * (FP8_MAX / amax)[:, None]).to(FP8), amax / FP8_MAX
+        return quantize_rows(TorchOps.silu_and_mul(gate_up))
 
     scaled_linear = staticmethod(scaled_linear)
 
@@ -148,7 +147,7 @@ class TorchOps:
 
         `cos, sin [max_pos, D/2]` in the model dtype (both halves of HF's cos/sin are equal). With `k_scale`,
         `v_scale [blocks, block_size, Hkv]` (an e4m3 cache), each head's rotated k and v (in the model dtype)
-        are written as e4m3 values and their scale (`quantize_kv`).
+        are written as e4m3 values and their scale (`quantize_rows`).
         """
         t = qkv.shape[0]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
@@ -162,7 +161,7 @@ class TorchOps:
         rows = slot_mapping(block_tables, token_slots, positions, k_cache.shape[1])
         for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             if scales is not None:  # copied as bytes: index_copy_ has no e4m3 kernel on the CPU
-                x, x_scale = quantize_kv(x)
+                x, x_scale = quantize_rows(x)
                 x, cache = x.view(torch.uint8), cache.view(torch.uint8)
                 scales.view(-1, hkv).index_copy_(0, rows, x_scale)
             cache.view(-1, hkv, d).index_copy_(0, rows, x)

@@ -167,6 +167,14 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _e4m3_scale(amax, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr):
+    """(multiplier, scale) of rows whose largest |value| is `amax` (float32): `rollout.ops.quantize_rows`'s."""
+    amax = tl.maximum(amax, FP8_TINY)
+    return tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax), \
+        tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
 def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_MAX: tl.constexpr,
                          FP8_TINY: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr):
     # One row a program, as `silu_and_mul_fp8`: the row's largest |silu(gate) * up|, then the row scaled
@@ -180,10 +188,9 @@ def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_M
         g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
         u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
         v = silu_mul(g, u).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=0), FP8_TINY)
-        inv = tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), amax)
+        inv, scale = _e4m3_scale(tl.max(tl.abs(v), axis=0), FP8_MAX, FP8_TINY)
         tl.store(out_ptr + row * stride_o + col, (v * inv).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.full((), FP8_MAX, tl.float32)))
+        tl.store(scale_ptr + row, scale)
         return
     amax = tl.zeros((), dtype=tl.float32)
     for start in range(0, N, BLOCK):
@@ -192,8 +199,7 @@ def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_M
         g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
         u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(silu_mul(g, u).to(tl.float32)), axis=0))
-    amax = tl.maximum(amax, FP8_TINY)
-    inv = tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), amax)
+    inv, scale = _e4m3_scale(amax, FP8_MAX, FP8_TINY)
     for start in range(0, N, BLOCK):
         col = start + tl.arange(0, BLOCK)
         mask = col < N
@@ -201,18 +207,10 @@ def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_M
         u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
         q = silu_mul(g, u).to(tl.float32) * inv
         tl.store(out_ptr + row * stride_o + col, q.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.full((), FP8_MAX, tl.float32)))
+    tl.store(scale_ptr + row, scale)
 
 
 # ---------------------------------------------------------------------------- RoPE + cache write
-
-
-@triton.jit
-def _e4m3_scale(amax, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr):
-    """(multiplier, scale) of rows whose largest |value| is `amax` (float32): `rollout.ops.quantize_kv`'s."""
-    amax = tl.maximum(amax, FP8_TINY)
-    return tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax), \
-        tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
 
 
 @triton.jit
@@ -222,7 +220,7 @@ def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt,
                        HQ_P: tl.constexpr, HKV_P: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                        FP8_TINY: tl.constexpr, PDL: tl.constexpr):
     # KV_FP8: each head's rotated k (in the model dtype) and its v are written as e4m3 values and one
-    # float32 scale (`rollout.ops.quantize_kv`) at `ks_ptr` / `vs_ptr [rows, HKV]`.
+    # float32 scale (`rollout.ops.quantize_rows`) at `ks_ptr` / `vs_ptr [rows, HKV]`.
     _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -389,7 +387,7 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
             dst = r * (HKV * D) + kvh * D
             vc = (HQ + HKV) * D + kvh * D + d
             v = _qkv_load(row, vc, vc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt)
-            if KV_FP8:  # e4m3 values and one scale per head (`rollout.ops.quantize_kv`)
+            if KV_FP8:  # e4m3 values and one scale per head (`rollout.ops.quantize_rows`)
                 k1, k2, v = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
                 k_mul, k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)),
                                              FP8_MAX, FP8_TINY)

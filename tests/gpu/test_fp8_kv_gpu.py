@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 from rollout import SamplingParams  # noqa: E402
 from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref  # noqa: E402
-from rollout.ops import FP8, TorchOps, quantize_kv  # noqa: E402
+from rollout.ops import FP8, TorchOps, quantize_rows  # noqa: E402
 from tests.gpu.test_engine_gpu import _gpu_model, _logprob_errors, _rel  # noqa: E402
 from tests.gpu.test_fp8_gpu import _e4m3_steps, qwen_shape_model  # noqa: E402
 from tests.unit.test_engine import make_engine, prompts_of  # noqa: E402
@@ -23,7 +23,7 @@ def _pool(hkv, d, lengths, page=16, spare=4):
     """An e4m3 pool (values from random bf16 rows) holding `lengths` tokens a sequence in scattered pages."""
     nblocks = sum(-(-n // page) for n in lengths) + spare
     g = torch.Generator(device=DEV).manual_seed(5)
-    (k, ks), (v, vs) = (quantize_kv(torch.randn(nblocks, page, hkv, d, device=DEV, generator=g).bfloat16() * 4)
+    (k, ks), (v, vs) = (quantize_rows(torch.randn(nblocks, page, hkv, d, device=DEV, generator=g).bfloat16() * 4)
                         for _ in range(2))
     perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(6)).tolist()
     width = max(-(-n // page) for n in lengths)
@@ -35,7 +35,7 @@ def _pool(hkv, d, lengths, page=16, spare=4):
 
 
 def _same_cache(tri, ref):
-    """The kernel's e4m3 values and scales against `quantize_kv`'s: the rotated bf16 K rows are the same, so at most
+    """The kernel's e4m3 values and scales against `quantize_rows`'s: the rotated bf16 K rows are the same, so at most
     a rare value one e4m3 step away (a float32 product on either side of a rounding boundary)."""
     for a, b in zip(tri[:2], ref[:2]):
         steps = _e4m3_steps(a, b)

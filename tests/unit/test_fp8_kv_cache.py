@@ -10,14 +10,14 @@ import torch
 import models.transformer as transformer
 from rollout import EngineConfig, LLMEngine, SamplingParams
 from rollout.attention import AttentionMetadata, decode_attention_ref
-from rollout.ops import FP8, FP8_MAX, TorchOps, quantize_kv
+from rollout.ops import FP8, FP8_MAX, TorchOps, quantize_rows
 from tests.unit.test_engine import make_engine, prompts_of, tiny_args, tiny_model
 from tests.unit.test_fp8_rollout import _fake_quant_reference, _logprob_errors, _within_e4m3_rounding
 
 
-def test_quantize_kv_hand_values_and_bound():
+def test_quantize_rows_hand_values_and_bound():
     x = torch.tensor([[[1.0, -2.0, 0.5, 4.0], [448.0, 272.0, -1.0, 0.0]], [[0.0] * 4, [3.0, -6.0, 1.5, 0.75]]])
-    q, scale = quantize_kv(x)
+    q, scale = quantize_rows(x)
     assert q.dtype == FP8 and q.shape == x.shape and scale.dtype == torch.float32 and scale.shape == (2, 2)
     # one scale per row of D values: its largest |value| maps to 448
     assert scale[0, 0].item() == torch.tensor(4.0 / 448).item() and scale[0, 1].item() == 1.0
@@ -28,7 +28,7 @@ def test_quantize_kv_hand_values_and_bound():
     assert q[1, 1].float().tolist() == [224.0, -448.0, 112.0, 56.0]
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(50, 3, 64, generator=g).double() * torch.logspace(-2, 2, 50, dtype=torch.float64)[:, None, None]
-    q, scale = quantize_kv(rows)
+    q, scale = quantize_rows(rows)
     for r in range(50):
         for h in range(3):
             assert _within_e4m3_rounding(q[r, h].double() * scale[r, h].double(), rows[r, h], scale[r, h].item())
@@ -118,13 +118,13 @@ def test_block_copies_carry_the_scales():
 
 def _kv_rounded_reference(model, monkeypatch, weights_fp8: bool = False):
     """The training model in float64 whose attention sees each token's K (after RoPE) and V rounded to e4m3 with
-    one scale per KV head, as the engine's cache holds them (`quantize_kv`); with `weights_fp8`, also the fp8
+    one scale per KV head, as the engine's cache holds them (`quantize_rows`); with `weights_fp8`, also the fp8
     projections' reference (`_fake_quant_reference`)."""
     ref = _fake_quant_reference(model) if weights_fp8 else __import__("copy").deepcopy(model).double()
     attend = transformer.attention_padded
 
     def rounded(t):
-        q, scale = quantize_kv(t)
+        q, scale = quantize_rows(t)
         return q.double() * scale.double()[..., None]
 
     monkeypatch.setattr(transformer, "attention_padded", lambda q, k, v, *a: attend(q, rounded(k), rounded(v), *a))

@@ -278,12 +278,12 @@ def _checks() -> dict:
 
     def kv_cache_fp8():
         # The e4m3 KV cache (float32 engine): the RoPE / cache-write kernel and the fused decode write against
-        # `quantize_kv` (scales to float32 noise, values within one e4m3 step, the interpreter's dropped carries
+        # `quantize_rows` (scales to float32 noise, values within one e4m3 step, the interpreter's dropped carries
         # aside); decode (fused and split) and prefill attention against the reference over the cache the kernel
         # wrote (every row times its scale)
         from models import ModelArgs
         from models.transformer import rope_cos_sin, rope_inv_freq
-        from rollout.ops import quantize_kv
+        from rollout.ops import quantize_rows
 
         hq, hkv, d = 4, 2, 16
         args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
@@ -292,7 +292,7 @@ def _checks() -> dict:
 
         def fp8_pool(lengths, num_blocks=40):
             k, v, bt, slots = paged_setup(torch.float32, hkv, d, lengths, num_blocks=num_blocks)
-            (k8, ks), (v8, vs) = quantize_kv(k * 3), quantize_kv(v)
+            (k8, ks), (v8, vs) = quantize_rows(k * 3), quantize_rows(v)
             return [k8, v8, ks, vs], bt, slots
 
         errs, ulps = [], []
