@@ -73,7 +73,7 @@ class EngineConfig:
     """`fp8`: the KV cache holds e4m3 values, each token's K and V of each KV head with one float32 scale
     (its largest |value| maps to 448), written by the RoPE / cache-write kernels and read by the
     attention kernels: 2 D / (D + 4) times the tokens in a pool of the same bytes (it did not shorten
-    an H200's decode step: the attention is latency-bound there). Less exact (each value within 2^-4
+    an H200's decode step: the attention kernel is held by too few warps a SM there, not by bandwidth). Less exact (each value within 2^-4
     of itself, relative). `auto`: the cache in `dtype`."""
     tp_all_reduce: str = "auto"
     """TP > 1: the all-reduce of the layers' outputs. `symm_mem`: through a symmetric-memory
