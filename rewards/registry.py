@@ -1,10 +1,10 @@
 """Choosing and calling reward functions.
 
-All reward functions have verl's signature::
+All reward functions have verl's signature and are called, as verl calls them, by keyword::
 
-    fn(data_source, solution_str, ground_truth, extra_info=None) -> float | bool | dict
+    fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | bool | dict
 
-A dict result carries the score under `"score"`; its other numeric entries become extra
+so a user's function may take its parameters in any order, or as `**kwargs`. A dict result carries the score under `"score"`; its other numeric entries become extra
 metrics. `default_compute_score` dispatches the built-in data sources; a user's own
 function is loaded from a Python file with `load_custom_reward_fn` (verl's
 `custom_reward_function.path` / `.name`).
@@ -13,6 +13,7 @@ function is loaded from a Python file with `load_custom_reward_fn` (verl's
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -21,9 +22,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from rewards import demo, gsm8k
 
 RewardFn = Callable[..., Any]
+
+REWARD_FN_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")  # the keywords a reward function gets
 
 
 class RewardError(RuntimeError):
@@ -87,7 +92,23 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") 
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"{name!r} in custom reward file {path} is a {type(fn).__name__}, not a function")
+    _check_signature(fn, f"{name!r} in custom reward file {path}")
     return fn
+
+
+def _check_signature(fn: RewardFn, what: str) -> None:
+    """Raise `RewardError` unless `fn` accepts the keywords `REWARD_FN_ARGS` (a callable whose
+    signature Python cannot read is taken on trust)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(**dict.fromkeys(REWARD_FN_ARGS))
+    except TypeError as err:
+        raise RewardError(f"{what} cannot be called as a reward function: it is called by keyword, "
+                          f"fn({', '.join(f'{a}=...' for a in REWARD_FN_ARGS)}), as verl calls it, "
+                          f"and its signature {signature} does not accept that ({err})") from None
 
 
 def get_reward_fn(custom_path: str | os.PathLike | None = None, custom_name: str = "compute_score") -> RewardFn:
@@ -117,7 +138,7 @@ def _where(err: BaseException, path: str | None) -> str:
 
 
 def _as_float(value: Any) -> float | None:
-    if isinstance(value, (bool, numbers.Real)):
+    if isinstance(value, (bool, np.bool_, numbers.Real)):
         return float(value)
     return None
 
@@ -155,7 +176,8 @@ def score_responses(
     for i in range(n):
         where = f"sample {i} (data_source={data_sources[i]!r})"
         try:
-            result = fn(data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i])
+            result = fn(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
+                        extra_info=extra_infos[i])
         except Exception as err:
             at = _where(err, code.co_filename if code else None)
             raise RewardError(f"reward function {name} raised on {where}{at}: {type(err).__name__}: {err}") from err

@@ -294,7 +294,7 @@ class RewardModelConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: str | None = opt(None, "Python file with a reward function (verl signature)")
+    path: str | None = opt(None, "Python file with a reward function, called by keyword as verl calls it: fn(data_source=, solution_str=, ground_truth=, extra_info=)")
     name: str = opt("compute_score", "function name in that file")
 
 

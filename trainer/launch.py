@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.launch",
                                 description="meshppo's launcher: torchrun with a pre-flight check of the config, "
                                             "one-line errors with their exit codes, clean preemption, rank 0's "
-                                            "output on the terminal (ppo/launch.py explains each)")
+                                            "output on the terminal (trainer/launch.py explains each)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks on this node; default: the config's trainer.n_gpus_per_node (checked against it)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (checked against trainer.nnodes)")

@@ -1,5 +1,5 @@
 """Faults under torchrun (2 CPU ranks): a killed rank, preemption, a crash inside a checkpoint
-write, a NaN gradient. Faults are injected with MESHPPO_FAULTS (ppo/faults.py)."""
+write, a NaN gradient. Faults are injected with MESHPPO_FAULTS (trainer/faults.py)."""
 
 import os
 

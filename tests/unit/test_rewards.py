@@ -82,6 +82,19 @@ def no_score(data_source, solution_str, ground_truth, extra_info=None):
 def calls_library(data_source, solution_str, ground_truth, extra_info=None):
     return math.sqrt(-1.0)
 
+def reordered(solution_str, ground_truth, data_source=None, extra_info=None):
+    return float(solution_str == ground_truth)
+
+def keywords_only(**kwargs):
+    return {"score": float(kwargs["solution_str"] == kwargs["ground_truth"]), "source_len": len(kwargs["data_source"])}
+
+def numpy_bool(data_source, solution_str, ground_truth, extra_info=None):
+    import numpy
+    return numpy.isclose(float(solution_str), float(ground_truth))
+
+def positional_names(ds, response, truth, info=None):
+    return 1.0
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -130,6 +143,25 @@ def test_score_responses_numbers_bools_and_extras(custom_file):
     fn = load_custom_reward_fn(custom_file, "with_info")
     scores, _ = score_responses(fn, ["d"] * 2, ["a", "a"], ["a", "a"], [{"weight": 0.5}, {"weight": 2}])
     assert scores == [0.5, 2.0]
+
+
+def test_reward_functions_are_called_by_keyword_as_verl_calls_them(custom_file):
+    """verl calls compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...): a
+    function with its parameters in another order, or taking **kwargs, gets each value by name."""
+    # called positionally, "reordered" would compare the data source "d" with the response: 0.0 for all
+    scores, _ = score_responses(load_custom_reward_fn(custom_file, "reordered"), ["d"] * 2, ["42", "7"], ["42", "42"])
+    assert scores == [1.0, 0.0]
+    scores, extras = score_responses(load_custom_reward_fn(custom_file, "keywords_only"), ["ab", "abc"],
+                                     ["42", "7"], ["42", "42"])
+    assert scores == [1.0, 0.0] and extras == {"source_len": [2.0, 3.0]}
+    # numpy's bools (np.isclose) are scores as Python's are
+    scores, _ = score_responses(load_custom_reward_fn(custom_file, "numpy_bool"), ["d"] * 2, ["1.0", "2"], ["1", "3"])
+    assert scores == [1.0, 0.0] and all(type(s) is float for s in scores)
+    # a function that cannot take verl's keywords is refused when it is loaded, before any rollout
+    with pytest.raises(RewardError, match=r"'positional_names' in custom reward file .*my_reward\.py cannot be called "
+                                          r"as a reward function: it is called by keyword, fn\(data_source=\.\.\., "
+                                          r"solution_str=.*\(ds, response, truth, info=None\)"):
+        load_custom_reward_fn(custom_file, "positional_names")
 
 
 def test_score_responses_extras_missing_in_some_samples_are_nan():
