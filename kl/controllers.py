@@ -59,7 +59,8 @@ class AdaptiveKLController:
         init_kl_coef: starting coefficient beta_0 (>= 0).
         target_kl: the KL (same estimator and units as ``current_kl``) to steer towards (> 0).
         horizon: number of samples over which an error is corrected (> 0); ``n_steps`` in
-            ``update`` is measured in the same unit (verl passes the batch size).
+            ``update`` is measured in the same unit (the trainer passes, as verl does, the
+            responses of the step: prompts x ``rollout.n``).
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):

@@ -414,7 +414,7 @@ class PPOTrainer:
 
     def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`token_level_rewards` (scores minus the KL-in-reward penalty, with its controller's
-        update), then `advantages` and `returns` over the whole batch (whitening and group
+        update, as verl's `apply_kl_penalty` makes it), then `advantages` and `returns` over the whole batch (whitening and group
         baselines are batch-wide) and this rank's rows of them. Only the rank-local rewards and
         values are gathered: the response mask and the group ids are known to every rank already
         (`full`)."""
@@ -426,8 +426,11 @@ class PPOTrainer:
                 kld = kl_penalty(ro.old_log_probs, ro.ref_log_probs, alg.kl_penalty) * mask
                 beta = self.kl.in_reward.value
                 rewards = rewards - beta * kld
-                current_kl = masked_mean_global(kld, mask)
-                self.kl.in_reward.update(current_kl, n_steps=cfg.data.train_batch_size)
+                # verl's units: the mean over responses of each response's token mean, and a step of
+                # as many samples as the batch has responses (prompts x rollout.n)
+                row_kl = kld.sum(-1) / mask.sum(-1).clamp(min=1)
+                current_kl = comm.all_reduce_sum(float(row_kl.sum())) / max(len(full), 1)
+                self.kl.in_reward.update(current_kl, n_steps=len(full))
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
             ro.token_level_rewards = rewards
             gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731

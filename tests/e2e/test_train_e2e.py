@@ -47,8 +47,12 @@ def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides
     _check_finite(rows, REQUIRED_ACTOR + extra_keys)
     assert os.path.isfile(run / "hf_actor" / "config.json")
     if name == "kl_in_reward_adaptive":
-        # the adaptive controller moved the coefficient between the two steps
-        assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
+        # verl's update between the two steps: beta *= 1 + clip(kl / target - 1, +-0.2) * n_steps / horizon, with
+        # n_steps the step's responses (16 prompts x rollout.n 8 = 128; the prompt count, 16, moves beta 8x less)
+        kl, beta = rows[0]["actor/reward_kl_penalty"], rows[0]["actor/reward_kl_penalty_coeff"]
+        expected = beta * (1 + min(max(kl / 0.01 - 1, -0.2), 0.2) * 128 / 10000)
+        assert rows[1]["actor/reward_kl_penalty_coeff"] != beta
+        assert abs(rows[1]["actor/reward_kl_penalty_coeff"] - expected) <= 1e-12 * expected, (rows[1], expected)
 
 
 def _val_scores(rows) -> list[float]:
