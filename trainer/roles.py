@@ -157,18 +157,17 @@ class _Mean:
         for k, v in kv.items():
             self.values.setdefault(k, []).append(v.detach().float().reshape(()) if torch.is_tensor(v) else float(v))
 
-    def result(self, rank_means: tuple[str, ...] = ()) -> dict[str, float]:
-        """Means over the added values; the keys in `rank_means` are also averaged over ranks
-        (one collective for all of them)."""
+    def result(self) -> dict[str, float]:
+        """Means over the added values and over ranks (one collective for all of them: every rank
+        adds the same keys in the same order, as every rank runs the same micro-batches)."""
         means = [torch.stack(vs).mean() if torch.is_tensor(vs[0]) else torch.tensor(sum(vs) / len(vs))
                  for vs in self.values.values()]
         dev = next((m.device for m in means if m.device.type != "cpu"), torch.device("cpu"))
         local = torch.stack([m.to(dev) for m in means]).tolist() if means else []
-        out = dict(zip(self.values, local))
-        keys = [k for k in rank_means if k in out]
-        for k, v in zip(keys, comm.all_reduce_values([out[k] for k in keys])):
-            out[k] = v / comm.world_size()
-        return out
+        if not local:
+            return {}
+        n = comm.world_size()
+        return {k: v / n for k, v in zip(self.values, comm.all_reduce_values(local))}
 
 
 class LossTerms(NamedTuple):
@@ -238,7 +237,7 @@ class TrainableRole(Role):
     def _update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int, prefix: str,
                 forward: Callable[[RolloutBatch, int], tuple],
                 loss: Callable[[RolloutBatch, tuple, int, dict], LossTerms], sum_keys: tuple[str, ...],
-                rank_mean_prefixes: tuple[str, ...] = (), step: int = -1) -> dict:
+                step: int = -1) -> dict:
         """The update skeleton: PPO epochs × mini-batches × micro-batches of `loss`.
 
         `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
@@ -246,8 +245,9 @@ class TrainableRole(Role):
         planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
-        read back once, at the end. Returns `<prefix>/...` metrics with the sums (`sum_keys`) and
-        the statistics starting with `rank_mean_prefixes` averaged over ranks."""
+        read back once, at the end. Returns `<prefix>/...` metrics: the sums (`sum_keys`) and the
+        statistics, each averaged over the mini-batches and the ranks (a clip fraction is every
+        rank's, not rank 0's alone)."""
         stats = _Mean()
         plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
                            cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
@@ -272,8 +272,7 @@ class TrainableRole(Role):
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**totals)
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
-        rank_means = sum_keys + tuple(k for k in stats.values if k.startswith(rank_mean_prefixes))
-        out = stats.result(rank_means=rank_means)
+        out = stats.result()
         out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -359,8 +358,7 @@ class Actor(TrainableRole):
                           "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             return LossTerms(total, sums, means)
 
-        out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys,
-                           rank_mean_prefixes=("rollout_corr/",), step=step)
+        out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step)
         if bypass:
             ent_sum, diff_sum, tokens = comm.all_reduce(first).tolist()
             out["actor/entropy"] = ent_sum / max(tokens, 1.0)
