@@ -816,6 +816,10 @@ def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) 
     for option, spec in zip(options, specs):
         lower, upper = _parse_bounds(spec, f"rollout_rs_threshold ({option})")
         if option.endswith("k1"):
+            if lower is None and upper < 1:
+                raise ValueError(f"rollout_rs_threshold ({option}): one number C means the ratio bounds [1/C, C], "
+                                 f"empty for C = {upper:g} < 1 (every token rejected); give C >= 1 or "
+                                 f"'lower_upper'")
             lower = 1.0 / upper if lower is None else lower
         elif lower is not None:
             raise ValueError(f"rollout_rs_threshold ({option}): a k2 / k3 divergence takes one upper bound, "

@@ -164,7 +164,9 @@ def test_threshold_parsing():
     for args, message in [(("token_k4", 2.0), "unknown option 'token_k4'"), (("token_k1", None), "needs"),
                           (("token_k2", "0.5_2.0"), "one upper bound"), (("token_k1,token_k2", "1,2,3"), "3 bounds"),
                           (("token_k1", "2_0.5"), "above the upper"), (("token_k1", "-1"), "positive"),
-                          ((" , ", 2.0), "names no option")]:
+                          ((" , ", 2.0), "names no option"),
+                          # [1/C, C] is empty for C < 1: a config that would reject every token
+                          (("token_k1", 0.5), r"empty for C = 0.5 < 1"), (("seq_mean_k1,token_k2", "0.9,2"), "empty")]:
         with pytest.raises(ValueError, match=message):
             parse_rollout_rs(*args)
     for spec in ("a_b", "1_2_3", 0, True):
