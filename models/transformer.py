@@ -287,9 +287,10 @@ class Transformer(nn.Module):
             h = h.reshape(-1, h.shape[-1])[label_index]
             labels = labels.reshape(-1)[label_index]
         if self.head == "value":
-            # sum over the size-1 label dim: same values as squeeze, but not a view (FSDP2
-            # hooks module outputs for backward; a view would bypass the hook)
-            return self.score(h).sum(-1)
+            # FSDP2 hooks each unit's output for backward, and a view would bypass the hook: the
+            # head (its own unit) sees 2-D rows (a linear over 3-D input returns a view), and the
+            # sum over the size-1 dim gives the model's output as a new tensor, not a view.
+            return self.score(h.flatten(0, -2)).view(*h.shape[:-1], 1).sum(-1)
         if not self.args.tie_word_embeddings:
             return self.lm_head(h, labels, temperature, with_entropy, chunk_size)
         if labels is None:
