@@ -154,9 +154,10 @@ class ActorConfig:
 class RefConfig:
     fsdp_config: FSDPOptions = section(FSDPOptions, "reference model FSDP2 settings")
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
-    log_prob_use_dynamic_bsz: bool = opt(False, "pack reference forwards by token count")
-    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one reference forward with dynamic bsz",
-                                                ge=1)
+    log_prob_use_dynamic_bsz: bool | None = opt(None, "pack reference forwards by token count; null: the actor's "
+                                                      "use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one reference forward with dynamic bsz; "
+                                                           "null: the actor's ppo_max_token_len_per_gpu", ge=1)
     use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
                                               "setting")
 
@@ -212,9 +213,10 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = opt(
         None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling)", ge=1)
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU", ge=1)
-    log_prob_use_dynamic_bsz: bool = opt(False, "pack old-log-prob forwards by token count")
-    log_prob_max_token_len_per_gpu: int = opt(16384, "token budget of one old-log-prob forward with dynamic bsz",
-                                                ge=1)
+    log_prob_use_dynamic_bsz: bool | None = opt(None, "pack old-log-prob forwards by token count; null: the actor's "
+                                                      "use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one old-log-prob forward with dynamic "
+                                                           "bsz; null: the actor's ppo_max_token_len_per_gpu", ge=1)
     calculate_log_probs: bool = opt(False, "also log the engine's own log-probs vs the actor's (metric rollout/logprob_diff)")
     load_format: str = opt("dtensor", "accepted for verl compatibility: weights always come from the resharder",
                            choices=("dtensor", "auto", "dummy_dtensor"))
@@ -267,14 +269,16 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)
     forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU", ge=1)
-    use_dynamic_bsz: bool = opt(False, "pack critic micro-batches by token count")
+    use_dynamic_bsz: bool | None = opt(None, "pack critic micro-batches by token count; null: the actor's")
     ppo_max_token_len_per_gpu: int = opt(32768, "token budget of one critic micro-batch", ge=1)
-    forward_max_token_len_per_gpu: int = opt(32768, "token budget of one value forward", ge=1)
+    forward_max_token_len_per_gpu: int | None = opt(None, "token budget of one value forward; null: "
+                                                          "ppo_max_token_len_per_gpu", ge=1)
     ppo_epochs: int | None = opt(None, "critic passes per batch; default: the actor's", ge=1)
-    shuffle: bool = opt(False, "shuffle sequences before mini-batches")
+    shuffle: bool | None = opt(None, "shuffle sequences before mini-batches; null: the actor's")
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold", gt=0)
     cliprange_value: float = opt(0.5, "value clipping range", gt=0)
-    loss_agg_mode: str = opt("token-mean", "aggregation of the value loss", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
+                                    choices=(*LOSS_AGG_MODES, None))
 
 
 @dataclass
@@ -431,13 +435,22 @@ class PPOConfig:
         inherit(rollout, "response_length", d.max_response_length)
         inherit(rollout, "max_model_len", rollout.prompt_length + rollout.response_length)
         inherit(rollout, "log_prob_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
+        # The old-log-prob and reference forwards pack by tokens as the actor does (verl's defaults).
+        for obj in (rollout, ref):
+            inherit(obj, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz)
+            inherit(obj, "log_prob_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
         inherit(ref, "log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu)
         inherit(ref, "use_torch_compile", actor.use_torch_compile)
-        # The critic inherits the actor's batch sizes, epochs, model and tokenizer.
+        # The critic inherits the actor's batch sizes, epochs, micro-batching, loss aggregation,
+        # shuffle, model and tokenizer.
         inherit(critic, "ppo_mini_batch_size", actor.ppo_mini_batch_size)
         inherit(critic, "ppo_epochs", actor.ppo_epochs)
         inherit(critic, "ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
         inherit(critic, "forward_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu)
+        inherit(critic, "use_dynamic_bsz", actor.use_dynamic_bsz)
+        inherit(critic, "forward_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu)
+        inherit(critic, "loss_agg_mode", actor.loss_agg_mode)
+        inherit(critic, "shuffle", actor.shuffle)
         inherit(critic.model, "path", arr.model.path)
         inherit(critic.model, "tokenizer_path", d.tokenizer)
 
