@@ -212,8 +212,16 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams) -> list[RequestOutput]:
-        """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,
+                 prompt_index_offset: int = 0) -> list[RequestOutput]:
+        """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`.
+
+        `prompt_index_offset`: these prompts are a slice, starting at that index, of a larger batch
+        split over engines (the trainer's rollout-DP replicas). Prompt i is then prompt
+        `prompt_index_offset + i` for the sampling noise, a hash of (seed, prompt index, sample
+        index, position), and in its outputs' `prompt_index`: every slice of one seed draws
+        distinct noise, the same as the whole batch in one call would.
+        """
         if not self.model.allocated:
             raise RuntimeError("the engine's weights are released (free_weights()): load them first "
                                "(load_weights() or a reshard into param_slots())")
@@ -237,8 +245,9 @@ class LLMEngine:
         stops = params.stop_set(self.args.eos_token_id)
         n = params.n
         for i, p in enumerate(prompts):
-            sched.add(Sequence(seq_id=i * n, prompt_index=i, sample_index=0, token_ids=list(p),
-                               num_prompt_tokens=len(p), max_len=min(len(p) + params.max_tokens, self.max_model_len),
+            sched.add(Sequence(seq_id=i * n, prompt_index=prompt_index_offset + i, sample_index=0,
+                               token_ids=list(p), num_prompt_tokens=len(p),
+                               max_len=min(len(p) + params.max_tokens, self.max_model_len),
                                seed=params.seed, num_samples=n, stop_token_ids=stops))
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
@@ -262,9 +271,9 @@ class LLMEngine:
         outputs = []
         for i, p in enumerate(prompts):
             for k in range(n):
-                s = samples[(i, k)]
-                outputs.append(RequestOutput(prompt_index=i, sample_index=k, prompt_token_ids=p,
-                                             token_ids=s.output_token_ids, logprobs=s.logprobs,
+                s = samples[(prompt_index_offset + i, k)]
+                outputs.append(RequestOutput(prompt_index=prompt_index_offset + i, sample_index=k,
+                                             prompt_token_ids=p, token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
                            "prefill_steps_decoding": steps["prefill_decoding"],

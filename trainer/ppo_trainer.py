@@ -39,7 +39,7 @@ from trainer.launch import DistContext, init_distributed
 from trainer.rollout_batch import RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, masked_mean_global)
-from trainer.rollout_phase import build_rollout
+from trainer.rollout_phase import build_rollout, derive_seed
 from trainer.setup import build_engine, build_models
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, run_info
 from sharding import comm
@@ -171,10 +171,21 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ helpers
     def _eos_ids(self) -> list[int]:
-        ids = []
+        """The ids that end a response, for every consumer (engine and HF rollouts, hence the
+        response masks and finish reasons): every EOS id of the actor checkpoint's config.json and
+        generation_config.json (instruct models list several; Hugging Face and the CLI stop at all
+        of them), plus the tokenizer's. Empty only if none names one: the engine's model default
+        then applies."""
+        from pathlib import Path
+
+        from models import load_model_args
+        from rollout.generate import model_eos_ids
+
+        model_dir = Path(self.cfg.actor_rollout_ref.model.path)
+        ids = set(model_eos_ids(model_dir, load_model_args(model_dir).eos_token_id))
         if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return ids
+            ids.add(int(self.tokenizer.eos_token_id))
+        return sorted(ids)
 
     def log(self, text: str):
         self.tracking.message(text)
@@ -414,11 +425,11 @@ class PPOTrainer:
 
     def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`token_level_rewards` (scores minus the KL-in-reward penalty, with its controller's
-        update, as verl's `apply_kl_penalty` makes it), then `advantages` and `returns` over the whole batch (whitening and group
-        baselines are batch-wide) and this rank's rows of them. Only the rank-local rewards and
-        values are gathered: the response mask and the group ids are known to every rank already
-        (`full`)."""
-        cfg, alg = self.cfg, self.cfg.algorithm
+        update, as verl's `apply_kl_penalty` makes them), then `advantages` and `returns` over the
+        whole batch (whitening and group baselines are batch-wide) and this rank's rows of them.
+        Only the rank-local rewards and values are gathered: the response mask and the group ids
+        are known to every rank already (`full`)."""
+        alg = self.cfg.algorithm
         mask = ro.response_mask
         with self.timer("adv"):
             rewards = ro.token_level_scores
@@ -526,7 +537,8 @@ class PPOTrainer:
         with self.timer("validate"):
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
-                ro = self._generate_all(chunk, validate=True, seed=self.cfg.trainer.seed)
+                # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
+                ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
                 scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
                                                  ro.extra_infos)

@@ -8,6 +8,13 @@ steps, and with them every memory move between training and generation, are in
     reshard (FSDP actor -> engine weights) -> offload the actor's training states
     -> generate -> free the KV cache (and, with free_engine_weights, the engine's weights and
     CUDA graphs) -> split the peak-memory counters -> reload the actor's states -> share outputs
+
+Seeding: a call's `seed` is the step's (or the validation chunk's). The engine keys each sample's
+noise by (seed, GLOBAL prompt index, sample index): every replica passes the step's seed and its
+first prompt's index in the whole batch, so no two samples of a step share a stream and a sample
+does not depend on how the prompts are split over replicas. (Adding the replica to the seed made
+replica r at step t replay replica 0's noise at step t + r.) The HF loop draws from one generator
+per replica, seeded with `derive_seed(seed, replica)`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,27 @@ import torch.distributed as dist
 
 from trainer.roles import Actor
 from trainer.tracking import PeakMemory, Timer
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64: a bijective 64-bit integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """The seed of a sub-stream of `seed` (a replica, a validation chunk): a 64-bit hash of
+    (seed, *parts), in [0, 2^63). Deterministic; unlike `seed + part`, the sub-streams of
+    neighbouring seeds do not coincide."""
+    h = _mix64(seed & _M64)
+    for p in parts:
+        h = _mix64(h ^ _mix64((p & _M64) ^ 0xD1B54A32D192ED03))
+    return h >> 1
 
 
 def _all_gather_outputs(local: list, index: int, count: int) -> list:
@@ -62,8 +90,9 @@ class EngineRollout(_Rollout):
         self.actor.offload()
         lo, mine = self._slice(prompts)
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            eos_token_id=list(eos_ids), ignore_eos=ignore_eos, seed=seed + self.replica)
-        outs = self.engine.generate(mine, sp) if mine else []
+                            eos_token_id=list(eos_ids) or None, ignore_eos=ignore_eos, seed=seed)
+        # Noise keyed by the global prompt index lo + i (module docstring); no eos ids: the model's.
+        outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
         # Decode graphs are captured in the first generation and after every free_weights():
         # the recapture is the price of freeing them, so every step shows it.
         self.timer.add("graph_capture", self.engine.last_stats["graph_capture_s"] if mine else 0.0)
@@ -85,8 +114,8 @@ class NoCacheRollout(_Rollout):
 
         lo, mine = self._slice(prompts)
         outs = generate_no_cache(self.actor.model, mine, n=n, max_tokens=max_tokens, eos_ids=eos_ids,
-                                 ignore_eos=ignore_eos, seed=seed + lo, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, device=self.actor.device, pad_token_id=0)
+                                 ignore_eos=ignore_eos, seed=derive_seed(seed, self.replica), temperature=temperature,
+                                 top_p=top_p, top_k=top_k, device=self.actor.device, pad_token_id=0)
         self.peaks.split()
         return self._share(outs)
 
@@ -104,4 +133,4 @@ def build_rollout(cfg, models, actor: Actor, engine, rank: int, peaks: PeakMemor
                          peaks, timer, free_cache=r.free_cache_engine, free_weights=r.free_engine_weights)
 
 
-__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout"]
+__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout", "derive_seed"]
