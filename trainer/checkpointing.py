@@ -230,6 +230,7 @@ class CheckpointManager:
         self.root, self.states, self.models, self.learned = root, states or {}, models or {}, learned
         self.fingerprint, self.config, self.keep, self.log = fingerprint, config, keep, log
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        self.saved_step: int | None = None  # the step whose checkpoint in `root` holds this run's state
 
     # --------------------------------------------------------------- discovery
     def step_dir(self, step: int) -> str:
@@ -250,8 +251,11 @@ class CheckpointManager:
         if os.path.isfile(pointer):
             with open(pointer) as f:
                 text = f.read().strip()
-            if text.isdigit() and os.path.isfile(os.path.join(self.step_dir(int(text)), STATE_FILE)):
-                return self.step_dir(int(text))
+            # `.old`: the step's previous checkpoint, when a save of the same step was cut off
+            # between moving it aside and putting the new one in place (`save`)
+            for path in ((self.step_dir(int(text)), self.step_dir(int(text)) + ".old") if text.isdigit() else ()):
+                if os.path.isfile(os.path.join(path, STATE_FILE)):
+                    return path
         steps = self.complete_steps()
         return self.step_dir(steps[-1]) if steps else None
 
@@ -276,21 +280,30 @@ class CheckpointManager:
                 json.dump(state, f, indent=1)
         _barrier()
         if self.is_main:
-            shutil.rmtree(final, ignore_errors=True)
+            # A step saved again (a stale branch's, after resuming from an earlier step) is moved
+            # aside, not deleted, until the new one is in place: a kill in between leaves it.
+            old = final + ".old"
+            if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
             with open(pointer_tmp, "w") as f:
                 f.write(str(step))
             os.replace(pointer_tmp, os.path.join(self.root, LATEST))
-            self._rotate()
+            shutil.rmtree(old, ignore_errors=True)
+            self._rotate(step)
         _barrier()
+        self.saved_step = step
         return final
 
-    def _rotate(self):
+    def _rotate(self, step: int):
+        """Keep the newest `keep` complete checkpoints up to `step` (the one just written). Newer
+        ones, from a run resumed at an earlier step, are neither counted nor deleted."""
         if self.keep is None or self.keep <= 0:
             return
-        for step in self.complete_steps()[:-self.keep]:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        for old in [s for s in self.complete_steps() if s <= step][:-self.keep]:
+            shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
     # --------------------------------------------------------------- load
     def load(self, path: str, keep_progress: bool = False) -> None:
@@ -331,6 +344,8 @@ class CheckpointManager:
                 s.load_state_dict(state[name])
         if rng is not None:
             _set_rng_state(rng)
+        if not keep_progress and os.path.abspath(path) == os.path.abspath(self.step_dir(state["global_step"])):
+            self.saved_step = state["global_step"]
 
     def maybe_resume(self, resume_mode: str, resume_from_path: str | None = None) -> str | None:
         """Continue from a checkpoint (`trainer.resume_mode`), or start fresh; the checkpoint's path

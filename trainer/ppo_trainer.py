@@ -600,14 +600,19 @@ class PPOTrainer:
             self.tracking.log(self.validate(), step=0)
         try:
             while self.global_step < self.total_steps:
-                loader_state = self.loader.state_dict()
+                loader_state, kl_state = self.loader.state_dict(), self.kl.state_dict()
                 try:
                     metrics = self.step()
                 except _AbandonStep:
-                    # Nothing was updated: rewind the data so the resumed run redoes this step.
+                    # No model was updated: rewind the data and the KL-in-reward controller (it
+                    # steps with the advantages, before the abandon check) so the resumed run
+                    # redoes this step as an uninterrupted run would, and write the checkpoint
+                    # unless the last step's is already there.
                     self.loader.load_state_dict(loader_state)
+                    self.kl.load_state_dict(kl_state)
                     self.timer.pop()
-                    self.ckpt.save(self.global_step)
+                    if self.ckpt.saved_step != self.global_step:
+                        self.ckpt.save(self.global_step)
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0

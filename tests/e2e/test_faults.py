@@ -10,7 +10,9 @@ from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics, tor
 COMMON = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
-          "actor_rollout_ref.rollout.n=4"]
+          "actor_rollout_ref.rollout.n=4",
+          # a state that moves inside the step, before the abandon check: an abandoned step must rewind it
+          "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +33,16 @@ def test_sigkill_of_a_rank_restarts_and_matches(tiny_assets, tmp_path, reference
     assert_same_metrics(rows[-1], reference_run[-1])
 
 
-@pytest.mark.parametrize("grace,saved_step", [(120.0, 2), (0.0, 1)])
-def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, reference_run, grace, saved_step):
+@pytest.mark.parametrize("grace,saved_step,save_freq", [(120.0, 2, -1), (0.0, 1, -1), (0.0, 1, 1)])
+def test_sigterm_checkpoints_exits_zero_and_resumes(tiny_assets, tmp_path, reference_run, grace, saved_step,
+                                                    save_freq):
     """SIGTERM during step 2: with time to spare the step finishes (checkpoint 2); with a zero
-    grace period it is abandoned before any update (checkpoint 1) and redone after resume."""
+    grace period it is abandoned before any update (checkpoint 1: written then, or with
+    save_freq=1 already there and not written again) and redone after resume, the adaptive KL
+    coefficient as in the straight run."""
     run = tmp_path / "preempted"
-    r = torchrun(demo_args(tiny_assets, run, *COMMON, f"trainer.preemption_grace_s={grace}"),
+    r = torchrun(demo_args(tiny_assets, run, *COMMON, f"trainer.preemption_grace_s={grace}",
+                           f"trainer.save_freq={save_freq}"),
                  env_extra={"MESHPPO_FAULTS": "sigterm@2:0"})
     assert r.returncode == 0, r.stderr[-4000:]
     assert os.path.isfile(run / "checkpoints" / f"global_step_{saved_step}" / "trainer_state.json")

@@ -137,3 +137,72 @@ def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
     with pytest.raises(UserError, match=r"global_step_4' stores its trainer state as a pickle"):
         CheckpointManager(str(tmp_path)).maybe_resume("auto")
     CheckpointManager(str(tmp_path / "empty")).maybe_resume("auto")  # nothing there: a fresh start
+
+
+class _Counter:
+    """A registered state: the step it was saved at."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _manager(root, keep=None):
+    counter = _Counter()
+    return CheckpointManager(str(root), states={"trainer": counter}, fingerprint={}, config=PPOConfig(), keep=keep,
+                             log=lambda s: None), counter
+
+
+def _saved(manager, path):
+    return json.loads(open(os.path.join(path, "trainer_state.json")).read())["trainer"]["step"]
+
+
+def test_rotation_after_resuming_an_earlier_step_keeps_the_new_checkpoint(tmp_path):
+    """A run resumed from step 2 of a directory that also holds 4 and 6 (resume_path: rewinding a run)
+    saves step 3 with max_actor_ckpt_to_keep=1: the newest checkpoint up to 3 is kept and the next
+    auto resume finds it; 4 and 6 (the abandoned branch) are not counted in the rotation nor deleted."""
+    first, counter = _manager(tmp_path)
+    for step in (2, 4, 6):
+        counter.step = step
+        first.save(step)
+    second, counter = _manager(tmp_path, keep=1)
+    assert second.maybe_resume("resume_path", second.step_dir(2)) and counter.step == 2
+    counter.step = 3
+    second.save(3)
+    assert second.complete_steps() == [3, 4, 6]
+    assert second.latest() == second.step_dir(3) and _saved(second, second.latest()) == 3
+    counter.step = 4
+    second.save(4)  # replaces the abandoned branch's step 4; rotation deletes 3
+    assert second.complete_steps() == [4, 6] and _saved(second, second.latest()) == 4
+    assert not any(name.endswith((".tmp", ".old")) for name in os.listdir(tmp_path))
+
+
+def test_a_save_of_an_existing_step_cut_off_keeps_that_step(tmp_path, monkeypatch):
+    """Saving a step that has a checkpoint again, killed between moving the old one aside and
+    putting the new one in place: the pointer's step still resolves to a complete checkpoint."""
+    manager, counter = _manager(tmp_path, keep=1)
+    counter.step = 1
+    manager.save(1)
+    replace = os.replace
+
+    def killed(src, dst):
+        if src.endswith(".tmp") and os.path.basename(dst).startswith("global_step_"):
+            raise KeyboardInterrupt("killed")
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    counter.step = 99  # a state that must not be what resumes
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1)
+    monkeypatch.setattr(os, "replace", replace)
+    fresh, counter = _manager(tmp_path)
+    assert fresh.maybe_resume("auto") is not None and counter.step == 1
+    counter.step = 1
+    fresh.save(1)  # the next save of the step completes and leaves no debris
+    assert fresh.latest() == fresh.step_dir(1)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
