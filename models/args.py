@@ -70,7 +70,7 @@ class ModelArgs:
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
+        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         block = attn + mlp + 2 * h
         n = self.num_hidden_layers * block + h
         if include_embedding:
@@ -157,7 +157,7 @@ class ModelArgs:
         if self.model_type == "llama":
             kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         elif self.head_dim != self.hidden_size // self.num_attention_heads:
-            raise ValueError("qwen2 configs cannot express head_dim != hidden_size // num_attention_heads")
+            kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         cfg = AutoConfig.for_model(self.model_type, **kwargs)
         # transformers v5 reads rope_parameters, v4 reads rope_theta / rope_scaling: set both.

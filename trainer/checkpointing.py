@@ -384,7 +384,8 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
               base_model: str | None = None) -> None:
     """Write `model` as a Hugging Face directory (rank 0 writes; all ranks gather). A LoRA model
     is written with its adapters merged into the weights, and its adapters alone as the peft
-    adapter directory `adapter_dir` (`base_model`: the adapter's `base_model_name_or_path`)."""
+    adapter directory `adapter_dir` (`base_model`: the adapter's `base_model_name_or_path`). The
+    base checkpoint's `generation_config.json` (its EOS ids, sampling defaults) comes along."""
     lora = getattr(model, "lora_config", None)
     if lora is not None and adapter_dir is None:
         raise ValueError("export_hf: a LoRA model needs adapter_dir for its peft adapter")
@@ -402,6 +403,9 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
         def write(tmp):
             shell.save_pretrained(tmp, state_dict=full)
             tokenizer.save_pretrained(tmp)
+            generation = os.path.join(base_model or "", "generation_config.json")
+            if base_model and os.path.isfile(generation):
+                shutil.copyfile(generation, os.path.join(tmp, "generation_config.json"))
         _replace_dir(out_dir, write)
     _barrier()
 

@@ -149,3 +149,41 @@ def test_packed_position_ids_restart_at_each_sequence():
     assert position_ids_from_lengths([3, 1, 0, 2]).tolist() == [0, 1, 2, 0, 0, 1]
     assert position_ids_from_lengths([]).tolist() == []
     assert position_ids_from_lengths([2]).dtype == torch.long
+
+
+def test_qwen2_with_its_own_head_dim_loads_and_exports(tmp_path):
+    """A Qwen2 checkpoint whose head_dim is not hidden / heads (32 against 16): meshppo's logits equal
+    transformers', and the trained-policy export (`export_hf`) writes a directory that transformers loads
+    with the same logits, carrying the base checkpoint's generation_config.json (its EOS ids)."""
+    from trainer.checkpointing import export_hf
+    from models.checkpoint import load_model_args
+
+    hf = _hf_model("qwen2", head_dim=32)
+    base = _save(hf, tmp_path)
+    transformers.GenerationConfig(eos_token_id=[5, 6], temperature=0.7, top_p=0.8, do_sample=True).save_pretrained(base)
+    ours = Transformer.from_pretrained(base)
+    assert ours.args.head_dim == 32
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - hf(input_ids=ids).logits).abs().max().item() <= TOL
+
+    class _Tokenizer:
+        def save_pretrained(self, path):
+            pass
+
+    out = tmp_path / "hf_actor"
+    export_hf(ours, load_model_args(base), _Tokenizer(), str(out), True, base_model=str(base))
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (again(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max().item() <= TOL
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == [5, 6] and generation.temperature == 0.7
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {"mlp_bias": True}), ("qwen2", {}),
+                                            ("llama", {"head_dim": 24})])
+def test_num_params_counts_what_transformers_counts(tmp_path, kind, overrides):
+    """`ModelArgs.num_params` (the MFU's FLOP count) against transformers' parameter count, biases included."""
+    hf = _hf_model(kind, **overrides)
+    ours = Transformer.from_pretrained(_save(hf, tmp_path))
+    assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())
