@@ -18,6 +18,7 @@ import torch
 
 from rollout import EngineConfig, LLMEngine, RequestOutput
 from rollout.sequence import sequence_key
+from tests.unit import test_engine
 from tests.unit.test_engine import VOCAB, make_engine, prompts_of, tiny_args, tiny_model
 from trainer.ppo_trainer import PPOTrainer
 from trainer.rollout_phase import EngineRollout, NoCacheRollout, derive_seed
@@ -27,12 +28,7 @@ CPU = torch.device("cpu")
 CONFIG_EOS, TOKENIZER_EOS = 3, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = test_engine._one_thread  # autouse fixture: tiny engines run faster on one thread
 
 
 class _Actor:
