@@ -21,13 +21,17 @@ $(INSTALL_STAMP): requirements.txt
 	$(PYTHON) -m pip install -r requirements.txt triton pyflakes
 	@mkdir -p $(dir $@) && touch $@
 
-train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml ARGS="trainer.total_training_steps=5"
-	launch/run_single_node.sh --config $(CONFIG) $(ARGS)
+# NPROC given to make (make train NPROC=1, or in the environment) sets the config's trainer.n_gpus_per_node
+# too; otherwise the launcher starts the config's n_gpus_per_node ranks.
+TRAIN_NPROC = $(if $(filter command environment,$(origin NPROC)),trainer.n_gpus_per_node=$(NPROC))
 
-demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks (SEED=k: another seed)
+train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml ARGS="trainer.total_training_steps=5" [NPROC=n]
+	launch/run_single_node.sh --config $(CONFIG) $(TRAIN_NPROC) $(ARGS)
+
+demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks (NPROC=n: n ranks; SEED=k: another seed)
 	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR) --seed $(SEED)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml \
-		data.train_files=[$(DEMO_DIR)/train.jsonl] data.val_files=[$(DEMO_DIR)/val.jsonl] \
+		trainer.n_gpus_per_node=$(NPROC) data.train_files=[$(DEMO_DIR)/train.jsonl] data.val_files=[$(DEMO_DIR)/val.jsonl] \
 		actor_rollout_ref.model.path=$(DEMO_DIR)/sft_model trainer.default_local_dir=$(DEMO_RUN) \
 		data.seed=$(SEED) trainer.seed=$(SEED) trainer.resume_mode=disable $(ARGS)
 	$(PYTHON) -m tools.plot $(DEMO_RUN)

@@ -4,7 +4,7 @@
 #
 #   launch/run_single_node.sh --config configs/gsm8k_qwen2.5_0.5b.yaml trainer.total_epochs=2
 #
-# What the launcher adds to torchrun (ppo/launch.py): the config is checked in one process before
+# What the launcher adds to torchrun (trainer/launch.py): the config is checked in one process before
 # any rank starts; a config or input error is one line and exit code 2 or 1; SIGTERM, SIGUSR1 or
 # Ctrl-C make the ranks write a checkpoint and exit 0, reported in one line (Ctrl-C twice: stop at
 # once); only rank 0's output reaches the terminal, every rank's log is kept.
@@ -12,9 +12,12 @@
 # Environment: NPROC (ranks; default trainer.n_gpus_per_node, which it must equal), LOG_DIR
 # (default <trainer.default_local_dir>/logs), MAX_RESTARTS (default 0; with >0 a crashed rank
 # restarts the job, which resumes from the last checkpoint through trainer.resume_mode=auto),
-# PYTHON (default python3).
+# PYTHON (default python3). Run it from anywhere: relative paths (--config, trainer.default_local_dir,
+# data files, LOG_DIR) are relative to the working directory, as with python; the repository is put
+# on PYTHONPATH. `--print-config` checks the config against this launch and prints it, starting nothing.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+repo=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 # Never let NCCL use NVLink multicast (NVLS) on shared machines.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}

@@ -18,7 +18,7 @@ def parse_args(argv=None):
     p.add_argument("--print-config", action="store_true",
                    help="validate against the launch the config describes, print the resolved config and exit")
     add_config_args(p)
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:

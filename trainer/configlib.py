@@ -9,6 +9,7 @@ options that verl has but meshppo does not support.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -182,20 +183,167 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
 
 
-def parse_override(arg: str) -> tuple[list[str], Any]:
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is a ConfigError
+    (`yaml.safe_load` keeps the last one silently: a second `data:` section drops the first).
+    `source` names what is read in the message ("config file 'x.yaml'")."""
+
+    source = "YAML"
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._paths: dict[int, str] = {}  # id of a mapping node: its dotted key
+        self._checked: set[int] = set()  # mapping nodes already checked (a merge key flattens them)
+
+    def construct_document(self, node):
+        # The dotted key of every mapping node, for the message (nested mappings are built
+        # lazily, out of order, so the constructor cannot track its parents itself).
+        todo = [(node, "")]
+        while todo:
+            n, path = todo.pop()
+            if isinstance(n, yaml.MappingNode):
+                self._paths[id(n)] = path
+                for k, v in n.value:
+                    key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                    todo.append((v, f"{path}.{key}" if path else key))
+            elif isinstance(n, yaml.SequenceNode):
+                todo.extend((v, f"{path}[{i}]") for i, v in enumerate(n.value))
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode) and id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: dict[tuple, int] = {}
+            for k, _ in node.value:
+                if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = k.start_mark.line + 1
+                if (k.tag, k.value) in seen:
+                    parent = self._paths.get(id(node), "")
+                    key = f"{parent}.{k.value}" if parent else k.value
+                    raise ConfigError(f"{self.source}: key {key!r} appears twice "
+                                      f"(lines {seen[(k.tag, k.value)]} and {line})")
+                seen[(k.tag, k.value)] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(stream, source: str):
+    """One YAML document (None when empty) with `_StrictLoader`; YAML syntax errors propagate."""
+    loader = _StrictLoader(stream)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _optional(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _text_kinds(tp) -> tuple[bool, bool]:
+    """For a field of type `tp`: (a scalar is a string, the items of a list are strings) — `str`,
+    `str | None`, `list[str]`, `str | list[str]` and the like; (False, False) for any type that
+    also takes numbers or booleans."""
+    if tp is None:
+        return False, False
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    args = [a for a in args if a is not type(None)]
+    list_str = [a for a in args if typing.get_origin(a) is list and typing.get_args(a) == (str,)]
+    if args and all(a is str or a in list_str for a in args):
+        return True, bool(list_str)  # list[str] also takes one string: `trainer.logger=console`
+    return False, False
+
+
+def _field_type(cls, path: list[str]):
+    """The type of the field at `path` under dataclass `cls`; None for an unknown key (reported
+    later, with a suggestion, by `build_dataclass`)."""
+    tp = cls
+    for part in path:
+        if _optional(tp):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if not is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+        if tp is None:
+            return None
+    return tp
+
+
+def _typed_value(loader, node, tp):
+    """The YAML value of `node` (already checked and built by `loader`) for a field of type `tp`,
+    except that a plain (unquoted) scalar for a string field keeps its text: YAML would read
+    `20250101`, `2025-01-01`, `1.0` or `on` as a number, a date or a boolean. `null` stays null."""
+    scalar_text, items_text = _text_kinds(tp)
+    if isinstance(node, yaml.ScalarNode):
+        if scalar_text and node.style is None and node.tag != "tag:yaml.org,2002:null":
+            return node.value
+    elif isinstance(node, yaml.SequenceNode):
+        if items_text:
+            return [_typed_value(loader, item, str) for item in node.value]
+    elif isinstance(node, yaml.MappingNode):
+        if _optional(tp):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            loader.flatten_mapping(node)
+            out = {}
+            for k, v in node.value:
+                key = loader.construct_object(k, deep=True)
+                out[key] = _typed_value(loader, v, hints.get(key) if isinstance(key, str) else None)
+            return out
+    return loader.construct_object(node, deep=True)
+
+
+def parse_override(arg: str, cls=None) -> tuple[list[str], Any]:
+    """`dotted.key=value` as (key parts, value); the value is YAML (`[a, b]`, `{lr: 1e-5}`, `null`).
+
+    Hydra's `+key=value` and `++key=value` are accepted and mean `key=value`: meshppo's schema is
+    fixed, so there is no key to add (`+` on an existing key is accepted, like Hydra's `++`, and an
+    unknown key is still an error naming the closest valid one).
+
+    Given the config dataclass `cls`, a value for a string option (`str`, `str | None`, the items
+    of `list[str]`, the string options of a section given as a mapping) is its text as written,
+    not what YAML reads: `trainer.experiment_name=2025-01-01` is the string '2025-01-01', not a
+    date. Quotes are honoured (`'"1.0"'` is `1.0`) and `null` is null (None for an optional string).
+    """
     if "=" not in arg:
         raise ConfigError(f"override {arg!r} must look like dotted.key=value")
     key, raw = arg.split("=", 1)
+    key = key.removeprefix("++") if key.startswith("++") else key.removeprefix("+")
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {arg!r} has an empty key part")
+    path = key.split(".")
+    if raw == "":
+        return path, ""
+    loader = _StrictLoader(raw)
+    loader.source = f"override {arg!r}"
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        node = loader.get_single_node()
+        if node is None:
+            return path, None
+        value = loader.construct_document(node)  # checks it (a key twice) and builds it
+        if cls is not None:
+            value = _typed_value(loader, node, _field_type(cls, path))
     except yaml.YAMLError as e:
         raise ConfigError(f"override {arg!r}: value is not valid YAML ({e})") from None
-    return key.split("."), value
+    finally:
+        loader.dispose()
+    return path, value
+
+
+def _merge_mapping(into: dict, value: dict) -> None:
+    for k, v in value.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge_mapping(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v)
 
 
 def merge_override(data: dict, path: list[str], value) -> None:
+    """Set `path` in `data` to `value`. A mapping merges into the section already there, key by
+    key and recursively (as OmegaConf.merge does): `actor_rollout_ref.actor.optim={lr: 1e-5}`
+    keeps the YAML's other optim options. Any other value replaces."""
     node = data
     for part in path[:-1]:
         child = node.get(part)
@@ -204,7 +352,10 @@ def merge_override(data: dict, path: list[str], value) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"override {'.'.join(path)}: {part!r} is a value, not a section")
         node = child
-    node[path[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+        _merge_mapping(node[path[-1]], value)
+    else:
+        node[path[-1]] = copy.deepcopy(value) if isinstance(value, (dict, list)) else value
 
 
 def read_yaml(path) -> dict:
@@ -213,7 +364,7 @@ def read_yaml(path) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = _load_yaml(f, f"config file {str(path)!r}")
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if data is None:
@@ -226,7 +377,7 @@ def read_yaml(path) -> dict:
 def load_config(cls, path=None, overrides: list[str] = ()):
     data = read_yaml(path) if path else {}
     for arg in overrides:
-        merge_override(data, *parse_override(arg))
+        merge_override(data, *parse_override(arg, cls))
     return build_dataclass(cls, data)
 
 

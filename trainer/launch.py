@@ -2,7 +2,8 @@
 process group.
 
 `python -m trainer.launch [--nnodes N ...] --config CONFIG [dotted.key=value ...]` is what
-`launch/run_single_node.sh` and the SLURM templates run. Over plain torchrun it adds:
+`launch/run_single_node.sh` and the SLURM templates run (`--print-config`: check the config
+against this launch and print it, starting nothing). Paths are relative to the working directory. Over plain torchrun it adds:
 
 * a pre-flight in one process before any rank starts (`trainer.setup.preflight`: the config
   against the launch it describes and against this one, optional packages, GPUs): a config
@@ -46,7 +47,10 @@ LAUNCH_DIR_ENV, LOG_DIR_ENV = "MESHPPO_LAUNCH_DIR", "MESHPPO_LOG_DIR"
 # What the trainer reacts to (checkpoint and exit 0), and what the launcher takes from torchrun.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_ppo.py")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torchrun's script by its absolute path: the launcher runs in the user's directory.
+TRAIN_SCRIPT = os.path.join(REPO_ROOT, "train_ppo.py")
+DEFAULT_CONFIG = os.path.join("configs", "demo.yaml")
 
 
 def _free_port() -> int:
@@ -68,9 +72,14 @@ def local_world_size_from_env() -> int:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """`--config` and the dotted overrides, as train_ppo.py and the launcher take them."""
-    p.add_argument("--config", default="configs/demo.yaml", help="YAML config file (default: configs/demo.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5")
+    """`--config` and the dotted overrides, as train_ppo.py and the launcher take them. Parse with
+    `parse_intermixed_args`: options may come after overrides. A relative `--config` is relative
+    to the working directory; the default is configs/demo.yaml there if there is one, else the
+    repository's."""
+    default = DEFAULT_CONFIG if os.path.isfile(DEFAULT_CONFIG) else os.path.join(REPO_ROOT, DEFAULT_CONFIG)
+    p.add_argument("--config", default=default, help="YAML config file (default: the repository's configs/demo.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5 "
+                                                "(Hydra's +key=value and ++key=value mean the same)")
 
 
 # ---------------------------------------------------------------------- a rank's side
@@ -305,20 +314,30 @@ def main(argv=None) -> int:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all ranks after a crash this many times (they resume from the last checkpoint)")
     p.add_argument("--log-dir", default=None, help="rank and torchrun logs; default: <trainer.default_local_dir>/logs")
+    p.add_argument("--print-config", action="store_true",
+                   help="check the config against this launch, print the resolved config and exit (starts no rank)")
     add_config_args(p)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
 
-    from trainer.config import PPOConfig
-    from trainer.configlib import ConfigError, load_config
+    from trainer.config import PPOConfig, config_notes
+    from trainer.configlib import ConfigError, load_config, to_commented_yaml
     from trainer.setup import preflight
 
     try:
+        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
         cfg = load_config(PPOConfig, args.config, args.overrides)
-        nproc = args.nproc_per_node or cfg.trainer.n_gpus_per_node
+        nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc)
     except ConfigError as e:
         print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(to_commented_yaml(cfg))
+        for note in config_notes(cfg):
+            print(f"meshppo: {note}", file=sys.stderr)
+        return 0
     return _Launch(cfg, args, nproc).run()
 
 

@@ -1,0 +1,145 @@
+"""Command-line and YAML parsing edges: duplicate YAML keys, mapping overrides, string options
+given YAML-looking text, options after overrides, Hydra's `+`/`++`, `--nproc-per-node 0`."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import PPOConfig
+from trainer.configlib import ConfigError, load_config, parse_override
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(ROOT, "configs", "demo.yaml")
+
+
+def _cfg(*overrides, path=DEMO):
+    return load_config(PPOConfig, path, list(overrides))
+
+
+# 1. a key written twice in a YAML file is an error naming the file, the key and both lines
+def test_duplicate_yaml_keys_are_errors(tmp_path):
+    top = tmp_path / "top.yaml"
+    top.write_text("data:\n  seed: 3\ntrainer:\n  seed: 4\ndata:\n  shuffle: false\n")
+    with pytest.raises(ConfigError) as e:
+        _cfg(path=top)
+    assert str(e.value) == f"config file {str(top)!r}: key 'data' appears twice (lines 1 and 5)"
+
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("trainer:\n  seed: 4\n  total_epochs: 1\n  seed: 5\n")
+    with pytest.raises(ConfigError) as e:
+        _cfg(path=nested)
+    assert str(e.value) == f"config file {str(nested)!r}: key 'trainer.seed' appears twice (lines 2 and 4)"
+
+    # Not a duplicate: the same key in two sections, and a YAML merge key overridden explicitly.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("data: {seed: 3}\ntrainer: {seed: 4}\n"
+                  "x: &opt {lr: 1.0e-5, weight_decay: 0.1}\nactor_rollout_ref:\n  actor:\n    optim:\n"
+                  "      <<: *opt\n      lr: 2.0e-5\n")
+    with pytest.raises(ConfigError, match="unknown config key 'x'"):
+        _cfg(path=ok)
+
+
+# 2. a mapping value merges into the section; any other value replaces
+def test_mapping_override_merges_into_section():
+    assert _cfg().actor_rollout_ref.actor.optim.weight_decay == 0.0  # demo.yaml's, not the default 0.01
+    optim = _cfg("actor_rollout_ref.actor.optim={lr: 1e-5}").actor_rollout_ref.actor.optim
+    assert optim.lr == 1e-5 and optim.weight_decay == 0.0
+    actor = _cfg("actor_rollout_ref.actor={optim: {lr: 2e-5}}").actor_rollout_ref.actor
+    assert actor.optim.lr == 2e-5 and actor.optim.weight_decay == 0.0
+    assert _cfg("actor_rollout_ref.actor.optim.betas=[0.8, 0.9]").actor_rollout_ref.actor.optim.betas == [0.8, 0.9]
+    assert _cfg("trainer.logger=[console]").trainer.logger == ["console"]  # a list still replaces
+
+
+# 3. string options take the override's text as written
+@pytest.mark.parametrize("text", ["20250101", "2025-01-01", "1.0", "on", "yes", "0x1F", "12:30"])
+def test_string_options_keep_override_text(text):
+    cfg = _cfg(f"trainer.experiment_name={text}", f"trainer.project_name={text}", f"data.tokenizer={text}",
+               f"trainer.logger=[console, {text}]")
+    assert cfg.trainer.experiment_name == text and cfg.trainer.project_name == text
+    assert cfg.data.tokenizer == text  # str | None
+    assert cfg.trainer.logger == ["console", text]  # list[str] items
+
+
+def test_string_override_quotes_and_null():
+    assert _cfg("trainer.experiment_name='1.0'").trainer.experiment_name == "1.0"
+    assert _cfg('trainer.experiment_name="a b"').trainer.experiment_name == "a b"
+    assert _cfg("trainer.validation_data_dir=2025").trainer.validation_data_dir == "2025"  # str | None
+    assert _cfg("trainer.validation_data_dir=null").trainer.validation_data_dir is None
+    assert _cfg("trainer.validation_data_dir=2025", "trainer.validation_data_dir=~").trainer.validation_data_dir is None
+    assert parse_override("data.tokenizer=null", PPOConfig) == (["data", "tokenizer"], None)
+    assert _cfg("trainer.logger=2025").trainer.logger == ["2025"]
+    # a section given as a mapping: its string options too
+    assert _cfg("trainer={experiment_name: 2025, seed: 7}").trainer.experiment_name == "2025"
+    # only on the command line: what YAML reads is kept for other types
+    assert parse_override("trainer.experiment_name=2025") == (["trainer", "experiment_name"], 2025)
+    assert parse_override("trainer.seed=2025", PPOConfig) == (["trainer", "seed"], 2025)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.seed=abc", "trainer.seed: expected an integer, got 'abc'"),
+    ("trainer.seed=on", "trainer.seed: expected an integer, got True"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected a number, got 'fast'"),
+    ("trainer.experiment_name=null", "trainer.experiment_name: expected a string, got None"),
+])
+def test_non_string_options_still_reject(override, message):
+    with pytest.raises(ConfigError) as e:
+        _cfg(override)
+    assert str(e.value).startswith(message)
+
+
+# 5. options after overrides
+def test_options_after_overrides(capsys):
+    from trainer import cli, launch
+
+    args = cli.parse_args(["--config", DEMO, "trainer.seed=1", "--print-config", "trainer.test_freq=5"])
+    assert args.print_config and args.config == DEMO and args.overrides == ["trainer.seed=1", "trainer.test_freq=5"]
+    code = launch.main(["--config", DEMO, "trainer.seed=1", "--nproc-per-node=2", "trainer.test_freq=5",
+                        "--print-config"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "  seed: 1  #" in out and "  test_freq: 5  #" in out
+
+
+# 6. Hydra's + and ++ prefixes
+def test_hydra_plus_prefixes():
+    assert parse_override("+trainer.seed=3") == (["trainer", "seed"], 3)
+    assert parse_override("++trainer.seed=3") == (["trainer", "seed"], 3)
+    assert _cfg("+trainer.seed=3", "++data.seed=4").trainer.seed == 3
+    assert _cfg("++data.seed=4").data.seed == 4
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.sed'; did you mean 'trainer.seed'"):
+        _cfg("+trainer.sed=3")
+    with pytest.raises(ConfigError, match="empty key part"):
+        parse_override("++=3")
+
+
+# 8. --nproc-per-node below 1: one line, exit code 2
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_nproc_per_node_below_one(value):
+    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", DEMO, "--nproc-per-node", value],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"meshppo: config error: --nproc-per-node must be at least 1, got {value}"]
+
+
+# 7. `make demo NPROC=1` (and `make train NPROC=1`) describe the launch they start
+@pytest.mark.parametrize("target", ["demo", "train"])
+def test_make_nproc_sets_n_gpus_per_node(target):
+    import shlex
+
+    from trainer.config import validate
+
+    r = subprocess.run(["make", "-n", "-B", target, "NPROC=1", "DEMO_DIR=assets"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.replace("\\\n", " ").splitlines()
+    words = shlex.split(next(line for line in lines if "train_ppo.py" in line or "run_single_node.sh" in line))
+    start = next(i for i, w in enumerate(words) if w.endswith(("train_ppo.py", "run_single_node.sh")))
+    if target == "demo":
+        assert "--nproc_per_node=1" in words
+    args = words[start + 1:]
+    assert args[0] == "--config"
+    cfg = load_config(PPOConfig, os.path.join(ROOT, args[1]), args[2:])
+    assert cfg.trainer.n_gpus_per_node == 1
+    validate(cfg, 1, 1)
