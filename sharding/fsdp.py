@@ -356,19 +356,31 @@ def _init_local_shards(model: Transformer, seed: int) -> None:
     """normal(0, initializer_range) weights, unit norms, zero biases: `init_tensors`' recipe,
     drawn shard by shard on each rank's own device; LoRA adapters as `lora_init_tensors`
     (A uniform in ±1/√in, B zero), from their own generator so that the base weights are those
-    of the same build without LoRA (the reference model)."""
-    import torch.distributed as dist
+    of the same build without LoRA (the reference model).
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    A rank's generators are seeded by which shard it holds (its coordinate over the sharded mesh
+    dims), not by its rank: the replicas of HYBRID_SHARD and of data parallelism hold the same
+    shards and draw the same numbers, so every replica starts from the same model."""
     generators: dict = {}
 
-    def generator(device, stream: int) -> torch.Generator:
-        if (device, stream) not in generators:
-            generators[device, stream] = torch.Generator(device=device).manual_seed(seed * 65537 + rank + stream)
-        return generators[device, stream]
+    def generator(device, shard: int, stream: int) -> torch.Generator:
+        if (device, shard, stream) not in generators:
+            generators[device, shard, stream] = torch.Generator(device=device).manual_seed(
+                seed * 65537 + shard + stream)
+        return generators[device, shard, stream]
+
+    def shard_index(p) -> int:
+        if not isinstance(p, DTensor):
+            return 0  # a whole tensor on every rank (the replicated runtime)
+        mesh, coord, index = p.device_mesh, p.device_mesh.get_coordinate(), 0
+        for dim, placement in enumerate(p.placements):
+            if placement.is_shard():
+                index = index * mesh.size(dim) + coord[dim]
+        return index
 
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
+        shard = shard_index(p)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
         elif name.endswith((".bias", ".lora_B")):
@@ -376,9 +388,9 @@ def _init_local_shards(model: Transformer, seed: int) -> None:
         elif name.endswith(".lora_A"):
             # A is sharded by rows: every shard keeps the fan-in (its columns) of the bound.
             bound = p.shape[1] ** -0.5
-            local.uniform_(-bound, bound, generator=generator(local.device, 1 << 20))
+            local.uniform_(-bound, bound, generator=generator(local.device, shard, 1 << 20))
         else:
-            local.normal_(0.0, model.args.initializer_range, generator=generator(local.device, 0))
+            local.normal_(0.0, model.args.initializer_range, generator=generator(local.device, shard, 0))
 
 
 def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:

@@ -40,3 +40,27 @@ def _body(rank, world):
 
 def test_dummy_weights_are_drawn_per_shard_and_seeded():
     run_distributed(_body, 2)
+
+
+def _replicas_body(rank, world):
+    """4 ranks as HYBRID_SHARD (2 replicas x 2 shards) and as data parallelism (4 replicas): every
+    replica holds the same model (its shards drawn by shard, not by rank)."""
+    import torch.distributed as dist
+
+    fp32 = {"param_dtype": "fp32"}
+    for fsdp_size in (2, 1):
+        meshes = ParallelDims(world, fsdp_size=fsdp_size).build_meshes("cpu")
+        full = _full(build_fsdp_model(ARGS, meshes.train, FSDPConfig(fsdp_size=fsdp_size, mixed_precision=fp32),
+                                      seed=3, dummy_weights=True))
+        for name, w in full.items():
+            every = [torch.empty_like(w) for _ in range(world)]
+            dist.all_gather(every, w.contiguous())
+            for r in range(1, world):
+                assert torch.equal(every[r], every[0]), (fsdp_size, name, r)
+            if fsdp_size == 2 and not name.endswith(("norm.weight", ".bias")):
+                halves = w.flatten().chunk(2)
+                assert not torch.equal(halves[0], halves[1]), name  # the two shards draw different numbers
+
+
+def test_dummy_weights_are_the_same_on_every_replica():
+    run_distributed(_replicas_body, 4)
