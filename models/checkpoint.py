@@ -74,6 +74,18 @@ def iter_hf_tensors(path):
                     yield name, f.get_tensor(key)
 
 
+def checkpoint_tensor_names(path) -> set[str]:
+    """The meshppo names of the tensors in a checkpoint directory (read from the safetensors
+    headers: no tensor is loaded)."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(n for n in map(hf_key_to_meshppo, f.keys()) if n is not None)
+    return names
+
+
 def load_pretrained(cls, path, dtype=torch.float32, device="cpu", head: str = "lm"):
     """Load a checkpoint into `cls(args, head)`.
 

@@ -17,6 +17,7 @@ from models import ModelArgs, load_model_args, torch_dtypes
 from models.lora import trainable_parameters
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
+from trainer.errors import UserError
 from trainer.launch import DistContext
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model
@@ -86,6 +87,17 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
+def _check_reward_model(path: str) -> None:
+    """A reward model needs a trained score head: a causal-LM checkpoint has none, and the value
+    head that a critic may start at zero would make every reward 0 (checked before any model loads)."""
+    from models.checkpoint import checkpoint_tensor_names
+
+    if "score.weight" not in checkpoint_tensor_names(path):
+        raise UserError(f"reward_model.path {path!r} has no score head (score.weight): a reward model is a meshppo "
+                        "value model or a Hugging Face *ForSequenceClassification / *ForTokenClassification "
+                        "directory, not a causal LM (it would score every response 0)")
+
+
 def _compute_dtype_guard(cfg_fsdp, device: torch.device):
     """bf16 matmuls on CPU are slow and lossy; CPU runs compute in the master dtype."""
     if device.type == "cpu":
@@ -96,6 +108,8 @@ def _compute_dtype_guard(cfg_fsdp, device: torch.device):
 def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
     arr = cfg.actor_rollout_ref
     path = arr.model.path
+    if cfg.reward_model.enable:
+        _check_reward_model(cfg.reward_model.path)
     actor_args = load_model_args(path)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)

@@ -59,6 +59,9 @@ CASES = {
                                "actor_rollout_ref.actor.optim.lr: -0.0001 is out of range; allowed: >= 0"),
     "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],
                                    2, "larger than the training set"),
+    # a causal LM has no score head: as a reward model it would score every response 0
+    "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.path={a}/sft_model"],
+                                          1, "has no score head (score.weight)"),
 }
 
 
