@@ -201,8 +201,9 @@ def score_responses(
         if not math.isfinite(score):
             raise RewardError(f"reward function {name} returned non-finite score {score} on {where}")
         scores.append(score)
-        for key in sample_extras.keys() - extras.keys():
-            extras[key] = [math.nan] * i
+        for key in sample_extras:  # new keys in the order the function gave them (a set's order varies by process)
+            if key not in extras:
+                extras[key] = [math.nan] * i
         for key, values in extras.items():
             values.append(sample_extras.get(key, math.nan))
     return scores, extras

@@ -285,7 +285,19 @@ class PPOTrainer:
                            device=self.device)
         if rm_cfg.enable:
             out = out + self.reward_model.scores(ro)
-        return out, extras
+        return out, self._agreed_extras(extras, len(ro))
+
+    @staticmethod
+    def _agreed_extras(extras: dict[str, list[float]], rows: int) -> dict[str, list[float]]:
+        """The reward function's extra columns with every rank's names, in sorted order (NaN where
+        this rank's samples gave none): the metrics and dumps reduce them key by key, so every rank
+        must see the same keys in the same order."""
+        names = sorted(extras)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, names)
+            names = sorted(set().union(*every))
+        return {k: extras.get(k, [math.nan] * rows) for k in names}
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict:
@@ -491,7 +503,7 @@ class PPOTrainer:
             var_r, var_d = (x / cnt for x in comm.all_reduce_values([
                 float((((ret - mu_r) ** 2) * mask).sum()), float((((ret - v - mu_d) ** 2) * mask).sum())]))
             m["critic/vf_explained_var"] = 1.0 - var_d / (var_r + 1e-8)
-        for k, vals in extras.items():
+        for k, vals in extras.items():  # the same keys in the same order on every rank (`_agreed_extras`)
             t = torch.tensor(vals, dtype=torch.float64, device=dev)
             ok = ~torch.isnan(t)
             total, count = comm.all_reduce_values([float(t[ok].sum()), float(ok.sum())])
@@ -557,7 +569,10 @@ class PPOTrainer:
         if dumped:
             dump_generations(dump_dir, self.global_step, dumped)
         out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
-        out.update(self.timer.pop())
+        # validation's own phases (its generation's reshard, graph capture) as val_*: the step's
+        # timings of the same names stay the step's
+        out.update({k if k == "timing_s/validate" else k.replace("timing_s/", "timing_s/val_", 1): v
+                    for k, v in self.timer.pop().items()})
         return out
 
     # ------------------------------------------------------------------ loop

@@ -188,3 +188,16 @@ def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then
     assert [row["actor/lr"] for row in rows] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
     assert state["loader"] == {"epoch": 0, "position": 3 * BATCH} and state["world_size"] == after
+
+
+def test_validation_timings_are_named_as_validation(two_step_run):
+    """Validation regenerates (reshard, generation): its phases are logged as timing_s/val_*, so on a
+    step that validates, timing_s/reshard and the like stay the step's own."""
+    rows = read_metrics(two_step_run / "base" / "run")
+    val_only, last = rows[0], rows[-1]
+    assert val_only["step"] == 0 and "actor/pg_loss" not in val_only
+    timings = {k for k in val_only if k.startswith("timing_s/")}
+    assert "timing_s/validate" in timings and "timing_s/val_reshard" in timings, timings
+    assert all(k == "timing_s/validate" or k.startswith("timing_s/val_") for k in timings), timings
+    # the validating step 2 carries both: the step's reshard and validation's
+    assert {"timing_s/reshard", "timing_s/val_reshard", "timing_s/step"} <= set(last), sorted(last)

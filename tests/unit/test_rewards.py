@@ -174,6 +174,15 @@ def test_score_responses_extras_missing_in_some_samples_are_nan():
     assert math.isnan(extras["late"][0]) and extras["late"][1] == 3.0 and math.isnan(extras["late"][2])
 
 
+def test_score_responses_extras_keep_the_functions_key_order():
+    """New keys in the order the function returned them (not a set's order, which varies by process)."""
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1.0, "zeta": 1.0, "alpha": 2.0, "mid": 3.0}
+
+    for _ in range(3):
+        assert list(score_responses(fn, ["d"] * 2, ["a", "b"], ["", ""])[1]) == ["zeta", "alpha", "mid"]
+
+
 def test_score_responses_errors(custom_file):
     line = CUSTOM.splitlines().index('        raise KeyError("boom")') + 1
     with pytest.raises(RewardError, match=r"reward function broken raised on sample 1 \(data_source='gsm'\) "
