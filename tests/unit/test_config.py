@@ -68,6 +68,11 @@ def test_dotted_override_types():
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes=[1, 0]", "cudagraph_capture_sizes[1]: 0 is out of range"),
     ("algorithm.gamma=.nan", "algorithm.gamma: expected a finite number, got nan"),
     ("trainer.preemption_grace_s=-5", "trainer.preemption_grace_s: -5.0 is out of range; allowed: >= 0"),
+    # a string option keeps an override's text (2025-01-01 stays a string); the others still reject text
+    ("trainer.seed=abc", "trainer.seed: expected an integer, got 'abc'"),
+    ("trainer.seed=on", "trainer.seed: expected an integer, got True"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected a number, got 'fast'"),
+    ("trainer.experiment_name=null", "trainer.experiment_name: expected a string, got None"),
 ])
 def test_bad_overrides_name_the_problem(override, message):
     with pytest.raises(ConfigError) as e:
