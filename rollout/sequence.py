@@ -25,6 +25,15 @@ def mix32(x: int) -> int:
     return x
 
 
+def derive_seed(seed: int, *parts: int) -> int:
+    """The seed of a sub-stream of `seed` (a rollout replica, a validation chunk): a 32-bit hash of
+    (seed, *parts) with `mix32`. Unlike `seed + part`, neighbouring seeds' sub-streams do not coincide."""
+    h = mix32((seed & _M32) ^ mix32(seed >> 32))
+    for p in parts:
+        h = mix32(h ^ mix32(p + 0x27D4EB2F))
+    return h
+
+
 def sequence_key(seed: int, prompt_index: int, sample_index: int) -> int:
     """The sampler key of one sample: a 32-bit hash of (seed, prompt index, sample index)."""
     h = mix32((seed & _M32) ^ mix32(seed >> 32))

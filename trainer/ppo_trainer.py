@@ -39,7 +39,8 @@ from trainer.launch import DistContext, init_distributed
 from trainer.rollout_batch import RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, masked_mean_global)
-from trainer.rollout_phase import build_rollout, derive_seed
+from rollout.sequence import derive_seed
+from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, run_info
 from sharding import comm
@@ -451,7 +452,7 @@ class PPOTrainer:
                 rewards = rewards - beta * kld
                 # verl's units: the mean over responses of each response's token mean, and a step of
                 # as many samples as the batch has responses (prompts x rollout.n)
-                row_kl = kld.sum(-1) / mask.sum(-1).clamp(min=1)
+                row_kl = masked_mean(kld, mask, axis=-1)
                 current_kl = comm.all_reduce_sum(float(row_kl.sum())) / max(len(full), 1)
                 self.kl.in_reward.update(current_kl, n_steps=len(full))
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})

@@ -14,36 +14,16 @@ noise by (seed, GLOBAL prompt index, sample index): every replica passes the ste
 first prompt's index in the whole batch, so no two samples of a step share a stream and a sample
 does not depend on how the prompts are split over replicas. (Adding the replica to the seed made
 replica r at step t replay replica 0's noise at step t + r.) The HF loop draws from one generator
-per replica, seeded with `derive_seed(seed, replica)`.
+per replica, seeded with `rollout.sequence.derive_seed(seed, replica)`.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from rollout.sequence import derive_seed
 from trainer.roles import Actor
 from trainer.tracking import PeakMemory, Timer
-
-
-_M64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64: a bijective 64-bit integer hash."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def derive_seed(seed: int, *parts: int) -> int:
-    """The seed of a sub-stream of `seed` (a replica, a validation chunk): a 64-bit hash of
-    (seed, *parts), in [0, 2^63). Deterministic; unlike `seed + part`, the sub-streams of
-    neighbouring seeds do not coincide."""
-    h = _mix64(seed & _M64)
-    for p in parts:
-        h = _mix64(h ^ _mix64((p & _M64) ^ 0xD1B54A32D192ED03))
-    return h >> 1
 
 
 def _all_gather_outputs(local: list, index: int, count: int) -> list:
@@ -133,4 +113,4 @@ def build_rollout(cfg, models, actor: Actor, engine, rank: int, peaks: PeakMemor
                          peaks, timer, free_cache=r.free_cache_engine, free_weights=r.free_engine_weights)
 
 
-__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout", "derive_seed"]
+__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout"]

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from rollout import EngineConfig, LLMEngine, RequestOutput
-from rollout.sequence import sequence_key
+from rollout.sequence import derive_seed, sequence_key
 from tests.unit import test_engine
 from tests.unit.test_engine import VOCAB, make_engine, prompts_of, tiny_args, tiny_model
 from trainer.ppo_trainer import PPOTrainer
-from trainer.rollout_phase import EngineRollout, NoCacheRollout, derive_seed
+from trainer.rollout_phase import EngineRollout, NoCacheRollout
 from trainer.tracking import PeakMemory, Timer
 
 CPU = torch.device("cpu")
