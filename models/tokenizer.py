@@ -15,6 +15,8 @@ import json
 import os
 
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# the files any saved tokenizer directory has at least one of
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def load_tokenizer(path: str):

@@ -552,6 +552,17 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         if (mini_seqs // world_size) % micro:
             raise ConfigError(f"sequences per rank per mini-batch ({mini_seqs // world_size}) must be a multiple of "
                               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
+    # every admitted prompt gets its full response budget: a shorter context would cut responses short
+    max_prompt = cfg.data.max_prompt_length
+    if rollout.prompt_length < max_prompt:
+        raise ConfigError(f"actor_rollout_ref.rollout.prompt_length={rollout.prompt_length} is below "
+                          f"data.max_prompt_length={max_prompt}: the data admits prompts whose responses the engine "
+                          "would cut short; raise it or leave it null (it defaults to data.max_prompt_length)")
+    if rollout.max_model_len < max_prompt + rollout.response_length:
+        raise ConfigError(f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is below "
+                          f"data.max_prompt_length + rollout.response_length = {max_prompt} + "
+                          f"{rollout.response_length}: the longest prompts' responses would be cut short; raise it "
+                          "or leave it null")
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")

@@ -36,6 +36,7 @@ from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
+from trainer.metrics import data_metrics
 from trainer.rollout_batch import RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, masked_mean_global)
@@ -96,7 +97,7 @@ class PPOTrainer:
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-        self.models = build_models(cfg, ctx, self.total_steps)
+        self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)
         self._build_roles()
         self.engine = build_engine(cfg, ctx, self.models)
@@ -328,7 +329,8 @@ class PPOTrainer:
                 with self.timer("dump_rollout"):
                     self._dump_rollouts(full, ro, parts, scores, extras)
         self.global_step += 1
-        metrics.update(self._batch_metrics(ro, scores, extras))
+        metrics.update(data_metrics(ro, scores, extras, max_prompt_length=self.cfg.data.max_prompt_length,
+                                    max_response_length=self.cfg.response_length))
         metrics.update(self.timer.pop())
         metrics.update(self._perf_metrics(ro, metrics))
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
@@ -466,51 +468,6 @@ class PPOTrainer:
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
             ro.advantages, ro.returns = adv[sel], ret[sel]
 
-    def _batch_metrics(self, ro: RolloutBatch, scores: torch.Tensor, extras: dict) -> dict:
-        mask = ro.response_mask
-        dev = self.device
-        lengths = mask.sum(-1)
-        n = comm.all_reduce_sum(float(len(ro)))
-
-        def gmean(x):
-            return comm.all_reduce_sum(float(x.sum())) / max(n, 1.0)
-
-        def gextreme(x, op):
-            t = x.float().reshape(-1)
-            v = comm.all_reduce_values([float(t.max() if op == "max" else -t.min()) if t.numel() else -math.inf],
-                                       "max")[0]
-            return v if op == "max" else -v
-
-        seq_sum = lambda t: t.sum(-1)  # noqa: E731
-        m = {
-            "critic/score/mean": gmean(scores), "critic/score/max": gextreme(scores, "max"),
-            "critic/score/min": gextreme(scores, "min"),
-            "critic/rewards/mean": gmean(seq_sum(ro.token_level_rewards)),
-            "critic/advantages/mean": masked_mean_global(ro.advantages, mask),
-            "critic/returns/mean": masked_mean_global(ro.returns, mask),
-            "response_length/mean": gmean(lengths), "response_length/max": gextreme(lengths, "max"),
-            "response_length/min": gextreme(lengths, "min"),
-            "response_length/clip_ratio": gmean(torch.tensor([1.0 if r == "length" else 0.0 for r in
-                                                              ro.finish_reasons], device=dev)),
-            "prompt_length/mean": gmean(torch.tensor([float(len(p)) for p in ro.prompts], device=dev)),
-        }
-        if ro.values is not None:
-            v, ret = ro.values, ro.returns
-            m["critic/values/mean"] = masked_mean_global(v, mask)
-            # explained variance 1 - Var(ret - v) / Var(ret), over every rank's tokens
-            cnt, s_r, s_d = comm.all_reduce_values([float(mask.sum()), float((ret * mask).sum()),
-                                                    float(((ret - v) * mask).sum())])
-            mu_r, mu_d = s_r / cnt, s_d / cnt
-            var_r, var_d = (x / cnt for x in comm.all_reduce_values([
-                float((((ret - mu_r) ** 2) * mask).sum()), float((((ret - v - mu_d) ** 2) * mask).sum())]))
-            m["critic/vf_explained_var"] = 1.0 - var_d / (var_r + 1e-8)
-        for k, vals in extras.items():  # the same keys in the same order on every rank (`_agreed_extras`)
-            t = torch.tensor(vals, dtype=torch.float64, device=dev)
-            ok = ~torch.isnan(t)
-            total, count = comm.all_reduce_values([float(t[ok].sum()), float(ok.sum())])
-            m[f"reward_extra/{k}/mean"] = total / max(count, 1.0)
-        return m
-
     def _perf_metrics(self, ro: RolloutBatch, metrics: dict) -> dict:
         dev = self.device
         lengths = ro.lengths()
@@ -523,12 +480,17 @@ class PPOTrainer:
         # the generated tokens alone are what the rollout produced.
         out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / per_gpu_s,
                "perf/response_throughput": generated / per_gpu_s}
+        # memory peaks: the largest rank's (the one that runs out first)
         if dev.type == "cuda":
-            out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"] = self.peaks.step_gb()
+            allocated, reserved = self.peaks.step_gb()
+            update = metrics["perf/max_memory_allocated_update_gb"]
+            (out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"],
+             out["perf/max_memory_allocated_update_gb"]) = comm.all_reduce_values([allocated, reserved, update], "max")
         else:
             import resource
 
-            out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            out["perf/max_memory_allocated_gb"] = comm.all_reduce_values(
+                [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], "max")[0]
         peak = _peak_flops(dev)
         upd = metrics.get("timing_s/update_actor")
         if peak and upd:

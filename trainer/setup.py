@@ -8,6 +8,7 @@ meshes -> actor -> reference (none for a LoRA actor) -> critic -> reward model -
 from __future__ import annotations
 
 import importlib.util
+import os
 import math
 from dataclasses import dataclass
 
@@ -87,15 +88,29 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def _check_reward_model(path: str) -> None:
+def _check_reward_model(path: str, actor_tokenizer) -> None:
     """A reward model needs a trained score head: a causal-LM checkpoint has none, and the value
-    head that a critic may start at zero would make every reward 0 (checked before any model loads)."""
+    head that a critic may start at zero would make every reward 0. It also reads the actor's token
+    ids as they are (there is no re-tokenization), so its vocabulary must be the actor tokenizer's.
+    Checked before any model loads."""
     from models.checkpoint import checkpoint_tensor_names
+    from models.tokenizer import TOKENIZER_FILES, load_tokenizer
 
     if "score.weight" not in checkpoint_tensor_names(path):
         raise UserError(f"reward_model.path {path!r} has no score head (score.weight): a reward model is a meshppo "
                         "value model or a Hugging Face *ForSequenceClassification / *ForTokenClassification "
                         "directory, not a causal LM (it would score every response 0)")
+    vocab = load_model_args(path).vocab_size
+    if len(actor_tokenizer) > vocab:
+        raise UserError(f"reward_model.path {path!r} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) "
+                        f"has {len(actor_tokenizer)}: the reward model reads the actor's token ids, so it needs the "
+                        "actor's vocabulary")
+    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        if load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
+            raise UserError(f"reward_model.path {path!r} has a tokenizer other than the actor's (data.tokenizer): "
+                            "meshppo gives the reward model the actor's token ids as they are (no re-tokenization), "
+                            "which another vocabulary reads as other text; use a reward model trained with the "
+                            "actor's tokenizer")
 
 
 def _compute_dtype_guard(cfg_fsdp, device: torch.device):
@@ -105,11 +120,12 @@ def _compute_dtype_guard(cfg_fsdp, device: torch.device):
     return cfg_fsdp
 
 
-def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int) -> Models:
+def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) -> Models:
+    """The step's models on their meshes; `tokenizer` is the actor's (the reward model must share it)."""
     arr = cfg.actor_rollout_ref
     path = arr.model.path
     if cfg.reward_model.enable:
-        _check_reward_model(cfg.reward_model.path)
+        _check_reward_model(cfg.reward_model.path, tokenizer)
     actor_args = load_model_args(path)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)

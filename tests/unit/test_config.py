@@ -109,6 +109,11 @@ def test_bad_overrides_name_the_problem(override, message):
      "rollout.kv_cache_dtype=fp8 needs rollout.name=native"),
     (["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.dtype=float16"],
      "kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32"),
+    # an engine context shorter than the longest admitted prompt + the response budget
+    (["data.max_prompt_length=64", "actor_rollout_ref.rollout.prompt_length=63"],
+     "actor_rollout_ref.rollout.prompt_length=63 is below data.max_prompt_length=64"),
+    (["data.max_prompt_length=64", "data.max_response_length=32", "actor_rollout_ref.rollout.max_model_len=95"],
+     "actor_rollout_ref.rollout.max_model_len=95 is below data.max_prompt_length + rollout.response_length = 64 + 32"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:

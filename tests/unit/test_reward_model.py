@@ -28,13 +28,48 @@ def test_last_token_score_equals_hf_sequence_classification(tmp_path, packed):
 def test_a_reward_model_needs_a_score_head(tmp_path):
     """A *ForSequenceClassification directory has a score head and is accepted; a causal LM has none
     (a value head would start at zero and score every response 0) and is refused naming the option."""
+    from data.demo import build_demo_tokenizer
     from trainer.errors import UserError
     from trainer.setup import _check_reward_model
 
+    actor_tok = build_demo_tokenizer()
     cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "lm")
-    _check_reward_model(str(tmp_path / "rm"))
+    _check_reward_model(str(tmp_path / "rm"), actor_tok)
     with pytest.raises(UserError, match=r"reward_model.path .*lm' has no score head"):
-        _check_reward_model(str(tmp_path / "lm"))
+        _check_reward_model(str(tmp_path / "lm"), actor_tok)
+
+
+def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
+    """The reward model is given the actor's token ids as they are: a directory saved with the actor's
+    tokenizer is accepted; one whose embedding has fewer ids than the actor's tokenizer, or whose own
+    tokenizer maps the ids to other text (two characters swapped), is refused before any model loads."""
+    from tokenizers import Tokenizer, models
+
+    from data.demo import build_demo_tokenizer
+    from trainer.errors import UserError
+    from trainer.setup import _check_reward_model
+
+    actor_tok = build_demo_tokenizer()
+    n = len(actor_tok)
+
+    def rm_dir(name, vocab_size, tokenizer=None):
+        cfg = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+        transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    _check_reward_model(rm_dir("same", n, build_demo_tokenizer()), actor_tok)
+    with pytest.raises(UserError, match=rf"embeds {n - 1} token ids but the actor's tokenizer \(data.tokenizer\) has {n}"):
+        _check_reward_model(rm_dir("small", n - 1), actor_tok)
+    vocab = actor_tok.get_vocab()
+    a, b = "1", "2"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    other = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")))
+    assert other.get_vocab() != actor_tok.get_vocab() and len(other) == n
+    with pytest.raises(UserError, match="has a tokenizer other than the actor's"):
+        _check_reward_model(rm_dir("other", n, other), actor_tok)
