@@ -14,7 +14,7 @@ INSTALL_STAMP := .make/installed$(subst /,_,$(abspath $(shell command -v $(PYTHO
 
 .PHONY: install demo train test test-slow test-gpu test-gpu-multi lint bench-gpu plot
 
-install: $(INSTALL_STAMP)  ## install meshppo's dependencies (CPU torch 2.13.0 where no torch is installed)
+install: $(INSTALL_STAMP)  ## install meshppo's dependencies (torch 2.13.0 where no torch is installed)
 
 $(INSTALL_STAMP): requirements.txt
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0

@@ -29,7 +29,7 @@ class KLGuardConfig:
 
     enable: bool = field(default=True, metadata={"help": "Check the KL every step and report actions."})
     warn_kl: float = field(
-        default=0.02, metadata={"help": "Mean per-token KL above which the step is a 'warning'."}
+        default=0.02, metadata={"help": "Mean per-token KL above which the step is a 'warning' (> 0)."}
     )
     explode_kl: float = field(
         default=0.05, metadata={"help": "Mean per-token KL above which the step is 'exploding' (> warn_kl)."}
@@ -51,7 +51,7 @@ class KLGuardConfig:
         default=1, metadata={"help": "Consecutive steps above a threshold before its action fires (>= 1)."}
     )
     max_kl_coef: float = field(
-        default=1.0, metadata={"help": "Upper bound on the KL coefficient that 'raise_coef' can reach."}
+        default=1.0, metadata={"help": "Upper bound on the KL coefficient that 'raise_coef' can reach (> 0)."}
     )
 
     def __post_init__(self):

@@ -77,7 +77,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     to the working directory; the default is configs/demo.yaml there if there is one, else the
     repository's."""
     default = DEFAULT_CONFIG if os.path.isfile(DEFAULT_CONFIG) else os.path.join(REPO_ROOT, DEFAULT_CONFIG)
-    p.add_argument("--config", default=default, help="YAML config file (default: the repository's configs/demo.yaml)")
+    p.add_argument("--config", default=default, help="YAML config file (default: configs/demo.yaml in the working directory if there is one, "
+                                              "else the repository's)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5 "
                                                 "(Hydra's +key=value and ++key=value mean the same)")
 

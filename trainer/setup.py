@@ -47,6 +47,11 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     if device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < per_node:
         raise ConfigError(f"trainer.n_gpus_per_node={per_node} but this node has {torch.cuda.device_count()} "
                           "visible GPUs (CUDA_VISIBLE_DEVICES)")
+    allocated = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    if device != "cpu" and allocated.isdigit() and int(allocated) > per_node:
+        raise ConfigError(f"this SLURM job has {allocated} GPUs on the node but trainer.n_gpus_per_node={per_node} "
+                          f"uses {per_node}: submit with --gpus-per-node={per_node}, or set "
+                          f"trainer.n_gpus_per_node={allocated}")
 
 
 @dataclass

@@ -265,3 +265,17 @@ def test_resolve_fills_inherited_values_once_and_keeps_explicit_ones():
     assert arr.ref.use_torch_compile is arr.actor.use_torch_compile is False
     again = build_dataclass(PPOConfig, dataclasses.asdict(cfg))
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+def test_preflight_refuses_slurm_gpus_the_config_leaves_idle(monkeypatch):
+    """sbatch's --gpus-per-node must be the config's trainer.n_gpus_per_node: a job given 8 GPUs for a
+    2-GPU config would hold 6 idle; the same job on the CPU, or given exactly 2, is accepted."""
+    from trainer import setup
+
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    with pytest.raises(ConfigError, match=r"this SLURM job has 8 GPUs on the node but trainer.n_gpus_per_node=2 uses "
+                                          r"2: submit with --gpus-per-node=2, or set trainer.n_gpus_per_node=8"):
+        setup.preflight(_cfg("trainer.device=auto", "trainer.n_gpus_per_node=2"))
+    setup.preflight(_cfg("trainer.device=cpu", "trainer.n_gpus_per_node=2"))
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
+    setup.preflight(_cfg("trainer.device=auto", "trainer.n_gpus_per_node=2"))
