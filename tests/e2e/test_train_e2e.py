@@ -142,3 +142,37 @@ def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(tiny_asse
     assert r.returncode == 0, r.stderr[-4000:]
     score = [row["critic/score/mean"] for row in read_metrics(run)]
     assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
+
+
+def test_reward_model_scores_the_responses(demo_assets, tmp_path):
+    """`reward_model.enable` through the whole trainer (2 ranks): a Hugging Face
+    *ForSequenceClassification directory of the actor's shape, saved with the actor's tokenizer (so
+    the vocabulary check accepts it), replaces the rule reward. Its random score head gives every
+    sample a real-valued score: the dumped scores are not the rule's 0 / 1, and they differ between
+    responses (the supervised model repeats some responses within a group: 23 distinct of 64 here)."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    rm = tmp_path / "rm"
+    cfg = transformers.Qwen2Config.from_pretrained(demo_assets / "sft_model")
+    cfg.num_labels = 1
+    torch.manual_seed(0)
+    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(rm)
+    for f in os.listdir(demo_assets / "tokenizer"):
+        shutil.copy(demo_assets / "tokenizer" / f, rm / f)
+    run = tmp_path / "run"
+    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", "data.train_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
+                           f"reward_model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
+                           f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    _check_finite(read_metrics(run), REQUIRED_ACTOR + ["actor/kl_loss", "timing_s/ref"])
+    with open(tmp_path / "dump" / "1.jsonl") as f:
+        scores = [json.loads(line)["score"] for line in f]
+    assert len(scores) == 8 * 8
+    assert not set(scores) <= {0.0, 1.0} and len(set(scores)) > 8, scores
