@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
 import shutil
 import signal
 import socket
@@ -269,6 +270,8 @@ class _Launch:
                   f"{self.torchrun_log}", file=sys.stderr)
             return returncode or 1
         code = next((codes[r] for r in sorted(codes) if codes[r]), 0)
+        if code:
+            self._show_other_ranks_errors(codes)
         if code == 0 and self.stop_signal is not None:
             latest = self._latest_checkpoint()
             where = f"checkpoint at {latest}" if latest else "no checkpoint was written"
@@ -277,6 +280,19 @@ class _Launch:
                   "resumes it (trainer.resume_mode=auto)", file=sys.stderr)
         return code
 
+
+    def _show_other_ranks_errors(self, codes: dict[int, int]) -> None:
+        """The error lines of this node's other failed ranks that rank 0 did not print: only rank 0's
+        log was copied to stderr, and an error of one rank alone (its own checkpoint file) leaves
+        rank 0 with nothing but a failed collective to say."""
+        seen = set(_error_messages(os.path.join(self.log_dir, "rank0.log")))
+        for r in sorted(codes):
+            if r == 0 or not codes[r]:
+                continue
+            for message in _error_messages(os.path.join(self.log_dir, f"rank{r}.log")):
+                if message not in seen:
+                    seen.add(message)
+                    print(f"meshppo: error (rank {r}): {message}", file=sys.stderr)
 
     def _latest_checkpoint(self) -> str | None:
         from trainer.checkpointing import CheckpointManager
@@ -287,6 +303,19 @@ class _Launch:
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the rank has already exited
         os.kill(pid, sig)
+
+
+_ERROR_LINE = re.compile(r"^meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")
+
+
+def _error_messages(path: str) -> list[str]:
+    """The messages of a rank log's `meshppo: error (rank R): ...` lines (a message relayed from
+    another rank counted as that rank's own)."""
+    try:
+        with open(path, errors="replace") as f:
+            return [m.group(1) for line in f if (m := _ERROR_LINE.match(line.rstrip("\n")))]
+    except FileNotFoundError:
+        return []
 
 
 def _print_tail(path: str, what: str, lines: int = 30) -> None:

@@ -96,16 +96,16 @@ class PPOTrainer:
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        from rewards import get_reward_fn
+
+        # the reward file is the user's input too: checked before any model loads
+        self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
 
         self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)
         self._build_roles()
         self.engine = build_engine(cfg, ctx, self.models)
         self.rollout = build_rollout(cfg, self.models, self.actor, self.engine, ctx.rank, self.peaks, self.timer)
-
-        from rewards import get_reward_fn
-
-        self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         kc = cfg.algorithm.kl_ctrl
         self.kl = KLCoefficients(in_reward=get_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
                                  in_loss=FixedKLController(cfg.actor_rollout_ref.actor.kl_loss_coef))
@@ -205,12 +205,13 @@ class PPOTrainer:
 
     def _check_abandon(self) -> None:
         """Before the first update of a step: if any rank was signalled and the updates (timed on
-        the previous step) would end after the grace period, every rank abandons the step."""
+        the previous step) would end after the grace period, every rank abandons the step. Both
+        times are agreed (the largest rank's), so every rank takes the same branch."""
         since = time.monotonic() - self._stop_time if self._stop_signal is not None else -1.0
-        since = comm.all_reduce_values([since], "max")[0]
+        since, last_update_s = comm.all_reduce_values([since, self._last_update_s], "max")
         if since < 0:
             return
-        if since + self._last_update_s > self.cfg.trainer.preemption_grace_s:
+        if since + last_update_s > self.cfg.trainer.preemption_grace_s:
             raise _AbandonStep()
 
     # ------------------------------------------------------------------ rollouts
@@ -281,13 +282,24 @@ class PPOTrainer:
                                                  ro.extra_infos)
             except RewardError as e:
                 err = str(e)
-        if comm.all_reduce_values([1.0 if err else 0.0], "max")[0]:
-            raise UserError(err or "the reward function failed on another rank (see its log)")
+        self._fail_together(err)
         out = torch.tensor(scores if scores is not None else [0.0] * len(ro), dtype=torch.float32,
                            device=self.device)
         if rm_cfg.enable:
             out = out + self.reward_model.scores(ro)
         return out, self._agreed_extras(extras, len(ro))
+
+    def _fail_together(self, err: str | None) -> None:
+        """If this or any rank hit an error (`err`: this rank's message or None), every rank raises
+        the first failing rank's message together; one rank raising alone would leave the others
+        waiting in their next collective, with nothing to say but that it failed."""
+        if not comm.all_reduce_values([1.0 if err else 0.0], "max")[0]:
+            return
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, err)
+            err = next(f"(on rank {r}) {e}" if r != self.ctx.rank else e for r, e in enumerate(every) if e)
+        raise UserError(err)
 
     @staticmethod
     def _agreed_extras(extras: dict[str, list[float]], rows: int) -> dict[str, list[float]]:
@@ -502,7 +514,7 @@ class PPOTrainer:
     def validate(self) -> dict:
         if self.val_ds is None:
             return {}
-        from rewards import score_responses
+        from rewards import RewardError, score_responses
 
         items = [self.val_ds[i] for i in range(len(self.val_ds))]
         bs = self.cfg.data.val_batch_size or len(items)
@@ -515,8 +527,13 @@ class PPOTrainer:
                 # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
-                scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
-                                                 ro.extra_infos)
+                err = None
+                try:
+                    scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
+                                                     ro.extra_infos)
+                except RewardError as e:
+                    err = str(e)
+                self._fail_together(err)
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)
                 if dump_dir and self.ctx.is_main:
@@ -627,7 +644,8 @@ def _collective_failure(e: RuntimeError) -> bool:
 
 
 def run(cfg: PPOConfig) -> int:
-    """Entry point used by train_ppo.py. User errors -> message on rank 0, exit code 1."""
+    """Entry point used by train_ppo.py. A config error: one message (rank 0), exit code 2; an
+    input error: a message from every rank that hit it, exit code 1."""
     from data import DatasetError
     from rewards import RewardError
 
@@ -647,8 +665,9 @@ def run(cfg: PPOConfig) -> int:
             print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
     except (UserError, DatasetError, RewardError, FileNotFoundError) as e:
-        if ctx.is_main or not isinstance(e, UserError):
-            print(f"meshppo: error (rank {ctx.rank}): {e}", file=sys.stderr)
+        # Every rank says what it hit: an error of one rank alone (a file of its own) would
+        # otherwise show only as the other ranks' failed collective.
+        print(f"meshppo: error (rank {ctx.rank}): {e}", file=sys.stderr)
         return 1
     except StopTraining as e:
         if ctx.is_main:

@@ -81,6 +81,36 @@ def test_input_error_on_the_ranks_is_one_line(tiny_assets, tmp_path):
     assert "(rank 1)" in (run / "logs" / "rank1.log").read_text()  # the other rank's log is kept
 
 
+def test_a_reward_error_on_one_rank_is_said_by_rank_0(tiny_assets, tmp_path):
+    """The reward function raises on rank 1 only: every rank stops in the same step, and the one
+    error line on the launcher's stderr (rank 0's) carries rank 1's error, not a failed collective."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if os.environ['RANK'] == '1':\n        raise ValueError('boom on rank 1')\n    return 0.0\n")
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"))
+    out = p.output(timeout=600)
+    assert p.returncode == 1, out
+    errors = [line for line in _lines(out) if line.startswith("meshppo: error")]
+    assert len(errors) == 1 and errors[0].startswith("meshppo: error (rank 0): (on rank 1) reward function "), out
+    assert errors[0].endswith(f"at {reward}:6: ValueError: boom on rank 1"), out
+    _no_launcher_noise(out)
+
+
+def test_an_input_error_of_one_rank_alone_reaches_the_launchers_output(tiny_assets, tmp_path):
+    """Rank 1 alone fails at set-up (its reward file import raises), so rank 0 has nothing to say but
+    that a collective lost its peer; the launcher adds rank 1's own line from rank 1's log."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\nif os.environ['RANK'] == '1':\n    raise ImportError('no module for rank 1')\n\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"))
+    out = p.output(timeout=600)
+    assert p.returncode == 1, out
+    lines = _lines(out)
+    assert any(line.startswith("meshppo: error (rank 1): importing custom reward file") and
+               "no module for rank 1" in line for line in lines), out
+    _no_launcher_noise(out)
+
+
 def _wait_for_a_step(p, run, timeout=600):
     t0 = time.time()
     while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
