@@ -490,8 +490,12 @@ class PPOTrainer:
         per_gpu_s = step_s * self.ctx.world_size if step_s > 0 else float("inf")
         # perf/throughput counts prompt + response tokens per sample (verl's and TRL's figure);
         # the generated tokens alone are what the rollout produced.
-        out = {"perf/total_num_tokens": tokens, "perf/throughput": tokens / per_gpu_s,
+        out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s, "perf/throughput": tokens / per_gpu_s,
                "perf/response_throughput": generated / per_gpu_s}
+        # verl's per-token phase times: generation per generated token, the others per token
+        for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
+            if (t := metrics.get(f"timing_s/{phase}")) is not None:
+                out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / max(generated if phase == "gen" else tokens, 1.0)
         # memory peaks: the largest rank's (the one that runs out first)
         if dev.type == "cuda":
             allocated, reserved = self.peaks.step_gb()

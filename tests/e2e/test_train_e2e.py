@@ -44,7 +44,12 @@ def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides
     assert r.returncode == 0, r.stderr[-4000:]
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2]
-    _check_finite(rows, REQUIRED_ACTOR + extra_keys)
+    _check_finite(rows, REQUIRED_ACTOR + extra_keys + ["perf/time_per_step", "timing_per_token_ms/gen",
+                                                       "timing_per_token_ms/update_actor"])
+    for row in rows:  # verl's per-token times: the phase's time over the step's tokens, all ranks'
+        assert row["perf/time_per_step"] == row["timing_s/step"]
+        assert row["timing_per_token_ms/update_actor"] == pytest.approx(
+            1000 * row["timing_s/update_actor"] / row["perf/total_num_tokens"], rel=1e-12)
     assert os.path.isfile(run / "hf_actor" / "config.json")
     if name == "kl_in_reward_adaptive":
         # verl's update between the two steps: beta *= 1 + clip(kl / target - 1, +-0.2) * n_steps / horizon, with
