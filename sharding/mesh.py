@@ -145,11 +145,13 @@ class ParallelDims:
         return torch.tensor(rows, dtype=torch.int)
 
     # ------------------------------------------------------------- meshes
-    def build_meshes(self, device_type: str | None = None) -> "ParallelMeshes":
+    def build_meshes(self, device_type: str | None = None, timeout_s: float | None = None) -> "ParallelMeshes":
         """Create the DeviceMeshes (collective: every rank must call it, in the same order).
 
         `device_type` defaults to "cuda" when CUDA is available (NCCL), else "cpu" (gloo). On
-        CUDA, call `torch.cuda.set_device(local_rank)` first.
+        CUDA, call `torch.cuda.set_device(local_rank)` first. `timeout_s` bounds how long a
+        collective of the meshes' groups waits for the other ranks (`trainer.nccl_timeout`; torch
+        gives sub-groups its own default, not the default group's).
         """
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -159,20 +161,44 @@ class ParallelDims:
             raise ValueError(f"ParallelDims.world_size={self.world_size} but the process group has "
                              f"{torch.distributed.get_world_size()} ranks")
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        both = _timeout_override(device_type, timeout_s, self.world_size)
         if self.hsdp:
             train = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+                                     mesh_dim_names=("dp_replicate", "dp_shard"),
+                                     backend_override=None if both is None else dict(enumerate(both)))
         else:
-            train = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
-        gen = DeviceMesh(device_type, self.gen_mesh_ranks(), mesh_dim_names=("rollout_dp", "tp"))
+            train = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",),
+                                     backend_override=None if both is None else {0: both[0]})
+        gen = DeviceMesh(device_type, self.gen_mesh_ranks(), mesh_dim_names=("rollout_dp", "tp"), backend_override=both)
         if self.hsdp:
             # Under HSDP a rollout-DP column spans replicas, but the gather must stay inside one
             # shard group (only it holds this replica's chunks): a mesh of its own.
-            micro = DeviceMesh(device_type, self.micro_dp_mesh_ranks(), mesh_dim_names=("tp_shard", "micro_dp"))["micro_dp"]
+            micro = DeviceMesh(device_type, self.micro_dp_mesh_ranks(), mesh_dim_names=("tp_shard", "micro_dp"),
+                               backend_override=both)["micro_dp"]
         else:
             # Without replicas a rollout-DP column of the generation mesh *is* a micro-DP group.
             micro = gen["rollout_dp"]
         return ParallelMeshes(dims=self, train=train, gen=gen, micro_dp=micro)
+
+
+def _timeout_override(device_type: str, timeout_s: float | None, world_size: int):
+    """Per-dimension `(backend, options)` for a 2-D mesh whose groups wait `timeout_s`, or None (no
+    timeout given, or one rank: the default group is used as it is). NCCL sub-groups are split from
+    the default group with a copy of its options, as torch does without an override."""
+    if timeout_s is None or world_size == 1:
+        return None
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        backend = "nccl"
+        options = copy.deepcopy(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda")).options)
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return ((backend, options), (backend, options))
 
 
 @dataclass

@@ -134,7 +134,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     actor_args = load_model_args(path)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
-    meshes = dims.build_meshes(ctx.device.type)
+    meshes = dims.build_meshes(ctx.device.type, timeout_s=cfg.trainer.nccl_timeout)
     seed = cfg.trainer.seed
     dummy = arr.model.load_format == "dummy"
     actor = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.actor.fsdp_config, ctx.device),
