@@ -62,7 +62,7 @@ def torch_dtype(name: str, key: str) -> torch.dtype:
 class MixedPrecisionConfig:
     """verl's `fsdp_config.mixed_precision`."""
 
-    param_dtype: str = field(default="bf16", metadata={"help": "dtype parameters are all-gathered and computed in"})
+    param_dtype: str = field(default="bf16", metadata={"help": "dtype parameters are all-gathered and computed in on GPUs (CPU runs compute in model_dtype)"})
     reduce_dtype: str = field(default="fp32", metadata={"help": "dtype gradients are reduce-scattered (averaged) in"})
     buffer_dtype: str = field(default="fp32", metadata={"help": "dtype of module buffers (RoPE frequencies); only fp32"})
 

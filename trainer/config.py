@@ -171,6 +171,24 @@ class SamplingOverrides:
     do_sample: bool = opt(False, "sample during validation (false: greedy)")
 
 
+# Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would
+# change the work or the numbers are refused there at any value but their default; the engine's
+# tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
+ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "free_engine_weights", "quantization", "kv_cache_dtype")
+ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
+                         "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes")
+
+
+def _non_default(obj, keys) -> dict:
+    out = {}
+    for key in keys:
+        f = type(obj).__dataclass_fields__[key]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if getattr(obj, key) != default:
+            out[key] = getattr(obj, key)
+    return out
+
+
 @dataclass
 class RolloutConfig:
     name: str = opt("native", "generation engine: native (meshppo's paged-KV engine) or hf (plain loop, reference)",
@@ -475,6 +493,8 @@ class PPOConfig:
 def config_notes(cfg, prefix: str = "") -> list[str]:
     """One line for each setting whose effect differs from how it reads (printed at start-up)."""
     notes = []
+    if not prefix:
+        notes += _run_notes(cfg)
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
         if isinstance(value, FSDPOptions) and value.superseded:
@@ -483,6 +503,23 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
                          "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
         elif dataclasses.is_dataclass(value):
             notes.extend(config_notes(value, f"{key}."))
+    return notes
+
+
+def _run_notes(cfg: PPOConfig) -> list[str]:
+    """The notes that depend on several sections or on the machine."""
+    notes = []
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    if rollout.name != "native" and (tuned := _non_default(rollout, ENGINE_TUNING_OPTIONS)):
+        notes.append(f"{', '.join(f'actor_rollout_ref.rollout.{k}' for k in tuned)} tune meshppo's engine; "
+                     f"rollout.name={rollout.name} does not use them")
+    ref = list(_non_default(arr.ref, ("fsdp_config",)))
+    if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
+        ref.insert(0, "use_torch_compile")
+    if arr.model.lora is not None and ref:
+        notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
+                     "actor with its adapters off, not a model of its own")
     return notes
 
 
@@ -569,12 +606,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if rollout.free_engine_weights and not rollout.free_cache_engine:
         raise ConfigError("actor_rollout_ref.rollout.free_engine_weights=true needs free_cache_engine=true "
                           "(it releases the engine's weights and graphs in addition to its KV cache)")
-    for key, value, off in (("free_engine_weights", rollout.free_engine_weights, False),
-                            ("quantization", rollout.quantization, None),
-                            ("kv_cache_dtype", rollout.kv_cache_dtype, "auto")):
-        if value != off and rollout.name != "native":
-            raise ConfigError(f"actor_rollout_ref.rollout.{key}={'true' if value is True else value} needs "
-                              f"rollout.name=native: "
+    if rollout.name != "native":
+        for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={shown} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
     if rollout.kv_cache_dtype == "fp8" and rollout.dtype == "float16":
         raise ConfigError("actor_rollout_ref.rollout.kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32, "
@@ -605,6 +640,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("reward_model.enable=true needs reward_model.path")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
+        raise ConfigError(f"trainer.resume_from_path is set but trainer.resume_mode={cfg.trainer.resume_mode} does not "
+                          "read it: set trainer.resume_mode=resume_path to resume from it, or drop it")
     for name in cfg.trainer.logger:
         if name not in ("console", "jsonl", "tensorboard", "wandb"):
             raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")

@@ -267,12 +267,14 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """Scores `[N_local]` from the rule / custom function or the reward model. A failing reward
-        function fails every rank together (an error on one rank would otherwise hang the rest)."""
+    def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict]:
+        """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand) from
+        the rule / custom function, the reward model or both (`reward_model.combine`), and the
+        function's extra columns. A failing reward function fails every rank together (an error on
+        one rank would otherwise hang the rest)."""
         from rewards import RewardError, score_responses
 
-        texts = decode_batch(self.tokenizer, ro.responses)
+        texts = decode_batch(self.tokenizer, ro.responses) if texts is None else texts
         err, scores, extras = None, None, {}
         rm_cfg = self.cfg.reward_model
         use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
@@ -518,26 +520,21 @@ class PPOTrainer:
     def validate(self) -> dict:
         if self.val_ds is None:
             return {}
-        from rewards import RewardError, score_responses
-
         items = [self.val_ds[i] for i in range(len(self.val_ds))]
         bs = self.cfg.data.val_batch_size or len(items)
         sums: dict[str, list[float]] = {}
         dump_dir = self.cfg.trainer.validation_data_dir
         dumped: list[dict] = []
+        logged = 0  # samples logged (trainer.log_val_generations), over all chunks
         with self.timer("validate"):
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
                 # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
-                err = None
-                try:
-                    scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
-                                                     ro.extra_infos)
-                except RewardError as e:
-                    err = str(e)
-                self._fail_together(err)
+                # every rank holds every row here: each scores them all, as training scores its own
+                scores, extras = self._score(ro, texts)
+                scores = scores.tolist()
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)
                 if dump_dir and self.ctx.is_main:
@@ -546,10 +543,10 @@ class PPOTrainer:
                         dumped.append({"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i],
                                        "score": scores[i], "data_source": ro.data_sources[i],
                                        "step": self.global_step, **{k: v[i] for k, v in extras.items()}})
-                if s == 0 and self.cfg.trainer.log_val_generations:
-                    for k in range(min(self.cfg.trainer.log_val_generations, len(texts))):
-                        prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
-                        self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
+                for k in range(min(self.cfg.trainer.log_val_generations - logged, len(texts))):
+                    prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
+                    self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
+                    logged += 1
         if dumped:
             dump_generations(dump_dir, self.global_step, dumped)
         out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}

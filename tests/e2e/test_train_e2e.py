@@ -154,7 +154,9 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     *ForSequenceClassification directory of the actor's shape, saved with the actor's tokenizer (so
     the vocabulary check accepts it), replaces the rule reward. Its random score head gives every
     sample a real-valued score: the dumped scores are not the rule's 0 / 1, and they differ between
-    responses (the supervised model repeats some responses within a group: 23 distinct of 64 here)."""
+    responses (the supervised model repeats some responses within a group: 23 distinct of 64 here).
+    Validation scores with the reward model too, and logs `trainer.log_val_generations` samples
+    over its chunks (5 from chunks of 2 prompts)."""
     import json
     import shutil
 
@@ -168,9 +170,13 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(rm)
     for f in os.listdir(demo_assets / "tokenizer"):
         shutil.copy(demo_assets / "tokenizer" / f, rm / f)
+    val = tmp_path / "val.jsonl"  # three chunks of two prompts
+    with open(demo_assets / "val.jsonl") as f:
+        val.write_text("".join(f.readlines()[:6]))
     run = tmp_path / "run"
     r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", "data.train_batch_size=8",
+                           f"data.val_files=[{val}]", "trainer.val_before_train=true", "data.val_batch_size=2", "trainer.log_val_generations=5",
+                           f"trainer.validation_data_dir={tmp_path / 'val'}", "data.train_batch_size=8",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
                            f"reward_model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
@@ -181,3 +187,7 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
         scores = [json.loads(line)["score"] for line in f]
     assert len(scores) == 8 * 8
     assert not set(scores) <= {0.0, 1.0} and len(set(scores)) > 8, scores
+    with open(tmp_path / "val" / "0.jsonl") as f:
+        val_scores = [json.loads(line)["score"] for line in f]
+    assert len(val_scores) == 6 and not set(val_scores) <= {0.0, 1.0}, val_scores
+    assert (r.stdout + r.stderr).count("[val] ") == 5, r.stdout[-3000:]

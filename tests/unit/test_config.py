@@ -89,6 +89,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
     (["reward_model.enable=true"], "needs reward_model.path"),
+    (["trainer.resume_from_path=/x/global_step_5"], "trainer.resume_from_path is set but trainer.resume_mode=auto "
+                                                    "does not read it"),
     # greedy decoding: the n responses of a group are identical, every group advantage is zero
     (["actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0 decodes greedily"),
     (["actor_rollout_ref.rollout.do_sample=false"], "rollout.do_sample=false decodes greedily"),
@@ -107,6 +109,9 @@ def test_bad_overrides_name_the_problem(override, message):
      "rollout.quantization=fp8 needs rollout.name=native"),
     (["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.name=hf"],
      "rollout.kv_cache_dtype=fp8 needs rollout.name=native"),
+    # TP with the plain loop: every rank would generate every prompt (same outputs, twice the work)
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=hf"],
+     "rollout.tensor_model_parallel_size=2 needs rollout.name=native"),
     (["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.dtype=float16"],
      "kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32"),
     # an engine context shorter than the longest admitted prompt + the response budget
@@ -279,3 +284,17 @@ def test_preflight_refuses_slurm_gpus_the_config_leaves_idle(monkeypatch):
     setup.preflight(_cfg("trainer.device=cpu", "trainer.n_gpus_per_node=2"))
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
     setup.preflight(_cfg("trainer.device=auto", "trainer.n_gpus_per_node=2"))
+
+
+def test_notes_name_the_settings_a_run_does_not_use():
+    """The engine's tuning knobs under rollout.name=hf (a config tuned for the engine may switch to the
+    plain loop for a comparison) and the reference model's settings under LoRA are noted at start-up."""
+    hf = config_notes(_cfg("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.block_size=32",
+                           "actor_rollout_ref.rollout.enforce_eager=true"))
+    assert any(n.startswith("actor_rollout_ref.rollout.enforce_eager, actor_rollout_ref.rollout.block_size tune "
+                            "meshppo's engine; rollout.name=hf does not use them") for n in hf), hf
+    assert not any("tune meshppo's engine" in n for n in config_notes(_cfg("actor_rollout_ref.rollout.block_size=32")))
+    lora = config_notes(_cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.use_torch_compile=true"))
+    assert any(n.startswith("actor_rollout_ref.ref.use_torch_compile") and "unused: with LoRA the reference is the "
+               "actor with its adapters off" in n for n in lora), lora
+    assert not any("unused: with LoRA" in n for n in config_notes(_cfg("actor_rollout_ref.ref.use_torch_compile=true")))
