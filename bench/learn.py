@@ -65,6 +65,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import statistics
 import math
 import os
 import random
@@ -695,16 +696,16 @@ def seconds_per_step(steps: list[dict]) -> float | None:
     """A run's median training wall-clock per (meshppo-sized) step, read the same way on both
     frameworks: between consecutive step records (`step`, cumulative `train_wall_s`); None
     without two records."""
-    rates = sorted((b["train_wall_s"] - a["train_wall_s"]) / (b["step"] - a["step"])
-                   for a, b in zip(steps, steps[1:]) if b["step"] > a["step"])
-    return rates[len(rates) // 2] if rates else None
+    rates = [(b["train_wall_s"] - a["train_wall_s"]) / (b["step"] - a["step"])
+             for a, b in zip(steps, steps[1:]) if b["step"] > a["step"]]
+    return statistics.median(rates) if rates else None
 
 
 def _ratio(times: list[float | None], reference: float | None) -> float | None:
     """The median of `times` over `reference`; None if a time or the reference is missing."""
     if reference is None or reference <= 0 or any(t is None for t in times):
         return None
-    return sorted(times)[len(times) // 2] / reference
+    return statistics.median(times) / reference
 
 
 def summarize(out: Path) -> dict:

@@ -172,6 +172,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.trace and not a.profile:
         p.error("--trace needs --profile (the trace is of the profiled step)")
+    if a.steps < 2:
+        p.error(f"--steps {a.steps}: the first step is warm-up, so at least 2 are needed for a measurement")
 
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
         exposure = profile_step(trainer, trace) if a.profile else None
         if ctx.is_main:
             rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-            measured = rows[1:] or rows
+            measured = rows[1:]
             med = lambda k: statistics.median(r[k] for r in measured if k in r)  # noqa: E731
             timing = {k: med(k) for k in measured[0] if k.startswith("timing_s/")}
             emit("ppo_step", {"model": a.model, "workload": workload, "prompts": cfg.data.train_batch_size,

@@ -131,8 +131,10 @@ def step_trend(step_ms: list[float], edge: int = 8) -> dict:
 
 
 def median_run(runs: list[dict]) -> dict:
-    """The run of median wall time (the lower middle one for an even count)."""
-    return sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
+    """The run of median wall time (`--repeats` is odd, so there is one)."""
+    if len(runs) % 2 == 0:
+        raise ValueError(f"median_run needs an odd number of runs, got {len(runs)}")
+    return sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
 
 
 def engine_config(max_seqs: int, max_len: int, args) -> EngineConfig:
@@ -179,14 +181,17 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
     run = median_run(runs)
     gpu_ms = run["decode_ms"]
     nbytes, logits_bytes = step_bytes(engine, batch, p + new / 2)
-    flops = engine.args.flops(batch, batch, batch * (p + new / 2))  # one decode step
+    # one decode step of this rank: the byte count above is the rank's, and TP splits the matmuls
+    flops = engine.args.flops(batch, batch, batch * (p + new / 2)) / args.tp
     floor_ms = max(nbytes / H200_HBM_BYTES_PER_S, flops / H200_BF16_FLOPS) * 1e3
     return emit(
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
                     "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
                     "quantization": engine.config.quantization, "kv_cache_dtype": engine.config.kv_cache_dtype,
-                    "tp_all_reduce": engine.tp_all_reduce},
+                    "tp_all_reduce": engine.tp_all_reduce,
+                    # the engine serves every --batches size: its KV pool (peak_memory_gb) is sized for this many
+                    "max_num_seqs": engine.config.max_num_seqs},
         generated_tok_per_s=round(batch * new / run["wall"], 1),
         wall_s=round(run["wall"], 4),
         walls_s=[round(r["wall"], 4) for r in runs],
@@ -310,20 +315,23 @@ def measure_hf(name: str, batch: int, args) -> dict:
     ids = torch.tensor(random_prompts(batch, args.prompt_len, margs.vocab_size, seed=batch), device="cuda")
     mask = torch.ones_like(ids)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    walls = []
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, **kw)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, **kw)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    assert out.shape[1] == args.prompt_len + args.new_tokens
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, **kw)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+            assert out.shape[1] == args.prompt_len + args.new_tokens
+    wall = statistics.median(walls)
     rec = emit("rollout", {"engine": "hf_generate", "model": name, "prompts": batch, "prompt_len": args.prompt_len,
                            "new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "attn": "sdpa"},
                generated_tok_per_s=round(batch * args.new_tokens / wall, 1), wall_s=round(wall, 3),
-               peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3))
+               walls_s=[round(w, 3) for w in walls], peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3))
     del model
     return rec
 
@@ -411,6 +419,8 @@ def main(argv=None) -> int:
     args.capture_sizes = [int(x) for x in args.capture_sizes.split(",") if x] or None
     if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean) < 1:
         ap.error("--repeats and the --eos-* sizes must be >= 1")
+    if args.repeats % 2 == 0:
+        ap.error(f"--repeats {args.repeats}: give an odd count (the figures are the median run's)")
     if not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -92,20 +92,11 @@ def profiled(fn) -> dict:
     return kernel_breakdown(prof, wall)
 
 
+VARIANTS = ("base", "compile", "ac", "keep_gathered", "full_logits", "lm_head")
+
+
 def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False):
     args = model_args(name)
-    dims = ParallelDims(world_size=1)
-    meshes = dims.build_meshes("cuda")
-    cfg = FSDPConfig(model_dtype="fp32", reshard_after_forward=(variant != "keep_gathered"))
-    model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
-                             enable_gradient_checkpointing=(variant == "ac"))
-    if variant == "compile":
-        from sharding.compile import apply_compile
-
-        apply_compile(model)
-    optim, _ = make_optimizer(model, OptimConfig(lr=1e-6), 1, ctx.device)
-    worker = Actor(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
-                   world_size=1, response_length=seq_len, batching=MicroBatching(None, True, tokens))
     n_seqs = tokens // seq_len
     ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
     lengths = ro.lengths()
@@ -133,12 +124,27 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
 
         for phase, fn, fl in (("lm_head_forward", head_fwd, flops), ("lm_head_fwd_bwd", head_upd, 3 * flops)):
             fn()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()  # this phase's peak, not an earlier variant's
             med, times = timed(fn, repeats, telemetry)
             emit("train", {**workload, "phase": phase}, seconds=med, tflops=fl / med / 1e12,
                  floor_s=fl / H200_BF16_FLOPS, ratio_to_floor=med / (fl / H200_BF16_FLOPS), times=times,
                  peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None,
                  **telemetry.take())
         return
+
+    dims = ParallelDims(world_size=1)
+    meshes = dims.build_meshes("cuda")
+    cfg = FSDPConfig(model_dtype="fp32", reshard_after_forward=(variant != "keep_gathered"))
+    model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
+                             enable_gradient_checkpointing=(variant == "ac"))
+    if variant == "compile":
+        from sharding.compile import apply_compile
+
+        apply_compile(model)
+    optim, _ = make_optimizer(model, OptimConfig(lr=1e-6), 1, ctx.device)
+    worker = Actor(model, optim, None, packed=True, temperature=1.0, pad_token_id=0, device=ctx.device,
+                   world_size=1, response_length=seq_len, batching=MicroBatching(None, True, tokens))
 
     if variant == "full_logits":
         # What chunking avoids: logits [tokens, vocab] in fp32 and their log-softmax, kept for backward.
@@ -180,12 +186,14 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
-    p.add_argument("--variants", default="base", help="comma list of base, compile, ac, full_logits")
+    p.add_argument("--variants", default="base", help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="add a torch.profiler kernel breakdown per measurement")
     a = p.parse_args(argv)
+    if unknown := [v for v in a.variants.split(",") if v not in VARIANTS]:
+        p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -77,17 +77,33 @@ class ModelArgs:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
 
-    def flops(self, tokens: float, head_positions: float, attention_pairs: float, backward: bool = False) -> float:
+    def flops(self, tokens: float, head_positions: float, attention_pairs: float, backward: bool = False,
+              lora=None) -> float:
         """The floating-point operations that run, for MFU (the one formula the trainer and the
         benchmarks use): `2·N_body` per token for the blocks' matmuls (forward; `6·N_body` with
         the backward), `2·hidden·vocab` (`6·`) per position the LM head is evaluated on — the
         trainer evaluates it on response positions only, the input embedding is a lookup and
         costs none — and `4·layers·heads·head_dim` (`12·`) per (query, key) pair attended:
-        `attention_pairs` is `Σ L²/2` for causal sequences of lengths `L`, `Σ context` in decode."""
+        `attention_pairs` is `Σ L²/2` for causal sequences of lengths `L`, `Σ context` in decode.
+
+        `lora` (a `LoRAConfig`: frozen base, trained adapters) changes the backward: the base's and
+        the head's weight gradients do not run (`4·` instead of `6·`), each adapted projection
+        `in -> out` adds `6·r·(in + out)` per token, and layer 0's q / k / v, whose input is the
+        frozen embedding's output, compute no input gradient (base or adapter)."""
         k = 6 if backward else 2
         body = self.num_params(include_embedding=False)
         attn = 2 * k * self.num_hidden_layers * self.num_attention_heads * self.head_dim
-        return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
+        if not (backward and lora is not None):
+            return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
+        h, r = self.hidden_size, lora.rank
+        q, kv, i = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                  "up_proj": (h, i), "down_proj": (i, h)}
+        adapters = self.num_hidden_layers * sum(6 * r * sum(shapes[m]) for m in lora.targets)
+        # layer 0's q / k / v: no input gradient (2·h·out for the base, 2·r·h for an adapter)
+        first = 2 * h * (q + 2 * kv) + sum(2 * r * h for m in ("q_proj", "k_proj", "v_proj") if m in lora.targets)
+        return ((4 * body + adapters - first) * tokens + 4 * h * self.vocab_size * head_positions
+                + attn * attention_pairs)
 
     # ---------------------------------------------------------------- HF conversion
     @classmethod

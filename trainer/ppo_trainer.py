@@ -512,7 +512,8 @@ class PPOTrainer:
         peak = _peak_flops(dev)
         upd = metrics.get("timing_s/update_actor")
         if peak and upd:
-            flops = self.models.actor_args.flops(tokens, generated, pairs, backward=True)
+            flops = self.models.actor_args.flops(tokens, generated, pairs, backward=True,
+                                                 lora=self.cfg.actor_rollout_ref.model.lora)
             out["perf/mfu/actor"] = flops * self.cfg.actor_rollout_ref.actor.ppo_epochs / (upd * peak * self.ctx.world_size)
         return out
 

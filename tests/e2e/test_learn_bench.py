@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.learn import (GREEDY, TINY, WORKED, Settings, accuracy_at, compare, eval_grid, greedy_key, mean_at,
-                         on_grid, settings_from, settings_parser, task_of, time_to_reach, val_metrics)
+from bench.learn import (GREEDY, TINY, WORKED, Settings, _ratio, accuracy_at, compare, eval_grid, greedy_key, mean_at,
+                         on_grid, seconds_per_step, settings_from, settings_parser, task_of, time_to_reach,
+                         val_metrics)
 from data.arith import (answer, data_source, forgotten_carries, has_forgotten_carry, make_rows, operands, problem,
                         response, response_chars, worked)
 from data.demo import CHARACTERS, build_demo_tokenizer
@@ -219,6 +220,13 @@ def test_compare_with_trl_by_hand():
         r["settings"]["task"] = "worked"
     assert task_of(w_trl) == "worked" and task_of(trl) == "sum"
     assert compare(w_seeds, w_trl)["wall_ratio_median"] == pytest.approx(20 / 160)
+
+
+def test_medians_of_an_even_count_are_the_middle_pair_mean():
+    """Two intervals of 1 s and 3 s a step: the median is 2 s (the upper one would read 3 s)."""
+    steps = [{"step": 1, "train_wall_s": 0.0}, {"step": 2, "train_wall_s": 1.0}, {"step": 3, "train_wall_s": 4.0}]
+    assert seconds_per_step(steps) == 2.0
+    assert _ratio([10, 30], 40) == 0.5 and _ratio([10, 20, 30, 60], 40) == 0.625
 
 
 def test_compare_reads_the_committed_records():

@@ -1,4 +1,5 @@
-"""The byte count, the EOS stop set and the step-time split of bench/rollout.py (its GPU figures rest on them)."""
+"""The byte count, the EOS stop set, the step-time split and the median run of bench/rollout.py (its GPU
+figures rest on them), and the benchmarks' refusals of options they would misreport."""
 
 import argparse
 
@@ -94,3 +95,30 @@ def test_engine_options_reach_the_engine_config():
     for cap in (0, 8192):
         assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "prefill_graph_max_tokens": cap})
                              ).prefill_graph_max_tokens == cap
+
+
+def test_figures_are_the_median_run_and_repeats_must_be_odd(capsys):
+    """The figures come from the run of median wall time: with 2 runs there is none (the lower one
+    would be a best-of-2), so an even --repeats is refused before any work."""
+    import pytest
+
+    from bench.rollout import main, median_run
+
+    runs = [{"wall": w} for w in (1.3, 1.0, 1.2)]
+    assert median_run(runs)["wall"] == 1.2
+    with pytest.raises(ValueError, match="odd number of runs"):
+        median_run(runs[:2])
+    with pytest.raises(SystemExit) as e:
+        main(["--repeats", "2"])
+    assert e.value.code == 2 and "--repeats 2: give an odd count" in capsys.readouterr().err
+
+
+def test_train_bench_refuses_an_unknown_variant(capsys):
+    """bench/train.py ran an unknown --variants name as the base set-up, labelled with that name."""
+    import pytest
+
+    from bench.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--variants", "base,compiled"])
+    assert e.value.code == 2 and "--variants: unknown compiled; known: base, compile, ac" in capsys.readouterr().err

@@ -30,3 +30,34 @@ def test_flops_match_the_flop_counter_on_a_forward_with_the_head_on_response_pos
     # Attention, by hand: QKᵀ and AV are 2·head_dim multiply-adds per head, layer and (query, key) pair.
     assert args.flops(0, 0, 1) == 2 * 2 * 2 * 8 * 32
     assert args.flops(7, 5, 3, backward=True) == 3 * args.flops(7, 5, 3)
+
+
+@pytest.mark.parametrize("targets", [None, "all-linear", ["q_proj", "down_proj"]])
+def test_training_flops_match_the_flop_counter_full_and_lora(targets):
+    """Forward + backward, counted by PyTorch: a full model runs `6·` everything; a LoRA model runs
+    no weight gradient for its frozen base and head (`4·`), `6·r·(in + out)` per adapted projection,
+    and no input gradient for layer 0's q / k / v (their input is the frozen embedding's). The
+    full-model formula over-counts a LoRA run by ~1.45x at this shape."""
+    from models.lora import LoRAConfig, inject_lora
+
+    args = ModelArgs(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, model_type="qwen2",
+                     attention_bias=True, tie_word_embeddings=False)
+    model = Transformer.build(args, seed=0)
+    lora = None
+    if targets is not None:
+        lora = LoRAConfig(rank=8, target_modules=targets)
+        inject_lora(model, lora, generator=torch.Generator().manual_seed(0))
+    batch, seq, response = 3, 40, 24
+    ids = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
+    with FlopCounterMode(display=False) as counter:
+        logp, _ = model(ids, labels=ids, label_index=index)
+        logp.sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    # the head's backward recomputes its logits (2·h·V a position): recomputation, not counted
+    counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0) - 2 * 256 * 1000 * batch * response
+    predicted = args.flops(batch * seq, batch * response, 0, backward=True, lora=lora)
+    assert abs(predicted - counted) / counted < 5e-3, (predicted, counted)
+    if targets == "all-linear":
+        assert args.flops(batch * seq, batch * response, 0, backward=True) > 1.4 * counted
