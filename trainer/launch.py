@@ -11,7 +11,9 @@ against this launch and print it, starting nothing). Paths are relative to the w
 * exit codes: a rank that stops on a user error (1 input, 2 config, 3 stopped by a guard)
   records the code in the launch directory and exits 0, so torchrun neither restarts the job
   (a restart cannot fix the input) nor prints its failure report; the launcher exits with the
-  recorded code;
+  recorded code, adds the error lines of this node's other ranks that rank 0 did not print,
+  and stops ranks still running `MESHPPO_PEER_GRACE_S` (30) seconds after such an exit (they
+  would wait for the gone rank until `trainer.nccl_timeout`);
 * signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 are the launcher's. It forwards SIGUSR1 as
   is and the others as SIGTERM to the ranks, which write a checkpoint and exit 0, and reports
   the preemption in one line. torchrun is started with them ignored: it would turn them into a
@@ -158,6 +160,8 @@ class _Launch:
         self.stop_signal: int | None = None
         self.notice: int | None = None  # a first stop signal not yet announced
         self.aborted = False  # a second Ctrl-C killed everything
+        self.error_seen: float | None = None  # when a rank first recorded an error exit
+        self.cut_short: tuple[int, list[int]] | None = None  # (the failed rank, the ranks stopped after it)
         self.signalled: set[int] = set()  # rank pids the stop signal has reached
         self.proc: subprocess.Popen | None = None
 
@@ -238,6 +242,7 @@ class _Launch:
                 if pid not in self.signalled:
                     _kill(pid, sig)
                     self.signalled.add(pid)
+        self._stop_after_a_rank_error(pids)
         if 0 not in pids:  # rank 0 runs on another node, or has not started
             return
         with open(os.path.join(self.log_dir, "rank0.log"), "rb") as f:
@@ -247,16 +252,53 @@ class _Launch:
                 sys.stderr.buffer.write(chunk)
         sys.stderr.flush()
 
+    def _exit_codes(self, pids: dict[int, int]) -> dict[int, int]:
+        """The exit codes the ranks recorded so far (`finish`)."""
+        codes = {}
+        for r in pids:
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(self.launch_dir, f"rank{r}.exit")) as f:
+                codes[r] = int(f.read())
+        return codes
+
+    def _stop_after_a_rank_error(self, pids: dict[int, int]) -> None:
+        """A rank that stopped on an error (a recorded exit code 1-3) leaves the others waiting in
+        their next collective until `trainer.nccl_timeout` (10 minutes by default) for a peer that
+        is gone. `PEER_GRACE_S` after the first such exit (time for the others to meet the same
+        error or their failed collective), the ranks still running are stopped, torchrun first so
+        that it restarts nothing."""
+        if self.cut_short is not None or self.stop_signal is not None:
+            return
+        codes = self._exit_codes(pids)
+        errors = sorted(r for r, c in codes.items() if c)
+        if not errors:  # none, or a restarted rank removed its predecessor's record
+            self.error_seen = None
+            return
+        if self.error_seen is None:
+            self.error_seen = time.monotonic()
+        if time.monotonic() - self.error_seen < peer_grace_s():
+            return
+        # still alive: a crashed group's ranks that torchrun is about to restart are not
+        running = sorted(r for r in pids if r not in codes and _alive(pids[r]))
+        if running:
+            self.cut_short = (errors[0], running)
+            _kill(self.proc.pid, signal.SIGKILL)
+            for r in running:
+                _kill(pids[r], signal.SIGKILL)
+
     def _report(self, returncode: int) -> int:
         if self.aborted:
             print(f"meshppo: stopped at once by a second Ctrl-C; the last checkpoint is "
                   f"{self._latest_checkpoint() or 'none'}", file=sys.stderr)
             return 128 + signal.SIGINT
         pids = self._rank_pids()
-        codes = {}
-        for r in pids:
-            with contextlib.suppress(FileNotFoundError), open(os.path.join(self.launch_dir, f"rank{r}.exit")) as f:
-                codes[r] = int(f.read())
+        codes = self._exit_codes(pids)
+        if self.cut_short is not None:
+            first, running = self.cut_short
+            self._show_other_ranks_errors(codes)
+            print(f"meshppo: rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} still ran "
+                  f"{peer_grace_s():g} s after rank {first}'s error (waiting for it in a collective): the launcher "
+                  "stopped them", file=sys.stderr)
+            return codes[first]
         failed = sorted(set(pids) - set(codes))
         if returncode != 0 or failed or not pids:
             # A crash, not a user error: show what there is. Rank 0's output is already shown.
@@ -300,9 +342,27 @@ class _Launch:
         return CheckpointManager(os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")).latest()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the rank has already exited
         os.kill(pid, sig)
+
+
+PEER_GRACE_ENV = "MESHPPO_PEER_GRACE_S"
+
+
+def peer_grace_s() -> float:
+    """Seconds the launcher lets the other ranks run after one stopped on an error (default 30)."""
+    return float(os.environ.get(PEER_GRACE_ENV, "30"))
 
 
 _ERROR_LINE = re.compile(r"^meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")

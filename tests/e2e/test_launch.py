@@ -81,12 +81,23 @@ def test_input_error_on_the_ranks_is_one_line(tiny_assets, tmp_path):
     assert "(rank 1)" in (run / "logs" / "rank1.log").read_text()  # the other rank's log is kept
 
 
+def _reward_failing_on_rank_1(tmp_path, when: str):
+    """A reward file that raises on rank 1 only: when imported ("import") or when called ("call",
+    at its line 6)."""
+    reward = tmp_path / "reward.py"
+    fail = "if os.environ['RANK'] == '1':\n"
+    body = (f"import os\n\n{fail}    raise ImportError('no module for rank 1')\n\n\n" if when == "import" else "import os\n\n\n")
+    body += "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    if when == "call":
+        body += f"    {fail}        raise ValueError('boom on rank 1')\n"
+    reward.write_text(body + "    return 0.0\n")
+    return reward
+
+
 def test_a_reward_error_on_one_rank_is_said_by_rank_0(tiny_assets, tmp_path):
     """The reward function raises on rank 1 only: every rank stops in the same step, and the one
     error line on the launcher's stderr (rank 0's) carries rank 1's error, not a failed collective."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("import os\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    if os.environ['RANK'] == '1':\n        raise ValueError('boom on rank 1')\n    return 0.0\n")
+    reward = _reward_failing_on_rank_1(tmp_path, "call")
     p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"))
     out = p.output(timeout=600)
     assert p.returncode == 1, out
@@ -99,15 +110,31 @@ def test_a_reward_error_on_one_rank_is_said_by_rank_0(tiny_assets, tmp_path):
 def test_an_input_error_of_one_rank_alone_reaches_the_launchers_output(tiny_assets, tmp_path):
     """Rank 1 alone fails at set-up (its reward file import raises), so rank 0 has nothing to say but
     that a collective lost its peer; the launcher adds rank 1's own line from rank 1's log."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("import os\n\nif os.environ['RANK'] == '1':\n    raise ImportError('no module for rank 1')\n\n\n"
-                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    reward = _reward_failing_on_rank_1(tmp_path, "import")
     p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"))
     out = p.output(timeout=600)
     assert p.returncode == 1, out
     lines = _lines(out)
     assert any(line.startswith("meshppo: error (rank 1): importing custom reward file") and
                "no module for rank 1" in line for line in lines), out
+    _no_launcher_noise(out)
+
+
+def test_the_launcher_stops_ranks_left_waiting_by_another_ranks_error(tiny_assets, tmp_path):
+    """Rank 1 fails at set-up while rank 0 is busy (a fault holds it 120 s at the start of step 1;
+    on GPUs it would be waiting in a collective until trainer.nccl_timeout). MESHPPO_PEER_GRACE_S
+    after rank 1's error the launcher stops rank 0 and torchrun, and reports rank 1's error."""
+    reward = _reward_failing_on_rank_1(tmp_path, "import")
+    t0 = time.time()
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"),
+                     MESHPPO_FAULTS="hang@1:0", MESHPPO_PEER_GRACE_S="3")
+    out = p.output(timeout=600)
+    assert p.returncode == 1, out
+    assert time.time() - t0 < 100, out  # not the 120 s hold
+    lines = _lines(out)
+    assert any(line.startswith("meshppo: error (rank 1): importing custom reward file") for line in lines), out
+    assert lines[-1] == ("meshppo: rank 0 still ran 3 s after rank 1's error (waiting for it in a collective): the "
+                         "launcher stopped them"), out
     _no_launcher_noise(out)
 
 
