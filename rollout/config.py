@@ -13,6 +13,8 @@ temperature gets the same number up to the forward's numerics (bf16 matmul order
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +151,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == math.inf:  # NaN compares False
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -1,7 +1,7 @@
 """Command-line generation with the engine.
 
     python -m rollout.generate --model HF_DIR --prompts IN.jsonl --out OUT.jsonl --max-new-tokens N \
-        [--temperature T --top-p P --top-k K --n N --seed S --tp T --dtype bfloat16|float16|float32]
+        [--temperature T --top-p P --top-k K --num-samples N --seed S --tp T --dtype bfloat16|float16|float32]
     torchrun --nproc_per_node=2 -m rollout.generate ... --tp 2      # tensor parallel
 
 Input: one JSON object per line with `"prompt"` (text, tokenized with the checkpoint's
@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    # --n is an abbreviation of torchrun's own options: under torchrun only --num-samples reaches us
+    p.add_argument("--num-samples", "--n", dest="n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (= torchrun's nproc_per_node)")
     p.add_argument("--dtype", choices=sorted(torch_dtypes()), default=None,
@@ -86,11 +87,16 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int) -> 
     if not path.is_file():
         raise CLIError(f"prompts file {str(path)!r} does not exist")
     prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CLIError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); the prompts file is JSON "
+                               "lines") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -149,10 +155,18 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"--model {args.model!r} is not a model directory (no config.json)")
+    out = _check_out(Path(args.out), Path(args.prompts))
     mesh, device = _setup_distributed(args.tp)
     dtype = torch_dtypes()[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model_args = load_model_args(model_dir)
-    max_model_len = args.max_model_len or model_args.max_position_embeddings
+    try:
+        model_args = load_model_args(model_dir)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--model {args.model!r}: {e}") from None
+    longest = model_args.max_position_embeddings
+    if args.max_model_len is not None and not 2 <= args.max_model_len <= longest:
+        raise CLIError(f"--max-model-len {args.max_model_len}: give 2 to the model's max_position_embeddings "
+                       f"({longest})")
+    max_model_len = args.max_model_len or longest
     tokenizer = load_tokenizer(model_dir)
     prompts = read_prompts(Path(args.prompts), tokenizer, model_args.vocab_size, max_model_len)
     try:
@@ -164,12 +178,14 @@ def run(args: argparse.Namespace) -> int:
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)
+    try:
+        engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--model {args.model!r}: {e}") from None
     outputs = engine.generate(prompts, params)
     if mesh is None or mesh.get_local_rank() == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w") as f:
+        tmp = out.with_name(f".{out.name}.tmp")
+        with open(tmp, "w") as f:
             for o in outputs:
                 rec = {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
                        "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
@@ -177,7 +193,24 @@ def run(args: argparse.Namespace) -> int:
                 if tokenizer is not None:
                     rec["text"] = tokenizer.decode(o.token_ids, skip_special_tokens=True)
                 f.write(json.dumps(rec) + "\n")
+        os.replace(tmp, out)  # a run cut short leaves the previous file whole
     return 0
+
+
+def _check_out(out: Path, prompts: Path) -> Path:
+    """The output path, checked before any work: a file we can create, not the prompts file (the
+    results would replace their input) and not a directory."""
+    if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
+        raise CLIError(f"--out {str(out)!r} is the prompts file: the results would replace their input")
+    if out.is_dir():
+        raise CLIError(f"--out {str(out)!r} is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"--out {str(out)!r}: cannot create its directory ({e.strerror})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise CLIError(f"--out {str(out)!r}: its directory is not writable")
+    return out
 
 
 def main(argv=None) -> int:

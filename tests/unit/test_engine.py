@@ -346,3 +346,44 @@ def test_cli_generate(tmp_path, capsys):
     assert main(["--model", str(ckpt), "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(out),
                  "--max-new-tokens", "2"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys):
+    """One line naming the flag, file or line, exit 2, nothing written: an output that is the prompts
+    file (it used to be replaced by the results) or a directory (found only after generating), a
+    directory without weights, a prompts file that is not UTF-8 text, a NaN temperature (it wrote
+    NaN log-probs) and a context of 0 (ignored) or past the model's. `--num-samples` is the
+    spelling torchrun lets through (`--n` abbreviates its own options)."""
+    from rollout.generate import main, parse_args
+
+    model = tiny_model(tiny_args("llama", eos_token_id=None))
+    ckpt = tmp_path / "ckpt"
+    _save_checkpoint(model, ckpt)
+    inp = tmp_path / "in.jsonl"
+    text = json.dumps({"prompt_token_ids": prompts_of([3], seed=7)[0]}) + "\n"
+    inp.write_text(text)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text((ckpt / "config.json").read_text())
+    binary = tmp_path / "in.parquet"
+    binary.write_bytes(b"PAR1\xff\xfe\x00")
+    common = ["--max-new-tokens", "2", "--dtype", "float32"]
+    cases = [(["--model", str(ckpt), "--prompts", str(inp), "--out", str(inp)], "is the prompts file"),
+             (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "dir")], "is a directory"),
+             (["--model", str(tmp_path / "noweights"), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl")],
+              "has no *.safetensors"),
+             (["--model", str(ckpt), "--prompts", str(binary), "--out", str(tmp_path / "o.jsonl")],
+              f"{binary}:1: not UTF-8 text"),
+             (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--temperature", "nan"],
+              "temperature must be a finite number >= 0"),
+             (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--max-model-len", "0"],
+              "--max-model-len 0: give 2 to the model's max_position_embeddings"),
+             (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--max-model-len",
+               "100000"], "--max-model-len 100000: give 2 to")]
+    for argv, message in cases:
+        assert main(argv + common) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("rollout.generate: error: ") and message in err and "Traceback" not in err, (argv, err)
+    assert inp.read_text() == text and not (tmp_path / "o.jsonl").exists()
+    assert parse_args(["--model", "m", "--prompts", "p", "--out", "o", "--max-new-tokens", "1",
+                       "--num-samples", "3"]).n == 3
