@@ -60,8 +60,9 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
 
     Returns `(row_number, row)` pairs with 1-based row numbers: the line number for
     JSON files, the row position for parquet. Blank lines at the end of a JSON file are
-    ignored; a blank line anywhere else, a malformed line or a value that is not an
-    object raises `DatasetError` naming `path:row`.
+    ignored; a blank line anywhere else, a malformed line, a value that is not an
+    object or bytes that are not UTF-8 raise `DatasetError` naming `path:row`, and a
+    `.parquet` file that pyarrow cannot read raises it naming the file.
     """
     path = os.fspath(path)
     kind = _file_kind(path)
@@ -69,7 +70,12 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
         raise DatasetError(f"{path}: dataset file not found")
     if kind == "parquet":
         pq = _load_pyarrow_parquet()
-        rows = pq.read_table(path).to_pylist()
+        import pyarrow as pa
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except pa.ArrowException as err:  # ArrowInvalid: not parquet, or a truncated file
+            raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
         return [(i + 1, row) for i, row in enumerate(rows)]
 
     return parse_json_lines(path)
@@ -81,11 +87,18 @@ def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blan
 
     Trailing blank lines are ignored. A blank line elsewhere is skipped with `skip_blank`, else
     an error; with `drop_truncated_tail` a malformed *last* line (a writer killed mid-line) is
-    dropped with a warning. Other malformed lines and non-objects raise `error` naming
-    `path:line`.
+    dropped with a warning. Other malformed lines, non-objects and bytes that are not UTF-8
+    raise `error` naming `path:line`.
     """
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # The line as `splitlines` below would number it: the prefix before the bad byte is valid.
+        lineno = len((data[:err.start].decode("utf-8") + "x").splitlines())
+        raise error(f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte offset {err.start})") from err
+    lines = text.splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     records = []

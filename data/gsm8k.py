@@ -2,7 +2,8 @@
 
     python -m data.gsm8k --input gsm8k_train.parquet --output data/gsm8k/train.parquet --split train
 
-GSM8K answers end with `#### N`; `N` (commas removed) becomes the rule-based reward's
+GSM8K answers end with `#### N`; `N` (a `$` and commas removed, as the scorer removes
+them from responses, and a sentence's full stop dropped) becomes the rule-based reward's
 ground truth, and the prompt asks the model to end its answer the same way, which is
 what the strict scorer in `rewards.gsm8k` checks. The prompt text and the
 `extra_info` fields are verl's (`examples/data_preprocess/gsm8k.py`), so datasets
@@ -12,21 +13,26 @@ converted by either tool are interchangeable.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Any
 
-from data.dataset import DatasetError, read_records, write_records
+from data.dataset import DatasetError, _file_kind, read_records, write_records
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
-_FINAL_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+# The whole tail after the last `#### `: an optional `$` (which `rewards.gsm8k` also accepts),
+# an integer with optional thousands commas and decimal part, and an optional full stop that
+# ends the sentence. Anchored at the end so that `#### 3/4` is refused rather than read as 3.
+_FINAL_ANSWER = re.compile(r"#### \$?(-?[0-9][0-9,]*(?:\.[0-9]+)?)\.?\s*\Z")
 
 
 def extract_final_answer(answer: str) -> str | None:
-    """The number after the last `#### ` in a GSM8K answer, commas removed; None if absent."""
-    matches = _FINAL_ANSWER.findall(answer)
-    return matches[-1].replace(",", "") if matches else None
+    """The number that ends a GSM8K answer after `#### `, without `$`, commas or a final
+    full stop (the form `rewards.gsm8k` compares); None if the answer ends otherwise."""
+    match = _FINAL_ANSWER.search(answer)
+    return match.group(1).replace(",", "") if match else None
 
 
 def convert_row(row: dict[str, Any], index: int, split: str, where: str = "") -> dict[str, Any]:
@@ -50,15 +56,49 @@ def convert_row(row: dict[str, Any], index: int, split: str, where: str = "") ->
     }
 
 
+def _write_atomically(rows: list[dict[str, Any]], output_path: str) -> None:
+    """Write `rows` to a temporary file beside `output_path`, then rename it into place, so an
+    interrupted or failed write never leaves a truncated output; OS errors become `DatasetError`."""
+    parent = os.path.dirname(output_path) or "."
+    existing = parent
+    while not os.path.exists(existing) and os.path.dirname(existing) not in ("", existing):
+        existing = os.path.dirname(existing)
+    if os.path.exists(existing) and not os.path.isdir(existing):
+        raise DatasetError(f"{output_path}: cannot write the output: {existing} is not a directory")
+    stem, ext = os.path.splitext(os.path.basename(output_path))
+    tmp = os.path.join(parent, f".{stem}.tmp-{os.getpid()}{ext}")  # same extension: same format
+    try:
+        write_records(rows, tmp)
+        os.replace(tmp, output_path)
+    except OSError as err:
+        raise DatasetError(f"{output_path}: cannot write the output: {err.strerror or err}") from err
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def convert_file(input_path: str, output_path: str, split: str = "train") -> int:
-    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file; returns the number of rows written."""
+    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file; returns the number of rows written.
+
+    The output replaces `output_path` only once every row has converted; writing over the
+    input itself is refused before anything is read.
+    """
+    input_path, output_path = os.fspath(input_path), os.fspath(output_path)
+    _file_kind(output_path)  # an unsupported output type fails before the work, not after
+    if os.path.realpath(input_path) == os.path.realpath(output_path) or (
+            os.path.exists(output_path) and os.path.exists(input_path) and os.path.samefile(input_path, output_path)):
+        raise DatasetError(f"{output_path}: the output is the input file; write the converted rows elsewhere")
+    try:
+        records = read_records(input_path)
+    except OSError as err:  # e.g. permission denied
+        raise DatasetError(f"{input_path}: cannot read: {err.strerror or err}") from err
     rows = [
         convert_row(row, index, split, where=f"{input_path}:{rownum}")
-        for index, (rownum, row) in enumerate(read_records(input_path))
+        for index, (rownum, row) in enumerate(records)
     ]
     if not rows:
         raise DatasetError(f"{input_path}: no rows")
-    write_records(rows, output_path)
+    _write_atomically(rows, output_path)
     return len(rows)
 
 

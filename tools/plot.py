@@ -29,6 +29,10 @@ class MetricsError(RuntimeError):
     """The metrics file is missing or unreadable."""
 
 
+class PlotOutputError(RuntimeError):
+    """The output directory cannot be created or a PNG cannot be written there."""
+
+
 @dataclass(frozen=True)
 class PlotSpec:
     """One PNG: its file name, title, y label, and which metric keys it draws."""
@@ -95,7 +99,8 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[str]:
     """Write the PNGs for `run_dir/metrics.jsonl` into `out_dir` (default `run_dir`).
 
-    Returns the paths written, in `PLOTS` order.
+    Returns the paths written, in `PLOTS` order. Raises `MetricsError` when the metrics cannot
+    be read and `PlotOutputError` when the PNGs cannot be written.
     """
     import matplotlib
 
@@ -106,7 +111,12 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     out_dir = os.fspath(out_dir) if out_dir is not None else run_dir
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     keys = sorted({key for record in records for key in record})
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except FileExistsError as err:  # exist_ok covers directories only
+        raise PlotOutputError(f"cannot write plots to {out_dir}: it is a file, not a directory") from err
+    except OSError as err:  # e.g. a parent that is a file, or no permission
+        raise PlotOutputError(f"cannot write plots to {out_dir}: {err.strerror or err}") from err
     written = []
     for spec in PLOTS:
         series = {key: _series(records, key) for key in keys if spec.selects(key)}
@@ -124,21 +134,25 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         ax.legend(fontsize="small")
         fig.tight_layout()
         path = os.path.join(out_dir, spec.filename)
-        fig.savefig(path)
-        plt.close(fig)
+        try:
+            fig.savefig(path)
+        except OSError as err:
+            raise PlotOutputError(f"cannot write {path}: {err.strerror or err}") from err
+        finally:
+            plt.close(fig)
         written.append(path)
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (1 when there is nothing to plot)."""
+    """CLI entry point; returns the exit code (1 when there is nothing to plot or it cannot be written)."""
     parser = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory containing metrics.jsonl")
     parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
     args = parser.parse_args(argv)
     try:
         written = plot_run(args.run_dir, args.out)
-    except MetricsError as err:
+    except (MetricsError, PlotOutputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if not written:

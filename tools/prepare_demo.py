@@ -117,6 +117,61 @@ def supervised_warmup(model, tokenizer, train_file: str, val_file: str, slip: fl
     return acc
 
 
+def missing_assets(out: str) -> list[str]:
+    """The files of a complete OUT (see the module docstring) that are absent; the stamp alone
+    cannot tell, since a file may have been deleted after it was written."""
+    files = [os.path.join(out, *parts) for parts in (
+        ("tokenizer", "tokenizer.json"), ("tokenizer", "tokenizer_config.json"), ("train.jsonl",), ("val.jsonl",),
+        ("sft_model", "config.json"), ("sft_model", "tokenizer.json"), ("sft_model", "tokenizer_config.json"))]
+    missing = [path for path in files if not os.path.isfile(path)]
+    model_dir = os.path.join(out, "sft_model")
+    if not (os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))):
+        missing.append(os.path.join(model_dir, "*.safetensors"))
+    return missing
+
+
+def why_out_of_date(out: str, settings: dict) -> str | None:
+    """Why OUT must be (re)built with `settings`, or None when it is up to date: its stamp reads
+    back equal to `settings` (an unreadable or corrupt stamp is out of date) and no asset is
+    missing."""
+    stamp = os.path.join(out, STAMP)
+    if not os.path.exists(stamp):
+        return "not built yet"
+    try:
+        with open(stamp) as f:
+            stamped = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"unreadable stamp {stamp} ({err})"
+    if stamped != settings:
+        return "built with other settings"
+    missing = missing_assets(out)
+    return f"incomplete (missing {', '.join(missing)})" if missing else None
+
+
+def check_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse, with `p.error` (exit 2), options that would fail mid-build or give a broken model."""
+    if not 0.0 <= a.slip <= 1.0:
+        p.error(f"--slip must be in [0, 1], got {a.slip}")
+    for name in ("n_train", "n_val", "hidden", "layers", "heads", "kv_heads", "sft_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    for name in ("init_std", "lr"):
+        if not getattr(a, name) > 0:  # NaN included
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if a.sft_max_steps < 0:
+        p.error(f"--sft-max-steps must be at least 0, got {a.sft_max_steps}")
+    if a.max_value < 0:
+        p.error(f"--max-value must be at least 0, got {a.max_value}")
+    if a.n_train + a.n_val > (a.max_value + 1) ** 2:
+        p.error(f"--n-train + --n-val = {a.n_train + a.n_val} exceeds the {(a.max_value + 1) ** 2} distinct "
+                f"problems with operands up to --max-value {a.max_value}")
+    # Rotary embeddings rotate pairs of dimensions: each head needs an even width.
+    if a.hidden % a.heads or (a.hidden // a.heads) % 2:
+        p.error(f"--hidden {a.hidden} must be a multiple of 2 x --heads {a.heads} (an even head width)")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo_assets")
@@ -124,15 +179,19 @@ def main(argv=None) -> int:
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     a = p.parse_args(argv)
-    if not 0.0 <= a.slip <= 1.0:
-        p.error(f"--slip must be in [0, 1], got {a.slip}")
+    check_options(p, a)
     settings = {k: getattr(a, k) for k in DEFAULTS}
     stamp = os.path.join(a.out, STAMP)
-    if not a.force and os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == settings:
-                print(f"demo assets in {a.out} are up to date")
-                return 0
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out {a.out} is a file, not a directory")
+    reason = "--force" if a.force else why_out_of_date(a.out, settings)
+    if reason is None:
+        print(f"demo assets in {a.out} are up to date")
+        return 0
+    print(f"building demo assets in {a.out}: {reason}")
+    if os.path.exists(stamp):
+        # Gone while rebuilding: an interrupted rebuild must not pass for the old, complete OUT.
+        os.remove(stamp)
     t0 = time.time()
     # One thread: this model's ops take microseconds, so a second OpenMP thread gains ~10 % on an
     # idle 2-core machine, while on a busy one every op's barrier waits for a descheduled thread
@@ -155,8 +214,9 @@ def main(argv=None) -> int:
     tok.save_pretrained(tmp)
     shutil.rmtree(out_model, ignore_errors=True)
     os.replace(tmp, out_model)
-    with open(stamp, "w") as f:
+    with open(stamp + ".tmp", "w") as f:
         json.dump(settings, f)
+    os.replace(stamp + ".tmp", stamp)  # all or nothing: a half-written stamp would read as corrupt
     print(f"demo assets written to {a.out} in {time.time() - t0:.0f}s")
     return 0
 

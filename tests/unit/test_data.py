@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -237,6 +238,17 @@ def test_dataset_errors_name_file_row_and_field(tmp_path, tokenizer, lines, mess
         RLHFDataset(path, tokenizer)
 
 
+def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
+    # Invalid UTF-8 on line 3, byte 47 (16 + 2 + 16 + 1 + 12): "\r\n" counts as one line break.
+    bad = tmp_path / "d.jsonl"
+    bad.write_bytes(b'{"prompt": "1="}\r\n{"prompt": "2="}\n{"prompt": "\xff="}\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:3: not valid UTF-8 \(invalid start byte at byte offset 47\)"):
+        RLHFDataset(str(bad), tokenizer)
+    (tmp_path / "d.parquet").write_text('{"prompt": "1="}\n', encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"d\.parquet: not a readable parquet file: .*magic bytes"):
+        RLHFDataset(str(tmp_path / "d.parquet"), tokenizer)
+
+
 def test_dataset_missing_file_and_bad_options(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"nope\.jsonl: dataset file not found"):
         RLHFDataset(str(tmp_path / "nope.jsonl"), tokenizer)
@@ -403,10 +415,35 @@ def test_gsm8k_converted_file_feeds_the_dataset(tmp_path, tokenizer):
     assert ds[0]["prompt_text"].startswith("<|user|>Tom has 3") and ds[0]["data_source"] == "openai/gsm8k"
 
 
+@pytest.mark.parametrize("answer, ground_truth", [
+    ("3 * 24 = 72\n#### 72", "72"),
+    ("#### 1,000", "1000"),       # commas removed, as the scorer removes them from responses
+    ("It costs $18.\n#### $18", "18"),
+    ("#### 18.", "18"),           # a sentence's full stop is no part of the number
+    ("#### -3\n", "-3"),
+    ("#### 2.5", "2.5"),
+    ("#### 1 and then\n#### 1,234.50.", "1234.50"),
+])
+def test_gsm8k_ground_truth_is_the_final_number(answer, ground_truth):
+    from data.gsm8k import convert_row
+    from rewards.gsm8k import compute_score
+
+    row = convert_row({"question": "q", "answer": answer}, 0, "train")
+    assert row["reward_model"]["ground_truth"] == ground_truth
+    # The scorer gives a correct response full marks against what the converter wrote.
+    truth = row["reward_model"]["ground_truth"]
+    assert compute_score(f"so #### {ground_truth}", truth) == 1.0
+    assert compute_score(f"the answer is {ground_truth}.", truth, method="flexible") == 1.0
+
+
 @pytest.mark.parametrize("row, message", [
     ({"question": "q"}, r"in\.jsonl:2: missing field 'answer'"),
     ({"question": 3, "answer": "#### 1"}, r"in\.jsonl:2: field 'question' must be a string, got int"),
     ({"question": "q", "answer": "the answer is 4"}, r"in\.jsonl:2: field 'answer' does not end with '#### <number>'"),
+    ({"question": "q", "answer": "#### 3/4"},
+     r"in\.jsonl:2: field 'answer' does not end with '#### <number>': '#### 3/4'"),
+    ({"question": "q", "answer": "#### 7 apples"}, r"in\.jsonl:2: field 'answer' does not end with '#### <number>'"),
+    ({"question": "q", "answer": "#### 7\nso 8"}, r"in\.jsonl:2: field 'answer' does not end with '#### <number>'"),
 ])
 def test_gsm8k_malformed_rows(tmp_path, capsys, row, message):
     src = write_jsonl([GSM8K_SAMPLE[0], row], tmp_path / "in.jsonl")
@@ -417,6 +454,65 @@ def test_gsm8k_malformed_rows(tmp_path, capsys, row, message):
     assert exit_info.value.code == 1
     assert "in.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def _gsm8k_bad_input(tmp_path, case):
+    """(input, output, expected error) for one way `python -m data.gsm8k` used to crash or lose data."""
+    good = write_jsonl(GSM8K_SAMPLE, tmp_path / "in.jsonl")
+    out = str(tmp_path / "out.jsonl")
+    if case == "not parquet":
+        src = tmp_path / "in.parquet"
+        src.write_text(json.dumps(GSM8K_SAMPLE[0]) + "\n", encoding="utf-8")
+        return str(src), out, r"in\.parquet: not a readable parquet file: "
+    if case == "bad utf-8":
+        src = tmp_path / "bad.jsonl"
+        src.write_bytes(json.dumps(GSM8K_SAMPLE[0]).encode() + b'\n{"question": "\xe9", "answer": "#### 1"}\n')
+        return str(src), out, r"bad\.jsonl:2: not valid UTF-8 "
+    if case == "output under a file":
+        (tmp_path / "afile").write_text("x")
+        return good, str(tmp_path / "afile" / "sub" / "out.jsonl"), (
+            r"out\.jsonl: cannot write the output: .*afile is not a directory")
+    if case == "output is the input":
+        return good, str(tmp_path / "." / "in.jsonl"), r"in\.jsonl: the output is the input file"
+    if case == "unsupported output type":
+        return good, str(tmp_path / "out.csv"), r"out\.csv: unsupported file type"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["not parquet", "bad utf-8", "output under a file", "output is the input",
+                                  "unsupported output type"])
+def test_gsm8k_cli_file_errors_are_one_line(tmp_path, capsys, case):
+    src, dst, message = _gsm8k_bad_input(tmp_path, case)
+    before = open(src, "rb").read()
+    with pytest.raises(DatasetError, match=message):
+        convert_file(src, dst)
+    with pytest.raises(SystemExit) as exit_info:
+        gsm8k_main(["--input", src, "--output", dst])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1
+    assert re.search(message, err)
+    assert open(src, "rb").read() == before  # the input is never touched
+
+
+def test_gsm8k_failed_write_keeps_the_old_output(tmp_path, monkeypatch):
+    """The rows go to a temporary file renamed into place: a write that fails half-way leaves
+    the previous output whole, and no temporary file behind."""
+    import data.gsm8k
+
+    src = write_jsonl(GSM8K_SAMPLE, tmp_path / "in.jsonl")
+    dst = tmp_path / "out.jsonl"
+    dst.write_text("previous\n", encoding="utf-8")
+
+    def write_half_then_fail(rows, path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(rows[0]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(data.gsm8k, "write_records", write_half_then_fail)
+    with pytest.raises(DatasetError, match=r"out\.jsonl: cannot write the output: No space left on device"):
+        convert_file(src, str(dst))
+    assert dst.read_text(encoding="utf-8") == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
 
 def _byte_level_bpe():

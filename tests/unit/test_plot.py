@@ -101,3 +101,23 @@ def test_kl_plot_shows_the_progress_bar_kl_and_the_kl_in_reward(tmp_path, drawn)
     plot_run(run)
     # the coefficient is not a KL: it stays off the KL axis
     assert sorted(drawn["kl.png"][1]) == ["actor/ppo_kl", "actor/ref_kl", "actor/reward_kl_penalty"]
+
+
+@pytest.mark.parametrize("out, message", [
+    ("afile/plots", "cannot write plots to {tmp}/afile/plots: Not a directory"),
+    ("afile", "cannot write plots to {tmp}/afile: it is a file, not a directory"),
+])
+def test_unwritable_out_is_a_one_line_error(tmp_path, capsys, out, message):
+    run = tmp_path / "run"
+    _write_metrics(run, [{"step": 1, "perf/throughput": 5.0}])
+    (tmp_path / "afile").write_text("x")
+    assert main([str(run), "--out", str(tmp_path / out)]) == 1
+    assert capsys.readouterr().err == "error: " + message.format(tmp=tmp_path) + "\n"
+
+
+def test_a_png_that_cannot_be_written_is_an_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_metrics(run, [{"step": 1, "perf/throughput": 5.0}])
+    (run / "throughput.png").mkdir()  # a directory where the PNG goes
+    assert main([str(run)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: cannot write {run / 'throughput.png'}: ")
