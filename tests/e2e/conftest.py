@@ -95,15 +95,20 @@ def read_metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# metrics that measure the machine, not the run: two runs of the same steps differ in them
+MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def without_machine_metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(MACHINE_METRICS)}
+
+
 def assert_same_metrics(a: dict, b: dict) -> None:
     """Two runs' metrics rows of one step agree, timings and performance figures aside (a
     resumed or recovered run against the uninterrupted one)."""
     import pytest
 
-    def strip(row):
-        return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-
-    sa, sb = strip(a), strip(b)
+    sa, sb = without_machine_metrics(a), without_machine_metrics(b)
     assert sa.keys() == sb.keys(), set(sa) ^ set(sb)
     for k in sa:
         assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (a["step"], k, sa[k], sb[k])

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.conftest import demo_args, read_metrics
+from tests.e2e.conftest import demo_args, read_metrics, without_machine_metrics
 from trainer import cli
 
 BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
@@ -124,7 +124,6 @@ def test_greedy_rollouts_are_scored_at_temperature_one(tiny_assets, tmp_path, ca
                       ("no_sampling", "actor_rollout_ref.rollout.do_sample=false")):
         code, err = _run(demo_args(tiny_assets, tmp_path / name, *BASE, *greedy, how), capsys)
         assert code == 0, err
-        rows[name] = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
-                      for r in read_metrics(tmp_path / name)]
+        rows[name] = [without_machine_metrics(r) for r in read_metrics(tmp_path / name)]
     assert len(rows["temperature_0"]) == 2 and rows["temperature_0"] == rows["no_sampling"]
     assert all(abs(r["actor/pg_loss"]) < float("inf") for r in rows["temperature_0"])

@@ -14,6 +14,7 @@ STEPS = 2
 def _body(rank, world_size, assets, run_root):
     import torch
 
+    from tests.e2e.conftest import without_machine_metrics
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
     from trainer.launch import init_distributed
@@ -37,7 +38,7 @@ def _body(rank, world_size, assets, run_root):
             assert rows[-1]["timing_s/graph_capture"] >= 0.0
         rows.append(trainer.validate())  # a generation after a release too
         params = {k: v.to_local().detach().clone() for k, v in trainer.actor.model.state_dict().items()}
-        runs[free] = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows], params
+        runs[free] = [without_machine_metrics(r) for r in rows], params
     (kept, kept_params), (freed, freed_params) = runs[False], runs[True]
     assert kept == freed, (kept, freed)
     assert all(torch.equal(kept_params[k], freed_params[k]) for k in kept_params)
