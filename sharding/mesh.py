@@ -161,29 +161,34 @@ class ParallelDims:
             raise ValueError(f"ParallelDims.world_size={self.world_size} but the process group has "
                              f"{torch.distributed.get_world_size()} ranks")
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        both = _timeout_override(device_type, timeout_s, self.world_size)
+        def override(shape):
+            return _timeout_override(device_type, timeout_s, shape, self.world_size)
+
         if self.hsdp:
-            train = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"),
-                                     backend_override=None if both is None else dict(enumerate(both)))
-        else:
-            train = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",),
-                                     backend_override=None if both is None else {0: both[0]})
-        gen = DeviceMesh(device_type, self.gen_mesh_ranks(), mesh_dim_names=("rollout_dp", "tp"), backend_override=both)
+            shape = (self.dp_replicate, self.dp_shard)
+            train = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"),
+                                     backend_override={i: o for i, o in enumerate(override(shape) or ())
+                                                       if o != (None, None)} or None)
+        else:  # one dimension of every rank: the default group itself
+            train = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        ranks = self.gen_mesh_ranks()
+        gen = DeviceMesh(device_type, ranks, mesh_dim_names=("rollout_dp", "tp"), backend_override=override(ranks.shape))
         if self.hsdp:
             # Under HSDP a rollout-DP column spans replicas, but the gather must stay inside one
             # shard group (only it holds this replica's chunks): a mesh of its own.
-            micro = DeviceMesh(device_type, self.micro_dp_mesh_ranks(), mesh_dim_names=("tp_shard", "micro_dp"),
-                               backend_override=both)["micro_dp"]
+            ranks = self.micro_dp_mesh_ranks()
+            micro = DeviceMesh(device_type, ranks, mesh_dim_names=("tp_shard", "micro_dp"),
+                               backend_override=override(ranks.shape))["micro_dp"]
         else:
             # Without replicas a rollout-DP column of the generation mesh *is* a micro-DP group.
             micro = gen["rollout_dp"]
         return ParallelMeshes(dims=self, train=train, gen=gen, micro_dp=micro)
 
 
-def _timeout_override(device_type: str, timeout_s: float | None, world_size: int):
-    """Per-dimension `(backend, options)` for a 2-D mesh whose groups wait `timeout_s`, or None (no
-    timeout given, or one rank: the default group is used as it is). NCCL sub-groups are split from
+def _timeout_override(device_type: str, timeout_s: float | None, shape, world_size: int):
+    """Per-dimension `(backend, options)` of a mesh of `shape` whose groups wait `timeout_s`, or None
+    (no timeout given). A dimension of every rank gets `(None, None)`: it is the default group
+    itself, which has the timeout already (no second communicator). NCCL sub-groups are split from
     the default group with a copy of its options, as torch does without an override."""
     if timeout_s is None or world_size == 1:
         return None
@@ -198,7 +203,7 @@ def _timeout_override(device_type: str, timeout_s: float | None, world_size: int
     else:
         backend, options = "gloo", dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    return ((backend, options), (backend, options))
+    return tuple((None, None) if n == world_size else (backend, options) for n in shape)
 
 
 @dataclass

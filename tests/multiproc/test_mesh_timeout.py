@@ -48,3 +48,19 @@ def _body(rank, world, which):
 @pytest.mark.parametrize("which", ["dp_replicate", "tp"])
 def test_mesh_groups_wait_the_configured_timeout(which):
     run_distributed(_body, 4, which, timeout=120)
+
+
+def _whole_world_body(rank, world):
+    import torch.distributed as dist
+
+    from sharding.mesh import ParallelDims
+
+    # a dimension of every rank is the default group itself (it has the timeout): no second communicator
+    hsdp = ParallelDims(world_size=world, fsdp_size=1, tp=1, local_world_size=world).build_meshes("cpu", timeout_s=2)
+    assert hsdp.train["dp_replicate"].get_group() is dist.group.WORLD
+    tp = ParallelDims(world_size=world, fsdp_size=-1, tp=2, local_world_size=world).build_meshes("cpu", timeout_s=2)
+    assert tp.gen["tp"].get_group() is dist.group.WORLD and tp.train["dp_shard"].get_group() is dist.group.WORLD
+
+
+def test_a_mesh_dimension_of_every_rank_is_the_default_group():
+    run_distributed(_whole_world_body, 2)
