@@ -72,6 +72,29 @@ def test_scaled_linear_against_float64():
         assert not bool(((scaled_linear(x, w, xs, torch.ones(()), bias, dtype).double() - exact).abs() <= bound).all())
 
 
+def test_scaled_linear_fast_accumulation_from_the_row_threshold(monkeypatch):
+    # cuBLASLt's fast accumulation is asked for from FP8_FAST_ACCUM_MIN_ROWS rows up (decode steps of 128+ rows,
+    # prefill), never below, with or without a bias; the result is the same product either way on the CPU
+    import rollout.ops as ops_mod
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    g = torch.Generator().manual_seed(3)
+    w, ws = quantize_fp8(torch.randn(24, 32, generator=g))
+    t = ops_mod.FP8_FAST_ACCUM_MIN_ROWS
+    for rows, bias, out in ((1, None, torch.bfloat16), (t - 1, None, torch.float32), (t, None, torch.bfloat16),
+                            (t + 5, torch.randn(24, generator=g), torch.float32)):
+        x, xs = quantize_fp8(torch.randn(rows, 32, generator=g))
+        y = scaled_linear(x, w, xs, ws, bias, out)
+        assert seen[-1] is (rows >= t) and y.shape == (rows, 24)
+    assert seen == [False, False, True, True]
+
+
 def _fake_quant_reference(model, tp: int = 1):
     """The training model computing what the fp8 engine should, in float64, built from the model's own weights:
     each RMSNorm's weight folded into the projections after it (q/k/v, gate/up: the norms' weights become 1),
