@@ -65,11 +65,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # cuBLASLt's e4m3 GEMM with fast accumulation from this many rows up: the sums stay in the tensor cores'
 # accumulator instead of being added into float32 registers every few K steps (CUTLASS's "FP8FastAccum"
-# schedules, the usual choice for fp8 inference). On an H200, chains of the projections at qwen2.5-0.5b's, 1.5b's
-# and 7b's shapes ran up to 17 % faster with it at 128-512 rows and 0-4 % slower at 1-64 rows, where a decode
-# step is bound by reading the weights; the 1.5b x 256 decode step went 2.347 -> 2.241 ms (BENCHMARKS.md,
-# "Twenty-second pass"). Its summation error (2.4e-3 relative at K = 8,960) stays below e4m3's rounding of the
-# operands (the engine's log-probs moved by nothing measurable).
+# schedules, the usual choice for fp8 inference). On an H200, chains of the projections at qwen2.5-0.5b's,
+# 1.5b's and 7b's shapes ran up to 19 % faster with it at 128-512 rows (at most 1.2 % slower) and gained
+# nothing on balance at 1-64 rows, where a decode step reads the weights at bandwidth; the 1.5b x 256 decode
+# step went 2.350 -> 2.206-2.243 ms (BENCHMARKS.md, "Twenty-second pass"). Its summation error (2.4e-3
+# relative at K = 8,960) stays below e4m3's rounding of the operands (the engine's log-probs did not move).
 FP8_FAST_ACCUM_MIN_ROWS = 128
 
 
