@@ -187,12 +187,16 @@ class ModelArgs:
         return cfg
 
 
-# Dense bf16 peak per GPU (datasheet), the denominator of MFU; matched against the device name.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# Dense bf16 peak per GPU (datasheets: half the "with sparsity" figure), the denominator of MFU. Matched
+# against the device name in this order, so that the PCIe and NVL boards (fewer SMs or lower clocks than the
+# SXM parts of the same name) are found before the family name.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H800 PCIe": 756e12,
+                   "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """The MFU denominator of a GPU named `device_name` (`torch.cuda.get_device_name`), or None."""
+    """The MFU denominator of a GPU named `device_name` (`torch.cuda.get_device_name`), or None (no MFU is
+    reported for a GPU not in `PEAK_BF16_FLOPS`)."""
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
 
 

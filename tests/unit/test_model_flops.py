@@ -61,3 +61,14 @@ def test_training_flops_match_the_flop_counter_full_and_lora(targets):
     assert abs(predicted - counted) / counted < 5e-3, (predicted, counted)
     if targets == "all-linear":
         assert args.flops(batch * seq, batch * response, 0, backward=True) > 1.4 * counted
+
+
+def test_peak_bf16_flops_by_device_name():
+    # names as torch.cuda.get_device_name reports them; the PCIe / NVL boards have their own datasheet peaks
+    from models import peak_bf16_flops
+    cases = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA GH200 480GB": 989e12,
+             "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H200 NVL": 835e12,
+             "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA H20": None,
+             "NVIDIA GeForce RTX 4090": None}
+    for name, peak in cases.items():
+        assert peak_bf16_flops(name) == peak, name
