@@ -166,6 +166,35 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
                 )
 
 
+def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply_chat_template: bool = True,
+                  no_template_option: str = "apply_chat_template=False") -> tuple[str, bool]:
+    """The text of a prompt field and whether a chat template rendered it (then it already holds the special
+    tokens: tokenize it with `add_special_tokens=False`).
+
+    A string is the text as it is; a list of chat messages `{"role", "content"}` is rendered with the
+    tokenizer's chat template and the generation prompt, or, with `apply_chat_template` False, its contents
+    joined by newlines. Any problem is a `DatasetError` naming `where` and `key`; `no_template_option` is the
+    switch the message suggests when the tokenizer has no chat template.
+    """
+    if isinstance(prompt, str):
+        return prompt, False
+    if not isinstance(prompt, list):
+        raise DatasetError(f"{where}: field '{key}' must be a string or a list of chat messages, "
+                           f"got {type(prompt).__name__}")
+    _validate_messages(prompt, where, key)
+    if not apply_chat_template:
+        return "\n".join(m["content"] for m in prompt), False
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"{where}: field '{key}' is a list of chat messages but the tokenizer has no chat "
+                           f"template; use text prompts, set {no_template_option}, or use a tokenizer with a "
+                           "`chat_template`")
+    try:
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    except Exception as err:
+        raise DatasetError(f"{where}: the chat template failed on field '{key}': {err}") from err
+    return text, True
+
+
 def _ground_truth(row: dict[str, Any], where: str) -> str | None:
     reward_model = row.get("reward_model")
     if reward_model is None:
@@ -260,28 +289,8 @@ class RLHFDataset:
 
     def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
         """Returns the prompt's text and whether it came from a chat template."""
-        key = self.prompt_key
-        if isinstance(prompt, str):
-            return prompt, False
-        if not isinstance(prompt, list):
-            raise DatasetError(
-                f"{where}: field '{key}' must be a string or a list of chat messages, "
-                f"got {type(prompt).__name__}"
-            )
-        _validate_messages(prompt, where, key)
-        if not self.apply_chat_template:
-            return "\n".join(m["content"] for m in prompt), False
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise DatasetError(
-                f"{where}: field '{key}' is a list of chat messages but the tokenizer has no "
-                "chat template; use text prompts, set data.apply_chat_template=False, or use a "
-                "tokenizer with a `chat_template`"
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        except Exception as err:
-            raise DatasetError(f"{where}: the chat template failed on field '{key}': {err}") from err
-        return text, True
+        return render_prompt(self.tokenizer, prompt, where, self.prompt_key, self.apply_chat_template,
+                             "data.apply_chat_template=False")
 
     def _load_file(self, path: str) -> None:
         parsed = []

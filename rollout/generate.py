@@ -4,8 +4,11 @@
         [--temperature T --top-p P --top-k K --num-samples N --seed S --tp T --dtype bfloat16|float16|float32]
     torchrun --nproc_per_node=2 -m rollout.generate ... --tp 2      # tensor parallel
 
-Input: one JSON object per line with `"prompt"` (text, tokenized with the checkpoint's
-tokenizer, special tokens as the tokenizer adds them) or `"prompt_token_ids"`. Output: one
+Input: one JSON object per line with `"prompt"` or `"prompt_token_ids"`. A `"prompt"` is text
+(tokenized with the checkpoint's tokenizer, special tokens as the tokenizer adds them) or a list of
+chat messages `{"role", "content"}` (rendered with the tokenizer's chat template and the generation
+prompt, as the trainer's datasets render them; `--no-chat-template` joins their contents by
+newlines instead). Output: one
 line per (prompt, sample), prompt-major, with `prompt_index`, `sample_index`,
 `prompt_token_ids`, `token_ids`, `logprobs` (see `rollout.config`), `finish_reason`
 ("stop" | "length") and `text` when the checkpoint has a tokenizer. Generation stops at the
@@ -35,7 +38,10 @@ class CLIError(Exception):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--prompts", required=True, help="input JSONL: 'prompt' (text) or 'prompt_token_ids' per line")
+    p.add_argument("--prompts", required=True,
+                   help="input JSONL: 'prompt' (text or chat messages) or 'prompt_token_ids' per line")
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="chat-message prompts: join the contents by newlines instead of the tokenizer's chat template")
     p.add_argument("--out", required=True, help="output JSONL, one line per (prompt, sample)")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -82,8 +88,11 @@ def model_eos_ids(model_dir: Path, config_eos) -> list[int]:
     return sorted(set(ids))
 
 
-def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
+def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int,
+                 chat_template: bool = True) -> list[list[int]]:
     """Token ids of every prompt; any problem is a CLIError naming the file and line."""
+    from data.dataset import DatasetError, render_prompt
+
     if not path.is_file():
         raise CLIError(f"prompts file {str(path)!r} does not exist")
     prompts = []
@@ -104,12 +113,15 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int) -> 
             if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_token_ids" in obj):
                 raise CLIError(f"{where}: expected an object with exactly one of 'prompt' or 'prompt_token_ids'")
             if "prompt" in obj:
-                if not isinstance(obj["prompt"], str):
-                    raise CLIError(f"{where}: 'prompt' must be a string")
                 if tokenizer is None:
-                    raise CLIError(f"{where}: text prompt but the model directory has no tokenizer; "
+                    raise CLIError(f"{where}: 'prompt' given but the model directory has no tokenizer; "
                                    f"give 'prompt_token_ids'")
-                ids = tokenizer(obj["prompt"])["input_ids"]
+                try:
+                    text, templated = render_prompt(tokenizer, obj["prompt"], where, "prompt", chat_template,
+                                                    "--no-chat-template")
+                except DatasetError as e:
+                    raise CLIError(str(e)) from None
+                ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
             else:
                 ids = obj["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -168,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                        f"({longest})")
     max_model_len = args.max_model_len or longest
     tokenizer = load_tokenizer(model_dir)
-    prompts = read_prompts(Path(args.prompts), tokenizer, model_args.vocab_size, max_model_len)
+    prompts = read_prompts(Path(args.prompts), tokenizer, model_args.vocab_size, max_model_len, args.chat_template)
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,

@@ -348,6 +348,47 @@ def test_cli_generate(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_generate_chat_message_prompts(tmp_path, capsys):
+    """A 'prompt' of chat messages is rendered by the tokenizer's chat template with the generation prompt and
+    tokenized without added special tokens (as the trainer's datasets do); `--no-chat-template` joins the
+    contents by newlines; messages without a template, or malformed, are one-line errors naming the line."""
+    from rollout.generate import main
+    from transformers import AutoTokenizer
+
+    model = tiny_model(tiny_args("llama", eos_token_id=None))
+    ckpt = tmp_path / "ckpt"
+    _save_checkpoint(model, ckpt)
+    plain = tmp_path / "plain"
+    _save_checkpoint(model, plain)
+    tok = AutoTokenizer.from_pretrained(ckpt)  # role tokens w1 / w2, w3 opens the assistant's turn
+    tok.chat_template = ("{% for m in messages %}{{ 'w1' if m['role'] == 'system' else 'w2' }} {{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}w3{% endif %}")
+    tok.save_pretrained(ckpt)
+    messages = [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": "w5 w6 w7"}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": messages}) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["--prompts", str(inp), "--out", str(out), "--max-new-tokens", "5", "--temperature", "0",
+              "--dtype", "float32"]
+    for extra, ids in (([], [1, 9, 8, 2, 5, 6, 7, 3]), (["--no-chat-template"], [9, 8, 5, 6, 7])):
+        assert main(["--model", str(ckpt)] + common + extra) == 0
+        (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+        assert line["prompt_token_ids"] == ids
+        assert line["token_ids"] == greedy_reference(model, ids, 5)
+    bad = tmp_path / "bad.jsonl"
+    for model_dir, prompt, message in (
+            (plain, messages, "is a list of chat messages but the tokenizer has no chat template; use text "
+                              "prompts, set --no-chat-template"),
+            (ckpt, [{"role": "user"}], "field 'prompt' message 0 has no 'content'"),
+            (ckpt, 7, "field 'prompt' must be a string or a list of chat messages, got int")):
+        bad.write_text(json.dumps({"prompt_token_ids": [1]}) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+        assert main(["--model", str(model_dir), "--prompts", str(bad), "--out", str(tmp_path / "o.jsonl"),
+                     "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"{bad}:2: " in err and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys):
     """One line naming the flag, file or line, exit 2, nothing written: an output that is the prompts
     file (it used to be replaced by the results) or a directory (found only after generating), a
