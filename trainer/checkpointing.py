@@ -80,7 +80,6 @@ SAME_RUN_OPTIONS = (
     "actor_rollout_ref.rollout.top_k",
     "actor_rollout_ref.rollout.top_p",
     "actor_rollout_ref.rollout.do_sample",
-    "actor_rollout_ref.rollout.prompt_length",
     "actor_rollout_ref.rollout.response_length",
     "actor_rollout_ref.rollout.ignore_eos",
     "critic",

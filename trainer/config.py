@@ -51,7 +51,8 @@ class DataConfig:
     reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
                              choices=("data_source",))
     max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are filtered or truncated", ge=1)
-    max_response_length: int = opt(512, "maximum generated tokens per response", ge=1)
+    max_response_length: int = opt(512, "maximum generated tokens per response: the default of "
+                                        "actor_rollout_ref.rollout.response_length, which is what generation uses", ge=1)
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
     val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set",
                                      ge=1)
@@ -74,7 +75,8 @@ class OptimConfig:
     weight_decay: float = opt(0.01, "AdamW weight decay", ge=0)
     betas: list[float] = opt(default_factory=lambda: [0.9, 0.999], help="AdamW betas", ge=0, lt=1, length=2)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
-    total_training_steps: int = opt(-1, "set by the trainer from the data; leave at -1", ge=-1)
+    total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
+                                        "0: the run's total steps", ge=-1)
 
 
 @dataclass
@@ -142,8 +144,8 @@ class ActorConfig:
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
     ppo_epochs: int = opt(1, "passes over each batch of rollouts", ge=1)
     shuffle: bool = opt(False, "shuffle sequences before splitting mini-batches")
-    use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor (and, by default, of "
-                                         "the reference model and critic)")
+    use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor and of the critic (the "
+                                         "reference model's too unless ref.use_torch_compile says otherwise)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
@@ -176,7 +178,7 @@ class SamplingOverrides:
 # tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
 ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "free_engine_weights", "quantization", "kv_cache_dtype")
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
-                         "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes")
+                         "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine")
 
 
 def _non_default(obj, keys) -> dict:
@@ -200,7 +202,9 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
     do_sample: bool = opt(True, "sample (false: greedy)")
     n: int = opt(1, "responses per prompt", ge=1)
-    prompt_length: int | None = opt(None, "defaults to data.max_prompt_length", ge=1)
+    prompt_length: int | None = opt(None, "the engine's prompt budget: only sets the default of max_model_len "
+                                          "(prompt_length + response_length); at least data.max_prompt_length, which "
+                                          "filters or truncates the prompts; null: data.max_prompt_length", ge=1)
     response_length: int | None = opt(None, "defaults to data.max_response_length", ge=1)
     dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
     gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
@@ -385,8 +389,9 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    project_name: str = opt("meshppo", "project name (loggers)")
-    experiment_name: str = opt("run", "experiment name (loggers)")
+    project_name: str = opt("meshppo", "project name (wandb; the other loggers write under the run directory)")
+    experiment_name: str = opt("run", "experiment name (wandb's run name; the other loggers write under the run "
+                                      "directory)")
     logger: list[str] = opt(default_factory=lambda: ["console", "jsonl"],
                             help="any of console, jsonl, tensorboard, wandb")
     total_epochs: int = opt(1, "passes over the training prompts", ge=1)
@@ -511,9 +516,31 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     notes = []
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
-    if rollout.name != "native" and (tuned := _non_default(rollout, ENGINE_TUNING_OPTIONS)):
-        notes.append(f"{', '.join(f'actor_rollout_ref.rollout.{k}' for k in tuned)} tune meshppo's engine; "
-                     f"rollout.name={rollout.name} does not use them")
+    if rollout.name != "native":
+        tuned = list(_non_default(rollout, ENGINE_TUNING_OPTIONS))
+        # resolved from the data section unless set: only a value of their own is the user's
+        tuned += [k for k, inherited in (("prompt_length", cfg.data.max_prompt_length),
+                                         ("max_model_len", rollout.prompt_length + rollout.response_length))
+                  if getattr(rollout, k) != inherited]
+        if tuned:
+            notes.append(f"{', '.join(f'actor_rollout_ref.rollout.{k}' for k in tuned)} tune meshppo's engine; "
+                         f"rollout.name={rollout.name} does not use them")
+        if arr.actor.fsdp_config.param_offload:
+            notes.append("actor_rollout_ref.actor.fsdp_config.param_offload=true frees nothing with "
+                         f"rollout.name={rollout.name}: the actor generates, so its parameters stay on the device "
+                         "(optimizer_offload still moves the optimizer states out during generation)")
+    if cfg.data.max_response_length != rollout.response_length:
+        notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
+                     f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
+    frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
+                                  ("reward_model", cfg.reward_model.fsdp_config)) if fc.optimizer_offload]
+    if frozen:
+        notes.append(f"{', '.join(f'{k}.fsdp_config.optimizer_offload' for k in frozen)}: a frozen model has no "
+                     "optimizer states, there is nothing to offload")
+    guard = cfg.algorithm.kl_guard
+    if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
+        notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "
+                     "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false): it never acts")
     ref = list(_non_default(arr.ref, ("fsdp_config",)))
     if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
         ref.insert(0, "use_torch_compile")
@@ -606,6 +633,23 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if rollout.free_engine_weights and not rollout.free_cache_engine:
         raise ConfigError("actor_rollout_ref.rollout.free_engine_weights=true needs free_cache_engine=true "
                           "(it releases the engine's weights and graphs in addition to its KV cache)")
+    if rollout.name == "native":
+        val_n = rollout.val_kwargs.n if cfg.data.val_files else 0
+        for key, samples in (("rollout.n", n), ("rollout.val_kwargs.n", val_n)):
+            if samples > rollout.max_num_seqs:
+                raise ConfigError(f"actor_rollout_ref.{key}={samples} exceeds actor_rollout_ref.rollout.max_num_seqs="
+                                  f"{rollout.max_num_seqs}: the engine decodes a prompt's samples together; raise "
+                                  "max_num_seqs or lower n")
+    if cfg.trainer.critic_warmup and not cfg.uses_critic:
+        raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} trains only the critic for that many "
+                          f"steps, but algorithm.adv_estimator={adv} has no critic: those steps would train nothing; "
+                          "set it to 0 or use adv_estimator=gae")
+    kc = cfg.algorithm.kl_ctrl
+    if cfg.algorithm.use_kl_in_reward and kc.type == "adaptive" and 5 * kc.horizon <= bs * n:
+        raise ConfigError(f"algorithm.kl_ctrl.horizon={kc.horizon} with {bs * n} responses a step "
+                          "(data.train_batch_size x rollout.n): the adaptive controller multiplies the KL coefficient "
+                          f"by 1 + e x {bs * n} / horizon with e in [-0.2, 0.2], which reaches 0 or below; use a "
+                          f"horizon above {bs * n // 5}")
     if rollout.name != "native":
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             shown = str(value).lower() if isinstance(value, bool) else value

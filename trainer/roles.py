@@ -12,9 +12,10 @@ into micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
 
 from __future__ import annotations
 
+
 import math
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
@@ -192,15 +193,19 @@ class Role:
         self.device, self.packed, self.pad = device, packed, pad_token_id
         self.batching, self.fsdp_cfg = batching, fsdp_cfg
 
-    def offload(self) -> None:
-        """Send the states the FSDP config offloads to host memory (no-op for flags that are off)."""
+    def offload(self, params: bool = True) -> None:
+        """Send the states the FSDP config offloads to host memory (no-op for flags that are off);
+        `params=False`: only the optimizer states (the parameters are in use: `rollout.name=hf`)."""
         if self.fsdp_cfg is not None:
-            offload_states(self.model, self.optimizer, self.fsdp_cfg)
+            offload_states(self.model, self.optimizer, self._offloaded(params))
 
-    def load(self) -> None:
-        """Bring back what `offload` moved."""
+    def load(self, params: bool = True) -> None:
+        """Bring back what `offload(params)` moved."""
         if self.fsdp_cfg is not None:
-            load_states(self.model, self.optimizer, self.fsdp_cfg, self.device)
+            load_states(self.model, self.optimizer, self._offloaded(params), self.device)
+
+    def _offloaded(self, params: bool) -> FSDPConfig:
+        return self.fsdp_cfg if params else replace(self.fsdp_cfg, param_offload=False)
 
     @contextmanager
     def resident(self, with_optimizer: bool):

@@ -93,10 +93,14 @@ class NoCacheRollout(_Rollout):
         from trainer.hf_rollout import generate_no_cache
 
         lo, mine = self._slice(prompts)
+        # The actor generates, so only its optimizer states can wait in host memory meanwhile
+        # (`optimizer_offload`; `param_offload` has nothing to free here: a start-up note says so).
+        self.actor.offload(params=False)
         outs = generate_no_cache(self.actor.model, mine, n=n, max_tokens=max_tokens, eos_ids=eos_ids,
                                  ignore_eos=ignore_eos, seed=derive_seed(seed, self.replica), temperature=temperature,
                                  top_p=top_p, top_k=top_k, device=self.actor.device, pad_token_id=0)
         self.peaks.split()
+        self.actor.load(params=False)
         return self._share(outs)
 
 

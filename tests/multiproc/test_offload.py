@@ -71,6 +71,33 @@ def _body(rank, world):
         for k, v in s.items():
             assert torch.equal(v, states_before[id(p)][k]), k
 
+    # rollout.name=hf: the actor itself generates, so only its optimizer states wait in host memory meanwhile
+    # (`param_offload` frees nothing there), and both are back, unchanged, when the phase ends.
+    import trainer.hf_rollout as hf_rollout
+    from trainer.roles import Role
+    from trainer.rollout_phase import NoCacheRollout
+    from trainer.tracking import PeakMemory
+
+    role = Role(off, device=device, packed=False, pad_token_id=0, fsdp_cfg=off_cfg, optimizer=opt_off)
+    during = []
+
+    def generate(model, prompts, **kw):
+        during.append((len(offloaded_tensors(model)), len(offloaded_tensors(opt_off)) > 0))
+        return [f"out{rank}"]
+
+    real, hf_rollout.generate_no_cache = hf_rollout.generate_no_cache, generate
+    try:
+        outs = NoCacheRollout(role, rank, world, PeakMemory(device)).generate(
+            [[1, 2], [3, 4]], max_tokens=2, eos_ids=[], ignore_eos=True, seed=0, n=1, temperature=1.0, top_p=1.0,
+            top_k=-1)
+    finally:
+        hf_rollout.generate_no_cache = real
+    assert during == [(0, True)] and outs == ["out0", "out1"]
+    assert offloaded_tensors(off) == [] and offloaded_tensors(opt_off) == []
+    for p, s in opt_off.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, states_before[id(p)][k]), k
+
     # Training after the round trip is exactly training without it.
     _step(plain, opt_plain, rank, 1)
     _step(off, opt_off, rank, 1)

@@ -298,3 +298,63 @@ def test_notes_name_the_settings_a_run_does_not_use():
     assert any(n.startswith("actor_rollout_ref.ref.use_torch_compile") and "unused: with LoRA the reference is the "
                "actor with its adapters off" in n for n in lora), lora
     assert not any("unused: with LoRA" in n for n in config_notes(_cfg("actor_rollout_ref.ref.use_torch_compile=true")))
+
+
+def test_notes_for_settings_that_act_on_nothing():
+    """Each of these is accepted and would change nothing: a start-up note names it (and is absent when the
+    setting does act)."""
+    hf = "actor_rollout_ref.rollout.name=hf"
+
+    def noted(text, *overrides):
+        return any(text in n for n in config_notes(_cfg(*overrides)))
+
+    # engine settings the plain loop never reads, the resolved ones only when set to a value of their own
+    assert noted("actor_rollout_ref.rollout.block_size, actor_rollout_ref.rollout.free_cache_engine, "
+                 "actor_rollout_ref.rollout.prompt_length, actor_rollout_ref.rollout.max_model_len tune meshppo's "
+                 "engine", hf,
+                 "actor_rollout_ref.rollout.free_cache_engine=false", "actor_rollout_ref.rollout.prompt_length=1000",
+                 "actor_rollout_ref.rollout.max_model_len=5000")
+    assert noted("actor_rollout_ref.rollout.block_size tune meshppo's engine; rollout.name=hf does not use them",
+                 hf)  # the demo's own block size; prompt_length and max_model_len as resolved are not named
+    # parameter offload under hf (the actor generates); not with the engine
+    assert noted("param_offload=true frees nothing with rollout.name=hf", hf,
+                 "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    assert not noted("frees nothing", "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    # data.max_response_length overridden by rollout.response_length
+    assert noted("data.max_response_length=64 is not used: actor_rollout_ref.rollout.response_length=16",
+                 "data.max_response_length=64", "actor_rollout_ref.rollout.response_length=16")
+    assert not noted("is not used", "data.max_response_length=64")
+    # optimizer offload of frozen models
+    assert noted("actor_rollout_ref.ref.fsdp_config.optimizer_offload, reward_model.fsdp_config.optimizer_offload: "
+                 "a frozen model has no optimizer states", "actor_rollout_ref.ref.fsdp_config.optimizer_offload=true",
+                 "reward_model.fsdp_config.optimizer_offload=true")
+    # the KL guard without a reference (the demo tunes the guard and uses the KL loss)
+    assert noted("algorithm.kl_guard watches the KL to the reference, and this run has none",
+                 "actor_rollout_ref.actor.use_kl_loss=false")
+    assert not noted("kl_guard watches")
+    assert not noted("kl_guard watches", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true")
+
+
+def test_refused_settings_that_would_waste_or_break_a_run():
+    # critic warm-up steps without a critic would train nothing
+    with pytest.raises(ConfigError, match=r"trainer.critic_warmup=2 trains only the critic .*adv_estimator=grpo has "
+                                          "no critic"):
+        validate(_cfg("trainer.critic_warmup=2"))
+    validate(_cfg("trainer.critic_warmup=2", "algorithm.adv_estimator=gae"))
+    # the engine decodes a prompt's samples together (it used to fail at the first generation)
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.n=8 exceeds actor_rollout_ref.rollout.max_num_seqs=4"):
+        validate(_cfg("actor_rollout_ref.rollout.max_num_seqs=4"))
+    with pytest.raises(ConfigError, match="rollout.val_kwargs.n=16 exceeds actor_rollout_ref.rollout.max_num_seqs=8"):
+        validate(_cfg("actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.rollout.val_kwargs.n=16"))
+    validate(_cfg("actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.rollout.val_kwargs.n=16",
+                  "data.val_files=[]"))  # no validation: nothing to refuse
+    validate(_cfg("actor_rollout_ref.rollout.max_num_seqs=4", "actor_rollout_ref.rollout.name=hf"))
+    # an adaptive KL controller whose multiplier 1 + e * responses / horizon can reach 0 (32 x 8 responses a step:
+    # at e = -0.2 the factor is 1 - 256 / (5 horizon))
+    kl = ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false",
+          "algorithm.kl_ctrl.type=adaptive"]
+    with pytest.raises(ConfigError, match=r"algorithm.kl_ctrl.horizon=51 with 256 responses a step .* use a horizon "
+                                          "above 51"):
+        validate(_cfg(*kl, "algorithm.kl_ctrl.horizon=51"))
+    validate(_cfg(*kl, "algorithm.kl_ctrl.horizon=52"))
+    validate(_cfg("algorithm.kl_ctrl.horizon=51"))  # no KL in reward: the controller does not run

@@ -37,10 +37,10 @@ class _Actor:
     def __init__(self, model=None):
         self.model, self.device = model, CPU
 
-    def offload(self):
+    def offload(self, params=True):
         pass
 
-    def load(self):
+    def load(self, params=True):
         pass
 
 
