@@ -108,6 +108,10 @@ def main(argv=None) -> int:
                    help="also stop training this many minutes after the command started, less a minute for the "
                         "last evaluation (a device call with a time limit, a warm-up rebuilt first)")
     a = p.parse_args(argv)
+    # options of bench/learn.py's parser that this script has no use for: refused, not ignored
+    for dest, why in (("max_minutes", "the budget here is --minutes"), ("critic_lr", "TRL's GRPO has no critic")):
+        if getattr(a, dest) != p.get_default(dest):
+            p.error(f"--{dest.replace('_', '-')} is bench/learn.py's option: {why}")
     if a.steps is None and not a.tiny:
         a.steps = 10**6  # the wall-clock budget decides
     a.max_minutes = a.minutes

@@ -329,6 +329,9 @@ class RLHFDataset:
 
         limit = self.max_prompt_length
         for (where, prompt, text, _, data_source, ground_truth, extra_info), ids in zip(parsed, ids_by_row):
+            if not ids:
+                raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (an empty prompt, or a "
+                                   "tokenizer without a vocabulary)")
             if len(ids) > limit:
                 if self.filter_overlong_prompts:
                     self.num_filtered += 1

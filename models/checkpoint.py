@@ -33,6 +33,11 @@ def meshppo_key_to_hf(key: str) -> str:
     return key if key.startswith(_TOP_LEVEL) else "model." + key
 
 
+class CheckpointFileError(ValueError):
+    """A file of a model or checkpoint directory that cannot be used (malformed, truncated, unsupported):
+    the message names the file."""
+
+
 def load_model_args(path) -> ModelArgs:
     from transformers import AutoConfig
 
@@ -41,7 +46,10 @@ def load_model_args(path) -> ModelArgs:
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
-    return ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    try:
+        return ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError) as e:
+        raise CheckpointFileError(f"{str(path / 'config.json')!r}: {str(e).splitlines()[0]}") from None
 
 
 def safetensors_files(path) -> list[Path]:
@@ -67,7 +75,11 @@ def iter_hf_tensors(path):
     from safetensors import safe_open
 
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            f = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors' own error type: a truncated or foreign file
+            raise CheckpointFileError(f"{str(file)!r} is not a readable safetensors file ({e})") from None
+        with f:
             for key in f.keys():
                 name = hf_key_to_meshppo(key)
                 if name is not None:

@@ -62,7 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fp8: qkv, gate/up and down projections as e4m3 GEMMs (EngineConfig.quantization)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8: the KV cache as e4m3 values with a scale per token and head (EngineConfig.kv_cache_dtype)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.n, 1),
+                               ("--max-num-seqs", args.max_num_seqs, 1), ("--tp", args.tp, 1)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    return args
 
 
 def load_tokenizer(model_dir: Path):
@@ -79,7 +86,13 @@ def model_eos_ids(model_dir: Path, config_eos) -> list[int]:
     sources = [config_eos]
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        try:
+            data = json.loads(gen.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CLIError(f"{gen}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise CLIError(f"{gen}: expected a JSON object, got {type(data).__name__}")
+        sources.append(data.get("eos_token_id"))
     for e in sources:
         if isinstance(e, int):
             ids.append(e)

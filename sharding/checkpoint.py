@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from models.checkpoint import CheckpointFileError
+
 EXTRA_FILE = "extra.json"
 
 # What the `.metadata` pickle of a DCP checkpoint names (torch 2.6 to 2.13), besides torch's dtypes
@@ -104,7 +106,12 @@ class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self) -> Metadata:
         path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, self.path).load()
+            try:
+                metadata = _MetadataUnpickler(f, self.path).load()
+            except (EOFError, pickle.UnpicklingError) as e:
+                if isinstance(e, UnsafeCheckpointError):
+                    raise
+                raise CheckpointFileError(f"{str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{str(path)!r} is not the metadata of a torch.distributed.checkpoint "
                              f"(it holds a {type(metadata).__name__})")
@@ -201,7 +208,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         if refusal is None:
             unpickling = next((err for err in errors if isinstance(err, pickle.UnpicklingError)), None)
             if unpickling is None:
-                raise
+                first = errors[0] if errors else e
+                detail = str(first).strip().splitlines()[0] if str(first).strip() else ""
+                raise CheckpointFileError(f"checkpoint {str(path)!r} could not be read ({type(first).__name__}: "
+                                          f"{detail}); a truncated or corrupt file, or a model it was not saved "
+                                          "from") from None
             refusal = _weights_only_refusal(path, "a tensor item", unpickling)
         raise refusal from None
     # Not strict: the frozen parameters (a LoRA actor's base) are not in the checkpoint by design;

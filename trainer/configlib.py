@@ -360,13 +360,19 @@ def merge_override(data: dict, path: list[str], value) -> None:
 
 def read_yaml(path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = _load_yaml(f, f"config file {str(path)!r}")
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -362,7 +362,16 @@ PEER_GRACE_ENV = "MESHPPO_PEER_GRACE_S"
 
 def peer_grace_s() -> float:
     """Seconds the launcher lets the other ranks run after one stopped on an error (default 30)."""
-    return float(os.environ.get(PEER_GRACE_ENV, "30"))
+    from trainer.configlib import ConfigError
+
+    raw = os.environ.get(PEER_GRACE_ENV, "30")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also NaN
+        raise ConfigError(f"{PEER_GRACE_ENV}={raw!r}: give the seconds as a number >= 0")
+    return value
 
 
 _ERROR_LINE = re.compile(r"^meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")
@@ -411,15 +420,21 @@ def main(argv=None) -> int:
 
     from trainer.config import PPOConfig, config_notes
     from trainer.configlib import ConfigError, load_config, to_commented_yaml
-    from trainer.setup import preflight
+    from trainer.setup import check_output_dir, preflight
 
     try:
-        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        for flag, value, least in (("--nproc-per-node", args.nproc_per_node, 1), ("--nnodes", args.nnodes, 1),
+                                   ("--max-restarts", args.max_restarts, 0)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} must be at least {least}, got {value}")
+        if args.nnodes > 1 and not args.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address, the "
+                              "same on every node): the default, a free local port, is reachable from this node only")
+        peer_grace_s()  # MESHPPO_PEER_GRACE_S is read when a rank fails: check it now
         cfg = load_config(PPOConfig, args.config, args.overrides)
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc)
+        check_output_dir("--log-dir (LOG_DIR)", args.log_dir)
     except ConfigError as e:
         print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from models import peak_bf16_flops
+from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
@@ -76,12 +77,15 @@ class PPOTrainer:
         self.timer = Timer(self.device)
 
         from data import PromptDataLoader, RLHFDataset
-        from models.tokenizer import load_tokenizer
+        from models.tokenizer import TOKENIZER_FILES, load_tokenizer
 
         tok_path = cfg.data.tokenizer
         if not os.path.isdir(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
                             "actor_rollout_ref.model.path)")
+        if not any(os.path.isfile(os.path.join(tok_path, f)) for f in TOKENIZER_FILES):
+            raise UserError(f"tokenizer directory {tok_path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
+                            "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)
         d = cfg.data
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -666,7 +670,7 @@ def run(cfg: PPOConfig) -> int:
         if ctx.is_main:
             print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
-    except (UserError, DatasetError, RewardError, FileNotFoundError) as e:
+    except (UserError, DatasetError, RewardError, FileNotFoundError, CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would
         # otherwise show only as the other ranks' failed collective.
         print(f"meshppo: error (rank {ctx.rank}): {e}", file=sys.stderr)

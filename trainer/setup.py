@@ -35,6 +35,9 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     describes and, given, against the real one (`validate`); the packages the loggers need;
     the devices. Raises ConfigError."""
     validate(cfg, world_size, local_world_size)
+    t = cfg.trainer
+    for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
+        check_output_dir(f"trainer.{key}", getattr(t, key))
     for name in cfg.trainer.logger:
         package = OPTIONAL_LOGGER_PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:
@@ -52,6 +55,21 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
         raise ConfigError(f"this SLURM job has {allocated} GPUs on the node but trainer.n_gpus_per_node={per_node} "
                           f"uses {per_node}: submit with --gpus-per-node={per_node}, or set "
                           f"trainer.n_gpus_per_node={allocated}")
+
+
+def check_output_dir(key: str, path: str | None) -> None:
+    """A directory the run will write (or create): refused, naming `key`, when it or a folder above it is a file."""
+    if not path:
+        return
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return
+        p = parent
+    if not os.path.isdir(p):
+        what = "is a file" if p == os.path.abspath(path) else f"is under {p}, a file"
+        raise ConfigError(f"{key}={path} {what}: the run writes a directory there")
 
 
 @dataclass

@@ -59,6 +59,17 @@ CASES = {
                                "actor_rollout_ref.actor.optim.lr: -0.0001 is out of range; allowed: >= 0"),
     "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],
                                    2, "larger than the training set"),
+    # a model directory without tokenizer files once loaded an empty tokenizer and failed at the first rollout
+    "model dir without a tokenizer": (lambda a, t: [f"actor_rollout_ref.model.path={_model_copy(a, t, 'tokenizer*')}"],
+                                      1, "holds no tokenizer"),
+    "malformed config.json": (lambda a, t: [f"actor_rollout_ref.model.path={_model_copy(a, t, write={'config.json': '{bad'})}",
+                                            f"data.tokenizer={a}/tokenizer"], 1, "config.json"),
+    "truncated weights": (lambda a, t: [f"actor_rollout_ref.model.path={_model_copy(a, t, truncate='model.safetensors')}",
+                                        f"data.tokenizer={a}/tokenizer"], 1, "is not a readable safetensors file"),
+    "run directory is a file": (lambda a, t: [f"trainer.default_local_dir={_write(t / 'afile', '')}"], 2,
+                                "trainer.default_local_dir="),
+    "samples directory under a file": (lambda a, t: [f"trainer.rollout_data_dir={_write(t / 'bfile', '')}/samples"], 2,
+                                       "trainer.rollout_data_dir="),
     # a causal LM has no score head: as a reward model it would score every response 0
     "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
@@ -75,6 +86,19 @@ def _no_weights(assets, tmp):
     shutil.copytree(f"{assets}/sft_model", d)
     for f in d.glob("*.safetensors"):
         f.unlink()
+    return d
+
+
+def _model_copy(assets, tmp, remove=None, write=None, truncate=None):
+    d = tmp / "model_copy"
+    shutil.copytree(f"{assets}/sft_model", d)
+    for f in d.glob(remove) if remove else []:
+        f.unlink()
+    for name, text in (write or {}).items():
+        (d / name).write_text(text)
+    if truncate:
+        data = (d / truncate).read_bytes()
+        (d / truncate).write_bytes(data[:100])
     return d
 
 

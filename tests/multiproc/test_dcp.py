@@ -160,6 +160,23 @@ def _refusal_body(rank, world, tmp):
         _craft_item(ckpt, "model.embed_tokens.weight", payload.getvalue())
     refused(rf"^checkpoint '{ckpt_re}' holds a pickle \(a tensor item\) that would call posix\.mkdir")
 
+    # Truncated files: the .metadata pickle, then a data file - a one-line error naming the file or checkpoint.
+    from models.checkpoint import CheckpointFileError
+
+    data_file = sorted(ckpt.glob("*.distcp"))[0]
+    data = data_file.read_bytes()
+    for target, whole, match in ((ckpt / ".metadata", metadata, r"\.metadata' is truncated or corrupt"),
+                                 (data_file, data, rf"^checkpoint '{ckpt_re}' could not be read")):
+        dist.barrier()
+        if rank == 0:
+            target.write_bytes(whole[:100])
+        dist.barrier()
+        with pytest.raises(CheckpointFileError, match=match):
+            load_checkpoint(ckpt, fresh, fresh_opt)
+        dist.barrier()
+        if rank == 0:
+            target.write_bytes(whole)
+
     # The checkpoint as saved loads through the same readers, bit for bit.
     dist.barrier()
     load_checkpoint(ckpt, fresh, fresh_opt)

@@ -358,3 +358,32 @@ def test_refused_settings_that_would_waste_or_break_a_run():
         validate(_cfg(*kl, "algorithm.kl_ctrl.horizon=51"))
     validate(_cfg(*kl, "algorithm.kl_ctrl.horizon=52"))
     validate(_cfg("algorithm.kl_ctrl.horizon=51"))  # no KL in reward: the controller does not run
+
+
+def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    from trainer import launch
+    from trainer.configlib import read_yaml
+
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_yaml(binary)
+    with pytest.raises(ConfigError, match="is a directory"):
+        read_yaml(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    common = ["--config", DEMO, "--print-config", "trainer.n_gpus_per_node=1"]
+    for argv, env, message in (
+            (["--max-restarts", "-1"], None, "--max-restarts must be at least 0, got -1"),
+            (["--nnodes", "2", "trainer.nnodes=2"], None, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+            ([], "abc", "MESHPPO_PEER_GRACE_S='abc': give the seconds as a number >= 0"),
+            (["--log-dir", str(afile / "logs")], None, f"--log-dir (LOG_DIR)={afile / 'logs'} is under {afile}, a file")):
+        if env is None:
+            monkeypatch.delenv(launch.PEER_GRACE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.PEER_GRACE_ENV, env)
+        assert launch.main(argv + common) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    monkeypatch.delenv(launch.PEER_GRACE_ENV, raising=False)
+    assert launch.main(["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "trainer.nnodes=2"] + common) == 0

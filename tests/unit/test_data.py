@@ -229,6 +229,7 @@ def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
     (['{"prompt": "1=", "reward_model": {"ground_truth": [1]}}'],
      r"d\.jsonl:1: field 'reward_model\.ground_truth' must be a string or a number, got list"),
     (['{"prompt": "1=", "extra_info": 3}'], r"d\.jsonl:1: field 'extra_info' must be an object, got int"),
+    (['{"prompt": "1="}', '{"prompt": ""}'], r"d\.jsonl:2: field 'prompt' tokenizes to no tokens"),
     (['{"prompt": [{"role": "system", "content": "1="}]}'],
      r"d\.jsonl:1: the chat template failed on field 'prompt': .*got system"),
 ])

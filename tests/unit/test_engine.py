@@ -428,3 +428,16 @@ def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys):
     assert inp.read_text() == text and not (tmp_path / "o.jsonl").exists()
     assert parse_args(["--model", "m", "--prompts", "p", "--out", "o", "--max-new-tokens", "1",
                        "--num-samples", "3"]).n == 3
+    # flags out of range are refused by name (they used to be reported as engine fields, or accepted)
+    for flag, value in (("--max-new-tokens", "0"), ("--num-samples", "0"), ("--max-num-seqs", "-3"),
+                        ("--gpu-memory-utilization", "7")):
+        argv = ["--model", "m", "--prompts", "p", "--out", "o", "--max-new-tokens", "1", flag, value]
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    # a generation_config.json that is not a JSON object names the file
+    for bad in ("{bad", "[1, 2]"):
+        (ckpt / "generation_config.json").write_text(bad)
+        assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl")] + common) == 2
+        err = capsys.readouterr().err
+        assert "generation_config.json" in err and "Traceback" not in err, err
