@@ -29,6 +29,7 @@ train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml 
 	launch/run_single_node.sh --config $(CONFIG) $(TRAIN_NPROC) $(ARGS)
 
 demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks (NPROC=n: n ranks; SEED=k: another seed)
+	@case " $(ARGS) " in *trainer.default_local_dir=*) echo "make demo: move the run with DEMO_RUN=DIR, not trainer.default_local_dir in ARGS (the plots read DEMO_RUN)" >&2; exit 2;; esac
 	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR) --seed $(SEED)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml \
 		trainer.n_gpus_per_node=$(NPROC) data.train_files=[$(DEMO_DIR)/train.jsonl] data.val_files=[$(DEMO_DIR)/val.jsonl] \

@@ -134,3 +134,12 @@ def test_make_nproc_sets_n_gpus_per_node(target):
     cfg = load_config(PPOConfig, os.path.join(ROOT, args[1]), args[2:])
     assert cfg.trainer.n_gpus_per_node == 1
     validate(cfg, 1, 1)
+
+
+def test_make_demo_refuses_a_run_directory_in_args(tmp_path):
+    # the plots read DEMO_RUN: a run moved by ARGS would be trained in one place and plotted from another
+    r = subprocess.run(["make", "demo", f"DEMO_DIR={tmp_path}/assets",
+                        f"ARGS=trainer.default_local_dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "move the run with DEMO_RUN=DIR" in r.stderr, r.stderr
+    assert not (tmp_path / "assets").exists() and not (tmp_path / "run").exists()
