@@ -160,6 +160,7 @@ class _Launch:
         self.stop_signal: int | None = None
         self.notice: int | None = None  # a first stop signal not yet announced
         self.aborted = False  # a second Ctrl-C killed everything
+        self.stopped_early = False  # a stop signal came before any rank of this node started
         self.error_seen: float | None = None  # when a rank first recorded an error exit
         self.cut_short: tuple[int, list[int]] | None = None  # (the failed rank, the ranks stopped after it)
         self.signalled: set[int] = set()  # rank pids the stop signal has reached
@@ -231,6 +232,15 @@ class _Launch:
         """Forward a pending stop signal to ranks it has not reached (started late or restarted),
         and copy what rank 0 wrote since the last call to our stderr."""
         pids = self._rank_pids()
+        if self.stop_signal is not None and not pids and not (self.aborted or self.stopped_early):
+            # No rank of this node has started (torchrun is in its rendezvous or starting them): there is
+            # nothing to checkpoint, and torchrun ignores SIGTERM, so stop it and what it started now.
+            for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+                _kill(pid, signal.SIGKILL)
+            self.stopped_early, self.notice = True, None
+            print(f"meshppo: {signal.Signals(self.stop_signal).name}: stopped before any rank of this node started",
+                  file=sys.stderr, flush=True)
+            return
         if self.notice is not None:
             again = "; Ctrl-C again to stop at once" if self.notice == signal.SIGINT else ""
             print(f"\nmeshppo: {signal.Signals(self.notice).name} received: the ranks write a checkpoint and "
@@ -286,6 +296,8 @@ class _Launch:
                 _kill(pids[r], signal.SIGKILL)
 
     def _report(self, returncode: int) -> int:
+        if self.stopped_early:
+            return 128 + self.stop_signal
         if self.aborted:
             print(f"meshppo: stopped at once by a second Ctrl-C; the last checkpoint is "
                   f"{self._latest_checkpoint() or 'none'}", file=sys.stderr)
@@ -350,6 +362,23 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children first), from /proc; empty where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -205,3 +205,28 @@ def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_p
     assert f"resumed from {run}/checkpoints/global_step_{step}" in out, out
     assert [row["step"] for row in read_metrics(run)] == list(range(1, STEPS + 1))
     assert calls.read_text().splitlines() == ["requeue 4242"]  # finished: not requeued again
+
+
+def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp_path):
+    """torchrun waits in a rendezvous no second node joins (no rank starts); SIGTERM used to be forwarded to
+    ranks that did not exist, and torchrun (which ignores it) waited out its 10-minute rendezvous timeout."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--nproc-per-node", "1", *demo_args(tiny_assets, run, *COMMON, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")]
+    p = _Job(cmd, _env())
+    time.sleep(8)  # torchrun is up and waiting for the second node
+    assert p.poll() is None
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out = p.output(timeout=60)
+    assert time.time() - t0 < 15, out
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert "meshppo: SIGTERM: stopped before any rank of this node started" in out, out
+    _no_launcher_noise(out)
+    left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout.split()
+    assert left == [], left  # torchrun and anything it started are gone
