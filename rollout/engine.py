@@ -34,6 +34,10 @@ from rollout.scheduler import Scheduler
 from rollout.sequence import Sequence
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU (allocated lazily by the OS)
+
+
+class CacheTooSmallError(RuntimeError):
+    """The KV pool cannot hold one sequence of `max_model_len` tokens."""
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission, as in vLLM
 
 
@@ -170,9 +174,11 @@ class LLMEngine:
             n = min(max(budget // per_block, 0), cap)
             need = cdiv(self.max_model_len, c.block_size)
             if n < need:
-                raise RuntimeError(
+                fix = ("free memory or raise gpu_memory_utilization" if self.device.type == "cuda" else
+                       f"on CPU the pool is {CPU_KV_CACHE_BYTES / 2**30:g} GiB: lower max_model_len")
+                raise CacheTooSmallError(
                     f"the KV pool would hold {n} blocks ({n * per_block / 2**30:.2f} GiB) but one sequence of "
-                    f"max_model_len={self.max_model_len} needs {need}: free memory or raise gpu_memory_utilization")
+                    f"max_model_len={self.max_model_len} needs {need}: {fix}")
         # Every rank must schedule identically: agree on the smallest pool.
         return self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
 

@@ -207,7 +207,13 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_pretrained(model_dir, config, tp_mesh=mesh, device=device)
     except (OSError, ValueError) as e:
         raise CLIError(f"--model {args.model!r}: {e}") from None
-    outputs = engine.generate(prompts, params)
+    from rollout.engine import CacheTooSmallError
+
+    try:
+        outputs = engine.generate(prompts, params)
+    except CacheTooSmallError as e:
+        raise CLIError(str(e).replace("lower max_model_len", "lower --max-model-len")
+                       .replace("raise gpu_memory_utilization", "raise --gpu-memory-utilization")) from None
     if mesh is None or mesh.get_local_rank() == 0:
         tmp = out.with_name(f".{out.name}.tmp")
         with open(tmp, "w") as f:

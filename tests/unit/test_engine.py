@@ -389,7 +389,7 @@ def test_cli_generate_chat_message_prompts(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys):
+def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkeypatch):
     """One line naming the flag, file or line, exit 2, nothing written: an output that is the prompts
     file (it used to be replaced by the results) or a directory (found only after generating), a
     directory without weights, a prompts file that is not UTF-8 text, a NaN temperature (it wrote
@@ -435,6 +435,13 @@ def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    # a KV pool too small for one sequence of the context: the flag that helps, in one line
+    import rollout.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "CPU_KV_CACHE_BYTES", 1 << 12)
+    assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl")] + common) == 2
+    err = capsys.readouterr().err
+    assert "on CPU the pool is" in err and "lower --max-model-len" in err and "Traceback" not in err, err
+    monkeypatch.undo()
     # a generation_config.json that is not a JSON object names the file
     for bad in ("{bad", "[1, 2]"):
         (ckpt / "generation_config.json").write_text(bad)
