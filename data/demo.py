@@ -213,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-value", type=int, default=0)
     parser.add_argument("--max-value", type=int, default=99)
     args = parser.parse_args(argv)
+    for flag, value in (("--n-train", args.n_train), ("--n-val", args.n_val)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    from trainer.configlib import ConfigError
+    from trainer.setup import check_output_dir
+
+    try:
+        check_output_dir("--out", args.out)
+    except ConfigError as e:
+        parser.error(str(e))
     try:
         paths = prepare_demo(args.out, args.n_train, args.n_val, args.seed, args.min_value, args.max_value)
     except ValueError as err:

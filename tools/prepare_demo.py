@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from data.dataset import RLHFDataset, read_records
-from data.demo import forgotten_carry, operands, prepare_demo
+from data.dataset import RLHFDataset, read_records, render_prompt
+from data.demo import build_demo_tokenizer, forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
 from trainer.forward import build_micro_batch, response_logprobs
 
@@ -80,12 +80,12 @@ def supervised_warmup(model, tokenizer, train_file: str, val_file: str, slip: fl
     soon after this tiny model's sudden transition into adding (300 to 400 steps on seeds 0-2),
     but the probability it gives the right answer to a carry problem, which is what PPO needs
     to sample, keeps rising towards 1 - slip for a few hundred steps more."""
-    ds = RLHFDataset([train_file], tokenizer, max_prompt_length=32)
+    ds = RLHFDataset([train_file], tokenizer, max_prompt_length=SFT_PROMPT_LIMIT)
     encode = lambda n: tokenizer(str(n), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # noqa: E731
     pairs = [operands(rec) for _, rec in read_records(train_file)]
     right = [encode(a + b) for a, b in pairs]
     slipped = [encode(forgotten_carry(a, b)) for a, b in pairs]
-    val = RLHFDataset([val_file], tokenizer, max_prompt_length=32)
+    val = RLHFDataset([val_file], tokenizer, max_prompt_length=SFT_PROMPT_LIMIT)
     val_prompts = [val[i]["input_ids"] for i in range(len(val))]
     likely = forgotten_carry if slip > 0.5 else (lambda a, b: a + b)
     val_answers = [encode(likely(*operands(rec))) for _, rec in read_records(val_file)]
@@ -148,6 +148,9 @@ def why_out_of_date(out: str, settings: dict) -> str | None:
     return f"incomplete (missing {', '.join(missing)})" if missing else None
 
 
+SFT_PROMPT_LIMIT = 32  # tokens: the longest prompt the demonstrator's training reads
+
+
 def check_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse, with `p.error` (exit 2), options that would fail mid-build or give a broken model."""
     if not 0.0 <= a.slip <= 1.0:
@@ -162,6 +165,12 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--sft-max-steps must be at least 0, got {a.sft_max_steps}")
     if a.max_value < 0:
         p.error(f"--max-value must be at least 0, got {a.max_value}")
+    tok = build_demo_tokenizer()
+    text, _ = render_prompt(tok, [{"role": "user", "content": f"{a.max_value}+{a.max_value}="}], "--max-value")
+    longest = len(tok(text, add_special_tokens=False)["input_ids"])
+    if longest > SFT_PROMPT_LIMIT:
+        p.error(f"--max-value {a.max_value}: its prompts are up to {longest} tokens, more than the "
+                f"{SFT_PROMPT_LIMIT} the demo reads")
     if a.n_train + a.n_val > (a.max_value + 1) ** 2:
         p.error(f"--n-train + --n-val = {a.n_train + a.n_val} exceeds the {(a.max_value + 1) ** 2} distinct "
                 f"problems with operands up to --max-value {a.max_value}")
@@ -182,8 +191,13 @@ def main(argv=None) -> int:
     check_options(p, a)
     settings = {k: getattr(a, k) for k in DEFAULTS}
     stamp = os.path.join(a.out, STAMP)
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out {a.out} is a file, not a directory")
+    from trainer.configlib import ConfigError
+    from trainer.setup import check_output_dir
+
+    try:
+        check_output_dir("--out", a.out)
+    except ConfigError as e:
+        p.error(str(e))
     reason = "--force" if a.force else why_out_of_date(a.out, settings)
     if reason is None:
         print(f"demo assets in {a.out} are up to date")

@@ -166,6 +166,26 @@ def test_prepare_demo_rejects_a_slip_outside_0_1(tmp_path, capsys):
     assert not (tmp_path / "assets").exists()
 
 
+def test_demo_tools_refuse_bad_output_and_ranges_before_writing(tmp_path, capsys):
+    from data.demo import main as demo_main
+    from tools.prepare_demo import main as prepare_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [(demo_main, ["--out", str(tmp_path / "d"), "--n-train", "-5"], "--n-train must be at least 1, got -5"),
+             (demo_main, ["--out", str(tmp_path / "d"), "--n-val", "0"], "--n-val must be at least 1, got 0"),
+             (demo_main, ["--out", str(afile / "d")], f"is under {afile}, a file"),
+             (prepare_main, ["--out", str(afile / "d")], f"is under {afile}, a file"),
+             # operands of 16 digits: 36-token prompts, past what the demonstrator's training reads
+             (prepare_main, ["--out", str(tmp_path / "d"), "--max-value", str(10 ** 15), "--n-train", "10",
+                             "--n-val", "2"], "its prompts are up to 36 tokens, more than the 32")]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert err.value.code == 2 and message in capsys.readouterr().err, argv
+    assert not (tmp_path / "d").exists() and afile.read_text() == ""
+
+
 # ---- RLHFDataset
 
 
