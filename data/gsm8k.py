@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m data.gsm8k", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="GSM8K file (.jsonl, .json or .parquet)")
-    parser.add_argument("--output", required=True, help="output file (.jsonl or .parquet)")
+    parser.add_argument("--output", required=True, help="output file (.parquet, else JSON lines, whatever the suffix)")
     parser.add_argument("--split", default="train", help="stored in extra_info.split (default: train)")
     args = parser.parse_args(argv)
     try:
