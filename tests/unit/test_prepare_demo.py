@@ -100,4 +100,5 @@ def test_out_that_is_a_file_exits_2(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit) as err:
         main(["--out", str(tmp_path / "afile")])
-    assert err.value.code == 2 and f"--out {tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
+    assert err.value.code == 2 and f"--out={tmp_path / 'afile'} is a file" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
