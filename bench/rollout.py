@@ -54,10 +54,10 @@ sequences ride along with: `prefill_steps_decoding`), `occupancy` = that mean / 
 fraction of those steps at full batch, and prefill steps (slots refilled); where the wall
 time went: `prefill_s_gpu` and `decode_s_gpu` (CUDA events around each step, as above) and
 `gpu_idle_s`, the rest of the wall, when the GPU waited for the host. Then, as between PPO phases,
-the engine frees its KV pool, then its weights and graphs (`freed_*_gb`: what each gave
+the engine frees its KV pool, then its weights, then its graphs (`freed_*_gb`: what each gave
 back, allocated and reserved; `left_allocated_gb`: what the engine still holds), refills
 its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
-the graphs of every batch size it visits (`graph_capture_s_first` includes the eager warm-up
+the graphs of every batch size it visits (the trainer's `free_engine_weights` keeps them) (`graph_capture_s_first` includes the eager warm-up
 of the first capture). `--capture-sizes` with fewer sizes trades padding for capture time.
 """
 
@@ -261,6 +261,8 @@ def measure_eos(name: str, args) -> dict:
     alloc1, res1 = memory()
     engine.free_weights()
     alloc2, res2 = memory()
+    engine.free_graphs()  # free_weights() keeps them (replayed if the weights come back in place)
+    alloc3, res3 = memory()
     random_weights(engine)  # through param_slots(), which re-allocates, as the resharder's call does
     engine.generate(prompts, params)
     again = engine.last_stats
@@ -291,10 +293,12 @@ def measure_eos(name: str, args) -> dict:
         wall_s_after_free=round(again["wall_s"], 4),
         freed_kv_allocated_gb=round((alloc0 - alloc1) / 1e9, 3),
         freed_kv_reserved_gb=round((res0 - res1) / 1e9, 3),
-        freed_weights_graphs_allocated_gb=round((alloc1 - alloc2) / 1e9, 3),
-        freed_weights_graphs_reserved_gb=round((res1 - res2) / 1e9, 3),
+        freed_weights_allocated_gb=round((alloc1 - alloc2) / 1e9, 3),
+        freed_weights_reserved_gb=round((res1 - res2) / 1e9, 3),
+        freed_graphs_allocated_gb=round((alloc2 - alloc3) / 1e9, 3),
+        freed_graphs_reserved_gb=round((res2 - res3) / 1e9, 3),
         weights_gb=round(engine.model.weight_bytes / 1e9, 3),
-        left_allocated_gb=round(alloc2 / 1e9, 3),
+        left_allocated_gb=round(alloc3 / 1e9, 3),
         **args.telemetry.take(),
     )
     del engine

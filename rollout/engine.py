@@ -130,16 +130,25 @@ class LLMEngine:
         return loaded
 
     def free_weights(self) -> None:
-        """Release the weights and the CUDA graphs (with their memory pool) until the next weight load.
+        """Release the weights' memory until the next weight load.
 
         Between PPO phases, with `free_cache()`: the actor trains in the memory the engine held.
         The weights' tensor objects (`param_slots()` views) stay valid; `param_slots()` or
-        `init_weights_storage()` re-allocates the memory, which the next reshard or
-        `load_weights` fills. The graphs are recaptured by the next `generate()`, whose
-        `last_stats["graph_capture_s"]` says what that cost.
+        `init_weights_storage()` re-allocates the memory, which the next reshard or `load_weights`
+        fills. The captured CUDA graphs stay (with their pool: about 0.2 GB at 256 rows of
+        qwen2.5-0.5b / 1.5b). The next `generate()` replays them when the weights and the KV pool
+        are back at the addresses the graphs were captured over (the caching allocator hands the
+        same block back unless something else holds it), and recaptures them otherwise
+        (`last_stats["graph_capture_s"]`). Keeping them is not only the capture's time: on an
+        H200 a decode graph recaptured after the actor's update replayed 9 % slower than the one
+        captured before it (BENCHMARKS.md, "Twenty-third pass"). `free_graphs()` releases them too.
         """
         if self.model.allocated:
             self.model.release()
+
+    def free_graphs(self) -> None:
+        """Destroy the captured CUDA graphs and give back their memory pool and the padded prefill's
+        buffers; the next `generate()` captures what it needs again."""
         self.runner.drop_graphs()
 
     def init_weights_storage(self) -> None:

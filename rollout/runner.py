@@ -339,8 +339,8 @@ class ModelRunner:
         """A graph of `body()` in the runner's pool, ordered after the work already queued; counted
         in `capture_s` from `started` (a `perf_counter` time: a warm-up before it counts too)."""
         # Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
-        # allocator and the pinned host cache, so that after every recapture (each step with
-        # `free_weights()`) the trainer's next allocations went back to cudaMalloc / cudaHostAlloc.
+        # allocator and the pinned host cache, so that after every recapture the trainer's next
+        # allocations went back to cudaMalloc / cudaHostAlloc.
         # The capture needs a side stream, ordered after the work already queued.
         main = torch.cuda.current_stream(self.device)
         if self._capture_stream is None:

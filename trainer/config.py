@@ -211,12 +211,13 @@ class RolloutConfig:
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
     enforce_eager: bool = opt(False, "disable CUDA graphs (decode and prefill steps)")
     free_cache_engine: bool = opt(True, "release the engine's KV cache after generation (the next generation "
-                                        "re-allocates it); the engine's weights and CUDA graphs stay: "
-                                        "free_engine_weights releases them too")
-    free_engine_weights: bool = opt(False, "also release the engine's weights and decode CUDA graphs after "
-                                           "generation, so the training phases get their memory; the next reshard "
-                                           "re-allocates the weights and the next generation recaptures the graphs "
-                                           "(timing_s/graph_capture). Needs free_cache_engine and name=native")
+                                        "re-allocates it); the engine's weights stay: free_engine_weights releases "
+                                        "them too")
+    free_engine_weights: bool = opt(False, "also release the engine's weights after generation, so the training "
+                                           "phases get their memory; the next reshard re-allocates them. The CUDA "
+                                           "graphs stay, replayed when the weights come back at the same address "
+                                           "and recaptured otherwise (timing_s/graph_capture). Needs "
+                                           "free_cache_engine and name=native")
     quantization: str | None = opt(None, "fp8: the engine's qkv, gate/up and down projections as e4m3 GEMMs (weights "
                                          "quantized after every reshard); faster, and its log-probs move away from "
                                          "the actor's (pair with algorithm.rollout_correction). null: all in dtype",

@@ -6,8 +6,8 @@ steps, and with them every memory move between training and generation, are in
 `EngineRollout.generate`:
 
     reshard (FSDP actor -> engine weights) -> offload the actor's training states
-    -> generate -> free the KV cache (and, with free_engine_weights, the engine's weights and
-    CUDA graphs) -> split the peak-memory counters -> reload the actor's states -> share outputs
+    -> generate -> free the KV cache (and, with free_engine_weights, the engine's weights; its
+    CUDA graphs stay) -> split the peak-memory counters -> reload the actor's states -> share outputs
 
 Seeding: a call's `seed` is the step's (or the validation chunk's). The engine keys each sample's
 noise by (seed, GLOBAL prompt index, sample index): every replica passes the step's seed and its
@@ -73,8 +73,8 @@ class EngineRollout(_Rollout):
                             eos_token_id=list(eos_ids) or None, ignore_eos=ignore_eos, seed=seed)
         # Noise keyed by the global prompt index lo + i (module docstring); no eos ids: the model's.
         outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
-        # Decode graphs are captured in the first generation and after every free_weights():
-        # the recapture is the price of freeing them, so every step shows it.
+        # Decode graphs are captured in the first generation, and again only when the weights or
+        # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.
         self.timer.add("graph_capture", self.engine.last_stats["graph_capture_s"] if mine else 0.0)
         if self.free_cache:
             self.engine.free_cache()

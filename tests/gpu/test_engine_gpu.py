@@ -401,10 +401,12 @@ def _memory():
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
-def test_free_weights_gives_memory_back_and_recaptured_graphs_agree():
-    """Issue 14 part 3: `free_weights()` returns the weights (their own segment: > 10 MB) and the
-    graphs' pool to the device; refilling through `param_slots()` (as the resharder does) and
-    recapturing gives the same tokens, greedy and sampled with top-k / top-p."""
+def test_free_weights_keeps_the_graphs_and_replays_them_while_the_address_holds():
+    """Issue 14 part 3: `free_weights()` returns the weights (their own segment: > 10 MB) and keeps the
+    captured graphs; `free_graphs()` returns the graphs' pool. Refilled through `param_slots()` (as
+    the resharder does), the next generation replays the kept graphs when the weights are back at
+    their address and recaptures them when they are not. The tokens stay the same throughout,
+    greedy and sampled with top-k / top-p."""
     # Blocks cached by earlier tests would be split for the weights, whose segment would then hold
     # other tensors (the padded prefill's buffers) and could not go back to the device alone.
     torch.cuda.empty_cache()
@@ -414,28 +416,60 @@ def test_free_weights_gives_memory_back_and_recaptured_graphs_agree():
     prompts = prompts_of([9, 31, 5, 17, 40, 3], seed=6)
     params = [SamplingParams(temperature=0, max_tokens=16),
               SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.9, max_tokens=16, seed=3)]
-    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=64)  # frees its KV pool after each call
+    # The KV pool stays (free_cache_engine=False): only the weights can move under the graphs.
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=64, free_cache_engine=False)
     refs = []
     for sp in params:
         refs.append([o.token_ids for o in engine.generate(prompts, sp)])
         assert engine.last_stats["graphs_captured"] > 0 and engine.last_stats["graph_capture_s"] > 0
-    wbytes = engine.model.storage.numel() * engine.model.storage.element_size()
+    storage = engine.model.storage
+    wbytes = storage.numel() * storage.element_size()
     assert wbytes > 10 << 20
+
+    def refill():
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                engine.param_slots()[name].view.copy_(p)
+
+    def same_tokens():
+        for sp, ref in zip(params, refs):
+            assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
+
+    # (decode graphs by identity: padded-prefill graphs are captured once a bucket has been used
+    # often enough, whatever happened to the weights)
+    graphs = dict(engine.runner.graphs)
+    assert graphs
     alloc0, res0 = _memory()
-    engine.model.release()  # the weights alone first, to see the graphs' share separately
-    alloc1, res1 = _memory()
     engine.free_weights()
-    alloc2, res2 = _memory()
+    alloc1, res1 = _memory()
     # (block rounding: 512 B; a segment's 2 MiB granularity, with expandable segments)
     assert 0 <= alloc0 - alloc1 - wbytes < 512 and res0 - res1 >= wbytes - (2 << 20), (alloc0, alloc1, res0, res1)
+    assert engine.runner.graphs == graphs  # kept, pool and all
+    engine.free_graphs()
+    alloc2, res2 = _memory()
     assert not engine.runner.graphs and res2 < res1, (res1, res2)  # the pool is gone too
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            engine.param_slots()[name].view.copy_(p)
+    refill()
     assert torch.cuda.memory_allocated() >= alloc2 + wbytes
-    for sp, ref in zip(params, refs):
-        assert [o.token_ids for o in engine.generate(prompts, sp)] == ref
-        assert engine.last_stats["graphs_captured"] > 0
+    same_tokens()
+    assert set(engine.runner.graphs) == set(graphs)  # captured again
+
+    # Freed and refilled from the allocator's cache: the same block, so the same graphs replay.
+    graphs, ptr = dict(engine.runner.graphs), storage.data_ptr()
+    engine.free_weights()
+    refill()
+    assert storage.data_ptr() == ptr
+    same_tokens()
+    assert all(engine.runner.graphs[k] is g for k, g in graphs.items())
+
+    # Something else takes the block meanwhile: the weights come back elsewhere and the graphs,
+    # captured over the old address, are replaced.
+    engine.free_weights()
+    blocker = torch.empty(wbytes, dtype=torch.uint8, device=DEV)
+    refill()
+    assert storage.data_ptr() != ptr and blocker.data_ptr() == ptr
+    same_tokens()
+    assert set(engine.runner.graphs) == set(graphs)
+    assert not any(engine.runner.graphs[k] is g for k, g in graphs.items())
 
 
 def test_qwen_shape_smoke():

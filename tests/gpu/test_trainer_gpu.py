@@ -51,12 +51,14 @@ def test_demo_steps_on_gpu(tmp_path, estimator):
 
 
 def test_engine_weights_freed_between_phases_on_gpu(tmp_path):
-    """rollout.free_engine_weights: the weights and the decode graphs are released after every
-    generation, so every step recaptures its graphs (and says so), and training goes on. The demo
+    """rollout.free_engine_weights: the weights are released after every generation and the next
+    reshard re-allocates and fills them; the first step captures the decode graphs, which stay
+    (recaptured only if the weights come back elsewhere), and training goes on. The demo
     model's head_dim (96 / 4 = 24) has no Triton decode kernel, hence no graphs: this one has 32."""
     rows, steps = _run(tmp_path, "grpo", "actor_rollout_ref.rollout.free_engine_weights=true",
                        model=("--hidden", "128", "--heads", "4"))
+    assert steps[0]["timing_s/graph_capture"] > 0, steps[0]
     for row in steps:
-        assert row["timing_s/graph_capture"] > 0, row
+        assert row["timing_s/graph_capture"] >= 0, row
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
     assert "val/meshppo/demo_add/score" in rows[-1]

@@ -495,7 +495,7 @@ def _checks() -> dict:
         assert {0, 3}.issubset(r for _, r in steps) and any(4 < r < 8 for _, r in steps), steps
         assert {k[0] for k in engine.runner._prefill_uses} == {"prefill", "sample"}
         assert engine.runner._pre_dev is not None
-        engine.free_weights()  # the padded prefill's buffers and use counts go with the graphs
+        engine.free_graphs()  # the padded prefill's buffers and use counts go with the graphs
         assert engine.runner._pre_dev is None and engine.runner._pre_h is None and not engine.runner._prefill_uses
         assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
         return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
