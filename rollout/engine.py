@@ -135,8 +135,9 @@ class LLMEngine:
         Between PPO phases, with `free_cache()`: the actor trains in the memory the engine held.
         The weights' tensor objects (`param_slots()` views) stay valid; `param_slots()` or
         `init_weights_storage()` re-allocates the memory, which the next reshard or `load_weights`
-        fills. The captured CUDA graphs stay (with their pool: about 0.2 GB at 256 rows of
-        qwen2.5-0.5b / 1.5b). The next `generate()` replays them when the weights and the KV pool
+        fills. The captured CUDA graphs stay, with their pool: on an H200, 0.2 GB for one batch
+        size of 256 rows at qwen2.5-0.5b or 1.5b, 1.3 GB for all the sizes and padded prefills an
+        EOS workload at 0.5b visits (BENCHMARKS.md, "Twenty-third pass"). The next `generate()` replays them when the weights and the KV pool
         are back at the addresses the graphs were captured over (the caching allocator hands the
         same block back unless something else holds it), and recaptures them otherwise
         (`last_stats["graph_capture_s"]`). Keeping them is not only the capture's time: on an
