@@ -51,6 +51,16 @@ def _resolve_device(device, tp_mesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
 
+def check_allocator(device: torch.device, enforce_eager: bool) -> None:
+    """CUDA graphs here launch Triton kernels on tensors allocated during the capture, which
+    PyTorch's cudaMallocAsync backend makes unreadable to Triton: refuse it up front."""
+    if device.type == "cuda" and not enforce_eager and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF selects backend:cudaMallocAsync, under which the engine's CUDA "
+                         "graphs cannot be captured (Triton cannot read tensors allocated inside the capture): use "
+                         "the default allocator (backend:native), or run without graphs (EngineConfig.enforce_eager"
+                         "=True; in the trainer actor_rollout_ref.rollout.enforce_eager=true)")
+
+
 class LLMEngine:
     """Generation engine for one TP rank; see the module docstring and `rollout/__init__.py`."""
 
@@ -59,6 +69,7 @@ class LLMEngine:
         self.tp = TPGroup.from_mesh(tp_mesh)
         check_tp_divisibility(model_args, self.tp.size)
         self.device = _resolve_device(device, tp_mesh)
+        check_allocator(self.device, config.enforce_eager)
         self.max_model_len = config.max_model_len or model_args.max_position_embeddings
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -241,6 +241,22 @@ def test_free_and_reallocate_cache_and_weights():
     assert default.runner.kv_cache is None
 
 
+def test_cuda_graphs_under_cudamallocasync_are_refused_up_front(monkeypatch):
+    """Under PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync the first capture died inside Triton
+    (a pointer "cannot be accessed", then an abort at exit; H200, BENCHMARKS.md "Twenty-third
+    pass"); eager engines run there. The check reads only the allocator's name."""
+    from rollout.engine import check_allocator
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with pytest.raises(ValueError, match="backend:cudaMallocAsync.*enforce_eager=true"):
+        check_allocator(cuda, enforce_eager=False)
+    check_allocator(cuda, enforce_eager=True)
+    check_allocator(torch.device("cpu"), enforce_eager=False)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    check_allocator(cuda, enforce_eager=False)
+
+
 def test_bad_inputs_are_clear_errors():
     args = tiny_args("qwen2")
     model = tiny_model(args)
