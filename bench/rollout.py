@@ -8,6 +8,11 @@
     torchrun --nproc_per_node=2 bench/rollout.py --tp 2 --models qwen2.5-7b --batch1-models "" --skip-hf
                                             # one engine over 2 GPUs (tensor parallel, NCCL)
 
+At TP 1 each engine (a model at all its `--batches`, a batch-1 model, an EOS model), each
+`--profile` and each HF model at one batch runs in a fresh process of its own, and the tables at
+the end gather their records (`--in-process`: all in this one). A decode step measured in a
+second engine of a process ran 6-7 % slower on some H200s (BENCHMARKS.md, "Twenty-second pass").
+
 Fixed workload: random weights, B prompts of 128 random tokens, 256 new tokens each, EOS
 ignored, temperature 1.0 (no truncation). Prints one JSON object per measurement (rank 0);
 figures are those of the median run of `--repeats` (odd, default 3; the run of median wall
@@ -65,8 +70,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -388,7 +395,7 @@ def _release():
     torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
     ap.add_argument("--batches", default="256,512")
@@ -419,8 +426,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: run under torchrun with this many ranks")
     ap.add_argument("--tp-all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
                     help="TP > 1: the engine's all-reduce (EngineConfig.tp_all_reduce)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="measure everything in this process; by default (at TP 1) each engine, HF model and "
+                         "profile runs in a fresh process of its own")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
-    args.capture_sizes = [int(x) for x in args.capture_sizes.split(",") if x] or None
     if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean) < 1:
         ap.error("--repeats and the --eos-* sizes must be >= 1")
     if args.repeats % 2 == 0:
@@ -428,6 +442,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA GPU", file=sys.stderr)
         return 1
+    if args.tp == 1 and not args.in_process:
+        return run_isolated(ap, args)
+    args.capture_sizes = [int(x) for x in args.capture_sizes.split(",") if x] or None
     args.tp_mesh = None
     if args.tp > 1:
         import torch.distributed as dist
@@ -448,8 +465,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     """The measurements `args` ask for, then their tables."""
-    if args.quick:
-        args.models, args.batches, args.batch1_models, args.skip_hf = "qwen2.5-0.5b", "256", "", True
+    apply_quick(args)
     batches = [int(b) for b in args.batches.split(",") if b]
     records = []
     max_len = args.prompt_len + args.new_tokens
@@ -477,7 +493,84 @@ def run(args) -> int:
             for b in [int(x) for x in args.hf_batches.split(",") if x]:
                 records.append(measure_hf(name, b, args))
                 _release()
+    print_tables(records, eos_records)
+    return 0
 
+
+def apply_quick(args) -> None:
+    if args.quick:
+        args.models, args.batches, args.batch1_models, args.skip_hf = "qwen2.5-0.5b", "256", "", True
+        args.quick = False
+
+
+# The options that choose what is measured; every other option is passed on to each child as given.
+SELECTION = dict(models="", batches="", batch1_models="", eos_models="", profile="", skip_hf=True, hf_batches="")
+
+
+def isolated_jobs(args) -> list[dict]:
+    """What `run()` measures, in its order, one entry per fresh process: the selection options of
+    each child (a model at all `--batches`, a batch-1 model, an EOS model, a profile, an HF model
+    at one batch)."""
+    apply_quick(args)
+    jobs = [dict(SELECTION, models=m, batches=args.batches) for m in args.models.split(",") if m and args.batches]
+    jobs += [dict(SELECTION, batch1_models=m) for m in args.batch1_models.split(",") if m]
+    jobs += [dict(SELECTION, eos_models=m) for m in args.eos_models.split(",") if m]
+    jobs += [dict(SELECTION, profile=spec) for spec in args.profile.split(",") if spec]
+    if not args.skip_hf:
+        jobs += [dict(SELECTION, models=m, skip_hf=False, hf_batches=b)
+                 for m in args.models.split(",") if m for b in args.hf_batches.split(",") if b]
+    return jobs
+
+
+def child_argv(ap: argparse.ArgumentParser, args, job: dict) -> list[str]:
+    """This script's command line for one job: the job's selection, every other option as given."""
+    argv = ["--in-process"]
+    for action in ap._actions:
+        if not action.option_strings or action.dest in ("help", "in_process", "quick"):
+            continue
+        value = job.get(action.dest, getattr(args, action.dest))
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv.append(f"{action.option_strings[0]}={value}")
+    return argv
+
+
+def run_isolated(ap: argparse.ArgumentParser, args, launch=None) -> int:
+    """Each job of `isolated_jobs` in a fresh process, its output passed through; then the tables
+    of all their records. A decode step measured in a second engine of a process ran 6-7 % slower
+    on some H200s (BENCHMARKS.md, "Twenty-second pass"), so no measurement shares a process.
+    `launch(argv)` yields the child's output lines, then returns its exit status (a test's stand-in)."""
+    launch = launch or _launch
+    records, eos_records, failed = [], [], []
+    for job in isolated_jobs(args):
+        argv = child_argv(ap, args, job)
+        lines = launch(argv)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration as stop:
+                code = stop.value
+                break
+            print(line, end="" if line.endswith("\n") else "\n", flush=True)
+            if line.startswith('{"benchmark"'):
+                rec = json.loads(line)
+                (eos_records if rec["benchmark"] == "rollout_eos" else records).append(rec)
+        if code != 0:
+            failed.append(f"{' '.join(argv)} (exit {code})")
+    print_tables(records, eos_records)
+    for f in failed:
+        print(f"bench/rollout.py: a measurement failed: {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _launch(argv: list[str]):
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=subprocess.PIPE, text=True)
+    yield from proc.stdout
+    return proc.wait()
+
+
+def print_tables(records: list[dict], eos_records: list[dict]) -> None:
     print("\n| engine | model | prompts | tok/s | ms/step gpu | ms/step wall | bw util | floor ratio | peak GB | "
           "SM MHz / W |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -498,7 +591,6 @@ def run(args) -> int:
                   f"{r['occupancy']} | {r['frac_steps_full']} | {r['prefill_s_gpu']} / {r['decode_s_gpu']} / "
                   f"{r['gpu_idle_s']} | {r['graph_capture_s_first']} / "
                   f"{r['graph_capture_s_after_free']} |")
-    return 0
 
 
 if __name__ == "__main__":
