@@ -241,6 +241,34 @@ def test_free_and_reallocate_cache_and_weights():
     assert default.runner.kv_cache is None
 
 
+def test_free_weights_keeps_the_graphs_which_only_a_moved_buffer_or_free_graphs_drops():
+    """The bookkeeping behind `free_engine_weights` without recapture (CPU: stand-ins for graphs):
+    `free_weights()` leaves the graphs; the next generation keeps them while the weights and the KV
+    pool sit where the graphs were captured, and drops them when either moved; `free_graphs()`
+    drops them and the padded prefill's buffers. tests/gpu/test_engine_gpu.py runs real graphs."""
+    engine = make_engine(tiny_model(tiny_args("llama")))
+    runner = engine.runner
+    engine.init_cache()
+    runner._check_graphs()  # the key of the current buffers
+    graph, prefill = object(), object()
+    runner.graphs[(4, None)] = graph
+    runner.prefill_graphs[("prefill", 64)] = prefill
+    engine.free_weights()
+    assert not engine.model.allocated and runner.graphs == {(4, None): graph}
+    engine.init_weights_storage()
+    key = runner._graph_key
+    runner._graph_key = (engine.model.storage.data_ptr(),) + key[1:]  # back in place
+    runner._check_graphs()
+    assert runner.graphs == {(4, None): graph} and runner.prefill_graphs == {("prefill", 64): prefill}
+    runner._graph_key = (runner._graph_key[0] + 4096,) + key[1:]  # captured over another address
+    runner._check_graphs()
+    assert not runner.graphs and not runner.prefill_graphs
+    runner.graphs[(4, None)] = graph
+    runner._pre_h = torch.zeros(1)
+    engine.free_graphs()
+    assert not runner.graphs and runner._pre_h is None
+
+
 def test_cuda_graphs_under_cudamallocasync_are_refused_up_front(monkeypatch):
     """Under PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync the first capture died inside Triton
     (a pointer "cannot be accessed", then an abort at exit; H200, BENCHMARKS.md "Twenty-third
