@@ -62,8 +62,8 @@ time went: `prefill_s_gpu` and `decode_s_gpu` (CUDA events around each step, as 
 the engine frees its KV pool, then its weights, then its graphs (`freed_*_gb`: what each gave
 back, allocated and reserved; `left_allocated_gb`: what the engine still holds), refills
 its weights and runs once more: `graph_capture_s_after_free` is what a step pays to recapture
-the graphs of every batch size it visits (the trainer's `free_engine_weights` keeps them) (`graph_capture_s_first` includes the eager warm-up
-of the first capture). `--capture-sizes` with fewer sizes trades padding for capture time.
+the graphs of every batch size it visits (`graph_capture_s_first` includes the eager warm-up
+of the first capture; the trainer's `free_engine_weights` keeps the graphs). `--capture-sizes` with fewer sizes trades padding for capture time.
 """
 
 from __future__ import annotations
@@ -500,7 +500,6 @@ def run(args) -> int:
 def apply_quick(args) -> None:
     if args.quick:
         args.models, args.batches, args.batch1_models, args.skip_hf = "qwen2.5-0.5b", "256", "", True
-        args.quick = False
 
 
 # The options that choose what is measured; every other option is passed on to each child as given.
@@ -540,22 +539,19 @@ def run_isolated(ap: argparse.ArgumentParser, args, launch=None) -> int:
     """Each job of `isolated_jobs` in a fresh process, its output passed through; then the tables
     of all their records. A decode step measured in a second engine of a process ran 6-7 % slower
     on some H200s (BENCHMARKS.md, "Twenty-second pass"), so no measurement shares a process.
-    `launch(argv)` yields the child's output lines, then returns its exit status (a test's stand-in)."""
+    `launch(argv)` returns the child's output lines and a function that waits for its exit status
+    (a test's stand-in)."""
     launch = launch or _launch
     records, eos_records, failed = [], [], []
     for job in isolated_jobs(args):
         argv = child_argv(ap, args, job)
-        lines = launch(argv)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration as stop:
-                code = stop.value
-                break
-            print(line, end="" if line.endswith("\n") else "\n", flush=True)
+        lines, wait = launch(argv)
+        for line in lines:
+            print(line, end="", flush=True)
             if line.startswith('{"benchmark"'):
                 rec = json.loads(line)
                 (eos_records if rec["benchmark"] == "rollout_eos" else records).append(rec)
+        code = wait()
         if code != 0:
             failed.append(f"{' '.join(argv)} (exit {code})")
     print_tables(records, eos_records)
@@ -566,8 +562,7 @@ def run_isolated(ap: argparse.ArgumentParser, args, launch=None) -> int:
 
 def _launch(argv: list[str]):
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=subprocess.PIPE, text=True)
-    yield from proc.stdout
-    return proc.wait()
+    return proc.stdout, proc.wait
 
 
 def print_tables(records: list[dict], eos_records: list[dict]) -> None:

@@ -426,10 +426,11 @@ def test_free_weights_keeps_the_graphs_and_replays_them_while_the_address_holds(
     wbytes = storage.numel() * storage.element_size()
     assert wbytes > 10 << 20
 
-    def refill():
+    def refill():  # as the resharder does: the slots (re-allocating the weights), then the writes
+        slots = engine.param_slots()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                engine.param_slots()[name].view.copy_(p)
+                slots[name].view.copy_(p)
 
     def same_tokens():
         for sp, ref in zip(params, refs):

@@ -59,6 +59,5 @@ def test_engine_weights_freed_between_phases_on_gpu(tmp_path):
                        model=("--hidden", "128", "--heads", "4"))
     assert steps[0]["timing_s/graph_capture"] > 0, steps[0]
     for row in steps:
-        assert row["timing_s/graph_capture"] >= 0, row
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
     assert "val/meshppo/demo_add/score" in rows[-1]

@@ -167,11 +167,10 @@ def test_isolated_run_gathers_the_childrens_records_and_reports_a_failed_one(cap
 
     def launch(argv):
         model = next(a.split("=", 1)[1] for a in argv if a.startswith("--models="))
-        yield f"building {model}\n"
-        if model == "b":
-            return 3
-        yield json.dumps({**rec, "workload": {"engine": "meshppo", "model": model, "prompts": 8}}) + "\n"
-        return 0
+        if model == "b":  # fails after its first line
+            return [f"building {model}\n"], lambda: 3
+        record = json.dumps({**rec, "workload": {"engine": "meshppo", "model": model, "prompts": 8}})
+        return [f"building {model}\n", record + "\n"], lambda: 0
 
     assert run_isolated(ap, args, launch) == 1
     out, err = capsys.readouterr()

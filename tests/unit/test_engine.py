@@ -260,9 +260,13 @@ def test_free_weights_keeps_the_graphs_which_only_a_moved_buffer_or_free_graphs_
     runner._graph_key = (engine.model.storage.data_ptr(),) + key[1:]  # back in place
     runner._check_graphs()
     assert runner.graphs == {(4, None): graph} and runner.prefill_graphs == {("prefill", 64): prefill}
-    runner._graph_key = (runner._graph_key[0] + 4096,) + key[1:]  # captured over another address
-    runner._check_graphs()
-    assert not runner.graphs and not runner.prefill_graphs
+    here = runner._graph_key
+    for moved in (0, 2):  # captured over other weights, or over another KV pool
+        runner._graph_key = here[:moved] + (here[moved] + 4096,) + here[moved + 1:]
+        runner.graphs[(4, None)], runner.prefill_graphs[("prefill", 64)] = graph, prefill
+        runner._check_graphs()
+        assert not runner.graphs and not runner.prefill_graphs, moved
+        assert runner._graph_key == here
     runner.graphs[(4, None)] = graph
     runner._pre_h = torch.zeros(1)
     engine.free_graphs()
