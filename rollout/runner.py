@@ -322,7 +322,10 @@ class ModelRunner:
         self.dec_in[0, :rows].fill_(self.dummy_slot)
         self.dec_in[1:, :rows].zero_()
         if key not in self._warmed:
-            stream = torch.cuda.Stream(self.device)
+            # On the capture stream: cuBLAS keeps a workspace (32 MiB on an H200) per stream it
+            # has run on, until `drop_graphs()`; a new stream per warm-up held one per batch size
+            # (1.13 GB over the 35-size ladder of 256 slots).
+            stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._decode_body(rows, 1)
@@ -335,6 +338,12 @@ class ModelRunner:
             self._warmed.add(key)
         self.graphs[key] = self._capture_graph(lambda: self._graphed_decode(rows), t0)
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The one stream that warm-ups and captures run on (created at first use)."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
+
     def _capture_graph(self, body, started: float) -> torch.cuda.CUDAGraph:
         """A graph of `body()` in the runner's pool, ordered after the work already queued; counted
         in `capture_s` from `started` (a `perf_counter` time: a warm-up before it counts too)."""
@@ -343,9 +352,7 @@ class ModelRunner:
         # allocations went back to cudaMalloc / cudaHostAlloc.
         # The capture needs a side stream, ordered after the work already queued.
         main = torch.cuda.current_stream(self.device)
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        stream = self._capture_stream
+        stream = self._side_stream()
         stream.wait_stream(main)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):

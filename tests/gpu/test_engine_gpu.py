@@ -473,6 +473,25 @@ def test_free_weights_keeps_the_graphs_and_replays_them_while_the_address_holds(
     assert not any(engine.runner.graphs[k] is g for k, g in graphs.items())
 
 
+def test_warm_ups_share_one_stream_so_captures_do_not_pile_up_cublas_workspaces():
+    """cuBLAS keeps a workspace (32 MiB on an H200) per stream it ran on until the workspaces are
+    cleared; a fresh stream per warm-up left one per captured batch size (1.13 GB over the 35-size
+    ladder of 256 slots, BENCHMARKS.md "Twenty-third pass"). After the first capture, capturing
+    more sizes must not keep memory: the warm-ups' and captures' temporaries all come back."""
+    engine = constant_logit_engine(8, device=DEV)
+    runner = engine.runner
+    runner.begin_generate(1.0, 0, 1.0)
+    sizes = runner.capture_sizes
+    assert len(sizes) >= 3, sizes
+    runner._capture((sizes[0], runner.sampler.truncation))
+    torch.cuda.synchronize()
+    first = torch.cuda.memory_allocated()
+    for rows in sizes[1:]:
+        runner._capture((rows, runner.sampler.truncation))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - first < 1 << 20, (first, torch.cuda.memory_allocated(), sizes)
+
+
 def test_qwen_shape_smoke():
     """The real qwen2.5-0.5b shape (GQA 7, vocab 151936) in bf16: as accurate as the bf16 training forward."""
     from bench.common import model_args
