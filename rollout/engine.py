@@ -147,14 +147,14 @@ class LLMEngine:
         The weights' tensor objects (`param_slots()` views) stay valid; `param_slots()` or
         `init_weights_storage()` re-allocates the memory, which the next reshard or `load_weights`
         fills. The captured CUDA graphs stay, with what `free_graphs()` would give back: on an
-        H200, 0.2 GB for one batch size of 256 rows at qwen2.5-0.5b or 1.5b, 1.3 GB for all the
-        sizes and padded prefills an EOS workload at 0.5b visits, mostly one cuBLAS workspace per
-        warm-up stream (BENCHMARKS.md, "Twenty-third pass"). The next `generate()` replays the
-        graphs when the weights and the KV pool are back at the addresses they were captured over
-        (the caching allocator hands the same block back unless something else holds it), and
-        recaptures them otherwise (`last_stats["graph_capture_s"]`). Keeping them saves more than
-        the capture's time: on an H200 a decode graph recaptured after the actor's update replayed
-        9 % slower than the one captured before it (same pass).
+        H200, 0.2 GB reserved for one batch size of 256 rows at qwen2.5-0.5b or 1.5b, and as much
+        for all the sizes and padded prefills an EOS workload at 0.5b visits (BENCHMARKS.md,
+        "Twenty-fourth pass"). The next `generate()` replays the graphs when the weights and the KV
+        pool are back at the addresses they were captured over (the caching allocator hands the
+        same block back unless something else holds it), and recaptures them otherwise
+        (`last_stats["graph_capture_s"]`). Keeping them saves more than the capture's time: on an
+        H200 a decode graph recaptured after the actor's update replayed 9 % slower than the one
+        captured before it ("Twenty-third pass").
         """
         if self.model.allocated:
             self.model.release()
