@@ -176,9 +176,10 @@ class SamplingOverrides:
 # Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would
 # change the work or the numbers are refused there at any value but their default; the engine's
 # tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
-ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "free_engine_weights", "quantization", "kv_cache_dtype")
+ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
-                         "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine")
+                         "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",
+                         "free_engine_weights")
 
 
 def _non_default(obj, keys) -> dict:
@@ -210,14 +211,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
     enforce_eager: bool = opt(False, "disable CUDA graphs (decode and prefill steps)")
-    free_cache_engine: bool = opt(True, "release the engine's KV cache after generation (the next generation "
-                                        "re-allocates it); the engine's weights stay: free_engine_weights releases "
-                                        "them too")
-    free_engine_weights: bool = opt(False, "also release the engine's weights after generation, so the training "
-                                           "phases get their memory; the next reshard re-allocates them. The CUDA "
-                                           "graphs stay, replayed when the weights come back at the same address "
-                                           "and recaptured otherwise (timing_s/graph_capture). Needs "
-                                           "free_cache_engine and name=native")
+    free_cache_engine: bool = opt(True, "release the engine's KV cache after generation, so the training phases get "
+                                        "its memory (the next generation re-allocates it)")
+    free_engine_weights: bool = opt(True, "release the engine's weights after generation, so the training phases get "
+                                          "their memory (the model's bytes in rollout.dtype over the TP size); the "
+                                          "next reshard re-allocates and fills them. The CUDA graphs stay, replayed "
+                                          "when the weights come back at the same address and recaptured otherwise "
+                                          "(timing_s/graph_capture)")
     quantization: str | None = opt(None, "fp8: the engine's qkv, gate/up and down projections as e4m3 GEMMs (weights "
                                          "quantized after every reshard); faster, and its log-probs move away from "
                                          "the actor's (pair with algorithm.rollout_correction). null: all in dtype",
@@ -631,9 +631,6 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")
-    if rollout.free_engine_weights and not rollout.free_cache_engine:
-        raise ConfigError("actor_rollout_ref.rollout.free_engine_weights=true needs free_cache_engine=true "
-                          "(it releases the engine's weights and graphs in addition to its KV cache)")
     if rollout.name == "native":
         val_n = rollout.val_kwargs.n if cfg.data.val_files else 0
         for key, samples in (("rollout.n", n), ("rollout.val_kwargs.n", val_n)):

@@ -6,8 +6,8 @@ steps, and with them every memory move between training and generation, are in
 `EngineRollout.generate`:
 
     reshard (FSDP actor -> engine weights) -> offload the actor's training states
-    -> generate -> free the KV cache (and, with free_engine_weights, the engine's weights; its
-    CUDA graphs stay) -> split the peak-memory counters -> reload the actor's states -> share outputs
+    -> generate -> free the KV cache and the engine's weights (free_cache_engine, free_engine_weights;
+    its CUDA graphs stay) -> split the peak-memory counters -> reload the actor's states -> share outputs
 
 Seeding: a call's `seed` is the step's (or the validation chunk's). The engine keys each sample's
 noise by (seed, GLOBAL prompt index, sample index): every replica passes the step's seed and its

@@ -100,10 +100,6 @@ def test_bad_overrides_name_the_problem(override, message):
     # two nodes of 4: a TP group of 8 would span both
     (["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
      "larger than the 4 ranks of one node"),
-    (["actor_rollout_ref.rollout.free_engine_weights=true", "actor_rollout_ref.rollout.free_cache_engine=false"],
-     "free_engine_weights=true needs free_cache_engine=true"),
-    (["actor_rollout_ref.rollout.free_engine_weights=true", "actor_rollout_ref.rollout.name=hf"],
-     "free_engine_weights=true needs rollout.name=native"),
     # engine options with no engine, and an e4m3 KV cache under a float16 engine
     (["actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"],
      "rollout.quantization=fp8 needs rollout.name=native"),
@@ -310,9 +306,10 @@ def test_notes_for_settings_that_act_on_nothing():
 
     # engine settings the plain loop never reads, the resolved ones only when set to a value of their own
     assert noted("actor_rollout_ref.rollout.block_size, actor_rollout_ref.rollout.free_cache_engine, "
-                 "actor_rollout_ref.rollout.prompt_length, actor_rollout_ref.rollout.max_model_len tune meshppo's "
-                 "engine", hf,
-                 "actor_rollout_ref.rollout.free_cache_engine=false", "actor_rollout_ref.rollout.prompt_length=1000",
+                 "actor_rollout_ref.rollout.free_engine_weights, actor_rollout_ref.rollout.prompt_length, "
+                 "actor_rollout_ref.rollout.max_model_len tune meshppo's engine", hf,
+                 "actor_rollout_ref.rollout.free_cache_engine=false",
+                 "actor_rollout_ref.rollout.free_engine_weights=false", "actor_rollout_ref.rollout.prompt_length=1000",
                  "actor_rollout_ref.rollout.max_model_len=5000")
     assert noted("actor_rollout_ref.rollout.block_size tune meshppo's engine; rollout.name=hf does not use them",
                  hf)  # the demo's own block size; prompt_length and max_model_len as resolved are not named
