@@ -9,7 +9,8 @@ autograd Functions):
   backward gives dx per row and dweight as per-program float32 partial sums over runs of
   rows, which torch adds up (deterministic: no atomics).
 * `swiglu_fwd` / `swiglu_bwd`: `silu(gate) * up` and its two gradients, flat over elements;
-  the backward recomputes silu from the saved gate and up.
+  the backward recomputes silu from the saved gate and up, and can write the forward's output
+  again on the way (for a down projection that did not keep it).
 * `rope`: rotate-half RoPE of q and k in one launch, one program per token; the backward is
   the same kernel rotating by -sin.
 
@@ -169,18 +170,21 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_kernel(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, numel, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, out_ptr, numel, BLOCK: tl.constexpr,
+                       WITH_OUT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0)
     dy = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    s = _silu(g).to(u.dtype).to(tl.float32)  # the rounded silu the forward multiplied
+    s = _silu(g).to(u.dtype)  # the rounded silu the forward multiplied
     # d silu / dg = sig * (1 + g * (1 - sig))
     tl.store(dg_ptr + offs, (dy * u.to(tl.float32) * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty),
              mask=mask)
-    tl.store(du_ptr + offs, (dy * s).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + offs, (dy * s.to(tl.float32)).to(du_ptr.dtype.element_ty), mask=mask)
+    if WITH_OUT:  # the forward's output again, rounded as `silu_mul` rounds it: the same bits
+        tl.store(out_ptr + offs, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
 
 def swiglu_fwd(gate, up):
@@ -192,14 +196,16 @@ def swiglu_fwd(gate, up):
     return out
 
 
-def swiglu_bwd(gate, up, dout):
-    """(dgate, dup) of `swiglu_fwd` for the output gradient `dout` (contiguous, same shape)."""
+def swiglu_bwd(gate, up, dout, with_out: bool = False):
+    """(dgate, dup) of `swiglu_fwd` for the output gradient `dout` (contiguous, same shape); with
+    `with_out`, (dgate, dup, out): `swiglu_fwd(gate, up)` too, bit for bit, from the same reads."""
     dg, du = torch.empty_like(gate), torch.empty_like(up)
+    out = torch.empty_like(up) if with_out else None
     n = up.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, dout, dg, du, n, BLOCK=SWIGLU_BLOCK,
-                                                            num_warps=4)
-    return dg, du
+        _swiglu_bwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, dout, dg, du, out if with_out else du, n,
+                                                            BLOCK=SWIGLU_BLOCK, WITH_OUT=with_out, num_warps=4)
+    return (dg, du, out) if with_out else (dg, du)
 
 
 # ---------------------------------------------------------------------------- RoPE

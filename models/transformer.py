@@ -121,9 +121,13 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if block_ops.use_fused_ops(gate, up, same_dtype=True):
-            return self.down_proj(block_ops.swiglu(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        down = self.down_proj
+        if not block_ops.use_fused_ops(gate, up, same_dtype=True):
+            return down(F.silu(gate) * up)
+        if type(down) is nn.Linear and block_ops.use_fused_ops(gate, down.weight, same_dtype=True):
+            # a plain projection: its input, the largest activation, is not kept for backward
+            return block_ops.swiglu_down(gate, up, down.weight, down.bias)
+        return down(block_ops.swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):

@@ -13,7 +13,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from tests.unit.test_block_triton import (  # noqa: E402
-    BF16_FACTOR, ENV, compare_op, fused_ops, rms_norm_ops, rope_inputs, rope_ops, swiglu_ops,
+    BF16_FACTOR, ENV, compare_op, fused_ops, rms_norm_ops, rope_inputs, rope_ops, swiglu_down_inputs, swiglu_down_ops,
+    swiglu_ops,
 )
 
 DEV = "cuda"
@@ -57,6 +58,34 @@ def test_swiglu(dtype, intermediate):
     gate = (3 * torch.randn(T, intermediate, device=DEV)).to(dtype)
     up = torch.randn(T, intermediate, device=DEV).to(dtype)
     compare_op(swiglu_ops(), [gate, up], [True, True], ["out", "dgate", "dup"], BF16_FACTOR)
+
+
+def test_swiglu_down():
+    """bf16 at qwen2.5-0.5b's MLP (4864 -> 896); float32 sums of 4864 products would sit too close
+    to `FP32_TOL` (the interpreter checks float32 at small sizes)."""
+    args = swiglu_down_inputs((T,), 4864, 896, torch.bfloat16, bias=False, device=DEV)
+    compare_op(swiglu_down_ops(), args, [True] * 3, ["out", "dgate", "dup", "dweight"], BF16_FACTOR)
+
+
+def test_swiglu_down_does_not_keep_the_product():
+    """Between forward and backward `swiglu_down` holds its output and no more; SwiGLU then the
+    projection also hold the product `[T, 4864]` (bf16: 262 MB)."""
+    from models import block_ops
+
+    gate, up, weight = (t.requires_grad_() for t in swiglu_down_inputs((T,), 4864, 896, torch.bfloat16, bias=False,
+                                                                      device=DEV))
+    held = {}
+    for name, fn in (("before", lambda: torch.nn.functional.linear(block_ops.swiglu(gate, up), weight)),
+                     ("after", lambda: block_ops.swiglu_down(gate, up, weight))):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        y = fn()
+        torch.cuda.synchronize()
+        held[name] = torch.cuda.memory_allocated() - base - y.untyped_storage().nbytes()
+        y.float().sum().backward()
+        del y
+    product = gate.numel() * gate.element_size()
+    assert abs(held["before"] - product) < 1 << 20 and abs(held["after"]) < 1 << 20, (held, product)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -32,7 +32,8 @@ from tests import interpreter
 ENV = "MESHPPO_FUSED_OPS"
 FP32_TOL = 8 * torch.finfo(torch.float32).eps
 BF16_FACTOR = 1.5
-CHECKS = ["rms_norm", "rms_norm_weight_promotion", "swiglu", "rope_packed", "rope_padded", "transformer"]
+CHECKS = ["rms_norm", "rms_norm_weight_promotion", "swiglu", "swiglu_down", "swiglu_down_keeps_less", "rope_packed",
+          "rope_padded", "transformer"]
 
 
 # ---------------------------------------------------------------------------- shared with the GPU test
@@ -119,6 +120,24 @@ def swiglu_ops():
     return eager, eager, lambda gate, up: (block_ops.swiglu(gate, up),)
 
 
+def swiglu_down_ops():
+    """(reference, eager, fused) `F.linear(silu(gate) * up, weight[, bias])`: the eager formula is
+    its own float64 reference."""
+    from models import block_ops
+
+    def eager(gate, up, weight, *bias):
+        return (F.linear(F.silu(gate) * up, weight, *bias),)
+
+    return eager, eager, lambda gate, up, weight, *bias: (block_ops.swiglu_down(gate, up, weight, *bias),)
+
+
+def swiglu_down_inputs(lead: tuple, m: int, n: int, dtype, bias: bool, device="cpu"):
+    """gate, up `[*lead, m]`, weight `[n, m]` of std 1/sqrt(m) (and a bias `[n]`)."""
+    gate, up = 3 * torch.randn(*lead, m, device=device), torch.randn(*lead, m, device=device)
+    weight = torch.randn(n, m, device=device) / m ** 0.5
+    return [t.to(dtype) for t in (gate, up, weight, *([torch.randn(n, device=device)] if bias else []))]
+
+
 def rope_ops():
     """(reference, eager, fused) RoPE of (q, k, cos, sin): `apply_rope` on each, or one fused call."""
     from models import block_ops
@@ -199,6 +218,45 @@ def _checks(bf16: bool = True) -> dict:
                 gate, up = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
                 errs[f"{dtype} {shape}"] = compare_op(ops, [gate, up], [True, True],
                                                       ["out", "dgate", "dup"], BF16_FACTOR)
+        return errs
+
+    def swiglu_down():
+        errs = {}
+        ops = swiglu_down_ops()
+        for dtype in dtypes:
+            for lead, m, n, bias in (((7,), 80, 40, False), ((3, 5), 37, 24, True)):
+                args = swiglu_down_inputs(lead, m, n, dtype, bias)
+                names = ["out", "dgate", "dup", "dweight"] + (["dbias"] if bias else [])
+                errs[f"{dtype} {lead} {m}->{n}"] = compare_op(ops, args, [True] * len(args), names, BF16_FACTOR)
+        return errs
+
+    def swiglu_down_keeps_less():
+        """What autograd keeps for backward, counted by a saved-tensors hook: the fused SwiGLU then
+        the projection keep gate, up, the product and the weight; `swiglu_down` all but the product."""
+        from models import block_ops
+
+        def kept(fn, args):
+            seen = {}
+
+            def pack(t):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            args = [a.detach().clone().requires_grad_() for a in args]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fn(*args)
+            y.sum().backward()
+            return sum(seen.values())
+
+        errs = {}
+        for dtype in dtypes:
+            gate, up, weight = swiglu_down_inputs((6, 5), 64, 24, dtype, bias=False)
+            before = kept(lambda g, u, w: F.linear(block_ops.swiglu(g, u), w), [gate, up, weight])
+            after = kept(block_ops.swiglu_down, [gate, up, weight])
+            product = gate.numel() * gate.element_size()
+            assert before == 3 * product + weight.numel() * weight.element_size(), (dtype, before)
+            assert after == before - product, (dtype, before, after)
+            errs[str(dtype)] = after / before
         return errs
 
     def rope_packed():
