@@ -227,6 +227,8 @@ def main(argv=None) -> int:
                  # the update phase's own peak (after generation: what the actor trains in)
                  peak_memory_update_gb=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
+                 # every step's, the warm-up included: a recapture after step 1 hides in the median
+                 graph_capture_s_steps=[round(r.get("timing_s/graph_capture", 0.0), 4) for r in rows],
                  response_tok_s_per_gpu=med("perf/response_throughput"), scaling_mode=a.scaling,
                  scaling=scaling(baseline.get((a.model, workload)), timing, med("perf/throughput"), ctx.world_size,
                                  a.scaling),

@@ -51,7 +51,8 @@ def test_demo_steps_on_gpu(tmp_path, estimator):
 
 
 def test_engine_weights_freed_between_phases_on_gpu(tmp_path):
-    """rollout.free_engine_weights: the weights are released after every generation and the next
+    """rollout.free_engine_weights (the default; set here so the test keeps its subject should the
+    default change): the weights are released after every generation and the next
     reshard re-allocates and fills them; the first step captures the decode graphs, which stay
     (recaptured only if the weights come back elsewhere), and training goes on. The demo
     model's head_dim (96 / 4 = 24) has no Triton decode kernel, hence no graphs: this one has 32."""
