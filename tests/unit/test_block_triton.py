@@ -478,3 +478,44 @@ def _round_bf16_like_the_gpu() -> bool:
 
 if __name__ == "__main__":
     interpreter.main(_checks(bf16=_round_bf16_like_the_gpu()))
+
+
+def test_mlp_fuses_the_down_projection_only_when_it_is_a_plain_linear(monkeypatch):
+    """With the fused ops, a plain `down_proj` runs inside `swiglu_down` (its input not kept for
+    backward); a LoRA `down_proj` runs its own forward, adapters included, after `swiglu`:
+    `swiglu_down` reads only the base weight and would drop them. (Stand-ins with the eager
+    formulas for the two Functions: no Triton here.)"""
+    from models import ModelArgs, Transformer, block_ops
+    from models.lora import LoRAConfig, inject_lora
+
+    monkeypatch.setenv(ENV, "triton")
+    calls = []
+
+    def swiglu_down(gate, up, weight, bias=None):
+        calls.append("swiglu_down")
+        return F.linear(F.silu(gate) * up, weight, bias)
+
+    def swiglu(gate, up):
+        calls.append("swiglu")
+        return F.silu(gate) * up
+
+    monkeypatch.setattr(block_ops, "swiglu_down", swiglu_down)
+    monkeypatch.setattr(block_ops, "swiglu", swiglu)
+    args = ModelArgs(vocab_size=31, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+    x = torch.randn(3, 32)
+    plain = Transformer.build(args, seed=0)
+    lora = Transformer.build(args, seed=0)
+    inject_lora(lora, LoRAConfig(rank=4, target_modules=["down_proj"]), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lora.layers[0].mlp.down_proj.lora_B.normal_()  # B starts at zero: make the adapter count
+    outs = {}
+    for name, model in (("plain", plain), ("lora", lora)):
+        mlp = model.layers[0].mlp
+        with fused_ops("torch"):
+            ref = mlp(x)
+        calls.clear()
+        outs[name] = mlp(x)
+        assert calls == (["swiglu_down"] if name == "plain" else ["swiglu"]), (name, calls)
+        torch.testing.assert_close(outs[name], ref, rtol=0, atol=0)
+    assert (outs["plain"] - outs["lora"]).abs().max() > 1e-3  # the same base: only the adapter differs
