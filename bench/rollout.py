@@ -429,6 +429,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--in-process", action="store_true",
                     help="measure everything in this process; by default (at TP 1) each engine, HF model and "
                          "profile runs in a fresh process of its own")
+    ap.add_argument("--no-tables", action="store_true", help=argparse.SUPPRESS)  # a child: the parent tabulates
     return ap
 
 
@@ -493,7 +494,8 @@ def run(args) -> int:
             for b in [int(x) for x in args.hf_batches.split(",") if x]:
                 records.append(measure_hf(name, b, args))
                 _release()
-    print_tables(records, eos_records)
+    if not args.no_tables:
+        print_tables(records, eos_records)
     return 0
 
 
@@ -523,9 +525,9 @@ def isolated_jobs(args) -> list[dict]:
 
 def child_argv(ap: argparse.ArgumentParser, args, job: dict) -> list[str]:
     """This script's command line for one job: the job's selection, every other option as given."""
-    argv = ["--in-process"]
+    argv = ["--in-process", "--no-tables"]
     for action in ap._actions:
-        if not action.option_strings or action.dest in ("help", "in_process", "quick"):
+        if not action.option_strings or action.dest in ("help", "in_process", "no_tables", "quick"):
             continue
         value = job.get(action.dest, getattr(args, action.dest))
         if isinstance(action, argparse._StoreTrueAction):

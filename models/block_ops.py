@@ -97,7 +97,6 @@ class _SwiGLUDown(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up, weight)
-        ctx.with_bias = bias is not None
         return F.linear(_kernels().swiglu_fwd(gate, up), weight, bias)
 
     @staticmethod
@@ -107,7 +106,7 @@ class _SwiGLUDown(torch.autograd.Function):
         dh = (dy2 @ weight).view(gate.shape)
         dg, du, h = _kernels().swiglu_bwd(gate, up, dh, with_out=True)
         dw = dy2.t() @ h.view(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
-        db = dy2.sum(0) if ctx.with_bias and ctx.needs_input_grad[3] else None
+        db = dy2.sum(0) if ctx.needs_input_grad[3] else None  # False for a None bias
         return dg, du, dw, db
 
 
