@@ -10,6 +10,7 @@ count over 989 TFLOP/s), peak memory, the floors, and the GPU's SM clock and pow
 runs (`gpu_clock_mhz`, `gpu_power_w`, ...: `bench.common.GpuTelemetry`; at its power limit an
 H200 lowers its clock, and the MFU with it). Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
+`offload` (saved activations kept on CPU), `ac_offload` (both: the checkpointed block inputs on CPU),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
 `--profile` adds, per measurement, the device time by kernel class from `torch.profiler`.
 """
@@ -17,6 +18,7 @@ lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no re
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -92,7 +94,7 @@ def profiled(fn) -> dict:
     return kernel_breakdown(prof, wall)
 
 
-VARIANTS = ("base", "compile", "ac", "keep_gathered", "full_logits", "lm_head")
+VARIANTS = ("base", "compile", "ac", "offload", "ac_offload", "keep_gathered", "full_logits", "lm_head")
 
 
 def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False):
@@ -137,7 +139,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
     meshes = dims.build_meshes("cuda")
     cfg = FSDPConfig(model_dtype="fp32", reshard_after_forward=(variant != "keep_gathered"))
     model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
-                             enable_gradient_checkpointing=(variant == "ac"))
+                             enable_gradient_checkpointing=variant in ("ac", "ac_offload"),
+                             enable_activation_offload=variant in ("offload", "ac_offload"))
     if variant == "compile":
         from sharding.compile import apply_compile
 
@@ -179,7 +182,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
         emit("train", {**workload, "phase": phase}, seconds=med, tokens_per_s=sum(lengths) / med,
              mfu=flops / med / PEAK, tflops=flops / med / 1e12,
              floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
-             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, times=times,
+             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
+             peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30, times=times,
              profile=profiled(fn) if profile else None, **telemetry.take())
 
 
@@ -202,6 +206,10 @@ def main(argv=None) -> int:
         for name in a.models.split(","):
             for variant in a.variants.split(","):
                 bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile)
+                # The FSDP model, its optimizer and hooks form reference cycles: without a collection
+                # they outlive the variant and count in the next variant's peak.
+                gc.collect()
+                torch.cuda.empty_cache()
     return 0
 
 

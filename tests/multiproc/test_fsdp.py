@@ -214,7 +214,7 @@ def test_activation_checkpointing_and_offload_keep_gradients_and_save_less():
     base_bytes, base_grads = _saved_bytes_and_grads(Transformer.build(args, seed=0), ids)
     for ckpt, offload in ((True, False), (False, True), (True, True)):
         model = apply_ac(Transformer.build(args, seed=0), ckpt, offload)
-        # Inside a block, the checkpoint / save_on_cpu hooks take over from the outer hook; what
+        # Inside a block, the checkpoint's / offloader's hooks take over from the outer hook; what
         # the outer hook still sees is saved outside the blocks (embedding, head, loss).
         outside_bytes, grads = _saved_bytes_and_grads(model, ids)
         assert outside_bytes < base_bytes / 2, (ckpt, offload, outside_bytes, base_bytes)
