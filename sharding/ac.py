@@ -66,7 +66,9 @@ def activation_offloader(model: nn.Module) -> "ActivationOffloader | None":
 
 def _block_forward(forward, checkpointing: bool, offloader: "ActivationOffloader | None", index: int, *args, **kwargs):
     if offloader is not None and torch.is_grad_enabled():
-        with offloader.block(index):
+        # Every block gets the same rotary tables, masks and offsets: they stay on the device.
+        shared = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
+        with offloader.block(index, shared):
             return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
     return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
 
@@ -102,8 +104,8 @@ class _Moved:
 @dataclass
 class OffloadStats:
     """What the last forward pass moved: bytes and tensors offloaded, by block, and the saved
-    tensors left on the device (parameters, small tensors, tensors saved by an earlier block
-    too, and the last block's)."""
+    tensors left on the device (parameters, small tensors, the blocks' shared inputs, and the
+    last block's)."""
 
     bytes_by_block: dict[int, int] = field(default_factory=dict)
     tensors: int = 0
@@ -131,9 +133,9 @@ class ActivationOffloader:
     `i`'s backward runs, and at most two blocks' activations are on the device at a time.
 
     Left on the device: parameters and views of them (FSDP gathers them again for backward;
-    moving them would only add traffic), tensors below `min_bytes`, tensors that an earlier
-    block of the same pass saved as well (the rotary tables that every block reads: the first
-    block moves them once), and everything the last block saves (backward starts there).
+    moving them would only add traffic), tensors below `min_bytes`, the inputs that every block
+    receives (rotary tables, masks: `shared`), and everything the last block saves (backward
+    starts there).
 
     On a CPU device the copies are plain host copies, in the same order: the CPU test suite runs
     the bookkeeping that the GPU runs.
@@ -145,7 +147,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self._pass = 0
         self._block: int | None = None
-        self._seen: dict[tuple, int] = {}  # saved tensor identity -> the block that saved it first
+        self._shared: set[int] = set()  # storages of the current block's shared inputs
         self._waiting: dict[tuple, list[_Moved]] = {}  # (pass, block) -> its tensors in host memory
         self._fetched: set[tuple] = set()
         self._last_left: dict[int, torch.cuda.Event] = {}  # block -> its last copy to the host (this pass)
@@ -153,11 +155,11 @@ class ActivationOffloader:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def block(self, index: int):
-        """The saved-tensor hooks for block `index`'s forward. Block 0 starts a new pass."""
+    def block(self, index: int, shared: list[torch.Tensor] = ()):
+        """The saved-tensor hooks for block `index`'s forward, whose inputs `shared` (alive for
+        the whole call) every block receives. Block 0 starts a new pass."""
         if index == 0:
             self._pass += 1
-            self._seen.clear()
             self._waiting = {k: v for k, v in self._waiting.items() if k[0] == self._pass - 1}
             self._fetched = {k for k in self._fetched if k[0] == self._pass - 1}
             self._last_left.clear()
@@ -169,6 +171,7 @@ class ActivationOffloader:
         if (left := self._last_left.pop(index - 2, None)) is not None:
             left.synchronize()
         self._block = index
+        self._shared = {t.untyped_storage().data_ptr() for t in shared}
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def _keeps(self, t: torch.Tensor) -> bool:
@@ -178,11 +181,9 @@ class ActivationOffloader:
             return True  # a tensor subclass (DTensor, ...): its layout is not ours to copy
         if t.layout != torch.strided or t.numel() * t.element_size() < self.min_bytes:
             return True
-        if self._block == self.num_blocks - 1:
-            return True
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        first = self._seen.setdefault(ident, self._block)
-        return first != self._block
+        # (A storage's address identifies it only while it is alive: memory that an earlier block's
+        # moved tensor freed is handed to later blocks' tensors. The shared inputs are alive.)
+        return self._block == self.num_blocks - 1 or t.untyped_storage().data_ptr() in self._shared
 
     def pack(self, t: torch.Tensor):
         if self._keeps(t):
