@@ -240,8 +240,9 @@ AC_BATCH = (4, 2048)
 
 
 def _peak_train_bytes(meshes, **ac):
-    """Peak allocated and reserved bytes of a training pass above what was there before, the
-    gradients, and whether the host waited for the GPU during the backward."""
+    """Bytes allocated after the forward and at the peak of the pass, the peak reserved bytes (all
+    above what was there before), the gradients, and whether the host waited for the GPU during
+    the backward."""
     model = build_fsdp_model(AC_ARGS, meshes.train, FSDPConfig(), device=DEV, **ac)
     ids = torch.randint(0, AC_ARGS.vocab_size, AC_BATCH, generator=torch.Generator().manual_seed(0)).to(DEV)
     model(ids).float().mean().backward()  # warm-up: pinned host blocks
@@ -252,6 +253,7 @@ def _peak_train_bytes(meshes, **ac):
     torch.cuda.reset_peak_memory_stats(DEV)
     loss = model(ids).float().mean()
     torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated(DEV) - base
     # Two seconds of GPU sleep ahead of the backward: if the host returns from it while the GPU
     # still sleeps, nothing in it waited for the GPU (a blocking copy back would have).
     torch.cuda._sleep(4_000_000_000)
@@ -260,32 +262,37 @@ def _peak_train_bytes(meshes, **ac):
     torch.cuda.synchronize()
     grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
     del model, loss
-    return (torch.cuda.max_memory_allocated(DEV) - base, torch.cuda.max_memory_reserved(DEV) - base_reserved,
-            grads, backward_waited)
+    peaks = (after_forward, torch.cuda.max_memory_allocated(DEV) - base,
+             torch.cuda.max_memory_reserved(DEV) - base_reserved)
+    return peaks, grads, backward_waited
 
 
 def test_activation_checkpointing_and_offload_lower_the_peak(meshes):
-    plain, plain_res, g0, w0 = _peak_train_bytes(meshes)
-    ckpt, ckpt_res, g1, w1 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True)
-    offl, offl_res, g2, w2 = _peak_train_bytes(meshes, enable_activation_offload=True)
-    both, both_res, g3, w3 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True,
-                                               enable_activation_offload=True)
-    block_input = AC_BATCH[0] * AC_BATCH[1] * AC_ARGS.hidden_size * 2  # bf16, 8 MiB
-    print("peak allocated / reserved MiB: " + ", ".join(
-        f"{k} {a / 2**20:.1f} / {r / 2**20:.1f}" for k, a, r in (
-            ("plain", plain, plain_res), ("checkpointing", ckpt, ckpt_res), ("offload", offl, offl_res),
-            ("both", both, both_res))))
-    assert ckpt < 0.6 * plain, (ckpt, plain)
-    assert offl < 0.75 * plain and offl_res < 0.9 * plain_res, (offl, plain, offl_res, plain_res)
-    # Of the six block inputs that checkpointing keeps, the offloader leaves the last block's and
-    # brings back one block ahead: at least three fewer on the device at the peak.
-    assert both < ckpt - 3 * block_input, (both, ckpt)
-    assert both_res <= ckpt_res, (both_res, ckpt_res)
+    plain, g0, w0 = _peak_train_bytes(meshes)
+    ckpt, g1, w1 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True)
+    offl, g2, w2 = _peak_train_bytes(meshes, enable_activation_offload=True)
+    both, g3, w3 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True, enable_activation_offload=True)
+    # After the forward the moved tensors hold no device memory. With checkpointing they are the
+    # inputs of blocks 0-4 (the last block keeps its own), 8 MiB each in bf16.
+    block_input = AC_BATCH[0] * AC_BATCH[1] * AC_ARGS.hidden_size * 2
+    assert 4.5 * block_input < ckpt[0] - both[0] < 5.5 * block_input, (ckpt[0], both[0])
+    # Without checkpointing, five of the six blocks' activations: at least four blocks' worth gone.
+    per_block = (plain[0] - ckpt[0]) / AC_ARGS.num_hidden_layers
+    assert offl[0] < plain[0] - 4 * per_block, (offl[0], plain[0], per_block)
+    assert ckpt[1] < 0.6 * plain[1], (ckpt, plain)
+    assert offl[1] < 0.75 * plain[1] and offl[2] < 0.9 * plain[2], (offl, plain)
+    assert both[1] <= ckpt[1] and both[2] <= ckpt[2], (both, ckpt)
     assert (w2, w3) == (w0, w1), "the offloaded backward waited for the GPU where the plain one did not"
+    # The attention's backward accumulates with atomics, so two runs of the same model differ in
+    # the last bits (the CPU test checks the offloaded gradients bit for bit). A tensor that came
+    # back wrong, or was overwritten before its copy, is far outside 1 % of the gradient's norm.
     for n in g0:
-        assert torch.equal(g2[n], g0[n]), n  # the offloaded tensors come back bit for bit
-        assert torch.equal(g3[n], g1[n]), n
-        torch.testing.assert_close(g1[n], g0[n], rtol=0.05, atol=1e-3)  # bf16 recomputation
+        for name, g, ref in (("offload", g2, g0), ("both", g3, g1), ("checkpointing", g1, g0)):
+            err = (g[n] - ref[n]).norm() / ref[n].norm()
+            assert err < 0.01, (name, n, err.item())
+    print("MiB after forward / peak / peak reserved: " + ", ".join(
+        f"{k} " + " / ".join(f"{b / 2**20:.1f}" for b in v)
+        for k, v in (("plain", plain), ("checkpointing", ckpt), ("offload", offl), ("both", both))))
 
 
 GLOO_CUDA = "gloo cannot all-gather CUDA tensors here"
