@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer, cu_seqlens_from_lengths
-from sharding.ac import apply_ac
+from sharding.ac import activation_offloader, apply_ac
 from sharding.compile import apply_compile
 
 ARGS = ModelArgs(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -17,13 +17,17 @@ def _loss_and_grads(model, ids, labels, cu, index):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_blocks_match_eager_values_and_grads(checkpointing):
+@pytest.mark.parametrize("checkpointing, offload", [(False, False), (True, False), (True, True)])
+def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload):
     torch.manual_seed(0)
     eager = Transformer.build(ARGS, seed=0)
     compiled = Transformer.build(ARGS, seed=0)
     names = [n for n, _ in compiled.named_parameters()]
-    apply_ac(compiled, enable_gradient_checkpointing=checkpointing)  # torchtitan's order: AC, then compile
+    # torchtitan's order: AC, then compile (which traces the offloader's hooks' context too)
+    apply_ac(compiled, enable_gradient_checkpointing=checkpointing, enable_activation_offload=offload)
+    offloader = activation_offloader(compiled)
+    if offloader is not None:
+        offloader.min_bytes = 0  # move this tiny model's tensors too
     apply_compile(compiled, backend="aot_eager")
     assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints and the resharder key on these
     for lengths in ([5, 9, 3], [7, 11]):  # a second shape: dynamic, no stale graph
@@ -36,6 +40,7 @@ def test_compiled_blocks_match_eager_values_and_grads(checkpointing):
         ref, ref_grads = _loss_and_grads(eager, ids, labels, cu, index)
         out, grads = _loss_and_grads(compiled, ids, labels, cu, index)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert offloader is None or offloader.stats.tensors > 0
         for n in names:
             torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)
 
