@@ -204,8 +204,9 @@ def main(argv=None) -> int:
         return 1
     pairs = [(m, v) for m in a.models.split(",") for v in a.variants.split(",")]
     if len(pairs) > 1:
-        # One process per measurement: a model built earlier in the process kept its fp32 masters
-        # allocated (5.8 GiB at 1.5b), and every later variant's peak counted them.
+        # One process per measurement: each peak starts from an empty allocator. (A model built
+        # earlier in the process used to keep its fp32 masters allocated, 5.8 GiB at 1.5b, which
+        # every later variant's peak counted; `sharding.replicate` no longer leaks them.)
         rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
         codes = [subprocess.call([sys.executable, os.path.abspath(__file__), f"--models={m}", f"--variants={v}", *rest])
                  for m, v in pairs]

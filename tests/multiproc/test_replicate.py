@@ -160,6 +160,33 @@ def test_one_rank_hands_buckets_into_the_gradient_buffer():
     run_distributed(_bucket_body, 1)
 
 
+def _dropped_body(rank, world):
+    """A dropped model is freed, masters and all, after a training step or none: the runtime's
+    gradient hooks sit on tensors, where Python's cycle collector cannot see them, so they must
+    not hold the runtime strongly (they did, and every model a process built stayed allocated)."""
+    import gc
+    import weakref
+
+    from sharding.optim import ShardAdamW
+
+    mesh = ParallelDims(world, fsdp_size=1).build_meshes("cpu").train
+    for step in (False, True):
+        model = build_fsdp_model(ModelArgs(**ARGS), mesh, FSDPConfig(fsdp_size=1, mixed_precision=FP32), seed=0)
+        if step:
+            opt = ShardAdamW(model.parameters(), lr=1e-3)
+            _loss(model, _batches(world)[rank]).backward()
+            opt.step()
+            del opt
+        refs = [weakref.ref(replicated_params(model)), *(weakref.ref(p) for p in model.parameters())]
+        del model
+        gc.collect()
+        assert all(r() is None for r in refs), (step, [type(r()).__name__ for r in refs if r() is not None])
+
+
+def test_a_dropped_model_is_freed():
+    run_distributed(_dropped_body, 1)
+
+
 def _frozen_body(rank, world):
     """A frozen bf16 model (the reference) is computed from its masters: nothing is copied."""
     args = ModelArgs(**ARGS)
