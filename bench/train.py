@@ -188,6 +188,15 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
              profile=profiled(fn) if profile else None, **telemetry.take())
 
 
+def measurement_argvs(a: argparse.Namespace) -> list[list[str]]:
+    """One command line per model and variant, every other option as given. Each runs in a process
+    of its own, so each peak starts from an empty allocator. (A model built earlier in the process
+    used to keep its fp32 masters allocated, 5.8 GiB at 1.5b, and every later variant's peak counted
+    them; `sharding.replicate` no longer leaks them.)"""
+    rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
+    return [[f"--models={m}", f"--variants={v}", *rest] for m in a.models.split(",") for v in a.variants.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -202,15 +211,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    pairs = [(m, v) for m in a.models.split(",") for v in a.variants.split(",")]
-    if len(pairs) > 1:
-        # One process per measurement: each peak starts from an empty allocator. (A model built
-        # earlier in the process used to keep its fp32 masters allocated, 5.8 GiB at 1.5b, which
-        # every later variant's peak counted; `sharding.replicate` no longer leaks them.)
-        rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
-        codes = [subprocess.call([sys.executable, os.path.abspath(__file__), f"--models={m}", f"--variants={v}", *rest])
-                 for m, v in pairs]
-        return max(codes)
+    if len(argvs := measurement_argvs(a)) > 1:
+        return max(subprocess.call([sys.executable, os.path.abspath(__file__), *argv]) for argv in argvs)
     ctx = init_distributed("cuda")
     with GpuTelemetry(torch.cuda.current_device()) as telemetry:
         for name in a.models.split(","):

@@ -124,6 +124,21 @@ def test_train_bench_refuses_an_unknown_variant(capsys):
     assert e.value.code == 2 and "--variants: unknown compiled; known: base, compile, ac" in capsys.readouterr().err
 
 
+def test_train_bench_measures_each_model_and_variant_in_a_fresh_process():
+    """A model built earlier in the process kept its fp32 masters allocated, and later variants'
+    peaks counted them: each (model, variant) now gets a command line of its own, the rest as given."""
+    from argparse import Namespace
+
+    from bench.train import measurement_argvs
+
+    a = Namespace(models="m05,m15", variants="base,ac_offload", tokens=8192, seq_len=256, repeats=3, profile=True)
+    rest = ["--tokens=8192", "--seq-len=256", "--repeats=3", "--profile"]
+    assert measurement_argvs(a) == [[f"--models={m}", f"--variants={v}", *rest]
+                                    for m in ("m05", "m15") for v in ("base", "ac_offload")]
+    a.models, a.variants, a.profile = "m05", "ac", False
+    assert measurement_argvs(a) == [["--models=m05", "--variants=ac", *rest[:3]]]
+
+
 def test_every_engine_is_measured_in_a_fresh_process():
     """At TP 1 each engine, profile and HF measurement runs in a child of its own (a second engine
     in a process decoded 6-7 % slower on some H200s). Each child's command line, read back by the
