@@ -225,6 +225,54 @@ def test_activation_checkpointing_and_offload_keep_gradients_and_save_less():
             apply_ac(model, ckpt, offload)
 
 
+def _offload_fsdp_body(rank, world):
+    """Under FULL_SHARD the projections save FSDP2's unsharded parameters, whose storage FSDP2
+    frees after each block's forward: the offloader must leave them (a copy stream reading them
+    would race the free) and move the activations, and the update stays the reference's."""
+    from sharding.ac import activation_offloader
+
+    mesh = ParallelDims(world).build_meshes("cpu").train
+    cfg = FSDPConfig(mixed_precision={"param_dtype": "fp32"})
+    moved = []
+
+    def spy(off):
+        pack = off.pack
+
+        def record(t):
+            out = pack(t)
+            if hasattr(out, "host"):
+                moved.append(t)
+            return out
+        return record
+
+    def build(seed=0, **kw):
+        model = build_fsdp_model(ModelArgs(**ARGS), mesh, cfg, seed=seed, **kw)
+        off = activation_offloader(model)
+        if off is not None:
+            off.min_bytes, off.pack = 0, spy(off)
+        return model
+
+    ids = torch.randint(0, ARGS["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for kw in ({}, {"enable_activation_offload": True},
+               {"enable_activation_offload": True, "enable_gradient_checkpointing": True}):
+        model = build(**kw)
+        assert isinstance(model, FSDPModule)
+        _loss(model, ids, "lm").backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        if kw:
+            assert moved and not any(isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+                                     for t in moved)
+            moved.clear()
+    for g in grads[1:]:
+        for n, ref in grads[0].items():
+            torch.testing.assert_close(g[n], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
+def test_offloaded_activations_under_full_shard():
+    run_distributed(_offload_fsdp_body, 2)
+
+
 def _grad_norm_body(rank, world):
     from sharding.grad_norm import clip_grad_norm_
 
