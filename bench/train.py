@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
