@@ -214,10 +214,8 @@ def main(argv=None) -> int:
     if len(argvs := measurement_argvs(a)) > 1:
         return max(subprocess.call([sys.executable, os.path.abspath(__file__), *argv]) for argv in argvs)
     ctx = init_distributed("cuda")
-    with GpuTelemetry(torch.cuda.current_device()) as telemetry:
-        for name in a.models.split(","):
-            for variant in a.variants.split(","):
-                bench_one(name, variant, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile)
+    with GpuTelemetry(torch.cuda.current_device()) as telemetry:  # one model, one variant
+        bench_one(a.models, a.variants, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile)
     return 0
 
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 _WRAPPED = "_meshppo_ac"
+_OFFLOADER = "_meshppo_offloader"
 
 #: Saved tensors below this size stay on the device: moving them frees little and each copy
 #: costs a launch and an event on both copy streams (norm statistics, sequence offsets).
@@ -55,13 +56,13 @@ def apply_ac(model: nn.Module, enable_gradient_checkpointing: bool = False,
             raise RuntimeError("apply_ac was already applied to this model")
         block.forward = functools.partial(_block_forward, block.forward, enable_gradient_checkpointing, offloader, i)
         setattr(block, _WRAPPED, True)
+    setattr(model, _OFFLOADER, offloader)
     return model
 
 
 def activation_offloader(model: nn.Module) -> "ActivationOffloader | None":
     """The offloader `apply_ac` installed on `model`'s blocks, or None."""
-    forward = model.layers[0].forward if len(model.layers) else None
-    return forward.args[2] if isinstance(forward, functools.partial) and forward.func is _block_forward else None
+    return getattr(model, _OFFLOADER, None)
 
 
 def _block_forward(forward, checkpointing: bool, offloader: "ActivationOffloader | None", index: int, *args, **kwargs):
@@ -110,10 +111,6 @@ class OffloadStats:
     bytes_by_block: dict[int, int] = field(default_factory=dict)
     tensors: int = 0
     kept: int = 0
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.bytes_by_block.values())
 
 
 class ActivationOffloader:
@@ -212,7 +209,7 @@ class ActivationOffloader:
     def unpack(self, packed):
         p, b = packed.key
         if packed.key not in self._fetched:
-            self._fetch((p, b))
+            self._fetch(packed.key)
         if b > 0 and (p, b - 1) not in self._fetched:
             self._fetch((p, b - 1))  # travels while this block's backward runs
         if isinstance(packed, _Kept):

@@ -125,7 +125,6 @@ def test_no_grad_forward_saves_nothing():
     with torch.no_grad():
         model(_ids())
     assert off.stats.tensors == 0 and off.stats.kept == 0
-    assert isinstance(off, ActivationOffloader)
     assert activation_offloader(apply_ac(Transformer.build(ARGS, seed=0), enable_gradient_checkpointing=True)) is None
 
 
