@@ -67,11 +67,19 @@ def activation_offloader(model: nn.Module) -> "ActivationOffloader | None":
 
 def _block_forward(forward, checkpointing: bool, offloader: "ActivationOffloader | None", index: int, *args, **kwargs):
     if offloader is not None and torch.is_grad_enabled():
-        # Every block gets the same rotary tables, masks and offsets: they stay on the device.
-        shared = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
-        with offloader.block(index, shared):
-            return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
+        return _offloaded_forward(forward, checkpointing, offloader, index, *args, **kwargs)
     return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
+
+
+@functools.partial(torch.compiler.disable, recursive=False)
+def _offloaded_forward(forward, checkpointing: bool, offloader: "ActivationOffloader", index: int, *args, **kwargs):
+    # Under `torch.compile` (`apply_compile` wraps `_block_forward`) this frame runs eagerly and
+    # the block it calls is compiled. Were the offloader traced, Dynamo would guard on its
+    # per-block state and compile again for each block index, up to its recompile limit.
+    # Every block gets the same rotary tables, masks and offsets: they stay on the device.
+    shared = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
+    with offloader.block(index, shared):
+        return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
 
 
 def _maybe_checkpoint(forward, checkpointing: bool, *args, **kwargs):
@@ -152,6 +160,7 @@ class ActivationOffloader:
 
     # -- forward ---------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def block(self, index: int, shared: list[torch.Tensor] = ()):
         """The saved-tensor hooks for block `index`'s forward, whose inputs `shared` (alive for
         the whole call) every block receives. Block 0 starts a new pass."""
@@ -182,6 +191,7 @@ class ActivationOffloader:
         # moved tensor freed is handed to later blocks' tensors. The shared inputs are alive.)
         return self._block == self.num_blocks - 1 or t.untyped_storage().data_ptr() in self._shared
 
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor):
         if self._keeps(t):
             self.stats.kept += 1
@@ -206,6 +216,7 @@ class ActivationOffloader:
 
     # -- backward --------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def unpack(self, packed):
         p, b = packed.key
         if packed.key not in self._fetched:

@@ -3,6 +3,9 @@ checkpointing / offload lowering the peak, and the side-stream pipeline. Skipped
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -214,8 +217,6 @@ def test_no_gradient_sync_leaves_offloaded_units_reducing(meshes):
 
 def _alive_cuda_tensors(min_bytes=1 << 20):
     """What still holds device memory (for the failure message): the largest live CUDA tensors and who refers to them."""
-    import gc
-
     found = []
     for obj in gc.get_objects():
         try:
@@ -247,19 +248,27 @@ def _peak_train_bytes(meshes, **ac):
     ids = torch.randint(0, AC_ARGS.vocab_size, AC_BATCH, generator=torch.Generator().manual_seed(0)).to(DEV)
     model(ids).float().mean().backward()  # warm-up: pinned host blocks
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # reserved = allocated: the pass's own segments count
-    base, base_reserved = torch.cuda.memory_allocated(DEV), torch.cuda.memory_reserved(DEV)
-    torch.cuda.reset_peak_memory_stats(DEV)
-    loss = model(ids).float().mean()
-    torch.cuda.synchronize()
-    after_forward = torch.cuda.memory_allocated(DEV) - base
-    # Two seconds of GPU sleep ahead of the backward: if the host returns from it while the GPU
-    # still sleeps, nothing in it waited for the GPU (a blocking copy back would have).
-    torch.cuda._sleep(4_000_000_000)
-    loss.backward()
-    backward_waited = torch.cuda.current_stream(DEV).query()
-    torch.cuda.synchronize()
+    # The models of earlier calls are cyclic garbage (FSDP's state and its modules refer to each
+    # other): collected now, not by a collection that falls inside the measured pass (one did,
+    # once, and freed an earlier model's 76 MiB of parameters during the forward).
+    gc.collect()
+    gc.disable()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # reserved = allocated: the pass's own segments count
+        base, base_reserved = torch.cuda.memory_allocated(DEV), torch.cuda.memory_reserved(DEV)
+        torch.cuda.reset_peak_memory_stats(DEV)
+        loss = model(ids).float().mean()
+        torch.cuda.synchronize()
+        after_forward = torch.cuda.memory_allocated(DEV) - base
+        # Two seconds of GPU sleep ahead of the backward: if the host returns from it while the GPU
+        # still sleeps, nothing in it waited for the GPU (a blocking copy back would have).
+        torch.cuda._sleep(4_000_000_000)
+        loss.backward()
+        backward_waited = torch.cuda.current_stream(DEV).query()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
     grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
     del model, loss
     peaks = (after_forward, torch.cuda.max_memory_allocated(DEV) - base,
@@ -272,6 +281,9 @@ def test_activation_checkpointing_and_offload_lower_the_peak(meshes):
     ckpt, g1, w1 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True)
     offl, g2, w2 = _peak_train_bytes(meshes, enable_activation_offload=True)
     both, g3, w3 = _peak_train_bytes(meshes, enable_gradient_checkpointing=True, enable_activation_offload=True)
+    print("MiB after forward / peak / peak reserved: " + ", ".join(
+        f"{k} " + " / ".join(f"{b / 2**20:.1f}" for b in v)
+        for k, v in (("plain", plain), ("checkpointing", ckpt), ("offload", offl), ("both", both))))
     # After the forward the moved tensors hold no device memory. With checkpointing they are the
     # inputs of blocks 0-4 (the last block keeps its own), 8 MiB each in bf16.
     block_input = AC_BATCH[0] * AC_BATCH[1] * AC_ARGS.hidden_size * 2
@@ -281,7 +293,9 @@ def test_activation_checkpointing_and_offload_lower_the_peak(meshes):
     assert offl[0] < plain[0] - 4 * per_block, (offl[0], plain[0], per_block)
     assert ckpt[1] < 0.6 * plain[1], (ckpt, plain)
     assert offl[1] < 0.75 * plain[1] and offl[2] < 0.9 * plain[2], (offl, plain)
-    assert both[1] <= ckpt[1] and both[2] <= ckpt[2], (both, ckpt)
+    # Reserved peaks depend on how the allocator's segments happen to fit (the earlier tests' live
+    # tensors among them), so they are bounded against the plain pass, not against each other.
+    assert both[1] <= ckpt[1] and both[2] < 0.5 * plain[2], (both, ckpt, plain)
     assert (w2, w3) == (w0, w1), "the offloaded backward waited for the GPU where the plain one did not"
     # The attention's backward accumulates with atomics, so two runs of the same model differ in
     # the last bits (the CPU test checks the offloaded gradients bit for bit). A tensor that came
@@ -290,9 +304,42 @@ def test_activation_checkpointing_and_offload_lower_the_peak(meshes):
         for name, g, ref in (("offload", g2, g0), ("both", g3, g1), ("checkpointing", g1, g0)):
             err = (g[n] - ref[n]).norm() / ref[n].norm()
             assert err < 0.01, (name, n, err.item())
-    print("MiB after forward / peak / peak reserved: " + ", ".join(
-        f"{k} " + " / ".join(f"{b / 2**20:.1f}" for b in v)
-        for k, v in (("plain", plain), ("checkpointing", ckpt), ("offload", offl), ("both", both))))
+
+
+
+def _compiled_pass(meshes, **ac):
+    """Unique graphs Dynamo compiled for two passes of a 10-block model (more blocks than Dynamo's
+    recompile limit of 8) compiled as the trainer compiles it, the gradients, and the offload
+    stats."""
+    from torch._dynamo.utils import counters
+
+    from sharding.ac import activation_offloader
+    from sharding.compile import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = dataclasses.replace(AC_ARGS, num_hidden_layers=10)
+    model = build_fsdp_model(args, meshes.train, FSDPConfig(), device=DEV, enable_gradient_checkpointing=True, **ac)
+    apply_compile(model)
+    for seq in (1024, 1536):  # a second length: dynamic shapes, no recompilation
+        ids = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq)).to(DEV)
+        model(ids).float().mean().backward()
+    grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+    offloader = activation_offloader(model)
+    return counters["stats"]["unique_graphs"], grads, offloader and offloader.stats
+
+
+def test_compiled_checkpointed_blocks_offload_without_recompiling(meshes):
+    plain, g0, _ = _compiled_pass(meshes)
+    offloaded, g1, stats = _compiled_pass(meshes, enable_activation_offload=True)
+    assert plain > 0, "nothing was compiled"
+    # The offloader's per-block bookkeeping stays out of the graphs: it adds no compilations.
+    assert offloaded == plain, (offloaded, plain)
+    # Under compile the checkpointed block's inputs still leave the device, all blocks but the last.
+    assert set(stats.bytes_by_block) == set(range(9)), stats
+    for n in g0:
+        err = (g1[n] - g0[n]).norm() / g0[n].norm()
+        assert err < 0.01, (n, err.item())
 
 
 GLOO_CUDA = "gloo cannot all-gather CUDA tensors here"
