@@ -71,7 +71,7 @@ def _block_forward(forward, checkpointing: bool, offloader: "ActivationOffloader
     return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
 
 
-@functools.partial(torch.compiler.disable, recursive=False)
+@torch.compiler.disable(recursive=False)
 def _offloaded_forward(forward, checkpointing: bool, offloader: "ActivationOffloader", index: int, *args, **kwargs):
     # Under `torch.compile` (`apply_compile` wraps `_block_forward`) this frame runs eagerly and
     # the block it calls is compiled. Were the offloader traced, Dynamo would guard on its
@@ -144,6 +144,9 @@ class ActivationOffloader:
 
     On a CPU device the copies are plain host copies, in the same order: the CPU test suite runs
     the bookkeeping that the GPU runs.
+
+    `torch.compile` never traces these methods (`torch.compiler.disable`): they keep Python state
+    per block and pass, and wait on events, which Dynamo would guard on or graph-break at.
     """
 
     def __init__(self, num_blocks: int, min_bytes: int = MIN_OFFLOAD_BYTES):
