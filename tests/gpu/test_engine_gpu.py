@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU: Triton kernels against the PyTorch reference ops, CUDA graphs
 against eager execution, and the engine against the training model. Skipped without CUDA."""
 
+import gc
 import os
 
 import pytest
@@ -396,6 +397,7 @@ def test_truncated_sampling_inside_a_cuda_graph_fits_softmax(case):
 
 
 def _memory():
+    gc.collect()  # an earlier test's cyclic garbage, freed here rather than between two readings
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

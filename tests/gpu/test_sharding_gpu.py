@@ -119,6 +119,7 @@ def test_param_and_optimizer_offload_free_device_memory(meshes):
     param_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
     params = {n: p.to_local().cpu() for n, p in model.named_parameters()}
     moments = {n: opt.state[p]["exp_avg"].to_local().cpu() for n, p in model.named_parameters()}
+    gc.collect()  # earlier tests' models (cyclic garbage) freed now, not between the readings
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(DEV)
