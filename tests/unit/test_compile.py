@@ -76,7 +76,6 @@ def test_compiled_lora_blocks_take_no_host_scalars():
     assert not any(x.dtype == torch.float64 for x in graph_inputs)
 
 
-
 def _graphs_compiled(num_layers: int, offload: bool) -> int:
     torch._dynamo.reset()
     graphs = []
