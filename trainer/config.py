@@ -79,6 +79,11 @@ class OptimConfig:
                                         "0: the run's total steps", ge=-1)
 
 
+# The actor's, reference's and critic's `model.enable_activation_offload` (sharding.ac.ActivationOffloader).
+_ACTIVATION_OFFLOAD_HELP = ("keep each block's saved activations in pinned host memory between forward and backward, "
+                           "copied on side streams; with gradient checkpointing only the block inputs move")
+
+
 @dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
@@ -87,9 +92,7 @@ class ModelConfig:
     override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
                                 unsupported=lambda v: bool(v))
     enable_gradient_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward")
-    enable_activation_offload: bool = opt(False, "keep each block's saved activations in pinned host memory "
-                                          "between forward and backward, copied on side streams; with gradient "
-                                          "checkpointing only the block inputs move")
+    enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards (variable-length attention)")
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
     lora_rank: int = opt(0, "LoRA adapter rank on the actor; 0: full fine-tuning. With the KL's reference, the "
@@ -264,9 +267,7 @@ class CriticModelConfig:
     override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
                                 unsupported=lambda v: bool(v))
     enable_gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward")
-    enable_activation_offload: bool = opt(False, "keep each block's saved activations in pinned host memory "
-                                          "between forward and backward, copied on side streams; with gradient "
-                                          "checkpointing only the block inputs move")
+    enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards")
     lora_rank: int = opt(0, "LoRA adapter rank on the critic; 0: the whole critic trains. With adapters only "
                             "they and the value head train and are checkpointed (the base is re-read from path)",
