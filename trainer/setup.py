@@ -89,7 +89,9 @@ class Models:
 
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
     """AdamW over the trainable parameters (a LoRA model's adapters only) plus a linear warm-up
-    followed by a constant or cosine schedule (verl's options)."""
+    from 0 followed by a constant or cosine schedule: verl's options and schedules, step for step.
+    Past the schedule's length (optim.total_training_steps below the run's) the cosine holds its
+    final value."""
     params = trainable_parameters(model)
     # On the GPU the fused kernel (one pass over each parameter's fp32 state) is ~3x faster
     # than foreach (BENCHMARKS.md); parameters kept on CPU (offload_policy) use foreach.
@@ -101,8 +103,10 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     warmup = oc.lr_warmup_steps if oc.lr_warmup_steps >= 0 else int(oc.lr_warmup_steps_ratio * total)
 
     def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+        # verl's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup (transformers'
+        # convention): update `step` (from 0) warms up at step / warmup, so the first one's lr is 0.
+        if step < warmup:
+            return step / warmup
         if oc.warmup_style == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
