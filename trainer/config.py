@@ -65,9 +65,13 @@ class DataConfig:
     apply_chat_template: bool = opt(True, "apply the tokenizer's chat template to chat-message prompts")
 
 
+def _lr(default: float):
+    return opt(default, "peak learning rate (AdamW)", ge=0)
+
+
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-6, "peak learning rate (AdamW)", ge=0)
+    lr: float = _lr(1e-6)
     lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio", ge=-1)
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps", ge=0, le=1)
     min_lr_ratio: float = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr", ge=0, le=1)
@@ -77,6 +81,13 @@ class OptimConfig:
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    """`critic.optim`: the actor's options, with verl's critic default learning rate."""
+
+    lr: float = _lr(1e-5)
 
 
 # The actor's, reference's and critic's `model.enable_activation_offload` (sharding.ac.ActivationOffloader).
@@ -292,7 +303,7 @@ class CriticModelConfig:
 @dataclass
 class CriticConfig:
     strategy: str = opt("fsdp2", "training backend", choices=("fsdp", "fsdp2"))
-    optim: OptimConfig = section(OptimConfig, "critic optimizer")
+    optim: CriticOptimConfig = section(CriticOptimConfig, "critic optimizer")
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)

@@ -268,6 +268,17 @@ def test_resolve_fills_inherited_values_once_and_keeps_explicit_ones():
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
 
+def test_optimizer_learning_rates_default_to_verls():
+    """verl's defaults (_generated_ppo_trainer.yaml): actor_rollout_ref.actor.optim.lr 1e-6, critic.optim.lr 1e-5;
+    the critic's section takes every option of the actor's."""
+    cfg = load_config(PPOConfig, None, ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]"])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert cfg.critic.optim.lr == 1e-5
+    assert {f.name for f in dataclasses.fields(cfg.critic.optim)} == {
+        f.name for f in dataclasses.fields(cfg.actor_rollout_ref.actor.optim)}
+    assert _cfg("critic.optim.lr=3e-6").critic.optim.lr == 3e-6
+
+
 def test_preflight_refuses_slurm_gpus_the_config_leaves_idle(monkeypatch):
     """sbatch's --gpus-per-node must be the config's trainer.n_gpus_per_node: a job given 8 GPUs for a
     2-GPU config would hold 6 idle; the same job on the CPU, or given exactly 2, is accepted."""
