@@ -101,9 +101,11 @@ NOT_SAME_RUN_OPTIONS = (
     "actor_rollout_ref.actor.use_torch_compile",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
     "actor_rollout_ref.actor.optim.total_training_steps",
+    "actor_rollout_ref.actor.optim.warmup_style",
     "actor_rollout_ref.actor.fsdp_config",
     "critic.strategy",
     "critic.optim.total_training_steps",
+    "critic.optim.warmup_style",
     "critic.model.tokenizer_path",
     "critic.model.override_config",
     "critic.model.enable_gradient_checkpointing",
@@ -121,6 +123,11 @@ NOT_SAME_RUN_OPTIONS = (
     "reward_model.forward_max_token_len_per_gpu",
     "reward_model.fsdp_config",
 )
+
+# An option's older name, whose value a resolved config moves to it (`optim.warmup_style` above is
+# always null then): a checkpoint written before the newer name existed ran with the older one's.
+RENAMED_OPTIONS = {f"{p}.optim.lr_scheduler_type": f"{p}.optim.warmup_style" for p in ("actor_rollout_ref.actor",
+                                                                                     "critic")}
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -147,7 +154,8 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
     between two resolved configs (`dataclasses.asdict` of `PPOConfig`)."""
     out = []
     for key, default in same_run_keys():
-        old, new = _lookup(saved, key, default), _lookup(current, key, default)
+        old = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], default) if key in RENAMED_OPTIONS else default)
+        new = _lookup(current, key, default)
         if old != new:
             out.append((key, old, new))
     return out

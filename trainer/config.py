@@ -75,12 +75,27 @@ class OptimConfig:
     lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio", ge=-1)
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps", ge=0, le=1)
     min_lr_ratio: float = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr", ge=0, le=1)
-    warmup_style: str = opt("constant", "schedule after warm-up: constant or cosine", choices=("constant", "cosine"))
+    lr_scheduler_type: str = opt("constant", "schedule after warm-up: constant or cosine",
+                                 choices=("constant", "cosine"))
+    warmup_style: str | None = opt(None, "verl's older name of lr_scheduler_type: when set, it replaces "
+                                         "lr_scheduler_type (as in verl); null: lr_scheduler_type decides",
+                                   choices=(None, "constant", "cosine"))
+    num_cycles: float = opt(0.5, "cosine waves over the steps after warm-up: 0.5 falls once from lr to min_lr_ratio "
+                                 "x lr, 1 falls and rises back", ge=0)
     weight_decay: float = opt(0.01, "AdamW weight decay", ge=0)
     betas: list[float] = opt(default_factory=lambda: [0.9, 0.999], help="AdamW betas", ge=0, lt=1, length=2)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    clip_grad: float | None = opt(None, "verl's optimizer-section name of the section's grad_clip (verl's engine "
+                                        "workers read this one, its legacy workers grad_clip); setting both to "
+                                        "different values is an error. null: grad_clip", gt=0)
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
+
+    def __post_init__(self):
+        # As verl's FSDPOptimizerConfig: a warmup_style replaces lr_scheduler_type. Its value moves
+        # there, so a resolved config has one name for it (and resolves to itself).
+        if self.warmup_style is not None:
+            self.lr_scheduler_type, self.warmup_style = self.warmup_style, None
 
 
 @dataclass
@@ -88,6 +103,23 @@ class CriticOptimConfig(OptimConfig):
     """`critic.optim`: the actor's options, with verl's critic default learning rate."""
 
     lr: float = _lr(1e-5)
+
+
+# The actor's and the critic's `grad_clip` (`_resolve_grad_clip`).
+_GRAD_CLIP_HELP = "gradient-norm clipping threshold; null: optim.clip_grad, or 1.0 when that is null too"
+
+
+def _resolve_grad_clip(key: str, section) -> None:
+    """The actor's or critic's (`key`) gradient-norm clipping threshold from verl's two names of it,
+    `grad_clip` and `optim.clip_grad`: the one that is set, 1.0 when neither is. It ends in
+    grad_clip, clip_grad null (so a resolved config resolves to itself)."""
+    alias = section.optim.clip_grad
+    if alias is not None and section.grad_clip is not None and alias != section.grad_clip:
+        raise ConfigError(f"{key}.grad_clip={section.grad_clip} and {key}.optim.clip_grad={alias}: both name the "
+                          "gradient-norm clipping threshold (verl's legacy and engine workers read one each); set "
+                          "one of them, or both to the same value")
+    section.grad_clip = next((v for v in (section.grad_clip, alias) if v is not None), 1.0)
+    section.optim.clip_grad = None
 
 
 # The actor's, reference's and critic's `model.enable_activation_offload` (sharding.ac.ActivationOffloader).
@@ -148,7 +180,7 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz", ge=1)
-    grad_clip: float = opt(1.0, "gradient-norm clipping threshold", gt=0)
+    grad_clip: float | None = opt(None, _GRAD_CLIP_HELP, gt=0)
     clip_ratio: float = opt(0.2, "PPO clip range epsilon", gt=0, le=1)
     clip_ratio_low: float | None = opt(None, "lower clip range; default clip_ratio", gt=0, le=1)
     clip_ratio_high: float | None = opt(None, "upper clip range; default clip_ratio (DAPO's clip-higher)", gt=0)
@@ -166,6 +198,9 @@ class ActorConfig:
                                               unsupported=_not(1))
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
+
+    def __post_init__(self):
+        _resolve_grad_clip("actor_rollout_ref.actor", self)
 
 
 @dataclass
@@ -314,10 +349,13 @@ class CriticConfig:
                                                           "ppo_max_token_len_per_gpu", ge=1)
     ppo_epochs: int | None = opt(None, "critic passes per batch; default: the actor's", ge=1)
     shuffle: bool | None = opt(None, "shuffle sequences before mini-batches; null: the actor's")
-    grad_clip: float = opt(1.0, "gradient-norm clipping threshold", gt=0)
+    grad_clip: float | None = opt(None, _GRAD_CLIP_HELP, gt=0)
     cliprange_value: float = opt(0.5, "value clipping range", gt=0)
     loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
                                     choices=(*LOSS_AGG_MODES, None))
+
+    def __post_init__(self):
+        _resolve_grad_clip("critic", self)
 
 
 @dataclass

@@ -107,10 +107,10 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
         # convention): update `step` (from 0) warms up at step / warmup, so the first one's lr is 0.
         if step < warmup:
             return step / warmup
-        if oc.warmup_style == "constant":
+        if oc.lr_scheduler_type == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(2 * math.pi * oc.num_cycles * progress))
 
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 

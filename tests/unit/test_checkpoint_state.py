@@ -77,6 +77,20 @@ def test_run_differences_lists_changed_training_options_only():
     assert run_differences(old, dataclasses.asdict(current)) == [("algorithm.norm_adv_by_std_in_grpo", True, False)]
 
 
+def test_a_checkpoint_from_before_lr_scheduler_type_ran_with_its_warmup_style():
+    old = dataclasses.asdict(PPOConfig())
+    for section in (old["actor_rollout_ref"]["actor"], old["critic"]):
+        del section["optim"]["lr_scheduler_type"]
+        section["optim"]["warmup_style"] = "cosine"
+    current = PPOConfig()
+    for section in (current.actor_rollout_ref.actor, current.critic):
+        section.optim.lr_scheduler_type = "cosine"
+    assert run_differences(old, dataclasses.asdict(current)) == []
+    assert run_differences(old, dataclasses.asdict(PPOConfig())) == [
+        ("actor_rollout_ref.actor.optim.lr_scheduler_type", "cosine", "constant"),
+        ("critic.optim.lr_scheduler_type", "cosine", "constant")]
+
+
 class _Payload:
     """A pickle that creates a directory when it is unpickled (what a malicious one could do)."""
 

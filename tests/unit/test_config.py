@@ -279,6 +279,36 @@ def test_optimizer_learning_rates_default_to_verls():
     assert _cfg("critic.optim.lr=3e-6").critic.optim.lr == 3e-6
 
 
+@pytest.mark.parametrize("section", ["actor_rollout_ref.actor", "critic"])
+def test_verls_current_optimizer_names(section):
+    """verl's FSDPOptimizerConfig names: lr_scheduler_type (warmup_style, when set, replaces it), num_cycles, and
+    clip_grad, the optimizer-section name of the section's grad_clip."""
+    def get(cfg):
+        return cfg.actor_rollout_ref.actor if section == "actor_rollout_ref.actor" else cfg.critic
+
+    def _cfg(*overrides):  # no grad_clip set (configs/demo.yaml sets the actor's)
+        return load_config(PPOConfig, None, ["actor_rollout_ref.model.path=/m", *overrides])
+
+    cfg = get(_cfg(f"{section}.optim.lr_scheduler_type=cosine", f"{section}.optim.num_cycles=1.5"))
+    assert (cfg.optim.lr_scheduler_type, cfg.optim.num_cycles) == ("cosine", 1.5)
+    assert get(_cfg(f"{section}.optim.warmup_style=cosine")).optim.lr_scheduler_type == "cosine"
+    assert get(_cfg(f"{section}.optim.lr_scheduler_type=cosine",
+                    f"{section}.optim.warmup_style=null")).optim.lr_scheduler_type == "cosine"
+    assert get(_cfg(f"{section}.optim.clip_grad=0.3")).grad_clip == 0.3
+    assert get(_cfg(f"{section}.grad_clip=0.3", f"{section}.optim.clip_grad=0.3")).grad_clip == 0.3
+    assert get(_cfg(f"{section}.grad_clip=0.3")).grad_clip == 0.3
+    assert get(_cfg()).grad_clip == 1.0
+    with pytest.raises(ConfigError, match=rf"{section}.grad_clip=0.5 and {section}.optim.clip_grad=0.3: both name the "
+                                          "gradient-norm clipping threshold"):
+        _cfg(f"{section}.grad_clip=0.5", f"{section}.optim.clip_grad=0.3")
+    with pytest.raises(ConfigError, match=rf"{section}.optim.lr_scheduler_type: 'linear' is not one of"):
+        _cfg(f"{section}.optim.lr_scheduler_type=linear")
+    # the resolved config holds each value under one name and resolves to itself
+    cfg = _cfg(f"{section}.optim.warmup_style=cosine", f"{section}.optim.clip_grad=0.3")
+    assert (get(cfg).optim.warmup_style, get(cfg).optim.clip_grad) == (None, None)
+    assert dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(cfg))) == dataclasses.asdict(cfg)
+
+
 def test_preflight_refuses_slurm_gpus_the_config_leaves_idle(monkeypatch):
     """sbatch's --gpus-per-node must be the config's trainer.n_gpus_per_node: a job given 8 GPUs for a
     2-GPU config would hold 6 idle; the same job on the CPU, or given exactly 2, is accepted."""

@@ -63,18 +63,32 @@ def test_constant_schedule_is_verls(warmup):
     assert lrs[warmup] == lrs[-1] == LR
 
 
-@pytest.mark.parametrize("warmup,min_lr_ratio", [(0, 0.0), (8, 0.0), (8, 0.1), (5, 0.3)])
-def test_cosine_schedule_is_verls(warmup, min_lr_ratio):
-    oc = OptimConfig(lr=LR, lr_warmup_steps=warmup, warmup_style="cosine", min_lr_ratio=min_lr_ratio)
+@pytest.mark.parametrize("warmup,min_lr_ratio,num_cycles", [(0, 0.0, 0.5), (8, 0.0, 0.5), (8, 0.1, 0.5),
+                                                            (5, 0.3, 0.5), (8, 0.1, 1.0), (4, 0.2, 0.25)])
+def test_cosine_schedule_is_verls(warmup, min_lr_ratio, num_cycles):
+    oc = OptimConfig(lr=LR, lr_warmup_steps=warmup, lr_scheduler_type="cosine", min_lr_ratio=min_lr_ratio,
+                     num_cycles=num_cycles)
     lrs = lrs_of(oc, TOTAL)
-    verl = verl_cosine(warmup, TOTAL, min_lr_ratio)
+    verl = verl_cosine(warmup, TOTAL, min_lr_ratio, num_cycles)
     middle = warmup + (TOTAL - warmup) // 2
     for s in sorted({0, 1, max(warmup - 1, 0), warmup, middle, TOTAL - 1}):
         assert lrs[s] == pytest.approx(LR * verl(s), abs=1e-15), s
     assert lrs[warmup] == pytest.approx(LR)  # the peak right after the warm-up
-    # half-way through the decay: the mean of the peak and the floor
+    # half-way through the decay (progress 1/2): cos(pi x num_cycles) between the peak and the floor
     if (TOTAL - warmup) % 2 == 0:
-        assert lrs[middle] == pytest.approx(LR * (1 + min_lr_ratio) / 2)
+        floor, x = LR * min_lr_ratio, math.cos(math.pi * num_cycles)
+        assert lrs[middle] == pytest.approx(floor + (LR - floor) * (1 + x) / 2)
+
+
+def test_warmup_style_is_verls_older_name_of_lr_scheduler_type():
+    # verl's FSDPOptimizerConfig: a set warmup_style replaces lr_scheduler_type; null leaves it
+    assert OptimConfig(warmup_style="cosine").lr_scheduler_type == "cosine"
+    assert OptimConfig(lr_scheduler_type="cosine", warmup_style="constant").lr_scheduler_type == "constant"
+    assert OptimConfig(lr_scheduler_type="cosine", warmup_style=None).lr_scheduler_type == "cosine"
+    by_old = lrs_of(OptimConfig(lr=LR, lr_warmup_steps=4, warmup_style="cosine", min_lr_ratio=0.1), TOTAL)
+    assert by_old == lrs_of(OptimConfig(lr=LR, lr_warmup_steps=4, lr_scheduler_type="cosine", min_lr_ratio=0.1),
+                            TOTAL)
+    assert by_old[-1] < LR / 2
 
 
 def test_warmup_ratio_counts_steps_of_the_schedule_length():
