@@ -458,6 +458,9 @@ class TrainerConfig:
     critic_warmup: int = opt(0, "steps that train only the critic", ge=0)
     test_freq: int = opt(-1, "validate every this many steps (-1 or 0: never)", ge=-1)
     val_before_train: bool = opt(True, "validate once before the first step")
+    val_only: bool = opt(False, "validate once and exit without training (needs data.val_files): the model of "
+                                "actor_rollout_ref.model.path, or the checkpoint the run resumes (resume_mode); "
+                                "verl acts on it only with val_before_train=true, meshppo always")
     save_freq: int = opt(-1, "checkpoint every this many steps (-1 or 0: only at the end)", ge=-1)
     default_local_dir: str = opt("runs/default", "run directory: checkpoints, metrics.jsonl, logs")
     resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path",
@@ -692,6 +695,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                 raise ConfigError(f"actor_rollout_ref.{key}={samples} exceeds actor_rollout_ref.rollout.max_num_seqs="
                                   f"{rollout.max_num_seqs}: the engine decodes a prompt's samples together; raise "
                                   "max_num_seqs or lower n")
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only=true validates and exits, but data.val_files is empty: give the "
+                          "validation files")
     if cfg.trainer.critic_warmup and not cfg.uses_critic:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} trains only the critic for that many "
                           f"steps, but algorithm.adv_estimator={adv} has no critic: those steps would train nothing; "

@@ -597,9 +597,14 @@ class PPOTrainer:
                             run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
                                      self.run_dir, self.global_step))
         self._install_signal_handlers()
-        if t.val_before_train and self.global_step == 0 and self.val_ds is not None:
-            self.tracking.log(self.validate(), step=0)
         try:
+            # verl validates before the first step; val_only (data.val_files required) validates the
+            # model as it starts, a checkpoint's when it resumes, and ends the run there.
+            if t.val_only or (t.val_before_train and self.global_step == 0 and self.val_ds is not None):
+                self.tracking.log(self.validate(), step=self.global_step)
+            if t.val_only:
+                self.log(f"trainer.val_only: validated the model of step {self.global_step}, exiting without training")
+                return 0
             while self.global_step < self.total_steps:
                 loader_state, kl_state = self.loader.state_dict(), self.kl.state_dict()
                 try:

@@ -1,0 +1,101 @@
+"""PPOTrainer.train's control flow around validation, with the work faked: which validations run,
+at which step they are logged, and whether any step, checkpoint or export follows."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from trainer import ppo_trainer
+from trainer.config import PPOConfig, validate
+from trainer.configlib import ConfigError, load_config
+from trainer.ppo_trainer import PPOTrainer
+
+BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "trainer.export_hf_at_end=false"]
+VAL = {"val-core/demo/reward/mean@1": 0.5, "timing_s/validate": 0.1}
+
+
+class FakeTrainer:
+    """What train() reads of a PPOTrainer; `resume_at` is the step a checkpoint resumes (None: a fresh run)."""
+
+    train = PPOTrainer.train
+
+    def __init__(self, cfg, resume_at=None, total_steps=2):
+        self.cfg, self.total_steps, self.global_step = cfg, total_steps, 0
+        self.logged, self.saved, self.lines, self.closed = [], [], [], False
+        self.val_ds = object() if cfg.data.val_files else None
+
+        def maybe_resume(mode, path):
+            if resume_at is None:
+                return None
+            self.global_step = resume_at
+            return f"global_step_{resume_at}"
+
+        self.ckpt = NS(maybe_resume=maybe_resume, save=self.saved.append, saved_step=None)
+        self.tracking = NS(begin=lambda *a: None, log=lambda m, step: self.logged.append((step, dict(m))),
+                           close=lambda: setattr(self, "closed", True))
+        self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None)
+        self.ctx = NS(world_size=1, local_world_size=1)
+        self.device, self.models, self.run_dir, self.nonfinite_streak = "cpu", NS(dims=None), "/run", 0
+
+    def _install_signal_handlers(self):
+        pass
+
+    def _agreed_stop_signal(self):
+        return False
+
+    def _apply_guard(self, metrics):
+        pass
+
+    def log(self, text):
+        self.lines.append(text)
+
+    def validate(self):
+        return dict(VAL)
+
+    def step(self):
+        self.global_step += 1
+        return {"actor/pg_loss": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def _no_run_info(monkeypatch):
+    monkeypatch.setattr(ppo_trainer, "run_info", lambda *a: {})
+    monkeypatch.setattr(ppo_trainer, "to_commented_yaml", lambda cfg: "")
+
+
+def _cfg(*overrides):
+    cfg = load_config(PPOConfig, None, [*BASE, *overrides])
+    validate(cfg)
+    return cfg
+
+
+def test_val_only_validates_once_and_trains_nothing():
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.val_only=true"))
+    assert t.train() == 0
+    assert t.logged == [(0, VAL)]  # logged as the start-up validation is, at step 0
+    assert t.global_step == 0 and t.saved == [] and t.closed
+    # verl ignores val_only without val_before_train; meshppo still only validates
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.val_only=true", "trainer.val_before_train=false"))
+    assert t.train() == 0 and t.logged == [(0, VAL)] and t.global_step == 0
+
+
+def test_val_only_validates_the_checkpoint_it_resumes():
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.val_only=true"), resume_at=5, total_steps=9)
+    assert t.train() == 0
+    assert t.logged == [(5, VAL)] and t.global_step == 5 and t.saved == []
+
+
+def test_a_normal_run_validates_before_training_then_trains():
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]"))
+    assert t.train() == 0
+    assert [step for step, _ in t.logged] == [0, 1, 2] and t.logged[0] == (0, VAL)
+    assert t.saved == [2]
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]"), resume_at=1)  # not on resume
+    assert t.train() == 0 and [step for step, _ in t.logged] == [2]
+
+
+def test_val_only_needs_val_files():
+    with pytest.raises(ConfigError, match="trainer.val_only=true validates and exits, but data.val_files is empty"):
+        _cfg("trainer.val_only=true")
