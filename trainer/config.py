@@ -181,11 +181,19 @@ class ActorConfig:
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz", ge=1)
     grad_clip: float | None = opt(None, _GRAD_CLIP_HELP, gt=0)
-    clip_ratio: float = opt(0.2, "PPO clip range epsilon", gt=0, le=1)
-    clip_ratio_low: float | None = opt(None, "lower clip range; default clip_ratio", gt=0, le=1)
-    clip_ratio_high: float | None = opt(None, "upper clip range; default clip_ratio (DAPO's clip-higher)", gt=0)
+    clip_ratio: float = opt(0.2, "PPO clip range epsilon: the default of clip_ratio_low and clip_ratio_high (verl's "
+                                 "yaml sets both to 0.2, so there clip_ratio alone does not change the clip range)",
+                            gt=0, le=1)
+    clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio", gt=0, le=1)
+    clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
     clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages", gt=1)
-    loss_agg_mode: str = opt("token-mean", "how token losses are aggregated", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = opt("token-mean", "how token losses are aggregated: token-mean (every token weighs the "
+                                           "same), seq-mean-token-sum, seq-mean-token-mean (every sequence weighs the "
+                                           "same), seq-mean-token-sum-norm (Dr. GRPO). Normalised by the token "
+                                           "(token-mean) or sequence count of the whole mini-batch across "
+                                           "micro-batches and ranks, so the gradient does not depend on "
+                                           "micro-batching (as verl's engine workers; verl's legacy dp_actor averages "
+                                           "per-micro-batch means)", choices=LOSS_AGG_MODES)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
     use_kl_loss: bool = opt(False, "add a KL(actor || ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
@@ -455,15 +463,21 @@ class TrainerConfig:
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
     device: str = opt("auto", "cuda, cpu, or auto (cuda when available)", choices=("auto", "cuda", "cpu"))
     balance_batch: bool = opt(True, "reorder sequences so ranks get balanced token counts")
-    critic_warmup: int = opt(0, "steps that train only the critic", ge=0)
+    critic_warmup: int = opt(0, "steps that train only the critic: the actor first updates at step "
+                                "critic_warmup + 1 (as verl's yaml says; verl's code, critic_warmup <= global_steps "
+                                "with steps from 1, skips one step fewer)", ge=0)
     test_freq: int = opt(-1, "validate every this many steps (-1 or 0: never)", ge=-1)
-    val_before_train: bool = opt(True, "validate once before the first step")
+    val_before_train: bool = opt(True, "validate once before the first step of a fresh run; skipped on a resume "
+                                       "(verl validates on every start)")
     val_only: bool = opt(False, "validate once and exit without training (needs data.val_files): the model of "
                                 "actor_rollout_ref.model.path, or the checkpoint the run resumes (resume_mode); "
                                 "verl acts on it only with val_before_train=true, meshppo always")
-    save_freq: int = opt(-1, "checkpoint every this many steps (-1 or 0: only at the end)", ge=-1)
+    save_freq: int = opt(-1, "checkpoint every this many steps and at the last step; -1 or 0: at the last step "
+                             "only (verl saves no checkpoint then)", ge=-1)
     default_local_dir: str = opt("runs/default", "run directory: checkpoints, metrics.jsonl, logs")
-    resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path",
+    resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path. disable starts the run "
+                                   "directory over: it deletes default_local_dir/checkpoints and empties "
+                                   "metrics.jsonl (verl only ignores the old checkpoints)",
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)", ge=1)
