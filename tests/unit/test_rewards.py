@@ -1,6 +1,7 @@
 """Rule-based scorers, the reward registry, custom reward files and score_responses."""
 
 import math
+import re
 
 import pytest
 
@@ -8,20 +9,51 @@ from rewards import RewardError, default_compute_score, get_reward_fn, load_cust
 from rewards import demo, gsm8k
 
 
+def _verl_extract_solution(solution_str, method="strict"):
+    """verl's `verl/utils/reward_score/gsm8k.py` extract_solution, transcribed line for line."""
+    assert method in ["strict", "flexible"]
+    if len(solution_str) > 300:
+        solution_str = solution_str[-300:]
+    if method == "strict":
+        solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+        if len(solutions) == 0:
+            final_answer = None
+        else:
+            final_answer = solutions[-1].replace(",", "").replace("$", "")
+    elif method == "flexible":
+        answer = re.findall("(\\-?[0-9\\.\\,]+)", solution_str)
+        final_answer = None
+        if len(answer) == 0:
+            pass
+        else:
+            invalid_str = ["", "."]
+            for final_answer in reversed(answer):
+                if final_answer not in invalid_str:
+                    break
+    return final_answer
+
+
 @pytest.mark.parametrize("solution, method, expected", [
     ("3 + 4 = 7\n#### 7", "strict", "7"),
     ("#### 1,234.5", "strict", "1234.5"),
-    ("#### $18", "strict", "18"),
+    ("#### $18", "strict", None),  # verl's strict format has no dollar sign
     ("#### -3 then later #### 12", "strict", "12"),
     ("The answer is 7", "strict", None),
     ("####7", "strict", None),  # verl's strict format needs the space
-    ("The answer is 1,500 dollars.", "flexible", "1500"),
-    ("first 3, then 4.", "flexible", "4"),
-    ("no digits here.", "flexible", None),
+    ("The answer is 1,500 dollars.", "flexible", "1,500"),  # flexible answers are not cleaned
+    ("first 3, then 4.", "flexible", "4."),
+    ("so 1,234 apples", "flexible", "1,234"),
+    ("#### 1,2,3", "flexible", "1,2,3"),
+    ("#### 1,2,3", "strict", "123"),
+    (".", "flexible", "."),  # only punctuation: verl's loop falls through to the first match
+    ("#### .", "flexible", "."),
+    ("#### .", "strict", "."),
+    ("no digits here.", "flexible", "."),
+    ("no digits here", "flexible", None),
     ("#### 5" + " filler" * 60, "strict", None),  # the marker is outside the last 300 characters
 ])
 def test_gsm8k_extract_solution(solution, method, expected):
-    assert gsm8k.extract_solution(solution, method=method) == expected
+    assert gsm8k.extract_solution(solution, method=method) == expected == _verl_extract_solution(solution, method)
 
 
 def test_gsm8k_compute_score():
@@ -31,6 +63,10 @@ def test_gsm8k_compute_score():
     assert gsm8k.compute_score("no answer", "72", format_score=0.1) == 0.0
     assert gsm8k.compute_score("so 72", "72") == 0.0
     assert gsm8k.compute_score("so 72", "72", method="flexible", score=2.0) == 2.0
+    assert gsm8k.compute_score("#### $18", "18") == 0.0
+    assert gsm8k.compute_score("the answer is 4.", "4", method="flexible", format_score=0.1) == 0.1
+    # compared without conversion, as verl compares: an int ground truth never equals the answer string
+    assert gsm8k.compute_score("#### 72", 72, format_score=0.1) == 0.1
     with pytest.raises(ValueError, match="method must be 'strict' or 'flexible'"):
         gsm8k.compute_score("#### 1", "1", method="loose")
 
