@@ -21,14 +21,14 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 class DatasetError(ValueError):
@@ -195,28 +195,30 @@ def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply
     return text, True
 
 
-def _ground_truth(row: dict[str, Any], where: str) -> str | None:
+def _ground_truth(row: dict[str, Any], where: str, required: bool) -> Any:
+    """`reward_model.ground_truth` as stored (any JSON or Arrow value: verl hands it to the reward
+    function unconverted). verl's reward manager reads it for every response, so unless `required`
+    is off a row without one fails here, at load, and not at the first reward."""
     reward_model = row.get("reward_model")
-    if reward_model is None:
-        return None
-    if not isinstance(reward_model, dict):
+    if reward_model is not None and not isinstance(reward_model, dict):
         raise DatasetError(
             f"{where}: field 'reward_model' must be an object, got {type(reward_model).__name__}"
         )
-    value = reward_model.get("ground_truth")
-    if value is None or isinstance(value, str):
-        return value
-    # Numeric answers written by other tools are still answers; compare them as text. An
-    # integral float is written as an integer, since pandas turns int columns with a gap
-    # into floats and "72.0" would never match a model's "72".
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    raise DatasetError(
-        f"{where}: field 'reward_model.ground_truth' must be a string or a number, "
-        f"got {type(value).__name__}"
-    )
+    value = None if reward_model is None else reward_model.get("ground_truth")
+    if value is None and required:
+        raise DatasetError(f"{where}: missing field 'reward_model.ground_truth': the reward function gets every "
+                           "row's ground truth (verl's reward manager requires it); add it, or let a reward model "
+                           "score alone (reward_model.enable=true)")
+    return value
+
+
+def _truncate(ids: list[int], limit: int, mode: str) -> list[int]:
+    """`ids` cut to `limit` tokens as verl's dataset cuts them (`mode` left, right or middle)."""
+    if mode == "left":
+        return ids[-limit:]
+    if mode == "right":
+        return ids[:limit]
+    return ids[:limit // 2] + ids[-(limit - limit // 2):]
 
 
 class RLHFDataset:
@@ -235,14 +237,21 @@ class RLHFDataset:
         filter_overlong_prompts: drop longer prompts (counted in `num_filtered`) instead of
             applying `truncation`.
         truncation: for overlong prompts that are not filtered: `"error"` raises, `"left"`
-            keeps the last `max_prompt_length` tokens, `"right"` the first.
+            keeps the last `max_prompt_length` tokens, `"right"` the first, `"middle"` the
+            first `max_prompt_length // 2` and the last `max_prompt_length - max_prompt_length // 2`
+            (verl's modes).
         apply_chat_template: when False, chat prompts are not templated: the message
             contents are joined with newlines and tokenized as text (for base models
             without a chat template).
+        require_ground_truth: every row must carry `reward_model.ground_truth` (off only
+            when a reward model alone scores).
+        data_sources: the `data_source` values a row may name (the built-in scorers' when
+            they give the rewards), so that a row no scorer knows fails at load; None: any.
 
     Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
-    `data_source`, `ground_truth` (str or None), `extra_info` (dict) and `index`
-    (the item's position in this dataset).
+    `data_source`, `ground_truth` (the stored value, unconverted; None only without
+    `require_ground_truth`), `extra_info` (dict) and `index` (the item's position in
+    this dataset).
     """
 
     def __init__(
@@ -254,6 +263,8 @@ class RLHFDataset:
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         apply_chat_template: bool = True,
+        require_ground_truth: bool = True,
+        data_sources: Collection[str] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -270,6 +281,8 @@ class RLHFDataset:
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
+        self.require_ground_truth = require_ground_truth
+        self.data_sources = None if data_sources is None else sorted(data_sources)
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         for path in self.files:
@@ -307,6 +320,10 @@ class RLHFDataset:
                 raise DatasetError(
                     f"{where}: field 'data_source' must be a string, got {type(data_source).__name__}"
                 )
+            if self.data_sources is not None and data_source not in self.data_sources:
+                raise DatasetError(f"{where}: no built-in reward for data_source {data_source!r} (built-in: "
+                                   f"{self.data_sources}); set custom_reward_function.path to a Python file "
+                                   "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)")
             extra_info = row.get("extra_info")
             if extra_info is None:
                 extra_info = {}
@@ -314,7 +331,8 @@ class RLHFDataset:
                 raise DatasetError(
                     f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
                 )
-            parsed.append((where, prompt, text, templated, data_source, _ground_truth(row, where), extra_info))
+            ground_truth = _ground_truth(row, where, self.require_ground_truth)
+            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info))
 
         # One batched call per kind is much faster than a call per row with fast tokenizers.
         ids_by_row: list[list[int] | None] = [None] * len(parsed)
@@ -339,9 +357,9 @@ class RLHFDataset:
                 if self.truncation == "error":
                     raise DatasetError(
                         f"{where}: prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
-                        "set filter_overlong_prompts=True or truncation='left'/'right'"
+                        "set filter_overlong_prompts=True or truncation='left'/'right'/'middle'"
                     )
-                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+                ids = _truncate(ids, limit, self.truncation)
             self._items.append({
                 "input_ids": ids,
                 "raw_prompt": prompt,

@@ -1,6 +1,7 @@
 """Rewards: rule-based scorers (GSM8K, the demo task) and the verl-style reward-function API."""
 
 from rewards.registry import (
+    BUILTIN_DATA_SOURCES,
     RewardError,
     default_compute_score,
     get_reward_fn,
@@ -9,6 +10,7 @@ from rewards.registry import (
 )
 
 __all__ = [
+    "BUILTIN_DATA_SOURCES",
     "RewardError",
     "default_compute_score",
     "get_reward_fn",

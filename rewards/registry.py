@@ -43,6 +43,7 @@ _SCORERS: dict[str, Callable[[str, str], float]] = {
     "openai/gsm8k": _gsm8k_strict,
     "meshppo/demo_add": demo.compute_score,
 }
+BUILTIN_DATA_SOURCES = tuple(sorted(_SCORERS))  # the data sources default_compute_score scores
 
 
 def default_compute_score(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from data.dataset import TRUNCATION_MODES
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
@@ -59,8 +60,9 @@ class DataConfig:
     shuffle: bool = opt(True, "shuffle the training prompts every epoch")
     seed: int = opt(1, "seed of the prompt shuffle", ge=0)
     filter_overlong_prompts: bool = opt(False, "drop (and count) prompts longer than max_prompt_length")
-    truncation: str = opt("error", "overlong prompts when not filtered: error, left or right",
-                          choices=("error", "left", "right"))
+    truncation: str = opt("error", "overlong prompts when not filtered: error; left keeps the last max_prompt_length "
+                                   "tokens, right the first, middle the first half and the last half",
+                          choices=TRUNCATION_MODES)
     return_raw_chat: bool = opt(False, "accepted for verl compatibility; meshppo always keeps the raw prompt")
     apply_chat_template: bool = opt(True, "apply the tokenizer's chat template to chat-message prompts")
 

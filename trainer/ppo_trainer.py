@@ -88,9 +88,16 @@ class PPOTrainer:
                             "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)
         d = cfg.data
+        from rewards import BUILTIN_DATA_SOURCES
+
+        # Rows the reward function scores need a ground truth, and the built-in scorers a data
+        # source they know: both checked at load, naming the row, not after the first generation.
+        rm_cfg = cfg.reward_model
+        rule = not rm_cfg.enable or rm_cfg.combine == "add"
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                     apply_chat_template=d.apply_chat_template)
+                     apply_chat_template=d.apply_chat_template, require_ground_truth=rule,
+                     data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, **ds_kw)
         self.val_ds = RLHFDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
         if len(self.train_ds) < d.train_batch_size:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class RolloutBatch:
     responses: list[list[int]]
     uids: list[int]                   # index of the prompt in the step's batch (group id)
     data_sources: list[str | None]
-    ground_truths: list[str | None]
+    ground_truths: list[Any]          # as stored in the data (any JSON / Arrow value)
     extra_infos: list[dict]
     finish_reasons: list[str]
     engine_log_probs: list[list[float]]  # the engine's log-prob of each sampled token

@@ -70,6 +70,12 @@ CASES = {
                                 "trainer.default_local_dir="),
     "samples directory under a file": (lambda a, t: [f"trainer.rollout_data_dir={_write(t / 'bfile', '')}/samples"], 2,
                                        "trainer.rollout_data_dir="),
+    # refused at load, naming the row, not after the first generation (a row without a ground truth once scored 0.0)
+    "row without a ground truth": (lambda a, t: [f"data.train_files=[{_edited_rows(a, t, reward_model=None)}]"], 1,
+                                   "edited.jsonl:3: missing field 'reward_model.ground_truth'"),
+    "data source without a scorer": (lambda a, t: [f"data.train_files=[{_edited_rows(a, t, data_source='x/y')}]"], 1,
+                                     "edited.jsonl:3: no built-in reward for data_source 'x/y' (built-in: "
+                                     "['meshppo/demo_add', 'openai/gsm8k'])"),
     # a causal LM has no score head: as a reward model it would score every response 0
     "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
@@ -79,6 +85,15 @@ CASES = {
 def _first_row(assets):
     with open(f"{assets}/train.jsonl") as f:
         return f.readline()
+
+
+def _edited_rows(assets, tmp, **change):
+    """The training file with row 3's fields replaced by `change` (None: the field removed)."""
+    with open(f"{assets}/train.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    rows[2].update(change)
+    rows[2] = {k: v for k, v in rows[2].items() if v is not None}
+    return _write(tmp / "edited.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _no_weights(assets, tmp):

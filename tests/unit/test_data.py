@@ -197,9 +197,11 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         {"prompt": "2+2=", "reward_model": {"ground_truth": 4.0}},
         {"prompt": "2+2=", "reward_model": {"ground_truth": 0.5}},
     ], tmp_path / "d.jsonl")
-    ds = RLHFDataset([path], tokenizer)
+    ds = RLHFDataset([path], tokenizer, require_ground_truth=False)
     assert len(ds) == 5 and ds.num_filtered == 0
-    assert [ds[3]["ground_truth"], ds[4]["ground_truth"]] == ["4", "0.5"]
+    # ground truths as stored, unconverted (verl hands them to the reward function as they are)
+    assert [ds[i]["ground_truth"] for i in range(1, 5)] == [8, None, 4.0, 0.5]
+    assert type(ds[1]["ground_truth"]) is int and type(ds[3]["ground_truth"]) is float
     assert ds[0] == {
         "input_ids": [USER, DIGIT["1"], DIGIT["2"], PLUS, DIGIT["3"], EQ, ASSISTANT],
         "raw_prompt": [{"role": "user", "content": "12+3="}],
@@ -209,9 +211,9 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         "extra_info": {"index": 7},
         "index": 0,
     }
-    # Text prompts are not templated; a numeric ground truth is compared as text.
+    # Text prompts are not templated.
     assert ds[1]["input_ids"] == [DIGIT["4"], PLUS, DIGIT["4"], EQ] and ds[1]["prompt_text"] == "4+4="
-    assert ds[1]["ground_truth"] == "8" and ds[1]["extra_info"] == {}
+    assert ds[1]["extra_info"] == {}
     assert ds[2]["ground_truth"] is None and ds[2]["data_source"] is None and ds[2]["index"] == 2
     # Items are copies: editing one does not change the dataset.
     ds[0]["input_ids"].append(PAD)
@@ -219,7 +221,7 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
 
 
 def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenizer):
-    a = write_jsonl([{"question": "1+2="}], tmp_path / "a.jsonl")
+    a = write_jsonl([{"question": "1+2=", "reward_model": {"ground_truth": "3"}}], tmp_path / "a.jsonl")
     b = write_records([_chat_row("3+4=", question="5+6=")], tmp_path / "b.parquet")
     ds = RLHFDataset([a, b], tokenizer, prompt_key="question")
     assert [item["prompt_text"] for item in ds] == ["1+2=", "5+6="]
@@ -232,7 +234,7 @@ def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenize
 def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
     path = tmp_path / "d.json"
     path.write_text(json.dumps({"prompt": "1="}) + "\n\n\n", encoding="utf-8")
-    assert len(RLHFDataset(str(path), tokenizer)) == 1
+    assert len(RLHFDataset(str(path), tokenizer, require_ground_truth=False)) == 1
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -246,8 +248,7 @@ def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
     (['{"prompt": [{"content": "1="}]}'], r"d\.jsonl:1: field 'prompt' message 0 has no 'role'"),
     (['{"prompt": ["1="]}'], r"d\.jsonl:1: field 'prompt' message 0 must be an object"),
     (['{"prompt": []}'], r"d\.jsonl:1: field 'prompt' is an empty message list"),
-    (['{"prompt": "1=", "reward_model": {"ground_truth": [1]}}'],
-     r"d\.jsonl:1: field 'reward_model\.ground_truth' must be a string or a number, got list"),
+    (['{"prompt": "1=", "reward_model": "1"}'], r"d\.jsonl:1: field 'reward_model' must be an object, got str"),
     (['{"prompt": "1=", "extra_info": 3}'], r"d\.jsonl:1: field 'extra_info' must be an object, got int"),
     (['{"prompt": "1="}', '{"prompt": ""}'], r"d\.jsonl:2: field 'prompt' tokenizes to no tokens"),
     (['{"prompt": [{"role": "system", "content": "1="}]}'],
@@ -256,7 +257,41 @@ def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
 def test_dataset_errors_name_file_row_and_field(tmp_path, tokenizer, lines, message):
     path = _write_lines(tmp_path / "d.jsonl", lines)
     with pytest.raises(DatasetError, match=message):
+        RLHFDataset(path, tokenizer, require_ground_truth=False)
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"prompt": "1=", "data_source": DATA_SOURCE}, "reward_model.ground_truth"),
+    ({"prompt": "1=", "reward_model": {"style": "rule"}}, "reward_model.ground_truth"),
+    ({"prompt": "1=", "reward_model": {"ground_truth": None}}, "reward_model.ground_truth"),
+])
+def test_dataset_refuses_a_row_without_ground_truth(tmp_path, tokenizer, row, field):
+    """verl's reward manager reads every row's ground truth; a row without one fails at load, naming
+    the file and row (it used to load as None and score 0.0 silently)."""
+    path = write_jsonl([_chat_row("1+1=", "2"), row], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=rf"d\.jsonl:2: missing field '{re.escape(field)}'.*reward_model\.enable"):
         RLHFDataset(path, tokenizer)
+    assert RLHFDataset(path, tokenizer, require_ground_truth=False)[1]["ground_truth"] is None
+
+
+def test_dataset_passes_any_ground_truth_through(tmp_path, tokenizer):
+    """Lists, dicts, bools and numbers reach the reward function as stored, from JSON and from
+    Parquet (whose list columns arrive as Python lists)."""
+    truths = [["Paris", "paris"], {"target": ["Paris"]}, True, 72, 0.5]
+    rows = [_chat_row("1=", t) for t in truths]
+    for path in (write_jsonl(rows, tmp_path / "d.jsonl"), write_records(rows[:1], tmp_path / "d.parquet")):
+        ds = RLHFDataset(path, tokenizer)
+        got = [item["ground_truth"] for item in ds]
+        assert got == truths[:len(ds)] and [type(g) for g in got] == [type(t) for t in truths[:len(ds)]]
+
+
+def test_dataset_checks_data_sources_at_load(tmp_path, tokenizer):
+    path = write_jsonl([_chat_row("1=", "1"), _chat_row("2=", "2", data_source="lighteval/MATH")], tmp_path / "d.jsonl")
+    builtin = ("meshppo/demo_add", "openai/gsm8k")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: no built-in reward for data_source 'lighteval/MATH' \(built-in: "
+                                           r"\['meshppo/demo_add', 'openai/gsm8k'\]\); set custom_reward_function\.path"):
+        RLHFDataset(path, tokenizer, data_sources=builtin)
+    assert len(RLHFDataset(path, tokenizer)) == 2  # any data source when a custom function scores
 
 
 def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
@@ -276,8 +311,9 @@ def test_dataset_missing_file_and_bad_options(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"d\.csv: unsupported file type"):
         RLHFDataset(str(tmp_path / "d.csv"), tokenizer)
     path = write_jsonl([{"prompt": "1="}], tmp_path / "d.jsonl")
-    with pytest.raises(ValueError, match=r"truncation must be one of \['error', 'left', 'right'\], got 'middle'"):
-        RLHFDataset(path, tokenizer, truncation="middle")
+    with pytest.raises(ValueError, match=r"truncation must be one of \['error', 'left', 'right', 'middle'\], got "
+                                         r"'center'"):
+        RLHFDataset(path, tokenizer, truncation="center")
     empty = _write_lines(tmp_path / "empty.jsonl", [])
     with pytest.raises(DatasetError, match=r"empty\.jsonl: dataset is empty"):
         RLHFDataset(empty, tokenizer)
@@ -286,7 +322,8 @@ def test_dataset_missing_file_and_bad_options(tmp_path, tokenizer):
 def test_chat_prompt_without_chat_template(tmp_path, tokenizer_dir):
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = None
-    path = write_jsonl([{"prompt": "1+1="}, _chat_row("1+2=")], tmp_path / "d.jsonl")
+    path = write_jsonl([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}, _chat_row("1+2=")],
+                       tmp_path / "d.jsonl")
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: field 'prompt' is a list of chat messages but the "
                                            r"tokenizer has no chat template; use text prompts.*`chat_template`"):
         RLHFDataset(path, tok)
@@ -314,7 +351,8 @@ def test_overlong_prompts_filtered_and_logged(tmp_path, tokenizer, caplog):
 
 
 def test_overlong_prompts_truncation(tmp_path, tokenizer):
-    path = write_jsonl([{"prompt": "1+2="}, {"prompt": "123+456="}], tmp_path / "d.jsonl")
+    path = write_jsonl([{"prompt": "1+2=", "reward_model": {"ground_truth": "3"}},
+                        {"prompt": "123+456=", "reward_model": {"ground_truth": "579"}}], tmp_path / "d.jsonl")
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: prompt is 8 tokens, longer than max_prompt_length=4"):
         RLHFDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=False)
     left = RLHFDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=False, truncation="left")
@@ -323,6 +361,11 @@ def test_overlong_prompts_truncation(tmp_path, tokenizer):
     assert right[1]["input_ids"] == [DIGIT["1"], DIGIT["2"], DIGIT["3"], PLUS]
     assert left[0]["input_ids"] == right[0]["input_ids"] == [DIGIT["1"], PLUS, DIGIT["2"], EQ]
     assert left.num_filtered == 0 and len(left) == 2
+    # verl's middle: ids[:L // 2] + ids[-(L - L // 2):], the first and last halves (the odd one at the end)
+    for limit, kept in ((4, "12" + "6="), (5, "12" + "56="), (7, "123" + "456=")):
+        middle = RLHFDataset(path, tokenizer, max_prompt_length=limit, filter_overlong_prompts=False,
+                             truncation="middle")
+        assert middle[1]["input_ids"] == [{"=": EQ}.get(c) or DIGIT[c] for c in kept]
 
 
 # ---- PromptDataLoader
@@ -454,7 +497,7 @@ def test_gsm8k_ground_truth_is_the_final_number(answer, ground_truth):
     # The scorer gives a correct response full marks against what the converter wrote.
     truth = row["reward_model"]["ground_truth"]
     assert compute_score(f"so #### {ground_truth}", truth) == 1.0
-    assert compute_score(f"the answer is {ground_truth}.", truth, method="flexible") == 1.0
+    assert compute_score(f"the answer is {ground_truth}", truth, method="flexible") == 1.0
 
 
 @pytest.mark.parametrize("row, message", [
