@@ -6,12 +6,14 @@ All reward functions have verl's signature and are called, as verl calls them, b
 
 so a user's function may take its parameters in any order, or as `**kwargs`. A dict result carries the score under `"score"`; its other numeric entries become extra
 metrics. `default_compute_score` dispatches the built-in data sources; a user's own
-function is loaded from a Python file with `load_custom_reward_fn` (verl's
-`custom_reward_function.path` / `.name`).
+function is loaded from a Python file or module with `load_custom_reward_fn` (verl's
+`custom_reward_function.path` / `.name` / `.reward_kwargs`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import inspect
 import math
@@ -63,14 +65,52 @@ def default_compute_score(
     return scorer(solution_str, ground_truth)
 
 
-def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> RewardFn:
-    """Load function `name` from the Python file at `path`.
+PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"  # verl's `load_module` path forms
 
-    The file is executed as a fresh module each call. Raises `RewardError` naming the
-    path and function when the file is missing, fails to import, or lacks a callable
-    `name`.
+
+def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
+                          reward_kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """Load function `name` from `path`, as verl's `load_extern_object` reads it: a Python file
+    (`/abs/x.py`, `rel/x.py` or `file:///abs/x.py`) or an importable module (`pkg://package.module`,
+    slashes allowed). `reward_kwargs` are added to every call and win over the call's own
+    keywords, as verl's `_call_with_kwargs` merges them.
+
+    A file is executed as a fresh module each call. Raises `RewardError` naming the path and
+    function when the file is missing, the file or module fails to import, or it lacks a
+    callable `name`.
     """
     path = os.fspath(path)
+    if path.startswith(PKG_PREFIX):
+        module_name = path[len(PKG_PREFIX):].replace("/", ".")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as err:
+            raise RewardError(f"custom reward module {module_name} ({path}) cannot be imported{_where(err, None)}: "
+                              f"{type(err).__name__}: {err}") from err
+        where = f"custom reward module {path}"
+    else:
+        module = _exec_file(path[len(FILE_PREFIX):] if path.startswith(FILE_PREFIX) else path, name)
+        where = f"custom reward file {path}"
+    if not hasattr(module, name):
+        available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RewardError(f"{where} has no function {name!r} (it defines: {available})")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(f"{name!r} in {where} is a {type(fn).__name__}, not a function")
+    reward_kwargs = dict(reward_kwargs or {})
+    _check_signature(fn, f"{name!r} in {where}", reward_kwargs)
+    if not reward_kwargs:
+        return fn
+
+    @functools.wraps(fn)
+    def with_kwargs(**kwargs):
+        return fn(**{**kwargs, **reward_kwargs})
+
+    return with_kwargs
+
+
+def _exec_file(path: str, name: str):
+    """The Python file at `path` executed as a fresh module."""
     if not os.path.isfile(path):
         raise RewardError(f"custom reward file not found: {path} (looking for function {name!r})")
     # A module name derived from the path keeps two reward files with the same basename apart.
@@ -87,35 +127,30 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") 
         del sys.modules[module_name]
         raise RewardError(f"importing custom reward file {path} failed{_where(err, path)}: "
                           f"{type(err).__name__}: {err}") from err
-    if not hasattr(module, name):
-        available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise RewardError(f"custom reward file {path} has no function {name!r} (it defines: {available})")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise RewardError(f"{name!r} in custom reward file {path} is a {type(fn).__name__}, not a function")
-    _check_signature(fn, f"{name!r} in custom reward file {path}")
-    return fn
+    return module
 
 
-def _check_signature(fn: RewardFn, what: str) -> None:
-    """Raise `RewardError` unless `fn` accepts the keywords `REWARD_FN_ARGS` (a callable whose
-    signature Python cannot read is taken on trust)."""
+def _check_signature(fn: RewardFn, what: str, reward_kwargs: dict[str, Any]) -> None:
+    """Raise `RewardError` unless `fn` accepts the keywords `REWARD_FN_ARGS` and `reward_kwargs` (a
+    callable whose signature Python cannot read is taken on trust)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return
+    keywords = [*REWARD_FN_ARGS, *(k for k in reward_kwargs if k not in REWARD_FN_ARGS)]
     try:
-        signature.bind(**dict.fromkeys(REWARD_FN_ARGS))
+        signature.bind(**dict.fromkeys(keywords))
     except TypeError as err:
         raise RewardError(f"{what} cannot be called as a reward function: it is called by keyword, "
-                          f"fn({', '.join(f'{a}=...' for a in REWARD_FN_ARGS)}), as verl calls it, "
+                          f"fn({', '.join(f'{a}=...' for a in keywords)}), as verl calls it, "
                           f"and its signature {signature} does not accept that ({err})") from None
 
 
-def get_reward_fn(custom_path: str | os.PathLike | None = None, custom_name: str = "compute_score") -> RewardFn:
-    """The user's function when `custom_path` is set, else `default_compute_score`."""
+def get_reward_fn(custom_path: str | os.PathLike | None = None, custom_name: str = "compute_score",
+                  reward_kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """The user's function (with `reward_kwargs`) when `custom_path` is set, else `default_compute_score`."""
     if custom_path:
-        return load_custom_reward_fn(custom_path, custom_name)
+        return load_custom_reward_fn(custom_path, custom_name, reward_kwargs)
     return default_compute_score
 
 
@@ -171,7 +206,7 @@ def score_responses(
         raise ValueError(f"score_responses needs inputs of one length, got {lengths}")
 
     name = _fn_name(fn)
-    code = getattr(fn, "__code__", None)
+    code = getattr(inspect.unwrap(fn), "__code__", None)
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for i in range(n):

@@ -385,8 +385,12 @@ class RewardModelConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: str | None = opt(None, "Python file with a reward function, called by keyword as verl calls it: fn(data_source=, solution_str=, ground_truth=, extra_info=)")
-    name: str = opt("compute_score", "function name in that file")
+    path: str | None = opt(None, "Python file (path or file:///abs/x.py) or module (pkg://package.module) with a "
+                                 "reward function, called by keyword as verl calls it: fn(data_source=, solution_str=, "
+                                 "ground_truth=, extra_info=)")
+    name: str = opt("compute_score", "function name in that file or module")
+    reward_kwargs: dict = opt(default_factory=dict, help="keyword arguments added to every call of the function; they "
+                                                          "win over the call's own (as in verl)")
 
 
 @dataclass
@@ -754,6 +758,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             check_adapter_config(lora, read_peft_adapter(adapter)[0], adapter)
         except (OSError, ValueError) as e:
             raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
+    crf = cfg.custom_reward_function
+    if crf.reward_kwargs and not crf.path:
+        raise ConfigError("custom_reward_function.reward_kwargs is set but custom_reward_function.path is not: the "
+                          "built-in scorers take no extra arguments")
     if cfg.reward_model.enable and not cfg.reward_model.path:
         raise ConfigError("reward_model.enable=true needs reward_model.path")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

@@ -110,7 +110,8 @@ class PPOTrainer:
         from rewards import get_reward_fn
 
         # the reward file is the user's input too: checked before any model loads
-        self.reward_fn = get_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        crf = cfg.custom_reward_function
+        self.reward_fn = get_reward_fn(crf.path, crf.name, crf.reward_kwargs)
 
         self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)

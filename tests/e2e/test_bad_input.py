@@ -50,6 +50,9 @@ CASES = {
                                1, "reward.py:2: KeyError: 1"),
     "reward function returns a string": (lambda a, t: ["custom_reward_function.path=" + _reward_file(t, RETURN_STR)],
                                          1, "good"),
+    "reward module not importable": (lambda a, t: ["custom_reward_function.path=pkg://no_such_reward_module"], 1,
+                                     "custom reward module no_such_reward_module (pkg://no_such_reward_module) cannot "
+                                     "be imported"),
     "resume path missing": (lambda a, t: ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={t}/ckpt"],
                             1, "does not exist"),
     "impossible batch sizes": (lambda a, t: ["data.train_batch_size=12"], 2, "ppo_mini_batch_size"),

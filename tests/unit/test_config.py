@@ -89,6 +89,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
     (["reward_model.enable=true"], "needs reward_model.path"),
+    (["custom_reward_function.reward_kwargs={scale: 2}"], "custom_reward_function.reward_kwargs is set but "
+                                                          "custom_reward_function.path is not"),
     (["trainer.resume_from_path=/x/global_step_5"], "trainer.resume_from_path is set but trainer.resume_mode=auto "
                                                     "does not read it"),
     # greedy decoding: the n responses of a group are identical, every group advantage is zero

@@ -163,6 +163,46 @@ def test_load_custom_reward_fn(custom_file, tmp_path):
         load_custom_reward_fn(str(bad))
 
 
+def test_reward_kwargs_win_over_the_calls_own(custom_file, tmp_path):
+    """verl's custom_reward_function.reward_kwargs: merged into every call, {**call, **reward_kwargs}."""
+    path = tmp_path / "kw.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                    "    return scale * (solution_str == ground_truth)\n")
+    fn = get_reward_fn(str(path), "compute_score", {"scale": 0.5, "ground_truth": "7"})
+    # the ground truth from reward_kwargs wins over the call's "4": "7" == "7" scores 0.5, "4" scores 0
+    assert score_responses(fn, ["d"] * 2, ["7", "4"], ["4", "4"])[0] == [0.5, 0.0]
+    with pytest.raises(RewardError, match=r"'compute_score' in custom reward file .*my_reward\.py cannot be called as a "
+                                          r"reward function: it is called by keyword, fn\(data_source=\.\.\., "
+                                          r"solution_str=\.\.\., ground_truth=\.\.\., extra_info=\.\.\., scale=\.\.\.\)"):
+        load_custom_reward_fn(custom_file, "compute_score", {"scale": 2})
+    # an error inside the function still names the user's line
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                    "    raise KeyError(scale)\n")
+    with pytest.raises(RewardError, match=r"raised on sample 0 .* at .*kw\.py:2: KeyError: 3"):
+        score_responses(load_custom_reward_fn(str(path), reward_kwargs={"scale": 3}), ["d"], ["x"], ["x"])
+
+
+def test_custom_reward_paths_in_verls_forms(custom_file, tmp_path, monkeypatch):
+    """verl's load_module reads file:///abs/x.py and pkg://package.module (slashes or dots)."""
+    assert load_custom_reward_fn("file://" + custom_file, "boolean")("d", "4", "4") is True
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scores.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("pkg://mypkg.scores", "pkg://mypkg/scores"):
+        fn = load_custom_reward_fn(path, "boolean")
+        assert fn.__module__ == "mypkg.scores" and fn("d", "4", "5") is False
+    with pytest.raises(RewardError, match=r"custom reward file not found: /nope/x\.py \(looking for function 'f'\)"):
+        load_custom_reward_fn("file:///nope/x.py", "f")
+    with pytest.raises(RewardError, match=r"custom reward module mypkg\.missing \(pkg://mypkg/missing\) cannot be "
+                                          r"imported.*ModuleNotFoundError: No module named 'mypkg\.missing'"):
+        load_custom_reward_fn("pkg://mypkg/missing")
+    with pytest.raises(RewardError, match=r"custom reward module pkg://mypkg\.scores has no function 'nope' "
+                                          r"\(it defines: .*'boolean'"):
+        load_custom_reward_fn("pkg://mypkg.scores", "nope")
+
+
 def test_score_responses_numbers_bools_and_extras(custom_file):
     scores, extras = score_responses(
         default_compute_score, ["meshppo/demo_add", "openai/gsm8k", "meshppo/demo_add"],
