@@ -56,10 +56,11 @@ def _file_kind(path: str) -> str:
 
 
 def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
-    """Read a `.jsonl`/`.json` (one object per line) or `.parquet` file.
+    """Read a `.jsonl`/`.json` (one object per line), a `.json` holding one array of objects
+    (as `datasets`, which verl reads files with, accepts) or a `.parquet` file.
 
     Returns `(row_number, row)` pairs with 1-based row numbers: the line number for
-    JSON files, the row position for parquet. Blank lines at the end of a JSON file are
+    JSON lines, the position in the array or the parquet file otherwise. Blank lines at the end of a JSON file are
     ignored; a blank line anywhere else, a malformed line, a value that is not an
     object or bytes that are not UTF-8 raise `DatasetError` naming `path:row`, and a
     `.parquet` file that pyarrow cannot read raises it naming the file.
@@ -77,8 +78,33 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
         except pa.ArrowException as err:  # ArrowInvalid: not parquet, or a truncated file
             raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
         return [(i + 1, row) for i, row in enumerate(rows)]
-
+    if path.lower().endswith(".json") and _starts_with_bracket(path):
+        return _parse_json_array(path)
     return parse_json_lines(path)
+
+
+def _starts_with_bracket(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _parse_json_array(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """`(position, object)` for each element of a file holding one JSON array of rows."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        rows = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path}: not valid UTF-8 ({err.reason} at byte offset {err.start})") from err
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: malformed JSON array: {err.msg} at line {err.lineno} column {err.colno}") from err
+    records = []
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{i}: expected a JSON object (array element {i}), got {type(row).__name__}")
+        records.append((i, row))
+    return records
 
 
 def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blank: bool = False,
@@ -148,6 +174,9 @@ def write_records(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> st
 
 
 def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
+    """Refuse what no chat template can render; everything else goes to the template as verl hands it
+    on: `content` a string, a list of typed parts (`{"type": "text", "text": ...}`), or None on a
+    message with `tool_calls`."""
     if not messages:
         raise DatasetError(f"{where}: field '{prompt_key}' is an empty message list")
     for j, message in enumerate(messages):
@@ -159,37 +188,70 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
         for key in ("role", "content"):
             if key not in message:
                 raise DatasetError(f"{where}: field '{prompt_key}' message {j} has no '{key}'")
-            if not isinstance(message[key], str):
-                raise DatasetError(
-                    f"{where}: field '{prompt_key}' message {j} '{key}' must be a string, "
-                    f"got {type(message[key]).__name__}"
-                )
+        if not isinstance(message["role"], str):
+            raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'role' must be a string, "
+                               f"got {type(message['role']).__name__}")
+        content = message["content"]
+        if content is None and not message.get("tool_calls"):
+            raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'content' is null on a message without "
+                               "'tool_calls'")
+        if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
+            raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'content' is a list whose items are not "
+                               "all objects (typed parts such as {\"type\": \"text\", \"text\": ...})")
+        if not isinstance(content, (str, list, type(None))):
+            raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'content' must be a string, a list of "
+                               f"typed parts or null, got {type(content).__name__}")
+
+
+def _content_text(content: str | list | None) -> str:
+    """A message's text without a template: the string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or [] if part.get("type", "text") == "text")
+
+
+def _is_encoded_messages(text: str) -> bool:
+    """Whether a string prompt is a JSON-encoded list of chat messages (a list stored as its JSON text)."""
+    if not text.lstrip().startswith("["):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply_chat_template: bool = True,
-                  no_template_option: str = "apply_chat_template=False") -> tuple[str, bool]:
+                  no_template_option: str = "apply_chat_template=False",
+                  chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
     """The text of a prompt field and whether a chat template rendered it (then it already holds the special
     tokens: tokenize it with `add_special_tokens=False`).
 
     A string is the text as it is; a list of chat messages `{"role", "content"}` is rendered with the
-    tokenizer's chat template and the generation prompt, or, with `apply_chat_template` False, its contents
-    joined by newlines. Any problem is a `DatasetError` naming `where` and `key`; `no_template_option` is the
-    switch the message suggests when the tokenizer has no chat template.
+    tokenizer's chat template and the generation prompt (and `chat_template_kwargs`, verl's
+    `data.apply_chat_template_kwargs`, e.g. `enable_thinking`), or, with `apply_chat_template` False, its
+    contents joined by newlines. A string holding a JSON-encoded message list is refused, as verl refuses it,
+    rather than tokenized as raw JSON. Any problem is a `DatasetError` naming `where` and `key`;
+    `no_template_option` is the switch the message suggests when the tokenizer has no chat template.
     """
     if isinstance(prompt, str):
+        if _is_encoded_messages(prompt):
+            raise DatasetError(f"{where}: field '{key}' is a JSON-encoded message list stored as a string; store "
+                               "the list itself")
         return prompt, False
     if not isinstance(prompt, list):
         raise DatasetError(f"{where}: field '{key}' must be a string or a list of chat messages, "
                            f"got {type(prompt).__name__}")
     _validate_messages(prompt, where, key)
     if not apply_chat_template:
-        return "\n".join(m["content"] for m in prompt), False
+        return "\n".join(_content_text(m["content"]) for m in prompt), False
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise DatasetError(f"{where}: field '{key}' is a list of chat messages but the tokenizer has no chat "
                            f"template; use text prompts, set {no_template_option}, or use a tokenizer with a "
                            "`chat_template`")
     try:
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
     except Exception as err:
         raise DatasetError(f"{where}: the chat template failed on field '{key}': {err}") from err
     return text, True
@@ -243,6 +305,8 @@ class RLHFDataset:
         apply_chat_template: when False, chat prompts are not templated: the message
             contents are joined with newlines and tokenized as text (for base models
             without a chat template).
+        apply_chat_template_kwargs: extra keyword arguments of `apply_chat_template`
+            (verl's, e.g. `{"enable_thinking": False}`).
         require_ground_truth: every row must carry `reward_model.ground_truth` (off only
             when a reward model alone scores).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
@@ -263,6 +327,7 @@ class RLHFDataset:
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         apply_chat_template: bool = True,
+        apply_chat_template_kwargs: dict[str, Any] | None = None,
         require_ground_truth: bool = True,
         data_sources: Collection[str] | None = None,
     ) -> None:
@@ -281,6 +346,7 @@ class RLHFDataset:
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.require_ground_truth = require_ground_truth
         self.data_sources = None if data_sources is None else sorted(data_sources)
         self.num_filtered = 0
@@ -303,7 +369,7 @@ class RLHFDataset:
     def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
         """Returns the prompt's text and whether it came from a chat template."""
         return render_prompt(self.tokenizer, prompt, where, self.prompt_key, self.apply_chat_template,
-                             "data.apply_chat_template=False")
+                             "data.apply_chat_template=False", self.apply_chat_template_kwargs)
 
     def _load_file(self, path: str) -> None:
         parsed = []

@@ -46,8 +46,9 @@ class FSDPOptions(FSDPConfig):
 @dataclass
 class DataConfig:
     tokenizer: str | None = opt(None, "tokenizer directory; default: actor_rollout_ref.model.path")
-    train_files: list[str] = opt(default_factory=list, help="training prompt files (.jsonl or .parquet, verl format)")
-    val_files: list[str] = opt(default_factory=list, help="validation prompt files (.jsonl or .parquet)")
+    train_files: list[str] = opt(default_factory=list, help="training prompt files (.jsonl, .json: JSON lines or one "
+                                                             "array of rows, or .parquet; verl format)")
+    val_files: list[str] = opt(default_factory=list, help="validation prompt files (.jsonl, .json or .parquet)")
     prompt_key: str = opt("prompt", "field holding the prompt (text or chat messages)")
     reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
                              choices=("data_source",))
@@ -65,6 +66,9 @@ class DataConfig:
                           choices=TRUNCATION_MODES)
     return_raw_chat: bool = opt(False, "accepted for verl compatibility; meshppo always keeps the raw prompt")
     apply_chat_template: bool = opt(True, "apply the tokenizer's chat template to chat-message prompts")
+    apply_chat_template_kwargs: dict = opt(default_factory=dict, help="extra keyword arguments of the chat template "
+                                                                       "(training and validation prompts), e.g. "
+                                                                       "{enable_thinking: false}")
 
 
 def _lr(default: float):

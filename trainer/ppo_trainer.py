@@ -96,7 +96,8 @@ class PPOTrainer:
         rule = not rm_cfg.enable or rm_cfg.combine == "add"
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                     apply_chat_template=d.apply_chat_template, require_ground_truth=rule,
+                     apply_chat_template=d.apply_chat_template,
+                     apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, **ds_kw)
         self.val_ds = RLHFDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None

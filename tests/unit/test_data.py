@@ -294,6 +294,74 @@ def test_dataset_checks_data_sources_at_load(tmp_path, tokenizer):
     assert len(RLHFDataset(path, tokenizer)) == 2  # any data source when a custom function scores
 
 
+def test_dataset_reads_a_json_file_holding_one_array(tmp_path, tokenizer):
+    """`datasets` (verl's reader) takes a .json file that is one array of rows; errors number rows by position."""
+    rows = [_chat_row("1+2=", "3"), _chat_row("2+2=", "4")]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    ds = RLHFDataset(str(path), tokenizer)
+    assert [item["ground_truth"] for item in ds] == ["3", "4"]
+    assert [item["input_ids"] for item in ds] == [item["input_ids"] for item in RLHFDataset(
+        write_jsonl(rows, tmp_path / "d.jsonl"), tokenizer)]
+    path.write_text(json.dumps([rows[0], {"data_source": DATA_SOURCE}]), encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"d\.json:2: missing field 'prompt'"):
+        RLHFDataset(str(path), tokenizer)
+    path.write_text(json.dumps([rows[0], 3]), encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"d\.json:2: expected a JSON object \(array element 2\), got int"):
+        RLHFDataset(str(path), tokenizer)
+    path.write_text("[" + json.dumps(rows[0]) + ",\n{oops}]", encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"d\.json: malformed JSON array: .* at line 2 column 2"):
+        RLHFDataset(str(path), tokenizer)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer_dir):
+    """verl's data.apply_chat_template_kwargs, e.g. enable_thinking: false, are passed to the template."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+                         "{% if enable_thinking is defined and not enable_thinking %}0{% endif %}")
+    path = write_jsonl([_chat_row("1+2=")], tmp_path / "d.jsonl")
+    assert RLHFDataset(path, tok)[0]["prompt_text"] == "<|user|>1+2=<|assistant|>"
+    ds = RLHFDataset(path, tok, apply_chat_template_kwargs={"enable_thinking": False})
+    assert ds[0]["prompt_text"] == "<|user|>1+2=<|assistant|>0"
+    assert ds[0]["input_ids"] == [USER, DIGIT["1"], PLUS, DIGIT["2"], EQ, ASSISTANT, DIGIT["0"]]
+
+
+def test_messages_with_typed_parts_and_tool_calls_go_to_the_template(tmp_path, tokenizer_dir):
+    """verl hands the messages to the template as they are: content as a list of typed parts, or None on a
+    message with tool calls."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = ("{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}"
+                         "{% elif m.content is string %}{{ m.content }}"
+                         "{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2="}]}]
+    tool = [{"role": "user", "content": "1"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "2"}}]}]
+    path = write_jsonl([_chat_row("x", prompt=parts), _chat_row("x", prompt=tool)], tmp_path / "d.jsonl")
+    ds = RLHFDataset(path, tok)
+    assert [item["prompt_text"] for item in ds] == ["1+2=", "12"]
+    assert ds[0]["raw_prompt"] == parts
+    assert RLHFDataset(path, tok, apply_chat_template=False)[0]["prompt_text"] == "1+2="
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([{"role": "user", "content": None}], r"field 'prompt' message 0 'content' is null on a message without 'tool_calls'"),
+    ([{"role": "user", "content": ["1="]}], r"field 'prompt' message 0 'content' is a list whose items are not all objects"),
+    ([{"role": "user", "content": 3}], r"field 'prompt' message 0 'content' must be a string, a list of typed parts or null, got int"),
+    ([{"role": 1, "content": "1="}], r"field 'prompt' message 0 'role' must be a string, got int"),
+    (json.dumps([{"role": "user", "content": "1+1="}]),
+     r"field 'prompt' is a JSON-encoded message list stored as a string; store the list itself"),
+])
+def test_malformed_messages_are_refused(tmp_path, tokenizer, prompt, message):
+    path = write_jsonl([_chat_row("1="), _chat_row("1=", prompt=prompt)], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: " + message):
+        RLHFDataset(path, tokenizer)
+
+
+def test_plain_text_prompts_that_look_like_json_stay_text(tmp_path, tokenizer):
+    path = write_jsonl([_chat_row("x", prompt="[1+2]="), _chat_row("x", prompt="[]")], tmp_path / "d.jsonl")
+    assert [item["prompt_text"] for item in RLHFDataset(path, tokenizer)] == ["[1+2]=", "[]"]
+
+
 def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
     # Invalid UTF-8 on line 3, byte 47 (16 + 2 + 16 + 1 + 12): "\r\n" counts as one line break.
     bad = tmp_path / "d.jsonl"
