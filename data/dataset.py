@@ -24,6 +24,7 @@ import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,21 @@ def _ground_truth(row: dict[str, Any], where: str, required: bool) -> Any:
     return value
 
 
+def select_rows(records: list, max_samples: int, shuffle: bool, seed: int | None) -> list:
+    """The `max_samples` of `records` verl's `RLHFDataset` keeps (all when `max_samples` is -1, 0 or at least
+    their number): with `shuffle`, `numpy.random.default_rng(seed).choice(len, max_samples, replace=False)`
+    in the order drawn, else the first `max_samples`. An unseeded draw would differ between ranks, so
+    `seed` None with `shuffle` is refused."""
+    if not 0 < max_samples < len(records):
+        return records
+    if not shuffle:
+        return records[:max_samples]
+    if seed is None:
+        raise ValueError("choosing max_samples rows at random needs a seed (every rank must choose the same rows)")
+    indices = np.random.default_rng(seed).choice(len(records), size=max_samples, replace=False)
+    return [records[i] for i in indices.tolist()]
+
+
 def _truncate(ids: list[int], limit: int, mode: str) -> list[int]:
     """`ids` cut to `limit` tokens as verl's dataset cuts them (`mode` left, right or middle)."""
     if mode == "left":
@@ -311,6 +327,8 @@ class RLHFDataset:
             when a reward model alone scores).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
             they give the rewards), so that a row no scorer knows fails at load; None: any.
+        max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
+            all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
 
     Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
     `data_source`, `ground_truth` (the stored value, unconverted; None only without
@@ -330,6 +348,9 @@ class RLHFDataset:
         apply_chat_template_kwargs: dict[str, Any] | None = None,
         require_ground_truth: bool = True,
         data_sources: Collection[str] | None = None,
+        max_samples: int = -1,
+        shuffle: bool = False,
+        seed: int | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -351,8 +372,8 @@ class RLHFDataset:
         self.data_sources = None if data_sources is None else sorted(data_sources)
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
-        for path in self.files:
-            self._load_file(path)
+        records = [(f"{path}:{rownum}", row) for path in self.files for rownum, row in read_records(path)]
+        self._load(select_rows(records, max_samples, shuffle, seed))
         if self.num_filtered:
             logger.warning(
                 "filtered %d prompt(s) longer than max_prompt_length=%d tokens from %s",
@@ -371,10 +392,10 @@ class RLHFDataset:
         return render_prompt(self.tokenizer, prompt, where, self.prompt_key, self.apply_chat_template,
                              "data.apply_chat_template=False", self.apply_chat_template_kwargs)
 
-    def _load_file(self, path: str) -> None:
+    def _load(self, records: list[tuple[str, dict[str, Any]]]) -> None:
+        """Validate and tokenize `(where, row)` records into items."""
         parsed = []
-        for rownum, row in read_records(path):
-            where = f"{path}:{rownum}"
+        for where, row in records:
             if not row:
                 raise DatasetError(f"{where}: empty row")
             if self.prompt_key not in row or row[self.prompt_key] is None:

@@ -58,8 +58,21 @@ class DataConfig:
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
     val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set",
                                      ge=1)
+    train_max_samples: int = opt(-1, "use this many training rows (-1: all): with shuffle, a seeded random choice "
+                                     "(numpy default_rng(seed).choice, verl's), else the first ones; before "
+                                     "filtering", ge=-1)
+    val_max_samples: int = opt(-1, "use this many validation rows (-1: all), chosen as train_max_samples chooses",
+                               ge=-1)
     shuffle: bool = opt(True, "shuffle the training prompts every epoch")
-    seed: int = opt(1, "seed of the prompt shuffle", ge=0)
+    seed: int | None = opt(1, "seed of the prompt shuffle and of the max_samples choice; null: the seed an unseeded "
+                              "torch.Generator has, as verl's sampler with seed null", ge=0)
+    validation_shuffle: bool = opt(False, "not supported: must be false (validation prompts go in file order)",
+                                   unsupported=bool)
+    dataloader_num_workers: int = opt(8, "accepted for verl compatibility; has no effect: meshppo tokenizes the "
+                                         "prompts once at load, there is no loader worker", ge=0)
+    trust_remote_code: bool = opt(False, "not supported (tokenizers load without remote code): must be false",
+                                  unsupported=bool)
+    return_full_prompt: bool = opt(False, "not supported: must be false", unsupported=bool)
     filter_overlong_prompts: bool = opt(False, "drop (and count) prompts longer than max_prompt_length")
     truncation: str = opt("error", "overlong prompts when not filtered: error; left keeps the last max_prompt_length "
                                    "tokens, right the first, middle the first half and the last half",
@@ -611,6 +624,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append("actor_rollout_ref.actor.fsdp_config.param_offload=true frees nothing with "
                          f"rollout.name={rollout.name}: the actor generates, so its parameters stay on the device "
                          "(optimizer_offload still moves the optimizer states out during generation)")
+    if cfg.data.dataloader_num_workers != DataConfig.dataloader_num_workers:
+        notes.append(f"data.dataloader_num_workers={cfg.data.dataloader_num_workers} has no effect: meshppo tokenizes "
+                     "the prompts once at load, there is no loader worker")
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
@@ -762,6 +778,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             check_adapter_config(lora, read_peft_adapter(adapter)[0], adapter)
         except (OSError, ValueError) as e:
             raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
+    d = cfg.data
+    for key in ("train_max_samples", "val_max_samples"):
+        if getattr(d, key) > 0 and d.shuffle and d.seed is None:
+            raise ConfigError(f"data.{key}={getattr(d, key)} with data.shuffle=true and data.seed=null: verl draws "
+                              "that subset unseeded (a different one every run, and here on every rank); set data.seed")
     crf = cfg.custom_reward_function
     if crf.reward_kwargs and not crf.path:
         raise ConfigError("custom_reward_function.reward_kwargs is set but custom_reward_function.path is not: the "

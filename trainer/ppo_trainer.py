@@ -99,12 +99,16 @@ class PPOTrainer:
                      apply_chat_template=d.apply_chat_template,
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None)
-        self.train_ds = RLHFDataset(d.train_files, self.tokenizer, **ds_kw)
-        self.val_ds = RLHFDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
+        # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
+        seed = torch.Generator().initial_seed() if d.seed is None else d.seed
+        ds_kw.update(shuffle=d.shuffle, seed=seed)
+        self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
+        self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
+                       if d.val_files else None)
         if len(self.train_ds) < d.train_batch_size:
             raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) is larger than the training set "
                               f"({len(self.train_ds)} prompts after filtering)")
-        self.loader = PromptDataLoader(self.train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.loader = PromptDataLoader(self.train_ds, d.train_batch_size, shuffle=d.shuffle, seed=seed)
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

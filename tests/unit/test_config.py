@@ -73,6 +73,11 @@ def test_dotted_override_types():
     ("trainer.seed=on", "trainer.seed: expected an integer, got True"),
     ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected a number, got 'fast'"),
     ("trainer.experiment_name=null", "trainer.experiment_name: expected a string, got None"),
+    # verl's data options that meshppo has no use for: accepted at verl's default only
+    ("data.trust_remote_code=true", "data.trust_remote_code"),
+    ("data.return_full_prompt=true", "data.return_full_prompt"),
+    ("data.validation_shuffle=true", "data.validation_shuffle"),
+    ("data.truncation=center", "'center' is not one of ['error', 'left', 'right', 'middle']"),
 ])
 def test_bad_overrides_name_the_problem(override, message):
     with pytest.raises(ConfigError) as e:
@@ -89,6 +94,9 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
     (["reward_model.enable=true"], "needs reward_model.path"),
+    (["data.train_max_samples=100", "data.seed=null"], "data.train_max_samples=100 with data.shuffle=true and "
+                                                        "data.seed=null: verl draws that subset unseeded"),
+    (["data.val_max_samples=5", "data.seed=null"], "data.val_max_samples=5 with data.shuffle=true and data.seed=null"),
     (["custom_reward_function.reward_kwargs={scale: 2}"], "custom_reward_function.reward_kwargs is set but "
                                                           "custom_reward_function.path is not"),
     (["trainer.resume_from_path=/x/global_step_5"], "trainer.resume_from_path is set but trainer.resume_mode=auto "
@@ -373,6 +381,21 @@ def test_notes_for_settings_that_act_on_nothing():
                  "actor_rollout_ref.actor.use_kl_loss=false")
     assert not noted("kl_guard watches")
     assert not noted("kl_guard watches", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true")
+
+
+def test_verl_data_options_are_accepted():
+    """verl's data options at their defaults (and the ones meshppo implements at any value) load and validate;
+    dataloader_num_workers, which acts on nothing here, is noted at start-up when set."""
+    cfg = _cfg("data.trust_remote_code=false", "data.return_full_prompt=false", "data.validation_shuffle=false",
+               "data.dataloader_num_workers=8", "data.seed=null", "data.train_max_samples=-1",
+               "data.val_max_samples=-1", "data.truncation=middle", "data.apply_chat_template_kwargs={enable_thinking: false}")
+    validate(cfg)
+    assert cfg.data.seed is None and cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    validate(_cfg("data.train_max_samples=16", "data.seed=null", "data.shuffle=false"))  # the first 16: no draw
+    assert not any("dataloader_num_workers" in n for n in config_notes(cfg))
+    notes = config_notes(_cfg("data.dataloader_num_workers=0"))
+    assert "data.dataloader_num_workers=0 has no effect: meshppo tokenizes the prompts once at load, there is no " \
+           "loader worker" in notes, notes
 
 
 def test_refused_settings_that_would_waste_or_break_a_run():

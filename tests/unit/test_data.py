@@ -362,6 +362,29 @@ def test_plain_text_prompts_that_look_like_json_stay_text(tmp_path, tokenizer):
     assert [item["prompt_text"] for item in RLHFDataset(path, tokenizer)] == ["[1+2]=", "[]"]
 
 
+def test_max_samples_choose_rows_as_verl_does(tmp_path, tokenizer):
+    """verl's train/val_max_samples: over all the files, before filtering; with shuffle the rows
+    np.random.default_rng(seed).choice(total, size=N, replace=False) draws, in that order, else the first N."""
+    import numpy as np
+
+    a = write_jsonl([_chat_row(f"{i}=", str(i)) for i in range(6)], tmp_path / "a.jsonl")
+    b = write_jsonl([_chat_row(f"{i}=", str(i)) for i in range(6, 10)], tmp_path / "b.jsonl")
+    drawn = np.random.default_rng(3).choice(10, size=4, replace=False).tolist()  # verl's rl_dataset lines
+    ds = RLHFDataset([a, b], tokenizer, max_samples=4, shuffle=True, seed=3)
+    assert [item["ground_truth"] for item in ds] == [str(i) for i in drawn] and drawn != sorted(drawn)
+    first = RLHFDataset([a, b], tokenizer, max_samples=4, shuffle=False, seed=3)
+    assert [item["ground_truth"] for item in first] == ["0", "1", "2", "3"]
+    for n in (-1, 0, 10, 11):
+        assert len(RLHFDataset([a, b], tokenizer, max_samples=n, shuffle=True, seed=3)) == 10
+    # rows left out are not read further, as in verl; errors still name a chosen row's file and line
+    bad = write_jsonl([_chat_row("1=", "1"), {"prompt": "2="}], tmp_path / "bad.jsonl")
+    assert len(RLHFDataset(bad, tokenizer, max_samples=1, shuffle=False)) == 1
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: missing field 'reward_model\.ground_truth'"):
+        RLHFDataset([a, bad], tokenizer, max_samples=8, shuffle=False)
+    with pytest.raises(ValueError, match="needs a seed"):
+        RLHFDataset([a, b], tokenizer, max_samples=4, shuffle=True, seed=None)
+
+
 def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
     # Invalid UTF-8 on line 3, byte 47 (16 + 2 + 16 + 1 + 12): "\r\n" counts as one line break.
     bad = tmp_path / "d.jsonl"
