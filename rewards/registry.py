@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from rewards import demo, gsm8k
 
@@ -174,9 +175,19 @@ def _where(err: BaseException, path: str | None) -> str:
 
 
 def _as_float(value: Any) -> float | None:
+    """A number, a bool, or a 0-d real tensor or array (verl stores whatever torch can assign to a reward slot)."""
     if isinstance(value, (bool, np.bool_, numbers.Real)):
         return float(value)
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_complex:
+        return float(value.item())
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        return float(value.item())
     return None
+
+
+# What verl's reward manager adds to every extra_info (naive.py): the agent loop's turn count, 2 for a
+# single-turn generation (prompt, response), and the rollout's own reward scores, none here.
+SINGLE_TURN_EXTRA_INFO = {"num_turns": 2, "rollout_reward_scores": {}}
 
 
 def score_responses(
@@ -187,6 +198,9 @@ def score_responses(
     extra_infos: Sequence[dict | None] | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Score every response with `fn`.
+
+    Each call's `extra_info` is a copy of the row's with `SINGLE_TURN_EXTRA_INFO` added, as verl's
+    reward manager adds them. A score may be a number, a bool, a 0-d tensor or a dict with `score`.
 
     Returns `(scores, extras)`: one float per sample, and for every extra numeric key
     returned in a dict result a list aligned with the samples (NaN where a sample did
@@ -212,8 +226,10 @@ def score_responses(
     for i in range(n):
         where = f"sample {i} (data_source={data_sources[i]!r})"
         try:
+            # a copy (the dataset's dict is every epoch's), with a fresh rollout_reward_scores
+            extra_info = {**(extra_infos[i] or {}), **SINGLE_TURN_EXTRA_INFO, "rollout_reward_scores": {}}
             result = fn(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
-                        extra_info=extra_infos[i])
+                        extra_info=extra_info)
         except Exception as err:
             at = _where(err, code.co_filename if code else None)
             raise RewardError(f"reward function {name} raised on {where}{at}: {type(err).__name__}: {err}") from err

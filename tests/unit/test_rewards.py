@@ -240,6 +240,32 @@ def test_reward_functions_are_called_by_keyword_as_verl_calls_them(custom_file):
         load_custom_reward_fn(custom_file, "positional_names")
 
 
+def test_score_responses_takes_tensors_and_gives_verls_extra_info():
+    """A 0-d tensor is a score (verl assigns it to the reward slot); extra_info carries verl's num_turns (2 for
+    single-turn generation) and rollout_reward_scores ({}), on a copy of the row's dict."""
+    import numpy as np
+    import torch
+
+    seen = []
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        if solution_str == "w":
+            return {"score": torch.tensor(True), "z": torch.tensor(3)}
+        return {"x": torch.tensor(0.5), "y": np.array(2.0)}[solution_str]
+
+    row_info = {"index": 4}
+    scores, extras = score_responses(fn, ["d"] * 3, ["x", "y", "w"], ["", "", ""], [row_info, None, row_info])
+    assert scores == [0.5, 2.0, 1.0] and all(type(x) is float for x in scores) and list(extras) == ["z"]
+    assert math.isnan(extras["z"][0]) and math.isnan(extras["z"][1]) and extras["z"][2] == 3.0
+    assert seen == [{"index": 4, "num_turns": 2, "rollout_reward_scores": {}},
+                    {"num_turns": 2, "rollout_reward_scores": {}},
+                    {"index": 4, "num_turns": 2, "rollout_reward_scores": {}}]
+    assert row_info == {"index": 4}  # the dataset's dict is untouched
+    with pytest.raises(RewardError, match=r"returned Tensor tensor\(\[1\., 2\.\]\) on sample 0"):
+        score_responses(lambda **kw: torch.tensor([1.0, 2.0]), ["d"], ["x"], [""])
+
+
 def test_score_responses_extras_missing_in_some_samples_are_nan():
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": 1, "late": 3} if solution_str == "late" else {"score": 0, "early": 1}
