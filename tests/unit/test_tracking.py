@@ -79,6 +79,11 @@ def test_dump_generations_writes_verl_layout(tmp_path):
     assert path == str(tmp_path / "dumps" / "7.jsonl")
     back = _lines(tmp_path / "dumps" / "7.jsonl")
     assert back[1] == rows[1] and back[0]["acc"] is None  # NaN is not JSON
+    # ground truths are any stored value (verl hands them on unconverted): they are dumped as JSON, not as text
+    rows = [{"input": "q", "output": "a", "gts": gts, "score": 0.0, "step": 8}
+            for gts in (["Paris", "paris"], {"target": ["Paris"]}, 72, True, None)]
+    dump_generations(str(tmp_path / "dumps"), 8, rows)
+    assert _lines(tmp_path / "dumps" / "8.jsonl") == rows
 
 
 def _bar_text(err: str) -> str:
