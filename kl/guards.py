@@ -7,6 +7,9 @@ into a decision: "healthy", "warning" (above ``warn_kl``) or "exploding" (above
 consecutive steps, the configured action. It is pure bookkeeping: the trainer applies the
 action (multiply the KL coefficient, lower the learning rate, reload the last checkpoint,
 stop), which keeps this module free of optimisers, models and ``torch.distributed``.
+
+Both actions default to "warn": the guard monitors, and a verl config's fixed KL coefficient
+stays fixed; the reactions that change the run are opt-in.
 """
 
 import math
@@ -27,7 +30,11 @@ GUARD_STATUSES: tuple[str, ...] = ("healthy", "warning", "exploding")
 class KLGuardConfig:
     """Thresholds and reactions of the KL guard (``algorithm.kl_guard`` in the config)."""
 
-    enable: bool = field(default=True, metadata={"help": "Check the KL every step and report actions."})
+    enable: bool = field(
+        default=True,
+        metadata={"help": "Check the KL every step (kl_guard/* metrics, log lines); the "
+                          "reactions are warn_action and explode_action."},
+    )
     warn_kl: float = field(
         default=0.02, metadata={"help": "Mean per-token KL above which the step is a 'warning' (> 0)."}
     )
@@ -38,8 +45,9 @@ class KLGuardConfig:
         default="warn", metadata={"help": f"Reaction to a persistent warning, one of {list(KL_GUARD_ACTIONS)}."}
     )
     explode_action: str = field(
-        default="raise_coef",
-        metadata={"help": f"Reaction to a persistent explosion, one of {list(KL_GUARD_ACTIONS)}."},
+        default="warn",
+        metadata={"help": f"Reaction to a persistent explosion, one of {list(KL_GUARD_ACTIONS)}; 'warn' (default) "
+                          "only logs, the others change the run and are opt-in."},
     )
     coef_multiplier: float = field(
         default=2.0, metadata={"help": "Factor (> 1) applied to the KL coefficient by 'raise_coef'."}

@@ -468,7 +468,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = opt(False, "subtract kl_coef * KL(actor || ref) from the token rewards")
     kl_penalty: str = opt("kl", "KL estimator for KL-in-reward", choices=KL_TYPES)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "KL-in-reward controller")
-    kl_guard: KLGuardConfig = section(KLGuardConfig, "reactions when KL crosses thresholds")
+    kl_guard: KLGuardConfig = section(KLGuardConfig, "KL to the reference watched every step (kl_guard/* metrics); "
+                                                        "reactions beyond a warning are opt-in")
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the gap between the engine's "
                                                           "and the trainer's log-probs")
 

@@ -9,6 +9,7 @@ from kl import (
     VALID_KL_PENALTIES,
     AdaptiveKLController,
     FixedKLController,
+    KLCoefficients,
     KLGuard,
     KLGuardConfig,
     get_kl_controller,
@@ -174,6 +175,25 @@ def test_guard_config_fields_have_help():
     assert all(f.metadata.get("help") for f in fields(KLGuardConfig))
 
 
+def test_guard_defaults_only_warn_and_leave_a_fixed_coefficient_alone():
+    # verl has no guard: its kl_loss_coef / kl_ctrl.kl_coef stay as configured. With the default
+    # guard a KL above explode_kl every step only warns (it used to double the coefficient each
+    # step: 0.001 -> 0.128 over these 8 steps).
+    cfg = KLGuardConfig()
+    assert cfg.enable and (cfg.warn_action, cfg.explode_action) == ("warn", "warn")
+    guard, coefs = KLGuard(cfg), KLCoefficients(FixedKLController(0.001), FixedKLController(0.001))
+    statuses = []
+    for kl_value in (0.03, 0.06, 0.07, 0.08, 0.06, 0.09, 0.1, 0.055):
+        decision = guard.check(kl_value)
+        statuses.append(decision.status)
+        assert decision.action in (None, "warn")
+        if decision.action == "raise_coef":
+            coefs.raise_coefs(guard.next_kl_coef, in_reward=True, in_loss=True)
+    assert statuses == ["warning"] + ["exploding"] * 7
+    assert guard.num_actions == 8
+    assert (coefs.in_reward.value, coefs.in_loss.value) == (0.001, 0.001)
+
+
 def test_guard_decisions_with_patience_and_nan():
     guard = KLGuard(KLGuardConfig(patience=2, warn_action="lower_lr", explode_action="raise_coef"))
     sequence = [
@@ -197,7 +217,7 @@ def test_guard_decisions_with_patience_and_nan():
 
 
 def test_guard_max_kl_infinite_and_disabled():
-    guard = KLGuard(KLGuardConfig(patience=3))
+    guard = KLGuard(KLGuardConfig(patience=3, explode_action="raise_coef"))
     decision = guard.check(0.001, max_kl=float("inf"))
     assert (decision.status, decision.action) == ("exploding", "raise_coef")
     assert "non-finite" in decision.message
@@ -213,7 +233,8 @@ def test_guard_max_kl_infinite_and_disabled():
 
 
 def test_guard_state_round_trip_and_reactions():
-    cfg = KLGuardConfig(patience=3, coef_multiplier=2.0, max_kl_coef=1.0, lr_multiplier=0.5)
+    cfg = KLGuardConfig(patience=3, explode_action="raise_coef", coef_multiplier=2.0, max_kl_coef=1.0,
+                        lr_multiplier=0.5)
     guard = KLGuard(cfg)
     for kl_value in (0.06, 0.07):
         assert guard.check(kl_value).action is None
