@@ -828,12 +828,22 @@ def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) 
     return tuple(criteria)
 
 
-def _log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``delta = log pi_old - log pi_rollout`` in at least float32, clamped to the PPO ratio's
-    ``[-20, 20]`` (exp stays finite), 0 outside the mask."""
+def _log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
+               clamp: bool = True) -> torch.Tensor:
+    """``delta = log pi_old - log pi_rollout`` in at least float32, 0 outside the mask; with
+    ``clamp``, clamped to the PPO ratio's ``[-20, 20]`` (exp stays finite)."""
     dtype = _float_dtype(torch.promote_types(old_log_prob.dtype, rollout_log_prob.dtype))
     delta = old_log_prob.to(dtype) - rollout_log_prob.to(dtype)
-    return torch.where(mask, delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0)
+    return torch.where(mask, delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) if clamp else delta, 0.0)
+
+
+def _sequence_log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` log of the sequence's ratio ``prod_t rho_t``: the sum of the unclamped token
+    log-ratios, then clamped to ``[-20, 20]`` (verl's order: tokens of +25 and -24.5 give
+    0.5, not 20 - 20)."""
+    return _log_ratio(old_log_prob, rollout_log_prob, mask, clamp=False).sum(-1).clamp(-LOG_RATIO_BOUND,
+                                                                                        LOG_RATIO_BOUND)
 
 
 @torch.no_grad()
@@ -852,7 +862,7 @@ def compute_rollout_is_weights(
     that grows with the length. Then, with one bound (``lower=None``), truncated importance
     sampling ``min(w, upper)`` (Ionides 2008; "TIS" in Yao et al. 2025); with two, IcePop: ``w``
     where ``lower <= w <= upper`` and 0 elsewhere. The log-ratios are clamped to ``[-20, 20]``
-    first (for sequences: their sum).
+    first; for sequences their sum is, not each term (as verl).
 
     Args:
         old_log_prob: ``[B, T]`` log-probs of the policy the loss is relative to.
@@ -867,9 +877,10 @@ def compute_rollout_is_weights(
     if rollout_is not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {list(ROLLOUT_IS_LEVELS)}, got {rollout_is!r}")
     mask = response_mask.bool()
-    delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
     if rollout_is == "sequence":
-        delta = delta.sum(-1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).expand_as(delta)
+        delta = _sequence_log_ratio(old_log_prob, rollout_log_prob, mask)[:, None].expand(mask.shape)
+    else:
+        delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
     w = torch.exp(delta)
     if lower is None:
         w = w.clamp(max=upper)
@@ -998,7 +1009,7 @@ def compute_rollout_correction(
     old = torch.where(mask, old_log_prob.to(dtype), 0.0)
     rollout = torch.where(mask, rollout_log_prob.to(dtype), 0.0)
     old_mean, rollout_mean = masked_mean(old, mask, axis=-1), masked_mean(rollout, mask, axis=-1)
-    seq_delta = delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    seq_delta = _sequence_log_ratio(old_log_prob, rollout_log_prob, mask)
     metrics = {
         "rollout_corr/kl": masked_mean(-delta, mask),
         "rollout_corr/k3_kl": masked_mean(torch.expm1(delta) - delta, mask),

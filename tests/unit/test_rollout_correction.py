@@ -44,6 +44,24 @@ def test_sequence_weights_are_one_product_per_sequence():
     torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_sequence_weight_clamps_the_sum_of_the_log_ratios_not_each_term():
+    # verl (rollout_corr_helper.compute_rollout_correction_weights): exp(clamp(sum_t delta_t, -20, 20)).
+    # Token log-ratios 25, -24.5, 0 give exp(0.5) = 1.6487, under the threshold 2; clamping each
+    # term first gave exp(20 - 20) = 1.
+    rollout = torch.tensor([[-30.0, -0.5, -1.0, 0.0]], dtype=F64)
+    old = rollout + torch.tensor([[25.0, -24.5, 0.0, 3.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=F64)
+    w = compute_rollout_is_weights(old, rollout, mask, "sequence", None, 2.0)
+    torch.testing.assert_close(w, torch.tensor([[math.exp(0.5)] * 3 + [0.0]], dtype=F64), rtol=1e-12, atol=0)
+    _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
+    assert math.isclose(float(m["rollout_corr/chi2_seq"]), math.exp(1.0) - 1, rel_tol=1e-12)
+    # a sum beyond the bound is clamped: exp(20) truncated to the threshold, chi2 from exp(40)
+    old = rollout + torch.tensor([[15.0, 9.0, 0.0, 0.0]], dtype=F64)
+    assert compute_rollout_is_weights(old, rollout, mask, "sequence", None, 2.0)[0, 0] == 2.0
+    _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
+    assert math.isclose(float(m["rollout_corr/chi2_seq"]), math.exp(40.0) - 1, rel_tol=1e-12)
+
+
 def test_icepop_zeroes_weights_outside_the_bounds():
     w = compute_rollout_is_weights(OLD, ROLLOUT, MASK, "token", 0.5, 1.5)
     expected = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, math.exp(0.2), 0.0, 0.0]], dtype=F64)
