@@ -627,8 +627,8 @@ def compute_policy_loss(
     keeps ``exp`` finite when the two policies disagree wildly.
 
     With ``rollout_is_weights`` (rollout correction, ``compute_rollout_correction``) each
-    token's ``L`` is multiplied by its detached weight before aggregation; the normaliser of
-    ``agg_loss`` is unchanged, so a rejected token (weight 0) simply adds nothing.
+    token's ``L`` is multiplied by its detached weight before aggregation. Rollout rejection is
+    not a weight: the caller passes the response mask without the rejected tokens.
 
     Args:
         old_log_prob: ``[B, T]`` log-probs under the rollout (behaviour) policy.
@@ -962,13 +962,18 @@ def compute_rollout_correction(
     rollout_is_lower: float | None = None,
     rollout_is_upper: float = 2.0,
     rejection: Sequence[RejectionCriterion] = (),
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The per-token multiplier of the policy-gradient loss, and verl's ``rollout_corr/`` metrics.
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The importance weights, the rejection mask, and verl's ``rollout_corr/`` metrics.
 
-    The multiplier is the importance weight (``compute_rollout_is_weights``) times the
-    rejection mask (``compute_rollout_rejection_mask``), whichever are configured; None when
-    neither is. It enters ``compute_policy_loss`` / ``compute_policy_loss_reinforce`` as
-    ``rollout_is_weights``.
+    The weights (``compute_rollout_is_weights``, None without ``rollout_is``) enter
+    ``compute_policy_loss`` / ``compute_policy_loss_reinforce`` as ``rollout_is_weights``. The
+    mask (``compute_rollout_rejection_mask``, None without ``rejection``) replaces the response
+    mask, as verl's ``modified_response_mask``: a rejected token leaves the loss rather than
+    being weighted 0 (a per-sequence token mean counts only the kept tokens). In decoupled mode
+    the trainer uses it for everything downstream (advantages, every loss term and the global
+    counts that normalise it, the critic); in bypass mode, where it depends on pi_theta, for
+    the policy-gradient term only, normalised by the counts of the response mask, as verl's
+    ``compute_policy_loss_bypass_mode`` under its global normalisation (``Actor.update``).
 
     Metrics (detached 0-dim tensors, means over this call's valid tokens or non-empty
     sequences; no host sync)::
@@ -1000,7 +1005,8 @@ def compute_rollout_correction(
         rejection: from ``parse_rollout_rs``; empty for none.
 
     Returns:
-        ``(rollout_is_weights or None, metrics)``.
+        ``(rollout_is_weights or None, rejection mask or None, metrics)``; the mask is 1 for kept
+        tokens, 0 for rejected ones and outside ``response_mask``.
     """
     mask = response_mask.bool()
     delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
@@ -1019,7 +1025,7 @@ def compute_rollout_correction(
         "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout_mean), rows),
         "rollout_corr/log_ppl_abs_diff": masked_mean((rollout_mean - old_mean).abs(), rows),
     }
-    weights = None
+    weights = keep = None
     if rollout_is is not None:
         weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, rollout_is,
                                              rollout_is_lower, rollout_is_upper)
@@ -1043,8 +1049,7 @@ def compute_rollout_correction(
         metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.to(dtype), mask)
         metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dtype), rows)
         keep = keep.to(dtype)
-        weights = keep if weights is None else weights * keep
-    return weights, metrics
+    return weights, keep, metrics
 
 
 class ValueLossOutput(NamedTuple):

@@ -435,7 +435,9 @@ class RolloutCorrectionConfig:
     rollout_is_batch_normalize: bool = opt(False, "not supported: must be false", unsupported=bool)
     rollout_rs: str | None = opt(None, "rejection sampling, comma-separated: token_k1/k2/k3, seq_sum_k1/k2/k3, "
                                        "seq_mean_k1/k2/k3, seq_max_k2/k3 (k1: log-ratio, k2: its square / 2, "
-                                       "k3: KL estimate); null: off")
+                                       "k3: KL estimate); null: off. Rejected tokens leave the response mask of "
+                                       "the advantages, every loss term and the critic, as verl's (bypass mode: "
+                                       "of the policy-gradient term only)")
     rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs, one shared or one per option "
                                                          "(comma-separated): k1 'lower_upper' on the ratio "
                                                          "(0.5_2.0, decimal points as above) or C for [1/C, C]; "

@@ -2,12 +2,14 @@
 over every rank's rows.
 
 Per response: `critic/score` (the reward function's score), `critic/rewards` (the summed
-token-level rewards, after any KL-in-reward penalty), `response_length`, `prompt_length`; per
-response token: `critic/advantages`, `critic/returns` and, with a critic, `critic/values`. Each has
+token-level rewards, after any KL-in-reward penalty), `response_length` (every generated token),
+`prompt_length`; per token of `loss_mask` (the response tokens, without those rollout rejection
+removed, as verl's `response_mask`): `critic/advantages`, `critic/returns` and, with a critic,
+`critic/values`. Each has
 `/mean`, `/max` and `/min`. As in verl, `response_length/clip_ratio` is the share of responses as
 long as the rollout allows (an EOS sampled as the last allowed token counts), and
 `prompt_length/clip_ratio` the share of prompts as long as `data.max_prompt_length`.
-`critic/vf_explained_var` is `1 - Var(returns - values) / (Var(returns) + 1e-5)` over the response
+`critic/vf_explained_var` is `1 - Var(returns - values) / (Var(returns) + 1e-5)` over the same
 tokens, with unbiased variances. Reward-function extras are averaged over the samples that
 returned them (`reward_extra/<key>/mean`).
 
@@ -29,8 +31,8 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
                  max_prompt_length: int, max_response_length: int) -> dict[str, float]:
     """The metrics above for this rank's rows `ro` (every rank calls it, with the same extra keys
     in the same order); `scores` is `[N]`, one per response."""
-    mask = ro.response_mask.bool()
-    response_length = ro.response_mask.sum(-1).double()
+    mask = ro.loss_mask.bool()  # as verl's batch response_mask: without rollout rejection's tokens
+    response_length = ro.response_mask.sum(-1).double()  # verl's: from the attention mask, all tokens
     prompt_length = torch.tensor([float(len(p)) for p in ro.prompts], dtype=torch.float64, device=mask.device)
     per_row = {"critic/score": scores.double().reshape(-1),
                "critic/rewards": ro.token_level_rewards.double().sum(-1),

@@ -381,7 +381,9 @@ class PPOTrainer:
 
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`old_log_probs`: the actor's recompute (with `actor/entropy`), or the engine's own in
-        bypass mode; and rollout correction's pi_old / pi_rollout weights, over the whole batch."""
+        bypass mode; and rollout correction's pi_old / pi_rollout weights and rejection mask over
+        the whole batch (`rollout_is_weights`, and `rollout_rs_mask` on `full` and this rank's rows:
+        what `loss_mask` leaves out of the advantages, losses and critic from here on)."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
         reweighted = correction.rollout_is is not None or bool(correction.rejection)
@@ -400,11 +402,14 @@ class PPOTrainer:
                 metrics["rollout/logprob_diff"] = masked_mean_global((ro.rollout_log_probs - old).abs(), mask)
         if reweighted or lp.calculate_log_probs:
             # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
-            weights, corr = compute_rollout_correction(
+            weights, keep, corr = compute_rollout_correction(
                 *(self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs)),
                 full.response_mask, correction.rollout_is, *correction.is_bounds, correction.rejection)
+            mine = torch.tensor(parts[self.ctx.rank], device=self.device)
             if weights is not None:
-                ro.rollout_is_weights = weights[torch.tensor(parts[self.ctx.rank], device=self.device)]
+                ro.rollout_is_weights = weights[mine]
+            if keep is not None:
+                full.rollout_rs_mask, ro.rollout_rs_mask = keep, keep[mine]
             metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
 
     def _ref_log_probs(self, ro: RolloutBatch, metrics: dict) -> None:
@@ -471,8 +476,9 @@ class PPOTrainer:
 
     def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`token_level_rewards` (scores minus the KL-in-reward penalty, with its controller's
-        update, as verl's `apply_kl_penalty` makes them), then `advantages` and `returns` over the
-        whole batch (whitening and group baselines are batch-wide) and this rank's rows of them.
+        update, as verl's `apply_kl_penalty` makes them, over `response_mask`), then `advantages` and
+        `returns` over the whole batch's `loss_mask` (whitening and group baselines are batch-wide)
+        and this rank's rows of them.
         Only the rank-local rewards and values are gathered: the response mask and the group ids
         are known to every rank already (`full`)."""
         alg = self.cfg.algorithm
@@ -493,7 +499,7 @@ class PPOTrainer:
             gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
             values = ro.values
             adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
-                token_level_rewards=gather(ro.token_level_rewards), response_mask=full.response_mask,
+                token_level_rewards=gather(ro.token_level_rewards), response_mask=full.loss_mask,
                 values=gather(values) if values is not None else None, index=np.asarray(full.uids),
                 gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)

@@ -119,7 +119,7 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     # The host's own mask (no read-back of the device's), every mini-batch's rows in one gather
     # (mini-batches are equal-sized), in NumPy: a torch CPU op here waited up to 3 ms for torch's
     # thread pool on a busy host, with the GPU idle (profiled at the start of an update phase).
-    per_batch = ro.host_response_mask()[np.asarray(batches, dtype=np.int64)]
+    per_batch = ro.host_loss_mask()[np.asarray(batches, dtype=np.int64)]
     units = comm.all_reduce_values([count_loss_units(m, loss_agg_mode) for m in per_batch])
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
     return [MiniBatch(parts, u) for parts, u in zip(plans, units)]
@@ -311,11 +311,14 @@ class Actor(TrainableRole):
         """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy).
 
         `rollout_correction` (`algorithm.rollout_correction`): in decoupled mode its weights
-        were computed once per step (`ro.rollout_is_weights`); in bypass mode they
-        are computed here per micro-batch from pi_theta / pi_rollout (`rollout_log_probs`),
-        with the `rollout_corr/` metrics, and `actor/entropy` and `rollout/logprob_diff` come
-        from the first mini-batch: its forwards run before any optimizer step, so they see the
-        actor that the skipped recompute pass would have used."""
+        and rejection were computed once per step (`ro.rollout_is_weights`, `ro.rollout_rs_mask`)
+        and every term runs over `loss_mask`; in bypass mode they are computed here per
+        micro-batch from pi_theta / pi_rollout (`rollout_log_probs`), with the `rollout_corr/`
+        metrics, the rejection removes tokens from the policy-gradient term only (entropy, KL
+        loss and the normaliser keep the response mask, as verl's bypass loss), and
+        `actor/entropy` and `rollout/logprob_diff` come from the first mini-batch: its forwards
+        run before any optimizer step, so they see the actor that the skipped recompute pass
+        would have used."""
         need_entropy = cfg.entropy_coeff != 0
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
@@ -331,12 +334,14 @@ class Actor(TrainableRole):
         def loss(sub, outputs, k, agg_kw):
             nonlocal first
             logp, ent = outputs
-            m_mask = sub.response_mask
+            m_mask = sub.loss_mask
+            pg_mask = m_mask
             means = {}
             if bypass:
                 rollout_lp = sub.rollout_log_probs
-                weights, corr = compute_rollout_correction(
+                weights, keep, corr = compute_rollout_correction(
                     logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
+                pg_mask = m_mask if keep is None else keep
                 means.update(corr)
                 if k == 0:
                     first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
@@ -345,7 +350,7 @@ class Actor(TrainableRole):
                 weights = sub.rollout_is_weights
             pg = policy_loss(
                 old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
-                response_mask=m_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
+                response_mask=pg_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                 cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
             total = pg.pg_loss
@@ -421,10 +426,11 @@ class Critic(TrainableRole):
         return values * ro.response_mask
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
-        """PPO epochs × mini-batches × micro-batches of the clipped value loss."""
+        """PPO epochs × mini-batches × micro-batches of the clipped value loss, over `loss_mask`
+        (rollout rejection's tokens left out, as in verl's critic)."""
 
         def loss(sub, outputs, k, agg_kw):
-            vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.response_mask,
+            vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
                                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
             return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
                              {"critic/vf_clipfrac": vf.vf_clipfrac})

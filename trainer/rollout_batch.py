@@ -22,8 +22,8 @@ from trainer.forward import index_on
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
-TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "rollout_is_weights", "ref_log_probs",
-                "values", "token_level_rewards", "advantages", "returns")
+TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "rollout_is_weights", "rollout_rs_mask",
+                "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class RolloutBatch:
     rollout_log_probs: torch.Tensor | None = None   # `engine_log_probs` padded (rollout correction)
     old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode)
     rollout_is_weights: torch.Tensor | None = None  # importance weights pi_old / pi_rollout (decoupled mode)
+    rollout_rs_mask: torch.Tensor | None = None     # 1 on the tokens rollout rejection kept (decoupled mode)
     ref_log_probs: torch.Tensor | None = None       # the reference policy
     values: torch.Tensor | None = None              # the critic before the update
     token_level_rewards: torch.Tensor | None = None  # scores minus any KL-in-reward penalty
@@ -66,6 +67,22 @@ class RolloutBatch:
         counting without reading the device back."""
         lengths = np.fromiter(map(len, self.responses), dtype=np.int64, count=len(self.responses))
         return (np.arange(self.width) < lengths[:, None]).astype(np.float32)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """`[N, R]`: `response_mask` without the tokens rollout rejection removed (decoupled mode;
+        `response_mask` itself otherwise). verl overwrites its batch's `response_mask` with it:
+        the advantages, the actor's and critic's losses and their normalisers, and the per-token
+        data metrics use it; the sequences themselves (lengths, packing, attention), KL in reward,
+        `actor/entropy` and `response_length` keep `response_mask`."""
+        return self.response_mask if self.rollout_rs_mask is None else self.rollout_rs_mask
+
+    def host_loss_mask(self) -> np.ndarray:
+        """`loss_mask` as a NumPy float32 array, for host-side counting: without rejection from
+        the lengths, with it one read-back of the device mask (once per update's planning)."""
+        if self.rollout_rs_mask is None:
+            return self.host_response_mask()
+        return self.rollout_rs_mask.detach().float().cpu().numpy()
 
     def padded(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-token host values, one list per sequence as long as its response (the engine's

@@ -40,7 +40,7 @@ def test_kl_in_reward_is_verls_sequence_mean_and_steps_by_responses(target_kl, e
     scores[torch.arange(4), mask.sum(-1).long() - 1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
     ro = _Rows(4, response_mask=mask, old_log_probs=torch.zeros(4, 5), ref_log_probs=ref, token_level_scores=scores,
                values=None)
-    full = _Rows(4, response_mask=mask, uids=["a", "a", "b", "b"])
+    full = _Rows(4, response_mask=mask, loss_mask=mask, uids=["a", "a", "b", "b"])
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), types.SimpleNamespace(rank=0)

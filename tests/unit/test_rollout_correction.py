@@ -53,12 +53,12 @@ def test_sequence_weight_clamps_the_sum_of_the_log_ratios_not_each_term():
     mask = torch.tensor([[1, 1, 1, 0]], dtype=F64)
     w = compute_rollout_is_weights(old, rollout, mask, "sequence", None, 2.0)
     torch.testing.assert_close(w, torch.tensor([[math.exp(0.5)] * 3 + [0.0]], dtype=F64), rtol=1e-12, atol=0)
-    _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
+    _, _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
     assert math.isclose(float(m["rollout_corr/chi2_seq"]), math.exp(1.0) - 1, rel_tol=1e-12)
     # a sum beyond the bound is clamped: exp(20) truncated to the threshold, chi2 from exp(40)
     old = rollout + torch.tensor([[15.0, 9.0, 0.0, 0.0]], dtype=F64)
     assert compute_rollout_is_weights(old, rollout, mask, "sequence", None, 2.0)[0, 0] == 2.0
-    _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
+    _, _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0)
     assert math.isclose(float(m["rollout_corr/chi2_seq"]), math.exp(40.0) - 1, rel_tol=1e-12)
 
 
@@ -110,10 +110,11 @@ def test_rejection_mask_hand_computed(criteria, expected):
 
 def test_correction_combines_weights_and_rejection_and_reports_metrics():
     rejection = _k("token_k1", 0.5, 2.0)
-    weights, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5, rejection)
-    # the weight of a kept token, 0 for a rejected one
-    expected = torch.tensor([[1.5, 0.0, 1.0, 0.0], [0.0, math.exp(0.2), 0.0, 0.0]], dtype=F64)
+    weights, keep, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5, rejection)
+    # the truncated weights, and rejection as a mask of its own (verl's modified response_mask)
+    expected = torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0], [1.5, math.exp(0.2), 0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(weights, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=F64))
     deltas = [0.5, -1.0, 0.0, 1.0, 0.2]
     near = lambda key, value: math.isclose(float(m[key]), value, rel_tol=1e-12, abs_tol=1e-12)  # noqa: E731
     assert near("rollout_corr/kl", -sum(deltas) / 5)
@@ -131,15 +132,15 @@ def test_correction_combines_weights_and_rejection_and_reports_metrics():
     assert near("rollout_corr/rollout_rs_token_k1_masked_fraction", 2 / 5)
     assert near("rollout_corr/rollout_rs_seq_masked_fraction", 1.0)
     # sequence level: the fractions count sequences (e^-0.5 is below 1/1.2, e^1.2 above 1.2)
-    _, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "sequence", None, 1.2)
+    _, _, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "sequence", None, 1.2)
     assert near("rollout_corr/rollout_is_ratio_fraction_high", 0.5)
     assert near("rollout_corr/rollout_is_ratio_fraction_low", 0.5)
     assert not any(k.startswith("rollout_corr/rollout_rs") for k in m)
 
 
 def test_no_weights_without_is_or_rejection():
-    weights, m = compute_rollout_correction(OLD, ROLLOUT, MASK)
-    assert weights is None and "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
+    weights, keep, m = compute_rollout_correction(OLD, ROLLOUT, MASK)
+    assert weights is None and keep is None and "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
 
 
 def test_policy_loss_multiplies_each_token_by_its_weight():
@@ -322,3 +323,156 @@ def test_bypass_reinforce_matches_a_hand_written_surrogate():
     want = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
     assert max(v.abs().max().item() for v in want.values()) > 1e-3
     _assert_same(want, got)
+
+
+def _sgd_delta(base, loss_fn):
+    """The parameter change of one SGD step (lr 1) of a copy of `base` on `loss_fn(logp, entropy)`,
+    from one full-batch forward of the rollouts of `_step`."""
+    model = copy.deepcopy(base)
+    ro = _rollouts()
+    logp, ent = response_logprobs(model, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, True)
+    loss_fn(ro, logp, ent).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+
+
+# Rejected tokens of `_rollouts()` (8 rows, lengths 1 2 4 2 5 4 1 1): row 1 entirely, row 2's last
+# token (the one that carries an outcome score) and one inside row 4.
+REJECTED = [(1, 0), (1, 1), (2, 3), (4, 2)]
+
+
+def _keep(ro):
+    keep = ro.response_mask.clone()
+    for i, t in REJECTED:
+        keep[i, t] = 0.0
+    return keep
+
+
+def test_decoupled_rejection_removes_tokens_from_every_term_and_the_normaliser():
+    """verl's decoupled mode overwrites the batch's response_mask with the rejection mask: the
+    policy-gradient, entropy and KL-loss terms are token means over the kept tokens only (with
+    weight-0 tokens instead, the old behaviour, they stayed in all three normalisers and in the
+    entropy and KL terms). One SGD step equals the hand-written loss; pg_loss (ratio 1 at the
+    first mini-batch) is -sum(A keep) / sum(keep)."""
+    from kl import kl_penalty
+
+    base = Transformer.build(ARGS, seed=0)
+    model = copy.deepcopy(base)
+    worker = _worker(model)
+    ro = _rollouts()
+    assert [len(r) for r in ro.responses] == [1, 2, 4, 2, 5, 4, 1, 1]
+    keep = _keep(ro)
+    ro.old_log_probs, _ = worker.log_probs(ro)
+    ro.rollout_log_probs = ro.old_log_probs
+    ro.rollout_rs_mask = keep  # as the trainer sets it (`_old_log_probs`)
+    cfg = _actor_cfg(entropy_coeff=0.01, use_kl_loss=True, ppo_micro_batch_size_per_gpu=3)
+    out = worker.update(ro, cfg, num_mini_batches=1, kl_loss_coef=0.1, seed=0,
+                        rollout_correction=_rc(rejection=(RejectionCriterion("token_k1", 0.5, 2.0),)))
+    got = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+
+    def verl_loss(ro, logp, ent):
+        n = keep.sum()
+        pg = (-ro.advantages * torch.exp(logp - logp.detach()) * keep).sum() / n
+        kl = (kl_penalty(logp, ro.ref_log_probs, "low_var_kl") * keep).sum() / n
+        return pg - 0.01 * (ent * keep).sum() / n + 0.1 * kl
+
+    want = _sgd_delta(base, verl_loss)
+    assert max(v.abs().max().item() for v in want.values()) > 1e-3
+    _assert_same(want, got)
+    expected_pg = -float((ro.advantages.double() * keep).sum() / keep.sum())
+    assert out["actor/pg_loss"] == pytest.approx(expected_pg, rel=1e-6)
+
+
+def test_bypass_rejection_is_a_per_sequence_mean_over_the_kept_tokens():
+    """Bypass mode, loss_type=reinforce, seq-mean-token-mean: verl's bypass loss takes the
+    rejection mask as the policy-gradient term's response mask, so each sequence's token mean
+    runs over its kept tokens, and the count of sequences is the mini-batch's (the rejected row
+    adds 0 but counts), as verl's global_batch_size. The old weight-0 form divided each row by
+    all its tokens."""
+    base = Transformer.build(ARGS, seed=0)
+    ro = _rollouts()
+    keep = _keep(ro)
+    # pi_theta / pi_rollout = e^0.3 on the rejected tokens (outside [1/1.2, 1.2]), e^0.001 elsewhere
+    shift = 0.001 * ro.response_mask + 0.299 * (ro.response_mask - keep)
+    rc = _rc(bypass_mode=True, loss_type="reinforce", rejection=(RejectionCriterion("token_k1", 1 / 1.2, 1.2),))
+    got, out = _step(base, rollout_shift=shift, rc=rc, loss_agg_mode="seq-mean-token-mean")
+    # the mean over the 4 micro-batches of 2 rows: 2 / 3, 1 / 6, 1 / 9 and 0 rejected
+    assert out["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx((2 / 3 + 1 / 6 + 1 / 9) / 4)
+
+    def verl_loss(ro, logp, ent):
+        per_seq = (-ro.advantages * logp * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+        return per_seq.sum() / 8
+
+    want = _sgd_delta(base, verl_loss)
+    assert max(v.abs().max().item() for v in want.values()) > 1e-3
+    _assert_same(want, got)
+
+
+def test_trainer_folds_rejection_into_the_advantages_and_data_metrics():
+    """Decoupled mode in the trainer: `_old_log_probs` sets the rejection mask, `_compute_advantages`
+    runs GAE over it (verl's `compute_advantage` sees the modified response_mask: a rejected token
+    gets no advantage, the recursion passes over it and its reward, the whitening counts only kept
+    tokens), and the per-token data metrics use it while `response_length` counts every token
+    (verl's comes from the attention mask). GAE is verl's loop, transcribed here in float64."""
+    from trainer.metrics import data_metrics
+    from trainer.ppo_trainer import PPOTrainer
+    from trainer.rollout_batch import RolloutBatch
+    from trainer.tracking import Timer
+
+    cfg = load_config(PPOConfig, None, [
+        "data.train_batch_size=4", "algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.8",
+        "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
+    lengths = [5, 3, 4, 2]
+    engine = [[-1.0 - 0.1 * t for t in range(n)] for n in lengths]
+    full = RolloutBatch([[3, 4]] * 4, [[5] * n for n in lengths], [0, 0, 1, 1], [None] * 4, [None] * 4, [{}] * 4,
+                        ["stop"] * 4, engine, 5, torch.device("cpu"))
+    ro, parts = full.take([0, 1, 2, 3]), [[0, 1, 2, 3]]
+    # log pi_old - log pi_rollout: |delta| > ln 2 is rejected; row 0 loses a middle and its last
+    # (scored) token, row 2 all of its tokens
+    delta = torch.tensor([[0, 0.9, 0, 0, -1.0], [0, 0.1, 0, 0, 0], [1.5] * 4 + [0], [0, -0.2, 0, 0, 0]])
+    mask = ro.response_mask
+    keep = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0], [0] * 5, [1, 1, 0, 0, 0]], dtype=torch.float32)
+    old = (ro.padded(engine) + delta) * mask
+    entropy = torch.full((4, 5), 0.5) * mask
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 5, generator=g) * mask
+    scores = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    trainer = object.__new__(PPOTrainer)
+    trainer.cfg, trainer.device = cfg, torch.device("cpu")
+    trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (old, entropy))
+    trainer.kl = None  # no KL in reward
+    ro.token_level_scores = torch.zeros(4, 5)
+    ro.token_level_scores[torch.arange(4), torch.tensor(lengths) - 1] = scores
+    ro.values = values
+    metrics = {}
+    trainer._old_log_probs(full, ro, parts, metrics)
+    torch.testing.assert_close(ro.rollout_rs_mask, keep, rtol=0, atol=0)
+    torch.testing.assert_close(full.rollout_rs_mask, keep, rtol=0, atol=0)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(6 / 14)
+    assert metrics["actor/entropy"] == pytest.approx(0.5)  # over every response token, as verl's
+    trainer._compute_advantages(full, ro, parts, metrics)
+
+    rewards, v, m = ro.token_level_scores.double(), values.double(), keep.double()
+    next_value, last, adv = torch.zeros(4, dtype=F64), torch.zeros(4, dtype=F64), torch.zeros(4, 5, dtype=F64)
+    for t in reversed(range(5)):  # verl's compute_gae_advantage_return
+        gae = rewards[:, t] + 0.9 * next_value - v[:, t] + 0.9 * 0.8 * last
+        next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = gae * m[:, t] + (1 - m[:, t]) * last
+        adv[:, t] = last
+    returns = adv + v
+    mean = (adv * m).sum() / m.sum()
+    var = ((adv - mean) ** 2 * m).sum() / m.sum() * m.sum() / (m.sum() - 1)
+    whitened = (adv - mean) * torch.rsqrt(var + 1e-8)
+    torch.testing.assert_close(ro.advantages.double(), whitened * m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ro.returns.double() * m, returns * m, rtol=0, atol=1e-5)
+    assert torch.all(ro.advantages[keep == 0] == 0)
+
+    dm = data_metrics(ro, scores, {}, max_prompt_length=2, max_response_length=5)
+    kept = keep.bool()
+    assert dm["response_length/mean"] == pytest.approx(3.5)
+    assert dm["critic/advantages/mean"] == pytest.approx(float(whitened[kept].mean()), abs=1e-6)
+    assert dm["critic/values/mean"] == pytest.approx(float(v[kept].mean()), abs=1e-6)
+    assert dm["critic/returns/max"] == pytest.approx(float(returns[kept].max()), abs=1e-5)
