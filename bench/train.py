@@ -68,7 +68,7 @@ def actor_cfg(tokens):
     return SimpleNamespace(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=None,
                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, entropy_coeff=0.0,
                            use_kl_loss=True, kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None,
-                           clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0)
+                           clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0, loss_scale_factor=None)
 
 
 def timed(fn, repeats, telemetry: GpuTelemetry):

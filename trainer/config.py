@@ -213,6 +213,12 @@ class ActorConfig:
                                            "micro-batches and ranks, so the gradient does not depend on "
                                            "micro-batching (as verl's engine workers; verl's legacy dp_actor averages "
                                            "per-micro-batch means)", choices=LOSS_AGG_MODES)
+    loss_scale_factor: int | None = opt(
+        None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO); null: the response length "
+              "(data.max_response_length). meshppo's loss is sum_i (sum_t L_i,t / T) / N_seqs over the mini-batch; "
+              "verl's omits the 1 / N_seqs, so it is meshppo's times the sequences of a micro-batch (legacy "
+              "workers: ppo_micro_batch_size_per_gpu) and depends on the batch layout; verl's step size at a "
+              "fixed layout: T divided by that count", ge=1)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
     use_kl_loss: bool = opt(False, "add a KL(actor || ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)

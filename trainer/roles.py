@@ -242,12 +242,13 @@ class TrainableRole(Role):
     def _update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int, prefix: str,
                 forward: Callable[[RolloutBatch, int], tuple],
                 loss: Callable[[RolloutBatch, tuple, int, dict], LossTerms], sum_keys: tuple[str, ...],
-                step: int = -1) -> dict:
+                step: int = -1, loss_scale_factor: float | None = None) -> dict:
         """The update skeleton: PPO epochs × mini-batches × micro-batches of `loss`.
 
         `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
-        tensor); `loss(rows, outputs, k, agg_kwargs)` gives the `LossTerms`. The whole update is
-        planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
+        tensor); `loss(rows, outputs, k, agg_kwargs)` gives the `LossTerms` (`agg_kwargs`: the global
+        counts, and `loss_scale_factor`, else the response length, for seq-mean-token-sum-norm).
+        The whole update is planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
         read back once, at the end. Returns `<prefix>/...` metrics: the sums (`sum_keys`) and the
@@ -257,7 +258,8 @@ class TrainableRole(Role):
         plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
                            cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         for k, mb in enumerate(plan):
-            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size, self.response_length)
+            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size,
+                                 loss_scale_factor or self.response_length)
             totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
             with keep_compute_copies(self.model):  # the masters change only in the step below
                 for j, part in enumerate(mb.parts):
@@ -368,7 +370,8 @@ class Actor(TrainableRole):
                           "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             return LossTerms(total, sums, means)
 
-        out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step)
+        out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
+                           loss_scale_factor=cfg.loss_scale_factor)
         if bypass:
             ent_sum, diff_sum, tokens = comm.all_reduce(first).tolist()
             out["actor/entropy"] = ent_sum / max(tokens, 1.0)
@@ -456,11 +459,11 @@ class RewardModel(Role):
         return scores
 
 
-def _agg_kwargs(mode: str, global_units: float, world_size: int, response_length: int) -> dict:
+def _agg_kwargs(mode: str, global_units: float, world_size: int, loss_scale_factor: float) -> dict:
     key = "global_num_tokens" if mode == "token-mean" else "global_num_seqs"
-    # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO): the configured one, not
-    # the micro-batch's padding width, so packing cannot change the gradient.
-    return {key: max(global_units, 1.0), "dp_size": world_size, "loss_scale_factor": float(response_length)}
+    # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO): actor.loss_scale_factor or the
+    # configured response length, not the micro-batch's padding width, so packing cannot change the gradient.
+    return {key: max(global_units, 1.0), "dp_size": world_size, "loss_scale_factor": float(loss_scale_factor)}
 
 
 def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:

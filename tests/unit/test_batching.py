@@ -100,7 +100,7 @@ def _actor_cfg(**kw):
     base = dict(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=2,
                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, entropy_coeff=0.01, use_kl_loss=True,
                 kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
-                clip_ratio_c=3.0, grad_clip=1e9)
+                clip_ratio_c=3.0, grad_clip=1e9, loss_scale_factor=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -265,3 +265,36 @@ def test_padded_layout_matches_a_per_sequence_reference():
         assert (mb.src_index.tolist(), mb.dst_row.tolist(), mb.dst_col.tolist()) == (src, rows, cols)
         assert mb.last_index.tolist() == last and mb.cu_seqlens is None and mb.max_seqlen is None
         assert mb.batch_size == n and mb.input_ids.dtype == torch.long
+
+
+def test_loss_scale_factor_is_the_constant_divisor_of_seq_mean_token_sum_norm():
+    """`actor.loss_scale_factor` (verl's option; null: the response length) is T in
+    sum_i (sum_t L_i,t / T) / N_seqs. At the first mini-batch the ratio is 1, so pg_loss is
+    -sum(A) / (T * 8) for the 8 rows, and an SGD step with T = 20 is a quarter of the step
+    with T = response length 5 (no KL or entropy term)."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+
+    cfg = load_config(PPOConfig, None, ["actor_rollout_ref.actor.loss_scale_factor=20"]).actor_rollout_ref.actor
+    assert cfg.loss_scale_factor == 20
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    base = Transformer.build(args, seed=0)
+    deltas = {}
+    for factor in (None, 20):
+        model = copy.deepcopy(base)
+        worker = Actor(model, torch.optim.SGD(model.parameters(), lr=1.0), None, packed=True, temperature=1.0,
+                       pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5,
+                       batching=MicroBatching(8, False, 0))
+        ro = _rollouts()
+        with torch.no_grad():
+            ro.old_log_probs, _ = worker.log_probs(ro)
+        out = worker.update(ro, _actor_cfg(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=factor,
+                                           entropy_coeff=0.0, use_kl_loss=False),
+                            num_mini_batches=1, kl_loss_coef=0.0, seed=0)
+        t = 5 if factor is None else factor
+        assert out["actor/pg_loss"] == pytest.approx(-float(ro.advantages.double().sum()) / (t * 8), rel=1e-6)
+        deltas[factor] = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+    assert max(v.abs().max().item() for v in deltas[None].values()) > 1e-4
+    for k, v in deltas[None].items():
+        torch.testing.assert_close(deltas[20][k], v / 4, rtol=0, atol=1e-7, msg=k)
