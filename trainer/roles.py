@@ -173,8 +173,9 @@ class _Mean:
 
 class LossTerms(NamedTuple):
     """What a role's loss gives the update skeleton for one micro-batch: the loss to backpropagate,
-    detached terms summed over the mini-batch's micro-batches (each a share of the global mean:
-    averaged over mini-batches and ranks), and detached statistics averaged over micro-batches."""
+    detached terms summed over the mini-batch's micro-batches (each a share of the global mean) and
+    then over the mini-batches and epochs, as verl's dp_actor / dp_critic add up `actor/pg_loss`,
+    `actor/kl_loss` and `critic/vf_loss`, and detached statistics averaged over micro-batches."""
 
     loss: torch.Tensor
     sums: dict[str, torch.Tensor]
@@ -251,16 +252,17 @@ class TrainableRole(Role):
         The whole update is planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
-        read back once, at the end. Returns `<prefix>/...` metrics: the sums (`sum_keys`) and the
-        statistics, each averaged over the mini-batches and the ranks (a clip fraction is every
-        rank's, not rank 0's alone)."""
+        read back once, at the end. Returns `<prefix>/...` metrics: the sums (`sum_keys`: each
+        mini-batch's global mean loss, summed over the mini-batches and epochs, as verl's) and the
+        statistics (averaged over the micro- or mini-batches), each averaged over the ranks (a clip
+        fraction is every rank's, not rank 0's alone)."""
         stats = _Mean()
         plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
                            cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
         for k, mb in enumerate(plan):
             agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size,
                                  loss_scale_factor or self.response_length)
-            totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
             with keep_compute_copies(self.model):  # the masters change only in the step below
                 for j, part in enumerate(mb.parts):
                     # The replicas' gradients are reduced once, in the mini-batch's last backward
@@ -277,8 +279,8 @@ class TrainableRole(Role):
                         totals[key] = totals[key] + v
                     stats.add(**terms.means)
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
-            stats.add(**totals)
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
+        stats.add(**totals)
         out = stats.result()
         out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return out

@@ -298,3 +298,40 @@ def test_loss_scale_factor_is_the_constant_divisor_of_seq_mean_token_sum_norm():
     assert max(v.abs().max().item() for v in deltas[None].values()) > 1e-4
     for k, v in deltas[None].items():
         torch.testing.assert_close(deltas[20][k], v / 4, rtol=0, atol=1e-7, msg=k)
+
+
+def test_update_losses_are_summed_over_mini_batches_and_epochs_as_verls():
+    """verl's dp_actor / dp_critic add `actor/pg_loss`, `actor/kl_loss` and `critic/vf_loss` up over
+    every mini-batch of every epoch (each mini-batch's mean loss); the statistics stay means. With
+    lr 0 nothing moves, so with 2 epochs x 2 mini-batches (rows 0-3, 4-7) each loss is 2 x the sum
+    of the two mini-batches' token means, computed here by hand."""
+    from kl import kl_penalty
+
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    model, value = Transformer.build(args, seed=0), Transformer.build(args, head="value", seed=1)
+    common = dict(packed=True, pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5,
+                  batching=MicroBatching(8, False, 0))
+    actor = Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, temperature=1.0, **common)
+    critic = Critic(value, torch.optim.SGD(value.parameters(), lr=0.0), None, **common)
+    ro = _rollouts()
+    with torch.no_grad():
+        ro.old_log_probs, _ = actor.log_probs(ro)
+        ro.values = critic.values(ro)
+    mask = ro.response_mask.double()
+    ro.returns = ro.values + torch.linspace(-1, 1, ro.width) * ro.response_mask
+    halves = (slice(0, 4), slice(4, 8))
+
+    def two_epochs(per_token):
+        return 2 * sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves)
+
+    out = actor.update(ro, _actor_cfg(ppo_epochs=2, entropy_coeff=0.0), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
+    kl = kl_penalty(ro.old_log_probs.double(), ro.ref_log_probs.double(), "low_var_kl")
+    assert out["actor/pg_loss"] == pytest.approx(two_epochs(-ro.advantages.double()), rel=1e-6)
+    assert out["actor/kl_loss"] == pytest.approx(two_epochs(kl), rel=1e-5)
+    assert out["actor/pg_clipfrac"] == 0.0  # a mean, not a sum
+    critic_cfg = SimpleNamespace(ppo_epochs=2, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=2,
+                                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, grad_clip=1e9,
+                                 cliprange_value=0.5)
+    out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
+    assert out["critic/vf_loss"] == pytest.approx(two_epochs(0.5 * (ro.returns - ro.values).double() ** 2), rel=1e-5)
