@@ -40,7 +40,7 @@ from trainer.launch import DistContext, init_distributed
 from trainer.metrics import data_metrics
 from trainer.rollout_batch import RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
-                           RewardModel, masked_mean_global)
+                           RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models
@@ -397,7 +397,10 @@ class PPOTrainer:
         with self.timer("old_log_prob"):
             old, ent = self.actor.log_probs(ro, with_entropy=True)
             ro.old_log_probs = old
-            metrics["actor/entropy"] = masked_mean_global(ent, mask)
+            # verl's: aggregated over the batch with the actor's loss_agg_mode (and loss_scale_factor)
+            actor_cfg = self.cfg.actor_rollout_ref.actor
+            metrics["actor/entropy"] = agg_loss_global(ent, mask, actor_cfg.loss_agg_mode,
+                                                       actor_cfg.loss_scale_factor or self.cfg.response_length)
             if lp.calculate_log_probs:
                 metrics["rollout/logprob_diff"] = masked_mean_global((ro.rollout_log_probs - old).abs(), mask)
         if reweighted or lp.calculate_log_probs:

@@ -320,14 +320,16 @@ class Actor(TrainableRole):
         micro-batch from pi_theta / pi_rollout (`rollout_log_probs`), with the `rollout_corr/`
         metrics, the rejection removes tokens from the policy-gradient term only (entropy, KL
         loss and the normaliser keep the response mask, as verl's bypass loss), and
-        `actor/entropy` and `rollout/logprob_diff` come from the first mini-batch: its forwards
+        `actor/entropy` (aggregated with `loss_agg_mode`, as the recompute pass's) and
+        `rollout/logprob_diff` come from the first mini-batch: its forwards
         run before any optimizer step, so they see the actor that the skipped recompute pass
         would have used."""
         need_entropy = cfg.entropy_coeff != 0
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
         policy_loss = get_policy_loss_fn(rc.loss_type if rc is not None else "ppo_clip")
-        # bypass mode: masked sums of entropy and |log-prob - engine log-prob|, and the token count, over mini-batch 0
+        # bypass mode, over mini-batch 0: this rank's share of the entropy aggregated as the loss (loss_agg_mode),
+        # the masked sum of |log-prob - engine log-prob| and the token count
         first = torch.zeros(3, dtype=torch.float64, device=self.device)
         sum_keys = (("actor/pg_loss",) + (("actor/kl_loss",) if cfg.use_kl_loss else ())
                     + (("actor/entropy_loss",) if need_entropy else ()))
@@ -348,8 +350,9 @@ class Actor(TrainableRole):
                 pg_mask = m_mask if keep is None else keep
                 means.update(corr)
                 if k == 0:
-                    first += torch.stack([masked_sum(ent.detach(), m_mask), masked_sum(
-                        (logp.detach() - rollout_lp).abs(), m_mask), m_mask.sum()]).double()
+                    entropy = agg_loss(ent.detach(), m_mask, cfg.loss_agg_mode, **{**agg_kw, "dp_size": 1})
+                    first += torch.stack([entropy, masked_sum((logp.detach() - rollout_lp).abs(), m_mask),
+                                          m_mask.sum()]).double()
             else:
                 weights = sub.rollout_is_weights
             pg = policy_loss(
@@ -375,8 +378,7 @@ class Actor(TrainableRole):
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
                            loss_scale_factor=cfg.loss_scale_factor)
         if bypass:
-            ent_sum, diff_sum, tokens = comm.all_reduce(first).tolist()
-            out["actor/entropy"] = ent_sum / max(tokens, 1.0)
+            out["actor/entropy"], diff_sum, tokens = comm.all_reduce(first).tolist()
             out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
         out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
         return out
@@ -468,6 +470,15 @@ def _agg_kwargs(mode: str, global_units: float, world_size: int, loss_scale_fact
     return {key: max(global_units, 1.0), "dp_size": world_size, "loss_scale_factor": float(loss_scale_factor)}
 
 
+def agg_loss_global(values: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float) -> float:
+    """`ppo.core_algos.agg_loss` of every rank's rows together, as verl aggregates a metric over the
+    whole batch (`actor/entropy`): the global count of loss units, then the ranks' shares summed
+    (two collectives)."""
+    units = comm.all_reduce_values([count_loss_units(mask, loss_agg_mode)])[0]
+    share = agg_loss(values, mask, loss_agg_mode, **_agg_kwargs(loss_agg_mode, units, 1, loss_scale_factor))
+    return comm.all_reduce_values([float(share)])[0]
+
+
 def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean over all ranks' masked entries (one collective)."""
     s, c = comm.all_reduce_values([float((values * mask).sum()), float(mask.sum())])
@@ -476,4 +487,4 @@ def masked_mean_global(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 __all__ = ["Actor", "AdaptersOffReference", "Critic", "MicroBatching", "Reference", "ReferencePolicy", "RewardModel",
            "forward_micro_batches",
-           "plan_micro_batches", "masked_mean_global"]
+           "plan_micro_batches", "agg_loss_global", "masked_mean_global"]

@@ -476,3 +476,52 @@ def test_trainer_folds_rejection_into_the_advantages_and_data_metrics():
     assert dm["critic/advantages/mean"] == pytest.approx(float(whitened[kept].mean()), abs=1e-6)
     assert dm["critic/values/mean"] == pytest.approx(float(v[kept].mean()), abs=1e-6)
     assert dm["critic/returns/max"] == pytest.approx(float(returns[kept].max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("mode,overrides,expected", [
+    # rows of 5, 3, 4 and 2 tokens with entropy 0.1 (i + 1) + 0.01 t
+    ("token-mean", [], lambda rows: sum(sum(r) for r in rows) / 14),
+    ("seq-mean-token-mean", [], lambda rows: sum(sum(r) / len(r) for r in rows) / 4),
+    ("seq-mean-token-sum", [], lambda rows: sum(sum(r) for r in rows) / 4),
+    ("seq-mean-token-sum-norm", ["actor_rollout_ref.actor.loss_scale_factor=8"],
+     lambda rows: sum(sum(r) / 8 for r in rows) / 4),
+    ("seq-mean-token-sum-norm", ["data.max_response_length=6"], lambda rows: sum(sum(r) / 6 for r in rows) / 4),
+])
+def test_actor_entropy_is_aggregated_with_the_loss_agg_mode(mode, overrides, expected):
+    """verl's `actor/entropy` is agg_loss(entropy, response_mask, loss_agg_mode, loss_scale_factor)
+    over the batch; it was always a token mean. (meshppo's seq-mean-token-sum-norm keeps its
+    division by the number of sequences, as its loss does.) Bypass mode's, from the update's
+    first mini-batch, is aggregated the same way."""
+    from trainer.ppo_trainer import PPOTrainer
+    from trainer.rollout_batch import RolloutBatch
+    from trainer.tracking import Timer
+
+    cfg = load_config(PPOConfig, None, ["data.train_batch_size=4", f"actor_rollout_ref.actor.loss_agg_mode={mode}",
+                                        *overrides])
+    lengths = [5, 3, 4, 2]
+    ro = RolloutBatch([[3, 4]] * 4, [[5] * n for n in lengths], [0, 1, 2, 3], [None] * 4, [None] * 4, [{}] * 4,
+                      ["stop"] * 4, [[0.0] * n for n in lengths], 5, torch.device("cpu"))
+    rows = [[0.1 * (i + 1) + 0.01 * t for t in range(n)] for i, n in enumerate(lengths)]
+    entropy = torch.zeros(4, 5)
+    for i, r in enumerate(rows):
+        entropy[i, :len(r)] = torch.tensor(r)
+    trainer = object.__new__(PPOTrainer)
+    trainer.cfg, trainer.device = cfg, torch.device("cpu")
+    trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (-entropy, entropy))
+    metrics = {}
+    trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)
+    assert metrics["actor/entropy"] == pytest.approx(expected(rows), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_bypass_entropy_is_aggregated_with_the_loss_agg_mode(mode):
+    base = Transformer.build(ARGS, seed=0)
+    _, out = _step(base, rc=_rc(bypass_mode=True), loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=3)
+    ro = _rollouts()
+    with torch.no_grad():
+        _, ent = response_logprobs(base, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, True)
+    per_seq = (ent * ro.response_mask).sum(-1).double()
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / ro.response_mask.sum(-1)
+    assert out["actor/entropy"] == pytest.approx(float(per_seq.mean()), rel=1e-6)
