@@ -215,7 +215,7 @@ class ActorConfig:
                                            "per-micro-batch means)", choices=LOSS_AGG_MODES)
     loss_scale_factor: int | None = opt(
         None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO); null: the response length "
-              "(data.max_response_length). meshppo's loss is sum_i (sum_t L_i,t / T) / N_seqs over the mini-batch; "
+              "(rollout.response_length). meshppo's loss is sum_i (sum_t L_i,t / T) / N_seqs over the mini-batch; "
               "verl's omits the 1 / N_seqs, so it is meshppo's times the sequences of a micro-batch (legacy "
               "workers: ppo_micro_batch_size_per_gpu) and depends on the batch layout; verl's step size at a "
               "fixed layout: T divided by that count", ge=1)
@@ -446,8 +446,11 @@ class RolloutCorrectionConfig:
                                        "of the policy-gradient term only)")
     rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs, one shared or one per option "
                                                          "(comma-separated): k1 'lower_upper' on the ratio "
-                                                         "(0.5_2.0, decimal points as above) or C for [1/C, C]; "
-                                                         "k2 / k3 an upper bound")
+                                                         "pi_old / pi_rollout itself (0.5_2.0, decimal points as "
+                                                         "above) or C for [1/C, C]; k2 / k3 an upper bound. verl's "
+                                                         "code tests -log(ratio), i.e. bounds 1 / ratio: the same "
+                                                         "only for one number C or reciprocal bounds (0.5_2.0); "
+                                                         "for verl's effect of a_b write 1/b_1/a")
     bypass_mode: bool = opt(False, "take the engine's log-probs as the old log-probs and skip the actor's "
                                    "recompute pass")
     loss_type: str = opt("ppo_clip", "policy loss in bypass mode: ppo_clip (ratio to pi_rollout, clipped) or "
