@@ -179,13 +179,13 @@ def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     if not then_train:  # what follows does not depend on the world sizes: once is enough
         return
-    # One more step continues the schedule (warm-up: lr x 3/4 at step 3) and the data.
+    # One more step continues the schedule (verl's warm-up from 0: lr x 2/4 at step 3) and the data.
     r = torchrun(demo_args(tiny_assets, run, *WORLD, f"trainer.n_gpus_per_node={after}",
                            "trainer.total_training_steps=3"), nproc=after)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2, 3]
-    assert [row["actor/lr"] for row in rows] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3], rel=1e-12)
+    assert [row["actor/lr"] for row in rows] == pytest.approx([0.0, 0.25e-3, 0.5e-3], rel=1e-12)
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
     assert state["loader"] == {"epoch": 0, "position": 3 * BATCH} and state["world_size"] == after
 
