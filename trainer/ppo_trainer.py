@@ -88,20 +88,20 @@ class PPOTrainer:
                             "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)
         d = cfg.data
-        from rewards import BUILTIN_DATA_SOURCES
+        from rewards import BUILTIN_DATA_SOURCES, get_reward_fn
 
         # Rows the reward function scores need a ground truth, and the built-in scorers a data
         # source they know: both checked at load, naming the row, not after the first generation.
         rm_cfg = cfg.reward_model
         rule = not rm_cfg.enable or rm_cfg.combine == "add"
+        # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
+        seed = torch.Generator().initial_seed() if d.seed is None else d.seed
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                      apply_chat_template=d.apply_chat_template,
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
-                     data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None)
-        # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
-        seed = torch.Generator().initial_seed() if d.seed is None else d.seed
-        ds_kw.update(shuffle=d.shuffle, seed=seed)
+                     data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
+                     shuffle=d.shuffle, seed=seed)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)
@@ -112,8 +112,6 @@ class PPOTrainer:
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        from rewards import get_reward_fn
-
         # the reward file is the user's input too: checked before any model loads
         crf = cfg.custom_reward_function
         self.reward_fn = get_reward_fn(crf.path, crf.name, crf.reward_kwargs)

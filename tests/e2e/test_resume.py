@@ -201,3 +201,22 @@ def test_validation_timings_are_named_as_validation(two_step_run):
     assert all(k == "timing_s/validate" or k.startswith("timing_s/val_") for k in timings), timings
     # the validating step 2 carries both: the step's reshard and validation's
     assert {"timing_s/reshard", "timing_s/val_reshard", "timing_s/step"} <= set(last), sorted(last)
+
+
+def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tiny_assets, two_step_run, capsys):
+    """`trainer.val_only` on a finished run: the real trainer loads the last checkpoint, validates it
+    with the run's validation settings and exits 0. The score is the one the run logged when it
+    validated the same weights at its last step; no step, checkpoint or dump follows."""
+    run = _copy(two_step_run, "val_only")
+    before = read_metrics(run)
+    checkpoints = sorted(os.listdir(run / "checkpoints"))
+    code, err = _main(tiny_assets, run, capsys, "trainer.val_only=true", "trainer.test_freq=2",
+                      "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                      "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
+    assert code == 0, err
+    assert "trainer.val_only: validated the model of step 2" in err
+    rows = read_metrics(run)
+    assert rows[:-1] == before and rows[-1]["step"] == 2 and "actor/pg_loss" not in rows[-1]
+    score = [k for k in rows[-1] if k.startswith("val/")]
+    assert score and all(rows[-1][k] == before[-1][k] for k in score), (rows[-1], before[-1])
+    assert sorted(os.listdir(run / "checkpoints")) == checkpoints

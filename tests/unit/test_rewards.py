@@ -23,9 +23,7 @@ def _verl_extract_solution(solution_str, method="strict"):
     elif method == "flexible":
         answer = re.findall("(\\-?[0-9\\.\\,]+)", solution_str)
         final_answer = None
-        if len(answer) == 0:
-            pass
-        else:
+        if len(answer) != 0:  # verl: `if len(answer) == 0: pass` / `else:`
             invalid_str = ["", "."]
             for final_answer in reversed(answer):
                 if final_answer not in invalid_str:
