@@ -378,8 +378,8 @@ class PPOTrainer:
         return scores, extras
 
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
-        """`old_log_probs`: the actor's recompute (with `actor/entropy`), or the engine's own in
-        bypass mode; and rollout correction's pi_old / pi_rollout weights and rejection mask over
+        """`old_log_probs`: the actor's recompute (with `actor/entropy`), the engine's own in
+        bypass mode, or none where an on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask over
         the whole batch (`rollout_is_weights`, and `rollout_rs_mask` on `full` and this rank's rows:
         what `loss_mask` leaves out of the advantages, losses and critic from here on)."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
@@ -391,6 +391,13 @@ class PPOTrainer:
             # The engine's log-probs are the old ones (the same softmax of logits / temperature):
             # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
             ro.old_log_probs = ro.rollout_log_probs
+            return
+        if (self._on_policy_update() and not reweighted and not lp.calculate_log_probs
+                and not self.cfg.algorithm.use_kl_in_reward):
+            # One optimizer step on this batch: its ratio's old log-probs are the update's own forward
+            # (`Actor.update`), and nothing before it reads them (no KL in the reward, no rollout
+            # correction or its diagnostics), so the recompute pass is skipped. actor/entropy and
+            # actor/ref_kl come from the update.
             return
         with self.timer("old_log_prob"):
             old, ent = self.actor.log_probs(ro, with_entropy=True)
@@ -413,12 +420,22 @@ class PPOTrainer:
                 full.rollout_rs_mask, ro.rollout_rs_mask = keep, keep[mine]
             metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
 
+    def _on_policy_update(self) -> bool:
+        """Whether this step's actor update is a single optimizer step on the batch (one
+        mini-batch, one epoch, after the critic's warm-up): verl's `on_policy`."""
+        actor_cfg = self.cfg.actor_rollout_ref.actor
+        return (self.cfg.data.train_batch_size == actor_cfg.ppo_mini_batch_size and actor_cfg.ppo_epochs == 1
+                and self.global_step >= self.cfg.trainer.critic_warmup)
+
     def _ref_log_probs(self, ro: RolloutBatch, metrics: dict) -> None:
-        """`ref_log_probs` from the reference role, and `actor/ref_kl`."""
+        """`ref_log_probs` from the reference role, and `actor/ref_kl` (from the update where the
+        old log-probs were skipped, see `_old_log_probs`)."""
         if self.ref is None:
             return
         with self.timer("ref"):
             ro.ref_log_probs = self.ref.log_probs(ro)
+        if ro.old_log_probs is None:
+            return
         metrics["actor/ref_kl"] = masked_mean_global(kl_penalty(ro.old_log_probs, ro.ref_log_probs, "low_var_kl"),
                                                      ro.response_mask)
 

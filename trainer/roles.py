@@ -318,24 +318,36 @@ class Actor(TrainableRole):
         and rejection were computed once per step (`ro.rollout_is_weights`, `ro.rollout_rs_mask`)
         and every term runs over `loss_mask`; in bypass mode they are computed here per
         micro-batch from pi_theta / pi_rollout (`rollout_log_probs`), with the `rollout_corr/`
-        metrics, the rejection removes tokens from the policy-gradient term only (entropy, KL
-        loss and the normaliser keep the response mask, as verl's bypass loss), and
-        `actor/entropy` (aggregated with `loss_agg_mode`, as the recompute pass's) and
-        `rollout/logprob_diff` come from the first mini-batch: its forwards
-        run before any optimizer step, so they see the actor that the skipped recompute pass
-        would have used."""
+        metrics, and the rejection removes tokens from the policy-gradient term only (entropy, KL
+        loss and the normaliser keep the response mask, as verl's bypass loss).
+
+        On-policy (one mini-batch, one epoch: a single optimizer step), outside bypass mode, the
+        ratio's old log-probs are the update's own forward, detached (verl's `on_policy`): the
+        ratio is exactly 1, not 1 up to the recompute pass's rounding. The trainer then skips
+        that pass when nothing before the update needs it (`ro.old_log_probs` is None).
+
+        Where the recompute pass did not run (bypass mode, or skipped on-policy), its metrics come
+        from the first mini-batch, whose forwards run before any optimizer step and so see the
+        actor that the pass would have used: `actor/entropy` (aggregated with `loss_agg_mode`, as
+        the pass's), `rollout/logprob_diff` (when the engine's log-probs are at hand) and, when
+        skipped on-policy, `actor/ref_kl` (with a reference)."""
         need_entropy = cfg.entropy_coeff != 0
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
+        on_policy = num_mini_batches == 1 and cfg.ppo_epochs == 1 and not bypass
+        from_update = bypass or ro.old_log_probs is None
+        if ro.old_log_probs is None and not on_policy:
+            raise ValueError("Actor.update needs old_log_probs unless it is on-policy (one mini-batch, one epoch)")
         policy_loss = get_policy_loss_fn(rc.loss_type if rc is not None else "ppo_clip")
-        # bypass mode, over mini-batch 0: this rank's share of the entropy aggregated as the loss (loss_agg_mode),
-        # the masked sum of |log-prob - engine log-prob| and the token count
-        first = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # where the recompute pass did not run, over mini-batch 0: this rank's share of the entropy
+        # aggregated as the loss (loss_agg_mode), the masked sums of |log-prob - engine log-prob| and of
+        # the k3 KL to the reference, and the token count
+        first = torch.zeros(4, dtype=torch.float64, device=self.device)
         sum_keys = (("actor/pg_loss",) + (("actor/kl_loss",) if cfg.use_kl_loss else ())
                     + (("actor/entropy_loss",) if need_entropy else ()))
 
         def forward(sub, k):
-            return self._forward(sub, need_entropy or (bypass and k == 0))
+            return self._forward(sub, need_entropy or (from_update and k == 0))
 
         def loss(sub, outputs, k, agg_kw):
             nonlocal first
@@ -344,19 +356,17 @@ class Actor(TrainableRole):
             pg_mask = m_mask
             means = {}
             if bypass:
-                rollout_lp = sub.rollout_log_probs
                 weights, keep, corr = compute_rollout_correction(
-                    logp.detach(), rollout_lp, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
+                    logp.detach(), sub.rollout_log_probs, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
                 pg_mask = m_mask if keep is None else keep
                 means.update(corr)
-                if k == 0:
-                    entropy = agg_loss(ent.detach(), m_mask, cfg.loss_agg_mode, **{**agg_kw, "dp_size": 1})
-                    first += torch.stack([entropy, masked_sum((logp.detach() - rollout_lp).abs(), m_mask),
-                                          m_mask.sum()]).double()
             else:
                 weights = sub.rollout_is_weights
+            if from_update and k == 0:
+                first += self._pre_update_sums(sub, logp.detach(), ent.detach(), m_mask, cfg.loss_agg_mode, agg_kw,
+                                               with_ref_kl=not bypass)
             pg = policy_loss(
-                old_log_prob=sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
+                old_log_prob=logp.detach() if on_policy else sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
                 response_mask=pg_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                 cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
@@ -377,11 +387,28 @@ class Actor(TrainableRole):
 
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
                            loss_scale_factor=cfg.loss_scale_factor)
-        if bypass:
-            out["actor/entropy"], diff_sum, tokens = comm.all_reduce(first).tolist()
-            out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
+        if from_update:
+            out["actor/entropy"], diff_sum, kl_sum, tokens = comm.all_reduce(first).tolist()
+            if ro.rollout_log_probs is not None:
+                out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
+            if not bypass and ro.ref_log_probs is not None:
+                out["actor/ref_kl"] = kl_sum / max(tokens, 1.0)
         out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
         return out
+
+
+    @staticmethod
+    def _pre_update_sums(sub: RolloutBatch, logp: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
+                         loss_agg_mode: str, agg_kw: dict, with_ref_kl: bool) -> torch.Tensor:
+        """One micro-batch's share of the recompute pass's metrics (see `update`): the entropy
+        aggregated as the loss, the masked sums of |log-prob - engine log-prob| and of the k3 KL
+        to the reference (zero where there is none), and the token count, as float64."""
+        zero = logp.new_zeros(())
+        diff = masked_sum((logp - sub.rollout_log_probs).abs(), mask) if sub.rollout_log_probs is not None else zero
+        kl = (masked_sum(kl_penalty(logp, sub.ref_log_probs, "low_var_kl"), mask)
+              if with_ref_kl and sub.ref_log_probs is not None else zero)
+        entropy = agg_loss(ent, mask, loss_agg_mode, **{**agg_kw, "dp_size": 1})
+        return torch.stack([entropy, diff, kl, mask.sum().to(logp.dtype)]).double()
 
 
 class ReferencePolicy(Role):

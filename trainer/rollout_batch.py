@@ -41,7 +41,8 @@ class RolloutBatch:
     # [N, R] per-token tensors; None until the phase that computes them has run
     token_level_scores: torch.Tensor | None = None  # the score on each response's last token
     rollout_log_probs: torch.Tensor | None = None   # `engine_log_probs` padded (rollout correction)
-    old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode)
+    old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode;
+                                                    # None: an on-policy update takes its own forward's)
     rollout_is_weights: torch.Tensor | None = None  # importance weights pi_old / pi_rollout (decoupled mode)
     rollout_rs_mask: torch.Tensor | None = None     # 1 on the tokens rollout rejection kept (decoupled mode)
     ref_log_probs: torch.Tensor | None = None       # the reference policy

@@ -5,6 +5,7 @@ default mode, with the same entropy, reference KL and KL-in-reward."""
 import os
 
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 
@@ -138,3 +139,41 @@ def test_fp8_rollout_in_the_trainer(tiny_assets, tmp_path):
     `kv_cache_dtype=fp8` (an e4m3 KV cache)."""
     (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
     run_distributed(_fp8_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
+
+def _on_policy_body(rank, world_size, assets, run_root):
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+    runs = {}
+    # COMMON is on-policy (one mini-batch, one epoch) and asks for the engine's log-probs, whose
+    # diagnostics need the recompute pass; without them nothing before the update needs it
+    for mode in ("recompute", "skipped"):
+        extra = ["actor_rollout_ref.rollout.calculate_log_probs=false"] if mode == "skipped" else []
+        trainer = PPOTrainer(_config(assets, run_root, f"on_policy_{mode}", *extra), ctx)
+        start = _shards(trainer)
+        if mode == "skipped":
+            def no_recompute(*args, **kwargs):
+                raise AssertionError("an on-policy step ran the old-log-prob pass")
+            trainer.actor.log_probs = no_recompute
+        runs[mode] = [trainer.step() for _ in range(2)], _shards(trainer)
+    (plain, plain_params), (skipped, skipped_params) = runs["recompute"], runs["skipped"]
+    assert max((plain_params[k] - start[k]).abs().max().item() for k in start) > 1e-3
+    for k in start:  # the pass's log-probs are not the ratio's on-policy: skipping it changes no bit
+        assert torch.equal(plain_params[k], skipped_params[k]), k
+    for step, (a, b) in enumerate(zip(plain, skipped), 1):
+        assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
+        for m in (a, b):  # the ratio is exactly 1 (verl's on_policy)
+            assert m["actor/pg_clipfrac"] == 0.0 and m["actor/ppo_kl"] == 0.0, (step, m["actor/ppo_kl"])
+        for k in ("actor/entropy", "actor/ref_kl", "actor/pg_loss", "critic/advantages/mean"):
+            assert abs(a[k] - b[k]) <= 1e-6 + 1e-5 * abs(a[k]), (step, k, a[k], b[k])
+    assert plain[1]["actor/ref_kl"] > 1e-4, plain[1]["actor/ref_kl"]
+
+
+def test_on_policy_step_skips_the_recompute_pass(tiny_assets, tmp_path):
+    """One optimizer step a batch: the update's own forward gives the ratio's old log-probs, so the
+    trainer skips the recompute pass; the parameters are bitwise those of a run that makes it, and
+    the pass's metrics (entropy, reference KL) come from the update."""
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_on_policy_body, 2, str(tiny_assets), str(tmp_path), timeout=600)

@@ -38,10 +38,12 @@ def _body(rank, world_size):
     meshes = ParallelDims(world_size, fsdp_size=-1).build_meshes("cpu")
     model = build_fsdp_model(args, meshes.train, FSDPConfig(fsdp_size=-1, mixed_precision={"param_dtype": "fp32"}),
                              device=cpu, seed=0)
-    worker = Actor(model, torch.optim.SGD(model.parameters(), lr=0.1), None, packed=True, temperature=1.0,
+    # two epochs of one mini-batch (not on-policy: the stored old log-probs are the ratio's) at lr 0, so that
+    # both see the initial policy and their means are the one-pass statistics computed below
+    worker = Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, packed=True, temperature=1.0,
                    pad_token_id=0, device=cpu, world_size=world_size, response_length=width)
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, clip_ratio=0.2, entropy_coeff=0.0,
-                      use_kl_loss=False)
+                      use_kl_loss=False, ppo_epochs=2, shuffle=False)
     metrics = worker.update(local, cfg, 1, 0.0, seed=0, step=1)
 
     own = get_policy_loss_fn("ppo_clip")(
