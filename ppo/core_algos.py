@@ -446,6 +446,175 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
+def _broadcast(advantage: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-response advantage ``[B]`` on every valid token, as ``(advantages, returns)``."""
+    advantages = torch.where(response_mask.bool(), advantage[:, None], 0.0)
+    return advantages, advantages
+
+
+@register_adv_est("grpo_vectorized")
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised GRPO: ``grpo``'s advantage with the group variance floored at
+    ``epsilon`` before its square root, ``A_i = (s_i - mean_g) / (max(std_g, sqrt(epsilon)) +
+    epsilon)``: a near-uniform group is scaled by at most ~1/sqrt(epsilon) (~1,000) instead of
+    ~1/epsilon. A group of one has mean 0 and std 1, as in ``grpo``. (verl computes it in float32;
+    here in the rewards' float dtype, at least float32.)
+
+    Args and returns: as ``compute_grpo_outcome_advantage``."""
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, mean, std = _group_mean_std(scores, group, num_groups)
+    advantage = scores - mean
+    if norm_adv_by_std_in_grpo:
+        advantage = advantage / (std.clamp(min=epsilon ** 0.5) + epsilon)
+    return _broadcast(advantage, response_mask)
+
+
+@register_adv_est("rloo_vectorized")
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised RLOO: ``rloo``'s leave-one-out advantage, except that a group of one
+    gets 0 (``rloo`` keeps its raw score).
+
+    Args and returns: as ``compute_rloo_outcome_advantage``."""
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    counts = _group_sums(torch.ones_like(scores), group, num_groups)[group]
+    group_totals = _group_sums(scores, group, num_groups)[group]
+    leave_one_out = scores - (group_totals - scores) / (counts - 1).clamp(min=1)
+    return _broadcast(torch.where(counts > 1, leave_one_out, 0.0), response_mask)
+
+
+@register_adv_est("grpo_passk")
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training's outcome advantage (Chen et al. 2025, https://arxiv.org/abs/2503.19595),
+    as verl's ``grpo_passk``: in each group only the best response learns, with
+    ``A = s_max - s_second`` (the largest score minus the next one, which may equal it), divided
+    by ``std_g + epsilon`` (unbiased) when ``norm_adv_by_std_in_grpo``; every other response
+    gets 0. Where the best score is tied the gap is 0, so which of the tied responses is taken
+    (here the first in the batch) changes nothing.
+
+    Args and returns: as ``compute_grpo_outcome_advantage``.
+
+    Raises:
+        ValueError: a group with fewer than 2 responses."""
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    counts = _group_sums(torch.ones_like(scores), group, num_groups)
+    if bool((counts < 2).any()):
+        raise ValueError(f"grpo_passk needs at least 2 responses per group; a group has {int(counts.min())}")
+    _, _, std = _group_mean_std(scores, group, num_groups)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    # order by (group, score descending, row): each group's best, then its runner-up, come first
+    order = np.lexsort((rows.cpu().numpy(), -scores.double().cpu().numpy(), group.cpu().numpy()))
+    order = torch.as_tensor(order, device=scores.device)
+    starts = torch.cumsum(counts.long(), 0) - counts.long()
+    best, second = order[starts], order[starts + 1]
+    gap = scores[best] - scores[second]
+    if norm_adv_by_std_in_grpo:
+        gap = gap / (std[best] + epsilon)
+    advantage = torch.zeros_like(scores).index_copy_(0, best, gap)
+    return _broadcast(advantage, response_mask)
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-Policy RL with the optimal reward baseline (Hao et al. 2025, https://arxiv.org/abs/2505.23585),
+    as verl's ``opo``: ``A_i = s_i - b_g`` with the length-weighted group baseline
+    ``b_g = sum_j L_j s_j / sum_j L_j`` (``L_j``: response ``j``'s tokens in ``response_mask``);
+    a group of one has ``b = 0``. A group whose responses are all empty (no token to weigh)
+    gets ``b = 0`` too, where verl divides 0 by 0; its advantages reach no token either way.
+
+    Args:
+        token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
+        epsilon, norm_adv_by_std_in_grpo, values, gamma, lam: accepted for the one signature.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask."""
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    lengths = response_mask.to(scores.dtype).sum(-1)
+    counts = _group_sums(torch.ones_like(scores), group, num_groups)[group]
+    weighted = _group_sums(lengths * scores, group, num_groups)[group]
+    total_length = _group_sums(lengths, group, num_groups)[group]
+    baseline = torch.where((counts > 1) & (total_length > 0), weighted / total_length.clamp(min=1), 0.0)
+    return _broadcast(scores - baseline, response_mask)
+
+
+@register_adv_est("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient's advantage (Chu et al. 2025, https://arxiv.org/abs/2504.02546), as
+    verl's ``gpg``: ``A_i = alpha (s_i - mean_g)`` with ``alpha = B / max(#{i: s_i != 0}, 1)``
+    over the whole batch of ``B`` responses (it raises the weight of a batch where few responses
+    score), and mean 0 for a group of one. No std normalisation (verl's ``f_norm`` is 1).
+
+    Args:
+        token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
+        epsilon, norm_adv_by_std_in_grpo, values, gamma, lam: accepted for the one signature.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask."""
+    scores = _outcome_scores(token_level_rewards)
+    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, mean, _ = _group_mean_std(scores, group, num_groups)
+    alpha = scores.shape[0] / (scores != 0).sum().clamp(min=1).to(scores.dtype)
+    return _broadcast(alpha * (scores - mean), response_mask)
+
+
 def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The advantage estimator registered under ``name`` (``algorithm.adv_estimator``)."""
     if name not in ADV_ESTIMATORS:

@@ -660,7 +660,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     return notes
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
+                    "opo", "gpg")
 
 
 def described_launch(cfg: PPOConfig) -> tuple[int, int]:

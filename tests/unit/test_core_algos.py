@@ -308,6 +308,9 @@ def test_reinforce_plus_plus_baseline_matches_reference():
             assert advantages[i, t].item() == pytest.approx(want, rel=1e-8, abs=1e-10)
 
 
+PAIRS = np.array([2, 0, 1, 1, 0, 2])  # three groups of two; group 2 holds the empty response (row 0)
+
+
 def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
     rewards, values = rand(6, 7, seed=30), rand(6, 7, seed=31)
     inputs = dict(token_level_rewards=rewards, response_mask=MASK, values=values, index=GROUPS_INT, gamma=0.9,
@@ -320,9 +323,17 @@ def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
         "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage(rewards, MASK, 0.9),
         "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, MASK,
                                                                                                 GROUPS_INT),
+        "grpo_vectorized": core_algos.compute_grpo_vectorized_outcome_advantage(rewards, MASK, GROUPS_INT,
+                                                                                norm_adv_by_std_in_grpo=False),
+        "rloo_vectorized": core_algos.compute_rloo_vectorized_outcome_advantage(rewards, MASK, GROUPS_INT),
+        "grpo_passk": core_algos.compute_grpo_passk_outcome_advantage(rewards, MASK, PAIRS,
+                                                                      norm_adv_by_std_in_grpo=False),
+        "opo": core_algos.compute_opo_outcome_advantage(rewards, MASK, GROUPS_INT),
+        "gpg": core_algos.compute_gpg_outcome_advantage(rewards, MASK, GROUPS_INT),
     }
     for name, fn in ADV_ESTIMATORS.items():
-        for got, want in zip(fn(**inputs), direct[name]):
+        # pass@k needs two responses a group at least
+        for got, want in zip(fn(**(inputs | {"index": PAIRS} if name == "grpo_passk" else inputs)), direct[name]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="needs values"):
         compute_gae_advantage_return(**(inputs | {"values": None}))
@@ -341,7 +352,8 @@ def test_registration_refuses_another_signature():
     assert "no_values" not in ADV_ESTIMATORS and "extra" not in POLICY_LOSSES
 
 def test_adv_estimator_registry():
-    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg"}
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
         get_adv_estimator_fn("remax")

@@ -1,0 +1,146 @@
+"""verl's other outcome advantage estimators (`grpo_vectorized`, `rloo_vectorized`, `grpo_passk`,
+`opo`, `gpg`) against per-group loops written here from verl's definitions, in float64: random
+scores with ties and zeros, groups of one to four, empty and holed responses."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ppo import get_adv_estimator_fn
+
+F64 = torch.float64
+EPS = 1e-6
+
+
+def _batch(seed: int, with_singletons: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 2, 3, 4, 2, 1] if with_singletons else [2, 3, 4, 2]
+    index = np.array([f"u{k}" for k, n in enumerate(sizes) for _ in range(n)], dtype=object)
+    b, t = len(index), 6
+    # scores on a coarse grid: ties (also for the best of a group) and exact zeros happen
+    scores = torch.randint(0, 4, (b,), generator=g).to(F64) / 2
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    mask[1, 0] = 0  # a hole
+    rewards = torch.zeros(b, t, dtype=F64)
+    rewards[torch.arange(b), (lengths - 1).clamp(min=0)] = scores
+    return rewards, mask, index, scores.tolist(), mask.sum(-1).tolist()
+
+
+def _groups(index):
+    members = {}
+    for i, u in enumerate(index):
+        members.setdefault(u, []).append(i)
+    return members
+
+
+def _run(name, rewards, mask, index, norm=True):
+    adv, ret = get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=index, values=None,
+                                          gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=norm)
+    assert ret is adv
+    return adv
+
+
+def _check(adv, expected, mask):
+    want = torch.tensor(expected, dtype=F64)[:, None] * mask
+    torch.testing.assert_close(adv, want, rtol=1e-12, atol=1e-12)
+
+
+def _std(xs):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_vectorized(seed, norm):
+    rewards, mask, index, s, _ = _batch(seed)
+    expected = [0.0] * len(s)
+    for rows in _groups(index).values():
+        xs = [s[i] for i in rows]
+        if len(xs) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(xs) / len(xs)
+            var = (sum(x * x for x in xs) - sum(xs) ** 2 / len(xs)) / (len(xs) - 1)
+            std = math.sqrt(max(var, EPS))  # verl's group_mean_std: the variance floored at eps
+        for i in rows:
+            expected[i] = (s[i] - mean) / (std + EPS) if norm else s[i] - mean
+    _check(_run("grpo_vectorized", rewards, mask, index, norm), expected, mask)
+
+
+def test_grpo_vectorized_floors_a_near_uniform_group():
+    rewards = torch.tensor([[1.0], [1.0 + 1e-5]], dtype=F64)
+    adv = _run("grpo_vectorized", rewards, torch.ones(2, 1), np.array([0, 0]))
+    plain = _run("grpo", rewards, torch.ones(2, 1), np.array([0, 0]))
+    # std 7.1e-6 is floored at 1e-3: the advantages are ~5e-3, where grpo's are ~0.6
+    assert adv[1, 0].item() == pytest.approx(0.5e-5 / (1e-3 + EPS), rel=1e-9)
+    assert plain[1, 0].item() > 0.5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rloo_vectorized(seed):
+    rewards, mask, index, s, _ = _batch(seed)
+    expected = [0.0] * len(s)
+    for rows in _groups(index).values():
+        n = len(rows)
+        for i in rows:  # a group of one: 0 (plain rloo keeps the raw score)
+            expected[i] = (n * s[i] - sum(s[j] for j in rows)) / (n - 1) if n > 1 else 0.0
+    _check(_run("rloo_vectorized", rewards, mask, index), expected, mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk(seed, norm):
+    rewards, mask, index, s, _ = _batch(seed, with_singletons=False)
+    expected = [0.0] * len(s)
+    for rows in _groups(index).values():
+        ranked = sorted(rows, key=lambda i: -s[i])
+        best, second = ranked[0], ranked[1]
+        gap = s[best] - s[second]
+        expected[best] = gap / (_std([s[i] for i in rows]) + EPS) if norm else gap
+    _check(_run("grpo_passk", rewards, mask, index, norm), expected, mask)
+
+
+def test_grpo_passk_hand_values_and_singletons():
+    # scores [0.5, 2, 1]: only the best (row 1) learns, by 2 - 1 = 1
+    rewards = torch.tensor([[0.5], [2.0], [1.0]], dtype=F64)
+    adv = _run("grpo_passk", rewards, torch.ones(3, 1), np.array(["p", "p", "p"]), norm=False)
+    assert adv[:, 0].tolist() == [0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="at least 2 responses"):
+        _run("grpo_passk", rewards, torch.ones(3, 1), np.array(["p", "p", "q"]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_opo(seed):
+    rewards, mask, index, s, lengths = _batch(seed)
+    expected = [0.0] * len(s)
+    for rows in _groups(index).values():
+        total = sum(lengths[i] for i in rows)
+        baseline = sum(lengths[i] * s[i] for i in rows) / total if len(rows) > 1 and total > 0 else 0.0
+        for i in rows:
+            expected[i] = s[i] - baseline
+    _check(_run("opo", rewards, mask, index), expected, mask)
+
+
+def test_opo_hand_values():
+    # scores [1, 0] with 1 and 3 tokens: baseline (1 * 1 + 3 * 0) / 4 = 0.25
+    rewards = torch.tensor([[1.0, 0, 0], [0, 0, 0]], dtype=F64)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    adv = _run("opo", rewards, mask, np.array([0, 0]))
+    assert adv.tolist() == [[0.75, 0, 0], [-0.25, -0.25, -0.25]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpg(seed):
+    rewards, mask, index, s, _ = _batch(seed)
+    alpha = len(s) / max(sum(1 for x in s if x != 0), 1)
+    expected = [0.0] * len(s)
+    for rows in _groups(index).values():
+        mean = sum(s[i] for i in rows) / len(rows) if len(rows) > 1 else 0.0
+        for i in rows:
+            expected[i] = alpha * (s[i] - mean)
+    assert any(x == 0 for x in s) and alpha > 1  # the batch rescaling is exercised
+    _check(_run("gpg", rewards, mask, index), expected, mask)
