@@ -5,7 +5,8 @@ All reward functions have verl's signature and are called, as verl calls them, b
     fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | bool | dict
 
 so a user's function may take its parameters in any order, or as `**kwargs`. A dict result carries the score under `"score"`; its other numeric entries become extra
-metrics. `default_compute_score` dispatches the built-in data sources; a user's own
+metrics, and every other entry (a predicted answer, a parse) goes to the sample dumps as
+returned. `default_compute_score` dispatches the built-in data sources; a user's own
 function is loaded from a Python file or module with `load_custom_reward_fn` (verl's
 `custom_reward_function.path` / `.name` / `.reward_kwargs`).
 """
@@ -196,16 +197,18 @@ def score_responses(
     solution_strs: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict | None] | None = None,
-) -> tuple[list[float], dict[str, list[float]]]:
+) -> tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]:
     """Score every response with `fn`.
 
     Each call's `extra_info` is a copy of the row's with `SINGLE_TURN_EXTRA_INFO` added, as verl's
     reward manager adds them. A score may be a number, a bool, a 0-d tensor or a dict with `score`.
 
-    Returns `(scores, extras)`: one float per sample, and for every extra numeric key
-    returned in a dict result a list aligned with the samples (NaN where a sample did
-    not return that key). Non-numeric extra values (e.g. a predicted answer string) are
-    not metrics and are left out.
+    Returns `(scores, extras, other_extras)`, each aligned with the samples: one float per
+    sample; for every extra key of a dict result that some sample gave a number for, the
+    numbers (NaN where a sample gave none), which are metrics; and for every extra key that
+    some sample gave anything else for (a string, a list, None...), every sample's value as
+    returned (None where a sample did not return the key), which only the dumps write (verl's
+    dumps carry every key of the result). A key of both kinds is in both.
 
     Raises `RewardError` when `fn` raises (chained from the original error) or returns
     something that is not a finite number, naming the function, sample index and data
@@ -223,6 +226,8 @@ def score_responses(
     code = getattr(inspect.unwrap(fn), "__code__", None)
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
+    returned: list[dict] = []  # each sample's dict result ({} for a plain score)
+    other_keys: dict[str, None] = {}  # the keys some sample gave a non-number for, in the function's order
     for i in range(n):
         where = f"sample {i} (data_source={data_sources[i]!r})"
         try:
@@ -234,6 +239,7 @@ def score_responses(
             at = _where(err, code.co_filename if code else None)
             raise RewardError(f"reward function {name} raised on {where}{at}: {type(err).__name__}: {err}") from err
         sample_extras: dict[str, float] = {}
+        returned.append(result if isinstance(result, dict) else {})
         if isinstance(result, dict):
             if "score" not in result:
                 raise RewardError(
@@ -241,8 +247,12 @@ def score_responses(
                     f"keys {sorted(result)}"
                 )
             for key, value in result.items():
-                if key != "score" and (as_float := _as_float(value)) is not None:
+                if key == "score":
+                    continue
+                if (as_float := _as_float(value)) is not None:
                     sample_extras[key] = as_float
+                else:
+                    other_keys[key] = None
             result = result["score"]
         score = _as_float(result)
         if score is None:
@@ -258,4 +268,4 @@ def score_responses(
                 extras[key] = [math.nan] * i
         for key, values in extras.items():
             values.append(sample_extras.get(key, math.nan))
-    return scores, extras
+    return scores, extras, {key: [r.get(key) for r in returned] for key in other_keys}

@@ -44,7 +44,7 @@ from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, R
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models
-from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, run_info
+from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
 from sharding import comm
 
 class _AbandonStep(Exception):
@@ -61,6 +61,14 @@ def _peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+def _dump_extras(numeric: dict[str, float], others: dict) -> dict:
+    """One sample's reward-function extras as a dump writes them: the numeric columns (NaN where
+    the sample gave none), then the other extras as the function returned them. None among those
+    (the sample did not return the key, or, in training, its rank's samples gave only numbers for
+    it) leaves a number in place."""
+    return {**numeric, **{k: v for k, v in others.items() if v is not None or k not in numeric}}
 
 
 class PPOTrainer:
@@ -282,21 +290,22 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict]:
+    def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict, dict]:
         """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand) from
-        the rule / custom function, the reward model or both (`reward_model.combine`), and the
-        function's extra columns. A failing reward function fails every rank together (an error on
-        one rank would otherwise hang the rest)."""
+        the rule / custom function, the reward model or both (`reward_model.combine`), the
+        function's numeric extra columns (the same keys on every rank) and its other extras (this
+        rank's rows' own keys, for the dumps). A failing reward function fails every rank together
+        (an error on one rank would otherwise hang the rest)."""
         from rewards import RewardError, score_responses
 
         texts = decode_batch(self.tokenizer, ro.responses) if texts is None else texts
-        err, scores, extras = None, None, {}
+        err, scores, extras, others = None, None, {}, {}
         rm_cfg = self.cfg.reward_model
         use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
         if use_rule:
             try:
-                scores, extras = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
-                                                 ro.extra_infos)
+                scores, extras, others = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
+                                                         ro.extra_infos)
             except RewardError as e:
                 err = str(e)
         self._fail_together(err)
@@ -304,7 +313,7 @@ class PPOTrainer:
                            device=self.device)
         if rm_cfg.enable:
             out = out + self.reward_model.scores(ro)
-        return out, self._agreed_extras(extras, len(ro))
+        return out, self._agreed_extras(extras, len(ro)), others
 
     def _fail_together(self, err: str | None) -> None:
         """If this or any rank hit an error (`err`: this rank's message or None), every rank raises
@@ -367,10 +376,11 @@ class PPOTrainer:
         return metrics
 
     def _reward(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """Scores `[N_local]` and the reward function's extra columns; `ro.token_level_scores`
-        holds each score on its response's last token."""
+        """Scores `[N_local]` and the reward function's numeric extra columns; `ro.token_level_scores`
+        holds each score on its response's last token, `ro.other_extras` the function's other
+        extras (for the dumps)."""
         with self.timer("reward"):
-            scores, extras = self._score(ro)
+            scores, extras, ro.other_extras = self._score(ro)
         token_scores = torch.zeros(len(ro), ro.width, device=self.device)
         last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
         token_scores[torch.arange(len(ro), device=self.device), last] = scores
@@ -470,16 +480,32 @@ class PPOTrainer:
 
     def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
                        extras: dict):
-        """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step, written by rank 0;
-        `reward` is the score minus any KL-in-reward penalty, `advantage` the mean over the
-        response's tokens."""
-        mask = ro.response_mask
-        cols = [scores.double(), ro.token_level_rewards.double().sum(-1),
-                masked_mean(ro.advantages.double(), mask, axis=-1)]
-        cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in sorted(extras)]
+        """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step in the batch's order,
+        written by rank 0. `reward` is the score minus any KL-in-reward penalty; `advantage` the
+        mean over the response's tokens in `loss_mask` (rollout rejection's rejected tokens carry
+        no advantage), NaN, written null, when rejection left none; then the reward function's
+        extras: its numeric ones (null where a sample gave none) and its others as returned
+        (`_dump_extras`, `dump_value`; null where a sample did not return the key). Every rank
+        joins both gathers to rank 0, the numbers' and the other extras', whatever its rows gave."""
+        mask = ro.loss_mask
+        adv = torch.where(mask.sum(-1) > 0, masked_mean(ro.advantages.double(), mask, axis=-1), math.nan)
+        cols = [scores.double(), ro.token_level_rewards.double().sum(-1), adv]
+        names = sorted(extras)
+        cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in names]
         per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
+        # made JSON data on their own rank: a value of the user's need not pickle
+        mine = {k: [dump_value(v) for v in vals] for k, vals in (ro.other_extras or {}).items()}
+        every = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
         if not self.ctx.is_main:
             return
+        others = {k: [None] * len(full) for k in sorted(set().union(*every))}
+        for ix, theirs in zip(parts, every):
+            for k, vals in theirs.items():
+                for i, v in zip(ix, vals):
+                    others[k][i] = v
         inputs = decode_batch(self.tokenizer, full.prompts)
         outputs = decode_batch(self.tokenizer, full.responses)
         rows = []
@@ -488,7 +514,7 @@ class PPOTrainer:
                    "reward": vals[1], "advantage": vals[2], "data_source": full.data_sources[i],
                    "response_length": len(full.responses[i]), "finish_reason": full.finish_reasons[i],
                    "step": self.global_step + 1}
-            row.update({k: v for k, v in zip(sorted(extras), vals[3:])})
+            row.update(_dump_extras(dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()}))
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
@@ -575,7 +601,7 @@ class PPOTrainer:
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
                 # every rank holds every row here: each scores them all, as training scores its own
-                scores, extras = self._score(ro, texts)
+                scores, extras, others = self._score(ro, texts)
                 scores = scores.tolist()
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)
@@ -584,7 +610,9 @@ class PPOTrainer:
                     for i in range(len(texts)):
                         dumped.append({"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i],
                                        "score": scores[i], "data_source": ro.data_sources[i],
-                                       "step": self.global_step, **{k: v[i] for k, v in extras.items()}})
+                                       "step": self.global_step,
+                                       **_dump_extras({k: v[i] for k, v in extras.items()},
+                                                      {k: v[i] for k, v in others.items()})})
                 for k in range(min(self.cfg.trainer.log_val_generations - logged, len(texts))):
                     prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
                     self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")

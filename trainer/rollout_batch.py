@@ -50,6 +50,9 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None  # scores minus any KL-in-reward penalty
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    # the reward function's extras that are not (all) numbers, as returned, per key a list over
+    # the rows (`score_responses`' other_extras): for the dumps, not the metrics
+    other_extras: dict[str, list[Any]] | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -103,9 +106,12 @@ class RolloutBatch:
         return index_on(idx, self.device)
 
     def take(self, idx: list[int]) -> RolloutBatch:
-        """The rows `idx`, in that order: of every per-sequence list and of every tensor set."""
+        """The rows `idx`, in that order: of every per-sequence list, every tensor set and the
+        reward's other extras."""
         rows = self.index(idx)
         lists = {name: [getattr(self, name)[i] for i in idx] for name in SEQUENCE_FIELDS}
         tensors = {name: t[rows] for name in TOKEN_FIELDS + ("_response_mask",)
                    if (t := getattr(self, name)) is not None}
-        return RolloutBatch(**lists, width=self.width, device=self.device, **tensors)
+        others = (None if self.other_extras is None
+                  else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
+        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, **tensors)

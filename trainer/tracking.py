@@ -19,7 +19,9 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -159,16 +161,34 @@ def banner(info: dict) -> str:
     ])
 
 
+def dump_value(v: Any) -> Any:
+    """`v` as the sample dumps write it, as plain JSON data (a dump is for reading, so nothing in
+    it stops a run): a tensor or NumPy value as its number or list, a NaN as null and an
+    infinity as +-1e308, an object json does not know (inside a list or dict too) as its `str()`,
+    and a value json cannot write at all (a dict with tuple keys, a NaN inside a list, a cycle)
+    as its `str()`."""
+    if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
+        v = v.tolist()
+    v = _jsonable(v)
+    if v is None or isinstance(v, (str, int, float)):
+        return v
+    try:
+        return json.loads(json.dumps(v, ensure_ascii=False, allow_nan=False, default=str))
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     """Write one step's samples as `DUMP_DIR/{step}.jsonl` (verl's layout: one JSON object per
-    sample with `input`, `output`, `gts`, `score`, `step` and more); returns the path."""
+    sample with `input`, `output`, `gts`, `score`, `step` and more; each value as `dump_value`
+    writes it); returns the path. Every line is made before the file is opened, and the file
+    replaces any earlier one whole."""
+    lines = [json.dumps({k: dump_value(v) for k, v in row.items()}, ensure_ascii=False) + "\n" for row in rows]
     os.makedirs(dump_dir, exist_ok=True)
     path = os.path.join(dump_dir, f"{step}.jsonl")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        for row in rows:
-            # default=str: a ground truth from Parquet may be a NumPy value; a dump is for reading
-            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False, default=str) + "\n")
+        f.writelines(lines)
     os.replace(tmp, path)
     return path
 

@@ -149,6 +149,51 @@ def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(tiny_asse
     assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
 
 
+EXTRAS_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The length, with extras of every kind: a string, a bool, a list on some responses only."""
+    out = {"score": float(len(solution_str)), "pred": str(len(solution_str)), "has_one": "1" in solution_str}
+    if "1" in solution_str:
+        out["before_one"] = [solution_str.index("1"), solution_str.split("1")[0]]
+    return out
+'''
+
+
+def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_path):
+    """verl's dumps write every key of a dict result: on 2 ranks, each scoring its own rows, every
+    row of the training dump (and of the validation dump, every rank scoring every row) has the
+    function's values of its own output; the numbers as the metrics' floats, the others as
+    returned, null where the response gave none."""
+    import json
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(EXTRAS_REWARD)
+    namespace = {}
+    exec(EXTRAS_REWARD, namespace)
+    run = tmp_path / "run"
+    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                           "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
+                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                           f"trainer.rollout_data_dir={tmp_path / 'dump'}",
+                           f"trainer.validation_data_dir={tmp_path / 'val'}",
+                           # sampled validation: the untrained model's greedy responses are all empty
+                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    for path, count in ((tmp_path / "dump" / "1.jsonl", 8 * 8), (tmp_path / "val" / "0.jsonl", 16)):
+        with open(path) as f:
+            dumped = [json.loads(line) for line in f]
+        assert len(dumped) == count
+        for row in dumped:
+            want = namespace["compute_score"]("meshppo/demo_add", row["output"], row["gts"])
+            assert row["score"] == want["score"] and row["pred"] == want["pred"], row
+            assert row["has_one"] == float(want["has_one"]), row  # a number: a metric, written as one
+            assert row["before_one"] == want.get("before_one"), row
+        # both kinds of response are there: with a "1" and without
+        assert 0 < sum(row["before_one"] is None for row in dumped) < count, path
+
+
 def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     """`reward_model.enable` through the whole trainer (2 ranks): a Hugging Face
     *ForSequenceClassification directory of the actor's shape, saved with the actor's tokenizer (so

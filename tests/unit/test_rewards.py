@@ -202,20 +202,22 @@ def test_custom_reward_paths_in_verls_forms(custom_file, tmp_path, monkeypatch):
 
 
 def test_score_responses_numbers_bools_and_extras(custom_file):
-    scores, extras = score_responses(
+    scores, extras, others = score_responses(
         default_compute_score, ["meshppo/demo_add", "openai/gsm8k", "meshppo/demo_add"],
         ["5", "#### 9", "6"], ["5", "9", "5"], [None, {}, None])
-    assert scores == [1.0, 1.0, 0.0] and extras == {}
+    assert scores == [1.0, 1.0, 0.0] and extras == {} and others == {}
 
-    scores, extras = score_responses(load_custom_reward_fn(custom_file, "boolean"), ["d"] * 2, ["a", "b"], ["a", "a"])
-    assert scores == [1.0, 0.0] and all(type(s) is float for s in scores)
+    scores, extras, others = score_responses(load_custom_reward_fn(custom_file, "boolean"), ["d"] * 2, ["a", "b"],
+                                             ["a", "a"])
+    assert scores == [1.0, 0.0] and all(type(s) is float for s in scores) and extras == others == {}
 
-    scores, extras = score_responses(load_custom_reward_fn(custom_file), ["d"] * 2, ["ab", "c"], ["ab", "x"], None)
-    # Numeric extras become metrics; the string "pred" does not.
-    assert scores == [1.0, 0.0] and extras == {"length": [2.0, 1.0]}
+    scores, extras, others = score_responses(load_custom_reward_fn(custom_file), ["d"] * 2, ["ab", "c"], ["ab", "x"],
+                                             None)
+    # Numeric extras become metrics; the string "pred" goes to the dumps only.
+    assert scores == [1.0, 0.0] and extras == {"length": [2.0, 1.0]} and others == {"pred": ["ab", "c"]}
 
     fn = load_custom_reward_fn(custom_file, "with_info")
-    scores, _ = score_responses(fn, ["d"] * 2, ["a", "a"], ["a", "a"], [{"weight": 0.5}, {"weight": 2}])
+    scores, _, _ = score_responses(fn, ["d"] * 2, ["a", "a"], ["a", "a"], [{"weight": 0.5}, {"weight": 2}])
     assert scores == [0.5, 2.0]
 
 
@@ -223,13 +225,13 @@ def test_reward_functions_are_called_by_keyword_as_verl_calls_them(custom_file):
     """verl calls compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...): a
     function with its parameters in another order, or taking **kwargs, gets each value by name."""
     # called positionally, "reordered" would compare the data source "d" with the response: 0.0 for all
-    scores, _ = score_responses(load_custom_reward_fn(custom_file, "reordered"), ["d"] * 2, ["42", "7"], ["42", "42"])
+    scores, _, _ = score_responses(load_custom_reward_fn(custom_file, "reordered"), ["d"] * 2, ["42", "7"], ["42", "42"])
     assert scores == [1.0, 0.0]
-    scores, extras = score_responses(load_custom_reward_fn(custom_file, "keywords_only"), ["ab", "abc"],
-                                     ["42", "7"], ["42", "42"])
+    scores, extras, _ = score_responses(load_custom_reward_fn(custom_file, "keywords_only"), ["ab", "abc"],
+                                        ["42", "7"], ["42", "42"])
     assert scores == [1.0, 0.0] and extras == {"source_len": [2.0, 3.0]}
     # numpy's bools (np.isclose) are scores as Python's are
-    scores, _ = score_responses(load_custom_reward_fn(custom_file, "numpy_bool"), ["d"] * 2, ["1.0", "2"], ["1", "3"])
+    scores, _, _ = score_responses(load_custom_reward_fn(custom_file, "numpy_bool"), ["d"] * 2, ["1.0", "2"], ["1", "3"])
     assert scores == [1.0, 0.0] and all(type(s) is float for s in scores)
     # a function that cannot take verl's keywords is refused when it is loaded, before any rollout
     with pytest.raises(RewardError, match=r"'positional_names' in custom reward file .*my_reward\.py cannot be called "
@@ -253,7 +255,7 @@ def test_score_responses_takes_tensors_and_gives_verls_extra_info():
         return {"x": torch.tensor(0.5), "y": np.array(2.0)}[solution_str]
 
     row_info = {"index": 4}
-    scores, extras = score_responses(fn, ["d"] * 3, ["x", "y", "w"], ["", "", ""], [row_info, None, row_info])
+    scores, extras, _ = score_responses(fn, ["d"] * 3, ["x", "y", "w"], ["", "", ""], [row_info, None, row_info])
     assert scores == [0.5, 2.0, 1.0] and all(type(x) is float for x in scores) and list(extras) == ["z"]
     assert math.isnan(extras["z"][0]) and math.isnan(extras["z"][1]) and extras["z"][2] == 3.0
     assert seen == [{"index": 4, "num_turns": 2, "rollout_reward_scores": {}},
@@ -268,10 +270,36 @@ def test_score_responses_extras_missing_in_some_samples_are_nan():
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": 1, "late": 3} if solution_str == "late" else {"score": 0, "early": 1}
 
-    scores, extras = score_responses(fn, ["d"] * 3, ["early", "late", "early"], ["", "", ""])
+    scores, extras, _ = score_responses(fn, ["d"] * 3, ["early", "late", "early"], ["", "", ""])
     assert scores == [0.0, 1.0, 0.0]
     assert extras["early"][0] == 1.0 and math.isnan(extras["early"][1]) and extras["early"][2] == 1.0
     assert math.isnan(extras["late"][0]) and extras["late"][1] == 3.0 and math.isnan(extras["late"][2])
+
+
+def test_score_responses_returns_the_other_extras_as_returned():
+    """Extras that are not numbers (verl's dumps carry every key of a dict result) come back as the
+    function returned them, aligned with the samples, None where a sample did not return the key;
+    the numeric extras (the metrics) are as they were, and a key of both kinds is in both."""
+    parsed, meta = [1, 2], {"steps": ["a", "b"]}
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "a":
+            return {"score": 1.0, "pred": "42", "format_ok": True, "parsed": parsed, "meta": meta, "why": None,
+                    "conf": 0.5, "mixed": 3}
+        if solution_str == "b":
+            return {"score": 0.0, "pred": "", "format_ok": False, "mixed": "n/a", "late": "x"}
+        return 0.5  # a plain score: no extras at all
+
+    scores, extras, others = score_responses(fn, ["d"] * 3, ["a", "b", "c"], ["", "", ""])
+    assert scores == [1.0, 0.0, 0.5]
+    assert list(others) == ["pred", "parsed", "meta", "why", "mixed", "late"]  # the function's order
+    assert others["pred"] == ["42", "", None] and others["why"] == [None, None, None]
+    assert others["parsed"][0] is parsed and others["meta"][0] is meta and others["parsed"][1:] == [None, None]
+    assert others["mixed"] == [3, "n/a", None] and others["late"] == [None, "x", None]
+    # the metrics as before: bools and numbers only, NaN where a sample gave none
+    assert list(extras) == ["format_ok", "conf", "mixed"]
+    assert extras["format_ok"][:2] == [1.0, 0.0] and extras["conf"][0] == 0.5 and extras["mixed"][0] == 3.0
+    assert all(math.isnan(x) for x in (extras["format_ok"][2], *extras["conf"][1:], *extras["mixed"][1:]))
 
 
 def test_score_responses_extras_keep_the_functions_key_order():

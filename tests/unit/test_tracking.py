@@ -86,6 +86,26 @@ def test_dump_generations_writes_verl_layout(tmp_path):
     assert _lines(tmp_path / "dumps" / "8.jsonl") == rows
 
 
+def test_dump_generations_writes_what_json_cannot_as_text(tmp_path):
+    """A reward function's extras are anything: tensors and NumPy values as their numbers or lists,
+    anything json cannot write as its str() (a dump never stops a run), NaN and infinities as the
+    metrics write them."""
+    import numpy as np
+
+    cycle = []
+    cycle.append(cycle)
+    values = {"tensor": torch.tensor([1.5, 2.0]), "array": np.array([[1, 2]]), "int64": np.int64(3),
+              "tuple_key": {(1, 2): "x"}, "nested_nan": [1.0, float("nan")], "cycle": cycle,
+              "obj": {"a": object()}, "inf": float("inf"), "nan": float("nan"), "text": "ok"}
+    path = dump_generations(str(tmp_path / "dumps"), 9, [{"step": 9, **values}])
+    (row,) = _lines(tmp_path / "dumps" / "9.jsonl")
+    assert row["tensor"] == [1.5, 2.0] and row["array"] == [[1, 2]] and row["int64"] == 3
+    assert row["tuple_key"] == "{(1, 2): 'x'}" and row["nested_nan"] == "[1.0, nan]" and row["cycle"] == "[[...]]"
+    assert row["obj"]["a"].startswith("<object object at ")
+    assert row["inf"] == 1e308 and row["nan"] is None and row["text"] == "ok"
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["9.jsonl"] and path.endswith("9.jsonl")
+
+
 def _bar_text(err: str) -> str:
     return err.replace("\r", "\n").strip().splitlines()[-1]
 
