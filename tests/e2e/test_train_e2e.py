@@ -151,10 +151,11 @@ def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(tiny_asse
 
 EXTRAS_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """The length, with extras of every kind: a string, a bool, a list on some responses only."""
+    """The length, with extras of every kind: a string, a bool, a list on some rows only (those whose
+    answer is even: which rows those are depends on the data alone, not on what was sampled)."""
     out = {"score": float(len(solution_str)), "pred": str(len(solution_str)), "has_one": "1" in solution_str}
-    if "1" in solution_str:
-        out["before_one"] = [solution_str.index("1"), solution_str.split("1")[0]]
+    if int(str(ground_truth)) % 2 == 0:
+        out["even_answer"] = [len(solution_str), solution_str[:3]]
     return out
 '''
 
@@ -189,9 +190,9 @@ def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_p
             want = namespace["compute_score"]("meshppo/demo_add", row["output"], row["gts"])
             assert row["score"] == want["score"] and row["pred"] == want["pred"], row
             assert row["has_one"] == float(want["has_one"]), row  # a number: a metric, written as one
-            assert row["before_one"] == want.get("before_one"), row
-        # both kinds of response are there: with a "1" and without
-        assert 0 < sum(row["before_one"] is None for row in dumped) < count, path
+            assert row["even_answer"] == want.get("even_answer"), row
+        # both kinds of row are there: with the list key and without
+        assert 0 < sum(row["even_answer"] is None for row in dumped) < count, path
 
 
 def test_reward_model_scores_the_responses(demo_assets, tmp_path):
