@@ -101,9 +101,11 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 ADV_ESTIMATOR_INPUTS: tuple[str, ...] = (
     "token_level_rewards", "response_mask", "values", "index", "gamma", "lam", "norm_adv_by_std_in_grpo",
+    "reward_baselines",
 )
-"""The keywords every advantage estimator accepts (``values`` is None without a critic);
-each uses the ones its formula needs and says which it only accepts."""
+"""The keywords every advantage estimator accepts (``values`` is None without a critic,
+``reward_baselines`` None but for ``remax``, which alone reads it); each uses the ones its
+formula needs and says which it only accepts."""
 
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 """``algorithm.adv_estimator`` name -> function, filled by ``register_adv_est``."""
@@ -198,6 +200,7 @@ def compute_gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    reward_baselines: torch.Tensor | None = None,
     *,
     index: GroupIndex | None = None,
     norm_adv_by_std_in_grpo: bool = True,
@@ -296,6 +299,7 @@ def compute_grpo_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's group-relative outcome advantage (Shao et al. 2024, https://arxiv.org/abs/2402.03300).
 
@@ -342,6 +346,7 @@ def compute_rloo_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out outcome advantage (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
@@ -378,6 +383,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     values: torch.Tensor | None = None,
     index: GroupIndex | None = None,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantage (Hu 2025, https://arxiv.org/abs/2501.03262): discounted
@@ -420,6 +426,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
 
@@ -464,6 +471,7 @@ def compute_grpo_vectorized_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised GRPO: ``grpo``'s advantage with the group variance floored at
     ``epsilon`` before its square root, ``A_i = (s_i - mean_g) / (max(std_g, sqrt(epsilon)) +
@@ -493,6 +501,7 @@ def compute_rloo_vectorized_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised RLOO: ``rloo``'s leave-one-out advantage, except that a group of one
     gets 0 (``rloo`` keeps its raw score).
@@ -518,6 +527,7 @@ def compute_grpo_passk_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k training's outcome advantage (Chen et al. 2025, https://arxiv.org/abs/2503.19595),
     as verl's ``grpo_passk``: in each group only the best response learns, with
@@ -561,6 +571,7 @@ def compute_opo_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-Policy RL with the optimal reward baseline (Hao et al. 2025, https://arxiv.org/abs/2505.23585),
     as verl's ``opo``: ``A_i = s_i - b_g`` with the length-weighted group baseline
@@ -596,6 +607,7 @@ def compute_gpg_outcome_advantage(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group Policy Gradient's advantage (Chu et al. 2025, https://arxiv.org/abs/2504.02546), as
     verl's ``gpg``: ``A_i = alpha (s_i - mean_g)`` with ``alpha = B / max(#{i: s_i != 0}, 1)``
@@ -613,6 +625,43 @@ def compute_gpg_outcome_advantage(
     _, mean, _ = _group_mean_std(scores, group, num_groups)
     alpha = scores.shape[0] / (scores != 0).sum().clamp(min=1).to(scores.dtype)
     return _broadcast(alpha * (scores - mean), response_mask)
+
+
+@register_adv_est("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor | None,
+    *,
+    values: torch.Tensor | None = None,
+    index: GroupIndex | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, https://arxiv.org/abs/2310.10505), as verl's ``remax``: the
+    undiscounted return-to-go minus the score of the prompt's greedy response,
+    ``A_t = G_t - b`` with ``G_t = sum_{t' >= t} r_t' m_t'`` (every reward in the mask, however far;
+    with KL in the reward the per-token penalties make ``G_t`` vary along the response) and ``b``
+    the greedy response's score (no KL); the returns are ``G``. No whitening.
+
+    Args:
+        token_level_rewards: ``[B, T]``.
+        response_mask: ``[B, T]`` binary.
+        reward_baselines: ``[B]``, each row's prompt's greedy score (the trainer generates and
+            scores one greedy response per prompt).
+        values, index, gamma, lam, norm_adv_by_std_in_grpo: accepted for the one signature.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``, zero outside the mask."""
+    if reward_baselines is None:
+        raise ValueError("the remax advantage estimator needs reward_baselines: the greedy responses' scores")
+    dtype = _float_dtype(token_level_rewards.dtype)
+    mask = response_mask.to(dtype)
+    returns = (token_level_rewards.to(dtype) * mask).flip(-1).cumsum(-1).flip(-1) * mask
+    advantages = returns - reward_baselines.to(dtype)[:, None] * mask
+    return advantages, returns
 
 
 def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -702,6 +702,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
                           f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "
                           "rollout.n=1 with algorithm.adv_estimator=gae or reinforce_plus_plus")
+    if adv == "remax" and (not rollout.do_sample or rollout.temperature == 0):
+        setting = ("actor_rollout_ref.rollout.do_sample=false" if not rollout.do_sample
+                   else "actor_rollout_ref.rollout.temperature=0")
+        raise ConfigError(f"{setting} decodes greedily: every response is remax's greedy baseline itself, so "
+                          "every advantage is zero and nothing is learned; sample (temperature > 0)")
     try:
         ParallelDims(world_size=world_size, fsdp_size=actor.fsdp_config.fsdp_size,
                      tp=rollout.tensor_model_parallel_size, local_world_size=per_node)

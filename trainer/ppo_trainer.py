@@ -247,10 +247,11 @@ class PPOTrainer:
         temp = r.temperature if r.do_sample else 0.0
         return dict(n=r.n, temperature=temp, top_p=r.top_p, top_k=r.top_k)
 
-    def _generate_all(self, items: list[dict], validate: bool, seed: int) -> RolloutBatch:
+    def _generate_all(self, items: list[dict], validate: bool, seed: int, sampling: dict | None = None) -> RolloutBatch:
         """Generate for every prompt of `items` (split over rollout-DP groups), gather all
-        outputs on every rank, and return them as (not yet partitioned) rollouts."""
-        sp = self._sampling(validate)
+        outputs on every rank, and return them as (not yet partitioned) rollouts. `sampling`
+        replaces the training (or validation) sampling settings."""
+        sp = sampling or self._sampling(validate)
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
                                      eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
                                      seed=seed, **sp)
@@ -267,6 +268,19 @@ class PPOTrainer:
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
         return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
                             reasons, lps, width, self.device)
+
+    def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
+        """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as
+        `gen_max`), scored like the step's samples (without KL), each row of `full` given its
+        prompt's score, `[N]`. Every rank scores every greedy response, as validation does.
+        None for the other estimators."""
+        if self.cfg.algorithm.adv_estimator != "remax":
+            return None
+        with self.timer("gen_max"):
+            greedy = self._generate_all(items, validate=False, seed=0,
+                                        sampling=dict(n=1, temperature=0.0, top_p=1.0, top_k=-1))
+            scores, _, _ = self._score(greedy)
+        return scores[torch.tensor(full.uids, device=scores.device)]
 
     def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
         """This rank's share of the rollouts (equal counts, balanced token totals) and every
@@ -350,12 +364,13 @@ class PPOTrainer:
             with self.timer("gen"):
                 full = self._generate_all(items, validate=False,
                                           seed=self.cfg.trainer.seed * 1_000_003 + self.global_step)
+            baselines = self._greedy_baselines(items, full)
             ro, parts = self._partition(full)
             scores, extras = self._reward(ro)
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
             self._values(ro)
-            self._compute_advantages(full, ro, parts, metrics)
+            self._compute_advantages(full, ro, parts, metrics, baselines)
             self._check_abandon()
             t_update = time.perf_counter()
             self._update_critic(ro, metrics)
@@ -518,13 +533,14 @@ class PPOTrainer:
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
-    def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
+    def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict,
+                            baselines: torch.Tensor | None = None) -> None:
         """`token_level_rewards` (scores minus the KL-in-reward penalty, with its controller's
         update, as verl's `apply_kl_penalty` makes them, over `response_mask`), then `advantages` and
         `returns` over the whole batch's `loss_mask` (whitening and group baselines are batch-wide)
         and this rank's rows of them.
         Only the rank-local rewards and values are gathered: the response mask and the group ids
-        are known to every rank already (`full`)."""
+        are known to every rank already (`full`), as are `baselines` (`remax`'s greedy scores, `[N]`)."""
         alg = self.cfg.algorithm
         mask = ro.response_mask
         with self.timer("adv"):
@@ -545,7 +561,8 @@ class PPOTrainer:
             adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
                 token_level_rewards=gather(ro.token_level_rewards), response_mask=full.loss_mask,
                 values=gather(values) if values is not None else None, index=np.asarray(full.uids),
-                gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+                gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+                reward_baselines=baselines)
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
             ro.advantages, ro.returns = adv[sel], ret[sel]
 

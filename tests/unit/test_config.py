@@ -93,6 +93,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.rollout.n=1"], "needs groups"),
     (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo_passk"], "grpo_passk needs groups"),
     (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=opo"], "opo needs groups"),
+    (["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.temperature=0"],
+     "every response is remax's greedy baseline itself"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
     (["reward_model.enable=true"], "needs reward_model.path"),

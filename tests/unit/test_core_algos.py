@@ -313,8 +313,9 @@ PAIRS = np.array([2, 0, 1, 1, 0, 2])  # three groups of two; group 2 holds the e
 
 def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
     rewards, values = rand(6, 7, seed=30), rand(6, 7, seed=31)
+    baselines = rand(6, seed=32)
     inputs = dict(token_level_rewards=rewards, response_mask=MASK, values=values, index=GROUPS_INT, gamma=0.9,
-                  lam=0.8, norm_adv_by_std_in_grpo=False)
+                  lam=0.8, norm_adv_by_std_in_grpo=False, reward_baselines=baselines)
     assert set(inputs) == set(ADV_ESTIMATOR_INPUTS)
     direct = {
         "gae": compute_gae_advantage_return(rewards, values, MASK, 0.9, 0.8),
@@ -330,6 +331,7 @@ def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
                                                                       norm_adv_by_std_in_grpo=False),
         "opo": core_algos.compute_opo_outcome_advantage(rewards, MASK, GROUPS_INT),
         "gpg": core_algos.compute_gpg_outcome_advantage(rewards, MASK, GROUPS_INT),
+        "remax": core_algos.compute_remax_outcome_advantage(rewards, MASK, baselines),
     }
     for name, fn in ADV_ESTIMATORS.items():
         # pass@k needs two responses a group at least
@@ -353,10 +355,10 @@ def test_registration_refuses_another_signature():
 
 def test_adv_estimator_registry():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg"}
+                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg", "remax"}
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
-        get_adv_estimator_fn("remax")
+        get_adv_estimator_fn("optimal_token_baseline")
     with pytest.raises(ValueError, match="index"):
         compute_grpo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array([0, 1]))
 

@@ -144,3 +144,19 @@ def test_gpg(seed):
             expected[i] = alpha * (s[i] - mean)
     assert any(x == 0 for x in s) and alpha > 1  # the batch rescaling is exercised
     _check(_run("gpg", rewards, mask, index), expected, mask)
+
+
+def test_remax_hand_values():
+    # response 0: rewards [0.1, -0.2, 1.0] (a KL penalty on each token, the score on the last), greedy score 0.5;
+    # response 1: a hole at t=1 (its reward is outside the mask and not counted), greedy score 1
+    rewards = torch.tensor([[0.1, -0.2, 1.0], [0.0, 7.0, 2.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    adv, ret = get_adv_estimator_fn("remax")(token_level_rewards=rewards, response_mask=mask, index=None,
+                                             values=None, gamma=0.9, lam=0.5, norm_adv_by_std_in_grpo=True,
+                                             reward_baselines=torch.tensor([0.5, 1.0], dtype=F64))
+    # undiscounted returns-to-go over the masked rewards (gamma and lam do not apply), zero outside the mask
+    torch.testing.assert_close(ret, torch.tensor([[0.9, 0.8, 1.0], [2.0, 0.0, 2.0]], dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(adv, torch.tensor([[0.4, 0.3, 0.5], [1.0, 0.0, 1.0]], dtype=F64), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="needs reward_baselines"):
+        get_adv_estimator_fn("remax")(token_level_rewards=rewards, response_mask=mask, index=None, values=None,
+                                      gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, reward_baselines=None)
