@@ -70,6 +70,8 @@ class DataConfig:
                                    unsupported=bool)
     dataloader_num_workers: int = opt(8, "accepted for verl compatibility; has no effect: meshppo tokenizes the "
                                          "prompts once at load, there is no loader worker", ge=0)
+    filter_overlong_prompts_workers: int = opt(1, "accepted for verl compatibility; has no effect: meshppo measures "
+                                                  "the prompts once at load, in one process", ge=1)
     trust_remote_code: bool = opt(False, "not supported (tokenizers load without remote code): must be false",
                                   unsupported=bool)
     return_full_prompt: bool = opt(False, "not supported: must be false", unsupported=bool)
@@ -261,6 +263,9 @@ class SamplingOverrides:
 # change the work or the numbers are refused there at any value but their default; the engine's
 # tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
 ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
+SERVER_ENGINES = ("vllm", "sglang")
+"""verl's `rollout.name` values that meshppo answers with its own engine."""
+
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
                          "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",
                          "free_engine_weights")
@@ -278,9 +283,12 @@ def _non_default(obj, keys) -> dict:
 
 @dataclass
 class RolloutConfig:
-    name: str = opt("native", "generation engine: native (meshppo's paged-KV engine) or hf (plain loop, reference)",
-                    choices=("native", "hf"))
-    mode: str = opt("sync", "only sync (colocated SPMD) rollouts", choices=("sync",))
+    name: str = opt("native", "generation engine: native (meshppo's paged-KV engine) or hf (plain loop, reference); "
+                              "verl's vllm and sglang are accepted and run the native engine (a start-up note says "
+                              "so): meshppo has no other engine", choices=("native", "hf", *SERVER_ENGINES))
+    mode: str = opt("sync", "sync: colocated SPMD rollouts; verl's async (its agent-loop servers) is accepted and "
+                            "runs the same single-turn rollouts in-process (a start-up note says so)",
+                    choices=("sync", "async"))
     temperature: float = opt(1.0, "sampling temperature; 0: greedy decoding, scored at temperature 1 (as "
                                   "do_sample=false)", ge=0)
     top_k: int = opt(-1, "top-k sampling (-1 or 0: off)", ge=-1)
@@ -325,9 +333,22 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one old-log-prob forward with dynamic "
                                                            "bsz; null: the actor's ppo_max_token_len_per_gpu", ge=1)
     calculate_log_probs: bool = opt(False, "also log the engine's own log-probs vs the actor's (metric rollout/logprob_diff)")
-    load_format: str = opt("dtensor", "accepted for verl compatibility: weights always come from the resharder",
-                           choices=("dtensor", "auto", "dummy_dtensor"))
+    load_format: str = opt("dtensor", "accepted for verl compatibility (any of verl's values): the engine's weights "
+                                     "always come from the resharder", choices=("dtensor", "auto", "dummy_dtensor",
+                                                                              "dummy", "safetensors", "hf"))
+    layered_summon: bool = opt(False, "accepted for verl compatibility; has no effect: the resharder moves the "
+                                      "weights bucket by bucket whatever this says")
+    data_parallel_size: int = opt(1, "not supported: must be 1 (the engine's data parallelism is the world size "
+                                     "over tensor_model_parallel_size)", ge=1, unsupported=lambda v: v != 1)
+    expert_parallel_size: int = opt(1, "not supported: must be 1 (no mixture-of-experts models)", ge=1,
+                                    unsupported=lambda v: v != 1)
+    pipeline_model_parallel_size: int = opt(1, "not supported: must be 1", ge=1, unsupported=lambda v: v != 1)
     val_kwargs: SamplingOverrides = section(SamplingOverrides, "sampling settings for validation")
+
+    @property
+    def engine(self) -> str:
+        """The engine that generates: native (also for verl's vllm and sglang) or hf."""
+        return "native" if self.name in SERVER_ENGINES else self.name
 
 
 @dataclass
@@ -493,6 +514,9 @@ class TrainerConfig:
     logger: list[str] = opt(default_factory=lambda: ["console", "jsonl"],
                             help="any of console, jsonl, tensorboard, wandb")
     total_epochs: int = opt(1, "passes over the training prompts", ge=1)
+    use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility; has no effect: meshppo has one "
+                                              "implementation (losses normalised as verl's engine workers do)",
+                                      choices=("auto", "enable", "disable"))
     total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)", ge=1)
     nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
@@ -623,7 +647,22 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     notes = []
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
-    if rollout.name != "native":
+    if rollout.name in SERVER_ENGINES:
+        notes.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshppo generates with its own engine (native); "
+                     f"{rollout.name} is not used, and the rollout options it shares with verl tune meshppo's engine")
+    if rollout.mode == "async":
+        notes.append("actor_rollout_ref.rollout.mode=async: meshppo's engine runs in-process on every rank; the "
+                     "single-turn rollouts are the same as with sync (verl's agent-loop servers are not used)")
+    if rollout.layered_summon:
+        notes.append("actor_rollout_ref.rollout.layered_summon=true has no effect: the resharder moves the weights "
+                     "bucket by bucket")
+    if cfg.trainer.use_legacy_worker_impl != "auto":
+        notes.append(f"trainer.use_legacy_worker_impl={cfg.trainer.use_legacy_worker_impl} has no effect: meshppo has "
+                     "one implementation, whose losses are normalised as verl's engine workers do (README)")
+    if cfg.data.filter_overlong_prompts_workers != DataConfig.filter_overlong_prompts_workers:
+        notes.append(f"data.filter_overlong_prompts_workers={cfg.data.filter_overlong_prompts_workers} has no effect: "
+                     "meshppo measures the prompts once at load, in one process")
+    if rollout.engine != "native":
         tuned = list(_non_default(rollout, ENGINE_TUNING_OPTIONS))
         # resolved from the data section unless set: only a value of their own is the user's
         tuned += [k for k, inherited in (("prompt_length", cfg.data.max_prompt_length),
@@ -746,7 +785,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")
-    if rollout.name == "native":
+    if rollout.engine == "native":
         val_n = rollout.val_kwargs.n if cfg.data.val_files else 0
         for key, samples in (("rollout.n", n), ("rollout.val_kwargs.n", val_n)):
             if samples > rollout.max_num_seqs:
@@ -766,7 +805,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           "(data.train_batch_size x rollout.n): the adaptive controller multiplies the KL coefficient "
                           f"by 1 + e x {bs * n} / horizon with e in [-0.2, 0.2], which reaches 0 or below; use a "
                           f"horizon above {bs * n // 5}")
-    if rollout.name != "native":
+    if rollout.engine != "native":
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             shown = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={shown} needs rollout.name=native: "

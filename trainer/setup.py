@@ -194,9 +194,9 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
 
 # ---------------------------------------------------------------------- generation
 def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
-    """meshppo's engine for `rollout.name=native` (None for the `hf` reference loop)."""
+    """meshppo's engine for `rollout.name=native` (and verl's vllm / sglang; None for the `hf` reference loop)."""
     r = cfg.actor_rollout_ref.rollout
-    if r.name != "native":
+    if r.engine != "native":
         return None
     from rollout import EngineConfig, LLMEngine
 

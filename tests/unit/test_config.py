@@ -41,7 +41,7 @@ def test_dotted_override_types():
     ("algorithm.kl_ctrl.kl_coeff=0.1", "did you mean 'algorithm.kl_ctrl.kl_coef'"),
     ("trainer.total_training_steps=abc", "trainer.total_training_steps: expected an integer"),
     ("actor_rollout_ref.actor.use_kl_loss=maybe", "expected true or false"),
-    ("actor_rollout_ref.rollout.name=vllm", "'vllm' is not one of ['native', 'hf']"),
+    ("actor_rollout_ref.rollout.name=trtllm", "'trtllm' is not one of ['native', 'hf', 'vllm', 'sglang']"),
     ("algorithm.adv_estimator=ppo2", "is not one of"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "not supported"),
     ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank: -1 is out of range; allowed: >= 0"),
@@ -400,6 +400,35 @@ def test_verl_data_options_are_accepted():
     notes = config_notes(_cfg("data.dataloader_num_workers=0"))
     assert "data.dataloader_num_workers=0 has no effect: meshppo tokenizes the prompts once at load, there is no " \
            "loader worker" in notes, notes
+
+
+def test_verl_script_options_are_accepted_and_said():
+    """Options every verl example script sets, at verl's values: the server engines and async mode run
+    meshppo's own engine in-process, the load formats and the worker switch change nothing; each that
+    reads otherwise is said at start-up. Parallel sizes meshppo has no such engine for are refused."""
+    cfg = _cfg("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
+               "actor_rollout_ref.rollout.load_format=dummy", "actor_rollout_ref.rollout.layered_summon=true",
+               "trainer.use_legacy_worker_impl=disable", "data.filter_overlong_prompts_workers=4",
+               "actor_rollout_ref.rollout.max_num_seqs=4")
+    assert cfg.actor_rollout_ref.rollout.engine == "native"
+    with pytest.raises(ConfigError, match="rollout.n=8 exceeds"):  # the engine's own checks apply to it
+        validate(cfg)
+    notes = config_notes(cfg)
+    for text in ("rollout.name=vllm: meshppo generates with its own engine (native); vllm is not used",
+                 "rollout.mode=async: meshppo's engine runs in-process", "layered_summon=true has no effect",
+                 "trainer.use_legacy_worker_impl=disable has no effect",
+                 "data.filter_overlong_prompts_workers=4 has no effect"):
+        assert any(text in n for n in notes), (text, notes)
+    plain = _cfg("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.load_format=safetensors",
+                 "trainer.use_legacy_worker_impl=auto", "data.filter_overlong_prompts_workers=1")
+    validate(plain)
+    assert plain.actor_rollout_ref.rollout.engine == "native" and _cfg().actor_rollout_ref.rollout.engine == "native"
+    assert _cfg("actor_rollout_ref.rollout.name=hf").actor_rollout_ref.rollout.engine == "hf"
+    assert not any("no effect" in n or "in-process" in n for n in config_notes(plain))
+    for key in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size"):
+        _cfg(f"actor_rollout_ref.rollout.{key}=1")
+        with pytest.raises(ConfigError, match=f"rollout.{key}"):
+            _cfg(f"actor_rollout_ref.rollout.{key}=2")
 
 
 def test_refused_settings_that_would_waste_or_break_a_run():
