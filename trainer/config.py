@@ -56,6 +56,10 @@ class DataConfig:
     max_response_length: int = opt(512, "maximum generated tokens per response: the default of "
                                         "actor_rollout_ref.rollout.response_length, which is what generation uses", ge=1)
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
+    gen_batch_size: int | None = opt(None, "prompts per generation round with algorithm.filter_groups (DAPO's "
+                                           "dynamic sampling: rounds repeat until train_batch_size prompts are "
+                                           "kept); null: train_batch_size. Without filter_groups it must be null or "
+                                           "train_batch_size", ge=1)
     val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set",
                                      ge=1)
     train_max_samples: int = opt(-1, "use this many training rows (-1: all): with shuffle, a seeded random choice "
@@ -491,6 +495,22 @@ class RolloutCorrectionConfig:
                              "loss_type=reinforce")
 
 
+FILTER_GROUP_SEQUENCE_METRICS = ("seq_reward", "seq_final_reward", "score")
+"""`algorithm.filter_groups.metric` values that are not a reward function's extra key."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = opt(False, "DAPO's dynamic sampling: drop the prompts whose responses all have the same metric "
+                              "(e.g. all right or all wrong: zero group advantage) and generate more rounds of "
+                              "data.gen_batch_size prompts until data.train_batch_size prompts are kept")
+    metric: str | None = opt(None, "what must vary within a group: seq_reward or score (the reward function's "
+                                   "score), seq_final_reward (the same: refused with KL in the reward), or a numeric "
+                                   "extra key of the reward function's dict result (e.g. acc)")
+    max_num_gen_batches: int = opt(0, "generation rounds a step may take before it fails (the data are then too "
+                                      "easy or too hard); 0 or less: no limit")
+
+
 @dataclass
 class AlgorithmConfig:
     gamma: float = opt(1.0, "discount factor", ge=0, le=1)
@@ -504,6 +524,7 @@ class AlgorithmConfig:
                                                         "reactions beyond a warning are opt-in")
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the gap between the engine's "
                                                           "and the trainer's log-probs")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO's dynamic sampling (group filtering)")
 
 
 @dataclass
@@ -585,6 +606,7 @@ class PPOConfig:
                 setattr(obj, name, value)
 
         inherit(d, "tokenizer", arr.model.path)
+        inherit(d, "gen_batch_size", d.train_batch_size)
         inherit(rollout, "prompt_length", d.max_prompt_length)
         inherit(rollout, "response_length", d.max_response_length)
         inherit(rollout, "max_model_len", rollout.prompt_length + rollout.response_length)
@@ -741,6 +763,25 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
                           f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "
                           "rollout.n=1 with algorithm.adv_estimator=gae or reinforce_plus_plus")
+    fg = cfg.algorithm.filter_groups
+    if fg.enable:
+        if fg.metric is None:
+            raise ConfigError("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: seq_reward, "
+                              "score, or a numeric extra key of the reward function's result (e.g. acc)")
+        if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
+                              "the KL penalty needs the reference pass over every generated round; filter on "
+                              "seq_reward (the score) instead")
+        if adv == "remax":
+            raise ConfigError("algorithm.filter_groups with algorithm.adv_estimator=remax is not supported: filter "
+                              "a group estimator's groups (grpo, rloo, ...)")
+        if cfg.data.gen_batch_size < bs:
+            raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} is below data.train_batch_size={bs}: a "
+                              "generation round must be able to fill the step")
+    elif cfg.data.gen_batch_size != bs:
+        raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={bs}, "
+                          "but algorithm.filter_groups.enable=false: only dynamic sampling generates in rounds of "
+                          "gen_batch_size; leave it null")
     if adv == "remax" and (not rollout.do_sample or rollout.temperature == 0):
         setting = ("actor_rollout_ref.rollout.do_sample=false" if not rollout.do_sample
                    else "actor_rollout_ref.rollout.temperature=0")

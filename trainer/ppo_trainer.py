@@ -32,7 +32,7 @@ from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
-from trainer.config import PPOConfig, validate
+from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
@@ -113,10 +113,12 @@ class PPOTrainer:
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)
-        if len(self.train_ds) < d.train_batch_size:
-            raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) is larger than the training set "
+        if len(self.train_ds) < d.gen_batch_size:
+            key = "gen_batch_size" if d.gen_batch_size != d.train_batch_size else "train_batch_size"
+            raise ConfigError(f"data.{key} ({d.gen_batch_size}) is larger than the training set "
                               f"({len(self.train_ds)} prompts after filtering)")
-        self.loader = PromptDataLoader(self.train_ds, d.train_batch_size, shuffle=d.shuffle, seed=seed)
+        # rounds of gen_batch_size prompts (train_batch_size unless dynamic sampling asks for more)
+        self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed)
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -361,12 +363,16 @@ class PPOTrainer:
         faults.at_step_start(self.global_step + 1, self.ctx.rank)
         items = self.loader.next_batch()
         with gc_control.collect_after(self.global_step + 1), self.timer("step"):
-            with self.timer("gen"):
-                full = self._generate_all(items, validate=False,
-                                          seed=self.cfg.trainer.seed * 1_000_003 + self.global_step)
-            baselines = self._greedy_baselines(items, full)
-            ro, parts = self._partition(full)
-            scores, extras = self._reward(ro)
+            seed = self.cfg.trainer.seed * 1_000_003 + self.global_step
+            baselines = None
+            if self.cfg.algorithm.filter_groups.enable:
+                full, ro, parts, scores, extras = self._filtered_rollouts(items, seed, metrics)
+            else:
+                with self.timer("gen"):
+                    full = self._generate_all(items, validate=False, seed=seed)
+                baselines = self._greedy_baselines(items, full)
+                ro, parts = self._partition(full)
+                scores, extras = self._reward(ro)
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
             self._values(ro)
@@ -396,11 +402,90 @@ class PPOTrainer:
         extras (for the dumps)."""
         with self.timer("reward"):
             scores, extras, ro.other_extras = self._score(ro)
+        self._place_scores(ro, scores)
+        return scores, extras
+
+    def _place_scores(self, ro: RolloutBatch, scores: torch.Tensor) -> None:
+        """`ro.token_level_scores`: each score `[N_local]` on its response's last token."""
         token_scores = torch.zeros(len(ro), ro.width, device=self.device)
         last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
         token_scores[torch.arange(len(ro), device=self.device), last] = scores
         ro.token_level_scores = token_scores
-        return scores, extras
+
+    def _filtered_rollouts(self, items: list[dict], seed: int, metrics: dict):
+        """DAPO's dynamic sampling (`algorithm.filter_groups`): generate rounds of
+        `data.gen_batch_size` prompts (the first round's seed is the unfiltered step's), score each
+        round's rows on the ranks that own them, and keep the prompts whose responses' metric varies
+        (population std > 0, or a single response), until `data.train_batch_size` prompts are kept;
+        then the first `train_batch_size` kept prompts, in the rounds' order, are the step's batch
+        (verl's recipe: `batch[:train_batch_size * n]`). Fails after
+        `max_num_gen_batches` rounds (if > 0) that kept too few. Returns what the unfiltered path has
+        at this point: `(full, ro, parts, scores, extras)`, with the scores and extras of the kept
+        rows, not scored again. `train/num_gen_batches` counts the rounds."""
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        dumps = bool(self.cfg.trainer.rollout_data_dir)
+        kept: list[tuple[RolloutBatch, list[int], torch.Tensor, list[str], dict]] = []
+        prompts, rounds = 0, 0
+        while True:
+            with self.timer("gen"):
+                batch = self._generate_all(items, validate=False, seed=seed if rounds == 0 else derive_seed(seed, rounds))
+            rounds += 1
+            local, parts = self._partition(batch)
+            with self.timer("reward"):
+                scores, extras, others = self._score(local)
+            # every row's score and numeric extras on every rank, in the round's order
+            cols = torch.stack([scores.double()] + [torch.tensor(v, dtype=torch.float64, device=self.device)
+                                                   for v in extras.values()], dim=1)
+            cols = self._gather_rows(cols, parts, len(batch)).cpu()
+            others = self._gather_other_extras(others, parts, len(batch)) if dumps else {}
+            values = self._filter_metric(cols, list(extras), batch)
+            groups: dict[int, list[int]] = {}
+            for i, u in enumerate(batch.uids):
+                groups.setdefault(u, []).append(i)
+            keep = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0]
+            keep = keep[:target - prompts]
+            prompts += len(keep)
+            kept.append((batch, [i for rows in keep for i in rows], cols, list(extras), others))
+            if prompts >= target:
+                break
+            if 0 < fg.max_num_gen_batches <= rounds:
+                raise UserError(f"algorithm.filter_groups: {rounds} generation rounds of data.gen_batch_size="
+                                f"{len(items)} prompts kept {prompts} of the {target} a step needs (the others' "
+                                f"responses all had the same {fg.metric}); raise "
+                                "algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size, or check the data")
+            items = self.loader.next_batch()
+        metrics["train/num_gen_batches"] = float(rounds)
+        full = RolloutBatch.concat([b.take(rows) for b, rows, *_ in kept])
+        names = kept[0][3]
+        cols = torch.cat([c[rows] for _, rows, c, *_ in kept])
+        others = {k: [v for b, rows, _, _, o in kept for v in ([o[k][i] for i in rows] if k in o else [None] * len(rows))]
+                  for k in sorted(set().union(*(o for *_, o in kept)))}
+        ro, parts = self._partition(full)
+        mine = parts[self.ctx.rank]
+        local = cols[mine]
+        scores = local[:, 0].to(device=self.device, dtype=torch.float32)
+        extras = {k: local[:, 1 + j].tolist() for j, k in enumerate(names)}
+        ro.other_extras = {k: [v[i] for i in mine] for k, v in others.items()}
+        self._place_scores(ro, scores)
+        return full, ro, parts, scores, extras
+
+    def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
+        """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, `score`, and
+        `seq_final_reward`, which without KL in the reward is the score) or a numeric extra of the
+        reward function (`cols`: the score, then the extras `names`, in the rows' order)."""
+        metric = self.cfg.algorithm.filter_groups.metric
+        if metric in FILTER_GROUP_SEQUENCE_METRICS:
+            return cols[:, 0].numpy()
+        if metric not in names:
+            raise UserError(f"algorithm.filter_groups.metric={metric} is not one of the reward function's numeric "
+                            f"results ({', '.join(names) or 'it returned none'}) nor seq_reward / score / "
+                            "seq_final_reward")
+        values = cols[:, 1 + names.index(metric)].numpy()
+        if np.isnan(values).any():
+            row = int(np.flatnonzero(np.isnan(values))[0])
+            raise UserError(f"algorithm.filter_groups.metric={metric}: the reward function returned no {metric!r} "
+                            f"for a response (data_source={batch.data_sources[row]!r}); every response needs it")
+        return values
 
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`old_log_probs`: the actor's recompute (with `actor/entropy`), the engine's own in
@@ -493,6 +578,23 @@ class PPOTrainer:
                                              rollout_correction=cfg.algorithm.rollout_correction))
         self.actor.scheduler.step()
 
+    def _gather_other_extras(self, mine: dict[str, list], parts: list[list[int]], n_total: int) -> dict[str, list]:
+        """The reward function's non-numeric extras of every rank's rows (`mine`: this rank's,
+        `parts[k]`: rank k's rows), in the batch's order on every rank; None where a row has no
+        value for a key. Made JSON data on their own rank first (`dump_value`): a value of the
+        user's need not pickle. Every rank joins the gather, whatever its rows gave."""
+        mine = {k: [dump_value(v) for v in vals] for k, vals in mine.items()}
+        every = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        out = {k: [None] * n_total for k in sorted(set().union(*every))}
+        for ix, theirs in zip(parts, every):
+            for k, vals in theirs.items():
+                for i, v in zip(ix, vals):
+                    out[k][i] = v
+        return out
+
     def _dump_rollouts(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
                        extras: dict):
         """`trainer.rollout_data_dir/{step}.jsonl`: every sample of this step in the batch's order,
@@ -508,19 +610,9 @@ class PPOTrainer:
         names = sorted(extras)
         cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in names]
         per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
-        # made JSON data on their own rank: a value of the user's need not pickle
-        mine = {k: [dump_value(v) for v in vals] for k, vals in (ro.other_extras or {}).items()}
-        every = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
+        others = self._gather_other_extras(ro.other_extras or {}, parts, len(full))
         if not self.ctx.is_main:
             return
-        others = {k: [None] * len(full) for k in sorted(set().union(*every))}
-        for ix, theirs in zip(parts, every):
-            for k, vals in theirs.items():
-                for i, v in zip(ix, vals):
-                    others[k][i] = v
         inputs = decode_batch(self.tokenizer, full.prompts)
         outputs = decode_batch(self.tokenizer, full.responses)
         rows = []

@@ -115,3 +115,18 @@ class RolloutBatch:
         others = (None if self.other_extras is None
                   else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
         return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, **tensors)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """The rows of `batches` one after the other, as fresh rollouts (per-sequence lists only: no
+        tensor is set yet), the group ids renumbered so that each batch's groups stay apart (a
+        group is the rows of one prompt of one batch), and the response width the widest row's."""
+        lists = {name: [x for b in batches for x in getattr(b, name)] for name in SEQUENCE_FIELDS}
+        uids, offset = [], 0
+        for b in batches:
+            ids = {u: offset + k for k, u in enumerate(dict.fromkeys(b.uids))}
+            uids += [ids[u] for u in b.uids]
+            offset += len(ids)
+        lists["uids"] = uids
+        width = max((len(r) for r in lists["responses"]), default=1) or 1
+        return RolloutBatch(**lists, width=width, device=batches[0].device)
