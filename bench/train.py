@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from bench.common import H200_BF16_FLOPS, GpuTelemetry, emit, kernel_breakdown, model_args  # noqa: E402
 from models import PEAK_BF16_FLOPS  # noqa: E402
-from trainer.config import OptimConfig  # noqa: E402
+from trainer.config import OptimConfig, PolicyLossConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
 from trainer.setup import make_optimizer  # noqa: E402
 from trainer.rollout_batch import RolloutBatch  # noqa: E402
@@ -68,7 +68,8 @@ def actor_cfg(tokens):
     return SimpleNamespace(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=None,
                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, entropy_coeff=0.0,
                            use_kl_loss=True, kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None,
-                           clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0, loss_scale_factor=None)
+                           clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0, loss_scale_factor=None,
+                           policy_loss=PolicyLossConfig(), tau_pos=1.0, tau_neg=1.05)
 
 
 def timed(fn, repeats, telemetry: GpuTelemetry):

@@ -1,7 +1,8 @@
 """The RL maths of PPO for language models, as pure functions of tensors.
 
-Advantage estimators (GAE and the critic-free group estimators), the clipped policy and
-value losses, loss aggregation with global normalisation, rollout correction (importance
+Advantage estimators (GAE and the critic-free group estimators), the policy losses (verl's
+loss modes: PPO's clip, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO, CISPO) and the clipped value
+loss, loss aggregation with global normalisation, rollout correction (importance
 weights and rejection for the gap between the engine's and the trainer's log-probs). The
 memory-bounded log-probability and entropy of the LM head live with the model
 (``models/lm_head.py``). Names and signatures follow verl's
@@ -793,7 +794,8 @@ def agg_loss(
 
 class PolicyLossOutput(NamedTuple):
     """What every policy loss returns: the scalar loss (carries gradient) and detached local
-    statistics over the valid tokens."""
+    statistics over the valid tokens, each with the meaning verl gives it for that loss (the
+    losses' docstrings say which; 0 where verl's loss reports none)."""
 
     pg_loss: torch.Tensor
     pg_clipfrac: torch.Tensor          # fraction of tokens where the ratio clip is active
@@ -801,14 +803,33 @@ class PolicyLossOutput(NamedTuple):
     pg_clipfrac_lower: torch.Tensor    # fraction of tokens where the dual clip is active
 
 
+class PolicyLossParams(NamedTuple):
+    """The parameters that only some policy losses read, with verl's defaults: its
+    ``actor.policy_loss.*`` (clip_cov, kl_cov) and ``actor.tau_pos`` / ``tau_neg`` (sapo)."""
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+
 POLICY_LOSS_INPUTS: tuple[str, ...] = (
     "old_log_prob", "log_prob", "advantages", "response_mask", "cliprange", "cliprange_low", "cliprange_high",
-    "clip_ratio_c", "loss_agg_mode", "rollout_is_weights",
+    "clip_ratio_c", "loss_agg_mode", "rollout_is_weights", "loss_params", "generator",
 )
-"""The keywords every policy loss accepts, besides ``agg_loss``'s normalisation options."""
+"""The keywords every policy loss accepts, besides ``agg_loss``'s normalisation options; each
+reads the ones its formula needs and says which it only accepts."""
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {}
-"""Policy losses by ``algorithm.rollout_correction.loss_type``, filled by ``register_policy_loss``."""
+"""Policy losses by ``actor.policy_loss.loss_mode`` (verl's names), filled by ``register_policy_loss``."""
+
+BYPASS_LOSS_TYPES: dict[str, str] = {"ppo_clip": "vanilla", "reinforce": "gpg"}
+"""``algorithm.rollout_correction.loss_type`` -> the entry of ``POLICY_LOSSES`` that bypass mode
+trains with. verl's bypass mode replaces ``loss_mode`` by its own loss, which runs PPO's clip
+(``vanilla``) or its ``compute_policy_loss_reinforce``, the formula of ``gpg``."""
 
 
 def register_policy_loss(name: str) -> Callable:
@@ -817,7 +838,31 @@ def register_policy_loss(name: str) -> Callable:
     return _registrar(POLICY_LOSSES, POLICY_LOSS_INPUTS, "policy loss", name)
 
 
-@register_policy_loss("ppo_clip")
+def _clip_range(cliprange: float | None, cliprange_low: float | None, cliprange_high: float | None,
+                loss: str) -> tuple[float, float]:
+    """``(low, high)``: each side defaults to ``cliprange``."""
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError(f"{loss} needs cliprange, or both cliprange_low and cliprange_high.")
+    return low, high
+
+
+def _token_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob - old_log_prob, its exp)``; the exp of the log-ratio clamped to ``[-20, 20]``."""
+    log_ratio = log_prob - old_log_prob
+    return log_ratio, torch.exp(torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND))
+
+
+def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
+def _fraction(flags: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return masked_mean(flags.to(like.dtype), mask)
+
+
+@register_policy_loss("vanilla")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -829,9 +874,11 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
     **agg_kwargs,
 ) -> PolicyLossOutput:
-    """PPO's clipped surrogate loss with asymmetric and dual clipping.
+    """PPO's clipped surrogate loss with asymmetric and dual clipping (verl's ``vanilla``).
 
     With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and advantage ``A``::
 
@@ -858,6 +905,7 @@ def compute_policy_loss(
         clip_ratio_c: dual-clip bound, > 1.
         loss_agg_mode: see ``agg_loss``.
         rollout_is_weights: ``[B, T]`` detached per-token weights, or None.
+        loss_params, generator: accepted for the one signature (``POLICY_LOSS_INPUTS``).
         **agg_kwargs: forwarded to ``agg_loss`` (``global_num_tokens``, ``global_num_seqs``,
             ``dp_size``, ``loss_scale_factor``).
 
@@ -867,38 +915,143 @@ def compute_policy_loss(
         log-prob (an estimate of KL(old || new)), and the fraction where the dual clip is
         active. The three statistics are detached local masked means.
     """
-    if cliprange_low is None:
-        cliprange_low = cliprange
-    if cliprange_high is None:
-        cliprange_high = cliprange
-    if cliprange_low is None or cliprange_high is None:
-        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high.")
+    cliprange_low, cliprange_high = _clip_range(cliprange, cliprange_low, cliprange_high, "compute_policy_loss")
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (the dual-clip bound) must be > 1.0, got {clip_ratio_c}")
 
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND))
-
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     negative = advantages < 0
-    pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
+    pg_losses = _weighted(torch.where(negative, clip_pg_losses2, clip_pg_losses1), rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
 
     with torch.no_grad():
-        pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(pg_losses.dtype), response_mask)
-        pg_clipfrac_lower = masked_mean(((clip_pg_losses1 > pg_losses3) & negative).to(pg_losses.dtype), response_mask)
+        pg_clipfrac = _fraction(pg_losses2 > pg_losses1, response_mask, pg_losses)
+        pg_clipfrac_lower = _fraction((clip_pg_losses1 > pg_losses3) & negative, response_mask, pg_losses)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
-@register_policy_loss("reinforce")
-def compute_policy_loss_reinforce(
+GSPO_LOG_RATIO_MAX = 10.0
+"""GSPO's per-token log-ratio is clamped from above at 10 before ``exp`` (verl's bound)."""
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, https://arxiv.org/abs/2507.18071):
+    PPO's clip on a sequence-level ratio.
+
+    The sequence ratio is the geometric mean of its token ratios,
+    ``s_i = exp(mean_t (log_prob - old_log_prob))`` over the sequence's valid tokens. Each token
+    carries ``s_i,t = sg[s_i] * pi_t / sg[pi_t]`` (``sg``: stop-gradient), whose value is ``s_i``
+    and whose gradient is ``s_i * grad log pi_t``, so that with a sequence-level advantage the
+    gradient of the aggregated loss is that of ``-A_i s_i``::
+
+        log s_i,t = min(log_prob - sg[log_prob] + sg[log s_i], 10)
+        L_i,t     = max(-A * s_i,t, -A * clip(s_i,t, 1 - cliprange_low, 1 + cliprange_high))
+
+    aggregated ``seq-mean-token-mean`` whatever ``loss_agg_mode`` (as verl: every sequence
+    weighs the same), over the caller's global sequence count. GSPO's clip range is tiny (verl's
+    recipes: 3e-4 / 4e-4). The sequence mean needs whole sequences in the micro-batch, which
+    meshppo's micro-batches always hold.
+
+    Args:
+        cliprange, cliprange_low, cliprange_high: the clip of ``s``, as in ``compute_policy_loss``.
+        loss_agg_mode: not read: the aggregation is ``seq-mean-token-mean``.
+        clip_ratio_c, loss_params, generator: accepted for the one signature.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``pg_clipfrac`` the fraction of valid tokens whose sequence ratio
+        is clipped, ``ppo_kl`` the token-level mean of ``old - new`` log-prob,
+        ``pg_clipfrac_lower`` 0 (no dual clip).
+    """
+    cliprange_low, cliprange_high = _clip_range(cliprange, cliprange_low, cliprange_high, "compute_policy_loss_gspo")
+    mask = response_mask.bool()
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, mask, axis=-1)
+    log_seq_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]
+    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=GSPO_LOG_RATIO_MAX))
+    pg_losses1 = -advantages * seq_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    pg_losses = _weighted(torch.maximum(pg_losses1, pg_losses2), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = _fraction(pg_losses2 > pg_losses1, mask, pg_losses)
+        ppo_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl))
+
+
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Soft Adaptive Policy Optimization (https://arxiv.org/abs/2511.20347): a smooth gate on the
+    token ratio instead of a clip.
+
+    With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and ``tau = tau_pos`` where
+    ``A > 0``, ``tau_neg`` elsewhere (``loss_params``)::
+
+        f(r) = sigmoid(tau * (r - 1)) * 4 / tau        L = -f(r) * A
+
+    ``f(1) = 2 / tau`` and ``f'(1) = 1``: on-policy the gradient is PPO's; away from ``r = 1``
+    it fades smoothly rather than stopping at a clip boundary. Aggregated
+    ``seq-mean-token-mean`` whatever ``loss_agg_mode``, as verl.
+
+    Args:
+        loss_params: ``tau_pos``, ``tau_neg`` (> 0).
+        loss_agg_mode: not read: the aggregation is ``seq-mean-token-mean``.
+        cliprange, cliprange_low, cliprange_high, clip_ratio_c, generator: accepted for the one
+            signature; nothing is clipped.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput`` with both clip fractions 0 and ``ppo_kl`` the mean of the clamped
+        ``old - new`` log-prob.
+    """
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
+    tau = torch.where(advantages > 0, ratio.new_tensor(loss_params.tau_pos), ratio.new_tensor(loss_params.tau_neg))
+    gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = _weighted(-gates * advantages, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **agg_kwargs)
+    with torch.no_grad():
+        ppo_kl = masked_mean(-torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND), response_mask)
+        zero = torch.zeros_like(ppo_kl)
+    return PolicyLossOutput(pg_loss, zero, ppo_kl, zero)
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -909,10 +1062,13 @@ def compute_policy_loss_reinforce(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
     **agg_kwargs,
 ) -> PolicyLossOutput:
-    """The plain policy gradient (REINFORCE, Williams 1992) with optional importance weights:
-    verl's ``rollout_correction.loss_type=reinforce`` (bypass mode)::
+    """The plain policy gradient (REINFORCE, Williams 1992; GPG, https://github.com/AMAP-ML/GPG)
+    with optional importance weights: verl's ``gpg``, and bypass mode's
+    ``rollout_correction.loss_type=reinforce`` (verl's ``compute_policy_loss_reinforce``)::
 
         L = -w * A * log_prob        w = rollout_is_weights (detached), 1 without them
 
@@ -924,15 +1080,14 @@ def compute_policy_loss_reinforce(
         old_log_prob: ``[B, T]`` log-probs of the sampling policy (only for ``ppo_kl``).
         log_prob, advantages, response_mask, loss_agg_mode, rollout_is_weights, **agg_kwargs:
             as in ``compute_policy_loss``.
-        cliprange, cliprange_low, cliprange_high, clip_ratio_c: accepted so that every entry
-            of ``POLICY_LOSSES`` has one signature; nothing is clipped.
+        cliprange, cliprange_low, cliprange_high, clip_ratio_c, loss_params, generator: accepted
+            for the one signature; nothing is clipped.
 
     Returns:
-        ``PolicyLossOutput`` with both clip fractions 0.
+        ``PolicyLossOutput`` with both clip fractions 0 (verl's ``gpg`` reports no statistic;
+        its ``reinforce`` reports this ``ppo_kl``).
     """
-    pg_losses = -advantages * log_prob
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
+    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
@@ -940,8 +1095,250 @@ def compute_policy_loss_reinforce(
     return PolicyLossOutput(pg_loss, zero, ppo_kl, zero)
 
 
+def _centred_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(A - mean A) * (log_prob - mean log_prob)`` per token, the means over this call's valid
+    tokens (detached): each token's term of the covariance of advantage and log-prob."""
+    log_prob = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (log_prob - masked_mean(log_prob, mask))
+
+
+def _share(ratio: float, mask: torch.Tensor) -> torch.Tensor:
+    """``max(floor(ratio * n), 1)`` for ``n`` valid tokens, as a device scalar (no host sync)."""
+    n = mask.sum(dtype=torch.float64)
+    return torch.clamp(torch.floor(ratio * n), min=1.0)
+
+
+def _first_by_key(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, T]``: the ``count`` eligible positions of smallest key (all of them when
+    fewer), ties to the earlier position in row-major order. One stable sort, no host sync
+    (``topk`` would need ``count`` on the host)."""
+    flat = torch.where(eligible, keys, math.inf).flatten()
+    order = torch.argsort(flat, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return eligible & (rank.view(eligible.shape) < count)
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", https://arxiv.org/abs/2505.22617): PPO's clip, and the gradient of a few
+    tokens of high advantage x log-prob covariance detached, which slows the entropy collapse.
+
+    With ``r`` and the clip as in ``compute_policy_loss`` (no dual clip) and
+    ``C_t = (A_t - mean A) (log_prob_t - mean log_prob)``, the means over this call's valid
+    tokens (the micro-batch: a local statistic, as in verl)::
+
+        L_t = max(-A r, -A clip(r, 1 - cliprange_low, 1 + cliprange_high)) * (0 if t is chosen else 1)
+
+    The chosen tokens: ``max(floor(clip_cov_ratio * n_valid), 1)`` of the valid, unclipped tokens
+    with ``clip_cov_lb < C_t < clip_cov_ub`` (all of them when fewer), uniformly at random. The
+    draw takes one random key per position from ``generator`` (None: torch's default generator,
+    as verl's ``randperm``) and keeps the smallest keys, so a seeded generator repeats it.
+
+    Args:
+        loss_params: ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``.
+        generator: a ``torch.Generator`` on the inputs' device, or None.
+        clip_ratio_c: accepted for the one signature.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``pg_clipfrac`` is verl's for this loss, the fraction of valid
+        tokens chosen (detached); ``pg_clipfrac_lower`` 0.
+    """
+    cliprange_low, cliprange_high = _clip_range(cliprange, cliprange_low, cliprange_high,
+                                                "compute_policy_loss_clip_cov")
+    mask = response_mask.bool()
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    with torch.no_grad():
+        cov = _centred_covariance(advantages, log_prob, mask)
+        eligible = mask & ~(pg_losses2 > pg_losses1) & (cov > loss_params.clip_cov_lb) & (cov < loss_params.clip_cov_ub)
+        keys = torch.rand(mask.shape, generator=generator, device=mask.device, dtype=torch.float64)
+        chosen = _first_by_key(keys, eligible, _share(loss_params.clip_cov_ratio, mask))
+    pg_losses = torch.where(chosen, 0.0, torch.maximum(pg_losses1, pg_losses2))
+    pg_loss = agg_loss(_weighted(pg_losses, rollout_is_weights), mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = _fraction(chosen, mask, pg_losses)
+        ppo_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl))
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """KL-Cov (Cui et al. 2025, https://arxiv.org/abs/2505.22617): the unclipped policy-gradient
+    surrogate, plus a penalty on the log-ratio of the tokens of highest advantage x log-prob
+    covariance ``C_t`` (as in ``compute_policy_loss_clip_cov``, over this call's valid tokens)::
+
+        L_t = -A r + (ppo_kl_coef * |log_prob - old_log_prob| if t is chosen else 0)
+
+    with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``. The chosen tokens: the
+    ``max(floor(kl_cov_ratio * n_valid), 1)`` valid tokens of largest ``C_t`` (verl's top-k),
+    ties to the earlier position in row-major order.
+
+    Args:
+        loss_params: ``kl_cov_ratio``, ``ppo_kl_coef``.
+        cliprange, cliprange_low, cliprange_high, clip_ratio_c, generator: accepted for the one
+            signature; nothing is clipped.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``ppo_kl`` is verl's for this loss, the mean of
+        ``|log_prob - old_log_prob|``; both clip fractions 0.
+    """
+    mask = response_mask.bool()
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
+    with torch.no_grad():
+        cov = _centred_covariance(advantages, log_prob, mask)
+        chosen = _first_by_key(-cov, mask, _share(loss_params.kl_cov_ratio, mask))
+    penalty = torch.where(chosen, loss_params.ppo_kl_coef * log_ratio.abs(), 0.0)
+    pg_losses = _weighted(-advantages * ratio + penalty, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        ppo_kl = masked_mean(log_ratio.abs(), mask)
+        zero = torch.zeros_like(ppo_kl)
+    return PolicyLossOutput(pg_loss, zero, ppo_kl, zero)
+
+
+@register_policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Geometric-Mean Policy Optimization (GMPO, Zhao et al. 2025, https://arxiv.org/abs/2507.20673):
+    the sequence's geometric mean of token ratios, each clipped in log space, times its mean
+    advantage.
+
+    With ``d_t = clamp(log_prob - old_log_prob, -20, 20)``, ``c_t = clip(d_t, -cliprange_low,
+    cliprange_high)`` and ``sgn = sign(A_t)``::
+
+        d'_t = sgn * min(sgn * d_t, sgn * c_t)            # PPO's pessimistic side, per token
+        L_i  = -mean_t(A) * exp(mean_t d'_t) * w_i        # means over the sequence's valid tokens
+        w_i  = exp(mean_t log(rollout_is_weights + 1e-10))  (1 without weights)
+
+    then the mean of ``L_i`` over the non-empty sequences (over the caller's global sequence
+    count), whatever ``loss_agg_mode``: verl takes ``torch.mean`` over the micro-batch's rows.
+    The formula is meant for sequence-level advantages (GRPO, RLOO); with token-level ones it
+    uses their mean. verl does not clamp ``d_t``; the ``[-20, 20]`` clamp keeps ``exp`` finite.
+
+    Args:
+        cliprange, cliprange_low, cliprange_high: the log-space clip (``actor.clip_ratio*``).
+        loss_agg_mode: not read: the aggregation is the sequence mean.
+        clip_ratio_c, loss_params, generator: accepted for the one signature.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``pg_clipfrac`` / ``pg_clipfrac_lower`` the fractions of valid
+        tokens whose log-ratio lies outside the clip range with a positive / negative advantage
+        (verl's), ``ppo_kl`` the mean of ``old - new`` log-prob.
+    """
+    cliprange_low, cliprange_high = _clip_range(cliprange, cliprange_low, cliprange_high,
+                                                "compute_policy_loss_geo_mean")
+    mask = response_mask.bool()
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
+    clipped = torch.clamp(log_ratio, -cliprange_low, cliprange_high)
+    sign = torch.sign(advantages)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    seq_ratio = torch.exp(masked_mean(pessimistic, mask, axis=-1))
+    seq_losses = -masked_mean(advantages, mask, axis=-1) * seq_ratio
+    if rollout_is_weights is not None:
+        seq_losses = seq_losses * torch.exp(masked_mean(torch.log(rollout_is_weights + 1e-10), mask, axis=-1))
+    rows = mask.any(dim=-1, keepdim=True)
+    pg_loss = agg_loss(seq_losses[:, None], rows, "seq-mean-token-sum", **agg_kwargs)
+    with torch.no_grad():
+        outside = log_ratio != clipped
+        pg_clipfrac = _fraction(outside & (advantages > 0), mask, seq_losses)
+        pg_clipfrac_lower = _fraction(outside & (advantages < 0), mask, seq_losses)
+        ppo_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Clipped IS-weight Policy Optimization (CISPO, MiniMax-M1, https://arxiv.org/abs/2506.13585):
+    the clipped ratio, detached, weighs the plain policy gradient, so a clipped token still
+    carries gradient (PPO's clip drops it)::
+
+        L = -sg[clip(r, 1 - cliprange_low, 1 + cliprange_high)] * A * log_prob
+
+    with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``.
+
+    Args:
+        cliprange, cliprange_low, cliprange_high: the clip of the weight.
+        clip_ratio_c, loss_params, generator: accepted for the one signature.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``pg_clipfrac`` the fraction of valid tokens whose ratio is
+        clipped, ``ppo_kl`` the mean of the clamped ``old - new`` log-prob,
+        ``pg_clipfrac_lower`` 0.
+    """
+    cliprange_low, cliprange_high = _clip_range(cliprange, cliprange_low, cliprange_high, "compute_policy_loss_cispo")
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
+    clipped = torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    pg_losses = _weighted(-clipped.detach() * advantages * log_prob, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = _fraction(ratio != clipped, response_mask, pg_losses)
+        ppo_kl = masked_mean(-torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND), response_mask)
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl))
+
+
 def get_policy_loss_fn(name: str) -> Callable[..., PolicyLossOutput]:
-    """The policy loss registered under ``name``."""
+    """The policy loss registered under ``name`` (``actor.policy_loss.loss_mode``)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"Unknown policy loss {name!r}; valid names are {list(POLICY_LOSSES)}.")
     return POLICY_LOSSES[name]

@@ -16,7 +16,7 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, opt, section
-from ppo.core_algos import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
+from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sharding.fsdp import FSDPConfig
@@ -199,6 +199,45 @@ def _lora_config(key: str, model) -> LoRAConfig | None:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's `actor.policy_loss`: the policy-gradient loss and the parameters of its clip_cov and
+    kl_cov modes (sapo's are the actor's tau_pos / tau_neg, as in verl). Every mode is normalised by
+    the mini-batch's global counts (loss_agg_mode); clip_cov and kl_cov choose their tokens by a
+    covariance over each micro-batch, as verl does."""
+
+    loss_mode: str = opt("vanilla", "policy-gradient loss (verl's modes): vanilla (PPO's clipped ratio, dual clip), "
+                                    "gspo (PPO's clip on the sequence's ratio, the geometric mean of its token ratios; "
+                                    "verl's recipes clip at clip_ratio_low/high 3e-4/4e-4), sapo (a smooth gate "
+                                    "sigmoid(tau (r - 1)) 4 / tau instead of a clip: tau_pos, tau_neg), gpg (the plain "
+                                    "policy gradient -A log pi), clip_cov (PPO's clip, and the gradient of a few "
+                                    "high-covariance tokens detached), kl_cov (no clip; a |log-ratio| penalty on the "
+                                    "tokens of highest covariance), geo_mean (GMPO: the geometric mean of the "
+                                    "log-space-clipped token ratios times the sequence's mean advantage), cispo (the "
+                                    "clipped ratio, detached, weighs -A log pi). As in verl, gspo and sapo aggregate "
+                                    "their term seq-mean-token-mean and geo_mean by the mean over sequences, whatever "
+                                    "loss_agg_mode (which still aggregates the entropy and KL terms). Not with "
+                                    "algorithm.rollout_correction.bypass_mode, whose loss_type picks the loss",
+                         choices=POLICY_LOSSES)
+    clip_cov_ratio: float = opt(0.0002, "clip_cov: share of a micro-batch's valid tokens (at least one) whose gradient "
+                                        "is detached, drawn at random among the unclipped ones whose covariance lies "
+                                        "in (clip_cov_lb, clip_cov_ub); the draw comes from a generator seeded by "
+                                        "trainer.seed, the step and the rank (verl draws from torch's global "
+                                        "generator)", gt=0, le=1)
+    clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of a detachable token's covariance term (A - mean A) (log pi "
+                                  "- mean log pi), the means over the micro-batch's valid tokens")
+    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of that covariance term; above clip_cov_lb")
+    kl_cov_ratio: float = opt(0.0002, "kl_cov: share of a micro-batch's valid tokens (at least one), those of the "
+                                      "largest covariance term (A - mean A) (log pi - mean log pi), that get the "
+                                      "ppo_kl_coef |log pi - log pi_old| penalty", gt=0, le=1)
+    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the |log pi - log pi_old| penalty", ge=0)
+
+    def __post_init__(self):
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}: clip_cov "
+                             "detaches tokens whose covariance lies between them")
+
+
+@dataclass
 class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
     ppo_mini_batch_size: int = opt(256, "prompts per optimizer step (global; multiplied by rollout.n)", ge=1)
@@ -211,14 +250,18 @@ class ActorConfig:
                             gt=0, le=1)
     clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio", gt=0, le=1)
     clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
-    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages", gt=1)
+    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla)", gt=1)
+    tau_pos: float = opt(1.0, "sapo: gate temperature of tokens with a positive advantage", gt=0)
+    tau_neg: float = opt(1.05, "sapo: gate temperature of the other tokens", gt=0)
     loss_agg_mode: str = opt("token-mean", "how token losses are aggregated: token-mean (every token weighs the "
                                            "same), seq-mean-token-sum, seq-mean-token-mean (every sequence weighs the "
                                            "same), seq-mean-token-sum-norm (Dr. GRPO). Normalised by the token "
                                            "(token-mean) or sequence count of the whole mini-batch across "
                                            "micro-batches and ranks, so the gradient does not depend on "
                                            "micro-batching (as verl's engine workers; verl's legacy dp_actor averages "
-                                           "per-micro-batch means)", choices=LOSS_AGG_MODES)
+                                           "per-micro-batch means). policy_loss.loss_mode gspo, sapo and geo_mean "
+                                           "aggregate their policy-gradient term their own way (as verl)",
+                             choices=LOSS_AGG_MODES)
     loss_scale_factor: int | None = opt(
         None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO); null: the response length "
               "(rollout.response_length). meshppo's loss is sum_i (sum_t L_i,t / T) / N_seqs over the mini-batch; "
@@ -235,6 +278,7 @@ class ActorConfig:
                                          "reference model's too unless ref.use_torch_compile says otherwise)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
 
@@ -478,8 +522,10 @@ class RolloutCorrectionConfig:
                                                          "for verl's effect of a_b write 1/b_1/a")
     bypass_mode: bool = opt(False, "take the engine's log-probs as the old log-probs and skip the actor's "
                                    "recompute pass")
-    loss_type: str = opt("ppo_clip", "policy loss in bypass mode: ppo_clip (ratio to pi_rollout, clipped) or "
-                                     "reinforce (-w * A * log pi)", choices=POLICY_LOSSES)
+    loss_type: str = opt("ppo_clip", "policy loss in bypass mode, in place of actor.policy_loss.loss_mode (which "
+                                     "must stay vanilla): ppo_clip (loss_mode vanilla: the ratio to pi_rollout, "
+                                     "clipped) or reinforce (loss_mode gpg: -w * A * log pi)",
+                         choices=BYPASS_LOSS_TYPES)
 
     def __post_init__(self):
         self.is_bounds = parse_rollout_is_threshold(self.rollout_is_threshold)
@@ -718,6 +764,34 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if arr.model.lora is not None and ref:
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
+    return notes + _policy_loss_notes(cfg)
+
+
+# The actor options that only some policy losses read, and which of them each loss reads.
+_CLIP = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+_LOSS_OPTIONS = {"vanilla": (*_CLIP, "clip_ratio_c"), "gspo": _CLIP, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
+                 "clip_cov": (*_CLIP, "policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb",
+                              "policy_loss.clip_cov_ub"),
+                 "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"), "geo_mean": _CLIP, "cispo": _CLIP}
+# The losses that weigh every sequence the same whatever loss_agg_mode (as verl).
+_SEQUENCE_LOSSES = ("gspo", "sapo", "geo_mean")
+
+
+def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
+    """The actor's loss options that the policy loss of the run does not read, where set."""
+    actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    mode = BYPASS_LOSS_TYPES[rc.loss_type] if rc.bypass_mode else actor.policy_loss.loss_mode
+    chosen = (f"algorithm.rollout_correction.loss_type={rc.loss_type}" if rc.bypass_mode
+              else f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}")
+    unread = []
+    for key in sorted({k for keys in _LOSS_OPTIONS.values() for k in keys} - set(_LOSS_OPTIONS[mode])):
+        section, _, name = key.rpartition(".")
+        if _non_default(getattr(actor, section) if section else actor, [name]):
+            unread.append(f"actor_rollout_ref.actor.{key}")
+    notes = [f"{', '.join(unread)} not read by {chosen}"] if unread else []
+    if mode in _SEQUENCE_LOSSES and actor.loss_agg_mode != "seq-mean-token-mean":
+        notes.append(f"{chosen} weighs every sequence the same (as verl): actor_rollout_ref.actor.loss_agg_mode="
+                     f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only")
     return notes
 
 
@@ -836,6 +910,13 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.trainer.val_only and not cfg.data.val_files:
         raise ConfigError("trainer.val_only=true validates and exits, but data.val_files is empty: give the "
                           "validation files")
+    rc, loss_mode = cfg.algorithm.rollout_correction, actor.policy_loss.loss_mode
+    if rc.bypass_mode and loss_mode != "vanilla":
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} with "
+                          "algorithm.rollout_correction.bypass_mode=true: bypass mode trains with its own loss, "
+                          "algorithm.rollout_correction.loss_type's (ppo_clip: vanilla, reinforce: gpg), which verl "
+                          f"would put in place of {loss_mode} silently; set loss_mode=vanilla, or bypass_mode=false "
+                          f"to train with {loss_mode}")
     if cfg.trainer.critic_warmup and not cfg.uses_critic:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} trains only the critic for that many "
                           f"steps, but algorithm.adv_estimator={adv} has no critic: those steps would train nothing; "

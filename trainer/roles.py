@@ -25,8 +25,8 @@ from kl import kl_penalty
 from models.lora import adapters_disabled, lora_modules
 from trainer import faults
 from trainer.batching import token_budget_partitions
-from ppo.core_algos import (agg_loss, compute_rollout_correction, compute_value_loss, count_loss_units,
-                            get_policy_loss_fn, masked_sum)
+from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
+                            compute_value_loss, count_loss_units, get_policy_loss_fn, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import RolloutBatch
 from sharding import comm
@@ -97,14 +97,17 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
 
 @dataclass
 class MiniBatch:
-    """One optimizer step of an update: this rank's micro-batches and the loss units (tokens or
-    sequences) of the whole mini-batch summed over every rank, for the global-mean loss."""
+    """One optimizer step of an update: this rank's micro-batches and the loss units of the whole
+    mini-batch summed over every rank, for the global-mean loss: its tokens and its non-empty
+    sequences (both: a policy loss may aggregate its own way, e.g. GSPO by sequence, while the
+    entropy and KL terms follow `loss_agg_mode`)."""
 
     parts: list[list[int]]
-    global_units: float
+    global_tokens: float
+    global_seqs: float
 
 
-def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int, loss_agg_mode: str,
+def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int,
                 micro_size: int | None, dynamic: bool, max_tokens: int) -> list[MiniBatch]:
     """Every mini-batch of every epoch, planned before the first forward with two collectives
     (the loss units and the micro-batch counts), so that the update loop itself never waits
@@ -120,9 +123,10 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     # (mini-batches are equal-sized), in NumPy: a torch CPU op here waited up to 3 ms for torch's
     # thread pool on a busy host, with the GPU idle (profiled at the start of an update phase).
     per_batch = ro.host_loss_mask()[np.asarray(batches, dtype=np.int64)]
-    units = comm.all_reduce_values([count_loss_units(m, loss_agg_mode) for m in per_batch])
+    units = comm.all_reduce_values([count_loss_units(m, mode) for m in per_batch
+                                    for mode in ("token-mean", "seq-mean-token-mean")])
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
-    return [MiniBatch(parts, u) for parts, u in zip(plans, units)]
+    return [MiniBatch(parts, *units[2 * i:2 * i + 2]) for i, parts in enumerate(plans)]
 
 
 def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1):
@@ -257,11 +261,11 @@ class TrainableRole(Role):
         statistics (averaged over the micro- or mini-batches), each averaged over the ranks (a clip
         fraction is every rank's, not rank 0's alone)."""
         stats = _Mean()
-        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, cfg.loss_agg_mode,
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed,
                            cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
         totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
         for k, mb in enumerate(plan):
-            agg_kw = _agg_kwargs(cfg.loss_agg_mode, mb.global_units, self.world_size,
+            agg_kw = _agg_kwargs(mb.global_tokens, mb.global_seqs, self.world_size,
                                  loss_scale_factor or self.response_length)
             with keep_compute_copies(self.model):  # the masters change only in the step below
                 for j, part in enumerate(mb.parts):
@@ -312,7 +316,12 @@ class Actor(TrainableRole):
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
-        """PPO epochs × mini-batches × micro-batches of the clipped policy loss (+ KL, entropy).
+        """PPO epochs × mini-batches × micro-batches of the policy loss (+ KL, entropy).
+
+        The policy loss is `cfg.policy_loss.loss_mode`'s (`ppo.core_algos.POLICY_LOSSES`), with its
+        parameters; in bypass mode `rollout_correction.loss_type`'s. A loss that draws random
+        numbers (clip_cov) draws them from one generator per update, seeded by `loss_seed(seed,
+        rank)`: a run repeats its draws.
 
         `rollout_correction` (`algorithm.rollout_correction`): in decoupled mode its weights
         and rejection were computed once per step (`ro.rollout_is_weights`, `ro.rollout_rs_mask`)
@@ -338,7 +347,12 @@ class Actor(TrainableRole):
         from_update = bypass or ro.old_log_probs is None
         if ro.old_log_probs is None and not on_policy:
             raise ValueError("Actor.update needs old_log_probs unless it is on-policy (one mini-batch, one epoch)")
-        policy_loss = get_policy_loss_fn(rc.loss_type if rc is not None else "ppo_clip")
+        # bypass mode trains with its own loss (`BYPASS_LOSS_TYPES`); the config refuses another loss_mode with it
+        pl = cfg.policy_loss
+        policy_loss = get_policy_loss_fn(BYPASS_LOSS_TYPES[rc.loss_type] if bypass else pl.loss_mode)
+        loss_params = PolicyLossParams(pl.clip_cov_ratio, pl.clip_cov_lb, pl.clip_cov_ub, pl.kl_cov_ratio,
+                                       pl.ppo_kl_coef, cfg.tau_pos, cfg.tau_neg)
+        generator = torch.Generator(self.device).manual_seed(loss_seed(seed, comm.rank()))
         # where the recompute pass did not run, over mini-batch 0: this rank's share of the entropy
         # aggregated as the loss (loss_agg_mode), the masked sums of |log-prob - engine log-prob| and of
         # the k3 KL to the reference, and the token count
@@ -369,7 +383,8 @@ class Actor(TrainableRole):
                 old_log_prob=logp.detach() if on_policy else sub.old_log_probs, log_prob=logp, advantages=sub.advantages,
                 response_mask=pg_mask, cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low,
                 cliprange_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, **agg_kw)
+                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=weights, loss_params=loss_params,
+                generator=generator, **agg_kw)
             total = pg.pg_loss
             sums = {"actor/pg_loss": pg.pg_loss.detach()}
             if need_entropy:
@@ -490,19 +505,26 @@ class RewardModel(Role):
         return scores
 
 
-def _agg_kwargs(mode: str, global_units: float, world_size: int, loss_scale_factor: float) -> dict:
-    key = "global_num_tokens" if mode == "token-mean" else "global_num_seqs"
+def loss_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's policy-loss generator in an update of seed `seed` (the trainer's: trainer.seed
+    + the step): distinct streams for distinct (seed, rank)."""
+    return int(np.random.SeedSequence((seed, rank)).generate_state(1, np.uint64)[0])
+
+
+def _agg_kwargs(global_tokens: float, global_seqs: float, world_size: int, loss_scale_factor: float) -> dict:
     # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO): actor.loss_scale_factor or the
     # configured response length, not the micro-batch's padding width, so packing cannot change the gradient.
-    return {key: max(global_units, 1.0), "dp_size": world_size, "loss_scale_factor": float(loss_scale_factor)}
+    return {"global_num_tokens": max(global_tokens, 1.0), "global_num_seqs": max(global_seqs, 1.0),
+            "dp_size": world_size, "loss_scale_factor": float(loss_scale_factor)}
 
 
 def agg_loss_global(values: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float) -> float:
     """`ppo.core_algos.agg_loss` of every rank's rows together, as verl aggregates a metric over the
     whole batch (`actor/entropy`): the global count of loss units, then the ranks' shares summed
     (two collectives)."""
-    units = comm.all_reduce_values([count_loss_units(mask, loss_agg_mode)])[0]
-    share = agg_loss(values, mask, loss_agg_mode, **_agg_kwargs(loss_agg_mode, units, 1, loss_scale_factor))
+    tokens, seqs = comm.all_reduce_values([count_loss_units(mask, mode) for mode in ("token-mean",
+                                                                                    "seq-mean-token-mean")])
+    share = agg_loss(values, mask, loss_agg_mode, **_agg_kwargs(tokens, seqs, 1, loss_scale_factor))
     return comm.all_reduce_values([float(share)])[0]
 
 

@@ -46,7 +46,7 @@ def _body(rank, world_size):
                       use_kl_loss=False, ppo_epochs=2, shuffle=False)
     metrics = worker.update(local, cfg, 1, 0.0, seed=0, step=1)
 
-    own = get_policy_loss_fn("ppo_clip")(
+    own = get_policy_loss_fn("vanilla")(
         old_log_prob=local.old_log_probs, log_prob=logp, advantages=local.advantages, response_mask=mask,
         cliprange=0.2, cliprange_low=None, cliprange_high=None, clip_ratio_c=cfg.clip_ratio_c,
         loss_agg_mode="token-mean", rollout_is_weights=None)

@@ -11,6 +11,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from trainer.batching import balanced_equal_partitions, token_budget_partitions
+from trainer.config import PolicyLossConfig
 from trainer.forward import build_micro_batch, response_logprobs
 from trainer.rollout_batch import RolloutBatch
 from trainer.roles import Actor, Critic, MicroBatching, ReferencePolicy, RewardModel
@@ -100,7 +101,8 @@ def _actor_cfg(**kw):
     base = dict(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=2,
                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, entropy_coeff=0.01, use_kl_loss=True,
                 kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
-                clip_ratio_c=3.0, grad_clip=1e9, loss_scale_factor=None)
+                clip_ratio_c=3.0, grad_clip=1e9, loss_scale_factor=None, policy_loss=PolicyLossConfig(), tau_pos=1.0,
+                tau_neg=1.05)
     base.update(kw)
     return SimpleNamespace(**base)
 

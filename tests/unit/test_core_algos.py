@@ -350,7 +350,7 @@ def test_registration_refuses_another_signature():
                                       cliprange_low, cliprange_high, clip_ratio_c, loss_agg_mode,
                                       rollout_is_weights, baseline: None)
     with pytest.raises(ValueError, match="already registered"):
-        register_policy_loss("ppo_clip")(compute_policy_loss)
+        register_policy_loss("vanilla")(compute_policy_loss)
     assert "no_values" not in ADV_ESTIMATORS and "extra" not in POLICY_LOSSES
 
 def test_adv_estimator_registry():

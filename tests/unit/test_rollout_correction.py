@@ -11,7 +11,7 @@ import torch
 from models import ModelArgs, Transformer
 from trainer.config import PPOConfig
 from trainer.configlib import ConfigError, load_config
-from ppo.core_algos import (RejectionCriterion, compute_policy_loss, compute_policy_loss_reinforce,
+from ppo.core_algos import (BYPASS_LOSS_TYPES, RejectionCriterion, compute_policy_loss, compute_policy_loss_gpg,
                             compute_rollout_correction, compute_rollout_is_weights, compute_rollout_rejection_mask,
                             get_policy_loss_fn, parse_rollout_is_threshold, parse_rollout_rs)
 from trainer.forward import build_micro_batch, response_logprobs
@@ -161,15 +161,15 @@ def test_reinforce_loss_is_the_weighted_policy_gradient():
     rollout = torch.tensor([[-1.0, -0.5, -2.0, 0.0]], dtype=F64)
     logp = (rollout + 0.7 * mask).requires_grad_()  # far outside any clip range: nothing is clipped
     w = torch.tensor([[2.0, 1.0, 0.0, 5.0]], dtype=F64)
-    fn = get_policy_loss_fn("reinforce")
-    assert fn is compute_policy_loss_reinforce
+    fn = get_policy_loss_fn(BYPASS_LOSS_TYPES["reinforce"])
+    assert fn is compute_policy_loss_gpg
     loss, clipfrac, ppo_kl, clipfrac_lower = fn(rollout, logp, adv, mask, cliprange=0.2, rollout_is_weights=w)
     assert math.isclose(loss.item(), -(1.0 * 2.0 * -0.3 + -2.0 * 1.0 * 0.2) / 3, rel_tol=1e-12)
     assert clipfrac.item() == clipfrac_lower.item() == 0.0 and math.isclose(ppo_kl.item(), -0.7, rel_tol=1e-12)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 3, 2.0 / 3, 0.0, 0.0]], dtype=F64))
     with pytest.raises(ValueError, match="valid names"):
-        get_policy_loss_fn("gspo")
+        get_policy_loss_fn("reinforce")
 
 
 def test_threshold_parsing():
