@@ -210,7 +210,7 @@ class PolicyLossConfig:
                                     "verl's recipes clip at clip_ratio_low/high 3e-4/4e-4), sapo (a smooth gate "
                                     "sigmoid(tau (r - 1)) 4 / tau instead of a clip: tau_pos, tau_neg), gpg (the plain "
                                     "policy gradient -A log pi), clip_cov (PPO's clip, and the gradient of a few "
-                                    "high-covariance tokens detached), kl_cov (no clip; a |log-ratio| penalty on the "
+                                    "high-covariance tokens detached), kl_cov (no clip; an abs(log-ratio) penalty on the "
                                     "tokens of highest covariance), geo_mean (GMPO: the geometric mean of the "
                                     "log-space-clipped token ratios times the sequence's mean advantage), cispo (the "
                                     "clipped ratio, detached, weighs -A log pi). As in verl, gspo and sapo aggregate "
@@ -228,8 +228,8 @@ class PolicyLossConfig:
     clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of that covariance term; above clip_cov_lb")
     kl_cov_ratio: float = opt(0.0002, "kl_cov: share of a micro-batch's valid tokens (at least one), those of the "
                                       "largest covariance term (A - mean A) (log pi - mean log pi), that get the "
-                                      "ppo_kl_coef |log pi - log pi_old| penalty", gt=0, le=1)
-    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the |log pi - log pi_old| penalty", ge=0)
+                                      "ppo_kl_coef abs(log pi - log pi_old) penalty", gt=0, le=1)
+    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the abs(log pi - log pi_old) penalty", ge=0)
 
     def __post_init__(self):
         if not self.clip_cov_lb < self.clip_cov_ub:

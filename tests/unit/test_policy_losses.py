@@ -471,6 +471,9 @@ def test_bypass_mode_refuses_another_loss_mode():
 
 def test_options_the_loss_does_not_read_are_noted():
     assert config_notes(_load()) == []
+    for mode in VERL_MODES:  # every mode knows the options it reads; the demo sets none at another value
+        assert config_notes(_load(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+                                  "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")) == []
     notes = config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.tau_pos=2",
                                "actor_rollout_ref.actor.clip_ratio_c=4", "actor_rollout_ref.actor.clip_ratio_low=3e-4"))
     assert notes == [
