@@ -162,6 +162,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
+        if key == "_target_" and isinstance(value, str) and value.startswith("verl."):
+            continue  # the class Hydra builds this section of a verl config into: metadata, no option
         if key not in by_name:
             all_keys = [f"{prefix}.{k}" if prefix else k for k in by_name]
             raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys)}")

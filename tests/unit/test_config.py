@@ -431,6 +431,16 @@ def test_verl_script_options_are_accepted_and_said():
             _cfg(f"actor_rollout_ref.rollout.{key}=2")
 
 
+def test_verl_dumped_configs_hydra_targets_are_metadata():
+    """A config dumped by verl names each section's class in `_target_`: a verl class name is not
+    an option and loads; anything else under that key is still an unknown key."""
+    cfg = _cfg("actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+               "algorithm._target_=verl.trainer.config.AlgoConfig")
+    assert cfg.algorithm == _cfg().algorithm
+    with pytest.raises(ConfigError, match="unknown config key 'algorithm._target_'"):
+        _cfg("algorithm._target_=mypkg.Algo")
+
+
 def test_refused_settings_that_would_waste_or_break_a_run():
     # critic warm-up steps without a critic would train nothing
     with pytest.raises(ConfigError, match=r"trainer.critic_warmup=2 trains only the critic .*adv_estimator=grpo has "
