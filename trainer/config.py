@@ -269,7 +269,7 @@ class ActorConfig:
               "workers: ppo_micro_batch_size_per_gpu) and depends on the batch layout; verl's step size at a "
               "fixed layout: T divided by that count", ge=1)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
-    use_kl_loss: bool = opt(False, "add a KL(actor || ref) loss term (GRPO style)")
+    use_kl_loss: bool = opt(False, "add a KL(actor, ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
     ppo_epochs: int = opt(1, "passes over each batch of rollouts", ge=1)
@@ -563,7 +563,7 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda", ge=0, le=1)
     adv_estimator: str = opt("gae", "advantage estimator", choices=ADV_ESTIMATORS)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
-    use_kl_in_reward: bool = opt(False, "subtract kl_coef * KL(actor || ref) from the token rewards")
+    use_kl_in_reward: bool = opt(False, "subtract kl_coef * KL(actor, ref) from the token rewards")
     kl_penalty: str = opt("kl", "KL estimator for KL-in-reward", choices=KL_TYPES)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "KL-in-reward controller")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "KL to the reference watched every step (kl_guard/* metrics); "
