@@ -69,7 +69,7 @@ def actor_cfg(tokens):
                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, entropy_coeff=0.0,
                            use_kl_loss=True, kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None,
                            clip_ratio_high=None, clip_ratio_c=3.0, grad_clip=1.0, loss_scale_factor=None,
-                           policy_loss=PolicyLossConfig(), tau_pos=1.0, tau_neg=1.05)
+                           policy_loss=PolicyLossConfig(), tau_pos=1.0, tau_neg=1.05, calculate_entropy=False)
 
 
 def timed(fn, repeats, telemetry: GpuTelemetry):

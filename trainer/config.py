@@ -269,6 +269,9 @@ class ActorConfig:
               "workers: ppo_micro_batch_size_per_gpu) and depends on the batch layout; verl's step size at a "
               "fixed layout: T divided by that count", ge=1)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
+    calculate_entropy: bool = opt(False, "report actor/entropy from the update's forwards (each mini-batch's, "
+                                         "averaged) instead of the recompute pass's, as verl does then; always so "
+                                         "with entropy_coeff != 0 (verl's rule)")
     use_kl_loss: bool = opt(False, "add a KL(actor, ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)

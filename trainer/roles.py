@@ -339,8 +339,14 @@ class Actor(TrainableRole):
         from the first mini-batch, whose forwards run before any optimizer step and so see the
         actor that the pass would have used: `actor/entropy` (aggregated with `loss_agg_mode`, as
         the pass's), `rollout/logprob_diff` (when the engine's log-probs are at hand) and, when
-        skipped on-policy, `actor/ref_kl` (with a reference)."""
+        skipped on-policy, `actor/ref_kl` (with a reference).
+
+        With `cfg.calculate_entropy` or an entropy bonus (verl's `calculate_entropy or
+        entropy_coeff != 0`), `actor/entropy` is instead the update's own, as verl's actor reports it
+        then: each mini-batch's entropy under the actor of its forwards (aggregated with
+        `loss_agg_mode` over the whole mini-batch), averaged over the mini-batches and epochs."""
         need_entropy = cfg.entropy_coeff != 0
+        report_entropy = need_entropy or cfg.calculate_entropy
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
         on_policy = num_mini_batches == 1 and cfg.ppo_epochs == 1 and not bypass
@@ -358,10 +364,11 @@ class Actor(TrainableRole):
         # the k3 KL to the reference, and the token count
         first = torch.zeros(4, dtype=torch.float64, device=self.device)
         sum_keys = (("actor/pg_loss",) + (("actor/kl_loss",) if cfg.use_kl_loss else ())
-                    + (("actor/entropy_loss",) if need_entropy else ()))
+                    + (("actor/entropy_loss",) if need_entropy else ())
+                    + (("actor/entropy",) if report_entropy else ()))
 
         def forward(sub, k):
-            return self._forward(sub, need_entropy or (from_update and k == 0))
+            return self._forward(sub, report_entropy or (from_update and k == 0))
 
         def loss(sub, outputs, k, agg_kw):
             nonlocal first
@@ -387,8 +394,10 @@ class Actor(TrainableRole):
                 generator=generator, **agg_kw)
             total = pg.pg_loss
             sums = {"actor/pg_loss": pg.pg_loss.detach()}
-            if need_entropy:
+            if report_entropy:
                 ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
+                sums["actor/entropy"] = ent_loss.detach()
+            if need_entropy:
                 total = total - cfg.entropy_coeff * ent_loss
                 sums["actor/entropy_loss"] = ent_loss.detach()
             if cfg.use_kl_loss:
@@ -402,8 +411,12 @@ class Actor(TrainableRole):
 
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
                            loss_scale_factor=cfg.loss_scale_factor)
+        if report_entropy:  # the sum over the mini-batches and epochs of each one's entropy
+            out["actor/entropy"] /= cfg.ppo_epochs * num_mini_batches
         if from_update:
-            out["actor/entropy"], diff_sum, kl_sum, tokens = comm.all_reduce(first).tolist()
+            entropy, diff_sum, kl_sum, tokens = comm.all_reduce(first).tolist()
+            if not report_entropy:
+                out["actor/entropy"] = entropy
             if ro.rollout_log_probs is not None:
                 out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
             if not bypass and ro.ref_log_probs is not None:

@@ -102,7 +102,7 @@ def _actor_cfg(**kw):
                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, entropy_coeff=0.01, use_kl_loss=True,
                 kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
                 clip_ratio_c=3.0, grad_clip=1e9, loss_scale_factor=None, policy_loss=PolicyLossConfig(), tau_pos=1.0,
-                tau_neg=1.05)
+                tau_neg=1.05, calculate_entropy=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
