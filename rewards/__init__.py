@@ -1,5 +1,15 @@
-"""Rewards: rule-based scorers (GSM8K, the demo task) and the verl-style reward-function API."""
+"""Rewards: rule-based scorers (GSM8K, the demo task), the verl-style reward-function API and verl's
+reward managers."""
 
+from rewards.managers import (
+    REWARD_MANAGERS,
+    BatchRewardManager,
+    DAPORewardManager,
+    NaiveRewardManager,
+    PrimeRewardManager,
+    RewardManager,
+    load_reward_manager,
+)
 from rewards.registry import (
     BUILTIN_DATA_SOURCES,
     RewardError,
@@ -11,9 +21,16 @@ from rewards.registry import (
 
 __all__ = [
     "BUILTIN_DATA_SOURCES",
+    "REWARD_MANAGERS",
+    "BatchRewardManager",
+    "DAPORewardManager",
+    "NaiveRewardManager",
+    "PrimeRewardManager",
     "RewardError",
+    "RewardManager",
     "default_compute_score",
     "get_reward_fn",
     "load_custom_reward_fn",
+    "load_reward_manager",
     "score_responses",
 ]

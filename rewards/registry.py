@@ -1,14 +1,19 @@
 """Choosing and calling reward functions.
 
-All reward functions have verl's signature and are called, as verl calls them, by keyword::
+All reward functions have verl's signature and are called, as verl's naive reward manager calls
+them, by keyword::
 
     fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | bool | dict
 
-so a user's function may take its parameters in any order, or as `**kwargs`. A dict result carries the score under `"score"`; its other numeric entries become extra
-metrics, and every other entry (a predicted answer, a parse) goes to the sample dumps as
-returned. `default_compute_score` dispatches the built-in data sources; a user's own
-function is loaded from a Python file or module with `load_custom_reward_fn` (verl's
-`custom_reward_function.path` / `.name` / `.reward_kwargs`).
+so a user's function may take its parameters in any order, or as `**kwargs` (the other reward
+managers, `rewards.managers`, call it as their verl counterparts do). A dict result carries the
+score under `"score"`; its other numeric entries become extra metrics, and every other entry (a
+predicted answer, a parse) goes to the sample dumps as returned. `default_compute_score`
+dispatches the built-in data sources; a user's own function is loaded from a Python file or
+module with `load_custom_reward_fn` (verl's `custom_reward_function.path` / `.name` /
+`.reward_kwargs`).
+
+Nothing here imports torch: `rewards.pool`'s worker processes load this module.
 """
 
 from __future__ import annotations
@@ -24,9 +29,6 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import numpy as np
-import torch
 
 from rewards import demo, gsm8k
 
@@ -71,15 +73,17 @@ PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"  # verl's `load_module` path forms
 
 
 def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
-                          reward_kwargs: dict[str, Any] | None = None) -> RewardFn:
+                          reward_kwargs: dict[str, Any] | None = None, *, args: Sequence[str] = (),
+                          keywords: Sequence[str] = REWARD_FN_ARGS) -> RewardFn:
     """Load function `name` from `path`, as verl's `load_extern_object` reads it: a Python file
     (`/abs/x.py`, `rel/x.py` or `file:///abs/x.py`) or an importable module (`pkg://package.module`,
     slashes allowed). `reward_kwargs` are added to every call and win over the call's own
     keywords, as verl's `_call_with_kwargs` merges them.
 
     A file is executed as a fresh module each call. Raises `RewardError` naming the path and
-    function when the file is missing, the file or module fails to import, or it lacks a
-    callable `name`.
+    function when the file is missing, the file or module fails to import, it lacks a callable
+    `name`, or that cannot be called with the positional `args` and the `keywords` (the
+    manager's call: by default naive's) plus `reward_kwargs`.
     """
     path = os.fspath(path)
     if path.startswith(PKG_PREFIX):
@@ -100,13 +104,13 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
     if not callable(fn):
         raise RewardError(f"{name!r} in {where} is a {type(fn).__name__}, not a function")
     reward_kwargs = dict(reward_kwargs or {})
-    _check_signature(fn, f"{name!r} in {where}", reward_kwargs)
+    _check_signature(fn, f"{name!r} in {where}", args, [*keywords, *(k for k in reward_kwargs if k not in keywords)])
     if not reward_kwargs:
         return fn
 
     @functools.wraps(fn)
-    def with_kwargs(**kwargs):
-        return fn(**{**kwargs, **reward_kwargs})
+    def with_kwargs(*call_args, **kwargs):
+        return fn(*call_args, **{**kwargs, **reward_kwargs})
 
     return with_kwargs
 
@@ -132,36 +136,40 @@ def _exec_file(path: str, name: str):
     return module
 
 
-def _check_signature(fn: RewardFn, what: str, reward_kwargs: dict[str, Any]) -> None:
-    """Raise `RewardError` unless `fn` accepts the keywords `REWARD_FN_ARGS` and `reward_kwargs` (a
-    callable whose signature Python cannot read is taken on trust)."""
+def _check_signature(fn: RewardFn, what: str, args: Sequence[str], keywords: Sequence[str]) -> None:
+    """Raise `RewardError` unless `fn` accepts the positional `args` and the `keywords` (a callable
+    whose signature Python cannot read is taken on trust)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return
-    keywords = [*REWARD_FN_ARGS, *(k for k in reward_kwargs if k not in REWARD_FN_ARGS)]
     try:
-        signature.bind(**dict.fromkeys(keywords))
+        signature.bind(*args, **dict.fromkeys(keywords))
     except TypeError as err:
-        raise RewardError(f"{what} cannot be called as a reward function: it is called by keyword, "
-                          f"fn({', '.join(f'{a}=...' for a in keywords)}), as verl calls it, "
+        call = ", ".join([*args, *(f"{k}=..." for k in keywords)])
+        raise RewardError(f"{what} cannot be called as a reward function: it is called "
+                          f"{'' if args else 'by keyword, '}fn({call}), as verl calls it, "
                           f"and its signature {signature} does not accept that ({err})") from None
 
 
 def get_reward_fn(custom_path: str | os.PathLike | None = None, custom_name: str = "compute_score",
-                  reward_kwargs: dict[str, Any] | None = None) -> RewardFn:
-    """The user's function (with `reward_kwargs`) when `custom_path` is set, else `default_compute_score`."""
+                  reward_kwargs: dict[str, Any] | None = None, *, args: Sequence[str] = (),
+                  keywords: Sequence[str] = REWARD_FN_ARGS) -> RewardFn:
+    """The user's function (with `reward_kwargs`, checked against the call `args` / `keywords`) when
+    `custom_path` is set, else `default_compute_score`."""
     if custom_path:
-        return load_custom_reward_fn(custom_path, custom_name, reward_kwargs)
+        return load_custom_reward_fn(custom_path, custom_name, reward_kwargs, args=args, keywords=keywords)
     return default_compute_score
 
 
-def _fn_name(fn: RewardFn) -> str:
+def describe_fn(fn: RewardFn) -> tuple[str, str | None]:
+    """`fn`'s name for messages (module-qualified unless it comes from a reward file) and the file
+    its code is in (None where it has no Python code)."""
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or repr(fn)
-    if module and not module.startswith("meshppo_custom_reward_"):
-        return f"{module}.{qualname}"
-    return qualname
+    name = f"{module}.{qualname}" if module and not module.startswith("meshppo_custom_reward_") else qualname
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return name, code.co_filename if code else None
 
 
 def _where(err: BaseException, path: str | None) -> str:
@@ -175,20 +183,92 @@ def _where(err: BaseException, path: str | None) -> str:
     return f" at {frame.filename}:{frame.lineno}" if frame else ""
 
 
+def call_failure(name: str, where: str, err: BaseException, path: str | None) -> str:
+    """What to say when reward function `name` (code in `path`) raised `err` on `where`: a sample, the batch."""
+    return f"reward function {name} raised on {where}{_where(err, path)}: {type(err).__name__}: {err}"
+
+
 def _as_float(value: Any) -> float | None:
-    """A number, a bool, or a 0-d real tensor or array (verl stores whatever torch can assign to a reward slot)."""
-    if isinstance(value, (bool, np.bool_, numbers.Real)):
+    """A number, a bool, or a 0-d real tensor or array (verl stores whatever torch can assign to a
+    reward slot). A tensor or array can only come from a process that imported torch or numpy,
+    so neither is imported here."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if isinstance(value, (bool, numbers.Real)) or (np is not None and isinstance(value, np.bool_)):
         return float(value)
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_complex:
+    if torch is not None and isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_complex:
         return float(value.item())
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+    if np is not None and isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
         return float(value.item())
     return None
 
 
-# What verl's reward manager adds to every extra_info (naive.py): the agent loop's turn count, 2 for a
-# single-turn generation (prompt, response), and the rollout's own reward scores, none here.
-SINGLE_TURN_EXTRA_INFO = {"num_turns": 2, "rollout_reward_scores": {}}
+def row_extra_info(row: dict | None, num_turns: bool) -> dict:
+    """A copy of a row's `extra_info` (the dataset's dict is every epoch's) with what verl's reward
+    managers add: a fresh `rollout_reward_scores` (the rollout's own scores: none here) and, where
+    `num_turns` (naive's), the agent loop's turn count, 2 for a single-turn generation."""
+    return {**(row or {}), **({"num_turns": 2} if num_turns else {}), "rollout_reward_scores": {}}
+
+
+class ResultCollector:
+    """The reward function's results, row by row, as `score_responses` returns them, each checked
+    as it comes: a `RewardError` names the function, the row and its data source. `plain_key`:
+    an extra that a plain (not dict) result's score is also recorded under (dapo's `acc`)."""
+
+    def __init__(self, name: str, data_sources: Sequence[str], plain_key: str | None = None):
+        self.name, self.data_sources, self.plain_key = name, data_sources, plain_key
+        self.scores: list[float] = []
+        self.extras: dict[str, list[float]] = {}
+        self.returned: list[dict] = []  # each sample's dict result ({} for a plain score)
+        self.other_keys: dict[str, None] = {}  # the keys some sample gave a non-number for, in the function's order
+
+    def where(self, i: int) -> str:
+        return f"sample {i} (data_source={self.data_sources[i]!r})"
+
+    def add(self, result: Any) -> None:
+        """Record the next row's result: a number, a bool, a 0-d tensor or a dict with `score`."""
+        i, name = len(self.scores), self.name
+        where = self.where(i)
+        sample_extras: dict[str, float] = {}
+        self.returned.append(result if isinstance(result, dict) else {})
+        plain = not isinstance(result, dict)
+        if not plain:
+            if "score" not in result:
+                raise RewardError(f"reward function {name} returned a dict without a 'score' key on {where}: "
+                                  f"keys {sorted(result)}")
+            for key, value in result.items():
+                if key == "score":
+                    continue
+                if (as_float := _as_float(value)) is not None:
+                    sample_extras[key] = as_float
+                else:
+                    self.other_keys[key] = None
+            result = result["score"]
+        score = _as_float(result)
+        if score is None:
+            raise RewardError(f"reward function {name} returned {type(result).__name__} {result!r} on {where}; "
+                              "expected a number, a bool or a dict with a 'score' key")
+        if not math.isfinite(score):
+            raise RewardError(f"reward function {name} returned non-finite score {score} on {where}")
+        if plain and self.plain_key:
+            sample_extras[self.plain_key] = score
+        self.scores.append(score)
+        for key in sample_extras:  # new keys in the order the function gave them (a set's order varies by process)
+            if key not in self.extras:
+                self.extras[key] = [math.nan] * i
+        for key, values in self.extras.items():
+            values.append(sample_extras.get(key, math.nan))
+
+    def done(self) -> tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]:
+        """`(scores, extras, other_extras)`, as `score_responses` describes them."""
+        return self.scores, self.extras, {key: [r.get(key) for r in self.returned] for key in self.other_keys}
+
+
+def check_lengths(**columns: Sequence) -> int:
+    """The common length of the per-row `columns`; ValueError naming each length if they differ."""
+    lengths = {k: len(v) for k, v in columns.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"reward scoring needs inputs of one length, got {lengths}")
+    return next(iter(lengths.values()))
 
 
 def score_responses(
@@ -197,18 +277,23 @@ def score_responses(
     solution_strs: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict | None] | None = None,
+    *,
+    num_turns: bool = True,
+    plain_key: str | None = None,
 ) -> tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]:
-    """Score every response with `fn`.
+    """Score every response with `fn`, one call each (verl's naive reward manager).
 
-    Each call's `extra_info` is a copy of the row's with `SINGLE_TURN_EXTRA_INFO` added, as verl's
-    reward manager adds them. A score may be a number, a bool, a 0-d tensor or a dict with `score`.
+    Each call's `extra_info` is `row_extra_info` of the row's (with `num_turns` unless told not
+    to: verl's dapo manager adds none). A score may be a number, a bool, a 0-d tensor or a dict
+    with `score`.
 
     Returns `(scores, extras, other_extras)`, each aligned with the samples: one float per
     sample; for every extra key of a dict result that some sample gave a number for, the
     numbers (NaN where a sample gave none), which are metrics; and for every extra key that
     some sample gave anything else for (a string, a list, None...), every sample's value as
     returned (None where a sample did not return the key), which only the dumps write (verl's
-    dumps carry every key of the result). A key of both kinds is in both.
+    dumps carry every key of the result). A key of both kinds is in both. `plain_key`: see
+    `ResultCollector`.
 
     Raises `RewardError` when `fn` raises (chained from the original error) or returns
     something that is not a finite number, naming the function, sample index and data
@@ -217,55 +302,15 @@ def score_responses(
     n = len(solution_strs)
     if extra_infos is None:
         extra_infos = [None] * n
-    lengths = {"data_sources": len(data_sources), "solution_strs": n,
-               "ground_truths": len(ground_truths), "extra_infos": len(extra_infos)}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"score_responses needs inputs of one length, got {lengths}")
-
-    name = _fn_name(fn)
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    scores: list[float] = []
-    extras: dict[str, list[float]] = {}
-    returned: list[dict] = []  # each sample's dict result ({} for a plain score)
-    other_keys: dict[str, None] = {}  # the keys some sample gave a non-number for, in the function's order
+    check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
+                  extra_infos=extra_infos)
+    name, path = describe_fn(fn)
+    results = ResultCollector(name, data_sources, plain_key)
     for i in range(n):
-        where = f"sample {i} (data_source={data_sources[i]!r})"
         try:
-            # a copy (the dataset's dict is every epoch's), with a fresh rollout_reward_scores
-            extra_info = {**(extra_infos[i] or {}), **SINGLE_TURN_EXTRA_INFO, "rollout_reward_scores": {}}
             result = fn(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
-                        extra_info=extra_info)
+                        extra_info=row_extra_info(extra_infos[i], num_turns))
         except Exception as err:
-            at = _where(err, code.co_filename if code else None)
-            raise RewardError(f"reward function {name} raised on {where}{at}: {type(err).__name__}: {err}") from err
-        sample_extras: dict[str, float] = {}
-        returned.append(result if isinstance(result, dict) else {})
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise RewardError(
-                    f"reward function {name} returned a dict without a 'score' key on {where}: "
-                    f"keys {sorted(result)}"
-                )
-            for key, value in result.items():
-                if key == "score":
-                    continue
-                if (as_float := _as_float(value)) is not None:
-                    sample_extras[key] = as_float
-                else:
-                    other_keys[key] = None
-            result = result["score"]
-        score = _as_float(result)
-        if score is None:
-            raise RewardError(
-                f"reward function {name} returned {type(result).__name__} {result!r} on {where}; "
-                "expected a number, a bool or a dict with a 'score' key"
-            )
-        if not math.isfinite(score):
-            raise RewardError(f"reward function {name} returned non-finite score {score} on {where}")
-        scores.append(score)
-        for key in sample_extras:  # new keys in the order the function gave them (a set's order varies by process)
-            if key not in extras:
-                extras[key] = [math.nan] * i
-        for key, values in extras.items():
-            values.append(sample_extras.get(key, math.nan))
-    return scores, extras, {key: [r.get(key) for r in returned] for key in other_keys}
+            raise RewardError(call_failure(name, results.where(i), err, path)) from err
+        results.add(result)
+    return results.done()

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from trainer.config import PPOConfig
+from trainer.config import REWARD_KWARGS_KEY, DAPORewardKwargs, OverlongBufferConfig, PPOConfig
 from trainer.configlib import iter_options
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "CONFIG.md")
@@ -30,6 +30,15 @@ def render() -> str:
     for key, type_name, default, help_ in iter_options(PPOConfig):
         d = "" if default is None else repr(default).replace("|", "\\|")
         lines.append(f"| `{key}` | {type_name.replace('|', 'or')} | `{d}` | {help_} |")
+    # a mapping in the config (verl passes it to the manager as it is): its keys of reward_manager=dapo
+    lines += ["", f"`{REWARD_KWARGS_KEY}` of `reward_model.reward_manager=dapo` (`overlong_buffer_cfg` needs "
+                  "`max_resp_len`, `enable` and `len`, and with `enable: true` `penalty_factor` and `log`):", "",
+              "| key | type | meaning |", "| --- | --- | --- |"]
+    buffer = f"{REWARD_KWARGS_KEY}.overlong_buffer_cfg"
+    for key, type_name, _, help_ in [*iter_options(DAPORewardKwargs, REWARD_KWARGS_KEY),
+                                     *iter_options(OverlongBufferConfig, buffer)]:
+        if key != buffer:
+            lines.append(f"| `{key}` | {type_name.removesuffix(' | None')} | {help_} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,9 +15,10 @@ from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
-from trainer.configlib import ConfigError, opt, section
+from trainer.configlib import ConfigError, build_dataclass, opt, section
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
+from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sharding.fsdp import FSDPConfig
 from sharding.mesh import ParallelDims
@@ -464,6 +465,47 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment: verl's `reward_model.reward_kwargs.overlong_buffer_cfg` of
+    reward_manager=dapo (`DAPORewardKwargs` says which keys are required)."""
+
+    enable: bool | None = opt(None, "add the overlong penalty to the score")
+    len: int | None = opt(None, "the buffer's length: the penalty starts at max_resp_len - len tokens", ge=1)
+    penalty_factor: float | None = opt(None, "the penalty's size at max_resp_len tokens: it falls linearly from 0 at "
+                                             "the buffer's start to -penalty_factor there, and on beyond", ge=0)
+    log: bool | None = opt(None, "add the extras overlong_reward (the penalty) and overlong (1 where it is below 0)")
+
+
+REWARD_KWARGS_KEY = "reward_model.reward_kwargs"
+
+
+@dataclass
+class DAPORewardKwargs:
+    """`reward_model.reward_kwargs` of reward_manager=dapo: the arguments of verl's DAPORewardManager,
+    checked as verl checks them and required where verl reads them."""
+
+    max_resp_len: int | None = opt(None, "the response length the overlong buffer ends at (verl's DAPO recipes: "
+                                         "data.max_response_length)", ge=1)
+    overlong_buffer_cfg: OverlongBufferConfig | None = opt(None, "DAPO's overlong penalty; null: none")
+
+    def __post_init__(self):
+        b, key = self.overlong_buffer_cfg, f"{REWARD_KWARGS_KEY}.overlong_buffer_cfg"
+        if b is None:
+            return
+        missing = [k for k in ("enable", "len", *(("penalty_factor", "log") if b.enable else ())) if getattr(b, k) is None]
+        if missing:
+            raise ConfigError(f"{key} needs {' and '.join(missing)}: verl's dapo manager reads "
+                              f"{'them' if len(missing) > 1 else 'it'}{' when enable=true' if b.enable else ''}")
+        if self.max_resp_len is None:
+            raise ConfigError(f"{key} is set but {REWARD_KWARGS_KEY}.max_resp_len is not (verl's dapo manager asserts "
+                              "it): give the response length the buffer ends at, usually data.max_response_length")
+        if b.len > self.max_resp_len:
+            raise ConfigError(f"{key}.len={b.len} is larger than {REWARD_KWARGS_KEY}.max_resp_len={self.max_resp_len} "
+                              "(verl's dapo manager asserts max_resp_len >= len): the buffer would start before the "
+                              "response does")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = opt(False, "score responses with a reward model instead of (or added to) the rule reward")
     path: str | None = opt(None, "reward model: meshppo value-model or HF *ForSequenceClassification directory")
@@ -472,10 +514,40 @@ class RewardModelConfig:
                                  unsupported=lambda v: v is not None)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
-    reward_manager: str = opt("naive", "how rule rewards are computed (naive: one call per response)",
-                              choices=("naive",))
+    reward_manager: str = opt("naive", "how the rule reward calls the reward function, as verl's managers do: naive: "
+                                       "once per response; dapo: naive plus DAPO's overlong penalty (reward_kwargs); "
+                                       "batch: once per batch, with lists; prime: once per response in worker "
+                                       "processes, 300 s per call, a failed call scoring 0",
+                              choices=REWARD_MANAGERS)
+    reward_kwargs: dict = opt(default_factory=dict, help="the reward manager's arguments, as verl passes them: dapo: "
+                                                          "max_resp_len and overlong_buffer_cfg {enable, len, "
+                                                          "penalty_factor, log}; batch: keywords added to every call "
+                                                          "(custom_reward_function.reward_kwargs win); naive and prime "
+                                                          "take none")
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
     fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
+
+    def __post_init__(self):
+        self.manager_kwargs()  # checked as the config loads
+
+    def manager_kwargs(self) -> dict:
+        """`reward_kwargs` as the manager takes them (`rewards.load_reward_manager`): dapo's typed,
+        batch's as given. Raises ConfigError for a key the manager does not take."""
+        kwargs, manager = self.reward_kwargs, self.reward_manager
+        if manager == "dapo":
+            dapo = build_dataclass(DAPORewardKwargs, kwargs, REWARD_KWARGS_KEY)
+            return {f.name: getattr(dapo, f.name) for f in dataclasses.fields(dapo)}
+        if manager == "batch":
+            taken = sorted(set(kwargs) & set(BATCH_FN_ARGS))
+            if taken:
+                raise ConfigError(f"{REWARD_KWARGS_KEY} sets {', '.join(taken)}: the batch manager passes "
+                                  f"{', '.join(BATCH_FN_ARGS)} itself")
+            return dict(kwargs)
+        if kwargs:
+            raise ConfigError(f"{REWARD_KWARGS_KEY} is set ({', '.join(sorted(kwargs))}) but reward_manager={manager} "
+                              "takes none (verl's would fail on them); they are dapo's (max_resp_len, "
+                              "overlong_buffer_cfg) or batch's (keywords for the function)")
+        return {}
 
 
 @dataclass
@@ -752,6 +824,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
+    notes += _reward_manager_notes(cfg)
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model", cfg.reward_model.fsdp_config)) if fc.optimizer_offload]
     if frozen:
@@ -796,6 +869,28 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"{chosen} weighs every sequence the same (as verl): actor_rollout_ref.actor.loss_agg_mode="
                      f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only")
     return notes
+
+
+def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
+    """The reward manager's settings that do not act, or act otherwise than they may read."""
+    rm = cfg.reward_model
+    if rm.enable and rm.combine == "replace" and rm.reward_manager != "naive":
+        return [f"reward_model.reward_manager={rm.reward_manager} is not used: the reward model replaces the rule "
+                "reward (reward_model.combine=replace; in verl the manager passes the model's scores on)"]
+    if rm.reward_manager != "dapo":
+        return []
+    kw = rm.manager_kwargs()
+    max_len, b, key = kw["max_resp_len"], kw["overlong_buffer_cfg"], REWARD_KWARGS_KEY
+    if b is None and max_len is not None:
+        return [f"{key}.max_resp_len has no effect without {key}.overlong_buffer_cfg"]
+    limit = cfg.response_length
+    if b is not None and b.enable and max_len != limit:
+        reach = (f"beyond the longest response ({limit} tokens)" if max_len > limit
+                 else f"and keeps falling up to the longest response ({limit} tokens)")
+        return [f"{key}.max_resp_len={max_len} is not actor_rollout_ref.rollout.response_length={limit}: as in verl, "
+                f"the overlong penalty starts at {max_len} - {b.len} = {max_len - b.len} tokens and reaches "
+                f"-{b.penalty_factor:g} at {max_len} tokens, {reach}"]
+    return []
 
 
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
@@ -969,6 +1064,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if crf.reward_kwargs and not crf.path:
         raise ConfigError("custom_reward_function.reward_kwargs is set but custom_reward_function.path is not: the "
                           "built-in scorers take no extra arguments")
+    if cfg.reward_model.reward_manager == "batch" and not crf.path:
+        raise ConfigError("reward_model.reward_manager=batch calls custom_reward_function once per batch, with lists "
+                          "(as verl's batch manager does; the built-in scorers take one response): set "
+                          "custom_reward_function.path")
     if cfg.reward_model.enable and not cfg.reward_model.path:
         raise ConfigError("reward_model.enable=true needs reward_model.path")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

@@ -99,6 +99,8 @@ def _coerce(value, tp, key: str):
         for a in args:
             if a is type(None):
                 continue
+            if is_dataclass(a) and isinstance(value, dict):
+                return build_dataclass(a, value, key)  # an optional section: its own errors, as they are
             try:
                 return _coerce(value, a, key)
             except ConfigError as e:

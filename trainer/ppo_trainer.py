@@ -96,7 +96,8 @@ class PPOTrainer:
                             "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)
         d = cfg.data
-        from rewards import BUILTIN_DATA_SOURCES, get_reward_fn
+        from rewards import BUILTIN_DATA_SOURCES, load_reward_manager
+        from rewards.managers import PRIME_PROCESSES
 
         # Rows the reward function scores need a ground truth, and the built-in scorers a data
         # source they know: both checked at load, naming the row, not after the first generation.
@@ -124,7 +125,12 @@ class PPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # the reward file is the user's input too: checked before any model loads
         crf = cfg.custom_reward_function
-        self.reward_fn = get_reward_fn(crf.path, crf.name, crf.reward_kwargs)
+        # prime's worker processes: verl's pool size, within this rank's share of the machine's cores
+        cores = max(1, len(os.sched_getaffinity(0)) // ctx.local_world_size)
+        self.reward_manager = load_reward_manager(
+            rm_cfg.reward_manager, crf.path, crf.name, crf.reward_kwargs, rm_cfg.manager_kwargs(),
+            eos_token=self.tokenizer.eos_token, processes=min(PRIME_PROCESSES, cores),
+            warn=lambda text: print(f"meshppo: warning (rank {ctx.rank}): {text}", file=sys.stderr, flush=True))
 
         self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)
@@ -308,11 +314,11 @@ class PPOTrainer:
     # ------------------------------------------------------------------ rewards
     def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict, dict]:
         """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand) from
-        the rule / custom function, the reward model or both (`reward_model.combine`), the
-        function's numeric extra columns (the same keys on every rank) and its other extras (this
-        rank's rows' own keys, for the dumps). A failing reward function fails every rank together
-        (an error on one rank would otherwise hang the rest)."""
-        from rewards import RewardError, score_responses
+        the rule / custom function (called by `reward_model.reward_manager`), the reward model or
+        both (`reward_model.combine`), the function's numeric extra columns (the same keys on every
+        rank) and its other extras (this rank's rows' own keys, for the dumps). A failing reward
+        function fails every rank together (an error on one rank would otherwise hang the rest)."""
+        from rewards import RewardError
 
         texts = decode_batch(self.tokenizer, ro.responses) if texts is None else texts
         err, scores, extras, others = None, None, {}, {}
@@ -320,8 +326,8 @@ class PPOTrainer:
         use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
         if use_rule:
             try:
-                scores, extras, others = score_responses(self.reward_fn, ro.data_sources, texts, ro.ground_truths,
-                                                         ro.extra_infos)
+                scores, extras, others = self.reward_manager(ro.data_sources, texts, ro.ground_truths, ro.extra_infos,
+                                                             [len(r) for r in ro.responses])
             except RewardError as e:
                 err = str(e)
         self._fail_together(err)
@@ -820,6 +826,7 @@ class PPOTrainer:
                           base_model=self.cfg.actor_rollout_ref.model.path)
             return 0
         finally:
+            self.reward_manager.close()
             self.tracking.close()
 
 

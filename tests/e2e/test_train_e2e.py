@@ -195,6 +195,107 @@ def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_p
         assert 0 < sum(row["even_answer"] is None for row in dumped) < count, path
 
 
+DAPO_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A plain score of the text alone (dapo records it as the extra acc)."""
+    return len(solution_str) / 10
+'''
+
+
+def test_dapo_overlong_penalty_through_the_trainer(tiny_assets, tmp_path):
+    """reward_manager=dapo with verl's overlong buffer (reward_kwargs as verl's DAPO scripts write
+    them) on 2 ranks: every dumped row, of training (each rank scoring its own rows) and of
+    validation, scores its function's score (`acc`) plus the penalty of its own response length,
+    -L / len x penalty_factor with the buffer as long as the responses' limit (so every response is
+    inside it, whatever was sampled); the step's metrics are the training dump's means. (The
+    validation dump has no response_length: there the penalty is one of the six lengths'.)"""
+    import json
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(DAPO_REWARD)
+    run = tmp_path / "run"
+    buffer = "+reward_model.reward_kwargs.overlong_buffer_cfg"
+    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                           "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
+                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                           "reward_model.reward_manager=dapo", f"{buffer}.enable=True", f"{buffer}.len=6",
+                           f"{buffer}.penalty_factor=0.5", f"{buffer}.log=True", "+reward_model.reward_kwargs.max_resp_len=6",
+                           f"trainer.rollout_data_dir={tmp_path / 'dump'}",
+                           f"trainer.validation_data_dir={tmp_path / 'val'}",
+                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    dumps = {}
+    for name, path, count in (("train", tmp_path / "dump" / "1.jsonl", 8 * 8), ("val", tmp_path / "val" / "0.jsonl", 16)):
+        with open(path) as f:
+            dumps[name] = [json.loads(line) for line in f]
+        assert len(dumps[name]) == count
+        for row in dumps[name]:
+            acc, penalty = len(row["output"]) / 10, row["overlong_reward"]
+            if name == "train":
+                assert penalty == pytest.approx(-row["response_length"] / 6 * 0.5), row
+            assert any(penalty == pytest.approx(-length / 12) for length in range(1, 7)), row
+            assert row["acc"] == pytest.approx(acc) and row["overlong"] == 1.0, row
+            assert row["score"] == pytest.approx(acc + penalty, abs=1e-6), row
+    train, val = dumps["train"], dumps["val"]
+    rows = read_metrics(run)
+    step = next(row for row in rows if "critic/score/mean" in row)
+    mean = lambda key, dumped: sum(row[key] for row in dumped) / len(dumped)  # noqa: E731
+    for metric, key in (("critic/score/mean", "score"), ("reward_extra/acc/mean", "acc"),
+                        ("reward_extra/overlong_reward/mean", "overlong_reward")):
+        assert step[metric] == pytest.approx(mean(key, train), abs=1e-6), metric
+    assert step["reward_extra/overlong/mean"] == 1.0
+    assert rows[0]["val/meshppo/demo_add/score"] == pytest.approx(mean("score", val), abs=1e-6)
+
+
+PRIME_REWARD = '''
+import multiprocessing
+import os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # a process of the pool has a multiprocessing parent, a rank has none
+    pooled = multiprocessing.parent_process() is not None
+    open(os.path.join(os.path.dirname(__file__), f"called_in_{os.getpid()}_{pooled}"), "w").close()
+    if len(solution_str) == 3:
+        raise ValueError("three characters")
+    return len(solution_str) / 10
+'''
+
+
+def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_path):
+    """reward_manager=prime on 2 ranks: the function runs in worker processes (not in the ranks), a
+    call that raises scores 0 and is reported, the others score as the function does, and no
+    worker outlives the run."""
+    import json
+
+    from tests.unit.test_reward_managers import process_running
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(PRIME_REWARD)
+    run = tmp_path / "run"
+    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                           "reward_model.reward_manager=prime", f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(tmp_path / "dump" / "1.jsonl") as f:
+        dumped = [json.loads(line) for line in f]
+    assert len(dumped) == 8 * 8
+    for row in dumped:
+        n = len(row["output"])
+        assert row["score"] == pytest.approx(0.0 if n == 3 else n / 10), row
+    failed = sum(len(row["output"]) == 3 for row in dumped)
+    reported = [int(line.split(" of ")[0].rsplit(" ", 1)[1]) for line in r.stderr.splitlines()
+                if "reward_manager=prime:" in line]
+    assert sum(reported) == failed and all("ValueError: three characters" in line for line in r.stderr.splitlines()
+                                           if "reward_manager=prime:" in line), r.stderr[-3000:]
+    callers = [p.name.split("_")[2:] for p in tmp_path.glob("called_in_*")]
+    assert callers and all(pooled == "True" for _, pooled in callers), callers
+    assert not [pid for pid, _ in callers if process_running(int(pid))], callers
+
+
 def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     """`reward_model.enable` through the whole trainer (2 ranks): a Hugging Face
     *ForSequenceClassification directory of the actor's shape, saved with the actor's tokenizer (so

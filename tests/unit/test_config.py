@@ -493,3 +493,91 @@ def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, cap
         assert message in err and "Traceback" not in err, err
     monkeypatch.delenv(launch.PEER_GRACE_ENV, raising=False)
     assert launch.main(["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "trainer.nnodes=2"] + common) == 0
+
+
+# verl's DAPO example scripts (examples/*/test_dapo_*.sh) with data.max_response_length=6
+DAPO = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4", "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False", "+reward_model.reward_kwargs.max_resp_len=6"]
+OBC = "reward_model.reward_kwargs.overlong_buffer_cfg"
+
+
+def test_verls_dapo_reward_kwargs_load():
+    cfg = _cfg(*DAPO)
+    validate(cfg)
+    assert cfg.reward_model.reward_kwargs == {"overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 1.0,
+                                                                      "log": False}, "max_resp_len": 6}
+    kwargs = cfg.reward_model.manager_kwargs()
+    b = kwargs["overlong_buffer_cfg"]
+    assert kwargs["max_resp_len"] == 6 and (b.enable, b.len, b.penalty_factor, b.log) == (True, 4, 1.0, False)
+    assert not any("reward_kwargs" in n for n in config_notes(cfg))
+    # the buffer switched off, as the scripts write it, still carries verl's required keys; no buffer at all is none
+    off = _cfg("reward_model.reward_manager=dapo", f"+{OBC}.enable=False", f"+{OBC}.len=4",
+               "+reward_model.reward_kwargs.max_resp_len=6").reward_model.manager_kwargs()
+    assert off["overlong_buffer_cfg"].enable is False
+    assert _cfg("reward_model.reward_manager=dapo").reward_model.manager_kwargs() == {"max_resp_len": None,
+                                                                                      "overlong_buffer_cfg": None}
+    # batch: any keywords, for the function
+    cfg = _cfg("reward_model.reward_manager=batch", "+reward_model.reward_kwargs.margin=0.5",
+               "custom_reward_function.path=x.py")
+    validate(cfg)
+    assert cfg.reward_model.manager_kwargs() == {"margin": 0.5}
+    assert _cfg("reward_model.reward_manager=prime").reward_model.manager_kwargs() == {}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ([*DAPO, f"+{OBC}.lenght=3"], f"unknown config key '{OBC}.lenght'; did you mean '{OBC}.len'?"),
+    ([*DAPO, "+reward_model.reward_kwargs.max_response_len=6"],
+     "unknown config key 'reward_model.reward_kwargs.max_response_len'; did you mean "
+     "'reward_model.reward_kwargs.max_resp_len'?"),
+    ([*DAPO[:-1]], f"{OBC} is set but reward_model.reward_kwargs.max_resp_len is not (verl's dapo manager asserts it)"),
+    ([*DAPO[:-1], "+reward_model.reward_kwargs.max_resp_len=3"],
+     f"{OBC}.len=4 is larger than reward_model.reward_kwargs.max_resp_len=3 (verl's dapo manager asserts "
+     "max_resp_len >= len)"),
+    ([DAPO[0], f"+{OBC}.enable=true", f"+{OBC}.len=4", "+reward_model.reward_kwargs.max_resp_len=6"],
+     f"{OBC} needs penalty_factor and log: verl's dapo manager reads them when enable=true"),
+    ([DAPO[0], f"+{OBC}.enable=false", "+reward_model.reward_kwargs.max_resp_len=6"],
+     f"{OBC} needs len: verl's dapo manager reads it"),
+    ([*DAPO, f"+{OBC}.len=0"], f"{OBC}.len: 0 is out of range; allowed: >= 1"),
+    ([*DAPO, f"+{OBC}.penalty_factor=-1"], f"{OBC}.penalty_factor: -1.0 is out of range; allowed: >= 0"),
+    ([*DAPO, f"+{OBC}.enable=yes please"], f"{OBC}.enable: expected true or false"),
+    ([*DAPO, f"+{OBC}=4"], f"{OBC}: expected a mapping (a config section), got 4 (or null)"),
+    (["+reward_model.reward_kwargs.max_resp_len=6"],
+     "reward_model.reward_kwargs is set (max_resp_len) but reward_manager=naive takes none"),
+    (["reward_model.reward_manager=prime", "+reward_model.reward_kwargs.timeout=5"],
+     "reward_model.reward_kwargs is set (timeout) but reward_manager=prime takes none"),
+    (["reward_model.reward_manager=batch", "+reward_model.reward_kwargs.extra_infos=[]"],
+     "reward_model.reward_kwargs sets extra_infos: the batch manager passes data_sources, solution_strs, "
+     "ground_truths, extra_infos itself"),
+    (["reward_model.reward_manager=remote"], "'remote' is not one of ['naive', 'dapo', 'batch', 'prime']"),
+])
+def test_reward_kwargs_are_checked_as_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*overrides)
+    assert message in str(e.value)
+
+
+def test_batch_needs_a_function_of_lists():
+    with pytest.raises(ConfigError, match=r"reward_model.reward_manager=batch calls custom_reward_function once per "
+                                          r"batch, with lists .*: set custom_reward_function.path"):
+        validate(_cfg("reward_model.reward_manager=batch"))
+
+
+def test_reward_manager_notes():
+    """A dapo buffer that ends elsewhere than the responses' limit, a max_resp_len that nothing reads and a
+    manager the reward model replaces are said at start-up."""
+    def notes(*overrides):
+        return [n for n in config_notes(_cfg(*overrides)) if "reward" in n]
+
+    assert notes(*DAPO[:-1], "+reward_model.reward_kwargs.max_resp_len=5") == [
+        "reward_model.reward_kwargs.max_resp_len=5 is not actor_rollout_ref.rollout.response_length=6: as in verl, "
+        "the overlong penalty starts at 5 - 4 = 1 tokens and reaches -1 at 5 tokens, and keeps falling up to the "
+        "longest response (6 tokens)"]
+    assert "beyond the longest response (6 tokens)" in notes(*DAPO[:-1], "+reward_model.reward_kwargs.max_resp_len=9")[0]
+    assert notes(*DAPO, f"+{OBC}.enable=false") == []
+    assert notes("reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=6") == [
+        "reward_model.reward_kwargs.max_resp_len has no effect without reward_model.reward_kwargs.overlong_buffer_cfg"]
+    assert notes(*DAPO, "reward_model.enable=true", "reward_model.path=/rm") == [
+        "reward_model.reward_manager=dapo is not used: the reward model replaces the rule reward "
+        "(reward_model.combine=replace; in verl the manager passes the model's scores on)"]
+    assert notes(*DAPO, "reward_model.enable=true", "reward_model.path=/rm", "reward_model.combine=add") == []

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rewards import NaiveRewardManager
 from trainer.ppo_trainer import PPOTrainer
 from trainer.rollout_batch import RolloutBatch
 
@@ -25,7 +26,7 @@ def dump_trainer(dump_dir, rank: int = 0, reward_fn=None) -> PPOTrainer:
                                   reward_model=SimpleNamespace(enable=False))
     trainer.ctx = SimpleNamespace(rank=rank, is_main=rank == 0)
     trainer.device, trainer.global_step = torch.device("cpu"), 0
-    trainer.tokenizer, trainer.reward_fn = DigitTokenizer(), reward_fn
+    trainer.tokenizer, trainer.reward_manager = DigitTokenizer(), NaiveRewardManager(reward_fn)
     return trainer
 
 
