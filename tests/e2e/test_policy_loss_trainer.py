@@ -5,13 +5,7 @@ import math
 import os
 
 from tests.dist_utils import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-DENSE_REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return solution_str.count("1") / max(len(solution_str), 1)
-'''
+from tests.e2e.test_rollout_correction_trainer import DENSE_REWARD, ROOT
 
 # Two mini-batches a step: the second one's ratios are not 1, so the sequence-level clip (GSPO's
 # recipe range, for both runs) acts differently from the token-level one. Both aggregate
