@@ -164,6 +164,9 @@ class ModelConfig:
     enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards (variable-length attention)")
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
+    custom_chat_template: str | None = opt(None, "a Jinja chat template in place of the tokenizer's (verl's): the "
+                                                 "chat prompts are rendered with it, and the exported Hugging Face "
+                                                 "tokenizer carries it; null: the tokenizer's own")
     lora_rank: int = opt(0, "LoRA adapter rank on the actor; 0: full fine-tuning. With the KL's reference, the "
                             "reference is the actor with its adapters off (no second model)", ge=0)
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter output is scaled by lora_alpha / lora_rank",

@@ -71,6 +71,19 @@ def _dump_extras(numeric: dict[str, float], others: dict) -> dict:
     return {**numeric, **{k: v for k, v in others.items() if v is not None or k not in numeric}}
 
 
+def _checked_chat_template(tokenizer, template: str) -> str:
+    """`actor_rollout_ref.model.custom_chat_template`, once it has rendered a one-message chat with
+    the generation prompt: a template that does not (bad Jinja, a variable it cannot find) is a
+    ConfigError naming the key before any data is read."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], chat_template=template,
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as err:
+        raise ConfigError(f"actor_rollout_ref.model.custom_chat_template does not render a chat: "
+                          f"{type(err).__name__}: {err}") from None
+    return template
+
+
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
@@ -95,6 +108,9 @@ class PPOTrainer:
             raise UserError(f"tokenizer directory {tok_path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
                             "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)
+        if cfg.actor_rollout_ref.model.custom_chat_template is not None:
+            self.tokenizer.chat_template = _checked_chat_template(self.tokenizer,
+                                                                  cfg.actor_rollout_ref.model.custom_chat_template)
         d = cfg.data
         from rewards import BUILTIN_DATA_SOURCES, load_reward_manager
         from rewards.managers import PRIME_PROCESSES
