@@ -478,8 +478,11 @@ class PPOTrainer:
             items = self.loader.next_batch()
         metrics["train/num_gen_batches"] = float(rounds)
         full = RolloutBatch.concat([b.take(rows) for b, rows, *_ in kept])
-        names = kept[0][3]
-        cols = torch.cat([c[rows] for _, rows, c, *_ in kept])
+        # the extras of every round under one set of names (a round's samples may have given fewer keys)
+        names = sorted(set().union(*(n for *_, n, _ in kept)))
+        cols = torch.cat([torch.cat([c[rows, :1]] + [c[rows, 1 + n.index(k)][:, None] if k in n
+                                                     else torch.full((len(rows), 1), math.nan, dtype=c.dtype)
+                                                     for k in names], dim=1) for _, rows, c, n, _ in kept])
         others = {k: [v for b, rows, _, _, o in kept for v in ([o[k][i] for i in rows] if k in o else [None] * len(rows))]
                   for k in sorted(set().union(*(o for *_, o in kept)))}
         ro, parts = self._partition(full)

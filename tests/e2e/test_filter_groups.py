@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 from tests.e2e.test_rollout_correction_trainer import _config
@@ -59,6 +60,22 @@ def _body(rank, world_size, assets, run_root):
     for _ in range(rounds):
         fresh.next_batch()
     assert trainer.loader.state_dict() == fresh.state_dict()
+    # a first round whose samples gave no extra keys (and one score): all dropped; the step's batch comes
+    # from later rounds, whose extras the batch keeps under their names
+    varying = PPOTrainer(_config(assets, run_root, "varying", *FILTER, "algorithm.filter_groups.metric=score",
+                                 f"trainer.rollout_data_dir={dump}_varying"), ctx)
+    real, calls = varying._score, []
+
+    def score(ro, texts=None):
+        calls.append(len(ro))
+        s, e, o = real(ro, texts)
+        return (torch.zeros_like(s), {}, {}) if len(calls) == 1 else (s, e, o)
+
+    varying._score = score
+    assert varying.step()["train/num_gen_batches"] >= 2
+    with open(os.path.join(f"{dump}_varying", "1.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert all(r["acc"] == namespace["compute_score"](None, r["output"], r["gts"])["acc"] for r in rows)
     # a metric that never varies: every round drops every prompt
     never = PPOTrainer(_config(assets, run_root, "never", *FILTER, "algorithm.filter_groups.metric=parity_acc",
                                "algorithm.filter_groups.max_num_gen_batches=2"), ctx)
