@@ -23,7 +23,7 @@ class FakeTrainer:
 
     def __init__(self, cfg, resume_at=None, total_steps=2):
         self.cfg, self.total_steps, self.global_step = cfg, total_steps, 0
-        self.logged, self.saved, self.lines, self.closed = [], [], [], False
+        self.logged, self.saved, self.lines, self.closed, self.manager_closed = [], [], [], False, False
         self.val_ds = object() if cfg.data.val_files else None
 
         def maybe_resume(mode, path):
@@ -35,6 +35,7 @@ class FakeTrainer:
         self.ckpt = NS(maybe_resume=maybe_resume, save=self.saved.append, saved_step=None)
         self.tracking = NS(begin=lambda *a: None, log=lambda m, step: self.logged.append((step, dict(m))),
                            close=lambda: setattr(self, "closed", True))
+        self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
         self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None)
         self.ctx = NS(world_size=1, local_world_size=1)
         self.device, self.models, self.run_dir, self.nonfinite_streak = "cpu", NS(dims=None), "/run", 0
@@ -72,7 +73,7 @@ def test_val_only_validates_once_and_trains_nothing():
     t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.val_only=true"))
     assert t.train() == 0
     assert t.logged == [(0, VAL)]  # logged as the start-up validation is, at step 0
-    assert t.global_step == 0 and t.saved == [] and t.closed
+    assert t.global_step == 0 and t.saved == [] and t.closed and t.manager_closed
     # verl ignores val_only without val_before_train; meshppo still only validates
     t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.val_only=true", "trainer.val_before_train=false"))
     assert t.train() == 0 and t.logged == [(0, VAL)] and t.global_step == 0
