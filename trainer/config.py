@@ -16,7 +16,7 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, build_dataclass, opt, section
-from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
+from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -202,6 +202,9 @@ def _lora_config(key: str, model) -> LoRAConfig | None:
         raise ConfigError(f"{key}: {e}") from None
 
 
+_LOSS_DEFAULTS = PolicyLossParams()  # verl's defaults, kept once in ppo.core_algos
+
+
 @dataclass
 class PolicyLossConfig:
     """verl's `actor.policy_loss`: the policy-gradient loss and the parameters of its clip_cov and
@@ -222,18 +225,18 @@ class PolicyLossConfig:
                                     "loss_agg_mode (which still aggregates the entropy and KL terms). Not with "
                                     "algorithm.rollout_correction.bypass_mode, whose loss_type picks the loss",
                          choices=POLICY_LOSSES)
-    clip_cov_ratio: float = opt(0.0002, "clip_cov: share of a micro-batch's valid tokens (at least one) whose gradient "
+    clip_cov_ratio: float = opt(_LOSS_DEFAULTS.clip_cov_ratio, "clip_cov: share of a micro-batch's valid tokens (at least one) whose gradient "
                                         "is detached, drawn at random among the unclipped ones whose covariance lies "
                                         "in (clip_cov_lb, clip_cov_ub); the draw comes from a generator seeded by "
                                         "trainer.seed, the step and the rank (verl draws from torch's global "
                                         "generator)", gt=0, le=1)
-    clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of a detachable token's covariance term (A - mean A) (log pi "
+    clip_cov_lb: float = opt(_LOSS_DEFAULTS.clip_cov_lb, "clip_cov: lower bound of a detachable token's covariance term (A - mean A) (log pi "
                                   "- mean log pi), the means over the micro-batch's valid tokens")
-    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of that covariance term; above clip_cov_lb")
-    kl_cov_ratio: float = opt(0.0002, "kl_cov: share of a micro-batch's valid tokens (at least one), those of the "
+    clip_cov_ub: float = opt(_LOSS_DEFAULTS.clip_cov_ub, "clip_cov: upper bound of that covariance term; above clip_cov_lb")
+    kl_cov_ratio: float = opt(_LOSS_DEFAULTS.kl_cov_ratio, "kl_cov: share of a micro-batch's valid tokens (at least one), those of the "
                                       "largest covariance term (A - mean A) (log pi - mean log pi), that get the "
                                       "ppo_kl_coef abs(log pi - log pi_old) penalty", gt=0, le=1)
-    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the abs(log pi - log pi_old) penalty", ge=0)
+    ppo_kl_coef: float = opt(_LOSS_DEFAULTS.ppo_kl_coef, "kl_cov: coefficient of the abs(log pi - log pi_old) penalty", ge=0)
 
     def __post_init__(self):
         if not self.clip_cov_lb < self.clip_cov_ub:
@@ -255,8 +258,8 @@ class ActorConfig:
     clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio", gt=0, le=1)
     clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
     clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla)", gt=1)
-    tau_pos: float = opt(1.0, "sapo: gate temperature of tokens with a positive advantage", gt=0)
-    tau_neg: float = opt(1.05, "sapo: gate temperature of the other tokens", gt=0)
+    tau_pos: float = opt(_LOSS_DEFAULTS.tau_pos, "sapo: gate temperature of tokens with a positive advantage", gt=0)
+    tau_neg: float = opt(_LOSS_DEFAULTS.tau_neg, "sapo: gate temperature of the other tokens", gt=0)
     loss_agg_mode: str = opt("token-mean", "how token losses are aggregated: token-mean (every token weighs the "
                                            "same), seq-mean-token-sum, seq-mean-token-mean (every sequence weighs the "
                                            "same), seq-mean-token-sum-norm (Dr. GRPO). Normalised by the token "

@@ -1,5 +1,5 @@
 """The training sample dump (`trainer.rollout_data_dir`) written by `PPOTrainer._dump_rollouts`,
-on a trainer of stubs: its advantage column under rollout rejection, its reward extras."""
+on a stand-in trainer (the attributes it reads): its advantage column under rollout rejection, its reward extras."""
 
 import json
 import math
