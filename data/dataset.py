@@ -327,6 +327,9 @@ class RLHFDataset:
             when a reward model alone scores).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
             they give the rewards), so that a row no scorer knows fails at load; None: any.
+        chat_prompts_for: why every prompt must be a list of chat messages (something renders
+            the chat again, e.g. a reward model's template), so that a text prompt fails at
+            load saying so; None: text prompts are fine.
         max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
             all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
 
@@ -348,6 +351,7 @@ class RLHFDataset:
         apply_chat_template_kwargs: dict[str, Any] | None = None,
         require_ground_truth: bool = True,
         data_sources: Collection[str] | None = None,
+        chat_prompts_for: str | None = None,
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
@@ -370,6 +374,7 @@ class RLHFDataset:
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.require_ground_truth = require_ground_truth
         self.data_sources = None if data_sources is None else sorted(data_sources)
+        self.chat_prompts_for = chat_prompts_for
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         records = [(f"{path}:{rownum}", row) for path in self.files for rownum, row in read_records(path)]
@@ -401,6 +406,9 @@ class RLHFDataset:
             if self.prompt_key not in row or row[self.prompt_key] is None:
                 raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
             prompt = row[self.prompt_key]
+            if self.chat_prompts_for is not None and not isinstance(prompt, list):
+                raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
+                                   f"{self.chat_prompts_for}")
             text, templated = self._prompt_text(prompt, where)
             data_source = row.get("data_source")
             if data_source is not None and not isinstance(data_source, str):

@@ -118,16 +118,31 @@ NOT_SAME_RUN_OPTIONS = (
     "critic.ppo_max_token_len_per_gpu",
     "critic.forward_max_token_len_per_gpu",
     "reward_model.micro_batch_size_per_gpu",
-    "reward_model.max_length",
     "reward_model.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu",
-    "reward_model.fsdp_config",
+    "reward_model.model.fsdp_config",
+    "reward_model.model.use_shm",
+    "reward_model.model.use_remove_padding",
+    "reward_model.model.use_fused_kernels",
+    "reward_model.strategy",
+    "reward_model.n_gpus_per_node",
+    "reward_model.nnodes",
+    "reward_model.use_reward_loop",
+    "reward_model.num_workers",
+    "reward_model.launch_reward_fn_async",
+    "reward_model.rollout",
+    "reward_model.sandbox_fusion",
 )
 
 # An option's older name, whose value a resolved config moves to it (`optim.warmup_style` above is
 # always null then): a checkpoint written before the newer name existed ran with the older one's.
 RENAMED_OPTIONS = {f"{p}.optim.lr_scheduler_type": f"{p}.optim.warmup_style" for p in ("actor_rollout_ref.actor",
                                                                                      "critic")}
+RENAMED_OPTIONS["reward_model.model.path"] = "reward_model.path"
+
+# How a run written before an option existed ran, where that is not the option's default: the reward
+# model read the actor's token ids (input_tokenizer null) until verl's re-rendering came.
+PREDATING_VALUES = {"reward_model.model.input_tokenizer": None}
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -154,7 +169,8 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
     between two resolved configs (`dataclasses.asdict` of `PPOConfig`)."""
     out = []
     for key, default in same_run_keys():
-        old = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], default) if key in RENAMED_OPTIONS else default)
+        before = PREDATING_VALUES.get(key, default)
+        old = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], before) if key in RENAMED_OPTIONS else before)
         new = _lookup(current, key, default)
         if old != new:
             out.append((key, old, new))

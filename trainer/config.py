@@ -512,14 +512,76 @@ class DAPORewardKwargs:
 
 
 @dataclass
+class SandboxFusionConfig:
+    url: str | None = opt(None, "not supported: meshppo's rewards are computed in-process (a custom reward function "
+                                "may call such a service itself)", unsupported=lambda v: v is not None)
+    max_concurrent: int = opt(64, "read only with url", ge=1)
+    memory_limit_mb: int = opt(1024, "read only with url", ge=1)
+
+
+# verl's default of reward_model.model.input_tokenizer, an interpolation of the actor's model path
+ACTOR_MODEL_PATH = "${actor_rollout_ref.model.path}"
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str | None = opt(None, "reward model: a Hugging Face *ForSequenceClassification (num_labels 1) or meshppo "
+                                 "value-model directory of a Llama / Qwen2 model; its score at a sequence's last token "
+                                 "is the reward")
+    input_tokenizer: str | None = opt(ACTOR_MODEL_PATH,
+                                      "the tokenizer the actor's responses are decoded with before the reward model "
+                                      "reads them, as in verl: each prompt's chat messages plus the decoded response "
+                                      "(EOS text removed) as the assistant turn, rendered with the reward model's own "
+                                      "chat template and tokenizer (path's); the reward model may have its own "
+                                      "vocabulary. null: the reward model reads the actor's token ids as they are "
+                                      "(it must share the actor's tokenizer)")
+    external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
+    trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
+    override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
+                                unsupported=lambda v: bool(v))
+    use_shm: bool = opt(False, "no effect: the weights are read once at start-up straight from path")
+    use_remove_padding: bool = opt(True, "padding-free packed forwards (same scores either way)")
+    use_fused_kernels: bool = opt(False, "no effect: a reward model has no LM head for verl's fused kernels")
+    fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = opt(False, "score responses with a reward model instead of (or added to) the rule reward")
-    path: str | None = opt(None, "reward model: meshppo value-model or HF *ForSequenceClassification directory")
+    model: RewardModelModelConfig = section(RewardModelModelConfig, "the reward model")
+    strategy: str = opt("fsdp", "fsdp and fsdp2 both mean meshppo's FSDP2", choices=("fsdp", "fsdp2"))
     micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward", ge=1)
-    max_length: int | None = opt(None, "not supported (prompt + response length bounds the input): must be null",
-                                 unsupported=lambda v: v is not None)
+    max_length: int | None = opt(None, "with input_tokenizer set: the longest input the reward model reads; a "
+                                       "longer rendered chat is cut on the right, as verl's FSDP reward model does; "
+                                       "null: no limit. Without input_tokenizer the prompt and response length "
+                                       "bound the input: must be null", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1", ge=1,
+                                              unsupported=lambda v: v != 1)
+    enable_resource_pool: bool = opt(False, "not supported: the reward model runs on the training ranks, between "
+                                            "generation and the update (n_gpus_per_node / nnodes are not read)",
+                                     unsupported=bool)
+    n_gpus_per_node: int = opt(8, "verl's separate reward-model pool; read only with enable_resource_pool", ge=0)
+    nnodes: int = opt(0, "verl's separate reward-model pool; read only with enable_resource_pool", ge=0)
+    use_reward_loop: bool = opt(True, "verl's reward-loop workers or its legacy reward-model worker: meshppo scores "
+                                      "in-process either way, as verl's reward model does (max_length applies in "
+                                      "both)")
+    num_workers: int = opt(1, "no effect: verl's reward-loop worker count; meshppo scores on every training rank",
+                           ge=1)
+    launch_reward_fn_async: bool = opt(False, "no effect: the rewards are computed within the step, before the "
+                                              "advantages that read them")
+    reward_loop_source: str = opt("register", "register only: reward_manager names the manager",
+                                  choices=("register", "importlib"), unsupported=lambda v: v != "register")
+    reward_loop_module_path: str | None = opt(None, "not supported (reward_loop_source=importlib)",
+                                              unsupported=lambda v: v is not None)
+    reward_loop_class_name: str | None = opt(None, "not supported (reward_loop_source=importlib)",
+                                             unsupported=lambda v: v is not None)
+    rollout: dict = opt(default_factory=dict, help="verl's inference server for the reward model (name, "
+                                                   "tensor_model_parallel_size, gpu_memory_utilization, ...): no "
+                                                   "effect, meshppo's reward model is an FSDP2 forward on the "
+                                                   "training ranks (said at start-up when set)")
+    sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
     reward_manager: str = opt("naive", "how the rule reward calls the reward function, as verl's managers do: naive: "
                                        "once per response; dapo: naive plus DAPO's overlong penalty (reward_kwargs); "
                                        "batch: once per batch, with lists; prime: once per response in worker "
@@ -531,7 +593,6 @@ class RewardModelConfig:
                                                           "(custom_reward_function.reward_kwargs win); naive and prime "
                                                           "take none")
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
-    fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
 
     def __post_init__(self):
         self.manager_kwargs()  # checked as the config loads
@@ -775,6 +836,18 @@ class PPOConfig:
         return self.actor_rollout_ref.rollout.prompt_length
 
 
+def _validate_reward_model(rm: RewardModelConfig) -> None:
+    if not rm.enable:
+        return
+    if not rm.model.path:
+        raise ConfigError("reward_model.enable=true needs reward_model.model.path")
+    if rm.max_length is not None and rm.model.input_tokenizer is None:
+        raise ConfigError(f"reward_model.max_length={rm.max_length} with reward_model.model.input_tokenizer=null: the "
+                          "reward model reads the actor's prompt and response tokens as they are, which the prompt "
+                          "and response lengths bound; max_length cuts the reward model's own rendering of the chat "
+                          "(input_tokenizer set)")
+
+
 def config_notes(cfg, prefix: str = "") -> list[str]:
     """One line for each setting whose effect differs from how it reads (printed at start-up)."""
     notes = []
@@ -830,9 +903,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
-    notes += _reward_manager_notes(cfg)
+    notes += _reward_manager_notes(cfg) + _reward_model_notes(cfg.reward_model)
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
-                                  ("reward_model", cfg.reward_model.fsdp_config)) if fc.optimizer_offload]
+                                  ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:
         notes.append(f"{', '.join(f'{k}.fsdp_config.optimizer_offload' for k in frozen)}: a frozen model has no "
                      "optimizer states, there is nothing to offload")
@@ -897,6 +970,22 @@ def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
                 f"the overlong penalty starts at {max_len} - {b.len} = {max_len - b.len} tokens and reaches "
                 f"-{b.penalty_factor:g} at {max_len} tokens, {reach}"]
     return []
+
+
+def _reward_model_notes(rm: RewardModelConfig) -> list[str]:
+    """verl's reward-model options that change nothing in meshppo, when set otherwise than verl's default."""
+    notes = []
+    if rm.rollout:
+        notes.append("reward_model.rollout has no effect: verl serves the reward model from an inference server, "
+                     "meshppo runs it as an FSDP2 forward on the training ranks")
+    why = {"num_workers": "meshppo scores on every training rank, no reward-loop workers",
+           "launch_reward_fn_async": "the rewards are computed within the step",
+           "use_shm": "the weights are read once at start-up straight from the path",
+           "use_fused_kernels": "a reward model has no LM head"}
+    for prefix, part in (("reward_model", rm), ("reward_model.model", rm.model)):
+        for key, value in _non_default(part, [k for k in why if hasattr(part, k)]).items():
+            notes.append(f"{prefix}.{key}={value} has no effect: {why[key]}")
+    return notes
 
 
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
@@ -971,7 +1060,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     except ValueError as e:
         raise ConfigError(f"{e} (the config describes {shape} ranks)") from None
     for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config), ("critic.model", cfg.critic.model.fsdp_config),
-                    ("reward_model", cfg.reward_model.fsdp_config)):
+                    ("reward_model.model", cfg.reward_model.model.fsdp_config)):
         if fc.fsdp_size not in (-1, actor.fsdp_config.fsdp_size):
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={fc.fsdp_size}: every model shares the actor's training "
                               f"mesh; use -1 or {actor.fsdp_config.fsdp_size} (actor_rollout_ref.actor.fsdp_config."
@@ -1074,8 +1163,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("reward_model.reward_manager=batch calls custom_reward_function once per batch, with lists "
                           "(as verl's batch manager does; the built-in scorers take one response): set "
                           "custom_reward_function.path")
-    if cfg.reward_model.enable and not cfg.reward_model.path:
-        raise ConfigError("reward_model.enable=true needs reward_model.path")
+    _validate_reward_model(cfg.reward_model)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":

@@ -43,7 +43,7 @@ from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, R
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import build_rollout
-from trainer.setup import build_engine, build_models
+from trainer.setup import build_engine, build_models, reward_model_inputs
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
 from sharding import comm
 
@@ -119,6 +119,13 @@ class PPOTrainer:
         # source they know: both checked at load, naming the row, not after the first generation.
         rm_cfg = cfg.reward_model
         rule = not rm_cfg.enable or rm_cfg.combine == "add"
+        # the reward model, checked before any data or model loads; with its own chat rendering
+        # (verl's default) every prompt must be chat messages, checked as the rows load
+        self.rm_inputs = reward_model_inputs(rm_cfg, self.tokenizer) if rm_cfg.enable else None
+        chat_prompts_for = None if self.rm_inputs is None else (
+            "reward_model.model.input_tokenizer is set (verl's default), so the reward model reads each prompt's "
+            "messages and the response rendered with its own chat template; store chat messages, or set "
+            "reward_model.model.input_tokenizer=null to give it the actor's token ids")
         # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
         seed = torch.Generator().initial_seed() if d.seed is None else d.seed
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -126,6 +133,7 @@ class PPOTrainer:
                      apply_chat_template=d.apply_chat_template,
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
+                     chat_prompts_for=chat_prompts_for,
                      shuffle=d.shuffle, seed=seed)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
@@ -207,7 +215,11 @@ class PPOTrainer:
         self.reward_model = None
         if m.reward_model is not None:
             rm = cfg.reward_model
-            self.reward_model = RewardModel(m.reward_model, **common, packed=True, fsdp_cfg=rm.fsdp_config,
+            # its own token ids are padded with its own tokenizer's pad (the actor's may be outside its vocabulary)
+            pad = common["pad_token_id"] if self.rm_inputs is None else (self.rm_inputs.rm.pad_token_id or 0)
+            self.reward_model = RewardModel(m.reward_model, device=self.device, pad_token_id=pad,
+                                            inputs=self.rm_inputs, packed=rm.model.use_remove_padding,
+                                            fsdp_cfg=rm.model.fsdp_config,
                                             batching=MicroBatching(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
                                                                    rm.forward_max_token_len_per_gpu))
 
@@ -291,7 +303,7 @@ class PPOTrainer:
         width = max((len(r) for r in responses), default=1) or 1
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
         return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
-                            reasons, lps, width, self.device)
+                            reasons, lps, width, self.device, raw_prompts=rep("raw_prompt"))
 
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as

@@ -503,14 +503,19 @@ class Critic(TrainableRole):
 
 
 class RewardModel(Role):
-    """A value-head model whose output at a sequence's last token is its score."""
+    """A value-head model whose output at a sequence's last token is its score. `inputs`
+    (`rewards.model_inputs.RewardModelInputs`) renders each chat with the model's own tokenizer
+    first; None: it reads the prompt and response token ids as they are."""
 
-    def __init__(self, model, **kw):
+    def __init__(self, model, *, inputs=None, **kw):
         super().__init__(model, **kw)
+        self.inputs = inputs
         self.offload()  # waits in host memory until its phase (param_offload)
 
     def scores(self, ro: RolloutBatch) -> torch.Tensor:
         """Scores `[N]` of this rank's sequences."""
+        if self.inputs is not None:
+            ro = RolloutBatch.sequences(self.inputs(ro.raw_prompts, ro.responses), ro.device)
         with self.resident(with_optimizer=False):
             scores, = forward_micro_batches(ro, self.batching,
                                             lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),),

@@ -53,6 +53,9 @@ class RolloutBatch:
     # the reward function's extras that are not (all) numbers, as returned, per key a list over
     # the rows (`score_responses`' other_extras): for the dumps, not the metrics
     other_extras: dict[str, list[Any]] | None = None
+    # each row's prompt as the data gave it (a string or chat messages): the reward model's own
+    # rendering of the chat reads it (rewards.model_inputs); None where nothing reads it
+    raw_prompts: list[Any] | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -114,7 +117,9 @@ class RolloutBatch:
                    if (t := getattr(self, name)) is not None}
         others = (None if self.other_extras is None
                   else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
-        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, **tensors)
+        raw = None if self.raw_prompts is None else [self.raw_prompts[i] for i in idx]
+        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, raw_prompts=raw,
+                            **tensors)
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -129,4 +134,14 @@ class RolloutBatch:
             offset += len(ids)
         lists["uids"] = uids
         width = max((len(r) for r in lists["responses"]), default=1) or 1
-        return RolloutBatch(**lists, width=width, device=batches[0].device)
+        raw = None if any(b.raw_prompts is None for b in batches) else [p for b in batches for p in b.raw_prompts]
+        return RolloutBatch(**lists, width=width, device=batches[0].device, raw_prompts=raw)
+
+    @staticmethod
+    def sequences(token_ids: list[list[int]], device) -> RolloutBatch:
+        """Whole sequences without a response (a reward model's own inputs), for a forward that
+        reads each sequence's last position (`forward.last_token_scores`)."""
+        n = len(token_ids)
+        return RolloutBatch([list(t) for t in token_ids], [[] for _ in range(n)], list(range(n)), [None] * n,
+                            [None] * n, [{} for _ in range(n)], [""] * n, [[] for _ in range(n)], width=1,
+                            device=device)

@@ -16,7 +16,7 @@ import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
 from models.lora import trainable_parameters
-from trainer.config import OptimConfig, PPOConfig, described_launch, validate
+from trainer.config import ACTOR_MODEL_PATH, OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.errors import UserError
 from trainer.launch import DistContext
@@ -115,29 +115,55 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def _check_reward_model(path: str, actor_tokenizer) -> None:
-    """A reward model needs a trained score head: a causal-LM checkpoint has none, and the value
-    head that a critic may start at zero would make every reward 0. It also reads the actor's token
-    ids as they are (there is no re-tokenization), so its vocabulary must be the actor tokenizer's.
-    Checked before any model loads."""
+def reward_model_inputs(rm, actor_tokenizer):
+    """Checks the reward model (`reward_model`'s options) before any model loads, and returns how
+    its inputs are made: `RewardModelInputs` rendering each chat with the reward model's own
+    tokenizer and template (`model.input_tokenizer` set, verl's default), or None when it reads the
+    actor's token ids as they are (`input_tokenizer` null: it must then share the actor's
+    vocabulary). Every model needs a trained score head: a causal-LM checkpoint has none, and the
+    value head that a critic may start at zero would make every reward 0."""
     from models.checkpoint import checkpoint_tensor_names
     from models.tokenizer import TOKENIZER_FILES, load_tokenizer
+    from rewards.model_inputs import RewardModelInputs
 
+    path, src = rm.model.path, rm.model.input_tokenizer
+    key = f"reward_model.model.path {path!r}"
     if "score.weight" not in checkpoint_tensor_names(path):
-        raise UserError(f"reward_model.path {path!r} has no score head (score.weight): a reward model is a meshppo "
-                        "value model or a Hugging Face *ForSequenceClassification / *ForTokenClassification "
-                        "directory, not a causal LM (it would score every response 0)")
+        raise UserError(f"{key} has no score head (score.weight): a reward model is a meshppo value model or a "
+                        "Hugging Face *ForSequenceClassification / *ForTokenClassification directory, not a causal "
+                        "LM (it would score every response 0)")
     vocab = load_model_args(path).vocab_size
-    if len(actor_tokenizer) > vocab:
-        raise UserError(f"reward_model.path {path!r} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) "
-                        f"has {len(actor_tokenizer)}: the reward model reads the actor's token ids, so it needs the "
-                        "actor's vocabulary")
-    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        if load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
-            raise UserError(f"reward_model.path {path!r} has a tokenizer other than the actor's (data.tokenizer): "
-                            "meshppo gives the reward model the actor's token ids as they are (no re-tokenization), "
-                            "which another vocabulary reads as other text; use a reward model trained with the "
-                            "actor's tokenizer")
+    has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+    if src is None:
+        if len(actor_tokenizer) > vocab:
+            raise UserError(f"{key} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) has "
+                            f"{len(actor_tokenizer)}: with reward_model.model.input_tokenizer=null the reward model "
+                            "reads the actor's token ids, so it needs the actor's vocabulary")
+        if has_tokenizer and load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
+            raise UserError(f"{key} has a tokenizer other than the actor's (data.tokenizer): with "
+                            "reward_model.model.input_tokenizer=null the reward model is given the actor's token ids "
+                            "as they are, which another vocabulary reads as other text; leave input_tokenizer at its "
+                            "default to have each chat rendered with the reward model's own tokenizer")
+        return None
+    why = ("reward_model.model.input_tokenizer is set (verl's default: the actor's model path), so the reward model "
+           "reads each chat rendered with its own tokenizer and chat template")
+    if not has_tokenizer:
+        raise UserError(f"{key} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {why}; save them with the "
+                        "model, or set input_tokenizer=null to give it the actor's token ids")
+    rm_tokenizer = load_tokenizer(path)
+    if not getattr(rm_tokenizer, "chat_template", None):
+        raise UserError(f"{key}: its tokenizer has no chat template: {why}; use a reward model with one, or set "
+                        "input_tokenizer=null to give it the actor's token ids")
+    if len(rm_tokenizer) > vocab:
+        raise UserError(f"{key}: its tokenizer has {len(rm_tokenizer)} token ids but the model embeds {vocab}")
+    if src == ACTOR_MODEL_PATH:
+        src_tokenizer = actor_tokenizer
+    elif not os.path.isdir(src) or not any(os.path.isfile(os.path.join(src, f)) for f in TOKENIZER_FILES):
+        raise UserError(f"reward_model.model.input_tokenizer {src!r} is not a directory holding a tokenizer (one of "
+                        f"{', '.join(TOKENIZER_FILES)})")
+    else:
+        src_tokenizer = load_tokenizer(src)
+    return RewardModelInputs(src_tokenizer, rm_tokenizer, rm.max_length)
 
 
 def _compute_dtype_guard(cfg_fsdp, device: torch.device):
@@ -151,8 +177,6 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     """The step's models on their meshes; `tokenizer` is the actor's (the reward model must share it)."""
     arr = cfg.actor_rollout_ref
     path = arr.model.path
-    if cfg.reward_model.enable:
-        _check_reward_model(cfg.reward_model.path, tokenizer)
     actor_args = load_model_args(path)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
@@ -186,7 +210,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
                                                                   ctx.device)
     if cfg.reward_model.enable:
-        rm = cfg.reward_model
+        rm = cfg.reward_model.model
         models.reward_model = build_fsdp_model(rm.path, meshes.train, _compute_dtype_guard(rm.fsdp_config, ctx.device),
                                                head="value", device=ctx.device, trainable=False, seed=seed)
     return models

@@ -80,7 +80,7 @@ CASES = {
                                      "edited.jsonl:3: no built-in reward for data_source 'x/y' (built-in: "
                                      "['meshppo/demo_add', 'openai/gsm8k'])"),
     # a causal LM has no score head: as a reward model it would score every response 0
-    "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.path={a}/sft_model"],
+    "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
 }
 

@@ -297,26 +297,28 @@ def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_p
 
 
 def test_reward_model_scores_the_responses(demo_assets, tmp_path):
-    """`reward_model.enable` through the whole trainer (2 ranks): a Hugging Face
-    *ForSequenceClassification directory of the actor's shape, saved with the actor's tokenizer (so
-    the vocabulary check accepts it), replaces the rule reward. Its random score head gives every
-    sample a real-valued score: the dumped scores are not the rule's 0 / 1, and they differ between
-    responses (the supervised model repeats some responses within a group: 23 distinct of 64 here).
-    Validation scores with the reward model too, and logs `trainer.log_val_generations` samples
-    over its chunks (5 from chunks of 2 prompts)."""
+    """`reward_model.enable` through the whole trainer (2 ranks), as verl runs it by default: a
+    Hugging Face LlamaForSequenceClassification with its own vocabulary and chat template (the
+    actor is the demo's Qwen2 with the demo tokenizer) replaces the rule reward. Each dumped score
+    equals transformers' score of the chat rendered with the reward model's template from the
+    dumped prompt and response (for the responses whose text is all of their tokens but a final
+    EOS), and the scores vary. Validation scores with the reward model too, and logs
+    `trainer.log_val_generations` samples over its chunks (5 from chunks of 2 prompts)."""
     import json
-    import shutil
 
     import torch
     import transformers
 
+    from tests.unit.test_reward_model import other_tokenizer
+
     rm = tmp_path / "rm"
-    cfg = transformers.Qwen2Config.from_pretrained(demo_assets / "sft_model")
-    cfg.num_labels = 1
+    other = other_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     torch.manual_seed(0)
-    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(rm)
-    for f in os.listdir(demo_assets / "tokenizer"):
-        shutil.copy(demo_assets / "tokenizer" / f, rm / f)
+    hf = transformers.LlamaForSequenceClassification(cfg).eval()
+    hf.save_pretrained(rm)
+    other.save_pretrained(rm)
     val = tmp_path / "val.jsonl"  # three chunks of two prompts
     with open(demo_assets / "val.jsonl") as f:
         val.write_text("".join(f.readlines()[:6]))
@@ -326,7 +328,7 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
                            f"trainer.validation_data_dir={tmp_path / 'val'}", "data.train_batch_size=8",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
-                           f"reward_model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
+                           f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
                            f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
     assert r.returncode == 0, r.stderr[-4000:]
     # one mini-batch a step (on-policy): the update makes its own old log-probs, no recompute pass
@@ -334,9 +336,18 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     _check_finite(rows, [k for k in REQUIRED_ACTOR if k != "timing_s/old_log_prob"] + ["actor/kl_loss", "timing_s/ref"])
     assert not any("timing_s/old_log_prob" in row for row in rows)
     with open(tmp_path / "dump" / "1.jsonl") as f:
-        scores = [json.loads(line)["score"] for line in f]
-    assert len(scores) == 8 * 8
-    assert not set(scores) <= {0.0, 1.0} and len(set(scores)) > 8, scores
+        dumped = [json.loads(line) for line in f]
+    assert len(dumped) == 8 * 8
+    assert not {d["score"] for d in dumped} <= {0.0, 1.0} and len({d["score"] for d in dumped}) > 8, dumped
+    # the demo tokenizer spells a text one token a character: these responses are their text and an EOS
+    plain = [d for d in dumped if d["response_length"] == len(d["output"]) + (d["finish_reason"] == "stop")]
+    assert len(plain) >= len(dumped) // 2, dumped
+    with torch.no_grad():
+        for d in plain:
+            chat = [{"role": "user", "content": d["input"]}, {"role": "assistant", "content": d["output"]}]
+            ids = other(other.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
+                        return_tensors="pt")["input_ids"]
+            assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=1e-4), d
     with open(tmp_path / "val" / "0.jsonl") as f:
         val_scores = [json.loads(line)["score"] for line in f]
     assert len(val_scores) == 6 and not set(val_scores) <= {0.0, 1.0}, val_scores

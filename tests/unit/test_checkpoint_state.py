@@ -42,7 +42,8 @@ def test_what_makes_the_same_run():
               "actor_rollout_ref.actor.optim.lr", "critic.optim.lr", "algorithm.adv_estimator", "algorithm.gamma",
               "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef", "actor_rollout_ref.actor.use_kl_loss",
               "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.clip_ratio",
-              "actor_rollout_ref.rollout.temperature", "custom_reward_function.path", "reward_model.path",
+              "actor_rollout_ref.rollout.temperature", "custom_reward_function.path", "reward_model.model.path",
+              "reward_model.model.input_tokenizer", "reward_model.max_length",
               "trainer.seed"):
         assert k in keys, k
     # how long, where, how it executes, what is logged: free to change on resume
@@ -90,6 +91,22 @@ def test_a_checkpoint_from_before_lr_scheduler_type_ran_with_its_warmup_style():
         ("actor_rollout_ref.actor.optim.lr_scheduler_type", "cosine", "constant"),
         ("critic.optim.lr_scheduler_type", "cosine", "constant")]
 
+
+
+def test_a_checkpoint_from_before_the_reward_model_section_ran_with_the_actors_token_ids():
+    """Before `reward_model.model` (verl's layout) the path was `reward_model.path` and the reward
+    model read the actor's token ids: such a checkpoint resumes under input_tokenizer=null and the
+    same path, and a run now at verl's default (its own chat rendering) is told what changed."""
+    from trainer.config import ACTOR_MODEL_PATH
+
+    old = dataclasses.asdict(PPOConfig())
+    old["reward_model"] = {k: v for k, v in old["reward_model"].items() if k != "model"} | {"path": "/rm"}
+    current = PPOConfig()
+    current.reward_model.model.path = "/rm"
+    assert run_differences(old, dataclasses.asdict(current)) == [
+        ("reward_model.model.input_tokenizer", None, ACTOR_MODEL_PATH)]
+    current.reward_model.model.input_tokenizer = None
+    assert run_differences(old, dataclasses.asdict(current)) == []
 
 class _Payload:
     """A pickle that creates a directory when it is unpickled (what a malicious one could do)."""

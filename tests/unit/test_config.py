@@ -97,7 +97,7 @@ def test_bad_overrides_name_the_problem(override, message):
      "every response is remax's greedy baseline itself"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
-    (["reward_model.enable=true"], "needs reward_model.path"),
+    (["reward_model.enable=true"], "needs reward_model.model.path"),
     (["data.train_max_samples=100", "data.seed=null"], "data.train_max_samples=100 with data.shuffle=true and "
                                                         "data.seed=null: verl draws that subset unseeded"),
     (["data.val_max_samples=5", "data.seed=null"], "data.val_max_samples=5 with data.shuffle=true and data.seed=null"),
@@ -377,9 +377,9 @@ def test_notes_for_settings_that_act_on_nothing():
                  "data.max_response_length=64", "actor_rollout_ref.rollout.response_length=16")
     assert not noted("is not used", "data.max_response_length=64")
     # optimizer offload of frozen models
-    assert noted("actor_rollout_ref.ref.fsdp_config.optimizer_offload, reward_model.fsdp_config.optimizer_offload: "
+    assert noted("actor_rollout_ref.ref.fsdp_config.optimizer_offload, reward_model.model.fsdp_config.optimizer_offload: "
                  "a frozen model has no optimizer states", "actor_rollout_ref.ref.fsdp_config.optimizer_offload=true",
-                 "reward_model.fsdp_config.optimizer_offload=true")
+                 "reward_model.model.fsdp_config.optimizer_offload=true")
     # the KL guard without a reference (the demo tunes the guard and uses the KL loss)
     assert noted("algorithm.kl_guard watches the KL to the reference, and this run has none",
                  "actor_rollout_ref.actor.use_kl_loss=false")
@@ -430,6 +430,37 @@ def test_verl_script_options_are_accepted_and_said():
         with pytest.raises(ConfigError, match=f"rollout.{key}"):
             _cfg(f"actor_rollout_ref.rollout.{key}=2")
 
+
+
+def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
+    """verl's reward-model layout (`reward_model.model.*`, as examples/ppo_trainer/run_qwen2-7b_rm.sh
+    sets it): the options meshppo reads act, verl's server / worker options load and each one set
+    is said at start-up to have no effect, the rest are refused naming the key; max_length cuts the
+    reward model's own rendering, so it needs input_tokenizer."""
+    rm = ["reward_model.enable=true", "reward_model.model.path=/rm"]
+    cfg = _cfg(*rm, "reward_model.use_reward_loop=true", "+reward_model.rollout.name=vllm",
+               "+reward_model.rollout.gpu_memory_utilization=0.8", "+reward_model.rollout.tensor_model_parallel_size=1",
+               "reward_model.num_workers=8", "reward_model.model.use_remove_padding=false",
+               "reward_model.model.fsdp_config.param_offload=true", "reward_model.max_length=512")
+    validate(cfg)
+    assert cfg.reward_model.model.path == "/rm" and cfg.reward_model.max_length == 512
+    assert cfg.reward_model.model.input_tokenizer == "${actor_rollout_ref.model.path}"
+    assert not cfg.reward_model.model.use_remove_padding and cfg.reward_model.model.fsdp_config.param_offload
+    notes = [n for n in config_notes(cfg) if n.startswith("reward_model.")]
+    assert notes == ["reward_model.rollout has no effect: verl serves the reward model from an inference server, "
+                     "meshppo runs it as an FSDP2 forward on the training ranks",
+                     "reward_model.num_workers=8 has no effect: meshppo scores on every training rank, no "
+                     "reward-loop workers"], notes
+    assert not [n for n in config_notes(_cfg(*rm)) if n.startswith("reward_model.")]
+    with pytest.raises(ConfigError, match=r"reward_model.max_length=512 with reward_model.model.input_tokenizer=null"):
+        validate(_cfg(*rm, "reward_model.max_length=512", "reward_model.model.input_tokenizer=null"))
+    with pytest.raises(ConfigError, match="unknown config key 'reward_model.path'"):
+        _cfg("reward_model.path=/rm")
+    for refused in ("reward_model.enable_resource_pool=true", "reward_model.sandbox_fusion.url=http://x",
+                    "reward_model.reward_loop_source=importlib", "reward_model.ulysses_sequence_parallel_size=2",
+                    "reward_model.model.trust_remote_code=true"):
+        with pytest.raises(ConfigError, match=f"{refused.split('=')[0]}=.* is not supported"):
+            _cfg(refused)
 
 def test_verl_dumped_configs_hydra_targets_are_metadata():
     """A config dumped by verl names each section's class in `_target_`: a verl class name is not
@@ -577,7 +608,7 @@ def test_reward_manager_notes():
     assert notes(*DAPO, f"+{OBC}.enable=false") == []
     assert notes("reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=6") == [
         "reward_model.reward_kwargs.max_resp_len has no effect without reward_model.reward_kwargs.overlong_buffer_cfg"]
-    assert notes(*DAPO, "reward_model.enable=true", "reward_model.path=/rm") == [
+    assert notes(*DAPO, "reward_model.enable=true", "reward_model.model.path=/rm") == [
         "reward_model.reward_manager=dapo is not used: the reward model replaces the rule reward "
         "(reward_model.combine=replace; in verl the manager passes the model's scores on)"]
-    assert notes(*DAPO, "reward_model.enable=true", "reward_model.path=/rm", "reward_model.combine=add") == []
+    assert notes(*DAPO, "reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.combine=add") == []

@@ -220,6 +220,16 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
     assert len(ds[0]["input_ids"]) == 7
 
 
+
+def test_dataset_that_must_hold_chat_messages_names_a_text_row(tmp_path, tokenizer):
+    """`chat_prompts_for` (a reward model rendering the chats with its own template): chat rows
+    load as usual, a text row fails at load naming its file and row and the reason given."""
+    path = write_jsonl([_chat_row("12+3=", "15"), {"prompt": "4+4=", "reward_model": {"ground_truth": 8}}],
+                       tmp_path / "d.jsonl")
+    assert len(RLHFDataset([path], tokenizer, max_samples=1, chat_prompts_for="why")) == 1
+    with pytest.raises(DatasetError, match=r"d.jsonl:2: field 'prompt' is text, not a list of chat messages: why$"):
+        RLHFDataset([path], tokenizer, chat_prompts_for="why")
+
 def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenizer):
     a = write_jsonl([{"question": "1+2=", "reward_model": {"ground_truth": "3"}}], tmp_path / "a.jsonl")
     b = write_records([_chat_row("3+4=", question="5+6=")], tmp_path / "b.parquet")

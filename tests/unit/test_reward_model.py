@@ -1,4 +1,5 @@
-"""Reward-model scoring: a HF *ForSequenceClassification checkpoint scored at the last response token."""
+"""Reward-model scoring: a HF *ForSequenceClassification checkpoint scored at the last token of the actor's
+sequence, or of the chat rendered with the reward model's own tokenizer (verl's input_tokenizer)."""
 
 import pytest
 import torch
@@ -25,32 +26,157 @@ def test_last_token_score_equals_hf_sequence_classification(tmp_path, packed):
     assert torch.allclose(got, ref, atol=1e-5)
 
 
+OTHER_SPECIALS = ("[PAD]", "[S]", "[/S]", "[Q]", "[A]", "[UNK]")
+OTHER_CHARS = tuple(reversed("0123456789+-*= "))  # the demo's characters, other ids
+OTHER_TEMPLATE = ("[S]{% for m in messages %}{% if m['role'] == 'user' %}[Q]{% else %}[A]{% endif %}"
+                  "{{ m['content'] }}{% endfor %}[/S]")
+
+
+def other_tokenizer(chat_template: str | None = OTHER_TEMPLATE):
+    """A character-level tokenizer like the demo's, with other special tokens, other ids for the
+    characters and another chat template: a reward model trained with its own vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(OTHER_SPECIALS + OTHER_CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(OTHER_SPECIALS))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", bos_token="[S]",
+                                               eos_token="[/S]", unk_token="[UNK]", clean_up_tokenization_spaces=False)
+    tok.chat_template = chat_template
+    return tok
+
+
+def _rm_config(path, input_tokenizer, max_length=None):
+    from trainer.config import ACTOR_MODEL_PATH, RewardModelConfig, RewardModelModelConfig
+
+    src = ACTOR_MODEL_PATH if input_tokenizer == "actor" else input_tokenizer
+    return RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(path), input_tokenizer=src),
+                             max_length=max_length)
+
+
+def _llama_rm(path, vocab_size, seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForSequenceClassification(cfg).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_the_reward_model_reads_the_chat_rendered_with_its_own_template(tmp_path):
+    """verl's default (input_tokenizer: the actor's): each response is decoded with the actor's
+    tokenizer, its EOS text dropped, appended to the prompt's messages as the assistant turn, and
+    the chat rendered with the reward model's own template and vocabulary. The ids are written out
+    by hand from the other tokenizer's vocabulary; max_length cuts them on the right."""
+    from data.demo import build_demo_tokenizer
+    from trainer.setup import reward_model_inputs
+
+    actor = build_demo_tokenizer()
+    other = other_tokenizer()
+    _llama_rm(tmp_path / "rm", len(other))
+    other.save_pretrained(tmp_path / "rm")
+    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
+    prompts = [[{"role": "user", "content": "12+3="}], [{"role": "user", "content": "7+8="}]]
+    responses = [actor("15")["input_ids"] + [actor.eos_token_id], actor("1 5")["input_ids"]]  # stopped, cut off
+    ids = {t: i for i, t in enumerate(OTHER_SPECIALS + OTHER_CHARS)}
+    spell = lambda text: [ids[c] for c in text]  # noqa: E731
+    s, e, q, a = ids["[S]"], ids["[/S]"], ids["[Q]"], ids["[A]"]
+    expected = [[s, q, *spell("12+3="), a, *spell("15"), e], [s, q, *spell("7+8="), a, *spell("1 5"), e]]
+    assert inputs(prompts, responses) == expected
+    assert expected[0] == [1, 3, 19, 18, 10, 17, 7, 4, 19, 15, 2]  # the same by hand: [S] [Q] 1 2 + 3 = [A] 1 5 [/S]
+    cut = reward_model_inputs(_rm_config(tmp_path / "rm", "actor", max_length=6), actor)
+    assert cut(prompts, responses) == [x[:6] for x in expected]
+    with pytest.raises(TypeError, match="row 1: the prompt is a str, not a list of chat messages"):
+        inputs([prompts[0], "7+8="], responses)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_scores_of_a_reward_model_with_its_own_vocabulary_equal_hf(tmp_path, packed):
+    """A Llama reward model with another vocabulary than the (Qwen2-shaped demo) actor's: its score
+    of each rendered chat equals transformers' LlamaForSequenceClassification on the text that
+    transformers' own template call renders."""
+    from data.demo import build_demo_tokenizer
+    from models import Transformer
+    from trainer.setup import reward_model_inputs
+
+    actor = build_demo_tokenizer()
+    other = other_tokenizer()
+    hf = _llama_rm(tmp_path / "rm", len(other), seed=1)
+    other.save_pretrained(tmp_path / "rm")
+    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
+    rm = Transformer.from_pretrained(tmp_path / "rm", head="value")
+    chats = [("12+3=", "15"), ("7+8=", "1 5 "), ("40+2=", "42")]
+    prompts = [[{"role": "user", "content": p}] for p, _ in chats]
+    responses = [actor(r)["input_ids"] + [actor.eos_token_id] for _, r in chats]
+    seqs = inputs(prompts, responses)
+    with torch.no_grad():
+        got = last_token_scores(rm, build_micro_batch(seqs, [[] for _ in seqs], "cpu", packed))
+        ref = []
+        for prompt, (_, response) in zip(prompts, chats):
+            text = other.apply_chat_template(prompt + [{"role": "assistant", "content": response}], tokenize=False)
+            ids = other(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            ref.append(hf(input_ids=ids).logits[0, 0])
+    assert torch.allclose(got, torch.stack(ref), atol=1e-5), (got, ref)
+
+
 def test_a_reward_model_needs_a_score_head(tmp_path):
     """A *ForSequenceClassification directory has a score head and is accepted; a causal LM has none
     (a value head would start at zero and score every response 0) and is refused naming the option."""
     from data.demo import build_demo_tokenizer
     from trainer.errors import UserError
-    from trainer.setup import _check_reward_model
+    from trainer.setup import reward_model_inputs
 
     actor_tok = build_demo_tokenizer()
     cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "lm")
-    _check_reward_model(str(tmp_path / "rm"), actor_tok)
-    with pytest.raises(UserError, match=r"reward_model.path .*lm' has no score head"):
-        _check_reward_model(str(tmp_path / "lm"), actor_tok)
+    assert reward_model_inputs(_rm_config(tmp_path / "rm", None), actor_tok) is None
+    with pytest.raises(UserError, match=r"reward_model.model.path .*lm' has no score head"):
+        reward_model_inputs(_rm_config(tmp_path / "lm", None), actor_tok)
+
+
+def test_a_reward_model_rendering_its_own_chats_needs_a_tokenizer_with_a_template(tmp_path):
+    """With input_tokenizer set (verl's default) the reward model's directory must hold a tokenizer
+    with a chat template that fits its embedding; an explicit input_tokenizer must be a tokenizer
+    directory. Each is refused before any model loads, naming the option and the way out."""
+    from data.demo import build_demo_tokenizer
+    from trainer.errors import UserError
+    from trainer.setup import reward_model_inputs
+
+    actor = build_demo_tokenizer()
+    _llama_rm(tmp_path / "bare", len(other_tokenizer()))
+    with pytest.raises(UserError, match=r"'.*bare' holds no tokenizer .*set input_tokenizer=null"):
+        reward_model_inputs(_rm_config(tmp_path / "bare", "actor"), actor)
+    _llama_rm(tmp_path / "plain", len(other_tokenizer()))
+    other_tokenizer(chat_template=None).save_pretrained(tmp_path / "plain")
+    with pytest.raises(UserError, match="its tokenizer has no chat template"):
+        reward_model_inputs(_rm_config(tmp_path / "plain", "actor"), actor)
+    _llama_rm(tmp_path / "small", len(other_tokenizer()) - 1)
+    other_tokenizer().save_pretrained(tmp_path / "small")
+    with pytest.raises(UserError, match=f"its tokenizer has {len(other_tokenizer())} token ids but the model embeds "
+                                        f"{len(other_tokenizer()) - 1}"):
+        reward_model_inputs(_rm_config(tmp_path / "small", "actor"), actor)
+    _llama_rm(tmp_path / "rm", len(other_tokenizer()))
+    other_tokenizer().save_pretrained(tmp_path / "rm")
+    with pytest.raises(UserError, match=r"input_tokenizer '.*nowhere' is not a directory holding a tokenizer"):
+        reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "nowhere")), actor)
+    build_demo_tokenizer(tmp_path / "actor_tok")
+    assert reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "actor_tok")), actor) is not None
 
 
 def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
-    """The reward model is given the actor's token ids as they are: a directory saved with the actor's
-    tokenizer is accepted; one whose embedding has fewer ids than the actor's tokenizer, or whose own
-    tokenizer maps the ids to other text (two characters swapped), is refused before any model loads."""
+    """With input_tokenizer=null the reward model is given the actor's token ids as they are: a
+    directory saved with the actor's tokenizer is accepted; one whose embedding has fewer ids than
+    the actor's tokenizer, or whose own tokenizer maps the ids to other text (two characters
+    swapped), is refused before any model loads."""
     from tokenizers import Tokenizer, models
 
     from data.demo import build_demo_tokenizer
     from trainer.errors import UserError
-    from trainer.setup import _check_reward_model
+    from trainer.setup import reward_model_inputs
 
     actor_tok = build_demo_tokenizer()
     n = len(actor_tok)
@@ -63,13 +189,14 @@ def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
             tokenizer.save_pretrained(tmp_path / name)
         return str(tmp_path / name)
 
-    _check_reward_model(rm_dir("same", n, build_demo_tokenizer()), actor_tok)
+    check = lambda path: reward_model_inputs(_rm_config(path, None), actor_tok)  # noqa: E731
+    assert check(rm_dir("same", n, build_demo_tokenizer())) is None
     with pytest.raises(UserError, match=rf"embeds {n - 1} token ids but the actor's tokenizer \(data.tokenizer\) has {n}"):
-        _check_reward_model(rm_dir("small", n - 1), actor_tok)
+        check(rm_dir("small", n - 1))
     vocab = actor_tok.get_vocab()
     a, b = "1", "2"
     vocab[a], vocab[b] = vocab[b], vocab[a]
     other = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")))
     assert other.get_vocab() != actor_tok.get_vocab() and len(other) == n
     with pytest.raises(UserError, match="has a tokenizer other than the actor's"):
-        _check_reward_model(rm_dir("other", n, other), actor_tok)
+        check(rm_dir("other", n, other))
