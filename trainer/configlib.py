@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -384,11 +385,124 @@ def read_yaml(path) -> dict:
     return data
 
 
+# verl's config files are Hydra configs: `defaults: [ppo_trainer, _self_]` composes verl's own
+# defaults (which meshppo's mirror) under the file's values.
+VERL_DEFAULTS = "ppo_trainer"
+
+
+def _verl_composition(data: dict, source: str) -> dict:
+    """A verl config file's Hydra header taken off: `hydra.searchpath` (where Hydra finds verl's
+    config group) and `defaults: [ppo_trainer, _self_]` (verl's defaults first, the file over them,
+    as meshppo's defaults and the file already are). Anything else in them composes configs
+    meshppo does not have: a ConfigError naming it."""
+    data = dict(data)
+    hydra = data.pop("hydra", None)
+    if hydra is not None and (not isinstance(hydra, dict) or set(hydra) - {"searchpath"}):
+        extra = sorted(set(hydra) - {"searchpath"}) if isinstance(hydra, dict) else [repr(hydra)]
+        raise ConfigError(f"{source}: hydra.{extra[0]} is not supported (only hydra.searchpath, which points Hydra at "
+                          "verl's configs)")
+    defaults = data.pop("defaults", None)
+    if defaults is not None:
+        names = [d for d in defaults] if isinstance(defaults, list) else [defaults]
+        if names not in ([VERL_DEFAULTS], [VERL_DEFAULTS, "_self_"]):
+            raise ConfigError(f"{source}: defaults {names} is not supported: meshppo composes verl's defaults "
+                              f"({VERL_DEFAULTS}) and then the file ([{VERL_DEFAULTS}, _self_]), nothing else")
+    return data
+
+
+class _Interpolations:
+    """verl's OmegaConf interpolations in a config tree, resolved as OmegaConf resolves them: on
+    the final values (the file, the overrides, and meshppo's defaults for keys neither sets).
+    `${a.b}` is another option's value (its type kept when the interpolation is the whole value,
+    its text inside a longer string); `${.x}` / `${..x}` are relative to the option's section;
+    `${oc.select:a.b,default}` falls back to `default` where `a.b` is no option; `${oc.env:VAR,default}`
+    reads the environment. verl's `???` (a value that must be given) is an error."""
+
+    PATTERN = re.compile(r"\$\{([^${}]*)\}")
+
+    def __init__(self, data: dict, defaults: dict):
+        self.data, self.defaults, self.active = data, defaults, []
+
+    def resolve_tree(self, node, path: tuple = ()):
+        if isinstance(node, dict):
+            return {k: self.resolve_tree(v, path + (str(k),)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [self.resolve_tree(v, path) for v in node]
+        if node == "???":
+            raise ConfigError(f"{'.'.join(path)} is ??? (verl's mark of a value that must be given): set it")
+        return self.resolve(node, path) if isinstance(node, str) and "${" in node else node
+
+    def resolve(self, text: str, path: tuple):
+        key = ".".join(path)
+        if key in self.active:
+            raise ConfigError(f"{key}: the interpolations {' -> '.join(self.active + [key])} form a cycle")
+        self.active.append(key)
+        try:
+            whole = self.PATTERN.fullmatch(text)
+            if whole:
+                return self._value(whole.group(1), path)
+            out = self.PATTERN.sub(lambda m: str(self._value(m.group(1), path)), text)
+            if "${" in out:
+                raise ConfigError(f"{key}: {text!r} is not an interpolation meshppo reads (nested ${{...}})")
+            return out
+        finally:
+            self.active.pop()
+
+    def _value(self, expr: str, path: tuple):
+        key = ".".join(path)
+        resolver, _, args = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
+        name, _, fallback = args.partition(",")
+        name = name.strip()
+        if resolver == "oc.env":
+            import os
+
+            if name in os.environ:
+                return os.environ[name]
+            if not _:
+                raise ConfigError(f"{key}: ${{{expr}}} reads the environment variable {name}, which is not set")
+            return yaml.safe_load(fallback) if fallback.strip() else ""
+        if resolver not in ("", "oc.select"):
+            raise ConfigError(f"{key}: ${{{expr}}}: the resolver {resolver} is not supported (meshppo reads "
+                              "${a.b}, ${oc.select:a.b,default} and ${oc.env:VAR,default})")
+        target = self._absolute(name, path)
+        for tree in (self.data, self.defaults):
+            found, value = self._lookup(tree, target)
+            if found:
+                return self.resolve_tree(value, tuple(target))
+        if resolver == "oc.select":
+            return yaml.safe_load(fallback) if fallback.strip() else None
+        raise ConfigError(f"{key}: ${{{expr}}} names {'.'.join(target)!r}, which is no config option")
+
+    @staticmethod
+    def _absolute(name: str, path: tuple) -> list[str]:
+        if not name.startswith("."):
+            return name.split(".")
+        dots = len(name) - len(name.lstrip("."))
+        return list(path[:len(path) - dots]) + name[dots:].split(".")
+
+    @staticmethod
+    def _lookup(tree, parts: list[str]):
+        for part in parts:
+            if not isinstance(tree, dict) or part not in tree:
+                return False, None
+            tree = tree[part]
+        return True, tree
+
+
+def resolve_interpolations(cls, data: dict) -> dict:
+    """`data` with verl's interpolations resolved against itself and `cls`'s defaults (`_Interpolations`)."""
+    try:
+        defaults = dataclasses.asdict(cls())
+    except (TypeError, ValueError):
+        defaults = {}
+    return _Interpolations(data, defaults).resolve_tree(data)
+
+
 def load_config(cls, path=None, overrides: list[str] = ()):
-    data = read_yaml(path) if path else {}
+    data = _verl_composition(read_yaml(path), f"config file {str(path)!r}") if path else {}
     for arg in overrides:
         merge_override(data, *parse_override(arg, cls))
-    return build_dataclass(cls, data)
+    return build_dataclass(cls, resolve_interpolations(cls, data))
 
 
 def to_dict(cfg) -> dict:

@@ -1,0 +1,94 @@
+"""verl's config files as they are written: Hydra's header (`hydra.searchpath`, `defaults:
+[ppo_trainer, _self_]`) and OmegaConf's interpolations, resolved on the final values."""
+
+import pytest
+
+from trainer.config import PPOConfig
+from trainer.configlib import ConfigError, load_config
+
+
+def _load(tmp_path, text, *overrides):
+    path = tmp_path / "verl.yaml"
+    path.write_text(text)
+    return load_config(PPOConfig, path, ["actor_rollout_ref.model.path=/models/actor", *overrides])
+
+
+HEADER = """hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+"""
+
+
+def test_a_verl_config_file_with_hydras_header_loads_over_the_defaults(tmp_path):
+    cfg = _load(tmp_path, HEADER + "data:\n  train_batch_size: 64\n  max_response_length: 48\n")
+    assert cfg.data.train_batch_size == 64 and cfg.data.max_response_length == 48
+    assert cfg.actor_rollout_ref.rollout.n == PPOConfig().actor_rollout_ref.rollout.n
+    assert _load(tmp_path, "defaults:\n  - ppo_trainer\ndata:\n  train_batch_size: 8\n").data.train_batch_size == 8
+    with pytest.raises(ConfigError, match=r"defaults \['_self_', 'ppo_trainer'\] is not supported"):
+        _load(tmp_path, "defaults:\n  - _self_\n  - ppo_trainer\n")
+    with pytest.raises(ConfigError, match=r"defaults \['ppo_megatron_trainer', '_self_'\] is not supported"):
+        _load(tmp_path, "defaults:\n  - ppo_megatron_trainer\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"hydra.run is not supported \(only hydra.searchpath"):
+        _load(tmp_path, "hydra:\n  run:\n    dir: x\n")
+
+
+def test_interpolations_resolve_on_the_final_values(tmp_path):
+    """An interpolation reads the option's final value: the file's, an override's (which wins over
+    the file), or meshppo's default where neither sets it; a whole-value interpolation keeps the
+    type, one inside a string gives text; relative ones read the option's own section; oc.select
+    falls back to its default only where the key is no option."""
+    text = HEADER + """
+data:
+  max_response_length: 48
+actor_rollout_ref:
+  actor:
+    ppo_mini_batch_size: 16
+    ppo_epochs: ${oc.select:actor_rollout_ref.rollout.n,1}
+  rollout:
+    response_length: ${data.max_response_length}
+    n: 4
+critic:
+  ppo_mini_batch_size: ${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}
+  ppo_micro_batch_size_per_gpu: 2
+  forward_micro_batch_size_per_gpu: ${oc.select:.ppo_micro_batch_size_per_gpu,null}
+  ppo_max_token_len_per_gpu: ${oc.select:not_an_option.x,1234}
+trainer:
+  experiment_name: run_${actor_rollout_ref.rollout.n}x${data.max_response_length}
+  project_name: ${oc.select:trainer.default_local_dir,x}
+"""
+    cfg = _load(tmp_path, text)
+    assert cfg.actor_rollout_ref.rollout.response_length == 48
+    assert cfg.actor_rollout_ref.actor.ppo_epochs == 4
+    assert cfg.critic.ppo_mini_batch_size == 16 and cfg.critic.forward_micro_batch_size_per_gpu == 2
+    assert cfg.critic.ppo_max_token_len_per_gpu == 1234
+    assert cfg.trainer.experiment_name == "run_4x48"
+    assert cfg.trainer.project_name == PPOConfig().trainer.default_local_dir  # a default read
+    over = _load(tmp_path, text, "data.max_response_length=32", "actor_rollout_ref.rollout.n=2")
+    assert over.actor_rollout_ref.rollout.response_length == 32 and over.trainer.experiment_name == "run_2x32"
+    assert over.actor_rollout_ref.actor.ppo_epochs == 2
+
+
+def test_interpolation_errors_name_the_option(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPPO_TEST_PROJECT", "proj")
+    assert _load(tmp_path, "trainer:\n  project_name: ${oc.env:MESHPPO_TEST_PROJECT}\n").trainer.project_name == "proj"
+    assert _load(tmp_path, "trainer:\n  project_name: ${oc.env:MESHPPO_TEST_UNSET,dflt}\n").trainer.project_name == "dflt"
+    with pytest.raises(ConfigError, match="trainer.project_name: .* reads the environment variable MESHPPO_TEST_UNSET"):
+        _load(tmp_path, "trainer:\n  project_name: ${oc.env:MESHPPO_TEST_UNSET}\n")
+    with pytest.raises(ConfigError, match=r"trainer.project_name: \$\{data.nope\} names 'data.nope', which is no "
+                                          "config option"):
+        _load(tmp_path, "trainer:\n  project_name: ${data.nope}\n")
+    with pytest.raises(ConfigError, match=r"the interpolations trainer.project_name -> trainer.experiment_name -> "
+                                          "trainer.project_name form a cycle"):
+        _load(tmp_path, "trainer:\n  project_name: ${trainer.experiment_name}\n"
+                        "  experiment_name: ${trainer.project_name}\n")
+    with pytest.raises(ConfigError, match="the resolver oc.create is not supported"):
+        _load(tmp_path, "trainer:\n  project_name: ${oc.create:x}\n")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name is \?\?\? \(verl's mark of a value that "
+                                          r"must be given\): set it"):
+        _load(tmp_path, "actor_rollout_ref:\n  rollout:\n    name: ???\n")
+    assert _load(tmp_path, "actor_rollout_ref:\n  rollout:\n    name: ???\n",
+                 "actor_rollout_ref.rollout.name=vllm").actor_rollout_ref.rollout.name == "vllm"
