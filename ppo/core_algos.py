@@ -681,6 +681,27 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 """Valid ``loss_agg_mode`` values (``actor_rollout_ref.actor.loss_agg_mode``)."""
 
 
+def compute_pf_ppo_indices(scores: torch.Tensor, reweight_method: str, weight_pow: float,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """PF-PPO's redraw of a batch (policy filtration, verl's `compute_pf_ppo_reweight_data`): `[N]`
+    row indices drawn with replacement, row i with probability proportional to its weight from its
+    sequence score `scores[i]`: `pow` |s|^weight_pow; `max_min` 1 where s is the batch's highest or
+    lowest score, else 0; `max_random` 0.4 for the highest, 0.1 otherwise. Every weight gets 1e-8
+    (at least 1e-8), so a batch of zero weights draws uniformly. Drawn on the host, in float64, from
+    `generator` (the same indices on every rank given the same seed)."""
+    s = scores.detach().double().cpu()
+    if reweight_method == "pow":
+        weights = s.abs().pow(weight_pow)
+    elif reweight_method == "max_min":
+        weights = ((s == s.max()) | (s == s.min())).double()
+    elif reweight_method == "max_random":
+        weights = torch.where(s == s.max(), 0.4, 0.1).double()
+    else:
+        raise ValueError(f"unknown PF-PPO reweight_method {reweight_method!r}; use pow, max_min or max_random")
+    weights = (weights + 1e-8).clamp(min=1e-8)
+    return torch.multinomial(weights, len(s), replacement=True, generator=generator)
+
+
 def _check_loss_agg_mode(loss_agg_mode: str) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {list(LOSS_AGG_MODES)}.")

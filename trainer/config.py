@@ -700,6 +700,15 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PFPPOConfig:
+    reweight_method: str = opt("pow", "each response's weight from its score s: pow: |s|^weight_pow; max_min: 1 for "
+                                      "the batch's highest and lowest scores, 0 for the others; max_random: 0.4 for "
+                                      "the highest, 0.1 for the others (each + 1e-8)",
+                               choices=("pow", "max_min", "max_random"))
+    weight_pow: float = opt(2.0, "the power of the pow method", ge=0)
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = opt(1.0, "discount factor", ge=0, le=1)
     lam: float = opt(1.0, "GAE lambda", ge=0, le=1)
@@ -713,6 +722,11 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the gap between the engine's "
                                                           "and the trainer's log-probs")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO's dynamic sampling (group filtering)")
+    use_pf_ppo: bool = opt(False, "PF-PPO (policy filtration, as verl runs it with adv_estimator=gae): after the "
+                                  "advantages, the step's batch is redrawn with replacement, as many responses as it "
+                                  "has, each with probability proportional to its pf_ppo weight; the updates, "
+                                  "metrics and dumps see the redrawn batch")
+    pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO's weights")
 
 
 @dataclass
@@ -1164,6 +1178,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           "(as verl's batch manager does; the built-in scorers take one response): set "
                           "custom_reward_function.path")
     _validate_reward_model(cfg.reward_model)
+    if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
+        raise ConfigError(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: "
+                          "verl redraws the batch for gae only (with another estimator it does nothing); use gae")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":

@@ -35,10 +35,10 @@ from trainer.checkpointing import CheckpointManager, export_hf
 from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError
-from ppo.core_algos import compute_rollout_correction, get_adv_estimator_fn, masked_mean
+from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
 from trainer.metrics import data_metrics
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
@@ -411,6 +411,8 @@ class PPOTrainer:
             self._ref_log_probs(ro, metrics)
             self._values(ro)
             self._compute_advantages(full, ro, parts, metrics, baselines)
+            if self.cfg.algorithm.use_pf_ppo:
+                full, ro, parts, scores, extras = self._pf_ppo_redraw(full, ro, parts, scores, extras, seed)
             self._check_abandon()
             t_update = time.perf_counter()
             self._update_critic(ro, metrics)
@@ -694,6 +696,31 @@ class PPOTrainer:
                 reward_baselines=baselines)
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
             ro.advantages, ro.returns = adv[sel], ret[sel]
+
+    def _pf_ppo_redraw(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
+                       extras: dict, seed: int):
+        """PF-PPO (`algorithm.use_pf_ppo`): the step's batch redrawn with replacement after the
+        advantages, each response by the weight of its score (its token scores summed, as verl
+        sums them; `compute_pf_ppo_indices`), the same draw on every rank (one seeded generator).
+        Every rank's per-token tensors, scores and reward extras are gathered, indexed by the draw and
+        partitioned again: the updates, the metrics and the dumps see the redrawn batch, as in verl.
+        Returns `(full, ro, parts, scores, extras)` of the redrawn batch."""
+        n, pf = len(full), self.cfg.algorithm.pf_ppo
+        gather = lambda t: self._gather_rows(t, parts, n)  # noqa: E731
+        whole = full.take(list(range(n)))
+        for name in TOKEN_FIELDS:
+            if (t := getattr(ro, name)) is not None:
+                setattr(whole, name, gather(t))
+        whole.other_extras = self._gather_other_extras(ro.other_extras or {}, parts, n)
+        names = list(extras)
+        cols = gather(torch.stack([scores.double()] + [torch.tensor(extras[k], dtype=torch.float64, device=self.device)
+                                                       for k in names], dim=1))
+        drawn = compute_pf_ppo_indices(whole.token_level_scores.sum(-1), pf.reweight_method, pf.weight_pow,
+                                       torch.Generator().manual_seed(seed)).tolist()
+        full = whole.take(drawn)
+        ro, parts = self._partition(full)
+        local = cols[whole.index(drawn)][full.index(parts[self.ctx.rank])]
+        return (full, ro, parts, local[:, 0].float(), {k: local[:, 1 + j].tolist() for j, k in enumerate(names)})
 
     def _perf_metrics(self, ro: RolloutBatch, metrics: dict) -> dict:
         dev = self.device

@@ -60,6 +60,32 @@ def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides
         assert abs(rows[1]["actor/reward_kl_penalty_coeff"] - expected) <= 1e-12 * expected, (rows[1], expected)
 
 
+
+def test_pf_ppo_redraws_the_batch_by_score(demo_assets, tmp_path):
+    """`algorithm.use_pf_ppo` with gae on 2 ranks, weights |score|^2: the demo's rule scores are 0 or
+    1, so a wrong answer weighs 1e-8 against 1 + 1e-8 and the redrawn batch (all 16 responses of a
+    step, dumped and measured after the redraw) is all right answers, drawn with replacement (some
+    response twice: 16 distinct draws of 16 rows have odds of 16!/16^16, about 1e-6)."""
+    import json
+
+    run = tmp_path / "run"
+    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", "data.train_batch_size=16",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=gae",
+                           "actor_rollout_ref.rollout.n=1", "critic.ppo_micro_batch_size_per_gpu=4",
+                           "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=pow",
+                           f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = read_metrics(run)
+    _check_finite(rows, REQUIRED_ACTOR + REQUIRED_CRITIC)
+    for step, row in zip((1, 2), rows):
+        with open(tmp_path / "dump" / f"{step}.jsonl") as f:
+            dumped = [json.loads(line) for line in f]
+        assert len(dumped) == 16 and {d["score"] for d in dumped} == {1.0}, dumped
+        assert row["critic/score/mean"] == 1.0, row
+        assert len({(d["input"], d["output"]) for d in dumped}) < 16, dumped  # drawn with replacement
+
 def _val_scores(rows) -> list[float]:
     return [row["val/meshppo/demo_add/score"] for row in rows if "val/meshppo/demo_add/score" in row]
 

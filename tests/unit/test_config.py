@@ -98,6 +98,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
       "trainer.n_gpus_per_node=4"], "must split evenly over 4 ranks"),
     (["reward_model.enable=true"], "needs reward_model.model.path"),
+    (["algorithm.use_pf_ppo=true"], "algorithm.use_pf_ppo=true with algorithm.adv_estimator=grpo: verl redraws the "
+                                    "batch for gae only"),
     (["data.train_max_samples=100", "data.seed=null"], "data.train_max_samples=100 with data.shuffle=true and "
                                                         "data.seed=null: verl draws that subset unseeded"),
     (["data.val_max_samples=5", "data.seed=null"], "data.val_max_samples=5 with data.shuffle=true and data.seed=null"),
