@@ -30,12 +30,35 @@ def _not(value):
     return lambda v: v != value
 
 
+# Why verl's entropy options change nothing here: meshppo's LM head (models/lm_head.py) never
+# materialises the full logits of the actor's or the reference's forwards.
+_ENTROPY_CHUNKING_WHY = ("meshppo's LM head computes the entropy chunk by chunk from the hidden states, never from "
+                         "full logits")
+_ENTROPY_CHECKPOINTING_WHY = ("meshppo's LM head keeps no logits for backward: it recomputes each chunk's logits "
+                              "there, the entropy's included")
+
+
+def _entropy_chunking():
+    return opt(False, "verl: compute the entropy from the full logits in chunks (lower peak memory)",
+               no_effect=_ENTROPY_CHUNKING_WHY)
+
+
+def _entropy_checkpointing():
+    return opt(False, "verl: recompute the entropy in backward instead of keeping its activations",
+               no_effect=_ENTROPY_CHECKPOINTING_WHY)
+
+
 @dataclass
 class FSDPOptions(FSDPConfig):
     """`fsdp_config` as a verl config writes it. As in verl, `offload_policy` supersedes
     `param_offload` / `optimizer_offload` (verl's FSDP2 recipe sets them together): with the
     policy the states live on CPU for the whole run, so the manual moves between phases are
     turned off here; `superseded` names what was turned off, for `config_notes`."""
+
+    use_orig_params: bool = opt(False, "verl: FSDP1's use_orig_params", no_effect="it is an FSDP1 option; meshppo "
+                                "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
+    entropy_from_logits_with_chunking: bool = _entropy_chunking()
+    entropy_checkpointing: bool = _entropy_checkpointing()
 
     def __post_init__(self):
         self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
@@ -89,6 +112,33 @@ class DataConfig:
     apply_chat_template_kwargs: dict = opt(default_factory=dict, help="extra keyword arguments of the chat template "
                                                                        "(training and validation prompts), e.g. "
                                                                        "{enable_thinking: false}")
+
+
+def _global_micro_batch(per_gpu: str):
+    """verl's deprecated global form of the micro-batch size `per_gpu` (`_per_gpu_micro_batch`)."""
+    return opt(None, f"verl's deprecated global form of {per_gpu}: sequences over all ranks together; {per_gpu} "
+                     "becomes it divided by the ranks (trainer.nnodes x trainer.n_gpus_per_node), which must divide "
+                     f"it, as verl's workers divide it by the data-parallel size; not with {per_gpu}", ge=1)
+
+
+def _per_gpu_micro_batch(key: str, section, name: str, trainer) -> None:
+    """Section `key`'s global micro-batch size `name` as its `{name}_per_gpu`: divided by the
+    ranks the `trainer` section describes (all of them are data-parallel for the training
+    forwards), then null, so a resolved config resolves to itself. Setting both is an error, as
+    in verl."""
+    total, per_gpu = getattr(section, name), f"{name}_per_gpu"
+    if total is None:
+        return
+    if getattr(section, per_gpu) is not None:
+        raise ConfigError(f"{key}.{name}={total} and {key}.{per_gpu}={getattr(section, per_gpu)}: both set the "
+                          f"micro-batch size ({name}, verl's deprecated form, over all ranks together); set one")
+    ranks = trainer.nnodes * trainer.n_gpus_per_node
+    if total % ranks:
+        raise ConfigError(f"{key}.{name}={total} does not split into {key}.{per_gpu} over trainer.nnodes x "
+                          f"trainer.n_gpus_per_node = {trainer.nnodes} x {trainer.n_gpus_per_node} = {ranks} ranks: "
+                          f"use a multiple of {ranks}, or set {per_gpu}")
+    setattr(section, per_gpu, total // ranks)
+    setattr(section, name, None)
 
 
 def _lr(default: float):
@@ -154,6 +204,14 @@ _ACTIVATION_OFFLOAD_HELP = ("keep each block's saved activations in pinned host 
 
 
 @dataclass
+class FusedKernelOptions:
+    impl_backend: str = opt("torch", "verl: the fused kernels' implementation (with use_fused_kernels)",
+                            choices=("torch", "triton"),
+                            no_effect="meshppo's LM head picks its kernels itself: Triton on CUDA when triton is "
+                                      "installed, else PyTorch (MESHPPO_LM_HEAD=torch forces it)")
+
+
+@dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
     load_format: str = opt("auto", "auto: read the safetensors; dummy: random weights drawn on each rank's shards "
@@ -177,6 +235,14 @@ class ModelConfig:
                                               "adapter_model.safetensors); needs the same lora_rank, lora_alpha and "
                                               "target_modules")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
+    use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there",
+                        no_effect="meshppo reads the safetensors files where they are, memory-mapped, one tensor at "
+                                  "a time (the page cache shares them among a node's ranks): there is no copy to make")
+    use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
+                                         "from the hidden states, without the full logits",
+                                  no_effect="meshppo's LM head always computes them so: chunk by chunk, with its own "
+                                            "kernels")
+    fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
 
     def __post_init__(self):
         if self.lora_rank:
@@ -249,6 +315,7 @@ class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
     ppo_mini_batch_size: int = opt(256, "prompts per optimizer step (global; multiplied by rollout.n)", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU", ge=1)
+    ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz", ge=1)
     grad_clip: float | None = opt(None, _GRAD_CLIP_HELP, gt=0)
@@ -288,6 +355,8 @@ class ActorConfig:
                                          "reference model's too unless ref.use_torch_compile says otherwise)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
+    entropy_from_logits_with_chunking: bool = _entropy_chunking()
+    entropy_checkpointing: bool = _entropy_checkpointing()
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
@@ -298,14 +367,21 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
+    strategy: str = opt("fsdp2", "backend of the reference model: fsdp or fsdp2 (both mean FSDP2 here)",
+                        choices=("fsdp", "fsdp2"))
     fsdp_config: FSDPOptions = section(FSDPOptions, "reference model FSDP2 settings")
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
+    log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
     log_prob_use_dynamic_bsz: bool | None = opt(None, "pack reference forwards by token count; null: the actor's "
                                                       "use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one reference forward with dynamic bsz; "
                                                            "null: the actor's ppo_max_token_len_per_gpu", ge=1)
     use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
                                               "setting")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
+                                              unsupported=_not(1))
+    entropy_from_logits_with_chunking: bool = _entropy_chunking()
+    entropy_checkpointing: bool = _entropy_checkpointing()
 
 
 @dataclass
@@ -329,14 +405,21 @@ ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "ma
                          "free_engine_weights")
 
 
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _non_default(obj, keys) -> dict:
     out = {}
     for key in keys:
-        f = type(obj).__dataclass_fields__[key]
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if getattr(obj, key) != default:
+        if getattr(obj, key) != _default(type(obj).__dataclass_fields__[key]):
             out[key] = getattr(obj, key)
     return out
+
+
+def _shown(value):
+    """A value as a config writes it: booleans lower-case."""
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 @dataclass
@@ -386,6 +469,7 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = opt(
         None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling)", ge=1)
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU", ge=1)
+    log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
     log_prob_use_dynamic_bsz: bool | None = opt(None, "pack old-log-prob forwards by token count; null: the actor's "
                                                       "use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one old-log-prob forward with dynamic "
@@ -412,6 +496,10 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = opt(True, "actor and engine share the GPUs (the only mode)", unsupported=lambda v: not v)
+    nccl_timeout: int | None = opt(None, "verl's name of trainer.nccl_timeout: in verl the timeout of the actor, "
+                                         "rollout and reference workers' process group; meshppo's models share "
+                                         "one set of process groups, so it is the run's one timeout. Setting both "
+                                         "to different values is an error", ge=1)
     model: ModelConfig = section(ModelConfig, "policy model")
     actor: ActorConfig = section(ActorConfig, "actor training")
     ref: RefConfig = section(RefConfig, "reference model")
@@ -454,7 +542,10 @@ class CriticConfig:
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)
-    forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU", ge=1)
+    ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
+    forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU; null: "
+                                                             "ppo_micro_batch_size_per_gpu", ge=1)
+    forward_micro_batch_size: int | None = _global_micro_batch("forward_micro_batch_size_per_gpu")
     use_dynamic_bsz: bool | None = opt(None, "pack critic micro-batches by token count; null: the actor's")
     ppo_max_token_len_per_gpu: int = opt(32768, "token budget of one critic micro-batch", ge=1)
     forward_max_token_len_per_gpu: int | None = opt(None, "token budget of one value forward; null: "
@@ -465,6 +556,8 @@ class CriticConfig:
     cliprange_value: float = opt(0.5, "value clipping range", gt=0)
     loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
                                     choices=(*LOSS_AGG_MODES, None))
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
+                                              unsupported=_not(1))
 
     def __post_init__(self):
         _resolve_grad_clip("critic", self)
@@ -729,6 +822,10 @@ class AlgorithmConfig:
     pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO's weights")
 
 
+NCCL_TIMEOUT_S = 600
+"""`trainer.nccl_timeout` when neither it nor `actor_rollout_ref.nccl_timeout` is set (verl's, torch's)."""
+
+
 @dataclass
 class TrainerConfig:
     project_name: str = opt("meshppo", "project name (wandb; the other loggers write under the run directory)")
@@ -763,8 +860,9 @@ class TrainerConfig:
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)", ge=1)
-    max_critic_ckpt_to_keep: int | None = opt(None, "not supported: the critic is saved and rotated with the actor "
-                                              "(max_actor_ckpt_to_keep)", unsupported=lambda v: v is not None)
+    max_critic_ckpt_to_keep: int | None = opt(None, "critic checkpoints to keep: meshppo saves the critic in the "
+                                                    "actor's checkpoints and rotates them together, so null or "
+                                                    "max_actor_ckpt_to_keep (checked with a critic)", ge=1)
     log_val_generations: int = opt(0, "validation samples printed to the log", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
                                        "score, reward, advantage, ...)")
@@ -778,9 +876,10 @@ class TrainerConfig:
                                     ge=1)
     preemption_grace_s: float = opt(120.0, "after SIGTERM/SIGUSR1, a step whose updates would end later than this "
                                     "is abandoned (redone on resume) so the checkpoint is written in time", ge=0)
-    nccl_timeout: int = opt(600, "seconds a collective may wait for the other ranks before the run fails with a "
-                                 "message naming the rank and the phase (the process group's timeout; gloo too)",
-                            ge=1)
+    nccl_timeout: int | None = opt(None, "seconds a collective may wait for the other ranks before the run fails "
+                                         "with a message naming the rank and the phase (the process groups' timeout; "
+                                         "gloo too); null: actor_rollout_ref.nccl_timeout (verl's name), or "
+                                         f"{NCCL_TIMEOUT_S} when that is null too", ge=1)
 
 
 @dataclass
@@ -806,6 +905,21 @@ class PPOConfig:
         def inherit(obj, name, value):
             if getattr(obj, name) is None:
                 setattr(obj, name, value)
+
+        for key, obj, name in (("actor_rollout_ref.actor", actor, "ppo_micro_batch_size"),
+                               ("actor_rollout_ref.rollout", rollout, "log_prob_micro_batch_size"),
+                               ("actor_rollout_ref.ref", ref, "log_prob_micro_batch_size"),
+                               ("critic", critic, "ppo_micro_batch_size"),
+                               ("critic", critic, "forward_micro_batch_size")):
+            _per_gpu_micro_batch(key, obj, name, self.trainer)
+        # verl's actor_rollout_ref.nccl_timeout and meshppo's trainer.nccl_timeout: one timeout
+        t, alias = self.trainer.nccl_timeout, arr.nccl_timeout
+        if t is not None and alias is not None and t != alias:
+            raise ConfigError(f"trainer.nccl_timeout={t} and actor_rollout_ref.nccl_timeout={alias}: both name the "
+                              "timeout of the run's process groups (meshppo's models share them); set one of them, "
+                              "or both to the same value")
+        self.trainer.nccl_timeout = next((v for v in (t, alias) if v is not None), NCCL_TIMEOUT_S)
+        arr.nccl_timeout = None
 
         inherit(d, "tokenizer", arr.model.path)
         inherit(d, "gen_batch_size", d.train_batch_size)
@@ -869,11 +983,14 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
         notes += _run_notes(cfg)
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        why = f.metadata.get("no_effect")
+        if why and value != _default(f):
+            notes.append(f"{key}={_shown(value)} has no effect: {why}")
         if isinstance(value, FSDPOptions) and value.superseded:
             notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
                          "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "
                          "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
-        elif dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value):
             notes.extend(config_notes(value, f"{key}."))
     return notes
 
@@ -911,6 +1028,14 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append("actor_rollout_ref.actor.fsdp_config.param_offload=true frees nothing with "
                          f"rollout.name={rollout.name}: the actor generates, so its parameters stay on the device "
                          "(optimizer_offload still moves the optimizer states out during generation)")
+    keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
+    if keep is not None and not cfg.uses_critic:
+        notes.append(f"trainer.max_critic_ckpt_to_keep={keep} has no effect: algorithm.adv_estimator="
+                     f"{cfg.algorithm.adv_estimator} trains no critic")
+    elif keep is None and actor_keep is not None and cfg.uses_critic:
+        notes.append(f"trainer.max_critic_ckpt_to_keep=null: the critic is saved in the actor's checkpoints, so the "
+                     f"last {actor_keep} are kept (trainer.max_actor_ckpt_to_keep; verl would keep every critic "
+                     "checkpoint)")
     if cfg.data.dataloader_num_workers != DataConfig.dataloader_num_workers:
         notes.append(f"data.dataloader_num_workers={cfg.data.dataloader_num_workers} has no effect: meshppo tokenizes "
                      "the prompts once at load, there is no loader worker")
@@ -1136,8 +1261,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           f"horizon above {bs * n // 5}")
     if rollout.engine != "native":
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise ConfigError(f"actor_rollout_ref.rollout.{key}={shown} needs rollout.name=native: "
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
     if rollout.kv_cache_dtype == "fp8" and rollout.dtype == "float16":
         raise ConfigError("actor_rollout_ref.rollout.kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32, "
@@ -1154,6 +1278,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             if cmicro is None or ((cmini * n) // world_size) % cmicro:
                 raise ConfigError("critic.ppo_micro_batch_size_per_gpu must divide the critic's sequences per rank "
                                   "per mini-batch (or set critic.use_dynamic_bsz=true)")
+        keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
+        if keep is not None and keep != actor_keep:
+            raise ConfigError(f"trainer.max_critic_ckpt_to_keep={keep} differs from trainer.max_actor_ckpt_to_keep="
+                              f"{'null' if actor_keep is None else actor_keep}: meshppo saves the critic "
+                              "in the actor's checkpoints and rotates them together; set it to null"
+                              + ("" if actor_keep is None else f" or {actor_keep}"))
     tok = cfg.data.tokenizer
     if cfg.critic.model.tokenizer_path != tok:
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "

@@ -28,14 +28,16 @@ class ConfigError(ValueError):
 
 
 def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, unsupported=None,
-        ge=None, gt=None, le=None, lt=None, length=None):
+        ge=None, gt=None, le=None, lt=None, length=None, no_effect=None):
     """A config field with a one-line `help`, optional allowed `choices`, `unsupported`: a
-    predicate on the value that marks verl settings meshppo does not implement, and the allowed
-    range of a number (of each item of a list): `ge` (>=), `gt` (>), `le` (<=), `lt` (<), plus
-    a list's `length`. `null` is always allowed where the type allows it."""
+    predicate on the value that marks verl settings meshppo does not implement, `no_effect`: why
+    a verl setting changes nothing in meshppo (accepted at any value, said at start-up when not
+    at its default: `trainer.config.config_notes`), and the allowed range of a number (of each
+    item of a list): `ge` (>=), `gt` (>), `le` (<=), `lt` (<), plus a list's `length`. `null`
+    is always allowed where the type allows it."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     meta = {"help": help, "choices": tuple(choices) if choices else None, "unsupported": unsupported,
-            "bounds": bounds, "length": length}
+            "bounds": bounds, "length": length, "no_effect": no_effect}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -61,8 +63,11 @@ def allowed_range(meta) -> str:
 
 
 def describe(meta) -> str:
-    """A field's help line with its allowed range, as `--print-config` and docs/CONFIG.md show it."""
-    help_, rng = meta.get("help", ""), allowed_range(meta)
+    """A field's help line with why it has no effect and its allowed range, as `--print-config`
+    and docs/CONFIG.md show it."""
+    help_, why, rng = meta.get("help", ""), meta.get("no_effect"), allowed_range(meta)
+    if why:
+        help_ = f"{help_}; has no effect: {why}" if help_ else f"has no effect: {why}"
     return f"{help_}; allowed: {rng}" if rng else help_
 
 

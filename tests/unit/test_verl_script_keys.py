@@ -1,0 +1,187 @@
+"""verl options its example scripts set: the deprecated global micro-batch sizes (divided by the
+ranks, as verl's workers divide them), verl's name of the collective timeout, the options that
+change nothing here (accepted, said at start-up when set), and the ones accepted at the only value
+meshppo has."""
+
+import dataclasses
+import os
+
+import pytest
+
+from trainer.config import PPOConfig, config_notes, validate
+from trainer.configlib import ConfigError, build_dataclass, load_config
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                    "demo.yaml")
+EIGHT_RANKS = ("trainer.nnodes=2", "trainer.n_gpus_per_node=4")
+
+
+def _cfg(*overrides):
+    return load_config(PPOConfig, DEMO, list(overrides))
+
+
+def _round_trips(cfg):
+    return dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(cfg))) == dataclasses.asdict(cfg)
+
+
+def test_global_micro_batch_sizes_become_per_gpu_ones():
+    """The demo has no per-GPU size but the actor's (64): each global size over 2 x 4 ranks."""
+    cfg = _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+               "actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.rollout.log_prob_micro_batch_size=32",
+               "actor_rollout_ref.ref.log_prob_micro_batch_size=8", "critic.ppo_micro_batch_size=24",
+               "critic.forward_micro_batch_size=40")
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    assert (arr.actor.ppo_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size_per_gpu,
+            arr.ref.log_prob_micro_batch_size_per_gpu, critic.ppo_micro_batch_size_per_gpu,
+            critic.forward_micro_batch_size_per_gpu) == (2, 4, 1, 3, 5)
+    # the global forms are spent: a resolved config names each size once and resolves to itself
+    assert (arr.actor.ppo_micro_batch_size, arr.rollout.log_prob_micro_batch_size, arr.ref.log_prob_micro_batch_size,
+            critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (None,) * 5
+    assert _round_trips(cfg)
+    validate(cfg, 8, 4)  # 16 prompts x 8 samples / 8 ranks = 16 sequences a rank: micro-batches of 2
+
+
+def test_a_derived_size_is_inherited_as_a_given_one():
+    """The old-log-prob, reference and critic sizes default to the actor's (the critic's value forward to
+    the critic's), whichever form set it."""
+    cfg = _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+               "actor_rollout_ref.actor.ppo_micro_batch_size=32")
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    assert (arr.actor.ppo_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size_per_gpu,
+            arr.ref.log_prob_micro_batch_size_per_gpu, critic.ppo_micro_batch_size_per_gpu,
+            critic.forward_micro_batch_size_per_gpu) == (4, 4, 4, 4, 4)
+    cfg = _cfg(*EIGHT_RANKS, "critic.ppo_micro_batch_size=16")
+    assert (cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.forward_micro_batch_size_per_gpu) == (2, 2)
+    # one rank: the global size is the per-GPU one
+    assert _cfg("trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size=12") \
+        .actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 12
+
+
+GLOBAL_SIZES = [("actor_rollout_ref.actor", "ppo_micro_batch_size"),
+                ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
+                ("actor_rollout_ref.ref", "log_prob_micro_batch_size"),
+                ("critic", "ppo_micro_batch_size"),
+                ("critic", "forward_micro_batch_size")]
+
+
+@pytest.mark.parametrize("key,name", GLOBAL_SIZES)
+def test_global_and_per_gpu_sizes_together_are_an_error(key, name):
+    with pytest.raises(ConfigError) as e:
+        _cfg(f"{key}.{name}=16", f"{key}.{name}_per_gpu=2")
+    assert str(e.value) == (f"{key}.{name}=16 and {key}.{name}_per_gpu=2: both set the micro-batch size ({name}, "
+                            "verl's deprecated form, over all ranks together); set one")
+
+
+@pytest.mark.parametrize("key,name", GLOBAL_SIZES)
+def test_a_global_size_must_split_over_the_ranks(key, name):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", f"{key}.{name}=12")
+    assert str(e.value) == (f"{key}.{name}=12 does not split into {key}.{name}_per_gpu over trainer.nnodes x "
+                            "trainer.n_gpus_per_node = 2 x 4 = 8 ranks: use a multiple of 8, or set "
+                            f"{name}_per_gpu")
+    with pytest.raises(ConfigError, match=f"{key}.{name}: 0 is out of range; allowed: >= 1"):
+        _cfg(f"{key}.{name}=0")
+
+
+def test_verls_nccl_timeout_is_the_runs_one_timeout():
+    assert _cfg().trainer.nccl_timeout == 600  # verl's and torch's default
+    for overrides in (["actor_rollout_ref.nccl_timeout=1800"], ["trainer.nccl_timeout=1800"],
+                      ["actor_rollout_ref.nccl_timeout=1800", "trainer.nccl_timeout=1800"]):
+        cfg = _cfg(*overrides)
+        assert cfg.trainer.nccl_timeout == 1800 and cfg.actor_rollout_ref.nccl_timeout is None, overrides
+        assert _round_trips(cfg)
+    with pytest.raises(ConfigError) as e:
+        _cfg("actor_rollout_ref.nccl_timeout=1800", "trainer.nccl_timeout=900")
+    assert str(e.value) == ("trainer.nccl_timeout=900 and actor_rollout_ref.nccl_timeout=1800: both name the timeout "
+                            "of the run's process groups (meshppo's models share them); set one of them, or both to "
+                            "the same value")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.nccl_timeout: 0 is out of range; allowed: >= 1"):
+        _cfg("actor_rollout_ref.nccl_timeout=0")
+
+
+LM_HEAD = "meshppo's LM head"
+NO_EFFECT = {
+    "actor_rollout_ref.model.use_shm": (
+        "true", "meshppo reads the safetensors files where they are, memory-mapped, one tensor at a time (the page "
+                "cache shares them among a node's ranks): there is no copy to make"),
+    "actor_rollout_ref.model.use_fused_kernels": (
+        "true", f"{LM_HEAD} always computes them so: chunk by chunk, with its own kernels"),
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": (
+        "triton", f"{LM_HEAD} picks its kernels itself: Triton on CUDA when triton is installed, else PyTorch "
+                  "(MESHPPO_LM_HEAD=torch forces it)"),
+    **{f"actor_rollout_ref.{s}.entropy_from_logits_with_chunking": (
+        "true", f"{LM_HEAD} computes the entropy chunk by chunk from the hidden states, never from full logits")
+       for s in ("actor", "ref", "actor.fsdp_config", "ref.fsdp_config")},
+    **{f"actor_rollout_ref.{s}.entropy_checkpointing": (
+        "true", f"{LM_HEAD} keeps no logits for backward: it recomputes each chunk's logits there, the entropy's "
+                "included")
+       for s in ("actor", "ref", "actor.fsdp_config", "ref.fsdp_config")},
+    **{f"{s}.fsdp_config.use_orig_params": (
+        "true", "it is an FSDP1 option; meshppo shards with FSDP2, whose parameters always are the original ones (as "
+                "DTensors)")
+       for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
+}
+
+
+@pytest.mark.parametrize("key", sorted(NO_EFFECT))
+def test_options_that_change_nothing_are_said_when_set(key):
+    value, why = NO_EFFECT[key]
+    cfg = _cfg(f"{key}={value}")
+    validate(cfg)
+    assert set(config_notes(cfg)) - set(config_notes(_cfg())) == {f"{key}={value} has no effect: {why}"}
+
+
+def test_options_that_change_nothing_at_verls_defaults_say_nothing():
+    defaults = [f"{key}={'torch' if key.endswith('impl_backend') else 'false'}" for key in NO_EFFECT]
+    assert config_notes(_cfg(*defaults)) == config_notes(_cfg())
+    assert not any("has no effect" in n for n in config_notes(_cfg(*defaults)))
+
+
+def test_impl_backend_takes_verls_backends_only():
+    with pytest.raises(ConfigError, match=r"impl_backend: 'cuda' is not one of \['torch', 'triton'\]"):
+        _cfg("actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda")
+
+
+def test_reference_strategy_and_sequence_parallel_sizes():
+    for strategy in ("fsdp", "fsdp2"):
+        assert _cfg(f"actor_rollout_ref.ref.strategy={strategy}").actor_rollout_ref.ref.strategy == strategy
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.ref.strategy: 'megatron' is not one of \['fsdp', "
+                                          r"'fsdp2'\]"):
+        _cfg("actor_rollout_ref.ref.strategy=megatron")
+    for key in ("critic", "actor_rollout_ref.ref"):
+        validate(_cfg(f"{key}.ulysses_sequence_parallel_size=1"))
+        with pytest.raises(ConfigError) as e:
+            _cfg(f"{key}.ulysses_sequence_parallel_size=2")
+        assert str(e.value) == f"{key}.ulysses_sequence_parallel_size=2 is not supported by meshppo"
+
+
+GAE = ("algorithm.adv_estimator=gae",)
+
+
+def test_critic_checkpoints_are_kept_with_the_actors():
+    validate(_cfg(*GAE, "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"))
+    validate(_cfg(*GAE, "trainer.max_actor_ckpt_to_keep=2"))
+    for actor_keep, hint in (("2", " or 2"), ("null", "")):
+        with pytest.raises(ConfigError) as e:
+            validate(_cfg(*GAE, f"trainer.max_actor_ckpt_to_keep={actor_keep}", "trainer.max_critic_ckpt_to_keep=1"))
+        assert str(e.value) == (f"trainer.max_critic_ckpt_to_keep=1 differs from trainer.max_actor_ckpt_to_keep="
+                                f"{actor_keep}: meshppo saves the critic in the actor's checkpoints and rotates them "
+                                f"together; set it to null{hint}")
+
+
+def test_critic_checkpoint_notes():
+    def notes(*overrides):
+        return [n for n in config_notes(_cfg(*overrides)) if "max_critic_ckpt_to_keep" in n]
+
+    # null keeps every critic checkpoint in verl: here the actor's rotation takes them
+    assert notes(*GAE, "trainer.max_actor_ckpt_to_keep=3") == [
+        "trainer.max_critic_ckpt_to_keep=null: the critic is saved in the actor's checkpoints, so the last 3 are kept "
+        "(trainer.max_actor_ckpt_to_keep; verl would keep every critic checkpoint)"]
+    assert notes(*GAE, "trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=3") == []
+    assert notes(*GAE) == []
+    # no critic (the demo's grpo): any value is accepted and said to do nothing
+    cfg = _cfg("trainer.max_critic_ckpt_to_keep=1")
+    validate(cfg)
+    assert notes("trainer.max_critic_ckpt_to_keep=1") == [
+        "trainer.max_critic_ckpt_to_keep=1 has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    assert notes("trainer.max_actor_ckpt_to_keep=3") == []
