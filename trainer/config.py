@@ -96,10 +96,10 @@ class DataConfig:
                               "torch.Generator has, as verl's sampler with seed null", ge=0)
     validation_shuffle: bool = opt(False, "not supported: must be false (validation prompts go in file order)",
                                    unsupported=bool)
-    dataloader_num_workers: int = opt(8, "accepted for verl compatibility; has no effect: meshppo tokenizes the "
-                                         "prompts once at load, there is no loader worker", ge=0)
-    filter_overlong_prompts_workers: int = opt(1, "accepted for verl compatibility; has no effect: meshppo measures "
-                                                  "the prompts once at load, in one process", ge=1)
+    dataloader_num_workers: int = opt(8, "accepted for verl compatibility", ge=0,
+                                      no_effect="meshppo tokenizes the prompts once at load, there is no loader worker")
+    filter_overlong_prompts_workers: int = opt(1, "accepted for verl compatibility", ge=1,
+                                               no_effect="meshppo measures the prompts once at load, in one process")
     trust_remote_code: bool = opt(False, "not supported (tokenizers load without remote code): must be false",
                                   unsupported=bool)
     return_full_prompt: bool = opt(False, "not supported: must be false", unsupported=bool)
@@ -478,8 +478,8 @@ class RolloutConfig:
     load_format: str = opt("dtensor", "accepted for verl compatibility (any of verl's values): the engine's weights "
                                      "always come from the resharder", choices=("dtensor", "auto", "dummy_dtensor",
                                                                               "dummy", "safetensors", "hf"))
-    layered_summon: bool = opt(False, "accepted for verl compatibility; has no effect: the resharder moves the "
-                                      "weights bucket by bucket whatever this says")
+    layered_summon: bool = opt(False, "accepted for verl compatibility",
+                               no_effect="the resharder moves the weights bucket by bucket")
     data_parallel_size: int = opt(1, "not supported: must be 1 (the engine's data parallelism is the world size "
                                      "over tensor_model_parallel_size)", ge=1, unsupported=lambda v: v != 1)
     expert_parallel_size: int = opt(1, "not supported: must be 1 (no mixture-of-experts models)", ge=1,
@@ -834,9 +834,9 @@ class TrainerConfig:
     logger: list[str] = opt(default_factory=lambda: ["console", "jsonl"],
                             help="any of console, jsonl, tensorboard, wandb")
     total_epochs: int = opt(1, "passes over the training prompts", ge=1)
-    use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility; has no effect: meshppo has one "
-                                              "implementation (losses normalised as verl's engine workers do)",
-                                      choices=("auto", "enable", "disable"))
+    use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility", choices=("auto", "enable", "disable"),
+                                      no_effect="meshppo has one implementation, whose losses are normalised as "
+                                                "verl's engine workers do (README)")
     total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)", ge=1)
     nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
@@ -1006,15 +1006,6 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rollout.mode == "async":
         notes.append("actor_rollout_ref.rollout.mode=async: meshppo's engine runs in-process on every rank; the "
                      "single-turn rollouts are the same as with sync (verl's agent-loop servers are not used)")
-    if rollout.layered_summon:
-        notes.append("actor_rollout_ref.rollout.layered_summon=true has no effect: the resharder moves the weights "
-                     "bucket by bucket")
-    if cfg.trainer.use_legacy_worker_impl != "auto":
-        notes.append(f"trainer.use_legacy_worker_impl={cfg.trainer.use_legacy_worker_impl} has no effect: meshppo has "
-                     "one implementation, whose losses are normalised as verl's engine workers do (README)")
-    if cfg.data.filter_overlong_prompts_workers != DataConfig.filter_overlong_prompts_workers:
-        notes.append(f"data.filter_overlong_prompts_workers={cfg.data.filter_overlong_prompts_workers} has no effect: "
-                     "meshppo measures the prompts once at load, in one process")
     if rollout.engine != "native":
         tuned = list(_non_default(rollout, ENGINE_TUNING_OPTIONS))
         # resolved from the data section unless set: only a value of their own is the user's
@@ -1036,9 +1027,6 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"trainer.max_critic_ckpt_to_keep=null: the critic is saved in the actor's checkpoints, so the "
                      f"last {actor_keep} are kept (trainer.max_actor_ckpt_to_keep; verl would keep every critic "
                      "checkpoint)")
-    if cfg.data.dataloader_num_workers != DataConfig.dataloader_num_workers:
-        notes.append(f"data.dataloader_num_workers={cfg.data.dataloader_num_workers} has no effect: meshppo tokenizes "
-                     "the prompts once at load, there is no loader worker")
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
