@@ -4,13 +4,24 @@ Layout under `trainer.default_local_dir/checkpoints/`:
 
     global_step_K/
         actor/            model + optimizer, sharded (torch.distributed.checkpoint)
+            huggingface/  the full weights, config and tokenizer (with 'hf_model', below)
         critic/           the same, when there is a critic
         trainer_state.json  the step, world size, the actor's shape and the run's resolved config
-                            (to refuse a checkpoint of another model or another run), and the
-                            `state_dict()` of every registered `Stateful` under its name
-                            (trainer counters, data loader, LR schedulers, KL coefficients, guard)
+                            (to refuse a checkpoint of another model or another run), what each
+                            model's directory holds (`contents`), and the `state_dict()` of every
+                            registered `Stateful` under its name (trainer counters, data loader,
+                            LR schedulers, KL coefficients, guard)
         rng/rank_R.pt       every rank's RNG states: plain tensors and numbers only
     latest_checkpointed_iteration.txt   (verl's name) the newest complete step
+
+What a model's part holds is verl's `checkpoint.save_contents` of its section
+(`actor_rollout_ref.actor`, `critic`): 'model' the sharded weights, 'optimizer' its state
+beside them, 'extra' its LR scheduler (the actor's also the RNG files), 'hf_model' the
+`huggingface/` directory, written by rank 0 from parameters gathered one at a time. The step,
+data position, KL coefficients and guard are always saved, as verl's trainer always saves its
+step and data loader. A resume loads what `checkpoint.load_contents` lists, as verl does, and
+says what it leaves fresh; a listed item that the checkpoint lacks is refused before anything
+is loaded ('hf_model' loads nothing: the weights come from 'model').
 
 A checkpoint is written into `global_step_K.tmp/` and renamed once every rank has finished,
 and only then does the `latest` file move (os.replace): a save interrupted at any point
@@ -49,7 +60,7 @@ import torch.distributed as dist
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
-from trainer.config import PPOConfig
+from trainer.config import CHECKPOINT_CONTENTS, PPOConfig
 from trainer.configlib import iter_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
@@ -91,6 +102,8 @@ SAME_RUN_OPTIONS = (
 )
 NOT_SAME_RUN_OPTIONS = (
     "data.val_files",
+    "actor_rollout_ref.actor.checkpoint",
+    "critic.checkpoint",
     "data.val_batch_size",
     "data.return_raw_chat",
     "data.reward_fn_key",
@@ -133,6 +146,15 @@ NOT_SAME_RUN_OPTIONS = (
     "reward_model.rollout",
     "reward_model.sandbox_fusion",
 )
+
+# The config section of each model a checkpoint holds (its `checkpoint` options).
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "critic": "critic"}
+# What a checkpoint written before `checkpoint.save_contents` existed holds of each model.
+LEGACY_CONTENTS = ["model", "optimizer", "extra"]
+# What a resume leaves fresh when load_contents omits an item.
+FRESH = {"model": "weights from its model path", "optimizer": "empty optimizer state",
+         "extra": "LR schedule from its start"}
+
 
 # An option's older name, whose value a resolved config moves to it (`optim.warmup_style` above is
 # always null then): a checkpoint written before the newer name existed ran with the older one's.
@@ -242,18 +264,34 @@ class Stateful(Protocol):
 class CheckpointManager:
     """Saves and restores what is registered with it.
 
-    `states`: JSON-able `Stateful`s by name; `models`: `(model, optimizer)` pairs by name,
-    written sharded. A KL-guard rollback (`keep_progress`) restores only the models and the
-    states named in `learned`: the step counter, data position, guard and RNG move on."""
+    `states`: JSON-able `Stateful`s by name; `models`: `(model, optimizer)` pairs by name
+    (`ROLE_KEYS`), written sharded; `extras`: the states that are a model's 'extra' (state
+    name: model name), saved and loaded with it; the RNG files are the actor's 'extra'.
+    `tokenizer` and `base_model` (the actor's model path) go into an 'hf_model' export. A
+    KL-guard rollback (`keep_progress`) restores only the models and the states named in
+    `learned`: the step counter, data position, guard and RNG move on."""
 
     def __init__(self, root: str, *, states: dict[str, Stateful] | None = None,
-                 models: dict[str, tuple] | None = None, learned: tuple[str, ...] = (), fingerprint: dict | None = None,
-                 config: PPOConfig | None = None, rank: int = 0, world_size: int = 1, keep: int | None = None,
-                 log: Callable[[str], None] = print):
+                 models: dict[str, tuple] | None = None, extras: dict[str, str] | None = None,
+                 learned: tuple[str, ...] = (), fingerprint: dict | None = None, config: PPOConfig | None = None,
+                 tokenizer=None, base_model: str | None = None, rank: int = 0, world_size: int = 1,
+                 keep: int | None = None, log: Callable[[str], None] = print):
         self.root, self.states, self.models, self.learned = root, states or {}, models or {}, learned
+        self.extras, self.tokenizer, self.base_model = extras or {}, tokenizer, base_model
         self.fingerprint, self.config, self.keep, self.log = fingerprint, config, keep, log
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self.saved_step: int | None = None  # the step whose checkpoint in `root` holds this run's state
+
+    def contents(self, name: str, which: str) -> list[str]:
+        """Model `name`'s `save_contents` or `load_contents` (`which`)."""
+        section = self.config
+        for part in ROLE_KEYS[name].split("."):
+            section = getattr(section, part)
+        return getattr(section.checkpoint, which)
+
+    def _state_kept(self, name: str, which: str) -> bool:
+        """Whether state `name` is saved / loaded (`which`): a model's 'extra' only when listed."""
+        return name not in self.extras or "extra" in self.contents(self.extras[name], which)
 
     # --------------------------------------------------------------- discovery
     def step_dir(self, step: int) -> str:
@@ -289,15 +327,24 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         _barrier()
+        contents = {}
         for k, (name, (model, optimizer)) in enumerate(self.models.items()):
-            save_checkpoint(os.path.join(tmp, name), model, optimizer)
+            items = self.contents(name, "save_contents")
+            contents[name] = [i for i in CHECKPOINT_CONTENTS if i in items]
+            if "model" in items:
+                save_checkpoint(os.path.join(tmp, name), model, optimizer if "optimizer" in items else None)
             if k == 0:
                 faults.crash_in_save(step, self.rank)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+            if "hf_model" in items:
+                export_hf(model, model.args, self.tokenizer, os.path.join(tmp, name, "huggingface"), self.is_main,
+                          base_model=self.base_model if name == "actor" else None)
+        if "extra" in self.contents("actor", "save_contents"):
+            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
         if self.is_main:
             state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,
-                     "config": dataclasses.asdict(self.config)}
-            state.update({name: s.state_dict() for name, s in self.states.items()})
+                     "config": dataclasses.asdict(self.config), "contents": contents}
+            state.update({name: s.state_dict() for name, s in self.states.items()
+                          if self._state_kept(name, "save_contents")})
             # The trainer state is written last: its presence marks a complete checkpoint.
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
@@ -336,7 +383,8 @@ class CheckpointManager:
         of replaying the batches that led to the rollback."""
         # Everything read from files is checked before any model or optimizer changes.
         state = read_trainer_state(path)
-        missing = [name for name in self.states if name not in state]
+        # (a model's 'extra' states: checked with its contents below)
+        missing = [name for name in self.states if name not in state and name not in self.extras]
         if missing:
             raise UserError(f"checkpoint {path!r} has no {missing} state: it was written by an older meshppo (see "
                             "the README); start a fresh run (trainer.resume_mode=disable or another "
@@ -351,22 +399,39 @@ class CheckpointManager:
                             "cannot continue under these. Start a new run in another trainer.default_local_dir, or "
                             f"start {os.path.dirname(self.root)!r} over with trainer.resume_mode=disable (this "
                             "deletes its checkpoints and metrics)")
+        # written before `contents` existed: every model directory there holds all but 'hf_model'
+        saved = state.get("contents") or {name: LEGACY_CONTENTS for name in self.models
+                                          if os.path.isdir(os.path.join(path, name))}
+        fresh = []
+        for name in self.models:
+            if name not in saved:
+                raise UserError(f"checkpoint {path!r} has no {name} but this run trains one (algorithm.adv_estimator)")
+            wanted, key = self.contents(name, "load_contents"), f"{ROLE_KEYS[name]}.checkpoint"
+            for item in ("model", "optimizer", "extra"):
+                if item in wanted and item not in saved[name]:
+                    raise UserError(f"checkpoint {path!r} has no {name} {item!r} (it holds {saved[name]}, the "
+                                    f"save_contents of the run that wrote it): drop {item!r} from "
+                                    f"{key}.load_contents to start it fresh, or resume another checkpoint")
+                if item not in wanted:
+                    fresh.append(f"{name} {item} ({FRESH[item]})")
+        load_rng = not keep_progress and "extra" in self.contents("actor", "load_contents")
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
-        rng = read_rng_state(rng_file) if not keep_progress and same_world and os.path.isfile(rng_file) else None
-        for name in self.models:
-            if not os.path.isdir(os.path.join(path, name)):
-                raise UserError(f"checkpoint {path!r} has no {name} but this run trains one (algorithm.adv_estimator)")
+        rng = read_rng_state(rng_file) if load_rng and same_world and os.path.isfile(rng_file) else None
         try:
             for name, (model, optimizer) in self.models.items():
-                load_checkpoint(os.path.join(path, name), model, optimizer)
+                wanted = self.contents(name, "load_contents")
+                if "model" in wanted:
+                    load_checkpoint(os.path.join(path, name), model, optimizer if "optimizer" in wanted else None)
         except UnsafeCheckpointError as e:
             raise UserError(str(e)) from None
         for name, s in self.states.items():
-            if name in self.learned or not keep_progress:
+            if (name in self.learned or not keep_progress) and self._state_kept(name, "load_contents"):
                 s.load_state_dict(state[name])
         if rng is not None:
             _set_rng_state(rng)
+        if fresh:
+            self.log(f"checkpoint {path}: not loaded (checkpoint.load_contents), starting fresh: {'; '.join(fresh)}")
         if not keep_progress and os.path.abspath(path) == os.path.abspath(self.step_dir(state["global_step"])):
             self.saved_step = state["global_step"]
 
@@ -405,13 +470,12 @@ class CheckpointManager:
 
 def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter_dir: str | None = None,
               base_model: str | None = None) -> None:
-    """Write `model` as a Hugging Face directory (rank 0 writes; all ranks gather). A LoRA model
-    is written with its adapters merged into the weights, and its adapters alone as the peft
-    adapter directory `adapter_dir` (`base_model`: the adapter's `base_model_name_or_path`). The
-    base checkpoint's `generation_config.json` (its EOS ids, sampling defaults) comes along."""
+    """Write `model` (a policy or value model) as a Hugging Face directory (rank 0 writes; all
+    ranks gather). A LoRA model is written with its adapters merged into the weights, and with
+    `adapter_dir` its adapters alone as a peft adapter directory there (`base_model`: the
+    adapter's `base_model_name_or_path`). The base checkpoint's `generation_config.json` (its EOS
+    ids, sampling defaults) comes along."""
     lora = getattr(model, "lora_config", None)
-    if lora is not None and adapter_dir is None:
-        raise ValueError("export_hf: a LoRA model needs adapter_dir for its peft adapter")
     full = gather_full_state_dict(model)
     if is_main:
         from models import Transformer
@@ -419,9 +483,10 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
         if lora is not None:
             adapters = {k: v for k, v in full.items() if is_lora_name(k)}
             full = merged_state_dict(full, lora.scaling)
-            _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
+            if adapter_dir is not None:
+                _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
         with torch.device("meta"):
-            shell = Transformer(model_args)
+            shell = Transformer(model_args, head=model.head)
 
         def write(tmp):
             shell.save_pretrained(tmp, state_dict=full)

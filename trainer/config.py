@@ -203,6 +203,53 @@ _ACTIVATION_OFFLOAD_HELP = ("keep each block's saved activations in pinned host 
                            "copied on side streams; with gradient checkpointing only the block inputs move")
 
 
+# What a checkpoint of the actor or critic may hold (verl's CheckpointConfig items).
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+_DEFAULT_CHECKPOINT_CONTENTS = ["model", "optimizer", "extra"]
+
+
+@dataclass
+class CheckpointConfig:
+    """verl's `checkpoint` section of the actor and the critic (`trainer.checkpointing` reads it)."""
+
+    save_contents: list[str] = opt(
+        default_factory=lambda: list(_DEFAULT_CHECKPOINT_CONTENTS),
+        help="what each checkpoint holds of this model: model (sharded weights), optimizer (its state; needs "
+             "model), extra (LR scheduler; the actor's also every rank's RNG), hf_model (a Hugging Face directory "
+             "of the full weights, config and tokenizer in the checkpoint's <role>/huggingface/). The step, data "
+             "position, KL coefficients and KL guard are always saved")
+    load_contents: list[str] | None = opt(
+        None, "what a resume loads of this model; the rest starts fresh: without model the weights of the model "
+              "path, without optimizer an empty optimizer state, without extra a new LR schedule (and RNG). hf_model "
+              "loads nothing (as in verl). An item the checkpoint lacks is an error. null: save_contents (verl's "
+              "${.save_contents})")
+    async_save: bool = opt(False, "not supported: must be false (verl implements it for Megatron only; meshppo "
+                                  "writes a checkpoint before the run goes on, so that it is complete and published "
+                                  "when the step ends)")
+
+    def __post_init__(self):
+        if self.load_contents is None:
+            self.load_contents = list(self.save_contents)
+
+
+def _check_checkpoint(key: str, c: CheckpointConfig) -> None:
+    """The items of `key`.checkpoint (verl's names), refused before any work starts."""
+    for name in ("save_contents", "load_contents"):
+        items = getattr(c, name)
+        unknown = [i for i in items if i not in CHECKPOINT_CONTENTS]
+        if unknown:
+            raise ConfigError(f"{key}.checkpoint.{name}: unknown item {unknown[0]!r}; allowed: "
+                              f"{', '.join(CHECKPOINT_CONTENTS)}")
+        if "optimizer" in items and "model" not in items:
+            raise ConfigError(f"{key}.checkpoint.{name}={items}: 'optimizer' needs 'model' (meshppo keeps the "
+                              "optimizer state with the weights it was computed for; Adam moments without them do "
+                              "not resume anything)")
+    if c.async_save:
+        raise ConfigError(f"{key}.checkpoint.async_save=True is not supported by meshppo: verl implements it for "
+                          "Megatron only, and meshppo writes each checkpoint before the run goes on (complete and "
+                          "published when the step ends); set it to false")
+
+
 @dataclass
 class FusedKernelOptions:
     impl_backend: str = opt("torch", "verl: the fused kernels' implementation (with use_fused_kernels)",
@@ -360,9 +407,11 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "what the actor's checkpoints hold and a resume loads")
 
     def __post_init__(self):
         _resolve_grad_clip("actor_rollout_ref.actor", self)
+        _check_checkpoint("actor_rollout_ref.actor", self.checkpoint)
 
 
 @dataclass
@@ -558,9 +607,12 @@ class CriticConfig:
                                     choices=(*LOSS_AGG_MODES, None))
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "what the critic's checkpoints hold and a resume loads "
+                                                             "(saved with the actor's, in the same step directory)")
 
     def __post_init__(self):
         _resolve_grad_clip("critic", self)
+        _check_checkpoint("critic", self.checkpoint)
 
 
 @dataclass
@@ -1299,6 +1351,16 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         raise ConfigError(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: "
                           "verl redraws the batch for gae only (with another estimator it does nothing); use gae")
+    guard = cfg.algorithm.kl_guard
+    if guard.enable and "rollback" in (guard.warn_action, guard.explode_action):
+        roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.checkpoint)]
+        roles += [("critic", cfg.critic.checkpoint)] if cfg.uses_critic else []
+        for key, c in roles:
+            lists = [name for name in ("save_contents", "load_contents") if "model" not in getattr(c, name)]
+            if lists:
+                raise ConfigError(f"algorithm.kl_guard's rollback reloads the models of the last checkpoint, but "
+                                  f"{' and '.join(f'{key}.checkpoint.{n}' for n in lists)} lack 'model': add it, or "
+                                  "choose another kl_guard action")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":

@@ -176,8 +176,10 @@ class PPOTrainer:
             models["critic"] = (m.critic, m.critic_optim)
         self.ckpt = CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"), states=states, models=models,
-            learned=("kl", "actor_sched", "critic_sched"), fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None},
-            config=cfg, rank=ctx.rank, world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
+            extras={"actor_sched": "actor", "critic_sched": "critic"}, learned=("kl", "actor_sched", "critic_sched"),
+            fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None}, config=cfg,
+            tokenizer=self.tokenizer, base_model=cfg.actor_rollout_ref.model.path, rank=ctx.rank,
+            world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
