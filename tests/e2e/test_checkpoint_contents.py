@@ -1,0 +1,171 @@
+"""verl's `checkpoint.save_contents` / `load_contents` of the actor and the critic: which files a
+checkpoint holds, the `hf_model` export against the sharded weights (and transformers), and a
+resume that leaves the optimizer fresh (world size 1, the untrained tiny model)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.dist_utils import run_distributed
+from tests.e2e.conftest import ROOT, checkpoint_keys
+from tests.e2e.test_resume import BASE, LENGTH_REWARD
+from trainer import cli
+
+DEMO = os.path.join(ROOT, "configs", "demo.yaml")
+ACTOR, CRITIC = "actor_rollout_ref.actor.checkpoint", "critic.checkpoint"
+
+
+def _overrides(assets, run, *extra):
+    return [f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
+            f"actor_rollout_ref.model.path={assets}/sft_model", f"trainer.default_local_dir={run}",
+            "trainer.logger=[jsonl]", *BASE, f"custom_reward_function.path={run.parent.parent / 'reward.py'}", *extra]
+
+
+def _main(assets, run, capsys, *extra):
+    # the reward file is part of what makes the run: one per test's root, shared by its copies
+    (run.parent.parent / "reward.py").write_text(LENGTH_REWARD)
+    code = cli.main(["--config", DEMO, *_overrides(assets, run, *extra)])
+    return code, capsys.readouterr().err
+
+
+def _dcp_model(ckpt_dir) -> dict[str, torch.Tensor]:
+    """The weights of a sharded checkpoint, read without a process group (torch's DCP converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt_dir.parent / f"{ckpt_dir.name}.pt"
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    return torch.load(out, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def gae_run(tiny_assets, tmp_path_factory):
+    """One GAE step whose actor checkpoint has no optimizer and an HF export, and whose critic's
+    has its optimizer and an HF export but no extra (its LR scheduler)."""
+
+    root = tmp_path_factory.mktemp("contents")
+    (root / "reward.py").write_text(LENGTH_REWARD)
+    run = root / "gae" / "run"
+    code = cli.main(["--config", DEMO, *_overrides(tiny_assets, run, "algorithm.adv_estimator=gae",
+                                                   "trainer.total_training_steps=1", "critic.ppo_mini_batch_size=16",
+                                                   f"{ACTOR}.save_contents=['model','extra','hf_model']",
+                                                   f"{CRITIC}.save_contents=[model,optimizer,hf_model]")])
+    assert code == 0
+    return run
+
+
+def test_save_contents_decide_what_each_checkpoint_holds(gae_run):
+    step = gae_run / "checkpoints" / "global_step_1"
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["contents"] == {"actor": ["model", "extra", "hf_model"], "critic": ["model", "optimizer", "hf_model"]}
+    actor_keys, critic_keys = checkpoint_keys(step / "actor"), checkpoint_keys(step / "critic")
+    assert any(k.startswith("model.") for k in actor_keys) and not any(k.startswith("optim.") for k in actor_keys)
+    assert any(k.startswith("optim.") for k in critic_keys)
+    # the actor's extra: its LR scheduler and the RNG files; the critic's scheduler is not saved
+    assert "actor_sched" in state and "critic_sched" not in state and (step / "rng" / "rank_0.pt").is_file()
+    # always saved: the run's position
+    assert state["trainer"]["global_step"] == 1 and state["loader"]["position"] == 16 and "kl" in state
+    for role in ("actor", "critic"):
+        hf = step / role / "huggingface"
+        assert (hf / "config.json").is_file() and (hf / "model.safetensors").is_file(), sorted(os.listdir(hf))
+        assert (hf / "tokenizer_config.json").is_file()
+    assert json.loads((step / "critic" / "huggingface" / "config.json").read_text())["architectures"][0].endswith(
+        "ForTokenClassification")
+
+
+def test_the_hf_export_is_the_trained_model(gae_run, tiny_assets):
+    """The `hf_model` directory holds exactly the sharded checkpoint's weights (which moved away
+    from the starting model), and transformers computes the meshppo model's logits from it."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from models import Transformer, load_model_args
+    from models.checkpoint import hf_key_to_meshppo
+
+    step = gae_run / "checkpoints" / "global_step_1"
+    start = {hf_key_to_meshppo(k): v for k, v in load_file(tiny_assets / "sft_model" / "model.safetensors").items()}
+    for role in ("actor", "critic"):
+        sharded = _dcp_model(step / role)
+        exported = {hf_key_to_meshppo(k): v for k, v in load_file(step / role / "huggingface" / "model.safetensors").items()}
+        assert exported.keys() == sharded.keys()
+        for k in sharded:  # a copy: bit for bit
+            assert torch.equal(exported[k], sharded[k]), (role, k)
+        assert any(not torch.equal(sharded[k], start[k]) for k in sharded if k in start), role
+
+    hf_dir = step / "actor" / "huggingface"
+    ours = Transformer(load_model_args(hf_dir))
+    ours.load_state_dict(_dcp_model(step / "actor"))
+    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours_logits, their_logits = ours(ids), theirs(ids).logits
+    # float32 on CPU: the two implementations differ by rounding (~1e-6); logits are O(1)
+    assert (ours_logits - their_logits).abs().max() < 1e-4
+    assert ours_logits.abs().max() > 1e-2
+    critic = AutoModelForTokenClassification.from_pretrained(step / "critic" / "huggingface", torch_dtype=torch.float32)
+    assert critic.config.num_labels == 1
+
+
+def test_a_missing_load_item_is_refused_naming_the_checkpoint(gae_run, tiny_assets, capsys):
+    import shutil
+
+    run = gae_run.parent.parent / "copy" / "run"
+    shutil.copytree(gae_run, run)
+    same = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=16", "trainer.total_training_steps=2"]
+    step = run / "checkpoints" / "global_step_1"
+    before = (step / "trainer_state.json").read_text()
+    # load_contents defaults to save_contents, and this run asks for the actor's optimizer
+    code, err = _main(tiny_assets, run, capsys, *same)
+    assert code == 1
+    assert (f"meshppo: error (rank 0): checkpoint '{step}' has no actor 'optimizer' (it holds ['model', 'extra', "
+            f"'hf_model'], the save_contents of the run that wrote it): drop 'optimizer' from {ACTOR}.load_contents") in err
+    assert (step / "trainer_state.json").read_text() == before
+    code, err = _main(tiny_assets, run, capsys, *same, f"{ACTOR}.load_contents=[model,extra]",
+                      f"{CRITIC}.load_contents=[model,optimizer,extra]")
+    assert code == 1 and f"checkpoint '{step}' has no critic 'extra'" in err and f"{CRITIC}.load_contents" in err
+    # what the checkpoint holds, and hf_model (an export, nothing to load): the run continues
+    code, err = _main(tiny_assets, run, capsys, *same, f"{ACTOR}.load_contents=[model,extra,hf_model]",
+                      f"{CRITIC}.save_contents=[model,optimizer,hf_model]")
+    assert code == 0, err
+    assert (f"checkpoint {step}: not loaded (checkpoint.load_contents), starting fresh: actor optimizer (empty "
+            "optimizer state); critic extra (LR schedule from its start)") in err
+    assert "global_step_2" in os.listdir(run / "checkpoints")
+
+
+def _resume_body(rank, world_size, overrides, load_contents, saved_dir):
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(PPOConfig, DEMO, [*overrides, f"{ACTOR}.load_contents={load_contents}"])
+    trainer = PPOTrainer(cfg, init_distributed("cpu"))
+    m, logs = trainer.models, []
+    trainer.ckpt.log = logs.append
+    assert trainer.ckpt.maybe_resume("auto") == saved_dir
+    assert trainer.global_step == 1 and m.actor_sched.last_epoch == 1
+    from pathlib import Path
+
+    saved = _dcp_model(Path(saved_dir) / "actor")
+    for name, p in m.actor.named_parameters():
+        assert torch.equal(p.to_local().detach(), saved[name]), name
+    states = list(m.actor_optim.state.values())
+    if "optimizer" in load_contents:
+        assert states and all(int(s["step"]) == 1 for s in states) and not logs
+    else:  # as built: no moments, the first step will be AdamW's first
+        assert not states
+        assert logs == [f"checkpoint {saved_dir}: not loaded (checkpoint.load_contents), starting fresh: actor "
+                        "optimizer (empty optimizer state)"]
+
+
+@pytest.mark.parametrize("load_contents", ["[model,extra]", "[model,optimizer,extra]"])
+def test_resume_without_optimizer_starts_it_fresh(tiny_assets, tmp_path, capsys, load_contents):
+    run = tmp_path / "default" / "run"
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=1")
+    assert code == 0, err
+    step = run / "checkpoints" / "global_step_1"
+    assert any(k.startswith("optim.") for k in checkpoint_keys(step / "actor"))
+    assert not (step / "actor" / "huggingface").exists()  # default save_contents: no export
+    run_distributed(_resume_body, 1, _overrides(tiny_assets, run, "trainer.total_training_steps=2"), load_contents,
+                    str(step), timeout=600)
