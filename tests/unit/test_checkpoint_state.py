@@ -55,7 +55,9 @@ def test_what_makes_the_same_run():
               "actor_rollout_ref.actor.optim.total_training_steps", "actor_rollout_ref.rollout.tensor_model_parallel_size",
               "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.val_kwargs.temperature",
               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
-              "actor_rollout_ref.rollout.prompt_length"):  # only the default of max_model_len
+              "actor_rollout_ref.rollout.prompt_length",  # only the default of max_model_len
+              "actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents",
+              "critic.checkpoint.save_contents", "critic.checkpoint.load_contents"):
         assert k in ALL_KEYS and k not in keys, k
 
 

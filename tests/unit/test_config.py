@@ -499,6 +499,44 @@ def test_refused_settings_that_would_waste_or_break_a_run():
     validate(_cfg("algorithm.kl_ctrl.horizon=51"))  # no KL in reward: the controller does not run
 
 
+def test_checkpoint_contents_are_verls_items():
+    actor, critic = "actor_rollout_ref.actor.checkpoint", "critic.checkpoint"
+    cfg = _cfg()  # verl's defaults, and load_contents follows save_contents (verl's ${.save_contents})
+    for c in (cfg.actor_rollout_ref.actor.checkpoint, cfg.critic.checkpoint):
+        assert c.save_contents == c.load_contents == ["model", "optimizer", "extra"] and not c.async_save
+    # as verl's example scripts write it (a quoted Python list), and each section on its own
+    cfg = _cfg(f"{actor}.save_contents=['model','optimizer','extra','hf_model']", f"{critic}.save_contents=[model]")
+    assert cfg.actor_rollout_ref.actor.checkpoint.load_contents == ["model", "optimizer", "extra", "hf_model"]
+    assert cfg.critic.checkpoint.load_contents == ["model"]
+    c = _cfg(f"{actor}.save_contents=[hf_model]", f"{actor}.load_contents=[model,extra]").actor_rollout_ref.actor
+    assert (c.checkpoint.save_contents, c.checkpoint.load_contents) == (["hf_model"], ["model", "extra"])
+    assert _cfg(f"{actor}.load_contents=[]").actor_rollout_ref.actor.checkpoint.load_contents == []
+    with pytest.raises(ConfigError, match=rf"^{actor}.save_contents: unknown item 'weights'; allowed: model, "
+                                          "optimizer, extra, hf_model$"):
+        _cfg(f"{actor}.save_contents=[model,weights]")
+    with pytest.raises(ConfigError, match=rf"^{critic}.load_contents: unknown item 'hf'; allowed: model, "):
+        _cfg(f"{critic}.load_contents=[hf]")
+    with pytest.raises(ConfigError, match=rf"^{critic}.save_contents=\['optimizer', 'extra'\]: 'optimizer' needs "
+                                          "'model'"):
+        _cfg(f"{critic}.save_contents=[optimizer,extra]")
+    with pytest.raises(ConfigError, match=rf"^{actor}.load_contents=\['optimizer'\]: 'optimizer' needs 'model'"):
+        _cfg(f"{actor}.load_contents=[optimizer]")
+    with pytest.raises(ConfigError, match=rf"^{actor}.async_save=True is not supported by meshppo: verl implements "
+                                          "it for Megatron only"):
+        _cfg(f"{actor}.async_save=true")
+    _cfg(f"{critic}.async_save=false")
+    # a KL-guard rollback reloads the models: their checkpoints must hold them and a resume load them
+    rollback = ["algorithm.kl_guard.explode_action=rollback"]
+    validate(_cfg(*rollback))
+    with pytest.raises(ConfigError, match=rf"rollback reloads the models of the last checkpoint, but {actor}."
+                                          "save_contents and {actor}.load_contents lack 'model'".replace("{actor}", actor)):
+        validate(_cfg(*rollback, f"{actor}.save_contents=[hf_model]"))
+    with pytest.raises(ConfigError, match=rf"but {critic}.load_contents lack 'model'"):
+        validate(_cfg(*rollback, "algorithm.adv_estimator=gae", f"{critic}.load_contents=[extra]"))
+    validate(_cfg(*rollback, f"{critic}.load_contents=[extra]"))  # no critic in a GRPO run
+    validate(_cfg(f"{actor}.save_contents=[hf_model]"))  # no rollback: an export-only checkpoint is fine
+
+
 def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, capsys):
     from trainer import launch
     from trainer.configlib import read_yaml
