@@ -323,9 +323,10 @@ class CheckpointManager:
     # --------------------------------------------------------------- save
     def save(self, step: int) -> str:
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
+        rng = "extra" in self.contents("actor", "save_contents")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+            os.makedirs(os.path.join(tmp, "rng") if rng else tmp, exist_ok=True)
         _barrier()
         contents = {}
         for k, (name, (model, optimizer)) in enumerate(self.models.items()):
@@ -338,7 +339,7 @@ class CheckpointManager:
             if "hf_model" in items:
                 export_hf(model, model.args, self.tokenizer, os.path.join(tmp, name, "huggingface"), self.is_main,
                           base_model=self.base_model if name == "actor" else None)
-        if "extra" in self.contents("actor", "save_contents"):
+        if rng:
             torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
         if self.is_main:
             state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,

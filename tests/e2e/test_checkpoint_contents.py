@@ -169,3 +169,46 @@ def test_resume_without_optimizer_starts_it_fresh(tiny_assets, tmp_path, capsys,
     assert not (step / "actor" / "huggingface").exists()  # default save_contents: no export
     run_distributed(_resume_body, 1, _overrides(tiny_assets, run, "trainer.total_training_steps=2"), load_contents,
                     str(step), timeout=600)
+
+
+def _sharded_export_body(rank, world_size, assets, root):
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import hf_key_to_meshppo
+    from sharding.checkpoint import gather_full_state_dict
+    from tests.e2e.conftest import demo_trainer
+    from tests.e2e.test_lora_trainer import COMMON, LORA
+
+    trainer = demo_trainer(assets, f"{root}/run", f"{root}/reward.py", *COMMON, *LORA, "algorithm.adv_estimator=gae",
+                           f"{ACTOR}.save_contents=[model,hf_model]", f"{CRITIC}.save_contents=[hf_model]")
+    m = trainer.models
+    trainer.step()
+    step = trainer.ckpt.save(1)
+    critic_full = gather_full_state_dict(m.critic)
+    ids = torch.randint(0, m.actor_args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = m.actor(ids)  # the trained LoRA actor, sharded over both ranks, adapters on
+    if rank == 0:
+        assert sorted(os.listdir(step)) == ["actor", "critic", "trainer_state.json"]  # no extra: no rng/
+        assert sorted(os.listdir(f"{step}/critic")) == ["huggingface"]  # only the export
+        exported = load_file(f"{step}/critic/huggingface/model.safetensors")
+        assert {hf_key_to_meshppo(k) for k in exported} == set(critic_full)
+        for k, v in exported.items():
+            assert torch.equal(v, critic_full[hf_key_to_meshppo(k)]), k
+        # the actor's export: its adapters merged into the weights, as transformers computes it
+        theirs = AutoModelForCausalLM.from_pretrained(f"{step}/actor/huggingface", torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            their_logits = theirs(ids).logits
+        assert (ours - their_logits).abs().max() < 1e-4, (ours - their_logits).abs().max()
+        # which the base model's logits are far from: the trained adapters are in the export
+        base = AutoModelForCausalLM.from_pretrained(f"{assets}/sft_model", torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            gap = (base(ids).logits - their_logits).abs().max()
+        assert gap > 1e-2, gap
+
+
+def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path):
+    """Two ranks: the critic's export is its gathered weights bit for bit (and the checkpoint holds
+    nothing else of it), the LoRA actor's export computes the sharded actor's logits."""
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    run_distributed(_sharded_export_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
