@@ -414,7 +414,8 @@ class CheckpointManager:
                                     f"save_contents of the run that wrote it): drop {item!r} from "
                                     f"{key}.load_contents to start it fresh, or resume another checkpoint")
                 if item not in wanted:
-                    fresh.append(f"{name} {item} ({FRESH[item]})")
+                    rng = ", RNG as seeded" if (name, item) == ("actor", "extra") else ""
+                    fresh.append(f"{name} {item} ({FRESH[item]}{rng})")
         load_rng = not keep_progress and "extra" in self.contents("actor", "load_contents")
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size

@@ -167,6 +167,10 @@ def test_resume_without_optimizer_starts_it_fresh(tiny_assets, tmp_path, capsys,
     step = run / "checkpoints" / "global_step_1"
     assert any(k.startswith("optim.") for k in checkpoint_keys(step / "actor"))
     assert not (step / "actor" / "huggingface").exists()  # default save_contents: no export
+    if "optimizer" in load_contents:  # as a checkpoint from before save_contents existed: all of it loads
+        state = json.loads((step / "trainer_state.json").read_text())
+        assert state.pop("contents") == {"actor": ["model", "optimizer", "extra"]}
+        (step / "trainer_state.json").write_text(json.dumps(state))
     run_distributed(_resume_body, 1, _overrides(tiny_assets, run, "trainer.total_training_steps=2"), load_contents,
                     str(step), timeout=600)
 
