@@ -61,7 +61,7 @@ import torch.distributed as dist
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
 from trainer.config import CHECKPOINT_CONTENTS, PPOConfig
-from trainer.configlib import iter_options
+from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
     UnsafeCheckpointError,
@@ -134,17 +134,8 @@ NOT_SAME_RUN_OPTIONS = (
     "reward_model.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu",
     "reward_model.model.fsdp_config",
-    "reward_model.model.use_shm",
     "reward_model.model.use_remove_padding",
-    "reward_model.model.use_fused_kernels",
     "reward_model.strategy",
-    "reward_model.n_gpus_per_node",
-    "reward_model.nnodes",
-    "reward_model.use_reward_loop",
-    "reward_model.num_workers",
-    "reward_model.launch_reward_fn_async",
-    "reward_model.rollout",
-    "reward_model.sandbox_fusion",
 )
 
 # The config section of each model a checkpoint holds (its `checkpoint` options).
@@ -173,8 +164,9 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def same_run_keys() -> list[tuple[str, object]]:
     """`(dotted key, default)` of every option that must match for a checkpoint to resume."""
+    inert = no_effect_options(PPOConfig)  # options that change nothing never block a resume
     return [(key, default) for key, _, default, _ in iter_options(PPOConfig)
-            if _under(key, SAME_RUN_OPTIONS) and not _under(key, NOT_SAME_RUN_OPTIONS)]
+            if _under(key, SAME_RUN_OPTIONS) and not _under(key, NOT_SAME_RUN_OPTIONS) and key not in inert]
 
 
 def _lookup(tree: dict, key: str, default):

@@ -660,8 +660,8 @@ class DAPORewardKwargs:
 class SandboxFusionConfig:
     url: str | None = opt(None, "not supported: meshppo's rewards are computed in-process (a custom reward function "
                                 "may call such a service itself)", unsupported=lambda v: v is not None)
-    max_concurrent: int = opt(64, "read only with url", ge=1)
-    memory_limit_mb: int = opt(1024, "read only with url", ge=1)
+    max_concurrent: int = opt(64, "verl: the service's concurrent calls", ge=1, no_effect="read only with url")
+    memory_limit_mb: int = opt(1024, "verl: the service's memory limit", ge=1, no_effect="read only with url")
 
 
 # verl's default of reward_model.model.input_tokenizer, an interpolation of the actor's model path
@@ -684,9 +684,10 @@ class RewardModelModelConfig:
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
     override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
                                 unsupported=lambda v: bool(v))
-    use_shm: bool = opt(False, "no effect: the weights are read once at start-up straight from path")
+    use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there",
+                        no_effect="the weights are read once at start-up, memory-mapped where they are")
     use_remove_padding: bool = opt(True, "padding-free packed forwards (same scores either way)")
-    use_fused_kernels: bool = opt(False, "no effect: a reward model has no LM head for verl's fused kernels")
+    use_fused_kernels: bool = opt(False, "verl: fused log-prob kernels", no_effect="a reward model has no LM head")
     fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
 
 
@@ -707,25 +708,26 @@ class RewardModelConfig:
     enable_resource_pool: bool = opt(False, "not supported: the reward model runs on the training ranks, between "
                                             "generation and the update (n_gpus_per_node / nnodes are not read)",
                                      unsupported=bool)
-    n_gpus_per_node: int = opt(8, "verl's separate reward-model pool; read only with enable_resource_pool", ge=0)
-    nnodes: int = opt(0, "verl's separate reward-model pool; read only with enable_resource_pool", ge=0)
-    use_reward_loop: bool = opt(True, "verl's reward-loop workers or its legacy reward-model worker: meshppo scores "
-                                      "in-process either way, as verl's reward model does (max_length applies in "
-                                      "both)")
-    num_workers: int = opt(1, "no effect: verl's reward-loop worker count; meshppo scores on every training rank",
-                           ge=1)
-    launch_reward_fn_async: bool = opt(False, "no effect: the rewards are computed within the step, before the "
-                                              "advantages that read them")
+    n_gpus_per_node: int = opt(8, "verl: GPUs a node of the separate reward-model pool", ge=0,
+                               no_effect="read only with enable_resource_pool")
+    nnodes: int = opt(0, "verl: nodes of the separate reward-model pool", ge=0,
+                      no_effect="read only with enable_resource_pool")
+    use_reward_loop: bool = opt(True, "verl: its reward-loop workers (true) or its legacy reward-model worker",
+                                no_effect="meshppo scores in-process either way (max_length applies in both)")
+    num_workers: int = opt(1, "verl: the reward-loop worker count", ge=1,
+                           no_effect="meshppo scores on every training rank, without reward-loop workers")
+    launch_reward_fn_async: bool = opt(False, "verl: compute the reward function in a background process",
+                                       no_effect="the rewards are computed within the step, before the advantages "
+                                                 "that read them")
     reward_loop_source: str = opt("register", "register only: reward_manager names the manager",
                                   choices=("register", "importlib"), unsupported=lambda v: v != "register")
     reward_loop_module_path: str | None = opt(None, "not supported (reward_loop_source=importlib)",
                                               unsupported=lambda v: v is not None)
     reward_loop_class_name: str | None = opt(None, "not supported (reward_loop_source=importlib)",
                                              unsupported=lambda v: v is not None)
-    rollout: dict = opt(default_factory=dict, help="verl's inference server for the reward model (name, "
-                                                   "tensor_model_parallel_size, gpu_memory_utilization, ...): no "
-                                                   "effect, meshppo's reward model is an FSDP2 forward on the "
-                                                   "training ranks (said at start-up when set)")
+    rollout: dict = opt(default_factory=dict, help="verl: the reward model's inference server (name, "
+                                                   "tensor_model_parallel_size, gpu_memory_utilization, ...)",
+                        no_effect="meshppo runs the reward model as an FSDP2 forward on the training ranks")
     sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
     reward_manager: str = opt("naive", "how the rule reward calls the reward function, as verl's managers do: naive: "
                                        "once per response; dapo: naive plus DAPO's overlong penalty (reward_kwargs); "
@@ -1082,7 +1084,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
-    notes += _reward_manager_notes(cfg) + _reward_model_notes(cfg.reward_model)
+    notes += _reward_manager_notes(cfg)
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:
@@ -1149,22 +1151,6 @@ def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
                 f"the overlong penalty starts at {max_len} - {b.len} = {max_len - b.len} tokens and reaches "
                 f"-{b.penalty_factor:g} at {max_len} tokens, {reach}"]
     return []
-
-
-def _reward_model_notes(rm: RewardModelConfig) -> list[str]:
-    """verl's reward-model options that change nothing in meshppo, when set otherwise than verl's default."""
-    notes = []
-    if rm.rollout:
-        notes.append("reward_model.rollout has no effect: verl serves the reward model from an inference server, "
-                     "meshppo runs it as an FSDP2 forward on the training ranks")
-    why = {"num_workers": "meshppo scores on every training rank, no reward-loop workers",
-           "launch_reward_fn_async": "the rewards are computed within the step",
-           "use_shm": "the weights are read once at start-up straight from the path",
-           "use_fused_kernels": "a reward model has no LM head"}
-    for prefix, part in (("reward_model", rm), ("reward_model.model", rm.model)):
-        for key, value in _non_default(part, [k for k in why if hasattr(part, k)]).items():
-            notes.append(f"{prefix}.{key}={value} has no effect: {why[key]}")
-    return notes
 
 
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",

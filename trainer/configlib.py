@@ -532,6 +532,18 @@ def to_commented_yaml(cfg, indent: int = 0) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def no_effect_options(cls, prefix: str = "") -> set[str]:
+    """The dotted keys of `cls`'s options that change nothing in meshppo (`opt(no_effect=...)`)."""
+    inst, out = cls(), set()
+    for f in fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if is_dataclass(getattr(inst, f.name)):
+            out |= no_effect_options(type(getattr(inst, f.name)), key)
+        elif f.metadata.get("no_effect"):
+            out.add(key)
+    return out
+
+
 def iter_options(cls, prefix: str = ""):
     """Yield `(dotted_key, type_name, default, help)` for every leaf option (for docs)."""
     hints = typing.get_type_hints(cls)

@@ -57,7 +57,10 @@ def test_what_makes_the_same_run():
               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
               "actor_rollout_ref.rollout.prompt_length",  # only the default of max_model_len
               "actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents",
-              "critic.checkpoint.save_contents", "critic.checkpoint.load_contents"):
+              "critic.checkpoint.save_contents", "critic.checkpoint.load_contents",
+              # options that change nothing (opt no_effect=), inside sections that must match
+              "actor_rollout_ref.actor.entropy_checkpointing", "actor_rollout_ref.actor.entropy_from_logits_with_chunking",
+              "reward_model.num_workers", "reward_model.rollout", "reward_model.model.use_shm"):
         assert k in ALL_KEYS and k not in keys, k
 
 

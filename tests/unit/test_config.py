@@ -449,10 +449,11 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
     assert cfg.reward_model.model.input_tokenizer == "${actor_rollout_ref.model.path}"
     assert not cfg.reward_model.model.use_remove_padding and cfg.reward_model.model.fsdp_config.param_offload
     notes = [n for n in config_notes(cfg) if n.startswith("reward_model.")]
-    assert notes == ["reward_model.rollout has no effect: verl serves the reward model from an inference server, "
-                     "meshppo runs it as an FSDP2 forward on the training ranks",
-                     "reward_model.num_workers=8 has no effect: meshppo scores on every training rank, no "
-                     "reward-loop workers"], notes
+    assert notes == ["reward_model.num_workers=8 has no effect: meshppo scores on every training rank, without "
+                     "reward-loop workers",
+                     "reward_model.rollout={'name': 'vllm', 'gpu_memory_utilization': 0.8, "
+                     "'tensor_model_parallel_size': 1} has no effect: meshppo runs the reward model as an FSDP2 "
+                     "forward on the training ranks"], notes
     assert not [n for n in config_notes(_cfg(*rm)) if n.startswith("reward_model.")]
     with pytest.raises(ConfigError, match=r"reward_model.max_length=512 with reward_model.model.input_tokenizer=null"):
         validate(_cfg(*rm, "reward_model.max_length=512", "reward_model.model.input_tokenizer=null"))
