@@ -697,6 +697,7 @@ class RewardModelConfig:
     model: RewardModelModelConfig = section(RewardModelModelConfig, "the reward model")
     strategy: str = opt("fsdp", "fsdp and fsdp2 both mean meshppo's FSDP2", choices=("fsdp", "fsdp2"))
     micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward", ge=1)
+    micro_batch_size: int | None = _global_micro_batch("micro_batch_size_per_gpu")
     max_length: int | None = opt(None, "with input_tokenizer set: the longest input the reward model reads; a "
                                        "longer rendered chat is cut on the right, as verl's FSDP reward model does; "
                                        "null: no limit. Without input_tokenizer the prompt and response length "
@@ -964,7 +965,8 @@ class PPOConfig:
                                ("actor_rollout_ref.rollout", rollout, "log_prob_micro_batch_size"),
                                ("actor_rollout_ref.ref", ref, "log_prob_micro_batch_size"),
                                ("critic", critic, "ppo_micro_batch_size"),
-                               ("critic", critic, "forward_micro_batch_size")):
+                               ("critic", critic, "forward_micro_batch_size"),
+                               ("reward_model", self.reward_model, "micro_batch_size")):
             _per_gpu_micro_batch(key, obj, name, self.trainer)
         # verl's actor_rollout_ref.nccl_timeout and meshppo's trainer.nccl_timeout: one timeout
         t, alias = self.trainer.nccl_timeout, arr.nccl_timeout

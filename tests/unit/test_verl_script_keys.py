@@ -55,13 +55,16 @@ def test_a_derived_size_is_inherited_as_a_given_one():
     # one rank: the global size is the per-GPU one
     assert _cfg("trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size=12") \
         .actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 12
+    rm = _cfg(*EIGHT_RANKS, "reward_model.micro_batch_size=64").reward_model
+    assert (rm.micro_batch_size_per_gpu, rm.micro_batch_size) == (8, None)
 
 
 GLOBAL_SIZES = [("actor_rollout_ref.actor", "ppo_micro_batch_size"),
                 ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
                 ("actor_rollout_ref.ref", "log_prob_micro_batch_size"),
                 ("critic", "ppo_micro_batch_size"),
-                ("critic", "forward_micro_batch_size")]
+                ("critic", "forward_micro_batch_size"),
+                ("reward_model", "micro_batch_size")]
 
 
 @pytest.mark.parametrize("key,name", GLOBAL_SIZES)
