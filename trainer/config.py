@@ -369,7 +369,8 @@ class ActorConfig:
     clip_ratio: float = opt(0.2, "PPO clip range epsilon: the default of clip_ratio_low and clip_ratio_high (verl's "
                                  "yaml sets both to 0.2, so there clip_ratio alone does not change the clip range)",
                             gt=0, le=1)
-    clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio", gt=0, le=1)
+    clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio. 1 or more: no ratio is clipped "
+                                             "from below (verl's CISPO script sets 10)", gt=0)
     clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
     clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla)", gt=1)
     tau_pos: float = opt(_LOSS_DEFAULTS.tau_pos, "sapo: gate temperature of tokens with a positive advantage", gt=0)

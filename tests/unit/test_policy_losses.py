@@ -546,3 +546,23 @@ def test_update_passes_the_configs_loss_and_parameters(monkeypatch):
                                          tau_neg=2.5), num_mini_batches=1, kl_loss_coef=0.1, seed=0)
     assert calls and {c[:2] for c in calls} == {("kl_cov", PolicyLossParams(**params, tau_pos=1.5, tau_neg=2.5))}
     assert all(isinstance(c[2], torch.Generator) for c in calls)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "cispo"])
+def test_a_lower_clip_range_of_one_or_more_clips_nothing_from_below(mode):
+    """verl's CISPO script sets clip_ratio_low=10: the lower bound 1 - 10 is below every ratio, so
+    no token is clipped from below: a negative-advantage token with ratio 0.05 is not counted as
+    clipped, and vanilla's loss keeps the unclipped term -A r = 0.05."""
+    assert load_config(PPOConfig, None, ["actor_rollout_ref.model.path=/m",
+                                         "actor_rollout_ref.actor.clip_ratio_low=10"]).actor_rollout_ref.actor \
+        .clip_ratio_low == 10
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    new = torch.tensor([[math.log(0.05), 0.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[-1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    out = get_policy_loss_fn(mode)(old, new, adv, mask, cliprange_low=10.0, cliprange_high=0.2,
+                                   loss_agg_mode="token-mean")
+    assert float(out.pg_clipfrac_lower) == 0.0
+    if mode == "vanilla":
+        assert float(out.pg_loss.detach()) == pytest.approx(0.05, rel=1e-12)
+        assert float(out.pg_clipfrac) == 0.0
