@@ -1,0 +1,78 @@
+"""verl's features through the trainer on one GPU (the CPU tests run them on gloo): a reward model
+with its own vocabulary, PF-PPO's redraw and the checkpoint's Hugging Face export, each with
+device tensors where the CPU runs had host ones."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.gpu.test_trainer_gpu import _run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_reward_model_with_its_own_vocabulary_on_gpu(tmp_path):
+    """A Llama reward model with another tokenizer and chat template than the actor's, in fp32 on
+    the GPU: each dumped score equals transformers' score (on the CPU, fp32) of the chat rendered
+    with the reward model's template, for the responses whose text is their tokens but an EOS."""
+    import transformers
+
+    from tests.unit.test_reward_model import other_tokenizer
+
+    other = other_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForSequenceClassification(cfg).eval()
+    hf.save_pretrained(tmp_path / "rm")
+    other.save_pretrained(tmp_path / "rm")
+    dump = tmp_path / "dump"
+    _run(tmp_path, "grpo", "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}",
+         "reward_model.model.fsdp_config.mixed_precision.param_dtype=fp32", f"trainer.rollout_data_dir={dump}")
+    with open(dump / "3.jsonl") as f:
+        dumped = [json.loads(line) for line in f]
+    plain = [d for d in dumped if d["response_length"] == len(d["output"]) + (d["finish_reason"] == "stop")]
+    assert len(plain) >= len(dumped) // 2 and len({d["score"] for d in dumped}) > 8, dumped
+    with torch.no_grad():
+        for d in plain:
+            chat = [{"role": "user", "content": d["input"]}, {"role": "assistant", "content": d["output"]}]
+            ids = other(other.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
+                        return_tensors="pt")["input_ids"]
+            assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=5e-3), d
+
+
+def test_pf_ppo_redraw_on_gpu(tmp_path):
+    """PF-PPO with gae: every step trains on a batch of the step's size redrawn from its rows."""
+    dump = tmp_path / "dump"
+    _, steps = _run(tmp_path, "gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_random",
+                    f"trainer.rollout_data_dir={dump}")
+    for step, row in enumerate(steps, 1):
+        with open(dump / f"{step}.jsonl") as f:
+            dumped = [json.loads(line) for line in f]
+        assert len(dumped) == 32 and {d["score"] for d in dumped} <= {0.0, 1.0}, dumped  # demo: 32 prompts x 1
+        assert row["critic/score/mean"] == pytest.approx(sum(d["score"] for d in dumped) / 32), row
+
+
+def test_checkpoint_hf_export_on_gpu(tmp_path):
+    """save_contents with hf_model: the last step's checkpoint holds a Hugging Face directory whose
+    tensors equal, bit for bit, the end-of-run export of the same weights, and transformers loads it."""
+    import transformers
+    from safetensors.torch import load_file
+
+    _run(tmp_path, "grpo", "trainer.save_freq=3",
+         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
+    export = tmp_path / "run" / "checkpoints" / "global_step_3" / "actor" / "huggingface"
+    final = tmp_path / "run" / "hf_actor"
+
+    def tensors(d):
+        out = {}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                out.update(load_file(str(d / f)))
+        return out
+
+    got, want = tensors(export), tensors(final)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    transformers.AutoModelForCausalLM.from_pretrained(export)
