@@ -332,18 +332,11 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     `trainer.log_val_generations` samples over its chunks (5 from chunks of 2 prompts)."""
     import json
 
-    import torch
-    import transformers
-
-    from tests.unit.test_reward_model import other_tokenizer
+    from tests.unit.test_reward_model import check_dumped_scores, llama_reward_model, other_tokenizer
 
     rm = tmp_path / "rm"
     other = other_tokenizer()
-    cfg = transformers.LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForSequenceClassification(cfg).eval()
-    hf.save_pretrained(rm)
+    hf = llama_reward_model(rm, len(other))
     other.save_pretrained(rm)
     val = tmp_path / "val.jsonl"  # three chunks of two prompts
     with open(demo_assets / "val.jsonl") as f:
@@ -364,16 +357,8 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     with open(tmp_path / "dump" / "1.jsonl") as f:
         dumped = [json.loads(line) for line in f]
     assert len(dumped) == 8 * 8
-    assert not {d["score"] for d in dumped} <= {0.0, 1.0} and len({d["score"] for d in dumped}) > 8, dumped
-    # the demo tokenizer spells a text one token a character: these responses are their text and an EOS
-    plain = [d for d in dumped if d["response_length"] == len(d["output"]) + (d["finish_reason"] == "stop")]
-    assert len(plain) >= len(dumped) // 2, dumped
-    with torch.no_grad():
-        for d in plain:
-            chat = [{"role": "user", "content": d["input"]}, {"role": "assistant", "content": d["output"]}]
-            ids = other(other.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
-                        return_tensors="pt")["input_ids"]
-            assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=1e-4), d
+    assert not {d["score"] for d in dumped} <= {0.0, 1.0}, dumped
+    check_dumped_scores(dumped, hf, other, atol=1e-4)
     with open(tmp_path / "val" / "0.jsonl") as f:
         val_scores = [json.loads(line)["score"] for line in f]
     assert len(val_scores) == 6 and not set(val_scores) <= {0.0, 1.0}, val_scores

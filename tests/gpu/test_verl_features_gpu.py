@@ -15,32 +15,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_reward_model_with_its_own_vocabulary_on_gpu(tmp_path):
     """A Llama reward model with another tokenizer and chat template than the actor's, in fp32 on
-    the GPU: each dumped score equals transformers' score (on the CPU, fp32) of the chat rendered
-    with the reward model's template, for the responses whose text is their tokens but an EOS."""
-    import transformers
-
-    from tests.unit.test_reward_model import other_tokenizer
+    the GPU: the dumped scores equal transformers' (on the CPU, fp32; `check_dumped_scores`)."""
+    from tests.unit.test_reward_model import check_dumped_scores, llama_reward_model, other_tokenizer
 
     other = other_tokenizer()
-    cfg = transformers.LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForSequenceClassification(cfg).eval()
-    hf.save_pretrained(tmp_path / "rm")
+    hf = llama_reward_model(tmp_path / "rm", len(other))
     other.save_pretrained(tmp_path / "rm")
     dump = tmp_path / "dump"
     _run(tmp_path, "grpo", "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}",
          "reward_model.model.fsdp_config.mixed_precision.param_dtype=fp32", f"trainer.rollout_data_dir={dump}")
     with open(dump / "3.jsonl") as f:
         dumped = [json.loads(line) for line in f]
-    plain = [d for d in dumped if d["response_length"] == len(d["output"]) + (d["finish_reason"] == "stop")]
-    assert len(plain) >= len(dumped) // 2 and len({d["score"] for d in dumped}) > 8, dumped
-    with torch.no_grad():
-        for d in plain:
-            chat = [{"role": "user", "content": d["input"]}, {"role": "assistant", "content": d["output"]}]
-            ids = other(other.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
-                        return_tensors="pt")["input_ids"]
-            assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=5e-3), d
+    check_dumped_scores(dumped, hf, other, atol=5e-3)
 
 
 def test_pf_ppo_redraw_on_gpu(tmp_path):

@@ -48,6 +48,21 @@ def other_tokenizer(chat_template: str | None = OTHER_TEMPLATE):
     return tok
 
 
+
+def check_dumped_scores(dumped: list[dict], hf, tokenizer, atol: float) -> None:
+    """Each dumped sample's score equals `hf`'s (a *ForSequenceClassification) score of the chat
+    rendered with `tokenizer`'s template from the dumped prompt and response, for the responses
+    whose text is all of their tokens but a final EOS (the demo tokenizer spells a text one token a
+    character); those must be at least half of them, and the scores must vary."""
+    plain = [d for d in dumped if d["response_length"] == len(d["output"]) + (d["finish_reason"] == "stop")]
+    assert len(plain) >= len(dumped) // 2 and len({d["score"] for d in dumped}) > 8, dumped
+    with torch.no_grad():
+        for d in plain:
+            chat = [{"role": "user", "content": d["input"]}, {"role": "assistant", "content": d["output"]}]
+            ids = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
+                            return_tensors="pt")["input_ids"]
+            assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=atol), d
+
 def _rm_config(path, input_tokenizer, max_length=None):
     from trainer.config import ACTOR_MODEL_PATH, RewardModelConfig, RewardModelModelConfig
 
@@ -56,7 +71,8 @@ def _rm_config(path, input_tokenizer, max_length=None):
                              max_length=max_length)
 
 
-def _llama_rm(path, vocab_size, seed=0):
+def llama_reward_model(path, vocab_size, seed=0):
+    """A tiny random Llama reward model (num_labels 1) saved to `path`; returns the HF model."""
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     torch.manual_seed(seed)
@@ -75,7 +91,7 @@ def test_the_reward_model_reads_the_chat_rendered_with_its_own_template(tmp_path
 
     actor = build_demo_tokenizer()
     other = other_tokenizer()
-    _llama_rm(tmp_path / "rm", len(other))
+    llama_reward_model(tmp_path / "rm", len(other))
     other.save_pretrained(tmp_path / "rm")
     inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
     prompts = [[{"role": "user", "content": "12+3="}], [{"role": "user", "content": "7+8="}]]
@@ -103,7 +119,7 @@ def test_scores_of_a_reward_model_with_its_own_vocabulary_equal_hf(tmp_path, pac
 
     actor = build_demo_tokenizer()
     other = other_tokenizer()
-    hf = _llama_rm(tmp_path / "rm", len(other), seed=1)
+    hf = llama_reward_model(tmp_path / "rm", len(other), seed=1)
     other.save_pretrained(tmp_path / "rm")
     inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
     rm = Transformer.from_pretrained(tmp_path / "rm", head="value")
@@ -147,19 +163,19 @@ def test_a_reward_model_rendering_its_own_chats_needs_a_tokenizer_with_a_templat
     from trainer.setup import reward_model_inputs
 
     actor = build_demo_tokenizer()
-    _llama_rm(tmp_path / "bare", len(other_tokenizer()))
+    llama_reward_model(tmp_path / "bare", len(other_tokenizer()))
     with pytest.raises(UserError, match=r"'.*bare' holds no tokenizer .*set input_tokenizer=null"):
         reward_model_inputs(_rm_config(tmp_path / "bare", "actor"), actor)
-    _llama_rm(tmp_path / "plain", len(other_tokenizer()))
+    llama_reward_model(tmp_path / "plain", len(other_tokenizer()))
     other_tokenizer(chat_template=None).save_pretrained(tmp_path / "plain")
     with pytest.raises(UserError, match="its tokenizer has no chat template"):
         reward_model_inputs(_rm_config(tmp_path / "plain", "actor"), actor)
-    _llama_rm(tmp_path / "small", len(other_tokenizer()) - 1)
+    llama_reward_model(tmp_path / "small", len(other_tokenizer()) - 1)
     other_tokenizer().save_pretrained(tmp_path / "small")
     with pytest.raises(UserError, match=f"its tokenizer has {len(other_tokenizer())} token ids but the model embeds "
                                         f"{len(other_tokenizer()) - 1}"):
         reward_model_inputs(_rm_config(tmp_path / "small", "actor"), actor)
-    _llama_rm(tmp_path / "rm", len(other_tokenizer()))
+    llama_reward_model(tmp_path / "rm", len(other_tokenizer()))
     other_tokenizer().save_pretrained(tmp_path / "rm")
     with pytest.raises(UserError, match=r"input_tokenizer '.*nowhere' is not a directory holding a tokenizer"):
         reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "nowhere")), actor)
