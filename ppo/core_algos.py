@@ -1525,6 +1525,38 @@ def compute_rollout_is_weights(
     return torch.where(mask, w, 0.0)
 
 
+@torch.no_grad()
+def normalize_rollout_is_weights(
+    weights: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``rollout_is_batch_normalize``: the truncated weights divided by their batch mean.
+
+    The mean is over the valid tokens (``token``) or over the non-empty sequences, one weight
+    each (``sequence``), of ``response_mask`` (before rejection, as verl). Where the rows of the
+    batch are spread over ranks, ``all_reduce`` (a sum over the ranks of a float64 ``[2]`` tensor) makes
+    it the mean over all of them, as verl's ``distributed_masked_mean``. A mean of at most
+    ``1e-8`` (all weights 0) leaves the weights as they are, with factor 1.
+
+    Returns:
+        ``(weights / factor, factor)``, the factor a 0-dim tensor (no host sync).
+    """
+    mask = response_mask.bool()
+    if rollout_is == "sequence":
+        where = mask.any(dim=-1)
+        values = masked_mean(weights, mask, axis=-1)
+    else:
+        where, values = mask, weights
+    totals = torch.stack([masked_sum(values, where).double(), where.sum().double()])
+    if all_reduce is not None:
+        totals = all_reduce(totals)
+    mean = (totals[0] / totals[1].clamp_min(1)).to(weights.dtype)
+    factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+    return weights / factor, factor
+
+
 def _sequence_stat(values: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     """``[B]`` sum, mean or max of ``values`` over each row's valid tokens."""
     if how == "sum":
@@ -1598,6 +1630,8 @@ def compute_rollout_correction(
     rollout_is_lower: float | None = None,
     rollout_is_upper: float = 2.0,
     rejection: Sequence[RejectionCriterion] = (),
+    batch_normalize: bool = False,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
     """The importance weights, the rejection mask, and verl's ``rollout_corr/`` metrics.
 
@@ -1622,10 +1656,12 @@ def compute_rollout_correction(
         rollout_corr/rollout_ppl        mean_i exp(-mean_t log pi_rollout)
         rollout_corr/log_ppl_abs_diff   mean_i |mean_t log pi_rollout - mean_t log pi_old|
       with rollout_is:
-        rollout_corr/rollout_is_mean                 mean_t of the applied weights
+        rollout_corr/rollout_is_mean                 mean_t of the truncated weights (before batch_normalize)
         rollout_corr/rollout_is_ratio_fraction_high  share of tokens (sequences, at sequence
         rollout_corr/rollout_is_ratio_fraction_low   level) whose weight before truncation is
                                                      above upper / below lower (1 / upper for TIS)
+        rollout_corr/rollout_is_batch_norm_factor    with batch_normalize: the mean the weights were
+                                                     divided by (``normalize_rollout_is_weights``)
       with rejection:
         rollout_corr/rollout_rs_masked_fraction      share of tokens rejected
         rollout_corr/rollout_rs_seq_masked_fraction  share of sequences with a rejected token
@@ -1639,6 +1675,9 @@ def compute_rollout_correction(
         rollout_is: ``"token"``, ``"sequence"`` or None.
         rollout_is_lower, rollout_is_upper: from ``parse_rollout_is_threshold``.
         rejection: from ``parse_rollout_rs``; empty for none.
+        batch_normalize: divide the weights by their batch mean (``normalize_rollout_is_weights``).
+        all_reduce: for ``batch_normalize``, where this call sees one rank's rows of the batch:
+            sums a tensor over the ranks.
 
     Returns:
         ``(rollout_is_weights or None, rejection mask or None, metrics)``; the mask is 1 for kept
@@ -1674,6 +1713,9 @@ def compute_rollout_correction(
         metrics["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean(
             (raw > math.log(rollout_is_upper)).to(dtype), where)
         metrics["rollout_corr/rollout_is_ratio_fraction_low"] = masked_mean((raw < math.log(lower)).to(dtype), where)
+        if batch_normalize:
+            weights, metrics["rollout_corr/rollout_is_batch_norm_factor"] = normalize_rollout_is_weights(
+                weights, mask, rollout_is, all_reduce)
     if rejection:
         keep = mask.clone()
         for criterion in rejection:

@@ -798,7 +798,11 @@ class RolloutCorrectionConfig:
     rollout_is_threshold: str | float = opt(2.0, "weights above it are truncated to it (TIS); 'lower_upper' zeroes "
                                                  "them outside (IcePop): write a decimal point in each bound, "
                                                  "0.5_2.0 (YAML reads 0.5_2 as the number 0.52)")
-    rollout_is_batch_normalize: bool = opt(False, "not supported: must be false", unsupported=bool)
+    rollout_is_batch_normalize: bool = opt(False, "divide the truncated weights by their mean over the batch (all "
+                                                  "ranks), so they average 1: over the valid tokens (token) or "
+                                                  "the sequences (sequence); bypass mode: over each micro-batch "
+                                                  "of all ranks, as verl's actor. Logs "
+                                                  "rollout_corr/rollout_is_batch_norm_factor (the mean)")
     rollout_rs: str | None = opt(None, "rejection sampling, comma-separated: token_k1/k2/k3, seq_sum_k1/k2/k3, "
                                        "seq_mean_k1/k2/k3, seq_max_k2/k3 (k1: log-ratio, k2: its square / 2, "
                                        "k3: KL estimate); null: off. Rejected tokens leave the response mask of "
@@ -1093,6 +1097,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if frozen:
         notes.append(f"{', '.join(f'{k}.fsdp_config.optimizer_offload' for k in frozen)}: a frozen model has no "
                      "optimizer states, there is nothing to offload")
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is_batch_normalize and rc.rollout_is is None:
+        notes.append("algorithm.rollout_correction.rollout_is_batch_normalize=true has no effect: rollout_is is null "
+                     "(no importance weights to normalise)")
     guard = cfg.algorithm.kl_guard
     if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
         notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "

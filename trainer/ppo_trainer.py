@@ -563,7 +563,8 @@ class PPOTrainer:
             # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
             weights, keep, corr = compute_rollout_correction(
                 *(self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs)),
-                full.response_mask, correction.rollout_is, *correction.is_bounds, correction.rejection)
+                full.response_mask, correction.rollout_is, *correction.is_bounds, correction.rejection,
+                correction.rollout_is_batch_normalize)
             mine = torch.tensor(parts[self.ctx.rank], device=self.device)
             if weights is not None:
                 ro.rollout_is_weights = weights[mine]

@@ -247,12 +247,14 @@ class TrainableRole(Role):
     def _update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int, prefix: str,
                 forward: Callable[[RolloutBatch, int], tuple],
                 loss: Callable[[RolloutBatch, tuple, int, dict], LossTerms], sum_keys: tuple[str, ...],
-                step: int = -1, loss_scale_factor: float | None = None) -> dict:
+                step: int = -1, loss_scale_factor: float | None = None,
+                join: Callable[[], None] | None = None) -> dict:
         """The update skeleton: PPO epochs × mini-batches × micro-batches of `loss`.
 
         `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
         tensor); `loss(rows, outputs, k, agg_kwargs)` gives the `LossTerms` (`agg_kwargs`: the global
         counts, and `loss_scale_factor`, else the response length, for seq-mean-token-sum-norm).
+        Where `loss` runs a collective, `join()` runs the same one on a rank whose micro-batch is empty.
         The whole update is planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
@@ -275,6 +277,8 @@ class TrainableRole(Role):
                         sub = ro.take(part)
                         outputs = forward(sub, k)
                         if not part:  # no sequences here: a zero loss keeps FSDP's collectives in step
+                            if join is not None:
+                                join()
                             (outputs[0].sum() * 0.0).backward()
                             continue
                         terms = loss(sub, outputs, k, agg_kw)
@@ -349,6 +353,7 @@ class Actor(TrainableRole):
         report_entropy = need_entropy or cfg.calculate_entropy
         rc = rollout_correction
         bypass = rc is not None and rc.bypass_mode
+        normalize = bypass and rc.rollout_is is not None and rc.rollout_is_batch_normalize
         on_policy = num_mini_batches == 1 and cfg.ppo_epochs == 1 and not bypass
         from_update = bypass or ro.old_log_probs is None
         if ro.old_log_probs is None and not on_policy:
@@ -377,8 +382,10 @@ class Actor(TrainableRole):
             pg_mask = m_mask
             means = {}
             if bypass:
+                # batch_normalize: the mean over this micro-batch of every rank (as verl's actor)
                 weights, keep, corr = compute_rollout_correction(
-                    logp.detach(), sub.rollout_log_probs, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection)
+                    logp.detach(), sub.rollout_log_probs, m_mask, rc.rollout_is, *rc.is_bounds, rc.rejection,
+                    normalize, comm.all_reduce)
                 pg_mask = m_mask if keep is None else keep
                 means.update(corr)
             else:
@@ -409,8 +416,11 @@ class Actor(TrainableRole):
                           "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             return LossTerms(total, sums, means)
 
+        def join():  # the normalising sum of an empty micro-batch
+            comm.all_reduce(torch.zeros(2, dtype=torch.float64, device=self.device))
+
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
-                           loss_scale_factor=cfg.loss_scale_factor)
+                           loss_scale_factor=cfg.loss_scale_factor, join=join if normalize else None)
         if report_entropy:  # the sum over the mini-batches and epochs of each one's entropy
             out["actor/entropy"] /= cfg.ppo_epochs * num_mini_batches
         if from_update:

@@ -138,6 +138,54 @@ def test_correction_combines_weights_and_rejection_and_reports_metrics():
     assert not any(k.startswith("rollout_corr/rollout_rs") for k in m)
 
 
+def test_batch_normalize_token_level_divides_by_the_mean_over_valid_tokens():
+    # truncated at 1.5: [1.5, e^-1, 1 | 1.5, e^0.2]; the mean is over the response mask's 5 tokens,
+    # not over the 3 that rejection (token_k1 in [0.5, 2]) keeps, as verl (weights before rejection)
+    truncated = torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0], [1.5, math.exp(0.2), 0.0, 0.0]], dtype=F64)
+    mean = (4.0 + math.exp(-1.0) + math.exp(0.2)) / 5
+    weights, keep, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5, _k("token_k1", 0.5, 2.0),
+                                                  batch_normalize=True)
+    torch.testing.assert_close(weights, truncated / mean, rtol=1e-12, atol=1e-12)
+    assert math.isclose(float(m["rollout_corr/rollout_is_batch_norm_factor"]), mean, rel_tol=1e-12)
+    assert math.isclose(float(m["rollout_corr/rollout_is_mean"]), mean, rel_tol=1e-12)  # before normalising
+    assert math.isclose(float(weights.sum() / MASK.sum()), 1.0, rel_tol=1e-12)
+    torch.testing.assert_close(keep, compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5,
+                                                                _k("token_k1", 0.5, 2.0))[1])
+    _, _, off = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5)
+    assert "rollout_corr/rollout_is_batch_norm_factor" not in off
+
+
+def test_batch_normalize_sequence_level_averages_one_weight_per_sequence():
+    # rows: e^-0.5 over 3 tokens, 2.0 (e^1.2 truncated) over 2, and an empty row that does not count
+    mask = torch.cat([MASK, torch.zeros(1, 4, dtype=F64)])
+    old, rollout = torch.cat([OLD, OLD[:1]]), torch.cat([ROLLOUT, ROLLOUT[:1]])
+    weights, _, m = compute_rollout_correction(old, rollout, mask, "sequence", None, 2.0, batch_normalize=True)
+    mean = (math.exp(-0.5) + 2.0) / 2  # per sequence; per token it would be (3 e^-0.5 + 4) / 5
+    expected = torch.tensor([[math.exp(-0.5)] * 3 + [0.0], [2.0, 2.0, 0.0, 0.0], [0.0] * 4], dtype=F64) / mean
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=1e-12)
+    assert math.isclose(float(m["rollout_corr/rollout_is_batch_norm_factor"]), mean, rel_tol=1e-12)
+
+
+def test_batch_normalize_leaves_all_zero_weights_alone():
+    # IcePop [1.5, 1.6] zeroes every token weight: a mean of 0 is not divided by (factor 1, as verl)
+    weights, _, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", 1.5, 1.6, batch_normalize=True)
+    assert torch.all(weights == 0) and float(m["rollout_corr/rollout_is_batch_norm_factor"]) == 1.0
+
+
+def test_batch_normalize_all_reduce_sums_float64_totals():
+    seen = []
+
+    def reduce(t):  # a stand-in for the sum over ranks: another rank holding one token of weight 0.5
+        seen.append(t.clone())
+        return t + torch.tensor([0.5, 1.0], dtype=F64)
+
+    weights, _, m = compute_rollout_correction(OLD, ROLLOUT, MASK, "token", None, 1.5, batch_normalize=True,
+                                               all_reduce=reduce)
+    local = 4.0 + math.exp(-1.0) + math.exp(0.2)
+    assert seen[0].dtype == F64 and seen[0][1] == 5.0 and math.isclose(float(seen[0][0]), local, rel_tol=1e-12)
+    assert math.isclose(float(m["rollout_corr/rollout_is_batch_norm_factor"]), (local + 0.5) / 6, rel_tol=1e-12)
+
+
 def test_no_weights_without_is_or_rejection():
     weights, keep, m = compute_rollout_correction(OLD, ROLLOUT, MASK)
     assert weights is None and keep is None and "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
@@ -207,9 +255,19 @@ def test_config_section_resolves_bounds():
     assert _load("bypass_mode=true", "loss_type=reinforce", "rollout_is=token").algorithm.rollout_correction.bypass_mode
 
 
+def test_batch_normalize_without_weights_is_a_start_up_note():
+    from trainer.config import config_notes
+
+    note = ("algorithm.rollout_correction.rollout_is_batch_normalize=true has no effect: rollout_is is null "
+            "(no importance weights to normalise)")
+    assert note in config_notes(_load("rollout_is_batch_normalize=true"))
+    assert note not in config_notes(_load("rollout_is_batch_normalize=true", "rollout_is=token"))
+    assert _load("rollout_is_batch_normalize=true", "rollout_is=token").algorithm.rollout_correction \
+        .rollout_is_batch_normalize
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout_is=tokens"], "rollout_is: 'tokens' is not one of"),
-    (["rollout_is_batch_normalize=true"], "not supported"),
     (["loss_type=reinforce"], "bypass mode only"),
     (["loss_type=vanilla"], "not one of"),
     (["bypass_mode=true", "rollout_is=sequence"], "already is the importance weight"),
@@ -236,7 +294,8 @@ def _worker(model):
 
 
 def _rc(**kw):
-    base = dict(bypass_mode=False, loss_type="ppo_clip", rollout_is=None, is_bounds=(None, 2.0), rejection=())
+    base = dict(bypass_mode=False, loss_type="ppo_clip", rollout_is=None, is_bounds=(None, 2.0), rejection=(),
+                rollout_is_batch_normalize=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -323,6 +382,24 @@ def test_bypass_reinforce_matches_a_hand_written_surrogate():
     want = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
     assert max(v.abs().max().item() for v in want.values()) > 1e-3
     _assert_same(want, got)
+
+
+def test_bypass_reinforce_batch_normalize_divides_by_the_micro_batch_mean():
+    """As above, with rollout_is_batch_normalize: every token's weight is 1.02, whose mean is
+    1.02, so the normalised weights are 1 and the update is the unweighted surrogate's."""
+    base = Transformer.build(ARGS, seed=0)
+    got, out = _step(base, rollout_shift=0.03, rc=_rc(bypass_mode=True, loss_type="reinforce", rollout_is="token",
+                                                      is_bounds=(None, 1.02), rollout_is_batch_normalize=True))
+    assert math.isclose(out["rollout_corr/rollout_is_batch_norm_factor"], 1.02, rel_tol=1e-6)
+    model = copy.deepcopy(base)
+    ro = _rollouts()
+    logp, _ = response_logprobs(model, build_micro_batch(ro.prompts, ro.responses, "cpu", True), ro.width, 0.8, False)
+    mask = ro.response_mask
+    ((-ro.advantages * logp * mask).sum() / mask.sum()).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    _assert_same({k: v - base.state_dict()[k] for k, v in model.state_dict().items()}, got)
 
 
 def _sgd_delta(base, loss_fn):
