@@ -16,6 +16,7 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, build_dataclass, opt, section
+from trainer.profiling import profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
@@ -357,6 +358,90 @@ class PolicyLossConfig:
                              "detaches tokens whose covariance lies between them")
 
 
+PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
+TORCH_PROFILER_CONTENTS = ("cuda", "cpu", "memory", "shapes", "stack", "profile-by-stage", "merge-profiles")
+
+
+@dataclass
+class NsysToolConfig:
+    discrete: bool | None = opt(None, "nsys: one capture range per phase of the step (gen, old_log_prob, "
+                                      "update_actor, ...) instead of one per profiled step; null: "
+                                      "global_profiler.global_tool_config.nsys.discrete")
+
+
+@dataclass
+class TorchProfilerToolConfig:
+    contents: list[str] = opt(default_factory=list, help="torch: what the trace records: cpu, cuda (the "
+                                                         "activities; none named: both), memory (allocations), "
+                                                         "shapes (input shapes), stack (Python stacks); "
+                                                         "profile-by-stage and merge-profiles are verl's sglang "
+                                                         "server's and have no effect")
+    discrete: bool = opt(False, "torch: one trace per phase of the step (gen, old_log_prob, update_actor, ...) "
+                                "instead of one per profiled step")
+
+    def __post_init__(self):
+        bad = [c for c in self.contents if c not in TORCH_PROFILER_CONTENTS]
+        if bad:
+            raise ValueError(f"contents: {bad} not among {list(TORCH_PROFILER_CONTENTS)}")
+
+
+@dataclass
+class TorchMemoryToolConfig:
+    trace_alloc_max_entries: int | None = opt(None, "torch_memory: allocation events kept (the last ones); null: "
+                                                    "global_profiler.global_tool_config.torch_memory's", ge=1)
+    stack_depth: int | None = opt(None, "torch_memory: accepted for verl compatibility; torch's "
+                                        "_record_memory_history takes no stack depth (it keeps whole stacks), as in "
+                                        "verl it has no effect; null: the global one", ge=1)
+
+
+@dataclass
+class NPUToolConfig:
+    contents: list[str] = opt(default_factory=list, help="Ascend NPU profiler (tool=npu, which meshppo refuses): "
+                                                         "no effect")
+    level: str = opt("level0", "NPU profiler level: no effect", choices=("level_none", "level0", "level1", "level2"))
+    analysis: bool = opt(True, "NPU profiler analysis: no effect")
+    discrete: bool = opt(False, "NPU profiler discrete mode: no effect")
+
+
+@dataclass
+class ProfilerToolConfigs:
+    nsys: NsysToolConfig = section(NsysToolConfig, "Nsight Systems")
+    npu: NPUToolConfig = section(NPUToolConfig, "Ascend NPU (refused)")
+    torch: TorchProfilerToolConfig = section(TorchProfilerToolConfig, "torch.profiler")
+    torch_memory: TorchMemoryToolConfig = section(TorchMemoryToolConfig, "CUDA memory history")
+
+
+@dataclass
+class RoleProfilerConfig:
+    """verl's per-role `profiler`. meshppo runs every role in one process per rank, so one profiler
+    serves them all: a rank is profiled when any enabled role (of those the run has) selects it,
+    and the enabled roles must agree on the tool, save_path and the tool's settings
+    (`trainer.profiling`)."""
+
+    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool (the only one meshppo "
+                                 "runs: another is an error)", choices=(*PROFILER_TOOLS, None))
+    enable: bool = opt(False, "profile this role at global_profiler.steps")
+    all_ranks: bool = opt(False, "profile every rank")
+    ranks: list[int] = opt(default_factory=list, help="the ranks to profile (empty, without all_ranks: rank 0)",
+                           ge=0)
+    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
+    tool_config: ProfilerToolConfigs = section(ProfilerToolConfigs, "each tool's settings")
+
+
+@dataclass
+class SharedProfilerConfig:
+    """verl's `profiler` of a role that takes the actor's tool settings (`tool_config`, as in verl)."""
+
+    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool",
+                           choices=(*PROFILER_TOOLS, None))
+    enable: bool | None = opt(None, "profile this role at global_profiler.steps; null: rollout: the actor's, "
+                                    "reward_model: false")
+    all_ranks: bool | None = opt(None, "profile every rank; null: rollout: the actor's, reward_model: false")
+    ranks: list[int] | None = opt(None, "the ranks to profile (empty, without all_ranks: rank 0); null: rollout: "
+                                        "the actor's, reward_model: []", ge=0)
+    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
+
+
 @dataclass
 class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
@@ -409,6 +494,7 @@ class ActorConfig:
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "what the actor's checkpoints hold and a resume loads")
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the actor (global_profiler)")
 
     def __post_init__(self):
         _resolve_grad_clip("actor_rollout_ref.actor", self)
@@ -420,6 +506,7 @@ class RefConfig:
     strategy: str = opt("fsdp2", "backend of the reference model: fsdp or fsdp2 (both mean FSDP2 here)",
                         choices=("fsdp", "fsdp2"))
     fsdp_config: FSDPOptions = section(FSDPOptions, "reference model FSDP2 settings")
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the reference (global_profiler)")
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
     log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
     log_prob_use_dynamic_bsz: bool | None = opt(None, "pack reference forwards by token count; null: the actor's "
@@ -536,6 +623,8 @@ class RolloutConfig:
                                     unsupported=lambda v: v != 1)
     pipeline_model_parallel_size: int = opt(1, "not supported: must be 1", ge=1, unsupported=lambda v: v != 1)
     val_kwargs: SamplingOverrides = section(SamplingOverrides, "sampling settings for validation")
+    profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of generation (global_profiler); "
+                                                                   "the actor's tool_config")
 
     @property
     def engine(self) -> str:
@@ -590,6 +679,7 @@ class CriticConfig:
     strategy: str = opt("fsdp2", "training backend", choices=("fsdp", "fsdp2"))
     optim: CriticOptimConfig = section(CriticOptimConfig, "critic optimizer")
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the critic (global_profiler)")
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)
     ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
@@ -742,6 +832,8 @@ class RewardModelConfig:
                                                           "(custom_reward_function.reward_kwargs win); naive and prime "
                                                           "take none")
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
+    profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of the reward model "
+                                                                   "(global_profiler); the actor's tool_config")
 
     def __post_init__(self):
         self.manager_kwargs()  # checked as the config loads
@@ -943,6 +1035,65 @@ class TrainerConfig:
 
 
 @dataclass
+class NsysGlobalConfig:
+    discrete: bool = opt(False, "nsys: one capture range per phase instead of one per profiled step (the roles' "
+                                "default)")
+    controller_nsight_options: dict = opt(default_factory=lambda: {"trace": "cuda,nvtx,cublas,ucx",
+                                                                   "cuda-memory-usage": "true",
+                                                                   "cuda-graph-trace": "graph"},
+                                          help="verl's nsys options for its Ray driver; no effect: meshppo does not "
+                                               "launch nsys (pass the options to nsys profile yourself)")
+    worker_nsight_options: dict = opt(default_factory=lambda: {"trace": "cuda,nvtx,cublas,ucx",
+                                                               "cuda-memory-usage": "true",
+                                                               "cuda-graph-trace": "graph",
+                                                               "capture-range": "cudaProfilerApi",
+                                                               "capture-range-end": None, "kill": "none"},
+                                      help="verl's nsys options for its Ray workers; no effect: meshppo does not "
+                                           "launch nsys (pass them to nsys profile yourself)")
+
+
+@dataclass
+class TorchMemoryGlobalConfig:
+    trace_alloc_max_entries: int = opt(100000, "allocation events kept (the last ones): the roles' default", ge=1)
+    stack_depth: int = opt(32, "accepted for verl compatibility; no effect (torch's _record_memory_history takes "
+                               "no stack depth, it keeps whole stacks)", ge=1)
+    context: str | None = opt("all", "_record_memory_history's context: which events carry a stack trace (state: "
+                                     "allocations, alloc: and frees, all: both, null: none)",
+                              choices=("state", "alloc", "all", None))
+    stacks: str = opt("all", "_record_memory_history's stacks: python, or all (python and C++)",
+                      choices=("python", "all"))
+    kw_args: dict = opt(default_factory=dict, help="further keyword arguments of "
+                                                   "torch.cuda.memory._record_memory_history")
+
+
+@dataclass
+class GlobalToolConfigs:
+    nsys: NsysGlobalConfig = section(NsysGlobalConfig, "Nsight Systems")
+    torch_memory: TorchMemoryGlobalConfig = section(TorchMemoryGlobalConfig, "CUDA memory history")
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's `global_profiler`: which tool profiles which steps (the roles' `profiler.enable` pick
+    the ranks). Each profiled step's phases (generation to the updates; not validation or
+    checkpointing) are captured on the profiled ranks (`trainer.profiling`)."""
+
+    tool: str | None = opt(None, "torch: a torch.profiler chrome trace, SAVE/step{N}/prof_rank-{R}.json.gz "
+                                 "(discrete: one per phase, {phase}_prof_rank-{R}.json.gz); torch_memory (CUDA): "
+                                 "the allocator's history over the step, SAVE/step{N}/torch_memory_rank{R}.pickle "
+                                 "(for pytorch.org/memory_viz); nsys (CUDA): cudaProfilerStart/Stop around the "
+                                 "steps and NVTX ranges phase:<name>, for nsys profile --capture-range="
+                                 "cudaProfilerApi --capture-range-end=repeat torchrun ... train_ppo.py ...; npu: "
+                                 "not supported; null: off", choices=(*PROFILER_TOOLS, None))
+    steps: list[int] | None = opt(None, "the global steps (from 1) to profile; null or empty: none, as in verl",
+                                  ge=1)
+    profile_continuous_steps: bool = opt(False, "consecutive listed steps share one trace / snapshot / capture "
+                                                "range (named after the first, step{A}-{B}) instead of one each")
+    save_path: str = opt("outputs/profile", "directory of the profiles (relative: to the working directory)")
+    global_tool_config: GlobalToolConfigs = section(GlobalToolConfigs, "the tools' run-wide settings")
+
+
+@dataclass
 class PPOConfig:
     data: DataConfig = section(DataConfig, "prompt data")
     actor_rollout_ref: ActorRolloutRefConfig = section(ActorRolloutRefConfig, "policy, reference and generation")
@@ -951,6 +1102,7 @@ class PPOConfig:
     custom_reward_function: CustomRewardConfig = section(CustomRewardConfig, "user reward function")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and KL")
     trainer: TrainerConfig = section(TrainerConfig, "the run")
+    global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profiling of chosen steps")
 
     def __post_init__(self):
         self.resolve()
@@ -1006,6 +1158,20 @@ class PPOConfig:
         inherit(critic, "shuffle", actor.shuffle)
         inherit(critic.model, "path", arr.model.path)
         inherit(critic.model, "tokenizer_path", d.tokenizer)
+        # The roles' profilers: the global tool, save_path and tool settings; the rollout's
+        # selection is the actor's (verl's interpolations).
+        gp, rm_prof = self.global_profiler, self.reward_model.profiler
+        tools = gp.global_tool_config
+        for prof in (actor.profiler, ref.profiler, rollout.profiler, critic.profiler, rm_prof):
+            inherit(prof, "tool", gp.tool)
+            inherit(prof, "save_path", gp.save_path)
+        for tc in (actor.profiler.tool_config, ref.profiler.tool_config, critic.profiler.tool_config):
+            inherit(tc.nsys, "discrete", tools.nsys.discrete)
+            inherit(tc.torch_memory, "trace_alloc_max_entries", tools.torch_memory.trace_alloc_max_entries)
+            inherit(tc.torch_memory, "stack_depth", tools.torch_memory.stack_depth)
+        for name, default in (("enable", False), ("all_ranks", False), ("ranks", [])):
+            inherit(rollout.profiler, name, getattr(actor.profiler, name))
+            inherit(rm_prof, name, default)
 
     # --------------------------------------------------------------- derived views
     @property
@@ -1111,7 +1277,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if arr.model.lora is not None and ref:
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
-    return notes + _policy_loss_notes(cfg)
+    return notes + _policy_loss_notes(cfg) + profiling_notes(cfg)
 
 
 # The actor options that only some policy losses read, and which of them each loss reads.
@@ -1363,6 +1529,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
         raise ConfigError(f"trainer.resume_from_path is set but trainer.resume_mode={cfg.trainer.resume_mode} does not "
                           "read it: set trainer.resume_mode=resume_path to resume from it, or drop it")
+    profile_plan(cfg)  # npu, or enabled roles that disagree: ConfigError
     for name in cfg.trainer.logger:
         if name not in ("console", "jsonl", "tensorboard", "wandb"):
             raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")

@@ -44,6 +44,7 @@ from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, R
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models, reward_model_inputs
+from trainer.profiling import StepProfiler, profile_plan
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
 from sharding import comm
 
@@ -145,6 +146,8 @@ class PPOTrainer:
         # rounds of gen_batch_size prompts (train_batch_size unless dynamic sampling asks for more)
         self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed)
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+        self.profiler = StepProfiler(profile_plan(cfg), ctx.rank, self.device, self.total_steps, log=self.log)
+        self.timer.around = self.profiler.phase
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # the reward file is the user's input too: checked before any model loads
@@ -849,7 +852,8 @@ class PPOTrainer:
             while self.global_step < self.total_steps:
                 loader_state, kl_state = self.loader.state_dict(), self.kl.state_dict()
                 try:
-                    metrics = self.step()
+                    with self.profiler.step(self.global_step + 1):
+                        metrics = self.step()
                 except _AbandonStep:
                     # No model was updated: rewind the data and the KL-in-reward controller (it
                     # steps with the advantages, before the abandon check) so the resumed run
@@ -887,6 +891,7 @@ class PPOTrainer:
                           base_model=self.cfg.actor_rollout_ref.model.path)
             return 0
         finally:
+            self.profiler.close()
             self.reward_manager.close()
             self.tracking.close()
 

@@ -17,7 +17,8 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ class Timer:
     def __init__(self, device: torch.device):
         self.device = device
         self.times: dict[str, float] = {}
+        # what else each phase runs in: the step profiler's capture (`trainer.profiling.StepProfiler.phase`)
+        self.around: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
 
     @contextmanager
     def __call__(self, name: str):
@@ -42,7 +45,7 @@ class Timer:
         t0 = time.perf_counter()
         try:
             # A profiler range per phase: bench/ppo_step.py --profile attributes kernels to phases.
-            with torch.profiler.record_function(f"phase:{name}"):
+            with self.around(name), torch.profiler.record_function(f"phase:{name}"):
                 yield
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

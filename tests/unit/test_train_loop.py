@@ -9,6 +9,7 @@ from trainer import ppo_trainer
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, load_config
 from trainer.ppo_trainer import PPOTrainer
+from trainer.profiling import StepProfiler
 
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
@@ -36,6 +37,7 @@ class FakeTrainer:
         self.tracking = NS(begin=lambda *a: None, log=lambda m, step: self.logged.append((step, dict(m))),
                            close=lambda: setattr(self, "closed", True))
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
+        self.profiler = StepProfiler(None, 0, "cpu", total_steps)  # nothing profiled
         self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None)
         self.ctx = NS(world_size=1, local_world_size=1)
         self.device, self.models, self.run_dir, self.nonfinite_streak = "cpu", NS(dims=None), "/run", 0

@@ -1,0 +1,192 @@
+"""verl's profiler options in one process per rank (`trainer.profiling`): the plan the config gives
+(ranks, tool, settings; errors and notes), and what `StepProfiler` captures at which steps: torch
+traces per step or per phase, continuous ranges, and the CUDA tools' calls (mocked: no GPU here)."""
+
+import gzip
+import json
+import os
+
+import pytest
+import torch
+
+from trainer.config import PPOConfig, config_notes
+from trainer.configlib import ConfigError, load_config
+from trainer.profiling import StepProfiler, profile_plan
+from trainer.tracking import Timer
+
+CPU = torch.device("cpu")
+ACTOR = "actor_rollout_ref.actor.profiler"
+
+
+def _cfg(*overrides):
+    return load_config(PPOConfig, "configs/demo.yaml", list(overrides))
+
+
+def _plan(*overrides):
+    return profile_plan(_cfg("global_profiler.steps=[2]", *overrides))
+
+
+def test_defaults_profile_nothing():
+    cfg = _cfg()
+    assert profile_plan(cfg) is None and cfg.global_profiler.save_path == "outputs/profile"
+    assert not any("profil" in n for n in config_notes(cfg))
+
+
+def test_plan_is_the_union_of_the_enabled_roles():
+    # the demo has a reference (use_kl_loss); the actor picks rank 1, the reference rank 0 by default
+    plan = _plan("global_profiler.tool=torch", f"{ACTOR}.enable=true", f"{ACTOR}.ranks=[1]",
+                 f"{ACTOR}.tool_config.torch.contents=[cpu,shapes]", "actor_rollout_ref.ref.profiler.enable=true",
+                 "actor_rollout_ref.ref.profiler.tool_config.torch.contents=[memory]")
+    assert (plan.tool, plan.ranks, plan.all_ranks, plan.steps) == ("torch", {0, 1}, False, {2})
+    assert plan.contents == {"cpu", "shapes", "memory"} and plan.save_path == "outputs/profile"
+    assert [plan.profiles(r) for r in range(3)] == [True, True, False]
+    # the rollout's selection is the actor's; a role's own tool needs no global one
+    plan = _plan(f"{ACTOR}.tool=torch", f"{ACTOR}.enable=true", f"{ACTOR}.all_ranks=true")
+    assert plan.all_ranks and plan.contents == {"cpu", "cuda"}  # empty contents: both activities, as verl
+    cfg = _cfg(f"{ACTOR}.enable=true", f"{ACTOR}.ranks=[3]")
+    assert (cfg.actor_rollout_ref.rollout.profiler.enable, cfg.actor_rollout_ref.rollout.profiler.ranks) == (True, [3])
+    # the global torch_memory settings are the roles' defaults
+    plan = _plan("global_profiler.tool=torch_memory", f"{ACTOR}.enable=true",
+                 "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=500",
+                 "global_profiler.global_tool_config.torch_memory.context=alloc")
+    assert (plan.max_entries, plan.context, plan.stacks) == (500, "alloc", "all")
+
+
+def test_nothing_without_steps_or_enabled_roles_is_a_note():
+    cfg = _cfg("global_profiler.tool=torch", "global_profiler.steps=[1]")
+    assert profile_plan(cfg) is None
+    assert any("no role's profiler.enable is true, nothing is profiled" in n for n in config_notes(cfg))
+    for steps in ("null", "[]"):
+        cfg = _cfg("global_profiler.tool=torch", f"global_profiler.steps={steps}", f"{ACTOR}.enable=true")
+        assert profile_plan(cfg) is None
+        assert any("global_profiler.steps is" in n and "nothing is profiled" in n for n in config_notes(cfg))
+    notes = config_notes(_cfg("global_profiler.tool=torch", "global_profiler.steps=[1]", f"{ACTOR}.enable=true",
+                              "critic.profiler.enable=true"))
+    assert "critic.profiler.enable=true has no effect: the run has no critic" in notes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["global_profiler.tool=npu"], "global_profiler.tool=npu is not supported"),
+    (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
+      "actor_rollout_ref.ref.profiler.tool=nsys"], "need one tool"),
+    (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
+      "actor_rollout_ref.ref.profiler.save_path=/elsewhere"], "need one save_path"),
+    (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
+      "actor_rollout_ref.ref.profiler.tool_config.torch.discrete=true"], "need one torch discrete mode"),
+    (["global_profiler.tool=torch", f"{ACTOR}.tool_config.torch.contents=[gpu]"], "not among"),
+    (["global_profiler.tool=perf"], "not one of"),
+    (["global_profiler.steps=[0]"], "global_profiler.steps"),
+])
+def test_config_errors(overrides, message):
+    from trainer.config import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(_cfg("global_profiler.steps=[2]", *overrides), 2)
+
+
+@pytest.mark.parametrize("tool", ["nsys", "torch_memory"])
+def test_cuda_tools_refuse_a_cpu_run(tool):
+    with pytest.raises(ConfigError, match=f"global_profiler.tool={tool} needs CUDA"):
+        StepProfiler(_plan(f"global_profiler.tool={tool}", f"{ACTOR}.enable=true"), 0, CPU, 3)
+    with pytest.raises(ConfigError, match="CUDA activity only"):
+        StepProfiler(_plan("global_profiler.tool=torch", f"{ACTOR}.enable=true",
+                           f"{ACTOR}.tool_config.torch.contents=[cuda]"), 0, CPU, 3)
+
+
+def _run(profiler, steps, phases=("gen", "update_actor")):
+    """`steps` trainer-like steps: each a `step` phase around `phases` (one nested phase inside gen)."""
+    timer = Timer(CPU)
+    timer.around = profiler.phase
+    for n in steps:
+        with profiler.step(n), timer("step"):
+            for name in phases:
+                with timer(name):
+                    if name == "gen":
+                        with timer("reshard"):
+                            torch.ones(3).sum()
+                    torch.ones(4).mul(2)
+    profiler.close()
+
+
+def _files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _phase_names(path):
+    with gzip.open(path, "rt") as f:
+        return [e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("phase:")]
+
+
+def test_torch_traces_the_listed_steps_on_the_chosen_ranks(tmp_path):
+    plan = _plan("global_profiler.tool=torch", "global_profiler.steps=[2,4]", f"global_profiler.save_path={tmp_path}",
+                 f"{ACTOR}.enable=true", f"{ACTOR}.ranks=[1]", f"{ACTOR}.tool_config.torch.contents=[cpu]")
+    _run(StepProfiler(plan, 0, CPU, 5), range(1, 6))  # rank 0: not chosen
+    assert _files(tmp_path) == []
+    _run(StepProfiler(plan, 1, CPU, 3), range(1, 4))  # step 4 lies beyond the run: fine
+    assert _files(tmp_path) == ["step2/prof_rank-1.json.gz"]
+    assert sorted(set(_phase_names(tmp_path / "step2/prof_rank-1.json.gz"))) == [
+        "phase:gen", "phase:reshard", "phase:step", "phase:update_actor"]
+
+
+def test_continuous_steps_share_one_trace(tmp_path):
+    plan = _plan("global_profiler.tool=torch", "global_profiler.steps=[2,3,5,6]", "global_profiler.profile_continuous_steps=true",
+                 f"global_profiler.save_path={tmp_path}", f"{ACTOR}.enable=true")
+    _run(StepProfiler(plan, 0, CPU, 5), range(1, 6))  # 5-6 ends with the run, at 5
+    assert _files(tmp_path) == ["step2-3/prof_rank-0.json.gz", "step5/prof_rank-0.json.gz"]
+    assert _phase_names(tmp_path / "step2-3/prof_rank-0.json.gz").count("phase:step") == 2
+
+
+def test_discrete_writes_one_trace_per_outermost_phase(tmp_path):
+    plan = _plan("global_profiler.tool=torch", f"global_profiler.save_path={tmp_path}", f"{ACTOR}.enable=true",
+                 f"{ACTOR}.tool_config.torch.discrete=true")
+    _run(StepProfiler(plan, 0, CPU, 3), range(1, 4), phases=("gen", "update_actor", "gen"))
+    assert _files(tmp_path) == ["step2/gen-2_prof_rank-0.json.gz", "step2/gen_prof_rank-0.json.gz",
+                                "step2/update_actor_prof_rank-0.json.gz"]
+    assert sorted(set(_phase_names(tmp_path / "step2/gen_prof_rank-0.json.gz"))) == ["phase:gen", "phase:reshard"]
+
+
+def test_a_failed_step_still_writes_its_trace(tmp_path):
+    plan = _plan("global_profiler.tool=torch", "global_profiler.steps=[1,2]", "global_profiler.profile_continuous_steps=true",
+                 f"global_profiler.save_path={tmp_path}", f"{ACTOR}.enable=true")
+    profiler = StepProfiler(plan, 0, CPU, 3)
+    with pytest.raises(RuntimeError), profiler.step(1):
+        raise RuntimeError("boom")
+    assert _files(tmp_path) == ["step1-2/prof_rank-0.json.gz"]
+
+
+def test_nsys_brackets_the_steps_and_marks_the_phases(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(name))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    cuda = torch.device("cuda")
+
+    def run(*overrides):
+        calls.clear()
+        profiler = StepProfiler(_plan("global_profiler.tool=nsys", f"{ACTOR}.enable=true", *overrides), 0, cuda, 3)
+        for n in (1, 2, 3):
+            with profiler.step(n), profiler.phase("step"), profiler.phase("gen"):
+                pass
+        return list(calls)
+
+    assert run() == ["start", "phase:step", "phase:gen", "pop", "pop", "stop"]
+    assert run("global_profiler.global_tool_config.nsys.discrete=true") == [
+        "phase:step", "start", "phase:gen", "pop", "stop", "pop"]
+
+
+def test_torch_memory_records_the_step_and_dumps_a_snapshot(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: open(path, "wb").close())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    plan = _plan("global_profiler.tool=torch_memory", f"global_profiler.save_path={tmp_path}", f"{ACTOR}.enable=true",
+                 f"{ACTOR}.tool_config.torch_memory.trace_alloc_max_entries=77",
+                 "global_profiler.global_tool_config.torch_memory.stacks=python",
+                 "global_profiler.global_tool_config.torch_memory.kw_args={clear_history: true}")
+    profiler = StepProfiler(plan, 0, torch.device("cuda"), 3)
+    for n in (1, 2, 3):
+        with profiler.step(n):
+            assert len(calls) == (1 if n == 2 else 0 if n == 1 else 2)
+    assert calls == [dict(max_entries=77, context="all", stacks="python", clear_history=True), dict(enabled=None)]
+    assert _files(tmp_path) == ["step2/torch_memory_rank0.pickle"]
