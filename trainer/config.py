@@ -418,8 +418,9 @@ class RoleProfilerConfig:
     and the enabled roles must agree on the tool, save_path and the tool's settings
     (`trainer.profiling`)."""
 
-    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool (the only one meshppo "
-                                 "runs: another is an error)", choices=(*PROFILER_TOOLS, None))
+    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool. One profiler serves "
+                                 "every role of a rank: the enabled roles must name the same tool",
+                           choices=(*PROFILER_TOOLS, None))
     enable: bool = opt(False, "profile this role at global_profiler.steps")
     all_ranks: bool = opt(False, "profile every rank")
     ranks: list[int] = opt(default_factory=list, help="the ranks to profile (empty, without all_ranks: rank 0)",
@@ -1080,7 +1081,8 @@ class GlobalProfilerConfig:
 
     tool: str | None = opt(None, "torch: a torch.profiler chrome trace, SAVE/step{N}/prof_rank-{R}.json.gz "
                                  "(discrete: one per phase, {phase}_prof_rank-{R}.json.gz); torch_memory (CUDA): "
-                                 "the allocator's history over the step, SAVE/step{N}/torch_memory_rank{R}.pickle "
+                                 "the allocator's history recorded over the step (verl records from start-up), "
+                                 "SAVE/step{N}/torch_memory_rank{R}.pickle "
                                  "(for pytorch.org/memory_viz); nsys (CUDA): cudaProfilerStart/Stop around the "
                                  "steps and NVTX ranges phase:<name>, for nsys profile --capture-range="
                                  "cudaProfilerApi --capture-range-end=repeat torchrun ... train_ppo.py ...; npu: "

@@ -153,6 +153,12 @@ def profiling_notes(cfg) -> list[str]:
         if depths != {32}:
             notes.append("torch_memory stack_depth has no effect: torch's _record_memory_history takes no stack "
                          "depth (it keeps whole stacks; verl passes it only where torch takes it)")
+    npu = [f"{k}.profiler.tool_config.npu" for k, p in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.profiler),
+                                                       ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.profiler),
+                                                       ("critic", cfg.critic.profiler))
+           if p.tool_config.npu != type(p.tool_config.npu)()]
+    if npu:
+        notes.append(f"{', '.join(npu)} have no effect: tool=npu is not supported")
     nsys = gp.global_tool_config.nsys
     defaults = type(nsys)()
     for name in ("controller_nsight_options", "worker_nsight_options"):

@@ -63,6 +63,11 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
     notes = config_notes(_cfg("global_profiler.tool=torch", "global_profiler.steps=[1]", f"{ACTOR}.enable=true",
                               "critic.profiler.enable=true"))
     assert "critic.profiler.enable=true has no effect: the run has no critic" in notes
+    assert ("actor_rollout_ref.actor.profiler.tool_config.npu have no effect: tool=npu is not supported"
+            in config_notes(_cfg(f"{ACTOR}.tool_config.npu.level=level1")))
+    nsys_note = "global_profiler.global_tool_config.nsys.worker_nsight_options has no effect"
+    assert any(n.startswith(nsys_note) for n in config_notes(_cfg(
+        "global_profiler.global_tool_config.nsys.worker_nsight_options={trace: cuda}")))
 
 
 @pytest.mark.parametrize("overrides,message", [
