@@ -93,3 +93,51 @@ def _bypass_body(rank, world_size):
 
 def test_bypass_update_with_empty_micro_batches_normalises_over_both_ranks():
     run_distributed(_bypass_body, 2, timeout=150)
+
+
+def _decoupled_body(rank, world_size):
+    """Decoupled mode in the trainer (`PPOTrainer._old_log_probs`): each rank's weights are its rows
+    of the whole batch's truncated weights divided by their mean over every valid token, computed
+    here by hand."""
+    import math
+    from types import SimpleNamespace
+
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.ppo_trainer import PPOTrainer
+    from trainer.rollout_batch import RolloutBatch
+    from trainer.tracking import Timer
+
+    cfg = load_config(PPOConfig, None, [
+        "data.train_batch_size=4", "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=1.5",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true"])
+    lengths = [5, 3, 1, 2]
+    engine = [[-1.0 - 0.1 * t for t in range(n)] for n in lengths]
+    full = RolloutBatch([[3, 4]] * 4, [[5] * n for n in lengths], [0, 0, 1, 1], [None] * 4, [None] * 4, [{}] * 4,
+                        ["stop"] * 4, engine, 5, torch.device("cpu"))
+    parts = [[0, 1], [2, 3]]
+    ro = full.take(parts[rank])
+    # log pi_old - log pi_rollout; rank 0 holds 8 tokens, rank 1 three, with the large ratios
+    deltas = [[0.2, -0.3, 0.0, 0.1, -1.0], [0.5, 0.0, -0.2], [1.0], [0.3, 0.6]]
+    delta = torch.zeros(4, 5)
+    for i, d in enumerate(deltas):
+        delta[i, :len(d)] = torch.tensor(d)
+    old = ((full.padded(engine) + delta) * full.response_mask)[parts[rank]]
+    trainer = object.__new__(PPOTrainer)
+    trainer.cfg, trainer.device = cfg, torch.device("cpu")
+    trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (old, torch.zeros_like(old)))
+    metrics = {}
+    trainer._old_log_probs(full, ro, parts, metrics)
+    truncated = [[min(math.exp(x), 1.5) for x in d] for d in deltas]
+    mean = sum(map(sum, truncated)) / sum(lengths)
+    want = torch.zeros(4, 5, dtype=F64)
+    for i, w in enumerate(truncated):
+        want[i, :len(w)] = torch.tensor(w, dtype=F64) / mean
+    torch.testing.assert_close(ro.rollout_is_weights.double(), want[parts[rank]], rtol=1e-6, atol=1e-7)
+    assert abs(metrics["rollout_corr/rollout_is_batch_norm_factor"] - mean) < 1e-6
+
+
+def test_decoupled_trainer_normalises_over_the_whole_batch():
+    run_distributed(_decoupled_body, 2)
