@@ -2,7 +2,8 @@
 all-reduced (`sharding.comm.all_reduce`, as the actor passes in bypass mode) each rank's
 normalised weights are its rows of the single-process result on the whole batch, at token and
 sequence level. The split is uneven (rank 1 has short rows and an empty one), so a per-rank
-mean would differ."""
+mean would differ. Then the same in the actor's bypass update (a rank with empty micro-batches)
+and in the trainer's decoupled pass."""
 
 from __future__ import annotations
 
