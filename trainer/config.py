@@ -1066,6 +1066,12 @@ class TorchMemoryGlobalConfig:
     kw_args: dict = opt(default_factory=dict, help="further keyword arguments of "
                                                    "torch.cuda.memory._record_memory_history")
 
+    def __post_init__(self):
+        taken = sorted(set(self.kw_args) & {"enabled", "max_entries", "context", "stacks"})
+        if taken:
+            raise ValueError(f"kw_args sets {', '.join(taken)}: the profiler passes them itself "
+                             "(trace_alloc_max_entries, context, stacks)")
+
 
 @dataclass
 class GlobalToolConfigs:

@@ -80,6 +80,7 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
       "actor_rollout_ref.ref.profiler.tool_config.torch.discrete=true"], "need one torch discrete mode"),
     (["global_profiler.tool=torch", f"{ACTOR}.tool_config.torch.contents=[gpu]"], "not among"),
     (["global_profiler.tool=perf"], "not one of"),
+    (["global_profiler.global_tool_config.torch_memory.kw_args={max_entries: 5}"], "passes them itself"),
     (["global_profiler.steps=[0]"], "global_profiler.steps"),
 ])
 def test_config_errors(overrides, message):
