@@ -60,7 +60,10 @@ def test_what_makes_the_same_run():
               "critic.checkpoint.save_contents", "critic.checkpoint.load_contents",
               # options that change nothing (opt no_effect=), inside sections that must match
               "actor_rollout_ref.actor.entropy_checkpointing", "actor_rollout_ref.actor.entropy_from_logits_with_chunking",
-              "reward_model.num_workers", "reward_model.rollout", "reward_model.model.use_shm"):
+              "reward_model.num_workers", "reward_model.rollout", "reward_model.model.use_shm",
+              # what is profiled
+              "actor_rollout_ref.actor.profiler.enable", "critic.profiler.ranks", "reward_model.profiler.enable",
+              "global_profiler.steps"):
         assert k in ALL_KEYS and k not in keys, k
 
 
