@@ -21,7 +21,7 @@ from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from sharding.fsdp import FSDPConfig
+from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
 from sharding.mesh import ParallelDims
 
 DTYPES = tuple(torch_dtypes())
@@ -49,6 +49,10 @@ def _entropy_checkpointing():
                no_effect=_ENTROPY_CHECKPOINTING_WHY)
 
 
+# verl's `fsdp_config.dtype` default (`FSDPOptions._map_dtype`).
+_VERL_COMPUTE_DTYPE = "bfloat16"
+
+
 @dataclass
 class FSDPOptions(FSDPConfig):
     """`fsdp_config` as a verl config writes it. As in verl, `offload_policy` supersedes
@@ -60,12 +64,77 @@ class FSDPOptions(FSDPConfig):
                                 "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
+    dtype: str = opt(_VERL_COMPUTE_DTYPE, "verl's compute dtype: its workers' parameter dtype where mixed_precision "
+                                          "does not give one. Another value than bfloat16 sets "
+                                          "mixed_precision.param_dtype (setting both to different dtypes is an "
+                                          "error)", choices=DTYPES)
+    strategy: str = opt("fsdp", "verl's engine backend: fsdp or fsdp2", choices=("fsdp", "fsdp2"),
+                        no_effect="meshppo shards with FSDP2 whatever the strategy")
+    forward_only: bool = opt(False, "verl: the engine runs forwards only (its reference's); the actor and the critic "
+                                    "train: must be false", unsupported=bool)
+    use_torch_compile: bool = opt(True, "verl: torch.compile the engine's entropy-from-logits function",
+                                  no_effect="meshppo's LM head computes the entropy with its own kernels (the "
+                                            "section's use_torch_compile compiles the transformer blocks)")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
+                                              unsupported=_not(1))
+    full_determinism: bool = opt(False, "not supported: must be false (verl: deterministic kernels, seeded by seed)",
+                                 unsupported=bool)
+    seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="read only with full_determinism, which "
+                                                                         "meshppo does not support (trainer.seed "
+                                                                         "seeds the run)")
 
     def __post_init__(self):
         self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
         for k in self.superseded:
             setattr(self, k, False)
         super().__post_init__()
+        self._map_dtype()
+
+    def _map_dtype(self):
+        """verl's `dtype` as `mixed_precision.param_dtype`: verl computes in `dtype` unless
+        mixed_precision names a param_dtype; meshppo's mixed_precision always has one (bf16, the
+        same default), so a `dtype` other than verl's default sets it, and a param_dtype of its
+        own that disagrees is an error."""
+        mp = self.mixed_precision
+        want = torch_dtype(self.dtype, "fsdp_config.dtype")
+        have = torch_dtype(mp.param_dtype, "fsdp_config.mixed_precision.param_dtype")
+        if want in (have, torch_dtype(_VERL_COMPUTE_DTYPE, "")):
+            return
+        if have != torch_dtype(MixedPrecisionConfig().param_dtype, ""):
+            raise ValueError(f"fsdp_config.dtype={self.dtype} and fsdp_config.mixed_precision.param_dtype="
+                             f"{mp.param_dtype}: both name the compute dtype; set one of them, or both the same")
+        mp.param_dtype = self.dtype
+
+
+@dataclass
+class RefFSDPOptions(FSDPOptions):
+    """The reference's `fsdp_config`: verl marks its engine forward-only, as meshppo's is."""
+
+    forward_only: bool = opt(True, "verl: the engine runs forwards only; the reference always does: must be true",
+                             unsupported=lambda v: not v)
+
+
+_TEXT_ONLY_WHY = "meshppo's models are text-only: it reads no images or videos"
+
+
+@dataclass
+class DataClassConfig:
+    """verl's `data.custom_cls` and `data.datagen`: a class of the user's from a file."""
+
+    path: str | None = opt(None, "not supported: must be null (meshppo reads the prompts with its own dataset)",
+                           unsupported=lambda v: v is not None)
+    name: str | None = opt(None, "verl: the class in path", no_effect="read only with path, which meshppo does not "
+                                                                     "support")
+
+
+@dataclass
+class SamplerClassConfig:
+    """verl's `data.sampler`: a sampler class of the user's (curricula)."""
+
+    class_path: str | None = opt(None, "not supported: must be null (meshppo orders the prompts by shuffle and seed)",
+                                 unsupported=lambda v: v is not None)
+    class_name: str | None = opt(None, "verl: the class in class_path",
+                                 no_effect="read only with class_path, which meshppo does not support")
 
 
 @dataclass
@@ -113,6 +182,21 @@ class DataConfig:
     apply_chat_template_kwargs: dict = opt(default_factory=dict, help="extra keyword arguments of the chat template "
                                                                        "(training and validation prompts), e.g. "
                                                                        "{enable_thinking: false}")
+    use_shm: bool = opt(False, "verl: copy the data files to /dev/shm first",
+                        no_effect="meshppo reads the prompt files once at start-up, where they are")
+    return_raw_input_ids: bool = opt(False, "verl: also pass the prompts' token ids on, for a reward model of another "
+                                            "tokenizer",
+                                     no_effect="a reward model of another tokenizer re-renders the chat with its own "
+                                               "(reward_model.model.input_tokenizer)")
+    image_key: str = opt("images", "verl: the field of a row's images", no_effect=_TEXT_ONLY_WHY)
+    video_key: str = opt("videos", "verl: the field of a row's videos", no_effect=_TEXT_ONLY_WHY)
+    image_patch_size: int = opt(14, "verl: the vision encoder's patch size", no_effect=_TEXT_ONLY_WHY)
+    return_multi_modal_inputs: bool = opt(True, "verl: pass the rows' processed images on", no_effect=_TEXT_ONLY_WHY)
+    tool_config_path: str | None = opt(None, "not supported: must be null (verl: the tools of multi-turn rollouts)",
+                                       unsupported=lambda v: v is not None)
+    custom_cls: DataClassConfig = section(DataClassConfig, "verl's dataset class of the user's")
+    datagen: DataClassConfig = section(DataClassConfig, "verl's prompt generator of the user's")
+    sampler: SamplerClassConfig = section(SamplerClassConfig, "verl's sampler class of the user's")
 
 
 def _global_micro_batch(per_gpu: str):
@@ -167,6 +251,12 @@ class OptimConfig:
                                         "different values is an error. null: grad_clip", gt=0)
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
+    optimizer: str = opt("AdamW", "the optimizer: AdamW only (verl may name another torch.optim class)",
+                         unsupported=_not("AdamW"))
+    optimizer_impl: str = opt("torch.optim", "the optimizer's module: torch.optim only (meshppo's AdamW is torch's)",
+                              unsupported=_not("torch.optim"))
+    override_optimizer_config: dict | None = opt(None, "not supported: must be null or empty (verl: more keyword "
+                                                       "arguments of the optimizer)", unsupported=bool)
 
     def __post_init__(self):
         # As verl's FSDPOptimizerConfig: a warmup_style replaces lr_scheduler_type. Its value moves
@@ -259,6 +349,60 @@ class FusedKernelOptions:
                                       "installed, else PyTorch (MESHPPO_LM_HEAD=torch forces it)")
 
 
+def _read_only_with(switch: str, why: str = ""):
+    """The `no_effect` reason of an option that verl reads only with `switch` on, which meshppo refuses."""
+    return f"read only with {switch}, which meshppo does not support{why}"
+
+
+_MOE_WHY = " (meshppo has no mixture-of-experts models)"
+
+
+@dataclass
+class TiledMLPConfig:
+    """verl's `model.tiled_mlp`: the MLP computed over the sequence in tiles (lower peak memory)."""
+
+    enabled: bool = opt(False, "not supported: must be false (verl: compute each MLP over num_shards sequence tiles)",
+                        unsupported=bool)
+    num_shards: int = opt(4, "verl: the tiles of tiled_mlp", ge=1, no_effect=_read_only_with("tiled_mlp.enabled"))
+
+
+_MTP_WHY = _read_only_with("mtp.enable")
+
+
+@dataclass
+class MtpConfig:
+    """verl's `mtp`: a multi-token-prediction head, trained and used as the draft of speculative
+    decoding."""
+
+    enable: bool = opt(False, "not supported: must be false (verl: the model's multi-token-prediction layers)",
+                       unsupported=bool)
+    enable_train: bool = opt(False, "not supported: must be false (verl: train the MTP layers)", unsupported=bool)
+    enable_rollout: bool = opt(False, "not supported: must be false (verl: speculative decoding with the MTP layers)",
+                               unsupported=bool)
+    detach_encoder: bool = opt(False, "verl: stop the MTP loss's gradient at the encoder", no_effect=_MTP_WHY)
+    mtp_loss_scaling_factor: float = opt(0.1, "verl: the MTP loss's weight", no_effect=_MTP_WHY)
+    speculative_algorithm: str = opt("EAGLE", "verl: the engine's speculative-decoding algorithm", no_effect=_MTP_WHY)
+    speculative_num_steps: int = opt(2, "verl: draft steps", no_effect=_MTP_WHY)
+    speculative_eagle_topk: int = opt(2, "verl: draft branches per step", no_effect=_MTP_WHY)
+    speculative_num_draft_tokens: int = opt(4, "verl: draft tokens verified at once", no_effect=_MTP_WHY)
+    method: str = opt("mtp", "verl: the speculative method's name", no_effect=_MTP_WHY)
+    num_speculative_tokens: int = opt(1, "verl: tokens drafted per step", no_effect=_MTP_WHY)
+
+
+@dataclass
+class RouterReplayConfig:
+    """verl's `router_replay`: record or replay a mixture-of-experts model's routing."""
+
+    mode: str = opt("disabled", "not supported: must be disabled" + _MOE_WHY, unsupported=_not("disabled"))
+    record_file: str | None = opt(None, "not supported: must be null" + _MOE_WHY, unsupported=lambda v: v is not None)
+    replay_file: str | None = opt(None, "not supported: must be null" + _MOE_WHY, unsupported=lambda v: v is not None)
+
+
+_SHM_WHY = ("meshppo reads the safetensors files where they are, memory-mapped, one tensor at a time (the page cache "
+            "shares them among a node's ranks): there is no copy to make")
+_FUSED_KERNELS_WHY = "meshppo's LM head always computes them so: chunk by chunk, with its own kernels"
+
+
 @dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
@@ -283,14 +427,22 @@ class ModelConfig:
                                               "adapter_model.safetensors); needs the same lora_rank, lora_alpha and "
                                               "target_modules")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
-    use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there",
-                        no_effect="meshppo reads the safetensors files where they are, memory-mapped, one tensor at "
-                                  "a time (the page cache shares them among a node's ranks): there is no copy to make")
+    use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
-                                         "from the hidden states, without the full logits",
-                                  no_effect="meshppo's LM head always computes them so: chunk by chunk, with its own "
-                                            "kernels")
+                                         "from the hidden states, without the full logits", no_effect=_FUSED_KERNELS_WHY)
     fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
+    tokenizer_path: str | None = opt(None, "verl's name of data.tokenizer (the tokenizer directory): setting both to "
+                                           "different directories is an error; null: data.tokenizer")
+    hf_config_path: str | None = opt(None, "not supported: must be null (verl: a config.json elsewhere than path; "
+                                           "meshppo reads path's)", unsupported=lambda v: v is not None)
+    exclude_modules: str | None = opt(None, "not supported: must be null (peft's modules kept out of target_modules; "
+                                            "list the projections in target_modules instead)",
+                                      unsupported=lambda v: v is not None)
+    use_liger: bool = opt(False, "verl: patch the Hugging Face model with Liger's fused kernels",
+                          no_effect="meshppo's model is its own (models/), not the Hugging Face classes Liger patches, "
+                                    "and has its own fused kernels")
+    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "verl's tiled MLP")
+    mtp: MtpConfig = section(MtpConfig, "verl's multi-token prediction")
 
     def __post_init__(self):
         if self.lora_rank:
@@ -443,6 +595,11 @@ class SharedProfilerConfig:
     save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
 
 
+def _data_loader_seed():
+    return opt(42, "verl: the seed of the shuffle of sequences into mini-batches (with shuffle)",
+               no_effect="meshppo seeds that shuffle with trainer.seed plus the step (a new order every step)")
+
+
 @dataclass
 class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
@@ -491,6 +648,21 @@ class ActorConfig:
                                               unsupported=_not(1))
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
+    rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
+    use_remove_padding: bool | None = opt(None, "verl's copy of model.use_remove_padding: must equal it; null: "
+                                                "model.use_remove_padding")
+    use_fused_kernels: bool = opt(False, "verl's copy of model.use_fused_kernels", no_effect=_FUSED_KERNELS_WHY)
+    data_loader_seed: int = _data_loader_seed()
+    freeze_vision_tower: bool = opt(False, "verl: keep a vision-language model's vision tower frozen",
+                                    no_effect="meshppo's models are text-only: there is no vision tower")
+    use_prefix_grouper: bool = opt(False, "not supported: must be false (verl: a group's responses share one "
+                                          "forward of their prompt in training)", unsupported=bool)
+    calculate_sum_pi_squared: bool = opt(False, "not supported: must be false (verl: each token's sum of squared "
+                                                "probabilities, for its optimal-token-baseline estimators)",
+                                         unsupported=bool)
+    sum_pi_squared_checkpointing: bool = opt(False, "verl: recompute the sum of squared probabilities in backward",
+                                             no_effect=_read_only_with("calculate_sum_pi_squared"))
+    router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
@@ -506,7 +678,7 @@ class ActorConfig:
 class RefConfig:
     strategy: str = opt("fsdp2", "backend of the reference model: fsdp or fsdp2 (both mean FSDP2 here)",
                         choices=("fsdp", "fsdp2"))
-    fsdp_config: FSDPOptions = section(FSDPOptions, "reference model FSDP2 settings")
+    fsdp_config: RefFSDPOptions = section(RefFSDPOptions, "reference model FSDP2 settings")
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the reference (global_profiler)")
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
     log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
@@ -520,6 +692,8 @@ class RefConfig:
                                               unsupported=_not(1))
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
+    rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
+    router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
 
 
 @dataclass
@@ -558,6 +732,104 @@ def _non_default(obj, keys) -> dict:
 def _shown(value):
     """A value as a config writes it: booleans lower-case."""
     return str(value).lower() if isinstance(value, bool) else value
+
+
+_SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its single-turn rollouts run in-process"
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    path: str | None = opt(None, "not supported: must be null (verl: a module of its own rollout server)",
+                           unsupported=lambda v: v is not None)
+    name: str | None = opt(None, "not supported: must be null (verl: the server class in path)",
+                           unsupported=lambda v: v is not None)
+
+
+@dataclass
+class AgentLoopConfig:
+    """verl's `rollout.agent`: the agent-loop workers of its async rollouts."""
+
+    num_workers: int = opt(8, "verl: agent-loop workers", ge=1, no_effect=_SERVERS_WHY)
+    default_agent_loop: str = opt("single_turn_agent", "verl's rollout loop: single_turn_agent only (meshppo's "
+                                                       "rollouts are single-turn)",
+                                  unsupported=_not("single_turn_agent"))
+    agent_loop_config_path: str | None = opt(None, "not supported: must be null (verl: agent loops of its own)",
+                                             unsupported=lambda v: v is not None)
+    custom_async_server: CustomAsyncServerConfig = section(CustomAsyncServerConfig, "verl's own rollout server")
+
+
+_MULTI_TURN_WHY = _read_only_with("multi_turn.enable")
+
+
+@dataclass
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn`: tool calls and interactions between turns."""
+
+    enable: bool = opt(False, "not supported: must be false (meshppo's rollouts are single-turn)", unsupported=bool)
+    max_assistant_turns: int | None = opt(None, "verl: assistant turns per rollout", no_effect=_MULTI_TURN_WHY)
+    max_user_turns: int | None = opt(None, "verl: user turns per rollout", no_effect=_MULTI_TURN_WHY)
+    tool_config_path: str | None = opt(None, "verl: the tools' config", no_effect=_MULTI_TURN_WHY)
+    interaction_config_path: str | None = opt(None, "verl: the interactions' config", no_effect=_MULTI_TURN_WHY)
+    max_parallel_calls: int = opt(1, "verl: tool calls per turn", no_effect=_MULTI_TURN_WHY)
+    max_tool_response_length: int = opt(256, "verl: a tool response's length limit", no_effect=_MULTI_TURN_WHY)
+    tool_response_truncate_side: str = opt("middle", "verl: where a long tool response is cut",
+                                           no_effect=_MULTI_TURN_WHY)
+    use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
+                                            no_effect=_MULTI_TURN_WHY)
+    tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
+                                              no_effect=_MULTI_TURN_WHY)
+    format: str = opt("hermes", "verl: the tool-call format", no_effect=_MULTI_TURN_WHY)
+    num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction", no_effect=_MULTI_TURN_WHY)
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """verl's `rollout.checkpoint_engine`: how the trained weights reach the rollout engine."""
+
+    backend: str = opt("naive", "naive only: the engine shares the trainer's GPUs and gets the weights in-process "
+                                "(meshppo's resharder)", unsupported=_not("naive"))
+    update_weights_bucket_megabytes: int = opt(2048, "verl: the size of a weight-transfer bucket", ge=1,
+                                               no_effect="meshppo's resharder moves the weights one layer's bucket "
+                                                         "at a time")
+    engine_kwargs: dict = opt(default_factory=dict, help="verl: arguments of the transfer backend",
+                              no_effect="meshppo's resharder has no backend to configure")
+
+
+_TRACE_WHY = _read_only_with("trace.backend")
+
+
+@dataclass
+class TraceConfig:
+    """verl's `rollout.trace`: rollouts traced to weave or mlflow."""
+
+    backend: str | None = opt(None, "not supported: must be null (verl: trace the rollouts to weave or mlflow; "
+                                    "meshppo writes them with trainer.rollout_data_dir)",
+                              unsupported=lambda v: v is not None)
+    token2text: bool = opt(False, "verl: decode the traced tokens", no_effect=_TRACE_WHY)
+    max_samples_per_step_per_worker: int | None = opt(None, "verl: traced samples per step and worker",
+                                                      no_effect=_TRACE_WHY)
+
+
+_PROMETHEUS_WHY = _read_only_with("prometheus.enable")
+
+
+@dataclass
+class PrometheusConfig:
+    """verl's `rollout.prometheus`: the rollout servers' metrics scraped by Prometheus."""
+
+    enable: bool = opt(False, "not supported: must be false (meshppo runs no rollout servers; its metrics go to "
+                              "trainer.logger)", unsupported=bool)
+    port: int = opt(9090, "verl: Prometheus's port", no_effect=_PROMETHEUS_WHY)
+    file: str = opt("/tmp/ray/session_latest/metrics/prometheus/prometheus.yml", "verl: Prometheus's config file",
+                    no_effect=_PROMETHEUS_WHY)
+    served_model_name: str | None = opt(None, "verl: the model's name in the metrics; null (or the model path, "
+                                              "verl's default): actor_rollout_ref.model.path",
+                                        no_effect=_PROMETHEUS_WHY)
+
+
+# verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
+# the sampling parameters' processing.
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 
 
 @dataclass
@@ -626,6 +898,47 @@ class RolloutConfig:
     val_kwargs: SamplingOverrides = section(SamplingOverrides, "sampling settings for validation")
     profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of generation (global_profiler); "
                                                                    "the actor's tool_config")
+    logprobs_mode: str = opt("processed_logprobs", "the kind of the engine's log-probs (vLLM's modes): "
+                                                   "processed_logprobs only, the log-softmax of the logits over the "
+                                                   "temperature (as meshppo's engine returns them; vLLM's also "
+                                                   "renormalised to top_k / top_p, meshppo's not: a start-up note "
+                                                   "says so)", choices=LOGPROBS_MODES,
+                             unsupported=_not("processed_logprobs"))
+    engine_kwargs: dict = opt(default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}},
+                              help="verl: more arguments of the vLLM, SGLang and TensorRT-LLM engines",
+                              no_effect="meshppo generates with its own engine, which takes none of them")
+    enable_prefix_caching: bool = opt(True, "verl: the engine's cache of prompt prefixes across requests",
+                                      no_effect="meshppo's engine prefills each prompt once for its n samples, which "
+                                                "share its KV blocks copy-on-write (rollout/block_manager.py); it "
+                                                "keeps no cache across prompts")
+    multi_stage_wake_up: bool = opt(False, "verl: bring the engine's weights back before its KV cache (lower peak "
+                                           "memory)",
+                                    no_effect="meshppo's engine always does: the weights come back at the reshard, "
+                                              "the KV cache when generation starts")
+    disable_log_stats: bool = opt(True, "verl: turn off the engine's periodic statistics log",
+                                  no_effect="meshppo's engine logs no such statistics (its timings are in the "
+                                            "step's metrics)")
+    skip_tokenizer_init: bool = opt(True, "verl: the engine loads no tokenizer (token ids in and out)",
+                                    no_effect="meshppo's engine never loads one: it takes and returns token ids")
+    scheduling_policy: str = opt("fcfs", "the engine's scheduling: fcfs only (meshppo's engine admits sequences "
+                                         "first come, first served)", choices=("fcfs", "priority"),
+                                 unsupported=_not("fcfs"))
+    over_sample_rate: float = opt(0.0, "not supported: must be 0 (verl: abort the last over_sample_rate of a "
+                                       "step's requests)", ge=0, le=1, unsupported=bool)
+    enable_rollout_routing_replay: bool = opt(False, "not supported: must be false" + _MOE_WHY, unsupported=bool)
+    quantization_config_file: str | None = opt(None, "not supported: must be null (meshppo's quantization is fp8 "
+                                                     "with scales computed at every reshard)",
+                                               unsupported=lambda v: v is not None)
+    skip_rollout: bool = opt(False, "not supported: must be false (verl: replay rollouts dumped in skip_dump_dir)",
+                             unsupported=bool)
+    skip_dump_dir: str = opt("/tmp/rollout_dump", "verl: the rollouts' dump of skip_rollout",
+                             no_effect=_read_only_with("skip_rollout"))
+    mtp: MtpConfig | None = opt(None, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
+    agent: AgentLoopConfig = section(AgentLoopConfig, "verl's agent loop")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "verl's multi-turn rollouts")
+    checkpoint_engine: CheckpointEngineConfig = section(CheckpointEngineConfig, "verl's weight transfer to the engine")
+    trace: TraceConfig = section(TraceConfig, "verl's rollout tracing")
+    prometheus: PrometheusConfig = section(PrometheusConfig, "verl's rollout-server metrics")
 
     @property
     def engine(self) -> str:
@@ -664,6 +977,10 @@ class CriticModelConfig:
                                                          "among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                                          "down_proj")
     fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
+    external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
+    trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
+    use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
+    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "verl's tiled MLP")
 
     def __post_init__(self):
         if self.lora_rank:
@@ -699,6 +1016,10 @@ class CriticConfig:
                                     choices=(*LOSS_AGG_MODES, None))
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
+    enable: bool | None = opt(None, "train a critic: must agree with algorithm.adv_estimator (meshppo trains one "
+                                    "exactly for gae); null: as adv_estimator says")
+    rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
+    data_loader_seed: int = _data_loader_seed()
     checkpoint: CheckpointConfig = section(CheckpointConfig, "what the critic's checkpoints hold and a resume loads "
                                                              "(saved with the actor's, in the same step directory)")
 
@@ -975,6 +1296,7 @@ class AlgorithmConfig:
     pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO's weights")
 
 
+_NO_RAY_WHY = "meshppo runs without Ray (torchrun launches it)"
 NCCL_TIMEOUT_S = 600
 """`trainer.nccl_timeout` when neither it nor `actor_rollout_ref.nccl_timeout` is set (verl's, torch's)."""
 
@@ -1033,6 +1355,23 @@ class TrainerConfig:
                                          "with a message naming the rank and the phase (the process groups' timeout; "
                                          "gloo too); null: actor_rollout_ref.nccl_timeout (verl's name), or "
                                          f"{NCCL_TIMEOUT_S} when that is null too", ge=1)
+    esi_redundant_time: int = opt(0, "verl: seconds before the cloud instance's expiry at which it saves a checkpoint",
+                                  ge=0, no_effect="meshppo reads no instance expiry: it saves on SIGTERM or SIGUSR1 "
+                                                  "(preemption_grace_s)")
+    default_hdfs_dir: str | None = opt(None, "not supported: must be null (verl: a copy of the checkpoints on HDFS)",
+                                       unsupported=lambda v: v is not None)
+    del_local_ckpt_after_load: bool = opt(False, "not supported: must be false (verl: delete the local checkpoint "
+                                                 "once loaded)", unsupported=bool)
+    ray_wait_register_center_timeout: int = opt(300, "verl: seconds to wait for Ray's register center",
+                                                no_effect=_NO_RAY_WHY)
+
+
+@dataclass
+class TransferQueueConfig:
+    """verl's `transfer_queue`: batches passed between its workers through a queue."""
+
+    enable: bool = opt(False, "verl: pass the batches through its transfer queue",
+                       no_effect="meshppo passes a step's batch between its phases in-process")
 
 
 @dataclass
@@ -1111,6 +1450,9 @@ class PPOConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and KL")
     trainer: TrainerConfig = section(TrainerConfig, "the run")
     global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profiling of chosen steps")
+    ray_kwargs: dict = opt(default_factory=lambda: {"ray_init": {"num_cpus": None}, "timeline_json_file": None},
+                           help="verl: the arguments of ray.init and Ray's timeline file", no_effect=_NO_RAY_WHY)
+    transfer_queue: TransferQueueConfig = section(TransferQueueConfig, "verl's transfer queue")
 
     def __post_init__(self):
         self.resolve()
@@ -1142,7 +1484,18 @@ class PPOConfig:
         self.trainer.nccl_timeout = next((v for v in (t, alias) if v is not None), NCCL_TIMEOUT_S)
         arr.nccl_timeout = None
 
+        _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
         inherit(d, "tokenizer", arr.model.path)
+        for key, obj in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
+            _copy_of(f"{key}.rollout_n", obj, "rollout_n", "actor_rollout_ref.rollout.n", rollout.n)
+        _copy_of("actor_rollout_ref.actor.use_remove_padding", actor, "use_remove_padding",
+                 "actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding)
+        if critic.enable is not None and critic.enable != self.uses_critic:
+            raise ConfigError(f"critic.enable={_shown(critic.enable)} with algorithm.adv_estimator="
+                              f"{self.algorithm.adv_estimator}: meshppo trains a critic exactly when adv_estimator is "
+                              "gae; leave critic.enable null")
+        if rollout.prometheus.served_model_name == arr.model.path:
+            rollout.prometheus.served_model_name = None  # verl's default names the model path
         inherit(d, "gen_batch_size", d.train_batch_size)
         inherit(rollout, "prompt_length", d.max_prompt_length)
         inherit(rollout, "response_length", d.max_response_length)
@@ -1199,6 +1552,27 @@ class PPOConfig:
         return self.actor_rollout_ref.rollout.prompt_length
 
 
+def _copy_of(key: str, obj, name: str, source: str, value) -> None:
+    """verl's copy `key` of option `source` (of value `value`): null or equal, then `value`."""
+    mine = getattr(obj, name)
+    if mine is not None and mine != value:
+        raise ConfigError(f"{key}={_shown(mine)} differs from {source}={_shown(value)}: it is verl's copy of that "
+                          "option; leave it null or set it the same")
+    setattr(obj, name, value)
+
+
+def _alias(key: str, obj, name: str, alias_key: str, alias_obj, alias_name: str) -> None:
+    """Option `key` and verl's other name of it, `alias_key`: the one that is set (both set to
+    different values is an error); the alias ends null, so a resolved config resolves to itself."""
+    value, alias = getattr(obj, name), getattr(alias_obj, alias_name)
+    if value is not None and alias is not None and value != alias:
+        raise ConfigError(f"{key}={value} and {alias_key}={alias}: both name the same setting; set one of them, or "
+                          "both the same")
+    if value is None:
+        setattr(obj, name, alias)
+    setattr(alias_obj, alias_name, None)
+
+
 def _validate_reward_model(rm: RewardModelConfig) -> None:
     if not rm.enable:
         return
@@ -1238,6 +1612,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rollout.name in SERVER_ENGINES:
         notes.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshppo generates with its own engine (native); "
                      f"{rollout.name} is not used, and the rollout options it shares with verl tune meshppo's engine")
+    if rollout.do_sample and rollout.temperature > 0 and (rollout.top_k > 0 or rollout.top_p < 1):
+        notes.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode} with top_k={rollout.top_k}, "
+                     f"top_p={rollout.top_p:g}: meshppo's engine log-probs are those of the whole softmax(logits / "
+                     "temperature); vLLM's are renormalised to the top-k / top-p tokens")
     if rollout.mode == "async":
         notes.append("actor_rollout_ref.rollout.mode=async: meshppo's engine runs in-process on every rank; the "
                      "single-turn rollouts are the same as with sync (verl's agent-loop servers are not used)")
