@@ -64,17 +64,18 @@ class FSDPOptions(FSDPConfig):
                                 "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
-    dtype: str = opt(_VERL_COMPUTE_DTYPE, "verl's compute dtype: its workers' parameter dtype where mixed_precision "
-                                          "does not give one. Another value than bfloat16 sets "
-                                          "mixed_precision.param_dtype (setting both to different dtypes is an "
-                                          "error)", choices=DTYPES)
+    dtype: str = opt(_VERL_COMPUTE_DTYPE, "verl's compute dtype, used where mixed_precision gives no param_dtype: "
+                                          "another value than bfloat16 sets mixed_precision.param_dtype when that is "
+                                          "at its default (bf16); a param_dtype set otherwise wins, as in verl",
+                     choices=DTYPES)
     strategy: str = opt("fsdp", "verl's engine backend: fsdp or fsdp2", choices=("fsdp", "fsdp2"),
                         no_effect="meshppo shards with FSDP2 whatever the strategy")
     forward_only: bool = opt(False, "verl: the engine runs forwards only (its reference's); the actor and the critic "
                                     "train: must be false", unsupported=bool)
     use_torch_compile: bool = opt(True, "verl: torch.compile the engine's entropy-from-logits function",
-                                  no_effect="meshppo's LM head computes the entropy with its own kernels (the "
-                                            "section's use_torch_compile compiles the transformer blocks)")
+                                  no_effect="meshppo's LM head computes the entropy with its own kernels "
+                                            "(actor.use_torch_compile and ref.use_torch_compile compile the "
+                                            "transformer blocks)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
                                               unsupported=_not(1))
     full_determinism: bool = opt(False, "not supported: must be false (verl: deterministic kernels, seeded by seed)",
@@ -91,19 +92,14 @@ class FSDPOptions(FSDPConfig):
         self._map_dtype()
 
     def _map_dtype(self):
-        """verl's `dtype` as `mixed_precision.param_dtype`: verl computes in `dtype` unless
-        mixed_precision names a param_dtype; meshppo's mixed_precision always has one (bf16, the
-        same default), so a `dtype` other than verl's default sets it, and a param_dtype of its
-        own that disagrees is an error."""
+        """verl's `dtype` as `mixed_precision.param_dtype`: verl computes in `dtype` where
+        mixed_precision gives no param_dtype. meshppo's always gives one, bf16 by default as verl's
+        `dtype`: a `dtype` other than that default replaces a param_dtype at its default; a
+        param_dtype of the user's wins (as verl's mixed_precision does)."""
         mp = self.mixed_precision
-        want = torch_dtype(self.dtype, "fsdp_config.dtype")
-        have = torch_dtype(mp.param_dtype, "fsdp_config.mixed_precision.param_dtype")
-        if want in (have, torch_dtype(_VERL_COMPUTE_DTYPE, "")):
-            return
-        if have != torch_dtype(MixedPrecisionConfig().param_dtype, ""):
-            raise ValueError(f"fsdp_config.dtype={self.dtype} and fsdp_config.mixed_precision.param_dtype="
-                             f"{mp.param_dtype}: both name the compute dtype; set one of them, or both the same")
-        mp.param_dtype = self.dtype
+        if (torch_dtype(self.dtype, "fsdp_config.dtype") != torch_dtype(_VERL_COMPUTE_DTYPE, "")
+                and torch_dtype(mp.param_dtype, "") == torch_dtype(MixedPrecisionConfig().param_dtype, "")):
+            mp.param_dtype = self.dtype
 
 
 @dataclass
@@ -429,7 +425,8 @@ class ModelConfig:
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
-                                         "from the hidden states, without the full logits", no_effect=_FUSED_KERNELS_WHY)
+                                         "from the hidden states, without the full logits",
+                                  no_effect=_FUSED_KERNELS_WHY)
     fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
     tokenizer_path: str | None = opt(None, "verl's name of data.tokenizer (the tokenizer directory): setting both to "
                                            "different directories is an error; null: data.tokenizer")
@@ -789,8 +786,7 @@ class CheckpointEngineConfig:
     backend: str = opt("naive", "naive only: the engine shares the trainer's GPUs and gets the weights in-process "
                                 "(meshppo's resharder)", unsupported=_not("naive"))
     update_weights_bucket_megabytes: int = opt(2048, "verl: the size of a weight-transfer bucket", ge=1,
-                                               no_effect="meshppo's resharder moves the weights one layer's bucket "
-                                                         "at a time")
+                                               no_effect="meshppo's resharder sizes its buckets itself, by layers")
     engine_kwargs: dict = opt(default_factory=dict, help="verl: arguments of the transfer backend",
                               no_effect="meshppo's resharder has no backend to configure")
 
@@ -914,7 +910,8 @@ class RolloutConfig:
     multi_stage_wake_up: bool = opt(False, "verl: bring the engine's weights back before its KV cache (lower peak "
                                            "memory)",
                                     no_effect="meshppo's engine always does: the weights come back at the reshard, "
-                                              "the KV cache when generation starts")
+                                              "the KV cache when generation starts, after the actor's training "
+                                              "states are offloaded")
     disable_log_stats: bool = opt(True, "verl: turn off the engine's periodic statistics log",
                                   no_effect="meshppo's engine logs no such statistics (its timings are in the "
                                             "step's metrics)")

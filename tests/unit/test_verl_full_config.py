@@ -1,0 +1,207 @@
+"""The options of verl's complete default config (its generated ppo_trainer.yaml) that its example
+scripts rarely set: each loads at verl's default without a note; set otherwise it is implemented
+(fsdp_config.dtype, model.tokenizer_path, verl's copies of rollout.n and model.use_remove_padding,
+critic.enable), said at start-up to change nothing, or refused naming the key."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from trainer.config import PPOConfig, config_notes
+from trainer.configlib import ConfigError, build_dataclass, load_config
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                    "demo.yaml")
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+
+def _cfg(*overrides):
+    return load_config(PPOConfig, DEMO, list(overrides))
+
+
+def _round_trips(cfg):
+    return dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(cfg))) == dataclasses.asdict(cfg)
+
+
+# verl's defaults as its generated ppo_trainer.yaml writes them (interpolations resolved against the demo:
+# rollout.n=8, model.use_remove_padding=true, model.path=runs/demo_assets/sft_model)
+VERL_DEFAULTS = [
+    f"{A}.optim.optimizer=AdamW", f"{A}.optim.optimizer_impl=torch.optim", f"{A}.optim.override_optimizer_config=null",
+    "critic.optim.optimizer=AdamW", "critic.optim.override_optimizer_config={}",
+    *(f"{s}.fsdp_config.{k}" for s in (A, "actor_rollout_ref.ref", "critic.model")
+      for k in ("dtype=bfloat16", "seed=42", "full_determinism=false", "ulysses_sequence_parallel_size=1",
+                "use_torch_compile=true", "strategy=fsdp")),
+    f"{A}.fsdp_config.forward_only=false", "actor_rollout_ref.ref.fsdp_config.forward_only=true",
+    "critic.model.fsdp_config.forward_only=false",
+    f"{A}.rollout_n=8", "actor_rollout_ref.ref.rollout_n=8", "critic.rollout_n=8", f"{A}.use_remove_padding=true",
+    f"{A}.use_fused_kernels=false", f"{A}.data_loader_seed=42", "critic.data_loader_seed=42",
+    f"{A}.freeze_vision_tower=false", f"{A}.use_prefix_grouper=false", f"{A}.calculate_sum_pi_squared=false",
+    f"{A}.sum_pi_squared_checkpointing=false", f"{A}.router_replay.mode=disabled",
+    "actor_rollout_ref.ref.router_replay.replay_file=null", "critic.enable=null",
+    "actor_rollout_ref.model.hf_config_path=null", "actor_rollout_ref.model.tokenizer_path=null",
+    "actor_rollout_ref.model.exclude_modules=null", "actor_rollout_ref.model.use_liger=false",
+    "actor_rollout_ref.model.tiled_mlp={enabled: false, num_shards: 4}", "critic.model.tiled_mlp.num_shards=4",
+    "actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.speculative_algorithm=EAGLE",
+    "critic.model.external_lib=null", "critic.model.trust_remote_code=false", "critic.model.use_shm=false",
+    f"{R}.engine_kwargs={{vllm: {{}}, sglang: {{}}, trtllm: {{}}}}", f"{R}.multi_stage_wake_up=false",
+    f"{R}.enable_prefix_caching=true", f"{R}.disable_log_stats=true", f"{R}.logprobs_mode=processed_logprobs",
+    f"{R}.scheduling_policy=fcfs", f"{R}.over_sample_rate=0", f"{R}.agent.num_workers=8",
+    f"{R}.agent.default_agent_loop=single_turn_agent", f"{R}.agent.custom_async_server.path=null",
+    f"{R}.multi_turn.enable=false", f"{R}.multi_turn.max_tool_response_length=256", f"{R}.multi_turn.format=hermes",
+    f"{R}.checkpoint_engine={{backend: naive, update_weights_bucket_megabytes: 2048, engine_kwargs: {{}}}}",
+    f"{R}.trace={{backend: null, token2text: false, max_samples_per_step_per_worker: null}}",
+    f"{R}.skip_rollout=false", f"{R}.skip_dump_dir=/tmp/rollout_dump", f"{R}.skip_tokenizer_init=true",
+    f"{R}.enable_rollout_routing_replay=false", f"{R}.quantization_config_file=null",
+    f"{R}.prometheus={{enable: false, port: 9090, served_model_name: runs/demo_assets/sft_model}}",
+    f"{R}.mtp={{enable: false, enable_train: false, num_speculative_tokens: 1}}",
+    "data.use_shm=false", "data.return_raw_input_ids=false", "data.image_key=images", "data.video_key=videos",
+    "data.image_patch_size=14", "data.return_multi_modal_inputs=true", "data.tool_config_path=null",
+    "data.custom_cls={path: null, name: null}", "data.datagen.path=null", "data.sampler.class_path=null",
+    "trainer.esi_redundant_time=0", "trainer.default_hdfs_dir=null", "trainer.del_local_ckpt_after_load=false",
+    "trainer.ray_wait_register_center_timeout=300",
+    "ray_kwargs={ray_init: {num_cpus: null}, timeline_json_file: null}", "transfer_queue.enable=false",
+]
+
+
+def test_verls_defaults_load_without_notes_and_change_nothing():
+    plain, cfg = _cfg(), _cfg(*VERL_DEFAULTS)
+    assert config_notes(cfg) == config_notes(plain) == []
+    assert _round_trips(cfg)
+    # verl's copies and aliases resolve away: the config is the demo's, but for two values that read as
+    # their defaults (verl's copy of model.mtp, and an empty override_optimizer_config for null)
+    assert cfg.actor_rollout_ref.rollout.mtp == cfg.actor_rollout_ref.model.mtp
+    cfg.actor_rollout_ref.rollout.mtp, cfg.critic.optim.override_optimizer_config = None, None
+    assert dataclasses.asdict(cfg) == dataclasses.asdict(plain)
+
+
+@pytest.mark.parametrize("override", [
+    f"{A}.optim.optimizer=SGD", "critic.optim.optimizer_impl=bitsandbytes.optim",
+    f"{A}.optim.override_optimizer_config={{foreach: false}}",
+    f"{A}.fsdp_config.full_determinism=true", "critic.model.fsdp_config.ulysses_sequence_parallel_size=2",
+    f"{A}.fsdp_config.forward_only=true", "actor_rollout_ref.ref.fsdp_config.forward_only=false",
+    f"{A}.use_prefix_grouper=true", f"{A}.calculate_sum_pi_squared=true", f"{A}.router_replay.mode=R3",
+    "actor_rollout_ref.ref.router_replay.record_file=r.pt",
+    "actor_rollout_ref.model.hf_config_path=/cfg", "actor_rollout_ref.model.exclude_modules=.*visual.*",
+    "actor_rollout_ref.model.tiled_mlp.enabled=true", "critic.model.tiled_mlp.enabled=true",
+    "actor_rollout_ref.model.mtp.enable=true", f"{R}.mtp.enable_rollout=true",
+    "critic.model.external_lib=my_lib", "critic.model.trust_remote_code=true",
+    f"{R}.logprobs_mode=raw_logprobs", f"{R}.logprobs_mode=processed_logits", f"{R}.scheduling_policy=priority",
+    f"{R}.over_sample_rate=0.1", f"{R}.agent.default_agent_loop=tool_agent", f"{R}.agent.agent_loop_config_path=a.yaml",
+    f"{R}.agent.custom_async_server.path=srv.py", f"{R}.multi_turn.enable=true", f"{R}.checkpoint_engine.backend=nccl",
+    f"{R}.trace.backend=weave", f"{R}.skip_rollout=true", f"{R}.enable_rollout_routing_replay=true",
+    f"{R}.quantization_config_file=q.json", f"{R}.prometheus.enable=true",
+    "data.tool_config_path=tools.yaml", "data.custom_cls.path=ds.py", "data.datagen.path=gen.py",
+    "data.sampler.class_path=sampler.py", "trainer.default_hdfs_dir=hdfs://x", "trainer.del_local_ckpt_after_load=true",
+])
+def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
+    key, value = override.split("=", 1)
+    with pytest.raises(ConfigError) as e:
+        _cfg(override)
+    assert str(e.value).startswith(f"{key}=") and str(e.value).endswith("is not supported by meshppo"), str(e.value)
+
+
+@pytest.mark.parametrize("override, note", [
+    (f"{A}.fsdp_config.seed=7", f"{A}.fsdp_config.seed=7 has no effect: read only with full_determinism, which "
+                                "meshppo does not support (trainer.seed seeds the run)"),
+    ("critic.model.fsdp_config.strategy=fsdp2", "critic.model.fsdp_config.strategy=fsdp2 has no effect: meshppo "
+                                                "shards with FSDP2 whatever the strategy"),
+    ("actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
+     "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false has no effect: meshppo's LM head computes the entropy "
+     "with its own kernels (actor.use_torch_compile and ref.use_torch_compile compile the transformer blocks)"),
+    (f"{A}.data_loader_seed=3", f"{A}.data_loader_seed=3 has no effect: meshppo seeds that shuffle with trainer.seed "
+                                "plus the step (a new order every step)"),
+    (f"{A}.freeze_vision_tower=true", f"{A}.freeze_vision_tower=true has no effect: meshppo's models are text-only: "
+                                      "there is no vision tower"),
+    (f"{A}.use_fused_kernels=true", f"{A}.use_fused_kernels=true has no effect: meshppo's LM head always computes "
+                                    "them so: chunk by chunk, with its own kernels"),
+    ("actor_rollout_ref.model.use_liger=true", "actor_rollout_ref.model.use_liger=true has no effect: meshppo's model "
+     "is its own (models/), not the Hugging Face classes Liger patches, and has its own fused kernels"),
+    ("actor_rollout_ref.model.tiled_mlp.num_shards=8", "actor_rollout_ref.model.tiled_mlp.num_shards=8 has no effect: "
+     "read only with tiled_mlp.enabled, which meshppo does not support"),
+    (f"{R}.enable_prefix_caching=false", f"{R}.enable_prefix_caching=false has no effect: meshppo's engine prefills "
+     "each prompt once for its n samples, which share its KV blocks copy-on-write (rollout/block_manager.py); it "
+     "keeps no cache across prompts"),
+    (f"{R}.engine_kwargs.vllm={{swap_space: 4}}",  # a dotted key into a dict field replaces the dict
+     f"{R}.engine_kwargs={{'vllm': {{'swap_space': 4}}}} has no effect: meshppo generates with its own engine, which "
+     "takes none of them"),
+    (f"{R}.multi_stage_wake_up=true", f"{R}.multi_stage_wake_up=true has no effect: meshppo's engine always does: the "
+     "weights come back at the reshard, the KV cache when generation starts, after the actor's training states are "
+     "offloaded"),
+    (f"{R}.multi_turn.max_user_turns=3", f"{R}.multi_turn.max_user_turns=3 has no effect: read only with "
+     "multi_turn.enable, which meshppo does not support"),
+    (f"{R}.agent.num_workers=2", f"{R}.agent.num_workers=2 has no effect: meshppo runs no agent-loop servers or "
+                                 "workers: its single-turn rollouts run in-process"),
+    (f"{R}.prometheus.served_model_name=policy", f"{R}.prometheus.served_model_name=policy has no effect: read only "
+     "with prometheus.enable, which meshppo does not support"),
+    ("data.image_key=pixels", "data.image_key=pixels has no effect: meshppo's models are text-only: it reads no "
+                              "images or videos"),
+    ("trainer.esi_redundant_time=600", "trainer.esi_redundant_time=600 has no effect: meshppo reads no instance "
+                                       "expiry: it saves on SIGTERM or SIGUSR1 (preemption_grace_s)"),
+    ("ray_kwargs.ray_init.num_cpus=8",
+     "ray_kwargs={'ray_init': {'num_cpus': 8}} has no effect: meshppo runs without Ray (torchrun launches it)"),
+    ("transfer_queue.enable=true", "transfer_queue.enable=true has no effect: meshppo passes a step's batch between "
+                                   "its phases in-process"),
+])
+def test_inert_options_say_so_when_set(override, note):
+    assert config_notes(_cfg(override)) == [note]
+
+
+def test_fsdp_dtype_is_the_compute_dtype():
+    """verl computes in fsdp_config.dtype where mixed_precision gives no param_dtype: meshppo's
+    param_dtype at its default (bf16, verl's dtype default) takes it; a param_dtype of the user's
+    wins over dtype, as verl's mixed_precision does."""
+    fc = _cfg("critic.model.fsdp_config.dtype=float32").critic.model.fsdp_config  # the demo's critic: defaults
+    assert fc.mixed_precision.param_dtype == "float32" and fc.param_torch_dtype == torch.float32
+    assert _round_trips(_cfg("critic.model.fsdp_config.dtype=fp32"))
+    # the demo sets param_dtype fp32: it wins over verl's default dtype, and the same dtype agrees with it
+    for dtype in ("bfloat16", "fp32"):
+        fc = _cfg(f"actor_rollout_ref.ref.fsdp_config.dtype={dtype}").actor_rollout_ref.ref.fsdp_config
+        assert fc.mixed_precision.param_dtype == "fp32"
+    # without a dtype of verl's other than its default, meshppo's bf16 stays
+    assert _cfg().critic.model.fsdp_config.param_torch_dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config: fsdp_config.dtype='float16' is not "
+                                          "supported: fp16 needs loss scaling"):
+        _cfg(f"{A}.fsdp_config.dtype=float16")
+
+
+def test_model_tokenizer_path_is_data_tokenizer():
+    cfg = _cfg("actor_rollout_ref.model.tokenizer_path=/tok")
+    assert (cfg.data.tokenizer, cfg.actor_rollout_ref.model.tokenizer_path, cfg.critic.model.tokenizer_path) == \
+        ("/tok", None, "/tok")
+    assert _round_trips(cfg)
+    assert _cfg("data.tokenizer=/tok", "actor_rollout_ref.model.tokenizer_path=/tok").data.tokenizer == "/tok"
+    with pytest.raises(ConfigError, match="data.tokenizer=/a and actor_rollout_ref.model.tokenizer_path=/b: both name"):
+        _cfg("data.tokenizer=/a", "actor_rollout_ref.model.tokenizer_path=/b")
+
+
+@pytest.mark.parametrize("override, message", [
+    (f"{A}.rollout_n=4", f"{A}.rollout_n=4 differs from {R}.n=8: it is verl's copy"),
+    ("actor_rollout_ref.ref.rollout_n=1", f"actor_rollout_ref.ref.rollout_n=1 differs from {R}.n=8"),
+    ("critic.rollout_n=2", f"critic.rollout_n=2 differs from {R}.n=8"),
+    (f"{A}.use_remove_padding=false", f"{A}.use_remove_padding=false differs from "
+                                      "actor_rollout_ref.model.use_remove_padding=true"),
+    ("critic.enable=true", "critic.enable=true with algorithm.adv_estimator=grpo: meshppo trains a critic exactly when "
+                           "adv_estimator is gae"),
+])
+def test_verls_copies_must_agree(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(override)
+
+
+def test_verls_copies_follow_their_option():
+    cfg = _cfg(f"{R}.n=4", "algorithm.adv_estimator=gae", "critic.enable=true",
+               "actor_rollout_ref.model.use_remove_padding=false")
+    arr = cfg.actor_rollout_ref
+    assert (arr.actor.rollout_n, arr.ref.rollout_n, cfg.critic.rollout_n, arr.actor.use_remove_padding) == \
+        (4, 4, 4, False)
+    assert _cfg("algorithm.adv_estimator=gae", "critic.enable=null").uses_critic
+    assert _round_trips(cfg)
+
+
+def test_truncated_sampling_notes_the_log_probs_differ_from_vllms():
+    assert config_notes(_cfg(f"{R}.top_p=0.9")) == [
+        f"{R}.logprobs_mode=processed_logprobs with top_k=-1, top_p=0.9: meshppo's engine log-probs are those of the "
+        "whole softmax(logits / temperature); vLLM's are renormalised to the top-k / top-p tokens"]
+    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.do_sample=false")) == []  # greedy: nothing is truncated
