@@ -930,7 +930,7 @@ class RolloutConfig:
                              unsupported=bool)
     skip_dump_dir: str = opt("/tmp/rollout_dump", "verl: the rollouts' dump of skip_rollout",
                              no_effect=_read_only_with("skip_rollout"))
-    mtp: MtpConfig | None = opt(None, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
+    mtp: MtpConfig = section(MtpConfig, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
     agent: AgentLoopConfig = section(AgentLoopConfig, "verl's agent loop")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "verl's multi-turn rollouts")
     checkpoint_engine: CheckpointEngineConfig = section(CheckpointEngineConfig, "verl's weight transfer to the engine")
