@@ -898,7 +898,7 @@ class RolloutConfig:
                                                    "processed_logprobs only, the log-softmax of the logits over the "
                                                    "temperature (as meshppo's engine returns them; vLLM's also "
                                                    "renormalised to top_k / top_p, meshppo's not: a start-up note "
-                                                   "says so)", choices=LOGPROBS_MODES,
+                                                   "says so where they are read)", choices=LOGPROBS_MODES,
                              unsupported=_not("processed_logprobs"))
     engine_kwargs: dict = opt(default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}},
                               help="verl: more arguments of the vLLM, SGLang and TensorRT-LLM engines",
@@ -1609,7 +1609,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rollout.name in SERVER_ENGINES:
         notes.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshppo generates with its own engine (native); "
                      f"{rollout.name} is not used, and the rollout options it shares with verl tune meshppo's engine")
-    if rollout.do_sample and rollout.temperature > 0 and (rollout.top_k > 0 or rollout.top_p < 1):
+    rc = cfg.algorithm.rollout_correction
+    engine_log_probs = rollout.calculate_log_probs or rc.bypass_mode or rc.rollout_is is not None or bool(rc.rejection)
+    if engine_log_probs and rollout.do_sample and rollout.temperature > 0 and (rollout.top_k > 0 or rollout.top_p < 1):
         notes.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode} with top_k={rollout.top_k}, "
                      f"top_p={rollout.top_p:g}: meshppo's engine log-probs are those of the whole softmax(logits / "
                      "temperature); vLLM's are renormalised to the top-k / top-p tokens")

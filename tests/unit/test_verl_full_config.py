@@ -200,7 +200,10 @@ def test_verls_copies_follow_their_option():
 
 
 def test_truncated_sampling_notes_the_log_probs_differ_from_vllms():
-    assert config_notes(_cfg(f"{R}.top_p=0.9")) == [
+    """Where the engine's log-probs are read (here by calculate_log_probs)."""
+    assert config_notes(_cfg(f"{R}.top_p=0.9")) == []
+    assert config_notes(_cfg(f"{R}.top_p=0.9", f"{R}.calculate_log_probs=true")) == [
         f"{R}.logprobs_mode=processed_logprobs with top_k=-1, top_p=0.9: meshppo's engine log-probs are those of the "
         "whole softmax(logits / temperature); vLLM's are renormalised to the top-k / top-p tokens"]
-    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.do_sample=false")) == []  # greedy: nothing is truncated
+    # greedy: nothing is truncated
+    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.do_sample=false", f"{R}.calculate_log_probs=true")) == []
