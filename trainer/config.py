@@ -432,9 +432,9 @@ class ModelConfig:
                                            "different directories is an error; null: data.tokenizer")
     hf_config_path: str | None = opt(None, "not supported: must be null (verl: a config.json elsewhere than path; "
                                            "meshppo reads path's)", unsupported=lambda v: v is not None)
-    exclude_modules: str | None = opt(None, "not supported: must be null (peft's modules kept out of target_modules; "
-                                            "list the projections in target_modules instead)",
-                                      unsupported=lambda v: v is not None)
+    exclude_modules: str | list[str] | None = opt(None, "not supported: must be null (peft's modules kept out of "
+                                                        "target_modules; list the projections in target_modules "
+                                                        "instead)", unsupported=lambda v: v is not None)
     use_liger: bool = opt(False, "verl: patch the Hugging Face model with Liger's fused kernels",
                           no_effect="meshppo's model is its own (models/), not the Hugging Face classes Liger patches, "
                                     "and has its own fused kernels")

@@ -83,6 +83,7 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     f"{A}.use_prefix_grouper=true", f"{A}.calculate_sum_pi_squared=true", f"{A}.router_replay.mode=R3",
     "actor_rollout_ref.ref.router_replay.record_file=r.pt",
     "actor_rollout_ref.model.hf_config_path=/cfg", "actor_rollout_ref.model.exclude_modules=.*visual.*",
+    "actor_rollout_ref.model.exclude_modules=[o_proj]",
     "actor_rollout_ref.model.tiled_mlp.enabled=true", "critic.model.tiled_mlp.enabled=true",
     "actor_rollout_ref.model.mtp.enable=true", f"{R}.mtp.enable_rollout=true",
     "critic.model.external_lib=my_lib", "critic.model.trust_remote_code=true",
