@@ -579,6 +579,24 @@ class RoleProfilerConfig:
 
 
 @dataclass
+class RewardManagerModuleConfig:
+    path: str | None = opt(None, "verl: the file of a reward-manager class", no_effect="read only with source importlib")
+    name: str = opt("custom_reward_manager", "verl: the class in that file", no_effect="read only with source importlib")
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's top-level `reward_manager` section, its newer home of `reward_model.reward_manager`."""
+
+    source: str = opt("register", "register only: name is one of meshppo's managers (verl's importlib loads a verl "
+                                  "manager class, which works on verl's DataProto)", choices=("register", "importlib"),
+                      unsupported=_not("register"))
+    name: str | None = opt(None, "the reward manager: reward_model.reward_manager's newer name in verl (set one of "
+                                 "them, or both the same); null: that option", choices=(*REWARD_MANAGERS, None))
+    module: RewardManagerModuleConfig = section(RewardManagerModuleConfig, "verl: a reward-manager class to import")
+
+
+@dataclass
 class SharedProfilerConfig:
     """verl's `profiler` of a role that takes the actor's tool settings (`tool_config`, as in verl)."""
 
@@ -590,6 +608,8 @@ class SharedProfilerConfig:
     ranks: list[int] | None = opt(None, "the ranks to profile (empty, without all_ranks: rank 0); null: rollout: "
                                         "the actor's, reward_model: []", ge=0)
     save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
+    tool_config: ProfilerToolConfigs | None = opt(None, "verl's copy of actor_rollout_ref.actor.profiler.tool_config "
+                                                        "(which this role uses): null or the same")
 
 
 def _data_loader_seed():
@@ -1140,11 +1160,12 @@ class RewardModelConfig:
                                                    "tensor_model_parallel_size, gpu_memory_utilization, ...)",
                         no_effect="meshppo runs the reward model as an FSDP2 forward on the training ranks")
     sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
-    reward_manager: str = opt("naive", "how the rule reward calls the reward function, as verl's managers do: naive: "
-                                       "once per response; dapo: naive plus DAPO's overlong penalty (reward_kwargs); "
-                                       "batch: once per batch, with lists; prime: once per response in worker "
-                                       "processes, 300 s per call, a failed call scoring 0",
-                              choices=REWARD_MANAGERS)
+    reward_manager: str | None = opt(None, "how the rule reward calls the reward function, as verl's managers do: "
+                                           "naive: once per response; dapo: naive plus DAPO's overlong penalty "
+                                           "(reward_kwargs); batch: once per batch, with lists; prime: once per "
+                                           "response in worker processes, 300 s per call, a failed call scoring 0. "
+                                           "verl's newer name: reward_manager.name; null: that, or naive",
+                                     choices=(*REWARD_MANAGERS, None))
     reward_kwargs: dict = opt(default_factory=dict, help="the reward manager's arguments, as verl passes them: dapo: "
                                                           "max_resp_len and overlong_buffer_cfg {enable, len, "
                                                           "penalty_factor, log}; batch: keywords added to every call "
@@ -1153,9 +1174,6 @@ class RewardModelConfig:
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
     profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of the reward model "
                                                                    "(global_profiler); the actor's tool_config")
-
-    def __post_init__(self):
-        self.manager_kwargs()  # checked as the config loads
 
     def manager_kwargs(self) -> dict:
         """`reward_kwargs` as the manager takes them (`rewards.load_reward_manager`): dapo's typed,
@@ -1447,6 +1465,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and KL")
     trainer: TrainerConfig = section(TrainerConfig, "the run")
     global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profiling of chosen steps")
+    reward_manager: RewardManagerConfig = section(RewardManagerConfig, "verl's newer section of the reward manager")
     ray_kwargs: dict = opt(default_factory=lambda: {"ray_init": {"num_cpus": None}, "timeline_json_file": None},
                            help="verl: the arguments of ray.init and Ray's timeline file", no_effect=_NO_RAY_WHY)
     transfer_queue: TransferQueueConfig = section(TransferQueueConfig, "verl's transfer queue")
@@ -1482,6 +1501,13 @@ class PPOConfig:
         arr.nccl_timeout = None
 
         _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
+        rm = self.reward_model
+        _alias("reward_model.reward_manager", rm, "reward_manager", "reward_manager.name", self.reward_manager, "name")
+        inherit(rm, "reward_manager", "naive")
+        rm.manager_kwargs()  # reward_kwargs checked against the manager they go to
+        for key, role in (("actor_rollout_ref.rollout", rollout), ("reward_model", rm)):
+            _copy_of(f"{key}.profiler.tool_config", role.profiler, "tool_config",
+                     "actor_rollout_ref.actor.profiler.tool_config", actor.profiler.tool_config)
         inherit(d, "tokenizer", arr.model.path)
         for key, obj in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
             _copy_of(f"{key}.rollout_n", obj, "rollout_n", "actor_rollout_ref.rollout.n", rollout.n)

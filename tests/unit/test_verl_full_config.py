@@ -208,3 +208,35 @@ def test_truncated_sampling_notes_the_log_probs_differ_from_vllms():
         "whole softmax(logits / temperature); vLLM's are renormalised to the top-k / top-p tokens"]
     # greedy: nothing is truncated
     assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.do_sample=false", f"{R}.calculate_log_probs=true")) == []
+
+
+def test_verls_reward_manager_section_names_the_manager():
+    """verl's top-level reward_manager.name is the newer name of reward_model.reward_manager: either
+    sets it (the reward kwargs are then checked against it), both set the same load, both set
+    otherwise is an error; neither: naive. Its importlib source (a verl manager class) is refused."""
+    kwargs = ["+reward_model.reward_kwargs.max_resp_len=8"]
+    cfg = _cfg("reward_manager.name=dapo", *kwargs)
+    assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_manager.name is None and _round_trips(cfg)
+    assert _cfg("reward_model.reward_manager=dapo", "reward_manager.name=dapo", *kwargs).reward_model.reward_manager \
+        == "dapo"
+    assert _cfg().reward_model.reward_manager == "naive"
+    with pytest.raises(ConfigError, match="reward_model.reward_manager=batch and reward_manager.name=dapo: both name "
+                                          "the same setting"):
+        _cfg("reward_model.reward_manager=batch", "reward_manager.name=dapo")
+    with pytest.raises(ConfigError, match=r"reward_model.reward_kwargs is set \(max_resp_len\) but "
+                                          "reward_manager=naive takes none"):
+        _cfg(*kwargs)
+    with pytest.raises(ConfigError, match="reward_manager.source='importlib' is not supported"):
+        _cfg("reward_manager.source=importlib")
+    assert "reward_manager.module.path=/x.py has no effect: read only with source importlib" in \
+        config_notes(_cfg("reward_manager.module.path=/x.py"))
+
+
+def test_the_rollout_and_reward_model_profilers_tool_config_is_verls_copy_of_the_actors():
+    same = {"torch": {"contents": ["cuda"], "discrete": False}}
+    cfg = _cfg(f"{A}.profiler.tool_config={same}", f"{R}.profiler.tool_config={same}",
+               f"reward_model.profiler.tool_config={same}")
+    assert cfg.actor_rollout_ref.rollout.profiler.tool_config == cfg.actor_rollout_ref.actor.profiler.tool_config
+    assert _round_trips(cfg)
+    with pytest.raises(ConfigError, match=f"{R}.profiler.tool_config=.* differs from {A}.profiler.tool_config"):
+        _cfg(f"{R}.profiler.tool_config={{torch: {{contents: [cpu]}}}}")
