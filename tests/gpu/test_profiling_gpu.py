@@ -6,12 +6,15 @@ import gzip
 import json
 import pickle
 
+import pytest
 import torch
 
 from trainer.config import PPOConfig
 from trainer.configlib import load_config
 from trainer.profiling import StepProfiler, profile_plan
 from trainer.tracking import Timer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CUDA = torch.device("cuda", 0)
 
