@@ -1502,6 +1502,8 @@ class PPOConfig:
 
         _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
         rm = self.reward_model
+        if rm.model.input_tokenizer == ACTOR_MODEL_PATH:  # verl's interpolation, as a config file would resolve it
+            rm.model.input_tokenizer = arr.model.path
         _alias("reward_model.reward_manager", rm, "reward_manager", "reward_manager.name", self.reward_manager, "name")
         inherit(rm, "reward_manager", "naive")
         rm.manager_kwargs()  # reward_kwargs checked against the manager they go to

@@ -122,7 +122,8 @@ class PPOTrainer:
         rule = not rm_cfg.enable or rm_cfg.combine == "add"
         # the reward model, checked before any data or model loads; with its own chat rendering
         # (verl's default) every prompt must be chat messages, checked as the rows load
-        self.rm_inputs = reward_model_inputs(rm_cfg, self.tokenizer) if rm_cfg.enable else None
+        self.rm_inputs = (reward_model_inputs(rm_cfg, self.tokenizer, cfg.actor_rollout_ref.model.path)
+                          if rm_cfg.enable else None)
         chat_prompts_for = None if self.rm_inputs is None else (
             "reward_model.model.input_tokenizer is set (verl's default), so the reward model reads each prompt's "
             "messages and the response rendered with its own chat template; store chat messages, or set "

@@ -115,10 +115,11 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def reward_model_inputs(rm, actor_tokenizer):
+def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
     """Checks the reward model (`reward_model`'s options) before any model loads, and returns how
     its inputs are made: `RewardModelInputs` rendering each chat with the reward model's own
-    tokenizer and template (`model.input_tokenizer` set, verl's default), or None when it reads the
+    tokenizer and template (`model.input_tokenizer` set, verl's default: the actor's model path,
+    `actor_path`, which means `actor_tokenizer`), or None when it reads the
     actor's token ids as they are (`input_tokenizer` null: it must then share the actor's
     vocabulary). Every model needs a trained score head: a causal-LM checkpoint has none, and the
     value head that a critic may start at zero would make every reward 0."""
@@ -156,7 +157,7 @@ def reward_model_inputs(rm, actor_tokenizer):
                         "input_tokenizer=null to give it the actor's token ids")
     if len(rm_tokenizer) > vocab:
         raise UserError(f"{key}: its tokenizer has {len(rm_tokenizer)} token ids but the model embeds {vocab}")
-    if src == ACTOR_MODEL_PATH:
+    if src in (ACTOR_MODEL_PATH, actor_path):
         src_tokenizer = actor_tokenizer
     elif not os.path.isdir(src) or not any(os.path.isfile(os.path.join(src, f)) for f in TOKENIZER_FILES):
         raise UserError(f"reward_model.model.input_tokenizer {src!r} is not a directory holding a tokenizer (one of "

@@ -105,14 +105,13 @@ def test_a_checkpoint_from_before_the_reward_model_section_ran_with_the_actors_t
     """Before `reward_model.model` (verl's layout) the path was `reward_model.path` and the reward
     model read the actor's token ids: such a checkpoint resumes under input_tokenizer=null and the
     same path, and a run now at verl's default (its own chat rendering) is told what changed."""
-    from trainer.config import ACTOR_MODEL_PATH
-
     old = dataclasses.asdict(PPOConfig())
     old["reward_model"] = {k: v for k, v in old["reward_model"].items() if k != "model"} | {"path": "/rm"}
     current = PPOConfig()
     current.reward_model.model.path = "/rm"
+    current.reward_model.model.input_tokenizer = "/actor"  # verl's default: the actor's model path
     assert run_differences(old, dataclasses.asdict(current)) == [
-        ("reward_model.model.input_tokenizer", None, ACTOR_MODEL_PATH)]
+        ("reward_model.model.input_tokenizer", None, "/actor")]
     current.reward_model.model.input_tokenizer = None
     assert run_differences(old, dataclasses.asdict(current)) == []
 

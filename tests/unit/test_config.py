@@ -446,7 +446,9 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
                "reward_model.model.fsdp_config.param_offload=true", "reward_model.max_length=512")
     validate(cfg)
     assert cfg.reward_model.model.path == "/rm" and cfg.reward_model.max_length == 512
-    assert cfg.reward_model.model.input_tokenizer == "${actor_rollout_ref.model.path}"
+    # verl's default, the interpolation ${actor_rollout_ref.model.path}, resolved as a config file resolves it
+    assert cfg.reward_model.model.input_tokenizer == cfg.actor_rollout_ref.model.path
+    assert dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(cfg))) == dataclasses.asdict(cfg)
     assert not cfg.reward_model.model.use_remove_padding and cfg.reward_model.model.fsdp_config.param_offload
     notes = [n for n in config_notes(cfg) if n.startswith("reward_model.")]
     assert notes == ["reward_model.num_workers=8 has no effect: meshppo scores on every training rank, without "
