@@ -15,7 +15,12 @@ from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
-from trainer.configlib import ConfigError, build_dataclass, opt, section
+from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
+from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
+from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig, MultiTurnConfig,
+                                 PrometheusConfig, RewardManagerConfig, RouterReplayConfig, SamplerClassConfig,
+                                 SandboxFusionConfig, TiledMLPConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
+                                 read_only_with)
 from trainer.profiling import profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
@@ -25,10 +30,6 @@ from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
 from sharding.mesh import ParallelDims
 
 DTYPES = tuple(torch_dtypes())
-
-
-def _not(value):
-    return lambda v: v != value
 
 
 # Why verl's entropy options change nothing here: meshppo's LM head (models/lm_head.py) never
@@ -77,7 +78,7 @@ class FSDPOptions(FSDPConfig):
                                             "(actor.use_torch_compile and ref.use_torch_compile compile the "
                                             "transformer blocks)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=_not(1))
+                                              unsupported=other_than(1))
     full_determinism: bool = opt(False, "not supported: must be false (verl: deterministic kernels, seeded by seed)",
                                  unsupported=bool)
     seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="read only with full_determinism, which "
@@ -111,26 +112,6 @@ class RefFSDPOptions(FSDPOptions):
 
 
 _TEXT_ONLY_WHY = "meshppo's models are text-only: it reads no images or videos"
-
-
-@dataclass
-class DataClassConfig:
-    """verl's `data.custom_cls` and `data.datagen`: a class of the user's from a file."""
-
-    path: str | None = opt(None, "not supported: must be null (meshppo reads the prompts with its own dataset)",
-                           unsupported=lambda v: v is not None)
-    name: str | None = opt(None, "verl: the class in path", no_effect="read only with path, which meshppo does not "
-                                                                     "support")
-
-
-@dataclass
-class SamplerClassConfig:
-    """verl's `data.sampler`: a sampler class of the user's (curricula)."""
-
-    class_path: str | None = opt(None, "not supported: must be null (meshppo orders the prompts by shuffle and seed)",
-                                 unsupported=lambda v: v is not None)
-    class_name: str | None = opt(None, "verl: the class in class_path",
-                                 no_effect="read only with class_path, which meshppo does not support")
 
 
 @dataclass
@@ -248,9 +229,9 @@ class OptimConfig:
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
     optimizer: str = opt("AdamW", "the optimizer: AdamW only (verl may name another torch.optim class)",
-                         unsupported=_not("AdamW"))
+                         unsupported=other_than("AdamW"))
     optimizer_impl: str = opt("torch.optim", "the optimizer's module: torch.optim only (meshppo's AdamW is torch's)",
-                              unsupported=_not("torch.optim"))
+                              unsupported=other_than("torch.optim"))
     override_optimizer_config: dict | None = opt(None, "not supported: must be null or empty (verl: more keyword "
                                                        "arguments of the optimizer)", unsupported=bool)
 
@@ -343,55 +324,6 @@ class FusedKernelOptions:
                             choices=("torch", "triton"),
                             no_effect="meshppo's LM head picks its kernels itself: Triton on CUDA when triton is "
                                       "installed, else PyTorch (MESHPPO_LM_HEAD=torch forces it)")
-
-
-def _read_only_with(switch: str, why: str = ""):
-    """The `no_effect` reason of an option that verl reads only with `switch` on, which meshppo refuses."""
-    return f"read only with {switch}, which meshppo does not support{why}"
-
-
-_MOE_WHY = " (meshppo has no mixture-of-experts models)"
-
-
-@dataclass
-class TiledMLPConfig:
-    """verl's `model.tiled_mlp`: the MLP computed over the sequence in tiles (lower peak memory)."""
-
-    enabled: bool = opt(False, "not supported: must be false (verl: compute each MLP over num_shards sequence tiles)",
-                        unsupported=bool)
-    num_shards: int = opt(4, "verl: the tiles of tiled_mlp", ge=1, no_effect=_read_only_with("tiled_mlp.enabled"))
-
-
-_MTP_WHY = _read_only_with("mtp.enable")
-
-
-@dataclass
-class MtpConfig:
-    """verl's `mtp`: a multi-token-prediction head, trained and used as the draft of speculative
-    decoding."""
-
-    enable: bool = opt(False, "not supported: must be false (verl: the model's multi-token-prediction layers)",
-                       unsupported=bool)
-    enable_train: bool = opt(False, "not supported: must be false (verl: train the MTP layers)", unsupported=bool)
-    enable_rollout: bool = opt(False, "not supported: must be false (verl: speculative decoding with the MTP layers)",
-                               unsupported=bool)
-    detach_encoder: bool = opt(False, "verl: stop the MTP loss's gradient at the encoder", no_effect=_MTP_WHY)
-    mtp_loss_scaling_factor: float = opt(0.1, "verl: the MTP loss's weight", no_effect=_MTP_WHY)
-    speculative_algorithm: str = opt("EAGLE", "verl: the engine's speculative-decoding algorithm", no_effect=_MTP_WHY)
-    speculative_num_steps: int = opt(2, "verl: draft steps", no_effect=_MTP_WHY)
-    speculative_eagle_topk: int = opt(2, "verl: draft branches per step", no_effect=_MTP_WHY)
-    speculative_num_draft_tokens: int = opt(4, "verl: draft tokens verified at once", no_effect=_MTP_WHY)
-    method: str = opt("mtp", "verl: the speculative method's name", no_effect=_MTP_WHY)
-    num_speculative_tokens: int = opt(1, "verl: tokens drafted per step", no_effect=_MTP_WHY)
-
-
-@dataclass
-class RouterReplayConfig:
-    """verl's `router_replay`: record or replay a mixture-of-experts model's routing."""
-
-    mode: str = opt("disabled", "not supported: must be disabled" + _MOE_WHY, unsupported=_not("disabled"))
-    record_file: str | None = opt(None, "not supported: must be null" + _MOE_WHY, unsupported=lambda v: v is not None)
-    replay_file: str | None = opt(None, "not supported: must be null" + _MOE_WHY, unsupported=lambda v: v is not None)
 
 
 _SHM_WHY = ("meshppo reads the safetensors files where they are, memory-mapped, one tensor at a time (the page cache "
@@ -507,111 +439,6 @@ class PolicyLossConfig:
                              "detaches tokens whose covariance lies between them")
 
 
-PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
-TORCH_PROFILER_CONTENTS = ("cuda", "cpu", "memory", "shapes", "stack", "profile-by-stage", "merge-profiles")
-
-
-@dataclass
-class NsysToolConfig:
-    discrete: bool | None = opt(None, "nsys: one capture range per phase of the step (gen, old_log_prob, "
-                                      "update_actor, ...) instead of one per profiled step; null: "
-                                      "global_profiler.global_tool_config.nsys.discrete")
-
-
-@dataclass
-class TorchProfilerToolConfig:
-    contents: list[str] = opt(default_factory=list, help="torch: what the trace records: cpu, cuda (the "
-                                                         "activities; none named: both), memory (allocations), "
-                                                         "shapes (input shapes), stack (Python stacks); "
-                                                         "profile-by-stage and merge-profiles are verl's sglang "
-                                                         "server's and have no effect")
-    discrete: bool = opt(False, "torch: one trace per phase of the step (gen, old_log_prob, update_actor, ...) "
-                                "instead of one per profiled step")
-
-    def __post_init__(self):
-        bad = [c for c in self.contents if c not in TORCH_PROFILER_CONTENTS]
-        if bad:
-            raise ValueError(f"contents: {bad} not among {list(TORCH_PROFILER_CONTENTS)}")
-
-
-@dataclass
-class TorchMemoryToolConfig:
-    trace_alloc_max_entries: int | None = opt(None, "torch_memory: allocation events kept (the last ones); null: "
-                                                    "global_profiler.global_tool_config.torch_memory's", ge=1)
-    stack_depth: int | None = opt(None, "torch_memory: accepted for verl compatibility; torch's "
-                                        "_record_memory_history takes no stack depth (it keeps whole stacks), as in "
-                                        "verl it has no effect; null: the global one", ge=1)
-
-
-@dataclass
-class NPUToolConfig:
-    contents: list[str] = opt(default_factory=list, help="Ascend NPU profiler (tool=npu, which meshppo refuses): "
-                                                         "no effect")
-    level: str = opt("level0", "NPU profiler level: no effect", choices=("level_none", "level0", "level1", "level2"))
-    analysis: bool = opt(True, "NPU profiler analysis: no effect")
-    discrete: bool = opt(False, "NPU profiler discrete mode: no effect")
-
-
-@dataclass
-class ProfilerToolConfigs:
-    nsys: NsysToolConfig = section(NsysToolConfig, "Nsight Systems")
-    npu: NPUToolConfig = section(NPUToolConfig, "Ascend NPU (refused)")
-    torch: TorchProfilerToolConfig = section(TorchProfilerToolConfig, "torch.profiler")
-    torch_memory: TorchMemoryToolConfig = section(TorchMemoryToolConfig, "CUDA memory history")
-
-
-@dataclass
-class RoleProfilerConfig:
-    """verl's per-role `profiler`. meshppo runs every role in one process per rank, so one profiler
-    serves them all: a rank is profiled when any enabled role (of those the run has) selects it,
-    and the enabled roles must agree on the tool, save_path and the tool's settings
-    (`trainer.profiling`)."""
-
-    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool. One profiler serves "
-                                 "every role of a rank: the enabled roles must name the same tool",
-                           choices=(*PROFILER_TOOLS, None))
-    enable: bool = opt(False, "profile this role at global_profiler.steps")
-    all_ranks: bool = opt(False, "profile every rank")
-    ranks: list[int] = opt(default_factory=list, help="the ranks to profile (empty, without all_ranks: rank 0)",
-                           ge=0)
-    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
-    tool_config: ProfilerToolConfigs = section(ProfilerToolConfigs, "each tool's settings")
-
-
-@dataclass
-class RewardManagerModuleConfig:
-    path: str | None = opt(None, "verl: the file of a reward-manager class", no_effect="read only with source importlib")
-    name: str = opt("custom_reward_manager", "verl: the class in that file", no_effect="read only with source importlib")
-
-
-@dataclass
-class RewardManagerConfig:
-    """verl's top-level `reward_manager` section, its newer home of `reward_model.reward_manager`."""
-
-    source: str = opt("register", "register only: name is one of meshppo's managers (verl's importlib loads a verl "
-                                  "manager class, which works on verl's DataProto)", choices=("register", "importlib"),
-                      unsupported=_not("register"))
-    name: str | None = opt(None, "the reward manager: reward_model.reward_manager's newer name in verl (set one of "
-                                 "them, or both the same); null: that option", choices=(*REWARD_MANAGERS, None))
-    module: RewardManagerModuleConfig = section(RewardManagerModuleConfig, "verl: a reward-manager class to import")
-
-
-@dataclass
-class SharedProfilerConfig:
-    """verl's `profiler` of a role that takes the actor's tool settings (`tool_config`, as in verl)."""
-
-    tool: str | None = opt(None, "the profiler of this role; null: global_profiler.tool",
-                           choices=(*PROFILER_TOOLS, None))
-    enable: bool | None = opt(None, "profile this role at global_profiler.steps; null: rollout: the actor's, "
-                                    "reward_model: false")
-    all_ranks: bool | None = opt(None, "profile every rank; null: rollout: the actor's, reward_model: false")
-    ranks: list[int] | None = opt(None, "the ranks to profile (empty, without all_ranks: rank 0); null: rollout: "
-                                        "the actor's, reward_model: []", ge=0)
-    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
-    tool_config: ProfilerToolConfigs | None = opt(None, "verl's copy of actor_rollout_ref.actor.profiler.tool_config "
-                                                        "(which this role uses): null or the same")
-
-
 def _data_loader_seed():
     return opt(42, "verl: the seed of the shuffle of sequences into mini-batches (with shuffle)",
                no_effect="meshppo seeds that shuffle with trainer.seed plus the step (a new order every step)")
@@ -662,7 +489,7 @@ class ActorConfig:
     use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor and of the critic (the "
                                          "reference model's too unless ref.use_torch_compile says otherwise)")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=_not(1))
+                                              unsupported=other_than(1))
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -678,7 +505,7 @@ class ActorConfig:
                                                 "probabilities, for its optimal-token-baseline estimators)",
                                          unsupported=bool)
     sum_pi_squared_checkpointing: bool = opt(False, "verl: recompute the sum of squared probabilities in backward",
-                                             no_effect=_read_only_with("calculate_sum_pi_squared"))
+                                             no_effect=read_only_with("calculate_sum_pi_squared"))
     router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
@@ -706,7 +533,7 @@ class RefConfig:
     use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
                                               "setting")
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=_not(1))
+                                              unsupported=other_than(1))
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -749,98 +576,6 @@ def _non_default(obj, keys) -> dict:
 def _shown(value):
     """A value as a config writes it: booleans lower-case."""
     return str(value).lower() if isinstance(value, bool) else value
-
-
-_SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its single-turn rollouts run in-process"
-
-
-@dataclass
-class CustomAsyncServerConfig:
-    path: str | None = opt(None, "not supported: must be null (verl: a module of its own rollout server)",
-                           unsupported=lambda v: v is not None)
-    name: str | None = opt(None, "not supported: must be null (verl: the server class in path)",
-                           unsupported=lambda v: v is not None)
-
-
-@dataclass
-class AgentLoopConfig:
-    """verl's `rollout.agent`: the agent-loop workers of its async rollouts."""
-
-    num_workers: int = opt(8, "verl: agent-loop workers", ge=1, no_effect=_SERVERS_WHY)
-    default_agent_loop: str = opt("single_turn_agent", "verl's rollout loop: single_turn_agent only (meshppo's "
-                                                       "rollouts are single-turn)",
-                                  unsupported=_not("single_turn_agent"))
-    agent_loop_config_path: str | None = opt(None, "not supported: must be null (verl: agent loops of its own)",
-                                             unsupported=lambda v: v is not None)
-    custom_async_server: CustomAsyncServerConfig = section(CustomAsyncServerConfig, "verl's own rollout server")
-
-
-_MULTI_TURN_WHY = _read_only_with("multi_turn.enable")
-
-
-@dataclass
-class MultiTurnConfig:
-    """verl's `rollout.multi_turn`: tool calls and interactions between turns."""
-
-    enable: bool = opt(False, "not supported: must be false (meshppo's rollouts are single-turn)", unsupported=bool)
-    max_assistant_turns: int | None = opt(None, "verl: assistant turns per rollout", no_effect=_MULTI_TURN_WHY)
-    max_user_turns: int | None = opt(None, "verl: user turns per rollout", no_effect=_MULTI_TURN_WHY)
-    tool_config_path: str | None = opt(None, "verl: the tools' config", no_effect=_MULTI_TURN_WHY)
-    interaction_config_path: str | None = opt(None, "verl: the interactions' config", no_effect=_MULTI_TURN_WHY)
-    max_parallel_calls: int = opt(1, "verl: tool calls per turn", no_effect=_MULTI_TURN_WHY)
-    max_tool_response_length: int = opt(256, "verl: a tool response's length limit", no_effect=_MULTI_TURN_WHY)
-    tool_response_truncate_side: str = opt("middle", "verl: where a long tool response is cut",
-                                           no_effect=_MULTI_TURN_WHY)
-    use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
-                                            no_effect=_MULTI_TURN_WHY)
-    tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
-                                              no_effect=_MULTI_TURN_WHY)
-    format: str = opt("hermes", "verl: the tool-call format", no_effect=_MULTI_TURN_WHY)
-    num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction", no_effect=_MULTI_TURN_WHY)
-
-
-@dataclass
-class CheckpointEngineConfig:
-    """verl's `rollout.checkpoint_engine`: how the trained weights reach the rollout engine."""
-
-    backend: str = opt("naive", "naive only: the engine shares the trainer's GPUs and gets the weights in-process "
-                                "(meshppo's resharder)", unsupported=_not("naive"))
-    update_weights_bucket_megabytes: int = opt(2048, "verl: the size of a weight-transfer bucket", ge=1,
-                                               no_effect="meshppo's resharder sizes its buckets itself, by layers")
-    engine_kwargs: dict = opt(default_factory=dict, help="verl: arguments of the transfer backend",
-                              no_effect="meshppo's resharder has no backend to configure")
-
-
-_TRACE_WHY = _read_only_with("trace.backend")
-
-
-@dataclass
-class TraceConfig:
-    """verl's `rollout.trace`: rollouts traced to weave or mlflow."""
-
-    backend: str | None = opt(None, "not supported: must be null (verl: trace the rollouts to weave or mlflow; "
-                                    "meshppo writes them with trainer.rollout_data_dir)",
-                              unsupported=lambda v: v is not None)
-    token2text: bool = opt(False, "verl: decode the traced tokens", no_effect=_TRACE_WHY)
-    max_samples_per_step_per_worker: int | None = opt(None, "verl: traced samples per step and worker",
-                                                      no_effect=_TRACE_WHY)
-
-
-_PROMETHEUS_WHY = _read_only_with("prometheus.enable")
-
-
-@dataclass
-class PrometheusConfig:
-    """verl's `rollout.prometheus`: the rollout servers' metrics scraped by Prometheus."""
-
-    enable: bool = opt(False, "not supported: must be false (meshppo runs no rollout servers; its metrics go to "
-                              "trainer.logger)", unsupported=bool)
-    port: int = opt(9090, "verl: Prometheus's port", no_effect=_PROMETHEUS_WHY)
-    file: str = opt("/tmp/ray/session_latest/metrics/prometheus/prometheus.yml", "verl: Prometheus's config file",
-                    no_effect=_PROMETHEUS_WHY)
-    served_model_name: str | None = opt(None, "verl: the model's name in the metrics; null (or the model path, "
-                                              "verl's default): actor_rollout_ref.model.path",
-                                        no_effect=_PROMETHEUS_WHY)
 
 
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
@@ -919,7 +654,7 @@ class RolloutConfig:
                                                    "temperature (as meshppo's engine returns them; vLLM's also "
                                                    "renormalised to top_k / top_p, meshppo's not: a start-up note "
                                                    "says so where they are read)", choices=LOGPROBS_MODES,
-                             unsupported=_not("processed_logprobs"))
+                             unsupported=other_than("processed_logprobs"))
     engine_kwargs: dict = opt(default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}},
                               help="verl: more arguments of the vLLM, SGLang and TensorRT-LLM engines",
                               no_effect="meshppo generates with its own engine, which takes none of them")
@@ -939,17 +674,17 @@ class RolloutConfig:
                                     no_effect="meshppo's engine never loads one: it takes and returns token ids")
     scheduling_policy: str = opt("fcfs", "the engine's scheduling: fcfs only (meshppo's engine admits sequences "
                                          "first come, first served)", choices=("fcfs", "priority"),
-                                 unsupported=_not("fcfs"))
+                                 unsupported=other_than("fcfs"))
     over_sample_rate: float = opt(0.0, "not supported: must be 0 (verl: abort the last over_sample_rate of a "
                                        "step's requests)", ge=0, le=1, unsupported=bool)
-    enable_rollout_routing_replay: bool = opt(False, "not supported: must be false" + _MOE_WHY, unsupported=bool)
+    enable_rollout_routing_replay: bool = opt(False, "not supported: must be false" + MOE_WHY, unsupported=bool)
     quantization_config_file: str | None = opt(None, "not supported: must be null (meshppo's quantization is fp8 "
                                                      "with scales computed at every reshard)",
                                                unsupported=lambda v: v is not None)
     skip_rollout: bool = opt(False, "not supported: must be false (verl: replay rollouts dumped in skip_dump_dir)",
                              unsupported=bool)
     skip_dump_dir: str = opt("/tmp/rollout_dump", "verl: the rollouts' dump of skip_rollout",
-                             no_effect=_read_only_with("skip_rollout"))
+                             no_effect=read_only_with("skip_rollout"))
     mtp: MtpConfig = section(MtpConfig, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
     agent: AgentLoopConfig = section(AgentLoopConfig, "verl's agent loop")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "verl's multi-turn rollouts")
@@ -1032,7 +767,7 @@ class CriticConfig:
     loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
                                     choices=(*LOSS_AGG_MODES, None))
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=_not(1))
+                                              unsupported=other_than(1))
     enable: bool | None = opt(None, "train a critic: must agree with algorithm.adv_estimator (meshppo trains one "
                                     "exactly for gae); null: as adv_estimator says")
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -1084,14 +819,6 @@ class DAPORewardKwargs:
             raise ConfigError(f"{key}.len={b.len} is larger than {REWARD_KWARGS_KEY}.max_resp_len={self.max_resp_len} "
                               "(verl's dapo manager asserts max_resp_len >= len): the buffer would start before the "
                               "response does")
-
-
-@dataclass
-class SandboxFusionConfig:
-    url: str | None = opt(None, "not supported: meshppo's rewards are computed in-process (a custom reward function "
-                                "may call such a service itself)", unsupported=lambda v: v is not None)
-    max_concurrent: int = opt(64, "verl: the service's concurrent calls", ge=1, no_effect="read only with url")
-    memory_limit_mb: int = opt(1024, "verl: the service's memory limit", ge=1, no_effect="read only with url")
 
 
 # verl's default of reward_model.model.input_tokenizer, an interpolation of the actor's model path
@@ -1379,80 +1106,6 @@ class TrainerConfig:
                                                  "once loaded)", unsupported=bool)
     ray_wait_register_center_timeout: int = opt(300, "verl: seconds to wait for Ray's register center",
                                                 no_effect=_NO_RAY_WHY)
-
-
-@dataclass
-class TransferQueueConfig:
-    """verl's `transfer_queue`: batches passed between its workers through a queue."""
-
-    enable: bool = opt(False, "verl: pass the batches through its transfer queue",
-                       no_effect="meshppo passes a step's batch between its phases in-process")
-
-
-@dataclass
-class NsysGlobalConfig:
-    discrete: bool = opt(False, "nsys: one capture range per phase instead of one per profiled step (the roles' "
-                                "default)")
-    controller_nsight_options: dict = opt(default_factory=lambda: {"trace": "cuda,nvtx,cublas,ucx",
-                                                                   "cuda-memory-usage": "true",
-                                                                   "cuda-graph-trace": "graph"},
-                                          help="verl's nsys options for its Ray driver; no effect: meshppo does not "
-                                               "launch nsys (pass the options to nsys profile yourself)")
-    worker_nsight_options: dict = opt(default_factory=lambda: {"trace": "cuda,nvtx,cublas,ucx",
-                                                               "cuda-memory-usage": "true",
-                                                               "cuda-graph-trace": "graph",
-                                                               "capture-range": "cudaProfilerApi",
-                                                               "capture-range-end": None, "kill": "none"},
-                                      help="verl's nsys options for its Ray workers; no effect: meshppo does not "
-                                           "launch nsys (pass them to nsys profile yourself)")
-
-
-@dataclass
-class TorchMemoryGlobalConfig:
-    trace_alloc_max_entries: int = opt(100000, "allocation events kept (the last ones): the roles' default", ge=1)
-    stack_depth: int = opt(32, "accepted for verl compatibility; no effect (torch's _record_memory_history takes "
-                               "no stack depth, it keeps whole stacks)", ge=1)
-    context: str | None = opt("all", "_record_memory_history's context: which events carry a stack trace (state: "
-                                     "allocations, alloc: and frees, all: both, null: none)",
-                              choices=("state", "alloc", "all", None))
-    stacks: str = opt("all", "_record_memory_history's stacks: python, or all (python and C++)",
-                      choices=("python", "all"))
-    kw_args: dict = opt(default_factory=dict, help="further keyword arguments of "
-                                                   "torch.cuda.memory._record_memory_history")
-
-    def __post_init__(self):
-        taken = sorted(set(self.kw_args) & {"enabled", "max_entries", "context", "stacks"})
-        if taken:
-            raise ValueError(f"kw_args sets {', '.join(taken)}: the profiler passes them itself "
-                             "(trace_alloc_max_entries, context, stacks)")
-
-
-@dataclass
-class GlobalToolConfigs:
-    nsys: NsysGlobalConfig = section(NsysGlobalConfig, "Nsight Systems")
-    torch_memory: TorchMemoryGlobalConfig = section(TorchMemoryGlobalConfig, "CUDA memory history")
-
-
-@dataclass
-class GlobalProfilerConfig:
-    """verl's `global_profiler`: which tool profiles which steps (the roles' `profiler.enable` pick
-    the ranks). Each profiled step's phases (generation to the updates; not validation or
-    checkpointing) are captured on the profiled ranks (`trainer.profiling`)."""
-
-    tool: str | None = opt(None, "torch: a torch.profiler chrome trace, SAVE/step{N}/prof_rank-{R}.json.gz "
-                                 "(discrete: one per phase, {phase}_prof_rank-{R}.json.gz); torch_memory (CUDA): "
-                                 "the allocator's history recorded over the step (verl records from start-up), "
-                                 "SAVE/step{N}/torch_memory_rank{R}.pickle "
-                                 "(for pytorch.org/memory_viz); nsys (CUDA): cudaProfilerStart/Stop around the "
-                                 "steps and NVTX ranges phase:<name>, for nsys profile --capture-range="
-                                 "cudaProfilerApi --capture-range-end=repeat torchrun ... train_ppo.py ...; npu: "
-                                 "not supported; null: off", choices=(*PROFILER_TOOLS, None))
-    steps: list[int] | None = opt(None, "the global steps (from 1) to profile; null or empty: none, as in verl",
-                                  ge=1)
-    profile_continuous_steps: bool = opt(False, "consecutive listed steps share one trace / snapshot / capture "
-                                                "range (named after the first, step{A}-{B}) instead of one each")
-    save_path: str = opt("outputs/profile", "directory of the profiles (relative: to the working directory)")
-    global_tool_config: GlobalToolConfigs = section(GlobalToolConfigs, "the tools' run-wide settings")
 
 
 @dataclass

@@ -43,6 +43,11 @@ def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, 
     return field(default=default, metadata=meta)
 
 
+def other_than(value):
+    """An `unsupported` predicate: any value but `value` (verl's default, the one meshppo takes)."""
+    return lambda v: v != value
+
+
 def section(cls, help: str = ""):
     """A nested config section."""
     return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None})
@@ -90,7 +95,12 @@ def _check_range(value, meta, key: str) -> None:
 
 
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+    """A field's type as the docs show it (a nested section: "section")."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if is_dataclass(tp):
+        return "section"
+    return (str(tp) if typing.get_origin(tp) else getattr(tp, "__name__", str(tp))).replace("typing.", "")
 
 
 def _coerce(value, tp, key: str):
