@@ -174,6 +174,11 @@ def write_records(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> st
     return path
 
 
+# What a text-only model cannot read: a row that holds it is refused, not trained on without it.
+MEDIA_PART_TYPES = ("image", "image_url", "video", "video_url", "audio", "input_audio")
+TEXT_ONLY = "meshppo's models are text-only (a vision-language row would be trained on without its images)"
+
+
 def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
     """Refuse what no chat template can render; everything else goes to the template as verl hands it
     on: `content` a string, a list of typed parts (`{"type": "text", "text": ...}`), or None on a
@@ -202,6 +207,11 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
         if not isinstance(content, (str, list, type(None))):
             raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'content' must be a string, a list of "
                                f"typed parts or null, got {type(content).__name__}")
+        media = [part["type"] for part in (content if isinstance(content, list) else [])
+                 if part.get("type") in MEDIA_PART_TYPES]
+        if media:
+            raise DatasetError(f"{where}: field '{prompt_key}' message {j} has a part of type {media[0]!r}: "
+                               f"{TEXT_ONLY}")
 
 
 def _content_text(content: str | list | None) -> str:
@@ -327,6 +337,9 @@ class RLHFDataset:
             when a reward model alone scores).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
             they give the rewards), so that a row no scorer knows fails at load; None: any.
+        media_keys: the fields of a row's images and videos (verl's `data.image_key` /
+            `video_key`): a row with any, or with a media part in a message, is refused
+            (the models are text-only).
         chat_prompts_for: why every prompt must be a list of chat messages (something renders
             the chat again, e.g. a reward model's template), so that a text prompt fails at
             load saying so; None: text prompts are fine.
@@ -352,6 +365,7 @@ class RLHFDataset:
         require_ground_truth: bool = True,
         data_sources: Collection[str] | None = None,
         chat_prompts_for: str | None = None,
+        media_keys: Collection[str] = ("images", "videos"),
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
@@ -375,6 +389,7 @@ class RLHFDataset:
         self.require_ground_truth = require_ground_truth
         self.data_sources = None if data_sources is None else sorted(data_sources)
         self.chat_prompts_for = chat_prompts_for
+        self.media_keys = tuple(media_keys)
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         records = [(f"{path}:{rownum}", row) for path in self.files for rownum, row in read_records(path)]
@@ -406,6 +421,9 @@ class RLHFDataset:
             if self.prompt_key not in row or row[self.prompt_key] is None:
                 raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
             prompt = row[self.prompt_key]
+            media = [k for k in self.media_keys if row.get(k) is not None and len(row[k])]
+            if media:
+                raise DatasetError(f"{where}: field '{media[0]}' holds media: {TEXT_ONLY}")
             if self.chat_prompts_for is not None and not isinstance(prompt, list):
                 raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
                                    f"{self.chat_prompts_for}")

@@ -154,7 +154,8 @@ class DataConfig:
     truncation: str = opt("error", "overlong prompts when not filtered: error; left keeps the last max_prompt_length "
                                    "tokens, right the first, middle the first half and the last half",
                           choices=TRUNCATION_MODES)
-    return_raw_chat: bool = opt(False, "accepted for verl compatibility; meshppo always keeps the raw prompt")
+    return_raw_chat: bool = opt(True, "verl: keep each row's chat messages (its reward model needs them)",
+                                no_effect="meshppo always keeps them")
     apply_chat_template: bool = opt(True, "apply the tokenizer's chat template to chat-message prompts")
     apply_chat_template_kwargs: dict = opt(default_factory=dict, help="extra keyword arguments of the chat template "
                                                                        "(training and validation prompts), e.g. "
@@ -165,8 +166,9 @@ class DataConfig:
                                             "tokenizer",
                                      no_effect="a reward model of another tokenizer re-renders the chat with its own "
                                                "(reward_model.model.input_tokenizer)")
-    image_key: str = opt("images", "verl: the field of a row's images", no_effect=_TEXT_ONLY_WHY)
-    video_key: str = opt("videos", "verl: the field of a row's videos", no_effect=_TEXT_ONLY_WHY)
+    image_key: str = opt("images", "the field of a row's images: a row that has any is refused at load (meshppo's "
+                                   "models are text-only)")
+    video_key: str = opt("videos", "the field of a row's videos: a row that has any is refused at load")
     image_patch_size: int = opt(14, "verl: the vision encoder's patch size", no_effect=_TEXT_ONLY_WHY)
     return_multi_modal_inputs: bool = opt(True, "verl: pass the rows' processed images on", no_effect=_TEXT_ONLY_WHY)
     tool_config_path: str | None = opt(None, "not supported: must be null (verl: the tools of multi-turn rollouts)",

@@ -135,7 +135,7 @@ class PPOTrainer:
                      apply_chat_template=d.apply_chat_template,
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
-                     chat_prompts_for=chat_prompts_for,
+                     chat_prompts_for=chat_prompts_for, media_keys=(d.image_key, d.video_key),
                      shuffle=d.shuffle, seed=seed)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)

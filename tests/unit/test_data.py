@@ -230,6 +230,25 @@ def test_dataset_that_must_hold_chat_messages_names_a_text_row(tmp_path, tokeniz
     with pytest.raises(DatasetError, match=r"d.jsonl:2: field 'prompt' is text, not a list of chat messages: why$"):
         RLHFDataset([path], tokenizer, chat_prompts_for="why")
 
+
+def test_a_row_with_images_or_videos_is_refused_naming_it(tmp_path, tokenizer):
+    """meshppo's models are text-only: a vision-language row (verl's images / videos fields, named by
+    data.image_key / video_key, or an image part in a message) fails at load naming the file, row and
+    field, rather than being trained on without its images. An empty field is no media."""
+    ok = _chat_row("1+1=", "2", images=[])
+    rows = {"images": _chat_row("1+1=", "2", images=[{"image": "a.png"}]),
+            "frames": _chat_row("1+1=", "2", frames=["v.mp4"]),
+            "part": {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "1+1="}]}],
+                     "reward_model": {"ground_truth": "2"}}}
+    expected = {"images": r"d.jsonl:2: field 'images' holds media: meshppo's models are text-only",
+                "frames": r"d.jsonl:2: field 'frames' holds media",
+                "part": r"d.jsonl:2: field 'prompt' message 0 has a part of type 'image': meshppo's models are text-only"}
+    for name, row in rows.items():
+        path = write_jsonl([ok, row], tmp_path / "d.jsonl")
+        with pytest.raises(DatasetError, match=expected[name]):
+            RLHFDataset([path], tokenizer, media_keys=("images", "frames"))
+    assert len(RLHFDataset([write_jsonl([ok], tmp_path / "d.jsonl")], tokenizer)) == 1
+
 def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenizer):
     a = write_jsonl([{"question": "1+2=", "reward_model": {"ground_truth": "3"}}], tmp_path / "a.jsonl")
     b = write_records([_chat_row("3+4=", question="5+6=")], tmp_path / "b.parquet")

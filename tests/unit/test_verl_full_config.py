@@ -56,7 +56,8 @@ VERL_DEFAULTS = [
     f"{R}.enable_rollout_routing_replay=false", f"{R}.quantization_config_file=null",
     f"{R}.prometheus={{enable: false, port: 9090, served_model_name: runs/demo_assets/sft_model}}",
     f"{R}.mtp={{enable: false, enable_train: false, num_speculative_tokens: 1}}",
-    "data.use_shm=false", "data.return_raw_input_ids=false", "data.image_key=images", "data.video_key=videos",
+    "data.use_shm=false", "data.return_raw_input_ids=false", "data.return_raw_chat=true", "data.image_key=images",
+    "data.video_key=videos",
     "data.image_patch_size=14", "data.return_multi_modal_inputs=true", "data.tool_config_path=null",
     "data.custom_cls={path: null, name: null}", "data.datagen.path=null", "data.sampler.class_path=null",
     "trainer.esi_redundant_time=0", "trainer.default_hdfs_dir=null", "trainer.del_local_ckpt_after_load=false",
@@ -135,8 +136,9 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
                                  "workers: its single-turn rollouts run in-process"),
     (f"{R}.prometheus.served_model_name=policy", f"{R}.prometheus.served_model_name=policy has no effect: read only "
      "with prometheus.enable, which meshppo does not support"),
-    ("data.image_key=pixels", "data.image_key=pixels has no effect: meshppo's models are text-only: it reads no "
-                              "images or videos"),
+    ("data.image_patch_size=16", "data.image_patch_size=16 has no effect: meshppo's models are text-only: it reads "
+                                 "no images or videos"),
+    ("data.return_raw_chat=false", "data.return_raw_chat=false has no effect: meshppo always keeps them"),
     ("trainer.esi_redundant_time=600", "trainer.esi_redundant_time=600 has no effect: meshppo reads no instance "
                                        "expiry: it saves on SIGTERM or SIGUSR1 (preemption_grace_s)"),
     ("ray_kwargs.ray_init.num_cpus=8",
