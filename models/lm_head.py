@@ -1,4 +1,5 @@
-"""Token log-probabilities (and entropy) straight from hidden states, chunked over tokens.
+"""Token log-probabilities (and entropy, and the sum of squared probabilities) straight from
+hidden states, chunked over tokens.
 
 `logits = hidden @ W.T / temperature` for `T` tokens and a 150k vocabulary is a `[T, V]`
 float32 tensor of several GB, kept alive for backward by the naive
@@ -13,6 +14,8 @@ copies of it.
 Gradients, with z = logits / temperature, p = softmax(z), y the label:
   d logp_y / dz = onehot(y) - p
   d H / dz      = -p * (log p + H)          (H = -sum p log p)
+The sum of squared probabilities sum p^2 = exp(logsumexp(2z) - 2 logsumexp(z)) (the
+optimal-token-baseline estimators' input) is forward-only: no gradient flows through it.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ def _fp32_scaled(logits, inv_temp: float):
     return x if inv_temp == 1.0 else x * inv_temp
 
 
-def torch_logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None):
+def torch_logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None, sps=None):
     """The PyTorch reference of `lm_head_triton.logit_stats` (same arguments and outputs)."""
     x = _fp32_scaled(logits, inv_temp)
     lse.copy_(torch.logsumexp(x, dim=-1))
     logp.copy_(x.gather(-1, labels[:, None]).squeeze(-1) - lse)
     if ent is not None:
         ent.copy_(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+    if sps is not None:
+        sps.copy_(torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * lse))
 
 
 def torch_logit_grad(logits, labels, inv_temp: float, lse, grad_logp, ent=None, grad_ent=None):
@@ -70,10 +75,11 @@ def _row_ops(use_triton: bool):
 
 class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy, out_shape):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy, with_sum_pi_squared, out_shape):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        sps = torch.empty(n if with_sum_pi_squared else 0, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         use_triton = _use_triton(hidden)
         logit_stats, _ = _row_ops(use_triton)
@@ -82,17 +88,20 @@ class _ChunkedLogprob(torch.autograd.Function):
             # The matmul runs in the weights' dtype (bf16 under mixed precision: tensor cores,
             # fp32 accumulation); everything after it in fp32.
             z = hidden[s:e].to(weight.dtype) @ weight.t()
-            logit_stats(z, labels[s:e], 1.0 / temperature, lse[s:e], logp[s:e], ent[s:e] if with_entropy else None)
+            logit_stats(z, labels[s:e], 1.0 / temperature, lse[s:e], logp[s:e], ent[s:e] if with_entropy else None,
+                        sps[s:e] if with_sum_pi_squared else None)
             del z  # before the next chunk's logits are allocated: one [chunk, V] block at a time
         ctx.save_for_backward(hidden, weight, labels, lse, ent)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.use_triton = use_triton
         # Outputs are fresh tensors in their final shape, not views: FSDP2 hooks a module's
         # outputs for backward, and a view would bypass that hook. The copy is [tokens] floats.
-        return logp.reshape(out_shape).clone(), (ent.reshape(out_shape).clone() if with_entropy else ent)
+        sps = sps.reshape(out_shape).clone() if with_sum_pi_squared else sps
+        ctx.mark_non_differentiable(sps)
+        return logp.reshape(out_shape).clone(), (ent.reshape(out_shape).clone() if with_entropy else ent), sps
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
+    def backward(ctx, grad_logp, grad_ent, _grad_sps):
         hidden, weight, labels, lse, ent = ctx.saved_tensors
         grad_logp = grad_logp.reshape(-1)
         grad_ent = grad_ent.reshape(-1) if ctx.with_entropy and grad_ent is not None else None
@@ -113,22 +122,27 @@ class _ChunkedLogprob(torch.autograd.Function):
             del dz  # as in forward
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           temperature: float = 1.0, chunk_size: int = 2048, with_entropy: bool = False):
+                           temperature: float = 1.0, chunk_size: int = 2048, with_entropy: bool = False,
+                           with_sum_pi_squared: bool = False):
     """log p(labels) and optionally entropy, per token, float32.
 
     hidden `[..., H]`, weight `[V, H]`, labels `[...]` (int64, valid ids everywhere: mask
-    afterwards) -> (logprobs `[...]`, entropy `[...]` or None). `temperature == 0` means greedy
-    decoding, whose tokens are scored at temperature 1, as the engine reports them.
+    afterwards) -> (logprobs `[...]`, entropy `[...]` or None), and with `with_sum_pi_squared` a
+    third output, sum_v p_v^2 `[...]` of the same softmax (forward-only: not differentiable).
+    `temperature == 0` means greedy decoding, whose tokens are scored at temperature 1, as the
+    engine reports them.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
         temperature = 1.0
     h = hidden.reshape(-1, hidden.shape[-1])
-    logp, ent = _ChunkedLogprob.apply(h, weight, labels.reshape(-1).long(), float(temperature),
-                                      int(chunk_size), bool(with_entropy), tuple(labels.shape))
+    logp, ent, sps = _ChunkedLogprob.apply(h, weight, labels.reshape(-1).long(), float(temperature), int(chunk_size),
+                                           bool(with_entropy), bool(with_sum_pi_squared), tuple(labels.shape))
+    if with_sum_pi_squared:
+        return logp, (ent if with_entropy else None), sps
     return logp, (ent if with_entropy else None)

@@ -5,7 +5,8 @@ arithmetic, where PyTorch would make a dozen fp32 passes over `[C, V]`
 (cast, temperature, log-sum-exp, gather, softmax, products, scatter, cast back):
 
 * `logit_stats`: per row of x = z * inv_temp, the log-sum-exp, x[label] - lse and, if asked,
-  the entropy lse - sum(softmax(x) * x). One program per row, an online (rescaled) sum over
+  the entropy lse - sum(softmax(x) * x) and the sum of squared probabilities
+  sum exp(2(x - m)) / (sum exp(x - m))^2. One program per row, online (rescaled) sums over
   vocabulary tiles.
 * `logit_grad_`: d(g_logp * logp + g_ent * ent) / dz, written over the logits it reads.
   Purely elementwise given the row statistics: one program per (row, vocabulary tile).
@@ -25,13 +26,14 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _logit_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, logp_ptr, ent_ptr, V, inv_temp,
-                        WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+def _logit_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, logp_ptr, ent_ptr, sps_ptr, V, inv_temp,
+                        WITH_ENTROPY: tl.constexpr, WITH_SPS: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride_z exceeds int32 for 16k rows of a 150k vocabulary
     z_row = z_ptr + row * stride_z
     m = tl.full([], float("-inf"), tl.float32)  # running max of x
     s = tl.zeros([BLOCK_V], tl.float32)  # per lane: sum of exp(x - m)
     t = tl.zeros([BLOCK_V], tl.float32)  # per lane: sum of exp(x - m) * x
+    q = tl.zeros([BLOCK_V], tl.float32)  # per lane: sum of exp(x - m)^2 (<= s: no overflow)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = cols < V
@@ -42,6 +44,8 @@ def _logit_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, logp_ptr, ent_ptr,
         s = s * alpha + e
         if WITH_ENTROPY:
             t = t * alpha + tl.where(mask, e * x, 0.0)  # the tail's x is -inf, and 0 * -inf is NaN
+        if WITH_SPS:
+            q = q * (alpha * alpha) + e * e
         m = m_new
     s_row = tl.sum(s, axis=0)
     lse = m + tl.log(s_row)
@@ -50,6 +54,8 @@ def _logit_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, logp_ptr, ent_ptr,
     tl.store(logp_ptr + row, x_label - lse)
     if WITH_ENTROPY:
         tl.store(ent_ptr + row, lse - tl.sum(t, axis=0) / s_row)
+    if WITH_SPS:
+        tl.store(sps_ptr + row, tl.sum(q, axis=0) / (s_row * s_row))
 
 
 @triton.jit
@@ -76,16 +82,17 @@ def _check_rows(logits, *vectors):
         assert v.shape == logits.shape[:1] and v.is_contiguous() and v.dtype == torch.float32, v
 
 
-def logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None, block_v: int = BLOCK_V):
+def logit_stats(logits, labels, inv_temp: float, lse, logp, ent=None, sps=None, block_v: int = BLOCK_V):
     """Row statistics of x = logits * inv_temp into float32 `[C]` buffers: `lse`, `logp`
-    (x[label] - lse) and, unless `ent` is None, the entropy lse - sum(softmax(x) * x).
-    logits `[C, V]`, labels `[C]` (int64, valid ids)."""
-    _check_rows(logits, lse, logp, *([] if ent is None else [ent]))
+    (x[label] - lse), unless `ent` is None the entropy lse - sum(softmax(x) * x), and unless
+    `sps` is None sum(softmax(x)^2). logits `[C, V]`, labels `[C]` (int64, valid ids)."""
+    _check_rows(logits, lse, logp, *(b for b in (ent, sps) if b is not None))
     c, v = logits.shape
     if c:
         _logit_stats_kernel[(c,)](logits, logits.stride(0), labels.contiguous(), lse, logp,
-                                  lse if ent is None else ent, v, float(inv_temp),
-                                  WITH_ENTROPY=ent is not None, BLOCK_V=block_v, num_warps=NUM_WARPS)
+                                  lse if ent is None else ent, lse if sps is None else sps, v, float(inv_temp),
+                                  WITH_ENTROPY=ent is not None, WITH_SPS=sps is not None, BLOCK_V=block_v,
+                                  num_warps=NUM_WARPS)
 
 
 def logit_grad_(logits, labels, inv_temp: float, lse, grad_logp, ent=None, grad_ent=None, block_v: int = BLOCK_V):

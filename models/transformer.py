@@ -158,14 +158,15 @@ def position_ids_from_lengths(lengths: list[int], device=None) -> torch.Tensor:
 
 class LMHead(nn.Linear):
     """The output projection. Called with `labels` it returns per-token log-probs (and
-    entropy) without materialising full logits; being a module call keeps FSDP's
+    entropy, and sum p^2) without materialising full logits; being a module call keeps FSDP's
     all-gather hooks in charge of the weight."""
 
     def forward(self, h, labels=None, temperature: float = 1.0, with_entropy: bool = False,
-                chunk_size: int = 2048):
+                chunk_size: int = 2048, with_sum_pi_squared: bool = False):
         if labels is None:
             return super().forward(h)
-        return chunked_token_logprobs(h, self.weight, labels, temperature, chunk_size, with_entropy)
+        return chunked_token_logprobs(h, self.weight, labels, temperature, chunk_size, with_entropy,
+                                      with_sum_pi_squared)
 
 
 class Transformer(nn.Module):
@@ -179,7 +180,8 @@ class Transformer(nn.Module):
     Returns logits `[..., V]` (lm) or values `[...]` (value). With `labels` (same shape as
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
-    unless `with_entropy`. `label_index` (flat positions, int64) restricts that to the given
+    unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
+    (forward-only). `label_index` (flat positions, int64) restricts that to the given
     positions: the outputs are then `[len(label_index)]`.
     """
 
@@ -283,7 +285,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048,
-                label_index=None):
+                label_index=None, with_sum_pi_squared: bool = False):
         h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if labels is not None and label_index is not None:
             # Only these (flat) positions are scored: the LM head, the model's widest matmul,
@@ -296,7 +298,8 @@ class Transformer(nn.Module):
             # sum over the size-1 dim gives the model's output as a new tensor, not a view.
             return self.score(h.flatten(0, -2)).view(*h.shape[:-1], 1).sum(-1)
         if not self.args.tie_word_embeddings:
-            return self.lm_head(h, labels, temperature, with_entropy, chunk_size)
+            return self.lm_head(h, labels, temperature, with_entropy, chunk_size, with_sum_pi_squared)
         if labels is None:
             return F.linear(h, self.embed_tokens.weight)
-        return chunked_token_logprobs(h, self.embed_tokens.weight, labels, temperature, chunk_size, with_entropy)
+        return chunked_token_logprobs(h, self.embed_tokens.weight, labels, temperature, chunk_size, with_entropy,
+                                      with_sum_pi_squared)

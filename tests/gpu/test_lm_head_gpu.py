@@ -71,3 +71,21 @@ def test_triton_forward_holds_one_bf16_logits_block(monkeypatch):
         extra = torch.cuda.max_memory_allocated() - base
     # One block, not two at the chunk boundary, nor float32 copies; the rest is [T] floats.
     assert extra < 1.1 * block, (extra / block)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_triton_sum_pi_squared_matches_float64(monkeypatch, temperature):
+    """sum p^2 of the old-log-prob pass at Qwen's vocabulary, against float64 over the same bf16
+    logits (the matmul is the kernel's input on both sides: what is compared is the reduction)."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("MESHPPO_LM_HEAD", raising=False)
+    h, w, labels = _inputs()
+    assert _use_triton(h)
+    with torch.no_grad():
+        logp, _, sps = chunked_token_logprobs(h, w, labels, temperature, CHUNK, with_sum_pi_squared=True)
+        ref = torch.cat([torch.softmax((h[s:s + 256] @ w.t()).double() / temperature, -1).pow(2).sum(-1)
+                         for s in range(0, T, 256)])
+        logp0, _ = chunked_token_logprobs(h, w, labels, temperature, CHUNK)
+    assert torch.equal(logp, logp0), "asking for sum p^2 leaves the log-probs as they were"
+    assert ref.min() < 0.02 and ref.max() > 0.1, "flat and peaked rows"
+    assert ((sps.double() - ref).abs() / ref).max().item() < 1e-4

@@ -1,4 +1,4 @@
-"""Chunked log-prob / entropy against a float64 full-logits reference, values and gradients."""
+"""Chunked log-prob / entropy / sum p^2 against a float64 full-logits reference, values and gradients."""
 
 import pytest
 import torch
@@ -37,6 +37,29 @@ def test_values_and_gradients_match_float64(temperature, chunk):
     assert torch.allclose(gw, w.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 3), (0.6, 64), (1.3, 5)])
+def test_sum_pi_squared_matches_float64_and_leaves_the_rest_unchanged(temperature, chunk):
+    torch.manual_seed(0)
+    n, hdim, vocab = 13, 16, 37
+    h = (torch.randn(n, hdim) * torch.linspace(0.02, 3, n)[:, None]).requires_grad_()  # flat to peaked rows
+    w = torch.randn(vocab, hdim).requires_grad_()
+    labels = torch.randint(0, vocab, (n,))
+    logp, ent, sps = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=True,
+                                            with_sum_pi_squared=True)
+    p = torch.softmax((h.detach().double() @ w.detach().double().t()) / temperature, -1)
+    ref = (p ** 2).sum(-1)
+    assert sps.dtype == torch.float32 and not sps.requires_grad
+    assert ((sps.double() - ref).abs() / ref).max() < 1e-5
+    assert ref.min() < 0.2 and ref.max() > 0.8, "the case covers flat and peaked distributions"
+    # the log-probs and entropy, and their gradients, are those of the call without it
+    logp0, ent0 = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=True)
+    assert torch.equal(logp, logp0) and torch.equal(ent, ent0)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    _, none, sps_only = chunked_token_logprobs(h, w, labels, temperature, chunk, with_sum_pi_squared=True)
+    assert none is None and torch.equal(sps_only, sps)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_labels_path_equals_log_softmax_of_logits(tied):
     args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -48,6 +71,8 @@ def test_model_labels_path_equals_log_softmax_of_logits(tied):
     ref = torch.log_softmax(m(ids) / 0.9, -1)
     assert torch.allclose(logp, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+    _, _, sps = m(ids, labels=labels, temperature=0.9, chunk_size=4, with_sum_pi_squared=True)
+    assert torch.allclose(sps, (ref.exp() ** 2).sum(-1), rtol=1e-5)
 
 
 def test_label_index_scores_only_those_positions_with_the_same_values_and_grads():

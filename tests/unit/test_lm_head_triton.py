@@ -16,7 +16,7 @@ import torch
 from models.lm_head import _use_triton
 from tests import interpreter
 
-CHECKS = ["logit_stats", "logit_grad", "end_to_end"]
+CHECKS = ["logit_stats", "logit_grad", "end_to_end", "sum_pi_squared"]
 # (rows, vocabulary, tile, temperature, with entropy): tiles smaller than the vocabulary, which
 # is never a multiple of them
 CASES = [(1, 50, 16, 1.0, True), (1, 50, 16, 0.7, False), (7, 1000, 128, 0.7, False), (7, 1000, 128, 1.0, True),
@@ -93,6 +93,34 @@ def _checks() -> dict:
             assert got.data_ptr() == buf.data_ptr(), "the gradient is written over the logits"
             assert torch.isnan(buf[:, v:]).all(), "wrote past the vocabulary"
             errs += [close(got, ref, TOL[dtype]), close(got, exact, TOL[dtype])]
+        return max(errs)
+
+    def sum_pi_squared():
+        """sum p^2 next to the other statistics (with and without entropy), and alone through
+        `chunked_token_logprobs`, against float64; the other outputs as without it."""
+        errs = []
+        for dtype, c, v, block, temperature, with_entropy in cases():
+            _, z, labels = padded_logits(c, v, dtype)
+            got = [torch.full((c,), float("nan")) for _ in range(4)]
+            lm_head_triton.logit_stats(z, labels, 1 / temperature, *got[:2], got[2] if with_entropy else None, got[3],
+                                       block_v=block)
+            ref = [torch.empty(c) for _ in range(4)]
+            torch_logit_stats(z, labels, 1 / temperature, *ref)
+            exact = torch.softmax(z.double() / temperature, -1).pow(2).sum(-1)
+            errs += [close(got[3], ref[3], 1e-5), close(got[3] / exact, torch.ones_like(exact), 1e-5)]
+            without = [torch.empty(c) for _ in range(3)]
+            lm_head_triton.logit_stats(z, labels, 1 / temperature, *without[:2],
+                                       without[2] if with_entropy else None, block_v=block)
+            assert torch.equal(got[0], without[0]) and torch.equal(got[1], without[1])
+            if with_entropy:
+                assert torch.equal(got[2], without[2])
+        os.environ["MESHPPO_LM_HEAD"] = "triton"
+        n, hdim, vocab = 9, 16, 4099
+        h, w = 2 * torch.randn(n, hdim), torch.randn(vocab, hdim)
+        labels = torch.randint(0, vocab, (n,))
+        _, _, sps = chunked_token_logprobs(h, w, labels, 0.7, 4, with_sum_pi_squared=True)
+        exact = torch.softmax((h.double() @ w.double().t()) / 0.7, -1).pow(2).sum(-1)
+        errs.append(close(sps / exact, torch.ones_like(exact), 1e-4))
         return max(errs)
 
     def end_to_end():
