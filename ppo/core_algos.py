@@ -102,11 +102,13 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 ADV_ESTIMATOR_INPUTS: tuple[str, ...] = (
     "token_level_rewards", "response_mask", "values", "index", "gamma", "lam", "norm_adv_by_std_in_grpo",
-    "reward_baselines",
+    "reward_baselines", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
 )
 """The keywords every advantage estimator accepts (``values`` is None without a critic,
 ``reward_baselines`` None but for ``remax``, which alone reads it); each uses the ones its
-formula needs and says which it only accepts."""
+formula needs and says which it only accepts. ``old_log_probs``, ``sum_pi_squared`` and
+``rollout_is_weights`` (None where the step has none) are read by the optimal-token-baseline
+pair alone; the other estimators accept them and say nothing more of them."""
 
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 """``algorithm.adv_estimator`` name -> function, filled by ``register_adv_est``."""
@@ -205,6 +207,9 @@ def compute_gae_advantage_return(
     *,
     index: GroupIndex | None = None,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation over the response tokens (Schulman et al. 2016,
     https://arxiv.org/abs/1506.02438), with verl's handling of masked positions.
@@ -264,7 +269,8 @@ def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> tupl
 
 
 def _group_sums(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
-    return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)
+    """Sums of the rows of ``x`` (``[B, ...]``) by group: ``[G, ...]``."""
+    return torch.zeros((num_groups,) + x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, group, x)
 
 
 def _group_mean_std(
@@ -301,6 +307,9 @@ def compute_grpo_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's group-relative outcome advantage (Shao et al. 2024, https://arxiv.org/abs/2402.03300).
 
@@ -348,6 +357,9 @@ def compute_rloo_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out outcome advantage (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
@@ -386,6 +398,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantage (Hu 2025, https://arxiv.org/abs/2501.03262): discounted
     returns-to-go, whitened over the whole batch's valid tokens.
@@ -428,6 +443,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
 
@@ -473,6 +491,9 @@ def compute_grpo_vectorized_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised GRPO: ``grpo``'s advantage with the group variance floored at
     ``epsilon`` before its square root, ``A_i = (s_i - mean_g) / (max(std_g, sqrt(epsilon)) +
@@ -503,6 +524,9 @@ def compute_rloo_vectorized_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised RLOO: ``rloo``'s leave-one-out advantage, except that a group of one
     gets 0 (``rloo`` keeps its raw score).
@@ -529,6 +553,9 @@ def compute_grpo_passk_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k training's outcome advantage (Chen et al. 2025, https://arxiv.org/abs/2503.19595),
     as verl's ``grpo_passk``: in each group only the best response learns, with
@@ -573,6 +600,9 @@ def compute_opo_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-Policy RL with the optimal reward baseline (Hao et al. 2025, https://arxiv.org/abs/2505.23585),
     as verl's ``opo``: ``A_i = s_i - b_g`` with the length-weighted group baseline
@@ -609,6 +639,9 @@ def compute_gpg_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group Policy Gradient's advantage (Chu et al. 2025, https://arxiv.org/abs/2504.02546), as
     verl's ``gpg``: ``A_i = alpha (s_i - mean_g)`` with ``alpha = B / max(#{i: s_i != 0}, 1)``
@@ -640,6 +673,9 @@ def compute_remax_outcome_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, https://arxiv.org/abs/2310.10505), as verl's ``remax``: the
     undiscounted return-to-go minus the score of the prompt's greedy response,
@@ -663,6 +699,145 @@ def compute_remax_outcome_advantage(
     returns = (token_level_rewards.to(dtype) * mask).flip(-1).cumsum(-1).flip(-1) * mask
     advantages = returns - reward_baselines.to(dtype)[:, None] * mask
     return advantages, returns
+
+
+def _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights, name):
+    """The returns-to-go ``G_t`` and the cumulative path-variance proxy ``W_t = sum_{j <= t} w_j m_j``,
+    ``w_j = (1 - 2 pi_j + sum pi^2_j) rho_j^2`` (``rho`` the rollout importance weight, 1 without
+    one), ``[B, T]`` float64 over the columns, zero after each row's last valid token (``G``) or
+    constant there (``W``)."""
+    if old_log_probs is None or sum_pi_squared is None:
+        raise ValueError(f"the {name} advantage estimator needs old_log_probs and sum_pi_squared: set "
+                         "actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    mask = response_mask.bool()
+    w = 1 - 2 * old_log_probs.double().exp() + sum_pi_squared.double()
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.double() ** 2
+    returns = torch.where(mask, token_level_rewards.double(), 0.0).flip(-1).cumsum(-1).flip(-1)
+    return returns, torch.where(mask, w, 0.0).cumsum(-1)
+
+
+def _otb_baselines(returns, w_cum, mask, members, group, num_groups, handle_zero_tail: bool, epsilon: float):
+    """``B_t = sum_i G_it W_it m_it / (sum_i W_it m_it + epsilon)`` over each group's ``members``
+    (``[B]`` bool) at each column ``t``; 0 in a group of fewer than two members. With
+    ``handle_zero_tail``, a group's single longest member (by valid tokens) gets ``B = 0`` from
+    the column of the second-longest member's length on, where no other member has a token."""
+    m = (mask & members[:, None]).double()
+    num = _group_sums(returns * w_cum * m, group, num_groups)
+    den = _group_sums(w_cum * m, group, num_groups) + epsilon
+    counts = _group_sums(members.double(), group, num_groups)[group]
+    baselines = torch.where((counts > 1)[:, None], (num / den)[group], 0.0)
+    if handle_zero_tail:
+        lengths = torch.where(members, mask.sum(-1), -1)
+        none = torch.full((num_groups,), -1, dtype=lengths.dtype, device=lengths.device)
+        longest = none.scatter_reduce(0, group, lengths, "amax")[group]
+        at_max = members & (lengths == longest)
+        second = none.scatter_reduce(0, group, torch.where(at_max, -1, lengths), "amax")[group]
+        lone = at_max & (_group_sums(at_max.double(), group, num_groups)[group] == 1) & (counts > 1)
+        cols = torch.arange(mask.shape[1], device=mask.device)
+        baselines = torch.where(lone[:, None] & (cols[None, :] >= second[:, None]), 0.0, baselines)
+    return baselines
+
+
+@register_adv_est("optimal_token_baseline")
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+    epsilon: float = 1e-8,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline, as verl's ``optimal_token_baseline``: a baseline per prompt
+    group and timestep (column) ``t`` that weighs each response's return by how much score-function
+    variance its path has gathered so far,
+
+        A_t = G_t - B_t,   B_t = sum_i G_it W_it / sum_i W_it   (over the group, valid tokens)
+
+    with ``G_t`` the undiscounted return-to-go and ``W_t = sum_{j <= t} ||s_j||^2`` the cumulative
+    proxy ``||s_j||^2 = 1 - 2 pi_j(y_j) + sum_v pi_j(v)^2`` of the squared norm of the token's
+    score (``pi_j(y_j) = exp(old_log_probs)``, the sum from the actor's old-log-prob pass), each
+    term times ``rollout_is_weights^2`` when rollout importance weights are given. A group of one
+    response has ``B = 0``. The returns are ``G``.
+
+    Args:
+        token_level_rewards, response_mask, index: as in ``compute_grpo_outcome_advantage``.
+        old_log_probs: ``[B, T]``, the actor's log-prob of each sampled token before the update.
+        sum_pi_squared: ``[B, T]``, sum over the vocabulary of the squared probabilities of the
+            distribution each token was scored under (``actor.calculate_sum_pi_squared``).
+        rollout_is_weights: ``[B, T]`` truncated importance weights pi_old / pi_rollout, or None.
+        handle_zero_tail: zero the baseline of a group's single longest response past the
+            second-longest one's length (verl's default: off for this estimator, which verl's
+            trainer leaves at its default).
+        epsilon: added to the baseline's denominator.
+        values, gamma, lam, norm_adv_by_std_in_grpo, reward_baselines: accepted for the one signature.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``, zero outside the mask (verl leaves the returns
+        non-zero at masked positions inside a response; nothing reads them there)."""
+    dtype = _float_dtype(token_level_rewards.dtype)
+    mask = response_mask.bool()
+    returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                 rollout_is_weights, "optimal_token_baseline")
+    group, num_groups = _group_ids(index, mask.shape[0], mask.device)
+    members = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    baselines = _otb_baselines(returns, w_cum, mask, members, group, num_groups, handle_zero_tail, epsilon)
+    return (torch.where(mask, returns - baselines, 0.0).to(dtype), torch.where(mask, returns, 0.0).to(dtype))
+
+
+@register_adv_est("tir_optimal_token_baseline")
+@torch.no_grad()
+def compute_multi_turn_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``tir_optimal_token_baseline`` (tool-integrated reasoning): the optimal token
+    baseline of ``compute_optimal_token_baseline_advantage`` with the timestep of a token its
+    index among its response's valid tokens rather than its column, so that tokens outside the
+    mask inside a response (a multi-turn rollout's observations; here the tokens rollout
+    rejection removed) do not shift the later ones against the other responses of the group.
+    Responses without a valid token take no part in their group (a group with one other
+    response is a group of one: ``B = 0``), and ``handle_zero_tail`` is on by default. Where every
+    response's mask is a prefix of its columns and none is empty, both estimators agree but for
+    that default.
+
+    Args: as ``compute_optimal_token_baseline_advantage``.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``, zero outside the mask."""
+    dtype = _float_dtype(token_level_rewards.dtype)
+    mask = response_mask.bool()
+    returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                 rollout_is_weights, "tir_optimal_token_baseline")
+    group, num_groups = _group_ids(index, mask.shape[0], mask.device)
+    slots = _valid_slots(mask)
+    compact = _compact_valid(mask.double(), mask, slots).bool()
+    returns_c = _compact_valid(returns, mask, slots)
+    baselines = _otb_baselines(returns_c, _compact_valid(w_cum, mask, slots), compact, compact.any(-1), group,
+                               num_groups, handle_zero_tail, epsilon)
+    advantages = _expand_valid(returns_c - baselines, mask, slots)
+    return advantages.to(dtype), torch.where(mask, returns, 0.0).to(dtype)
 
 
 def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -314,8 +314,10 @@ PAIRS = np.array([2, 0, 1, 1, 0, 2])  # three groups of two; group 2 holds the e
 def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
     rewards, values = rand(6, 7, seed=30), rand(6, 7, seed=31)
     baselines = rand(6, seed=32)
+    old_lp, sps, weights = -rand(6, 7, seed=33).abs(), rand(6, 7, seed=34).abs() / 4, rand(6, 7, seed=35).abs()
     inputs = dict(token_level_rewards=rewards, response_mask=MASK, values=values, index=GROUPS_INT, gamma=0.9,
-                  lam=0.8, norm_adv_by_std_in_grpo=False, reward_baselines=baselines)
+                  lam=0.8, norm_adv_by_std_in_grpo=False, reward_baselines=baselines, old_log_probs=old_lp,
+                  sum_pi_squared=sps, rollout_is_weights=weights)
     assert set(inputs) == set(ADV_ESTIMATOR_INPUTS)
     direct = {
         "gae": compute_gae_advantage_return(rewards, values, MASK, 0.9, 0.8),
@@ -332,6 +334,10 @@ def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
         "opo": core_algos.compute_opo_outcome_advantage(rewards, MASK, GROUPS_INT),
         "gpg": core_algos.compute_gpg_outcome_advantage(rewards, MASK, GROUPS_INT),
         "remax": core_algos.compute_remax_outcome_advantage(rewards, MASK, baselines),
+        "optimal_token_baseline": core_algos.compute_optimal_token_baseline_advantage(rewards, MASK, GROUPS_INT,
+                                                                                      old_lp, sps, weights),
+        "tir_optimal_token_baseline": core_algos.compute_multi_turn_optimal_token_baseline_advantage(
+            rewards, MASK, GROUPS_INT, old_lp, sps, weights),
     }
     for name, fn in ADV_ESTIMATORS.items():
         # pass@k needs two responses a group at least
@@ -355,10 +361,11 @@ def test_registration_refuses_another_signature():
 
 def test_adv_estimator_registry():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg", "remax"}
+                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg", "remax",
+                                   "optimal_token_baseline", "tir_optimal_token_baseline"}
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
-        get_adv_estimator_fn("optimal_token_baseline")
+        get_adv_estimator_fn("vtrace")
     with pytest.raises(ValueError, match="index"):
         compute_grpo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array([0, 1]))
 
