@@ -503,11 +503,14 @@ class ActorConfig:
                                     no_effect="meshppo's models are text-only: there is no vision tower")
     use_prefix_grouper: bool = opt(False, "not supported: must be false (verl: a group's responses share one "
                                           "forward of their prompt in training)", unsupported=bool)
-    calculate_sum_pi_squared: bool = opt(False, "not supported: must be false (verl: each token's sum of squared "
-                                                "probabilities, for its optimal-token-baseline estimators)",
-                                         unsupported=bool)
+    calculate_sum_pi_squared: bool = opt(False, "the old-log-prob pass also computes each response token's sum of "
+                                                "squared probabilities (at the rollout temperature), chunk by chunk "
+                                                "in the LM head: the optimal-token-baseline estimators' input, and "
+                                                "verl's variance_proxy/* metrics; the pass then always runs (never "
+                                                "skipped for an on-policy update)")
     sum_pi_squared_checkpointing: bool = opt(False, "verl: recompute the sum of squared probabilities in backward",
-                                             no_effect=read_only_with("calculate_sum_pi_squared"))
+                                             no_effect="meshppo computes it in the forward-only old-log-prob pass, "
+                                                       "chunk by chunk without a graph: nothing to recompute")
     router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
@@ -1314,6 +1317,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append("actor_rollout_ref.actor.fsdp_config.param_offload=true frees nothing with "
                          f"rollout.name={rollout.name}: the actor generates, so its parameters stay on the device "
                          "(optimizer_offload still moves the optimizer states out during generation)")
+    if arr.actor.calculate_sum_pi_squared and rc.bypass_mode:
+        notes.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true has no effect with "
+                     "algorithm.rollout_correction.bypass_mode=true: bypass mode runs no old-log-prob pass to compute "
+                     "the sums in (as in verl), so no variance_proxy/* metrics either")
     keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
     if keep is not None and not cfg.uses_critic:
         notes.append(f"trainer.max_critic_ckpt_to_keep={keep} has no effect: algorithm.adv_estimator="
@@ -1398,6 +1405,10 @@ def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
     return []
 
 
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+"""The estimators that read the old log-probs, the sums of squared probabilities and the rollout
+importance weights (verl's optimal token baseline)."""
+
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
                     "opo", "gpg")
 
@@ -1440,6 +1451,13 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
                           f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "
                           "rollout.n=1 with algorithm.adv_estimator=gae or reinforce_plus_plus")
+    if adv in OTB_ESTIMATORS and not actor.calculate_sum_pi_squared:
+        raise ConfigError(f"algorithm.adv_estimator={adv} needs each token's sum of squared probabilities: set "
+                          "actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    if adv in OTB_ESTIMATORS and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(f"algorithm.adv_estimator={adv} with algorithm.rollout_correction.bypass_mode=true: bypass "
+                          "mode skips the actor's old-log-prob pass, which alone computes the sums of squared "
+                          "probabilities (verl's trainer stops there too); use the decoupled mode (bypass_mode=false)")
     fg = cfg.algorithm.filter_groups
     if fg.enable:
         if fg.metric is None:

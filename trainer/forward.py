@@ -118,12 +118,15 @@ def _scatter(mb: MicroBatch, flat: torch.Tensor, width: int) -> torch.Tensor:
     return _place(mb, flat.reshape(-1)[mb.src_index], width)
 
 
-def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool):
+def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool,
+                      with_sum_pi_squared: bool = False):
     """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens (only those
-    positions go through the LM head)."""
-    logp, ent = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
-                      label_index=mb.src_index, **mb.model_kwargs())
-    return _place(mb, logp, width), (_place(mb, ent, width) if with_entropy else None)
+    positions go through the LM head); with `with_sum_pi_squared` a third, each token's sum of
+    squared probabilities `[B, R]` (forward-only)."""
+    logp, ent, *sps = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
+                            label_index=mb.src_index, with_sum_pi_squared=with_sum_pi_squared, **mb.model_kwargs())
+    out = _place(mb, logp, width), (_place(mb, ent, width) if with_entropy else None)
+    return out + (_place(mb, sps[0], width),) if with_sum_pi_squared else out
 
 
 def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ppo.core_algos import masked_mean, masked_sum
 from sharding import comm
 from trainer.rollout_batch import RolloutBatch
 
@@ -79,3 +80,35 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
 
 
 __all__ = ["data_metrics"]
+
+
+def variance_proxy_metrics(ro: RolloutBatch, grad_norm: float | None) -> dict[str, float]:
+    """verl's `variance_proxy/*` (`compute_variance_proxy_metrics`), logged whenever the old-log-prob
+    pass computed the sums of squared probabilities (`actor.calculate_sum_pi_squared`), over every
+    rank's rows. Per response, over `loss_mask`: A its mean advantage and W = sum_t w_t, the score-
+    norm proxy w_t = 1 - 2 pi_t + sum pi^2_t (times the squared rollout importance weight when
+    there are some). `expected_a_squared` and `expected_w` are the means of A^2 and W over the batch,
+    `proxy2_total_power` the mean of A^2 max(W, 0) (with weights: of rho^2 A^2 max(W / rho^2, 0),
+    rho the response's mean weight and W / rho^2 summed per token), `proxy1_signal_strength` the
+    actor's `grad_norm` squared and `proxy3_pure_noise` max(0, (proxy2 - proxy1) / (N - 1)); both 0
+    on a step without an actor update."""
+    mask = ro.loss_mask
+    w = 1 - 2 * ro.old_log_probs.double().exp() + ro.sum_pi_squared.double()
+    adv = masked_mean(ro.advantages.double(), mask, axis=-1)
+    weights = ro.rollout_is_weights
+    if weights is None:
+        power = adv ** 2 * masked_sum(w, mask, axis=-1).clamp(min=0)
+    else:
+        sq = weights.double() ** 2
+        w = w * sq
+        power = masked_mean(weights.double(), mask, axis=-1) ** 2 * adv ** 2 * masked_sum(
+            w / sq.clamp(min=1e-10), mask, axis=-1).clamp(min=0)
+    rows, a2, w_sum, power = comm.all_reduce_values(
+        [float(len(ro)), float((adv ** 2).sum()), float(masked_sum(w, mask, axis=-1).sum()), float(power.sum())])
+    proxy2 = power / max(rows, 1.0)
+    proxy1 = grad_norm ** 2 if grad_norm is not None else None
+    proxy3 = max(0.0, (proxy2 - proxy1) / (rows - 1)) if proxy1 is not None and rows > 1 else 0.0
+    return {"variance_proxy/proxy1_signal_strength": proxy1 if proxy1 is not None else 0.0,
+            "variance_proxy/proxy2_total_power": proxy2, "variance_proxy/proxy3_pure_noise": proxy3,
+            "variance_proxy/expected_a_squared": a2 / max(rows, 1.0),
+            "variance_proxy/expected_w": w_sum / max(rows, 1.0)}

@@ -32,12 +32,12 @@ from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
-from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, PPOConfig, validate
+from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError
 from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
-from trainer.metrics import data_metrics
+from trainer.metrics import data_metrics, variance_proxy_metrics
 from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
@@ -432,6 +432,8 @@ class PPOTrainer:
         self.global_step += 1
         metrics.update(data_metrics(ro, scores, extras, max_prompt_length=self.cfg.data.max_prompt_length,
                                     max_response_length=self.cfg.response_length))
+        if ro.sum_pi_squared is not None:
+            metrics.update(variance_proxy_metrics(ro, metrics.get("actor/grad_norm")))
         metrics.update(self.timer.pop())
         metrics.update(self._perf_metrics(ro, metrics))
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
@@ -547,16 +549,18 @@ class PPOTrainer:
             # no recompute pass. actor/entropy and rollout/logprob_diff come from the update.
             ro.old_log_probs = ro.rollout_log_probs
             return
+        with_sps = self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
         if (self._on_policy_update() and not reweighted and not lp.calculate_log_probs
-                and not self.cfg.algorithm.use_kl_in_reward):
+                and not self.cfg.algorithm.use_kl_in_reward and not with_sps):
             # One optimizer step on this batch: its ratio's old log-probs are the update's own forward
             # (`Actor.update`), and nothing before it reads them (no KL in the reward, no rollout
-            # correction or its diagnostics), so the recompute pass is skipped. actor/entropy and
-            # actor/ref_kl come from the update.
+            # correction or its diagnostics, no sum of squared probabilities for the advantages), so
+            # the recompute pass is skipped. actor/entropy and actor/ref_kl come from the update.
             return
         with self.timer("old_log_prob"):
-            old, ent = self.actor.log_probs(ro, with_entropy=True)
+            old, ent, *sps = self.actor.log_probs(ro, with_entropy=True, with_sum_pi_squared=with_sps)
             ro.old_log_probs = old
+            ro.sum_pi_squared = sps[0] if with_sps else None
             # verl's: aggregated over the batch with the actor's loss_agg_mode (and loss_scale_factor)
             actor_cfg = self.cfg.actor_rollout_ref.actor
             metrics["actor/entropy"] = agg_loss_global(ent, mask, actor_cfg.loss_agg_mode,
@@ -677,8 +681,10 @@ class PPOTrainer:
         update, as verl's `apply_kl_penalty` makes them, over `response_mask`), then `advantages` and
         `returns` over the whole batch's `loss_mask` (whitening and group baselines are batch-wide)
         and this rank's rows of them.
-        Only the rank-local rewards and values are gathered: the response mask and the group ids
-        are known to every rank already (`full`), as are `baselines` (`remax`'s greedy scores, `[N]`)."""
+        Only the rank-local per-token inputs are gathered (rewards, values, and the old log-probs,
+        sums of squared probabilities and rollout importance weights that the optimal-token-baseline
+        estimators read): the response mask and the group ids are known to every rank already
+        (`full`), as are `baselines` (`remax`'s greedy scores, `[N]`)."""
         alg = self.cfg.algorithm
         mask = ro.response_mask
         with self.timer("adv"):
@@ -694,13 +700,15 @@ class PPOTrainer:
                 self.kl.in_reward.update(current_kl, n_steps=len(full))
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
             ro.token_level_rewards = rewards
-            gather = lambda t: self._gather_rows(t, parts, len(full))  # noqa: E731
-            values = ro.values
+            gather = lambda t: self._gather_rows(t, parts, len(full)) if t is not None else None  # noqa: E731
+            otb = alg.adv_estimator in OTB_ESTIMATORS  # the only readers of the last three: gathered for them alone
             adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
                 token_level_rewards=gather(ro.token_level_rewards), response_mask=full.loss_mask,
-                values=gather(values) if values is not None else None, index=np.asarray(full.uids),
+                values=gather(ro.values), index=np.asarray(full.uids),
                 gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-                reward_baselines=baselines)
+                reward_baselines=baselines, old_log_probs=gather(ro.old_log_probs) if otb else None,
+                sum_pi_squared=gather(ro.sum_pi_squared) if otb else None,
+                rollout_is_weights=gather(ro.rollout_is_weights) if otb else None)
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
             ro.advantages, ro.returns = adv[sel], ret[sel]
 

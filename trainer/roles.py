@@ -310,13 +310,17 @@ class Actor(TrainableRole):
         super().__init__(model, optimizer, scheduler, **kw)
         self.temperature = temperature
 
-    def _forward(self, sub: RolloutBatch, with_entropy: bool):
-        return response_logprobs(self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy)
+    def _forward(self, sub: RolloutBatch, with_entropy: bool, with_sum_pi_squared: bool = False):
+        return response_logprobs(self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy,
+                                 with_sum_pi_squared)
 
-    def log_probs(self, ro: RolloutBatch, with_entropy: bool = False):
-        """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor."""
-        logp, ent = forward_micro_batches(ro, self.batching, lambda sub: self._forward(sub, with_entropy), self.model)
-        return logp, ent
+    def log_probs(self, ro: RolloutBatch, with_entropy: bool = False, with_sum_pi_squared: bool = False):
+        """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor,
+        and with `with_sum_pi_squared` a third, each token's sum of squared probabilities `[N, R]`
+        (`actor.calculate_sum_pi_squared`)."""
+        return tuple(forward_micro_batches(ro, self.batching,
+                                           lambda sub: self._forward(sub, with_entropy, with_sum_pi_squared),
+                                           self.model))
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:

@@ -22,8 +22,8 @@ from trainer.forward import index_on
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
-TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "rollout_is_weights", "rollout_rs_mask",
-                "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
+TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
+                "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
 
 
 @dataclass
@@ -43,6 +43,8 @@ class RolloutBatch:
     rollout_log_probs: torch.Tensor | None = None   # `engine_log_probs` padded (rollout correction)
     old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode;
                                                     # None: an on-policy update takes its own forward's)
+    sum_pi_squared: torch.Tensor | None = None      # sum of squared probabilities of each token's distribution
+                                                    # (the old-log-prob pass, actor.calculate_sum_pi_squared)
     rollout_is_weights: torch.Tensor | None = None  # importance weights pi_old / pi_rollout (decoupled mode)
     rollout_rs_mask: torch.Tensor | None = None     # 1 on the tokens rollout rejection kept (decoupled mode)
     ref_log_probs: torch.Tensor | None = None       # the reference policy

@@ -128,7 +128,7 @@ def _decoupled_body(rank, world_size):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (old, torch.zeros_like(old)))
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, torch.zeros_like(old)))
     metrics = {}
     trainer._old_log_probs(full, ro, parts, metrics)
     truncated = [[min(math.exp(x), 1.5) for x in d] for d in deltas]

@@ -519,7 +519,7 @@ def test_trainer_folds_rejection_into_the_advantages_and_data_metrics():
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (old, entropy))
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, entropy))
     trainer.kl = None  # no KL in reward
     ro.token_level_scores = torch.zeros(4, 5)
     ro.token_level_scores[torch.arange(4), torch.tensor(lengths) - 1] = scores
@@ -585,7 +585,7 @@ def test_actor_entropy_is_aggregated_with_the_loss_agg_mode(mode, overrides, exp
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy: (-entropy, entropy))
+    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (-entropy, entropy))
     metrics = {}
     trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)
     assert metrics["actor/entropy"] == pytest.approx(expected(rows), rel=1e-6)
