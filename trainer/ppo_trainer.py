@@ -535,8 +535,9 @@ class PPOTrainer:
         return values
 
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
-        """`old_log_probs`: the actor's recompute (with `actor/entropy`), the engine's own in
-        bypass mode, or none where an on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask over
+        """`old_log_probs`: the actor's recompute (with `actor/entropy`, and `sum_pi_squared` with
+        `actor.calculate_sum_pi_squared`), the engine's own in bypass mode, or none where an
+        on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask over
         the whole batch (`rollout_is_weights`, and `rollout_rs_mask` on `full` and this rank's rows:
         what `loss_mask` leaves out of the advantages, losses and critic from here on)."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
