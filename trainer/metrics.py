@@ -14,7 +14,8 @@ tokens, with unbiased variances. Reward-function extras are averaged over the sa
 returned them (`reward_extra/<key>/mean`).
 
 Three collectives at most, whatever the number of metrics: the sums, the extremes, and (with a
-critic) the centred sums of squares.
+critic) the centred sums of squares. `variance_proxy_metrics` (verl's `variance_proxy/*`, with
+`actor.calculate_sum_pi_squared`) adds one.
 """
 
 from __future__ import annotations
