@@ -62,3 +62,16 @@ def test_checkpoint_hf_export_on_gpu(tmp_path):
     got, want = tensors(export), tensors(final)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     transformers.AutoModelForCausalLM.from_pretrained(export)
+
+
+def test_optimal_token_baseline_on_gpu(tmp_path):
+    """verl's optimal-token-baseline estimator on the GPU: the old-log-prob pass returns each token's
+    sum of squared probabilities (the Triton LM head), and the steps' variance-proxy metrics and
+    advantages are finite."""
+    import math
+
+    _, steps = _run(tmp_path, "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    for row in steps:
+        keys = [k for k in row if k.startswith("variance_proxy/")]
+        assert keys and all(math.isfinite(row[k]) for k in keys), row
+        assert math.isfinite(row["critic/advantages/mean"]), row
