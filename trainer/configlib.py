@@ -168,8 +168,12 @@ def _coerce(value, tp, key: str):
     raise ConfigError(f"{key}: unsupported field type {tp}")
 
 
-def _closest(key: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+def _closest(key: str, candidates: list[str], nested: list[str] = ()) -> str:
+    """The suggestion for an unknown `key`: an option of the same name one section down (verl's
+    `reward_model.model.path` for `reward_model.path`), else the closest of `candidates`."""
+    name = key.rsplit(".", 1)[-1]
+    match = [k for k in nested if k.rsplit(".", 1)[-1] == name][:1] or difflib.get_close_matches(key, candidates, n=1,
+                                                                                                    cutoff=0.0)
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
@@ -184,7 +188,9 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
             continue  # the class Hydra builds this section of a verl config into: metadata, no option
         if key not in by_name:
             all_keys = [f"{prefix}.{k}" if prefix else k for k in by_name]
-            raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys)}")
+            nested = [f"{k}.{f.name}" for k, name in zip(all_keys, by_name)
+                      if is_dataclass(hints[name]) for f in fields(hints[name])]
+            raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys, nested)}")
         f = by_name[key]
         coerced = _coerce(value, hints[key], full)
         choices = f.metadata.get("choices")

@@ -459,7 +459,8 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
     assert not [n for n in config_notes(_cfg(*rm)) if n.startswith("reward_model.")]
     with pytest.raises(ConfigError, match=r"reward_model.max_length=512 with reward_model.model.input_tokenizer=null"):
         validate(_cfg(*rm, "reward_model.max_length=512", "reward_model.model.input_tokenizer=null"))
-    with pytest.raises(ConfigError, match="unknown config key 'reward_model.path'"):
+    with pytest.raises(ConfigError, match="unknown config key 'reward_model.path'; did you mean "
+                                          "'reward_model.model.path'"):
         _cfg("reward_model.path=/rm")
     for refused in ("reward_model.enable_resource_pool=true", "reward_model.sandbox_fusion.url=http://x",
                     "reward_model.reward_loop_source=importlib", "reward_model.ulysses_sequence_parallel_size=2",
