@@ -19,6 +19,11 @@ GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+def has_tokenizer(path) -> bool:
+    """Whether directory `path` holds a tokenizer (one of `TOKENIZER_FILES`)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str):
     cfg_file = os.path.join(path, "tokenizer_config.json")
     cls = None

@@ -28,9 +28,6 @@ import torch
 from models.args import torch_dtypes
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
@@ -73,9 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    from models.tokenizer import has_tokenizer, load_tokenizer as load
+
+    if not has_tokenizer(model_dir):
         return None
-    from models.tokenizer import load_tokenizer as load
 
     return load(str(model_dir))
 

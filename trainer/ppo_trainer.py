@@ -99,13 +99,13 @@ class PPOTrainer:
         self.timer = Timer(self.device)
 
         from data import PromptDataLoader, RLHFDataset
-        from models.tokenizer import TOKENIZER_FILES, load_tokenizer
+        from models.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 
         tok_path = cfg.data.tokenizer
         if not os.path.isdir(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
                             "actor_rollout_ref.model.path)")
-        if not any(os.path.isfile(os.path.join(tok_path, f)) for f in TOKENIZER_FILES):
+        if not has_tokenizer(tok_path):
             raise UserError(f"tokenizer directory {tok_path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
                             "data.tokenizer or actor_rollout_ref.model.path)")
         self.tokenizer = load_tokenizer(tok_path)

@@ -16,7 +16,7 @@ import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
 from models.lora import trainable_parameters
-from trainer.config import ACTOR_MODEL_PATH, OptimConfig, PPOConfig, described_launch, validate
+from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.errors import UserError
 from trainer.launch import DistContext
@@ -115,7 +115,7 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
+def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
     """Checks the reward model (`reward_model`'s options) before any model loads, and returns how
     its inputs are made: `RewardModelInputs` rendering each chat with the reward model's own
     tokenizer and template (`model.input_tokenizer` set, verl's default: the actor's model path,
@@ -124,7 +124,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
     vocabulary). Every model needs a trained score head: a causal-LM checkpoint has none, and the
     value head that a critic may start at zero would make every reward 0."""
     from models.checkpoint import checkpoint_tensor_names
-    from models.tokenizer import TOKENIZER_FILES, load_tokenizer
+    from models.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
     from rewards.model_inputs import RewardModelInputs
 
     path, src = rm.model.path, rm.model.input_tokenizer
@@ -134,13 +134,13 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
                         "Hugging Face *ForSequenceClassification / *ForTokenClassification directory, not a causal "
                         "LM (it would score every response 0)")
     vocab = load_model_args(path).vocab_size
-    has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+    own_tokenizer = has_tokenizer(path)
     if src is None:
         if len(actor_tokenizer) > vocab:
             raise UserError(f"{key} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) has "
                             f"{len(actor_tokenizer)}: with reward_model.model.input_tokenizer=null the reward model "
                             "reads the actor's token ids, so it needs the actor's vocabulary")
-        if has_tokenizer and load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
+        if own_tokenizer and load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
             raise UserError(f"{key} has a tokenizer other than the actor's (data.tokenizer): with "
                             "reward_model.model.input_tokenizer=null the reward model is given the actor's token ids "
                             "as they are, which another vocabulary reads as other text; leave input_tokenizer at its "
@@ -148,7 +148,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
         return None
     why = ("reward_model.model.input_tokenizer is set (verl's default: the actor's model path), so the reward model "
            "reads each chat rendered with its own tokenizer and chat template")
-    if not has_tokenizer:
+    if not own_tokenizer:
         raise UserError(f"{key} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {why}; save them with the "
                         "model, or set input_tokenizer=null to give it the actor's token ids")
     rm_tokenizer = load_tokenizer(path)
@@ -157,9 +157,9 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str | None = None):
                         "input_tokenizer=null to give it the actor's token ids")
     if len(rm_tokenizer) > vocab:
         raise UserError(f"{key}: its tokenizer has {len(rm_tokenizer)} token ids but the model embeds {vocab}")
-    if src in (ACTOR_MODEL_PATH, actor_path):
+    if src == actor_path:
         src_tokenizer = actor_tokenizer
-    elif not os.path.isdir(src) or not any(os.path.isfile(os.path.join(src, f)) for f in TOKENIZER_FILES):
+    elif not os.path.isdir(src) or not has_tokenizer(src):
         raise UserError(f"reward_model.model.input_tokenizer {src!r} is not a directory holding a tokenizer (one of "
                         f"{', '.join(TOKENIZER_FILES)})")
     else:

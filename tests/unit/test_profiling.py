@@ -173,12 +173,12 @@ def test_nsys_brackets_the_steps_and_marks_the_phases(monkeypatch):
         profiler = StepProfiler(_plan("global_profiler.tool=nsys", f"{ACTOR}.enable=true", *overrides), 0, cuda, 3)
         for n in (1, 2, 3):
             with profiler.step(n), profiler.phase("step"), profiler.phase("gen"):
-                pass
+                calls.append("work")  # the phase's work: inside every range
         return list(calls)
 
-    assert run() == ["start", "phase:step", "phase:gen", "pop", "pop", "stop"]
+    assert run() == ["work", "start", "phase:step", "phase:gen", "work", "pop", "pop", "stop", "work"]
     assert run("global_profiler.global_tool_config.nsys.discrete=true") == [
-        "phase:step", "start", "phase:gen", "pop", "stop", "pop"]
+        "work", "phase:step", "start", "phase:gen", "work", "pop", "stop", "pop", "work"]
 
 
 def test_torch_memory_records_the_step_and_dumps_a_snapshot(monkeypatch, tmp_path):

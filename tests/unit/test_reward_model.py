@@ -63,10 +63,14 @@ def check_dumped_scores(dumped: list[dict], hf, tokenizer, atol: float) -> None:
                             return_tensors="pt")["input_ids"]
             assert d["score"] == pytest.approx(float(hf(input_ids=ids).logits[0, 0]), abs=atol), d
 
-def _rm_config(path, input_tokenizer, max_length=None):
-    from trainer.config import ACTOR_MODEL_PATH, RewardModelConfig, RewardModelModelConfig
+ACTOR = "/models/actor"  # the actor's model path these tests give reward_model_inputs
 
-    src = ACTOR_MODEL_PATH if input_tokenizer == "actor" else input_tokenizer
+
+def _rm_config(path, input_tokenizer, max_length=None):
+    """A reward-model section; input_tokenizer "actor": verl's default, the actor's model path."""
+    from trainer.config import RewardModelConfig, RewardModelModelConfig
+
+    src = ACTOR if input_tokenizer == "actor" else input_tokenizer
     return RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(path), input_tokenizer=src),
                              max_length=max_length)
 
@@ -93,7 +97,7 @@ def test_the_reward_model_reads_the_chat_rendered_with_its_own_template(tmp_path
     other = other_tokenizer()
     llama_reward_model(tmp_path / "rm", len(other))
     other.save_pretrained(tmp_path / "rm")
-    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
+    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor, ACTOR)
     prompts = [[{"role": "user", "content": "12+3="}], [{"role": "user", "content": "7+8="}]]
     responses = [actor("15")["input_ids"] + [actor.eos_token_id], actor("1 5")["input_ids"]]  # stopped, cut off
     ids = {t: i for i, t in enumerate(OTHER_SPECIALS + OTHER_CHARS)}
@@ -102,7 +106,7 @@ def test_the_reward_model_reads_the_chat_rendered_with_its_own_template(tmp_path
     expected = [[s, q, *spell("12+3="), a, *spell("15"), e], [s, q, *spell("7+8="), a, *spell("1 5"), e]]
     assert inputs(prompts, responses) == expected
     assert expected[0] == [1, 3, 19, 18, 10, 17, 7, 4, 19, 15, 2]  # the same by hand: [S] [Q] 1 2 + 3 = [A] 1 5 [/S]
-    cut = reward_model_inputs(_rm_config(tmp_path / "rm", "actor", max_length=6), actor)
+    cut = reward_model_inputs(_rm_config(tmp_path / "rm", "actor", max_length=6), actor, ACTOR)
     assert cut(prompts, responses) == [x[:6] for x in expected]
     with pytest.raises(TypeError, match="row 1: the prompt is a str, not a list of chat messages"):
         inputs([prompts[0], "7+8="], responses)
@@ -121,7 +125,7 @@ def test_scores_of_a_reward_model_with_its_own_vocabulary_equal_hf(tmp_path, pac
     other = other_tokenizer()
     hf = llama_reward_model(tmp_path / "rm", len(other), seed=1)
     other.save_pretrained(tmp_path / "rm")
-    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor)
+    inputs = reward_model_inputs(_rm_config(tmp_path / "rm", "actor"), actor, ACTOR)
     rm = Transformer.from_pretrained(tmp_path / "rm", head="value")
     chats = [("12+3=", "15"), ("7+8=", "1 5 "), ("40+2=", "42")]
     prompts = [[{"role": "user", "content": p}] for p, _ in chats]
@@ -149,9 +153,9 @@ def test_a_reward_model_needs_a_score_head(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "lm")
-    assert reward_model_inputs(_rm_config(tmp_path / "rm", None), actor_tok) is None
+    assert reward_model_inputs(_rm_config(tmp_path / "rm", None), actor_tok, ACTOR) is None
     with pytest.raises(UserError, match=r"reward_model.model.path .*lm' has no score head"):
-        reward_model_inputs(_rm_config(tmp_path / "lm", None), actor_tok)
+        reward_model_inputs(_rm_config(tmp_path / "lm", None), actor_tok, ACTOR)
 
 
 def test_a_reward_model_rendering_its_own_chats_needs_a_tokenizer_with_a_template(tmp_path):
@@ -165,22 +169,22 @@ def test_a_reward_model_rendering_its_own_chats_needs_a_tokenizer_with_a_templat
     actor = build_demo_tokenizer()
     llama_reward_model(tmp_path / "bare", len(other_tokenizer()))
     with pytest.raises(UserError, match=r"'.*bare' holds no tokenizer .*set input_tokenizer=null"):
-        reward_model_inputs(_rm_config(tmp_path / "bare", "actor"), actor)
+        reward_model_inputs(_rm_config(tmp_path / "bare", "actor"), actor, ACTOR)
     llama_reward_model(tmp_path / "plain", len(other_tokenizer()))
     other_tokenizer(chat_template=None).save_pretrained(tmp_path / "plain")
     with pytest.raises(UserError, match="its tokenizer has no chat template"):
-        reward_model_inputs(_rm_config(tmp_path / "plain", "actor"), actor)
+        reward_model_inputs(_rm_config(tmp_path / "plain", "actor"), actor, ACTOR)
     llama_reward_model(tmp_path / "small", len(other_tokenizer()) - 1)
     other_tokenizer().save_pretrained(tmp_path / "small")
     with pytest.raises(UserError, match=f"its tokenizer has {len(other_tokenizer())} token ids but the model embeds "
                                         f"{len(other_tokenizer()) - 1}"):
-        reward_model_inputs(_rm_config(tmp_path / "small", "actor"), actor)
+        reward_model_inputs(_rm_config(tmp_path / "small", "actor"), actor, ACTOR)
     llama_reward_model(tmp_path / "rm", len(other_tokenizer()))
     other_tokenizer().save_pretrained(tmp_path / "rm")
     with pytest.raises(UserError, match=r"input_tokenizer '.*nowhere' is not a directory holding a tokenizer"):
-        reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "nowhere")), actor)
+        reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "nowhere")), actor, ACTOR)
     build_demo_tokenizer(tmp_path / "actor_tok")
-    assert reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "actor_tok")), actor) is not None
+    assert reward_model_inputs(_rm_config(tmp_path / "rm", str(tmp_path / "actor_tok")), actor, ACTOR) is not None
 
 
 def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
@@ -205,7 +209,7 @@ def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
             tokenizer.save_pretrained(tmp_path / name)
         return str(tmp_path / name)
 
-    check = lambda path: reward_model_inputs(_rm_config(path, None), actor_tok)  # noqa: E731
+    check = lambda path: reward_model_inputs(_rm_config(path, None), actor_tok, ACTOR)  # noqa: E731
     assert check(rm_dir("same", n, build_demo_tokenizer())) is None
     with pytest.raises(UserError, match=rf"embeds {n - 1} token ids but the actor's tokenizer \(data.tokenizer\) has {n}"):
         check(rm_dir("small", n - 1))
