@@ -97,6 +97,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.scale = d ** -0.5
+        # Ulysses: packed input is this rank's token shard; attention runs split by heads over
+        # the group (`sharding.ulysses.apply_sequence_parallel`)
+        self.sequence_parallel = None
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
         shape = x.shape[:-1]
@@ -104,7 +107,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         q, k = apply_rope_qk(q, k, cos, sin)
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and self.sequence_parallel is not None:
+            out = self.sequence_parallel.attention(attention_packed, q, k, v, cu_seqlens, max_seqlen, self.scale)
+        elif cu_seqlens is not None:
             out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
             out = attention_padded(q, k, v, attention_mask, self.scale)

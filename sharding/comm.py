@@ -87,4 +87,16 @@ def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [p.to(t.device) for p in parts]
 
 
-__all__ = ["all_gather", "all_reduce", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
+def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
+    """`t [n, ...]` (n = the group's size): chunk `k` goes to rank `k`; returns `[n, ...]` whose
+    chunk `k` came from rank `k`, on `t`'s device."""
+    if world_size(group) == 1:
+        return t
+    dev = group_device(group)
+    buf = t.contiguous().to(dev)
+    out = torch.empty_like(buf)
+    dist.all_to_all_single(out, buf, group=group)
+    return out.to(t.device)
+
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]

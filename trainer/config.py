@@ -28,6 +28,7 @@ from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
 from sharding.mesh import ParallelDims
+from sharding.ulysses import check_sequence_parallel
 
 DTYPES = tuple(torch_dtypes())
 
@@ -54,6 +55,12 @@ def _entropy_checkpointing():
 _VERL_COMPUTE_DTYPE = "bfloat16"
 
 
+_SP_HELP = ("Ulysses sequence parallelism: this many consecutive ranks (inside a node) run each packed micro-batch "
+            "together, each on its shard of the tokens, attention split by heads through all-to-alls; they pool their "
+            "rows, so the role has world / size data-parallel groups, and a dynamic micro-batch's token budget is per "
+            "GPU (times size a group). Needs use_remove_padding; must divide the model's attention heads")
+
+
 @dataclass
 class FSDPOptions(FSDPConfig):
     """`fsdp_config` as a verl config writes it. As in verl, `offload_policy` supersedes
@@ -77,8 +84,9 @@ class FSDPOptions(FSDPConfig):
                                   no_effect="meshppo's LM head computes the entropy with its own kernels "
                                             "(actor.use_torch_compile and ref.use_torch_compile compile the "
                                             "transformer blocks)")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=other_than(1))
+    ulysses_sequence_parallel_size: int = opt(1, "verl's copy of the role's ulysses_sequence_parallel_size (its "
+                                                 "engine workers read this one): 1, or the role's value; another "
+                                                 "value than 1 sets the role's where that is 1", ge=1)
     full_determinism: bool = opt(False, "not supported: must be false (verl: deterministic kernels, seeded by seed)",
                                  unsupported=bool)
     seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="read only with full_determinism, which "
@@ -490,8 +498,7 @@ class ActorConfig:
     shuffle: bool = opt(False, "shuffle sequences before splitting mini-batches")
     use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor and of the critic (the "
                                          "reference model's too unless ref.use_torch_compile says otherwise)")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=other_than(1))
+    ulysses_sequence_parallel_size: int = opt(1, _SP_HELP + " (the reference's too)", ge=1)
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -537,8 +544,8 @@ class RefConfig:
                                                            "null: the actor's ppo_max_token_len_per_gpu", ge=1)
     use_torch_compile: bool | None = opt(None, "torch.compile each block of the reference model; null: the actor's "
                                               "setting")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=other_than(1))
+    ulysses_sequence_parallel_size: int | None = opt(None, "the reference's Ulysses group size: the actor's (verl "
+                                                           "runs both in one group); null: the actor's", ge=1)
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -771,8 +778,7 @@ class CriticConfig:
     cliprange_value: float = opt(0.5, "value clipping range", gt=0)
     loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
                                     choices=(*LOSS_AGG_MODES, None))
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1",
-                                              unsupported=other_than(1))
+    ulysses_sequence_parallel_size: int = opt(1, _SP_HELP, ge=1)
     enable: bool | None = opt(None, "train a critic: must agree with algorithm.adv_estimator (meshppo trains one "
                                     "exactly for gae); null: as adv_estimator says")
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
@@ -866,8 +872,7 @@ class RewardModelConfig:
                                        "bound the input: must be null", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallelism is not supported: must be 1", ge=1,
-                                              unsupported=lambda v: v != 1)
+    ulysses_sequence_parallel_size: int = opt(1, _SP_HELP, ge=1)
     enable_resource_pool: bool = opt(False, "not supported: the reward model runs on the training ranks, between "
                                             "generation and the update (n_gpus_per_node / nnodes are not read)",
                                      unsupported=bool)
@@ -1173,6 +1178,14 @@ class PPOConfig:
             _copy_of(f"{key}.rollout_n", obj, "rollout_n", "actor_rollout_ref.rollout.n", rollout.n)
         _copy_of("actor_rollout_ref.actor.use_remove_padding", actor, "use_remove_padding",
                  "actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding)
+        # Ulysses: verl's fsdp_config copies folded into the roles' sizes; the reference runs in the actor's groups
+        for key, obj, fsdp in (("actor_rollout_ref.actor", actor, actor.fsdp_config),
+                               ("actor_rollout_ref.ref", ref, ref.fsdp_config),
+                               ("critic", critic, critic.model.fsdp_config),
+                               ("reward_model", self.reward_model, self.reward_model.model.fsdp_config)):
+            _sp_copy(key, obj, fsdp)
+        _copy_of("actor_rollout_ref.ref.ulysses_sequence_parallel_size", ref, "ulysses_sequence_parallel_size",
+                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)
         if critic.enable is not None and critic.enable != self.uses_critic:
             raise ConfigError(f"critic.enable={_shown(critic.enable)} with algorithm.adv_estimator="
                               f"{self.algorithm.adv_estimator}: meshppo trains a critic exactly when adv_estimator is "
@@ -1244,6 +1257,21 @@ def _copy_of(key: str, obj, name: str, source: str, value) -> None:
     setattr(obj, name, value)
 
 
+def _sp_copy(key: str, role, fsdp) -> None:
+    """`fsdp_config.ulysses_sequence_parallel_size`, verl's copy of the role's `key` size (its engine
+    workers read that one): 1 leaves the role's; another value must agree with a role's size set
+    above 1, and sets it where that is 1 or null."""
+    copy, mine = fsdp.ulysses_sequence_parallel_size, role.ulysses_sequence_parallel_size
+    if copy == 1:
+        return
+    fsdp_key = "critic.model" if key == "critic" else "reward_model.model" if key == "reward_model" else key
+    if mine not in (None, 1, copy):
+        raise ConfigError(f"{fsdp_key}.fsdp_config.ulysses_sequence_parallel_size={copy} differs from "
+                          f"{key}.ulysses_sequence_parallel_size={mine}: both set the role's Ulysses group size; set "
+                          "one of them, or both the same")
+    role.ulysses_sequence_parallel_size = copy
+
+
 def _alias(key: str, obj, name: str, alias_key: str, alias_obj, alias_name: str) -> None:
     """Option `key` and verl's other name of it, `alias_key`: the one that is set (both set to
     different values is an error); the alias ends null, so a resolved config resolves to itself."""
@@ -1254,6 +1282,28 @@ def _alias(key: str, obj, name: str, alias_key: str, alias_obj, alias_name: str)
     if value is None:
         setattr(obj, name, alias)
     setattr(alias_obj, alias_name, None)
+
+
+def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) -> None:
+    """Each used role's Ulysses size against the launch, and its packed layout (the model's heads
+    are checked when it is built: `setup.build_models`)."""
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, "actor_rollout_ref.model",
+              arr.model.use_remove_padding)]
+    if cfg.uses_critic:
+        roles.append(("critic", cfg.critic.ulysses_sequence_parallel_size, "critic.model",
+                      cfg.critic.model.use_remove_padding))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", cfg.reward_model.ulysses_sequence_parallel_size, "reward_model.model",
+                      cfg.reward_model.model.use_remove_padding))
+    for key, size, model_key, packed in roles:
+        try:
+            check_sequence_parallel(f"{key}.ulysses_sequence_parallel_size", size, world_size, per_node)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if size > 1 and not packed:
+            raise ConfigError(f"{key}.ulysses_sequence_parallel_size={size} with {model_key}.use_remove_padding=false: "
+                              "sequence parallelism shards the packed (padding-free) layout; set it to true")
 
 
 def _validate_reward_model(rm: RewardModelConfig) -> None:
@@ -1442,6 +1492,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model directory)")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give at least one .jsonl or .parquet file")
+    _validate_sequence_parallel(cfg, world_size, per_node)
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
@@ -1504,8 +1555,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         micro = actor.ppo_micro_batch_size_per_gpu
         if micro is None:
             raise ConfigError("set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or use_dynamic_bsz=true")
-        if (mini_seqs // world_size) % micro:
-            raise ConfigError(f"sequences per rank per mini-batch ({mini_seqs // world_size}) must be a multiple of "
+        # a Ulysses group's ranks pool their rows: its micro-batches cut the group's share
+        sp = actor.ulysses_sequence_parallel_size
+        per_group, who = mini_seqs * sp // world_size, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
+        if per_group % micro:
+            raise ConfigError(f"sequences per {who} per mini-batch ({per_group}) must be a multiple of "
                               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
     # every admitted prompt gets its full response budget: a shorter context would cut responses short
     max_prompt = cfg.data.max_prompt_length
@@ -1564,9 +1618,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             raise ConfigError(f"critic.ppo_mini_batch_size x rollout.n ({cmini * n}) must split over {world_size} ranks")
         if not critic.use_dynamic_bsz:
             cmicro = critic.ppo_micro_batch_size_per_gpu
-            if cmicro is None or ((cmini * n) // world_size) % cmicro:
+            if cmicro is None or ((cmini * n) * critic.ulysses_sequence_parallel_size // world_size) % cmicro:
                 raise ConfigError("critic.ppo_micro_batch_size_per_gpu must divide the critic's sequences per rank "
-                                  "per mini-batch (or set critic.use_dynamic_bsz=true)")
+                                  "(per Ulysses group) per mini-batch (or set critic.use_dynamic_bsz=true)")
         keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
         if keep is not None and keep != actor_keep:
             raise ConfigError(f"trainer.max_critic_ckpt_to_keep={keep} differs from trainer.max_actor_ckpt_to_keep="

@@ -7,6 +7,11 @@ A micro-batch is a list of sequences `prompt + response`. Two layouts, same resu
 * padded: prompts left-padded to the longest prompt, responses right-padded, so every
   response starts at the same column.
 
+With Ulysses sequence parallelism (packed only, `sharding.ulysses`) the packed row is padded to a
+multiple of the group size and each rank of the group runs the model on its contiguous shard of
+it: the positions it scores are those of its shard, and the outputs are gathered over the group
+(in position order: the order of the unsharded micro-batch) before they are placed.
+
 Either way the output is `[B, R]` (R = the batch's response width) holding, for response
 token j of sequence b, the quantity computed at the position that predicts it (log-prob of
 the token, entropy of that position's distribution, or the value of the state before it).
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 
 from models.transfer import host_to_device
+from sharding.ulysses import SequenceParallel, gather_rows, padded_length, per_shard_counts, shard_bounds
 
 
 @dataclass
@@ -37,6 +43,18 @@ class MicroBatch:
     dst_col: torch.Tensor
     last_index: torch.Tensor         # flat position of each sequence's last token (reward models)
     batch_size: int
+    # Ulysses: the group, and how many of the scored / last positions each of its ranks' shards holds
+    # (`src_index` and `last_index` are then this rank's, relative to its shard)
+    sp: SequenceParallel | None = None
+    src_counts: list[int] | None = None
+    last_counts: list[int] | None = None
+
+    def gather(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Every rank's values at its scored (`last`: last) positions, in position order; `x` itself
+        without sequence parallelism."""
+        if self.sp is None:
+            return x
+        return gather_rows(x, self.sp, self.last_counts if last else self.src_counts)
 
     def model_kwargs(self) -> dict:
         """The layout arguments of `Transformer.forward` for this micro-batch."""
@@ -45,8 +63,9 @@ class MicroBatch:
 
 
 def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
-                      pad_token_id: int = 0) -> MicroBatch:
-    """Lay out `prompts[i] + responses[i]` for one forward pass.
+                      pad_token_id: int = 0, sp: SequenceParallel | None = None) -> MicroBatch:
+    """Lay out `prompts[i] + responses[i]` for one forward pass (`sp`: this rank's shard of the packed
+    row, for its Ulysses group).
 
     Everything is built on the host with NumPy (whole-array operations, one pass over the token
     lists, no per-sequence loop) and moved in one copy from pinned memory that does not wait for
@@ -67,20 +86,45 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
     # every response token j of sequence b: its row b and its column j
     rows = np.repeat(np.arange(n), lr)
     cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
-    layout = _packed_micro_batch if packed else _padded_micro_batch
-    return layout(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+    if packed:
+        return _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id, sp)
+    if sp is not None:
+        raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
+    return _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
 
 
-def _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
-    """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0."""
+def _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int,
+                        sp: SequenceParallel | None) -> MicroBatch:
+    """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0. With `sp` the
+    row is padded to a multiple of the group size (the padding is a sequence of its own, so no
+    real token attends to it) and this rank keeps its shard of the tokens, labels and positions."""
     labels = np.empty_like(flat)  # the next token of the same sequence; the pad after its last
     labels[:-1] = flat[1:]
     labels[ends - 1] = pad_token_id
     cu_seqlens = np.concatenate([[0], ends])
     src = np.repeat(ends - lr - 1, lr) + cols  # the position before each response token predicts it
-    ids, labels_t, pos, cu_t, *index = host_to_device(
-        [flat[None], labels[None], within[None], cu_seqlens, src, rows, cols, ends - 1], device)
-    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), int((lp + lr).max()), *index, len(lp))
+    last = ends - 1
+    max_seqlen = int((lp + lr).max())
+    if sp is None:
+        ids, labels_t, pos, cu_t, *index = host_to_device(
+            [flat[None], labels[None], within[None], cu_seqlens, src, rows, cols, last], device)
+        return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, len(lp))
+    total = padded_length(len(flat), sp.size)
+    pad = total - len(flat)
+    if pad:
+        flat = np.concatenate([flat, np.full(pad, pad_token_id, dtype=flat.dtype)])
+        labels = np.concatenate([labels, np.full(pad, pad_token_id, dtype=labels.dtype)])
+        within = np.concatenate([within, np.arange(pad, dtype=within.dtype)])
+        cu_seqlens = np.concatenate([cu_seqlens, [total]])
+        max_seqlen = max(max_seqlen, pad)
+    lo, hi = shard_bounds(total, sp)
+    src_counts, last_counts = per_shard_counts(src, total, sp.size), per_shard_counts(last, total, sp.size)
+    mine_src, mine_last = src[(src >= lo) & (src < hi)] - lo, last[(last >= lo) & (last < hi)] - lo
+    ids, labels_t, pos, cu_t, src_t, rows_t, cols_t, last_t = host_to_device(
+        [flat[None, lo:hi], labels[None, lo:hi], within[None, lo:hi], cu_seqlens, mine_src, rows, cols, mine_last],
+        device)
+    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, src_t, rows_t, cols_t, last_t, len(lp),
+                      sp, src_counts, last_counts)
 
 
 def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
@@ -115,7 +159,7 @@ def _place(mb: MicroBatch, selected: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _scatter(mb: MicroBatch, flat: torch.Tensor, width: int) -> torch.Tensor:
-    return _place(mb, flat.reshape(-1)[mb.src_index], width)
+    return _place(mb, mb.gather(flat.reshape(-1)[mb.src_index]), width)
 
 
 def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, with_entropy: bool,
@@ -125,8 +169,8 @@ def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, wit
     squared probabilities `[B, R]` (forward-only)."""
     logp, ent, *sps = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
                             label_index=mb.src_index, with_sum_pi_squared=with_sum_pi_squared, **mb.model_kwargs())
-    out = _place(mb, logp, width), (_place(mb, ent, width) if with_entropy else None)
-    return out + (_place(mb, sps[0], width),) if with_sum_pi_squared else out
+    out = _place(mb, mb.gather(logp), width), (_place(mb, mb.gather(ent), width) if with_entropy else None)
+    return out + (_place(mb, mb.gather(sps[0]), width),) if with_sum_pi_squared else out
 
 
 def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:
@@ -138,4 +182,4 @@ def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:
 def last_token_scores(model, mb: MicroBatch) -> torch.Tensor:
     """Value-head output at each sequence's last token `[B]` (reward models)."""
     values = model(mb.input_ids, **mb.model_kwargs())
-    return values.float().reshape(-1)[mb.last_index]
+    return mb.gather(values.float().reshape(-1)[mb.last_index], last=True)

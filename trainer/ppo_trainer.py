@@ -200,7 +200,7 @@ class PPOTrainer:
         trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
         lp = arr.rollout
         self.actor = Actor(m.actor, m.actor_optim, m.actor_sched, **policy, **trainable,
-                           fsdp_cfg=arr.actor.fsdp_config,
+                           fsdp_cfg=arr.actor.fsdp_config, sp=m.actor_sp,
                            batching=MicroBatching(lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                   lp.log_prob_max_token_len_per_gpu))
         self.ref: Reference | None = None
@@ -208,14 +208,14 @@ class PPOTrainer:
         ref_batching = MicroBatching(rc.log_prob_micro_batch_size_per_gpu, rc.log_prob_use_dynamic_bsz,
                                      rc.log_prob_max_token_len_per_gpu)
         if m.ref is not None:
-            self.ref = ReferencePolicy(m.ref, **policy, fsdp_cfg=rc.fsdp_config, batching=ref_batching)
+            self.ref = ReferencePolicy(m.ref, **policy, fsdp_cfg=rc.fsdp_config, batching=ref_batching, sp=m.actor_sp)
         elif cfg.uses_ref:  # a LoRA actor (setup.build_models built no reference model)
             self.ref = AdaptersOffReference(self.actor, ref_batching)
         self.critic = None
         if m.critic is not None:
             cc = cfg.critic
             self.critic = Critic(m.critic, m.critic_optim, m.critic_sched, **common, **trainable,
-                                 packed=cc.model.use_remove_padding, fsdp_cfg=cc.model.fsdp_config,
+                                 packed=cc.model.use_remove_padding, fsdp_cfg=cc.model.fsdp_config, sp=m.critic_sp,
                                  batching=MicroBatching(cc.forward_micro_batch_size_per_gpu, cc.use_dynamic_bsz,
                                                         cc.forward_max_token_len_per_gpu))
         self.reward_model = None
@@ -225,7 +225,7 @@ class PPOTrainer:
             pad = common["pad_token_id"] if self.rm_inputs is None else (self.rm_inputs.rm.pad_token_id or 0)
             self.reward_model = RewardModel(m.reward_model, device=self.device, pad_token_id=pad,
                                             inputs=self.rm_inputs, packed=rm.model.use_remove_padding,
-                                            fsdp_cfg=rm.model.fsdp_config,
+                                            fsdp_cfg=rm.model.fsdp_config, sp=m.reward_model_sp,
                                             batching=MicroBatching(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
                                                                    rm.forward_max_token_len_per_gpu))
 

@@ -8,6 +8,10 @@ and critic updates share one skeleton, `TrainableRole._update`, which takes the 
 epochs × mini-batches × micro-batches with the loss normalised to the global token (or
 sequence) mean of the mini-batch, so the gradient does not depend on how sequences were packed
 into micro-batches or spread over ranks (`ppo.core_algos.agg_loss`).
+
+A role with Ulysses sequence parallelism (`sp`, `sharding.ulysses`) first pools the rows of its
+group's ranks (`pool_rows`): the group runs every micro-batch of the pooled rows together, each
+rank on its shard of the tokens, and each rank keeps its own rows of a forward pass's outputs.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from trainer.batching import token_budget_partitions
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout_batch import SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch
 from sharding import comm
+from sharding.ulysses import SequenceParallel, gather_rows
 from sharding.fsdp import (FSDPConfig, keep_compute_copies, load_states, no_gradient_sync, offload_states,
                            release_gradients)
 from sharding.grad_norm import clip_grad_norm_
@@ -72,14 +77,41 @@ class MicroBatching(NamedTuple):
     max_tokens: int
 
 
+def pool_rows(ro: RolloutBatch, sp: SequenceParallel | None) -> tuple[RolloutBatch, slice]:
+    """The rows of every rank of `sp`'s group, in rank order (the per-sequence lists and every
+    per-token tensor that is set), and where this rank's rows sit among them; `ro` itself without
+    sequence parallelism. Every rank of the group gets the same rows."""
+    if sp is None:
+        return ro, slice(0, len(ro))
+    import torch.distributed as dist
+
+    every: list = [None] * sp.size
+    dist.all_gather_object(every, {name: getattr(ro, name) for name in SEQUENCE_FIELDS}, group=sp.group)
+    counts = [len(e["prompts"]) for e in every]
+    tensors = {name: gather_rows(t, sp, counts) for name in TOKEN_FIELDS if (t := getattr(ro, name)) is not None}
+    lists = {name: [x for e in every for x in e[name]] for name in SEQUENCE_FIELDS}
+    start = sum(counts[:sp.rank])
+    return RolloutBatch(**lists, width=ro.width, device=ro.device, **tensors), slice(start, start + len(ro))
+
+
+def sp_batching(batching: MicroBatching, sp: SequenceParallel | None) -> MicroBatching:
+    """A pooled group's micro-batching: its token budget is per GPU, and a group's micro-batch
+    spreads over its `sp.size` GPUs (verl multiplies it so too); `size` sequences stay a
+    micro-batch of the group."""
+    return batching if sp is None else batching._replace(max_tokens=batching.max_tokens * sp.size)
+
+
 @torch.no_grad()
 def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Callable[[RolloutBatch], tuple],
-                          model: torch.nn.Module) -> list[torch.Tensor | None]:
+                          model: torch.nn.Module, sp: SequenceParallel | None = None) -> list[torch.Tensor | None]:
     """The one micro-batch loop of the forward-only passes: plan the micro-batches (every rank
     the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` (a forward of `model`)
     on each, scatter each output into `[N, ...]` (float32 zeros where no row wrote). A
     micro-batch without rows still runs its forward, so that FSDP's collectives stay in step
-    over ranks. The micro-batches share one cast of the masters (`keep_compute_copies`)."""
+    over ranks. The micro-batches share one cast of the masters (`keep_compute_copies`). With
+    `sp` the group's rows are pooled first and this rank's rows of the outputs returned."""
+    ro, mine = pool_rows(ro, sp)
+    batching = sp_batching(batching, sp)
     with keep_compute_copies(model):
         outs = None
         for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching):
@@ -92,7 +124,7 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
                 for out, r in zip(outs, results):
                     if r is not None:
                         out[rows] = r
-        return outs
+        return [None if o is None else o[mine] for o in outs]
 
 
 @dataclass
@@ -108,10 +140,11 @@ class MiniBatch:
 
 
 def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int,
-                micro_size: int | None, dynamic: bool, max_tokens: int) -> list[MiniBatch]:
+                micro_size: int | None, dynamic: bool, max_tokens: int, sp_size: int = 1) -> list[MiniBatch]:
     """Every mini-batch of every epoch, planned before the first forward with two collectives
     (the loss units and the micro-batch counts), so that the update loop itself never waits
-    for the host: a collective read back inside it would drain the GPU queue each mini-batch."""
+    for the host: a collective read back inside it would drain the GPU queue each mini-batch.
+    `ro` holds the rows of `sp_size` ranks (`pool_rows`), each counted once in the loss units."""
     n = len(ro)
     mini = n // num_mini_batches
     gen = torch.Generator().manual_seed(seed)
@@ -123,8 +156,8 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     # (mini-batches are equal-sized), in NumPy: a torch CPU op here waited up to 3 ms for torch's
     # thread pool on a busy host, with the GPU idle (profiled at the start of an update phase).
     per_batch = ro.host_loss_mask()[np.asarray(batches, dtype=np.int64)]
-    units = comm.all_reduce_values([count_loss_units(m, mode) for m in per_batch
-                                    for mode in ("token-mean", "seq-mean-token-mean")])
+    units = [u / sp_size for u in comm.all_reduce_values([count_loss_units(m, mode) for m in per_batch
+                                                          for mode in ("token-mean", "seq-mean-token-mean")])]
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
     return [MiniBatch(parts, *units[2 * i:2 * i + 2]) for i, parts in enumerate(plans)]
 
@@ -193,10 +226,20 @@ class Role:
 
     def __init__(self, model, *, device: torch.device, packed: bool, pad_token_id: int,
                  batching: MicroBatching | None = None, fsdp_cfg: FSDPConfig | None = None, optimizer=None,
-                 scheduler=None):
+                 scheduler=None, sp: SequenceParallel | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.packed, self.pad = device, packed, pad_token_id
-        self.batching, self.fsdp_cfg = batching, fsdp_cfg
+        self.batching, self.fsdp_cfg, self.sp = batching, fsdp_cfg, sp
+
+    @property
+    def sp_size(self) -> int:
+        """The role's Ulysses group size (1: none)."""
+        return 1 if self.sp is None else self.sp.size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group (its Ulysses group; without one, its rank)."""
+        return comm.rank() // self.sp_size
 
     def offload(self, params: bool = True) -> None:
         """Send the states the FSDP config offloads to host memory (no-op for flags that are off);
@@ -227,7 +270,7 @@ class Role:
             offload_states(self.model, optimizer, self.fsdp_cfg)
 
     def _micro_batch(self, sub: RolloutBatch):
-        return build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad)
+        return build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad, self.sp)
 
 
 class TrainableRole(Role):
@@ -263,11 +306,14 @@ class TrainableRole(Role):
         statistics (averaged over the micro- or mini-batches), each averaged over the ranks (a clip
         fraction is every rank's, not rank 0's alone)."""
         stats = _Mean()
+        ro, _ = pool_rows(ro, self.sp)
         plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed,
-                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                           cfg.ppo_max_token_len_per_gpu * self.sp_size, self.sp_size)
         totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
         for k, mb in enumerate(plan):
-            agg_kw = _agg_kwargs(mb.global_tokens, mb.global_seqs, self.world_size,
+            # the data-parallel size: the groups, each of whose ranks computes its group's loss
+            agg_kw = _agg_kwargs(mb.global_tokens, mb.global_seqs, self.world_size // self.sp_size,
                                  loss_scale_factor or self.response_length)
             with keep_compute_copies(self.model):  # the masters change only in the step below
                 for j, part in enumerate(mb.parts):
@@ -320,7 +366,7 @@ class Actor(TrainableRole):
         (`actor.calculate_sum_pi_squared`)."""
         return tuple(forward_micro_batches(ro, self.batching,
                                            lambda sub: self._forward(sub, with_entropy, with_sum_pi_squared),
-                                           self.model))
+                                           self.model, self.sp))
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
@@ -367,7 +413,8 @@ class Actor(TrainableRole):
         policy_loss = get_policy_loss_fn(BYPASS_LOSS_TYPES[rc.loss_type] if bypass else pl.loss_mode)
         loss_params = PolicyLossParams(pl.clip_cov_ratio, pl.clip_cov_lb, pl.clip_cov_ub, pl.kl_cov_ratio,
                                        pl.ppo_kl_coef, cfg.tau_pos, cfg.tau_neg)
-        generator = torch.Generator(self.device).manual_seed(loss_seed(seed, comm.rank()))
+        # one stream per data-parallel group: the ranks of a Ulysses group compute one loss
+        generator = torch.Generator(self.device).manual_seed(loss_seed(seed, self.dp_rank))
         # where the recompute pass did not run, over mini-batch 0: this rank's share of the entropy
         # aggregated as the loss (loss_agg_mode), the masked sums of |log-prob - engine log-prob| and of
         # the k3 KL to the reference, and the token count
@@ -428,7 +475,8 @@ class Actor(TrainableRole):
         if report_entropy:  # the sum over the mini-batches and epochs of each one's entropy
             out["actor/entropy"] /= cfg.ppo_epochs * num_mini_batches
         if from_update:
-            entropy, diff_sum, kl_sum, tokens = comm.all_reduce(first).tolist()
+            # every rank of a Ulysses group added its group's shares
+            entropy, diff_sum, kl_sum, tokens = (x / self.sp_size for x in comm.all_reduce(first).tolist())
             if not report_entropy:
                 out["actor/entropy"] = entropy
             if ro.rollout_log_probs is not None:
@@ -464,7 +512,8 @@ class ReferencePolicy(Role):
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with self.resident(with_optimizer=False):
             logp, _ = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
-                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False), self.model)
+                self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False), self.model,
+                self.sp)
         return logp
 
 
@@ -481,7 +530,7 @@ class AdaptersOffReference:
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(self.actor.model):
             logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False),
-                                            self.actor.model)
+                                            self.actor.model, self.actor.sp)
         return logp
 
 
@@ -498,7 +547,7 @@ class Critic(TrainableRole):
     def values(self, ro: RolloutBatch) -> torch.Tensor:
         """Values `[N, R]` of this rank's response tokens (0 on padding)."""
         with self.resident(with_optimizer=False):
-            values, = forward_micro_batches(ro, self.batching, lambda sub: (self._forward(sub),), self.model)
+            values, = forward_micro_batches(ro, self.batching, lambda sub: (self._forward(sub),), self.model, self.sp)
         return values * ro.response_mask
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
@@ -533,7 +582,7 @@ class RewardModel(Role):
         with self.resident(with_optimizer=False):
             scores, = forward_micro_batches(ro, self.batching,
                                             lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),),
-                                            self.model)
+                                            self.model, self.sp)
         return scores
 
 

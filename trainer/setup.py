@@ -24,6 +24,8 @@ from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
 from sharding.optim import ShardAdamW
+from sharding.ulysses import (SequenceParallel, apply_sequence_parallel, build_sequence_parallel,
+                              check_sequence_parallel)
 
 
 # trainer.logger entries that need a package requirements.txt does not install.
@@ -35,6 +37,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     describes and, given, against the real one (`validate`); the packages the loggers need;
     the devices. Raises ConfigError."""
     validate(cfg, world_size, local_world_size)
+    check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
     t = cfg.trainer
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
@@ -85,6 +88,10 @@ class Models:
     critic_optim: torch.optim.Optimizer | None = None
     critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
     reward_model: torch.nn.Module | None = None
+    # Ulysses groups (None: size 1) of the actor and reference, the critic and the reward model
+    actor_sp: SequenceParallel | None = None
+    critic_sp: SequenceParallel | None = None
+    reward_model_sp: SequenceParallel | None = None
 
 
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
@@ -179,6 +186,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     arr = cfg.actor_rollout_ref
     path = arr.model.path
     actor_args = load_model_args(path)
+    check_sequence_parallel_models(cfg, ctx.world_size, ctx.local_world_size)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
     meshes = dims.build_meshes(ctx.device.type, timeout_s=cfg.trainer.nccl_timeout)
@@ -214,7 +222,51 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
         rm = cfg.reward_model.model
         models.reward_model = build_fsdp_model(rm.path, meshes.train, _compute_dtype_guard(rm.fsdp_config, ctx.device),
                                                head="value", device=ctx.device, trainable=False, seed=seed)
+    _sequence_parallel(cfg, ctx, models)
     return models
+
+
+def _sequence_parallel_roles(cfg: PPOConfig, models: Models | None = None) -> list[tuple]:
+    """(config key, size, `Models` field, the role's models, its model directory) of each used role."""
+    arr = cfg.actor_rollout_ref
+    get = (lambda name: getattr(models, name)) if models is not None else (lambda name: None)  # noqa: E731
+    roles = [("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, "actor_sp",
+              [get("actor"), get("ref")], arr.model.path)]
+    if cfg.uses_critic:
+        roles.append(("critic", cfg.critic.ulysses_sequence_parallel_size, "critic_sp", [get("critic")],
+                      cfg.critic.model.path))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", cfg.reward_model.ulysses_sequence_parallel_size, "reward_model_sp",
+                      [get("reward_model")], cfg.reward_model.model.path))
+    return roles
+
+
+def check_sequence_parallel_models(cfg: PPOConfig, world_size: int, local_world_size: int | None) -> None:
+    """Each role's Ulysses size against its model's attention heads and the launch, before any
+    model is built."""
+    for key, size, _, _, path in _sequence_parallel_roles(cfg):
+        if size == 1:
+            continue
+        args = load_model_args(path)
+        try:
+            check_sequence_parallel(f"{key}.ulysses_sequence_parallel_size", size, world_size, local_world_size,
+                                    args.num_attention_heads, args.num_key_value_heads)
+        except ValueError as e:
+            raise ConfigError(f"{e} (the model in {path})") from None
+
+
+def _sequence_parallel(cfg: PPOConfig, ctx: DistContext, models: Models) -> None:
+    """The roles' Ulysses groups (one per distinct size, built in the same order on every rank),
+    each model's attention layers split over its role's group."""
+    groups: dict[int, SequenceParallel | None] = {}
+    for _, size, name, role_models, _ in _sequence_parallel_roles(cfg, models):
+        if size not in groups:
+            groups[size] = build_sequence_parallel(size, ctx.world_size, ctx.device.type, cfg.trainer.nccl_timeout)
+        setattr(models, name, groups[size])
+        for model in role_models:
+            if model is not None:
+                apply_sequence_parallel(model, groups[size])
+
 
 
 # ---------------------------------------------------------------------- generation

@@ -9,7 +9,7 @@
   qwen2.5-1.5b shape cut to 2 layers, CUDA graphs on. A watched weight must move in every
   configuration; under LoRA an adapter must move and the base weight must not.
 * `same_update`: `Actor.update` (2 mini-batches, dynamic micro-batches, KL and entropy
-  losses, SGD) on one fixed global batch; rank 0 saves the parameters before and after to
+  losses, SGD) on one fixed global batch (`--sp 2`: in one Ulysses group); rank 0 saves the parameters before and after to
   `--out`, and the test compares a 1-rank and a 2-rank launch.
 * `engine_tp`: TP 2 against TP 1: float32 small models (tokens equal, greedy and sampled), and
   bf16 at the qwen2.5-1.5b shape (log-probs on the common greedy prefix, statistical bounds);
@@ -193,6 +193,7 @@ def check_same_update(ctx, a):
     from trainer.config import ActorConfig
     from trainer.roles import Actor, MicroBatching, ReferencePolicy, plan_micro_batches
     from sharding import FSDPConfig, ParallelDims, build_fsdp_model
+    from sharding.ulysses import apply_sequence_parallel, build_sequence_parallel
 
     w, r, dev = ctx.world_size, ctx.rank, ctx.device
     args = ModelArgs(**UPDATE_MODEL)
@@ -215,9 +216,13 @@ def check_same_update(ctx, a):
 
     # The worker cuts its own rows into mini-batches in order; dealing rank r the r-th slice of
     # every global mini-batch makes mini-batch m the same sequences at any world size.
+    # With Ulysses groups of `a.sp` ranks the data-parallel group d = r // sp is dealt those rows, and
+    # its ranks hold consecutive pieces of them: pooled in rank order they are the group's rows.
     per_mini = UPDATE_SEQS // UPDATE_MINI_BATCHES
+    dp, d, j = w // a.sp, r // a.sp, r % a.sp
     assert per_mini % w == 0, f"{UPDATE_SEQS} sequences in {UPDATE_MINI_BATCHES} mini-batches do not split over {w} ranks"
-    rows = [m * per_mini + r * per_mini // w + i for m in range(UPDATE_MINI_BATCHES) for i in range(per_mini // w)]
+    group = [m * per_mini + d * per_mini // dp + i for m in range(UPDATE_MINI_BATCHES) for i in range(per_mini // dp)]
+    rows = group[j * len(group) // a.sp:(j + 1) * len(group) // a.sp]
     local = _rollouts([prompts[i] for i in rows], [responses[i] for i in rows], width, dev)
     for k, v in tensors.items():
         setattr(local, k, v[rows].to(dev))
@@ -227,13 +232,15 @@ def check_same_update(ctx, a):
     meshes = ParallelDims(w, fsdp_size=a.fsdp_size).build_meshes(dev.type)
     model = build_fsdp_model(args, meshes.train, FSDPConfig(fsdp_size=a.fsdp_size, mixed_precision={"param_dtype": "fp32"}),
                              device=dev, seed=0)
+    sp = build_sequence_parallel(a.sp, w, dev.type)
+    apply_sequence_parallel(model, sp)
     # A copy: on one rank full_tensor() may hand back the parameter's own storage.
     before = {n: p.full_tensor().detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     # SGD: the update is lr x the (clipped) gradient, with no Adam normalisation to magnify
     # rounding differences of tiny gradient entries into full-size steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     worker = Actor(model, optimizer, None, packed=True, temperature=1.0, pad_token_id=0, device=dev, world_size=w,
-                   response_length=width)
+                   response_length=width, sp=sp)
     # Ratio clips out of reach: a clip decision is a step in the loss, which a ratio within
     # rounding of the boundary would take differently on 1 and 2 ranks.
     cfg = ActorConfig(ppo_mini_batch_size=per_mini, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64,
@@ -422,6 +429,7 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default="runs/multi_gpu_checks", help="trainer: model, data and run directories")
     p.add_argument("--fsdp-size", type=int, default=-1, choices=(-1, 1),
                    help="same_update: -1 FULL_SHARD over the ranks, 1 data parallelism (shard groups of one rank)")
+    p.add_argument("--sp", type=int, default=1, help="same_update: Ulysses group size")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--layouts", default="", help=f"trainer: comma-separated layouts to run (default: all of "
                                                   f"{', '.join(TRAINER_LAYOUTS)})")

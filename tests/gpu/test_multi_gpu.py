@@ -77,18 +77,25 @@ def test_trainer_layouts_on_two_gpus(tmp_path):
     launch("trainer", 2, "--work-dir", str(tmp_path), timeout=900)
 
 
-def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str) -> dict:
+def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str, sp: int = 1) -> dict:
     """The same global batch trained on 1 and on 2 ranks (`fsdp_size` -1: FULL_SHARD, 1: data
-    parallelism): the parameters after the update agree (`compare_updates`)."""
+    parallelism; `sp` 2: the 2 ranks one Ulysses group): the parameters after the update agree
+    (`compare_updates`)."""
     files = {n: tmp_path / f"update_{n}.pt" for n in (1, 2)}
     for n, path in files.items():
-        launch("same_update", n, "--out", str(path), "--fsdp-size", str(fsdp_size), device=device)
+        launch("same_update", n, "--out", str(path), "--fsdp-size", str(fsdp_size), "--sp", str(sp if n == 2 else 1),
+               device=device)
     return compare_updates(*(torch.load(files[n]) for n in (1, 2)))
 
 
 @pytest.mark.parametrize("fsdp_size", [-1, 1])
 def test_same_update_on_one_and_two_gpus(tmp_path, fsdp_size):
     print(json.dumps(same_update_on_one_and_two_ranks(tmp_path, fsdp_size, "cuda")))
+
+
+def test_same_update_ulysses_on_two_gpus(tmp_path):
+    """Ulysses over NCCL: the all-to-alls and the gathers move CUDA tensors."""
+    print(json.dumps(same_update_on_one_and_two_ranks(tmp_path, -1, "cuda", sp=2)))
 
 
 def test_engine_tp2_matches_tp1():

@@ -6,7 +6,7 @@ the device itself cannot tell the two apart, so this test checks the rule that m
 right by construction: trainer runs on 2 gloo ranks, covering the configurations with their
 own collectives (dynamic batching, the critic and GAE, CPU offload with the gradient norm
 over CPU gradients, HYBRID_SHARD, the TP 2 engine, the no-cache reference rollout, KL in
-reward, rollout correction in both modes, rollout dumps), with every `torch.distributed` tensor collective traced. A call is allowed from
+reward, rollout correction in both modes, rollout dumps, Ulysses sequence parallelism), with every `torch.distributed` tensor collective traced. A call is allowed from
 PyTorch itself (FSDP2, DTensor), from `sharding/comm.py` (which moves tensors to
 `group_device(group)` — checked here too) and from the engine's TP group (`rollout/parallel.py`,
 engine tensors only). Any other call site fails with its file and line.
@@ -39,6 +39,9 @@ CASES = {
                            "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
                            "critic.model.fsdp_config.offload_policy=true", "critic.use_dynamic_bsz=true",
                            "critic.ppo_max_token_len_per_gpu=64", "trainer.rollout_data_dir={run}/dumps"],
+    "ulysses_gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
+                    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2",
+                    "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32"],
     "hsdp_kl_in_reward_hf": ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "actor_rollout_ref.rollout.name=hf",
                              "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
                              "algorithm.adv_estimator=rloo", "algorithm.rollout_correction.bypass_mode=true"],

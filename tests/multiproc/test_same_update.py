@@ -2,7 +2,8 @@
 ranks, with FULL_SHARD and with data parallelism (the replicated runtime, whose gradients are
 reduced once per mini-batch: the micro-batches before the last run under `no_gradient_sync`).
 The check is tests/gpu/multi_gpu_checks.py's `same_update` (the GPU suite runs it over NCCL);
-its micro-batch budget makes each rank's mini-batch several micro-batches."""
+its micro-batch budget makes each rank's mini-batch several micro-batches. The same with the 2 ranks
+as one Ulysses sequence-parallel group."""
 
 from __future__ import annotations
 
@@ -14,3 +15,9 @@ from tests.gpu.test_multi_gpu import same_update_on_one_and_two_ranks
 @pytest.mark.parametrize("fsdp_size", [-1, 1])
 def test_same_update_on_one_and_two_ranks(tmp_path, fsdp_size):
     same_update_on_one_and_two_ranks(tmp_path, fsdp_size, "cpu")
+
+
+def test_same_update_ulysses(tmp_path):
+    """The 2 ranks as one Ulysses group: they pool their rows and split every micro-batch's tokens;
+    the update equals the 1-rank one (a wrong gradient scale or loss normaliser is off by 2x)."""
+    same_update_on_one_and_two_ranks(tmp_path, -1, "cpu", sp=2)

@@ -43,7 +43,7 @@ def test_dotted_override_types():
     ("actor_rollout_ref.actor.use_kl_loss=maybe", "expected true or false"),
     ("actor_rollout_ref.rollout.name=trtllm", "'trtllm' is not one of ['native', 'hf', 'vllm', 'sglang']"),
     ("algorithm.adv_estimator=ppo2", "is not one of"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "not supported"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=0", "out of range; allowed: >= 1"),
     ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank: -1 is out of range; allowed: >= 0"),
     ("actor_rollout_ref.model.lora_rank=2.5", "actor_rollout_ref.model.lora_rank: expected an integer"),
     ("actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.lora_alpha: 0.0 is out of range; allowed: > 0"),
@@ -463,7 +463,7 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
                                           "'reward_model.model.path'"):
         _cfg("reward_model.path=/rm")
     for refused in ("reward_model.enable_resource_pool=true", "reward_model.sandbox_fusion.url=http://x",
-                    "reward_model.reward_loop_source=importlib", "reward_model.ulysses_sequence_parallel_size=2",
+                    "reward_model.reward_loop_source=importlib",
                     "reward_model.model.trust_remote_code=true"):
         with pytest.raises(ConfigError, match=f"{refused.split('=')[0]}=.* is not supported"):
             _cfg(refused)

@@ -79,7 +79,7 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
 @pytest.mark.parametrize("override", [
     f"{A}.optim.optimizer=SGD", "critic.optim.optimizer_impl=bitsandbytes.optim",
     f"{A}.optim.override_optimizer_config={{foreach: false}}",
-    f"{A}.fsdp_config.full_determinism=true", "critic.model.fsdp_config.ulysses_sequence_parallel_size=2",
+    f"{A}.fsdp_config.full_determinism=true",
     f"{A}.fsdp_config.forward_only=true", "actor_rollout_ref.ref.fsdp_config.forward_only=false",
     f"{A}.use_prefix_grouper=true", f"{A}.router_replay.mode=R3",
     "actor_rollout_ref.ref.router_replay.record_file=r.pt",

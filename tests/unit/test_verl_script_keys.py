@@ -154,17 +154,12 @@ def test_impl_backend_takes_verls_backends_only():
         _cfg("actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda")
 
 
-def test_reference_strategy_and_sequence_parallel_sizes():
+def test_reference_strategy():
     for strategy in ("fsdp", "fsdp2"):
         assert _cfg(f"actor_rollout_ref.ref.strategy={strategy}").actor_rollout_ref.ref.strategy == strategy
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.ref.strategy: 'megatron' is not one of \['fsdp', "
                                           r"'fsdp2'\]"):
         _cfg("actor_rollout_ref.ref.strategy=megatron")
-    for key in ("critic", "actor_rollout_ref.ref"):
-        validate(_cfg(f"{key}.ulysses_sequence_parallel_size=1"))
-        with pytest.raises(ConfigError) as e:
-            _cfg(f"{key}.ulysses_sequence_parallel_size=2")
-        assert str(e.value) == f"{key}.ulysses_sequence_parallel_size=2 is not supported by meshppo"
 
 
 GAE = ("algorithm.adv_estimator=gae",)
