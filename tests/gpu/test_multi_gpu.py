@@ -77,15 +77,15 @@ def test_trainer_layouts_on_two_gpus(tmp_path):
     launch("trainer", 2, "--work-dir", str(tmp_path), timeout=900)
 
 
-def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str, sp: int = 1) -> dict:
-    """The same global batch trained on 1 and on 2 ranks (`fsdp_size` -1: FULL_SHARD, 1: data
-    parallelism; `sp` 2: the 2 ranks one Ulysses group): the parameters after the update agree
+def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str, sp: int = 1, ranks: int = 2) -> dict:
+    """The same global batch trained on 1 and on `ranks` ranks (`fsdp_size` -1: FULL_SHARD, 1: data
+    parallelism; `sp`: Ulysses groups of that many ranks): the parameters after the update agree
     (`compare_updates`)."""
-    files = {n: tmp_path / f"update_{n}.pt" for n in (1, 2)}
+    files = {n: tmp_path / f"update_{n}.pt" for n in (1, ranks)}
     for n, path in files.items():
-        launch("same_update", n, "--out", str(path), "--fsdp-size", str(fsdp_size), "--sp", str(sp if n == 2 else 1),
+        launch("same_update", n, "--out", str(path), "--fsdp-size", str(fsdp_size), "--sp", str(sp if n > 1 else 1),
                device=device)
-    return compare_updates(*(torch.load(files[n]) for n in (1, 2)))
+    return compare_updates(*(torch.load(files[n]) for n in (1, ranks)))
 
 
 @pytest.mark.parametrize("fsdp_size", [-1, 1])

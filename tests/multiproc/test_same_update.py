@@ -21,3 +21,9 @@ def test_same_update_ulysses(tmp_path):
     """The 2 ranks as one Ulysses group: they pool their rows and split every micro-batch's tokens;
     the update equals the 1-rank one (a wrong gradient scale or loss normaliser is off by 2x)."""
     same_update_on_one_and_two_ranks(tmp_path, -1, "cpu", sp=2)
+
+
+def test_same_update_two_ulysses_groups(tmp_path):
+    """4 ranks as 2 Ulysses groups of 2 (2 data-parallel groups, each pooling its 2 ranks' rows): the
+    loss normaliser counts each token once over the groups and the gradients average over them."""
+    same_update_on_one_and_two_ranks(tmp_path, -1, "cpu", sp=2, ranks=4)
