@@ -849,7 +849,7 @@ class PPOTrainer:
             self.log(f"resumed from {resumed} at step {self.global_step}")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
                             run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
-                                     self.run_dir, self.global_step))
+                                     self.run_dir, self.global_step, self.models.ulysses_sizes()))
         self._install_signal_handlers()
         try:
             # verl validates before the first step; val_only (data.val_files required) validates the

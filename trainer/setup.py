@@ -93,6 +93,11 @@ class Models:
     critic_sp: SequenceParallel | None = None
     reward_model_sp: SequenceParallel | None = None
 
+    def ulysses_sizes(self) -> dict[str, int]:
+        """The roles' Ulysses group sizes above 1 (the reference's is the actor's)."""
+        groups = {"actor": self.actor_sp, "critic": self.critic_sp, "reward model": self.reward_model_sp}
+        return {role: sp.size for role, sp in groups.items() if sp is not None}
+
 
 def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, device: torch.device):
     """AdamW over the trainable parameters (a LoRA model's adapters only) plus a linear warm-up

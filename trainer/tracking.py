@@ -117,10 +117,12 @@ def _git_commit() -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
-def run_info(device: torch.device, world_size: int, local_world_size: int, dims, run_dir: str, step: int) -> dict:
+def run_info(device: torch.device, world_size: int, local_world_size: int, dims, run_dir: str, step: int,
+             ulysses: dict[str, int] | None = None) -> dict:
     """What a bug report needs about a run: versions, the world layout and the run directory.
 
-    `dims` is the run's `sharding.mesh.ParallelDims`; `step` the step the run starts from."""
+    `dims` is the run's `sharding.mesh.ParallelDims`; `step` the step the run starts from;
+    `ulysses` the roles' Ulysses group sizes above 1."""
     cuda = torch.version.cuda if device.type == "cuda" else None
     nccl = None
     if device.type == "cuda":
@@ -137,7 +139,7 @@ def run_info(device: torch.device, world_size: int, local_world_size: int, dims,
         "world_size": world_size, "nodes": world_size // local_world_size, "ranks_per_node": local_world_size,
         "fsdp": "HYBRID_SHARD" if dims.hsdp else "FULL_SHARD", "dp_shard": dims.dp_shard,
         "dp_replicate": dims.dp_replicate, "tp": dims.tp, "rollout_dp": dims.rollout_dp,
-        "run_dir": os.path.abspath(run_dir), "start_step": step,
+        "ulysses": dict(ulysses or {}), "run_dir": os.path.abspath(run_dir), "start_step": step,
     }
 
 
@@ -154,6 +156,8 @@ def banner(info: dict) -> str:
     else:
         replicate = f" x {info['dp_replicate']} replicas" if info["fsdp"] == "HYBRID_SHARD" else ""
         training = f"{info['fsdp']} over {count(info['dp_shard'], 'rank')}{replicate}"
+    if info.get("ulysses"):
+        training += ", Ulysses groups: " + ", ".join(f"{role} {n}" for role, n in info["ulysses"].items())
 
     return "\n".join([
         f"meshppo {info['meshppo']} | torch {info['torch']} | {accel} | python {info['python']}",

@@ -1,5 +1,5 @@
 """The trainer with Ulysses sequence parallelism on 2 gloo ranks: one step of PPO (GAE with a
-critic, KL loss, entropy bonus, dynamic micro-batches, float32 on CPU, one mini-batch so that both
+critic, KL loss, entropy bonus, dynamic micro-batches, activation checkpointing, float32 on CPU, one mini-batch so that both
 gradient norms are taken before any optimizer step; the old-log-prob pass kept by
 `calculate_log_probs`) with the actor, reference and critic in one group of 2
 (`ulysses_sequence_parallel_size=2`), against the same step without it. Generation does not change, so both runs train on the same rollouts; every forward and update
@@ -9,6 +9,7 @@ per group is twice a rank's); a wrong gradient scale, loss normaliser or metric 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -43,7 +44,10 @@ def _body(rank, world_size, assets, run_root, reward):
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=48", "critic.ppo_max_token_len_per_gpu=48",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",
-            f"critic.ulysses_sequence_parallel_size={sp}", f"custom_reward_function.path={reward}"])
+            f"critic.ulysses_sequence_parallel_size={sp}", f"custom_reward_function.path={reward}",
+            # the recomputation in backward runs the all-to-alls again, in the same order on both ranks
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "critic.model.enable_gradient_checkpointing=true"])
         assert PPOTrainer(cfg, ctx).train() == 0
 
 
@@ -52,6 +56,8 @@ def test_ulysses_trainer_step_matches(tiny_assets, tmp_path):
     reward.write_text(PARITY_REWARD)  # varies within groups: nonzero advantages, returns and losses
     run_distributed(_body, 2, str(tiny_assets), str(tmp_path), str(reward), timeout=600)
     (plain,), (split,) = (read_metrics(tmp_path / f"sp{sp}") for sp in (1, 2))
+    info = json.loads((tmp_path / "sp2" / "run_info.json").read_text())
+    assert info["ulysses"] == {"actor": 2, "critic": 2}
     assert plain["response_length/mean"] == split["response_length/mean"]  # the same rollouts
     for key in COMPARED:
         a, b = plain[key], split[key]

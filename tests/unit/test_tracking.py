@@ -70,6 +70,8 @@ def test_banner_of_a_gpu_hsdp_run():
         info.update(world_size=world, nodes=1, ranks_per_node=world, fsdp="HYBRID_SHARD" if world > 1 else "FULL_SHARD",
                     dp_shard=1, dp_replicate=world, tp=1, rollout_dp=world)
         assert f"| training: unsharded, {replicas} | generation: TP 1 x " in banner(info).splitlines()[1]
+    info.update(ulysses={"actor": 2, "critic": 4})
+    assert "| training: unsharded, 8 replicas, Ulysses groups: actor 2, critic 4 | generation:" in banner(info)
 
 
 def test_dump_generations_writes_verl_layout(tmp_path):
