@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kl import kl_penalty
 from models.lora import adapters_disabled, lora_modules
@@ -83,8 +84,6 @@ def pool_rows(ro: RolloutBatch, sp: SequenceParallel | None) -> tuple[RolloutBat
     sequence parallelism. Every rank of the group gets the same rows."""
     if sp is None:
         return ro, slice(0, len(ro))
-    import torch.distributed as dist
-
     every: list = [None] * sp.size
     dist.all_gather_object(every, {name: getattr(ro, name) for name in SEQUENCE_FIELDS}, group=sp.group)
     counts = [len(e["prompts"]) for e in every]
@@ -307,9 +306,9 @@ class TrainableRole(Role):
         fraction is every rank's, not rank 0's alone)."""
         stats = _Mean()
         ro, _ = pool_rows(ro, self.sp)
-        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed,
-                           cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                           cfg.ppo_max_token_len_per_gpu * self.sp_size, self.sp_size)
+        batching = sp_batching(MicroBatching(cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                             cfg.ppo_max_token_len_per_gpu), self.sp)
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, *batching, self.sp_size)
         totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
         for k, mb in enumerate(plan):
             # the data-parallel size: the groups, each of whose ranks computes its group's loss
