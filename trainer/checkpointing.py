@@ -135,6 +135,8 @@ NOT_SAME_RUN_OPTIONS = (
     "critic.use_dynamic_bsz",
     "critic.ppo_max_token_len_per_gpu",
     "critic.forward_max_token_len_per_gpu",
+    "critic.ulysses_sequence_parallel_size",
+    "reward_model.ulysses_sequence_parallel_size",
     "reward_model.micro_batch_size_per_gpu",
     "reward_model.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu",

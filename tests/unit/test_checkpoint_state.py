@@ -58,6 +58,9 @@ def test_what_makes_the_same_run():
               "actor_rollout_ref.rollout.prompt_length",  # only the default of max_model_len
               "actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents",
               "critic.checkpoint.save_contents", "critic.checkpoint.load_contents",
+              # how a model's tokens are spread over ranks (Ulysses): the same computation
+              "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size",
+              "reward_model.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size",
               # options that change nothing (opt no_effect=), inside sections that must match
               "actor_rollout_ref.actor.entropy_checkpointing", "actor_rollout_ref.actor.entropy_from_logits_with_chunking",
               "reward_model.num_workers", "reward_model.rollout", "reward_model.model.use_shm",
