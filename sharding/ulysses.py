@@ -137,26 +137,17 @@ def _heads_to_seq(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return got.transpose(0, 1).reshape(total // s, s * hs, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """`_seq_to_heads` (`to_heads`) or `_heads_to_seq`; the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _seq_to_heads(x, sp)
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.sp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _heads_to_seq(x, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.sp), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.sp), None, None
 
 
 def head_split_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel,
@@ -173,9 +164,9 @@ def head_split_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.T
     t, d = q.shape[0], q.shape[2]
     # [T/s, s, heads of one rank, D] for each, side by side per rank: one collective for the three
     packed = torch.cat([x.reshape(t, s, x.shape[1] // s, d) for x in (q, k, v)], dim=2).flatten(1, 2)
-    full = _SeqToHeads.apply(packed, sp)
+    full = _Exchange.apply(packed, sp, True)
     qf, kf, vf = full.split([hq, hk, hk], dim=1)
-    return _HeadsToSeq.apply(attention(qf, kf, vf, *args), sp)
+    return _Exchange.apply(attention(qf, kf, vf, *args), sp, False)
 
 
 class _GatherRows(torch.autograd.Function):
