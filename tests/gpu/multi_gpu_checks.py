@@ -5,7 +5,8 @@
 
 * `trainer`: the real trainer, 3 steps per configuration: GRPO (n=4) and PPO (GAE + critic) x
   {FULL_SHARD with engine TP 1, FULL_SHARD with TP 2, HYBRID_SHARD 2 replicas x 1 shard,
-  FSDP2 `offload_policy`, LoRA on the actor and the critic with engine TP 2}, bf16, the
+  FSDP2 `offload_policy`, LoRA on the actor and the critic with engine TP 2, Ulysses groups of 2
+  for the actor and the critic, rollout correction's batch normalisation (and PF-PPO)}, bf16, the
   qwen2.5-1.5b shape cut to 2 layers, CUDA graphs on. A watched weight must move in every
   configuration; under LoRA an adapter must move and the base weight must not.
 * `same_update`: `Actor.update` (2 mini-batches, dynamic micro-batches, KL and entropy
@@ -72,6 +73,12 @@ TRAINER_LAYOUTS = {
     # LoRA on the actor (its reference: the actor with adapters off) and on the critic, engine TP 2
     "lora_tp2": ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
                  "actor_rollout_ref.model.lora_alpha=16", "critic.model.lora_rank=8", "critic.model.lora_alpha=16"],
+    # Ulysses: the 2 GPUs one group for the actor, reference and critic (all-to-alls and gathers over NCCL)
+    "ulysses_tp1": ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"],
+    # the trainer's batch-wide collectives: rollout correction's weights normalised over the batch,
+    # and (PPO) PF-PPO's redraw
+    "batch_collectives_tp1": ["algorithm.rollout_correction.rollout_is=token",
+                              "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
 }
 WATCHED_PARAM = "layers.1.self_attn.q_proj.weight"
 WATCHED_ADAPTER = "layers.1.self_attn.q_proj.lora_B"  # what trains instead under LoRA (starts at zero)
@@ -112,6 +119,8 @@ def check_trainer(ctx, a):
             name = f"{workload}_{layout}"
             if workload == "ppo" and "offload_policy" in layout:
                 extra = extra + ["critic.model.fsdp_config.offload_policy=true"]
+            if workload == "ppo" and layout == "batch_collectives_tp1":
+                extra = extra + ["algorithm.use_pf_ppo=true"]
             run_dir = work / f"run_{name}"
             if ctx.is_main and (run_dir / "metrics.jsonl").exists():
                 os.remove(run_dir / "metrics.jsonl")
