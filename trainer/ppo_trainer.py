@@ -314,14 +314,23 @@ class PPOTrainer:
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as
         `gen_max`), scored like the step's samples (without KL), each row of `full` given its
-        prompt's score, `[N]`. Every rank scores every greedy response, as validation does.
-        None for the other estimators."""
+        prompt's score, `[N]` on every rank. Each rank scores its share of the greedy responses
+        (`_partition`) and the shares are gathered: the reward function and the reward model score
+        each response once over the ranks, not once on every rank. The prompts need not divide over
+        the ranks (only `data.train_batch_size` x `rollout.n` must): the greedy rows are then padded
+        to a multiple of the world size with copies of the first ones, scored and dropped, so that
+        every rank scores equally many rows (a reward model with a fixed micro-batch size runs as
+        many forwards, FSDP's collectives, on each). None for the other estimators."""
         if self.cfg.algorithm.adv_estimator != "remax":
             return None
         with self.timer("gen_max"):
             greedy = self._generate_all(items, validate=False, seed=0,
                                         sampling=dict(n=1, temperature=0.0, top_p=1.0, top_k=-1))
-            scores, _, _ = self._score(greedy)
+            n = len(greedy)
+            padded = math.ceil(n / self.ctx.world_size) * self.ctx.world_size
+            local, parts = self._partition(greedy.take([i % n for i in range(padded)]))
+            scores, _, _ = self._score(local)
+            scores = self._gather_rows(scores, parts, padded)[:n]
         return scores[torch.tensor(full.uids, device=scores.device)]
 
     def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:

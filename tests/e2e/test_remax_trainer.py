@@ -70,3 +70,56 @@ def test_remax_needs_sampling():
                       ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"])
     with pytest.raises(ConfigError, match="remax's greedy baseline"):
         validate(cfg)
+
+
+def _reward_model_body(rank, world_size, assets, run_root, rm):
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+    trainer = PPOTrainer(_config(assets, run_root, "remax_rm", "algorithm.adv_estimator=remax",
+                                 "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.use_kl_loss=false",
+                                 "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "reward_model.enable=true",
+                                 f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=1"), ctx)
+    seen = {"rm_rows": []}
+    generate, scores, compute = trainer._generate_all, trainer.reward_model.scores, trainer._compute_advantages
+
+    def generated(items, validate, seed, sampling=None):
+        ro = generate(items, validate, seed, sampling)
+        if sampling is not None:
+            seen["greedy"] = ro
+        return ro
+
+    def scored(ro):
+        seen["rm_rows"].append(len(ro))
+        return scores(ro)
+
+    def checked(full, ro, parts, metrics, baselines):
+        # the former way, before the update: every rank scores every greedy response
+        calls = list(seen["rm_rows"])
+        greedy = scores(seen["greedy"])
+        assert len(greedy) == 3 and greedy.max() - greedy.min() > 1e-3, greedy  # the prompts' baselines differ
+        torch.testing.assert_close(baselines, greedy[torch.tensor(full.uids)], rtol=0, atol=1e-6)
+        seen["calls"] = calls
+        compute(full, ro, parts, metrics, baselines)
+
+    trainer._generate_all, trainer.reward_model.scores, trainer._compute_advantages = generated, scored, checked
+    metrics = trainer.step()
+    assert metrics["timing_s/gen_max"] > 0
+    # the greedy responses (3 prompts, padded to 4 rows: 2 a rank), then this rank's 3 samples
+    assert seen["calls"] == [2, 3], seen["calls"]
+
+
+def test_remax_scores_the_greedy_responses_once_over_the_ranks(tiny_assets, tmp_path):
+    """With a reward model (`micro_batch_size_per_gpu=1`: a forward a row) and 3 prompts on 2 ranks,
+    each rank runs the reward model on its share of the greedy responses (as many rows on each, so
+    as many FSDP forwards), and every rank's baselines are the scores of every greedy response."""
+    from tests.unit.test_reward_model import llama_reward_model, other_tokenizer
+
+    rm = tmp_path / "rm"
+    other = other_tokenizer()
+    llama_reward_model(rm, len(other))
+    other.save_pretrained(rm)
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_reward_model_body, 2, str(tiny_assets), str(tmp_path), str(rm), timeout=600)
