@@ -314,24 +314,41 @@ class PPOTrainer:
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as
         `gen_max`), scored like the step's samples (without KL), each row of `full` given its
-        prompt's score, `[N]` on every rank. Each rank scores its share of the greedy responses
-        (`_partition`) and the shares are gathered: the reward function and the reward model score
-        each response once over the ranks, not once on every rank. The prompts need not divide over
-        the ranks (only `data.train_batch_size` x `rollout.n` must): the greedy rows are then padded
-        to a multiple of the world size with copies of the first ones, scored and dropped, so that
-        every rank scores equally many rows (a reward model with a fixed micro-batch size runs as
-        many forwards, FSDP's collectives, on each). None for the other estimators."""
+        prompt's score, `[N]` on every rank; each greedy response is scored once over the ranks
+        (`_score_spread`). None for the other estimators."""
         if self.cfg.algorithm.adv_estimator != "remax":
             return None
         with self.timer("gen_max"):
             greedy = self._generate_all(items, validate=False, seed=0,
                                         sampling=dict(n=1, temperature=0.0, top_p=1.0, top_k=-1))
-            n = len(greedy)
-            padded = math.ceil(n / self.ctx.world_size) * self.ctx.world_size
-            local, parts = self._partition(greedy.take([i % n for i in range(padded)]))
-            scores, _, _ = self._score(local)
-            scores = self._gather_rows(scores, parts, padded)[:n]
+            scores, _, _ = self._score_spread(greedy)
         return scores[torch.tensor(full.uids, device=scores.device)]
+
+    def _score_spread(self, ro: RolloutBatch, texts: list[str] | None = None,
+                      with_extras: bool = False) -> tuple[torch.Tensor, dict, dict]:
+        """`_score` of rows that every rank holds (`ro`, `texts`: their decoded responses, if at hand),
+        each row scored once over the ranks: each rank scores its share (`_partition`) and the shares
+        are gathered, so the reward function and the reward model do not run on every row on every
+        rank. The rows need not divide over the ranks: they are padded to a multiple of the world size
+        with copies of the first ones, scored and dropped, so that every rank scores equally many
+        rows (a reward model with a fixed micro-batch size runs as many forwards, FSDP's
+        collectives, on each; a reward function may see a row twice). Returns the scores `[N]` on
+        every rank and, with `with_extras`, the reward function's numeric extras (NaN where a row
+        gave none) and its other extras (None where a row gave none), lists in the rows' order;
+        else two empty dicts."""
+        n, w = len(ro), self.ctx.world_size
+        padded = math.ceil(n / w) * w
+        local, parts = self._partition(ro.take([i % n for i in range(padded)]))
+        mine = None if texts is None else [texts[i % n] for i in parts[self.ctx.rank]]
+        scores, numeric, others = self._score(local, mine)
+        names = list(numeric)  # the same on every rank (`_agreed_extras`)
+        cols = torch.stack([scores.double()] + [torch.tensor(numeric[k], dtype=torch.float64, device=self.device)
+                                               for k in names], dim=1)
+        cols = self._gather_rows(cols, parts, padded)[:n]
+        if not with_extras:
+            return cols[:, 0].float(), {}, {}
+        others = {k: v[:n] for k, v in self._gather_other_extras(others, parts, padded).items()}
+        return cols[:, 0].float(), {k: cols[:, 1 + j].tolist() for j, k in enumerate(names)}, others
 
     def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
         """This rank's share of the rollouts (equal counts, balanced token totals) and every
@@ -798,8 +815,8 @@ class PPOTrainer:
                 # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
-                # every rank holds every row here: each scores them all, as training scores its own
-                scores, extras, others = self._score(ro, texts)
+                # every rank holds every row here: each is scored once over the ranks
+                scores, extras, others = self._score_spread(ro, texts, with_extras=bool(dump_dir))
                 scores = scores.tolist()
                 for src, sc in zip(ro.data_sources, scores):
                     sums.setdefault(str(src), []).append(sc)

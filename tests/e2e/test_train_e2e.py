@@ -188,7 +188,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_path):
     """verl's dumps write every key of a dict result: on 2 ranks, each scoring its own rows, every
-    row of the training dump (and of the validation dump, every rank scoring every row) has the
+    row of the training dump (and of the validation dump, each row scored once over the ranks) has the
     function's values of its own output; the numbers as the metrics' floats, the others as
     returned, null where the response gave none."""
     import json
