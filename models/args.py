@@ -8,11 +8,16 @@ by meshppo loads in `transformers` and the other way round.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
+ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
+                     "llama3": (("factor", "original_max_position_embeddings"),
+                                ("low_freq_factor", "high_freq_factor"))}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALING_KEYS)
 
 
 @dataclass
@@ -55,9 +60,12 @@ class ModelArgs:
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use one of "
+                             f"{SUPPORTED_ROPE_TYPES}")
+        missing = [k for k in ROPE_SCALING_KEYS[self.rope_type][0] if k not in self.rope_scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type {self.rope_type!r} lacks {missing}")
 
     @property
     def rope_type(self) -> str:
@@ -185,6 +193,131 @@ class ModelArgs:
         if architecture:
             cfg.architectures = [architecture]
         return cfg
+
+
+# ---------------------------------------------------------------- verl's model.override_config
+# Hugging Face config attributes that verl sets on the checkpoint's config before it builds the
+# model. Those meshppo's models read and the checkpoint's tensors do not depend on act (they are
+# `ModelArgs` fields, so they also reach the exported config.json):
+OVERRIDE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "initializer_range",
+                 "bos_token_id", "eos_token_id", "pad_token_id")
+# Of those, the model's outputs read these; the others reach its exported config.json only (and
+# initializer_range its weights drawn at random: load_format=dummy).
+OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+# Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
+                     "model_type", "architectures", "hidden_act", "num_labels")
+# Those of the Hugging Face model classes that meshppo's own models do not have change nothing:
+_ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or SDPA kernels), not a Hugging Face "
+             "implementation")
+OVERRIDE_NO_EFFECT = {"attn_implementation": _ATTN_WHY, "_attn_implementation": _ATTN_WHY,
+                      "use_cache": "meshppo's training forwards keep no KV cache (its engine has its own)"}
+# meshppo's models have no dropout: these are accepted at 0 only (verl's critic sets them to 0 itself).
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "classifier_dropout")
+_NO_DROPOUT_WHY = "meshppo's models have no dropout"
+
+
+def _number(value, where: str, integer: bool = False, nonnegative: bool = False):
+    """`value` as an int (`integer`: an integral float too) or a float, > 0 (>= 0 when
+    `nonnegative`); YAML's `1e-6`, a string to YAML 1.1, is a number. ValueError naming `where`
+    otherwise."""
+    if isinstance(value, str) and not integer:
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if integer and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or \
+            not (value >= 0 if nonnegative else value > 0):
+        raise ValueError(f"{where}: expected {'an integer' if integer else 'a number'} {'>=' if nonnegative else '>'} "
+                         f"0, got {value!r}")
+    return value if integer else float(value)
+
+
+def _rope_scaling(value, where: str) -> dict | None:
+    """An override's `rope_scaling`: null, or a mapping with its type (`rope_type` or `type`) and
+    the keys that type reads, nothing else; None for the default type."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping (rope_type and its parameters) or null, got {value!r}")
+    kinds = [value[k] for k in ("rope_type", "type") if k in value]
+    if not kinds or kinds[0] != kinds[-1]:
+        raise ValueError(f"{where}: give its type once, as rope_type (or type): one of {SUPPORTED_ROPE_TYPES}; got "
+                         f"{value!r}")
+    kind = kinds[0]
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"{where}: type {kind!r} is not supported; meshppo's models implement "
+                         f"{SUPPORTED_ROPE_TYPES}")
+    required, optional = ROPE_SCALING_KEYS[kind]
+    params = {k: v for k, v in value.items() if k not in ("rope_type", "type")}
+    missing = [k for k in required if k not in params]
+    unread = [k for k in params if k not in required + optional]
+    if missing or unread:
+        raise ValueError(f"{where}: type {kind!r} reads {list(required + optional)} ({list(required)} required); "
+                         + (f"missing {missing}" if missing else f"{unread} would be ignored"))
+    if kind == "default":
+        return None
+    out = {"rope_type": kind}
+    for k, v in params.items():
+        out[k] = _number(v, f"{where}.{k}", integer=k == "original_max_position_embeddings")
+    if kind == "llama3" and out.get("low_freq_factor", 1.0) >= out.get("high_freq_factor", 4.0):
+        raise ValueError(f"{where}: low_freq_factor must be below high_freq_factor (their defaults: 1 and 4)")
+    return out
+
+
+def _token_ids(value, where: str, many: bool):
+    if value is None:
+        return None
+    if many and isinstance(value, list) and value:
+        return [_number(v, f"{where}[{i}]", integer=True, nonnegative=True) for i, v in enumerate(value)]
+    return _number(value, where, integer=True, nonnegative=True)
+
+
+def check_overrides(overrides: dict, key: str = "override_config") -> tuple[dict, dict]:
+    """verl's `model.override_config` (`key`: the option, for messages): `(the overrides that act,
+    as ModelArgs fields and values; the accepted ones that change nothing: name -> why)`. Raises
+    ValueError naming `key.<name>` for any other: a shape or architecture attribute, a dropout
+    other than 0, verl's Megatron form (`model_config: {...}`), an unknown name or a bad value."""
+    acting, inert = {}, {}
+    for name, value in overrides.items():
+        where = f"{key}.{name}"
+        if name in ARCHITECTURE_KEYS:
+            raise ValueError(f"{where} cannot be overridden: it sets the architecture or the shapes of the "
+                             "model's tensors, and the checkpoint's tensors are those of its own config.json")
+        if name == "model_config":
+            raise ValueError(f"{where}: the nested form is that of verl's Megatron workers; its FSDP workers, "
+                             f"which meshppo follows, set the attributes directly ({key}.max_position_embeddings=...)")
+        if name in OVERRIDE_NO_EFFECT:
+            inert[name] = OVERRIDE_NO_EFFECT[name]
+        elif name in DROPOUT_KEYS:
+            if _number(value, where, nonnegative=True) != 0:
+                raise ValueError(f"{where}={value!r} is not supported by meshppo: {_NO_DROPOUT_WHY} (0 is accepted)")
+            inert[name] = _NO_DROPOUT_WHY
+        elif name == "rope_scaling":
+            acting[name] = _rope_scaling(value, where)
+        elif name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            acting[name] = _token_ids(value, where, many=name == "eos_token_id")
+        elif name == "max_position_embeddings":
+            acting[name] = _number(value, where, integer=True)
+        elif name in OVERRIDE_KEYS:
+            acting[name] = _number(value, where)
+        else:
+            raise ValueError(f"{where} is not supported by meshppo: the keys it applies are "
+                             f"{', '.join(OVERRIDE_KEYS)}; {', '.join(OVERRIDE_NO_EFFECT)} and the dropouts "
+                             f"({', '.join(DROPOUT_KEYS)}) at 0 are accepted and change nothing")
+    return acting, inert
+
+
+def apply_overrides(args: ModelArgs, overrides: dict | None, key: str = "override_config") -> ModelArgs:
+    """`args` with verl's `model.override_config` applied (`check_overrides`): the one way every
+    model (actor, reference, critic, reward model) and the engine get theirs. A `rope_scaling`
+    replaces the checkpoint's whole; `rope_theta` alone keeps its scaling."""
+    acting, _ = check_overrides(overrides or {}, key)
+    return dataclasses.replace(args, **acting) if acting else args
 
 
 # Dense bf16 peak per GPU (datasheets: half the "with sparsity" figure), the denominator of MFU. Matched

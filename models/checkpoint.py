@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from models.args import ModelArgs
+from models.args import ModelArgs, apply_overrides
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -38,7 +38,9 @@ class CheckpointFileError(ValueError):
     the message names the file."""
 
 
-def load_model_args(path) -> ModelArgs:
+def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
+    """The `ModelArgs` of checkpoint directory `path`'s config.json, with verl's
+    `model.override_config` `overrides` applied (`models.args.apply_overrides`)."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -47,9 +49,10 @@ def load_model_args(path) -> ModelArgs:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     try:
-        return ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+        args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
     except (OSError, ValueError) as e:
         raise CheckpointFileError(f"{str(path / 'config.json')!r}: {str(e).splitlines()[0]}") from None
+    return apply_overrides(args, overrides)
 
 
 def safetensors_files(path) -> list[Path]:

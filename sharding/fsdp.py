@@ -35,6 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim
+from models.args import apply_overrides
 from models.checkpoint import checkpoint_tensors
 from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensors, read_peft_adapter
 from sharding.ac import apply_ac
@@ -285,7 +286,8 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
                      device: torch.device | str | None = None, trainable: bool = True, seed: int = 0,
                      enable_gradient_checkpointing: bool = False,
                      enable_activation_offload: bool = False, dummy_weights: bool = False,
-                     lora: LoRAConfig | None = None, lora_adapter_path: str | os.PathLike | None = None) -> Transformer:
+                     lora: LoRAConfig | None = None, lora_adapter_path: str | os.PathLike | None = None,
+                     overrides: dict | None = None) -> Transformer:
     """Build a sharded actor / reference / critic without any rank holding the whole model.
 
     `source` is either `ModelArgs` (random init, identical on every rank and equal to
@@ -305,13 +307,16 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     the base is frozen (and stored in the compute dtype), the adapters start from peft's
     initialisation (A from a generator seeded by `seed`, B zero: the initial policy is the
     base) or from the peft adapter directory `lora_adapter_path`, checked against `lora`.
+
+    `overrides`: verl's `model.override_config`, applied to the model's arguments
+    (`models.args.apply_overrides`) before it is built.
     """
     path = None
     if isinstance(source, ModelArgs):
-        args = source
+        args = apply_overrides(source, overrides)
     else:
         path = source
-        args = load_model_args(path)
+        args = load_model_args(path, overrides)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)

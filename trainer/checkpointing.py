@@ -45,6 +45,7 @@ it, and how the run executes (micro-batches, offload, world size) or logs may ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -60,7 +61,7 @@ import torch.distributed as dist
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
-from trainer.config import CHECKPOINT_CONTENTS, PPOConfig
+from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides
 from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
@@ -85,6 +86,7 @@ SAME_RUN_OPTIONS = (
     "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.target_modules",
     "actor_rollout_ref.model.lora_adapter_path",
+    "actor_rollout_ref.model.override_config",
     "actor_rollout_ref.actor",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.temperature",
@@ -125,7 +127,6 @@ NOT_SAME_RUN_OPTIONS = (
     "critic.optim.total_training_steps",
     "critic.optim.warmup_style",
     "critic.model.tokenizer_path",
-    "critic.model.override_config",
     "critic.model.enable_gradient_checkpointing",
     "critic.model.enable_activation_offload",
     "critic.model.use_remove_padding",
@@ -165,6 +166,11 @@ RENAMED_OPTIONS["reward_model.model.path"] = "reward_model.path"
 PREDATING_VALUES = {"reward_model.model.input_tokenizer": None}
 
 
+# Options of which a part only acts: a resume compares that part. The models' override_config may change its
+# keys that change nothing (attn_implementation, ...), not those that change the model (rope_theta, ...).
+ACTING_PART = {f"{section}.override_config": functools.partial(acting_overrides, section) for section in MODEL_SECTIONS}
+
+
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -193,7 +199,8 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
         before = PREDATING_VALUES.get(key, default)
         old = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], before) if key in RENAMED_OPTIONS else before)
         new = _lookup(current, key, default)
-        if old != new:
+        part = ACTING_PART.get(key, lambda value: value)
+        if part(old) != part(new):
             out.append((key, old, new))
     return out
 

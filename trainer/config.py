@@ -8,12 +8,14 @@ at their neutral value; anything else fails with "not supported" instead of bein
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from data.dataset import TRUNCATION_MODES
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
+from models.args import OUTPUT_KEYS, check_overrides
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
@@ -341,13 +343,53 @@ _SHM_WHY = ("meshppo reads the safetensors files where they are, memory-mapped, 
 _FUSED_KERNELS_WHY = "meshppo's LM head always computes them so: chunk by chunk, with its own kernels"
 
 
+def _override_config(built: str, others: str):
+    """A model section's `override_config`; `others`: what the keys the outputs do not read change."""
+    return opt(default_factory=dict,
+               help=f"verl's Hugging Face config overrides, set on the checkpoint's config before {built} built: "
+                    "rope_theta, rope_scaling (rope_type default, linear or llama3 with its parameters: replaces the "
+                    f"checkpoint's) and rms_norm_eps change the outputs; {others}; attn_implementation, use_cache "
+                    "and dropouts of 0 are accepted and change nothing; keys of the architecture or the tensors' "
+                    "shapes are refused")
+
+
+# verl's three model sections: each has its `override_config`.
+MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model", "reward_model.model")
+
+
+def model_sections(cfg) -> dict:
+    """`MODEL_SECTIONS` of `cfg`, by key."""
+    return {key: functools.reduce(getattr, key.split("."), cfg) for key in MODEL_SECTIONS}
+
+
+_RM_UNREAD_WHY = "the reward model's scores do not read it, and it is neither exported nor drawn at random"
+
+
+def acting_overrides(key: str, overrides: dict) -> dict:
+    """The overrides of model section `key` that change something (`models.args.check_overrides`):
+    the reward model's, which is neither exported nor drawn at random, only those its scores read."""
+    acting = check_overrides(overrides)[0]
+    return {k: v for k, v in acting.items() if k in OUTPUT_KEYS} if key == "reward_model.model" else acting
+
+
+def _check_override_config(key: str, overrides: dict) -> None:
+    """A model section's `override_config` checked (`models.args.check_overrides`), naming the key."""
+    try:
+        check_overrides(overrides, f"{key}.override_config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
     load_format: str = opt("auto", "auto: read the safetensors; dummy: random weights drawn on each rank's shards "
                                    "(benchmarks: only config.json is read)", choices=("auto", "dummy"))
-    override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
-                                unsupported=lambda v: bool(v))
+    override_config: dict = _override_config(
+        "the actor, the reference and the engine are",
+        "max_position_embeddings and bos/eos/pad_token_id only the exported config.json (the engine's context is "
+        "rollout.max_model_len; generation stops at the EOS ids of the checkpoint and the tokenizer), "
+        "initializer_range only dummy weights")
     enable_gradient_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward")
     enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards (variable-length attention)")
@@ -384,6 +426,7 @@ class ModelConfig:
     mtp: MtpConfig = section(MtpConfig, "verl's multi-token prediction")
 
     def __post_init__(self):
+        _check_override_config("actor_rollout_ref.model", self.override_config)
         if self.lora_rank:
             self.lora  # a bad target_modules / lora_alpha fails here, naming the key
         elif self.lora_adapter_path is not None:
@@ -727,8 +770,9 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str | None = opt(None, "critic checkpoint; default: the actor's model path (value head starts at zero)")
     tokenizer_path: str | None = opt(None, "critic tokenizer; must be the actor's (checked), null: the actor's")
-    override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
-                                unsupported=lambda v: bool(v))
+    override_config: dict = _override_config(
+        "the critic is", "max_position_embeddings and bos/eos/pad_token_id only its exported config.json (checkpoint "
+                         "hf_model), initializer_range only dummy weights")
     enable_gradient_checkpointing: bool = opt(False, "recompute each block's activations in backward")
     enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards")
@@ -747,6 +791,7 @@ class CriticModelConfig:
     tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "verl's tiled MLP")
 
     def __post_init__(self):
+        _check_override_config("critic.model", self.override_config)
         if self.lora_rank:
             self.lora  # a bad target_modules / lora_alpha fails here, naming the key
 
@@ -850,13 +895,17 @@ class RewardModelModelConfig:
                                       "(it must share the actor's tokenizer)")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
-    override_config: dict = opt(default_factory=dict, help="not supported: must stay empty",
-                                unsupported=lambda v: bool(v))
+    override_config: dict = _override_config(
+        "the reward model is", "max_position_embeddings, initializer_range and bos/eos/pad_token_id have no effect "
+                               "(said at start-up)")
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there",
                         no_effect="the weights are read once at start-up, memory-mapped where they are")
     use_remove_padding: bool = opt(True, "padding-free packed forwards (same scores either way)")
     use_fused_kernels: bool = opt(False, "verl: fused log-prob kernels", no_effect="a reward model has no LM head")
     fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
+
+    def __post_init__(self):
+        _check_override_config("reward_model.model", self.override_config)
 
 
 @dataclass
@@ -1383,6 +1432,13 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
     notes += _reward_manager_notes(cfg)
+    for key, model in model_sections(cfg).items():
+        overrides = model.override_config
+        inert, acting = check_overrides(overrides)[1], acting_overrides(key, overrides)
+        for name in overrides:
+            if name not in acting:
+                notes.append(f"{key}.override_config.{name}={_shown(overrides[name])} has no effect: "
+                             f"{inert.get(name, _RM_UNREAD_WHY)}")
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

@@ -187,10 +187,12 @@ def _compute_dtype_guard(cfg_fsdp, device: torch.device):
 
 
 def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) -> Models:
-    """The step's models on their meshes; `tokenizer` is the actor's (the reward model must share it)."""
+    """The step's models on their meshes; `tokenizer` is the actor's (the reward model must share it).
+    Each model's `override_config` applies to its arguments; the actor's also to the reference's and
+    the engine's (`Models.actor_args`), as in verl."""
     arr = cfg.actor_rollout_ref
-    path = arr.model.path
-    actor_args = load_model_args(path)
+    path, overrides = arr.model.path, arr.model.override_config
+    actor_args = load_model_args(path, overrides)
     check_sequence_parallel_models(cfg, ctx.world_size, ctx.local_world_size)
     dims = ParallelDims(world_size=ctx.world_size, fsdp_size=arr.actor.fsdp_config.fsdp_size,
                         tp=arr.rollout.tensor_model_parallel_size, local_world_size=ctx.local_world_size)
@@ -201,7 +203,8 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                              device=ctx.device, trainable=True, seed=seed, dummy_weights=dummy,
                              enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
                              enable_activation_offload=arr.model.enable_activation_offload,
-                             lora=arr.model.lora, lora_adapter_path=arr.model.lora_adapter_path)
+                             lora=arr.model.lora, lora_adapter_path=arr.model.lora_adapter_path,
+                             overrides=overrides)
     if arr.actor.use_torch_compile:
         apply_compile(actor)
     actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
@@ -209,7 +212,8 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     # A LoRA actor is its own reference with the adapters off (roles.AdaptersOffReference): no second model.
     if cfg.uses_ref and arr.model.lora is None:
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
-                                      device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy)
+                                      device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy,
+                                      overrides=overrides)
         if arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
@@ -218,7 +222,8 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                                          head="value", device=ctx.device, trainable=True, seed=seed,
                                          dummy_weights=dummy and cm.path == path,
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
-                                         enable_activation_offload=cm.enable_activation_offload, lora=cm.lora)
+                                         enable_activation_offload=cm.enable_activation_offload, lora=cm.lora,
+                                         overrides=cm.override_config)
         if arr.actor.use_torch_compile:
             apply_compile(models.critic)
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
@@ -226,7 +231,8 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     if cfg.reward_model.enable:
         rm = cfg.reward_model.model
         models.reward_model = build_fsdp_model(rm.path, meshes.train, _compute_dtype_guard(rm.fsdp_config, ctx.device),
-                                               head="value", device=ctx.device, trainable=False, seed=seed)
+                                               head="value", device=ctx.device, trainable=False, seed=seed,
+                                               overrides=rm.override_config)
     _sequence_parallel(cfg, ctx, models)
     return models
 

@@ -45,6 +45,7 @@ VERL_DEFAULTS = [
     "actor_rollout_ref.model.tiled_mlp={enabled: false, num_shards: 4}", "critic.model.tiled_mlp.num_shards=4",
     "actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.speculative_algorithm=EAGLE",
     "critic.model.external_lib=null", "critic.model.trust_remote_code=false", "critic.model.use_shm=false",
+    *(f"{s}.override_config={{}}" for s in ("actor_rollout_ref.model", "critic.model", "reward_model.model")),
     f"{R}.engine_kwargs={{vllm: {{}}, sglang: {{}}, trtllm: {{}}}}", f"{R}.multi_stage_wake_up=false",
     f"{R}.enable_prefix_caching=true", f"{R}.disable_log_stats=true", f"{R}.logprobs_mode=processed_logprobs",
     f"{R}.scheduling_policy=fcfs", f"{R}.over_sample_rate=0", f"{R}.agent.num_workers=8",
