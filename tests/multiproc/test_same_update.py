@@ -17,10 +17,12 @@ def test_same_update_on_one_and_two_ranks(tmp_path, fsdp_size):
     same_update_on_one_and_two_ranks(tmp_path, fsdp_size, "cpu")
 
 
-def test_same_update_ulysses(tmp_path):
+@pytest.mark.parametrize("fsdp_size", [-1, 1])
+def test_same_update_ulysses(tmp_path, fsdp_size):
     """The 2 ranks as one Ulysses group: they pool their rows and split every micro-batch's tokens;
-    the update equals the 1-rank one (a wrong gradient scale or loss normaliser is off by 2x)."""
-    same_update_on_one_and_two_ranks(tmp_path, -1, "cpu", sp=2)
+    the update equals the 1-rank one (a wrong gradient scale or loss normaliser is off by 2x), under
+    FSDP2 and under data parallelism's bucketed all-reduce."""
+    same_update_on_one_and_two_ranks(tmp_path, fsdp_size, "cpu", sp=2)
 
 
 def test_same_update_two_ulysses_groups(tmp_path):
