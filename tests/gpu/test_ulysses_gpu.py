@@ -24,7 +24,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SHAPE = dict(vocab_size=4096, hidden_size=896, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=14,
              max_position_embeddings=4096, model_type="qwen2", attention_bias=True, tie_word_embeddings=True,
              initializer_range=0.05)
-# measured on an H200 (mean |log-prob difference| and the largest relative gradient error): see _body's record
+# Measured on an H200 (51c79ba): the log-probs, entropies and values bitwise equal with 2 K/V heads and within
+# 6e-5 with 1, the gradients within 0.26 % (2 K/V heads) and 0.85 % (1) of their norms; in bf16 on a CPU
+# 0.005 mean and 0.031 most for the log-probs, 1.2 % for the gradients.
 LOGP_MEAN_ATOL, LOGP_MAX_ATOL, GRAD_RTOL = 0.02, 0.25, 0.05
 
 
@@ -68,7 +70,7 @@ def _body(rank, world_size, kv_heads, out):
                 outs.append((values,))
             loss.backward()
         for name, a, b in zip(("logp", "entropy") if head == "lm" else ("values",), *outs):
-            diff = ((a.float() - b.float()).abs() * mask)
+            diff = ((a.float() - b.float()).abs() * mask).detach()
             mean, most = float(diff.sum() / mask.sum()), float(diff.max())
             record[f"{head}_{name}"] = [mean, most]
             assert mean < LOGP_MEAN_ATOL and most < LOGP_MAX_ATOL, (head, name, mean, most)
