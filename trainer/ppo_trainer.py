@@ -46,6 +46,7 @@ from trainer.rollout_phase import build_rollout
 from trainer.setup import build_engine, build_models, reward_model_inputs
 from trainer.profiling import StepProfiler, profile_plan
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
+from trainer.val_metrics import validation_metrics
 from sharding import comm
 
 class _AbandonStep(Exception):
@@ -801,14 +802,22 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
+        """Generate `val_kwargs.n` responses for every validation prompt (`data.val_batch_size` at
+        a time), score each once over the ranks and return, on every rank, `val/{data_source}/score`
+        (the mean score of the source's samples) and verl's `val-core/` / `val-aux/` metrics
+        (`trainer.val_metrics`) of the variables `reward` (the score) and each numeric extra of the
+        reward function (an extra named `reward` is not one: the score holds that name), with its
+        `pred` extra, if any, voting; then validation's timings."""
         if self.val_ds is None:
             return {}
         items = [self.val_ds[i] for i in range(len(self.val_ds))]
         bs = self.cfg.data.val_batch_size or len(items)
-        sums: dict[str, list[float]] = {}
         dump_dir = self.cfg.trainer.validation_data_dir
         dumped: list[dict] = []
         logged = 0  # samples logged (trainer.log_val_generations), over all chunks
+        sources, uids, scores_all = [], [], []
+        variables: dict[str, list[float]] = {}  # numeric extras over every chunk, NaN where a chunk had none
+        preds: list | None = None  # the `pred` extra as returned (None where a sample gave none)
         with self.timer("validate"):
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
@@ -816,10 +825,21 @@ class PPOTrainer:
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
                 # every rank holds every row here: each is scored once over the ranks
-                scores, extras, others = self._score_spread(ro, texts, with_extras=bool(dump_dir))
+                scores, extras, others = self._score_spread(ro, texts, with_extras=True)
                 scores = scores.tolist()
-                for src, sc in zip(ro.data_sources, scores):
-                    sums.setdefault(str(src), []).append(sc)
+                done, n = len(scores_all), len(scores)
+                sources += [str(src) for src in ro.data_sources]
+                uids += [s + u for u in ro.uids]  # the prompt's index in the validation set
+                scores_all += scores
+                for k in extras:
+                    variables.setdefault(k, [math.nan] * done)
+                for k, v in variables.items():
+                    v += extras.get(k, [math.nan] * n)
+                chunk_preds = others.get("pred", extras.get("pred"))
+                if chunk_preds is not None and preds is None:
+                    preds = [None] * done
+                if preds is not None:
+                    preds += chunk_preds if chunk_preds is not None else [None] * n
                 if dump_dir and self.ctx.is_main:
                     inputs = decode_batch(self.tokenizer, ro.prompts)
                     for i in range(len(texts)):
@@ -832,9 +852,14 @@ class PPOTrainer:
                     prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
                     self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
                     logged += 1
+            sums: dict[str, list[float]] = {}
+            for src, sc in zip(sources, scores_all):
+                sums.setdefault(src, []).append(sc)
+            out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
+            variables.pop("reward", None)
+            out.update(validation_metrics(sources, uids, {"reward": scores_all, **variables}, preds))
         if dumped:
             dump_generations(dump_dir, self.global_step, dumped)
-        out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
         # validation's own phases (its generation's reshard, graph capture) as val_*: the step's
         # timings of the same names stay the step's
         out.update({k if k == "timing_s/validate" else k.replace("timing_s/", "timing_s/val_", 1): v
