@@ -40,7 +40,8 @@ class FakeTrainer:
         self.profiler = StepProfiler(None, 0, "cpu", total_steps)  # nothing profiled
         self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None)
         self.ctx = NS(world_size=1, local_world_size=1)
-        self.device, self.models, self.run_dir, self.nonfinite_streak = "cpu", NS(dims=None), "/run", 0
+        self.device, self.run_dir, self.nonfinite_streak = "cpu", "/run", 0
+        self.models = NS(dims=None, ulysses_sizes=lambda: {})
 
     # No signals reach a fake and its KL never moves: installing handlers and the guard do nothing.
     _install_signal_handlers = _apply_guard = staticmethod(lambda *args: None)

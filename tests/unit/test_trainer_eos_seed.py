@@ -170,11 +170,12 @@ def _validation_seeds(base: int, num_prompts: int, chunk: int) -> list[tuple[int
     def generate_all(items, validate, seed):
         assert validate
         calls.append((seed, len(items)))
-        return NS(responses=[], data_sources=[], ground_truths=[], extra_infos=[], prompts=[])
+        return NS(responses=[], data_sources=[], ground_truths=[], extra_infos=[], prompts=[], uids=[])
 
     tok = NS(clean_up_tokenization_spaces=True, batch_decode=lambda seqs, skip_special_tokens: ["" for _ in seqs])
     fake = NS(val_ds=[{} for _ in range(num_prompts)], timer=Timer(CPU), _generate_all=generate_all, tokenizer=tok,
-              _score=lambda ro, texts: (torch.zeros(len(texts)), {}, {}), ctx=NS(is_main=True), global_step=0, log=print,
+              _score_spread=lambda ro, texts, with_extras=False: (torch.zeros(len(texts)), {}, {}), ctx=NS(is_main=True),
+              global_step=0, log=print,
               cfg=NS(data=NS(val_batch_size=chunk),
                      trainer=NS(seed=base, validation_data_dir=None, log_val_generations=0)))
     PPOTrainer.validate(fake)
