@@ -34,7 +34,7 @@ from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
 from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, validate
 from trainer.configlib import ConfigError, to_commented_yaml
-from trainer.errors import StopTraining, UserError
+from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
 from trainer.launch import DistContext, init_distributed
 from trainer.metrics import data_metrics, variance_proxy_metrics
@@ -159,7 +159,7 @@ class PPOTrainer:
         self.reward_manager = load_reward_manager(
             rm_cfg.reward_manager, crf.path, crf.name, crf.reward_kwargs, rm_cfg.manager_kwargs(),
             eos_token=self.tokenizer.eos_token, processes=min(PRIME_PROCESSES, cores),
-            warn=lambda text: print(f"meshppo: warning (rank {ctx.rank}): {text}", file=sys.stderr, flush=True))
+            warn=lambda text: say(f"meshppo: warning (rank {ctx.rank}): {text}"))
 
         self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)
@@ -986,7 +986,7 @@ def run(cfg: PPOConfig) -> int:
     except (UserError, DatasetError, RewardError, FileNotFoundError, CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would
         # otherwise show only as the other ranks' failed collective.
-        print(f"meshppo: error (rank {ctx.rank}): {e}", file=sys.stderr)
+        say(f"meshppo: error (rank {ctx.rank}): {e}")
         return 1
     except StopTraining as e:
         if ctx.is_main:
@@ -997,9 +997,9 @@ def run(cfg: PPOConfig) -> int:
             raise
         # A collective timed out or lost a peer: say where, on every rank.
         first = str(e).strip().splitlines()[0]
-        print(f"meshppo: error (rank {ctx.rank}): a collective failed in phase "
-              f"'{getattr(e, 'meshppo_phase', 'setup')}' (trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): "
-              f"{first[:300]}", file=sys.stderr)
+        say(f"meshppo: error (rank {ctx.rank}): a collective failed in phase "
+            f"'{getattr(e, 'meshppo_phase', 'setup')}' (trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): "
+            f"{first[:300]}")
         return 1
     finally:
         if ctx.owns_group and dist.is_initialized():
