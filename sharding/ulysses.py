@@ -92,8 +92,8 @@ def build_sequence_parallel(size: int, world_size: int, device_type: str,
 
 def apply_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel | None) -> None:
     """Make every attention layer of `model` run split by heads over `sp` on packed input: the
-    model is then called with its group's token shard (`shard_packed`) and the whole micro-batch's
-    `cu_seqlens`."""
+    model is then called with this rank's token shard and the whole micro-batch's `cu_seqlens`
+    (`trainer.forward.build_micro_batch(..., sp=sp)`)."""
     from models.transformer import Attention
 
     for m in model.modules():
