@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
     emit("ulysses_memory", {"model": a.model, "tokens": a.tokens, "sequences": a.sequences, "sp": a.sp,
                             "backend": a.backend if a.sp > 1 else None, "rank": rank},
          activation_peak_gib=round(peak / 2**30, 3), weights_and_grads_gib=round(base / 2**30, 3),
-         tokens_on_rank=-(-a.tokens // a.sp), wall_s_median=round(sorted(walls)[len(walls) // 2], 3))
+         tokens_on_rank=-(-a.tokens // a.sp), wall_s_median=round(statistics.median(walls), 3))
     if dist.is_initialized():
         dist.destroy_process_group()
 
