@@ -16,7 +16,7 @@ from models import ModelArgs, Transformer, load_model_args
 from models.args import apply_overrides
 from models.transformer import rope_inv_freq
 from trainer.checkpointing import run_differences, same_run_keys
-from trainer.config import PPOConfig, config_notes
+from trainer.config import PPOConfig, config_notes, model_sections
 from trainer.configlib import ConfigError, build_dataclass, load_config
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -31,10 +31,7 @@ def _cfg(*overrides):
 
 
 def _overrides(cfg, section):
-    node = cfg
-    for part in section.split("."):
-        node = getattr(node, part)
-    return node.override_config
+    return model_sections(cfg)[section].override_config
 
 
 @pytest.fixture
