@@ -46,20 +46,24 @@ def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int |
                        max_tokens: int) -> list[list[int]]:
     """Split `indices` (of this rank) into micro-batches; every rank gets the same count.
 
-    Fixed size: ranks hold equally many sequences, so the count already agrees. Dynamic:
-    pack by token budget, then agree on the largest count over ranks and rebalance into it.
+    Fixed size: `micro_size` sequences each (None: all in one); a rank holding fewer sequences than
+    another gets empty micro-batches up to the largest count. Dynamic: pack by token budget, then
+    agree on the largest count over ranks and rebalance into it.
     """
     return _plan([indices], lengths, micro_size, dynamic, max_tokens)[0]
 
 
 def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, dynamic: bool,
           max_tokens: int) -> list[list[list[int]]]:
-    """`plan_micro_batches` for several batches with one collective (dynamic sizes only)."""
+    """`plan_micro_batches` for several batches with one collective."""
     if not dynamic:
         out = []
         for indices in batches:
             size = micro_size or len(indices)
             out.append([indices[s:s + size] for s in range(0, len(indices), size)] or [[]])
+        if micro_size is not None and comm.world_size() > 1:
+            counts = comm.all_reduce_values([len(p) for p in out], "max")
+            out = [p + [[] for _ in range(int(n) - len(p))] for p, n in zip(out, counts)]
         return out
     costs = [[lengths[i] for i in indices] for indices in batches]
     parts = [token_budget_partitions(c, max_tokens) for c in costs]
