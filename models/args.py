@@ -7,6 +7,7 @@ by meshppo loads in `transformers` and the other way round.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -223,10 +224,8 @@ def _number(value, where: str, integer: bool = False, nonnegative: bool = False)
     `nonnegative`); YAML's `1e-6`, a string to YAML 1.1, is a number. ValueError naming `where`
     otherwise."""
     if isinstance(value, str) and not integer:
-        try:
+        with contextlib.suppress(ValueError):  # text that is no number: the check below names it
             value = float(value)
-        except ValueError:
-            pass
     if integer and isinstance(value, float) and value.is_integer():
         value = int(value)
     kinds = (int,) if integer else (int, float)

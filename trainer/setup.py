@@ -237,18 +237,18 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     return models
 
 
-def _sequence_parallel_roles(cfg: PPOConfig, models: Models | None = None) -> list[tuple]:
-    """(config key, size, `Models` field, the role's models, its model directory) of each used role."""
+def _sequence_parallel_roles(cfg: PPOConfig) -> list[tuple]:
+    """(config key, size, its `Models` group field, the `Models` fields of its models, its model
+    directory) of each role the run uses."""
     arr = cfg.actor_rollout_ref
-    get = (lambda name: getattr(models, name)) if models is not None else (lambda name: None)  # noqa: E731
-    roles = [("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, "actor_sp",
-              [get("actor"), get("ref")], arr.model.path)]
+    roles = [("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, "actor_sp", ("actor", "ref"),
+              arr.model.path)]
     if cfg.uses_critic:
-        roles.append(("critic", cfg.critic.ulysses_sequence_parallel_size, "critic_sp", [get("critic")],
+        roles.append(("critic", cfg.critic.ulysses_sequence_parallel_size, "critic_sp", ("critic",),
                       cfg.critic.model.path))
     if cfg.reward_model.enable:
         roles.append(("reward_model", cfg.reward_model.ulysses_sequence_parallel_size, "reward_model_sp",
-                      [get("reward_model")], cfg.reward_model.model.path))
+                      ("reward_model",), cfg.reward_model.model.path))
     return roles
 
 
@@ -270,14 +270,13 @@ def _sequence_parallel(cfg: PPOConfig, ctx: DistContext, models: Models) -> None
     """The roles' Ulysses groups (one per distinct size, built in the same order on every rank),
     each model's attention layers split over its role's group."""
     groups: dict[int, SequenceParallel | None] = {}
-    for _, size, name, role_models, _ in _sequence_parallel_roles(cfg, models):
+    for _, size, group_field, model_fields, _ in _sequence_parallel_roles(cfg):
         if size not in groups:
             groups[size] = build_sequence_parallel(size, ctx.world_size, ctx.device.type, cfg.trainer.nccl_timeout)
-        setattr(models, name, groups[size])
-        for model in role_models:
+        setattr(models, group_field, groups[size])
+        for model in (getattr(models, f) for f in model_fields):
             if model is not None:
                 apply_sequence_parallel(model, groups[size])
-
 
 
 # ---------------------------------------------------------------------- generation

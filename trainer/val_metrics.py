@@ -81,11 +81,8 @@ def _vote_key(pred: Any) -> Any:
 def _hashable(value: Any) -> Any:
     """`value` itself if hashable, else a hashable stand-in that equals another's where the values
     are equal (a list, tuple, dict or set, element by element; anything else by its repr)."""
-    try:
-        hash(value)
+    if _is_hashable(value):
         return value
-    except TypeError:
-        pass
     if isinstance(value, list):
         return (_LIST, tuple(_hashable(v) for v in value))
     if isinstance(value, tuple):
@@ -95,6 +92,15 @@ def _hashable(value: Any) -> Any:
     if isinstance(value, set):
         return frozenset(value)
     return (_OTHER, repr(value))
+
+
+def _is_hashable(value: Any) -> bool:
+    """Whether `hash(value)` works (a tuple holding a list is a `Hashable` that does not hash)."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _row_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
