@@ -288,7 +288,7 @@ def teacher_forced(model, prompts: list[list[int]], answers: list[list[int]], de
         mb = build_micro_batch(prompts[s:s + batch], answers[s:s + batch], device, packed=False)
         logits = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask).float()
         logits = logits.reshape(-1, logits.shape[-1])[mb.src_index]
-        labels = mb.labels.reshape(-1)[mb.src_index]
+        labels = mb.src_labels
         token_lp = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
         wrong = (logits.argmax(-1) != labels).long()
         zeros = torch.zeros(mb.batch_size, device=device)
@@ -400,7 +400,7 @@ def supervised_warmup(model, tokenizer, s: Settings, held_out: set, device, log=
         mb = build_micro_batch(prompts, answers, device, packed=False)
         logits = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[mb.src_index].float(),
-                               mb.labels.reshape(-1)[mb.src_index])
+                               mb.src_labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -9,9 +9,18 @@ Two layouts reach this function:
   flash-attn's varlen kernel when importable, else the FlashAttention kernels shipped with
   PyTorch (`_FlashVarlen`); everywhere else SDPA with a block-diagonal causal mask, which is
   the reference path.
+
+  With a shared prefix (`PrefixSharing`: the responses of one prompt laid out after a single
+  copy of it, `trainer.forward`) a segment's keys are gathered from the packed row and may be
+  more than its own tokens: a response's keys are its prompt's followed by its own. Its
+  queries are the last tokens of its keys (causal, aligned at the end, as FlashAttention
+  aligns queries shorter than their keys), so each response token attends to the whole
+  prompt and to the response up to itself, exactly as in the prompt + response sequence.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +31,17 @@ except Exception:  # pragma: no cover - depends on the machine
     _flash_varlen = None
 
 
+class PrefixSharing(NamedTuple):
+    """The keys of each packed query segment where some segments read a prefix that is not theirs:
+    `kv_index [Tk]` (int64) gathers them from the packed row's keys and values, segment after
+    segment in `cu_seqlens` order, `cu_seqlens_k [N+1]` (int32) and `max_seqlen_k` delimit them.
+    A segment's queries are the last tokens of its keys (`attention_packed`)."""
+
+    kv_index: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_k: int
+
+
 class _FlashVarlen(torch.autograd.Function):
     """Causal varlen FlashAttention (the kernels PyTorch ships) called through its aten ops.
 
@@ -30,23 +50,24 @@ class _FlashVarlen(torch.autograd.Function):
     per layer forward + backward on an H200 where this takes 274 µs; the host bounds a small
     model's update.
     FlashAttention takes fewer K/V heads than query heads natively (GQA) and returns K/V
-    gradients with K/V's head count."""
+    gradients with K/V's head count. Keys may be longer than their queries (`cu_seqlens_k`):
+    causal attention then aligns the queries with the last keys."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale):
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, rng_state, unused)
+        ctx.max_seqlen, ctx.max_seqlen_k, ctx.scale = max_seqlen, max_seqlen_k, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu, cu_k, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True,
+            dout.contiguous(), q, k, v, out, lse, cu, cu_k, ctx.max_seqlen, ctx.max_seqlen_k, 0.0, True,
             rng_state, unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_varlen_usable(q: torch.Tensor) -> bool:
@@ -75,29 +96,48 @@ def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float)
     return out.transpose(1, 2)
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T, T] boolean mask: causal inside each packed sequence, nothing across them."""
+def _segments(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's segment and its distance to the segment's last position; positions past
+    `cu_seqlens[-1]` (trailing padding) form a segment of their own."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
-    if seq_id.numel() < total:  # trailing padding tokens form their own segment
-        pad = torch.full((total - seq_id.numel(),), len(lengths), device=seq_id.device)
-        seq_id = torch.cat([seq_id, pad])
-    same = seq_id[:, None] == seq_id[None, :]
-    return same & torch.ones(total, total, dtype=torch.bool, device=seq_id.device).tril()
+    n = len(lengths)
+    seg = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
+    ends = cu_seqlens[1:]
+    if seg.numel() < total:
+        seg = torch.cat([seg, torch.full((total - seg.numel(),), n, device=seg.device)])
+        ends = torch.cat([ends, ends.new_tensor([total])])
+    return seg, ends[seg] - 1 - torch.arange(total, device=seg.device)
 
 
-def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
-    """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]."""
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int, cu_seqlens_k: torch.Tensor | None = None,
+                      total_k: int | None = None) -> torch.Tensor:
+    """[T, Tk] boolean mask: causal inside each packed segment, nothing across them. With
+    `cu_seqlens_k` (keys laid out apart from the queries) a query sees the keys of its segment up
+    to its own distance from the segment's end (queries aligned with the last keys); without, the
+    keys are the queries' own positions ([T, T])."""
+    seg_q, back_q = _segments(cu_seqlens, total)
+    seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _segments(cu_seqlens_k, total_k)
+    return (seg_q[:, None] == seg_k[None, :]) & (back_k[None, :] >= back_q[:, None])
+
+
+def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                     shared: PrefixSharing | None = None) -> torch.Tensor:
+    """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]; `shared`: the segments' keys
+    (module docstring)."""
+    cu_k, max_k = cu_seqlens, max_seqlen
+    if shared is not None:
+        k, v = k[shared.kv_index], v[shared.kv_index]
+        cu_k, max_k = shared.cu_seqlens_k, shared.max_seqlen_k
     if flash_varlen_usable(q):
         if _flash_varlen is not None:
-            return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                 softmax_scale=scale, causal=True)
-        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, int(max_seqlen),
-                                  float(scale))
+            return _flash_varlen(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale=scale, causal=True)
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_k, int(max_seqlen),
+                                  int(max_k), float(scale))
     n_rep = q.shape[1] // k.shape[1]
-    total = q.shape[0]
-    mask = block_causal_mask(cu_seqlens.long(), total)
-    mask = mask | torch.eye(total, dtype=torch.bool, device=q.device)
+    if shared is None:
+        mask = block_causal_mask(cu_seqlens.long(), q.shape[0])
+    else:
+        mask = block_causal_mask(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0])
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
     kt, vt = _expand_kv(kt, n_rep, 1), _expand_kv(vt, n_rep, 1)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[None, None], scale=scale)

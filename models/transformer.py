@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from models import block_ops
 from models.args import ModelArgs
-from models.attention import attention_packed, attention_padded
+from models.attention import PrefixSharing, attention_packed, attention_padded
 from models.lm_head import chunked_token_logprobs
 
 
@@ -101,16 +101,18 @@ class Attention(nn.Module):
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None
 
-    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                shared: PrefixSharing | None = None):
         shape = x.shape[:-1]
         q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         q, k = apply_rope_qk(q, k, cos, sin)
         if cu_seqlens is not None and self.sequence_parallel is not None:
-            out = self.sequence_parallel.attention(attention_packed, q, k, v, cu_seqlens, max_seqlen, self.scale)
+            out = self.sequence_parallel.attention(attention_packed, q, k, v, cu_seqlens, max_seqlen, self.scale,
+                                                   shared)
         elif cu_seqlens is not None:
-            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale)
+            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale, shared)
         else:
             out = attention_padded(q, k, v, attention_mask, self.scale)
         return self.o_proj(out.reshape(*shape, -1))
@@ -143,8 +145,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                shared: PrefixSharing | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -181,13 +184,17 @@ class Transformer(nn.Module):
       padded: `input_ids [B, S]`, optional `attention_mask [B, S]` (left or right padding) and
               `position_ids [B, S]` (default: count of real tokens before each position)
       packed: `input_ids [T]` or `[1, T]`, `cu_seqlens [N+1]` (int32), `position_ids` like the
-              input (default: restart at 0 in each sequence)
+              input (default: restart at 0 in each sequence); `shared` (`PrefixSharing`) when
+              some segments attend to a prefix laid out elsewhere in the row (responses after
+              one copy of their prompt: `trainer.forward`, which then gives the positions)
     Returns logits `[..., V]` (lm) or values `[...]` (value). With `labels` (same shape as
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
     unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
-    (forward-only). `label_index` (flat positions, int64) restricts that to the given
-    positions: the outputs are then `[len(label_index)]`.
+    (forward-only). `label_index` (flat positions, int64, repeats allowed) restricts that to the
+    given positions, and `labels` then holds one token per entry of `label_index` (a position
+    shared by several sequences predicts a different token for each): the outputs are
+    `[len(label_index)]`.
     """
 
     def __init__(self, args: ModelArgs, head: str = "lm"):
@@ -260,7 +267,8 @@ class Transformer(nn.Module):
         save_pretrained(self, path, state_dict=state_dict, max_shard_size=max_shard_size)
 
     # ------------------------------------------------------------- forward
-    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                      shared: PrefixSharing | None = None):
         """Final-normed hidden states `[..., H]` (see the class docstring for layouts)."""
         packed = cu_seqlens is not None
         if packed:
@@ -282,7 +290,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen)
+            x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
         x = self.norm(x)
         if packed and squeeze:
             x = x.unsqueeze(0)
@@ -290,13 +298,16 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048,
-                label_index=None, with_sum_pi_squared: bool = False):
-        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
+                label_index=None, with_sum_pi_squared: bool = False, shared: PrefixSharing | None = None):
+        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, shared)
         if labels is not None and label_index is not None:
             # Only these (flat) positions are scored: the LM head, the model's widest matmul,
             # then skips prompt tokens and padding.
+            if labels.numel() != label_index.numel():
+                raise ValueError(f"with label_index, labels holds one token per entry: {labels.numel()} labels "
+                                 f"for {label_index.numel()} positions")
             h = h.reshape(-1, h.shape[-1])[label_index]
-            labels = labels.reshape(-1)[label_index]
+            labels = labels.reshape(-1)
         if self.head == "value":
             # FSDP2 hooks each unit's output for backward, and a view would bypass the hook: the
             # head (its own unit) sees 2-D rows (a linear over 3-D input returns a view), and the

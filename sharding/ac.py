@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 _WRAPPED = "_meshppo_ac"
@@ -77,7 +78,7 @@ def _offloaded_forward(forward, checkpointing: bool, offloader: "ActivationOfflo
     # the block it calls is compiled. Were the offloader traced, Dynamo would guard on its
     # per-block state and compile again for each block index, up to its recompile limit.
     # Every block gets the same rotary tables, masks and offsets: they stay on the device.
-    shared = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
+    shared = [t for t in tree_leaves((args[1:], kwargs)) if isinstance(t, torch.Tensor)]
     with offloader.block(index, shared):
         return _maybe_checkpoint(forward, checkpointing, *args, **kwargs)
 

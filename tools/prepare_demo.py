@@ -63,7 +63,7 @@ def greedy_accuracy(model, prompts: list[list[int]], answers: list[list[int]], b
     for s in range(0, len(prompts), batch):
         mb = build_micro_batch(prompts[s:s + batch], answers[s:s + batch], "cpu", packed=True)
         logits = model(mb.input_ids, **mb.model_kwargs()).reshape(-1, model.args.vocab_size)
-        wrong = (logits[mb.src_index].argmax(-1) != mb.labels.reshape(-1)[mb.src_index]).long()
+        wrong = (logits[mb.src_index].argmax(-1) != mb.src_labels).long()
         exact += int((torch.zeros(mb.batch_size, dtype=torch.long).index_add_(0, mb.dst_row, wrong) == 0).sum())
     return exact / max(len(prompts), 1)
 

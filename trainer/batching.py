@@ -1,4 +1,4 @@
-"""Splitting rollouts over ranks, mini-batches and micro-batches (pure Python).
+"""Splitting rollouts over ranks, mini-batches and micro-batches (on the host).
 
 Every rank must run the same number of forward/backward passes (each FSDP forward is a
 collective), so the helpers here return partitions whose counts are agreed on across
@@ -9,6 +9,8 @@ inside that constraint.
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
 
 
 def balanced_equal_partitions(costs: list[int], k: int) -> list[list[int]]:
@@ -31,6 +33,36 @@ def balanced_equal_partitions(costs: list[int], k: int) -> list[list[int]]:
         if len(parts[p]) < cap:  # a full part leaves the heap for good
             heapq.heappush(heap, (load + costs[i], p))
     return [sorted(p) for p in parts]
+
+
+def prompt_groups(prompts: list[list[int]]) -> np.ndarray:
+    """Each row's group under prefix sharing: the index of the first row with the same prompt
+    tokens (rows with an empty prompt share nothing: their own index)."""
+    first: dict[tuple[int, ...], int] = {}
+    return np.fromiter((first.setdefault(tuple(p), i) if p else i for i, p in enumerate(prompts)), dtype=np.int64,
+                       count=len(prompts))
+
+
+def shared_prefix_items(indices: list[int], leaders: np.ndarray, prompt_lengths: list[int],
+                        response_lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """`indices` cut into items for token-budget packing when rows with one prompt share it: the
+    rows of a group (same `leaders` entry), in order, as few items as keep `prompt + responses`
+    under `max_tokens` (a row above it alone), and each item's tokens, its prompt counted once.
+    Items come in the order of their groups' first rows."""
+    items: list[list[int]] = []
+    costs: list[int] = []
+    open_item: dict[int, int] = {}  # group -> its item still being filled
+    for i in indices:
+        g, lp, lr = int(leaders[i]), prompt_lengths[i], response_lengths[i]
+        k = open_item.get(g)
+        if k is not None and costs[k] + lr <= max_tokens:
+            items[k].append(i)
+            costs[k] += lr
+            continue
+        open_item[g] = len(items)
+        items.append([i])
+        costs.append(lp + lr)
+    return items, costs
 
 
 def token_budget_partitions(costs: list[int], max_tokens: int, min_parts: int = 1) -> list[list[int]]:

@@ -26,19 +26,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.attention import PrefixSharing
 from models.transfer import host_to_device
+from trainer.batching import prompt_groups
 from sharding.ulysses import SequenceParallel, gather_rows, padded_length, per_shard_counts, shard_bounds
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor          # [1, T] packed or [B, S] padded
-    labels: torch.Tensor             # same shape: the next token at each position
+    labels: torch.Tensor             # same shape: the next token of the same segment at each position
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     max_seqlen: int | None
     src_index: torch.Tensor          # flat positions in the model output that predict response tokens
+    src_labels: torch.Tensor         # the response token each of them predicts
     dst_row: torch.Tensor            # where each goes in the [B, R] result
     dst_col: torch.Tensor
     last_index: torch.Tensor         # flat position of each sequence's last token (reward models)
@@ -48,6 +51,11 @@ class MicroBatch:
     sp: SequenceParallel | None = None
     src_counts: list[int] | None = None
     last_counts: list[int] | None = None
+    # prefix sharing: each segment's keys, and the row of each `last_index` entry (None: rows in order)
+    shared: PrefixSharing | None = None
+    last_rows: torch.Tensor | None = None
+    # the work of the whole micro-batch (every shard): tokens run, scored positions, attention pairs
+    work: tuple[int, int, float] = (0, 0, 0.0)
 
     def gather(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """Every rank's values at its scored (`last`: last) positions, in position order; `x` itself
@@ -59,13 +67,15 @@ class MicroBatch:
     def model_kwargs(self) -> dict:
         """The layout arguments of `Transformer.forward` for this micro-batch."""
         return dict(position_ids=self.position_ids, attention_mask=self.attention_mask,
-                    cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
+                    cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, shared=self.shared)
 
 
 def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
-                      pad_token_id: int = 0, sp: SequenceParallel | None = None) -> MicroBatch:
+                      pad_token_id: int = 0, sp: SequenceParallel | None = None,
+                      share_prefix: bool = False) -> MicroBatch:
     """Lay out `prompts[i] + responses[i]` for one forward pass (`sp`: this rank's shard of the packed
-    row, for its Ulysses group).
+    row, for its Ulysses group; `share_prefix`: rows with the same prompt tokens share one copy of
+    it, packed layout only, see `_packed_micro_batch`).
 
     Everything is built on the host with NumPy (whole-array operations, one pass over the token
     lists, no per-sequence loop) and moved in one copy from pinned memory that does not wait for
@@ -78,38 +88,85 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
     n = len(prompts)
     lp = np.fromiter(map(len, prompts), dtype=np.int64, count=n)
     lr = np.fromiter(map(len, responses), dtype=np.int64, count=n)
+    # every response token j of sequence b: its row b and its column j
+    rows = np.repeat(np.arange(n), lr)
+    cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
+    if packed:
+        leaders = prompt_groups(prompts) if share_prefix else np.arange(n)
+        return _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device, pad_token_id, sp)
+    if sp is not None:
+        raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
+    if share_prefix:
+        raise ValueError("prefix sharing needs the packed layout (use_remove_padding=true)")
     lengths = lp + lr
     ends = np.cumsum(lengths)
     flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, responses))),
                        dtype=np.int64, count=int(ends[-1]))
     within = np.arange(len(flat)) - np.repeat(ends - lengths, lengths)  # each token's index in its sequence
-    # every response token j of sequence b: its row b and its column j
-    rows = np.repeat(np.arange(n), lr)
-    cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
-    if packed:
-        return _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id, sp)
-    if sp is not None:
-        raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
     return _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
 
 
-def _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int,
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`starts[i], ..., starts[i] + lengths[i] - 1` for each i, concatenated."""
+    return np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+
+
+def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device, pad_token_id: int,
                         sp: SequenceParallel | None) -> MicroBatch:
-    """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0. With `sp` the
-    row is padded to a multiple of the group size (the padding is a sequence of its own, so no
-    real token attends to it) and this rank keeps its shard of the tokens, labels and positions."""
-    labels = np.empty_like(flat)  # the next token of the same sequence; the pad after its last
+    """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0.
+
+    Prefix sharing (`leaders[b]`: the first row with row b's prompt; each row its own without it):
+    a group of rows with one prompt lays out the prompt once, then each response as a segment of
+    its own, at the positions it has after the prompt; its attention reads the prompt's keys
+    (`models.attention.PrefixSharing`), and its first token is predicted by the prompt's last
+    position, which scores one token for each response. The forward then computes what it
+    computes for `prompt + response` rows, with the prompt's tokens run once.
+
+    With `sp` the row is padded to a multiple of the group size (the padding is a sequence of its
+    own, so no real token attends to it) and this rank keeps its shard of the tokens, labels and
+    positions; the scored and last positions go in position order (`MicroBatch.gather`)."""
+    n = len(lp)
+    own = leaders == np.arange(n)
+    sharing = np.bincount(leaders, minlength=n)[leaders] > 1  # rows of a group of two or more
+    order = np.argsort(leaders, kind="stable")  # groups by their first row, rows in order within
+    ep = np.where(own, lp, 0)  # the prompt tokens each row lays out
+    emitted = ep + lr
+    start = np.empty(n, dtype=np.int64)
+    start[order] = np.cumsum(emitted[order]) - emitted[order]
+    pstart = start[leaders]  # where the row's prompt lies
+    flat = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain(prompts[b] if own[b] else (), responses[b]) for b in order.tolist()),
+        dtype=np.int64, count=int(emitted.sum()))
+    within = (np.arange(len(flat)) + np.repeat((lp - ep - start)[order], emitted[order]))  # positions
+    # Segments, two candidates a row in emitted order: a row alone its whole sequence; a sharing row its
+    # prompt if it lays it out, then its response, which reads the prompt first. Empty ones dropped.
+    seg_len = np.stack([np.where(sharing, ep, emitted), np.where(sharing, lr, 0)], 1)[order].reshape(-1)
+    seg_start = np.stack([start, start + ep], 1)[order].reshape(-1)
+    pre_start = np.stack([np.zeros(n, np.int64), pstart], 1)[order].reshape(-1)
+    pre_len = np.stack([np.zeros(n, np.int64), np.where(sharing, lp, 0)], 1)[order].reshape(-1)
+    keep = seg_len > 0
+    seg_len, seg_start, pre_start, pre_len = seg_len[keep], seg_start[keep], pre_start[keep], pre_len[keep]
+    ends = np.cumsum(seg_len)
+    labels = np.empty_like(flat)  # the next token of the same segment; the pad after its last
     labels[:-1] = flat[1:]
     labels[ends - 1] = pad_token_id
     cu_seqlens = np.concatenate([[0], ends])
-    src = np.repeat(ends - lr - 1, lr) + cols  # the position before each response token predicts it
-    last = ends - 1
-    max_seqlen = int((lp + lr).max())
-    if sp is None:
-        ids, labels_t, pos, cu_t, *index = host_to_device(
-            [flat[None], labels[None], within[None], cu_seqlens, src, rows, cols, last], device)
-        return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, len(lp))
-    total = padded_length(len(flat), sp.size)
+    max_seqlen = int(seg_len.max())
+    # the position before each response token predicts it: the prompt's last for its first token
+    src = np.where(cols == 0, (pstart + lp - 1)[rows], (start + ep)[rows] + cols - 1)
+    src_labels = np.fromiter(itertools.chain.from_iterable(responses), dtype=np.int64, count=len(rows))
+    last = np.where(lr > 0, start + emitted - 1, pstart + lp - 1)
+    key_len = pre_len + seg_len
+    work = (len(flat), len(src), float((seg_len * pre_len + seg_len * seg_len / 2).sum()))
+    shared = bool(sharing.any())
+    if shared:  # scored and last positions in position order (`MicroBatch.gather`)
+        by_pos = np.argsort(src, kind="stable")
+        src, src_labels, rows, cols = src[by_pos], src_labels[by_pos], rows[by_pos], cols[by_pos]
+        last_rows = np.argsort(last, kind="stable")
+        last = last[last_rows]
+        kv_index = _ranges(np.stack([pre_start, seg_start], 1).reshape(-1), np.stack([pre_len, seg_len], 1).reshape(-1))
+        cu_k = np.concatenate([[0], np.cumsum(key_len)])
+    total = len(flat) if sp is None else padded_length(len(flat), sp.size)
     pad = total - len(flat)
     if pad:
         flat = np.concatenate([flat, np.full(pad, pad_token_id, dtype=flat.dtype)])
@@ -117,14 +174,31 @@ def _packed_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_toke
         within = np.concatenate([within, np.arange(pad, dtype=within.dtype)])
         cu_seqlens = np.concatenate([cu_seqlens, [total]])
         max_seqlen = max(max_seqlen, pad)
-    lo, hi = shard_bounds(total, sp)
-    src_counts, last_counts = per_shard_counts(src, total, sp.size), per_shard_counts(last, total, sp.size)
-    mine_src, mine_last = src[(src >= lo) & (src < hi)] - lo, last[(last >= lo) & (last < hi)] - lo
-    ids, labels_t, pos, cu_t, src_t, rows_t, cols_t, last_t = host_to_device(
-        [flat[None, lo:hi], labels[None, lo:hi], within[None, lo:hi], cu_seqlens, mine_src, rows, cols, mine_last],
-        device)
-    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, src_t, rows_t, cols_t, last_t, len(lp),
-                      sp, src_counts, last_counts)
+        if shared:
+            kv_index = np.concatenate([kv_index, np.arange(total - pad, total)])
+            cu_k = np.concatenate([cu_k, [cu_k[-1] + pad]])
+            key_len = np.concatenate([key_len, [pad]])
+    lo, hi = (0, total) if sp is None else shard_bounds(total, sp)
+    if sp is None:
+        src_counts = last_counts = None
+        mine_src, mine_labels, mine_last = src, src_labels, last
+    else:
+        src_counts, last_counts = per_shard_counts(src, total, sp.size), per_shard_counts(last, total, sp.size)
+        in_shard = (src >= lo) & (src < hi)
+        mine_src, mine_labels = src[in_shard] - lo, src_labels[in_shard]
+        mine_last = last[(last >= lo) & (last < hi)] - lo
+    arrays = [flat[None, lo:hi], labels[None, lo:hi], within[None, lo:hi], cu_seqlens, mine_src, mine_labels, rows,
+              cols, mine_last]
+    if shared:
+        arrays += [kv_index, cu_k, last_rows]
+    ids, labels_t, pos, cu_t, *index = host_to_device(arrays, device)
+    layout = None
+    if shared:
+        kv_t, cu_k_t, last_rows_t = index[5:]
+        index = index[:5]
+        layout = PrefixSharing(kv_t, cu_k_t.int(), int(key_len.max()))
+    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, n, sp, src_counts, last_counts,
+                      layout, last_rows_t if shared else None, work)
 
 
 def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
@@ -144,8 +218,10 @@ def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_toke
     pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     src = rows * width + max_p - 1 + cols
     last = np.arange(n) * width + max_p + lr - 1
-    ids_t, labels_t, pos_t, mask_t, *index = host_to_device([ids, labels, pos, mask, src, rows, cols, last], device)
-    return MicroBatch(ids_t, labels_t, pos_t, mask_t, None, None, *index, n)
+    work = (int(lengths.sum()), len(src), float((lengths * lengths / 2).sum()))
+    ids_t, labels_t, pos_t, mask_t, *index = host_to_device(
+        [ids, labels, pos, mask, src, labels.reshape(-1)[src], rows, cols, last], device)
+    return MicroBatch(ids_t, labels_t, pos_t, mask_t, None, None, *index, n, work=work)
 
 
 def index_on(idx: list[int], device) -> torch.Tensor:
@@ -167,7 +243,7 @@ def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, wit
     """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens (only those
     positions go through the LM head); with `with_sum_pi_squared` a third, each token's sum of
     squared probabilities `[B, R]` (forward-only)."""
-    logp, ent, *sps = model(mb.input_ids, labels=mb.labels, temperature=temperature, with_entropy=with_entropy,
+    logp, ent, *sps = model(mb.input_ids, labels=mb.src_labels, temperature=temperature, with_entropy=with_entropy,
                             label_index=mb.src_index, with_sum_pi_squared=with_sum_pi_squared, **mb.model_kwargs())
     out = _place(mb, mb.gather(logp), width), (_place(mb, mb.gather(ent), width) if with_entropy else None)
     return out + (_place(mb, mb.gather(sps[0]), width),) if with_sum_pi_squared else out
@@ -182,4 +258,5 @@ def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:
 def last_token_scores(model, mb: MicroBatch) -> torch.Tensor:
     """Value-head output at each sequence's last token `[B]` (reward models)."""
     values = model(mb.input_ids, **mb.model_kwargs())
-    return mb.gather(values.float().reshape(-1)[mb.last_index], last=True)
+    scores = mb.gather(values.float().reshape(-1)[mb.last_index], last=True)
+    return scores if mb.last_rows is None else torch.empty_like(scores).index_copy_(0, mb.last_rows, scores)

@@ -14,7 +14,7 @@ ARGS = ModelArgs(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden
 
 
 def _loss_and_grads(model, ids, labels, cu, index):
-    logp, ent = model(ids, labels=labels, cu_seqlens=cu, with_entropy=True, label_index=index)
+    logp, ent = model(ids, labels=labels.reshape(-1)[index], cu_seqlens=cu, with_entropy=True, label_index=index)
     ((logp * torch.linspace(-1, 1, logp.numel())).sum() + ent.sum()).backward()
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -87,7 +87,9 @@ def test_label_index_scores_only_those_positions_with_the_same_values_and_grads(
     (full.reshape(-1)[index] * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad(set_to_none=True)
-    part, _ = m(ids, labels=labels, label_index=index)
+    with pytest.raises(ValueError, match="one token per entry: 18 labels for 6 positions"):
+        m(ids, labels=labels, label_index=index)
+    part, _ = m(ids, labels=labels.reshape(-1)[index], label_index=index)
     assert part.shape == (len(index),)
     assert torch.allclose(part, full.reshape(-1)[index].detach(), atol=1e-6)
     (part * weights).sum().backward()

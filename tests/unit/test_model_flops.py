@@ -18,7 +18,7 @@ def test_flops_match_the_flop_counter_on_a_forward_with_the_head_on_response_pos
     # the LM head only on the response positions of each row, as the trainer evaluates it
     index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(ids, labels=ids, label_index=index)
+        model(ids, labels=ids.reshape(-1)[index], label_index=index)
     counts = counter.get_flop_counts()["Global"]
     # The linear layers (blocks and LM head); the CPU attention kernel is not one the counter knows.
     counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
@@ -52,7 +52,7 @@ def test_training_flops_match_the_flop_counter_full_and_lora(targets):
     ids = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
     with FlopCounterMode(display=False) as counter:
-        logp, _ = model(ids, labels=ids, label_index=index)
+        logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
         logp.sum().backward()
     counts = counter.get_flop_counts()["Global"]
     # the head's backward recomputes its logits (2·h·V a position): recomputation, not counted
