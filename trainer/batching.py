@@ -9,6 +9,7 @@ inside that constraint.
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,6 +44,15 @@ def prompt_groups(prompts: list[list[int]]) -> np.ndarray:
                        count=len(prompts))
 
 
+class PrefixGroups(NamedTuple):
+    """Rows' prompt groups for prefix sharing (`RolloutBatch.prefix_groups`): each row's group
+    (`prompt_groups`), and the rows' prompt and response lengths."""
+
+    leaders: np.ndarray
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+
+
 def shared_prefix_items(indices: list[int], leaders: np.ndarray, prompt_lengths: list[int],
                         response_lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
     """`indices` cut into items for token-budget packing when rows with one prompt share it: the
@@ -63,6 +73,21 @@ def shared_prefix_items(indices: list[int], leaders: np.ndarray, prompt_lengths:
         items.append([i])
         costs.append(lp + lr)
     return items, costs
+
+
+def balanced_group_partitions(groups: PrefixGroups, k: int) -> list[list[int]] | None:
+    """`balanced_equal_partitions` of whole prompt groups: `k` parts of equally many rows, each
+    group's rows in one part, balancing the tokens a part runs with each prompt once. None when the
+    groups cannot give equal parts that way (groups of unequal sizes, or a group count that `k`
+    does not divide)."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups.leaders.tolist()):
+        members.setdefault(g, []).append(i)
+    rows = list(members.values())
+    if len({len(m) for m in rows}) != 1 or len(rows) % k:
+        return None
+    costs = [groups.prompt_lengths[m[0]] + sum(groups.response_lengths[i] for i in m) for m in rows]
+    return [sorted(i for g in part for i in rows[g]) for part in balanced_equal_partitions(costs, k)]
 
 
 def token_budget_partitions(costs: list[int], max_tokens: int, min_parts: int = 1) -> list[list[int]]:

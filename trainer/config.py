@@ -551,8 +551,13 @@ class ActorConfig:
     data_loader_seed: int = _data_loader_seed()
     freeze_vision_tower: bool = opt(False, "verl: keep a vision-language model's vision tower frozen",
                                     no_effect="meshppo's models are text-only: there is no vision tower")
-    use_prefix_grouper: bool = opt(False, "not supported: must be false (verl: a group's responses share one "
-                                          "forward of their prompt in training)", unsupported=bool)
+    use_prefix_grouper: bool = opt(False, "the actor's and the reference's forwards (old and reference log-probs, "
+                                          "the update) lay out the responses of one prompt after a single copy of "
+                                          "it in each micro-batch, their attention reading its keys: the prompt's "
+                                          "tokens run once instead of once per response, with the same log-probs "
+                                          "and gradients; dynamic micro-batches keep a prompt's rows together. "
+                                          "Needs model.use_remove_padding=true (verl's needs it false: the same "
+                                          "sharing, in meshppo's packed layout)")
     calculate_sum_pi_squared: bool = opt(False, "the old-log-prob pass also computes each response token's sum of "
                                                 "squared probabilities (at the rollout temperature), chunk by chunk "
                                                 "in the LM head: the optimal-token-baseline estimators' input, and "
@@ -1335,7 +1340,7 @@ def _alias(key: str, obj, name: str, alias_key: str, alias_obj, alias_name: str)
 
 def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) -> None:
     """Each used role's Ulysses size against the launch, and its packed layout (the model's heads
-    are checked when it is built: `setup.build_models`)."""
+    are checked when it is built: `setup.build_models`); the packed layout of prefix sharing."""
     arr = cfg.actor_rollout_ref
     roles = [("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, "actor_rollout_ref.model",
               arr.model.use_remove_padding)]
@@ -1353,6 +1358,11 @@ def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) 
         if size > 1 and not packed:
             raise ConfigError(f"{key}.ulysses_sequence_parallel_size={size} with {model_key}.use_remove_padding=false: "
                               "sequence parallelism shards the packed (padding-free) layout; set it to true")
+    if arr.actor.use_prefix_grouper and not arr.model.use_remove_padding:
+        raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true with "
+                          "actor_rollout_ref.model.use_remove_padding=false: meshppo shares a prompt among its "
+                          "responses in the packed (padding-free) layout; set use_remove_padding=true (verl's "
+                          "prefix grouper needs it false, meshppo's true)")
 
 
 def _validate_reward_model(rm: RewardModelConfig) -> None:

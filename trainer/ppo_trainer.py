@@ -186,6 +186,7 @@ class PPOTrainer:
             tokenizer=self.tokenizer, base_model=cfg.actor_rollout_ref.model.path, rank=ctx.rank,
             world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
+        self._update_work = np.zeros(3)  # what the last actor update ran (`Role.count_work`)
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
 
@@ -196,7 +197,7 @@ class PPOTrainer:
         cfg, m = self.cfg, self.models
         arr = cfg.actor_rollout_ref
         common = dict(device=self.device, pad_token_id=self.pad_id)
-        policy = dict(common, packed=arr.model.use_remove_padding,
+        policy = dict(common, packed=arr.model.use_remove_padding, share_prefix=arr.actor.use_prefix_grouper,
                       temperature=arr.rollout.temperature if arr.rollout.do_sample else 1.0)
         trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
         lp = arr.rollout
@@ -353,12 +354,17 @@ class PPOTrainer:
 
     def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
         """This rank's share of the rollouts (equal counts, balanced token totals) and every
-        rank's row indices: each rank computes the same partition, so none is communicated."""
-        from trainer.batching import balanced_equal_partitions
+        rank's row indices: each rank computes the same partition, so none is communicated. With
+        prefix sharing (`actor.use_prefix_grouper`) balancing keeps each prompt's rows on one rank
+        where the groups allow it (`balanced_group_partitions`), so that they can share it."""
+        from trainer.batching import balanced_equal_partitions, balanced_group_partitions
 
         w, r = self.ctx.world_size, self.ctx.rank
         n = len(ro)
-        if self.cfg.trainer.balance_batch:
+        groups = balanced_group_partitions(ro.prefix_groups(), w) if self.actor.share_prefix else None
+        if self.cfg.trainer.balance_batch and groups is not None:
+            parts = groups
+        elif self.cfg.trainer.balance_batch:
             parts = balanced_equal_partitions(ro.lengths(), w)
         else:
             parts = [list(range(k * n // w, (k + 1) * n // w)) for k in range(w)]
@@ -646,14 +652,16 @@ class PPOTrainer:
     def _update_actor(self, ro: RolloutBatch, metrics: dict) -> None:
         """The actor's update, once the critic has had `trainer.critic_warmup` steps."""
         cfg = self.cfg
+        self._update_work = np.zeros(3)
         if self.global_step < cfg.trainer.critic_warmup:
             return
         actor_cfg = cfg.actor_rollout_ref.actor
-        with self.timer("update_actor"):
+        with self.timer("update_actor"), self.actor.count_work() as work:
             metrics.update(self.actor.update(ro, actor_cfg, cfg.data.train_batch_size // actor_cfg.ppo_mini_batch_size,
                                              self.kl.in_loss.value, seed=cfg.trainer.seed + self.global_step,
                                              step=self.global_step + 1,
                                              rollout_correction=cfg.algorithm.rollout_correction))
+        self._update_work = work
         self.actor.scheduler.step()
 
     def _gather_other_extras(self, mine: dict[str, list], parts: list[list[int]], n_total: int) -> dict[str, list]:
@@ -769,8 +777,11 @@ class PPOTrainer:
         dev = self.device
         lengths = ro.lengths()
         response_tokens = [len(r) for r in ro.responses]
-        tokens, generated, pairs = comm.all_reduce_values([float(sum(lengths)), float(sum(response_tokens)),
-                                                           sum(L * L / 2 for L in lengths)])
+        # what the actor's update ran (a shared prompt once; every rank of a Ulysses group counts its
+        # group's micro-batches): the MFU's FLOPs
+        work = self._update_work / self.actor.sp_size
+        tokens, generated, run_tokens, run_heads, run_pairs = comm.all_reduce_values(
+            [float(sum(lengths)), float(sum(response_tokens)), *map(float, work)])
         step_s = metrics.get("timing_s/step", float("nan"))
         per_gpu_s = step_s * self.ctx.world_size if step_s > 0 else float("inf")
         # perf/throughput counts prompt + response tokens per sample (verl's and TRL's figure);
@@ -792,12 +803,16 @@ class PPOTrainer:
 
             out["perf/max_memory_allocated_gb"] = comm.all_reduce_values(
                 [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], "max")[0]
+        if self.actor.share_prefix and run_tokens:
+            # the share of the update's tokens that sharing prompts did not run
+            epochs = self.cfg.actor_rollout_ref.actor.ppo_epochs
+            out["perf/prefix_tokens_saved"] = 1.0 - run_tokens / (tokens * epochs)
         peak = _peak_flops(dev)
         upd = metrics.get("timing_s/update_actor")
-        if peak and upd:
-            flops = self.models.actor_args.flops(tokens, generated, pairs, backward=True,
+        if peak and upd and run_tokens:
+            flops = self.models.actor_args.flops(run_tokens, run_heads, run_pairs, backward=True,
                                                  lora=self.cfg.actor_rollout_ref.model.lora)
-            out["perf/mfu/actor"] = flops * self.cfg.actor_rollout_ref.actor.ppo_epochs / (upd * peak * self.ctx.world_size)
+            out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
         return out
 
     # ------------------------------------------------------------------ validation

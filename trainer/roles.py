@@ -29,7 +29,7 @@ import torch.distributed as dist
 from kl import kl_penalty
 from models.lora import adapters_disabled, lora_modules
 from trainer import faults
-from trainer.batching import token_budget_partitions
+from trainer.batching import PrefixGroups, shared_prefix_items, token_budget_partitions
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
@@ -43,18 +43,19 @@ from sharding.replicate import replicated_params
 
 
 def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int | None, dynamic: bool,
-                       max_tokens: int) -> list[list[int]]:
+                       max_tokens: int, groups: PrefixGroups | None = None) -> list[list[int]]:
     """Split `indices` (of this rank) into micro-batches; every rank gets the same count.
 
     Fixed size: `micro_size` sequences each (None: all in one); a rank holding fewer sequences than
     another gets empty micro-batches up to the largest count. Dynamic: pack by token budget, then
-    agree on the largest count over ranks and rebalance into it.
+    agree on the largest count over ranks and rebalance into it; with `groups` (prefix sharing) the
+    rows of one prompt pack together, the prompt counted once (`shared_prefix_items`).
     """
-    return _plan([indices], lengths, micro_size, dynamic, max_tokens)[0]
+    return _plan([indices], lengths, micro_size, dynamic, max_tokens, groups)[0]
 
 
 def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, dynamic: bool,
-          max_tokens: int) -> list[list[list[int]]]:
+          max_tokens: int, groups: PrefixGroups | None = None) -> list[list[list[int]]]:
     """`plan_micro_batches` for several batches with one collective."""
     if not dynamic:
         out = []
@@ -65,12 +66,16 @@ def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, 
             counts = comm.all_reduce_values([len(p) for p in out], "max")
             out = [p + [[] for _ in range(int(n) - len(p))] for p, n in zip(out, counts)]
         return out
-    costs = [[lengths[i] for i in indices] for indices in batches]
+    if groups is None:
+        items = [[[i] for i in indices] for indices in batches]
+        costs = [[lengths[i] for i in indices] for indices in batches]
+    else:
+        items, costs = map(list, zip(*(shared_prefix_items(indices, *groups, max_tokens) for indices in batches)))
     parts = [token_budget_partitions(c, max_tokens) for c in costs]
     if comm.world_size() > 1:
         counts = comm.all_reduce_values([len(p) for p in parts], "max")
         parts = [token_budget_partitions(c, max_tokens, min_parts=int(n)) for c, n in zip(costs, counts)]
-    return [[[indices[j] for j in p] for p in ps] for indices, ps in zip(batches, parts)]
+    return [[[i for j in p for i in its[j]] for p in ps] for its, ps in zip(items, parts)]
 
 
 class MicroBatching(NamedTuple):
@@ -106,18 +111,22 @@ def sp_batching(batching: MicroBatching, sp: SequenceParallel | None) -> MicroBa
 
 @torch.no_grad()
 def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Callable[[RolloutBatch], tuple],
-                          model: torch.nn.Module, sp: SequenceParallel | None = None) -> list[torch.Tensor | None]:
+                          model: torch.nn.Module, sp: SequenceParallel | None = None,
+                          share_prefix: bool = False) -> list[torch.Tensor | None]:
     """The one micro-batch loop of the forward-only passes: plan the micro-batches (every rank
     the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` (a forward of `model`)
     on each, scatter each output into `[N, ...]` (float32 zeros where no row wrote). A
     micro-batch without rows still runs its forward, so that FSDP's collectives stay in step
     over ranks. The micro-batches share one cast of the masters (`keep_compute_copies`). With
-    `sp` the group's rows are pooled first and this rank's rows of the outputs returned."""
+    `sp` the group's rows are pooled first and this rank's rows of the outputs returned.
+    `share_prefix`: dynamic micro-batches keep the rows of one prompt together
+    (`plan_micro_batches`)."""
     ro, mine = pool_rows(ro, sp)
     batching = sp_batching(batching, sp)
+    groups = ro.prefix_groups() if share_prefix else None
     with keep_compute_copies(model):
         outs = None
-        for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching):
+        for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching, groups=groups):
             results = forward(ro.take(part))
             if outs is None:
                 outs = [None if r is None else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device)
@@ -143,7 +152,8 @@ class MiniBatch:
 
 
 def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int,
-                micro_size: int | None, dynamic: bool, max_tokens: int, sp_size: int = 1) -> list[MiniBatch]:
+                micro_size: int | None, dynamic: bool, max_tokens: int, sp_size: int = 1,
+                share_prefix: bool = False) -> list[MiniBatch]:
     """Every mini-batch of every epoch, planned before the first forward with two collectives
     (the loss units and the micro-batch counts), so that the update loop itself never waits
     for the host: a collective read back inside it would drain the GPU queue each mini-batch.
@@ -161,7 +171,7 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     per_batch = ro.host_loss_mask()[np.asarray(batches, dtype=np.int64)]
     units = [u / sp_size for u in comm.all_reduce_values([count_loss_units(m, mode) for m in per_batch
                                                           for mode in ("token-mean", "seq-mean-token-mean")])]
-    plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens)
+    plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens, ro.prefix_groups() if share_prefix else None)
     return [MiniBatch(parts, *units[2 * i:2 * i + 2]) for i, parts in enumerate(plans)]
 
 
@@ -229,10 +239,13 @@ class Role:
 
     def __init__(self, model, *, device: torch.device, packed: bool, pad_token_id: int,
                  batching: MicroBatching | None = None, fsdp_cfg: FSDPConfig | None = None, optimizer=None,
-                 scheduler=None, sp: SequenceParallel | None = None):
+                 scheduler=None, sp: SequenceParallel | None = None, share_prefix: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.packed, self.pad = device, packed, pad_token_id
         self.batching, self.fsdp_cfg, self.sp = batching, fsdp_cfg, sp
+        # prefix sharing (actor.use_prefix_grouper): rows of one prompt lay it out once a micro-batch
+        self.share_prefix = share_prefix
+        self.work = np.zeros(3)  # tokens run, positions scored, attention pairs (`count_work`)
 
     @property
     def sp_size(self) -> int:
@@ -273,7 +286,19 @@ class Role:
             offload_states(self.model, optimizer, self.fsdp_cfg)
 
     def _micro_batch(self, sub: RolloutBatch):
-        return build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad, self.sp)
+        mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad, self.sp,
+                               self.share_prefix)
+        if sub.prompts:  # an empty micro-batch's placeholder row is not work
+            self.work += mb.work
+        return mb
+
+    @contextmanager
+    def count_work(self):
+        """Yields the work this role's forwards run inside the block (tokens, scored positions,
+        attention pairs of the whole micro-batches, not of this rank's shard), for MFU: what runs,
+        a shared prompt once."""
+        self.work = np.zeros(3)
+        yield self.work
 
 
 class TrainableRole(Role):
@@ -312,7 +337,8 @@ class TrainableRole(Role):
         ro, _ = pool_rows(ro, self.sp)
         batching = sp_batching(MicroBatching(cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                              cfg.ppo_max_token_len_per_gpu), self.sp)
-        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, *batching, self.sp_size)
+        plan = plan_update(ro, cfg.ppo_epochs, num_mini_batches, cfg.shuffle, seed, *batching, self.sp_size,
+                           self.share_prefix)
         totals = dict.fromkeys(sum_keys, torch.zeros((), device=self.device))
         for k, mb in enumerate(plan):
             # the data-parallel size: the groups, each of whose ranks computes its group's loss
@@ -369,7 +395,7 @@ class Actor(TrainableRole):
         (`actor.calculate_sum_pi_squared`)."""
         return tuple(forward_micro_batches(ro, self.batching,
                                            lambda sub: self._forward(sub, with_entropy, with_sum_pi_squared),
-                                           self.model, self.sp))
+                                           self.model, self.sp, self.share_prefix))
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
@@ -516,7 +542,7 @@ class ReferencePolicy(Role):
         with self.resident(with_optimizer=False):
             logp, _ = forward_micro_batches(ro, self.batching, lambda sub: response_logprobs(
                 self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy=False), self.model,
-                self.sp)
+                self.sp, self.share_prefix)
         return logp
 
 
@@ -533,7 +559,7 @@ class AdaptersOffReference:
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(self.actor.model):
             logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False),
-                                            self.actor.model, self.actor.sp)
+                                            self.actor.model, self.actor.sp, self.actor.share_prefix)
         return logp
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from models.transfer import host_to_device
+from trainer.batching import PrefixGroups, prompt_groups
 from trainer.forward import index_on
 
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
@@ -104,6 +105,11 @@ class RolloutBatch:
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def prefix_groups(self) -> PrefixGroups:
+        """The rows' prompt groups and lengths, for planning micro-batches under prefix sharing."""
+        return PrefixGroups(prompt_groups(self.prompts), [len(p) for p in self.prompts],
+                            [len(r) for r in self.responses])
 
     def index(self, idx: list[int]) -> torch.Tensor:
         """`idx` as a device tensor; the copy does not wait for the device (an update loop that

@@ -1,14 +1,22 @@
 """Prefix sharing (`actor.use_prefix_grouper`): the responses of one prompt laid out after a single
 copy of it give what `prompt + response` rows give, in float64, with fewer tokens run."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from models import ModelArgs, Transformer
 from models.attention import attention_packed, block_causal_mask
-from trainer.batching import prompt_groups, shared_prefix_items
+from trainer.batching import PrefixGroups, balanced_group_partitions, prompt_groups, shared_prefix_items
+from trainer.config import PPOConfig, validate
+from trainer.configlib import ConfigError, load_config
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(ROOT, "configs", "demo.yaml")
+A = "actor_rollout_ref.actor"
 
 ARGS = ModelArgs(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True)
@@ -156,3 +164,23 @@ def test_prompt_groups_and_items():
     over, over_costs = shared_prefix_items([0], leaders, lp, [20] * 7, max_tokens=9)
     assert over == [[0]] and over_costs == [22]
     assert np.array_equal(prompt_groups([]), np.zeros(0, dtype=np.int64))
+
+
+def test_balanced_group_partitions_keep_groups_whole():
+    prompts = [[1] * 6] * 3 + [[2] * 2] * 3 + [[3] * 4] * 3 + [[4]] * 3
+    lengths = [5, 1, 1, 2, 2, 2, 9, 0, 3, 1, 1, 1]
+    groups = PrefixGroups(prompt_groups(prompts), [len(p) for p in prompts], lengths)
+    parts = balanced_group_partitions(groups, 2)
+    # group tokens with the prompt once: 13, 8, 16, 4; longest first: 16 | 13, then 8 to 13, 4 to 16
+    assert parts == [[6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5]]
+    assert balanced_group_partitions(groups, 3) is None  # 4 groups over 3 ranks
+    uneven = PrefixGroups(prompt_groups(prompts[:5]), [len(p) for p in prompts[:5]], lengths[:5])
+    assert balanced_group_partitions(uneven, 1) is None  # groups of 3 and 2
+
+
+def test_config_needs_the_packed_layout():
+    cfg = load_config(PPOConfig, DEMO, [f"{A}.use_prefix_grouper=true"])
+    validate(cfg)
+    bad = load_config(PPOConfig, DEMO, [f"{A}.use_prefix_grouper=true", "actor_rollout_ref.model.use_remove_padding=false"])
+    with pytest.raises(ConfigError, match="use_prefix_grouper=true with actor_rollout_ref.model.use_remove_padding=false"):
+        validate(bad)

@@ -82,7 +82,7 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     f"{A}.optim.override_optimizer_config={{foreach: false}}",
     f"{A}.fsdp_config.full_determinism=true",
     f"{A}.fsdp_config.forward_only=true", "actor_rollout_ref.ref.fsdp_config.forward_only=false",
-    f"{A}.use_prefix_grouper=true", f"{A}.router_replay.mode=R3",
+    f"{A}.router_replay.mode=R3",
     "actor_rollout_ref.ref.router_replay.record_file=r.pt",
     "actor_rollout_ref.model.hf_config_path=/cfg", "actor_rollout_ref.model.exclude_modules=.*visual.*",
     "actor_rollout_ref.model.exclude_modules=[o_proj]",
