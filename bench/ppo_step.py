@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per workload; the first is warm-up")
     p.add_argument("--work-dir", default="runs/bench_ppo_step")
     p.add_argument("--smoke", action="store_true", help="a tiny model and batch (CPU check that the bench runs)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (the workloads' 128 by default)")
+    p.add_argument("--response-len", type=int, default=256, help="response tokens (the workloads' 256 by default)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
     p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shape = SMOKE_SHAPE if a.smoke else {}
-    prompt_len, response_len = (16, 8) if a.smoke else (128, 256)
+    prompt_len, response_len = (16, 8) if a.smoke else (a.prompt_len, a.response_len)
     scale = ctx.world_size if a.scaling == "weak" else 1
     baseline = {}
     if a.baseline:
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
                  # the update phase's own peak (after generation: what the actor trains in)
                  peak_memory_update_gb=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
+                 # actor.use_prefix_grouper: the share of the update's tokens not run
+                 prefix_tokens_saved=(med("perf/prefix_tokens_saved") if "perf/prefix_tokens_saved" in measured[0]
+                                      else None),
                  # every step's, the warm-up included: a recapture after step 1 hides in the median
                  graph_capture_s_steps=[round(r.get("timing_s/graph_capture", 0.0), 4) for r in rows],
                  response_tok_s_per_gpu=med("perf/response_throughput"), scaling_mode=a.scaling,

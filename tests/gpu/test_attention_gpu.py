@@ -87,3 +87,34 @@ def test_flash_varlen_under_torch_compile():
     compiled = _grads(compiled_fn, q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), eager, compiled):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("hq,hkv", [(12, 2)])
+def test_shared_prefix_keys_match_the_reference(hq, hkv):
+    """Prefix sharing (`PrefixSharing`): responses whose keys are their prompt's then their own, with
+    queries only for their own tokens. FlashAttention must align those queries with the last keys
+    (bottom-right); the float32 mask reference on the same layout is checked against the plain
+    `prompt + response` layout in float64 (tests/unit/test_prefix_sharing.py). Aligned top-left, a
+    response's first query would see one key."""
+    from trainer.forward import build_micro_batch
+
+    g = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(1, 100, (n,), generator=g).tolist()  # noqa: E731
+    p1, p2 = tok(90), tok(37)
+    prompts = [p1, p1, p2, p1, tok(5), p2]
+    responses = [tok(40), tok(130), tok(1), tok(64), tok(20), tok(77)]
+    mb = build_micro_batch(prompts, responses, DEV, packed=True, share_prefix=True)
+    assert mb.shared is not None
+    t, d = mb.input_ids.shape[1], 64
+    gd = torch.Generator(device=DEV).manual_seed(4)
+    q, k, v = (torch.randn(t, h, d, device=DEV, dtype=torch.bfloat16, generator=gd) for h in (hq, hkv, hkv))
+    dout = torch.randn_like(q)
+    scale = d ** -0.5
+    out, dq, dk, dv = _grads(lambda a, b, c: attention_packed(a, b, c, mb.cu_seqlens, mb.max_seqlen, scale, mb.shared),
+                             q, k, v, dout)
+    cpu = mb.shared._replace(kv_index=mb.shared.kv_index.cpu(), cu_seqlens_k=mb.shared.cu_seqlens_k.cpu())
+    ref = _grads(lambda a, b, c: attention_packed(a, b, c, mb.cu_seqlens.cpu(), mb.max_seqlen, scale, cpu),
+                 *(x.float().cpu() for x in (q, k, v)), dout.float().cpu())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+        err = (a.float().cpu() - b).abs().max().item()
+        assert err < 0.05 * max(1.0, b.abs().max().item()), f"{name}: max |diff| {err}"
