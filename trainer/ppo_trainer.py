@@ -352,17 +352,20 @@ class PPOTrainer:
         others = {k: v[:n] for k, v in self._gather_other_extras(others, parts, padded).items()}
         return cols[:, 0].float(), {k: cols[:, 1 + j].tolist() for j, k in enumerate(names)}, others
 
-    def _partition(self, ro: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
+    def _partition(self, ro: RolloutBatch, keep_prompts: bool = False) -> tuple[RolloutBatch, list[list[int]]]:
         """This rank's share of the rollouts (equal counts, balanced token totals) and every
         rank's row indices: each rank computes the same partition, so none is communicated. With
-        prefix sharing (`actor.use_prefix_grouper`) balancing keeps each prompt's rows on one rank
-        where the groups allow it (`balanced_group_partitions`), so that they can share it."""
+        `keep_prompts` (the rows the actor trains on under prefix sharing,
+        `actor.use_prefix_grouper`) balancing keeps each prompt's rows on one rank where the groups
+        allow it (`balanced_group_partitions`), so that they can share it."""
         from trainer.batching import balanced_equal_partitions, balanced_group_partitions
 
         w, r = self.ctx.world_size, self.ctx.rank
         n = len(ro)
-        groups = balanced_group_partitions(ro.prefix_groups(), w) if self.actor.share_prefix else None
-        if self.cfg.trainer.balance_batch and groups is not None:
+        groups = None
+        if self.cfg.trainer.balance_batch and keep_prompts:
+            groups = balanced_group_partitions(ro.prefix_groups(), w)
+        if groups is not None:
             parts = groups
         elif self.cfg.trainer.balance_batch:
             parts = balanced_equal_partitions(ro.lengths(), w)
@@ -444,7 +447,7 @@ class PPOTrainer:
                 with self.timer("gen"):
                     full = self._generate_all(items, validate=False, seed=seed)
                 baselines = self._greedy_baselines(items, full)
-                ro, parts = self._partition(full)
+                ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
                 scores, extras = self._reward(ro)
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
@@ -540,7 +543,7 @@ class PPOTrainer:
                                                      for k in names], dim=1) for _, rows, c, n, _ in kept])
         others = {k: [v for b, rows, _, _, o in kept for v in ([o[k][i] for i in rows] if k in o else [None] * len(rows))]
                   for k in sorted(set().union(*(o for *_, o in kept)))}
-        ro, parts = self._partition(full)
+        ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
         mine = parts[self.ctx.rank]
         local = cols[mine]
         scores = local[:, 0].to(device=self.device, dtype=torch.float32)
@@ -769,7 +772,7 @@ class PPOTrainer:
         drawn = compute_pf_ppo_indices(whole.token_level_scores.sum(-1), pf.reweight_method, pf.weight_pow,
                                        torch.Generator().manual_seed(seed)).tolist()
         full = whole.take(drawn)
-        ro, parts = self._partition(full)
+        ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
         local = cols[whole.index(drawn)][full.index(parts[self.ctx.rank])]
         return (full, ro, parts, local[:, 0].float(), {k: local[:, 1 + j].tolist() for j, k in enumerate(names)})
 
