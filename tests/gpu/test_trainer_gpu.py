@@ -15,11 +15,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, estimator, *extra, model=()):
-    """Three steps of the demo recipe on the GPU; `model`: prepare_demo's model flags."""
-    assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50", *model],
-                   cwd=ROOT, check=True, capture_output=True)
+def _run(tmp_path, estimator, *extra, model=(), assets=None):
+    """Three steps of the demo recipe on the GPU; `model`: prepare_demo's model flags; `assets`: those
+    of an earlier run (else built here)."""
+    if assets is None:
+        assets = tmp_path / "assets"
+        subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50",
+                        *model], cwd=ROOT, check=True, capture_output=True)
     run = tmp_path / "run"
     n = "1" if estimator == "gae" else "8"
     cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--config", os.path.join(ROOT, "configs", "demo.yaml"),
@@ -62,3 +64,28 @@ def test_engine_weights_freed_between_phases_on_gpu(tmp_path):
     for row in steps:
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
     assert "val/meshppo/demo_add/score" in rows[-1]
+
+
+def test_prefix_sharing_on_gpu(tmp_path):
+    """actor.use_prefix_grouper on the GPU (bf16, FlashAttention's varlen path with the queries of a
+    response aligned to the end of its prompt's keys, dynamic micro-batches): the first step trains
+    on the same rollouts as without sharing, so its recompute-pass entropy and gradient norm agree.
+    bf16 rounding of a differently packed batch moves them by about 1e-3 relative; a response that
+    misses its prompt's keys, or reads them at the wrong positions, by far more than the 3 % allowed."""
+    common = ("actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
+              "actor_rollout_ref.rollout.calculate_log_probs=true")  # keeps the recompute pass
+    _, plain = _run(tmp_path / "plain", "grpo", *common)
+    _, shared = _run(tmp_path / "shared", "grpo", *common, "actor_rollout_ref.actor.use_prefix_grouper=true",
+                     assets=tmp_path / "plain" / "assets")
+    a, b = plain[0], shared[0]
+    assert a["response_length/mean"] == b["response_length/mean"], (a, b)  # the same rollouts
+    for key in ("actor/entropy", "actor/grad_norm"):
+        assert a[key] > 1e-3 and abs(a[key] - b[key]) <= 0.03 * a[key], (key, a[key], b[key])
+    # the recompute against the engine's log-probs: bf16 noise either way (about 0.01 a token)
+    assert b["rollout/logprob_diff"] <= 2 * a["rollout/logprob_diff"] + 0.02, (a, b)
+    assert 0.2 < b["perf/prefix_tokens_saved"] < 0.9, b
+    for row in shared:
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
