@@ -21,6 +21,7 @@ from models import block_ops
 from models.args import ModelArgs
 from models.attention import PrefixSharing, attention_packed, attention_padded
 from models.lm_head import chunked_token_logprobs
+from models.tiled_mlp import tiled_mlp
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +120,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    #: token tiles of the tiled MLP (`models.tiled_mlp`, verl's `model.tiled_mlp`); None: untiled
+    num_shards: int | None = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, m = args.hidden_size, args.intermediate_size
@@ -127,6 +131,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(m, h, bias=args.mlp_bias)
 
     def forward(self, x):
+        if self.num_shards is not None:
+            return tiled_mlp(self, x, self.num_shards)
+        return self.swiglu_mlp(x)
+
+    def swiglu_mlp(self, x):
+        """The untiled MLP (the tiled one's LoRA path runs it on each tile)."""
         gate, up = self.gate_proj(x), self.up_proj(x)
         down = self.down_proj
         if not block_ops.use_fused_ops(gate, up, same_dtype=True):
