@@ -21,7 +21,7 @@ from trainer.configlib import ConfigError, build_dataclass, opt, other_than, sec
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig, MultiTurnConfig,
                                  PrometheusConfig, RewardManagerConfig, RouterReplayConfig, SamplerClassConfig,
-                                 SandboxFusionConfig, TiledMLPConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
+                                 SandboxFusionConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
                                  read_only_with)
 from trainer.profiling import profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
@@ -381,6 +381,18 @@ def _check_override_config(key: str, overrides: dict) -> None:
 
 
 @dataclass
+class TiledMLPConfig:
+    """verl's `model.tiled_mlp`: each block's MLP over the tokens in tiles (`models/tiled_mlp.py`)."""
+
+    enabled: bool = opt(False, "compute each block's MLP in num_shards tiles of the micro-batch's tokens: its "
+                               "[tokens, intermediate_size] activations (gate, up, their SwiGLU product) exist for one "
+                               "tile at a time, in forward and backward, and backward keeps only the MLP's input. Costs "
+                               "recomputing gate and up in backward: +2/3 of the MLP's forward FLOPs, about +2/9 of its "
+                               "forward and backward")
+    num_shards: int = opt(4, "tiles of tiled_mlp (near-equal token counts; with enabled)", ge=1)
+
+
+@dataclass
 class ModelConfig:
     path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
     load_format: str = opt("auto", "auto: read the safetensors; dummy: random weights drawn on each rank's shards "
@@ -422,7 +434,7 @@ class ModelConfig:
     use_liger: bool = opt(False, "verl: patch the Hugging Face model with Liger's fused kernels",
                           no_effect="meshppo's model is its own (models/), not the Hugging Face classes Liger patches, "
                                     "and has its own fused kernels")
-    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "verl's tiled MLP")
+    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "the tiled MLP of the actor and the reference")
     mtp: MtpConfig = section(MtpConfig, "verl's multi-token prediction")
 
     def __post_init__(self):
@@ -793,7 +805,7 @@ class CriticModelConfig:
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
-    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "verl's tiled MLP")
+    tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "the tiled MLP of the critic")
 
     def __post_init__(self):
         _check_override_config("critic.model", self.override_config)
@@ -1468,6 +1480,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if arr.model.lora is not None and ref:
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
+    for key, tiled in (("actor_rollout_ref.model", arr.model.tiled_mlp), ("critic.model", cfg.critic.model.tiled_mlp)):
+        if not tiled.enabled and tiled.num_shards != TiledMLPConfig.num_shards:
+            notes.append(f"{key}.tiled_mlp.num_shards={tiled.num_shards} has no effect: read only with "
+                         f"{key}.tiled_mlp.enabled=true")
     return notes + _policy_loss_notes(cfg) + profiling_notes(cfg)
 
 

@@ -23,15 +23,6 @@ def read_only_with(switch: str, why: str = ""):
 MOE_WHY = " (meshppo has no mixture-of-experts models)"
 
 
-@dataclass
-class TiledMLPConfig:
-    """verl's `model.tiled_mlp`: the MLP computed over the sequence in tiles (lower peak memory)."""
-
-    enabled: bool = opt(False, "not supported: must be false (verl: compute each MLP over num_shards sequence tiles)",
-                        unsupported=bool)
-    num_shards: int = opt(4, "verl: the tiles of tiled_mlp", ge=1, no_effect=read_only_with("tiled_mlp.enabled"))
-
-
 _MTP_WHY = read_only_with("mtp.enable")
 
 

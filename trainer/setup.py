@@ -16,6 +16,7 @@ import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
 from models.lora import trainable_parameters
+from models.tiled_mlp import apply_tiled_mlp
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.errors import UserError
@@ -205,6 +206,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                              enable_activation_offload=arr.model.enable_activation_offload,
                              lora=arr.model.lora, lora_adapter_path=arr.model.lora_adapter_path,
                              overrides=overrides)
+    _tiled_mlp(actor, arr.model.tiled_mlp)
     if arr.actor.use_torch_compile:
         apply_compile(actor)
     actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
@@ -214,6 +216,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
         models.ref = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.ref.fsdp_config, ctx.device),
                                       device=ctx.device, trainable=False, seed=seed, dummy_weights=dummy,
                                       overrides=overrides)
+        _tiled_mlp(models.ref, arr.model.tiled_mlp)  # verl's tiled_mlp is actor_rollout_ref.model's: the ref's too
         if arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
@@ -224,6 +227,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                                          enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
                                          enable_activation_offload=cm.enable_activation_offload, lora=cm.lora,
                                          overrides=cm.override_config)
+        _tiled_mlp(models.critic, cm.tiled_mlp)
         if arr.actor.use_torch_compile:
             apply_compile(models.critic)
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
@@ -235,6 +239,13 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                                                overrides=rm.override_config)
     _sequence_parallel(cfg, ctx, models)
     return models
+
+
+def _tiled_mlp(model, tiled) -> None:
+    """A model's `tiled_mlp` section on its MLPs (an attribute each: FSDP's units and hooks stay;
+    before `apply_compile`, whose graphs guard on it)."""
+    if tiled.enabled:
+        apply_tiled_mlp(model, tiled.num_shards)
 
 
 def _sequence_parallel_roles(cfg: PPOConfig) -> list[tuple]:

@@ -86,7 +86,6 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     "actor_rollout_ref.ref.router_replay.record_file=r.pt",
     "actor_rollout_ref.model.hf_config_path=/cfg", "actor_rollout_ref.model.exclude_modules=.*visual.*",
     "actor_rollout_ref.model.exclude_modules=[o_proj]",
-    "actor_rollout_ref.model.tiled_mlp.enabled=true", "critic.model.tiled_mlp.enabled=true",
     "actor_rollout_ref.model.mtp.enable=true", f"{R}.mtp.enable_rollout=true",
     "critic.model.external_lib=my_lib", "critic.model.trust_remote_code=true",
     f"{R}.logprobs_mode=raw_logprobs", f"{R}.logprobs_mode=processed_logits", f"{R}.scheduling_policy=priority",
@@ -121,7 +120,9 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     ("actor_rollout_ref.model.use_liger=true", "actor_rollout_ref.model.use_liger=true has no effect: meshppo's model "
      "is its own (models/), not the Hugging Face classes Liger patches, and has its own fused kernels"),
     ("actor_rollout_ref.model.tiled_mlp.num_shards=8", "actor_rollout_ref.model.tiled_mlp.num_shards=8 has no effect: "
-     "read only with tiled_mlp.enabled, which meshppo does not support"),
+     "read only with actor_rollout_ref.model.tiled_mlp.enabled=true"),
+    ("critic.model.tiled_mlp.num_shards=2", "critic.model.tiled_mlp.num_shards=2 has no effect: read only with "
+                                            "critic.model.tiled_mlp.enabled=true"),
     (f"{R}.enable_prefix_caching=false", f"{R}.enable_prefix_caching=false has no effect: meshppo's engine prefills "
      "each prompt once for its n samples, which share its KV blocks copy-on-write (rollout/block_manager.py); it "
      "keeps no cache across prompts"),
@@ -167,6 +168,18 @@ def test_fsdp_dtype_is_the_compute_dtype():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config: fsdp_config.dtype='float16' is not "
                                           "supported: fp16 needs loss scaling"):
         _cfg(f"{A}.fsdp_config.dtype=float16")
+
+
+def test_tiled_mlp_is_accepted_and_its_tiles_checked():
+    """tiled_mlp is implemented (models/tiled_mlp.py): enabled loads without a note for the actor
+    (and reference) and the critic, its num_shards is read; a tile count below 1 is refused naming the key."""
+    cfg = _cfg("actor_rollout_ref.model.tiled_mlp={enabled: true, num_shards: 8}", "critic.model.tiled_mlp.enabled=true")
+    assert (cfg.actor_rollout_ref.model.tiled_mlp.enabled, cfg.actor_rollout_ref.model.tiled_mlp.num_shards) == (True, 8)
+    assert (cfg.critic.model.tiled_mlp.enabled, cfg.critic.model.tiled_mlp.num_shards) == (True, 4)
+    assert config_notes(cfg) == [] and _round_trips(cfg)
+    for key in ("actor_rollout_ref.model.tiled_mlp.num_shards", "critic.model.tiled_mlp.num_shards"):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            _cfg(f"{key.rsplit('.', 1)[0]}.enabled=true", f"{key}=0")
 
 
 def test_model_tokenizer_path_is_data_tokenizer():
