@@ -12,6 +12,9 @@ H200 lowers its clock, and the MFU with it). Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
 `offload` (saved activations kept on CPU), `ac_offload` (both: the checkpointed block inputs on CPU),
 `full_logits` (the naive [tokens, vocab] log-softmax, to show what chunking saves).
+`--tiled-mlp 0,4,16` measures each variant again with each block's MLP in that many token tiles
+(`models/tiled_mlp.py`, verl's `model.tiled_mlp`; 0: untiled): peak memory against step time. A
+tiled record's workload carries `tiled_mlp`.
 `--profile` adds, per measurement, the device time by kernel class from `torch.profiler`.
 """
 
@@ -32,6 +35,7 @@ import torch  # noqa: E402
 
 from bench.common import H200_BF16_FLOPS, GpuTelemetry, emit, kernel_breakdown, model_args  # noqa: E402
 from models import PEAK_BF16_FLOPS  # noqa: E402
+from models.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from trainer.config import OptimConfig, PolicyLossConfig  # noqa: E402
 from trainer.launch import init_distributed  # noqa: E402
 from trainer.setup import make_optimizer  # noqa: E402
@@ -99,12 +103,15 @@ def profiled(fn) -> dict:
 VARIANTS = ("base", "compile", "ac", "offload", "ac_offload", "keep_gathered", "full_logits", "lm_head")
 
 
-def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False):
+def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False,
+              tiled_mlp: int = 0):
     args = model_args(name)
     n_seqs = tokens // seq_len
     ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
     lengths = ro.lengths()
     workload = {"model": name, "variant": variant, "tokens": sum(lengths), "seq_len": seq_len}
+    if tiled_mlp:
+        workload["tiled_mlp"] = tiled_mlp
 
     if variant == "lm_head":
         # The LM head alone (log-probs of every position), forward and forward + backward.
@@ -143,6 +150,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
     model = build_fsdp_model(args, meshes.train, cfg, device=ctx.device, trainable=True, seed=0,
                              enable_gradient_checkpointing=variant in ("ac", "ac_offload"),
                              enable_activation_offload=variant in ("offload", "ac_offload"))
+    if tiled_mlp:
+        apply_tiled_mlp(model, tiled_mlp)  # before compile, as trainer.setup orders it
     if variant == "compile":
         from sharding.compile import apply_compile
 
@@ -189,13 +198,27 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
              profile=profiled(fn) if profile else None, **telemetry.take())
 
 
-def measurement_argvs(a: argparse.Namespace) -> list[list[str]]:
-    """One command line per model and variant, every other option as given. Each runs in a process
-    of its own, so each peak starts from an empty allocator. (A model built earlier in the process
-    used to keep its fp32 masters allocated, 5.8 GiB at 1.5b, and every later variant's peak counted
-    them; `sharding.replicate` no longer leaks them.)"""
+def measurement_argvs(a: argparse.Namespace, tiles: list[int] | tuple[int, ...] = (0,)) -> list[list[str]]:
+    """One command line per model, variant and tile count (`tiles`, from `--tiled-mlp`; 0: untiled,
+    no option), every other option as given. Each runs in a process of its own, so each peak starts
+    from an empty allocator. (A model built earlier in the process used to keep its fp32 masters
+    allocated, 5.8 GiB at 1.5b, and every later variant's peak counted them; `sharding.replicate` no
+    longer leaks them.) The `lm_head` variant has no MLP: it runs once, untiled."""
     rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
-    return [[f"--models={m}", f"--variants={v}", *rest] for m in a.models.split(",") for v in a.variants.split(",")]
+    return [[f"--models={m}", f"--variants={v}", *[f"--tiled-mlp={t}"] * bool(t), *rest]
+            for m in a.models.split(",") for v in a.variants.split(",")
+            for t in (tiles if v != "lm_head" else (0,))]
+
+
+def tile_counts(text: str) -> list[int]:
+    """`--tiled-mlp`'s comma list: distinct counts >= 0 in the order given."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a comma list of integers, got {text!r}") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"tile counts must be >= 0 (0: untiled), got {text!r}")
+    return list(dict.fromkeys(counts))
 
 
 def main(argv=None) -> int:
@@ -206,17 +229,19 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="add a torch.profiler kernel breakdown per measurement")
+    p.add_argument("--tiled-mlp", type=tile_counts, default=[0],
+                   help="comma list of MLP token-tile counts to measure each variant with (0: untiled)")
     a = p.parse_args(argv)
     if unknown := [v for v in a.variants.split(",") if v not in VARIANTS]:
         p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    if len(argvs := measurement_argvs(a)) > 1:
+    if len(argvs := measurement_argvs(a, a.tiled_mlp)) > 1:
         return max(subprocess.call([sys.executable, os.path.abspath(__file__), *argv]) for argv in argvs)
     ctx = init_distributed("cuda")
     with GpuTelemetry(torch.cuda.current_device()) as telemetry:  # one model, one variant
-        bench_one(a.models, a.variants, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile)
+        bench_one(a.models, a.variants, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile, a.tiled_mlp[0])
     return 0
 
 

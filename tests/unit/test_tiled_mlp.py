@@ -221,3 +221,21 @@ def test_build_models_applies_the_sections_tiles():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="num_shards must be a positive integer"):
             apply_tiled_mlp(model, bad)
+
+
+def test_train_bench_measures_each_tile_count_in_a_process_of_its_own():
+    """bench/train.py --tiled-mlp 0,8: each variant untiled (no option: the records of before) and
+    in 8 tiles; lm_head has no MLP and runs once."""
+    from argparse import Namespace
+
+    from bench.train import main, measurement_argvs, tile_counts
+
+    a = Namespace(models="m05", variants="base,lm_head", tokens=8192, seq_len=256, repeats=3, profile=False)
+    rest = ["--tokens=8192", "--seq-len=256", "--repeats=3"]
+    assert measurement_argvs(a, tile_counts("0,8,8")) == [
+        ["--models=m05", "--variants=base", *rest], ["--models=m05", "--variants=base", "--tiled-mlp=8", *rest],
+        ["--models=m05", "--variants=lm_head", *rest]]
+    for bad in ("0,x", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["--tiled-mlp", bad])
+        assert e.value.code == 2
