@@ -11,7 +11,7 @@ from models import ModelArgs, Transformer, cu_seqlens_from_lengths
 from models.lora import LoRAConfig, adapter_state_dict, inject_lora
 from models.tiled_mlp import apply_tiled_mlp, tile_bounds
 from models.transformer import MLP
-from sharding.ac import apply_ac
+from sharding.ac import activation_offloader, apply_ac
 from sharding.compile import apply_compile
 from trainer.config import TiledMLPConfig
 from trainer.setup import _tiled_mlp
@@ -163,7 +163,8 @@ def test_lora_mlp_tiles_give_the_untiled_grads(ac):
     _close(got, ref)
 
 
-def _model(tiled: int | None, ac: bool = False, bias: bool = True, dtype=torch.float64) -> Transformer:
+def _model(tiled: int | None, ac: bool = False, bias: bool = True, dtype=torch.float64,
+           offload: bool = False) -> Transformer:
     args = dataclasses.replace(ARGS, mlp_bias=bias)
     model = Transformer.build(args, seed=0, dtype=dtype)
     with torch.no_grad():  # biases start at zero; give them values so that the tiles see them
@@ -171,14 +172,21 @@ def _model(tiled: int | None, ac: bool = False, bias: bool = True, dtype=torch.f
             if n.endswith("bias"):
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
     apply_tiled_mlp(model, tiled)
-    return apply_ac(model, enable_gradient_checkpointing=ac)
+    apply_ac(model, enable_gradient_checkpointing=ac, enable_activation_offload=offload)
+    if offload:
+        activation_offloader(model).min_bytes = 0  # move this tiny model's tensors too
+    return model
 
 
-@pytest.mark.parametrize("ac", [False, True])
+@pytest.mark.parametrize("ac, offload", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_transformer_loss_and_grads_are_the_untiled_ones(ac, padded):
+def test_transformer_loss_and_grads_are_the_untiled_ones(ac, offload, padded):
+    """Under block checkpointing the recomputation runs the tiles again; under activation offload
+    the Function's saved input moves to the host and back."""
     loss_ref, ref = _loss_and_grads(_model(None), padded=padded)
-    loss, got = _loss_and_grads(_model(4, ac), padded=padded)
+    model = _model(4, ac, offload=offload)
+    loss, got = _loss_and_grads(model, padded=padded)
+    assert not offload or activation_offloader(model).stats.tensors > 0
     assert _rel(loss, loss_ref) < REL
     assert len(got) == len(ref) == len(list(_model(None).parameters()))
     _close(got, ref)
