@@ -28,6 +28,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from models.scan import cumsum
+
 GroupIndex = Sequence | np.ndarray | torch.Tensor
 
 LOG_RATIO_BOUND = 20.0
@@ -696,7 +698,7 @@ def compute_remax_outcome_advantage(
         raise ValueError("the remax advantage estimator needs reward_baselines: the greedy responses' scores")
     dtype = _float_dtype(token_level_rewards.dtype)
     mask = response_mask.to(dtype)
-    returns = (token_level_rewards.to(dtype) * mask).flip(-1).cumsum(-1).flip(-1) * mask
+    returns = cumsum((token_level_rewards.to(dtype) * mask).flip(-1), -1).flip(-1) * mask
     advantages = returns - reward_baselines.to(dtype)[:, None] * mask
     return advantages, returns
 
@@ -713,8 +715,8 @@ def _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_square
     w = 1 - 2 * old_log_probs.double().exp() + sum_pi_squared.double()
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.double() ** 2
-    returns = torch.where(mask, token_level_rewards.double(), 0.0).flip(-1).cumsum(-1).flip(-1)
-    return returns, torch.where(mask, w, 0.0).cumsum(-1)
+    returns = cumsum(torch.where(mask, token_level_rewards.double(), 0.0).flip(-1), -1).flip(-1)
+    return returns, cumsum(torch.where(mask, w, 0.0), -1)
 
 
 def _otb_baselines(returns, w_cum, mask, members, group, num_groups, handle_zero_tail: bool, epsilon: float):

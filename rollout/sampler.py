@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from models.scan import cumsum
 from rollout.parallel import TPGroup
 
 _M32 = 0xFFFFFFFF
@@ -118,7 +119,7 @@ def sample_partials_ref(logits: torch.Tensor, keys: torch.Tensor, positions: tor
     w = torch.exp(sg - mg[..., None])
     if thresh is not None:
         w = torch.where(sg >= thresh[:, None, None], w, 0.0)
-    cw = torch.cumsum(w, -1)
+    cw = cumsum(w, -1)
     mass = cw[..., -1]  # in units of exp(mg); 0 for a group without an allowed token
     first = vocab_start // group
     u_race, u_pick = group_uniforms(keys, positions, torch.arange(first, first + v // group, device=s.device))
@@ -165,7 +166,7 @@ def truncation_threshold(s: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
         srt = srt.clone()
         srt[:, k:] = float("-inf")
     probs = torch.softmax(srt, dim=-1)
-    exclusive = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+    exclusive = cumsum(probs, -1) - probs  # mass strictly before each token
     count = (exclusive < top_p).sum(-1).clamp(min=1, max=k)
     return srt.gather(1, (count - 1)[:, None]).squeeze(1).contiguous()
 

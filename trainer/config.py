@@ -89,11 +89,15 @@ class FSDPOptions(FSDPConfig):
     ulysses_sequence_parallel_size: int = opt(1, "verl's copy of the role's ulysses_sequence_parallel_size (its "
                                                  "engine workers read this one): 1, or the role's value; another "
                                                  "value than 1 sets the role's where that is 1", ge=1)
-    full_determinism: bool = opt(False, "not supported: must be false (verl: deterministic kernels, seeded by seed)",
-                                 unsupported=bool)
-    seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="read only with full_determinism, which "
-                                                                         "meshppo does not support (trainer.seed "
-                                                                         "seeds the run)")
+    full_determinism: bool = opt(False, "deterministic kernels: torch's deterministic algorithms "
+                                        "(FlashAttention's deterministic backward among them), cuBLAS with a fixed "
+                                        "workspace, no cuDNN autotuning; the same config, data, world size and "
+                                        "hardware then give bitwise the same run. The roles share their processes, "
+                                        "so any role's true makes the whole run deterministic. Costs speed in the "
+                                        "attention's backward")
+    seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="meshppo draws every random number from "
+                                                                         "trainer.seed, with or without "
+                                                                         "full_determinism")
 
     def __post_init__(self):
         self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
@@ -1408,6 +1412,20 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
     return notes
 
 
+def full_determinism_sections(cfg: PPOConfig) -> dict[str, FSDPOptions]:
+    """The `fsdp_config` sections of the roles this run builds, by their key (their
+    `full_determinism`: any one true makes the process deterministic)."""
+    arr = cfg.actor_rollout_ref
+    sections = {"actor_rollout_ref.actor": arr.actor.fsdp_config}
+    if cfg.uses_ref:
+        sections["actor_rollout_ref.ref"] = arr.ref.fsdp_config
+    if cfg.uses_critic:
+        sections["critic.model"] = cfg.critic.model.fsdp_config
+    if cfg.reward_model.enable:
+        sections["reward_model.model"] = cfg.reward_model.model.fsdp_config
+    return sections
+
+
 def _run_notes(cfg: PPOConfig) -> list[str]:
     """The notes that depend on several sections or on the machine."""
     notes = []
@@ -1461,6 +1479,12 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             if name not in acting:
                 notes.append(f"{key}.override_config.{name}={_shown(overrides[name])} has no effect: "
                              f"{inert.get(name, _RM_UNREAD_WHY)}")
+    sections = full_determinism_sections(cfg)
+    on = [k for k, fc in sections.items() if fc.full_determinism]
+    if on and len(on) < len(sections):
+        notes.append(f"{', '.join(f'{k}.fsdp_config.full_determinism' for k in on)}=true makes every role "
+                     f"deterministic: the roles share their processes (also "
+                     f"{', '.join(f'{k}.fsdp_config' for k in sections if k not in on)})")
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

@@ -32,7 +32,7 @@ from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
-from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, validate
+from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections, validate
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
@@ -57,6 +57,21 @@ def _seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def enable_full_determinism() -> None:
+    """`fsdp_config.full_determinism`: the process's kernels become deterministic. torch's
+    deterministic algorithms (an op without a deterministic implementation raises, naming it;
+    FlashAttention's backward takes its deterministic path), cuBLAS with a fixed workspace
+    (`CUBLAS_WORKSPACE_CONFIG`, read when cuBLAS starts: the trainer sets it before its first GEMM,
+    unless the environment sets it), cuDNN without autotuning. Uninitialized memory is not filled:
+    the engine's paged KV cache and CUDA-graph buffers are read only where written. meshppo's own
+    kernels use no atomics, and its random draws follow trainer.seed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def _peak_flops(device: torch.device) -> float | None:
@@ -95,6 +110,8 @@ class PPOTrainer:
             raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but "
                               f"the launch has {ctx.world_size} processes")
         _seed_everything(t.seed)
+        if any(fc.full_determinism for fc in full_determinism_sections(cfg).values()):
+            enable_full_determinism()
         self.device = ctx.device
         self.run_dir = t.default_local_dir
         self.timer = Timer(self.device)

@@ -80,7 +80,6 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
 @pytest.mark.parametrize("override", [
     f"{A}.optim.optimizer=SGD", "critic.optim.optimizer_impl=bitsandbytes.optim",
     f"{A}.optim.override_optimizer_config={{foreach: false}}",
-    f"{A}.fsdp_config.full_determinism=true",
     f"{A}.fsdp_config.forward_only=true", "actor_rollout_ref.ref.fsdp_config.forward_only=false",
     f"{A}.router_replay.mode=R3",
     "actor_rollout_ref.ref.router_replay.record_file=r.pt",
@@ -104,8 +103,8 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
 
 
 @pytest.mark.parametrize("override, note", [
-    (f"{A}.fsdp_config.seed=7", f"{A}.fsdp_config.seed=7 has no effect: read only with full_determinism, which "
-                                "meshppo does not support (trainer.seed seeds the run)"),
+    (f"{A}.fsdp_config.seed=7", f"{A}.fsdp_config.seed=7 has no effect: meshppo draws every random number from "
+                                "trainer.seed, with or without full_determinism"),
     ("critic.model.fsdp_config.strategy=fsdp2", "critic.model.fsdp_config.strategy=fsdp2 has no effect: meshppo "
                                                 "shards with FSDP2 whatever the strategy"),
     ("actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
@@ -180,6 +179,18 @@ def test_tiled_mlp_is_accepted_and_its_tiles_checked():
     for key in ("actor_rollout_ref.model.tiled_mlp.num_shards", "critic.model.tiled_mlp.num_shards"):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             _cfg(f"{key.rsplit('.', 1)[0]}.enabled=true", f"{key}=0")
+
+
+def test_full_determinism_is_one_switch_for_the_process():
+    """fsdp_config.full_determinism is implemented (trainer.ppo_trainer.enable_full_determinism):
+    the roles share their processes, so true on every role the run builds loads without a note, and
+    true on some of them says that it covers the others too, naming them."""
+    both = _cfg(f"{A}.fsdp_config.full_determinism=true", "actor_rollout_ref.ref.fsdp_config.full_determinism=true")
+    assert config_notes(both) == [] and _round_trips(both)
+    some = _cfg("critic.model.fsdp_config.full_determinism=true", "algorithm.adv_estimator=gae", f"{R}.n=1")
+    assert config_notes(some) == [
+        "critic.model.fsdp_config.full_determinism=true makes every role deterministic: the roles share their "
+        "processes (also actor_rollout_ref.actor.fsdp_config, actor_rollout_ref.ref.fsdp_config)"]
 
 
 def test_model_tokenizer_path_is_data_tokenizer():
