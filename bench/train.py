@@ -198,8 +198,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
              profile=profiled(fn) if profile else None, **telemetry.take())
 
 
-def measurement_argvs(a: argparse.Namespace, tiles: list[int] | tuple[int, ...] = (0,)) -> list[list[str]]:
-    """One command line per model, variant and tile count (`tiles`, from `--tiled-mlp`; 0: untiled,
+def measurement_argvs(a: argparse.Namespace) -> list[list[str]]:
+    """One command line per model, variant and tile count (`--tiled-mlp`; 0: untiled,
     no option), every other option as given. Each runs in a process of its own, so each peak starts
     from an empty allocator. (A model built earlier in the process used to keep its fp32 masters
     allocated, 5.8 GiB at 1.5b, and every later variant's peak counted them; `sharding.replicate` no
@@ -207,7 +207,7 @@ def measurement_argvs(a: argparse.Namespace, tiles: list[int] | tuple[int, ...] 
     rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
     return [[f"--models={m}", f"--variants={v}", *[f"--tiled-mlp={t}"] * bool(t), *rest]
             for m in a.models.split(",") for v in a.variants.split(",")
-            for t in (tiles if v != "lm_head" else (0,))]
+            for t in (a.tiled_mlp if v != "lm_head" else (0,))]
 
 
 def tile_counts(text: str) -> list[int]:
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/train.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    if len(argvs := measurement_argvs(a, a.tiled_mlp)) > 1:
+    if len(argvs := measurement_argvs(a)) > 1:
         return max(subprocess.call([sys.executable, os.path.abspath(__file__), *argv]) for argv in argvs)
     ctx = init_distributed("cuda")
     with GpuTelemetry(torch.cuda.current_device()) as telemetry:  # one model, one variant

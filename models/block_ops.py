@@ -142,6 +142,23 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
     return _SwiGLUDown.apply(gate, up, weight, bias)
 
 
+def swiglu_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` outside autograd (a Function's own forward or backward, as the tiled
+    MLP's): the fused kernel where `use_fused_ops` takes it, else the eager formula."""
+    if use_fused_ops(gate, up, same_dtype=True):
+        return _kernels().swiglu_fwd(gate.contiguous(), up.contiguous())
+    return F.silu(gate) * up
+
+
+def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor):
+    """(dgate, dup, silu(gate) * up) for the gradient `dh` of the product, outside autograd: the
+    fused kernel where `use_fused_ops` takes it, else autograd's roundings of the eager formula."""
+    if use_fused_ops(gate, up, dh, same_dtype=True):
+        return _kernels().swiglu_bwd(gate.contiguous(), up.contiguous(), dh.contiguous(), with_out=True)
+    s = F.silu(gate)
+    return torch.ops.aten.silu_backward(dh * up, gate), dh * s, s * up
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`models.transformer.apply_rope` on q `[..., Hq, D]` and k `[..., Hkv, D]` in one launch;
     cos/sin `[..., D]` (one dtype with q and k) broadcast over heads, no gradient."""

@@ -73,27 +73,6 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, num_shards: int) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` of one tile: the fused kernel where `models.block_ops` takes it (no
-    autograd here: the Function's forward and backward run without it)."""
-    if block_ops.use_fused_ops(gate, up, same_dtype=True):
-        from models import block_triton
-
-        return block_triton.swiglu_fwd(gate.contiguous(), up.contiguous())
-    return F.silu(gate) * up
-
-
-def _swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor):
-    """(dgate, dup, silu(gate) * up) of one tile for the gradient `dh` of the product: autograd's
-    roundings of the eager formula (or the fused kernel, which keeps them)."""
-    if block_ops.use_fused_ops(gate, up, dh, same_dtype=True):
-        from models import block_triton
-
-        return block_triton.swiglu_bwd(gate.contiguous(), up.contiguous(), dh.contiguous(), with_out=True)
-    s = F.silu(gate)
-    return torch.ops.aten.silu_backward(dh * up, gate), dh * s, s * up
-
-
 def _accumulator(w: torch.Tensor, needed: bool) -> torch.Tensor | None:
     """A zero gradient buffer for `w`: float32 for 16-bit weights (cast once at the end)."""
     if not needed:
@@ -112,7 +91,7 @@ class _TiledMLP(torch.autograd.Function):
         out2 = out.view(-1, wd.shape[0])
         for a, b in tile_bounds(x2.shape[0], num_shards):
             xt = x2[a:b]
-            out2[a:b] = F.linear(_swiglu(F.linear(xt, wg, bg), F.linear(xt, wu, bu)), wd, bd)
+            out2[a:b] = F.linear(block_ops.swiglu_values(F.linear(xt, wg, bg), F.linear(xt, wu, bu)), wd, bd)
         ctx.save_for_backward(x, wg, bg, wu, bu, wd)
         ctx.num_shards = num_shards
         return out
@@ -131,7 +110,7 @@ class _TiledMLP(torch.autograd.Function):
         for a, b in tile_bounds(x2.shape[0], ctx.num_shards):
             xt, dyt = x2[a:b], dy2[a:b]
             gate, up = F.linear(xt, wg, bg), F.linear(xt, wu, bu)
-            dg, du, h = _swiglu_grads(gate, up, dyt @ wd)
+            dg, du, h = block_ops.swiglu_grads(gate, up, dyt @ wd)
             del gate, up
             if dwd is not None:
                 dwd += dyt.t() @ h

@@ -131,7 +131,8 @@ def test_train_bench_measures_each_model_and_variant_in_a_fresh_process():
 
     from bench.train import measurement_argvs
 
-    a = Namespace(models="m05,m15", variants="base,ac_offload", tokens=8192, seq_len=256, repeats=3, profile=True)
+    a = Namespace(models="m05,m15", variants="base,ac_offload", tokens=8192, seq_len=256, repeats=3, profile=True,
+                  tiled_mlp=[0])
     rest = ["--tokens=8192", "--seq-len=256", "--repeats=3", "--profile"]
     assert measurement_argvs(a) == [[f"--models={m}", f"--variants={v}", *rest]
                                     for m in ("m05", "m15") for v in ("base", "ac_offload")]
