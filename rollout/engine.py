@@ -225,7 +225,7 @@ class LLMEngine:
         return self.runner.num_blocks
 
     # ------------------------------------------------------------------ generation
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _validate(self, prompts: list[list[int]], params: SamplingParams, sample_keys, max_tokens) -> None:
         v = self.args.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -238,10 +238,23 @@ class LLMEngine:
                 raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {v})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if sample_keys is not None:
+            if params.n != 1:
+                raise ValueError(f"sample_keys continue one sample per prompt: n must be 1, got {params.n}")
+            if len(sample_keys) != len(prompts):
+                raise ValueError(f"{len(sample_keys)} sample_keys for {len(prompts)} prompts")
+            if len(set(sample_keys)) != len(sample_keys):
+                raise ValueError("sample_keys repeat a (prompt index, sample index) pair")
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts):
+                raise ValueError(f"{len(max_tokens)} max_tokens for {len(prompts)} prompts")
+            if min(max_tokens, default=1) < 1:
+                raise ValueError(f"max_tokens must be at least 1 for every prompt, got {min(max_tokens)}")
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,
-                 prompt_index_offset: int = 0) -> list[RequestOutput]:
+                 prompt_index_offset: int = 0, *, sample_keys: list[tuple[int, int]] | None = None,
+                 max_tokens: list[int] | None = None) -> list[RequestOutput]:
         """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`.
 
         `prompt_index_offset`: these prompts are a slice, starting at that index, of a larger batch
@@ -249,13 +262,20 @@ class LLMEngine:
         `prompt_index_offset + i` for the sampling noise, a hash of (seed, prompt index, sample
         index, position), and in its outputs' `prompt_index`: every slice of one seed draws
         distinct noise, the same as the whole batch in one call would.
+
+        `sample_keys` (with `n = 1`): prompt i continues the sample `sample_keys[i]` = (prompt
+        index, sample index), which replaces the offset's pair for its noise and outputs. The
+        position in the hash is the token's index in the whole sequence, so a sample continued
+        after tokens appended to it (a multi-turn rollout's tool response) draws fresh noise and,
+        where nothing was appended, the same tokens as one uninterrupted call. `max_tokens`: each
+        prompt's own limit of new tokens, replacing `sampling_params.max_tokens`.
         """
         if not self.model.allocated:
             raise RuntimeError("the engine's weights are released (free_weights()): load them first "
                                "(load_weights() or a reshard into param_slots())")
         params = sampling_params
         prompts = [list(map(int, p)) for p in prompt_token_ids]
-        self._validate(prompts, params)
+        self._validate(prompts, params, sample_keys, max_tokens)
         if not prompts:
             return []
         t0 = time.perf_counter()
@@ -272,10 +292,12 @@ class LLMEngine:
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
         stops = params.stop_set(self.args.eos_token_id)
         n = params.n
+        keys = sample_keys or [(prompt_index_offset + i, 0) for i in range(len(prompts))]
+        limits = max_tokens or [params.max_tokens] * len(prompts)
         for i, p in enumerate(prompts):
-            sched.add(Sequence(seq_id=i * n, prompt_index=prompt_index_offset + i, sample_index=0,
+            sched.add(Sequence(seq_id=i * n, prompt_index=keys[i][0], sample_index=keys[i][1],
                                token_ids=list(p), num_prompt_tokens=len(p),
-                               max_len=min(len(p) + params.max_tokens, self.max_model_len),
+                               max_len=min(len(p) + limits[i], self.max_model_len),
                                seed=params.seed, num_samples=n, stop_token_ids=stops))
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
@@ -299,8 +321,8 @@ class LLMEngine:
         outputs = []
         for i, p in enumerate(prompts):
             for k in range(n):
-                s = samples[(prompt_index_offset + i, k)]
-                outputs.append(RequestOutput(prompt_index=prompt_index_offset + i, sample_index=k,
+                s = samples[keys[i][0], keys[i][1] + k]
+                outputs.append(RequestOutput(prompt_index=s.prompt_index, sample_index=s.sample_index,
                                              prompt_token_ids=p, token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],

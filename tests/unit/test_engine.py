@@ -145,6 +145,44 @@ def test_samples_do_not_depend_on_batching_or_preemption():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
 
 
+def test_continued_samples_draw_as_one_uninterrupted_call():
+    """A multi-turn rollout continues each sample with `sample_keys`: cut after its first turn and
+    continued with nothing appended, a sample is token for token the one uninterrupted call; with
+    tokens appended it stays the race over the training logits under its own key (fresh positions);
+    `max_tokens` per prompt bounds each continuation."""
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([4, 9, 6], seed=5)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    engine = make_engine(model)
+    whole = engine.generate(prompts, params, prompt_index_offset=10)
+    first = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=7, ignore_eos=True),
+                            prompt_index_offset=10)
+    keys = [(o.prompt_index, o.sample_index) for o in first]
+    assert keys == [(10 + i, k) for i in range(3) for k in range(2)]
+    contexts = [prompts[i // 2] + o.token_ids for i, o in enumerate(first)]
+    rest = engine.generate(contexts, SamplingParams(n=1, temperature=1.0, max_tokens=99, seed=7, ignore_eos=True),
+                           sample_keys=keys, max_tokens=[7] * 6)
+    for w, a, b in zip(whole, first, rest):
+        assert (b.prompt_index, b.sample_index) == (w.prompt_index, w.sample_index)
+        assert a.token_ids + b.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs + b.logprobs), torch.tensor(w.logprobs), atol=5e-5, rtol=0)
+    # Tokens appended between turns (a tool's response): each row keeps its key and its own limit.
+    appended = [c + [5, 6, 7] for c in contexts]
+    limits = [1, 2, 3, 4, 5, 6]
+    more = engine.generate(appended, SamplingParams(n=1, temperature=1.0, max_tokens=99, seed=7, ignore_eos=True),
+                           sample_keys=keys, max_tokens=limits)
+    assert [len(o.token_ids) for o in more] == limits
+    for o in more:
+        check_against_training_forward(model, o, SamplingParams(temperature=1.0, seed=7))
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="n must be 1"):
+        engine.generate(prompts, SamplingParams(n=2, max_tokens=2), sample_keys=keys[:3])
+    with pytest.raises(ValueError, match="repeat"):
+        engine.generate(prompts, sp, sample_keys=[(0, 0)] * 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        engine.generate(prompts, sp, max_tokens=[1, 0, 1])
+
+
 def test_only_decoding_rows_of_a_prefill_step_may_lack_their_token_on_the_host():
     from rollout.sequence import PLACEHOLDER, ScheduledBatch, Sequence
 
