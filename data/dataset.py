@@ -30,6 +30,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+# the rollout loops a row may name (`agent_name`, verl's): one generation, or `agent.loop`'s turns with tools
+SINGLE_TURN_AGENT, TOOL_AGENT = "single_turn_agent", "tool_agent"
+AGENT_NAMES = (SINGLE_TURN_AGENT, TOOL_AGENT)
 
 
 class DatasetError(ValueError):
@@ -343,13 +346,19 @@ class RLHFDataset:
         chat_prompts_for: why every prompt must be a list of chat messages (something renders
             the chat again, e.g. a reward model's template), so that a text prompt fails at
             load saying so; None: text prompts are fine.
+        default_agent: the rollout loop of rows without an `agent_name` field (verl's
+            `rollout.agent.default_agent_loop`): `single_turn_agent` or `tool_agent`
+            (`agent.loop`: multi-turn with tool calls, which needs chat-message prompts).
+        tool_schemas: the tools' OpenAI function schemas, given to the chat template
+            (`tools=`) when it renders a `tool_agent` row's prompt, as verl's tool agent renders it.
         max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
             all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
 
     Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
     `data_source`, `ground_truth` (the stored value, unconverted; None only without
-    `require_ground_truth`), `extra_info` (dict) and `index` (the item's position in
-    this dataset).
+    `require_ground_truth`), `extra_info` (dict), `agent_name`, `tools_kwargs` (the row's
+    `extra_info.tools_kwargs`, verl's per-tool `create_kwargs`; `{}` when absent) and `index`
+    (the item's position in this dataset).
     """
 
     def __init__(
@@ -366,10 +375,14 @@ class RLHFDataset:
         data_sources: Collection[str] | None = None,
         chat_prompts_for: str | None = None,
         media_keys: Collection[str] = ("images", "videos"),
+        default_agent: str = SINGLE_TURN_AGENT,
+        tool_schemas: list[dict] | None = None,
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
     ) -> None:
+        if default_agent not in AGENT_NAMES:
+            raise ValueError(f"default_agent must be one of {list(AGENT_NAMES)}, got {default_agent!r}")
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
@@ -390,6 +403,8 @@ class RLHFDataset:
         self.data_sources = None if data_sources is None else sorted(data_sources)
         self.chat_prompts_for = chat_prompts_for
         self.media_keys = tuple(media_keys)
+        self.default_agent = default_agent
+        self.tool_schemas = list(tool_schemas or [])
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         records = [(f"{path}:{rownum}", row) for path in self.files for rownum, row in read_records(path)]
@@ -407,10 +422,45 @@ class RLHFDataset:
             )
             raise DatasetError(f"{', '.join(self.files)}: dataset is empty{detail}")
 
-    def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
+    def _prompt_text(self, prompt: Any, where: str, agent: str) -> tuple[str, bool]:
         """Returns the prompt's text and whether it came from a chat template."""
+        kwargs = self.apply_chat_template_kwargs
+        if agent == TOOL_AGENT:
+            if not isinstance(prompt, list) or not self.apply_chat_template:
+                raise DatasetError(f"{where}: agent_name {TOOL_AGENT} renders the tool responses with the chat "
+                                   f"template, so field '{self.prompt_key}' must be chat messages and "
+                                   "data.apply_chat_template true")
+            if self.tool_schemas:
+                kwargs = {**kwargs, "tools": self.tool_schemas}
         return render_prompt(self.tokenizer, prompt, where, self.prompt_key, self.apply_chat_template,
-                             "data.apply_chat_template=False", self.apply_chat_template_kwargs)
+                             "data.apply_chat_template=False", kwargs)
+
+    def _agent(self, row: dict[str, Any], where: str) -> str:
+        """The row's rollout loop: its `agent_name`, or the default."""
+        agent = row.get("agent_name")
+        if agent is None:
+            return self.default_agent
+        if agent not in AGENT_NAMES:
+            raise DatasetError(f"{where}: field 'agent_name' is {agent!r}; meshppo's loops are {list(AGENT_NAMES)}")
+        return agent
+
+    @staticmethod
+    def _tools_kwargs(extra_info: dict[str, Any], where: str) -> dict[str, dict]:
+        """verl's `extra_info.tools_kwargs`: per tool name, the arguments of its calls (`create_kwargs`)."""
+        tools_kwargs = extra_info.get("tools_kwargs")
+        if tools_kwargs is None:
+            return {}
+        if not isinstance(tools_kwargs, dict) or not all(isinstance(v, dict) for v in tools_kwargs.values()):
+            raise DatasetError(f"{where}: field 'extra_info.tools_kwargs' must map each tool's name to an object "
+                               "(verl's {'create_kwargs': {...}})")
+        return tools_kwargs
+
+    def count_agents(self) -> dict[str, int]:
+        """How many items each rollout loop runs."""
+        counts = dict.fromkeys(AGENT_NAMES, 0)
+        for item in self._items:
+            counts[item["agent_name"]] += 1
+        return counts
 
     def _load(self, records: list[tuple[str, dict[str, Any]]]) -> None:
         """Validate and tokenize `(where, row)` records into items."""
@@ -427,7 +477,8 @@ class RLHFDataset:
             if self.chat_prompts_for is not None and not isinstance(prompt, list):
                 raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
                                    f"{self.chat_prompts_for}")
-            text, templated = self._prompt_text(prompt, where)
+            agent = self._agent(row, where)
+            text, templated = self._prompt_text(prompt, where, agent)
             data_source = row.get("data_source")
             if data_source is not None and not isinstance(data_source, str):
                 raise DatasetError(
@@ -445,7 +496,8 @@ class RLHFDataset:
                     f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
                 )
             ground_truth = _ground_truth(row, where, self.require_ground_truth)
-            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info))
+            tools_kwargs = self._tools_kwargs(extra_info, where)
+            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs))
 
         # One batched call per kind is much faster than a call per row with fast tokenizers.
         ids_by_row: list[list[int] | None] = [None] * len(parsed)
@@ -459,7 +511,8 @@ class RLHFDataset:
                     ids_by_row[i] = list(ids)
 
         limit = self.max_prompt_length
-        for (where, prompt, text, _, data_source, ground_truth, extra_info), ids in zip(parsed, ids_by_row):
+        for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs), ids in zip(
+                parsed, ids_by_row):
             if not ids:
                 raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (an empty prompt, or a "
                                    "tokenizer without a vocabulary)")
@@ -480,6 +533,8 @@ class RLHFDataset:
                 "data_source": data_source,
                 "ground_truth": ground_truth,
                 "extra_info": extra_info,
+                "agent_name": agent,
+                "tools_kwargs": tools_kwargs,
                 "index": len(self._items),
             })
 

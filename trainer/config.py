@@ -19,7 +19,7 @@ from models.args import OUTPUT_KEYS, check_overrides
 from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
 from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
-from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig, MultiTurnConfig,
+from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig,
                                  PrometheusConfig, RewardManagerConfig, RouterReplayConfig, SamplerClassConfig,
                                  SandboxFusionConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
                                  read_only_with)
@@ -623,6 +623,37 @@ class SamplingOverrides:
     temperature: float = opt(0.0, "validation temperature (0: greedy)", ge=0)
     n: int = opt(1, "samples per validation prompt", ge=1)
     do_sample: bool = opt(False, "sample during validation (false: greedy)")
+
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+_LEGACY_SGLANG = "verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"
+
+
+@dataclass
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn`: multi-turn rollouts with tool calls (`agent.loop`). Rows run
+    the tool agent when their `agent_name` (or `rollout.agent.default_agent_loop`) says
+    `tool_agent`."""
+
+    enable: bool = opt(False, "multi-turn rollouts: the rows whose agent is tool_agent call the tools of "
+                              "tool_config_path between turns (needs rollout.name=native)")
+    max_assistant_turns: int | None = opt(None, "most model turns per rollout (null: no limit)", ge=1)
+    max_user_turns: int | None = opt(None, "most tool-response turns per rollout (null: no limit)", ge=1)
+    tool_config_path: str | None = opt(None, "verl's tool config (YAML: tools with class_name, config, tool_schema; "
+                                             "null: no tools)")
+    interaction_config_path: str | None = opt(None, "not supported: must be null (verl: a simulated user between "
+                                                    "turns)", unsupported=lambda v: v is not None)
+    max_parallel_calls: int = opt(1, "tool calls run per turn (the first ones of a turn)", ge=1)
+    max_tool_response_length: int = opt(256, "a tool response's length limit in characters", ge=1)
+    tool_response_truncate_side: str = opt("middle", "where a longer tool response is cut: left keeps its start, "
+                                                     "right its end, middle both", choices=TRUNCATE_SIDES)
+    use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
+                                            no_effect=_LEGACY_SGLANG)
+    tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
+                                              no_effect=_LEGACY_SGLANG)
+    format: str = opt("hermes", "the tool-call format of the model's turns", choices=("hermes",))
+    num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
+                                          no_effect="verl reads it nowhere (interactions are not supported)")
 
 
 # Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would
@@ -1712,6 +1743,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
+    if rollout.multi_turn.enable and rollout.engine != "native":
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.name=native: the turns "
+                          f"continue each sample in meshppo's engine, and rollout.name={rollout.name} has none")
     if rollout.kv_cache_dtype == "fp8" and rollout.dtype == "float16":
         raise ConfigError("actor_rollout_ref.rollout.kv_cache_dtype=fp8 needs rollout.dtype bfloat16 or float32, "
                           "not float16 (the attention would round probability x scale products to subnormals)")

@@ -1,5 +1,5 @@
 """verl's options that meshppo accepts for compatibility, in sections that it has no machinery for:
-agent loops, multi-turn rollouts, multi-token prediction, mixture-of-experts routing, rollout
+agent-loop servers, multi-token prediction, mixture-of-experts routing, rollout
 tracing and metrics servers, weight-transfer backends, user dataset and sampler classes, Ray's
 transfer queue, a remote sandbox, verl's newer reward-manager section. Each option loads at
 verl's default; set otherwise it is refused naming the key (`unsupported`) or, where it truly
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from data.dataset import AGENT_NAMES
 from rewards.managers import REWARD_MANAGERS
 from trainer.configlib import opt, other_than, section
 
@@ -55,7 +56,7 @@ class RouterReplayConfig:
     replay_file: str | None = opt(None, "not supported: must be null" + MOE_WHY, unsupported=lambda v: v is not None)
 
 
-_SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its single-turn rollouts run in-process"
+_SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its rollouts, multi-turn ones too, run in-process"
 
 
 @dataclass
@@ -68,39 +69,15 @@ class CustomAsyncServerConfig:
 
 @dataclass
 class AgentLoopConfig:
-    """verl's `rollout.agent`: the agent-loop workers of its async rollouts."""
+    """verl's `rollout.agent`: the agent loops and the workers of its async rollouts."""
 
     num_workers: int = opt(8, "verl: agent-loop workers", ge=1, no_effect=_SERVERS_WHY)
-    default_agent_loop: str = opt("single_turn_agent", "verl's rollout loop: single_turn_agent only (meshppo's "
-                                                       "rollouts are single-turn)",
-                                  unsupported=other_than("single_turn_agent"))
+    default_agent_loop: str = opt("single_turn_agent", "the rollout loop of rows without an agent_name field: "
+                                                       "single_turn_agent, or tool_agent (multi-turn with tool calls, "
+                                                       "rollout.multi_turn)", choices=AGENT_NAMES)
     agent_loop_config_path: str | None = opt(None, "not supported: must be null (verl: agent loops of its own)",
                                              unsupported=lambda v: v is not None)
     custom_async_server: CustomAsyncServerConfig = section(CustomAsyncServerConfig, "verl's own rollout server")
-
-
-_MULTI_TURN_WHY = read_only_with("multi_turn.enable")
-
-
-@dataclass
-class MultiTurnConfig:
-    """verl's `rollout.multi_turn`: tool calls and interactions between turns."""
-
-    enable: bool = opt(False, "not supported: must be false (meshppo's rollouts are single-turn)", unsupported=bool)
-    max_assistant_turns: int | None = opt(None, "verl: assistant turns per rollout", no_effect=_MULTI_TURN_WHY)
-    max_user_turns: int | None = opt(None, "verl: user turns per rollout", no_effect=_MULTI_TURN_WHY)
-    tool_config_path: str | None = opt(None, "verl: the tools' config", no_effect=_MULTI_TURN_WHY)
-    interaction_config_path: str | None = opt(None, "verl: the interactions' config", no_effect=_MULTI_TURN_WHY)
-    max_parallel_calls: int = opt(1, "verl: tool calls per turn", no_effect=_MULTI_TURN_WHY)
-    max_tool_response_length: int = opt(256, "verl: a tool response's length limit", no_effect=_MULTI_TURN_WHY)
-    tool_response_truncate_side: str = opt("middle", "verl: where a long tool response is cut",
-                                           no_effect=_MULTI_TURN_WHY)
-    use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
-                                            no_effect=_MULTI_TURN_WHY)
-    tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
-                                              no_effect=_MULTI_TURN_WHY)
-    format: str = opt("hermes", "verl: the tool-call format", no_effect=_MULTI_TURN_WHY)
-    num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction", no_effect=_MULTI_TURN_WHY)
 
 
 @dataclass

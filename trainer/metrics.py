@@ -3,7 +3,8 @@ over every rank's rows.
 
 Per response: `critic/score` (the reward function's score), `critic/rewards` (the summed
 token-level rewards, after any KL-in-reward penalty), `response_length` (every generated token),
-`prompt_length`; per token of `loss_mask` (the response tokens, without those rollout rejection
+`prompt_length`, and in a multi-turn batch `num_turns` (verl's count: the assistant turns,
+the tool responses, plus one); per token of `loss_mask` (the response tokens, without those rollout rejection
 removed, as verl's `response_mask`): `critic/advantages`, `critic/returns` and, with a critic,
 `critic/values`. Each has
 `/mean`, `/max` and `/min`. As in verl, `response_length/clip_ratio` is the share of responses as
@@ -34,11 +35,14 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     """The metrics above for this rank's rows `ro` (every rank calls it, with the same extra keys
     in the same order); `scores` is `[N]`, one per response."""
     mask = ro.loss_mask.bool()  # as verl's batch response_mask: without rollout rejection's tokens
-    response_length = ro.response_mask.sum(-1).double()  # verl's: from the attention mask, all tokens
+    # verl's: from the attention mask, all tokens (a multi-turn response's tool tokens too)
+    response_length = torch.tensor([float(len(r)) for r in ro.responses], dtype=torch.float64, device=mask.device)
     prompt_length = torch.tensor([float(len(p)) for p in ro.prompts], dtype=torch.float64, device=mask.device)
     per_row = {"critic/score": scores.double().reshape(-1),
                "critic/rewards": ro.token_level_rewards.double().sum(-1),
                "response_length": response_length, "prompt_length": prompt_length}
+    if ro.num_turns is not None:  # a multi-turn batch (every rank's is one, or none is)
+        per_row["num_turns"] = torch.tensor(ro.num_turns, dtype=torch.float64, device=mask.device)
     per_token = {"critic/advantages": ro.advantages, "critic/returns": ro.returns}
     if ro.values is not None:
         per_token["critic/values"] = ro.values

@@ -42,7 +42,7 @@ from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
-from trainer.rollout_phase import build_rollout
+from trainer.rollout_phase import AgentRows, build_rollout
 from trainer.setup import build_engine, build_models, reward_model_inputs
 from trainer.profiling import StepProfiler, profile_plan
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
@@ -146,6 +146,7 @@ class PPOTrainer:
             "reward_model.model.input_tokenizer is set (verl's default), so the reward model reads each prompt's "
             "messages and the response rendered with its own chat template; store chat messages, or set "
             "reward_model.model.input_tokenizer=null to give it the actor's token ids")
+        tools = self._load_tools()
         # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
         seed = torch.Generator().initial_seed() if d.seed is None else d.seed
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -154,10 +155,12 @@ class PPOTrainer:
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
                      chat_prompts_for=chat_prompts_for, media_keys=(d.image_key, d.video_key),
-                     shuffle=d.shuffle, seed=seed)
+                     default_agent=cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+                     tool_schemas=[t.tool_schema for t in tools], shuffle=d.shuffle, seed=seed)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)
+        self.agent_loop = self._tool_agent(tools)
         if len(self.train_ds) < d.gen_batch_size:
             key = "gen_batch_size" if d.gen_batch_size != d.train_batch_size else "train_batch_size"
             raise ConfigError(f"data.{key} ({d.gen_batch_size}) is larger than the training set "
@@ -248,6 +251,46 @@ class PPOTrainer:
                                             batching=MicroBatching(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
                                                                    rm.forward_max_token_len_per_gpu))
 
+    def _load_tools(self) -> list:
+        """The tools of `rollout.multi_turn.tool_config_path` (none without multi-turn), loaded and
+        checked before any data or model."""
+        mt = self.cfg.actor_rollout_ref.rollout.multi_turn
+        if not mt.enable or mt.tool_config_path is None:
+            return []
+        from agent.tools import ToolConfigError, load_tools
+
+        try:
+            return load_tools(mt.tool_config_path)
+        except ToolConfigError as e:
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}") from None
+
+    def _tool_agent(self, tools: list):
+        """The multi-turn loop (`agent.loop.ToolAgent`) when `rollout.multi_turn.enable`, else None;
+        either way the datasets' rows must agree with the switch: a row that runs the tool agent
+        needs it on, and with it on some training row must (else every tool option is ignored)."""
+        r = self.cfg.actor_rollout_ref.rollout
+        counts = [(name, ds.count_agents()) for name, ds in (("data.train_files", self.train_ds),
+                                                            ("data.val_files", self.val_ds)) if ds is not None]
+        if not r.multi_turn.enable:
+            for name, c in counts:
+                if c["tool_agent"]:
+                    raise ConfigError(f"{name}: {c['tool_agent']} row(s) run the tool agent (agent_name tool_agent or "
+                                      "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent) but "
+                                      "actor_rollout_ref.rollout.multi_turn.enable is false")
+            return None
+        if not counts[0][1]["tool_agent"]:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true but no row of data.train_files runs "
+                              "the tool agent: give the rows agent_name tool_agent or set "
+                              "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+        from agent.loop import ToolAgent
+
+        mt = r.multi_turn
+        return ToolAgent(self.tokenizer, tools, response_length=self.cfg.response_length,
+                         max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+                         max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
+                         tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
+                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs)
+
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
         return {"global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak}
@@ -313,9 +356,12 @@ class PPOTrainer:
         outputs on every rank, and return them as (not yet partitioned) rollouts. `sampling`
         replaces the training (or validation) sampling settings."""
         sp = sampling or self._sampling(validate)
+        agent = None
+        if self.agent_loop is not None:
+            agent = AgentRows(self.agent_loop, [it["agent_name"] for it in items], [it["tools_kwargs"] for it in items])
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
                                      eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
-                                     seed=seed, **sp)
+                                     seed=seed, agent=agent, **sp)
         n = sp["n"]
         prompts, responses, uids, reasons, lps = [], [], [], [], []
         for k, o in enumerate(outs):
@@ -327,8 +373,15 @@ class PPOTrainer:
             lps.append(list(o.logprobs))
         width = max((len(r) for r in responses), default=1) or 1
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
-        return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), rep("extra_info"),
-                            reasons, lps, width, self.device, raw_prompts=rep("raw_prompt"))
+        extra_infos, masks, turns = rep("extra_info"), None, None
+        if agent is not None:
+            # verl's reward managers see the turns in extra_info: num_turns, and the tools' rewards
+            extra_infos = [{**e, "num_turns": o.num_turns, "tool_rewards": o.tool_rewards,
+                            "turn_scores": o.turn_scores} for e, o in zip(extra_infos, outs)]
+            masks, turns = [o.mask for o in outs], [o.num_turns for o in outs]
+        return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), extra_infos,
+                            reasons, lps, width, self.device, raw_prompts=rep("raw_prompt"), turn_masks=masks,
+                            num_turns=turns)
 
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as
@@ -727,6 +780,8 @@ class PPOTrainer:
                    "reward": vals[1], "advantage": vals[2], "data_source": full.data_sources[i],
                    "response_length": len(full.responses[i]), "finish_reason": full.finish_reasons[i],
                    "step": self.global_step + 1}
+            if full.num_turns is not None:
+                row["num_turns"] = full.num_turns[i]
             row.update(_dump_extras(dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()}))
             rows.append(row)
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
@@ -850,7 +905,7 @@ class PPOTrainer:
         dump_dir = self.cfg.trainer.validation_data_dir
         dumped: list[dict] = []
         logged = 0  # samples logged (trainer.log_val_generations), over all chunks
-        sources, uids, scores_all = [], [], []
+        sources, uids, scores_all, turns = [], [], [], []
         variables: dict[str, list[float]] = {}  # numeric extras over every chunk, NaN where a chunk had none
         preds: list | None = None  # the `pred` extra as returned (None where a sample gave none)
         with self.timer("validate"):
@@ -866,6 +921,7 @@ class PPOTrainer:
                 sources += [str(src) for src in ro.data_sources]
                 uids += [s + u for u in ro.uids]  # the prompt's index in the validation set
                 scores_all += scores
+                turns += ro.num_turns or []
                 for k in extras:
                     variables.setdefault(k, [math.nan] * done)
                 for k, v in variables.items():
@@ -893,6 +949,9 @@ class PPOTrainer:
             out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
             variables.pop("reward", None)
             out.update(validation_metrics(sources, uids, {"reward": scores_all, **variables}, preds))
+            if turns:  # a multi-turn rollout's counts over every sample, as verl logs them
+                out.update({"val-aux/num_turns/min": min(turns), "val-aux/num_turns/max": max(turns),
+                            "val-aux/num_turns/mean": sum(turns) / len(turns)})
         if dumped:
             dump_generations(dump_dir, self.global_step, dumped)
         # validation's own phases (its generation's reshard, graph capture) as val_*: the step's

@@ -59,6 +59,11 @@ class RolloutBatch:
     # each row's prompt as the data gave it (a string or chat messages): the reward model's own
     # rendering of the chat reads it (rewards.model_inputs); None where nothing reads it
     raw_prompts: list[Any] | None = None
+    # multi-turn rollouts (`agent.loop`): per row, 1 on each response token the model generated and
+    # 0 on those inserted between its turns (tool responses, the chat template's turn markers), and
+    # the row's number of turns (verl's count); None in a single-turn batch
+    turn_masks: list[list[int]] | None = None
+    num_turns: list[int] | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -66,15 +71,19 @@ class RolloutBatch:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """`[N, R]`, 1.0 on each response's tokens."""
+        """`[N, R]`, 1.0 on each response's tokens; in a multi-turn batch only on the tokens the model
+        generated (verl's `response_mask`: the losses, advantages, KL and entropy skip the tokens
+        inserted between turns, which still sit in the sequences as context)."""
         if self._response_mask is None:
             # built on the host, moved in one non-blocking copy: no per-row kernel, no wait for the device
             self._response_mask = host_to_device([self.host_response_mask()], self.device)[0]
         return self._response_mask
 
     def host_response_mask(self) -> np.ndarray:
-        """`response_mask` as a NumPy float32 array, from the responses' lengths: for host-side
-        counting without reading the device back."""
+        """`response_mask` as a NumPy float32 array, from the responses' lengths (and the turn masks):
+        for host-side counting without reading the device back."""
+        if self.turn_masks is not None:
+            return self._padded_host(self.turn_masks)
         lengths = np.fromiter(map(len, self.responses), dtype=np.int64, count=len(self.responses))
         return (np.arange(self.width) < lengths[:, None]).astype(np.float32)
 
@@ -97,11 +106,14 @@ class RolloutBatch:
     def padded(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-token host values, one list per sequence as long as its response (the engine's
         log-probs), as `[N, R]` float32 on the device, zero after each response: one copy."""
+        return host_to_device([self._padded_host(rows)], self.device)[0]
+
+    def _padded_host(self, rows: list[list[float]]) -> np.ndarray:
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         out = np.zeros((len(rows), self.width), dtype=np.float32)
         out[np.arange(self.width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(rows),
                                                                     dtype=np.float32, count=int(lengths.sum()))
-        return host_to_device([out], self.device)[0]
+        return out
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
@@ -125,9 +137,10 @@ class RolloutBatch:
                    if (t := getattr(self, name)) is not None}
         others = (None if self.other_extras is None
                   else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
-        raw = None if self.raw_prompts is None else [self.raw_prompts[i] for i in idx]
-        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, raw_prompts=raw,
-                            **tensors)
+        rows_of = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others,
+                            raw_prompts=rows_of(self.raw_prompts), turn_masks=rows_of(self.turn_masks),
+                            num_turns=rows_of(self.num_turns), **tensors)
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -142,8 +155,12 @@ class RolloutBatch:
             offset += len(ids)
         lists["uids"] = uids
         width = max((len(r) for r in lists["responses"]), default=1) or 1
-        raw = None if any(b.raw_prompts is None for b in batches) else [p for b in batches for p in b.raw_prompts]
-        return RolloutBatch(**lists, width=width, device=batches[0].device, raw_prompts=raw)
+        def joined(name):  # an optional per-row list: kept when every batch has it
+            parts = [getattr(b, name) for b in batches]
+            return None if any(p is None for p in parts) else [x for p in parts for x in p]
+
+        return RolloutBatch(**lists, width=width, device=batches[0].device, raw_prompts=joined("raw_prompts"),
+                            turn_masks=joined("turn_masks"), num_turns=joined("num_turns"))
 
     @staticmethod
     def sequences(token_ids: list[list[int]], device) -> RolloutBatch:

@@ -15,15 +15,33 @@ first prompt's index in the whole batch, so no two samples of a step share a str
 does not depend on how the prompts are split over replicas. (Adding the replica to the seed made
 replica r at step t replay replica 0's noise at step t + r.) The HF loop draws from one generator
 per replica, seeded with `rollout.sequence.derive_seed(seed, replica)`.
+
+Multi-turn rollouts (`rollout.multi_turn.enable`, `AgentRows`): the same phase, with the
+engine's one call replaced by `agent.loop.ToolAgent`'s turns, one engine call each; each sample
+keeps its key (prompt index, sample index) across its turns.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch.distributed as dist
 
+from agent.loop import ToolAgent
 from rollout.sequence import derive_seed
 from trainer.roles import Actor
 from trainer.tracking import PeakMemory, Timer
+
+
+@dataclass
+class AgentRows:
+    """A multi-turn generation (`rollout.multi_turn.enable`): the loop, and per prompt of the whole
+    batch its agent (`agent_name`) and its tools' arguments (`extra_info.tools_kwargs`)."""
+
+    loop: ToolAgent
+    agents: list[str]
+    tools_kwargs: list[dict]
 
 
 def _all_gather_outputs(local: list, index: int, count: int) -> list:
@@ -62,7 +80,7 @@ class EngineRollout(_Rollout):
         self.free_cache, self.free_weights = free_cache, free_weights
 
     def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
-                 top_k) -> list:
+                 top_k, agent: AgentRows | None = None) -> list:
         from rollout import SamplingParams
 
         with self.timer("reshard"):
@@ -71,11 +89,28 @@ class EngineRollout(_Rollout):
         lo, mine = self._slice(prompts)
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             eos_token_id=list(eos_ids) or None, ignore_eos=ignore_eos, seed=seed)
-        # Noise keyed by the global prompt index lo + i (module docstring); no eos ids: the model's.
-        outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
+        capture_s = 0.0
+        if agent is None:
+            # Noise keyed by the global prompt index lo + i (module docstring); no eos ids: the model's.
+            outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
+            capture_s = self.engine.last_stats["graph_capture_s"] if mine else 0.0
+        else:
+            turn = dataclasses.replace(sp, n=1)
+
+            def one_turn(contexts, keys, limits):
+                nonlocal capture_s
+                outs = self.engine.generate(contexts, turn, sample_keys=keys, max_tokens=limits)
+                capture_s += self.engine.last_stats["graph_capture_s"]
+                return outs
+
+            # Each sample of prompt lo + i is its own row, keyed (lo + i, k) as the single-turn call keys it.
+            rows = [(i, k) for i in range(len(mine)) for k in range(n)]
+            outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows],
+                                  [agent.agents[lo + i] for i, _ in rows], [agent.tools_kwargs[lo + i] for i, _ in rows],
+                                  one_turn, runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast)
         # Decode graphs are captured in the first generation, and again only when the weights or
         # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.
-        self.timer.add("graph_capture", self.engine.last_stats["graph_capture_s"] if mine else 0.0)
+        self.timer.add("graph_capture", capture_s)
         if self.free_cache:
             self.engine.free_cache()
         if self.free_weights:
@@ -84,13 +119,25 @@ class EngineRollout(_Rollout):
         self.actor.load()
         return self._share(outs)
 
+    def _tp_broadcast(self, obj):
+        """`obj` of the engine's first TP rank, on every rank of its TP group (the tools' responses)."""
+        group = self.engine.tp.group
+        if group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
 
 class NoCacheRollout(_Rollout):
     """`rollout.name=hf`: the plain sampling loop on the FSDP actor itself (`trainer.hf_rollout`)."""
 
     def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
-                 top_k) -> list:
+                 top_k, agent: AgentRows | None = None) -> list:
         from trainer.hf_rollout import generate_no_cache
+
+        if agent is not None:  # refused by the config's checks (`multi_turn.enable` needs the engine)
+            raise ValueError("multi-turn rollouts need actor_rollout_ref.rollout.name=native")
 
         lo, mine = self._slice(prompts)
         # The actor generates, so only its optimizer states can wait in host memory meanwhile
@@ -117,4 +164,4 @@ def build_rollout(cfg, models, actor: Actor, engine, rank: int, peaks: PeakMemor
                          peaks, timer, free_cache=r.free_cache_engine, free_weights=r.free_engine_weights)
 
 
-__all__ = ["EngineRollout", "NoCacheRollout", "build_rollout"]
+__all__ = ["AgentRows", "EngineRollout", "NoCacheRollout", "build_rollout"]

@@ -209,6 +209,8 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         "data_source": DATA_SOURCE,
         "ground_truth": "15",
         "extra_info": {"index": 7},
+        "agent_name": "single_turn_agent",
+        "tools_kwargs": {},
         "index": 0,
     }
     # Text prompts are not templated.
