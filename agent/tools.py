@@ -241,7 +241,8 @@ def _tool_class(class_name: Any, where: str) -> type[BaseTool]:
     except Exception as err:
         hint = (f"; of verl's tools meshppo provides {list(VERL_TOOL_CLASSES)}" if class_name.startswith("verl.")
                 else "")
-        raise ToolConfigError(f"{key}: cannot import module {module_name!r}: {type(err).__name__}: {err}{hint}") from err
+        raise ToolConfigError(f"{key}: cannot import module {module_name!r}: {type(err).__name__}: "
+                              f"{err}{hint}") from err
     cls = getattr(module, attr, None)
     if cls is None:
         raise ToolConfigError(f"{key}: module {module_name!r} has no {attr!r}")
@@ -444,8 +445,9 @@ def system_prompt_ids(tokenizer, **chat_template_kwargs) -> list[int]:
     two = _chat_ids(tokenizer, [empty, empty], False, chat_template_kwargs)
     per_message = len(two) - len(one)
     if not 0 < per_message <= len(one):
-        raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)}  renders [user, user] with {len(two)} tokens "
-                         f"and [user] with {len(one)}, so the tokens before a chat's first message cannot be found")
+        raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)} renders [user, user] with "
+                         f"{len(two)} tokens and [user] with {len(one)}, so the tokens before a chat's first message "
+                         "cannot be found")
     return one[:len(one) - per_message]
 
 
