@@ -8,6 +8,14 @@ ground truth, and the prompt asks the model to end its answer the same way, whic
 what the strict scorer in `rewards.gsm8k` checks. The prompt text and the
 `extra_info` fields are verl's (`examples/data_preprocess/gsm8k.py`), so datasets
 converted by either tool are interchangeable.
+
+With `--multiturn` the rows are verl's tool-calling ones (`examples/data_preprocess/
+gsm8k_multiturn_w_tool.py`), for multi-turn rollouts with `configs/tools/gsm8k_tool.yaml`: a system
+message tells the model to solve step by step and submit its answer to the `calc_gsm8k_reward`
+tool before answering, the user message is the question with verl's instruction for this format
+(`####` in backticks), and `extra_info` adds `need_tools_kwargs`, `tools_kwargs` (the tool is
+created with the row's ground truth: `{calc_gsm8k_reward: {create_kwargs: {ground_truth}}}`) and
+`interaction_kwargs` (`query`, the user message, and `ground_truth`), as verl writes them.
 """
 
 from __future__ import annotations
@@ -21,6 +29,16 @@ from data.dataset import DatasetError, _file_kind, read_records, write_records
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# The tool-calling rows' texts and tool name, verl's (examples/data_preprocess/gsm8k_multiturn_w_tool.py).
+MULTITURN_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+MULTITURN_SYSTEM_PROMPT = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "Reasoning step by step before any tool call. "
+    "You should use the `calc_gsm8k_reward` tool after step by step solving the question, "
+    "before generate final answer at least once and refine your answer if necessary. "
+    "Put your final answer in the format of `#### <answer>`."
+)
+TOOL_NAME = "calc_gsm8k_reward"
 
 # The whole tail after the last `#### `: an optional `$` (which `rewards.gsm8k` also accepts),
 # an integer with optional thousands commas and decimal part, and an optional full stop that
@@ -35,8 +53,10 @@ def extract_final_answer(answer: str) -> str | None:
     return match.group(1).replace(",", "") if match else None
 
 
-def convert_row(row: dict[str, Any], index: int, split: str, where: str = "") -> dict[str, Any]:
-    """One GSM8K row as a verl row; `where` prefixes error messages (e.g. `file:row`)."""
+def convert_row(row: dict[str, Any], index: int, split: str, where: str = "",
+                multiturn: bool = False) -> dict[str, Any]:
+    """One GSM8K row as a verl row (`multiturn`: verl's tool-calling row); `where` prefixes error
+    messages (e.g. `file:row`)."""
     prefix = f"{where}: " if where else ""
     for key in ("question", "answer"):
         if key not in row or row[key] is None:
@@ -47,6 +67,20 @@ def convert_row(row: dict[str, Any], index: int, split: str, where: str = "") ->
     ground_truth = extract_final_answer(answer)
     if ground_truth is None:
         raise DatasetError(f"{prefix}field 'answer' does not end with '#### <number>': {answer[-80:]!r}")
+    if multiturn:
+        query = f"{question} {MULTITURN_INSTRUCTION}"
+        return {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "system", "content": MULTITURN_SYSTEM_PROMPT}, {"role": "user", "content": query}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ground_truth},
+            "extra_info": {
+                "split": split, "index": index, "answer": answer, "question": question,
+                "need_tools_kwargs": True,
+                "tools_kwargs": {TOOL_NAME: {"create_kwargs": {"ground_truth": ground_truth}}},
+                "interaction_kwargs": {"query": query, "ground_truth": ground_truth},
+            },
+        }
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
@@ -77,8 +111,9 @@ def _write_atomically(rows: list[dict[str, Any]], output_path: str) -> None:
             os.remove(tmp)
 
 
-def convert_file(input_path: str, output_path: str, split: str = "train") -> int:
-    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file; returns the number of rows written.
+def convert_file(input_path: str, output_path: str, split: str = "train", multiturn: bool = False) -> int:
+    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file (`multiturn`: to verl's tool-calling rows);
+    returns the number of rows written.
 
     The output replaces `output_path` only once every row has converted; writing over the
     input itself is refused before anything is read.
@@ -93,7 +128,7 @@ def convert_file(input_path: str, output_path: str, split: str = "train") -> int
     except OSError as err:  # e.g. permission denied
         raise DatasetError(f"{input_path}: cannot read: {err.strerror or err}") from err
     rows = [
-        convert_row(row, index, split, where=f"{input_path}:{rownum}")
+        convert_row(row, index, split, where=f"{input_path}:{rownum}", multiturn=multiturn)
         for index, (rownum, row) in enumerate(records)
     ]
     if not rows:
@@ -108,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="GSM8K file (.jsonl, .json or .parquet)")
     parser.add_argument("--output", required=True, help="output file (.parquet, else JSON lines, whatever the suffix)")
     parser.add_argument("--split", default="train", help="stored in extra_info.split (default: train)")
+    parser.add_argument("--multiturn", action="store_true",
+                        help="verl's tool-calling rows for multi-turn rollouts with the calc_gsm8k_reward tool")
     args = parser.parse_args(argv)
     try:
-        n = convert_file(args.input, args.output, args.split)
+        n = convert_file(args.input, args.output, args.split, multiturn=args.multiturn)
     except DatasetError as err:
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {n} rows to {args.output}")

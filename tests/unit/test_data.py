@@ -593,6 +593,61 @@ def test_gsm8k_conversion(tmp_path, in_ext, out_ext):
     assert rows[1]["prompt"][0]["content"].endswith(INSTRUCTION)
 
 
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_gsm8k_multiturn_rows_are_verls_tool_rows(tmp_path, ext):
+    """--multiturn writes the rows of verl's gsm8k_multiturn_w_tool.py, nested kwargs surviving the file."""
+    src = write_records(GSM8K_SAMPLE, tmp_path / f"in.{ext}")
+    dst = str(tmp_path / f"out.{ext}")
+    assert gsm8k_main(["--input", src, "--output", dst, "--split", "test", "--multiturn"]) == 0
+    rows = [row for _, row in read_records(dst)]
+    query = ("A car costs $1,200 plus $300 tax. Total? "
+             "Let's think step by step and output the final answer after `####`.")
+    assert rows[1] == {
+        "data_source": "openai/gsm8k",
+        "prompt": [
+            {"role": "system", "content": (
+                "You are a math expert. You are given a question and you need to solve it step by step. "
+                "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
+                "step by step solving the question, before generate final answer at least once and refine your "
+                "answer if necessary. Put your final answer in the format of `#### <answer>`.")},
+            {"role": "user", "content": query},
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1500"},
+        "extra_info": {
+            "split": "test", "index": 1, "answer": GSM8K_SAMPLE[1]["answer"], "question": GSM8K_SAMPLE[1]["question"],
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1500"}}},
+            "interaction_kwargs": {"query": query, "ground_truth": "1500"},
+        },
+    }
+    assert rows[0]["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"] == {"ground_truth": "7"}
+
+
+def test_gsm8k_multiturn_is_only_added_fields(tmp_path):
+    """The tool row differs from the single-turn one only in the prompt and the added extra_info keys."""
+    from data.gsm8k import convert_row
+
+    single = convert_row(GSM8K_SAMPLE[0], 3, "train")
+    multi = convert_row(GSM8K_SAMPLE[0], 3, "train", multiturn=True)
+    assert {k: v for k, v in multi.items() if k not in ("prompt", "extra_info")} == \
+        {k: v for k, v in single.items() if k not in ("prompt", "extra_info")}
+    added = set(multi["extra_info"]) - set(single["extra_info"])
+    assert added == {"need_tools_kwargs", "tools_kwargs", "interaction_kwargs"}
+    assert {k: multi["extra_info"][k] for k in single["extra_info"]} == single["extra_info"]
+
+
+def test_gsm8k_multiturn_rows_feed_the_dataset_with_their_tools_kwargs(tmp_path, tokenizer_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = "{% for m in messages %}<|{{ 'assistant' if m['role'] == 'system' else 'user' }}|>" \
+                        "{% endfor %}<|assistant|>"
+    dst = str(tmp_path / "out.jsonl")
+    assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst, multiturn=True) == 2
+    ds = RLHFDataset(dst, tok)
+    assert ds[0]["prompt_text"] == "<|assistant|><|user|><|assistant|>"
+    assert ds[1]["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1500"}}}
+
+
 def test_gsm8k_converted_file_feeds_the_dataset(tmp_path, tokenizer):
     dst = str(tmp_path / "out.jsonl")
     assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst) == 2
