@@ -205,8 +205,10 @@ def _as_float(value: Any) -> float | None:
 def row_extra_info(row: dict | None, num_turns: bool) -> dict:
     """A copy of a row's `extra_info` (the dataset's dict is every epoch's) with what verl's reward
     managers add: a fresh `rollout_reward_scores` (the rollout's own scores: none here) and, where
-    `num_turns` (naive's), the agent loop's turn count, 2 for a single-turn generation."""
-    return {**(row or {}), **({"num_turns": 2} if num_turns else {}), "rollout_reward_scores": {}}
+    `num_turns` (naive's), the agent loop's turn count: the row's own when a multi-turn rollout
+    put it there (`agent.loop`), else 2, a single-turn generation's."""
+    row = row or {}
+    return {**row, **({"num_turns": row.get("num_turns", 2)} if num_turns else {}), "rollout_reward_scores": {}}
 
 
 class ResultCollector:

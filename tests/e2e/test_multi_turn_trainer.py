@@ -1,0 +1,144 @@
+"""Multi-turn rollouts with tools in the trainer (2 CPU ranks, gloo, engine TP 2): verl's tool
+agent loop fed by the real engine, whose first turn is replaced by a scripted tool call (a tiny
+random model never writes one). Checked: each sample's response is its turns and the tool's
+answer with the answer masked out, the tool ran on the first TP rank only (its answer names the
+rank that ran it, and both ranks continue from rank 0's), the counts and the tools' rewards reach
+the reward function as verl passes them, the metrics count the turns, and the step trains."""
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from agent.tools import BaseTool, ToolResponse
+from tests.dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
+SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "look a key up",
+                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # the turns' count and the tools' rewards, plus under 0.001 from the text (so that a group's
+    # samples differ and GRPO has advantages to train on)
+    turns = extra_info["num_turns"] + sum(extra_info["tool_rewards"]) + len(extra_info["turn_scores"])
+    return turns + 0.001 * (sum(map(ord, solution_str)) % 997) / 997
+'''
+
+
+class RankTool(BaseTool):
+    """Answers with the row's secret and the rank that ran it; reward 0.5. Counts its calls."""
+
+    executed = 0
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema or SCHEMA)
+
+    async def create(self, instance_id=None, create_kwargs=None, **kwargs):
+        self.secret = (create_kwargs or {})["secret"]
+        return "one", ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        RankTool.executed += 1
+        return ToolResponse(text=f"secret {self.secret} for {parameters['key']} from rank {dist.get_rank()}"), 0.5, {}
+
+
+def _assets(root):
+    from models import ModelArgs, Transformer
+    from models.checkpoint import save_pretrained
+    from tests.byte_chat import build_byte_tokenizer
+
+    model_dir = os.path.join(root, "model")
+    tok = build_byte_tokenizer(model_dir)
+    args = ModelArgs(model_type="qwen2", vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, attention_bias=True,
+                     tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    save_pretrained(Transformer.build(args, seed=0), model_dir)
+    with open(os.path.join(root, "train.jsonl"), "w") as f:
+        for i in range(4):
+            row = {"data_source": "lookup", "prompt": [{"role": "user", "content": f"what is k{i}?"}],
+                   "reward_model": {"ground_truth": "7"},
+                   "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"secret": f"s{i}"}}}}}
+            if i == 3:
+                row["agent_name"] = "single_turn_agent"
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(root, "tools.yaml"), "w") as f:
+        f.write("tools:\n  - class_name: tests.e2e.test_multi_turn_trainer.RankTool\n    config: {type: native}\n")
+    with open(os.path.join(root, "reward.py"), "w") as f:
+        f.write(REWARD)
+
+
+def _body(rank, world_size, root):
+    from tests.byte_chat import IM_END
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
+        f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/run",
+        "trainer.resume_mode=disable", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]", "trainer.export_hf_at_end=false", "data.max_prompt_length=512",
+        "data.max_response_length=200", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
+        f"{root}/tools.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    trainer = PPOTrainer(cfg, init_distributed("cpu"))
+    tok = trainer.tokenizer
+    eos = tok.convert_tokens_to_ids(IM_END)
+    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [eos]
+    prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
+    # the tool agent's prompts were rendered with the tool's schema, as verl's tool agent renders them
+    for it in trainer.train_ds:
+        assert ('"name": "lookup"' in tok.decode(it["input_ids"])) == (it["agent_name"] == "tool_agent")
+
+    engine_generate = trainer.engine.generate
+
+    def scripted(contexts, params, *args, sample_keys=None, max_tokens=None, **kw):
+        outs = engine_generate(contexts, params, *args, sample_keys=sample_keys, max_tokens=max_tokens, **kw)
+        for c, o in zip(contexts, outs):
+            if tuple(c) in prompts:  # a sample's first turn: the model calls the tool
+                o.token_ids, o.logprobs, o.finish_reason = list(call_ids), [0.0] * len(call_ids), "stop"
+        return outs
+
+    trainer.engine.generate = scripted
+    batches = []
+    generate_all = trainer._generate_all
+    trainer._generate_all = lambda *a, **k: batches.append(generate_all(*a, **k)) or batches[-1]
+    metrics = trainer.step()
+    full = batches[0]
+    assert len(full) == 8 and full.num_turns is not None
+    mask = full.response_mask.cpu()
+    for i, (prompt, response) in enumerate(zip(full.prompts, full.responses)):
+        secret = full.extra_infos[i]["tools_kwargs"]["lookup"]["create_kwargs"]["secret"]
+        if secret == "s3":  # the single_turn_agent row: the call stays text, nothing runs
+            assert response == call_ids and full.num_turns[i] == 2 and full.extra_infos[i]["tool_rewards"] == []
+            assert mask[i, :len(response)].tolist() == [1.0] * len(response)
+            continue
+        answer = tok.decode(response[len(call_ids):], skip_special_tokens=False)
+        head = f"<|im_start|>user\n<tool_response>\nsecret {secret} for k from rank 0\n</tool_response><|im_end|>\n" \
+               "<|im_start|>assistant\n"
+        assert response[:len(call_ids)] == call_ids and answer.startswith(head), (rank, answer)
+        inserted = len(tok(head, add_special_tokens=False)["input_ids"])
+        cut = len(call_ids) + inserted
+        assert mask[i, :len(response)].tolist() == [1.0] * len(call_ids) + [0.0] * inserted + \
+            [1.0] * (len(response) - cut)
+        assert len(response) > cut and full.num_turns[i] == 4
+        assert full.extra_infos[i]["tool_rewards"] == [0.5] and full.extra_infos[i]["num_turns"] == 4
+    # each row's score is num_turns + its tools' rewards (+ under 0.001): 4.5 for the tool rows, 2 for
+    # the single-turn one; a count off by one turn or a missing reward moves the mean by 0.0625 or more
+    assert abs(metrics["critic/score/mean"] - (6 * 4.5 + 2 * 2) / 8) < 0.001, metrics["critic/score/mean"]
+    assert (metrics["num_turns/min"], metrics["num_turns/max"], metrics["num_turns/mean"]) == (2, 4, 3.5)
+    # the 6 tool rows' calls ran once each, on the engine's first TP rank
+    assert RankTool.executed == (6 if rank == 0 else 0), (rank, RankTool.executed)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert torch.isfinite(full.response_mask).all()
+
+
+def test_multi_turn_tool_rollouts_in_the_trainer(tmp_path):
+    _assets(str(tmp_path))
+    run_distributed(_body, 2, str(tmp_path), timeout=600)
