@@ -142,3 +142,46 @@ def _body(rank, world_size, root):
 def test_multi_turn_tool_rollouts_in_the_trainer(tmp_path):
     _assets(str(tmp_path))
     run_distributed(_body, 2, str(tmp_path), timeout=600)
+
+
+def _errors_body(rank, world_size, root):
+    """Every way the switch, the rows and the tool config can disagree is a ConfigError naming the
+    key (or the data row), raised while the trainer is built."""
+    import pytest
+
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+
+    def build(*overrides):
+        return PPOTrainer(load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+            f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
+            f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/err",
+            "trainer.resume_mode=disable", "data.max_prompt_length=512", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "trainer.n_gpus_per_node=1", *overrides]), ctx)
+
+    on = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    with pytest.raises(ConfigError, match="data.train_files: 3 row.s. run the tool agent .*multi_turn.enable is false"):
+        build("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+    with pytest.raises(ConfigError, match="multi_turn.enable=true but no row of data.train_files runs the tool agent"):
+        build(on)
+    with pytest.raises(ConfigError, match="multi_turn.enable=true needs rollout.name=native"):
+        build(on, "actor_rollout_ref.rollout.name=hf")
+    with pytest.raises(ConfigError, match="multi_turn.tool_config_path: .*missing.yaml"):
+        build(on, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={root}/missing.yaml")
+    with open(os.path.join(root, "bad.jsonl"), "w") as f:
+        f.write(json.dumps({"data_source": "lookup", "prompt": [{"role": "user", "content": "x"}],
+                            "reward_model": {"ground_truth": "7"}, "agent_name": "react_agent"}) + "\n")
+    from data.dataset import DatasetError
+
+    with pytest.raises(DatasetError, match="bad.jsonl:1: field 'agent_name' is 'react_agent'"):
+        build(on, f"data.train_files=[{root}/bad.jsonl]")
+
+
+def test_multi_turn_config_errors(tmp_path):
+    _assets(str(tmp_path))
+    run_distributed(_errors_body, 1, str(tmp_path), timeout=300)

@@ -88,8 +88,9 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     "actor_rollout_ref.model.mtp.enable=true", f"{R}.mtp.enable_rollout=true",
     "critic.model.external_lib=my_lib", "critic.model.trust_remote_code=true",
     f"{R}.logprobs_mode=raw_logprobs", f"{R}.logprobs_mode=processed_logits", f"{R}.scheduling_policy=priority",
-    f"{R}.over_sample_rate=0.1", f"{R}.agent.default_agent_loop=tool_agent", f"{R}.agent.agent_loop_config_path=a.yaml",
-    f"{R}.agent.custom_async_server.path=srv.py", f"{R}.multi_turn.enable=true", f"{R}.checkpoint_engine.backend=nccl",
+    f"{R}.over_sample_rate=0.1", f"{R}.agent.agent_loop_config_path=a.yaml",
+    f"{R}.agent.custom_async_server.path=srv.py", f"{R}.multi_turn.interaction_config_path=i.yaml",
+    f"{R}.checkpoint_engine.backend=nccl",
     f"{R}.trace.backend=weave", f"{R}.skip_rollout=true", f"{R}.enable_rollout_routing_replay=true",
     f"{R}.quantization_config_file=q.json", f"{R}.prometheus.enable=true",
     "data.tool_config_path=tools.yaml", "data.custom_cls.path=ds.py", "data.datagen.path=gen.py",
@@ -131,10 +132,10 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     (f"{R}.multi_stage_wake_up=true", f"{R}.multi_stage_wake_up=true has no effect: meshppo's engine always does: the "
      "weights come back at the reshard, the KV cache when generation starts, after the actor's training states are "
      "offloaded"),
-    (f"{R}.multi_turn.max_user_turns=3", f"{R}.multi_turn.max_user_turns=3 has no effect: read only with "
-     "multi_turn.enable, which meshppo does not support"),
+    (f"{R}.multi_turn.use_inference_chat_template=true", f"{R}.multi_turn.use_inference_chat_template=true has no "
+     "effect: verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"),
     (f"{R}.agent.num_workers=2", f"{R}.agent.num_workers=2 has no effect: meshppo runs no agent-loop servers or "
-                                 "workers: its single-turn rollouts run in-process"),
+                                 "workers: its rollouts, multi-turn ones too, run in-process"),
     (f"{R}.prometheus.served_model_name=policy", f"{R}.prometheus.served_model_name=policy has no effect: read only "
      "with prometheus.enable, which meshppo does not support"),
     ("data.image_patch_size=16", "data.image_patch_size=16 has no effect: meshppo's models are text-only: it reads "
