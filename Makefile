@@ -50,7 +50,7 @@ test-gpu-multi:  ## multi-GPU tests (2+ CUDA GPUs): trainer configs, same update
 	NCCL_NVLS_ENABLE=0 $(PYTHON) -m pytest tests/gpu/test_multi_gpu.py -ra -q $(PYTEST_ARGS)
 
 lint:  ## static checks (pyflakes)
-	$(PYTHON) -m pyflakes train_ppo.py models sharding rollout kl ppo trainer data rewards bench tools tests
+	$(PYTHON) -m pyflakes train_ppo.py models sharding rollout kl ppo trainer data rewards agent bench tools tests
 
 bench-gpu:  ## the GPU benchmarks (one H200): rollout, reshard, training MFU, end-to-end step
 	$(PYTHON) bench/rollout.py --quick
