@@ -45,14 +45,15 @@ class RankTool(BaseTool):
         return ToolResponse(text=f"secret {self.secret} for {parameters['key']} from rank {dist.get_rank()}"), 0.5, {}
 
 
-def _assets(root):
+def _assets(root, hidden: int = 32):
     from models import ModelArgs, Transformer
     from models.checkpoint import save_pretrained
     from tests.byte_chat import build_byte_tokenizer
 
     model_dir = os.path.join(root, "model")
     tok = build_byte_tokenizer(model_dir)
-    args = ModelArgs(model_type="qwen2", vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    args = ModelArgs(model_type="qwen2", vocab_size=260, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, attention_bias=True,
                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
     save_pretrained(Transformer.build(args, seed=0), model_dir)
@@ -70,7 +71,9 @@ def _assets(root):
         f.write(REWARD)
 
 
-def _body(rank, world_size, root):
+def _body(rank, world_size, root, device="cpu", *overrides):
+    """One step on `world_size` ranks (gloo with engine TP 2 on CPU; `tests/gpu` runs it on one GPU
+    with `overrides`)."""
     from tests.byte_chat import IM_END
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
@@ -84,10 +87,10 @@ def _body(rank, world_size, root):
         "trainer.logger=[jsonl]", "trainer.export_hf_at_end=false", "data.max_prompt_length=512",
         "data.max_response_length=200", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={world_size}", f"trainer.n_gpus_per_node={world_size}",
         "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
-        f"{root}/tools.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
-    trainer = PPOTrainer(cfg, init_distributed("cpu"))
+        f"{root}/tools.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *overrides])
+    trainer = PPOTrainer(cfg, init_distributed(device))
     tok = trainer.tokenizer
     eos = tok.convert_tokens_to_ids(IM_END)
     call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [eos]
