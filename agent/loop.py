@@ -5,8 +5,9 @@ sample of a rollout-DP replica advances together, one turn at a time, so that ea
 single call of the engine over all samples still running (continuous batching inside it):
 
     generate a turn for every running sample (each up to what is left of its response budget)
-    -> per sample: stop at the budget, at max_assistant_turns / max_user_turns, or when the turn
-       calls no tool (hermes `<tool_call>` JSON); single-turn samples stop after their first turn
+    -> per sample: stop when the engine cut the turn (its budget, or the engine's max_model_len),
+       at max_assistant_turns / max_user_turns, or when the turn calls no tool (hermes `<tool_call>`
+       JSON); single-turn samples stop after their first turn
     -> run every sample's tool calls (the first max_parallel_calls of each), all concurrently
     -> append the tool responses, rendered by the chat template as tool messages, to the sample;
        a sample whose responses do not fit in its budget stops without them (verl's rule)
@@ -112,7 +113,8 @@ class ToolAgent:
         s.mask += [1] * len(out.token_ids)
         s.assistant_turns += 1
         s.finish_reason = out.finish_reason
-        if s.agent != TOOL_AGENT or len(s.tokens) >= self.response_length:
+        # a turn the engine cut ("length": the budget, or the engine's max_model_len) ends the rollout
+        if s.agent != TOOL_AGENT or out.finish_reason == "length" or len(s.tokens) >= self.response_length:
             return False
         if self.max_assistant_turns and s.assistant_turns >= self.max_assistant_turns:
             return False

@@ -183,6 +183,16 @@ def _errors_body(rank, world_size, root):
 
     with pytest.raises(DatasetError, match="bad.jsonl:1: field 'agent_name' is 'react_agent'"):
         build(on, f"data.train_files=[{root}/bad.jsonl]")
+    bad_rows = {"text.jsonl": {"prompt": "what is k?"},
+                "kwargs.jsonl": {"prompt": [{"role": "user", "content": "x"}], "extra_info": {"tools_kwargs": {"lookup": 1}}}}
+    for name, row in bad_rows.items():
+        with open(os.path.join(root, name), "w") as f:
+            f.write(json.dumps({"data_source": "lookup", "reward_model": {"ground_truth": "7"}, "agent_name": "tool_agent",
+                                **row}) + "\n")
+    with pytest.raises(DatasetError, match="text.jsonl:1: agent_name tool_agent .* must be chat messages"):
+        build(on, f"data.train_files=[{root}/text.jsonl]")
+    with pytest.raises(DatasetError, match="kwargs.jsonl:1: field 'extra_info.tools_kwargs' must map"):
+        build(on, f"data.train_files=[{root}/kwargs.jsonl]")
 
 
 def test_multi_turn_config_errors(tmp_path):

@@ -151,3 +151,13 @@ def test_only_the_first_tp_rank_runs_the_tools(tok):
                                            share=lambda r: next(replay) if r is None else pytest.fail())
     assert (leader_tool.calls, follower_tool.calls) == (1, 0)
     assert follow[0].token_ids == lead[0].token_ids and follow[0].tool_rewards == lead[0].tool_rewards == [0.2]
+
+
+def test_a_turn_the_engine_cut_ends_the_rollout(tok):
+    """A turn cut short of its budget by the engine (its max_model_len) ends the rollout, even when
+    the cut text holds a whole tool call: the context has no room left for the answer."""
+    tool = Lookup()
+    t1 = ids(tok, call("ab"), end=False)
+    outs = agent(tok, tool).run([[1]], [(0, 0)], ["tool_agent"], [{}],
+                                lambda contexts, keys, limits: [Out(t1, [-0.5] * len(t1), "length")])
+    assert (outs[0].token_ids, outs[0].finish_reason, outs[0].num_turns, tool.calls) == (t1, "length", 2, 0)
