@@ -67,6 +67,36 @@ class BlockManager:
         seq.block_table = [self._take() for _ in range(need)]
         return [(seq.slot, col, b) for col, b in enumerate(seq.block_table)]
 
+    def blocks_to_extend(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `extend` takes for `seq`: the private copies of shared blocks from its first
+        uncomputed position on, and fresh blocks up to `num_tokens`."""
+        table, first = seq.block_table, seq.num_computed_tokens // self.block_size
+        shared = sum(self.ref_counts[b] > 1 for b in table[first:])
+        return shared + max(self.blocks_for(num_tokens) - len(table), 0)
+
+    def can_extend(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_to_extend(seq, num_tokens) <= self.num_free_blocks - self.watermark_blocks
+
+    def extend(self, seq: Sequence, num_tokens: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """Blocks for positions [0, num_tokens) of a sequence that holds the K/V of its first
+        `num_computed_tokens` positions (a continued sample, `LLMEngine.generate(keep_kv=...)`):
+        every shared block that a new position falls in becomes a private copy (its siblings keep
+        theirs), fresh blocks follow. Returns the block-table updates of every column (the
+        sequence writes them into its new slot) and the `(src, dst)` copies."""
+        table, first = seq.block_table, seq.num_computed_tokens // self.block_size
+        need = self.blocks_to_extend(seq, num_tokens)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"extend: need {need} blocks, {self.num_free_blocks} free")
+        copies = []
+        for col in range(first, len(table)):
+            if self.ref_counts[table[col]] > 1:
+                new = self._take()
+                self._release(table[col])
+                copies.append((table[col], new))
+                table[col] = new
+        table += [self._take() for _ in range(self.blocks_for(num_tokens) - len(table))]
+        return [(seq.slot, col, b) for col, b in enumerate(table)], copies
+
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int, int]]:
         """`child` shares every block of `parent` (reference counts + 1)."""
         assert not child.block_table

@@ -91,6 +91,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
         self._kv_blocks: int | None = None  # sized at the first init_cache(), then kept
         self.last_stats: dict = {}
+        # generate(keep_kv=True): the samples whose K/V stays in the pool for the next call to continue,
+        # by (prompt index, sample index), with the block manager that accounts for their blocks
+        self._kept: dict[tuple[int, int], Sequence] = {}
+        self._kept_blocks: BlockManager | None = None
 
     @classmethod
     def from_pretrained(cls, path, config: EngineConfig, tp_mesh=None, device=None) -> "LLMEngine":
@@ -113,6 +117,7 @@ class LLMEngine:
         for the engine's whole life.
         """
         self.init_weights_storage()
+        self.drop_kept()  # K/V computed with the weights about to be replaced
         return self.model.param_slots()
 
     @torch.no_grad()
@@ -217,8 +222,13 @@ class LLMEngine:
             self.runner.allocate_cache(self._kv_blocks)
 
     def free_cache(self) -> None:
-        """Release the KV pool (generate() re-allocates it)."""
+        """Release the KV pool (generate() re-allocates it), and with it any kept samples' K/V."""
+        self.drop_kept()
         self.runner.free_cache()
+
+    def drop_kept(self) -> None:
+        """Forget the K/V that `generate(keep_kv=True)` kept (the blocks return to the next call's pool)."""
+        self._kept, self._kept_blocks = {}, None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -254,7 +264,7 @@ class LLMEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,
                  prompt_index_offset: int = 0, *, sample_keys: list[tuple[int, int]] | None = None,
-                 max_tokens: list[int] | None = None) -> list[RequestOutput]:
+                 max_tokens: list[int] | None = None, keep_kv: bool = False) -> list[RequestOutput]:
         """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`.
 
         `prompt_index_offset`: these prompts are a slice, starting at that index, of a larger batch
@@ -269,6 +279,14 @@ class LLMEngine:
         after tokens appended to it (a multi-turn rollout's tool response) draws fresh noise and,
         where nothing was appended, the same tokens as one uninterrupted call. `max_tokens`: each
         prompt's own limit of new tokens, replacing `sampling_params.max_tokens`.
+
+        `keep_kv`: the samples' K/V stays in the pool after the call (while blocks last: admission
+        and decode growth take the oldest finished samples' blocks back before they preempt), and
+        the next call's prompt with the same `sample_keys` pair that extends a kept sample's tokens
+        prefills only what is new: a multi-turn rollout does not recompute its context every turn.
+        Kept K/V lasts to the next call (which keeps its own only with `keep_kv` again), which is
+        why `free_cache_engine` does not free the pool after a `keep_kv` call; it is dropped by
+        `free_cache()`, `drop_kept()` and a weight write (`param_slots()`).
         """
         if not self.model.allocated:
             raise RuntimeError("the engine's weights are released (free_weights()): load them first "
@@ -288,17 +306,31 @@ class LLMEngine:
         capture_s0, captures0 = self.runner.capture_s, self.runner.num_captures
         self.init_cache()
         c = self.config
-        bm = BlockManager(self.runner.num_blocks, c.block_size, int(WATERMARK_FRACTION * self.runner.num_blocks))
-        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
+        kept, bm = self._kept, self._kept_blocks
+        self.drop_kept()
+        if bm is None:
+            bm = BlockManager(self.runner.num_blocks, c.block_size, int(WATERMARK_FRACTION * self.runner.num_blocks))
+        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill, keep_kv=keep_kv)
         stops = params.stop_set(self.args.eos_token_id)
         n = params.n
         keys = sample_keys or [(prompt_index_offset + i, 0) for i in range(len(prompts))]
         limits = max_tokens or [params.max_tokens] * len(prompts)
+        reused = 0
         for i, p in enumerate(prompts):
-            sched.add(Sequence(seq_id=i * n, prompt_index=keys[i][0], sample_index=keys[i][1],
-                               token_ids=list(p), num_prompt_tokens=len(p),
-                               max_len=min(len(p) + limits[i], self.max_model_len),
-                               seed=params.seed, num_samples=n, stop_token_ids=stops))
+            seq = Sequence(seq_id=i * n, prompt_index=keys[i][0], sample_index=keys[i][1], token_ids=list(p),
+                           num_prompt_tokens=len(p), max_len=min(len(p) + limits[i], self.max_model_len),
+                           seed=params.seed, num_samples=n, stop_token_ids=stops)
+            prev = kept.pop(keys[i], None) if sample_keys is not None else None
+            if prev is not None and len(prev.token_ids) <= len(p) and p[:len(prev.token_ids)] == prev.token_ids:
+                # its K/V holds every position but the last (whose token was sampled, never fed back)
+                seq.block_table, prev.block_table = prev.block_table, []
+                seq.num_computed_tokens = len(prev.token_ids) - 1
+                reused += seq.num_computed_tokens
+            elif prev is not None:
+                bm.free(prev)
+            sched.add(seq)
+        for prev in kept.values():  # kept, but not continued: done
+            bm.free(prev)
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
         samples: dict[tuple[int, int], Sequence] = {}
@@ -325,7 +357,11 @@ class LLMEngine:
                 outputs.append(RequestOutput(prompt_index=s.prompt_index, sample_index=s.sample_index,
                                              prompt_token_ids=p, token_ids=s.output_token_ids, logprobs=s.logprobs,
                                              finish_reason=s.finish_reason))
+        if keep_kv:
+            self._kept = {(s.prompt_index, s.sample_index): s for s in sched.kept if s.block_table}
+            self._kept_blocks = bm
         self.last_stats = {"prefill_steps": steps["prefill"], "decode_steps": steps["decode"],
+                           "reused_kv_tokens": reused,
                            "prefill_steps_decoding": steps["prefill_decoding"],
                            "decode_batch_sizes": decode_sizes,
                            "preemptions": sched.num_preemptions, "kv_blocks": self.runner.num_blocks,
@@ -333,7 +369,7 @@ class LLMEngine:
                            "graph_capture_s": self.runner.capture_s - capture_s0,
                            "graphs_captured": self.runner.num_captures - captures0,
                            "quantize_s": quantize_s}
-        if c.free_cache_engine:
+        if c.free_cache_engine and not keep_kv:  # kept K/V holds the pool until the next call
             self.free_cache()
         return outputs
 

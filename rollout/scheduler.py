@@ -36,8 +36,12 @@ from rollout.sequence import PLACEHOLDER, ScheduledBatch, Sequence, SeqStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, keep_kv: bool = False):
         self.block_manager = block_manager
+        # finished sequences keep their blocks for the engine to continue them (`kept`, oldest first),
+        # until blocks are short: then the oldest give theirs back (`_reclaim`) before anyone is preempted
+        self.keep_kv = keep_kv
+        self.kept: deque[Sequence] = deque()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -49,7 +53,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
-        """Queue a fresh prompt (`seq.num_samples` samples will fork from it)."""
+        """Queue a fresh prompt (`seq.num_samples` samples will fork from it), or a continued sample
+        that holds the K/V of its first `num_computed_tokens` positions (`seq.block_table`)."""
         bm = self.block_manager
         if seq.num_samples > self.max_num_seqs:
             raise ValueError(f"n={seq.num_samples} samples exceed max_num_seqs={self.max_num_seqs}")
@@ -73,9 +78,26 @@ class Scheduler:
     def _admissible(self, seq: Sequence, budget: int) -> bool:
         if len(self.free_slots) < seq.num_samples:
             return False
-        if not self.enable_chunked_prefill and seq.num_tokens > budget:
+        if not self.enable_chunked_prefill and seq.num_tokens - seq.num_computed_tokens > budget:
             return False
-        return self.block_manager.can_allocate(seq.num_tokens)
+        bm = self.block_manager
+        fits = (lambda: bm.can_extend(seq, seq.num_tokens)) if seq.block_table else (
+            lambda: bm.can_allocate(seq.num_tokens))  # a continued sample needs only the positions past its K/V
+        while not fits() and self.kept:
+            self._reclaim(self.kept.popleft())
+        # then the K/V of continued sequences still queued behind this one (they will recompute it):
+        # blocks held by sequences that cannot run would otherwise block the queue for good
+        for other in reversed(self.waiting):
+            if fits():
+                break
+            if other is not seq and other.block_table:
+                self._reclaim(other)
+        return fits()
+
+    def _reclaim(self, seq: Sequence) -> None:
+        """A kept or queued sequence's blocks back to the pool (it is recomputed if continued)."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _next_is_prefill(self) -> bool:
         """Whether `schedule()` now returns a prefill step: prompt chunks pending, or a waiting one admissible."""
@@ -109,13 +131,18 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             seq.reserved_slots = [self.free_slots.pop() for _ in range(seq.num_samples - 1)]
-            batch.block_table_updates += bm.allocate(seq, seq.num_tokens)
+            if seq.block_table:  # continued from its kept K/V
+                updates, copies = bm.extend(seq, seq.num_tokens)
+                batch.block_table_updates += updates
+                batch.copies += copies
+            else:
+                batch.block_table_updates += bm.allocate(seq, seq.num_tokens)
+                seq.num_computed_tokens = 0
             seq.status = SeqStatus.RUNNING
             seq.prefilling = True
             self.num_prefilling += 1
-            seq.num_computed_tokens = 0
             self.running.append(seq)
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             budget -= n
             self._add_chunk(batch, seq, n, finished)
         # The decoding sequences take what the prompts left: budget, and blocks without preempting.
@@ -188,6 +215,8 @@ class Scheduler:
         for seq in [s for s in running if s.num_computed_tokens % bs == 0 or refs[s.block_table[-1]] > 1]:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted for an earlier sequence's block
+            while not bm.can_append(seq) and self.kept:
+                self._reclaim(self.kept.popleft())
             while not bm.can_append(seq):
                 victim = running.pop()
                 self._preempt(victim)
@@ -255,7 +284,10 @@ class Scheduler:
                 self.num_prefilling -= 1
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if self.keep_kv and seq.block_table:
+            self.kept.append(seq)
+        else:
+            self.block_manager.free(seq)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
         self.free_slots.extend(seq.reserved_slots)

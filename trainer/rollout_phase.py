@@ -95,11 +95,18 @@ class EngineRollout(_Rollout):
             outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
             capture_s = self.engine.last_stats["graph_capture_s"] if mine else 0.0
         else:
-            turn = dataclasses.replace(sp, n=1)
+            turn, first = dataclasses.replace(sp, n=1), True
 
             def one_turn(contexts, keys, limits):
-                nonlocal capture_s
-                outs = self.engine.generate(contexts, turn, sample_keys=keys, max_tokens=limits)
+                nonlocal capture_s, first
+                # Each sample's K/V stays for its next turn, which prefills only the tool's answer. The
+                # first turn is every sample from its prompt: one prefill per prompt, its n samples
+                # forked from it, as the single-turn call runs (the same keys, in the same order).
+                if first:
+                    first = False
+                    outs = self.engine.generate(mine, sp, prompt_index_offset=lo, keep_kv=True)
+                else:
+                    outs = self.engine.generate(contexts, turn, sample_keys=keys, max_tokens=limits, keep_kv=True)
                 capture_s += self.engine.last_stats["graph_capture_s"]
                 return outs
 
@@ -108,6 +115,7 @@ class EngineRollout(_Rollout):
             outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows],
                                   [agent.agents[lo + i] for i, _ in rows], [agent.tools_kwargs[lo + i] for i, _ in rows],
                                   one_turn, runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast)
+            self.engine.drop_kept()
         # Decode graphs are captured in the first generation, and again only when the weights or
         # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.
         self.timer.add("graph_capture", capture_s)

@@ -103,8 +103,8 @@ def _body(rank, world_size, root, device="cpu", *overrides):
 
     def scripted(contexts, params, *args, sample_keys=None, max_tokens=None, **kw):
         outs = engine_generate(contexts, params, *args, sample_keys=sample_keys, max_tokens=max_tokens, **kw)
-        for c, o in zip(contexts, outs):
-            if tuple(c) in prompts:  # a sample's first turn: the model calls the tool
+        for k, o in enumerate(outs):  # prompt-major, params.n samples of each context
+            if tuple(contexts[k // params.n]) in prompts:  # a sample's first turn: the model calls the tool
                 o.token_ids, o.logprobs, o.finish_reason = list(call_ids), [0.0] * len(call_ids), "stop"
         return outs
 

@@ -6,6 +6,7 @@ over the training forward's logits with the engine's counter-based noise; the re
 log-probs equal log_softmax(logits / T) of the training forward on the generated sequence.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -181,6 +182,48 @@ def test_continued_samples_draw_as_one_uninterrupted_call():
         engine.generate(prompts, sp, sample_keys=[(0, 0)] * 3)
     with pytest.raises(ValueError, match="at least 1"):
         engine.generate(prompts, sp, max_tokens=[1, 0, 1])
+
+
+@pytest.mark.parametrize("blocks, slots", [(256, 256), (8, 2)])
+def test_kept_kv_continues_samples_as_a_recompute_would(blocks, slots):
+    """`keep_kv`: turn 2 prefills only the appended tokens of each kept sample and samples exactly
+    what a recompute of the whole context samples. Samples of one prompt share its blocks (n = 2,
+    block size 4), and a first turn of one token leaves a sample's next position in the prompt's
+    shared partial block: extending it copies that block. With 8 blocks and 2 slots the kept
+    samples, and the queued continued ones, give theirs back under pressure (recomputed instead),
+    with the same tokens."""
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([6, 9, 5], seed=8)
+    engine = make_engine(model, num_kv_blocks=blocks, max_num_seqs=slots)
+    prompt_limits = [1, 4, 3]  # prompt 0's samples stop after 1 token: they continue inside the shared block
+    first_limits = [lim for lim in prompt_limits for _ in range(2)]
+    turn = SamplingParams(n=1, temperature=1.0, max_tokens=99, seed=4, ignore_eos=True)
+    keys = [(i, k) for i in range(3) for k in range(2)]
+    contexts = [prompts[i] for i, _ in keys]
+
+    def two_turns(keep: bool):
+        # turn 1 as the trainer's first turn: one prefill per prompt, its 2 samples forked from it
+        first = engine.generate(prompts, dataclasses.replace(turn, n=2), max_tokens=prompt_limits, keep_kv=keep)
+        assert [(o.prompt_index, o.sample_index) for o in first] == keys
+        second_in = [c + o.token_ids + [7, 8, 9] for c, o in zip(contexts, first)]
+        second = engine.generate(second_in, turn, sample_keys=keys, max_tokens=[6] * 6)
+        return first, second, engine.last_stats["reused_kv_tokens"]
+
+    plain_first, plain_second, none = two_turns(False)
+    kept_first, kept_second, reused = two_turns(True)
+    assert none == 0
+    if blocks == 256:  # every sample's context but its last sampled token
+        assert reused == sum(len(c) + lim - 1 for c, lim in zip(contexts, first_limits))
+    else:
+        assert reused < sum(len(c) + lim - 1 for c, lim in zip(contexts, first_limits))
+    for a, b in zip(plain_first + plain_second, kept_first + kept_second):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
+    # nothing kept after a call without keep_kv; a context that does not extend the kept tokens recomputes
+    assert not engine._kept
+    engine.generate(contexts, turn, sample_keys=keys, max_tokens=[2] * 6, keep_kv=True)
+    engine.generate([c[:-1] + [1, 2, 3] for c in contexts], turn, sample_keys=keys, max_tokens=[2] * 6)
+    assert engine.last_stats["reused_kv_tokens"] == 0
 
 
 def test_only_decoding_rows_of_a_prefill_step_may_lack_their_token_on_the_host():
