@@ -32,7 +32,7 @@ def read_entries(path: str, section: str, what: str, config_key: str, error: typ
                     + (f" with keys {list(doc)}" if isinstance(doc, dict) else ""))
     extra = [k for k in doc if k != section]
     if extra:
-        raise error(f"{path}: unknown top-level keys {extra}; a {what} holds only '{section}'")
+        raise error(f"{path}: unknown top-level keys {extra}; {what} files hold only '{section}'")
     entries = doc[section]
     if not isinstance(entries, list) or not entries:
         raise error(f"{path}: {section}: must be a non-empty list, got {entries!r}")

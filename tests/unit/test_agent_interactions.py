@@ -185,7 +185,7 @@ def _entry(**overrides):
     ("- a\n- b\n", r"must be a mapping with a 'interaction' list, got list"),
     ({"interactions": []}, r"must be a mapping with a 'interaction' list, got dict with keys \['interactions'\]"),
     ({"interaction": [_entry()], "tools": []},
-     r"unknown top-level keys \['tools'\]; a interaction config holds only 'interaction'"),
+     r"unknown top-level keys \['tools'\]; interaction config files hold only 'interaction'"),
     ({"interaction": []}, r"interaction: must be a non-empty list"),
     ({"interaction": ["gsm8k"]}, r"interaction\[0\]: must be a mapping with \['name', 'class_name', 'config'\]"),
     ({"interaction": [_entry(kwargs={})]}, r"interaction\[0\]: unknown keys \['kwargs'\]"),
