@@ -1,6 +1,17 @@
-"""Multi-turn rollouts with tool calls: the tools (verl's interface and tool config files) and the
-parser that finds the calls in a response. The turn loop that uses them lives in the trainer."""
+"""Multi-turn rollouts with tool calls and interactions: the tools (verl's interface and tool config
+files), the parser that finds the calls in a response, and the interactions (verl's simulated user
+and its config files). The turn loop that uses them is `agent.loop`."""
 
+from agent.interactions import (
+    BaseInteraction,
+    Gsm8kInteraction,
+    InteractionConfigError,
+    InteractionError,
+    finalize_interactions,
+    interaction_turns,
+    load_interactions,
+    start_interactions,
+)
 from agent.tool_parser import FORMATS, ToolCall, check_format, parse_tool_calls
 from agent.tools import (
     BaseTool,
@@ -20,8 +31,12 @@ from agent.tools import (
 
 __all__ = [
     "FORMATS",
+    "BaseInteraction",
     "BaseTool",
+    "Gsm8kInteraction",
     "Gsm8kTool",
+    "InteractionConfigError",
+    "InteractionError",
     "ToolCall",
     "ToolConfigError",
     "ToolError",
@@ -29,9 +44,13 @@ __all__ = [
     "call_tool",
     "check_format",
     "check_truncation",
+    "finalize_interactions",
+    "interaction_turns",
+    "load_interactions",
     "load_tools",
     "parse_tool_calls",
     "run_tool_calls",
+    "start_interactions",
     "system_prompt_ids",
     "tool_message_ids",
     "truncate_tool_text",

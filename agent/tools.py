@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
-import yaml
-
+from agent._load import load_class, read_entries, run
 from agent.tool_parser import ToolCall
 from rewards import gsm8k
 
@@ -227,52 +224,12 @@ VERL_TOOL_CLASSES = {
 _ENTRY_KEYS = ("class_name", "config", "tool_schema")
 
 
-def _tool_class(class_name: Any, where: str) -> type[BaseTool]:
-    """The class `class_name` names: one of verl's that meshppo provides, or `package.module.Class`."""
-    key = f"{where}.class_name"
-    if class_name in VERL_TOOL_CLASSES:
-        return VERL_TOOL_CLASSES[class_name]
-    parts = class_name.split(".") if isinstance(class_name, str) else []
-    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
-        raise ToolConfigError(f"{key}: must be a dotted import path (package.module.Class), got {class_name!r}")
-    module_name, attr = class_name.rsplit(".", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:
-        hint = (f"; of verl's tools meshppo provides {list(VERL_TOOL_CLASSES)}" if class_name.startswith("verl.")
-                else "")
-        raise ToolConfigError(f"{key}: cannot import module {module_name!r}: {type(err).__name__}: "
-                              f"{err}{hint}") from err
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ToolConfigError(f"{key}: module {module_name!r} has no {attr!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(f"{key}: {class_name} is not a subclass of agent.tools.BaseTool")
-    return cls
-
-
 def load_tools(path: str | os.PathLike) -> list[BaseTool]:
     """The tools of a verl tool config file (`tools:`, a list of `class_name`, `config` with
     `type: native`, and `tool_schema`, the tool's OpenAI function schema or none for the class's
     own), built in order. Every problem is a ToolConfigError naming the file, the entry and the key."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as err:
-        raise ToolConfigError(f"{path}: cannot read the tool config ({TOOL_CONFIG_KEY}): "
-                              f"{err.strerror or err}") from err
-    except yaml.YAMLError as err:
-        raise ToolConfigError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(doc, dict) or "tools" not in doc:
-        raise ToolConfigError(f"{path}: must be a mapping with a 'tools' list, got {type(doc).__name__}"
-                              + (f" with keys {list(doc)}" if isinstance(doc, dict) else ""))
-    extra = [k for k in doc if k != "tools"]
-    if extra:
-        raise ToolConfigError(f"{path}: unknown top-level keys {extra}; a tool config holds only 'tools'")
-    entries = doc["tools"]
-    if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{path}: tools: must be a non-empty list of tools, got {entries!r}")
+    entries = read_entries(path, "tools", "tool config", TOOL_CONFIG_KEY, ToolConfigError)
     tools: list[BaseTool] = []
     first_index: dict[str, int] = {}
     for i, entry in enumerate(entries):
@@ -296,7 +253,8 @@ def load_tools(path: str | os.PathLike) -> list[BaseTool]:
         schema = entry.get("tool_schema")
         if schema is not None:
             validate_tool_schema(schema, f"{where}.tool_schema")
-        cls = _tool_class(entry["class_name"], where)
+        cls = load_class(entry["class_name"], f"{where}.class_name", BaseTool, VERL_TOOL_CLASSES, "tools",
+                         ToolConfigError)
         try:
             tool = cls(config=config, tool_schema=schema)
         except ToolConfigError as err:
@@ -384,17 +342,6 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
     return truncate_tool_text(_response_text(tool, response), limit, side), reward, metrics
 
 
-def _run(coroutine):
-    """Run `coroutine` to the end in a new event loop: in this thread when it has none running (the
-    trainer's case), else in a worker thread (asyncio.run cannot nest), waiting for the result."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
-
-
 def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tools_kwargs: list[dict | None],
                    limit: int, side: str, max_parallel_calls: int) -> list[list[tuple[str, float | None]]]:
     """One tool turn of a batch: each row's first `max_parallel_calls` calls (with that row's
@@ -410,7 +357,7 @@ def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tool
         return await asyncio.gather(*(call_tool(tools, call, kwargs, limit, side)
                                       for row, kwargs in zip(rows, tools_kwargs) for call in row))
 
-    flat = iter(_run(turn()))
+    flat = iter(run(turn()))
     return [[(text, reward) for text, reward, _ in (next(flat) for _ in row)] for row in rows]
 
 

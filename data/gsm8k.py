@@ -9,13 +9,20 @@ what the strict scorer in `rewards.gsm8k` checks. The prompt text and the
 `extra_info` fields are verl's (`examples/data_preprocess/gsm8k.py`), so datasets
 converted by either tool are interchangeable.
 
-With `--multiturn` the rows are verl's tool-calling ones (`examples/data_preprocess/
+With `--multiturn` (or `--multiturn tool`) the rows are verl's tool-calling ones (`examples/data_preprocess/
 gsm8k_multiturn_w_tool.py`), for multi-turn rollouts with `configs/tools/gsm8k_tool.yaml`: a system
 message tells the model to solve step by step and submit its answer to the `calc_gsm8k_reward`
 tool before answering, the user message is the question with verl's instruction for this format
 (`####` in backticks), and `extra_info` adds `need_tools_kwargs`, `tools_kwargs` (the tool is
 created with the row's ground truth: `{calc_gsm8k_reward: {create_kwargs: {ground_truth}}}`) and
 `interaction_kwargs` (`query`, the user message, and `ground_truth`), as verl writes them.
+
+With `--multiturn interaction` the rows are verl's interaction ones (`examples/data_preprocess/
+gsm8k_multiturn_w_interaction.py`), for multi-turn rollouts with
+`configs/interactions/gsm8k_interaction.yaml`: the system message tells the model to solve step by
+step, to rethink when the user says it is wrong, and to answer as `#### <answer>`; the user message
+is the same as the tool rows'; `extra_info` adds only `interaction_kwargs` (`name: gsm8k`, which
+picks the interaction, `query` and `ground_truth`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ MULTITURN_SYSTEM_PROMPT = (
     "Put your final answer in the format of `#### <answer>`."
 )
 TOOL_NAME = "calc_gsm8k_reward"
+# The interaction rows' system prompt and interaction name, verl's
+# (examples/data_preprocess/gsm8k_multiturn_w_interaction.py).
+INTERACTION_SYSTEM_PROMPT = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "You should rethinking carefully if user point out your answer is wrong. "
+    "Put your final answer in the format of `#### <answer>`."
+)
+INTERACTION_NAME = "gsm8k"
+# The multi-turn variants of the rows: verl's tool-calling rows and its interaction rows.
+MULTITURN_KINDS = ("tool", "interaction")
 
 # The whole tail after the last `#### `: an optional `$` (which `rewards.gsm8k` also accepts),
 # an integer with optional thousands commas and decimal part, and an optional full stop that
@@ -53,10 +70,17 @@ def extract_final_answer(answer: str) -> str | None:
     return match.group(1).replace(",", "") if match else None
 
 
+def _check_multiturn(multiturn: str | None) -> None:
+    if multiturn is not None and multiturn not in MULTITURN_KINDS:
+        raise ValueError(f"multiturn must be None or one of {list(MULTITURN_KINDS)}, got {multiturn!r}")
+
+
 def convert_row(row: dict[str, Any], index: int, split: str, where: str = "",
-                multiturn: bool = False) -> dict[str, Any]:
-    """One GSM8K row as a verl row (`multiturn`: verl's tool-calling row); `where` prefixes error
-    messages (e.g. `file:row`)."""
+                multiturn: str | None = None) -> dict[str, Any]:
+    """One GSM8K row as a verl row (`multiturn`: `tool` for verl's tool-calling row, `interaction`
+    for its interaction row, None for the single-turn row); `where` prefixes error messages (e.g.
+    `file:row`)."""
+    _check_multiturn(multiturn)
     prefix = f"{where}: " if where else ""
     for key in ("question", "answer"):
         if key not in row or row[key] is None:
@@ -67,8 +91,19 @@ def convert_row(row: dict[str, Any], index: int, split: str, where: str = "",
     ground_truth = extract_final_answer(answer)
     if ground_truth is None:
         raise DatasetError(f"{prefix}field 'answer' does not end with '#### <number>': {answer[-80:]!r}")
-    if multiturn:
-        query = f"{question} {MULTITURN_INSTRUCTION}"
+    query = f"{question} {MULTITURN_INSTRUCTION}"
+    if multiturn == "interaction":
+        return {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "system", "content": INTERACTION_SYSTEM_PROMPT}, {"role": "user", "content": query}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ground_truth},
+            "extra_info": {
+                "split": split, "index": index, "answer": answer, "question": question,
+                "interaction_kwargs": {"name": INTERACTION_NAME, "query": query, "ground_truth": ground_truth},
+            },
+        }
+    if multiturn == "tool":
         return {
             "data_source": DATA_SOURCE,
             "prompt": [{"role": "system", "content": MULTITURN_SYSTEM_PROMPT}, {"role": "user", "content": query}],
@@ -111,13 +146,14 @@ def _write_atomically(rows: list[dict[str, Any]], output_path: str) -> None:
             os.remove(tmp)
 
 
-def convert_file(input_path: str, output_path: str, split: str = "train", multiturn: bool = False) -> int:
-    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file (`multiturn`: to verl's tool-calling rows);
-    returns the number of rows written.
+def convert_file(input_path: str, output_path: str, split: str = "train", multiturn: str | None = None) -> int:
+    """Convert a `.jsonl`/`.json`/`.parquet` GSM8K file (`multiturn`: `tool` or `interaction`, to
+    verl's multi-turn rows of that kind); returns the number of rows written.
 
     The output replaces `output_path` only once every row has converted; writing over the
     input itself is refused before anything is read.
     """
+    _check_multiturn(multiturn)
     input_path, output_path = os.fspath(input_path), os.fspath(output_path)
     _file_kind(output_path)  # an unsupported output type fails before the work, not after
     if os.path.realpath(input_path) == os.path.realpath(output_path) or (
@@ -143,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="GSM8K file (.jsonl, .json or .parquet)")
     parser.add_argument("--output", required=True, help="output file (.parquet, else JSON lines, whatever the suffix)")
     parser.add_argument("--split", default="train", help="stored in extra_info.split (default: train)")
-    parser.add_argument("--multiturn", action="store_true",
-                        help="verl's tool-calling rows for multi-turn rollouts with the calc_gsm8k_reward tool")
+    parser.add_argument("--multiturn", nargs="?", const="tool", choices=MULTITURN_KINDS, default=None,
+                        help="verl's multi-turn rows: 'tool' (the default when no value is given) for the "
+                             "calc_gsm8k_reward tool, 'interaction' for the gsm8k interaction")
     args = parser.parse_args(argv)
     try:
         n = convert_file(args.input, args.output, args.split, multiturn=args.multiturn)

@@ -629,7 +629,7 @@ def test_gsm8k_multiturn_is_only_added_fields(tmp_path):
     from data.gsm8k import convert_row
 
     single = convert_row(GSM8K_SAMPLE[0], 3, "train")
-    multi = convert_row(GSM8K_SAMPLE[0], 3, "train", multiturn=True)
+    multi = convert_row(GSM8K_SAMPLE[0], 3, "train", multiturn="tool")
     assert {k: v for k, v in multi.items() if k not in ("prompt", "extra_info")} == \
         {k: v for k, v in single.items() if k not in ("prompt", "extra_info")}
     added = set(multi["extra_info"]) - set(single["extra_info"])
@@ -642,10 +642,72 @@ def test_gsm8k_multiturn_rows_feed_the_dataset_with_their_tools_kwargs(tmp_path,
     tok.chat_template = "{% for m in messages %}<|{{ 'assistant' if m['role'] == 'system' else 'user' }}|>" \
                         "{% endfor %}<|assistant|>"
     dst = str(tmp_path / "out.jsonl")
-    assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst, multiturn=True) == 2
+    assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst, multiturn="tool") == 2
     ds = RLHFDataset(dst, tok)
     assert ds[0]["prompt_text"] == "<|assistant|><|user|><|assistant|>"
     assert ds[1]["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1500"}}}
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_gsm8k_interaction_rows_are_verls_interaction_rows(tmp_path, ext):
+    """--multiturn interaction writes the rows of verl's gsm8k_multiturn_w_interaction.py."""
+    src = write_records(GSM8K_SAMPLE, tmp_path / f"in.{ext}")
+    dst = str(tmp_path / f"out.{ext}")
+    assert gsm8k_main(["--input", src, "--output", dst, "--split", "test", "--multiturn", "interaction"]) == 0
+    rows = [row for _, row in read_records(dst)]
+    query = ("A car costs $1,200 plus $300 tax. Total? "
+             "Let's think step by step and output the final answer after `####`.")
+    assert rows[1] == {
+        "data_source": "openai/gsm8k",
+        "prompt": [
+            {"role": "system", "content": (
+                "You are a math expert. You are given a question and you need to solve it step by step. "
+                "You should rethinking carefully if user point out your answer is wrong. "
+                "Put your final answer in the format of `#### <answer>`.")},
+            {"role": "user", "content": query},
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1500"},
+        "extra_info": {
+            "split": "test", "index": 1, "answer": GSM8K_SAMPLE[1]["answer"], "question": GSM8K_SAMPLE[1]["question"],
+            "interaction_kwargs": {"name": "gsm8k", "query": query, "ground_truth": "1500"},
+        },
+    }
+    assert rows[0]["extra_info"]["interaction_kwargs"]["ground_truth"] == "7"
+    assert list(rows[1]["extra_info"]) == ["split", "index", "answer", "question", "interaction_kwargs"]
+
+
+def test_gsm8k_interaction_rows_differ_from_the_tool_rows_in_system_prompt_and_kwargs():
+    from data.gsm8k import convert_row
+
+    tool = convert_row(GSM8K_SAMPLE[0], 3, "train", multiturn="tool")
+    inter = convert_row(GSM8K_SAMPLE[0], 3, "train", multiturn="interaction")
+    assert inter["prompt"][1] == tool["prompt"][1] and inter["prompt"][0] != tool["prompt"][0]
+    assert {k: v for k, v in inter.items() if k not in ("prompt", "extra_info")} == \
+        {k: v for k, v in tool.items() if k not in ("prompt", "extra_info")}
+    assert inter["extra_info"]["interaction_kwargs"] == {"name": "gsm8k", **tool["extra_info"]["interaction_kwargs"]}
+    assert set(tool["extra_info"]) - set(inter["extra_info"]) == {"need_tools_kwargs", "tools_kwargs"}
+
+
+def test_gsm8k_multiturn_option_values(tmp_path, capsys):
+    """A bare --multiturn still means the tool rows; an unknown kind is refused by the CLI and the API."""
+    from data.gsm8k import convert_row
+
+    src = write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl")
+    bare, tool = str(tmp_path / "bare.jsonl"), str(tmp_path / "tool.jsonl")
+    assert gsm8k_main(["--input", src, "--multiturn", "--output", bare]) == 0
+    assert gsm8k_main(["--input", src, "--output", tool, "--multiturn", "tool"]) == 0
+    assert list(read_records(bare)) == list(read_records(tool))
+    assert "tools_kwargs" in read_records(bare)[0][1]["extra_info"]
+    with pytest.raises(SystemExit) as exit_info:
+        gsm8k_main(["--input", src, "--output", str(tmp_path / "x.jsonl"), "--multiturn", "user"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'user'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"multiturn must be None or one of \['tool', 'interaction'\], got True"):
+        convert_row(GSM8K_SAMPLE[0], 0, "train", multiturn=True)
+    with pytest.raises(ValueError, match=r"got 'user'"):
+        convert_file(src, str(tmp_path / "y.jsonl"), multiturn="user")
+    assert not (tmp_path / "y.jsonl").exists()
 
 
 def test_gsm8k_converted_file_feeds_the_dataset(tmp_path, tokenizer):

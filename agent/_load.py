@@ -1,0 +1,75 @@
+"""What the tool and the interaction layers share: reading their verl config files (a YAML mapping
+with one list of entries), loading an entry's class by import path, and running a batch of
+coroutines in one event loop.
+
+The errors name the file, the entry and the key, and are raised as the caller's error class
+(`ToolConfigError`, `InteractionConfigError`) so that each layer's users catch one type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import yaml
+
+
+def read_entries(path: str, section: str, what: str, config_key: str, error: type[Exception]) -> list:
+    """The non-empty list under `section` of the YAML file `path`, the only top-level key it may
+    have. `what` names the file's kind in messages ("tool config"), `config_key` the setting that
+    points at it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as err:
+        raise error(f"{path}: cannot read the {what} ({config_key}): {err.strerror or err}") from err
+    except yaml.YAMLError as err:
+        raise error(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(doc, dict) or section not in doc:
+        raise error(f"{path}: must be a mapping with a '{section}' list, got {type(doc).__name__}"
+                    + (f" with keys {list(doc)}" if isinstance(doc, dict) else ""))
+    extra = [k for k in doc if k != section]
+    if extra:
+        raise error(f"{path}: unknown top-level keys {extra}; {what} files hold only '{section}'")
+    entries = doc[section]
+    if not isinstance(entries, list) or not entries:
+        raise error(f"{path}: {section}: must be a non-empty list, got {entries!r}")
+    return entries
+
+
+def load_class(class_name: Any, key: str, base: type, verl_classes: dict[str, type], kind: str,
+               error: type[Exception]) -> type:
+    """The subclass of `base` that `class_name` names: one of verl's that meshppo provides
+    (`verl_classes`, verl's import path to meshppo's class) or `package.module.Class`. `key` is the
+    entry's `class_name` key for messages, `kind` what the classes are ("tools")."""
+    if isinstance(class_name, str) and class_name in verl_classes:
+        return verl_classes[class_name]
+    parts = class_name.split(".") if isinstance(class_name, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise error(f"{key}: must be a dotted import path (package.module.Class), got {class_name!r}")
+    module_name, attr = class_name.rsplit(".", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        hint = (f"; of verl's {kind} meshppo provides {list(verl_classes)}" if class_name.startswith("verl.")
+                else "")
+        raise error(f"{key}: cannot import module {module_name!r}: {type(err).__name__}: {err}{hint}") from err
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise error(f"{key}: module {module_name!r} has no {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise error(f"{key}: {class_name} is not a subclass of {base.__module__}.{base.__qualname__}")
+    return cls
+
+
+def run(coroutine):
+    """Run `coroutine` to the end in a new event loop: in this thread when it has none running (the
+    trainer's case), else in a worker thread (asyncio.run cannot nest), waiting for the result."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
