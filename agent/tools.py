@@ -398,16 +398,25 @@ def system_prompt_ids(tokenizer, **chat_template_kwargs) -> list[int]:
     return one[:len(one) - per_message]
 
 
-def tool_message_ids(tokenizer, texts: list[str], system_prompt: list[int], **chat_template_kwargs) -> list[int]:
-    """The tokens that append the tool answers `texts` to a chat: `tool` messages rendered with the
-    generation prompt (the model's next turn opens), without the `system_prompt` prefix the template
-    puts before any first message (`system_prompt_ids`)."""
-    if not texts:
-        raise ValueError("tool_message_ids needs at least one tool answer")
-    ids = _chat_ids(tokenizer, [{"role": "tool", "content": t} for t in texts], True, chat_template_kwargs)
+def message_ids(tokenizer, messages: list[dict], system_prompt: list[int], **chat_template_kwargs) -> list[int]:
+    """The tokens that append `messages` (tool answers, an interaction's user reply) to a chat:
+    rendered with the generation prompt (the model's next turn opens), without the `system_prompt`
+    prefix the template puts before any first message (`system_prompt_ids`), as verl cuts them."""
+    if not messages:
+        raise ValueError("message_ids needs at least one message")
+    ids = _chat_ids(tokenizer, messages, True, chat_template_kwargs)
     n = len(system_prompt)
     if ids[:n] != list(system_prompt):
-        raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)} does not start a chat of tool messages "
-                         f"with the tokens it puts before a first user message ({n} tokens), so the tool turn's "
-                         "tokens cannot be cut from it")
+        roles = sorted({m["role"] for m in messages})
+        raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)} does not start a chat of {roles} "
+                         f"messages with the tokens it puts before a first user message ({n} tokens), so the "
+                         "turn's tokens cannot be cut from it")
     return ids[n:]
+
+
+def tool_message_ids(tokenizer, texts: list[str], system_prompt: list[int], **chat_template_kwargs) -> list[int]:
+    """`message_ids` of the tool answers `texts`, as `tool` messages."""
+    if not texts:
+        raise ValueError("tool_message_ids needs at least one tool answer")
+    return message_ids(tokenizer, [{"role": "tool", "content": t} for t in texts], system_prompt,
+                       **chat_template_kwargs)

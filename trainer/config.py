@@ -641,8 +641,10 @@ class MultiTurnConfig:
     max_user_turns: int | None = opt(None, "most tool-response turns per rollout (null: no limit)", ge=1)
     tool_config_path: str | None = opt(None, "verl's tool config (YAML: tools with class_name, config, tool_schema; "
                                              "null: no tools)")
-    interaction_config_path: str | None = opt(None, "not supported: must be null (verl: a simulated user between "
-                                                    "turns)", unsupported=lambda v: v is not None)
+    interaction_config_path: str | None = opt(None, "verl's interaction config (YAML: interactions with name, "
+                                                    "class_name, config): a simulated user that answers a turn "
+                                                    "without tool calls; rows pick one with "
+                                                    "extra_info.interaction_kwargs.name")
     max_parallel_calls: int = opt(1, "tool calls run per turn (the first ones of a turn)", ge=1)
     max_tool_response_length: int = opt(256, "a tool response's length limit in characters", ge=1)
     tool_response_truncate_side: str = opt("middle", "where a longer tool response is cut: left keeps its start, "
@@ -653,7 +655,7 @@ class MultiTurnConfig:
                                               no_effect=_LEGACY_SGLANG)
     format: str = opt("hermes", "the tool-call format of the model's turns", choices=("hermes",))
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
-                                          no_effect="verl reads it nowhere (interactions are not supported)")
+                                          no_effect="verl reads it nowhere")
 
 
 # Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would

@@ -146,7 +146,7 @@ class PPOTrainer:
             "reward_model.model.input_tokenizer is set (verl's default), so the reward model reads each prompt's "
             "messages and the response rendered with its own chat template; store chat messages, or set "
             "reward_model.model.input_tokenizer=null to give it the actor's token ids")
-        tools = self._load_tools()
+        tools, interactions = self._load_tools()
         # verl's sampler with data.seed null draws from an unseeded torch.Generator: its fixed default seed
         seed = torch.Generator().initial_seed() if d.seed is None else d.seed
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -160,7 +160,7 @@ class PPOTrainer:
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)
-        self.agent_loop = self._tool_agent(tools)
+        self.agent_loop = self._tool_agent(tools, interactions)
         if len(self.train_ds) < d.gen_batch_size:
             key = "gen_batch_size" if d.gen_batch_size != d.train_batch_size else "train_batch_size"
             raise ConfigError(f"data.{key} ({d.gen_batch_size}) is larger than the training set "
@@ -251,23 +251,32 @@ class PPOTrainer:
                                             batching=MicroBatching(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
                                                                    rm.forward_max_token_len_per_gpu))
 
-    def _load_tools(self) -> list:
-        """The tools of `rollout.multi_turn.tool_config_path` (none without multi-turn), loaded and
-        checked before any data or model."""
+    def _load_tools(self) -> tuple[list, dict]:
+        """The tools of `rollout.multi_turn.tool_config_path` and the interactions of its
+        `interaction_config_path` (none without multi-turn), loaded and checked before any data or model."""
         mt = self.cfg.actor_rollout_ref.rollout.multi_turn
-        if not mt.enable or mt.tool_config_path is None:
-            return []
+        if not mt.enable:
+            return [], {}
+        from agent.interactions import InteractionConfigError, load_interactions
         from agent.tools import ToolConfigError, load_tools
 
+        key = "actor_rollout_ref.rollout.multi_turn"
         try:
-            return load_tools(mt.tool_config_path)
+            tools = load_tools(mt.tool_config_path) if mt.tool_config_path is not None else []
         except ToolConfigError as e:
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}") from None
+            raise ConfigError(f"{key}.tool_config_path: {e}") from None
+        try:
+            interactions = (load_interactions(mt.interaction_config_path) if mt.interaction_config_path is not None
+                            else {})
+        except InteractionConfigError as e:
+            raise ConfigError(f"{key}.interaction_config_path: {e}") from None
+        return tools, interactions
 
-    def _tool_agent(self, tools: list):
+    def _tool_agent(self, tools: list, interactions: dict):
         """The multi-turn loop (`agent.loop.ToolAgent`) when `rollout.multi_turn.enable`, else None;
         either way the datasets' rows must agree with the switch: a row that runs the tool agent
-        needs it on, and with it on some training row must (else every tool option is ignored)."""
+        needs it on, and with it on some training row must (else every tool option is ignored);
+        with interactions, every tool-agent row must name one (`extra_info.interaction_kwargs.name`)."""
         r = self.cfg.actor_rollout_ref.rollout
         counts = [(name, ds.count_agents()) for name, ds in (("data.train_files", self.train_ds),
                                                             ("data.val_files", self.val_ds)) if ds is not None]
@@ -282,6 +291,16 @@ class PPOTrainer:
             raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true but no row of data.train_files runs "
                               "the tool agent: give the rows agent_name tool_agent or set "
                               "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+        if interactions:
+            for name, ds in (("data.train_files", self.train_ds), ("data.val_files", self.val_ds)):
+                for it in ds or []:
+                    kwargs = it["extra_info"].get("interaction_kwargs")
+                    if it["agent_name"] == "tool_agent" and (not isinstance(kwargs, dict)
+                                                             or kwargs.get("name") not in interactions):
+                        raise ConfigError(
+                            f"{name}, row {it['index']}: extra_info.interaction_kwargs must name one of the "
+                            f"interactions of actor_rollout_ref.rollout.multi_turn.interaction_config_path "
+                            f"({sorted(interactions)}) with 'name'; got {kwargs!r}")
         from agent.loop import ToolAgent
 
         mt = r.multi_turn
@@ -289,7 +308,7 @@ class PPOTrainer:
                          max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
                          max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
                          tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
-                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs)
+                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs, interactions=interactions)
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
@@ -358,7 +377,9 @@ class PPOTrainer:
         sp = sampling or self._sampling(validate)
         agent = None
         if self.agent_loop is not None:
-            agent = AgentRows(self.agent_loop, [it["agent_name"] for it in items], [it["tools_kwargs"] for it in items])
+            agent = AgentRows(self.agent_loop, [it["agent_name"] for it in items], [it["tools_kwargs"] for it in items],
+                              [it["raw_prompt"] for it in items],
+                              [it["extra_info"].get("interaction_kwargs") for it in items])
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
                                      eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
                                      seed=seed, agent=agent, **sp)

@@ -37,11 +37,14 @@ from trainer.tracking import PeakMemory, Timer
 @dataclass
 class AgentRows:
     """A multi-turn generation (`rollout.multi_turn.enable`): the loop, and per prompt of the whole
-    batch its agent (`agent_name`) and its tools' arguments (`extra_info.tools_kwargs`)."""
+    batch its agent (`agent_name`), its tools' arguments (`extra_info.tools_kwargs`), its chat
+    messages and its interaction's arguments (`extra_info.interaction_kwargs`)."""
 
     loop: ToolAgent
     agents: list[str]
     tools_kwargs: list[dict]
+    messages: list
+    interaction_kwargs: list[dict | None]
 
 
 def _all_gather_outputs(local: list, index: int, count: int) -> list:
@@ -112,9 +115,11 @@ class EngineRollout(_Rollout):
 
             # Each sample of prompt lo + i is its own row, keyed (lo + i, k) as the single-turn call keys it.
             rows = [(i, k) for i in range(len(mine)) for k in range(n)]
-            outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows],
-                                  [agent.agents[lo + i] for i, _ in rows], [agent.tools_kwargs[lo + i] for i, _ in rows],
-                                  one_turn, runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast)
+            per_row = lambda xs: [xs[lo + i] for i, _ in rows]  # noqa: E731
+            outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows], per_row(agent.agents),
+                                  per_row(agent.tools_kwargs), one_turn, runs_tools=self.engine.tp.rank == 0,
+                                  share=self._tp_broadcast, messages=per_row(agent.messages),
+                                  interaction_kwargs=per_row(agent.interaction_kwargs))
             self.engine.drop_kept()
         # Decode graphs are captured in the first generation, and again only when the weights or
         # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.

@@ -12,6 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from agent.interactions import BaseInteraction
 from agent.tools import BaseTool, ToolResponse
 from tests.dist_utils import run_distributed
 
@@ -45,6 +46,25 @@ class RankTool(BaseTool):
         return ToolResponse(text=f"secret {self.secret} for {parameters['key']} from rank {dist.get_rank()}"), 0.5, {}
 
 
+class Judge(BaseInteraction):
+    """Replies "again" (score 0.25) until the model has answered (after its tool call) more times than
+    the row's `patience`, then ends the rollout (score 0.5); names the rank that ran it. Counts its
+    replies."""
+
+    replies = 0
+
+    async def start_interaction(self, instance_id=None, patience=0, **kwargs):
+        self.patience = getattr(self, "patience", {})
+        self.patience[instance_id] = patience
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        Judge.replies += 1
+        answers = sum(m["role"] == "assistant" for m in messages) - 1  # the first turn called the tool
+        done = answers > self.patience[instance_id]
+        return done, f"again, from rank {dist.get_rank()}", 0.5 if done else 0.25, {}
+
+
 def _assets(root, hidden: int = 32):
     from models import ModelArgs, Transformer
     from models.checkpoint import save_pretrained
@@ -64,9 +84,13 @@ def _assets(root, hidden: int = 32):
                    "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"secret": f"s{i}"}}}}}
             if i == 3:
                 row["agent_name"] = "single_turn_agent"
+            else:
+                row["extra_info"]["interaction_kwargs"] = {"name": "judge", "patience": i}
             f.write(json.dumps(row) + "\n")
     with open(os.path.join(root, "tools.yaml"), "w") as f:
         f.write("tools:\n  - class_name: tests.e2e.test_multi_turn_trainer.RankTool\n    config: {type: native}\n")
+    with open(os.path.join(root, "judge.yaml"), "w") as f:
+        f.write("interaction:\n  - name: judge\n    class_name: tests.e2e.test_multi_turn_trainer.Judge\n")
     with open(os.path.join(root, "reward.py"), "w") as f:
         f.write(REWARD)
 
@@ -193,8 +217,94 @@ def _errors_body(rank, world_size, root):
         build(on, f"data.train_files=[{root}/text.jsonl]")
     with pytest.raises(DatasetError, match="kwargs.jsonl:1: field 'extra_info.tools_kwargs' must map"):
         build(on, f"data.train_files=[{root}/kwargs.jsonl]")
+    judge = f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/judge.yaml"
+    with pytest.raises(ConfigError, match="multi_turn.interaction_config_path: .*nothing.yaml"):
+        build(on, f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/nothing.yaml")
+    with open(os.path.join(root, "nameless.jsonl"), "w") as f:
+        f.write(json.dumps({"data_source": "lookup", "prompt": [{"role": "user", "content": "x"}],
+                            "reward_model": {"ground_truth": "7"}, "agent_name": "tool_agent",
+                            "extra_info": {"interaction_kwargs": {"name": "teacher"}}}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.train_files, row 0: extra_info.interaction_kwargs must name one of "
+                                          r".*\(\['judge'\]\) with 'name'; got \{'name': 'teacher'\}"):
+        build(on, judge, f"data.train_files=[{root}/nameless.jsonl]")
 
 
 def test_multi_turn_config_errors(tmp_path):
     _assets(str(tmp_path))
     run_distributed(_errors_body, 1, str(tmp_path), timeout=300)
+
+
+def _interaction_body(rank, world_size, root):
+    """Tools and interactions together, every turn scripted (the first calls the tool, the others
+    answer "ok"): a row with patience p gets the tool's answer, then p "again" replies from the
+    judge (user messages, masked out, ran on rank 0 only), then the judge ends it. The turn scores
+    and counts reach the reward."""
+    from tests.byte_chat import IM_END
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
+        f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/run_judge",
+        "trainer.resume_mode=disable", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]", "trainer.export_hf_at_end=false", "data.max_prompt_length=512",
+        "data.max_response_length=400", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={root}/tools.yaml",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/judge.yaml",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    trainer = PPOTrainer(cfg, init_distributed("cpu"))
+    tok = trainer.tokenizer
+    eos = tok.convert_tokens_to_ids(IM_END)
+    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [eos]
+    ok_ids = tok("ok", add_special_tokens=False)["input_ids"] + [eos]
+    prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
+    engine_generate = trainer.engine.generate
+
+    def scripted(contexts, params, *args, **kw):
+        outs = engine_generate(contexts, params, *args, **kw)
+        for k, o in enumerate(outs):
+            first = tuple(contexts[k // params.n]) in prompts
+            o.token_ids = list(call_ids if first else ok_ids)
+            o.logprobs, o.finish_reason = [0.0] * len(o.token_ids), "stop"
+        return outs
+
+    trainer.engine.generate = scripted
+    batches = []
+    generate_all = trainer._generate_all
+    trainer._generate_all = lambda *a, **k: batches.append(generate_all(*a, **k)) or batches[-1]
+    metrics = trainer.step()
+    full = batches[0]
+    from agent.tools import message_ids, system_prompt_ids
+
+    system = system_prompt_ids(tok)
+    expected_score = 0.0
+    for i, response in enumerate(full.responses):
+        info = full.extra_infos[i]
+        secret = info["tools_kwargs"]["lookup"]["create_kwargs"]["secret"]
+        if secret == "s3":
+            assert response == call_ids and full.num_turns[i] == 2 and info["turn_scores"] == []
+            expected_score += 2
+            continue
+        patience = info["interaction_kwargs"]["patience"]
+        answer = message_ids(tok, [{"role": "tool", "content": f"secret {secret} for k from rank 0"}], system)
+        again = message_ids(tok, [{"role": "user", "content": "again, from rank 0"}], system)
+        assert response == call_ids + answer + (ok_ids + again) * patience + ok_ids, (rank, secret)
+        mask = full.response_mask[i, :len(response)].tolist()
+        assert mask == [1.0] * len(call_ids) + [0.0] * len(answer) + ([1.0] * len(ok_ids) + [0.0] * len(again)) \
+            * patience + [1.0] * len(ok_ids)
+        assert info["turn_scores"] == [0.25] * patience + [0.5] and info["tool_rewards"] == [0.5]
+        assert full.num_turns[i] == 2 + patience + 1 + patience + 1  # model turns, tool answer, replies, 1
+        expected_score += full.num_turns[i] + 0.5 + len(info["turn_scores"])
+    assert abs(metrics["critic/score/mean"] - expected_score / 8) < 0.001, (metrics["critic/score/mean"], expected_score)
+    # 6 tool rows, each judged patience + 1 times (patience 0, 1, 2 over two samples each), on rank 0 only
+    assert Judge.replies == (2 * (1 + 2 + 3) if rank == 0 else 0), (rank, Judge.replies)
+
+
+def test_multi_turn_with_interactions_in_the_trainer(tmp_path):
+    _assets(str(tmp_path))
+    run_distributed(_interaction_body, 2, str(tmp_path), timeout=600)

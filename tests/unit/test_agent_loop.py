@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from agent.loop import ToolAgent
-from agent.tools import BaseTool, ToolResponse, system_prompt_ids, tool_message_ids
+from agent.interactions import BaseInteraction
+from agent.tools import BaseTool, ToolResponse, message_ids, system_prompt_ids, tool_message_ids
 from tests.byte_chat import IM_END, build_byte_tokenizer
 
 SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "look a key up",
@@ -161,3 +162,70 @@ def test_a_turn_the_engine_cut_ends_the_rollout(tok):
     outs = agent(tok, tool).run([[1]], [(0, 0)], ["tool_agent"], [{}],
                                 lambda contexts, keys, limits: [Out(t1, [-0.5] * len(t1), "length")])
     assert (outs[0].token_ids, outs[0].finish_reason, outs[0].num_turns, tool.calls) == (t1, "length", 2, 0)
+
+
+class Teacher(BaseInteraction):
+    """Says "try again" (score 0) until the last assistant message holds "4", then stops (score 1);
+    records the chats it read, and its starts and ends."""
+
+    def __init__(self):
+        super().__init__({"name": "teacher"})
+        self.read, self.started, self.ended = [], [], []
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        self.started.append(kwargs)
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        self.read.append([dict(m) for m in messages])
+        done = "4" in messages[-1]["content"]
+        return done, "try again", 1.0 if done else 0.0, {}
+
+    async def finalize_interaction(self, instance_id=None, **kwargs):
+        self.ended.append(instance_id)
+
+
+def test_interactions_reply_between_turns(tok):
+    """A turn without tool calls goes to the row's interaction, whose reply is appended as a user
+    message (masked out) until it ends the rollout; its scores are the turn scores; the chat it
+    reads holds the prompt, the model's turns as text and the tool and user messages."""
+    teacher, tool = Teacher(), Lookup()
+    a = agent(tok, tool, interactions={"teacher": teacher})
+    prompt = [{"role": "user", "content": "2+2?"}]
+    kwargs = {"name": "teacher", "level": 1}
+    script = Script(tok, {(0, 0): ["3", call("ab"), "#### 4"], (1, 0): ["plain"]})
+    outs = a.run([[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "single_turn_agent"], [{}, {}], script,
+                 messages=[prompt, prompt], interaction_kwargs=[kwargs, None])
+    system = system_prompt_ids(tok)
+    reply = message_ids(tok, [{"role": "user", "content": "try again"}], system)
+    answer = tool_message_ids(tok, ["value of ab"], system)
+    t1, t2, t3 = ids(tok, "3"), ids(tok, call("ab")), ids(tok, "#### 4")
+    o = outs[0]
+    assert o.token_ids == t1 + reply + t2 + answer + t3
+    assert o.mask == [1] * len(t1) + [0] * len(reply) + [1] * len(t2) + [0] * len(answer) + [1] * len(t3)
+    assert (o.num_turns, o.turn_scores, o.tool_rewards, o.finish_reason) == (6, [0.0, 1.0], [0.2], "stop")
+    assert outs[1].num_turns == 2 and outs[1].turn_scores == []  # single-turn: no interaction
+    assert teacher.started == [kwargs] and len(teacher.ended) == 1
+    assert teacher.read[1] == prompt + [{"role": "assistant", "content": "3"}, {"role": "user", "content": "try again"},
+                                        {"role": "assistant", "content": call("ab")},
+                                        {"role": "tool", "content": "value of ab"},
+                                        {"role": "assistant", "content": "#### 4"}]
+
+
+def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
+    """A tool layer error where the tools run is raised on the ranks that only wait for its results."""
+    class Broken(Teacher):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            raise KeyError("gone")
+
+    shared = []
+    kw = dict(messages=[[{"role": "user", "content": "x"}]], interaction_kwargs=[{"name": "teacher"}])
+    with pytest.raises(Exception, match="gone"):
+        agent(tok, Lookup(), interactions={"teacher": Broken()}).run(
+            [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): ["3"]}),
+            share=lambda r: shared.append(r) or r, **kw)
+    replay = iter(shared)
+    with pytest.raises(RuntimeError, match="first TP rank.*InteractionError.*gone"):
+        agent(tok, Lookup(), interactions={"teacher": Broken()}).run(
+            [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): ["3"]}), runs_tools=False,
+            share=lambda r: next(replay), **kw)
