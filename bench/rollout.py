@@ -5,6 +5,8 @@
     python bench/rollout.py --quick         # 0.5b at 256 only, no HF
     python bench/rollout.py --models qwen2.5-0.5b --batches "" --batch1-models "" --skip-hf --eos-models qwen2.5-0.5b
                                             # the EOS workload only (variable lengths, continuous batching)
+    python bench/rollout.py --models "" --batch1-models "" --skip-hf --turns-models qwen2.5-0.5b
+                                            # the multi-turn workload only (K/V kept between turns or not)
     torchrun --nproc_per_node=2 bench/rollout.py --tp 2 --models qwen2.5-7b --batch1-models "" --skip-hf
                                             # one engine over 2 GPUs (tensor parallel, NCCL)
 
@@ -44,6 +46,16 @@ time, so the figures of one record come from one run):
 * `--kv-cache-dtype fp8` (workload `kv_cache_dtype`): the KV cache as e4m3 values with a float32 scale
   per token and KV head; the byte count reads the cache at that size (values and scales).
 
+Multi-turn workload (`--turns-models`): `--turns-prompts` (256) samples of 128-token prompts,
+`--turns` (4) model turns of `--turn-tokens` (64) tokens each (EOS ignored), `--tool-tokens` (64)
+random tokens appended to every sample between turns (a tool's answer), each turn one `generate`
+over every sample as `agent.loop` calls it. Three variants, alternating, median of `--repeats`:
+`kept` (each sample's K/V kept for its next turn, `generate(keep_kv=True)`, as the trainer runs),
+`recomputed` (every turn prefills its whole context) and `one_call` (one call generating as many
+tokens, without the tool answers: the floor). Reported per variant: generated tok/s (model tokens
+/ wall), the tokens prefilled and the prefill steps' GPU time; `kept_speedup` = recomputed wall /
+kept wall.
+
 EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
 of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
 EOS honoured. Random weights never pick a particular token, so EOS is made likely on purpose:
@@ -69,6 +81,7 @@ of the first capture; the trainer's `free_engine_weights` keeps the graphs). `--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -312,6 +325,69 @@ def measure_eos(name: str, args) -> dict:
     return rec
 
 
+def measure_turns(name: str, args) -> dict:
+    """The multi-turn workload (module docstring): `--turns` turns of `--turn-tokens` tokens for each
+    of `--turns-prompts` samples, `--tool-tokens` random tokens appended between turns (a tool's
+    answer), each turn one `generate` over every sample as `agent.loop` calls it; with the samples'
+    K/V kept between turns (`keep_kv`, as the trainer runs) and recomputed every turn, and as a
+    reference one call that generates as many tokens without the tool answers."""
+    p, b, k, t, u = args.prompt_len, args.turns_prompts, args.turns, args.turn_tokens, args.tool_tokens
+    engine = build_engine(name, b, p + k * (t + u), args)
+    vocab = engine.args.vocab_size
+    prompts = random_prompts(b, p, vocab, seed=11)
+    g = torch.Generator().manual_seed(12)
+    answers = [[torch.randint(0, vocab, (u,), generator=g).tolist() for _ in range(b)] for _ in range(k - 1)]
+    keys = [(i, 0) for i in range(b)]
+    turn = SamplingParams(temperature=1.0, max_tokens=t, ignore_eos=True, seed=1)
+
+    def turns(keep: bool) -> dict:
+        contexts, prefilled, prefill_s = [list(q) for q in prompts], 0, 0.0
+        for j in range(k):
+            engine.runner.step_events = []
+            outs = engine.generate(contexts, turn, sample_keys=keys, keep_kv=keep)
+            prefill_s += step_seconds(engine.runner.step_events)[0]
+            prefilled += sum(map(len, contexts)) - engine.last_stats["reused_kv_tokens"]
+            contexts = [c + o.token_ids + (answers[j][i] if j < k - 1 else []) for i, (c, o) in
+                        enumerate(zip(contexts, outs))]
+        engine.drop_kept()
+        return dict(prefilled=prefilled, prefill_s=prefill_s)
+
+    def one_call() -> dict:
+        engine.runner.step_events = []
+        engine.generate(prompts, dataclasses.replace(turn, max_tokens=k * t))
+        return dict(prefilled=b * p, prefill_s=step_seconds(engine.runner.step_events)[0])
+
+    variants = {"kept": lambda: turns(True), "recomputed": lambda: turns(False), "one_call": one_call}
+    for run in variants.values():  # warm-up: compile and capture what every variant visits
+        run()
+    runs = {v: [] for v in variants}
+    with args.telemetry.window():
+        for rep in range(args.repeats):
+            for v, run in variants.items():  # alternating, so that clock drift touches each alike
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = run()
+                torch.cuda.synchronize()
+                runs[v].append(dict(out, wall=time.perf_counter() - t0))
+        engine.runner.step_events = None
+    med = {v: median_run(r) for v, r in runs.items()}
+    generated = b * k * t
+    rec = emit(
+        "rollout_turns", {"engine": "meshppo", "model": name, "prompts": b, "prompt_len": p, "turns": k,
+                          "turn_tokens": t, "tool_tokens": u, "temperature": 1.0, "ignore_eos": True, "tp": args.tp,
+                          "cuda_graphs": not args.enforce_eager},
+        **{f"{v}_tok_per_s": round(generated / m["wall"], 1) for v, m in med.items()},
+        **{f"{v}_wall_s": round(m["wall"], 4) for v, m in med.items()},
+        **{f"{v}_walls_s": [round(r["wall"], 4) for r in runs[v]] for v in variants},
+        **{f"{v}_prefill_s_gpu": round(m["prefill_s"], 4) for v, m in med.items()},
+        **{f"{v}_prefilled_tokens": m["prefilled"] for v, m in med.items()},
+        kept_speedup=round(med["recomputed"]["wall"] / med["kept"]["wall"], 4),
+        **args.telemetry.take(),
+    )
+    del engine
+    return rec
+
+
 def measure_hf(name: str, batch: int, args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -410,6 +486,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eos-max-seqs", type=int, default=256)
     ap.add_argument("--eos-max-tokens", type=int, default=1024)
     ap.add_argument("--eos-mean", type=int, default=256, help="V / this many ids end a sample (mean length)")
+    ap.add_argument("--turns-models", default="", help="models run through the multi-turn workload")
+    ap.add_argument("--turns-prompts", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=4, help="model turns per sample (multi-turn workload)")
+    ap.add_argument("--turn-tokens", type=int, default=64, help="tokens a model turn generates")
+    ap.add_argument("--tool-tokens", type=int, default=64, help="tokens appended between turns (a tool's answer)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--capture-sizes", default="",
@@ -436,8 +517,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean) < 1:
-        ap.error("--repeats and the --eos-* sizes must be >= 1")
+    if args.repeats < 1 or min(args.eos_prompts, args.eos_max_seqs, args.eos_max_tokens, args.eos_mean,
+                               args.turns_prompts, args.turns, args.turn_tokens, args.tool_tokens) < 1:
+        ap.error("--repeats, the --eos-* and the --turn* / --tool-tokens sizes must be >= 1")
     if args.repeats % 2 == 0:
         ap.error(f"--repeats {args.repeats}: give an odd count (the figures are the median run's)")
     if not torch.cuda.is_available():
@@ -485,6 +567,9 @@ def run(args) -> int:
     for name in [m for m in args.eos_models.split(",") if m]:
         eos_records.append(measure_eos(name, args))
         _release()
+    for name in [m for m in args.turns_models.split(",") if m]:
+        records.append(measure_turns(name, args))
+        _release()
     for spec in [x for x in args.profile.split(",") if x]:
         name, b = spec.split(":")
         profile_decode(name, int(b), args)
@@ -505,7 +590,8 @@ def apply_quick(args) -> None:
 
 
 # The options that choose what is measured; every other option is passed on to each child as given.
-SELECTION = dict(models="", batches="", batch1_models="", eos_models="", profile="", skip_hf=True, hf_batches="")
+SELECTION = dict(models="", batches="", batch1_models="", eos_models="", turns_models="", profile="", skip_hf=True,
+                 hf_batches="")
 
 
 def isolated_jobs(args) -> list[dict]:
@@ -516,6 +602,7 @@ def isolated_jobs(args) -> list[dict]:
     jobs = [dict(SELECTION, models=m, batches=args.batches) for m in args.models.split(",") if m and args.batches]
     jobs += [dict(SELECTION, batch1_models=m) for m in args.batch1_models.split(",") if m]
     jobs += [dict(SELECTION, eos_models=m) for m in args.eos_models.split(",") if m]
+    jobs += [dict(SELECTION, turns_models=m) for m in args.turns_models.split(",") if m]
     jobs += [dict(SELECTION, profile=spec) for spec in args.profile.split(",") if spec]
     if not args.skip_hf:
         jobs += [dict(SELECTION, models=m, skip_hf=False, hf_batches=b)
@@ -568,6 +655,8 @@ def _launch(argv: list[str]):
 
 
 def print_tables(records: list[dict], eos_records: list[dict]) -> None:
+    turns = [r for r in records if r["benchmark"] == "rollout_turns"]
+    records = [r for r in records if r["benchmark"] != "rollout_turns"]
     print("\n| engine | model | prompts | tok/s | ms/step gpu | ms/step wall | bw util | floor ratio | peak GB | "
           "SM MHz / W |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -588,6 +677,16 @@ def print_tables(records: list[dict], eos_records: list[dict]) -> None:
                   f"{r['occupancy']} | {r['frac_steps_full']} | {r['prefill_s_gpu']} / {r['decode_s_gpu']} / "
                   f"{r['gpu_idle_s']} | {r['graph_capture_s_first']} / "
                   f"{r['graph_capture_s_after_free']} |")
+    if turns:
+        print("\n| model | samples x turns x tokens (+ tool) | tok/s kept / recomputed / one call | prefilled tokens "
+              "kept / recomputed | prefill GPU s kept / recomputed | kept speed-up |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in turns:
+            w = r["workload"]
+            print(f"| {w['model']} | {w['prompts']} x {w['turns']} x {w['turn_tokens']} (+ {w['tool_tokens']}) | "
+                  f"{r['kept_tok_per_s']:,.0f} / {r['recomputed_tok_per_s']:,.0f} / {r['one_call_tok_per_s']:,.0f} | "
+                  f"{r['kept_prefilled_tokens']:,} / {r['recomputed_prefilled_tokens']:,} | "
+                  f"{r['kept_prefill_s_gpu']} / {r['recomputed_prefill_s_gpu']} | {r['kept_speedup']} |")
 
 
 if __name__ == "__main__":

@@ -326,6 +326,33 @@ def test_prefill_graphs_equal_eager():
     assert [o.token_ids for o in again] == [o.token_ids for o in a] and graph.runner.prefill_graphs
 
 
+def test_kept_kv_continuations_equal_recomputed_ones_with_graphs():
+    """generate(keep_kv=True) on the GPU (Triton kernels, decode and prefill CUDA graphs, block size
+    16): turn 2 prefills only the appended tokens, from positions inside a kept block, and samples
+    what a recompute of the whole context samples (float32: same tokens, log-probs within 1e-4),
+    the race over the training forward's logits."""
+    model = _gpu_model("qwen2")
+    prompts = prompts_of([5, 40, 17, 33], seed=9)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=6)
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    keys = [(i, k) for i in range(4) for k in range(2)]
+    turn = SamplingParams(temperature=1.0, max_tokens=11, seed=6)
+    runs = {}
+    for keep in (True, False):
+        first = engine.generate(prompts, params, keep_kv=keep)
+        contexts = [prompts[i] + o.token_ids + [3, 1, 4, 1, 5][:1 + i] for (i, _), o in zip(keys, first)]
+        second = engine.generate(contexts, turn, sample_keys=keys)
+        runs[keep] = (first, second, engine.last_stats["reused_kv_tokens"])
+    assert engine.runner.graphs and engine.runner.prefill_graphs
+    (kept_first, kept, reused), (plain_first, plain, none) = runs[True], runs[False]
+    assert none == 0 and reused == sum(len(prompts[i]) + 9 - 1 for i, _ in keys)
+    for x, y in zip(kept_first + kept, plain_first + plain):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+    for o in kept:
+        check_against_training_forward(model, o, turn, atol=1e-4)
+
+
 def _logprob_errors(outs, models):
     """Mean |log-prob - float32 reference| over the generated tokens: of the engine, then of each other model.
 
