@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from models import peak_bf16_flops
+from data.dataset import TOOL_AGENT
 from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
@@ -282,12 +283,12 @@ class PPOTrainer:
                                                             ("data.val_files", self.val_ds)) if ds is not None]
         if not r.multi_turn.enable:
             for name, c in counts:
-                if c["tool_agent"]:
-                    raise ConfigError(f"{name}: {c['tool_agent']} row(s) run the tool agent (agent_name tool_agent or "
+                if c[TOOL_AGENT]:
+                    raise ConfigError(f"{name}: {c[TOOL_AGENT]} row(s) run the tool agent (agent_name tool_agent or "
                                       "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent) but "
                                       "actor_rollout_ref.rollout.multi_turn.enable is false")
             return None
-        if not counts[0][1]["tool_agent"]:
+        if not counts[0][1][TOOL_AGENT]:
             raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true but no row of data.train_files runs "
                               "the tool agent: give the rows agent_name tool_agent or set "
                               "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
@@ -295,8 +296,8 @@ class PPOTrainer:
             for name, ds in (("data.train_files", self.train_ds), ("data.val_files", self.val_ds)):
                 for it in ds or []:
                     kwargs = it["extra_info"].get("interaction_kwargs")
-                    if it["agent_name"] == "tool_agent" and (not isinstance(kwargs, dict)
-                                                             or kwargs.get("name") not in interactions):
+                    if it["agent_name"] == TOOL_AGENT and (not isinstance(kwargs, dict)
+                                                           or kwargs.get("name") not in interactions):
                         raise ConfigError(
                             f"{name}, row {it['index']}: extra_info.interaction_kwargs must name one of the "
                             f"interactions of actor_rollout_ref.rollout.multi_turn.interaction_config_path "

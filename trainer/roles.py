@@ -33,7 +33,7 @@ from trainer.batching import PrefixGroups, shared_prefix_items, token_budget_par
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
-from trainer.rollout_batch import SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch
+from trainer.rollout_batch import OPTIONAL_SEQUENCE_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch
 from sharding import comm
 from sharding.ulysses import SequenceParallel, gather_rows
 from sharding.fsdp import (FSDPConfig, keep_compute_copies, load_states, no_gradient_sync, offload_states,
@@ -94,10 +94,12 @@ def pool_rows(ro: RolloutBatch, sp: SequenceParallel | None) -> tuple[RolloutBat
     if sp is None:
         return ro, slice(0, len(ro))
     every: list = [None] * sp.size
-    dist.all_gather_object(every, {name: getattr(ro, name) for name in SEQUENCE_FIELDS}, group=sp.group)
+    # the optional lists a batch has, every rank's alike (a multi-turn batch's turn masks among them)
+    names = SEQUENCE_FIELDS + tuple(name for name in OPTIONAL_SEQUENCE_FIELDS if getattr(ro, name) is not None)
+    dist.all_gather_object(every, {name: getattr(ro, name) for name in names}, group=sp.group)
     counts = [len(e["prompts"]) for e in every]
     tensors = {name: gather_rows(t, sp, counts) for name in TOKEN_FIELDS if (t := getattr(ro, name)) is not None}
-    lists = {name: [x for e in every for x in e[name]] for name in SEQUENCE_FIELDS}
+    lists = {name: [x for e in every for x in e[name]] for name in names}
     start = sum(counts[:sp.rank])
     return RolloutBatch(**lists, width=ro.width, device=ro.device, **tensors), slice(start, start + len(ro))
 

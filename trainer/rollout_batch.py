@@ -23,6 +23,8 @@ from trainer.forward import index_on
 # The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
+# Per-sequence lists that only some batches have (None otherwise): kept by `take`, `concat` and pooling.
+OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns")
 TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
                 "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
 
@@ -137,10 +139,9 @@ class RolloutBatch:
                    if (t := getattr(self, name)) is not None}
         others = (None if self.other_extras is None
                   else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
-        rows_of = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others,
-                            raw_prompts=rows_of(self.raw_prompts), turn_masks=rows_of(self.turn_masks),
-                            num_turns=rows_of(self.num_turns), **tensors)
+        optional = {name: None if (xs := getattr(self, name)) is None else [xs[i] for i in idx]
+                    for name in OPTIONAL_SEQUENCE_FIELDS}
+        return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, **optional, **tensors)
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -159,8 +160,8 @@ class RolloutBatch:
             parts = [getattr(b, name) for b in batches]
             return None if any(p is None for p in parts) else [x for p in parts for x in p]
 
-        return RolloutBatch(**lists, width=width, device=batches[0].device, raw_prompts=joined("raw_prompts"),
-                            turn_masks=joined("turn_masks"), num_turns=joined("num_turns"))
+        return RolloutBatch(**lists, width=width, device=batches[0].device,
+                            **{name: joined(name) for name in OPTIONAL_SEQUENCE_FIELDS})
 
     @staticmethod
     def sequences(token_ids: list[list[int]], device) -> RolloutBatch:
