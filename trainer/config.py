@@ -11,6 +11,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from agent.tool_parser import FORMATS
+from agent.tools import TRUNCATE_SIDES
 from data.dataset import TRUNCATION_MODES
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
@@ -625,7 +627,6 @@ class SamplingOverrides:
     do_sample: bool = opt(False, "sample during validation (false: greedy)")
 
 
-TRUNCATE_SIDES = ("left", "right", "middle")
 _LEGACY_SGLANG = "verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"
 
 
@@ -653,7 +654,7 @@ class MultiTurnConfig:
                                             no_effect=_LEGACY_SGLANG)
     tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
                                               no_effect=_LEGACY_SGLANG)
-    format: str = opt("hermes", "the tool-call format of the model's turns", choices=("hermes",))
+    format: str = opt("hermes", "the tool-call format of the model's turns", choices=FORMATS)
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
                                           no_effect="verl reads it nowhere")
 
