@@ -187,8 +187,11 @@ class DataConfig:
     video_key: str = opt("videos", "the field of a row's videos: a row that has any is refused at load")
     image_patch_size: int = opt(14, "verl: the vision encoder's patch size", no_effect=_TEXT_ONLY_WHY)
     return_multi_modal_inputs: bool = opt(True, "verl: pass the rows' processed images on", no_effect=_TEXT_ONLY_WHY)
-    tool_config_path: str | None = opt(None, "not supported: must be null (verl: the tools of multi-turn rollouts)",
-                                       unsupported=lambda v: v is not None)
+    tool_config_path: str | None = opt(None, "verl: the tools whose schemas the overlong-prompt filter renders; "
+                                             "null or actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                                       no_effect="meshppo renders the tool agent's prompts with the tools of "
+                                                 "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the "
+                                                 "overlong-prompt filter counts them so")
     custom_cls: DataClassConfig = section(DataClassConfig, "verl's dataset class of the user's")
     datagen: DataClassConfig = section(DataClassConfig, "verl's prompt generator of the user's")
     sampler: SamplerClassConfig = section(SamplerClassConfig, "verl's sampler class of the user's")
@@ -771,7 +774,8 @@ class RolloutConfig:
     enable_prefix_caching: bool = opt(True, "verl: the engine's cache of prompt prefixes across requests",
                                       no_effect="meshppo's engine prefills each prompt once for its n samples, which "
                                                 "share its KV blocks copy-on-write (rollout/block_manager.py); it "
-                                                "keeps no cache across prompts")
+                                                "keeps no cache across prompts (a multi-turn sample keeps its "
+                                                "own K/V between its turns)")
     multi_stage_wake_up: bool = opt(False, "verl: bring the engine's weights back before its KV cache (lower peak "
                                            "memory)",
                                     no_effect="meshppo's engine always does: the weights come back at the reshard, "
@@ -1746,6 +1750,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
+    if cfg.data.tool_config_path is not None and cfg.data.tool_config_path != rollout.multi_turn.tool_config_path:
+        raise ConfigError(f"data.tool_config_path={cfg.data.tool_config_path!r} differs from actor_rollout_ref.rollout."
+                          f"multi_turn.tool_config_path={rollout.multi_turn.tool_config_path!r}: meshppo renders (and "
+                          "filters) the tool agent's prompts with the rollout's tools; set it null or to the same file")
     if rollout.multi_turn.enable and rollout.engine != "native":
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.name=native: the turns "
                           f"continue each sample in meshppo's engine, and rollout.name={rollout.name} has none")

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainer.config import PPOConfig, config_notes
+from trainer.config import PPOConfig, config_notes, validate
 from trainer.configlib import ConfigError, build_dataclass, load_config
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -89,11 +89,10 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     "critic.model.external_lib=my_lib", "critic.model.trust_remote_code=true",
     f"{R}.logprobs_mode=raw_logprobs", f"{R}.logprobs_mode=processed_logits", f"{R}.scheduling_policy=priority",
     f"{R}.over_sample_rate=0.1", f"{R}.agent.agent_loop_config_path=a.yaml",
-    f"{R}.agent.custom_async_server.path=srv.py", f"{R}.multi_turn.interaction_config_path=i.yaml",
-    f"{R}.checkpoint_engine.backend=nccl",
+    f"{R}.agent.custom_async_server.path=srv.py", f"{R}.checkpoint_engine.backend=nccl",
     f"{R}.trace.backend=weave", f"{R}.skip_rollout=true", f"{R}.enable_rollout_routing_replay=true",
     f"{R}.quantization_config_file=q.json", f"{R}.prometheus.enable=true",
-    "data.tool_config_path=tools.yaml", "data.custom_cls.path=ds.py", "data.datagen.path=gen.py",
+"data.custom_cls.path=ds.py", "data.datagen.path=gen.py",
     "data.sampler.class_path=sampler.py", "trainer.default_hdfs_dir=hdfs://x", "trainer.del_local_ckpt_after_load=true",
 ])
 def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
@@ -125,7 +124,7 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
                                             "critic.model.tiled_mlp.enabled=true"),
     (f"{R}.enable_prefix_caching=false", f"{R}.enable_prefix_caching=false has no effect: meshppo's engine prefills "
      "each prompt once for its n samples, which share its KV blocks copy-on-write (rollout/block_manager.py); it "
-     "keeps no cache across prompts"),
+     "keeps no cache across prompts (a multi-turn sample keeps its own K/V between its turns)"),
     (f"{R}.engine_kwargs.vllm={{swap_space: 4}}",  # a dotted key into a dict field replaces the dict
      f"{R}.engine_kwargs={{'vllm': {{'swap_space': 4}}}} has no effect: meshppo generates with its own engine, which "
      "takes none of them"),
@@ -268,3 +267,15 @@ def test_the_rollout_and_reward_model_profilers_tool_config_is_verls_copy_of_the
     assert _round_trips(cfg)
     with pytest.raises(ConfigError, match=f"{R}.profiler.tool_config=.* differs from {A}.profiler.tool_config"):
         _cfg(f"{R}.profiler.tool_config={{torch: {{contents: [cpu]}}}}")
+
+
+def test_data_tool_config_path_is_the_rollouts_or_refused():
+    """verl's `data.tool_config_path` (the tools its overlong filter renders): meshppo renders the
+    tool agent's prompts, filter included, with the rollout's tools, so it may only name the same file."""
+    cfg = _cfg("data.tool_config_path=t.yaml", f"{R}.multi_turn.tool_config_path=t.yaml")
+    assert config_notes(cfg) == [
+        "data.tool_config_path=t.yaml has no effect: meshppo renders the tool agent's prompts with the tools of "
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the overlong-prompt filter counts them so"]
+    with pytest.raises(ConfigError, match="data.tool_config_path='t.yaml' differs from actor_rollout_ref.rollout."
+                                          "multi_turn.tool_config_path=None"):
+        validate(_cfg("data.tool_config_path=t.yaml"), 2)
