@@ -95,9 +95,11 @@ def _assets(root, hidden: int = 32):
         f.write(REWARD)
 
 
-def _body(rank, world_size, root, device="cpu", *overrides):
-    """One step on `world_size` ranks (gloo with engine TP 2 on CPU; `tests/gpu` runs it on one GPU
-    with `overrides`)."""
+def _scripted_step(root, run, device, world_size, later_turn, *overrides):
+    """One step of a trainer of the tool agent on `world_size` ranks (engine TP `world_size`) whose
+    engine's turns are scripted: each sample's first turn calls the tool (`CALL`), a later one is
+    `later_turn` (token ids), or the engine's own when None. Returns the trainer, the step's
+    metrics, its rollouts, and the call's token ids."""
     from tests.byte_chat import IM_END
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
@@ -106,30 +108,27 @@ def _body(rank, world_size, root, device="cpu", *overrides):
 
     cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
         f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
-        f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/run",
+        f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/{run}",
         "trainer.resume_mode=disable", "trainer.total_training_steps=1", "trainer.val_before_train=false",
         "trainer.logger=[jsonl]", "trainer.export_hf_at_end=false", "data.max_prompt_length=512",
-        "data.max_response_length=200", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={world_size}", f"trainer.n_gpus_per_node={world_size}",
         "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
         f"{root}/tools.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *overrides])
     trainer = PPOTrainer(cfg, init_distributed(device))
     tok = trainer.tokenizer
-    eos = tok.convert_tokens_to_ids(IM_END)
-    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [eos]
+    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
     prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
-    # the tool agent's prompts were rendered with the tool's schema, as verl's tool agent renders them
-    for it in trainer.train_ds:
-        assert ('"name": "lookup"' in tok.decode(it["input_ids"])) == (it["agent_name"] == "tool_agent")
-
     engine_generate = trainer.engine.generate
 
-    def scripted(contexts, params, *args, sample_keys=None, max_tokens=None, **kw):
-        outs = engine_generate(contexts, params, *args, sample_keys=sample_keys, max_tokens=max_tokens, **kw)
+    def scripted(contexts, params, *args, **kw):
+        outs = engine_generate(contexts, params, *args, **kw)
         for k, o in enumerate(outs):  # prompt-major, params.n samples of each context
-            if tuple(contexts[k // params.n]) in prompts:  # a sample's first turn: the model calls the tool
-                o.token_ids, o.logprobs, o.finish_reason = list(call_ids), [0.0] * len(call_ids), "stop"
+            first = tuple(contexts[k // params.n]) in prompts
+            if first or later_turn is not None:
+                o.token_ids = list(call_ids if first else later_turn)
+                o.logprobs, o.finish_reason = [0.0] * len(o.token_ids), "stop"
         return outs
 
     trainer.engine.generate = scripted
@@ -137,7 +136,18 @@ def _body(rank, world_size, root, device="cpu", *overrides):
     generate_all = trainer._generate_all
     trainer._generate_all = lambda *a, **k: batches.append(generate_all(*a, **k)) or batches[-1]
     metrics = trainer.step()
-    full = batches[0]
+    return trainer, metrics, batches[0], call_ids
+
+
+def _body(rank, world_size, root, device="cpu", *overrides):
+    """One step on `world_size` ranks (gloo with engine TP 2 on CPU; `tests/gpu` runs it on one GPU
+    with `overrides`), the turns after the first the model's own."""
+    trainer, metrics, full, call_ids = _scripted_step(root, "run", device, world_size, None,
+                                                      "data.max_response_length=200", *overrides)
+    tok = trainer.tokenizer
+    # the tool agent's prompts were rendered with the tool's schema, as verl's tool agent renders them
+    for it in trainer.train_ds:
+        assert ('"name": "lookup"' in tok.decode(it["input_ids"])) == (it["agent_name"] == "tool_agent")
     assert len(full) == 8 and full.num_turns is not None
     mask = full.response_mask.cpu()
     for i, (prompt, response) in enumerate(zip(full.prompts, full.responses)):
@@ -239,46 +249,14 @@ def _interaction_body(rank, world_size, root):
     answer "ok"): a row with patience p gets the tool's answer, then p "again" replies from the
     judge (user messages, masked out, ran on rank 0 only), then the judge ends it. The turn scores
     and counts reach the reward."""
-    from tests.byte_chat import IM_END
-    from trainer.config import PPOConfig
-    from trainer.configlib import load_config
-    from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
+    from tests.byte_chat import IM_END, build_byte_tokenizer
 
-    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
-        f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
-        f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/run_judge",
-        "trainer.resume_mode=disable", "trainer.total_training_steps=1", "trainer.val_before_train=false",
-        "trainer.logger=[jsonl]", "trainer.export_hf_at_end=false", "data.max_prompt_length=512",
-        "data.max_response_length=400", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={root}/tools.yaml",
-        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/judge.yaml",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
-    trainer = PPOTrainer(cfg, init_distributed("cpu"))
+    tok = build_byte_tokenizer()
+    ok_ids = tok("ok", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
+    trainer, metrics, full, call_ids = _scripted_step(
+        root, "run_judge", "cpu", world_size, ok_ids, "data.max_response_length=400",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/judge.yaml")
     tok = trainer.tokenizer
-    eos = tok.convert_tokens_to_ids(IM_END)
-    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [eos]
-    ok_ids = tok("ok", add_special_tokens=False)["input_ids"] + [eos]
-    prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
-    engine_generate = trainer.engine.generate
-
-    def scripted(contexts, params, *args, **kw):
-        outs = engine_generate(contexts, params, *args, **kw)
-        for k, o in enumerate(outs):
-            first = tuple(contexts[k // params.n]) in prompts
-            o.token_ids = list(call_ids if first else ok_ids)
-            o.logprobs, o.finish_reason = [0.0] * len(o.token_ids), "stop"
-        return outs
-
-    trainer.engine.generate = scripted
-    batches = []
-    generate_all = trainer._generate_all
-    trainer._generate_all = lambda *a, **k: batches.append(generate_all(*a, **k)) or batches[-1]
-    metrics = trainer.step()
-    full = batches[0]
     from agent.tools import message_ids, system_prompt_ids
 
     system = system_prompt_ids(tok)

@@ -19,6 +19,7 @@ from agent import (
 )
 from agent.interactions import GSM8K_CORRECT, GSM8K_INCORRECT, default_name
 from data.gsm8k import convert_row
+from tests.agent_files import user_module, write_yaml
 
 SHIPPED = "configs/interactions/gsm8k_interaction.yaml"
 CORRECT = "Your response is correct!"
@@ -135,15 +136,11 @@ class NotAnInteraction:
 
 @pytest.fixture
 def user_interactions(tmp_path, monkeypatch):
-    (tmp_path / "meshppo_test_user_interactions.py").write_text(USER_INTERACTIONS, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "meshppo_test_user_interactions"
+    return user_module(tmp_path, monkeypatch, "meshppo_test_user_interactions", USER_INTERACTIONS)
 
 
 def _write_config(tmp_path, doc, name="interactions.yaml"):
-    path = tmp_path / name
-    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc), encoding="utf-8")
-    return str(path)
+    return write_yaml(tmp_path, doc, name)
 
 
 def test_shipped_config_is_verls_gsm8k_interaction():

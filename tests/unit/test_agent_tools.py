@@ -26,6 +26,7 @@ from agent import (
 )
 from agent.tools import GSM8K_TOOL_SCHEMA
 from rewards.gsm8k import compute_score
+from tests.agent_files import user_module, write_yaml
 
 SHIPPED = "configs/tools/gsm8k_tool.yaml"
 
@@ -187,15 +188,11 @@ class NotATool:
 
 @pytest.fixture
 def user_tools(tmp_path, monkeypatch):
-    (tmp_path / "meshppo_test_user_tools.py").write_text(USER_TOOLS, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "meshppo_test_user_tools"
+    return user_module(tmp_path, monkeypatch, "meshppo_test_user_tools", USER_TOOLS)
 
 
 def _write_config(tmp_path, doc, name="tools.yaml"):
-    path = tmp_path / name
-    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc), encoding="utf-8")
-    return str(path)
+    return write_yaml(tmp_path, doc, name)
 
 
 def test_a_users_tool_by_dotted_path_with_its_own_schema(tmp_path, user_tools):
