@@ -170,7 +170,7 @@ def _validation_seeds(base: int, num_prompts: int, chunk: int) -> list[tuple[int
     def generate_all(items, validate, seed):
         assert validate
         calls.append((seed, len(items)))
-        return NS(responses=[], data_sources=[], ground_truths=[], extra_infos=[], prompts=[], uids=[])
+        return NS(responses=[], data_sources=[], ground_truths=[], extra_infos=[], prompts=[], uids=[], num_turns=None)
 
     tok = NS(clean_up_tokenization_spaces=True, batch_decode=lambda seqs, skip_special_tokens: ["" for _ in seqs])
     fake = NS(val_ds=[{} for _ in range(num_prompts)], timer=Timer(CPU), _generate_all=generate_all, tokenizer=tok,
