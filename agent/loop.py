@@ -42,6 +42,7 @@ from agent.interactions import BaseInteraction, finalize_interactions, interacti
 from agent.tool_parser import parse_tool_calls
 from agent.tools import BaseTool, message_ids, run_tool_calls, system_prompt_ids
 from data.dataset import TOOL_AGENT
+from models.tokenizer import decode_batch
 
 
 @dataclass
@@ -60,7 +61,7 @@ class TurnOutput:
     turn_scores: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sample:
     key: tuple[int, int]
     context: list[int]
@@ -117,10 +118,11 @@ class ToolAgent:
         With interactions: `messages[i]`, the prompt as chat messages, and `interaction_kwargs[i]`
         (verl's `extra_info.interaction_kwargs`, whose `name` picks the interaction)."""
         samples = [_Sample(k, list(p), a, kw) for p, k, a, kw in zip(prompts, keys, agents, tools_kwargs)]
-        talkers = [s for s in samples if s.agent == TOOL_AGENT] if self.interactions else []
-        for i, s in enumerate(samples):
-            if s in talkers:
-                s.messages, s.interaction_kwargs = list(messages[i]), interaction_kwargs[i]
+        if self.interactions:
+            for s, m, kw in zip(samples, messages, interaction_kwargs):
+                if s.agent == TOOL_AGENT:
+                    s.messages, s.interaction_kwargs = list(m), kw
+        talkers = [s for s in samples if s.messages is not None]
         if talkers:
             ids = _first_rank(lambda: start_interactions(self.interactions, [(uuid4().hex, s.interaction_kwargs)
                                                                              for s in talkers]), runs_tools, share)
@@ -130,7 +132,12 @@ class ToolAgent:
         while running:
             outs = generate([s.context for s in running], [s.key for s in running],
                             [self.response_length - len(s.tokens) for s in running])
-            nexts = [self._take_turn(s, o) for s, o in zip(running, outs)]
+            # the turns as text, in one batched decode each: with special tokens for the tool calls
+            # (verl's parser reads them so), without for the chat an interaction reads
+            tokens = [o.token_ids for o in outs]
+            texts = decode_batch(self.tokenizer, tokens, skip_special_tokens=False)
+            chats = decode_batch(self.tokenizer, tokens) if talkers else texts
+            nexts = [self._take_turn(s, o, text, chat) for s, o, text, chat in zip(running, outs, texts, chats)]
             calling = [s for s, n in zip(running, nexts) if n == "tools"]
             asking = [s for s, n in zip(running, nexts) if n == "interaction"]
             tool_results, replies = _first_rank(lambda: (self._run_tools(calling), self._ask(asking)), runs_tools,
@@ -142,8 +149,9 @@ class ToolAgent:
                                                                           for s in talkers]), runs_tools, share)
         return [s.output() for s in samples]
 
-    def _take_turn(self, s: _Sample, out) -> str | None:
-        """Append one generated turn; what comes next: "tools", "interaction", or None (the end)."""
+    def _take_turn(self, s: _Sample, out, text: str, chat: str) -> str | None:
+        """Append one generated turn (`text`: decoded with its special tokens, `chat`: without);
+        what comes next: "tools", "interaction", or None (the end)."""
         s.context += out.token_ids
         s.tokens += out.token_ids
         s.logprobs += list(out.logprobs)
@@ -157,10 +165,9 @@ class ToolAgent:
             return None
         if self.max_user_turns and s.user_turns >= self.max_user_turns:
             return None
-        _, s.calls = parse_tool_calls(self.tokenizer.decode(out.token_ids), self.format)
+        _, s.calls = parse_tool_calls(text, self.format)
         if s.messages is not None:  # what the interaction reads: the turn as text, as verl decodes it
-            s.messages.append({"role": "assistant",
-                               "content": self.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
+            s.messages.append({"role": "assistant", "content": chat})
         if s.calls:
             return "tools"
         return "interaction" if s.instance is not None else None

@@ -42,6 +42,7 @@ class Scheduler:
         # until blocks are short: then the oldest give theirs back (`_reclaim`) before anyone is preempted
         self.keep_kv = keep_kv
         self.kept: deque[Sequence] = deque()
+        self.continues = False  # some queued sequence holds K/V of its own (a continuation)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -70,6 +71,7 @@ class Scheduler:
                 f"a sequence of {seq.max_len} tokens cannot be prefilled in one step of "
                 f"max_num_batched_tokens={self.max_num_batched_tokens} without chunked prefill")
         seq.status = SeqStatus.WAITING
+        self.continues |= bool(seq.block_table)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -86,12 +88,14 @@ class Scheduler:
         while not fits() and self.kept:
             self._reclaim(self.kept.popleft())
         # then the K/V of continued sequences still queued behind this one (they will recompute it):
-        # blocks held by sequences that cannot run would otherwise block the queue for good
-        for other in reversed(self.waiting):
-            if fits():
-                break
-            if other is not seq and other.block_table:
-                self._reclaim(other)
+        # blocks held by sequences that cannot run would otherwise block the queue for good. Only
+        # where continuations were queued: a plain generation does not walk its queue per step.
+        if self.continues and not fits():
+            for other in reversed(self.waiting):
+                if other is not seq and other.block_table:
+                    self._reclaim(other)
+                    if fits():
+                        break
         return fits()
 
     def _reclaim(self, seq: Sequence) -> None:

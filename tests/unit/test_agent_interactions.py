@@ -117,11 +117,11 @@ from agent.interactions import BaseInteraction
 
 
 class FooInteraction(BaseInteraction):
-    pass
+    """The base interaction under a name verl derives as "foo"."""
 
 
 class Judge(BaseInteraction):
-    pass
+    """The base interaction under a name without verl's suffix ("judge")."""
 
 
 class Broken(BaseInteraction):
@@ -130,7 +130,7 @@ class Broken(BaseInteraction):
 
 
 class NotAnInteraction:
-    pass
+    """A class that is not a BaseInteraction: load_interactions refuses it."""
 '''
 
 

@@ -182,7 +182,7 @@ class Broken(BaseTool):
 
 
 class NotATool:
-    pass
+    """A class that is not a BaseTool: load_tools refuses it."""
 '''
 
 
