@@ -164,6 +164,8 @@ def engine_config(max_seqs: int, max_len: int, args) -> EngineConfig:
                         enforce_eager=args.enforce_eager, tp_all_reduce=args.tp_all_reduce,
                         cudagraph_capture_sizes=args.capture_sizes, quantization=args.quantization,
                         kv_cache_dtype=args.kv_cache_dtype,
+                        **({} if args.max_num_batched_tokens is None
+                           else {"max_num_batched_tokens": args.max_num_batched_tokens}),
                         **({} if args.prefill_graph_max_tokens is None
                            else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}))
 
@@ -196,7 +198,8 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         assert all(len(o.token_ids) == new for o in outs)
         decode = [s.elapsed_time(e) for pre, rows, s, e in events if not pre and rows == batch]
         runs.append(dict(wall=wall, decode_ms=statistics.median(decode), prefill_s=step_seconds(events)[0],
-                         decode_steps=engine.last_stats["decode_steps"], peak=torch.cuda.max_memory_allocated(),
+                         decode_steps=engine.last_stats["decode_steps"],
+                         prefill_steps=engine.last_stats["prefill_steps"], peak=torch.cuda.max_memory_allocated(),
                          trend=step_trend(decode)))
     run = median_run(runs)
     gpu_ms = run["decode_ms"]
@@ -208,6 +211,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         "rollout", {"engine": "meshppo", "model": name, "prompts": batch, "prompt_len": p, "new_tokens": new,
                     "temperature": 1.0, "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager,
                     "prefill_graph_tokens": engine.runner.prefill_graph_tokens,
+                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                     "quantization": engine.config.quantization, "kv_cache_dtype": engine.config.kv_cache_dtype,
                     "tp_all_reduce": engine.tp_all_reduce,
                     # the engine serves every --batches size: its KV pool (peak_memory_gb) is sized for this many
@@ -219,6 +223,7 @@ def measure_engine(engine: LLMEngine, name: str, batch: int, args) -> dict:
         decode_ms_per_step_gpu=round(gpu_ms, 4),
         decode_ms_per_step_wall=round((run["wall"] - run["prefill_s"]) / run["decode_steps"] * 1e3, 4),
         decode_steps=run["decode_steps"],
+        prefill_steps=run["prefill_steps"],
         bytes_per_step_gb=round(nbytes / 1e9, 4),
         logits_gb=round(logits_bytes / 1e9, 4),
         bandwidth_util=round(nbytes / (gpu_ms / 1e3) / H200_HBM_BYTES_PER_S, 4),
@@ -496,6 +501,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (default: the engine's ladder)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="EngineConfig.prefill_graph_max_tokens (default: the engine's; 0: prefill always eager)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="EngineConfig.max_num_batched_tokens: the most tokens a step schedules (default: the engine's)")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="EngineConfig.quantization (default: none, every GEMM in bf16)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

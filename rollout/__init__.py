@@ -6,8 +6,8 @@ See `rollout/engine.py` for the loop, `rollout/config.py` for the options and fo
 returned log-probabilities are.
 """
 
-from rollout.config import EngineConfig, RequestOutput, SamplingParams
+from rollout.config import Continuation, EngineConfig, RequestOutput, SamplingParams
 from rollout.engine import LLMEngine
 from rollout.model import ParamSlot
 
-__all__ = ["EngineConfig", "LLMEngine", "ParamSlot", "RequestOutput", "SamplingParams"]
+__all__ = ["Continuation", "EngineConfig", "LLMEngine", "ParamSlot", "RequestOutput", "SamplingParams"]

@@ -192,3 +192,15 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token, included in token_ids) | "length"
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A request that `LLMEngine.generate(on_finish=...)` adds to the running call: the sample `key`
+    (prompt index, sample index) continued from `token_ids` (its whole context so far) by up to
+    `max_tokens` new tokens, under the call's sampling parameters."""
+
+    token_ids: list[int]
+    key: tuple[int, int]
+    max_tokens: int
+

@@ -20,13 +20,13 @@ as soon as the preempting step is launched. `ModelRunner` refuses a prefill of a
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from models.args import ModelArgs
 from rollout.block_manager import BlockManager, cdiv
-from rollout.config import EngineConfig, RequestOutput, SamplingParams
+from rollout.config import Continuation, EngineConfig, RequestOutput, SamplingParams
 from rollout.model import EngineModel, ParamSlot, check_tp_divisibility
 from rollout.parallel import TPGroup
 from rollout.runner import ModelRunner
@@ -235,17 +235,20 @@ class LLMEngine:
         return self.runner.num_blocks
 
     # ------------------------------------------------------------------ generation
+    def _check_prompt(self, p: list[int], what: str) -> None:
+        if len(p) == 0:
+            raise ValueError(f"{what} is empty")
+        if len(p) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(p)} tokens; max_model_len {self.max_model_len} leaves no room "
+                             f"for a response")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= self.args.vocab_size:
+            raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary "
+                             f"[0, {self.args.vocab_size})")
+
     def _validate(self, prompts: list[list[int]], params: SamplingParams, sample_keys, max_tokens) -> None:
-        v = self.args.vocab_size
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves no room "
-                                 f"for a response")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= v:
-                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {v})")
+            self._check_prompt(p, f"prompt {i}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if sample_keys is not None:
@@ -264,7 +267,9 @@ class LLMEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,
                  prompt_index_offset: int = 0, *, sample_keys: list[tuple[int, int]] | None = None,
-                 max_tokens: list[int] | None = None, keep_kv: bool = False) -> list[RequestOutput]:
+                 max_tokens: list[int] | None = None, keep_kv: bool = False,
+                 on_finish: Callable[[list[RequestOutput], bool], list[Continuation]] | None = None,
+                 ) -> list[RequestOutput]:
         """Sample `n` responses per prompt. Outputs are prompt-major: prompt i's are `[i n, (i + 1) n)`.
 
         `prompt_index_offset`: these prompts are a slice, starting at that index, of a larger batch
@@ -280,13 +285,22 @@ class LLMEngine:
         where nothing was appended, the same tokens as one uninterrupted call. `max_tokens`: each
         prompt's own limit of new tokens, replacing `sampling_params.max_tokens`.
 
-        `keep_kv`: the samples' K/V stays in the pool after the call (while blocks last: admission
-        and decode growth take the oldest finished samples' blocks back before they preempt), and
-        the next call's prompt with the same `sample_keys` pair that extends a kept sample's tokens
-        prefills only what is new: a multi-turn rollout does not recompute its context every turn.
-        Kept K/V lasts to the next call (which keeps its own only with `keep_kv` again), which is
-        why `free_cache_engine` does not free the pool after a `keep_kv` call; it is dropped by
-        `free_cache()`, `drop_kept()` and a weight write (`param_slots()`).
+        `keep_kv`: the samples' K/V stays in the pool after they finish (while blocks last:
+        admission and decode growth take the oldest finished samples' blocks back before they
+        preempt), and a later request with the same (prompt index, sample index) that extends a
+        kept sample's tokens prefills only what is new: a multi-turn rollout does not recompute its
+        context every turn. Kept K/V lasts to the next call (which keeps its own only with
+        `keep_kv` again), which is why `free_cache_engine` does not free the pool after a
+        `keep_kv` call; it is dropped by `free_cache()`, `drop_kept()` and a weight write
+        (`param_slots()`).
+
+        `on_finish(outputs, idle)`: requests join the call while it runs (a multi-turn rollout's
+        next turns, each sample's as soon as its tool answered). It is called after every step
+        with the outputs of the requests that ended in it (in the step's order; often none), and
+        with `idle` True when nothing is left to run; it returns `Continuation`s, which the call
+        schedules with its other requests (a key that is still running is an error). The call
+        ends when an idle `on_finish` returns none. It then returns every request's output in the
+        order they ended, where without `on_finish` the order is prompt-major.
         """
         if not self.model.allocated:
             raise RuntimeError("the engine's weights are released (free_weights()): load them first "
@@ -315,48 +329,82 @@ class LLMEngine:
         n = params.n
         keys = sample_keys or [(prompt_index_offset + i, 0) for i in range(len(prompts))]
         limits = max_tokens or [params.max_tokens] * len(prompts)
-        reused = 0
-        for i, p in enumerate(prompts):
-            seq = Sequence(seq_id=i * n, prompt_index=keys[i][0], sample_index=keys[i][1], token_ids=list(p),
-                           num_prompt_tokens=len(p), max_len=min(len(p) + limits[i], self.max_model_len),
-                           seed=params.seed, num_samples=n, stop_token_ids=stops)
-            prev = kept.pop(keys[i], None) if sample_keys is not None else None
-            if prev is not None and len(prev.token_ids) <= len(p) and p[:len(prev.token_ids)] == prev.token_ids:
+        reused, added = 0, 0
+        live: set[tuple[int, int]] = set()  # with on_finish: the keys queued or running
+
+        def add(p: list[int], key: tuple[int, int], limit: int, samples: int, continued: bool) -> None:
+            nonlocal reused, added
+            seq = Sequence(seq_id=added, prompt_index=key[0], sample_index=key[1], token_ids=list(p),
+                           num_prompt_tokens=len(p), max_len=min(len(p) + limit, self.max_model_len),
+                           seed=params.seed, num_samples=samples, stop_token_ids=stops)
+            added += samples
+            prev = kept.pop(key, None) if continued else None
+            # (a kept sample whose blocks went back under pressure has none left: it is recomputed)
+            if prev is not None and prev.block_table and len(prev.token_ids) <= len(p) \
+                    and p[:len(prev.token_ids)] == prev.token_ids:
                 # its K/V holds every position but the last (whose token was sampled, never fed back)
                 seq.block_table, prev.block_table = prev.block_table, []
                 seq.num_computed_tokens = len(prev.token_ids) - 1
                 reused += seq.num_computed_tokens
             elif prev is not None:
                 bm.free(prev)
+            live.update((key[0], key[1] + k) for k in range(samples))
             sched.add(seq)
+
+        for i, p in enumerate(prompts):
+            add(p, keys[i], limits[i], n, sample_keys is not None)
         for prev in kept.values():  # kept, but not continued: done
             bm.free(prev)
+        kept = {}  # with on_finish and keep_kv: this call's ended samples, for their continuations
         self.runner.begin_generate(params.temperature, params.top_k, params.top_p)
 
+        def join(requests: list[Continuation]) -> None:
+            """`on_finish`'s continuations, checked, into the queue."""
+            for r in requests:
+                key = tuple(r.key)
+                what = f"on_finish's continuation of sample {key}"
+                if key in live:
+                    raise ValueError(f"{what}: that sample is still running")
+                if r.max_tokens < 1:
+                    raise ValueError(f"{what}: max_tokens must be at least 1, got {r.max_tokens}")
+                self._check_prompt(list(r.token_ids), what)
+                add(list(map(int, r.token_ids)), key, r.max_tokens, 1, True)
+
         samples: dict[tuple[int, int], Sequence] = {}
+        ended: list[RequestOutput] = []  # with on_finish: every output, in the order they ended
         steps = {"prefill": 0, "decode": 0, "prefill_decoding": 0}
         decode_sizes: list[int] = []  # sequences decoded per step that decodes: how full continuous batching kept the batch
         pending = None
-        while sched.has_unfinished():
-            batch = sched.schedule()
-            steps["prefill" if batch.is_prefill else "decode"] += 1
-            if batch.num_decode_rows:
-                decode_sizes.append(batch.num_decode_rows)
-                steps["prefill_decoding"] += batch.is_prefill
-            launched = self.runner.execute(batch)
+        while True:
+            launched = None
+            if sched.has_unfinished():
+                batch = sched.schedule()
+                steps["prefill" if batch.is_prefill else "decode"] += 1
+                if batch.num_decode_rows:
+                    decode_sizes.append(batch.num_decode_rows)
+                    steps["prefill_decoding"] += batch.is_prefill
+                launched = self.runner.execute(batch)
             if pending is not None:
-                self._process(sched, pending, samples)
+                done = self._process(sched, pending, samples)
+                if on_finish is not None:
+                    outs = [_output(s) for s in done]
+                    for s in done:
+                        live.discard((s.prompt_index, s.sample_index))
+                        if keep_kv:
+                            kept[s.prompt_index, s.sample_index] = s
+                    ended += outs
+                    join(on_finish(outs, False))
             pending = launched
-        if pending is not None:
-            self._process(sched, pending, samples)
+            if pending is None and not sched.has_unfinished():
+                more = on_finish([], True) if on_finish is not None else []
+                if not more:
+                    break
+                join(more)
 
-        outputs = []
-        for i, p in enumerate(prompts):
-            for k in range(n):
-                s = samples[keys[i][0], keys[i][1] + k]
-                outputs.append(RequestOutput(prompt_index=s.prompt_index, sample_index=s.sample_index,
-                                             prompt_token_ids=p, token_ids=s.output_token_ids, logprobs=s.logprobs,
-                                             finish_reason=s.finish_reason))
+        if on_finish is not None:
+            outputs = ended
+        else:
+            outputs = [_output(samples[keys[i][0], keys[i][1] + k]) for i in range(len(prompts)) for k in range(n)]
         if keep_kv:
             self._kept = {(s.prompt_index, s.sample_index): s for s in sched.kept if s.block_table}
             self._kept_blocks = bm
@@ -374,11 +422,20 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _process(sched: Scheduler, step, samples: dict) -> None:
+    def _process(sched: Scheduler, step, samples: dict) -> list[Sequence]:
+        """Record a launched step's results; the sequences that ended in it."""
         tokens, logprobs = step.result()
         if step.batch.is_prefill:
             # Every sample is first sampled in a prefill step (its prompt's last chunk, or its
             # recompute after a preemption): recorded there, not again at every decode step.
             for s in step.batch.sample_seqs:
                 samples[(s.prompt_index, s.sample_index)] = s
+        running = [s for s in step.batch.sample_seqs if s.finish_reason is None]
         sched.postprocess(step.batch, tokens, logprobs)
+        return [s for s in running if s.finish_reason is not None]
+
+
+def _output(s: Sequence) -> RequestOutput:
+    return RequestOutput(prompt_index=s.prompt_index, sample_index=s.sample_index,
+                         prompt_token_ids=s.token_ids[:s.num_prompt_tokens], token_ids=s.output_token_ids,
+                         logprobs=s.logprobs, finish_reason=s.finish_reason)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer, tp_shard_dim
-from rollout import EngineConfig, LLMEngine, ParamSlot, RequestOutput, SamplingParams
+from rollout import Continuation, EngineConfig, LLMEngine, ParamSlot, RequestOutput, SamplingParams
 from rollout.model import check_tp_divisibility
 from rollout.sampler import combine_partials, race_group, sample_partials_ref, truncation_threshold
 from rollout.sequence import sequence_key
@@ -224,6 +224,101 @@ def test_kept_kv_continues_samples_as_a_recompute_would(blocks, slots):
     engine.generate(contexts, turn, sample_keys=keys, max_tokens=[2] * 6, keep_kv=True)
     engine.generate([c[:-1] + [1, 2, 3] for c in contexts], turn, sample_keys=keys, max_tokens=[2] * 6)
     assert engine.last_stats["reused_kv_tokens"] == 0
+
+
+TURNS = 3
+
+
+def _turn_limit(key, t):  # new tokens of sample `key`'s turn t: the samples' turns end at different steps
+    return 1 + (3 * key[0] + 2 * key[1] + t) % 5
+
+
+def _tool_answer(key, t):  # tokens appended to sample `key` before its turn t
+    return [7, 8, 9][:1 + (key[0] + t) % 3]
+
+
+def _turns_in_separate_calls(engine, prompts, turn):
+    """Each sample's TURNS turns with every turn one call over all samples (the lockstep loop)."""
+    first = engine.generate(prompts, dataclasses.replace(turn, n=2), max_tokens=[_turn_limit((i, 0), 0)
+                                                                                 for i in range(len(prompts))])
+    turns = {(o.prompt_index, o.sample_index): [o] for o in first}
+    contexts = {key: prompts[key[0]] + outs[0].token_ids for key, outs in turns.items()}
+    for t in range(1, TURNS):
+        keys = list(turns)
+        outs = engine.generate([contexts[k] + _tool_answer(k, t) for k in keys], turn, sample_keys=keys,
+                               max_tokens=[_turn_limit(k, t) for k in keys])
+        for k, o in zip(keys, outs):
+            turns[k].append(o)
+            contexts[k] = o.prompt_token_ids + o.token_ids
+    return turns
+
+
+@pytest.mark.parametrize("blocks, slots", [(256, 256), (10, 3)])
+@pytest.mark.parametrize("when", ["at_once", "when_idle"])
+def test_requests_joining_a_running_call_sample_what_separate_calls_sample(blocks, slots, when):
+    """`generate(on_finish=...)`: each sample's next turn joins the running call as soon as its
+    turn ends (or, `when_idle`, only once the engine has nothing left to run), continued from its
+    kept K/V, and samples token for token what one call per turn samples, with variable turn
+    lengths so that the turns end at different steps. With 10 blocks and 3 slots the kept K/V goes
+    back under pressure (recomputed instead), with the same tokens."""
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([6, 9, 5], seed=8)
+    turn = SamplingParams(n=1, temperature=1.0, max_tokens=99, seed=4, ignore_eos=True)
+    reference = _turns_in_separate_calls(make_engine(model), prompts, turn)
+
+    engine = make_engine(model, num_kv_blocks=blocks, max_num_seqs=slots)
+    turns, deferred, calls, seen = {}, [], [], []
+
+    def on_finish(outs, idle):
+        calls.append((len(outs), idle))
+        seen.extend(outs)
+        for o in outs:
+            key = (o.prompt_index, o.sample_index)
+            turns.setdefault(key, []).append(o)
+            t = len(turns[key])
+            if t < TURNS:
+                deferred.append(Continuation(o.prompt_token_ids + o.token_ids + _tool_answer(key, t), key,
+                                             _turn_limit(key, t)))
+        if when == "at_once" or idle:
+            out = list(deferred)
+            deferred.clear()
+            return out
+        return []
+
+    ended = engine.generate(prompts, dataclasses.replace(turn, n=2), max_tokens=[_turn_limit((i, 0), 0) for i in
+                                                                                  range(3)], keep_kv=True,
+                            on_finish=on_finish)
+    assert turns.keys() == reference.keys()
+    for key, ref in reference.items():
+        assert [o.token_ids for o in turns[key]] == [o.token_ids for o in ref]
+        assert [o.prompt_token_ids for o in turns[key]] == [o.prompt_token_ids for o in ref]
+        for a, b in zip(turns[key], ref):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
+    assert ended == seen  # every output, in the order the calls got them
+    continuations = [o for outs in turns.values() for o in outs[1:]]
+    context_kv = sum(len(o.prompt_token_ids) - len(_tool_answer((o.prompt_index, o.sample_index), t + 1)) - 1
+                     for outs in turns.values() for t, o in enumerate(outs[1:]))
+    if blocks == 256:  # every continuation's context but its tool answer and its last sampled token
+        assert engine.last_stats["reused_kv_tokens"] == context_kv
+    else:
+        assert 0 < engine.last_stats["reused_kv_tokens"] < context_kv
+    if when == "at_once":  # each turn joined while others still ran: one idle call, at the very end
+        assert sum(idle for _, idle in calls) == 1 and calls[-1] == (0, True)
+    assert len(continuations) == 6 * (TURNS - 1)
+
+
+def test_requests_joining_a_running_call_are_checked():
+    """A continuation of a sample still running, without room for new tokens, or with tokens
+    outside the vocabulary is an error naming the sample."""
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([6, 9], seed=8)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=4, ignore_eos=True)
+    for bad, match in ((lambda o: Continuation([1, 2], (1 - o.prompt_index, 0), 2), "still running"),
+                       (lambda o: Continuation([1, 2], (o.prompt_index, o.sample_index), 0), "at least 1"),
+                       (lambda o: Continuation([1, VOCAB], (o.prompt_index, o.sample_index), 2), "outside the vocab")):
+        engine = make_engine(model, max_num_seqs=2)
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts, params, on_finish=lambda outs, idle, bad=bad: [bad(o) for o in outs[:1]])
 
 
 def test_only_decoding_rows_of_a_prefill_step_may_lack_their_token_on_the_host():
