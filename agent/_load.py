@@ -1,6 +1,6 @@
 """What the tool and the interaction layers share: reading their verl config files (a YAML mapping
 with one list of entries), loading an entry's class by import path, and running a batch of
-coroutines in one event loop.
+coroutines in an event loop: a fresh one per batch, or a rollout's own (`EventLoop`).
 
 The errors name the file, the entry and the key, and are raised as the caller's error class
 (`ToolConfigError`, `InteractionConfigError`) so that each layer's users catch one type.
@@ -64,12 +64,64 @@ def load_class(class_name: Any, key: str, base: type, verl_classes: dict[str, ty
     return cls
 
 
-def run(coroutine):
-    """Run `coroutine` to the end in a new event loop: in this thread when it has none running (the
-    trainer's case), else in a worker thread (asyncio.run cannot nest), waiting for the result."""
+def run(coroutine, loop: "EventLoop | None" = None):
+    """Run `coroutine` to the end: in `loop` when given, else in a new event loop, in this thread
+    when it has none running (the trainer's case), else in a worker thread (asyncio.run cannot
+    nest), waiting for the result."""
+    if loop is not None:
+        return loop.run(coroutine)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coroutine)
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+class EventLoop:
+    """One rollout's event loop: its tools' and interactions' coroutines run in it as tasks from
+    one engine step to the next (`spawn`, `settle`, `wait_first`), and their objects may stay bound
+    to it for the whole rollout. It runs only inside this object's calls: in this thread, or in a
+    worker thread when this thread already runs a loop. `close()` cancels what is left."""
+
+    SETTLE_PASSES = 16  # loop passes of `settle`: a coroutine that awaits no I/O (a gather of them) ends within
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        try:
+            asyncio.get_running_loop()
+            self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1)
+        except RuntimeError:
+            self._pool = None
+
+    def run(self, coroutine):
+        if self._pool is None:
+            return self.loop.run_until_complete(coroutine)
+        return self._pool.submit(self.loop.run_until_complete, coroutine).result()
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """A task of `coroutine`; it starts at the next `settle`, `wait_first` or `run`."""
+        return self.loop.create_task(coroutine)
+
+    def settle(self) -> None:
+        """Let the tasks run as far as they can without waiting: a task that awaits no I/O or timer
+        ends here, so when it ends does not depend on the host's speed."""
+        async def passes():
+            for _ in range(self.SETTLE_PASSES):
+                await asyncio.sleep(0)
+
+        self.run(passes())
+
+    def wait_first(self, tasks) -> None:
+        """Block until one of `tasks` has ended."""
+        self.run(asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED))
+
+    def close(self) -> None:
+        left = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in left:
+            t.cancel()
+        if left:
+            self.run(asyncio.gather(*left, return_exceptions=True))
+        self.loop.close()
+        if self._pool is not None:
+            self._pool.shutdown()

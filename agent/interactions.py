@@ -9,9 +9,9 @@ message, the turn's score or None, metrics). An interaction is a `BaseInteractio
 methods and semantics, so one written for verl runs here by subclassing this class instead.
 
 The batch steps (`start_interactions`, `interaction_turns`, `finalize_interactions`) run every
-sample's call concurrently in one asyncio event loop, a fresh one per step (`agent._load.run`),
-so an interaction must not keep objects bound to one loop (an `asyncio.Lock`) from one step to
-the next. An interaction that raises stops the run as an `InteractionError` naming it: verl does
+sample's call concurrently; the turn loop runs them, and each sample's `interaction_turn`, in one
+event loop per rollout (`agent._load.EventLoop`), so an interaction may keep objects bound to it
+(an `asyncio.Lock`) for the rollout, not from one rollout to the next. An interaction that raises stops the run as an `InteractionError` naming it: verl does
 not catch it either, and unlike a tool call the model did not choose it.
 """
 
@@ -220,22 +220,22 @@ async def _call(interaction: BaseInteraction, method: str, *args, **kwargs):
                                f"failed: {type(err).__name__}: {err}") from err
 
 
-def _gather(calls):
+def _gather(calls, loop=None):
     async def batch():
         return await asyncio.gather(*calls)
 
-    return run(batch())
+    return run(batch(), loop)
 
 
 def start_interactions(interactions: dict[str, BaseInteraction],
-                       requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
+                       requests: list[tuple[str, dict[str, Any]]], loop=None) -> list[str]:
     """Start an instance per sample, all at once: each request is (instance id, the row's
     `interaction_kwargs`), whose `name` picks the interaction; they are passed as keywords, as
     verl does. The instance ids the interactions return, in order. Every request's interaction is
     looked up before any starts."""
     picked = [_pick(interactions, _named(kwargs, i), i) for i, (_, kwargs) in enumerate(requests)]
     return _gather([_call(interaction, "start_interaction", instance_id, **kwargs)
-                    for interaction, (instance_id, kwargs) in zip(picked, requests)])
+                    for interaction, (instance_id, kwargs) in zip(picked, requests)], loop)
 
 
 def _turn_result(interaction: BaseInteraction, result: Any) -> tuple[bool, str, float | None, dict]:
@@ -255,26 +255,38 @@ def _turn_result(interaction: BaseInteraction, result: Any) -> tuple[bool, str, 
     return bool(stop), text, (None if score is None else float(score)), metrics
 
 
-def interaction_turns(interactions: dict[str, BaseInteraction],
-                      requests: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]],
-                      ) -> list[tuple[bool, str, float | None, dict]]:
-    """One interaction turn of a batch, all at once: each request is (interaction name, instance
-    id, the chat so far, the row's `interaction_kwargs`, passed as keywords as verl does); per
-    request in order, `generate_response`'s (should_terminate, text, score or None, metrics)."""
-    picked = [_pick(interactions, name, i) for i, (name, *_) in enumerate(requests)]
-    for i, (*_, kwargs) in enumerate(requests):
-        _checked(kwargs, i)
+def interaction_turn(interactions: dict[str, BaseInteraction], name: str, instance_id: str,
+                     messages: list[dict[str, Any]], kwargs: dict[str, Any], i: int = 0):
+    """One sample's interaction turn, as a coroutine: `generate_response` of the interaction called
+    `name` on the chat so far, with the row's `interaction_kwargs` as keywords (verl passes them
+    so); its (should_terminate, text, score or None, metrics). The interaction is looked up now (`i`
+    numbers the request in errors)."""
+    interaction = _pick(interactions, name, i)
+    _checked(kwargs, i)
 
-    async def turn(interaction, instance_id, messages, kwargs):
+    async def turn():
         return _turn_result(interaction, await _call(interaction, "generate_response", instance_id, messages,
                                                      **kwargs))
 
-    return _gather([turn(interaction, instance_id, messages, kwargs)
-                    for interaction, (_, instance_id, messages, kwargs) in zip(picked, requests)])
+    return turn()
 
 
-def finalize_interactions(interactions: dict[str, BaseInteraction], requests: list[tuple[str, str]]) -> None:
+def interaction_turns(interactions: dict[str, BaseInteraction],
+                      requests: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]], loop=None,
+                      ) -> list[tuple[bool, str, float | None, dict]]:
+    """The interaction turns of a batch, all at once: each request is (interaction name, instance
+    id, the chat so far, the row's `interaction_kwargs`); per request in order, `interaction_turn`'s
+    result. Every request is checked before any runs."""
+    for i, (name, _, _, kwargs) in enumerate(requests):
+        _pick(interactions, name, i), _checked(kwargs, i)
+    turns = [interaction_turn(interactions, name, instance_id, messages, kwargs, i)
+             for i, (name, instance_id, messages, kwargs) in enumerate(requests)]
+    return _gather(turns, loop)
+
+
+def finalize_interactions(interactions: dict[str, BaseInteraction], requests: list[tuple[str, str]],
+                          loop=None) -> None:
     """Free every (interaction name, instance id) of `requests`, all at once."""
     picked = [_pick(interactions, name, i) for i, (name, _) in enumerate(requests)]
     _gather([_call(interaction, "finalize_interaction", instance_id)
-             for interaction, (_, instance_id) in zip(picked, requests)])
+             for interaction, (_, instance_id) in zip(picked, requests)], loop)

@@ -1,35 +1,47 @@
 """Multi-turn rollouts with tool calls and interactions: verl's tool agent loop (`rollout.multi_turn`),
-in lockstep.
+each sample's turns joining one running engine call.
 
-verl runs one asynchronous state machine per sample against a rollout server. Here every
-sample of a rollout-DP replica advances together, one turn at a time, so that each turn is a
-single call of the engine over all samples still running (continuous batching inside it):
+verl runs one asynchronous state machine per sample against a rollout server. Here a rollout-DP
+replica's samples share one call of the engine (`LLMEngine.generate(on_finish=...)`): every
+sample's first turn is a request of the call, and each later turn joins the running call as
+soon as the sample's tools or interaction have answered, so continuous batching keeps the batch
+full while other samples still generate, wait for tools, or have ended:
 
-    generate a turn for every running sample (each up to what is left of its response budget)
-    -> per sample: stop when the engine cut the turn (its budget, or the engine's max_model_len),
-       or at max_assistant_turns / max_user_turns; a turn with hermes `<tool_call>` JSON goes to
-       its tools, one without to its interaction if there are interactions, else it ends;
+    a turn ends (EOS, its budget, or the engine's max_model_len)
+    -> stop when the engine cut the turn ("length"), or at max_assistant_turns / max_user_turns;
+       a turn with hermes `<tool_call>` JSON goes to its tools (its first max_parallel_calls
+       calls, at once), one without to its interaction if there are interactions, else it ends;
        single-turn samples stop after their first turn
-    -> run every sample's tool calls (the first max_parallel_calls of each) and every asking
-       sample's interaction (`generate_response` on the chat so far), all concurrently
-    -> append the tool responses (tool messages) and the interactions' replies (user messages),
-       rendered by the chat template, to the samples; one whose messages do not fit in its budget
-       stops without them (verl's rule), as does one whose interaction ends the rollout (verl
-       appends that last reply, masked out; here the response ends on the model's turn)
+    -> the tools or the interaction run as tasks of the rollout's event loop, while the engine
+       goes on with the other samples
+    -> their answers (tool messages, the interaction's user message), rendered by the chat
+       template, are appended to the sample, which continues from its kept K/V with what is left
+       of its budget; one whose messages do not fit in its budget stops without them (verl's
+       rule), as does one whose interaction ends the rollout (verl appends that last reply, masked
+       out; here the response ends on the model's turn)
 
 A sample's response is every token after its prompt: the model's turns (mask 1) and the tokens
 inserted between them (mask 0, log-prob 0), never longer than the response length. The engine
-continues each sample under its own noise key (`LLMEngine.generate(sample_keys=...)`), so a
-sample that calls no tool is token for token the single-turn rollout. `num_turns` is verl's count
-(assistant turns + tool responses + interaction replies + 1); `tool_rewards` the rewards the
-tools returned and `turn_scores` the interactions' reach the reward function in `extra_info`, as
-verl passes them. Each tool-agent sample starts its interaction instance (`interaction_kwargs`'
-`name`) before its first turn; the loop finalizes them at the end (verl's leaves them).
+continues each sample under its own noise key, at the token's position in the sample, so a
+sample that calls no tool is token for token the single-turn rollout, and when its next turn
+joins the call does not change what it samples (up to the rounding of GEMMs of another batch
+size). `num_turns` is verl's count (assistant turns + tool responses + interaction replies + 1);
+`tool_rewards` the rewards the tools returned and `turn_scores` the interactions' reach the reward
+function in `extra_info`, as verl passes them. Each tool-agent sample starts its interaction
+instance (`interaction_kwargs`' `name`) before its first turn; the loop finalizes them at the end
+(verl's leaves them).
 
-With engine tensor parallelism the replica's TP ranks must feed the engine identical turns: the
-tools and interactions run on the replica's first TP rank only and their results are broadcast
-(`share`), so a tool that is not deterministic (a search, a clock) still keeps the ranks in step;
-an error there is raised on every rank of the replica.
+When answers join. The loop looks at its waiting samples after every engine step in which a
+turn ended, every `poll_every` steps otherwise, and whenever the engine has nothing left to run
+(then it waits for the first answer). A task that awaits no I/O (GSM8K's tool, a rule-based
+interaction) has ended by then, so its sample joins at the step its turn ended, on every run; one
+that waits on I/O (a sandbox, a search) joins at the first look after it answered.
+
+With engine tensor parallelism the replica's TP ranks must feed the engine identical requests:
+the tools and interactions run on the replica's first TP rank only and each look's answers are
+broadcast (`share`), so a tool that is not deterministic (a search, a clock) still keeps the
+ranks in step; an error there is raised on every rank of the replica. The looks happen at the
+same steps on every rank (the steps' ended turns are the same), so each is one broadcast.
 """
 
 from __future__ import annotations
@@ -38,11 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 from uuid import uuid4
 
-from agent.interactions import BaseInteraction, finalize_interactions, interaction_turns, start_interactions
+from agent._load import EventLoop
+from agent.interactions import BaseInteraction, finalize_interactions, interaction_turn, start_interactions
 from agent.tool_parser import parse_tool_calls
-from agent.tools import BaseTool, message_ids, run_tool_calls, system_prompt_ids
+from agent.tools import BaseTool, check_parallel_calls, check_truncation, message_ids, system_prompt_ids, tool_turn
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
+from rollout.config import Continuation
 
 
 @dataclass
@@ -90,12 +104,17 @@ class ToolAgent:
     `interactions`: by name (`agent.interactions.load_interactions`; none: a turn without tool
     calls ends the rollout); `chat_template_kwargs`: verl's `data.apply_chat_template_kwargs`, also
     used to render the inserted messages; the limits are `rollout.multi_turn`'s (None: no limit on
-    that count)."""
+    that count); `poll_every`: the engine steps between looks at waiting samples when no turn
+    ended (each look is a broadcast at TP > 1)."""
 
     def __init__(self, tokenizer, tools: list[BaseTool], *, response_length: int, max_assistant_turns: int | None,
                  max_user_turns: int | None, max_parallel_calls: int, max_tool_response_length: int,
                  tool_response_truncate_side: str, format: str, chat_template_kwargs: dict[str, Any] | None = None,
-                 interactions: dict[str, BaseInteraction] | None = None):
+                 interactions: dict[str, BaseInteraction] | None = None, poll_every: int = 1):
+        check_truncation(max_tool_response_length, tool_response_truncate_side)
+        check_parallel_calls(max_parallel_calls)
+        if isinstance(poll_every, bool) or not isinstance(poll_every, int) or poll_every < 1:
+            raise ValueError(f"poll_every must be a positive integer, got {poll_every!r}")
         self.tokenizer = tokenizer
         self.tools = {t.name: t for t in tools}
         self.interactions = dict(interactions or {})
@@ -104,50 +123,44 @@ class ToolAgent:
         self.max_parallel_calls = max_parallel_calls
         self.limit, self.side, self.format = max_tool_response_length, tool_response_truncate_side, format
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.poll_every = poll_every
         self._system_prompt: list[int] | None = None
 
     def run(self, prompts: list[list[int]], keys: list[tuple[int, int]], agents: list[str], tools_kwargs: list[dict],
             generate: Callable, runs_tools: bool = True, share: Callable = lambda x: x,
             messages: list[list[dict]] | None = None, interaction_kwargs: list[dict | None] | None = None,
             ) -> list[TurnOutput]:
-        """Roll out every sample: `prompts[i]` continued under noise key `keys[i]` (prompt index,
-        sample index) by `agents[i]` with the row's `tools_kwargs[i]` (verl's `extra_info.tools_kwargs`).
-        `generate(contexts, keys, max_tokens)` runs one turn of the given samples (the engine's
-        outputs, in order). `runs_tools`: whether this rank executes the tools and interactions;
-        `share(results)` returns the executing rank's results on every rank that generates with it.
-        With interactions: `messages[i]`, the prompt as chat messages, and `interaction_kwargs[i]`
+        """Roll out every sample: `prompts[i]`, the sample `keys[i]` (prompt index, sample index),
+        by `agents[i]` with the row's `tools_kwargs[i]` (verl's `extra_info.tools_kwargs`).
+        `generate(on_finish)` makes the engine call whose requests are every sample's first turn
+        (each up to the response length), passing `on_finish` to `LLMEngine.generate`.
+        `runs_tools`: whether this rank executes the tools and interactions; `share(results)`
+        returns the executing rank's results on every rank that generates with it. With
+        interactions: `messages[i]`, the prompt as chat messages, and `interaction_kwargs[i]`
         (verl's `extra_info.interaction_kwargs`, whose `name` picks the interaction)."""
-        samples = [_Sample(k, list(p), a, kw) for p, k, a, kw in zip(prompts, keys, agents, tools_kwargs)]
+        samples = {k: _Sample(k, list(p), a, kw) for p, k, a, kw in zip(prompts, keys, agents, tools_kwargs)}
         if self.interactions:
-            for s, m, kw in zip(samples, messages, interaction_kwargs):
+            for s, m, kw in zip(samples.values(), messages, interaction_kwargs):
                 if s.agent == TOOL_AGENT:
                     s.messages, s.interaction_kwargs = list(m), kw
-        talkers = [s for s in samples if s.messages is not None]
-        if talkers:
-            ids = _first_rank(lambda: start_interactions(self.interactions, [(uuid4().hex, s.interaction_kwargs)
-                                                                             for s in talkers]), runs_tools, share)
-            for s, instance in zip(talkers, ids):
-                s.instance = instance
-        running = samples
-        while running:
-            outs = generate([s.context for s in running], [s.key for s in running],
-                            [self.response_length - len(s.tokens) for s in running])
-            # the turns as text, in one batched decode each: with special tokens for the tool calls
-            # (verl's parser reads them so), without for the chat an interaction reads
-            tokens = [o.token_ids for o in outs]
-            texts = decode_batch(self.tokenizer, tokens, skip_special_tokens=False)
-            chats = decode_batch(self.tokenizer, tokens) if talkers else texts
-            nexts = [self._take_turn(s, o, text, chat) for s, o, text, chat in zip(running, outs, texts, chats)]
-            calling = [s for s, n in zip(running, nexts) if n == "tools"]
-            asking = [s for s, n in zip(running, nexts) if n == "interaction"]
-            tool_results, replies = _first_rank(lambda: (self._run_tools(calling), self._ask(asking)), runs_tools,
-                                                share)
-            running = [s for s, r in zip(calling, tool_results) if self._append_tool_responses(s, r)]
-            running += [s for s, r in zip(asking, replies) if self._append_reply(s, r)]
-        if talkers:
-            _first_rank(lambda: finalize_interactions(self.interactions, [(s.interaction_kwargs["name"], s.instance)
-                                                                          for s in talkers]), runs_tools, share)
-        return [s.output() for s in samples]
+        talkers = [s for s in samples.values() if s.messages is not None]
+        loop = EventLoop() if runs_tools else None
+        try:
+            if talkers:
+                ids = _first_rank(lambda: start_interactions(
+                    self.interactions, [(uuid4().hex, s.interaction_kwargs) for s in talkers], loop), runs_tools,
+                    share)
+                for s, instance in zip(talkers, ids):
+                    s.instance = instance
+            generate(_Turns(self, samples, loop, runs_tools, share).on_finish)
+            if talkers:
+                _first_rank(lambda: finalize_interactions(self.interactions, [(s.interaction_kwargs["name"], s.instance)
+                                                                              for s in talkers], loop), runs_tools,
+                            share)
+        finally:
+            if loop is not None:
+                loop.close()
+        return [s.output() for s in samples.values()]
 
     def _take_turn(self, s: _Sample, out, text: str, chat: str) -> str | None:
         """Append one generated turn (`text`: decoded with its special tokens, `chat`: without);
@@ -172,20 +185,25 @@ class ToolAgent:
             return "tools"
         return "interaction" if s.instance is not None else None
 
-    def _run_tools(self, calling: list[_Sample]) -> list[tuple[list[str], list[float | None]]]:
-        """Every calling sample's tool responses (texts, rewards), all calls at once."""
-        if not calling:
-            return []
-        results = run_tool_calls(self.tools, [s.calls for s in calling], [s.tools_kwargs for s in calling],
-                                 self.limit, self.side, self.max_parallel_calls)
-        return [([text for text, _ in r], [reward for _, reward in r]) for r in results]
+    def _work(self, s: _Sample, kind: str):
+        """The coroutine of a waiting sample's tools or interaction turn."""
+        if kind == "tools":
+            return tool_turn(self.tools, s.calls, s.tools_kwargs, self.limit, self.side, self.max_parallel_calls)
+        return interaction_turn(self.interactions, s.interaction_kwargs["name"], s.instance, list(s.messages),
+                                s.interaction_kwargs)
 
-    def _ask(self, asking: list[_Sample]) -> list[tuple[bool, str, float | None, dict]]:
-        """Every asking sample's interaction reply, all at once."""
-        if not asking:
-            return []
-        return interaction_turns(self.interactions, [(s.interaction_kwargs["name"], s.instance, s.messages,
-                                                      s.interaction_kwargs) for s in asking])
+    def _answer(self, s: _Sample, kind: str, result) -> bool:
+        """Append a sample's tool answers or interaction reply; whether it goes on."""
+        if kind == "tools":
+            s.tool_rewards += [float(r) for _, r in result if r is not None]
+            return self._append(s, [{"role": "tool", "content": text} for text, _ in result])
+        stop, text, score, _ = result  # an interaction's reply: its score counts
+        if score is not None:
+            s.turn_scores.append(score)
+        if stop:  # not appended: the response ends on the model's turn, where the score goes
+            s.finish_reason = "stop"
+            return False
+        return self._append(s, [{"role": "user", "content": text}])
 
     def _append(self, s: _Sample, messages: list[dict]) -> bool:
         """Append inserted messages (tool answers, a user reply) to the sample, masked out; False (the
@@ -205,21 +223,59 @@ class ToolAgent:
         s.user_turns += 1
         return True
 
-    def _append_tool_responses(self, s: _Sample, result: tuple[list[str], list[float | None]]) -> bool:
-        texts, rewards = result
-        s.tool_rewards += [float(r) for r in rewards if r is not None]
-        return self._append(s, [{"role": "tool", "content": t} for t in texts])
 
-    def _append_reply(self, s: _Sample, reply: tuple[bool, str, float | None, dict]) -> bool:
-        """An interaction's reply: its score counts; a reply that ends the rollout is not appended
-        (the response ends on the model's turn, where the score goes)."""
-        stop, text, score, _ = reply
-        if score is not None:
-            s.turn_scores.append(score)
-        if stop:
-            s.finish_reason = "stop"
-            return False
-        return self._append(s, [{"role": "user", "content": text}])
+class _Turns:
+    """One rollout's `on_finish`: takes the turns that ended, starts their samples' tools and
+    interactions, and returns the continuations of the samples they answered."""
+
+    def __init__(self, agent: ToolAgent, samples: dict, loop: EventLoop | None, runs_tools: bool, share: Callable):
+        self.agent, self.samples, self.loop, self.runs_tools, self.share = agent, samples, loop, runs_tools, share
+        self.waiting: dict[tuple[int, int], str] = {}  # sample key -> "tools" | "interaction", in arrival order
+        self.tasks: dict = {}  # on the rank that runs them: sample key -> its task
+        self.steps = 0
+
+    def on_finish(self, outs, idle: bool) -> list[Continuation]:
+        self.steps += 1
+        fresh = []
+        if outs:
+            agent = self.agent
+            # the turns as text, in one batched decode each: with special tokens for the tool calls
+            # (verl's parser reads them so), without for the chat an interaction reads
+            tokens = [o.token_ids for o in outs]
+            texts = decode_batch(agent.tokenizer, tokens, skip_special_tokens=False)
+            talking = any(self.samples[o.prompt_index, o.sample_index].messages is not None for o in outs)
+            chats = decode_batch(agent.tokenizer, tokens) if talking else texts
+            for o, text, chat in zip(outs, texts, chats):
+                s = self.samples[o.prompt_index, o.sample_index]
+                kind = agent._take_turn(s, o, text, chat)
+                if kind is not None:
+                    self.waiting[s.key] = kind
+                    fresh.append(s)
+        if not self.waiting or not (fresh or idle or self.steps % self.agent.poll_every == 0):
+            return []
+        while True:
+            answered = _first_rank(lambda: self._answered(fresh, block=idle), self.runs_tools, self.share)
+            fresh = []
+            continuing = []
+            for key, result in answered:
+                s = self.samples[key]
+                if self.agent._answer(s, self.waiting.pop(key), result):
+                    continuing.append(Continuation(list(s.context), key, self.agent.response_length - len(s.tokens)))
+            # idle: the engine ends the call unless something continues, so wait for the next answer
+            if continuing or not idle or not self.waiting:
+                return continuing
+
+    def _answered(self, fresh: list, block: bool) -> list[tuple[tuple[int, int], Any]]:
+        """On the rank that runs them: start the fresh samples' tasks, let every task run as far as
+        it can, (with `block`, until one has ended), and take the ended ones' results, in the
+        order the samples began to wait; a task's error is raised here."""
+        for s in fresh:
+            self.tasks[s.key] = self.loop.spawn(self.agent._work(s, self.waiting[s.key]))
+        self.loop.settle()
+        if block and not any(t.done() for t in self.tasks.values()):
+            self.loop.wait_first(list(self.tasks.values()))
+        done = [key for key, t in self.tasks.items() if t.done()]
+        return [(key, self.tasks.pop(key).result()) for key in done]
 
 
 def _first_rank(work: Callable, runs: bool, share: Callable):

@@ -8,15 +8,15 @@ instead of verl's. What differs: the schema is the OpenAI function schema as a p
 or a video stops the run naming the tool), and `execute` gets no `agent_data` (meshppo's turn
 loop has none).
 
-A tool turn is `run_tool_calls`: every row's calls of the turn (its first `max_parallel_calls`)
-run concurrently in one asyncio event loop; each call is `call_tool`, verl's `_call_tool`: a call
+A sample's tool turn is `tool_turn`: its calls of the turn (the first `max_parallel_calls`) run
+concurrently; `run_tool_calls` runs a batch of rows' turns at once. Each call is `call_tool`, verl's `_call_tool`: a call
 the model got wrong (unknown tool, arguments that are not JSON) or a tool that raises becomes the
 answer `Error when executing tool: ...` with reward 0.0, which the model sees and learns from.
 The answers go back to the model as `tool` messages through the chat template,
 `tool_message_ids`.
 
-Tools run in a fresh event loop per turn (`asyncio.run`), so a tool must not keep objects bound
-to one loop (an `asyncio.Lock` used in an earlier turn) from one turn to the next.
+The turn loop runs a rollout's tool turns in one event loop (`agent._load.EventLoop`), so a tool
+may keep objects bound to it (an `asyncio.Lock`) for the rollout, not from one rollout to the next.
 """
 
 from __future__ import annotations
@@ -342,23 +342,34 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
     return truncate_tool_text(_response_text(tool, response), limit, side), reward, metrics
 
 
-def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tools_kwargs: list[dict | None],
-                   limit: int, side: str, max_parallel_calls: int) -> list[list[tuple[str, float | None]]]:
-    """One tool turn of a batch: each row's first `max_parallel_calls` calls (with that row's
-    `tools_kwargs`), all rows' at once in one event loop; per row, (text, reward) in call order."""
-    check_truncation(limit, side)
+def check_parallel_calls(max_parallel_calls: Any) -> None:
     if isinstance(max_parallel_calls, bool) or not isinstance(max_parallel_calls, int) or max_parallel_calls < 1:
         raise ValueError(f"{PARALLEL_KEY} must be a positive integer, got {max_parallel_calls!r}")
+
+
+async def tool_turn(tools: dict[str, BaseTool], calls: list[ToolCall], tools_kwargs: dict | None, limit: int,
+                    side: str, max_parallel_calls: int) -> list[tuple[str, float | None]]:
+    """One sample's tool turn: its first `max_parallel_calls` calls at once (with the row's
+    `tools_kwargs`); (text, reward) per call, in call order."""
+    results = await asyncio.gather(*(call_tool(tools, call, tools_kwargs, limit, side)
+                                     for call in calls[:max_parallel_calls]))
+    return [(text, reward) for text, reward, _ in results]
+
+
+def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tools_kwargs: list[dict | None],
+                   limit: int, side: str, max_parallel_calls: int, loop=None) -> list[list[tuple[str, float | None]]]:
+    """The tool turns of a batch of rows (`tool_turn` each), all at once, in `loop` (an
+    `agent._load.EventLoop`) or a fresh event loop; per row, (text, reward) in call order."""
+    check_truncation(limit, side)
+    check_parallel_calls(max_parallel_calls)
     if len(calls) != len(tools_kwargs):
         raise ValueError(f"{len(calls)} rows of tool calls but {len(tools_kwargs)} rows of tools_kwargs")
-    rows = [row[:max_parallel_calls] for row in calls]
 
-    async def turn():
-        return await asyncio.gather(*(call_tool(tools, call, kwargs, limit, side)
-                                      for row, kwargs in zip(rows, tools_kwargs) for call in row))
+    async def turns():
+        return await asyncio.gather(*(tool_turn(tools, row, kwargs, limit, side, max_parallel_calls)
+                                      for row, kwargs in zip(calls, tools_kwargs)))
 
-    flat = iter(run(turn()))
-    return [[(text, reward) for text, reward, _ in (next(flat) for _ in row)] for row in rows]
+    return run(turns(), loop)
 
 
 # ---- tool messages as tokens

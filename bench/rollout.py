@@ -47,14 +47,17 @@ time, so the figures of one record come from one run):
   per token and KV head; the byte count reads the cache at that size (values and scales).
 
 Multi-turn workload (`--turns-models`): `--turns-prompts` (256) samples of 128-token prompts,
-`--turns` (4) model turns of `--turn-tokens` (64) tokens each (EOS ignored), `--tool-tokens` (64)
-random tokens appended to every sample between turns (a tool's answer), each turn one `generate`
-over every sample as `agent.loop` calls it. Three variants, alternating, median of `--repeats`:
-`kept` (each sample's K/V kept for its next turn, `generate(keep_kv=True)`, as the trainer runs),
-`recomputed` (every turn prefills its whole context) and `one_call` (one call generating as many
-tokens, without the tool answers: the floor). Reported per variant: generated tok/s (model tokens
-/ wall), the tokens prefilled and the prefill steps' GPU time; `kept_speedup` = recomputed wall /
-kept wall.
+`--turns` (4) model turns each of `--turn-tokens` (64) tokens (`--turn-lengths fixed`) or of a
+long tail of that mean (`exponential`: 1 + an exponential draw, capped at 4x; EOS ignored, the
+lengths set by each request's `max_tokens`), `--tool-tokens` (64) random tokens appended to every
+sample between turns (a tool's answer). Four variants, alternating, median of `--repeats`:
+`joined` (one call; each sample's next turn joins it as soon as its turn ended, from its kept
+K/V: `generate(on_finish=...)`, as `agent.loop` runs), `kept` and `recomputed` (one call per turn
+over every sample, the lockstep loop, with the K/V kept between turns or the context prefilled
+again), and `one_call` (one call generating as many tokens per sample, without the tool answers:
+the floor). Reported per variant: generated tok/s (model tokens / wall), the tokens prefilled and
+the prefill steps' GPU time; `joined_mean_decode_batch`; `joined_speedup` = kept wall / joined
+wall, `kept_speedup` = recomputed wall / kept wall.
 
 EOS workload (`--eos-models`): `--eos-prompts` (1024) prompts of 128 tokens through an engine
 of `--eos-max-seqs` (256) slots, up to `--eos-max-tokens` (1024) new tokens, temperature 1.0,
@@ -81,7 +84,6 @@ of the first capture; the trainer's `free_engine_weights` keeps the graphs). `--
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -330,14 +332,30 @@ def measure_eos(name: str, args) -> dict:
     return rec
 
 
+def turn_lengths(b: int, k: int, mean: int, kind: str, seed: int = 13) -> list[list[int]]:
+    """New tokens of each turn j of each sample i, `[j][i]`: `mean` each (`fixed`), or drawn from
+    1 + an exponential of mean `mean` - 1, capped at 4 `mean` (`exponential`: a long tail, as
+    turns that end at EOS have)."""
+    if kind == "fixed":
+        return [[mean] * b for _ in range(k)]
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.empty(k, b).exponential_(1.0 / max(mean - 1, 1e-9), generator=g) if mean > 1 else torch.zeros(k, b)
+    return (1 + draws.floor()).clamp(max=4 * mean).long().tolist()
+
+
 def measure_turns(name: str, args) -> dict:
-    """The multi-turn workload (module docstring): `--turns` turns of `--turn-tokens` tokens for each
-    of `--turns-prompts` samples, `--tool-tokens` random tokens appended between turns (a tool's
-    answer), each turn one `generate` over every sample as `agent.loop` calls it; with the samples'
-    K/V kept between turns (`keep_kv`, as the trainer runs) and recomputed every turn, and as a
-    reference one call that generates as many tokens without the tool answers."""
+    """The multi-turn workload (module docstring): `--turns` turns for each of `--turns-prompts`
+    samples, of `--turn-tokens` tokens (`--turn-lengths`), `--tool-tokens` random tokens appended
+    between turns (a tool's answer). Variants: `joined`, every turn in one call, each sample's
+    next turn joining as soon as its turn ended (`generate(on_finish=...)` with its K/V kept, as
+    `agent.loop` runs); `kept` and `recomputed`, one call per turn over every sample (the lockstep
+    loop), the K/V kept between turns or recomputed; and, as the floor, one call that generates as
+    many tokens per sample without the tool answers."""
+    from rollout import Continuation
+
     p, b, k, t, u = args.prompt_len, args.turns_prompts, args.turns, args.turn_tokens, args.tool_tokens
-    engine = build_engine(name, b, p + k * (t + u), args)
+    lens = turn_lengths(b, k, t, args.turn_lengths)
+    engine = build_engine(name, b, p + k * u + sum(max(row) for row in lens), args)
     vocab = engine.args.vocab_size
     prompts = random_prompts(b, p, vocab, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -349,20 +367,44 @@ def measure_turns(name: str, args) -> dict:
         contexts, prefilled, prefill_s = [list(q) for q in prompts], 0, 0.0
         for j in range(k):
             engine.runner.step_events = []
-            outs = engine.generate(contexts, turn, sample_keys=keys, keep_kv=keep)
+            outs = engine.generate(contexts, turn, sample_keys=keys, max_tokens=lens[j], keep_kv=keep)
             prefill_s += step_seconds(engine.runner.step_events)[0]
             prefilled += sum(map(len, contexts)) - engine.last_stats["reused_kv_tokens"]
             contexts = [c + o.token_ids + (answers[j][i] if j < k - 1 else []) for i, (c, o) in
                         enumerate(zip(contexts, outs))]
         engine.drop_kept()
-        return dict(prefilled=prefilled, prefill_s=prefill_s)
+        return dict(prefilled=prefilled, prefill_s=prefill_s, mean_decode_batch=None)
+
+    def joined() -> dict:
+        done = [0] * b  # turns each sample has ended
+        contexts = sum(map(len, prompts))
+
+        def on_finish(outs, idle):
+            nonlocal contexts
+            more = []
+            for o in outs:
+                i, j = o.prompt_index, done[o.prompt_index]
+                done[i] = j + 1
+                if j + 1 < k:
+                    more.append(Continuation(o.prompt_token_ids + o.token_ids + answers[j][i], (i, 0), lens[j + 1][i]))
+                    contexts += len(more[-1].token_ids)
+            return more
+
+        engine.runner.step_events = []
+        engine.generate(prompts, turn, sample_keys=keys, max_tokens=lens[0], keep_kv=True, on_finish=on_finish)
+        engine.drop_kept()
+        sizes = engine.last_stats["decode_batch_sizes"]
+        return dict(prefilled=contexts - engine.last_stats["reused_kv_tokens"],
+                    prefill_s=step_seconds(engine.runner.step_events)[0],
+                    mean_decode_batch=round(statistics.fmean(sizes), 1) if sizes else None)
 
     def one_call() -> dict:
         engine.runner.step_events = []
-        engine.generate(prompts, dataclasses.replace(turn, max_tokens=k * t))
-        return dict(prefilled=b * p, prefill_s=step_seconds(engine.runner.step_events)[0])
+        engine.generate(prompts, turn, sample_keys=keys, max_tokens=[sum(col) for col in zip(*lens)])
+        return dict(prefilled=b * p, prefill_s=step_seconds(engine.runner.step_events)[0], mean_decode_batch=None)
 
-    variants = {"kept": lambda: turns(True), "recomputed": lambda: turns(False), "one_call": one_call}
+    variants = {"joined": joined, "kept": lambda: turns(True), "recomputed": lambda: turns(False),
+                "one_call": one_call}
     for run in variants.values():  # warm-up: compile and capture what every variant visits
         run()
     runs = {v: [] for v in variants}
@@ -376,17 +418,20 @@ def measure_turns(name: str, args) -> dict:
                 runs[v].append(dict(out, wall=time.perf_counter() - t0))
         engine.runner.step_events = None
     med = {v: median_run(r) for v, r in runs.items()}
-    generated = b * k * t
+    generated = sum(map(sum, lens))
     rec = emit(
         "rollout_turns", {"engine": "meshppo", "model": name, "prompts": b, "prompt_len": p, "turns": k,
-                          "turn_tokens": t, "tool_tokens": u, "temperature": 1.0, "ignore_eos": True, "tp": args.tp,
-                          "cuda_graphs": not args.enforce_eager},
+                          "turn_tokens": t, "turn_lengths": args.turn_lengths, "tool_tokens": u, "temperature": 1.0,
+                          "ignore_eos": True, "tp": args.tp, "cuda_graphs": not args.enforce_eager},
+        generated_tokens=generated,
         **{f"{v}_tok_per_s": round(generated / m["wall"], 1) for v, m in med.items()},
         **{f"{v}_wall_s": round(m["wall"], 4) for v, m in med.items()},
         **{f"{v}_walls_s": [round(r["wall"], 4) for r in runs[v]] for v in variants},
         **{f"{v}_prefill_s_gpu": round(m["prefill_s"], 4) for v, m in med.items()},
         **{f"{v}_prefilled_tokens": m["prefilled"] for v, m in med.items()},
+        joined_mean_decode_batch=med["joined"]["mean_decode_batch"],
         kept_speedup=round(med["recomputed"]["wall"] / med["kept"]["wall"], 4),
+        joined_speedup=round(med["kept"]["wall"] / med["joined"]["wall"], 4),
         **args.telemetry.take(),
     )
     return rec  # the engine goes with this frame and its closures (`_release` then empties the cache)
@@ -493,6 +538,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns-models", default="", help="models run through the multi-turn workload")
     ap.add_argument("--turns-prompts", type=int, default=256)
     ap.add_argument("--turns", type=int, default=4, help="model turns per sample (multi-turn workload)")
+    ap.add_argument("--turn-lengths", default="fixed", choices=("fixed", "exponential"),
+                    help="tokens a model turn generates: --turn-tokens each, or a long tail of that mean")
     ap.add_argument("--turn-tokens", type=int, default=64, help="tokens a model turn generates")
     ap.add_argument("--tool-tokens", type=int, default=64, help="tokens appended between turns (a tool's answer)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
@@ -684,15 +731,18 @@ def print_tables(records: list[dict], eos_records: list[dict]) -> None:
                   f"{r['gpu_idle_s']} | {r['graph_capture_s_first']} / "
                   f"{r['graph_capture_s_after_free']} |")
     if turns:
-        print("\n| model | samples x turns x tokens (+ tool) | tok/s kept / recomputed / one call | prefilled tokens "
-              "kept / recomputed | prefill GPU s kept / recomputed | kept speed-up |")
+        print("\n| model | samples x turns x tokens (+ tool) | tok/s joined / kept / recomputed / one call | "
+              "prefilled tokens joined / kept / recomputed | prefill GPU s joined / kept / recomputed | "
+              "speed-up joined over kept / kept over recomputed |")
         print("| --- | --- | --- | --- | --- | --- |")
         for r in turns:
             w = r["workload"]
-            print(f"| {w['model']} | {w['prompts']} x {w['turns']} x {w['turn_tokens']} (+ {w['tool_tokens']}) | "
-                  f"{r['kept_tok_per_s']:,.0f} / {r['recomputed_tok_per_s']:,.0f} / {r['one_call_tok_per_s']:,.0f} | "
-                  f"{r['kept_prefilled_tokens']:,} / {r['recomputed_prefilled_tokens']:,} | "
-                  f"{r['kept_prefill_s_gpu']} / {r['recomputed_prefill_s_gpu']} | {r['kept_speedup']} |")
+            print(f"| {w['model']} | {w['prompts']} x {w['turns']} x {w['turn_tokens']} {w['turn_lengths']} "
+                  f"(+ {w['tool_tokens']}) | {r['joined_tok_per_s']:,.0f} / {r['kept_tok_per_s']:,.0f} / "
+                  f"{r['recomputed_tok_per_s']:,.0f} / {r['one_call_tok_per_s']:,.0f} | "
+                  f"{r['joined_prefilled_tokens']:,} / {r['kept_prefilled_tokens']:,} / "
+                  f"{r['recomputed_prefilled_tokens']:,} | {r['joined_prefill_s_gpu']} / {r['kept_prefill_s_gpu']} / "
+                  f"{r['recomputed_prefill_s_gpu']} | {r['joined_speedup']} / {r['kept_speedup']} |")
 
 
 if __name__ == "__main__":

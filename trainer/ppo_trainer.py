@@ -50,6 +50,10 @@ from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump
 from trainer.val_metrics import validation_metrics
 from sharding import comm
 
+# Multi-turn rollouts at engine TP > 1: the engine steps between the tool agent's looks at samples
+# waiting for a tool that awaits I/O, when no turn ended (each look is one broadcast over the TP group).
+TP_POLL_STEPS = 8
+
 class _AbandonStep(Exception):
     """Preemption: the rest of this step would not fit in the grace period."""
 
@@ -309,7 +313,9 @@ class PPOTrainer:
                          max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
                          max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
                          tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
-                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs, interactions=interactions)
+                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs, interactions=interactions,
+                         # a look at the waiting samples is a broadcast over the engine's TP group
+                         poll_every=1 if r.tensor_model_parallel_size == 1 else TP_POLL_STEPS)
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:

@@ -16,14 +16,13 @@ does not depend on how the prompts are split over replicas. (Adding the replica 
 replica r at step t replay replica 0's noise at step t + r.) The HF loop draws from one generator
 per replica, seeded with `rollout.sequence.derive_seed(seed, replica)`.
 
-Multi-turn rollouts (`rollout.multi_turn.enable`, `AgentRows`): the same phase, with the
-engine's one call replaced by `agent.loop.ToolAgent`'s turns, one engine call each; each sample
-keeps its key (prompt index, sample index) across its turns.
+Multi-turn rollouts (`rollout.multi_turn.enable`, `AgentRows`): the same phase and the same one
+engine call, driven by `agent.loop.ToolAgent`: each sample's later turns join the call as its
+tools answer, and keep the sample's key (prompt index, sample index).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -98,26 +97,19 @@ class EngineRollout(_Rollout):
             outs = self.engine.generate(mine, sp, prompt_index_offset=lo) if mine else []
             capture_s = self.engine.last_stats["graph_capture_s"] if mine else 0.0
         else:
-            turn, first = dataclasses.replace(sp, n=1), True
-
-            def one_turn(contexts, keys, limits):
-                nonlocal capture_s, first
-                # Each sample's K/V stays for its next turn, which prefills only the tool's answer. The
-                # first turn is every sample from its prompt: one prefill per prompt, its n samples
-                # forked from it, as the single-turn call runs (the same keys, in the same order).
-                if first:
-                    first = False
-                    outs = self.engine.generate(mine, sp, prompt_index_offset=lo, keep_kv=True)
-                else:
-                    outs = self.engine.generate(contexts, turn, sample_keys=keys, max_tokens=limits, keep_kv=True)
-                capture_s += self.engine.last_stats["graph_capture_s"]
-                return outs
+            def serve(on_finish):
+                nonlocal capture_s
+                # One call: every sample's first turn from its prompt (one prefill per prompt, its n
+                # samples forked from it, as the single-turn call runs: the same keys, in the same
+                # order), each later turn joining it from the sample's kept K/V (`agent.loop`).
+                self.engine.generate(mine, sp, prompt_index_offset=lo, keep_kv=True, on_finish=on_finish)
+                capture_s = self.engine.last_stats["graph_capture_s"]
 
             # Each sample of prompt lo + i is its own row, keyed (lo + i, k) as the single-turn call keys it.
             rows = [(i, k) for i in range(len(mine)) for k in range(n)]
             per_row = lambda xs: [xs[lo + i] for i, _ in rows]  # noqa: E731
             outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows], per_row(agent.agents),
-                                  per_row(agent.tools_kwargs), one_turn, runs_tools=self.engine.tp.rank == 0,
+                                  per_row(agent.tools_kwargs), serve, runs_tools=self.engine.tp.rank == 0,
                                   share=self._tp_broadcast, messages=per_row(agent.messages),
                                   interaction_kwargs=per_row(agent.interaction_kwargs))
             self.engine.drop_kept()

@@ -122,14 +122,19 @@ def _scripted_step(root, run, device, world_size, later_turn, *overrides):
     prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
     engine_generate = trainer.engine.generate
 
-    def scripted(contexts, params, *args, **kw):
-        outs = engine_generate(contexts, params, *args, **kw)
-        for k, o in enumerate(outs):  # prompt-major, params.n samples of each context
-            first = tuple(contexts[k // params.n]) in prompts
+    def rewrite(outs):
+        for o in outs:  # a request from a prompt is a first turn
+            first = tuple(o.prompt_token_ids) in prompts
             if first or later_turn is not None:
                 o.token_ids = list(call_ids if first else later_turn)
                 o.logprobs, o.finish_reason = [0.0] * len(o.token_ids), "stop"
         return outs
+
+    def scripted(contexts, params, *args, on_finish=None, **kw):
+        if on_finish is None:
+            return rewrite(engine_generate(contexts, params, *args, **kw))
+        return engine_generate(contexts, params, *args, on_finish=lambda outs, idle: on_finish(rewrite(outs), idle),
+                               **kw)
 
     trainer.engine.generate = scripted
     batches = []

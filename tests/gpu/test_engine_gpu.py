@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from models import Transformer  # noqa: E402
-from rollout import SamplingParams  # noqa: E402
+from rollout import Continuation, SamplingParams  # noqa: E402
 from rollout.attention import PREFILL_TILE, AttentionMetadata, decode_attention_ref  # noqa: E402
 from rollout.ops import TorchOps  # noqa: E402
 from rollout.sampler import combine_partials  # noqa: E402
@@ -351,6 +351,49 @@ def test_kept_kv_continuations_equal_recomputed_ones_with_graphs():
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
     for o in kept:
         check_against_training_forward(model, o, turn, atol=1e-4)
+
+
+def test_turns_joining_a_running_call_equal_separate_calls_with_graphs():
+    """generate(on_finish=...) on the GPU (Triton kernels, decode and prefill CUDA graphs): each
+    sample's next turn joins the running call as soon as its turn ended, from its kept K/V, with
+    turns of different lengths, and samples what one call per turn samples (float32: same tokens,
+    log-probs within 1e-4)."""
+    model = _gpu_model("qwen2")
+    prompts = prompts_of([5, 40, 17, 33], seed=9)
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    turn = SamplingParams(temperature=1.0, max_tokens=99, seed=6, ignore_eos=True)
+    limit = lambda key, t: 2 + (5 * key[0] + 3 * key[1] + 2 * t) % 9  # noqa: E731
+    answer = lambda key, t: [3, 1, 4, 1, 5][:1 + (key[0] + t) % 5]  # noqa: E731
+    first = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=99, seed=6, ignore_eos=True),
+                            max_tokens=[limit((i, 0), 0) for i in range(4)])
+    separate = {(o.prompt_index, o.sample_index): [o] for o in first}
+    for t in (1, 2):
+        keys = list(separate)
+        outs = engine.generate([separate[k][-1].prompt_token_ids + separate[k][-1].token_ids + answer(k, t)
+                                for k in keys], turn, sample_keys=keys, max_tokens=[limit(k, t) for k in keys])
+        for k, o in zip(keys, outs):
+            separate[k].append(o)
+    joined = {}
+
+    def on_finish(outs, idle):
+        more = []
+        for o in outs:
+            k = (o.prompt_index, o.sample_index)
+            joined.setdefault(k, []).append(o)
+            t = len(joined[k])
+            if t < 3:
+                more.append(Continuation(o.prompt_token_ids + o.token_ids + answer(k, t), k, limit(k, t)))
+        return more
+
+    engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=99, seed=6, ignore_eos=True),
+                    max_tokens=[limit((i, 0), 0) for i in range(4)], keep_kv=True, on_finish=on_finish)
+    assert engine.runner.graphs and engine.runner.prefill_graphs
+    assert engine.last_stats["reused_kv_tokens"] > 0
+    assert joined.keys() == separate.keys()
+    for k in separate:
+        for x, y in zip(joined[k], separate[k], strict=True):
+            assert x.token_ids == y.token_ids and x.prompt_token_ids == y.prompt_token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
 
 
 def _logprob_errors(outs, models):

@@ -1,9 +1,11 @@
-"""`agent.loop.ToolAgent`, verl's tool agent loop in lockstep, against scripted model turns: the
-response is the turns and the tool messages, masked by who wrote them, every count and cut by
-verl's rules, and the engine asked for each sample's continuation under its own key and budget."""
+"""`agent.loop.ToolAgent`, verl's tool agent loop, against scripted model turns in a simulated
+engine call: the response is the turns and the tool messages, masked by who wrote them, every
+count and cut by verl's rules, and each sample's next turn joins the call, under its own key and
+budget, at the step its tools answered while other samples still generate."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -32,6 +34,9 @@ class Lookup(BaseTool):
 
 @dataclass
 class Out:
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
@@ -47,21 +52,54 @@ def call(key: str) -> str:
 
 
 class Script:
-    """The model: per sample key, its turns as texts, each ended by <|im_end|> and cut at the
-    turn's budget as the engine cuts it (finish reason `length`). Records every call."""
+    """The model behind one engine call (`LLMEngine.generate(on_finish=...)`, simulated): per sample
+    key, its turns as texts, each ended by <|im_end|> and cut at the turn's budget as the engine
+    cuts it (finish reason `length`). A turn takes one step per token; the turns that end at a
+    step reach `on_finish` together, and the continuations it returns start at the next step;
+    with nothing running, `on_finish` is called idle until it returns none. `requests` records
+    every request as (context, key, budget, the step it started)."""
 
     def __init__(self, tok, turns: dict[tuple[int, int], list[str]]):
-        self.tok, self.turns, self.calls = tok, {k: list(v) for k, v in turns.items()}, []
+        self.tok, self.turns, self.requests = tok, {k: list(v) for k, v in turns.items()}, []
         self.eos = tok.convert_tokens_to_ids(IM_END)
+        self.on_idle = lambda: None  # called each time the call has nothing left to run
 
-    def __call__(self, contexts, keys, limits):
-        self.calls.append((list(map(list, contexts)), list(keys), list(limits)))
-        outs = []
-        for key, limit in zip(keys, limits):
-            ids = self.tok(self.turns[key].pop(0), add_special_tokens=False)["input_ids"] + [self.eos]
-            cut = ids[:limit]
-            outs.append(Out(cut, [-0.5] * len(cut), "stop" if len(cut) == len(ids) else "length"))
-        return outs
+    def reply(self, key, context, limit) -> Out:
+        ids = self.tok(self.turns[key].pop(0), add_special_tokens=False)["input_ids"] + [self.eos]
+        cut = ids[:limit]
+        return Out(key[0], key[1], list(context), cut, [-0.5] * len(cut), "stop" if len(cut) == len(ids) else "length")
+
+    def serve(self, prompts, keys, limit):
+        """The `generate` callable of `ToolAgent.run`: the call whose requests are the first turns."""
+        def generate(on_finish):
+            running, step = [], 0
+
+            def start(context, key, budget):
+                self.requests.append((list(context), key, budget, step))
+                out = self.reply(key, context, budget)
+                running.append((step + len(out.token_ids), out))
+
+            for p, k in zip(prompts, keys):
+                start(p, k, limit)
+            while True:
+                step += 1
+                ended = [out for end, out in running if end == step]
+                running[:] = [(end, out) for end, out in running if end != step]
+                for c in on_finish(ended, False):
+                    start(c.token_ids, c.key, c.max_tokens)
+                while not running:
+                    self.on_idle()
+                    more = on_finish([], True)
+                    if not more:
+                        return
+                    for c in more:
+                        start(c.token_ids, c.key, c.max_tokens)
+
+        return generate
+
+
+def run(a, script, prompts, keys, agents, **kw):
+    return a.run(prompts, keys, agents, [{}] * len(prompts), script.serve(prompts, keys, a.response_length), **kw)
 
 
 def agent(tok, tool, **kw):
@@ -80,7 +118,7 @@ def test_turns_masks_counts_and_the_engine_calls(tok):
     prompts = [[1, 2, 3], [4, 5], [6]]
     keys = [(7, 0), (7, 1), (8, 0)]
     script = Script(tok, {(7, 0): [call("ab"), "#### 5"], (7, 1): [call("xyz")], (8, 0): ["plain"]})
-    outs = a.run(prompts, keys, ["tool_agent", "single_turn_agent", "tool_agent"], [{}, {}, {}], script)
+    outs = run(a, script, prompts, keys, ["tool_agent", "single_turn_agent", "tool_agent"])
     system = system_prompt_ids(tok)
     t1, answer, t2 = ids(tok, call("ab")), tool_message_ids(tok, ["value of ab"], system), ids(tok, "#### 5")
     assert tok.decode(answer) == "<|im_start|>user\n<tool_response>\nvalue of ab\n</tool_response><|im_end|>\n" \
@@ -96,11 +134,51 @@ def test_turns_masks_counts_and_the_engine_calls(tok):
     assert (outs[2].num_turns, outs[2].tool_rewards) == (2, [])
     assert tool.calls == 1
     assert [(o.prompt_index, o.sample_index) for o in outs] == keys
-    # turn 1: every sample from its prompt with the whole budget; turn 2: the caller alone, its
-    # context the prompt and what came so far, its budget what is left
-    (c1, k1, l1), (c2, k2, l2) = script.calls
-    assert (c1, k1, l1) == (prompts, keys, [400] * 3)
-    assert (c2, k2, l2) == ([prompts[0] + t1 + answer], [(7, 0)], [400 - len(t1 + answer)])
+    # the call's requests: every sample's first turn from its prompt with the whole budget, then
+    # the caller's second turn, its context the prompt and what came so far, its budget what is
+    # left, joining at the step its first turn ended
+    assert script.requests == [(p, k, 400, 0) for p, k in zip(prompts, keys)] + [
+        (prompts[0] + t1 + answer, (7, 0), 400 - len(t1 + answer), len(t1))]
+
+
+class Gated(Lookup):
+    """Lookup that answers only once `open` is set, polling for it as a tool waiting on I/O would."""
+
+    def __init__(self):
+        super().__init__()
+        self.open = False
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        while not self.open:
+            await asyncio.sleep(0.001)
+        return await super().execute(instance_id, parameters, **kwargs)
+
+
+@pytest.mark.parametrize("poll_every", [1, 5])
+def test_a_sample_s_next_turn_joins_the_running_call(tok, poll_every):
+    """Sample A's tool answers at once: its second turn joins at the step its first turn ended,
+    while B's long turn still runs. With a tool that waits on I/O (answering only once the call is
+    idle), A joins when it answered, with the same rollout; the loop looks at it at the step its
+    turn ended, every `poll_every` steps while it waits, and once idle (each look one `share`)."""
+    turns = {(0, 0): [call("ab"), "ok"], (1, 0): ["x" * 120]}
+    prompts, keys = [[1], [2]], [(0, 0), (1, 0)]
+    script = Script(tok, turns)
+    instant = run(agent(tok, Lookup(), poll_every=poll_every), script, prompts, keys, ["tool_agent"] * 2)
+    a_end, b_end = len(ids(tok, call("ab"))), len(ids(tok, "x" * 120))
+    assert a_end < b_end
+    assert [(r[1], r[3]) for r in script.requests] == [((0, 0), 0), ((1, 0), 0), ((0, 0), a_end)]
+
+    gated, looks = Gated(), []
+    script = Script(tok, turns)
+    script.on_idle = lambda: setattr(gated, "open", True)
+    waited = run(agent(tok, gated, poll_every=poll_every), script, prompts, keys, ["tool_agent"] * 2,
+                 share=lambda r: looks.append(r) or r)
+    assert [(r[1], r[3]) for r in script.requests] == [((0, 0), 0), ((1, 0), 0), ((0, 0), b_end)]
+    assert [(o.token_ids, o.mask, o.tool_rewards) for o in waited] == [(o.token_ids, o.mask, o.tool_rewards)
+                                                                       for o in instant]
+    polls = sum(1 for step in range(a_end + 1, b_end + 1) if step % poll_every == 0)
+    assert len(looks) == 1 + polls + 1
+    assert [len(r[1]) for r in looks] == [0] * (1 + polls) + [1]  # ("ok", answered samples)
 
 
 def test_budget_and_turn_limits(tok):
@@ -108,24 +186,24 @@ def test_budget_and_turn_limits(tok):
     answer = tool_message_ids(tok, ["value of ab"], system_prompt_ids(tok))
     # the answer does not fit: the sample ends before it ("length"), the tool's reward still counts
     tool = Lookup()
-    outs = agent(tok, tool, response_length=len(t1) + len(answer)).run(
-        [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): [call("ab")]}))
+    outs = run(agent(tok, tool, response_length=len(t1) + len(answer)), Script(tok, {(0, 0): [call("ab")]}),
+               [[1]], [(0, 0)], ["tool_agent"])
     assert outs[0].token_ids == t1 and outs[0].finish_reason == "length"
     assert (outs[0].num_turns, outs[0].tool_rewards, tool.calls) == (2, [0.2], 1)
     # one token more and it fits; the next turn gets the single token left and is cut by the engine
-    outs = agent(tok, Lookup(), response_length=len(t1) + len(answer) + 1).run(
-        [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): [call("ab"), "#### 5"]}))
+    outs = run(agent(tok, Lookup(), response_length=len(t1) + len(answer) + 1),
+               Script(tok, {(0, 0): [call("ab"), "#### 5"]}), [[1]], [(0, 0)], ["tool_agent"])
     assert outs[0].token_ids == t1 + answer + ids(tok, "#")[:1] and outs[0].finish_reason == "length"
     assert outs[0].num_turns == 4
     # max_assistant_turns=1: the first turn's call is not run
     tool = Lookup()
-    outs = agent(tok, tool, max_assistant_turns=1).run([[1]], [(0, 0)], ["tool_agent"], [{}],
-                                                      Script(tok, {(0, 0): [call("ab")]}))
+    outs = run(agent(tok, tool, max_assistant_turns=1), Script(tok, {(0, 0): [call("ab")]}), [[1]], [(0, 0)],
+               ["tool_agent"])
     assert (outs[0].token_ids, outs[0].num_turns, tool.calls) == (t1, 2, 0)
     # max_user_turns=1: one tool answer, then the next turn's call is not run
     tool = Lookup()
-    outs = agent(tok, tool, max_user_turns=1).run([[1]], [(0, 0)], ["tool_agent"], [{}],
-                                                 Script(tok, {(0, 0): [call("ab"), call("cd")]}))
+    outs = run(agent(tok, tool, max_user_turns=1), Script(tok, {(0, 0): [call("ab"), call("cd")]}), [[1]],
+               [(0, 0)], ["tool_agent"])
     assert (outs[0].num_turns, tool.calls) == (4, 1) and outs[0].token_ids == t1 + answer + ids(tok, call("cd"))
 
 
@@ -133,8 +211,8 @@ def test_parallel_calls_and_truncated_answers(tok):
     tool = Lookup()
     two = call("a") + call("bcdefghij")
     # limit 10: the first answer fits exactly, the second keeps its first 10 characters ("left")
-    outs = agent(tok, tool, max_parallel_calls=2, max_tool_response_length=10, tool_response_truncate_side="left").run(
-        [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): [two + call("k"), "done"]}))
+    outs = run(agent(tok, tool, max_parallel_calls=2, max_tool_response_length=10, tool_response_truncate_side="left"),
+               Script(tok, {(0, 0): [two + call("k"), "done"]}), [[1]], [(0, 0)], ["tool_agent"])
     answer = tool_message_ids(tok, ["value of a", "value of b...(truncated)"], system_prompt_ids(tok))
     assert tool.calls == 2 and outs[0].tool_rewards == [0.1, 0.9]
     assert outs[0].token_ids == ids(tok, two + call("k")) + answer + ids(tok, "done")  # the third call not run
@@ -145,11 +223,12 @@ def test_only_the_first_tp_rank_runs_the_tools(tok):
     turns = {(0, 0): [call("ab"), "ok"]}
     leader_tool, follower_tool = Lookup(), Lookup()
     shared = []
-    lead = agent(tok, leader_tool).run([[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, turns),
-                                       share=lambda r: shared.append(r) or r)
-    replay = iter(shared)  # the leader's turns' results, in order (the last turn's is empty)
-    follow = agent(tok, follower_tool).run([[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, turns), runs_tools=False,
-                                           share=lambda r: next(replay) if r is None else pytest.fail())
+    lead = run(agent(tok, leader_tool), Script(tok, turns), [[1]], [(0, 0)], ["tool_agent"],
+               share=lambda r: shared.append(r) or r)
+    replay = iter(shared)  # the leader's looks at its waiting samples, in order
+    follow = run(agent(tok, follower_tool), Script(tok, turns), [[1]], [(0, 0)], ["tool_agent"], runs_tools=False,
+                 share=lambda r: next(replay) if r is None else pytest.fail())
+    assert len(shared) == 1 and next(replay, None) is None
     assert (leader_tool.calls, follower_tool.calls) == (1, 0)
     assert follow[0].token_ids == lead[0].token_ids and follow[0].tool_rewards == lead[0].tool_rewards == [0.2]
 
@@ -159,8 +238,9 @@ def test_a_turn_the_engine_cut_ends_the_rollout(tok):
     the cut text holds a whole tool call: the context has no room left for the answer."""
     tool = Lookup()
     t1 = ids(tok, call("ab"), end=False)
-    outs = agent(tok, tool).run([[1]], [(0, 0)], ["tool_agent"], [{}],
-                                lambda contexts, keys, limits: [Out(t1, [-0.5] * len(t1), "length")])
+    cut = Script(tok, {})
+    cut.reply = lambda key, context, limit: Out(key[0], key[1], context, t1, [-0.5] * len(t1), "length")
+    outs = run(agent(tok, tool), cut, [[1]], [(0, 0)], ["tool_agent"])
     assert (outs[0].token_ids, outs[0].finish_reason, outs[0].num_turns, tool.calls) == (t1, "length", 2, 0)
 
 
@@ -194,8 +274,8 @@ def test_interactions_reply_between_turns(tok):
     prompt = [{"role": "user", "content": "2+2?"}]
     kwargs = {"name": "teacher", "level": 1}
     script = Script(tok, {(0, 0): ["3", call("ab"), "#### 4"], (1, 0): ["plain"]})
-    outs = a.run([[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "single_turn_agent"], [{}, {}], script,
-                 messages=[prompt, prompt], interaction_kwargs=[kwargs, None])
+    outs = run(a, script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "single_turn_agent"],
+               messages=[prompt, prompt], interaction_kwargs=[kwargs, None])
     system = system_prompt_ids(tok)
     reply = message_ids(tok, [{"role": "user", "content": "try again"}], system)
     answer = tool_message_ids(tok, ["value of ab"], system)
@@ -221,11 +301,9 @@ def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
     shared = []
     kw = dict(messages=[[{"role": "user", "content": "x"}]], interaction_kwargs=[{"name": "teacher"}])
     with pytest.raises(Exception, match="gone"):
-        agent(tok, Lookup(), interactions={"teacher": Broken()}).run(
-            [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): ["3"]}),
-            share=lambda r: shared.append(r) or r, **kw)
+        run(agent(tok, Lookup(), interactions={"teacher": Broken()}), Script(tok, {(0, 0): ["3"]}), [[1]], [(0, 0)],
+            ["tool_agent"], share=lambda r: shared.append(r) or r, **kw)
     replay = iter(shared)
     with pytest.raises(RuntimeError, match="first TP rank.*InteractionError.*gone"):
-        agent(tok, Lookup(), interactions={"teacher": Broken()}).run(
-            [[1]], [(0, 0)], ["tool_agent"], [{}], Script(tok, {(0, 0): ["3"]}), runs_tools=False,
-            share=lambda r: next(replay), **kw)
+        run(agent(tok, Lookup(), interactions={"teacher": Broken()}), Script(tok, {(0, 0): ["3"]}), [[1]], [(0, 0)],
+            ["tool_agent"], runs_tools=False, share=lambda r: next(replay), **kw)

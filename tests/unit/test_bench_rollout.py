@@ -84,8 +84,11 @@ def test_engine_options_reach_the_engine_config():
     """`--prefill-graph-max-tokens` and the other engine flags land in the EngineConfig; unset, the engine's default."""
     args = argparse.Namespace(gpu_memory_utilization=0.7, enforce_eager=True, tp_all_reduce="nccl",
                               capture_sizes=[1, 8], prefill_graph_max_tokens=None, quantization=None,
-                              kv_cache_dtype="auto")
+                              kv_cache_dtype="auto", max_num_batched_tokens=None)
     c = engine_config(256, 384, args)
+    assert c.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "max_num_batched_tokens": 2048})
+                         ).max_num_batched_tokens == 2048
     assert c.prefill_graph_max_tokens == EngineConfig().prefill_graph_max_tokens == 2048
     assert c.quantization is None and c.kv_cache_dtype == "auto"
     assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "quantization": "fp8"})).quantization == "fp8"
@@ -95,6 +98,22 @@ def test_engine_options_reach_the_engine_config():
     for cap in (0, 8192):
         assert engine_config(256, 384, argparse.Namespace(**{**vars(args), "prefill_graph_max_tokens": cap})
                              ).prefill_graph_max_tokens == cap
+
+
+def test_turn_lengths_fixed_or_a_long_tail_of_the_same_mean():
+    """The multi-turn workload's turn lengths: all `mean`, or 1 + an exponential of mean `mean` - 1
+    capped at 4 `mean` (whose mean is `mean` - 0.5 less the cap's 1.8 %: 62.35 for 64), checked
+    over 4 x 256 draws within 4 standard errors (about 2 tokens)."""
+    from bench.rollout import turn_lengths
+
+    assert turn_lengths(3, 2, 64, "fixed") == [[64] * 3] * 2
+    lens = turn_lengths(256, 4, 64, "exponential")
+    flat = [n for row in lens for n in row]
+    assert len(lens) == 4 and len(flat) == 1024 and min(flat) >= 1 and max(flat) <= 256
+    assert abs(sum(flat) / len(flat) - 62.35) < 4 * 63 / 1024 ** 0.5
+    assert sorted(flat)[512] < 50  # a long tail: the median (44 for an exponential) well below the mean
+    assert turn_lengths(256, 4, 64, "exponential") == lens  # seeded
+    assert turn_lengths(2, 2, 1, "exponential") == [[1, 1], [1, 1]]
 
 
 def test_figures_are_the_median_run_and_repeats_must_be_odd(capsys):
