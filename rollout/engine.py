@@ -385,7 +385,7 @@ class LLMEngine:
                     steps["prefill_decoding"] += batch.is_prefill
                 launched = self.runner.execute(batch)
             if pending is not None:
-                done = self._process(sched, pending, samples)
+                done = self._process(sched, pending, samples, ended=on_finish is not None)
                 if on_finish is not None:
                     outs = [_output(s) for s in done]
                     for s in done:
@@ -422,15 +422,15 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _process(sched: Scheduler, step, samples: dict) -> list[Sequence]:
-        """Record a launched step's results; the sequences that ended in it."""
+    def _process(sched: Scheduler, step, samples: dict, ended: bool = False) -> list[Sequence]:
+        """Record a launched step's results; with `ended`, the sequences that ended in it."""
         tokens, logprobs = step.result()
         if step.batch.is_prefill:
             # Every sample is first sampled in a prefill step (its prompt's last chunk, or its
             # recompute after a preemption): recorded there, not again at every decode step.
             for s in step.batch.sample_seqs:
                 samples[(s.prompt_index, s.sample_index)] = s
-        running = [s for s in step.batch.sample_seqs if s.finish_reason is None]
+        running = [s for s in step.batch.sample_seqs if s.finish_reason is None] if ended else []
         sched.postprocess(step.batch, tokens, logprobs)
         return [s for s in running if s.finish_reason is not None]
 
