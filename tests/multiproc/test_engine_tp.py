@@ -11,7 +11,9 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp
     """TP=2 over the two ranks of the default group against TP=1 on each rank, float32 engines on
     `device`: same tokens (greedy, top-k, top-p sampling), log-probs within `logprob_tol`. The
     GPU check (tests/gpu/multi_gpu_checks.py) runs it over NCCL. `tp2_triton`: the TP=2 engine
-    runs the Triton kernels (on CPU under the interpreter), the TP=1 one the PyTorch ops."""
+    runs the Triton kernels (on CPU under the interpreter, about 1.3 s a step), the TP=1 one the
+    PyTorch ops, over fewer new tokens (the same steps: chunked prefill, decode at several rows and
+    at one); the pool's preemptions are then left to the PyTorch run."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import ModelArgs, Transformer, tp_shard_dim
@@ -53,11 +55,12 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp
 
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
-        cases = {"qwen2": (SamplingParams(temperature=0, max_tokens=10),
-                           SamplingParams(n=2, temperature=0.9, top_k=5, max_tokens=8, seed=6)),
-                 "llama": (SamplingParams(n=2, temperature=0.9, max_tokens=10, seed=5),
-                           SamplingParams(n=2, temperature=1.1, top_p=0.8, top_k=20, max_tokens=8, seed=7))}
-        one = SamplingParams(temperature=0.9, max_tokens=6, seed=8)  # one sequence: decode steps of one row
+        new = (lambda n: 3) if tp2_triton else (lambda n: n)
+        cases = {"qwen2": (SamplingParams(temperature=0, max_tokens=new(10)),
+                           SamplingParams(n=2, temperature=0.9, top_k=5, max_tokens=new(8), seed=6)),
+                 "llama": (SamplingParams(n=2, temperature=0.9, max_tokens=new(10), seed=5),
+                           SamplingParams(n=2, temperature=1.1, top_p=0.8, top_k=20, max_tokens=new(8), seed=7))}
+        one = SamplingParams(temperature=0.9, max_tokens=new(6), seed=8)  # one sequence: decode steps of one row
         preemptions = 0
         for sp, batch in [(sp, prompts) for sp in cases[kind]] + [(one, prompts[1:2])]:
             a, b = tp1.generate(batch, sp), tp2.generate(batch, sp)
@@ -66,7 +69,7 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp
             diff = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
             assert diff < logprob_tol, (kind, sp, diff)
             results.append(b)
-        assert preemptions > 0  # the tight pool made both ranks preempt identically
+        assert preemptions > 0 or tp2_triton  # the tight pool made both ranks preempt identically
 
     # Both ranks return the same outputs.
     mine = [[o.token_ids for o in outs] for outs in results]
