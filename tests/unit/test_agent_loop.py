@@ -181,6 +181,22 @@ def test_a_sample_s_next_turn_joins_the_running_call(tok, poll_every):
     assert [len(r[1]) for r in looks] == [0] * (1 + polls) + [1]  # ("ok", answered samples)
 
 
+def test_the_loop_runs_inside_a_running_event_loop(tok):
+    """Called from a coroutine (a notebook, an async caller), the rollout's event loop runs in a
+    worker thread: the same rollout, with a tool that waits on I/O as well."""
+    turns = {(0, 0): [call("ab"), "ok"], (1, 0): ["x" * 120]}
+    plain = run(agent(tok, Lookup()), Script(tok, turns), [[1], [2]], [(0, 0), (1, 0)], ["tool_agent"] * 2)
+
+    async def caller():
+        gated, script = Gated(), Script(tok, turns)
+        script.on_idle = lambda: setattr(gated, "open", True)
+        return run(agent(tok, gated), script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent"] * 2)
+
+    inside = asyncio.run(caller())
+    assert [(o.token_ids, o.tool_rewards) for o in inside] == [(o.token_ids, o.tool_rewards) for o in plain]
+    assert plain[0].tool_rewards == [0.2]
+
+
 def test_budget_and_turn_limits(tok):
     t1 = ids(tok, call("ab"))
     answer = tool_message_ids(tok, ["value of ab"], system_prompt_ids(tok))
