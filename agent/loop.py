@@ -32,8 +32,8 @@ instance (`interaction_kwargs`' `name`) before its first turn; the loop finalize
 (verl's leaves them).
 
 When answers join. The loop looks at its waiting samples after every engine step in which a
-turn ended, every `poll_every` steps otherwise, and whenever the engine has nothing left to run
-(then it waits for the first answer). A task that awaits no I/O (GSM8K's tool, a rule-based
+sample began to wait, every `poll_every` steps otherwise, and whenever the engine has nothing left
+to run (then it waits for the first answer). A task that awaits no I/O (GSM8K's tool, a rule-based
 interaction) has ended by then, so its sample joins at the step its turn ended, on every run; one
 that waits on I/O (a sandbox, a search) joins at the first look after it answered.
 
@@ -104,8 +104,8 @@ class ToolAgent:
     `interactions`: by name (`agent.interactions.load_interactions`; none: a turn without tool
     calls ends the rollout); `chat_template_kwargs`: verl's `data.apply_chat_template_kwargs`, also
     used to render the inserted messages; the limits are `rollout.multi_turn`'s (None: no limit on
-    that count); `poll_every`: the engine steps between looks at waiting samples when no turn
-    ended (each look is a broadcast at TP > 1)."""
+    that count); `poll_every`: the engine steps between looks at waiting samples when none began
+    to wait (each look is a broadcast at TP > 1)."""
 
     def __init__(self, tokenizer, tools: list[BaseTool], *, response_length: int, max_assistant_turns: int | None,
                  max_user_turns: int | None, max_parallel_calls: int, max_tool_response_length: int,
