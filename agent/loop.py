@@ -46,6 +46,7 @@ same steps on every rank (the steps' ended turns are the same), so each is one b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from uuid import uuid4
@@ -62,7 +63,7 @@ from rollout.config import Continuation
 @dataclass
 class TurnOutput:
     """One sample's multi-turn rollout, in the fields of the engine's `RequestOutput` that the
-    trainer reads, plus the turns' mask and counts."""
+    trainer reads, plus the turns' mask, counts and times (wall seconds, summed over its turns)."""
 
     prompt_index: int
     sample_index: int
@@ -73,6 +74,8 @@ class TurnOutput:
     num_turns: int
     tool_rewards: list[float] = field(default_factory=list)
     turn_scores: list[float] = field(default_factory=list)
+    generate_s: float = 0.0  # seconds its turns spent in the engine (queued or generating), verl's generate_sequences
+    tool_s: float = 0.0  # seconds it waited for its tools and interaction, verl's tool_calls
 
 
 @dataclass(eq=False)
@@ -93,10 +96,14 @@ class _Sample:
     turn_scores: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     calls: list = field(default_factory=list)
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    since: float = 0.0  # when its current turn was requested, or it began to wait
 
     def output(self) -> TurnOutput:
         return TurnOutput(self.key[0], self.key[1], self.tokens, self.logprobs, self.mask, self.finish_reason,
-                          self.user_turns + self.assistant_turns + 1, self.tool_rewards, self.turn_scores)
+                          self.user_turns + self.assistant_turns + 1, self.tool_rewards, self.turn_scores,
+                          self.generate_s, self.tool_s)
 
 
 class ToolAgent:
@@ -152,6 +159,9 @@ class ToolAgent:
                     share)
                 for s, instance in zip(talkers, ids):
                     s.instance = instance
+            start = time.perf_counter()
+            for s in samples.values():
+                s.since = start
             generate(_Turns(self, samples, loop, runs_tools, share).on_finish)
             if talkers:
                 _first_rank(lambda: finalize_interactions(self.interactions, [(s.interaction_kwargs["name"], s.instance)
@@ -237,6 +247,7 @@ class _Turns:
     def on_finish(self, outs, idle: bool) -> list[Continuation]:
         self.steps += 1
         fresh = []
+        now = time.perf_counter()
         if outs:
             agent = self.agent
             # the turns as text, in one batched decode each: with special tokens for the tool calls
@@ -247,6 +258,8 @@ class _Turns:
             chats = decode_batch(agent.tokenizer, tokens) if talking else texts
             for o, text, chat in zip(outs, texts, chats):
                 s = self.samples[o.prompt_index, o.sample_index]
+                s.generate_s += now - s.since
+                s.since = now
                 kind = agent._take_turn(s, o, text, chat)
                 if kind is not None:
                     self.waiting[s.key] = kind
@@ -257,8 +270,11 @@ class _Turns:
             answered = _first_rank(lambda: self._answered(fresh, block=idle), self.runs_tools, self.share)
             fresh = []
             continuing = []
+            now = time.perf_counter()
             for key, result in answered:
                 s = self.samples[key]
+                s.tool_s += now - s.since
+                s.since = now
                 if self.agent._answer(s, self.waiting.pop(key), result):
                     continuing.append(Continuation(list(s.context), key, self.agent.response_length - len(s.tokens)))
             # idle: the engine ends the call unless something continues, so wait for the next answer

@@ -407,6 +407,13 @@ class PPOTrainer:
             extra_infos = [{**e, "num_turns": o.num_turns, "tool_rewards": o.tool_rewards,
                             "turn_scores": o.turn_scores} for e, o in zip(extra_infos, outs)]
             masks, turns = [o.mask for o in outs], [o.num_turns for o in outs]
+            # verl's agent-loop timings: per sample, the seconds its turns spent in the engine and
+            # waiting for its tools (and interaction), over every sample of the batch
+            for name, times in (("generate_sequences", [o.generate_s for o in outs]),
+                                ("tool_calls", [o.tool_s for o in outs])):
+                if times:
+                    for stat, value in (("min", min(times)), ("max", max(times)), ("mean", sum(times) / len(times))):
+                        self.timer.set(f"agent_loop/{name}/{stat}", value)
         return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), extra_infos,
                             reasons, lps, width, self.device, raw_prompts=rep("raw_prompt"), turn_masks=masks,
                             num_turns=turns)

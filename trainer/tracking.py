@@ -61,6 +61,10 @@ class Timer:
         """Count `seconds` measured elsewhere (the engine's graph capture) as `timing_s/<name>`."""
         self.times[name] = self.times.get(name, 0.0) + seconds
 
+    def set(self, name: str, seconds: float) -> None:
+        """`timing_s/<name>` is `seconds`, a figure of the step's last generation (verl's `agent_loop/*`)."""
+        self.times[name] = seconds
+
     def pop(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.times.items()}
         self.times = {}

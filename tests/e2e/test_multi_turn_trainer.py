@@ -175,6 +175,11 @@ def _body(rank, world_size, root, device="cpu", *overrides):
     # the single-turn one; a count off by one turn or a missing reward moves the mean by 0.0625 or more
     assert abs(metrics["critic/score/mean"] - (6 * 4.5 + 2 * 2) / 8) < 0.001, metrics["critic/score/mean"]
     assert (metrics["num_turns/min"], metrics["num_turns/max"], metrics["num_turns/mean"]) == (2, 4, 3.5)
+    # verl's agent-loop times over the samples: the single-turn rows waited for no tool
+    for name in ("generate_sequences", "tool_calls"):
+        lo, mean, hi = (metrics[f"timing_s/agent_loop/{name}/{s}"] for s in ("min", "mean", "max"))
+        assert 0 <= lo <= mean <= hi <= metrics["timing_s/gen"], (name, lo, mean, hi)
+    assert metrics["timing_s/agent_loop/tool_calls/min"] == 0 < metrics["timing_s/agent_loop/tool_calls/max"]
     # the 6 tool rows' calls ran once each, on the engine's first TP rank
     assert RankTool.executed == (6 if rank == 0 else 0), (rank, RankTool.executed)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -195,6 +196,27 @@ def test_the_loop_runs_inside_a_running_event_loop(tok):
     inside = asyncio.run(caller())
     assert [(o.token_ids, o.tool_rewards) for o in inside] == [(o.token_ids, o.tool_rewards) for o in plain]
     assert plain[0].tool_rewards == [0.2]
+
+
+class Slow(Lookup):
+    """Lookup that takes 50 ms of I/O."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(0.05)
+        return await super().execute(instance_id, parameters, **kwargs)
+
+
+def test_each_sample_times_its_turns_and_its_tools(tok):
+    """verl's agent-loop times per sample: `tool_s`, the seconds it waited for its tools (at least
+    the tool's 50 ms of I/O; none for a sample that called none), and `generate_s`, its turns'
+    seconds in the engine; each no more than the rollout's wall time."""
+    t0 = time.perf_counter()
+    outs = run(agent(tok, Slow()), Script(tok, {(0, 0): [call("ab"), "ok"], (1, 0): ["plain"]}), [[1], [2]],
+               [(0, 0), (1, 0)], ["tool_agent", "tool_agent"])
+    wall = time.perf_counter() - t0
+    assert 0.05 <= outs[0].tool_s <= wall and outs[1].tool_s == 0.0
+    assert all(0 < o.generate_s <= wall for o in outs)
+    assert outs[0].generate_s + outs[0].tool_s <= wall
 
 
 def test_budget_and_turn_limits(tok):
