@@ -11,8 +11,9 @@ methods and semantics, so one written for verl runs here by subclassing this cla
 The batch steps (`start_interactions`, `interaction_turns`, `finalize_interactions`) run every
 sample's call concurrently; the turn loop runs them, and each sample's `interaction_turn`, in one
 event loop per rollout (`agent._load.EventLoop`), so an interaction may keep objects bound to it
-(an `asyncio.Lock`) for the rollout, not from one rollout to the next. An interaction that raises stops the run as an `InteractionError` naming it: verl does
-not catch it either, and unlike a tool call the model did not choose it.
+(an `asyncio.Lock`) for the rollout, not from one rollout to the next. An interaction that raises
+stops the run as an `InteractionError` naming it: verl does not catch it either, and unlike a
+tool call the model did not choose it.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def interaction_turn(interactions: dict[str, BaseInteraction], name: str, instan
 
 
 def interaction_turns(interactions: dict[str, BaseInteraction],
-                      requests: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]], loop=None,
+                      requests: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]],
                       ) -> list[tuple[bool, str, float | None, dict]]:
     """The interaction turns of a batch, all at once: each request is (interaction name, instance
     id, the chat so far, the row's `interaction_kwargs`); per request in order, `interaction_turn`'s
@@ -281,7 +282,7 @@ def interaction_turns(interactions: dict[str, BaseInteraction],
         _pick(interactions, name, i), _checked(kwargs, i)
     turns = [interaction_turn(interactions, name, instance_id, messages, kwargs, i)
              for i, (name, instance_id, messages, kwargs) in enumerate(requests)]
-    return _gather(turns, loop)
+    return _gather(turns)
 
 
 def finalize_interactions(interactions: dict[str, BaseInteraction], requests: list[tuple[str, str]],

@@ -9,9 +9,10 @@ or a video stops the run naming the tool), and `execute` gets no `agent_data` (m
 loop has none).
 
 A sample's tool turn is `tool_turn`: its calls of the turn (the first `max_parallel_calls`) run
-concurrently; `run_tool_calls` runs a batch of rows' turns at once. Each call is `call_tool`, verl's `_call_tool`: a call
-the model got wrong (unknown tool, arguments that are not JSON) or a tool that raises becomes the
-answer `Error when executing tool: ...` with reward 0.0, which the model sees and learns from.
+concurrently; `run_tool_calls` runs a batch of rows' turns at once. Each call is `call_tool`,
+verl's `_call_tool`: a call the model got wrong (unknown tool, arguments that are not JSON) or a
+tool that raises becomes the answer `Error when executing tool: ...` with reward 0.0, which the
+model sees and learns from.
 The answers go back to the model as `tool` messages through the chat template,
 `tool_message_ids`.
 
@@ -357,9 +358,9 @@ async def tool_turn(tools: dict[str, BaseTool], calls: list[ToolCall], tools_kwa
 
 
 def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tools_kwargs: list[dict | None],
-                   limit: int, side: str, max_parallel_calls: int, loop=None) -> list[list[tuple[str, float | None]]]:
-    """The tool turns of a batch of rows (`tool_turn` each), all at once, in `loop` (an
-    `agent._load.EventLoop`) or a fresh event loop; per row, (text, reward) in call order."""
+                   limit: int, side: str, max_parallel_calls: int) -> list[list[tuple[str, float | None]]]:
+    """The tool turns of a batch of rows (`tool_turn` each), all at once in a fresh event loop; per
+    row, (text, reward) in call order."""
     check_truncation(limit, side)
     check_parallel_calls(max_parallel_calls)
     if len(calls) != len(tools_kwargs):
@@ -369,7 +370,7 @@ def run_tool_calls(tools: dict[str, BaseTool], calls: list[list[ToolCall]], tool
         return await asyncio.gather(*(tool_turn(tools, row, kwargs, limit, side, max_parallel_calls)
                                       for row, kwargs in zip(calls, tools_kwargs)))
 
-    return run(turns(), loop)
+    return run(turns())
 
 
 # ---- tool messages as tokens

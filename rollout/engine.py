@@ -367,8 +367,9 @@ class LLMEngine:
                     raise ValueError(f"{what}: that sample is still running")
                 if r.max_tokens < 1:
                     raise ValueError(f"{what}: max_tokens must be at least 1, got {r.max_tokens}")
-                self._check_prompt(list(r.token_ids), what)
-                add(list(map(int, r.token_ids)), key, r.max_tokens, 1, True)
+                p = list(map(int, r.token_ids))
+                self._check_prompt(p, what)
+                add(p, key, r.max_tokens, 1, True)
 
         samples: dict[tuple[int, int], Sequence] = {}
         ended: list[RequestOutput] = []  # with on_finish: every output, in the order they ended
