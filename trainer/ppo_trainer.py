@@ -51,8 +51,9 @@ from trainer.val_metrics import validation_metrics
 from sharding import comm
 
 # Multi-turn rollouts at engine TP > 1: the engine steps between the tool agent's looks at samples
-# waiting for a tool that awaits I/O, when no turn ended (each look is one broadcast over the TP group).
+# waiting for a tool that awaits I/O, when none began to wait (each look is one broadcast over the TP group).
 TP_POLL_STEPS = 8
+
 
 class _AbandonStep(Exception):
     """Preemption: the rest of this step would not fit in the grace period."""
