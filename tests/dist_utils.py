@@ -14,7 +14,9 @@ traceback.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -34,6 +36,9 @@ def _worker(rank, world_size, port, fn, args, errors):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # A rank that dies in native code (a signal, an abort) leaves no traceback in the queue; its
+    # Python stacks then go to stderr, which the test captures.
+    faulthandler.enable(all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -67,12 +72,24 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
     failures = []
     while not errors.empty():
         failures.append(errors.get())
+    # Every rank's exit: a rank killed by a signal (exit code -N) shows here even when only its
+    # peer's failed collective ("Connection reset by peer") reached the queue.
+    codes = ", ".join(f"rank {i}: {_exit_name(p.exitcode)}" for i, p in enumerate(procs))
     if failures:
         rank, tb = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
-    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise AssertionError(f"processes exited abnormally (rank, exitcode): {bad}")
+        raise AssertionError(f"rank {rank} failed ({codes}):\n{tb}")
+    if any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"processes exited abnormally ({codes})")
+
+
+def _exit_name(code: int | None) -> str:
+    """`multiprocessing`'s exit code in words: None (still running), N, or -N (killed by signal N)."""
+    if code is None:
+        return "still running (killed after the timeout)"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit {code}"

@@ -12,3 +12,20 @@ def _allreduce(rank, world_size):
 
 def test_gloo_all_reduce_two_ranks():
     run_distributed(_allreduce, 2)
+
+
+def _rank1_killed(rank, world_size):
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no traceback reaches the queue
+    dist.all_reduce(torch.ones(1))  # rank 0: its peer is gone
+
+
+def test_a_rank_killed_by_a_signal_is_named_beside_its_peers_error():
+    import pytest
+
+    with pytest.raises(AssertionError) as err:
+        run_distributed(_rank1_killed, 2, timeout=120)
+    assert "rank 1: killed by SIGKILL" in str(err.value)
