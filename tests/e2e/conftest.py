@@ -24,7 +24,8 @@ def demo_assets(tmp_path_factory):
 
     MESHPPO_TEST_DEMO_ASSETS may name a directory already built by `tools.prepare_demo` with the
     default settings (it is re-checked, and left alone when up to date) to save a minute locally."""
-    return build_demo_assets(os.environ.get("MESHPPO_TEST_DEMO_ASSETS") or tmp_path_factory.mktemp("demo_assets"))
+    given = os.environ.get("MESHPPO_TEST_DEMO_ASSETS")
+    return build_demo_assets(Path(given) if given else tmp_path_factory.mktemp("demo_assets"))
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dict | None = None,

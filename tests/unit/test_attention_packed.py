@@ -1,0 +1,85 @@
+"""`attention_packed` off the FlashAttention path (CPU, float32/64): segment by segment, padded to
+the longest, or the block-diagonal mask over the whole row when that costs fewer scores. Both
+against a loop over the segments written here (float64, values and gradients)."""
+
+import pytest
+import torch
+
+from models.attention import _segment_layouts, attention_packed
+
+
+def _by_loop(q, k, v, cu, cu_k, scale):
+    """Each segment's causal attention on its own, queries aligned with its last keys; the
+    positions past `cu[-1]` (and past `cu_k[-1]`) form one more segment."""
+    tq, tk = q.shape[0], k.shape[0]
+    bounds_q = cu.tolist() + ([tq] if tq > cu[-1] else [])
+    bounds_k = cu_k.tolist() + ([tk] if tk > cu_k[-1] else [])
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for s in range(len(bounds_q) - 1):
+        a, b, c, d = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+        qs = q[a:b].transpose(0, 1)
+        ks, vs = (t[c:d].repeat_interleave(rep, dim=1).transpose(0, 1) for t in (k, v))
+        scores = qs @ ks.transpose(1, 2) * scale
+        i, j = torch.arange(b - a)[:, None], torch.arange(d - c)[None, :]
+        scores = scores.masked_fill(j > i + (d - c) - (b - a), float("-inf"))
+        out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def _values_and_grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CASES = {  # name: (query lengths, trailing query padding, key lengths or None for keys = queries)
+    "equal lengths": ([5, 5, 5, 5], 0, None),
+    "mixed lengths and trailing padding": ([3, 7, 1, 4], 3, None),
+    "keys longer than queries (a shared prefix)": ([2, 3, 4], 0, [2, 6, 9]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_segments_padded_equal_a_loop_over_segments(case):
+    lengths, trailing, key_lengths = CASES[case]
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tq = int(cu[-1]) + trailing
+    if key_lengths is None:
+        cu_k, tk = cu, tq
+    else:
+        cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32)
+        tk = int(cu_k[-1])
+    assert _segment_layouts(cu.long(), tq, cu_k.long(), tk) is not None  # the padded path runs
+    q = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(tk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
+    if key_lengths is None:
+        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3), q, k, v, dout)
+    else:
+        # keys apart from the queries: what `PrefixSharing` hands over, here with the identity gather
+        from models.attention import PrefixSharing
+
+        shared = PrefixSharing(torch.arange(tk), cu_k, max(key_lengths))
+        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, shared),
+                                 q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu_k, 0.3), q, k, v, dout)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=name)
+
+
+def test_one_long_segment_among_many_short_takes_the_mask():
+    """Padding 40 one-token segments to a 40-token one would cost 41 x 40 x 40 scores against the
+    whole row's 80 x 80: the block-diagonal mask runs, with the same result."""
+    lengths = [40] + [1] * 40
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    assert _segment_layouts(cu.long(), 80, cu.long(), 80) is None
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(80, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(80, 2, 8, generator=g, dtype=torch.float64)
+    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, 40, 0.3), q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3), q, k, v, dout)
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
