@@ -29,3 +29,24 @@ def test_a_rank_killed_by_a_signal_is_named_beside_its_peers_error():
     with pytest.raises(AssertionError) as err:
         run_distributed(_rank1_killed, 2, timeout=120)
     assert "rank 1: killed by SIGKILL" in str(err.value)
+
+
+def _says_where_it_runs(rank, world_size):
+    import os
+    import sys
+
+    print(f"rank {rank} in {os.getcwd()} with MESHPPO_TEST_MARK={os.environ.get('MESHPPO_TEST_MARK')}",
+          file=sys.stderr, flush=True)
+
+
+def test_ranks_get_the_tests_environment_directory_and_output(tmp_path, monkeypatch, capfd):
+    """Ranks are forked from a server started earlier (with torch imported): still they see what a
+    rank spawned now would, this test's environment and working directory, and write into its
+    captured stderr. Twice, so that the second test runs on a server started before it."""
+    for mark in ("first", "second"):
+        monkeypatch.setenv("MESHPPO_TEST_MARK", mark)
+        monkeypatch.chdir(tmp_path)
+        run_distributed(_says_where_it_runs, 2)
+        err = capfd.readouterr().err
+        for rank in (0, 1):
+            assert f"rank {rank} in {tmp_path} with MESHPPO_TEST_MARK={mark}" in err, err
