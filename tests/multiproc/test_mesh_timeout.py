@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import free_port, run_distributed
 
 
 def _body(rank, world, which):
@@ -22,7 +22,13 @@ def _body(rank, world, which):
     from sharding.mesh import ParallelDims
     from trainer.launch import init_distributed
 
-    dist.destroy_process_group()  # set up as the trainer does, with its timeout
+    # Set up again as the trainer does, with its timeout, on a store of a port agreed first: a rank
+    # that met the old store again would lose it when rank 0 tears it down.
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
     init_distributed("cpu", timeout_s=2)
     fsdp_size, tp = (2, 1) if which == "dp_replicate" else (4, 2)
     meshes = ParallelDims(world_size=world, fsdp_size=fsdp_size, tp=tp, local_world_size=world).build_meshes(
