@@ -98,27 +98,14 @@ def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float)
     return out.transpose(1, 2)
 
 
-def _segments(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's segment and its distance to the segment's last position; positions past
-    `cu_seqlens[-1]` (trailing padding) form a segment of their own."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    n = len(lengths)
-    seg = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
-    ends = cu_seqlens[1:]
-    if seg.numel() < total:
-        seg = torch.cat([seg, torch.full((total - seg.numel(),), n, device=seg.device)])
-        ends = torch.cat([ends, ends.new_tensor([total])])
-    return seg, ends[seg] - 1 - torch.arange(total, device=seg.device)
-
-
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, cu_seqlens_k: torch.Tensor | None = None,
                       total_k: int | None = None) -> torch.Tensor:
     """[T, Tk] boolean mask: causal inside each packed segment, nothing across them. With
     `cu_seqlens_k` (keys laid out apart from the queries) a query sees the keys of its segment up
     to its own distance from the segment's end (queries aligned with the last keys); without, the
     keys are the queries' own positions ([T, T])."""
-    seg_q, back_q = _segments(cu_seqlens, total)
-    seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _segments(cu_seqlens_k, total_k)
+    seg_q, back_q = _back(cu_seqlens, total)
+    seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _back(cu_seqlens_k, total_k)
     return (seg_q[:, None] == seg_k[None, :]) & (back_k[None, :] >= back_q[:, None])
 
 
@@ -157,6 +144,12 @@ def _layout(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, t
     starts = torch.cat([cu[:-1], cu[-1:]])
     seg = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
     return seg, torch.arange(total, device=cu.device) - starts[seg], lengths
+
+
+def _back(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's segment (`_layout`) and its distance to the segment's last position."""
+    seg, off, lengths = _layout(cu, total)
+    return seg, lengths[seg] - 1 - off
 
 
 def _segment_layouts(cu_q: torch.Tensor, total_q: int, cu_k: torch.Tensor, total_k: int):
