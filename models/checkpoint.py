@@ -38,6 +38,10 @@ class CheckpointFileError(ValueError):
     the message names the file."""
 
 
+# What an unknown, misshapen or missing tensor most often means.
+_MISMATCH = " (the model that its config.json, with any override_config, describes is not the one its weights hold)"
+
+
 def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     """The `ModelArgs` of checkpoint directory `path`'s config.json, with verl's
     `model.override_config` `overrides` applied (`models.args.apply_overrides`)."""
@@ -126,7 +130,8 @@ def checkpoint_tensors(model, path):
     meta or sharded one), one at a time, with the loading rules: a tied or value model drops
     `lm_head.weight`; a value head the checkpoint lacks (a causal-LM checkpoint, or a
     SequenceClassification head without bias) starts at zero. Unknown, misshapen or missing
-    tensors raise ValueError naming the checkpoint. LoRA adapters (`models.lora`) are not part of
+    tensors raise `CheckpointFileError` naming the checkpoint (an input error: its config.json
+    does not describe its weights, or the model is another one). LoRA adapters (`models.lora`) are not part of
     a base checkpoint and are skipped."""
     from models.lora import is_lora_name
 
@@ -137,12 +142,14 @@ def checkpoint_tensors(model, path):
         if name not in params:
             if name == "lm_head.weight" and (model.head == "value" or args.tie_word_embeddings):
                 continue
-            raise ValueError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not have")
+            raise CheckpointFileError(f"checkpoint {str(path)!r} has tensor {name!r} that the model does not "
+                                      f"have{_MISMATCH}")
         if name == "score.weight" and tensor.shape[0] != 1:
-            raise ValueError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head needs 1")
+            raise CheckpointFileError(f"score.weight in {str(path)!r} has {tensor.shape[0]} labels; a value head "
+                                      "needs 1")
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(params[name].shape)}")
+            raise CheckpointFileError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, "
+                                      f"expected {tuple(params[name].shape)}{_MISMATCH}")
         seen.add(name)
         yield name, tensor
     if model.head == "value":
@@ -152,7 +159,7 @@ def checkpoint_tensors(model, path):
                 yield name, torch.zeros(params[name].shape)
     missing = set(params) - seen
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks tensors: {sorted(missing)[:8]}")
+        raise CheckpointFileError(f"checkpoint {str(path)!r} lacks tensors: {sorted(missing)[:8]}{_MISMATCH}")
 
 
 def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**30):

@@ -179,24 +179,46 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     dist.barrier()
 
 
+def check_checkpoint(path: str | os.PathLike, with_optimizer: bool = False) -> dict:
+    """Check the files of a checkpoint written by `save_checkpoint` before anything loads from it:
+    its metadata (and, `with_optimizer`, that it holds optimizer state) and its `extra` file.
+    Returns the `extra` dict. A missing checkpoint raises FileNotFoundError, an unreadable or
+    unusable one `CheckpointFileError` (a refused pickle `UnsafeCheckpointError`), each naming
+    the file; every rank reads the files itself, so each stops with its own error rather than
+    inside DCP's collective failure."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a meshppo checkpoint (no .metadata); "
+                                f"an interrupted save leaves only {str(_tmp(path))!r}")
+    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    if with_optimizer and not any(k.startswith("optim.") for k in saved):
+        raise CheckpointFileError(f"checkpoint {str(path)!r} has no optimizer state; load it without an optimizer")
+    extra_file = path / EXTRA_FILE
+    if not extra_file.is_file():
+        return {}
+    try:
+        extra = json.loads(extra_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointFileError(f"checkpoint file {str(extra_file)!r} is not readable JSON ({e}); a truncated or "
+                                  "corrupt file") from None
+    if not isinstance(extra, dict):
+        raise CheckpointFileError(f"checkpoint file {str(extra_file)!r} holds a {type(extra).__name__}, not the "
+                                  "JSON object meshppo writes")
+    return extra
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint written by `save_checkpoint` (any world size) into `model` / `optimizer`.
 
     The model must already be sharded (`apply_fsdp`) and materialised; the optimizer built on
-    its parameters. Returns the `extra` dict that was saved. A checkpoint whose pickles would run
-    code raises `UnsafeCheckpointError` on every rank.
+    its parameters. Returns the `extra` dict that was saved. The files are checked first
+    (`check_checkpoint`), before any state changes; a checkpoint whose pickles would run code
+    raises `UnsafeCheckpointError` on every rank.
     """
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a meshppo checkpoint (no .metadata); "
-                                f"an interrupted save leaves only {str(_tmp(path))!r}")
+    extra = check_checkpoint(path, with_optimizer=optimizer is not None)
     reader = _SafeReader(path)
-    # Every rank reads the metadata itself, before any state changes: a refused one stops each
-    # rank here with its own error, not wrapped in DCP's collective failure.
-    saved = reader.read_metadata().state_dict_metadata
-    if optimizer is not None and not any(k.startswith("optim.") for k in saved):
-        raise ValueError(f"checkpoint {str(path)!r} has no optimizer state; load it without an optimizer")
     state = _states(model, optimizer)
     try:
         dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(path))
@@ -223,8 +245,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=opts)
-    extra_file = path / EXTRA_FILE
-    return json.loads(extra_file.read_text()) if extra_file.is_file() else {}
+    return extra
 
 
 def _states(model, optimizer) -> dict:

@@ -66,6 +66,7 @@ from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
     UnsafeCheckpointError,
+    check_checkpoint,
     gather_full_state_dict,
     load_checkpoint,
     save_checkpoint,
@@ -219,8 +220,10 @@ def read_trainer_state(step_dir: str) -> dict:
             state = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint file {path!r} is not readable JSON: {e}") from None
-    if not isinstance(state, dict) or "global_step" not in state:
-        raise UserError(f"checkpoint file {path!r} is not a meshppo trainer state")
+    fields = {"global_step": int, "world_size": int, "model": dict}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in fields.items()):
+        raise UserError(f"checkpoint file {path!r} is not a meshppo trainer state (it needs "
+                        f"{', '.join(f'{k!r} ({t.__name__})' for k, t in fields.items())})")
     return state
 
 
@@ -426,11 +429,14 @@ class CheckpointManager:
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
         rng = read_rng_state(rng_file) if load_rng and same_world and os.path.isfile(rng_file) else None
+        loads = [(os.path.join(path, name), model, optimizer if "optimizer" in wanted else None)
+                 for name, (model, optimizer) in self.models.items()
+                 if "model" in (wanted := self.contents(name, "load_contents"))]
         try:
-            for name, (model, optimizer) in self.models.items():
-                wanted = self.contents(name, "load_contents")
-                if "model" in wanted:
-                    load_checkpoint(os.path.join(path, name), model, optimizer if "optimizer" in wanted else None)
+            for model_dir, _, optimizer in loads:
+                check_checkpoint(model_dir, with_optimizer=optimizer is not None)
+            for model_dir, model, optimizer in loads:
+                load_checkpoint(model_dir, model, optimizer)
         except UnsafeCheckpointError as e:
             raise UserError(str(e)) from None
         for name, s in self.states.items():

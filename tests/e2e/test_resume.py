@@ -120,6 +120,50 @@ def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
+def test_a_corrupt_checkpoint_file_is_one_line_before_any_state_changes(tiny_assets, two_step_run, capsys):
+    """A checkpoint's small JSON files, truncated or missing a field by hand: one line naming the
+    file, no traceback, the run directory as it was."""
+    run = _copy(two_step_run, "corrupt")
+    step = run / "checkpoints" / "global_step_2"
+    extra = step / "actor" / "extra.json"
+    extra.write_text("{")
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 1 and "Traceback" not in err, err
+    assert f"meshppo: error (rank 0): checkpoint file '{extra}' is not readable JSON" in err
+    extra.write_text("[]")
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 1 and f"checkpoint file '{extra}' holds a list, not the JSON object meshppo writes" in err, err
+    extra.write_text("{}")
+    state_file = step / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "world_size"}))
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 1 and "Traceback" not in err, err
+    assert f"meshppo: error (rank 0): checkpoint file '{state_file}' is not a meshppo trainer state" in err
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    state_file.write_text(json.dumps(state))
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
+def test_a_model_whose_config_does_not_match_its_weights_is_one_line(tiny_assets, tmp_path, capsys):
+    """config.json says one layer more than the weights hold (a hand-edited or mixed-up directory):
+    an input error naming the checkpoint, exit 1, not a traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(f"{tiny_assets}/sft_model", model)
+    config = json.loads((model / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers + 1
+    config.pop("layer_types", None)
+    (model / "config.json").write_text(json.dumps(config))
+    code, err = _main(tiny_assets, tmp_path / "runs" / "run", capsys, f"actor_rollout_ref.model.path={model}")
+    assert code == 1 and "Traceback" not in err, err
+    assert (f"meshppo: error (rank 0): checkpoint '{model}' lacks tensors: ['layers.{layers}.") in err, err
+    assert ("(the model that its config.json, with any override_config, describes is not the one its weights "
+            "hold)") in err, err
+
+
 def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 

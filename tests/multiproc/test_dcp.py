@@ -160,19 +160,25 @@ def _refusal_body(rank, world, tmp):
         _craft_item(ckpt, "model.embed_tokens.weight", payload.getvalue())
     refused(rf"^checkpoint '{ckpt_re}' holds a pickle \(a tensor item\) that would call posix\.mkdir")
 
-    # Truncated files: the .metadata pickle, then a data file - a one-line error naming the file or checkpoint.
+    # Truncated files (cut in half): the extra JSON, the .metadata pickle, then a data file - a
+    # one-line error naming the file or checkpoint; the first two before any state changes.
     from models.checkpoint import CheckpointFileError
 
     data_file = sorted(ckpt.glob("*.distcp"))[0]
     data = data_file.read_bytes()
-    for target, whole, match in ((ckpt / ".metadata", metadata, r"\.metadata' is truncated or corrupt"),
+    extra = (ckpt / "extra.json").read_bytes()
+    for target, whole, match in ((ckpt / "extra.json", extra, r"extra\.json' is not readable JSON"),
+                                 (ckpt / ".metadata", metadata, r"\.metadata' is truncated or corrupt"),
                                  (data_file, data, rf"^checkpoint '{ckpt_re}' could not be read")):
         dist.barrier()
         if rank == 0:
-            target.write_bytes(whole[:100])
+            target.write_bytes(whole[:len(whole) // 2])
         dist.barrier()
+        now = {name: p.full_tensor() for name, p in fresh.named_parameters()}
         with pytest.raises(CheckpointFileError, match=match):
             load_checkpoint(ckpt, fresh, fresh_opt)
+        if target != data_file:
+            assert all(torch.equal(p.full_tensor(), now[name]) for name, p in fresh.named_parameters())
         dist.barrier()
         if rank == 0:
             target.write_bytes(whole)

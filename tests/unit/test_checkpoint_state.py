@@ -167,8 +167,15 @@ def test_trainer_state_is_json_and_an_old_pickle_is_not_loaded(tmp_path):
     (step / "trainer_state.json").write_text('{"global_step": 3')
     with pytest.raises(UserError, match="is not readable JSON"):
         read_trainer_state(str(step))
-    (step / "trainer_state.json").write_text(json.dumps({"global_step": 3, "loader": {"epoch": 0, "position": 8}}))
+    state = {"global_step": 3, "world_size": 2, "model": {}, "loader": {"epoch": 0, "position": 8}}
+    (step / "trainer_state.json").write_text(json.dumps(state))
     assert read_trainer_state(str(step))["loader"] == {"epoch": 0, "position": 8}
+    # valid JSON, but not what meshppo writes: the fields `load` reads are checked by name and type
+    for broken in ({k: v for k, v in state.items() if k != "world_size"}, {**state, "model": "qwen"}, [state]):
+        (step / "trainer_state.json").write_text(json.dumps(broken))
+        with pytest.raises(UserError, match=r"is not a meshppo trainer state \(it needs 'global_step' \(int\), "
+                                            r"'world_size' \(int\), 'model' \(dict\)\)"):
+            read_trainer_state(str(step))
 
 
 def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
