@@ -1190,8 +1190,9 @@ class TrainerConfig:
                              "only (verl saves no checkpoint then)", ge=-1)
     default_local_dir: str = opt("runs/default", "run directory: checkpoints, metrics.jsonl, logs")
     resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path. disable starts the run "
-                                   "directory over: it deletes default_local_dir/checkpoints and empties "
-                                   "metrics.jsonl (verl only ignores the old checkpoints)",
+                                   "directory over: it deletes default_local_dir/checkpoints and the earlier "
+                                   "run's hf_actor/ and lora_adapter/ and empties metrics.jsonl (verl only ignores "
+                                   "the old checkpoints)",
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)", ge=1)

@@ -18,6 +18,7 @@ import faulthandler
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -53,6 +54,8 @@ from sharding import comm
 # Multi-turn rollouts at engine TP > 1: the engine steps between the tool agent's looks at samples
 # waiting for a tool that awaits I/O, when none began to wait (each look is one broadcast over the TP group).
 TP_POLL_STEPS = 8
+# The run's final exports in its directory (trainer.export_hf_at_end): the actor, and a LoRA actor's adapters alone.
+HF_EXPORT, ADAPTER_EXPORT = "hf_actor", "lora_adapter"
 
 
 class _AbandonStep(Exception):
@@ -997,6 +1000,15 @@ class PPOTrainer:
         return out
 
     # ------------------------------------------------------------------ loop
+    def _delete_earlier_exports(self) -> None:
+        """`resume_mode=disable` starts the run directory over: the earlier run's final exports
+        (`hf_actor/`, `lora_adapter/`) go with its checkpoints, so that none is taken for this run's."""
+        earlier = [d for d in (os.path.join(self.run_dir, name) for name in (HF_EXPORT, ADAPTER_EXPORT)) if os.path.isdir(d)]
+        if self.ctx.is_main and earlier:
+            self.log(f"trainer.resume_mode=disable: deleting the earlier run's exports {earlier}")
+            for d in earlier:
+                shutil.rmtree(d)
+
     def _apply_guard(self, metrics: dict) -> None:
         kl = metrics.get("actor/ref_kl", metrics.get("actor/reward_kl_penalty"))
         if kl is None or not self.cfg.algorithm.kl_guard.enable:
@@ -1026,6 +1038,8 @@ class PPOTrainer:
     def train(self) -> int:
         t = self.cfg.trainer
         resumed = self.ckpt.maybe_resume(t.resume_mode, t.resume_from_path)
+        if t.resume_mode == "disable":
+            self._delete_earlier_exports()
         if resumed is not None:
             self.log(f"resumed from {resumed} at step {self.global_step}")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
@@ -1077,8 +1091,8 @@ class PPOTrainer:
                     return 0
             if t.export_hf_at_end:
                 export_hf(self.models.actor, self.models.actor_args, self.tokenizer,
-                          os.path.join(self.run_dir, "hf_actor"), self.ctx.is_main,
-                          adapter_dir=os.path.join(self.run_dir, "lora_adapter"),
+                          os.path.join(self.run_dir, HF_EXPORT), self.ctx.is_main,
+                          adapter_dir=os.path.join(self.run_dir, ADAPTER_EXPORT),
                           base_model=self.cfg.actor_rollout_ref.model.path)
             return 0
         finally:

@@ -85,10 +85,15 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
 
 def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run, capsys):
     run = _copy(two_step_run, "disabled")
+    for export in ("hf_actor", "lora_adapter"):  # the earlier run's final exports (this one exports none)
+        (run / export).mkdir()
+        (run / export / "config.json").write_text("{}")
     code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo", "trainer.resume_mode=disable",
                       "trainer.total_training_steps=1")
     assert code == 0, err
     assert "deleting the earlier run's checkpoints" in err and "(fresh start)" in err
+    assert f"deleting the earlier run's exports ['{run / 'hf_actor'}', '{run / 'lora_adapter'}']" in err
+    assert not (run / "hf_actor").exists() and not (run / "lora_adapter").exists()
     assert [r["step"] for r in read_metrics(run)] == [1]
     assert sorted(os.listdir(run / "checkpoints")) == ["global_step_1", "latest_checkpointed_iteration.txt"]
     assert "adv_estimator: rloo" in (run / "config.yaml").read_text()
