@@ -227,6 +227,15 @@ def read_trainer_state(step_dir: str) -> dict:
     return state
 
 
+def _schedule_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set the optimizer's learning rates to `scheduler`'s at its step. A loaded optimizer holds the
+    rates the checkpoint's run last used, which the next update would train at: under a schedule
+    stretched to a larger total (or a fresh one, its state not loaded), those are the old
+    schedule's, and `LambdaLR.load_state_dict` does not set them."""
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+
+
 def read_rng_state(path: str) -> dict:
     """A rank's RNG states, loaded as tensors and numbers only (`weights_only=True`)."""
     try:
@@ -442,6 +451,8 @@ class CheckpointManager:
         for name, s in self.states.items():
             if (name in self.learned or not keep_progress) and self._state_kept(name, "load_contents"):
                 s.load_state_dict(state[name])
+            if isinstance(s, torch.optim.lr_scheduler.LambdaLR):
+                _schedule_lr(s)
         if rng is not None:
             _set_rng_state(rng)
         if fresh:

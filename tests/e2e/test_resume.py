@@ -3,6 +3,7 @@ a message naming what changed), `resume_mode=disable` starting over, a crafted c
 refused, the per-step sample dumps, and resuming on another world size (torchrun)."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -123,6 +124,28 @@ def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run
             "refusing to load it") in err
     assert not os.path.exists(marker)
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_the_first_step_after_a_resume_trains_at_the_new_schedules_lr(tiny_assets, tmp_path, capsys):
+    """A finished 2-step cosine run (lr 1e-4, floor 0.1, no warm-up) extended to 4 steps: the
+    schedule stretches, and step 3 trains at its value for update 2 of 4, 1e-4 * (0.1 + 0.9 * (1 +
+    cos(pi / 2)) / 2) = 5.5e-5, not at the 2-step schedule's last, 1e-5 (the rate the checkpoint's
+    optimizer holds). Without the schedule's state (load_contents) it starts over: 1e-4."""
+    cosine = ["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
+              "actor_rollout_ref.actor.optim.lr_warmup_steps=0"]
+    run = tmp_path / "runs" / "run"
+    assert _main(tiny_assets, run, capsys, *cosine)[0] == 0
+    shutil.copytree(run, tmp_path / "runs" / "fresh_schedule")
+    code, err = _main(tiny_assets, run, capsys, *cosine, "trainer.total_training_steps=4")
+    assert code == 0, err
+    expected = [1e-4 * (0.1 + 0.9 * (1 + math.cos(math.pi * k / 4)) / 2) for k in range(4)]
+    assert [r["actor/lr"] for r in read_metrics(run)] == pytest.approx(
+        [1e-4, 1e-4 * (0.1 + 0.9 * (1 + math.cos(math.pi / 2)) / 2), expected[2], expected[3]], rel=1e-12)
+    run = tmp_path / "runs" / "fresh_schedule"
+    code, err = _main(tiny_assets, run, capsys, *cosine, "trainer.total_training_steps=3",
+                      "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer]")
+    assert code == 0, err
+    assert [r["actor/lr"] for r in read_metrics(run)][2] == pytest.approx(1e-4, rel=1e-12)
 
 
 def test_a_corrupt_checkpoint_file_is_one_line_before_any_state_changes(tiny_assets, two_step_run, capsys):
