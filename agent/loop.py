@@ -52,9 +52,11 @@ from typing import Any, Callable
 from uuid import uuid4
 
 from agent._load import EventLoop
-from agent.interactions import BaseInteraction, finalize_interactions, interaction_turn, start_interactions
+from agent.interactions import (BaseInteraction, InteractionError, finalize_interactions, interaction_turn,
+                                start_interactions)
 from agent.tool_parser import parse_tool_calls
-from agent.tools import BaseTool, check_parallel_calls, check_truncation, message_ids, system_prompt_ids, tool_turn
+from agent.tools import (BaseTool, ToolError, check_parallel_calls, check_truncation, message_ids, system_prompt_ids,
+                         tool_turn)
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
 from rollout.config import Continuation
@@ -290,25 +292,38 @@ class _Turns:
         self.loop.settle()
         if block and not any(t.done() for t in self.tasks.values()):
             self.loop.wait_first(list(self.tasks.values()))
-        done = [key for key, t in self.tasks.items() if t.done()]
-        return [(key, self.tasks.pop(key).result()) for key in done]
+        ended = [(key, self.tasks.pop(key)) for key, t in list(self.tasks.items()) if t.done()]
+        # Every ended task's error is retrieved here (asyncio reports an unretrieved one at exit);
+        # the first is raised.
+        errors = [err for _, t in ended if not t.cancelled() and (err := t.exception()) is not None]
+        if errors:
+            raise errors[0]
+        return [(key, t.result()) for key, t in ended]
 
 
 def _first_rank(work: Callable, runs: bool, share: Callable):
     """`work()` where `runs` (the replica's first TP rank), its result on every rank through `share`;
-    an exception there is raised on every rank (the others with its message), not left to hang
-    them in the next collective."""
+    an exception there is raised on every rank (the others with its message, as the same error
+    when it is a tool's or an interaction's), not left to hang them in the next collective."""
     out = None
     if runs:
         try:
             out = ("ok", work())
         except Exception as err:  # noqa: BLE001 - re-raised below, after the others hear of it
-            share(("error", f"{type(err).__name__}: {err}"))
+            share(("error", (type(err).__name__, str(err))))
             raise
     kind, value = share(out)
     if kind == "error":
-        raise RuntimeError(f"on the engine's first TP rank, which runs the tools and interactions: {value}")
+        name, text = value
+        error = _SHARED_ERRORS.get(name, RuntimeError)
+        raise error(f"on the engine's first TP rank, which runs the tools and interactions: "
+                    f"{text if error is not RuntimeError else f'{name}: {text}'}")
     return value
+
+
+# The errors a user's tool or interaction causes (input errors, said in one line): raised as
+# themselves on the ranks that hear of them.
+_SHARED_ERRORS = {error.__name__: error for error in (ToolError, InteractionError)}
 
 
 __all__ = ["ToolAgent", "TurnOutput"]

@@ -1109,6 +1109,7 @@ def _collective_failure(e: RuntimeError) -> bool:
 def run(cfg: PPOConfig) -> int:
     """Entry point used by train_ppo.py. A config error: one message (rank 0), exit code 2; an
     input error: a message from every rank that hit it, exit code 1."""
+    from agent import InteractionError, ToolError
     from data import DatasetError
     from rewards import RewardError
 
@@ -1127,7 +1128,8 @@ def run(cfg: PPOConfig) -> int:
         if ctx.is_main:
             print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
-    except (UserError, DatasetError, RewardError, FileNotFoundError, CheckpointFileError) as e:
+    except (UserError, DatasetError, RewardError, ToolError, InteractionError, FileNotFoundError,
+            CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would
         # otherwise show only as the other ranks' failed collective.
         say(f"meshppo: error (rank {ctx.rank}): {e}")

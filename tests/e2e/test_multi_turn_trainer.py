@@ -95,18 +95,12 @@ def _assets(root, hidden: int = 32):
         f.write(REWARD)
 
 
-def _scripted_step(root, run, device, world_size, later_turn, *overrides):
-    """One step of a trainer of the tool agent on `world_size` ranks (engine TP `world_size`) whose
-    engine's turns are scripted: each sample's first turn calls the tool (`CALL`), a later one is
-    `later_turn` (token ids), or the engine's own when None. Returns the trainer, the step's
-    metrics, its rollouts, and the call's token ids."""
-    from tests.byte_chat import IM_END
+def _config(root, run, world_size, *overrides):
+    """The tool agent's one-step demo config on `world_size` ranks, engine TP `world_size`."""
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
-    from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
 
-    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+    return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
         f"data.train_files=[{root}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={root}/model",
         f"custom_reward_function.path={root}/reward.py", f"trainer.default_local_dir={root}/{run}",
         "trainer.resume_mode=disable", "trainer.total_training_steps=1", "trainer.val_before_train=false",
@@ -116,7 +110,18 @@ def _scripted_step(root, run, device, world_size, later_turn, *overrides):
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={world_size}", f"trainer.n_gpus_per_node={world_size}",
         "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
         f"{root}/tools.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *overrides])
-    trainer = PPOTrainer(cfg, init_distributed(device))
+
+
+def _scripted_step(root, run, device, world_size, later_turn, *overrides):
+    """One step of a trainer of the tool agent on `world_size` ranks (engine TP `world_size`) whose
+    engine's turns are scripted: each sample's first turn calls the tool (`CALL`), a later one is
+    `later_turn` (token ids), or the engine's own when None. Returns the trainer, the step's
+    metrics, its rollouts, and the call's token ids."""
+    from tests.byte_chat import IM_END
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    trainer = PPOTrainer(_config(root, run, world_size, *overrides), init_distributed(device))
     tok = trainer.tokenizer
     call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
     prompts = {tuple(it["input_ids"]) for it in trainer.train_ds}
@@ -296,3 +301,36 @@ def _interaction_body(rank, world_size, root):
 def test_multi_turn_with_interactions_in_the_trainer(tmp_path):
     _assets(str(tmp_path))
     run_distributed(_interaction_body, 2, str(tmp_path), timeout=600)
+
+
+class Unstartable(BaseInteraction):
+    """An interaction whose session cannot start: a user's code failing on the first TP rank."""
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        raise KeyError("no session")
+
+
+def _failing_interaction_body(rank, world_size, root):
+    """`run` on 2 ranks (engine TP 2) with an interaction that raises: an input error, one line a
+    rank and exit 1 (no traceback, which the launcher would restart); the rank that only waits for
+    the first TP rank's interactions says the same error."""
+    import contextlib
+    import io
+
+    from trainer.ppo_trainer import run
+
+    with open(os.path.join(root, "unstartable.yaml"), "w") as f:
+        f.write("interaction:\n  - name: judge\n    class_name: tests.e2e.test_multi_turn_trainer.Unstartable\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(_config(root, "run_unstartable", world_size,
+                           f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/unstartable.yaml"))
+    error = "interaction 'judge' (Unstartable).start_interaction failed: KeyError: 'no session'"
+    said = error if rank == 0 else f"on the engine's first TP rank, which runs the tools and interactions: {error}"
+    assert code == 1 and err.getvalue().splitlines()[-1] == f"meshppo: error (rank {rank}): {said}", err.getvalue()
+    assert "Traceback" not in err.getvalue()
+
+
+def test_a_failing_interaction_is_an_input_error_on_every_rank(tmp_path):
+    _assets(str(tmp_path))
+    run_distributed(_failing_interaction_body, 2, str(tmp_path), timeout=600)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.loop import ToolAgent
-from agent.interactions import BaseInteraction
-from agent.tools import BaseTool, ToolResponse, message_ids, system_prompt_ids, tool_message_ids
+from agent.loop import ToolAgent, _first_rank
+from agent.interactions import BaseInteraction, InteractionError
+from agent.tools import BaseTool, ToolError, ToolResponse, message_ids, system_prompt_ids, tool_message_ids
 from tests.byte_chat import IM_END, build_byte_tokenizer
 
 SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "look a key up",
@@ -342,6 +342,36 @@ def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
         run(agent(tok, Lookup(), interactions={"teacher": Broken()}), Script(tok, {(0, 0): ["3"]}), [[1]], [(0, 0)],
             ["tool_agent"], share=lambda r: shared.append(r) or r, **kw)
     replay = iter(shared)
-    with pytest.raises(RuntimeError, match="first TP rank.*InteractionError.*gone"):
+    # an interaction's (or a tool's) error is the same input error there; anything else a RuntimeError naming it
+    with pytest.raises(InteractionError, match=r"^on the engine's first TP rank, which runs the tools and "
+                                               r"interactions: interaction 'teacher' \(Broken\)\.generate_response "
+                                               r"failed: KeyError: 'gone'$"):
         run(agent(tok, Lookup(), interactions={"teacher": Broken()}), Script(tok, {(0, 0): ["3"]}), [[1]], [(0, 0)],
             ["tool_agent"], runs_tools=False, share=lambda r: next(replay), **kw)
+    with pytest.raises(ToolError, match=r"^on the engine's first TP rank, which runs the tools and interactions: "
+                                        r"tool 't' broke$"):
+        _first_rank(lambda: None, False, lambda _: ("error", ("ToolError", "tool 't' broke")))
+    with pytest.raises(RuntimeError, match=r"^on the engine's first TP rank, which runs the tools and interactions: "
+                                           r"KeyError: 'k'$") as err:
+        _first_rank(lambda: None, False, lambda _: ("error", ("KeyError", "'k'")))
+    assert type(err.value) is RuntimeError
+
+
+class Painter(Lookup):
+    """Breaks the tool contract: answers with an image."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(image=[parameters["key"]]), 0.0, {}
+
+
+def test_a_tool_error_is_raised_and_every_ended_tasks_error_retrieved(tok, caplog):
+    """Two samples' tools break the contract in the same engine step: the first error stops the run,
+    and the other task's is retrieved too (asyncio logs an unretrieved one when the task is freed,
+    a traceback after the run's one-line error)."""
+    import gc
+
+    script = Script(tok, {(0, 0): [call("a")], (1, 0): [call("b")]})
+    with pytest.raises(ToolError, match=r"tool 'lookup' \(Painter\) returned image data"):
+        run(agent(tok, Painter()), script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "tool_agent"])
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
