@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
+from models.checkpoint import CheckpointFileError
 from models.lora import trainable_parameters
 from models.tiled_mlp import apply_tiled_mlp
 from trainer.config import OptimConfig, PPOConfig, described_launch, validate
@@ -39,6 +40,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     the devices. Raises ConfigError."""
     validate(cfg, world_size, local_world_size)
     check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
+    check_engine_tensor_parallel(cfg)
     t = cfg.trainer
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
@@ -269,12 +271,42 @@ def check_sequence_parallel_models(cfg: PPOConfig, world_size: int, local_world_
     for key, size, _, _, path in _sequence_parallel_roles(cfg):
         if size == 1:
             continue
-        args = load_model_args(path)
+        args = _readable_model_args(path)
+        if args is None:
+            continue
         try:
             check_sequence_parallel(f"{key}.ulysses_sequence_parallel_size", size, world_size, local_world_size,
                                     args.num_attention_heads, args.num_key_value_heads)
         except ValueError as e:
             raise ConfigError(f"{e} (the model in {path})") from None
+
+
+def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
+    """The engine's TP size against the actor's model (its heads, vocabulary and MLP are split over
+    the TP ranks), before any model is built."""
+    from rollout.model import check_tp_divisibility
+
+    arr = cfg.actor_rollout_ref
+    tp = arr.rollout.tensor_model_parallel_size
+    if arr.rollout.engine != "native" or tp == 1:
+        return
+    args = _readable_model_args(arr.model.path, arr.model.override_config)
+    if args is None:
+        return
+    try:
+        check_tp_divisibility(args, tp)
+    except ValueError as e:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {e} (the model in "
+                          f"{arr.model.path})") from None
+
+
+def _readable_model_args(path: str, overrides: dict | None = None) -> ModelArgs | None:
+    """The model's arguments for a check before the run, or None when its directory cannot be read:
+    that is an input error, which the ranks say in one line when they load the model."""
+    try:
+        return load_model_args(path, overrides)
+    except (FileNotFoundError, CheckpointFileError):
+        return None
 
 
 def _sequence_parallel(cfg: PPOConfig, ctx: DistContext, models: Models) -> None:
