@@ -403,7 +403,7 @@ def peer_grace_s() -> float:
     return value
 
 
-_ERROR_LINE = re.compile(r"^meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")
+_ERROR_LINE = re.compile(r"meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")
 
 
 def _error_messages(path: str) -> list[str]:
@@ -411,7 +411,8 @@ def _error_messages(path: str) -> list[str]:
     another rank counted as that rank's own)."""
     try:
         with open(path, errors="replace") as f:
-            return [m.group(1) for line in f if (m := _ERROR_LINE.match(line.rstrip("\n")))]
+            # (a line may begin with the end of a progress bar's redraw: searched, not matched)
+            return [m.group(1) for line in f if (m := _ERROR_LINE.search(line.rstrip("\n")))]
     except FileNotFoundError:
         return []
 

@@ -210,7 +210,7 @@ class Tracking:
         self.enabled = enabled
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
-        self._tb = self._wandb = self._bar = None
+        self._tb = self._wandb = self._bar = self._bar_total = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -230,13 +230,9 @@ class Tracking:
             # Clusters without outbound network still get a run directory to `wandb sync` later.
             os.environ.setdefault("WANDB_MODE", "offline")
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.run_dir))
-        if "console" in loggers:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total_steps, desc="ppo", dynamic_ncols=True, file=sys.stderr)
-            except ImportError:
-                self._bar = None
+        # The console's progress bar is drawn from `begin` on: an error found while the run starts
+        # (its checkpoint, its data) is then a line of its own, not one glued to the bar.
+        self._bar_total = total_steps if "console" in loggers else None
 
     def begin(self, step: int, resolved_config: str, info: dict) -> None:
         """The run starts at `step` (0, or the resumed step): keep `metrics.jsonl` lines up to
@@ -260,9 +256,14 @@ class Tracking:
             os.replace(tmp, metrics)
         (self.run_dir / "config.yaml").write_text(resolved_config + "\n")
         (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
-        if self._bar is not None:
-            self._bar.n = step
-            self._bar.refresh()
+        if self._bar_total is not None:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=self._bar_total, initial=step, desc="ppo", dynamic_ncols=True,
+                                 file=sys.stderr)
+            except ImportError:
+                self._bar = None
         self.message(banner(info))
 
     def log(self, metrics: dict, step: int):

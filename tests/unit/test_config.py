@@ -570,6 +570,21 @@ def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, cap
     assert launch.main(["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "trainer.nnodes=2"] + common) == 0
 
 
+def test_the_launcher_reads_each_rank_logs_error_lines(tmp_path):
+    """The error lines of a rank's log, as the launcher compares them between ranks (it shows another
+    rank's only when rank 0 did not say it): one after a progress bar's redraw counts, a relayed one
+    is the other rank's message, other lines are not errors."""
+    from trainer.launch import _error_messages
+
+    log = tmp_path / "rank0.log"
+    log.write_text("run directory: x (fresh start)\n"
+                   "\rppo:   0%|          | 0/2 [00:00<?, ?it/s]meshppo: error (rank 0): resume path 'p' does not exist\n"
+                   "meshppo: error (rank 0): (on rank 1) reward function f raised\n"
+                   "a line about meshppo: errors in general\n")
+    assert _error_messages(str(log)) == ["resume path 'p' does not exist", "reward function f raised"]
+    assert _error_messages(str(tmp_path / "rank1.log")) == []
+
+
 # verl's DAPO example scripts (examples/*/test_dapo_*.sh) with data.max_response_length=6
 DAPO = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
         "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4", "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",

@@ -114,6 +114,11 @@ def _bar_text(err: str) -> str:
 
 def test_progress_bar_shows_reward_kl_throughput_and_validation(tmp_path, capsys):
     t = Tracking(["console"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    # no bar before the run begins: an error said while it starts (its checkpoint, its data) is a
+    # line of its own, not glued to a bar's redraw
+    assert capsys.readouterr().err == ""
+    t.begin(2, "{}", _info(tmp_path))
+    assert _bar_text(capsys.readouterr().err).startswith("ppo:  20%")  # resumed at step 2
     t.log(ROW, step=3)
     line = _bar_text(capsys.readouterr().err)
     assert "3/10" in line
@@ -124,6 +129,8 @@ def test_progress_bar_shows_reward_kl_throughput_and_validation(tmp_path, capsys
 def test_progress_without_tqdm_prints_one_line_per_step(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
     t = Tracking(["console"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    t.begin(0, "{}", _info(tmp_path))
+    capsys.readouterr()  # the banner
     t.log(ROW, step=3)
     assert capsys.readouterr().err == ("step 3: {'reward': '0.5', 'kl': '0.0123', 'tok/s': '1234'} "
                                        "{'demo_add_val': '0.450'}\n")
