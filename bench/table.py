@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -48,5 +49,12 @@ def line(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    for r in rows(sys.argv[1:] or ["/dev/stdin"]):
-        print(line(r))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("paths", nargs="*", default=["/dev/stdin"],
+                        help="files of benchmark JSON lines (other lines are skipped); none: stdin")
+    args = parser.parse_args()
+    try:
+        for r in rows(args.paths):
+            print(line(r))
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"bench/table.py: {type(e).__name__}: {e}")
