@@ -253,12 +253,18 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _load_yaml(stream, source: str):
-    """One YAML document (None when empty) with `_StrictLoader`; YAML syntax errors propagate."""
+def _load_yaml(stream, source: str, cls=None):
+    """One YAML document (None when empty) with `_StrictLoader`; YAML syntax errors propagate.
+    Given the config dataclass `cls`, the string options keep their text as written (`_typed_value`),
+    as in an override."""
     loader = _StrictLoader(stream)
     loader.source = source
     try:
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        data = loader.construct_document(node)  # checks it (a key twice) and builds it
+        return data if cls is None else _typed_value(loader, node, cls)
     finally:
         loader.dispose()
 
@@ -384,7 +390,10 @@ def merge_override(data: dict, path: list[str], value) -> None:
         node[path[-1]] = copy.deepcopy(value) if isinstance(value, (dict, list)) else value
 
 
-def read_yaml(path) -> dict:
+def read_yaml(path, cls=None) -> dict:
+    """A config file's mapping; given the config dataclass `cls`, a string option written as a
+    number or a date (`experiment_name: 2025-01-01`) is its text, as OmegaConf reads verl's files
+    and as an override is read."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory")
@@ -392,7 +401,7 @@ def read_yaml(path) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            data = _load_yaml(f, f"config file {str(path)!r}")
+            data = _load_yaml(f, f"config file {str(path)!r}", cls)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
@@ -520,7 +529,7 @@ def resolve_interpolations(cls, data: dict) -> dict:
 
 
 def load_config(cls, path=None, overrides: list[str] = ()):
-    data = _verl_composition(read_yaml(path), f"config file {str(path)!r}") if path else {}
+    data = _verl_composition(read_yaml(path, cls), f"config file {str(path)!r}") if path else {}
     for arg in overrides:
         merge_override(data, *parse_override(arg, cls))
     return build_dataclass(cls, resolve_interpolations(cls, data))

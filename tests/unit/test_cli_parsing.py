@@ -62,6 +62,21 @@ def test_string_options_keep_override_text(text):
     assert cfg.trainer.logger == ["console", text]  # list[str] items
 
 
+@pytest.mark.parametrize("text", ["20250101", "2025-01-01", "1.0", "on", "0x1F", "12:30"])
+def test_string_options_keep_a_config_files_text(tmp_path, text):
+    """The same in a config file (as OmegaConf reads verl's files): a string option is its text; a
+    quoted one, null and the other types are what YAML reads; a key twice is still an error."""
+    path = tmp_path / "c.yaml"
+    path.write_text(open(DEMO).read() + f"  experiment_name: {text}\n  project_name: '{text}'\n"
+                    f"  validation_data_dir: null\n  rollout_data_dir: {text}\n")
+    cfg = _cfg(path=str(path))
+    assert cfg.trainer.experiment_name == cfg.trainer.project_name == cfg.trainer.rollout_data_dir == text
+    assert cfg.trainer.validation_data_dir is None and cfg.trainer.seed == 0 and cfg.actor_rollout_ref.rollout.n == 8
+    path.write_text(open(DEMO).read() + "  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"key 'trainer\.seed' appears twice"):
+        _cfg(path=str(path))
+
+
 def test_string_override_quotes_and_null():
     assert _cfg("trainer.experiment_name='1.0'").trainer.experiment_name == "1.0"
     assert _cfg('trainer.experiment_name="a b"').trainer.experiment_name == "a b"
