@@ -973,11 +973,14 @@ class PPOTrainer:
                 if dump_dir and self.ctx.is_main:
                     inputs = decode_batch(self.tokenizer, ro.prompts)
                     for i in range(len(texts)):
-                        dumped.append({"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i],
-                                       "score": scores[i], "data_source": ro.data_sources[i],
-                                       "step": self.global_step,
-                                       **_dump_extras({k: v[i] for k, v in extras.items()},
-                                                      {k: v[i] for k, v in others.items()})})
+                        row = {"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i], "score": scores[i],
+                               "data_source": ro.data_sources[i], "response_length": len(ro.responses[i]),
+                               "finish_reason": ro.finish_reasons[i], "step": self.global_step}
+                        if ro.num_turns is not None:
+                            row["num_turns"] = ro.num_turns[i]
+                        row.update(_dump_extras({k: v[i] for k, v in extras.items()},
+                                                {k: v[i] for k, v in others.items()}))
+                        dumped.append(row)
                 for k in range(min(self.cfg.trainer.log_val_generations - logged, len(texts))):
                     prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
                     self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")

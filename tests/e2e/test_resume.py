@@ -222,6 +222,10 @@ def test_rollout_and_validation_dumps_agree_with_the_metrics(two_step_run):
         assert len(dumped) == 16 and {d["data_source"] for d in dumped} == {"meshppo/demo_add"}
         assert all(d["score"] == float(len(d["output"])) for d in dumped)
         assert sum(d["score"] for d in dumped) / 16 == pytest.approx(val["val/meshppo/demo_add/score"], rel=1e-9)
+        # one token a character at most (special tokens are not in the text), 6 at most, and 6 when cut
+        assert all(len(d["output"]) <= d["response_length"] <= 6 for d in dumped)
+        assert all(d["finish_reason"] == "stop" or d["response_length"] == 6 for d in dumped)
+        assert {d["finish_reason"] for d in dumped} <= {"stop", "length"}
 
 
 # ---------------------------------------------------------------------- another world size
