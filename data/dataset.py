@@ -536,6 +536,7 @@ class RLHFDataset:
                 "agent_name": agent,
                 "tools_kwargs": tools_kwargs,
                 "index": len(self._items),
+                "where": where,  # FILE:ROW, for an error about the row found later
             })
 
     def __len__(self) -> int:

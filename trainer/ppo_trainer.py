@@ -301,13 +301,13 @@ class PPOTrainer:
                               "the tool agent: give the rows agent_name tool_agent or set "
                               "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
         if interactions:
-            for name, ds in (("data.train_files", self.train_ds), ("data.val_files", self.val_ds)):
+            for ds in (self.train_ds, self.val_ds):
                 for it in ds or []:
                     kwargs = it["extra_info"].get("interaction_kwargs")
                     if it["agent_name"] == TOOL_AGENT and (not isinstance(kwargs, dict)
                                                            or kwargs.get("name") not in interactions):
                         raise ConfigError(
-                            f"{name}, row {it['index']}: extra_info.interaction_kwargs must name one of the "
+                            f"{it['where']}: extra_info.interaction_kwargs must name one of the "
                             f"interactions of actor_rollout_ref.rollout.multi_turn.interaction_config_path "
                             f"({sorted(interactions)}) with 'name'; got {kwargs!r}")
         from agent.loop import ToolAgent

@@ -249,7 +249,7 @@ def _errors_body(rank, world_size, root):
         f.write(json.dumps({"data_source": "lookup", "prompt": [{"role": "user", "content": "x"}],
                             "reward_model": {"ground_truth": "7"}, "agent_name": "tool_agent",
                             "extra_info": {"interaction_kwargs": {"name": "teacher"}}}) + "\n")
-    with pytest.raises(ConfigError, match=r"data.train_files, row 0: extra_info.interaction_kwargs must name one of "
+    with pytest.raises(ConfigError, match=r"nameless\.jsonl:1: extra_info\.interaction_kwargs must name one of "
                                           r".*\(\['judge'\]\) with 'name'; got \{'name': 'teacher'\}"):
         build(on, judge, f"data.train_files=[{root}/nameless.jsonl]")
 

@@ -212,7 +212,9 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         "agent_name": "single_turn_agent",
         "tools_kwargs": {},
         "index": 0,
+        "where": f"{path}:1",
     }
+    assert ds[4]["where"] == f"{path}:5"
     # Text prompts are not templated.
     assert ds[1]["input_ids"] == [DIGIT["4"], PLUS, DIGIT["4"], EQ] and ds[1]["prompt_text"] == "4+4="
     assert ds[1]["extra_info"] == {}
