@@ -310,20 +310,21 @@ def _first_rank(work: Callable, runs: bool, share: Callable):
         try:
             out = ("ok", work())
         except Exception as err:  # noqa: BLE001 - re-raised below, after the others hear of it
-            share(("error", (type(err).__name__, str(err))))
+            kind = next((i for i, error in enumerate(_SHARED_ERRORS) if isinstance(err, error)), None)
+            share(("error", (kind, str(err) if kind is not None else f"{type(err).__name__}: {err}")))
             raise
     kind, value = share(out)
     if kind == "error":
-        name, text = value
-        error = _SHARED_ERRORS.get(name, RuntimeError)
-        raise error(f"on the engine's first TP rank, which runs the tools and interactions: "
-                    f"{text if error is not RuntimeError else f'{name}: {text}'}")
+        shared, text = value
+        raise (RuntimeError if shared is None else _SHARED_ERRORS[shared])(f"{FIRST_TP_RANK} {text}")
     return value
 
 
 # The errors a user's tool or interaction causes (input errors, said in one line): raised as
-# themselves on the ranks that hear of them.
-_SHARED_ERRORS = {error.__name__: error for error in (ToolError, InteractionError)}
+# themselves on the ranks that hear of them, after FIRST_TP_RANK (which the launcher reads as
+# another rank's copy of the same error).
+_SHARED_ERRORS = (ToolError, InteractionError)
+FIRST_TP_RANK = "(on the engine's first TP rank, which runs the tools and interactions)"
 
 
 __all__ = ["ToolAgent", "TurnOutput"]

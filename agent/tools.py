@@ -339,7 +339,11 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
         return f"{ERROR_PREFIX}{err}", 0.0, {}
     finally:
         if tool is not None and instance_id is not None:
-            await tool.release(instance_id)
+            try:
+                await tool.release(instance_id)
+            except Exception as err:  # noqa: BLE001 - a bug in the tool, not the model's mistake: stops the run
+                raise ToolError(f"tool {call.name!r} ({type(tool).__name__}).release failed: "
+                                f"{type(err).__name__}: {err}") from err
     return truncate_tool_text(_response_text(tool, response), limit, side), reward, metrics
 
 

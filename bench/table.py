@@ -8,11 +8,12 @@ import sys
 
 
 def rows(paths):
+    """`(where, text)` of each JSON line of the files (other lines are skipped)."""
     for path in paths:
         with open(path) as f:
-            for line in f:
-                if line.startswith("{"):
-                    yield json.loads(line)
+            for number, text in enumerate(f, start=1):
+                if text.startswith("{"):
+                    yield f"{path}:{number}", text
 
 
 def line(r: dict) -> str:
@@ -53,8 +54,11 @@ if __name__ == "__main__":
     parser.add_argument("paths", nargs="*", default=["/dev/stdin"],
                         help="files of benchmark JSON lines (other lines are skipped); none: stdin")
     args = parser.parse_args()
+    where = "?"
     try:
-        for r in rows(args.paths):
-            print(line(r))
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"bench/table.py: {type(e).__name__}: {e}")
+        for where, text in rows(args.paths):
+            print(line(json.loads(text)))
+    except OSError as e:
+        sys.exit(f"bench/table.py: {e}")
+    except (ValueError, KeyError, TypeError) as e:
+        sys.exit(f"bench/table.py: {where}: not a benchmark record ({type(e).__name__}: {e})")

@@ -438,9 +438,11 @@ class CheckpointManager:
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
         rng = read_rng_state(rng_file) if load_rng and same_world and os.path.isfile(rng_file) else None
-        loads = [(os.path.join(path, name), model, optimizer if "optimizer" in wanted else None)
-                 for name, (model, optimizer) in self.models.items()
-                 if "model" in (wanted := self.contents(name, "load_contents"))]
+        loads = []  # (directory, model, optimizer or None) of each model whose weights load
+        for name, (model, optimizer) in self.models.items():
+            wanted = self.contents(name, "load_contents")
+            if "model" in wanted:
+                loads.append((os.path.join(path, name), model, optimizer if "optimizer" in wanted else None))
         try:
             for model_dir, _, optimizer in loads:
                 check_checkpoint(model_dir, with_optimizer=optimizer is not None)

@@ -403,7 +403,10 @@ def peer_grace_s() -> float:
     return value
 
 
-_ERROR_LINE = re.compile(r"meshppo: error \(rank \d+\): (?:\(on rank \d+\) )?(.*)$")
+# a rank's error line, and the message in it; a message another rank found first (a reward function's
+# `(on rank R)`, the engine's first TP rank's tools: agent.loop.FIRST_TP_RANK) is that rank's
+_ERROR_LINE = re.compile(r"meshppo: error \(rank \d+\): (?:\(on (?:rank \d+|the engine's first TP rank, which runs the "
+                         r"tools and interactions)\) )?(.*)$")
 
 
 def _error_messages(path: str) -> list[str]:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -87,6 +88,20 @@ def _peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+def _dump_row(batch: RolloutBatch, i: int, text_in: str, text_out: str, step: int, score: float, extras: dict,
+              others: dict, **figures) -> dict:
+    """Sample `i` of `batch` as a line of a rollout or validation dump (verl's `input`, `output`,
+    `gts`, `score`, then `figures`: a rollout's `reward` and `advantage`), with its data source,
+    length, finish reason, step, turns (multi-turn) and the reward function's extra keys."""
+    row = {"input": text_in, "output": text_out, "gts": batch.ground_truths[i], "score": score, **figures,
+           "data_source": batch.data_sources[i], "response_length": len(batch.responses[i]),
+           "finish_reason": batch.finish_reasons[i], "step": step}
+    if batch.num_turns is not None:
+        row["num_turns"] = batch.num_turns[i]
+    row.update(_dump_extras(extras, others))
+    return row
 
 
 def _dump_extras(numeric: dict[str, float], others: dict) -> dict:
@@ -335,8 +350,6 @@ class PPOTrainer:
         generation_config.json (instruct models list several; Hugging Face and the CLI stop at all
         of them), plus the tokenizer's. Empty only if none names one: the engine's model default
         then applies."""
-        from pathlib import Path
-
         from models import load_model_args
         from rollout.generate import model_eos_ids
 
@@ -815,14 +828,9 @@ class PPOTrainer:
         outputs = decode_batch(self.tokenizer, full.responses)
         rows = []
         for i, vals in enumerate(per_sample):
-            row = {"input": inputs[i], "output": outputs[i], "gts": full.ground_truths[i], "score": vals[0],
-                   "reward": vals[1], "advantage": vals[2], "data_source": full.data_sources[i],
-                   "response_length": len(full.responses[i]), "finish_reason": full.finish_reasons[i],
-                   "step": self.global_step + 1}
-            if full.num_turns is not None:
-                row["num_turns"] = full.num_turns[i]
-            row.update(_dump_extras(dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()}))
-            rows.append(row)
+            rows.append(_dump_row(full, i, inputs[i], outputs[i], self.global_step + 1, vals[0],
+                                  dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()},
+                                  reward=vals[1], advantage=vals[2]))
         dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
     def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict,
@@ -972,15 +980,9 @@ class PPOTrainer:
                     preds += chunk_preds if chunk_preds is not None else [None] * n
                 if dump_dir and self.ctx.is_main:
                     inputs = decode_batch(self.tokenizer, ro.prompts)
-                    for i in range(len(texts)):
-                        row = {"input": inputs[i], "output": texts[i], "gts": ro.ground_truths[i], "score": scores[i],
-                               "data_source": ro.data_sources[i], "response_length": len(ro.responses[i]),
-                               "finish_reason": ro.finish_reasons[i], "step": self.global_step}
-                        if ro.num_turns is not None:
-                            row["num_turns"] = ro.num_turns[i]
-                        row.update(_dump_extras({k: v[i] for k, v in extras.items()},
-                                                {k: v[i] for k, v in others.items()}))
-                        dumped.append(row)
+                    dumped += [_dump_row(ro, i, inputs[i], texts[i], self.global_step, scores[i],
+                                         {k: v[i] for k, v in extras.items()}, {k: v[i] for k, v in others.items()})
+                                for i in range(len(texts))]
                 for k in range(min(self.cfg.trainer.log_val_generations - logged, len(texts))):
                     prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
                     self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
@@ -1005,11 +1007,21 @@ class PPOTrainer:
     # ------------------------------------------------------------------ loop
     def _delete_earlier_exports(self) -> None:
         """`resume_mode=disable` starts the run directory over: the earlier run's final exports
-        (`hf_actor/`, `lora_adapter/`) go with its checkpoints, so that none is taken for this run's."""
-        earlier = [d for d in (os.path.join(self.run_dir, name) for name in (HF_EXPORT, ADAPTER_EXPORT)) if os.path.isdir(d)]
-        if self.ctx.is_main and earlier:
-            self.log(f"trainer.resume_mode=disable: deleting the earlier run's exports {earlier}")
-            for d in earlier:
+        (`hf_actor/`, `lora_adapter/`) go with its checkpoints, so that none is taken for this run's;
+        except one that this run reads (a model, adapter or tokenizer of a second stage trained
+        from the first's export), which is kept, with a line that says so."""
+        if not self.ctx.is_main:
+            return
+        c, arr = self.cfg, self.cfg.actor_rollout_ref
+        read = [Path(p).resolve() for p in (arr.model.path, arr.model.lora_adapter_path, c.data.tokenizer,
+                                            c.critic.model.path, c.reward_model.model.path) if p]
+        for d in (Path(self.run_dir, name).resolve() for name in (HF_EXPORT, ADAPTER_EXPORT)):
+            if not d.is_dir():
+                continue
+            if any(p == d or d in p.parents for p in read):
+                self.log(f"trainer.resume_mode=disable: keeping the earlier run's export {d}: this run reads it")
+            else:
+                self.log(f"trainer.resume_mode=disable: deleting the earlier run's export {d}")
                 shutil.rmtree(d)
 
     def _apply_guard(self, metrics: dict) -> None:

@@ -326,7 +326,7 @@ def _failing_interaction_body(rank, world_size, root):
         code = run(_config(root, "run_unstartable", world_size,
                            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={root}/unstartable.yaml"))
     error = "interaction 'judge' (Unstartable).start_interaction failed: KeyError: 'no session'"
-    said = error if rank == 0 else f"on the engine's first TP rank, which runs the tools and interactions: {error}"
+    said = error if rank == 0 else f"(on the engine's first TP rank, which runs the tools and interactions) {error}"
     assert code == 1 and err.getvalue().splitlines()[-1] == f"meshppo: error (rank {rank}): {said}", err.getvalue()
     assert "Traceback" not in err.getvalue()
 

@@ -93,8 +93,9 @@ def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run
                       "trainer.total_training_steps=1")
     assert code == 0, err
     assert "deleting the earlier run's checkpoints" in err and "(fresh start)" in err
-    assert f"deleting the earlier run's exports ['{run / 'hf_actor'}', '{run / 'lora_adapter'}']" in err
-    assert not (run / "hf_actor").exists() and not (run / "lora_adapter").exists()
+    for export in ("hf_actor", "lora_adapter"):
+        assert f"deleting the earlier run's export {run / export}" in err
+        assert not (run / export).exists()
     assert [r["step"] for r in read_metrics(run)] == [1]
     assert sorted(os.listdir(run / "checkpoints")) == ["global_step_1", "latest_checkpointed_iteration.txt"]
     assert "adv_estimator: rloo" in (run / "config.yaml").read_text()
@@ -102,6 +103,13 @@ def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run
     code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    # a second stage trained from the first's export in the same directory keeps it
+    shutil.copytree(f"{tiny_assets}/sft_model", run / "hf_actor")
+    code, err = _main(tiny_assets, run, capsys, "algorithm.adv_estimator=rloo", "trainer.resume_mode=disable",
+                      "trainer.total_training_steps=1", f"actor_rollout_ref.model.path={run / 'hf_actor'}")
+    assert code == 0, err
+    assert f"keeping the earlier run's export {run / 'hf_actor'}: this run reads it" in err
+    assert (run / "hf_actor" / "model.safetensors").is_file()
 
 
 def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run, tmp_path, capsys):

@@ -343,18 +343,29 @@ def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
             ["tool_agent"], share=lambda r: shared.append(r) or r, **kw)
     replay = iter(shared)
     # an interaction's (or a tool's) error is the same input error there; anything else a RuntimeError naming it
-    with pytest.raises(InteractionError, match=r"^on the engine's first TP rank, which runs the tools and "
-                                               r"interactions: interaction 'teacher' \(Broken\)\.generate_response "
+    with pytest.raises(InteractionError, match=r"^\(on the engine's first TP rank, which runs the tools and "
+                                               r"interactions\) interaction 'teacher' \(Broken\)\.generate_response "
                                                r"failed: KeyError: 'gone'$"):
         run(agent(tok, Lookup(), interactions={"teacher": Broken()}), Script(tok, {(0, 0): ["3"]}), [[1]], [(0, 0)],
             ["tool_agent"], runs_tools=False, share=lambda r: next(replay), **kw)
-    with pytest.raises(ToolError, match=r"^on the engine's first TP rank, which runs the tools and interactions: "
-                                        r"tool 't' broke$"):
-        _first_rank(lambda: None, False, lambda _: ("error", ("ToolError", "tool 't' broke")))
-    with pytest.raises(RuntimeError, match=r"^on the engine's first TP rank, which runs the tools and interactions: "
-                                           r"KeyError: 'k'$") as err:
-        _first_rank(lambda: None, False, lambda _: ("error", ("KeyError", "'k'")))
-    assert type(err.value) is RuntimeError
+    # where the tools run, the error's kind goes with it: a subclass of the tool error is one too
+    class PainterError(ToolError):
+        pass
+
+    def fail(error):
+        def work():
+            raise error
+        return work
+
+    for error, kind, text in ((PainterError("tool 't' broke"), ToolError, "tool 't' broke"),
+                              (KeyError("k"), RuntimeError, "KeyError: 'k'")):
+        heard = []
+        with pytest.raises(type(error)):
+            _first_rank(fail(error), True, lambda r: heard.append(r) or r)
+        with pytest.raises(kind, match=r"^\(on the engine's first TP rank, which runs the tools and interactions\) "
+                                       f"{text}$") as err:
+            _first_rank(lambda: None, False, lambda _: heard[0])
+        assert type(err.value) is kind
 
 
 class Painter(Lookup):
@@ -374,4 +385,4 @@ def test_a_tool_error_is_raised_and_every_ended_tasks_error_retrieved(tok, caplo
     with pytest.raises(ToolError, match=r"tool 'lookup' \(Painter\) returned image data"):
         run(agent(tok, Painter()), script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "tool_agent"])
     gc.collect()
-    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage() and "Painter" in r.getMessage()]

@@ -348,6 +348,7 @@ class CountingTool(BaseTool):
     def __init__(self, name="count"):
         super().__init__({}, _schema(name))
         self.created, self.released, self.create_kwargs = 0, 0, []
+        self.fail_release = False
 
     async def create(self, instance_id=None, **kwargs):
         if kwargs.get("create_kwargs", {}).get("fail"):
@@ -369,6 +370,8 @@ class CountingTool(BaseTool):
 
     async def release(self, instance_id, **kwargs):
         self.released += 1
+        if self.fail_release:
+            raise OSError("socket closed")
 
 
 def _one(tools, name, arguments, kwargs=None, limit=100, side="left"):
@@ -420,6 +423,12 @@ def test_a_tool_that_breaks_its_contract_stops_the_run_naming_it():
     with pytest.raises(ToolError, match=r"tool 'painter' \(CountingTool\)\.execute returned int as its response"):
         _one({"painter": tool}, "painter", '{"number": 1}')
     assert (tool.created, tool.released) == (2, 2)
+    # a release that raises, after an answer or after an error answer: the tool's bug, not the model's
+    tool.fail_release = True
+    for arguments in ('{"text": "ok"}', '{"raise": "no"}'):
+        with pytest.raises(ToolError, match=r"^tool 'painter' \(CountingTool\)\.release failed: OSError: socket closed$"):
+            _one({"painter": tool}, "painter", arguments)
+    assert (tool.created, tool.released) == (4, 4)
 
 
 # ---- a turn of calls

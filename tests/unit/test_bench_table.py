@@ -23,4 +23,11 @@ def test_help_files_stdin_and_a_missing_file(tmp_path):
     assert _table(str(out)).stdout == expected
     assert _table(stdin=json.dumps(record) + "\n").stdout == expected
     r = _table(str(tmp_path / "missing.jsonl"))
-    assert r.returncode == 1 and r.stderr.startswith("bench/table.py: FileNotFoundError") and "Traceback" not in r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("bench/table.py: [Errno 2] No such file or directory")
+    # a record of the wrong shape (a train record whose figure is text), or a line that is not JSON
+    for text, error in (('{"benchmark": "train", "workload": {"model": "m", "variant": "v", "phase": "p"}, '
+                         '"tokens_per_s": "x", "peak_memory_gb": 1}', "ValueError"), ("{oops", "JSONDecodeError")):
+        out.write_text(json.dumps(record) + "\n" + text + "\n")
+        r = _table(str(out))
+        assert r.returncode == 1 and r.stdout == expected, r
+        assert r.stderr.startswith(f"bench/table.py: {out}:2: not a benchmark record ({error}") and "Traceback" not in r.stderr

@@ -574,14 +574,16 @@ def test_the_launcher_reads_each_rank_logs_error_lines(tmp_path):
     """The error lines of a rank's log, as the launcher compares them between ranks (it shows another
     rank's only when rank 0 did not say it): one after a progress bar's redraw counts, a relayed one
     is the other rank's message, other lines are not errors."""
+    from agent.loop import FIRST_TP_RANK
     from trainer.launch import _error_messages
 
     log = tmp_path / "rank0.log"
     log.write_text("run directory: x (fresh start)\n"
                    "\rppo:   0%|          | 0/2 [00:00<?, ?it/s]meshppo: error (rank 0): resume path 'p' does not exist\n"
                    "meshppo: error (rank 0): (on rank 1) reward function f raised\n"
+                   f"meshppo: error (rank 1): {FIRST_TP_RANK} tool 't' broke\n"
                    "a line about meshppo: errors in general\n")
-    assert _error_messages(str(log)) == ["resume path 'p' does not exist", "reward function f raised"]
+    assert _error_messages(str(log)) == ["resume path 'p' does not exist", "reward function f raised", "tool 't' broke"]
     assert _error_messages(str(tmp_path / "rank1.log")) == []
 
 
