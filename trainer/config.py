@@ -1666,9 +1666,6 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         if adv == "remax":
             raise ConfigError("algorithm.filter_groups with algorithm.adv_estimator=remax is not supported: filter "
                               "a group estimator's groups (grpo, rloo, ...)")
-        if cfg.data.gen_batch_size < bs:
-            raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} is below data.train_batch_size={bs}: a "
-                              "generation round must be able to fill the step")
     elif cfg.data.gen_batch_size != bs:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={bs}, "
                           "but algorithm.filter_groups.enable=false: only dynamic sampling generates in rounds of "

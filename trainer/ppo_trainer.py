@@ -185,10 +185,10 @@ class PPOTrainer:
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)
         self.agent_loop = self._tool_agent(tools, interactions)
-        if len(self.train_ds) < d.gen_batch_size:
-            key = "gen_batch_size" if d.gen_batch_size != d.train_batch_size else "train_batch_size"
-            raise ConfigError(f"data.{key} ({d.gen_batch_size}) is larger than the training set "
-                              f"({len(self.train_ds)} prompts after filtering)")
+        for key in ("train_batch_size", "gen_batch_size"):
+            if len(self.train_ds) < getattr(d, key):
+                raise ConfigError(f"data.{key} ({getattr(d, key)}) is larger than the training set "
+                                  f"({len(self.train_ds)} prompts after filtering)")
         # rounds of gen_batch_size prompts (train_batch_size unless dynamic sampling asks for more)
         self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed)
         self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs

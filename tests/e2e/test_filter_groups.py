@@ -60,6 +60,13 @@ def _body(rank, world_size, assets, run_root):
     for _ in range(rounds):
         fresh.next_batch()
     assert trainer.loader.state_dict() == fresh.state_dict()
+    # rounds of fewer prompts than a step takes (verl's loop allows it): the step gathers them from several
+    small = PPOTrainer(_config(assets, run_root, "small_rounds", *FILTER, "data.gen_batch_size=2",
+                               f"trainer.rollout_data_dir={dump}_small"), ctx)
+    assert small.step()["train/num_gen_batches"] >= 2
+    with open(os.path.join(f"{dump}_small", "1.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == PROMPTS * N and all(int(r["gts"]) % 2 == 1 for r in rows)
     # a first round whose samples gave no extra keys (and one score): all dropped; the step's batch comes
     # from later rounds, whose extras the batch keeps under their names
     varying = PPOTrainer(_config(assets, run_root, "varying", *FILTER, "algorithm.filter_groups.metric=score",
@@ -110,12 +117,12 @@ def test_dynamic_sampling_config_errors():
             (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
               "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false"],
              "metric=seq_final_reward with algorithm.use_kl_in_reward=true"),
-            (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=16"],
-             "data.gen_batch_size=16 is below data.train_batch_size=32"),
             (["data.gen_batch_size=64"], "only dynamic sampling generates in rounds of gen_batch_size"),
             (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
               "algorithm.adv_estimator=remax"], "filter_groups with algorithm.adv_estimator=remax")):
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides))
-    validate(cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=64"))
+    for gen in (64, 16):  # rounds of more prompts than a step's, or of fewer (verl's loop takes both)
+        validate(cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                     f"data.gen_batch_size={gen}"))
     assert cfg().data.gen_batch_size == cfg().data.train_batch_size
