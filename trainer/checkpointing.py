@@ -120,6 +120,7 @@ NOT_SAME_RUN_OPTIONS = (
     "actor_rollout_ref.actor.use_dynamic_bsz",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     "actor_rollout_ref.actor.use_torch_compile",
+    "actor_rollout_ref.actor.use_prefix_grouper",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
     "actor_rollout_ref.actor.optim.total_training_steps",
     "actor_rollout_ref.actor.optim.warmup_style",

@@ -51,6 +51,7 @@ def test_what_makes_the_same_run():
               "trainer.logger", "trainer.default_local_dir", "trainer.resume_mode", "trainer.n_gpus_per_node",
               "trainer.rollout_data_dir", "trainer.validation_data_dir", "data.val_files",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+              "actor_rollout_ref.actor.use_prefix_grouper",  # the same log-probs and gradients, laid out otherwise
               "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.fsdp_size",
               "actor_rollout_ref.actor.optim.total_training_steps", "actor_rollout_ref.rollout.tensor_model_parallel_size",
               "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.val_kwargs.temperature",
