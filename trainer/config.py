@@ -525,7 +525,8 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU", ge=1)
     ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
-    ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz", ge=1)
+    ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz (a sequence "
+                                                "longer than it is a micro-batch of its own; verl stops there)", ge=1)
     grad_clip: float | None = opt(None, _GRAD_CLIP_HELP, gt=0)
     clip_ratio: float = opt(0.2, "PPO clip range epsilon: the default of clip_ratio_low and clip_ratio_high (verl's "
                                  "yaml sets both to 0.2, so there clip_ratio alone does not change the clip range)",
