@@ -350,7 +350,7 @@ def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
             ["tool_agent"], runs_tools=False, share=lambda r: next(replay), **kw)
     # where the tools run, the error's kind goes with it: a subclass of the tool error is one too
     class PainterError(ToolError):
-        pass
+        """A tool's own kind of contract error (a subclass: the relay must go by isinstance, not by name)."""
 
     def fail(error):
         def work():
