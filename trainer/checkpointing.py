@@ -508,11 +508,10 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
     if is_main:
         from models import Transformer
 
+        adapters = None
         if lora is not None:
             adapters = {k: v for k, v in full.items() if is_lora_name(k)}
             full = merged_state_dict(full, lora.scaling)
-            if adapter_dir is not None:
-                _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
         with torch.device("meta"):
             shell = Transformer(model_args, head=model.head)
 
@@ -523,6 +522,8 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
             if base_model and os.path.isfile(generation):
                 shutil.copyfile(generation, os.path.join(tmp, "generation_config.json"))
         _replace_dir(out_dir, write)
+        if adapters is not None and adapter_dir is not None:  # after the model: it may live inside out_dir
+            _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
     _barrier()
 
 

@@ -366,6 +366,13 @@ def _override_config(built: str, others: str):
 MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model", "reward_model.model")
 
 
+def paths_read(cfg) -> list[str]:
+    """The directories a run reads its models, adapters and tokenizer from (those it sets)."""
+    arr = cfg.actor_rollout_ref
+    return [p for p in (arr.model.path, arr.model.lora_adapter_path, cfg.data.tokenizer, cfg.critic.model.path,
+                        cfg.reward_model.model.path) if p]
+
+
 def model_sections(cfg) -> dict:
     """`MODEL_SECTIONS` of `cfg`, by key."""
     return {key: functools.reduce(getattr, key.split("."), cfg) for key in MODEL_SECTIONS}

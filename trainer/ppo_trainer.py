@@ -35,7 +35,8 @@ from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
-from trainer.config import FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections, validate
+from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
+                            paths_read, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
@@ -46,7 +47,7 @@ from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, R
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import AgentRows, build_rollout
-from trainer.setup import build_engine, build_models, reward_model_inputs
+from trainer.setup import build_engine, build_models, load_actor_tokenizer, reward_model_inputs
 from trainer.profiling import StepProfiler, profile_plan
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
 from trainer.val_metrics import validation_metrics
@@ -112,19 +113,6 @@ def _dump_extras(numeric: dict[str, float], others: dict) -> dict:
     return {**numeric, **{k: v for k, v in others.items() if v is not None or k not in numeric}}
 
 
-def _checked_chat_template(tokenizer, template: str) -> str:
-    """`actor_rollout_ref.model.custom_chat_template`, once it has rendered a one-message chat with
-    the generation prompt: a template that does not (bad Jinja, a variable it cannot find) is a
-    ConfigError naming the key before any data is read."""
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], chat_template=template,
-                                      add_generation_prompt=True, tokenize=False)
-    except Exception as err:
-        raise ConfigError(f"actor_rollout_ref.model.custom_chat_template does not render a chat: "
-                          f"{type(err).__name__}: {err}") from None
-    return template
-
-
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
@@ -141,19 +129,8 @@ class PPOTrainer:
         self.timer = Timer(self.device)
 
         from data import PromptDataLoader, RLHFDataset
-        from models.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 
-        tok_path = cfg.data.tokenizer
-        if not os.path.isdir(tok_path):
-            raise UserError(f"tokenizer directory {tok_path!r} does not exist (data.tokenizer or "
-                            "actor_rollout_ref.model.path)")
-        if not has_tokenizer(tok_path):
-            raise UserError(f"tokenizer directory {tok_path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
-                            "data.tokenizer or actor_rollout_ref.model.path)")
-        self.tokenizer = load_tokenizer(tok_path)
-        if cfg.actor_rollout_ref.model.custom_chat_template is not None:
-            self.tokenizer.chat_template = _checked_chat_template(self.tokenizer,
-                                                                  cfg.actor_rollout_ref.model.custom_chat_template)
+        self.tokenizer = load_actor_tokenizer(cfg)
         d = cfg.data
         from rewards import BUILTIN_DATA_SOURCES, load_reward_manager
         from rewards.managers import PRIME_PROCESSES
@@ -1012,9 +989,7 @@ class PPOTrainer:
         from the first's export), which is kept, with a line that says so."""
         if not self.ctx.is_main:
             return
-        c, arr = self.cfg, self.cfg.actor_rollout_ref
-        read = [Path(p).resolve() for p in (arr.model.path, arr.model.lora_adapter_path, c.data.tokenizer,
-                                            c.critic.model.path, c.reward_model.model.path) if p]
+        read = [Path(p).resolve() for p in paths_read(self.cfg)]
         for d in (Path(self.run_dir, name).resolve() for name in (HF_EXPORT, ADAPTER_EXPORT)):
             if not d.is_dir():
                 continue

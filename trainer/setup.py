@@ -130,6 +130,32 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
+def load_actor_tokenizer(cfg: PPOConfig):
+    """The actor's tokenizer (`data.tokenizer`, by default the actor's model path), with
+    `actor_rollout_ref.model.custom_chat_template` in place of its own once that renders a chat."""
+    from models.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
+
+    path = cfg.data.tokenizer
+    if not os.path.isdir(path):
+        raise UserError(f"tokenizer directory {path!r} does not exist (data.tokenizer or actor_rollout_ref.model.path)")
+    if not has_tokenizer(path):
+        raise UserError(f"tokenizer directory {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
+                        "data.tokenizer or actor_rollout_ref.model.path)")
+    tokenizer = load_tokenizer(path)
+    template = cfg.actor_rollout_ref.model.custom_chat_template
+    if template is not None:
+        # a template that does not render a one-message chat with the generation prompt (bad
+        # Jinja, a variable it cannot find) is refused naming the key before any data is read
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], chat_template=template,
+                                          add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            raise ConfigError(f"actor_rollout_ref.model.custom_chat_template does not render a chat: "
+                              f"{type(err).__name__}: {err}") from None
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
     """Checks the reward model (`reward_model`'s options) before any model loads, and returns how
     its inputs are made: `RewardModelInputs` rendering each chat with the reward model's own
@@ -202,13 +228,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     meshes = dims.build_meshes(ctx.device.type, timeout_s=cfg.trainer.nccl_timeout)
     seed = cfg.trainer.seed
     dummy = arr.model.load_format == "dummy"
-    actor = build_fsdp_model(path, meshes.train, _compute_dtype_guard(arr.actor.fsdp_config, ctx.device),
-                             device=ctx.device, trainable=True, seed=seed, dummy_weights=dummy,
-                             enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-                             enable_activation_offload=arr.model.enable_activation_offload,
-                             lora=arr.model.lora, lora_adapter_path=arr.model.lora_adapter_path,
-                             overrides=overrides)
-    _tiled_mlp(actor, arr.model.tiled_mlp)
+    actor = build_trained_model(cfg, "actor", meshes.train, ctx.device)
     if arr.actor.use_torch_compile:
         apply_compile(actor)
     actor_optim, actor_sched = make_optimizer(actor, arr.actor.optim, total_steps, ctx.device)
@@ -222,14 +242,7 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
         if arr.ref.use_torch_compile:
             apply_compile(models.ref)
     if cfg.uses_critic:
-        cm = cfg.critic.model
-        models.critic = build_fsdp_model(cm.path, meshes.train, _compute_dtype_guard(cm.fsdp_config, ctx.device),
-                                         head="value", device=ctx.device, trainable=True, seed=seed,
-                                         dummy_weights=dummy and cm.path == path,
-                                         enable_gradient_checkpointing=cm.enable_gradient_checkpointing,
-                                         enable_activation_offload=cm.enable_activation_offload, lora=cm.lora,
-                                         overrides=cm.override_config)
-        _tiled_mlp(models.critic, cm.tiled_mlp)
+        models.critic = build_trained_model(cfg, "critic", meshes.train, ctx.device)
         if arr.actor.use_torch_compile:
             apply_compile(models.critic)
         models.critic_optim, models.critic_sched = make_optimizer(models.critic, cfg.critic.optim, total_steps,
@@ -241,6 +254,30 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
                                                overrides=rm.override_config)
     _sequence_parallel(cfg, ctx, models)
     return models
+
+
+def build_trained_model(cfg: PPOConfig, role: str, mesh, device: torch.device, *, initial_adapters: bool = True):
+    """The actor (`role` "actor") or the critic ("critic") as the run trains it, on `mesh`, before
+    `torch.compile`: its model path, overrides, head, LoRA, tiled MLP and memory options.
+    `initial_adapters=False`: a LoRA actor's adapters start from peft's initialisation, not from
+    `actor_rollout_ref.model.lora_adapter_path` (a checkpoint about to load its own)."""
+    arr = cfg.actor_rollout_ref
+    dummy = arr.model.load_format == "dummy"
+    if role == "actor":
+        m, fsdp_config, head = arr.model, arr.actor.fsdp_config, "lm"
+        adapters = m.lora_adapter_path if initial_adapters else None
+    elif role == "critic":
+        m, fsdp_config, head, adapters = cfg.critic.model, cfg.critic.model.fsdp_config, "value", None
+        dummy = dummy and m.path == arr.model.path  # a critic of another path than the actor's is read from it
+    else:
+        raise ValueError(f"role {role!r}: the trained models are 'actor' and 'critic'")
+    model = build_fsdp_model(m.path, mesh, _compute_dtype_guard(fsdp_config, device), head=head, device=device,
+                             trainable=True, seed=cfg.trainer.seed, dummy_weights=dummy,
+                             enable_gradient_checkpointing=m.enable_gradient_checkpointing,
+                             enable_activation_offload=m.enable_activation_offload, lora=m.lora,
+                             lora_adapter_path=adapters, overrides=m.override_config)
+    _tiled_mlp(model, m.tiled_mlp)
+    return model
 
 
 def _tiled_mlp(model, tiled) -> None:

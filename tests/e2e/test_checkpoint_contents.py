@@ -4,6 +4,7 @@ resume that leaves the optimizer fresh (world size 1, the untrained tiny model).
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -108,7 +109,6 @@ def test_the_hf_export_is_the_trained_model(gae_run, tiny_assets):
 
 
 def test_a_missing_load_item_is_refused_naming_the_checkpoint(gae_run, tiny_assets, capsys):
-    import shutil
 
     run = gae_run.parent.parent / "copy" / "run"
     shutil.copytree(gae_run, run)
@@ -211,8 +211,93 @@ def _sharded_export_body(rank, world_size, assets, root):
         assert gap > 1e-2, gap
 
 
-def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path):
+def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path, capsys):
     """Two ranks: the critic's export is its gathered weights bit for bit (and the checkpoint holds
-    nothing else of it), the LoRA actor's export computes the sharded actor's logits."""
+    nothing else of it), the LoRA actor's export computes the sharded actor's logits. The export
+    tool, in one process, rebuilds the LoRA actor from that 2-rank checkpoint: the same merged
+    weights, and its adapters as a peft directory that equals the checkpoint's."""
+    from models.lora import read_peft_adapter
+    from tools import export_hf
+
     (tmp_path / "reward.py").write_text(LENGTH_REWARD)
     run_distributed(_sharded_export_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+    step = tmp_path / "run" / "checkpoints" / "global_step_1"
+    out = tmp_path / "export"
+    assert export_hf.main([str(step), str(out)]) == 0
+    assert "LoRA adapters merged, and alone in lora_adapter/" in capsys.readouterr().out
+    adapter = out / "lora_adapter"
+    _, tensors = read_peft_adapter(adapter)
+    saved = _dcp_model(step / "actor")
+    assert len(tensors) == len(saved) and all("lora_" in k for k in saved)
+    shutil.rmtree(adapter)  # the rest is the trainer's export of the step
+    _same_export(out, step / "actor" / "huggingface")
+    # the critic was saved as an export only: no weights to rebuild it from
+    assert export_hf.main([str(step), str(tmp_path / "critic"), "--role", "critic"]) == 1
+    assert (f"checkpoint {str(step)!r} holds no weights of the critic: its run's critic.checkpoint.save_contents "
+            "was ['hf_model'], without 'model'") in capsys.readouterr().err
+
+
+def _same_export(got, want):
+    """Two Hugging Face directories with the same files, the same config and tokenizer, and the
+    same weights bit for bit."""
+    assert sorted(os.listdir(got)) == sorted(os.listdir(want)), (sorted(os.listdir(got)), sorted(os.listdir(want)))
+    for name in os.listdir(want):
+        if name == "model.safetensors":
+            a, b = load_file(got / name), load_file(want / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
+        elif (want / name).is_file():
+            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+def test_export_tool_writes_what_the_trainer_exports(gae_run, tmp_path, capsys):
+    """`python -m tools.export_hf` on a checkpoint step gives the actor and the critic exactly as
+    the trainer's own `hf_model` exports of that step hold them; a role's directory, or the run's
+    checkpoints/ directory (its latest step), name the same."""
+    from tools import export_hf
+
+    step = gae_run / "checkpoints" / "global_step_1"
+    assert export_hf.main([str(step), str(tmp_path / "actor")]) == 0
+    assert f"wrote {tmp_path / 'actor'}: the actor of step 1" in capsys.readouterr().out
+    _same_export(tmp_path / "actor", step / "actor" / "huggingface")
+    assert export_hf.main([str(step / "critic"), str(tmp_path / "critic")]) == 0
+    _same_export(tmp_path / "critic", step / "critic" / "huggingface")
+    assert export_hf.main([str(gae_run / "checkpoints"), str(tmp_path / "latest"), "--role", "critic"]) == 0
+    _same_export(tmp_path / "latest", step / "critic" / "huggingface")
+
+
+def test_export_tool_refuses_outputs_it_would_destroy(gae_run, tiny_assets, tmp_path, capsys):
+    """Each refusal is one line before anything is written: the run directory (it holds the
+    checkpoint), the model the run started from, a directory of other files, a model directory
+    without --overwrite; and a checkpoint that is not one, or the wrong role."""
+    from tools import export_hf
+
+    step = gae_run / "checkpoints" / "global_step_1"
+    before = sorted(p.relative_to(gae_run) for p in gae_run.rglob("*"))
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    cases = [([str(step), str(gae_run)], f"output {str(gae_run)!r} holds the checkpoint"),
+             ([str(step), str(tiny_assets / "sft_model"), "--overwrite"],
+              f"output {str(tiny_assets / 'sft_model')!r} holds {str(tiny_assets / 'sft_model')!r}, which the "
+              "checkpoint's run reads"),
+             ([str(step), str(other)], "is a directory with other files in it"),
+             ([str(step), str(step / "actor" / "huggingface")], "holds the checkpoint or lies inside it"),
+             ([str(tmp_path / "nowhere"), str(tmp_path / "out")], f"checkpoint {str(tmp_path / 'nowhere')!r} does "
+              "not exist"),
+             ([str(tiny_assets), str(tmp_path / "out")], "is not a meshppo checkpoint"),
+             ([str(step / "actor"), str(tmp_path / "out"), "--role", "critic"], "is the actor's part of its step, "
+              "but --role is critic")]
+    for argv, message in cases:
+        assert export_hf.main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert (other / "todo.txt").read_text() == "keep me" and not (tmp_path / "out").exists()
+    assert sorted(p.relative_to(gae_run) for p in gae_run.rglob("*")) == before
+
+    # a model directory is replaced with --overwrite only
+    out = tmp_path / "model"
+    assert export_hf.main([str(step), str(out), "--role", "critic"]) == 0
+    assert export_hf.main([str(step), str(out)]) == 1
+    assert "already holds a model; pass --overwrite" in capsys.readouterr().err
+    assert export_hf.main([str(step), str(out), "--overwrite"]) == 0
+    _same_export(out, step / "actor" / "huggingface")

@@ -1,0 +1,169 @@
+"""A trainer checkpoint's actor or critic as a Hugging Face directory (verl's `model_merger`).
+
+    python -m tools.export_hf CHECKPOINT OUTPUT [--role actor|critic] [--overwrite]
+
+CHECKPOINT is a checkpoint step (`RUN/checkpoints/global_step_K`), one model's part of it
+(`.../global_step_K/actor`: the role is its name) or a run's `checkpoints/` directory (its
+latest step). OUTPUT receives what the trainer's own exports hold: the weights as
+`model.safetensors`, `config.json`, the actor's tokenizer (with the run's
+`custom_chat_template`) and the base checkpoint's `generation_config.json`. A LoRA actor is
+written with its adapters merged, and its adapters alone as a peft directory in
+`OUTPUT/lora_adapter`.
+
+The model is rebuilt from the run's config stored in the checkpoint (its model path, overrides,
+LoRA) in this one process on CPU and the sharded weights are loaded into it; a checkpoint of
+any world size converts. The memory it needs is the model's trainable parameters twice in their
+saved dtype (float32 by default: 2 x 28 GB for a 7B model). Nothing is written before every
+check has passed; OUTPUT is replaced only when it is empty, missing, or (with --overwrite) a
+model directory, and never when it holds the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+ROLES = ("actor", "critic")
+
+
+class ExportError(RuntimeError):
+    """A checkpoint or an output path that cannot be exported from or to."""
+
+
+def _step_and_role(path: str, role: str | None) -> tuple[str, str]:
+    """The checkpoint step directory and the role that CHECKPOINT and --role name."""
+    from trainer.checkpointing import LATEST, STATE_FILE, CheckpointManager
+
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise ExportError(f"checkpoint {path!r} does not exist")
+    name = os.path.basename(path)
+    if name in ROLES and os.path.isfile(os.path.join(os.path.dirname(path), STATE_FILE)):
+        if role is not None and role != name:
+            raise ExportError(f"checkpoint {path!r} is the {name}'s part of its step, but --role is {role}")
+        return os.path.dirname(path), name
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        if os.path.isfile(os.path.join(path, LATEST)) or any(re.fullmatch(r"global_step_\d+", n)
+                                                              for n in os.listdir(path)):
+            latest = CheckpointManager(path).latest()
+            if latest is None:
+                raise ExportError(f"{path!r} holds no complete checkpoint (no global_step_K with {STATE_FILE})")
+            path = latest
+        else:
+            raise ExportError(f"{path!r} is not a meshppo checkpoint: give a run's checkpoints/ directory, a "
+                              f"global_step_K directory in it (with {STATE_FILE}) or its actor/ or critic/")
+    return path, role or "actor"
+
+
+def _check_output(out: str, step_dir: str, read: list[str], overwrite: bool) -> str:
+    """OUTPUT as an absolute path, refused where replacing it would lose what is there: the
+    checkpoint, a directory that the run read (`read`: its model, adapter and tokenizer paths)."""
+    out, step = os.path.realpath(out), os.path.realpath(step_dir)
+    if os.path.commonpath([out, step]) in (out, step):
+        raise ExportError(f"output {out!r} holds the checkpoint or lies inside it: choose a directory apart from "
+                          f"{step!r}")
+    for path in map(os.path.realpath, read):
+        if os.path.commonpath([out, path]) == out:
+            raise ExportError(f"output {out!r} holds {path!r}, which the checkpoint's run reads a model or tokenizer "
+                              "from: choose another directory")
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise ExportError(f"output {out!r} exists and is not a directory")
+        if os.listdir(out):
+            if not os.path.isfile(os.path.join(out, "config.json")):
+                raise ExportError(f"output {out!r} is a directory with other files in it (no config.json: not a "
+                                  "model directory); choose an empty or new one")
+            if not overwrite:
+                raise ExportError(f"output {out!r} already holds a model; pass --overwrite to replace it")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ExportError(f"output {out!r}: its parent directory {parent!r} does not exist or is not writable")
+    return out
+
+
+def export_checkpoint(checkpoint: str, output: str, role: str | None = None, overwrite: bool = False,
+                      log=print) -> str:
+    """Write the model `role` of `checkpoint` to `output` (see the module's docstring); returns
+    the output's absolute path. Input problems raise ExportError, UserError or ConfigError."""
+    import torch
+    import torch.distributed as dist
+
+    from sharding.checkpoint import check_checkpoint, load_checkpoint
+    from sharding.mesh import ParallelDims
+    from trainer.checkpointing import ROLE_KEYS, export_hf, read_trainer_state
+    from trainer.config import PPOConfig, paths_read
+    from trainer.configlib import ConfigError, build_dataclass
+    from trainer.launch import init_distributed
+    from trainer.setup import build_trained_model, load_actor_tokenizer
+
+    if role is not None and role not in ROLES:
+        raise ExportError(f"--role {role!r}: one of {', '.join(ROLES)}")
+    step_dir, role = _step_and_role(checkpoint, role)
+    state = read_trainer_state(step_dir)
+    key = f"{ROLE_KEYS[role]}.checkpoint.save_contents"
+    contents = state.get("contents", {})
+    if role not in contents:
+        raise ExportError(f"checkpoint {step_dir!r} holds no {role} (its run trained {', '.join(contents) or 'none'})")
+    if "model" not in contents[role]:
+        raise ExportError(f"checkpoint {step_dir!r} holds no weights of the {role}: its run's {key} was "
+                          f"{contents[role]}, without 'model'")
+    try:
+        cfg = build_dataclass(PPOConfig, state.get("config", {}))
+    except ConfigError as e:
+        raise ExportError(f"checkpoint {step_dir!r} stores a config this meshppo does not read ({e}); export it "
+                          "with the meshppo version that wrote it") from None
+    model_cfg = cfg.actor_rollout_ref.model if role == "actor" else cfg.critic.model
+    if model_cfg.lora is not None and cfg.actor_rollout_ref.model.load_format == "dummy":
+        raise ExportError(f"checkpoint {step_dir!r}: its run's LoRA base weights were random "
+                          "(actor_rollout_ref.model.load_format=dummy, drawn per rank), so the merged model cannot "
+                          "be rebuilt")
+    weights = os.path.join(step_dir, role)
+    check_checkpoint(weights)
+    output = _check_output(output, step_dir, paths_read(cfg), overwrite)
+    tokenizer = load_actor_tokenizer(cfg)
+
+    ctx = init_distributed("cpu")
+    try:
+        if ctx.world_size != 1:
+            raise ExportError(f"the export runs in one process; it was started as one of {ctx.world_size} "
+                              "(run it with python, not torchrun)")
+        mesh = ParallelDims(world_size=1).build_meshes("cpu").train
+        model = build_trained_model(cfg, role, mesh, torch.device("cpu"), initial_adapters=False)
+        load_checkpoint(weights, model)
+        lora = getattr(model, "lora_config", None) is not None
+        export_hf(model, model.args, tokenizer, output, True,
+                  adapter_dir=os.path.join(output, "lora_adapter") if lora else None,
+                  base_model=cfg.actor_rollout_ref.model.path if role == "actor" else None)
+    finally:
+        if ctx.owns_group:
+            dist.destroy_process_group()
+    step = state["global_step"]
+    log(f"wrote {output}: the {role} of step {step} ({step_dir})"
+        + (", LoRA adapters merged, and alone in lora_adapter/" if lora else ""))
+    return output
+
+
+def main(argv=None) -> int:
+    from models.checkpoint import CheckpointFileError
+    from trainer.configlib import ConfigError
+    from trainer.errors import UserError
+
+    parser = argparse.ArgumentParser(prog="python -m tools.export_hf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="RUN/checkpoints, RUN/checkpoints/global_step_K or its actor/ or critic/")
+    parser.add_argument("output", help="the Hugging Face directory to write")
+    parser.add_argument("--role", choices=ROLES, default=None,
+                        help="which model (default: the one CHECKPOINT names, else the actor)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an OUTPUT that already holds a model")
+    args = parser.parse_args(argv)
+    try:
+        export_checkpoint(args.checkpoint, args.output, args.role, args.overwrite)
+    except (ExportError, UserError, ConfigError, CheckpointFileError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
