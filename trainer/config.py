@@ -200,15 +200,16 @@ class DataConfig:
 def _global_micro_batch(per_gpu: str):
     """verl's deprecated global form of the micro-batch size `per_gpu` (`_per_gpu_micro_batch`)."""
     return opt(None, f"verl's deprecated global form of {per_gpu}: sequences over all ranks together; {per_gpu} "
-                     "becomes it divided by the ranks (trainer.nnodes x trainer.n_gpus_per_node), which must divide "
-                     f"it, as verl's workers divide it by the data-parallel size; not with {per_gpu}", ge=1)
+                     "becomes it divided by the data-parallel size (trainer.nnodes x trainer.n_gpus_per_node over the "
+                     "role's ulysses_sequence_parallel_size; the reward model's: over all ranks), which must divide "
+                     f"it, as verl's workers divide it; not with {per_gpu}", ge=1)
 
 
-def _per_gpu_micro_batch(key: str, section, name: str, trainer) -> None:
+def _per_gpu_micro_batch(key: str, section, name: str, trainer, sp_key: str | None, sp: int) -> None:
     """Section `key`'s global micro-batch size `name` as its `{name}_per_gpu`: divided by the
-    ranks the `trainer` section describes (all of them are data-parallel for the training
-    forwards), then null, so a resolved config resolves to itself. Setting both is an error, as
-    in verl."""
+    data-parallel size, the ranks the `trainer` section describes over the role's Ulysses group
+    size `sp` (option `sp_key`; a Ulysses group reads one micro-batch), as verl's workers divide
+    it; then null, so a resolved config resolves to itself. Setting both is an error, as in verl."""
     total, per_gpu = getattr(section, name), f"{name}_per_gpu"
     if total is None:
         return
@@ -216,11 +217,15 @@ def _per_gpu_micro_batch(key: str, section, name: str, trainer) -> None:
         raise ConfigError(f"{key}.{name}={total} and {key}.{per_gpu}={getattr(section, per_gpu)}: both set the "
                           f"micro-batch size ({name}, verl's deprecated form, over all ranks together); set one")
     ranks = trainer.nnodes * trainer.n_gpus_per_node
-    if total % ranks:
-        raise ConfigError(f"{key}.{name}={total} does not split into {key}.{per_gpu} over trainer.nnodes x "
-                          f"trainer.n_gpus_per_node = {trainer.nnodes} x {trainer.n_gpus_per_node} = {ranks} ranks: "
-                          f"use a multiple of {ranks}, or set {per_gpu}")
-    setattr(section, per_gpu, total // ranks)
+    launch = f"trainer.nnodes x trainer.n_gpus_per_node = {trainer.nnodes} x {trainer.n_gpus_per_node} = {ranks} ranks"
+    if ranks % sp:
+        raise ConfigError(f"{sp_key}={sp} does not divide the {launch}")
+    dp = ranks // sp
+    if total % dp:
+        over = launch if sp == 1 else f"{launch} in Ulysses groups of {sp} ({sp_key}): {dp} data-parallel groups"
+        raise ConfigError(f"{key}.{name}={total} does not split into {key}.{per_gpu} over {over}: use a multiple of "
+                          f"{dp}, or set {per_gpu}")
+    setattr(section, per_gpu, total // dp)
     setattr(section, name, None)
 
 
@@ -1264,13 +1269,6 @@ class PPOConfig:
             if getattr(obj, name) is None:
                 setattr(obj, name, value)
 
-        for key, obj, name in (("actor_rollout_ref.actor", actor, "ppo_micro_batch_size"),
-                               ("actor_rollout_ref.rollout", rollout, "log_prob_micro_batch_size"),
-                               ("actor_rollout_ref.ref", ref, "log_prob_micro_batch_size"),
-                               ("critic", critic, "ppo_micro_batch_size"),
-                               ("critic", critic, "forward_micro_batch_size"),
-                               ("reward_model", self.reward_model, "micro_batch_size")):
-            _per_gpu_micro_batch(key, obj, name, self.trainer)
         # verl's actor_rollout_ref.nccl_timeout and meshppo's trainer.nccl_timeout: one timeout
         t, alias = self.trainer.nccl_timeout, arr.nccl_timeout
         if t is not None and alias is not None and t != alias:
@@ -1303,6 +1301,19 @@ class PPOConfig:
             _sp_copy(key, obj, fsdp)
         _copy_of("actor_rollout_ref.ref.ulysses_sequence_parallel_size", ref, "ulysses_sequence_parallel_size",
                  "actor_rollout_ref.actor.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)
+        # the deprecated global micro-batch sizes over each role's data-parallel size, as verl's workers
+        # divide them (the actor's Ulysses size for the rollout's and the reference's log-probs, which
+        # verl's actor worker computes; its reward-model worker divides by all ranks)
+        actor_sp = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)
+        critic_sp = ("critic.ulysses_sequence_parallel_size", critic.ulysses_sequence_parallel_size)
+        for key, obj, name, (sp_key, sp) in (("actor_rollout_ref.actor", actor, "ppo_micro_batch_size", actor_sp),
+                                             ("actor_rollout_ref.rollout", rollout, "log_prob_micro_batch_size",
+                                              actor_sp),
+                                             ("actor_rollout_ref.ref", ref, "log_prob_micro_batch_size", actor_sp),
+                                             ("critic", critic, "ppo_micro_batch_size", critic_sp),
+                                             ("critic", critic, "forward_micro_batch_size", critic_sp),
+                                             ("reward_model", self.reward_model, "micro_batch_size", (None, 1))):
+            _per_gpu_micro_batch(key, obj, name, self.trainer, sp_key, sp)
         if critic.enable is not None and critic.enable != self.uses_critic:
             raise ConfigError(f"critic.enable={_shown(critic.enable)} with algorithm.adv_estimator="
                               f"{self.algorithm.adv_estimator}: meshppo trains a critic exactly when adv_estimator is "

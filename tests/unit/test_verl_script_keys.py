@@ -1,5 +1,5 @@
 """verl options its example scripts set: the deprecated global micro-batch sizes (divided by the
-ranks, as verl's workers divide them), verl's name of the collective timeout, the options that
+data-parallel size, as verl's workers divide them), verl's name of the collective timeout, the options that
 change nothing here (accepted, said at start-up when set), and the ones accepted at the only value
 meshppo has."""
 
@@ -57,6 +57,35 @@ def test_a_derived_size_is_inherited_as_a_given_one():
         .actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 12
     rm = _cfg(*EIGHT_RANKS, "reward_model.micro_batch_size=64").reward_model
     assert (rm.micro_batch_size_per_gpu, rm.micro_batch_size) == (8, None)
+
+
+def test_global_sizes_divide_by_the_data_parallel_size_under_ulysses():
+    """A Ulysses group reads one micro-batch: verl's workers divide a global size by the ranks over
+    the role's Ulysses size (the actor's for the rollout's and reference's log-probs), the reward
+    model's by all ranks (verl's fsdp_workers)."""
+    cfg = _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
+               "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+               "actor_rollout_ref.actor.ppo_micro_batch_size=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size=8",
+               "actor_rollout_ref.ref.log_prob_micro_batch_size=6", "critic.ppo_micro_batch_size=8",
+               "critic.forward_micro_batch_size=16", "reward_model.micro_batch_size=64")
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    assert (arr.actor.ppo_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size_per_gpu,
+            arr.ref.log_prob_micro_batch_size_per_gpu, critic.ppo_micro_batch_size_per_gpu,
+            critic.forward_micro_batch_size_per_gpu, cfg.reward_model.micro_batch_size_per_gpu) == (2, 4, 3, 2, 4, 8)
+    assert _round_trips(cfg)
+    # verl's setting that splits over 2 data-parallel groups but not over 8 ranks
+    with pytest.raises(ConfigError) as e:
+        _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "actor_rollout_ref.actor.ppo_micro_batch_size=3")
+    assert str(e.value) == ("actor_rollout_ref.actor.ppo_micro_batch_size=3 does not split into "
+                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu over trainer.nnodes x "
+                            "trainer.n_gpus_per_node = 2 x 4 = 8 ranks in Ulysses groups of 4 "
+                            "(actor_rollout_ref.actor.ulysses_sequence_parallel_size): 2 data-parallel groups: use a "
+                            "multiple of 2, or set ppo_micro_batch_size_per_gpu")
+    with pytest.raises(ConfigError) as e:
+        _cfg(*EIGHT_RANKS, "critic.ulysses_sequence_parallel_size=3", "critic.ppo_micro_batch_size=6")
+    assert str(e.value) == ("critic.ulysses_sequence_parallel_size=3 does not divide the trainer.nnodes x "
+                            "trainer.n_gpus_per_node = 2 x 4 = 8 ranks")
 
 
 GLOBAL_SIZES = [("actor_rollout_ref.actor", "ppo_micro_batch_size"),
