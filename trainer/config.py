@@ -640,7 +640,9 @@ class SamplingOverrides:
     top_p: float = opt(1.0, "top-p for validation", gt=0, le=1)
     temperature: float = opt(0.0, "validation temperature (0: greedy)", ge=0)
     n: int = opt(1, "samples per validation prompt", ge=1)
-    do_sample: bool = opt(False, "sample during validation (false: greedy)")
+    do_sample: bool = opt(False, "verl's hf-rollout switch: with rollout.name=hf, false decodes the validation "
+                                 "greedily whatever temperature says; the other engines sample at temperature (0: "
+                                 "greedy), as verl's vLLM and SGLang rollouts do, which never read it")
 
 
 _LEGACY_SGLANG = "verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"
@@ -717,11 +719,12 @@ class RolloutConfig:
     mode: str = opt("sync", "sync: colocated SPMD rollouts; verl's async (its agent-loop servers) is accepted and "
                             "runs the same single-turn rollouts in-process (a start-up note says so)",
                     choices=("sync", "async"))
-    temperature: float = opt(1.0, "sampling temperature; 0: greedy decoding, scored at temperature 1 (as "
-                                  "do_sample=false)", ge=0)
+    temperature: float = opt(1.0, "sampling temperature; 0: greedy decoding, scored at temperature 1", ge=0)
     top_k: int = opt(-1, "top-k sampling (-1 or 0: off)", ge=-1)
     top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
-    do_sample: bool = opt(True, "sample (false: greedy)")
+    do_sample: bool = opt(True, "verl's hf-rollout switch: with rollout.name=hf, false decodes greedily (scored at "
+                                "temperature 1); the other engines sample at temperature (0: greedy), as verl's vLLM "
+                                "and SGLang rollouts do, which never read it")
     n: int = opt(1, "responses per prompt", ge=1)
     prompt_length: int | None = opt(None, "the engine's prompt budget: only sets the default of max_model_len "
                                           "(prompt_length + response_length); at least data.max_prompt_length, which "
@@ -823,6 +826,13 @@ class RolloutConfig:
     def engine(self) -> str:
         """The engine that generates: native (also for verl's vllm and sglang) or hf."""
         return "native" if self.name in SERVER_ENGINES else self.name
+
+    def decoding_temperature(self, validate: bool = False) -> float:
+        """The temperature the training (`validate`: validation) rollouts sample at; 0: greedy.
+        verl reads `do_sample` and `val_kwargs.do_sample` only in its hf rollout; its vLLM and
+        SGLang rollouts, which meshppo's engine stands in for, sample at the temperature."""
+        s = self.val_kwargs if validate else self
+        return 0.0 if self.engine == "hf" and not s.do_sample else s.temperature
 
 
 @dataclass
@@ -1492,9 +1502,19 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rollout.name in SERVER_ENGINES:
         notes.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshppo generates with its own engine (native); "
                      f"{rollout.name} is not used, and the rollout options it shares with verl tune meshppo's engine")
+    if rollout.engine != "hf":
+        for key, opts, default, validate in (("rollout.do_sample", rollout, True, False),
+                                             ("rollout.val_kwargs.do_sample", rollout.val_kwargs, False, True)):
+            t = rollout.decoding_temperature(validate)
+            if opts.do_sample != default and opts.do_sample != (t > 0):  # it asks for what the temperature does not
+                what = f"samples at temperature {t:g}" if t > 0 else "decodes greedily (temperature 0)"
+                notes.append(f"actor_rollout_ref.{key}={_shown(opts.do_sample)} has no effect with rollout.name="
+                             f"{rollout.name}: as in verl, whose vLLM and SGLang rollouts never read it (its hf rollout "
+                             f"does), the {'validation' if validate else 'training'} rollout {what}; "
+                             f"{key.replace('do_sample', 'temperature')} decides")
     rc = cfg.algorithm.rollout_correction
     engine_log_probs = rollout.calculate_log_probs or rc.bypass_mode or rc.rollout_is is not None or bool(rc.rejection)
-    if engine_log_probs and rollout.do_sample and rollout.temperature > 0 and (rollout.top_k > 0 or rollout.top_p < 1):
+    if engine_log_probs and rollout.decoding_temperature() > 0 and (rollout.top_k > 0 or rollout.top_p < 1):
         notes.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode} with top_k={rollout.top_k}, "
                      f"top_p={rollout.top_p:g}: meshppo's engine log-probs are those of the whole softmax(logits / "
                      "temperature); vLLM's are renormalised to the top-k / top-p tokens")
@@ -1660,9 +1680,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
-    if adv in GROUP_ESTIMATORS and (not rollout.do_sample or rollout.temperature == 0):
-        setting = ("actor_rollout_ref.rollout.do_sample=false" if not rollout.do_sample
-                   else "actor_rollout_ref.rollout.temperature=0")
+    greedy = ("actor_rollout_ref.rollout.temperature=0" if rollout.temperature == 0
+              else "actor_rollout_ref.rollout.do_sample=false with rollout.name=hf")
+    if adv in GROUP_ESTIMATORS and rollout.decoding_temperature() == 0:
+        setting = greedy
         raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
                           f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "
                           "rollout.n=1 with algorithm.adv_estimator=gae or reinforce_plus_plus")
@@ -1689,9 +1710,8 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={bs}, "
                           "but algorithm.filter_groups.enable=false: only dynamic sampling generates in rounds of "
                           "gen_batch_size; leave it null")
-    if adv == "remax" and (not rollout.do_sample or rollout.temperature == 0):
-        setting = ("actor_rollout_ref.rollout.do_sample=false" if not rollout.do_sample
-                   else "actor_rollout_ref.rollout.temperature=0")
+    if adv == "remax" and rollout.decoding_temperature() == 0:
+        setting = greedy
         raise ConfigError(f"{setting} decodes greedily: every response is remax's greedy baseline itself, so "
                           "every advantage is zero and nothing is learned; sample (temperature > 0)")
     try:

@@ -219,7 +219,7 @@ class PPOTrainer:
         arr = cfg.actor_rollout_ref
         common = dict(device=self.device, pad_token_id=self.pad_id)
         policy = dict(common, packed=arr.model.use_remove_padding, share_prefix=arr.actor.use_prefix_grouper,
-                      temperature=arr.rollout.temperature if arr.rollout.do_sample else 1.0)
+                      temperature=arr.rollout.decoding_temperature() or 1.0)
         trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
         lp = arr.rollout
         self.actor = Actor(m.actor, m.actor_optim, m.actor_sched, **policy, **trainable,
@@ -364,12 +364,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------ rollouts
     def _sampling(self, validate: bool):
         r = self.cfg.actor_rollout_ref.rollout
-        if validate:
-            v = r.val_kwargs
-            temp = v.temperature if v.do_sample else 0.0
-            return dict(n=v.n, temperature=temp, top_p=v.top_p, top_k=v.top_k)
-        temp = r.temperature if r.do_sample else 0.0
-        return dict(n=r.n, temperature=temp, top_p=r.top_p, top_k=r.top_k)
+        s = r.val_kwargs if validate else r
+        return dict(n=s.n, temperature=r.decoding_temperature(validate), top_p=s.top_p, top_k=s.top_k)
 
     def _generate_all(self, items: list[dict], validate: bool, seed: int, sampling: dict | None = None) -> RolloutBatch:
         """Generate for every prompt of `items` (split over rollout-DP groups), gather all

@@ -67,7 +67,7 @@ def test_remax_needs_sampling():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(PPOConfig, os.path.join(root, "configs", "demo.yaml"),
-                      ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"])
+                      ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.temperature=0"])
     with pytest.raises(ConfigError, match="remax's greedy baseline"):
         validate(cfg)
 

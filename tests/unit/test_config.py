@@ -109,7 +109,8 @@ def test_bad_overrides_name_the_problem(override, message):
                                                     "does not read it"),
     # greedy decoding: the n responses of a group are identical, every group advantage is zero
     (["actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0 decodes greedily"),
-    (["actor_rollout_ref.rollout.do_sample=false"], "rollout.do_sample=false decodes greedily"),
+    (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.do_sample=false"],
+     "rollout.do_sample=false with rollout.name=hf decodes greedily"),
     (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"], "fsdp_size=3 does not divide the world size 2"),
     (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"], "actor_rollout_ref.ref.fsdp_config.fsdp_size=1: every model "
                                                         "shares the actor's training mesh"),

@@ -234,7 +234,41 @@ def test_truncated_sampling_notes_the_log_probs_differ_from_vllms():
         f"{R}.logprobs_mode=processed_logprobs with top_k=-1, top_p=0.9: meshppo's engine log-probs are those of the "
         "whole softmax(logits / temperature); vLLM's are renormalised to the top-k / top-p tokens"]
     # greedy: nothing is truncated
-    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.do_sample=false", f"{R}.calculate_log_probs=true")) == []
+    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.temperature=0", f"{R}.calculate_log_probs=true")) == []
+
+
+def test_do_sample_is_verls_hf_rollout_switch():
+    """verl reads rollout.do_sample and val_kwargs.do_sample only in its hf rollout: its vLLM and
+    SGLang rollouts (meshppo's engine for either name) sample at the temperature, val_kwargs'
+    for validation, and decode greedily at 0. A setting that asks for what the temperature does
+    not is noted at start-up."""
+    from types import SimpleNamespace
+
+    from trainer.ppo_trainer import PPOTrainer
+
+    def sampling(*overrides, validate):
+        return PPOTrainer._sampling(SimpleNamespace(cfg=_cfg(*overrides)), validate)
+
+    # verl's scripts: a validation temperature and n without do_sample (its default false)
+    val = (f"{R}.val_kwargs.temperature=0.6", f"{R}.val_kwargs.n=4", f"{R}.val_kwargs.top_p=0.9")
+    for name in ("native", "vllm", "sglang"):
+        assert sampling(f"{R}.name={name}", *val, validate=True) == dict(n=4, temperature=0.6, top_p=0.9, top_k=-1)
+    assert not [n for n in config_notes(_cfg(*val)) if "do_sample" in n]
+    assert sampling(f"{R}.name=hf", *val, validate=True)["temperature"] == 0.0
+    assert sampling(f"{R}.name=hf", *val, f"{R}.val_kwargs.do_sample=true", validate=True)["temperature"] == 0.6
+    # training: do_sample=false decodes greedily only in the hf rollout
+    assert sampling(f"{R}.do_sample=false", f"{R}.temperature=0.8", validate=False)["temperature"] == 0.8
+    assert sampling(f"{R}.name=hf", f"{R}.do_sample=false", f"{R}.temperature=0.8", validate=False)["temperature"] == 0
+    assert config_notes(_cfg(f"{R}.do_sample=false", f"{R}.temperature=0.8")) == [
+        f"{R}.do_sample=false has no effect with rollout.name=native: as in verl, whose vLLM and SGLang rollouts "
+        "never read it (its hf rollout does), the training rollout samples at temperature 0.8; rollout.temperature "
+        "decides"]
+    assert config_notes(_cfg(f"{R}.val_kwargs.do_sample=true")) == [
+        f"{R}.val_kwargs.do_sample=true has no effect with rollout.name=native: as in verl, whose vLLM and SGLang "
+        "rollouts never read it (its hf rollout does), the validation rollout decodes greedily (temperature 0); "
+        "rollout.val_kwargs.temperature decides"]
+    assert not [n for n in config_notes(_cfg(f"{R}.name=hf", f"{R}.do_sample=false", f"{R}.temperature=0.8"))
+                if "do_sample" in n]
 
 
 def test_verls_reward_manager_section_names_the_manager():
