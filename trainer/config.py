@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 from agent.tool_parser import FORMATS
@@ -1211,7 +1212,9 @@ class TrainerConfig:
                                 "verl acts on it only with val_before_train=true, meshppo always")
     save_freq: int = opt(-1, "checkpoint every this many steps and at the last step; -1 or 0: at the last step "
                              "only (verl saves no checkpoint then)", ge=-1)
-    default_local_dir: str = opt("runs/default", "run directory: checkpoints, metrics.jsonl, logs")
+    default_local_dir: str | None = opt(None, "run directory: checkpoints, metrics.jsonl, logs; null: "
+                                              "runs/<project_name>/<experiment_name>, one per experiment (verl: "
+                                              "checkpoints/<project_name>/<experiment_name>)")
     resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path. disable starts the run "
                                    "directory over: it deletes default_local_dir/checkpoints and the earlier "
                                    "run's hf_actor/ and lora_adapter/ and empties metrics.jsonl (verl only ignores "
@@ -1299,6 +1302,8 @@ class PPOConfig:
             _copy_of(f"{key}.profiler.tool_config", role.profiler, "tool_config",
                      "actor_rollout_ref.actor.profiler.tool_config", actor.profiler.tool_config)
         inherit(d, "tokenizer", arr.model.path)
+        t = self.trainer
+        inherit(t, "default_local_dir", os.path.join("runs", t.project_name, t.experiment_name))
         for key, obj in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
             _copy_of(f"{key}.rollout_n", obj, "rollout_n", "actor_rollout_ref.rollout.n", rollout.n)
         _copy_of("actor_rollout_ref.actor.use_remove_padding", actor, "use_remove_padding",

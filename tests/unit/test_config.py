@@ -26,6 +26,18 @@ def test_demo_config_loads_and_validates():
     assert cfg.uses_ref and not cfg.uses_critic
 
 
+def test_the_default_run_directory_is_one_per_experiment():
+    """Without trainer.default_local_dir, two experiments of a project get two run directories
+    (verl's default is checkpoints/<project>/<experiment>): the second never resumes the first's
+    checkpoint. A resolved config keeps it, and a set one stays as set."""
+    first = load_config(PPOConfig, None, ["trainer.project_name=proj", "trainer.experiment_name=expA"])
+    second = load_config(PPOConfig, None, ["trainer.project_name=proj", "trainer.experiment_name=expB"])
+    assert (first.trainer.default_local_dir, second.trainer.default_local_dir) == (os.path.join("runs", "proj", "expA"),
+                                                                                   os.path.join("runs", "proj", "expB"))
+    assert build_dataclass(PPOConfig, dataclasses.asdict(second)) == second
+    assert _cfg("trainer.experiment_name=expB").trainer.default_local_dir == "runs/demo"  # the demo's own
+
+
 def test_dotted_override_types():
     cfg = _cfg("trainer.total_training_steps=7", "actor_rollout_ref.actor.optim.lr=3e-5",
                "trainer.logger=[console]", "actor_rollout_ref.rollout.top_k=5")
