@@ -1577,7 +1577,23 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rc.rollout_is_batch_normalize and rc.rollout_is is None:
         notes.append("algorithm.rollout_correction.rollout_is_batch_normalize=true has no effect: rollout_is is null "
                      "(no importance weights to normalise)")
-    guard = cfg.algorithm.kl_guard
+    alg = cfg.algorithm
+    if not alg.use_kl_in_reward:
+        unused = {f"algorithm.kl_ctrl.{k}": v for k, v in
+                  _non_default(alg.kl_ctrl, [f.name for f in dataclasses.fields(alg.kl_ctrl)]).items()}
+        unused.update({f"algorithm.{k}": v for k, v in _non_default(alg, ("kl_penalty",)).items()})
+        if unused:
+            notes.append(f"{', '.join(f'{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+                         "algorithm.use_kl_in_reward=false (it sets the KL penalty in the reward)")
+    if not arr.actor.use_kl_loss:
+        unused = _non_default(arr.actor, ("kl_loss_coef", "kl_loss_type"))
+        if unused:
+            notes.append(f"{', '.join(f'actor_rollout_ref.actor.{k}={_shown(v)}' for k, v in unused.items())} has no "
+                         "effect: actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")
+    if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
+        notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
+                     "(verl refuses a run without validation data)")
+    guard = alg.kl_guard
     if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
         notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "
                      "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false): it never acts")

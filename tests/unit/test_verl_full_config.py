@@ -313,3 +313,21 @@ def test_data_tool_config_path_is_the_rollouts_or_refused():
     with pytest.raises(ConfigError, match="data.tool_config_path='t.yaml' differs from actor_rollout_ref.rollout."
                                           "multi_turn.tool_config_path=None"):
         validate(_cfg("data.tool_config_path=t.yaml"), 2)
+
+
+def test_options_of_a_switch_that_is_off_are_noted():
+    """The KL-in-reward options without use_kl_in_reward, the KL-loss options without use_kl_loss,
+    and a validation frequency without validation files: accepted (verl's scripts set them), said
+    at start-up; nothing when they stay at their defaults or their switch is on."""
+    assert config_notes(_cfg("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
+                             "algorithm.kl_penalty=mse")) == [
+        "algorithm.kl_ctrl.type=adaptive, algorithm.kl_ctrl.kl_coef=0.01, algorithm.kl_penalty=mse has no effect: "
+        "algorithm.use_kl_in_reward=false (it sets the KL penalty in the reward)"]
+    assert config_notes(_cfg("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")) == []
+    assert config_notes(_cfg("actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.kl_loss_type=k3"))[0] \
+        == ("actor_rollout_ref.actor.kl_loss_coef=0.01, actor_rollout_ref.actor.kl_loss_type=k3 has no effect: "
+            "actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")  # the demo's coefficient too
+    assert config_notes(_cfg("trainer.test_freq=5", "data.val_files=[]")) == [
+        "trainer.test_freq=5: data.val_files is empty, so no validation runs (verl refuses a run without validation "
+        "data)"]
+    assert config_notes(_cfg("trainer.test_freq=5")) == [] and config_notes(_cfg()) == []
