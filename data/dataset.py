@@ -16,6 +16,7 @@ checkpointed and resumed exactly.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import math
@@ -71,6 +72,9 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     """
     path = os.fspath(path)
     kind = _file_kind(path)
+    if os.path.isdir(path):
+        raise DatasetError(f"{path}: a directory, not a dataset file; list its {kind} files (a directory of "
+                           "parquet parts is several files)")
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: dataset file not found")
     if kind == "parquet":
@@ -122,12 +126,13 @@ def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blan
     """
     with open(path, "rb") as f:
         data = f.read()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # as the JSON-array reader, and pyarrow
     try:
-        text = data.decode("utf-8")
+        text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as err:
         # The line as `splitlines` below would number it: the prefix before the bad byte is valid.
-        lineno = len((data[:err.start].decode("utf-8") + "x").splitlines())
-        raise error(f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte offset {err.start})") from err
+        lineno = len((data[bom:bom + err.start].decode("utf-8") + "x").splitlines())
+        raise error(f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte offset {bom + err.start})") from err
     lines = text.splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
@@ -624,16 +629,27 @@ class PromptDataLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        """`{"epoch", "position"}`: where the next batch starts."""
-        return {"epoch": self._epoch, "position": self._position}
+        """`{"epoch", "position", "size"}`: where the next batch starts, in a dataset of `size` items."""
+        return {"epoch": self._epoch, "position": self._position, "size": len(self.dataset)}
+
+    def check_state_dict(self, state: dict[str, int]) -> None:
+        """ValueError when `state` is not a position in this dataset: saved over a dataset of
+        another size (the files changed since; the shuffled order is another then, and batches
+        would repeat or skip prompts), or out of range."""
+        n = len(self.dataset)
+        size = state.get("size")  # absent from checkpoints written before it was saved
+        if size is not None and int(size) != n:
+            raise ValueError(f"its run trained on {size} prompts, and data.train_files (with the data options) now "
+                             f"give {n}: the training data changed since it was written, so its place in the data "
+                             "does not carry over; restore the files as they were, or start a fresh run "
+                             "(trainer.resume_mode=disable or another trainer.default_local_dir) from its exported "
+                             "model")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= n:
+            raise ValueError(f"invalid data loader state {state}: epoch must be >= 0 and position within [0, {n}] "
+                             "(the dataset size)")
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume so that `next_batch()` returns the batch an uninterrupted run would."""
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= len(self.dataset):
-            raise ValueError(
-                f"invalid loader state {state}: epoch must be >= 0 and position within "
-                f"[0, {len(self.dataset)}] (the dataset size)"
-            )
-        self._epoch = epoch
-        self._position = position
+        self.check_state_dict(state)
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])

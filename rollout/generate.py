@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--prompts", required=True,
-                   help="input JSONL: 'prompt' (text or chat messages) or 'prompt_token_ids' per line")
+                   help="input JSON lines (or a .json array, or .parquet): 'prompt' (text or chat messages) or "
+                        "'prompt_token_ids' per row")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                    help="chat-message prompts: join the contents by newlines instead of the tokenizer's chat template")
     p.add_argument("--out", required=True, help="output JSONL, one line per (prompt, sample)")
@@ -102,50 +103,43 @@ def model_eos_ids(model_dir: Path, config_eos) -> list[int]:
 def read_prompts(path: Path, tokenizer, vocab_size: int, max_model_len: int,
                  chat_template: bool = True) -> list[list[int]]:
     """Token ids of every prompt; any problem is a CLIError naming the file and line."""
-    from data.dataset import DatasetError, render_prompt
+    from data.dataset import DatasetError, parse_json_lines, read_records, render_prompt
 
     if not path.is_file():
         raise CLIError(f"prompts file {str(path)!r} does not exist")
+    try:  # the trainer's readers: JSON lines (any other name too), a .json array, .parquet
+        records = (read_records(path) if path.suffix.lower() in (".json", ".parquet")
+                   else parse_json_lines(str(path), skip_blank=True))
+    except DatasetError as e:
+        raise CLIError(str(e)) from None
     prompts = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
+    for lineno, obj in records:
+        where = f"{path}:{lineno}"
+        if ("prompt" in obj) == ("prompt_token_ids" in obj):
+            raise CLIError(f"{where}: expected an object with exactly one of 'prompt' or 'prompt_token_ids'")
+        if "prompt" in obj:
+            if tokenizer is None:
+                raise CLIError(f"{where}: 'prompt' given but the model directory has no tokenizer; "
+                               f"give 'prompt_token_ids'")
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CLIError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); the prompts file is JSON "
-                               "lines") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CLIError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_token_ids" in obj):
-                raise CLIError(f"{where}: expected an object with exactly one of 'prompt' or 'prompt_token_ids'")
-            if "prompt" in obj:
-                if tokenizer is None:
-                    raise CLIError(f"{where}: 'prompt' given but the model directory has no tokenizer; "
-                                   f"give 'prompt_token_ids'")
-                try:
-                    text, templated = render_prompt(tokenizer, obj["prompt"], where, "prompt", chat_template,
-                                                    "--no-chat-template")
-                except DatasetError as e:
-                    raise CLIError(str(e)) from None
-                ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
-            else:
-                ids = obj["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise CLIError(f"{where}: 'prompt_token_ids' must be a list of integers")
-            if not ids:
-                raise CLIError(f"{where}: empty prompt")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise CLIError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-            if len(ids) >= max_model_len:
-                raise CLIError(f"{where}: prompt has {len(ids)} tokens, the model's context is {max_model_len} "
-                               f"(no room for a response)")
-            prompts.append(list(ids))
+                text, templated = render_prompt(tokenizer, obj["prompt"], where, "prompt", chat_template,
+                                                "--no-chat-template")
+            except DatasetError as e:
+                raise CLIError(str(e)) from None
+            ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        else:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise CLIError(f"{where}: 'prompt_token_ids' must be a list of integers")
+        if not ids:
+            raise CLIError(f"{where}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise CLIError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= max_model_len:
+            raise CLIError(f"{where}: prompt has {len(ids)} tokens, the model's context is {max_model_len} "
+                           f"(no room for a response)")
+        prompts.append(list(ids))
     if not prompts:
         raise CLIError(f"prompts file {str(path)!r} has no prompts")
     return prompts

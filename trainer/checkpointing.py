@@ -435,6 +435,15 @@ class CheckpointManager:
                 if item not in wanted:
                     rng = ", RNG as seeded" if (name, item) == ("actor", "extra") else ""
                     fresh.append(f"{name} {item} ({FRESH[item]}{rng})")
+        loaded = [name for name in self.states
+                  if (name in self.learned or not keep_progress) and self._state_kept(name, "load_contents")]
+        for name in loaded:  # a state that can tell whether it fits (the data loader: the data it read)
+            check = getattr(self.states[name], "check_state_dict", None)
+            if check is not None:
+                try:
+                    check(state[name])
+                except ValueError as e:
+                    raise UserError(f"checkpoint {path!r}: {e}") from None
         load_rng = not keep_progress and "extra" in self.contents("actor", "load_contents")
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
@@ -452,7 +461,7 @@ class CheckpointManager:
         except UnsafeCheckpointError as e:
             raise UserError(str(e)) from None
         for name, s in self.states.items():
-            if (name in self.learned or not keep_progress) and self._state_kept(name, "load_contents"):
+            if name in loaded:
                 s.load_state_dict(state[name])
             if isinstance(s, torch.optim.lr_scheduler.LambdaLR):
                 _schedule_lr(s)

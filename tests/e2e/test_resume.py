@@ -81,7 +81,7 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
     assert "resumed from" in err and "(resumed at step 2)" in err
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH}
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64}
 
 
 def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run, capsys):
@@ -271,7 +271,7 @@ def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert [row["actor/lr"] for row in rows] == pytest.approx([0.0, 0.25e-3, 0.5e-3], rel=1e-12)
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH} and state["world_size"] == after
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64} and state["world_size"] == after
 
 
 def test_validation_timings_are_named_as_validation(two_step_run):
@@ -304,3 +304,27 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tiny_asset
     score = [k for k in rows[-1] if k.startswith("val/")]
     assert score and all(rows[-1][k] == before[-1][k] for k in score), (rows[-1], before[-1])
     assert sorted(os.listdir(run / "checkpoints")) == checkpoints
+
+
+def test_a_resume_over_changed_training_data_is_refused(tiny_assets, tmp_path, capsys):
+    """The files keep their path but not their rows: the checkpoint's place in the data (a position
+    in a shuffled order over its dataset size) fits no other size. Shrunk, the resume once died in
+    a traceback after the models had loaded; grown, it went on silently over another order. Each is
+    one line naming the checkpoint and data.train_files, with the run directory untouched."""
+    data = tmp_path / "train.jsonl"
+    rows = (tiny_assets / "train.jsonl").read_text().splitlines(keepends=True)
+    data.write_text("".join(rows[:48]))
+    run = tmp_path / "data" / "run"
+    same = [f"data.train_files=[{data}]", "trainer.total_training_steps=1"]
+    code, err = _main(tiny_assets, run, capsys, *same)
+    assert code == 0, err
+    step = run / "checkpoints" / "global_step_1"
+    before = sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*"))
+    for kept in (40, 64):
+        data.write_text("".join((rows * 2)[:kept]))
+        code, err = _main(tiny_assets, run, capsys, f"data.train_files=[{data}]", "trainer.total_training_steps=2")
+        assert code == 1
+        assert (f"meshppo: error (rank 0): checkpoint '{step}': its run trained on 48 prompts, and data.train_files "
+                f"(with the data options) now give {kept}: the training data changed since it was written") in err
+        assert "Traceback" not in err
+        assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before

@@ -347,6 +347,31 @@ def test_dataset_reads_a_json_file_holding_one_array(tmp_path, tokenizer):
         RLHFDataset(str(path), tokenizer)
 
 
+def test_json_lines_with_a_byte_order_mark_load(tmp_path, tokenizer):
+    """A UTF-8 BOM before the first row (Windows editors write one; pyarrow, which verl's
+    `datasets` reads JSON with, skips it) loads the same rows; a bad byte after it is still
+    reported at its line and its offset in the file."""
+    rows = [_chat_row("1+2=", "3"), _chat_row("2+2=", "4")]
+    plain = write_jsonl(rows, tmp_path / "plain.jsonl")
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + open(plain, "rb").read())
+    assert read_records(bom) == read_records(plain)
+    assert [item["input_ids"] for item in RLHFDataset(str(bom), tokenizer)] == \
+        [item["input_ids"] for item in RLHFDataset(plain, tokenizer)]
+    first = json.dumps(rows[0]).encode()
+    bom.write_bytes(b"\xef\xbb\xbf" + first + b"\n\xff\n")
+    with pytest.raises(DatasetError, match=rf"bom\.jsonl:2: not valid UTF-8 \(invalid start byte at byte offset "
+                                           rf"{3 + len(first) + 1}\)"):
+        read_records(bom)
+
+
+def test_a_directory_given_as_a_data_file_is_named_so(tmp_path):
+    """A Spark-style `x.parquet/` of part files is a directory, not a missing file."""
+    (tmp_path / "spark.parquet").mkdir()
+    with pytest.raises(DatasetError, match=r"spark\.parquet: a directory, not a dataset file; list its parquet files"):
+        read_records(tmp_path / "spark.parquet")
+
+
 def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer_dir):
     """verl's data.apply_chat_template_kwargs, e.g. enable_thinking: false, are passed to the template."""
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -535,11 +560,11 @@ def test_loader_resume_gives_the_next_batch():
         for _ in range(stop):
             first.next_batch()
         state = first.state_dict()
-        assert set(state) == {"epoch", "position"}
+        assert set(state) == {"epoch", "position", "size"}
         resumed = PromptDataLoader(_Range(10), batch_size=3, seed=1)
         resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
         assert [resumed.next_batch() for _ in range(8 - stop)] == reference[stop:]
-    assert first.state_dict() == {"epoch": 2, "position": 0}
+    assert first.state_dict() == {"epoch": 2, "position": 0, "size": 10}
 
 
 def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
@@ -552,7 +577,7 @@ def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
     consumed = [batch for _, batch in zip(range(3), resumed)]  # __iter__ advances the state too
     assert len(consumed) == 3
     state = resumed.state_dict()
-    assert state == {"epoch": 0, "position": 12}
+    assert state == {"epoch": 0, "position": 12, "size": 20}
     again = PromptDataLoader(ds, batch_size=4, seed=3)
     again.load_state_dict(state)
     assert again.next_batch() == fourth
@@ -563,8 +588,24 @@ def test_loader_errors():
         PromptDataLoader(_Range(10), batch_size=11)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         PromptDataLoader(_Range(10), batch_size=0)
-    with pytest.raises(ValueError, match="invalid loader state"):
+    with pytest.raises(ValueError, match="invalid data loader state"):
         PromptDataLoader(_Range(10), batch_size=2).load_state_dict({"epoch": 0, "position": 11})
+
+
+def test_loader_state_of_another_dataset_size_is_refused():
+    """A position saved over 10 prompts does not fit 8 or 12 (the shuffled order is another, so
+    batches would repeat or skip prompts); a state from before the size was saved still loads."""
+    saved = PromptDataLoader(_Range(10), batch_size=2, seed=1)
+    saved.next_batch()
+    state = saved.state_dict()
+    for n in (8, 12):
+        loader = PromptDataLoader(_Range(n), batch_size=2, seed=1)
+        with pytest.raises(ValueError, match=f"its run trained on 10 prompts, and data.train_files .* now give {n}"):
+            loader.load_state_dict(state)
+        assert loader.state_dict() == {"epoch": 0, "position": 0, "size": n}  # unchanged
+    old = PromptDataLoader(_Range(10), batch_size=2, seed=1)
+    old.load_state_dict({"epoch": 0, "position": 2})
+    assert old.next_batch() == saved.next_batch()
 
 
 # ---- GSM8K converter

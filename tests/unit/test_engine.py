@@ -613,10 +613,32 @@ def test_cli_generate_chat_message_prompts(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_cli_generate_reads_the_trainers_prompt_files(tmp_path):
+    """`--prompts` takes what `data.train_files` takes: JSON lines (with a byte-order mark, blank
+    lines skipped), a .json array and .parquet, the same prompts from each; rows are numbered in
+    errors as the trainer numbers them."""
+    from pathlib import Path
+
+    from data import write_records
+    from rollout.generate import CLIError, read_prompts
+
+    rows = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + b"\n\n".join(json.dumps(r).encode() for r in rows) + b"\n")
+    array = tmp_path / "p.json"
+    array.write_text(json.dumps(rows))
+    parquet = Path(write_records(rows, tmp_path / "p.parquet"))
+    for path in (jsonl, array, parquet):
+        assert read_prompts(path, None, vocab_size=16, max_model_len=8) == [[1, 2, 3], [4, 5]], path
+    write_records([rows[0], {"prompt_token_ids": [99]}], parquet)
+    with pytest.raises(CLIError, match=r"p\.parquet:2: token id 99 outside the vocabulary \[0, 16\)"):
+        read_prompts(parquet, None, vocab_size=16, max_model_len=8)
+
+
 def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkeypatch):
     """One line naming the flag, file or line, exit 2, nothing written: an output that is the prompts
     file (it used to be replaced by the results) or a directory (found only after generating), a
-    directory without weights, a prompts file that is not UTF-8 text, a NaN temperature (it wrote
+    directory without weights, a prompts file that is not parquet, a NaN temperature (it wrote
     NaN log-probs) and a context of 0 (ignored) or past the model's. `--num-samples` is the
     spelling torchrun lets through (`--n` abbreviates its own options)."""
     from rollout.generate import main, parse_args
@@ -638,7 +660,7 @@ def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkey
              (["--model", str(tmp_path / "noweights"), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl")],
               "has no *.safetensors"),
              (["--model", str(ckpt), "--prompts", str(binary), "--out", str(tmp_path / "o.jsonl")],
-              f"{binary}:1: not UTF-8 text"),
+              f"{binary}: not a readable parquet file"),
              (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--temperature", "nan"],
               "temperature must be a finite number >= 0"),
              (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--max-model-len", "0"],
