@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -208,15 +209,20 @@ def run(args: argparse.Namespace) -> int:
                        .replace("raise gpu_memory_utilization", "raise --gpu-memory-utilization")) from None
     if mesh is None or mesh.get_local_rank() == 0:
         tmp = out.with_name(f".{out.name}.tmp")
-        with open(tmp, "w") as f:
-            for o in outputs:
-                rec = {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
-                       "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
-                       "finish_reason": o.finish_reason}
-                if tokenizer is not None:
-                    rec["text"] = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, out)  # a run cut short leaves the previous file whole
+        try:
+            with open(tmp, "w") as f:
+                for o in outputs:
+                    rec = {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
+                           "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
+                           "finish_reason": o.finish_reason}
+                    if tokenizer is not None:
+                        rec["text"] = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+                    f.write(json.dumps(rec) + "\n")
+            os.replace(tmp, out)  # a run cut short leaves the previous file whole
+        except OSError as e:  # a disk that filled up while generating: the earlier --out file is left as it was
+            tmp.unlink(missing_ok=True)
+            raise CLIError(f"--out {str(out)!r}: writing the results failed ({e.strerror or e}); "
+                           f"{'the earlier file is unchanged' if out.exists() else 'nothing was written'}") from None
     return 0
 
 
@@ -231,8 +237,12 @@ def _check_out(out: Path, prompts: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"--out {str(out)!r}: cannot create its directory ({e.strerror})") from None
-    if not os.access(out.parent, os.W_OK):
-        raise CLIError(f"--out {str(out)!r}: its directory is not writable")
+    try:  # the results go to a temporary file beside it first: make (and remove) one now
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".check", dir=out.parent)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise CLIError(f"--out {str(out)!r}: cannot write in its directory ({e.strerror or e})") from None
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import math
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,13 @@ def check_output_dir(key: str, path: str | None) -> None:
     if not os.path.isdir(p):
         what = "is a file" if p == os.path.abspath(path) else f"is under {p}, a file"
         raise ConfigError(f"{key}={path} {what}: the run writes a directory there")
+    try:  # a file made and removed at once: permissions, a read-only mount, what access() would not tell root
+        fd, probe = tempfile.mkstemp(prefix=".meshppo-write-check-", dir=p)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        where = "" if p == os.path.abspath(path) else f" (in {p}, the nearest folder that exists)"
+        raise ConfigError(f"{key}={path}: cannot write there{where}: {e.strerror or e}") from None
 
 
 @dataclass

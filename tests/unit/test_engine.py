@@ -571,6 +571,17 @@ def test_cli_generate(tmp_path, capsys):
                  "--max-new-tokens", "2"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
+    # the disk fills while the results are written: one line, the earlier --out file as it was, no temporary
+    import errno
+    from unittest import mock
+
+    before = out.read_bytes()
+    with mock.patch("rollout.generate.os.replace", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(out), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (f"rollout.generate: error: --out {str(out)!r}: writing the results failed (No "
+                                       "space left on device); the earlier file is unchanged\n")
+    assert out.read_bytes() == before and not (tmp_path / ".out.jsonl.tmp").exists()
+
 
 def test_cli_generate_chat_message_prompts(tmp_path, capsys):
     """A 'prompt' of chat messages is rendered by the tokenizer's chat template with the generation prompt and

@@ -1,0 +1,50 @@
+"""Output directories checked before any work: the trainer's (`check_output_dir`, also
+`tools.prepare_demo --out`) and `rollout.generate --out`. A path under a file, or a folder that
+cannot be written (permissions, a read-only mount: what `os.access` does not tell root) is one
+error naming the option; nothing is left behind by the check."""
+
+import errno
+import os
+import tempfile
+
+import pytest
+
+from trainer.configlib import ConfigError
+from trainer.setup import check_output_dir
+
+
+def _read_only(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+
+
+def test_a_run_directory_under_a_file_or_unwritable_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir=.*/f is a file: the run writes a directory"):
+        check_output_dir("trainer.default_local_dir", str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match=r"is under .*/f, a file"):
+        check_output_dir("trainer.default_local_dir", str(tmp_path / "f" / "run"))
+    check_output_dir("trainer.default_local_dir", str(tmp_path / "new" / "run"))  # made later, by the run
+    assert sorted(os.listdir(tmp_path)) == ["f"]  # the check leaves nothing
+    if os.path.isdir("/sys"):  # root too: sysfs takes no files
+        with pytest.raises(ConfigError, match=r"trainer.rollout_data_dir=/sys/meshppo/run: cannot write there \(in "
+                                              r"/sys, the nearest folder that exists\)"):
+            check_output_dir("trainer.rollout_data_dir", "/sys/meshppo/run")
+    _read_only(monkeypatch)
+    with pytest.raises(ConfigError, match=rf"--out={tmp_path}: cannot write there: Read-only file system"):
+        check_output_dir("--out", str(tmp_path))
+
+
+def test_generate_refuses_an_unwritable_out_before_generating(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from rollout.generate import CLIError, _check_out
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1]}\n')
+    assert _check_out(tmp_path / "o.jsonl", prompts) == tmp_path / "o.jsonl"
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl"]
+    _read_only(monkeypatch)
+    with pytest.raises(CLIError, match=r"--out '.*/o.jsonl': cannot write in its directory \(Read-only file system\)"):
+        _check_out(Path(tmp_path / "o.jsonl"), prompts)
