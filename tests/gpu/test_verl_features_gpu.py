@@ -4,12 +4,15 @@ device tensors where the CPU runs had host ones."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.gpu.test_trainer_gpu import _run
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -43,7 +46,8 @@ def test_pf_ppo_redraw_on_gpu(tmp_path):
 
 def test_checkpoint_hf_export_on_gpu(tmp_path):
     """save_contents with hf_model: the last step's checkpoint holds a Hugging Face directory whose
-    tensors equal, bit for bit, the end-of-run export of the same weights, and transformers loads it."""
+    tensors equal, bit for bit, the end-of-run export of the same weights, and transformers loads it;
+    `tools.export_hf` writes the same from the checkpoint's sharded weights."""
     import transformers
     from safetensors.torch import load_file
 
@@ -62,6 +66,14 @@ def test_checkpoint_hf_export_on_gpu(tmp_path):
     got, want = tensors(export), tensors(final)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     transformers.AutoModelForCausalLM.from_pretrained(export)
+    # the export tool, on CPU in a process of its own, rebuilds the same directory from the checkpoint the GPU wrote
+    out = tmp_path / "tool"
+    r = subprocess.run([sys.executable, "-m", "tools.export_hf", str(export.parent.parent), str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tool = tensors(out)
+    assert tool.keys() == want.keys() and all(torch.equal(tool[k], want[k]) for k in want)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(export))
 
 
 def test_optimal_token_baseline_on_gpu(tmp_path):
