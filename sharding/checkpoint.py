@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.checkpoint import CheckpointFileError
+from sharding.fsdp import offloaded_states_resident
 
 EXTRA_FILE = "extra.json"
 
@@ -159,8 +160,10 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left over from an interrupted save
     dist.barrier()
-    state = _states(model, optimizer)
-    dcp.save(state, checkpoint_id=str(tmp))
+    with offloaded_states_resident(model, optimizer):
+        state = _states(model, optimizer)
+        dcp.save(state, checkpoint_id=str(tmp))
+        del state
     if rank == 0:
         with open(tmp / EXTRA_FILE, "w") as f:
             json.dump(extra or {}, f)
@@ -219,6 +222,13 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     path = Path(path)
     extra = check_checkpoint(path, with_optimizer=optimizer is not None)
     reader = _SafeReader(path)
+    with offloaded_states_resident(model, optimizer):
+        _load_into(path, reader, model, optimizer)
+    return extra
+
+
+def _load_into(path: Path, reader, model, optimizer) -> None:
+    """`load_checkpoint`'s reading, into states on their device."""
     state = _states(model, optimizer)
     try:
         dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(path))
@@ -245,16 +255,28 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=opts)
-    return extra
 
 
 def _states(model, optimizer) -> dict:
     """What a checkpoint holds: the trainable parameters and their optimizer state. Frozen
-    parameters (the base of a LoRA actor) come from the model path again, not from here."""
+    parameters (the base of a LoRA actor) come from the model path again, not from here.
+
+    An optimizer that has not stepped yet (a critic warm-up's actor, a resume's new optimizer)
+    has no state, and DCP's `get_state_dict` lays one out by stepping it once with zero gradients
+    at lr 0: AdamW's moments stay zero, but its step counter reads 1, so the first real update
+    would come out smaller (its bias correction) than in a run that never saved. The counters are
+    taken back to 0 in what is saved, which with zero moments is exactly a fresh state, and the
+    optimizer is left without state again, as it was."""
     opts = StateDictOptions(ignore_frozen_params=True)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=opts)}
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    if fresh:
+        for param_state in optim_sd["state"].values():
+            if "step" in param_state:
+                param_state["step"] = torch.zeros_like(param_state["step"])
+        optimizer.state.clear()
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -265,5 +287,6 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool = False)
     holds more than one full parameter. `trainable_only`: only the parameters that train (a
     LoRA actor's adapters, for `models.lora.save_peft_adapter`).
     """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                ignore_frozen_params=trainable_only))
+    with offloaded_states_resident(model):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                    ignore_frozen_params=trainable_only))

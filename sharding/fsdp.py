@@ -511,6 +511,27 @@ def offloaded_tensors(owner: nn.Module | torch.optim.Optimizer) -> list[torch.Te
     return list(state.hosts) if state is not None and state.active else []
 
 
+@contextmanager
+def offloaded_states_resident(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    """Inside: the states of `model` (and `optimizer`) that are offloaded now are back on their
+    device, for whatever reads or writes them in place (a checkpoint's save or load, an export's
+    gather: an offloaded tensor's device storage is empty); after: offloaded again, with what was
+    written into them. States that were on the device stay there."""
+    model_out = bool(offloaded_tensors(model))
+    optim_out = optimizer is not None and bool(offloaded_tensors(optimizer))
+    if model_out:
+        load_fsdp_model_to_device(model)
+    if optim_out:
+        load_fsdp_optimizer(optimizer)
+    try:
+        yield
+    finally:
+        if model_out:
+            offload_fsdp_model_to_cpu(model)
+        if optim_out:
+            offload_fsdp_optimizer(optimizer)
+
+
 def reshard_all(model: nn.Module) -> None:
     """Register the sharded parameters on every FSDP unit, freeing gathered ones.
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.e2e.conftest import assert_resumed_run_matches, demo_args, read_metrics, torchrun
 from tests.unit.test_checkpoint_state import _Payload
 from trainer import cli
 
@@ -328,3 +328,25 @@ def test_a_resume_over_changed_training_data_is_refused(tiny_assets, tmp_path, c
                 f"(with the data options) now give {kept}: the training data changed since it was written") in err
         assert "Traceback" not in err
         assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before
+
+
+def test_an_offloaded_critic_and_a_save_before_the_first_actor_update_resume_exactly(tiny_assets, tmp_path, capsys):
+    """GAE with the critic's parameters and optimizer states in host memory between its phases,
+    and a critic warm-up of 2 steps: the run saved at step 2 and resumed trains step 3 as the run
+    that never stopped. Before, the critic's save read its offloaded (empty) device storage and
+    crashed the process, and so did its load; and the step-2 checkpoint of the actor, which had not
+    stepped yet, held AdamW step counters of 1 (DCP lays out a state by a zero-gradient step), so
+    the resumed actor's first update came out smaller (step 3's actor/ppo_kl 0.00023 against 0.00032
+    uninterrupted)."""
+    common = ["algorithm.adv_estimator=gae", "trainer.critic_warmup=2", "critic.ppo_mini_batch_size=16",
+              "critic.model.fsdp_config.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+              "actor_rollout_ref.actor.optim.lr=1e-3"]
+    straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
+    code, err = _main(tiny_assets, straight, capsys, *common, "trainer.total_training_steps=3")
+    assert code == 0, err
+    code, err = _main(tiny_assets, split, capsys, *common)  # BASE: 2 steps, a checkpoint at the end
+    assert code == 0, err
+    code, err = _main(tiny_assets, split, capsys, *common, "trainer.total_training_steps=3")
+    assert code == 0 and "resumed from" in err, err
+    assert_resumed_run_matches(straight, split, 3)
