@@ -1740,12 +1740,16 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                      tp=rollout.tensor_model_parallel_size, local_world_size=per_node)
     except ValueError as e:
         raise ConfigError(f"{e} (the config describes {shape} ranks)") from None
+    def shards(size: int) -> int:  # -1: over all ranks
+        return world_size if size == -1 else size
+
     for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config), ("critic.model", cfg.critic.model.fsdp_config),
                     ("reward_model.model", cfg.reward_model.model.fsdp_config)):
-        if fc.fsdp_size not in (-1, actor.fsdp_config.fsdp_size):
+        if fc.fsdp_size != -1 and shards(fc.fsdp_size) != shards(actor.fsdp_config.fsdp_size):
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={fc.fsdp_size}: every model shares the actor's training "
-                              f"mesh; use -1 or {actor.fsdp_config.fsdp_size} (actor_rollout_ref.actor.fsdp_config."
-                              "fsdp_size)")
+                              f"mesh, shard groups of {shards(actor.fsdp_config.fsdp_size)} ranks "
+                              f"(actor_rollout_ref.actor.fsdp_config.fsdp_size={actor.fsdp_config.fsdp_size}); use "
+                              f"-1 or {shards(actor.fsdp_config.fsdp_size)}")
     if bs % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({bs}) must be a multiple of "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")

@@ -125,7 +125,8 @@ def test_bad_overrides_name_the_problem(override, message):
      "rollout.do_sample=false with rollout.name=hf decodes greedily"),
     (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"], "fsdp_size=3 does not divide the world size 2"),
     (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"], "actor_rollout_ref.ref.fsdp_config.fsdp_size=1: every model "
-                                                        "shares the actor's training mesh"),
+                                                        "shares the actor's training mesh, shard groups of 2 ranks "
+                                                        "(actor_rollout_ref.actor.fsdp_config.fsdp_size=-1); use -1 or 2"),
     # two nodes of 4: a TP group of 8 would span both
     (["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
      "larger than the 4 ranks of one node"),
@@ -149,6 +150,16 @@ def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(_cfg(*overrides))
     assert message in str(e.value)
+
+
+def test_a_models_fsdp_size_may_name_the_actors_mesh_either_way():
+    """On 2 ranks -1 and 2 are the same shard groups (FULL_SHARD): a reference or critic may say
+    either, whichever the actor says."""
+    for actor in ("-1", "2"):
+        for other in ("-1", "2"):
+            validate(_cfg(f"actor_rollout_ref.actor.fsdp_config.fsdp_size={actor}",
+                          f"actor_rollout_ref.ref.fsdp_config.fsdp_size={other}",
+                          f"critic.model.fsdp_config.fsdp_size={other}"))
 
 
 def test_lora_options_build_the_actor_lora_config():
