@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, estimator, *extra, model=(), assets=None):
-    """Three steps of the demo recipe on the GPU; `model`: prepare_demo's model flags; `assets`: those
-    of an earlier run (else built here)."""
+def _run(tmp_path, estimator, *extra, model=(), assets=None, steps=3):
+    """`steps` (three) steps of the demo recipe on the GPU, a run resumed in `tmp_path/run` if it has a
+    checkpoint; `model`: prepare_demo's model flags; `assets`: those of an earlier run (else built here)."""
     if assets is None:
         assets = tmp_path / "assets"
         subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(assets), "--sft-max-steps", "50",
@@ -27,7 +27,7 @@ def _run(tmp_path, estimator, *extra, model=(), assets=None):
     cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--config", os.path.join(ROOT, "configs", "demo.yaml"),
            f"data.train_files=[{assets}/train.jsonl]", f"data.val_files=[{assets}/val.jsonl]",
            f"actor_rollout_ref.model.path={assets}/sft_model", f"trainer.default_local_dir={run}",
-           "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.test_freq=3",
+           "trainer.n_gpus_per_node=1", f"trainer.total_training_steps={steps}", "trainer.test_freq=3",
            "trainer.logger=[jsonl]", f"algorithm.adv_estimator={estimator}", f"actor_rollout_ref.rollout.n={n}",
            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
            "actor_rollout_ref.rollout.dtype=bfloat16", "critic.ppo_micro_batch_size_per_gpu=16",
@@ -35,9 +35,9 @@ def _run(tmp_path, estimator, *extra, model=(), assets=None):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    steps = [row for row in rows if "actor/pg_loss" in row]
-    assert len(steps) == 3
-    return rows, steps
+    trained = [row for row in rows if "actor/pg_loss" in row or "critic/vf_loss" in row]  # (a critic warm-up's)
+    assert len(trained) == steps
+    return rows, trained
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
@@ -106,3 +106,26 @@ def test_full_determinism_on_gpu(tmp_path):
         kept = {k: v for k, v in a.items() if not k.startswith(clocked)}
         assert kept == {k: b.get(k) for k in kept}, [k for k in kept if kept[k] != b.get(k)]
     assert any("actor/grad_norm" in row for row in rows_a)
+
+
+def test_offloaded_critic_resume_on_gpu(tmp_path):
+    """GAE with the critic's parameters and Adam states offloaded to pinned host memory between its
+    phases and a one-step critic warm-up, deterministic: a run checkpointed at step 1 (before the
+    actor's first update) and resumed trains steps 2 and 3 to the bit as the run that never stopped.
+    The offloaded critic's save once read empty device storage (SIGSEGV), and the step-1 checkpoint
+    held AdamW step counters of 1 that made the resumed actor's first update smaller."""
+    flags = ("actor_rollout_ref.actor.fsdp_config.full_determinism=true",
+             "actor_rollout_ref.ref.fsdp_config.full_determinism=true",
+             "critic.model.fsdp_config.full_determinism=true", "critic.model.fsdp_config.param_offload=true",
+             "critic.model.fsdp_config.optimizer_offload=true", "trainer.critic_warmup=1",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.val_before_train=false", "trainer.test_freq=-1")
+    straight, _ = _run(tmp_path / "a", "gae", *flags)
+    assets = tmp_path / "a" / "assets"
+    _run(tmp_path / "b", "gae", *flags, "trainer.save_freq=1", assets=assets, steps=1)
+    resumed, _ = _run(tmp_path / "b", "gae", *flags, assets=assets)
+    clocked = ("timing_s/", "timing_per_token_ms/", "perf/")
+    assert len(straight) == len(resumed)
+    for a, b in zip(straight, resumed):
+        kept = {k: v for k, v in a.items() if not k.startswith(clocked)}
+        assert kept == {k: b.get(k) for k in kept}, [(k, kept[k], b.get(k)) for k in kept if kept[k] != b.get(k)]
+    assert sum("actor/pg_loss" in row for row in resumed) == 2
