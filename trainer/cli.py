@@ -50,7 +50,9 @@ def _run(args) -> int:
             print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
     if is_main:
-        for note in config_notes(cfg):
+        from trainer.setup import model_notes
+
+        for note in config_notes(cfg) + model_notes(cfg):
             print(f"meshppo: {note}", file=sys.stderr)
     if args.print_config:
         return 0

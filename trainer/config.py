@@ -421,8 +421,9 @@ class ModelConfig:
                                    "(benchmarks: only config.json is read)", choices=("auto", "dummy"))
     override_config: dict = _override_config(
         "the actor, the reference and the engine are",
-        "max_position_embeddings and bos/eos/pad_token_id only the exported config.json (the engine's context is "
-        "rollout.max_model_len; generation stops at the EOS ids of the checkpoint and the tokenizer), "
+        "max_position_embeddings and bos/eos/pad_token_id only the exported config.json and the start-up line on a "
+        "context beyond max_position_embeddings (the engine's context is rollout.max_model_len; generation stops "
+        "at the EOS ids of the checkpoint and the tokenizer), "
         "initializer_range only dummy weights")
     enable_gradient_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward")
     enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)

@@ -345,6 +345,23 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
                           f"{arr.model.path})") from None
 
 
+def model_notes(cfg: PPOConfig) -> list[str]:
+    """Start-up lines that need the actor's model directory (`config_notes` reads the config alone):
+    an engine context beyond the positions the model was trained for."""
+    arr = cfg.actor_rollout_ref
+    args = _readable_model_args(arr.model.path, arr.model.override_config)
+    notes = []
+    context = arr.rollout.max_model_len
+    if args is not None and context > args.max_position_embeddings:
+        notes.append(f"actor_rollout_ref.rollout.max_model_len={context} (data.max_prompt_length + rollout."
+                     f"response_length unless set) is beyond the max_position_embeddings of the actor's model "
+                     f"({args.max_position_embeddings}, {arr.model.path}): its positions past that were never "
+                     "trained (vLLM refuses such a context); shorten the prompts or responses, or set "
+                     "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "
+                     "for more")
+    return notes
+
+
 def _readable_model_args(path: str, overrides: dict | None = None) -> ModelArgs | None:
     """The model's arguments for a check before the run, or None when its directory cannot be read:
     that is an input error, which the ranks say in one line when they load the model."""

@@ -331,3 +331,25 @@ def test_options_of_a_switch_that_is_off_are_noted():
         "trainer.test_freq=5: data.val_files is empty, so no validation runs (verl refuses a run without validation "
         "data)"]
     assert config_notes(_cfg("trainer.test_freq=5")) == [] and config_notes(_cfg()) == []
+
+
+def test_a_context_beyond_the_models_positions_is_noted(tmp_path):
+    """The engine's context (prompt + response by default) past the actor's max_position_embeddings
+    is said at start-up (vLLM refuses it); an override of max_position_embeddings that covers it,
+    or a shorter context, says nothing; an unreadable model directory is the ranks' error, not this."""
+    from models import ModelArgs
+    from trainer.setup import model_notes
+
+    model = tmp_path / "m"
+    ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=64).to_hf_config().save_pretrained(model)
+    path = f"actor_rollout_ref.model.path={model}"
+    assert model_notes(_cfg(path, "data.max_prompt_length=60", "data.max_response_length=10")) == [
+        "actor_rollout_ref.rollout.max_model_len=70 (data.max_prompt_length + rollout.response_length unless set) is "
+        f"beyond the max_position_embeddings of the actor's model (64, {model}): its positions past that were never "
+        "trained (vLLM refuses such a context); shorten the prompts or responses, or set "
+        "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled for more"]
+    assert model_notes(_cfg(path, "data.max_prompt_length=54", "data.max_response_length=10")) == []
+    assert model_notes(_cfg(path, "data.max_prompt_length=60", "data.max_response_length=10",
+                            "actor_rollout_ref.model.override_config={max_position_embeddings: 128}")) == []
+    assert model_notes(_cfg(f"actor_rollout_ref.model.path={tmp_path / 'none'}")) == []
