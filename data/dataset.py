@@ -558,7 +558,8 @@ class PromptDataLoader:
 
     Epoch `e` visits the items in `torch.randperm(len(dataset))` drawn from a generator
     seeded with `seed + e` (or in order when `shuffle=False`), so the order depends only
-    on `(seed, epoch)` and a resumed run needs nothing but `{"epoch", "position"}`.
+    on `(seed, epoch)` and a resumed run needs nothing but `{"epoch", "position"}` (and the
+    dataset size it was saved over, `"size"`, to tell that the data is the same).
 
     `next_batch()` returns the next batch and rolls over to the next epoch as needed
     (the trainer's loop); iterating over the loader yields the rest of the current epoch.

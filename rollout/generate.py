@@ -4,7 +4,8 @@
         [--temperature T --top-p P --top-k K --num-samples N --seed S --tp T --dtype bfloat16|float16|float32]
     torchrun --nproc_per_node=2 -m rollout.generate ... --tp 2      # tensor parallel
 
-Input: one JSON object per line with `"prompt"` or `"prompt_token_ids"`. A `"prompt"` is text
+Input: JSON lines (blank lines skipped), a `.json` array or a `.parquet` file (read as the
+trainer reads `data.train_files`), each row with `"prompt"` or `"prompt_token_ids"`. A `"prompt"` is text
 (tokenized with the checkpoint's tokenizer, special tokens as the tokenizer adds them) or a list of
 chat messages `{"role", "content"}` (rendered with the tokenizer's chat template and the generation
 prompt, as the trainer's datasets render them; `--no-chat-template` joins their contents by
@@ -21,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -237,12 +237,13 @@ def _check_out(out: Path, prompts: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"--out {str(out)!r}: cannot create its directory ({e.strerror})") from None
-    try:  # the results go to a temporary file beside it first: make (and remove) one now
-        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".check", dir=out.parent)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise CLIError(f"--out {str(out)!r}: cannot write in its directory ({e.strerror or e})") from None
+    from trainer.configlib import ConfigError
+    from trainer.setup import check_output_dir
+
+    try:  # the results go to a temporary file beside it first
+        check_output_dir("--out's directory", str(out.parent))
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
     return out
 
 

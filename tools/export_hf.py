@@ -12,10 +12,11 @@ written with its adapters merged, and its adapters alone as a peft directory in
 
 The model is rebuilt from the run's config stored in the checkpoint (its model path, overrides,
 LoRA) in this one process on CPU and the sharded weights are loaded into it; a checkpoint of
-any world size converts. The memory it needs is the model's trainable parameters twice in their
-saved dtype (float32 by default: 2 x 28 GB for a 7B model). Nothing is written before every
-check has passed; OUTPUT is replaced only when it is empty, missing, or (with --overwrite) a
-model directory, and never when it holds the checkpoint.
+any world size converts. The memory it needs is the model twice over in its parameters' dtype
+(the trained ones float32 by default: about 2 x 28 GB for a 7B model), a LoRA model's merged
+copy a third time. Nothing is written before every check has passed; OUTPUT is replaced only
+when it is empty, missing, or (with --overwrite) a model directory, and never when it holds the
+checkpoint or a model the run reads.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def _check_output(out: str, step_dir: str, read: list[str], overwrite: bool) -> 
                                   "model directory); choose an empty or new one")
             if not overwrite:
                 raise ExportError(f"output {out!r} already holds a model; pass --overwrite to replace it")
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ExportError(f"output {out!r}: its parent directory {parent!r} does not exist or is not writable")
+    from trainer.setup import check_output_dir
+
+    check_output_dir("OUTPUT", out)  # a file in the way, or a folder that takes no files: ConfigError
     return out
 
 
@@ -92,7 +93,7 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
 
     from sharding.checkpoint import check_checkpoint, load_checkpoint
     from sharding.mesh import ParallelDims
-    from trainer.checkpointing import ROLE_KEYS, export_hf, read_trainer_state
+    from trainer.checkpointing import LEGACY_CONTENTS, ROLE_KEYS, export_hf, read_trainer_state
     from trainer.config import PPOConfig, paths_read
     from trainer.configlib import ConfigError, build_dataclass
     from trainer.launch import init_distributed
@@ -103,7 +104,9 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
     step_dir, role = _step_and_role(checkpoint, role)
     state = read_trainer_state(step_dir)
     key = f"{ROLE_KEYS[role]}.checkpoint.save_contents"
-    contents = state.get("contents", {})
+    # written before `contents` existed: every model directory there holds all but 'hf_model' (as a resume reads it)
+    contents = state.get("contents") or {name: LEGACY_CONTENTS for name in ROLES
+                                         if os.path.isdir(os.path.join(step_dir, name))}
     if role not in contents:
         raise ExportError(f"checkpoint {step_dir!r} holds no {role} (its run trained {', '.join(contents) or 'none'})")
     if "model" not in contents[role]:
@@ -114,8 +117,11 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
     except ConfigError as e:
         raise ExportError(f"checkpoint {step_dir!r} stores a config this meshppo does not read ({e}); export it "
                           "with the meshppo version that wrote it") from None
-    model_cfg = cfg.actor_rollout_ref.model if role == "actor" else cfg.critic.model
-    if model_cfg.lora is not None and cfg.actor_rollout_ref.model.load_format == "dummy":
+    arr = cfg.actor_rollout_ref
+    model_cfg = arr.model if role == "actor" else cfg.critic.model
+    # as `build_trained_model` draws them: the actor's, and a critic's of the actor's path
+    random_base = arr.model.load_format == "dummy" and (role == "actor" or model_cfg.path == arr.model.path)
+    if model_cfg.lora is not None and random_base:
         raise ExportError(f"checkpoint {step_dir!r}: its run's LoRA base weights were random "
                           "(actor_rollout_ref.model.load_format=dummy, drawn per rank), so the merged model cannot "
                           "be rebuilt")
@@ -132,21 +138,24 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
         mesh = ParallelDims(world_size=1).build_meshes("cpu").train
         model = build_trained_model(cfg, role, mesh, torch.device("cpu"), initial_adapters=False)
         load_checkpoint(weights, model)
-        lora = getattr(model, "lora_config", None) is not None
+        # a LoRA actor's adapters also alone, as the trainer's final export has them (a critic's, with
+        # its value head, are no causal-LM adapter: merged only)
+        adapters = role == "actor" and getattr(model, "lora_config", None) is not None
         export_hf(model, model.args, tokenizer, output, True,
-                  adapter_dir=os.path.join(output, "lora_adapter") if lora else None,
-                  base_model=cfg.actor_rollout_ref.model.path if role == "actor" else None)
+                  adapter_dir=os.path.join(output, "lora_adapter") if adapters else None,
+                  base_model=arr.model.path if role == "actor" else None)
     finally:
         if ctx.owns_group:
             dist.destroy_process_group()
     step = state["global_step"]
     log(f"wrote {output}: the {role} of step {step} ({step_dir})"
-        + (", LoRA adapters merged, and alone in lora_adapter/" if lora else ""))
+        + (", LoRA adapters merged, and alone in lora_adapter/" if adapters else ""))
     return output
 
 
 def main(argv=None) -> int:
     from models.checkpoint import CheckpointFileError
+    from sharding.checkpoint import UnsafeCheckpointError
     from trainer.configlib import ConfigError
     from trainer.errors import UserError
 
@@ -159,8 +168,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         export_checkpoint(args.checkpoint, args.output, args.role, args.overwrite)
-    except (ExportError, UserError, ConfigError, CheckpointFileError, FileNotFoundError) as e:
+    except (ExportError, UserError, ConfigError, CheckpointFileError, UnsafeCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a missing file inside the checkpoint, a disk that filled while writing
+        print(f"error: {e.filename}: {e.strerror}" if e.filename and e.strerror else f"error: {e}", file=sys.stderr)
         return 1
     return 0
 

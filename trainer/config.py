@@ -202,7 +202,8 @@ def _global_micro_batch(per_gpu: str):
     """verl's deprecated global form of the micro-batch size `per_gpu` (`_per_gpu_micro_batch`)."""
     return opt(None, f"verl's deprecated global form of {per_gpu}: sequences over all ranks together; {per_gpu} "
                      "becomes it divided by the data-parallel size (trainer.nnodes x trainer.n_gpus_per_node over the "
-                     "role's ulysses_sequence_parallel_size; the reward model's: over all ranks), which must divide "
+                     "Ulysses group size of the model that runs it: the actor's for the rollout's and reference's "
+                     "log-probs; the reward model's: over all ranks), which must divide "
                      f"it, as verl's workers divide it; not with {per_gpu}", ge=1)
 
 
@@ -644,7 +645,8 @@ class SamplingOverrides:
     n: int = opt(1, "samples per validation prompt", ge=1)
     do_sample: bool = opt(False, "verl's hf-rollout switch: with rollout.name=hf, false decodes the validation "
                                  "greedily whatever temperature says; the other engines sample at temperature (0: "
-                                 "greedy), as verl's vLLM and SGLang rollouts do, which never read it")
+                                 "greedy), as verl's vLLM and SGLang rollouts do (its agent loop, since its sync "
+                                 "rollouts, which read it, were retired)")
 
 
 _LEGACY_SGLANG = "verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"
@@ -726,7 +728,8 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
     do_sample: bool = opt(True, "verl's hf-rollout switch: with rollout.name=hf, false decodes greedily (scored at "
                                 "temperature 1); the other engines sample at temperature (0: greedy), as verl's vLLM "
-                                "and SGLang rollouts do, which never read it")
+                                "and SGLang rollouts do (its agent loop, since its sync rollouts, which read it, were "
+                                "retired)")
     n: int = opt(1, "responses per prompt", ge=1)
     prompt_length: int | None = opt(None, "the engine's prompt budget: only sets the default of max_model_len "
                                           "(prompt_length + response_length); at least data.max_prompt_length, which "
@@ -1515,9 +1518,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             if opts.do_sample != default and opts.do_sample != (t > 0):  # it asks for what the temperature does not
                 what = f"samples at temperature {t:g}" if t > 0 else "decodes greedily (temperature 0)"
                 notes.append(f"actor_rollout_ref.{key}={_shown(opts.do_sample)} has no effect with rollout.name="
-                             f"{rollout.name}: as in verl, whose vLLM and SGLang rollouts never read it (its hf rollout "
-                             f"does), the {'validation' if validate else 'training'} rollout {what}; "
-                             f"{key.replace('do_sample', 'temperature')} decides")
+                             f"{rollout.name}: as in verl, whose vLLM and SGLang rollouts (its agent loop) do not read "
+                             f"it (its hf rollout does), the {'validation' if validate else 'training'} rollout {what}; "
+                             f"actor_rollout_ref.{key.replace('do_sample', 'temperature')} decides")
     rc = cfg.algorithm.rollout_correction
     engine_log_probs = rollout.calculate_log_probs or rc.bypass_mode or rc.rollout_is is not None or bool(rc.rejection)
     if engine_log_probs and rollout.decoding_temperature() > 0 and (rollout.top_k > 0 or rollout.top_p < 1):

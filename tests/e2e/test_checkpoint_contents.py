@@ -216,7 +216,8 @@ def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path, capsys):
     nothing else of it), the LoRA actor's export computes the sharded actor's logits. The export
     tool, in one process, rebuilds the LoRA actor from that 2-rank checkpoint: the same merged
     weights, and its adapters as a peft directory that equals the checkpoint's."""
-    from models.lora import read_peft_adapter
+    from models import Transformer
+    from models.lora import inject_lora, load_peft_adapter, read_peft_adapter
     from tools import export_hf
 
     (tmp_path / "reward.py").write_text(LENGTH_REWARD)
@@ -226,9 +227,19 @@ def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path, capsys):
     assert export_hf.main([str(step), str(out)]) == 0
     assert "LoRA adapters merged, and alone in lora_adapter/" in capsys.readouterr().out
     adapter = out / "lora_adapter"
-    _, tensors = read_peft_adapter(adapter)
+    cfg, tensors = read_peft_adapter(adapter)
     saved = _dcp_model(step / "actor")
     assert len(tensors) == len(saved) and all("lora_" in k for k in saved)
+    # the adapters on the base model (peft's way) compute what the merged export computes
+    base = Transformer.from_pretrained(tiny_assets / "sft_model")
+    inject_lora(base, cfg)
+    load_peft_adapter(base, adapter)
+    merged = Transformer.from_pretrained(out)
+    ids = torch.randint(0, merged.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = base(ids), merged(ids)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()  # float32 rounding of the merge: ~1e-7
+    assert (want - Transformer.from_pretrained(tiny_assets / "sft_model")(ids)).abs().max() > 1e-3  # trained
     shutil.rmtree(adapter)  # the rest is the trainer's export of the step
     _same_export(out, step / "actor" / "huggingface")
     # the critic was saved as an export only: no weights to rebuild it from
@@ -263,6 +274,14 @@ def test_export_tool_writes_what_the_trainer_exports(gae_run, tmp_path, capsys):
     _same_export(tmp_path / "critic", step / "critic" / "huggingface")
     assert export_hf.main([str(gae_run / "checkpoints"), str(tmp_path / "latest"), "--role", "critic"]) == 0
     _same_export(tmp_path / "latest", step / "critic" / "huggingface")
+    # a checkpoint from before trainer states listed their contents: its model directories hold everything
+    old = tmp_path / "old" / "global_step_1"
+    shutil.copytree(step, old)
+    state = json.loads((old / "trainer_state.json").read_text())
+    del state["contents"]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    assert export_hf.main([str(old), str(tmp_path / "old_critic"), "--role", "critic"]) == 0
+    _same_export(tmp_path / "old_critic", step / "critic" / "huggingface")
 
 
 def test_export_tool_refuses_outputs_it_would_destroy(gae_run, tiny_assets, tmp_path, capsys):

@@ -342,7 +342,7 @@ def test_an_offloaded_critic_and_a_save_before_the_first_actor_update_resume_exa
               "critic.model.fsdp_config.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true",
               "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
               "actor_rollout_ref.actor.optim.lr=1e-3"]
-    straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
+    straight, split, saving = (tmp_path / name / "run" for name in ("straight", "split", "saving"))
     code, err = _main(tiny_assets, straight, capsys, *common, "trainer.total_training_steps=3")
     assert code == 0, err
     code, err = _main(tiny_assets, split, capsys, *common)  # BASE: 2 steps, a checkpoint at the end
@@ -350,3 +350,7 @@ def test_an_offloaded_critic_and_a_save_before_the_first_actor_update_resume_exa
     code, err = _main(tiny_assets, split, capsys, *common, "trainer.total_training_steps=3")
     assert code == 0 and "resumed from" in err, err
     assert_resumed_run_matches(straight, split, 3)
+    # saving at every step of the warm-up and going on: the live optimizers are as if nothing was saved
+    code, err = _main(tiny_assets, saving, capsys, *common, "trainer.total_training_steps=3", "trainer.save_freq=1")
+    assert code == 0, err
+    assert_resumed_run_matches(straight, saving, 3)

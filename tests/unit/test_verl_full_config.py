@@ -260,13 +260,13 @@ def test_do_sample_is_verls_hf_rollout_switch():
     assert sampling(f"{R}.do_sample=false", f"{R}.temperature=0.8", validate=False)["temperature"] == 0.8
     assert sampling(f"{R}.name=hf", f"{R}.do_sample=false", f"{R}.temperature=0.8", validate=False)["temperature"] == 0
     assert config_notes(_cfg(f"{R}.do_sample=false", f"{R}.temperature=0.8")) == [
-        f"{R}.do_sample=false has no effect with rollout.name=native: as in verl, whose vLLM and SGLang rollouts "
-        "never read it (its hf rollout does), the training rollout samples at temperature 0.8; rollout.temperature "
-        "decides"]
+        f"{R}.do_sample=false has no effect with rollout.name=native: as in verl, whose vLLM and SGLang rollouts (its "
+        "agent loop) do not read it (its hf rollout does), the training rollout samples at temperature 0.8; "
+        f"{R}.temperature decides"]
     assert config_notes(_cfg(f"{R}.val_kwargs.do_sample=true")) == [
         f"{R}.val_kwargs.do_sample=true has no effect with rollout.name=native: as in verl, whose vLLM and SGLang "
-        "rollouts never read it (its hf rollout does), the validation rollout decodes greedily (temperature 0); "
-        "rollout.val_kwargs.temperature decides"]
+        "rollouts (its agent loop) do not read it (its hf rollout does), the validation rollout decodes greedily "
+        f"(temperature 0); {R}.val_kwargs.temperature decides"]
     assert not [n for n in config_notes(_cfg(f"{R}.name=hf", f"{R}.do_sample=false", f"{R}.temperature=0.8"))
                 if "do_sample" in n]
 

@@ -73,7 +73,7 @@ def test_global_sizes_divide_by_the_data_parallel_size_under_ulysses():
             arr.ref.log_prob_micro_batch_size_per_gpu, critic.ppo_micro_batch_size_per_gpu,
             critic.forward_micro_batch_size_per_gpu, cfg.reward_model.micro_batch_size_per_gpu) == (2, 4, 3, 2, 4, 8)
     assert _round_trips(cfg)
-    # verl's setting that splits over 2 data-parallel groups but not over 8 ranks
+    # a size that does not split over the 2 data-parallel groups (4, above, splits over them and not over 8 ranks)
     with pytest.raises(ConfigError) as e:
         _cfg(*EIGHT_RANKS, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "actor_rollout_ref.actor.ppo_micro_batch_size=3")
