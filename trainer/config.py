@@ -1594,6 +1594,29 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         if unused:
             notes.append(f"{', '.join(f'actor_rollout_ref.actor.{k}={_shown(v)}' for k, v in unused.items())} has no "
                          "effect: actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")
+    adv = alg.adv_estimator
+    discount = {k: v for k, v in _non_default(alg, ("gamma", "lam")).items()
+                if not (adv == "gae" or (k == "gamma" and adv == "reinforce_plus_plus"))}
+    if discount:
+        notes.append(f"{', '.join(f'algorithm.{k}={_shown(v)}' for k, v in discount.items())} has no effect with "
+                     f"algorithm.adv_estimator={adv} (gamma discounts gae's and reinforce_plus_plus's returns, lam is "
+                     "gae's)")
+    switched = (("algorithm.filter_groups.enable", alg.filter_groups.enable, "algorithm.filter_groups",
+                 alg.filter_groups, ("metric", "max_num_gen_batches")),
+                ("algorithm.use_pf_ppo", alg.use_pf_ppo, "algorithm.pf_ppo", alg.pf_ppo,
+                 [f.name for f in dataclasses.fields(alg.pf_ppo)]),
+                ("algorithm.rollout_correction.rollout_is", alg.rollout_correction.rollout_is is not None,
+                 "algorithm.rollout_correction", alg.rollout_correction, ("rollout_is_threshold",)))
+    for switch, on, key, section_, names in switched:
+        unused = _non_default(section_, names)
+        if not on and unused:
+            notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+                         f"{switch} is {'null' if switch.endswith('rollout_is') else 'false'}")
+    for key, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
+        unused = _non_default(optim, ("min_lr_ratio", "num_cycles"))
+        if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
+            notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+                         f"{key}.lr_scheduler_type=constant (they shape the cosine schedule)")
     if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
         notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
                      "(verl refuses a run without validation data)")

@@ -353,3 +353,26 @@ def test_a_context_beyond_the_models_positions_is_noted(tmp_path):
     assert model_notes(_cfg(path, "data.max_prompt_length=60", "data.max_response_length=10",
                             "actor_rollout_ref.model.override_config={max_position_embeddings: 128}")) == []
     assert model_notes(_cfg(f"actor_rollout_ref.model.path={tmp_path / 'none'}")) == []
+
+
+def test_more_options_of_a_switch_that_is_off_are_noted():
+    """gamma and lam where the estimator does not discount, group filtering, PF-PPO and truncated
+    importance weights switched off, the cosine's shape under a constant schedule: one line each."""
+    assert config_notes(_cfg("algorithm.gamma=0.9", "algorithm.lam=0.95")) == [
+        "algorithm.gamma=0.9, algorithm.lam=0.95 has no effect with algorithm.adv_estimator=grpo (gamma discounts "
+        "gae's and reinforce_plus_plus's returns, lam is gae's)"]
+    assert config_notes(_cfg("algorithm.adv_estimator=reinforce_plus_plus", f"{R}.n=1", "algorithm.gamma=0.9")) == []
+    assert config_notes(_cfg("algorithm.adv_estimator=gae", f"{R}.n=1", "algorithm.gamma=0.9",
+                             "algorithm.lam=0.95")) == []
+    assert config_notes(_cfg("algorithm.filter_groups.metric=acc", "algorithm.pf_ppo.weight_pow=3",
+                             "algorithm.rollout_correction.rollout_is_threshold=3.0",
+                             "actor_rollout_ref.actor.optim.num_cycles=1.0")) == [
+        "algorithm.filter_groups.metric=acc has no effect: algorithm.filter_groups.enable is false",
+        "algorithm.pf_ppo.weight_pow=3.0 has no effect: algorithm.use_pf_ppo is false",
+        "algorithm.rollout_correction.rollout_is_threshold=3.0 has no effect: algorithm.rollout_correction.rollout_is "
+        "is null",
+        "actor_rollout_ref.actor.optim.num_cycles=1.0 has no effect: actor_rollout_ref.actor.optim.lr_scheduler_type="
+        "constant (they shape the cosine schedule)"]
+    assert config_notes(_cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                             "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                             "actor_rollout_ref.actor.optim.num_cycles=1.0")) == []
