@@ -582,6 +582,7 @@ class PromptDataLoader:
         self._position = 0
         self._order: list[int] | None = None
         self._order_epoch = -1
+        self.batch_epoch = 0  # the epoch of the batch `next_batch` returned last (verl's training/epoch)
 
     @property
     def epoch(self) -> int:
@@ -613,6 +614,7 @@ class PromptDataLoader:
             self._epoch += 1
             self._position = 0
         order = self._epoch_order()
+        self.batch_epoch = self._epoch
         end = min(self._position + self.batch_size, len(order))
         batch = [self.dataset[i] for i in order[self._position:end]]
         self._position = end

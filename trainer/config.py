@@ -1229,7 +1229,8 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: int | None = opt(None, "critic checkpoints to keep: meshppo saves the critic in the "
                                                     "actor's checkpoints and rotates them together, so null or "
                                                     "max_actor_ckpt_to_keep (checked with a critic)", ge=1)
-    log_val_generations: int = opt(0, "validation samples printed to the log", ge=0)
+    log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
+                                      "(sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
                                        "score, reward, advantage, ...)")
     validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "
@@ -1818,6 +1819,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.trainer.val_only and not cfg.data.val_files:
         raise ConfigError("trainer.val_only=true validates and exits, but data.val_files is empty: give the "
                           "validation files")
+    if cfg.trainer.val_only and cfg.trainer.resume_mode == "disable":
+        raise ConfigError("trainer.val_only=true with trainer.resume_mode=disable would delete the run directory's "
+                          "checkpoints, exports and metrics for a validation that trains nothing in their place: "
+                          "validate the model of actor_rollout_ref.model.path in another trainer.default_local_dir, "
+                          "or a checkpoint with resume_mode auto or resume_path")
     rc, loss_mode = cfg.algorithm.rollout_correction, actor.policy_loss.loss_mode
     if rc.bypass_mode and loss_mode != "vanilla":
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} with "

@@ -558,7 +558,7 @@ class PPOTrainer:
             if self.device.type == "cuda":
                 metrics["perf/max_memory_allocated_update_gb"] = self.peaks.since_split_gb()
             if self.cfg.trainer.rollout_data_dir:
-                with self.timer("dump_rollout"):
+                with self.timer("dump_rollout_generations"):  # verl's name
                     self._dump_rollouts(full, ro, parts, scores, extras)
         self.global_step += 1
         metrics.update(data_metrics(ro, scores, extras, max_prompt_length=self.cfg.data.max_prompt_length,
@@ -924,11 +924,11 @@ class PPOTrainer:
         bs = self.cfg.data.val_batch_size or len(items)
         dump_dir = self.cfg.trainer.validation_data_dir
         dumped: list[dict] = []
-        logged = 0  # samples logged (trainer.log_val_generations), over all chunks
+        shown: list[tuple[str, str, float]] = []  # (prompt, response, score) for trainer.log_val_generations
         sources, uids, scores_all, turns = [], [], [], []
         variables: dict[str, list[float]] = {}  # numeric extras over every chunk, NaN where a chunk had none
         preds: list | None = None  # the `pred` extra as returned (None where a sample gave none)
-        with self.timer("validate"):
+        with self.timer("testing"):  # verl's timing_s/testing
             for s in range(0, len(items), bs):
                 chunk = items[s:s + bs]
                 # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
@@ -956,10 +956,14 @@ class PPOTrainer:
                     dumped += [_dump_row(ro, i, inputs[i], texts[i], self.global_step, scores[i],
                                          {k: v[i] for k, v in extras.items()}, {k: v[i] for k, v in others.items()})
                                 for i in range(len(texts))]
-                for k in range(min(self.cfg.trainer.log_val_generations - logged, len(texts))):
-                    prompt = self.tokenizer.decode(ro.prompts[k], skip_special_tokens=False)
-                    self.log(f"[val] {prompt!r} -> {texts[k]!r} (score {scores[k]})")
-                    logged += 1
+                if self.cfg.trainer.log_val_generations and self.ctx.is_main:
+                    shown += [(self.tokenizer.decode(p, skip_special_tokens=False), text, score)
+                              for p, text, score in zip(ro.prompts, texts, scores)]
+            # verl's pick: sorted by prompt, shuffled by a generator seeded 42, the first K (over prompts)
+            shown.sort(key=lambda sample: sample[0])
+            np.random.RandomState(42).shuffle(shown)
+            for prompt, text, score in shown[:self.cfg.trainer.log_val_generations]:
+                self.log(f"[val] {prompt!r} -> {text!r} (score {score})")
             sums: dict[str, list[float]] = {}
             for src, sc in zip(sources, scores_all):
                 sums.setdefault(src, []).append(sc)
@@ -973,7 +977,7 @@ class PPOTrainer:
             dump_generations(dump_dir, self.global_step, dumped)
         # validation's own phases (its generation's reshard, graph capture) as val_*: the step's
         # timings of the same names stay the step's
-        out.update({k if k == "timing_s/validate" else k.replace("timing_s/", "timing_s/val_", 1): v
+        out.update({k if k == "timing_s/testing" else k.replace("timing_s/", "timing_s/val_", 1): v
                     for k, v in self.timer.pop().items()})
         return out
 
@@ -1067,6 +1071,7 @@ class PPOTrainer:
                 last = self.global_step >= self.total_steps
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     metrics.update(self.validate())
+                metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
                 self.tracking.log(metrics, step=self.global_step)
                 stop = self._agreed_stop_signal()
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):

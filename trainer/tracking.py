@@ -220,7 +220,8 @@ class Tracking:
             except ImportError as e:
                 raise RuntimeError("trainer.logger includes tensorboard but the tensorboard package is not "
                                    "installed: pip install tensorboard, or remove it from trainer.logger") from e
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            # verl's TENSORBOARD_DIR, else the run directory's
+            self._tb = SummaryWriter(log_dir=os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard"))
         if "wandb" in loggers:
             try:
                 import wandb

@@ -80,6 +80,8 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
     assert code == 0, err
     assert "resumed from" in err and "(resumed at step 2)" in err
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    # verl's training/global_step and training/epoch on every step (64 prompts: 4 steps an epoch)
+    assert [(r["training/global_step"], r["training/epoch"]) for r in read_metrics(run)[1:]] == [(1, 0), (2, 0), (3, 0)]
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
     assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64}
 
@@ -281,8 +283,8 @@ def test_validation_timings_are_named_as_validation(two_step_run):
     val_only, last = rows[0], rows[-1]
     assert val_only["step"] == 0 and "actor/pg_loss" not in val_only
     timings = {k for k in val_only if k.startswith("timing_s/")}
-    assert "timing_s/validate" in timings and "timing_s/val_reshard" in timings, timings
-    assert all(k == "timing_s/validate" or k.startswith("timing_s/val_") for k in timings), timings
+    assert "timing_s/testing" in timings and "timing_s/val_reshard" in timings, timings
+    assert all(k == "timing_s/testing" or k.startswith("timing_s/val_") for k in timings), timings
     # the validating step 2 carries both: the step's reshard and validation's
     assert {"timing_s/reshard", "timing_s/val_reshard", "timing_s/step"} <= set(last), sorted(last)
 

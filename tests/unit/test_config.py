@@ -124,6 +124,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.do_sample=false"],
      "rollout.do_sample=false with rollout.name=hf decodes greedily"),
     (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"], "fsdp_size=3 does not divide the world size 2"),
+    (["trainer.val_only=true", "trainer.resume_mode=disable"], "trainer.val_only=true with "
+                                                                 "trainer.resume_mode=disable would delete the run"),
     (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"], "actor_rollout_ref.ref.fsdp_config.fsdp_size=1: every model "
                                                         "shares the actor's training mesh, shard groups of 2 ranks "
                                                         "(actor_rollout_ref.actor.fsdp_config.fsdp_size=-1); use -1 or 2"),

@@ -4,6 +4,7 @@ wandb offline), the run directory's record (config.yaml, run_info.json, banner) 
 import dataclasses
 import glob
 import json
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -157,6 +158,17 @@ def test_tensorboard_events_read_back(tmp_path):
     assert acc.Tags()["scalars"] == ["critic/score/mean"]  # a string is not a scalar
     events = acc.Scalars("critic/score/mean")
     assert [(e.step, e.value) for e in events] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_tensorboard_dir_from_the_environment(tmp_path, monkeypatch):
+    """verl's TENSORBOARD_DIR, when set, is where the events go (else the run directory's tensorboard/)."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    t = Tracking(["tensorboard"], str(tmp_path / "run"), "p", "e", {}, 10, enabled=True)
+    t.log({"critic/score/mean": 0.5}, step=1)
+    t.close()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    assert not (tmp_path / "run" / "tensorboard").exists()
 
 
 def _wandb_records(path):

@@ -14,7 +14,7 @@ from trainer.profiling import StepProfiler
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "trainer.export_hf_at_end=false"]
-VAL = {"val/meshppo/demo_add/score": 0.5, "timing_s/validate": 0.1}
+VAL = {"val/meshppo/demo_add/score": 0.5, "timing_s/testing": 0.1}
 
 
 class FakeTrainer:
@@ -38,7 +38,7 @@ class FakeTrainer:
                            close=lambda: setattr(self, "closed", True))
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
         self.profiler = StepProfiler(None, 0, "cpu", total_steps)  # nothing profiled
-        self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None)
+        self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None, batch_epoch=0)
         self.ctx = NS(world_size=1, local_world_size=1)
         self.device, self.run_dir, self.nonfinite_streak = "cpu", "/run", 0
         self.models = NS(dims=None, ulysses_sizes=lambda: {})
