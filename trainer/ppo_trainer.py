@@ -91,6 +91,15 @@ def _peak_flops(device: torch.device) -> float | None:
     return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
+def val_samples_to_log(samples: list[tuple], k: int) -> list[tuple]:
+    """`trainer.log_val_generations`' `k` of the validation `samples` (prompt, response, score),
+    picked as verl picks its table's: sorted by prompt, shuffled by a generator seeded 42, the
+    first `k`, so they spread over the prompts and are the same at every validation."""
+    picked = sorted(samples, key=lambda sample: sample[0])
+    np.random.RandomState(42).shuffle(picked)
+    return picked[:k]
+
+
 def _dump_row(batch: RolloutBatch, i: int, text_in: str, text_out: str, step: int, score: float, extras: dict,
               others: dict, **figures) -> dict:
     """Sample `i` of `batch` as a line of a rollout or validation dump (verl's `input`, `output`,
@@ -959,10 +968,7 @@ class PPOTrainer:
                 if self.cfg.trainer.log_val_generations and self.ctx.is_main:
                     shown += [(self.tokenizer.decode(p, skip_special_tokens=False), text, score)
                               for p, text, score in zip(ro.prompts, texts, scores)]
-            # verl's pick: sorted by prompt, shuffled by a generator seeded 42, the first K (over prompts)
-            shown.sort(key=lambda sample: sample[0])
-            np.random.RandomState(42).shuffle(shown)
-            for prompt, text, score in shown[:self.cfg.trainer.log_val_generations]:
+            for prompt, text, score in val_samples_to_log(shown, self.cfg.trainer.log_val_generations):
                 self.log(f"[val] {prompt!r} -> {text!r} (score {score})")
             sums: dict[str, list[float]] = {}
             for src, sc in zip(sources, scores_all):

@@ -100,3 +100,18 @@ def test_a_normal_run_validates_before_training_then_trains():
 def test_val_only_needs_val_files():
     with pytest.raises(ConfigError, match="trainer.val_only=true validates and exits, but data.val_files is empty"):
         _cfg("trainer.val_only=true")
+
+
+def test_logged_validation_samples_spread_over_the_prompts():
+    """log_val_generations: 3 of 4 prompts x 4 samples, picked as verl does (sorted, then shuffled with
+    seed 42), not the first prompt's samples in order; the same at every validation, whatever order
+    the prompts came in, and no more than there are."""
+    from trainer.ppo_trainer import val_samples_to_log
+
+    samples = [(f"p{i}", f"r{i}{j}", float(j)) for i in range(4) for j in range(4)]
+    picked = val_samples_to_log(samples, 3)
+    assert len(picked) == 3 and set(picked) <= set(samples)
+    assert len({prompt for prompt, _, _ in picked}) > 1, picked
+    prompts_reversed = [x for i in reversed(range(4)) for x in samples[4 * i:4 * i + 4]]
+    assert val_samples_to_log(prompts_reversed, 3) == picked == val_samples_to_log(samples, 3)
+    assert sorted(val_samples_to_log(samples, 100)) == sorted(samples)
