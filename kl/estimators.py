@@ -83,5 +83,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     value = _forward_value(logprob, ref_logprob, name)
     if not straight_through:
         return value
+    # verl's form: the zero-valued k2 term carries the gradient and the value is added as it is.
+    # `k2 + (value - k2).detach()` rounds away a small value next to a large k2 in low precision
+    # (bf16: logp=-0.05, ref=-100.3 gave "k3+" 0 where "k3" gives 10).
     k2 = _k2(logprob, ref_logprob)
-    return k2 + (value - k2).detach()
+    return (k2 - k2.detach()) + value.detach()

@@ -79,6 +79,25 @@ def test_straight_through_value_and_k2_gradient(logprobs, name):
     torch.testing.assert_close(ref.grad, -weights * diff, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["k3+", "low_var_kl+", "k1+", "kl+", "abs+", "k2+", "mse+"])
+def test_straight_through_value_survives_bf16_at_extreme_log_ratios(name):
+    # k2 is thousands here: the value must not be computed as k2 + (value - k2), which rounds a
+    # value of 10 (or 100) away next to it in bf16.
+    logp0 = torch.tensor([-0.05, -100.3, -0.01, -60.0, -3.0], dtype=torch.bfloat16)
+    ref = torch.tensor([-100.3, -0.05, -80.0, -0.02, -3.5], dtype=torch.bfloat16)
+    logp = logp0.clone().requires_grad_(True)
+    out = kl_penalty(logp, ref, name)
+    plain = kl_penalty(logp0, ref, name[:-1])
+    assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), plain), (out, plain)
+    if name in ("k3+", "low_var_kl+"):
+        assert plain[0].item() == 10.0  # the clamped k3 of the example above
+    weights = torch.linspace(0.5, 2.0, out.numel(), dtype=torch.bfloat16)
+    (out * weights).sum().backward()
+    k2_logp = logp0.clone().requires_grad_(True)
+    (kl_penalty(k2_logp, ref, "k2") * weights).sum().backward()
+    assert torch.equal(logp.grad, k2_logp.grad)
+
+
 def test_plain_k3_gradient_is_not_k2_gradient(logprobs):
     # Guards the previous test against an implementation that always returns k2's gradient.
     logp = logprobs[0][1:].clone().requires_grad_(True)
