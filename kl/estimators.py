@@ -25,6 +25,9 @@ _BASE_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 VALID_KL_PENALTIES: tuple[str, ...] = _BASE_NAMES + tuple(name + "+" for name in _BASE_NAMES)
 """Every name ``kl_penalty`` accepts; configs validate against this tuple."""
 
+LOW_VAR_KL_MAX = 10.0
+"""The per-token bound of ``"low_var_kl"`` / ``"k3"`` (verl's clamp): no mean of it exceeds this."""
+
 
 def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logprob - ref_logprob).square()
@@ -45,7 +48,7 @@ def _forward_value(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) 
         log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
         kld = torch.exp(log_ratio) - log_ratio - 1.0
         # verl's clamp: one token whose probabilities differ by e^20 must not dominate the batch.
-        return torch.clamp(kld, min=-10.0, max=10.0)
+        return torch.clamp(kld, min=-LOW_VAR_KL_MAX, max=LOW_VAR_KL_MAX)
     raise AssertionError(f"unreachable: {name!r} was validated by kl_penalty")
 
 

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kl.estimators import LOW_VAR_KL_MAX
+
 __all__ = ["KL_GUARD_ACTIONS", "GUARD_STATUSES", "KLGuardConfig", "GuardDecision", "KLGuard"]
 
 KL_GUARD_ACTIONS: tuple[str, ...] = ("warn", "raise_coef", "lower_lr", "rollback", "stop")
@@ -36,10 +38,14 @@ class KLGuardConfig:
                           "reactions are warn_action and explode_action."},
     )
     warn_kl: float = field(
-        default=0.02, metadata={"help": "Mean per-token KL above which the step is a 'warning' (> 0)."}
+        default=0.02,
+        metadata={"help": "Mean per-token KL (actor/ref_kl: low_var_kl, clamped per token to [-10, 10]) above "
+                          "which the step is a 'warning' (> 0, < 10)."},
     )
     explode_kl: float = field(
-        default=0.05, metadata={"help": "Mean per-token KL above which the step is 'exploding' (> warn_kl)."}
+        default=0.05,
+        metadata={"help": "Mean per-token KL above which the step is 'exploding' (> warn_kl, < 10: the KL "
+                          "watched never exceeds 10)."},
     )
     warn_action: str = field(
         default="warn", metadata={"help": f"Reaction to a persistent warning, one of {list(KL_GUARD_ACTIONS)}."}
@@ -67,6 +73,17 @@ class KLGuardConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"KLGuardConfig.{name} must be a finite number, got {value!r}")
+        for name in ("warn_kl", "explode_kl"):
+            # The trainer's statistic is actor/ref_kl, the masked mean of the low_var_kl (k3)
+            # estimate clamped per token to [-10, 10]: a threshold at or above 10 is never crossed.
+            if getattr(self, name) >= LOW_VAR_KL_MAX:
+                raise ValueError(
+                    f"KLGuardConfig.{name}={getattr(self, name)} can never be exceeded: the guard watches "
+                    f"actor/ref_kl, the mean of the low_var_kl (k3) estimate, clamped per token to "
+                    f"[-{LOW_VAR_KL_MAX:g}, {LOW_VAR_KL_MAX:g}] (verl's clamp), so it is at most "
+                    f"{LOW_VAR_KL_MAX:g} and only a non-finite KL would trigger; set algorithm.kl_guard.{name} "
+                    f"below {LOW_VAR_KL_MAX:g}"
+                )
         if self.warn_kl <= 0:
             raise ValueError(f"KLGuardConfig.warn_kl must be > 0, got {self.warn_kl}")
         if self.explode_kl <= self.warn_kl:

@@ -1006,7 +1006,10 @@ class PPOTrainer:
                 shutil.rmtree(d)
 
     def _apply_guard(self, metrics: dict) -> None:
-        kl = metrics.get("actor/ref_kl", metrics.get("actor/reward_kl_penalty"))
+        # actor/ref_kl (low_var_kl, clamped per token: `KLGuardConfig` refuses thresholds it cannot
+        # reach) is measured whenever there is a reference; KL-in-reward's actor/reward_kl_penalty
+        # (algorithm.kl_penalty, possibly unbounded) needs one too, so it is never the fallback.
+        kl = metrics.get("actor/ref_kl")
         if kl is None or not self.cfg.algorithm.kl_guard.enable:
             return
         decision = self.guard.check(kl)

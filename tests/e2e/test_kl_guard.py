@@ -12,7 +12,7 @@ BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.
         "trainer.test_freq=-1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "trainer.logger=[jsonl]",
         "trainer.export_hf_at_end=false", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "algorithm.kl_guard.warn_kl=1e-9", "algorithm.kl_guard.explode_kl=1e9", "algorithm.kl_guard.patience=1"]
+        "algorithm.kl_guard.warn_kl=1e-9", "algorithm.kl_guard.explode_kl=9", "algorithm.kl_guard.patience=1"]
 
 
 def _run(assets, run, capsys, *extra):

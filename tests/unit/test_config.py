@@ -567,6 +567,17 @@ def test_checkpoint_contents_are_verls_items():
     validate(_cfg(f"{actor}.save_contents=[hf_model]"))  # no rollback: an export-only checkpoint is fine
 
 
+def test_kl_guard_thresholds_above_the_clamped_kl_are_refused():
+    # actor/ref_kl, the guard's KL, is a mean of k3 values clamped to 10: an explode_kl of 10 never fires
+    with pytest.raises(ConfigError, match=r"^algorithm.kl_guard: KLGuardConfig.explode_kl=10.0 can never be exceeded.*"
+                                          r"set algorithm.kl_guard.explode_kl below 10$"):
+        _cfg("algorithm.kl_guard.explode_kl=10")
+    with pytest.raises(ConfigError, match=r"KLGuardConfig.warn_kl=11.0 can never be exceeded.*actor/ref_kl.*"
+                                          r"set algorithm.kl_guard.warn_kl below 10$"):
+        _cfg("algorithm.kl_guard.warn_kl=11", "algorithm.kl_guard.explode_kl=12")
+    assert _cfg("algorithm.kl_guard.explode_kl=9.5").algorithm.kl_guard.explode_kl == 9.5
+
+
 def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, capsys):
     from trainer import launch
     from trainer.configlib import read_yaml

@@ -188,6 +188,19 @@ def test_guard_config_validation_names_the_field(kwargs, field_name):
         KLGuardConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, field_name", [({"explode_kl": 10.0}, "explode_kl"), ({"explode_kl": 1e9}, "explode_kl"),
+                                                ({"warn_kl": 10.0, "explode_kl": 20.0}, "warn_kl"),
+                                                ({"warn_kl": 12.0}, "warn_kl")])
+def test_guard_config_refuses_thresholds_the_clamped_kl_never_crosses(kwargs, field_name):
+    # The guard watches actor/ref_kl, a mean of k3 values clamped to [-10, 10]: it is at most 10.
+    with pytest.raises(ValueError, match=rf"KLGuardConfig.{field_name}=.* can never be exceeded: .*clamped per token "
+                                         rf"to \[-10, 10\].*set algorithm.kl_guard.{field_name} below 10"):
+        KLGuardConfig(**kwargs)
+    big = torch.tensor([[0.0, -50.0], [-40.0, 0.0]], dtype=torch.float64)
+    assert kl_penalty(big, big.flip(0), "low_var_kl").max().item() == 10.0  # the bound the message states
+    KLGuardConfig(warn_kl=9.0, explode_kl=9.99)  # below it: accepted
+
+
 def test_guard_config_fields_have_help():
     from dataclasses import fields
 
