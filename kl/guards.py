@@ -5,8 +5,10 @@ A run whose KL to the reference grows out of control is usually lost a few steps
 into a decision: "healthy", "warning" (above ``warn_kl``) or "exploding" (above
 ``explode_kl``, or non-finite), and, once a level has persisted for ``patience``
 consecutive steps, the configured action. It is pure bookkeeping: the trainer applies the
-action (multiply the KL coefficient, lower the learning rate, reload the last checkpoint,
-stop), which keeps this module free of optimisers, models and ``torch.distributed``.
+action (multiply the KL coefficient, lower the learning rate, reload a checkpoint from before
+the KL rose, stop), which keeps this module free of optimisers, models and ``torch.distributed``.
+For a rollback it picks the checkpoint (``rollback_target``) and keeps the record of the
+branches rollbacks abandoned, so that their checkpoints are never a later rollback's target.
 
 Both actions default to "warn": the guard monitors, and a verl config's fixed KL coefficient
 stays fixed; the reactions that change the run are opt-in.
@@ -22,8 +24,9 @@ __all__ = ["KL_GUARD_ACTIONS", "GUARD_STATUSES", "KLGuardConfig", "GuardDecision
 
 KL_GUARD_ACTIONS: tuple[str, ...] = ("warn", "raise_coef", "lower_lr", "rollback", "stop")
 """What the trainer may do when a threshold is crossed: only log ("warn"), multiply the KL
-coefficient ("raise_coef"), multiply the learning rate ("lower_lr"), reload the last
-checkpoint ("rollback") or end training ("stop")."""
+coefficient ("raise_coef"), multiply the learning rate ("lower_lr"), reload the models and
+optimizers of the newest checkpoint from before the KL rose ("rollback"; the KL coefficients and
+learning-rate schedules carry on) or end training ("stop")."""
 
 GUARD_STATUSES: tuple[str, ...] = ("healthy", "warning", "exploding")
 
@@ -117,6 +120,9 @@ class GuardDecision:
     disabled."""
     message: str
     """Human-readable explanation, suitable for the log."""
+    streak_start: int | None = None
+    """With an action and ``check``'s ``step``: the first step of the streak that fired it (the
+    step itself for a non-finite KL that fires at once)."""
 
 
 class KLGuard:
@@ -139,15 +145,23 @@ class KLGuard:
         self.warn_steps = 0
         self.explode_steps = 0
         self.num_actions = 0
+        self._step: int | None = None
+        self.rollbacks: list[tuple[int, int]] = []
+        """``(target, step)`` of every rollback done: at ``step`` the models went back to the
+        checkpoint of ``target``, so the checkpoints of the steps in between (exclusive) hold an
+        abandoned branch's weights."""
 
-    def check(self, mean_kl: float, max_kl: float | None = None) -> GuardDecision:
+    def check(self, mean_kl: float, max_kl: float | None = None, step: int | None = None) -> GuardDecision:
         """Classify one step and return the action to take, if any.
 
         Args:
             mean_kl: mean per-token KL of the step (masked mean over response tokens).
             max_kl: optional largest per-token KL of the step; reported in the message, and a
                 non-finite value marks the step as exploding.
+            step: the step's number (1 for the first), from which a decision with an action
+                gets its ``streak_start``; checked once per step, in order.
         """
+        self._step = step
         cfg = self.config
         mean_kl = float(mean_kl)
         max_kl = None if max_kl is None else float(max_kl)
@@ -178,20 +192,52 @@ class KLGuard:
                 steps = self.explode_steps
                 self.explode_steps = 0
                 self.warn_steps = 0
-                return self._fire(status, cfg.explode_action, f"{reason} for {steps} consecutive step(s)")
+                return self._fire(status, cfg.explode_action, f"{reason} for {steps} consecutive step(s)", steps)
         else:
             reason = f"{detail} > warn_kl {cfg.warn_kl}"
         if self.warn_steps >= cfg.patience:
             steps = self.warn_steps
             self.warn_steps = 0
-            return self._fire(status, cfg.warn_action, f"{reason} for {steps} consecutive step(s)")
+            return self._fire(status, cfg.warn_action, f"{reason} for {steps} consecutive step(s)", steps)
         return GuardDecision(
             status, None, f"{reason}; {self.warn_steps}/{cfg.patience} consecutive step(s) before reacting"
         )
 
-    def _fire(self, status: str, action: str, reason: str) -> GuardDecision:
+    def _fire(self, status: str, action: str, reason: str, steps: int) -> GuardDecision:
         self.num_actions += 1
-        return GuardDecision(status, action, f"{reason}: action {action!r}")
+        start = None if self._step is None else self._step - steps + 1
+        return GuardDecision(status, action, f"{reason}: action {action!r}", start)
+
+    def rollback_bound(self, step: int, streak_start: int) -> int:
+        """The newest step whose checkpoint a rollback at ``step``, for a streak that began at
+        ``streak_start``, may load.
+
+        The KL of step K is measured before K's update, on the weights that step K-1 left: those
+        of checkpoint K-1, or those of checkpoint T where step K-1 rolled back to T. Every step
+        of the streak judged such weights too high, so the newest weights not judged bad are
+        those before the oldest judged ones: checkpoint ``streak_start - 2``, or T - 1 where a
+        step of ``[streak_start - 1, step - 1]`` rolled back to T.
+        """
+        bound = streak_start - 2
+        for target, at in self.rollbacks:
+            if streak_start - 1 <= at < step:
+                bound = min(bound, target - 1)
+        return bound
+
+    def abandoned(self, checkpoint_step: int) -> bool:
+        """Whether the checkpoint of ``checkpoint_step`` holds weights that a rollback abandoned."""
+        return any(target < checkpoint_step < at for target, at in self.rollbacks)
+
+    def rollback_target(self, checkpoint_steps: list[int], step: int, streak_start: int) -> int | None:
+        """The checkpoint a rollback at ``step`` loads: the newest of ``checkpoint_steps`` (the
+        complete ones) at or before ``rollback_bound`` and not ``abandoned``; None if none is."""
+        bound = self.rollback_bound(step, streak_start)
+        fit = [s for s in checkpoint_steps if s <= bound and not self.abandoned(s)]
+        return max(fit) if fit else None
+
+    def record_rollback(self, target: int, step: int) -> None:
+        """Note that the models went back to the checkpoint of ``target`` at ``step``."""
+        self.rollbacks.append((int(target), int(step)))
 
     def next_kl_coef(self, kl_coef: float) -> float:
         """The coefficient after a ``raise_coef`` action: multiplied, capped at ``max_kl_coef``.
@@ -206,9 +252,12 @@ class KLGuard:
         return lr * self.config.lr_multiplier
 
     def state_dict(self) -> dict[str, Any]:
-        return {"warn_steps": self.warn_steps, "explode_steps": self.explode_steps, "num_actions": self.num_actions}
+        return {"warn_steps": self.warn_steps, "explode_steps": self.explode_steps, "num_actions": self.num_actions,
+                "rollbacks": [list(r) for r in self.rollbacks]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.warn_steps = int(state["warn_steps"])
         self.explode_steps = int(state["explode_steps"])
         self.num_actions = int(state["num_actions"])
+        # (a checkpoint written before rollbacks were recorded: none is known)
+        self.rollbacks = [(int(target), int(at)) for target, at in state.get("rollbacks", [])]

@@ -497,11 +497,11 @@ class CheckpointManager:
         self.load(path)
         return path
 
-    def rollback(self) -> str | None:
-        """Load the learned state of the newest checkpoint; its path, or None if there is none."""
-        path = self.latest()
-        if path is not None:
-            self.load(path, keep_progress=True)
+    def rollback(self, step: int) -> str:
+        """Load the learned state of the checkpoint of `step` (a KL-guard rollback, which picks the
+        step: `KLGuard.rollback_target`); its path."""
+        path = self.step_dir(step)
+        self.load(path, keep_progress=True)
         return path
 
 

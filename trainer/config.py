@@ -1907,7 +1907,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         for key, c in roles:
             lists = [name for name in ("save_contents", "load_contents") if "model" not in getattr(c, name)]
             if lists:
-                raise ConfigError(f"algorithm.kl_guard's rollback reloads the models of the last checkpoint, but "
+                raise ConfigError(f"algorithm.kl_guard's rollback reloads the models of an earlier checkpoint, but "
                                   f"{' and '.join(f'{key}.checkpoint.{n}' for n in lists)} lack 'model': add it, or "
                                   "choose another kl_guard action")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

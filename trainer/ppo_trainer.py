@@ -1012,7 +1012,7 @@ class PPOTrainer:
         kl = metrics.get("actor/ref_kl")
         if kl is None or not self.cfg.algorithm.kl_guard.enable:
             return
-        decision = self.guard.check(kl)
+        decision = self.guard.check(kl, step=self.global_step)
         metrics["kl_guard/status"] = {"healthy": 0.0, "warning": 1.0, "exploding": 2.0}[decision.status]
         if decision.action is None:
             return
@@ -1026,13 +1026,28 @@ class PPOTrainer:
                 if role is not None:
                     role.scale_lr(self.guard.next_lr)
         elif decision.action == "rollback":
-            path = self.ckpt.rollback()
-            if path is None:
-                self.log("[kl_guard] no checkpoint to roll back to; continuing")
-            else:
-                self.log(f"rolled back the models to {path}; continuing at step {self.global_step + 1} with new data")
+            self._rollback(decision.streak_start)
         elif decision.action == "stop":
             raise StopTraining(f"KL guard stopped the run at step {self.global_step}: {decision.message}")
+
+    def _rollback(self, streak_start: int) -> None:
+        """The guard's `rollback` at this step, for a streak that began at `streak_start`: the models
+        and optimizers of the newest checkpoint from before the weights the streak judged
+        (`KLGuard.rollback_target`); the KL coefficients, LR schedules and everything else carry on."""
+        step, guard = self.global_step, self.guard
+        steps = self.ckpt.complete_steps()
+        target = guard.rollback_target(steps, step, streak_start)
+        if target is None:
+            abandoned = [s for s in steps if guard.abandoned(s)]
+            self.log(f"[kl_guard] step {step}: no checkpoint to roll back to: the KL streak began at step "
+                     f"{streak_start}, so the rollback needs a checkpoint of step <= "
+                     f"{guard.rollback_bound(step, streak_start)} (checkpoints: {steps or 'none'}"
+                     f"{f', of abandoned branches: {abandoned}' if abandoned else ''}); continuing")
+            return
+        path = self.ckpt.rollback(target)
+        guard.record_rollback(target, step)
+        self.log(f"[kl_guard] step {step}: rolled back the models to {path} (step {target}; the KL streak began at "
+                 f"step {streak_start}); continuing at step {step + 1} with new data")
 
     def train(self) -> int:
         t = self.cfg.trainer

@@ -68,21 +68,41 @@ def _equal(a, b):
     return a == b
 
 
-def test_rollback_restores_the_last_checkpoint_and_moves_on(tiny_assets, tmp_path, capsys):
+def test_rollback_loads_a_checkpoint_from_before_the_kl_rose_and_never_an_abandoned_one(tiny_assets, tmp_path,
+                                                                                       capsys):
+    """Every step after the first warns (patience 1): the KL of step K is measured on the weights
+    step K-1 left, so a rollback at K goes back to checkpoint K-2 at the newest (it used to load
+    K-1's, the very weights that tripped it, and roll back every step for ever), older still when
+    step K-1 rolled back, and never to a checkpoint of an abandoned branch."""
+    import json
+
     run = tmp_path / "b"
-    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1")
+    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1",
+                     "trainer.total_training_steps=5")
     assert code == 0, err
-    assert "rolled back the models to" in err and "global_step_1" in err
     rows = read_metrics(run)
-    assert [row["step"] for row in rows] == [1, 2, 3]  # the step counter moved on
-    assert [row.get("kl_guard/action") for row in rows] == [None, "rollback", "rollback"]
-    # Steps 2 and 3 updated the actor (non-zero gradients, AdamW), and each update was undone
-    # before its checkpoint: checkpoints 2 and 3 hold step 1's weights and optimizer state.
-    assert all(row["actor/grad_norm"] > 0 for row in rows[1:])
-    first = _actor_checkpoint(run, 1)
-    moments = [state["exp_avg"] for state in first["optim"]["state"].values()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # the step counter moved on
+    assert [row.get("kl_guard/action") for row in rows] == [None] + ["rollback"] * 4
+    assert all(row["actor/grad_norm"] > 0 for row in rows)  # every step updated the actor
+    ckpt = {step: _actor_checkpoint(run, step) for step in range(1, 6)}
+    moments = [state["exp_avg"] for state in ckpt[1]["optim"]["state"].values()]
     assert moments and any(m.abs().sum() > 0 for m in moments)
-    for step in (2, 3):
-        later = _actor_checkpoint(run, step)
-        assert _equal(later["model"], first["model"]), step
-        assert _equal(later["optim"], first["optim"]), step
+    same = lambda a, b: _equal(ckpt[a]["model"], ckpt[b]["model"]) and _equal(ckpt[a]["optim"], ckpt[b]["optim"])  # noqa: E731
+    # step 2 judged the weights of step 1: the newest good ones would be step 0's, never saved
+    assert "step 2: no checkpoint to roll back to: the KL streak began at step 2, so the rollback needs a " \
+           "checkpoint of step <= 0 (checkpoints: [1]); continuing" in err
+    assert not same(2, 1)
+    # step 3 judged step 2's weights: back to checkpoint 1 (not 2), which checkpoint 3 then holds
+    assert f"step 3: rolled back the models to {run / 'checkpoints' / 'global_step_1'} (step 1;" in err
+    assert same(3, 1)
+    # step 4 judged the restored weights, checkpoint 1's: nothing older is saved
+    assert "step 4: no checkpoint to roll back to: the KL streak began at step 4, so the rollback needs a " \
+           "checkpoint of step <= 0 (checkpoints: [1, 2, 3], of abandoned branches: [2]); continuing" in err
+    assert not same(4, 1)
+    # step 5 judged step 4's weights: checkpoint 3 (checkpoint 1's weights), not the abandoned 2
+    assert f"step 5: rolled back the models to {run / 'checkpoints' / 'global_step_3'} (step 3;" in err
+    assert same(5, 3) and not same(5, 2)
+    # the record of the rollbacks is in the guard's checkpointed state (a resume keeps it)
+    state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
+    assert state["kl_guard"]["rollbacks"] == [[1, 3], [3, 5]]
+    assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 6))  # none deleted

@@ -558,7 +558,7 @@ def test_checkpoint_contents_are_verls_items():
     # a KL-guard rollback reloads the models: their checkpoints must hold them and a resume load them
     rollback = ["algorithm.kl_guard.explode_action=rollback"]
     validate(_cfg(*rollback))
-    with pytest.raises(ConfigError, match=rf"rollback reloads the models of the last checkpoint, but {actor}."
+    with pytest.raises(ConfigError, match=rf"rollback reloads the models of an earlier checkpoint, but {actor}."
                                           "save_contents and {actor}.load_contents lack 'model'".replace("{actor}", actor)):
         validate(_cfg(*rollback, f"{actor}.save_contents=[hf_model]"))
     with pytest.raises(ConfigError, match=rf"but {critic}.load_contents lack 'model'"):

@@ -261,7 +261,7 @@ def test_guard_max_kl_infinite_and_disabled():
         decision = off.check(kl_value)
         assert decision.action is None
     assert decision.status == "exploding"
-    assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0}
+    assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0, "rollbacks": []}
 
 
 def test_guard_state_round_trip_and_reactions():
@@ -272,7 +272,7 @@ def test_guard_state_round_trip_and_reactions():
         assert guard.check(kl_value).action is None
     resumed = KLGuard(cfg)
     resumed.load_state_dict(guard.state_dict())
-    assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0}
+    assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0, "rollbacks": []}
     # Both continue identically: the third exploding step fires the exploding action.
     assert guard.check(0.08).action == resumed.check(0.08).action == "raise_coef"
 
@@ -281,3 +281,41 @@ def test_guard_state_round_trip_and_reactions():
     assert guard.next_kl_coef(2.0) == 2.0
     assert guard.next_kl_coef(0.0) == 0.0
     assert guard.next_lr(1e-6) == pytest.approx(5e-7)
+
+
+def test_guard_decision_names_the_step_its_streak_began():
+    guard = KLGuard(KLGuardConfig(patience=3, warn_action="lower_lr", explode_action="rollback"))
+    decisions = {step: guard.check(kl_value, step=step)
+                 for step, kl_value in enumerate([0.01, 0.03, 0.06, 0.06, 0.06, 0.03, 0.01, 0.06, float("nan")], 1)}
+    # steps 2..4 above warn_kl: the warning fires at 4 (streak from 2); 3..5 above explode_kl: fires at 5
+    assert [(s, d.action, d.streak_start) for s, d in decisions.items() if d.action] == [
+        (4, "lower_lr", 2), (5, "rollback", 3), (9, "rollback", 8)]
+    assert all(d.streak_start is None for d in decisions.values() if not d.action)
+    assert KLGuard(KLGuardConfig()).check(float("nan")).streak_start is None  # no step given
+
+
+def test_rollback_target_skips_the_judged_weights_and_abandoned_branches():
+    guard = KLGuard(KLGuardConfig(explode_action="rollback"))
+    # A streak that began at step 4 judged the weights of step 3 (measured before step 4's update):
+    # the newest good ones are checkpoint 2's, not the latest (3).
+    assert guard.rollback_bound(4, 4) == 2
+    assert guard.rollback_target([1, 2, 3], 4, 4) == 2
+    assert guard.rollback_target([1, 3], 6, 4) == 1  # patience 3: from before step 4, whatever step it fires
+    assert guard.rollback_target([3], 4, 4) is None and guard.rollback_target([], 2, 2) is None
+    guard.record_rollback(2, 4)  # checkpoint 3 now holds an abandoned branch's weights; 4's the restored ones
+    assert [s for s in range(1, 6) if guard.abandoned(s)] == [3]
+    # Step 5's KL was measured on the restored weights (checkpoint 2's): the target is older than them.
+    assert guard.rollback_bound(5, 5) == 1 and guard.rollback_target([1, 2, 3, 4], 5, 5) == 1
+    # Step 6's on the weights of step 5, after the rollback: checkpoint 4 (the restored weights) is fine
+    # and checkpoint 3, the abandoned branch, is never picked.
+    assert guard.rollback_target([1, 2, 3, 4, 5], 6, 6) == 4
+    assert guard.rollback_target([1, 2, 3], 6, 6) == 2
+    assert guard.rollback_target([3], 9, 9) is None
+    # The record survives a resume (it is in the guard's checkpointed state).
+    resumed = KLGuard(KLGuardConfig(explode_action="rollback"))
+    resumed.load_state_dict(guard.state_dict())
+    assert resumed.rollbacks == [(2, 4)] and resumed.rollback_target([1, 2, 3], 6, 6) == 2
+    # a state written before the record existed: no rollback known
+    older = {k: v for k, v in guard.state_dict().items() if k != "rollbacks"}
+    resumed.load_state_dict(older)
+    assert resumed.rollbacks == []
