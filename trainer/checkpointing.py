@@ -287,15 +287,16 @@ class CheckpointManager:
     (`ROLE_KEYS`), written sharded; `extras`: the states that are a model's 'extra' (state
     name: model name), saved and loaded with it; the RNG files are the actor's 'extra'.
     `tokenizer` and `base_model` (the actor's model path) go into an 'hf_model' export. A
-    KL-guard rollback (`keep_progress`) restores only the models and the states named in
-    `learned`: the step counter, data position, guard and RNG move on."""
+    KL-guard rollback (`keep_progress`) restores only the models and their optimizers: every
+    registered state (the step counter, data position, KL coefficients, LR schedules, guard)
+    and the RNG move on."""
 
     def __init__(self, root: str, *, states: dict[str, Stateful] | None = None,
                  models: dict[str, tuple] | None = None, extras: dict[str, str] | None = None,
-                 learned: tuple[str, ...] = (), fingerprint: dict | None = None, config: PPOConfig | None = None,
+                 fingerprint: dict | None = None, config: PPOConfig | None = None,
                  tokenizer=None, base_model: str | None = None, rank: int = 0, world_size: int = 1,
                  keep: int | None = None, log: Callable[[str], None] = print):
-        self.root, self.states, self.models, self.learned = root, states or {}, models or {}, learned
+        self.root, self.states, self.models = root, states or {}, models or {}
         self.extras, self.tokenizer, self.base_model = extras or {}, tokenizer, base_model
         self.fingerprint, self.config, self.keep, self.log = fingerprint, config, keep, log
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
@@ -398,9 +399,11 @@ class CheckpointManager:
     # --------------------------------------------------------------- load
     def load(self, path: str, keep_progress: bool = False) -> None:
         """Restore the run from checkpoint `path`. With `keep_progress` (a KL-guard rollback) only
-        the learned state comes back (models, optimizers and the `learned` states): the step
-        counter, data position, guard and RNG move on, so the run continues on new data instead
-        of replaying the batches that led to the rollback."""
+        the models and their optimizers come back: the step counter, data position, guard and RNG
+        move on, so the run continues on new data instead of replaying the batches that led to the
+        rollback, and the KL coefficients and LR schedules (with the guard's own reactions,
+        `raise_coef`, `lower_lr`) carry on as they are: the optimizers' learning rates are set
+        from the schedules, not taken from the checkpoint."""
         # Everything read from files is checked before any model or optimizer changes.
         state = read_trainer_state(path)
         # (a model's 'extra' states: checked with its contents below)
@@ -436,7 +439,7 @@ class CheckpointManager:
                     rng = ", RNG as seeded" if (name, item) == ("actor", "extra") else ""
                     fresh.append(f"{name} {item} ({FRESH[item]}{rng})")
         loaded = [name for name in self.states
-                  if (name in self.learned or not keep_progress) and self._state_kept(name, "load_contents")]
+                  if not keep_progress and self._state_kept(name, "load_contents")]
         for name in loaded:  # a state that can tell whether it fits (the data loader: the data it read)
             check = getattr(self.states[name], "check_state_dict", None)
             if check is not None:
@@ -498,8 +501,8 @@ class CheckpointManager:
         return path
 
     def rollback(self, step: int) -> str:
-        """Load the learned state of the checkpoint of `step` (a KL-guard rollback, which picks the
-        step: `KLGuard.rollback_target`); its path."""
+        """Load the models and optimizers of the checkpoint of `step` (a KL-guard rollback, which
+        picks the step: `KLGuard.rollback_target`); its path."""
         path = self.step_dir(step)
         self.load(path, keep_progress=True)
         return path

@@ -211,7 +211,7 @@ class PPOTrainer:
             models["critic"] = (m.critic, m.critic_optim)
         self.ckpt = CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"), states=states, models=models,
-            extras={"actor_sched": "actor", "critic_sched": "critic"}, learned=("kl", "actor_sched", "critic_sched"),
+            extras={"actor_sched": "actor", "critic_sched": "critic"},
             fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None}, config=cfg,
             tokenizer=self.tokenizer, base_model=cfg.actor_rollout_ref.model.path, rank=ctx.rank,
             world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
@@ -1047,7 +1047,8 @@ class PPOTrainer:
         path = self.ckpt.rollback(target)
         guard.record_rollback(target, step)
         self.log(f"[kl_guard] step {step}: rolled back the models to {path} (step {target}; the KL streak began at "
-                 f"step {streak_start}); continuing at step {step + 1} with new data")
+                 f"step {streak_start}); continuing at step {step + 1} with new data, the KL coefficients and "
+                 "learning rates as they are")
 
     def train(self) -> int:
         t = self.cfg.trainer

@@ -106,3 +106,48 @@ def test_rollback_loads_a_checkpoint_from_before_the_kl_rose_and_never_an_abando
     state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
     assert state["kl_guard"]["rollbacks"] == [[1, 3], [3, 5]]
     assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 6))  # none deleted
+
+
+def _scripted_kl(monkeypatch, script):
+    """The guard sees `script[step]` as the step's KL (the run's own KL is the same every run only
+    up to floating-point drift, and this picks which action fires at which step)."""
+    from kl.guards import KLGuard
+
+    check = KLGuard.check
+    monkeypatch.setattr(KLGuard, "check", lambda self, kl, max_kl=None, step=None:
+                        check(self, script[step], max_kl, step=step))
+
+
+ROLLBACK_AT_4 = ["trainer.total_training_steps=5", "trainer.save_freq=1", "algorithm.kl_guard.warn_kl=0.02",
+                 "algorithm.kl_guard.explode_kl=0.05", "algorithm.kl_guard.explode_action=rollback"]
+KL_SCRIPT = {1: 0.0, 2: 0.0, 3: 0.03, 4: 0.06, 5: 0.0}  # warning at step 3, exploding at step 4
+
+
+def test_rollback_keeps_the_raised_kl_coefficient(tiny_assets, tmp_path, capsys, monkeypatch):
+    _scripted_kl(monkeypatch, KL_SCRIPT)
+    run = tmp_path / "c"
+    code, err = _run(tiny_assets, run, capsys, *ROLLBACK_AT_4, "algorithm.kl_guard.warn_action=raise_coef")
+    assert code == 0, err
+    rows = read_metrics(run)
+    assert [row.get("kl_guard/action") for row in rows] == [None, None, "raise_coef", "rollback", None]
+    assert "rolled back the models to" in err and "global_step_2 (step 2;" in err
+    # raised after step 3, and the rollback at step 4 keeps it (it used to restore checkpoint 2's 0.01)
+    assert [row["actor/kl_coef"] for row in rows] == pytest.approx([0.01, 0.01, 0.01, 0.02, 0.02])
+
+
+def test_rollback_keeps_the_lowered_learning_rate_and_the_schedule_position(tiny_assets, tmp_path, capsys,
+                                                                            monkeypatch):
+    import json
+
+    _scripted_kl(monkeypatch, KL_SCRIPT)
+    run = tmp_path / "d"
+    code, err = _run(tiny_assets, run, capsys, *ROLLBACK_AT_4, "algorithm.kl_guard.warn_action=lower_lr")
+    assert code == 0, err
+    rows = read_metrics(run)
+    assert [row.get("kl_guard/action") for row in rows] == [None, None, "lower_lr", "rollback", None]
+    # lowered after step 3, and the rollback at step 4 keeps it (it used to restore checkpoint 2's 1e-2)
+    assert [row["actor/lr"] for row in rows] == pytest.approx([1e-2, 1e-2, 1e-2, 5e-3, 5e-3])
+    # the schedule is not rewound to checkpoint 2's position either: it stepped once per update
+    state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
+    assert state["actor_sched"]["last_epoch"] == 5
+    assert state["actor_sched"]["base_lrs"] == pytest.approx([5e-3])
