@@ -26,6 +26,7 @@ import asyncio
 import copy
 import json
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class ToolConfigError(ValueError):
 
 
 class ToolError(RuntimeError):
-    """A tool broke its contract (returned media or a response of the wrong type): a bug in the
+    """A tool broke its contract (returned media, or a response or reward of the wrong type): a bug in the
     tool, not a mistake of the model, so it stops the run instead of becoming the model's answer."""
 
 
@@ -316,6 +317,15 @@ def _response_text(tool: BaseTool, response: Any) -> str:
     return text or ""
 
 
+def _reward(tool: BaseTool, reward: Any) -> float | None:
+    """The step reward `tool.execute` returned, if a real number (not a bool) or None; anything else
+    is a ToolError naming the tool (it would stop the rollout later, or a str be read as a number)."""
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
+        raise ToolError(f"tool {tool.name!r} ({type(tool).__name__}).execute returned {type(reward).__name__} "
+                        f"{reward!r} as its reward; return a number or None")
+    return reward
+
+
 async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: dict | None, limit: int,
                     side: str) -> tuple[str, float | None, dict]:
     """One call, verl's `_call_tool`: (the answer's text, cut by `truncate_tool_text`; the step
@@ -344,7 +354,7 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
             except Exception as err:  # noqa: BLE001 - a bug in the tool, not the model's mistake: stops the run
                 raise ToolError(f"tool {call.name!r} ({type(tool).__name__}).release failed: "
                                 f"{type(err).__name__}: {err}") from err
-    return truncate_tool_text(_response_text(tool, response), limit, side), reward, metrics
+    return truncate_tool_text(_response_text(tool, response), limit, side), _reward(tool, reward), metrics
 
 
 def check_parallel_calls(max_parallel_calls: Any) -> None:

@@ -366,6 +366,8 @@ class CountingTool(BaseTool):
             return 7, 0.0, {}
         if "str" in parameters:
             return parameters["str"], 0.5, {"m": 1}
+        if "reward" in parameters:
+            return ToolResponse(text="ok"), parameters["reward"], {}
         return ToolResponse(text=parameters.get("text")), None, {}
 
     async def release(self, instance_id, **kwargs):
@@ -423,12 +425,20 @@ def test_a_tool_that_breaks_its_contract_stops_the_run_naming_it():
     with pytest.raises(ToolError, match=r"tool 'painter' \(CountingTool\)\.execute returned int as its response"):
         _one({"painter": tool}, "painter", '{"number": 1}')
     assert (tool.created, tool.released) == (2, 2)
+    # a reward that is not a real number (a dict, a str, a bool): stops the run naming the tool, not a bare
+    # TypeError in the turn loop (a str is not read as a number)
+    for reward, kind in (({"score": 1}, "dict"), ("0.5", "str"), (True, "bool")):
+        with pytest.raises(ToolError, match=rf"^tool 'painter' \(CountingTool\)\.execute returned {kind} "
+                                            rf"{re.escape(repr(reward))} as its reward; return a number or None$"):
+            _one({"painter": tool}, "painter", json.dumps({"reward": reward}))
+    assert _one({"painter": tool}, "painter", '{"reward": 2}') == ("ok", 2, {})
+    assert (tool.created, tool.released) == (6, 6)
     # a release that raises, after an answer or after an error answer: the tool's bug, not the model's
     tool.fail_release = True
     for arguments in ('{"text": "ok"}', '{"raise": "no"}'):
         with pytest.raises(ToolError, match=r"^tool 'painter' \(CountingTool\)\.release failed: OSError: socket closed$"):
             _one({"painter": tool}, "painter", arguments)
-    assert (tool.created, tool.released) == (4, 4)
+    assert (tool.created, tool.released) == (8, 8)
 
 
 # ---- a turn of calls
