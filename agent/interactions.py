@@ -232,8 +232,8 @@ def start_interactions(interactions: dict[str, BaseInteraction],
                        requests: list[tuple[str, dict[str, Any]]], loop=None) -> list[str]:
     """Start an instance per sample, all at once: each request is (instance id, the row's
     `interaction_kwargs`), whose `name` picks the interaction; they are passed as keywords, as
-    verl does. The instance ids the interactions return, in order. Every request's interaction is
-    looked up before any starts."""
+    verl does. The instance ids the interactions return, in order (the turn loop ignores them and
+    uses its own ids, as verl does). Every request's interaction is looked up before any starts."""
     picked = [_pick(interactions, _named(kwargs, i), i) for i, (_, kwargs) in enumerate(requests)]
     return _gather([_call(interaction, "start_interaction", instance_id, **kwargs)
                     for interaction, (instance_id, kwargs) in zip(picked, requests)], loop)

@@ -28,8 +28,9 @@ joins the call does not change what it samples (up to the rounding of GEMMs of a
 size). `num_turns` is verl's count (assistant turns + tool responses + interaction replies + 1);
 `tool_rewards` the rewards the tools returned and `turn_scores` the interactions' reach the reward
 function in `extra_info`, as verl passes them. Each tool-agent sample starts its interaction
-instance (`interaction_kwargs`' `name`) before its first turn; the loop finalizes them at the end
-(verl's leaves them).
+instance (`interaction_kwargs`' `name`) before its first turn, under the sample's own request id,
+which its later calls use (as verl, whatever `start_interaction` returns); the loop finalizes them
+at the end (verl's leaves them).
 
 When answers join. The loop looks at its waiting samples after every engine step in which a
 sample began to wait, every `poll_every` steps otherwise, and whenever the engine has nothing left
@@ -88,7 +89,7 @@ class _Sample:
     tools_kwargs: dict
     messages: list[dict] | None = None  # the chat so far (with interactions: what they read)
     interaction_kwargs: dict | None = None
-    instance: str | None = None  # its interaction's instance id
+    instance: str | None = None  # its interaction's instance id (its request id, as verl's)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -156,11 +157,13 @@ class ToolAgent:
         loop = EventLoop() if runs_tools else None
         try:
             if talkers:
-                ids = _first_rank(lambda: start_interactions(
-                    self.interactions, [(uuid4().hex, s.interaction_kwargs) for s in talkers], loop), runs_tools,
-                    share)
-                for s, instance in zip(talkers, ids):
-                    s.instance = instance
+                # verl starts an instance under the sample's request id and uses that id from then on,
+                # ignoring what start_interaction returns (an interaction written for verl may return None)
+                for s in talkers:
+                    s.instance = uuid4().hex
+                requests = [(s.instance, s.interaction_kwargs) for s in talkers]
+                _first_rank(lambda: start_interactions(self.interactions, requests, loop) and None, runs_tools,
+                            share)
             start = time.perf_counter()
             for s in samples.values():
                 s.since = start
@@ -195,7 +198,7 @@ class ToolAgent:
             s.messages.append({"role": "assistant", "content": chat})
         if s.calls:
             return "tools"
-        return "interaction" if s.instance is not None else None
+        return "interaction" if s.messages is not None else None
 
     def _work(self, s: _Sample, kind: str):
         """The coroutine of a waiting sample's tools or interaction turn."""

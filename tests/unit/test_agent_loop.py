@@ -330,6 +330,38 @@ def test_interactions_reply_between_turns(tok):
                                         {"role": "assistant", "content": "#### 4"}]
 
 
+def test_an_interaction_written_for_verl_is_called_under_the_request_id(tok):
+    """verl calls `start_interaction(request_id, **kwargs)`, ignores what it returns and uses the request
+    id from then on: an interaction whose start returns nothing (or another id) still answers the turns,
+    under the id it was started with, and is finalized under it."""
+    class VerlStyle(Teacher):
+        def __init__(self, returns):
+            super().__init__()
+            self.returns, self.ids = returns, []
+
+        async def start_interaction(self, instance_id=None, **kwargs):
+            self.ids.append(("start", instance_id))
+            return self.returns
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            self.ids.append(("turn", instance_id))
+            return await super().generate_response(instance_id, messages, **kwargs)
+
+        async def finalize_interaction(self, instance_id=None, **kwargs):
+            self.ids.append(("end", instance_id))
+
+    for returns in (None, "other"):
+        teacher = VerlStyle(returns)
+        a = agent(tok, Lookup(), interactions={"teacher": teacher})
+        script = Script(tok, {(0, 0): ["3", "4"]})
+        (o,) = run(a, script, [[1]], [(0, 0)], ["tool_agent"], messages=[[{"role": "user", "content": "2+2?"}]],
+                   interaction_kwargs=[{"name": "teacher"}])
+        (request_id,) = {i for _, i in teacher.ids}
+        assert isinstance(request_id, str) and request_id != returns
+        assert [k for k, _ in teacher.ids] == ["start", "turn", "turn", "end"]
+        assert (o.num_turns, o.turn_scores, o.finish_reason) == (4, [0.0, 1.0], "stop")
+
+
 def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
     """A tool layer error where the tools run is raised on the ranks that only wait for its results."""
     class Broken(Teacher):
