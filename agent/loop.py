@@ -18,7 +18,8 @@ full while other samples still generate, wait for tools, or have ended:
        template, are appended to the sample, which continues from its kept K/V with what is left
        of its budget; one whose messages do not fit in its budget stops without them (verl's
        rule), as does one whose interaction ends the rollout (verl appends that last reply, masked
-       out; here the response ends on the model's turn)
+       out; here the response ends on the model's turn, but the reply counts as a user turn in
+       `num_turns`, as in verl)
 
 A sample's response is every token after its prompt: the model's turns (mask 1) and the tokens
 inserted between them (mask 0, log-prob 0), never longer than the response length. The engine
@@ -215,8 +216,9 @@ class ToolAgent:
         stop, text, score, _ = result  # an interaction's reply: its score counts
         if score is not None:
             s.turn_scores.append(score)
-        if stop:  # not appended: the response ends on the model's turn, where the score goes
-            s.finish_reason = "stop"
+        if stop:  # not appended: the response ends on the model's turn, where the score goes; it
+            s.finish_reason = "stop"  # counts as a user turn all the same, as verl counts it (num_turns)
+            s.user_turns += 1
             return False
         return self._append(s, [{"role": "user", "content": text}])
 

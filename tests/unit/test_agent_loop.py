@@ -321,7 +321,9 @@ def test_interactions_reply_between_turns(tok):
     o = outs[0]
     assert o.token_ids == t1 + reply + t2 + answer + t3
     assert o.mask == [1] * len(t1) + [0] * len(reply) + [1] * len(t2) + [0] * len(answer) + [1] * len(t3)
-    assert (o.num_turns, o.turn_scores, o.tool_rewards, o.finish_reason) == (6, [0.0, 1.0], [0.2], "stop")
+    # verl's count: 3 assistant turns + the tool answer + 2 user replies (the last, which ends the rollout, is
+    # counted though not appended) + 1
+    assert (o.num_turns, o.turn_scores, o.tool_rewards, o.finish_reason) == (7, [0.0, 1.0], [0.2], "stop")
     assert outs[1].num_turns == 2 and outs[1].turn_scores == []  # single-turn: no interaction
     assert teacher.started == [kwargs] and len(teacher.ended) == 1
     assert teacher.read[1] == prompt + [{"role": "assistant", "content": "3"}, {"role": "user", "content": "try again"},
@@ -359,7 +361,7 @@ def test_an_interaction_written_for_verl_is_called_under_the_request_id(tok):
         (request_id,) = {i for _, i in teacher.ids}
         assert isinstance(request_id, str) and request_id != returns
         assert [k for k, _ in teacher.ids] == ["start", "turn", "turn", "end"]
-        assert (o.num_turns, o.turn_scores, o.finish_reason) == (4, [0.0, 1.0], "stop")
+        assert (o.num_turns, o.turn_scores, o.finish_reason) == (5, [0.0, 1.0], "stop")
 
 
 def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
