@@ -238,18 +238,20 @@ def load_tools(path: str | os.PathLike) -> list[BaseTool]:
         where = f"{path}: tools[{i}]"
         if not isinstance(entry, dict):
             raise ToolConfigError(f"{where}: must be a mapping with {list(_ENTRY_KEYS)}, got {type(entry).__name__}")
+        # verl's MCP entries (`config: {type: mcp}` and an `mcp:` key) are told so, before their `mcp` key
+        # would be reported as unknown
+        config = entry.get("config")
+        kind = config.get("type") if isinstance(config, dict) else None
+        if kind == "mcp" or "mcp" in entry:
+            raise ToolConfigError(f"{where}.{'config.type' if kind == 'mcp' else 'mcp'}: 'mcp' tools are not "
+                                  "supported; meshppo runs native tools (type: native) only")
         unknown = [k for k in entry if k not in _ENTRY_KEYS]
         if unknown:
             raise ToolConfigError(f"{where}: unknown keys {unknown}; an entry has {list(_ENTRY_KEYS)}")
         if "class_name" not in entry:
             raise ToolConfigError(f"{where}.class_name: missing (the tool's class, package.module.Class)")
-        config = entry.get("config")
         if not isinstance(config, dict):
             raise ToolConfigError(f"{where}.config: must be a mapping with at least 'type: native', got {config!r}")
-        kind = config.get("type")
-        if kind == "mcp":
-            raise ToolConfigError(f"{where}.config.type: 'mcp' tools are not supported; meshppo runs native tools "
-                                  "(type: native) only")
         if kind != "native":
             raise ToolConfigError(f"{where}.config.type: must be 'native', got {kind!r}")
         schema = entry.get("tool_schema")

@@ -225,7 +225,12 @@ def _entry(**overrides):
     ({"tools": [_entry()], "interactions": []}, r"unknown top-level keys \['interactions'\]"),
     ({"tools": []}, r"tools: must be a non-empty list"),
     ({"tools": ["x"]}, r"tools\[0\]: must be a mapping"),
-    ({"tools": [_entry(mcp={"mcp_servers_config_path": "x"})]}, r"tools\[0\]: unknown keys \['mcp'\]"),
+    ({"tools": [_entry(extra=1)]}, r"tools\[0\]: unknown keys \['extra'\]"),
+    # verl's own MCP entry (examples/sglang_multiturn/config/tool_config/mcp_tool_config.yaml): told it is MCP
+    ({"tools": [_entry(class_name="verl.tools.mcp_search_tool.MCPSearchTool", config={"type": "mcp"},
+                       mcp={"mcp_servers_config_path": "x"}, tool_schema=None)]},
+     r"tools\[0\]\.config\.type: 'mcp' tools are not supported; meshppo runs native tools \(type: native\) only$"),
+    ({"tools": [_entry(mcp={"mcp_servers_config_path": "x"})]}, r"tools\[0\]\.mcp: 'mcp' tools are not supported"),
     ({"tools": [_entry(class_name=None)]}, r"tools\[0\]\.class_name: missing"),
     ({"tools": [_entry(config=None)]}, r"tools\[0\]\.config: must be a mapping with at least 'type: native'"),
     ({"tools": [_entry(config={"rate_limit": 1})]}, r"tools\[0\]\.config\.type: must be 'native', got None"),
