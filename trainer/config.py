@@ -1704,6 +1704,19 @@ def described_launch(cfg: PPOConfig) -> tuple[int, int]:
     return t.nnodes * t.n_gpus_per_node, t.n_gpus_per_node
 
 
+def _same_file(a: str, b: str | None) -> bool:
+    """Whether the paths `a` and `b` name the same file, however spelled (`./x.yaml`, `x.yaml`, through a
+    link): the same file when both exist, else the same resolved path."""
+    if b is None:
+        return False
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """Cross-field checks against the launch the config describes (`described_launch`). Given the
     real launch's sizes, first checks that they are the described ones. Raises ConfigError saying
@@ -1847,7 +1860,8 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
-    if cfg.data.tool_config_path is not None and cfg.data.tool_config_path != rollout.multi_turn.tool_config_path:
+    if cfg.data.tool_config_path is not None and not _same_file(cfg.data.tool_config_path,
+                                                                rollout.multi_turn.tool_config_path):
         raise ConfigError(f"data.tool_config_path={cfg.data.tool_config_path!r} differs from actor_rollout_ref.rollout."
                           f"multi_turn.tool_config_path={rollout.multi_turn.tool_config_path!r}: meshppo renders (and "
                           "filters) the tool agent's prompts with the rollout's tools; set it null or to the same file")

@@ -315,6 +315,28 @@ def test_data_tool_config_path_is_the_rollouts_or_refused():
         validate(_cfg("data.tool_config_path=t.yaml"), 2)
 
 
+def test_data_tool_config_path_may_spell_the_rollouts_file_another_way(tmp_path, monkeypatch):
+    """The same file through another spelling (`./configs/tools/x.yaml`, a link) is the rollout's file,
+    whether or not it exists yet; another file is still refused."""
+    monkeypatch.chdir(tmp_path)
+    same = {"./configs/tools/x.yaml": "configs/tools/x.yaml", "configs/tools/../tools/x.yaml": "configs/tools/x.yaml",
+            str(tmp_path / "configs/tools/x.yaml"): "configs/tools/x.yaml", "link.yaml": "configs/tools/x.yaml"}
+    for exists in (False, True):
+        if exists:
+            (tmp_path / "configs/tools").mkdir(parents=True)
+            (tmp_path / "configs/tools/x.yaml").write_text("tools: []\n")
+            os.symlink(tmp_path / "configs/tools/x.yaml", tmp_path / "link.yaml")
+        for data, rollout in same.items():
+            if data == "link.yaml" and not exists:
+                continue
+            validate(_cfg(f"data.tool_config_path={data}", f"{R}.multi_turn.tool_config_path={rollout}"), 2)
+        with pytest.raises(ConfigError, match="data.tool_config_path='configs/tools/y.yaml' differs from "
+                                              "actor_rollout_ref.rollout.multi_turn.tool_config_path='configs/tools/"
+                                              "x.yaml'"):
+            validate(_cfg("data.tool_config_path=configs/tools/y.yaml",
+                          f"{R}.multi_turn.tool_config_path=configs/tools/x.yaml"), 2)
+
+
 def test_options_of_a_switch_that_is_off_are_noted():
     """The KL-in-reward options without use_kl_in_reward, the KL-loss options without use_kl_loss,
     and a validation frequency without validation files: accepted (verl's scripts set them), said
