@@ -451,10 +451,14 @@ class RLHFDataset:
 
     @staticmethod
     def _tools_kwargs(extra_info: dict[str, Any], where: str) -> dict[str, dict]:
-        """verl's `extra_info.tools_kwargs`: per tool name, the arguments of its calls (`create_kwargs`)."""
+        """verl's `extra_info.tools_kwargs`: per tool name, the arguments of its calls (`create_kwargs`).
+        A tool whose value is None is left out: a parquet file whose rows name different tools has
+        one struct of every row's tools, so each row reads None for the tools of the others."""
         tools_kwargs = extra_info.get("tools_kwargs")
         if tools_kwargs is None:
             return {}
+        if isinstance(tools_kwargs, dict):
+            tools_kwargs = {name: v for name, v in tools_kwargs.items() if v is not None}
         if not isinstance(tools_kwargs, dict) or not all(isinstance(v, dict) for v in tools_kwargs.values()):
             raise DatasetError(f"{where}: field 'extra_info.tools_kwargs' must map each tool's name to an object "
                                "(verl's {'create_kwargs': {...}})")

@@ -691,6 +691,30 @@ def test_gsm8k_multiturn_rows_feed_the_dataset_with_their_tools_kwargs(tmp_path,
     assert ds[1]["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1500"}}}
 
 
+def test_parquet_rows_naming_different_tools_load_each_with_its_own(tmp_path, tokenizer):
+    """pyarrow stores the rows' `extra_info.tools_kwargs` as one struct of every row's tools, so a row
+    reads None for a tool only another row names: those are left out of the row's tools_kwargs (they
+    were refused as not an object)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [_chat_row("1+1=", "2", agent_name="tool_agent",
+                      extra_info={"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": "2"}}}}),
+            _chat_row("2+2=", "4", agent_name="tool_agent",
+                      extra_info={"tools_kwargs": {"search": {"create_kwargs": {"query": "four"}}}})]
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert read_records(path)[0][1]["extra_info"]["tools_kwargs"]["search"] is None  # what pyarrow gives
+    ds = RLHFDataset([path], tokenizer)
+    assert ds[0]["tools_kwargs"] == {"calc": {"create_kwargs": {"ground_truth": "2"}}}
+    assert ds[1]["tools_kwargs"] == {"search": {"create_kwargs": {"query": "four"}}}
+    # a value that is not an object is still refused
+    bad = str(tmp_path / "bad.jsonl")
+    write_jsonl([_chat_row("1+1=", "2", agent_name="tool_agent", extra_info={"tools_kwargs": {"calc": 3}})], bad)
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: field 'extra_info.tools_kwargs' must map each tool's name"):
+        RLHFDataset([bad], tokenizer)
+
+
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_gsm8k_interaction_rows_are_verls_interaction_rows(tmp_path, ext):
     """--multiturn interaction writes the rows of verl's gsm8k_multiturn_w_interaction.py."""
