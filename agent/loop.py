@@ -57,8 +57,8 @@ from agent._load import EventLoop
 from agent.interactions import (BaseInteraction, InteractionError, finalize_interactions, interaction_turn,
                                 start_interactions)
 from agent.tool_parser import parse_tool_calls
-from agent.tools import (BaseTool, ToolError, check_parallel_calls, check_truncation, message_ids, system_prompt_ids,
-                         tool_turn)
+from agent.tools import (BaseTool, ToolError, check_message_template, check_parallel_calls, check_truncation,
+                         message_ids, system_prompt_ids, tool_turn)
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
 from rollout.config import Continuation
@@ -116,7 +116,8 @@ class ToolAgent:
     calls ends the rollout); `chat_template_kwargs`: verl's `data.apply_chat_template_kwargs`, also
     used to render the inserted messages; the limits are `rollout.multi_turn`'s (None: no limit on
     that count); `poll_every`: the engine steps between looks at waiting samples when none began
-    to wait (each look is a broadcast at TP > 1)."""
+    to wait (each look is a broadcast at TP > 1). A chat template that cannot render a `tool`
+    message (with tools) or a `user` one (with interactions) with its text is a ChatTemplateError."""
 
     def __init__(self, tokenizer, tools: list[BaseTool], *, response_length: int, max_assistant_turns: int | None,
                  max_user_turns: int | None, max_parallel_calls: int, max_tool_response_length: int,
@@ -136,6 +137,11 @@ class ToolAgent:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.poll_every = poll_every
         self._system_prompt: list[int] | None = None
+        # the messages the loop will insert, rendered now: a template that cannot render them (or
+        # drops them) is a ChatTemplateError here, not at the model's first tool call mid-training
+        for role, needed in (("tool", self.tools), ("user", self.interactions)):
+            if needed:
+                check_message_template(tokenizer, role, **self.chat_template_kwargs)
 
     def run(self, prompts: list[list[int]], keys: list[tuple[int, int]], agents: list[str], tools_kwargs: list[dict],
             generate: Callable, runs_tools: bool = True, share: Callable = lambda x: x,

@@ -442,6 +442,34 @@ def message_ids(tokenizer, messages: list[dict], system_prompt: list[int], **cha
     return ids[n:]
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that cannot render the messages the turn loop inserts (`role`: "tool" for the
+    tools' answers, "user" for an interaction's replies), or that renders them without their text."""
+
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role
+
+
+TEMPLATE_SAMPLE = "meshppo sample message 42"
+
+
+def check_message_template(tokenizer, role: str, **chat_template_kwargs) -> None:
+    """A ChatTemplateError unless the chat template renders a `role` message as the turn loop appends
+    one (`system_prompt_ids`, `message_ids`) with the message's text in it: a template that raises on
+    the role, or drops a role it does not know (the model would never see the tools' answers), is
+    found before any model work, not at the model's first tool call."""
+    try:
+        system = system_prompt_ids(tokenizer, **chat_template_kwargs)
+        ids = message_ids(tokenizer, [{"role": role, "content": TEMPLATE_SAMPLE}], system, **chat_template_kwargs)
+    except ValueError as err:
+        raise ChatTemplateError(str(err), role) from err
+    text = tokenizer.decode(ids)
+    if "".join(TEMPLATE_SAMPLE.split()) not in "".join(text.split()):
+        raise ChatTemplateError(f"{_template_name(tokenizer, chat_template_kwargs)} renders a {role!r} message "
+                                f"without its text (a {role!r} message {TEMPLATE_SAMPLE!r} renders as {text!r})", role)
+
+
 def tool_message_ids(tokenizer, texts: list[str], system_prompt: list[int], **chat_template_kwargs) -> list[int]:
     """`message_ids` of the tool answers `texts`, as `tool` messages."""
     if not texts:

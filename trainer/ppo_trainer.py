@@ -312,15 +312,28 @@ class PPOTrainer:
                             f"interactions of actor_rollout_ref.rollout.multi_turn.interaction_config_path "
                             f"({sorted(interactions)}) with 'name'; got {kwargs!r}")
         from agent.loop import ToolAgent
+        from agent.tools import ChatTemplateError
 
         mt = r.multi_turn
-        return ToolAgent(self.tokenizer, tools, response_length=self.cfg.response_length,
-                         max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
-                         max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
-                         tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
-                         chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs, interactions=interactions,
-                         # a look at the waiting samples is a broadcast over the engine's TP group
-                         poll_every=1 if r.tensor_model_parallel_size == 1 else TP_POLL_STEPS)
+        try:
+            # renders a sample tool / user message: a template that cannot is refused before any model work
+            return ToolAgent(self.tokenizer, tools, response_length=self.cfg.response_length,
+                             max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+                             max_parallel_calls=mt.max_parallel_calls,
+                             max_tool_response_length=mt.max_tool_response_length,
+                             tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
+                             chat_template_kwargs=self.cfg.data.apply_chat_template_kwargs, interactions=interactions,
+                             # a look at the waiting samples is a broadcast over the engine's TP group
+                             poll_every=1 if r.tensor_model_parallel_size == 1 else TP_POLL_STEPS)
+        except ChatTemplateError as e:
+            key, path, what = (("tool_config_path", mt.tool_config_path, "the tools' answers as 'tool' messages")
+                               if e.role == "tool" else
+                               ("interaction_config_path", mt.interaction_config_path,
+                                "the interactions' replies as 'user' messages"))
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r}: the turns append {what}, "
+                              f"rendered by the chat template of the tokenizer {self.cfg.data.tokenizer!r} "
+                              "(data.tokenizer / actor_rollout_ref.model.path; actor_rollout_ref.model."
+                              f"custom_chat_template replaces it), but {e}") from None
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:

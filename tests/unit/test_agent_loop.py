@@ -14,8 +14,9 @@ import pytest
 
 from agent.loop import ToolAgent, _first_rank
 from agent.interactions import BaseInteraction, InteractionError
-from agent.tools import BaseTool, ToolError, ToolResponse, message_ids, system_prompt_ids, tool_message_ids
-from tests.byte_chat import IM_END, build_byte_tokenizer
+from agent.tools import (BaseTool, ChatTemplateError, ToolError, ToolResponse, message_ids, system_prompt_ids,
+                         tool_message_ids)
+from tests.byte_chat import CHAT_TEMPLATE, IM_END, build_byte_tokenizer
 
 SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "look a key up",
                                            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}
@@ -103,10 +104,12 @@ def run(a, script, prompts, keys, agents, **kw):
     return a.run(prompts, keys, agents, [{}] * len(prompts), script.serve(prompts, keys, a.response_length), **kw)
 
 
+AGENT_ARGS = dict(response_length=400, max_assistant_turns=None, max_user_turns=None, max_parallel_calls=1,
+                  max_tool_response_length=256, tool_response_truncate_side="middle", format="hermes")
+
+
 def agent(tok, tool, **kw):
-    args = dict(response_length=400, max_assistant_turns=None, max_user_turns=None, max_parallel_calls=1,
-                max_tool_response_length=256, tool_response_truncate_side="middle", format="hermes")
-    return ToolAgent(tok, [tool], **{**args, **kw})
+    return ToolAgent(tok, [tool], **{**AGENT_ARGS, **kw})
 
 
 def ids(tok, text, end=True):
@@ -362,6 +365,43 @@ def test_an_interaction_written_for_verl_is_called_under_the_request_id(tok):
         assert isinstance(request_id, str) and request_id != returns
         assert [k for k, _ in teacher.ids] == ["start", "turn", "turn", "end"]
         assert (o.num_turns, o.turn_scores, o.finish_reason) == (5, [0.0, 1.0], "stop")
+
+
+# the byte template, which raises on a tool message, or drops tool (or user) messages
+RAISES_ON_TOOL = CHAT_TEMPLATE.replace("{% if m['role'] == 'tool' %}",
+                                       "{% if m['role'] == 'tool' %}{{ raise_exception('no tool role here') }}")
+DROPS_TOOL = CHAT_TEMPLATE.replace("{% if m['role'] == 'tool' %}", "{% if m['role'] == 'tool' %}{% if false %}")\
+    .replace("</tool_response><|im_end|>\n", "</tool_response><|im_end|>\n{% endif %}")
+DROPS_USER = CHAT_TEMPLATE.replace("{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}",
+                                   "{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                                   "{{ '' if m['role'] == 'user' and m['content'].startswith('meshppo') "
+                                   "else m['content'] }}")
+
+
+def test_a_template_that_cannot_render_the_inserted_messages_is_refused_when_built(tok):
+    """The tools' answers are `tool` messages and the interactions' replies `user` ones: a template
+    that raises on the role, or drops the message, is a ChatTemplateError when the loop is built
+    (it was found at the model's first tool call, or never), naming the role; the usual one passes."""
+    teacher = {"teacher": Teacher()}
+    for template in (CHAT_TEMPLATE, DROPS_USER):
+        agent(tok, Lookup(), chat_template_kwargs={"chat_template": template})  # tools only: tool messages
+    agent(tok, Lookup(), chat_template_kwargs={"chat_template": CHAT_TEMPLATE}, interactions=teacher)  # and user
+    with pytest.raises(ChatTemplateError, match=r"^the custom chat template \(chat_template\) cannot render \['tool'\] "
+                                                r"messages: TemplateError: no tool role here$") as err:
+        agent(tok, Lookup(), chat_template_kwargs={"chat_template": RAISES_ON_TOOL})
+    assert err.value.role == "tool"
+    with pytest.raises(ChatTemplateError, match=r"^the custom chat template \(chat_template\) renders a 'tool' message "
+                                                r"without its text") as err:
+        agent(tok, Lookup(), chat_template_kwargs={"chat_template": DROPS_TOOL})
+    with pytest.raises(ChatTemplateError, match=r"renders a 'user' message without its text") as err:
+        ToolAgent(tok, [], **{**AGENT_ARGS, "chat_template_kwargs": {"chat_template": DROPS_USER},
+                              "interactions": teacher})
+    assert err.value.role == "user"
+    # the tokenizer's own template, named so
+    bad = build_byte_tokenizer()
+    bad.chat_template, bad.name_or_path = DROPS_TOOL, "/models/drops-tool"
+    with pytest.raises(ChatTemplateError, match=r"^the chat template of '/models/drops-tool' renders a 'tool' message"):
+        agent(bad, Lookup())
 
 
 def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
