@@ -252,6 +252,20 @@ def _errors_body(rank, world_size, root):
     with pytest.raises(ConfigError, match=r"nameless\.jsonl:1: extra_info\.interaction_kwargs must name one of "
                                           r".*\(\['judge'\]\) with 'name'; got \{'name': 'teacher'\}"):
         build(on, judge, f"data.train_files=[{root}/nameless.jsonl]")
+    # a tokenizer whose chat template drops tool messages: refused naming it and the tool config, before the model
+    from tests.byte_chat import CHAT_TEMPLATE, build_byte_tokenizer
+
+    drops = build_byte_tokenizer()
+    drops.chat_template = CHAT_TEMPLATE.replace("{% if m['role'] == 'tool' %}", "{% if m['role'] == 'tool' %}{#")\
+        .replace("</tool_response><|im_end|>\n", "</tool_response><|im_end|>\n#}")
+    drops.save_pretrained(os.path.join(root, "drops_tool"))
+    tools = f"actor_rollout_ref.rollout.multi_turn.tool_config_path={root}/tools.yaml"
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.multi_turn\.tool_config_path='.*/tools\.yaml': "
+                                          r"the turns append the tools' answers as 'tool' messages, rendered by the "
+                                          r"chat template of the tokenizer '.*/drops_tool' .* but the chat template of "
+                                          r"'.*drops_tool' renders a 'tool' message without its text"):
+        build(on, tools, f"data.tokenizer={root}/drops_tool", "actor_rollout_ref.rollout.agent.default_agent_loop="
+              "tool_agent")
 
 
 def test_multi_turn_config_errors(tmp_path):
