@@ -305,7 +305,8 @@ def _interaction_body(rank, world_size, root):
         assert mask == [1.0] * len(call_ids) + [0.0] * len(answer) + ([1.0] * len(ok_ids) + [0.0] * len(again)) \
             * patience + [1.0] * len(ok_ids)
         assert info["turn_scores"] == [0.25] * patience + [0.5] and info["tool_rewards"] == [0.5]
-        assert full.num_turns[i] == 2 + patience + 1 + patience + 1  # model turns, tool answer, replies, 1
+        # model turns, tool answer, replies (the last, which ends the rollout, counted though not appended), 1
+        assert full.num_turns[i] == 2 + patience + 1 + (patience + 1) + 1
         expected_score += full.num_turns[i] + 0.5 + len(info["turn_scores"])
     assert abs(metrics["critic/score/mean"] - expected_score / 8) < 0.001, (metrics["critic/score/mean"], expected_score)
     # 6 tool rows, each judged patience + 1 times (patience 0, 1, 2 over two samples each), on rank 0 only
