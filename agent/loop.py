@@ -169,8 +169,11 @@ class ToolAgent:
                 for s in talkers:
                     s.instance = uuid4().hex
                 requests = [(s.instance, s.interaction_kwargs) for s in talkers]
-                _first_rank(lambda: start_interactions(self.interactions, requests, loop) and None, runs_tools,
-                            share)
+
+                def start() -> None:  # (the ids the interactions return are not used)
+                    start_interactions(self.interactions, requests, loop)
+
+                _first_rank(start, runs_tools, share)
             start = time.perf_counter()
             for s in samples.values():
                 s.since = start
