@@ -116,6 +116,17 @@ def profile_plan(cfg) -> ProfilePlan | None:
                        kw_args=tuple(sorted(mem.kw_args.items())))
 
 
+def save_path_key(cfg) -> str | None:
+    """The option that sets the run's profile directory (`ProfilePlan.save_path`), None when nothing
+    is profiled: global_profiler.save_path, or the enabled role's own where it set another."""
+    plan = profile_plan(cfg)
+    if plan is None:
+        return None
+    own = [k for k, p, _ in _roles(cfg)
+           if p.enable and p.tool is not None and p.save_path != cfg.global_profiler.save_path]
+    return f"{own[0]}.profiler.save_path" if own else "global_profiler.save_path"
+
+
 def _tool_config_key(role_key: str) -> str:
     return SHARED_TOOL_CONFIG if role_key in ("actor_rollout_ref.rollout", "reward_model") else \
         f"{role_key}.profiler.tool_config"

@@ -23,6 +23,7 @@ from trainer.config import OptimConfig, PPOConfig, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.errors import UserError
 from trainer.launch import DistContext
+from trainer.profiling import profile_plan, save_path_key
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
@@ -45,6 +46,9 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     t = cfg.trainer
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
+    profile_key = save_path_key(cfg)
+    if profile_key is not None:  # the profiled step's trace would be lost at its export
+        check_output_dir(profile_key, profile_plan(cfg).save_path)
     for name in cfg.trainer.logger:
         package = OPTIONAL_LOGGER_PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:

@@ -48,3 +48,27 @@ def test_generate_refuses_an_unwritable_out_before_generating(tmp_path, monkeypa
     _read_only(monkeypatch)
     with pytest.raises(CLIError, match=r"--out's directory=.*: cannot write there: Read-only file system"):
         _check_out(Path(tmp_path / "o.jsonl"), prompts)
+
+
+def test_preflight_refuses_a_profile_directory_under_a_file(tmp_path):
+    """The profiled step would run, then lose its trace at the export (NotADirectoryError)."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.setup import preflight
+
+    (tmp_path / "f").write_text("x")
+    actor = "actor_rollout_ref.actor.profiler"
+
+    def cfg(*overrides):
+        return load_config(PPOConfig, "configs/demo.yaml", [f"trainer.default_local_dir={tmp_path}/run",
+                                                            "trainer.device=cpu", "global_profiler.steps=[2]",
+                                                            "global_profiler.tool=torch", *overrides])
+
+    with pytest.raises(ConfigError, match=r"^global_profiler.save_path=.*/f/prof is under .*/f, a file"):
+        preflight(cfg(f"global_profiler.save_path={tmp_path}/f/prof", f"{actor}.enable=true"))
+    with pytest.raises(ConfigError, match=rf"^{actor}.save_path=.*/f/prof is under .*/f, a file"):
+        preflight(cfg(f"{actor}.save_path={tmp_path}/f/prof", f"{actor}.enable=true",
+                      f"actor_rollout_ref.rollout.profiler.save_path={tmp_path}/f/prof"))
+    preflight(cfg(f"global_profiler.save_path={tmp_path}/f/prof"))  # no role enabled: nothing is written
+    preflight(cfg(f"global_profiler.save_path={tmp_path}/prof", f"{actor}.enable=true"))
+    assert sorted(os.listdir(tmp_path)) == ["f"]
