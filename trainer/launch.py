@@ -6,8 +6,9 @@ process group.
 against this launch and print it, starting nothing). Paths are relative to the working directory. Over plain torchrun it adds:
 
 * a pre-flight in one process before any rank starts (`trainer.setup.preflight`: the config
-  against the launch it describes and against this one, optional packages, GPUs): a config
-  error is one line and exit code 2;
+  against the launch it describes and against this one, optional packages, GPUs; under `srun`,
+  one launcher per node of the step, `check_slurm_step`): a config error is one line and exit
+  code 2;
 * exit codes: a rank that stops on a user error (1 input, 2 config, 3 stopped by a guard)
   records the code in the launch directory and exits 0, so torchrun neither restarts the job
   (a restart cannot fix the input) nor prints its failure report; the launcher exits with the
@@ -403,6 +404,36 @@ def peer_grace_s() -> float:
     return value
 
 
+def check_slurm_step(nnodes: int) -> None:
+    """Under `srun` (a SLURM step): one launcher per node, on no more nodes than --nnodes. Each
+    launcher starts all of its node's ranks, so more step nodes than --nnodes (single_node.sbatch
+    submitted with --nodes=2) or several launcher tasks per node would each run their own copy of
+    the training into the same run directory (interleaved metrics, racing checkpoints). Raises
+    ConfigError; nothing outside a step (no SLURM_STEP_ID / SLURM_STEP_NUM_NODES)."""
+    from trainer.configlib import ConfigError
+
+    env = os.environ
+    if "SLURM_STEP_ID" not in env and "SLURM_STEP_NUM_NODES" not in env:
+        return
+
+    def number(*names: str) -> int | None:
+        for name in names:
+            if env.get(name, "").isdigit():
+                return int(env[name])
+        return None
+
+    nodes = number("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    tasks = number("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if nodes is not None and nodes > nnodes:
+        raise ConfigError(f"this SLURM step runs on {nodes} nodes but --nnodes={nnodes}: each node would run its own "
+                          "copy of the training into the same run directory; submit with --nodes="
+                          f"{nnodes}, or use launch/slurm/multi_node.sbatch (--nnodes from SLURM_NNODES)")
+    if nodes is not None and tasks is not None and tasks > nodes:
+        raise ConfigError(f"this SLURM step runs {tasks} tasks on {nodes} node{'s' if nodes > 1 else ''}: the "
+                          "launcher starts all of a node's ranks itself, so each extra task would run another copy "
+                          "of the training; run one task per node (--ntasks-per-node=1)")
+
+
 # a rank's error line, and the message in it; a message another rank found first (a reward function's
 # `(on rank R)`, the engine's first TP rank's tools: agent.loop.FIRST_TP_RANK) is that rank's
 _ERROR_LINE = re.compile(r"meshppo: error \(rank \d+\): (?:\(on (?:rank \d+|the engine's first TP rank, which runs the "
@@ -463,6 +494,7 @@ def main(argv=None) -> int:
         if args.nnodes > 1 and not args.rdzv_endpoint:
             raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address, the "
                               "same on every node): the default, a free local port, is reachable from this node only")
+        check_slurm_step(args.nnodes)
         peer_grace_s()  # MESHPPO_PEER_GRACE_S is read when a rank fails: check it now
         cfg = load_config(PPOConfig, args.config, args.overrides)
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node

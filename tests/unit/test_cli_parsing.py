@@ -1,5 +1,6 @@
 """Command-line and YAML parsing edges: duplicate YAML keys, mapping overrides, string options
-given YAML-looking text, options after overrides, Hydra's `+`/`++`, `--nproc-per-node 0`."""
+given YAML-looking text, options after overrides, Hydra's `+`/`++`, `--nproc-per-node 0`, launchers per
+SLURM step."""
 
 import os
 import subprocess
@@ -158,3 +159,53 @@ def test_make_demo_refuses_a_run_directory_in_args(tmp_path):
                        timeout=120)
     assert r.returncode != 0 and "move the run with DEMO_RUN=DIR" in r.stderr, r.stderr
     assert not (tmp_path / "assets").exists() and not (tmp_path / "run").exists()
+
+
+# 9. under srun: one launcher per node, on no more nodes than --nnodes (else each runs its own copy
+# of the training into the same run directory)
+SLURM_VARS = ("SLURM_STEP_ID", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_NNODES", "SLURM_NTASKS")
+
+
+@pytest.mark.parametrize("env,message", [
+    # single_node.sbatch submitted with --nodes=2
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2"},
+     "this SLURM step runs on 2 nodes but --nnodes=1: each node would run its own copy of the training"),
+    ({"SLURM_STEP_ID": "0", "SLURM_NNODES": "2"}, "this SLURM step runs on 2 nodes but --nnodes=1"),
+    # --ntasks-per-node=2: two launchers on the node
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "1"},
+     "this SLURM step runs 2 tasks on 1 node: the launcher starts all of a node's ranks itself"),
+])
+def test_a_slurm_step_with_more_launchers_than_nodes_is_refused(monkeypatch, capsys, env, message):
+    from trainer import launch
+
+    for key in SLURM_VARS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch.main(["--config", DEMO, "--print-config"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"meshppo: config error: {message}"), err
+
+
+def test_multi_node_sbatch_and_single_node_steps_pass(monkeypatch, capsys):
+    from trainer import launch
+
+    for key in SLURM_VARS:
+        monkeypatch.delenv(key, raising=False)
+    # multi_node.sbatch on 2 nodes: one launcher task per node, --nnodes=$SLURM_NNODES
+    for key, value in {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+                       "SLURM_NNODES": "2", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert launch.main(["--nnodes=2", "--rdzv-endpoint=node0:29500", "--rdzv-id=4242", "--config", DEMO,
+                        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "--print-config"]) == 0, capsys.readouterr().err
+    # single_node.sbatch as submitted: one node, one task
+    for key, value in {"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NNODES": "1",
+                       "SLURM_NTASKS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert launch.main(["--config", DEMO, "--print-config"]) == 0, capsys.readouterr().err
+    # the batch script itself, not a step: a 2-node allocation runs one launcher there
+    monkeypatch.delenv("SLURM_STEP_ID")
+    for key in ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert launch.main(["--config", DEMO, "--print-config"]) == 0, capsys.readouterr().err
