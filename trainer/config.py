@@ -26,7 +26,7 @@ from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataCl
                                  PrometheusConfig, RewardManagerConfig, RouterReplayConfig, SamplerClassConfig,
                                  SandboxFusionConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
                                  read_only_with)
-from trainer.profiling import profile_plan, profiling_notes
+from trainer.profiling import check_profiler_ranks, profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
@@ -1932,6 +1932,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"trainer.resume_from_path is set but trainer.resume_mode={cfg.trainer.resume_mode} does not "
                           "read it: set trainer.resume_mode=resume_path to resume from it, or drop it")
     profile_plan(cfg)  # npu, or enabled roles that disagree: ConfigError
+    check_profiler_ranks(cfg, world_size)
     for name in cfg.trainer.logger:
         if name not in ("console", "jsonl", "tensorboard", "wandb"):
             raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")

@@ -116,6 +116,19 @@ def profile_plan(cfg) -> ProfilePlan | None:
                        kw_args=tuple(sorted(mem.kw_args.items())))
 
 
+def check_profiler_ranks(cfg, world_size: int) -> None:
+    """An enabled role's `profiler.ranks` all below the launch's size (`trainer.nnodes` x
+    `trainer.n_gpus_per_node`): a rank that does not exist would profile nothing, without a word."""
+    for key, prof, _ in _roles(cfg):
+        missing = sorted(r for r in prof.ranks or [] if r >= world_size)
+        if prof.enable and missing and not prof.all_ranks:
+            t = cfg.trainer
+            raise ConfigError(f"{key}.profiler.ranks={list(prof.ranks)}: rank{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} do{'' if len(missing) > 1 else 'es'} not exist, the "
+                              f"launch has {world_size} (trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x "
+                              f"{t.n_gpus_per_node}): list ranks 0 to {world_size - 1}")
+
+
 def save_path_key(cfg) -> str | None:
     """The option that sets the run's profile directory (`ProfilePlan.save_path`), None when nothing
     is profiled: global_profiler.save_path, or the enabled role's own where it set another."""

@@ -90,6 +90,23 @@ def test_config_errors(overrides, message):
         validate(_cfg("global_profiler.steps=[2]", *overrides), 2)
 
 
+def test_profiler_ranks_beyond_the_launch_are_refused():
+    from trainer.config import validate
+
+    with pytest.raises(ConfigError, match=rf"^{ACTOR}.ranks=\[7\]: rank 7 does not exist, the launch has 2 "
+                                          r"\(trainer.nnodes x trainer.n_gpus_per_node = 1 x 2\): list ranks 0 to 1$"):
+        validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch", f"{ACTOR}.enable=true",
+                      f"{ACTOR}.ranks=[7]"))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.ref.profiler.ranks=\[1, 2, 3\]: ranks 2, 3 do not "
+                                          r"exist, the launch has 2"):
+        validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch",
+                      "actor_rollout_ref.ref.profiler.enable=true", "actor_rollout_ref.ref.profiler.ranks=[1,2,3]"))
+    # 2 nodes of 2: rank 3 exists; a role that is not enabled profiles nothing anyway
+    validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch", f"{ACTOR}.enable=true",
+                  f"{ACTOR}.ranks=[3]", "trainer.nnodes=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"))
+    validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch", f"{ACTOR}.ranks=[7]"))
+
+
 @pytest.mark.parametrize("tool", ["nsys", "torch_memory"])
 def test_cuda_tools_refuse_a_cpu_run(tool):
     with pytest.raises(ConfigError, match=f"global_profiler.tool={tool} needs CUDA"):
