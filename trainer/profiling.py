@@ -157,12 +157,24 @@ def profiling_notes(cfg) -> list[str]:
     elif enabled and not gp.steps:
         notes.append(f"{', '.join(f'{k}.profiler.enable' for k in enabled)}: global_profiler.steps is "
                      f"{gp.steps!r}, nothing is profiled (as in verl: list the steps)")
+    untooled = [(k, p) for k, p, _ in roles if p.enable and p.tool is None]
+    if untooled and not enabled:
+        notes.append(f"{', '.join(f'{k}.profiler.enable' for k, _ in untooled)}=true but no tool is set "
+                     "(global_profiler.tool): nothing is profiled")
+    plan = profile_plan(cfg)
+    for key, prof in untooled if plan is not None and not plan.all_ranks else []:
+        # the roles with a tool profile the whole step on their ranks: this one only adds ranks
+        extra = sorted(set(prof.ranks or [0]) - plan.ranks)
+        missing = "every rank" if prof.all_ranks else ", ".join(map(str, extra))
+        if missing:
+            notes.append(f"{key}.profiler.enable=true but no tool is set ({key}.profiler.tool, "
+                         f"global_profiler.tool): its ranks are not profiled ({missing}; the profiled ranks are "
+                         f"{', '.join(map(str, sorted(plan.ranks)))})")
     present = {k for k, _, _ in roles}
     for key, prof in (("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.profiler), ("critic", cfg.critic.profiler),
                       ("reward_model", cfg.reward_model.profiler)):
         if prof.enable and key not in present:
             notes.append(f"{key}.profiler.enable=true has no effect: the run has no {key.rsplit('.', 1)[-1]}")
-    plan = profile_plan(cfg)
     if plan is not None and plan.tool == "torch":
         unread = sorted(plan.contents & {"profile-by-stage", "merge-profiles"})
         if unread:

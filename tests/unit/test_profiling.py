@@ -70,6 +70,22 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
         "global_profiler.global_tool_config.nsys.worker_nsight_options={trace: cuda}")))
 
 
+def test_an_enabled_role_without_a_tool_is_a_note():
+    cfg = _cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true")
+    assert profile_plan(cfg) is None
+    assert ("actor_rollout_ref.actor.profiler.enable, actor_rollout_ref.rollout.profiler.enable=true but no tool is "
+            "set (global_profiler.tool): nothing is profiled") in config_notes(cfg)
+    # with a role that has a tool, the whole step is profiled on its ranks: a role without one only
+    # misses the ranks it would add
+    cfg = _cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true", f"{ACTOR}.tool=torch")
+    assert not any("no tool is set" in n for n in config_notes(cfg))  # the rollout: the actor's ranks
+    cfg = _cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true", f"{ACTOR}.tool=torch",
+               "actor_rollout_ref.ref.profiler.enable=true", "actor_rollout_ref.ref.profiler.ranks=[0, 1]")
+    assert ("actor_rollout_ref.ref.profiler.enable=true but no tool is set (actor_rollout_ref.ref.profiler.tool, "
+            "global_profiler.tool): its ranks are not profiled (1; the profiled ranks are 0)") in config_notes(cfg)
+    assert not any("no tool is set" in n for n in config_notes(_cfg("global_profiler.steps=[2]")))
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["global_profiler.tool=npu"], "global_profiler.tool=npu is not supported"),
     (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
