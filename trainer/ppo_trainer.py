@@ -48,7 +48,7 @@ from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, R
 from rollout.sequence import derive_seed
 from trainer.rollout_phase import AgentRows, build_rollout
 from trainer.setup import build_engine, build_models, load_actor_tokenizer, reward_model_inputs
-from trainer.profiling import StepProfiler, profile_plan
+from trainer.profiling import StepProfiler, last_step_note, profile_plan
 from trainer.tracking import PeakMemory, Timer, Tracking, dump_generations, dump_value, run_info
 from trainer.val_metrics import validation_metrics
 from sharding import comm
@@ -219,6 +219,9 @@ class PPOTrainer:
         self._update_work = np.zeros(3)  # what the last actor update ran (`Role.count_work`)
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
+        note = last_step_note(cfg, self.total_steps)  # listed steps after the last
+        if note:
+            self.log(f"meshppo: {note}")
 
     def _build_roles(self) -> None:
         """The actor, and the reference, critic and reward model when the config uses them; each

@@ -116,6 +116,24 @@ def profile_plan(cfg) -> ProfilePlan | None:
                        kw_args=tuple(sorted(mem.kw_args.items())))
 
 
+def unreached_steps_note(plan: ProfilePlan | None, last_step: int, why: str = "") -> str | None:
+    """The note for listed steps after the run's last one (`why`: where that step count comes from),
+    None when there are none: they are never profiled."""
+    beyond = sorted(s for s in plan.steps if s > last_step) if plan is not None else []
+    if not beyond:
+        return None
+    return (f"global_profiler.steps {', '.join(map(str, beyond))} {'are' if len(beyond) > 1 else 'is'} after the "
+            f"run's last step ({last_step}{why}): not profiled")
+
+
+def last_step_note(cfg, last_step: int) -> str | None:
+    """The trainer's line, once it knows the run's last step, for listed steps after it; None
+    where trainer.total_training_steps sets it (a start-up note then, `profiling_notes`)."""
+    if cfg.trainer.total_training_steps:
+        return None
+    return unreached_steps_note(profile_plan(cfg), last_step, ": the training set's rounds x trainer.total_epochs")
+
+
 def check_profiler_ranks(cfg, world_size: int) -> None:
     """An enabled role's `profiler.ranks` all below the launch's size (`trainer.nnodes` x
     `trainer.n_gpus_per_node`): a rank that does not exist would profile nothing, without a word."""
@@ -175,6 +193,10 @@ def profiling_notes(cfg) -> list[str]:
                       ("reward_model", cfg.reward_model.profiler)):
         if prof.enable and key not in present:
             notes.append(f"{key}.profiler.enable=true has no effect: the run has no {key.rsplit('.', 1)[-1]}")
+    total = cfg.trainer.total_training_steps  # null: the trainer says it, once it knows the last step
+    note = unreached_steps_note(plan, total, ", trainer.total_training_steps") if total else None
+    if note:
+        notes.append(note)
     if plan is not None and plan.tool == "torch":
         unread = sorted(plan.contents & {"profile-by-stage", "merge-profiles"})
         if unread:

@@ -11,7 +11,7 @@ import torch
 
 from trainer.config import PPOConfig, config_notes
 from trainer.configlib import ConfigError, load_config
-from trainer.profiling import StepProfiler, profile_plan
+from trainer.profiling import StepProfiler, last_step_note, profile_plan
 from trainer.tracking import Timer
 
 CPU = torch.device("cpu")
@@ -68,6 +68,23 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
     nsys_note = "global_profiler.global_tool_config.nsys.worker_nsight_options has no effect"
     assert any(n.startswith(nsys_note) for n in config_notes(_cfg(
         "global_profiler.global_tool_config.nsys.worker_nsight_options={trace: cuda}")))
+
+
+def test_listed_steps_after_the_last_are_a_note():
+    profiled = ("global_profiler.tool=torch", f"{ACTOR}.enable=true")
+    cfg = _cfg(*profiled, "global_profiler.steps=[2, 5, 7]", "trainer.total_training_steps=2")
+    assert ("global_profiler.steps 5, 7 are after the run's last step (2, trainer.total_training_steps): not profiled"
+            in config_notes(cfg))
+    assert last_step_note(cfg, 2) is None  # said at start-up
+    assert not any("after the run's last step" in n
+                   for n in config_notes(_cfg(*profiled, "global_profiler.steps=[2]", "trainer.total_training_steps=2")))
+    # without total_training_steps the trainer says it, once it knows the last step
+    cfg = _cfg(*profiled, "global_profiler.steps=[2, 5]", "trainer.total_training_steps=null")
+    assert not any("after the run's last step" in n for n in config_notes(cfg))
+    assert last_step_note(cfg, 4) == ("global_profiler.steps 5 is after the run's last step (4: the training set's "
+                                      "rounds x trainer.total_epochs): not profiled")
+    assert last_step_note(cfg, 5) is None
+    assert last_step_note(_cfg("global_profiler.steps=[5]", "trainer.total_training_steps=null"), 4) is None
 
 
 def test_an_enabled_role_without_a_tool_is_a_note():
