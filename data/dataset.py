@@ -278,8 +278,8 @@ def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply
 
 def _ground_truth(row: dict[str, Any], where: str, required: bool) -> Any:
     """`reward_model.ground_truth` as stored (any JSON or Arrow value: verl hands it to the reward
-    function unconverted). verl's reward manager reads it for every response, so unless `required`
-    is off a row without one fails here, at load, and not at the first reward."""
+    function unconverted; None for a row without one). Where `required` (the built-in scorers read
+    it), a row without one fails here, at load, and not at the first reward."""
     reward_model = row.get("reward_model")
     if reward_model is not None and not isinstance(reward_model, dict):
         raise DatasetError(
@@ -287,9 +287,10 @@ def _ground_truth(row: dict[str, Any], where: str, required: bool) -> Any:
         )
     value = None if reward_model is None else reward_model.get("ground_truth")
     if value is None and required:
-        raise DatasetError(f"{where}: missing field 'reward_model.ground_truth': the reward function gets every "
-                           "row's ground truth (verl's reward manager requires it); add it, or let a reward model "
-                           "score alone (reward_model.enable=true)")
+        raise DatasetError(f"{where}: missing field 'reward_model.ground_truth': the built-in scorer compares "
+                           "each response with it; add it, score with a custom reward function "
+                           "(custom_reward_function.path; it gets None), or let a reward model score alone "
+                           "(reward_model.enable=true)")
     return value
 
 
@@ -341,8 +342,9 @@ class RLHFDataset:
             without a chat template).
         apply_chat_template_kwargs: extra keyword arguments of `apply_chat_template`
             (verl's, e.g. `{"enable_thinking": False}`).
-        require_ground_truth: every row must carry `reward_model.ground_truth` (off only
-            when a reward model alone scores).
+        require_ground_truth: every row must carry `reward_model.ground_truth` (on for the
+            built-in scorers; a custom reward function gets None for a row without one, as
+            verl's managers pass it, and a reward model alone reads none).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
             they give the rewards), so that a row no scorer knows fails at load; None: any.
         media_keys: the fields of a row's images and videos (verl's `data.image_key` /

@@ -3,7 +3,10 @@ batch of responses and how its results become scores.
 
 Every manager is called with the rows' data sources, decoded responses, ground truths, extra infos
 and response lengths (tokens, EOS included) and returns `score_responses`' `(scores, extras,
-other_extras)`; every result goes through `ResultCollector`'s checks and error messages.
+other_extras)`; every result goes through `ResultCollector`'s checks and error messages. `score`
+returns the function's own scores too, before the manager's additions (DAPO's overlong penalty):
+what `algorithm.filter_groups.metric=score` reads, as verl's DAPO trainer reads the result's
+`score`.
 
 - `naive`: one call per response, by keyword (`score_responses`).
 - `dapo`: naive's calls on the response without a trailing EOS string, with verl's dapo
@@ -39,20 +42,29 @@ class RewardManager(abc.ABC):
     def __init__(self, compute_score: RewardFn):
         self.compute_score = compute_score
 
-    @abc.abstractmethod
     def __call__(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
                  extra_infos: Sequence[dict | None], response_lengths: Sequence[int]) -> Scored:
         """`(scores, extras, other_extras)` of the rows (see the module's docstring)."""
+        return self.score(data_sources, solution_strs, ground_truths, extra_infos, response_lengths)[:3]
+
+    @abc.abstractmethod
+    def score(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
+              extra_infos: Sequence[dict | None], response_lengths: Sequence[int]) -> tuple[Any, Any, Any, list[float]]:
+        """`(scores, extras, other_extras, function_scores)`: `__call__`'s, and the scores as the
+        function returned them (the same list where the manager adds nothing)."""
 
     def close(self) -> None:
         """Nothing to release, unless a manager holds something."""
 
 
 class NaiveRewardManager(RewardManager):
-    """verl's `naive`: `score_responses`."""
+    """verl's `naive`: `score_responses`; a plain score is also the extra `acc`, as verl's reward
+    loop (its default since `reward_model.use_reward_loop`) records it."""
 
-    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths) -> Scored:
-        return score_responses(self.compute_score, data_sources, solution_strs, ground_truths, extra_infos)
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
+        scored = score_responses(self.compute_score, data_sources, solution_strs, ground_truths, extra_infos,
+                                 plain_key="acc")
+        return (*scored, scored[0])
 
 
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
@@ -76,7 +88,7 @@ class DAPORewardManager(RewardManager):
         self.eos_token, self.max_resp_len = eos_token, max_resp_len
         self.buffer = overlong_buffer_cfg if overlong_buffer_cfg is not None and overlong_buffer_cfg.enable else None
 
-    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths) -> Scored:
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
         check_lengths(solution_strs=solution_strs, response_lengths=response_lengths)
         eos = self.eos_token
         texts = [s[:-len(eos)] if eos and s.endswith(eos) else s for s in solution_strs]
@@ -84,13 +96,13 @@ class DAPORewardManager(RewardManager):
                                                  num_turns=False, plain_key="acc")
         b = self.buffer
         if b is None:
-            return scores, extras, others
+            return scores, extras, others, scores
         penalties = [overlong_penalty(n, self.max_resp_len, b.len, b.penalty_factor) for n in response_lengths]
-        scores = [s + p for s, p in zip(scores, penalties)]
+        penalized = [s + p for s, p in zip(scores, penalties)]
         if b.log:
             extras["overlong_reward"] = penalties
             extras["overlong"] = [float(p < 0) for p in penalties]
-        return scores, extras, others
+        return penalized, extras, others, scores
 
 
 def _length(results: Any) -> int | None:
@@ -123,7 +135,7 @@ class BatchRewardManager(RewardManager):
         super().__init__(compute_score)
         self.reward_kwargs = dict(reward_kwargs or {})
 
-    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths) -> Scored:
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
         n = check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
                           extra_infos=extra_infos)
         name, path = describe_fn(self.compute_score)
@@ -143,7 +155,8 @@ class BatchRewardManager(RewardManager):
         collected = ResultCollector(name, data_sources)
         for i in range(n):
             collected.add(results[i])
-        return collected.done()
+        scored = collected.done()
+        return (*scored, scored[0])
 
 
 PRIME_TIMEOUT_S = 300.0  # verl's prime manager's limit on one call
@@ -170,7 +183,7 @@ class PrimeRewardManager(RewardManager):
         self.pool = RewardPool(spec, processes, timeout_s, start_timeout_s)
         self.warn = warn or (lambda text: print(text, file=sys.stderr, flush=True))
 
-    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths) -> Scored:
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
         n = check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
                           extra_infos=extra_infos)
         name, _ = describe_fn(self.compute_score)
@@ -194,7 +207,8 @@ class PrimeRewardManager(RewardManager):
         if failed:
             self.warn(f"reward_manager=prime: {len(failed)} of {n} calls failed and scored 0 (as verl's prime "
                       f"manager scores them); the first: {failed[0]}")
-        return collected.done()
+        scored = collected.done()
+        return (*scored, scored[0])
 
     def close(self) -> None:
         """Stop the worker processes."""

@@ -105,6 +105,9 @@ class _Worker:
         except EOFError:
             self.kill()  # on its way out: reaped now, for its exit code
             return None
+        except Exception as err:  # a result read whole that cannot be rebuilt here (unpickling): that call's failure
+            return ("raised", f"a reward function's result from a worker process cannot be read in the trainer "
+                              f"({type(err).__name__}: {err}); return numbers, or dicts of them")
 
     def kill(self) -> None:
         try:

@@ -18,7 +18,9 @@ Nothing here imports torch: `rewards.pool`'s worker processes load this module.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -105,6 +107,8 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
         raise RewardError(f"{name!r} in {where} is a {type(fn).__name__}, not a function")
     reward_kwargs = dict(reward_kwargs or {})
     _check_signature(fn, f"{name!r} in {where}", args, [*keywords, *(k for k in reward_kwargs if k not in keywords)])
+    if inspect.iscoroutinefunction(fn):
+        fn = _awaited(fn)
     if not reward_kwargs:
         return fn
 
@@ -115,12 +119,25 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
     return with_kwargs
 
 
+def _awaited(fn: Callable[..., Any]) -> RewardFn:
+    """An `async def` reward function as a plain one: each call runs the coroutine to its end on a
+    fresh event loop (verl's reward loop awaits such functions)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
 def _exec_file(path: str, name: str):
     """The Python file at `path` executed as a fresh module."""
     if not os.path.isfile(path):
         raise RewardError(f"custom reward file not found: {path} (looking for function {name!r})")
     # A module name derived from the path keeps two reward files with the same basename apart.
-    module_name = f"meshppo_custom_reward_{abs(hash(os.path.abspath(path)))}"
+    # (hashlib, not hash(): a str's hash differs by process, and prime's workers load the file too,
+    # so a class defined in it must have one module name to unpickle its results in the trainer)
+    module_name = f"meshppo_custom_reward_{hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise RewardError(f"cannot import {path} as a Python module (looking for function {name!r})")

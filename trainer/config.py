@@ -1149,9 +1149,11 @@ class FilterGroupsConfig:
     enable: bool = opt(False, "DAPO's dynamic sampling: drop the prompts whose responses all have the same metric "
                               "(e.g. all right or all wrong: zero group advantage) and generate more rounds of "
                               "data.gen_batch_size prompts until data.train_batch_size prompts are kept")
-    metric: str | None = opt(None, "what must vary within a group: seq_reward or score (the reward function's "
-                                   "score), seq_final_reward (the same: refused with KL in the reward), or a numeric "
-                                   "extra key of the reward function's dict result (e.g. acc)")
+    metric: str | None = opt(None, "what must vary within a group: seq_reward (the score the advantages use), "
+                                   "seq_final_reward (the same: refused with KL in the reward), score (the reward "
+                                   "function's own, before reward_manager=dapo's overlong penalty, as verl's "
+                                   "DAPO trainer reads it), or a numeric extra key of the reward function's dict "
+                                   "result (e.g. acc)")
     max_num_gen_batches: int = opt(0, "generation rounds a step may take before it fails (the data are then too "
                                       "easy or too hard); 0 or less: no limit")
 

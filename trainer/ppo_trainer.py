@@ -162,7 +162,10 @@ class PPOTrainer:
         ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                      apply_chat_template=d.apply_chat_template,
-                     apply_chat_template_kwargs=d.apply_chat_template_kwargs, require_ground_truth=rule,
+                     # the built-in scorers read the ground truth; a custom function gets what the row has
+                     # (None where it has none, as verl's managers pass it)
+                     apply_chat_template_kwargs=d.apply_chat_template_kwargs,
+                     require_ground_truth=rule and not cfg.custom_reward_function.path,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
                      chat_prompts_for=chat_prompts_for, media_keys=(d.image_key, d.video_key),
                      default_agent=cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
@@ -462,7 +465,7 @@ class PPOTrainer:
         padded = math.ceil(n / w) * w
         local, parts = self._partition(ro.take([i % n for i in range(padded)]))
         mine = None if texts is None else [texts[i % n] for i in parts[self.ctx.rank]]
-        scores, numeric, others = self._score(local, mine)
+        scores, numeric, others, _ = self._score(local, mine)
         names = list(numeric)  # the same on every rank (`_agreed_extras`)
         cols = torch.stack([scores.double()] + [torch.tensor(numeric[k], dtype=torch.float64, device=self.device)
                                                for k in names], dim=1)
@@ -502,22 +505,25 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict, dict]:
+    def _score(self, ro: RolloutBatch, texts: list[str] | None = None
+               ) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
         """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand) from
         the rule / custom function (called by `reward_model.reward_manager`), the reward model or
         both (`reward_model.combine`), the function's numeric extra columns (the same keys on every
-        rank) and its other extras (this rank's rows' own keys, for the dumps). A failing reward
-        function fails every rank together (an error on one rank would otherwise hang the rest)."""
+        rank), its other extras (this rank's rows' own keys, for the dumps), and the function's own
+        scores `[N]` (before the manager's additions, DAPO's overlong penalty, and without the
+        reward model's; the reward model's where it scores alone). A failing reward function fails
+        every rank together (an error on one rank would otherwise hang the rest)."""
         from rewards import RewardError
 
         texts = decode_batch(self.tokenizer, ro.responses) if texts is None else texts
-        err, scores, extras, others = None, None, {}, {}
+        err, scores, extras, others, own = None, None, {}, {}, None
         rm_cfg = self.cfg.reward_model
         use_rule = not rm_cfg.enable or rm_cfg.combine == "add"
         if use_rule:
             try:
-                scores, extras, others = self.reward_manager(ro.data_sources, texts, ro.ground_truths, ro.extra_infos,
-                                                             [len(r) for r in ro.responses])
+                scores, extras, others, own = self.reward_manager.score(
+                    ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses])
             except RewardError as e:
                 err = str(e)
         self._fail_together(err)
@@ -525,7 +531,8 @@ class PPOTrainer:
                            device=self.device)
         if rm_cfg.enable:
             out = out + self.reward_model.scores(ro)
-        return out, self._agreed_extras(extras, len(ro)), others
+        own = out if own is None else torch.tensor(own, dtype=torch.float32, device=self.device)
+        return out, self._agreed_extras(extras, len(ro)), others, own
 
     def _fail_together(self, err: str | None) -> None:
         """If this or any rank hit an error (`err`: this rank's message or None), every rank raises
@@ -601,7 +608,7 @@ class PPOTrainer:
         holds each score on its response's last token, `ro.other_extras` the function's other
         extras (for the dumps)."""
         with self.timer("reward"):
-            scores, extras, ro.other_extras = self._score(ro)
+            scores, extras, ro.other_extras, _ = self._score(ro)
         self._place_scores(ro, scores)
         return scores, extras
 
@@ -632,13 +639,14 @@ class PPOTrainer:
             rounds += 1
             local, parts = self._partition(batch)
             with self.timer("reward"):
-                scores, extras, others = self._score(local)
-            # every row's score and numeric extras on every rank, in the round's order
-            cols = torch.stack([scores.double()] + [torch.tensor(v, dtype=torch.float64, device=self.device)
-                                                   for v in extras.values()], dim=1)
+                scores, extras, others, own = self._score(local)
+            # every row's score, the function's own and the numeric extras on every rank, in the round's order
+            cols = torch.stack([scores.double(), own.double()] + [
+                torch.tensor(v, dtype=torch.float64, device=self.device) for v in extras.values()], dim=1)
             cols = self._gather_rows(cols, parts, len(batch)).cpu()
             others = self._gather_other_extras(others, parts, len(batch)) if dumps else {}
             values = self._filter_metric(cols, list(extras), batch)
+            cols = torch.cat([cols[:, :1], cols[:, 2:]], dim=1)  # (the kept rows' columns: score, extras)
             groups: dict[int, list[int]] = {}
             for i, u in enumerate(batch.uids):
                 groups.setdefault(u, []).append(i)
@@ -673,17 +681,19 @@ class PPOTrainer:
         return full, ro, parts, scores, extras
 
     def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
-        """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, `score`, and
-        `seq_final_reward`, which without KL in the reward is the score) or a numeric extra of the
-        reward function (`cols`: the score, then the extras `names`, in the rows' order)."""
+        """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, and
+        `seq_final_reward`, which without KL in the reward is the score), the reward function's own
+        score (`score`: verl's DAPO trainer reads the result's, before the overlong penalty) or a
+        numeric extra of the reward function (`cols`: the score, the function's own, then the extras
+        `names`, in the rows' order)."""
         metric = self.cfg.algorithm.filter_groups.metric
         if metric in FILTER_GROUP_SEQUENCE_METRICS:
-            return cols[:, 0].numpy()
+            return cols[:, 1 if metric == "score" else 0].numpy()
         if metric not in names:
             raise UserError(f"algorithm.filter_groups.metric={metric} is not one of the reward function's numeric "
                             f"results ({', '.join(names) or 'it returned none'}) nor seq_reward / score / "
                             "seq_final_reward")
-        values = cols[:, 1 + names.index(metric)].numpy()
+        values = cols[:, 2 + names.index(metric)].numpy()
         if np.isnan(values).any():
             row = int(np.flatnonzero(np.isnan(values))[0])
             raise UserError(f"algorithm.filter_groups.metric={metric}: the reward function returned no {metric!r} "

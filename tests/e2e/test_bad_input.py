@@ -170,3 +170,25 @@ def test_greedy_rollouts_are_scored_at_temperature_one(tiny_assets, tmp_path, ca
     rows = read_metrics(run)
     assert len(rows) == 2 and all(abs(r["actor/pg_loss"]) < float("inf") for r in rows)
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in rows), [r["rollout/logprob_diff"] for r in rows]
+
+
+def test_rows_without_a_ground_truth_train_with_a_custom_reward_function(tiny_assets, tmp_path, capsys):
+    """Only the built-in scorers need `reward_model.ground_truth`: a custom function (a length or
+    format reward) gets None for rows without one, as verl's managers pass it (such rows were refused
+    at load); the built-in scorer still refuses them (the bad-input case above)."""
+    with open(f"{tiny_assets}/train.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    for i, row in enumerate(rows):  # absent, null, and a reward_model without the key
+        row["reward_model"] = [None, {"ground_truth": None}, {"style": "rule"}][i % 3]
+        row = {k: v for k, v in row.items() if v is not None}
+        rows[i] = row
+    data = _write(tmp_path / "no_truth.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    seen = tmp_path / "seen.txt"
+    reward = _write(tmp_path / "length_reward.py",
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    f"    open({str(seen)!r}, 'a').write(repr(ground_truth) + '\\n')\n"
+                    "    return len(solution_str) / 10\n")
+    code, err = _run(demo_args(tiny_assets, tmp_path / "run", *BASE, f"data.train_files=[{data}]",
+                               f"custom_reward_function.path={reward}", "trainer.export_hf_at_end=false"), capsys)
+    assert code == 0, err
+    assert set(seen.read_text().split()) == {"None"}

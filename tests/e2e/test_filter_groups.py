@@ -24,6 +24,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": acc + len(solution_str) / 100, "acc": acc, "parity": "odd" if odd else "even"}
 '''
 N, PROMPTS, GEN = 4, 4, 12
+# dapo's overlong penalty on every token of the response (buffer = max_resp_len = data.max_response_length, 6 in demo.yaml)
+OVERLONG = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=6",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=6",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False"]
 FILTER = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.train_batch_size=4",
           "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"data.gen_batch_size={GEN}", f"actor_rollout_ref.rollout.n={N}"]
 
@@ -75,8 +81,8 @@ def _body(rank, world_size, assets, run_root):
 
     def score(ro, texts=None):
         calls.append(len(ro))
-        s, e, o = real(ro, texts)
-        return (torch.zeros_like(s), {}, {}) if len(calls) == 1 else (s, e, o)
+        s, e, o, own = real(ro, texts)
+        return (torch.zeros_like(s), {}, {}, torch.zeros_like(own)) if len(calls) == 1 else (s, e, o, own)
 
     varying._score = score
     assert varying.step()["train/num_gen_batches"] >= 2
@@ -93,6 +99,17 @@ def _body(rank, world_size, assets, run_root):
                                   f"custom_reward_function.path={run_root}/constant.py"), ctx)
     with pytest.raises(UserError, match="2 generation rounds of data.gen_batch_size=12 prompts kept 0 of the 4"):
         constant.step()
+    # metric=score is the function's own score (verl's DAPO trainer reads the result's 'score'), not the
+    # score after dapo's overlong penalty, which here differs with every length: constant groups, all dropped
+    penalized = PPOTrainer(_config(assets, run_root, "penalized", *FILTER, "algorithm.filter_groups.metric=score",
+                                   "algorithm.filter_groups.max_num_gen_batches=2",
+                                   f"custom_reward_function.path={run_root}/constant.py", *OVERLONG), ctx)
+    real, seen = penalized._score, []
+    penalized._score = lambda ro, texts=None: seen.append(real(ro, texts)) or seen[-1]
+    with pytest.raises(UserError, match="2 generation rounds of data.gen_batch_size=12 prompts kept 0 of the 4"):
+        penalized.step()
+    scores = torch.cat([s for s, *_ in seen])  # the penalty did vary the scores a filter on them would keep
+    assert torch.all(torch.cat([own for *_, own in seen]) == 1.0) and len(set(scores.tolist())) > 1
 
 
 def test_dynamic_sampling_keeps_varying_groups(tiny_assets, tmp_path):

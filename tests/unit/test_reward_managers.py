@@ -252,7 +252,9 @@ def test_prime_scores_as_naive_does(prime, prime_file):
     rows = (["a", "b", "c", "d", "e"], ["x", "y", "dict", "x", "z"], ["x", "x", "x", "x", "z"], [{}] * 5, [1] * 5)
     manager, warnings = prime()
     scored = manager(*rows)
-    assert _same_scored(scored, load_reward_manager("naive", prime_file)(*rows))
+    naive = load_reward_manager("naive", prime_file)(*rows)
+    naive[1].pop("acc")  # naive records plain scores as acc, as verl's reward loop does; prime does not (verl's)
+    assert _same_scored(scored, naive)
     assert scored[0] == [1.0, 0.0, 0.5, 1.0, 1.0] and scored[2] == {"pred": [None, None, "dict", None, None]}
     assert list(scored[1]) == ["len"] and scored[1]["len"][2] == 4.0
     assert warnings == []
@@ -431,3 +433,90 @@ def process_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_naive_records_plain_scores_as_acc_as_verls_reward_loop_does():
+    """verl's default reward path (the reward loop's naive manager) records a plain result's score as
+    the extra `acc` (what validation's core metric and filter_groups.metric=acc read); a dict result
+    keeps its own keys."""
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5, "format": 1.0} if solution_str == "dict" else float(solution_str == ground_truth)
+
+    scores, extras, _ = NaiveRewardManager(fn)(["d"] * 3, ["a", "dict", "b"], ["a"] * 3, [{}] * 3, [1] * 3)
+    assert scores == [1.0, 0.5, 0.0]
+    assert extras["acc"][0] == 1.0 and math.isnan(extras["acc"][1]) and extras["acc"][2] == 0.0
+    assert math.isnan(extras["format"][0]) and extras["format"][1] == 1.0
+
+
+def test_score_gives_the_functions_own_scores_before_the_overlong_penalty():
+    """`score`'s fourth item (what filter_groups.metric=score reads) is what the function returned,
+    bit for bit, not the penalized score minus the penalty; managers that add nothing return their scores."""
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.1 * len(solution_str), "acc": 1.0}
+
+    texts = ["a" * k for k in range(1, len(LENGTHS) + 1)]
+    rows = (["d"] * len(texts), texts, [""] * len(texts), [{}] * len(texts), LENGTHS)
+    manager = DAPORewardManager(fn, None, max_resp_len=10, overlong_buffer_cfg=_buffer(4, 0.5, False))
+    scores, _, _, own = manager.score(*rows)
+    assert own == [0.1 * len(t) for t in texts]
+    assert scores == [o + p for o, p in zip(own, PENALTIES)] and scores != own
+    assert manager(*rows)[0] == scores
+    for plain in (NaiveRewardManager(fn), DAPORewardManager(fn, None, max_resp_len=10, overlong_buffer_cfg=None)):
+        scores, _, _, own = plain.score(*rows)
+        assert own == scores == [0.1 * len(t) for t in texts]
+
+
+ASYNC = '''
+import asyncio
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    await asyncio.sleep(0)
+    return {"score": float(solution_str == ground_truth) + bonus, "acc": float(solution_str == ground_truth)}
+
+async def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+    await asyncio.sleep(0)
+    return [float(s == g) for s, g in zip(solution_strs, ground_truths)]
+'''
+
+
+def test_async_reward_functions_are_awaited(tmp_path):
+    """verl awaits an `async def` reward function; here each call runs it to its end (it returned a
+    coroutine, refused at the first reward, after the models were built)."""
+    path = tmp_path / "async_reward.py"
+    path.write_text(ASYNC)
+    rows = (["d"] * 3, ["a", "b", "a"], ["a"] * 3, [{}] * 3, [1] * 3)
+    assert load_reward_manager("naive", str(path))(*rows)[0] == [1.0, 0.0, 1.0]
+    assert load_reward_manager("naive", str(path), fn_kwargs={"bonus": 0.5})(*rows)[0] == [1.5, 0.5, 1.5]
+    assert load_reward_manager("dapo", str(path), manager_kwargs={"max_resp_len": 4})(*rows)[0] == [1.0, 0.0, 1.0]
+    assert load_reward_manager("batch", str(path), "batch_score")(*rows)[0] == [1.0, 0.0, 1.0]
+
+
+CLASSES = '''
+class Score(float):
+    """A result of a class the reward file defines: unpickled in the trainer under the same module."""
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "unreadable":
+        return Unreadable()
+    return {"score": Score(1.0), "kind": Score(2.0)} if solution_str == "dict" else (Score(1.0), "why")
+
+def refuse():
+    raise RuntimeError("this result cannot be rebuilt")
+
+class Unreadable(float):
+    def __reduce__(self):
+        return (refuse, ())
+'''
+
+
+def test_prime_reads_results_of_classes_its_file_defines(prime, tmp_path):
+    """A worker and the trainer load the file under one module name (it was the path's hash(),
+    which differs by process: unpickling such a result raised ModuleNotFoundError in the trainer);
+    a result that still cannot be rebuilt there is that call's failure, scored 0 and said."""
+    path = tmp_path / "class_reward.py"
+    path.write_text(CLASSES)
+    manager, warnings = prime(path=str(path))
+    scores, extras, _ = manager(["d"] * 3, ["x", "dict", "unreadable"], ["x"] * 3, [{}] * 3, [1] * 3)
+    assert scores == [1.0, 1.0, 0.0] and extras["kind"][1] == 2.0
+    assert len(warnings) == 1 and "cannot be read in the trainer (RuntimeError: this result cannot be rebuilt)" \
+        in warnings[0]
