@@ -21,6 +21,12 @@ import torch
 
 from rollout.parallel import ALL_REDUCE_IMPLS
 
+MIN_TEMPERATURE = 1e-6
+TEMPERATURE_BOUND = (f"a positive temperature below {MIN_TEMPERATURE:g} is greedy decoding in all but name, and its "
+                     "reciprocal scales the logits past float32 (it overflowed to inf and failed); use 0 for greedy "
+                     "decoding")
+"""The smallest positive sampling temperature, and why (the engine's and the trainer's check)."""
+
 
 QUANTIZATIONS = ("fp8",)  # `EngineConfig.quantization` besides None (the engine, the trainer, the CLIs)
 KV_CACHE_DTYPES = ("auto", "fp8")  # `EngineConfig.kv_cache_dtype` (vLLM's names)
@@ -153,6 +159,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
         if not self.temperature >= 0 or self.temperature == math.inf:  # NaN compares False
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"SamplingParams.temperature={self.temperature:g}: {TEMPERATURE_BOUND}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -13,7 +13,8 @@ newlines instead). Output: one
 line per (prompt, sample), prompt-major, with `prompt_index`, `sample_index`,
 `prompt_token_ids`, `token_ids`, `logprobs` (see `rollout.config`), `finish_reason`
 ("stop" | "length") and `text` when the checkpoint has a tokenizer. Generation stops at the
-EOS ids of config.json and generation_config.json unless `--ignore-eos`.
+EOS ids of config.json and generation_config.json and the tokenizer's (the trainer's, and vLLM's),
+unless `--ignore-eos`.
 """
 
 from __future__ import annotations
@@ -80,18 +81,21 @@ def load_tokenizer(model_dir: Path):
     return load(str(model_dir))
 
 
-def model_eos_ids(model_dir: Path, config_eos) -> list[int]:
-    """EOS ids from config.json and generation_config.json (instruct models list several there)."""
+def model_eos_ids(model_dir: Path, config_eos, tokenizer=None) -> list[int]:
+    """The ids that end a response: the EOS ids of config.json (`config_eos`) and
+    generation_config.json (instruct models list several there), and the tokenizer's, where given
+    (vLLM and the trainer stop at it too: a fine-tune may change the tokenizer's EOS alone).
+    ValueError for an unreadable generation_config.json."""
     ids = []
-    sources = [config_eos]
+    sources = [config_eos, None if tokenizer is None else tokenizer.eos_token_id]
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
             data = json.loads(gen.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CLIError(f"{gen}: not valid JSON ({e})") from None
+            raise ValueError(f"{gen}: not valid JSON ({e})") from None
         if not isinstance(data, dict):
-            raise CLIError(f"{gen}: expected a JSON object, got {type(data).__name__}")
+            raise ValueError(f"{gen}: expected a JSON object, got {type(data).__name__}")
         sources.append(data.get("eos_token_id"))
     for e in sources:
         if isinstance(e, int):
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
-                                eos_token_id=model_eos_ids(model_dir, model_args.eos_token_id))
+                                eos_token_id=model_eos_ids(model_dir, model_args.eos_token_id, tokenizer))
         config = EngineConfig(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(args.max_num_seqs, args.n),
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)

@@ -30,7 +30,7 @@ from trainer.profiling import check_profiler_ranks, profile_plan, profiling_note
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
-from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from rollout.config import KV_CACHE_DTYPES, MIN_TEMPERATURE, QUANTIZATIONS, TEMPERATURE_BOUND
 from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
 from sharding.mesh import ParallelDims
 from sharding.ulysses import check_sequence_parallel
@@ -758,7 +758,9 @@ class RolloutConfig:
                                       "algorithm.rollout_correction). auto: the cache in dtype",
                               choices=KV_CACHE_DTYPES)
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
-    max_num_batched_tokens: int = opt(8192, "token budget of one engine step (chunked prefill)", ge=1)
+    max_num_batched_tokens: int = opt(8192, "prompt-token budget of one engine prefill step (chunked prefill); "
+                                            "decode steps run up to max_num_seqs sequences whatever it is (vLLM "
+                                            "counts their tokens in it too)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
     max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length", ge=2)
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
@@ -1826,7 +1828,15 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if (bs * n) % world_size:
         raise ConfigError(f"data.train_batch_size x rollout.n ({bs * n}) must be a multiple of the world size "
                           f"({world_size})")
+    for key, value in (("temperature", rollout.temperature), ("val_kwargs.temperature", rollout.val_kwargs.temperature)):
+        if 0 < value < MIN_TEMPERATURE:
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={value:g}: {TEMPERATURE_BOUND}")
     if rollout.engine == "native":
+        if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < rollout.max_model_len:
+            raise ConfigError(f"actor_rollout_ref.rollout.enable_chunked_prefill=false with max_num_batched_tokens="
+                              f"{rollout.max_num_batched_tokens} < max_model_len={rollout.max_model_len}: without "
+                              "chunked prefill a whole prompt must fit in one step (as vLLM requires); raise "
+                              "max_num_batched_tokens or enable chunked prefill")
         val_n = rollout.val_kwargs.n if cfg.data.val_files else 0
         for key, samples in (("rollout.n", n), ("rollout.val_kwargs.n", val_n)):
             if samples > rollout.max_num_seqs:

@@ -359,10 +359,10 @@ class PPOTrainer:
         from rollout.generate import model_eos_ids
 
         model_dir = Path(self.cfg.actor_rollout_ref.model.path)
-        ids = set(model_eos_ids(model_dir, load_model_args(model_dir).eos_token_id))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return sorted(ids)
+        try:
+            return model_eos_ids(model_dir, load_model_args(model_dir).eos_token_id, self.tokenizer)
+        except ValueError as e:  # an unreadable generation_config.json
+            raise UserError(f"actor_rollout_ref.model.path: {e}") from None
 
     def log(self, text: str):
         self.tracking.message(text)

@@ -147,6 +147,13 @@ def test_bad_overrides_name_the_problem(override, message):
      "actor_rollout_ref.rollout.prompt_length=63 is below data.max_prompt_length=64"),
     (["data.max_prompt_length=64", "data.max_response_length=32", "actor_rollout_ref.rollout.max_model_len=95"],
      "actor_rollout_ref.rollout.max_model_len=95 is below data.max_prompt_length + rollout.response_length = 64 + 32"),
+    # without chunked prefill a prompt must fit in one step: the engine refused it after the models were built
+    (["actor_rollout_ref.rollout.enable_chunked_prefill=false", "actor_rollout_ref.rollout.max_num_batched_tokens=10"],
+     "actor_rollout_ref.rollout.enable_chunked_prefill=false with max_num_batched_tokens=10 < max_model_len="),
+    # a temperature whose reciprocal overflows float32 failed at the first rollout
+    (["actor_rollout_ref.rollout.temperature=1e-40"], "actor_rollout_ref.rollout.temperature=1e-40: a positive "
+                                                      "temperature below 1e-06 is greedy decoding in all but name"),
+    (["actor_rollout_ref.rollout.val_kwargs.temperature=1e-9"], "actor_rollout_ref.rollout.val_kwargs.temperature=1e-09"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:

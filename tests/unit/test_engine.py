@@ -674,6 +674,9 @@ def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkey
               f"{binary}: not a readable parquet file"),
              (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--temperature", "nan"],
               "temperature must be a finite number >= 0"),
+             # its reciprocal overflowed float32: a RuntimeError traceback in the sampler
+             (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--temperature",
+               "1e-40"], "temperature=1e-40: a positive temperature below 1e-06 is greedy decoding in all but name"),
              (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--max-model-len", "0"],
               "--max-model-len 0: give 2 to the model's max_position_embeddings"),
              (["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl"), "--max-model-len",

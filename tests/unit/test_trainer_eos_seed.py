@@ -120,6 +120,36 @@ def test_trainer_eos_ids_are_every_checkpoint_eos_and_the_tokenizers(two_eos):
     assert ids == sorted({CONFIG_EOS, TOKENIZER_EOS, two_eos.second})
 
 
+def test_the_cli_stops_at_the_trainers_eos_ids(two_eos, tmp_path, monkeypatch):
+    """`python -m rollout.generate` stops where the trainer does: the tokenizer's EOS too (vLLM
+    stops at it; the CLI read config.json and generation_config.json only, so a fine-tune that
+    changed the tokenizer's EOS alone generated past it)."""
+    import rollout
+    import rollout.generate as cli
+
+    seen = []
+    real = rollout.SamplingParams
+    monkeypatch.setattr(rollout, "SamplingParams", lambda **kw: seen.append(kw["eos_token_id"]) or real(**kw))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": two_eos.prompt}) + "\n")
+    assert cli.main(["--model", str(two_eos.dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+                     "--max-new-tokens", "1", "--dtype", "float32"]) == 0
+    assert seen == [PPOTrainer._eos_ids(_trainer_for_eos(two_eos.dir))] and TOKENIZER_EOS in seen[0]
+
+
+def test_an_unreadable_generation_config_is_a_user_error_naming_the_model(two_eos, tmp_path):
+    """It raised the CLI's error class out of the trainer, with a traceback."""
+    import shutil
+
+    from trainer.errors import UserError
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(two_eos.dir, d)
+    (d / "generation_config.json").write_text("{bad")
+    with pytest.raises(UserError, match=r"actor_rollout_ref.model.path: .*generation_config.json: not valid JSON"):
+        PPOTrainer._eos_ids(_trainer_for_eos(d))
+
+
 def test_trainer_generation_stops_at_the_second_eos(two_eos):
     ids = PPOTrainer._eos_ids(_trainer_for_eos(two_eos.dir))
     want = two_eos.free[:two_eos.j + 1]  # ends with the second EOS, which the response keeps (as the engine does)
