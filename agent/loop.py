@@ -221,13 +221,15 @@ class ToolAgent:
         """Append a sample's tool answers or interaction reply; whether it goes on."""
         if kind == "tools":
             s.tool_rewards += [float(r) for _, r in result if r is not None]
-            return self._append(s, [{"role": "tool", "content": text} for text, _ in result])
-        stop, text, score, _ = result  # an interaction's reply: its score counts
-        if score is not None:
+            appended = self._append(s, [{"role": "tool", "content": text} for text, _ in result])
+            s.user_turns += appended  # (verl counts tool answers that fit)
+            return appended
+        stop, text, score, _ = result  # an interaction's reply: its score counts, and it counts as a user
+        if score is not None:  # turn whether or not it is appended, as verl counts it (num_turns)
             s.turn_scores.append(score)
-        if stop:  # not appended: the response ends on the model's turn, where the score goes; it
-            s.finish_reason = "stop"  # counts as a user turn all the same, as verl counts it (num_turns)
-            s.user_turns += 1
+        s.user_turns += 1
+        if stop:  # not appended: the response ends on the model's turn, where the score goes
+            s.finish_reason = "stop"
             return False
         return self._append(s, [{"role": "user", "content": text}])
 
@@ -246,7 +248,6 @@ class ToolAgent:
         s.tokens += ids
         s.logprobs += [0.0] * len(ids)
         s.mask += [0] * len(ids)
-        s.user_turns += 1
         return True
 
 

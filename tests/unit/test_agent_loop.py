@@ -335,6 +335,21 @@ def test_interactions_reply_between_turns(tok):
                                         {"role": "assistant", "content": "#### 4"}]
 
 
+def test_an_interaction_reply_that_does_not_fit_still_counts_as_a_user_turn(tok):
+    """verl counts an interaction's reply before it appends it (and cuts the response later); a tool
+    answer that does not fit it does not count. Here the reply ends the rollout without being
+    appended, and num_turns counts it (it was one lower than verl's)."""
+    prompt = [{"role": "user", "content": "2+2?"}]
+    t1 = ids(tok, "3")
+    reply = message_ids(tok, [{"role": "user", "content": "try again"}], system_prompt_ids(tok))
+    teacher = Teacher()
+    a = agent(tok, Lookup(), interactions={"teacher": teacher}, response_length=len(t1) + len(reply))
+    (o,) = run(a, Script(tok, {(0, 0): ["3", "4"]}), [[1]], [(0, 0)], ["tool_agent"], messages=[prompt],
+               interaction_kwargs=[{"name": "teacher"}])
+    assert (o.token_ids, o.finish_reason, o.turn_scores) == (t1, "length", [0.0])
+    assert o.num_turns == 3  # 1 assistant turn + the reply + 1
+
+
 def test_an_interaction_written_for_verl_is_called_under_the_request_id(tok):
     """verl calls `start_interaction(request_id, **kwargs)`, ignores what it returns and uses the request
     id from then on: an interaction whose start returns nothing (or another id) still answers the turns,
