@@ -1130,7 +1130,8 @@ def compute_policy_loss(
     with torch.no_grad():
         pg_clipfrac = _fraction(pg_losses2 > pg_losses1, response_mask, pg_losses)
         pg_clipfrac_lower = _fraction((clip_pg_losses1 > pg_losses3) & negative, response_mask, pg_losses)
-        ppo_kl = masked_mean(-log_ratio, response_mask)
+        # verl's: of the log-ratio clamped as the ratio is
+        ppo_kl = masked_mean(-torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), response_mask)
     return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
@@ -1398,7 +1399,9 @@ def compute_policy_loss_kl_cov(
 
         L_t = -A r + (ppo_kl_coef * |log_prob - old_log_prob| if t is chosen else 0)
 
-    with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``. The chosen tokens: the
+    with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` (verl's ``kl_cov`` does not clamp: the
+    two differ only where a ratio passes e^20, where verl's loss is e^(log-ratio - 20) times larger).
+    The chosen tokens: the
     ``max(floor(kl_cov_ratio * n_valid), 1)`` valid tokens of largest ``C_t`` (verl's top-k),
     ties to the earlier position in row-major order.
 
@@ -1486,7 +1489,7 @@ def compute_policy_loss_geo_mean(
         outside = log_ratio != clipped
         pg_clipfrac = _fraction(outside & (advantages > 0), mask, seq_losses)
         pg_clipfrac_lower = _fraction(outside & (advantages < 0), mask, seq_losses)
-        ppo_kl = masked_mean(-log_ratio, mask)
+        ppo_kl = masked_mean(old_log_prob - log_prob, mask)  # verl's: of the log-ratio before its clamp
     return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 

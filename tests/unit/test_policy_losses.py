@@ -236,6 +236,17 @@ def test_statistics_have_verls_meaning(mode):
         assert not stat.requires_grad
 
 
+def test_ppo_kl_at_log_ratios_past_the_clamp_is_verls():
+    """verl's vanilla reports ppo_kl of the log-ratio clamped to [-20, 20] (as its ratio is), its geo_mean
+    of the raw log-ratio (the clamp is the loss's only): tokens at log-ratios +25 and -0.5 give
+    -(20 - 0.5) / 2 and -(25 - 0.5) / 2 (they were the other way round, by 2.5 here)."""
+    old, logp = [-26.0, -1.0], [-1.0, -1.5]
+    vanilla, _ = _one("vanilla", old, logp, [1.0, -1.0])
+    assert vanilla.ppo_kl.item() == pytest.approx(-(20.0 - 0.5) / 2, rel=1e-12)
+    geo, _ = _one("geo_mean", old, logp, [1.0, 1.0])
+    assert geo.ppo_kl.item() == pytest.approx(-(25.0 - 0.5) / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("mode", [m for m in VERL_MODES if m not in ("clip_cov", "kl_cov")])
 def test_global_counts_make_the_loss_independent_of_micro_batching(mode):
     """The losses summed over two micro-batches, each normalised by the whole batch's counts, are
