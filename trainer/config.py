@@ -240,7 +240,8 @@ class OptimConfig:
     lr: float = _lr(1e-6)
     lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio", ge=-1)
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps", ge=0, le=1)
-    min_lr_ratio: float = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr", ge=0, le=1)
+    min_lr_ratio: float | None = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr (null: 0, "
+                                          "as verl's schedule reads it)", ge=0, le=1)
     lr_scheduler_type: str = opt("constant", "schedule after warm-up: constant or cosine",
                                  choices=("constant", "cosine"))
     warmup_style: str | None = opt(None, "verl's older name of lr_scheduler_type: when set, it replaces "
@@ -254,6 +255,8 @@ class OptimConfig:
     clip_grad: float | None = opt(None, "verl's optimizer-section name of the section's grad_clip (verl's engine "
                                         "workers read this one, its legacy workers grad_clip); setting both to "
                                         "different values is an error. null: grad_clip", gt=0)
+    grad_clip: float | None = opt(None, "verl's deprecated optimizer-section name of clip_grad, read as it (a third "
+                                        "name of the section's grad_clip; different values are an error)", gt=0)
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
     optimizer: str = opt("AdamW", "the optimizer: AdamW only (verl may name another torch.optim class)",
@@ -268,6 +271,8 @@ class OptimConfig:
         # there, so a resolved config has one name for it (and resolves to itself).
         if self.warmup_style is not None:
             self.lr_scheduler_type, self.warmup_style = self.warmup_style, None
+        if self.min_lr_ratio is None:  # verl's default; its cosine schedule reads None as 0
+            self.min_lr_ratio = 0.0
 
 
 @dataclass
@@ -282,16 +287,19 @@ _GRAD_CLIP_HELP = "gradient-norm clipping threshold; null: optim.clip_grad, or 1
 
 
 def _resolve_grad_clip(key: str, section) -> None:
-    """The actor's or critic's (`key`) gradient-norm clipping threshold from verl's two names of it,
-    `grad_clip` and `optim.clip_grad`: the one that is set, 1.0 when neither is. It ends in
-    grad_clip, clip_grad null (so a resolved config resolves to itself)."""
-    alias = section.optim.clip_grad
-    if alias is not None and section.grad_clip is not None and alias != section.grad_clip:
-        raise ConfigError(f"{key}.grad_clip={section.grad_clip} and {key}.optim.clip_grad={alias}: both name the "
-                          "gradient-norm clipping threshold (verl's legacy and engine workers read one each); set "
-                          "one of them, or both to the same value")
-    section.grad_clip = next((v for v in (section.grad_clip, alias) if v is not None), 1.0)
-    section.optim.clip_grad = None
+    """The actor's or critic's (`key`) gradient-norm clipping threshold from verl's three names of it,
+    `grad_clip`, `optim.clip_grad` and `optim.grad_clip` (the optimizer section's deprecated one):
+    the one that is set, 1.0 when none is. It ends in grad_clip, the optimizer's null (so a
+    resolved config resolves to itself)."""
+    names = {f"{key}.grad_clip": section.grad_clip, f"{key}.optim.clip_grad": section.optim.clip_grad,
+             f"{key}.optim.grad_clip": section.optim.grad_clip}
+    given = {name: v for name, v in names.items() if v is not None}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"{' and '.join(f'{n}={v}' for n, v in given.items())}: each names the gradient-norm "
+                          "clipping threshold (verl's legacy and engine workers read one each); set one of them, or "
+                          "all to the same value")
+    section.grad_clip = next(iter(given.values()), 1.0)
+    section.optim.clip_grad = section.optim.grad_clip = None
 
 
 # The actor's, reference's and critic's `model.enable_activation_offload` (sharding.ac.ActivationOffloader).
@@ -1892,9 +1900,13 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             raise ConfigError(f"critic.ppo_mini_batch_size x rollout.n ({cmini * n}) must split over {world_size} ranks")
         if not critic.use_dynamic_bsz:
             cmicro = critic.ppo_micro_batch_size_per_gpu
-            if cmicro is None or ((cmini * n) * critic.ulysses_sequence_parallel_size // world_size) % cmicro:
-                raise ConfigError("critic.ppo_micro_batch_size_per_gpu must divide the critic's sequences per rank "
-                                  "(per Ulysses group) per mini-batch (or set critic.use_dynamic_bsz=true)")
+            if cmicro is None:
+                raise ConfigError("set critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true")
+            sp = critic.ulysses_sequence_parallel_size
+            per_group, who = cmini * n * sp // world_size, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
+            if per_group % cmicro:
+                raise ConfigError(f"critic sequences per {who} per mini-batch ({per_group}) must be a multiple of "
+                                  f"critic.ppo_micro_batch_size_per_gpu ({cmicro})")
         keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
         if keep is not None and keep != actor_keep:
             raise ConfigError(f"trainer.max_critic_ckpt_to_keep={keep} differs from trainer.max_actor_ckpt_to_keep="

@@ -31,7 +31,7 @@ from models.lora import adapters_disabled, lora_modules
 from trainer import faults
 from trainer.batching import PrefixGroups, shared_prefix_items, token_budget_partitions
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
-                            compute_value_loss, count_loss_units, get_policy_loss_fn, masked_sum)
+                            compute_value_loss, count_loss_units, get_policy_loss_fn, masked_mean, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import OPTIONAL_SEQUENCE_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch
 from sharding import comm
@@ -367,6 +367,8 @@ class TrainableRole(Role):
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
         stats.add(**totals)
         out = stats.result()
+        # a count of the skipped optimizer steps, not their share (one flag was added per step)
+        out[f"{prefix}/nonfinite_skipped"] = out[f"{prefix}/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
         out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -514,7 +516,6 @@ class Actor(TrainableRole):
                 out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
             if not bypass and ro.ref_log_probs is not None:
                 out["actor/ref_kl"] = kl_sum / max(tokens, 1.0)
-        out["actor/nonfinite_skipped"] = out["actor/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
         return out
 
 
@@ -588,8 +589,10 @@ class Critic(TrainableRole):
         def loss(sub, outputs, k, agg_kw):
             vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
                                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
+            # verl's vpred_mean: each micro-batch's mean value over its response tokens, averaged
             return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
-                             {"critic/vf_clipfrac": vf.vf_clipfrac})
+                             {"critic/vf_clipfrac": vf.vf_clipfrac,
+                              "critic/vpred_mean": masked_mean(outputs[0].detach(), sub.response_mask)})
 
         with self.resident(with_optimizer=True):
             return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),

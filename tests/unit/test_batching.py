@@ -302,6 +302,10 @@ def test_loss_scale_factor_is_the_constant_divisor_of_seq_mean_token_sum_norm():
         torch.testing.assert_close(deltas[20][k], v / 4, rtol=0, atol=1e-7, msg=k)
 
 
+def replace_cfg(cfg, **kw):
+    return SimpleNamespace(**{**vars(cfg), **kw})
+
+
 def test_update_losses_are_summed_over_mini_batches_and_epochs_as_verls():
     """verl's dp_actor / dp_critic add `actor/pg_loss`, `actor/kl_loss` and `critic/vf_loss` up over
     every mini-batch of every epoch (each mini-batch's mean loss); the statistics stay means. With
@@ -337,3 +341,14 @@ def test_update_losses_are_summed_over_mini_batches_and_epochs_as_verls():
                                  cliprange_value=0.5)
     out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
     assert out["critic/vf_loss"] == pytest.approx(two_epochs(0.5 * (ro.returns - ro.values).double() ** 2), rel=1e-5)
+    # verl's critic/vpred_mean: the mean over micro-batches (here the two mini-batches) of each one's mean value
+    # over its response tokens
+    whole = replace_cfg(critic_cfg, ppo_micro_batch_size_per_gpu=4)
+    out = critic.update(ro, whole, num_mini_batches=2, seed=0)
+    want = sum(float((ro.values[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
+    assert out["critic/vpred_mean"] == pytest.approx(want, rel=1e-5)
+    # a count of the skipped optimizer steps, as the actor's (it was their share: 0.5 here): the first
+    # mini-batch's non-finite returns skip it in both epochs
+    ro.returns[0, 0] = float("nan")
+    out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
+    assert out["critic/nonfinite_skipped"] == 2.0

@@ -154,6 +154,12 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.rollout.temperature=1e-40"], "actor_rollout_ref.rollout.temperature=1e-40: a positive "
                                                       "temperature below 1e-06 is greedy decoding in all but name"),
     (["actor_rollout_ref.rollout.val_kwargs.temperature=1e-9"], "actor_rollout_ref.rollout.val_kwargs.temperature=1e-09"),
+    # the critic's micro-batch: unset, or not dividing, each said with its numbers (one vague message before)
+    (["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "critic.use_dynamic_bsz=false"],
+     "set critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=3"],
+     "critic sequences per rank per mini-batch (64) must be a multiple of critic.ppo_micro_batch_size_per_gpu (3)"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -347,14 +353,21 @@ def test_verls_current_optimizer_names(section):
     assert get(_cfg(f"{section}.grad_clip=0.3", f"{section}.optim.clip_grad=0.3")).grad_clip == 0.3
     assert get(_cfg(f"{section}.grad_clip=0.3")).grad_clip == 0.3
     assert get(_cfg()).grad_clip == 1.0
-    with pytest.raises(ConfigError, match=rf"{section}.grad_clip=0.5 and {section}.optim.clip_grad=0.3: both name the "
-                                          "gradient-norm clipping threshold"):
+    with pytest.raises(ConfigError, match=rf"{section}.grad_clip=0.5 and {section}.optim.clip_grad=0.3: each names "
+                                          "the gradient-norm clipping threshold"):
         _cfg(f"{section}.grad_clip=0.5", f"{section}.optim.clip_grad=0.3")
+    # verl's optimizer section also takes its deprecated optim.grad_clip (it was an unknown key here)
+    assert get(_cfg(f"{section}.optim.grad_clip=0.4")).grad_clip == 0.4
+    assert get(_cfg(f"{section}.optim.grad_clip=0.4", f"{section}.optim.clip_grad=0.4")).grad_clip == 0.4
+    with pytest.raises(ConfigError, match=rf"{section}.optim.clip_grad=0.3 and {section}.optim.grad_clip=0.4: each "):
+        _cfg(f"{section}.optim.clip_grad=0.3", f"{section}.optim.grad_clip=0.4")
+    # verl's FSDP optimizer default min_lr_ratio: null, which its cosine schedule reads as 0 (it was refused)
+    assert get(_cfg(f"{section}.optim.min_lr_ratio=null")).optim.min_lr_ratio == 0.0
     with pytest.raises(ConfigError, match=rf"{section}.optim.lr_scheduler_type: 'linear' is not one of"):
         _cfg(f"{section}.optim.lr_scheduler_type=linear")
     # the resolved config holds each value under one name and resolves to itself
-    cfg = _cfg(f"{section}.optim.warmup_style=cosine", f"{section}.optim.clip_grad=0.3")
-    assert (get(cfg).optim.warmup_style, get(cfg).optim.clip_grad) == (None, None)
+    cfg = _cfg(f"{section}.optim.warmup_style=cosine", f"{section}.optim.grad_clip=0.3")
+    assert (get(cfg).optim.warmup_style, get(cfg).optim.clip_grad, get(cfg).optim.grad_clip) == (None, None, None)
     assert dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(cfg))) == dataclasses.asdict(cfg)
 
 
