@@ -102,7 +102,7 @@ def _body(rank, world, prompts, balance):
         assert sorted(scored) == list(range(prompts)), every
 
     # the former way: every rank scores every greedy response
-    old, _, _ = trainer._score(greedy)
+    old, *_ = trainer._score(greedy)
     assert torch.equal(baselines, old[torch.tensor(full.uids)])
 
 

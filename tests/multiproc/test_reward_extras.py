@@ -54,7 +54,7 @@ def _dump_body(rank, world, dump_dir):
     full = rows_of([1, 2, 3, 1, 2, 3])
     ro = full.take(PARTS[rank])
     trainer = dump_trainer(dump_dir, rank, _row_reward)
-    scores, extras, ro.other_extras = trainer._score(ro)
+    scores, extras, ro.other_extras, _ = trainer._score(ro)
     assert list(ro.other_extras) == (["pred", "mixed", "parsed"] if rank == 0 else ["pred", "parsed", "fn"])
     ro.advantages, ro.token_level_rewards = torch.zeros(3, 3), torch.zeros(3, 3)
     trainer._dump_rollouts(full, ro, PARTS, scores, extras)

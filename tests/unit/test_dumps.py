@@ -88,7 +88,7 @@ def test_a_single_rank_dump_writes_the_other_extras_as_returned(tmp_path):
     full = rows_of([2, 1, 3])
     ro, parts = full.take([0, 1, 2]), [[0, 1, 2]]
     trainer = dump_trainer(tmp_path, reward_fn=reward)
-    scores, extras, ro.other_extras = trainer._score(ro)
+    scores, extras, ro.other_extras, _ = trainer._score(ro)
     ro.advantages, ro.token_level_rewards = torch.zeros(3, 3), torch.zeros(3, 3)
     trainer._dump_rollouts(full, ro, parts, scores, extras)
     dumped = read_dump(tmp_path / "1.jsonl")
