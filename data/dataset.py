@@ -71,10 +71,11 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     `.parquet` file that pyarrow cannot read raises it naming the file.
     """
     path = os.fspath(path)
-    kind = _file_kind(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # (whatever its name: verl's scripts take a dataset directory, meshppo its files)
+        kind = "parquet" if path.lower().endswith(".parquet") else "dataset"
         raise DatasetError(f"{path}: a directory, not a dataset file; list its {kind} files (a directory of "
                            "parquet parts is several files)")
+    kind = _file_kind(path)
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: dataset file not found")
     if kind == "parquet":
@@ -264,7 +265,9 @@ def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply
     _validate_messages(prompt, where, key)
     if not apply_chat_template:
         return "\n".join(_content_text(m["content"]) for m in prompt), False
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    # a template given in the kwargs (verl passes them to apply_chat_template) serves as well as the tokenizer's
+    if tokenizer is None or not (getattr(tokenizer, "chat_template", None)
+                                 or (chat_template_kwargs or {}).get("chat_template")):
         raise DatasetError(f"{where}: field '{key}' is a list of chat messages but the tokenizer has no chat "
                            f"template; use text prompts, set {no_template_option}, or use a tokenizer with a "
                            "`chat_template`")

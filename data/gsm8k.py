@@ -2,12 +2,13 @@
 
     python -m data.gsm8k --input gsm8k_train.parquet --output data/gsm8k/train.parquet --split train
 
-GSM8K answers end with `#### N`; `N` (a `$` and commas removed, as the scorer removes
-them from responses, and a sentence's full stop dropped) becomes the rule-based reward's
+GSM8K answers end with `#### N`; `N` (commas removed, as the scorer removes them from
+responses; a `$` and a sentence's full stop dropped) becomes the rule-based reward's
 ground truth, and the prompt asks the model to end its answer the same way, which is
 what the strict scorer in `rewards.gsm8k` checks. The prompt text and the
-`extra_info` fields are verl's (`examples/data_preprocess/gsm8k.py`), so datasets
-converted by either tool are interchangeable.
+`extra_info` fields are verl's (`examples/data_preprocess/gsm8k.py`), so GSM8K converted
+by either tool gives the same rows (an answer ending `5.` or `$5`, which GSM8K has none of,
+would not: verl's regex keeps the full stop and cannot read the `$`).
 
 With `--multiturn` (or `--multiturn tool`) the rows are verl's tool-calling ones (`examples/data_preprocess/
 gsm8k_multiturn_w_tool.py`), for multi-turn rollouts with `configs/tools/gsm8k_tool.yaml`: a system
@@ -57,9 +58,11 @@ INTERACTION_NAME = "gsm8k"
 # The multi-turn variants of the rows: verl's tool-calling rows and its interaction rows.
 MULTITURN_KINDS = ("tool", "interaction")
 
-# The whole tail after the last `#### `: an optional `$` (which `rewards.gsm8k` also accepts),
-# an integer with optional thousands commas and decimal part, and an optional full stop that
-# ends the sentence. Anchored at the end so that `#### 3/4` is refused rather than read as 3.
+# The whole tail after the last `#### `: an optional `$` (dropped: verl's regex cannot read it, and
+# `rewards.gsm8k` does not accept it in a response either), an integer with optional thousands commas
+# and decimal part, and an optional full stop that ends the sentence (dropped; verl's regex keeps it in
+# the ground truth). Anchored at the end so that `#### 3/4` is refused rather than read as 3; no GSM8K
+# answer has any of these forms.
 _FINAL_ANSWER = re.compile(r"#### \$?(-?[0-9][0-9,]*(?:\.[0-9]+)?)\.?\s*\Z")
 
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m data.gsm8k", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="GSM8K file (.jsonl, .json or .parquet)")
-    parser.add_argument("--output", required=True, help="output file (.parquet, else JSON lines, whatever the suffix)")
+    parser.add_argument("--output", required=True, help="output file: .parquet, or .jsonl / .json for JSON lines")
     parser.add_argument("--split", default="train", help="stored in extra_info.split (default: train)")
     parser.add_argument("--multiturn", nargs="?", const="tool", choices=MULTITURN_KINDS, default=None,
                         help="verl's multi-turn rows: 'tool' (the default when no value is given) for the "

@@ -10,6 +10,7 @@ tree, which imports them from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from data.dataset import AGENT_NAMES
 from rewards.managers import REWARD_MANAGERS
@@ -136,7 +137,10 @@ class DataClassConfig:
 
 @dataclass
 class SamplerClassConfig:
-    """verl's `data.sampler`: a sampler class of the user's (curricula)."""
+    """verl's `data.sampler`: a sampler class of the user's (curricula). verl also takes `sampler:
+    null` (no sampler of the user's): here the section's defaults."""
+
+    NULL_IS_DEFAULT: ClassVar[bool] = True
 
     class_path: str | None = opt(None, "not supported: must be null (meshppo orders the prompts by shuffle and seed)",
                                  unsupported=lambda v: v is not None)

@@ -125,6 +125,8 @@ def _coerce(value, tp, key: str):
             raise ConfigError(errors[0] + " (or null)")
         raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if is_dataclass(tp):
+        if value is None and getattr(tp, "NULL_IS_DEFAULT", False):  # a section verl also takes as null
+            return tp()
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping (a config section), got {value!r}")
         return build_dataclass(tp, value, key)
@@ -361,7 +363,24 @@ def parse_override(arg: str, cls=None) -> tuple[list[str], Any]:
         raise ConfigError(f"override {arg!r}: value is not valid YAML ({e})") from None
     finally:
         loader.dispose()
+    _refuse_glued_mapping_keys(arg, value)
     return path, value
+
+
+def _refuse_glued_mapping_keys(arg: str, value: Any) -> None:
+    """Hydra reads `{enable_thinking:false}` as a mapping of one key; YAML reads the key
+    `'enable_thinking:false'` with no value, which a free-form option would pass on silently. A null
+    mapping key holding a colon is refused with the spelling YAML reads."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:
+                name, _, rest = k.partition(":")
+                raise ConfigError(f"override {arg!r}: {{{k}}} is one key with no value in YAML; write "
+                                  f"{{{name}: {rest}}} (a space after the colon), as Hydra's {{{k}}} means")
+            _refuse_glued_mapping_keys(arg, v)
+    elif isinstance(value, list):
+        for v in value:
+            _refuse_glued_mapping_keys(arg, v)
 
 
 def _merge_mapping(into: dict, value: dict) -> None:

@@ -90,6 +90,10 @@ def test_dotted_override_types():
     ("data.return_full_prompt=true", "data.return_full_prompt"),
     ("data.validation_shuffle=true", "data.validation_shuffle"),
     ("data.truncation=center", "'center' is not one of ['error', 'left', 'right', 'middle']"),
+    # Hydra's {key:value} is one key without a value in YAML: a free-form option passed it on silently
+    ("data.apply_chat_template_kwargs={enable_thinking:false}",
+     "{enable_thinking:false} is one key with no value in YAML; write {enable_thinking: false}"),
+    ("actor_rollout_ref.actor.optim={lr:1e-5}", "write {lr: 1e-5} (a space after the colon)"),
 ])
 def test_bad_overrides_name_the_problem(override, message):
     with pytest.raises(ConfigError) as e:
@@ -730,3 +734,12 @@ def test_reward_manager_notes():
         "reward_model.reward_manager=dapo is not used: the reward model replaces the rule reward "
         "(reward_model.combine=replace; in verl the manager passes the model's scores on)"]
     assert notes(*DAPO, "reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.combine=add") == []
+
+
+def test_verls_null_spellings_of_data_options_are_accepted():
+    """verl takes data.filter_overlong_prompts_workers and data.sampler as null (both were refused)."""
+    cfg = _cfg("data.filter_overlong_prompts_workers=null", "data.sampler=null")
+    assert cfg.data.filter_overlong_prompts_workers is None
+    assert (cfg.data.sampler.class_path, cfg.data.sampler.class_name) == (None, None)
+    assert _cfg("data.apply_chat_template_kwargs={enable_thinking: false}").data.apply_chat_template_kwargs == {
+        "enable_thinking": False}

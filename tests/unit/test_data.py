@@ -372,6 +372,27 @@ def test_a_directory_given_as_a_data_file_is_named_so(tmp_path):
         read_records(tmp_path / "spark.parquet")
 
 
+def test_a_directory_of_any_name_is_named_so(tmp_path):
+    """verl's preprocessing scripts take a dataset directory: given as a data file, it is said to be one
+    (whatever its suffix; it was 'unsupported file type')."""
+    (tmp_path / "gsm8k").mkdir()
+    with pytest.raises(DatasetError, match=r"gsm8k: a directory, not a dataset file; list its dataset files"):
+        read_records(tmp_path / "gsm8k")
+
+
+def test_a_chat_template_in_the_kwargs_serves_a_tokenizer_without_one(tmp_path, tokenizer_dir):
+    """verl passes data.apply_chat_template_kwargs to apply_chat_template, so a `chat_template` there
+    renders the prompts of a tokenizer that has none (they were refused)."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = None
+    path = write_jsonl([_chat_row("1+2=")], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match="the tokenizer has no chat template"):
+        RLHFDataset(path, tok)
+    template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    ds = RLHFDataset(path, tok, apply_chat_template_kwargs={"chat_template": template})
+    assert ds[0]["prompt_text"] == "<|user|>1+2=<|assistant|>"
+
+
 def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer_dir):
     """verl's data.apply_chat_template_kwargs, e.g. enable_thinking: false, are passed to the template."""
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
