@@ -53,6 +53,7 @@ import pickle
 import random
 import re
 import shutil
+from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
@@ -61,7 +62,7 @@ import torch.distributed as dist
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
-from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides
+from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read
 from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
@@ -88,6 +89,7 @@ SAME_RUN_OPTIONS = (
     "actor_rollout_ref.model.target_modules",
     "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.model.override_config",
+    "actor_rollout_ref.model.custom_chat_template",  # how every prompt (and inserted turn) reads
     "actor_rollout_ref.actor",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.temperature",
@@ -96,6 +98,8 @@ SAME_RUN_OPTIONS = (
     "actor_rollout_ref.rollout.do_sample",
     "actor_rollout_ref.rollout.response_length",
     "actor_rollout_ref.rollout.ignore_eos",
+    "actor_rollout_ref.rollout.multi_turn",  # the turns, tools and interactions the responses are made of
+    "actor_rollout_ref.rollout.agent.default_agent_loop",
     "critic",
     "reward_model",
     "custom_reward_function",
@@ -116,6 +120,8 @@ NOT_SAME_RUN_OPTIONS = (
     "data.return_raw_chat",
     "data.reward_fn_key",
     "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.use_remove_padding",  # (verl's copy of model.use_remove_padding: execution only)
+    "actor_rollout_ref.actor.calculate_entropy",  # which pass reports actor/entropy
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.use_dynamic_bsz",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
@@ -479,8 +485,21 @@ class CheckpointManager:
         """Continue from a checkpoint (`trainer.resume_mode`), or start fresh; the checkpoint's path
         if one was loaded.
         `disable` starts the run directory over: an earlier run's checkpoints there are deleted,
-        so that they can be neither resumed nor rotated in place of this run's."""
+        so that they can be neither resumed nor rotated in place of this run's. Both `disable` and
+        `resume_path` describe the launch's first start: after a restart by torchrun
+        (`TORCHELASTIC_RESTART_COUNT`, `--max-restarts`) the run continues from its own newest
+        checkpoint where it wrote one (newer than `resume_from_path`'s), as `auto` would, instead of
+        deleting it or going back to where it began."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        own = self.latest() if restarts and resume_mode in ("disable", "resume_path") else None
+        if own is not None and (resume_mode == "disable" or read_trainer_state(own)["global_step"]
+                                > read_trainer_state(resume_from_path)["global_step"]):
+            self.log(f"restart {restarts} of this launch: resuming its newest checkpoint {own} (trainer.resume_mode="
+                     f"{resume_mode} is for the launch's first start)")
+            self.load(own)
+            return own
         if resume_mode == "disable":
+            self._refuse_deleting_what_the_run_reads()
             if self.is_main and os.path.isdir(self.root) and os.listdir(self.root):
                 self.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
                 shutil.rmtree(self.root)
@@ -499,6 +518,20 @@ class CheckpointManager:
                 return None
         self.load(path)
         return path
+
+    def _refuse_deleting_what_the_run_reads(self) -> None:
+        """A UserError, before anything is deleted, when resume_mode=disable would delete a checkpoint
+        directory this run reads its model, adapter or tokenizer from (a second stage trained from the
+        first's `global_step_N/actor/huggingface` in the same run directory)."""
+        if self.config is None or not os.path.isdir(self.root):
+            return
+        root = Path(self.root).resolve()
+        inside = [p for p in paths_read(self.config) if Path(p).resolve().is_relative_to(root)]
+        if inside:
+            raise UserError(f"trainer.resume_mode=disable would delete {self.root}, which holds {inside[0]!r}, "
+                            "a model, adapter or tokenizer this run reads (actor_rollout_ref.model.path, "
+                            "lora_adapter_path, data.tokenizer, critic.model.path or reward_model.model.path): copy it "
+                            "out of the run directory first, or train in another trainer.default_local_dir")
 
     def rollback(self, step: int) -> str:
         """Load the models and optimizers of the checkpoint of `step` (a KL-guard rollback, which

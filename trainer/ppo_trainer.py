@@ -1120,11 +1120,16 @@ class PPOTrainer:
                     raise StopTraining(f"{self.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
                                        "norm (optimizer steps skipped); lower the learning rate or check the data")
                 last = self.global_step >= self.total_steps
+                # a signal first: the checkpoint is written within the grace period, not after a validation
+                stop = self._agreed_stop_signal()
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
-                    metrics.update(self.validate())
+                    if stop:
+                        self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
+                                 "checkpoint written first")
+                    else:
+                        metrics.update(self.validate())
                 metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
                 self.tracking.log(metrics, step=self.global_step)
-                stop = self._agreed_stop_signal()
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                     self.ckpt.save(self.global_step)
                 if stop:

@@ -356,3 +356,23 @@ def test_an_offloaded_critic_and_a_save_before_the_first_actor_update_resume_exa
     code, err = _main(tiny_assets, saving, capsys, *common, "trainer.total_training_steps=3", "trainer.save_freq=1")
     assert code == 0, err
     assert_resumed_run_matches(straight, saving, 3)
+
+
+def test_a_signal_writes_the_checkpoint_before_a_validation(tiny_assets, tmp_path, capsys, monkeypatch):
+    """SIGTERM / SIGUSR1 in a step that also validates: the checkpoint is written and the run exits
+    without the validation (it ran first, outside the grace period, for minutes with a real
+    validation set, and could be killed before the checkpoint was written)."""
+    from trainer.ppo_trainer import PPOTrainer
+
+    validated = []
+    real_validate = PPOTrainer.validate
+    monkeypatch.setattr(PPOTrainer, "validate", lambda self: validated.append(self.global_step) or real_validate(self))
+    monkeypatch.setattr(PPOTrainer, "_agreed_stop_signal", lambda self: self.global_step == 2)
+    run = tmp_path / "signalled" / "run"
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=4", "trainer.test_freq=1",
+                      f"data.val_files=[{tiny_assets}/val.jsonl]")
+    assert code == 0, err
+    assert validated == [1] and "step 2's validation skipped, the checkpoint written first" in err
+    assert [row["step"] for row in read_metrics(run)] == [1, 2]
+    assert not any(k.startswith("val") for k in read_metrics(run)[1])
+    assert os.path.isfile(run / "checkpoints" / "global_step_2" / "trainer_state.json")

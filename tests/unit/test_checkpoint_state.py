@@ -88,6 +88,16 @@ def test_run_differences_lists_changed_training_options_only():
     current = PPOConfig()
     current.algorithm.norm_adv_by_std_in_grpo = False
     assert run_differences(old, dataclasses.asdict(current)) == [("algorithm.norm_adv_by_std_in_grpo", True, False)]
+    # how prompts and turns read is training (a chat template change was accepted); remove-padding and
+    # which pass reports the entropy only execute or report (they were refused)
+    current = PPOConfig()
+    current.actor_rollout_ref.model.custom_chat_template = "{{ messages }}"
+    current.actor_rollout_ref.rollout.multi_turn.max_assistant_turns = 3
+    current.actor_rollout_ref.actor.use_remove_padding = not saved.actor_rollout_ref.actor.use_remove_padding
+    current.actor_rollout_ref.actor.calculate_entropy = not saved.actor_rollout_ref.actor.calculate_entropy
+    assert run_differences(dataclasses.asdict(saved), dataclasses.asdict(current)) == [
+        ("actor_rollout_ref.model.custom_chat_template", None, "{{ messages }}"),
+        ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", None, 3)]
 
 
 def test_a_checkpoint_from_before_lr_scheduler_type_ran_with_its_warmup_style():
@@ -256,3 +266,50 @@ def test_a_save_of_an_existing_step_cut_off_keeps_that_step(tmp_path, monkeypatc
     fresh.save(1)  # the next save of the step completes and leaves no debris
     assert fresh.latest() == fresh.step_dir(1)
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeypatch):
+    """torchrun's --max-restarts re-runs the same command: resume_mode=disable deleted the checkpoints
+    the run had just written and started again from step 0, and resume_path went back to its
+    checkpoint. After a restart both continue from the run's newest checkpoint, as auto does."""
+    run, counter = _manager(tmp_path / "run")
+    assert run.maybe_resume("disable") is None
+    for step in (1, 2):
+        counter.step = step
+        run.save(step)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again, counter = _manager(tmp_path / "run")
+    assert again.maybe_resume("disable") == again.step_dir(2) and counter.step == 2
+    assert again.complete_steps() == [1, 2]  # nothing deleted
+    # resume_path: the run's own newer checkpoint wins; an older one does not
+    source, counter = _manager(tmp_path / "source")
+    counter.step = 5
+    source.save(5)
+    again, counter = _manager(tmp_path / "run")
+    assert again.maybe_resume("resume_path", source.step_dir(5)) == source.step_dir(5) and counter.step == 5
+    counter.step = 6
+    again.save(6)
+    third, counter = _manager(tmp_path / "run")
+    assert third.maybe_resume("resume_path", source.step_dir(5)) == third.step_dir(6) and counter.step == 6
+    # the first start is as before: disable deletes an earlier run's checkpoints
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh, counter = _manager(tmp_path / "run")
+    assert fresh.maybe_resume("disable") is None and fresh.complete_steps() == []
+
+
+def test_disable_refuses_to_delete_a_checkpoint_the_run_reads(tmp_path):
+    """A second stage trained from the first's global_step_N/actor/huggingface in the same run
+    directory: resume_mode=disable deleted it (and the config then named a path that was gone)."""
+    first, counter = _manager(tmp_path / "run")
+    counter.step = 1
+    first.save(1)
+    model = os.path.join(first.step_dir(1), "actor", "huggingface")
+    os.makedirs(model)
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.model.path = model
+    second = CheckpointManager(str(tmp_path / "run"), states={"trainer": _Counter()}, fingerprint={}, config=cfg,
+                               log=lambda s: None)
+    with pytest.raises(UserError, match=r"trainer.resume_mode=disable would delete .*, which holds '.*huggingface', a "
+                                        r"model, adapter or tokenizer this run reads"):
+        second.maybe_resume("disable")
+    assert os.path.isdir(model) and second.complete_steps() == [1]
