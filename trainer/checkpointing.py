@@ -59,6 +59,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
@@ -349,6 +350,42 @@ class CheckpointManager:
     # --------------------------------------------------------------- save
     def save(self, step: int) -> str:
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
+        try:
+            self._write(step, tmp)
+        except (OSError, dcp.CheckpointException) as e:
+            # a full disk, a quota, a directory gone: one line (DCP raises its writers' failures on
+            # every rank), the partial directory removed, the earlier checkpoints as they were
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            errors = [err for err, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
+            first = next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else e)
+            detail = (str(first).strip().splitlines() or [""])[0]
+            good = self.latest()
+            raise UserError(f"writing the checkpoint of step {step} into {tmp} failed ({type(first).__name__}: "
+                            f"{detail}); the last complete checkpoint is "
+                            f"{good if good is not None else 'none'}; free space in {self.root} (or move "
+                            "trainer.default_local_dir) and resume") from None
+        _barrier()
+        if self.is_main:
+            # A step saved again (a stale branch's, after resuming from an earlier step) is moved
+            # aside, not deleted, until the new one is in place: a kill in between leaves it.
+            old = final + ".old"
+            if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
+            with open(pointer_tmp, "w") as f:
+                f.write(str(step))
+            os.replace(pointer_tmp, os.path.join(self.root, LATEST))
+            shutil.rmtree(old, ignore_errors=True)
+            self._rotate(step)
+        _barrier()
+        self.saved_step = step
+        return final
+
+    def _write(self, step: int, tmp: str) -> None:
+        """`save`'s writing of every part of the checkpoint into `tmp`, the trainer state last."""
         rng = "extra" in self.contents("actor", "save_contents")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -375,24 +412,6 @@ class CheckpointManager:
             # The trainer state is written last: its presence marks a complete checkpoint.
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
-        _barrier()
-        if self.is_main:
-            # A step saved again (a stale branch's, after resuming from an earlier step) is moved
-            # aside, not deleted, until the new one is in place: a kill in between leaves it.
-            old = final + ".old"
-            if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
-            with open(pointer_tmp, "w") as f:
-                f.write(str(step))
-            os.replace(pointer_tmp, os.path.join(self.root, LATEST))
-            shutil.rmtree(old, ignore_errors=True)
-            self._rotate(step)
-        _barrier()
-        self.saved_step = step
-        return final
 
     def _rotate(self, step: int):
         """Keep the newest `keep` complete checkpoints up to `step` (the one just written). Newer
@@ -478,6 +497,10 @@ class CheckpointManager:
             _set_rng_state(rng)
         if fresh:
             self.log(f"checkpoint {path}: not loaded (checkpoint.load_contents), starting fresh: {'; '.join(fresh)}")
+        if load_rng and not same_world:
+            self.log(f"checkpoint {path}: written by {state['world_size']} ranks, resumed on {self.world_size}: the "
+                     "RNG states are seeded afresh (a rank's state belongs to its rank), so sampling differs from "
+                     "the uninterrupted run's")
         if not keep_progress and os.path.abspath(path) == os.path.abspath(self.step_dir(state["global_step"])):
             self.saved_step = state["global_step"]
 

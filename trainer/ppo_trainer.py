@@ -1083,6 +1083,10 @@ class PPOTrainer:
             self._delete_earlier_exports()
         if resumed is not None:
             self.log(f"resumed from {resumed} at step {self.global_step}")
+            if self.global_step >= self.total_steps and not t.val_only:
+                self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's rounds x "
+                         f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
+                         "trainer.total_training_steps to train on")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
                             run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
                                      self.run_dir, self.global_step, self.models.ulysses_sizes()))

@@ -260,6 +260,9 @@ def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then
     r = torchrun(demo_args(tiny_assets, run, *WORLD, f"trainer.n_gpus_per_node={after}"), nproc=after)
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"world: {after} rank" in r.stderr and "(resumed at step 2)" in r.stderr
+    # both said (they were silent): the RNG states left behind, and that nothing is left to train
+    assert f"written by {before} ranks, resumed on {after}: the RNG states are seeded afresh" in r.stderr
+    assert "are done at step 2: nothing to train" in r.stderr
     loaded = _weights(run)
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -313,3 +313,26 @@ def test_disable_refuses_to_delete_a_checkpoint_the_run_reads(tmp_path):
                                         r"model, adapter or tokenizer this run reads"):
         second.maybe_resume("disable")
     assert os.path.isdir(model) and second.complete_steps() == [1]
+
+
+def test_a_failed_write_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """A full disk during a save ended in a traceback on every rank and left global_step_N.tmp taking
+    space; now a UserError names the step, the cause and the last complete checkpoint, and the partial
+    directory is gone."""
+    import trainer.checkpointing as checkpointing
+
+    manager, counter = _manager(tmp_path)
+    counter.step = 1
+    manager.save(1)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "_rng_state", full)
+    counter.step = 2
+    with pytest.raises(UserError, match=r"writing the checkpoint of step 2 into .*global_step_2\.tmp failed \(OSError: "
+                                        r"\[Errno 28\] No space left on device\); the last complete checkpoint is "
+                                        r".*global_step_1; free space in"):
+        manager.save(2)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+    assert manager.latest() == manager.step_dir(1)
