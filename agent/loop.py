@@ -214,8 +214,8 @@ class ToolAgent:
         """The coroutine of a waiting sample's tools or interaction turn."""
         if kind == "tools":
             return tool_turn(self.tools, s.calls, s.tools_kwargs, self.limit, self.side, self.max_parallel_calls)
-        return interaction_turn(self.interactions, s.interaction_kwargs["name"], s.instance, list(s.messages),
-                                s.interaction_kwargs)
+        return _without_metrics(interaction_turn(self.interactions, s.interaction_kwargs["name"], s.instance,
+                                                 list(s.messages), s.interaction_kwargs))
 
     def _answer(self, s: _Sample, kind: str, result) -> bool:
         """Append a sample's tool answers or interaction reply; whether it goes on."""
@@ -314,6 +314,14 @@ class _Turns:
         if errors:
             raise errors[0]
         return [(key, t.result()) for key, t in ended]
+
+
+async def _without_metrics(turn):
+    """An interaction turn's result without its metrics dict (as `tool_turn` drops the tools'): the
+    loop does not read it, and the results are broadcast over the engine's TP group, where an object
+    of the user's that does not pickle would fail the first rank alone and leave the others waiting."""
+    stop, text, score, _ = await turn
+    return stop, text, score, {}
 
 
 def _first_rank(work: Callable, runs: bool, share: Callable):

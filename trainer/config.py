@@ -1783,6 +1783,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         if adv == "remax":
             raise ConfigError("algorithm.filter_groups with algorithm.adv_estimator=remax is not supported: filter "
                               "a group estimator's groups (grpo, rloo, ...)")
+        rows = cfg.data.gen_batch_size * n
+        if rows % world_size:  # each round's rows are scored where they are, every rank a share of them
+            raise ConfigError(f"data.gen_batch_size x rollout.n ({rows}) must be a multiple of the world size "
+                              f"({world_size}) with algorithm.filter_groups: each generation round is scored on "
+                              "every rank, in equal shares")
     elif cfg.data.gen_batch_size != bs:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={bs}, "
                           "but algorithm.filter_groups.enable=false: only dynamic sampling generates in rounds of "

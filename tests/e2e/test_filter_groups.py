@@ -136,7 +136,11 @@ def test_dynamic_sampling_config_errors():
              "metric=seq_final_reward with algorithm.use_kl_in_reward=true"),
             (["data.gen_batch_size=64"], "only dynamic sampling generates in rounds of gen_batch_size"),
             (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-              "algorithm.adv_estimator=remax"], "filter_groups with algorithm.adv_estimator=remax")):
+              "algorithm.adv_estimator=remax"], "filter_groups with algorithm.adv_estimator=remax"),
+            # a round's rows split unevenly over the ranks: an all-gather of unequal shapes (a hang on NCCL)
+            (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=3",
+              "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+             r"data.gen_batch_size x rollout.n \(3\) must be a multiple of the world size \(2\)")):
         with pytest.raises(ConfigError, match=message):
             validate(cfg(*overrides))
     for gen in (64, 16):  # rounds of more prompts than a step's, or of fewer (verl's loop takes both)

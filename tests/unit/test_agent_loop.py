@@ -350,6 +350,24 @@ def test_an_interaction_reply_that_does_not_fit_still_counts_as_a_user_turn(tok)
     assert o.num_turns == 3  # 1 assistant turn + the reply + 1
 
 
+def test_an_interactions_metrics_are_not_shared_over_the_tp_group(tok):
+    """The turn results are broadcast over the engine's TP group (pickled): an interaction's metrics
+    dict, which the loop does not read, may hold objects that do not pickle; it failed the first rank
+    alone, leaving the others in the broadcast."""
+    import pickle
+
+    class Unpicklable(Teacher):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            stop, text, score, _ = await super().generate_response(instance_id, messages, **kwargs)
+            return stop, text, score, {"callback": lambda: None}
+
+    a = agent(tok, Lookup(), interactions={"teacher": Unpicklable()})
+    (o,) = run(a, Script(tok, {(0, 0): ["3", "4"]}), [[1]], [(0, 0)], ["tool_agent"],
+               messages=[[{"role": "user", "content": "2+2?"}]], interaction_kwargs=[{"name": "teacher"}],
+               share=lambda r: pickle.loads(pickle.dumps(r)))
+    assert (o.num_turns, o.turn_scores, o.finish_reason) == (5, [0.0, 1.0], "stop")
+
+
 def test_an_interaction_written_for_verl_is_called_under_the_request_id(tok):
     """verl calls `start_interaction(request_id, **kwargs)`, ignores what it returns and uses the request
     id from then on: an interaction whose start returns nothing (or another id) still answers the turns,
