@@ -320,8 +320,11 @@ def _response_text(tool: BaseTool, response: Any) -> str:
 
 
 def _reward(tool: BaseTool, reward: Any) -> float | None:
-    """The step reward `tool.execute` returned, if a real number (not a bool) or None; anything else
-    is a ToolError naming the tool (it would stop the rollout later, or a str be read as a number)."""
+    """The step reward `tool.execute` returned, if a real number (not a bool; a 0-d tensor or array
+    of one, as the reward functions may return) or None; anything else is a ToolError naming the tool
+    (it would stop the rollout later, or a str be read as a number)."""
+    if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):  # a 0-d torch tensor or NumPy array
+        reward = reward.item()
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
         raise ToolError(f"tool {tool.name!r} ({type(tool).__name__}).execute returned {type(reward).__name__} "
                         f"{reward!r} as its reward; return a number or None")

@@ -146,6 +146,9 @@ class KLGuard:
         self.explode_steps = 0
         self.num_actions = 0
         self._step: int | None = None
+        self.unhealthy_since: int | None = None
+        """The first step of the current run of unhealthy steps (``check``'s ``step``), None after a
+        healthy one or a rollback."""
         self.rollbacks: list[tuple[int, int]] = []
         """``(target, step)`` of every rollback done: at ``step`` the models went back to the
         checkpoint of ``target``, so the checkpoints of the steps in between (exclusive) hold an
@@ -181,8 +184,11 @@ class KLGuard:
         if status == "healthy":
             self.warn_steps = 0
             self.explode_steps = 0
+            self.unhealthy_since = None
             return GuardDecision(status, None, f"{detail} <= warn_kl {cfg.warn_kl}")
 
+        if self.unhealthy_since is None:
+            self.unhealthy_since = step
         self.warn_steps += 1
         self.explode_steps = self.explode_steps + 1 if status == "exploding" else 0
 
@@ -205,7 +211,10 @@ class KLGuard:
 
     def _fire(self, status: str, action: str, reason: str, steps: int) -> GuardDecision:
         self.num_actions += 1
-        start = None if self._step is None else self._step - steps + 1
+        # the streak began where the run of unhealthy steps did: a reaction (or a rollback that found no
+        # checkpoint) restarts the patience count, not that run
+        start = self.unhealthy_since if self.unhealthy_since is not None else (
+            None if self._step is None else self._step - steps + 1)
         return GuardDecision(status, action, f"{reason}: action {action!r}", start)
 
     def rollback_bound(self, step: int, streak_start: int) -> int:
@@ -236,8 +245,10 @@ class KLGuard:
         return max(fit) if fit else None
 
     def record_rollback(self, target: int, step: int) -> None:
-        """Note that the models went back to the checkpoint of ``target`` at ``step``."""
+        """Note that the models went back to the checkpoint of ``target`` at ``step``: the next unhealthy
+        step begins a new run of them (on the restored weights)."""
         self.rollbacks.append((int(target), int(step)))
+        self.unhealthy_since = None
 
     def next_kl_coef(self, kl_coef: float) -> float:
         """The coefficient after a ``raise_coef`` action: multiplied, capped at ``max_kl_coef``.
@@ -253,7 +264,7 @@ class KLGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"warn_steps": self.warn_steps, "explode_steps": self.explode_steps, "num_actions": self.num_actions,
-                "rollbacks": [list(r) for r in self.rollbacks]}
+                "rollbacks": [list(r) for r in self.rollbacks], "unhealthy_since": self.unhealthy_since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.warn_steps = int(state["warn_steps"])
@@ -261,3 +272,4 @@ class KLGuard:
         self.num_actions = int(state["num_actions"])
         # (a checkpoint written before rollbacks were recorded: none is known)
         self.rollbacks = [(int(target), int(at)) for target, at in state.get("rollbacks", [])]
+        self.unhealthy_since = state.get("unhealthy_since")

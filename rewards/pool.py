@@ -15,6 +15,7 @@ import collections
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import time
@@ -102,10 +103,11 @@ class _Worker:
             return None
         try:
             return self.conn.recv()
-        except EOFError:
-            self.kill()  # on its way out: reaped now, for its exit code
+        except (EOFError, OSError):
+            self.kill()  # on its way out (or its pipe broken): reaped now, for its exit code
             return None
-        except Exception as err:  # a result read whole that cannot be rebuilt here (unpickling): that call's failure
+        except (pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError, RuntimeError) as err:
+            # a result read whole that cannot be rebuilt here: that call's failure
             return ("raised", f"a reward function's result from a worker process cannot be read in the trainer "
                               f"({type(err).__name__}: {err}); return numbers, or dicts of them")
 

@@ -1125,17 +1125,25 @@ class PPOTrainer:
                                        "norm (optimizer steps skipped); lower the learning rate or check the data")
                 last = self.global_step >= self.total_steps
                 # a signal first: the checkpoint is written within the grace period, not after a validation
+                # (the last step's validation follows the checkpoint, a later one's is skipped: the
+                # resumed run does not repeat the step); a signal during the validation is acted on after it
                 stop = self._agreed_stop_signal()
-                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
-                    if stop:
-                        self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
-                                 "checkpoint written first")
-                    else:
-                        metrics.update(self.validate())
+                due = t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
+                deferred = due and stop and last
+                if due and not stop:
+                    metrics.update(self.validate())
+                    stop = self._agreed_stop_signal()
+                elif due and not last:
+                    self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
+                             "checkpoint written first")
                 metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
                 self.tracking.log(metrics, step=self.global_step)
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                     self.ckpt.save(self.global_step)
+                if deferred:
+                    self.log(f"stopping for a signal: the checkpoint written, step {self.global_step}'s (the last) "
+                             "validation now")
+                    self.tracking.log(self.validate(), step=self.global_step)
                 if stop:
                     self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
                              f"{self.global_step}, exiting")

@@ -136,7 +136,11 @@ def last_step_note(cfg, last_step: int) -> str | None:
 
 def check_profiler_ranks(cfg, world_size: int) -> None:
     """An enabled role's `profiler.ranks` all below the launch's size (`trainer.nnodes` x
-    `trainer.n_gpus_per_node`): a rank that does not exist would profile nothing, without a word."""
+    `trainer.n_gpus_per_node`) when something is profiled (a profile plan: steps and a tool): a rank
+    that does not exist would profile nothing, without a word. Without a plan nothing is profiled
+    anyway (a start-up note says so)."""
+    if profile_plan(cfg) is None:
+        return
     for key, prof, _ in _roles(cfg):
         missing = sorted(r for r in prof.ranks or [] if r >= world_size)
         if prof.enable and missing and not prof.all_ranks:

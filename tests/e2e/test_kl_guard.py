@@ -69,43 +69,37 @@ def _equal(a, b):
 
 
 def test_rollback_loads_a_checkpoint_from_before_the_kl_rose_and_never_an_abandoned_one(tiny_assets, tmp_path,
-                                                                                       capsys):
-    """Every step after the first warns (patience 1): the KL of step K is measured on the weights
-    step K-1 left, so a rollback at K goes back to checkpoint K-2 at the newest (it used to load
-    K-1's, the very weights that tripped it, and roll back every step for ever), older still when
-    step K-1 rolled back, and never to a checkpoint of an abandoned branch."""
+                                                                                       capsys, monkeypatch):
+    """The KL of step K is measured on the weights step K-1 left, so a rollback for a streak that began
+    at K goes back to checkpoint K-2 at the newest (it used to load K-1's, the very weights that tripped
+    it, and roll back every step for ever), and never to a checkpoint of an abandoned branch. The KL the
+    guard sees is scripted: high at steps 3 and 5 (patience 1)."""
     import json
 
+    _scripted_kl(monkeypatch, {1: 0.0, 2: 0.0, 3: 0.03, 4: 0.0, 5: 0.03, 6: 0.0})
     run = tmp_path / "b"
     code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1",
-                     "trainer.total_training_steps=5")
+                     "trainer.total_training_steps=6")
     assert code == 0, err
     rows = read_metrics(run)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # the step counter moved on
-    assert [row.get("kl_guard/action") for row in rows] == [None] + ["rollback"] * 4
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]  # the step counter moved on
+    assert [row.get("kl_guard/action") for row in rows] == [None, None, "rollback", None, "rollback", None]
     assert all(row["actor/grad_norm"] > 0 for row in rows)  # every step updated the actor
-    ckpt = {step: _actor_checkpoint(run, step) for step in range(1, 6)}
+    ckpt = {step: _actor_checkpoint(run, step) for step in range(1, 7)}
     moments = [state["exp_avg"] for state in ckpt[1]["optim"]["state"].values()]
     assert moments and any(m.abs().sum() > 0 for m in moments)
     same = lambda a, b: _equal(ckpt[a]["model"], ckpt[b]["model"]) and _equal(ckpt[a]["optim"], ckpt[b]["optim"])  # noqa: E731
-    # step 2 judged the weights of step 1: the newest good ones would be step 0's, never saved
-    assert "step 2: no checkpoint to roll back to: the KL streak began at step 2, so the rollback needs a " \
-           "checkpoint of step <= 0 (checkpoints: [1]); continuing" in err
-    assert not same(2, 1)
     # step 3 judged step 2's weights: back to checkpoint 1 (not 2), which checkpoint 3 then holds
     assert f"step 3: rolled back the models to {run / 'checkpoints' / 'global_step_1'} (step 1;" in err
-    assert same(3, 1)
-    # step 4 judged the restored weights, checkpoint 1's: nothing older is saved
-    assert "step 4: no checkpoint to roll back to: the KL streak began at step 4, so the rollback needs a " \
-           "checkpoint of step <= 0 (checkpoints: [1, 2, 3], of abandoned branches: [2]); continuing" in err
-    assert not same(4, 1)
-    # step 5 judged step 4's weights: checkpoint 3 (checkpoint 1's weights), not the abandoned 2
+    assert same(3, 1) and not same(2, 1)
+    # step 5 judged step 4's weights: checkpoint 3 (checkpoint 1's weights, judged healthy at step 4), not
+    # the abandoned 2
     assert f"step 5: rolled back the models to {run / 'checkpoints' / 'global_step_3'} (step 3;" in err
-    assert same(5, 3) and not same(5, 2)
+    assert same(5, 3) and not same(5, 2) and not same(4, 3)
     # the record of the rollbacks is in the guard's checkpointed state (a resume keeps it)
-    state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
+    state = json.loads((run / "checkpoints" / "global_step_6" / "trainer_state.json").read_text())
     assert state["kl_guard"]["rollbacks"] == [[1, 3], [3, 5]]
-    assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 6))  # none deleted
+    assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 7))  # none deleted
 
 
 def _scripted_kl(monkeypatch, script):
@@ -130,7 +124,8 @@ def test_rollback_keeps_the_raised_kl_coefficient(tiny_assets, tmp_path, capsys,
     assert code == 0, err
     rows = read_metrics(run)
     assert [row.get("kl_guard/action") for row in rows] == [None, None, "raise_coef", "rollback", None]
-    assert "rolled back the models to" in err and "global_step_2 (step 2;" in err
+    # the KL rose at step 3, judging checkpoint 2's weights: back to checkpoint 1
+    assert "rolled back the models to" in err and "global_step_1 (step 1;" in err
     # raised after step 3, and the rollback at step 4 keeps it (it used to restore checkpoint 2's 0.01)
     assert [row["actor/kl_coef"] for row in rows] == pytest.approx([0.01, 0.01, 0.01, 0.02, 0.02])
 

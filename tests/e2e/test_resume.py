@@ -379,3 +379,37 @@ def test_a_signal_writes_the_checkpoint_before_a_validation(tiny_assets, tmp_pat
     assert [row["step"] for row in read_metrics(run)] == [1, 2]
     assert not any(k.startswith("val") for k in read_metrics(run)[1])
     assert os.path.isfile(run / "checkpoints" / "global_step_2" / "trainer_state.json")
+
+
+def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path, capsys, monkeypatch):
+    """A signal that arrives during a validation is acted on after it (it waited for the next step's
+    rollout); one at the last step writes the checkpoint and then runs the last validation (skipped, it
+    was lost for good: the resumed run has nothing to train)."""
+    from trainer.ppo_trainer import PPOTrainer
+
+    calls = []
+    real_validate = PPOTrainer.validate
+
+    def validate(self):
+        calls.append((self.global_step, os.path.isdir(run / "checkpoints" / f"global_step_{self.global_step}")))
+        return real_validate(self)
+
+    signalled = {1}  # the signal reaches the ranks during step 1's validation
+    monkeypatch.setattr(PPOTrainer, "validate", validate)
+    monkeypatch.setattr(PPOTrainer, "_agreed_stop_signal", lambda self: bool(calls) and calls[-1][0] in signalled)
+    run = tmp_path / "during" / "run"
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3", "trainer.test_freq=1",
+                      f"data.val_files=[{tiny_assets}/val.jsonl]")
+    assert code == 0, err
+    assert calls == [(1, False)] and [row["step"] for row in read_metrics(run)] == [1]
+    assert os.path.isfile(run / "checkpoints" / "global_step_1" / "trainer_state.json")
+    # at the last step (2): the checkpoint first, then the validation, logged at that step
+    calls.clear()
+    monkeypatch.setattr(PPOTrainer, "_agreed_stop_signal", lambda self: self.global_step == 2)
+    run = tmp_path / "last" / "run"
+    code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=2", "trainer.test_freq=1",
+                      f"data.val_files=[{tiny_assets}/val.jsonl]")
+    assert code == 0, err
+    assert calls == [(1, False), (2, True)] and "step 2's (the last) validation now" in err
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 2] and any(k.startswith("val") for k in rows[2])

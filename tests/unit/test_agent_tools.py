@@ -438,6 +438,14 @@ def test_a_tool_that_breaks_its_contract_stops_the_run_naming_it():
             _one({"painter": tool}, "painter", json.dumps({"reward": reward}))
     assert _one({"painter": tool}, "painter", '{"reward": 2}') == ("ok", 2, {})
     assert (tool.created, tool.released) == (6, 6)
+    # a 0-d tensor or array is a number, as a reward function's result may be one
+    import numpy as np
+    import torch
+
+    from agent.tools import _reward
+    assert _reward(tool, torch.tensor(0.5)) == 0.5 and _reward(tool, np.array(0.25)) == 0.25
+    with pytest.raises(ToolError, match=r"returned Tensor tensor\(\[0\.5000\]\) as its reward"):
+        _reward(tool, torch.tensor([0.5]))
     # a release that raises, after an answer or after an error answer: the tool's bug, not the model's
     tool.fail_release = True
     for arguments in ('{"text": "ok"}', '{"raise": "no"}'):

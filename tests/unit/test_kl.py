@@ -261,7 +261,8 @@ def test_guard_max_kl_infinite_and_disabled():
         decision = off.check(kl_value)
         assert decision.action is None
     assert decision.status == "exploding"
-    assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0, "rollbacks": []}
+    assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0, "rollbacks": [],
+                                "unhealthy_since": None}
 
 
 def test_guard_state_round_trip_and_reactions():
@@ -272,7 +273,8 @@ def test_guard_state_round_trip_and_reactions():
         assert guard.check(kl_value).action is None
     resumed = KLGuard(cfg)
     resumed.load_state_dict(guard.state_dict())
-    assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0, "rollbacks": []}
+    assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0, "rollbacks": [],
+                                    "unhealthy_since": None}  # (no step given)
     # Both continue identically: the third exploding step fires the exploding action.
     assert guard.check(0.08).action == resumed.check(0.08).action == "raise_coef"
 
@@ -287,11 +289,24 @@ def test_guard_decision_names_the_step_its_streak_began():
     guard = KLGuard(KLGuardConfig(patience=3, warn_action="lower_lr", explode_action="rollback"))
     decisions = {step: guard.check(kl_value, step=step)
                  for step, kl_value in enumerate([0.01, 0.03, 0.06, 0.06, 0.06, 0.03, 0.01, 0.06, float("nan")], 1)}
-    # steps 2..4 above warn_kl: the warning fires at 4 (streak from 2); 3..5 above explode_kl: fires at 5
+    # steps 2..4 above warn_kl: the warning fires at 4 (streak from 2); 3..5 above explode_kl: fires at 5,
+    # in the run of unhealthy steps that began at 2 (the KL rose there); 8 and 9 after the healthy step 7
     assert [(s, d.action, d.streak_start) for s, d in decisions.items() if d.action] == [
-        (4, "lower_lr", 2), (5, "rollback", 3), (9, "rollback", 8)]
+        (4, "lower_lr", 2), (5, "rollback", 2), (9, "rollback", 8)]
     assert all(d.streak_start is None for d in decisions.values() if not d.action)
     assert KLGuard(KLGuardConfig()).check(float("nan")).streak_start is None  # no step given
+    # A reaction restarts the patience count, not the streak: a rollback at step 4 that found no checkpoint,
+    # fired again at 6, still goes back to before step 3 (it named step 5, letting it load weights step 4
+    # had judged too high); after a rollback that loaded one, the next unhealthy step begins a new streak.
+    guard = KLGuard(KLGuardConfig(patience=2, explode_action="rollback"))
+    fired = [(step, d.streak_start) for step in range(1, 7)
+             if (d := guard.check(0.0 if step < 3 else 0.06, step=step)).action]
+    assert fired == [(4, 3), (6, 3)] and guard.rollback_target([2, 3, 4, 5], 6, 3) is None
+    guard.record_rollback(1, 6)
+    assert [guard.check(0.06, step=step).streak_start for step in (7, 8)] == [None, 7]
+    resumed = KLGuard(KLGuardConfig(patience=2, explode_action="rollback"))
+    resumed.load_state_dict(guard.state_dict())
+    assert resumed.unhealthy_since == 7
 
 
 def test_rollback_target_skips_the_judged_weights_and_abandoned_branches():

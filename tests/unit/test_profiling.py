@@ -138,6 +138,9 @@ def test_profiler_ranks_beyond_the_launch_are_refused():
     validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch", f"{ACTOR}.enable=true",
                   f"{ACTOR}.ranks=[3]", "trainer.nnodes=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"))
     validate(_cfg("global_profiler.steps=[2]", "global_profiler.tool=torch", f"{ACTOR}.ranks=[7]"))
+    # nothing profiled at all (no steps, or no tool): a note says so, the ranks are not an error
+    validate(_cfg("global_profiler.tool=torch", f"{ACTOR}.enable=true", f"{ACTOR}.ranks=[7]"))
+    validate(_cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true", f"{ACTOR}.ranks=[7]"))
 
 
 @pytest.mark.parametrize("tool", ["nsys", "torch_memory"])
