@@ -76,6 +76,7 @@ from sharding.checkpoint import (
 )
 
 LATEST = "latest_checkpointed_iteration.txt"
+LAUNCH_MARKER = "launch_id.txt"  # the launch (TORCHELASTIC_RUN_ID) whose later checkpoints a restart resumes
 STATE_FILE = "trainer_state.json"
 
 # What a run learns from and how: a checkpoint resumes only under the same values. A dotted
@@ -509,18 +510,52 @@ class CheckpointManager:
         if one was loaded.
         `disable` starts the run directory over: an earlier run's checkpoints there are deleted,
         so that they can be neither resumed nor rotated in place of this run's. Both `disable` and
-        `resume_path` describe the launch's first start: after a restart by torchrun
-        (`TORCHELASTIC_RESTART_COUNT`, `--max-restarts`) the run continues from its own newest
-        checkpoint where it wrote one (newer than `resume_from_path`'s), as `auto` would, instead of
-        deleting it or going back to where it began."""
+        `resume_path` describe the launch's first start, which marks the run directory as the
+        launch's (`LAUNCH_MARKER`, its TORCHELASTIC_RUN_ID): after a restart by torchrun
+        (`TORCHELASTIC_RESTART_COUNT`, `--max-restarts`) the run continues from the newest checkpoint
+        the launch wrote since, where there is one, instead of deleting it or going back to where it
+        began; an earlier run's checkpoints are never taken for the launch's."""
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        own = self.latest() if restarts and resume_mode in ("disable", "resume_path") else None
-        if own is not None and (resume_mode == "disable" or read_trainer_state(own)["global_step"]
-                                > read_trainer_state(resume_from_path)["global_step"]):
-            self.log(f"restart {restarts} of this launch: resuming its newest checkpoint {own} (trainer.resume_mode="
-                     f"{resume_mode} is for the launch's first start)")
-            self.load(own)
-            return own
+        if resume_mode in ("disable", "resume_path"):
+            own = self._launch_checkpoint() if restarts else None
+            if own is not None:
+                self.log(f"restart {restarts} of this launch: resuming its newest checkpoint {own} "
+                         f"(trainer.resume_mode={resume_mode} is for the launch's first start)")
+                self.load(own)
+                return own
+            path = self._first_start(resume_mode, resume_from_path)
+            self._mark_launch()
+            return path
+        return self._first_start(resume_mode, resume_from_path)
+
+    def _launch_checkpoint(self) -> str | None:
+        """After a restart: the newest complete checkpoint this launch wrote (the launch marker names
+        its TORCHELASTIC_RUN_ID; the checkpoint's trainer state is newer than the marker), None if none."""
+        marker = os.path.join(self.root, LAUNCH_MARKER)
+        try:
+            with open(marker) as f:
+                launch = f.read().strip()
+            since = os.stat(marker).st_mtime
+        except OSError:
+            return None
+        if launch != os.environ.get("TORCHELASTIC_RUN_ID", ""):
+            return None
+        own = [s for s in self.complete_steps()
+               if os.stat(os.path.join(self.step_dir(s), STATE_FILE)).st_mtime >= since]
+        return self.step_dir(own[-1]) if own else None
+
+    def _mark_launch(self) -> None:
+        """Record that this launch (its TORCHELASTIC_RUN_ID) owns the run directory from now: its
+        checkpoints are the ones written after this, which a restart resumes."""
+        launch = os.environ.get("TORCHELASTIC_RUN_ID")
+        if self.is_main and launch:
+            os.makedirs(self.root, exist_ok=True)
+            with open(os.path.join(self.root, LAUNCH_MARKER), "w") as f:
+                f.write(launch)
+        _barrier()
+
+    def _first_start(self, resume_mode: str, resume_from_path: str | None) -> str | None:
+        """`maybe_resume` at the launch's first start (or a restart with no checkpoint of its own)."""
         if resume_mode == "disable":
             self._refuse_deleting_what_the_run_reads()
             if self.is_main and os.path.isdir(self.root) and os.listdir(self.root):

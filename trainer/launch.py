@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,7 @@ class _Launch:
         self.cut_short: tuple[int, list[int]] | None = None  # (the failed rank, the ranks stopped after it)
         self.signalled: set[int] = set()  # rank pids the stop signal has reached
         self.proc: subprocess.Popen | None = None
+        self.launch_id = f"meshppo-{uuid.uuid4().hex[:12]}"  # the ranks' TORCHELASTIC_RUN_ID
 
     def command(self) -> list[str]:
         a = self.args
@@ -174,7 +176,7 @@ class _Launch:
         endpoint = a.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.nnodes}",
                 f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                f"--rdzv-id={a.rdzv_id}", f"--max-restarts={a.max_restarts}", TRAIN_SCRIPT,
+                f"--rdzv-id={a.rdzv_id or self.launch_id}", f"--max-restarts={a.max_restarts}", TRAIN_SCRIPT,
                 "--config", a.config, *a.overrides]
 
     def run(self) -> int:
@@ -473,7 +475,9 @@ def main(argv=None) -> int:
     p.add_argument("--nnodes", type=int, default=1, help="nodes (checked against trainer.nnodes)")
     p.add_argument("--rdzv-endpoint", default=None,
                    help="HOST:PORT of the c10d rendezvous (several nodes); default: a free local port")
-    p.add_argument("--rdzv-id", default="meshppo", help="rendezvous id (several nodes: the job id)")
+    p.add_argument("--rdzv-id", default=None,
+                   help="rendezvous id (several nodes: the job id, the same on every node); default: one of its own "
+                        "per launch (a restart keeps it: the checkpoints tell the launch's own by it)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all ranks after a crash this many times (they resume from the last checkpoint)")
     p.add_argument("--log-dir", default=None, help="rank and torchrun logs; default: <trainer.default_local_dir>/logs")

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -271,30 +272,39 @@ def test_a_save_of_an_existing_step_cut_off_keeps_that_step(tmp_path, monkeypatc
 def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeypatch):
     """torchrun's --max-restarts re-runs the same command: resume_mode=disable deleted the checkpoints
     the run had just written and started again from step 0, and resume_path went back to its
-    checkpoint. After a restart both continue from the run's newest checkpoint, as auto does."""
-    run, counter = _manager(tmp_path / "run")
-    assert run.maybe_resume("disable") is None
+    checkpoint. After a restart both continue from the newest checkpoint the launch wrote, and never
+    from an earlier run's (the launch's first start marks the directory with its run id)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    earlier, counter = _manager(tmp_path / "run")
+    for step in (5, 10):  # an earlier run's checkpoints in the same directory
+        counter.step = step
+        earlier.save(step)
+    # resume_path back to step 5 of them; a restart before the launch saved anything: step 5 again, not 10
+    first, counter = _manager(tmp_path / "run")
+    assert first.maybe_resume("resume_path", first.step_dir(5)) == first.step_dir(5)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again, counter = _manager(tmp_path / "run")
+    assert again.maybe_resume("resume_path", again.step_dir(5)) == again.step_dir(5) and counter.step == 5
+    time.sleep(0.05)  # (a later modification time than the marker's on any file system clock)
+    counter.step = 6
+    again.save(6)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    third, counter = _manager(tmp_path / "run")
+    assert third.maybe_resume("resume_path", third.step_dir(5)) == third.step_dir(6) and counter.step == 6
+    # disable: the first start deletes the earlier run's, a restart keeps and resumes the launch's own
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # launch b's first attempt died before maybe_resume:
+    fresh, counter = _manager(tmp_path / "run")           # launch a's checkpoints are not its own
+    assert fresh.maybe_resume("disable") is None and fresh.complete_steps() == []
+    time.sleep(0.05)
     for step in (1, 2):
         counter.step = step
-        run.save(step)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        fresh.save(step)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     again, counter = _manager(tmp_path / "run")
     assert again.maybe_resume("disable") == again.step_dir(2) and counter.step == 2
     assert again.complete_steps() == [1, 2]  # nothing deleted
-    # resume_path: the run's own newer checkpoint wins; an older one does not
-    source, counter = _manager(tmp_path / "source")
-    counter.step = 5
-    source.save(5)
-    again, counter = _manager(tmp_path / "run")
-    assert again.maybe_resume("resume_path", source.step_dir(5)) == source.step_dir(5) and counter.step == 5
-    counter.step = 6
-    again.save(6)
-    third, counter = _manager(tmp_path / "run")
-    assert third.maybe_resume("resume_path", source.step_dir(5)) == third.step_dir(6) and counter.step == 6
-    # the first start is as before: disable deletes an earlier run's checkpoints
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    fresh, counter = _manager(tmp_path / "run")
-    assert fresh.maybe_resume("disable") is None and fresh.complete_steps() == []
 
 
 def test_disable_refuses_to_delete_a_checkpoint_the_run_reads(tmp_path):
