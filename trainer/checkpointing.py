@@ -512,14 +512,19 @@ class CheckpointManager:
         so that they can be neither resumed nor rotated in place of this run's. Both `disable` and
         `resume_path` describe the launch's first start, which marks the run directory as the
         launch's (`LAUNCH_MARKER`, its TORCHELASTIC_RUN_ID): after a restart by torchrun
-        (`TORCHELASTIC_RESTART_COUNT`, `--max-restarts`) the run continues from the newest checkpoint
+        (`TORCHELASTIC_RESTART_COUNT`, `--max-restarts`) or a SLURM requeue (`SLURM_RESTART_COUNT`,
+        the job id the rendezvous id) the run continues from the newest checkpoint
         the launch wrote since, where there is one, instead of deleting it or going back to where it
         began; an earlier run's checkpoints are never taken for the launch's."""
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # torchrun's restarts, and a SLURM requeue (a new torchrun under the same job, whose id the
+        # sbatch templates give as the rendezvous id)
+        restarts = {name: int(os.environ.get(var, "0") or 0) for name, var in
+                    (("torchrun restart", "TORCHELASTIC_RESTART_COUNT"), ("SLURM requeue", "SLURM_RESTART_COUNT"))}
         if resume_mode in ("disable", "resume_path"):
-            own = self._launch_checkpoint() if restarts else None
+            own = self._launch_checkpoint() if any(restarts.values()) else None
             if own is not None:
-                self.log(f"restart {restarts} of this launch: resuming its newest checkpoint {own} "
+                which = ", ".join(f"{name} {n}" for name, n in restarts.items() if n)
+                self.log(f"{which} of this launch: resuming its newest checkpoint {own} "
                          f"(trainer.resume_mode={resume_mode} is for the launch's first start)")
                 self.load(own)
                 return own

@@ -305,6 +305,13 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     again, counter = _manager(tmp_path / "run")
     assert again.maybe_resume("disable") == again.step_dir(2) and counter.step == 2
     assert again.complete_steps() == [1, 2]  # nothing deleted
+    # a SLURM requeue: a new torchrun (restart count 0) under the same job (the rendezvous id): the same
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    requeued, counter = _manager(tmp_path / "run")
+    assert requeued.maybe_resume("disable") == requeued.step_dir(2) and counter.step == 2
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # a first start of launch b again: it starts over
+    assert _manager(tmp_path / "run")[0].maybe_resume("disable") is None
 
 
 def test_disable_refuses_to_delete_a_checkpoint_the_run_reads(tmp_path):
