@@ -26,7 +26,6 @@ import asyncio
 import copy
 import json
 import logging
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from uuid import uuid4
 from agent._load import load_class, read_entries, run
 from agent.tool_parser import ToolCall
 from rewards import gsm8k
+from rewards.registry import real_value
 
 logger = logging.getLogger(__name__)
 
@@ -323,12 +323,12 @@ def _reward(tool: BaseTool, reward: Any) -> float | None:
     """The step reward `tool.execute` returned, if a real number (not a bool; a 0-d tensor or array
     of one, as the reward functions may return) or None; anything else is a ToolError naming the tool
     (it would stop the rollout later, or a str be read as a number)."""
-    if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):  # a 0-d torch tensor or NumPy array
-        reward = reward.item()
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
+    boolean = isinstance(reward, bool) or str(getattr(reward, "dtype", "")) in ("bool", "torch.bool")
+    value = None if reward is None or boolean else real_value(reward)
+    if reward is not None and value is None:
         raise ToolError(f"tool {tool.name!r} ({type(tool).__name__}).execute returned {type(reward).__name__} "
                         f"{reward!r} as its reward; return a number or None")
-    return reward
+    return value
 
 
 async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: dict | None, limit: int,

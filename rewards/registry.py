@@ -205,9 +205,10 @@ def call_failure(name: str, where: str, err: BaseException, path: str | None) ->
     return f"reward function {name} raised on {where}{_where(err, path)}: {type(err).__name__}: {err}"
 
 
-def _as_float(value: Any) -> float | None:
-    """A number, a bool, or a 0-d real tensor or array (verl stores whatever torch can assign to a
-    reward slot). A tensor or array can only come from a process that imported torch or numpy,
+def real_value(value: Any) -> float | None:
+    """`value` as a float if it is a number, a bool, or a 0-d real tensor or array (verl stores
+    whatever torch can assign to a reward slot), else None (the reward functions' results and the
+    tools' rewards are read with it). A tensor or array can only come from a process that imported torch or numpy,
     so neither is imported here."""
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
     if isinstance(value, (bool, numbers.Real)) or (np is not None and isinstance(value, np.bool_)):
@@ -257,12 +258,12 @@ class ResultCollector:
             for key, value in result.items():
                 if key == "score":
                     continue
-                if (as_float := _as_float(value)) is not None:
+                if (as_float := real_value(value)) is not None:
                     sample_extras[key] = as_float
                 else:
                     self.other_keys[key] = None
             result = result["score"]
-        score = _as_float(result)
+        score = real_value(result)
         if score is None:
             raise RewardError(f"reward function {name} returned {type(result).__name__} {result!r} on {where}; "
                               "expected a number, a bool or a dict with a 'score' key")

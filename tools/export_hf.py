@@ -58,17 +58,19 @@ def _step_and_role(path: str, role: str | None) -> tuple[str, str]:
     return path, role or "actor"
 
 
-def _check_output(out: str, step_dir: str, read: list[str], overwrite: bool) -> str:
+def _check_output(out: str, step_dir: str, cfg, overwrite: bool) -> str:
     """OUTPUT as an absolute path, refused where replacing it would lose what is there: the
-    checkpoint, a directory that the run read (`read`: its model, adapter and tokenizer paths)."""
+    checkpoint, a directory that the run (`cfg`) read its model, adapter or tokenizer from."""
+    from trainer.config import paths_read_under
+
     out, step = os.path.realpath(out), os.path.realpath(step_dir)
     if os.path.commonpath([out, step]) in (out, step):
         raise ExportError(f"output {out!r} holds the checkpoint or lies inside it: choose a directory apart from "
                           f"{step!r}")
-    for path in map(os.path.realpath, read):
-        if os.path.commonpath([out, path]) == out:
-            raise ExportError(f"output {out!r} holds {path!r}, which the checkpoint's run reads a model or tokenizer "
-                              "from: choose another directory")
+    inside = paths_read_under(cfg, out)
+    if inside:
+        raise ExportError(f"output {out!r} holds {os.path.realpath(inside[0])!r}, which the checkpoint's run reads a "
+                          "model or tokenizer from: choose another directory")
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise ExportError(f"output {out!r} exists and is not a directory")
@@ -94,7 +96,7 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
     from sharding.checkpoint import check_checkpoint, load_checkpoint
     from sharding.mesh import ParallelDims
     from trainer.checkpointing import LEGACY_CONTENTS, ROLE_KEYS, export_hf, read_trainer_state
-    from trainer.config import PPOConfig, paths_read
+    from trainer.config import PPOConfig
     from trainer.configlib import ConfigError, build_dataclass
     from trainer.launch import init_distributed
     from trainer.setup import build_trained_model, load_actor_tokenizer
@@ -127,7 +129,7 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
                           "be rebuilt")
     weights = os.path.join(step_dir, role)
     check_checkpoint(weights)
-    output = _check_output(output, step_dir, paths_read(cfg), overwrite)
+    output = _check_output(output, step_dir, cfg, overwrite)
     tokenizer = load_actor_tokenizer(cfg)
 
     ctx = init_distributed("cpu")

@@ -53,7 +53,6 @@ import pickle
 import random
 import re
 import shutil
-from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
@@ -63,7 +62,7 @@ import torch.distributed.checkpoint as dcp
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
-from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read
+from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
 from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding.checkpoint import (
@@ -588,8 +587,7 @@ class CheckpointManager:
         first's `global_step_N/actor/huggingface` in the same run directory)."""
         if self.config is None or not os.path.isdir(self.root):
             return
-        root = Path(self.root).resolve()
-        inside = [p for p in paths_read(self.config) if Path(p).resolve().is_relative_to(root)]
+        inside = paths_read_under(self.config, self.root)
         if inside:
             raise UserError(f"trainer.resume_mode=disable would delete {self.root}, which holds {inside[0]!r}, "
                             "a model, adapter or tokenizer this run reads (actor_rollout_ref.model.path, "

@@ -389,6 +389,13 @@ def paths_read(cfg) -> list[str]:
                         cfg.reward_model.model.path) if p]
 
 
+def paths_read_under(cfg, directory: str | os.PathLike) -> list[str]:
+    """The `paths_read` that are `directory` or lie inside it (links and `..` resolved): what deleting
+    or replacing `directory` would take from the run."""
+    root = os.path.realpath(directory)
+    return [p for p in paths_read(cfg) if os.path.commonpath([root, os.path.realpath(p)]) == root]
+
+
 def model_sections(cfg) -> dict:
     """`MODEL_SECTIONS` of `cfg`, by key."""
     return {key: functools.reduce(getattr, key.split("."), cfg) for key in MODEL_SECTIONS}

@@ -36,7 +36,7 @@ from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl
 from trainer import faults, gc_control
 from trainer.checkpointing import CheckpointManager, export_hf
 from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
-                            paths_read, validate)
+                            paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
@@ -1021,11 +1021,10 @@ class PPOTrainer:
         from the first's export), which is kept, with a line that says so."""
         if not self.ctx.is_main:
             return
-        read = [Path(p).resolve() for p in paths_read(self.cfg)]
         for d in (Path(self.run_dir, name).resolve() for name in (HF_EXPORT, ADAPTER_EXPORT)):
             if not d.is_dir():
                 continue
-            if any(p == d or d in p.parents for p in read):
+            if paths_read_under(self.cfg, d):
                 self.log(f"trainer.resume_mode=disable: keeping the earlier run's export {d}: this run reads it")
             else:
                 self.log(f"trainer.resume_mode=disable: deleting the earlier run's export {d}")
