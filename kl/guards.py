@@ -145,7 +145,6 @@ class KLGuard:
         self.warn_steps = 0
         self.explode_steps = 0
         self.num_actions = 0
-        self._step: int | None = None
         self.unhealthy_since: int | None = None
         """The first step of the current run of unhealthy steps (``check``'s ``step``), None after a
         healthy one or a rollback."""
@@ -164,7 +163,6 @@ class KLGuard:
             step: the step's number (1 for the first), from which a decision with an action
                 gets its ``streak_start``; checked once per step, in order.
         """
-        self._step = step
         cfg = self.config
         mean_kl = float(mean_kl)
         max_kl = None if max_kl is None else float(max_kl)
@@ -198,24 +196,22 @@ class KLGuard:
                 steps = self.explode_steps
                 self.explode_steps = 0
                 self.warn_steps = 0
-                return self._fire(status, cfg.explode_action, f"{reason} for {steps} consecutive step(s)", steps)
+                return self._fire(status, cfg.explode_action, f"{reason} for {steps} consecutive step(s)")
         else:
             reason = f"{detail} > warn_kl {cfg.warn_kl}"
         if self.warn_steps >= cfg.patience:
             steps = self.warn_steps
             self.warn_steps = 0
-            return self._fire(status, cfg.warn_action, f"{reason} for {steps} consecutive step(s)", steps)
+            return self._fire(status, cfg.warn_action, f"{reason} for {steps} consecutive step(s)")
         return GuardDecision(
             status, None, f"{reason}; {self.warn_steps}/{cfg.patience} consecutive step(s) before reacting"
         )
 
-    def _fire(self, status: str, action: str, reason: str, steps: int) -> GuardDecision:
+    def _fire(self, status: str, action: str, reason: str) -> GuardDecision:
         self.num_actions += 1
         # the streak began where the run of unhealthy steps did: a reaction (or a rollback that found no
         # checkpoint) restarts the patience count, not that run
-        start = self.unhealthy_since if self.unhealthy_since is not None else (
-            None if self._step is None else self._step - steps + 1)
-        return GuardDecision(status, action, f"{reason}: action {action!r}", start)
+        return GuardDecision(status, action, f"{reason}: action {action!r}", self.unhealthy_since)
 
     def rollback_bound(self, step: int, streak_start: int) -> int:
         """The newest step whose checkpoint a rollback at ``step``, for a streak that began at
