@@ -25,7 +25,9 @@ is loaded ('hf_model' loads nothing: the weights come from 'model').
 
 A checkpoint is written into `global_step_K.tmp/` and renamed once every rank has finished,
 and only then does the `latest` file move (os.replace): a save interrupted at any point
-leaves the previous checkpoint, and the pointer to it, intact.
+leaves the previous checkpoint, and the pointer to it, intact. A write that fails on any rank
+(rank 0 alone writes the trainer state, the pointer and the Hugging Face export) fails the save
+on every rank, agreed in one collective, so that no rank waits for one that has given up.
 
 Trainer state is JSON, the RNG files are read with `torch.load(weights_only=True)` and the
 model and optimizer shards through `sharding.checkpoint`'s restricted readers, so a checkpoint
@@ -57,7 +59,6 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
@@ -65,6 +66,7 @@ from trainer import faults
 from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
 from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
+from sharding import comm
 from sharding.checkpoint import (
     UnsafeCheckpointError,
     check_checkpoint,
@@ -255,9 +257,39 @@ def read_rng_state(path: str) -> dict:
         raise UserError(f"RNG state file {path!r} is not readable: {e}") from None
 
 
-def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+class WriteFailed(UserError):
+    """A write that failed on some rank (a full disk, a quota, a directory gone), raised on every
+    rank: `cause` is this rank's own error in one line, or the rank whose log has it."""
+
+    def __init__(self, what: str, error: BaseException | None, rank: int):
+        self.cause = _one_line(error) if error is not None else f"on rank {rank}, whose log says why"
+        super().__init__(f"{what} failed ({self.cause})")
+
+
+def _one_line(error: BaseException) -> str:
+    """An OSError as `OSError: [Errno 28] No space left on device`: DCP's exception (raised on
+    every rank) by the first of its writers' failures, an OSError where there is one."""
+    errors = [err for err, _ in error.failures.values()] if isinstance(error, dcp.CheckpointException) else [error]
+    first = next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else error)
+    return f"{type(first).__name__}: " + (str(first).strip().splitlines() or [""])[0]
+
+
+def _on_every_rank(what: str, fn: Callable[[], object] | None) -> None:
+    """Call `fn` (on the ranks that pass one: rank 0 alone writes most files), then agree with every
+    rank whether it failed with a write error anywhere; if so every rank raises `WriteFailed`, so
+    that none is left waiting in a collective that the failed rank never enters."""
+    error = None
+    if fn is not None:
+        try:
+            fn()
+        except WriteFailed:
+            raise  # already agreed: every rank raises it at the same point
+        except (OSError, dcp.CheckpointException) as e:
+            error = e
+    ranks = comm.world_size()
+    first = int(comm.all_reduce_values([comm.rank() if error is not None else ranks], "min")[0])
+    if first < ranks:
+        raise WriteFailed(what, error, first)
 
 
 def _rng_state() -> dict:
@@ -351,46 +383,51 @@ class CheckpointManager:
     def save(self, step: int) -> str:
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
         try:
-            self._write(step, tmp)
-        except (OSError, dcp.CheckpointException) as e:
-            # a full disk, a quota, a directory gone: one line (DCP raises its writers' failures on
-            # every rank), the partial directory removed, the earlier checkpoints as they were
+            _on_every_rank("writing", lambda: self._write(step, tmp))
+        except WriteFailed as e:
+            # a full disk, a quota, a directory gone, on any rank: one line on every rank, the
+            # partial directory removed, the earlier checkpoints as they were
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            errors = [err for err, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
-            first = next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else e)
-            detail = (str(first).strip().splitlines() or [""])[0]
-            good = self.latest()
-            raise UserError(f"writing the checkpoint of step {step} into {tmp} failed ({type(first).__name__}: "
-                            f"{detail}); the last complete checkpoint is "
-                            f"{good if good is not None else 'none'}; free space in {self.root} (or move "
-                            "trainer.default_local_dir) and resume") from None
-        _barrier()
-        if self.is_main:
-            # A step saved again (a stale branch's, after resuming from an earlier step) is moved
-            # aside, not deleted, until the new one is in place: a kill in between leaves it.
-            old = final + ".old"
-            if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
-            with open(pointer_tmp, "w") as f:
-                f.write(str(step))
-            os.replace(pointer_tmp, os.path.join(self.root, LATEST))
-            shutil.rmtree(old, ignore_errors=True)
-            self._rotate(step)
-        _barrier()
+            raise self._failure(f"writing the checkpoint of step {step} into {tmp}", e) from None
+        try:
+            _on_every_rank("publishing", functools.partial(self._publish, step, final, tmp) if self.is_main else None)
+        except WriteFailed as e:
+            raise self._failure(f"putting the checkpoint of step {step} in place ({final})", e) from None
         self.saved_step = step
         return final
+
+    def _failure(self, what: str, e: WriteFailed) -> UserError:
+        good = self.latest()
+        return UserError(f"{what} failed ({e.cause}); the last complete checkpoint is "
+                         f"{good if good is not None else 'none'}; free space in {self.root} (or move "
+                         "trainer.default_local_dir) and resume")
+
+    def _publish(self, step: int, final: str, tmp: str) -> None:
+        """Rank 0, once every rank has written its part: `tmp` becomes the step's directory, the
+        `latest` pointer moves to it, and the rotation runs."""
+        # A step saved again (a stale branch's, after resuming from an earlier step) is moved
+        # aside, not deleted, until the new one is in place: a kill in between leaves it.
+        old = final + ".old"
+        if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
+        with open(pointer_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(pointer_tmp, os.path.join(self.root, LATEST))
+        shutil.rmtree(old, ignore_errors=True)
+        self._rotate(step)
 
     def _write(self, step: int, tmp: str) -> None:
         """`save`'s writing of every part of the checkpoint into `tmp`, the trainer state last."""
         rng = "extra" in self.contents("actor", "save_contents")
-        if self.is_main:
+
+        def prepare():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng") if rng else tmp, exist_ok=True)
-        _barrier()
+        _on_every_rank("creating the directory", prepare if self.is_main else None)
         contents = {}
         for k, (name, (model, optimizer)) in enumerate(self.models.items()):
             items = self.contents(name, "save_contents")
@@ -552,20 +589,22 @@ class CheckpointManager:
         """Record that this launch (its TORCHELASTIC_RUN_ID) owns the run directory from now: its
         checkpoints are the ones written after this, which a restart resumes."""
         launch = os.environ.get("TORCHELASTIC_RUN_ID")
-        if self.is_main and launch:
+
+        def mark():
             os.makedirs(self.root, exist_ok=True)
             with open(os.path.join(self.root, LAUNCH_MARKER), "w") as f:
                 f.write(launch)
-        _barrier()
+        _on_every_rank(f"marking {self.root} as this launch's", mark if self.is_main and launch else None)
 
     def _first_start(self, resume_mode: str, resume_from_path: str | None) -> str | None:
         """`maybe_resume` at the launch's first start (or a restart with no checkpoint of its own)."""
         if resume_mode == "disable":
             self._refuse_deleting_what_the_run_reads()
-            if self.is_main and os.path.isdir(self.root) and os.listdir(self.root):
+            def delete():
                 self.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
                 shutil.rmtree(self.root)
-            _barrier()
+            earlier = self.is_main and os.path.isdir(self.root) and os.listdir(self.root)
+            _on_every_rank(f"deleting the earlier run's checkpoints in {self.root}", delete if earlier else None)
             return None
         if resume_mode == "resume_path":
             if not os.path.isdir(resume_from_path):
@@ -611,18 +650,19 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
     ids, sampling defaults) comes along."""
     lora = getattr(model, "lora_config", None)
     full = gather_full_state_dict(model)
-    if is_main:
+
+    def write_all():
         from models import Transformer
 
-        adapters = None
+        state, adapters = full, None
         if lora is not None:
             adapters = {k: v for k, v in full.items() if is_lora_name(k)}
-            full = merged_state_dict(full, lora.scaling)
+            state = merged_state_dict(full, lora.scaling)
         with torch.device("meta"):
             shell = Transformer(model_args, head=model.head)
 
         def write(tmp):
-            shell.save_pretrained(tmp, state_dict=full)
+            shell.save_pretrained(tmp, state_dict=state)
             tokenizer.save_pretrained(tmp)
             generation = os.path.join(base_model or "", "generation_config.json")
             if base_model and os.path.isfile(generation):
@@ -630,7 +670,7 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
         _replace_dir(out_dir, write)
         if adapters is not None and adapter_dir is not None:  # after the model: it may live inside out_dir
             _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
-    _barrier()
+    _on_every_rank(f"writing the Hugging Face model to {out_dir}", write_all if is_main else None)
 
 
 def _replace_dir(out_dir: str, write) -> None:

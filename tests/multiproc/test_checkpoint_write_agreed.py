@@ -1,0 +1,85 @@
+"""A checkpoint write that fails on one rank fails the save on every rank. Rank 0 alone writes the
+trainer state and moves the `latest` pointer, every rank its own RNG file: a full disk there raised
+on that rank while the others waited in the save's next barrier until the collective timeout (30
+minutes by default). Now every rank raises one UserError, the failed rank with its cause and the
+others naming that rank, and the checkpoint before stays the latest."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+
+class _Counter:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def _body(rank, world, root):
+    import trainer.checkpointing as checkpointing
+    from sharding import comm
+    from trainer.config import PPOConfig
+    from trainer.errors import UserError
+
+    counter = _Counter()
+    manager = checkpointing.CheckpointManager(root, states={"trainer": counter}, fingerprint={}, config=PPOConfig(),
+                                              rank=rank, world_size=world, log=lambda s: None)
+    counter.step = 1
+    manager.save(1)
+    first = manager.step_dir(1)
+    pointer_tmp = os.path.join(root, checkpointing.LATEST + ".tmp")
+
+    def fail_rng_on_rank_1():
+        if rank == 1:
+            checkpointing._rng_state = _full
+
+    def fail_state_on_rank_0():
+        if rank == 0:
+            checkpointing.json = type("FullDisk", (), {"dump": staticmethod(_full)})
+
+    def fail_pointer_on_rank_0():  # the pointer's temporary name taken by a directory
+        if rank == 0:
+            os.makedirs(pointer_tmp)
+
+    rng_state, json_module = checkpointing._rng_state, checkpointing.json
+    for step, (fail, failed_rank, what) in enumerate([
+            (fail_rng_on_rank_1, 1, r"writing the checkpoint of step 2 into .*global_step_2\.tmp"),
+            (fail_state_on_rank_0, 0, r"writing the checkpoint of step 3 into .*global_step_3\.tmp"),
+            (fail_pointer_on_rank_0, 0, r"putting the checkpoint of step 4 in place \(.*global_step_4\)")], start=2):
+        fail()
+        counter.step = step
+        cause = r"OSError: \[Errno 28\] No space left on device" if step < 4 else "IsADirectoryError: "
+        own = cause if rank == failed_rank else rf"on rank {failed_rank}, whose log says why"
+        with pytest.raises(UserError, match=rf"{what} failed \({own}.*\); the last complete checkpoint is "
+                                            rf".*global_step_1; free space in"):
+            manager.save(step)
+        checkpointing._rng_state, checkpointing.json = rng_state, json_module
+        # every rank came out of the failed save: they meet in this collective, and agree on what is left
+        assert comm.all_reduce_values([1.0], "sum")[0] == world
+        assert manager.latest() == first
+        with open(os.path.join(first, checkpointing.STATE_FILE)) as f:
+            assert json.load(f)["trainer"]["step"] == 1
+        assert not os.path.exists(manager.step_dir(step) + ".tmp")
+    if rank == 0:
+        os.rmdir(pointer_tmp)
+    comm.all_reduce_values([1.0], "sum")
+    counter.step = 5  # the disk has room again: the next save succeeds
+    assert manager.save(5) == manager.step_dir(5) and manager.latest() == manager.step_dir(5)
+
+
+def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    run_distributed(_body, 2, str(tmp_path / "ckpt"), timeout=120)
