@@ -1247,10 +1247,12 @@ class TrainerConfig:
                                    "the old checkpoints)",
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
-    max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (None: all)", ge=1)
+    max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (null or 0: all, as in verl)",
+                                             ge=0)
     max_critic_ckpt_to_keep: int | None = opt(None, "critic checkpoints to keep: meshppo saves the critic in the "
-                                                    "actor's checkpoints and rotates them together, so null or "
-                                                    "max_actor_ckpt_to_keep (checked with a critic)", ge=1)
+                                                    "actor's checkpoints and rotates them together, so null (0 is "
+                                                    "null, as in verl) or max_actor_ckpt_to_keep (checked with a "
+                                                    "critic)", ge=0)
     log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
                                       "(sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
@@ -1317,6 +1319,9 @@ class PPOConfig:
                               "or both to the same value")
         self.trainer.nccl_timeout = next((v for v in (t, alias) if v is not None), NCCL_TIMEOUT_S)
         arr.nccl_timeout = None
+        for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+            if getattr(self.trainer, name) == 0:  # verl keeps every checkpoint for 0, as for null
+                setattr(self.trainer, name, None)
 
         _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
         rm = self.reward_model

@@ -221,3 +221,22 @@ def test_critic_checkpoint_notes():
     assert notes("trainer.max_critic_ckpt_to_keep=1") == [
         "trainer.max_critic_ckpt_to_keep=1 has no effect: algorithm.adv_estimator=grpo trains no critic"]
     assert notes("trainer.max_actor_ckpt_to_keep=3") == []
+
+
+def test_zero_checkpoints_to_keep_keeps_all_as_in_verl(tmp_path):
+    """verl's checkpoint manager rotates only for a positive max_*_ckpt_to_keep: 0 keeps every checkpoint,
+    as null does. meshppo refused 0 (out of range); it now resolves to null, the critic's too, and the
+    checkpoints are all kept."""
+    from trainer.checkpointing import CheckpointManager
+
+    cfg = _cfg(*GAE, "trainer.max_actor_ckpt_to_keep=0", "trainer.max_critic_ckpt_to_keep=0")
+    validate(cfg)
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (None, None)
+    assert _round_trips(cfg)
+    manager = CheckpointManager(str(tmp_path), fingerprint={}, config=cfg, keep=cfg.trainer.max_actor_ckpt_to_keep,
+                                log=lambda s: None)
+    for step in (1, 2, 3):
+        manager.save(step)
+    assert manager.complete_steps() == [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"trainer.max_actor_ckpt_to_keep: -1 is out of range; allowed: >= 0"):
+        _cfg("trainer.max_actor_ckpt_to_keep=-1")
