@@ -46,6 +46,8 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     t = cfg.trainer
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
+    if "tensorboard" in t.logger:  # verl's variable: the event files' directory instead of the run directory's
+        check_output_dir("TENSORBOARD_DIR (environment, trainer.logger=tensorboard)", os.environ.get("TENSORBOARD_DIR"))
     profile_key = save_path_key(cfg)
     if profile_key is not None:  # the profiled step's trace would be lost at its export
         check_output_dir(profile_key, profile_plan(cfg).save_path)

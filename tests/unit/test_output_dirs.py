@@ -72,3 +72,27 @@ def test_preflight_refuses_a_profile_directory_under_a_file(tmp_path):
     preflight(cfg(f"global_profiler.save_path={tmp_path}/f/prof"))  # no role enabled: nothing is written
     preflight(cfg(f"global_profiler.save_path={tmp_path}/prof", f"{actor}.enable=true"))
     assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+def test_preflight_refuses_a_tensorboard_dir_under_a_file(tmp_path, monkeypatch):
+    """verl's TENSORBOARD_DIR moves the event files out of the run directory; under a file it failed on
+    rank 0 alone once the models were built (NotADirectoryError), the other ranks then in a collective.
+    Read only when tensorboard logs."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.setup import preflight
+
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "f" / "tb"))
+
+    def cfg(*overrides):
+        return load_config(PPOConfig, "configs/demo.yaml", [f"trainer.default_local_dir={tmp_path}/run",
+                                                            "trainer.device=cpu", *overrides])
+
+    with pytest.raises(ConfigError, match=r"^TENSORBOARD_DIR \(environment, trainer.logger=tensorboard\)=.*/f/tb is "
+                                          r"under .*/f, a file"):
+        preflight(cfg("trainer.logger=[console,tensorboard]"))
+    preflight(cfg("trainer.logger=[console]"))
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    preflight(cfg("trainer.logger=[console,tensorboard]"))
+    assert sorted(os.listdir(tmp_path)) == ["f"]
