@@ -46,6 +46,7 @@ it, and how the run executes (micro-batches, offload, world size) or logs may ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -311,6 +312,16 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_set_aside():
+    """Every RNG's state (Python's, NumPy's, torch's, CUDA's) put back as it was after the block."""
+    state = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(state)
 
 
 class Stateful(Protocol):

@@ -34,7 +34,7 @@ from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
-from trainer.checkpointing import CheckpointManager, export_hf
+from trainer.checkpointing import CheckpointManager, export_hf, rng_set_aside
 from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
                             paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
@@ -1013,7 +1013,20 @@ class PPOTrainer:
                     for k, v in self.timer.pop().items()})
         return out
 
+    def _validate_apart(self) -> dict:
+        """`validate()` with every RNG put back after it: the training draws the same with validations
+        or without, and a checkpoint written before a validation resumes the run as it went on."""
+        with rng_set_aside():
+            return self.validate()
+
     # ------------------------------------------------------------------ loop
+    def _save_checkpoint(self, metrics: dict) -> None:
+        """The step's checkpoint, a phase of its own (verl's `timing_s/save_checkpoint`, in `metrics`;
+        a collective that fails in it is reported in it)."""
+        with self.timer("save_checkpoint"):
+            self.ckpt.save(self.global_step)
+        metrics.update(self.timer.pop())
+
     def _delete_earlier_exports(self) -> None:
         """`resume_mode=disable` starts the run directory over: the earlier run's final exports
         (`hf_actor/`, `lora_adapter/`) go with its checkpoints, so that none is taken for this run's;
@@ -1094,7 +1107,7 @@ class PPOTrainer:
             # verl validates before the first step; val_only (data.val_files required) validates the
             # model as it starts, a checkpoint's when it resumes, and ends the run there.
             if t.val_only or (t.val_before_train and self.global_step == 0 and self.val_ds is not None):
-                self.tracking.log(self.validate(), step=self.global_step)
+                self.tracking.log(self._validate_apart(), step=self.global_step)
             if t.val_only:
                 self.log(f"trainer.val_only: validated the model of step {self.global_step}, exiting without training")
                 return 0
@@ -1116,33 +1129,40 @@ class PPOTrainer:
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
-                self._apply_guard(metrics)
-                skipped = metrics.get("actor/nonfinite_skipped", 0.0) + metrics.get("critic/nonfinite_skipped", 0.0)
-                self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
-                if self.nonfinite_streak >= t.max_nonfinite_steps:
-                    raise StopTraining(f"{self.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
-                                       "norm (optimizer steps skipped); lower the learning rate or check the data")
+                metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
+                try:
+                    self._apply_guard(metrics)
+                    skipped = metrics.get("actor/nonfinite_skipped", 0.0) + metrics.get("critic/nonfinite_skipped",
+                                                                                         0.0)
+                    self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+                    if self.nonfinite_streak >= t.max_nonfinite_steps:
+                        raise StopTraining(f"{self.nonfinite_streak} consecutive steps had a non-finite loss or "
+                                           "gradient norm (optimizer steps skipped); lower the learning rate or "
+                                           "check the data")
+                except StopTraining:
+                    self.tracking.log(metrics, step=self.global_step)  # the step that stopped the run, logged
+                    raise
                 last = self.global_step >= self.total_steps
-                # a signal first: the checkpoint is written within the grace period, not after a validation
-                # (the last step's validation follows the checkpoint, a later one's is skipped: the
-                # resumed run does not repeat the step); a signal during the validation is acted on after it
+                # The checkpoint comes before the validation, so that a validation that fails (its own data,
+                # reward, memory) loses no training; a signal skips the validation (the resumed run does not
+                # repeat the step), the last step's excepted; a signal during the validation is acted on after it.
                 stop = self._agreed_stop_signal()
                 due = t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
-                deferred = due and stop and last
-                if due and not stop:
-                    metrics.update(self.validate())
-                    stop = self._agreed_stop_signal()
-                elif due and not last:
+                if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                    self._save_checkpoint(metrics)
+                if due and (last or not stop):
+                    try:
+                        metrics.update(self._validate_apart())
+                    except BaseException:
+                        self.tracking.log(metrics, step=self.global_step)  # the step's training metrics, kept
+                        raise
+                    stop = stop or self._agreed_stop_signal()
+                elif due:
                     self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
                              "checkpoint written first")
-                metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
+                if stop and self.ckpt.saved_step != self.global_step:  # a signal during the validation
+                    self._save_checkpoint(metrics)
                 self.tracking.log(metrics, step=self.global_step)
-                if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                    self.ckpt.save(self.global_step)
-                if deferred:
-                    self.log(f"stopping for a signal: the checkpoint written, step {self.global_step}'s (the last) "
-                             "validation now")
-                    self.tracking.log(self.validate(), step=self.global_step)
                 if stop:
                     self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
                              f"{self.global_step}, exiting")
@@ -1176,7 +1196,7 @@ def run(cfg: PPOConfig) -> int:
     # stream without a file descriptor (an in-process run whose output is captured).
     faulthandler.enable(file=sys.__stderr__)
     ctx = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.nccl_timeout)
-    finished = False
+    finished, trainer = False, None
     try:
         trainer = PPOTrainer(cfg, ctx)
         code = trainer.train()
@@ -1186,8 +1206,7 @@ def run(cfg: PPOConfig) -> int:
         if ctx.is_main:
             print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
-    except (UserError, DatasetError, RewardError, ToolError, InteractionError, FileNotFoundError,
-            CheckpointFileError) as e:
+    except (UserError, DatasetError, RewardError, ToolError, InteractionError, OSError, CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would
         # otherwise show only as the other ranks' failed collective.
         say(f"meshppo: error (rank {ctx.rank}): {e}")
@@ -1201,9 +1220,11 @@ def run(cfg: PPOConfig) -> int:
             raise
         # A collective timed out or lost a peer: say where, on every rank.
         first = str(e).strip().splitlines()[0]
-        say(f"meshppo: error (rank {ctx.rank}): a collective failed in phase "
-            f"'{getattr(e, 'meshppo_phase', 'setup')}' (trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): "
-            f"{first[:300]}")
+        phase = getattr(e, "meshppo_phase", None)
+        where = (f"in phase '{phase}'" if phase else "during setup" if trainer is None
+                 else f"outside the timed phases, at step {trainer.global_step}")
+        say(f"meshppo: error (rank {ctx.rank}): a collective failed {where} "
+            f"(trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): {first[:300]}")
         return 1
     finally:
         if ctx.owns_group and dist.is_initialized():

@@ -17,13 +17,15 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from trainer.errors import UserError
 
 
 class Timer:
@@ -195,13 +197,24 @@ def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     writes it); returns the path. Every line is made before the file is opened, and the file
     replaces any earlier one whole."""
     lines = [json.dumps({k: dump_value(v) for k, v in row.items()}, ensure_ascii=False) + "\n" for row in rows]
-    os.makedirs(dump_dir, exist_ok=True)
     path = os.path.join(dump_dir, f"{step}.jsonl")
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
+    with _written(path):
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
     return path
+
+
+@contextmanager
+def _written(path) -> Iterator[None]:
+    """A write of `path` whose OSError (a full disk, a quota, permissions) is a UserError naming it:
+    one line from `run`, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"writing {path} failed ({e.strerror or e})") from None
 
 
 class Tracking:
@@ -272,7 +285,8 @@ class Tracking:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         if "jsonl" in self.loggers:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
+            path = self.run_dir / "metrics.jsonl"
+            with _written(path), open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in row.items():

@@ -46,7 +46,8 @@ def test_lower_lr_halves_the_learning_rate(tiny_assets, tmp_path, capsys):
 def test_stop_ends_the_run_with_exit_code_3(tiny_assets, tmp_path, capsys):
     code, err = _run(tiny_assets, tmp_path / "s", capsys, "algorithm.kl_guard.warn_action=stop")
     assert code == 3 and "KL guard stopped the run at step 2" in err
-    assert [row["step"] for row in read_metrics(tmp_path / "s")] == [1]
+    rows = read_metrics(tmp_path / "s")  # the step that stopped the run is logged, with the guard's action
+    assert [row["step"] for row in rows] == [1, 2] and rows[1]["kl_guard/action"] == "stop"
 
 
 def _actor_checkpoint(run, step):

@@ -384,7 +384,7 @@ def test_a_signal_writes_the_checkpoint_before_a_validation(tiny_assets, tmp_pat
 def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path, capsys, monkeypatch):
     """A signal that arrives during a validation is acted on after it (it waited for the next step's
     rollout); one at the last step writes the checkpoint and then runs the last validation (skipped, it
-    was lost for good: the resumed run has nothing to train)."""
+    was lost for good: the resumed run has nothing to train), logged in the step's row."""
     from trainer.ppo_trainer import PPOTrainer
 
     calls = []
@@ -410,6 +410,21 @@ def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path
     code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=2", "trainer.test_freq=1",
                       f"data.val_files=[{tiny_assets}/val.jsonl]")
     assert code == 0, err
-    assert calls == [(1, False), (2, True)] and "step 2's (the last) validation now" in err
+    assert calls == [(1, False), (2, True)]
     rows = read_metrics(run)
-    assert [row["step"] for row in rows] == [1, 2, 2] and any(k.startswith("val") for k in rows[2])
+    assert [row["step"] for row in rows] == [1, 2] and any(k.startswith("val") for k in rows[1])
+    assert "actor/pg_loss" in rows[1] and rows[1]["timing_s/save_checkpoint"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_the_metrics_keeps_the_checkpoint_and_says_one_line(tiny_assets, tmp_path, capsys):
+    """The metrics row was written before the step's checkpoint, and its OSError was a traceback: a full
+    disk at step 1 left no checkpoint. The checkpoint is now written first, and the error is one line
+    naming the file."""
+    run = tmp_path / "full" / "run"
+    run.mkdir(parents=True)
+    os.symlink("/dev/full", run / "metrics.jsonl")
+    code, err = _main(tiny_assets, run, capsys, "trainer.save_freq=1", "trainer.logger=[jsonl]")
+    assert code == 1 and "Traceback" not in err, err
+    assert f"meshppo: error (rank 0): writing {run}/metrics.jsonl failed (No space left on device)" in err
+    assert os.path.isfile(run / "checkpoints" / "global_step_1" / "trainer_state.json")

@@ -223,3 +223,22 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     assert [(h["_step"], h["critic/score/mean"], h["actor/ref_kl"]) for h in history] == [(1, 0.5, 0.01),
                                                                                          (2, 1.0, 0.01)]
     assert config["algorithm"] == {"adv_estimator": "grpo"}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_the_metrics_or_a_dump_is_a_user_error_naming_the_file(tmp_path):
+    """A full disk (a quota, permissions) under metrics.jsonl or a generation dump was an OSError: a
+    traceback on rank 0 that names neither the file nor the option. Now one UserError names the file."""
+    from trainer.errors import UserError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink("/dev/full", run / "metrics.jsonl")  # every write: ENOSPC
+    tracking = Tracking(["jsonl"], str(run), "p", "e", {}, 2, True)
+    with pytest.raises(UserError, match=rf"^writing {run}/metrics.jsonl failed \(No space left on device\)$"):
+        tracking.log(ROW, step=1)
+    dumps = tmp_path / "dumps"
+    os.makedirs(dumps / "3.jsonl.tmp")  # the dump's temporary name taken: IsADirectoryError
+    with pytest.raises(UserError, match=rf"^writing {dumps}/3.jsonl failed \(Is a directory\)$"):
+        dump_generations(str(dumps), 3, [{"input": "a", "output": "b"}])
+    assert not os.path.exists(dumps / "3.jsonl")

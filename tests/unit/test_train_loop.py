@@ -4,12 +4,15 @@ at which step they are logged, and whether any step, checkpoint or export follow
 from types import SimpleNamespace as NS
 
 import pytest
+import torch
 
 from trainer import ppo_trainer
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, load_config
 from trainer.ppo_trainer import PPOTrainer
+from trainer.errors import StopTraining
 from trainer.profiling import StepProfiler
+from trainer.tracking import Timer
 
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
@@ -20,7 +23,7 @@ VAL = {"val/meshppo/demo_add/score": 0.5, "timing_s/testing": 0.1}
 class FakeTrainer:
     """What train() reads of a PPOTrainer; `resume_at` is the step a checkpoint resumes (None: a fresh run)."""
 
-    train = PPOTrainer.train
+    train, _validate_apart, _save_checkpoint = PPOTrainer.train, PPOTrainer._validate_apart, PPOTrainer._save_checkpoint
 
     def __init__(self, cfg, resume_at=None, total_steps=2):
         self.cfg, self.total_steps, self.global_step = cfg, total_steps, 0
@@ -33,7 +36,12 @@ class FakeTrainer:
             self.global_step = resume_at
             return f"global_step_{resume_at}"
 
-        self.ckpt = NS(maybe_resume=maybe_resume, save=self.saved.append, saved_step=None)
+        def save(step):
+            self.saved.append(step)
+            self.ckpt.saved_step = step
+
+        self.ckpt = NS(maybe_resume=maybe_resume, save=save, saved_step=None)
+        self.timer = Timer(torch.device("cpu"))
         self.tracking = NS(begin=lambda *a: None, log=lambda m, step: self.logged.append((step, dict(m))),
                            close=lambda: setattr(self, "closed", True))
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
@@ -115,3 +123,81 @@ def test_logged_validation_samples_spread_over_the_prompts():
     prompts_reversed = [x for i in reversed(range(4)) for x in samples[4 * i:4 * i + 4]]
     assert val_samples_to_log(prompts_reversed, 3) == picked == val_samples_to_log(samples, 3)
     assert sorted(val_samples_to_log(samples, 100)) == sorted(samples)
+
+
+def test_a_due_checkpoint_is_written_before_the_validation_and_survives_its_failure():
+    """A validation can fail where training does not (its own data and reward, a larger val_kwargs.n
+    out of memory). It ran before the checkpoint and the metrics row: with save_freq -1 a failed last
+    validation lost the whole run, and any failure the step's metrics. The checkpoint is now written
+    first (timed as verl's timing_s/save_checkpoint) and the step's training metrics are logged when
+    the validation fails."""
+
+    class Broken(FakeTrainer):
+        def validate(self):
+            assert self.saved[-1:] == [self.global_step], "validated before the checkpoint"
+            if self.global_step == 2:
+                raise RuntimeError("reward of the validation data failed")
+            return dict(VAL)
+
+    t = Broken(_cfg("data.val_files=[v.jsonl]", "trainer.test_freq=1", "trainer.save_freq=1",
+                    "trainer.val_before_train=false"), total_steps=3)
+    with pytest.raises(RuntimeError, match="reward of the validation data failed"):
+        t.train()
+    assert t.saved == [1, 2]
+    assert [step for step, _ in t.logged] == [1, 2]
+    (_, first), (_, second) = t.logged
+    assert first["val/meshppo/demo_add/score"] == 0.5 and first["timing_s/save_checkpoint"] >= 0
+    assert "actor/pg_loss" in first and "actor/pg_loss" in second and not any(k.startswith("val") for k in second)
+    # with no checkpoint due the validation runs as before, in the step's row
+    t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.test_freq=1", "trainer.val_before_train=false"),
+                    total_steps=3)
+    assert t.train() == 0 and t.saved == [3]
+    assert [sorted(m) for _, m in t.logged][:2] == [sorted({"actor/pg_loss", "training/global_step", "training/epoch",
+                                                            *VAL})] * 2
+    assert "timing_s/save_checkpoint" in t.logged[2][1]
+
+
+def test_the_step_that_stops_the_run_is_logged():
+    """The non-finite counter's (and a KL guard's) stop raised before the step's metrics were logged,
+    so the row that shows why (grad_norm, nonfinite_skipped, kl_guard/*) was lost."""
+
+    class NaNs(FakeTrainer):
+        def step(self):
+            self.global_step += 1
+            return {"actor/pg_loss": float("nan"), "actor/nonfinite_skipped": float(self.global_step >= 2)}
+
+    t = NaNs(_cfg("trainer.max_nonfinite_steps=2"), total_steps=5)
+    with pytest.raises(StopTraining, match="2 consecutive steps had a non-finite loss"):
+        t.train()
+    assert [(step, m["actor/nonfinite_skipped"]) for step, m in t.logged] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert t.saved == []
+
+
+def test_validations_leave_the_training_draws_as_they_were():
+    """The checkpoint is written before a validation, so the RNG states it holds are those from before
+    the validation: a resumed run draws the same only if the validation's draws do not reach the
+    training's. validate() runs with every RNG set aside (torch's, NumPy's, Python's)."""
+    import random
+
+    import numpy as np
+
+    class Drawing(FakeTrainer):
+        draws = []
+
+        def validate(self):
+            torch.rand(3), np.random.rand(3), random.random()
+            return dict(VAL)
+
+        def step(self):
+            self.global_step += 1
+            self.draws.append((torch.rand(2).tolist(), float(np.random.rand()), random.random()))
+            return {"actor/pg_loss": 0.0}
+
+    runs = []
+    for val in ("trainer.test_freq=-1", "trainer.test_freq=1"):
+        torch.manual_seed(0), np.random.seed(0), random.seed(0)
+        t = Drawing(_cfg("data.val_files=[v.jsonl]", val), total_steps=3)
+        t.draws = []
+        assert t.train() == 0
+        runs.append(t.draws)
+    assert runs[0] == runs[1] and len(runs[0]) == 3
