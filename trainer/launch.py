@@ -55,7 +55,6 @@ LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torchrun's script by its absolute path: the launcher runs in the user's directory.
 TRAIN_SCRIPT = os.path.join(REPO_ROOT, "train_ppo.py")
-DEFAULT_CONFIG = os.path.join("configs", "demo.yaml")
 
 
 def _free_port() -> int:
@@ -79,11 +78,11 @@ def local_world_size_from_env() -> int:
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """`--config` and the dotted overrides, as train_ppo.py and the launcher take them. Parse with
     `parse_intermixed_args`: options may come after overrides. A relative `--config` is relative
-    to the working directory; the default is configs/demo.yaml there if there is one, else the
-    repository's."""
-    default = DEFAULT_CONFIG if os.path.isfile(DEFAULT_CONFIG) else os.path.join(REPO_ROOT, DEFAULT_CONFIG)
-    p.add_argument("--config", default=default, help="YAML config file (default: configs/demo.yaml in the working directory if there is one, "
-                                              "else the repository's)")
+    to the working directory; without one the overrides go over verl's defaults (which meshppo's
+    options mirror), as verl's command line does."""
+    p.add_argument("--config", default=None, help="YAML config file (default: none; the overrides go over verl's "
+                                                  "defaults, as a verl command line's do; the demo is "
+                                                  "configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5 "
                                                 "(Hydra's +key=value and ++key=value mean the same)")
 
@@ -177,7 +176,7 @@ class _Launch:
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.nnodes}",
                 f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                 f"--rdzv-id={a.rdzv_id or self.launch_id}", f"--max-restarts={a.max_restarts}", TRAIN_SCRIPT,
-                "--config", a.config, *a.overrides]
+                *(["--config", a.config] if a.config else []), *a.overrides]
 
     def run(self) -> int:
         os.makedirs(self.log_dir, exist_ok=True)

@@ -5,6 +5,7 @@ SLURM step."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -209,3 +210,26 @@ def test_multi_node_sbatch_and_single_node_steps_pass(monkeypatch, capsys):
         monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_NNODES", "2")
     assert launch.main(["--config", DEMO, "--print-config"]) == 0, capsys.readouterr().err
+
+
+def test_without_a_config_file_the_overrides_go_over_verls_defaults(capsys, tmp_path):
+    """A verl script keeps its overrides and swaps the launcher (docs/VERL.md). Without --config the
+    demo's file was the base: its total_training_steps=40 overrode the script's total_epochs, with its
+    seeds, run directory and model path. Now the base is verl's defaults, as on verl's command line."""
+    from trainer import cli, launch
+
+    base = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "trainer.total_epochs=15",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.n_gpus_per_node=1"]
+    assert cli.parse_args(base).config is None
+    assert cli.main([*base, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "  total_training_steps: null  #" in out and "  total_epochs: 15  #" in out
+    assert "  default_local_dir: runs/meshppo/run  #" in out and "demo" not in out
+    # the launcher's torchrun command passes no --config either (it passed None's text)
+    args = SimpleNamespace(config=None, overrides=base, rdzv_endpoint="127.0.0.1:1", rdzv_id="x", nnodes=1,
+                           max_restarts=0, log_dir=str(tmp_path))
+    command = launch._Launch(load_config(PPOConfig, None, base), args, 1).command()
+    assert "--config" not in command and command[-len(base):] == base
+    args.config = DEMO
+    assert launch._Launch(load_config(PPOConfig, DEMO), args, 1).command()[-len(base) - 2:-len(base)] == ["--config",
+                                                                                                          DEMO]
