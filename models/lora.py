@@ -43,9 +43,19 @@ ALL_LINEAR = ATTN_PROJ + MLP_PROJ
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
-# peft options meshppo's adapters do not have; an adapter that sets them is refused, not approximated.
+# peft options meshppo's adapters do not have, at their off values (as save_peft_adapter writes them).
 _PEFT_UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
                      "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+# adapter_config.json keys that leave a loaded adapter's function as r, lora_alpha and target_modules
+# make it: bookkeeping, and options read only while training (dropout) or initialising (the init
+# methods' configs: the weights are loaded) or for Megatron layers. Any other key, peft's newer
+# ones too (Activated LoRA's alora_invocation_tokens, DoRA, QA-LoRA, ...), must be off (null, false,
+# empty or "none"): an adapter that sets one is refused, not approximated.
+_PEFT_HARMLESS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                  "inference_mode", "r", "target_modules", "lora_alpha", "lora_dropout", "init_lora_weights",
+                  "layers_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
+                  "lora_ga_config", "runtime_config", "ensure_weight_tying",
+                  "qalora_group_size"}  # read only with use_qalora, which must be off
 
 
 @dataclass
@@ -256,26 +266,39 @@ def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
         json.dump(config, f, indent=2)
 
 
-def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
-    """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name).
-    Options meshppo's adapters lack (DoRA, rsLoRA, per-layer ranks, ...) are refused."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-    for f in (cfg_file, weights):
-        if not f.is_file():
-            raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {f.name}")
-    raw = json.loads(cfg_file.read_text())
-    if raw.get("peft_type") != "LORA":
-        raise ValueError(f"{cfg_file}: peft_type is {raw.get('peft_type')!r}, meshppo loads LORA adapters")
-    for key, default in _PEFT_UNSUPPORTED.items():
-        if raw.get(key, default) not in (default, None, {}, False, "none"):
-            raise ValueError(f"{cfg_file}: {key}={raw[key]!r} is not supported by meshppo's LoRA")
+def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]:
+    """A peft LoRA adapter directory's `LoRAConfig` (its r, lora_alpha and target_modules), and its
+    adapter_config.json as read. Options meshppo's adapters lack (DoRA, rsLoRA, per-layer ranks,
+    Activated LoRA, ...) are refused: ValueError naming the file and the key."""
+    cfg_file = Path(path) / ADAPTER_CONFIG
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {cfg_file.name}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: not readable JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        found = raw.get("peft_type") if isinstance(raw, dict) else raw
+        raise ValueError(f"{cfg_file}: peft_type is {found!r}, meshppo loads LORA adapters")
+    for key, value in raw.items():
+        if key not in _PEFT_HARMLESS and value not in (_PEFT_UNSUPPORTED.get(key), None, False, {}, [], "none"):
+            raise ValueError(f"{cfg_file}: {key}={value!r} is not supported by meshppo's LoRA")
     try:
         cfg = LoRAConfig(rank=raw.get("r"), alpha=raw.get("lora_alpha"), target_modules=raw.get("target_modules"))
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {e}") from None
+    return cfg, raw
+
+
+def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name), its
+    config as `read_peft_adapter_config` reads it."""
+    from safetensors.torch import load_file
+
+    cfg, _ = read_peft_adapter_config(path)
+    weights = Path(path) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {weights.name}")
     tensors = {}
     for key, t in load_file(str(weights)).items():
         name = _meshppo_key(key)

@@ -322,9 +322,8 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     device = torch.device(device)
     adapter = None
     if lora_adapter_path is not None:
-        if lora is None:
-            raise ValueError("lora_adapter_path is set but LoRA is not (lora_rank 0): set lora_rank to the adapter's r")
         adapter = read_peft_adapter(lora_adapter_path)
+        lora = adapter[0] if lora is None else lora  # the adapter's own r, alpha and targets, as peft's loading
     with torch.device("meta"):
         model = Transformer(args, head=head)
     if lora is not None:

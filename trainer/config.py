@@ -19,7 +19,7 @@ from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.args import OUTPUT_KEYS, check_overrides
-from models.lora import LoRAConfig, check_adapter_config, read_peft_adapter
+from models.lora import LoRAConfig, read_peft_adapter, read_peft_adapter_config
 from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig,
@@ -456,8 +456,9 @@ class ModelConfig:
     target_modules: str | list[str] = opt("all-linear", "projections that get adapters: all-linear or a list among "
                                                          "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
-                                              "adapter_model.safetensors); needs the same lora_rank, lora_alpha and "
-                                              "target_modules")
+                                              "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha "
+                                              "and target_modules, as in verl (lora_rank, lora_alpha and "
+                                              "target_modules are then not read)")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
@@ -479,16 +480,48 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_override_config("actor_rollout_ref.model", self.override_config)
-        if self.lora_rank:
-            self.lora  # a bad target_modules / lora_alpha fails here, naming the key
-        elif self.lora_adapter_path is not None:
-            raise ConfigError("actor_rollout_ref.model.lora_adapter_path is set but lora_rank is 0: set lora_rank to "
-                              "the adapter's r")
+        _lora_config("actor_rollout_ref.model", self)  # a bad target_modules / lora_alpha fails here, naming the key
 
     @property
     def lora(self) -> LoRAConfig | None:
-        """The actor's `LoRAConfig`, None when lora_rank is 0."""
+        """The actor's `LoRAConfig`: that of the adapter at lora_adapter_path when one is given (as verl's
+        `PeftModel.from_pretrained` takes it), else of lora_rank, lora_alpha and target_modules (None when
+        lora_rank is 0)."""
+        if self.lora_adapter_path is not None:
+            return adapter_lora(self.lora_adapter_path)[0]
         return _lora_config("actor_rollout_ref.model", self)
+
+
+def adapter_lora(path: str) -> tuple[LoRAConfig, dict]:
+    """`models.lora.read_peft_adapter_config` of the actor's lora_adapter_path (a small file, read
+    anew each time), a `ConfigError` naming the key when it cannot be used."""
+    try:
+        return read_peft_adapter_config(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
+
+
+def _adapter_notes(model) -> list[str]:
+    """What the actor's lora_adapter_path decides instead of the config: the configured LoRA values it
+    replaces, and a dropout meshppo's adapters do not have."""
+    if model.lora_adapter_path is None:
+        return []
+    lora, raw = adapter_lora(model.lora_adapter_path)
+    key, notes = "actor_rollout_ref.model", []
+    default = LoRAConfig(1)  # lora_rank's default is 0 (off); the others' are LoRAConfig's
+    unused = [f"{name}={ours}" for name, ours, theirs, unset in (
+        ("lora_rank", model.lora_rank, lora.rank, 0), ("lora_alpha", model.lora_alpha, lora.alpha, default.alpha),
+        ("target_modules", list(LoRAConfig(1, target_modules=model.target_modules).targets), list(lora.targets),
+         list(default.targets)))
+        if ours not in (theirs, unset)]
+    if unused:
+        notes.append(f"{key}.{', '.join(unused)} not used: the adapter at {key}.lora_adapter_path has r={lora.rank}, "
+                     f"lora_alpha={lora.alpha:g} and target_modules={list(lora.targets)}, which LoRA takes (as in verl)")
+    dropout = raw.get("lora_dropout") or 0.0
+    if dropout:
+        notes.append(f"the adapter at {key}.lora_adapter_path was trained with lora_dropout={dropout:g}: meshppo's "
+                     "adapters have no dropout, so its training continues without it")
+    return notes
 
 
 def _lora_config(key: str, model) -> LoRAConfig | None:
@@ -1575,6 +1608,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true has no effect with "
                      "algorithm.rollout_correction.bypass_mode=true: bypass mode runs no old-log-prob pass to compute "
                      "the sums in (as in verl), so no variance_proxy/* metrics either")
+    notes += _adapter_notes(arr.model)
     keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
     if keep is not None and not cfg.uses_critic:
         notes.append(f"trainer.max_critic_ckpt_to_keep={keep} has no effect: algorithm.adv_estimator="
@@ -1935,10 +1969,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if cfg.critic.model.tokenizer_path != tok:
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
                           f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
-    lora, adapter = arr.model.lora, arr.model.lora_adapter_path
-    if lora is not None and adapter is not None:
+    adapter = arr.model.lora_adapter_path
+    if adapter is not None:  # its config, then its tensors' names
+        arr.model.lora
         try:
-            check_adapter_config(lora, read_peft_adapter(adapter)[0], adapter)
+            read_peft_adapter(adapter)
         except (OSError, ValueError) as e:
             raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
     d = cfg.data

@@ -98,9 +98,13 @@ def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_asse
         want, got = adapted(ids), merged(ids)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
-    # lora_adapter_path starts a run from that adapter: at lr 0 its export is the same model again
+    # lora_adapter_path starts a run from that adapter: at lr 0 its export is the same model again. The
+    # LoRA options at their defaults, as verl's example sets only the path: the adapter's own are used.
     again = tmp_path / "from_adapter"
     _run(tiny_assets, again, reward, "trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.lr=0",
+         "actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_alpha=16",
+         "actor_rollout_ref.model.target_modules=all-linear",
          f"actor_rollout_ref.model.lora_adapter_path={straight / 'lora_adapter'}")
+    assert read_peft_adapter(again / "lora_adapter")[0] == cfg
     first, second = (load_file(str(d / "hf_actor" / "model.safetensors")) for d in (straight, again))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -129,8 +129,10 @@ def _body(rank, world, tmp):
     with pytest.raises(ValueError, match="r \\(lora_rank\\)=6, the configuration says 4"):
         build_fsdp_model(ARGS, meshes.train, FP32, lora=LoRAConfig(rank=4, alpha=12, target_modules=LORA.targets),
                          lora_adapter_path=tmp / "adapter")
-    with pytest.raises(ValueError, match="lora_adapter_path is set but LoRA is not"):
-        build_fsdp_model(ARGS, meshes.train, FP32, lora_adapter_path=tmp / "adapter")
+    # no LoRAConfig given: the adapter's own (as peft's loading; verl passes none with lora_adapter_path)
+    own = build_fsdp_model(ARGS, meshes.train, FP32, lora_adapter_path=tmp / "adapter", seed=0)
+    assert own.lora_config == LORA
+    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(own.parameters(), loaded.parameters()))
 
     # bf16 compute: the frozen base is stored in bf16 (half the bytes), the adapters stay fp32,
     # in the same FSDP units; a step trains, and a fresh adapter is the identity on the base.

@@ -59,7 +59,6 @@ def test_dotted_override_types():
     ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank: -1 is out of range; allowed: >= 0"),
     ("actor_rollout_ref.model.lora_rank=2.5", "actor_rollout_ref.model.lora_rank: expected an integer"),
     ("actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.lora_alpha: 0.0 is out of range; allowed: > 0"),
-    ("actor_rollout_ref.model.lora_adapter_path=/x", "lora_adapter_path is set but lora_rank is 0"),
     ("actor_rollout_ref.actor.fsdp_config.wrap_policy={foo: 1}", "not supported"),
     ("noequals", "must look like dotted.key=value"),
     ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr: -1e-06 is out of range; allowed: >= 0"),
@@ -103,6 +102,8 @@ def test_bad_overrides_name_the_problem(override, message):
 
 @pytest.mark.parametrize("overrides,message", [
     (["data.train_batch_size=30"], "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["actor_rollout_ref.model.lora_adapter_path=/x"],
+     "actor_rollout_ref.model.lora_adapter_path: lora_adapter_path '/x' has no adapter_config.json"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size=3 must divide the FSDP "
                                                                  "shard-group size"),
     (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=48"], "multiple of"),
@@ -191,21 +192,54 @@ def test_lora_options_build_the_actor_lora_config():
         _cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj, qkv]")
 
 
-@pytest.mark.parametrize("rank,message", [(8, None), (4, "has r (lora_rank)=8, the configuration says 4"),
-                                          (None, "has no adapter_config.json")])
-def test_lora_adapter_path_is_checked_before_work(tmp_path, rank, message):
+def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_path):
+    """verl turns LoRA on for a lora_adapter_path and takes r, lora_alpha and target_modules from the
+    adapter (PeftModel.from_pretrained), whatever lora_rank says: its example that continues from an
+    adapter sets no lora_rank. meshppo refused lora_rank 0, then any configured value the adapter did
+    not share. Now the adapter's are used; a configured value that differs is said at start-up, as is a
+    dropout the adapter was trained with."""
+    import json
+
     import torch
     from models.lora import LoRAConfig, save_peft_adapter
+    from trainer.config import config_notes
 
-    if rank is not None:  # a written adapter of rank 8; rank None: an empty directory
-        save_peft_adapter(tmp_path, {"layers.0.self_attn.q_proj.lora_A": torch.zeros(8, 4)}, LoRAConfig(8))
-    cfg = _cfg(f"actor_rollout_ref.model.lora_rank={rank or 8}", f"actor_rollout_ref.model.lora_adapter_path={tmp_path}")
-    if message is None:
+    adapter = tmp_path / "adapter"
+    save_peft_adapter(adapter, {"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 8)},
+                      LoRAConfig(4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    key = "actor_rollout_ref.model"
+
+    def notes(*overrides):
+        cfg = _cfg(f"{key}.lora_adapter_path={adapter}", *overrides)
         validate(cfg)
-        return
-    with pytest.raises(ConfigError) as e:
-        validate(cfg)
-    assert "actor_rollout_ref.model.lora_adapter_path:" in str(e.value) and message in str(e.value)
+        assert cfg.actor_rollout_ref.model.lora == LoRAConfig(4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+        return [n for n in config_notes(cfg) if "lora_adapter_path" in n]
+
+    assert notes() == []  # verl's example: only the path
+    assert notes(f"{key}.lora_rank=4", f"{key}.lora_alpha=8", f"{key}.target_modules=[v_proj,q_proj]") == []
+    assert notes(f"{key}.lora_rank=8", f"{key}.lora_alpha=32", f"{key}.target_modules=[q_proj]") == [
+        f"{key}.lora_rank=8, lora_alpha=32.0, target_modules=['q_proj'] not used: the adapter at "
+        f"{key}.lora_adapter_path has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes "
+        "(as in verl)"]
+    raw = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**raw, "lora_dropout": 0.05}))
+    assert notes() == [f"the adapter at {key}.lora_adapter_path was trained with lora_dropout=0.05: meshppo's "
+                       "adapters have no dropout, so its training continues without it"]
+    # an option meshppo's adapters lack, peft's newer ones too, is refused naming the key
+    for extra in ({"alora_invocation_tokens": [7, 8]}, {"use_dora": True}, {"some_future_option": 1}):
+        (adapter / "adapter_config.json").write_text(json.dumps({**raw, **extra}))
+        (name, value), = extra.items()
+        with pytest.raises(ConfigError, match=rf"^{key}.lora_adapter_path: .*adapter_config.json: {name}="
+                                              rf"{value!r} is not supported by meshppo's LoRA$".replace("[", r"\[")):
+            validate(_cfg(f"{key}.lora_adapter_path={adapter}"))
+    (adapter / "adapter_config.json").write_text(json.dumps({**raw, "qalora_group_size": 16, "megatron_core":
+                                                             "megatron.core", "use_qalora": False}))
+    assert notes() == []  # peft's defaults of options that are off
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=rf"^{key}.lora_adapter_path: lora_adapter_path '{empty}' has no "
+                                          r"adapter_config.json$"):
+        validate(_cfg(f"{key}.lora_adapter_path={empty}"))
 
 
 def test_greedy_rollouts_without_groups_are_valid():
