@@ -5,6 +5,7 @@ Layout under `trainer.default_local_dir/checkpoints/`:
     global_step_K/
         actor/            model + optimizer, sharded (torch.distributed.checkpoint)
             huggingface/  the full weights, config and tokenizer (with 'hf_model', below)
+            lora_adapter/ a LoRA actor's adapters as a peft directory (verl's; a lora_adapter_path)
         critic/           the same, when there is a critic
         trainer_state.json  the step, world size, the actor's shape and the run's resolved config
                             (to refuse a checkpoint of another model or another run), what each
@@ -78,6 +79,7 @@ from sharding.checkpoint import (
 )
 
 LATEST = "latest_checkpointed_iteration.txt"
+ADAPTER_DIR = "lora_adapter"  # a LoRA actor's adapters in each checkpoint, as verl writes them
 LAUNCH_MARKER = "launch_id.txt"  # the launch (TORCHELASTIC_RUN_ID) whose later checkpoints a restart resumes
 STATE_FILE = "trainer_state.json"
 
@@ -445,6 +447,14 @@ class CheckpointManager:
             contents[name] = [i for i in CHECKPOINT_CONTENTS if i in items]
             if "model" in items:
                 save_checkpoint(os.path.join(tmp, name), model, optimizer if "optimizer" in items else None)
+                lora = getattr(model, "lora_config", None)
+                if name == "actor" and lora is not None:
+                    # verl's global_step_K/actor/lora_adapter/: the adapters alone as a peft directory,
+                    # a next stage's lora_adapter_path
+                    adapters = gather_full_state_dict(model, trainable_only=True)
+                    _on_every_rank("writing the LoRA adapter", functools.partial(
+                        save_peft_adapter, os.path.join(tmp, name, ADAPTER_DIR), adapters, lora, self.base_model)
+                        if self.is_main else None)
             if k == 0:
                 faults.crash_in_save(step, self.rank)
             if "hf_model" in items:
