@@ -1374,12 +1374,15 @@ class PPOConfig:
         _copy_of("actor_rollout_ref.actor.use_remove_padding", actor, "use_remove_padding",
                  "actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding)
         # Ulysses: verl's fsdp_config copies folded into the roles' sizes; the reference runs in the actor's groups
+        ref_key = "actor_rollout_ref.ref" + (".fsdp_config" if ref.fsdp_config.ulysses_sequence_parallel_size != 1
+                                             and ref.ulysses_sequence_parallel_size in (None, 1) else "")
         for key, obj, fsdp in (("actor_rollout_ref.actor", actor, actor.fsdp_config),
                                ("actor_rollout_ref.ref", ref, ref.fsdp_config),
                                ("critic", critic, critic.model.fsdp_config),
                                ("reward_model", self.reward_model, self.reward_model.model.fsdp_config)):
             _sp_copy(key, obj, fsdp)
-        _copy_of("actor_rollout_ref.ref.ulysses_sequence_parallel_size", ref, "ulysses_sequence_parallel_size",
+        # (the size the user set, by the key they set it with: the reference's own or its fsdp_config copy)
+        _copy_of(f"{ref_key}.ulysses_sequence_parallel_size", ref, "ulysses_sequence_parallel_size",
                  "actor_rollout_ref.actor.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)
         # the deprecated global micro-batch sizes over each role's data-parallel size, as verl's workers
         # divide them (the actor's Ulysses size for the rollout's and the reference's log-probs, which

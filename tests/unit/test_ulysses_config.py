@@ -55,6 +55,13 @@ def test_verls_fsdp_config_copies_set_the_roles_size():
     with pytest.raises(ConfigError, match="critic.model.fsdp_config.ulysses_sequence_parallel_size=4 differs from "
                                           "critic.ulysses_sequence_parallel_size=2"):
         _cfg("critic.ulysses_sequence_parallel_size=2", "critic.model.fsdp_config.ulysses_sequence_parallel_size=4")
+    # the reference's copy against the actor's size is named as the user set it (it was named as the
+    # reference's own option, which they had not set)
+    assert _sizes(_cfg(f"{A}.ulysses_sequence_parallel_size=2",
+                       "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2")) == (2, 2, 1, 1)
+    with pytest.raises(ConfigError, match="^actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2 differs "
+                                          f"from {A}.ulysses_sequence_parallel_size=1"):
+        _cfg("actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2")
 
 
 @pytest.mark.parametrize("overrides, message", [
