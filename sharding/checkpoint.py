@@ -26,7 +26,6 @@ import shutil
 from pathlib import Path, PosixPath
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.checkpoint import CheckpointFileError
+from sharding import comm
 from sharding.fsdp import offloaded_states_resident
 
 EXTRA_FILE = "extra.json"
@@ -156,19 +156,26 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     """
     path = Path(path)
     tmp = _tmp(path)
-    rank = dist.get_rank()
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)  # left over from an interrupted save
-    dist.barrier()
+    main = comm.rank() == 0
+    # Rank 0 alone clears, writes `extra` and renames: each step is agreed by every rank
+    # (`comm.on_every_rank`), so a write error there (a full disk) is `comm.RankFailed` on every
+    # rank rather than rank 0's error and the others' wait in the next collective.
+
+    def clear():
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left over from an interrupted save
+    comm.on_every_rank(clear if main else None)
     with offloaded_states_resident(model, optimizer):
         state = _states(model, optimizer)
         dcp.save(state, checkpoint_id=str(tmp))
         del state
-    if rank == 0:
+
+    def write_extra():
         with open(tmp / EXTRA_FILE, "w") as f:
             json.dump(extra or {}, f)
-    dist.barrier()  # every rank's shards are on disk before the rename publishes them
-    if rank == 0:
+    comm.on_every_rank(write_extra if main else None)  # every rank's shards are on disk before the rename
+
+    def publish():
         old = path.with_name(path.name + ".old")
         if path.exists():
             # A directory cannot be replaced in one rename: move the previous checkpoint aside
@@ -179,7 +186,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         os.replace(tmp, path)
         if old.exists():
             shutil.rmtree(old)
-    dist.barrier()
+    comm.on_every_rank(publish if main else None)
 
 
 def check_checkpoint(path: str | os.PathLike, with_optimizer: bool = False) -> dict:

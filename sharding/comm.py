@@ -15,7 +15,7 @@ every collective of trainer runs and fails on any other call site
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,3 +100,29 @@ def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
+
+
+class RankFailed(Exception):
+    """An error one rank or more hit, raised on every rank at the same point (`on_every_rank`):
+    `error` is this rank's own (None where only another rank failed), `rank` the lowest that failed."""
+
+    def __init__(self, error: BaseException | None, rank: int):
+        self.error, self.rank = error, rank
+        super().__init__(f"{type(error).__name__}: {error}" if error is not None else f"rank {rank} failed")
+
+
+def on_every_rank(fn: Callable[[], object] | None, errors: tuple[type[BaseException], ...] = (OSError,)) -> None:
+    """Call `fn` (on the ranks that pass one: often rank 0 alone writes a file), then agree with
+    every rank in one collective whether it raised one of `errors` anywhere; if so every rank
+    raises `RankFailed`, so that none is left waiting in a collective the failed rank never enters.
+    Other exceptions propagate at once, as they would without it."""
+    error = None
+    if fn is not None:
+        try:
+            fn()
+        except errors as e:
+            error = e
+    ranks = world_size()
+    first = int(all_reduce_values([rank() if error is not None else ranks], "min")[0])
+    if first < ranks:
+        raise RankFailed(error, first)

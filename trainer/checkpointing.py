@@ -278,21 +278,29 @@ def _one_line(error: BaseException) -> str:
 
 
 def _on_every_rank(what: str, fn: Callable[[], object] | None) -> None:
-    """Call `fn` (on the ranks that pass one: rank 0 alone writes most files), then agree with every
-    rank whether it failed with a write error anywhere; if so every rank raises `WriteFailed`, so
-    that none is left waiting in a collective that the failed rank never enters."""
-    error = None
-    if fn is not None:
-        try:
-            fn()
-        except WriteFailed:
-            raise  # already agreed: every rank raises it at the same point
-        except (OSError, dcp.CheckpointException) as e:
-            error = e
-    ranks = comm.world_size()
-    first = int(comm.all_reduce_values([comm.rank() if error is not None else ranks], "min")[0])
-    if first < ranks:
-        raise WriteFailed(what, error, first)
+    """`sharding.comm.on_every_rank` for the writes of a checkpoint or an export: a write error on
+    any rank (one inside `sharding.checkpoint.save_checkpoint` too) is `WriteFailed` on every rank."""
+    try:
+        comm.on_every_rank(fn, (OSError, dcp.CheckpointException))
+    except comm.RankFailed as e:
+        raise WriteFailed(what, e.error, e.rank) from None
+
+
+def _flushed(f) -> None:
+    """`f`'s bytes on the disk, not only in the page cache: after a power loss or a node's crash a
+    checkpoint's completion marker (the trainer state), its RNG files and the pointer to it hold
+    what was written (the shards are synced by DCP's writer)."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _synced_dir(path: str) -> None:
+    """The renames in directory `path` on the disk (POSIX: a rename is durable once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _rng_state() -> dict:
@@ -426,10 +434,13 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        _synced_dir(self.root)  # the step's directory under its name before the pointer names it
         pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
         with open(pointer_tmp, "w") as f:
             f.write(str(step))
+            _flushed(f)
         os.replace(pointer_tmp, os.path.join(self.root, LATEST))
+        _synced_dir(self.root)
         shutil.rmtree(old, ignore_errors=True)
         self._rotate(step)
 
@@ -461,7 +472,9 @@ class CheckpointManager:
                 export_hf(model, model.args, self.tokenizer, os.path.join(tmp, name, "huggingface"), self.is_main,
                           base_model=self.base_model if name == "actor" else None)
         if rng:
-            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+            with open(os.path.join(tmp, "rng", f"rank_{self.rank}.pt"), "wb") as f:
+                torch.save(_rng_state(), f)
+                _flushed(f)
         if self.is_main:
             state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,
                      "config": dataclasses.asdict(self.config), "contents": contents}
@@ -470,6 +483,7 @@ class CheckpointManager:
             # The trainer state is written last: its presence marks a complete checkpoint.
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
+                _flushed(f)
 
     def _rotate(self, step: int):
         """Keep the newest `keep` complete checkpoints up to `step` (the one just written). Newer
@@ -533,7 +547,13 @@ class CheckpointManager:
         load_rng = not keep_progress and "extra" in self.contents("actor", "load_contents")
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
-        rng = read_rng_state(rng_file) if load_rng and same_world and os.path.isfile(rng_file) else None
+        rng = None
+        if load_rng and same_world and os.path.isdir(os.path.dirname(rng_file)):  # written with RNG states
+            if not os.path.isfile(rng_file):
+                raise UserError(f"checkpoint {path!r} is incomplete: it has no {os.path.relpath(rng_file, path)}, "
+                                f"rank {self.rank}'s RNG state (saved with the actor's 'extra'); resume an earlier "
+                                "checkpoint or leave 'extra' out of actor_rollout_ref.actor.checkpoint.load_contents")
+            rng = read_rng_state(rng_file)
         loads = []  # (directory, model, optimizer or None) of each model whose weights load
         for name, (model, optimizer) in self.models.items():
             wanted = self.contents(name, "load_contents")

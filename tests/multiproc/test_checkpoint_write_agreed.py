@@ -83,3 +83,37 @@ def _body(rank, world, root):
 
 def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     run_distributed(_body, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _sharded_body(rank, world, root):
+    """The same inside `sharding.checkpoint.save_checkpoint`: rank 0 alone writes `extra.json` and
+    renames the directory, between barriers the other ranks waited in."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import sharding.checkpoint as checkpoint
+    from models import ModelArgs
+    from sharding import FSDPConfig, ParallelDims, build_fsdp_model, comm, load_checkpoint, save_checkpoint
+
+    args = ModelArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1)
+    model = build_fsdp_model(args, ParallelDims(dist.get_world_size()).build_meshes("cpu").train,
+                             FSDPConfig(mixed_precision={"param_dtype": "fp32"}), seed=0)
+    path = Path(root) / "actor"
+    save_checkpoint(path, model, extra={"step": 1})
+    json_module = checkpoint.json
+    if rank == 0:
+        checkpoint.json = type("FullDisk", (), {"dump": staticmethod(_full)})
+    with pytest.raises(comm.RankFailed) as e:
+        save_checkpoint(path, model, extra={"step": 2})
+    checkpoint.json = json_module
+    assert e.value.rank == 0 and (e.value.error is not None) == (rank == 0)
+    assert str(e.value) == ("OSError: [Errno 28] No space left on device" if rank == 0 else "rank 0 failed")
+    assert load_checkpoint(path, model) == {"step": 1}  # the earlier checkpoint, whole
+    save_checkpoint(path, model, extra={"step": 3})
+    assert load_checkpoint(path, model) == {"step": 3}
+
+
+def test_a_shard_directory_write_failing_on_rank_0_fails_on_every_rank(tmp_path):
+    run_distributed(_sharded_body, 2, str(tmp_path), timeout=120)

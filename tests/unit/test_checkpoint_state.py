@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from trainer.checkpointing import (
+    LATEST,
     NOT_SAME_RUN_OPTIONS,
+    STATE_FILE,
     CheckpointManager,
     SAME_RUN_OPTIONS,
     _rng_state,
@@ -353,3 +355,29 @@ def test_a_failed_write_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monk
         manager.save(2)
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
     assert manager.latest() == manager.step_dir(1)
+
+
+def test_a_missing_rank_rng_file_is_refused_and_the_markers_are_synced(tmp_path, monkeypatch):
+    """A checkpoint whose rng/ directory lacks this rank's file (a copy cut short, a lost file) resumed
+    with the RNG seeded afresh and nothing said; it is now refused naming the file. And the files that
+    make a checkpoint complete, the trainer state (its marker) and the pointer, are synced to the disk
+    before the step is published (a power loss left a pointer to a step whose marker was empty)."""
+    import trainer.checkpointing as checkpointing
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(checkpointing.os, "fsync",
+                        lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    manager, counter = _manager(tmp_path)
+    counter.step = 1
+    manager.save(1)
+    root = manager.root
+    if os.path.isdir("/proc/self/fd"):
+        tmp = manager.step_dir(1) + ".tmp"
+        assert synced.index(os.path.join(tmp, "rng", "rank_0.pt")) < synced.index(os.path.join(tmp, STATE_FILE))
+        assert synced[-3:] == [root, os.path.join(root, LATEST + ".tmp"), root]
+    os.remove(os.path.join(manager.step_dir(1), "rng", "rank_0.pt"))
+    resumed, _ = _manager(tmp_path)
+    with pytest.raises(UserError, match=r"checkpoint '.*global_step_1' is incomplete: it has no rng/rank_0.pt, rank "
+                                        r"0's RNG state"):
+        resumed.maybe_resume("auto")
