@@ -12,17 +12,7 @@ import os
 import pytest
 
 from tests.dist_utils import run_distributed
-
-
-class _Counter:
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
+from tests.unit.test_checkpoint_state import _Counter
 
 
 def _full(*args, **kwargs):
