@@ -76,6 +76,8 @@ def describe(meta) -> str:
     return f"{help_}; allowed: {rng}" if rng else help_
 
 
+MISSING_MARK = "???"  # OmegaConf's mandatory value
+
 _IN_RANGE = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b,
              "lt": lambda v, b: v < b}
 
@@ -104,6 +106,8 @@ def _type_name(tp) -> str:
 
 
 def _coerce(value, tp, key: str):
+    if value == MISSING_MARK:  # where meshppo reads the value (an opaque section's, e.g. verl's reward-model server, is not)
+        raise ConfigError(f"{key} is ??? (verl's mark of a value that must be given): set it")
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -477,8 +481,6 @@ class _Interpolations:
             return {k: self.resolve_tree(v, path + (str(k),)) for k, v in node.items()}
         if isinstance(node, list):
             return [self.resolve_tree(v, path) for v in node]
-        if node == "???":
-            raise ConfigError(f"{'.'.join(path)} is ??? (verl's mark of a value that must be given): set it")
         return self.resolve(node, path) if isinstance(node, str) and "${" in node else node
 
     def resolve(self, text: str, path: tuple):

@@ -92,3 +92,7 @@ def test_interpolation_errors_name_the_option(tmp_path, monkeypatch):
         _load(tmp_path, "actor_rollout_ref:\n  rollout:\n    name: ???\n")
     assert _load(tmp_path, "actor_rollout_ref:\n  rollout:\n    name: ???\n",
                  "actor_rollout_ref.rollout.name=vllm").actor_rollout_ref.rollout.name == "vllm"
+    # verl's generated default config leaves its reward-model server's name ??? (read only when a
+    # discriminative reward model scores): meshppo does not read that section, so it loads
+    cfg = _load(tmp_path, "reward_model:\n  rollout:\n    name: ???\n    dtype: bfloat16\n")
+    assert cfg.reward_model.rollout == {"name": "???", "dtype": "bfloat16"}
