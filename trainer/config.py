@@ -736,8 +736,9 @@ class MultiTurnConfig:
 # change the work or the numbers are refused there at any value but their default; the engine's
 # tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
 ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
-SERVER_ENGINES = ("vllm", "sglang")
+SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
+NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
 
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
                          "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",
@@ -769,8 +770,8 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw
 @dataclass
 class RolloutConfig:
     name: str = opt("native", "generation engine: native (meshppo's paged-KV engine) or hf (plain loop, reference); "
-                              "verl's vllm and sglang are accepted and run the native engine (a start-up note says "
-                              "so): meshppo has no other engine", choices=("native", "hf", *SERVER_ENGINES))
+                              "verl's vllm, sglang and trtllm are accepted and run the native engine (a start-up "
+                              "note says so): meshppo has no other engine", choices=("native", "hf", *SERVER_ENGINES))
     mode: str = opt("sync", "sync: colocated SPMD rollouts; verl's async (its agent-loop servers) is accepted and "
                             "runs the same single-turn rollouts in-process (a start-up note says so)",
                     choices=("sync", "async"))
@@ -873,6 +874,21 @@ class RolloutConfig:
                              unsupported=bool)
     skip_dump_dir: str = opt("/tmp/rollout_dump", "verl: the rollouts' dump of skip_rollout",
                              no_effect=read_only_with("skip_rollout"))
+    repetition_penalty: float = opt(1.0, "not supported: must be 1.0 (verl: vLLM's and SGLang's repetition penalty "
+                                         "in the rollouts' sampling)", unsupported=other_than(1.0))
+    enable_sleep_mode: bool = opt(True, "verl: the engine releases its memory between generations",
+                                  no_effect="meshppo's engine does with free_cache_engine and free_engine_weights")
+    sglang_engine_mode: str = opt("local", "verl: where the SGLang engine runs", no_effect="meshppo runs its own engine "
+                                                                                          "in-process")
+    layer_name_map: dict = opt(default_factory=dict, help="verl: the weight names' map of its Megatron-to-engine "
+                                                          "weight transfer",
+                               no_effect="meshppo's resharder maps its own model's names")
+    limit_images: int | None = opt(None, "verl: the most images a prompt may hold",
+                                   no_effect="meshppo's models take text only")
+    server: dict = opt(default_factory=dict, help="verl: the rollout server's HTTP settings (timeouts, retries)",
+                       no_effect="meshppo's engine runs in-process, behind no server")
+    custom: dict | None = opt(None, "verl: settings for a user's own rollout class", no_effect="meshppo generates with "
+                                                                                             "its own engine")
     mtp: MtpConfig = section(MtpConfig, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
     agent: AgentLoopConfig = section(AgentLoopConfig, "verl's agent loop")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "verl's multi-turn rollouts")
@@ -882,8 +898,14 @@ class RolloutConfig:
 
     @property
     def engine(self) -> str:
-        """The engine that generates: native (also for verl's vllm and sglang) or hf."""
+        """The engine that generates: native (also for verl's vllm, sglang and trtllm) or hf."""
         return "native" if self.name in SERVER_ENGINES else self.name
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether the engine splits long prefills: enable_chunked_prefill is vLLM's option, which verl
+        passes to vLLM only (its SGLang and TensorRT-LLM rollouts chunk as they do by default)."""
+        return self.enable_chunked_prefill or self.name in NOT_VLLM_ENGINES
 
     def decoding_temperature(self, validate: bool = False) -> float:
         """The temperature the training (`validate`: validation) rollouts sample at; 0: greedy.
@@ -1575,6 +1597,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if rollout.name in SERVER_ENGINES:
         notes.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshppo generates with its own engine (native); "
                      f"{rollout.name} is not used, and the rollout options it shares with verl tune meshppo's engine")
+    if rollout.chunked_prefill != rollout.enable_chunked_prefill:
+        notes.append(f"actor_rollout_ref.rollout.enable_chunked_prefill=false has no effect with rollout.name="
+                     f"{rollout.name}: it is vLLM's option, which verl passes to vLLM only; meshppo's engine splits "
+                     "long prefills")
     if rollout.engine != "hf":
         for key, opts, default, validate in (("rollout.do_sample", rollout, True, False),
                                              ("rollout.val_kwargs.do_sample", rollout.val_kwargs, False, True)):
@@ -1895,7 +1921,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         if 0 < value < MIN_TEMPERATURE:
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={value:g}: {TEMPERATURE_BOUND}")
     if rollout.engine == "native":
-        if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < rollout.max_model_len:
+        if not rollout.chunked_prefill and rollout.max_num_batched_tokens < rollout.max_model_len:
             raise ConfigError(f"actor_rollout_ref.rollout.enable_chunked_prefill=false with max_num_batched_tokens="
                               f"{rollout.max_num_batched_tokens} < max_model_len={rollout.max_model_len}: without "
                               "chunked prefill a whole prompt must fit in one step (as vLLM requires); raise "

@@ -392,7 +392,7 @@ def _sequence_parallel(cfg: PPOConfig, ctx: DistContext, models: Models) -> None
 
 # ---------------------------------------------------------------------- generation
 def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
-    """meshppo's engine for `rollout.name=native` (and verl's vllm / sglang; None for the `hf` reference loop)."""
+    """meshppo's engine for `rollout.name=native` (and verl's vllm, sglang, trtllm; None for the `hf` reference loop)."""
     r = cfg.actor_rollout_ref.rollout
     if r.engine != "native":
         return None
@@ -403,7 +403,7 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
         dtype = torch.float32
     ec = EngineConfig(dtype=dtype, block_size=r.block_size, gpu_memory_utilization=r.gpu_memory_utilization,
                       max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                      enable_chunked_prefill=r.enable_chunked_prefill, max_model_len=r.max_model_len,
+                      enable_chunked_prefill=r.chunked_prefill, max_model_len=r.max_model_len,
                       enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
                       free_cache_engine=r.free_cache_engine, quantization=r.quantization,
                       kv_cache_dtype=r.kv_cache_dtype)

@@ -53,7 +53,7 @@ def test_dotted_override_types():
     ("algorithm.kl_ctrl.kl_coeff=0.1", "did you mean 'algorithm.kl_ctrl.kl_coef'"),
     ("trainer.total_training_steps=abc", "trainer.total_training_steps: expected an integer"),
     ("actor_rollout_ref.actor.use_kl_loss=maybe", "expected true or false"),
-    ("actor_rollout_ref.rollout.name=trtllm", "'trtllm' is not one of ['native', 'hf', 'vllm', 'sglang']"),
+    ("actor_rollout_ref.rollout.name=tgi", "'tgi' is not one of ['native', 'hf', 'vllm', 'sglang', 'trtllm']"),
     ("algorithm.adv_estimator=ppo2", "is not one of"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=0", "out of range; allowed: >= 1"),
     ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank: -1 is out of range; allowed: >= 0"),

@@ -398,3 +398,42 @@ def test_more_options_of_a_switch_that_is_off_are_noted():
     assert config_notes(_cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
                              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
                              "actor_rollout_ref.actor.optim.num_cycles=1.0")) == []
+
+
+def test_verls_other_rollout_options_load_and_are_said_or_refused():
+    """Fields of verl's RolloutConfig that its scripts set and meshppo did not know (an unknown-key
+    error): verl's fully-async recipe's +enable_sleep_mode, its server yaml's server section, TensorRT-LLM
+    as the rollout name. Each loads at verl's default without a note; set otherwise it is said to change
+    nothing, or refused where it would change the sampling (repetition_penalty)."""
+    cfg = _cfg(f"{R}.name=trtllm", f"+{R}.enable_sleep_mode=false", f"{R}.sglang_engine_mode=remote",
+               f"{R}.limit_images=2", f"{R}.server={{timeout: 60}}", f"{R}.custom={{x: 1}}", f"{R}.layer_name_map={{a: b}}")
+    validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.engine == "native" and _round_trips(cfg)
+    notes = config_notes(cfg)
+    assert any(n.startswith(f"{R}.name=trtllm: meshppo generates with its own engine (native)") for n in notes), notes
+    for key in ("enable_sleep_mode=false", "sglang_engine_mode=remote", "limit_images=2", "server=", "custom=",
+                "layer_name_map="):
+        assert any(n.startswith(f"{R}.{key}") and "has no effect" in n for n in notes), (key, notes)
+    assert not any("has no effect" in n for n in config_notes(_cfg(f"{R}.repetition_penalty=1.0", f"{R}.custom=null")))
+    with pytest.raises(ConfigError, match=rf"{R}.repetition_penalty=1.1 is not supported by meshppo"):
+        _cfg(f"{R}.repetition_penalty=1.1")
+
+
+def test_chunked_prefill_off_is_vllms_option_only():
+    """verl passes enable_chunked_prefill to vLLM only: its SGLang scripts that set it false with a
+    token budget below the model length run in verl, and were refused here by vLLM's rule. Under
+    sglang / trtllm it changes nothing (a note); under vllm and the native engine the rule stands."""
+
+    small = [f"{R}.enable_chunked_prefill=false", f"{R}.max_num_batched_tokens=8", f"{R}.max_model_len=64"]
+    for name in ("sglang", "trtllm"):
+        cfg = _cfg(f"{R}.name={name}", *small)
+        validate(cfg)
+        assert cfg.actor_rollout_ref.rollout.chunked_prefill
+        assert f"{R}.enable_chunked_prefill=false has no effect with rollout.name={name}" in " ".join(config_notes(cfg))
+    for name in ("vllm", "native"):
+        cfg = _cfg(f"{R}.name={name}", *small)
+        assert not cfg.actor_rollout_ref.rollout.chunked_prefill
+        assert not any("enable_chunked_prefill" in n for n in config_notes(cfg))
+        with pytest.raises(ConfigError, match=rf"{R}.enable_chunked_prefill=false with max_num_batched_tokens=8 < "
+                                              "max_model_len=64"):
+            validate(cfg)
