@@ -738,7 +738,8 @@ class MultiTurnConfig:
 ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
 SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
-NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
+NOT_VLLM_ENGINES = ("sglang", "trtllm")
+VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "tracking")  # verl's engines that read none of vLLM's own options
 
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
                          "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",
@@ -2040,5 +2041,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     profile_plan(cfg)  # npu, or enabled roles that disagree: ConfigError
     check_profiler_ranks(cfg, world_size)
     for name in cfg.trainer.logger:
-        if name not in ("console", "jsonl", "tensorboard", "wandb"):
-            raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")
+        if name in ("console", "jsonl", "tensorboard", "wandb"):
+            continue
+        if name == "file":  # verl's FileLogger: a JSON line per step, as jsonl writes
+            raise ConfigError("trainer.logger: verl's file logger is meshppo's jsonl (metrics.jsonl in the run "
+                              "directory, one JSON line per step): use jsonl")
+        if name in VERL_ONLY_LOGGERS:
+            raise ConfigError(f"trainer.logger: verl's {name} logger is not supported; use console, jsonl, tensorboard "
+                              "or wandb")
+        raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")

@@ -437,3 +437,16 @@ def test_chunked_prefill_off_is_vllms_option_only():
         with pytest.raises(ConfigError, match=rf"{R}.enable_chunked_prefill=false with max_num_batched_tokens=8 < "
                                               "max_model_len=64"):
             validate(cfg)
+
+
+def test_verls_other_loggers_are_named_as_verls():
+    """verl's trainer.logger takes mlflow, swanlab, clearml, trackio and file too: each was 'unknown'; now
+    named as verl's and refused, and verl's file logger (a JSON line per step) pointed at jsonl."""
+    for name in ("mlflow", "swanlab", "clearml", "trackio"):
+        with pytest.raises(ConfigError, match=rf"^trainer.logger: verl's {name} logger is not supported; use console, "
+                                              "jsonl, tensorboard or wandb$"):
+            validate(_cfg(f"trainer.logger=[console,{name}]"))
+    with pytest.raises(ConfigError, match=r"^trainer.logger: verl's file logger is meshppo's jsonl .*: use jsonl$"):
+        validate(_cfg("trainer.logger=[file]"))
+    with pytest.raises(ConfigError, match=r"^trainer.logger: unknown logger 'nope'"):
+        validate(_cfg("trainer.logger=[nope]"))
