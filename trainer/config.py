@@ -1639,6 +1639,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                      "algorithm.rollout_correction.bypass_mode=true: bypass mode runs no old-log-prob pass to compute "
                      "the sums in (as in verl), so no variance_proxy/* metrics either")
     notes += _adapter_notes(arr.model)
+    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode == "auto":
+        notes.append(f"trainer.resume_from_path={cfg.trainer.resume_from_path} is not read with trainer.resume_mode="
+                     "auto (as in verl): the run resumes the newest checkpoint in trainer.default_local_dir, if any; "
+                     "set trainer.resume_mode=resume_path to resume from it")
     keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
     if keep is not None and not cfg.uses_critic:
         notes.append(f"trainer.max_critic_ckpt_to_keep={keep} has no effect: algorithm.adv_estimator="
@@ -2035,9 +2039,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                                   "choose another kl_guard action")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
-        raise ConfigError(f"trainer.resume_from_path is set but trainer.resume_mode={cfg.trainer.resume_mode} does not "
-                          "read it: set trainer.resume_mode=resume_path to resume from it, or drop it")
+    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode == "disable":  # which deletes the run's checkpoints
+        raise ConfigError("trainer.resume_from_path is set but trainer.resume_mode=disable does not read it (and "
+                          "starts the run directory over): set trainer.resume_mode=resume_path to resume from it, or "
+                          "drop it")
     profile_plan(cfg)  # npu, or enabled roles that disagree: ConfigError
     check_profiler_ranks(cfg, world_size)
     for name in cfg.trainer.logger:

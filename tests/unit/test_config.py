@@ -122,8 +122,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["data.val_max_samples=5", "data.seed=null"], "data.val_max_samples=5 with data.shuffle=true and data.seed=null"),
     (["custom_reward_function.reward_kwargs={scale: 2}"], "custom_reward_function.reward_kwargs is set but "
                                                           "custom_reward_function.path is not"),
-    (["trainer.resume_from_path=/x/global_step_5"], "trainer.resume_from_path is set but trainer.resume_mode=auto "
-                                                    "does not read it"),
+    (["trainer.resume_from_path=/x/global_step_5", "trainer.resume_mode=disable"],
+     "trainer.resume_from_path is set but trainer.resume_mode=disable does not read it"),
     # greedy decoding: the n responses of a group are identical, every group advantage is zero
     (["actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0 decodes greedily"),
     (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.do_sample=false"],
@@ -777,3 +777,15 @@ def test_verls_null_spellings_of_data_options_are_accepted():
     assert (cfg.data.sampler.class_path, cfg.data.sampler.class_name) == (None, None)
     assert _cfg("data.apply_chat_template_kwargs={enable_thinking: false}").data.apply_chat_template_kwargs == {
         "enable_thinking": False}
+
+
+def test_resume_from_path_under_auto_is_said_unread_as_verl_ignores_it():
+    """verl's resume_mode=auto resumes the run directory's latest checkpoint and ignores resume_from_path
+    (one of its example scripts sets both); meshppo refused the pair, now it says so at start-up."""
+    from trainer.config import config_notes
+
+    cfg = _cfg("trainer.resume_from_path=/x/global_step_5")
+    validate(cfg)
+    assert "trainer.resume_from_path=/x/global_step_5 is not read with trainer.resume_mode=auto (as in verl)" in \
+        " ".join(config_notes(cfg))
+    assert not any("resume_from_path" in n for n in config_notes(_cfg()))
