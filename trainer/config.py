@@ -1639,6 +1639,12 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                      "algorithm.rollout_correction.bypass_mode=true: bypass mode runs no old-log-prob pass to compute "
                      "the sums in (as in verl), so no variance_proxy/* metrics either")
     notes += _adapter_notes(arr.model)
+    adv = cfg.algorithm.adv_estimator
+    if adv in SINGLETON_ESTIMATORS and rollout.n == 1:
+        notes.append(f"algorithm.adv_estimator={adv} with actor_rollout_ref.rollout.n=1: every group holds one "
+                     "response, whose advantage is its score as it is (as in verl: a group of one has mean 0"
+                     + (" and std 1" if adv.startswith("grpo") else "") + "), with no baseline; set rollout.n >= 2 "
+                     "for the group baseline")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode == "auto":
         notes.append(f"trainer.resume_from_path={cfg.trainer.resume_from_path} is not read with trainer.resume_mode="
                      "auto (as in verl): the run resumes the newest checkpoint in trainer.default_local_dir, if any; "
@@ -1789,6 +1795,8 @@ importance weights (verl's optimal token baseline)."""
 
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
                     "opo", "gpg")
+# group estimators that verl runs at rollout.n=1 (a group of one: GRPO's mean 0 and std 1, RLOO's raw score)
+SINGLETON_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo")  # (verl's rloo_vectorized gives a group of one 0)
 
 
 def described_launch(cfg: PPOConfig) -> tuple[int, int]:
@@ -1835,11 +1843,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("data.train_files is empty: give at least one .jsonl or .parquet file")
     _validate_sequence_parallel(cfg, world_size, per_node)
     adv = cfg.algorithm.adv_estimator
-    if adv in GROUP_ESTIMATORS and n < 2:
+    if adv in GROUP_ESTIMATORS and adv not in SINGLETON_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
     greedy = ("actor_rollout_ref.rollout.temperature=0" if rollout.temperature == 0
               else "actor_rollout_ref.rollout.do_sample=false with rollout.name=hf")
-    if adv in GROUP_ESTIMATORS and rollout.decoding_temperature() == 0:
+    if adv in GROUP_ESTIMATORS and n >= 2 and rollout.decoding_temperature() == 0:
         setting = greedy
         raise ConfigError(f"{setting} decodes greedily: the {n} responses to a prompt are identical, so every "
                           f"{adv} advantage is zero and nothing is learned; sample (temperature > 0) or use "

@@ -107,9 +107,9 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size=3 must divide the FSDP "
                                                                  "shard-group size"),
     (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=48"], "multiple of"),
-    (["actor_rollout_ref.rollout.n=1"], "needs groups"),
     (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo_passk"], "grpo_passk needs groups"),
     (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=opo"], "opo needs groups"),
+    (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=rloo_vectorized"], "rloo_vectorized needs groups"),
     (["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.temperature=0"],
      "every response is remax's greedy baseline itself"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=33", "actor_rollout_ref.rollout.n=2",
@@ -789,3 +789,18 @@ def test_resume_from_path_under_auto_is_said_unread_as_verl_ignores_it():
     assert "trainer.resume_from_path=/x/global_step_5 is not read with trainer.resume_mode=auto (as in verl)" in \
         " ".join(config_notes(cfg))
     assert not any("resume_from_path" in n for n in config_notes(_cfg()))
+
+
+def test_grpo_and_rloo_run_at_one_response_per_prompt_as_in_verl():
+    """verl runs GRPO and RLOO at rollout.n=1 (its tuning scripts for small models do): a group of one has
+    mean 0 (and std 1), so the advantage is the raw score. meshppo refused it as needing groups; now it
+    says so at start-up. The estimators that need a group (pass@k, OPO, ...) are still refused."""
+    from trainer.config import config_notes
+
+    for adv in ("grpo", "grpo_vectorized", "rloo"):
+        cfg = _cfg("actor_rollout_ref.rollout.n=1", f"algorithm.adv_estimator={adv}",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+        validate(cfg)
+        assert any(n.startswith(f"algorithm.adv_estimator={adv} with actor_rollout_ref.rollout.n=1: every group holds "
+                                "one response, whose advantage is its score as it is") for n in config_notes(cfg))
+    assert not any("rollout.n=1" in n for n in config_notes(_cfg()))
