@@ -173,7 +173,12 @@ def profiling_notes(cfg) -> list[str]:
     roles = _roles(cfg)
     enabled = [k for k, p, _ in roles if p.enable and p.tool is not None]
     tool = gp.tool or next((p.tool for _, p, _ in roles if p.enable and p.tool), None)
-    if tool is not None and not enabled:
+    if tool == "torch_memory" and not enabled:  # verl dumps a snapshot after every step, enabled or not
+        notes.append("global_profiler.tool=torch_memory: no role's profiler.enable is true, so nothing is recorded "
+                     "(verl dumps the actor's memory snapshot after every step whatever enable says; meshppo records "
+                     "the steps listed in global_profiler.steps for the roles enabled: set e.g. "
+                     "actor_rollout_ref.actor.profiler.enable=true)")
+    elif tool is not None and not enabled:
         notes.append(f"global_profiler.tool={tool}: no role's profiler.enable is true, nothing is profiled (as in "
                      "verl: set e.g. actor_rollout_ref.actor.profiler.enable=true)")
     elif enabled and not gp.steps:

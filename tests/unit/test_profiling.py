@@ -56,6 +56,11 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
     cfg = _cfg("global_profiler.tool=torch", "global_profiler.steps=[1]")
     assert profile_plan(cfg) is None
     assert any("no role's profiler.enable is true, nothing is profiled" in n for n in config_notes(cfg))
+    # torch_memory: verl dumps a snapshot after every step whatever enable says; the note says meshppo does not
+    cfg = _cfg("global_profiler.tool=torch_memory", "global_profiler.save_path=./mem")
+    assert profile_plan(cfg) is None
+    assert any(n.startswith("global_profiler.tool=torch_memory: no role's profiler.enable is true, so nothing is "
+                            "recorded (verl dumps the actor's memory snapshot after every step") for n in config_notes(cfg))
     for steps in ("null", "[]"):
         cfg = _cfg("global_profiler.tool=torch", f"global_profiler.steps={steps}", f"{ACTOR}.enable=true")
         assert profile_plan(cfg) is None
