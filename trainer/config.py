@@ -1208,10 +1208,6 @@ class RolloutCorrectionConfig:
                                                                              self.rollout_rs_threshold)
         if self.loss_type != "ppo_clip" and not self.bypass_mode:
             raise ValueError(f"loss_type={self.loss_type} applies to bypass mode only: set bypass_mode=true")
-        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
-            raise ValueError(f"rollout_is={self.rollout_is} with bypass_mode and loss_type=ppo_clip: the PPO ratio "
-                             "pi_theta / pi_rollout already is the importance weight; set rollout_is=null or "
-                             "loss_type=reinforce")
 
 
 FILTER_GROUP_SEQUENCE_METRICS = ("seq_reward", "seq_final_reward", "score")
@@ -1634,6 +1630,11 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append("actor_rollout_ref.actor.fsdp_config.param_offload=true frees nothing with "
                          f"rollout.name={rollout.name}: the actor generates, so its parameters stay on the device "
                          "(optimizer_offload still moves the optimizer states out during generation)")
+    if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
+        notes.append(f"algorithm.rollout_correction.rollout_is={rc.rollout_is} with bypass_mode=true and loss_type="
+                     "ppo_clip: the weights are computed for their rollout_corr/* metrics only (as in verl): the "
+                     "PPO ratio pi_theta / pi_rollout already is the importance weight (loss_type=reinforce applies "
+                     "them)")
     if arr.actor.calculate_sum_pi_squared and rc.bypass_mode:
         notes.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true has no effect with "
                      "algorithm.rollout_correction.bypass_mode=true: bypass mode runs no old-log-prob pass to compute "

@@ -472,6 +472,8 @@ class Actor(TrainableRole):
                     normalize, comm.all_reduce)
                 pg_mask = m_mask if keep is None else keep
                 means.update(corr)
+                if rc.loss_type == "ppo_clip":  # its ratio pi_theta / pi_rollout is the IS weight: the weights
+                    weights = None              # give metrics only (as in verl)
             else:
                 weights = sub.rollout_is_weights
             if from_update and k == 0:

@@ -57,11 +57,14 @@ def _train_body(rank, world_size, assets, run_root, case):
 
     ctx = init_distributed("cpu")
     runs = {}
-    for mode in ("recompute", "bypass"):
-        extra = ["algorithm.rollout_correction.bypass_mode=true"] if mode == "bypass" else []
+    for mode in ("recompute", "bypass", "bypass_is"):
+        extra = {"recompute": [], "bypass": ["algorithm.rollout_correction.bypass_mode=true"],
+                 # verl's ppo_clip in bypass mode computes rollout_is's weights for their metrics only
+                 "bypass_is": ["algorithm.rollout_correction.bypass_mode=true",
+                               "algorithm.rollout_correction.rollout_is=token"]}[mode]
         trainer = PPOTrainer(_config(assets, run_root, f"{case}_{mode}", *CASES[case], *extra), ctx)
         start = _shards(trainer)
-        if mode == "bypass":
+        if mode != "recompute":
             def no_recompute(*args, **kwargs):
                 raise AssertionError("bypass mode ran the old-log-prob pass")
             trainer.actor.log_probs = no_recompute
@@ -80,6 +83,12 @@ def _train_body(rank, world_size, assets, run_root, case):
     kl_key = "actor/reward_kl_penalty" if case == "rloo_kl_in_reward" else "actor/ref_kl"
     assert plain[1][kl_key] > 1e-4, plain[1][kl_key]
     assert plain[0]["rollout/logprob_diff"] < 1e-6 and bypass[0]["rollout_corr/kl"] == pytest.approx(0, abs=1e-6)
+    # the weights of ppo_clip's bypass mode are metrics only: the same update, bit for bit, and their metrics
+    weighted, weighted_params = runs["bypass_is"]
+    assert all(torch.equal(bypass_params[k], weighted_params[k]) for k in bypass_params)
+    assert [m["actor/pg_loss"] for m in weighted] == [m["actor/pg_loss"] for m in bypass]
+    assert all(m["rollout_corr/rollout_is_mean"] > 0 for m in weighted)
+    assert not any("rollout_corr/rollout_is_mean" in m for m in bypass)
 
 
 def _logprob_body(rank, world_size, assets, run_root):

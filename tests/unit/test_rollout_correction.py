@@ -266,11 +266,23 @@ def test_batch_normalize_without_weights_is_a_start_up_note():
         .rollout_is_batch_normalize
 
 
+def test_weights_in_bypass_ppo_clip_are_for_metrics_only_as_in_verl():
+    """verl computes rollout_is's weights in bypass mode with loss_type=ppo_clip for their metrics only
+    (its rollout-correction example sets them "for metrics"); meshppo refused the pair. Now a note says
+    so; the update (tests/e2e/test_rollout_correction_trainer.py) applies none of them."""
+    from trainer.config import config_notes
+
+    note = ("algorithm.rollout_correction.rollout_is=sequence with bypass_mode=true and loss_type=ppo_clip: the "
+            "weights are computed for their rollout_corr/* metrics only (as in verl)")
+    assert any(n.startswith(note) for n in config_notes(_load("bypass_mode=true", "rollout_is=sequence")))
+    assert not any(n.startswith(note[:60]) for n in config_notes(_load("bypass_mode=true", "rollout_is=sequence",
+                                                                       "loss_type=reinforce")))
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout_is=tokens"], "rollout_is: 'tokens' is not one of"),
     (["loss_type=reinforce"], "bypass mode only"),
     (["loss_type=vanilla"], "not one of"),
-    (["bypass_mode=true", "rollout_is=sequence"], "already is the importance weight"),
     (["rollout_rs_threshold=2.0"], "needs rollout_rs"),
     (["rollout_rs=token_k1"], "needs rollout_rs_threshold"),
     (["rollout_rs=geometric", "rollout_rs_threshold=2.0"], "unknown option 'geometric'"),
