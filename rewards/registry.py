@@ -107,26 +107,26 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
         raise RewardError(f"{name!r} in {where} is a {type(fn).__name__}, not a function")
     reward_kwargs = dict(reward_kwargs or {})
     _check_signature(fn, f"{name!r} in {where}", args, [*keywords, *(k for k in reward_kwargs if k not in keywords)])
-    if inspect.iscoroutinefunction(fn):
-        fn = _awaited(fn)
-    if not reward_kwargs:
-        return fn
+    if reward_kwargs:
+        plain = fn
 
-    @functools.wraps(fn)
-    def with_kwargs(*call_args, **kwargs):
-        return fn(*call_args, **{**kwargs, **reward_kwargs})
-
-    return with_kwargs
+        @functools.wraps(plain)
+        def fn(*call_args, **kwargs):
+            return plain(*call_args, **{**kwargs, **reward_kwargs})
+    return _awaited(fn) if inspect.iscoroutinefunction(inspect.unwrap(fn)) else fn
 
 
 def _awaited(fn: Callable[..., Any]) -> RewardFn:
-    """An `async def` reward function as a plain one: each call runs the coroutine to its end on a
-    fresh event loop (verl's reward loop awaits such functions)."""
+    """An `async def` reward function as a plain one: a call runs the coroutine to its end on a
+    fresh event loop. `score_responses` awaits a batch's calls together instead (`coroutine`), as
+    verl's reward loop gathers them: a function that waits on a judge or a sandbox waits once per
+    batch, not once per response."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return asyncio.run(fn(*args, **kwargs))
 
+    run.coroutine = fn
     return run
 
 
@@ -326,10 +326,21 @@ def score_responses(
                   extra_infos=extra_infos)
     name, path = describe_fn(fn)
     results = ResultCollector(name, data_sources, plain_key)
-    for i in range(n):
+    calls = [dict(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
+                  extra_info=row_extra_info(extra_infos[i], num_turns)) for i in range(n)]
+    coroutine = getattr(fn, "coroutine", None)
+    if coroutine is not None:  # an async function: every call awaited together, results in order
+        async def every_call():
+            return await asyncio.gather(*(coroutine(**call) for call in calls), return_exceptions=True)
+        outcomes = asyncio.run(every_call())
+    for i, call in enumerate(calls):
         try:
-            result = fn(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
-                        extra_info=row_extra_info(extra_infos[i], num_turns))
+            if coroutine is None:
+                result = fn(**call)
+            elif isinstance(outcomes[i], BaseException):
+                raise outcomes[i]
+            else:
+                result = outcomes[i]
         except Exception as err:
             raise RewardError(call_failure(name, results.where(i), err, path)) from err
         results.add(result)
