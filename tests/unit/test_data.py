@@ -952,3 +952,19 @@ def test_decode_batch_gives_batch_decode_strings(kind, tokenizer_dir):
         assert tok.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True) != tok.batch_decode(
             seqs, skip_special_tokens=True)
     assert decode_batch(tok, [], skip_special_tokens=True) == []
+
+
+def test_prompts_are_tokenized_in_chunks_with_the_same_ids(tmp_path, tokenizer, monkeypatch):
+    """A dataset's prompts are tokenized TOKENIZE_CHUNK at a time (100k prompts' encodings at once held
+    2 GB more after the build): chunks of 3 over 8 rows, chat and plain prompts mixed, give every row the
+    ids a single call gives, in the rows' order."""
+    import data.dataset as dataset_module
+
+    rows = [_chat_row(f"{i}+{i}=") if i % 3 else {"prompt": f"plain {i}", "reward_model": {"ground_truth": "1"},
+                                                  "data_source": "meshppo/demo_add"} for i in range(8)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = [item["input_ids"] for item in RLHFDataset(str(path), tokenizer, max_prompt_length=64)]
+    monkeypatch.setattr(dataset_module, "TOKENIZE_CHUNK", 3)
+    chunked = [item["input_ids"] for item in RLHFDataset(str(path), tokenizer, max_prompt_length=64)]
+    assert chunked == whole and len(set(map(tuple, whole))) == 8
