@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import glob
 import json
@@ -62,6 +63,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
@@ -277,11 +279,17 @@ def _one_line(error: BaseException) -> str:
     return f"{type(first).__name__}: " + (str(first).strip().splitlines() or [""])[0]
 
 
-def _on_every_rank(what: str, fn: Callable[[], object] | None) -> None:
+# what a write raises when the disk is full (or a quota, permissions, a vanished directory): the OS's
+# error, DCP's collection of its writers' errors, safetensors' own (not an OSError) from the Hugging
+# Face export and the peft adapter
+WRITE_ERRORS = (OSError, dcp.CheckpointException, SafetensorError)
+
+
+def agreed_write(what: str, fn: Callable[[], object] | None) -> None:
     """`sharding.comm.on_every_rank` for the writes of a checkpoint or an export: a write error on
     any rank (one inside `sharding.checkpoint.save_checkpoint` too) is `WriteFailed` on every rank."""
     try:
-        comm.on_every_rank(fn, (OSError, dcp.CheckpointException))
+        comm.on_every_rank(fn, WRITE_ERRORS)
     except comm.RankFailed as e:
         raise WriteFailed(what, e.error, e.rank) from None
 
@@ -295,10 +303,14 @@ def _flushed(f) -> None:
 
 
 def _synced_dir(path: str) -> None:
-    """The renames in directory `path` on the disk (POSIX: a rename is durable once its directory is synced)."""
+    """The renames in directory `path` on the disk (POSIX: a rename is durable once its directory is
+    synced), where the file system syncs directories (some network mounts refuse: nothing to do)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -404,7 +416,7 @@ class CheckpointManager:
     def save(self, step: int) -> str:
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
         try:
-            _on_every_rank("writing", lambda: self._write(step, tmp))
+            agreed_write("writing", lambda: self._write(step, tmp))
         except WriteFailed as e:
             # a full disk, a quota, a directory gone, on any rank: one line on every rank, the
             # partial directory removed, the earlier checkpoints as they were
@@ -412,7 +424,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise self._failure(f"writing the checkpoint of step {step} into {tmp}", e) from None
         try:
-            _on_every_rank("publishing", functools.partial(self._publish, step, final, tmp) if self.is_main else None)
+            agreed_write("publishing", functools.partial(self._publish, step, final, tmp) if self.is_main else None)
         except WriteFailed as e:
             raise self._failure(f"putting the checkpoint of step {step} in place ({final})", e) from None
         self.saved_step = step
@@ -451,7 +463,7 @@ class CheckpointManager:
         def prepare():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng") if rng else tmp, exist_ok=True)
-        _on_every_rank("creating the directory", prepare if self.is_main else None)
+        agreed_write("creating the directory", prepare if self.is_main else None)
         contents = {}
         for k, (name, (model, optimizer)) in enumerate(self.models.items()):
             items = self.contents(name, "save_contents")
@@ -463,7 +475,7 @@ class CheckpointManager:
                     # verl's global_step_K/actor/lora_adapter/: the adapters alone as a peft directory,
                     # a next stage's lora_adapter_path
                     adapters = gather_full_state_dict(model, trainable_only=True)
-                    _on_every_rank("writing the LoRA adapter", functools.partial(
+                    agreed_write("writing the LoRA adapter", functools.partial(
                         save_peft_adapter, os.path.join(tmp, name, ADAPTER_DIR), adapters, lora, self.base_model)
                         if self.is_main else None)
             if k == 0:
@@ -635,7 +647,7 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
             with open(os.path.join(self.root, LAUNCH_MARKER), "w") as f:
                 f.write(launch)
-        _on_every_rank(f"marking {self.root} as this launch's", mark if self.is_main and launch else None)
+        agreed_write(f"marking {self.root} as this launch's", mark if self.is_main and launch else None)
 
     def _first_start(self, resume_mode: str, resume_from_path: str | None) -> str | None:
         """`maybe_resume` at the launch's first start (or a restart with no checkpoint of its own)."""
@@ -645,7 +657,7 @@ class CheckpointManager:
                 self.log(f"trainer.resume_mode=disable: deleting the earlier run's checkpoints in {self.root}")
                 shutil.rmtree(self.root)
             earlier = self.is_main and os.path.isdir(self.root) and os.listdir(self.root)
-            _on_every_rank(f"deleting the earlier run's checkpoints in {self.root}", delete if earlier else None)
+            agreed_write(f"deleting the earlier run's checkpoints in {self.root}", delete if earlier else None)
             return None
         if resume_mode == "resume_path":
             if not os.path.isdir(resume_from_path):
@@ -711,7 +723,7 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
         _replace_dir(out_dir, write)
         if adapters is not None and adapter_dir is not None:  # after the model: it may live inside out_dir
             _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
-    _on_every_rank(f"writing the Hugging Face model to {out_dir}", write_all if is_main else None)
+    agreed_write(f"writing the Hugging Face model to {out_dir}", write_all if is_main else None)
 
 
 def _replace_dir(out_dir: str, write) -> None:

@@ -738,8 +738,8 @@ class MultiTurnConfig:
 ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
 SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
-NOT_VLLM_ENGINES = ("sglang", "trtllm")
-VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "tracking")  # verl's engines that read none of vLLM's own options
+NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
+VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")  # verl's other trainer.logger backends
 
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
                          "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",
@@ -1302,9 +1302,9 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (null or 0: all, as in verl)",
                                              ge=0)
     max_critic_ckpt_to_keep: int | None = opt(None, "critic checkpoints to keep: meshppo saves the critic in the "
-                                                    "actor's checkpoints and rotates them together, so null (0 is "
-                                                    "null, as in verl) or max_actor_ckpt_to_keep (checked with a "
-                                                    "critic)", ge=0)
+                                                    "actor's checkpoints and rotates them together, so null or 0 "
+                                                    "(verl: keep every critic checkpoint; here the actor's count) or "
+                                                    "max_actor_ckpt_to_keep (checked with a critic)", ge=0)
     log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
                                       "(sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
@@ -2057,6 +2057,8 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     for name in cfg.trainer.logger:
         if name in ("console", "jsonl", "tensorboard", "wandb"):
             continue
+        if name == "tracking":
+            raise ConfigError("trainer.logger: tracking is verl's deprecated name of wandb: use wandb")
         if name == "file":  # verl's FileLogger: a JSON line per step, as jsonl writes
             raise ConfigError("trainer.logger: verl's file logger is meshppo's jsonl (metrics.jsonl in the run "
                               "directory, one JSON line per step): use jsonl")

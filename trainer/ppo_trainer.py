@@ -34,7 +34,7 @@ from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
-from trainer.checkpointing import CheckpointManager, export_hf, rng_set_aside
+from trainer.checkpointing import CheckpointManager, agreed_write, export_hf, rng_set_aside
 from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
                             paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
@@ -941,7 +941,7 @@ class PPOTrainer:
         upd = metrics.get("timing_s/update_actor")
         if peak and upd and run_tokens:
             flops = self.models.actor_args.flops(run_tokens, run_heads, run_pairs, backward=True,
-                                                 lora=self.cfg.actor_rollout_ref.model.lora)
+                                                 lora=getattr(self.models.actor, "lora_config", None))
             out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
         return out
 
@@ -1032,16 +1032,16 @@ class PPOTrainer:
         (`hf_actor/`, `lora_adapter/`) go with its checkpoints, so that none is taken for this run's;
         except one that this run reads (a model, adapter or tokenizer of a second stage trained
         from the first's export), which is kept, with a line that says so."""
-        if not self.ctx.is_main:
-            return
-        for d in (Path(self.run_dir, name).resolve() for name in (HF_EXPORT, ADAPTER_EXPORT)):
-            if not d.is_dir():
-                continue
-            if paths_read_under(self.cfg, d):
-                self.log(f"trainer.resume_mode=disable: keeping the earlier run's export {d}: this run reads it")
-            else:
-                self.log(f"trainer.resume_mode=disable: deleting the earlier run's export {d}")
-                shutil.rmtree(d)
+        def delete():
+            for d in (Path(self.run_dir, name).resolve() for name in (HF_EXPORT, ADAPTER_EXPORT)):
+                if not d.is_dir():
+                    continue
+                if paths_read_under(self.cfg, d):
+                    self.log(f"trainer.resume_mode=disable: keeping the earlier run's export {d}: this run reads it")
+                else:
+                    self.log(f"trainer.resume_mode=disable: deleting the earlier run's export {d}")
+                    shutil.rmtree(d)
+        agreed_write(f"deleting the earlier run's exports in {self.run_dir}", delete if self.ctx.is_main else None)
 
     def _apply_guard(self, metrics: dict) -> None:
         # actor/ref_kl (low_var_kl, clamped per token: `KLGuardConfig` refuses thresholds it cannot
@@ -1143,26 +1143,27 @@ class PPOTrainer:
                     self.tracking.log(metrics, step=self.global_step)  # the step that stopped the run, logged
                     raise
                 last = self.global_step >= self.total_steps
-                # The checkpoint comes before the validation, so that a validation that fails (its own data,
-                # reward, memory) loses no training; a signal skips the validation (the resumed run does not
-                # repeat the step), the last step's excepted; a signal during the validation is acted on after it.
+                # The checkpoint and the step's metrics come before the validation, so that a validation that
+                # fails (its own data, reward, memory) or a process killed during it loses no training; the
+                # validation's metrics are a row of their own at the same step. A signal skips the validation
+                # (the resumed run does not repeat the step), the last step's excepted; a signal during the
+                # validation is acted on after it.
                 stop = self._agreed_stop_signal()
                 due = t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                     self._save_checkpoint(metrics)
+                self.tracking.log(metrics, step=self.global_step)
                 if due and (last or not stop):
-                    try:
-                        metrics.update(self._validate_apart())
-                    except BaseException:
-                        self.tracking.log(metrics, step=self.global_step)  # the step's training metrics, kept
-                        raise
-                    stop = stop or self._agreed_stop_signal()
+                    validation = self._validate_apart()
+                    validation.update({k: metrics[k] for k in ("training/global_step", "training/epoch")})
+                    if not stop and self._agreed_stop_signal():  # a signal during the validation
+                        stop = True
+                        if self.ckpt.saved_step != self.global_step:
+                            self._save_checkpoint(validation)
+                    self.tracking.log(validation, step=self.global_step)
                 elif due:
                     self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
                              "checkpoint written first")
-                if stop and self.ckpt.saved_step != self.global_step:  # a signal during the validation
-                    self._save_checkpoint(metrics)
-                self.tracking.log(metrics, step=self.global_step)
                 if stop:
                     self.log(f"received signal {self._stop_signal or 'on another rank'}: checkpoint written at step "
                              f"{self.global_step}, exiting")

@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import shutil
+import stat
 
 import pytest
 import torch
@@ -25,6 +26,11 @@ BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.
 LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                  "    return {'score': float(len(solution_str)), 'has_digit': float(any(c.isdigit() for c in "
                  "solution_str))}\n")
+
+
+def _full_device() -> bool:
+    """/dev/full is the character device whose every write fails with ENOSPC (on some hosts a plain file)."""
+    return os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
 def _main(assets, run, capsys, *extra):
@@ -71,7 +77,8 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
     assert "trainer.default_local_dir" in err and "trainer.resume_mode=disable" in err
     # nothing of the refused run was kept
     assert (run / "checkpoints" / "global_step_2" / "trainer_state.json").read_text() == before
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]  # validation before step 1 and with step 2
+    # validation before step 1, step 2's row and its validation's
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2]
     assert "adv_estimator: grpo" in (run / "config.yaml").read_text()
 
     # more steps, another logger and smaller micro-batches: the same run, continued
@@ -79,9 +86,11 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
     assert code == 0, err
     assert "resumed from" in err and "(resumed at step 2)" in err
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2, 3]
     # verl's training/global_step and training/epoch on every step (64 prompts: 4 steps an epoch)
-    assert [(r["training/global_step"], r["training/epoch"]) for r in read_metrics(run)[1:]] == [(1, 0), (2, 0), (3, 0)]
+    # (the validation's row too)
+    assert [(r["training/global_step"], r["training/epoch"]) for r in read_metrics(run)[1:]] == [(1, 0), (2, 0), (2, 0),
+                                                                                                  (3, 0)]
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
     assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64}
 
@@ -123,7 +132,7 @@ def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run
     assert code == 1
     assert f"meshppo: error (rank 0): RNG state file '{rng}' was refused" in err and "could run code" in err
     assert not os.path.exists(marker)
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2]
     # the actor's sharded checkpoint: its DCP metadata is a pickle too
     shutil.copy(two_step_run / "base" / "run" / "checkpoints" / "global_step_2" / "rng" / "rank_0.pt", rng)
     actor = run / "checkpoints" / "global_step_2" / "actor"
@@ -133,7 +142,7 @@ def test_a_checkpoint_with_a_crafted_pickle_is_refused(tiny_assets, two_step_run
     assert (f"meshppo: error (rank 0): checkpoint '{actor}' holds a pickle (.metadata) that would call posix.mkdir: "
             "refusing to load it") in err
     assert not os.path.exists(marker)
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2]
 
 
 def test_the_first_step_after_a_resume_trains_at_the_new_schedules_lr(tiny_assets, tmp_path, capsys):
@@ -178,11 +187,11 @@ def test_a_corrupt_checkpoint_file_is_one_line_before_any_state_changes(tiny_ass
     code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
     assert code == 1 and "Traceback" not in err, err
     assert f"meshppo: error (rank 0): checkpoint file '{state_file}' is not a meshppo trainer state" in err
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2]
     state_file.write_text(json.dumps(state))
     code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3")
     assert code == 0, err
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 2, 3]
 
 
 def test_a_model_whose_config_does_not_match_its_weights_is_one_line(tiny_assets, tmp_path, capsys):
@@ -283,13 +292,15 @@ def test_validation_timings_are_named_as_validation(two_step_run):
     """Validation regenerates (reshard, generation): its phases are logged as timing_s/val_*, so on a
     step that validates, timing_s/reshard and the like stay the step's own."""
     rows = read_metrics(two_step_run / "base" / "run")
-    val_only, last = rows[0], rows[-1]
+    val_only, last, last_val = rows[0], rows[-2], rows[-1]
     assert val_only["step"] == 0 and "actor/pg_loss" not in val_only
     timings = {k for k in val_only if k.startswith("timing_s/")}
     assert "timing_s/testing" in timings and "timing_s/val_reshard" in timings, timings
     assert all(k == "timing_s/testing" or k.startswith("timing_s/val_") for k in timings), timings
-    # the validating step 2 carries both: the step's reshard and validation's
-    assert {"timing_s/reshard", "timing_s/val_reshard", "timing_s/step"} <= set(last), sorted(last)
+    # the validating step 2: the step's row has its reshard, its validation's row validation's
+    assert last["step"] == last_val["step"] == 2
+    assert {"timing_s/reshard", "timing_s/step"} <= set(last) and "timing_s/val_reshard" not in last, sorted(last)
+    assert {"timing_s/testing", "timing_s/val_reshard"} <= set(last_val) and "timing_s/step" not in last_val
 
 
 def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tiny_assets, two_step_run, capsys):
@@ -376,15 +387,15 @@ def test_a_signal_writes_the_checkpoint_before_a_validation(tiny_assets, tmp_pat
                       f"data.val_files=[{tiny_assets}/val.jsonl]")
     assert code == 0, err
     assert validated == [1] and "step 2's validation skipped, the checkpoint written first" in err
-    assert [row["step"] for row in read_metrics(run)] == [1, 2]
-    assert not any(k.startswith("val") for k in read_metrics(run)[1])
+    assert [row["step"] for row in read_metrics(run)] == [1, 1, 2]  # step 1's row and its validation's
+    assert not any(k.startswith("val") for k in read_metrics(run)[2])
     assert os.path.isfile(run / "checkpoints" / "global_step_2" / "trainer_state.json")
 
 
 def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path, capsys, monkeypatch):
     """A signal that arrives during a validation is acted on after it (it waited for the next step's
     rollout); one at the last step writes the checkpoint and then runs the last validation (skipped, it
-    was lost for good: the resumed run has nothing to train), logged in the step's row."""
+    was lost for good: the resumed run has nothing to train), logged in a row of its own after the step's."""
     from trainer.ppo_trainer import PPOTrainer
 
     calls = []
@@ -401,7 +412,9 @@ def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path
     code, err = _main(tiny_assets, run, capsys, "trainer.total_training_steps=3", "trainer.test_freq=1",
                       f"data.val_files=[{tiny_assets}/val.jsonl]")
     assert code == 0, err
-    assert calls == [(1, False)] and [row["step"] for row in read_metrics(run)] == [1]
+    rows = read_metrics(run)  # the step's row, then its validation's, whose checkpoint time is in it
+    assert calls == [(1, False)] and [row["step"] for row in rows] == [1, 1]
+    assert any(k.startswith("val") for k in rows[1]) and rows[1]["timing_s/save_checkpoint"] > 0
     assert os.path.isfile(run / "checkpoints" / "global_step_1" / "trainer_state.json")
     # at the last step (2): the checkpoint first, then the validation, logged at that step
     calls.clear()
@@ -412,11 +425,11 @@ def test_a_signal_during_a_validation_and_at_the_last_step(tiny_assets, tmp_path
     assert code == 0, err
     assert calls == [(1, False), (2, True)]
     rows = read_metrics(run)
-    assert [row["step"] for row in rows] == [1, 2] and any(k.startswith("val") for k in rows[1])
-    assert "actor/pg_loss" in rows[1] and rows[1]["timing_s/save_checkpoint"] > 0
+    assert [row["step"] for row in rows] == [1, 1, 2, 2] and any(k.startswith("val") for k in rows[3])
+    assert "actor/pg_loss" in rows[2] and rows[2]["timing_s/save_checkpoint"] > 0
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.skipif(not _full_device(), reason="needs /dev/full, the full-disk device (Linux)")
 def test_a_full_disk_under_the_metrics_keeps_the_checkpoint_and_says_one_line(tiny_assets, tmp_path, capsys):
     """The metrics row was written before the step's checkpoint, and its OSError was a traceback: a full
     disk at step 1 left no checkpoint. The checkpoint is now written first, and the error is one line

@@ -19,6 +19,12 @@ def _full(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
+def _safetensors_full(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+
 def _body(rank, world, root):
     import trainer.checkpointing as checkpointing
     from sharding import comm
@@ -41,18 +47,25 @@ def _body(rank, world, root):
         if rank == 0:
             checkpointing.json = type("FullDisk", (), {"dump": staticmethod(_full)})
 
+    def fail_safetensors_on_rank_0():  # safetensors' own error (the Hugging Face export, the adapter): no OSError
+        if rank == 0:
+            checkpointing.json = type("FullDisk", (), {"dump": staticmethod(_safetensors_full)})
+
     def fail_pointer_on_rank_0():  # the pointer's temporary name taken by a directory
         if rank == 0:
             os.makedirs(pointer_tmp)
 
+    full = r"OSError: \[Errno 28\] No space left on device"
     rng_state, json_module = checkpointing._rng_state, checkpointing.json
-    for step, (fail, failed_rank, what) in enumerate([
-            (fail_rng_on_rank_1, 1, r"writing the checkpoint of step 2 into .*global_step_2\.tmp"),
-            (fail_state_on_rank_0, 0, r"writing the checkpoint of step 3 into .*global_step_3\.tmp"),
-            (fail_pointer_on_rank_0, 0, r"putting the checkpoint of step 4 in place \(.*global_step_4\)")], start=2):
+    for step, (fail, failed_rank, what, cause) in enumerate([
+            (fail_rng_on_rank_1, 1, r"writing the checkpoint of step 2 into .*global_step_2\.tmp", full),
+            (fail_state_on_rank_0, 0, r"writing the checkpoint of step 3 into .*global_step_3\.tmp", full),
+            (fail_safetensors_on_rank_0, 0, r"writing the checkpoint of step 4 into .*global_step_4\.tmp",
+             r"SafetensorError: Error while serializing: I/O error"),
+            (fail_pointer_on_rank_0, 0, r"putting the checkpoint of step 5 in place \(.*global_step_5\)",
+             "IsADirectoryError: ")], start=2):
         fail()
         counter.step = step
-        cause = r"OSError: \[Errno 28\] No space left on device" if step < 4 else "IsADirectoryError: "
         own = cause if rank == failed_rank else rf"on rank {failed_rank}, whose log says why"
         with pytest.raises(UserError, match=rf"{what} failed \({own}.*\); the last complete checkpoint is "
                                             rf".*global_step_1; free space in"):
@@ -67,8 +80,8 @@ def _body(rank, world, root):
     if rank == 0:
         os.rmdir(pointer_tmp)
     comm.all_reduce_values([1.0], "sum")
-    counter.step = 5  # the disk has room again: the next save succeeds
-    assert manager.save(5) == manager.step_dir(5) and manager.latest() == manager.step_dir(5)
+    counter.step = 6  # the disk has room again: the next save succeeds
+    assert manager.save(6) == manager.step_dir(6) and manager.latest() == manager.step_dir(6)
 
 
 def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
@@ -107,3 +120,37 @@ def _sharded_body(rank, world, root):
 
 def test_a_shard_directory_write_failing_on_rank_0_fails_on_every_rank(tmp_path):
     run_distributed(_sharded_body, 2, str(tmp_path), timeout=120)
+
+
+def _exports_body(rank, world, run_dir):
+    """resume_mode=disable's deletion of the earlier run's exports (rank 0 alone deletes) is agreed too."""
+    import shutil
+    from types import SimpleNamespace
+
+    import trainer.ppo_trainer as ppo_trainer
+    from trainer.config import PPOConfig
+    from trainer.errors import UserError
+
+    if rank == 0:
+        os.makedirs(os.path.join(run_dir, "hf_actor"))
+    fake = SimpleNamespace(ctx=SimpleNamespace(is_main=rank == 0), run_dir=run_dir, cfg=PPOConfig(),
+                           log=lambda s: None)
+    real = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    ppo_trainer.shutil.rmtree = refuse
+    try:
+        with pytest.raises(UserError, match=r"deleting the earlier run's exports in .* failed \("
+                                            + ("PermissionError: \\[Errno 13\\] Permission denied: '.*hf_actor'"
+                                               if rank == 0 else "on rank 0, whose log says why") + r"\)"):
+            ppo_trainer.PPOTrainer._delete_earlier_exports(fake)
+    finally:
+        ppo_trainer.shutil.rmtree = real
+    ppo_trainer.PPOTrainer._delete_earlier_exports(fake)
+    assert not os.path.exists(os.path.join(run_dir, "hf_actor"))
+
+
+def test_deleting_the_earlier_exports_fails_on_every_rank(tmp_path):
+    run_distributed(_exports_body, 2, str(tmp_path), timeout=120)

@@ -5,6 +5,7 @@ import dataclasses
 import glob
 import json
 import os
+import stat
 import sys
 import time
 from types import SimpleNamespace
@@ -225,7 +226,8 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     assert config["algorithm"] == {"adv_estimator": "grpo"}
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.skipif(not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)),
+                    reason="needs /dev/full, the full-disk device (Linux)")
 def test_a_full_disk_under_the_metrics_or_a_dump_is_a_user_error_naming_the_file(tmp_path):
     """A full disk (a quota, permissions) under metrics.jsonl or a generation dump was an OSError: a
     traceback on rank 0 that names neither the file nor the option. Now one UserError names the file."""

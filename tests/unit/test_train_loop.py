@@ -127,14 +127,15 @@ def test_logged_validation_samples_spread_over_the_prompts():
 
 def test_a_due_checkpoint_is_written_before_the_validation_and_survives_its_failure():
     """A validation can fail where training does not (its own data and reward, a larger val_kwargs.n
-    out of memory). It ran before the checkpoint and the metrics row: with save_freq -1 a failed last
-    validation lost the whole run, and any failure the step's metrics. The checkpoint is now written
-    first (timed as verl's timing_s/save_checkpoint) and the step's training metrics are logged when
-    the validation fails."""
+    out of memory) or be killed (a watchdog, the OOM killer). It ran before the checkpoint and the
+    metrics row: with save_freq -1 a failed last validation lost the whole run, and any failure the
+    step's metrics. The checkpoint (timed as verl's timing_s/save_checkpoint) and the step's training
+    row now come first, and the validation's metrics are a row of their own at the same step."""
 
     class Broken(FakeTrainer):
         def validate(self):
             assert self.saved[-1:] == [self.global_step], "validated before the checkpoint"
+            assert self.logged[-1][0] == self.global_step, "validated before the step's row was logged"
             if self.global_step == 2:
                 raise RuntimeError("reward of the validation data failed")
             return dict(VAL)
@@ -144,17 +145,20 @@ def test_a_due_checkpoint_is_written_before_the_validation_and_survives_its_fail
     with pytest.raises(RuntimeError, match="reward of the validation data failed"):
         t.train()
     assert t.saved == [1, 2]
-    assert [step for step, _ in t.logged] == [1, 2]
-    (_, first), (_, second) = t.logged
-    assert first["val/meshppo/demo_add/score"] == 0.5 and first["timing_s/save_checkpoint"] >= 0
-    assert "actor/pg_loss" in first and "actor/pg_loss" in second and not any(k.startswith("val") for k in second)
-    # with no checkpoint due the validation runs as before, in the step's row
+    assert [step for step, _ in t.logged] == [1, 1, 2]
+    (_, first), (_, validation), (_, second) = t.logged
+    assert validation == {**VAL, "training/global_step": 1, "training/epoch": 0}
+    assert first["timing_s/save_checkpoint"] >= 0
+    assert "actor/pg_loss" in first and "actor/pg_loss" in second
+    assert not any(k.startswith("val") for k in first) and not any(k.startswith("val") for k in second)
+    # with no checkpoint due: the same rows, the checkpoint at the end
     t = FakeTrainer(_cfg("data.val_files=[v.jsonl]", "trainer.test_freq=1", "trainer.val_before_train=false"),
                     total_steps=3)
     assert t.train() == 0 and t.saved == [3]
-    assert [sorted(m) for _, m in t.logged][:2] == [sorted({"actor/pg_loss", "training/global_step", "training/epoch",
-                                                            *VAL})] * 2
-    assert "timing_s/save_checkpoint" in t.logged[2][1]
+    assert [step for step, _ in t.logged] == [1, 1, 2, 2, 3, 3]
+    assert [m for _, m in t.logged][1::2] == [{**VAL, "training/global_step": step, "training/epoch": 0}
+                                              for step in (1, 2, 3)]
+    assert "timing_s/save_checkpoint" in t.logged[4][1]
 
 
 def test_the_step_that_stops_the_run_is_logged():

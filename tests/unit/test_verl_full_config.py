@@ -448,5 +448,7 @@ def test_verls_other_loggers_are_named_as_verls():
             validate(_cfg(f"trainer.logger=[console,{name}]"))
     with pytest.raises(ConfigError, match=r"^trainer.logger: verl's file logger is meshppo's jsonl .*: use jsonl$"):
         validate(_cfg("trainer.logger=[file]"))
+    with pytest.raises(ConfigError, match=r"^trainer.logger: tracking is verl's deprecated name of wandb: use wandb$"):
+        validate(_cfg("trainer.logger=[tracking]"))
     with pytest.raises(ConfigError, match=r"^trainer.logger: unknown logger 'nope'"):
         validate(_cfg("trainer.logger=[nope]"))
