@@ -85,7 +85,7 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
 
         try:
             rows = pq.read_table(path).to_pylist()
-        except pa.ArrowException as err:  # ArrowInvalid: not parquet, or a truncated file
+        except (pa.ArrowException, OSError) as err:  # not parquet, truncated, or a damaged footer (OSError)
             raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
         return [(i + 1, row) for i, row in enumerate(rows)]
     if path.lower().endswith(".json") and _starts_with_bracket(path):

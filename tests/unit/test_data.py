@@ -473,6 +473,17 @@ def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
     (tmp_path / "d.parquet").write_text('{"prompt": "1="}\n', encoding="utf-8")
     with pytest.raises(DatasetError, match=r"d\.parquet: not a readable parquet file: .*magic bytes"):
         RLHFDataset(str(tmp_path / "d.parquet"), tokenizer)
+    # a damaged footer: pyarrow raises a bare OSError ("Couldn't deserialize thrift") that named no row
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"prompt": ["1="] * 100}), damaged)
+    data = bytearray(damaged.read_bytes())
+    data[-40:-8] = b"\xff" * 32  # the footer's metadata, between its length and the magic bytes
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"damaged\.parquet: not a readable parquet file: "):
+        RLHFDataset(str(damaged), tokenizer)
 
 
 def test_dataset_missing_file_and_bad_options(tmp_path, tokenizer):
