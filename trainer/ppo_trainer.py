@@ -1149,7 +1149,7 @@ class PPOTrainer:
                 # (the resumed run does not repeat the step), the last step's excepted; a signal during the
                 # validation is acted on after it.
                 stop = self._agreed_stop_signal()
-                due = t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
+                due = self.val_ds is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                     self._save_checkpoint(metrics)
                 self.tracking.log(metrics, step=self.global_step)

@@ -205,3 +205,11 @@ def test_validations_leave_the_training_draws_as_they_were():
         assert t.train() == 0
         runs.append(t.draws)
     assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_without_a_validation_set_no_validation_row_is_logged():
+    """trainer.test_freq due (the last step always is) without data.val_files: no validation runs and
+    no row of its own is logged, one row per step."""
+    t = FakeTrainer(_cfg("trainer.test_freq=1"), total_steps=3)
+    assert t.val_ds is None and t.train() == 0
+    assert [step for step, _ in t.logged] == [1, 2, 3] and t.saved == [3]
