@@ -72,6 +72,15 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     `.parquet` file that pyarrow cannot read raises it naming the file.
     """
     path = os.fspath(path)
+    if _checked_kind(path) == "parquet":
+        return _parquet_records(path)
+    if path.lower().endswith(".json") and _starts_with_bracket(path):
+        return _parse_json_array(path)
+    return parse_json_lines(path)
+
+
+def _checked_kind(path: str) -> str:
+    """`path`'s kind (`_file_kind`), once it is known to be a file."""
     if os.path.isdir(path):  # (whatever its name: verl's scripts take a dataset directory, meshppo its files)
         kind = "parquet" if path.lower().endswith(".parquet") else "dataset"
         raise DatasetError(f"{path}: a directory, not a dataset file; list its {kind} files (a directory of "
@@ -79,18 +88,59 @@ def read_records(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     kind = _file_kind(path)
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: dataset file not found")
-    if kind == "parquet":
-        pq = _load_pyarrow_parquet()
-        import pyarrow as pa
+    return kind
 
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except (pa.ArrowException, OSError) as err:  # not parquet, truncated, or a damaged footer (OSError)
-            raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
-        return [(i + 1, row) for i, row in enumerate(rows)]
-    if path.lower().endswith(".json") and _starts_with_bracket(path):
-        return _parse_json_array(path)
-    return parse_json_lines(path)
+
+def _parquet_records(path: str, only: list[int] | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """A parquet file's `(row_number, row)` pairs, or with `only` (0-based positions, ascending) those
+    rows alone: the others stay in Arrow's columns, never made Python objects."""
+    pq = _load_pyarrow_parquet()
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+        if only is not None:
+            table = table.take(pa.array(only, type=pa.int64()))
+        rows = table.to_pylist()
+    except (pa.ArrowException, OSError) as err:  # not parquet, truncated, or a damaged footer (OSError)
+        raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
+    return [(i + 1, row) for i, row in zip(range(len(rows)) if only is None else only, rows)]
+
+
+def _parquet_num_rows(path: str) -> int:
+    pq = _load_pyarrow_parquet()
+    import pyarrow as pa
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as err:
+        raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
+
+
+def chosen_records(files: list[str], max_samples: int, shuffle: bool, seed: int | None) -> list[tuple[str, dict]]:
+    """`select_rows` of the rows of `files` in order, as `(FILE:ROW, row)` pairs. With a subset to draw, a
+    parquet file's rows are counted from its metadata and only the chosen ones are made Python objects
+    (50k of 500k rows: the rest stay in Arrow's columns)."""
+    sizes, read = [], {}
+    for path in files:
+        if max_samples > 0 and _checked_kind(path) == "parquet":
+            sizes.append(_parquet_num_rows(path))
+        else:
+            read[path] = read_records(path)
+            sizes.append(len(read[path]))
+    if not 0 < max_samples < sum(sizes):  # every row, in order (select_rows's rule)
+        return [(f"{path}:{n}", row) for path in files for n, row in (read.get(path) or read_records(path))]
+    picked = np.asarray(select_rows(range(sum(sizes)), max_samples, shuffle, seed), dtype=np.int64)
+    starts = np.cumsum([0, *sizes])
+    file_of = np.searchsorted(starts, picked, side="right") - 1
+    local = picked - starts[file_of]
+    rows: dict[tuple[int, int], tuple[int, dict]] = {}
+    for f in np.unique(file_of).tolist():
+        path, mine = files[f], sorted(set(local[file_of == f].tolist()))
+        got = read[path] if path in read else _parquet_records(path, mine)
+        by_position = dict(enumerate(got)) if path in read else {n - 1: (n, row) for n, row in got}
+        rows.update({(f, i): by_position[i] for i in mine})
+    return [(f"{files[f]}:{rows[f, i][0]}", rows[f, i][1]) for f, i in zip(file_of.tolist(), local.tolist())]
 
 
 def _starts_with_bracket(path: str) -> bool:
@@ -418,8 +468,7 @@ class RLHFDataset:
         self.tool_schemas = list(tool_schemas or [])
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
-        records = [(f"{path}:{rownum}", row) for path in self.files for rownum, row in read_records(path)]
-        self._load(select_rows(records, max_samples, shuffle, seed))
+        self._load(chosen_records(self.files, max_samples, shuffle, seed))
         if self.num_filtered:
             logger.warning(
                 "filtered %d prompt(s) longer than max_prompt_length=%d tokens from %s",
