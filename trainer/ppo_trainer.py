@@ -1125,7 +1125,7 @@ class PPOTrainer:
                     self.kl.load_state_dict(kl_state)
                     self.timer.pop()
                     if self.ckpt.saved_step != self.global_step:
-                        self.ckpt.save(self.global_step)
+                        self._save_checkpoint({})  # (its phase named, as every step's checkpoint)
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
