@@ -16,6 +16,7 @@ checkpointed and resumed exactly.
 
 from __future__ import annotations
 
+import array
 import codecs
 import json
 import logging
@@ -363,7 +364,7 @@ def select_rows(records: list, max_samples: int, shuffle: bool, seed: int | None
     return [records[i] for i in indices.tolist()]
 
 
-def _truncate(ids: list[int], limit: int, mode: str) -> list[int]:
+def _truncate(ids: Sequence[int], limit: int, mode: str) -> Sequence[int]:
     """`ids` cut to `limit` tokens as verl's dataset cuts them (`mode` left, right or middle)."""
     if mode == "left":
         return ids[-limit:]
@@ -565,15 +566,17 @@ class RLHFDataset:
 
         # Batched calls are much faster than a call per row with fast tokenizers; a chunk of rows at a
         # time, as all of a large dataset's encodings alive at once held their memory after the build
-        # (100k prompts: 4.0 GB of RSS against 2.1 GB in chunks).
-        ids_by_row: list[list[int] | None] = [None] * len(parsed)
+        # (100k prompts: 4.0 GB of RSS against 2.1 GB in chunks). Each prompt's ids are kept as one
+        # int32 array (4 bytes a token) instead of a list of Python ints (8 bytes a pointer plus
+        # 28 an int above 256).
+        ids_by_row: list[array.array | None] = [None] * len(parsed)
         for templated in (True, False):
             positions = [i for i, p in enumerate(parsed) if p[3] is templated]
             for start in range(0, len(positions), TOKENIZE_CHUNK):
                 chunk = positions[start:start + TOKENIZE_CHUNK]
                 encoded = self.tokenizer([parsed[i][2] for i in chunk], add_special_tokens=not templated)["input_ids"]
                 for i, ids in zip(chunk, encoded):
-                    ids_by_row[i] = list(ids)
+                    ids_by_row[i] = array.array("i", ids)
 
         limit = self.max_prompt_length
         for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs), ids in zip(
