@@ -33,6 +33,9 @@ H200_BF16_FLOPS = 790e12
 
 _QWEN25 = dict(model_type="qwen2", attention_bias=True, max_position_embeddings=32768, rope_theta=1_000_000.0,
                rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+              max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643,
+              eos_token_id=151645)
 
 # The benchmark workloads (random weights: speed does not depend on the values).
 MODEL_SHAPES: dict[str, ModelArgs] = {
@@ -42,11 +45,16 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
                               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, **_QWEN25),
     "qwen2.5-7b": ModelArgs(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, **_QWEN25),
+    "qwen3-0.6b": ModelArgs(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, tie_word_embeddings=True,
+                            **_QWEN3),
+    "qwen3-1.7b": ModelArgs(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, tie_word_embeddings=True,
+                            **_QWEN3),
 }
 
 
 def model_args(name: str, **overrides) -> ModelArgs:
-    """A fresh copy of a named shape (`qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`)."""
+    """A fresh copy of a named shape (`MODEL_SHAPES`: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`,
+    `qwen3-1.7b`)."""
     if name not in MODEL_SHAPES:
         raise KeyError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
     return dataclasses.replace(MODEL_SHAPES[name], **overrides)

@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Llama / Qwen2 decoder family.
+"""Model hyper-parameters for the Llama / Qwen2 / Qwen3 decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
                      "llama3": (("factor", "original_max_position_embeddings"),
@@ -69,6 +69,11 @@ class ModelArgs:
             raise ValueError(f"rope_scaling of type {self.rope_type!r} lacks {missing}")
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's."""
+        return self.model_type == "qwen3"
+
+    @property
     def rope_type(self) -> str:
         rs = self.rope_scaling or {}
         return rs.get("rope_type", rs.get("type", "default"))
@@ -80,7 +85,7 @@ class ModelArgs:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        block = attn + mlp + 2 * h
+        block = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         n = self.num_hidden_layers * block + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -133,8 +138,13 @@ class ModelArgs:
             rope_scaling = None
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 use_sliding_window=true is not supported")
+        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise ValueError(f"{model_type} use_sliding_window=true is not supported")
+        if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+            raise ValueError(f"{model_type} attention_bias=true (biases on q/k/v and o_proj) is not supported")
+        windowed = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
+        if windowed:
+            raise ValueError(f"layer_types {windowed} are not supported (only full_attention)")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -181,6 +191,8 @@ class ModelArgs:
         )
         if self.model_type == "llama":
             kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        elif self.model_type == "qwen3":
+            kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias)
         elif self.head_dim != self.hidden_size // self.num_attention_heads:
             kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}

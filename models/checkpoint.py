@@ -175,9 +175,10 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     path.mkdir(parents=True, exist_ok=True)
     args: ModelArgs = model.args
     if model.head == "value":
-        arch = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification"}[args.model_type]
+        arch = {"qwen2": "Qwen2ForTokenClassification", "qwen3": "Qwen3ForTokenClassification",
+                "llama": "LlamaForTokenClassification"}[args.model_type]
     else:
-        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[args.model_type]
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[args.model_type]
     hf_config = args.to_hf_config(architecture=arch)
     if model.head == "value":
         hf_config.num_labels = 1

@@ -12,7 +12,8 @@ its identity and follows the new memory. Inside it:
   their biases; the vocab-parallel embedding and LM head (rows = vocabulary ids);
 * row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
   all-reduce on the TP group (the only collectives of a layer);
-* replicated: the norms and `down_proj`'s bias (added once, after the all-reduce).
+* replicated: the norms (Qwen3's per-head q/k norms too) and `down_proj`'s bias (added once, after
+  the all-reduce).
 
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
@@ -59,6 +60,8 @@ class LayerWeights:
     gate_up_b: torch.Tensor | None
     down_w: torch.Tensor  # [H, I / t]
     down_b: torch.Tensor | None  # [H], replicated
+    q_norm: torch.Tensor | None = None  # [D], replicated: Qwen3's per-head query norm
+    k_norm: torch.Tensor | None = None  # [D], its key norm
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -177,6 +180,10 @@ class EngineModel:
                 plan[p + f"self_attn.v_proj.{kind}"] = (buf, q + kv, kv)
             if a.attention_bias:
                 buffers[b + "qkv_b"] = (q + 2 * kv,)
+            if a.qk_norm:
+                for part in ("q_norm", "k_norm"):
+                    buffers[b + part] = (d,)
+                    plan[p + f"self_attn.{part}.weight"] = (b + part, 0, None)
             for kind in ("weight",) + (("bias",) if a.mlp_bias else ()):
                 buf = b + ("gate_up_w" if kind == "weight" else "gate_up_b")
                 plan[p + f"mlp.gate_proj.{kind}"] = (buf, 0, inter)
@@ -250,7 +257,8 @@ class EngineModel:
         self.layers = [
             LayerWeights(B[f"layers.{i}.in_norm"], B[f"layers.{i}.qkv_w"], B.get(f"layers.{i}.qkv_b"),
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
-                         B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"))
+                         B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"),
+                         B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
 
@@ -347,12 +355,12 @@ class EngineModel:
     def _splits(self, rows: int, meta: AttentionMetadata) -> tuple[int, int, int]:
         """Split-K products of (qkv, o_proj, down_proj) in a step of `rows` rows, the same in every layer
         (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
-        split a sequence); o_proj's and down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's
+        split a sequence) and without per-head q/k norms (they read the summed rows); o_proj's and down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's
         without a bias (the RMSNorm adds none)."""
         w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
-        if fp8:
-            qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype)
+        if fp8 or self.args.qk_norm:
+            qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype), or the q/k norms read the sums
         if self.tp.size > 1:
             return qkv, 1, 1
         down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None and not fp8 else 1
@@ -383,6 +391,8 @@ class EngineModel:
                 h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
                 qkv = (ops.linear(h, w.qkv_w, w.qkv_b) if qkv_splits == 1
                        else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
+            if w.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised before RoPE
+                qkv = ops.qk_norm(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, eps)
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
                                          self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b,

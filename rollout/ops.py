@@ -134,6 +134,18 @@ class TorchOps:
         return (weight.float() * y.float()).to(out_dtype or x.dtype), x
 
     @staticmethod
+    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        """`qkv [T, (Hq + 2 Hkv) D]` with each head of q normed by `q_weight [D]` and each of k by `k_weight`
+        (Qwen3's `q_norm` / `k_norm`: `models.transformer.RMSNorm` over a head), v unchanged; in place."""
+        t, d = qkv.shape[0], head_dim
+        for start, heads, weight in ((0, num_heads, q_weight), (num_heads * d, num_kv_heads, k_weight)):
+            part = qkv[:, start:start + heads * d].view(t, heads, d)
+            xf = part.float()
+            y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
+            part.copy_((weight.float() * y.float()).to(qkv.dtype))
+        return qkv
+
+    @staticmethod
     def silu_and_mul(gate_up):
         """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)

@@ -156,6 +156,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
 
 
 @triton.jit
+def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # program (t, h): head h of token t's q (h < HQ) or k (h - HQ), normed in place (`TorchOps.qk_norm`)
+    _after_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    ptr = qkv_ptr + t * stride_t + h * D + offs
+    y, _ = rms_norm_row(tl.load(ptr, mask=mask, other=0.0), D, eps)
+    if h < HQ:
+        w = tl.load(q_w_ptr + offs, mask=mask, other=0.0)
+    else:
+        w = tl.load(k_w_ptr + offs, mask=mask, other=0.0)
+    tl.store(ptr, (y.to(tl.float32) * w.to(tl.float32)).to(qkv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -761,6 +778,14 @@ class TritonOps:
                                PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None, BLOCK=block,
                                num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
+
+    @staticmethod
+    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        t = qkv.shape[0]
+        if t:
+            _qk_norm_kernel[(t, num_heads + num_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, head_dim,
+                                                          eps, BLOCK=_pow2(head_dim), num_warps=1, **_launch(qkv))
+        return qkv
 
     @staticmethod
     def silu_and_mul(gate_up):

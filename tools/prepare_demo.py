@@ -35,9 +35,11 @@ import torch
 from data.dataset import RLHFDataset, read_records, render_prompt
 from data.demo import build_demo_tokenizer, forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
+from models.args import SUPPORTED_MODEL_TYPES
 from trainer.forward import build_micro_batch, response_logprobs
 
-DEFAULTS = dict(n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2, init_std=0.1,
+DEFAULTS = dict(model_type="qwen2", n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4, kv_heads=2,
+                init_std=0.1,
                 slip=0.7, sft_max_steps=1000, sft_batch=64, lr=3e-3, seed=0)
 # init_std 0.1, not the usual 0.02: from 0.02 this 96-wide model sat on a loss plateau for 500
 # to more than 1500 warm-up steps depending on the seed; from 0.1 seeds 0-2 leave it within ~300.
@@ -45,11 +47,12 @@ STAMP = "prepare_demo.json"
 
 
 def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, eos: int, pad: int,
-                    init_std: float):
-    # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks.
+                    init_std: float, model_type: str = "qwen2"):
+    # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks. Qwen2 has
+    # q/k/v biases; Qwen3 per-head q/k norms instead; Llama neither.
     return ModelArgs(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=hidden, intermediate_size=hidden * 2,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                     max_position_embeddings=64, model_type="qwen2", attention_bias=True,
+                     max_position_embeddings=64, model_type=model_type, attention_bias=model_type == "qwen2",
                      tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1,
                      initializer_range=init_std)
 
@@ -142,6 +145,8 @@ def why_out_of_date(out: str, settings: dict) -> str | None:
             stamped = json.load(f)
     except (OSError, ValueError) as err:
         return f"unreadable stamp {stamp} ({err})"
+    if isinstance(stamped, dict):
+        stamped.setdefault("model_type", "qwen2")  # stamps written before --model-type existed
     if stamped != settings:
         return "built with other settings"
     missing = missing_assets(out)
@@ -179,6 +184,8 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--hidden {a.hidden} must be a multiple of 2 x --heads {a.heads} (an even head width)")
     if a.heads % a.kv_heads:
         p.error(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+    if a.model_type not in SUPPORTED_MODEL_TYPES:
+        p.error(f"--model-type must be one of {list(SUPPORTED_MODEL_TYPES)}, got {a.model_type!r}")
 
 
 def main(argv=None) -> int:
@@ -217,7 +224,7 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer(paths.tokenizer_dir)
     args = demo_model_args(len(tok), a.hidden, a.layers, a.heads, a.kv_heads, tok.eos_token_id, tok.pad_token_id,
-                           init_std=a.init_std)
+                           init_std=a.init_std, model_type=a.model_type)
     model = Transformer.build(args, seed=a.seed)
     supervised_warmup(model, tok, paths.train_file, paths.val_file, a.slip, a.sft_max_steps, a.sft_batch, a.lr,
                       a.seed)

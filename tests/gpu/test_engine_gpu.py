@@ -258,8 +258,9 @@ def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):
     return tiny_model(args).to(DEV, dtype)
 
 
-def test_engine_greedy_with_graphs_matches_no_cache_loop():
-    model = _gpu_model(eos_token_id=None)
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
+def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
+    model = _gpu_model(kind, eos_token_id=None, **kw)
     prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
     engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=14, max_num_batched_tokens=48)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
@@ -416,10 +417,11 @@ def _logprob_errors(outs, models):
     return [torch.cat(e).mean().item() for e in errs]
 
 
-def test_engine_bf16_tracks_training_forward():
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
+def test_engine_bf16_tracks_training_forward(kind, kw):
     """bf16 engine log-probs are as close to the float32 truth as the bf16 training forward's."""
-    model32 = _gpu_model("qwen2")
-    model16 = _gpu_model("qwen2", dtype=torch.bfloat16)
+    model32 = _gpu_model(kind, **kw)
+    model16 = _gpu_model(kind, dtype=torch.bfloat16, **kw)
     prompts = prompts_of([12, 30, 64, 7], seed=5)
     engine = make_engine(model32, device=DEV, dtype=torch.bfloat16, block_size=16, num_kv_blocks=64)
     outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=32, seed=1))
@@ -563,12 +565,14 @@ def test_warm_ups_share_one_stream_so_captures_do_not_pile_up_cublas_workspaces(
     assert torch.cuda.memory_allocated() - first < 1 << 20, (first, torch.cuda.memory_allocated(), sizes)
 
 
-def test_qwen_shape_smoke():
-    """The real qwen2.5-0.5b shape (GQA 7, vocab 151936) in bf16: as accurate as the bf16 training forward."""
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_qwen_shape_smoke(shape):
+    """The real qwen2.5-0.5b shape (GQA 7, vocab 151936) and qwen3-0.6b's (per-head q/k norms, head_dim 128
+    against hidden / heads 64) in bf16: as accurate as the bf16 training forward."""
     from bench.common import model_args
     from rollout import EngineConfig, LLMEngine
 
-    args = model_args("qwen2.5-0.5b", max_position_embeddings=256)
+    args = model_args(shape, max_position_embeddings=256)
     engine = LLMEngine(args, EngineConfig(max_num_seqs=16, gpu_memory_utilization=0.3), device=DEV)
     ref32 = Transformer.build(args, device=DEV, dtype=torch.float32, seed=0)
     with torch.no_grad():

@@ -20,11 +20,15 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp
     from rollout import EngineConfig, LLMEngine, SamplingParams
 
     results = []
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "qwen3", "llama"):
         if kind == "qwen2":
             args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                              model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+        elif kind == "qwen3":  # per-head q/k norms, replicated over TP
+            args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                             model_type="qwen3", tie_word_embeddings=True)
         else:
             args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -58,6 +62,7 @@ def check_tp2_equals_tp1(rank: int, device: torch.device, logprob_tol: float, tp
         new = (lambda n: 3) if tp2_triton else (lambda n: n)
         cases = {"qwen2": (SamplingParams(temperature=0, max_tokens=new(10)),
                            SamplingParams(n=2, temperature=0.9, top_k=5, max_tokens=new(8), seed=6)),
+                 "qwen3": (SamplingParams(n=2, temperature=0.9, top_p=0.9, max_tokens=new(10), seed=9),),
                  "llama": (SamplingParams(n=2, temperature=0.9, max_tokens=new(10), seed=5),
                            SamplingParams(n=2, temperature=1.1, top_p=0.8, top_k=20, max_tokens=new(8), seed=7))}
         one = SamplingParams(temperature=0.9, max_tokens=new(6), seed=8)  # one sequence: decode steps of one row

@@ -35,6 +35,8 @@ def tiny_args(kind: str, **kw) -> ModelArgs:
                   num_key_value_heads=2, max_position_embeddings=128)
     if kind == "qwen2":
         common.update(model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+    elif kind == "qwen3":  # per-head q/k norms; heads wider than hidden / heads, as Qwen3's are
+        common.update(model_type="qwen3", head_dim=24, tie_word_embeddings=True)
     else:
         common.update(model_type="llama", mlp_bias=True, tie_word_embeddings=False, eos_token_id=3)
     common.update(kw)
@@ -98,7 +100,7 @@ def check_against_training_forward(model, out: RequestOutput, params: SamplingPa
     assert torch.equal(combine_partials(parts)[0], tokens)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_greedy_equals_no_cache_loop_with_chunking_and_preemption(kind):
     model = tiny_model(tiny_args(kind, eos_token_id=None))
     prompts = prompts_of([1, 7, 13, 29, 4, 22, 16])

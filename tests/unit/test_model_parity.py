@@ -17,6 +17,9 @@ def _hf_model(kind: str, **overrides):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(tie_word_embeddings=True, **common)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":  # Qwen3's heads are wider than hidden / heads (128 against 64-80 in its models)
+        cfg = transformers.Qwen3Config(tie_word_embeddings=True, **{"head_dim": 24, **common})
+        cls = transformers.Qwen3ForCausalLM
     else:
         cfg = transformers.LlamaConfig(tie_word_embeddings=False, **common)
         cls = transformers.LlamaForCausalLM
@@ -27,11 +30,14 @@ def _hf_model(kind: str, **overrides):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):  # and the per-head norms other than ones
+                p.uniform_(0.5, 1.5)
     return model
 
 
 ROPE_VARIANTS = [
     ("qwen2", {}),
+    ("qwen3", {}),
     ("llama", {}),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -67,7 +73,7 @@ def test_padded_logits_match_hf(tmp_path, kind, overrides):
     assert (got[real] - ref[real]).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_packed_logits_match_hf_per_sequence(tmp_path, kind):
     hf = _hf_model(kind)
     ours = Transformer.from_pretrained(_save(hf, tmp_path))
@@ -180,10 +186,63 @@ def test_qwen2_with_its_own_head_dim_loads_and_exports(tmp_path):
     assert generation.eos_token_id == [5, 6] and generation.temperature == 0.7
 
 
-@pytest.mark.parametrize("kind,overrides", [("llama", {"mlp_bias": True}), ("qwen2", {}),
+@pytest.mark.parametrize("kind,overrides", [("llama", {"mlp_bias": True}), ("qwen2", {}), ("qwen3", {}),
                                             ("llama", {"head_dim": 24})])
 def test_num_params_counts_what_transformers_counts(tmp_path, kind, overrides):
     """`ModelArgs.num_params` (the MFU's FLOP count) against transformers' parameter count, biases included."""
     hf = _hf_model(kind, **overrides)
     ours = Transformer.from_pretrained(_save(hf, tmp_path))
     assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_qwen3_round_trips_through_transformers(tmp_path):
+    """A Qwen3 model built by meshppo (per-head q/k norms, head_dim 24 against hidden / heads 16, untied
+    head) saves a directory that transformers loads as Qwen3ForCausalLM with the same logits, and loads
+    back bit for bit; a Qwen3 token classifier becomes a value model with transformers' scores."""
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=24, model_type="qwen3", tie_word_embeddings=False)
+    model = Transformer.build(args, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 24
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - model(ids)).abs().max().item() <= TOL
+    again = Transformer.from_pretrained(tmp_path / "m")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+    cfg = transformers.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=24, num_labels=1)
+    torch.manual_seed(4)
+    scorer = transformers.Qwen3ForTokenClassification(cfg).eval()
+    with torch.no_grad():
+        scorer.score.bias.fill_(0.37)
+        scorer.model.layers[0].self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    scorer.save_pretrained(tmp_path / "v")
+    critic = Transformer.from_pretrained(tmp_path / "v", head="value")
+    with torch.no_grad():
+        assert (critic(ids % 40) - scorer(input_ids=ids % 40).logits[..., 0]).abs().max().item() <= TOL
+
+
+def test_qwen3_variants_meshppo_lacks_are_refused(tmp_path):
+    """A Qwen3 checkpoint with sliding-window layers is refused naming them (meshppo attends to the whole
+    context: its logits would differ past the window), and one with attention biases (transformers puts
+    one on o_proj too, which meshppo's attention lacks)."""
+    cfg = transformers.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelArgs.from_hf_config(cfg)
+    cfg.use_sliding_window = False
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ModelArgs.from_hf_config(cfg)
+    cfg.layer_types = ["full_attention"] * 2
+    assert ModelArgs.from_hf_config(cfg).qk_norm
+    cfg.attention_bias = True
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelArgs.from_hf_config(cfg)

@@ -13,7 +13,7 @@ from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rms_norm_fp8", "silu_and_mul_fp8", "rope_and_cache", "decode_attention",
           "prefill_attention", "kv_cache_fp8", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
-          "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io"]
+          "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io", "qk_norm", "engine_qwen3"]
 
 
 def _checks() -> dict:
@@ -121,6 +121,24 @@ def _checks() -> dict:
             out, new_res = TritonOps.rms_norm(parts, w, 1e-6, res)
             assert out.dtype == dtype
             errs += [close(out, ref_out, tol), close(new_res, ref_res, 0)]
+        return max(errs)
+
+    def qk_norm():
+        # Qwen3's per-head q/k norms in place over qkv rows wider than q | k | v (a strided view), head_dim
+        # not a power of two; v and the columns past the view untouched
+        errs = []
+        hq, hkv, d = 4, 2, 24
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            wide = torch.randn(5, (hq + 2 * hkv) * d + 8, dtype=dtype)
+            qkv = wide[:, :(hq + 2 * hkv) * d]
+            qw, kw = (1 + 0.3 * torch.randn(d)).to(dtype), (1 + 0.3 * torch.randn(d)).to(dtype)
+            ref = TorchOps.qk_norm(qkv.clone(), qw, kw, hq, hkv, d, 1e-6)
+            before = wide.clone()
+            got = TritonOps.qk_norm(qkv, qw, kw, hq, hkv, d, 1e-6)
+            assert got.data_ptr() == qkv.data_ptr()
+            assert torch.equal(wide[:, (hq + hkv) * d:], before[:, (hq + hkv) * d:])
+            assert not torch.equal(wide[:, :hq * d], before[:, :hq * d])
+            errs.append(close(got, ref, tol))
         return max(errs)
 
     def silu_and_mul():
@@ -461,6 +479,29 @@ def _checks() -> dict:
         ref = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
         engine.runner.use_triton = True
         got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+
+    def engine_qwen3():
+        # a Qwen3 model (per-head q/k norms, head_dim 16 against hidden / heads 8): the Triton path's tokens
+        # are the PyTorch path's, in prefill and decode steps
+        from models import ModelArgs, Transformer
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+
+        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, model_type="qwen3")
+        model = Transformer.build(args, seed=0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.2 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
+        engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
+                                              max_num_batched_tokens=8), device="cpu")
+        engine.load_weights(model.named_parameters())
+        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+        sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
+        ref = engine.generate(prompts, sp)
+        engine.runner.use_triton = True
+        got = engine.generate(prompts, sp)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
