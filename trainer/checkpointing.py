@@ -336,14 +336,24 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class RngSnapshot:
+    """Every RNG's state (Python's, NumPy's, torch's, CUDA's) as it is now, to put back with `restore`."""
+
+    def __init__(self) -> None:
+        self.state = _rng_state()
+
+    def restore(self) -> None:
+        _set_rng_state(self.state)
+
+
 @contextlib.contextmanager
 def rng_set_aside():
-    """Every RNG's state (Python's, NumPy's, torch's, CUDA's) put back as it was after the block."""
-    state = _rng_state()
+    """Every RNG's state put back as it was after the block."""
+    snapshot = RngSnapshot()
     try:
         yield
     finally:
-        _set_rng_state(state)
+        snapshot.restore()
 
 
 class Stateful(Protocol):

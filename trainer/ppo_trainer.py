@@ -34,7 +34,7 @@ from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
-from trainer.checkpointing import CheckpointManager, agreed_write, export_hf, rng_set_aside
+from trainer.checkpointing import CheckpointManager, RngSnapshot, agreed_write, export_hf, rng_set_aside
 from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
                             paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
@@ -1112,17 +1112,19 @@ class PPOTrainer:
                 self.log(f"trainer.val_only: validated the model of step {self.global_step}, exiting without training")
                 return 0
             while self.global_step < self.total_steps:
-                loader_state, kl_state = self.loader.state_dict(), self.kl.state_dict()
+                loader_state, kl_state, rng = self.loader.state_dict(), self.kl.state_dict(), RngSnapshot()
                 try:
                     with self.profiler.step(self.global_step + 1):
                         metrics = self.step()
                 except _AbandonStep:
-                    # No model was updated: rewind the data and the KL-in-reward controller (it
-                    # steps with the advantages, before the abandon check) so the resumed run
-                    # redoes this step as an uninterrupted run would, and write the checkpoint
-                    # unless the last step's is already there.
+                    # No model was updated: rewind the data, the KL-in-reward controller (it steps
+                    # with the advantages, before the abandon check) and every RNG (the rollout's and
+                    # the reward function's draws) so the resumed run redoes this step as an
+                    # uninterrupted run would, and write the checkpoint unless the last step's is
+                    # already there.
                     self.loader.load_state_dict(loader_state)
                     self.kl.load_state_dict(kl_state)
+                    rng.restore()
                     self.timer.pop()
                     if self.ckpt.saved_step != self.global_step:
                         self._save_checkpoint({})  # (its phase named, as every step's checkpoint)
