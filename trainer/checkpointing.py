@@ -161,6 +161,10 @@ NOT_SAME_RUN_OPTIONS = (
     "reward_model.model.use_remove_padding",
     "reward_model.strategy",
 )
+# Options inside a NOT_SAME_RUN_OPTIONS prefix that change what is learned all the same: the master weights'
+# dtype (a bf16 resume of an fp32 run rounds the weights and the optimizer's moments, and small updates
+# round away from then on).
+SAME_RUN_EXCEPTIONS = ("actor_rollout_ref.actor.fsdp_config.model_dtype", "critic.model.fsdp_config.model_dtype")
 
 # The config section of each model a checkpoint holds (its `checkpoint` options).
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "critic": "critic"}
@@ -195,7 +199,8 @@ def same_run_keys() -> list[tuple[str, object]]:
     """`(dotted key, default)` of every option that must match for a checkpoint to resume."""
     inert = no_effect_options(PPOConfig)  # options that change nothing never block a resume
     return [(key, default) for key, _, default, _ in iter_options(PPOConfig)
-            if _under(key, SAME_RUN_OPTIONS) and not _under(key, NOT_SAME_RUN_OPTIONS) and key not in inert]
+            if (key in SAME_RUN_EXCEPTIONS or _under(key, SAME_RUN_OPTIONS) and not _under(key, NOT_SAME_RUN_OPTIONS))
+            and key not in inert]
 
 
 def _lookup(tree: dict, key: str, default):

@@ -47,7 +47,9 @@ def test_what_makes_the_same_run():
               "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.clip_ratio",
               "actor_rollout_ref.rollout.temperature", "custom_reward_function.path", "reward_model.model.path",
               "reward_model.model.input_tokenizer", "reward_model.max_length",
-              "trainer.seed"):
+              "trainer.seed",
+              # inside the execution-only fsdp_config: the master weights' dtype (fp32 -> bf16 rounds them)
+              "actor_rollout_ref.actor.fsdp_config.model_dtype", "critic.model.fsdp_config.model_dtype"):
         assert k in keys, k
     # how long, where, how it executes, what is logged: free to change on resume
     for k in ("trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq",
