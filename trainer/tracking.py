@@ -223,7 +223,7 @@ class Tracking:
         self.enabled = enabled
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
-        self._tb = self._wandb = self._bar = self._bar_total = None
+        self._tb = self._tb_writer = self._wandb = self._bar = self._bar_total = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,8 +233,7 @@ class Tracking:
             except ImportError as e:
                 raise RuntimeError("trainer.logger includes tensorboard but the tensorboard package is not "
                                    "installed: pip install tensorboard, or remove it from trainer.logger") from e
-            # verl's TENSORBOARD_DIR, else the run directory's
-            self._tb = SummaryWriter(log_dir=os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard"))
+            self._tb_writer = SummaryWriter  # opened by `begin`, which knows the step the run starts at
         if "wandb" in loggers:
             try:
                 import wandb
@@ -268,6 +267,11 @@ class Tracking:
             tmp = metrics.with_name(metrics.name + ".tmp")
             tmp.write_text("".join(kept))
             os.replace(tmp, metrics)
+        if self._tb_writer is not None:
+            # verl's TENSORBOARD_DIR, else the run directory's. As metrics.jsonl above, the events of
+            # steps after `step` (a killed attempt's, or an earlier run's in the same directory) go.
+            self._tb = self._tb_writer(log_dir=os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard"),
+                                       purge_step=step + 1)
         (self.run_dir / "config.yaml").write_text(resolved_config + "\n")
         (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
         if self._bar_total is not None:

@@ -57,6 +57,32 @@ def test_begin_keeps_metrics_up_to_the_start_step_and_records_the_run(tmp_path, 
     assert (run / "metrics.jsonl").read_text() == ""
 
 
+def test_tensorboard_keeps_the_steps_up_to_the_start_step(tmp_path):
+    """As metrics.jsonl: a resumed run's TensorBoard shows each step once, the resumed run's value for the
+    steps after the checkpoint (a killed attempt logged 1-4, checkpointed 2), and a fresh start in the same
+    directory none of the earlier run's."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars():
+        acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("x")]
+
+    def attempt(start, steps, value):
+        t = Tracking(["tensorboard"], str(tmp_path / "run"), "p", "e", {}, 10, enabled=True)
+        t.begin(start, "{}", _info(tmp_path / "run", start))
+        for step in steps:
+            t.log({"x": value + step}, step=step)
+        t.close()
+
+    attempt(0, [1, 2, 3, 4], 10.0)
+    attempt(2, [3, 4, 5], 20.0)
+    assert scalars() == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
+    attempt(0, [1], 30.0)
+    assert scalars() == [(1, 31.0)]
+
+
 def test_banner_of_a_gpu_hsdp_run():
     info = {"meshppo": "abc", "torch": "2.13", "python": "3.11", "cuda": "12.8", "nccl": "2.27.3", "device": "cuda",
             "gpu": "NVIDIA H200", "backend": "nccl", "world_size": 16, "nodes": 2, "ranks_per_node": 8,
@@ -151,6 +177,7 @@ def test_tensorboard_events_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t = Tracking(["tensorboard"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    t.begin(0, "{}", _info(tmp_path))
     for step in (1, 2, 3):
         t.log({"critic/score/mean": 0.25 * step, "kl_guard/action": "warn"}, step=step)
     t.close()
@@ -166,6 +193,7 @@ def test_tensorboard_dir_from_the_environment(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     t = Tracking(["tensorboard"], str(tmp_path / "run"), "p", "e", {}, 10, enabled=True)
+    t.begin(0, "{}", _info(tmp_path / "run"))
     t.log({"critic/score/mean": 0.5}, step=1)
     t.close()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
