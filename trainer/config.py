@@ -2041,11 +2041,14 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.checkpoint)]
         roles += [("critic", cfg.critic.checkpoint)] if cfg.uses_critic else []
         for key, c in roles:
-            lists = [name for name in ("save_contents", "load_contents") if "model" not in getattr(c, name)]
-            if lists:
-                raise ConfigError(f"algorithm.kl_guard's rollback reloads the models of an earlier checkpoint, but "
-                                  f"{' and '.join(f'{key}.checkpoint.{n}' for n in lists)} lack 'model': add it, or "
-                                  "choose another kl_guard action")
+            # both: a rollback that kept the live optimizer would go on with the moments (and step counts)
+            # of the branch it abandons
+            for item in ("model", "optimizer"):
+                lists = [name for name in ("save_contents", "load_contents") if item not in getattr(c, name)]
+                if lists:
+                    raise ConfigError(f"algorithm.kl_guard's rollback reloads the models and their optimizers of an "
+                                      f"earlier checkpoint, but {' and '.join(f'{key}.checkpoint.{n}' for n in lists)} "
+                                      f"lack {item!r}: add it, or choose another kl_guard action")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode == "disable":  # which deletes the run's checkpoints

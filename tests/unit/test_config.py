@@ -613,14 +613,17 @@ def test_checkpoint_contents_are_verls_items():
                                           "it for Megatron only"):
         _cfg(f"{actor}.async_save=true")
     _cfg(f"{critic}.async_save=false")
-    # a KL-guard rollback reloads the models: their checkpoints must hold them and a resume load them
+    # a KL-guard rollback reloads the models and their optimizers: their checkpoints must hold them and a
+    # resume load them (without the optimizer it went on with the abandoned branch's moments)
     rollback = ["algorithm.kl_guard.explode_action=rollback"]
     validate(_cfg(*rollback))
-    with pytest.raises(ConfigError, match=rf"rollback reloads the models of an earlier checkpoint, but {actor}."
-                                          "save_contents and {actor}.load_contents lack 'model'".replace("{actor}", actor)):
+    with pytest.raises(ConfigError, match=rf"rollback reloads the models and their optimizers of an earlier checkpoint, "
+                                          rf"but {actor}.save_contents and {actor}.load_contents lack 'model'"):
         validate(_cfg(*rollback, f"{actor}.save_contents=[hf_model]"))
     with pytest.raises(ConfigError, match=rf"but {critic}.load_contents lack 'model'"):
         validate(_cfg(*rollback, "algorithm.adv_estimator=gae", f"{critic}.load_contents=[extra]"))
+    with pytest.raises(ConfigError, match=rf"but {actor}.load_contents lack 'optimizer'"):
+        validate(_cfg(*rollback, f"{actor}.load_contents=[model,extra]"))
     validate(_cfg(*rollback, f"{critic}.load_contents=[extra]"))  # no critic in a GRPO run
     validate(_cfg(f"{actor}.save_contents=[hf_model]"))  # no rollback: an export-only checkpoint is fine
 
