@@ -199,15 +199,18 @@ class LLMEngine:
                 budget = CPU_KV_CACHE_BYTES
             cap = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)  # more could never be used
             n = min(max(budget // per_block, 0), cap)
-            need = cdiv(self.max_model_len, c.block_size)
-            if n < need:
-                fix = ("free memory or raise gpu_memory_utilization" if self.device.type == "cuda" else
-                       f"on CPU the pool is {CPU_KV_CACHE_BYTES / 2**30:g} GiB: lower max_model_len")
-                raise CacheTooSmallError(
-                    f"the KV pool would hold {n} blocks ({n * per_block / 2**30:.2f} GiB) but one sequence of "
-                    f"max_model_len={self.max_model_len} needs {need}: {fix}")
-        # Every rank must schedule identically: agree on the smallest pool.
-        return self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
+        # Every rank must schedule identically: agree on the smallest pool (before any rank may refuse it,
+        # so that a rank with less free memory than its peers does not leave them in the all-reduce).
+        mine, n = n, self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
+        need = cdiv(self.max_model_len, c.block_size)
+        if c.num_kv_blocks is None and n < need:
+            fix = ("free memory or raise gpu_memory_utilization" if self.device.type == "cuda" else
+                   f"on CPU the pool is {CPU_KV_CACHE_BYTES / 2**30:g} GiB: lower max_model_len")
+            where = f" (the least of the TP group's ranks; this rank's would hold {mine})" if mine != n else ""
+            raise CacheTooSmallError(
+                f"the KV pool would hold {n} blocks ({n * per_block / 2**30:.2f} GiB){where} but one sequence of "
+                f"max_model_len={self.max_model_len} needs {need}: {fix}")
+        return n
 
     def init_cache(self) -> None:
         """Allocate the KV pool (no-op if it exists).

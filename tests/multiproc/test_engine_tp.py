@@ -217,3 +217,27 @@ def _tp_kv_fp8_body(rank, world_size):
 
 def test_tp2_kv_fp8_matches_a_forward_over_rounded_kv():
     run_distributed(_tp_kv_fp8_body, 2)
+
+
+def _pool_body(rank, world_size):
+    import rollout.engine as engine_mod
+    from models import ModelArgs
+    from rollout import EngineConfig, LLMEngine
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if rank == 1:
+        engine_mod.CPU_KV_CACHE_BYTES = 1 << 12  # less free memory on this rank than on its TP peer
+    args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4), tp_mesh=mesh["tp"], device="cpu")
+    with pytest.raises(engine_mod.CacheTooSmallError, match="KV pool would hold 4 blocks") as err:
+        engine.init_cache()
+    assert ("this rank's would hold" in str(err.value)) == (rank == 0), str(err.value)
+
+
+def test_a_kv_pool_too_small_on_one_rank_is_refused_on_every_rank():
+    """The pool's size comes from each GPU's free memory: a rank whose pool cannot hold one sequence refused it
+    before the TP group's agreement on the smallest pool, and left its peers waiting in that all-reduce. Now
+    the group agrees first and every rank raises."""
+    run_distributed(_pool_body, 2, timeout=120.0)
