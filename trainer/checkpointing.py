@@ -575,12 +575,22 @@ class CheckpointManager:
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         same_world = state["world_size"] == self.world_size
         rng = None
-        if load_rng and same_world and os.path.isdir(os.path.dirname(rng_file)):  # written with RNG states
-            if not os.path.isfile(rng_file):
-                raise UserError(f"checkpoint {path!r} is incomplete: it has no {os.path.relpath(rng_file, path)}, "
-                                f"rank {self.rank}'s RNG state (saved with the actor's 'extra'); resume an earlier "
-                                "checkpoint or leave 'extra' out of actor_rollout_ref.actor.checkpoint.load_contents")
-            rng = read_rng_state(rng_file)
+
+        def read_rng() -> None:
+            nonlocal rng
+            if load_rng and same_world and os.path.isdir(os.path.dirname(rng_file)):  # written with RNG states
+                if not os.path.isfile(rng_file):
+                    raise UserError(f"checkpoint {path!r} is incomplete: it has no {os.path.relpath(rng_file, path)}, "
+                                    f"rank {self.rank}'s RNG state (saved with the actor's 'extra'); resume an earlier "
+                                    "checkpoint or leave 'extra' out of actor_rollout_ref.actor.checkpoint.load_contents")
+                rng = read_rng_state(rng_file)
+
+        try:  # a rank's own file: agreed, so that no rank is left in the models' load below
+            comm.on_every_rank(read_rng, (UserError,))
+        except comm.RankFailed as e:
+            raise e.error if e.error is not None else UserError(
+                f"checkpoint {path!r}: rank {e.rank}'s RNG state is missing or unreadable (that rank's log says "
+                "which file and why)") from None
         loads = []  # (directory, model, optimizer or None) of each model whose weights load
         for name, (model, optimizer) in self.models.items():
             wanted = self.contents(name, "load_contents")

@@ -154,3 +154,29 @@ def _exports_body(rank, world, run_dir):
 
 def test_deleting_the_earlier_exports_fails_on_every_rank(tmp_path):
     run_distributed(_exports_body, 2, str(tmp_path), timeout=120)
+
+
+def _rng_load_body(rank, world, root):
+    import trainer.checkpointing as checkpointing
+    from sharding import comm
+    from trainer.config import PPOConfig
+    from trainer.errors import UserError
+
+    counter = _Counter()
+    manager = checkpointing.CheckpointManager(root, states={"trainer": counter}, fingerprint={}, config=PPOConfig(),
+                                              rank=rank, world_size=world, log=lambda s: None)
+    counter.step = 1
+    path = manager.save(1)
+    if rank == 0:
+        os.remove(os.path.join(path, "rng", "rank_1.pt"))  # a copy of the run directory cut short
+    comm.all_reduce_values([1.0], "sum")
+    own = r"is incomplete: it has no rng/rank_1.pt, rank 1's RNG state"
+    with pytest.raises(UserError, match=own if rank == 1 else r"rank 1's RNG state is missing or unreadable"):
+        manager.load(path)
+    assert comm.all_reduce_values([1.0], "sum")[0] == world  # both came out of the load
+
+
+def test_a_rank_missing_its_rng_file_fails_the_resume_on_every_rank(tmp_path):
+    """Each rank reads its own RNG file on resume: a rank whose file was missing or unreadable raised alone,
+    before the models' load (a collective) that the other ranks entered."""
+    run_distributed(_rng_load_body, 2, str(tmp_path / "ckpt"), timeout=120)
