@@ -526,11 +526,18 @@ class PPOTrainer:
                     ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses])
             except RewardError as e:
                 err = str(e)
+        rm_batch = None
+        if rm_cfg.enable and err is None:
+            try:  # the reward model's chat template may refuse a row (a system message, say): this rank's rows only
+                rm_batch = self.reward_model.model_batch(ro)
+            except Exception as e:
+                err = (f"the reward model's input (each chat rendered with reward_model.model.path's chat template, "
+                       f"responses decoded with reward_model.model.input_tokenizer) failed: {type(e).__name__}: {e}")
         self._fail_together(err)
         out = torch.tensor(scores if scores is not None else [0.0] * len(ro), dtype=torch.float32,
                            device=self.device)
         if rm_cfg.enable:
-            out = out + self.reward_model.scores(ro)
+            out = out + self.reward_model.scores(rm_batch)
         own = out if own is None else torch.tensor(own, dtype=torch.float32, device=self.device)
         return out, self._agreed_extras(extras, len(ro)), others, own
 

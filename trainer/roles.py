@@ -611,10 +611,14 @@ class RewardModel(Role):
         self.inputs = inputs
         self.offload()  # waits in host memory until its phase (param_offload)
 
+    def model_batch(self, ro: RolloutBatch) -> RolloutBatch:
+        """`ro` as the model reads it: each chat rendered with its own tokenizer and template (`inputs`), or as is."""
+        if self.inputs is None:
+            return ro
+        return RolloutBatch.sequences(self.inputs(ro.raw_prompts, ro.responses), ro.device)
+
     def scores(self, ro: RolloutBatch) -> torch.Tensor:
-        """Scores `[N]` of this rank's sequences."""
-        if self.inputs is not None:
-            ro = RolloutBatch.sequences(self.inputs(ro.raw_prompts, ro.responses), ro.device)
+        """Scores `[N]` of this rank's sequences, `ro` from `model_batch`."""
         with self.resident(with_optimizer=False):
             scores, = forward_micro_batches(ro, self.batching,
                                             lambda sub: (last_token_scores(self.model, self._micro_batch(sub)),),

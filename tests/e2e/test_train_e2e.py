@@ -214,6 +214,36 @@ def test_a_qwen3_policy_climbs_and_exports_for_transformers(qwen3_assets, tmp_pa
         assert (hf(input_ids=ids).logits - ours(ids)).abs().max().item() <= 1e-4
 
 
+def test_a_reward_model_template_refusing_one_ranks_row_fails_every_rank(tiny_assets, tmp_path):
+    """The reward model renders each chat with its own template, which may refuse a row (a system message,
+    say): the rank holding it raised alone and the other waited in the next collective. Now every rank
+    stops with the template's error, before the reward model's forward."""
+    import json
+
+    from tests.unit.test_reward_model import OTHER_TEMPLATE, llama_reward_model, other_tokenizer
+
+    with open(tiny_assets / "train.jsonl") as f:
+        rows = [json.loads(line) for line in f][:8]
+    refused = rows[5]["prompt"][0]["content"]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = ("{% for m in messages %}{% if m['content'] == '" + refused + "' %}"
+                "{{ raise_exception('this prompt is not supported') }}{% endif %}{% endfor %}" + OTHER_TEMPLATE)
+    rm = tmp_path / "rm"
+    other = other_tokenizer(template)
+    llama_reward_model(rm, len(other))
+    other.save_pretrained(rm)
+    r = torchrun(demo_args(tiny_assets, tmp_path / "run", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                           "trainer.balance_batch=false", "reward_model.enable=true",
+                           f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=8"))
+    assert r.returncode != 0
+    for rank in (0, 1):
+        line = next((x for x in r.stderr.splitlines() if x.startswith(f"meshppo: error (rank {rank})")), "")
+        assert "the reward model's input" in line and "this prompt is not supported" in line, r.stderr[-3000:]
+
+
 EXTRAS_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """The length, with extras of every kind: a string, a bool, a list on some rows only (those whose
@@ -240,6 +270,7 @@ def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_p
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            f"trainer.rollout_data_dir={tmp_path / 'dump'}",
                            f"trainer.validation_data_dir={tmp_path / 'val'}",
@@ -283,6 +314,7 @@ def test_dapo_overlong_penalty_through_the_trainer(tiny_assets, tmp_path):
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            "reward_model.reward_manager=dapo", f"{buffer}.enable=True", f"{buffer}.len=6",
                            f"{buffer}.penalty_factor=0.5", f"{buffer}.log=True", "+reward_model.reward_kwargs.max_resp_len=6",
@@ -342,6 +374,7 @@ def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_p
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            "reward_model.reward_manager=prime", f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
     assert r.returncode == 0, r.stderr[-4000:]
