@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import math
 import os
 import random
@@ -541,6 +542,20 @@ class PPOTrainer:
         own = out if own is None else torch.tensor(own, dtype=torch.float32, device=self.device)
         return out, self._agreed_extras(extras, len(ro)), others, own
 
+    def _agreed_log(self, write) -> None:
+        """`write` (rank 0's: a metrics row, a dump, the run's files; None where a rank writes nothing) agreed on
+        every rank: its failure (a UserError naming the file: a full disk, a quota) stops every rank together,
+        where rank 0 raising alone left the others in their next collective."""
+        try:
+            comm.on_every_rank(write, (UserError,))
+        except comm.RankFailed as e:
+            raise e.error if e.error is not None else UserError(
+                f"rank {e.rank} could not write the run's logs (its error names the file)") from None
+
+    def _log_row(self, metrics: dict) -> None:
+        """This step's row of `metrics` in the run's logs (`trainer.logger`), agreed (`_agreed_log`)."""
+        self._agreed_log(functools.partial(self.tracking.log, metrics, step=self.global_step))
+
     def _fail_together(self, err: str | None) -> None:
         """If this or any rank hit an error (`err`: this rank's message or None), every rank raises
         the first failing rank's message together; one rank raising alone would leave the others
@@ -837,16 +852,17 @@ class PPOTrainer:
         cols += [torch.tensor(extras[k], dtype=torch.float64, device=self.device) for k in names]
         per_sample = self._gather_rows(torch.stack(cols, dim=1), parts, len(full)).cpu().tolist()
         others = self._gather_other_extras(ro.other_extras or {}, parts, len(full))
-        if not self.ctx.is_main:
-            return
-        inputs = decode_batch(self.tokenizer, full.prompts)
-        outputs = decode_batch(self.tokenizer, full.responses)
-        rows = []
-        for i, vals in enumerate(per_sample):
-            rows.append(_dump_row(full, i, inputs[i], outputs[i], self.global_step + 1, vals[0],
-                                  dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()},
-                                  reward=vals[1], advantage=vals[2]))
-        dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
+        write = None
+        if self.ctx.is_main:
+            inputs = decode_batch(self.tokenizer, full.prompts)
+            outputs = decode_batch(self.tokenizer, full.responses)
+            rows = []
+            for i, vals in enumerate(per_sample):
+                rows.append(_dump_row(full, i, inputs[i], outputs[i], self.global_step + 1, vals[0],
+                                      dict(zip(names, vals[3:])), {k: v[i] for k, v in others.items()},
+                                      reward=vals[1], advantage=vals[2]))
+            write = functools.partial(dump_generations, self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
+        self._agreed_log(write)
 
     def _compute_advantages(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict,
                             baselines: torch.Tensor | None = None) -> None:
@@ -1012,8 +1028,7 @@ class PPOTrainer:
             if turns:  # a multi-turn rollout's counts over every sample, as verl logs them
                 out.update({"val-aux/num_turns/min": min(turns), "val-aux/num_turns/max": max(turns),
                             "val-aux/num_turns/mean": sum(turns) / len(turns)})
-        if dumped:
-            dump_generations(dump_dir, self.global_step, dumped)
+        self._agreed_log(functools.partial(dump_generations, dump_dir, self.global_step, dumped) if dumped else None)
         # validation's own phases (its generation's reshard, graph capture) as val_*: the step's
         # timings of the same names stay the step's
         out.update({k if k == "timing_s/testing" else k.replace("timing_s/", "timing_s/val_", 1): v
@@ -1106,15 +1121,16 @@ class PPOTrainer:
                 self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's rounds x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
                          "trainer.total_training_steps to train on")
-        self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
-                            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
-                                     self.run_dir, self.global_step, self.models.ulysses_sizes()))
+        self._agreed_log(functools.partial(
+            self.tracking.begin, self.global_step, to_commented_yaml(self.cfg),
+            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims, self.run_dir,
+                     self.global_step, self.models.ulysses_sizes())))
         self._install_signal_handlers()
         try:
             # verl validates before the first step; val_only (data.val_files required) validates the
             # model as it starts, a checkpoint's when it resumes, and ends the run there.
             if t.val_only or (t.val_before_train and self.global_step == 0 and self.val_ds is not None):
-                self.tracking.log(self._validate_apart(), step=self.global_step)
+                self._log_row(self._validate_apart())
             if t.val_only:
                 self.log(f"trainer.val_only: validated the model of step {self.global_step}, exiting without training")
                 return 0
@@ -1149,7 +1165,7 @@ class PPOTrainer:
                                            "gradient norm (optimizer steps skipped); lower the learning rate or "
                                            "check the data")
                 except StopTraining:
-                    self.tracking.log(metrics, step=self.global_step)  # the step that stopped the run, logged
+                    self._log_row(metrics)  # the step that stopped the run, logged
                     raise
                 last = self.global_step >= self.total_steps
                 # The checkpoint and the step's metrics come before the validation, so that a validation that
@@ -1161,7 +1177,7 @@ class PPOTrainer:
                 due = self.val_ds is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                     self._save_checkpoint(metrics)
-                self.tracking.log(metrics, step=self.global_step)
+                self._log_row(metrics)
                 if due and (last or not stop):
                     validation = self._validate_apart()
                     validation.update({k: metrics[k] for k in ("training/global_step", "training/epoch")})
@@ -1169,7 +1185,7 @@ class PPOTrainer:
                         stop = True
                         if self.ckpt.saved_step != self.global_step:
                             self._save_checkpoint(validation)
-                    self.tracking.log(validation, step=self.global_step)
+                    self._log_row(validation)
                 elif due:
                     self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
                              "checkpoint written first")

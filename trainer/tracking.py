@@ -265,15 +265,17 @@ class Tracking:
                     if step > 0 and isinstance(row, dict) and row.get("step", step + 1) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
             tmp = metrics.with_name(metrics.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, metrics)
+            with _written(metrics):
+                tmp.write_text("".join(kept))
+                os.replace(tmp, metrics)
         if self._tb_writer is not None:
             # verl's TENSORBOARD_DIR, else the run directory's. As metrics.jsonl above, the events of
             # steps after `step` (a killed attempt's, or an earlier run's in the same directory) go.
             self._tb = self._tb_writer(log_dir=os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard"),
                                        purge_step=step + 1)
-        (self.run_dir / "config.yaml").write_text(resolved_config + "\n")
-        (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        for name, text in (("config.yaml", resolved_config), ("run_info.json", json.dumps(info, indent=1))):
+            with _written(self.run_dir / name):
+                (self.run_dir / name).write_text(text + "\n")
         if self._bar_total is not None:
             try:
                 from tqdm import tqdm

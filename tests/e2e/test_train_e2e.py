@@ -244,6 +244,24 @@ def test_a_reward_model_template_refusing_one_ranks_row_fails_every_rank(tiny_as
         assert "the reward model's input" in line and "this prompt is not supported" in line, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("what", ["metrics", "dump"])
+def test_a_log_write_failing_on_rank_0_stops_every_rank(tiny_assets, tmp_path, what):
+    """Rank 0 alone writes metrics.jsonl and the rollout dumps: a write failing there (a full disk; here the
+    file's name taken by a directory) raised on rank 0 alone, and the other ranks waited in the next
+    collective. Now every rank stops with the error naming the file."""
+    run, dumps = tmp_path / "run", tmp_path / "dumps"
+    blocked = run / "metrics.jsonl" if what == "metrics" else dumps / "1.jsonl"
+    blocked.mkdir(parents=True)
+    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", f"trainer.rollout_data_dir={dumps}",
+                           "trainer.logger=[console,jsonl]"))
+    assert r.returncode != 0
+    for rank in (0, 1):  # (rank 1's line may follow rank 0's progress bar)
+        line = next((x for x in r.stderr.splitlines() if f"meshppo: error (rank {rank})" in x), "")
+        assert (f"writing {blocked} failed" in line if rank == 0 else "rank 0 could not write the run's logs" in line), \
+            r.stderr[-3000:]
+
+
 EXTRAS_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """The length, with extras of every kind: a string, a bool, a list on some rows only (those whose
