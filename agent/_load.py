@@ -125,3 +125,10 @@ class EventLoop:
         self.loop.close()
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def cancelled_from_outside() -> bool:
+    """Whether the asyncio.CancelledError being handled cancels the running task (the event loop closing), not
+    one that a tool's or interaction's code raised itself (a bug to report: it would end the task unseen)."""
+    task = asyncio.current_task()
+    return task is not None and bool(getattr(task, "cancelling", lambda: 1)())

@@ -24,7 +24,7 @@ import os
 from typing import Any
 from uuid import uuid4
 
-from agent._load import load_class, read_entries, run
+from agent._load import cancelled_from_outside, load_class, read_entries, run
 from rewards import gsm8k
 
 INTERACTION_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
@@ -216,7 +216,9 @@ async def _call(interaction: BaseInteraction, method: str, *args, **kwargs):
     """`interaction.method(*args, **kwargs)`; what it raises becomes an InteractionError naming it."""
     try:
         return await getattr(interaction, method)(*args, **kwargs)
-    except Exception as err:
+    except (Exception, asyncio.CancelledError) as err:
+        if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
+            raise
         raise InteractionError(f"interaction {interaction.name!r} ({type(interaction).__name__}).{method} "
                                f"failed: {type(err).__name__}: {err}") from err
 

@@ -333,21 +333,32 @@ def _first_rank(work: Callable, runs: bool, share: Callable):
         try:
             out = ("ok", work())
         except Exception as err:  # noqa: BLE001 - re-raised below, after the others hear of it
-            kind = next((i for i, error in enumerate(_SHARED_ERRORS) if isinstance(err, error)), None)
-            share(("error", (kind, str(err) if kind is not None else f"{type(err).__name__}: {err}")))
+            share(("error", shareable_error(err)))
             raise
     kind, value = share(out)
     if kind == "error":
-        shared, text = value
-        raise (RuntimeError if shared is None else _SHARED_ERRORS[shared])(f"{FIRST_TP_RANK} {text}")
+        raise error_heard(value, FIRST_TP_RANK)
     return value
 
 
 # The errors a user's tool or interaction causes (input errors, said in one line): raised as
-# themselves on the ranks that hear of them, after FIRST_TP_RANK (which the launcher reads as
-# another rank's copy of the same error).
+# themselves on the ranks that hear of them, after where they happened (which the launcher reads
+# as another rank's copy of the same error).
 _SHARED_ERRORS = (ToolError, InteractionError)
 FIRST_TP_RANK = "(on the engine's first TP rank, which runs the tools and interactions)"
+
+
+def shareable_error(err: Exception) -> tuple[int | None, str]:
+    """`err` as other ranks can hear of it (it pickles): the index of its kind in `_SHARED_ERRORS` (None for
+    another error) and its text."""
+    kind = next((i for i, error in enumerate(_SHARED_ERRORS) if isinstance(err, error)), None)
+    return kind, str(err) if kind is not None else f"{type(err).__name__}: {err}"
+
+
+def error_heard(shared: tuple[int | None, str], where: str) -> Exception:
+    """The error another rank hit (`shareable_error`), to raise here: a tool's or an interaction's as itself."""
+    kind, text = shared
+    return (RuntimeError if kind is None else _SHARED_ERRORS[kind])(f"{where} {text}")
 
 
 __all__ = ["ToolAgent", "TurnOutput"]

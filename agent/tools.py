@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
-from agent._load import load_class, read_entries, run
+from agent._load import cancelled_from_outside, load_class, read_entries, run
 from agent.tool_parser import ToolCall
 from rewards import gsm8k
 from rewards.registry import real_value
@@ -352,11 +352,18 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
     except Exception as err:
         logger.warning("%s%s", ERROR_PREFIX, err)
         return f"{ERROR_PREFIX}{err}", 0.0, {}
+    except asyncio.CancelledError as err:
+        if cancelled_from_outside():
+            raise
+        raise ToolError(f"tool {call.name!r} raised asyncio.CancelledError (a BaseException, which nothing above "
+                        "it expects from a call)") from err
     finally:
         if tool is not None and instance_id is not None:
             try:
                 await tool.release(instance_id)
-            except Exception as err:  # noqa: BLE001 - a bug in the tool, not the model's mistake: stops the run
+            except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 - a bug in the tool: stops the run
+                if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
+                    raise
                 raise ToolError(f"tool {call.name!r} ({type(tool).__name__}).release failed: "
                                 f"{type(err).__name__}: {err}") from err
     return truncate_tool_text(_response_text(tool, response), limit, side), _reward(tool, reward), metrics

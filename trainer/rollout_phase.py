@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from agent.loop import ToolAgent
+from agent.loop import ToolAgent, error_heard, shareable_error
 from rollout.sequence import derive_seed
 from trainer.roles import Actor
 from trainer.tracking import PeakMemory, Timer
@@ -46,14 +46,23 @@ class AgentRows:
     interaction_kwargs: list[dict | None]
 
 
-def _all_gather_outputs(local: list, index: int, count: int) -> list:
-    """Every engine replica's outputs, in replica order (each replica's TP ranks agree)."""
+def _all_gather_outputs(local: list | None, index: int, count: int, error: Exception | None = None) -> list:
+    """Every engine replica's outputs, in replica order (each replica's TP ranks agree). `error`: this replica's
+    rollout failed (a tool's or an interaction's error, on every rank of its TP group): every rank raises, the
+    other replicas' ranks the same error, where they would have waited in their next collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
         return local
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (index, local))
+    dist.all_gather_object(gathered, (index, local, None if error is None else shareable_error(error)))
+    if error is not None:
+        raise error
+    failed = next(((idx, shared) for idx, _, shared in gathered if shared is not None), None)
+    if failed is not None:
+        raise error_heard(failed[1], f"(on engine replica {failed[0]})")
     by_replica = {}
-    for idx, outs in gathered:
+    for idx, outs, _ in gathered:
         by_replica.setdefault(idx, outs)
     return [o for i in range(count) for o in by_replica[i]]
 
@@ -68,8 +77,8 @@ class _Rollout:
         lo, hi = self.replica * n // self.replicas, (self.replica + 1) * n // self.replicas
         return lo, prompts[lo:hi]
 
-    def _share(self, outs: list) -> list:
-        return _all_gather_outputs(outs, self.replica, self.replicas)
+    def _share(self, outs: list | None, error: Exception | None = None) -> list:
+        return _all_gather_outputs(outs, self.replica, self.replicas, error)
 
 
 class EngineRollout(_Rollout):
@@ -108,10 +117,14 @@ class EngineRollout(_Rollout):
             # Each sample of prompt lo + i is its own row, keyed (lo + i, k) as the single-turn call keys it.
             rows = [(i, k) for i in range(len(mine)) for k in range(n)]
             per_row = lambda xs: [xs[lo + i] for i, _ in rows]  # noqa: E731
-            outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows], per_row(agent.agents),
-                                  per_row(agent.tools_kwargs), serve, runs_tools=self.engine.tp.rank == 0,
-                                  share=self._tp_broadcast, messages=per_row(agent.messages),
-                                  interaction_kwargs=per_row(agent.interaction_kwargs))
+            try:
+                outs = agent.loop.run([mine[i] for i, _ in rows], [(lo + i, k) for i, k in rows],
+                                      per_row(agent.agents), per_row(agent.tools_kwargs), serve,
+                                      runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast,
+                                      messages=per_row(agent.messages),
+                                      interaction_kwargs=per_row(agent.interaction_kwargs))
+            except Exception as err:  # noqa: BLE001 - raised on every rank by `_share`, the other replicas told
+                return self._share(None, err)
             self.engine.drop_kept()
         # Decode graphs are captured in the first generation, and again only when the weights or
         # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.

@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -349,3 +350,56 @@ def _failing_interaction_body(rank, world_size, root):
 def test_a_failing_interaction_is_an_input_error_on_every_rank(tmp_path):
     _assets(str(tmp_path))
     run_distributed(_failing_interaction_body, 2, str(tmp_path), timeout=600)
+
+
+class UnstartableOnRank0(BaseInteraction):
+    """An interaction whose sessions cannot start on rank 0 alone: one engine replica's rollout fails."""
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        if dist.get_rank() == 0:
+            raise KeyError("no session")
+        return instance_id
+
+
+class Cancelled(BaseInteraction):
+    """An interaction whose session start raises asyncio.CancelledError (a BaseException, no Exception)."""
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        import asyncio
+
+        raise asyncio.CancelledError()
+
+
+def _replica_error_body(rank, world_size, root, interaction, tp):
+    """`run` on 2 ranks with an interaction of `interaction`'s class: every rank stops with one line naming the
+    error, the ranks that did not hit it too (another engine replica's, TP 1; the first TP rank's, TP 2)."""
+    import contextlib
+    import io
+
+    from trainer.ppo_trainer import run
+
+    path = os.path.join(root, f"{interaction}.yaml")
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write(f"interaction:\n  - name: judge\n    class_name: tests.e2e.test_multi_turn_trainer.{interaction}\n")
+    dist.barrier()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(_config(root, f"run_{interaction}", world_size,
+                           f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={path}",
+                           f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"))
+    last = err.getvalue().splitlines()[-1]
+    cause = "CancelledError: " if interaction == "Cancelled" else "KeyError: 'no session'"
+    error = f"interaction 'judge' ({interaction}).start_interaction failed: {cause}"
+    where = ("" if rank == 0 else "(on engine replica 0) " if tp == 1 else
+             "(on the engine's first TP rank, which runs the tools and interactions) ")
+    assert code == 1 and last.startswith(f"meshppo: error (rank {rank}): {where}") and error in last, err.getvalue()
+    assert "Traceback" not in err.getvalue()
+
+
+@pytest.mark.parametrize("interaction,tp", [("UnstartableOnRank0", 1), ("Cancelled", 2)])
+def test_a_failing_replica_or_cancelled_call_stops_every_rank(tmp_path, interaction, tp):
+    """One engine replica's rollout failing (TP 1: rank 0's interaction) left the other replica's ranks in the
+    gather of the outputs; a call raising asyncio.CancelledError at TP 2 escaped the TP group's agreement."""
+    _assets(str(tmp_path))
+    run_distributed(_replica_error_body, 2, str(tmp_path), interaction, tp, timeout=300)
