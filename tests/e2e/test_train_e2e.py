@@ -288,7 +288,6 @@ def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_p
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            f"trainer.rollout_data_dir={tmp_path / 'dump'}",
                            f"trainer.validation_data_dir={tmp_path / 'val'}",
@@ -332,7 +331,6 @@ def test_dapo_overlong_penalty_through_the_trainer(tiny_assets, tmp_path):
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            "reward_model.reward_manager=dapo", f"{buffer}.enable=True", f"{buffer}.len=6",
                            f"{buffer}.penalty_factor=0.5", f"{buffer}.log=True", "+reward_model.reward_kwargs.max_resp_len=6",
@@ -392,7 +390,6 @@ def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_p
     r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                            "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
                            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
                            "reward_model.reward_manager=prime", f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
     assert r.returncode == 0, r.stderr[-4000:]
