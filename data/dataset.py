@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import codecs
+import hashlib
 import json
 import logging
 import math
@@ -470,6 +471,7 @@ class RLHFDataset:
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         self._load(chosen_records(self.files, max_samples, shuffle, seed))
+        self.fingerprint = self._fingerprint()
         if self.num_filtered:
             logger.warning(
                 "filtered %d prompt(s) longer than max_prompt_length=%d tokens from %s",
@@ -607,6 +609,15 @@ class RLHFDataset:
                 "where": where,  # FILE:ROW, for an error about the row found later
             })
 
+    def _fingerprint(self) -> str:
+        """A digest of what the items train on, in order: each prompt's ids, data source and ground truth
+        (a checkpoint's data position fits only the same items: `PromptDataLoader.check_state_dict`)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for item in self._items:
+            digest.update(item["input_ids"].tobytes())
+            digest.update(repr((item["data_source"], item["ground_truth"])).encode() + b"\0")
+        return digest.hexdigest()
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -694,19 +705,27 @@ class PromptDataLoader:
         while self._epoch == epoch:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, int]:
-        """`{"epoch", "position", "size"}`: where the next batch starts, in a dataset of `size` items."""
-        return {"epoch": self._epoch, "position": self._position, "size": len(self.dataset)}
+    def state_dict(self) -> dict[str, int | str]:
+        """`{"epoch", "position", "size"}`: where the next batch starts, in a dataset of `size` items; and
+        `"data"`, the dataset's `fingerprint` where it has one."""
+        state = {"epoch": self._epoch, "position": self._position, "size": len(self.dataset)}
+        fingerprint = getattr(self.dataset, "fingerprint", None)
+        return state if fingerprint is None else {**state, "data": fingerprint}
 
-    def check_state_dict(self, state: dict[str, int]) -> None:
+    def check_state_dict(self, state: dict[str, int | str]) -> None:
         """ValueError when `state` is not a position in this dataset: saved over a dataset of
-        another size (the files changed since; the shuffled order is another then, and batches
-        would repeat or skip prompts), or out of range."""
+        another size or other items (the files changed since; the batches would repeat or skip
+        prompts, or the run would go on with other ones), or out of range."""
         n = len(self.dataset)
         size = state.get("size")  # absent from checkpoints written before it was saved
+        changed = None
         if size is not None and int(size) != n:
-            raise ValueError(f"its run trained on {size} prompts, and data.train_files (with the data options) now "
-                             f"give {n}: the training data changed since it was written, so its place in the data "
+            changed = f"its run trained on {size} prompts, and data.train_files (with the data options) now give {n}"
+        elif state.get("data") not in (None, getattr(self.dataset, "fingerprint", None)):  # (absent: older)
+            changed = (f"its run trained on other prompts or answers than data.train_files (with the data options) "
+                       f"now give, as many ({n}) but not the same in the same order")
+        if changed:
+            raise ValueError(f"{changed}: the training data changed since it was written, so its place in the data "
                              "does not carry over; restore the files as they were, or start a fresh run "
                              "(trainer.resume_mode=disable or another trainer.default_local_dir) from its exported "
                              "model")

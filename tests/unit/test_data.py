@@ -609,10 +609,32 @@ def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
     consumed = [batch for _, batch in zip(range(3), resumed)]  # __iter__ advances the state too
     assert len(consumed) == 3
     state = resumed.state_dict()
-    assert state == {"epoch": 0, "position": 12, "size": 20}
+    assert state == {"epoch": 0, "position": 12, "size": 20, "data": ds.fingerprint}
     again = PromptDataLoader(ds, batch_size=4, seed=3)
-    again.load_state_dict(state)
+    again.load_state_dict(json.loads(json.dumps(state)))
     assert again.next_batch() == fourth
+
+
+def test_loader_state_of_other_rows_of_the_same_count_is_refused(tmp_path, tokenizer):
+    """The files changed since the checkpoint, as many rows as before: reordered, one prompt or one answer
+    edited. The position would go on over other prompts (resumed silently before); refused as a change of
+    size is. The same rows read again (another file, the same content) resume."""
+    rows = make_demo_rows(12, seed=0)
+    ds = RLHFDataset(write_jsonl(rows, tmp_path / "d.jsonl"), tokenizer)
+    loader = PromptDataLoader(ds, batch_size=4, seed=3)
+    loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))
+    again = RLHFDataset(write_jsonl(rows, tmp_path / "same.jsonl"), tokenizer)
+    PromptDataLoader(again, batch_size=4, seed=3).load_state_dict(state)
+    edited_prompt = [dict(r) for r in rows]
+    edited_prompt[7] = {**rows[7], "prompt": rows[8]["prompt"]}
+    edited_answer = [dict(r) for r in rows]
+    edited_answer[2] = {**rows[2], "reward_model": {"ground_truth": "1234"}}
+    for name, changed in (("reordered", rows[1:] + rows[:1]), ("prompt", edited_prompt), ("answer", edited_answer)):
+        other = RLHFDataset(write_jsonl(changed, tmp_path / f"{name}.jsonl"), tokenizer)
+        assert len(other) == len(ds) and other.fingerprint != ds.fingerprint, name
+        with pytest.raises(ValueError, match=r"other prompts or answers .* as many \(12\) but not the same"):
+            PromptDataLoader(other, batch_size=4, seed=3).load_state_dict(state)
 
 
 def test_loader_errors():
