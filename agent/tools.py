@@ -349,14 +349,13 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
         kwargs = (tools_kwargs or {}).get(call.name) or {}
         instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
         response, reward, metrics = await tool.execute(instance_id, arguments)
-    except Exception as err:
+    except (Exception, asyncio.CancelledError) as err:
+        if isinstance(err, asyncio.CancelledError):  # a BaseException, which nothing above expects from a call
+            if cancelled_from_outside():
+                raise
+            raise ToolError(f"tool {call.name!r} raised asyncio.CancelledError") from err
         logger.warning("%s%s", ERROR_PREFIX, err)
         return f"{ERROR_PREFIX}{err}", 0.0, {}
-    except asyncio.CancelledError as err:
-        if cancelled_from_outside():
-            raise
-        raise ToolError(f"tool {call.name!r} raised asyncio.CancelledError (a BaseException, which nothing above "
-                        "it expects from a call)") from err
     finally:
         if tool is not None and instance_id is not None:
             try:

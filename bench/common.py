@@ -53,8 +53,7 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
 
 
 def model_args(name: str, **overrides) -> ModelArgs:
-    """A fresh copy of a named shape (`MODEL_SHAPES`: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`,
-    `qwen3-1.7b`)."""
+    """A fresh copy of a named shape of `MODEL_SHAPES`."""
     if name not in MODEL_SHAPES:
         raise KeyError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
     return dataclasses.replace(MODEL_SHAPES[name], **overrides)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import emit, model_args  # noqa: E402
+from models.checkpoint import hf_architecture  # noqa: E402
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -77,7 +78,7 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
 
         args = model_args(name, **shape)
         if dummy:
-            args.to_hf_config(architecture="Qwen2ForCausalLM").save_pretrained(str(model_dir))
+            args.to_hf_config(architecture=hf_architecture(args.model_type)).save_pretrained(str(model_dir))
         else:
             Transformer.build(args, device="cpu", dtype=torch.bfloat16, seed=0).save_pretrained(model_dir)
         chars = token_chars(args.vocab_size)

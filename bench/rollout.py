@@ -99,6 +99,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, GpuTelemetry, emit, model_args  # noqa: E402
+from models.checkpoint import hf_architecture  # noqa: E402
 from rollout import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from rollout.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402
 
@@ -441,7 +442,7 @@ def measure_hf(name: str, batch: int, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     margs = model_args(name)
-    cfg = margs.to_hf_config(architecture="Qwen2ForCausalLM")
+    cfg = margs.to_hf_config(architecture=hf_architecture(margs.model_type))
     with torch.device("cuda"):
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")

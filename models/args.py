@@ -56,6 +56,9 @@ class ModelArgs:
                     f"{self.num_attention_heads}; give head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type == "qwen3" and (self.attention_bias or self.mlp_bias):
+            raise ValueError("qwen3 with attention_bias or mlp_bias is not supported (transformers' Qwen3 then has "
+                             "an o_proj bias too, which meshppo's attention lacks)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -140,8 +143,6 @@ class ModelArgs:
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             raise ValueError(f"{model_type} use_sliding_window=true is not supported")
-        if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
-            raise ValueError(f"{model_type} attention_bias=true (biases on q/k/v and o_proj) is not supported")
         windowed = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
         if windowed:
             raise ValueError(f"layer_types {windowed} are not supported (only full_attention)")

@@ -33,6 +33,13 @@ def meshppo_key_to_hf(key: str) -> str:
     return key if key.startswith(_TOP_LEVEL) else "model." + key
 
 
+def hf_architecture(model_type: str, head: str = "lm") -> str:
+    """The transformers class a directory of `model_type` is written as: a causal LM (`head="lm"`) or, for a
+    value model, a token classifier."""
+    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    return f"{family}ForCausalLM" if head == "lm" else f"{family}ForTokenClassification"
+
+
 class CheckpointFileError(ValueError):
     """A file of a model or checkpoint directory that cannot be used (malformed, truncated, unsupported):
     the message names the file."""
@@ -174,12 +181,7 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     args: ModelArgs = model.args
-    if model.head == "value":
-        arch = {"qwen2": "Qwen2ForTokenClassification", "qwen3": "Qwen3ForTokenClassification",
-                "llama": "LlamaForTokenClassification"}[args.model_type]
-    else:
-        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[args.model_type]
-    hf_config = args.to_hf_config(architecture=arch)
+    hf_config = args.to_hf_config(architecture=hf_architecture(args.model_type, model.head))
     if model.head == "value":
         hf_config.num_labels = 1
     sd = state_dict if state_dict is not None else model.state_dict()

@@ -97,7 +97,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        if args.qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE
+        self.qk_norm = args.qk_norm
+        if self.qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.scale = d ** -0.5
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_qk(q, k, cos, sin)
         if cu_seqlens is not None and self.sequence_parallel is not None:

@@ -156,19 +156,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
 
 
 @triton.jit
-def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # program (t, h): head h of token t's q (h < HQ) or k (h - HQ), normed in place (`TorchOps.qk_norm`)
+def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, HEADS, D, eps, HEADS_P: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    # program t: every head of token t's q (h < HQ) and k (the next HEADS - HQ), each normed over its D
+    # values in place, as `rms_norm_row` norms a row (`TorchOps.qk_norm`); one program a token, not a head
     _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    ptr = qkv_ptr + t * stride_t + h * D + offs
-    y, _ = rms_norm_row(tl.load(ptr, mask=mask, other=0.0), D, eps)
-    if h < HQ:
-        w = tl.load(q_w_ptr + offs, mask=mask, other=0.0)
-    else:
-        w = tl.load(k_w_ptr + offs, mask=mask, other=0.0)
+    h = tl.arange(0, HEADS_P)[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    mask = (h < HEADS) & (d < D)
+    ptr = qkv_ptr + t * stride_t + h * D + d
+    x = tl.load(ptr, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    y = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.where(h < HQ, tl.load(q_w_ptr + d, mask=d < D, other=0.0), tl.load(k_w_ptr + d, mask=d < D, other=0.0))
     tl.store(ptr, (y.to(tl.float32) * w.to(tl.float32)).to(qkv_ptr.dtype.element_ty), mask=mask)
 
 
@@ -783,8 +785,11 @@ class TritonOps:
     def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
         t = qkv.shape[0]
         if t:
-            _qk_norm_kernel[(t, num_heads + num_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, head_dim,
-                                                          eps, BLOCK=_pow2(head_dim), num_warps=1, **_launch(qkv))
+            heads = num_heads + num_kv_heads
+            block = _pow2(heads) * _pow2(head_dim)
+            _qk_norm_kernel[(t,)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, heads, head_dim, eps,
+                                  HEADS_P=_pow2(heads), BLOCK=_pow2(head_dim), num_warps=4 if block <= 4096 else 8,
+                                  **_launch(qkv))
         return qkv
 
     @staticmethod

@@ -65,6 +65,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
+from models.args import torch_dtypes
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
 from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
@@ -189,6 +190,8 @@ PREDATING_VALUES = {"reward_model.model.input_tokenizer": None}
 # Options of which a part only acts: a resume compares that part. The models' override_config may change its
 # keys that change nothing (attn_implementation, ...), not those that change the model (rope_theta, ...).
 ACTING_PART = {f"{section}.override_config": functools.partial(acting_overrides, section) for section in MODEL_SECTIONS}
+# a dtype by what it is, not how it is spelled (fp32 and float32 are one)
+ACTING_PART.update({key: lambda name: torch_dtypes().get(name, name) for key in SAME_RUN_EXCEPTIONS})
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

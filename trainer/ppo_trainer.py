@@ -543,7 +543,7 @@ class PPOTrainer:
         return out, self._agreed_extras(extras, len(ro)), others, own
 
     def _agreed_log(self, write) -> None:
-        """`write` (rank 0's: a metrics row, a dump, the run's files; None where a rank writes nothing) agreed on
+        """`write` (rank 0's: a metrics row, a dump; None where a rank writes nothing) agreed on
         every rank: its failure (a UserError naming the file: a full disk, a quota) stops every rank together,
         where rank 0 raising alone left the others in their next collective."""
         try:
@@ -1121,10 +1121,9 @@ class PPOTrainer:
                 self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's rounds x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
                          "trainer.total_training_steps to train on")
-        self._agreed_log(functools.partial(
-            self.tracking.begin, self.global_step, to_commented_yaml(self.cfg),
-            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims, self.run_dir,
-                     self.global_step, self.models.ulysses_sizes())))
+        self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
+                            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
+                                     self.run_dir, self.global_step, self.models.ulysses_sizes()))
         self._install_signal_handlers()
         try:
             # verl validates before the first step; val_only (data.val_files required) validates the

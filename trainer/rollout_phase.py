@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from agent import InteractionError, ToolError
 from agent.loop import ToolAgent, error_heard, shareable_error
 from rollout.sequence import derive_seed
 from trainer.roles import Actor
@@ -123,8 +124,8 @@ class EngineRollout(_Rollout):
                                       runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast,
                                       messages=per_row(agent.messages),
                                       interaction_kwargs=per_row(agent.interaction_kwargs))
-            except Exception as err:  # noqa: BLE001 - raised on every rank by `_share`, the other replicas told
-                return self._share(None, err)
+            except (ToolError, InteractionError) as err:  # on every rank of this replica's TP group (its first
+                return self._share(None, err)                # rank's tools); the other replicas hear of it here
             self.engine.drop_kept()
         # Decode graphs are captured in the first generation, and again only when the weights or
         # the KV pool came back at other addresses (free_weights() keeps the graphs): each step shows it.

@@ -223,7 +223,7 @@ class Tracking:
         self.enabled = enabled
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
-        self._tb = self._tb_writer = self._wandb = self._bar = self._bar_total = None
+        self._tb = self._tb_class = self._wandb = self._bar = self._bar_total = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +233,7 @@ class Tracking:
             except ImportError as e:
                 raise RuntimeError("trainer.logger includes tensorboard but the tensorboard package is not "
                                    "installed: pip install tensorboard, or remove it from trainer.logger") from e
-            self._tb_writer = SummaryWriter  # opened by `begin`, which knows the step the run starts at
+            self._tb_class = SummaryWriter  # opened by `begin`, which knows the step the run starts at
         if "wandb" in loggers:
             try:
                 import wandb
@@ -268,11 +268,12 @@ class Tracking:
             with _written(metrics):
                 tmp.write_text("".join(kept))
                 os.replace(tmp, metrics)
-        if self._tb_writer is not None:
+        if self._tb_class is not None:
             # verl's TENSORBOARD_DIR, else the run directory's. As metrics.jsonl above, the events of
-            # steps after `step` (a killed attempt's, or an earlier run's in the same directory) go.
-            self._tb = self._tb_writer(log_dir=os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard"),
-                                       purge_step=step + 1)
+            # steps after `step` (a killed attempt's) go, and on a fresh start every earlier run's.
+            log_dir = os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard")
+            with _written(log_dir):
+                self._tb = self._tb_class(log_dir=log_dir, purge_step=step + 1 if step else 0)
         for name, text in (("config.yaml", resolved_config), ("run_info.json", json.dumps(info, indent=1))):
             with _written(self.run_dir / name):
                 (self.run_dir / name).write_text(text + "\n")

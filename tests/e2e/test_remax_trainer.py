@@ -98,7 +98,7 @@ def _reward_model_body(rank, world_size, assets, run_root, rm):
     def checked(full, ro, parts, metrics, baselines):
         # the former way, before the update: every rank scores every greedy response
         calls = list(seen["rm_rows"])
-        greedy = scores(seen["greedy"])
+        greedy = scores(trainer.reward_model.model_batch(seen["greedy"]))
         assert len(greedy) == 3 and greedy.max() - greedy.min() > 1e-3, greedy  # the prompts' baselines differ
         torch.testing.assert_close(baselines, greedy[torch.tensor(full.uids)], rtol=0, atol=1e-6)
         seen["calls"] = calls

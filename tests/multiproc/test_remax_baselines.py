@@ -27,6 +27,9 @@ class _CountingRewardModel:
 
         self.rows, self.forwards, self.model = [], 0, torch.nn.Linear(1, 1)
 
+    def model_batch(self, ro):
+        return ro
+
     def scores(self, ro):
         import torch
 

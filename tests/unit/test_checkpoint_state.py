@@ -76,6 +76,18 @@ def test_what_makes_the_same_run():
         assert k in ALL_KEYS and k not in keys, k
 
 
+def test_the_master_weights_dtype_differs_by_what_it_is_not_its_spelling():
+    saved, current = PPOConfig(), PPOConfig()
+    saved.actor_rollout_ref.actor.fsdp_config.model_dtype = "fp32"
+    current.actor_rollout_ref.actor.fsdp_config.model_dtype = "float32"
+    assert run_differences(dataclasses.asdict(saved), dataclasses.asdict(current)) == []
+    current.actor_rollout_ref.actor.fsdp_config.model_dtype = "bf16"
+    current.critic.model.fsdp_config.model_dtype = "bfloat16"
+    assert run_differences(dataclasses.asdict(saved), dataclasses.asdict(current)) == [
+        ("actor_rollout_ref.actor.fsdp_config.model_dtype", "fp32", "bf16"),
+        ("critic.model.fsdp_config.model_dtype", "fp32", "bfloat16")]
+
+
 def test_run_differences_lists_changed_training_options_only():
     saved = PPOConfig()
     current = PPOConfig()

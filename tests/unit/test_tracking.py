@@ -76,11 +76,11 @@ def test_tensorboard_keeps_the_steps_up_to_the_start_step(tmp_path):
             t.log({"x": value + step}, step=step)
         t.close()
 
-    attempt(0, [1, 2, 3, 4], 10.0)
+    attempt(0, [0, 1, 2, 3, 4], 10.0)  # step 0: val_before_train's row
     attempt(2, [3, 4, 5], 20.0)
-    assert scalars() == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
-    attempt(0, [1], 30.0)
-    assert scalars() == [(1, 31.0)]
+    assert scalars() == [(0, 10.0), (1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
+    attempt(0, [0, 1], 30.0)
+    assert scalars() == [(0, 30.0), (1, 31.0)]
 
 
 def test_banner_of_a_gpu_hsdp_run():
