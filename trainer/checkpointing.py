@@ -302,6 +302,16 @@ def agreed_write(what: str, fn: Callable[[], object] | None) -> None:
         raise WriteFailed(what, e.error, e.rank) from None
 
 
+def agreed_user_error(fn: Callable[[], object] | None, others_say: Callable[[int], str]) -> None:
+    """`sharding.comm.on_every_rank` for a step that can fail with a UserError on some ranks only (a rank's
+    own file): every rank raises, the failed ones their own error, the others `others_say(the first rank
+    that failed)`."""
+    try:
+        comm.on_every_rank(fn, (UserError,))
+    except comm.RankFailed as e:
+        raise e.error if e.error is not None else UserError(others_say(e.rank)) from None
+
+
 def _flushed(f) -> None:
     """`f`'s bytes on the disk, not only in the page cache: after a power loss or a node's crash a
     checkpoint's completion marker (the trainer state), its RNG files and the pointer to it hold
@@ -588,12 +598,9 @@ class CheckpointManager:
                                     "checkpoint or leave 'extra' out of actor_rollout_ref.actor.checkpoint.load_contents")
                 rng = read_rng_state(rng_file)
 
-        try:  # a rank's own file: agreed, so that no rank is left in the models' load below
-            comm.on_every_rank(read_rng, (UserError,))
-        except comm.RankFailed as e:
-            raise e.error if e.error is not None else UserError(
-                f"checkpoint {path!r}: rank {e.rank}'s RNG state is missing or unreadable (that rank's log says "
-                "which file and why)") from None
+        # a rank's own file: agreed, so that no rank is left in the models' load below
+        agreed_user_error(read_rng, lambda rank: f"checkpoint {path!r}: rank {rank}'s RNG state is missing or "
+                                                 "unreadable (that rank's log says which file and why)")
         loads = []  # (directory, model, optimizer or None) of each model whose weights load
         for name, (model, optimizer) in self.models.items():
             wanted = self.contents(name, "load_contents")

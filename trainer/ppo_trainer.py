@@ -35,7 +35,8 @@ from models.checkpoint import CheckpointFileError
 from models.tokenizer import decode_batch
 from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl_penalty
 from trainer import faults, gc_control
-from trainer.checkpointing import CheckpointManager, RngSnapshot, agreed_write, export_hf, rng_set_aside
+from trainer.checkpointing import (CheckpointManager, RngSnapshot, agreed_user_error, agreed_write, export_hf,
+                                  rng_set_aside)
 from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
                             paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
@@ -546,11 +547,7 @@ class PPOTrainer:
         """`write` (rank 0's: a metrics row, a dump; None where a rank writes nothing) agreed on
         every rank: its failure (a UserError naming the file: a full disk, a quota) stops every rank together,
         where rank 0 raising alone left the others in their next collective."""
-        try:
-            comm.on_every_rank(write, (UserError,))
-        except comm.RankFailed as e:
-            raise e.error if e.error is not None else UserError(
-                f"rank {e.rank} could not write the run's logs (its error names the file)") from None
+        agreed_user_error(write, lambda rank: f"rank {rank} could not write the run's logs (its error names the file)")
 
     def _log_row(self, metrics: dict) -> None:
         """This step's row of `metrics` in the run's logs (`trainer.logger`), agreed (`_agreed_log`)."""
