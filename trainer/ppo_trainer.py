@@ -1025,7 +1025,8 @@ class PPOTrainer:
             if turns:  # a multi-turn rollout's counts over every sample, as verl logs them
                 out.update({"val-aux/num_turns/min": min(turns), "val-aux/num_turns/max": max(turns),
                             "val-aux/num_turns/mean": sum(turns) / len(turns)})
-        self._agreed_log(functools.partial(dump_generations, dump_dir, self.global_step, dumped) if dumped else None)
+        if dump_dir:  # (the same on every rank; the rows are rank 0's)
+            self._agreed_log(functools.partial(dump_generations, dump_dir, self.global_step, dumped) if dumped else None)
         # validation's own phases (its generation's reshard, graph capture) as val_*: the step's
         # timings of the same names stay the step's
         out.update({k if k == "timing_s/testing" else k.replace("timing_s/", "timing_s/val_", 1): v
