@@ -147,7 +147,7 @@ def _logprob_errors(model, outs) -> torch.Tensor:
     return torch.cat(errs)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_fp8_engine_matches_a_fake_quantized_training_forward(kind):
     # The float32 engine and the float64 reference round the same values to e4m3, except where one lies within
     # float32 noise of a rounding boundary. Such a flip moves the log-probs of its sequence from there on

@@ -1,5 +1,6 @@
 """LoRA adapters (models/lora.py) on a tiny Qwen2 model, against `peft` and `transformers` (float32)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -32,19 +33,21 @@ def _ids(seed=0, shape=(3, 20)):
     return torch.randint(0, ARGS.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _base(seed=0):
-    model = Transformer.build(ARGS, seed=seed)
-    with torch.no_grad():  # biases start at zero; give them values so that every path sees them
+def _base(seed=0, args=ARGS):
+    model = Transformer.build(args, seed=seed)
+    with torch.no_grad():  # biases start at zero, norms at one; give them values so that every path sees them
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(8))
     return model
 
 
-def _adapted(cfg, seed=0):
+def _adapted(cfg, seed=0, args=ARGS):
     """A base model and an adapted copy whose B is non-zero (a trained adapter)."""
-    base = _base(seed)
-    model = _base(seed)
+    base = _base(seed, args)
+    model = _base(seed, args)
     inject_lora(model, cfg, torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -212,9 +215,11 @@ def test_export_round_trips_and_bad_adapters_are_refused(tmp_path):
         load_peft_adapter(other, tmp_path / "b")
 
 
-def test_merged_export_loads_in_transformers_with_our_logits(tmp_path):
+@pytest.mark.parametrize("args", [ARGS, dataclasses.replace(ARGS, model_type="qwen3", attention_bias=False,
+                                                             head_dim=24)], ids=["qwen2", "qwen3"])
+def test_merged_export_loads_in_transformers_with_our_logits(tmp_path, args):
     cfg = LoRAConfig(rank=8, alpha=32)
-    _, model = _adapted(cfg)
+    _, model = _adapted(cfg, args=args)
     merged = merged_state_dict({k: v.detach() for k, v in model.state_dict().items()}, cfg.scaling)
     assert not any("lora" in k for k in merged)
     model.save_pretrained(tmp_path / "merged", state_dict=merged)
