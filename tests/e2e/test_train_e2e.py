@@ -158,24 +158,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(tiny_assets, tmp_path, estimator):
-    """The RL machinery itself (rollout -> reward -> advantages -> clipped update -> new weights
-    in the engine) must climb a reward that any policy can climb, whatever the numerics of
-    the machine: the demo's addition task is a weak signal whose gain varies with the seed."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(DENSE_REWARD)
-    run = tmp_path / "run"
-    extra = ["critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=64"] if estimator == "gae" else []
-    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=10", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
-                           f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.optim.lr=3e-3",
-                           "actor_rollout_ref.actor.kl_loss_coef=0.001", *extra))
-    assert r.returncode == 0, r.stderr[-4000:]
-    score = [row["critic/score/mean"] for row in read_metrics(run)]
-    assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
-
-
 @pytest.fixture(scope="module")
 def qwen3_assets(tmp_path_factory):
     """`tiny_assets` with a Qwen3 model (per-head q/k norms, no q/k/v biases)."""
@@ -184,30 +166,43 @@ def qwen3_assets(tmp_path_factory):
                              "--model-type", "qwen3")
 
 
-def test_a_qwen3_policy_climbs_and_exports_for_transformers(qwen3_assets, tmp_path):
-    """A Qwen3 model through the whole loop on 2 ranks (FSDP, TP 2 engine fed by the resharder, GRPO) climbs
-    the dense reward as the Qwen2 test does; its per-head q/k norms train, and the exported policy loads in
-    transformers as Qwen3ForCausalLM with meshppo's logits."""
+@pytest.mark.parametrize("estimator,model", [("grpo", "qwen2"), ("gae", "qwen2"), ("grpo", "qwen3")])
+def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(request, tmp_path, estimator, model):
+    """The RL machinery itself (rollout -> reward -> advantages -> clipped update -> new weights
+    in the engine) must climb a reward that any policy can climb, whatever the numerics of
+    the machine: the demo's addition task is a weak signal whose gain varies with the seed.
+    A Qwen3 model climbs it too with a TP 2 engine fed by the resharder; its per-head q/k norms
+    train, and the exported policy loads in transformers as Qwen3ForCausalLM with meshppo's logits."""
+    assets = request.getfixturevalue("qwen3_assets" if model == "qwen3" else "tiny_assets")
+    reward = tmp_path / "reward.py"
+    reward.write_text(DENSE_REWARD)
+    run = tmp_path / "run"
+    extra = ["critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=64"] if estimator == "gae" else []
+    if model == "qwen3":
+        extra.append("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    r = torchrun(demo_args(assets, run, "trainer.total_training_steps=10", "trainer.test_freq=-1",
+                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+                           f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.optim.lr=3e-3",
+                           "actor_rollout_ref.actor.kl_loss_coef=0.001", *extra))
+    assert r.returncode == 0, r.stderr[-4000:]
+    score = [row["critic/score/mean"] for row in read_metrics(run)]
+    assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
+    if model == "qwen3":
+        _check_qwen3_export(assets / "sft_model", run / "hf_actor")
+
+
+def _check_qwen3_export(start_dir, export_dir):
+    """The trained Qwen3 policy's q/k norms moved from the start, and transformers reads its export as
+    Qwen3ForCausalLM with meshppo's logits."""
     import torch
     import transformers
 
     from models import Transformer
 
-    reward = tmp_path / "reward.py"
-    reward.write_text(DENSE_REWARD)
-    run = tmp_path / "run"
-    r = torchrun(demo_args(qwen3_assets, run, "trainer.total_training_steps=10", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
-                           "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr=3e-3",
-                           "actor_rollout_ref.actor.kl_loss_coef=0.001",
-                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
-    assert r.returncode == 0, r.stderr[-4000:]
-    score = [row["critic/score/mean"] for row in read_metrics(run)]
-    assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
-    start, ours = Transformer.from_pretrained(qwen3_assets / "sft_model"), Transformer.from_pretrained(run / "hf_actor")
+    start, ours = Transformer.from_pretrained(start_dir), Transformer.from_pretrained(export_dir)
     norm = "layers.0.self_attn.q_norm.weight"
     assert not torch.equal(ours.state_dict()[norm], start.state_dict()[norm])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(run / "hf_actor").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     ids = torch.randint(0, ours.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
