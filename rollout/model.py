@@ -355,8 +355,9 @@ class EngineModel:
     def _splits(self, rows: int, meta: AttentionMetadata) -> tuple[int, int, int]:
         """Split-K products of (qkv, o_proj, down_proj) in a step of `rows` rows, the same in every layer
         (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
-        split a sequence) and without per-head q/k norms (they read the summed rows); o_proj's and down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's
-        without a bias (the RMSNorm adds none)."""
+        split a sequence) and without per-head q/k norms (they read the summed rows); o_proj's and
+        down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's without a bias (the RMSNorm
+        adds none)."""
         w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
         if fp8 or self.args.qk_norm:

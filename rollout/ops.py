@@ -139,10 +139,8 @@ class TorchOps:
         (Qwen3's `q_norm` / `k_norm`: `models.transformer.RMSNorm` over a head), v unchanged; in place."""
         t, d = qkv.shape[0], head_dim
         for start, heads, weight in ((0, num_heads, q_weight), (num_heads * d, num_kv_heads, k_weight)):
-            part = qkv[:, start:start + heads * d].view(t, heads, d)
-            xf = part.float()
-            y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
-            part.copy_((weight.float() * y.float()).to(qkv.dtype))
+            part = qkv[:, start:start + heads * d]
+            part.copy_(TorchOps.rms_norm(part.reshape(t * heads, d), weight, eps)[0].view(t, heads * d))
         return qkv
 
     @staticmethod
