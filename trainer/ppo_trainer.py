@@ -530,9 +530,11 @@ class PPOTrainer:
                 err = str(e)
         rm_batch = None
         if rm_cfg.enable and err is None:
+            from jinja2 import TemplateError
+
             try:  # the reward model's chat template may refuse a row (a system message, say): this rank's rows only
                 rm_batch = self.reward_model.model_batch(ro)
-            except Exception as e:
+            except (TemplateError, ValueError, TypeError, KeyError) as e:  # (what a template or a row raises)
                 err = (f"the reward model's input (each chat rendered with reward_model.model.path's chat template, "
                        f"responses decoded with reward_model.model.input_tokenizer) failed: {type(e).__name__}: {e}")
         self._fail_together(err)
