@@ -62,6 +62,7 @@ from agent.tools import (BaseTool, ToolError, check_message_template, check_para
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
 from rollout.config import Continuation
+from trainer.errors import UserError
 
 
 @dataclass
@@ -341,10 +342,11 @@ def _first_rank(work: Callable, runs: bool, share: Callable):
     return value
 
 
-# The errors a user's tool or interaction causes (input errors, said in one line): raised as
-# themselves on the ranks that hear of them, after where they happened (which the launcher reads
-# as another rank's copy of the same error).
-_SHARED_ERRORS = (ToolError, InteractionError)
+# The input errors (said in one line) that a user's tool or interaction causes, or the trainer's
+# rollout meets on one engine replica (its KV pool too small): raised as themselves on the ranks
+# that hear of them, after where they happened (which the launcher reads as another rank's copy
+# of the same error).
+_SHARED_ERRORS = (ToolError, InteractionError, UserError)
 FIRST_TP_RANK = "(on the engine's first TP rank, which runs the tools and interactions)"
 
 

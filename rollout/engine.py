@@ -37,7 +37,19 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU (allocated lazily by the 
 
 
 class CacheTooSmallError(RuntimeError):
-    """The KV pool cannot hold one sequence of `max_model_len` tokens."""
+    """The KV pool cannot hold one sequence of `max_model_len` tokens. Its text names the engine's
+    fields; `worded(memory, length)` names the caller's options for them (a CLI's flags, a config's keys)."""
+
+    def __init__(self, blocks: int, gib: float, where: str, max_model_len: int, need: int, on_cuda: bool):
+        self.blocks, self.gib, self.where, self.max_model_len, self.need, self.on_cuda = (
+            blocks, gib, where, max_model_len, need, on_cuda)
+        super().__init__(self.worded("gpu_memory_utilization", "max_model_len"))
+
+    def worded(self, memory: str, length: str) -> str:
+        fix = (f"free memory or raise {memory}" if self.on_cuda else
+               f"on CPU the pool is {CPU_KV_CACHE_BYTES / 2**30:g} GiB: lower {length}")
+        return (f"the KV pool would hold {self.blocks} blocks ({self.gib:.2f} GiB){self.where} but one sequence of "
+                f"{length}={self.max_model_len} needs {self.need}: {fix}")
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission, as in vLLM
 
 
@@ -204,12 +216,9 @@ class LLMEngine:
         mine, n = n, self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
         need = cdiv(self.max_model_len, c.block_size)
         if c.num_kv_blocks is None and n < need:
-            fix = ("free memory or raise gpu_memory_utilization" if self.device.type == "cuda" else
-                   f"on CPU the pool is {CPU_KV_CACHE_BYTES / 2**30:g} GiB: lower max_model_len")
             where = f" (the least of the TP group's ranks; this rank's would hold {mine})" if mine != n else ""
-            raise CacheTooSmallError(
-                f"the KV pool would hold {n} blocks ({n * per_block / 2**30:.2f} GiB){where} but one sequence of "
-                f"max_model_len={self.max_model_len} needs {need}: {fix}")
+            raise CacheTooSmallError(n, n * per_block / 2**30, where, self.max_model_len, need,
+                                     self.device.type == "cuda")
         return n
 
     def init_cache(self) -> None:

@@ -209,8 +209,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         outputs = engine.generate(prompts, params)
     except CacheTooSmallError as e:
-        raise CLIError(str(e).replace("lower max_model_len", "lower --max-model-len")
-                       .replace("raise gpu_memory_utilization", "raise --gpu-memory-utilization")) from None
+        raise CLIError(e.worded("--gpu-memory-utilization", "--max-model-len")) from None
     if mesh is None or mesh.get_local_rank() == 0:
         tmp = out.with_name(f".{out.name}.tmp")
         try:

@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from agent import InteractionError, ToolError
 from agent.loop import ToolAgent, error_heard, shareable_error
+from rollout.engine import CacheTooSmallError
 from rollout.sequence import derive_seed
+from trainer.errors import UserError
 from trainer.roles import Actor
 from trainer.tracking import PeakMemory, Timer
 
@@ -49,8 +51,9 @@ class AgentRows:
 
 def _all_gather_outputs(local: list | None, index: int, count: int, error: Exception | None = None) -> list:
     """Every engine replica's outputs, in replica order (each replica's TP ranks agree). `error`: this replica's
-    rollout failed (a tool's or an interaction's error, on every rank of its TP group): every rank raises, the
-    other replicas' ranks the same error, where they would have waited in their next collective."""
+    rollout failed (a tool's or an interaction's error, or its KV pool too small: on every rank of its TP group):
+    every rank raises, the other replicas' ranks the same error, where they would have waited in their next
+    collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -99,6 +102,12 @@ class EngineRollout(_Rollout):
             self.resharder.reshard()  # re-allocates engine weights that free_weights() released
         self.actor.offload()
         lo, mine = self._slice(prompts)
+        try:  # the pool is sized from this GPU's free memory on the first call: each replica its own
+            if mine:
+                self.engine.init_cache()
+        except CacheTooSmallError as e:  # agreed within the replica's TP group; the other replicas hear of it
+            return self._share(None, UserError(e.worded("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                                         "actor_rollout_ref.rollout.max_model_len")))
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             eos_token_id=list(eos_ids) or None, ignore_eos=ignore_eos, seed=seed)
         capture_s = 0.0

@@ -51,3 +51,36 @@ def _body(rank, world_size, assets, run_root):
 
 def test_freeing_engine_weights_between_phases_changes_nothing(tiny_assets, tmp_path):
     run_distributed(_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
+
+def _pool_body(rank, world_size, assets, run_root):
+    """`run` on 2 ranks at TP 1 (two engine replicas) where rank 0's KV pool cannot hold one sequence."""
+    import contextlib
+    import io
+
+    import rollout.engine as engine_mod
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.ppo_trainer import run
+
+    if rank == 0:
+        engine_mod.CPU_KV_CACHE_BYTES = 0  # the pool a GPU without free memory would get
+    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
+        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]", f"actor_rollout_ref.model.path={assets}/sft_model",
+        f"trainer.default_local_dir={run_root}/run", "trainer.resume_mode=disable", "trainer.logger=[]",
+        "trainer.total_training_steps=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(cfg)
+    last = (err.getvalue().splitlines() or [""])[-1]
+    where = "" if rank == 0 else "(on engine replica 0) "
+    said = (f"meshppo: error (rank {rank}): {where}the KV pool would hold 0 blocks (0.00 GiB) but one sequence of "
+            f"actor_rollout_ref.rollout.max_model_len=")
+    assert code == 1 and last.startswith(said), err.getvalue()
+    assert last.endswith("lower actor_rollout_ref.rollout.max_model_len") and "Traceback" not in err.getvalue(), last
+
+
+def test_a_kv_pool_too_small_on_one_replica_stops_every_rank(tiny_assets, tmp_path):
+    """At TP 1 each engine replica sizes its own pool (from its GPU's free memory): one too small for a sequence
+    raised a traceback on its rank alone, while the other replica's ranks waited in the outputs' gather."""
+    run_distributed(_pool_body, 2, str(tiny_assets), str(tmp_path), timeout=300)
