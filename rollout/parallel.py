@@ -40,8 +40,13 @@ class TPGroup:
 
     def setup_all_reduce(self, impl: str, device: torch.device, dtype: torch.dtype, max_numel: int) -> str:
         """Choose the all-reduce of `dtype` messages up to `max_numel` elements (see the module
-        docstring); returns the implementation in use. `symm_mem` fails loudly where it cannot
-        be set up; `auto` falls back to NCCL, saying why in the log."""
+        docstring); returns the implementation in use, the same on every rank of the group.
+        `symm_mem` fails loudly where it cannot be set up; `auto` falls back to NCCL, saying why
+        in the log.
+
+        Each stage's outcome is agreed before the next collective one (allocate the buffer, map
+        the peers' buffers, a probe all-reduce): a rank that failed alone and fell back would
+        leave its peers in the rendezvous or the probe, or decode with another all-reduce."""
         if impl not in ALL_REDUCE_IMPLS:
             raise ValueError(f"tp all_reduce must be one of {ALL_REDUCE_IMPLS}, got {impl!r}")
         self._symm = None
@@ -49,26 +54,53 @@ class TPGroup:
             return "none"
         if impl == "nccl" or (impl == "auto" and device.type != "cuda"):
             return dist.get_backend(self.group)
-        try:
+        buf = None
+
+        def allocate():
+            nonlocal buf
             if device.type != "cuda":
                 raise RuntimeError(f"symmetric memory needs CUDA devices, the engine runs on {device}")
             import torch.distributed._symmetric_memory as symm_mem
 
             buf = symm_mem.empty(max_numel, dtype=dtype, device=device)
+
+        def rendezvous():
+            import torch.distributed._symmetric_memory as symm_mem
+
             symm_mem.rendezvous(buf, self.group)
-            probe = buf[:min(max_numel, 1024)]  # one round trip now: a broken setup fails here, not mid-decode
-            probe.fill_(1)
-            torch.ops.symm_mem.two_shot_all_reduce_(probe, "sum", self.group.group_name)
-            if not bool((probe == self.size).all()):
-                raise RuntimeError(f"the probe all-reduce gave {probe.tolist()}, expected {self.size} everywhere")
-        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
+
+        def probe():  # one round trip now: a broken setup fails here, not mid-decode
+            ones = buf[:min(max_numel, 1024)].fill_(1)
+            torch.ops.symm_mem.two_shot_all_reduce_(ones, "sum", self.group.group_name)
+            if not bool((ones == self.size).all()):
+                raise RuntimeError(f"the probe all-reduce gave {ones.tolist()}, expected {self.size} everywhere")
+
+        failure = self.agreed_stages((allocate, rendezvous, probe), device)
+        if failure is not None:
+            stage, cause = failure
             if impl == "symm_mem":
-                raise RuntimeError(f"rank {dist.get_rank()}: the symmetric-memory all-reduce could not be set up: "
-                                   f"{type(e).__name__}: {e}") from e
-            log.warning("engine TP all-reduce: NCCL (symmetric memory unavailable: %s: %s)", type(e).__name__, e)
+                raise RuntimeError(f"rank {dist.get_rank()}: the symmetric-memory all-reduce could not be set up "
+                                   f"({stage}): {cause}")
+            log.warning("engine TP all-reduce: NCCL (symmetric memory unavailable at %s: %s)", stage, cause)
             return "nccl"
         self._symm = buf
         return "symm_mem"
+
+    def agreed_stages(self, stages, device) -> tuple[str, str] | None:
+        """Run `stages` (callables) in turn on every rank of the group, each one's outcome agreed
+        (one all-reduce on `device`) before the next starts: None when every stage passed on every
+        rank; else, on every rank, the failed stage's name and its cause as this rank says it
+        (its own exception, or the lowest group rank that failed), the later stages not run."""
+        for stage in stages:
+            try:
+                stage()
+                mine = None
+            except Exception as e:  # noqa: BLE001 - said on every rank, by the caller
+                mine = f"{type(e).__name__}: {e}"
+            failed = self.all_reduce_min(self.size if mine is None else self.rank, device)
+            if failed != self.size:
+                return stage.__name__, mine or f"on the TP group's rank {failed}"
+        return None
 
     @classmethod
     def from_mesh(cls, tp_mesh) -> "TPGroup":

@@ -241,3 +241,34 @@ def test_a_kv_pool_too_small_on_one_rank_is_refused_on_every_rank():
     before the TP group's agreement on the smallest pool, and left its peers waiting in that all-reduce. Now
     the group agrees first and every rank raises."""
     run_distributed(_pool_body, 2, timeout=120.0)
+
+
+def _stages_body(rank, world_size):
+    from rollout.parallel import TPGroup
+
+    tp = TPGroup(dist.group.WORLD)
+    ran = []
+
+    def allocate():
+        ran.append("allocate")
+
+    def rendezvous():  # fails on rank 1 alone
+        ran.append("rendezvous")
+        if rank == 1:
+            raise OSError("no peer access")
+
+    def probe():  # a collective: a rank sent here alone would wait for its peer
+        ran.append("probe")
+        dist.all_reduce(torch.ones(1), group=tp.group)
+
+    failure = tp.agreed_stages((allocate, rendezvous, probe), torch.device("cpu"))
+    assert ran == ["allocate", "rendezvous"], ran
+    assert failure == ("rendezvous", "OSError: no peer access" if rank == 1 else "on the TP group's rank 1"), failure
+    assert tp.agreed_stages((allocate, probe), torch.device("cpu")) is None and ran[-2:] == ["allocate", "probe"]
+
+
+def test_symmetric_memory_setup_stages_are_agreed():
+    """The symmetric-memory all-reduce's setup (allocate, rendezvous, probe): a rank whose stage failed fell back to
+    NCCL alone and left its peers in the next stage's collective (or decoding with another all-reduce). Each
+    stage's outcome is now agreed before the next: every rank stops at the failed one, and names it."""
+    run_distributed(_stages_body, 2, timeout=60.0)
