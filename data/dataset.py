@@ -169,6 +169,14 @@ def _parse_json_array(path: str) -> list[tuple[int, dict[str, Any]]]:
     return records
 
 
+def _json_lines(text: str) -> list[str]:
+    """The lines of JSON-lines text: split at "\n" only, the format's separator (a "\r" before it is
+    dropped), not at what `str.splitlines` also splits at (U+2028, U+2029, U+0085, "\x0b", "\x0c",
+    "\x1c".."\x1e"): a JSON string may hold those unescaped, as `json.dumps(ensure_ascii=False)` writes them.
+    Text ending in "\n" gives a last empty line."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blank: bool = False,
                      drop_truncated_tail: bool = False) -> list[tuple[int, dict[str, Any]]]:
     """`(line_number, object)` for each line of a JSON-lines file (the one JSONL reader).
@@ -184,10 +192,10 @@ def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blan
     try:
         text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as err:
-        # The line as `splitlines` below would number it: the prefix before the bad byte is valid.
-        lineno = len((data[bom:bom + err.start].decode("utf-8") + "x").splitlines())
+        # The line as `_json_lines` below numbers it: the prefix before the bad byte is valid.
+        lineno = len(_json_lines(data[bom:bom + err.start].decode("utf-8")))
         raise error(f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte offset {bom + err.start})") from err
-    lines = text.splitlines()
+    lines = _json_lines(text)
     while lines and not lines[-1].strip():
         lines.pop()
     records = []

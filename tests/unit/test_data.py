@@ -464,6 +464,33 @@ def test_max_samples_choose_rows_as_verl_does(tmp_path, tokenizer):
         RLHFDataset([a, b], tokenizer, max_samples=4, shuffle=True, seed=None)
 
 
+# What `str.splitlines` splits at besides "\n" and "\r": JSON strings may hold them unescaped.
+LINE_BREAKS_IN_STRINGS = "\u2028\u2029\u0085"
+
+
+def test_jsonl_lines_end_only_at_newline(tmp_path, tokenizer):
+    rows = [_chat_row(f"1+{c}2=", f"3{c}") for c in LINE_BREAKS_IN_STRINGS] + [_chat_row("1+1=", "2")]
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    raw = (tmp_path / "d.jsonl").read_text(encoding="utf-8")
+    assert all(c in raw for c in LINE_BREAKS_IN_STRINGS)  # written unescaped (ensure_ascii=False)
+    assert read_records(path) == [(i, row) for i, row in enumerate(rows, start=1)]
+    assert [item["ground_truth"] for item in RLHFDataset(path, tokenizer)] == [row["reward_model"]["ground_truth"]
+                                                                              for row in rows]
+    # A bad row after such lines is numbered by its "\n"-separated line, as is a byte that is not UTF-8.
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("not json\n")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:5: malformed JSON"):
+        read_records(path)
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(raw.encode("utf-8") + b'{"prompt": "\xff="}\n')
+    with pytest.raises(DatasetError, match=r"b\.jsonl:5: not valid UTF-8"):
+        read_records(str(bad))
+    # other characters `splitlines` splits at, raw between rows (not JSON whitespace): one malformed line 2
+    (tmp_path / "c.jsonl").write_text('{"prompt": "1="}\n{"prompt": "2="}\x0c{"prompt": "3="}\n', encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"c\.jsonl:2: malformed JSON"):
+        read_records(str(tmp_path / "c.jsonl"))
+
+
 def test_dataset_names_the_file_of_unreadable_bytes(tmp_path, tokenizer):
     # Invalid UTF-8 on line 3, byte 47 (16 + 2 + 16 + 1 + 12): "\r\n" counts as one line break.
     bad = tmp_path / "d.jsonl"

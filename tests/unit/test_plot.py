@@ -59,6 +59,16 @@ def test_truncated_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_pa
         read_metrics(run / "metrics.jsonl")
 
 
+def test_a_string_metric_with_a_unicode_line_separator_is_one_line(tmp_path):
+    # the trainer writes metrics.jsonl with ensure_ascii=False: U+2028/U+2029/U+0085 stay unescaped in strings
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": 1, "note": "a\u2028b\u2029c\u0085d", "perf/throughput": 5.0}, {"step": 2, "perf/throughput": 6.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                                       encoding="utf-8")
+    assert read_metrics(run / "metrics.jsonl") == records
+
+
 def test_missing_file_and_nothing_to_plot_exit_1(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere")]) == 1
     assert "metrics file not found: " in capsys.readouterr().err
