@@ -91,10 +91,12 @@ def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score",
     if path.startswith(PKG_PREFIX):
         module_name = path[len(PKG_PREFIX):].replace("/", ".")
         try:
-            module = importlib.import_module(module_name)
-        except Exception as err:
+            module = importlib.import_module(module_name)  # which takes a failed module out of sys.modules
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:
             raise RewardError(f"custom reward module {module_name} ({path}) cannot be imported{_where(err, None)}: "
-                              f"{type(err).__name__}: {err}") from err
+                              f"{_import_error(err)}") from err
         where = f"custom reward module {path}"
     else:
         module = _exec_file(path[len(FILE_PREFIX):] if path.startswith(FILE_PREFIX) else path, name)
@@ -146,11 +148,23 @@ def _exec_file(path: str, name: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
+    except BaseException as err:
+        sys.modules.pop(module_name, None)
+        if isinstance(err, KeyboardInterrupt):
+            raise
         raise RewardError(f"importing custom reward file {path} failed{_where(err, path)}: "
-                          f"{type(err).__name__}: {err}") from err
+                          f"{_import_error(err)}") from err
     return module
+
+
+def _import_error(err: BaseException) -> str:
+    """`err`, raised importing the user's reward code, for the end of its one-line `RewardError`. A `SystemExit`
+    (argparse reading the command line at the file's top level exits so) is said to be one, not taken
+    for the trainer refusing its own command line."""
+    if isinstance(err, SystemExit):
+        return (f"SystemExit: the code exits at import (exit status {err.code!r}), e.g. argparse parsing the "
+                "command line at its top level; move that under `if __name__ == \"__main__\":`")
+    return f"{type(err).__name__}: {err}"
 
 
 def _check_signature(fn: RewardFn, what: str, args: Sequence[str], keywords: Sequence[str]) -> None:

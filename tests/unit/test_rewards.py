@@ -2,6 +2,7 @@
 
 import math
 import re
+import sys
 
 import pytest
 
@@ -159,6 +160,39 @@ def test_load_custom_reward_fn(custom_file, tmp_path):
     bad.write_text("def compute_score(a, b, c, d=None):\n    return (\n")
     with pytest.raises(RewardError, match=r"importing custom reward file .*bad\.py failed at .*bad\.py:2: SyntaxError"):
         load_custom_reward_fn(str(bad))
+
+
+def test_a_reward_file_that_exits_at_import_is_a_reward_error(tmp_path, monkeypatch):
+    """argparse at a reward file's top level meets the trainer's command line and exits (status 2): that is the
+    file's failure, named, not the rank's end with argparse's usage; the half-imported module is not kept."""
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--config", "configs/demo.yaml", "trainer.total_epochs=1"])
+    path = tmp_path / "exits.py"
+    path.write_text("import argparse\nparser = argparse.ArgumentParser()\nARGS = parser.parse_args()\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    def kept():  # the reward-file modules imported since the start
+        return {m for m in set(sys.modules) - before if m.startswith("meshppo_custom_reward_")}
+
+    before = set(sys.modules)
+    with pytest.raises(RewardError, match=r"importing custom reward file .*exits\.py failed at .*exits\.py:3: "
+                                          r"SystemExit: the code exits at import \(exit status 2\)") as info:
+        load_custom_reward_fn(str(path))
+    assert isinstance(info.value.__cause__, SystemExit)
+    assert not kept()
+    # any BaseException but KeyboardInterrupt, and a module imported as pkg://
+    path.write_text("class Stop(BaseException):\n    pass\nraise Stop('no')\n")
+    with pytest.raises(RewardError, match=r"exits\.py failed at .*exits\.py:3: Stop: no"):
+        load_custom_reward_fn(str(path))
+    assert not kept()
+    path.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        load_custom_reward_fn(str(path))
+    assert not kept()
+    (tmp_path / "exits_pkg.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"custom reward module exits_pkg \(pkg://exits_pkg\) cannot be imported "
+                                          r"at .*exits_pkg\.py:2: SystemExit: .*\(exit status 3\)"):
+        load_custom_reward_fn("pkg://exits_pkg")
+    assert "exits_pkg" not in sys.modules
 
 
 def test_reward_kwargs_win_over_the_calls_own(custom_file, tmp_path):
