@@ -21,10 +21,13 @@ def read_entries(path: str, section: str, what: str, config_key: str, error: typ
     have. `what` names the file's kind in messages ("tool config"), `config_key` the setting that
     points at it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            doc = yaml.safe_load(f.read().decode("utf-8"))  # decoded whole: the error's offset is the file's
     except OSError as err:
         raise error(f"{path}: cannot read the {what} ({config_key}): {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: the {what} ({config_key}) is not valid UTF-8 ({err.reason} at byte offset "
+                    f"{err.start}); save it as UTF-8") from err
     except yaml.YAMLError as err:
         raise error(f"{path}: not valid YAML: {err}") from err
     if not isinstance(doc, dict) or section not in doc:

@@ -268,6 +268,18 @@ def test_bad_tool_configs_name_the_file_entry_and_key(tmp_path, doc, message):
         load_tools(path)
 
 
+def test_a_tool_config_not_in_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    data = "tools:\n  - class_name: x  # caf\u00e9\n".encode("latin-1")
+    path.write_bytes(data)
+    offset = data.index("\u00e9".encode("latin-1"))
+    message = (rf": the tool config \(actor_rollout_ref\.rollout\.multi_turn\.tool_config_path\) is not valid UTF-8 "
+               rf"\(invalid continuation byte at byte offset {offset}\)")
+    with pytest.raises(ToolConfigError, match=re.escape(str(path)) + message) as info:
+        load_tools(str(path))
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
 def test_bad_tool_classes_name_the_file_entry_and_key(tmp_path, user_tools):
     for cls, message in [("Broken", r"tools\[0\]: meshppo_test_user_tools\.Broken\(config, tool_schema\) failed: "
                                     r"RuntimeError: boom"),
