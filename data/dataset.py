@@ -250,9 +250,10 @@ TEXT_ONLY = "meshppo's models are text-only (a vision-language row would be trai
 
 
 def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
-    """Refuse what no chat template can render; everything else goes to the template as verl hands it
-    on: `content` a string, a list of typed parts (`{"type": "text", "text": ...}`), or None on a
-    message with `tool_calls`."""
+    """Refuse what no chat template can render, and a list without a user message that has text (only a
+    system or an assistant message, or the user's content empty or whitespace; verl trains on those);
+    everything else goes to the template as verl hands it on: `content` a string, a list of typed parts
+    (`{"type": "text", "text": ...}`), or None on a message with `tool_calls`."""
     if not messages:
         raise DatasetError(f"{where}: field '{prompt_key}' is an empty message list")
     for j, message in enumerate(messages):
@@ -282,6 +283,14 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
         if media:
             raise DatasetError(f"{where}: field '{prompt_key}' message {j} has a part of type {media[0]!r}: "
                                f"{TEXT_ONLY}")
+    # What the template would render without the user's turn is no task: refused, not trained on.
+    users = [j for j, message in enumerate(messages) if message["role"] == "user"]
+    if not users:
+        raise DatasetError(f"{where}: field '{prompt_key}' has no message with role 'user' (its roles: "
+                           f"{[message['role'] for message in messages]}); a prompt needs the user's turn")
+    if not any(_content_text(messages[j]["content"]).strip() for j in users):
+        which = f"message {users[0]} has" if len(users) == 1 else f"messages {users} have"
+        raise DatasetError(f"{where}: field '{prompt_key}' user {which} no text (empty or whitespace only)")
 
 
 def _content_text(content: str | list | None) -> str:
@@ -312,13 +321,16 @@ def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply
     tokenizer's chat template and the generation prompt (and `chat_template_kwargs`, verl's
     `data.apply_chat_template_kwargs`, e.g. `enable_thinking`), or, with `apply_chat_template` False, its
     contents joined by newlines. A string holding a JSON-encoded message list is refused, as verl refuses it,
-    rather than tokenized as raw JSON. Any problem is a `DatasetError` naming `where` and `key`;
-    `no_template_option` is the switch the message suggests when the tokenizer has no chat template.
+    rather than tokenized as raw JSON, and so is a string that is empty or whitespace only. Any problem is a
+    `DatasetError` naming `where` and `key`; `no_template_option` is the switch the message suggests when the
+    tokenizer has no chat template.
     """
     if isinstance(prompt, str):
         if _is_encoded_messages(prompt):
             raise DatasetError(f"{where}: field '{key}' is a JSON-encoded message list stored as a string; store "
                                "the list itself")
+        if not prompt.strip():
+            raise DatasetError(f"{where}: field '{key}' is an empty prompt (empty or whitespace only)")
         return prompt, False
     if not isinstance(prompt, list):
         raise DatasetError(f"{where}: field '{key}' must be a string or a list of chat messages, "
@@ -592,8 +604,8 @@ class RLHFDataset:
         for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs), ids in zip(
                 parsed, ids_by_row):
             if not ids:
-                raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (an empty prompt, or a "
-                                   "tokenizer without a vocabulary)")
+                raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (a tokenizer without a "
+                                   "vocabulary for its text?)")
             if len(ids) > limit:
                 if self.filter_overlong_prompts:
                     self.num_filtered += 1

@@ -283,8 +283,8 @@ def test_dataset_json_lines_tolerate_trailing_blank_lines(tmp_path, tokenizer):
     (['{"prompt": []}'], r"d\.jsonl:1: field 'prompt' is an empty message list"),
     (['{"prompt": "1=", "reward_model": "1"}'], r"d\.jsonl:1: field 'reward_model' must be an object, got str"),
     (['{"prompt": "1=", "extra_info": 3}'], r"d\.jsonl:1: field 'extra_info' must be an object, got int"),
-    (['{"prompt": "1="}', '{"prompt": ""}'], r"d\.jsonl:2: field 'prompt' tokenizes to no tokens"),
-    (['{"prompt": [{"role": "system", "content": "1="}]}'],
+    (['{"prompt": "1="}', '{"prompt": ""}'], r"d\.jsonl:2: field 'prompt' is an empty prompt"),
+    (['{"prompt": [{"role": "system", "content": "1="}, {"role": "user", "content": "1="}]}'],
      r"d\.jsonl:1: the chat template failed on field 'prompt': .*got system"),
 ])
 def test_dataset_errors_name_file_row_and_field(tmp_path, tokenizer, lines, message):
@@ -434,6 +434,51 @@ def test_malformed_messages_are_refused(tmp_path, tokenizer, prompt, message):
     path = write_jsonl([_chat_row("1="), _chat_row("1=", prompt=prompt)], tmp_path / "d.jsonl")
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: " + message):
         RLHFDataset(path, tokenizer)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", r"field 'prompt' is an empty prompt \(empty or whitespace only\)"),
+    (" \n\t", r"field 'prompt' is an empty prompt \(empty or whitespace only\)"),
+    ([{"role": "user", "content": ""}], r"field 'prompt' user message 0 has no text \(empty or whitespace only\)"),
+    ([{"role": "user", "content": " \n "}], r"field 'prompt' user message 0 has no text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "  "}]}], r"field 'prompt' user message 0 has no text"),
+    ([{"role": "system", "content": "Add."}, {"role": "user", "content": ""}, {"role": "assistant", "content": "1"},
+      {"role": "user", "content": " "}], r"field 'prompt' user messages \[1, 3\] have no text"),
+    ([{"role": "system", "content": "1+2="}],
+     r"field 'prompt' has no message with role 'user' \(its roles: \['system'\]\); a prompt needs the user's turn"),
+    ([{"role": "assistant", "content": "1+2="}], r"field 'prompt' has no message with role 'user' \(its roles: "
+                                                 r"\['assistant'\]\)"),
+])
+@pytest.mark.parametrize("apply_chat_template", [True, False])
+def test_prompts_without_the_users_text_are_refused(tmp_path, tokenizer, prompt, message, apply_chat_template):
+    """Chat template tokens made an empty prompt a few tokens long: these rows trained silently on no task."""
+    path = write_jsonl([_chat_row("1="), _chat_row("1=", prompt=prompt)], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: " + message):
+        RLHFDataset(path, tokenizer, apply_chat_template=apply_chat_template)
+
+
+def test_prompts_with_the_users_text_beside_other_roles_load(tmp_path, tokenizer_dir):
+    """A system message before the user's, an empty user turn beside one with text, a conversation that ends in
+    an assistant's tool call and its tool response: each has the user's text, and loads as the template renders
+    it; a system and a tool message without a user's turn does not."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = "{% for m in messages %}{{ m.role[0] }}:{{ m.content or '' }};{% endfor %}"
+    prompts = [
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "1+2="}],
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "2="}],
+        [{"role": "user", "content": "1="},
+         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+         {"role": "tool", "content": ""}],
+    ]
+    path = write_jsonl([_chat_row("x", prompt=prompt) for prompt in prompts], tmp_path / "d.jsonl")
+    assert [item["prompt_text"] for item in RLHFDataset(path, tok)] == ["s:s;u:1+2=;", "u:;a:a;u:2=;", "u:1=;a:;t:;"]
+    # which this template would render without the user's turn as well: the row is refused, not rendered
+    path = write_jsonl([_chat_row("x", prompt=prompt) for prompt in prompts]
+                       + [_chat_row("x", prompt=[{"role": "system", "content": "s"}, {"role": "tool", "content": "t"}])],
+                       tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:4: field 'prompt' has no message with role 'user' \(its roles: "
+                                           r"\['system', 'tool'\]\)"):
+        RLHFDataset(path, tok)
 
 
 def test_plain_text_prompts_that_look_like_json_stay_text(tmp_path, tokenizer):
