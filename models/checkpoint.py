@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,6 +46,45 @@ class CheckpointFileError(ValueError):
     the message names the file."""
 
 
+def _file_errors() -> tuple[type[BaseException], ...]:
+    """What reading or parsing a file raises when the file is bad (unreadable, not JSON, a key or value
+    the reader needs missing or of the wrong type, a truncated or foreign safetensors file, a config
+    that transformers' or meshppo's model arguments refuse)."""
+    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, TypeError, ArithmeticError]
+    try:
+        from safetensors import SafetensorError
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - an older safetensors
+        pass
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers v5's config validation
+        errors.append(StrictDataclassError)
+    except ImportError:  # pragma: no cover - an older huggingface_hub
+        pass
+    return tuple(errors)
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """`e` as one line: its type and its message's lines joined, cut at `limit` characters."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextmanager
+def reading(file, key: str | None = None, what: str | None = None):
+    """Turn what reading or parsing `file` raises for a bad file (`_file_errors`) into one
+    `CheckpointFileError` naming it, and `key` (the config key it came from) when given: `'FILE' (KEY):
+    ERROR`, or `'FILE' (KEY) WHAT (ERROR)` with `what`. A `CheckpointFileError` raised inside passes as it is."""
+    try:
+        yield
+    except CheckpointFileError:
+        raise
+    except _file_errors() as e:
+        where = f"{str(file)!r}" + (f" ({key})" if key else "")
+        raise CheckpointFileError(f"{where} {what} ({one_line(e)})" if what else f"{where}: {one_line(e)}") from None
+
+
 # What an unknown, misshapen or missing tensor most often means.
 _MISMATCH = " (the model that its config.json, with any override_config, describes is not the one its weights hold)"
 
@@ -59,18 +99,39 @@ def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
-    try:
-        args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
-    except (OSError, ValueError) as e:
-        raise CheckpointFileError(f"{str(path / 'config.json')!r}: {str(e).splitlines()[0]}") from None
+    config_file = path / "config.json"
+    with reading(config_file):
+        hf_config = AutoConfig.from_pretrained(str(path))
+        _check_sizes(hf_config, config_file)
+        args = ModelArgs.from_hf_config(hf_config)
     return apply_overrides(args, overrides)
+
+
+# config.json's sizes that must be positive integers (None allowed for the optional ones)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+
+
+def _check_sizes(hf_config, config_file: Path) -> None:
+    """A size of config.json that is not a positive integer (an edited file: 0 heads, a string), named."""
+    for key in _SIZES + _OPTIONAL_SIZES:
+        value = getattr(hf_config, key, None)
+        if value is None and key in _OPTIONAL_SIZES:
+            continue
+        if key == "num_key_value_heads" and value == 0:  # transformers' configs: 0 or null is num_attention_heads
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointFileError(f"{str(config_file)!r}: {key}={value!r} is not a positive integer")
 
 
 def safetensors_files(path) -> list[Path]:
     path = Path(path)
-    if (path / SAFE_INDEX).is_file():
-        with open(path / SAFE_INDEX) as f:
-            weight_map = json.load(f)["weight_map"]
+    index = path / SAFE_INDEX
+    if index.is_file():
+        with reading(index):
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointFileError(f"{str(index)!r} has no \"weight_map\" of tensor names to file names")
         files = sorted({path / name for name in weight_map.values()})
     elif (path / SAFE_SINGLE).is_file():
         files = [path / SAFE_SINGLE]
@@ -84,20 +145,23 @@ def safetensors_files(path) -> list[Path]:
     return files
 
 
+_NOT_SAFETENSORS = "is not a readable safetensors file"
+
+
 def iter_hf_tensors(path):
     """Yield `(meshppo_name, tensor)` from a checkpoint directory, one tensor at a time."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
-        try:
+        with reading(file, what=_NOT_SAFETENSORS):
             f = safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors' own error type: a truncated or foreign file
-            raise CheckpointFileError(f"{str(file)!r} is not a readable safetensors file ({e})") from None
         with f:
             for key in f.keys():
                 name = hf_key_to_meshppo(key)
                 if name is not None:
-                    yield name, f.get_tensor(key)
+                    with reading(file, what=_NOT_SAFETENSORS):
+                        tensor = f.get_tensor(key)
+                    yield name, tensor
 
 
 def checkpoint_tensor_names(path) -> set[str]:
@@ -107,7 +171,9 @@ def checkpoint_tensor_names(path) -> set[str]:
 
     names = set()
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with reading(file, what=_NOT_SAFETENSORS):
+            f = safe_open(str(file), framework="pt")
+        with f:
             names.update(n for n in map(hf_key_to_meshppo, f.keys()) if n is not None)
     return names
 

@@ -82,7 +82,30 @@ CASES = {
     # a causal LM has no score head: as a reward model it would score every response 0
     "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
+    # damaged or mismatched model, tokenizer and adapter files: each was a traceback, some after the data loaded
+    "index without a weight_map": (lambda a, t: [f"actor_rollout_ref.model.path={_model_copy(a, t, write=_NO_MAP)}"], 1,
+                                   'model.safetensors.index.json\' has no "weight_map"'),
+    "config.json with a string size": (lambda a, t: [f"actor_rollout_ref.model.path={_edited_config(a, t, hidden_size='32')}"],
+                                       1, "Field 'hidden_size' expected int, got str"),
+    "config.json with 0 heads": (lambda a, t: [f"actor_rollout_ref.model.path={_edited_config(a, t, num_attention_heads=0)}"],
+                                 1, "config.json': num_attention_heads=0 is not a positive integer"),
+    "truncated reward model": (lambda a, t: ["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=8",
+                                             f"reward_model.model.path={_model_copy(a, t, truncate='model.safetensors')}"],
+                               1, "is not a readable safetensors file"),
 }
+# cases that keep an earlier run's checkpoints under trainer.resume_mode=disable (which would delete them)
+KEEPS_CHECKPOINTS = [
+    "index without a weight_map", "config.json with a string size", "config.json with 0 heads", "truncated reward model",
+]
+_NO_MAP = {"model.safetensors.index.json": '{"metadata": {}}'}
+
+
+def _edited_config(assets, tmp, **change):
+    d = _model_copy(assets, tmp)
+    config = json.loads((d / "config.json").read_text())
+    config.update(change)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
 
 
 def _first_row(assets):
@@ -136,9 +159,16 @@ def _no_template(assets, tmp):
 def test_bad_input(case, tiny_assets, tmp_path, capsys):
     make, code, message = CASES[case]
     extra = make(tiny_assets, tmp_path)
+    earlier = tmp_path / "run" / "checkpoints" / "global_step_1" / "earlier.txt"
+    if case in KEEPS_CHECKPOINTS:
+        earlier.parent.mkdir(parents=True)
+        earlier.write_text("an earlier run's")
+        extra = [*extra, "trainer.resume_mode=disable"]
     got, err = _run(demo_args(tiny_assets, tmp_path / "run", *BASE, *extra), capsys)
     assert got == code, err
     assert message in err, err
+    if case in KEEPS_CHECKPOINTS:
+        assert earlier.read_text() == "an earlier run's"
 
 
 def test_resume_from_a_different_model_is_refused(tiny_assets, tmp_path, capsys):

@@ -1,0 +1,84 @@
+"""Damaged or mismatched model, tokenizer and adapter files: each read raises one error, in one line,
+that names the file (and the config key it came from), before any model is built."""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from models.checkpoint import CheckpointFileError, checkpoint_tensor_names, load_model_args, safetensors_files  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _one_line(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text, text
+    return text
+
+
+def _qwen2(path, vocab_size=40, layers=1, classifier=False):
+    cfg = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   num_labels=1, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    cls = transformers.Qwen2ForSequenceClassification if classifier else transformers.Qwen2ForCausalLM
+    cls(cfg).save_pretrained(path)
+    return path
+
+
+def _edit_json(file, **change):
+    data = json.loads(file.read_text())
+    data.update(change)
+    file.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------------- checkpoints (config.json, index, weights)
+@pytest.mark.parametrize("change,named", [
+    ({"hidden_size": "96"}, "hidden_size"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers"),  # layer_types lists 1
+    ({"num_attention_heads": 0}, "num_attention_heads=0 is not a positive integer"),
+])
+def test_an_edited_config_json_is_named(tmp_path, change, named):
+    """transformers' strict config validation and meshppo's own arithmetic once escaped as raw
+    StrictDataclass*Error / ZeroDivisionError tracebacks (in the CLI's start-up notes too)."""
+    from trainer.setup import _readable_model_args
+
+    model = _qwen2(tmp_path / "m")
+    _edit_json(model / "config.json", **change)
+    with pytest.raises(CheckpointFileError) as e:
+        load_model_args(model)
+    assert f"{str(model / 'config.json')!r}" in _one_line(e) and named in str(e.value)
+    assert _readable_model_args(str(model)) is None  # the start-up notes leave it to the load's one line
+
+
+@pytest.mark.parametrize("index,named", [('{"metadata": {}}', 'has no "weight_map"'),
+                                         ('{"weight_map": ', "JSONDecodeError"),
+                                         ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map"')])
+def test_a_malformed_safetensors_index_is_named(tmp_path, index, named):
+    model = _qwen2(tmp_path / "m")
+    (model / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointFileError) as e:
+        safetensors_files(model)
+    assert f"{str(model / 'model.safetensors.index.json')!r}" in _one_line(e) and named in str(e.value)
+
+
+def test_a_truncated_reward_model_is_named(tmp_path):
+    """The reward model's first read (its tensor names, for the score head) once raised safetensors'
+    own SafetensorError."""
+    from data.demo import build_demo_tokenizer
+    from trainer.config import RewardModelConfig, RewardModelModelConfig
+    from trainer.setup import reward_model_inputs
+
+    rm = _qwen2(tmp_path / "rm", classifier=True)
+    weights = rm / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointFileError) as e:
+        checkpoint_tensor_names(rm)
+    assert _one_line(e).startswith(f"{str(weights)!r} is not a readable safetensors file (SafetensorError: ")
+    cfg = RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(rm), input_tokenizer=None))
+    with pytest.raises(CheckpointFileError, match="is not a readable safetensors file"):
+        reward_model_inputs(cfg, build_demo_tokenizer(), "/models/actor")
