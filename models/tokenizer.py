@@ -17,6 +17,7 @@ import os
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # the files any saved tokenizer directory has at least one of
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+NOT_JSON = "is not a readable JSON file"
 
 
 def has_tokenizer(path) -> bool:
@@ -24,19 +25,53 @@ def has_tokenizer(path) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str | None = None):
+    """The tokenizer of directory `path`. A damaged directory (a file that is not JSON, files that make
+    no tokenizer) raises one `CheckpointFileError` naming the file (or the directory, when the files
+    parse but do not make a tokenizer) and `key`, the config key `path` came from, when given."""
+    from models.checkpoint import reading
+
     cfg_file = os.path.join(path, "tokenizer_config.json")
     cls = None
     if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            cls = json.load(f).get("tokenizer_class")
-    if cls in GENERIC_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
+        with reading(cfg_file, key, what=NOT_JSON):
+            raw = json.loads(_read(cfg_file))
+            cls = raw.get("tokenizer_class") if isinstance(raw, dict) else None
+    try:
+        if cls in GENERIC_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # what transformers and tokenizers raise for a bad file varies: said below
+        _raise_unloadable(path, key, e)
+
+
+# the JSON files of a tokenizer directory, checked by name when transformers cannot load it
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+
+
+def _read(file: str) -> str:
+    with open(file, encoding="utf-8") as f:
+        return f.read()
+
+
+def _raise_unloadable(path: str, key: str | None, error: Exception):
+    """Why transformers could not load the tokenizer in `path`, as one `CheckpointFileError`: the
+    first of its JSON files that does not parse, named, or else the directory with `error` (what
+    transformers and tokenizers raise for files that parse but make no tokenizer varies, down to a
+    bare Exception from tokenizers' deserialisation)."""
+    from models.checkpoint import CheckpointFileError, one_line, reading
+
+    for name in _JSON_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with reading(file, key, what=NOT_JSON):
+                json.loads(_read(file))
+    where = f"{path!r}" + (f" ({key})" if key else "")
+    raise CheckpointFileError(f"{where} holds tokenizer files that do not load ({one_line(error)})") from None
 
 
 def decode_batch(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:

@@ -155,7 +155,7 @@ def load_actor_tokenizer(cfg: PPOConfig):
     if not has_tokenizer(path):
         raise UserError(f"tokenizer directory {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
                         "data.tokenizer or actor_rollout_ref.model.path)")
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, "data.tokenizer")
     template = cfg.actor_rollout_ref.model.custom_chat_template
     if template is not None:
         # a template that does not render a one-message chat with the generation prompt (bad
@@ -195,7 +195,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
             raise UserError(f"{key} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) has "
                             f"{len(actor_tokenizer)}: with reward_model.model.input_tokenizer=null the reward model "
                             "reads the actor's token ids, so it needs the actor's vocabulary")
-        if own_tokenizer and load_tokenizer(path).get_vocab() != actor_tokenizer.get_vocab():
+        if own_tokenizer and load_tokenizer(path, "reward_model.model.path").get_vocab() != actor_tokenizer.get_vocab():
             raise UserError(f"{key} has a tokenizer other than the actor's (data.tokenizer): with "
                             "reward_model.model.input_tokenizer=null the reward model is given the actor's token ids "
                             "as they are, which another vocabulary reads as other text; leave input_tokenizer at its "
@@ -206,7 +206,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
     if not own_tokenizer:
         raise UserError(f"{key} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {why}; save them with the "
                         "model, or set input_tokenizer=null to give it the actor's token ids")
-    rm_tokenizer = load_tokenizer(path)
+    rm_tokenizer = load_tokenizer(path, "reward_model.model.path")
     if not getattr(rm_tokenizer, "chat_template", None):
         raise UserError(f"{key}: its tokenizer has no chat template: {why}; use a reward model with one, or set "
                         "input_tokenizer=null to give it the actor's token ids")
@@ -218,7 +218,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
         raise UserError(f"reward_model.model.input_tokenizer {src!r} is not a directory holding a tokenizer (one of "
                         f"{', '.join(TOKENIZER_FILES)})")
     else:
-        src_tokenizer = load_tokenizer(src)
+        src_tokenizer = load_tokenizer(src, "reward_model.model.input_tokenizer")
     return RewardModelInputs(src_tokenizer, rm_tokenizer, rm.max_length)
 
 

@@ -83,6 +83,10 @@ CASES = {
     "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
     # damaged or mismatched model, tokenizer and adapter files: each was a traceback, some after the data loaded
+    "truncated tokenizer.json": (lambda a, t: [f"data.tokenizer={_tokenizer_copy(a, t, 'tokenizer.json')}"], 1,
+                                 "tokenizer.json' (data.tokenizer) is not a readable JSON file"),
+    "tokenizer_config.json not JSON": (lambda a, t: [f"data.tokenizer={_tokenizer_copy(a, t, 'tokenizer_config.json')}"],
+                                       1, "tokenizer_config.json' (data.tokenizer) is not a readable JSON file"),
     "index without a weight_map": (lambda a, t: [f"actor_rollout_ref.model.path={_model_copy(a, t, write=_NO_MAP)}"], 1,
                                    'model.safetensors.index.json\' has no "weight_map"'),
     "config.json with a string size": (lambda a, t: [f"actor_rollout_ref.model.path={_edited_config(a, t, hidden_size='32')}"],
@@ -96,8 +100,17 @@ CASES = {
 # cases that keep an earlier run's checkpoints under trainer.resume_mode=disable (which would delete them)
 KEEPS_CHECKPOINTS = [
     "index without a weight_map", "config.json with a string size", "config.json with 0 heads", "truncated reward model",
+    "truncated tokenizer.json", "tokenizer_config.json not JSON",
 ]
 _NO_MAP = {"model.safetensors.index.json": '{"metadata": {}}'}
+
+
+def _tokenizer_copy(assets, tmp, truncate):
+    d = tmp / "tokenizer_copy"
+    shutil.copytree(f"{assets}/tokenizer", d)
+    text = (d / truncate).read_text()
+    (d / truncate).write_text(text[:len(text) // 2])
+    return d
 
 
 def _edited_config(assets, tmp, **change):

@@ -3,6 +3,7 @@ that names the file (and the config key it came from), before any model is built
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -82,3 +83,52 @@ def test_a_truncated_reward_model_is_named(tmp_path):
     cfg = RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(rm), input_tokenizer=None))
     with pytest.raises(CheckpointFileError, match="is not a readable safetensors file"):
         reward_model_inputs(cfg, build_demo_tokenizer(), "/models/actor")
+
+
+# ---------------------------------------------------------------------- tokenizers
+def _damaged_tokenizer(tmp_path, damage):
+    from data.demo import build_demo_tokenizer
+
+    d = tmp_path / "tok"
+    build_demo_tokenizer(d)
+    if damage == "truncated tokenizer.json":
+        text = (d / "tokenizer.json").read_text()
+        (d / "tokenizer.json").write_text(text[:len(text) // 2])
+        return d, d / "tokenizer.json"
+    if damage == "tokenizer_config.json not JSON":
+        (d / "tokenizer_config.json").write_text("{bad")
+        return d, d / "tokenizer_config.json"
+    assert damage == "only tokenizer_config.json"
+    for f in d.iterdir():
+        if f.name != "tokenizer_config.json":
+            f.unlink()
+    return d, d
+
+
+DAMAGES = ["truncated tokenizer.json", "tokenizer_config.json not JSON", "only tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_tokenizer_is_named_with_its_key(tmp_path, damage):
+    """JSONDecodeError (without the file's name) or transformers' "Couldn't instantiate the backend
+    tokenizer" once came as tracebacks: for the actor's tokenizer and the reward model's."""
+    from models.tokenizer import load_tokenizer
+    from trainer.config import RewardModelConfig, RewardModelModelConfig
+    from trainer.setup import reward_model_inputs
+
+    d, named = _damaged_tokenizer(tmp_path, damage)
+    with pytest.raises(CheckpointFileError) as e:
+        load_tokenizer(str(d), "data.tokenizer")
+    assert _one_line(e).startswith(f"{str(named)!r} (data.tokenizer) ")
+    if named == d:
+        return  # (next to a model's config.json, transformers builds that model's tokenizer class from it)
+    rm = _qwen2(tmp_path / "rm", vocab_size=40, classifier=True)
+    for f in d.iterdir():
+        shutil.copy(f, rm / f.name)
+    good = tmp_path / "good"
+    from data.demo import build_demo_tokenizer
+    actor = build_demo_tokenizer(good)
+    cfg = RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(rm), input_tokenizer=str(good)))
+    with pytest.raises(CheckpointFileError) as e:
+        reward_model_inputs(cfg, actor, "/models/actor")
+    assert _one_line(e).startswith(f"{str(rm / named.name)!r} (reward_model.model.path) is not a readable JSON file")
