@@ -156,6 +156,7 @@ def load_actor_tokenizer(cfg: PPOConfig):
         raise UserError(f"tokenizer directory {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
                         "data.tokenizer or actor_rollout_ref.model.path)")
     tokenizer = load_tokenizer(path, "data.tokenizer")
+    check_tokenizer_fits(cfg, tokenizer)
     template = cfg.actor_rollout_ref.model.custom_chat_template
     if template is not None:
         # a template that does not render a one-message chat with the generation prompt (bad
@@ -168,6 +169,30 @@ def load_actor_tokenizer(cfg: PPOConfig):
                               f"{type(err).__name__}: {err}") from None
         tokenizer.chat_template = template
     return tokenizer
+
+
+def tokenizer_size(tokenizer) -> int:
+    """How many token ids `tokenizer` can produce: past its largest id, added tokens included."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def check_tokenizer_fits(cfg: PPOConfig, tokenizer) -> None:
+    """UserError, before any data or model loads, unless the actor's model (and a critic of another
+    model directory, which scores the actor's tokens) embeds every token id of the actor's
+    `tokenizer` (`data.tokenizer`): an id past its vocab_size would stop the first generation. A
+    vocabulary larger than the tokenizer's (Qwen's, padded) is as it should be."""
+    arr = cfg.actor_rollout_ref
+    models = [("actor_rollout_ref.model.path", arr.model.path, arr.model.override_config)]
+    critic = cfg.critic.model
+    if cfg.uses_critic and (critic.path, critic.override_config) != (arr.model.path, arr.model.override_config):
+        models.append(("critic.model.path", critic.path, critic.override_config))
+    size = tokenizer_size(tokenizer)
+    for key, path, overrides in models:
+        vocab = load_model_args(path, overrides).vocab_size
+        if size > vocab:
+            raise UserError(f"the tokenizer (data.tokenizer {cfg.data.tokenizer!r}) has {size} token ids but the "
+                            f"model of {key} {path!r} embeds {vocab} (vocab_size): token ids {vocab} and up would be "
+                            "outside its vocabulary; use the model's own tokenizer (or one of its vocabulary)")
 
 
 def reward_model_inputs(rm, actor_tokenizer, actor_path: str):

@@ -83,6 +83,8 @@ CASES = {
     "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model"],
                                           1, "has no score head (score.weight)"),
     # damaged or mismatched model, tokenizer and adapter files: each was a traceback, some after the data loaded
+    "tokenizer with more ids than the model embeds": (lambda a, t: [f"data.tokenizer={_added_tokens(a, t)}"], 1,
+                                                      "(vocab_size)"),
     "truncated tokenizer.json": (lambda a, t: [f"data.tokenizer={_tokenizer_copy(a, t, 'tokenizer.json')}"], 1,
                                  "tokenizer.json' (data.tokenizer) is not a readable JSON file"),
     "tokenizer_config.json not JSON": (lambda a, t: [f"data.tokenizer={_tokenizer_copy(a, t, 'tokenizer_config.json')}"],
@@ -101,8 +103,18 @@ CASES = {
 KEEPS_CHECKPOINTS = [
     "index without a weight_map", "config.json with a string size", "config.json with 0 heads", "truncated reward model",
     "truncated tokenizer.json", "tokenizer_config.json not JSON",
+    "tokenizer with more ids than the model embeds",
 ]
 _NO_MAP = {"model.safetensors.index.json": '{"metadata": {}}'}
+
+
+def _added_tokens(assets, tmp):
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(f"{assets}/tokenizer")
+    tok.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tok.save_pretrained(tmp / "added_tokens")
+    return tmp / "added_tokens"
 
 
 def _tokenizer_copy(assets, tmp, truncate):

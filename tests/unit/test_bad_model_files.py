@@ -132,3 +132,41 @@ def test_a_damaged_tokenizer_is_named_with_its_key(tmp_path, damage):
     with pytest.raises(CheckpointFileError) as e:
         reward_model_inputs(cfg, actor, "/models/actor")
     assert _one_line(e).startswith(f"{str(rm / named.name)!r} (reward_model.model.path) is not a readable JSON file")
+
+
+# ---------------------------------------------------------------------- the actor's tokenizer against its model
+def _cfg(*overrides):
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+
+    return load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), list(overrides))
+
+
+def _big_tokenizer(tmp_path, extra):
+    from data.demo import build_demo_tokenizer
+
+    tok = build_demo_tokenizer()
+    tok.add_tokens([f"<x{i}>" for i in range(extra)])
+    tok.save_pretrained(tmp_path / "big_tok")
+    return tmp_path / "big_tok", len(tok)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_setup(tmp_path):
+    """An id past the actor's vocab_size once stopped the first generation (a traceback from the
+    engine, after resume_mode=disable had deleted the earlier checkpoints). One-sided: a model
+    embedding more ids than the tokenizer has (Qwen's padded 151936 for 151665) is as it should be."""
+    from trainer.errors import UserError
+    from trainer.setup import load_actor_tokenizer
+
+    tok, size = _big_tokenizer(tmp_path, 20)
+    padded = _qwen2(tmp_path / "padded", vocab_size=size + 7)
+    assert len(load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={padded}", f"data.tokenizer={tok}"))) == size
+    small = _qwen2(tmp_path / "small", vocab_size=size - 3)
+    with pytest.raises(UserError) as e:
+        load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={small}", f"data.tokenizer={tok}"))
+    assert _one_line(e).startswith(f"the tokenizer (data.tokenizer {str(tok)!r}) has {size} token ids but the model "
+                                   f"of actor_rollout_ref.model.path {str(small)!r} embeds {size - 3} (vocab_size)")
+    # a critic of its own model directory scores the actor's tokens: it must embed them too
+    with pytest.raises(UserError, match=rf"model of critic.model.path '{small}' embeds {size - 3}"):
+        load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={padded}", f"data.tokenizer={tok}",
+                                  "algorithm.adv_estimator=gae", f"critic.model.path={small}"))
