@@ -290,21 +290,34 @@ def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]
     return cfg, raw
 
 
-def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+def read_peft_adapter(path: str | os.PathLike, model_args=None) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
     """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name), its
-    config as `read_peft_adapter_config` reads it."""
+    config as `read_peft_adapter_config` reads it. A weights file that is not safetensors (truncated,
+    foreign) raises `models.checkpoint.CheckpointFileError` (a ValueError) naming it. Given the base
+    model's `ModelArgs` `model_args`, the tensors are checked (`check_adapter`) against that model's
+    adapters, built on the meta device: a ValueError names the file and the tensor."""
     from safetensors.torch import load_file
+
+    from models.checkpoint import reading
 
     cfg, _ = read_peft_adapter_config(path)
     weights = Path(path) / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {weights.name}")
     tensors = {}
-    for key, t in load_file(str(weights)).items():
+    with reading(weights, what="is not a readable safetensors file"):
+        loaded = load_file(str(weights))
+    for key, t in loaded.items():
         name = _meshppo_key(key)
         if name is None:
             raise ValueError(f"{weights}: tensor {key!r} is not a LoRA A/B weight of the decoder layers")
         tensors[name] = t
+    if model_args is not None:
+        from models.transformer import Transformer
+
+        with torch.device("meta"):
+            model = inject_lora(Transformer(model_args), cfg)
+        check_adapter(model, cfg, tensors, str(weights))
     return cfg, tensors
 
 

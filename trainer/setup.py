@@ -43,6 +43,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     validate(cfg, world_size, local_world_size)
     check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
     check_engine_tensor_parallel(cfg)
+    check_lora_adapter(cfg)
     t = cfg.trainer
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
@@ -374,6 +375,24 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {e} (the model in "
                           f"{arr.model.path})") from None
+
+
+def check_lora_adapter(cfg: PPOConfig) -> None:
+    """The actor's peft adapter (`lora_adapter_path`, its files already read by `validate`) against the
+    actor's model: every tensor the shape the model's adapter has, before any model is built."""
+    from models.lora import read_peft_adapter
+
+    arr = cfg.actor_rollout_ref
+    adapter = arr.model.lora_adapter_path
+    if adapter is None:
+        return
+    args = _readable_model_args(arr.model.path, arr.model.override_config)
+    if args is None:
+        return
+    try:
+        read_peft_adapter(adapter, args)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e} (the model in {arr.model.path})") from None
 
 
 def model_notes(cfg: PPOConfig) -> list[str]:

@@ -98,12 +98,17 @@ CASES = {
     "truncated reward model": (lambda a, t: ["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=8",
                                              f"reward_model.model.path={_model_copy(a, t, truncate='model.safetensors')}"],
                                1, "is not a readable safetensors file"),
+    "corrupt lora adapter": (lambda a, t: [f"actor_rollout_ref.model.lora_adapter_path={_adapter(a, t, corrupt=True)}"],
+                             2, "adapter_model.safetensors' is not a readable safetensors file"),
+    "lora adapter of another model": (lambda a, t: [f"actor_rollout_ref.model.lora_adapter_path={_adapter(a, t)}"], 2,
+                                      "q_proj.lora_A has shape (4, 7), the model needs (4, "),
 }
 # cases that keep an earlier run's checkpoints under trainer.resume_mode=disable (which would delete them)
 KEEPS_CHECKPOINTS = [
     "index without a weight_map", "config.json with a string size", "config.json with 0 heads", "truncated reward model",
     "truncated tokenizer.json", "tokenizer_config.json not JSON",
     "tokenizer with more ids than the model embeds",
+    "corrupt lora adapter", "lora adapter of another model",
 ]
 _NO_MAP = {"model.safetensors.index.json": '{"metadata": {}}'}
 
@@ -130,6 +135,25 @@ def _edited_config(assets, tmp, **change):
     config = json.loads((d / "config.json").read_text())
     config.update(change)
     (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _adapter(assets, tmp, corrupt=False):
+    """A peft adapter (r 4, q_proj) for the model's layers: A 7 columns wide (no model's), or not safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    layers = json.loads(open(f"{assets}/sft_model/config.json").read())["num_hidden_layers"]
+    d = tmp / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                       "target_modules": ["q_proj"]}))
+    if corrupt:
+        (d / "adapter_model.safetensors").write_bytes(b"not a header")
+        return d
+    prefix = "base_model.model.model.layers.{}.self_attn.q_proj"
+    save_file({f"{prefix.format(i)}.lora_{ab}.weight": torch.zeros(4, 7) for i in range(layers) for ab in "AB"},
+              str(d / "adapter_model.safetensors"))
     return d
 
 

@@ -170,3 +170,59 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_setup(tmp_p
     with pytest.raises(UserError, match=rf"model of critic.model.path '{small}' embeds {size - 3}"):
         load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={padded}", f"data.tokenizer={tok}",
                                   "algorithm.adv_estimator=gae", f"critic.model.path={small}"))
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+def _adapter(tmp_path, shapes=None, corrupt=False):
+    """A peft adapter (r 4, q_proj) for `_qwen2`'s one-layer model: its weights `shapes` (A, B), or garbage."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4,
+                                                       "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    weights = d / "adapter_model.safetensors"
+    if corrupt:
+        weights.write_bytes(b"not a header")
+    else:
+        a, b = shapes or ((4, 32), (32, 4))
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(a), f"{prefix}.lora_B.weight": torch.zeros(b)}, str(weights))
+    return d, weights
+
+
+def test_a_corrupt_lora_adapter_is_named(tmp_path):
+    """safetensors' SafetensorError from the adapter's weights once escaped the config's check as a traceback."""
+    from models.lora import read_peft_adapter
+    from trainer.config import validate
+    from trainer.configlib import ConfigError
+
+    d, weights = _adapter(tmp_path, corrupt=True)
+    with pytest.raises(CheckpointFileError) as e:
+        read_peft_adapter(d)
+    assert _one_line(e).startswith(f"{str(weights)!r} is not a readable safetensors file (SafetensorError: ")
+    model = _qwen2(tmp_path / "m")
+    with pytest.raises(ConfigError, match=rf"actor_rollout_ref.model.lora_adapter_path: '{weights}' is not a readable"):
+        validate(_cfg(f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.lora_adapter_path={d}"))
+
+
+def test_a_lora_adapter_of_other_shapes_is_refused_before_any_model_is_built(tmp_path):
+    """An adapter for a wider model once passed the config's checks and failed as a traceback while the
+    actor was sharded, after the data had loaded: preflight checks its shapes against the model's."""
+    from models.lora import read_peft_adapter
+    from trainer.configlib import ConfigError
+    from trainer.setup import check_lora_adapter
+
+    model = _qwen2(tmp_path / "m")
+    d, weights = _adapter(tmp_path, shapes=((4, 64), (32, 4)))
+    read_peft_adapter(d)  # the files themselves are fine
+    with pytest.raises(ValueError, match=rf"'{weights}': layers.0.self_attn.q_proj.lora_A has shape \(4, 64\), "
+                                         r"the model needs \(4, 32\)"):
+        read_peft_adapter(d, load_model_args(model))
+    cfg = _cfg(f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.lora_adapter_path={d}")
+    with pytest.raises(ConfigError) as e:
+        check_lora_adapter(cfg)
+    assert _one_line(e).startswith(f"actor_rollout_ref.model.lora_adapter_path: adapter {str(weights)!r}: ")
+    shutil.rmtree(d)
+    _adapter(tmp_path)
+    check_lora_adapter(cfg)  # the model's shapes pass
