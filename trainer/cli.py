@@ -32,23 +32,29 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     from trainer.config import PPOConfig, config_notes, validate
     from trainer.configlib import ConfigError, load_config, to_commented_yaml
-    from trainer.launch import local_world_size_from_env, rank_from_env, world_size_from_env
+    from trainer.launch import (agreed_config_errors, config_error_lines, local_world_size_from_env, rank_from_env,
+                                world_size_from_env)
 
-    # Every rank finds the same config error: only rank 0 says it.
-    is_main = rank_from_env() == 0
+    # The ranks agree on their config errors (one rank's alone too) before any work; rank 0 says them.
+    is_main, error = rank_from_env() == 0, None
     try:
         cfg = load_config(PPOConfig, args.config, args.overrides)
         if args.print_config:
             validate(cfg)
-            print(to_commented_yaml(cfg))
         else:
             from trainer.setup import preflight
 
             preflight(cfg, world_size_from_env(), local_world_size_from_env())
     except ConfigError as e:
+        error = str(e)
+    errors = agreed_config_errors(error)
+    if errors:
         if is_main:
-            print(f"meshppo: config error: {e}", file=sys.stderr)
+            for line in config_error_lines(errors, world_size_from_env()):
+                print(line, file=sys.stderr)
         return 2
+    if args.print_config and is_main:
+        print(to_commented_yaml(cfg))
     if is_main:
         from trainer.setup import model_notes
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import re
 import shutil
@@ -325,7 +326,8 @@ class _Launch:
             print(f"meshppo: {who} (torchrun exit code {returncode}); logs: {self.log_dir}/rank<R>.log and "
                   f"{self.torchrun_log}", file=sys.stderr)
             return returncode or 1
-        code = next((codes[r] for r in sorted(codes) if codes[r]), 0)
+        # A config error first: a peer of the rank that found it has only its failed collective to say.
+        code = 2 if 2 in codes.values() else next((codes[r] for r in sorted(codes) if codes[r]), 0)
         if code:
             self._show_other_ranks_errors(codes)
         if code == 0 and self.stop_signal is not None:
@@ -341,14 +343,14 @@ class _Launch:
         """The error lines of this node's other failed ranks that rank 0 did not print: only rank 0's
         log was copied to stderr, and an error of one rank alone (its own checkpoint file) leaves
         rank 0 with nothing but a failed collective to say."""
-        seen = set(_error_messages(os.path.join(self.log_dir, "rank0.log")))
+        seen = {message for _, message in _error_messages(os.path.join(self.log_dir, "rank0.log"))}
         for r in sorted(codes):
             if r == 0 or not codes[r]:
                 continue
-            for message in _error_messages(os.path.join(self.log_dir, f"rank{r}.log")):
+            for kind, message in _error_messages(os.path.join(self.log_dir, f"rank{r}.log")):
                 if message not in seen:
                     seen.add(message)
-                    print(f"meshppo: error (rank {r}): {message}", file=sys.stderr)
+                    print(f"meshppo: {kind} (rank {r}): {message}", file=sys.stderr)
 
     def _latest_checkpoint(self) -> str | None:
         from trainer.checkpointing import CheckpointManager
@@ -437,17 +439,17 @@ def check_slurm_step(nnodes: int) -> None:
 
 # a rank's error line, and the message in it; a message another rank found first (a reward function's
 # `(on rank R)`, the engine's first TP rank's tools: agent.loop.FIRST_TP_RANK) is that rank's
-_ERROR_LINE = re.compile(r"meshppo: error \(rank \d+\): (?:\(on (?:rank \d+|the engine's first TP rank, which runs the "
-                         r"tools and interactions)\) )?(.*)$")
+_ERROR_LINE = re.compile(r"meshppo: ((?:config )?error)(?: \(ranks? [\d, ]+\))?: (?:\(on (?:rank \d+|the engine's "
+                         r"first TP rank, which runs the tools and interactions)\) )?(.*)$")
 
 
-def _error_messages(path: str) -> list[str]:
-    """The messages of a rank log's `meshppo: error (rank R): ...` lines (a message relayed from
-    another rank counted as that rank's own)."""
+def _error_messages(path: str) -> list[tuple[str, str]]:
+    """The kind ("error", "config error") and message of a rank log's `meshppo: error (rank R): ...`
+    lines (a message relayed from another rank counted as that rank's own)."""
     try:
         with open(path, errors="replace") as f:
             # (a line may begin with the end of a progress bar's redraw: searched, not matched)
-            return [m.group(1) for line in f if (m := _ERROR_LINE.search(line.rstrip("\n")))]
+            return [m.groups() for line in f if (m := _ERROR_LINE.search(line.rstrip("\n")))]
     except FileNotFoundError:
         return []
 
@@ -529,6 +531,59 @@ class DistContext:
         return self.rank == 0
 
 
+_STORE: list = []  # this process's store of the ranks' rendezvous (`_attempt_store`), once made
+_CONFIG_ROUNDS: list = []  # the calls of `agreed_config_errors` so far
+
+
+def _attempt_store():
+    """The store the ranks meet in (torchrun's, or rank 0's at MASTER_ADDR:MASTER_PORT; the default
+    group's where one exists), made once per process and shared by the config check and the process
+    group. torchrun keeps one store across restarts (--max-restarts): keys written by a killed attempt
+    (a dead rank's gloo address) would be read by the new one, so each attempt has its own prefix."""
+    if not _STORE:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if dist.is_initialized():  # a process group made outside `init_distributed` (tests, embedding code)
+            base = dist.distributed_c10d._get_default_store()
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            if "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(_free_port())
+            base, _, _ = next(dist.rendezvous("env://", rank_from_env(), world_size_from_env()))
+        _STORE.append(dist.PrefixStore(f"meshppo/attempt_{attempt}", base))
+    return _STORE[0]
+
+
+def agreed_config_errors(error: str | None) -> list[tuple[str, list[int]]]:
+    """Every rank's config error (`error`: this rank's, None when its check passed), agreed through
+    the ranks' store before any process group: the distinct messages with the ranks that found them,
+    in rank order, the same list on every rank (empty: every rank may start). A config error can be
+    one rank's alone (a `${oc.env:...}` value, a node's disk, packages or GPUs), and under plain
+    torchrun nobody printed a non-zero rank's. Rank 0 reads each rank's report, then writes the verdict."""
+    world = world_size_from_env()
+    if world == 1:
+        return [(error, [0])] if error is not None else []
+    _CONFIG_ROUNDS.append(None)  # each call its own keys (the store lives as long as the process)
+    store, rank = dist.PrefixStore(f"config{len(_CONFIG_ROUNDS)}", _attempt_store()), rank_from_env()
+    store.set(f"rank{rank}", error or "")
+    if rank == 0:
+        found: dict[str, list[int]] = {}
+        for r in range(world):  # (get waits for the key)
+            message = store.get(f"rank{r}").decode()
+            if message:
+                found.setdefault(message, []).append(r)
+        store.set("verdict", json.dumps(list(found.items())))
+    return [(message, ranks) for message, ranks in json.loads(store.get("verdict").decode())]
+
+
+def config_error_lines(errors: list[tuple[str, list[int]]], world: int) -> list[str]:
+    """`agreed_config_errors`' list as rank 0 says it: one line, as a single process would, when every
+    rank found the same error; else each error with the ranks that found it."""
+    if len(errors) == 1 and len(errors[0][1]) == world:
+        return [f"meshppo: config error: {errors[0][0]}"]
+    return [f"meshppo: config error (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {message}"
+            for message, ranks in errors]
+
+
 def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistContext:
     """Initialise the default process group (nccl on CUDA, gloo on CPU) from torchrun's env.
 
@@ -554,20 +609,9 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         kwargs = {"device_id": dev} if device == "cuda" else {}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if world == 1:
-            # One rank meets nobody: an in-memory store, no socket (a port inherited from an
-            # earlier run in the same environment may still be taken).
-            store = dist.HashStore()
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
-            # torchrun keeps one store across restarts (--max-restarts): keys written by the
-            # killed attempt (a dead rank's gloo address) would be read by the new one and its
-            # connect fails. Each attempt therefore gets its own key prefix.
-            store, _, _ = next(dist.rendezvous("env://", rank, world))
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = dist.PrefixStore(f"meshppo/attempt_{attempt}", store)
+        # One rank meets nobody: an in-memory store, no socket (a port inherited from an
+        # earlier run in the same environment may still be taken).
+        store = dist.HashStore() if world == 1 else dist.PrefixStore("group", _attempt_store())
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
         # No rank goes on before every rank has finished connecting: a rank that then stops at
         # once (bad data) would otherwise close its sockets under a peer still inside gloo's

@@ -1210,8 +1210,8 @@ def _collective_failure(e: RuntimeError) -> bool:
 
 
 def run(cfg: PPOConfig) -> int:
-    """Entry point used by train_ppo.py. A config error: one message (rank 0), exit code 2; an
-    input error: a message from every rank that hit it, exit code 1."""
+    """Entry point used by train_ppo.py. A config error: exit code 2, an input error: exit code 1,
+    each with a message from every rank that hit it."""
     from agent import InteractionError, ToolError
     from data import DatasetError
     from rewards import RewardError
@@ -1228,8 +1228,9 @@ def run(cfg: PPOConfig) -> int:
         finished = code == 0
         return code
     except ConfigError as e:
-        if ctx.is_main:
-            print(f"meshppo: config error: {e}", file=sys.stderr)
+        # Found while the run starts (its data, checkpoint, tools): possibly by one rank alone, whose
+        # peers are then in a collective that fails when it exits. Every rank says its own.
+        say(f"meshppo: config error: {e}" if ctx.world_size == 1 else f"meshppo: config error (rank {ctx.rank}): {e}")
         return 2
     except (UserError, DatasetError, RewardError, ToolError, InteractionError, OSError, CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would

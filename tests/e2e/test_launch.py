@@ -58,13 +58,39 @@ def test_config_error_is_one_line_before_any_rank(tiny_assets, tmp_path):
     assert not (tmp_path / "run" / "logs").exists()  # no rank was started
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_under_plain_torchrun_only_rank_0_says_a_config_error(monkeypatch, capsys, rank):
-    for key, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
-        monkeypatch.setenv(key, value)
-    code = cli.main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "trainer.total_epoch=2"])
+def _config_error_body(rank, world_size, assets, root):
+    """cli.main on each of 2 ranks (torchrun's variables set, as plain torchrun runs them)."""
+    import contextlib
+    import io
+
+    def main(*args):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(demo_args(assets, f"{root}/run", *args))
+        return code, out.getvalue(), err.getvalue()
+
+    # every rank finds the same error: rank 0 says it once, as one process would
+    code, _, err = main("trainer.total_epoch=2")
     said = "meshppo: config error: unknown config key 'trainer.total_epoch'; did you mean 'trainer.total_epochs'?\n"
-    assert code == 2 and capsys.readouterr().err == (said if rank == "0" else "")
+    assert code == 2 and err == (said if rank == 0 else ""), err
+    # rank 1's alone (its run directory, from its environment, is a file): rank 0 says it, naming the rank
+    code, _, err = main("trainer.default_local_dir=" + root + "/run${oc.env:RANK}")
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == (1 if rank == 0 else 0), err
+    assert rank != 0 or (lines[0].startswith("meshppo: config error (rank 1): ") and f"{root}/run1" in lines[0]), err
+    # --print-config: the YAML once (rank 0's), not once per rank
+    code, out, _ = main("--print-config")
+    assert code == 0 and ("trainer:" in out) == (rank == 0), out[:200]
+
+
+def test_under_plain_torchrun_rank_0_says_every_ranks_config_error(tiny_assets, tmp_path):
+    """Under plain torchrun only rank 0 printed a config error: one found by another rank alone (a
+    `${oc.env:...}` value, a node's disk) was printed by nobody. The ranks now agree on their errors
+    through torchrun's store before any work, and rank 0 says each, with the ranks that found it."""
+    from tests.dist_utils import run_distributed
+
+    (tmp_path / "run1").write_text("a file where rank 1's run directory would be\n")
+    run_distributed(_config_error_body, 2, str(tiny_assets), str(tmp_path), timeout=300)
 
 
 def test_input_error_on_the_ranks_is_one_line(tiny_assets, tmp_path):
@@ -117,6 +143,21 @@ def test_an_input_error_of_one_rank_alone_reaches_the_launchers_output(tiny_asse
     lines = _lines(out)
     assert any(line.startswith("meshppo: error (rank 1): importing custom reward file") and
                "no module for rank 1" in line for line in lines), out
+    _no_launcher_noise(out)
+
+
+def test_a_config_error_of_one_rank_alone_reaches_the_launchers_output(tiny_assets, tmp_path):
+    """Rank 1 alone finds a config error while the run starts (its node's training file is shorter than
+    a batch): rank 0 has only its failed collective to say, rank 1 said nothing (only rank 0 printed
+    config errors) and the launch exited 1. Now rank 1's line reaches the launcher's output, exit 2."""
+    rows = (tiny_assets / "train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "train0.jsonl").write_text("".join(rows))
+    (tmp_path / "train1.jsonl").write_text("".join(rows[:10]))
+    files = "data.train_files=[\"" + str(tmp_path) + "/train${oc.env:LOCAL_RANK,0}.jsonl\"]"
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, files), MESHPPO_PEER_GRACE_S="3")
+    out = p.output(timeout=600)
+    assert p.returncode == 2, out
+    assert "meshppo: config error (rank 1): data.train_batch_size (16) is larger than the training set (10 " in out, out
     _no_launcher_noise(out)
 
 
