@@ -8,8 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.e2e.conftest import ROOT, demo_args, read_metrics
 from trainer import cli
 

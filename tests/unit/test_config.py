@@ -680,8 +680,13 @@ def test_the_launcher_reads_each_rank_logs_error_lines(tmp_path):
                    "\rppo:   0%|          | 0/2 [00:00<?, ?it/s]meshppo: error (rank 0): resume path 'p' does not exist\n"
                    "meshppo: error (rank 0): (on rank 1) reward function f raised\n"
                    f"meshppo: error (rank 1): {FIRST_TP_RANK} tool 't' broke\n"
+                   "meshppo: config error (rank 1): data.train_batch_size (32) is larger than the training set\n"
+                   "meshppo: config error: unknown config key 'x'\n"
                    "a line about meshppo: errors in general\n")
-    assert _error_messages(str(log)) == ["resume path 'p' does not exist", "reward function f raised", "tool 't' broke"]
+    assert _error_messages(str(log)) == [
+        ("error", "resume path 'p' does not exist"), ("error", "reward function f raised"), ("error", "tool 't' broke"),
+        ("config error", "data.train_batch_size (32) is larger than the training set"),
+        ("config error", "unknown config key 'x'")]
     assert _error_messages(str(tmp_path / "rank1.log")) == []
 
 
