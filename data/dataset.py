@@ -422,7 +422,9 @@ class RLHFDataset:
             built-in scorers; a custom reward function gets None for a row without one, as
             verl's managers pass it, and a reward model alone reads none).
         data_sources: the `data_source` values a row may name (the built-in scorers' when
-            they give the rewards), so that a row no scorer knows fails at load; None: any.
+            they give the rewards), so that a row no scorer knows fails at load, as does one whose
+            ground truth its scorer would never match (`builtin_ground_truth_problem`: a number
+            for GSM8K's string comparison); None: any.
         media_keys: the fields of a row's images and videos (verl's `data.image_key` /
             `video_key`): a row with any, or with a media part in a message, is refused
             (the models are text-only).
@@ -551,6 +553,8 @@ class RLHFDataset:
 
     def _load(self, records: list[tuple[str, dict[str, Any]]]) -> None:
         """Validate and tokenize `(where, row)` records into items."""
+        from rewards.registry import builtin_ground_truth_problem  # the scorers' rule, where they give the rewards
+
         parsed = []
         for where, row in records:
             if not row:
@@ -583,6 +587,10 @@ class RLHFDataset:
                     f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
                 )
             ground_truth = _ground_truth(row, where, self.require_ground_truth)
+            if self.data_sources is not None and ground_truth is not None:
+                problem = builtin_ground_truth_problem(data_source, ground_truth)
+                if problem:
+                    raise DatasetError(f"{where}: field 'reward_model.ground_truth' {problem}")
             tools_kwargs = self._tools_kwargs(extra_info, where)
             parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs))
 

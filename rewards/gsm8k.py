@@ -5,7 +5,8 @@ takes the last match of the number pattern anywhere in the response, skipping on
 `"."`, as verl does: it is not cleaned (`1,234` stays `1,234`, `4.` stays `4.`), and when every
 match is punctuation the first one is the answer. The extracted string is compared with the
 ground truth as it is, without conversion: an integer ground truth 72 never equals the answer
-"72" (a format score), as in verl. Scores are returned as floats.
+"72" (a format score), as in verl; the trainer refuses such a row at load instead (`RLHFDataset`'s
+`data_sources`, `rewards.registry.builtin_ground_truth_problem`). Scores are returned as floats.
 """
 
 from __future__ import annotations

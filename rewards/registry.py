@@ -52,6 +52,21 @@ _SCORERS: dict[str, Callable[[str, str], float]] = {
     "meshppo/demo_add": demo.compute_score,
 }
 BUILTIN_DATA_SOURCES = tuple(sorted(_SCORERS))  # the data sources default_compute_score scores
+# The built-in scorers that compare the answer they extract with the ground truth as it is, as verl's do (gsm8k:
+# `answer == ground_truth`): a ground truth that is not a string never matches. (demo_add compares with its str().)
+_STRING_GROUND_TRUTH = frozenset({"openai/gsm8k"})
+
+
+def builtin_ground_truth_problem(data_source: Any, ground_truth: Any) -> str | None:
+    """Why the built-in scorer of `data_source` would never match `ground_truth` (the end of a sentence that
+    begins with the field's name), or None. A number such as 72 scores at most the format score against the
+    answer "72", in verl as here: the row is refused at load rather than scored so (verl's GSM8K data stores
+    strings)."""
+    if data_source not in _STRING_GROUND_TRUTH or isinstance(ground_truth, str):
+        return None
+    return (f"is {type(ground_truth).__name__} {ground_truth!r:.60}, not a string: the built-in {data_source!r} scorer "
+            f"compares the answer it extracts (a string) with it unconverted, as verl's does, so it would never "
+            f"match; store it as a string (e.g. {str(ground_truth)!r:.60}) or score with custom_reward_function.path")
 
 
 def default_compute_score(

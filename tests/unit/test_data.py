@@ -327,6 +327,26 @@ def test_dataset_checks_data_sources_at_load(tmp_path, tokenizer):
     assert len(RLHFDataset(path, tokenizer)) == 2  # any data source when a custom function scores
 
 
+@pytest.mark.parametrize("truth", [72, 72.0, ["72"]])
+def test_a_gsm8k_ground_truth_that_is_not_a_string_is_refused_where_the_builtin_scorer_scores(tmp_path, tokenizer,
+                                                                                              truth):
+    """verl's GSM8K scorer (and meshppo's, to the letter) compares the answer it extracts, a string, with the
+    ground truth unconverted: a number never matches, so the row would score 0 whatever the response."""
+    from rewards import BUILTIN_DATA_SOURCES, default_compute_score
+
+    assert default_compute_score("openai/gsm8k", "#### 72", truth) == 0.0  # what training on it would give
+    gsm8k = dict(data_source="openai/gsm8k")
+    rows = [_chat_row("1=", "72", **gsm8k), _chat_row("1=", 3), _chat_row("1=", truth, **gsm8k)]  # demo_add: str()s
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=rf"d\.jsonl:3: field 'reward_model\.ground_truth' is "
+                                           rf"{type(truth).__name__} .*, not a string: the built-in 'openai/gsm8k' "
+                                           r"scorer compares .* unconverted, as verl's does"):
+        RLHFDataset(path, tokenizer, data_sources=BUILTIN_DATA_SOURCES)
+    assert len(RLHFDataset(path, tokenizer, data_sources=BUILTIN_DATA_SOURCES, max_samples=2, shuffle=False)) == 2
+    # a custom reward function gets it as stored
+    assert RLHFDataset(path, tokenizer)[2]["ground_truth"] == truth
+
+
 def test_dataset_reads_a_json_file_holding_one_array(tmp_path, tokenizer):
     """`datasets` (verl's reader) takes a .json file that is one array of rows; errors number rows by position."""
     rows = [_chat_row("1+2=", "3"), _chat_row("2+2=", "4")]
