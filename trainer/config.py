@@ -7,6 +7,7 @@ at their neutral value; anything else fails with "not supported" instead of bein
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -670,7 +671,8 @@ class RefConfig:
                         choices=("fsdp", "fsdp2"))
     fsdp_config: RefFSDPOptions = section(RefFSDPOptions, "reference model FSDP2 settings")
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the reference (global_profiler)")
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU", ge=1)
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU; null: "
+                                                              "the rollout's log_prob_micro_batch_size_per_gpu", ge=1)
     log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
     log_prob_use_dynamic_bsz: bool | None = opt(None, "pack reference forwards by token count; null: the actor's "
                                                       "use_dynamic_bsz")
@@ -763,6 +765,56 @@ def _shown(value):
     return str(value).lower() if isinstance(value, bool) else value
 
 
+def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
+    """The leaf options of section `obj` whose values differ from those of `base` (the same section
+    as the config would have it without the user's values: defaults, and what `resolve` inherits),
+    by dotted key under `prefix`. Options with a `no_effect` (said on their own) or an `unsupported`
+    (refused unless neutral) mark, and the relative keys (options or sections) in `skip`, are left out."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        rel = f"{prefix}.{f.name}" if prefix else f.name
+        if rel in skip or f.metadata.get("no_effect") or f.metadata.get("unsupported"):
+            continue
+        value, theirs = getattr(obj, f.name), getattr(base, f.name)
+        if dataclasses.is_dataclass(value) and type(value) is type(theirs):
+            out.update(_set_options(value, theirs, rel, skip))
+        elif value != theirs:
+            out[rel] = value
+    return out
+
+
+def _inherited_base(cfg, name: str):
+    """Top-level section `name` of `cfg` as the config would resolve it had the user set none of its
+    options (its defaults and what it inherits from the other sections)."""
+    base = copy.deepcopy(cfg)
+    setattr(base, name, type(getattr(cfg, name))())
+    base.resolve()
+    return getattr(base, name)
+
+
+# Options of a role's section that the section itself fills from another of its options (null
+# inherits it, or verl's copy sets it): one the user did not set, when equal to its source.
+_DERIVED_OPTIONS = {"forward_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_gpu",
+                    "forward_max_token_len_per_gpu": "ppo_max_token_len_per_gpu",
+                    "checkpoint.load_contents": "checkpoint.save_contents",
+                    "ulysses_sequence_parallel_size": "model.fsdp_config.ulysses_sequence_parallel_size",
+                    "model.fsdp_config.mixed_precision.param_dtype": "model.fsdp_config.dtype"}
+
+
+def _user_options(cfg, name: str, skip=()) -> dict:
+    """The options of top-level section `name` (a role's) that the user set, by their full keys:
+    not those at their defaults, nor those inherited from other options."""
+    opts = _set_options(getattr(cfg, name), _inherited_base(cfg, name), skip=skip)
+    opts = {k: v for k, v in opts.items() if not (k in _DERIVED_OPTIONS and _DERIVED_OPTIONS[k] in opts
+                                                  and opts[_DERIVED_OPTIONS[k]] == v)}
+    return {f"{name}.{k}": v for k, v in opts.items()}
+
+
+def _listed(options: dict) -> str:
+    """`key=value, ...` as the notes list options."""
+    return ", ".join(f"{k}={'null' if v is None else _shown(v)}" for k, v in options.items())
+
+
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
 # the sampling parameters' processing.
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
@@ -818,7 +870,8 @@ class RolloutConfig:
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
     cudagraph_capture_sizes: list[int] | None = opt(
         None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling)", ge=1)
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU", ge=1)
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU; null: "
+                                                              "the actor's ppo_micro_batch_size_per_gpu", ge=1)
     log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")
     log_prob_use_dynamic_bsz: bool | None = opt(None, "pack old-log-prob forwards by token count; null: the actor's "
                                                       "use_dynamic_bsz")
@@ -897,6 +950,12 @@ class RolloutConfig:
     trace: TraceConfig = section(TraceConfig, "verl's rollout tracing")
     prometheus: PrometheusConfig = section(PrometheusConfig, "verl's rollout-server metrics")
 
+    def __post_init__(self):
+        if self.cudagraph_capture_sizes == []:  # (each size's range is checked as the config loads)
+            raise ConfigError("actor_rollout_ref.rollout.cudagraph_capture_sizes=[] lists no decode batch size to "
+                              "capture: list at least one, or leave it null for the engine's default sizes "
+                              "(enforce_eager=true turns the CUDA graphs off)")
+
     @property
     def engine(self) -> str:
         """The engine that generates: native (also for verl's vllm, sglang and trtllm) or hf."""
@@ -971,7 +1030,8 @@ class CriticConfig:
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the critic (global_profiler)")
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU", ge=1)
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU; null: "
+                                                         "the actor's ppo_micro_batch_size_per_gpu", ge=1)
     ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
     forward_micro_batch_size_per_gpu: int | None = opt(None, "sequences per value forward on one GPU; null: "
                                                              "ppo_micro_batch_size_per_gpu", ge=1)
@@ -1551,6 +1611,8 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
                           "reward model reads the actor's prompt and response tokens as they are, which the prompt "
                           "and response lengths bound; max_length cuts the reward model's own rendering of the chat "
                           "(input_tokenizer set)")
+    if not rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None:  # (as the actor's update, and verl)
+        raise ConfigError("set reward_model.micro_batch_size_per_gpu or use_dynamic_bsz=true")
 
 
 def config_notes(cfg, prefix: str = "") -> list[str]:
@@ -1715,6 +1777,27 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         if not on and unused:
             notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{switch} is {'null' if switch.endswith('rollout_is') else 'false'}")
+    notes += _unused_section_notes(cfg)
+    if alg.use_kl_in_reward and alg.kl_ctrl.type == "fixed":
+        unused = _non_default(alg.kl_ctrl, ("horizon", "target_kl"))
+        if unused:
+            notes.append(f"{_listed({f'algorithm.kl_ctrl.{k}': v for k, v in unused.items()})} has no effect: "
+                         "algorithm.kl_ctrl.type=fixed (they steer the adaptive controller)")
+    if adv not in GRPO_ESTIMATORS and not alg.norm_adv_by_std_in_grpo:
+        notes.append(f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={adv} (only "
+                     f"{', '.join(GRPO_ESTIMATORS[:-1])} and {GRPO_ESTIMATORS[-1]} divide by the group std)")
+    actor = arr.actor
+    if actor.loss_scale_factor is not None and actor.loss_agg_mode != "seq-mean-token-sum-norm":
+        notes.append(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} has no effect: "
+                     f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} (it is seq-mean-token-sum-norm's "
+                     "divisor)")
+    models = [("actor_rollout_ref.model", arr.model, arr.model.lora_adapter_path is None)]
+    models += [("critic.model", cfg.critic.model, cfg.uses_critic)]  # (else the critic's note says them)
+    for key, model, read in models:
+        unused = _non_default(model, ("lora_alpha", "target_modules"))
+        if read and not model.lora_rank and unused:
+            notes.append(f"{_listed({f'{key}.{k}': v for k, v in unused.items()})} has no effect: {key}.lora_rank=0 "
+                         "(no LoRA adapters)")
     for key, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
         unused = _non_default(optim, ("min_lr_ratio", "num_cycles"))
         if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
@@ -1727,6 +1810,17 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
         notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "
                      "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false): it never acts")
+    elif not guard.enable:
+        unused = _non_default(guard, [f.name for f in dataclasses.fields(guard) if f.name != "enable"])
+        if unused:
+            notes.append(f"{_listed({f'algorithm.kl_guard.{k}': v for k, v in unused.items()})} has no effect: "
+                         "algorithm.kl_guard.enable is false")
+    else:
+        for action, names in (("raise_coef", ("coef_multiplier", "max_kl_coef")), ("lower_lr", ("lr_multiplier",))):
+            unused = _non_default(guard, names)
+            if unused and action not in (guard.warn_action, guard.explode_action):
+                notes.append(f"{_listed({f'algorithm.kl_guard.{k}': v for k, v in unused.items()})} has no effect: "
+                             f"neither algorithm.kl_guard.warn_action nor explode_action is {action} (which reads it)")
     ref = list(_non_default(arr.ref, ("fsdp_config",)))
     if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
         ref.insert(0, "use_torch_compile")
@@ -1734,10 +1828,45 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
     for key, tiled in (("actor_rollout_ref.model", arr.model.tiled_mlp), ("critic.model", cfg.critic.model.tiled_mlp)):
-        if not tiled.enabled and tiled.num_shards != TiledMLPConfig.num_shards:
+        if not tiled.enabled and tiled.num_shards != TiledMLPConfig.num_shards:  # (the critic's note leaves it)
             notes.append(f"{key}.tiled_mlp.num_shards={tiled.num_shards} has no effect: read only with "
                          f"{key}.tiled_mlp.enabled=true")
     return notes + _policy_loss_notes(cfg) + profiling_notes(cfg)
+
+
+GRPO_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
+"""The estimators that read algorithm.norm_adv_by_std_in_grpo."""
+
+
+def _unused_section_notes(cfg: PPOConfig) -> list[str]:
+    """The options the user set of a section its switch leaves unread: the critic's without a critic,
+    the reward model's without one, multi-turn's with it off."""
+    notes = []
+    if not cfg.uses_critic:
+        # enable agrees with the estimator, strategy's values both mean FSDP2, profiling_notes says
+        # profiler.enable; the model's tiled_mlp and override_config keep the notes they have (or none) under
+        # any estimator
+        unused = _user_options(cfg, "critic", {"enable", "strategy", "profiler.enable", "model.tiled_mlp",
+                                               "model.override_config"})
+        if unused:
+            notes.append(f"{_listed(unused)} has no effect: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                         "trains no critic")
+    rm = cfg.reward_model
+    if not rm.enable:
+        # reward_manager and reward_kwargs call the rule reward; override_config keeps the notes it has
+        unused = _user_options(cfg, "reward_model", {"enable", "reward_manager", "reward_kwargs", "strategy",
+                                                     "profiler.enable", "model.override_config"})
+        if unused:
+            notes.append(f"{_listed(unused)} has no effect: reward_model.enable is false")
+    mt, key = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    if not mt.enable:
+        # a data.tool_config_path, which must name the same file, says where the tools come from
+        skip = {"enable", *(("tool_config_path",) if cfg.data.tool_config_path is not None else ())}
+        unused = _set_options(mt, MultiTurnConfig(), skip=skip)
+        if unused:
+            notes.append(f"{_listed({f'{key}.{k}': v for k, v in unused.items()})} has no effect: {key}.enable is "
+                         "false")
+    return notes
 
 
 # The actor options that only some policy losses read, and which of them each loss reads.
@@ -1762,6 +1891,10 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
         if _non_default(getattr(actor, section) if section else actor, [name]):
             unread.append(f"actor_rollout_ref.actor.{key}")
     notes = [f"{', '.join(unread)} not read by {chosen}"] if unread else []
+    if ("clip_ratio" in _LOSS_OPTIONS[mode] and None not in (actor.clip_ratio_low, actor.clip_ratio_high)
+            and _non_default(actor, ["clip_ratio"])):
+        notes.append(f"actor_rollout_ref.actor.clip_ratio={_shown(actor.clip_ratio)} has no effect: clip_ratio_low and "
+                     "clip_ratio_high are both set (clip_ratio is their default)")
     if mode in _SEQUENCE_LOSSES and actor.loss_agg_mode != "seq-mean-token-mean":
         notes.append(f"{chosen} weighs every sequence the same (as verl): actor_rollout_ref.actor.loss_agg_mode="
                      f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only")
@@ -1917,6 +2050,16 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         if per_group % micro:
             raise ConfigError(f"sequences per {who} per mini-batch ({per_group}) must be a multiple of "
                               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
+    # the log-prob forwards, as the actor's update (and verl): a size, or dynamic batching; else a
+    # rank's whole share would be one micro-batch (null sizes inherit the actor's, null with its
+    # use_dynamic_bsz=true; the reward model's: _validate_reward_model)
+    forwards = [("actor_rollout_ref.rollout", rollout, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")]
+    if cfg.uses_ref:
+        forwards.append(("actor_rollout_ref.ref", arr.ref, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"))
+    for key, role, source in forwards:
+        if not role.log_prob_use_dynamic_bsz and role.log_prob_micro_batch_size_per_gpu is None:
+            raise ConfigError(f"set {key}.log_prob_micro_batch_size_per_gpu or log_prob_use_dynamic_bsz=true (null "
+                              f"inherits {source}, null here)")
     # every admitted prompt gets its full response budget: a shorter context would cut responses short
     max_prompt = cfg.data.max_prompt_length
     if rollout.prompt_length < max_prompt:

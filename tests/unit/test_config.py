@@ -77,6 +77,9 @@ def test_dotted_override_types():
     ("actor_rollout_ref.actor.optim.betas=[0.9, 1.0]", "optim.betas[1]: 1.0 is out of range; allowed: [0, 1)"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "optim.betas: expected a list of 2 values"),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes=[1, 0]", "cudagraph_capture_sizes[1]: 0 is out of range"),
+    # an empty ladder failed in the engine, after the models loaded
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes=[]", "actor_rollout_ref.rollout.cudagraph_capture_sizes=[] "
+                                                             "lists no decode batch size to capture"),
     ("algorithm.gamma=.nan", "algorithm.gamma: expected a finite number, got nan"),
     ("trainer.preemption_grace_s=-5", "trainer.preemption_grace_s: -5.0 is out of range; allowed: >= 0"),
     # a string option keeps an override's text (2025-01-01 stays a string); the others still reject text
@@ -165,6 +168,17 @@ def test_bad_overrides_name_the_problem(override, message):
      "set critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true"),
     (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=3"],
      "critic sequences per rank per mini-batch (64) must be a multiple of critic.ppo_micro_batch_size_per_gpu (3)"),
+    # the log-prob forwards without a size or dynamic batching ran a rank's whole share at once (verl refuses them)
+    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+      "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"],
+     "set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu or log_prob_use_dynamic_bsz=true (null "
+     "inherits actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, null here)"),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+      "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"],
+     "set actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu or log_prob_use_dynamic_bsz=true (null inherits "
+     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, null here)"),
+    (["reward_model.enable=true", "reward_model.model.path=/rm"],
+     "set reward_model.micro_batch_size_per_gpu or use_dynamic_bsz=true"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -523,7 +537,7 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
     sets it): the options meshppo reads act, verl's server / worker options load and each one set
     is said at start-up to have no effect, the rest are refused naming the key; max_length cuts the
     reward model's own rendering, so it needs input_tokenizer."""
-    rm = ["reward_model.enable=true", "reward_model.model.path=/rm"]
+    rm = ["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=8"]
     cfg = _cfg(*rm, "reward_model.use_reward_loop=true", "+reward_model.rollout.name=vllm",
                "+reward_model.rollout.gpu_memory_utilization=0.8", "+reward_model.rollout.tensor_model_parallel_size=1",
                "reward_model.num_workers=8", "reward_model.model.use_remove_padding=false",
@@ -812,3 +826,160 @@ def test_grpo_and_rloo_run_at_one_response_per_prompt_as_in_verl():
         assert any(n.startswith(f"algorithm.adv_estimator={adv} with actor_rollout_ref.rollout.n=1: every group holds "
                                 "one response, whose advantage is its score as it is") for n in config_notes(cfg))
     assert not any("rollout.n=1" in n for n in config_notes(_cfg()))
+
+
+def test_log_prob_forwards_need_a_micro_batch_size_or_dynamic_batching():
+    """Each forward-only pass batches by a size (its own or the one it inherits) or by tokens: a dynamic actor
+    leaves the inherited sizes null, and a pass set back to sequence counts without a size is refused, as the
+    actor's update is (and as verl refuses it). The reference's only where the run has one."""
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"]
+    validate(_cfg(*dynamic))
+    validate(_cfg(*dynamic, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"))  # the reference inherits 8
+    validate(_cfg(*dynamic, "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
+                  "actor_rollout_ref.actor.use_kl_loss=false"))  # no reference pass
+    validate(_cfg("reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.use_dynamic_bsz=true"))
+    validate(_cfg("reward_model.micro_batch_size_per_gpu=null"))  # no reward model
+
+
+def _notes_with(text, *overrides):
+    return [n for n in config_notes(_cfg(*overrides)) if text in n]
+
+
+def test_the_default_and_the_shipped_configs_get_none_of_these_notes():
+    texts = ("trains no critic", "reward_model.enable is false", "multi_turn.enable is false", "kl_ctrl.type=fixed",
+             "norm_adv_by_std_in_grpo", "clip_ratio_low and clip_ratio_high are both set", "loss_scale_factor",
+             "lora_rank=0", "kl_guard.enable is false", "kl_guard.warn_action nor")
+    configs = [load_config(PPOConfig, None, []), _cfg()]
+    configs += [load_config(PPOConfig, os.path.join(ROOT, "configs", name), [])
+                for name in sorted(os.listdir(os.path.join(ROOT, "configs"))) if name.endswith(".yaml")]
+    for cfg in configs:
+        notes = config_notes(cfg)
+        assert not [n for n in notes if any(t in n for t in texts)], notes
+
+
+def test_critic_options_without_a_critic_are_noted():
+    """The critic's options the user set, by their leaf keys, when the estimator trains no critic; not those
+    it inherits (the actor's batch sizes, the model path, verl's copies), nor with a critic."""
+    set_ = ("critic.optim.lr=2e-5", "critic.ppo_micro_batch_size_per_gpu=2",
+            "critic.model.enable_gradient_checkpointing=true")
+    assert _notes_with("trains no critic", *set_) == [
+        "critic.optim.lr=2e-05, critic.model.enable_gradient_checkpointing=true, critic.ppo_micro_batch_size_per_gpu=2 "
+        "has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    # its value forward inherits ppo_micro_batch_size_per_gpu, load_contents save_contents, the role's Ulysses size
+    # its fsdp_config copy: only what was set is named
+    assert _notes_with("trains no critic", "critic.ppo_micro_batch_size_per_gpu=2",
+                       "critic.checkpoint.save_contents=[model]",
+                       "critic.model.fsdp_config.ulysses_sequence_parallel_size=2") == [
+        "critic.model.fsdp_config.ulysses_sequence_parallel_size=2, critic.ppo_micro_batch_size_per_gpu=2, "
+        "critic.checkpoint.save_contents=['model'] has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    inherited = ("critic.rollout_n=8", "critic.strategy=fsdp", "critic.model.path=runs/demo_assets/sft_model",
+                 "critic.ppo_mini_batch_size=16", "critic.loss_agg_mode=token-mean", "critic.use_dynamic_bsz=false",
+                 "critic.shuffle=false", "critic.ppo_epochs=1", "critic.ppo_micro_batch_size_per_gpu=64",
+                 "critic.enable=false", "critic.optim.lr=1e-5", "critic.optim.override_optimizer_config={}")
+    assert _notes_with("trains no critic", *inherited) == []
+    assert _notes_with("trains no critic") == [] and _notes_with("critic", "global_profiler.tool=torch") == []
+    assert _notes_with("critic.optim", "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", *set_) == []
+
+
+def test_reward_model_options_without_a_reward_model_are_noted():
+    """reward_model's options when it is off: not the rule reward's manager and its arguments, which act
+    either way, nor those inherited (the profiler's, input_tokenizer's actor path)."""
+    assert _notes_with("reward_model.enable is false", "reward_model.model.path=/rm", "reward_model.micro_batch_size=4",
+                       "reward_model.model.input_tokenizer=null", "reward_model.combine=add") == [
+        "reward_model.model.path=/rm, reward_model.model.input_tokenizer=null, "
+        "reward_model.micro_batch_size_per_gpu=2, reward_model.combine=add has no effect: reward_model.enable is false"]
+    assert _notes_with("reward_model", "reward_model.reward_manager=batch", "custom_reward_function.path=x.py",
+                       "reward_model.reward_kwargs.scale=2", "global_profiler.tool=torch",
+                       "global_profiler.save_path=/p", "reward_model.strategy=fsdp2",
+                       "reward_model.model.input_tokenizer=runs/demo_assets/sft_model") == []
+    assert _notes_with("reward_model") == []
+    assert _notes_with("enable is false", "reward_model.enable=true", "reward_model.model.path=/rm",
+                       "reward_model.micro_batch_size=4") == []
+
+
+def test_multi_turn_options_with_multi_turn_off_are_noted():
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
+                       f"{mt}.format=hermes") == [
+        f"{mt}.max_assistant_turns=3, {mt}.tool_config_path=t.yaml has no effect: {mt}.enable is false"]
+    assert _notes_with("multi_turn", f"{mt}.enable=true", f"{mt}.max_assistant_turns=3") == []
+    assert _notes_with("multi_turn") == []
+
+
+def test_options_their_algorithm_does_not_read_are_noted():
+    """The adaptive controller's options with a fixed one, Dr. GRPO's switch with another estimator, clip_ratio
+    under both explicit bounds, loss_scale_factor with another aggregation, LoRA's shape without LoRA."""
+    kl = "algorithm.use_kl_in_reward=true"
+    assert _notes_with("kl_ctrl", kl, "algorithm.kl_ctrl.target_kl=0.2", "algorithm.kl_ctrl.horizon=500") == [
+        "algorithm.kl_ctrl.horizon=500, algorithm.kl_ctrl.target_kl=0.2 has no effect: algorithm.kl_ctrl.type=fixed "
+        "(they steer the adaptive controller)"]
+    assert _notes_with("kl_ctrl", kl, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.2") == []
+    assert _notes_with("kl_ctrl", kl) == []
+
+    assert _notes_with("norm_adv", "algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false") == [
+        "algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator=rloo (only grpo, "
+        "grpo_vectorized and grpo_passk divide by the group std)"]
+    for adv in ("grpo", "grpo_vectorized", "grpo_passk"):
+        assert _notes_with("norm_adv", f"algorithm.adv_estimator={adv}",
+                           "algorithm.norm_adv_by_std_in_grpo=false") == []
+    assert _notes_with("norm_adv", "algorithm.adv_estimator=rloo") == []
+
+    A = "actor_rollout_ref.actor"
+    bounds = (f"{A}.clip_ratio_low=0.2", f"{A}.clip_ratio_high=0.28")
+    assert _notes_with("clip_ratio", f"{A}.clip_ratio=0.3", *bounds) == [
+        f"{A}.clip_ratio=0.3 has no effect: clip_ratio_low and clip_ratio_high are both set (clip_ratio is their "
+        "default)"]
+    assert _notes_with("clip_ratio", f"{A}.clip_ratio=0.3", f"{A}.clip_ratio_high=0.28") == []
+    assert _notes_with("clip_ratio", *bounds) == []
+    assert _notes_with("both set", f"{A}.clip_ratio=0.3", *bounds, f"{A}.policy_loss.loss_mode=sapo") == []  # unread
+
+    assert _notes_with("loss_scale_factor", f"{A}.loss_scale_factor=512") == [
+        f"{A}.loss_scale_factor=512 has no effect: {A}.loss_agg_mode=token-mean (it is seq-mean-token-sum-norm's "
+        "divisor)"]
+    assert _notes_with("loss_scale_factor", f"{A}.loss_scale_factor=512",
+                       f"{A}.loss_agg_mode=seq-mean-token-sum-norm") == []
+
+    M = "actor_rollout_ref.model"
+    gae = ("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1")
+    assert _notes_with("lora_rank=0", f"{M}.lora_alpha=32", f"{M}.target_modules=[q_proj]", *gae,
+                       "critic.model.lora_alpha=8") == [
+        f"{M}.lora_alpha=32.0, {M}.target_modules=['q_proj'] has no effect: {M}.lora_rank=0 (no LoRA adapters)",
+        "critic.model.lora_alpha=8.0 has no effect: critic.model.lora_rank=0 (no LoRA adapters)"]
+    assert _notes_with("lora_alpha", f"{M}.lora_alpha=32", f"{M}.lora_rank=8", *gae, "critic.model.lora_alpha=8",
+                       "critic.model.lora_rank=4") == []
+    assert _notes_with("lora_rank=0", *gae) == []
+
+
+def test_kl_guard_settings_that_do_not_act_are_noted():
+    """A disabled guard reads none of its settings; the coefficient's and the learning rate's factors act only
+    through their actions. Without a reference the one note that says the guard never acts stays alone."""
+    G = "algorithm.kl_guard"
+    assert _notes_with("kl_guard", f"{G}.enable=false") == [  # the demo's thresholds and action
+        f"{G}.warn_kl=0.3, {G}.explode_kl=1.0, {G}.explode_action=raise_coef has no effect: {G}.enable is false"]
+    assert _notes_with("kl_guard", f"{G}.lr_multiplier=0.3", f"{G}.coef_multiplier=3", f"{G}.max_kl_coef=2") == [
+        f"{G}.lr_multiplier=0.3 has no effect: neither {G}.warn_action nor explode_action is lower_lr (which reads it)"]
+    assert _notes_with("kl_guard", f"{G}.coef_multiplier=3", f"{G}.max_kl_coef=2", f"{G}.explode_action=warn") == [
+        f"{G}.coef_multiplier=3.0, {G}.max_kl_coef=2.0 has no effect: neither {G}.warn_action nor explode_action is "
+        "raise_coef (which reads it)"]
+    assert _notes_with("kl_guard", f"{G}.lr_multiplier=0.3", f"{G}.warn_action=lower_lr") == []
+    assert _notes_with("kl_guard") == []
+    assert _notes_with("kl_guard", f"{G}.enable=false", "actor_rollout_ref.actor.use_kl_loss=false") == [
+        "algorithm.kl_guard watches the KL to the reference, and this run has none (actor_rollout_ref.actor."
+        "use_kl_loss=false, algorithm.use_kl_in_reward=false): it never acts"]
+
+
+def test_inherited_micro_batch_sizes_say_so_in_their_help():
+    from trainer.config import ActorRolloutRefConfig, CriticConfig
+
+    def help_(cls, name):
+        return cls.__dataclass_fields__[name].metadata["help"]
+
+    arr = ActorRolloutRefConfig()
+    assert help_(CriticConfig, "ppo_micro_batch_size_per_gpu").endswith(
+        "null: the actor's ppo_micro_batch_size_per_gpu")
+    assert help_(type(arr.rollout), "log_prob_micro_batch_size_per_gpu").endswith(
+        "null: the actor's ppo_micro_batch_size_per_gpu")
+    assert help_(type(arr.ref), "log_prob_micro_batch_size_per_gpu").endswith(
+        "null: the rollout's log_prob_micro_batch_size_per_gpu")
