@@ -18,7 +18,7 @@ install: $(INSTALL_STAMP)  ## install meshppo's dependencies (torch 2.13.0 where
 
 $(INSTALL_STAMP): requirements.txt
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -r requirements.txt triton pyflakes
+	$(PYTHON) -m pip install -r requirements.txt "triton; platform_system == 'Linux'" pyflakes
 	@mkdir -p $(dir $@) && touch $@
 
 # NPROC given to make (make train NPROC=1, or in the environment) sets the config's trainer.n_gpus_per_node
@@ -57,5 +57,5 @@ bench-gpu:  ## the GPU benchmarks (one H200): rollout, reshard, training MFU, en
 	$(PYTHON) bench/reshard.py
 	bash bench/run_gpu_suite.sh
 
-plot:  ## PNG plots of a run: make plot RUN=runs/demo
-	$(PYTHON) -m tools.plot $(RUN)
+plot:  ## PNG plots of a run: make plot RUN=runs/demo (the default)
+	$(PYTHON) -m tools.plot $(or $(RUN),runs/demo)
