@@ -80,7 +80,8 @@ CASES = {
                                      "edited.jsonl:3: no built-in reward for data_source 'x/y' (built-in: "
                                      "['meshppo/demo_add', 'openai/gsm8k'])"),
     # a causal LM has no score head: as a reward model it would score every response 0
-    "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model"],
+    "reward model without a score head": (lambda a, t: ["reward_model.enable=true", f"reward_model.model.path={a}/sft_model",
+                                                        "reward_model.micro_batch_size_per_gpu=8"],
                                           1, "has no score head (score.weight)"),
     # damaged or mismatched model, tokenizer and adapter files: each was a traceback, some after the data loaded
     "tokenizer with more ids than the model embeds": (lambda a, t: [f"data.tokenizer={_added_tokens(a, t)}"], 1,

@@ -26,6 +26,7 @@ def test_reward_model_with_its_own_vocabulary_on_gpu(tmp_path):
     other.save_pretrained(tmp_path / "rm")
     dump = tmp_path / "dump"
     _run(tmp_path, "grpo", "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}",
+         "reward_model.micro_batch_size_per_gpu=8",
          "reward_model.model.fsdp_config.mixed_precision.param_dtype=fp32", f"trainer.rollout_data_dir={dump}")
     with open(dump / "3.jsonl") as f:
         dumped = [json.loads(line) for line in f]

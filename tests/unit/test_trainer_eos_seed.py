@@ -56,6 +56,9 @@ class _RecordingEngine:
         self.calls = []
         self.last_stats = {"graph_capture_s": 0.0}
 
+    def init_cache(self):  # the rollout phase sizes the engine's KV pool before generating
+        pass
+
     def generate(self, prompts, sp, prompt_index_offset=0):
         self.calls.append((sp, prompt_index_offset, len(prompts)))
         return [RequestOutput(prompt_index=prompt_index_offset + i, sample_index=k, prompt_token_ids=list(p),
