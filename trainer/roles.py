@@ -591,10 +591,11 @@ class Critic(TrainableRole):
         def loss(sub, outputs, k, agg_kw):
             vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
                                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-            # verl's vpred_mean: each micro-batch's mean value over its response tokens, averaged
+            # verl's vpred_mean: each micro-batch's mean value over its loss tokens (verl's response_mask,
+            # which rollout rejection has overwritten by then, as vf_loss's), averaged
             return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
                              {"critic/vf_clipfrac": vf.vf_clipfrac,
-                              "critic/vpred_mean": masked_mean(outputs[0].detach(), sub.response_mask)})
+                              "critic/vpred_mean": masked_mean(outputs[0].detach(), sub.loss_mask)})
 
         with self.resident(with_optimizer=True):
             return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),

@@ -352,3 +352,35 @@ def test_update_losses_are_summed_over_mini_batches_and_epochs_as_verls():
     ro.returns[0, 0] = float("nan")
     out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
     assert out["critic/nonfinite_skipped"] == 2.0
+
+
+def test_critic_vpred_mean_leaves_out_rejected_tokens():
+    """With rollout rejection, verl's critic reads the batch's response_mask after the rejection
+    mask overwrote it: critic/vpred_mean, like vf_loss, is the mean value over the kept tokens
+    (`loss_mask`). Here the rejected tokens are the first three of every response, so the mean
+    over every response token differs from it; lr 0, one micro-batch: the model's values are the
+    ones computed before the update."""
+    args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    value = Transformer.build(args, head="value", seed=1)
+    critic = Critic(value, torch.optim.SGD(value.parameters(), lr=0.0), None, packed=True, pad_token_id=0,
+                    device=torch.device("cpu"), world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
+    ro = _rollouts()
+    with torch.no_grad():
+        ro.values = critic.values(ro)
+    mask = ro.response_mask
+    # rejected: the first three tokens of every response; rows of one token keep it (none is left empty)
+    keep = mask.clone()
+    keep[:, :3] = 0
+    keep[mask.sum(-1) <= 3, 0] = 1
+    keep *= mask
+    ro.rollout_rs_mask = keep
+    ro.returns = ro.values.clone()
+    cfg = SimpleNamespace(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=8,
+                          use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, grad_clip=1e9, cliprange_value=0.5)
+    out = critic.update(ro, cfg, num_mini_batches=1, seed=0)
+    v, k, m = ro.values.double(), keep.double(), mask.double()
+    kept = float((v * k).sum() / k.sum())
+    every = float((v * m).sum() / m.sum())
+    assert abs(kept - every) > 100 * 1e-5 * abs(kept)  # the two means differ far beyond the tolerance
+    assert out["critic/vpred_mean"] == pytest.approx(kept, rel=1e-5)
