@@ -1910,6 +1910,47 @@ def compute_rollout_correction(
     return weights, keep, metrics
 
 
+@torch.no_grad()
+def rollout_probs_diff_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                               response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """verl's rollout-vs-actor debug metrics (``verl.utils.debug.metrics.calculate_debug_metrics``),
+    in probability space over ``response_mask``'s tokens: ``d = |exp(old) - exp(rollout)|``::
+
+        training/rollout_probs_diff_valid        1 (verl's constant: the metrics were computed)
+        training/rollout_probs_diff_max          max_t d
+        training/rollout_probs_diff_mean         mean_t d
+        training/rollout_probs_diff_std          the sample standard deviation of d (``torch.std``: n - 1)
+        training/rollout_actor_probs_pearson_corr  Pearson's r of (exp(old), exp(rollout)) (``torch.corrcoef``)
+
+    In float64, two-pass (centred sums), with no host sync: detached 0-dim tensors. NaN where verl's
+    would be undefined (no token: verl's max raises; one token's std, a constant's correlation).
+    The trainer passes the whole batch (every rank's rows), so the figures are global."""
+    mask = response_mask.bool()
+    dtype = torch.float64
+    old = torch.where(mask, old_log_prob.to(dtype), 0.0).exp()
+    rollout = torch.where(mask, rollout_log_prob.to(dtype), 0.0).exp()
+    diff = (old - rollout).abs()
+    n = mask.sum().to(dtype)
+
+    def mean(x):
+        return torch.where(mask, x, 0.0).sum() / n
+
+    def centred(x):
+        return torch.where(mask, x - mean(x), 0.0)
+
+    d, x, y = centred(diff), centred(old), centred(rollout)
+    peak = torch.where(mask, diff, -math.inf).amax() if mask.numel() else torch.tensor(-math.inf, dtype=dtype)
+    corr = (x * y).sum() / ((x * x).sum() * (y * y).sum()).sqrt()
+    return {
+        "training/rollout_probs_diff_valid": torch.ones((), dtype=dtype, device=diff.device),
+        "training/rollout_probs_diff_max": torch.where(n > 0, peak, math.nan),
+        "training/rollout_probs_diff_mean": mean(diff),
+        "training/rollout_probs_diff_std": torch.where(n > 1, (d * d).sum() / (n - 1), math.nan).sqrt(),
+        # torch.corrcoef clips r to [-1, 1] (rounding may put it just outside)
+        "training/rollout_actor_probs_pearson_corr": corr.clamp(-1.0, 1.0),
+    }
+
+
 class ValueLossOutput(NamedTuple):
     vf_loss: torch.Tensor       # the scalar loss (carries gradient)
     vf_clipfrac: torch.Tensor   # detached fraction of valid tokens where the clipped term is the larger

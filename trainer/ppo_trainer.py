@@ -41,7 +41,8 @@ from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOCo
                             paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
-from ppo.core_algos import compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean
+from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
+                             rollout_probs_diff_metrics)
 from trainer.launch import DistContext, init_distributed
 from trainer.metrics import data_metrics, variance_proxy_metrics
 from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
@@ -726,7 +727,8 @@ class PPOTrainer:
         `actor.calculate_sum_pi_squared`), the engine's own in bypass mode, or none where an
         on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask over
         the whole batch (`rollout_is_weights`, and `rollout_rs_mask` on `full` and this rank's rows:
-        what `loss_mask` leaves out of the advantages, losses and critic from here on)."""
+        what `loss_mask` leaves out of the advantages, losses and critic from here on), with its
+        `rollout_corr/` metrics and verl's `training/rollout_probs_diff_*` (every rank's rows)."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
         reweighted = correction.rollout_is is not None or bool(correction.rejection)
@@ -757,16 +759,19 @@ class PPOTrainer:
                 metrics["rollout/logprob_diff"] = masked_mean_global((ro.rollout_log_probs - old).abs(), mask)
         if reweighted or lp.calculate_log_probs:
             # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
+            every_old, every_rollout = (self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs))
             weights, keep, corr = compute_rollout_correction(
-                *(self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs)),
-                full.response_mask, correction.rollout_is, *correction.is_bounds, correction.rejection,
-                correction.rollout_is_batch_normalize)
+                every_old, every_rollout, full.response_mask, correction.rollout_is, *correction.is_bounds,
+                correction.rejection, correction.rollout_is_batch_normalize)
+            # verl's training/rollout_probs_diff_* and rollout_actor_probs_pearson_corr (logged wherever
+            # the batch has rollout log-probs and the old ones are recomputed), over every response token
+            corr.update(rollout_probs_diff_metrics(every_old, every_rollout, full.response_mask))
             mine = torch.tensor(parts[self.ctx.rank], device=self.device)
             if weights is not None:
                 ro.rollout_is_weights = weights[mine]
             if keep is not None:
                 full.rollout_rs_mask, ro.rollout_rs_mask = keep, keep[mine]
-            metrics.update(zip(corr, torch.stack(list(corr.values())).tolist()))
+            metrics.update(zip(corr, torch.stack([v.double() for v in corr.values()]).tolist()))
 
     def _on_policy_update(self) -> bool:
         """Whether this step's actor update is a single optimizer step on the batch (one
