@@ -94,6 +94,15 @@ def _peak_flops(device: torch.device) -> float | None:
     return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
+def critic_update_flops(args, tokens: float, attention_pairs: float, lora=None) -> float:
+    """The FLOPs a value model's update runs over `tokens` run (forward and backward, every epoch's) and
+    `attention_pairs`: its blocks and attention as `ModelArgs.flops` counts them (no LM head: a value
+    model has none), plus its value head, `hidden -> 1` on every position, trained even under LoRA
+    (2·hidden forward, 4·hidden backward)."""
+    return (args.flops(tokens, 0, attention_pairs, backward=True, lora=lora)
+            + 6 * args.hidden_size * tokens)
+
+
 def val_samples_to_log(samples: list[tuple], k: int) -> list[tuple]:
     """`trainer.log_val_generations`' `k` of the validation `samples` (prompt, response, score),
     picked as verl picks its table's: sorted by prompt, shuffled by a generator seeded 42, the
@@ -223,6 +232,7 @@ class PPOTrainer:
             world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self._update_work = np.zeros(3)  # what the last actor update ran (`Role.count_work`)
+        self._critic_work = np.zeros(3)  # and the last critic update
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
         note = last_step_note(cfg, self.total_steps)  # listed steps after the last
@@ -800,12 +810,14 @@ class PPOTrainer:
             ro.values = self.critic.values(ro)
 
     def _update_critic(self, ro: RolloutBatch, metrics: dict) -> None:
+        self._critic_work = np.zeros(3)
         if self.critic is None:
             return
         cfg = self.cfg
-        with self.timer("update_critic"):
+        with self.timer("update_critic"), self.critic.count_work() as work:
             metrics.update(self.critic.update(ro, cfg.critic, cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size,
                                               seed=cfg.trainer.seed + self.global_step))
+        self._critic_work = work
         self.critic.scheduler.step()
 
     def _update_actor(self, ro: RolloutBatch, metrics: dict) -> None:
@@ -934,11 +946,12 @@ class PPOTrainer:
         dev = self.device
         lengths = ro.lengths()
         response_tokens = [len(r) for r in ro.responses]
-        # what the actor's update ran (a shared prompt once; every rank of a Ulysses group counts its
-        # group's micro-batches): the MFU's FLOPs
+        # what the actor's and the critic's updates ran (a shared prompt once; every rank of a Ulysses
+        # group counts its group's micro-batches): the MFUs' FLOPs
         work = self._update_work / self.actor.sp_size
-        tokens, generated, run_tokens, run_heads, run_pairs = comm.all_reduce_values(
-            [float(sum(lengths)), float(sum(response_tokens)), *map(float, work)])
+        critic_work = self._critic_work / (self.critic.sp_size if self.critic is not None else 1)
+        tokens, generated, run_tokens, run_heads, run_pairs, critic_tokens, _, critic_pairs = comm.all_reduce_values(
+            [float(sum(lengths)), float(sum(response_tokens)), *map(float, work), *map(float, critic_work)])
         step_s = metrics.get("timing_s/step", float("nan"))
         per_gpu_s = step_s * self.ctx.world_size if step_s > 0 else float("inf")
         # perf/throughput counts prompt + response tokens per sample (verl's and TRL's figure);
@@ -970,6 +983,12 @@ class PPOTrainer:
             flops = self.models.actor_args.flops(run_tokens, run_heads, run_pairs, backward=True,
                                                  lora=getattr(self.models.actor, "lora_config", None))
             out["perf/mfu/actor"] = flops / (upd * peak * self.ctx.world_size)
+        upd = metrics.get("timing_s/update_critic")
+        if peak and upd and critic_tokens:
+            # verl's perf/mfu/critic: its value model's forward and backward over what it trained, every epoch
+            flops = critic_update_flops(self.critic.model.args, critic_tokens, critic_pairs,
+                                        lora=getattr(self.critic.model, "lora_config", None))
+            out["perf/mfu/critic"] = flops / (upd * peak * self.ctx.world_size)
         return out
 
     # ------------------------------------------------------------------ validation
