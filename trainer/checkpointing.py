@@ -623,9 +623,12 @@ class CheckpointManager:
         if fresh:
             self.log(f"checkpoint {path}: not loaded (checkpoint.load_contents), starting fresh: {'; '.join(fresh)}")
         if load_rng and not same_world:
-            self.log(f"checkpoint {path}: written by {state['world_size']} ranks, resumed on {self.world_size}: the "
-                     "RNG states are seeded afresh (a rank's state belongs to its rank), so sampling differs from "
-                     "the uninterrupted run's")
+            self.log(f"checkpoint {path}: written by {state['world_size']} ranks, resumed on {self.world_size}: "
+                     "Python's, NumPy's and torch's global RNG streams keep their trainer.seed seeding (a rank's saved "
+                     "state belongs to its rank); rollout sampling (keyed by step and prompt), the data order, the "
+                     "mini-batch shuffles and the losses' random draws use seeded generators of their own and are "
+                     "unaffected: only code that draws from the global streams (a custom reward function, an agent's "
+                     "tool) draws other numbers than the uninterrupted run")
         if not keep_progress and os.path.abspath(path) == os.path.abspath(self.step_dir(state["global_step"])):
             self.saved_step = state["global_step"]
 

@@ -395,3 +395,23 @@ def test_a_missing_rank_rng_file_is_refused_and_the_markers_are_synced(tmp_path,
     with pytest.raises(UserError, match=r"checkpoint '.*global_step_1' is incomplete: it has no rng/rank_0.pt, rank "
                                         r"0's RNG state"):
         resumed.maybe_resume("auto")
+
+
+def test_resuming_on_another_world_size_says_what_is_reseeded_and_that_rollout_sampling_is_not(tmp_path):
+    """A checkpoint of 2 ranks resumed on 1: the ranks' saved RNG states are left behind, which
+    changes the global Python / NumPy / torch streams only. It said that "sampling differs from the
+    uninterrupted run's", but rollout sampling is keyed by step and prompt (and the data order, the
+    mini-batch shuffles and the losses' draws by generators of their own): the same metrics follow."""
+    counter = _Counter()
+    said = []
+    writer = CheckpointManager(str(tmp_path), states={"trainer": counter}, fingerprint={}, config=PPOConfig(),
+                               world_size=2, log=said.append)
+    counter.step = 1
+    writer.save(1)
+    resumed = CheckpointManager(str(tmp_path), states={"trainer": _Counter()}, fingerprint={}, config=PPOConfig(),
+                                world_size=1, log=said.append)
+    assert resumed.maybe_resume("auto") == resumed.step_dir(1)
+    (line,) = [s for s in said if "resumed on 1" in s]
+    assert "written by 2 ranks, resumed on 1: Python's, NumPy's and torch's global RNG streams" in line
+    assert "rollout sampling (keyed by step and prompt)" in line and "unaffected" in line
+    assert "sampling differs" not in line
