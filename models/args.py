@@ -170,8 +170,21 @@ class ModelArgs:
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")},
         )
 
-    def to_hf_config(self, architecture: str | None = None):
-        """A `transformers` config object equivalent to these arguments."""
+    @property
+    def hf_dtype(self) -> str | None:
+        """The dtype the Hugging Face checkpoint these arguments came from stores its weights in
+        (config.json's `dtype`, transformers v5's key, or v4's `torch_dtype`): `"bfloat16"`,
+        `"float16"` or `"float32"`; None where it names none (or another)."""
+        for key in ("dtype", "torch_dtype"):
+            name = str(self.extra_hf.get(key) or "").removeprefix("torch.")
+            if name in ("bfloat16", "float16", "float32"):
+                return name
+        return None
+
+    def to_hf_config(self, architecture: str | None = None, dtype: str | None = None):
+        """A `transformers` config object equivalent to these arguments; `dtype` (default: the
+        checkpoint's, `hf_dtype`) is written as the weights' dtype, under the key the installed
+        transformers reads and writes (`dtype` in v5, `torch_dtype` before)."""
         from transformers import AutoConfig
 
         kwargs: dict[str, Any] = dict(
@@ -206,6 +219,11 @@ class ModelArgs:
             cfg.rope_scaling = dict(self.rope_scaling)
         if architecture:
             cfg.architectures = [architecture]
+        dtype = dtype or self.hf_dtype
+        if dtype is not None:
+            # v5 keeps `dtype` (its `torch_dtype` a deprecated alias of it); v4's attribute is `torch_dtype`
+            setattr(cfg, "dtype" if isinstance(getattr(type(cfg), "torch_dtype", None), property) else "torch_dtype",
+                    dtype)
         return cfg
 
 

@@ -235,23 +235,31 @@ def checkpoint_tensors(model, path):
         raise CheckpointFileError(f"checkpoint {str(path)!r} lacks tensors: {sorted(missing)[:8]}{_MISMATCH}")
 
 
-def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**30):
+def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**30, dtype: torch.dtype | None = None):
     """Write `config.json` and safetensors (sharded with an index above `max_shard_size` bytes).
 
     `state_dict` defaults to the model's own; pass a gathered full state dict for a sharded
-    model. Files are written under a temporary name and renamed, so an interrupted save
-    never leaves a half-written weight file under the final name.
+    model. Its floating-point tensors are written in `dtype`, by default the dtype of the
+    checkpoint the model was read from (`ModelArgs.hf_dtype`: a bf16 base is saved bf16, as
+    verl's model_merger saves it), else as they are; config.json names the dtype written. Files
+    are written under a temporary name and renamed, so an interrupted save never leaves a
+    half-written weight file under the final name.
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     args: ModelArgs = model.args
-    hf_config = args.to_hf_config(architecture=hf_architecture(args.model_type, model.head))
+    if dtype is None and args.hf_dtype is not None:
+        dtype = getattr(torch, args.hf_dtype)
+    sd = state_dict if state_dict is not None else model.state_dict()
+    tensors = {meshppo_key_to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+               .detach().contiguous().cpu() for k, v in sd.items()}
+    written = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    hf_config = args.to_hf_config(architecture=hf_architecture(args.model_type, model.head),
+                                  dtype=str(written.pop()).removeprefix("torch.") if len(written) == 1 else None)
     if model.head == "value":
         hf_config.num_labels = 1
-    sd = state_dict if state_dict is not None else model.state_dict()
-    tensors = {meshppo_key_to_hf(k): v.detach().contiguous().cpu() for k, v in sd.items()}
 
     shards, current, size = [], {}, 0
     for k, v in tensors.items():

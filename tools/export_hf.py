@@ -5,7 +5,8 @@
 CHECKPOINT is a checkpoint step (`RUN/checkpoints/global_step_K`), one model's part of it
 (`.../global_step_K/actor`: the role is its name) or a run's `checkpoints/` directory (its
 latest step). OUTPUT receives what the trainer's own exports hold: the weights as
-`model.safetensors`, `config.json`, the actor's tokenizer (with the run's
+`model.safetensors` in the base checkpoint's dtype (a bf16 base's bf16, as verl's model_merger
+writes it; float32 where its config.json names none), `config.json` saying which, the actor's tokenizer (with the run's
 `custom_chat_template`) and the base checkpoint's `generation_config.json`. A LoRA actor is
 written with its adapters merged, and its adapters alone as a peft directory in
 `OUTPUT/lora_adapter`.

@@ -66,6 +66,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from models.args import torch_dtypes
+from models.checkpoint import save_pretrained
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
 from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
@@ -738,7 +739,10 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
     ranks gather). A LoRA model is written with its adapters merged into the weights, and with
     `adapter_dir` its adapters alone as a peft adapter directory there (`base_model`: the
     adapter's `base_model_name_or_path`). The base checkpoint's `generation_config.json` (its EOS
-    ids, sampling defaults) comes along."""
+    ids, sampling defaults) comes along. The weights are written in the dtype of the checkpoint
+    the model was read from (`ModelArgs.hf_dtype`; a bf16 base's export is bf16, as verl's
+    model_merger writes it, the trained master weights rounded once), float32 where it names none;
+    config.json says which."""
     lora = getattr(model, "lora_config", None)
     full = gather_full_state_dict(model)
 
@@ -753,7 +757,7 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
             shell = Transformer(model_args, head=model.head)
 
         def write(tmp):
-            shell.save_pretrained(tmp, state_dict=state)
+            save_pretrained(shell, tmp, state_dict=state, dtype=getattr(torch, model_args.hf_dtype or "float32"))
             tokenizer.save_pretrained(tmp)
             generation = os.path.join(base_model or "", "generation_config.json")
             if base_model and os.path.isfile(generation):
