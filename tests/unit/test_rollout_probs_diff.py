@@ -78,7 +78,9 @@ def test_undefined_figures_are_nan():
     one = torch.zeros_like(mask)
     one[0, 2] = 1
     single = rollout_probs_diff_metrics(old, rollout, one)
-    assert float(single["training/rollout_probs_diff_max"]) == abs(math.exp(old[0, 2]) - math.exp(rollout[0, 2]))
+    alone = abs(math.exp(old[0, 2]) - math.exp(rollout[0, 2]))
+    assert math.isclose(float(single["training/rollout_probs_diff_max"]), alone, rel_tol=1e-12)
+    assert float(single["training/rollout_probs_diff_mean"]) == float(single["training/rollout_probs_diff_max"])
     assert math.isnan(float(single["training/rollout_probs_diff_std"]))  # n - 1 = 0, as torch.std
     assert math.isnan(float(single["training/rollout_actor_probs_pearson_corr"]))
 
