@@ -215,18 +215,6 @@ def test_bad_interaction_configs_name_the_file_entry_and_key(tmp_path, doc, mess
         load_interactions(path)
 
 
-def test_an_interaction_config_not_in_utf8_names_the_file(tmp_path):
-    path = tmp_path / "latin1.yaml"
-    data = "interaction:\n  - class_name: x  # caf\u00e9\n".encode("latin-1")
-    path.write_bytes(data)
-    offset = data.index("\u00e9".encode("latin-1"))
-    message = (r": the interaction config \(actor_rollout_ref\.rollout\.multi_turn\.interaction_config_path\) "
-               rf"is not valid UTF-8 \(invalid continuation byte at byte offset {offset}\)")
-    with pytest.raises(InteractionConfigError, match=re.escape(str(path)) + message) as info:
-        load_interactions(str(path))
-    assert isinstance(info.value.__cause__, UnicodeDecodeError)
-
-
 def test_bad_interaction_classes_name_the_file_entry_and_key(tmp_path, user_interactions):
     for cls, message in [("Broken", r"interaction\[0\]: meshppo_test_user_interactions\.Broken\(config\) failed: "
                                     r"RuntimeError: boom"),

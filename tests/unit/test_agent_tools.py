@@ -268,15 +268,20 @@ def test_bad_tool_configs_name_the_file_entry_and_key(tmp_path, doc, message):
         load_tools(path)
 
 
-def test_a_tool_config_not_in_utf8_names_the_file(tmp_path):
+@pytest.mark.parametrize("section,what,key", [("tools", "tool", "tool_config_path"),
+                                              ("interaction", "interaction", "interaction_config_path")])
+def test_a_tool_or_interaction_config_not_in_utf8_names_the_file(tmp_path, section, what, key):
+    from agent.interactions import InteractionConfigError, load_interactions
+
+    load, error = (load_tools, ToolConfigError) if section == "tools" else (load_interactions, InteractionConfigError)
     path = tmp_path / "latin1.yaml"
-    data = "tools:\n  - class_name: x  # caf\u00e9\n".encode("latin-1")
+    data = f"{section}:\n  - class_name: x  # caf\u00e9\n".encode("latin-1")
     path.write_bytes(data)
     offset = data.index("\u00e9".encode("latin-1"))
-    message = (rf": the tool config \(actor_rollout_ref\.rollout\.multi_turn\.tool_config_path\) is not valid UTF-8 "
+    message = (rf": the {what} config \(actor_rollout_ref\.rollout\.multi_turn\.{key}\) is not valid UTF-8 "
                rf"\(invalid continuation byte at byte offset {offset}\)")
-    with pytest.raises(ToolConfigError, match=re.escape(str(path)) + message) as info:
-        load_tools(str(path))
+    with pytest.raises(error, match=re.escape(str(path)) + message) as info:
+        load(str(path))
     assert isinstance(info.value.__cause__, UnicodeDecodeError)
 
 
