@@ -877,7 +877,9 @@ class RolloutConfig:
                                                       "use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int | None = opt(None, "token budget of one old-log-prob forward with dynamic "
                                                            "bsz; null: the actor's ppo_max_token_len_per_gpu", ge=1)
-    calculate_log_probs: bool = opt(False, "also log the engine's own log-probs vs the actor's (metric rollout/logprob_diff)")
+    calculate_log_probs: bool = opt(False, "also log the engine's own log-probs vs the actor's (metrics "
+                                           "rollout/logprob_diff and verl's training/rollout_probs_diff_*, "
+                                           "training/rollout_actor_probs_pearson_corr)")
     load_format: str = opt("dtensor", "accepted for verl compatibility (any of verl's values): the engine's weights "
                                      "always come from the resharder", choices=("dtensor", "auto", "dummy_dtensor",
                                                                               "dummy", "safetensors", "hf"))
