@@ -17,7 +17,8 @@ any world size converts. The memory it needs is the model twice over in its para
 (the trained ones float32 by default: about 2 x 28 GB for a 7B model), a LoRA model's merged
 copy a third time. Nothing is written before every check has passed; OUTPUT is replaced only
 when it is empty, missing, or (with --overwrite) a model directory, and never when it holds the
-checkpoint or a model the run reads.
+checkpoint or a model the run reads. A LoRA model whose base at its model path holds other files
+than the run read (the checkpoint records their fingerprint) is refused: its merge would be another model.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
 
     from sharding.checkpoint import check_checkpoint, load_checkpoint
     from sharding.mesh import ParallelDims
-    from trainer.checkpointing import LEGACY_CONTENTS, ROLE_KEYS, export_hf, read_trainer_state
+    from trainer.checkpointing import (LEGACY_CONTENTS, ROLE_KEYS, current_bases, export_hf, read_trainer_state,
+                                       same_bases)
     from trainer.config import PPOConfig
     from trainer.configlib import ConfigError, build_dataclass
     from trainer.launch import init_distributed
@@ -128,6 +130,9 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
         raise ExportError(f"checkpoint {step_dir!r}: its run's LoRA base weights were random "
                           "(actor_rollout_ref.model.load_format=dummy, drawn per rank), so the merged model cannot "
                           "be rebuilt")
+    if model_cfg.lora is not None:  # the adapters are merged into the base read from the model path again
+        base_key = "actor_rollout_ref.model.path" if role == "actor" else "critic.model.path"
+        same_bases(step_dir, state, current_bases(cfg, (base_key,)), lambda _: None, (base_key,))
     weights = os.path.join(step_dir, role)
     check_checkpoint(weights)
     output = _check_output(output, step_dir, cfg, overwrite)

@@ -9,7 +9,9 @@ Layout under `trainer.default_local_dir/checkpoints/`:
         critic/           the same, when there is a critic
         trainer_state.json  the step, world size, the actor's shape and the run's resolved config
                             (to refuse a checkpoint of another model or another run), what each
-                            model's directory holds (`contents`), and the `state_dict()` of every
+                            model's directory holds (`contents`), a fingerprint of each model,
+                            adapter and tokenizer directory the run reads (`bases`: compared by
+                            what they hold, not by path, at a resume), and the `state_dict()` of every
                             registered `Stateful` under its name (trainer counters, data loader,
                             LR schedulers, KL coefficients, guard)
         rng/rank_R.pt       every rank's RNG states: plain tensors and numbers only
@@ -52,6 +54,7 @@ import dataclasses
 import errno
 import functools
 import glob
+import hashlib
 import json
 import os
 import pickle
@@ -193,6 +196,113 @@ PREDATING_VALUES = {"reward_model.model.input_tokenizer": None}
 ACTING_PART = {f"{section}.override_config": functools.partial(acting_overrides, section) for section in MODEL_SECTIONS}
 # a dtype by what it is, not how it is spelled (fp32 and float32 are one)
 ACTING_PART.update({key: lambda name: torch_dtypes().get(name, name) for key in SAME_RUN_EXCEPTIONS})
+
+
+# Options naming a directory the run reads a model, adapter or tokenizer from. A resume compares
+# what they hold, not how they are spelled: a checkpoint records each one's fingerprint
+# (`model_dir_fingerprint`; the trainer state's "bases"), and a path spelled otherwise (a link, a
+# relative path from another directory, a copy) that holds the same files resumes, while the same
+# path whose files changed (a LoRA run's base, which its checkpoints do not hold; the reference
+# model of a full fine-tune) is refused.
+MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_adapter_path", "data.tokenizer",
+                   "critic.model.path", "reward_model.model.path")
+# The files of such a directory that its model, adapter or tokenizer is read from: configs, weights,
+# tokenizer files, chat templates (not a README or a subdirectory).
+_FINGERPRINTED = (".json", ".safetensors", ".jinja", ".model", ".txt", ".tiktoken")
+_WHOLE_FILE_LIMIT = 64 << 20  # files up to this size are hashed whole; larger ones by size and samples
+_SAMPLES, _SAMPLE_BYTES = 16, 16 << 10  # a weights file's data: evenly spaced samples, read and hashed
+
+
+def _file_digest(path: str) -> str:
+    """One file's digest, cheap to take: small files whole; a safetensors file its size, its header
+    (every tensor's name, dtype, shape and offsets) and `_SAMPLES` evenly spaced samples of its data
+    (fine-tuned weights of the same shapes differ in nearly every byte); another large file its
+    size and the same samples."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        start = 0
+        if path.endswith(".safetensors") and size >= 8:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(n, _WHOLE_FILE_LIMIT)))
+            start = min(8 + n, size)
+        if size - start <= _WHOLE_FILE_LIMIT and not path.endswith(".safetensors"):
+            f.seek(start)
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            span = max(size - start - _SAMPLE_BYTES, 0)
+            for i in range(_SAMPLES):
+                f.seek(start + span * i // max(_SAMPLES - 1, 1))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:32]
+
+
+def model_dir_fingerprint(path: str | None) -> dict[str, str] | None:
+    """What model (or adapter, or tokenizer) directory `path` holds, as `{file name: digest}` of its
+    `_FINGERPRINTED` files (`_file_digest`: the weights by their headers, sizes and samples, not
+    read whole); None where `path` is unset or not a readable directory (a hub name)."""
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        return {name: _file_digest(os.path.join(path, name)) for name in sorted(os.listdir(path))
+                if name.endswith(_FINGERPRINTED) and os.path.isfile(os.path.join(path, name))}
+    except OSError:
+        return None
+
+
+def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], keys=MODEL_PATH_KEYS) -> set[str]:
+    """The options among `keys` (`MODEL_PATH_KEYS`) that name the same files in checkpoint `path`'s
+    run (`state`) as now (`bases`, from `current_bases`), however spelled: what a directory holds
+    decides (the fingerprint recorded with the checkpoint against the one taken at this start),
+    else (a hub name, a directory unreadable then or now) its resolved path (links, `..`). The
+    same directory whose files changed since the checkpoint's run read them is refused (a
+    UserError naming the option, the path and the files); another directory with other files is
+    another setting, left to `run_differences`. A checkpoint written before fingerprints were
+    recorded compares resolved paths, and says so (`log`)."""
+    recorded = state.get("bases")
+    if not isinstance(recorded, dict):
+        recorded = None
+        if bases:
+            log(f"checkpoint {path}: written before meshppo recorded what the run's model directories hold, so "
+                "their files are not compared; their paths are, resolved")
+    saved, same = state.get("config", {}), set()
+    for key in keys:
+        new_path, now = bases.get(key, {}).get("path"), bases.get(key, {}).get("fingerprint")
+        if recorded is not None:
+            old_path, then = (recorded.get(key) or {}).get("path"), (recorded.get(key) or {}).get("fingerprint")
+            if then is not None and now is not None:
+                if then != now and _same_path(old_path, new_path):
+                    changed = sorted(n for n in set(then) | set(now) if then.get(n) != now.get(n))
+                    raise UserError(
+                        f"checkpoint {path!r} was trained on other files than {key}={new_path!r} holds now "
+                        f"({', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} differ from what its run "
+                        f"read in {old_path!r}): put back the model the run started from, or start a new run in "
+                        "another trainer.default_local_dir")
+                if then == now:
+                    same.add(key)
+                continue  # another directory with other files: another setting (`run_differences` lists it)
+        else:
+            old_path = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], None)
+                               if key in RENAMED_OPTIONS else None)
+        if _same_path(old_path, new_path):
+            same.add(key)
+    return same
+
+
+def _same_path(old, new) -> bool:
+    """Whether two spellings of a path name one directory (links and `..` resolved)."""
+    return isinstance(old, str) and isinstance(new, str) and bool(old and new) and \
+        (old == new or os.path.realpath(old) == os.path.realpath(new))
+
+
+def current_bases(config: PPOConfig, keys=MODEL_PATH_KEYS) -> dict:
+    """`{option: {"path", "fingerprint"}}` of each of `keys` that `config` sets: what a checkpoint
+    records of the directories its run reads (`same_bases` compares them at a resume)."""
+    current = dataclasses.asdict(config)
+    return {key: {"path": path, "fingerprint": model_dir_fingerprint(path)}
+            for key in keys if (path := _lookup(current, key, None))}
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -402,6 +512,8 @@ class CheckpointManager:
         self.fingerprint, self.config, self.keep, self.log = fingerprint, config, keep, log
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self.saved_step: int | None = None  # the step whose checkpoint in `root` holds this run's state
+        # what the directories the run reads its models from hold as it starts (`MODEL_PATH_KEYS`)
+        self.bases = current_bases(config) if config is not None else {}
 
     def contents(self, name: str, which: str) -> list[str]:
         """Model `name`'s `save_contents` or `load_contents` (`which`)."""
@@ -518,7 +630,7 @@ class CheckpointManager:
                 _flushed(f)
         if self.is_main:
             state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,
-                     "config": dataclasses.asdict(self.config), "contents": contents}
+                     "config": dataclasses.asdict(self.config), "contents": contents, "bases": self.bases}
             state.update({name: s.state_dict() for name, s in self.states.items()
                           if self._state_kept(name, "save_contents")})
             # The trainer state is written last: its presence marks a complete checkpoint.
@@ -553,7 +665,9 @@ class CheckpointManager:
         if state["model"] != self.fingerprint:
             diff = {k: (state["model"].get(k), v) for k, v in self.fingerprint.items() if state["model"].get(k) != v}
             raise UserError(f"checkpoint {path!r} belongs to a different model: (checkpoint, config) differ in {diff}")
-        diffs = run_differences(state.get("config", {}), dataclasses.asdict(self.config))
+        same = same_bases(path, state, self.bases, self.log)
+        diffs = [d for d in run_differences(state.get("config", {}), dataclasses.asdict(self.config))
+                 if d[0] not in same]
         if diffs:
             listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs)
             raise UserError(f"checkpoint {path!r} comes from a run with other training settings ({listed}); it "

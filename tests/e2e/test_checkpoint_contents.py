@@ -246,6 +246,18 @@ def test_hf_model_export_of_sharded_models(tiny_assets, tmp_path, capsys):
     assert export_hf.main([str(step), str(tmp_path / "critic"), "--role", "critic"]) == 1
     assert (f"checkpoint {str(step)!r} holds no weights of the critic: its run's critic.checkpoint.save_contents "
             "was ['hf_model'], without 'model'") in capsys.readouterr().err
+    # the LoRA actor's base at its model path holding other weights than the run read (as recorded in the
+    # checkpoint): the merge would be another model, refused in one line before anything is written
+    state_file = step / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["bases"]["actor_rollout_ref.model.path"]["fingerprint"]["model.safetensors"] = "0" * 32
+    state_file.write_text(json.dumps(state))
+    assert export_hf.main([str(step), str(tmp_path / "other_base")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint {str(step)!r} was trained on other files than "
+                          f"actor_rollout_ref.model.path={str(tiny_assets / 'sft_model')!r} holds now "
+                          "(model.safetensors differ") and err.count("\n") == 1
+    assert not (tmp_path / "other_base").exists()
 
 
 def _same_export(got, want):

@@ -1,0 +1,130 @@
+"""A resume identifies the model directories its run read by what they hold, not by their path.
+
+It compared `actor_rollout_ref.model.path` (and the other model paths) as strings: a LoRA run,
+whose checkpoints hold the adapters only and re-read the base from the path, resumed silently
+onto other base weights at the same path (a full fine-tune's reference model the same), while
+the same files reached through a link or a relative path from another directory were refused
+as other training settings, whose only remedy offered (resume_mode=disable) deletes the run's
+checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from trainer.checkpointing import STATE_FILE, CheckpointManager
+from trainer.config import PPOConfig
+from trainer.errors import UserError
+
+
+class _Counter:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _model_dir(path, seed=0):
+    """A model directory: config.json and weights (the same shapes for every seed)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2", "hidden_size": 64}, f)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"model.embed_tokens.weight": torch.randn(512, 64, generator=g),
+               "lm_head.weight": torch.randn(512, 64, generator=g)}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def _manager(root, model_path, said=None):
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.model.path = model_path
+    counter = _Counter()
+    return CheckpointManager(str(root), states={"trainer": counter}, fingerprint={}, config=cfg,
+                             log=(said.append if said is not None else lambda s: None)), counter
+
+
+def _saved(tmp_path, model_path):
+    manager, counter = _manager(tmp_path / "ckpt", model_path)
+    counter.step = 3
+    return manager.save(3)
+
+
+def test_other_base_weights_at_the_same_path_are_refused_before_anything_loads(tmp_path):
+    base = _model_dir(tmp_path / "base")
+    step = _saved(tmp_path, base)
+    _model_dir(base, seed=1)  # the same path and shapes, other weights
+    resumed, counter = _manager(tmp_path / "ckpt", base)
+    with pytest.raises(UserError) as e:
+        resumed.maybe_resume("auto")
+    msg = str(e.value)
+    assert "\n" not in msg and f"actor_rollout_ref.model.path={base!r}" in msg and "model.safetensors" in msg
+    assert "config.json" not in msg  # only what changed is named
+    assert counter.step == 0 and os.path.isfile(os.path.join(step, STATE_FILE))  # nothing loaded, nothing deleted
+
+
+def test_a_changed_config_at_the_same_path_is_refused(tmp_path):
+    base = _model_dir(tmp_path / "base")
+    _saved(tmp_path, base)
+    with open(os.path.join(base, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2", "hidden_size": 64, "rms_norm_eps": 1e-5}, f)
+    with pytest.raises(UserError, match=r"config\.json differ"):
+        _manager(tmp_path / "ckpt", base)[0].maybe_resume("auto")
+
+
+def test_the_same_files_through_a_link_a_relative_path_or_a_copy_resume(tmp_path, monkeypatch):
+    base = _model_dir(tmp_path / "models" / "base")
+    _saved(tmp_path, base)
+    os.symlink(tmp_path / "models", tmp_path / "link")
+    shutil.copytree(base, tmp_path / "copy")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for spelled in (str(tmp_path / "link" / "base"), os.path.join("..", "models", "base"), str(tmp_path / "copy")):
+        resumed, counter = _manager(tmp_path / "ckpt", spelled)
+        assert resumed.maybe_resume("auto") == resumed.step_dir(3) and counter.step == 3, spelled
+    # another directory with other files is another setting, as before
+    other = _model_dir(tmp_path / "other", seed=1)
+    with pytest.raises(UserError, match=r"other training settings \(actor_rollout_ref\.model\.path: '.*base' -> "
+                                        f"'{other}'"):
+        _manager(tmp_path / "ckpt", other)[0].maybe_resume("auto")
+
+
+def test_a_checkpoint_without_fingerprints_compares_resolved_paths_and_says_so(tmp_path):
+    base = _model_dir(tmp_path / "base")
+    step = _saved(tmp_path, base)
+    state_file = os.path.join(step, STATE_FILE)
+    with open(state_file) as f:
+        state = json.load(f)
+    del state["bases"]  # as an older meshppo wrote it
+    with open(state_file, "w") as f:
+        json.dump(state, f)
+    os.symlink(base, tmp_path / "link")
+    said = []
+    resumed, counter = _manager(tmp_path / "ckpt", str(tmp_path / "link"), said)
+    assert resumed.maybe_resume("auto") and counter.step == 3
+    assert any("their files are not compared" in s for s in said)
+    with pytest.raises(UserError, match=r"other training settings \(actor_rollout_ref\.model\.path: "):
+        _manager(tmp_path / "ckpt", _model_dir(tmp_path / "other"))[0].maybe_resume("auto")
+
+
+def test_the_fingerprint_reads_headers_and_samples_not_whole_weights(tmp_path):
+    from trainer.checkpointing import model_dir_fingerprint
+
+    base = _model_dir(tmp_path / "base")
+    with open(os.path.join(base, "README.md"), "w") as f:
+        f.write("notes")
+    first = model_dir_fingerprint(base)
+    assert sorted(first) == ["config.json", "model.safetensors"]  # a README is no part of the model
+    with open(os.path.join(base, "README.md"), "w") as f:
+        f.write("other notes")
+    assert model_dir_fingerprint(base) == first
+    assert model_dir_fingerprint(str(tmp_path / "missing")) is None and model_dir_fingerprint("Qwen/Qwen3-0.6B") is None
