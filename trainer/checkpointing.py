@@ -205,7 +205,7 @@ ACTING_PART.update({key: lambda name: torch_dtypes().get(name, name) for key in 
 # path whose files changed (a LoRA run's base, which its checkpoints do not hold; the reference
 # model of a full fine-tune) is refused.
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_adapter_path", "data.tokenizer",
-                   "critic.model.path", "reward_model.model.path")
+                   "critic.model.path", "reward_model.model.path", "reward_model.model.input_tokenizer")
 # The files of such a directory that its model, adapter or tokenizer is read from: configs, weights,
 # tokenizer files, chat templates (not a README or a subdirectory).
 _FINGERPRINTED = (".json", ".safetensors", ".jinja", ".model", ".txt", ".tiktoken")

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from trainer.checkpointing import STATE_FILE, CheckpointManager
 from trainer.config import PPOConfig
+from trainer.configlib import build_dataclass
 from trainer.errors import UserError
 
 
@@ -45,8 +46,9 @@ def _model_dir(path, seed=0):
 
 
 def _manager(root, model_path, said=None):
-    cfg = PPOConfig()
-    cfg.actor_rollout_ref.model.path = model_path
+    # resolved as a run's: data.tokenizer, critic.model.path and reward_model.model.input_tokenizer the model path
+    cfg = build_dataclass(PPOConfig, {"actor_rollout_ref": {"model": {"path": model_path}}})
+    assert cfg.data.tokenizer == cfg.critic.model.path == cfg.reward_model.model.input_tokenizer == model_path
     counter = _Counter()
     return CheckpointManager(str(root), states={"trainer": counter}, fingerprint={}, config=cfg,
                              log=(said.append if said is not None else lambda s: None)), counter
@@ -93,7 +95,7 @@ def test_the_same_files_through_a_link_a_relative_path_or_a_copy_resume(tmp_path
         assert resumed.maybe_resume("auto") == resumed.step_dir(3) and counter.step == 3, spelled
     # another directory with other files is another setting, as before
     other = _model_dir(tmp_path / "other", seed=1)
-    with pytest.raises(UserError, match=r"other training settings \(actor_rollout_ref\.model\.path: '.*base' -> "
+    with pytest.raises(UserError, match=r"other training settings \(.*actor_rollout_ref\.model\.path: '[^']*base' -> "
                                         f"'{other}'"):
         _manager(tmp_path / "ckpt", other)[0].maybe_resume("auto")
 
@@ -112,7 +114,7 @@ def test_a_checkpoint_without_fingerprints_compares_resolved_paths_and_says_so(t
     resumed, counter = _manager(tmp_path / "ckpt", str(tmp_path / "link"), said)
     assert resumed.maybe_resume("auto") and counter.step == 3
     assert any("their files are not compared" in s for s in said)
-    with pytest.raises(UserError, match=r"other training settings \(actor_rollout_ref\.model\.path: "):
+    with pytest.raises(UserError, match=r"other training settings \(.*actor_rollout_ref\.model\.path: "):
         _manager(tmp_path / "ckpt", _model_dir(tmp_path / "other"))[0].maybe_resume("auto")
 
 
