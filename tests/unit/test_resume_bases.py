@@ -17,21 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.unit.test_checkpoint_state import _Counter
 from trainer.checkpointing import STATE_FILE, CheckpointManager
 from trainer.config import PPOConfig
 from trainer.configlib import build_dataclass
 from trainer.errors import UserError
-
-
-class _Counter:
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def _model_dir(path, seed=0):
