@@ -22,7 +22,16 @@ SAFE_SINGLE = "model.safetensors"
 _TOP_LEVEL = ("lm_head.", "score.")
 
 
+# Buffers older transformers wrote into checkpoints (RoPE's frequencies, recomputed from config.json;
+# transformers ignores them when it loads).
+_UNSAVED_BUFFERS = (".rotary_emb.inv_freq",)
+
+
 def hf_key_to_meshppo(key: str) -> str | None:
+    """The meshppo name of an HF checkpoint's tensor; None for one meshppo does not load (not the model's
+    backbone or head, or a buffer transformers does not load either)."""
+    if key.endswith(_UNSAVED_BUFFERS):
+        return None
     if key.startswith("model."):
         return key[len("model."):]
     if key.startswith(_TOP_LEVEL):

@@ -246,3 +246,25 @@ def test_qwen3_variants_meshppo_lacks_are_refused(tmp_path):
     cfg.attention_bias = True
     with pytest.raises(ValueError, match="attention_bias"):
         ModelArgs.from_hf_config(cfg)
+
+
+def test_a_checkpoint_with_rope_buffers_loads_as_transformers_loads_it(tmp_path):
+    """Older transformers wrote each layer's `rotary_emb.inv_freq` buffer into checkpoints; transformers
+    ignores it when it loads (RoPE's frequencies come from config.json), and meshppo refused the checkpoint
+    ("has tensor ... that the model does not have")."""
+    from safetensors.torch import load_file, save_file
+
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=1, model_type="llama", tie_word_embeddings=False)
+    model = Transformer.build(args, seed=3)
+    model.save_pretrained(tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    for i in range(2):  # wrong values on purpose: they must not be read
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.full((8,), 7.0)
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    again = Transformer.from_pretrained(tmp_path / "m")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - again(ids)).abs().max().item() <= TOL
