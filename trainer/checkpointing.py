@@ -348,7 +348,10 @@ def read_trainer_state(step_dir: str) -> dict:
             raise UserError(f"checkpoint {step_dir!r} stores its trainer state as a pickle (trainer_state.pt, "
                             "an older meshppo); pickles are not loaded because they can run code: start a fresh "
                             "run (trainer.resume_mode=disable or another trainer.default_local_dir)")
-        raise UserError(f"resume checkpoint {step_dir!r} does not exist or is incomplete (no {STATE_FILE})")
+        steps = sorted((int(m.group(1)), name) for name in (os.listdir(step_dir) if os.path.isdir(step_dir) else ())
+                       if (m := re.fullmatch(r"global_step_(\d+)", name)))
+        hint = f": it holds checkpoints; name one of them, e.g. {os.path.join(step_dir, steps[-1][1])!r}" if steps else ""
+        raise UserError(f"resume checkpoint {step_dir!r} does not exist or is incomplete (no {STATE_FILE}){hint}")
     try:
         with open(path) as f:
             state = json.load(f)

@@ -1962,11 +1962,13 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     described, per_node = described_launch(cfg)
     shape = f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x {t.n_gpus_per_node}"
     if world_size is not None and world_size != described:
-        raise ConfigError(f"this launch has {world_size} processes but the config describes {shape} = {described}: "
+        raise ConfigError(f"this launch has {world_size} process{'es' if world_size != 1 else ''} but the config "
+                          f"describes {shape} = {described}: "
                           "launch that many (launch/run_single_node.sh starts n_gpus_per_node ranks) or change "
                           "trainer.nnodes / trainer.n_gpus_per_node")
     if local_world_size is not None and local_world_size != per_node:
-        raise ConfigError(f"this launch has {local_world_size} processes per node but the config describes "
+        raise ConfigError(f"this launch has {local_world_size} process{'es' if local_world_size != 1 else ''} per "
+                          "node but the config describes "
                           f"trainer.n_gpus_per_node = {per_node}")
     world_size = described
     arr = cfg.actor_rollout_ref

@@ -57,7 +57,7 @@ CASES = {
                             1, "does not exist"),
     "impossible batch sizes": (lambda a, t: ["data.train_batch_size=12"], 2, "ppo_mini_batch_size"),
     "launch unlike the config": (lambda a, t: ["trainer.n_gpus_per_node=2"], 2,
-                                 "this launch has 1 processes but the config describes"),
+                                 "this launch has 1 process but the config describes"),
     "negative learning rate": (lambda a, t: ["actor_rollout_ref.actor.optim.lr=-1e-4"], 2,
                                "actor_rollout_ref.actor.optim.lr: -0.0001 is out of range; allowed: >= 0"),
     "batch larger than the data": (lambda a, t: ["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128"],

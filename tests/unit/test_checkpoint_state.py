@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import time
 
 import numpy as np
@@ -185,8 +186,14 @@ def test_rng_state_round_trips_through_weights_only(tmp_path):
 def test_trainer_state_is_json_and_an_old_pickle_is_not_loaded(tmp_path):
     step = tmp_path / "global_step_3"
     step.mkdir()
-    with pytest.raises(UserError, match="does not exist or is incomplete"):
+    with pytest.raises(UserError, match=r"does not exist or is incomplete \(no trainer_state\.json\)$"):
         read_trainer_state(str(step))
+    # the checkpoints' directory instead of one of them: the newest is named
+    for name in ("global_step_9", "global_step_10", "global_step_10.tmp"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    newest = re.escape(repr(str(tmp_path / "global_step_10")))
+    with pytest.raises(UserError, match=f"it holds checkpoints; name one of them, e.g. {newest}$"):
+        read_trainer_state(str(tmp_path))
     marker = str(tmp_path / "pwned")
     torch.save({"global_step": _Payload(marker)}, step / "trainer_state.pt")
     with pytest.raises(UserError, match=r"trainer_state\.pt.*pickles are not loaded because they can run code"):

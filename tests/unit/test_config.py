@@ -272,7 +272,7 @@ def test_shipped_configs_validate_against_the_launch_they_describe(name):
 
 
 def test_the_launch_must_match_the_config():
-    with pytest.raises(ConfigError, match="1 processes per node but the config describes trainer.n_gpus_per_node = 2"):
+    with pytest.raises(ConfigError, match="1 process per node but the config describes trainer.n_gpus_per_node = 2"):
         validate(_cfg("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "data.train_batch_size=32"), 4, 1)
 
 
