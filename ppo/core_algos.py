@@ -1834,7 +1834,13 @@ def compute_rollout_correction(
         rollout_corr/chi2_seq           mean_i (prod_t rho)^2 - 1
         rollout_corr/training_ppl       mean_i exp(-mean_t log pi_old)
         rollout_corr/rollout_ppl        mean_i exp(-mean_t log pi_rollout)
+        rollout_corr/training_log_ppl   mean_i -mean_t log pi_old
+        rollout_corr/rollout_log_ppl    mean_i -mean_t log pi_rollout
+        rollout_corr/log_ppl_diff       mean_i (mean_t log pi_rollout - mean_t log pi_old)
         rollout_corr/log_ppl_abs_diff   mean_i |mean_t log pi_rollout - mean_t log pi_old|
+        rollout_corr/ppl_ratio          mean_i exp(mean_t log pi_rollout - mean_t log pi_old): training / rollout ppl
+      (verl's names and definitions; not its log_ppl_diff_max / _min, which a mean over micro-batches
+      would misstate)
       with rollout_is:
         rollout_corr/rollout_is_mean                 mean_t of the truncated weights (before batch_normalize)
         rollout_corr/rollout_is_ratio_fraction_high  share of tokens (sequences, at sequence
@@ -1878,7 +1884,11 @@ def compute_rollout_correction(
         "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_delta), rows) - 1.0,
         "rollout_corr/training_ppl": masked_mean(torch.exp(-old_mean), rows),
         "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout_mean), rows),
+        "rollout_corr/training_log_ppl": masked_mean(-old_mean, rows),
+        "rollout_corr/rollout_log_ppl": masked_mean(-rollout_mean, rows),
+        "rollout_corr/log_ppl_diff": masked_mean(rollout_mean - old_mean, rows),
         "rollout_corr/log_ppl_abs_diff": masked_mean((rollout_mean - old_mean).abs(), rows),
+        "rollout_corr/ppl_ratio": masked_mean(torch.exp(rollout_mean - old_mean), rows),
     }
     weights = keep = None
     if rollout_is is not None:

@@ -125,6 +125,10 @@ def test_correction_combines_weights_and_rejection_and_reports_metrics():
     assert near("rollout_corr/training_ppl", sum(math.exp(-x) for x in old_means) / 2)
     assert near("rollout_corr/rollout_ppl", sum(math.exp(-x) for x in rollout_means) / 2)
     assert near("rollout_corr/log_ppl_abs_diff", sum(abs(r - o) for r, o in zip(rollout_means, old_means)) / 2)
+    assert near("rollout_corr/training_log_ppl", -sum(old_means) / 2)
+    assert near("rollout_corr/rollout_log_ppl", -sum(rollout_means) / 2)
+    assert near("rollout_corr/log_ppl_diff", sum(r - o for r, o in zip(rollout_means, old_means)) / 2)
+    assert near("rollout_corr/ppl_ratio", sum(math.exp(r - o) for r, o in zip(rollout_means, old_means)) / 2)
     assert near("rollout_corr/rollout_is_mean", (1.5 + math.exp(-1.0) + 1.0 + 1.5 + math.exp(0.2)) / 5)
     assert near("rollout_corr/rollout_is_ratio_fraction_high", 2 / 5)  # e^0.5 and e^1 > 1.5
     assert near("rollout_corr/rollout_is_ratio_fraction_low", 1 / 5)   # e^-1 < 1 / 1.5
