@@ -438,9 +438,10 @@ def check_slurm_step(nnodes: int) -> None:
 
 
 # a rank's error line, and the message in it; a message another rank found first (a reward function's
-# `(on rank R)`, the engine's first TP rank's tools: agent.loop.FIRST_TP_RANK) is that rank's
-_ERROR_LINE = re.compile(r"meshppo: ((?:config )?error)(?: \(ranks? [\d, ]+\))?: (?:\(on (?:rank \d+|the engine's "
-                         r"first TP rank, which runs the tools and interactions)\) )?(.*)$")
+# `(on rank R)`, another engine replica's rollout, the engine's first TP rank's tools:
+# agent.loop.FIRST_TP_RANK) is that rank's
+_ERROR_LINE = re.compile(r"meshppo: ((?:config )?error)(?: \(ranks? [\d, ]+\))?: (?:\(on (?:rank \d+|engine replica \d+|"
+                         r"the engine's first TP rank, which runs the tools and interactions)\) )?(.*)$")
 
 
 def _error_messages(path: str) -> list[tuple[str, str]]:

@@ -696,11 +696,12 @@ def test_the_launcher_reads_each_rank_logs_error_lines(tmp_path):
                    f"meshppo: error (rank 1): {FIRST_TP_RANK} tool 't' broke\n"
                    "meshppo: config error (rank 1): data.train_batch_size (32) is larger than the training set\n"
                    "meshppo: config error: unknown config key 'x'\n"
+                   "meshppo: error (rank 1): (on engine replica 0) the KV pool would hold 0 blocks\n"
                    "a line about meshppo: errors in general\n")
     assert _error_messages(str(log)) == [
         ("error", "resume path 'p' does not exist"), ("error", "reward function f raised"), ("error", "tool 't' broke"),
         ("config error", "data.train_batch_size (32) is larger than the training set"),
-        ("config error", "unknown config key 'x'")]
+        ("config error", "unknown config key 'x'"), ("error", "the KV pool would hold 0 blocks")]
     assert _error_messages(str(tmp_path / "rank1.log")) == []
 
 
