@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
@@ -170,11 +171,14 @@ def _parse_json_array(path: str) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _json_lines(text: str) -> list[str]:
-    """The lines of JSON-lines text: split at "\n" only, the format's separator (a "\r" before it is
-    dropped), not at what `str.splitlines` also splits at (U+2028, U+2029, U+0085, "\x0b", "\x0c",
-    "\x1c".."\x1e"): a JSON string may hold those unescaped, as `json.dumps(ensure_ascii=False)` writes them.
-    Text ending in "\n" gives a last empty line."""
-    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    """The lines of JSON-lines text: split at "\n", "\r\n" or a lone "\r" (old Mac files; JSON strings
+    hold neither unescaped), not at what `str.splitlines` also splits at (U+2028, U+2029, U+0085, "\x0b",
+    "\x0c", "\x1c".."\x1e"): a JSON string may hold those unescaped, as `json.dumps(ensure_ascii=False)`
+    writes them. Text ending in a line break gives a last empty line."""
+    return _LINE_BREAK.split(text)
+
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 def parse_json_lines(path: str, error: type[Exception] = DatasetError, skip_blank: bool = False,
@@ -250,8 +254,8 @@ TEXT_ONLY = "meshppo's models are text-only (a vision-language row would be trai
 
 
 def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
-    """Refuse what no chat template can render, and a list without a user message that has text (only a
-    system or an assistant message, or the user's content empty or whitespace; verl trains on those);
+    """Refuse what no chat template can render, and a list none of whose messages has text (every content
+    empty or whitespace; verl trains on those);
     everything else goes to the template as verl hands it on: `content` a string, a list of typed parts
     (`{"type": "text", "text": ...}`), or None on a message with `tool_calls`."""
     if not messages:
@@ -283,14 +287,11 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
         if media:
             raise DatasetError(f"{where}: field '{prompt_key}' message {j} has a part of type {media[0]!r}: "
                                f"{TEXT_ONLY}")
-    # What the template would render without the user's turn is no task: refused, not trained on.
-    users = [j for j, message in enumerate(messages) if message["role"] == "user"]
-    if not users:
-        raise DatasetError(f"{where}: field '{prompt_key}' has no message with role 'user' (its roles: "
-                           f"{[message['role'] for message in messages]}); a prompt needs the user's turn")
-    if not any(_content_text(messages[j]["content"]).strip() for j in users):
-        which = f"message {users[0]} has" if len(users) == 1 else f"messages {users} have"
-        raise DatasetError(f"{where}: field '{prompt_key}' user {which} no text (empty or whitespace only)")
+    # What the template would render without any message's text is no task: refused, not trained on. (Which
+    # role carries the task is the data's choice: a system-only prompt, or a "human" role a template renders.)
+    if not any(_content_text(message["content"]).strip() for message in messages):
+        raise DatasetError(f"{where}: field '{prompt_key}' has no text in any of its {len(messages)} message"
+                           f"{'s' if len(messages) > 1 else ''} (empty or whitespace only)")
 
 
 def _content_text(content: str | list | None) -> str:

@@ -459,28 +459,24 @@ def test_malformed_messages_are_refused(tmp_path, tokenizer, prompt, message):
 @pytest.mark.parametrize("prompt, message", [
     ("", r"field 'prompt' is an empty prompt \(empty or whitespace only\)"),
     (" \n\t", r"field 'prompt' is an empty prompt \(empty or whitespace only\)"),
-    ([{"role": "user", "content": ""}], r"field 'prompt' user message 0 has no text \(empty or whitespace only\)"),
-    ([{"role": "user", "content": " \n "}], r"field 'prompt' user message 0 has no text"),
-    ([{"role": "user", "content": [{"type": "text", "text": "  "}]}], r"field 'prompt' user message 0 has no text"),
-    ([{"role": "system", "content": "Add."}, {"role": "user", "content": ""}, {"role": "assistant", "content": "1"},
-      {"role": "user", "content": " "}], r"field 'prompt' user messages \[1, 3\] have no text"),
-    ([{"role": "system", "content": "1+2="}],
-     r"field 'prompt' has no message with role 'user' \(its roles: \['system'\]\); a prompt needs the user's turn"),
-    ([{"role": "assistant", "content": "1+2="}], r"field 'prompt' has no message with role 'user' \(its roles: "
-                                                 r"\['assistant'\]\)"),
+    ([{"role": "user", "content": ""}], r"field 'prompt' has no text in any of its 1 message \(empty or whitespace only\)"),
+    ([{"role": "user", "content": " \n "}], r"field 'prompt' has no text in any of its 1 message "),
+    ([{"role": "user", "content": [{"type": "text", "text": "  "}]}], r"field 'prompt' has no text in any of its 1 "),
+    ([{"role": "system", "content": " "}, {"role": "user", "content": ""}, {"role": "assistant", "content": "\n"},
+      {"role": "user", "content": " "}], r"field 'prompt' has no text in any of its 4 messages"),
 ])
 @pytest.mark.parametrize("apply_chat_template", [True, False])
-def test_prompts_without_the_users_text_are_refused(tmp_path, tokenizer, prompt, message, apply_chat_template):
+def test_prompts_without_text_are_refused(tmp_path, tokenizer, prompt, message, apply_chat_template):
     """Chat template tokens made an empty prompt a few tokens long: these rows trained silently on no task."""
     path = write_jsonl([_chat_row("1="), _chat_row("1=", prompt=prompt)], tmp_path / "d.jsonl")
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: " + message):
         RLHFDataset(path, tokenizer, apply_chat_template=apply_chat_template)
 
 
-def test_prompts_with_the_users_text_beside_other_roles_load(tmp_path, tokenizer_dir):
+def test_prompts_with_text_in_any_role_load(tmp_path, tokenizer_dir):
     """A system message before the user's, an empty user turn beside one with text, a conversation that ends in
-    an assistant's tool call and its tool response: each has the user's text, and loads as the template renders
-    it; a system and a tool message without a user's turn does not."""
+    an assistant's tool call and its tool response, a system-only task, a role of the data's own ("human"):
+    each has text, and loads as the template renders it."""
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = "{% for m in messages %}{{ m.role[0] }}:{{ m.content or '' }};{% endfor %}"
     prompts = [
@@ -489,16 +485,12 @@ def test_prompts_with_the_users_text_beside_other_roles_load(tmp_path, tokenizer
         [{"role": "user", "content": "1="},
          {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
          {"role": "tool", "content": ""}],
+        [{"role": "system", "content": "add 1+2"}],
+        [{"role": "human", "content": "3="}],
     ]
     path = write_jsonl([_chat_row("x", prompt=prompt) for prompt in prompts], tmp_path / "d.jsonl")
-    assert [item["prompt_text"] for item in RLHFDataset(path, tok)] == ["s:s;u:1+2=;", "u:;a:a;u:2=;", "u:1=;a:;t:;"]
-    # which this template would render without the user's turn as well: the row is refused, not rendered
-    path = write_jsonl([_chat_row("x", prompt=prompt) for prompt in prompts]
-                       + [_chat_row("x", prompt=[{"role": "system", "content": "s"}, {"role": "tool", "content": "t"}])],
-                       tmp_path / "d.jsonl")
-    with pytest.raises(DatasetError, match=r"d\.jsonl:4: field 'prompt' has no message with role 'user' \(its roles: "
-                                           r"\['system', 'tool'\]\)"):
-        RLHFDataset(path, tok)
+    assert [item["prompt_text"] for item in RLHFDataset(path, tok)] == [
+        "s:s;u:1+2=;", "u:;a:a;u:2=;", "u:1=;a:;t:;", "s:add 1+2;", "h:3=;"]
 
 
 def test_plain_text_prompts_that_look_like_json_stay_text(tmp_path, tokenizer):
@@ -550,6 +542,9 @@ def test_jsonl_lines_end_only_at_newline(tmp_path, tokenizer):
     bad.write_bytes(raw.encode("utf-8") + b'{"prompt": "\xff="}\n')
     with pytest.raises(DatasetError, match=r"b\.jsonl:5: not valid UTF-8"):
         read_records(str(bad))
+    # a file of old Mac line ends ("\r" alone) reads row by row
+    (tmp_path / "r.jsonl").write_text('{"prompt": "1="}\r{"prompt": "2="}\r', encoding="utf-8", newline="")
+    assert read_records(str(tmp_path / "r.jsonl")) == [(1, {"prompt": "1="}), (2, {"prompt": "2="})]
     # other characters `splitlines` splits at, raw between rows (not JSON whitespace): one malformed line 2
     (tmp_path / "c.jsonl").write_text('{"prompt": "1="}\n{"prompt": "2="}\x0c{"prompt": "3="}\n', encoding="utf-8")
     with pytest.raises(DatasetError, match=r"c\.jsonl:2: malformed JSON"):
