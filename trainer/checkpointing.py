@@ -69,7 +69,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from models.args import torch_dtypes
-from models.checkpoint import save_pretrained
+from models.checkpoint import one_line, save_pretrained
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
 from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
@@ -201,14 +201,36 @@ ACTING_PART.update({key: lambda name: torch_dtypes().get(name, name) for key in 
 # Options naming a directory the run reads a model, adapter or tokenizer from. A resume compares
 # what they hold, not how they are spelled: a checkpoint records each one's fingerprint
 # (`model_dir_fingerprint`; the trainer state's "bases"), and a path spelled otherwise (a link, a
-# relative path from another directory, a copy) that holds the same files resumes, while the same
+# relative path from another directory) resumes, as does another directory holding the same files
+# (a copy, a move; said in the log, since a fingerprint samples the weights), while the same
 # path whose files changed (a LoRA run's base, which its checkpoints do not hold; the reference
 # model of a full fine-tune) is refused.
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_adapter_path", "data.tokenizer",
                    "critic.model.path", "reward_model.model.path", "reward_model.model.input_tokenizer")
-# The files of such a directory that its model, adapter or tokenizer is read from: configs, weights,
-# tokenizer files, chat templates (not a README or a subdirectory).
-_FINGERPRINTED = (".json", ".safetensors", ".jinja", ".model", ".txt", ".tiktoken")
+# The files of such a directory that its model, adapter or tokenizer is read from, and only those: the
+# model's config and weights (`models.checkpoint`: model.safetensors, the index and its shards, or
+# every *.safetensors without them; generation_config.json, read for the stop tokens), a peft
+# adapter's (`models.lora`) and the tokenizer files transformers reads (`models.tokenizer`:
+# tokenizer.json and its config, a slow tokenizer's vocabulary, merges and sentencepiece or
+# tiktoken model, the chat template and its additional_chat_templates/). Any other file (a README,
+# the trainer_state.json or eval_results.json of a Hugging Face Trainer, an evaluation's output)
+# is no part of the model: adding or changing it never refuses a resume.
+_FINGERPRINTED_NAMES = frozenset((
+    "config.json", "generation_config.json", "model.safetensors.index.json", "adapter_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tekken.json", "chat_template.jinja", "chat_template.json"))
+_FINGERPRINTED_SUFFIXES = (".safetensors", ".model", ".tiktoken")  # weights; sentencepiece and tiktoken vocabularies
+_CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' named chat templates, <name>.jinja
+
+
+def _fingerprinted(name: str) -> bool:
+    """Whether file `name` (relative to a model directory) is one a model, adapter or tokenizer is read from."""
+    folder, _, base = name.rpartition("/")
+    if folder:
+        return folder == _CHAT_TEMPLATE_DIR and base.endswith(".jinja")
+    return name in _FINGERPRINTED_NAMES or name.endswith(_FINGERPRINTED_SUFFIXES)
+
+
 _WHOLE_FILE_LIMIT = 64 << 20  # files up to this size are hashed whole; larger ones by size and samples
 _SAMPLES, _SAMPLE_BYTES = 16, 16 << 10  # a weights file's data: evenly spaced samples, read and hashed
 
@@ -240,14 +262,18 @@ def _file_digest(path: str) -> str:
 
 
 def model_dir_fingerprint(path: str | None) -> dict[str, str] | None:
-    """What model (or adapter, or tokenizer) directory `path` holds, as `{file name: digest}` of its
-    `_FINGERPRINTED` files (`_file_digest`: the weights by their headers, sizes and samples, not
-    read whole); None where `path` is unset or not a readable directory (a hub name)."""
+    """What model (or adapter, or tokenizer) directory `path` holds, as `{file name: digest}` of the
+    files it is read from (`_fingerprinted`; `_file_digest`: the weights by their headers, sizes and
+    samples, not read whole); None where `path` is unset or not a readable directory (a hub name)."""
     if not path or not os.path.isdir(path):
         return None
     try:
-        return {name: _file_digest(os.path.join(path, name)) for name in sorted(os.listdir(path))
-                if name.endswith(_FINGERPRINTED) and os.path.isfile(os.path.join(path, name))}
+        names = os.listdir(path)
+        templates = os.path.join(path, _CHAT_TEMPLATE_DIR)
+        if os.path.isdir(templates):
+            names += [f"{_CHAT_TEMPLATE_DIR}/{name}" for name in os.listdir(templates)]
+        return {name: _file_digest(os.path.join(path, name)) for name in sorted(names)
+                if _fingerprinted(name) and os.path.isfile(os.path.join(path, name))}
     except OSError:
         return None
 
@@ -259,19 +285,23 @@ def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], 
     else (a hub name, a directory unreadable then or now) its resolved path (links, `..`). The
     same directory whose files changed since the checkpoint's run read them is refused (a
     UserError naming the option, the path and the files); another directory with other files is
-    another setting, left to `run_differences`. A checkpoint written before fingerprints were
-    recorded compares resolved paths, and says so (`log`)."""
+    another setting, left to `run_differences`. A directory at another path whose fingerprint
+    matches resumes, and `log` says it moved and how it was compared (a fingerprint samples the
+    weights: files that differ only where it does not read would pass). A checkpoint written
+    before fingerprints were recorded compares resolved paths, and says so (`log`)."""
     recorded = state.get("bases")
     if not isinstance(recorded, dict):
         recorded = None
         if bases:
             log(f"checkpoint {path}: written before meshppo recorded what the run's model directories hold, so "
                 "their files are not compared; their paths are, resolved")
-    saved, same = state.get("config", {}), set()
+    saved, same, moved = state.get("config", {}), set(), {}
     for key in keys:
         new_path, now = bases.get(key, {}).get("path"), bases.get(key, {}).get("fingerprint")
         if recorded is not None:
             old_path, then = (recorded.get(key) or {}).get("path"), (recorded.get(key) or {}).get("fingerprint")
+            if isinstance(then, dict):  # an older meshppo recorded every *.json and *.txt: the files read only
+                then = {name: digest for name, digest in then.items() if _fingerprinted(name)}
             if then is not None and now is not None:
                 if then != now and _same_path(old_path, new_path):
                     changed = sorted(n for n in set(then) | set(now) if then.get(n) != now.get(n))
@@ -282,12 +312,18 @@ def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], 
                         "another trainer.default_local_dir")
                 if then == now:
                     same.add(key)
+                    if not _same_path(old_path, new_path):
+                        moved.setdefault((old_path, new_path), []).append(key)
                 continue  # another directory with other files: another setting (`run_differences` lists it)
         else:
             old_path = _lookup(saved, key, _lookup(saved, RENAMED_OPTIONS[key], None)
                                if key in RENAMED_OPTIONS else None)
         if _same_path(old_path, new_path):
             same.add(key)
+    for (old_path, new_path), moved_keys in moved.items():
+        log(f"checkpoint {path}: {', '.join(moved_keys)} moved from {old_path!r} to {new_path!r}; resumed because "
+            "its files match what the run read there, compared by their contents, the weights by their headers, sizes "
+            "and samples (not read whole)")
     return same
 
 
@@ -389,16 +425,16 @@ class WriteFailed(UserError):
     rank: `cause` is this rank's own error in one line, or the rank whose log has it."""
 
     def __init__(self, what: str, error: BaseException | None, rank: int):
-        self.cause = _one_line(error) if error is not None else f"on rank {rank}, whose log says why"
+        self.cause = one_line(_first_failure(error)) if error is not None else f"on rank {rank}, whose log says why"
         super().__init__(f"{what} failed ({self.cause})")
 
 
-def _one_line(error: BaseException) -> str:
-    """An OSError as `OSError: [Errno 28] No space left on device`: DCP's exception (raised on
-    every rank) by the first of its writers' failures, an OSError where there is one."""
+def _first_failure(error: BaseException) -> BaseException:
+    """The error that says why a write failed (`models.checkpoint.one_line` words it, e.g.
+    `OSError: [Errno 28] No space left on device`): DCP's exception (raised on every rank) by the
+    first of its writers' failures, an OSError where there is one; any other error itself."""
     errors = [err for err, _ in error.failures.values()] if isinstance(error, dcp.CheckpointException) else [error]
-    first = next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else error)
-    return f"{type(first).__name__}: " + (str(first).strip().splitlines() or [""])[0]
+    return next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else error)
 
 
 # what a write raises when the disk is full (or a quota, permissions, a vanished directory): the OS's
@@ -743,10 +779,13 @@ class CheckpointManager:
         if load_rng and not same_world:
             self.log(f"checkpoint {path}: written by {state['world_size']} ranks, resumed on {self.world_size}: "
                      "Python's, NumPy's and torch's global RNG streams keep their trainer.seed seeding (a rank's saved "
-                     "state belongs to its rank); rollout sampling (keyed by step and prompt), the data order, the "
-                     "mini-batch shuffles and the losses' random draws use seeded generators of their own and are "
-                     "unaffected: only code that draws from the global streams (a custom reward function, an agent's "
-                     "tool) draws other numbers than the uninterrupted run")
+                     "state belongs to its rank; a custom reward function or an agent's tool drawing from them draws "
+                     "other numbers). The trainer's own generators are seeded from trainer.seed, the step and the "
+                     "rank or replica, not from the saved states: the data order (data.seed and the saved position) "
+                     "and the engine's rollout sampling (keyed by step and prompt) do not depend on the world size, "
+                     "but the mini-batches (each rank shuffles its own rows), clip_cov's draws (per data-parallel "
+                     "rank), rollout.name=hf's sampling (per replica) and the order of the reductions do: the run "
+                     "does not reproduce the uninterrupted one")
         if not keep_progress and os.path.abspath(path) == os.path.abspath(self.step_dir(state["global_step"])):
             self.saved_step = state["global_step"]
 

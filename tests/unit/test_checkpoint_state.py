@@ -404,11 +404,13 @@ def test_a_missing_rank_rng_file_is_refused_and_the_markers_are_synced(tmp_path,
         resumed.maybe_resume("auto")
 
 
-def test_resuming_on_another_world_size_says_what_is_reseeded_and_that_rollout_sampling_is_not(tmp_path):
-    """A checkpoint of 2 ranks resumed on 1: the ranks' saved RNG states are left behind, which
-    changes the global Python / NumPy / torch streams only. It said that "sampling differs from the
-    uninterrupted run's", but rollout sampling is keyed by step and prompt (and the data order, the
-    mini-batch shuffles and the losses' draws by generators of their own): the same metrics follow."""
+def test_resuming_on_another_world_size_says_what_is_reseeded_and_what_changes(tmp_path):
+    """A checkpoint of 2 ranks resumed on 1: the ranks' saved RNG states are left behind (the global
+    Python / NumPy / torch streams keep their seeding). It said that "sampling differs from the
+    uninterrupted run's", then that the mini-batch shuffles and the losses' draws were unaffected "so
+    the run still reproduces"; but those generators are seeded per rank (each rank shuffles its own
+    rows, clip_cov's stream is the data-parallel rank's, the hf rollout's the replica's): only the
+    data order and the engine's rollout sampling (keyed by step and prompt) do not change."""
     counter = _Counter()
     said = []
     writer = CheckpointManager(str(tmp_path), states={"trainer": counter}, fingerprint={}, config=PPOConfig(),
@@ -420,5 +422,8 @@ def test_resuming_on_another_world_size_says_what_is_reseeded_and_that_rollout_s
     assert resumed.maybe_resume("auto") == resumed.step_dir(1)
     (line,) = [s for s in said if "resumed on 1" in s]
     assert "written by 2 ranks, resumed on 1: Python's, NumPy's and torch's global RNG streams" in line
-    assert "rollout sampling (keyed by step and prompt)" in line and "unaffected" in line
-    assert "sampling differs" not in line
+    assert "seeded from trainer.seed, the step and the rank or replica, not from the saved states" in line
+    assert "the engine's rollout sampling (keyed by step and prompt) do not depend on the world size" in line
+    assert ("but the mini-batches (each rank shuffles its own rows), clip_cov's draws (per data-parallel rank), "
+            "rollout.name=hf's sampling (per replica) and the order of the reductions do") in line
+    assert "does not reproduce the uninterrupted one" in line and "unaffected" not in line and "\n" not in line
