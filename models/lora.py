@@ -17,7 +17,7 @@ forward then runs exactly the base computation, no second copy of the weights.
 Files: `save_peft_adapter` writes what `peft.PeftModel.from_pretrained` reads
 (`adapter_config.json` + `adapter_model.safetensors`, keys
 `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`); `read_peft_adapter` reads
-it back with shape and rank checks; `merged_state_dict` folds the adapters into the base
+it back, `read_peft_adapter_shapes` only its config and shapes (checked against a model's); `merged_state_dict` folds the adapters into the base
 weights (fp32 maths) for a plain Hugging Face export.
 """
 
@@ -290,34 +290,63 @@ def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]
     return cfg, raw
 
 
-def read_peft_adapter(path: str | os.PathLike, model_args=None) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
-    """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name), its
-    config as `read_peft_adapter_config` reads it. A weights file that is not safetensors (truncated,
-    foreign) raises `models.checkpoint.CheckpointFileError` (a ValueError) naming it. Given the base
-    model's `ModelArgs` `model_args`, the tensors are checked (`check_adapter`) against that model's
-    adapters, built on the meta device: a ValueError names the file and the tensor."""
-    from safetensors.torch import load_file
+def _open_adapter_weights(path: str | os.PathLike):
+    """(its `LoRAConfig`, the weights file, the file opened with `safetensors.safe_open`, `{meshppo name:
+    key in the file}`): the adapter's config and its weights' header, no tensor data. The one reading of
+    an adapter directory, for `read_peft_adapter_shapes` and `read_peft_adapter`."""
+    from safetensors import safe_open
 
-    from models.checkpoint import reading
+    from models.checkpoint import _NOT_SAFETENSORS, reading
 
     cfg, _ = read_peft_adapter_config(path)
     weights = Path(path) / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"lora_adapter_path {str(path)!r} has no {weights.name}")
-    tensors = {}
-    with reading(weights, what="is not a readable safetensors file"):
-        loaded = load_file(str(weights))
-    for key, t in loaded.items():
+    with reading(weights, what=_NOT_SAFETENSORS):
+        f = safe_open(str(weights), framework="pt")
+    keys = {}
+    for key in f.keys():
         name = _meshppo_key(key)
         if name is None:
+            f.__exit__(None, None, None)
             raise ValueError(f"{weights}: tensor {key!r} is not a LoRA A/B weight of the decoder layers")
-        tensors[name] = t
+        keys[name] = key
+    return cfg, weights, f, keys
+
+
+def read_peft_adapter_shapes(path: str | os.PathLike,
+                             model_args=None) -> tuple[LoRAConfig, dict[str, tuple[int, ...]]]:
+    """A peft LoRA adapter directory's `LoRAConfig` and its tensors' shapes by meshppo name, from
+    its config and its weights' safetensors header alone: no tensor is read (a 70B model's adapter is
+    gigabytes). Its config as `read_peft_adapter_config` reads it; a weights file that is not
+    safetensors (truncated, foreign) raises `models.checkpoint.CheckpointFileError` (a ValueError)
+    naming it. Given the base model's `ModelArgs` `model_args`, the shapes are checked
+    (`check_adapter`) against that model's adapters, built on the meta device: a ValueError names
+    the file and the tensor."""
+    from models.checkpoint import _NOT_SAFETENSORS, reading
+
+    cfg, weights, f, keys = _open_adapter_weights(path)
+    with f, reading(weights, what=_NOT_SAFETENSORS):
+        shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in keys.items()}
     if model_args is not None:
         from models.transformer import Transformer
 
         with torch.device("meta"):
             model = inject_lora(Transformer(model_args), cfg)
-        check_adapter(model, cfg, tensors, str(weights))
+        check_adapter(model, cfg, shapes, str(weights))
+    return cfg, shapes
+
+
+def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name): where
+    the model is built (`sharding.build_fsdp_model`, `load_peft_adapter`). The config, the file and
+    the tensors' names are read and refused as by `read_peft_adapter_shapes`, which checks an
+    adapter before the run without reading its tensors."""
+    from models.checkpoint import _NOT_SAFETENSORS, reading
+
+    cfg, weights, f, keys = _open_adapter_weights(path)
+    with f, reading(weights, what=_NOT_SAFETENSORS):
+        tensors = {name: f.get_tensor(key) for name, key in keys.items()}
     return cfg, tensors
 
 
@@ -329,9 +358,11 @@ def check_adapter_config(mine: LoRAConfig, cfg: LoRAConfig, source: str) -> None
             raise ValueError(f"adapter {source!r} has {what}={theirs!r}, the configuration says {ours!r}")
 
 
-def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Raise ValueError naming `source` unless `tensors` (from `read_peft_adapter`) are exactly the
-    adapters of `model` with the same rank, alpha and targets."""
+def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Tensor | tuple[int, ...]],
+                  source: str) -> None:
+    """Raise ValueError naming `source` unless `tensors` (by meshppo name: the tensors of
+    `read_peft_adapter`, or their shapes, `read_peft_adapter_shapes`) are exactly the adapters of
+    `model` with the same rank, alpha and targets."""
     mine: LoRAConfig | None = getattr(model, "lora_config", None)
     if mine is None:
         raise ValueError(f"adapter {source!r}: the model has no LoRA adapters (inject_lora first)")
@@ -341,8 +372,9 @@ def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Te
         extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
         raise ValueError(f"adapter {source!r} does not match the model: extra {extra[:4]}, missing {missing[:4]}")
     for n, t in tensors.items():
-        if tuple(t.shape) != shapes[n]:
-            raise ValueError(f"adapter {source!r}: {n} has shape {tuple(t.shape)}, the model needs {shapes[n]}")
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+        if shape != shapes[n]:
+            raise ValueError(f"adapter {source!r}: {n} has shape {shape}, the model needs {shapes[n]}")
 
 
 @torch.no_grad()

@@ -28,7 +28,9 @@ def has_tokenizer(path) -> bool:
 def load_tokenizer(path: str, key: str | None = None):
     """The tokenizer of directory `path`. A damaged directory (a file that is not JSON, files that make
     no tokenizer) raises one `CheckpointFileError` naming the file (or the directory, when the files
-    parse but do not make a tokenizer) and `key`, the config key `path` came from, when given."""
+    parse but do not make a tokenizer) and `key`, the config key `path` came from, when given. An
+    ImportError (a package the tokenizer needs, such as sentencepiece, missing) is not a damaged
+    file: it is raised as an ImportError naming the directory and the package."""
     from models.checkpoint import reading
 
     cfg_file = os.path.join(path, "tokenizer_config.json")
@@ -45,8 +47,24 @@ def load_tokenizer(path: str, key: str | None = None):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
+    except ImportError as e:  # a package the tokenizer's class needs, not a damaged file
+        _raise_missing_package(path, key, e)
     except Exception as e:  # what transformers and tokenizers raise for a bad file varies: said below
         _raise_unloadable(path, key, e)
+
+
+def _raise_missing_package(path: str, key: str | None, error: ImportError):
+    """An ImportError while loading the tokenizer in `path` (sentencepiece, tiktoken or protobuf not
+    installed, or one that does not import), said as that, again as an ImportError with the
+    original chained: its files may well be sound. The package is named where Python names the
+    module (`ModuleNotFoundError.name`); transformers' own message names it otherwise."""
+    from models.checkpoint import one_line
+
+    where = f"{path!r}" + (f" ({key})" if key else "")
+    package = error.name.split(".")[0] if error.name else None
+    needs = f"the {package} package" if package else "a package"
+    raise ImportError(f"loading the tokenizer in {where} needs {needs}, which is not installed or does not "
+                      f"import ({one_line(error, limit=1000)})", name=error.name) from error
 
 
 # the JSON files of a tokenizer directory, checked by name when transformers cannot load it

@@ -20,7 +20,7 @@ from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.args import OUTPUT_KEYS, check_overrides
-from models.lora import LoRAConfig, read_peft_adapter, read_peft_adapter_config
+from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_shapes
 from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig,
@@ -2160,10 +2160,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
                           f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
     adapter = arr.model.lora_adapter_path
-    if adapter is not None:  # its config, then its tensors' names
+    if adapter is not None:  # its config, then its tensors' names (the header: no tensor is read)
         arr.model.lora
         try:
-            read_peft_adapter(adapter)
+            read_peft_adapter_shapes(adapter)
         except (OSError, ValueError) as e:
             raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e}") from None
     d = cfg.data

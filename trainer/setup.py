@@ -173,8 +173,27 @@ def load_actor_tokenizer(cfg: PPOConfig):
 
 
 def tokenizer_size(tokenizer) -> int:
-    """How many token ids `tokenizer` can produce: past its largest id, added tokens included."""
+    """How many token ids `tokenizer` can produce: past its largest id, added tokens included.
+
+    The one rule for "a model embeds this tokenizer's ids" (the actor's, a critic's, a reward
+    model's): `tokenizer_size(tokenizer) <= vocab_size`. Every id counts, an added special token's
+    too: special tokens are matched in the prompts' text and written by chat templates, and the pad
+    token is fed to the models as input (`pad_note`)."""
     return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def pad_note(tokenizer, vocab: int) -> str:
+    """What to add to a refusal of `tokenizer` for a model embedding `vocab` ids when its pad token is
+    one of those past it (Llama-2 with a [PAD] added and the embeddings not resized): the pad id is not
+    only a label that no input holds. meshppo fills the padded layout's rows, the packed layout's
+    Ulysses padding, the HF rollout's prompts and the reward model's batches with it, and the models
+    embed it as any other input id."""
+    pad = tokenizer.pad_token_id
+    if pad is None or pad < vocab:
+        return ""
+    return (f"; its pad token {tokenizer.pad_token!r} (id {pad}) is one of them, and meshppo pads the models' "
+            "inputs with the pad token, which they embed as any other token id: give the tokenizer a pad token "
+            "the model embeds (its eos or unk token), or resize the model's embeddings")
 
 
 def check_tokenizer_fits(cfg: PPOConfig, tokenizer) -> None:
@@ -193,7 +212,8 @@ def check_tokenizer_fits(cfg: PPOConfig, tokenizer) -> None:
         if size > vocab:
             raise UserError(f"the tokenizer (data.tokenizer {cfg.data.tokenizer!r}) has {size} token ids but the "
                             f"model of {key} {path!r} embeds {vocab} (vocab_size): token ids {vocab} and up would be "
-                            "outside its vocabulary; use the model's own tokenizer (or one of its vocabulary)")
+                            "outside its vocabulary; use the model's own tokenizer (or one of its vocabulary)"
+                            + pad_note(tokenizer, vocab))
 
 
 def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
@@ -217,10 +237,12 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
     vocab = load_model_args(path).vocab_size
     own_tokenizer = has_tokenizer(path)
     if src is None:
-        if len(actor_tokenizer) > vocab:
+        size = tokenizer_size(actor_tokenizer)
+        if size > vocab:
             raise UserError(f"{key} embeds {vocab} token ids but the actor's tokenizer (data.tokenizer) has "
-                            f"{len(actor_tokenizer)}: with reward_model.model.input_tokenizer=null the reward model "
-                            "reads the actor's token ids, so it needs the actor's vocabulary")
+                            f"{size}: with reward_model.model.input_tokenizer=null the reward model "
+                            "reads the actor's token ids, so it needs the actor's vocabulary"
+                            + pad_note(actor_tokenizer, vocab))
         if own_tokenizer and load_tokenizer(path, "reward_model.model.path").get_vocab() != actor_tokenizer.get_vocab():
             raise UserError(f"{key} has a tokenizer other than the actor's (data.tokenizer): with "
                             "reward_model.model.input_tokenizer=null the reward model is given the actor's token ids "
@@ -236,8 +258,10 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
     if not getattr(rm_tokenizer, "chat_template", None):
         raise UserError(f"{key}: its tokenizer has no chat template: {why}; use a reward model with one, or set "
                         "input_tokenizer=null to give it the actor's token ids")
-    if len(rm_tokenizer) > vocab:
-        raise UserError(f"{key}: its tokenizer has {len(rm_tokenizer)} token ids but the model embeds {vocab}")
+    size = tokenizer_size(rm_tokenizer)
+    if size > vocab:
+        raise UserError(f"{key}: its tokenizer has {size} token ids but the model embeds {vocab}"
+                        + pad_note(rm_tokenizer, vocab))
     if src == actor_path:
         src_tokenizer = actor_tokenizer
     elif not os.path.isdir(src) or not has_tokenizer(src):
@@ -378,9 +402,10 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 
 def check_lora_adapter(cfg: PPOConfig) -> None:
-    """The actor's peft adapter (`lora_adapter_path`, its files already read by `validate`) against the
-    actor's model: every tensor the shape the model's adapter has, before any model is built."""
-    from models.lora import read_peft_adapter
+    """The actor's peft adapter (`lora_adapter_path`, its config and header already read by `validate`)
+    against the actor's model: every tensor the shape the model's adapter has, before any model is
+    built. Its safetensors header alone is read: the tensors are read once, where the actor is built."""
+    from models.lora import read_peft_adapter_shapes
 
     arr = cfg.actor_rollout_ref
     adapter = arr.model.lora_adapter_path
@@ -390,7 +415,7 @@ def check_lora_adapter(cfg: PPOConfig) -> None:
     if args is None:
         return
     try:
-        read_peft_adapter(adapter, args)
+        read_peft_adapter_shapes(adapter, args)
     except (OSError, ValueError) as e:
         raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path: {e} (the model in {arr.model.path})") from None
 

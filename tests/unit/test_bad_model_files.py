@@ -134,6 +134,32 @@ def test_a_damaged_tokenizer_is_named_with_its_key(tmp_path, damage):
     assert _one_line(e).startswith(f"{str(rm / named.name)!r} (reward_model.model.path) is not a readable JSON file")
 
 
+@pytest.mark.parametrize("error,package", [
+    (ModuleNotFoundError("No module named 'sentencepiece'", name="sentencepiece"), "the sentencepiece package"),
+    (ImportError("LlamaConverter requires the protobuf library but it was not found in your environment."),
+     "requires the protobuf library"),
+])
+def test_a_tokenizer_needing_a_missing_package_is_not_called_damaged(tmp_path, monkeypatch, error, package):
+    """An ImportError while loading the tokenizer (sentencepiece, tiktoken or protobuf not installed) was
+    reported as "holds tokenizer files that do not load", sending the user to files that are sound."""
+    from data.demo import build_demo_tokenizer
+    from models.tokenizer import load_tokenizer
+
+    d = tmp_path / "tok"
+    build_demo_tokenizer(d)
+
+    def missing(*a, **k):
+        raise error
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", missing)
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", missing)
+    with pytest.raises(ImportError) as e:
+        load_tokenizer(str(d), "data.tokenizer")
+    assert not isinstance(e.value, CheckpointFileError) and e.value.__cause__ is error
+    assert str(e.value).startswith(f"loading the tokenizer in {str(d)!r} (data.tokenizer) needs ")
+    assert package in str(e.value) and "do not load" not in str(e.value)
+
+
 # ---------------------------------------------------------------------- the actor's tokenizer against its model
 def _cfg(*overrides):
     from trainer.config import PPOConfig
@@ -170,6 +196,31 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_setup(tmp_p
     with pytest.raises(UserError, match=rf"model of critic.model.path '{small}' embeds {size - 3}"):
         load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={padded}", f"data.tokenizer={tok}",
                                   "algorithm.adv_estimator=gae", f"critic.model.path={small}"))
+
+
+def test_a_pad_token_past_the_models_vocabulary_is_refused_saying_why(tmp_path):
+    """Llama-2 with a [PAD] added and its embeddings not resized: the pad id is one past vocab_size. It
+    is refused, not let through as a token no prompt holds: meshppo pads the models' inputs with it
+    (the padded layout, Ulysses padding, the HF rollout, the reward model's batches), and the
+    refusal says so, with what to do."""
+    from data.demo import build_demo_tokenizer
+    from trainer.errors import UserError
+    from trainer.setup import load_actor_tokenizer, reward_model_inputs
+
+    tok = build_demo_tokenizer()
+    n = len(tok)
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    assert tok.pad_token_id == n
+    tok.save_pretrained(tmp_path / "tok")
+    model = _qwen2(tmp_path / "m", vocab_size=n)
+    with pytest.raises(UserError) as e:
+        load_actor_tokenizer(_cfg(f"actor_rollout_ref.model.path={model}", f"data.tokenizer={tmp_path / 'tok'}"))
+    assert f"its pad token '[PAD]' (id {n}) is one of them, and meshppo pads the models' inputs" in _one_line(e)
+    rm = _qwen2(tmp_path / "rm", vocab_size=n, classifier=True)
+    from trainer.config import RewardModelConfig, RewardModelModelConfig
+    cfg = RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(rm), input_tokenizer=None))
+    with pytest.raises(UserError, match=rf"its pad token '\[PAD\]' \(id {n}\) is one of them"):
+        reward_model_inputs(cfg, tok, "/models/actor")
 
 
 # ---------------------------------------------------------------------- LoRA adapters
@@ -209,7 +260,7 @@ def test_a_corrupt_lora_adapter_is_named(tmp_path):
 def test_a_lora_adapter_of_other_shapes_is_refused_before_any_model_is_built(tmp_path):
     """An adapter for a wider model once passed the config's checks and failed as a traceback while the
     actor was sharded, after the data had loaded: preflight checks its shapes against the model's."""
-    from models.lora import read_peft_adapter
+    from models.lora import read_peft_adapter, read_peft_adapter_shapes
     from trainer.configlib import ConfigError
     from trainer.setup import check_lora_adapter
 
@@ -218,7 +269,7 @@ def test_a_lora_adapter_of_other_shapes_is_refused_before_any_model_is_built(tmp
     read_peft_adapter(d)  # the files themselves are fine
     with pytest.raises(ValueError, match=rf"'{weights}': layers.0.self_attn.q_proj.lora_A has shape \(4, 64\), "
                                          r"the model needs \(4, 32\)"):
-        read_peft_adapter(d, load_model_args(model))
+        read_peft_adapter_shapes(d, load_model_args(model))
     cfg = _cfg(f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.lora_adapter_path={d}")
     with pytest.raises(ConfigError) as e:
         check_lora_adapter(cfg)
@@ -226,3 +277,57 @@ def test_a_lora_adapter_of_other_shapes_is_refused_before_any_model_is_built(tmp
     shutil.rmtree(d)
     _adapter(tmp_path)
     check_lora_adapter(cfg)  # the model's shapes pass
+
+
+def test_the_lora_adapter_checks_before_the_run_read_no_tensor(tmp_path, monkeypatch):
+    """validate and preflight's shape check once each loaded every tensor of the adapter (gigabytes for a
+    70B model's) on every rank and in the launcher: they read its safetensors header alone, the tensors
+    being read once, where the actor is built."""
+    import safetensors
+    import safetensors.torch
+
+    from models.lora import read_peft_adapter
+    from trainer.config import validate
+    from trainer.configlib import ConfigError
+    from trainer.setup import check_lora_adapter
+
+    model = _qwen2(tmp_path / "m")
+    d, weights = _adapter(tmp_path)
+    real_open = safetensors.safe_open
+
+    class NoTensors:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            raise AssertionError("a tensor was read")
+
+        def get_slice(self, key):  # its shape only: indexing a slice would read its data
+            shape = self.f.get_slice(key).get_shape()
+            return type("ShapeOnly", (), {"get_shape": lambda _: shape})()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def no_load(*a, **k):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(safetensors, "safe_open", NoTensors)
+    monkeypatch.setattr(safetensors.torch, "load_file", no_load)
+    monkeypatch.setattr(safetensors.torch, "load", no_load)
+    monkeypatch.setattr(torch, "load", no_load)
+    cfg = _cfg(f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.lora_adapter_path={d}")
+    validate(cfg)
+    check_lora_adapter(cfg)
+    shutil.rmtree(d)
+    _adapter(tmp_path, shapes=((4, 64), (32, 4)))
+    with pytest.raises(ConfigError, match="lora_A has shape"):
+        check_lora_adapter(cfg)
+    with pytest.raises(AssertionError, match="a tensor was read"):  # the guard holds where tensors are read
+        read_peft_adapter(d)

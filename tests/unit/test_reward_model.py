@@ -220,3 +220,33 @@ def test_a_reward_model_must_read_the_actors_token_ids(tmp_path):
     assert other.get_vocab() != actor_tok.get_vocab() and len(other) == n
     with pytest.raises(UserError, match="has a tokenizer other than the actor's"):
         check(rm_dir("other", n, other))
+
+
+def test_a_reward_models_vocabulary_is_checked_by_the_tokenizers_largest_id(tmp_path):
+    """The reward model's checks counted len(tokenizer), the actor's check its largest id + 1: a tokenizer
+    whose ids leave a gap (len n, largest id n + 2) passed against a reward model embedding n + 1 ids,
+    and its id n + 2 would have been out of the embedding. One rule now (`tokenizer_size`), for the
+    actor's tokenizer read as it is and for the reward model's own."""
+    from tokenizers import Tokenizer, models
+
+    from data.demo import build_demo_tokenizer
+    from trainer.errors import UserError
+    from trainer.setup import reward_model_inputs, tokenizer_size
+
+    demo = build_demo_tokenizer()
+    n = len(demo)
+    vocab = demo.get_vocab()
+    last = max(vocab, key=vocab.get)
+    vocab[last] = n + 2  # a gap below the largest id
+    gapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token=demo.unk_token)), unk_token=demo.unk_token)
+    gapped.chat_template = demo.chat_template
+    assert len(gapped) == n and tokenizer_size(gapped) == n + 3
+    rm = tmp_path / "rm"
+    llama_reward_model(rm, vocab_size=n + 1)
+    with pytest.raises(UserError, match=rf"embeds {n + 1} token ids but the actor's tokenizer \(data.tokenizer\) "
+                                        rf"has {n + 3}"):
+        reward_model_inputs(_rm_config(rm, None), gapped, ACTOR)
+    gapped.save_pretrained(rm)
+    with pytest.raises(UserError, match=rf"its tokenizer has {n + 3} token ids but the model embeds {n + 1}"):
+        reward_model_inputs(_rm_config(rm, "actor"), demo, ACTOR)
