@@ -633,7 +633,11 @@ class CheckpointManager:
             _flushed(f)
         os.replace(pointer_tmp, os.path.join(self.root, LATEST))
         _synced_dir(self.root)
-        shutil.rmtree(old, ignore_errors=True)
+        # Debris of saves killed before (any step's): a partial `.tmp`, and an `.old` that only a pointer
+        # naming its step could reach (`latest`), which now names this one.
+        for name in os.listdir(self.root):
+            if re.fullmatch(r"global_step_\d+\.(tmp|old)", name):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         self._rotate(step)
 
     def _write(self, step: int, tmp: str) -> None:

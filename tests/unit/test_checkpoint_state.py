@@ -292,6 +292,23 @@ def test_a_save_of_an_existing_step_cut_off_keeps_that_step(tmp_path, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
 
 
+def test_a_save_removes_what_killed_saves_of_other_steps_left(tmp_path):
+    """A save killed while writing leaves `global_step_K.tmp`, one killed while replacing its step leaves
+    `global_step_K.old`: they stayed on disk for good unless step K was saved again."""
+    manager, counter = _manager(tmp_path)
+    counter.step = 2
+    manager.save(2)
+    for name in ("global_step_3.tmp", "global_step_2.old", "global_step_1.old"):
+        os.makedirs(tmp_path / name / "actor")
+        (tmp_path / name / "actor" / "shard").write_bytes(b"x" * 1024)
+    (tmp_path / "global_step_7.tmpx").mkdir()  # not a checkpoint's name: left alone
+    counter.step = 4
+    manager.save(4)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", "global_step_4", "global_step_7.tmpx",
+                                            "latest_checkpointed_iteration.txt"]
+    assert manager.latest() == manager.step_dir(4) and _saved(manager, manager.latest()) == 4
+
+
 def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeypatch):
     """torchrun's --max-restarts re-runs the same command: resume_mode=disable deleted the checkpoints
     the run had just written and started again from step 0, and resume_path went back to its
