@@ -337,7 +337,9 @@ def current_bases(config: PPOConfig, keys=MODEL_PATH_KEYS) -> dict:
     """`{option: {"path", "fingerprint"}}` of each of `keys` that `config` sets: what a checkpoint
     records of the directories its run reads (`same_bases` compares them at a resume)."""
     current = dataclasses.asdict(config)
-    return {key: {"path": path, "fingerprint": model_dir_fingerprint(path)}
+    # a local directory by its resolved path: a relative one means another directory from another working directory
+    return {key: {"path": os.path.realpath(path) if os.path.isdir(path) else path,
+                  "fingerprint": model_dir_fingerprint(path)}
             for key in keys if (path := _lookup(current, key, None))}
 
 

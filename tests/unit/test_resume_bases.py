@@ -91,6 +91,13 @@ def test_the_same_files_through_a_link_a_relative_path_or_a_copy_resume(tmp_path
             f"reward_model.model.input_tokenizer moved from {base!r} to {spelled!r}; resumed because its files match "
             "what the run read there, compared by their contents, the weights by their headers, sizes and samples "
             "(not read whole)"]), spelled
+    # saved with a relative path, resumed from another working directory through another one: not moved
+    monkeypatch.chdir(tmp_path / "models")
+    _saved(tmp_path / "rel", "base")
+    monkeypatch.chdir(elsewhere)
+    said = []
+    resumed, counter = _manager(tmp_path / "rel" / "ckpt", os.path.join("..", "models", "base"), said)
+    assert resumed.maybe_resume("auto") == resumed.step_dir(3) and not [s for s in said if " moved from " in s], said
     # another directory with other files is another setting, as before
     other = _model_dir(tmp_path / "other", seed=1)
     with pytest.raises(UserError, match=r"other training settings \(.*actor_rollout_ref\.model\.path: '[^']*base' -> "
