@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -59,17 +59,12 @@ def _file_errors() -> tuple[type[BaseException], ...]:
     """What reading or parsing a file raises when the file is bad (unreadable, not JSON, a key or value
     the reader needs missing or of the wrong type, a truncated or foreign safetensors file, a config
     that transformers' or meshppo's model arguments refuse)."""
-    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, TypeError, ArithmeticError]
-    try:
-        from safetensors import SafetensorError
-        errors.append(SafetensorError)
-    except ImportError:  # pragma: no cover - an older safetensors
-        pass
-    try:
-        from huggingface_hub.errors import StrictDataclassError  # transformers v5's config validation
+    from safetensors import SafetensorError
+
+    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, TypeError, ArithmeticError, SafetensorError]
+    with suppress(ImportError):  # transformers v5's config validation (absent from older huggingface_hub)
+        from huggingface_hub.errors import StrictDataclassError
         errors.append(StrictDataclassError)
-    except ImportError:  # pragma: no cover - an older huggingface_hub
-        pass
     return tuple(errors)
 
 

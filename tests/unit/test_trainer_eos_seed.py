@@ -55,9 +55,10 @@ class _RecordingEngine:
     def __init__(self):
         self.calls = []
         self.last_stats = {"graph_capture_s": 0.0}
+        self.cache_inits = 0
 
     def init_cache(self):  # the rollout phase sizes the engine's KV pool before generating
-        pass
+        self.cache_inits += 1
 
     def generate(self, prompts, sp, prompt_index_offset=0):
         self.calls.append((sp, prompt_index_offset, len(prompts)))
@@ -176,6 +177,7 @@ def test_no_eos_anywhere_leaves_the_engine_its_model_default(tmp_path):
     engine = _RecordingEngine()
     _sample(_engine_rollout(engine), [[1, 2]], seed=0, eos_ids=ids)
     assert engine.calls[0][0].eos_token_id is None  # not [], which would disable EOS stopping
+    assert engine.cache_inits == 1  # the pool sized before the call, where a too-small one is shared
 
 
 # ---------------------------------------------------------------------------------------------- seeds
