@@ -1167,14 +1167,15 @@ def compute_policy_loss_gspo(
         log s_i,t = min(log_prob - sg[log_prob] + sg[log s_i], 10)
         L_i,t     = max(-A * s_i,t, -A * clip(s_i,t, 1 - cliprange_low, 1 + cliprange_high))
 
-    aggregated ``seq-mean-token-mean`` whatever ``loss_agg_mode`` (as verl: every sequence
-    weighs the same), over the caller's global sequence count. GSPO's clip range is tiny (verl's
-    recipes: 3e-4 / 4e-4). The sequence mean needs whole sequences in the micro-batch, which
-    meshppo's micro-batches always hold.
+    aggregated by ``loss_agg_mode``, as verl does (its trainer passes the actor's, token-mean by
+    default; the paper's aggregation, every sequence weighing the same, is ``seq-mean-token-mean``,
+    this function's default as verl's). GSPO's clip range is tiny (verl's recipes: 3e-4 / 4e-4).
+    The sequence ratio needs whole sequences in the micro-batch, which meshppo's micro-batches
+    always hold.
 
     Args:
         cliprange, cliprange_low, cliprange_high: the clip of ``s``, as in ``compute_policy_loss``.
-        loss_agg_mode: not read: the aggregation is ``seq-mean-token-mean``.
+        loss_agg_mode: see ``agg_loss``.
         clip_ratio_c, loss_params, generator: accepted for the one signature.
         the others: as in ``compute_policy_loss``.
 
@@ -1192,7 +1193,7 @@ def compute_policy_loss_gspo(
     pg_losses1 = -advantages * seq_ratio
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
     pg_losses = _weighted(torch.maximum(pg_losses1, pg_losses2), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", **agg_kwargs)
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         pg_clipfrac = _fraction(pg_losses2 > pg_losses1, mask, pg_losses)
         ppo_kl = masked_mean(-log_ratio, mask)

@@ -554,9 +554,10 @@ class PolicyLossConfig:
                                     "high-covariance tokens detached), kl_cov (no clip; an abs(log-ratio) penalty on the "
                                     "tokens of highest covariance), geo_mean (GMPO: the geometric mean of the "
                                     "log-space-clipped token ratios times the sequence's mean advantage), cispo (the "
-                                    "clipped ratio, detached, weighs -A log pi). As in verl, gspo and sapo aggregate "
-                                    "their term seq-mean-token-mean and geo_mean by the mean over sequences, whatever "
-                                    "loss_agg_mode (which still aggregates the entropy and KL terms). Not with "
+                                    "clipped ratio, detached, weighs -A log pi). As in verl, sapo aggregates its term "
+                                    "seq-mean-token-mean and geo_mean by the mean over sequences, whatever "
+                                    "loss_agg_mode (which still aggregates the entropy and KL terms); gspo follows "
+                                    "loss_agg_mode (the GSPO paper's is seq-mean-token-mean). Not with "
                                     "algorithm.rollout_correction.bypass_mode, whose loss_type picks the loss",
                          choices=POLICY_LOSSES)
     clip_cov_ratio: float = opt(_LOSS_DEFAULTS.clip_cov_ratio, "clip_cov: share of a micro-batch's valid tokens (at least one) whose gradient "
@@ -608,8 +609,8 @@ class ActorConfig:
                                            "(token-mean) or sequence count of the whole mini-batch across "
                                            "micro-batches and ranks, so the gradient does not depend on "
                                            "micro-batching (as verl's engine workers; verl's legacy dp_actor averages "
-                                           "per-micro-batch means). policy_loss.loss_mode gspo, sapo and geo_mean "
-                                           "aggregate their policy-gradient term their own way (as verl)",
+                                           "per-micro-batch means). policy_loss.loss_mode sapo and geo_mean aggregate "
+                                           "their policy-gradient term their own way (as verl)",
                              choices=LOSS_AGG_MODES)
     loss_scale_factor: int | None = opt(
         None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO); null: the response length "
@@ -1878,7 +1879,7 @@ _LOSS_OPTIONS = {"vanilla": (*_CLIP, "clip_ratio_c"), "gspo": _CLIP, "sapo": ("t
                               "policy_loss.clip_cov_ub"),
                  "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"), "geo_mean": _CLIP, "cispo": _CLIP}
 # The losses that weigh every sequence the same whatever loss_agg_mode (as verl).
-_SEQUENCE_LOSSES = ("gspo", "sapo", "geo_mean")
+_SEQUENCE_LOSSES = ("sapo", "geo_mean")
 
 
 def _policy_loss_notes(cfg: PPOConfig) -> list[str]:

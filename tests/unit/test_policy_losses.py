@@ -64,7 +64,7 @@ def verl_gspo(old, logp, adv, mask, mode, p, w, agg):
     l1 = -adv * s
     l2 = -adv * torch.clamp(s, 1 - p["low"], 1 + p["high"])
     losses = torch.maximum(l1, l2) * w
-    return verl_agg(losses, mask, "seq-mean-token-mean", **agg), _mean((l2 > l1).to(F64), mask)
+    return verl_agg(losses, mask, mode, **agg), _mean((l2 > l1).to(F64), mask)
 
 
 def verl_sapo(old, logp, adv, mask, mode, p, w, agg):
@@ -301,13 +301,29 @@ def test_gspo_by_hand():
     # a log-ratio of 12 is clamped at 10 (verl): the value e^10, and the clamp stops the gradient
     out, grad = _one("gspo", [x - 12.0 for x in logp], logp, [-1.0] * 4)
     assert math.isclose(out.pg_loss.item(), math.exp(10.0), rel_tol=1e-12) and torch.all(grad == 0)
-    # two sequences of 4 and 1 tokens weigh the same (seq-mean-token-mean), whatever loss_agg_mode says
+    # two sequences of 4 and 1 tokens weigh the same under seq-mean-token-mean (GSPO's paper)
     old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, 0.0, 0.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=F64)
     adv = torch.tensor([[1.0] * 4, [3.0] * 4], dtype=F64)
-    out, grad = _product("gspo", old, old, adv, mask, "token-mean")  # on-policy: s = 1
+    out, grad = _product("gspo", old, old, adv, mask, "seq-mean-token-mean")  # on-policy: s = 1
     assert math.isclose(out.pg_loss.item(), -(1.0 + 3.0) / 2, rel_tol=1e-12)
     _close(grad, torch.tensor([[-1 / 8] * 4, [-3 / 2, 0, 0, 0]], dtype=F64))
+
+
+def test_gspo_follows_loss_agg_mode_as_verl():
+    """verl 0.9.1 aggregates gspo by the actor's loss_agg_mode (token-mean by default), not the
+    paper's seq-mean-token-mean. On-policy (s = 1), a row of 4 tokens with A = +1 and one of 1
+    token with A = -1: token-mean gives (-4 + 1) / 5 = -0.6 and each token's gradient -A / 5, so
+    the rows' gradients sum to -0.8 and 0.2 (seq-mean-token-mean would give 0, -0.5 and 0.5)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, 0.0, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=F64)
+    adv = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=F64)
+    out, grad = _product("gspo", old, old, adv, mask, "token-mean")
+    assert math.isclose(out.pg_loss.item(), -0.6, rel_tol=1e-12)
+    _close(grad.sum(-1), torch.tensor([-0.8, 0.2], dtype=F64))
+    loss, _, want_grad = _reference("gspo", old, old, adv, mask, "token-mean")
+    _close(out.pg_loss.detach(), loss.detach())
+    _close(grad, want_grad)
 
 
 def test_sapo_by_hand():
@@ -489,10 +505,11 @@ def test_options_the_loss_does_not_read_are_noted():
                                "actor_rollout_ref.actor.clip_ratio_c=4", "actor_rollout_ref.actor.clip_ratio_low=3e-4"))
     assert notes == [
         "actor_rollout_ref.actor.clip_ratio_c, actor_rollout_ref.actor.tau_pos not read by "
-        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo weighs every sequence the same (as verl): "
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]  # gspo reads loss_agg_mode (verl 0.9.1)
+    assert config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=sapo")) == [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo weighs every sequence the same (as verl): "
         "actor_rollout_ref.actor.loss_agg_mode=token-mean aggregates the entropy and KL-loss terms only"]
-    assert config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+    assert config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
                               "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")) == []
     assert config_notes(_load("algorithm.rollout_correction.bypass_mode=true",
                               "algorithm.rollout_correction.loss_type=reinforce",
@@ -517,7 +534,7 @@ def _update(base, mode, micro=8, seed=0, **cfg):
 
 @pytest.mark.parametrize("mode", ["gspo", "sapo", "geo_mean", "cispo", "gpg"])
 def test_update_trains_the_chosen_loss_independent_of_micro_batching(mode):
-    """loss_agg_mode token-mean: gspo, sapo and geo_mean normalise by the mini-batch's sequence
+    """loss_agg_mode token-mean: sapo and geo_mean normalise by the mini-batch's sequence
     count, which the update plans beside the token count."""
     base = Transformer.build(ARGS, seed=0)
     whole, split = _update(base, mode), _update(base, mode, micro=2)
