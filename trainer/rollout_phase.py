@@ -122,7 +122,7 @@ class EngineRollout(_Rollout):
                 # samples forked from it, as the single-turn call runs: the same keys, in the same
                 # order), each later turn joining it from the sample's kept K/V (`agent.loop`).
                 self.engine.generate(mine, sp, prompt_index_offset=lo, keep_kv=True, on_finish=on_finish)
-                capture_s = self.engine.last_stats["graph_capture_s"]
+                capture_s = self.engine.last_stats["graph_capture_s"] if mine else 0.0
 
             # Each sample of prompt lo + i is its own row, keyed (lo + i, k) as the single-turn call keys it.
             rows = [(i, k) for i in range(len(mine)) for k in range(n)]

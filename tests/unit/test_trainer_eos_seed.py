@@ -272,3 +272,20 @@ def test_replica_1_at_step_7_no_longer_replays_replica_0_at_step_8():
     # Replica 1's sample is the one a single replica draws for the same prompt of the batch.
     one = _sample(_engine_rollout(engine, 0, 1), [px, pa], seed=s7, **hot)
     assert one[1].token_ids == a and one[1].prompt_index == 1
+
+
+def test_a_multi_turn_replica_without_prompts_returns_nothing():
+    """With fewer prompts than replicas a replica's share is empty: the single-turn branch returned [], the
+    multi-turn one read its never-used engine's capture time and raised KeyError (and on a used engine
+    re-counted the previous call's)."""
+    from agent.loop import ToolAgent
+    from tests.unit.test_engine import make_engine
+    from trainer.rollout_phase import AgentRows
+
+    loop = ToolAgent(None, [], response_length=8, max_assistant_turns=None, max_user_turns=None, max_parallel_calls=1,
+                     max_tool_response_length=256, tool_response_truncate_side="middle", format="hermes")
+    agent = AgentRows(loop, ["single_turn_agent"], [{}], [[{"role": "user", "content": "x"}]], [None])
+    rollout = _engine_rollout(make_engine(tiny_model(tiny_args("qwen2"))), replica=0, replicas=2)
+    outs = rollout.generate(prompts_of([5]), max_tokens=8, eos_ids=[], ignore_eos=False, seed=0, n=2,
+                            temperature=1.0, top_p=1.0, top_k=-1, agent=agent)
+    assert outs == []
