@@ -53,6 +53,14 @@ class CacheTooSmallError(RuntimeError):
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission, as in vLLM
 
 
+def blocks_with_watermark(usable: int) -> int:
+    """The smallest pool whose blocks above the admission watermark number at least `usable`."""
+    n = usable + int(WATERMARK_FRACTION * usable)
+    while n - int(WATERMARK_FRACTION * n) < usable:
+        n += 1
+    return n
+
+
 def _resolve_device(device, tp_mesh) -> torch.device:
     if device is not None:
         device = torch.device(device)
@@ -209,12 +217,14 @@ class LLMEngine:
                 budget = int(free * c.gpu_memory_utilization) - self._activation_reserve_bytes()
             else:
                 budget = CPU_KV_CACHE_BYTES
-            cap = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)  # more could never be used
+            # more could never be used: max_num_seqs full-length sequences above the watermark
+            cap = blocks_with_watermark(c.max_num_seqs * cdiv(self.max_model_len, c.block_size))
             n = min(max(budget // per_block, 0), cap)
         # Every rank must schedule identically: agree on the smallest pool (before any rank may refuse it,
         # so that a rank with less free memory than its peers does not leave them in the all-reduce).
         mine, n = n, self.tp.all_reduce_min(n, self.device if self.device.type == "cuda" else "cpu")
-        need = cdiv(self.max_model_len, c.block_size)
+        # one full-length sequence must be admitted: the scheduler keeps the watermark free at admission
+        need = blocks_with_watermark(cdiv(self.max_model_len, c.block_size))
         if c.num_kv_blocks is None and n < need:
             where = f" (the least of the TP group's ranks; this rank's would hold {mine})" if mine != n else ""
             raise CacheTooSmallError(n, n * per_block / 2**30, where, self.max_model_len, need,

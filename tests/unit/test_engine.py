@@ -710,3 +710,27 @@ def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkey
         assert main(["--model", str(ckpt), "--prompts", str(inp), "--out", str(tmp_path / "o.jsonl")] + common) == 2
         err = capsys.readouterr().err
         assert "generation_config.json" in err and "Traceback" not in err, err
+
+
+def test_blocks_with_watermark_is_the_smallest_pool_admitting_that_many_blocks():
+    from rollout.engine import WATERMARK_FRACTION, blocks_with_watermark
+
+    above = lambda n: n - int(WATERMARK_FRACTION * n)  # noqa: E731  (what the scheduler admits)
+    for usable in range(1, 3000):
+        n = blocks_with_watermark(usable)
+        assert above(n) >= usable > above(n - 1), usable
+
+
+def test_a_memory_sized_pool_admits_a_full_length_sequence():
+    """The pool's size was checked against one full-length sequence without the admission watermark: at
+    max_num_seqs=1 on CPU the cap gave exactly that many blocks, the check passed, short prompts ran, and the
+    first prompt long enough to reach max_model_len failed mid-run (107 blocks needed, 107 in the pool, 1 kept
+    free)."""
+    from rollout import SamplingParams
+
+    model = tiny_model(tiny_args("qwen2", max_position_embeddings=2048))
+    engine = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=16, max_num_seqs=1,
+                                                max_model_len=1700, max_num_batched_tokens=2048), device="cpu")
+    engine.load_weights(model.named_parameters())
+    out = engine.generate(prompts_of([1650]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert len(out[0].token_ids) == 50
