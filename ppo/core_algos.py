@@ -750,7 +750,7 @@ def compute_optimal_token_baseline_advantage(
     old_log_probs: torch.Tensor | None = None,
     sum_pi_squared: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    handle_zero_tail: bool = False,
+    handle_zero_tail: bool = True,
     epsilon: float = 1e-8,
     *,
     values: torch.Tensor | None = None,
@@ -778,8 +778,8 @@ def compute_optimal_token_baseline_advantage(
             distribution each token was scored under (``actor.calculate_sum_pi_squared``).
         rollout_is_weights: ``[B, T]`` truncated importance weights pi_old / pi_rollout, or None.
         handle_zero_tail: zero the baseline of a group's single longest response past the
-            second-longest one's length (verl's default: off for this estimator, which verl's
-            trainer leaves at its default).
+            second-longest one's length, where it alone has tokens (on by default, as verl's,
+            which its trainer never changes).
         epsilon: added to the baseline's denominator.
         values, gamma, lam, norm_adv_by_std_in_grpo, reward_baselines: accepted for the one signature.
 
@@ -820,9 +820,8 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     mask inside a response (a multi-turn rollout's observations; here the tokens rollout
     rejection removed) do not shift the later ones against the other responses of the group.
     Responses without a valid token take no part in their group (a group with one other
-    response is a group of one: ``B = 0``), and ``handle_zero_tail`` is on by default. Where every
-    response's mask is a prefix of its columns and none is empty, both estimators agree but for
-    that default.
+    response is a group of one: ``B = 0``). Where every response's mask is a prefix of its
+    columns and none is empty, both estimators agree.
 
     Args: as ``compute_optimal_token_baseline_advantage``.
 

@@ -105,21 +105,40 @@ def test_defaults_and_how_the_two_differ():
     rewards, mask, index, old_lp, sps, _ = _batch(0)
     kw = dict(token_level_rewards=rewards, response_mask=mask, index=index, old_log_probs=old_lp, sum_pi_squared=sps)
     otb, tir = get_adv_estimator_fn("optimal_token_baseline"), get_adv_estimator_fn("tir_optimal_token_baseline")
-    # verl's defaults: no zero tail for optimal_token_baseline, the zero tail for the tir variant
-    torch.testing.assert_close(otb(**kw)[0], _reference(rewards, mask, index, old_lp, sps, None, False, False)[0])
+    # verl 0.9.1's defaults: the zero tail for both (its trainer passes no handle_zero_tail)
+    torch.testing.assert_close(otb(**kw)[0], _reference(rewards, mask, index, old_lp, sps, None, True, False)[0])
     torch.testing.assert_close(tir(**kw)[0], _reference(rewards, mask, index, old_lp, sps, None, True, True)[0])
     # the single longest response (row 10) keeps its whole return past the others' length with the zero tail
     torch.testing.assert_close(tir(**kw)[0][10, 3:6], otb(**kw)[1][10, 3:6])
-    # an empty response's group-mate (row 2): its own group of one under tir (A = G), a group of two
-    # whose only weight is its own under optimal_token_baseline (A = G - G W / (W + eps), about 0)
+    torch.testing.assert_close(otb(**kw)[0][10, 3:6], otb(**kw)[1][10, 3:6])
+    # an empty response's group-mate (row 2): its own group of one under tir (A = G); under
+    # optimal_token_baseline the single longest of a group of two, the other of length 0, so the
+    # zero tail leaves it A = G too; without the zero tail its only weight is its own (A about 0)
     torch.testing.assert_close(tir(**kw)[0][2], otb(**kw)[1][2])
-    assert otb(**kw)[0][2].abs().max() < 1e-6 < otb(**kw)[1][2].abs().max()
-    # prefix masks and no empty response: the same advantages with the same zero-tail setting
+    torch.testing.assert_close(otb(**kw)[0][2], otb(**kw)[1][2])
+    assert otb(**kw, handle_zero_tail=False)[0][2].abs().max() < 1e-6 < otb(**kw)[1][2].abs().max()
+    # prefix masks and no empty response: the same advantages
     full = (torch.arange(7)[None, :] < torch.tensor([3, 5, 7, 7, 2, 6, 4, 4])[:, None]).long()
     idx = np.array([0, 0, 1, 1, 1, 2, 2, 2])
     kw = dict(token_level_rewards=rewards[:8] * full, response_mask=full, index=idx, old_log_probs=old_lp[:8],
-              sum_pi_squared=sps[:8], handle_zero_tail=True)
-    torch.testing.assert_close(tir(**kw)[0], otb(**kw)[0], rtol=0, atol=0)
+              sum_pi_squared=sps[:8])
+    torch.testing.assert_close(tir(**kw)[0], otb(**kw)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_zero_tail_by_default_by_hand():
+    """One group of lengths 6, 3, 2, outcome rewards 1, 0, 1 and the same w at every token, so B_t is
+    the mean return of the rows still running: 2/3 over the first two columns, 1/2 at the third,
+    then row 0's own 1, which the zero tail replaces by 0 from column 3 (the second-longest length)
+    on: row 0's advantages 1/3, 1/3, 1/2, 1, 1, 1 (0 there without the zero tail)."""
+    mask = (torch.arange(6)[None, :] < torch.tensor([6, 3, 2])[:, None]).long()
+    rewards = torch.zeros(3, 6, dtype=F64)
+    rewards[0, 5], rewards[2, 1] = 1.0, 1.0
+    same_w = dict(old_log_probs=torch.full((3, 6), -0.7, dtype=F64), sum_pi_squared=torch.full((3, 6), 0.3, dtype=F64))
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        adv, _ = get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=np.array([0, 0, 0]),
+                                            **same_w)
+        torch.testing.assert_close(adv[0], torch.tensor([1 / 3, 1 / 3, 1 / 2, 1, 1, 1], dtype=F64), rtol=1e-7,
+                                   atol=1e-7)
 
 
 def test_equal_path_variance_gives_the_group_mean_of_the_returns():
