@@ -497,20 +497,14 @@ def compute_grpo_vectorized_outcome_advantage(
     sum_pi_squared: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's vectorised GRPO: ``grpo``'s advantage with the group variance floored at
-    ``epsilon`` before its square root, ``A_i = (s_i - mean_g) / (max(std_g, sqrt(epsilon)) +
-    epsilon)``: a near-uniform group is scaled by at most ~1/sqrt(epsilon) (~1,000) instead of
-    ~1/epsilon. A group of one has mean 0 and std 1, as in ``grpo``. (verl computes it in float32;
-    here in the rewards' float dtype, at least float32.)
+    """verl's vectorised GRPO, whose advantage is ``grpo``'s: ``A_i = (s_i - mean_g) / (std_g +
+    epsilon)`` (verl 0.9.1 computes its group std with no variance floor, ``eps=0``). meshppo's
+    ``grpo`` is vectorised already, so this is the same computation; verl's runs in float32, this
+    in the rewards' float dtype, at least float32.
 
     Args and returns: as ``compute_grpo_outcome_advantage``."""
-    scores = _outcome_scores(token_level_rewards)
-    group, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    _, mean, std = _group_mean_std(scores, group, num_groups)
-    advantage = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantage = advantage / (std.clamp(min=epsilon ** 0.5) + epsilon)
-    return _broadcast(advantage, response_mask)
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=epsilon,
+                                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
 
 
 @register_adv_est("rloo_vectorized")

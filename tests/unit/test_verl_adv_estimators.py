@@ -65,19 +65,23 @@ def test_grpo_vectorized(seed, norm):
         else:
             mean = sum(xs) / len(xs)
             var = (sum(x * x for x in xs) - sum(xs) ** 2 / len(xs)) / (len(xs) - 1)
-            std = math.sqrt(max(var, EPS))  # verl's group_mean_std: the variance floored at eps
+            std = math.sqrt(max(var, 0.0))  # verl 0.9.1's group_mean_std(eps=0.0): no variance floor
         for i in rows:
             expected[i] = (s[i] - mean) / (std + EPS) if norm else s[i] - mean
     _check(_run("grpo_vectorized", rewards, mask, index, norm), expected, mask)
 
 
-def test_grpo_vectorized_floors_a_near_uniform_group():
-    rewards = torch.tensor([[1.0], [1.0 + 1e-5]], dtype=F64)
-    adv = _run("grpo_vectorized", rewards, torch.ones(2, 1), np.array([0, 0]))
-    plain = _run("grpo", rewards, torch.ones(2, 1), np.array([0, 0]))
-    # std 7.1e-6 is floored at 1e-3: the advantages are ~5e-3, where grpo's are ~0.6
-    assert adv[1, 0].item() == pytest.approx(0.5e-5 / (1e-3 + EPS), rel=1e-9)
-    assert plain[1, 0].item() > 0.5
+def test_grpo_vectorized_does_not_floor_a_near_uniform_groups_std():
+    """Scores 0.5, 0.5 + 1e-5, 0.5 - 1e-5, 0.5: the std sqrt(2e-10 / 3) = 8.2e-6 is used as it is
+    (verl 0.9.1's group_mean_std with eps=0), so the advantages are 0, +-1e-5 / (std + 1e-6) =
+    +-1.0911, 0, as grpo's; a floor of the variance at 1e-6 would give +-0.01."""
+    rewards = torch.tensor([[0.5], [0.5 + 1e-5], [0.5 - 1e-5], [0.5]], dtype=F64)
+    adv = _run("grpo_vectorized", rewards, torch.ones(4, 1), np.array([0, 0, 0, 0]))
+    a = 1e-5 / (math.sqrt(2e-10 / 3) + EPS)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, a, -a, 0.0], dtype=F64), rtol=1e-6, atol=1e-9)
+    assert a == pytest.approx(1.0911, abs=1e-4)
+    torch.testing.assert_close(adv, _run("grpo", rewards, torch.ones(4, 1), np.array([0, 0, 0, 0])), rtol=1e-12,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
