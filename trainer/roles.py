@@ -145,7 +145,7 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
 class MiniBatch:
     """One optimizer step of an update: this rank's micro-batches and the loss units of the whole
     mini-batch summed over every rank, for the global-mean loss: its tokens and its non-empty
-    sequences (both: a policy loss may aggregate its own way, e.g. GSPO by sequence, while the
+    sequences (both: a policy loss may aggregate its own way, e.g. SAPO by sequence, while the
     entropy and KL terms follow `loss_agg_mode`)."""
 
     parts: list[list[int]]
@@ -225,9 +225,10 @@ class _Mean:
 
 class LossTerms(NamedTuple):
     """What a role's loss gives the update skeleton for one micro-batch: the loss to backpropagate,
-    detached terms summed over the mini-batch's micro-batches (each a share of the global mean) and
-    then over the mini-batches and epochs, as verl's dp_actor / dp_critic add up `actor/pg_loss`,
-    `actor/kl_loss` and `critic/vf_loss`, and detached statistics averaged over micro-batches."""
+    detached terms summed over the mini-batch's micro-batches (each a share of the global mean, so
+    the sum is the mini-batch's global-mean loss) and then averaged over the mini-batches and
+    epochs, as verl's engine workers report `actor/pg_loss`, `actor/kl_loss` and `critic/vf_loss`,
+    and detached statistics averaged over micro-batches."""
 
     loss: torch.Tensor
     sums: dict[str, torch.Tensor]
@@ -331,8 +332,8 @@ class TrainableRole(Role):
         The whole update is planned first (`plan_update`); inside the loop nothing waits for the host: the micro-batch
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
-        read back once, at the end. Returns `<prefix>/...` metrics: the sums (`sum_keys`: each
-        mini-batch's global mean loss, summed over the mini-batches and epochs, as verl's) and the
+        read back once, at the end. Returns `<prefix>/...` metrics: the losses (`sum_keys`: each
+        mini-batch's global mean loss, averaged over the mini-batches and epochs, as verl's) and the
         statistics (averaged over the micro- or mini-batches), each averaged over the ranks (a clip
         fraction is every rank's, not rank 0's alone)."""
         stats = _Mean()
@@ -365,7 +366,8 @@ class TrainableRole(Role):
                     stats.add(**terms.means)
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
             stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
-        stats.add(**totals)
+        # each mini-batch's global-mean loss, averaged over the mini-batches of every epoch
+        stats.add(**{key: total / (cfg.ppo_epochs * num_mini_batches) for key, total in totals.items()})
         out = stats.result()
         # a count of the skipped optimizer steps, not their share (one flag was added per step)
         out[f"{prefix}/nonfinite_skipped"] = out[f"{prefix}/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
@@ -507,8 +509,6 @@ class Actor(TrainableRole):
 
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
                            loss_scale_factor=cfg.loss_scale_factor, join=join if normalize else None)
-        if report_entropy:  # the sum over the mini-batches and epochs of each one's entropy
-            out["actor/entropy"] /= cfg.ppo_epochs * num_mini_batches
         if from_update:
             # every rank of a Ulysses group added its group's shares
             entropy, diff_sum, kl_sum, tokens = (x / self.sp_size for x in comm.all_reduce(first).tolist())

@@ -302,56 +302,98 @@ def test_loss_scale_factor_is_the_constant_divisor_of_seq_mean_token_sum_norm():
         torch.testing.assert_close(deltas[20][k], v / 4, rtol=0, atol=1e-7, msg=k)
 
 
-def replace_cfg(cfg, **kw):
-    return SimpleNamespace(**{**vars(cfg), **kw})
-
-
-def test_update_losses_are_summed_over_mini_batches_and_epochs_as_verls():
-    """verl's dp_actor / dp_critic add `actor/pg_loss`, `actor/kl_loss` and `critic/vf_loss` up over
-    every mini-batch of every epoch (each mini-batch's mean loss); the statistics stay means. With
-    lr 0 nothing moves, so with 2 epochs x 2 mini-batches (rows 0-3, 4-7) each loss is 2 x the sum
-    of the two mini-batches' token means, computed here by hand."""
-    from kl import kl_penalty
-
+def _actor_and_critic(lr=0.0):
     args = ModelArgs(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
     model, value = Transformer.build(args, seed=0), Transformer.build(args, head="value", seed=1)
     common = dict(packed=True, pad_token_id=0, device=torch.device("cpu"), world_size=1, response_length=5,
                   batching=MicroBatching(8, False, 0))
-    actor = Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, temperature=1.0, **common)
-    critic = Critic(value, torch.optim.SGD(value.parameters(), lr=0.0), None, **common)
+    actor = Actor(model, torch.optim.SGD(model.parameters(), lr=lr), None, temperature=1.0, **common)
+    critic = Critic(value, torch.optim.SGD(value.parameters(), lr=lr), None, **common)
+    return actor, critic
+
+
+def _critic_cfg(**kw):
+    return SimpleNamespace(**{**dict(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean",
+                                     ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                                     ppo_max_token_len_per_gpu=12, grad_clip=1e9, cliprange_value=0.5), **kw})
+
+
+LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
+
+
+def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
+    """verl 0.9.1's engine workers report `actor/pg_loss`, `actor/kl_loss`, `actor/entropy_loss` and
+    `critic/vf_loss` as the mean over the mini-batches of every epoch of each mini-batch's
+    global-mean loss (`train_mini_batch`, then `reduce_metrics`' mean); the statistics stay means.
+    With lr 0 nothing moves, so with 2 epochs x 2 mini-batches (rows 0-3, 4-7) each loss is the
+    mean of the two mini-batches' token means, computed here by hand."""
+    from kl import kl_penalty
+
+    actor, critic = _actor_and_critic()
     ro = _rollouts()
     with torch.no_grad():
-        ro.old_log_probs, _ = actor.log_probs(ro)
+        ro.old_log_probs, entropy = actor.log_probs(ro, with_entropy=True)
         ro.values = critic.values(ro)
     mask = ro.response_mask.double()
     ro.returns = ro.values + torch.linspace(-1, 1, ro.width) * ro.response_mask
     halves = (slice(0, 4), slice(4, 8))
 
-    def two_epochs(per_token):
-        return 2 * sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves)
+    def mean_of_halves(per_token):
+        return sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
 
-    out = actor.update(ro, _actor_cfg(ppo_epochs=2, entropy_coeff=0.0), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
+    out = actor.update(ro, _actor_cfg(ppo_epochs=2), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
     kl = kl_penalty(ro.old_log_probs.double(), ro.ref_log_probs.double(), "low_var_kl")
-    assert out["actor/pg_loss"] == pytest.approx(two_epochs(-ro.advantages.double()), rel=1e-6)
-    assert out["actor/kl_loss"] == pytest.approx(two_epochs(kl), rel=1e-5)
+    assert out["actor/pg_loss"] == pytest.approx(mean_of_halves(-ro.advantages.double()), rel=1e-5)
+    assert out["actor/kl_loss"] == pytest.approx(mean_of_halves(kl), rel=1e-5)
+    assert out["actor/entropy_loss"] == pytest.approx(mean_of_halves(entropy.double()), rel=1e-5)
+    assert out["actor/entropy"] == pytest.approx(out["actor/entropy_loss"], rel=1e-6)
     assert out["actor/pg_clipfrac"] == 0.0  # a mean, not a sum
-    critic_cfg = SimpleNamespace(ppo_epochs=2, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=2,
-                                 use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, grad_clip=1e9,
-                                 cliprange_value=0.5)
-    out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
-    assert out["critic/vf_loss"] == pytest.approx(two_epochs(0.5 * (ro.returns - ro.values).double() ** 2), rel=1e-5)
+    out = critic.update(ro, _critic_cfg(ppo_epochs=2), num_mini_batches=2, seed=0)
+    assert out["critic/vf_loss"] == pytest.approx(mean_of_halves(0.5 * (ro.returns - ro.values).double() ** 2),
+                                                  rel=1e-5)
     # verl's critic/vpred_mean: the mean over micro-batches (here the two mini-batches) of each one's mean value
     # over its response tokens
-    whole = replace_cfg(critic_cfg, ppo_micro_batch_size_per_gpu=4)
-    out = critic.update(ro, whole, num_mini_batches=2, seed=0)
-    want = sum(float((ro.values[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
-    assert out["critic/vpred_mean"] == pytest.approx(want, rel=1e-5)
+    out = critic.update(ro, _critic_cfg(ppo_epochs=2, ppo_micro_batch_size_per_gpu=4), num_mini_batches=2, seed=0)
+    assert out["critic/vpred_mean"] == pytest.approx(mean_of_halves(ro.values.double()), rel=1e-5)
     # a count of the skipped optimizer steps, as the actor's (it was their share: 0.5 here): the first
     # mini-batch's non-finite returns skip it in both epochs
     ro.returns[0, 0] = float("nan")
-    out = critic.update(ro, critic_cfg, num_mini_batches=2, seed=0)
+    out = critic.update(ro, _critic_cfg(ppo_epochs=2), num_mini_batches=2, seed=0)
     assert out["critic/nonfinite_skipped"] == 2.0
+
+
+def test_update_losses_do_not_grow_with_mini_batches_or_epochs():
+    """Every token's loss term the same constant (A = 0.7 at ratio 1; the reference 0.3 nats above
+    the actor, so low_var_kl's e^0.3 - 0.3 - 1; returns 0.4 above the values, so 0.5 * 0.16): each
+    loss is that constant whichever split, 1 or 4 mini-batches, 1 or 2 epochs (lr 0). Summed
+    over the mini-batches and epochs, as before, they were 2, 4 or 8 times it."""
+    actor, critic = _actor_and_critic()
+    ro = _rollouts()
+    with torch.no_grad():
+        ro.old_log_probs, _ = actor.log_probs(ro)
+        ro.values = critic.values(ro)
+    mask = ro.response_mask
+    ro.advantages = 0.7 * mask
+    ro.ref_log_probs = (ro.old_log_probs + 0.3) * mask
+    ro.returns = ro.values + 0.4 * mask
+    with torch.no_grad():  # the entropy term has no constant: its own value at the whole batch, by hand
+        _, entropy = actor.log_probs(ro, with_entropy=True)
+    want = {"actor/pg_loss": -0.7, "actor/kl_loss": math.exp(0.3) - 0.3 - 1, "critic/vf_loss": 0.5 * 0.4 ** 2}
+    seen = {}
+    for minis in (1, 4):
+        for epochs in (1, 2):
+            out = actor.update(ro, _actor_cfg(ppo_epochs=epochs), num_mini_batches=minis, kl_loss_coef=0.1, seed=0)
+            out.update(critic.update(ro, _critic_cfg(ppo_epochs=epochs), num_mini_batches=minis, seed=0))
+            for key, value in want.items():
+                assert out[key] == pytest.approx(value, rel=1e-5), (key, minis, epochs)
+            seen[minis, epochs] = out["actor/entropy_loss"]
+    # the entropy: the mean of each mini-batch's token mean, the same at 1 and 2 epochs
+    token_mean = lambda rows: float((entropy[rows] * mask[rows]).sum() / mask[rows].sum())  # noqa: E731
+    assert seen[1, 1] == pytest.approx(token_mean(slice(0, 8)), rel=1e-5)
+    assert seen[4, 1] == pytest.approx(sum(token_mean(slice(i, i + 2)) for i in range(0, 8, 2)) / 4, rel=1e-5)
+    for minis in (1, 4):
+        assert seen[minis, 2] == pytest.approx(seen[minis, 1], rel=1e-5)
 
 
 def test_critic_vpred_mean_leaves_out_rejected_tokens():
