@@ -1781,6 +1781,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{switch} is {'null' if switch.endswith('rollout_is') else 'false'}")
     notes += _unused_section_notes(cfg)
+    if alg.use_kl_in_reward and arr.actor.use_kl_loss:
+        notes.append("algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true: the KL to the "
+                     "reference is penalised twice, in the reward and in the loss")
     if alg.use_kl_in_reward and alg.kl_ctrl.type == "fixed":
         unused = _non_default(alg.kl_ctrl, ("horizon", "target_kl"))
         if unused:
@@ -1824,6 +1827,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             if unused and action not in (guard.warn_action, guard.explode_action):
                 notes.append(f"{_listed({f'algorithm.kl_guard.{k}': v for k, v in unused.items()})} has no effect: "
                              f"neither algorithm.kl_guard.warn_action nor explode_action is {action} (which reads it)")
+        notes += _raise_coef_notes(cfg)
     ref = list(_non_default(arr.ref, ("fsdp_config",)))
     if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
         ref.insert(0, "use_torch_compile")
@@ -1902,6 +1906,30 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"{chosen} weighs every sequence the same (as verl): actor_rollout_ref.actor.loss_agg_mode="
                      f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only")
     return notes
+
+
+def _raise_coef_notes(cfg: PPOConfig) -> list[str]:
+    """A KL guard's raise_coef that can change no coefficient: each enabled one is 0 (multiplying keeps
+    it 0) or already at or above max_kl_coef (raising never lowers it) and stays there (a fixed one;
+    the adaptive in-reward controller may later lower it below the cap)."""
+    guard, alg, actor = cfg.algorithm.kl_guard, cfg.algorithm, cfg.actor_rollout_ref.actor
+    actions = [f"algorithm.kl_guard.{name}=raise_coef" for name in ("warn_action", "explode_action")
+               if getattr(guard, name) == "raise_coef"]
+    coefs = []  # (key, value, whether it can move on its own)
+    if actor.use_kl_loss:
+        coefs.append(("actor_rollout_ref.actor.kl_loss_coef", actor.kl_loss_coef, False))
+    if alg.use_kl_in_reward:
+        coefs.append(("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, alg.kl_ctrl.type == "adaptive"))
+    stuck = [(key, value) for key, value, moves in coefs
+             if value == 0 or (value >= guard.max_kl_coef and not moves)]
+    if not actions or not coefs or len(stuck) < len(coefs):
+        return []
+    cap = f"algorithm.kl_guard.max_kl_coef={_shown(guard.max_kl_coef)}"
+    why = ", ".join(f"{key}={_shown(value)} "
+                    + ("stays 0 when multiplied" if value == 0 else f"is already at {cap} or above")
+                    for key, value in stuck)
+    return [f"{' and '.join(actions)} can change no KL coefficient: {why} (raise_coef multiplies a coefficient up "
+            "to max_kl_coef and never lowers it)"]
 
 
 def _reward_manager_notes(cfg: PPOConfig) -> list[str]:

@@ -851,7 +851,8 @@ def _notes_with(text, *overrides):
 def test_the_default_and_the_shipped_configs_get_none_of_these_notes():
     texts = ("trains no critic", "reward_model.enable is false", "multi_turn.enable is false", "kl_ctrl.type=fixed",
              "norm_adv_by_std_in_grpo", "clip_ratio_low and clip_ratio_high are both set", "loss_scale_factor",
-             "lora_rank=0", "kl_guard.enable is false", "kl_guard.warn_action nor")
+             "lora_rank=0", "kl_guard.enable is false", "kl_guard.warn_action nor", "penalised twice",
+             "can change no KL coefficient")
     configs = [load_config(PPOConfig, None, []), _cfg()]
     configs += [load_config(PPOConfig, os.path.join(ROOT, "configs", name), [])
                 for name in sorted(os.listdir(os.path.join(ROOT, "configs"))) if name.endswith(".yaml")]
@@ -969,6 +970,40 @@ def test_kl_guard_settings_that_do_not_act_are_noted():
     assert _notes_with("kl_guard", f"{G}.enable=false", "actor_rollout_ref.actor.use_kl_loss=false") == [
         "algorithm.kl_guard watches the KL to the reference, and this run has none (actor_rollout_ref.actor."
         "use_kl_loss=false, algorithm.use_kl_in_reward=false): it never acts"]
+
+
+def test_kl_penalised_twice_is_noted():
+    """verl prints a notice when both the KL in the reward and the KL loss are on; so does meshppo."""
+    assert _notes_with("penalised twice", "algorithm.use_kl_in_reward=true") == [
+        "algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true: the KL to the reference is "
+        "penalised twice, in the reward and in the loss"]
+    assert _notes_with("penalised twice", "algorithm.use_kl_in_reward=true",
+                       "actor_rollout_ref.actor.use_kl_loss=false") == []
+    assert _notes_with("penalised twice") == []  # the demo: the KL loss alone
+
+
+def test_a_raise_coef_that_can_change_no_coefficient_is_noted():
+    """raise_coef multiplies each enabled KL coefficient, capped at max_kl_coef and never lowered: one
+    that is 0, or a fixed one already at the cap or above, cannot change; where none can, a note says so.
+    The adaptive in-reward controller may lower its coefficient below the cap, so it can change."""
+    G, LOSS, REWARD = "algorithm.kl_guard", "actor_rollout_ref.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"
+    raise_ = f"{G}.explode_action=raise_coef"  # the demo's (its KL loss coefficient 0.001 can be raised)
+    assert _notes_with("can change no KL", raise_) == []
+    tail = " (raise_coef multiplies a coefficient up to max_kl_coef and never lowers it)"
+    assert _notes_with("can change no KL", raise_, f"{LOSS}=0") == [
+        f"{G}.explode_action=raise_coef can change no KL coefficient: {LOSS}=0.0 stays 0 when multiplied" + tail]
+    assert _notes_with("can change no KL", raise_, f"{LOSS}=1") == [  # at the cap
+        f"{G}.explode_action=raise_coef can change no KL coefficient: {LOSS}=1.0 is already at {G}.max_kl_coef=1.0 "
+        "or above" + tail]
+    both = (f"{G}.warn_action=raise_coef", raise_, f"{LOSS}=0", "algorithm.use_kl_in_reward=true", f"{REWARD}=3")
+    assert _notes_with("can change no KL", *both) == [
+        f"{G}.warn_action=raise_coef and {G}.explode_action=raise_coef can change no KL coefficient: {LOSS}=0.0 "
+        f"stays 0 when multiplied, {REWARD}=3.0 is already at {G}.max_kl_coef=1.0 or above" + tail]
+    assert _notes_with("can change no KL", *both, f"{G}.max_kl_coef=5") == []  # the reward's can rise to 5
+    assert _notes_with("can change no KL", *both, "algorithm.kl_ctrl.type=adaptive") == []  # it may fall below 1
+    assert _notes_with("can change no KL", *both, f"{REWARD}=0", "algorithm.kl_ctrl.type=adaptive") != []  # not from 0
+    assert _notes_with("can change no KL", f"{G}.explode_action=warn", f"{LOSS}=0") == []  # no raise_coef
+    assert _notes_with("can change no KL", raise_, f"{LOSS}=0", f"{G}.enable=false") == []  # its own note
 
 
 def test_inherited_micro_batch_sizes_say_so_in_their_help():
