@@ -345,7 +345,9 @@ def test_options_of_a_switch_that_is_off_are_noted():
                              "algorithm.kl_penalty=mse")) == [
         "algorithm.kl_ctrl.type=adaptive, algorithm.kl_ctrl.kl_coef=0.01, algorithm.kl_penalty=mse has no effect: "
         "algorithm.use_kl_in_reward=false (it sets the KL penalty in the reward)"]
-    assert config_notes(_cfg("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")) == []
+    assert config_notes(_cfg("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")) == [
+        "algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true: the KL to the reference is "
+        "penalised twice, in the reward and in the loss"]  # the demo's KL loss: only that note
     assert config_notes(_cfg("actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.kl_loss_type=k3"))[0] \
         == ("actor_rollout_ref.actor.kl_loss_coef=0.01, actor_rollout_ref.actor.kl_loss_type=k3 has no effect: "
             "actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")  # the demo's coefficient too
