@@ -1,14 +1,14 @@
 """The RL maths of PPO for language models, as pure functions of tensors.
 
 Advantage estimators (GAE and the critic-free group estimators), the policy losses (verl's
-loss modes: PPO's clip, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO, CISPO) and the clipped value
-loss, loss aggregation with global normalisation, rollout correction (importance
+loss modes: PPO's clip, DPPO, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO, DRO, CISPO) and the
+clipped value loss, loss aggregation with global normalisation, rollout correction (importance
 weights and rejection for the gap between the engine's and the trainer's log-probs). The
 memory-bounded log-probability and entropy of the LM head live with the model
 (``models/lm_head.py``). Names and signatures follow verl's
 ``verl/trainer/ppo/core_algos.py`` and ``rollout_corr_helper.py`` so that a verl user finds
-what they expect; where meshppo deviates (empty rows, global normalisation in ``agg_loss``,
-the k1 rejection bounds), the docstring says so.
+what they expect (verl 0.9.1); where meshppo deviates (empty rows in ``agg_loss``'s sequence
+count, the k1 rejection bounds), the docstring says so.
 
 Shape notation: ``[B, T]`` is batch x response tokens; ``response_mask`` is 1 for real
 response tokens and 0 for padding (and for observation tokens in multi-turn rollouts).
@@ -844,6 +844,7 @@ def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.T
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -880,8 +881,8 @@ def _check_loss_agg_mode(loss_agg_mode: str) -> None:
 def count_loss_units(response_mask: torch.Tensor | np.ndarray, loss_agg_mode: str) -> float:
     """How many units ``agg_loss`` averages over in this (micro-)batch.
 
-    Tokens for ``token-mean``; non-empty sequences (rows with at least one valid token) for
-    the ``seq-mean-*`` modes. The trainer sums this over the micro-batches of a mini-batch
+    Tokens for ``token-mean`` (and ``token-sum``, which sums them without averaging); non-empty
+    sequences (rows with at least one valid token) for the ``seq-mean-*`` modes. The trainer sums this over the micro-batches of a mini-batch
     and all-reduces the sum over the data-parallel group to get ``global_num_tokens`` /
     ``global_num_seqs``. Reads the count on the host, before the forward, so it does not
     stall a running kernel queue; ``response_mask`` may be a NumPy array (the trainer's
@@ -889,7 +890,7 @@ def count_loss_units(response_mask: torch.Tensor | np.ndarray, loss_agg_mode: st
     """
     _check_loss_agg_mode(loss_agg_mode)
     mask = response_mask != 0
-    if loss_agg_mode == "token-mean":
+    if loss_agg_mode in ("token-mean", "token-sum"):
         return float(mask.sum())
     return float((mask.sum(-1) > 0).sum())
 
@@ -917,17 +918,19 @@ def agg_loss(
     Modes (``L_{i,t}`` the loss, ``m_{i,t}`` the mask, ``n_i = sum_t m_{i,t}``):
 
     - ``token-mean``: ``sum_{i,t} m L / N_tokens`` -- every token weighs the same (DAPO).
+    - ``token-sum``: ``sum_{i,t} m L`` -- no average: the loss grows with the batch's tokens.
     - ``seq-mean-token-sum``: ``sum_i (sum_t m L) / N_seqs``.
     - ``seq-mean-token-mean``: ``sum_i (sum_t m L / n_i) / N_seqs`` -- every sequence weighs
       the same (the original GRPO).
     - ``seq-mean-token-sum-norm``: ``sum_i (sum_t m L / T_max) / N_seqs`` with
       ``T_max = loss_scale_factor`` or else ``loss_mask.shape[-1]`` (Dr. GRPO's constant
-      normaliser). verl's version omits the ``1 / N_seqs``, which makes the loss scale with
-      the micro-batch size; meshppo keeps the mean the mode's name promises.
+      normaliser).
 
-    ``N_seqs`` counts non-empty rows only: a padding row (all-zero mask) contributes
-    nothing and is not counted (verl divides by all rows, and gets NaN from empty rows in
-    ``seq-mean-token-mean``).
+    ``N_seqs`` counts non-empty rows only: a padding row (all-zero mask) contributes nothing
+    and is not counted. verl's engine workers leave empty rows out of the sum too, but divide
+    by the mini-batch's rows, empty ones included (``global_batch_size``): the same where no
+    response is empty (an empty response, a row whose tokens rollout rejection removed all of,
+    weighs the others less there).
 
     Normalisation contract. Without global counts, ``N_tokens`` / ``N_seqs`` are this
     call's own counts: the plain local mean. With ``global_num_tokens`` (token-mean) or
@@ -936,8 +939,8 @@ def agg_loss(
     the result is ``sum(local terms) / global_count * dp_size``. Then summing the returned
     losses over a rank's micro-batches (no division by the number of micro-batches) and
     averaging gradients over ``dp_size`` ranks (FSDP's reduce-scatter) yields exactly the
-    gradient of the global mean. Averaging per-micro-batch means instead (verl) weighs a
-    token of a short micro-batch more than one of a long micro-batch.
+    gradient of the global mean, as in verl's engine workers. ``token-sum`` reads no count: it
+    returns ``sum(local terms) * dp_size``, whose averaged gradient is that of the global sum.
 
     For ``seq-mean-token-sum-norm`` with dynamic micro-batches, pass a constant
     ``loss_scale_factor`` (e.g. the configured response length): ``loss_mask.shape[-1]``
@@ -957,6 +960,8 @@ def agg_loss(
     """
     _check_loss_agg_mode(loss_agg_mode)
     mask = loss_mask.bool()
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size
     if loss_agg_mode == "token-mean":
         total = masked_sum(loss_mat, mask)
         global_count, other, unit = global_num_tokens, global_num_seqs, "global_num_tokens"
@@ -996,7 +1001,7 @@ class PolicyLossOutput(NamedTuple):
 
 class PolicyLossParams(NamedTuple):
     """The parameters that only some policy losses read, with verl's defaults: its
-    ``actor.policy_loss.*`` (clip_cov, kl_cov) and ``actor.tau_pos`` / ``tau_neg`` (sapo)."""
+    ``actor.policy_loss.*`` (clip_cov, kl_cov, dro) and ``actor.tau_pos`` / ``tau_neg`` (sapo)."""
 
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
@@ -1005,6 +1010,7 @@ class PolicyLossParams(NamedTuple):
     ppo_kl_coef: float = 0.1
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    dro_beta: float | None = None  # no default: dro needs one
 
 
 POLICY_LOSS_INPUTS: tuple[str, ...] = (
@@ -1126,6 +1132,109 @@ def compute_policy_loss(
         # verl's: of the log-ratio clamped as the ratio is
         ppo_kl = masked_mean(-torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), response_mask)
     return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_c, loss_agg_mode, rollout_is_weights,
+               inside: torch.Tensor, agg_kwargs: dict) -> PolicyLossOutput:
+    """What the two DPPO losses share, given each token's ``inside`` (its probability has not yet
+    moved past the divergence bound in its advantage's direction)::
+
+        L = -A * sg[min(r, clip_ratio_c)] * log_prob * inside
+
+    with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``: the plain policy gradient, weighed by
+    the truncated ratio (truncated importance sampling instead of a dual clip), and no gradient
+    for a token outside. ``pg_clipfrac`` is the fraction of valid tokens outside,
+    ``pg_clipfrac_lower`` that of tokens inside whose ratio is truncated (verl's)."""
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob)
+    inside = inside.detach().to(log_prob.dtype)
+    truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
+    pg_losses = _weighted(-advantages * truncated * log_prob * inside, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean(1.0 - inside, response_mask)
+        pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).to(inside.dtype) * inside, response_mask)
+        ppo_kl = masked_mean(-torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), response_mask)
+    return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+
+@register_policy_loss("dppo_tv")
+def compute_policy_loss_dppo_tv(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """DPPO-Binary-TV (divergence PPO, https://arxiv.org/abs/2602.04879), verl's ``dppo_tv``: the
+    trust region bounds the change of the sampled token's probability ``p = exp(log_prob)`` from
+    ``p_old = exp(old_log_prob)`` (a total-variation bound) instead of the ratio. A token stays in
+    while ``p - p_old <= cliprange_high`` (``A > 0``) or ``p - p_old >= -cliprange_low`` (``A <= 0``),
+    and then its loss is ``_dppo_loss``'s.
+
+    Args:
+        cliprange, cliprange_low, cliprange_high: the bounds of ``p - p_old`` (``actor.clip_ratio*``:
+            probability differences here, not ratios).
+        clip_ratio_c: the truncation of the detached ratio (``actor.clip_ratio_c``).
+        loss_params, generator: accepted for the one signature.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput``: ``pg_clipfrac`` the fraction of valid tokens out of bounds,
+        ``pg_clipfrac_lower`` that of tokens in bounds with a truncated ratio, ``ppo_kl`` the
+        mean of the clamped ``old - new`` log-prob.
+    """
+    low, high = _clip_range(cliprange, cliprange_low, cliprange_high, "compute_policy_loss_dppo_tv")
+    change = log_prob.exp() - old_log_prob.exp()
+    inside = torch.where(advantages > 0, change <= high, change >= -low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_c, loss_agg_mode,
+                      rollout_is_weights, inside, agg_kwargs)
+
+
+DPPO_KL_EPSILON = 1e-8
+"""Added to both sides of the binary KL's ``(1 - p_old) / (1 - p)`` (verl's), finite at ``p = 1``."""
+
+
+@register_policy_loss("dppo_kl")
+def compute_policy_loss_dppo_kl(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """DPPO-Binary-KL (https://arxiv.org/abs/2602.04879), verl's ``dppo_kl``: as ``dppo_tv`` with
+    the KL of the two Bernoulli distributions "this token or another" as the divergence,
+
+        D = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+
+    A token with ``A > 0`` stays in while ``D <= cliprange_high`` or its probability has not grown
+    (``p <= p_old``); one with ``A <= 0`` while ``D <= cliprange_low`` or ``p >= p_old``.
+
+    Args and returns: as ``compute_policy_loss_dppo_tv``, the bounds on ``D``.
+    """
+    low, high = _clip_range(cliprange, cliprange_low, cliprange_high, "compute_policy_loss_dppo_kl")
+    p, p_old = log_prob.exp(), old_log_prob.exp()
+    divergence = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log(
+        (1.0 - p_old + DPPO_KL_EPSILON) / (1.0 - p + DPPO_KL_EPSILON))
+    inside = torch.where(advantages > 0, (divergence <= high) | (p <= p_old), (divergence <= low) | (p >= p_old))
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_c, loss_agg_mode,
+                      rollout_is_weights, inside, agg_kwargs)
 
 
 GSPO_LOG_RATIO_MAX = 10.0
@@ -1485,6 +1594,51 @@ def compute_policy_loss_geo_mean(
         pg_clipfrac_lower = _fraction(outside & (advantages < 0), mask, seq_losses)
         ppo_kl = masked_mean(old_log_prob - log_prob, mask)  # verl's: of the log-ratio before its clamp
     return PolicyLossOutput(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+
+@register_policy_loss("dro")
+def compute_policy_loss_dro(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_params: PolicyLossParams = PolicyLossParams(),
+    generator: torch.Generator | None = None,
+    **agg_kwargs,
+) -> PolicyLossOutput:
+    """Direct Reward Optimization as verl's ``dro``: the plain policy gradient with a quadratic
+    penalty on the log-ratio instead of a clip::
+
+        L = -(A * log_prob - beta / 2 * (log_prob - old_log_prob)^2)
+
+    (``beta = loss_params.dro_beta``, > 0, verl's ``policy_loss.dro_beta``).
+
+    Args:
+        loss_params: ``dro_beta``.
+        cliprange, cliprange_low, cliprange_high, clip_ratio_c, generator: accepted for the one
+            signature; nothing is clipped.
+        the others: as in ``compute_policy_loss``.
+
+    Returns:
+        ``PolicyLossOutput`` with both clip fractions 0 (verl's reports none) and ``ppo_kl`` the
+        mean of ``old - new`` log-prob.
+    """
+    beta = loss_params.dro_beta
+    if beta is None or not beta > 0:
+        raise ValueError(f"the dro policy loss needs dro_beta > 0 (actor.policy_loss.dro_beta), got {beta}")
+    log_ratio = log_prob - old_log_prob
+    pg_losses = _weighted(-(log_prob * advantages - 0.5 * beta * log_ratio.square()), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+        zero = torch.zeros_like(ppo_kl)
+    return PolicyLossOutput(pg_loss, zero, ppo_kl, zero)
 
 
 @register_policy_loss("cispo")

@@ -541,19 +541,24 @@ _LOSS_DEFAULTS = PolicyLossParams()  # verl's defaults, kept once in ppo.core_al
 
 @dataclass
 class PolicyLossConfig:
-    """verl's `actor.policy_loss`: the policy-gradient loss and the parameters of its clip_cov and
-    kl_cov modes (sapo's are the actor's tau_pos / tau_neg, as in verl). Every mode is normalised by
+    """verl's `actor.policy_loss`: the policy-gradient loss and the parameters of its clip_cov,
+    kl_cov and dro modes (sapo's are the actor's tau_pos / tau_neg, as in verl). Every mode is normalised by
     the mini-batch's global counts (loss_agg_mode); clip_cov and kl_cov choose their tokens by a
     covariance over each micro-batch, as verl does."""
 
     loss_mode: str = opt("vanilla", "policy-gradient loss (verl's modes): vanilla (PPO's clipped ratio, dual clip), "
+                                    "dppo_tv and dppo_kl (DPPO: -A log pi weighed by the ratio truncated at "
+                                    "clip_ratio_c, detached, no gradient for a token whose probability moved past "
+                                    "clip_ratio_low/high in its advantage's direction, measured as a probability "
+                                    "difference or as the binary KL), "
                                     "gspo (PPO's clip on the sequence's ratio, the geometric mean of its token ratios; "
                                     "verl's recipes clip at clip_ratio_low/high 3e-4/4e-4), sapo (a smooth gate "
                                     "sigmoid(tau (r - 1)) 4 / tau instead of a clip: tau_pos, tau_neg), gpg (the plain "
                                     "policy gradient -A log pi), clip_cov (PPO's clip, and the gradient of a few "
                                     "high-covariance tokens detached), kl_cov (no clip; an abs(log-ratio) penalty on the "
                                     "tokens of highest covariance), geo_mean (GMPO: the geometric mean of the "
-                                    "log-space-clipped token ratios times the sequence's mean advantage), cispo (the "
+                                    "log-space-clipped token ratios times the sequence's mean advantage), dro (-A log pi "
+                                    "plus dro_beta / 2 times the squared log-ratio), cispo (the "
                                     "clipped ratio, detached, weighs -A log pi). As in verl, sapo aggregates its term "
                                     "seq-mean-token-mean and geo_mean by the mean over sequences, whatever "
                                     "loss_agg_mode (which still aggregates the entropy and KL terms); gspo follows "
@@ -572,8 +577,12 @@ class PolicyLossConfig:
                                       "largest covariance term (A - mean A) (log pi - mean log pi), that get the "
                                       "ppo_kl_coef abs(log pi - log pi_old) penalty", gt=0, le=1)
     ppo_kl_coef: float = opt(_LOSS_DEFAULTS.ppo_kl_coef, "kl_cov: coefficient of the abs(log pi - log pi_old) penalty", ge=0)
+    dro_beta: float | None = opt(_LOSS_DEFAULTS.dro_beta, "dro: coefficient beta of the (beta / 2) (log pi - log "
+                                                          "pi_old)^2 penalty; required with loss_mode=dro", gt=0)
 
     def __post_init__(self):
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ValueError("loss_mode=dro needs dro_beta (> 0), the coefficient of its squared log-ratio penalty")
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}: clip_cov "
                              "detaches tokens whose covariance lies between them")
@@ -600,24 +609,24 @@ class ActorConfig:
     clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio. 1 or more: no ratio is clipped "
                                              "from below (verl's CISPO script sets 10)", gt=0)
     clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
-    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla)", gt=1)
+    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla); "
+                                   "dppo_tv and dppo_kl: the bound of their truncated ratio", gt=1)
     tau_pos: float = opt(_LOSS_DEFAULTS.tau_pos, "sapo: gate temperature of tokens with a positive advantage", gt=0)
     tau_neg: float = opt(_LOSS_DEFAULTS.tau_neg, "sapo: gate temperature of the other tokens", gt=0)
     loss_agg_mode: str = opt("token-mean", "how token losses are aggregated: token-mean (every token weighs the "
-                                           "same), seq-mean-token-sum, seq-mean-token-mean (every sequence weighs the "
+                                           "same), token-sum (the sum over the mini-batch's tokens, no average), "
+                                           "seq-mean-token-sum, seq-mean-token-mean (every sequence weighs the "
                                            "same), seq-mean-token-sum-norm (Dr. GRPO). Normalised by the token "
-                                           "(token-mean) or sequence count of the whole mini-batch across "
+                                           "(token-mean) or non-empty sequence count of the whole mini-batch across "
                                            "micro-batches and ranks, so the gradient does not depend on "
-                                           "micro-batching (as verl's engine workers; verl's legacy dp_actor averages "
-                                           "per-micro-batch means). policy_loss.loss_mode sapo and geo_mean aggregate "
+                                           "micro-batching, as verl's engine workers (whose sequence count includes "
+                                           "empty responses). policy_loss.loss_mode sapo and geo_mean aggregate "
                                            "their policy-gradient term their own way (as verl)",
                              choices=LOSS_AGG_MODES)
     loss_scale_factor: int | None = opt(
-        None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO); null: the response length "
-              "(rollout.response_length). meshppo's loss is sum_i (sum_t L_i,t / T) / N_seqs over the mini-batch; "
-              "verl's omits the 1 / N_seqs, so it is meshppo's times the sequences of a micro-batch (legacy "
-              "workers: ppo_micro_batch_size_per_gpu) and depends on the batch layout; verl's step size at a "
-              "fixed layout: T divided by that count", ge=1)
+        None, "seq-mean-token-sum-norm's constant divisor T (Dr. GRPO): the loss is sum_i (sum_t L_i,t / T) / N_seqs "
+              "over the mini-batch, as verl's; null: the response length (rollout.response_length), where verl's "
+              "null divides by the longest response of each micro-batch, which varies with the batch layout", ge=1)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
     calculate_entropy: bool = opt(False, "report actor/entropy from the update's forwards (each mini-batch's, "
                                          "averaged) instead of the recompute pass's, as verl does then; always so "
@@ -1049,6 +1058,9 @@ class CriticConfig:
     cliprange_value: float = opt(0.5, "value clipping range", gt=0)
     loss_agg_mode: str | None = opt(None, "aggregation of the value loss; null: the actor's",
                                     choices=(*LOSS_AGG_MODES, None))
+    loss_scale_factor: int | None = opt(None, "the value loss's seq-mean-token-sum-norm divisor T (loss_agg_mode); "
+                                              "null: the actor's loss_scale_factor, as in verl (where both are null: "
+                                              "the response length)", ge=1)
     ulysses_sequence_parallel_size: int = opt(1, _SP_HELP, ge=1)
     enable: bool | None = opt(None, "train a critic: must agree with algorithm.adv_estimator (meshppo trains one "
                                     "exactly for gae); null: as adv_estimator says")
@@ -1505,6 +1517,7 @@ class PPOConfig:
         inherit(critic, "use_dynamic_bsz", actor.use_dynamic_bsz)
         inherit(critic, "forward_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu)
         inherit(critic, "loss_agg_mode", actor.loss_agg_mode)
+        inherit(critic, "loss_scale_factor", actor.loss_scale_factor)
         inherit(critic, "shuffle", actor.shuffle)
         inherit(critic.model, "path", arr.model.path)
         inherit(critic.model, "tokenizer_path", d.tokenizer)
@@ -1793,10 +1806,11 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={adv} (only "
                      f"{', '.join(GRPO_ESTIMATORS[:-1])} and {GRPO_ESTIMATORS[-1]} divide by the group std)")
     actor = arr.actor
-    if actor.loss_scale_factor is not None and actor.loss_agg_mode != "seq-mean-token-sum-norm":
-        notes.append(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} has no effect: "
-                     f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} (it is seq-mean-token-sum-norm's "
-                     "divisor)")
+    critic_own = cfg.uses_critic and cfg.critic.loss_scale_factor != actor.loss_scale_factor  # not the inherited
+    for key, role, read in (("actor_rollout_ref.actor", actor, True), ("critic", cfg.critic, critic_own)):
+        if read and role.loss_scale_factor is not None and role.loss_agg_mode != "seq-mean-token-sum-norm":
+            notes.append(f"{key}.loss_scale_factor={role.loss_scale_factor} has no effect: {key}.loss_agg_mode="
+                         f"{role.loss_agg_mode} (it is seq-mean-token-sum-norm's divisor)")
     models = [("actor_rollout_ref.model", arr.model, arr.model.lora_adapter_path is None)]
     models += [("critic.model", cfg.critic.model, cfg.uses_critic)]  # (else the critic's note says them)
     for key, model, read in models:
@@ -1878,10 +1892,12 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
 
 # The actor options that only some policy losses read, and which of them each loss reads.
 _CLIP = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
-_LOSS_OPTIONS = {"vanilla": (*_CLIP, "clip_ratio_c"), "gspo": _CLIP, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
+_LOSS_OPTIONS = {"vanilla": (*_CLIP, "clip_ratio_c"), "dppo_tv": (*_CLIP, "clip_ratio_c"),
+                 "dppo_kl": (*_CLIP, "clip_ratio_c"), "gspo": _CLIP, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
                  "clip_cov": (*_CLIP, "policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb",
                               "policy_loss.clip_cov_ub"),
-                 "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"), "geo_mean": _CLIP, "cispo": _CLIP}
+                 "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"), "geo_mean": _CLIP,
+                 "dro": ("policy_loss.dro_beta",), "cispo": _CLIP}
 # The losses that weigh every sequence the same whatever loss_agg_mode (as verl).
 _SEQUENCE_LOSSES = ("sapo", "geo_mean")
 

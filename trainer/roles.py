@@ -447,7 +447,7 @@ class Actor(TrainableRole):
         pl = cfg.policy_loss
         policy_loss = get_policy_loss_fn(BYPASS_LOSS_TYPES[rc.loss_type] if bypass else pl.loss_mode)
         loss_params = PolicyLossParams(pl.clip_cov_ratio, pl.clip_cov_lb, pl.clip_cov_ub, pl.kl_cov_ratio,
-                                       pl.ppo_kl_coef, cfg.tau_pos, cfg.tau_neg)
+                                       pl.ppo_kl_coef, cfg.tau_pos, cfg.tau_neg, pl.dro_beta)
         # one stream per data-parallel group: the ranks of a Ulysses group compute one loss
         generator = torch.Generator(self.device).manual_seed(loss_seed(seed, self.dp_rank))
         # where the recompute pass did not run, over mini-batch 0: this rank's share of the entropy
@@ -586,7 +586,8 @@ class Critic(TrainableRole):
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, seed: int) -> dict:
         """PPO epochs × mini-batches × micro-batches of the clipped value loss, over `loss_mask`
-        (rollout rejection's tokens left out, as in verl's critic)."""
+        (rollout rejection's tokens left out, as in verl's critic), aggregated by `cfg.loss_agg_mode`
+        (seq-mean-token-sum-norm's divisor `cfg.loss_scale_factor`, else the response length)."""
 
         def loss(sub, outputs, k, agg_kw):
             vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
@@ -599,7 +600,7 @@ class Critic(TrainableRole):
 
         with self.resident(with_optimizer=True):
             return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),
-                                loss, ("critic/vf_loss",))
+                                loss, ("critic/vf_loss",), loss_scale_factor=cfg.loss_scale_factor)
 
 
 class RewardModel(Role):

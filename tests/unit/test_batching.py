@@ -316,7 +316,8 @@ def _actor_and_critic(lr=0.0):
 def _critic_cfg(**kw):
     return SimpleNamespace(**{**dict(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean",
                                      ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
-                                     ppo_max_token_len_per_gpu=12, grad_clip=1e9, cliprange_value=0.5), **kw})
+                                     ppo_max_token_len_per_gpu=12, grad_clip=1e9, cliprange_value=0.5,
+                                     loss_scale_factor=None), **kw})
 
 
 LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
@@ -396,6 +397,29 @@ def test_update_losses_do_not_grow_with_mini_batches_or_epochs():
         assert seen[minis, 2] == pytest.approx(seen[minis, 1], rel=1e-5)
 
 
+def test_critic_loss_scale_factor_divides_its_seq_mean_token_sum_norm():
+    """critic.loss_scale_factor (verl's, null: the actor's) is T of the value loss's
+    seq-mean-token-sum-norm: 0.5 sum_i (sum_t (R - V)^2 / T) / N_seqs; null: the response length 5
+    (it was always the response length). lr 0: the values are the ones computed before."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+
+    cfg = load_config(PPOConfig, None, ["actor_rollout_ref.actor.loss_scale_factor=20"])
+    assert cfg.critic.loss_scale_factor == 20  # the actor's, as verl's ${oc.select:...actor.loss_scale_factor}
+    cfg = load_config(PPOConfig, None, ["actor_rollout_ref.actor.loss_scale_factor=20", "critic.loss_scale_factor=7"])
+    assert (cfg.critic.loss_scale_factor, cfg.actor_rollout_ref.actor.loss_scale_factor) == (7, 20)
+    _, critic = _actor_and_critic()
+    ro = _rollouts()
+    with torch.no_grad():
+        ro.values = critic.values(ro)
+    ro.returns = ro.values + torch.linspace(-1, 1, ro.width) * ro.response_mask
+    squares = float(((ro.returns - ro.values).double() ** 2 * ro.response_mask).sum())
+    for factor, t in ((None, 5), (20, 20)):
+        out = critic.update(ro, _critic_cfg(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=factor),
+                            num_mini_batches=1, seed=0)
+        assert out["critic/vf_loss"] == pytest.approx(0.5 * squares / t / 8, rel=1e-5)
+
+
 def test_critic_vpred_mean_leaves_out_rejected_tokens():
     """With rollout rejection, verl's critic reads the batch's response_mask after the rejection
     mask overwrote it: critic/vpred_mean, like vf_loss, is the mean value over the kept tokens
@@ -418,9 +442,7 @@ def test_critic_vpred_mean_leaves_out_rejected_tokens():
     keep *= mask
     ro.rollout_rs_mask = keep
     ro.returns = ro.values.clone()
-    cfg = SimpleNamespace(ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=8,
-                          use_dynamic_bsz=False, ppo_max_token_len_per_gpu=12, grad_clip=1e9, cliprange_value=0.5)
-    out = critic.update(ro, cfg, num_mini_batches=1, seed=0)
+    out = critic.update(ro, _critic_cfg(ppo_micro_batch_size_per_gpu=8), num_mini_batches=1, seed=0)
     v, k, m = ro.values.double(), keep.double(), mask.double()
     kept = float((v * k).sum() / k.sum())
     every = float((v * m).sum() / m.sum())

@@ -373,8 +373,10 @@ def test_adv_estimator_registry():
 def ref_agg(loss, mask, mode, scale=None):
     """Local mean of each mode over non-empty rows, written out plainly."""
     rows = [(i, valid_positions(mask[i])) for i in range(mask.shape[0])]
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         terms = [loss[i][t] for i, pos in rows for t in pos]
+        if mode == "token-sum":
+            return sum(terms)
         return sum(terms) / len(terms) if terms else 0.0
     seq = []
     for i, pos in rows:
@@ -405,8 +407,8 @@ def test_agg_loss_local_matches_reference(mode):
 def test_count_loss_units_and_agg_errors():
     # a tensor, and the NumPy array the trainer's update planning counts (6 rows, one empty)
     for mask in (MASK, MASK.numpy()):
-        assert count_loss_units(mask, "token-mean") == 20.0
-        for mode in LOSS_AGG_MODES[1:]:
+        assert count_loss_units(mask, "token-mean") == count_loss_units(mask, "token-sum") == 20.0
+        for mode in LOSS_AGG_MODES[2:]:
             assert count_loss_units(mask, mode) == 5.0
     loss = rand(*MASK.shape)
     with pytest.raises(ValueError, match="global_num_seqs"):
@@ -416,7 +418,7 @@ def test_count_loss_units_and_agg_errors():
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(loss, MASK, "sum")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
-        count_loss_units(MASK, "token-sum")
+        count_loss_units(MASK, "seq-sum")
 
 
 def _toy_loss_mat(theta, features):
@@ -446,7 +448,7 @@ def test_global_normalisation_equals_full_batch_gradient(mode):
         width = max(1, int(mask[lo:hi].sum(-1).max()))
         micro.append((features[lo:hi, :width], mask[lo:hi, :width]))
     global_count = sum(count_loss_units(m, mode) for _, m in micro)
-    key = "global_num_tokens" if mode == "token-mean" else "global_num_seqs"
+    key = "global_num_tokens" if mode.startswith("token") else "global_num_seqs"  # (token-sum reads no count)
 
     dp_size = 2
     rank_grads, naive_grads = [], []
@@ -465,6 +467,17 @@ def test_global_normalisation_equals_full_batch_gradient(mode):
     torch.testing.assert_close(averaged, full_grad, rtol=1e-12, atol=1e-12)
     # The test can tell the two schemes apart: per-micro-batch means give another gradient.
     assert not torch.allclose(sum(naive_grads) / dp_size, full_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_token_sum_is_verls_unnormalised_sum():
+    """verl 0.9.1's token-sum: the masked sum of the micro-batch's terms times dp_size (the ranks'
+    averaged gradients are the global sum's), whatever counts are given; NaN at padding never read."""
+    loss = rand(*MASK.shape, seed=9)
+    total = sum(loss[i][t].item() for i in range(MASK.shape[0]) for t in valid_positions(MASK[i]))
+    padded = loss.masked_fill(MASK == 0, float("nan"))
+    assert agg_loss(padded, MASK, "token-sum").item() == pytest.approx(total, rel=1e-12)
+    assert agg_loss(padded, MASK, "token-sum", global_num_tokens=44.0, global_num_seqs=9.0,
+                    dp_size=3).item() == pytest.approx(3 * total, rel=1e-12)
 
 
 def test_global_normalisation_accepts_tensor_counts():

@@ -21,7 +21,8 @@ from trainer.config import PolicyLossConfig, PPOConfig, config_notes, validate
 from trainer.configlib import ConfigError, load_config
 
 F64 = torch.float64
-VERL_MODES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo")  # verl's @register_policy_loss, less bypass_mode
+VERL_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+              "cispo")  # verl 0.9.1's @register_policy_loss, in its order, less bypass_mode
 
 
 # ----------------------------------------------------------------------------- verl, transcribed
@@ -31,7 +32,9 @@ def _mean(x, mask):
 
 
 def verl_agg(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None):
-    """verl's agg_loss with its global_batch_info (seq-mean-token-sum-norm left out: meshppo's differs)."""
+    """verl's agg_loss with its global_batch_info (seq-mean-token-sum-norm left out: tested in test_core_algos)."""
+    if mode == "token-sum":
+        return (loss_mat * mask).sum() * dp_size
     if mode == "token-mean":
         n = mask.sum() if batch_num_tokens is None else batch_num_tokens
         return (loss_mat * mask).sum() / n * dp_size
@@ -53,6 +56,36 @@ def verl_vanilla(old, logp, adv, mask, mode, p, w, agg):
     c2 = torch.min(l3, c1)
     losses = torch.where(adv < 0, c2, c1) * w
     return verl_agg(losses, mask, mode, **agg), _mean((l2 > l1).to(F64), mask)
+
+
+def verl_dppo(old, logp, adv, mask, mode, p, w, agg, divergence):
+    """verl's compute_policy_loss_dppo_tv / _kl (clip_ratio_c 3.0, the actor config's), `divergence` "tv" or "kl"."""
+    nkl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(nkl)
+    truncated = torch.clamp(ratio, max=3.0).detach()
+    prob, old_prob = torch.exp(logp), torch.exp(old)
+    if divergence == "tv":
+        pos, neg = (prob - old_prob) <= p["high"], (prob - old_prob) >= -p["low"]
+    else:
+        binary_kl = old_prob * (old - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        pos, neg = (binary_kl <= p["high"]) | (prob <= old_prob), (binary_kl <= p["low"]) | (prob >= old_prob)
+    valid = torch.where(adv > 0, pos, neg).detach().to(F64)
+    losses = -adv * truncated * logp * valid * w
+    return verl_agg(losses, mask, mode, **agg), _mean(1.0 - valid, mask)
+
+
+def verl_dppo_tv(*args):
+    return verl_dppo(*args, divergence="tv")
+
+
+def verl_dppo_kl(*args):
+    return verl_dppo(*args, divergence="kl")
+
+
+def verl_dro(old, logp, adv, mask, mode, p, w, agg):
+    log_ratio = logp - old
+    losses = -(logp * adv - 0.5 * p["dro_beta"] * log_ratio.square()) * w
+    return verl_agg(losses, mask, mode, **agg), torch.tensor(0.0, dtype=F64)
 
 
 def verl_gspo(old, logp, adv, mask, mode, p, w, agg):
@@ -139,10 +172,13 @@ def verl_cispo(old, logp, adv, mask, mode, p, w, agg):
     return verl_agg(losses, mask, mode, **agg), _mean((ratio != clipped).to(F64), mask)
 
 
-REFERENCES = {"vanilla": verl_vanilla, "gspo": verl_gspo, "sapo": verl_sapo, "gpg": verl_gpg, "clip_cov": verl_clip_cov,
-              "kl_cov": verl_kl_cov, "geo_mean": verl_geo_mean, "cispo": verl_cispo}
+REFERENCES = {"vanilla": verl_vanilla, "dppo_tv": verl_dppo_tv, "dppo_kl": verl_dppo_kl, "gspo": verl_gspo,
+              "sapo": verl_sapo, "gpg": verl_gpg, "clip_cov": verl_clip_cov, "kl_cov": verl_kl_cov,
+              "geo_mean": verl_geo_mean, "dro": verl_dro, "cispo": verl_cispo}
 PARAMS = dict(low=0.2, high=0.28, clip_cov_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=1.0, kl_cov_ratio=0.2,
-              ppo_kl_coef=0.7, tau_pos=1.3, tau_neg=2.1)
+              ppo_kl_coef=0.7, tau_pos=1.3, tau_neg=2.1, dro_beta=0.6)
+# dppo_kl's bounds on the binary KL, which these inputs' probability changes keep below 0.2
+MODE_PARAMS = {"dppo_kl": dict(PARAMS, low=0.01, high=0.015)}
 
 
 def _inputs(seed=0, b=6, t=7, lengths=(7, 3, 1, 5, 6, 4), scale=0.3):
@@ -161,7 +197,7 @@ def _inputs(seed=0, b=6, t=7, lengths=(7, 3, 1, 5, 6, 4), scale=0.3):
 def _product(mode, old, logp, adv, mask, loss_agg_mode, w=None, generator=None, p=PARAMS, **agg):
     logp = logp.clone().requires_grad_()
     params = PolicyLossParams(p["clip_cov_ratio"], p["clip_cov_lb"], p["clip_cov_ub"], p["kl_cov_ratio"],
-                              p["ppo_kl_coef"], p["tau_pos"], p["tau_neg"])
+                              p["ppo_kl_coef"], p["tau_pos"], p["tau_neg"], p["dro_beta"])
     out = get_policy_loss_fn(mode)(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
                                    cliprange=0.5, cliprange_low=p["low"], cliprange_high=p["high"], clip_ratio_c=3.0,
                                    loss_agg_mode=loss_agg_mode, rollout_is_weights=w, loss_params=params,
@@ -187,7 +223,7 @@ def _close(a, b):
 def test_registry_holds_verls_modes_and_bypass_names_two_of_them():
     assert tuple(POLICY_LOSSES) == VERL_MODES
     assert BYPASS_LOSS_TYPES == {"ppo_clip": "vanilla", "reinforce": "gpg"}
-    with pytest.raises(ValueError, match="valid names are \\['vanilla', 'gspo'"):
+    with pytest.raises(ValueError, match="valid names are \\['vanilla', 'dppo_tv'"):
         get_policy_loss_fn("bypass_mode")
     assert "loss_params" in POLICY_LOSS_INPUTS and "generator" in POLICY_LOSS_INPUTS
 
@@ -200,7 +236,7 @@ GLOBAL = {"product": dict(global_num_tokens=61.0, global_num_seqs=13.0, dp_size=
 
 @pytest.mark.parametrize("normaliser", ["local", "global"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("mode", VERL_MODES)
 def test_loss_and_gradient_match_verl(mode, loss_agg_mode, weighted, normaliser):
     """Local: one micro-batch, meshppo's normaliser is verl's own count. Global: the mini-batch's
@@ -208,13 +244,14 @@ def test_loss_and_gradient_match_verl(mode, loss_agg_mode, weighted, normaliser)
     old, logp, adv, mask, w = _inputs()
     w = w if weighted else None
     agg_p, agg_v = (GLOBAL["product"], GLOBAL["verl"]) if normaliser == "global" else ({}, {})
-    out, grad = _product(mode, old, logp, adv, mask, loss_agg_mode, w, **agg_p)
-    loss, clipfrac, want_grad = _reference(mode, old, logp, adv, mask, loss_agg_mode, w, **agg_v)
+    p = MODE_PARAMS.get(mode, PARAMS)
+    out, grad = _product(mode, old, logp, adv, mask, loss_agg_mode, w, p=p, **agg_p)
+    loss, clipfrac, want_grad = _reference(mode, old, logp, adv, mask, loss_agg_mode, w, p=p, **agg_v)
     _close(out.pg_loss.detach(), loss.detach())
     _close(grad, want_grad)
     assert grad.abs().max() > 1e-3  # a gradient to compare
     _close(out.pg_clipfrac, clipfrac)
-    if mode in ("vanilla", "gspo", "clip_cov", "geo_mean", "cispo"):  # the inputs exercise the clip
+    if mode in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean", "cispo"):  # the inputs exercise the clip
         assert 0 < out.pg_clipfrac < 1, out.pg_clipfrac
 
 
@@ -324,6 +361,44 @@ def test_gspo_follows_loss_agg_mode_as_verl():
     loss, _, want_grad = _reference("gspo", old, old, adv, mask, "token-mean")
     _close(out.pg_loss.detach(), loss.detach())
     _close(grad, want_grad)
+
+
+def test_dppo_tv_by_hand():
+    """Bounds 0.2 / 0.28 on p - p_old: A > 0 and p 0.5 -> 0.6 stays in (ratio 1.2, gradient -A 1.2);
+    A > 0 and p 0.2 -> 0.6 is out (no loss, no gradient); A < 0 and p 0.5 -> 0.2 is out; A < 0 and
+    p 0.1 -> 0.35 stays in with its ratio 3.5 truncated at clip_ratio_c 3 (gradient -A 3)."""
+    old, new = [0.5, 0.2, 0.5, 0.1], [0.6, 0.6, 0.2, 0.35]
+    out, grad = _one("dppo_tv", [math.log(x) for x in old], [math.log(x) for x in new], [1.0, 1.0, -1.0, -1.0])
+    assert math.isclose(out.pg_loss.item(), (-1.2 * math.log(0.6) + 3.0 * math.log(0.35)) / 4, rel_tol=1e-12)
+    _close(grad, torch.tensor([[-1.2 / 4, 0.0, 0.0, 3.0 / 4]], dtype=F64))
+    assert out.pg_clipfrac.item() == pytest.approx(0.5) and out.pg_clipfrac_lower.item() == pytest.approx(0.25)
+
+
+def test_dppo_kl_by_hand():
+    """Bounds 0.01 / 0.015 on the binary KL D(p_old, p): A > 0 with p 0.5 -> 0.6 (D = 0.0204) is out,
+    A > 0 with p 0.5 -> 0.3 stays in (its probability fell), A < 0 with p 0.5 -> 0.45 (D = 0.0050)
+    stays in, A < 0 with p 0.5 -> 0.3 (D = 0.087) is out. Ratios below 3: no truncation."""
+    def binary_kl(p_old, p):
+        return p_old * math.log(p_old / p) + (1 - p_old) * math.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+
+    new = [0.6, 0.3, 0.45, 0.3]
+    assert binary_kl(0.5, 0.6) > 0.015 and binary_kl(0.5, 0.45) < 0.01 < binary_kl(0.5, 0.3)
+    out, grad = _one("dppo_kl", [math.log(0.5)] * 4, [math.log(x) for x in new], [1.0, 1.0, -1.0, -1.0],
+                     p=dict(PARAMS, low=0.01, high=0.015))
+    want = (-1.0 * 0.6 * math.log(0.3) + 1.0 * 0.9 * math.log(0.45)) / 4  # -A r log p of the two inside
+    assert math.isclose(out.pg_loss.item(), want, rel_tol=1e-12)
+    _close(grad, torch.tensor([[0.0, -0.6 / 4, 0.9 / 4, 0.0]], dtype=F64))
+    assert out.pg_clipfrac.item() == pytest.approx(0.5) and out.pg_clipfrac_lower == 0
+
+
+def test_dro_by_hand():
+    """beta 0.6: L = -(A log p - 0.3 (log p - log p_old)^2), gradient -A + 0.6 (log p - log p_old)."""
+    out, grad = _one("dro", [-1.5, -2.0], [-1.0, -2.0], [1.0, -2.0])
+    assert math.isclose(out.pg_loss.item(), (-(-1.0 - 0.3 * 0.25) + -(4.0)) / 2, rel_tol=1e-12)
+    _close(grad, torch.tensor([[(-1.0 + 0.3) / 2, 2.0 / 2]], dtype=F64))
+    assert math.isclose(out.ppo_kl.item(), -0.25, rel_tol=1e-12) and out.pg_clipfrac == 0
+    with pytest.raises(ValueError, match="dro_beta"):
+        _one("dro", [-1.0], [-1.0], [1.0], p=dict(PARAMS, dro_beta=None))
 
 
 def test_sapo_by_hand():
@@ -450,24 +525,33 @@ def _load(*overrides):
     return load_config(PPOConfig, "configs/demo.yaml", list(overrides))
 
 
+def _needs(mode):
+    """The options a mode cannot run without (dro's coefficient has no default, as in verl)."""
+    return ("actor_rollout_ref.actor.policy_loss.dro_beta=0.1",) if mode == "dro" else ()
+
+
 def test_verls_policy_loss_section_and_defaults_load():
     verl_yaml = ("actor_rollout_ref.actor.policy_loss={loss_mode: vanilla, clip_cov_ratio: 0.0002, clip_cov_lb: 1.0, "
-                 "clip_cov_ub: 5.0, kl_cov_ratio: 0.0002, ppo_kl_coef: 0.1}")
+                 "clip_cov_ub: 5.0, kl_cov_ratio: 0.0002, ppo_kl_coef: 0.1, dro_beta: null}")
     actor = _load(verl_yaml, "actor_rollout_ref.actor.tau_pos=1.0", "actor_rollout_ref.actor.tau_neg=1.05"
                   ).actor_rollout_ref.actor
     assert actor.policy_loss == PolicyLossConfig() == _load().actor_rollout_ref.actor.policy_loss
     assert PolicyLossParams(*(getattr(actor.policy_loss, k) for k in PolicyLossParams._fields[:5]),
                             actor.tau_pos, actor.tau_neg) == PolicyLossParams()  # the losses' defaults are verl's too
     for mode in VERL_MODES:
-        assert _load(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}").actor_rollout_ref.actor.policy_loss.loss_mode == mode
+        loaded = _load(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *_needs(mode)).actor_rollout_ref.actor
+        assert loaded.policy_loss.loss_mode == mode
 
 
 @pytest.mark.parametrize("override,message", [
     ("policy_loss.loss_mode=ppo", "actor_rollout_ref.actor.policy_loss.loss_mode: 'ppo' is not one of ['vanilla', "
-                                  "'gspo', 'sapo', 'gpg', 'clip_cov', 'kl_cov', 'geo_mean', 'cispo']"),
+                                  "'dppo_tv', 'dppo_kl', 'gspo', 'sapo', 'gpg', 'clip_cov', 'kl_cov', 'geo_mean', "
+                                  "'dro', 'cispo']"),
     ("policy_loss.loss_mode=bypass_mode", "is not one of"),
     ("policy_loss.clip_cov_ratio=0", "actor_rollout_ref.actor.policy_loss.clip_cov_ratio: 0.0 is out of range"),
     ("policy_loss.kl_cov_ratio=1.5", "actor_rollout_ref.actor.policy_loss.kl_cov_ratio: 1.5 is out of range"),
+    ("policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss: loss_mode=dro needs dro_beta (> 0)"),
+    ("policy_loss.dro_beta=0", "actor_rollout_ref.actor.policy_loss.dro_beta: 0.0 is out of range"),
     ("policy_loss.ppo_kl_coef=-1", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef: -1.0 is out of range"),
     ("policy_loss.clip_cov_lb=5", "actor_rollout_ref.actor.policy_loss: clip_cov_lb=5.0 must be below clip_cov_ub=5.0"),
     ("policy_loss.clip_cov_ratio=much", "actor_rollout_ref.actor.policy_loss.clip_cov_ratio: expected a number"),
@@ -499,8 +583,10 @@ def test_bypass_mode_refuses_another_loss_mode():
 def test_options_the_loss_does_not_read_are_noted():
     assert config_notes(_load()) == []
     for mode in VERL_MODES:  # every mode knows the options it reads; the demo sets none at another value
-        assert config_notes(_load(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+        assert config_notes(_load(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *_needs(mode),
                                   "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")) == []
+    assert config_notes(_load("actor_rollout_ref.actor.policy_loss.dro_beta=0.5")) == [
+        "actor_rollout_ref.actor.policy_loss.dro_beta not read by actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"]
     notes = config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.tau_pos=2",
                                "actor_rollout_ref.actor.clip_ratio_c=4", "actor_rollout_ref.actor.clip_ratio_low=3e-4"))
     assert notes == [
@@ -532,12 +618,13 @@ def _update(base, mode, micro=8, seed=0, **cfg):
     return {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("mode", ["gspo", "sapo", "geo_mean", "cispo", "gpg"])
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "gspo", "sapo", "geo_mean", "dro", "cispo", "gpg"])
 def test_update_trains_the_chosen_loss_independent_of_micro_batching(mode):
     """loss_agg_mode token-mean: sapo and geo_mean normalise by the mini-batch's sequence
     count, which the update plans beside the token count."""
     base = Transformer.build(ARGS, seed=0)
-    whole, split = _update(base, mode), _update(base, mode, micro=2)
+    kw = {"dro_beta": 0.5} if mode == "dro" else {}
+    whole, split = _update(base, mode, **kw), _update(base, mode, micro=2, **kw)
     vanilla = _update(base, "vanilla")
     assert max((whole[k] - vanilla[k]).abs().max().item() for k in whole) > 1e-4  # not vanilla's step
     for k in whole:
