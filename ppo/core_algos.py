@@ -507,6 +507,72 @@ def compute_grpo_vectorized_outcome_advantage(
                                           norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
 
 
+@register_adv_est("gdpo")
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (group reward-decoupled normalisation, https://arxiv.org/abs/2601.05242), verl's ``gdpo``:
+    each reward component is normalised within its group on its own, so that a component of large
+    spread cannot drown the others, then the weighted sum is whitened over the batch's tokens::
+
+        A_k,i = (s_k,i - mean_g s_k) / (std_g s_k + epsilon)     per component k (grpo's, std unbiased)
+        A_i   = sum_k w_k A_k,i                                  broadcast to the response's valid tokens
+        A     = whiten(A) over the valid tokens of the batch     (``masked_whiten``, as verl)
+
+    ``s_k,i`` is the component's score of response ``i`` (verl's ``algorithm.gdpo_reward_keys``,
+    entries of the reward function's dict result): the token rewards, KL penalty included, are
+    not read when components are given. A group of one has mean 0 and std 1, as in ``grpo``.
+
+    Args:
+        reward_components: ``[B, K]`` scores of the ``K`` components; None: the token rewards'
+            sums as one component (verl's estimator without components).
+        reward_weights: ``K`` weights (verl's ``algorithm.gdpo_reward_weights``); None: 1 each.
+        token_level_rewards, response_mask, index, epsilon: as in ``compute_grpo_outcome_advantage``.
+        norm_adv_by_std_in_grpo: accepted for the one signature: verl's trainer never passes it to
+            gdpo, which always divides by the std.
+        values, gamma, lam, reward_baselines, old_log_probs, sum_pi_squared, rollout_is_weights:
+            accepted for the one signature.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, zero outside the mask.
+    """
+    dtype = _float_dtype(token_level_rewards.dtype)
+    if reward_components is None:
+        components = _outcome_scores(token_level_rewards)[:, None]
+    else:
+        components = torch.as_tensor(reward_components, device=token_level_rewards.device).to(dtype)
+    count = components.shape[1]
+    if components.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"reward_components must hold one row per response: {components.shape[0]} rows for "
+                         f"{response_mask.shape[0]} responses")
+    weights = [1.0] * count if reward_weights is None else list(reward_weights)
+    if len(weights) != count:
+        raise ValueError(f"{len(weights)} reward_weights for {count} reward components (algorithm.gdpo_reward_keys)")
+    group, num_groups = _group_ids(index, components.shape[0], components.device)
+    combined = torch.zeros(components.shape[0], dtype=dtype, device=components.device)
+    for k in range(count):
+        _, mean, std = _group_mean_std(components[:, k], group, num_groups)
+        combined = combined + weights[k] * (components[:, k] - mean) / (std + epsilon)
+    mask = response_mask.bool()
+    advantages = torch.where(mask, masked_whiten(combined[:, None].expand(mask.shape), mask), 0.0)
+    return advantages, advantages
+
+
 @register_adv_est("rloo_vectorized")
 @torch.no_grad()
 def compute_rloo_vectorized_outcome_advantage(

@@ -1331,6 +1331,20 @@ class AlgorithmConfig:
                                   "has, each with probability proportional to its pf_ppo weight; the updates, "
                                   "metrics and dumps see the redrawn batch")
     pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO's weights")
+    gdpo_reward_keys: list[str] | None = opt(None, "gdpo: the keys of the reward function's dict result that hold "
+                                                   "the reward components, each normalised within its group on its "
+                                                   "own before their weighted sum is whitened (required with "
+                                                   "adv_estimator=gdpo)")
+    gdpo_reward_weights: list[float] | None = opt(None, "gdpo: the components' weights, one per gdpo_reward_keys; "
+                                                        "null: 1 each")
+
+    def __post_init__(self):
+        if self.adv_estimator == "gdpo" and not self.gdpo_reward_keys:
+            raise ValueError("adv_estimator=gdpo needs gdpo_reward_keys: the keys of the reward function's dict "
+                             "result that hold the reward components (e.g. [format_reward, accuracy_reward])")
+        if self.gdpo_reward_weights is not None and len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys or ()):
+            raise ValueError(f"gdpo_reward_weights has {len(self.gdpo_reward_weights)} weights for "
+                             f"{len(self.gdpo_reward_keys or ())} gdpo_reward_keys: give one per key")
 
 
 _NO_RAY_WHY = "meshppo runs without Ray (torchrun launches it)"
@@ -1803,8 +1817,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"{_listed({f'algorithm.kl_ctrl.{k}': v for k, v in unused.items()})} has no effect: "
                          "algorithm.kl_ctrl.type=fixed (they steer the adaptive controller)")
     if adv not in GRPO_ESTIMATORS and not alg.norm_adv_by_std_in_grpo:
-        notes.append(f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={adv} (only "
-                     f"{', '.join(GRPO_ESTIMATORS[:-1])} and {GRPO_ESTIMATORS[-1]} divide by the group std)")
+        why = ("gdpo always divides each reward component by its group std, as verl's" if adv == "gdpo" else
+               f"only {', '.join(GRPO_ESTIMATORS[:-1])} and {GRPO_ESTIMATORS[-1]} divide by the group std")
+        notes.append(f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={adv} ({why})")
+    notes += _gdpo_notes(alg)
     actor = arr.actor
     critic_own = cfg.uses_critic and cfg.critic.loss_scale_factor != actor.loss_scale_factor  # not the inherited
     for key, role, read in (("actor_rollout_ref.actor", actor, True), ("critic", cfg.critic, critic_own)):
@@ -1924,6 +1940,18 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
     return notes
 
 
+def _gdpo_notes(alg: AlgorithmConfig) -> list[str]:
+    """gdpo's keys without gdpo, and the KL in the reward with gdpo (which reads the components only)."""
+    if alg.adv_estimator != "gdpo":
+        unused = _non_default(alg, ("gdpo_reward_keys", "gdpo_reward_weights"))
+        return [f"{_listed({f'algorithm.{k}': v for k, v in unused.items()})} has no effect: "
+                f"algorithm.adv_estimator={alg.adv_estimator} (they are gdpo's)"] if unused else []
+    if alg.use_kl_in_reward:
+        return ["algorithm.use_kl_in_reward=true does not reach the advantages: algorithm.adv_estimator=gdpo "
+                "normalises the reward components (gdpo_reward_keys), not the token rewards (as in verl)"]
+    return []
+
+
 def _raise_coef_notes(cfg: PPOConfig) -> list[str]:
     """A KL guard's raise_coef that can change no coefficient: each enabled one is 0 (multiplying keeps
     it 0) or already at or above max_kl_coef (raising never lowers it) and stays there (a fixed one;
@@ -1974,10 +2002,10 @@ OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 """The estimators that read the old log-probs, the sums of squared probabilities and the rollout
 importance weights (verl's optimal token baseline)."""
 
-GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
-                    "opo", "gpg")
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "gdpo", "grpo_passk", "rloo", "rloo_vectorized",
+                    "reinforce_plus_plus_baseline", "opo", "gpg")
 # group estimators that verl runs at rollout.n=1 (a group of one: GRPO's mean 0 and std 1, RLOO's raw score)
-SINGLETON_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo")  # (verl's rloo_vectorized gives a group of one 0)
+SINGLETON_ESTIMATORS = ("grpo", "grpo_vectorized", "gdpo", "rloo")  # (verl's rloo_vectorized gives a group of one 0)
 
 
 def described_launch(cfg: PPOConfig) -> tuple[int, int]:
@@ -2028,6 +2056,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and adv not in SINGLETON_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
+    if adv == "gdpo":  # ppo.core_algos has the estimator; the trainer does not yet pass it the components
+        raise ConfigError("algorithm.adv_estimator=gdpo is not supported: the trainer does not pass the reward "
+                          "function's components (algorithm.gdpo_reward_keys) to the estimator")
     greedy = ("actor_rollout_ref.rollout.temperature=0" if rollout.temperature == 0
               else "actor_rollout_ref.rollout.do_sample=false with rollout.name=hf")
     if adv in GROUP_ESTIMATORS and n >= 2 and rollout.decoding_temperature() == 0:

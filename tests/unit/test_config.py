@@ -1006,6 +1006,30 @@ def test_a_raise_coef_that_can_change_no_coefficient_is_noted():
     assert _notes_with("can change no KL", raise_, f"{LOSS}=0", f"{G}.enable=false") == []  # its own note
 
 
+def test_gdpo_settings():
+    """verl's gdpo needs algorithm.gdpo_reward_keys (the reward function's dict keys of the components) and
+    takes one weight per key; its keys with another estimator, and the KL in the reward with it, are noted.
+    The trainer does not pass the components to the estimator yet: validate refuses gdpo naming the key."""
+    keys = "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]"
+    with pytest.raises(ConfigError, match="algorithm: adv_estimator=gdpo needs gdpo_reward_keys"):
+        _cfg("algorithm.adv_estimator=gdpo")
+    with pytest.raises(ConfigError, match="gdpo_reward_weights has 1 weights for 2 gdpo_reward_keys"):
+        _cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.gdpo_reward_weights=[1.0]")
+    cfg = _cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.gdpo_reward_weights=[1.0,0.5]")
+    assert cfg.algorithm.gdpo_reward_keys == ["format_reward", "accuracy_reward"]
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=gdpo is not supported"):
+        validate(cfg)
+    assert [n for n in config_notes(_cfg(keys)) if "gdpo" in n] == [
+        "algorithm.gdpo_reward_keys=['format_reward', 'accuracy_reward'] has no effect: algorithm.adv_estimator=grpo "
+        "(they are gdpo's)"]
+    assert [n for n in config_notes(_cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.use_kl_in_reward=true",
+                                         "algorithm.norm_adv_by_std_in_grpo=false")) if "gdpo" in n] == [
+        "algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator=gdpo (gdpo always "
+        "divides each reward component by its group std, as verl's)",
+        "algorithm.use_kl_in_reward=true does not reach the advantages: algorithm.adv_estimator=gdpo normalises the "
+        "reward components (gdpo_reward_keys), not the token rewards (as in verl)"]
+
+
 def test_inherited_micro_batch_sizes_say_so_in_their_help():
     from trainer.config import ActorRolloutRefConfig, CriticConfig
 

@@ -328,6 +328,7 @@ def test_every_estimator_takes_the_same_keywords_and_matches_its_direct_call():
                                                                                                 GROUPS_INT),
         "grpo_vectorized": core_algos.compute_grpo_vectorized_outcome_advantage(rewards, MASK, GROUPS_INT,
                                                                                 norm_adv_by_std_in_grpo=False),
+        "gdpo": core_algos.compute_gdpo_outcome_advantage(rewards, MASK, GROUPS_INT),
         "rloo_vectorized": core_algos.compute_rloo_vectorized_outcome_advantage(rewards, MASK, GROUPS_INT),
         "grpo_passk": core_algos.compute_grpo_passk_outcome_advantage(rewards, MASK, PAIRS,
                                                                       norm_adv_by_std_in_grpo=False),
@@ -361,7 +362,7 @@ def test_registration_refuses_another_signature():
 
 def test_adv_estimator_registry():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                   "grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "gpg", "remax",
+                                   "grpo_vectorized", "gdpo", "rloo_vectorized", "grpo_passk", "opo", "gpg", "remax",
                                    "optimal_token_baseline", "tir_optimal_token_baseline"}
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):

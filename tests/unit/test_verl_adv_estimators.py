@@ -1,4 +1,4 @@
-"""verl's other outcome advantage estimators (`grpo_vectorized`, `rloo_vectorized`, `grpo_passk`,
+"""verl's other outcome advantage estimators (`grpo_vectorized`, `gdpo`, `rloo_vectorized`, `grpo_passk`,
 `opo`, `gpg`) against per-group loops written here from verl's definitions, in float64: random
 scores with ties and zeros, groups of one to four, empty and holed responses."""
 
@@ -82,6 +82,56 @@ def test_grpo_vectorized_does_not_floor_a_near_uniform_groups_std():
     assert a == pytest.approx(1.0911, abs=1e-4)
     torch.testing.assert_close(adv, _run("grpo", rewards, torch.ones(4, 1), np.array([0, 0, 0, 0])), rtol=1e-12,
                                atol=1e-12)
+
+
+def _verl_gdpo(components, weights, mask, index):
+    """verl 0.9.1's compute_gdpo_outcome_advantage as loops: per component grpo's group-normalised
+    score (a group of one: mean 0, std 1), their weighted sum, whitened over the valid tokens
+    (masked_whiten: unbiased variance, + 1e-8 under the root)."""
+    b = len(index)
+    combined = [0.0] * b
+    for k, w in enumerate(weights):
+        for rows in _groups(index).values():
+            xs = [components[i][k] for i in rows]
+            mean, std = (0.0, 1.0) if len(xs) == 1 else (sum(xs) / len(xs), _std(xs))
+            for i in rows:
+                combined[i] += w * (components[i][k] - mean) / (std + EPS)
+    tokens = [combined[i] for i in range(b) for t in range(mask.shape[1]) if mask[i, t]]
+    mean = sum(tokens) / len(tokens)
+    var = sum((x - mean) ** 2 for x in tokens) / (len(tokens) - 1)
+    return [(c - mean) / math.sqrt(var + 1e-8) for c in combined]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gdpo(seed):
+    """Two components of different spread (one on a coarse grid with ties, one wide), weights 1 and
+    0.5, ragged responses with an empty one and a hole, groups of one to four."""
+    rewards, mask, index, _, _ = _batch(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    components = torch.stack([torch.randint(0, 2, (len(index),), generator=g).to(F64),
+                              10 * torch.randn(len(index), generator=g, dtype=F64)], dim=1)
+    adv, ret = get_adv_estimator_fn("gdpo")(token_level_rewards=rewards, response_mask=mask, index=index,
+                                            reward_components=components, reward_weights=[1.0, 0.5])
+    assert ret is adv
+    _check(adv, _verl_gdpo(components.tolist(), [1.0, 0.5], mask, index), mask)
+    # without components: the token rewards' sums as the one component (norm_adv_by_std_in_grpo is not read)
+    plain = _run("gdpo", rewards, mask, index, norm=False)
+    _check(plain, _verl_gdpo(rewards.sum(-1)[:, None].tolist(), [1.0], mask, index), mask)
+
+
+def test_gdpo_normalises_each_component_on_its_own():
+    """One group, a 0/1 component and one a hundred times wider: summed first (grpo), the wide one
+    decides the order; normalised apart (gdpo), the 0/1 component weighs as much."""
+    mask, index = torch.ones(4, 2), np.array([0, 0, 0, 0])
+    components = torch.tensor([[1.0, 0.0], [0.0, 100.0], [1.0, 50.0], [0.0, 50.0]], dtype=F64)
+    adv = get_adv_estimator_fn("gdpo")(token_level_rewards=torch.zeros(4, 2), response_mask=mask, index=index,
+                                       reward_components=components)[0][:, 0]
+    summed = _run("grpo", components.sum(-1, keepdim=True).expand(4, 2) / 2, mask, index)[:, 0]
+    assert summed[1] > summed[2] > summed[0]  # the wide component's order
+    assert adv[2] > adv[0] and adv[2] > adv[1]  # row 2 does well on both: first under gdpo
+    with pytest.raises(ValueError, match="2 reward_weights for 1 reward components"):
+        get_adv_estimator_fn("gdpo")(token_level_rewards=torch.zeros(4, 2), response_mask=mask, index=index,
+                                     reward_components=components[:, :1], reward_weights=[1.0, 2.0])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
