@@ -57,6 +57,19 @@ def _entropy_checkpointing():
                no_effect=_ENTROPY_CHECKPOINTING_WHY)
 
 
+def _entropy_chunk_size():
+    return opt(2048, "verl: the chunk of entropy_from_logits_with_chunking, in tokens", no_effect=_ENTROPY_CHUNKING_WHY)
+
+
+def _pad_to_length():
+    return opt(False, "verl: round every packed micro-batch up to a multiple of fsdp_config.pad_to_length_bucket "
+                      "tokens (fixed shapes)", no_effect=_PAD_TO_LENGTH_WHY)
+
+
+_PAD_TO_LENGTH_WHY = ("meshppo's packed micro-batches keep their own length; padding to a bucket would add masked "
+                      "tokens only")
+
+
 # verl's `fsdp_config.dtype` default (`FSDPOptions._map_dtype`).
 _VERL_COMPUTE_DTYPE = "bfloat16"
 
@@ -102,6 +115,12 @@ class FSDPOptions(FSDPConfig):
     seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="meshppo draws every random number from "
                                                                          "trainer.seed, with or without "
                                                                          "full_determinism")
+    entropy_from_logits_chunk_size: int = _entropy_chunk_size()
+    use_no_sync_for_gradient_accumulation: bool = opt(
+        False, "verl: skip the gradient reduction in all but a mini-batch's last micro-batch",
+        no_effect="meshppo always reduces a mini-batch's gradients once, in its last micro-batch's backward")
+    pad_to_length: bool = _pad_to_length()
+    pad_to_length_bucket: int = opt(1024, "verl: the bucket of pad_to_length, in tokens", no_effect=_PAD_TO_LENGTH_WHY)
 
     def __post_init__(self):
         self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
@@ -190,6 +209,8 @@ class DataConfig:
     video_key: str = opt("videos", "the field of a row's videos: a row that has any is refused at load")
     image_patch_size: int = opt(14, "verl: the vision encoder's patch size", no_effect=_TEXT_ONLY_WHY)
     return_multi_modal_inputs: bool = opt(True, "verl: pass the rows' processed images on", no_effect=_TEXT_ONLY_WHY)
+    mm_processor_kwargs: dict = opt(default_factory=dict, help="verl: keyword arguments of the multi-modal processor",
+                                    no_effect=_TEXT_ONLY_WHY)
     tool_config_path: str | None = opt(None, "verl: the tools whose schemas the overlong-prompt filter renders; "
                                              "null or actor_rollout_ref.rollout.multi_turn.tool_config_path",
                                        no_effect="meshppo renders the tool agent's prompts with the tools of "
@@ -267,6 +288,8 @@ class OptimConfig:
                               unsupported=other_than("torch.optim"))
     override_optimizer_config: dict | None = opt(None, "not supported: must be null or empty (verl: more keyword "
                                                        "arguments of the optimizer)", unsupported=bool)
+    zero_indexed_step: bool = opt(True, "the cosine schedule counts update steps from 0 (verl's default); false "
+                                        "(from 1) is not supported with lr_scheduler_type=cosine")
 
     def __post_init__(self):
         # As verl's FSDPOptimizerConfig: a warmup_style replaces lr_scheduler_type. Its value moves
@@ -275,6 +298,9 @@ class OptimConfig:
             self.lr_scheduler_type, self.warmup_style = self.warmup_style, None
         if self.min_lr_ratio is None:  # verl's default; its cosine schedule reads None as 0
             self.min_lr_ratio = 0.0
+        if self.lr_scheduler_type == "cosine" and not self.zero_indexed_step:
+            raise ValueError("zero_indexed_step=false is not supported: meshppo's cosine schedule counts update steps "
+                             "from 0 (verl's default, true)")
 
 
 @dataclass
@@ -641,6 +667,8 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = opt(1, _SP_HELP + " (the reference's too)", ge=1)
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
+    entropy_from_logits_chunk_size: int = _entropy_chunk_size()
+    pad_to_length: bool = _pad_to_length()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
     use_remove_padding: bool | None = opt(None, "verl's copy of model.use_remove_padding: must equal it; null: "
                                                 "model.use_remove_padding")
@@ -694,6 +722,8 @@ class RefConfig:
                                                            "runs both in one group); null: the actor's", ge=1)
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
+    entropy_from_logits_chunk_size: int = _entropy_chunk_size()
+    pad_to_length: bool = _pad_to_length()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
     router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
 
@@ -846,6 +876,8 @@ class RolloutConfig:
                                 "and SGLang rollouts do (its agent loop, since its sync rollouts, which read it, were "
                                 "retired)")
     n: int = opt(1, "responses per prompt", ge=1)
+    seed: int = opt(42, "verl: the seed of its inference engine's sampling",
+                    no_effect="meshppo's engine draws its samples from trainer.seed and the step")
     prompt_length: int | None = opt(None, "the engine's prompt budget: only sets the default of max_model_len "
                                           "(prompt_length + response_length); at least data.max_prompt_length, which "
                                           "filters or truncates the prompts; null: data.max_prompt_length", ge=1)
@@ -1363,6 +1395,11 @@ class TrainerConfig:
     use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility", choices=("auto", "enable", "disable"),
                                       no_effect="meshppo has one implementation, whose losses are normalised as "
                                                 "verl's engine workers do (README)")
+    use_v1: bool = opt(True, "verl: run its newer trainer (false: its deprecated RayPPOTrainer)",
+                       no_effect="meshppo has one trainer")
+    checkpoint_callback_class: str | None = opt(None, "not supported: must be null (verl: a user class, by import "
+                                                      "path, called around checkpoint saves)",
+                                                unsupported=lambda v: v is not None)
     total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)", ge=1)
     nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
@@ -1835,7 +1872,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"{_listed({f'{key}.{k}': v for k, v in unused.items()})} has no effect: {key}.lora_rank=0 "
                          "(no LoRA adapters)")
     for key, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
-        unused = _non_default(optim, ("min_lr_ratio", "num_cycles"))
+        unused = _non_default(optim, ("min_lr_ratio", "num_cycles", "zero_indexed_step"))
         if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
             notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{key}.lr_scheduler_type=constant (they shape the cosine schedule)")

@@ -64,6 +64,16 @@ VERL_DEFAULTS = [
     "trainer.esi_redundant_time=0", "trainer.default_hdfs_dir=null", "trainer.del_local_ckpt_after_load=false",
     "trainer.ray_wait_register_center_timeout=300",
     "ray_kwargs={ray_init: {num_cpus: null}, timeline_json_file: null}", "transfer_queue.enable=false",
+    # verl 0.9.1's, as its generated yaml writes them (the interpolations resolve to the actor's)
+    f"{A}.optim.zero_indexed_step=true", "critic.optim.zero_indexed_step=true",
+    f"{A}.entropy_from_logits_chunk_size=2048", f"{A}.pad_to_length=false",
+    "actor_rollout_ref.ref.entropy_from_logits_chunk_size=2048",
+    "actor_rollout_ref.ref.pad_to_length=${oc.select:actor_rollout_ref.actor.pad_to_length,False}",
+    f"{A}.fsdp_config.entropy_from_logits_chunk_size=${{oc.select:{A}.entropy_from_logits_chunk_size,2048}}",
+    f"{A}.fsdp_config.pad_to_length=${{oc.select:{A}.pad_to_length,False}}", f"{A}.fsdp_config.pad_to_length_bucket=1024",
+    f"{A}.fsdp_config.use_no_sync_for_gradient_accumulation=false",
+    "actor_rollout_ref.ref.fsdp_config.pad_to_length_bucket=${oc.select:" + A + ".fsdp_config.pad_to_length_bucket,1024}",
+    f"{R}.seed=42", "data.mm_processor_kwargs={}", "trainer.use_v1=true", "trainer.checkpoint_callback_class=null",
 ]
 
 
@@ -75,6 +85,12 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     # override_optimizer_config (which reads as verl's null)
     cfg.critic.optim.override_optimizer_config = None
     assert dataclasses.asdict(cfg) == dataclasses.asdict(plain)
+
+
+def test_zero_indexed_step_false_is_refused_with_the_cosine_schedule():
+    """verl's zero_indexed_step=false counts the cosine schedule's steps from 1; meshppo's counts from 0."""
+    with pytest.raises(ConfigError, match=f"{A}.optim: zero_indexed_step=false is not supported"):
+        _cfg(f"{A}.optim.zero_indexed_step=false", f"{A}.optim.lr_scheduler_type=cosine")
 
 
 @pytest.mark.parametrize("override", [
@@ -94,6 +110,7 @@ def test_verls_defaults_load_without_notes_and_change_nothing():
     f"{R}.quantization_config_file=q.json", f"{R}.prometheus.enable=true",
 "data.custom_cls.path=ds.py", "data.datagen.path=gen.py",
     "data.sampler.class_path=sampler.py", "trainer.default_hdfs_dir=hdfs://x", "trainer.del_local_ckpt_after_load=true",
+    "trainer.checkpoint_callback_class=my.Callback",
 ])
 def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     key, value = override.split("=", 1)
@@ -103,6 +120,19 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
 
 
 @pytest.mark.parametrize("override, note", [
+    (f"{A}.fsdp_config.pad_to_length=true", f"{A}.fsdp_config.pad_to_length=true has no effect: meshppo's packed "
+     "micro-batches keep their own length; padding to a bucket would add masked tokens only"),
+    (f"{A}.entropy_from_logits_chunk_size=512", f"{A}.entropy_from_logits_chunk_size=512 has no effect: meshppo's LM "
+     "head computes the entropy chunk by chunk from the hidden states, never from full logits"),
+    ("critic.model.fsdp_config.use_no_sync_for_gradient_accumulation=true",
+     "critic.model.fsdp_config.use_no_sync_for_gradient_accumulation=true has no effect: meshppo always reduces a "
+     "mini-batch's gradients once, in its last micro-batch's backward"),
+    (f"{R}.seed=3", f"{R}.seed=3 has no effect: meshppo's engine draws its samples from trainer.seed and the step"),
+    ("trainer.use_v1=false", "trainer.use_v1=false has no effect: meshppo has one trainer"),
+    ("data.mm_processor_kwargs={max_pixels: 10}", "data.mm_processor_kwargs={'max_pixels': 10} has no effect: "
+     "meshppo's models are text-only: it reads no images or videos"),
+    (f"{A}.optim.zero_indexed_step=false", f"{A}.optim.zero_indexed_step=false has no effect: "
+     f"{A}.optim.lr_scheduler_type=constant (they shape the cosine schedule)"),
     (f"{A}.fsdp_config.seed=7", f"{A}.fsdp_config.seed=7 has no effect: meshppo draws every random number from "
                                 "trainer.seed, with or without full_determinism"),
     ("critic.model.fsdp_config.strategy=fsdp2", "critic.model.fsdp_config.strategy=fsdp2 has no effect: meshppo "
