@@ -55,7 +55,7 @@ def _otb_body(rank, world_size, assets, run_root):
             assert (weights is not None) == (name == "token_is")
             seen["want"] = _reference(gather(ro.token_level_rewards), full.loss_mask.long(), np.asarray(full.uids),
                                       gather(ro.old_log_probs), gather(ro.sum_pi_squared), weights,
-                                      handle_zero_tail=False, tir=False)[0]
+                                      handle_zero_tail=True, tir=False)[0]
             seen["got"] = gather(ro.advantages)
             seen["proxies"] = _variance_proxies(full.loss_mask, gather(ro.old_log_probs), gather(ro.sum_pi_squared),
                                                 weights, seen["got"])
