@@ -4,8 +4,9 @@ One validated dataclass, `ParallelDims`, turns the two user-facing sizes into ev
 program needs (docs/ARCHITECTURE.md):
 
 * training: `fsdp_size` (verl's `actor_rollout_ref.actor.fsdp_config.fsdp_size`) — `-1` (or
-  the world size) shards over the whole world (FULL_SHARD, 1-D mesh `("dp_shard",)`); any
-  other divisor `S` of the world gives HYBRID_SHARD on a 2-D mesh
+  the world size or more, as verl's `create_device_mesh` reads it) shards over the whole world
+  (FULL_SHARD, 1-D mesh `("dp_shard",)`); any other divisor `S` of the world gives HYBRID_SHARD
+  on a 2-D mesh
   `("dp_replicate", "dp_shard") = (W/S, S)`: shard inside a group of `S` ranks, replicate
   across groups.
 * generation: `tp` (`actor_rollout_ref.rollout.tensor_model_parallel_size`) gives the 2-D mesh
@@ -38,7 +39,8 @@ class ParallelDims:
     """Validated parallel sizes; derived sizes are filled in by `__post_init__`."""
 
     world_size: int = field(metadata={"help": "number of ranks (WORLD_SIZE)"})
-    fsdp_size: int = field(default=-1, metadata={"help": f"{FSDP_SIZE_KEY}: -1 shards over the world, else HSDP shard-group size"})
+    fsdp_size: int = field(default=-1, metadata={
+        "help": f"{FSDP_SIZE_KEY}: -1 (or the world size or more) shards over the world, else HSDP shard-group size"})
     tp: int = field(default=1, metadata={"help": f"{TP_KEY}: tensor-parallel size of the generation engine"})
     local_world_size: int | None = field(
         default=None, metadata={"help": "ranks per node (LOCAL_WORLD_SIZE); TP groups must stay inside one node; None: one node"})
@@ -47,6 +49,7 @@ class ParallelDims:
     dp_replicate: int = field(init=False, metadata={"help": "number of HSDP replicas (W/S)"})
     rollout_dp: int = field(init=False, metadata={"help": "number of engine replicas (W/t)"})
     micro_dp: int = field(init=False, metadata={"help": "ranks holding one TP shard inside a shard group (S/t)"})
+    notes: list[str] = field(init=False, metadata={"help": "start-up lines on sizes read otherwise than written"})
 
     def __post_init__(self):
         w, t = self.world_size, self.tp
@@ -58,7 +61,11 @@ class ParallelDims:
         if not isinstance(fs, int) or fs == 0 or fs < -1:
             raise ValueError(f"{FSDP_SIZE_KEY} must be -1 (shard over all {w} ranks) or a positive divisor of the "
                              f"world size, got {fs!r}")
-        if fs != -1 and (fs > w or w % fs):
+        note = full_shard_note(FSDP_SIZE_KEY, fs, w)
+        self.notes = [note] if note else []
+        if note:
+            fs = -1
+        if fs != -1 and w % fs:
             raise ValueError(
                 f"{FSDP_SIZE_KEY}={fs} does not divide the world size {w}: HYBRID_SHARD needs world_size = "
                 f"dp_replicate x fsdp_size; use -1 to shard over all ranks or one of {_divisors(w)}")
@@ -224,6 +231,16 @@ class ParallelMeshes:
     def shard(self):
         """1-D mesh of this rank's FSDP shard group."""
         return self.train["dp_shard"]
+
+
+def full_shard_note(key: str, fsdp_size: int, world_size: int) -> str | None:
+    """The start-up line for an `fsdp_size` (option `key`) above the world size, which shards over
+    every rank (FULL_SHARD), as verl's `create_device_mesh` reads any size of at least the world's
+    (its 8-node scripts' 32 trains on 2 nodes); None for any other size."""
+    if fsdp_size <= world_size:
+        return None
+    return (f"{key}={fsdp_size} is more than the {world_size} ranks of this launch: the models shard over all "
+            f"{world_size} (FULL_SHARD), as verl does for an fsdp_size of at least the world size")
 
 
 def _divisors(n: int) -> list[int]:

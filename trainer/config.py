@@ -33,7 +33,7 @@ from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams,
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, MIN_TEMPERATURE, QUANTIZATIONS, TEMPERATURE_BOUND
 from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
-from sharding.mesh import ParallelDims
+from sharding.mesh import ParallelDims, full_shard_note
 from sharding.ulysses import check_sequence_parallel
 
 DTYPES = tuple(torch_dtypes())
@@ -87,6 +87,10 @@ class FSDPOptions(FSDPConfig):
     policy the states live on CPU for the whole run, so the manual moves between phases are
     turned off here; `superseded` names what was turned off, for `config_notes`."""
 
+    fsdp_size: int = opt(-1, "-1, or the world size or more: FULL_SHARD over all ranks (verl's mesh reads any size of "
+                             "at least the world's so; a larger one is said at start-up); N below the world size: "
+                             "HYBRID_SHARD, shard over groups of N ranks, replicate across (the actor's value builds "
+                             "the one training mesh; ref / critic / reward model: -1 or the same)")
     use_orig_params: bool = opt(False, "verl: FSDP1's use_orig_params", no_effect="it is an FSDP1 option; meshppo "
                                 "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
@@ -123,6 +127,7 @@ class FSDPOptions(FSDPConfig):
     pad_to_length_bucket: int = opt(1024, "verl: the bucket of pad_to_length, in tokens", no_effect=_PAD_TO_LENGTH_WHY)
 
     def __post_init__(self):
+        self.full_shard_note = None  # an fsdp_size above the launch's ranks, read as -1 (`_full_shard_sizes`)
         self.superseded = [k for k in ("param_offload", "optimizer_offload") if self.offload_policy and getattr(self, k)]
         for k in self.superseded:
             setattr(self, k, False)
@@ -1501,6 +1506,7 @@ class PPOConfig:
             if getattr(self.trainer, name) == 0:  # verl keeps every checkpoint for 0, as for null
                 setattr(self.trainer, name, None)
 
+        _full_shard_sizes(self)
         _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
         rm = self.reward_model
         if rm.model.input_tokenizer == ACTOR_MODEL_PATH:  # verl's interpolation, as a config file would resolve it
@@ -1605,6 +1611,19 @@ class PPOConfig:
         return self.actor_rollout_ref.rollout.prompt_length
 
 
+def _full_shard_sizes(cfg: PPOConfig) -> None:
+    """Each model's `fsdp_size` above the ranks of the launch the config describes shards over them
+    all, as verl's device mesh reads it: -1 here, with its start-up note (`sharding.mesh.full_shard_note`)."""
+    world = described_launch(cfg)[0]
+    for key, fc in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config),
+                    ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
+                    ("critic.model", cfg.critic.model.fsdp_config),
+                    ("reward_model.model", cfg.reward_model.model.fsdp_config)):
+        note = full_shard_note(f"{key}.fsdp_config.fsdp_size", fc.fsdp_size, world)
+        if note:
+            fc.fsdp_size, fc.full_shard_note = -1, note
+
+
 def _copy_of(key: str, obj, name: str, source: str, value) -> None:
     """verl's copy `key` of option `source` (of value `value`): null or equal, then `value`."""
     mine = getattr(obj, name)
@@ -1692,6 +1711,8 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
         why = f.metadata.get("no_effect")
         if why and value != _default(f):
             notes.append(f"{key}={_shown(value)} has no effect: {why}")
+        if isinstance(value, FSDPOptions) and value.full_shard_note:
+            notes.append(value.full_shard_note)
         if isinstance(value, FSDPOptions) and value.superseded:
             notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
                          "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "

@@ -131,7 +131,8 @@ def test_bad_overrides_name_the_problem(override, message):
     (["actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0 decodes greedily"),
     (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.do_sample=false"],
      "rollout.do_sample=false with rollout.name=hf decodes greedily"),
-    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"], "fsdp_size=3 does not divide the world size 2"),
+    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.n_gpus_per_node=4"],
+     "fsdp_size=3 does not divide the world size 4"),
     (["trainer.val_only=true", "trainer.resume_mode=disable"], "trainer.val_only=true with "
                                                                  "trainer.resume_mode=disable would delete the run"),
     (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"], "actor_rollout_ref.ref.fsdp_config.fsdp_size=1: every model "
@@ -194,6 +195,23 @@ def test_a_models_fsdp_size_may_name_the_actors_mesh_either_way():
             validate(_cfg(f"actor_rollout_ref.actor.fsdp_config.fsdp_size={actor}",
                           f"actor_rollout_ref.ref.fsdp_config.fsdp_size={other}",
                           f"critic.model.fsdp_config.fsdp_size={other}"))
+
+
+def test_an_fsdp_size_above_the_launch_shards_over_every_rank_as_verl():
+    """verl's device mesh reads an fsdp_size of at least the world size as FULL_SHARD (its 8-node
+    scripts set 32): on the demo's 2 ranks each model's 8 or 32 resolves to -1, so the reference's and
+    critic's agree with the actor's mesh and apply_fsdp gets -1, and the start-up notes say so."""
+    cfg = _cfg("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.fsdp_config.fsdp_size=32",
+               "actor_rollout_ref.ref.fsdp_config.fsdp_size=8", "critic.model.fsdp_config.fsdp_size=2")
+    validate(cfg, 2, 2)
+    arr = cfg.actor_rollout_ref
+    assert (arr.actor.fsdp_config.fsdp_size, arr.ref.fsdp_config.fsdp_size, cfg.critic.model.fsdp_config.fsdp_size) \
+        == (-1, -1, 2)
+    notes = [n for n in config_notes(cfg) if "fsdp_size" in n]
+    assert notes == [f"actor_rollout_ref.{role}.fsdp_config.fsdp_size={size} is more than the 2 ranks of this launch: "
+                     f"the models shard over all 2 (FULL_SHARD), as verl does for an fsdp_size of at least the world "
+                     "size" for role, size in (("actor", 32), ("ref", 8))]
+    assert build_dataclass(PPOConfig, dataclasses.asdict(cfg)) == cfg
 
 
 def test_lora_options_build_the_actor_lora_config():

@@ -21,6 +21,20 @@ def test_full_shard_layout_w8_tp2():
     assert d.micro_dp_mesh_ranks().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_an_fsdp_size_above_the_world_shards_over_every_rank_as_verl():
+    """verl's create_device_mesh builds its 1-D FULL_SHARD mesh for any fsdp_size of at least the
+    world size (its 8-node scripts' fsdp_size=32 trains on 2 nodes); meshppo lays it out as -1 and
+    says so at start-up. A size below the world that does not divide it is still refused."""
+    d = ParallelDims(world_size=4, fsdp_size=8)
+    assert (d.dp_shard, d.dp_replicate, d.hsdp) == (4, 1, False)
+    assert d.notes == [f"{FSDP_SIZE_KEY}=8 is more than the 4 ranks of this launch: the models shard over all 4 "
+                       "(FULL_SHARD), as verl does for an fsdp_size of at least the world size"]
+    assert d.tp_group(1) == ParallelDims(4, fsdp_size=-1).tp_group(1)
+    assert ParallelDims(4, fsdp_size=4).notes == ParallelDims(4).notes == []
+    with pytest.raises(ValueError, match=f"{FSDP_SIZE_KEY}=3 does not divide the world size 4"):
+        ParallelDims(4, fsdp_size=3)
+
+
 def test_hsdp_layout_w8_shard4_tp2():
     d = ParallelDims(8, fsdp_size=4, tp=2)
     assert (d.dp_shard, d.dp_replicate, d.rollout_dp, d.micro_dp, d.hsdp) == (4, 2, 4, 2, True)
@@ -63,7 +77,6 @@ def test_tp_groups_inside_a_node():
 
 @pytest.mark.parametrize("kwargs,key", [
     (dict(world_size=8, fsdp_size=3), FSDP_SIZE_KEY),
-    (dict(world_size=8, fsdp_size=16), FSDP_SIZE_KEY),
     (dict(world_size=8, fsdp_size=0), FSDP_SIZE_KEY),
     (dict(world_size=8, fsdp_size=-2), FSDP_SIZE_KEY),
     (dict(world_size=8, tp=3), TP_KEY),
