@@ -2,11 +2,12 @@
 batch of responses and how its results become scores.
 
 Every manager is called with the rows' data sources, decoded responses, ground truths, extra infos
-and response lengths (tokens, EOS included) and returns `score_responses`' `(scores, extras,
-other_extras)`; every result goes through `ResultCollector`'s checks and error messages. `score`
-returns the function's own scores too, before the manager's additions (DAPO's overlong penalty):
-what `algorithm.filter_groups.metric=score` reads, as verl's DAPO trainer reads the result's
-`score`.
+and response lengths (tokens, EOS included), and optionally `row_names`, how an error names each row
+(`ResultCollector`; the trainer's say where the row is in the step's batch and the data), and returns
+`score_responses`' `(scores, extras, other_extras)`; every result goes through `ResultCollector`'s
+checks and error messages. `score` returns the function's own scores too, before the manager's
+additions (DAPO's overlong penalty): what `algorithm.filter_groups.metric=score` reads, as verl's DAPO
+trainer reads the result's `score`.
 
 - `naive`: one call per response, by keyword (`score_responses`).
 - `dapo`: naive's calls on the response without a trailing EOS string, with verl's dapo
@@ -29,7 +30,8 @@ import numpy as np
 
 from rewards.pool import FnSpec, RewardPool
 from rewards.registry import (REWARD_FN_ARGS, ResultCollector, RewardError, RewardFn, call_failure, check_lengths,
-                              describe_fn, get_reward_fn, load_custom_reward_fn, row_extra_info, score_responses)
+                              describe_fn, get_reward_fn, load_custom_reward_fn, named_rows, row_extra_info,
+                              score_responses)
 
 Scored = tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]
 
@@ -43,13 +45,15 @@ class RewardManager(abc.ABC):
         self.compute_score = compute_score
 
     def __call__(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
-                 extra_infos: Sequence[dict | None], response_lengths: Sequence[int]) -> Scored:
+                 extra_infos: Sequence[dict | None], response_lengths: Sequence[int],
+                 row_names: Sequence[str] | None = None) -> Scored:
         """`(scores, extras, other_extras)` of the rows (see the module's docstring)."""
-        return self.score(data_sources, solution_strs, ground_truths, extra_infos, response_lengths)[:3]
+        return self.score(data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names)[:3]
 
     @abc.abstractmethod
     def score(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
-              extra_infos: Sequence[dict | None], response_lengths: Sequence[int]) -> tuple[Any, Any, Any, list[float]]:
+              extra_infos: Sequence[dict | None], response_lengths: Sequence[int],
+              row_names: Sequence[str] | None = None) -> tuple[Any, Any, Any, list[float]]:
         """`(scores, extras, other_extras, function_scores)`: `__call__`'s, and the scores as the
         function returned them (the same list where the manager adds nothing)."""
 
@@ -61,9 +65,9 @@ class NaiveRewardManager(RewardManager):
     """verl's `naive`: `score_responses`; a plain score is also the extra `acc`, as verl's reward
     loop (its default since `reward_model.use_reward_loop`) records it."""
 
-    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
         scored = score_responses(self.compute_score, data_sources, solution_strs, ground_truths, extra_infos,
-                                 plain_key="acc")
+                                 plain_key="acc", row_names=row_names)
         return (*scored, scored[0])
 
 
@@ -88,12 +92,12 @@ class DAPORewardManager(RewardManager):
         self.eos_token, self.max_resp_len = eos_token, max_resp_len
         self.buffer = overlong_buffer_cfg if overlong_buffer_cfg is not None and overlong_buffer_cfg.enable else None
 
-    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
         check_lengths(solution_strs=solution_strs, response_lengths=response_lengths)
         eos = self.eos_token
         texts = [s[:-len(eos)] if eos and s.endswith(eos) else s for s in solution_strs]
         scores, extras, others = score_responses(self.compute_score, data_sources, texts, ground_truths, extra_infos,
-                                                 num_turns=False, plain_key="acc")
+                                                 num_turns=False, plain_key="acc", row_names=row_names)
         b = self.buffer
         if b is None:
             return scores, extras, others, scores
@@ -135,9 +139,9 @@ class BatchRewardManager(RewardManager):
         super().__init__(compute_score)
         self.reward_kwargs = dict(reward_kwargs or {})
 
-    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
         n = check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
-                          extra_infos=extra_infos)
+                          extra_infos=extra_infos, **named_rows(row_names))
         name, path = describe_fn(self.compute_score)
         try:
             results = self.compute_score(
@@ -152,7 +156,7 @@ class BatchRewardManager(RewardManager):
             got = f"{type(results).__name__} {results!r:.200}" if count is None else f"{count} results"
             raise RewardError(f"reward function {name} returned {got} for a batch of {n} responses; expected a list of "
                               f"{n} scores or dicts with a 'score' key, one per response")
-        collected = ResultCollector(name, data_sources)
+        collected = ResultCollector(name, data_sources, row_names=row_names)
         for i in range(n):
             collected.add(results[i])
         scored = collected.done()
@@ -183,11 +187,11 @@ class PrimeRewardManager(RewardManager):
         self.pool = RewardPool(spec, processes, timeout_s, start_timeout_s)
         self.warn = warn or (lambda text: print(text, file=sys.stderr, flush=True))
 
-    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths):
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
         n = check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
-                          extra_infos=extra_infos)
+                          extra_infos=extra_infos, **named_rows(row_names))
         name, _ = describe_fn(self.compute_score)
-        collected = ResultCollector(name, data_sources)
+        collected = ResultCollector(name, data_sources, row_names=row_names)
         calls = [(collected.where(i), (data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i]))
                  for i in range(n)]
         failed: list[str] = []

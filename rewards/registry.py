@@ -261,17 +261,22 @@ def row_extra_info(row: dict | None, num_turns: bool) -> dict:
 class ResultCollector:
     """The reward function's results, row by row, as `score_responses` returns them, each checked
     as it comes: a `RewardError` names the function, the row and its data source. `plain_key`:
-    an extra that a plain (not dict) result's score is also recorded under (dapo's `acc`)."""
+    an extra that a plain (not dict) result's score is also recorded under (dapo's `acc`).
+    `row_names`: how an error names each row (the trainer's: where the row is in the step's batch and
+    the data, whichever share of the batch this process scores); without them, `sample i`, the row's
+    position in the lists scored."""
 
-    def __init__(self, name: str, data_sources: Sequence[str], plain_key: str | None = None):
-        self.name, self.data_sources, self.plain_key = name, data_sources, plain_key
+    def __init__(self, name: str, data_sources: Sequence[str], plain_key: str | None = None,
+                 row_names: Sequence[str] | None = None):
+        self.name, self.data_sources, self.plain_key, self.row_names = name, data_sources, plain_key, row_names
         self.scores: list[float] = []
         self.extras: dict[str, list[float]] = {}
         self.returned: list[dict] = []  # each sample's dict result ({} for a plain score)
         self.other_keys: dict[str, None] = {}  # the keys some sample gave a non-number for, in the function's order
 
     def where(self, i: int) -> str:
-        return f"sample {i} (data_source={self.data_sources[i]!r})"
+        row = f"sample {i}" if self.row_names is None else self.row_names[i]
+        return f"{row} (data_source={self.data_sources[i]!r})"
 
     def add(self, result: Any) -> None:
         """Record the next row's result: a number, a bool, a 0-d tensor or a dict with `score`."""
@@ -312,6 +317,11 @@ class ResultCollector:
         return self.scores, self.extras, {key: [r.get(key) for r in self.returned] for key in self.other_keys}
 
 
+def named_rows(row_names: Sequence[str] | None) -> dict[str, Sequence[str]]:
+    """`row_names` as a column for `check_lengths`, where they are given."""
+    return {} if row_names is None else {"row_names": row_names}
+
+
 def check_lengths(**columns: Sequence) -> int:
     """The common length of the per-row `columns`; ValueError naming each length if they differ."""
     lengths = {k: len(v) for k, v in columns.items()}
@@ -329,6 +339,7 @@ def score_responses(
     *,
     num_turns: bool = True,
     plain_key: str | None = None,
+    row_names: Sequence[str] | None = None,
 ) -> tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]:
     """Score every response with `fn`, one call each (verl's naive reward manager).
 
@@ -341,20 +352,20 @@ def score_responses(
     numbers (NaN where a sample gave none), which are metrics; and for every extra key that
     some sample gave anything else for (a string, a list, None...), every sample's value as
     returned (None where a sample did not return the key), which only the dumps write (verl's
-    dumps carry every key of the result). A key of both kinds is in both. `plain_key`: see
-    `ResultCollector`.
+    dumps carry every key of the result). A key of both kinds is in both. `plain_key` and
+    `row_names`: see `ResultCollector`.
 
     Raises `RewardError` when `fn` raises (chained from the original error) or returns
-    something that is not a finite number, naming the function, sample index and data
-    source.
+    something that is not a finite number, naming the function, the row (`row_names`' name, or
+    its index) and its data source.
     """
     n = len(solution_strs)
     if extra_infos is None:
         extra_infos = [None] * n
     check_lengths(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
-                  extra_infos=extra_infos)
+                  extra_infos=extra_infos, **named_rows(row_names))
     name, path = describe_fn(fn)
-    results = ResultCollector(name, data_sources, plain_key)
+    results = ResultCollector(name, data_sources, plain_key, row_names)
     calls = [dict(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
                   extra_info=row_extra_info(extra_infos[i], num_turns)) for i in range(n)]
     coroutine = getattr(fn, "coroutine", None)

@@ -13,6 +13,7 @@ of the KL guard.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import faulthandler
 import functools
@@ -110,6 +111,23 @@ def val_samples_to_log(samples: list[tuple], k: int) -> list[tuple]:
     picked = sorted(samples, key=lambda sample: sample[0])
     np.random.RandomState(42).shuffle(picked)
     return picked[:k]
+
+
+def reward_row_names(batch: RolloutBatch, items: list[dict], what: str) -> list[str]:
+    """How a reward error names each row of `batch` (generated from `items`, which `batch.uids` index):
+    its position in `what` (in the step's batch, the row's place in its rollout dump, 0-based), which
+    response to which prompt of `what` it is and, where the item has one (a dataset's `where`), the
+    prompt's data row FILE:ROW. Made from the whole batch before it is partitioned, so a row has the
+    same name on any number of ranks, balanced (`trainer.balance_batch`) or not."""
+    responses = collections.Counter(batch.uids)
+    seen: collections.Counter = collections.Counter()
+    names = []
+    for i, u in enumerate(batch.uids):
+        seen[u] += 1
+        data_row = items[u].get("where")
+        names.append(f"sample {i} of {what}: prompt {u}'s response {seen[u]} of {responses[u]}"
+                     + (f", data row {data_row}" if data_row else ""))
+    return names
 
 
 def _dump_row(batch: RolloutBatch, i: int, text_in: str, text_out: str, step: int, score: float, extras: dict,
@@ -459,12 +477,14 @@ class PPOTrainer:
         with self.timer("gen_max"):
             greedy = self._generate_all(items, validate=False, seed=0,
                                         sampling=dict(n=1, temperature=0.0, top_p=1.0, top_k=-1))
-            scores, _, _ = self._score_spread(greedy)
+            scores, _, _ = self._score_spread(greedy, row_names=reward_row_names(
+                greedy, items, "the step's greedy responses (remax)"))
         return scores[torch.tensor(full.uids, device=scores.device)]
 
-    def _score_spread(self, ro: RolloutBatch, texts: list[str] | None = None,
-                      with_extras: bool = False) -> tuple[torch.Tensor, dict, dict]:
-        """`_score` of rows that every rank holds (`ro`, `texts`: their decoded responses, if at hand),
+    def _score_spread(self, ro: RolloutBatch, texts: list[str] | None = None, with_extras: bool = False,
+                      row_names: list[str] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        """`_score` of rows that every rank holds (`ro`, `texts`: their decoded responses, if at hand;
+        `row_names`: how an error names each, `reward_row_names`),
         each row scored once over the ranks: each rank scores its share (`_partition`) and the shares
         are gathered, so the reward function and the reward model do not run on every row on every
         rank. The rows need not divide over the ranks: they are padded to a multiple of the world size
@@ -478,7 +498,8 @@ class PPOTrainer:
         padded = math.ceil(n / w) * w
         local, parts = self._partition(ro.take([i % n for i in range(padded)]))
         mine = None if texts is None else [texts[i % n] for i in parts[self.ctx.rank]]
-        scores, numeric, others, _ = self._score(local, mine)
+        my_names = None if row_names is None else [row_names[i % n] for i in parts[self.ctx.rank]]
+        scores, numeric, others, _ = self._score(local, mine, my_names)
         names = list(numeric)  # the same on every rank (`_agreed_extras`)
         cols = torch.stack([scores.double()] + [torch.tensor(numeric[k], dtype=torch.float64, device=self.device)
                                                for k in names], dim=1)
@@ -518,9 +539,11 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: RolloutBatch, texts: list[str] | None = None
+    def _score(self, ro: RolloutBatch, texts: list[str] | None = None, row_names: list[str] | None = None
                ) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
-        """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand) from
+        """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand;
+        `row_names`: how a reward function's error names each row, `reward_row_names`; a rank's share
+        of a batch knows its rows' places in it only from them) from
         the rule / custom function (called by `reward_model.reward_manager`), the reward model or
         both (`reward_model.combine`), the function's numeric extra columns (the same keys on every
         rank), its other extras (this rank's rows' own keys, for the dumps), and the function's own
@@ -536,7 +559,8 @@ class PPOTrainer:
         if use_rule:
             try:
                 scores, extras, others, own = self.reward_manager.score(
-                    ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses])
+                    ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses],
+                    row_names)
             except RewardError as e:
                 err = str(e)
         rm_batch = None
@@ -607,7 +631,8 @@ class PPOTrainer:
                     full = self._generate_all(items, validate=False, seed=seed)
                 baselines = self._greedy_baselines(items, full)
                 ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
-                scores, extras = self._reward(ro)
+                names = reward_row_names(full, items, "the step's batch")
+                scores, extras = self._reward(ro, [names[i] for i in parts[self.ctx.rank]])
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
             self._values(ro)
@@ -635,12 +660,12 @@ class PPOTrainer:
             metrics["actor/kl_coef"] = self.kl.in_loss.value
         return metrics
 
-    def _reward(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """Scores `[N_local]` and the reward function's numeric extra columns; `ro.token_level_scores`
-        holds each score on its response's last token, `ro.other_extras` the function's other
-        extras (for the dumps)."""
+    def _reward(self, ro: RolloutBatch, row_names: list[str]) -> tuple[torch.Tensor, dict]:
+        """Scores `[N_local]` and the reward function's numeric extra columns (`row_names`: see
+        `_score`); `ro.token_level_scores` holds each score on its response's last token,
+        `ro.other_extras` the function's other extras (for the dumps)."""
         with self.timer("reward"):
-            scores, extras, ro.other_extras, _ = self._score(ro)
+            scores, extras, ro.other_extras, _ = self._score(ro, row_names=row_names)
         self._place_scores(ro, scores)
         return scores, extras
 
