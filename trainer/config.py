@@ -2085,6 +2085,19 @@ def _same_file(a: str, b: str | None) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _mini_batch_share(what: str, seqs: int, world_size: int, sp: int, change: str) -> tuple[int, str]:
+    """A mini-batch's `seqs` sequences (`what`) over the data-parallel groups: the ranks, or their
+    Ulysses groups of `sp` ranks, which pool their rows (`trainer.roles.plan_update`), so it must
+    split over world / sp of them, as verl's engine divides the mini-batch by its data-parallel size.
+    Returns (sequences per group, what a group is); refused naming the option to `change`."""
+    dp = world_size // sp  # (sp divides the world: _validate_sequence_parallel)
+    if seqs % dp:
+        over = f"{world_size} ranks" if sp == 1 else f"{dp} data-parallel groups ({world_size} ranks in Ulysses " \
+                                                     f"groups of {sp})"
+        raise ConfigError(f"{what} = {seqs} sequences must split evenly over {over}: change {change}")
+    return seqs // dp, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
+
+
 def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """Cross-field checks against the launch the config describes (`described_launch`). Given the
     real launch's sizes, first checks that they are the described ones. Raises ConfigError saying
@@ -2174,17 +2187,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if bs % actor.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size ({bs}) must be a multiple of "
                           f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
-    mini_seqs = actor.ppo_mini_batch_size * n
-    if mini_seqs % world_size:
-        raise ConfigError(f"ppo_mini_batch_size x rollout.n = {mini_seqs} sequences must split evenly over "
-                          f"{world_size} ranks: change actor_rollout_ref.actor.ppo_mini_batch_size")
+    per_group, who = _mini_batch_share("ppo_mini_batch_size x rollout.n", actor.ppo_mini_batch_size * n, world_size,
+                                       actor.ulysses_sequence_parallel_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
     if not actor.use_dynamic_bsz:
         micro = actor.ppo_micro_batch_size_per_gpu
         if micro is None:
             raise ConfigError("set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or use_dynamic_bsz=true")
-        # a Ulysses group's ranks pool their rows: its micro-batches cut the group's share
-        sp = actor.ulysses_sequence_parallel_size
-        per_group, who = mini_seqs * sp // world_size, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
         if per_group % micro:
             raise ConfigError(f"sequences per {who} per mini-batch ({per_group}) must be a multiple of "
                               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
@@ -2272,14 +2280,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         cmini = critic.ppo_mini_batch_size
         if bs % cmini:
             raise ConfigError(f"data.train_batch_size ({bs}) must be a multiple of critic.ppo_mini_batch_size ({cmini})")
-        if (cmini * n) % world_size:
-            raise ConfigError(f"critic.ppo_mini_batch_size x rollout.n ({cmini * n}) must split over {world_size} ranks")
+        per_group, who = _mini_batch_share("critic.ppo_mini_batch_size x rollout.n", cmini * n, world_size,
+                                           critic.ulysses_sequence_parallel_size, "critic.ppo_mini_batch_size")
         if not critic.use_dynamic_bsz:
             cmicro = critic.ppo_micro_batch_size_per_gpu
             if cmicro is None:
                 raise ConfigError("set critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true")
-            sp = critic.ulysses_sequence_parallel_size
-            per_group, who = cmini * n * sp // world_size, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
             if per_group % cmicro:
                 raise ConfigError(f"critic sequences per {who} per mini-batch ({per_group}) must be a multiple of "
                                   f"critic.ppo_micro_batch_size_per_gpu ({cmicro})")

@@ -214,6 +214,38 @@ def test_an_fsdp_size_above_the_launch_shards_over_every_rank_as_verl():
     assert build_dataclass(PPOConfig, dataclasses.asdict(cfg)) == cfg
 
 
+ULYSSES_REPRO = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                 "actor_rollout_ref.rollout.n=3"]
+
+
+@pytest.mark.parametrize("role, sp_key, micro_key", [
+    ("actor", "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("critic", "critic.ulysses_sequence_parallel_size", "critic.ppo_micro_batch_size_per_gpu"),
+])
+def test_a_ulysses_mini_batch_splits_over_the_data_parallel_groups(role, sp_key, micro_key):
+    """A Ulysses group's ranks pool their rows, so a mini-batch splits over world / sp groups (verl's
+    engine divides it by its data-parallel size): on 2 ranks in one group of 2, 1 prompt x 3 responses is
+    one group's 3 sequences, which micro-batches of 3 cut. It was refused as 3 sequences over 2 ranks.
+    The micro-batch check that follows still reads the group's share; 4 ranks in 2 groups are 2 shares."""
+    # the critic's own mini-batch of 1 prompt, the actor's of 2 (6 sequences: one share of 3 per group)
+    own = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"] if role == "critic" else []
+    validate(_cfg(*ULYSSES_REPRO, *own, f"{sp_key}=2", f"{micro_key}=3"), 2, 2)
+    where = "critic " if role == "critic" else ""
+    with pytest.raises(ConfigError, match=rf"{where}sequences per group of 2 ranks \(Ulysses\) per mini-batch \(3\) must "
+                                          rf"be a multiple of {micro_key} \(2\)"):
+        validate(_cfg(*ULYSSES_REPRO, *own, f"{sp_key}=2", f"{micro_key}=2"))
+    mini = "critic.ppo_mini_batch_size" if role == "critic" else "actor_rollout_ref.actor.ppo_mini_batch_size"
+    with pytest.raises(ConfigError, match=rf"= 3 sequences must split evenly over 2 data-parallel groups \(4 ranks in "
+                                          rf"Ulysses groups of 2\): change {mini}$"):
+        validate(_cfg(*ULYSSES_REPRO, *own, "data.train_batch_size=4", "trainer.n_gpus_per_node=4", f"{sp_key}=2",
+                      f"{micro_key}=3"))
+    with pytest.raises(ConfigError, match=rf"= 3 sequences must split evenly over 2 ranks: change {mini}$"):
+        validate(_cfg(*ULYSSES_REPRO, *own, f"{micro_key}=3"))
+
+
 def test_lora_options_build_the_actor_lora_config():
     cfg = _cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[v_proj, q_proj]")
     validate(cfg)
