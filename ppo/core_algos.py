@@ -2001,18 +2001,153 @@ def compute_rollout_rejection_mask(
     return keep.to(delta.dtype)
 
 
-def _passes(delta: torch.Tensor, mask: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
-    """``[B, T]`` (or ``[B, 1]`` for a sequence criterion) bool: where ``criterion`` passes."""
-    option, lower, upper = criterion
+def _rejection_statistic(delta: torch.Tensor, mask: torch.Tensor, option: str) -> torch.Tensor:
+    """``option``'s statistic (``compute_rollout_rejection_mask``): ``[B, T]`` for a token option,
+    ``[B, 1]`` for a sequence option (-inf for an empty row's max)."""
     if option not in ROLLOUT_RS_OPTIONS:
         raise ValueError(f"unknown rollout_rs option {option!r}; valid options are {list(ROLLOUT_RS_OPTIONS)}")
     level, kind = option.rsplit("_", 1)
     stat = {"k1": delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[kind]
     if level != "token":
         stat = _sequence_stat(stat, mask, level.removeprefix("seq_"))[:, None]
-    if kind == "k1":
+    return stat
+
+
+def _passes(delta: torch.Tensor, mask: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
+    """``[B, T]`` (or ``[B, 1]`` for a sequence criterion) bool: where ``criterion`` passes."""
+    option, lower, upper = criterion
+    stat = _rejection_statistic(delta, mask, option)
+    if option.endswith("k1"):
         return (stat >= math.log(lower)) & (stat <= math.log(upper))
     return stat <= upper
+
+
+def _extremes(values: torch.Tensor, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max and min of ``values`` where ``where`` holds (0 and 0 where it holds nowhere)."""
+    found = where.any()
+    peak = torch.where(where, values, -math.inf).amax()
+    floor = torch.where(where, values, math.inf).amin()
+    return torch.where(found, peak, 0.0), torch.where(found, floor, 0.0)
+
+
+def _token_spread(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's spread of a statistic over the valid tokens: ``sqrt(max(E[x^2] - E[x]^2, 0))``, the
+    population standard deviation, and 0 for fewer than two tokens."""
+    mean = masked_mean(values, mask)
+    variance = (masked_mean(values.square(), mask) - mean.square()).clamp_min(0.0)
+    return torch.where(mask.sum() > 1, variance.sqrt(), 0.0)
+
+
+def _sequence_summary(values: torch.Tensor, rows: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """``<prefix>_seq_{mean,std,max,min}`` of the per-sequence ``values`` over the non-empty rows;
+    the std is the sample one (n - 1, as ``torch.std``), 0 for a single row."""
+    mean = masked_mean(values, rows)
+    count = rows.sum()
+    std = (masked_sum((values - mean).square(), rows) / (count - 1).clamp_min(1)).sqrt()
+    peak, floor = _extremes(values, rows)
+    return {f"{prefix}_seq_mean": mean, f"{prefix}_seq_std": torch.where(count > 1, std, 0.0),
+            f"{prefix}_seq_max": peak, f"{prefix}_seq_min": floor}
+
+
+def _off_policy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, delta: torch.Tensor,
+                        exact_delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The KL, chi-square and perplexity figures of ``compute_rollout_correction``."""
+    dtype = delta.dtype
+    old = masked_mean(old_log_prob.to(dtype), mask, axis=-1)
+    rollout = masked_mean(rollout_log_prob.to(dtype), mask, axis=-1)
+    gap = rollout - old  # log(training ppl / rollout ppl) of each sequence
+    gap_max, gap_min = _extremes(gap, rows)
+    seq_delta = exact_delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return {
+        "rollout_corr/kl": masked_mean(-exact_delta, mask),
+        "rollout_corr/k3_kl": masked_mean(torch.expm1(exact_delta) - exact_delta, mask),
+        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1.0,
+        "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_delta), rows) - 1.0,
+        "rollout_corr/training_ppl": masked_mean(torch.exp(-old), rows),
+        "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout), rows),
+        "rollout_corr/training_log_ppl": masked_mean(-old, rows),
+        "rollout_corr/rollout_log_ppl": masked_mean(-rollout, rows),
+        "rollout_corr/log_ppl_diff": masked_mean(gap, rows),
+        "rollout_corr/log_ppl_abs_diff": masked_mean(gap.abs(), rows),
+        "rollout_corr/log_ppl_diff_max": gap_max,
+        "rollout_corr/log_ppl_diff_min": gap_min,
+        "rollout_corr/ppl_ratio": masked_mean(torch.exp(gap), rows),
+    }
+
+
+def _is_weight_metrics(weights: torch.Tensor, delta: torch.Tensor, seq_log_ratio: torch.Tensor, mask: torch.Tensor,
+                       rows: torch.Tensor, rollout_is: str, lower: float | None,
+                       upper: float) -> dict[str, torch.Tensor]:
+    """The ``rollout_is_*`` figures of ``compute_rollout_correction``, of the weights before
+    batch normalisation."""
+    low = lower if lower is not None else 1.0 / upper
+    name = "rollout_corr/rollout_is"
+    if rollout_is == "token":
+        ratios = torch.where(mask, torch.exp(delta), 0.0)  # before truncation
+        high, below = _fraction(ratios > upper, mask, weights), _fraction(ratios < low, mask, weights)
+        peak, floor = _extremes(weights, mask)
+    else:  # judged by the unclamped log of each sequence's ratio, as verl
+        ratios = torch.where(mask, torch.exp(seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))[:, None], 0.0)
+        high = _fraction(seq_log_ratio > math.log(upper), rows, weights)
+        below = _fraction(seq_log_ratio < math.log(low), rows, weights)
+        top, bottom = _extremes(seq_log_ratio, rows)
+        peak, floor = torch.exp(top.clamp(max=LOG_RATIO_BOUND)), torch.exp(bottom)
+    # verl clamps the weights to [0, upper] for the std and the ESS: truncation left them there
+    second_moment = masked_mean((weights / (masked_mean(weights, mask) + 1e-8)).square(), mask)
+    per_sequence = masked_mean(weights, mask, axis=-1)
+    ratio_means = masked_mean(ratios, mask, axis=-1)
+    metrics = {
+        f"{name}_mean": masked_mean(weights, mask),
+        f"{name}_ratio_fraction_high": high,
+        f"{name}_ratio_fraction_low": below,
+        f"{name}_max": peak,
+        f"{name}_min": floor,
+        f"{name}_std": _token_spread(weights, mask),
+        f"{name}_eff_sample_size": torch.where(second_moment > 0, 1.0 / second_moment, 0.0),
+        **_sequence_summary(per_sequence, rows, name),
+        f"{name}_seq_max_deviation": _extremes((per_sequence - 1.0).abs(), rows)[0],
+        f"{name}_seq_fraction_high": _fraction(ratio_means > upper, rows, weights),
+        f"{name}_seq_fraction_low": _fraction(ratio_means < low, rows, weights),
+    }
+    if lower is not None:  # IcePop: the share of tokens whose weight it zeroed
+        metrics[f"{name}_oob_ratio"] = _fraction((ratios < lower) | (ratios > upper), mask, weights)
+    return metrics
+
+
+def _rejection_metrics(criterion: RejectionCriterion, delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+                       passed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``rollout_rs_<option>_*`` figures of ``compute_rollout_correction`` for one criterion;
+    ``passed`` is where it passes, ``[B, T]``."""
+    option, lower, upper = criterion
+    stat = _rejection_statistic(delta, mask, option)
+    if option.endswith("k1"):
+        # verl's k1 is log(pi_rollout / pi_old) = -delta: the bounds this module puts on delta
+        # become [-log upper, -log lower] (verl's [log lower, log upper] wherever lower = 1 / upper)
+        stat, low, high = -stat, -math.log(upper), -math.log(lower)
+    else:
+        low, high = None, upper
+    per_token = stat.expand_as(mask)  # a sequence option's statistic on each of its tokens
+    per_sequence = stat[:, 0] if option.startswith("seq_") else masked_mean(stat, mask, axis=-1)
+    judged, where = (per_sequence, rows) if option.startswith("seq_") else (stat, mask)
+    peak, floor = _extremes(judged, where)
+    rejected = mask & ~passed
+    name = f"rollout_corr/rollout_rs_{option}"
+    metrics = {
+        f"{name}_mean": masked_mean(per_token, mask),
+        f"{name}_max": peak,
+        f"{name}_min": floor,
+        f"{name}_fraction_high": _fraction(judged > high, where, delta),
+        f"{name}_fraction_low": delta.new_zeros(()) if low is None else _fraction(judged < low, where, delta),
+        f"{name}_std": _token_spread(per_token.clamp(0.0 if low is None else low, high), mask),
+        **_sequence_summary(per_sequence, rows, name),
+        f"{name}_seq_max_deviation": _extremes(per_sequence.abs(), rows)[0],
+        f"{name}_seq_fraction_high": _fraction(per_sequence > high, rows, delta),
+    }
+    if low is not None:
+        metrics[f"{name}_seq_fraction_low"] = _fraction(per_sequence < low, rows, delta)
+    metrics[f"{name}_masked_fraction"] = _fraction(rejected, mask, delta)
+    metrics[f"{name}_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, delta)
+    return metrics
 
 
 @torch.no_grad()
@@ -2034,38 +2169,58 @@ def compute_rollout_correction(
     mask (``compute_rollout_rejection_mask``, None without ``rejection``) replaces the response
     mask, as verl's ``modified_response_mask``: a rejected token leaves the loss rather than
     being weighted 0 (a per-sequence token mean counts only the kept tokens). In decoupled mode
-    the trainer uses it for everything downstream (advantages, every loss term and the global
-    counts that normalise it, the critic); in bypass mode, where it depends on pi_theta, for
+    the trainer uses it for everything downstream (advantages, every loss term, the global
+    token count that normalises them, the critic); in bypass mode, where it depends on pi_theta, for
     the policy-gradient term only, normalised by the counts of the response mask, as verl's
     ``compute_policy_loss_bypass_mode`` under its global normalisation (``Actor.update``).
 
-    Metrics (detached 0-dim tensors, means over this call's valid tokens or non-empty
-    sequences; no host sync)::
+    Metrics: the keys of verl 0.9.1's ``compute_rollout_correction_and_rejection_mask``, with its
+    definitions, as detached 0-dim tensors (no host sync). ``rho = pi_old / pi_rollout`` per
+    token, ``delta = log rho``; "over tokens" means over the valid tokens, "over sequences" over the
+    non-empty rows (verl counts empty responses in some figures: the perplexities, ``chi2_seq``,
+    ``rollout_is_seq_*``, the sequence-level ``rollout_is_ratio_fraction_*`` and
+    ``rollout_rs_seq_masked_fraction``)::
 
-        rollout_corr/kl                 mean_t (log pi_rollout - log pi_old): KL(pi_rollout || pi_old), k1
-        rollout_corr/k3_kl              mean_t (rho - 1 - log rho): the same KL, k3
-        rollout_corr/chi2_token         mean_t rho^2 - 1
-        rollout_corr/chi2_seq           mean_i (prod_t rho)^2 - 1
-        rollout_corr/training_ppl       mean_i exp(-mean_t log pi_old)
-        rollout_corr/rollout_ppl        mean_i exp(-mean_t log pi_rollout)
-        rollout_corr/training_log_ppl   mean_i -mean_t log pi_old
-        rollout_corr/rollout_log_ppl    mean_i -mean_t log pi_rollout
-        rollout_corr/log_ppl_diff       mean_i (mean_t log pi_rollout - mean_t log pi_old)
-        rollout_corr/log_ppl_abs_diff   mean_i |mean_t log pi_rollout - mean_t log pi_old|
-        rollout_corr/ppl_ratio          mean_i exp(mean_t log pi_rollout - mean_t log pi_old): training / rollout ppl
-      (verl's names and definitions; not its log_ppl_diff_max / _min, which a mean over micro-batches
-      would misstate)
-      with rollout_is:
-        rollout_corr/rollout_is_mean                 mean_t of the truncated weights (before batch_normalize)
-        rollout_corr/rollout_is_ratio_fraction_high  share of tokens (sequences, at sequence
-        rollout_corr/rollout_is_ratio_fraction_low   level) whose weight before truncation is
-                                                     above upper / below lower (1 / upper for TIS)
-        rollout_corr/rollout_is_batch_norm_factor    with batch_normalize: the mean the weights were
-                                                     divided by (``normalize_rollout_is_weights``)
-      with rejection:
-        rollout_corr/rollout_rs_masked_fraction      share of tokens rejected
-        rollout_corr/rollout_rs_seq_masked_fraction  share of sequences with a rejected token
-        rollout_corr/rollout_rs_<option>_masked_fraction   share of tokens that option rejects
+        kl, k3_kl                  mean over tokens of -delta, of rho - 1 - delta: KL(pi_rollout || pi_old)
+        chi2_token, chi2_seq       mean over tokens of rho^2, over sequences of (prod_t rho)^2, minus 1
+        training_ppl, rollout_ppl             mean over sequences of exp(-mean_t log pi)
+        training_log_ppl, rollout_log_ppl     mean over sequences of -mean_t log pi
+        log_ppl_diff, log_ppl_abs_diff,       mean, mean |.|, max and min over sequences of
+        log_ppl_diff_max, log_ppl_diff_min    mean_t log pi_rollout - mean_t log pi_old
+        ppl_ratio                  mean over sequences of exp(that): training / rollout perplexity
+      with rollout_is (w: the weights before batch_normalize; r: the ratios before truncation):
+        rollout_is_mean, rollout_is_std     mean and population std of w over tokens
+        rollout_is_eff_sample_size          1 / mean_t (w / (mean_t w + 1e-8))^2, in (0, 1]; 0 where
+                                            every w is 0 (verl raises ZeroDivisionError there)
+        rollout_is_max, rollout_is_min      token level: of w over tokens; sequence level: of
+                                            prod_t rho over sequences (the max capped at e^20)
+        rollout_is_ratio_fraction_high/_low share of tokens (sequences, at sequence level) whose r
+                                            is above upper / below lower (1 / upper for TIS)
+        rollout_is_seq_mean, _std, _max, _min   of each sequence's mean_t w (sample std)
+        rollout_is_seq_max_deviation        max over sequences of |mean_t w - 1|
+        rollout_is_seq_fraction_high/_low   share of sequences whose mean_t r is above upper / below lower
+        rollout_is_oob_ratio                IcePop only: share of tokens whose r is outside [lower, upper]
+        rollout_is_batch_norm_factor        with batch_normalize: the mean the weights were divided
+                                            by (``normalize_rollout_is_weights``)
+      with rejection, per option (s: its statistic, per token for token_*, per sequence for seq_*,
+      with verl's k1 = -delta; [lo, hi]: its bounds on s, k1 [-log upper, -log lower], which is
+      verl's [log lower, log upper] wherever lower = 1 / upper, k2 / k3 [0, upper]):
+        rollout_rs_<option>_mean            mean over tokens of s (a sequence's s on each of its tokens)
+        rollout_rs_<option>_std             population std over tokens of s clamped to [lo, hi]
+        rollout_rs_<option>_max, _min       of s over tokens (token_*) or sequences (seq_*)
+        rollout_rs_<option>_fraction_high   share of those above hi
+        rollout_rs_<option>_fraction_low    share of those below lo (0 for k2 / k3)
+        rollout_rs_<option>_seq_mean, _std, _max, _min   of s per sequence (token_*: its token
+                                            mean), over sequences (sample std)
+        rollout_rs_<option>_seq_max_deviation   max over sequences of |that|
+        rollout_rs_<option>_seq_fraction_high   share of sequences above hi (and _seq_fraction_low,
+                                            k1 only: below lo)
+        rollout_rs_<option>_masked_fraction     share of tokens the option rejects
+        rollout_rs_<option>_seq_masked_fraction share of sequences where it rejects a token
+        rollout_rs_masked_fraction, rollout_rs_seq_masked_fraction   the same for all options together
+
+    In bypass mode the actor calls this per micro-batch and averages every figure, the maxima
+    and minima too, over the micro-batches and ranks, as verl 0.9.1 does (``Metric`` MEAN).
 
     Args:
         old_log_prob: ``[B, T]`` the policy the loss is relative to: the recomputed actor
@@ -2085,52 +2240,28 @@ def compute_rollout_correction(
     """
     mask = response_mask.bool()
     delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
-    dtype = delta.dtype
+    exact_delta = _log_ratio(old_log_prob, rollout_log_prob, mask, clamp=False)
     rows = mask.any(dim=-1)
-    old = torch.where(mask, old_log_prob.to(dtype), 0.0)
-    rollout = torch.where(mask, rollout_log_prob.to(dtype), 0.0)
-    old_mean, rollout_mean = masked_mean(old, mask, axis=-1), masked_mean(rollout, mask, axis=-1)
-    seq_delta = _sequence_log_ratio(old_log_prob, rollout_log_prob, mask)
-    metrics = {
-        "rollout_corr/kl": masked_mean(-delta, mask),
-        "rollout_corr/k3_kl": masked_mean(torch.expm1(delta) - delta, mask),
-        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1.0,
-        "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_delta), rows) - 1.0,
-        "rollout_corr/training_ppl": masked_mean(torch.exp(-old_mean), rows),
-        "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout_mean), rows),
-        "rollout_corr/training_log_ppl": masked_mean(-old_mean, rows),
-        "rollout_corr/rollout_log_ppl": masked_mean(-rollout_mean, rows),
-        "rollout_corr/log_ppl_diff": masked_mean(rollout_mean - old_mean, rows),
-        "rollout_corr/log_ppl_abs_diff": masked_mean((rollout_mean - old_mean).abs(), rows),
-        "rollout_corr/ppl_ratio": masked_mean(torch.exp(rollout_mean - old_mean), rows),
-    }
+    metrics = _off_policy_metrics(old_log_prob, rollout_log_prob, delta, exact_delta, mask, rows)
     weights = keep = None
     if rollout_is is not None:
         weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, rollout_is,
                                              rollout_is_lower, rollout_is_upper)
-        lower = rollout_is_lower if rollout_is_lower is not None else 1.0 / rollout_is_upper
-        if rollout_is == "token":
-            raw, where = delta, mask
-        else:
-            raw, where = seq_delta, rows
-        metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask)
-        metrics["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean(
-            (raw > math.log(rollout_is_upper)).to(dtype), where)
-        metrics["rollout_corr/rollout_is_ratio_fraction_low"] = masked_mean((raw < math.log(lower)).to(dtype), where)
+        metrics.update(_is_weight_metrics(weights, delta, exact_delta.sum(-1), mask, rows, rollout_is,
+                                          rollout_is_lower, rollout_is_upper))
         if batch_normalize:
             weights, metrics["rollout_corr/rollout_is_batch_norm_factor"] = normalize_rollout_is_weights(
                 weights, mask, rollout_is, all_reduce)
     if rejection:
         keep = mask.clone()
         for criterion in rejection:
-            passed = _passes(delta, mask, criterion)
-            metrics[f"rollout_corr/rollout_rs_{criterion.option}_masked_fraction"] = masked_mean(
-                (~passed).expand_as(mask).to(dtype), mask)
+            passed = _passes(delta, mask, criterion).expand_as(mask)
+            metrics.update(_rejection_metrics(criterion, delta, mask, rows, passed))
             keep &= passed
         rejected = mask & ~keep
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.to(dtype), mask)
-        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dtype), rows)
-        keep = keep.to(dtype)
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = _fraction(rejected, mask, delta)
+        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, delta)
+        keep = keep.to(delta.dtype)
     return weights, keep, metrics
 
 
