@@ -113,6 +113,25 @@ def val_samples_to_log(samples: list[tuple], k: int) -> list[tuple]:
     return picked[:k]
 
 
+def contiguous_parts(n: int, k: int) -> list[list[int]]:
+    """`n` rows cut into `k` consecutive blocks in their order, as equal as they divide (the partition
+    without `trainer.balance_batch`)."""
+    return [list(range(r * n // k, (r + 1) * n // k)) for r in range(k)]
+
+
+def seqlen_balance_metrics(lengths: list[int], parts: list[list[int]]) -> dict[str, float]:
+    """verl's `global_seqlen/*` figures of a balanced partition (its `log_seqlen_unbalance`): each rank's
+    tokens (`lengths`: each row's prompt + response, attention-mask tokens, which the partition balances)
+    before balancing, the batch cut into consecutive blocks in its order (`min`, `max`, `minmax_diff`),
+    and after it, `parts` (`balanced_min`, `balanced_max`); `mean`, the batch's tokens over the ranks."""
+    before = [sum(lengths[i] for i in block) for block in contiguous_parts(len(lengths), len(parts))]
+    after = [sum(lengths[i] for i in part) for part in parts]
+    return {"global_seqlen/min": float(min(before)), "global_seqlen/max": float(max(before)),
+            "global_seqlen/minmax_diff": float(max(before) - min(before)),
+            "global_seqlen/balanced_min": float(min(after)), "global_seqlen/balanced_max": float(max(after)),
+            "global_seqlen/mean": sum(lengths) / len(parts)}
+
+
 def reward_row_names(batch: RolloutBatch, items: list[dict], what: str) -> list[str]:
     """How a reward error names each row of `batch` (generated from `items`, which `batch.uids` index):
     its position in `what` (in the step's batch, the row's place in its rollout dump, 0-based), which
@@ -527,7 +546,7 @@ class PPOTrainer:
         elif self.cfg.trainer.balance_batch:
             parts = balanced_equal_partitions(ro.lengths(), w)
         else:
-            parts = [list(range(k * n // w, (k + 1) * n // w)) for k in range(w)]
+            parts = contiguous_parts(n, w)
         local = ro.take(parts[r])
         return local, parts
 
@@ -633,6 +652,8 @@ class PPOTrainer:
                 ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
                 names = reward_row_names(full, items, "the step's batch")
                 scores, extras = self._reward(ro, [names[i] for i in parts[self.ctx.rank]])
+            if self.cfg.trainer.balance_batch:  # the balance of the batch the step trains on (before a PF-PPO redraw)
+                metrics.update(seqlen_balance_metrics(full.lengths(), parts))
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
             self._values(ro)
