@@ -948,9 +948,9 @@ def count_loss_units(response_mask: torch.Tensor | np.ndarray, loss_agg_mode: st
     """How many units ``agg_loss`` averages over in this (micro-)batch.
 
     Tokens for ``token-mean`` (and ``token-sum``, which sums them without averaging); non-empty
-    sequences (rows with at least one valid token) for the ``seq-mean-*`` modes. The trainer sums this over the micro-batches of a mini-batch
-    and all-reduces the sum over the data-parallel group to get ``global_num_tokens`` /
-    ``global_num_seqs``. Reads the count on the host, before the forward, so it does not
+    sequences (rows with at least one valid token) for the ``seq-mean-*`` modes. The trainer
+    sums this over the micro-batches of a mini-batch and all-reduces the sum over the
+    data-parallel group to get ``global_num_tokens`` / ``global_num_seqs``. Reads the count on the host, before the forward, so it does not
     stall a running kernel queue; ``response_mask`` may be a NumPy array (the trainer's
     planning counts without torch CPU ops, whose thread pool can stall on a busy host).
     """
@@ -995,8 +995,9 @@ def agg_loss(
     ``N_seqs`` counts non-empty rows only: a padding row (all-zero mask) contributes nothing
     and is not counted. verl's engine workers leave empty rows out of the sum too, but divide
     by the mini-batch's rows, empty ones included (``global_batch_size``): the same where no
-    response is empty (an empty response, a row whose tokens rollout rejection removed all of,
-    weighs the others less there).
+    response is empty (an empty response weighs the others less there). The trainer passes
+    ``global_num_seqs`` counted from the response mask, before rollout rejection, so a row
+    that rejection emptied counts, as in verl.
 
     Normalisation contract. Without global counts, ``N_tokens`` / ``N_seqs`` are this
     call's own counts: the plain local mean. With ``global_num_tokens`` (token-mean) or

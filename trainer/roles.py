@@ -144,9 +144,10 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
 @dataclass
 class MiniBatch:
     """One optimizer step of an update: this rank's micro-batches and the loss units of the whole
-    mini-batch summed over every rank, for the global-mean loss: its tokens and its non-empty
-    sequences (both: a policy loss may aggregate its own way, e.g. SAPO by sequence, while the
-    entropy and KL terms follow `loss_agg_mode`)."""
+    mini-batch summed over every rank, for the global-mean loss: its tokens (those rollout
+    rejection kept) and its non-empty responses (counted before rejection, as verl's
+    global_batch_size) (both: a policy loss may aggregate its own way, e.g. SAPO by sequence,
+    while the entropy and KL terms follow `loss_agg_mode`)."""
 
     parts: list[list[int]]
     global_tokens: float
@@ -167,12 +168,16 @@ def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: b
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
         batches += [order[m * mini:(m + 1) * mini] for m in range(num_mini_batches)]
-    # The host's own mask (no read-back of the device's), every mini-batch's rows in one gather
+    # The host's own masks (no read-back of the device's), every mini-batch's rows in one gather
     # (mini-batches are equal-sized), in NumPy: a torch CPU op here waited up to 3 ms for torch's
     # thread pool on a busy host, with the GPU idle (profiled at the start of an update phase).
-    per_batch = ro.host_loss_mask()[np.asarray(batches, dtype=np.int64)]
-    units = [u / sp_size for u in comm.all_reduce_values([count_loss_units(m, mode) for m in per_batch
-                                                          for mode in ("token-mean", "seq-mean-token-mean")])]
+    # The tokens are those rollout rejection kept (`loss_mask`); the sequences are counted before
+    # it, as verl's global_batch_size: a row that rejection emptied adds nothing but still counts.
+    rows = np.asarray(batches, dtype=np.int64)
+    counts = []
+    for kept, responses in zip(ro.host_loss_mask()[rows], ro.host_response_mask()[rows]):
+        counts += [count_loss_units(kept, "token-mean"), count_loss_units(responses, "seq-mean-token-mean")]
+    units = [u / sp_size for u in comm.all_reduce_values(counts)]
     plans = _plan(batches, ro.lengths(), micro_size, dynamic, max_tokens, ro.prefix_groups() if share_prefix else None)
     return [MiniBatch(parts, *units[2 * i:2 * i + 2]) for i, parts in enumerate(plans)]
 

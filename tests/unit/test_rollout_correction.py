@@ -478,6 +478,59 @@ def test_decoupled_rejection_removes_tokens_from_every_term_and_the_normaliser()
     assert out["actor/pg_loss"] == pytest.approx(expected_pg, rel=1e-6)
 
 
+def test_decoupled_rejection_of_a_whole_sequence_keeps_it_in_the_sequence_count():
+    """seq-mean-token-mean in decoupled mode: each term is a token mean over each row's kept
+    tokens, summed over the rows and divided by the mini-batch's 8 rows, as verl's
+    global_batch_size; row 1, which rejection emptied, adds 0 but counts. It was left out of the
+    count (7): the surviving rows weighed 8 / 7 of verl's. The critic's vf_loss counts it too."""
+    from kl import kl_penalty
+    from trainer.roles import Critic
+    from tests.unit.test_batching import _critic_cfg
+
+    base = Transformer.build(ARGS, seed=0)
+    model = copy.deepcopy(base)
+    worker = _worker(model)
+    ro = _rollouts()
+    keep = _keep(ro)
+    assert keep[1].sum() == 0 and ro.response_mask[1].sum() == 2
+    ro.old_log_probs, _ = worker.log_probs(ro)
+    ro.rollout_log_probs = ro.old_log_probs
+    ro.rollout_rs_mask = keep
+    cfg = _actor_cfg(entropy_coeff=0.01, use_kl_loss=True, ppo_micro_batch_size_per_gpu=3,
+                     loss_agg_mode="seq-mean-token-mean")
+    out = worker.update(ro, cfg, num_mini_batches=1, kl_loss_coef=0.1, seed=0,
+                        rollout_correction=_rc(rejection=(RejectionCriterion("token_k1", 0.5, 2.0),)))
+    got = {k: v - base.state_dict()[k] for k, v in model.state_dict().items()}
+
+    def seq_mean(x):  # verl's agg_loss: sum_i (sum_t keep x / n_kept_i) / global_batch_size
+        return ((x * keep).sum(-1) / keep.sum(-1).clamp(min=1)).sum() / 8
+
+    def verl_loss(ro, logp, ent):
+        pg = seq_mean(-ro.advantages * torch.exp(logp - logp.detach()))
+        return pg - 0.01 * seq_mean(ent) + 0.1 * seq_mean(kl_penalty(logp, ro.ref_log_probs, "low_var_kl"))
+
+    want = _sgd_delta(base, verl_loss)
+    assert max(v.abs().max().item() for v in want.values()) > 1e-3
+    _assert_same(want, got)
+    # pg_loss at ratio 1, by hand: the kept advantages' mean of each row, summed, over 8
+    a = ro.advantages.double()
+    rows = [[float(a[i, t]) for t in range(ro.width) if keep[i, t]] for i in range(8)]
+    expected_pg = -sum(sum(r) / len(r) for r in rows if r) / 8
+    assert out["actor/pg_loss"] == pytest.approx(expected_pg, rel=1e-6)
+    assert abs(expected_pg * 8 / 7 - expected_pg) > 1e-3  # the old count's figure is far off
+
+    critic = Critic(Transformer.build(ARGS, head="value", seed=1), None, None, packed=True, pad_token_id=0,
+                    device=torch.device("cpu"), world_size=1, response_length=5, batching=MicroBatching(8, False, 0))
+    critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=0.0)
+    with torch.no_grad():
+        ro.values = critic.values(ro)
+    gap = 0.1 * torch.arange(1, ro.width + 1, dtype=torch.float32) * ro.response_mask
+    ro.returns = ro.values + gap  # vpred = values: the clipped and plain terms are both gap^2
+    vf = critic.update(ro, _critic_cfg(loss_agg_mode="seq-mean-token-mean"), num_mini_batches=1, seed=0)
+    squares = [[(0.1 * (t + 1)) ** 2 for t in range(ro.width) if keep[i, t]] for i in range(8)]
+    assert vf["critic/vf_loss"] == pytest.approx(0.5 * sum(sum(r) / len(r) for r in squares if r) / 8, rel=1e-5)
+
+
 def test_bypass_rejection_is_a_per_sequence_mean_over_the_kept_tokens():
     """Bypass mode, loss_type=reinforce, seq-mean-token-mean: verl's bypass loss takes the
     rejection mask as the policy-gradient term's response mask, so each sequence's token mean
