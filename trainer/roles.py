@@ -436,9 +436,11 @@ class Actor(TrainableRole):
         skipped on-policy, `actor/ref_kl` (with a reference).
 
         With `cfg.calculate_entropy` or an entropy bonus (verl's `calculate_entropy or
-        entropy_coeff != 0`), `actor/entropy` is instead the update's own, as verl's actor reports it
-        then: each mini-batch's entropy under the actor of its forwards (aggregated with
-        `loss_agg_mode` over the whole mini-batch), averaged over the mini-batches and epochs."""
+        entropy_coeff != 0`) the update computes its own entropy, `actor/entropy_loss` (each
+        mini-batch's under the actor of its forwards, aggregated as the loss, averaged over the
+        mini-batches and epochs), as verl 0.9.1's engine workers; `actor/entropy` stays the
+        recompute pass's. `actor/loss` is the whole loss backpropagated (policy gradient, minus the
+        entropy bonus, plus the KL loss), averaged as its terms, as verl's."""
         need_entropy = cfg.entropy_coeff != 0
         report_entropy = need_entropy or cfg.calculate_entropy
         rc = rollout_correction
@@ -459,9 +461,8 @@ class Actor(TrainableRole):
         # aggregated as the loss (loss_agg_mode), the masked sums of |log-prob - engine log-prob| and of
         # the k3 KL to the reference, and the token count
         first = torch.zeros(4, dtype=torch.float64, device=self.device)
-        sum_keys = (("actor/pg_loss",) + (("actor/kl_loss",) if cfg.use_kl_loss else ())
-                    + (("actor/entropy_loss",) if need_entropy else ())
-                    + (("actor/entropy",) if report_entropy else ()))
+        sum_keys = (("actor/loss", "actor/pg_loss") + (("actor/kl_loss",) if cfg.use_kl_loss else ())
+                    + (("actor/entropy_loss",) if report_entropy else ()))
 
         def forward(sub, k):
             return self._forward(sub, report_entropy or (from_update and k == 0))
@@ -496,15 +497,15 @@ class Actor(TrainableRole):
             sums = {"actor/pg_loss": pg.pg_loss.detach()}
             if report_entropy:
                 ent_loss = agg_loss(ent, m_mask, cfg.loss_agg_mode, **agg_kw)
-                sums["actor/entropy"] = ent_loss.detach()
+                sums["actor/entropy_loss"] = ent_loss.detach()
             if need_entropy:
                 total = total - cfg.entropy_coeff * ent_loss
-                sums["actor/entropy_loss"] = ent_loss.detach()
             if cfg.use_kl_loss:
                 kld = kl_penalty(logp, sub.ref_log_probs, cfg.kl_loss_type)
                 kl_loss = agg_loss(kld, m_mask, cfg.loss_agg_mode, **agg_kw)
                 total = total + kl_loss_coef * kl_loss
                 sums["actor/kl_loss"] = kl_loss.detach()
+            sums["actor/loss"] = total.detach()
             means.update({"actor/pg_clipfrac": pg.pg_clipfrac, "actor/ppo_kl": pg.ppo_kl,
                           "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower})
             return LossTerms(total, sums, means)
@@ -517,8 +518,7 @@ class Actor(TrainableRole):
         if from_update:
             # every rank of a Ulysses group added its group's shares
             entropy, diff_sum, kl_sum, tokens = (x / self.sp_size for x in comm.all_reduce(first).tolist())
-            if not report_entropy:
-                out["actor/entropy"] = entropy
+            out["actor/entropy"] = entropy
             if ro.rollout_log_probs is not None:
                 out["rollout/logprob_diff"] = diff_sum / max(tokens, 1.0)
             if not bypass and ro.ref_log_probs is not None:
@@ -597,15 +597,17 @@ class Critic(TrainableRole):
         def loss(sub, outputs, k, agg_kw):
             vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
                                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-            # verl's vpred_mean: each micro-batch's mean value over its loss tokens (verl's response_mask,
-            # which rollout rejection has overwritten by then, as vf_loss's), averaged
-            return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
+            vf_loss = vf.vf_loss.detach()
+            # verl's critic/loss is the loss backpropagated, here the value loss alone; its vpred_mean: each
+            # micro-batch's mean value over its loss tokens (verl's response_mask, which rollout rejection
+            # has overwritten by then, as vf_loss's), averaged
+            return LossTerms(vf.vf_loss, {"critic/loss": vf_loss, "critic/vf_loss": vf_loss},
                              {"critic/vf_clipfrac": vf.vf_clipfrac,
                               "critic/vpred_mean": masked_mean(outputs[0].detach(), sub.loss_mask)})
 
         with self.resident(with_optimizer=True):
             return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),
-                                loss, ("critic/vf_loss",), loss_scale_factor=cfg.loss_scale_factor)
+                                loss, ("critic/loss", "critic/vf_loss"), loss_scale_factor=cfg.loss_scale_factor)
 
 
 class RewardModel(Role):

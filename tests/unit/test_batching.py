@@ -348,7 +348,6 @@ def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
     assert out["actor/pg_loss"] == pytest.approx(mean_of_halves(-ro.advantages.double()), rel=1e-5)
     assert out["actor/kl_loss"] == pytest.approx(mean_of_halves(kl), rel=1e-5)
     assert out["actor/entropy_loss"] == pytest.approx(mean_of_halves(entropy.double()), rel=1e-5)
-    assert out["actor/entropy"] == pytest.approx(out["actor/entropy_loss"], rel=1e-6)
     assert out["actor/pg_clipfrac"] == 0.0  # a mean, not a sum
     out = critic.update(ro, _critic_cfg(ppo_epochs=2), num_mini_batches=2, seed=0)
     assert out["critic/vf_loss"] == pytest.approx(mean_of_halves(0.5 * (ro.returns - ro.values).double() ** 2),
@@ -362,6 +361,44 @@ def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
     ro.returns[0, 0] = float("nan")
     out = critic.update(ro, _critic_cfg(ppo_epochs=2), num_mini_batches=2, seed=0)
     assert out["critic/nonfinite_skipped"] == 2.0
+
+
+@pytest.mark.parametrize("entropy_coeff,calculate_entropy", [(0.0, False), (0.0, True), (0.01, False), (0.01, True)])
+def test_update_entropy_and_total_loss_as_verls(entropy_coeff, calculate_entropy):
+    """verl 0.9.1: `actor/entropy` is the old-log-prob pass's (the trainer's); the update never
+    replaces it (meshppo did with calculate_entropy or an entropy bonus). The update's own entropy
+    is `actor/entropy_loss`, logged whenever verl computes it (calculate_entropy or entropy_coeff
+    != 0: also with a coefficient of 0, where meshppo logged none). `actor/loss` and `critic/loss`
+    are each mini-batch's whole loss (pg - entropy_coeff * entropy + kl_coef * kl; the value
+    loss), averaged over mini-batches and epochs as its terms. lr 0, 2 epochs x 2 mini-batches."""
+    from kl import kl_penalty
+
+    actor, critic = _actor_and_critic()
+    ro = _rollouts()
+    with torch.no_grad():
+        ro.old_log_probs, entropy = actor.log_probs(ro, with_entropy=True)
+        ro.values = critic.values(ro)
+    mask = ro.response_mask.double()
+    ro.returns = ro.values + torch.linspace(-1, 1, ro.width) * ro.response_mask
+    halves = (slice(0, 4), slice(4, 8))
+
+    def mean_of_halves(per_token):
+        return sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
+
+    pg = mean_of_halves(-ro.advantages.double())
+    kl = mean_of_halves(kl_penalty(ro.old_log_probs.double(), ro.ref_log_probs.double(), "low_var_kl"))
+    ent = mean_of_halves(entropy.double())
+    cfg = _actor_cfg(ppo_epochs=2, entropy_coeff=entropy_coeff, calculate_entropy=calculate_entropy)
+    out = actor.update(ro, cfg, num_mini_batches=2, kl_loss_coef=0.1, seed=0)
+    assert "actor/entropy" not in out
+    if entropy_coeff or calculate_entropy:
+        assert out["actor/entropy_loss"] == pytest.approx(ent, rel=1e-5)
+    else:
+        assert "actor/entropy_loss" not in out
+    assert out["actor/loss"] == pytest.approx(pg - entropy_coeff * ent + 0.1 * kl, rel=1e-5)
+    out = critic.update(ro, _critic_cfg(ppo_epochs=2), num_mini_batches=2, seed=0)
+    vf = mean_of_halves(0.5 * (ro.returns - ro.values).double() ** 2)
+    assert out["critic/loss"] == pytest.approx(vf, rel=1e-5) and out["critic/vf_loss"] == out["critic/loss"]
 
 
 def test_update_losses_do_not_grow_with_mini_batches_or_epochs():

@@ -671,3 +671,24 @@ def test_bypass_entropy_is_aggregated_with_the_loss_agg_mode(mode):
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / ro.response_mask.sum(-1)
     assert out["actor/entropy"] == pytest.approx(float(per_seq.mean()), rel=1e-6)
+
+
+def test_bypass_entropy_is_the_first_mini_batchs_with_calculate_entropy_too():
+    """Bypass mode runs no old-log-prob pass: `actor/entropy` is the first mini-batch's, which
+    the pass would have measured, with `calculate_entropy` too (it was then the update's own,
+    averaged over mini-batches that saw a stepped actor); that one is `actor/entropy_loss`, as
+    verl 0.9.1 logs it."""
+    base = Transformer.build(ARGS, seed=0)
+    worker = _worker(copy.deepcopy(base))
+    ro = _rollouts()
+    with torch.no_grad():
+        old, ent = worker.log_probs(ro, with_entropy=True)
+    ro.old_log_probs = ro.rollout_log_probs = old
+    cfg = _actor_cfg(**PG_ONLY, calculate_entropy=True)
+    out = worker.update(ro, cfg, num_mini_batches=2, kl_loss_coef=0.0, seed=0, rollout_correction=_rc(bypass_mode=True))
+    mask = ro.response_mask
+    first, second = (float((ent[h] * mask[h]).sum() / mask[h].sum()) for h in (slice(0, 4), slice(4, 8)))
+    assert out["actor/entropy"] == pytest.approx(first, rel=1e-5)
+    # the second mini-batch's entropy under the stepped actor differs from its entropy before the update
+    assert abs(2 * out["actor/entropy_loss"] - first - second) > 1e-3
+
