@@ -134,7 +134,7 @@ NOT_SAME_RUN_OPTIONS = (
     "data.reward_fn_key",
     "actor_rollout_ref.actor.strategy",
     "actor_rollout_ref.actor.use_remove_padding",  # (verl's copy of model.use_remove_padding: execution only)
-    "actor_rollout_ref.actor.calculate_entropy",  # which pass reports actor/entropy
+    "actor_rollout_ref.actor.calculate_entropy",  # whether the update logs actor/entropy_loss
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.use_dynamic_bsz",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",

@@ -1,4 +1,5 @@
-"""`actor.calculate_entropy` (and an entropy bonus, verl's rule) make `actor/entropy` the update's own
+"""`actor.calculate_entropy` (and an entropy bonus, verl's rule) make the update report its own entropy,
+`actor/entropy_loss`, as verl 0.9.1's engine workers (`actor/entropy` stays the recompute pass's),
 on 2 gloo ranks: each mini-batch's entropy under the actor of its forwards, aggregated with
 `loss_agg_mode` over the whole mini-batch, averaged over mini-batches. At lr 0 every mini-batch sees
 the initial actor, so two mini-batches of the batch average to the mini-batches' entropies computed
@@ -48,17 +49,18 @@ def _body(rank, world_size):
     cfg = dict(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, entropy_coeff=0.0, use_kl_loss=False,
                shuffle=False, loss_agg_mode="seq-mean-token-mean", grad_clip=1e9)
     plain = first.update(batch(logp), ActorConfig(**cfg), 2, 0.0, seed=0, step=1)
-    assert "actor/entropy" not in plain  # the recompute pass's stands (the trainer's)
+    assert "actor/entropy" not in plain and "actor/entropy_loss" not in plain  # the recompute pass's stands
     reported = actor(0.0).update(batch(logp), ActorConfig(**cfg, calculate_entropy=True), 2, 0.0, seed=0, step=1)
     want = sum(halves) / 2
     # the two mini-batches' entropies differ (5.8e-4 here) by far more than the tolerance below (6e-6):
     # the reported figure is their average, not one of them
     assert abs(halves[0] - halves[1]) > 1e-4, halves
-    assert abs(reported["actor/entropy"] - want) <= 1e-6 * abs(want), (reported["actor/entropy"], halves)
+    assert "actor/entropy" not in reported
+    assert abs(reported["actor/entropy_loss"] - want) <= 1e-6 * abs(want), (reported["actor/entropy_loss"], halves)
     bonus = actor(0.0).update(batch(logp), ActorConfig(**{**cfg, "entropy_coeff": 0.01}), 2, 0.0, seed=0, step=1)
-    assert abs(bonus["actor/entropy"] - want) <= 1e-6 * abs(want)
+    assert abs(bonus["actor/entropy_loss"] - want) <= 1e-6 * abs(want)
     stepped = actor(5.0).update(batch(logp), ActorConfig(**cfg, calculate_entropy=True), 2, 0.0, seed=0, step=1)
-    assert abs(stepped["actor/entropy"] - want) > 1e-4  # the second mini-batch saw the stepped actor
+    assert abs(stepped["actor/entropy_loss"] - want) > 1e-4  # the second mini-batch saw the stepped actor
 
 
 def test_update_reports_its_own_entropy():
