@@ -133,11 +133,12 @@ def seqlen_balance_metrics(lengths: list[int], parts: list[list[int]]) -> dict[s
 
 
 def reward_row_names(batch: RolloutBatch, items: list[dict], what: str) -> list[str]:
-    """How a reward error names each row of `batch` (generated from `items`, which `batch.uids` index):
-    its position in `what` (in the step's batch, the row's place in its rollout dump, 0-based), which
-    response to which prompt of `what` it is and, where the item has one (a dataset's `where`), the
-    prompt's data row FILE:ROW. Made from the whole batch before it is partitioned, so a row has the
-    same name on any number of ranks, balanced (`trainer.balance_batch`) or not."""
+    """How a reward error names each row of `batch` (its `row_names`; `items`: what it was generated
+    from, which `batch.uids` index): its position in `what` (in the step's batch, the row's place in its
+    rollout dump, 0-based), which response to which prompt of `what` it is and, where the item has one
+    (a dataset's `where`), the prompt's data row FILE:ROW. Made from the whole batch before it is
+    partitioned, and kept with each row by `RolloutBatch.take`, so a row has the same name on any
+    number of ranks, balanced (`trainer.balance_batch`) or not."""
     responses = collections.Counter(batch.uids)
     seen: collections.Counter = collections.Counter()
     names = []
@@ -496,14 +497,13 @@ class PPOTrainer:
         with self.timer("gen_max"):
             greedy = self._generate_all(items, validate=False, seed=0,
                                         sampling=dict(n=1, temperature=0.0, top_p=1.0, top_k=-1))
-            scores, _, _ = self._score_spread(greedy, row_names=reward_row_names(
-                greedy, items, "the step's greedy responses (remax)"))
+            greedy.row_names = reward_row_names(greedy, items, "the step's greedy responses (remax)")
+            scores, _, _ = self._score_spread(greedy)
         return scores[torch.tensor(full.uids, device=scores.device)]
 
-    def _score_spread(self, ro: RolloutBatch, texts: list[str] | None = None, with_extras: bool = False,
-                      row_names: list[str] | None = None) -> tuple[torch.Tensor, dict, dict]:
-        """`_score` of rows that every rank holds (`ro`, `texts`: their decoded responses, if at hand;
-        `row_names`: how an error names each, `reward_row_names`),
+    def _score_spread(self, ro: RolloutBatch, texts: list[str] | None = None,
+                      with_extras: bool = False) -> tuple[torch.Tensor, dict, dict]:
+        """`_score` of rows that every rank holds (`ro`, `texts`: their decoded responses, if at hand),
         each row scored once over the ranks: each rank scores its share (`_partition`) and the shares
         are gathered, so the reward function and the reward model do not run on every row on every
         rank. The rows need not divide over the ranks: they are padded to a multiple of the world size
@@ -517,8 +517,7 @@ class PPOTrainer:
         padded = math.ceil(n / w) * w
         local, parts = self._partition(ro.take([i % n for i in range(padded)]))
         mine = None if texts is None else [texts[i % n] for i in parts[self.ctx.rank]]
-        my_names = None if row_names is None else [row_names[i % n] for i in parts[self.ctx.rank]]
-        scores, numeric, others, _ = self._score(local, mine, my_names)
+        scores, numeric, others, _ = self._score(local, mine)
         names = list(numeric)  # the same on every rank (`_agreed_extras`)
         cols = torch.stack([scores.double()] + [torch.tensor(numeric[k], dtype=torch.float64, device=self.device)
                                                for k in names], dim=1)
@@ -558,11 +557,9 @@ class PPOTrainer:
         return full
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, ro: RolloutBatch, texts: list[str] | None = None, row_names: list[str] | None = None
-               ) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
-        """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand;
-        `row_names`: how a reward function's error names each row, `reward_row_names`; a rank's share
-        of a batch knows its rows' places in it only from them) from
+    def _score(self, ro: RolloutBatch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
+        """Scores `[N]` of the rows `ro` (`texts`: their decoded responses, if already at hand; a
+        reward function's error names a row by `ro.row_names`, its place in the whole batch) from
         the rule / custom function (called by `reward_model.reward_manager`), the reward model or
         both (`reward_model.combine`), the function's numeric extra columns (the same keys on every
         rank), its other extras (this rank's rows' own keys, for the dumps), and the function's own
@@ -579,7 +576,7 @@ class PPOTrainer:
             try:
                 scores, extras, others, own = self.reward_manager.score(
                     ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses],
-                    row_names)
+                    ro.row_names)
             except RewardError as e:
                 err = str(e)
         rm_batch = None
@@ -648,10 +645,10 @@ class PPOTrainer:
             else:
                 with self.timer("gen"):
                     full = self._generate_all(items, validate=False, seed=seed)
+                full.row_names = reward_row_names(full, items, "the step's batch")
                 baselines = self._greedy_baselines(items, full)
                 ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
-                names = reward_row_names(full, items, "the step's batch")
-                scores, extras = self._reward(ro, [names[i] for i in parts[self.ctx.rank]])
+                scores, extras = self._reward(ro)
             if self.cfg.trainer.balance_batch:  # the balance of the batch the step trains on (before a PF-PPO redraw)
                 metrics.update(seqlen_balance_metrics(full.lengths(), parts))
             self._old_log_probs(full, ro, parts, metrics)
@@ -681,12 +678,12 @@ class PPOTrainer:
             metrics["actor/kl_coef"] = self.kl.in_loss.value
         return metrics
 
-    def _reward(self, ro: RolloutBatch, row_names: list[str]) -> tuple[torch.Tensor, dict]:
-        """Scores `[N_local]` and the reward function's numeric extra columns (`row_names`: see
-        `_score`); `ro.token_level_scores` holds each score on its response's last token,
-        `ro.other_extras` the function's other extras (for the dumps)."""
+    def _reward(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        """Scores `[N_local]` and the reward function's numeric extra columns; `ro.token_level_scores`
+        holds each score on its response's last token, `ro.other_extras` the function's other
+        extras (for the dumps)."""
         with self.timer("reward"):
-            scores, extras, ro.other_extras, _ = self._score(ro, row_names=row_names)
+            scores, extras, ro.other_extras, _ = self._score(ro)
         self._place_scores(ro, scores)
         return scores, extras
 
@@ -715,6 +712,7 @@ class PPOTrainer:
             with self.timer("gen"):
                 batch = self._generate_all(items, validate=False, seed=seed if rounds == 0 else derive_seed(seed, rounds))
             rounds += 1
+            batch.row_names = reward_row_names(batch, items, f"the step's generation round {rounds}")
             local, parts = self._partition(batch)
             with self.timer("reward"):
                 scores, extras, others, own = self._score(local)
@@ -1061,6 +1059,7 @@ class PPOTrainer:
                 # each chunk its own noise (chunk s's prompt i is not chunk 0's), none a training step's
                 ro = self._generate_all(chunk, validate=True, seed=derive_seed(self.cfg.trainer.seed, s))
                 texts = decode_batch(self.tokenizer, ro.responses)
+                ro.row_names = reward_row_names(ro, chunk, f"validation batch {s // bs + 1}")
                 # every rank holds every row here: each is scored once over the ranks
                 scores, extras, others = self._score_spread(ro, texts, with_extras=True)
                 scores = scores.tolist()

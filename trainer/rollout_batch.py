@@ -24,7 +24,7 @@ from trainer.forward import index_on
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
 # Per-sequence lists that only some batches have (None otherwise): kept by `take`, `concat` and pooling.
-OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns")
+OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns", "row_names")
 TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
                 "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
 
@@ -66,6 +66,10 @@ class RolloutBatch:
     # the row's number of turns (verl's count); None in a single-turn batch
     turn_masks: list[list[int]] | None = None
     num_turns: list[int] | None = None
+    # how a reward function's error names each row (`ppo_trainer.reward_row_names`: its place in the
+    # batch it was generated in, its prompt's response and data row), the same whichever rank's share
+    # holds it; None: by its place in the rows scored
+    row_names: list[str] | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:

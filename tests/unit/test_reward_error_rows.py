@@ -1,7 +1,8 @@
-"""How a reward function's error names a row (`trainer.ppo_trainer.reward_row_names`, through the reward
-managers' `row_names`): by its place in the whole batch and the data, not by its place in the share of
-the batch that one rank scores. The shares here are permutations, as `trainer.balance_batch` makes them;
-tests/multiproc/test_reward_error_rows.py runs the trainer on 1, 2 and 3 ranks."""
+"""How a reward function's error names a row (`trainer.ppo_trainer.reward_row_names`, kept with each row
+as `RolloutBatch.row_names` and passed to the reward managers' `row_names`): by its place in the whole
+batch and the data, not by its place in the share of the batch that one rank scores. The shares here are
+permutations, as `trainer.balance_batch` makes them; tests/multiproc/test_reward_error_rows.py runs the
+trainer's step, validation and filter_groups rounds on 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rewards import BatchRewardManager, NaiveRewardManager, RewardError
 from tests.unit.test_dumps import dump_trainer, rows_of
 from trainer.errors import UserError
 from trainer.ppo_trainer import reward_row_names
+from trainer.rollout_batch import RolloutBatch
 
 # 3 prompts x 2 responses in the engine's order; the second prompt's item came from no file
 ITEMS = [{"where": "data/train.jsonl:7"}, {}, {"where": "data/train.jsonl:2"}]
@@ -50,30 +52,39 @@ def _nan_on_4(data_source, solution_str, ground_truth, extra_info=None):
 SHARE = [5, 4, 0]  # a rank's rows, in a balanced partition's order: row 4 is the share's second
 
 
+def test_the_names_travel_with_the_rows():
+    full = _batch()
+    full.row_names = reward_row_names(full, ITEMS, "round 1")
+    assert full.take(SHARE).row_names == [full.row_names[i] for i in SHARE]
+    joined = RolloutBatch.concat([full.take([4, 5]), full.take([0])])  # (filter_groups' kept rows)
+    assert joined.row_names == [full.row_names[i] for i in (4, 5, 0)]
+    assert RolloutBatch.concat([full, _batch()]).row_names is None  # (one batch never named)
+
+
 @pytest.mark.parametrize("fn, what", [(_raise_on_4, "raised on"), (_nan_on_4, "returned non-finite score nan on")])
 def test_a_ranks_share_names_the_failing_row_of_the_whole_batch(tmp_path, fn, what):
     full = _batch()
-    names = reward_row_names(full, ITEMS, "the step's batch")
     trainer = dump_trainer(tmp_path, reward_fn=fn)
-    with pytest.raises(UserError) as raised:
-        trainer._score(full.take(SHARE), row_names=[names[i] for i in SHARE])
-    assert (f"{what} sample 4 of the step's batch: prompt 2's response 1 of 2, data row data/train.jsonl:2 "
-            "(data_source='d')") in str(raised.value), raised.value
-    # without names (a caller that has none): the position in the rows given, as before
+    # without names (rows that were never named): the position in the rows given
     with pytest.raises(UserError, match=rf"{what} sample 1 \(data_source='d'\)"):
         trainer._score(full.take(SHARE))
+    full.row_names = reward_row_names(full, ITEMS, "the step's batch")
+    with pytest.raises(UserError) as raised:
+        trainer._score(full.take(SHARE))  # the share keeps its rows' names
+    assert (f"{what} sample 4 of the step's batch: prompt 2's response 1 of 2, data row data/train.jsonl:2 "
+            "(data_source='d')") in str(raised.value), raised.value
 
 
 def test_spread_scoring_hands_the_names_out_with_the_rows(tmp_path):
-    """`_score_spread` (remax's greedy responses) pads the rows to the ranks and hands each rank its
-    share: the names go with them."""
+    """`_score_spread` (remax's greedy responses, validation) pads the rows to the ranks and hands each
+    rank its share: the names go with them."""
     full = _batch()
-    names = reward_row_names(full, ITEMS, "the step's greedy responses (remax)")
+    full.row_names = reward_row_names(full, ITEMS, "the step's greedy responses (remax)")
     trainer = dump_trainer(tmp_path, reward_fn=_raise_on_4)
     trainer.ctx.world_size = 1
     trainer._partition = lambda ro: (ro.take(SHARE), [SHARE])  # this rank's share of the (padded) rows
     with pytest.raises(UserError, match=r"raised on sample 4 of the step's greedy responses \(remax\): prompt 2's "):
-        trainer._score_spread(full, row_names=names)
+        trainer._score_spread(full)
 
 
 def _bad_item(data_sources, solution_strs, ground_truths, extra_infos):
