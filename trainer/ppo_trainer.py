@@ -681,10 +681,11 @@ class PPOTrainer:
     def _reward(self, ro: RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Scores `[N_local]` and the reward function's numeric extra columns; `ro.token_level_scores`
         holds each score on its response's last token, `ro.other_extras` the function's other
-        extras (for the dumps)."""
+        extras (for the dumps), `ro.reward_components` gdpo's components."""
         with self.timer("reward"):
             scores, extras, ro.other_extras, _ = self._score(ro)
         self._place_scores(ro, scores)
+        self._place_components(ro, extras)
         return scores, extras
 
     def _place_scores(self, ro: RolloutBatch, scores: torch.Tensor) -> None:
@@ -693,6 +694,18 @@ class PPOTrainer:
         last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
         token_scores[torch.arange(len(ro), device=self.device), last] = scores
         ro.token_level_scores = token_scores
+
+    def _place_components(self, ro: RolloutBatch, extras: dict[str, list[float]]) -> None:
+        """gdpo's `ro.reward_components` `[N_local, K]`, float32: each row's numbers under the reward
+        function's `algorithm.gdpo_reward_keys`, from its numeric extras `extras` (its dict result's
+        entries, a plain score's `acc`: verl reads its reward extras so), NaN where a row gave none
+        (`_gdpo_inputs` refuses it). Nothing for the other estimators."""
+        alg = self.cfg.algorithm
+        if alg.adv_estimator != "gdpo":
+            return
+        none = [math.nan] * len(ro)
+        ro.reward_components = torch.stack([torch.tensor(extras.get(key, none), dtype=torch.float32, device=self.device)
+                                            for key in alg.gdpo_reward_keys], dim=1)
 
     def _filtered_rollouts(self, items: list[dict], seed: int, metrics: dict):
         """DAPO's dynamic sampling (`algorithm.filter_groups`): generate rounds of
@@ -754,6 +767,7 @@ class PPOTrainer:
         extras = {k: local[:, 1 + j].tolist() for j, k in enumerate(names)}
         ro.other_extras = {k: [v[i] for i in mine] for k, v in others.items()}
         self._place_scores(ro, scores)
+        self._place_components(ro, extras)
         return full, ro, parts, scores, extras
 
     def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
@@ -932,8 +946,8 @@ class PPOTrainer:
         and this rank's rows of them.
         Only the rank-local per-token inputs are gathered (rewards, values, and the old log-probs,
         sums of squared probabilities and rollout importance weights that the optimal-token-baseline
-        estimators read): the response mask and the group ids are known to every rank already
-        (`full`), as are `baselines` (`remax`'s greedy scores, `[N]`)."""
+        estimators read, and gdpo's reward components): the response mask and the group ids are known to
+        every rank already (`full`), as are `baselines` (`remax`'s greedy scores, `[N]`)."""
         alg = self.cfg.algorithm
         mask = ro.response_mask
         with self.timer("adv"):
@@ -951,15 +965,40 @@ class PPOTrainer:
             ro.token_level_rewards = rewards
             gather = lambda t: self._gather_rows(t, parts, len(full)) if t is not None else None  # noqa: E731
             otb = alg.adv_estimator in OTB_ESTIMATORS  # the only readers of the last three: gathered for them alone
+            # gdpo's own inputs, which no other estimator takes (as verl passes them to gdpo alone)
+            gdpo = self._gdpo_inputs(full, gather(ro.reward_components), metrics) if alg.adv_estimator == "gdpo" else {}
             adv, ret = get_adv_estimator_fn(alg.adv_estimator)(
                 token_level_rewards=gather(ro.token_level_rewards), response_mask=full.loss_mask,
                 values=gather(ro.values), index=np.asarray(full.uids),
                 gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
                 reward_baselines=baselines, old_log_probs=gather(ro.old_log_probs) if otb else None,
                 sum_pi_squared=gather(ro.sum_pi_squared) if otb else None,
-                rollout_is_weights=gather(ro.rollout_is_weights) if otb else None)
+                rollout_is_weights=gather(ro.rollout_is_weights) if otb else None, **gdpo)
             sel = torch.tensor(parts[self.ctx.rank], dtype=torch.long, device=self.device)
             ro.advantages, ro.returns = adv[sel], ret[sel]
+
+    def _gdpo_inputs(self, full: RolloutBatch, components: torch.Tensor, metrics: dict) -> dict:
+        """gdpo's estimator inputs: the whole batch's reward components `[N, K]` (`_place_components`)
+        and `algorithm.gdpo_reward_weights`; with verl's `gdpo/{key}/{mean,std,max,min}` metrics of each
+        (numpy's: the population std). A row without a finite number under a key (the key missing from
+        its result, not a number, NaN) is refused, on every rank alike, naming the key, the row and the
+        reward function: verl fails on a missing key or a non-number too, and a NaN would make every
+        advantage of the batch NaN (the components' sum is whitened over the batch)."""
+        from rewards.registry import describe_fn
+
+        alg = self.cfg.algorithm
+        unusable = (~torch.isfinite(components)).nonzero()
+        if len(unusable):
+            row, k = unusable[0].tolist()  # the first in the batch's order: the same on every rank
+            fn, _ = describe_fn(self.reward_manager.compute_score)
+            raise UserError(f"algorithm.gdpo_reward_keys: reward function {fn} returned no number for "
+                            f"{alg.gdpo_reward_keys[k]!r} on {full.row_names[row]} (data_source="
+                            f"{full.data_sources[row]!r}); gdpo normalises each key's values within the response "
+                            "groups, so every response's result needs a finite number under every key")
+        for key, column in zip(alg.gdpo_reward_keys, components.double().T):
+            figures = {"mean": column.mean(), "std": column.std(correction=0), "max": column.max(), "min": column.min()}
+            metrics.update({f"gdpo/{key}/{name}": value.item() for name, value in figures.items()})
+        return {"reward_components": components, "reward_weights": alg.gdpo_reward_weights}
 
     def _pf_ppo_redraw(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
                        extras: dict, seed: int):

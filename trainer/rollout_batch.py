@@ -20,13 +20,15 @@ from models.transfer import host_to_device
 from trainer.batching import PrefixGroups, prompt_groups
 from trainer.forward import index_on
 
-# The per-sequence lists, and the per-token `[N, R]` fields in the order the step fills them.
+# The per-sequence lists, and the per-row tensors (per token `[N, R]`; gdpo's reward components `[N, K]`) in
+# the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
 # Per-sequence lists that only some batches have (None otherwise): kept by `take`, `concat` and pooling.
 OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns", "row_names")
-TOKEN_FIELDS = ("token_level_scores", "rollout_log_probs", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
-                "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages", "returns")
+TOKEN_FIELDS = ("token_level_scores", "reward_components", "rollout_log_probs", "old_log_probs", "sum_pi_squared",
+                "rollout_is_weights", "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages",
+                "returns")
 
 
 @dataclass
@@ -41,8 +43,9 @@ class RolloutBatch:
     engine_log_probs: list[list[float]]  # the engine's log-prob of each sampled token
     width: int                        # global response width R
     device: torch.device
-    # [N, R] per-token tensors; None until the phase that computes them has run
+    # [N, R] per-token tensors (and gdpo's [N, K] components); None until the phase that computes them has run
     token_level_scores: torch.Tensor | None = None  # the score on each response's last token
+    reward_components: torch.Tensor | None = None   # gdpo: each row's values of algorithm.gdpo_reward_keys
     rollout_log_probs: torch.Tensor | None = None   # `engine_log_probs` padded (rollout correction)
     old_log_probs: torch.Tensor | None = None       # the actor before the update (or the engine's, bypass mode;
                                                     # None: an on-policy update takes its own forward's)
