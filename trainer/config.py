@@ -24,9 +24,9 @@ from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_
 from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
 from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig,
-                                 PrometheusConfig, RewardManagerConfig, RouterReplayConfig, SamplerClassConfig,
-                                 SandboxFusionConfig, TraceConfig, TransferQueueConfig, MOE_WHY,
-                                 read_only_with)
+                                 PrometheusConfig, RewardConfig, RewardManagerConfig, RewardModelRolloutConfig,
+                                 RouterReplayConfig, SamplerClassConfig, SandboxFusionConfig, TraceConfig,
+                                 TransferQueueConfig, MOE_WHY, read_only_with)
 from trainer.profiling import check_profiler_ranks, profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
@@ -1169,7 +1169,8 @@ class RewardModelModelConfig:
                                       "vocabulary. null: the reward model reads the actor's token ids as they are "
                                       "(it must share the actor's tokenizer)")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
-    trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
+    trust_remote_code: bool | None = opt(False, "not supported (models are built by meshppo); null: false",
+                                         unsupported=bool)
     override_config: dict = _override_config(
         "the reward model is", "max_position_embeddings, initializer_range and bos/eos/pad_token_id have no effect "
                                "(said at start-up)")
@@ -1185,7 +1186,11 @@ class RewardModelModelConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = opt(False, "score responses with a reward model instead of (or added to) the rule reward")
+    """The reward model, at verl's older place (0.9.1 keeps these names, null, as deprecated ones:
+    those it moved to `reward.*` are the same settings here, `PPOConfig.resolve`)."""
+
+    enable: bool | None = opt(None, "score responses with a reward model instead of (or added to) the rule reward; "
+                                    "null: reward.reward_model.enable (verl 0.9.1's name), else false")
     model: RewardModelModelConfig = section(RewardModelModelConfig, "the reward model")
     strategy: str = opt("fsdp", "fsdp and fsdp2 both mean meshppo's FSDP2", choices=("fsdp", "fsdp2"))
     micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward", ge=1)
@@ -1197,28 +1202,32 @@ class RewardModelConfig:
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
     ulysses_sequence_parallel_size: int = opt(1, _SP_HELP, ge=1)
-    enable_resource_pool: bool = opt(False, "not supported: the reward model runs on the training ranks, between "
-                                            "generation and the update (n_gpus_per_node / nnodes are not read)",
-                                     unsupported=bool)
-    n_gpus_per_node: int = opt(8, "verl: GPUs a node of the separate reward-model pool", ge=0,
-                               no_effect="read only with enable_resource_pool")
-    nnodes: int = opt(0, "verl: nodes of the separate reward-model pool", ge=0,
-                      no_effect="read only with enable_resource_pool")
+    enable_resource_pool: bool | None = opt(False, "not supported: the reward model runs on the training ranks, "
+                                                   "between generation and the update (n_gpus_per_node / nnodes are "
+                                                   "not read); null: false", unsupported=bool)
+    n_gpus_per_node: int | None = opt(8, "verl: GPUs a node of the separate reward-model pool", ge=0,
+                                      no_effect="read only with enable_resource_pool")
+    nnodes: int | None = opt(0, "verl: nodes of the separate reward-model pool", ge=0,
+                             no_effect="read only with enable_resource_pool")
     use_reward_loop: bool = opt(True, "verl: its reward-loop workers (true) or its legacy reward-model worker",
                                 no_effect="meshppo scores in-process either way (max_length applies in both)")
-    num_workers: int = opt(1, "verl: the reward-loop worker count", ge=1,
-                           no_effect="meshppo scores on every training rank, without reward-loop workers")
+    num_workers: int | None = opt(1, "verl: the reward-loop worker count (0.9.1: reward.num_workers)", ge=1,
+                                  no_effect="meshppo scores on every training rank, without reward-loop workers")
     launch_reward_fn_async: bool = opt(False, "verl: compute the reward function in a background process",
                                        no_effect="the rewards are computed within the step, before the advantages "
                                                  "that read them")
-    reward_loop_source: str = opt("register", "register only: reward_manager names the manager",
-                                  choices=("register", "importlib"), unsupported=lambda v: v != "register")
+    reward_loop_source: str | None = opt("register", "register only: reward_manager names the manager; null: "
+                                                     "register", choices=("register", "importlib", None),
+                                         unsupported=lambda v: v != "register")
     reward_loop_module_path: str | None = opt(None, "not supported (reward_loop_source=importlib)",
                                               unsupported=lambda v: v is not None)
     reward_loop_class_name: str | None = opt(None, "not supported (reward_loop_source=importlib)",
                                              unsupported=lambda v: v is not None)
     rollout: dict = opt(default_factory=dict, help="verl: the reward model's inference server (name, "
-                                                   "tensor_model_parallel_size, gpu_memory_utilization, ...)",
+                                                   "tensor_model_parallel_size, gpu_memory_utilization, ...), "
+                                                   "before 0.9.1 (whose trainer reads reward.reward_model.rollout "
+                                                   "only): checked as that section is, the values that would change "
+                                                   "the scores refused",
                         no_effect="meshppo runs the reward model as an FSDP2 forward on the training ranks")
     sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
     reward_manager: str | None = opt(None, "how the rule reward calls the reward function, as verl's managers do: "
@@ -1227,11 +1236,11 @@ class RewardModelConfig:
                                            "response in worker processes, 300 s per call, a failed call scoring 0. "
                                            "verl's newer name: reward_manager.name; null: that, or naive",
                                      choices=(*REWARD_MANAGERS, None))
-    reward_kwargs: dict = opt(default_factory=dict, help="the reward manager's arguments, as verl passes them: dapo: "
-                                                          "max_resp_len and overlong_buffer_cfg {enable, len, "
-                                                          "penalty_factor, log}; batch: keywords added to every call "
-                                                          "(custom_reward_function.reward_kwargs win); naive and prime "
-                                                          "take none")
+    reward_kwargs: dict | None = opt(None, "the reward manager's arguments, as verl passes them: dapo: max_resp_len "
+                                           "and overlong_buffer_cfg {enable, len, penalty_factor, log}; batch: "
+                                           "keywords added to every call (custom_reward_function.reward_kwargs win); "
+                                           "naive and prime take none. null: reward.reward_kwargs (verl 0.9.1's "
+                                           "place), else none")
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
     profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of the reward model "
                                                                    "(global_profiler); the actor's tool_config")
@@ -1239,7 +1248,7 @@ class RewardModelConfig:
     def manager_kwargs(self) -> dict:
         """`reward_kwargs` as the manager takes them (`rewards.load_reward_manager`): dapo's typed,
         batch's as given. Raises ConfigError for a key the manager does not take."""
-        kwargs, manager = self.reward_kwargs, self.reward_manager
+        kwargs, manager = self.reward_kwargs or {}, self.reward_manager
         if manager == "dapo":
             dapo = build_dataclass(DAPORewardKwargs, kwargs, REWARD_KWARGS_KEY)
             return {f.name: getattr(dapo, f.name) for f in dataclasses.fields(dapo)}
@@ -1258,12 +1267,18 @@ class RewardModelConfig:
 
 @dataclass
 class CustomRewardConfig:
+    """The reward function, at verl's older place (0.9.1: `reward.custom_reward_function`, the same
+    settings; `PPOConfig.resolve`)."""
+
     path: str | None = opt(None, "Python file (path or file:///abs/x.py) or module (pkg://package.module) with a "
                                  "reward function, called by keyword as verl calls it: fn(data_source=, solution_str=, "
-                                 "ground_truth=, extra_info=)")
-    name: str = opt("compute_score", "function name in that file or module")
-    reward_kwargs: dict = opt(default_factory=dict, help="keyword arguments added to every call of the function; they "
-                                                          "win over the call's own (as in verl)")
+                                 "ground_truth=, extra_info=); null: reward.custom_reward_function.path (verl 0.9.1's "
+                                 "name)")
+    name: str | None = opt(None, "function name in that file or module; null: reward.custom_reward_function.name, "
+                                 "else compute_score")
+    reward_kwargs: dict | None = opt(None, "keyword arguments added to every call of the function; they win over the "
+                                           "call's own (as in verl); null: reward.custom_reward_function.reward_kwargs, "
+                                           "else none")
 
 
 @dataclass
@@ -1476,6 +1491,10 @@ class PPOConfig:
     trainer: TrainerConfig = section(TrainerConfig, "the run")
     global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profiling of chosen steps")
     reward_manager: RewardManagerConfig = section(RewardManagerConfig, "verl's newer section of the reward manager")
+    reward: RewardConfig = section(RewardConfig, "verl 0.9.1's reward section: the newer names of the reward "
+                                                 "function's, reward manager's and reward model's options")
+    sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl 0.9.1's deprecated place of "
+                                                                       "reward.sandbox_fusion")
     ray_kwargs: dict = opt(default_factory=lambda: {"ray_init": {"num_cpus": None}, "timeline_json_file": None},
                            help="verl: the arguments of ray.init and Ray's timeline file", no_effect=_NO_RAY_WHY)
     transfer_queue: TransferQueueConfig = section(TransferQueueConfig, "verl's transfer queue")
@@ -1507,12 +1526,11 @@ class PPOConfig:
                 setattr(self.trainer, name, None)
 
         _full_shard_sizes(self)
-        _alias("data.tokenizer", d, "tokenizer", "actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path")
+        _alias("data.tokenizer", d, "tokenizer", ("actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path"))
         rm = self.reward_model
         if rm.model.input_tokenizer == ACTOR_MODEL_PATH:  # verl's interpolation, as a config file would resolve it
             rm.model.input_tokenizer = arr.model.path
-        _alias("reward_model.reward_manager", rm, "reward_manager", "reward_manager.name", self.reward_manager, "name")
-        inherit(rm, "reward_manager", "naive")
+        _resolve_reward_names(self)
         rm.manager_kwargs()  # reward_kwargs checked against the manager they go to
         for key, role in (("actor_rollout_ref.rollout", rollout), ("reward_model", rm)):
             _copy_of(f"{key}.profiler.tool_config", role.profiler, "tool_config",
@@ -1648,16 +1666,64 @@ def _sp_copy(key: str, role, fsdp) -> None:
     role.ulysses_sequence_parallel_size = copy
 
 
-def _alias(key: str, obj, name: str, alias_key: str, alias_obj, alias_name: str) -> None:
-    """Option `key` and verl's other name of it, `alias_key`: the one that is set (both set to
-    different values is an error); the alias ends null, so a resolved config resolves to itself."""
-    value, alias = getattr(obj, name), getattr(alias_obj, alias_name)
-    if value is not None and alias is not None and value != alias:
-        raise ConfigError(f"{key}={value} and {alias_key}={alias}: both name the same setting; set one of them, or "
-                          "both the same")
-    if value is None:
-        setattr(obj, name, alias)
-    setattr(alias_obj, alias_name, None)
+def _alias(key: str, obj, name: str, *others, default=None) -> None:
+    """Option `key` (attribute `name` of `obj`) and verl's other names of it (`others`: key,
+    section, attribute each), null where not set: the value of those set, `default` where none is;
+    names set to different values are an error naming them. The value ends at `key`, the other
+    names null, so a resolved config resolves to itself."""
+    names = {key: getattr(obj, name), **{k: getattr(o, n) for k, o, n in others}}
+    given = {k: v for k, v in names.items() if v is not None}
+    values = list(given.values())
+    if any(v != values[0] for v in values):
+        raise ConfigError(f"{' and '.join(f'{k}={_shown(v)}' for k, v in given.items())}: "
+                          f"{'both name' if len(given) == 2 else 'each names'} the same setting; set one of them, or "
+                          f"{'both' if len(given) == 2 else 'all'} the same")
+    setattr(obj, name, values[0] if values else copy.deepcopy(default))
+    for _, o, n in others:
+        setattr(o, n, None)
+
+
+def _resolve_reward_names(cfg: PPOConfig) -> None:
+    """verl 0.9.1's `reward` section and the older names it keeps as deprecated aliases (verl's
+    `migrate_legacy_reward_impl` moves an older one's value to the newer): each one setting
+    (`_alias`), held at the older name, which meshppo reads. The older names' nulls (0.9.1 writes
+    them so) are verl's defaults; the older reward-model server's keys are checked as the newer
+    section's (`_check_reward_model_rollout`)."""
+    fn, rm, new = cfg.custom_reward_function, cfg.reward_model, cfg.reward
+    new_fn, new_rm = new.custom_reward_function, new.reward_model
+    for key, obj, name, others, default in (
+            ("custom_reward_function.path", fn, "path", [("reward.custom_reward_function.path", new_fn, "path")], None),
+            ("custom_reward_function.name", fn, "name", [("reward.custom_reward_function.name", new_fn, "name")],
+             "compute_score"),
+            ("custom_reward_function.reward_kwargs", fn, "reward_kwargs",
+             [("reward.custom_reward_function.reward_kwargs", new_fn, "reward_kwargs")], {}),
+            ("reward_model.reward_manager", rm, "reward_manager",
+             [("reward_manager.name", cfg.reward_manager, "name"),
+              ("reward.reward_manager.name", new.reward_manager, "name")], "naive"),
+            ("reward_model.enable", rm, "enable", [("reward.reward_model.enable", new_rm, "enable")], False),
+            ("reward_model.model.path", rm.model, "path", [("reward.reward_model.model_path", new_rm, "model_path")],
+             None),
+            ("reward_model.reward_kwargs", rm, "reward_kwargs", [("reward.reward_kwargs", new, "reward_kwargs")], {})):
+        _alias(key, obj, name, *others, default=default)
+    for section_, names in ((rm, ("num_workers", "enable_resource_pool", "n_gpus_per_node", "nnodes",
+                                  "reward_loop_source")),
+                            (rm.model, ("trust_remote_code",)),
+                            *((s, ("max_concurrent", "memory_limit_mb"))
+                              for s in (rm.sandbox_fusion, cfg.sandbox_fusion, new.sandbox_fusion)),
+                            *((m, ("source",)) for m in (cfg.reward_manager, new.reward_manager))):
+        for name in names:
+            if getattr(section_, name) is None:
+                setattr(section_, name, _default(type(section_).__dataclass_fields__[name]))
+    _check_reward_model_rollout(rm)
+
+
+def _check_reward_model_rollout(rm: RewardModelConfig) -> None:
+    """The older `reward_model.rollout` (a mapping; verl 0.9.1 writes its keys null, which are left
+    out, and its trainer reads `reward.reward_model.rollout` only) checked as that section is, by the
+    older names: a value that would change the scores is refused; the rest change nothing (its note)."""
+    rm.rollout = {k: v for k, v in rm.rollout.items() if v is not None}  # null: not given
+    if rm.rollout:
+        build_dataclass(RewardModelRolloutConfig, rm.rollout, "reward_model.rollout")
 
 
 def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) -> None:
@@ -1691,7 +1757,8 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
     if not rm.enable:
         return
     if not rm.model.path:
-        raise ConfigError("reward_model.enable=true needs reward_model.model.path")
+        raise ConfigError("reward_model.enable=true needs reward_model.model.path (verl 0.9.1's name: "
+                          "reward.reward_model.model_path)")
     if rm.max_length is not None and rm.model.input_tokenizer is None:
         raise ConfigError(f"reward_model.max_length={rm.max_length} with reward_model.model.input_tokenizer=null: the "
                           "reward model reads the actor's prompt and response tokens as they are, which the prompt "
@@ -1722,17 +1789,19 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
     return notes
 
 
-def full_determinism_sections(cfg: PPOConfig) -> dict[str, FSDPOptions]:
-    """The `fsdp_config` sections of the roles this run builds, by their key (their
-    `full_determinism`: any one true makes the process deterministic)."""
+def full_determinism_sections(cfg: PPOConfig) -> dict:
+    """The sections with a `full_determinism` switch that this run reads, by their key: the
+    `fsdp_config` of each role it builds and verl's reward-model server (with a reward model, as
+    verl reads it). Any one true makes the process deterministic."""
     arr = cfg.actor_rollout_ref
-    sections = {"actor_rollout_ref.actor": arr.actor.fsdp_config}
+    sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config}
     if cfg.uses_ref:
-        sections["actor_rollout_ref.ref"] = arr.ref.fsdp_config
+        sections["actor_rollout_ref.ref.fsdp_config"] = arr.ref.fsdp_config
     if cfg.uses_critic:
-        sections["critic.model"] = cfg.critic.model.fsdp_config
+        sections["critic.model.fsdp_config"] = cfg.critic.model.fsdp_config
     if cfg.reward_model.enable:
-        sections["reward_model.model"] = cfg.reward_model.model.fsdp_config
+        sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
+        sections["reward.reward_model.rollout"] = cfg.reward.reward_model.rollout
     return sections
 
 
@@ -1822,9 +1891,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     sections = full_determinism_sections(cfg)
     on = [k for k, fc in sections.items() if fc.full_determinism]
     if on and len(on) < len(sections):
-        notes.append(f"{', '.join(f'{k}.fsdp_config.full_determinism' for k in on)}=true makes every role "
-                     f"deterministic: the roles share their processes (also "
-                     f"{', '.join(f'{k}.fsdp_config' for k in sections if k not in on)})")
+        notes.append(f"{', '.join(f'{k}.full_determinism' for k in on)}=true makes every role deterministic: the "
+                     f"roles share their processes (also {', '.join(k for k in sections if k not in on)})")
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:
@@ -2035,8 +2103,15 @@ def _raise_coef_notes(cfg: PPOConfig) -> list[str]:
 
 
 def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
-    """The reward manager's settings that do not act, or act otherwise than they may read."""
-    rm = cfg.reward_model
+    """The reward manager's settings that do not act, or act otherwise than they may read; a reward
+    function the reward model replaces (verl 0.9.1 scores with the function then)."""
+    rm, fn = cfg.reward_model, cfg.custom_reward_function
+    if rm.enable and rm.combine == "replace" and fn.path is not None:
+        return [f"custom_reward_function.path={fn.path} is not used: the reward model replaces the rule reward "
+                "(reward_model.combine=replace, as verl's legacy reward-model worker does); verl 0.9.1's reward loop "
+                "scores with the function alone when both are set, letting it call the reward model's inference "
+                "server, which meshppo does not run; reward_model.combine=add adds the model's score to the "
+                "function's"]
     if rm.enable and rm.combine == "replace" and rm.reward_manager != "naive":
         return [f"reward_model.reward_manager={rm.reward_manager} is not used: the reward model replaces the rule "
                 "reward (reward_model.combine=replace; in verl the manager passes the model's scores on)"]

@@ -1,10 +1,12 @@
 """verl's options that meshppo accepts for compatibility, in sections that it has no machinery for:
 agent-loop servers, multi-token prediction, mixture-of-experts routing, rollout
 tracing and metrics servers, weight-transfer backends, user dataset and sampler classes, Ray's
-transfer queue, a remote sandbox, verl's newer reward-manager section. Each option loads at
-verl's default; set otherwise it is refused naming the key (`unsupported`) or, where it truly
-changes nothing, said at start-up (`no_effect`). The sections are part of `trainer.config`'s
-tree, which imports them from here.
+transfer queue, a remote sandbox, verl's newer reward-manager section, the reward model's
+inference server. Each option loads at verl's default; set otherwise it is refused naming the key
+(`unsupported`) or, where it truly changes nothing, said at start-up (`no_effect`). verl 0.9.1's
+`reward` section is here too: its options that act are newer names of options meshppo reads at
+their older places, where `trainer.config` resolves them. The sections are part of
+`trainer.config`'s tree, which imports them from here.
 """
 
 from __future__ import annotations
@@ -158,10 +160,14 @@ class TransferQueueConfig:
 
 @dataclass
 class SandboxFusionConfig:
+    """verl's remote code-execution service of its rewards (`reward.sandbox_fusion`; before 0.9.1
+    `reward_model.sandbox_fusion`, and 0.9.1's deprecated top-level `sandbox_fusion`, all null). A
+    null size is verl's default."""
+
     url: str | None = opt(None, "not supported: meshppo's rewards are computed in-process (a custom reward function "
                                 "may call such a service itself)", unsupported=lambda v: v is not None)
-    max_concurrent: int = opt(64, "verl: the service's concurrent calls", ge=1, no_effect="read only with url")
-    memory_limit_mb: int = opt(1024, "verl: the service's memory limit", ge=1, no_effect="read only with url")
+    max_concurrent: int | None = opt(64, "verl: the service's concurrent calls", ge=1, no_effect="read only with url")
+    memory_limit_mb: int | None = opt(1024, "verl: the service's memory limit", ge=1, no_effect="read only with url")
 
 
 @dataclass
@@ -172,11 +178,147 @@ class RewardManagerModuleConfig:
 
 @dataclass
 class RewardManagerConfig:
-    """verl's top-level `reward_manager` section, its newer home of `reward_model.reward_manager`."""
+    """verl's reward-manager section (`reward.reward_manager` in 0.9.1, a top-level `reward_manager`
+    before), its newer home of `reward_model.reward_manager`."""
 
-    source: str = opt("register", "register only: name is one of meshppo's managers (verl's importlib loads a verl "
-                                  "manager class, which works on verl's DataProto)", choices=("register", "importlib"),
-                      unsupported=other_than("register"))
+    source: str | None = opt("register", "register only: name is one of meshppo's managers (verl's importlib loads "
+                                         "a verl manager class, which works on verl's DataProto); null: register",
+                             choices=("register", "importlib", None), unsupported=other_than("register"))
     name: str | None = opt(None, "the reward manager: reward_model.reward_manager's newer name in verl (set one of "
-                                 "them, or both the same); null: that option", choices=(*REWARD_MANAGERS, None))
+                                 "them, or all the same); null: that option", choices=(*REWARD_MANAGERS, None))
     module: RewardManagerModuleConfig = section(RewardManagerModuleConfig, "verl: a reward-manager class to import")
+
+
+_NEW_NAME = "verl 0.9.1's name of {old} (set one of them, or both the same); null: that option"
+
+_RM_SERVER_WHY = "meshppo runs the reward model as an FSDP2 forward on the training ranks, with no inference server"
+_RM_SAMPLING_WHY = ("verl samples with it where a custom reward function asks the reward model's server to generate "
+                    "(a generative reward model); meshppo runs no such server")
+_RM_LENGTH_WHY = (f"{_RM_SERVER_WHY}; the reward model reads each rendered chat whole, or cut at "
+                  "reward_model.max_length")
+
+
+@dataclass
+class DisaggregationConfig:
+    """verl 0.9.1's `disaggregation` of an inference server: prefill and decode on replicas of their own."""
+
+    enabled: bool = opt(False, "not supported: must be false (verl: prefill and decode on separate engine replicas; "
+                               "meshppo's engine runs both on every rank, in-process)", unsupported=bool)
+    prefill_replicas: int = opt(1, "verl: the prefill replicas", no_effect=read_only_with("disaggregation.enabled"))
+    decode_replicas: int = opt(1, "verl: the decode replicas", no_effect=read_only_with("disaggregation.enabled"))
+    decode_tensor_model_parallel_size: int | None = opt(None, "verl: the decode replicas' TP size",
+                                                        no_effect=read_only_with("disaggregation.enabled"))
+    transfer_backend: str = opt("nixl", "verl: the KV transfer backend",
+                                no_effect=read_only_with("disaggregation.enabled"))
+    bootstrap_port: int | None = opt(None, "verl: the KV transfer's bootstrap port",
+                                     no_effect=read_only_with("disaggregation.enabled"))
+    ib_device: str | None = opt(None, "verl: the InfiniBand device of the KV transfer",
+                                no_effect=read_only_with("disaggregation.enabled"))
+    mooncake_protocol: str = opt("nvlink", "verl: mooncake's transfer protocol",
+                                 no_effect=read_only_with("disaggregation.enabled"))
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    """verl 0.9.1's `reward.reward_model.rollout` (and its older place `reward_model.rollout`, whose
+    keys move here): the inference server verl's reward loop scores with. meshppo runs the reward
+    model as an FSDP2 forward on the training ranks (`reward_model.model.fsdp_config`,
+    `micro_batch_size_per_gpu`, `max_length`): the server's options change nothing, those that would
+    change the scores are refused, and full_determinism acts."""
+
+    name: str | None = opt(None, "verl: the server's engine (vllm, sglang); verl's default ??? loads as null",
+                           no_effect=_RM_SERVER_WHY)
+    dtype: str = opt("bfloat16", "verl: the server's dtype: bfloat16 only (meshppo's reward model computes in "
+                                 "reward_model.model.fsdp_config.mixed_precision.param_dtype, bf16 by default)",
+                     unsupported=lambda v: v not in ("bfloat16", "bf16"))
+    gpu_memory_utilization: float = opt(0.5, "verl: the server's share of GPU memory", no_effect=_RM_SERVER_WHY)
+    enforce_eager: bool = opt(True, "verl: the server without CUDA graphs", no_effect=_RM_SERVER_WHY)
+    cudagraph_capture_sizes: list[int] | None = opt(None, "verl: the server's CUDA-graph sizes",
+                                                    no_effect=_RM_SERVER_WHY)
+    free_cache_engine: bool = opt(True, "verl: the server sleeps between scorings", no_effect=_RM_SERVER_WHY)
+    data_parallel_size: int = opt(1, "verl: the server's data parallelism", no_effect=_RM_SERVER_WHY)
+    expert_parallel_size: int = opt(1, "verl: the server's expert parallelism", no_effect=_RM_SERVER_WHY)
+    tensor_model_parallel_size: int = opt(2, "verl: the server's tensor parallelism", no_effect=_RM_SERVER_WHY)
+    pipeline_model_parallel_size: int = opt(1, "verl: the server's pipeline parallelism", no_effect=_RM_SERVER_WHY)
+    max_num_batched_tokens: int = opt(8192, "verl: the server's token budget of a step",
+                                      no_effect=f"{_RM_SERVER_WHY}; reward_model.micro_batch_size_per_gpu or "
+                                                "use_dynamic_bsz batch its forwards")
+    max_model_len: int | None = opt(None, "verl: the server's context", no_effect=_RM_LENGTH_WHY)
+    max_num_seqs: int = opt(1024, "verl: the server's sequences at once", no_effect=_RM_SERVER_WHY)
+    load_format: str = opt("auto", "verl: how the server loads the weights; a dummy format (random weights) is not "
+                                   "supported: meshppo reads the reward model's checkpoint",
+                           unsupported=lambda v: v.startswith("dummy"), no_effect=_RM_SERVER_WHY)
+    layered_summon: bool = opt(False, "verl: gather the weights layer by layer", no_effect=_RM_SERVER_WHY)
+    scheduling_policy: str = opt("fcfs", "verl: the server's scheduling", no_effect=_RM_SERVER_WHY)
+    full_determinism: bool = opt(False, "deterministic reward-model scores (with reward_model.enable, as in verl): "
+                                        "true turns on meshppo's full determinism, one switch for the process, as "
+                                        "each role's fsdp_config.full_determinism does")
+    seed: int = opt(42, "verl: the server's sampling seed", no_effect="the reward model's forward draws nothing")
+    multi_stage_wake_up: bool = opt(False, "verl: the server wakes its weights before its cache",
+                                    no_effect=_RM_SERVER_WHY)
+    engine_kwargs: dict = opt(default_factory=dict, help="verl: the server engine's arguments", no_effect=_RM_SERVER_WHY)
+    limit_images: int | None = opt(None, "verl: the most images a prompt may hold",
+                                   no_effect="meshppo's models take text only")
+    enable_chunked_prefill: bool = opt(True, "verl: the server's chunked prefill", no_effect=_RM_SERVER_WHY)
+    enable_prefix_caching: bool = opt(True, "verl: the server's prefix cache", no_effect=_RM_SERVER_WHY)
+    disable_log_stats: bool = opt(True, "verl: the server's statistics log", no_effect=_RM_SERVER_WHY)
+    skip_tokenizer_init: bool = opt(False, "not supported: must be false (verl asserts it for a reward model: the "
+                                           "server renders the chat)", unsupported=bool)
+    ignore_eos: bool = opt(False, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    temperature: float = opt(1.0, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    top_k: int = opt(-1, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    top_p: float = opt(1.0, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    do_sample: bool = opt(True, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    n: int = opt(1, "verl: a generative reward model's sampling", no_effect=_RM_SAMPLING_WHY)
+    prompt_length: int = opt(2048, "verl: the server's prompt budget", no_effect=_RM_LENGTH_WHY)
+    response_length: int = opt(2048, "verl: the server's response budget", no_effect=_RM_LENGTH_WHY)
+    quantization: str | None = opt(None, "not supported: must be null (verl: a quantized reward-model server, whose "
+                                         "scores move; meshppo's reward model computes unquantized)",
+                                   unsupported=lambda v: v is not None)
+    quantization_config_file: str | None = opt(None, "not supported: must be null (verl: the server's quantization)",
+                                               unsupported=lambda v: v is not None)
+    mtp: MtpConfig | None = opt(None, "verl: the server's speculative decoding; null or disabled")
+    disaggregation: DisaggregationConfig = section(DisaggregationConfig, "verl: the server's prefill / decode split")
+
+
+@dataclass
+class RewardFunctionConfig:
+    """verl 0.9.1's `reward.custom_reward_function`: the newer names of `custom_reward_function`."""
+
+    path: str | None = opt(None, _NEW_NAME.format(old="custom_reward_function.path"))
+    name: str | None = opt(None, _NEW_NAME.format(old="custom_reward_function.name") + " (verl's default: "
+                                                                                        "compute_score)")
+    reward_kwargs: dict | None = opt(None, _NEW_NAME.format(old="custom_reward_function.reward_kwargs"))
+
+
+@dataclass
+class RewardLoopModelConfig:
+    """verl 0.9.1's `reward.reward_model`: the reward model of its reward loop."""
+
+    enable: bool | None = opt(None, _NEW_NAME.format(old="reward_model.enable"))
+    enable_resource_pool: bool = opt(False, "not supported: must be false (verl: the reward model on GPUs of its own, "
+                                            "n_gpus_per_node x nnodes; meshppo runs it on the training ranks)",
+                                     unsupported=bool)
+    n_gpus_per_node: int = opt(8, "verl: GPUs a node of the reward model's own pool", ge=0,
+                               no_effect=read_only_with("enable_resource_pool"))
+    nnodes: int = opt(0, "verl: nodes of the reward model's own pool", ge=0,
+                      no_effect=read_only_with("enable_resource_pool"))
+    model_path: str | None = opt(None, _NEW_NAME.format(old="reward_model.model.path"))
+    rollout: RewardModelRolloutConfig = section(RewardModelRolloutConfig, "verl: the reward model's inference server")
+
+
+@dataclass
+class RewardConfig:
+    """verl 0.9.1's `reward` section, the newer home of `custom_reward_function`, `reward_model`'s
+    switch and path, its reward manager and `sandbox_fusion`. Each option that acts is a newer name
+    of one meshppo reads at its older place (where a resolved config holds it); the others change
+    nothing (said at start-up) or are refused."""
+
+    num_workers: int = opt(8, "verl: the reward-loop workers", ge=1,
+                           no_effect="meshppo scores on every training rank, without reward-loop workers")
+    custom_reward_function: RewardFunctionConfig = section(RewardFunctionConfig, "the reward function")
+    reward_manager: RewardManagerConfig = section(RewardManagerConfig, "how the reward function is called")
+    reward_model: RewardLoopModelConfig = section(RewardLoopModelConfig, "the reward model")
+    sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
+    reward_kwargs: dict | None = opt(None, _NEW_NAME.format(old="reward_model.reward_kwargs") + " (verl 0.9.1's dapo "
+                                                                                               "manager reads it here)")

@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -198,6 +197,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
                       if is_dataclass(hints[name]) for f in fields(hints[name])]
             raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys, nested)}")
         f = by_name[key]
+        if value == MISSING_MARK and f.metadata.get("no_effect") and _optional(hints[key]):
+            value = None  # verl's "must be given" on an option meshppo never reads: not given
         coerced = _coerce(value, hints[key], full)
         choices = f.metadata.get("choices")
         if choices and coerced not in choices:
@@ -468,10 +469,9 @@ class _Interpolations:
     the final values (the file, the overrides, and meshppo's defaults for keys neither sets).
     `${a.b}` is another option's value (its type kept when the interpolation is the whole value,
     its text inside a longer string); `${.x}` / `${..x}` are relative to the option's section;
-    `${oc.select:a.b,default}` falls back to `default` where `a.b` is no option; `${oc.env:VAR,default}`
-    reads the environment. verl's `???` (a value that must be given) is an error."""
-
-    PATTERN = re.compile(r"\$\{([^${}]*)\}")
+    `${oc.select:a.b,default}` falls back to `default` where `a.b` is no option (a default may be an
+    interpolation itself, as in verl's generated config); `${oc.env:VAR,default}` reads the
+    environment. verl's `???` (a value that must be given) is an error where meshppo reads the value."""
 
     def __init__(self, data: dict, defaults: dict):
         self.data, self.defaults, self.active = data, defaults, []
@@ -489,29 +489,62 @@ class _Interpolations:
             raise ConfigError(f"{key}: the interpolations {' -> '.join(self.active + [key])} form a cycle")
         self.active.append(key)
         try:
-            whole = self.PATTERN.fullmatch(text)
-            if whole:
-                return self._value(whole.group(1), path)
-            out = self.PATTERN.sub(lambda m: str(self._value(m.group(1), path)), text)
-            if "${" in out:
-                raise ConfigError(f"{key}: {text!r} is not an interpolation meshppo reads (nested ${{...}})")
-            return out
+            return self._text(text, path)
         finally:
             self.active.pop()
+
+    def _text(self, text: str, path: tuple):
+        """`text` with its interpolations replaced: the value itself (its type kept) where one
+        interpolation is the whole text, else their values as text."""
+        spans = self._spans(text, path)
+        if len(spans) == 1 and spans[0][:2] == (0, len(text)):
+            return self._value(spans[0][2], path)
+        out, end = [], 0
+        for start, stop, expr in spans:
+            out += [text[end:start], str(self._value(expr, path))]
+            end = stop
+        return "".join(out) + text[end:]
+
+    @staticmethod
+    def _spans(text: str, path: tuple) -> list[tuple[int, int, str]]:
+        """(start, end, expression) of each outermost `${...}` of `text`; one nested in another's
+        expression (verl's `${oc.select:a,${oc.select:b,null}}`) stays in it, for `_value`."""
+        spans, depth, start = [], 0, 0
+        i = 0
+        while i < len(text):
+            if text.startswith("${", i):
+                start, depth, i = (i if depth == 0 else start), depth + 1, i + 2
+                continue
+            if text[i] == "}" and depth:
+                depth -= 1
+                if not depth:
+                    spans.append((start, i + 1, text[start + 2:i]))
+            i += 1
+        if depth:
+            raise ConfigError(f"{'.'.join(path)}: {text!r} has an unclosed ${{")
+        return spans
+
+    def _fallback(self, text: str, path: tuple, empty):
+        """The default argument of an `oc.` resolver: YAML, or an interpolation of its own (read only
+        where the default is used, as OmegaConf's oc.select falls back); `empty` where none is given."""
+        text = text.strip()
+        if not text:
+            return empty
+        return self._text(text, path) if "${" in text else yaml.safe_load(text)
 
     def _value(self, expr: str, path: tuple):
         key = ".".join(path)
         resolver, _, args = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
-        name, _, fallback = args.partition(",")
+        name, comma, fallback = args.partition(",")
         name = name.strip()
         if resolver == "oc.env":
             import os
 
             if name in os.environ:
                 return os.environ[name]
-            if not _:
+            if not comma:
                 raise ConfigError(f"{key}: ${{{expr}}} reads the environment variable {name}, which is not set")
-            return yaml.safe_load(fallback) if fallback.strip() else ""
+            return self._fallback(fallback, path, "")
         if resolver not in ("", "oc.select"):
             raise ConfigError(f"{key}: ${{{expr}}}: the resolver {resolver} is not supported (meshppo reads "
                               "${a.b}, ${oc.select:a.b,default} and ${oc.env:VAR,default})")
@@ -521,7 +554,7 @@ class _Interpolations:
             if found:
                 return self.resolve_tree(value, tuple(target))
         if resolver == "oc.select":
-            return yaml.safe_load(fallback) if fallback.strip() else None
+            return self._fallback(fallback, path, None)
         raise ConfigError(f"{key}: ${{{expr}}} names {'.'.join(target)!r}, which is no config option")
 
     @staticmethod
