@@ -250,7 +250,8 @@ def write_records(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> st
 
 # What a text-only model cannot read: a row that holds it is refused, not trained on without it.
 MEDIA_PART_TYPES = ("image", "image_url", "video", "video_url", "audio", "input_audio")
-TEXT_ONLY = "meshppo's models are text-only (a vision-language row would be trained on without its images)"
+TEXT_ONLY = ("meshppo's models are text-only (a multi-modal row would be trained on without its images, videos or "
+             "audio)")
 
 
 def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
@@ -426,9 +427,9 @@ class RLHFDataset:
             they give the rewards), so that a row no scorer knows fails at load, as does one whose
             ground truth its scorer would never match (`builtin_ground_truth_problem`: a number
             for GSM8K's string comparison); None: any.
-        media_keys: the fields of a row's images and videos (verl's `data.image_key` /
-            `video_key`): a row with any, or with a media part in a message, is refused
-            (the models are text-only).
+        media_keys: the fields of a row's images, videos and audio (verl's `data.image_key`,
+            `video_key` and `audio_key`): a row with any, or with a media part in a message, is
+            refused (the models are text-only).
         chat_prompts_for: why every prompt must be a list of chat messages (something renders
             the chat again, e.g. a reward model's template), so that a text prompt fails at
             load saying so; None: text prompts are fine.
@@ -460,7 +461,7 @@ class RLHFDataset:
         require_ground_truth: bool = True,
         data_sources: Collection[str] | None = None,
         chat_prompts_for: str | None = None,
-        media_keys: Collection[str] = ("images", "videos"),
+        media_keys: Collection[str] = ("images", "videos", "audios"),
         default_agent: str = SINGLE_TURN_AGENT,
         tool_schemas: list[dict] | None = None,
         max_samples: int = -1,

@@ -21,12 +21,14 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.args import OUTPUT_KEYS, check_overrides
 from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_shapes
-from trainer.configlib import ConfigError, build_dataclass, opt, other_than, section
-from trainer.config_profiler import GlobalProfilerConfig, RoleProfilerConfig, SharedProfilerConfig
-from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, MtpConfig,
-                                 PrometheusConfig, RewardConfig, RewardManagerConfig, RewardModelRolloutConfig,
-                                 RouterReplayConfig, SamplerClassConfig, SandboxFusionConfig, TraceConfig,
-                                 TransferQueueConfig, MOE_WHY, read_only_with)
+from trainer.configlib import ConfigError, build_dataclass, opt, option_key, other_than, section
+from trainer.config_profiler import (FINISH_HOOK_OPTIONS, GlobalProfilerConfig, RoleProfilerConfig,
+                                    SharedProfilerConfig)
+from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, DisaggregationConfig,
+                                 DistillationConfig, MegatronLoRAConfig, MtpConfig, PrometheusConfig, QATConfig,
+                                 RewardConfig, RewardManagerConfig, RewardModelRolloutConfig, RouterReplayConfig,
+                                 SamplerClassConfig, SandboxFusionConfig, SkipConfig, TraceConfig, TrainerV1Config,
+                                 TransferQueueConfig, MOE_WHY, TEACHER_ROLLOUT_COPIES, read_only_with)
 from trainer.profiling import check_profiler_ranks, profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
@@ -70,6 +72,14 @@ _PAD_TO_LENGTH_WHY = ("meshppo's packed micro-batches keep their own length; pad
                       "tokens only")
 
 
+def _turbo_config() -> dict:
+    """verl 0.9.1's default `fsdp_config.turbo_config` (its FSDP-Turbo engine's, strategy fsdp_turbo)."""
+    plan = {"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "bf16", "fsdp_implementation": "native",
+            "num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1}
+    return {"distributed": {"fully_shard_parallel_size": 16, "tensor_parallel_size": 1, "expert_parallel_size": 1,
+                            "expert_fully_shard_parallel_size": 1, "ulysses_parallel_size": 1, "fsdp_plan": plan}}
+
+
 # verl's `fsdp_config.dtype` default (`FSDPOptions._map_dtype`).
 _VERL_COMPUTE_DTYPE = "bfloat16"
 
@@ -99,8 +109,10 @@ class FSDPOptions(FSDPConfig):
                                           "another value than bfloat16 sets mixed_precision.param_dtype when that is "
                                           "at its default (bf16); a param_dtype set otherwise wins, as in verl",
                      choices=DTYPES)
-    strategy: str = opt("fsdp", "verl's engine backend: fsdp or fsdp2", choices=("fsdp", "fsdp2"),
-                        no_effect="meshppo shards with FSDP2 whatever the strategy")
+    strategy: str = opt("fsdp", "verl's engine backend: fsdp or fsdp2 (fsdp_turbo, verl's FSDP-Turbo engine, is not "
+                                "supported)", choices=("fsdp", "fsdp2", "fsdp_turbo"),
+                        unsupported=lambda v: v == "fsdp_turbo", no_effect="meshppo shards with FSDP2 whatever the "
+                                                                             "strategy")
     forward_only: bool = opt(False, "verl: the engine runs forwards only (its reference's); the actor and the critic "
                                     "train: must be false", unsupported=bool)
     use_torch_compile: bool = opt(True, "verl: torch.compile the engine's entropy-from-logits function",
@@ -125,6 +137,9 @@ class FSDPOptions(FSDPConfig):
         no_effect="meshppo always reduces a mini-batch's gradients once, in its last micro-batch's backward")
     pad_to_length: bool = _pad_to_length()
     pad_to_length_bucket: int = opt(1024, "verl: the bucket of pad_to_length, in tokens", no_effect=_PAD_TO_LENGTH_WHY)
+    qat: QATConfig = section(QATConfig, "verl 0.9.1's quantization-aware training of the engine")
+    turbo_config: dict = opt(default_factory=_turbo_config, help="verl 0.9.1: its FSDP-Turbo engine's settings",
+                             no_effect=read_only_with("strategy=fsdp_turbo"))
 
     def __post_init__(self):
         self.full_shard_note = None  # an fsdp_size above the launch's ranks, read as -1 (`_full_shard_sizes`)
@@ -221,9 +236,19 @@ class DataConfig:
                                        no_effect="meshppo renders the tool agent's prompts with the tools of "
                                                  "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the "
                                                  "overlong-prompt filter counts them so")
+    audio_key: str = opt("audios", "the field of a row's audio: a row that has any is refused at load (meshppo's "
+                                   "models are text-only)")
+    function_tool_path: str | None = opt(None, "not supported: must be null (verl 0.9.1's copy of "
+                                               "actor_rollout_ref.rollout.multi_turn.function_tool_path)",
+                                         unsupported=lambda v: v is not None)
     custom_cls: DataClassConfig = section(DataClassConfig, "verl's dataset class of the user's")
     datagen: DataClassConfig = section(DataClassConfig, "verl's prompt generator of the user's")
     sampler: SamplerClassConfig = section(SamplerClassConfig, "verl's sampler class of the user's")
+
+    @property
+    def media_keys(self) -> tuple[str, str, str]:
+        """The fields of a row's images, videos and audio, which the dataset refuses (`data.dataset.RLHFDataset`)."""
+        return self.image_key, self.video_key, self.audio_key
 
 
 def _global_micro_batch(per_gpu: str):
@@ -360,6 +385,9 @@ class CheckpointConfig:
               "path, without optimizer an empty optimizer state, without extra a new LR schedule (and RNG). hf_model "
               "loads nothing (as in verl). An item the checkpoint lacks is an error. null: save_contents (verl's "
               "${.save_contents})")
+    strict: bool = opt(True, "verl: strict checks of its Megatron checkpoints' Hugging Face export",
+                       no_effect="verl reads it in its Megatron checkpoint manager only; its FSDP workers, as meshppo, "
+                                 "do not")
     async_save: bool = opt(False, "not supported: must be false (verl implements it for Megatron only; meshppo "
                                   "writes a checkpoint before the run goes on, so that it is complete and published "
                                   "when the step ends)")
@@ -393,6 +421,22 @@ class FusedKernelOptions:
                             choices=("torch", "triton"),
                             no_effect="meshppo's LM head picks its kernels itself: Triton on CUDA when triton is "
                                       "installed, else PyTorch (MESHPPO_LM_HEAD=torch forces it)")
+
+
+def _hf_config_path():
+    return opt(None, "not supported: must be null (verl: a config.json elsewhere than path; meshppo reads path's)",
+               unsupported=lambda v: v is not None)
+
+
+def _exclude_modules():
+    return opt(None, "not supported: must be null (peft's modules kept out of target_modules; list the projections "
+                     "in target_modules instead)", unsupported=lambda v: v is not None)
+
+
+def _use_liger():
+    return opt(False, "verl: patch the Hugging Face model with Liger's fused kernels",
+               no_effect="meshppo's model is its own (models/), not the Hugging Face classes Liger patches, and has "
+                         "its own fused kernels")
 
 
 _SHM_WHY = ("meshppo reads the safetensors files where they are, memory-mapped, one tensor at a time (the page cache "
@@ -499,16 +543,12 @@ class ModelConfig:
     fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
     tokenizer_path: str | None = opt(None, "verl's name of data.tokenizer (the tokenizer directory): setting both to "
                                            "different directories is an error; null: data.tokenizer")
-    hf_config_path: str | None = opt(None, "not supported: must be null (verl: a config.json elsewhere than path; "
-                                           "meshppo reads path's)", unsupported=lambda v: v is not None)
-    exclude_modules: str | list[str] | None = opt(None, "not supported: must be null (peft's modules kept out of "
-                                                        "target_modules; list the projections in target_modules "
-                                                        "instead)", unsupported=lambda v: v is not None)
-    use_liger: bool = opt(False, "verl: patch the Hugging Face model with Liger's fused kernels",
-                          no_effect="meshppo's model is its own (models/), not the Hugging Face classes Liger patches, "
-                                    "and has its own fused kernels")
+    hf_config_path: str | None = _hf_config_path()
+    exclude_modules: str | list[str] | None = _exclude_modules()
+    use_liger: bool = _use_liger()
     tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "the tiled MLP of the actor and the reference")
     mtp: MtpConfig = section(MtpConfig, "verl's multi-token prediction")
+    megatron_lora: MegatronLoRAConfig = section(MegatronLoRAConfig, "verl 0.9.1's Megatron LoRA", key="lora")
 
     def __post_init__(self):
         _check_override_config("actor_rollout_ref.model", self.override_config)
@@ -697,6 +737,7 @@ class ActorConfig:
                                              no_effect="meshppo computes it in the forward-only old-log-prob pass, "
                                                        "chunk by chunk without a graph: nothing to recompute")
     router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
+    qat: QATConfig = section(QATConfig, "verl 0.9.1's quantization-aware training (its legacy actor's)")
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "the policy-gradient loss")
     optim: OptimConfig = section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "actor FSDP2 settings")
@@ -777,6 +818,9 @@ class MultiTurnConfig:
     format: str = opt("hermes", "the tool-call format of the model's turns", choices=FORMATS)
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
                                           no_effect="verl reads it nowhere")
+    function_tool_path: str | None = opt(None, "not supported: must be null (verl 0.9.1: tools made of the functions "
+                                               "of a Python file; meshppo's tool agent takes the tool classes of "
+                                               "tool_config_path)", unsupported=lambda v: v is not None)
 
 
 # Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would
@@ -993,6 +1037,21 @@ class RolloutConfig:
     custom: dict | None = opt(None, "verl: settings for a user's own rollout class", no_effect="meshppo generates with "
                                                                                              "its own engine")
     mtp: MtpConfig = section(MtpConfig, "verl's copy of actor_rollout_ref.model.mtp (speculative decoding)")
+    nnodes: int = opt(0, "0 only: the engine runs on the training ranks (verl: rollout replicas on nodes of their own, "
+                         "its separate asynchronous trainer's)", ge=0, unsupported=bool)
+    n_gpus_per_node: int | None = opt(None, "verl: GPUs a node of the rollout's own nodes; null (or "
+                                            "trainer.n_gpus_per_node, verl's default): trainer.n_gpus_per_node",
+                                      no_effect=read_only_with("rollout.nnodes > 0"))
+    full_determinism: bool = opt(False, "deterministic generation (verl: a batch-invariant vLLM): meshppo's engine "
+                                        "runs in the training processes, so true turns on their full determinism, "
+                                        "one switch for the process, as each role's fsdp_config.full_determinism "
+                                        "does")
+    router_config_path: str | None = opt(None, "verl: the rollout servers' router config",
+                                         no_effect="meshppo's engine runs in-process, behind no router")
+    moe_load_balance_metrics_interval: int = opt(0, "not supported: must be 0" + MOE_WHY, ge=0, unsupported=bool)
+    qat: QATConfig | None = opt(None, "verl's copy of actor_rollout_ref.actor.fsdp_config.qat (its engine's "
+                                      "quantization): null or not enabled")
+    disaggregation: DisaggregationConfig = section(DisaggregationConfig, "verl 0.9.1's prefill / decode split")
     agent: AgentLoopConfig = section(AgentLoopConfig, "verl's agent loop")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "verl's multi-turn rollouts")
     checkpoint_engine: CheckpointEngineConfig = section(CheckpointEngineConfig, "verl's weight transfer to the engine")
@@ -1060,6 +1119,19 @@ class CriticModelConfig:
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     tiled_mlp: TiledMLPConfig = section(TiledMLPConfig, "the tiled MLP of the critic")
+    hf_config_path: str | None = _hf_config_path()
+    custom_chat_template: str | None = opt(None, "verl: the critic tokenizer's chat template",
+                                           no_effect="the critic reads the actor's token ids, rendered with the actor's "
+                                                     "template")
+    exclude_modules: str | list[str] | None = _exclude_modules()
+    lora_adapter_path: str | None = opt(None, "not supported: must be null (verl: a peft adapter the critic starts "
+                                              "from; meshppo's critic adapters start fresh, lora_rank)",
+                                        unsupported=lambda v: v is not None)
+    use_liger: bool = _use_liger()
+    use_fused_kernels: bool = opt(False, "verl: fused log-prob kernels", no_effect="a critic has no LM head")
+    fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
+    mtp: MtpConfig = section(MtpConfig, "verl's multi-token prediction")
+    megatron_lora: MegatronLoRAConfig = section(MegatronLoRAConfig, "verl 0.9.1's Megatron LoRA", key="lora")
 
     def __post_init__(self):
         _check_override_config("critic.model", self.override_config)
@@ -1077,6 +1149,9 @@ class CriticConfig:
     strategy: str = opt("fsdp2", "training backend", choices=("fsdp", "fsdp2"))
     optim: CriticOptimConfig = section(CriticOptimConfig, "critic optimizer")
     model: CriticModelConfig = section(CriticModelConfig, "critic model")
+    fsdp: FSDPOptions | None = opt(None, "verl 0.9.1's name of critic.model.fsdp_config (its engine config): each "
+                                         "option set here other than its default sets that one's, which must be at "
+                                         "its default or the same; null: none")
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the critic (global_profiler)")
     ppo_mini_batch_size: int | None = opt(None, "prompts per critic optimizer step; default: the actor's", ge=1)
     ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per critic forward/backward on one GPU; null: "
@@ -1337,7 +1412,7 @@ class RolloutCorrectionConfig:
             raise ValueError(f"loss_type={self.loss_type} applies to bypass mode only: set bypass_mode=true")
 
 
-FILTER_GROUP_SEQUENCE_METRICS = ("seq_reward", "seq_final_reward", "score")
+FILTER_GROUP_SEQUENCE_METRICS = ("seq_reward", "seq_final_reward", "score", "reward")
 """`algorithm.filter_groups.metric` values that are not a reward function's extra key."""
 
 
@@ -1346,13 +1421,17 @@ class FilterGroupsConfig:
     enable: bool = opt(False, "DAPO's dynamic sampling: drop the prompts whose responses all have the same metric "
                               "(e.g. all right or all wrong: zero group advantage) and generate more rounds of "
                               "data.gen_batch_size prompts until data.train_batch_size prompts are kept")
-    metric: str | None = opt(None, "what must vary within a group: seq_reward (the score the advantages use), "
+    metric: str | None = opt(None, "what must vary within a group: seq_reward (the score the advantages use; "
+                                   "verl 0.9.1's reward, its default, is the same: the summed reward before any KL), "
                                    "seq_final_reward (the same: refused with KL in the reward), score (the reward "
                                    "function's own, before reward_manager=dapo's overlong penalty, as verl's "
                                    "DAPO trainer reads it), or a numeric extra key of the reward function's dict "
                                    "result (e.g. acc)")
     max_num_gen_batches: int = opt(0, "generation rounds a step may take before it fails (the data are then too "
                                       "easy or too hard); 0 or less: no limit")
+    max_inflight_gen_batches: int = opt(1, "1 only: meshppo generates one round at a time (verl 0.9.1: up to this many "
+                                           "rounds of train_batch_size prompts in flight at once)", ge=1,
+                                        unsupported=other_than(1))
 
 
 @dataclass
@@ -1417,6 +1496,7 @@ class TrainerConfig:
                                                 "verl's engine workers do (README)")
     use_v1: bool = opt(True, "verl: run its newer trainer (false: its deprecated RayPPOTrainer)",
                        no_effect="meshppo has one trainer")
+    v1: TrainerV1Config = section(TrainerV1Config, "verl 0.9.1: its newer trainer's modes")
     checkpoint_callback_class: str | None = opt(None, "not supported: must be null (verl: a user class, by import "
                                                       "path, called around checkpoint saves)",
                                                 unsupported=lambda v: v is not None)
@@ -1495,7 +1575,10 @@ class PPOConfig:
                                                  "function's, reward manager's and reward model's options")
     sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl 0.9.1's deprecated place of "
                                                                        "reward.sandbox_fusion")
-    ray_kwargs: dict = opt(default_factory=lambda: {"ray_init": {"num_cpus": None}, "timeline_json_file": None},
+    distillation: DistillationConfig = section(DistillationConfig, "verl 0.9.1's on-policy distillation")
+    skip: SkipConfig = section(SkipConfig, "verl 0.9.1's dumps and replays of stages")
+    ray_kwargs: dict = opt(default_factory=lambda: {"ray_init": {"num_cpus": None, "runtime_env": {"py_executable": None}},
+                                                    "timeline_json_file": None},
                            help="verl: the arguments of ray.init and Ray's timeline file", no_effect=_NO_RAY_WHY)
     transfer_queue: TransferQueueConfig = section(TransferQueueConfig, "verl's transfer queue")
 
@@ -1525,6 +1608,11 @@ class PPOConfig:
             if getattr(self.trainer, name) == 0:  # verl keeps every checkpoint for 0, as for null
                 setattr(self.trainer, name, None)
 
+        if critic.fsdp is not None:  # verl 0.9.1's name of the critic's fsdp_config
+            _merge_section("critic.fsdp", critic.fsdp, "critic.model.fsdp_config", critic.model.fsdp_config)
+            critic.model.fsdp_config.superseded = [k for k in ("param_offload", "optimizer_offload")
+                                                   if k in critic.fsdp.superseded + critic.model.fsdp_config.superseded]
+            critic.fsdp = None
         _full_shard_sizes(self)
         _alias("data.tokenizer", d, "tokenizer", ("actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path"))
         rm = self.reward_model
@@ -1533,8 +1621,10 @@ class PPOConfig:
         _resolve_reward_names(self)
         rm.manager_kwargs()  # reward_kwargs checked against the manager they go to
         for key, role in (("actor_rollout_ref.rollout", rollout), ("reward_model", rm)):
-            _copy_of(f"{key}.profiler.tool_config", role.profiler, "tool_config",
-                     "actor_rollout_ref.actor.profiler.tool_config", actor.profiler.tool_config)
+            if role.profiler.tool_config is not None:
+                _copy_of_section(f"{key}.profiler.tool_config", role.profiler.tool_config,
+                                 "actor_rollout_ref.actor.profiler.tool_config", actor.profiler.tool_config)
+            role.profiler.tool_config = actor.profiler.tool_config
         inherit(d, "tokenizer", arr.model.path)
         t = self.trainer
         inherit(t, "default_local_dir", os.path.join("runs", t.project_name, t.experiment_name))
@@ -1610,6 +1700,7 @@ class PPOConfig:
         for name, default in (("enable", False), ("all_ranks", False), ("ranks", [])):
             inherit(rollout.profiler, name, getattr(actor.profiler, name))
             inherit(rm_prof, name, default)
+        _null_verl_copies(self)
 
     # --------------------------------------------------------------- derived views
     @property
@@ -1642,6 +1733,44 @@ def _full_shard_sizes(cfg: PPOConfig) -> None:
             fc.fsdp_size, fc.full_shard_note = -1, note
 
 
+def _null_verl_copies(cfg: PPOConfig) -> None:
+    """The options that verl's generated config interpolates from another one and meshppo does not
+    read, null where they are that one's (said at start-up only where set otherwise): the roles'
+    profiler finish-hook options (the global profiler's; the rollout's and reward model's: the
+    actor's), the rollout's GPUs a node, its trace's project and experiment, and the distillation
+    teachers' copies of the rollout's options."""
+    arr, gp = cfg.actor_rollout_ref, cfg.global_profiler
+    for name in FINISH_HOOK_OPTIONS:
+        actor_value = getattr(arr.actor.profiler, name)
+        for prof, source in ((arr.rollout.profiler, actor_value), (cfg.reward_model.profiler, actor_value),
+                             (arr.actor.profiler, getattr(gp, name)), (arr.ref.profiler, getattr(gp, name)),
+                             (cfg.critic.profiler, getattr(gp, name))):
+            if getattr(prof, name) in (source, getattr(gp, name)):
+                setattr(prof, name, None)
+    rollout, trainer = arr.rollout, cfg.trainer
+    for obj, name, source in ((rollout, "n_gpus_per_node", trainer.n_gpus_per_node),
+                              (rollout.trace, "project_name", trainer.project_name),
+                              (rollout.trace, "experiment_name", trainer.experiment_name)):
+        if getattr(obj, name) == source:
+            setattr(obj, name, None)
+    teachers = _without_hydra_targets(cfg.distillation.teacher_models)
+    for teacher in teachers.values():
+        inference = teacher.get("inference") if isinstance(teacher, dict) else None
+        for name in TEACHER_ROLLOUT_COPIES:
+            if isinstance(inference, dict) and inference.get(name) == getattr(rollout, name):
+                inference[name] = None
+    cfg.distillation.teacher_models = teachers
+
+
+def _without_hydra_targets(tree):
+    """A mapping of verl's without its Hydra `_target_` class names (metadata, as `build_dataclass`
+    takes them), at any depth."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without_hydra_targets(v) for k, v in tree.items()
+            if not (k == "_target_" and isinstance(v, str) and v.startswith("verl."))}
+
+
 def _copy_of(key: str, obj, name: str, source: str, value) -> None:
     """verl's copy `key` of option `source` (of value `value`): null or equal, then `value`."""
     mine = getattr(obj, name)
@@ -1649,6 +1778,43 @@ def _copy_of(key: str, obj, name: str, source: str, value) -> None:
         raise ConfigError(f"{key}={_shown(mine)} differs from {source}={_shown(value)}: it is verl's copy of that "
                           "option; leave it null or set it the same")
     setattr(obj, name, value)
+
+
+def _leaves(section_, other, prefix: str = ""):
+    """`(key, value, default, owner, name)` of each leaf option of `section_`, by its dotted key
+    under `prefix`, with `owner` the section of `other` (the same section: its class or a subclass)
+    that holds the same option, as attribute `name`."""
+    for f in dataclasses.fields(section_):
+        key = f"{prefix}.{option_key(f)}" if prefix else option_key(f)
+        value, theirs = getattr(section_, f.name), getattr(other, f.name)
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(theirs):
+            yield from _leaves(value, theirs, key)
+        else:
+            yield key, value, _default(f), other, f.name
+
+
+def _copy_of_section(key: str, copy_, source_key: str, source) -> None:
+    """verl's copy `key` of section `source_key`, option by option: each one it sets other than its
+    default must be the source's (verl 0.9.1's rollout profiler copies some of the actor's)."""
+    for rel, mine, default, owner, name in _leaves(copy_, source):
+        theirs = getattr(owner, name)
+        if mine != default and mine != theirs:
+            raise ConfigError(f"{key}.{rel}={_shown(mine)} differs from {source_key}.{rel}={_shown(theirs)}: it is "
+                              "verl's copy of that option; leave it out or set it the same")
+
+
+def _merge_section(key: str, newer, older_key: str, older) -> None:
+    """Section `newer` (verl's newer name `key` of section `older_key`) into `older`, option by
+    option: one set other than its default sets the older's, which must be at its default or the
+    same (verl reads only the newer; meshppo does not guess which one was meant)."""
+    for rel, value, default, owner, name in _leaves(newer, older):
+        current = getattr(owner, name)
+        if value == default or value == current:
+            continue
+        if current != _default(type(owner).__dataclass_fields__[name]):
+            raise ConfigError(f"{key}.{rel}={_shown(value)} and {older_key}.{rel}={_shown(current)}: both name the "
+                              "same setting; set one of them, or both the same")
+        setattr(owner, name, value)
 
 
 def _sp_copy(key: str, role, fsdp) -> None:
@@ -1774,7 +1940,7 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
     if not prefix:
         notes += _run_notes(cfg)
     for f in dataclasses.fields(cfg):
-        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        value, key = getattr(cfg, f.name), f"{prefix}{option_key(f)}"
         why = f.metadata.get("no_effect")
         if why and value != _default(f):
             notes.append(f"{key}={_shown(value)} has no effect: {why}")
@@ -1791,10 +1957,11 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
 
 def full_determinism_sections(cfg: PPOConfig) -> dict:
     """The sections with a `full_determinism` switch that this run reads, by their key: the
-    `fsdp_config` of each role it builds and verl's reward-model server (with a reward model, as
-    verl reads it). Any one true makes the process deterministic."""
+    `fsdp_config` of each role it builds, the rollout's and verl's reward-model server's (with a
+    reward model, as verl reads it). Any one true makes the process deterministic."""
     arr = cfg.actor_rollout_ref
-    sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config}
+    sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
+                "actor_rollout_ref.rollout": arr.rollout}
     if cfg.uses_ref:
         sections["actor_rollout_ref.ref.fsdp_config"] = arr.ref.fsdp_config
     if cfg.uses_critic:
@@ -1890,9 +2057,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                              f"{inert.get(name, _RM_UNREAD_WHY)}")
     sections = full_determinism_sections(cfg)
     on = [k for k, fc in sections.items() if fc.full_determinism]
-    if on and len(on) < len(sections):
+    off = [k for k, fc in sections.items() if k.endswith(".fsdp_config") and not fc.full_determinism]
+    if on and off:  # (the servers' switches, verl's rollout's and reward model's, are named only where set)
         notes.append(f"{', '.join(f'{k}.full_determinism' for k in on)}=true makes every role deterministic: the "
-                     f"roles share their processes (also {', '.join(k for k in sections if k not in on)})")
+                     f"roles share their processes (also {', '.join(off)})")
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

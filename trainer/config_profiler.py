@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.configlib import opt, section
+from trainer.configlib import opt, other_than, section
 
 
 PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
@@ -19,6 +19,29 @@ class NsysToolConfig:
                                       "global_profiler.global_tool_config.nsys.discrete")
 
 
+_SCHEDULE_WHY = "read only with schedule.active > 0, which meshppo does not support"
+
+
+@dataclass
+class TorchScheduleConfig:
+    """verl 0.9.1's `torch.schedule`: torch.profiler's schedule over the update's mini-batches."""
+
+    skip_first: int = opt(0, "verl: mini-batches skipped first", ge=0, no_effect=_SCHEDULE_WHY)
+    wait: int = opt(0, "verl: mini-batches idle a cycle", ge=0, no_effect=_SCHEDULE_WHY)
+    warmup: int = opt(0, "verl: mini-batches warming up a cycle", ge=0, no_effect=_SCHEDULE_WHY)
+    active: int = opt(0, "0 only: the whole step is recorded (verl: record only this many update mini-batches a "
+                         "cycle)", ge=0, unsupported=bool)
+    repeat: int = opt(0, "verl: the cycles", ge=0, no_effect=_SCHEDULE_WHY)
+
+
+def _token_window(tool: str, unsupported: bool):
+    """verl 0.9.1's `profile_token_start` / `_end` of its rollout's trace (from / to a response token)."""
+    if unsupported:
+        return opt(None, f"not supported: must be null (verl: {tool}'s rollout trace from / to a response-token "
+                         "index; meshppo's covers the whole generation)", ge=0, unsupported=lambda v: v is not None)
+    return opt(None, f"verl: {tool}'s rollout trace from / to a response-token index: no effect", ge=0)
+
+
 @dataclass
 class TorchProfilerToolConfig:
     contents: list[str] = opt(default_factory=list, help="torch: what the trace records: cpu, cuda (the "
@@ -28,6 +51,9 @@ class TorchProfilerToolConfig:
                                                          "server's and have no effect")
     discrete: bool = opt(False, "torch: one trace per phase of the step (gen, old_log_prob, update_actor, ...) "
                                 "instead of one per profiled step")
+    schedule: TorchScheduleConfig = section(TorchScheduleConfig, "verl: torch.profiler's schedule")
+    profile_token_start: int | None = _token_window("torch", True)
+    profile_token_end: int | None = _token_window("torch", True)
 
     def __post_init__(self):
         bad = [c for c in self.contents if c not in TORCH_PROFILER_CONTENTS]
@@ -42,6 +68,10 @@ class TorchMemoryToolConfig:
     stack_depth: int | None = opt(None, "torch_memory: accepted for verl compatibility; torch's "
                                         "_record_memory_history takes no stack depth (it keeps whole stacks), as in "
                                         "verl it has no effect; null: the global one", ge=1)
+    memory_snapshot_num_steps: int | None = opt(None, "torch_memory: 1 only, a snapshot of each profiled step (or "
+                                                      "range of profile_continuous_steps); verl: of every this many "
+                                                      "profiled steps; null: the global one", ge=1,
+                                                unsupported=other_than(1))
 
 
 @dataclass
@@ -51,6 +81,23 @@ class NPUToolConfig:
     level: str = opt("level0", "NPU profiler level: no effect", choices=("level_none", "level0", "level1", "level2"))
     analysis: bool = opt(True, "NPU profiler analysis: no effect")
     discrete: bool = opt(False, "NPU profiler discrete mode: no effect")
+    profile_token_start: int | None = _token_window("the NPU profiler", False)
+    profile_token_end: int | None = _token_window("the NPU profiler", False)
+
+
+_PRECISION_WHY = "read only with precision_debugger.config_path, which meshppo does not support"
+
+
+@dataclass
+class PrecisionDebuggerConfig:
+    """verl 0.9.1's `precision_debugger`: msprobe's precision dumps of chosen stages."""
+
+    config_path: str | None = opt(None, "not supported: must be null (verl: msprobe's precision-debugging config)",
+                                  unsupported=lambda v: v is not None)
+    steps: list[int] | None = opt(None, "verl: deprecated, the steps (global_profiler.steps decide)",
+                                  no_effect=_PRECISION_WHY)
+    stages: list[str] | None = opt(None, "verl: the stages dumped", no_effect=_PRECISION_WHY)
+    strict: bool = opt(False, "verl: fail where a dump fails", no_effect=_PRECISION_WHY)
 
 
 @dataclass
@@ -59,6 +106,40 @@ class ProfilerToolConfigs:
     npu: NPUToolConfig = section(NPUToolConfig, "Ascend NPU (refused)")
     torch: TorchProfilerToolConfig = section(TorchProfilerToolConfig, "torch.profiler")
     torch_memory: TorchMemoryToolConfig = section(TorchMemoryToolConfig, "CUDA memory history")
+    precision_debugger: PrecisionDebuggerConfig = section(PrecisionDebuggerConfig, "verl: msprobe's precision dumps")
+
+
+_HOOK_WHY = "read only with finish_hook_cmd, which meshppo does not support"
+_RELOCATE_WHY = ("meshppo writes its traces and snapshots into save_path itself; an nsys report goes where "
+                 "nsys profile -o puts it")
+_ROLE_COPY = "; null: global_profiler's (the rollout's: the actor's), as verl's interpolations copy it"
+
+
+def _relocate_results(role: bool):
+    help_ = "verl: move the profiles a framework writes elsewhere (Ray's nsys reports) into save_path"
+    return opt(None, help_ + _ROLE_COPY, no_effect=_RELOCATE_WHY) if role else opt(False, help_,
+                                                                                    no_effect=_RELOCATE_WHY)
+
+
+def _finish_hook_cmd():
+    return opt(None, "not supported: must be null (verl: a shell command run once after the last profiled step, "
+                     "e.g. to upload the profiles)", unsupported=lambda v: v is not None)
+
+
+def _finish_hook_all_ranks(role: bool):
+    help_ = "verl: run finish_hook_cmd on every rank"
+    return opt(None, help_ + _ROLE_COPY, no_effect=_HOOK_WHY) if role else opt(False, help_, no_effect=_HOOK_WHY)
+
+
+def _finish_hook_ranks(role: bool):
+    help_ = "verl: the ranks that run finish_hook_cmd"
+    if role:
+        return opt(None, help_ + _ROLE_COPY, no_effect=_HOOK_WHY)
+    return opt(default_factory=list, help=help_, no_effect=_HOOK_WHY)
+
+
+FINISH_HOOK_OPTIONS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
+"""verl 0.9.1's finish-hook options, the global profiler's and each role's copy of them."""
 
 
 @dataclass
@@ -77,6 +158,10 @@ class RoleProfilerConfig:
                            ge=0)
     save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
     tool_config: ProfilerToolConfigs = section(ProfilerToolConfigs, "each tool's settings")
+    relocate_results: bool | None = _relocate_results(role=True)
+    finish_hook_cmd: str | None = _finish_hook_cmd()
+    finish_hook_all_ranks: bool | None = _finish_hook_all_ranks(role=True)
+    finish_hook_ranks: list[int] | None = _finish_hook_ranks(role=True)
 
 
 @dataclass
@@ -92,7 +177,13 @@ class SharedProfilerConfig:
                                         "the actor's, reward_model: []", ge=0)
     save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
     tool_config: ProfilerToolConfigs | None = opt(None, "verl's copy of actor_rollout_ref.actor.profiler.tool_config "
-                                                        "(which this role uses): null or the same")
+                                                        "(which this role uses): null, or each option it sets the "
+                                                        "same (verl 0.9.1's rollout sets its own token window, "
+                                                        "refused unless null)")
+    relocate_results: bool | None = _relocate_results(role=True)
+    finish_hook_cmd: str | None = _finish_hook_cmd()
+    finish_hook_all_ranks: bool | None = _finish_hook_all_ranks(role=True)
+    finish_hook_ranks: list[int] | None = _finish_hook_ranks(role=True)
 
 
 @dataclass
@@ -118,6 +209,9 @@ class TorchMemoryGlobalConfig:
     trace_alloc_max_entries: int = opt(100000, "allocation events kept (the last ones): the roles' default", ge=1)
     stack_depth: int = opt(32, "accepted for verl compatibility; no effect (torch's _record_memory_history takes "
                                "no stack depth, it keeps whole stacks)", ge=1)
+    memory_snapshot_num_steps: int = opt(1, "1 only: a snapshot of each profiled step (or range of "
+                                            "profile_continuous_steps); verl: of every this many profiled steps "
+                                            "(the roles' default)", ge=1, unsupported=other_than(1))
     context: str | None = opt("all", "_record_memory_history's context: which events carry a stack trace (state: "
                                      "allocations, alloc: and frees, all: both, null: none)",
                               choices=("state", "alloc", "all", None))
@@ -137,6 +231,8 @@ class TorchMemoryGlobalConfig:
 class GlobalToolConfigs:
     nsys: NsysGlobalConfig = section(NsysGlobalConfig, "Nsight Systems")
     torch_memory: TorchMemoryGlobalConfig = section(TorchMemoryGlobalConfig, "CUDA memory history")
+    precision_debugger: PrecisionDebuggerConfig = section(PrecisionDebuggerConfig, "verl: msprobe's precision dumps "
+                                                                                   "(the roles' default)")
 
 
 @dataclass
@@ -158,4 +254,8 @@ class GlobalProfilerConfig:
     profile_continuous_steps: bool = opt(False, "consecutive listed steps share one trace / snapshot / capture "
                                                 "range (named after the first, step{A}-{B}) instead of one each")
     save_path: str = opt("outputs/profile", "directory of the profiles (relative: to the working directory)")
+    relocate_results: bool = _relocate_results(role=False)
+    finish_hook_cmd: str | None = _finish_hook_cmd()
+    finish_hook_all_ranks: bool = _finish_hook_all_ranks(role=False)
+    finish_hook_ranks: list[int] = _finish_hook_ranks(role=False)
     global_tool_config: GlobalToolConfigs = section(GlobalToolConfigs, "the tools' run-wide settings")

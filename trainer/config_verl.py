@@ -43,8 +43,8 @@ class MtpConfig:
     detach_encoder: bool = opt(False, "verl: stop the MTP loss's gradient at the encoder", no_effect=_MTP_WHY)
     mtp_loss_scaling_factor: float = opt(0.1, "verl: the MTP loss's weight", no_effect=_MTP_WHY)
     speculative_algorithm: str = opt("EAGLE", "verl: the engine's speculative-decoding algorithm", no_effect=_MTP_WHY)
-    speculative_num_steps: int = opt(2, "verl: draft steps", no_effect=_MTP_WHY)
-    speculative_eagle_topk: int = opt(2, "verl: draft branches per step", no_effect=_MTP_WHY)
+    speculative_num_steps: int = opt(3, "verl: draft steps", no_effect=_MTP_WHY)
+    speculative_eagle_topk: int = opt(1, "verl: draft branches per step", no_effect=_MTP_WHY)
     speculative_num_draft_tokens: int = opt(4, "verl: draft tokens verified at once", no_effect=_MTP_WHY)
     method: str = opt("mtp", "verl: the speculative method's name", no_effect=_MTP_WHY)
     num_speculative_tokens: int = opt(1, "verl: tokens drafted per step", no_effect=_MTP_WHY)
@@ -93,6 +93,9 @@ class CheckpointEngineConfig:
                                                no_effect="meshppo's resharder sizes its buckets itself, by layers")
     engine_kwargs: dict = opt(default_factory=dict, help="verl: arguments of the transfer backend",
                               no_effect="meshppo's resharder has no backend to configure")
+    custom_backend_module: str | None = opt(None, "not supported: must be null (verl: a module of the user's, "
+                                                  "imported to register a transfer backend)",
+                                            unsupported=lambda v: v is not None)
 
 
 _TRACE_WHY = read_only_with("trace.backend")
@@ -108,6 +111,10 @@ class TraceConfig:
     token2text: bool = opt(False, "verl: decode the traced tokens", no_effect=_TRACE_WHY)
     max_samples_per_step_per_worker: int | None = opt(None, "verl: traced samples per step and worker",
                                                       no_effect=_TRACE_WHY)
+    project_name: str | None = opt(None, "verl: the traces' project; null (or trainer.project_name, verl's default): "
+                                         "trainer.project_name", no_effect=_TRACE_WHY)
+    experiment_name: str | None = opt(None, "verl: the traces' experiment; null (or trainer.experiment_name, verl's "
+                                            "default): trainer.experiment_name", no_effect=_TRACE_WHY)
 
 
 _PROMETHEUS_WHY = read_only_with("prometheus.enable")
@@ -150,12 +157,34 @@ class SamplerClassConfig:
                                  no_effect="read only with class_path, which meshppo does not support")
 
 
+_IN_PROCESS_WHY = "meshppo passes a step's batch between its phases in-process"
+
+
+@dataclass
+class TransferQueueMetricsConfig:
+    enabled: bool = opt(False, "verl: the transfer queue's metrics", no_effect=_IN_PROCESS_WHY)
+    port: int = opt(0, "verl: the port of the queue's metrics", no_effect=_IN_PROCESS_WHY)
+
+
+def _transfer_queue_backend() -> dict:
+    """verl 0.9.1's default `transfer_queue.backend`: its storage and their settings."""
+    return {"storage_backend": "SimpleStorage",
+            "SimpleStorage": {"total_storage_size": 100000, "num_data_storage_units": 8},
+            "MooncakeStore": {"auto_init": False, "metadata_server": "localhost:50123",
+                              "master_server_address": "localhost:50124", "local_hostname": "localhost",
+                              "protocol": "tcp", "global_segment_size": 4294967296,
+                              "local_buffer_size": 1073741824, "device_name": ""}}
+
+
 @dataclass
 class TransferQueueConfig:
-    """verl's `transfer_queue`: batches passed between its workers through a queue."""
+    """verl's `transfer_queue`: batches passed between its workers through a queue (0.9.1's trainer
+    always uses it)."""
 
-    enable: bool = opt(False, "verl: pass the batches through its transfer queue",
-                       no_effect="meshppo passes a step's batch between its phases in-process")
+    enable: bool = opt(False, "verl: pass the batches through its transfer queue", no_effect=_IN_PROCESS_WHY)
+    metrics: TransferQueueMetricsConfig = section(TransferQueueMetricsConfig, "verl: the queue's metrics")
+    backend: dict = opt(default_factory=_transfer_queue_backend, help="verl: the queue's storage",
+                        no_effect=_IN_PROCESS_WHY)
 
 
 @dataclass
@@ -322,3 +351,184 @@ class RewardConfig:
     sandbox_fusion: SandboxFusionConfig = section(SandboxFusionConfig, "verl's remote code-execution service")
     reward_kwargs: dict | None = opt(None, _NEW_NAME.format(old="reward_model.reward_kwargs") + " (verl 0.9.1's dapo "
                                                                                                "manager reads it here)")
+
+
+_QAT_WHY = read_only_with("qat.enable")
+
+
+@dataclass
+class QATConfig:
+    """verl 0.9.1's `qat`: quantization-aware training (fake-quantized weights in training, a
+    quantized engine)."""
+
+    enable: bool = opt(False, "not supported: must be false (verl: quantization-aware training, w4a16 or w4a4)",
+                       unsupported=bool)
+    mode: str = opt("w4a16", "verl: the quantization", no_effect=_QAT_WHY)
+    group_size: int = opt(16, "verl: the block size of the quantization", no_effect=_QAT_WHY)
+    ignore_patterns: list[str] = opt(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"],
+                                     help="verl: the modules left unquantized", no_effect=_QAT_WHY)
+    activation_observer: str = opt("static_minmax", "verl: the activations' scale observer", no_effect=_QAT_WHY)
+    quantization_config_path: str | None = opt(None, "verl: the engine's quantization config", no_effect=_QAT_WHY)
+
+
+_MEGATRON_LORA_WHY = read_only_with("lora.rank > 0", " (meshppo's LoRA is lora_rank, lora_alpha and target_modules)")
+
+
+@dataclass
+class MegatronLoRAConfig:
+    """verl 0.9.1's `model.lora`: its Megatron workers' LoRA (its FSDP workers, as meshppo, take
+    `lora_rank`, `lora_alpha` and `target_modules`)."""
+
+    type: str = opt("lora", "verl: the adapter kind", no_effect=_MEGATRON_LORA_WHY)
+    merge: bool = opt(False, "verl: merge the adapters into the weights the engine gets",
+                      no_effect="meshppo's engine always gets the merged weights of a LoRA actor")
+    rank: int = opt(0, "not supported: must be 0 (verl: the Megatron workers' LoRA rank; meshppo's is lora_rank)",
+                    unsupported=bool)
+    alpha: int = opt(32, "verl: the Megatron LoRA's alpha", no_effect=_MEGATRON_LORA_WHY)
+    dropout: float = opt(0.0, "verl: the Megatron LoRA's dropout", no_effect=_MEGATRON_LORA_WHY)
+    target_modules: list[str] = opt(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                                    help="verl: the Megatron modules with adapters", no_effect=_MEGATRON_LORA_WHY)
+    exclude_modules: list[str] = opt(default_factory=list, help="verl: the Megatron modules without",
+                                     no_effect=_MEGATRON_LORA_WHY)
+    dropout_position: str = opt("pre", "verl: where the dropout applies", no_effect=_MEGATRON_LORA_WHY)
+    lora_A_init_method: str = opt("xavier", "verl: the A matrices' initialisation", no_effect=_MEGATRON_LORA_WHY)
+    lora_B_init_method: str = opt("zero", "verl: the B matrices' initialisation", no_effect=_MEGATRON_LORA_WHY)
+    a2a_experimental: bool = opt(False, "verl: Megatron's experimental all-to-all", no_effect=_MEGATRON_LORA_WHY)
+    dtype: str | None = opt(None, "verl: the adapters' dtype", no_effect=_MEGATRON_LORA_WHY)
+    adapter_path: str | None = opt(None, "verl: a Megatron adapter to start from", no_effect=_MEGATRON_LORA_WHY)
+    freeze_vision_model: bool = opt(True, "verl: a vision-language model's vision tower frozen",
+                                    no_effect=_MEGATRON_LORA_WHY)
+    freeze_vision_projection: bool = opt(True, "verl: its projection frozen", no_effect=_MEGATRON_LORA_WHY)
+    freeze_language_model: bool = opt(True, "verl: the language model's base frozen", no_effect=_MEGATRON_LORA_WHY)
+
+
+_DISTILLATION_WHY = read_only_with("distillation.enabled")
+# verl's teacher inference options that copy the actor's rollout's (its interpolations), null here
+# where they are the rollout's (`trainer.config` resolves them so)
+TEACHER_ROLLOUT_COPIES = ("name", "dtype", "prompt_length", "response_length", "temperature")
+
+
+def _teacher_models() -> dict:
+    """verl 0.9.1's default `distillation.teacher_models`, the copies of the rollout's options null."""
+    inference = {"name": None, "dtype": None, "gpu_memory_utilization": 0.5, "enforce_eager": True,
+                 "cudagraph_capture_sizes": None, "free_cache_engine": True, "data_parallel_size": 1,
+                 "expert_parallel_size": 1, "tensor_model_parallel_size": 2, "max_num_batched_tokens": 8192,
+                 "max_model_len": None, "max_num_seqs": 1024, "load_format": "auto", "engine_kwargs": {},
+                 "limit_images": None, "enable_chunked_prefill": True, "enable_prefix_caching": True,
+                 "disable_log_stats": True, "skip_tokenizer_init": True, "prompt_length": None,
+                 "response_length": None, "temperature": None}
+    return {"teacher_model": {"key": None, "model_path": None, "num_replicas": 0, "inference": inference}}
+
+
+@dataclass
+class DistillationLossConfig:
+    loss_mode: str = opt("k3", "verl: the distillation loss", no_effect=_DISTILLATION_WHY)
+    topk: int = opt(32, "verl: the teacher's top-k log-probs", no_effect=_DISTILLATION_WHY)
+    use_task_rewards: bool = opt(True, "verl: keep the task rewards", no_effect=_DISTILLATION_WHY)
+    distillation_loss_coef: float = opt(1.0, "verl: the loss's weight", no_effect=_DISTILLATION_WHY)
+    loss_max_clamp: float | None = opt(None, "verl: the loss's clamp", no_effect=_DISTILLATION_WHY)
+    log_prob_min_clamp: float | None = opt(None, "verl: the log-probs' clamp", no_effect=_DISTILLATION_WHY)
+    use_policy_gradient: bool = opt(False, "verl: the loss as a policy gradient", no_effect=_DISTILLATION_WHY)
+    policy_loss_mode: str = opt("vanilla", "verl: that policy loss", no_effect=_DISTILLATION_WHY)
+    clip_ratio: float = opt(0.2, "verl: its clip", no_effect=_DISTILLATION_WHY)
+    clip_ratio_low: float = opt(0.2, "verl: its lower clip", no_effect=_DISTILLATION_WHY)
+    clip_ratio_high: float = opt(0.2, "verl: its upper clip", no_effect=_DISTILLATION_WHY)
+
+
+@dataclass
+class DistillationConfig:
+    """verl 0.9.1's `distillation`: on-policy distillation from teacher models served beside the
+    actor."""
+
+    enabled: bool = opt(False, "not supported: must be false (verl: distil teacher models' log-probs into the actor)",
+                        unsupported=bool)
+    distillation_loss: DistillationLossConfig = section(DistillationLossConfig, "verl: the distillation loss")
+    n_gpus_per_node: int = opt(8, "verl: GPUs a node of the teachers' pool", no_effect=_DISTILLATION_WHY)
+    nnodes: int = opt(0, "verl: nodes of the teachers' pool", no_effect=_DISTILLATION_WHY)
+    teacher_models: dict = opt(default_factory=_teacher_models, help="verl: the teacher models and their inference "
+                                                                    "servers (options copying the actor's rollout's: "
+                                                                    "null, or the rollout's)",
+                               no_effect=_DISTILLATION_WHY)
+    teacher_key: str = opt("data_source", "verl: the field that picks a row's teacher", no_effect=_DISTILLATION_WHY)
+
+
+_SKIP_WHY = read_only_with("its enable")
+
+
+@dataclass
+class SkipStageConfig:
+    enable: bool = opt(False, "not supported: must be false (verl: dump this stage's outputs, or replay a dump in "
+                              "their place)", unsupported=bool)
+    dump_dir: str = opt("~/.verl/rollout_dump", "verl: the dumps' directory", no_effect=_SKIP_WHY)
+    steps: list[int] = opt(default_factory=list, help="verl: the steps dumped or replayed", no_effect=_SKIP_WHY)
+    action: str = opt("cache", "verl: dump or replay", no_effect=_SKIP_WHY)
+
+
+@dataclass
+class SkipConfig:
+    """verl 0.9.1's `skip`: stages whose outputs are dumped and replayed (its newer
+    `rollout.skip_rollout`)."""
+
+    rollout: SkipStageConfig = section(SkipStageConfig, "verl: the rollouts")
+    rollout_tq: SkipStageConfig = section(SkipStageConfig, "verl: the rollouts through its transfer queue")
+    async_rollout: SkipStageConfig = section(SkipStageConfig, "verl: the asynchronous rollouts")
+
+
+_ASYNC_WHY = read_only_with("trainer.v1.trainer_mode colocate_async or separate_async")
+
+
+@dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: int = opt(1, "verl: batches generated ahead", no_effect=_ASYNC_WHY)
+
+
+@dataclass
+class HybridRolloutConfig:
+    enable_switch: bool = opt(False, "verl: switch rollout replicas between training and generation",
+                              no_effect=_ASYNC_WHY)
+    switch_threshold_ratio: float = opt(0.4, "verl: the switch's threshold", no_effect=_ASYNC_WHY)
+    adaptive_switch_threshold: bool = opt(True, "verl: an adaptive threshold", no_effect=_ASYNC_WHY)
+    switch_threshold_step_up: float = opt(0.05, "verl: its step up", no_effect=_ASYNC_WHY)
+    switch_threshold_step_down: float = opt(0.03, "verl: its step down", no_effect=_ASYNC_WHY)
+    switch_threshold_release_steps: int = opt(2, "verl: steps before a release", no_effect=_ASYNC_WHY)
+    switch_cost_window_size: int = opt(3, "verl: the cost's window", no_effect=_ASYNC_WHY)
+
+
+@dataclass
+class SeparateAsyncConfig:
+    num_warmup_batches: int = opt(1, "verl: batches generated ahead", no_effect=_ASYNC_WHY)
+    parameter_sync_step: int = opt(4, "verl: steps between weight syncs", no_effect=_ASYNC_WHY)
+    hybrid_rollout: HybridRolloutConfig = section(HybridRolloutConfig, "verl: replicas that switch roles")
+
+
+@dataclass
+class CustomSamplerConfig:
+    path: str | None = opt(None, "not supported: must be null (verl: a replay-buffer class of the user's)",
+                           unsupported=lambda v: v is not None)
+    name: str | None = opt(None, "verl: the class in path", no_effect=read_only_with("path"))
+
+
+@dataclass
+class V1SamplerConfig:
+    max_off_policy_threshold: int | None = opt(8, "verl: the most model versions a trajectory may span",
+                                               no_effect=_ASYNC_WHY)
+    max_off_policy_strategy: str = opt("drop", "verl: what happens to an older one", no_effect=_ASYNC_WHY)
+    sync_refill_failed_groups: bool = opt(False, "verl: replace the groups whose rollout sessions failed",
+                                          no_effect="meshppo's rollouts run in-process: no session fails")
+    custom_sampler: CustomSamplerConfig = section(CustomSamplerConfig, "verl: a replay buffer of the user's")
+    sampler_kwargs: dict = opt(default_factory=dict, help="verl: the custom sampler's arguments",
+                               no_effect=read_only_with("custom_sampler.path"))
+
+
+@dataclass
+class TrainerV1Config:
+    """verl 0.9.1's `trainer.v1`: its newer trainer's modes."""
+
+    trainer_mode: str = opt("sync", "sync only (meshppo's steps generate and then train); verl's colocate_async and "
+                                    "separate_async are not supported",
+                            choices=("sync", "colocate_async", "separate_async"), unsupported=other_than("sync"))
+    sync: dict = opt(default_factory=dict, help="verl: options of its sync mode",
+                     no_effect="meshppo's trainer takes none")
+    colocate_async: ColocateAsyncConfig = section(ColocateAsyncConfig, "verl: its colocated asynchronous mode")
+    separate_async: SeparateAsyncConfig = section(SeparateAsyncConfig, "verl: its separated asynchronous mode")
+    sampler: V1SamplerConfig = section(V1SamplerConfig, "verl: its replay buffer")

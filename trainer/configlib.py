@@ -47,9 +47,17 @@ def other_than(value):
     return lambda v: v != value
 
 
-def section(cls, help: str = ""):
-    """A nested config section."""
-    return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None})
+def section(cls, help: str = "", key: str | None = None):
+    """A nested config section; `key`: its name in a config where the attribute must be named
+    otherwise (`option_key`)."""
+    return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None, "key": key})
+
+
+def option_key(f) -> str:
+    """A field's name in a config: its attribute's, or the `key` it was given (verl's name where the
+    attribute's is taken, e.g. by a property). A config may also name it by the attribute (what
+    `dataclasses.asdict` writes)."""
+    return f.metadata.get("key") or f.name
 
 
 def allowed_range(meta) -> str:
@@ -185,21 +193,22 @@ def _closest(key: str, candidates: list[str], nested: list[str] = ()) -> str:
 def build_dataclass(cls, data: dict, prefix: str = ""):
     """Build `cls` from a nested dict, checking every key and value."""
     hints = typing.get_type_hints(cls)
-    by_name = {f.name: f for f in fields(cls) if f.init}
+    by_key = {option_key(f): f for f in fields(cls) if f.init}
+    by_attr = {f.name: f for f in by_key.values()}
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key == "_target_" and isinstance(value, str) and value.startswith("verl."):
             continue  # the class Hydra builds this section of a verl config into: metadata, no option
-        if key not in by_name:
-            all_keys = [f"{prefix}.{k}" if prefix else k for k in by_name]
-            nested = [f"{k}.{f.name}" for k, name in zip(all_keys, by_name)
-                      if is_dataclass(hints[name]) for f in fields(hints[name])]
+        f = by_key.get(key) or by_attr.get(key)
+        if f is None:
+            all_keys = [f"{prefix}.{k}" if prefix else k for k in by_key]
+            nested = [f"{k}.{option_key(g)}" for k, f in zip(all_keys, by_key.values())
+                      if is_dataclass(hints[f.name]) for g in fields(hints[f.name])]
             raise ConfigError(f"unknown config key {full!r}{_closest(full, all_keys, nested)}")
-        f = by_name[key]
-        if value == MISSING_MARK and f.metadata.get("no_effect") and _optional(hints[key]):
+        if value == MISSING_MARK and f.metadata.get("no_effect") and _optional(hints[f.name]):
             value = None  # verl's "must be given" on an option meshppo never reads: not given
-        coerced = _coerce(value, hints[key], full)
+        coerced = _coerce(value, hints[f.name], full)
         choices = f.metadata.get("choices")
         if choices and coerced not in choices:
             raise ConfigError(f"{full}: {coerced!r} is not one of {list(choices)}")
@@ -207,7 +216,7 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         unsupported = f.metadata.get("unsupported")
         if unsupported is not None and coerced is not None and unsupported(coerced):
             raise ConfigError(f"{full}={coerced!r} is not supported by meshppo")
-        kwargs[key] = coerced
+        kwargs[f.name] = coerced
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -598,16 +607,16 @@ def to_commented_yaml(cfg, indent: int = 0) -> str:
     lines = []
     pad = "  " * indent
     for f in fields(cfg):
-        value = getattr(cfg, f.name)
+        value, name = getattr(cfg, f.name), option_key(f)
         help_ = describe(f.metadata)
         if is_dataclass(value):
-            lines.append(f"{pad}{f.name}:" + (f"  # {help_}" if help_ else ""))
+            lines.append(f"{pad}{name}:" + (f"  # {help_}" if help_ else ""))
             lines.append(to_commented_yaml(value, indent + 1))
             continue
         dumped = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
         if dumped.endswith("\n...") or dumped.endswith("..."):
             dumped = dumped.replace("\n...", "").removesuffix("...").strip()
-        lines.append(f"{pad}{f.name}: {dumped}" + (f"  # {help_}" if help_ else ""))
+        lines.append(f"{pad}{name}: {dumped}" + (f"  # {help_}" if help_ else ""))
     return "\n".join(line for line in lines if line)
 
 
@@ -615,7 +624,7 @@ def no_effect_options(cls, prefix: str = "") -> set[str]:
     """The dotted keys of `cls`'s options that change nothing in meshppo (`opt(no_effect=...)`)."""
     inst, out = cls(), set()
     for f in fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{option_key(f)}" if prefix else option_key(f)
         if is_dataclass(getattr(inst, f.name)):
             out |= no_effect_options(type(getattr(inst, f.name)), key)
         elif f.metadata.get("no_effect"):
@@ -628,7 +637,7 @@ def iter_options(cls, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     inst = cls()
     for f in fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{option_key(f)}" if prefix else option_key(f)
         if is_dataclass(hints[f.name]) or is_dataclass(getattr(inst, f.name)):
             yield from iter_options(type(getattr(inst, f.name)), key)
         else:
