@@ -18,9 +18,11 @@ def test_blocked_sums_are_the_prefix_sums(n):
     assert got.dtype == torch.float64 and got.shape == x.shape
     # float64 sums of at most n standard normals in another order: ~1e-16 * sqrt(n) * |partial sums|
     assert torch.allclose(got, want, rtol=0, atol=1e-10), (got - want).abs().max()
-    # float32 in and out, summed in float64: the float64 sums rounded once
-    got32 = blocked_cumsum(x.float())
-    assert got32.dtype == torch.float32 and torch.allclose(got32.double(), want, rtol=1e-6, atol=1e-5)
+    # float32 in and out, summed in float64: the float64 sums of the float32 inputs, rounded once
+    x32 = x.float()
+    got32 = blocked_cumsum(x32)
+    want32 = torch.cumsum(x32.double(), -1)
+    assert got32.dtype == torch.float32 and torch.allclose(got32.double(), want32, rtol=1e-6, atol=1e-5)
 
 
 def test_integers_and_empty():
