@@ -1473,6 +1473,11 @@ class AlgorithmConfig:
         if self.adv_estimator == "gdpo" and not self.gdpo_reward_keys:
             raise ValueError("adv_estimator=gdpo needs gdpo_reward_keys: the keys of the reward function's dict "
                              "result that hold the reward components (e.g. [format_reward, accuracy_reward])")
+        if self.adv_estimator == "gdpo" and "score" in self.gdpo_reward_keys:
+            # (rewards.registry.ResultCollector keeps a dict result's other numeric entries as its extras)
+            raise ValueError("gdpo_reward_keys holds 'score': a dict result's 'score' is the reward itself, not one of "
+                             "the extras the components are read from; return the component under its own key too "
+                             "(e.g. 'accuracy') and list that")
         if self.gdpo_reward_weights is not None and len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys or ()):
             raise ValueError(f"gdpo_reward_weights has {len(self.gdpo_reward_weights)} weights for "
                              f"{len(self.gdpo_reward_keys or ())} gdpo_reward_keys: give one per key")
@@ -2370,9 +2375,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and adv not in SINGLETON_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
-    if adv == "gdpo":  # ppo.core_algos has the estimator; the trainer does not yet pass it the components
-        raise ConfigError("algorithm.adv_estimator=gdpo is not supported: the trainer does not pass the reward "
-                          "function's components (algorithm.gdpo_reward_keys) to the estimator")
+    if adv == "gdpo" and cfg.reward_model.enable and cfg.reward_model.combine == "replace":
+        raise ConfigError("algorithm.adv_estimator=gdpo with reward_model.enable=true and reward_model.combine=replace: "
+                          "the reward model's score replaces the reward function's, so no function runs and there are "
+                          "no components under algorithm.gdpo_reward_keys; set reward_model.combine=add (the function "
+                          "runs and gives them) or use another estimator")
     greedy = ("actor_rollout_ref.rollout.temperature=0" if rollout.temperature == 0
               else "actor_rollout_ref.rollout.do_sample=false with rollout.name=hf")
     if adv in GROUP_ESTIMATORS and n >= 2 and rollout.decoding_temperature() == 0:

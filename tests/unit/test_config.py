@@ -1059,7 +1059,9 @@ def test_a_raise_coef_that_can_change_no_coefficient_is_noted():
 def test_gdpo_settings():
     """verl's gdpo needs algorithm.gdpo_reward_keys (the reward function's dict keys of the components) and
     takes one weight per key; its keys with another estimator, and the KL in the reward with it, are noted.
-    The trainer does not pass the components to the estimator yet: validate refuses gdpo naming the key."""
+    Refused naming the keys: `score` among the keys (a dict result's score is never one of the extras the
+    components are read from), and a reward model that replaces the rule reward (no function runs, so
+    there are no components)."""
     keys = "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]"
     with pytest.raises(ConfigError, match="algorithm: adv_estimator=gdpo needs gdpo_reward_keys"):
         _cfg("algorithm.adv_estimator=gdpo")
@@ -1067,8 +1069,17 @@ def test_gdpo_settings():
         _cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.gdpo_reward_weights=[1.0]")
     cfg = _cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.gdpo_reward_weights=[1.0,0.5]")
     assert cfg.algorithm.gdpo_reward_keys == ["format_reward", "accuracy_reward"]
-    with pytest.raises(ConfigError, match="algorithm.adv_estimator=gdpo is not supported"):
-        validate(cfg)
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"^algorithm: gdpo_reward_keys holds 'score': a dict result's 'score' is "
+                                          "the reward itself"):
+        _cfg("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format_reward,score]")
+    assert _cfg(keys[:-1] + ",score]").algorithm.gdpo_reward_keys[-1] == "score"  # (another estimator: a note)
+    reward_model = ["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=1"]
+    with pytest.raises(ConfigError, match=r"^algorithm.adv_estimator=gdpo with reward_model.enable=true and "
+                                          r"reward_model.combine=replace: .* no components under "
+                                          "algorithm.gdpo_reward_keys"):
+        validate(_cfg("algorithm.adv_estimator=gdpo", keys, *reward_model))
+    validate(_cfg("algorithm.adv_estimator=gdpo", keys, *reward_model, "reward_model.combine=add"))
     assert [n for n in config_notes(_cfg(keys)) if "gdpo" in n] == [
         "algorithm.gdpo_reward_keys=['format_reward', 'accuracy_reward'] has no effect: algorithm.adv_estimator=grpo "
         "(they are gdpo's)"]
