@@ -6,6 +6,8 @@ import torch
 from models import ModelArgs, Transformer
 from models.lm_head import chunked_token_logprobs
 
+F32_REL = 5e-5
+
 
 def _reference(h, w, labels, t):
     z = (h.double() @ w.double().t()) / t
@@ -31,10 +33,17 @@ def test_values_and_gradients_match_float64(temperature, chunk):
 
     rl, re = _reference(h, w, labels, temperature)
     ((rl * g1).sum() + (re * g2).sum()).backward()
-    assert torch.allclose(logp.double(), rl, atol=1e-5)
-    assert torch.allclose(ent.double(), re, atol=1e-5)
-    assert torch.allclose(gh, h.grad, atol=1e-5)
-    assert torch.allclose(gw, w.grad, atol=1e-5)
+    for name, got, want in (("logp", logp.double(), rl), ("entropy", ent.double(), re), ("grad h", gh, h.grad),
+                            ("grad w", gw, w.grad)):
+        _assert_close_to_scale(got, want, name)
+
+
+def _assert_close_to_scale(got, want, name):
+    """Within F32_REL of `want`'s largest magnitude. The head rounds the logits (here up to ~20) to
+    float32 and works on in float32: errors up to 4.6e-6 of the largest value (gradients near 10)
+    over 200 seeds of each case; a dropped chunk or a wrong temperature is off by a good part of it."""
+    err = (got - want).abs().max().item()
+    assert err <= F32_REL * want.abs().max().item(), (name, err, want.abs().max().item())
 
 
 @pytest.mark.parametrize("temperature,chunk", [(1.0, 3), (0.6, 64), (1.3, 5)])
