@@ -15,6 +15,7 @@ import torch
 from models import Transformer
 from ppo.core_algos import (BYPASS_LOSS_TYPES, POLICY_LOSS_INPUTS, POLICY_LOSSES, PolicyLossParams,
                             compute_policy_loss_clip_cov, compute_policy_loss_kl_cov, get_policy_loss_fn)
+from tests.gpu.test_multi_gpu import UPDATE_RTOL
 from tests.unit.test_batching import _actor_cfg, _rollouts
 from tests.unit.test_rollout_correction import ARGS, _worker
 from trainer.config import PolicyLossConfig, PPOConfig, config_notes, validate
@@ -29,6 +30,11 @@ VERL_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov"
 
 def _mean(x, mask):
     return (x * mask).sum() / mask.sum()
+
+
+def _weighed(losses, w):
+    """verl's `if rollout_is_weights is not None: losses = losses * rollout_is_weights`."""
+    return losses if w is None else losses * w
 
 
 def verl_agg(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None):
@@ -54,7 +60,7 @@ def verl_vanilla(old, logp, adv, mask, mode, p, w, agg):
     c1 = torch.maximum(l1, l2)
     l3 = -adv * 3.0
     c2 = torch.min(l3, c1)
-    losses = torch.where(adv < 0, c2, c1) * w
+    losses = _weighed(torch.where(adv < 0, c2, c1), w)
     return verl_agg(losses, mask, mode, **agg), _mean((l2 > l1).to(F64), mask)
 
 
@@ -70,7 +76,7 @@ def verl_dppo(old, logp, adv, mask, mode, p, w, agg, divergence):
         binary_kl = old_prob * (old - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
         pos, neg = (binary_kl <= p["high"]) | (prob <= old_prob), (binary_kl <= p["low"]) | (prob >= old_prob)
     valid = torch.where(adv > 0, pos, neg).detach().to(F64)
-    losses = -adv * truncated * logp * valid * w
+    losses = _weighed(-adv * truncated * logp * valid, w)
     return verl_agg(losses, mask, mode, **agg), _mean(1.0 - valid, mask)
 
 
@@ -84,7 +90,7 @@ def verl_dppo_kl(*args):
 
 def verl_dro(old, logp, adv, mask, mode, p, w, agg):
     log_ratio = logp - old
-    losses = -(logp * adv - 0.5 * p["dro_beta"] * log_ratio.square()) * w
+    losses = _weighed(-(logp * adv - 0.5 * p["dro_beta"] * log_ratio.square()), w)
     return verl_agg(losses, mask, mode, **agg), torch.tensor(0.0, dtype=F64)
 
 
@@ -96,7 +102,7 @@ def verl_gspo(old, logp, adv, mask, mode, p, w, agg):
     s = torch.exp(torch.clamp(log_s, max=10.0))
     l1 = -adv * s
     l2 = -adv * torch.clamp(s, 1 - p["low"], 1 + p["high"])
-    losses = torch.maximum(l1, l2) * w
+    losses = _weighed(torch.maximum(l1, l2), w)
     return verl_agg(losses, mask, mode, **agg), _mean((l2 > l1).to(F64), mask)
 
 
@@ -104,11 +110,11 @@ def verl_sapo(old, logp, adv, mask, mode, p, w, agg):
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
     taus = torch.where(adv > 0, torch.tensor(p["tau_pos"], dtype=F64), torch.tensor(p["tau_neg"], dtype=F64))
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    return verl_agg(-gates * adv * w, mask, "seq-mean-token-mean", **agg), torch.tensor(0.0, dtype=F64)
+    return verl_agg(_weighed(-gates * adv, w), mask, "seq-mean-token-mean", **agg), torch.tensor(0.0, dtype=F64)
 
 
 def verl_gpg(old, logp, adv, mask, mode, p, w, agg):
-    return verl_agg(-logp * adv * w, mask, mode, **agg), torch.tensor(0.0, dtype=F64)
+    return verl_agg(_weighed(-logp * adv, w), mask, mode, **agg), torch.tensor(0.0, dtype=F64)
 
 
 def verl_clip_cov(old, logp, adv, mask, mode, p, w, agg):
@@ -127,7 +133,7 @@ def verl_clip_cov(old, logp, adv, mask, mode, p, w, agg):
     top_k_idx = torch.nonzero((cov_all < p["clip_cov_ub"]) & (cov_all > p["clip_cov_lb"]) & (mask > 0))
     top_k_idx = top_k_idx[torch.randperm(len(top_k_idx))[:min(clip_num, len(top_k_idx))]]
     corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
-    losses = torch.maximum(l1, l2) * corr * w
+    losses = _weighed(torch.maximum(l1, l2) * corr, w)
     return verl_agg(losses, mask, mode, **agg), _mean((corr == 0).to(F64), mask)
 
 
@@ -146,7 +152,7 @@ def verl_kl_cov(old, logp, adv, mask, mode, p, w, agg):
     large = valid_idx[torch.topk(cov, k, largest=True).indices]
     chosen = torch.zeros(adv.numel(), dtype=torch.bool)
     chosen[large] = True
-    losses = torch.where(chosen.view_as(adv), l_kl, l1) * w
+    losses = _weighed(torch.where(chosen.view_as(adv), l_kl, l1), w)
     return verl_agg(losses, mask, mode, **agg), torch.tensor(0.0, dtype=F64)
 
 
@@ -159,7 +165,9 @@ def verl_geo_mean(old, logp, adv, mask, mode, p, w, agg):
     n = mask.sum(dim=-1)
     ratio = torch.exp((nkl_min * mask).sum(dim=-1) / n)
     advantage = (adv * mask).sum(dim=-1) / n
-    losses = -advantage * ratio * torch.exp((torch.log(w + 1e-10) * mask).sum(dim=-1) / n)
+    losses = -advantage * ratio
+    if w is not None:  # verl leaves the factor out without weights (it would be exp(log(1 + 1e-10)))
+        losses = losses * torch.exp((torch.log(w + 1e-10) * mask).sum(dim=-1) / n)
     loss = losses.mean() if not agg else losses.sum() / agg["global_batch_size"] * agg["dp_size"]
     clipped = torch.ne(nkl, nkl_clamp)
     return loss, _mean((clipped & (adv > 0)).to(F64), mask)
@@ -168,7 +176,7 @@ def verl_geo_mean(old, logp, adv, mask, mode, p, w, agg):
 def verl_cispo(old, logp, adv, mask, mode, p, w, agg):
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
     clipped = torch.clamp(ratio, 1 - p["low"], 1 + p["high"])
-    losses = -clipped.detach() * adv * logp * w
+    losses = _weighed(-clipped.detach() * adv * logp, w)
     return verl_agg(losses, mask, mode, **agg), _mean((ratio != clipped).to(F64), mask)
 
 
@@ -208,8 +216,7 @@ def _product(mode, old, logp, adv, mask, loss_agg_mode, w=None, generator=None, 
 
 def _reference(mode, old, logp, adv, mask, loss_agg_mode, w=None, p=PARAMS, **agg):
     logp = logp.clone().requires_grad_()
-    loss, clipfrac = REFERENCES[mode](old, logp, adv, mask, loss_agg_mode, p, torch.ones_like(adv) if w is None else w,
-                                      agg)
+    loss, clipfrac = REFERENCES[mode](old, logp, adv, mask, loss_agg_mode, p, w, agg)
     loss.backward()
     return loss, clipfrac, logp.grad
 
@@ -482,11 +489,16 @@ def test_clip_cov_draws_its_share_at_random_from_the_generator():
 
     first = chosen(0)
     assert torch.equal(chosen(0), first)  # a seeded generator repeats its choice
-    frequency = sum(chosen(seed).to(F64) for seed in range(1, 201)) / 200
+    n_draws = 400
+    frequency = sum(chosen(seed).to(F64) for seed in range(1, n_draws + 1)) / n_draws
     expected = count / candidates.sum().item()
     assert frequency[~candidates].max() == 0
     assert abs(frequency[candidates].mean() - expected) < 1e-12  # every draw takes `count` of them
-    assert frequency[candidates].min() > 0 and frequency[candidates].max() < 6 * expected  # spread over all
+    # Spread over all: a uniform draw leaves a given candidate out of every draw with probability
+    # (1 - expected)^n_draws, so some candidate is never picked with probability below this bound
+    # (whatever the generator's stream); picking one 6 times as often as expected is far less likely.
+    assert candidates.sum().item() * (1 - expected) ** n_draws < 1e-6
+    assert frequency[candidates].min() > 0 and frequency[candidates].max() < 6 * expected
 
 
 def test_kl_cov_penalises_the_known_tokens():
@@ -621,14 +633,18 @@ def _update(base, mode, micro=8, seed=0, **cfg):
 @pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "gspo", "sapo", "geo_mean", "dro", "cispo", "gpg"])
 def test_update_trains_the_chosen_loss_independent_of_micro_batching(mode):
     """loss_agg_mode token-mean: sapo and geo_mean normalise by the mini-batch's sequence
-    count, which the update plans beside the token count."""
+    count, which the update plans beside the token count. The two updates differ in the order of
+    float32 sums only: at most 2.3e-6 of the largest update (about 1) over 48 model seeds of each
+    mode, against UPDATE_RTOL (1e-4); a micro-batch normalised by its own counts differs by 1.7
+    times the update or more."""
     base = Transformer.build(ARGS, seed=0)
     kw = {"dro_beta": 0.5} if mode == "dro" else {}
     whole, split = _update(base, mode, **kw), _update(base, mode, micro=2, **kw)
     vanilla = _update(base, "vanilla")
     assert max((whole[k] - vanilla[k]).abs().max().item() for k in whole) > 1e-4  # not vanilla's step
-    for k in whole:
-        torch.testing.assert_close(whole[k], split[k], rtol=0, atol=2e-6, msg=k)
+    update = max(v.abs().max().item() for v in whole.values())
+    diff = max((whole[k] - split[k]).abs().max().item() for k in whole)
+    assert update > 0.1 and diff <= UPDATE_RTOL * update, (diff, update)
 
 
 def test_update_repeats_clip_covs_draws_for_a_seed():
