@@ -217,7 +217,7 @@ class PPOTrainer:
                      apply_chat_template_kwargs=d.apply_chat_template_kwargs,
                      require_ground_truth=rule and not cfg.custom_reward_function.path,
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
-                     chat_prompts_for=chat_prompts_for, media_keys=(d.image_key, d.video_key),
+                     chat_prompts_for=chat_prompts_for, media_keys=d.media_keys,
                      default_agent=cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
                      tool_schemas=[t.tool_schema for t in tools], shuffle=d.shuffle, seed=seed)
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
@@ -771,18 +771,18 @@ class PPOTrainer:
         return full, ro, parts, scores, extras
 
     def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
-        """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, and
-        `seq_final_reward`, which without KL in the reward is the score), the reward function's own
-        score (`score`: verl's DAPO trainer reads the result's, before the overlong penalty) or a
-        numeric extra of the reward function (`cols`: the score, the function's own, then the extras
-        `names`, in the rows' order)."""
+        """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, `reward`, verl
+        0.9.1's summed reward, and `seq_final_reward`, which without KL in the reward is the score),
+        the reward function's own score (`score`: verl's DAPO trainer reads the result's, before the
+        overlong penalty) or a numeric extra of the reward function (`cols`: the score, the
+        function's own, then the extras `names`, in the rows' order)."""
         metric = self.cfg.algorithm.filter_groups.metric
         if metric in FILTER_GROUP_SEQUENCE_METRICS:
             return cols[:, 1 if metric == "score" else 0].numpy()
         if metric not in names:
             raise UserError(f"algorithm.filter_groups.metric={metric} is not one of the reward function's numeric "
-                            f"results ({', '.join(names) or 'it returned none'}) nor seq_reward / score / "
-                            "seq_final_reward")
+                            f"results ({', '.join(names) or 'it returned none'}) nor "
+                            f"{' / '.join(FILTER_GROUP_SEQUENCE_METRICS)}")
         values = cols[:, 2 + names.index(metric)].numpy()
         if np.isnan(values).any():
             row = int(np.flatnonzero(np.isnan(values))[0])
