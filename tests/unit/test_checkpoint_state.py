@@ -320,14 +320,16 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     for step in (5, 10):  # an earlier run's checkpoints in the same directory
         counter.step = step
         earlier.save(step)
+    # written an hour ago: a file system that keeps modification times to the second (NFS, Lustre,
+    # FAT) gives files written just before the launch marker the marker's own time
+    _backdate(tmp_path / "run", 3600)
     # resume_path back to step 5 of them; a restart before the launch saved anything: step 5 again, not 10
     first, counter = _manager(tmp_path / "run")
     assert first.maybe_resume("resume_path", first.step_dir(5)) == first.step_dir(5)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     again, counter = _manager(tmp_path / "run")
     assert again.maybe_resume("resume_path", again.step_dir(5)) == again.step_dir(5) and counter.step == 5
-    time.sleep(0.05)  # (a later modification time than the marker's on any file system clock)
-    counter.step = 6
+    counter.step = 6  # written after the marker: a modification time not before the marker's, whatever its resolution
     again.save(6)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     third, counter = _manager(tmp_path / "run")
@@ -337,7 +339,6 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # launch b's first attempt died before maybe_resume:
     fresh, counter = _manager(tmp_path / "run")           # launch a's checkpoints are not its own
     assert fresh.maybe_resume("disable") is None and fresh.complete_steps() == []
-    time.sleep(0.05)
     for step in (1, 2):
         counter.step = step
         fresh.save(step)
@@ -352,6 +353,14 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     assert requeued.maybe_resume("disable") == requeued.step_dir(2) and counter.step == 2
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # a first start of launch b again: it starts over
     assert _manager(tmp_path / "run")[0].maybe_resume("disable") is None
+
+
+def _backdate(root, seconds):
+    """Set the access and modification times of `root` and everything under it `seconds` back."""
+    then = time.time() - seconds
+    for folder, _, files in os.walk(root):
+        for path in [folder, *(os.path.join(folder, name) for name in files)]:
+            os.utime(path, (then, then))
 
 
 def test_disable_refuses_to_delete_a_checkpoint_the_run_reads(tmp_path):
