@@ -699,9 +699,10 @@ class ActorConfig:
               "over the mini-batch, as verl's; null: the response length (rollout.response_length), where verl's "
               "null divides by the longest response of each micro-batch, which varies with the batch layout", ge=1)
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0)
-    calculate_entropy: bool = opt(False, "report actor/entropy from the update's forwards (each mini-batch's, "
-                                         "averaged) instead of the recompute pass's, as verl does then; always so "
-                                         "with entropy_coeff != 0 (verl's rule)")
+    calculate_entropy: bool = opt(False, "log the update's own entropy as actor/entropy_loss (each mini-batch's, "
+                                         "averaged), as verl does then; always so with entropy_coeff != 0 (verl's "
+                                         "rule); actor/entropy stays the recompute pass's (the update's first "
+                                         "mini-batch's where that pass is skipped)")
     use_kl_loss: bool = opt(False, "add a KL(actor, ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
