@@ -88,3 +88,37 @@ def test_optimal_token_baseline_on_gpu(tmp_path):
         keys = [k for k in row if k.startswith("variance_proxy/")]
         assert keys and all(math.isfinite(row[k]) for k in keys), row
         assert math.isfinite(row["critic/advantages/mean"]), row
+
+
+def test_gdpo_on_gpu(tmp_path):
+    """gdpo with the reward components on the GPU: each step's gdpo/{a,b} figures are those of the dumped
+    components, and each response's advantage is a float64 gdpo run on them (groups of n=8, prompt-major)
+    up to the whitening over the batch's tokens (the dump has no response lengths): an affine map, the
+    same for every response, with a positive slope."""
+    import numpy as np
+
+    from ppo.core_algos import compute_gdpo_outcome_advantage
+    from tests.multiproc.test_gdpo_trainer import COMPONENTS_REWARD, WEIGHTS
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(COMPONENTS_REWARD)
+    dump = tmp_path / "dump"
+    _, steps = _run(tmp_path, "gdpo", "algorithm.gdpo_reward_keys=[a,b]",
+                    f"algorithm.gdpo_reward_weights=[{WEIGHTS[0]},{WEIGHTS[1]}]", f"custom_reward_function.path={reward}",
+                    f"trainer.rollout_data_dir={dump}")
+    for step, row in enumerate(steps, 1):
+        with open(dump / f"{step}.jsonl") as f:
+            dumped = [json.loads(line) for line in f]
+        groups = [dumped[i:i + 8] for i in range(0, len(dumped), 8)]
+        assert all(len({d["input"] for d in g}) == 1 for g in groups)  # prompt-major: a group is one prompt's
+        comps = torch.tensor([[d["a"], d["b"]] for d in dumped], dtype=torch.float64)
+        for j, key in enumerate("ab"):
+            assert row[f"gdpo/{key}/mean"] == pytest.approx(comps[:, j].mean().item(), rel=1e-5, abs=1e-6)
+            assert row[f"gdpo/{key}/std"] == pytest.approx(np.std(comps[:, j].numpy()), rel=1e-5, abs=1e-6)
+        mask = torch.ones(len(dumped), 1, dtype=torch.float64)
+        want = compute_gdpo_outcome_advantage(torch.zeros_like(mask), mask, np.arange(len(dumped)) // 8,
+                                              reward_components=comps, reward_weights=WEIGHTS)[0][:, 0]
+        got = torch.tensor([d["advantage"] for d in dumped], dtype=torch.float64)
+        fit = torch.linalg.lstsq(torch.stack([want, torch.ones_like(want)], 1), got[:, None]).solution[:, 0]
+        assert fit[0] > 0, fit
+        torch.testing.assert_close(got, fit[0] * want + fit[1], rtol=0, atol=1e-4)
