@@ -40,7 +40,9 @@ demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ran
 test: install lint  ## static checks, then the CPU test suite without the slow tests (what CI runs)
 	$(PYTHON) -m pytest tests -m "not slow" -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-slow: install  ## the slow CPU tests: the full demo recipe on seeds 0, 1 and 2 (about 4.5 min on 2 cores)
+# requirements-bench.txt brings TRL (no CUDA wheels): without it the TRL tests of the learning bench skip themselves.
+test-slow: install  ## the slow CPU tests: the full demo recipe on seeds 0, 1 and 2 and the learning bench's TRL runs (about 5 min on 2 cores)
+	$(PYTHON) -m pip install -r requirements-bench.txt
 	$(PYTHON) -m pytest tests -m slow -ra -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-gpu:  ## GPU-only tests (need CUDA)
