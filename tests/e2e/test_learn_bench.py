@@ -329,10 +329,11 @@ def test_warmup_is_reused_and_loads_in_transformers(tiny_bench):
 
 
 @pytest.mark.slow
+@pytest.mark.trl
 def test_learn_trl_tiny(tiny_bench):
     """TRL's GRPOTrainer on the same warm-up checkpoint, 2 meshppo-sized steps (4 optimizer steps):
     the record has the schema `bench/learn.py --summarize` compares."""
-    pytest.importorskip("trl", reason="TRL is in requirements-bench.txt, which make test-slow installs")
+    pytest.importorskip("trl", reason="TRL is in requirements-bench.txt, which make test-trl installs")
     work, out, _ = tiny_bench
     r = subprocess.run([sys.executable, "bench/learn_trl.py", "--tiny", "--work", str(work), "--out", str(out),
                         "--minutes", "5"], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -390,10 +391,11 @@ def test_learn_tiny_worked_task(tiny_worked):
 
 
 @pytest.mark.slow
+@pytest.mark.trl
 def test_learn_trl_tiny_worked(tiny_worked):
     """TRL on the worked task's checkpoint: its completion length is the task's, its records are keyed
     by the worked data source, and the summary compares it with meshppo's run on the same grid."""
-    pytest.importorskip("trl", reason="TRL is in requirements-bench.txt, which make test-slow installs")
+    pytest.importorskip("trl", reason="TRL is in requirements-bench.txt, which make test-trl installs")
     work, out, _ = tiny_worked
     r = subprocess.run([sys.executable, "bench/learn_trl.py", "--tiny", "--task", "worked", "--work", str(work),
                         "--out", str(out), "--minutes", "5"], cwd=ROOT, capture_output=True, text=True, timeout=600,
