@@ -323,14 +323,11 @@ def _critic_cfg(**kw):
 LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
 
 
-def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
-    """verl 0.9.1's engine workers report `actor/pg_loss`, `actor/kl_loss`, `actor/entropy_loss` and
-    `critic/vf_loss` as the mean over the mini-batches of every epoch of each mini-batch's
-    global-mean loss (`train_mini_batch`, then `reduce_metrics`' mean); the statistics stay means.
-    With lr 0 nothing moves, so with 2 epochs x 2 mini-batches (rows 0-3, 4-7) each loss is the
-    mean of the two mini-batches' token means, computed here by hand."""
-    from kl import kl_penalty
 
+def _two_mini_batches_at_lr_0():
+    """An actor and critic, rollouts with their old log-probs, values and returns, the old pass's
+    per-token entropy, and `mean_of_halves`: the mean of the two mini-batches' (rows 0-3, 4-7) token
+    means of a per-token figure, what a loss metric is with lr 0 (nothing moves)."""
     actor, critic = _actor_and_critic()
     ro = _rollouts()
     with torch.no_grad():
@@ -342,6 +339,19 @@ def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
 
     def mean_of_halves(per_token):
         return sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
+
+    return actor, critic, ro, entropy, mean_of_halves
+
+
+def test_update_losses_are_the_mean_over_mini_batches_and_epochs_as_verls():
+    """verl 0.9.1's engine workers report `actor/pg_loss`, `actor/kl_loss`, `actor/entropy_loss` and
+    `critic/vf_loss` as the mean over the mini-batches of every epoch of each mini-batch's
+    global-mean loss (`train_mini_batch`, then `reduce_metrics`' mean); the statistics stay means.
+    With lr 0 nothing moves, so with 2 epochs x 2 mini-batches (rows 0-3, 4-7) each loss is the
+    mean of the two mini-batches' token means, computed here by hand."""
+    from kl import kl_penalty
+
+    actor, critic, ro, entropy, mean_of_halves = _two_mini_batches_at_lr_0()
 
     out = actor.update(ro, _actor_cfg(ppo_epochs=2), num_mini_batches=2, kl_loss_coef=0.1, seed=0)
     kl = kl_penalty(ro.old_log_probs.double(), ro.ref_log_probs.double(), "low_var_kl")
@@ -373,17 +383,7 @@ def test_update_entropy_and_total_loss_as_verls(entropy_coeff, calculate_entropy
     loss), averaged over mini-batches and epochs as its terms. lr 0, 2 epochs x 2 mini-batches."""
     from kl import kl_penalty
 
-    actor, critic = _actor_and_critic()
-    ro = _rollouts()
-    with torch.no_grad():
-        ro.old_log_probs, entropy = actor.log_probs(ro, with_entropy=True)
-        ro.values = critic.values(ro)
-    mask = ro.response_mask.double()
-    ro.returns = ro.values + torch.linspace(-1, 1, ro.width) * ro.response_mask
-    halves = (slice(0, 4), slice(4, 8))
-
-    def mean_of_halves(per_token):
-        return sum(float((per_token[h] * mask[h]).sum() / mask[h].sum()) for h in halves) / 2
+    actor, critic, ro, entropy, mean_of_halves = _two_mini_batches_at_lr_0()
 
     pg = mean_of_halves(-ro.advantages.double())
     kl = mean_of_halves(kl_penalty(ro.old_log_probs.double(), ro.ref_log_probs.double(), "low_var_kl"))
