@@ -323,7 +323,6 @@ def _critic_cfg(**kw):
 LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
 
 
-
 def _two_mini_batches_at_lr_0():
     """An actor and critic, rollouts with their old log-probs, values and returns, the old pass's
     per-token entropy, and `mean_of_halves`: the mean of the two mini-batches' (rows 0-3, 4-7) token
