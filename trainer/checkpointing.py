@@ -87,7 +87,7 @@ from sharding.checkpoint import (
 
 LATEST = "latest_checkpointed_iteration.txt"
 ADAPTER_DIR = "lora_adapter"  # a LoRA actor's adapters in each checkpoint, as verl writes them
-LAUNCH_MARKER = "launch_id.txt"  # the launch (TORCHELASTIC_RUN_ID) whose later checkpoints a restart resumes
+LAUNCH_MARKER = "launch_id.txt"  # the launch (TORCHELASTIC_RUN_ID) whose later checkpoints a restart resumes, as JSON
 STATE_FILE = "trainer_state.json"
 
 # What a run learns from and how: a checkpoint resumes only under the same values. A dotted
@@ -825,29 +825,37 @@ class CheckpointManager:
 
     def _launch_checkpoint(self) -> str | None:
         """After a restart: the newest complete checkpoint this launch wrote (the launch marker names
-        its TORCHELASTIC_RUN_ID; the checkpoint's trainer state is newer than the marker), None if none."""
-        marker = os.path.join(self.root, LAUNCH_MARKER)
+        its TORCHELASTIC_RUN_ID and the checkpoints that were there before it), None if none."""
         try:
-            with open(marker) as f:
-                launch = f.read().strip()
-            since = os.stat(marker).st_mtime
-        except OSError:
+            with open(os.path.join(self.root, LAUNCH_MARKER)) as f:
+                marker = json.load(f)
+            launch, before = marker["launch"], marker["before"]
+        except (OSError, ValueError, TypeError, KeyError):  # none, or an older meshppo's (plain run id)
             return None
         if launch != os.environ.get("TORCHELASTIC_RUN_ID", ""):
             return None
-        own = [s for s in self.complete_steps()
-               if os.stat(os.path.join(self.step_dir(s), STATE_FILE)).st_mtime >= since]
+        own = [s for s in self.complete_steps() if self._state_identity(s) != before.get(str(s))]
         return self.step_dir(own[-1]) if own else None
+
+    def _state_identity(self, step: int) -> list[int]:
+        """What tells a step's checkpoint from one written over it later: its trainer state file's inode,
+        modification time and size (a save writes a new file and renames it into place). Not the time
+        alone: file systems that keep it to the second (NFS, Lustre) or two (FAT) give a checkpoint
+        written just before the launch marker the marker's own time."""
+        st = os.stat(os.path.join(self.step_dir(step), STATE_FILE))
+        return [st.st_ino, st.st_mtime_ns, st.st_size]
 
     def _mark_launch(self) -> None:
         """Record that this launch (its TORCHELASTIC_RUN_ID) owns the run directory from now: its
-        checkpoints are the ones written after this, which a restart resumes."""
+        checkpoints are those that were not there, as they are now, when it started, which a restart
+        resumes."""
         launch = os.environ.get("TORCHELASTIC_RUN_ID")
 
         def mark():
             os.makedirs(self.root, exist_ok=True)
+            before = {str(s): self._state_identity(s) for s in self.complete_steps()}
             with open(os.path.join(self.root, LAUNCH_MARKER), "w") as f:
-                f.write(launch)
+                json.dump({"launch": launch, "before": before}, f)
         agreed_write(f"marking {self.root} as this launch's", mark if self.is_main and launch else None)
 
     def _first_start(self, resume_mode: str, resume_from_path: str | None) -> str | None:

@@ -320,16 +320,17 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     for step in (5, 10):  # an earlier run's checkpoints in the same directory
         counter.step = step
         earlier.save(step)
-    # written an hour ago: a file system that keeps modification times to the second (NFS, Lustre,
-    # FAT) gives files written just before the launch marker the marker's own time
-    _backdate(tmp_path / "run", 3600)
+    # dated an hour ahead: the launch tells its checkpoints from these by what was there when it started,
+    # not by time (a file system that keeps modification times to the second, NFS, Lustre, or two, FAT,
+    # gives files written just before the launch marker the marker's own time)
+    _redate(tmp_path / "run", 3600)
     # resume_path back to step 5 of them; a restart before the launch saved anything: step 5 again, not 10
     first, counter = _manager(tmp_path / "run")
     assert first.maybe_resume("resume_path", first.step_dir(5)) == first.step_dir(5)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     again, counter = _manager(tmp_path / "run")
     assert again.maybe_resume("resume_path", again.step_dir(5)) == again.step_dir(5) and counter.step == 5
-    counter.step = 6  # written after the marker: a modification time not before the marker's, whatever its resolution
+    counter.step = 6  # not there when the launch started: its own
     again.save(6)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     third, counter = _manager(tmp_path / "run")
@@ -355,9 +356,9 @@ def test_a_restarted_launch_continues_from_its_own_checkpoints(tmp_path, monkeyp
     assert _manager(tmp_path / "run")[0].maybe_resume("disable") is None
 
 
-def _backdate(root, seconds):
-    """Set the access and modification times of `root` and everything under it `seconds` back."""
-    then = time.time() - seconds
+def _redate(root, seconds):
+    """Set the access and modification times of `root` and everything under it `seconds` from now."""
+    then = time.time() + seconds
     for folder, _, files in os.walk(root):
         for path in [folder, *(os.path.join(folder, name) for name in files)]:
             os.utime(path, (then, then))
