@@ -40,7 +40,7 @@ class ParallelDims:
 
     world_size: int = field(metadata={"help": "number of ranks (WORLD_SIZE)"})
     fsdp_size: int = field(default=-1, metadata={
-        "help": f"{FSDP_SIZE_KEY}: -1 (or the world size or more) shards over the world, else HSDP shard-group size"})
+        "help": f"{FSDP_SIZE_KEY}: -1 (or the world size) shards over the world, else HSDP shard-group size"})
     tp: int = field(default=1, metadata={"help": f"{TP_KEY}: tensor-parallel size of the generation engine"})
     local_world_size: int | None = field(
         default=None, metadata={"help": "ranks per node (LOCAL_WORLD_SIZE); TP groups must stay inside one node; None: one node"})
@@ -49,7 +49,6 @@ class ParallelDims:
     dp_replicate: int = field(init=False, metadata={"help": "number of HSDP replicas (W/S)"})
     rollout_dp: int = field(init=False, metadata={"help": "number of engine replicas (W/t)"})
     micro_dp: int = field(init=False, metadata={"help": "ranks holding one TP shard inside a shard group (S/t)"})
-    notes: list[str] = field(init=False, metadata={"help": "start-up lines on sizes read otherwise than written"})
 
     def __post_init__(self):
         w, t = self.world_size, self.tp
@@ -61,11 +60,7 @@ class ParallelDims:
         if not isinstance(fs, int) or fs == 0 or fs < -1:
             raise ValueError(f"{FSDP_SIZE_KEY} must be -1 (shard over all {w} ranks) or a positive divisor of the "
                              f"world size, got {fs!r}")
-        note = full_shard_note(FSDP_SIZE_KEY, fs, w)
-        self.notes = [note] if note else []
-        if note:
-            fs = -1
-        if fs != -1 and w % fs:
+        if fs != -1 and (fs > w or w % fs):  # (the config reads a size above the world's as -1: full_shard_note)
             raise ValueError(
                 f"{FSDP_SIZE_KEY}={fs} does not divide the world size {w}: HYBRID_SHARD needs world_size = "
                 f"dp_replicate x fsdp_size; use -1 to shard over all ranks or one of {_divisors(w)}")

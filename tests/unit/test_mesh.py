@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sharding import FSDPConfig, ParallelDims, fsdp_shard_dim
-from sharding.mesh import FSDP_SIZE_KEY, TP_KEY
+from sharding.mesh import FSDP_SIZE_KEY, TP_KEY, full_shard_note
 
 
 def test_full_shard_layout_w8_tp2():
@@ -21,16 +21,15 @@ def test_full_shard_layout_w8_tp2():
     assert d.micro_dp_mesh_ranks().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_an_fsdp_size_above_the_world_shards_over_every_rank_as_verl():
+def test_the_note_of_an_fsdp_size_above_the_world():
     """verl's create_device_mesh builds its 1-D FULL_SHARD mesh for any fsdp_size of at least the
-    world size (its 8-node scripts' fsdp_size=32 trains on 2 nodes); meshppo lays it out as -1 and
-    says so at start-up. A size below the world that does not divide it is still refused."""
-    d = ParallelDims(world_size=4, fsdp_size=8)
-    assert (d.dp_shard, d.dp_replicate, d.hsdp) == (4, 1, False)
-    assert d.notes == [f"{FSDP_SIZE_KEY}=8 is more than the 4 ranks of this launch: the models shard over all 4 "
-                       "(FULL_SHARD), as verl does for an fsdp_size of at least the world size"]
-    assert d.tp_group(1) == ParallelDims(4, fsdp_size=-1).tp_group(1)
-    assert ParallelDims(4, fsdp_size=4).notes == ParallelDims(4).notes == []
+    world size (its 8-node scripts' fsdp_size=32 trains on 2 nodes); the config reads such a size as
+    -1 with this start-up line (tests/unit/test_config.py), so the layout never sees it. A size below
+    the world that does not divide it is refused."""
+    assert full_shard_note(FSDP_SIZE_KEY, 8, 4) == (
+        f"{FSDP_SIZE_KEY}=8 is more than the 4 ranks of this launch: the models shard over all 4 "
+        "(FULL_SHARD), as verl does for an fsdp_size of at least the world size")
+    assert full_shard_note(FSDP_SIZE_KEY, 4, 4) is full_shard_note(FSDP_SIZE_KEY, -1, 4) is None
     with pytest.raises(ValueError, match=f"{FSDP_SIZE_KEY}=3 does not divide the world size 4"):
         ParallelDims(4, fsdp_size=3)
 
