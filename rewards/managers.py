@@ -14,6 +14,8 @@ trainer reads the result's `score`.
   `extra_info` (no `num_turns`); a plain score is also the extra `acc`; with
   `overlong_buffer_cfg.enable` DAPO's overlong penalty is added to the score.
 - `batch`: one call for all the rows, with lists, and `reward_model.reward_kwargs` as keywords.
+- `gdpo`: naive's calls with the run's `experiment_name` in `extra_info` (no `num_turns`); a plain
+  score is also the extra `acc`.
 - `prime`: one call per response, positionally, in a pool of worker processes (`rewards.pool`)
   with verl's 300 s limit per call; a call that raises, times out or kills its worker scores 0.
 """
@@ -68,6 +70,22 @@ class NaiveRewardManager(RewardManager):
     def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
         scored = score_responses(self.compute_score, data_sources, solution_strs, ground_truths, extra_infos,
                                  plain_key="acc", row_names=row_names)
+        return (*scored, scored[0])
+
+
+class GDPORewardManager(RewardManager):
+    """verl's `gdpo` (its gdpo recipe's `reward.reward_manager.name=gdpo`): naive's calls, with the
+    run's `trainer.experiment_name` in each call's `extra_info` and no `num_turns`, as verl's gdpo
+    manager calls the function; a plain score is also the extra `acc`."""
+
+    def __init__(self, compute_score: RewardFn, experiment_name: str | None):
+        super().__init__(compute_score)
+        self.experiment_name = experiment_name
+
+    def score(self, data_sources, solution_strs, ground_truths, extra_infos, response_lengths, row_names=None):
+        named = [{**(e or {}), "experiment_name": self.experiment_name} for e in extra_infos]
+        scored = score_responses(self.compute_score, data_sources, solution_strs, ground_truths, named,
+                                 num_turns=False, plain_key="acc", row_names=row_names)
         return (*scored, scored[0])
 
 
@@ -219,13 +237,13 @@ class PrimeRewardManager(RewardManager):
         self.pool.close()
 
 
-REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
+REWARD_MANAGERS = ("naive", "dapo", "batch", "prime", "gdpo")
 
 
 def load_reward_manager(name: str, path: str | os.PathLike | None = None, fn_name: str = "compute_score",
                         fn_kwargs: dict[str, Any] | None = None, manager_kwargs: dict[str, Any] | None = None, *,
                         eos_token: str | None = None, processes: int = PRIME_PROCESSES,
-                        warn: Callable[[str], None] | None = None) -> RewardManager:
+                        warn: Callable[[str], None] | None = None, experiment_name: str | None = None) -> RewardManager:
     """The reward manager `name` around the function `fn_name` of `path` (the built-in
     `default_compute_score` without one) with its `fn_kwargs` (`custom_reward_function`), as verl's
     `load_reward_manager` builds it: `manager_kwargs` are `reward_model.reward_kwargs`, given to the
@@ -236,6 +254,8 @@ def load_reward_manager(name: str, path: str | os.PathLike | None = None, fn_nam
     manager_kwargs = dict(manager_kwargs or {})
     if name == "naive":
         return NaiveRewardManager(get_reward_fn(path, fn_name, fn_kwargs))
+    if name == "gdpo":
+        return GDPORewardManager(get_reward_fn(path, fn_name, fn_kwargs), experiment_name)
     if name == "dapo":
         return DAPORewardManager(get_reward_fn(path, fn_name, fn_kwargs), eos_token, **manager_kwargs)
     if name == "batch":

@@ -1309,13 +1309,14 @@ class RewardModelConfig:
     reward_manager: str | None = opt(None, "how the rule reward calls the reward function, as verl's managers do: "
                                            "naive: once per response; dapo: naive plus DAPO's overlong penalty "
                                            "(reward_kwargs); batch: once per batch, with lists; prime: once per "
-                                           "response in worker processes, 300 s per call, a failed call scoring 0. "
+                                           "response in worker processes, 300 s per call, a failed call scoring 0; gdpo: naive's calls with "
+                                           "trainer.experiment_name in extra_info (verl's gdpo recipe). "
                                            "verl's newer name: reward_manager.name; null: that, or naive",
                                      choices=(*REWARD_MANAGERS, None))
     reward_kwargs: dict | None = opt(None, "the reward manager's arguments, as verl passes them: dapo: max_resp_len "
                                            "and overlong_buffer_cfg {enable, len, penalty_factor, log}; batch: "
                                            "keywords added to every call (custom_reward_function.reward_kwargs win); "
-                                           "naive and prime take none. null: reward.reward_kwargs (verl 0.9.1's "
+                                           "naive, prime and gdpo take none. null: reward.reward_kwargs (verl 0.9.1's "
                                            "place), else none")
     combine: str = opt("replace", "with a rule reward too: replace it or add to it", choices=("replace", "add"))
     profiler: SharedProfilerConfig = section(SharedProfilerConfig, "profiling of the reward model "

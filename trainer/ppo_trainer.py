@@ -242,7 +242,8 @@ class PPOTrainer:
         self.reward_manager = load_reward_manager(
             rm_cfg.reward_manager, crf.path, crf.name, crf.reward_kwargs, rm_cfg.manager_kwargs(),
             eos_token=self.tokenizer.eos_token, processes=min(PRIME_PROCESSES, cores),
-            warn=lambda text: say(f"meshppo: warning (rank {ctx.rank}): {text}"))
+            warn=lambda text: say(f"meshppo: warning (rank {ctx.rank}): {text}"),
+            experiment_name=cfg.trainer.experiment_name)
 
         self.models = build_models(cfg, ctx, self.total_steps, self.tokenizer)
         self.peaks = PeakMemory(self.device)

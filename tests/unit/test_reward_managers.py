@@ -559,3 +559,22 @@ def test_async_reward_functions_are_awaited_together():
                     "    if solution_str == 'bb':\n        raise ValueError('judge down')\n    return 1.0\n")
         with pytest.raises(RewardError, match=r"sample 1 \(data_source='d'\).*ValueError: judge down"):
             load_reward_manager("naive", path)(*rows)
+
+
+def test_gdpo_calls_as_naive_with_the_experiment_name():
+    """verl's gdpo manager (its gdpo recipe's reward.reward_manager.name=gdpo): naive's calls, each
+    extra_info the row's plus the run's experiment_name and without num_turns; a plain score is also `acc`."""
+    from rewards import load_reward_manager
+
+    seen = []
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        return float(solution_str == ground_truth)
+
+    manager = load_reward_manager("gdpo", experiment_name="exp-7")
+    manager.compute_score = fn
+    scores, extras, _ = manager(["d"] * 2, ["a", "b"], ["a"] * 2, [{"index": 3}, None], [1] * 2)
+    assert scores == [1.0, 0.0] and extras["acc"] == [1.0, 0.0]
+    assert [{k: v for k, v in e.items() if k != "rollout_reward_scores"} for e in seen] == [
+        {"index": 3, "experiment_name": "exp-7"}, {"experiment_name": "exp-7"}]

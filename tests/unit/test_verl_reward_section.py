@@ -206,3 +206,11 @@ def test_a_reward_model_without_a_path_names_both_keys():
     with pytest.raises(ConfigError, match=r"reward_model.enable=true needs reward_model.model.path \(verl 0.9.1's "
                                           r"name: reward.reward_model.model_path\)"):
         validate(_cfg("reward.reward_model.enable=true"))
+
+
+def test_verls_gdpo_recipe_line_loads():
+    """verl's gdpo example sets reward.reward_manager.name=gdpo with adv_estimator=gdpo: it loads, validates
+    and names the gdpo manager (refused before: 'gdpo' was not one of the managers)."""
+    cfg = _cfg("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "reward.reward_manager.name=gdpo")
+    validate(cfg)
+    assert cfg.reward_model.reward_manager == "gdpo"
