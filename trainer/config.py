@@ -2068,6 +2068,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if on and off:  # (the servers' switches, verl's rollout's and reward model's, are named only where set)
         notes.append(f"{', '.join(f'{k}.full_determinism' for k in on)}=true makes every role deterministic: the "
                      f"roles share their processes (also {', '.join(off)})")
+    if not cfg.reward_model.enable and cfg.reward.reward_model.rollout.full_determinism:
+        notes.append("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false "
+                     "(it makes the reward model's scores deterministic)")
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

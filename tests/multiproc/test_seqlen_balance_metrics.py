@@ -1,7 +1,7 @@
 """verl's `global_seqlen/*` figures in a run's metrics: one step of the demo recipe on the tiny assets on
 2 gloo ranks logs them with `trainer.balance_batch` (the default) and not without it, as verl logs them
-only where it balances. The balanced ranks differ by no more tokens than the unbalanced blocks, and the
-mean is the step's tokens (`perf/total_num_tokens`, counted apart) over the ranks."""
+only where it balances; the mean is the step's tokens (`perf/total_num_tokens`, counted apart) over the
+ranks. (No claim that the balanced spread is the smaller: the greedy partition can lose to the blocks.)"""
 
 from __future__ import annotations
 
@@ -34,6 +34,5 @@ def test_a_balanced_step_logs_verls_seqlen_figures(tiny_assets, tmp_path):
     assert not any(k in plain for k in KEYS)
     fig = {k.split("/")[1]: balanced[k] for k in KEYS}
     assert fig["minmax_diff"] == pytest.approx(fig["max"] - fig["min"], abs=1e-9)
-    assert fig["balanced_max"] - fig["balanced_min"] <= fig["max"] - fig["min"], fig
     assert fig["mean"] == pytest.approx(balanced["perf/total_num_tokens"] / 2, abs=1e-9)
     assert fig["min"] <= fig["mean"] <= fig["max"] and fig["balanced_min"] <= fig["mean"] <= fig["balanced_max"]

@@ -214,3 +214,12 @@ def test_verls_gdpo_recipe_line_loads():
     cfg = _cfg("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "reward.reward_manager.name=gdpo")
     validate(cfg)
     assert cfg.reward_model.reward_manager == "gdpo"
+
+
+def test_the_reward_servers_full_determinism_without_a_reward_model_is_noted():
+    """reward.reward_model.rollout.full_determinism acts only with a reward model (as verl reads it); set
+    without one it was silently ignored (review)."""
+    note = ("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false (it makes "
+            "the reward model's scores deterministic)")
+    assert note in config_notes(_cfg(f"{RR}.full_determinism=true"))
+    assert not any(n.startswith("reward.reward_model.rollout.full_determinism") for n in config_notes(_cfg()))
