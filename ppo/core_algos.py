@@ -2058,7 +2058,7 @@ def _off_policy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     rollout = masked_mean(rollout_log_prob.to(dtype), mask, axis=-1)
     gap = rollout - old  # log(training ppl / rollout ppl) of each sequence
     gap_max, gap_min = _extremes(gap, rows)
-    seq_delta = exact_delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    seq_delta = _sequence_log_ratio(old_log_prob, rollout_log_prob, mask)
     return {
         "rollout_corr/kl": masked_mean(-exact_delta, mask),
         "rollout_corr/k3_kl": masked_mean(torch.expm1(exact_delta) - exact_delta, mask),
