@@ -29,8 +29,12 @@ Where verl has nothing to say, meshppo decides:
 - Only numeric extras are variables. verl skips a variable whose first value is a string and fails
   on one mixing numbers with other values; here a key's numbers are its values, the rest left out.
 - `pred` values vote as Python's `==` groups them (1, 1.0 and True are one answer, as in verl's
-  dict); a sample without a `pred` (None, or NaN for a numeric one) votes None, "no answer"; lists
-  and dicts vote by equality too (verl's dict could not hold them).
+  dict); lists and dicts vote by equality too (verl's dict could not hold them).
+
+A prompt has `maj@n` metrics for a variable, as in verl, only where every one of its samples has a
+`pred` (not None, nor NaN for a numeric one) and a value of the variable: a prompt with a sample
+lacking either has the variable's other metrics but no `maj`, so the data source's `maj` average is
+over the prompts that have it, and a variable none of whose prompts has it logs no `maj`.
 
 One difference is the reward functions' own: verl's naive and dapo managers record a dict result's
 `score` among its extras, so verl also logs a variable `score` (the score before the float32
@@ -71,11 +75,9 @@ def bootstrap_indices(n_data: int, subset_size: int, n_bootstrap: int = N_BOOTST
 _LIST, _TUPLE, _DICT, _OTHER = object(), object(), object(), object()  # tags no value carries
 
 
-def _vote_key(pred: Any) -> Any:
-    """`pred`'s answer in a vote: None for no pred (None or NaN), else `_hashable(pred)`."""
-    if pred is None or (isinstance(pred, float) and math.isnan(pred)):
-        return None
-    return _hashable(pred)
+def _is_pred(pred: Any) -> bool:
+    """Whether a sample has a `pred`: None, or NaN (a numeric column's gap), is none."""
+    return pred is not None and not (isinstance(pred, float) and math.isnan(pred))
 
 
 def _hashable(value: Any) -> Any:
@@ -116,7 +118,7 @@ def _vote_codes(rows: np.ndarray, preds: Sequence[Any]) -> np.ndarray:
     codes = np.empty(rows.shape, dtype=np.int64)
     for r, prompt_rows in enumerate(rows):
         table: dict = {}
-        codes[r] = [table.setdefault(_vote_key(preds[i]), len(table)) for i in prompt_rows]
+        codes[r] = [table.setdefault(_hashable(preds[i]), len(table)) for i in prompt_rows]
     return codes
 
 
@@ -164,6 +166,20 @@ def _prompt_metrics(rows: np.ndarray, col: np.ndarray, preds: Sequence[Any] | No
     return [{name: float(col[i]) for name, col in cols.items()} for i in range(g)]
 
 
+def _group_prompts(uid_rows: dict[Any, list[int]], col: np.ndarray, has_pred: list[bool] | None,
+                   ) -> dict[tuple[int, bool], list[tuple[int, list[int]]]]:
+    """The prompts (their position in `uid_rows` and rows with a value in `col`) that have a value,
+    grouped by (how many values, whether they get `maj`): verl's rule, `maj` only where no sample's
+    value was left out and every sample has a pred (`has_pred`, per row; None: no pred column)."""
+    groups: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
+    for p, rows in enumerate(uid_rows.values()):
+        kept = [i for i in rows if not math.isnan(col[i])]
+        if kept:
+            with_maj = has_pred is not None and len(kept) == len(rows) and all(has_pred[i] for i in rows)
+            groups.setdefault((len(kept), with_maj), []).append((p, kept))
+    return groups
+
+
 def process_validation_metrics(data_sources: Sequence[str], uids: Sequence[Any], variables: dict[str, Sequence[float]],
                                preds: Sequence[Any] | None = None, *, n_bootstrap: int = N_BOOTSTRAP,
                                seed: int = SEED) -> dict[str, dict[str, dict[str, float]]]:
@@ -180,24 +196,20 @@ def process_validation_metrics(data_sources: Sequence[str], uids: Sequence[Any],
     for i, (src, uid) in enumerate(zip(data_sources, uids)):
         prompts.setdefault(src, {}).setdefault(uid, []).append(i)
     columns = {k: np.asarray(v, dtype=np.float64) for k, v in variables.items()}
+    has_pred = None if preds is None else [_is_pred(p) for p in preds]
     draws: dict = {}
     votes: dict = {}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for src, uid_rows in prompts.items():
         for var, col in columns.items():
             per_prompt: list[dict[str, float] | None] = [None] * len(uid_rows)
-            by_size: dict[int, list[tuple[int, list[int]]]] = {}
-            for p, rows in enumerate(uid_rows.values()):
-                kept = [i for i in rows if not math.isnan(col[i])]
-                if kept:
-                    by_size.setdefault(len(kept), []).append((p, kept))
-            for n_resps, group in by_size.items():
+            for (n_resps, with_maj), group in _group_prompts(uid_rows, col, has_pred).items():
                 step = max(1, _BLOCK // (n_bootstrap * n_resps))  # prompts at a time: bounds the [G, B, N] arrays
                 for s in range(0, len(group), step):
                     block = group[s:s + step]
                     rows = np.array([kept for _, kept in block])
-                    for (p, _), metrics in zip(block, _prompt_metrics(rows, col, preds, n_bootstrap, seed,
-                                                                      draws, votes)):
+                    for (p, _), metrics in zip(block, _prompt_metrics(rows, col, preds if with_maj else None,
+                                                                      n_bootstrap, seed, draws, votes)):
                         per_prompt[p] = metrics
             gathered: dict[str, list[float]] = {}
             for metrics in per_prompt:

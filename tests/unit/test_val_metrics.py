@@ -14,9 +14,11 @@ from trainer.val_metrics import bootstrap_indices, gen_ns, process_validation_me
 
 
 # ---------------------------------------------------------------- verl, transcribed
-# verl.trainer.ppo.metric_utils (bootstrap_metric, calc_maj_val, process_validation_metrics) and
-# RayPPOTrainer._val_metrics_update, as written there: the global NumPy generator reseeded per call,
-# one reduce_fn call per resample over an object array, the vote through a dict.
+# verl 0.9.1's verl.trainer.ppo.metric_utils (bootstrap_metric, calc_maj_val,
+# process_validation_metrics) and RayPPOTrainer._val_metrics_update, as written there: the global
+# NumPy generator reseeded per call, one reduce_fn call per resample over an object array, the vote
+# through a dict; a variable's None values dropped, and a prompt's maj only where none was dropped
+# and none of its preds is None.
 
 def verl_bootstrap_metric(data, subset_size, reduce_fns, n_bootstrap=1000, seed=42):
     np.random.seed(seed)
@@ -53,11 +55,13 @@ def verl_process_validation_metrics(data_sources, sample_uids, infos_dict, seed=
         uid_dict = data_src2uid2var2metric.setdefault(data_source, {})
         for uid, var2vals in uid2var2vals.items():
             pred_vals = var2vals.get("pred")
-            has_pred = pred_vals is not None
             var_dict = uid_dict.setdefault(uid, {})
             for var_name, var_vals in var2vals.items():
+                var_vals = [v for v in var_vals if v is not None]
                 if not var_vals or isinstance(var_vals[0], str):
                     continue
+                has_pred = (pred_vals is not None and len(pred_vals) == len(var_vals)
+                            and all(p is not None for p in pred_vals))
                 n_resps = len(var_vals)
                 metric = {f"mean@{n_resps}": float(np.mean(var_vals))}
                 if n_resps > 1:
@@ -184,25 +188,74 @@ def test_votes_group_equal_preds_of_any_type():
 
 
 def test_samples_without_a_value_are_left_out_of_that_variable():
-    """NaN (a sample without the key) leaves the sample out of that variable only: the metrics are
-    verl's over the samples that have it (a prompt with none has none); `src/b` has no acc at all,
-    so its core variable is `reward`; a sample without a pred votes None."""
+    """NaN (a sample without the key; verl's None) leaves the sample out of that variable only: the
+    metrics are verl's over the samples that have it (a prompt with none has none); `src/b` has no
+    acc at all, so its core variable is `reward`; a prompt with a sample lacking the pred or the
+    value has no maj for that variable, and the maj average is over the prompts that have it."""
     d = _samples(4)
     rs = np.random.RandomState(5)
-    acc = [math.nan if src == "src/b" or rs.rand() < 0.3 else float(a) for src, a in zip(d["sources"], d["acc"])]
-    pred = [None if rs.rand() < 0.2 else p for p in d["pred"]]
-    got = validation_metrics(d["sources"], d["uids"], {"reward": d["reward"], "acc": acc}, pred)
-    votes = ["<no pred>" if p is None else p for p in pred]  # one answer of its own, for verl
-    want = verl_val_metrics(d["sources"], d["uids"], {"reward": d["reward"], "pred": votes})
-    keep = [i for i, a in enumerate(acc) if not math.isnan(a)]
-    want.update(verl_val_metrics([d["sources"][i] for i in keep], [d["uids"][i] for i in keep],
-                                 {"acc": [acc[i] for i in keep], "pred": [votes[i] for i in keep]}))
-    # src/a has acc: its reward metrics are all auxiliary there (verl's core is per data source)
-    want = {(k.replace("val-core/", "val-aux/", 1) if k.startswith("val-core/src/a/reward/") else k): v
-            for k, v in want.items()}
+    acc = [None if src == "src/b" or rs.rand() < 0.3 else float(a) for src, a in zip(d["sources"], d["acc"])]
+    pred = [None if rs.rand() < 0.05 else p for p in d["pred"]]
+    got = validation_metrics(d["sources"], d["uids"],
+                             {"reward": d["reward"], "acc": [math.nan if a is None else a for a in acc]}, pred)
+    want = verl_val_metrics(d["sources"], d["uids"], {"reward": d["reward"], "acc": acc, "pred": pred})
     _assert_equal(got, want)
     assert any(k.startswith("val-core/src/a/acc/") for k in got)
     assert any(k.startswith("val-core/src/b/reward/") for k in got) and not any("src/b/acc" in k for k in got)
+    assert "val-aux/src/a/reward/maj@2/mean" in got  # some prompts keep their maj
+
+
+def _two_prompts(preds, acc=None):
+    """`process_validation_metrics` of source "s": prompt 0 (values 1, 0, 0, 0.5) and prompt 1
+    (1, 1, 0, 0), `preds` theirs; with `acc` a variable of its own."""
+    reward = [1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0]
+    variables = {"reward": reward} if acc is None else {"reward": reward, "acc": acc}
+    return process_validation_metrics(["s"] * 8, [0] * 4 + [1] * 4, variables, preds)["s"]
+
+
+def test_a_prompt_with_a_missing_pred_has_no_maj():
+    """Prompt 1 lacks one pred: its mean and best still count (mean@4 = (0.375 + 0.5) / 2), its
+    maj does not (verl's `has_pred`), so `maj@n` is prompt 0's alone: for n = 2 the first draw's
+    value (preds x, y, y, z: every resample of 2 is a tie or a pair), E = 1.5 / 4 over the 16 draws."""
+    m = _two_prompts(["x", "y", "y", "z", "5", None, "2", "2"])["reward"]
+    alone = process_validation_metrics(["s"] * 4, [0] * 4, {"reward": [1.0, 0.0, 0.0, 0.5]},
+                                       ["x", "y", "y", "z"])["s"]["reward"]
+    assert m["mean@4"] == pytest.approx(0.4375, abs=1e-12)
+    for n in (2, 4):
+        assert m[f"maj@{n}/mean"] == pytest.approx(alone[f"maj@{n}/mean"], abs=1e-12)
+        assert m[f"maj@{n}/std"] == pytest.approx(alone[f"maj@{n}/std"], abs=1e-12)
+    outcomes = [verl_calc_maj_val([{"v": [1.0, 0.0, 0.0, 0.5][i], "p": "xyyz"[i]} for i in d], "p", "v")
+                for d in itertools.product(range(4), repeat=2)]
+    assert sum(outcomes) / 16 == pytest.approx(0.375, abs=1e-12)
+    _assert_bootstrap_estimates(m, "maj@2", outcomes)
+
+
+def test_a_missing_value_drops_that_prompts_maj_for_that_variable_only():
+    """Prompt 1 lacks acc on one sample: its acc metrics are over 3 values with no maj (verl: the
+    values left are fewer than the preds), so acc's `maj@4` is prompt 0's alone while reward's,
+    whose values are all there, is the mean of both prompts' own."""
+    preds = ["x", "y", "y", "z", "5", "5", "2", "2"]
+    got = _two_prompts(preds, acc=[1.0, 0.0, 0.0, 0.5, 1.0, math.nan, 0.0, 0.0])
+    first, second = (process_validation_metrics(["s"] * 4, [0] * 4, {"v": vals}, preds[rows])["s"]["v"]
+                     for vals, rows in (([1.0, 0.0, 0.0, 0.5], slice(4)), ([1.0, 1.0, 0.0, 0.0], slice(4, 8))))
+    acc = got["acc"]
+    assert acc["mean@4"] == pytest.approx(0.375, abs=1e-12) and acc["mean@3"] == pytest.approx(1 / 3, abs=1e-12)
+    assert not any(k.startswith("maj@3") for k in acc)
+    assert acc["maj@4/mean"] == pytest.approx(first["maj@4/mean"], abs=1e-12)
+    assert got["reward"]["maj@4/mean"] == pytest.approx((first["maj@4/mean"] + second["maj@4/mean"]) / 2, abs=1e-12)
+
+
+def test_no_maj_keys_where_no_prompt_has_every_pred():
+    """Each prompt lacks a pred (None, or NaN for a numeric one): no maj metric at all, the keys
+    those of no pred column, as verl's."""
+    preds = [None, "3", "3", "7", "5", math.nan, "2", "2"]
+    got = validation_metrics(["s"] * 8, [0] * 4 + [1] * 4, {"reward": [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]}, preds)
+    assert set(got) == set(validation_metrics(["s"] * 8, [0] * 4 + [1] * 4,
+                                              {"reward": [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]}))
+    assert not any("maj@" in k for k in got) and len(got) == 2 + 2 * 4
+    verl = verl_val_metrics(["s"] * 8, [0] * 4 + [1] * 4, {"reward": [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0],
+                                                           "pred": [None, "3", "3", "7", "5", None, "2", "2"]})
+    assert set(got) == set(verl)
 
 
 def test_bootstrap_draw_is_verls_and_leaves_the_global_generator_alone():
