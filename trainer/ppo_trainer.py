@@ -230,7 +230,9 @@ class PPOTrainer:
                                   f"({len(self.train_ds)} prompts after filtering)")
         # rounds of gen_batch_size prompts (train_batch_size unless dynamic sampling asks for more)
         self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed)
-        self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+        # an epoch is the training set's train_batch_size batches, as verl 0.9.1 counts it, however many
+        # prompts dynamic sampling's rounds draw (the loader goes on into the next epoch's if need be)
+        self.total_steps = t.total_training_steps or len(self.train_ds) // d.train_batch_size * t.total_epochs
         self.profiler = StepProfiler(profile_plan(cfg), ctx.rank, self.device, self.total_steps, log=self.log)
         self.timer.around = self.profiler.phase
         self.eos_ids = self._eos_ids()
@@ -1227,7 +1229,7 @@ class PPOTrainer:
         if resumed is not None:
             self.log(f"resumed from {resumed} at step {self.global_step}")
             if self.global_step >= self.total_steps and not t.val_only:
-                self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's rounds x "
+                self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's batches x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
                          "trainer.total_training_steps to train on")
         self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),

@@ -44,7 +44,10 @@ def _body(rank, world_size, assets, run_root):
     exec(REWARD, namespace)
     ctx = init_distributed("cpu")
     dump = os.path.join(run_root, "dump")
-    trainer = PPOTrainer(_config(assets, run_root, "filtered", *FILTER, f"trainer.rollout_data_dir={dump}"), ctx)
+    trainer = PPOTrainer(_config(assets, run_root, "filtered", *FILTER, f"trainer.rollout_data_dir={dump}",
+                                 "trainer.total_training_steps=null", "trainer.total_epochs=2"), ctx)
+    # an epoch is the training set's train_batch_size batches, as verl 0.9.1 counts it, not its gen_batch_size rounds
+    assert trainer.total_steps == len(trainer.train_ds) // PROMPTS * 2
     rounds = 0
     for step in (1, 2):
         metrics = trainer.step()
