@@ -2,10 +2,11 @@
 run directory's record of the run (`config.yaml`, `run_info.json`, the start-up banner) and
 the per-step sample dumps (verl's `trainer.rollout_data_dir` / `validation_data_dir`).
 
-Only rank 0 logs. `metrics.jsonl` gets one JSON object per step (verl's metric names) and
-is appended to, so a resumed run continues the same file; when a run (re)starts at step S,
-lines of later steps (logged by an attempt that ended before its next checkpoint) are dropped,
-so that the file holds each step once.
+Only rank 0 logs. `metrics.jsonl` gets one JSON object per step (verl's metric names), and a
+validated step a second one at the same step with its validation's metrics; it is appended to, so
+a resumed run continues the same file; when a run (re)starts at step S, lines of later steps
+(logged by an attempt that ended before its next checkpoint) are dropped, so that the file holds
+each step's rows once.
 """
 
 from __future__ import annotations
