@@ -5,7 +5,7 @@ Layout under `trainer.default_local_dir/checkpoints/`:
     global_step_K/
         actor/            model + optimizer, sharded (torch.distributed.checkpoint)
             huggingface/  the full weights, config and tokenizer (with 'hf_model', below)
-            lora_adapter/ a LoRA actor's adapters as a peft directory (verl's; a lora_adapter_path)
+            lora_adapter/ a LoRA actor's adapters as a peft directory (as verl's model_merger writes them; a lora_adapter_path)
         critic/           the same, when there is a critic
         trainer_state.json  the step, world size, the actor's shape and the run's resolved config
                             (to refuse a checkpoint of another model or another run), what each
@@ -86,7 +86,7 @@ from sharding.checkpoint import (
 )
 
 LATEST = "latest_checkpointed_iteration.txt"
-ADAPTER_DIR = "lora_adapter"  # a LoRA actor's adapters in each checkpoint, as verl writes them
+ADAPTER_DIR = "lora_adapter"  # a LoRA actor's adapters in each checkpoint, as verl's model_merger writes them
 LAUNCH_MARKER = "launch_id.txt"  # the launch (TORCHELASTIC_RUN_ID) whose later checkpoints a restart resumes, as JSON
 STATE_FILE = "trainer_state.json"
 
@@ -658,7 +658,8 @@ class CheckpointManager:
                 save_checkpoint(os.path.join(tmp, name), model, optimizer if "optimizer" in items else None)
                 lora = getattr(model, "lora_config", None)
                 if name == "actor" and lora is not None:
-                    # verl's global_step_K/actor/lora_adapter/: the adapters alone as a peft directory,
+                    # global_step_K/actor/lora_adapter/: the adapters alone as a peft directory (what verl's
+                    # model_merger writes from a checkpoint; verl's checkpoint itself holds none),
                     # a next stage's lora_adapter_path
                     adapters = gather_full_state_dict(model, trainable_only=True)
                     agreed_write("writing the LoRA adapter", functools.partial(

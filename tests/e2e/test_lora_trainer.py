@@ -84,7 +84,7 @@ def test_lora_resume_reproduces_the_uninterrupted_run_and_exports_peft(tiny_asse
     assert not held, f"the checkpoint holds base weights or their optimizer state: {held[:4]}"
     _run(tiny_assets, split, reward, "trainer.total_training_steps=4")  # resume_mode=auto: from global_step_2
     assert_resumed_run_matches(straight, split, 4)
-    # each checkpoint also holds the adapters as a peft directory (verl's actor/lora_adapter/): step 4's
+    # each checkpoint also holds the adapters as a peft directory (actor/lora_adapter/, verl's model_merger's): step 4's
     # are the run's final export
     for step in (2, 4):
         assert read_peft_adapter(split / "checkpoints" / f"global_step_{step}" / "actor" / "lora_adapter")[0] == \
