@@ -286,17 +286,17 @@ def check_truncation(limit: int, side: str) -> None:
 
 
 def truncate_tool_text(text: str, limit: int, side: str) -> str:
-    """`text` cut to `limit` characters when longer, verl's way: `left` keeps the head and appends
-    `...(truncated)`, `right` keeps the tail after `(truncated)...`, `middle` keeps `limit // 2`
-    characters of each end around `...(truncated)...` (with a limit of 1, no characters: verl's
-    `text[-0:]` would keep the whole text there)."""
+    """`text` cut to `limit` characters when longer, verl 0.9.1's way: `left` cuts the start, keeping
+    the tail after `(truncated)...`; `right` cuts the end, keeping the head before `...(truncated)`;
+    `middle` keeps `limit // 2` characters of each end around `...(truncated)...` (with a limit of 1,
+    no characters: verl's `text[-0:]` would keep the whole text there)."""
     check_truncation(limit, side)
     if len(text) <= limit:
         return text
     if side == "left":
-        return text[:limit] + "...(truncated)"
-    if side == "right":
         return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
     half = limit // 2
     return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
 

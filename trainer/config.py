@@ -810,8 +810,9 @@ class MultiTurnConfig:
                                                     "extra_info.interaction_kwargs.name")
     max_parallel_calls: int = opt(1, "tool calls run per turn (the first ones of a turn)", ge=1)
     max_tool_response_length: int = opt(256, "a tool response's length limit in characters", ge=1)
-    tool_response_truncate_side: str = opt("middle", "where a longer tool response is cut: left keeps its start, "
-                                                     "right its end, middle both", choices=TRUNCATE_SIDES)
+    tool_response_truncate_side: str = opt("middle", "where a longer tool response is cut (as verl 0.9.1): left "
+                                                     "cuts its start (keeps the end), right cuts its end (keeps "
+                                                     "the start), middle keeps both ends", choices=TRUNCATE_SIDES)
     use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
                                             no_effect=_LEGACY_SGLANG)
     tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",

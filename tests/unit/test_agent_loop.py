@@ -251,8 +251,8 @@ def test_budget_and_turn_limits(tok):
 def test_parallel_calls_and_truncated_answers(tok):
     tool = Lookup()
     two = call("a") + call("bcdefghij")
-    # limit 10: the first answer fits exactly, the second keeps its first 10 characters ("left")
-    outs = run(agent(tok, tool, max_parallel_calls=2, max_tool_response_length=10, tool_response_truncate_side="left"),
+    # limit 10: the first answer fits exactly, the second keeps its first 10 characters ("right" cuts the end)
+    outs = run(agent(tok, tool, max_parallel_calls=2, max_tool_response_length=10, tool_response_truncate_side="right"),
                Script(tok, {(0, 0): [two + call("k"), "done"]}), [[1]], [(0, 0)], ["tool_agent"])
     answer = tool_message_ids(tok, ["value of a", "value of b...(truncated)"], system_prompt_ids(tok))
     assert tool.calls == 2 and outs[0].tool_rewards == [0.1, 0.9]

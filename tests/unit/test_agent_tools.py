@@ -42,13 +42,13 @@ def _schema(name, **parameters):
 
 
 @pytest.mark.parametrize("side, limit, expected", [
-    ("left", 4, "abcd...(truncated)"),
-    ("right", 4, "(truncated)...ghij"),
+    ("left", 4, "(truncated)...ghij"),    # verl 0.9.1: left cuts the start, keeping the tail
+    ("right", 4, "abcd...(truncated)"),   # right cuts the end, keeping the head
     ("middle", 4, "ab...(truncated)...ij"),
     ("middle", 5, "ab...(truncated)...ij"),  # an odd limit keeps limit // 2 of each end
     ("middle", 1, "...(truncated)..."),       # nothing of either end (verl's text[-0:] would keep it all)
-    ("left", 9, "abcdefghi...(truncated)"),
-    ("right", 9, "(truncated)...bcdefghij"),
+    ("left", 9, "(truncated)...bcdefghij"),
+    ("right", 9, "abcdefghi...(truncated)"),
 ])
 def test_truncation_strings(side, limit, expected):
     assert truncate_tool_text("abcdefghij", limit, side) == expected
@@ -436,7 +436,7 @@ def test_call_tool_errors_become_verls_text():
 def test_call_tool_cuts_long_answers():
     tools = {"count": CountingTool()}
     assert _one(tools, "count", '{"text": "abcdefghij"}', limit=4, side="middle")[0] == "ab...(truncated)...ij"
-    assert _one(tools, "count", '{"str": "abcdefghij"}', limit=4, side="right")[0] == "(truncated)...ghij"
+    assert _one(tools, "count", '{"str": "abcdefghij"}', limit=4, side="right")[0] == "abcd...(truncated)"
 
 
 def test_a_tool_that_breaks_its_contract_stops_the_run_naming_it():
