@@ -10,9 +10,9 @@ loop has none).
 
 A sample's tool turn is `tool_turn`: its calls of the turn (the first `max_parallel_calls`) run
 concurrently; `run_tool_calls` runs a batch of rows' turns at once. Each call is `call_tool`,
-verl's `_call_tool`: a call the model got wrong (unknown tool, arguments that are not JSON) or a
-tool that raises becomes the answer `Error when executing tool: ...` with reward 0.0, which the
-model sees and learns from.
+verl's `_call_tool`: a call the model got wrong or a tool that raises becomes an answer with
+reward 0.0 that the model sees and learns from, in verl 0.9.1's words (`unknown_tool_text`,
+`bad_arguments_text`, `tool_failed_text`).
 The answers go back to the model as `tool` messages through the chat template,
 `tool_message_ids`.
 
@@ -44,7 +44,6 @@ LENGTH_KEY = f"{_MULTI_TURN}.max_tool_response_length"
 SIDE_KEY = f"{_MULTI_TURN}.tool_response_truncate_side"
 PARALLEL_KEY = f"{_MULTI_TURN}.max_parallel_calls"
 TRUNCATE_SIDES = ("left", "right", "middle")
-ERROR_PREFIX = "Error when executing tool: "
 
 
 class ToolConfigError(ValueError):
@@ -331,21 +330,43 @@ def _reward(tool: BaseTool, reward: Any) -> float | None:
     return value
 
 
+# The answers a failed call gets, verl 0.9.1's `_call_tool` texts (its names quoted as written, not repr'd).
+def unknown_tool_text(name: str, available: dict[str, BaseTool]) -> str:
+    return f"Unknown function '{name}'. Available tools: {list(available)}"
+
+
+def bad_arguments_text(name: str, err: Exception) -> str:
+    return f"Invalid JSON in arguments for '{name}': {err}"
+
+
+def tool_failed_text(name: str, err: Exception) -> str:
+    return f"Error executing tool '{name}': {err}"
+
+
+def _failed_call(text: str) -> tuple[str, float, dict]:
+    logger.warning("%s", text)
+    return text, 0.0, {}
+
+
 async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: dict | None, limit: int,
                     side: str) -> tuple[str, float | None, dict]:
     """One call, verl's `_call_tool`: (the answer's text, cut by `truncate_tool_text`; the step
     reward or None; the tool's metrics).
 
     The tool is created with the row's `tools_kwargs[name]["create_kwargs"]` (keyword
-    `create_kwargs`), executed on the decoded arguments, and released whenever it was created. Bad
-    JSON, an unknown tool or a tool that raises gives `Error when executing tool: <exception>` and
-    reward 0.0 (uncut, as in verl; an unknown name shows as the KeyError's `'name'`).
+    `create_kwargs`), executed on the decoded arguments, and released whenever it was created. As in
+    verl, a name not in `tools` (the row's tools) answers `unknown_tool_text`, arguments that are not
+    JSON `bad_arguments_text` and a tool that raises `tool_failed_text`, each with reward 0.0, uncut.
     """
     check_truncation(limit, side)
-    tool = instance_id = None
+    if call.name not in tools:
+        return _failed_call(unknown_tool_text(call.name, tools))
     try:
         arguments = json.loads(call.arguments)
-        tool = tools[call.name]
+    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+        return _failed_call(bad_arguments_text(call.name, err))
+    tool, instance_id = tools[call.name], None
+    try:
         kwargs = (tools_kwargs or {}).get(call.name) or {}
         instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
         response, reward, metrics = await tool.execute(instance_id, arguments)
@@ -354,10 +375,9 @@ async def call_tool(tools: dict[str, BaseTool], call: ToolCall, tools_kwargs: di
             if cancelled_from_outside():
                 raise
             raise ToolError(f"tool {call.name!r} raised asyncio.CancelledError") from err
-        logger.warning("%s%s", ERROR_PREFIX, err)
-        return f"{ERROR_PREFIX}{err}", 0.0, {}
+        return _failed_call(tool_failed_text(call.name, err))
     finally:
-        if tool is not None and instance_id is not None:
+        if instance_id is not None:
             try:
                 await tool.release(instance_id)
             except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 - a bug in the tool: stops the run

@@ -411,25 +411,24 @@ def test_call_tool_passes_create_kwargs_and_releases_every_time():
     assert _one(tools, "count", '{"str": "plain"}') == ("plain", 0.5, {"m": 1})
     assert tool.create_kwargs[-1] == {"create_kwargs": {}}  # no kwargs for the row: an empty dict, as verl
     assert _one(tools, "count", '{}') == ("", None, {})     # text None: an empty answer
-    assert _one(tools, "count", '{"raise": "boom"}') == ("Error when executing tool: boom", 0.0, {})
+    assert _one(tools, "count", '{"raise": "boom"}') == ("Error executing tool 'count': boom", 0.0, {})
     assert (tool.created, tool.released) == (4, 4)
 
 
 def test_call_tool_errors_become_verls_text():
+    """verl 0.9.1's three answers to a failed call (tool_agent_loop.py `_call_tool`), written out by hand."""
     tool = CountingTool()
-    tools = {"count": tool}
-    assert _one(tools, "nope", '{}') == ("Error when executing tool: 'nope'", 0.0, {})
-    try:
-        json.loads('{"text": ')
-    except ValueError as err:
-        expected = f"Error when executing tool: {err}"
-    assert _one(tools, "count", '{"text": ') == (expected, 0.0, {})
+    tools = {"count": tool, "other": CountingTool()}
+    assert _one(tools, "nope", '{}') == ("Unknown function 'nope'. Available tools: ['count', 'other']", 0.0, {})
+    # json's own message for the cut-off object: "Expecting value: line 1 column 10 (char 9)"
+    assert _one(tools, "count", '{"text": ') == (
+        "Invalid JSON in arguments for 'count': Expecting value: line 1 column 10 (char 9)", 0.0, {})
     # a create that raises: an error answer and no instance to release
     assert _one(tools, "count", '{}', {"count": {"create_kwargs": {"fail": True}}}) == (
-        "Error when executing tool: create failed", 0.0, {})
+        "Error executing tool 'count': create failed", 0.0, {})
     assert (tool.created, tool.released) == (0, 0)
     # the error text is not cut (verl cuts only a tool's answer)
-    assert _one(tools, "count", '{"raise": "' + "x" * 50 + '"}', limit=5)[0] == "Error when executing tool: " + "x" * 50
+    assert _one(tools, "count", '{"raise": "' + "x" * 50 + '"}', limit=5)[0] == "Error executing tool 'count': " + "x" * 50
     assert (tool.created, tool.released) == (1, 1)
 
 
@@ -514,7 +513,7 @@ def test_turn_keeps_call_order_and_respects_max_parallel_calls():
              [ToolCall("x", "{}")]]
     out = run_tool_calls({"ev": tool}, calls, [{}] * 4, 100, "left", 2)
     assert [[text for text, _ in row] for row in out] == [["0.3", "0.0"], [], ["0.2", "0.4"],
-                                                          ["Error when executing tool: 'x'"]]
+                                                          ["Unknown function 'x'. Available tools: ['ev']"]]
     assert sorted(p["sleep"] for p in tool.seen) == [0.0, 0.2, 0.3, 0.4]  # the third call of row 0 never ran
     # the reward is the number of calls started when the call answered: all four, before any answered
     assert [reward for row in out[:3] for _, reward in row] == [4.0, 4.0, 4.0, 4.0]
