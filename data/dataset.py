@@ -546,6 +546,18 @@ class RLHFDataset:
                                "(verl's {'create_kwargs': {...}})")
         return tools_kwargs
 
+    @staticmethod
+    def _check_no_tool_selection(extra_info: dict[str, Any], agent: str, where: str) -> None:
+        """verl 0.9.1's tool agent narrows a row's tools (the schemas in its prompt, the names it may
+        call) to `extra_info.tool_selection`; meshppo's gives every row all the tools, so a tool_agent
+        row selecting some is refused. None or empty selects all the tools in verl too."""
+        selection = extra_info.get("tool_selection")
+        if agent == TOOL_AGENT and selection is not None and len(selection):
+            raise DatasetError(f"{where}: field 'extra_info.tool_selection' (verl's per-row choice of tools) is not "
+                               "supported: every tool_agent row gets all the tools of "
+                               "actor_rollout_ref.rollout.multi_turn.tool_config_path; remove the field or leave it "
+                               "empty")
+
     def count_agents(self) -> dict[str, int]:
         """How many items each rollout loop runs."""
         counts = dict.fromkeys(AGENT_NAMES, 0)
@@ -594,6 +606,7 @@ class RLHFDataset:
                 if problem:
                     raise DatasetError(f"{where}: field 'reward_model.ground_truth' {problem}")
             tools_kwargs = self._tools_kwargs(extra_info, where)
+            self._check_no_tool_selection(extra_info, agent, where)
             parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs))
 
         # Batched calls are much faster than a call per row with fast tokenizers; a chunk of rows at a

@@ -856,6 +856,23 @@ def test_parquet_rows_naming_different_tools_load_each_with_its_own(tmp_path, to
         RLHFDataset([bad], tokenizer)
 
 
+def test_a_tool_agent_row_with_a_tool_selection_is_refused_at_load(tmp_path, tokenizer):
+    """verl 0.9.1 narrows a tool_agent row's tools to its `extra_info.tool_selection`; meshppo gives
+    every row all the tools, so such a row is refused naming its file:row and the field. An empty or
+    null selection means all the tools in verl too, and verl's single-turn loop never reads it."""
+    schemas = [{"type": "function", "function": {"name": name, "description": name}} for name in ("calc", "search")]
+    path = tmp_path / "d.jsonl"
+    write_jsonl([_chat_row("1+1=", "2", agent_name="tool_agent", extra_info={"tool_selection": []}),
+                 _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"tool_selection": None}),
+                 _chat_row("3+3=", "6", extra_info={"tool_selection": ["calc"]})], str(path))
+    assert len(RLHFDataset([str(path)], tokenizer, tool_schemas=schemas)) == 3
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl([_chat_row("1+1=", "2", agent_name="tool_agent"),
+                 _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"tool_selection": ["calc"]})], str(bad))
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: field 'extra_info.tool_selection' .*not supported"):
+        RLHFDataset([str(bad)], tokenizer, tool_schemas=schemas)
+
+
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_gsm8k_interaction_rows_are_verls_interaction_rows(tmp_path, ext):
     """--multiturn interaction writes the rows of verl's gsm8k_multiturn_w_interaction.py."""
