@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_KEY = "actor_rollout_ref.rollout.multi_turn.format"
 FORMATS = ("hermes",)
+# the other tool-call formats verl 0.9.1 registers (its ToolParser.register names), none parsed here
+VERL_OTHER_FORMATS = ("gpt-oss", "qwen3_coder", "glm", "seed", "minimax", "kimi", "deepseek_v4", "gemma4")
 
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -36,7 +38,7 @@ def check_format(fmt: str) -> str:
     """`fmt` if meshppo parses it, else a ValueError naming the config key and the formats there are."""
     if fmt not in FORMATS:
         raise ValueError(f"{FORMAT_KEY}={fmt!r} is not supported; supported: {list(FORMATS)} "
-                         "(verl's gpt-oss format is not supported)")
+                         f"(verl 0.9.1's other formats, not supported here: {list(VERL_OTHER_FORMATS)})")
     return fmt
 
 

@@ -13,7 +13,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from agent.tool_parser import FORMATS
+from agent.tool_parser import FORMATS, VERL_OTHER_FORMATS
 from agent.tools import TRUNCATE_SIDES
 from data.dataset import TRUNCATION_MODES
 from kl import VALID_KL_PENALTIES as KL_TYPES
@@ -817,7 +817,8 @@ class MultiTurnConfig:
                                             no_effect=_LEGACY_SGLANG)
     tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
                                               no_effect=_LEGACY_SGLANG)
-    format: str = opt("hermes", "the tool-call format of the model's turns", choices=FORMATS)
+    format: str = opt("hermes", "the tool-call format of the model's turns (verl 0.9.1's others, not supported: "
+                                f"{', '.join(VERL_OTHER_FORMATS)})", choices=FORMATS)
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
                                           no_effect="verl reads it nowhere")
     function_tool_path: str | None = opt(None, "not supported: must be null (verl 0.9.1: tools made of the functions "

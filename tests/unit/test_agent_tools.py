@@ -130,10 +130,14 @@ def test_parser_across_lines_and_surrounding_whitespace():
     assert parse_tool_calls(text) == ("", [ToolCall("f", '{"a": 1}')])
 
 
-def test_parser_refuses_formats_other_than_hermes():
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.multi_turn\.format='gpt-oss' is not "
-                                         r"supported; supported: \['hermes'\].*gpt-oss format is not supported"):
-        parse_tool_calls("x", fmt="gpt-oss")
+@pytest.mark.parametrize("fmt", ["gpt-oss", "kimi", "gemma4"])
+def test_parser_refuses_formats_other_than_hermes(fmt):
+    """The message lists verl 0.9.1's other registered parsers (its tool_parser.py), written out here."""
+    others = "['gpt-oss', 'qwen3_coder', 'glm', 'seed', 'minimax', 'kimi', 'deepseek_v4', 'gemma4']"
+    with pytest.raises(ValueError) as err:
+        parse_tool_calls("x", fmt=fmt)
+    assert str(err.value) == (f"actor_rollout_ref.rollout.multi_turn.format={fmt!r} is not supported; supported: "
+                              f"['hermes'] (verl 0.9.1's other formats, not supported here: {others})")
 
 
 # ---- tool config files
