@@ -809,7 +809,7 @@ def test_verls_dapo_reward_kwargs_load():
     (["reward_model.reward_manager=batch", "+reward_model.reward_kwargs.extra_infos=[]"],
      "reward_model.reward_kwargs sets extra_infos: the batch manager passes data_sources, solution_strs, "
      "ground_truths, extra_infos itself"),
-    (["reward_model.reward_manager=remote"], "'remote' is not one of ['naive', 'dapo', 'batch', 'prime', None]"),
+    (["reward_model.reward_manager=remote"], "'remote' is not one of ['naive', 'dapo', 'batch', 'prime', 'gdpo', None]"),
 ])
 def test_reward_kwargs_are_checked_as_the_config_loads(overrides, message):
     with pytest.raises(ConfigError) as e:
