@@ -597,17 +597,17 @@ class Critic(TrainableRole):
         def loss(sub, outputs, k, agg_kw):
             vf = compute_value_loss(outputs[0], sub.returns, sub.values, sub.loss_mask,
                                     cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **agg_kw)
-            vf_loss = vf.vf_loss.detach()
-            # verl's critic/loss is the loss backpropagated, here the value loss alone; its vpred_mean: each
-            # micro-batch's mean value over its loss tokens (verl's response_mask, which rollout rejection
-            # has overwritten by then, as vf_loss's), averaged
-            return LossTerms(vf.vf_loss, {"critic/loss": vf_loss, "critic/vf_loss": vf_loss},
+            # verl's vpred_mean: each micro-batch's mean value over its loss tokens (verl's response_mask,
+            # which rollout rejection has overwritten by then, as vf_loss's), averaged
+            return LossTerms(vf.vf_loss, {"critic/vf_loss": vf.vf_loss.detach()},
                              {"critic/vf_clipfrac": vf.vf_clipfrac,
                               "critic/vpred_mean": masked_mean(outputs[0].detach(), sub.loss_mask)})
 
         with self.resident(with_optimizer=True):
-            return self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),
-                                loss, ("critic/loss", "critic/vf_loss"), loss_scale_factor=cfg.loss_scale_factor)
+            out = self._update(ro, cfg, num_mini_batches, seed, "critic", lambda sub, k: (self._forward(sub),),
+                               loss, ("critic/vf_loss",), loss_scale_factor=cfg.loss_scale_factor)
+        out["critic/loss"] = out["critic/vf_loss"]  # verl's: the loss backpropagated, here the value loss alone
+        return out
 
 
 class RewardModel(Role):
