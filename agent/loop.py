@@ -10,7 +10,8 @@ full while other samples still generate, wait for tools, or have ended:
     a turn ends (EOS, its budget, or the engine's max_model_len)
     -> stop when the engine cut the turn ("length"), or at max_assistant_turns / max_user_turns;
        a turn with hermes `<tool_call>` JSON goes to its tools (its first max_parallel_calls
-       calls, at once), one without to its interaction if there are interactions, else it ends;
+       calls, at once; the tools its row's `extra_info.tool_selection` names, all without one),
+       one without to its interaction if there are interactions, else it ends;
        single-turn samples stop after their first turn
     -> the tools or the interaction run as tasks of the rollout's event loop, while the engine
        goes on with the other samples
@@ -58,7 +59,7 @@ from agent.interactions import (BaseInteraction, InteractionError, finalize_inte
                                 start_interactions)
 from agent.tool_parser import parse_tool_calls
 from agent.tools import (BaseTool, ToolError, check_message_template, check_parallel_calls, check_truncation,
-                         message_ids, system_prompt_ids, tool_turn)
+                         message_ids, select_tools, system_prompt_ids, tool_turn)
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
 from rollout.config import Continuation
@@ -89,6 +90,7 @@ class _Sample:
     context: list[int]
     agent: str
     tools_kwargs: dict
+    tools: dict[str, BaseTool]  # the ones its row may call (verl's `_active_tools`)
     messages: list[dict] | None = None  # the chat so far (with interactions: what they read)
     interaction_kwargs: dict | None = None
     instance: str | None = None  # its interaction's instance id (its request id, as verl's)
@@ -147,16 +149,21 @@ class ToolAgent:
     def run(self, prompts: list[list[int]], keys: list[tuple[int, int]], agents: list[str], tools_kwargs: list[dict],
             generate: Callable, runs_tools: bool = True, share: Callable = lambda x: x,
             messages: list[list[dict]] | None = None, interaction_kwargs: list[dict | None] | None = None,
-            ) -> list[TurnOutput]:
+            tool_selections: list[list[str] | None] | None = None) -> list[TurnOutput]:
         """Roll out every sample: `prompts[i]`, the sample `keys[i]` (prompt index, sample index),
-        by `agents[i]` with the row's `tools_kwargs[i]` (verl's `extra_info.tools_kwargs`).
+        by `agents[i]` with the row's `tools_kwargs[i]` (verl's `extra_info.tools_kwargs`) and, when
+        given, its `tool_selections[i]` (verl's `extra_info.tool_selection`: the names of the only
+        tools it may call; a call to another is answered as one to an unknown tool, naming these;
+        None: all the tools, as for every sample without `tool_selections`).
         `generate(on_finish)` makes the engine call whose requests are every sample's first turn
         (each up to the response length), passing `on_finish` to `LLMEngine.generate`.
         `runs_tools`: whether this rank executes the tools and interactions; `share(results)`
         returns the executing rank's results on every rank that generates with it. With
         interactions: `messages[i]`, the prompt as chat messages, and `interaction_kwargs[i]`
         (verl's `extra_info.interaction_kwargs`, whose `name` picks the interaction)."""
-        samples = {k: _Sample(k, list(p), a, kw) for p, k, a, kw in zip(prompts, keys, agents, tools_kwargs)}
+        selections = tool_selections if tool_selections is not None else [None] * len(prompts)
+        samples = {k: _Sample(k, list(p), a, kw, self._row_tools(k, selection))
+                   for p, k, a, kw, selection in zip(prompts, keys, agents, tools_kwargs, selections)}
         if self.interactions:
             for s, m, kw in zip(samples.values(), messages, interaction_kwargs):
                 if s.agent == TOOL_AGENT:
@@ -188,6 +195,13 @@ class ToolAgent:
                 loop.close()
         return [s.output() for s in samples.values()]
 
+    def _row_tools(self, key: tuple[int, int], selection: list[str] | None) -> dict[str, BaseTool]:
+        """The tools sample `key` may call: those its row selects (all for None)."""
+        try:
+            return select_tools(self.tools, selection)
+        except ValueError as err:
+            raise ValueError(f"the tool selection of sample {key} {err}") from None
+
     def _take_turn(self, s: _Sample, out, text: str, chat: str) -> str | None:
         """Append one generated turn (`text`: decoded with its special tokens, `chat`: without);
         what comes next: "tools", "interaction", or None (the end)."""
@@ -214,7 +228,7 @@ class ToolAgent:
     def _work(self, s: _Sample, kind: str):
         """The coroutine of a waiting sample's tools or interaction turn."""
         if kind == "tools":
-            return tool_turn(self.tools, s.calls, s.tools_kwargs, self.limit, self.side, self.max_parallel_calls)
+            return tool_turn(s.tools, s.calls, s.tools_kwargs, self.limit, self.side, self.max_parallel_calls)
         return _without_metrics(interaction_turn(self.interactions, s.interaction_kwargs["name"], s.instance,
                                                  list(s.messages), s.interaction_kwargs))
 

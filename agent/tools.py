@@ -215,6 +215,22 @@ class Gsm8kTool(BaseTool):
         del self._instances[instance_id]
 
 
+def select_tools(tools: dict[str, Any], selection: Any) -> dict[str, Any]:
+    """A row's tools, verl 0.9.1's `extra_info.tool_selection`: those of `tools` (by name: the tools,
+    or their schemas) that `selection` names, in its order, each once; None or an empty list: all of
+    `tools`. A selection that is not a list of names, or that names something not in `tools` (which
+    verl drops without a word), is a ValueError saying so (its text follows the field's name)."""
+    if selection is None:
+        return tools
+    if not isinstance(selection, list) or not all(isinstance(name, str) for name in selection):
+        raise ValueError(f"must be a list of tool names (strings), got {selection!r}")
+    unknown = [name for name in selection if name not in tools]
+    if unknown:
+        raise ValueError(f"names {unknown[0]!r}, which is not a tool of {TOOL_CONFIG_KEY} (its tools: "
+                         f"{list(tools)}); verl 0.9.1 drops such a name, meshppo refuses it")
+    return {name: tools[name] for name in selection} if selection else tools
+
+
 # ---- the tool config file
 
 # verl's class names for the tools meshppo provides, so that verl's tool configs load as written.

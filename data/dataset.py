@@ -437,15 +437,19 @@ class RLHFDataset:
             `rollout.agent.default_agent_loop`): `single_turn_agent` or `tool_agent`
             (`agent.loop`: multi-turn with tool calls, which needs chat-message prompts).
         tool_schemas: the tools' OpenAI function schemas, given to the chat template
-            (`tools=`) when it renders a `tool_agent` row's prompt, as verl's tool agent renders it.
+            (`tools=`) when it renders a `tool_agent` row's prompt, as verl's tool agent renders it:
+            those of the row's `extra_info.tool_selection` (verl 0.9.1's per-row choice of tools,
+            in its order) when it names some, all of them otherwise.
         max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
             all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
 
     Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
     `data_source`, `ground_truth` (the stored value, unconverted; None only without
     `require_ground_truth`), `extra_info` (dict), `agent_name`, `tools_kwargs` (the row's
-    `extra_info.tools_kwargs`, verl's per-tool `create_kwargs`; `{}` when absent) and `index`
-    (the item's position in this dataset).
+    `extra_info.tools_kwargs`, verl's per-tool `create_kwargs`; `{}` when absent), `tool_selection`
+    (a `tool_agent` row's `extra_info.tool_selection`, the names of the tools it gets, each once; None
+    for all the tools, and for other rows, whose loop never reads it, as verl's single-turn loop) and
+    `index` (the item's position in this dataset).
     """
 
     def __init__(
@@ -492,6 +496,7 @@ class RLHFDataset:
         self.media_keys = tuple(media_keys)
         self.default_agent = default_agent
         self.tool_schemas = list(tool_schemas or [])
+        self._schemas_by_name = {schema["function"]["name"]: schema for schema in self.tool_schemas}
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         self._load(chosen_records(self.files, max_samples, shuffle, seed))
@@ -509,8 +514,10 @@ class RLHFDataset:
             )
             raise DatasetError(f"{', '.join(self.files)}: dataset is empty{detail}")
 
-    def _prompt_text(self, prompt: Any, where: str, agent: str) -> tuple[str, bool]:
+    def _prompt_text(self, prompt: Any, where: str, agent: str, tool_selection: list[str] | None) -> tuple[str, bool]:
         """Returns the prompt's text and whether it came from a chat template."""
+        from agent.tools import select_tools  # here: agent.tools imports rewards, whose scorers import data
+
         kwargs = self.apply_chat_template_kwargs
         if agent == TOOL_AGENT:
             if not isinstance(prompt, list) or not self.apply_chat_template:
@@ -518,7 +525,7 @@ class RLHFDataset:
                                    f"template, so field '{self.prompt_key}' must be chat messages and "
                                    "data.apply_chat_template true")
             if self.tool_schemas:
-                kwargs = {**kwargs, "tools": self.tool_schemas}
+                kwargs = {**kwargs, "tools": list(select_tools(self._schemas_by_name, tool_selection).values())}
         return render_prompt(self.tokenizer, prompt, where, self.prompt_key, self.apply_chat_template,
                              "data.apply_chat_template=False", kwargs)
 
@@ -546,17 +553,20 @@ class RLHFDataset:
                                "(verl's {'create_kwargs': {...}})")
         return tools_kwargs
 
-    @staticmethod
-    def _check_no_tool_selection(extra_info: dict[str, Any], agent: str, where: str) -> None:
-        """verl 0.9.1's tool agent narrows a row's tools (the schemas in its prompt, the names it may
-        call) to `extra_info.tool_selection`; meshppo's gives every row all the tools, so a tool_agent
-        row selecting some is refused. None or empty selects all the tools in verl too."""
+    def _tool_selection(self, extra_info: dict[str, Any], agent: str, where: str) -> list[str] | None:
+        """verl 0.9.1's `extra_info.tool_selection` of a tool_agent row: the names of the tools it gets
+        (their schemas in its prompt, the only ones it may call), each once, in its order; None when
+        absent or empty (all the tools, as in verl). Other rows: None, their loop never reads it."""
+        from agent.tools import select_tools  # here: agent.tools imports rewards, whose scorers import data
+
+        if agent != TOOL_AGENT:
+            return None
         selection = extra_info.get("tool_selection")
-        if agent == TOOL_AGENT and selection is not None and len(selection):
-            raise DatasetError(f"{where}: field 'extra_info.tool_selection' (verl's per-row choice of tools) is not "
-                               "supported: every tool_agent row gets all the tools of "
-                               "actor_rollout_ref.rollout.multi_turn.tool_config_path; remove the field or leave it "
-                               "empty")
+        try:
+            chosen = select_tools(self._schemas_by_name, selection)
+        except ValueError as err:
+            raise DatasetError(f"{where}: field 'extra_info.tool_selection' {err}") from None
+        return list(chosen) if selection else None
 
     def count_agents(self) -> dict[str, int]:
         """How many items each rollout loop runs."""
@@ -583,7 +593,15 @@ class RLHFDataset:
                 raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
                                    f"{self.chat_prompts_for}")
             agent = self._agent(row, where)
-            text, templated = self._prompt_text(prompt, where, agent)
+            extra_info = row.get("extra_info")
+            if extra_info is None:
+                extra_info = {}
+            elif not isinstance(extra_info, dict):
+                raise DatasetError(
+                    f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
+                )
+            tool_selection = self._tool_selection(extra_info, agent, where)  # the tools its prompt shows
+            text, templated = self._prompt_text(prompt, where, agent, tool_selection)
             data_source = row.get("data_source")
             if data_source is not None and not isinstance(data_source, str):
                 raise DatasetError(
@@ -593,21 +611,14 @@ class RLHFDataset:
                 raise DatasetError(f"{where}: no built-in reward for data_source {data_source!r} (built-in: "
                                    f"{self.data_sources}); set custom_reward_function.path to a Python file "
                                    "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)")
-            extra_info = row.get("extra_info")
-            if extra_info is None:
-                extra_info = {}
-            elif not isinstance(extra_info, dict):
-                raise DatasetError(
-                    f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
-                )
             ground_truth = _ground_truth(row, where, self.require_ground_truth)
             if self.data_sources is not None and ground_truth is not None:
                 problem = builtin_ground_truth_problem(data_source, ground_truth)
                 if problem:
                     raise DatasetError(f"{where}: field 'reward_model.ground_truth' {problem}")
             tools_kwargs = self._tools_kwargs(extra_info, where)
-            self._check_no_tool_selection(extra_info, agent, where)
-            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs))
+            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs,
+                           tool_selection))
 
         # Batched calls are much faster than a call per row with fast tokenizers; a chunk of rows at a
         # time, as all of a large dataset's encodings alive at once held their memory after the build
@@ -624,8 +635,8 @@ class RLHFDataset:
                     ids_by_row[i] = array.array("i", ids)
 
         limit = self.max_prompt_length
-        for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs), ids in zip(
-                parsed, ids_by_row):
+        for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs,
+             tool_selection), ids in zip(parsed, ids_by_row):
             if not ids:
                 raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (a tokenizer without a "
                                    "vocabulary for its text?)")
@@ -648,6 +659,7 @@ class RLHFDataset:
                 "extra_info": extra_info,
                 "agent_name": agent,
                 "tools_kwargs": tools_kwargs,
+                "tool_selection": tool_selection,
                 "index": len(self._items),
                 "where": where,  # FILE:ROW, for an error about the row found later
             })

@@ -458,7 +458,8 @@ class PPOTrainer:
         if self.agent_loop is not None:
             agent = AgentRows(self.agent_loop, [it["agent_name"] for it in items], [it["tools_kwargs"] for it in items],
                               [it["raw_prompt"] for it in items],
-                              [it["extra_info"].get("interaction_kwargs") for it in items])
+                              [it["extra_info"].get("interaction_kwargs") for it in items],
+                              [it["tool_selection"] for it in items])
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
                                      eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
                                      seed=seed, agent=agent, **sp)

@@ -40,13 +40,15 @@ from trainer.tracking import PeakMemory, Timer
 class AgentRows:
     """A multi-turn generation (`rollout.multi_turn.enable`): the loop, and per prompt of the whole
     batch its agent (`agent_name`), its tools' arguments (`extra_info.tools_kwargs`), its chat
-    messages and its interaction's arguments (`extra_info.interaction_kwargs`)."""
+    messages, its interaction's arguments (`extra_info.interaction_kwargs`) and the tools it may call
+    (`extra_info.tool_selection`; None for all, as for every prompt when not given)."""
 
     loop: ToolAgent
     agents: list[str]
     tools_kwargs: list[dict]
     messages: list
     interaction_kwargs: list[dict | None]
+    tool_selections: list[list[str] | None] | None = None
 
 
 def _all_gather_outputs(local: list | None, index: int, count: int, error: Exception | None = None) -> list:
@@ -132,7 +134,8 @@ class EngineRollout(_Rollout):
                                       per_row(agent.agents), per_row(agent.tools_kwargs), serve,
                                       runs_tools=self.engine.tp.rank == 0, share=self._tp_broadcast,
                                       messages=per_row(agent.messages),
-                                      interaction_kwargs=per_row(agent.interaction_kwargs))
+                                      interaction_kwargs=per_row(agent.interaction_kwargs),
+                                      tool_selections=per_row(agent.tool_selections or [None] * len(prompts)))
             except (ToolError, InteractionError) as err:  # on every rank of this replica's TP group (its first
                 return self._share(None, err)                # rank's tools); the other replicas hear of it here
             self.engine.drop_kept()

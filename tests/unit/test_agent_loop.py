@@ -49,8 +49,8 @@ def tok():
     return build_byte_tokenizer()
 
 
-def call(key: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "lookup", "arguments": {"key": key}}) + "</tool_call>"
+def call(key: str, name: str = "lookup") -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": {"key": key}}) + "</tool_call>"
 
 
 class Script:
@@ -143,6 +143,41 @@ def test_turns_masks_counts_and_the_engine_calls(tok):
     # left, joining at the step its first turn ended
     assert script.requests == [(p, k, 400, 0) for p, k in zip(prompts, keys)] + [
         (prompts[0] + t1 + answer, (7, 0), 400 - len(t1 + answer), len(t1))]
+
+
+class Clock(Lookup):
+    """A second tool, `clock`: answers `tick <key>`, reward 1.0."""
+
+    def __init__(self):
+        BaseTool.__init__(self, {}, {**SCHEMA, "function": {**SCHEMA["function"], "name": "clock"}})
+        self.calls = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.calls += 1
+        return ToolResponse(text=f"tick {parameters['key']}"), 1.0, {}
+
+
+def test_a_row_s_tool_selection_narrows_the_tools_it_may_call(tok):
+    """verl 0.9.1's `extra_info.tool_selection`: a sample whose row selects `clock` gets verl's
+    unknown-tool answer, naming only its row's tools, for a call to `lookup` (reward 0.0, run by
+    nobody), while its row's other sample calls `clock`; a row without a selection calls either."""
+    lookup, clock = Lookup(), Clock()
+    a = ToolAgent(tok, [lookup, clock], **AGENT_ARGS)
+    prompts, keys = [[1], [1], [2]], [(0, 0), (0, 1), (1, 0)]
+    calls = {(0, 0): call("ab"), (0, 1): call("ab", "clock"), (1, 0): call("ab")}
+    script = Script(tok, {k: [c, "done"] for k, c in calls.items()})
+    outs = a.run(prompts, keys, ["tool_agent"] * 3, [{}] * 3, script.serve(prompts, keys, a.response_length),
+                 tool_selections=[["clock"], ["clock"], None])
+    system = system_prompt_ids(tok)
+    answers = ["Unknown function 'lookup'. Available tools: ['clock']", "tick ab", "value of ab"]
+    for out, key, answer in zip(outs, keys, answers):
+        assert out.token_ids == ids(tok, calls[key]) + tool_message_ids(tok, [answer], system) + ids(tok, "done"), key
+    assert [o.tool_rewards for o in outs] == [[0.0], [1.0], [0.2]]
+    assert (lookup.calls, clock.calls) == (1, 1)
+    # a selection naming a tool the loop does not have is refused before anything runs
+    with pytest.raises(ValueError, match=r"the tool selection of sample \(0, 0\) names 'search', which is not a "
+                                         r"tool of .*\(its tools: \['lookup', 'clock'\]\)"):
+        a.run([[1]], [(0, 0)], ["tool_agent"], [{}], pytest.fail, tool_selections=[["search"]])
 
 
 class Gated(Lookup):

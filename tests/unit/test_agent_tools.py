@@ -20,6 +20,7 @@ from agent import (
     load_tools,
     parse_tool_calls,
     run_tool_calls,
+    select_tools,
     system_prompt_ids,
     tool_message_ids,
     truncate_tool_text,
@@ -434,6 +435,21 @@ def test_call_tool_errors_become_verls_text():
     # the error text is not cut (verl cuts only a tool's answer)
     assert _one(tools, "count", '{"raise": "' + "x" * 50 + '"}', limit=5)[0] == "Error executing tool 'count': " + "x" * 50
     assert (tool.created, tool.released) == (1, 1)
+
+
+def test_select_tools_keeps_the_named_in_the_selection_s_order():
+    """verl 0.9.1's per-row tools: `{name: tools[name] for name in tool_selection}` (the selection's
+    order, each once); None or empty: all the tools. A name without a tool is refused, not dropped."""
+    tools = {"count": 1, "other": 2, "third": 3}
+    chosen = select_tools(tools, ["third", "count", "third"])
+    assert list(chosen.items()) == [("third", 3), ("count", 1)]
+    assert select_tools(tools, None) == select_tools(tools, []) == tools
+    with pytest.raises(ValueError, match=r"names 'nope', which is not a tool of actor_rollout_ref\.rollout\."
+                                         r"multi_turn\.tool_config_path \(its tools: \['count', 'other', 'third'\]\)"):
+        select_tools(tools, ["count", "nope"])
+    for bad in ("count", ("count",), ["count", None]):
+        with pytest.raises(ValueError, match="must be a list of tool names"):
+            select_tools(tools, bad)
 
 
 def test_call_tool_cuts_long_answers():

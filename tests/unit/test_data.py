@@ -211,6 +211,7 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         "extra_info": {"index": 7},
         "agent_name": "single_turn_agent",
         "tools_kwargs": {},
+        "tool_selection": None,
         "index": 0,
         "where": f"{path}:1",
     }
@@ -856,21 +857,66 @@ def test_parquet_rows_naming_different_tools_load_each_with_its_own(tmp_path, to
         RLHFDataset([bad], tokenizer)
 
 
-def test_a_tool_agent_row_with_a_tool_selection_is_refused_at_load(tmp_path, tokenizer):
-    """verl 0.9.1 narrows a tool_agent row's tools to its `extra_info.tool_selection`; meshppo gives
-    every row all the tools, so such a row is refused naming its file:row and the field. An empty or
-    null selection means all the tools in verl too, and verl's single-turn loop never reads it."""
-    schemas = [{"type": "function", "function": {"name": name, "description": name}} for name in ("calc", "search")]
-    path = tmp_path / "d.jsonl"
-    write_jsonl([_chat_row("1+1=", "2", agent_name="tool_agent", extra_info={"tool_selection": []}),
-                 _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"tool_selection": None}),
-                 _chat_row("3+3=", "6", extra_info={"tool_selection": ["calc"]})], str(path))
-    assert len(RLHFDataset([str(path)], tokenizer, tool_schemas=schemas)) == 3
-    bad = tmp_path / "bad.jsonl"
+def _tool_schemas(*names):
+    return [{"type": "function", "function": {"name": name, "description": f"the {name} tool"}} for name in names]
+
+
+def test_a_tool_agent_row_s_prompt_shows_the_tools_of_its_tool_selection(tmp_path):
+    """verl 0.9.1 renders a tool_agent row's prompt with the schemas of its `extra_info.tool_selection`
+    only, in the selection's order (each once); an empty or null one means all the tools. Other rows'
+    loop never reads the field (verl's single-turn loop neither): loaded as they are, without tools."""
+    from tests.byte_chat import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    calc, search, clock = schemas = _tool_schemas("calc", "search", "clock")
+    selections = [["clock", "calc"], ["search", "search"], [], None]
+    rows = [_chat_row(f"{i}+1=", agent_name="tool_agent", extra_info={"tool_selection": selection})
+            for i, selection in enumerate(selections)]
+    rows.append(_chat_row("9+1=", extra_info={"tool_selection": "calc"}))  # single_turn_agent: not read
+    path = str(tmp_path / "d.jsonl")
+    write_jsonl(rows, path)
+    ds = RLHFDataset([path], tok, tool_schemas=schemas)
+
+    def rendered(row, tools):
+        return tok.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+
+    for i, tools in enumerate([[clock, calc], [search], schemas, schemas]):
+        assert ds[i]["input_ids"] == rendered(rows[i], tools), i
+    assert ds[4]["input_ids"] == rendered(rows[4], None)
+    assert '"clock"' in ds[0]["prompt_text"] and '"search"' not in ds[0]["prompt_text"]
+    assert [ds[i]["tool_selection"] for i in range(5)] == [["clock", "calc"], ["search"], None, None, None]
+
+
+@pytest.mark.parametrize("selection, tools, message", [
+    ("calc", ("calc", "search"), r"must be a list of tool names \(strings\), got 'calc'"),
+    (["calc", 3], ("calc", "search"), r"must be a list of tool names \(strings\), got \['calc', 3\]"),
+    ({"calc": True}, ("calc", "search"), r"must be a list of tool names"),
+    (["calc", "serch"], ("calc", "search"), r"names 'serch', which is not a tool of "
+     r"actor_rollout_ref\.rollout\.multi_turn\.tool_config_path \(its tools: \['calc', 'search'\]\)"),
+    (["calc"], (), r"names 'calc', which is not a tool of .*\(its tools: \[\]\)"),
+])
+def test_a_bad_tool_selection_is_refused_at_load_naming_the_row(tmp_path, tokenizer, selection, tools, message):
+    """verl drops a selected name it has no tool of; meshppo refuses it (and a selection that is not a
+    list of names) at load, naming the file:row and the field."""
+    bad = str(tmp_path / "bad.jsonl")
     write_jsonl([_chat_row("1+1=", "2", agent_name="tool_agent"),
-                 _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"tool_selection": ["calc"]})], str(bad))
-    with pytest.raises(DatasetError, match=r"bad.jsonl:2: field 'extra_info.tool_selection' .*not supported"):
-        RLHFDataset([str(bad)], tokenizer, tool_schemas=schemas)
+                 _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"tool_selection": selection})], bad)
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: field 'extra_info.tool_selection' " + message):
+        RLHFDataset([bad], tokenizer, tool_schemas=_tool_schemas(*tools))
+
+
+def test_parquet_rows_with_and_without_a_tool_selection(tmp_path, tokenizer):
+    """pyarrow gives a row without the field None (all the tools) and a selection as a list."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [_chat_row("1+1=", "2", agent_name="tool_agent", extra_info={"tool_selection": ["search"]}),
+            _chat_row("2+2=", "4", agent_name="tool_agent", extra_info={"other": 1})]
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ds = RLHFDataset([path], tokenizer, tool_schemas=_tool_schemas("calc", "search"))
+    assert [ds[0]["tool_selection"], ds[1]["tool_selection"]] == [["search"], None]
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
