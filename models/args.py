@@ -15,10 +15,23 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
+# YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
                      "llama3": (("factor", "original_max_position_embeddings"),
-                                ("low_freq_factor", "high_freq_factor"))}
+                                ("low_freq_factor", "high_freq_factor")),
+                     "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast",
+                                            "beta_slow", "mscale", "mscale_all_dim", "truncate"))}
 SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALING_KEYS)
+# Why a rope type transformers has is refused (where there is more to say than that meshppo lacks it).
+_ROPE_REFUSED_WHY = {"dynamic": "its frequencies change with each forward's sequence length, so a token's log-prob "
+                                "would depend on its batch"}
+_ROPE_TYPES_NOTE = f"meshppo's models implement {SUPPORTED_ROPE_TYPES}"
+
+
+def rope_type_refusal(kind) -> str:
+    """`type KIND is not supported (why)`: the words every refusal of a rope type starts with."""
+    why = f" ({_ROPE_REFUSED_WHY[kind]})" if isinstance(kind, str) and kind in _ROPE_REFUSED_WHY else ""
+    return f"type {kind!r} is not supported{why}"
 
 
 @dataclass
@@ -33,7 +46,7 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3"|"yarn", "factor": ..., ...}
     attention_bias: bool = False  # q/k/v bias (Qwen2 always has it)
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -65,8 +78,7 @@ class ModelArgs:
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use one of "
-                             f"{SUPPORTED_ROPE_TYPES}")
+            raise ValueError(f"rope_scaling {rope_type_refusal(self.rope_type)}; {_ROPE_TYPES_NOTE}")
         missing = [k for k in ROPE_SCALING_KEYS[self.rope_type][0] if k not in self.rope_scaling]
         if missing:
             raise ValueError(f"rope_scaling of type {self.rope_type!r} lacks {missing}")
@@ -124,21 +136,20 @@ class ModelArgs:
 
     # ---------------------------------------------------------------- HF conversion
     @classmethod
-    def from_hf_config(cls, hf_config) -> "ModelArgs":
-        """Build from a `transformers.PretrainedConfig` (v4 `rope_theta` or v5 `rope_parameters`)."""
+    def from_hf_config(cls, hf_config, overrides: dict | None = None) -> "ModelArgs":
+        """Build from a `transformers.PretrainedConfig` (v4 `rope_theta` or v5 `rope_parameters`).
+        `overrides` (fields and values, as `check_overrides` returns those that act) replace the
+        config's before anything is checked: verl sets them on the Hugging Face config before it
+        builds the model, so an override's `rope_scaling` replaces a type of config.json meshppo refuses."""
+        overrides = overrides or {}
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}"
             )
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
+        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
@@ -147,7 +158,7 @@ class ModelArgs:
         if windowed:
             raise ValueError(f"layer_types {windowed} are not supported (only full_attention)")
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -169,6 +180,7 @@ class ModelArgs:
             pad_token_id=cfg.get("pad_token_id"),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")},
         )
+        return cls(**(fields | overrides))
 
     @property
     def hf_dtype(self) -> str | None:
@@ -227,6 +239,22 @@ class ModelArgs:
         return cfg
 
 
+def _hf_rope_scaling(cfg: dict) -> dict | None:
+    """config.json's rope scaling (v4 `rope_scaling`, v5 `rope_parameters`); None for the default type.
+    A type meshppo refuses is named with the override that replaces it."""
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_scaling = cfg.get("rope_scaling") or {}
+    if not rope_scaling and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        # verl sets the override on the Hugging Face config before it is read: it replaces a refused type
+        raise ValueError(f"config.json's rope_scaling {rope_type_refusal(kind)}: replace it with "
+                         "actor_rollout_ref.model.override_config.rope_scaling (another model: its "
+                         f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}")
+    return None if kind == "default" else rope_scaling
+
+
 # ---------------------------------------------------------------- verl's model.override_config
 # Hugging Face config attributes that verl sets on the checkpoint's config before it builds the
 # model. Those meshppo's models read and the checkpoint's tensors do not depend on act (they are
@@ -280,8 +308,7 @@ def _rope_scaling(value, where: str) -> dict | None:
                          f"{value!r}")
     kind = kinds[0]
     if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
-        raise ValueError(f"{where}: type {kind!r} is not supported; meshppo's models implement "
-                         f"{SUPPORTED_ROPE_TYPES}")
+        raise ValueError(f"{where}: {rope_type_refusal(kind)}; {_ROPE_TYPES_NOTE}")
     required, optional = ROPE_SCALING_KEYS[kind]
     params = {k: v for k, v in value.items() if k not in ("rope_type", "type")}
     missing = [k for k in required if k not in params]
@@ -293,10 +320,23 @@ def _rope_scaling(value, where: str) -> dict | None:
         return None
     out = {"rope_type": kind}
     for k, v in params.items():
-        out[k] = _number(v, f"{where}.{k}", integer=k == "original_max_position_embeddings")
+        out[k] = _rope_parameter(k, v, f"{where}.{k}")
     if kind == "llama3" and out.get("low_freq_factor", 1.0) >= out.get("high_freq_factor", 4.0):
         raise ValueError(f"{where}: low_freq_factor must be below high_freq_factor (their defaults: 1 and 4)")
+    if kind == "yarn" and out.get("beta_fast", 32.0) < out.get("beta_slow", 1.0):
+        raise ValueError(f"{where}: beta_fast must not be below beta_slow (their defaults: 32 and 1)")
     return out
+
+
+def _rope_parameter(name: str, value, where: str):
+    """One parameter of an override's `rope_scaling`: YaRN's `truncate` a boolean, its `mscale` and
+    `mscale_all_dim` numbers >= 0 (0: unset, as transformers reads them), the others numbers > 0."""
+    if name == "truncate":
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    return _number(value, where, integer=name == "original_max_position_embeddings",
+                   nonnegative=name in ("mscale", "mscale_all_dim"))
 
 
 def _token_ids(value, where: str, many: bool):

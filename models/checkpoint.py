@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.args import ModelArgs, apply_overrides
+from models.args import ModelArgs, check_overrides
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -95,9 +95,12 @@ _MISMATCH = " (the model that its config.json, with any override_config, describ
 
 def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     """The `ModelArgs` of checkpoint directory `path`'s config.json, with verl's
-    `model.override_config` `overrides` applied (`models.args.apply_overrides`)."""
+    `model.override_config` `overrides` (`models.args.check_overrides`) set on it before it is
+    checked, as verl sets them on the Hugging Face config: `rope_scaling` replaces config.json's
+    (null drops it), also a type meshppo refuses."""
     from transformers import AutoConfig
 
+    acting = check_overrides(overrides or {})[0]  # a bad override is the option's error, not the file's
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -107,8 +110,7 @@ def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     with reading(config_file):
         hf_config = AutoConfig.from_pretrained(str(path))
         _check_sizes(hf_config, config_file)
-        args = ModelArgs.from_hf_config(hf_config)
-    return apply_overrides(args, overrides)
+        return ModelArgs.from_hf_config(hf_config, acting)
 
 
 # config.json's sizes that must be positive integers (None allowed for the optional ones)

@@ -12,6 +12,7 @@ Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -44,10 +45,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies [D/2] for `rope_theta` with `rope_scaling` none / linear / llama3."""
+class RopeFrequencies(NamedTuple):
+    """What a rope type needs to build cos and sin (`rope_cos_sin`)."""
+    inv_freq: torch.Tensor  # [D/2], float32
+    attention_factor: float  # multiplies cos and sin (YaRN's; 1 for the other types)
+
+
+def rope_inv_freq(args: ModelArgs, device=None) -> RopeFrequencies:
+    """The inverse frequencies and attention factor of `rope_theta` with `rope_scaling` none / linear /
+    llama3 / yarn, as transformers computes them: the one place a rope type is read (the training
+    model and the engine build their cos and sin from it)."""
     d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    periods = args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    inv_freq = 1.0 / periods
     rs = args.rope_scaling or {}
     if args.rope_type == "linear":
         inv_freq = inv_freq / float(rs["factor"])
@@ -63,15 +73,55 @@ def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
-    return inv_freq
+    elif args.rope_type == "yarn":
+        return _yarn(args, periods)
+    return RopeFrequencies(inv_freq, 1.0)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [..., D] for integer positions [...], computed in float32 then cast."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times the original: 0.1·mscale·ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(args: ModelArgs, periods: torch.Tensor) -> RopeFrequencies:
+    """YaRN of the unscaled `periods` (`rope_theta^(2i/D)`): frequencies that turn fewer than
+    `beta_slow` times over the original context are interpolated (divided by `factor`), those that
+    turn more than `beta_fast` times kept, with a linear ramp between; cos and sin are scaled by the
+    attention factor."""
+    rs, d = args.rope_scaling, args.head_dim
+    factor = float(rs["factor"])
+    # transformers fills the original context in from max_position_embeddings when config.json has none
+    original = rs.get("original_max_position_embeddings") or args.max_position_embeddings
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(args.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero (as transformers)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=periods.device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it is (extrapolated)
+    inv_freq = 1.0 / (factor * periods) * (1 - kept) + 1.0 / periods * kept
+    return RopeFrequencies(inv_freq, float(attention_factor))
+
+
+def rope_cos_sin(rope: RopeFrequencies, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [..., D] for integer positions [...], computed in float32 (times the attention factor)
+    then cast."""
+    inv_freq, attention_factor = rope
     with torch.autocast(device_type=position_ids.device.type, enabled=False):
         freqs = position_ids.float()[..., None] * inv_freq.float()
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -225,7 +275,8 @@ class Transformer(nn.Module):
             self.score = nn.Linear(args.hidden_size, 1, bias=True)
         elif not args.tie_word_embeddings:
             self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        inv_freq, self.rope_attention_factor = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -265,7 +316,7 @@ class Transformer(nn.Module):
 
     def reset_buffers(self):
         """Recompute non-persistent buffers (they are garbage after `to_empty`)."""
-        self.inv_freq = rope_inv_freq(self.args, device=self.embed_tokens.weight.device)
+        self.inv_freq, self.rope_attention_factor = rope_inv_freq(self.args, device=self.embed_tokens.weight.device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -304,7 +355,7 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        cos, sin = rope_cos_sin(RopeFrequencies(self.inv_freq, self.rope_attention_factor), position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
         x = self.norm(x)

@@ -7,6 +7,7 @@ engine are built with theirs: tests/multiproc/test_override_config.py.)"""
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from models import ModelArgs, Transformer, load_model_args
 from models.args import apply_overrides
+from models.checkpoint import CheckpointFileError, checkpoint_tensors
 from models.transformer import rope_inv_freq
 from trainer.checkpointing import run_differences, same_run_keys
 from trainer.config import PPOConfig, config_notes, model_sections
@@ -83,8 +85,16 @@ K = "actor_rollout_ref.model.override_config"
     ("model_config.max_position_embeddings=32768", f"{K}.model_config: the nested form is that of verl's Megatron "
                                                    "workers; its FSDP workers, which meshppo follows, set the "
                                                    f"attributes directly ({K}.max_position_embeddings=...)"),
-    ("rope_scaling.type=yarn", f"{K}.rope_scaling: type 'yarn' is not supported; meshppo's models implement "
-                               "('default', 'linear', 'llama3')"),
+    ("rope_scaling={type: dynamic, factor: 2.0}", f"{K}.rope_scaling: type 'dynamic' is not supported (its "
+                                                  "frequencies change with each forward's sequence length, so a "
+                                                  "token's log-prob would depend on its batch); meshppo's models "
+                                                  "implement ('default', 'linear', 'llama3', 'yarn')"),
+    ("rope_scaling={rope_type: yarn, factor: 4.0, truncate: 0}", f"{K}.rope_scaling.truncate: expected true or "
+                                                                 "false, got 0"),
+    ("rope_scaling={rope_type: yarn, factor: 4.0, beta_fast: 1, beta_slow: 2}",
+     f"{K}.rope_scaling: beta_fast must not be below beta_slow (their defaults: 32 and 1)"),
+    ("rope_scaling={rope_type: yarn, factor: 4.0, mscale: -1}", f"{K}.rope_scaling.mscale: expected a number >= 0"),
+    ("rope_scaling={rope_type: yarn, factor: 4.0, low_freq_factor: 1.0}", "['low_freq_factor'] would be ignored"),
     ("rope_scaling={factor: 2.0}", f"{K}.rope_scaling: give its type once, as rope_type (or type)"),
     ("rope_scaling={type: linear, rope_type: llama3, factor: 2.0}", f"{K}.rope_scaling: give its type once"),
     ("rope_scaling={type: linear}", f"{K}.rope_scaling: type 'linear' reads ['factor'] (['factor'] required); "
@@ -123,21 +133,97 @@ def test_what_changes_nothing_is_said_at_start_up():
 
 
 def test_verls_documented_rope_scaling_override_sets_the_inverse_frequencies(model_dir):
-    """verl's docs/advance/rope.rst writes rope_scaling key by key; meshppo reads linear and llama3
-    (not yarn) and replaces the checkpoint's rope_scaling with it."""
+    """verl's docs/advance/rope.rst writes rope_scaling key by key; meshppo replaces the checkpoint's
+    rope_scaling with it."""
     cfg = _cfg("+actor_rollout_ref.model.override_config.rope_scaling.type=linear",
                "+actor_rollout_ref.model.override_config.rope_scaling.factor=4.0")
     args = load_model_args(model_dir, cfg.actor_rollout_ref.model.override_config)
     assert args.rope_scaling == {"rope_type": "linear", "factor": 4.0} and args.rope_type == "linear"
     d = ARGS.head_dim
     expected = torch.tensor([10000.0 ** (-i / d) / 4 for i in range(0, d, 2)], dtype=torch.float64)
-    assert torch.allclose(rope_inv_freq(args).double(), expected, rtol=1e-5, atol=0)
+    assert torch.allclose(rope_inv_freq(args).inv_freq.double(), expected, rtol=1e-5, atol=0)
     # the default type: no scaling (the checkpoint's, if any, is replaced)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
     scaled = dataclasses.replace(ARGS, rope_scaling=llama3)
     assert apply_overrides(scaled, {"rope_scaling": {"rope_type": "default"}}).rope_scaling is None
     assert apply_overrides(scaled, {"rope_scaling": None}).rope_scaling is None
     assert apply_overrides(scaled, {"rope_theta": 500}).rope_scaling == llama3  # rope_theta alone keeps it
+
+
+def test_verls_documented_yarn_override_is_read():
+    """Qwen2.5's long-context YaRN setting, key by key as verl's docs/advance/rope.rst writes
+    rope_scaling, with truncate and mscale as YAML writes them (a boolean, an integer)."""
+    cfg = _cfg("+actor_rollout_ref.model.override_config.rope_scaling.type=yarn",
+               "+actor_rollout_ref.model.override_config.rope_scaling.factor=4.0",
+               "+actor_rollout_ref.model.override_config.rope_scaling.original_max_position_embeddings=32768",
+               "+actor_rollout_ref.model.override_config.rope_scaling.truncate=false",
+               "+actor_rollout_ref.model.override_config.rope_scaling.mscale=0")
+    args = apply_overrides(ARGS, cfg.actor_rollout_ref.model.override_config)
+    assert args.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                 "truncate": False, "mscale": 0.0}
+    assert rope_inv_freq(args).attention_factor == pytest.approx(1 + 0.1 * math.log(4.0), rel=1e-12)
+
+
+def _dynamic_rope_checkpoint(tmp_path):
+    """A transformers Llama checkpoint with dynamic NTK rope scaling, which meshppo refuses."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # weights large enough that the positions weigh on the logits
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.15)
+    path = tmp_path / "dynamic"
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=10000.0, rope_scaling={"type": "dynamic", "factor": 2.0})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _load(path, overrides) -> Transformer:
+    """The checkpoint's model built with `overrides` (as the trainer builds its models)."""
+    with torch.device("meta"):
+        model = Transformer(load_model_args(path, overrides))
+    model.to_empty(device="cpu")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in checkpoint_tensors(model, path):
+            params[name].copy_(tensor)
+    model.reset_buffers()
+    return model.eval()
+
+
+def test_a_rope_scaling_override_replaces_a_type_meshppo_refuses(tmp_path):
+    """verl sets override_config on the checkpoint's Hugging Face config before it is read: a dynamic
+    rope checkpoint with `rope_scaling: null` is a plain-RoPE model, the logits transformers gives it
+    with the scaling removed (past max_position_embeddings, where dynamic scaling would change them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _dynamic_rope_checkpoint(tmp_path)
+    with pytest.raises(CheckpointFileError) as e:
+        load_model_args(path)
+    assert f"{str(path / 'config.json')!r}" in str(e.value) and "config.json's rope_scaling type 'dynamic' is not " \
+        "supported" in str(e.value) and "replace it with actor_rollout_ref.model.override_config.rope_scaling" in \
+        str(e.value), str(e.value)
+    ours = _load(path, {"rope_scaling": None})
+    assert ours.args.rope_scaling is None and ours.args.rope_theta == 10000.0
+    plain = AutoConfig.from_pretrained(path)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    reference = AutoModelForCausalLM.from_pretrained(path, config=plain, attn_implementation="eager").eval()
+    dynamic = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, expected = ours(ids), reference(input_ids=ids).logits
+        assert (dynamic(input_ids=ids).logits - expected).abs().max() > 0.1  # the scaling dropped is no no-op
+    assert (got - expected).abs().max() <= 1e-4
+    # any supported type replaces it as well
+    assert _load(path, {"rope_scaling": {"type": "linear", "factor": 2.0}}).args.rope_scaling == \
+        {"rope_type": "linear", "factor": 2.0}
 
 
 def test_token_ids_and_numbers_as_yaml_writes_them():
