@@ -475,15 +475,16 @@ def _verl_composition(data: dict, source: str) -> dict:
 
 class _Interpolations:
     """verl's OmegaConf interpolations in a config tree, resolved as OmegaConf resolves them: on
-    the final values (the file, the overrides, and meshppo's defaults for keys neither sets).
+    the final values (the file's and the overrides' in `data`; for keys neither sets, `derived`:
+    the values of the config built from them, `resolve_interpolations`).
     `${a.b}` is another option's value (its type kept when the interpolation is the whole value,
     its text inside a longer string); `${.x}` / `${..x}` are relative to the option's section;
     `${oc.select:a.b,default}` falls back to `default` where `a.b` is no option (a default may be an
     interpolation itself, as in verl's generated config); `${oc.env:VAR,default}` reads the
     environment. verl's `???` (a value that must be given) is an error where meshppo reads the value."""
 
-    def __init__(self, data: dict, defaults: dict):
-        self.data, self.defaults, self.active = data, defaults, []
+    def __init__(self, data: dict, derived: dict):
+        self.data, self.derived, self.active = data, derived, []
 
     def resolve_tree(self, node, path: tuple = ()):
         if isinstance(node, dict):
@@ -558,7 +559,7 @@ class _Interpolations:
             raise ConfigError(f"{key}: ${{{expr}}}: the resolver {resolver} is not supported (meshppo reads "
                               "${a.b}, ${oc.select:a.b,default} and ${oc.env:VAR,default})")
         target = self._absolute(name, path)
-        for tree in (self.data, self.defaults):
+        for tree in (self.data, self.derived):
             found, value = self._lookup(tree, target)
             if found:
                 return self.resolve_tree(value, tuple(target))
@@ -582,13 +583,68 @@ class _Interpolations:
         return True, tree
 
 
+def _interpolated_keys(tree: dict, path: tuple = ()) -> list[tuple]:
+    """The paths of `tree`'s values that hold an interpolation (a list: as a whole)."""
+    keys = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            keys += _interpolated_keys(v, path + (k,))
+        elif "${" in str(v):
+            keys.append(path + (k,))
+    return keys
+
+
+def _without(tree: dict, paths: list[tuple]) -> dict:
+    tree = copy.deepcopy(tree)
+    for path in paths:
+        node = tree
+        for part in path[:-1]:
+            node = node[part]
+        del node[path[-1]]
+    return tree
+
+
+def _derived_values(cls, data: dict) -> dict:
+    """The values of the config `cls` builds from `data` (the defaults it fills in, those that follow
+    other options); where `data` builds none, the empty config's (the next pass, on better values,
+    builds it, or the final build names what is wrong)."""
+    for tree in (data, {}):
+        try:
+            return dataclasses.asdict(build_dataclass(cls, tree))
+        except (TypeError, ValueError):
+            continue
+    return {}
+
+
+def _at(tree: dict, path: tuple):
+    return _Interpolations._lookup(tree, list(path))[1]
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
 def resolve_interpolations(cls, data: dict) -> dict:
-    """`data` with verl's interpolations resolved against itself and `cls`'s defaults (`_Interpolations`)."""
-    try:
-        defaults = dataclasses.asdict(cls())
-    except (TypeError, ValueError):
-        defaults = {}
-    return _Interpolations(data, defaults).resolve_tree(data)
+    """`data` with verl's interpolations resolved (`_Interpolations`). A key `data` does not set is
+    read from the config `cls` builds from `data`'s values, as verl's defaults, interpolations
+    themselves, follow the user's values (rollout.response_length is data.max_response_length).
+    That config is first built without the interpolated keys, then again from the values they
+    resolve to, until they settle: a value that follows an interpolated one (max_model_len after an
+    interpolated max_response_length) is then read as the final config has it. Values that never
+    settle read one another in a cycle: a ConfigError naming them."""
+    keys = _interpolated_keys(data)
+    if not keys:
+        return data
+    base, resolved = _without(data, keys), None
+    for _ in range(len(keys) + 2):  # each pass settles at least one more link of a chain of them
+        previous, resolved = resolved, _Interpolations(data, _derived_values(cls, base)).resolve_tree(data)
+        if resolved == previous:
+            return resolved
+        base = resolved
+    unsettled = [p for p in keys if _at(resolved, p) != _at(previous, p)]
+    raise ConfigError(f"{_dotted(unsettled[0])}: its interpolation {_at(data, unsettled[0])!r} reads a value that "
+                      "changes with its own, through the options that follow it (unsettled: "
+                      f"{', '.join(_dotted(p) for p in unsettled)}); set one of them")
 
 
 def load_config(cls, path=None, overrides: list[str] = ()):

@@ -58,7 +58,7 @@ critic:
   ppo_max_token_len_per_gpu: ${oc.select:not_an_option.x,1234}
 trainer:
   experiment_name: run_${actor_rollout_ref.rollout.n}x${data.max_response_length}
-  project_name: ${oc.select:trainer.default_local_dir,x}
+  project_name: proj_${oc.select:data.train_batch_size,x}
 """
     cfg = _load(tmp_path, text)
     assert cfg.actor_rollout_ref.rollout.response_length == 48
@@ -66,10 +66,83 @@ trainer:
     assert cfg.critic.ppo_mini_batch_size == 16 and cfg.critic.forward_micro_batch_size_per_gpu == 2
     assert cfg.critic.ppo_max_token_len_per_gpu == 1234
     assert cfg.trainer.experiment_name == "run_4x48"
-    assert cfg.trainer.project_name == PPOConfig().trainer.default_local_dir  # a default read
+    assert cfg.trainer.project_name == f"proj_{PPOConfig().data.train_batch_size}"  # a default the file leaves
     over = _load(tmp_path, text, "data.max_response_length=32", "actor_rollout_ref.rollout.n=2")
     assert over.actor_rollout_ref.rollout.response_length == 32 and over.trainer.experiment_name == "run_2x32"
     assert over.actor_rollout_ref.actor.ppo_epochs == 2
+
+
+DAPO = HEADER + """
+data:
+  max_prompt_length: 16
+  max_response_length: 6
+reward_model:
+  reward_manager: dapo
+  reward_kwargs:
+    max_resp_len: ${actor_rollout_ref.rollout.response_length}
+    overlong_buffer_cfg: {enable: true, len: 2, penalty_factor: 1.0, log: false}
+trainer:
+  project_name: myproj
+  experiment_name: exp1
+  validation_data_dir: ${trainer.default_local_dir}/val_dumps
+"""
+
+
+def test_an_interpolation_of_an_option_the_file_leaves_reads_the_value_it_takes_from_the_file(tmp_path):
+    """As in verl, whose defaults are interpolations themselves (rollout.response_length is
+    data.max_response_length, trainer.default_local_dir is built of the project and experiment
+    names): an option the file does not set is read as the config built from the file's values has
+    it, not as the empty config's default (512 tokens, runs/meshppo/run)."""
+    cfg = _load(tmp_path, DAPO)
+    assert cfg.reward_model.reward_kwargs["max_resp_len"] == 6
+    assert cfg.trainer.validation_data_dir == "runs/myproj/exp1/val_dumps"
+    over = _load(tmp_path, DAPO, "data.max_response_length=7", "trainer.project_name=other",
+                 "trainer.test_freq=${trainer.save_freq}", "trainer.save_freq=3")
+    assert over.reward_model.reward_kwargs["max_resp_len"] == 7
+    assert over.trainer.validation_data_dir == "runs/other/exp1/val_dumps"
+    assert over.trainer.test_freq == 3
+    by_override = _load(tmp_path, HEADER + "data:\n  max_response_length: 9\n",
+                        "trainer.validation_data_dir=${trainer.default_local_dir}/v", "trainer.project_name=p",
+                        "trainer.experiment_name=e", "critic.ppo_max_token_len_per_gpu=${actor_rollout_ref.rollout.max_model_len}")
+    assert by_override.trainer.validation_data_dir == "runs/p/e/v"
+    assert by_override.critic.ppo_max_token_len_per_gpu == by_override.data.max_prompt_length + 9
+
+
+def test_an_interpolation_of_an_interpolation_reads_its_final_value(tmp_path):
+    """Interpolations that read each other, directly or through a value that follows another
+    (max_model_len: the prompt's and the response's lengths, the response's from
+    data.max_response_length, itself an interpolation here)."""
+    text = HEADER + """
+data:
+  max_prompt_length: 16
+  max_response_length: ${data.max_prompt_length}
+actor_rollout_ref:
+  rollout:
+    max_num_batched_tokens: ${actor_rollout_ref.rollout.max_model_len}
+critic:
+  ppo_max_token_len_per_gpu: ${actor_rollout_ref.rollout.max_num_batched_tokens}
+reward_model:
+  reward_manager: dapo
+  reward_kwargs:
+    max_resp_len: ${actor_rollout_ref.rollout.response_length}
+    overlong_buffer_cfg: {enable: true, len: 2, penalty_factor: 1.0, log: false}
+"""
+    cfg = _load(tmp_path, text)
+    assert cfg.data.max_response_length == 16 and cfg.actor_rollout_ref.rollout.max_model_len == 32
+    assert cfg.actor_rollout_ref.rollout.max_num_batched_tokens == 32
+    assert cfg.critic.ppo_max_token_len_per_gpu == 32
+    assert cfg.reward_model.reward_kwargs["max_resp_len"] == 16
+
+
+def test_interpolations_that_read_each_other_in_a_cycle_are_refused_naming_the_keys(tmp_path):
+    # through a value that follows the interpolated one: default_local_dir is made of project_name
+    with pytest.raises(ConfigError, match=r"trainer.project_name: its interpolation .* reads a value that changes "
+                                          r"with its own"):
+        _load(tmp_path, "trainer:\n  project_name: ${oc.select:trainer.default_local_dir,x}\n")
+    with pytest.raises(ConfigError, match=r"the interpolations data.max_prompt_length -> data.max_response_length -> "
+                                          "data.max_prompt_length form a cycle"):
+        _load(tmp_path, "data:\n  max_prompt_length: 4\n", "data.max_prompt_length=${data.max_response_length}",
+              "data.max_response_length=${data.max_prompt_length}")
 
 
 def test_interpolation_errors_name_the_option(tmp_path, monkeypatch):
