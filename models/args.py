@@ -152,11 +152,7 @@ class ModelArgs:
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            raise ValueError(f"{model_type} use_sliding_window=true is not supported")
-        windowed = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
-        if windowed:
-            raise ValueError(f"layer_types {windowed} are not supported (only full_attention)")
+        _refuse_windowed_layers(cfg)
         known = {f.name for f in dataclasses.fields(cls)}
         fields = dict(
             vocab_size=cfg["vocab_size"],
@@ -253,6 +249,24 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
                          "actor_rollout_ref.model.override_config.rope_scaling (another model: its "
                          f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}")
     return None if kind == "default" else rope_scaling
+
+
+def _refuse_windowed_layers(cfg: dict) -> None:
+    """ValueError when some layer of a Qwen config attends through a sliding window (meshppo's attention
+    reads the whole context: its logits would differ past the window). The layers are transformers':
+    config.json's `layer_types` (v5 writes them), else those from `max_window_layers` on when
+    `use_sliding_window` is set (so a window starting at or past the last layer windows none)."""
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        sliding = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+        start = cfg.get("max_window_layers", 0) if sliding else cfg["num_hidden_layers"]
+        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    windowed = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if windowed:
+        raise ValueError(f"config.json's layers {windowed} are {sorted({layer_types[i] for i in windowed})} "
+                         f"(use_sliding_window={cfg.get('use_sliding_window')}, sliding_window="
+                         f"{cfg.get('sliding_window')}, max_window_layers={cfg.get('max_window_layers')}): meshppo's "
+                         "attention reads the whole context, so only full_attention layers are supported")
 
 
 # ---------------------------------------------------------------- verl's model.override_config

@@ -248,6 +248,31 @@ def test_qwen3_variants_meshppo_lacks_are_refused(tmp_path):
         ModelArgs.from_hf_config(cfg)
 
 
+@pytest.mark.parametrize("max_window_layers", [2, 5])
+def test_qwen2_sliding_window_that_windows_no_layer_loads(tmp_path, max_window_layers):
+    """Qwen2's use_sliding_window=true windows only the layers from max_window_layers on: with
+    max_window_layers at or past num_hidden_layers (2) none is, and transformers' logits past the
+    window (16 positions) are meshppo's full-attention ones."""
+    hf = _hf_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers)
+    ours = Transformer.from_pretrained(_save(hf, tmp_path))
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - hf(input_ids=ids).logits).abs().max().item() <= TOL
+
+
+def test_qwen2_sliding_window_refused_where_a_layer_is_windowed():
+    """Without layer_types (transformers v4's config.json) the windowed layers are those from
+    max_window_layers on, as transformers reads them; the refusal names them and the keys."""
+    cfg = dict(model_type="qwen2", vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError) as e:
+        ModelArgs.from_hf_config(dict(cfg, max_window_layers=1))
+    assert str(e.value).startswith("config.json's layers [1, 2] are ['sliding_attention'] (use_sliding_window=True, "
+                                   "sliding_window=8, max_window_layers=1)"), str(e.value)
+    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=3)).num_hidden_layers == 3
+    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=1, sliding_window=None)).num_hidden_layers == 3
+
+
 def test_a_checkpoint_with_rope_buffers_loads_as_transformers_loads_it(tmp_path):
     """Older transformers wrote each layer's `rotary_emb.inv_freq` buffer into checkpoints; transformers
     ignores it when it loads (RoPE's frequencies come from config.json), and meshppo refused the checkpoint
