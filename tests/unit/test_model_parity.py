@@ -273,6 +273,20 @@ def test_qwen2_sliding_window_refused_where_a_layer_is_windowed():
     assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=1, sliding_window=None)).num_hidden_layers == 3
 
 
+def test_llama_attention_bias_is_refused_naming_config_json(tmp_path):
+    """transformers' Llama with attention_bias=true has a bias on o_proj too, which meshppo's attention
+    lacks: the checkpoint is refused naming its config.json and the key, not its tensors."""
+    from models.checkpoint import CheckpointFileError
+
+    path = _save(_hf_model("llama", attention_bias=True), tmp_path)
+    with pytest.raises(CheckpointFileError) as e:
+        Transformer.from_pretrained(path)
+    message = str(e.value)
+    assert message.startswith(f"{str(path / 'config.json')!r}: ValueError: config.json's llama with "
+                              "attention_bias=true is not supported: transformers' Llama then has a bias on o_proj "
+                              "as well"), message
+
+
 def test_a_checkpoint_with_rope_buffers_loads_as_transformers_loads_it(tmp_path):
     """Older transformers wrote each layer's `rotary_emb.inv_freq` buffer into checkpoints; transformers
     ignores it when it loads (RoPE's frequencies come from config.json), and meshppo refused the checkpoint
