@@ -147,7 +147,6 @@ class LLMEngine:
         `lm_head.weight` is skipped for tied embeddings (Hugging Face checkpoints may carry it).
         """
         slots = self.param_slots()
-        t, r = self.tp.size, self.tp.rank
         loaded = set()
         for name, tensor in named_tensors:
             if name not in slots:
@@ -157,11 +156,7 @@ class LLMEngine:
             full = self.model.full_shapes[name]
             if tuple(tensor.shape) != full:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {full}")
-            slot = slots[name]
-            if slot.shard_dim is not None:
-                n = full[slot.shard_dim] // t
-                tensor = tensor.narrow(slot.shard_dim, r * n, n)
-            slot.view.copy_(tensor)
+            slots[name].view.copy_(slots[name].shard_of(tensor))
             loaded.add(name)
         return loaded
 

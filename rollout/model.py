@@ -17,7 +17,13 @@ its identity and follows the new memory. Inside it:
 
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
-the shard dimension, and construction checks that the fused layout agrees with it.
+the shard dimension, `tp_shard_range` which rows or columns of it a rank holds, and construction
+checks that the fused layout agrees with both.
+
+A TP size larger than the model's KV heads (a multiple of their count, as vLLM runs them:
+Qwen2.5-1.5B's 2 KV heads at TP 4) replicates them: each rank holds its `Hq/t` query heads and a
+copy of the one KV head they attend to, head `j // (t/Hkv)` on rank `j`, so the KV pool holds
+one head a rank and each rank's attention groups its queries over it.
 """
 
 from __future__ import annotations
@@ -41,18 +47,25 @@ _ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vector
 class ParamSlot:
     """A view into the engine's weights holding this rank's TP shard of one training parameter.
 
-    `shard_dim` is `tp_shard_dim(name)`: the view is rows/columns `[j n/t, (j+1) n/t)` of the full
-    parameter along it (j = TP rank), or the whole parameter when it is None.
+    `shard_dim` is `tp_shard_dim(name)`: the view is rows/columns `[start, start + n)` of the full
+    parameter along it (`tp_shard_range`), or the whole parameter when it is None.
     """
 
     view: torch.Tensor
     shard_dim: int | None
+    start: int = 0  # the first row / column of the full parameter, along shard_dim, that the view holds
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of the full parameter `full` that this slot holds."""
+        if self.shard_dim is None:
+            return full
+        return full.narrow(self.shard_dim, self.start, self.view.shape[self.shard_dim])
 
 
 @dataclass
 class LayerWeights:
     in_norm: torch.Tensor  # [H]
-    qkv_w: torch.Tensor  # [(Hq + 2 Hkv) D / t, H]
+    qkv_w: torch.Tensor  # [(Hq/t + 2 kv) D, H], kv = this rank's KV heads (Hkv/t, or 1 replicated)
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor  # [H, Hq D / t]
     post_norm: torch.Tensor  # [H]
@@ -72,7 +85,7 @@ class Fp8Layer:
     """One layer's e4m3 projections for fp8 rollout: qkv and gate_up with the preceding RMSNorm's weight
     folded in (`W diag(norm)`), down_proj as it is; each with one float32 scale (`scales [3]`)."""
 
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D / t, H]
+    qkv: torch.Tensor  # [(Hq/t + 2 kv) D, H], kv = this rank's KV heads (Hkv/t, or 1 replicated)
     gate_up: torch.Tensor  # [2 I / t, H]
     down: torch.Tensor  # [H, I / t]
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # float32 scalars, 16-byte aligned: qkv, gate_up, down
@@ -106,11 +119,40 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
+    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too, but the vocabulary)."""
     for what, value in (("vocab_size", args.vocab_size), ("num_attention_heads", args.num_attention_heads),
-                        ("num_key_value_heads", args.num_key_value_heads),
                         ("intermediate_size", args.intermediate_size)):
         if value % tp:
             raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
+    kv = args.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor parallelism {tp} needs num_key_value_heads ({kv}) divisible by {tp}, or {tp} "
+                         f"divisible by it (each rank then holds a copy of one KV head)")
+
+
+KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                  "self_attn.v_proj.bias")
+
+
+def kv_heads_of_rank(args: ModelArgs, rank: int, tp: int) -> tuple[int, int]:
+    """(first KV head, number of KV heads) that TP rank `rank` of `tp` holds: its `Hkv/t` of them, or, at a TP
+    size larger than their count, a copy of the one its query heads attend to (held by `t/Hkv` consecutive ranks)."""
+    kv = args.num_key_value_heads
+    if kv % tp == 0:
+        return rank * (kv // tp), kv // tp
+    return rank // (tp // kv), 1
+
+
+def tp_shard_range(args: ModelArgs, name: str, full_len: int, rank: int, tp: int) -> tuple[int, int] | None:
+    """`(start, length)`: the rows / columns `[start, start + length)` along `tp_shard_dim(name)` of the parameter
+    `name` (`full_len` of them) that TP rank `rank` of `tp` holds; None for a parameter every rank holds whole."""
+    if tp_shard_dim(name) is None:
+        return None
+    if name.endswith(KV_PROJECTIONS):
+        first, count = kv_heads_of_rank(args, rank, tp)
+        return first * args.head_dim, count * args.head_dim
+    n = full_len // tp
+    return rank * n, n
 
 
 class EngineModel:
@@ -125,7 +167,7 @@ class EngineModel:
         self.hidden = args.hidden_size
         self.head_dim = args.head_dim
         self.num_heads = args.num_attention_heads // t
-        self.num_kv_heads = args.num_key_value_heads // t
+        self.num_kv_heads = kv_heads_of_rank(args, tp.rank, t)[1]
         self.inter = args.intermediate_size // t
         self.vocab_local = args.vocab_size // t
         self.vocab_start = tp.rank * self.vocab_local
@@ -201,11 +243,14 @@ class EngineModel:
         if set(self.full_shapes) != set(plan):
             raise AssertionError(f"engine layout and models.Transformer disagree: "
                                  f"{sorted(set(self.full_shapes) ^ set(plan))[:6]}")
+        self._starts: dict[str, int] = {}
         for name, full in self.full_shapes.items():
             buf, _, rows = plan[name]
             local = (rows,) + buffers[buf][1:] if rows is not None else buffers[buf]
             dim = tp_shard_dim(name)
-            expect = tuple(s // t if i == dim else s for i, s in enumerate(full))
+            shard = tp_shard_range(a, name, full[dim], self.tp.rank, t) if dim is not None else (0, None)
+            self._starts[name] = shard[0]
+            expect = tuple(shard[1] if i == dim else s for i, s in enumerate(full))
             if tuple(local) != expect:
                 raise AssertionError(f"{name}: engine shard {tuple(local)} != {expect} (tp_shard_dim={dim})")
             if dim == 1 and rows is not None:
@@ -249,7 +294,7 @@ class EngineModel:
         self._slots = {}
         for name, (buf, row0, rows) in self._plan.items():
             view = self.buffers[buf] if rows is None else self.buffers[buf][row0:row0 + rows]
-            self._slots[name] = ParamSlot(view, tp_shard_dim(name))
+            self._slots[name] = ParamSlot(view, tp_shard_dim(name), self._starts[name])
         B = self.buffers
         self.embed_w = B["embed"]
         self.norm_w = B["norm"]

@@ -184,7 +184,13 @@ class ParallelDims:
         else:
             # Without replicas a rollout-DP column of the generation mesh *is* a micro-DP group.
             micro = gen["rollout_dp"]
-        return ParallelMeshes(dims=self, train=train, gen=gen, micro_dp=micro)
+        return ParallelMeshes(dims=self, train=train, gen=gen, micro_dp=micro, timeout_s=timeout_s)
+
+    def block_mesh_ranks(self, size: int) -> torch.Tensor:
+        """`[world_size / size, size]` global ranks: each shard group cut into blocks of `size` consecutive ranks."""
+        if self.dp_shard % size:
+            raise ValueError(f"blocks of {size} ranks do not tile a shard group of {self.dp_shard}")
+        return torch.arange(self.world_size, dtype=torch.int).view(-1, size)
 
 
 def _timeout_override(device_type: str, timeout_s: float | None, shape, world_size: int):
@@ -216,6 +222,8 @@ class ParallelMeshes:
     train: object  # DeviceMesh: ("dp_shard",) or ("dp_replicate", "dp_shard") — pass to apply_fsdp
     gen: object  # DeviceMesh ("rollout_dp", "tp") — `gen["tp"]` goes to the engine
     micro_dp: object  # 1-D DeviceMesh: the ranks this rank gathers its TP shard from
+    timeout_s: float | None = None  # how long the groups' collectives wait (`build_meshes`)
+    _blocks: dict = field(default_factory=dict, repr=False)  # block size -> process group (`block_group`)
 
     @property
     def tp(self):
@@ -226,6 +234,20 @@ class ParallelMeshes:
     def shard(self):
         """1-D mesh of this rank's FSDP shard group."""
         return self.train["dp_shard"]
+
+    def block_group(self, size: int):
+        """The process group of this rank's block of `size` consecutive ranks of its shard group: the ranks that
+        hold the FSDP chunks of one K/V head the engine replicates over `size / micro_dp` TP ranks (the
+        resharder's `kv` route). Collective the first time a size is asked for: every rank must ask for it."""
+        if size not in self._blocks:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = self.dims.block_mesh_ranks(size)
+            mesh = DeviceMesh(self.train.device_type, ranks, mesh_dim_names=("blocks", "block"),
+                              backend_override=_timeout_override(self.train.device_type, self.timeout_s, ranks.shape,
+                                                                 self.dims.world_size))
+            self._blocks[size] = mesh["block"].get_group()
+        return self._blocks[size]
 
 
 def full_shard_note(key: str, fsdp_size: int, world_size: int) -> str | None:

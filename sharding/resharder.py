@@ -6,14 +6,19 @@ shard-group size), held by micro-DP group `j`. Filling this rank's engine slots 
 needs only an all-gather inside its micro-DP group: `P/t·(1 − t/S)` bytes received per rank
 instead of the naive `P·(1 − 1/S)`.
 
-Each parameter takes one of three routes, fixed once in a plan:
+Each parameter takes one of four routes, fixed once in a plan:
 
 * `local`: `m == 1` (one GPU, or `t == S`): the rank's chunk *is* its TP shard — a cast-copy,
   no communication;
 * `micro`: all-gather of the chunks inside the micro-DP group, in the engine dtype;
-* `full`: parameters the engine replicates (norms, row-parallel biases: tiny) and parameters
-  whose chunks do not line up with TP shards (a dimension not divisible by `S`; counted in
-  `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
+* `kv`: K/V projections at a TP size larger than the model's KV heads, where `t/Hkv` ranks hold a
+  copy of one head (`rollout.model.tp_shard_range`): that head is FSDP chunks `[h·r·m, (h+1)·r·m)`
+  (`r = t/Hkv`), held by a block of `r·m` consecutive ranks of the shard group, and an all-gather
+  inside that block (`ParallelMeshes.block_group`) gives each of them exactly its copy;
+* `full`: parameters the engine replicates (norms, row-parallel biases: tiny), K/V heads
+  replicated over the whole shard group, and parameters whose chunks do not line up with TP
+  shards (a dimension not divisible by `S`, a vocabulary padded to a multiple of `t`; counted
+  in `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
 
 Replicated parameters of the whole model go in one gather (first); the others are bucketed by
 consecutive layers, about `BUCKET_BYTES` per rank per bucket. A bucket is packed by one
@@ -55,6 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from models import tp_shard_dim
 from models.lora import is_lora_name, lora_modules, merge_weight
+from rollout.model import tp_shard_range
 from sharding.fsdp import reshard_all
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); the GPU image runs 2.11.
@@ -81,7 +87,7 @@ class ReshardStats:
     """What one reshard moved, seen from this rank. Byte counts are in the engine dtype."""
 
     bytes_received: int = 0  # from other ranks, this call (collective payloads incl. padding)
-    bytes_bound: int = 0  # zero-redundancy lower bound: Σ TP-sharded numel/t·(1−t/S) + Σ replicated numel·(1−1/S)
+    bytes_bound: int = 0  # zero-redundancy lower bound: Σ (slot numel − numel/S), what a rank holds but its chunk
     param_bytes: int = 0  # P: the whole model in the engine dtype
     slot_bytes: int = 0  # bytes written into this rank's engine slots (≈ P/t)
     num_params: int = 0
@@ -103,9 +109,10 @@ class _Item:
     param: DTensor
     tp_dim: int | None
     fsdp_dim: int
-    route: str  # "local" | "micro" | "full"
+    route: str  # "local" | one of GATHER_ROUTES
     fallback: bool
     chunk_shape: tuple[int, ...]  # per-rank piece as packed (padded to FSDP's padded chunk for "full")
+    shard: tuple[int, int] | None  # the rows / columns [start, start + length) along tp_dim the engine slot holds
     offset: int = 0  # into the bucket's per-rank send buffer
     # Gathered rows land in the engine view by one `split_with_sizes_copy` over the bucket: the
     # item is split along dim 0 with no padding, no TP slicing, and a contiguous engine view, so
@@ -115,6 +122,31 @@ class _Item:
     @property
     def numel(self) -> int:
         return math.prod(self.chunk_shape)
+
+    def shard_of(self, full: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """This item's engine rows / columns of `full` (the whole parameter, or a LoRA factor) along `dim`
+        (default: the TP dimension)."""
+        if self.shard is None:
+            return full
+        return full.narrow(self.tp_dim if dim is None else dim, *self.shard)
+
+
+# The routes that gather, in send-buffer order; each gathers over its own group (`Resharder._groups`).
+GATHER_ROUTES = ("micro", "kv", "full")
+
+
+@dataclass
+class _Section:
+    """One collective of a bucket: `items` of one route whose chunks lie at `start` of the send buffer
+    (`numel` per rank), gathered as `[G, numel]` rows at `out` of the receive buffer. Split items come
+    in a section of their own, so that their gathered rows are contiguous for `split_with_sizes_copy`."""
+
+    route: str
+    split: bool
+    items: list
+    start: int
+    numel: int
+    out: int
 
 
 @dataclass
@@ -131,14 +163,15 @@ class _LoRAItem:
 @dataclass
 class _Bucket:
     name: str
-    micro: list[_Item] = field(default_factory=list)
-    full: list[_Item] = field(default_factory=list)
-    micro_numel: int = 0
-    full_numel: int = 0
-    direct: bool = False  # the single micro item is gathered straight into its engine view
-    # (route, split, items, start in the send buffer, numel): one collective each, so that the
-    # gathered rows of the split items are contiguous for `split_with_sizes_copy`
-    sections: list = field(default_factory=list)
+    routes: dict[str, list[_Item]] = field(default_factory=lambda: {r: [] for r in GATHER_ROUTES})
+    direct: bool = False  # the single item is gathered straight into its engine view
+    sections: list[_Section] = field(default_factory=list)
+    send_numel: int = 0  # per rank
+    recv_numel: int = 0  # gathered, all sections
+
+    @property
+    def items(self) -> list[_Item]:
+        return [it for r in GATHER_ROUTES for it in self.routes[r]]
 
 
 class Resharder:
@@ -174,8 +207,9 @@ class Resharder:
         if meshes.tp.get_local_rank() != self.tp_rank:
             raise RuntimeError(f"rank {rank}: the TP mesh puts it at TP rank {meshes.tp.get_local_rank()} but its FSDP "
                                f"chunks lie in TP shard {self.tp_rank}; build the meshes with ParallelDims.build_meshes")
-        self._shard_group = meshes.shard.get_group()
-        self._micro_group = meshes.micro_dp.get_group()
+        self._groups = {"micro": (self.dims.micro_dp, meshes.micro_dp.get_group()),
+                        "full": (self.dims.dp_shard, meshes.shard.get_group())}
+        self._shard_group = self._groups["full"][1]
         reshard_all(model)  # the plan holds the sharded DTensors, which FSDP keeps for the model's life
         self._build_plan(self._slots())
 
@@ -183,6 +217,20 @@ class Resharder:
         return self._target.param_slots() if hasattr(self._target, "param_slots") else self._target
 
     # ------------------------------------------------------------- plan
+    def _gather_size(self, p: DTensor, fsdp_dim: int, tp_dim: int | None, shard: tuple[int, int] | None) -> int | None:
+        """How many consecutive ranks of the shard group hold the FSDP chunks that make up exactly this rank's
+        engine rows of `p` (the rank among them), or None when they do not line up."""
+        S = self.dims.dp_shard
+        if shard is None or fsdp_dim != tp_dim or p.shape[tp_dim] % S:
+            return None
+        chunk = p.shape[tp_dim] // S
+        start, length = shard
+        if start % chunk or length % chunk:
+            return None
+        size, first = length // chunk, start // chunk
+        mine = dist.get_rank() % S
+        return size if S % size == 0 and first % size == 0 and first <= mine < first + size else None
+
     def _build_plan(self, slots) -> None:
         # LoRA adapters have no engine slot of their own: they are merged into their base weight's.
         all_params = dict(self.model.named_parameters())
@@ -203,6 +251,7 @@ class Resharder:
         self.local: list[_Item] = []
         self.lora: list[_LoRAItem] = []
         self.param_bytes = self.slot_bytes = self.num_fallback = 0
+        kv_sizes = set()
         bound = 0.0
         for name, p in params.items():
             slot = slots[name]
@@ -211,34 +260,37 @@ class Resharder:
             tp_dim = tp_shard_dim(name)
             if slot.shard_dim != tp_dim:
                 raise ValueError(f"{name!r}: the engine shards dim {slot.shard_dim}, models.parallel_plan says {tp_dim}")
+            shard = None if tp_dim is None else tp_shard_range(self.model.args, name, p.shape[tp_dim], self.tp_rank, t)
             expect = list(p.shape)
-            if tp_dim is not None:
-                if expect[tp_dim] % t:
-                    raise ValueError(f"{name!r}: dim {tp_dim} of size {expect[tp_dim]} is not divisible by TP size {t}")
-                expect[tp_dim] //= t
-            if list(slot.view.shape) != expect:
-                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)}, its TP shard is {tuple(expect)}")
+            if shard is not None:
+                expect[tp_dim] = shard[1]
+            if list(slot.view.shape) != expect or (shard is not None and getattr(slot, "start", 0) != shard[0]):
+                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)}, its TP shard is "
+                                 f"{tuple(expect)} from {0 if shard is None else shard[0]} along dim {tp_dim}")
             fsdp_dim = p.placements[-1].dim
             n = p.numel()
             self.param_bytes += n * self.esize
             self.slot_bytes += slot.view.numel() * self.esize
-            bound += n * (1 - 1 / S) if tp_dim is None else n / t * (1 - t / S)
-            aligned = tp_dim is not None and fsdp_dim == tp_dim and p.shape[tp_dim] % S == 0
+            bound += slot.view.numel() - n / S  # what the slot holds beyond this rank's own chunk
+            size = self._gather_size(p, fsdp_dim, tp_dim, shard)
             chunk = list(p.shape)
             if S == 1:
                 route = "local"  # one rank holds everything (then t == 1): a cast-copy
-            elif aligned:
-                route = "local" if m == 1 else "micro"
+            elif size is not None:
+                route = "local" if size == 1 else "micro" if size == m else "full" if size == S else "kv"
                 chunk[fsdp_dim] //= S
+                if route == "kv":
+                    kv_sizes.add(size)
             else:
                 # FSDP pads uneven dim-0 chunks to the size of chunk 0; the gather moves padded chunks.
                 route = "full"
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
-            fallback = tp_dim is not None and not aligned
+            fallback = tp_dim is not None and size is None
             self.num_fallback += fallback
-            item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk))
+            item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk), shard)
+            # the gathered rows are the slot itself: the route's group holds exactly its chunks, or it is whole
             item.split = (route != "local" and fsdp_dim == 0 and p.shape[0] % S == 0 and slot.view.is_contiguous()
-                          and (route == "micro" or tp_dim is None or t == 1))
+                          and (size is not None or tp_dim is None))
             if name in merged:
                 mod = merged[name]
                 # bf16 → fp32 is exact, so the base cast into the slot is the base and the merge
@@ -256,27 +308,20 @@ class Resharder:
             if route == "local":
                 self.local.append(item)
                 continue
-            if route == "full" and not fallback:
-                replicated.full.append(item)
+            if route == "full" and tp_dim is None:
+                replicated.routes["full"].append(item)
                 continue
             layer = _LAYER.match(name)
             bucket = layers.setdefault(f"layers.{layer.group(1)}" if layer else name.split(".")[0], _Bucket(name))
-            (bucket.micro if route == "micro" else bucket.full).append(item)
-        buckets = ([replicated] if replicated.full else []) + self._merge(list(layers.values()))
+            bucket.routes[route].append(item)
+        if len(kv_sizes) > 1:
+            raise AssertionError(f"K/V projections gather over blocks of different sizes {sorted(kv_sizes)}")
+        if kv_sizes:  # (collective: every rank plans the same parameters, so every rank builds it)
+            size = kv_sizes.pop()
+            self._groups["kv"] = (size, self.meshes.block_group(size))
+        buckets = ([replicated] if replicated.routes["full"] else []) + self._merge(list(layers.values()))
         for b in buckets:
-            # Per-rank send buffer: micro items, then full items; in each, the split items first.
-            off = 0
-            for items in (b.micro, b.full):
-                items.sort(key=lambda it: not it.split)
-                for it in items:
-                    it.offset, off = off, off + it.numel
-            b.micro_numel = sum(it.numel for it in b.micro)
-            b.full_numel = sum(it.numel for it in b.full)
-            for route, items in (("micro", b.micro), ("full", b.full)):
-                for split in (True, False):
-                    part = [it for it in items if it.split == split]
-                    if part:
-                        b.sections.append((route, split, part, part[0].offset, sum(it.numel for it in part)))
+            self._lay_out(b)
         self.buckets = buckets
         self._needs_comm = bool(buckets)
         self.bound_bytes = int(round(bound * self.esize))
@@ -285,11 +330,25 @@ class Resharder:
         for li in self.lora:
             layer = _LAYER.match(li.item.name)
             self._lora_layers.setdefault(layer.group(0) if layer else li.item.name, []).append(li)
-        self._sizes = (
-            max((b.micro_numel + b.full_numel for b in self.buckets), default=0),
-            max((0 if b.direct else b.micro_numel * m for b in self.buckets), default=0),
-            max((b.full_numel * S for b in self.buckets), default=0),
-        )
+        self._sizes = (max((b.send_numel for b in self.buckets), default=0),
+                       max((b.recv_numel for b in self.buckets), default=0))
+
+    def _lay_out(self, b: _Bucket) -> None:
+        """The bucket's per-rank send buffer (route by route, in each the split items first) and its sections."""
+        off = recv = 0
+        for route in GATHER_ROUTES:
+            items = b.routes[route]
+            items.sort(key=lambda it: not it.split)
+            for split in (True, False):
+                part = [it for it in items if it.split == split]
+                if not part:
+                    continue
+                start = off
+                for it in part:
+                    it.offset, off = off, off + it.numel
+                b.sections.append(_Section(route, split, part, start, off - start, recv))
+                recv += 0 if b.direct else self._groups[route][0] * (off - start)
+        b.send_numel, b.recv_numel = off, recv
 
     def _merge(self, layers: list[_Bucket]) -> list[_Bucket]:
         """Consecutive layer buckets merged until a bucket's send buffer reaches `bucket_bytes`;
@@ -298,22 +357,23 @@ class Resharder:
         out: list[_Bucket] = []
         cur = None
         for b in layers:
-            if (len(b.micro) == 1 and not b.full and b.micro[0].split
-                    and b.micro[0].numel * self.esize >= self.bucket_bytes):
-                out.append(_Bucket(b.name, micro=b.micro, direct=True))
+            items = b.items
+            if (len(items) == 1 and not b.routes["full"] and items[0].split
+                    and items[0].numel * self.esize >= self.bucket_bytes):
+                out.append(_Bucket(b.name, routes=b.routes, direct=True))
                 continue
-            if cur is None or sum(it.numel for it in cur.micro + cur.full) * self.esize >= max(self.bucket_bytes, 1):
+            if cur is None or sum(it.numel for it in cur.items) * self.esize >= max(self.bucket_bytes, 1):
                 cur = _Bucket(b.name)
                 out.append(cur)
-            cur.micro += b.micro
-            cur.full += b.full
+            for route in GATHER_ROUTES:
+                cur.routes[route] += b.routes[route]
         return out
 
     def _views(self) -> dict[str, torch.Tensor]:
         views = {name: slot.view for name, slot in self._slots().items()}
         for b in self.buckets:
-            if b.direct and not views[b.micro[0].name].is_contiguous():
-                raise RuntimeError(f"{b.micro[0].name}: the engine's view is no longer contiguous")
+            if b.direct and not views[b.items[0].name].is_contiguous():
+                raise RuntimeError(f"{b.items[0].name}: the engine's view is no longer contiguous")
         return views
 
     # ------------------------------------------------------------- zero-redundancy path
@@ -325,11 +385,10 @@ class Resharder:
         views = self._views()
         cuda = self.device.type == "cuda"
         nbuf = 2 if cuda and len(self.buckets) > 1 else 1
-        send_n, micro_n, full_n = self._sizes
+        send_n, recv_n = self._sizes
         bufs = [(torch.empty(send_n, dtype=self.dtype, device=self.device),
-                 torch.empty(micro_n, dtype=self.dtype, device=self.device),
-                 torch.empty(full_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf if self.buckets else 0)]
-        stats.buffer_bytes = len(bufs) * (send_n + micro_n + full_n) * self.esize
+                 torch.empty(recv_n, dtype=self.dtype, device=self.device)) for _ in range(nbuf if self.buckets else 0)]
+        stats.buffer_bytes = len(bufs) * (send_n + recv_n) * self.esize
         if cuda and self._needs_comm:
             self._pipelined(bufs, stats, views)
         else:
@@ -360,7 +419,6 @@ class Resharder:
         read from the slot when its cast there was exact, else from its own shard (or gathered
         whole, `num_wide`); the merge is float32 with one cast into the slot, and the FSDP
         shards the reference reads are never written."""
-        t = self.dims.tp
         for items in self._lora_layers.values():
             adapters = self._gather_adapters(items, stats)
             for li in items:
@@ -371,15 +429,15 @@ class Resharder:
                 elif it.route == "local":
                     base = it.param.to_local().to(self.device)  # an offloaded shard is on the host
                 else:
-                    base = _tp_slice(it.param.full_tensor(), it.tp_dim, self.tp_rank, t)
+                    base = it.shard_of(it.param.full_tensor())
                     padded = list(it.param.shape)
                     padded[it.fsdp_dim] = -(-padded[it.fsdp_dim] // self.dims.dp_shard)
                     stats.bytes_received += (self.dims.dp_shard - 1) * math.prod(padded) * base.element_size()
                     stats.num_collectives += 1
                     stats.num_wide += 1
                 A, B = adapters[id(li.lora_A)], adapters[id(li.lora_B)]
-                A = _tp_slice(A, 1, self.tp_rank, t) if it.tp_dim == 1 else A
-                B = _tp_slice(B, 0, self.tp_rank, t) if it.tp_dim == 0 else B
+                A = it.shard_of(A, 1) if it.tp_dim == 1 else A
+                B = it.shard_of(B, 0) if it.tp_dim == 0 else B
                 rows = max(1, MERGE_CHUNK_BYTES // (4 * view.shape[1]))
                 for r0 in range(0, view.shape[0], rows):
                     view[r0:r0 + rows] = merge_weight(base[r0:r0 + rows], A, B[r0:r0 + rows], li.scaling, self.dtype)
@@ -449,46 +507,41 @@ class Resharder:
     def _gather(self, b: _Bucket, buf, stats: ReshardStats, views) -> None:
         send = buf[0]
         dsts, srcs = [], []
-        for it in b.micro + b.full:
+        for it in b.items:
             local = it.param.to_local()
             dst = send[it.offset:it.offset + it.numel].view(it.chunk_shape)
-            dsts.append(dst if it.route == "micro" else dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]))
+            dsts.append(dst if it.route != "full" else dst.narrow(it.fsdp_dim, 0, local.shape[it.fsdp_dim]))
             srcs.append(local)
         torch._foreach_copy_(dsts, srcs)
-        for route, _, items, start, n in b.sections:
-            G, group = self._route_group(route)
-            out = (views[items[0].name] if b.direct else self._rows(b, buf, route, start, n)).view(-1)
-            _all_gather(out, send[start:start + n], group=group)
-            stats.bytes_received += (G - 1) * n * self.esize
+        for sec in b.sections:
+            G, group = self._groups[sec.route]
+            out = (views[sec.items[0].name] if b.direct else self._rows(buf, sec)).view(-1)
+            _all_gather(out, send[sec.start:sec.start + sec.numel], group=group)
+            stats.bytes_received += (G - 1) * sec.numel * self.esize
             stats.num_collectives += 1
 
-    def _route_group(self, route: str):
-        return (self.dims.micro_dp, self._micro_group) if route == "micro" else (self.dims.dp_shard, self._shard_group)
-
-    def _rows(self, b: _Bucket, buf, route: str, start: int, n: int) -> torch.Tensor:
-        """The gathered `[G, n]` rows of the section at `start` of the send buffer."""
-        G = self._route_group(route)[0]
-        rel = start - (0 if route == "micro" else b.micro_numel)
-        return buf[1 if route == "micro" else 2][G * rel:G * (rel + n)].view(G, n)
+    def _rows(self, buf, sec: _Section) -> torch.Tensor:
+        """The gathered `[G, numel]` rows of section `sec`."""
+        G = self._groups[sec.route][0]
+        return buf[1][sec.out:sec.out + G * sec.numel].view(G, sec.numel)
 
     def _copy_out(self, b: _Bucket, buf, views) -> None:
         if b.direct:
             return
-        m, t = self.dims.micro_dp, self.dims.tp
-        for route, split, items, start, n in b.sections:
-            rows = self._rows(b, buf, route, start, n)
-            if split:
-                torch.split_with_sizes_copy(rows, [it.numel for it in items], dim=1,
-                                            out=[views[it.name].view(rows.shape[0], -1) for it in items])
+        for sec in b.sections:
+            rows = self._rows(buf, sec)
+            if sec.split:
+                torch.split_with_sizes_copy(rows, [it.numel for it in sec.items], dim=1,
+                                            out=[views[it.name].view(rows.shape[0], -1) for it in sec.items])
                 continue
-            for it in items:
-                src = rows[:, it.offset - start:it.offset - start + it.numel].unflatten(1, it.chunk_shape)  # [G, *chunk]
+            for it in sec.items:
+                src = rows[:, it.offset - sec.start:it.offset - sec.start + it.numel].unflatten(1, it.chunk_shape)
                 d = it.fsdp_dim
-                if route == "micro":
-                    views[it.name].unflatten(d, (m, it.chunk_shape[d])).copy_(src.movedim(0, d))
+                if sec.route != "full":  # the group's chunks are the slot, in order: [G, *chunk]
+                    views[it.name].unflatten(d, (rows.shape[0], it.chunk_shape[d])).copy_(src.movedim(0, d))
                 else:  # padded chunks of the whole parameter, then this rank's TP slice
                     full = src.movedim(0, d).flatten(d, d + 1).narrow(d, 0, it.param.shape[d])
-                    views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+                    views[it.name].copy_(it.shard_of(full))
 
     # ------------------------------------------------------------- naive reference
     @torch.no_grad()
@@ -497,10 +550,10 @@ class Resharder:
         t0 = time.perf_counter()
         stats = self._new_stats(naive=True)
         views = self._views()
-        S, t = self.dims.dp_shard, self.dims.tp
+        S = self.dims.dp_shard
         lora = {li.item.name: li for li in self.lora}
         wide = [li.item for li in self.lora if li.wide and li.item.route != "local"]
-        for it in self.local + [it for b in self.buckets for it in b.micro + b.full] + wide:
+        for it in self.local + [it for b in self.buckets for it in b.items] + wide:
             li = lora.get(it.name)
             # Cast before gathering so the baseline moves the same dtype as the fast path (an
             # adapted weight is merged from the base itself, then cast).
@@ -515,7 +568,7 @@ class Resharder:
                 stats.num_collectives += 2
                 full = merge_weight(full, A, B, li.scaling, self.dtype)
                 stats.num_merged += 1
-            views[it.name].copy_(_tp_slice(full, it.tp_dim, self.tp_rank, t))
+            views[it.name].copy_(it.shard_of(full))
         del views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
@@ -524,13 +577,6 @@ class Resharder:
     def _new_stats(self, naive: bool) -> ReshardStats:
         return ReshardStats(bytes_bound=self.bound_bytes, param_bytes=self.param_bytes, slot_bytes=self.slot_bytes,
                             num_params=self.num_params, num_fallback=self.num_fallback, naive=naive)
-
-
-def _tp_slice(full: torch.Tensor, tp_dim: int | None, tp_rank: int, tp: int) -> torch.Tensor:
-    if tp_dim is None or tp == 1:
-        return full
-    n = full.shape[tp_dim] // tp
-    return full.narrow(tp_dim, tp_rank * n, n)
 
 
 def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach_max_numel: int | None) -> None:

@@ -383,8 +383,9 @@ def check_sequence_parallel_models(cfg: PPOConfig, world_size: int, local_world_
 
 
 def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
-    """The engine's TP size against the actor's model (its heads, vocabulary and MLP are split over
-    the TP ranks), before any model is built."""
+    """The engine's TP size against the actor's model (its query heads, vocabulary and MLP are split over
+    the TP ranks, its KV heads split or replicated: `rollout.model.check_tp_divisibility`), before any
+    model is built."""
     from rollout.model import check_tp_divisibility
 
     arr = cfg.actor_rollout_ref

@@ -478,8 +478,15 @@ def test_bad_inputs_are_clear_errors():
         engine.generate([[1] * 16], sp)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[VOCAB]], sp)
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        check_tp_divisibility(args, 4)
+    # the TP sizes the engine cannot split a model over (vLLM's refusals); 4 KV heads over 2 ranks, or 2
+    # replicated over 4 ranks, are split (tests/multiproc/test_engine_tp_replicated.py)
+    with pytest.raises(ValueError, match=r"needs num_key_value_heads \(3\) divisible by 2, or 2 divisible by it"):
+        check_tp_divisibility(tiny_args("qwen2", num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2)
+    with pytest.raises(ValueError, match=r"needs num_attention_heads \(4\) divisible by 8"):
+        check_tp_divisibility(args, 8)
+    with pytest.raises(ValueError, match=r"needs intermediate_size \(128\) divisible by 3"):
+        check_tp_divisibility(tiny_args("qwen2", num_attention_heads=6, num_key_value_heads=3, head_dim=16), 3)
+    check_tp_divisibility(args, 4)
     with pytest.raises(ValueError, match="vocab_size"):
         check_tp_divisibility(tiny_args("qwen2", vocab_size=97), 2)
     with pytest.raises(ValueError, match="no parameter"):
