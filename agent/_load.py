@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from trainer.configlib import load_yaml_text
+
 
 def read_entries(path: str, section: str, what: str, config_key: str, error: type[Exception]) -> list:
     """The non-empty list under `section` of the YAML file `path`, the only top-level key it may
@@ -22,7 +24,8 @@ def read_entries(path: str, section: str, what: str, config_key: str, error: typ
     points at it."""
     try:
         with open(path, "rb") as f:
-            doc = yaml.safe_load(f.read().decode("utf-8"))  # decoded whole: the error's offset is the file's
+            # decoded whole: the error's offset is the file's; numbers read as verl (OmegaConf) reads them
+            doc = load_yaml_text(f.read().decode("utf-8"))
     except OSError as err:
         raise error(f"{path}: cannot read the {what} ({config_key}): {err.strerror or err}") from err
     except UnicodeDecodeError as err:

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -164,7 +165,8 @@ def _coerce(value, tp, key: str):
         return value
     if tp is float:
         if isinstance(value, str):
-            # PyYAML (YAML 1.1) reads `3e-5` as a string: accept what float() accepts.
+            # text where a number is wanted (quoted, or `${oc.env:LR}`'s): a number where float() reads
+            # one, as OmegaConf's typed float options (verl's dataclass configs) convert it
             try:
                 value = float(value)
             except ValueError:
@@ -225,8 +227,27 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key written twice in one mapping is a ConfigError
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers as OmegaConf (verl) reads them: the one YAML reader of
+    config files, overrides, and tool and interaction files. YAML 1.1 (PyYAML) reads a number with
+    an exponent as text unless a dot comes before the `e` and a sign after it; OmegaConf reads
+    `1e-2`, `1E5`, `-3e+2` and `1.5e3` as floats, as the values verl's scripts give learning rates."""
+
+
+# Digits (an optional sign first; groups joined by single underscores), an optional fraction, then
+# `e` or `E` and the exponent's digits, signed or not. Text that merely looks like this (`1e2x`)
+# stays text; what YAML 1.1 already reads as a float or an integer matches its own rules first.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9]+(?:_[0-9]+)*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def load_yaml_text(text: str):
+    """The YAML document `text` read with `ConfigLoader` (None when empty)."""
+    return yaml.load(text, Loader=ConfigLoader)
+
+
+class _StrictLoader(ConfigLoader):
+    """`ConfigLoader`, except that a key written twice in one mapping is a ConfigError
     (`yaml.safe_load` keeps the last one silently: a second `data:` section drops the first).
     `source` names what is read in the message ("config file 'x.yaml'")."""
 
@@ -540,7 +561,7 @@ class _Interpolations:
         text = text.strip()
         if not text:
             return empty
-        return self._text(text, path) if "${" in text else yaml.safe_load(text)
+        return self._text(text, path) if "${" in text else load_yaml_text(text)
 
     def _value(self, expr: str, path: tuple):
         key = ".".join(path)
