@@ -9,7 +9,8 @@ its identity and follows the new memory. Inside it:
 
 * column-parallel (output rows sharded, TP shard j = rows [j n/t, (j+1) n/t)): the fused
   `qkv` ([q | k | v] of this rank's heads) and `gate_up` ([gate | up]) projections and
-  their biases; the vocab-parallel embedding and LM head (rows = vocabulary ids);
+  their biases; the vocab-parallel embedding and LM head (rows = vocabulary ids, `ceil(V/t)` a rank:
+  where t does not divide V, the last rank's rows end in padding, `rollout.parallel.vocab_shard`);
 * row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
   all-reduce on the TP group (the only collectives of a layer);
 * replicated: the norms (Qwen3's per-head q/k norms too) and `down_proj`'s bias (added once, after
@@ -38,7 +39,7 @@ from models.parallel_plan import tp_shard_dim
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from rollout.attention import AttentionMetadata
 from rollout.ops import FP8, FP8_MAX, quantize_fp8, split_k_products
-from rollout.parallel import TPGroup
+from rollout.parallel import TPGroup, vocab_shard
 
 _ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vectorised loads
 
@@ -119,17 +120,21 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
-    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too, but the vocabulary)."""
-    for what, value in (("vocab_size", args.vocab_size), ("num_attention_heads", args.num_attention_heads),
-                        ("intermediate_size", args.intermediate_size)):
+    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too)."""
+    for what, value in (("num_attention_heads", args.num_attention_heads), ("intermediate_size", args.intermediate_size)):
         if value % tp:
             raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
     kv = args.num_key_value_heads
     if kv % tp and tp % kv:
         raise ValueError(f"tensor parallelism {tp} needs num_key_value_heads ({kv}) divisible by {tp}, or {tp} "
                          f"divisible by it (each rank then holds a copy of one KV head)")
+    width = vocab_shard(args.vocab_size, 0, tp)[1]
+    if vocab_shard(args.vocab_size, tp - 1, tp)[2] == 0:
+        raise ValueError(f"tensor parallelism {tp} needs vocab_size ({args.vocab_size}) above {(tp - 1) * width}: "
+                         f"in shards of {width} ids the last rank would hold none")
 
 
+VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                   "self_attn.v_proj.bias")
 
@@ -151,6 +156,9 @@ def tp_shard_range(args: ModelArgs, name: str, full_len: int, rank: int, tp: int
     if name.endswith(KV_PROJECTIONS):
         first, count = kv_heads_of_rank(args, rank, tp)
         return first * args.head_dim, count * args.head_dim
+    if name in VOCAB_PARALLEL:  # the real rows of a shard padded past the vocabulary
+        start, _, real = vocab_shard(full_len, rank, tp)
+        return start, real
     n = full_len // tp
     return rank * n, n
 
@@ -169,8 +177,9 @@ class EngineModel:
         self.num_heads = args.num_attention_heads // t
         self.num_kv_heads = kv_heads_of_rank(args, tp.rank, t)[1]
         self.inter = args.intermediate_size // t
-        self.vocab_local = args.vocab_size // t
-        self.vocab_start = tp.rank * self.vocab_local
+        # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
+        # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
+        self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
         self.scale = self.head_dim ** -0.5
         self._plan_layout()
         # RoPE tables [max_model_len, D/2] in the model dtype, computed as the training model
@@ -199,10 +208,11 @@ class EngineModel:
         if not a.tie_word_embeddings:
             buffers["lm_head"] = (self.vocab_local, h)
         # training name -> (buffer, first row, rows or None for the whole buffer)
+        vocab_rows = None if self.vocab_real == self.vocab_local else self.vocab_real  # the padding has no slot
         plan: dict[str, tuple[str, int, int | None]] = {
-            "embed_tokens.weight": ("embed", 0, None), "norm.weight": ("norm", 0, None)}
+            "embed_tokens.weight": ("embed", 0, vocab_rows), "norm.weight": ("norm", 0, None)}
         if not a.tie_word_embeddings:
-            plan["lm_head.weight"] = ("lm_head", 0, None)
+            plan["lm_head.weight"] = ("lm_head", 0, vocab_rows)
         for i in range(a.num_hidden_layers):
             p, b = f"layers.{i}.", f"layers.{i}."
             buffers[b + "in_norm"] = (h,)
@@ -460,5 +470,6 @@ class EngineModel:
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary shard of the logits, `[R, V/t]` in the model dtype."""
+        """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype; the columns from
+        `vocab_real` on are padding, never written by a weight load, which the sampler leaves out."""
         return F.linear(h, self.head_w)

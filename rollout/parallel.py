@@ -27,6 +27,16 @@ _ALIGN = 8  # elements: 16 bytes of bf16
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def vocab_shard(vocab_size: int, rank: int, tp: int) -> tuple[int, int, int]:
+    """(first id, width, real ids) of TP rank `rank`'s shard of a vocabulary of `vocab_size` ids: `ceil(V / t)`
+    ids a rank, so that where `t` does not divide `V` (a Llama with an added pad token: 32001) the last shard
+    ends past the vocabulary, padded as vLLM pads it to a multiple of its TP size; `real` counts the ids below
+    `V`, the only ones a rank embeds, samples or counts in a log-probability."""
+    width = -(-vocab_size // tp)
+    start = rank * width
+    return start, width, max(0, min(width, vocab_size - start))
+
+
 class TPGroup:
     """Rank, size and collectives of one TP group."""
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import torch
 
+import math
+
 from models.scan import cumsum
-from rollout.parallel import TPGroup
+from rollout.parallel import TPGroup, vocab_shard
 
 _M32 = 0xFFFFFFFF
 NUM_PARTIAL_FIELDS = 5
@@ -172,7 +174,11 @@ def truncation_threshold(s: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
 
 
 class Sampler:
-    """TP-aware sampling of local logits `[R, V/tp]` into tokens `[R]` and log-probs `[R]`.
+    """TP-aware sampling of local logits `[R, ceil(V/tp)]` into tokens `[R]` and log-probs `[R]`.
+
+    A shard padded past the vocabulary (`vocab_shard`) races, and sums the log-normaliser over, its real
+    ids alone, and its padding is below every threshold: a padded id is never drawn and holds no mass.
+    The race groups divide both the shard and the vocabulary, so that they never hold padding.
 
     `inv_temp` and `noise_scale` are 0-d device tensors (1/T and 1, or 1 and 0 for greedy)
     so that a captured CUDA graph serves every temperature; greedy selects the noise-free
@@ -181,9 +187,8 @@ class Sampler:
 
     def __init__(self, tp: TPGroup, vocab_size: int, device):
         self.tp = tp
-        self.vocab_local = vocab_size // tp.size
-        self.vocab_start = tp.rank * self.vocab_local
-        self.group = race_group(self.vocab_local)
+        self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(vocab_size, tp.rank, tp.size)
+        self.group = race_group(math.gcd(self.vocab_local, vocab_size))
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
         self.noise_scale = torch.zeros((), dtype=torch.float32, device=device)
         self.top_k, self.top_p = -1, 1.0
@@ -212,6 +217,7 @@ class Sampler:
         if not self.truncates:
             return None
         s = logits.float() * self.inv_temp
+        s[:, self.vocab_real:] = float("-inf")  # the padding, if any (a new tensor: the logits stay)
         if self.tp.size > 1:
             if self.top_p >= 1.0:  # top-k alone: the global top-k is among the ranks' local top-k
                 k = min(self.top_k, s.shape[1])
@@ -225,7 +231,7 @@ class Sampler:
                  thresh: torch.Tensor | None = None, num_splits: int = 1, out=None):
         """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)
         -> tokens `[R]` int64 and log-probs `[R]` float32 (written into `out`, a pair, when given)."""
-        parts = ops.sample_partials(logits, keys, positions, self.inv_temp, self.noise_scale, thresh,
+        parts = ops.sample_partials(logits[:, :self.vocab_real], keys, positions, self.inv_temp, self.noise_scale, thresh,
                                     self.vocab_start, num_splits, self.group)
         if self.tp.size > 1:
             parts = self.tp.all_gather(parts)  # [tp, R, S, 5]
