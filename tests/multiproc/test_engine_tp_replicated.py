@@ -142,3 +142,35 @@ def _reshard_body(rank, world):
 
 def test_resharder_fills_replicated_kv_heads_as_loading_does():
     run_distributed(_reshard_body, 4)
+
+
+def _kv_replicated_triton_body(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+    from tests.unit.test_engine import make_engine, prompts_of, tiny_model
+
+    model = tiny_model(kv_args(1, head_dim=16))  # the Triton kernels take a power-of-two head_dim
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    engine = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24,
+                                                max_num_batched_tokens=16), tp_mesh=mesh["tp"], device="cpu")
+    engine.load_weights(model.named_parameters())
+    engine.runner.use_triton = True  # prefill and decode attention with Hq/t = 4 query heads over 1 KV head
+    assert engine.runner.ops.__name__ == "TritonOps"
+    tp1 = make_engine(model, num_kv_blocks=24, max_num_batched_tokens=16)
+    prompts, sp = prompts_of([3, 17, 9], seed=2), SamplingParams(n=2, temperature=0.9, max_tokens=3, seed=5)
+    want, got = tp1.generate(prompts, sp), engine.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs)) < 1e-4
+
+
+def test_tp2_with_one_kv_head_triton_kernels_equal_tp1():
+    """The Triton kernels' grid and GQA grouping take this rank's heads (4 query heads, 1 KV head) as the
+    PyTorch path does (on CPU under the Triton interpreter)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    run_distributed(_kv_replicated_triton_body, 2)

@@ -73,3 +73,37 @@ def _reshard_body(rank, world):
 
 def test_resharder_fills_the_real_rows_of_a_padded_vocabulary():
     run_distributed(_reshard_body, 2)
+
+
+def _padded_triton_body(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollout import EngineConfig, LLMEngine, SamplingParams
+    from tests.unit.test_engine import make_engine, prompts_of, tiny_args, tiny_model
+
+    model = tiny_model(tiny_args("llama", vocab_size=VOCAB, eos_token_id=None))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    engine = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24,
+                                                max_num_batched_tokens=16), tp_mesh=mesh["tp"], device="cpu")
+    engine.load_weights(model.named_parameters())
+    _poison_padding(engine)
+    engine.runner.use_triton = True  # the sampling kernel reads the real columns of the padded logits' rows
+    assert engine.runner.ops.__name__ == "TritonOps"
+    tp1 = make_engine(model, num_kv_blocks=24, max_num_batched_tokens=16)
+    prompts = prompts_of([3, 17, 9], seed=2)
+    for sp in (SamplingParams(n=2, temperature=0.9, max_tokens=3, seed=5),
+               SamplingParams(n=2, temperature=1.1, top_k=20, top_p=0.8, max_tokens=3, seed=7)):
+        want, got = tp1.generate(prompts, sp), engine.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs)) < 1e-4
+
+
+def test_vocab_97_at_tp2_triton_kernels_equal_tp1():
+    """The Triton sampling kernel over the real columns of rank 1's padded shard (on CPU under the interpreter)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    run_distributed(_padded_triton_body, 2)
