@@ -448,8 +448,8 @@ def _override_config(built: str, others: str):
     """A model section's `override_config`; `others`: what the keys the outputs do not read change."""
     return opt(default_factory=dict,
                help=f"verl's Hugging Face config overrides, set on the checkpoint's config before {built} built: "
-                    "rope_theta, rope_scaling (rope_type default, linear or llama3 with its parameters: replaces the "
-                    f"checkpoint's) and rms_norm_eps change the outputs; {others}; attn_implementation, use_cache "
+                    "rope_theta, rope_scaling (rope_type default, linear, llama3 or yarn with its parameters: replaces "
+                    f"the checkpoint's, also a type meshppo refuses such as dynamic; null drops it) and rms_norm_eps change the outputs; {others}; attn_implementation, use_cache "
                     "and dropouts of 0 are accepted and change nothing; keys of the architecture or the tensors' "
                     "shapes are refused")
 

@@ -412,9 +412,11 @@ class PPOTrainer:
         from models import load_model_args
         from rollout.generate import model_eos_ids
 
-        model_dir = Path(self.cfg.actor_rollout_ref.model.path)
+        model = self.cfg.actor_rollout_ref.model
+        model_dir = Path(model.path)
         try:
-            return model_eos_ids(model_dir, load_model_args(model_dir).eos_token_id, self.tokenizer)
+            return model_eos_ids(model_dir, load_model_args(model_dir, model.override_config).eos_token_id,
+                                 self.tokenizer)
         except ValueError as e:  # an unreadable generation_config.json
             raise UserError(f"actor_rollout_ref.model.path: {e}") from None
 

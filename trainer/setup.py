@@ -234,7 +234,7 @@ def reward_model_inputs(rm, actor_tokenizer, actor_path: str):
         raise UserError(f"{key} has no score head (score.weight): a reward model is a meshppo value model or a "
                         "Hugging Face *ForSequenceClassification / *ForTokenClassification directory, not a causal "
                         "LM (it would score every response 0)")
-    vocab = load_model_args(path).vocab_size
+    vocab = load_model_args(path, rm.model.override_config).vocab_size
     own_tokenizer = has_tokenizer(path)
     if src is None:
         size = tokenizer_size(actor_tokenizer)

@@ -66,13 +66,13 @@ def check_dumped_scores(dumped: list[dict], hf, tokenizer, atol: float) -> None:
 ACTOR = "/models/actor"  # the actor's model path these tests give reward_model_inputs
 
 
-def _rm_config(path, input_tokenizer, max_length=None):
+def _rm_config(path, input_tokenizer, max_length=None, override_config=None):
     """A reward-model section; input_tokenizer "actor": verl's default, the actor's model path."""
     from trainer.config import RewardModelConfig, RewardModelModelConfig
 
     src = ACTOR if input_tokenizer == "actor" else input_tokenizer
-    return RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(path), input_tokenizer=src),
-                             max_length=max_length)
+    model = RewardModelModelConfig(path=str(path), input_tokenizer=src, override_config=override_config or {})
+    return RewardModelConfig(enable=True, model=model, max_length=max_length)
 
 
 def llama_reward_model(path, vocab_size, seed=0):
@@ -156,6 +156,25 @@ def test_a_reward_model_needs_a_score_head(tmp_path):
     assert reward_model_inputs(_rm_config(tmp_path / "rm", None), actor_tok, ACTOR) is None
     with pytest.raises(UserError, match=r"reward_model.model.path .*lm' has no score head"):
         reward_model_inputs(_rm_config(tmp_path / "lm", None), actor_tok, ACTOR)
+
+
+def test_a_reward_model_is_read_with_its_override_config(tmp_path):
+    """A reward model whose config.json has a rope type meshppo refuses (dynamic) is checked with its
+    own `override_config`, which replaces it (`rope_scaling: null`), as the model is built: the check
+    read config.json without it and stopped the run."""
+    from data.demo import build_demo_tokenizer
+    from models.checkpoint import CheckpointFileError
+    from trainer.setup import reward_model_inputs
+
+    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    actor_tok = build_demo_tokenizer()
+    with pytest.raises(CheckpointFileError, match="dynamic"):
+        reward_model_inputs(_rm_config(tmp_path / "rm", None), actor_tok, ACTOR)
+    assert reward_model_inputs(_rm_config(tmp_path / "rm", None, override_config={"rope_scaling": None}),
+                               actor_tok, ACTOR) is None
 
 
 def test_a_reward_model_rendering_its_own_chats_needs_a_tokenizer_with_a_template(tmp_path):

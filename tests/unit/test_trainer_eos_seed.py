@@ -77,10 +77,11 @@ def _sample(rollout, prompts, *, seed, eos_ids=(), temperature=1.0, max_tokens=8
                             temperature=temperature, top_p=1.0, top_k=-1)
 
 
-def _trainer_for_eos(model_dir: Path):
+def _trainer_for_eos(model_dir: Path, override_config: dict | None = None):
     from models.tokenizer import load_tokenizer
 
-    return NS(tokenizer=load_tokenizer(str(model_dir)), cfg=NS(actor_rollout_ref=NS(model=NS(path=str(model_dir)))))
+    model = NS(path=str(model_dir), override_config=override_config or {})
+    return NS(tokenizer=load_tokenizer(str(model_dir)), cfg=NS(actor_rollout_ref=NS(model=model)))
 
 
 # ---------------------------------------------------------------------------------------------- EOS
@@ -289,3 +290,23 @@ def test_a_multi_turn_replica_without_prompts_returns_nothing():
     outs = rollout.generate(prompts_of([5]), max_tokens=8, eos_ids=[], ignore_eos=False, seed=0, n=2,
                             temperature=1.0, top_p=1.0, top_k=-1, agent=agent)
     assert outs == []
+
+
+def test_eos_ids_read_the_checkpoint_with_the_actors_override_config(two_eos, tmp_path):
+    """A config.json whose rope type meshppo refuses (dynamic) is read with the actor's
+    `override_config`, which replaces it (`rope_scaling: null`), as the models are built: reading
+    the EOS ids without it stopped the run at start-up."""
+    import shutil
+
+    from trainer.errors import UserError
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(two_eos.dir, d)
+    config = json.loads((d / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    config.pop("rope_parameters", None)  # (transformers v5 would read the type from here)
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="dynamic"):
+        PPOTrainer._eos_ids(_trainer_for_eos(d))
+    ids = PPOTrainer._eos_ids(_trainer_for_eos(d, {"rope_scaling": None}))
+    assert ids == PPOTrainer._eos_ids(_trainer_for_eos(two_eos.dir))

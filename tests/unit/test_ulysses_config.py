@@ -114,23 +114,25 @@ def test_preflight_checks_the_models_heads(tmp_path):
 
 
 def test_preflight_checks_the_engines_tp_against_the_model(tmp_path):
-    """Before any rank starts: an engine TP size that does not divide the model's vocabulary (a
-    Llama with an added pad token: 32001) names the option and the model; a model directory that
-    cannot be read is left to the ranks, which say so in one line, rather than a traceback here."""
+    """Before any rank starts: an engine TP size that does not divide the model's query heads names
+    the option and the model; one that does not divide the vocabulary (a Llama with an added pad
+    token: 32001, padded as vLLM does) or the KV heads (copied on the ranks, as vLLM does) is run; a
+    model directory that cannot be read is left to the ranks, which say so in one line, rather than
+    a traceback here."""
     from trainer import setup
 
     model = tmp_path / "model"
     model.mkdir()
     config = dict(model_type="qwen2", vocab_size=105, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                  num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64)
     (model / "config.json").write_text(json.dumps(config))
     tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     two = ("trainer.n_gpus_per_node=2", "trainer.device=cpu", f"actor_rollout_ref.model.path={model}")
-    with pytest.raises(ConfigError, match=rf"^{tp}=2: tensor parallelism 2 needs vocab_size \(105\) divisible by 2 "
-                                          rf"\(the model in {model}\)$"):
+    with pytest.raises(ConfigError, match=rf"^{tp}=2: tensor parallelism 2 needs num_attention_heads \(3\) "
+                                          rf"divisible by 2 \(the model in {model}\)$"):
         setup.preflight(_cfg(*two, f"{tp}=2"))
-    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 106}))
-    setup.preflight(_cfg(*two, f"{tp}=2"))
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4}))
+    setup.preflight(_cfg(*two, f"{tp}=2"))  # a vocabulary of 105 padded, the one KV head on both ranks
     setup.preflight(_cfg(*two, f"{tp}=1"))
     missing = ("trainer.n_gpus_per_node=2", "trainer.device=cpu", f"actor_rollout_ref.model.path={tmp_path / 'none'}")
     setup.preflight(_cfg(*missing, f"{tp}=2", f"{A}.ulysses_sequence_parallel_size=2", f"{A}.use_dynamic_bsz=true"))
