@@ -33,9 +33,9 @@ always that of the untruncated `softmax(s)` (see `rollout.config`).
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from models.scan import cumsum
 from rollout.parallel import TPGroup, vocab_shard
@@ -217,7 +217,8 @@ class Sampler:
         if not self.truncates:
             return None
         s = logits.float() * self.inv_temp
-        s[:, self.vocab_real:] = float("-inf")  # the padding, if any (a new tensor: the logits stay)
+        if self.vocab_real < self.vocab_local:  # a padded shard (`s` is a new tensor: the logits stay)
+            s[:, self.vocab_real:] = float("-inf")
         if self.tp.size > 1:
             if self.top_p >= 1.0:  # top-k alone: the global top-k is among the ranks' local top-k
                 k = min(self.top_k, s.shape[1])
