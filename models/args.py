@@ -153,9 +153,6 @@ class ModelArgs:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         _refuse_windowed_layers(cfg)
-        if model_type == "llama" and cfg.get("attention_bias"):
-            raise ValueError("config.json's llama with attention_bias=true is not supported: transformers' Llama then "
-                             "has a bias on o_proj as well as on q, k and v, and meshppo's attention has none there")
         known = {f.name for f in dataclasses.fields(cls)}
         fields = dict(
             vocab_size=cfg["vocab_size"],

@@ -110,7 +110,13 @@ def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     with reading(config_file):
         hf_config = AutoConfig.from_pretrained(str(path))
         _check_sizes(hf_config, config_file)
-        return ModelArgs.from_hf_config(hf_config, acting)
+        args = ModelArgs.from_hf_config(hf_config, acting)
+        if args.model_type == "llama" and args.attention_bias and "layers.0.self_attn.o_proj.bias" in \
+                checkpoint_tensor_names(path):
+            raise ValueError("config.json's llama with attention_bias=true, whose weights bias o_proj as "
+                             "transformers' Llama then does, is not supported: meshppo's attention biases only q, "
+                             "k and v (a Qwen2)")
+        return args
 
 
 # config.json's sizes that must be positive integers (None allowed for the optional ones)

@@ -275,7 +275,8 @@ def test_qwen2_sliding_window_refused_where_a_layer_is_windowed():
 
 def test_llama_attention_bias_is_refused_naming_config_json(tmp_path):
     """transformers' Llama with attention_bias=true has a bias on o_proj too, which meshppo's attention
-    lacks: the checkpoint is refused naming its config.json and the key, not its tensors."""
+    lacks: the checkpoint is refused naming its config.json and the key, not its tensors. (meshppo's
+    own llama with q/k/v biases, saved without o_proj biases, loads: its tests' models are such.)"""
     from models.checkpoint import CheckpointFileError
 
     path = _save(_hf_model("llama", attention_bias=True), tmp_path)
@@ -283,8 +284,10 @@ def test_llama_attention_bias_is_refused_naming_config_json(tmp_path):
         Transformer.from_pretrained(path)
     message = str(e.value)
     assert message.startswith(f"{str(path / 'config.json')!r}: ValueError: config.json's llama with "
-                              "attention_bias=true is not supported: transformers' Llama then has a bias on o_proj "
-                              "as well"), message
+                              "attention_bias=true, whose weights bias o_proj"), message
+    ours = Transformer.build(ModelArgs(model_type="llama", attention_bias=True), seed=0)
+    ours.save_pretrained(tmp_path / "ours")
+    assert Transformer.from_pretrained(tmp_path / "ours").args.attention_bias
 
 
 def test_a_checkpoint_with_rope_buffers_loads_as_transformers_loads_it(tmp_path):
