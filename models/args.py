@@ -139,8 +139,9 @@ class ModelArgs:
     def from_hf_config(cls, hf_config, overrides: dict | None = None) -> "ModelArgs":
         """Build from a `transformers.PretrainedConfig` (v4 `rope_theta` or v5 `rope_parameters`).
         `overrides` (fields and values, as `check_overrides` returns those that act) replace the
-        config's before anything is checked: verl sets them on the Hugging Face config before it
-        builds the model, so an override's `rope_scaling` replaces a type of config.json meshppo refuses."""
+        config's before anything is checked, as verl sets them on the Hugging Face config before it
+        builds the model: an override's `rope_scaling` replaces a type of config.json meshppo refuses
+        (a mapping whole: `models.checkpoint.load_model_args`)."""
         overrides = overrides or {}
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         model_type = cfg.get("model_type")
@@ -245,9 +246,10 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         # verl sets the override on the Hugging Face config before it is read: it replaces a refused type
-        raise ValueError(f"config.json's rope_scaling {rope_type_refusal(kind)}: replace it with "
+        raise ValueError(f"config.json's rope_scaling {rope_type_refusal(kind)}: in the trainer replace it with "
                          "actor_rollout_ref.model.override_config.rope_scaling (another model: its "
-                         f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}")
+                         f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}; "
+                         "elsewhere (rollout.generate, from_pretrained) edit config.json")
     return None if kind == "default" else rope_scaling
 
 

@@ -97,7 +97,8 @@ def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     """The `ModelArgs` of checkpoint directory `path`'s config.json, with verl's
     `model.override_config` `overrides` (`models.args.check_overrides`) set on it before it is
     checked, as verl sets them on the Hugging Face config: `rope_scaling` replaces config.json's
-    (null drops it), also a type meshppo refuses."""
+    (null drops it, as in verl; a mapping replaces it whole, which verl 0.9.1 cannot do: it sets a
+    mapping's keys one by one on the config's dict and fails), also a type meshppo refuses."""
     from transformers import AutoConfig
 
     acting = check_overrides(overrides or {})[0]  # a bad override is the option's error, not the file's

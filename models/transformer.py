@@ -121,7 +121,10 @@ def rope_cos_sin(rope: RopeFrequencies, position_ids: torch.Tensor, dtype: torch
     with torch.autocast(device_type=position_ids.device.type, enabled=False):
         freqs = position_ids.float()[..., None] * inv_freq.float()
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:  # (YaRN's; the other types' forwards run no extra kernel)
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
