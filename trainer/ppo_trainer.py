@@ -603,10 +603,18 @@ class PPOTrainer:
         return out, self._agreed_extras(extras, len(ro)), others, own
 
     def _agreed_log(self, write) -> None:
-        """`write` (rank 0's: a metrics row, a dump; None where a rank writes nothing) agreed on
-        every rank: its failure (a UserError naming the file: a full disk, a quota) stops every rank together,
-        where rank 0 raising alone left the others in their next collective."""
-        agreed_user_error(write, lambda rank: f"rank {rank} could not write the run's logs (its error names the file)")
+        """`write` (rank 0's: the run's start, a metrics row, a dump; None where a rank writes nothing) agreed
+        on every rank: its failure (a UserError naming the file or logger: a full disk, a quota, wandb's start)
+        stops every rank together, where rank 0 raising alone left the others in their next collective."""
+        agreed_user_error(write, lambda rank: f"rank {rank} could not write the run's logs (its error says which "
+                                              "and why)")
+
+    def _begin_logs(self) -> None:
+        """The run's logs start (`Tracking.begin`: the run directory's files, TensorBoard, the wandb
+        run), agreed as every later write of rank 0's (`_agreed_log`)."""
+        info = run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
+                        self.run_dir, self.global_step, self.models.ulysses_sizes())
+        self._agreed_log(functools.partial(self.tracking.begin, self.global_step, to_commented_yaml(self.cfg), info))
 
     def _log_row(self, metrics: dict) -> None:
         """This step's row of `metrics` in the run's logs (`trainer.logger`), agreed (`_agreed_log`)."""
@@ -1235,9 +1243,7 @@ class PPOTrainer:
                 self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's batches x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
                          "trainer.total_training_steps to train on")
-        self.tracking.begin(self.global_step, to_commented_yaml(self.cfg),
-                            run_info(self.device, self.ctx.world_size, self.ctx.local_world_size, self.models.dims,
-                                     self.run_dir, self.global_step, self.models.ulysses_sizes()))
+        self._begin_logs()
         self._install_signal_handlers()
         try:
             # verl validates before the first step; val_only (data.val_files required) validates the

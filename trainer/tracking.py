@@ -208,6 +208,38 @@ def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     return path
 
 
+def _tensorboard_writer(run_dir: Path, step: int):
+    """TensorBoard's writer of a run starting at `step`, in verl's TENSORBOARD_DIR, else the run
+    directory's. As `metrics.jsonl`, the events of steps after `step` (a killed attempt's) go, and on
+    a fresh start every earlier run's."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("trainer.logger includes tensorboard but the tensorboard package is not installed: pip "
+                        "install tensorboard, or remove it from trainer.logger") from None
+    log_dir = os.environ.get("TENSORBOARD_DIR") or str(run_dir / "tensorboard")
+    with _written(log_dir):
+        return SummaryWriter(log_dir=log_dir, purge_step=step + 1 if step else 0)
+
+
+def _wandb_run(init: dict):
+    """`wandb.init(**init)`; what it raises (no login, a refused project, a network or disk error:
+    wandb's own exception classes, which vary by version) is a UserError naming `trainer.logger`."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("trainer.logger includes wandb but wandb is not installed: pip install wandb, or remove "
+                        "it from trainer.logger") from None
+    # Clusters without outbound network still get a run directory to `wandb sync` later.
+    os.environ.setdefault("WANDB_MODE", "offline")
+    try:
+        return wandb.init(**init)
+    except Exception as e:  # whatever stops the wandb run's start is this one error
+        raise UserError(f"trainer.logger includes wandb but starting its run failed ({type(e).__name__}: {e}); "
+                        "fix wandb's settings (WANDB_MODE, login, project) or remove wandb from "
+                        "trainer.logger") from None
+
+
 @contextmanager
 def _written(path) -> Iterator[None]:
     """A write of `path` whose OSError (a full disk, a quota, permissions) is a UserError naming it:
@@ -219,41 +251,32 @@ def _written(path) -> Iterator[None]:
 
 
 class Tracking:
+    """The run's metric sinks (`trainer.logger`). Making one writes nothing: every write of the run's
+    start (the run directory, TensorBoard's writer, the wandb run, `config.yaml`, `run_info.json`)
+    is in `begin`, which the trainer agrees on every rank as it does each step's row."""
+
     def __init__(self, loggers: list[str], run_dir: str, project: str, experiment: str, config: dict,
                  total_steps: int, enabled: bool):
         self.enabled = enabled
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
-        self._tb = self._tb_class = self._wandb = self._bar = self._bar_total = None
+        self._wandb_init = dict(project=project, name=experiment, config=config, dir=str(self.run_dir))
+        self._tb = self._wandb = self._bar = self._bar_total = None
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if "tensorboard" in loggers:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError("trainer.logger includes tensorboard but the tensorboard package is not "
-                                   "installed: pip install tensorboard, or remove it from trainer.logger") from e
-            self._tb_class = SummaryWriter  # opened by `begin`, which knows the step the run starts at
-        if "wandb" in loggers:
-            try:
-                import wandb
-            except ImportError as e:
-                raise RuntimeError("trainer.logger includes wandb but wandb is not installed: pip install wandb, "
-                                   "or remove it from trainer.logger") from e
-            # Clusters without outbound network still get a run directory to `wandb sync` later.
-            os.environ.setdefault("WANDB_MODE", "offline")
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.run_dir))
         # The console's progress bar is drawn from `begin` on: an error found while the run starts
         # (its checkpoint, its data) is then a line of its own, not one glued to the bar.
         self._bar_total = total_steps if "console" in loggers else None
 
     def begin(self, step: int, resolved_config: str, info: dict) -> None:
         """The run starts at `step` (0, or the resumed step): keep `metrics.jsonl` lines up to
-        it only (none on a fresh start), save the resolved config (`config.yaml`, loadable
-        with `--config`) and `run_info.json`, and print the banner."""
+        it only (none on a fresh start), open TensorBoard's writer and the wandb run, save the
+        resolved config (`config.yaml`, loadable with `--config`) and `run_info.json`, and print
+        the banner. A failure is a UserError naming what failed."""
         if not self.enabled:
             return
+        with _written(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics = self.run_dir / "metrics.jsonl"
         if "jsonl" in self.loggers and metrics.is_file():
             kept = []
@@ -269,15 +292,13 @@ class Tracking:
             with _written(metrics):
                 tmp.write_text("".join(kept))
                 os.replace(tmp, metrics)
-        if self._tb_class is not None:
-            # verl's TENSORBOARD_DIR, else the run directory's. As metrics.jsonl above, the events of
-            # steps after `step` (a killed attempt's) go, and on a fresh start every earlier run's.
-            log_dir = os.environ.get("TENSORBOARD_DIR") or str(self.run_dir / "tensorboard")
-            with _written(log_dir):
-                self._tb = self._tb_class(log_dir=log_dir, purge_step=step + 1 if step else 0)
+        if "tensorboard" in self.loggers:
+            self._tb = _tensorboard_writer(self.run_dir, step)
         for name, text in (("config.yaml", resolved_config), ("run_info.json", json.dumps(info, indent=1))):
             with _written(self.run_dir / name):
                 (self.run_dir / name).write_text(text + "\n")
+        if "wandb" in self.loggers:
+            self._wandb = _wandb_run(self._wandb_init)
         if self._bar_total is not None:
             try:
                 from tqdm import tqdm

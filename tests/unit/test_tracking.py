@@ -231,6 +231,8 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # Tracking makes it offline by default
     monkeypatch.setenv("WANDB_SILENT", "true")
     t = Tracking(["wandb"], str(tmp_path), "proj", "exp", {"algorithm": {"adv_estimator": "grpo"}}, 10, enabled=True)
+    assert not (tmp_path / "wandb").exists()  # the run starts in begin, which the trainer agrees on every rank
+    t.begin(0, "{}", _info(tmp_path))
     for step in (1, 2):
         t.log({"critic/score/mean": 0.5 * step, "actor/ref_kl": 0.01}, step=step)
     t.close()

@@ -24,7 +24,7 @@ class FakeTrainer:
     """What train() reads of a PPOTrainer; `resume_at` is the step a checkpoint resumes (None: a fresh run)."""
 
     train, _validate_apart, _save_checkpoint = PPOTrainer.train, PPOTrainer._validate_apart, PPOTrainer._save_checkpoint
-    _agreed_log, _log_row = PPOTrainer._agreed_log, PPOTrainer._log_row
+    _agreed_log, _begin_logs, _log_row = PPOTrainer._agreed_log, PPOTrainer._begin_logs, PPOTrainer._log_row
 
     def __init__(self, cfg, resume_at=None, total_steps=2):
         self.cfg, self.total_steps, self.global_step = cfg, total_steps, 0
