@@ -104,13 +104,17 @@ def critic_update_flops(args, tokens: float, attention_pairs: float, lora=None) 
             + 6 * args.hidden_size * tokens)
 
 
-def val_samples_to_log(samples: list[tuple], k: int) -> list[tuple]:
-    """`trainer.log_val_generations`' `k` of the validation `samples` (prompt, response, score),
-    picked as verl picks its table's: sorted by prompt, shuffled by a generator seeded 42, the
-    first `k`, so they spread over the prompts and are the same at every validation."""
-    picked = sorted(samples, key=lambda sample: sample[0])
-    np.random.RandomState(42).shuffle(picked)
-    return picked[:k]
+def val_samples_to_log(tokenizer, samples: list[tuple], k: int) -> list[tuple[str, str, float]]:
+    """`trainer.log_val_generations`' `k` of the validation `samples` (prompt ids, response, score)
+    as (prompt, response, score), picked as verl picks its table's: sorted by the prompt decoded
+    without special tokens (verl's text: with them, a chat template's end token after one question
+    sorts it after a longer one it begins), shuffled by a generator seeded 42, the first `k`, so
+    they spread over the prompts and are the same at every validation. Shown with the special tokens."""
+    keyed = sorted(((tokenizer.decode(ids, skip_special_tokens=True), ids, response, score)
+                    for ids, response, score in samples), key=lambda sample: sample[0])
+    np.random.RandomState(42).shuffle(keyed)
+    return [(tokenizer.decode(ids, skip_special_tokens=False), response, score)
+            for _, ids, response, score in keyed[:k]]
 
 
 def contiguous_parts(n: int, k: int) -> list[list[int]]:
@@ -1102,7 +1106,7 @@ class PPOTrainer:
         bs = self.cfg.data.val_batch_size or len(items)
         dump_dir = self.cfg.trainer.validation_data_dir
         dumped: list[dict] = []
-        shown: list[tuple[str, str, float]] = []  # (prompt, response, score) for trainer.log_val_generations
+        shown: list[tuple] = []  # (prompt ids, response, score) for trainer.log_val_generations
         sources, uids, scores_all, turns = [], [], [], []
         variables: dict[str, list[float]] = {}  # numeric extras over every chunk, NaN where a chunk had none
         preds: list | None = None  # the `pred` extra as returned (None where a sample gave none)
@@ -1136,9 +1140,8 @@ class PPOTrainer:
                                          {k: v[i] for k, v in extras.items()}, {k: v[i] for k, v in others.items()})
                                 for i in range(len(texts))]
                 if self.cfg.trainer.log_val_generations and self.ctx.is_main:
-                    shown += [(self.tokenizer.decode(p, skip_special_tokens=False), text, score)
-                              for p, text, score in zip(ro.prompts, texts, scores)]
-            for prompt, text, score in val_samples_to_log(shown, self.cfg.trainer.log_val_generations):
+                    shown += zip(ro.prompts, texts, scores)
+            for prompt, text, score in val_samples_to_log(self.tokenizer, shown, self.cfg.trainer.log_val_generations):
                 self.log(f"[val] {prompt!r} -> {text!r} (score {score})")
             sums: dict[str, list[float]] = {}
             for src, sc in zip(sources, scores_all):

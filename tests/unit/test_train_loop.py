@@ -111,19 +111,46 @@ def test_val_only_needs_val_files():
         _cfg("trainer.val_only=true")
 
 
+class PromptTokenizer:
+    """Decodes prompt ids [i] to "p{i}"."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return f"p{ids[0]}"
+
+
 def test_logged_validation_samples_spread_over_the_prompts():
     """log_val_generations: 3 of 4 prompts x 4 samples, picked as verl does (sorted, then shuffled with
     seed 42), not the first prompt's samples in order; the same at every validation, whatever order
     the prompts came in, and no more than there are."""
     from trainer.ppo_trainer import val_samples_to_log
 
-    samples = [(f"p{i}", f"r{i}{j}", float(j)) for i in range(4) for j in range(4)]
-    picked = val_samples_to_log(samples, 3)
-    assert len(picked) == 3 and set(picked) <= set(samples)
+    samples = [([i], f"r{i}{j}", float(j)) for i in range(4) for j in range(4)]
+    shown = {(f"p{ids[0]}", response, score) for ids, response, score in samples}
+    picked = val_samples_to_log(PromptTokenizer(), samples, 3)
+    assert len(picked) == 3 and set(picked) <= shown
     assert len({prompt for prompt, _, _ in picked}) > 1, picked
     prompts_reversed = [x for i in reversed(range(4)) for x in samples[4 * i:4 * i + 4]]
-    assert val_samples_to_log(prompts_reversed, 3) == picked == val_samples_to_log(samples, 3)
-    assert sorted(val_samples_to_log(samples, 100)) == sorted(samples)
+    assert val_samples_to_log(PromptTokenizer(), prompts_reversed, 3) == picked
+    assert set(val_samples_to_log(PromptTokenizer(), samples, 100)) == shown
+
+
+def test_logged_validation_samples_are_sorted_on_the_prompt_without_special_tokens():
+    """verl sorts on `decode(ids, skip_special_tokens=True)`. With the chat template's tokens kept, a
+    question's end token ('<' after "What is 2") sorts it after the longer question it begins ('+' <
+    '<'). Without them: "What is 2\\n" < "What is 2+2\\n" < "What is 3\\n" < "What is 3*3\\n" (q0..q3);
+    RandomState(42) permutes 4 items to [1, 3, 0, 2], so the first 2 are q1's and q3's (with the
+    tokens the order was q1, q0, q3, q2 and the picks q0's and q2's). Shown with the tokens."""
+    from tests.byte_chat import build_byte_tokenizer
+    from trainer.ppo_trainer import val_samples_to_log
+
+    tok = build_byte_tokenizer()
+    questions = ["What is 2", "What is 2+2", "What is 3", "What is 3*3"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in questions]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    picked = val_samples_to_log(tok, [(p, f"r{i}", float(i)) for i, p in enumerate(prompts)], 2)
+    assert [response for _, response, _ in picked] == ["r1", "r3"]
+    assert picked[0][0].endswith("<|im_start|>user\nWhat is 2+2<|im_end|>\n<|im_start|>assistant\n"), picked
 
 
 def test_a_due_checkpoint_is_written_before_the_validation_and_survives_its_failure():
