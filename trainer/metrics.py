@@ -1,14 +1,18 @@
 """A step's data metrics, under verl's names and with verl's definitions (`compute_data_metrics`),
 over every rank's rows.
 
-Per response: `critic/score` (the reward function's score), `critic/rewards` (the summed
-token-level rewards, after any KL-in-reward penalty), `response_length` (every generated token),
-`prompt_length`, and in a multi-turn batch `num_turns` (verl's count: the assistant turns,
-the tool responses, plus one); per token of `loss_mask` (the response tokens, without those rollout rejection
+Per response: `response_length` (every generated token), `prompt_length`, and in a multi-turn
+batch `num_turns` (verl's count: the assistant turns, the tool responses, plus one); per response
+that is not empty (verl's non-aborted: an aborted request's response is empty): `critic/score`
+(the reward function's score), `critic/rewards` (the summed token-level rewards, after any
+KL-in-reward penalty) and `response_length_non_aborted`; `response/aborted_ratio` is the share of
+empty responses; per token of `loss_mask` (the response tokens, without those rollout rejection
 removed, as verl's `response_mask`): `critic/advantages`, `critic/returns` and, with a critic,
 `critic/values`. Each has
-`/mean`, `/max` and `/min`. As in verl, `response_length/clip_ratio` is the share of responses as
-long as the rollout allows (an EOS sampled as the last allowed token counts), and
+`/mean`, `/max` and `/min`, NaN where there is none to count (every response empty, every token
+rejected), as in verl. As in verl, `response_length/clip_ratio` is the share of responses as
+long as the rollout allows (an EOS sampled as the last allowed token counts),
+`response_length_non_aborted/clip_ratio` that share among the non-empty ones, and
 `prompt_length/clip_ratio` the share of prompts as long as `data.max_prompt_length`.
 `critic/vf_explained_var` is `1 - Var(returns - values) / (Var(returns) + 1e-5)` over the same
 tokens, with unbiased variances. Reward-function extras are averaged over the samples that
@@ -38,38 +42,47 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     # verl's: from the attention mask, all tokens (a multi-turn response's tool tokens too)
     response_length = torch.tensor([float(len(r)) for r in ro.responses], dtype=torch.float64, device=mask.device)
     prompt_length = torch.tensor([float(len(p)) for p in ro.prompts], dtype=torch.float64, device=mask.device)
-    per_row = {"critic/score": scores.double().reshape(-1),
-               "critic/rewards": ro.token_level_rewards.double().sum(-1),
-               "response_length": response_length, "prompt_length": prompt_length}
+    kept = response_length > 0  # verl's non-aborted responses: an aborted request's is empty
+    # each statistic with the index in `sums` of its count: the rows, the tokens, the non-aborted rows
+    per_row = {"response_length": response_length, "prompt_length": prompt_length}
     if ro.num_turns is not None:  # a multi-turn batch (every rank's is one, or none is)
         per_row["num_turns"] = torch.tensor(ro.num_turns, dtype=torch.float64, device=mask.device)
+    non_aborted = {"critic/score": scores.double().reshape(-1)[kept],
+                   "critic/rewards": ro.token_level_rewards.double().sum(-1)[kept],
+                   "response_length_non_aborted": response_length[kept]}
     per_token = {"critic/advantages": ro.advantages, "critic/returns": ro.returns}
     if ro.values is not None:
         per_token["critic/values"] = ro.values
     per_token = {k: v.double()[mask] for k, v in per_token.items()}
-    stats = {**per_row, **per_token}
+    stats = {**per_row, **non_aborted, **per_token}
+    count_of = {**dict.fromkeys(per_row, 0), **dict.fromkeys(non_aborted, 2), **dict.fromkeys(per_token, 1)}
 
     extra_values = [torch.tensor(v, dtype=torch.float64) for v in extras.values()]
     extra_values = [v[~torch.isnan(v)] for v in extra_values]
+    clipped = [response_length == max_response_length, prompt_length == max_prompt_length,
+               non_aborted["response_length_non_aborted"] == max_response_length]
     sums = comm.all_reduce_values(
-        [float(len(ro)), float(mask.sum())]
+        [float(len(ro)), float(mask.sum()), float(kept.sum())]
         + [float(x.sum()) for x in stats.values()]
-        + [float((response_length == max_response_length).sum()), float((prompt_length == max_prompt_length).sum())]
+        + [float(c.sum()) for c in clipped]
         + [y for v in extra_values for y in (float(v.sum()), float(v.numel()))])
     extremes = comm.all_reduce_values(
         [y for x in stats.values() for y in ((float(x.max()), -float(x.min())) if x.numel() else (-math.inf, -math.inf))],
         "max")
 
-    rows, tokens = sums[0], sums[1]
+    rows, tokens, kept_rows = sums[:3]
     m = {}
-    for i, (name, x) in enumerate(stats.items()):
-        count = rows if name in per_row else tokens
-        m[f"{name}/mean"] = sums[2 + i] / max(count, 1.0)
-        m[f"{name}/max"], m[f"{name}/min"] = extremes[2 * i], -extremes[2 * i + 1]
-    clipped_responses, clipped_prompts = sums[2 + len(stats):4 + len(stats)]
+    for i, name in enumerate(stats):
+        count = sums[count_of[name]]
+        # none to count (every response aborted, every token rejected): NaN, as verl's
+        m[f"{name}/mean"] = sums[3 + i] / count if count else math.nan
+        m[f"{name}/max"], m[f"{name}/min"] = (extremes[2 * i], -extremes[2 * i + 1]) if count else (math.nan, math.nan)
+    clipped_responses, clipped_prompts, clipped_kept = sums[3 + len(stats):6 + len(stats)]
     m["response_length/clip_ratio"] = clipped_responses / max(rows, 1.0)
     m["prompt_length/clip_ratio"] = clipped_prompts / max(rows, 1.0)
-    extra_sums = sums[4 + len(stats):]
+    m["response_length_non_aborted/clip_ratio"] = clipped_kept / kept_rows if kept_rows else math.nan
+    m["response/aborted_ratio"] = (rows - kept_rows) / max(rows, 1.0)
+    extra_sums = sums[6 + len(stats):]
     for j, key in enumerate(extras):
         m[f"reward_extra/{key}/mean"] = extra_sums[2 * j] / max(extra_sums[2 * j + 1], 1.0)
 
