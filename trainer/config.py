@@ -105,9 +105,10 @@ class FSDPOptions(FSDPConfig):
                                 "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
     entropy_checkpointing: bool = _entropy_checkpointing()
-    dtype: str = opt(_VERL_COMPUTE_DTYPE, "verl's compute dtype, used where mixed_precision gives no param_dtype: "
+    dtype: str = opt(_VERL_COMPUTE_DTYPE, "the compute dtype where mixed_precision gives no param_dtype (verl 0.9.1's "
+                                          "FSDP engine does not read it: its Megatron engine's): "
                                           "another value than bfloat16 sets mixed_precision.param_dtype when that is "
-                                          "at its default (bf16); a param_dtype set otherwise wins, as in verl",
+                                          "at its default (bf16); a param_dtype set otherwise wins",
                      choices=DTYPES)
     strategy: str = opt("fsdp", "verl's engine backend: fsdp or fsdp2 (fsdp_turbo, verl's FSDP-Turbo engine, is not "
                                 "supported)", choices=("fsdp", "fsdp2", "fsdp_turbo"),
@@ -291,7 +292,7 @@ def _lr(default: float):
 @dataclass
 class OptimConfig:
     lr: float = _lr(1e-6)
-    lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1: use lr_warmup_steps_ratio", ge=-1)
+    lr_warmup_steps: int = opt(-1, "linear warm-up steps; -1 or 0: use lr_warmup_steps_ratio (as verl)", ge=-1)
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of the total training steps", ge=0, le=1)
     min_lr_ratio: float | None = opt(0.0, "final learning rate of the cosine schedule as a fraction of lr (null: 0, "
                                           "as verl's schedule reads it)", ge=0, le=1)
@@ -305,11 +306,11 @@ class OptimConfig:
     weight_decay: float = opt(0.01, "AdamW weight decay", ge=0)
     betas: list[float] = opt(default_factory=lambda: [0.9, 0.999], help="AdamW betas", ge=0, lt=1, length=2)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
-    clip_grad: float | None = opt(None, "verl's optimizer-section name of the section's grad_clip (verl's engine "
-                                        "workers read this one, its legacy workers grad_clip); setting both to "
-                                        "different values is an error. null: grad_clip", gt=0)
-    grad_clip: float | None = opt(None, "verl's deprecated optimizer-section name of clip_grad, read as it (a third "
-                                        "name of the section's grad_clip; different values are an error)", gt=0)
+    clip_grad: float | None = opt(None, "gradient-norm clipping threshold, the name verl 0.9.1 reads (its workers "
+                                        "read no other); it wins over the section's grad_clip. null: grad_clip",
+                                  gt=0)
+    grad_clip: float | None = opt(None, "verl's deprecated name of clip_grad, which wins over it when set (as in "
+                                        "verl)", gt=0)
     total_training_steps: int = opt(-1, "length in steps of the learning-rate schedule (warm-up ratio, cosine); -1 or "
                                         "0: the run's total steps", ge=-1)
     optimizer: str = opt("AdamW", "the optimizer: AdamW only (verl may name another torch.optim class)",
@@ -341,22 +342,25 @@ class CriticOptimConfig(OptimConfig):
 
 
 # The actor's and the critic's `grad_clip` (`_resolve_grad_clip`).
-_GRAD_CLIP_HELP = "gradient-norm clipping threshold; null: optim.clip_grad, or 1.0 when that is null too"
+_GRAD_CLIP_HELP = ("gradient-norm clipping threshold, read where optim.clip_grad and optim.grad_clip are null (verl "
+                   "0.9.1 never reads it; earlier verl did); null: 1.0")
 
 
 def _resolve_grad_clip(key: str, section) -> None:
-    """The actor's or critic's (`key`) gradient-norm clipping threshold from verl's three names of it,
-    `grad_clip`, `optim.clip_grad` and `optim.grad_clip` (the optimizer section's deprecated one):
-    the one that is set, 1.0 when none is. It ends in grad_clip, the optimizer's null (so a
-    resolved config resolves to itself)."""
-    names = {f"{key}.grad_clip": section.grad_clip, f"{key}.optim.clip_grad": section.optim.clip_grad,
-             f"{key}.optim.grad_clip": section.optim.grad_clip}
-    given = {name: v for name, v in names.items() if v is not None}
-    if len(set(given.values())) > 1:
-        raise ConfigError(f"{' and '.join(f'{n}={v}' for n, v in given.items())}: each names the gradient-norm "
-                          "clipping threshold (verl's legacy and engine workers read one each); set one of them, or "
-                          "all to the same value")
-    section.grad_clip = next(iter(given.values()), 1.0)
+    """The actor's or critic's (`key`) gradient-norm clipping threshold from verl's three names of it:
+    `optim.grad_clip` (deprecated) over `optim.clip_grad`, as verl 0.9.1 reads them, then the section's
+    `grad_clip` (which only earlier verl read), 1.0 when none is set. It ends in grad_clip, the
+    optimizer's null (so a resolved config resolves to itself); a name set to another value, and so
+    not read, is kept for its start-up note (`section.grad_clip_note`)."""
+    names = [(f"{key}.optim.grad_clip", section.optim.grad_clip), (f"{key}.optim.clip_grad", section.optim.clip_grad),
+             (f"{key}.grad_clip", section.grad_clip)]
+    given = [(name, v) for name, v in names if v is not None]
+    acting, value = given[0] if given else (None, 1.0)
+    unread = [f"{name}={v}" for name, v in given[1:] if v != value]
+    section.grad_clip_note = (f"{' and '.join(unread)} not read: gradients are clipped at {acting}={value}, as verl "
+                              "0.9.1 reads its names (optim.grad_clip over optim.clip_grad, never the section's "
+                              "grad_clip)") if unread else None
+    section.grad_clip = value
     section.optim.clip_grad = section.optim.grad_clip = None
 
 
@@ -1955,6 +1959,8 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
             notes.append(f"{key}={_shown(value)} has no effect: {why}")
         if isinstance(value, FSDPOptions) and value.full_shard_note:
             notes.append(value.full_shard_note)
+        if getattr(value, "grad_clip_note", None):  # the actor's and the critic's (`_resolve_grad_clip`)
+            notes.append(value.grad_clip_note)
         if isinstance(value, FSDPOptions) and value.superseded:
             notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
                          "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "

@@ -130,7 +130,7 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     optim = ShardAdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
                        foreach=not fused, fused=fused)
     total = oc.total_training_steps if oc.total_training_steps > 0 else total_steps
-    warmup = oc.lr_warmup_steps if oc.lr_warmup_steps >= 0 else int(oc.lr_warmup_steps_ratio * total)
+    warmup = oc.lr_warmup_steps if oc.lr_warmup_steps > 0 else int(oc.lr_warmup_steps_ratio * total)  # (as verl)
 
     def factor(step: int) -> float:
         # verl's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup (transformers'

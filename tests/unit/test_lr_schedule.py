@@ -95,3 +95,12 @@ def test_warmup_ratio_counts_steps_of_the_schedule_length():
     # lr_warmup_steps=-1: int(ratio x total) steps, as verl's workers compute them
     lrs = lrs_of(OptimConfig(lr=LR, lr_warmup_steps_ratio=0.1), TOTAL)
     assert lrs[:5] == pytest.approx([0.0, LR / 4, LR / 2, 3 * LR / 4, LR], abs=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine"])
+def test_zero_warmup_steps_use_the_ratio_as_verl(kind):
+    # verl's workers read lr_warmup_steps <= 0 (not only -1) as "use lr_warmup_steps_ratio"
+    lrs = lrs_of(OptimConfig(lr=LR, lr_warmup_steps=0, lr_warmup_steps_ratio=0.1, lr_scheduler_type=kind), TOTAL)
+    verl = (verl_constant(4) if kind == "constant" else verl_cosine(4, TOTAL))
+    assert lrs == pytest.approx([LR * verl(s) for s in range(TOTAL)], abs=1e-15)
+    assert lrs[:5] == pytest.approx([0.0, LR / 4, LR / 2, 3 * LR / 4, LR], abs=1e-15)
