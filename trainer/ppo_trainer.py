@@ -168,6 +168,15 @@ def _dump_row(batch: RolloutBatch, i: int, text_in: str, text_out: str, step: in
     return row
 
 
+def validation_dump_rows(batch: RolloutBatch, inputs: list[str], outputs: list[str], step: int, scores: list[float],
+                         extras: dict[str, list], others: dict[str, list]) -> list[dict]:
+    """A validation chunk's samples as lines of `trainer.validation_data_dir`'s dump: `_dump_row`'s,
+    with the score also as `reward`, as verl writes it (its validation's `reward` variable, dumped)."""
+    return [_dump_row(batch, i, inputs[i], outputs[i], step, scores[i], {k: v[i] for k, v in extras.items()},
+                      {k: v[i] for k, v in others.items()}, reward=scores[i])
+            for i in range(len(outputs))]
+
+
 def _dump_extras(numeric: dict[str, float], others: dict) -> dict:
     """One sample's reward-function extras as a dump writes them: the numeric columns (NaN where
     the sample gave none), then the other extras as the function returned them. None among those
@@ -1135,10 +1144,8 @@ class PPOTrainer:
                 if preds is not None:
                     preds += chunk_preds if chunk_preds is not None else [None] * n
                 if dump_dir and self.ctx.is_main:
-                    inputs = decode_batch(self.tokenizer, ro.prompts)
-                    dumped += [_dump_row(ro, i, inputs[i], texts[i], self.global_step, scores[i],
-                                         {k: v[i] for k, v in extras.items()}, {k: v[i] for k, v in others.items()})
-                                for i in range(len(texts))]
+                    dumped += validation_dump_rows(ro, decode_batch(self.tokenizer, ro.prompts), texts,
+                                                   self.global_step, scores, extras, others)
                 if self.cfg.trainer.log_val_generations and self.ctx.is_main:
                     shown += zip(ro.prompts, texts, scores)
             for prompt, text, score in val_samples_to_log(self.tokenizer, shown, self.cfg.trainer.log_val_generations):

@@ -99,3 +99,20 @@ def test_a_single_rank_dump_writes_the_other_extras_as_returned(tmp_path):
     assert [row["odd"] for row in dumped] == [None, "{(1, 2): 'tuple key'}", None]
     assert [row["mixed"] for row in dumped] == [0, 1, "two"]
     assert math.isnan(extras["mixed"][2]) and extras["mixed"][:2] == [0.0, 1.0]
+
+
+def test_a_validation_dump_row_has_verls_keys_with_the_score_as_reward():
+    """verl 0.9.1's validation dump: `input`, `output`, `gts`, `score`, `step`, then its
+    `reward_extra_infos_dict`, which holds the scores again as `reward` and the reward function's
+    extras. meshppo's rows hold every one of them (`reward` the score), plus its own `data_source`,
+    `response_length` and `finish_reason`."""
+    from trainer.ppo_trainer import validation_dump_rows
+
+    ro = rows_of([2, 3])
+    rows = validation_dump_rows(ro, ["p0", "p1"], ["o0", "o1"], 3, [1.0, 0.25], {"acc": [1.0, 0.0]},
+                                {"pred": ["72", None]})
+    verl = {"input", "output", "gts", "score", "step", "reward", "acc", "pred"}
+    assert [set(row) - verl for row in rows] == [{"data_source", "response_length", "finish_reason"}] * 2
+    assert [set(row) & verl for row in rows] == [verl] * 2
+    assert [(row["score"], row["reward"], row["acc"], row["pred"]) for row in rows] == [(1.0, 1.0, 1.0, "72"),
+                                                                                      (0.25, 0.25, 0.0, None)]
