@@ -11,6 +11,8 @@
 * `crash_in_save@K` — the process dies half-way through writing the checkpoint of step K
 * `hang@K:R`     — rank R stops for 120 s at the start of step K (the others' collectives time out)
 
+Step 0 is the run's start, before its first collective (the agreed start of its logs).
+
 Unset in normal runs: every hook is then a dictionary lookup that finds nothing.
 """
 

@@ -1253,6 +1253,7 @@ class PPOTrainer:
                 self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's batches x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "
                          "trainer.total_training_steps to train on")
+        faults.at_step_start(0, self.ctx.rank)  # (step 0: before the run's first collective, the logs' start)
         self._begin_logs()
         self._install_signal_handlers()
         try:

@@ -160,13 +160,14 @@ def test_a_config_error_of_one_rank_alone_reaches_the_launchers_output(tiny_asse
 
 
 def test_the_launcher_stops_ranks_left_waiting_by_another_ranks_error(tiny_assets, tmp_path):
-    """Rank 1 fails at set-up while rank 0 is busy (a fault holds it 120 s at the start of step 1;
-    on GPUs it would be waiting in a collective until trainer.nccl_timeout). MESHPPO_PEER_GRACE_S
-    after rank 1's error the launcher stops rank 0 and torchrun, and reports rank 1's error."""
+    """Rank 1 fails at set-up while rank 0 is busy (a fault holds it 120 s at the run's start, before
+    its first collective; on GPUs it would be waiting in that collective until trainer.nccl_timeout).
+    MESHPPO_PEER_GRACE_S after rank 1's error the launcher stops rank 0 and torchrun, and reports
+    rank 1's error."""
     reward = _reward_failing_on_rank_1(tmp_path, "import")
     t0 = time.time()
     p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, f"custom_reward_function.path={reward}"),
-                     MESHPPO_FAULTS="hang@1:0", MESHPPO_PEER_GRACE_S="3")
+                     MESHPPO_FAULTS="hang@0:0", MESHPPO_PEER_GRACE_S="3")
     out = p.output(timeout=600)
     assert p.returncode == 1, out
     assert time.time() - t0 < 100, out  # not the 120 s hold

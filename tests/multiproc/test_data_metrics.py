@@ -53,12 +53,16 @@ def _verl_reference(world: int) -> dict:
            for k in ("rewards", "advantages", "returns", "values")}
     scores = np.concatenate([p[3].astype(np.float32).astype(np.float64) for p in parts])
     sel = {k: tok[k][mask] for k in ("advantages", "returns", "values")}
+    kept = resp > 0  # verl's non-aborted responses (an aborted one is empty)
     ref = {}
-    for name, x in (("critic/score", scores), ("critic/rewards", tok["rewards"].sum(-1)),
+    for name, x in (("critic/score", scores[kept]), ("critic/rewards", tok["rewards"].sum(-1)[kept]),
                     ("critic/advantages", sel["advantages"]), ("critic/returns", sel["returns"]),
-                    ("critic/values", sel["values"]), ("response_length", resp), ("prompt_length", prompt)):
+                    ("critic/values", sel["values"]), ("response_length", resp), ("prompt_length", prompt),
+                    ("response_length_non_aborted", resp[kept])):
         ref.update({f"{name}/mean": x.mean(), f"{name}/max": x.max(), f"{name}/min": x.min()})
     ref["response_length/clip_ratio"] = np.mean(resp == MAX_RESPONSE)
+    ref["response_length_non_aborted/clip_ratio"] = np.mean(resp[kept] == MAX_RESPONSE)
+    ref["response/aborted_ratio"] = np.mean(~kept)
     ref["prompt_length/clip_ratio"] = np.mean(prompt == MAX_PROMPT)
     ref["critic/vf_explained_var"] = 1 - np.var(sel["returns"] - sel["values"], ddof=1) / (
         np.var(sel["returns"], ddof=1) + 1e-5)
