@@ -98,6 +98,18 @@ def test_from_pretrained_at_tp2_with_one_kv_head_equals_tp1(tmp_path):
     run_distributed(_from_pretrained_body, 2, str(tmp_path))
 
 
+def reshard_equals_direct(reshard, engine, direct, where):
+    """Runs `reshard` (a resharder's fast or naive pass) into `engine`, whose slots it first fills with
+    NaN so that anything not written fails, and asserts each slot equals `direct`'s (the same weights
+    loaded directly); its stats."""
+    for slot in engine.param_slots().values():
+        slot.view.fill_(float("nan"))
+    stats = reshard()
+    for name, slot in engine.param_slots().items():
+        assert torch.equal(slot.view, direct.param_slots()[name].view), (where, name)
+    return stats
+
+
 def _reshard_body(rank, world):
     """The trainer's route: FSDP actor -> engine by the resharder, against the same weights loaded directly."""
     import torch.distributed as dist
@@ -120,11 +132,7 @@ def _reshard_body(rank, world):
         direct.load_weights(reference.named_parameters())
         resharder = Resharder(model, meshes, engine)
         for reshard in (resharder.reshard, resharder.reshard_naive):
-            for slot in engine.param_slots().values():
-                slot.view.fill_(float("nan"))  # anything not written fails the comparison
-            stats = reshard()
-            for name, slot in engine.param_slots().items():
-                assert torch.equal(slot.view, direct.param_slots()[name].view), (fsdp_size, tp, name)
+            stats = reshard_equals_direct(reshard, engine, direct, (fsdp_size, tp))
             if not stats.naive:
                 # each rank receives only what its slots hold beyond its own chunks
                 assert stats.num_fallback == 0 and stats.bytes_received == stats.bytes_bound, (fsdp_size, tp, stats)

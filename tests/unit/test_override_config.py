@@ -20,6 +20,7 @@ from models.transformer import rope_inv_freq
 from trainer.checkpointing import run_differences, same_run_keys
 from trainer.config import PPOConfig, config_notes, model_sections
 from trainer.configlib import ConfigError, build_dataclass, load_config
+from tests.unit.test_rope_yarn import hf_rope_checkpoint
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                     "demo.yaml")
@@ -164,27 +165,6 @@ def test_verls_documented_yarn_override_is_read():
     assert rope_inv_freq(args).attention_factor == pytest.approx(1 + 0.1 * math.log(4.0), rel=1e-12)
 
 
-def _dynamic_rope_checkpoint(tmp_path):
-    """A transformers Llama checkpoint with dynamic NTK rope scaling, which meshppo refuses."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=16)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # weights large enough that the positions weigh on the logits
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0, 0.15)
-    path = tmp_path / "dynamic"
-    model.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config.update(rope_theta=10000.0, rope_scaling={"type": "dynamic", "factor": 2.0})
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 def _load(path, overrides) -> Transformer:
     """The checkpoint's model built with `overrides` (as the trainer builds its models)."""
     with torch.device("meta"):
@@ -204,7 +184,8 @@ def test_a_rope_scaling_override_replaces_a_type_meshppo_refuses(tmp_path):
     with the scaling removed (past max_position_embeddings, where dynamic scaling would change them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = _dynamic_rope_checkpoint(tmp_path)
+    path = hf_rope_checkpoint(tmp_path, "llama", {"type": "dynamic", "factor": 2.0}, 10000.0,
+                              max_position_embeddings=16)
     with pytest.raises(CheckpointFileError) as e:
         load_model_args(path)
     assert f"{str(path / 'config.json')!r}" in str(e.value) and "config.json's rope_scaling type 'dynamic' is not " \

@@ -37,7 +37,7 @@ YARN_VARIANTS = [
 ]
 
 
-def _checkpoint(tmp_path, kind: str, rope_scaling: dict, rope_theta: float, max_position_embeddings: int = 64):
+def hf_rope_checkpoint(tmp_path, kind: str, rope_scaling: dict, rope_theta: float, max_position_embeddings: int = 64):
     """A tiny random transformers checkpoint whose config.json carries `rope_scaling` as written
     (v4's keys: transformers reads them as a hand-written config.json's)."""
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -61,7 +61,7 @@ def _checkpoint(tmp_path, kind: str, rope_scaling: dict, rope_theta: float, max_
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("rope_scaling, rope_theta", YARN_VARIANTS)
 def test_yarn_logits_match_transformers_past_the_original_context(tmp_path, kind, rope_scaling, rope_theta):
-    path = _checkpoint(tmp_path, kind, rope_scaling, rope_theta)
+    path = hf_rope_checkpoint(tmp_path, kind, rope_scaling, rope_theta)
     ours = Transformer.from_pretrained(path)
     assert ours.args.rope_type == "yarn"
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
@@ -73,7 +73,7 @@ def test_yarn_logits_match_transformers_past_the_original_context(tmp_path, kind
     with torch.no_grad():
         expected = reference(input_ids=ids, position_ids=positions).logits
         got = ours(ids, position_ids=positions)
-        unscaled = Transformer.from_pretrained(_checkpoint(tmp_path / "plain", kind, None, rope_theta))
+        unscaled = Transformer.from_pretrained(hf_rope_checkpoint(tmp_path / "plain", kind, None, rope_theta))
         assert (unscaled(ids, position_ids=positions) - got).abs().max() > 1000 * TOL  # yarn changes the logits
     assert (got - expected).abs().max().item() <= TOL
 
