@@ -98,6 +98,22 @@ def test_from_pretrained_at_tp2_with_one_kv_head_equals_tp1(tmp_path):
     run_distributed(_from_pretrained_body, 2, str(tmp_path))
 
 
+def resharder_and_engines(reference, world: int, fsdp_size: int, tp: int):
+    """`reference`'s weights as an FSDP model over `world` ranks (`fsdp_size`), and two engines at TP
+    `tp`: one the FSDP model reshards into (with its `Resharder`), one loaded directly."""
+    from rollout import EngineConfig, LLMEngine
+    from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors
+
+    meshes = ParallelDims(world, fsdp_size=fsdp_size, tp=tp).build_meshes("cpu")
+    model = build_fsdp_model(reference.args, meshes.train, FSDPConfig(fsdp_size=fsdp_size), device="cpu")
+    load_full_tensors(model, ((n, p.detach()) for n, p in reference.named_parameters()))
+    config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+    engine = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
+    direct = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
+    direct.load_weights(reference.named_parameters())
+    return Resharder(model, meshes, engine), engine, direct
+
+
 def reshard_equals_direct(reshard, engine, direct, where):
     """Runs `reshard` (a resharder's fast or naive pass) into `engine`, whose slots it first fills with
     NaN so that anything not written fails, and asserts each slot equals `direct`'s (the same weights
@@ -114,23 +130,12 @@ def _reshard_body(rank, world):
     """The trainer's route: FSDP actor -> engine by the resharder, against the same weights loaded directly."""
     import torch.distributed as dist
 
-    from rollout import EngineConfig, LLMEngine
-    from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors
     from tests.unit.test_engine import prompts_of, tiny_model
 
     # (fsdp_size, tp, KV heads): the K/V head's chunks lie on the whole shard group (gathered whole), or on
     # a block of 2 of its 4 ranks (gathered inside that block); HYBRID_SHARD 2 x 2 reshards in each replica.
     for fsdp_size, tp, kv in ((-1, 2, 1), (-1, 4, 2), (2, 2, 1)):
-        reference = tiny_model(kv_args(kv))
-        dims = ParallelDims(world, fsdp_size=fsdp_size, tp=tp)
-        meshes = dims.build_meshes("cpu")
-        model = build_fsdp_model(reference.args, meshes.train, FSDPConfig(fsdp_size=fsdp_size), device="cpu")
-        load_full_tensors(model, ((n, p.detach()) for n, p in reference.named_parameters()))
-        config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
-        engine = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
-        direct = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
-        direct.load_weights(reference.named_parameters())
-        resharder = Resharder(model, meshes, engine)
+        resharder, engine, direct = resharder_and_engines(tiny_model(kv_args(kv)), world, fsdp_size, tp)
         for reshard in (resharder.reshard, resharder.reshard_naive):
             stats = reshard_equals_direct(reshard, engine, direct, (fsdp_size, tp))
             if not stats.naive:

@@ -46,21 +46,10 @@ def test_vocab_97_at_tp2_equals_tp1():
 def _reshard_body(rank, world):
     import torch.distributed as dist
 
-    from rollout import EngineConfig, LLMEngine
-    from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors
-    from tests.multiproc.test_engine_tp_replicated import reshard_equals_direct
+    from tests.multiproc.test_engine_tp_replicated import reshard_equals_direct, resharder_and_engines
     from tests.unit.test_engine import tiny_args, tiny_model
 
-    reference = tiny_model(tiny_args("llama", vocab_size=VOCAB))
-    dims = ParallelDims(world, tp=2)
-    meshes = dims.build_meshes("cpu")
-    model = build_fsdp_model(reference.args, meshes.train, FSDPConfig(), device="cpu")
-    load_full_tensors(model, ((n, p.detach()) for n, p in reference.named_parameters()))
-    config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
-    engine = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
-    direct = LLMEngine(reference.args, config, tp_mesh=meshes.tp, device="cpu")
-    direct.load_weights(reference.named_parameters())
-    resharder = Resharder(model, meshes, engine)
+    resharder, engine, direct = resharder_and_engines(tiny_model(tiny_args("llama", vocab_size=VOCAB)), world, -1, 2)
     for reshard in (resharder.reshard, resharder.reshard_naive):
         stats = reshard_equals_direct(reshard, engine, direct, "vocab 97")
     # the embedding and the LM head (97 rows over 2 FSDP chunks of 49) are gathered whole, and counted
