@@ -126,15 +126,14 @@ def reshard_equals_direct(reshard, engine, direct, where):
     return stats
 
 
-def _reshard_body(rank, world):
-    """The trainer's route: FSDP actor -> engine by the resharder, against the same weights loaded directly."""
+def _reshard_body(rank, world, cases):
+    """The trainer's route: FSDP actor -> engine by the resharder, against the same weights loaded directly.
+    `cases`: (fsdp_size, tp, KV heads, the K/V projections' route)."""
     import torch.distributed as dist
 
     from tests.unit.test_engine import prompts_of, tiny_model
 
-    # (fsdp_size, tp, KV heads): the K/V head's chunks lie on the whole shard group (gathered whole), or on
-    # a block of 2 of its 4 ranks (gathered inside that block); HYBRID_SHARD 2 x 2 reshards in each replica.
-    for fsdp_size, tp, kv in ((-1, 2, 1), (-1, 4, 2), (2, 2, 1)):
+    for fsdp_size, tp, kv, route in cases:
         resharder, engine, direct = resharder_and_engines(tiny_model(kv_args(kv)), world, fsdp_size, tp)
         for reshard in (resharder.reshard, resharder.reshard_naive):
             stats = reshard_equals_direct(reshard, engine, direct, (fsdp_size, tp))
@@ -142,7 +141,7 @@ def _reshard_body(rank, world):
                 # each rank receives only what its slots hold beyond its own chunks
                 assert stats.num_fallback == 0 and stats.bytes_received == stats.bytes_bound, (fsdp_size, tp, stats)
         kv_routes = {it.route for b in resharder.buckets for it in b.items if ".k_proj." in it.name}
-        assert kv_routes == ({"kv"} if (fsdp_size, tp) == (-1, 4) else {"full"}), kv_routes
+        assert kv_routes == {route}, (fsdp_size, tp, kv_routes)
         prompts = prompts_of([3, 17, 9], seed=2)
         from rollout import SamplingParams
 
@@ -154,7 +153,16 @@ def _reshard_body(rank, world):
 
 
 def test_resharder_fills_replicated_kv_heads_as_loading_does():
-    run_distributed(_reshard_body, 4)
+    # On 4 ranks the K/V head's chunks lie on the whole shard group (gathered whole: TP 2, one KV head, 2
+    # ranks a TP shard), or on a block of 2 of its 4 ranks (TP 4, two KV heads: gathered inside that block);
+    # HYBRID_SHARD 2 x 2 reshards in each replica.
+    run_distributed(_reshard_body, 4, ((-1, 2, 1, "full"), (-1, 4, 2, "kv"), (2, 2, 1, "full")))
+
+
+def test_resharder_fills_replicated_kv_heads_with_two_ranks_a_tp_shard():
+    # 8 ranks, TP 4 with two KV heads (Qwen2.5-1.5B's case on a node of 8): each head's chunks lie on a block
+    # of 4 ranks, 2 of them (micro-DP) holding each TP shard
+    run_distributed(_reshard_body, 8, ((-1, 4, 2, "kv"),), timeout=600)
 
 
 def _kv_replicated_triton_body(rank, world):
