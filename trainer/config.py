@@ -2559,7 +2559,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                               "in the actor's checkpoints and rotates them together; set it to null"
                               + ("" if actor_keep is None else f" or {actor_keep}"))
     tok = cfg.data.tokenizer
-    if cfg.critic.model.tokenizer_path != tok:
+    if not _same_file(tok, cfg.critic.model.tokenizer_path):  # (however spelled: a trailing /, a relative path)
         raise ConfigError(f"critic.model.tokenizer_path ({cfg.critic.model.tokenizer_path}) must be the actor's "
                           f"tokenizer ({tok}) or null: the critic scores the actor's tokens")
     adapter = arr.model.lora_adapter_path

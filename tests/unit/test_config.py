@@ -1110,3 +1110,16 @@ def test_inherited_micro_batch_sizes_say_so_in_their_help():
         "null: the actor's ppo_micro_batch_size_per_gpu")
     assert help_(type(arr.ref), "log_prob_micro_batch_size_per_gpu").endswith(
         "null: the rollout's log_prob_micro_batch_size_per_gpu")
+
+
+def test_the_critics_tokenizer_is_the_actors_however_spelled(tmp_path, monkeypatch):
+    """critic.model.tokenizer_path must be the actor's tokenizer: the same directory written with a
+    trailing slash, relatively or through `..` is it; another directory is refused naming the key."""
+    actor = tmp_path / "actor"
+    (actor / "x").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    base = [f"actor_rollout_ref.model.path={actor}", "algorithm.adv_estimator=gae"]
+    for spelling in (f"{actor}/", "actor", f"{actor}/x/.."):
+        validate(_cfg(*base, f"critic.model.tokenizer_path={spelling}"), 2, 2)
+    with pytest.raises(ConfigError, match=r"critic.model.tokenizer_path \(.*x\) must be the actor's tokenizer"):
+        validate(_cfg(*base, f"critic.model.tokenizer_path={actor}/x"), 2, 2)
