@@ -2384,6 +2384,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model directory)")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give at least one .jsonl or .parquet file")
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        blank = next((i for i, path in enumerate(files) if not path.strip()), None)
+        if blank is not None:  # e.g. `data.train_files=$TRAIN` with TRAIN unset
+            raise ConfigError(f"{key}[{blank}] is empty ({files!r}): give a file path (an unset shell variable?)")
     _validate_sequence_parallel(cfg, world_size, per_node)
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and adv not in SINGLETON_ESTIMATORS and n < 2:

@@ -1123,3 +1123,12 @@ def test_the_critics_tokenizer_is_the_actors_however_spelled(tmp_path, monkeypat
         validate(_cfg(*base, f"critic.model.tokenizer_path={spelling}"), 2, 2)
     with pytest.raises(ConfigError, match=r"critic.model.tokenizer_path \(.*x\) must be the actor's tokenizer"):
         validate(_cfg(*base, f"critic.model.tokenizer_path={actor}/x"), 2, 2)
+
+
+@pytest.mark.parametrize("key", ["data.train_files", "data.val_files"])
+@pytest.mark.parametrize("files, index", [("", 0), ("['']", 0), ("['  ']", 0), ("[data/a.jsonl,'']", 1)])
+def test_an_empty_data_file_entry_is_refused_naming_the_key(key, files, index):
+    """An unset shell variable (`data.train_files=$TRAIN`) or a stray '' in the list reads as an empty
+    path: refused at validation naming the key and the entry, not at load as a file type of ''."""
+    with pytest.raises(ConfigError, match=rf"^{key}\[{index}\] is empty"):
+        validate(_cfg(f"{key}={files}"))
