@@ -1275,13 +1275,16 @@ class RewardModelConfig:
                                     "null: reward.reward_model.enable (verl 0.9.1's name), else false")
     model: RewardModelModelConfig = section(RewardModelModelConfig, "the reward model")
     strategy: str = opt("fsdp", "fsdp and fsdp2 both mean meshppo's FSDP2", choices=("fsdp", "fsdp2"))
-    micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward", ge=1)
+    micro_batch_size_per_gpu: int | None = opt(None, "sequences per reward-model forward; null (with micro_batch_size "
+                                                     "null too): forwards packed by token count (use_dynamic_bsz), as "
+                                                     "verl 0.9.1 has no reward-model micro-batch option", ge=1)
     micro_batch_size: int | None = _global_micro_batch("micro_batch_size_per_gpu")
     max_length: int | None = opt(None, "with input_tokenizer set: the longest input the reward model reads; a "
                                        "longer rendered chat is cut on the right, as verl's FSDP reward model does; "
                                        "null: no limit. Without input_tokenizer the prompt and response length "
                                        "bound the input: must be null", ge=1)
-    use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count")
+    use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count (always so without a "
+                                       "micro_batch_size_per_gpu)")
     forward_max_token_len_per_gpu: int = opt(32768, "token budget of one reward-model forward", ge=1)
     ulysses_sequence_parallel_size: int = opt(1, _SP_HELP, ge=1)
     enable_resource_pool: bool | None = opt(False, "not supported: the reward model runs on the training ranks, "
@@ -1699,6 +1702,10 @@ class PPOConfig:
         inherit(critic, "shuffle", actor.shuffle)
         inherit(critic.model, "path", arr.model.path)
         inherit(critic.model, "tokenizer_path", d.tokenizer)
+        # verl 0.9.1 scores with its reward-loop servers and has no micro-batch option for the reward model
+        # (its examples set none): without one, the reward model's forwards pack by tokens
+        if self.reward_model.enable and self.reward_model.micro_batch_size_per_gpu is None:
+            self.reward_model.use_dynamic_bsz = True
         # The roles' profilers: the global tool, save_path and tool settings; the rollout's
         # selection is the actor's (verl's interpolations).
         gp, rm_prof = self.global_profiler, self.reward_model.profiler
@@ -1943,8 +1950,6 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
                           "reward model reads the actor's prompt and response tokens as they are, which the prompt "
                           "and response lengths bound; max_length cuts the reward model's own rendering of the chat "
                           "(input_tokenizer set)")
-    if not rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None:  # (as the actor's update, and verl)
-        raise ConfigError("set reward_model.micro_batch_size_per_gpu or use_dynamic_bsz=true")
 
 
 def config_notes(cfg, prefix: str = "") -> list[str]:

@@ -178,8 +178,6 @@ def test_bad_overrides_name_the_problem(override, message):
       "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"],
      "set actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu or log_prob_use_dynamic_bsz=true (null inherits "
      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, null here)"),
-    (["reward_model.enable=true", "reward_model.model.path=/rm"],
-     "set reward_model.micro_batch_size_per_gpu or use_dynamic_bsz=true"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -1132,3 +1130,22 @@ def test_an_empty_data_file_entry_is_refused_naming_the_key(key, files, index):
     path: refused at validation naming the key and the entry, not at load as a file type of ''."""
     with pytest.raises(ConfigError, match=rf"^{key}\[{index}\] is empty"):
         validate(_cfg(f"{key}={files}"))
+
+
+@pytest.mark.parametrize("names", [
+    # verl's examples/ppo_trainer/run_qwen2-7b_rm.sh (the older names) and verl 0.9.1's reward section
+    ("reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.use_reward_loop=true",
+     "reward_model.rollout.name=vllm", "reward_model.rollout.gpu_memory_utilization=0.8",
+     "reward_model.rollout.tensor_model_parallel_size=1", "reward_model.rollout.prompt_length=2048",
+     "reward_model.rollout.response_length=1024", "reward_model.num_workers=8"),
+    ("reward.reward_model.enable=true", "reward.reward_model.model_path=/rm"),
+])
+def test_a_reward_model_without_a_micro_batch_size_packs_its_forwards(names):
+    """verl 0.9.1 scores with its reward-loop servers and has no reward-model micro-batch option, so its
+    scripts set none (they were refused): the reward model's forwards then pack by token count."""
+    cfg = _cfg(*names)
+    validate(cfg, 2, 2)
+    rm = cfg.reward_model
+    assert rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None and rm.forward_max_token_len_per_gpu == 32768
+    sized = _cfg(*names, "reward_model.micro_batch_size_per_gpu=4").reward_model
+    assert (sized.use_dynamic_bsz, sized.micro_batch_size_per_gpu) == (False, 4)
