@@ -7,6 +7,8 @@ stored old log-probs are the ratio's again (they clip)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ def _body(rank, world_size):
         assert "actor/entropy" not in m and "actor/ref_kl" not in m
 
     # not on-policy (two epochs): the stored old log-probs are the ratio's, and 0.5 nats off they clip
-    two_epochs = actor().update(batch(noisy), ActorConfig(**{**cfg.__dict__, "ppo_epochs": 2}), 1, 0.1, seed=0,
+    two_epochs = actor().update(batch(noisy), dataclasses.replace(cfg, ppo_epochs=2), 1, 0.1, seed=0,
                                 step=1)
     assert two_epochs["actor/pg_clipfrac"] > 0.1, two_epochs
     with pytest.raises(ValueError, match="on-policy"):
