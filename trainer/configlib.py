@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import fnmatch
 import math
 import re
 import types
@@ -192,6 +193,37 @@ def _closest(key: str, candidates: list[str], nested: list[str] = ()) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
+# The keys only verl's Megatron configs have (verl 0.9.1's ppo_megatron_trainer, and its older layout's
+# reward_model.megatron, load_weight and nccl_timeout): refused as Megatron's, where an unknown key's
+# nearest name (`actor.megatron` -> `actor.qat`) would mislead. fnmatch patterns of the dotted key.
+_MEGATRON_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
+_MEGATRON_TRAINED_ROLES = ("actor_rollout_ref.actor", "critic")
+_MEGATRON_OPTIMIZER_KEYS = ("min_lr", "lr_warmup_init", "lr_decay_steps", "lr_decay_style", "lr_wsd_decay_steps",
+                            "lr_wsd_decay_style", "weight_decay_incr_style", "use_checkpoint_opt_param_scheduler",
+                            "use_precision_aware_optimizer", "use_layer_wise_distributed_optimizer",
+                            "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "muon_*")
+MEGATRON_KEYS = (*(f"{role}.{key}" for role in _MEGATRON_ROLES for key in ("megatron", "load_weight")),
+                 *(f"{role}.checkpoint.mbridge_config" for role in _MEGATRON_TRAINED_ROLES),
+                 *(f"{role}.optim.{key}" for role in _MEGATRON_TRAINED_ROLES for key in _MEGATRON_OPTIMIZER_KEYS),
+                 "critic.nccl_timeout", "reward_model.nccl_timeout")
+VERL_MEGATRON_CONFIG = "ppo_megatron_trainer"
+
+
+def megatron_refusal(what: str) -> ConfigError:
+    """The error for `what`, a setting that only verl's Megatron engine has."""
+    return ConfigError(f"{what} is not supported: meshppo has no Megatron engine (it trains with FSDP2: strategy "
+                       "fsdp or fsdp2)")
+
+
+def _first_key(key: str, value) -> str:
+    """The first option `value` sets under `key`: `a.megatron.tensor_model_parallel_size` for `a.megatron`
+    given as a mapping (the key the user wrote, not the section it falls in)."""
+    while isinstance(value, dict) and value:
+        name, value = next(iter(value.items()))
+        key = f"{key}.{name}"
+    return key
+
+
 def build_dataclass(cls, data: dict, prefix: str = ""):
     """Build `cls` from a nested dict, checking every key and value."""
     hints = typing.get_type_hints(cls)
@@ -203,6 +235,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         if key == "_target_" and isinstance(value, str) and value.startswith("verl."):
             continue  # the class Hydra builds this section of a verl config into: metadata, no option
         f = by_key.get(key) or by_attr.get(key)
+        if f is None and any(fnmatch.fnmatchcase(full, pattern) for pattern in MEGATRON_KEYS):
+            raise megatron_refusal(_first_key(full, value))
         if f is None:
             all_keys = [f"{prefix}.{k}" if prefix else k for k in by_key]
             nested = [f"{k}.{option_key(g)}" for k, f in zip(all_keys, by_key.values())
@@ -488,6 +522,8 @@ def _verl_composition(data: dict, source: str) -> dict:
     defaults = data.pop("defaults", None)
     if defaults is not None:
         names = [d for d in defaults] if isinstance(defaults, list) else [defaults]
+        if VERL_MEGATRON_CONFIG in names:
+            raise megatron_refusal(f"{source}: defaults {names}")
         if names not in ([VERL_DEFAULTS], [VERL_DEFAULTS, "_self_"]):
             raise ConfigError(f"{source}: defaults {names} is not supported: meshppo composes verl's defaults "
                               f"({VERL_DEFAULTS}) and then the file ([{VERL_DEFAULTS}, _self_]), nothing else")

@@ -1149,3 +1149,44 @@ def test_a_reward_model_without_a_micro_batch_size_packs_its_forwards(names):
     assert rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None and rm.forward_max_token_len_per_gpu == 32768
     sized = _cfg(*names, "reward_model.micro_batch_size_per_gpu=4").reward_model
     assert (sized.use_dynamic_bsz, sized.micro_batch_size_per_gpu) == (False, 4)
+
+
+MEGATRON_REFUSED = "is not supported: meshppo has no Megatron engine (it trains with FSDP2"
+
+
+@pytest.mark.parametrize("override, named", [
+    # as verl's examples/grpo_trainer/run_qwen2-7b_math_megatron.sh passes them (strategy from its config name)
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform",
+     "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method"),
+    ("actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2",
+     "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size"),
+    ("critic.megatron={param_offload: true}", "critic.megatron.param_offload"),
+    ("reward_model.megatron.tensor_model_parallel_size=2", "reward_model.megatron.tensor_model_parallel_size"),
+    ("actor_rollout_ref.actor.optim.lr_decay_style=cosine", "actor_rollout_ref.actor.optim.lr_decay_style"),
+    ("critic.optim.min_lr=0.0", "critic.optim.min_lr"),
+    ("actor_rollout_ref.actor.optim.muon_momentum=0.95", "actor_rollout_ref.actor.optim.muon_momentum"),
+    ("critic.checkpoint.mbridge_config={memory_efficient: true}", "critic.checkpoint.mbridge_config.memory_efficient"),
+    ("critic.nccl_timeout=1200", "critic.nccl_timeout"),
+    ("actor_rollout_ref.actor.load_weight=true", "actor_rollout_ref.actor.load_weight"),
+])
+def test_verls_megatron_keys_are_refused_as_megatron(override, named):
+    """A verl Megatron script's keys say Megatron is not supported, naming the key given, not the
+    nearest FSDP option's name (`did you mean 'actor_rollout_ref.actor.qat'?`)."""
+    with pytest.raises(ConfigError) as e:
+        _cfg(override)
+    assert str(e.value).startswith(f"{named} {MEGATRON_REFUSED}") and "did you mean" not in str(e.value)
+
+
+def test_a_verl_config_composing_the_megatron_defaults_is_refused_as_megatron(tmp_path):
+    """verl's examples/sglang_multiturn/config/gsm8k_multiturn_megatron_grpo.yaml composes
+    ppo_megatron_trainer."""
+    config = tmp_path / "gsm8k_multiturn_megatron_grpo.yaml"
+    config.write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\ndata:\n  train_batch_size: 256\n")
+    with pytest.raises(ConfigError, match=r"defaults \['ppo_megatron_trainer', '_self_'\] "
+                                          + MEGATRON_REFUSED.replace("(", r"\(")):
+        load_config(PPOConfig, config)
+    # keys near Megatron's but meshppo's own still suggest the closest option
+    with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.actor.optim.lr'"):
+        _cfg("actor_rollout_ref.actor.optim.lrr=1e-6")
