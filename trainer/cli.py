@@ -32,13 +32,13 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     from trainer.config import PPOConfig, config_notes, validate
     from trainer.configlib import ConfigError, load_config, to_commented_yaml
-    from trainer.launch import (agreed_config_errors, config_error_lines, local_world_size_from_env, rank_from_env,
-                                world_size_from_env)
+    from trainer.launch import (agreed_config_errors, config_error_lines, config_file, local_world_size_from_env,
+                                rank_from_env, world_size_from_env)
 
     # The ranks agree on their config errors (one rank's alone too) before any work; rank 0 says them.
     is_main, error = rank_from_env() == 0, None
     try:
-        cfg = load_config(PPOConfig, args.config, args.overrides)
+        cfg = load_config(PPOConfig, config_file(args), args.overrides)
         if args.print_config:
             validate(cfg)
         else:

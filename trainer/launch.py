@@ -84,8 +84,37 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config file (default: none; the overrides go over verl's "
                                                   "defaults, as a verl command line's do; the demo is "
                                                   "configs/demo.yaml)")
+    p.add_argument("--config-path", "-cp", default=None,
+                   help="Hydra's config directory, as verl's scripts give it: --config-name's file is in it; relative "
+                        "to the working directory (Hydra's is relative to verl's script)")
+    p.add_argument("--config-name", "-cn", default=None,
+                   help="Hydra's config name, as verl's scripts give it (with or without .yaml): the file NAME.yaml in "
+                        "--config-path, instead of --config; verl's own names need no directory: ppo_trainer is "
+                        "verl's defaults, which meshppo's options are (no file), and ppo_megatron_trainer is refused")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_training_steps=5 "
                                                 "(Hydra's +key=value and ++key=value mean the same)")
+
+
+def config_file(args) -> str | None:
+    """The config file `add_config_args`' arguments name: `--config`, or Hydra's `--config-name` in
+    `--config-path` (None: verl's defaults). A ConfigError where they contradict each other."""
+    from trainer.configlib import VERL_DEFAULTS, VERL_MEGATRON_CONFIG, ConfigError, megatron_refusal
+
+    hydra = [(flag, value) for flag, value in (("--config-name", args.config_name), ("--config-path", args.config_path))
+             if value is not None]
+    if args.config is not None and hydra:
+        flag, value = hydra[0]
+        raise ConfigError(f"--config {args.config} and {flag} {value} both name the config file: give one")
+    if args.config_name is None:
+        if args.config_path is not None:
+            raise ConfigError(f"--config-path {args.config_path} needs --config-name: the config file in it")
+        return args.config
+    name = args.config_name.removesuffix(".yaml")
+    if name == VERL_MEGATRON_CONFIG:
+        raise megatron_refusal(f"--config-name={args.config_name}")
+    if name == VERL_DEFAULTS:  # verl's scripts name it with --config-path=config: verl's own directory
+        return None
+    return os.path.join(args.config_path, f"{name}.yaml") if args.config_path else f"{name}.yaml"
 
 
 # ---------------------------------------------------------------------- a rank's side
@@ -502,6 +531,7 @@ def main(argv=None) -> int:
                               "same on every node): the default, a free local port, is reachable from this node only")
         check_slurm_step(args.nnodes)
         peer_grace_s()  # MESHPPO_PEER_GRACE_S is read when a rank fails: check it now
+        args.config = config_file(args)  # the ranks get it as --config
         cfg = load_config(PPOConfig, args.config, args.overrides)
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc)

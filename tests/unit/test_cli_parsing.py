@@ -1,6 +1,6 @@
 """Command-line and YAML parsing edges: duplicate YAML keys, mapping overrides, string options
-given YAML-looking text, options after overrides, Hydra's `+`/`++`, `--nproc-per-node 0`, launchers per
-SLURM step."""
+given YAML-looking text, options after overrides, Hydra's `+`/`++` and `--config-path`/`--config-name`,
+`--nproc-per-node 0`, launchers per SLURM step."""
 
 import os
 import subprocess
@@ -233,3 +233,78 @@ def test_without_a_config_file_the_overrides_go_over_verls_defaults(capsys, tmp_
     args.config = DEMO
     assert launch._Launch(load_config(PPOConfig, DEMO), args, 1).command()[-len(base) - 2:-len(base)] == ["--config",
                                                                                                           DEMO]
+
+
+# Hydra's --config-path / --config-name (-cp / -cn), as verl's scripts pass them
+VERL_BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[t.jsonl]", "trainer.total_epochs=15",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.n_gpus_per_node=1"]
+# a config of verl's examples/sglang_multiturn/config: Hydra's header, then the file over verl's defaults
+VERL_CONFIG = ("hydra:\n  searchpath:\n    - file://verl/trainer/config\n"
+               "defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  train_batch_size: 64\n  max_response_length: 48\n"
+               "actor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 16\n")
+
+
+@pytest.mark.parametrize("spelling", [
+    ["--config-path=conf", "--config-name=gsm8k_multiturn_grpo"],
+    ["--config-path", "conf", "--config-name", "gsm8k_multiturn_grpo.yaml"],
+    ["-cp=conf", "-cn=gsm8k_multiturn_grpo"],
+    ["-cp", "conf", "-cn", "gsm8k_multiturn_grpo.yaml"],
+])
+def test_hydras_config_path_and_name_load_that_file(spelling, capsys, tmp_path, monkeypatch):
+    """`--config-name NAME` in `--config-path DIR` (relative to the working directory) is DIR/NAME.yaml,
+    with or without the suffix, in either spelling, long or short, before or after the overrides."""
+    from trainer import cli, launch
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "gsm8k_multiturn_grpo.yaml").write_text(VERL_CONFIG)
+    monkeypatch.chdir(tmp_path)
+    assert launch.config_file(cli.parse_args([*VERL_BASE[:2], *spelling, *VERL_BASE[2:]])) == os.path.join(
+        "conf", "gsm8k_multiturn_grpo.yaml")
+    assert cli.main([*spelling, *VERL_BASE, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "  train_batch_size: 64  #" in out and "  max_response_length: 48  #" in out
+    assert "  total_epochs: 15  #" in out
+    assert launch.main([*VERL_BASE, *spelling, "--print-config"]) == 0
+    assert "  train_batch_size: 64  #" in capsys.readouterr().out
+    # the launcher hands the ranks the file as --config
+    started = []
+    monkeypatch.setattr(launch._Launch, "run", lambda self: started.append(self.command()) or 0)
+    assert launch.main([*VERL_BASE, *spelling]) == 0
+    config_at = started[0].index("--config")
+    assert started[0][config_at + 1] == os.path.join("conf", "gsm8k_multiturn_grpo.yaml")
+    assert started[0][config_at + 2:] == VERL_BASE
+
+
+def test_hydras_config_name_of_verls_own_configs(capsys, tmp_path):
+    """verl's default name, ppo_trainer, is its defaults, which meshppo's options are: no file (verl's
+    scripts give it with `--config-path=config`, verl's own directory). ppo_megatron_trainer is Megatron's."""
+    from trainer import cli, launch
+
+    for spelling in (["--config-name=ppo_trainer"], ["--config-path=config", "--config-name=ppo_trainer.yaml"]):
+        assert launch.config_file(cli.parse_args([*spelling, *VERL_BASE])) is None
+        assert cli.main([*spelling, *VERL_BASE, "--print-config"]) == 0
+        out = capsys.readouterr().out
+        assert "  total_training_steps: null  #" in out and "  total_epochs: 15  #" in out
+    for name in ("ppo_megatron_trainer", "ppo_megatron_trainer.yaml"):
+        assert launch.main(["--config-path=config", f"--config-name={name}", *VERL_BASE, "--print-config"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"meshppo: config error: --config-name={name} is not supported: meshppo has no Megatron engine (it trains "
+            "with FSDP2: strategy fsdp or fsdp2)"]
+    missing = tmp_path / "nothing"
+    assert launch.main([f"-cp={missing}", "-cn=gsm8k", *VERL_BASE, "--print-config"]) == 2
+    assert f"config file {str(missing / 'gsm8k.yaml')!r} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling, message", [
+    (["--config", DEMO, "--config-name=gsm8k_multiturn_grpo"],
+     f"--config {DEMO} and --config-name gsm8k_multiturn_grpo both name the config file: give one"),
+    (["--config", DEMO, "-cp=conf"], f"--config {DEMO} and --config-path conf both name the config file: give one"),
+    (["--config-path=conf"], "--config-path conf needs --config-name: the config file in it"),
+])
+def test_hydras_config_arguments_that_conflict(spelling, message, capsys):
+    from trainer import cli, launch
+
+    assert launch.main([*spelling, *VERL_BASE, "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: {message}"]
+    assert cli.main([*spelling, *VERL_BASE, "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: {message}"]
