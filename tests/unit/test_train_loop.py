@@ -48,7 +48,7 @@ class FakeTrainer:
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
         self.profiler = StepProfiler(None, 0, "cpu", total_steps)  # nothing profiled
         self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None, batch_epoch=0)
-        self.ctx = NS(world_size=1, local_world_size=1)
+        self.ctx = NS(world_size=1, local_world_size=1, rank=0)
         self.device, self.run_dir, self.nonfinite_streak = "cpu", "/run", 0
         self.models = NS(dims=None, ulysses_sizes=lambda: {})
 
