@@ -247,6 +247,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         coerced = _coerce(value, hints[f.name], full)
         choices = f.metadata.get("choices")
         if choices and coerced not in choices:
+            if f.name == "strategy" and coerced == "megatron":  # (verl's other training engine)
+                raise megatron_refusal(f"{full}=megatron")
             raise ConfigError(f"{full}: {coerced!r} is not one of {list(choices)}")
         _check_range(coerced, f.metadata, full)
         unsupported = f.metadata.get("unsupported")

@@ -186,9 +186,13 @@ def test_impl_backend_takes_verls_backends_only():
 def test_reference_strategy():
     for strategy in ("fsdp", "fsdp2"):
         assert _cfg(f"actor_rollout_ref.ref.strategy={strategy}").actor_rollout_ref.ref.strategy == strategy
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.ref.strategy: 'megatron' is not one of \['fsdp', "
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.ref.strategy: 'deepspeed' is not one of \['fsdp', "
                                           r"'fsdp2'\]"):
-        _cfg("actor_rollout_ref.ref.strategy=megatron")
+        _cfg("actor_rollout_ref.ref.strategy=deepspeed")
+    for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model"):
+        with pytest.raises(ConfigError, match=rf"^{key}.strategy=megatron is not supported: meshppo has no Megatron "
+                                              r"engine \(it trains with FSDP2"):
+            _cfg(f"{key}.strategy=megatron")
 
 
 GAE = ("algorithm.adv_estimator=gae",)
