@@ -277,6 +277,15 @@ _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9]+(?:_[0-9]+)*(?:\.[0-9_]*)?[eE][-+]?[0
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
+class ConfigDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper with `ConfigLoader`'s number rule, so that text it would read as a number
+    (`'1e-3'` in a reward function's keyword arguments) is written quoted: a dumped config reads back
+    as it was."""
+
+
+ConfigDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
 def load_yaml_text(text: str):
     """The YAML document `text` read with `ConfigLoader` (None when empty)."""
     return yaml.load(text, Loader=ConfigLoader)
@@ -728,7 +737,7 @@ def to_commented_yaml(cfg, indent: int = 0) -> str:
             lines.append(f"{pad}{name}:" + (f"  # {help_}" if help_ else ""))
             lines.append(to_commented_yaml(value, indent + 1))
             continue
-        dumped = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+        dumped = yaml.dump(value, Dumper=ConfigDumper, default_flow_style=True, width=10_000).strip()
         if dumped.endswith("\n...") or dumped.endswith("..."):
             dumped = dumped.replace("\n...", "").removesuffix("...").strip()
         lines.append(f"{pad}{name}: {dumped}" + (f"  # {help_}" if help_ else ""))

@@ -86,3 +86,23 @@ def test_text_for_a_float_option_is_read_as_a_number(tmp_path, monkeypatch):
                 "critic.optim.lr='1e-3'")
     assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(2e-4, rel=1e-12)
     assert cfg.critic.optim.lr == pytest.approx(1e-3, rel=1e-12)
+
+
+def test_a_dumped_config_reads_back_as_it_was(tmp_path):
+    """RUN_DIR/config.yaml (`to_commented_yaml`) must load back to the same config: text that the
+    loader's number rule would read as a float ('1e-3' given as a reward function's keyword) is
+    written quoted, so a run resumed from its config.yaml is not refused as changed."""
+    import dataclasses
+
+    from trainer.checkpointing import run_differences
+    from trainer.configlib import to_commented_yaml
+
+    texts = {"a": "1e-3", "b": "1E5", "c": "-3e+2", "d": "2.0", "n": 1e-3}
+    cfg = load_config(PPOConfig, None, [f"+custom_reward_function.reward_kwargs={texts!r}".replace("'", '"'),
+                                        "+data.apply_chat_template_kwargs={x: '1e-2'}"])
+    assert cfg.custom_reward_function.reward_kwargs == texts
+    path = tmp_path / "config.yaml"
+    path.write_text(to_commented_yaml(cfg))
+    back = load_config(PPOConfig, str(path), [])
+    assert dataclasses.asdict(back) == dataclasses.asdict(cfg)
+    assert run_differences(dataclasses.asdict(cfg), dataclasses.asdict(back)) == []
