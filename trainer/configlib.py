@@ -274,7 +274,6 @@ class ConfigLoader(yaml.SafeLoader):
 # `e` or `E` and the exponent's digits, signed or not. Text that merely looks like this (`1e2x`)
 # stays text; what YAML 1.1 already reads as a float or an integer matches its own rules first.
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9]+(?:_[0-9]+)*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
-ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 class ConfigDumper(yaml.SafeDumper):
@@ -283,7 +282,8 @@ class ConfigDumper(yaml.SafeDumper):
     as it was."""
 
 
-ConfigDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+for _yaml_class in (ConfigLoader, ConfigDumper):
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def load_yaml_text(text: str):
