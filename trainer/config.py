@@ -1625,9 +1625,11 @@ class PPOConfig:
                 setattr(self.trainer, name, None)
 
         if critic.fsdp is not None:  # verl 0.9.1's name of the critic's fsdp_config
-            _merge_section("critic.fsdp", critic.fsdp, "critic.model.fsdp_config", critic.model.fsdp_config)
-            critic.model.fsdp_config.superseded = [k for k in ("param_offload", "optimizer_offload")
-                                                   if k in critic.fsdp.superseded + critic.model.fsdp_config.superseded]
+            fc = critic.model.fsdp_config
+            superseded = critic.fsdp.superseded + fc.superseded  # (each section's, cleared as it was built)
+            _merge_section("critic.fsdp", critic.fsdp, "critic.model.fsdp_config", fc)
+            fc.__post_init__()  # the section's own rules and checks, on the merged values
+            fc.superseded = [k for k in ("param_offload", "optimizer_offload") if k in superseded + fc.superseded]
             critic.fsdp = None
         _full_shard_sizes(self)
         _alias("data.tokenizer", d, "tokenizer", ("actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path"))

@@ -197,6 +197,15 @@ def test_critic_fsdp_is_verls_newer_name_of_the_critics_fsdp_config():
                                           "both name the same setting"):
         _cfg("critic.fsdp.model_dtype=bf16", "critic.model.fsdp_config.model_dtype=float32")
     validate(newer)
+    # the merged section's own rules apply to the merged values: offload_policy from one name supersedes
+    # an offload flag from the other, as within one section
+    split = _cfg("algorithm.adv_estimator=gae", "critic.fsdp.offload_policy=true",
+                 "critic.model.fsdp_config.param_offload=true")
+    one = _cfg("algorithm.adv_estimator=gae", "critic.model.fsdp_config.offload_policy=true",
+               "critic.model.fsdp_config.param_offload=true")
+    assert dataclasses.asdict(split) == dataclasses.asdict(one)
+    assert split.critic.model.fsdp_config.superseded == one.critic.model.fsdp_config.superseded == ["param_offload"]
+    assert config_notes(split) == config_notes(one)
 
 
 def test_rollout_full_determinism_is_the_process_switch():
