@@ -564,10 +564,8 @@ def compute_gdpo_outcome_advantage(
     if len(weights) != count:
         raise ValueError(f"{len(weights)} reward_weights for {count} reward components (algorithm.gdpo_reward_keys)")
     group, num_groups = _group_ids(index, components.shape[0], components.device)
-    combined = torch.zeros(components.shape[0], dtype=dtype, device=components.device)
-    for k in range(count):
-        _, mean, std = _group_mean_std(components[:, k], group, num_groups)
-        combined = combined + weights[k] * (components[:, k] - mean) / (std + epsilon)
+    _, mean, std = _group_mean_std(components, group, num_groups)  # each component's, per row: [B, K]
+    combined = ((components - mean) / (std + epsilon)) @ torch.tensor(weights, dtype=dtype, device=components.device)
     mask = response_mask.bool()
     advantages = torch.where(mask, masked_whiten(combined[:, None].expand(mask.shape), mask), 0.0)
     return advantages, advantages

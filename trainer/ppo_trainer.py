@@ -1014,17 +1014,21 @@ class PPOTrainer:
         from rewards.registry import describe_fn
 
         alg = self.cfg.algorithm
-        unusable = (~torch.isfinite(components)).nonzero()
-        if len(unusable):
-            row, k = unusable[0].tolist()  # the first in the batch's order: the same on every rank
+        columns = components.double()
+        names = ("mean", "std", "max", "min")
+        figures = torch.stack([columns.mean(0), columns.std(0, correction=0), columns.amax(0), columns.amin(0)])
+        finite = torch.isfinite(columns)
+        usable, *values = torch.cat([finite.all().double()[None], figures.flatten()]).tolist()  # one host sync
+        if not usable:
+            row, k = (~finite).nonzero()[0].tolist()  # the first in the batch's order: the same on every rank
             fn, _ = describe_fn(self.reward_manager.compute_score)
             raise UserError(f"algorithm.gdpo_reward_keys: reward function {fn} returned no number for "
                             f"{alg.gdpo_reward_keys[k]!r} on {full.row_names[row]} (data_source="
                             f"{full.data_sources[row]!r}); gdpo normalises each key's values within the response "
                             "groups, so every response's result needs a finite number under every key")
-        for key, column in zip(alg.gdpo_reward_keys, components.double().T):
-            figures = {"mean": column.mean(), "std": column.std(correction=0), "max": column.max(), "min": column.min()}
-            metrics.update({f"gdpo/{key}/{name}": value.item() for name, value in figures.items()})
+        count = len(alg.gdpo_reward_keys)
+        metrics.update({f"gdpo/{key}/{name}": values[i * count + k]
+                        for i, name in enumerate(names) for k, key in enumerate(alg.gdpo_reward_keys)})
         return {"reward_components": components, "reward_weights": alg.gdpo_reward_weights}
 
     def _pf_ppo_redraw(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], scores: torch.Tensor,
