@@ -82,6 +82,8 @@ class ModelArgs:
         missing = [k for k in ROPE_SCALING_KEYS[self.rope_type][0] if k not in self.rope_scaling]
         if missing:
             raise ValueError(f"rope_scaling of type {self.rope_type!r} lacks {missing}")
+        if self.rope_scaling:
+            check_rope_parameters({**self.rope_scaling, "rope_type": self.rope_type}, "rope_scaling")
 
     @property
     def qk_norm(self) -> bool:
@@ -337,11 +339,19 @@ def _rope_scaling(value, where: str) -> dict | None:
     out = {"rope_type": kind}
     for k, v in params.items():
         out[k] = _rope_parameter(k, v, f"{where}.{k}")
-    if kind == "llama3" and out.get("low_freq_factor", 1.0) >= out.get("high_freq_factor", 4.0):
-        raise ValueError(f"{where}: low_freq_factor must be below high_freq_factor (their defaults: 1 and 4)")
-    if kind == "yarn" and out.get("beta_fast", 32.0) < out.get("beta_slow", 1.0):
-        raise ValueError(f"{where}: beta_fast must not be below beta_slow (their defaults: 32 and 1)")
+    check_rope_parameters(out, where)
     return out
+
+
+def check_rope_parameters(rope_scaling: dict, where: str) -> None:
+    """The relations between a `rope_scaling`'s parameters that its frequencies need (an override's
+    or config.json's alike): llama3's smoothing band and YaRN's correction range must not be empty
+    or reversed."""
+    kind = rope_scaling.get("rope_type")
+    if kind == "llama3" and rope_scaling.get("low_freq_factor", 1.0) >= rope_scaling.get("high_freq_factor", 4.0):
+        raise ValueError(f"{where}: low_freq_factor must be below high_freq_factor (their defaults: 1 and 4)")
+    if kind == "yarn" and rope_scaling.get("beta_fast", 32.0) < rope_scaling.get("beta_slow", 1.0):
+        raise ValueError(f"{where}: beta_fast must not be below beta_slow (their defaults: 32 and 1)")
 
 
 def _rope_parameter(name: str, value, where: str):

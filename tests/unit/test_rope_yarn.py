@@ -116,3 +116,20 @@ def test_engine_generates_what_the_yarn_model_scores(kind):
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == greedy_reference(model, prompt, 12)
         check_against_training_forward(model, out, SamplingParams(temperature=0))
+
+
+@pytest.mark.parametrize("rope_scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1.0, "beta_slow": 8.0}, "beta_fast must not be below beta_slow"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 64}, "low_freq_factor must be below high_freq_factor"),
+])
+def test_reversed_rope_parameters_are_refused_from_config_json_as_from_an_override(rope_scaling, message):
+    """The relations a rope type's frequencies need are checked wherever the mapping comes from: an
+    override refused it while the same mapping in config.json was built into a model."""
+    from models import ModelArgs
+    from models.args import apply_overrides
+
+    with pytest.raises(ValueError, match=rf"^rope_scaling: {message}"):
+        ModelArgs(rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=rf"override_config.rope_scaling: {message}"):
+        apply_overrides(ModelArgs(), {"rope_scaling": rope_scaling})
