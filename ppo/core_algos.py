@@ -1996,7 +1996,7 @@ def compute_rollout_rejection_mask(
     delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
     keep = mask.clone()
     for criterion in criteria:
-        keep &= _passes(delta, mask, criterion)
+        keep &= _passes(_rejection_statistic(delta, mask, criterion.option), criterion)
     return keep.to(delta.dtype)
 
 
@@ -2012,10 +2012,10 @@ def _rejection_statistic(delta: torch.Tensor, mask: torch.Tensor, option: str) -
     return stat
 
 
-def _passes(delta: torch.Tensor, mask: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
-    """``[B, T]`` (or ``[B, 1]`` for a sequence criterion) bool: where ``criterion`` passes."""
+def _passes(stat: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
+    """``[B, T]`` (or ``[B, 1]`` for a sequence criterion) bool: where ``criterion`` passes, given its
+    statistic ``stat`` (``_rejection_statistic``)."""
     option, lower, upper = criterion
-    stat = _rejection_statistic(delta, mask, option)
     if option.endswith("k1"):
         return (stat >= math.log(lower)) & (stat <= math.log(upper))
     return stat <= upper
@@ -2056,7 +2056,7 @@ def _off_policy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     rollout = masked_mean(rollout_log_prob.to(dtype), mask, axis=-1)
     gap = rollout - old  # log(training ppl / rollout ppl) of each sequence
     gap_max, gap_min = _extremes(gap, rows)
-    seq_delta = _sequence_log_ratio(old_log_prob, rollout_log_prob, mask)
+    seq_delta = exact_delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # `_sequence_log_ratio`'s
     return {
         "rollout_corr/kl": masked_mean(-exact_delta, mask),
         "rollout_corr/k3_kl": masked_mean(torch.expm1(exact_delta) - exact_delta, mask),
@@ -2113,12 +2113,11 @@ def _is_weight_metrics(weights: torch.Tensor, delta: torch.Tensor, seq_log_ratio
     return metrics
 
 
-def _rejection_metrics(criterion: RejectionCriterion, delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+def _rejection_metrics(criterion: RejectionCriterion, stat: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
                        passed: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``rollout_rs_<option>_*`` figures of ``compute_rollout_correction`` for one criterion;
-    ``passed`` is where it passes, ``[B, T]``."""
+    """The ``rollout_rs_<option>_*`` figures of ``compute_rollout_correction`` for one criterion, from
+    its statistic ``stat`` (``_rejection_statistic``); ``passed`` is where it passes, ``[B, T]``."""
     option, lower, upper = criterion
-    stat = _rejection_statistic(delta, mask, option)
     if option.endswith("k1"):
         # verl's k1 is log(pi_rollout / pi_old) = -delta: the bounds this module puts on delta
         # become [-log upper, -log lower] (verl's [log lower, log upper] wherever lower = 1 / upper)
@@ -2135,17 +2134,17 @@ def _rejection_metrics(criterion: RejectionCriterion, delta: torch.Tensor, mask:
         f"{name}_mean": masked_mean(per_token, mask),
         f"{name}_max": peak,
         f"{name}_min": floor,
-        f"{name}_fraction_high": _fraction(judged > high, where, delta),
-        f"{name}_fraction_low": delta.new_zeros(()) if low is None else _fraction(judged < low, where, delta),
+        f"{name}_fraction_high": _fraction(judged > high, where, stat),
+        f"{name}_fraction_low": stat.new_zeros(()) if low is None else _fraction(judged < low, where, stat),
         f"{name}_std": _token_spread(per_token.clamp(0.0 if low is None else low, high), mask),
         **_sequence_summary(per_sequence, rows, name),
         f"{name}_seq_max_deviation": _extremes(per_sequence.abs(), rows)[0],
-        f"{name}_seq_fraction_high": _fraction(per_sequence > high, rows, delta),
+        f"{name}_seq_fraction_high": _fraction(per_sequence > high, rows, stat),
     }
     if low is not None:
-        metrics[f"{name}_seq_fraction_low"] = _fraction(per_sequence < low, rows, delta)
-    metrics[f"{name}_masked_fraction"] = _fraction(rejected, mask, delta)
-    metrics[f"{name}_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, delta)
+        metrics[f"{name}_seq_fraction_low"] = _fraction(per_sequence < low, rows, stat)
+    metrics[f"{name}_masked_fraction"] = _fraction(rejected, mask, stat)
+    metrics[f"{name}_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, stat)
     return metrics
 
 
@@ -2238,8 +2237,8 @@ def compute_rollout_correction(
         tokens, 0 for rejected ones and outside ``response_mask``.
     """
     mask = response_mask.bool()
-    delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
     exact_delta = _log_ratio(old_log_prob, rollout_log_prob, mask, clamp=False)
+    delta = exact_delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # `_log_ratio`'s (0 outside the mask either way)
     rows = mask.any(dim=-1)
     metrics = _off_policy_metrics(old_log_prob, rollout_log_prob, delta, exact_delta, mask, rows)
     weights = keep = None
@@ -2254,8 +2253,9 @@ def compute_rollout_correction(
     if rejection:
         keep = mask.clone()
         for criterion in rejection:
-            passed = _passes(delta, mask, criterion).expand_as(mask)
-            metrics.update(_rejection_metrics(criterion, delta, mask, rows, passed))
+            stat = _rejection_statistic(delta, mask, criterion.option)
+            passed = _passes(stat, criterion).expand_as(mask)
+            metrics.update(_rejection_metrics(criterion, stat, mask, rows, passed))
             keep &= passed
         rejected = mask & ~keep
         metrics["rollout_corr/rollout_rs_masked_fraction"] = _fraction(rejected, mask, delta)
