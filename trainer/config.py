@@ -1432,12 +1432,12 @@ class FilterGroupsConfig:
     enable: bool = opt(False, "DAPO's dynamic sampling: drop the prompts whose responses all have the same metric "
                               "(e.g. all right or all wrong: zero group advantage) and generate more rounds of "
                               "data.gen_batch_size prompts until data.train_batch_size prompts are kept")
-    metric: str | None = opt(None, "what must vary within a group: seq_reward (the score the advantages use; "
-                                   "verl 0.9.1's reward, its default, is the same: the summed reward before any KL), "
-                                   "seq_final_reward (the same: refused with KL in the reward), score (the reward "
-                                   "function's own, before reward_manager=dapo's overlong penalty, as verl's "
-                                   "DAPO trainer reads it), or a numeric extra key of the reward function's dict "
-                                   "result (e.g. acc)")
+    metric: str | None = opt("reward", "what must vary within a group: reward (verl 0.9.1's name and default: "
+                                       "the summed reward before any KL, the score the advantages use), seq_reward "
+                                       "(the same), seq_final_reward (the same: refused with KL in the reward), score "
+                                       "(the reward function's own, before reward_manager=dapo's overlong penalty, "
+                                       "as verl's DAPO trainer reads it), or a numeric extra key of the reward "
+                                       "function's dict result (e.g. acc); null is refused with enable=true")
     max_num_gen_batches: int = opt(0, "generation rounds a step may take before it fails (the data are then too "
                                       "easy or too hard); 0 or less: no limit")
     max_inflight_gen_batches: int = opt(1, "1 only: meshppo generates one round at a time (verl 0.9.1: up to this many "
@@ -2421,8 +2421,9 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     fg = cfg.algorithm.filter_groups
     if fg.enable:
         if fg.metric is None:
-            raise ConfigError("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: seq_reward, "
-                              "score, or a numeric extra key of the reward function's result (e.g. acc)")
+            raise ConfigError("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: "
+                              f"{', '.join(FILTER_GROUP_SEQUENCE_METRICS)}, or a numeric extra key of the reward "
+                              "function's result (e.g. acc)")
         if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
             raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
                               "the KL penalty needs the reference pass over every generated round; filter on "

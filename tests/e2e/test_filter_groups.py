@@ -133,7 +133,8 @@ def test_dynamic_sampling_config_errors():
         return load_config(PPOConfig, os.path.join(root, "configs", "demo.yaml"), list(overrides))
 
     for overrides, message in (
-            (["algorithm.filter_groups.enable=true"], "needs algorithm.filter_groups.metric"),
+            (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"],
+             "needs algorithm.filter_groups.metric"),
             (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
               "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false"],
              "metric=seq_final_reward with algorithm.use_kl_in_reward=true"),

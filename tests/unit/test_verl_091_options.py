@@ -57,8 +57,7 @@ def test_verl_091s_generated_config_loads_as_a_whole(tmp_path):
         f"{ENGINE}=vllm: meshppo generates with its own engine (native); vllm is not used, and the rollout options it "
         "shares with verl tune meshppo's engine",
         f"{R}.mode=async: meshppo's engine runs in-process on every rank; the single-turn rollouts are the same as "
-        "with sync (verl's agent-loop servers are not used)",
-        "algorithm.filter_groups.metric=reward has no effect: algorithm.filter_groups.enable is false"]
+        "with sync (verl's agent-loop servers are not used)"]
     # the values that act are verl's defaults where they were null at the older reward places
     assert (cfg.reward_model.enable, cfg.reward_model.reward_manager, cfg.custom_reward_function.name) == \
         (False, "naive", "compute_score")
@@ -220,17 +219,24 @@ def test_rollout_full_determinism_is_the_process_switch():
 
 
 def test_filter_groups_reward_is_verl_091s_name_of_the_summed_reward():
-    """verl 0.9.1's metric `reward` (its default) is the summed reward before any KL: meshppo's seq_reward, the
-    first column of the trainer's filter metrics."""
+    """verl 0.9.1's metric `reward` is the default, as verl's, so verl's plain `filter_groups.enable=true` runs:
+    it is the summed reward before any KL, meshppo's seq_reward, the first column of the trainer's filter
+    metrics. An explicit null is refused naming the key and the accepted names, `reward` among them."""
     from trainer.ppo_trainer import PPOTrainer
 
-    cfg = _cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward")
+    cfg = _cfg("algorithm.filter_groups.enable=true")
+    assert cfg.algorithm.filter_groups.metric == "reward"
     validate(cfg)
     cols = torch.tensor([[1.0, 0.5, 3.0], [0.0, 0.25, 4.0]], dtype=torch.float64)
     trainer = SimpleNamespace(cfg=cfg)
     assert PPOTrainer._filter_metric(trainer, cols, ["acc"], None).tolist() == [1.0, 0.0]
     trainer.cfg = _cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward")
     assert PPOTrainer._filter_metric(trainer, cols, ["acc"], None).tolist() == [1.0, 0.0]
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"))
+    assert str(e.value) == ("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: seq_reward, "
+                            "seq_final_reward, score, reward, or a numeric extra key of the reward function's result "
+                            "(e.g. acc)")
 
 
 def test_a_row_with_audio_is_refused_naming_its_field(tmp_path):

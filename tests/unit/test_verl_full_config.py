@@ -75,6 +75,7 @@ VERL_DEFAULTS = [
     f"{A}.fsdp_config.use_no_sync_for_gradient_accumulation=false",
     "actor_rollout_ref.ref.fsdp_config.pad_to_length_bucket=${oc.select:" + A + ".fsdp_config.pad_to_length_bucket,1024}",
     f"{R}.seed=42", "data.mm_processor_kwargs={}", "trainer.use_v1=true", "trainer.checkpoint_callback_class=null",
+    "algorithm.filter_groups.metric=reward",
 ]
 
 
