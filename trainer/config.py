@@ -187,7 +187,9 @@ class DataConfig:
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
     gen_batch_size: int | None = opt(None, "prompts per generation round with algorithm.filter_groups (DAPO's "
                                            "dynamic sampling: rounds repeat until train_batch_size prompts are "
-                                           "kept); null: train_batch_size. Without filter_groups it must be null or "
+                                           "kept), as verl's DAPO recipe reads it (verl 0.9.1's default trainer "
+                                           "sets it to 1 with filter_groups: it refills prompt by prompt); null: "
+                                           "train_batch_size. Without filter_groups it must be null or "
                                            "train_batch_size", ge=1)
     val_batch_size: int | None = opt(None, "prompts per validation generate call; default: the whole validation set",
                                      ge=1)
@@ -1439,7 +1441,8 @@ class FilterGroupsConfig:
                                        "as verl's DAPO trainer reads it), or a numeric extra key of the reward "
                                        "function's dict result (e.g. acc); null is refused with enable=true")
     max_num_gen_batches: int = opt(0, "generation rounds a step may take before it fails (the data are then too "
-                                      "easy or too hard); 0 or less: no limit")
+                                      "easy or too hard), as verl's DAPO recipe reads it (verl 0.9.1's default "
+                                      "trainer ignores it, with a warning); 0 or less: no limit")
     max_inflight_gen_batches: int = opt(1, "1 only: meshppo generates one round at a time (verl 0.9.1: up to this many "
                                            "rounds of train_batch_size prompts in flight at once)", ge=1,
                                         unsupported=other_than(1))

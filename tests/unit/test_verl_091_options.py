@@ -239,6 +239,28 @@ def test_filter_groups_reward_is_verl_091s_name_of_the_summed_reward():
                             "(e.g. acc)")
 
 
+# The options verl 0.9.1's default trainer (its v1, trainer.use_v1=true) leaves aside with dynamic sampling: it
+# warns that it ignores max_num_gen_batches and sets data.gen_batch_size to 1 (it refills prompt by prompt).
+# meshppo reads both as verl's DAPO recipe does; their help and VERL.md's list must say so.
+V1_LEAVES_ASIDE = {"algorithm.filter_groups.max_num_gen_batches": "ignores it",
+                   "data.gen_batch_size": "sets it to 1"}
+
+
+def _verl_md_leaves_aside() -> str:
+    """VERL.md's bullet of the options meshppo reads where verl's trainer leaves them aside."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "VERL.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("- **Where meshppo reads an option verl's trainer leaves aside:**")
+    return text[start:text.index("\n\n", start)]
+
+
+@pytest.mark.parametrize("key", sorted(V1_LEAVES_ASIDE))
+def test_options_verls_v1_trainer_leaves_aside_say_what_verl_does(key):
+    help_ = next(h for k, _, _, h in iter_options(PPOConfig) if k == key)
+    assert f"verl 0.9.1's default trainer {V1_LEAVES_ASIDE[key]}" in help_ and "verl's DAPO recipe" in help_, help_
+    assert f"`{key}`" in " ".join(_verl_md_leaves_aside().split())
+
+
 def test_a_row_with_audio_is_refused_naming_its_field(tmp_path):
     """verl 0.9.1's data.audio_key: a row with audio is refused at load, as one with images or videos (meshppo's
     models are text-only); the data section's media_keys names the three fields."""
