@@ -1550,6 +1550,10 @@ class TrainerConfig:
                                                     "actor's checkpoints and rotates them together, so null or 0 "
                                                     "(verl: keep every critic checkpoint; here the actor's count) or "
                                                     "max_actor_ckpt_to_keep (checked with a critic)", ge=0)
+    remove_previous_ckpt_in_save: bool = opt(False, "verl's deprecated switch (not in its config; verl 0.9.1 still "
+                                                    "reads it): true keeps only the newest checkpoint, setting "
+                                                    "max_actor_ckpt_to_keep and, with a critic, "
+                                                    "max_critic_ckpt_to_keep to 1 over any value they have")
     log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
                                       "(sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
@@ -1626,6 +1630,10 @@ class PPOConfig:
         for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
             if getattr(self.trainer, name) == 0:  # verl keeps every checkpoint for 0, as for null
                 setattr(self.trainer, name, None)
+        if self.trainer.remove_previous_ckpt_in_save:  # verl 0.9.1: the deprecated switch wins over both counts
+            self.trainer.max_actor_ckpt_to_keep = 1
+            if self.uses_critic:  # (without one, a critic count keeps its note: it has no effect)
+                self.trainer.max_critic_ckpt_to_keep = 1
 
         if critic.fsdp is not None:  # verl 0.9.1's name of the critic's fsdp_config
             fc = critic.model.fsdp_config
@@ -2061,6 +2069,11 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"trainer.resume_from_path={cfg.trainer.resume_from_path} is not read with trainer.resume_mode="
                      "auto (as in verl): the run resumes the newest checkpoint in trainer.default_local_dir, if any; "
                      "set trainer.resume_mode=resume_path to resume from it")
+    if cfg.trainer.remove_previous_ckpt_in_save:
+        counts = ["trainer.max_actor_ckpt_to_keep"] + (["trainer.max_critic_ckpt_to_keep"] if cfg.uses_critic else [])
+        notes.append(f"trainer.remove_previous_ckpt_in_save=true keeps only the newest checkpoint, over any "
+                     f"{' or '.join(counts)} (as verl 0.9.1 does, which deprecates the switch): set "
+                     f"{' and '.join(f'{key}=1' for key in counts)} instead")
     keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
     if keep is not None and not cfg.uses_critic:
         notes.append(f"trainer.max_critic_ckpt_to_keep={keep} has no effect: algorithm.adv_estimator="

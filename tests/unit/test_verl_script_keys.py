@@ -244,3 +244,37 @@ def test_zero_checkpoints_to_keep_keeps_all_as_in_verl(tmp_path):
     assert manager.complete_steps() == [1, 2, 3]
     with pytest.raises(ConfigError, match=r"trainer.max_actor_ckpt_to_keep: -1 is out of range; allowed: >= 0"):
         _cfg("trainer.max_actor_ckpt_to_keep=-1")
+
+
+def test_remove_previous_ckpt_in_save_keeps_one_checkpoint_as_in_verl(tmp_path):
+    """verl 0.9.1's trainer still reads its deprecated `trainer.remove_previous_ckpt_in_save` (a `+` key: its
+    config has no such option): true keeps one actor and one critic checkpoint, whatever max_actor_ckpt_to_keep
+    and max_critic_ckpt_to_keep say, with a warning that the switch is deprecated. meshppo does the same, and its
+    start-up note names the keys that replace it."""
+    from trainer.checkpointing import CheckpointManager
+
+    flag = "+trainer.remove_previous_ckpt_in_save=true"
+    cfg = _cfg(*GAE, flag, "trainer.max_actor_ckpt_to_keep=5", "trainer.max_critic_ckpt_to_keep=5")
+    validate(cfg)
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (1, 1)
+    assert _round_trips(cfg)
+    assert ("trainer.remove_previous_ckpt_in_save=true keeps only the newest checkpoint, over any "
+            "trainer.max_actor_ckpt_to_keep or trainer.max_critic_ckpt_to_keep (as verl 0.9.1 does, which deprecates "
+            "the switch): set trainer.max_actor_ckpt_to_keep=1 and trainer.max_critic_ckpt_to_keep=1 instead"
+            ) in config_notes(cfg)
+    manager = CheckpointManager(str(tmp_path), fingerprint={}, config=cfg, keep=cfg.trainer.max_actor_ckpt_to_keep,
+                                log=lambda s: None)
+    for step in (1, 2, 3):
+        manager.save(step)
+    assert manager.complete_steps() == [3]
+    # no critic (the demo's grpo): the actor's count alone; a critic count is still said to do nothing
+    cfg = _cfg(flag, "trainer.max_critic_ckpt_to_keep=3")
+    validate(cfg)
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (1, 3)
+    assert [n for n in config_notes(cfg) if "ckpt" in n] == [
+        "trainer.remove_previous_ckpt_in_save=true keeps only the newest checkpoint, over any "
+        "trainer.max_actor_ckpt_to_keep (as verl 0.9.1 does, which deprecates the switch): set "
+        "trainer.max_actor_ckpt_to_keep=1 instead",
+        "trainer.max_critic_ckpt_to_keep=3 has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    # verl's default, false, changes nothing
+    assert dataclasses.asdict(_cfg("+trainer.remove_previous_ckpt_in_save=false")) == dataclasses.asdict(_cfg())
