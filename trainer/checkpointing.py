@@ -72,7 +72,8 @@ from models.args import torch_dtypes
 from models.checkpoint import one_line, save_pretrained
 from models.lora import is_lora_name, merged_state_dict, save_peft_adapter
 from trainer import faults
-from trainer.config import CHECKPOINT_CONTENTS, MODEL_SECTIONS, PPOConfig, acting_overrides, paths_read_under
+from trainer.config import (CHECKPOINT_CONTENTS, MODEL_SECTIONS, FilterGroupsConfig, PPOConfig, acting_overrides,
+                            paths_read_under)
 from trainer.configlib import iter_options, no_effect_options
 from trainer.errors import UserError
 from sharding import comm
@@ -196,6 +197,9 @@ PREDATING_VALUES = {"reward_model.model.input_tokenizer": None}
 ACTING_PART = {f"{section}.override_config": functools.partial(acting_overrides, section) for section in MODEL_SECTIONS}
 # a dtype by what it is, not how it is spelled (fp32 and float32 are one)
 ACTING_PART.update({key: lambda name: torch_dtypes().get(name, name) for key in SAME_RUN_EXCEPTIONS})
+# filter_groups.metric defaulted to null before verl's `reward`: a run saved with null had filter_groups off (null
+# is refused with it on), so null reads as the default it now is
+ACTING_PART["algorithm.filter_groups.metric"] = lambda metric: FilterGroupsConfig().metric if metric is None else metric
 
 
 # Options naming a directory the run reads a model, adapter or tokenizer from. A resume compares

@@ -239,6 +239,18 @@ def test_filter_groups_reward_is_verl_091s_name_of_the_summed_reward():
                             "(e.g. acc)")
 
 
+def test_a_checkpoint_from_before_the_reward_default_resumes():
+    """filter_groups.metric defaulted to null before it defaulted to verl's `reward`: a run saved then ran with
+    null, which only filter_groups.enable=false allowed (the metric unread), so it resumes under the new default;
+    a metric that differs otherwise still stops the resume."""
+    from trainer.checkpointing import run_differences
+
+    saved = dataclasses.asdict(_cfg("algorithm.filter_groups.metric=null"))
+    assert run_differences(saved, dataclasses.asdict(_cfg())) == []
+    assert run_differences(saved, dataclasses.asdict(_cfg("algorithm.filter_groups.metric=acc"))) == [
+        ("algorithm.filter_groups.metric", None, "acc")]
+
+
 # The options verl 0.9.1's default trainer (its v1, trainer.use_v1=true) leaves aside with dynamic sampling: it
 # warns that it ignores max_num_gen_batches and sets data.gen_batch_size to 1 (it refills prompt by prompt).
 # meshppo reads both as verl's DAPO recipe does; their help and VERL.md's list must say so.
