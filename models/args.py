@@ -119,22 +119,49 @@ class ModelArgs:
 
         `lora` (a `LoRAConfig`: frozen base, trained adapters) changes the backward: the base's and
         the head's weight gradients do not run (`4·` instead of `6·`), each adapted projection
-        `in -> out` adds `6·r·(in + out)` per token, and layer 0's q / k / v, whose input is the
-        frozen embedding's output, compute no input gradient (base or adapter)."""
+        `in -> out` adds `6·r·(in + out)` per token, and layer 0 computes no input gradient
+        upstream of its first adapter (`_lora_layer0_skipped`)."""
         k = 6 if backward else 2
         body = self.num_params(include_embedding=False)
         attn = 2 * k * self.num_hidden_layers * self.num_attention_heads * self.head_dim
         if not (backward and lora is not None):
             return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
-        h, r = self.hidden_size, lora.rank
-        q, kv, i = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim, self.intermediate_size
-        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-                  "up_proj": (h, i), "down_proj": (i, h)}
-        adapters = self.num_hidden_layers * sum(6 * r * sum(shapes[m]) for m in lora.targets)
-        # layer 0's q / k / v: no input gradient (2·h·out for the base, 2·r·h for an adapter)
-        first = 2 * h * (q + 2 * kv) + sum(2 * r * h for m in ("q_proj", "k_proj", "v_proj") if m in lora.targets)
-        return ((4 * body + adapters - first) * tokens + 4 * h * self.vocab_size * head_positions
-                + attn * attention_pairs)
+        adapters = self.num_hidden_layers * sum(6 * lora.rank * sum(self._projection_shapes()[m]) for m in lora.targets)
+        skipped_per_token, skipped_per_pair = self._lora_layer0_skipped(lora)
+        head = 4 * self.hidden_size * self.vocab_size
+        return ((4 * body + adapters - skipped_per_token) * tokens + head * head_positions
+                + (attn - skipped_per_pair) * attention_pairs)
+
+    def _projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each block projection's `(in, out)` features."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                "up_proj": (h, i), "down_proj": (i, h)}
+
+    def _lora_layer0_skipped(self, lora) -> tuple[int, int]:
+        """The backward FLOPs (per token, per attended pair) that layer 0 of a LoRA model does not
+        run. Its input, the frozen embedding's output, needs no gradient, so autograd computes a
+        tensor's gradient only downstream of the first adapter: q / k / v never compute their input
+        gradient; without a q / k / v adapter, neither do attention (its `8·heads·head_dim` a pair)
+        and o_proj; without an attention adapter, neither do gate / up; and with none of those,
+        neither does down_proj. An input gradient costs `2·in·out` for the base, `2·r·in` for an
+        adapter."""
+        shapes, targets, r = self._projection_shapes(), set(lora.targets), lora.rank
+
+        def input_grads(*names):
+            return sum(2 * shapes[m][0] * shapes[m][1] + (2 * r * shapes[m][0] if m in targets else 0) for m in names)
+
+        qkv = ("q_proj", "k_proj", "v_proj")
+        per_token, per_pair = input_grads(*qkv), 0
+        if targets.isdisjoint(qkv):
+            per_token += input_grads("o_proj")
+            per_pair = 8 * self.num_attention_heads * self.head_dim
+        if targets.isdisjoint((*qkv, "o_proj")):
+            per_token += input_grads("gate_proj", "up_proj")
+            if targets.isdisjoint(("gate_proj", "up_proj")):
+                per_token += input_grads("down_proj")
+        return per_token, per_pair
 
     # ---------------------------------------------------------------- HF conversion
     @classmethod
