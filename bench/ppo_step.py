@@ -15,7 +15,8 @@ Workloads (`bench/common.py`, issue 7), 128 prompt tokens and 256 response token
   grpo: reference + k3 KL loss (beta 0.04), 32 prompts x 8 samples
 The model, a word-level tokenizer over its whole vocabulary and random prompts are written to
 `--work-dir` first (random weights: speed does not depend on their values); the reward is a
-rule (a custom function scoring a token's frequency). Prints one JSON object per workload:
+rule (a custom function scoring a token's frequency). The bench runs the trainer's steps, not its
+`train()` loop: no checkpoint, validation or metrics log is written. Prints one JSON object per workload:
 `perf/throughput` (prompt + response tokens per second per GPU, median over the measured
 steps), the phase breakdown `timing_s/*`, the reshard share of the step and peak memory.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -139,6 +139,27 @@ def scaling(base: dict | None, timing: dict, throughput: float, world: int, mode
                                  if k in timing and v > 0}}
 
 
+# What only the trainer's `train()` loop acts on: the bench drives `step()` (`measured_steps`).
+TRAIN_LOOP_KEYS = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq",
+                   "trainer.val_before_train", "trainer.val_only", "trainer.logger", "trainer.resume_mode",
+                   "trainer.export_hf_at_end")
+
+
+def measured_steps(trainer, steps: int) -> list[dict]:
+    """Each step's metrics, `steps` steps of the trainer's `step()` (as bench/learn.py drives it),
+    each under the trainer's step profiler (`global_profiler` acts as in a run). Not `train()`: it
+    writes a checkpoint at the last step whatever `trainer.save_freq` says (about 91 GB of weights
+    and Adam states at 7b, on the clock of the bench's time limit), and logs and validates."""
+    rows = []
+    try:
+        for _ in range(steps):
+            with trainer.profiler.step(trainer.global_step + 1):
+                rows.append(trainer.step())
+    finally:
+        trainer.profiler.close()
+    return rows
+
+
 def profile_step(trainer, trace: str | None = None) -> dict:
     """One more step under torch.profiler: per phase, NCCL time and the exposed part of it;
     `trace`: also write this rank's Chrome trace there (open it in Perfetto)."""
@@ -170,9 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--trace", metavar="DIR", help="with --profile: each rank's Chrome trace of the profiled step "
                    "goes to DIR/<workload>_rank<r>.json")
     p.add_argument("--dummy", action="store_true",
-                   help="random weights drawn by the ranks (model.load_format=dummy): no checkpoint written")
-    p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides")
+                   help="random weights drawn by the ranks (model.load_format=dummy): no model written to "
+                        "--work-dir (only its config.json and tokenizer)")
+    p.add_argument("overrides", nargs="*", help="extra dotted.key=value config overrides (not those of the "
+                   f"trainer's train() loop, which the bench does not run: {', '.join(TRAIN_LOOP_KEYS)})")
     a = p.parse_args(argv)
+    if loop_keys := [o for o in a.overrides if o.split("=", 1)[0].lstrip("+") in TRAIN_LOOP_KEYS]:
+        p.error(f"{', '.join(loop_keys)}: the bench runs the trainer's steps, not its train() loop, where "
+                "these act (the step count is --steps)")
     if a.trace and not a.profile:
         p.error("--trace needs --profile (the trace is of the profiled step)")
     if a.steps < 2:
@@ -200,8 +226,6 @@ def main(argv=None) -> int:
         steps = a.steps + (1 if a.profile else 0)
         model_dir, data, reward = prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape, a.dummy)
         run_dir = work / f"run_{workload}"
-        if ctx.is_main and (run_dir / "metrics.jsonl").exists():
-            os.remove(run_dir / "metrics.jsonl")
         ov = overrides_for(workload, prompts, prompt_len, response_len, scale) + [
             f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data}]",
             f"custom_reward_function.path={reward}", f"trainer.default_local_dir={run_dir}",
@@ -209,14 +233,16 @@ def main(argv=None) -> int:
             "data.shuffle=false", *(["actor_rollout_ref.model.load_format=dummy"] if a.dummy else []), *a.overrides]
         cfg = load_config(PPOConfig, None, ov)
         trainer = PPOTrainer(cfg, ctx)
-        trainer.train()
-        trace = None
-        if a.trace:
-            Path(a.trace).mkdir(parents=True, exist_ok=True)
-            trace = str(Path(a.trace) / f"{workload}_rank{ctx.rank}.json")
-        exposure = profile_step(trainer, trace) if a.profile else None
+        try:
+            rows = measured_steps(trainer, a.steps)
+            trace = None
+            if a.trace:
+                Path(a.trace).mkdir(parents=True, exist_ok=True)
+                trace = str(Path(a.trace) / f"{workload}_rank{ctx.rank}.json")
+            exposure = profile_step(trainer, trace) if a.profile else None
+        finally:
+            trainer.reward_manager.close()
         if ctx.is_main:
-            rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
             measured = rows[1:]
             med = lambda k: statistics.median(r[k] for r in measured if k in r)  # noqa: E731
             timing = {k: med(k) for k in measured[0] if k.startswith("timing_s/")}

@@ -18,7 +18,7 @@ for tp in 1 2; do
     || { echo "!! reshard tp $tp failed"; tail -5 "$OUT/reshard_tp$tp.err"; }
 done
 # 7b GRPO, FULL_SHARD over the GPUs, engine TP 2 (configs/gsm8k_qwen2.5_7b_2gpu.yaml's layout),
-# random weights drawn by the ranks (nothing written).
+# random weights drawn by the ranks (no model or checkpoint written: the bench runs the steps alone).
 [[ "${SKIP_7B:-0}" == 1 ]] || timeout "${LIMIT_7B:-240}" python -m torch.distributed.run --standalone \
   --nproc_per_node="$N" bench/ppo_step.py --model qwen2.5-7b --workloads grpo --dummy --steps "${STEPS_7B:-3}" \
   --work-dir /tmp/meshppo_bench actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
