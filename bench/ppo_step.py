@@ -182,8 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per workload; the first is warm-up")
     p.add_argument("--work-dir", default="runs/bench_ppo_step")
     p.add_argument("--smoke", action="store_true", help="a tiny model and batch (CPU check that the bench runs)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (the workloads' 128 by default)")
-    p.add_argument("--response-len", type=int, default=256, help="response tokens (the workloads' 256 by default)")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens (the workloads' 128 by default; 16 with --smoke)")
+    p.add_argument("--response-len", type=int,
+                   help="response tokens (the workloads' 256 by default; 8 with --smoke)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
     p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
@@ -203,6 +204,10 @@ def main(argv=None) -> int:
         p.error("--trace needs --profile (the trace is of the profiled step)")
     if a.steps < 2:
         p.error(f"--steps {a.steps}: the first step is warm-up, so at least 2 are needed for a measurement")
+    prompt_len = a.prompt_len if a.prompt_len is not None else (16 if a.smoke else 128)
+    response_len = a.response_len if a.response_len is not None else (8 if a.smoke else 256)
+    if min(prompt_len, response_len) < 1:
+        p.error(f"--prompt-len {prompt_len} / --response-len {response_len}: both must be >= 1")
 
     from trainer.config import PPOConfig
     from trainer.configlib import load_config
@@ -213,7 +218,6 @@ def main(argv=None) -> int:
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shape = SMOKE_SHAPE if a.smoke else {}
-    prompt_len, response_len = (16, 8) if a.smoke else (a.prompt_len, a.response_len)
     scale = ctx.world_size if a.scaling == "weak" else 1
     baseline = {}
     if a.baseline:
