@@ -5,7 +5,8 @@
 
 On N GPUs, `--scaling strong` (default) keeps the one-GPU global batch (each GPU does 1/N of
 it) and `--scaling weak` multiplies the prompts and the mini-batch by N (each GPU keeps the
-one-GPU work). `--baseline` names the JSON lines of the same workloads on one GPU: each
+one-GPU work). `--baseline` names the JSON lines of the same workloads on one GPU (the same
+model, lengths, samples, overrides and `--smoke`; a file without them is refused): each
 record then carries `scaling` — the strong-scaling speedup of the step and of each phase, or
 the weak-scaling efficiency of the per-GPU throughput. `--profile` profiles one more step and
 reports, per phase, the NCCL time and the part of it no compute kernel hides.
@@ -62,14 +63,19 @@ SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_id=1)
 
 
+def bench_files(work: Path, name: str, n_prompts: int, prompt_len: int, shape: dict, dummy: bool = False):
+    """`prepare`'s paths: the model directory, the prompt file and the reward function."""
+    tag = name + ("-smoke" if shape else "") + ("-dummy" if dummy else "")
+    return work / f"{tag}-random", work / f"{tag}_prompts_{n_prompts}x{prompt_len}.jsonl", work / "reward.py"
+
+
 def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, shape: dict, dummy: bool = False):
     """Random HF checkpoint + tokenizer + prompt file (rank 0 writes, others wait). `dummy`:
     config.json and the tokenizer only, for `actor_rollout_ref.model.load_format=dummy` (the
     ranks draw their shards themselves: nothing large is built or written)."""
     import torch.distributed as dist
 
-    tag = name + ("-smoke" if shape else "") + ("-dummy" if dummy else "")
-    model_dir, data = work / f"{tag}-random", work / f"{tag}_prompts_{n_prompts}x{prompt_len}.jsonl"
+    model_dir, data, reward = bench_files(work, name, n_prompts, prompt_len, shape, dummy)
     if rank == 0 and not (model_dir / "tokenizer.json").exists():
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -96,10 +102,10 @@ def prepare(work: Path, name: str, n_prompts: int, prompt_len: int, rank: int, s
                 ids = torch.randint(1, len(chars), (prompt_len,), generator=g).tolist()
                 f.write(json.dumps({"data_source": "bench", "prompt": "".join(chars[t] for t in ids),
                                     "reward_model": {"ground_truth": chars[ids[0]]}}) + "\n")
-        (work / "reward.py").write_text(REWARD)
+        reward.write_text(REWARD)
     if dist.is_initialized():
         dist.barrier()
-    return model_dir, data, work / "reward.py"
+    return model_dir, data, reward
 
 
 def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: int, mini_scale: int = 1) -> list[str]:
@@ -123,6 +129,28 @@ def overrides_for(workload: str, prompts: int, prompt_len: int, response_len: in
     return common + [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(8 * mini_scale, prompts)}",
                      "actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo",
                      "actor_rollout_ref.actor.kl_loss_coef=0.04"]
+
+
+def baseline_record(records: list[dict], run: dict, scale: int) -> dict:
+    """The record among `records` (`--baseline`'s) of the workload `run` (this run's record
+    workload) as one GPU runs it: the same model, workload, samples, lengths, overrides and smoke
+    mode, on one rank, with the global batch divided by `scale` (weak scaling's world size; 1 for
+    strong scaling). A ValueError naming what differs when there is none: figures against a
+    baseline of another configuration would be meaningless."""
+    prompts = run["prompts"] // scale if run["prompts"] % scale == 0 else run["prompts"] / scale
+    one_gpu = {**run, "world_size": 1, "prompts": prompts}
+    same_name = [r for r in records if r.get("benchmark") == "ppo_step"
+                 and (r["workload"].get("model"), r["workload"].get("workload")) == (run["model"], run["workload"])]
+    for rec in same_name:
+        if all(rec["workload"].get(k) == v for k, v in one_gpu.items()):
+            return rec
+    if not same_name:
+        raise ValueError(f"no ppo_step record of model {run['model']}, workload {run['workload']}")
+    differences = ["; ".join(f"{k} {rec['workload'].get(k)!r}" for k, v in one_gpu.items()
+                             if rec["workload"].get(k) != v) for rec in same_name]
+    wanted = ", ".join(f"{k} {v!r}" for k, v in one_gpu.items() if k not in ("model", "workload"))
+    raise ValueError(f"no record of {run['model']} {run['workload']} as one GPU runs this run's workload "
+                     f"({wanted}); its records differ in: {' | '.join(differences)}")
 
 
 def scaling(base: dict | None, timing: dict, throughput: float, world: int, mode: str) -> dict | None:
@@ -187,7 +215,8 @@ def main(argv=None) -> int:
                    help="response tokens (the workloads' 256 by default; 8 with --smoke)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="on N ranks: the one-GPU global batch (strong) or N times it (weak)")
-    p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU: adds the scaling figures")
+    p.add_argument("--baseline", help="JSON lines of the same workloads on one GPU (the same model, lengths, "
+                   "samples and overrides; refused otherwise): adds the scaling figures")
     p.add_argument("--profile", action="store_true", help="profile one more step: exposed NCCL time per phase")
     p.add_argument("--trace", metavar="DIR", help="with --profile: each rank's Chrome trace of the profiled step "
                    "goes to DIR/<workload>_rank<r>.json")
@@ -219,23 +248,31 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     shape = SMOKE_SHAPE if a.smoke else {}
     scale = ctx.world_size if a.scaling == "weak" else 1
-    baseline = {}
-    if a.baseline:
-        for line in open(a.baseline):
-            rec = json.loads(line)
-            if rec.get("benchmark") == "ppo_step" and rec["workload"]["world_size"] == 1:
-                baseline[(rec["workload"]["model"], rec["workload"]["workload"])] = rec
+    steps = a.steps + (1 if a.profile else 0)
+    runs = []  # (workload, prompts, config, the record's workload): every configuration checked before any run
     for workload in a.workloads.split(","):
         prompts = (256 if workload == "ppo" else 32) // (16 if a.smoke else 1) * scale
-        steps = a.steps + (1 if a.profile else 0)
-        model_dir, data, reward = prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape, a.dummy)
-        run_dir = work / f"run_{workload}"
+        model_dir, data, reward = bench_files(work, a.model, prompts * steps, prompt_len, shape, a.dummy)
         ov = overrides_for(workload, prompts, prompt_len, response_len, scale) + [
             f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data}]",
-            f"custom_reward_function.path={reward}", f"trainer.default_local_dir={run_dir}",
+            f"custom_reward_function.path={reward}", f"trainer.default_local_dir={work / f'run_{workload}'}",
             f"trainer.total_training_steps={a.steps}", f"trainer.n_gpus_per_node={ctx.world_size}",
             "data.shuffle=false", *(["actor_rollout_ref.model.load_format=dummy"] if a.dummy else []), *a.overrides]
         cfg = load_config(PPOConfig, None, ov)
+        runs.append((workload, prompts, cfg, {
+            "model": a.model, "workload": workload, "prompts": cfg.data.train_batch_size,
+            "n": cfg.actor_rollout_ref.rollout.n, "prompt_len": prompt_len, "response_len": response_len,
+            "smoke": a.smoke, "world_size": ctx.world_size, "overrides": list(a.overrides)}))
+    baselines = {}
+    if a.baseline:
+        try:
+            with open(a.baseline) as f:
+                records = [json.loads(line) for line in f if line.startswith("{")]
+            baselines = {record["workload"]: baseline_record(records, record, scale) for *_, record in runs}
+        except (OSError, ValueError) as e:
+            p.error(f"--baseline {a.baseline}: {e}")
+    for workload, prompts, cfg, record in runs:
+        prepare(work, a.model, prompts * steps, prompt_len, ctx.rank, shape, a.dummy)
         trainer = PPOTrainer(cfg, ctx)
         try:
             rows = measured_steps(trainer, a.steps)
@@ -250,10 +287,7 @@ def main(argv=None) -> int:
             measured = rows[1:]
             med = lambda k: statistics.median(r[k] for r in measured if k in r)  # noqa: E731
             timing = {k: med(k) for k in measured[0] if k.startswith("timing_s/")}
-            emit("ppo_step", {"model": a.model, "workload": workload, "prompts": cfg.data.train_batch_size,
-                              "n": cfg.actor_rollout_ref.rollout.n, "prompt_len": prompt_len,
-                              "response_len": response_len, "smoke": a.smoke,
-                              "world_size": ctx.world_size, "overrides": list(a.overrides)},
+            emit("ppo_step", record,
                  throughput_tok_s_per_gpu=med("perf/throughput"), timing_s=timing,
                  reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
                  peak_memory_gb=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
@@ -266,8 +300,7 @@ def main(argv=None) -> int:
                  # every step's, the warm-up included: a recapture after step 1 hides in the median
                  graph_capture_s_steps=[round(r.get("timing_s/graph_capture", 0.0), 4) for r in rows],
                  response_tok_s_per_gpu=med("perf/response_throughput"), scaling_mode=a.scaling,
-                 scaling=scaling(baseline.get((a.model, workload)), timing, med("perf/throughput"), ctx.world_size,
-                                 a.scaling),
+                 scaling=scaling(baselines.get(workload), timing, med("perf/throughput"), ctx.world_size, a.scaling),
                  comm_exposure=exposure, steps_measured=len(measured))
         del trainer
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
