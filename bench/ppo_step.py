@@ -19,7 +19,8 @@ The model, a word-level tokenizer over its whole vocabulary and random prompts a
 rule (a custom function scoring a token's frequency). The bench runs the trainer's steps, not its
 `train()` loop: no checkpoint, validation or metrics log is written. Prints one JSON object per workload:
 `perf/throughput` (prompt + response tokens per second per GPU, median over the measured
-steps), the phase breakdown `timing_s/*`, the reshard share of the step and peak memory.
+steps), the phase breakdown `timing_s/*`, the reshard share of the step and peak memory in GiB
+(`peak_memory_gib`, `peak_memory_update_gib`).
 """
 
 from __future__ import annotations
@@ -290,9 +291,10 @@ def main(argv=None) -> int:
             emit("ppo_step", record,
                  throughput_tok_s_per_gpu=med("perf/throughput"), timing_s=timing,
                  reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
-                 peak_memory_gb=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
+                 # the trainer's peaks are GiB (bytes / 2**30, under verl's names `perf/*_gb`)
+                 peak_memory_gib=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
                  # the update phase's own peak (after generation: what the actor trains in)
-                 peak_memory_update_gb=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
+                 peak_memory_update_gib=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,
                  # actor.use_prefix_grouper: the share of the update's tokens not run
                  prefix_tokens_saved=(med("perf/prefix_tokens_saved") if "perf/prefix_tokens_saved" in measured[0]

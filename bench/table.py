@@ -16,18 +16,23 @@ def rows(paths):
                     yield f"{path}:{number}", text
 
 
+def peak_gib(r: dict) -> str:
+    """A train or ppo_step record's peak memory, GiB: `peak_memory_gib`, or, in records written
+    before that name, `peak_memory_gb` (the same bytes / 2**30; bench/rollout.py's `*_gb` are GB)."""
+    return f"{r.get('peak_memory_gib', r.get('peak_memory_gb')):6.1f}GiB"
+
+
 def line(r: dict) -> str:
     w = r["workload"]
     if r["benchmark"] == "train":
         fig = f"{r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else f"{r['seconds'] * 1e3:.1f} ms"
         extra = f"{r['mfu'] * 100:5.1f}%" if "mfu" in r else f"{r.get('tflops', 0):4.0f}TF"
-        out = f"train    {w['model']:13} {w['variant'] + '/' + w['phase']:30} {fig:>15} {extra:>6} " \
-              f"{r['peak_memory_gb']:6.1f}GB"
+        out = f"train    {w['model']:13} {w['variant'] + '/' + w['phase']:30} {fig:>15} {extra:>6} " + peak_gib(r)
     elif r["benchmark"] == "ppo_step":
         t = r["timing_s"]
         name = f"{w['workload']} x{w.get('world_size', 1)} {r.get('scaling_mode', '')}"
         out = f"ppo_step {w['model']:13} {name:30} {r['throughput_tok_s_per_gpu']:>11,.0f} tok/s " \
-              f"{(r.get('mfu_actor') or 0) * 100:5.1f}% {r['peak_memory_gb']:6.1f}GB reshard " \
+              f"{(r.get('mfu_actor') or 0) * 100:5.1f}% {peak_gib(r)} reshard " \
               f"{r['reshard_share'] * 100:.2f}% " + " ".join(f"{k.split('/')[1]}={v:.2f}" for k, v in t.items())
         sc = r.get("scaling")
         if sc and "efficiency" in sc:

@@ -6,7 +6,7 @@ Runs the trainer's own code (`trainer.roles.Actor` on an FSDP2 actor, world size
 random weights and random token ids: one mini-batch of `--tokens` tokens in sequences of
 `--seq-len` (a quarter prompt, the rest response), packed into micro-batches of at most
 `--tokens` tokens. Prints one JSON object per measurement: tokens/s, MFU (`ModelArgs.flops`' FLOP
-count over 989 TFLOP/s), peak memory, the floors, and the GPU's SM clock and power over the timed
+count over 989 TFLOP/s), peak memory in GiB (`peak_memory_gib`), the floors, and the GPU's SM clock and power over the timed
 runs (`gpu_clock_mhz`, `gpu_power_w`, ...: `bench.common.GpuTelemetry`; at its power limit an
 H200 lowers its clock, and the MFU with it). Variants (`--variants`) switch one
 lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no reshard after forward), `ac` (activation checkpointing),
@@ -140,7 +140,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
             med, times = timed(fn, repeats, telemetry)
             emit("train", {**workload, "phase": phase}, seconds=med, tflops=fl / med / 1e12,
                  floor_s=fl / H200_BF16_FLOPS, ratio_to_floor=med / (fl / H200_BF16_FLOPS), times=times,
-                 peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None,
+                 peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30, profile=profiled(fn) if profile else None,
                  **telemetry.take())
         return
 
@@ -175,7 +175,7 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
         torch.cuda.reset_peak_memory_stats()
         med, _ = timed(fwd_full, repeats, telemetry)
         emit("train", {**workload, "phase": "forward_logprob"}, seconds=med,
-             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, **telemetry.take())
+             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30, **telemetry.take())
         return
 
     def fwd():
@@ -193,8 +193,8 @@ def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTeleme
         emit("train", {**workload, "phase": phase}, seconds=med, tokens_per_s=sum(lengths) / med,
              mfu=flops / med / PEAK, tflops=flops / med / 1e12,
              floor_s=flops / H200_BF16_FLOPS, ratio_to_floor=med / (flops / H200_BF16_FLOPS),
-             peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
-             peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30, times=times,
+             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
+             peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, times=times,
              profile=profiled(fn) if profile else None, **telemetry.take())
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,3 +32,46 @@ def test_help_files_stdin_and_a_missing_file(tmp_path):
         r = _table(str(out))
         assert r.returncode == 1 and r.stdout == expected, r
         assert r.stderr.startswith(f"bench/table.py: {out}:2: not a benchmark record ({error}") and "Traceback" not in r.stderr
+
+
+def _train_record(**figures):
+    return {"benchmark": "train", "workload": {"model": "m", "variant": "base", "phase": "actor_update"},
+            "tokens_per_s": 1000.0, "mfu": 0.5, **figures}
+
+
+def _ppo_step_record(**figures):
+    return {"benchmark": "ppo_step", "workload": {"model": "m", "workload": "grpo", "world_size": 1},
+            "throughput_tok_s_per_gpu": 1000.0, "timing_s": {"timing_s/step": 1.0}, "reshard_share": 0.0,
+            "mfu_actor": 0.25, **figures}
+
+
+def test_peak_memory_is_labelled_in_the_unit_the_record_holds(tmp_path):
+    """bench/train.py and bench/ppo_step.py measure GiB (bytes / 2**30, the trainer's verl-named
+    `perf/max_memory_allocated_gb` included): the table said GB. Records before the rename carry
+    the same GiB under `peak_memory_gb`."""
+    out = tmp_path / "out.jsonl"
+    records = [_train_record(peak_memory_gib=50.3666), _train_record(peak_memory_gb=57.2025),
+               _ppo_step_record(peak_memory_gib=31.74), _ppo_step_record(peak_memory_gb=25.25)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = _table(str(out)).stdout.splitlines()
+    assert [re.findall(r"[\d.]+Gi?B", line) for line in lines] == [["50.4GiB"], ["57.2GiB"], ["31.7GiB"],
+                                                                     ["25.2GiB"]], lines
+
+
+def test_memory_fields_are_named_for_their_unit():
+    """Every figure the benches record: a `*_gb` field is bytes / 1e9, a `*_gib` field bytes / 2**30
+    (the trainer's `perf/*_gb` peaks are GiB, verl's names)."""
+    import ast
+    import glob
+
+    for path in glob.glob(os.path.join(ROOT, "bench", "*.py")):
+        source = open(path).read()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.keyword) or node.arg is None:
+                continue
+            value = ast.get_source_segment(source, node.value).replace(" ", "")
+            gib = "2**30" in value or "perf/max_memory" in value
+            if node.arg.endswith("_gb"):
+                assert not gib, (path, node.arg, value)
+            if node.arg.endswith("_gib"):
+                assert gib and "1e9" not in value, (path, node.arg, value)
