@@ -12,8 +12,14 @@ def rows(paths):
     for path in paths:
         with open(path) as f:
             for number, text in enumerate(f, start=1):
-                if text.startswith("{"):
+                if text.startswith(("{", "[")):
                     yield f"{path}:{number}", text
+
+
+def is_record(value) -> bool:
+    """A benchmark's record (`bench.common.emit`'s), not a hand-written line of a results file (a
+    note, a test's figures, a summary, a record wrapped with its variant)."""
+    return isinstance(value, dict) and "benchmark" in value and "workload" in value
 
 
 def peak_gib(r: dict) -> str:
@@ -26,13 +32,16 @@ def line(r: dict) -> str:
     w = r["workload"]
     if r["benchmark"] == "train":
         fig = f"{r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else f"{r['seconds'] * 1e3:.1f} ms"
-        extra = f"{r['mfu'] * 100:5.1f}%" if "mfu" in r else f"{r.get('tflops', 0):4.0f}TF"
+        extra = (f"{r['mfu'] * 100:5.1f}%" if "mfu" in r else f"{r['tflops']:4.0f}TF" if "tflops" in r
+                 else "-")  # full_logits: no FLOP count
         out = f"train    {w['model']:13} {w['variant'] + '/' + w['phase']:30} {fig:>15} {extra:>6} " + peak_gib(r)
     elif r["benchmark"] == "ppo_step":
         t = r["timing_s"]
         name = f"{w['workload']} x{w.get('world_size', 1)} {r.get('scaling_mode', '')}"
+        # no MFU on CPU or on a GPU without a known peak
+        mfu = f"{r['mfu_actor'] * 100:5.1f}%" if r.get("mfu_actor") is not None else "-"
         out = f"ppo_step {w['model']:13} {name:30} {r['throughput_tok_s_per_gpu']:>11,.0f} tok/s " \
-              f"{(r.get('mfu_actor') or 0) * 100:5.1f}% {peak_gib(r)} reshard " \
+              f"{mfu:>6} {peak_gib(r)} reshard " \
               f"{r['reshard_share'] * 100:.2f}% " + " ".join(f"{k.split('/')[1]}={v:.2f}" for k, v in t.items())
         sc = r.get("scaling")
         if sc and "efficiency" in sc:
@@ -57,12 +66,18 @@ def line(r: dict) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("paths", nargs="*", default=["/dev/stdin"],
-                        help="files of benchmark JSON lines (other lines are skipped); none: stdin")
+                        help="files of benchmark JSON lines (other lines, and JSON lines that are no benchmark "
+                             "record, are skipped); none: stdin")
     args = parser.parse_args()
     where = "?"
     try:
         for where, text in rows(args.paths):
-            print(line(json.loads(text)))
+            value = json.loads(text)
+            if is_record(value):
+                print(line(value))
+            else:
+                print(f"bench/table.py: {where}: skipped, not a benchmark record (no 'benchmark' and 'workload')",
+                      file=sys.stderr)
     except OSError as e:
         sys.exit(f"bench/table.py: {e}")
     except (ValueError, KeyError, TypeError) as e:

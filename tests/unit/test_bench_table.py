@@ -75,3 +75,40 @@ def test_memory_fields_are_named_for_their_unit():
                 assert not gib, (path, node.arg, value)
             if node.arg.endswith("_gib"):
                 assert gib and "1e9" not in value, (path, node.arg, value)
+
+
+def test_an_absent_figure_is_a_dash_not_zero():
+    """A train record without MFU or TFLOP/s (the full-logits variant) printed 0TF, and a ppo_step
+    record without an MFU (CPU, or a GPU without a listed peak) 0.0%."""
+    full_logits = {**_train_record(peak_memory_gib=3.0), "workload": {"model": "m", "variant": "full_logits",
+                                                                      "phase": "forward_logprob"}}
+    del full_logits["mfu"]
+    cpu_step = _ppo_step_record(peak_memory_gib=1.0, mfu_actor=None)
+    r = _table(stdin="".join(json.dumps(rec) + "\n" for rec in (full_logits, cpu_step)))
+    assert r.returncode == 0, r.stderr
+    train, step = r.stdout.splitlines()
+    assert train.split()[-2:] == ["-", "3.0GiB"] and "TF" not in train, train
+    after_throughput = step.split("tok/s")[1].split()
+    assert after_throughput[:3] == ["-", "1.0GiB", "reshard"], step
+
+
+def test_lines_that_are_no_benchmark_record_are_skipped_with_a_note(tmp_path):
+    """Committed result files mix records with hand-written lines (a note, a test's figures, a
+    summary, a record wrapped with its variant): the table refused the whole file at the first."""
+    out = tmp_path / "out.jsonl"
+    lines = [json.dumps({"note": "tree abc"}), json.dumps(_train_record(peak_memory_gib=1.0)),
+             json.dumps({"variant": "old", "record": _train_record(peak_memory_gib=2.0)}),
+             json.dumps({"benchmark": "rollout_eos", "generated_tok_per_s": 91572.6}), json.dumps([1, 2])]
+    out.write_text("\n".join(lines) + "\n")
+    r = _table(str(out))
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "1.0GiB" in r.stdout, r
+    assert r.stderr.splitlines() == [f"bench/table.py: {out}:{n}: skipped, not a benchmark record (no "
+                                     f"'benchmark' and 'workload')" for n in (1, 3, 4, 5)], r.stderr
+
+
+def test_every_committed_result_file_is_read():
+    import glob
+
+    r = _table(*sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*.jsonl"))))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(r.stdout.splitlines()) > 100
