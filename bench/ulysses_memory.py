@@ -8,7 +8,8 @@ The actor's own forward path (`trainer.forward.response_logprobs`: the packed la
 the response positions only) in bf16, unsharded weights (every rank holds them and their
 gradients: what the split saves is activations), one micro-batch of `--tokens` tokens in
 `--sequences` equal sequences, each half prompt and half response. Prints one JSON line per rank:
-the peak allocated memory above the weights and gradients, and the wall time of the pass. With
+the peak allocated memory above the weights and gradients, and the median wall time of `--repeats`
+(odd) passes after an untimed warm-up pass. With
 `--backend gloo` the two ranks may share one GPU (CUDA_VISIBLE_DEVICES=0 for both): the memory per
 rank is what two GPUs would hold; the time is not (the all-to-alls cross the host)."""
 
@@ -29,6 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import emit, model_args  # noqa: E402
 
 
+def timed_passes(one_pass, repeats: int, sync) -> list[float]:
+    """Wall seconds of `repeats` calls of `one_pass` after one untimed warm-up call, whose own
+    costs (the caching allocator growing to the peak, kernel selection, the first collectives'
+    set-up) are no pass's. `sync` waits for the device's work."""
+    one_pass()
+    sync()
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_pass()
+        sync()
+        walls.append(time.perf_counter() - start)
+    return walls
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-1.5b")
@@ -36,8 +52,10 @@ def main(argv=None) -> None:
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--sp", type=int, default=1, choices=(1, 2, 4, 8))
     p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes after the warm-up (odd: the median's)")
     a = p.parse_args(argv)
+    if a.repeats < 1 or a.repeats % 2 == 0:
+        p.error(f"--repeats {a.repeats}: give an odd count >= 1 (the wall time is the median pass's)")
     from models import Transformer
     from sharding.ulysses import apply_sequence_parallel, build_sequence_parallel, check_sequence_parallel
     from trainer.forward import build_micro_batch, response_logprobs
@@ -64,16 +82,14 @@ def main(argv=None) -> None:
         p_.grad = torch.zeros_like(p_)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    walls = []
-    for _ in range(a.repeats):
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+
+    def one_pass():
+        torch.cuda.reset_peak_memory_stats()  # the peak read after the last pass is that pass's
         mb = build_micro_batch(prompts, responses, dev, packed=True, sp=sp)
         logp, ent = response_logprobs(model, mb, width, 1.0, True)
         (logp.sum() + 0.01 * ent.sum()).backward()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - start)
-        del logp, ent, mb
+
+    walls = timed_passes(one_pass, a.repeats, torch.cuda.synchronize)
     peak = torch.cuda.max_memory_allocated() - base
     rank = dist.get_rank() if dist.is_initialized() else 0
     emit("ulysses_memory", {"model": a.model, "tokens": a.tokens, "sequences": a.sequences, "sp": a.sp,

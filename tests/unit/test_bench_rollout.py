@@ -212,3 +212,28 @@ def test_isolated_run_gathers_the_childrens_records_and_reports_a_failed_one(cap
     assert "building a" in out and "building b" in out
     assert "| meshppo | a | 8 | 1,234 |" in out and "| meshppo | b |" not in out
     assert "a measurement failed" in err and "--models=b" in err and "(exit 3)" in err
+
+
+def test_ulysses_memory_times_passes_after_a_warm_up_and_refuses_even_repeats(monkeypatch, capsys):
+    """Its wall time was the median of every pass, the cold first one included: with the committed
+    `--repeats 2`, the mean of the cold and the warm pass."""
+    import types
+
+    import pytest
+
+    import bench.ulysses_memory as um
+
+    clock = [0.0]
+    cost = iter([9.0, 1.0, 2.0, 1.5])  # seconds of each call of the pass: the first is the cold one
+    synced = []
+
+    def one_pass():
+        clock[0] += next(cost)
+
+    monkeypatch.setattr(um, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert um.timed_passes(one_pass, 3, lambda: synced.append(clock[0])) == [1.0, 2.0, 1.5]
+    assert synced == [9.0, 10.0, 12.0, 13.5]  # the device waited for after each pass, the warm-up's too
+    for repeats in ("2", "0"):
+        with pytest.raises(SystemExit) as e:
+            um.main(["--repeats", repeats])
+        assert e.value.code == 2 and f"--repeats {repeats}: give an odd count" in capsys.readouterr().err
