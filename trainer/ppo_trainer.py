@@ -664,7 +664,8 @@ class PPOTrainer:
         metrics = {}
         faults.at_step_start(self.global_step + 1, self.ctx.rank)
         items = self.loader.next_batch()
-        with gc_control.collect_after(self.global_step + 1), self.timer("step"):
+        # the step's garbage collection (on leaving `collect_after`) is part of the step's time
+        with self.timer("step"), gc_control.collect_after(self.global_step + 1):
             seed = self.cfg.trainer.seed * 1_000_003 + self.global_step
             baselines = None
             if self.cfg.algorithm.filter_groups.enable:

@@ -1,7 +1,10 @@
 """The trainer's step runs without automatic garbage collection and collects at its end."""
 
+import contextlib
 import gc
 import weakref
+
+import pytest
 
 from trainer import gc_control
 
@@ -35,3 +38,45 @@ def test_previous_setting_restored_and_full_collection_on_schedule(monkeypatch):
     finally:
         gc.enable()
     assert calls == [1, 2, 1]
+
+
+def test_the_steps_collection_is_inside_timing_s_step(monkeypatch):
+    """`PPOTrainer.step`'s end-of-step collection (tens to hundreds of milliseconds in a process that holds
+    compiled graphs) is part of `timing_s/step`, hence of perf/time_per_step and perf/throughput: it runs
+    while the step's timer is open, not after it closed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import trainer.ppo_trainer as pt
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.tracking import Timer
+
+    class Stop(Exception):
+        pass
+
+    events = []
+
+    @contextlib.contextmanager
+    def around(name):
+        events.append(f"enter {name}")
+        try:
+            yield
+        finally:
+            events.append(f"exit {name}")
+
+    def generate_all(*args, **kwargs):
+        raise Stop  # the step's first phase: nothing else of the step is needed here
+
+    trainer = object.__new__(pt.PPOTrainer)
+    trainer.cfg, trainer.global_step = load_config(PPOConfig, None, []), 0
+    trainer.ctx = SimpleNamespace(rank=0, world_size=1)
+    trainer.timer = Timer(torch.device("cpu"))
+    trainer.timer.around = around
+    trainer.loader = SimpleNamespace(next_batch=lambda: [])
+    trainer._generate_all = generate_all
+    monkeypatch.setattr(gc, "collect", lambda generation=2: events.append(f"collect {generation}"))
+    with pytest.raises(Stop):
+        trainer.step()
+    assert events == ["enter step", "enter gen", "exit gen", "collect 1", "exit step"]
