@@ -746,31 +746,14 @@ class PPOTrainer:
         at this point: `(full, ro, parts, scores, extras)`, with the scores and extras of the kept
         rows, not scored again. `train/num_gen_batches` counts the rounds."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
-        dumps = bool(self.cfg.trainer.rollout_data_dir)
-        kept: list[tuple[RolloutBatch, list[int], torch.Tensor, list[str], dict]] = []
+        kept: list[tuple[RolloutBatch, torch.Tensor, list[str], dict]] = []  # each round's kept rows
         prompts, rounds = 0, 0
         while True:
-            with self.timer("gen"):
-                batch = self._generate_all(items, validate=False, seed=seed if rounds == 0 else derive_seed(seed, rounds))
             rounds += 1
-            batch.row_names = reward_row_names(batch, items, f"the step's generation round {rounds}")
-            local, parts = self._partition(batch)
-            with self.timer("reward"):
-                scores, extras, others, own = self._score(local)
-            # every row's score, the function's own and the numeric extras on every rank, in the round's order
-            cols = torch.stack([scores.double(), own.double()] + [
-                torch.tensor(v, dtype=torch.float64, device=self.device) for v in extras.values()], dim=1)
-            cols = self._gather_rows(cols, parts, len(batch)).cpu()
-            others = self._gather_other_extras(others, parts, len(batch)) if dumps else {}
-            values = self._filter_metric(cols, list(extras), batch)
-            cols = torch.cat([cols[:, :1], cols[:, 2:]], dim=1)  # (the kept rows' columns: score, extras)
-            groups: dict[int, list[int]] = {}
-            for i, u in enumerate(batch.uids):
-                groups.setdefault(u, []).append(i)
-            keep = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0]
-            keep = keep[:target - prompts]
-            prompts += len(keep)
-            kept.append((batch, [i for rows in keep for i in rows], cols, list(extras), others))
+            rows, groups = self._filter_round(items, seed if rounds == 1 else derive_seed(seed, rounds - 1), rounds,
+                                              target - prompts)
+            kept.append(rows)
+            prompts += groups
             if prompts >= target:
                 break
             if 0 < fg.max_num_gen_batches <= rounds:
@@ -780,13 +763,13 @@ class PPOTrainer:
                                 "algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size, or check the data")
             items = self.loader.next_batch()
         metrics["train/num_gen_batches"] = float(rounds)
-        full = RolloutBatch.concat([b.take(rows) for b, rows, *_ in kept])
+        full = RolloutBatch.concat([b for b, *_ in kept])
         # the extras of every round under one set of names (a round's samples may have given fewer keys)
-        names = sorted(set().union(*(n for *_, n, _ in kept)))
-        cols = torch.cat([torch.cat([c[rows, :1]] + [c[rows, 1 + n.index(k)][:, None] if k in n
-                                                     else torch.full((len(rows), 1), math.nan, dtype=c.dtype)
-                                                     for k in names], dim=1) for _, rows, c, n, _ in kept])
-        others = {k: [v for b, rows, _, _, o in kept for v in ([o[k][i] for i in rows] if k in o else [None] * len(rows))]
+        names = sorted(set().union(*(n for _, _, n, _ in kept)))
+        cols = torch.cat([torch.cat([c[:, :1]] + [c[:, 1 + n.index(k)][:, None] if k in n
+                                                  else torch.full((len(c), 1), math.nan, dtype=c.dtype)
+                                                  for k in names], dim=1) for _, c, n, _ in kept])
+        others = {k: [v for _, c, _, o in kept for v in (o[k] if k in o else [None] * len(c))]
                   for k in sorted(set().union(*(o for *_, o in kept)))}
         ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
         mine = parts[self.ctx.rank]
@@ -797,6 +780,34 @@ class PPOTrainer:
         self._place_scores(ro, scores)
         self._place_components(ro, extras)
         return full, ro, parts, scores, extras
+
+    def _filter_round(self, items: list[dict], seed: int, round_: int, wanted: int) -> tuple[tuple, int]:
+        """One generation round of dynamic sampling (`_filtered_rollouts`): `items` generated with `seed`
+        and scored on the ranks that own the rows; of the prompts whose responses' metric varies, the
+        first `wanted`. Returns their rows alone (the rest of the round is dropped here, so no round's
+        whole batch stays alive while later rounds run), as `(rollouts, columns, extra names, other
+        extras)` (columns: every kept row's score and numeric extras, on the host; other extras only
+        for the dumps), and how many prompts they are."""
+        with self.timer("gen"):
+            batch = self._generate_all(items, validate=False, seed=seed)
+        batch.row_names = reward_row_names(batch, items, f"the step's generation round {round_}")
+        local, parts = self._partition(batch)
+        with self.timer("reward"):
+            scores, extras, others, own = self._score(local)
+        # every row's score, the function's own and the numeric extras on every rank, in the round's order
+        cols = torch.stack([scores.double(), own.double()] + [
+            torch.tensor(v, dtype=torch.float64, device=self.device) for v in extras.values()], dim=1)
+        cols = self._gather_rows(cols, parts, len(batch)).cpu()
+        others = self._gather_other_extras(others, parts, len(batch)) if self.cfg.trainer.rollout_data_dir else {}
+        values = self._filter_metric(cols, list(extras), batch)
+        groups: dict[int, list[int]] = {}
+        for i, u in enumerate(batch.uids):
+            groups.setdefault(u, []).append(i)
+        keep = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0][:wanted]
+        rows = [i for group in keep for i in group]
+        # (the kept rows' columns: score, extras)
+        kept_cols = torch.cat([cols[:, :1], cols[:, 2:]], dim=1)[rows]
+        return (batch.take(rows), kept_cols, list(extras), {k: [v[i] for i in rows] for k, v in others.items()}), len(keep)
 
     def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
         """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, `reward`, verl
