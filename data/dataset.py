@@ -443,7 +443,7 @@ class RLHFDataset:
         max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
             all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
 
-    Items (`dataset[i]`) are dicts with `input_ids`, `raw_prompt`, `prompt_text`,
+    Items (`dataset[i]`) are dicts with `input_ids` (of the prompt's text, which is not kept), `raw_prompt`,
     `data_source`, `ground_truth` (the stored value, unconverted; None only without
     `require_ground_truth`), `extra_info` (dict), `agent_name`, `tools_kwargs` (the row's
     `extra_info.tools_kwargs`, verl's per-tool `create_kwargs`; `{}` when absent), `tool_selection`
@@ -653,7 +653,6 @@ class RLHFDataset:
             self._items.append({
                 "input_ids": ids,
                 "raw_prompt": prompt,
-                "prompt_text": text,
                 "data_source": data_source,
                 "ground_truth": ground_truth,
                 "extra_info": extra_info,

@@ -39,6 +39,16 @@ def tokenizer(tokenizer_dir):
     return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
+def text_of(dataset, i):
+    """The text item `i`'s prompt ids were tokenized from (its chat rendered; the dataset keeps the ids alone)."""
+    item = dataset[i]
+    return dataset._prompt_text(item["raw_prompt"], item["where"], item["agent_name"], item["tool_selection"])[0]
+
+
+def texts_of(dataset):
+    return [text_of(dataset, i) for i in range(len(dataset))]
+
+
 def _chat_row(content, answer="1", **extra):
     row = {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": content}],
            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer}}
@@ -139,7 +149,7 @@ def test_prepare_demo_writes_disjoint_splits_loadable_by_the_dataset(tmp_path):
     dataset = RLHFDataset(paths.val_file, tok, max_prompt_length=16)
     item = dataset[0]
     a, b = map(int, item["raw_prompt"][0]["content"][:-1].split("+"))
-    assert item["prompt_text"] == f"<|user|>{a}+{b}=<|assistant|>"
+    assert text_of(dataset, 0) == f"<|user|>{a}+{b}=<|assistant|>"
     assert item["input_ids"][0] == USER and item["input_ids"][-2:] == [EQ, ASSISTANT]
     assert item["ground_truth"] == str(a + b) and item["data_source"] == DATA_SOURCE
 
@@ -205,7 +215,6 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
     assert ds[0] == {
         "input_ids": [USER, DIGIT["1"], DIGIT["2"], PLUS, DIGIT["3"], EQ, ASSISTANT],
         "raw_prompt": [{"role": "user", "content": "12+3="}],
-        "prompt_text": "<|user|>12+3=<|assistant|>",
         "data_source": DATA_SOURCE,
         "ground_truth": "15",
         "extra_info": {"index": 7},
@@ -215,9 +224,9 @@ def test_dataset_items_text_and_chat_prompts(tmp_path, tokenizer):
         "index": 0,
         "where": f"{path}:1",
     }
-    assert ds[4]["where"] == f"{path}:5"
+    assert ds[4]["where"] == f"{path}:5" and text_of(ds, 0) == "<|user|>12+3=<|assistant|>"
     # Text prompts are not templated.
-    assert ds[1]["input_ids"] == [DIGIT["4"], PLUS, DIGIT["4"], EQ] and ds[1]["prompt_text"] == "4+4="
+    assert ds[1]["input_ids"] == [DIGIT["4"], PLUS, DIGIT["4"], EQ] and text_of(ds, 1) == "4+4="
     assert ds[1]["extra_info"] == {}
     assert ds[2]["ground_truth"] is None and ds[2]["data_source"] is None and ds[2]["index"] == 2
     # Items are copies: editing one does not change the dataset.
@@ -258,7 +267,7 @@ def test_dataset_multiple_files_parquet_and_custom_prompt_key(tmp_path, tokenize
     a = write_jsonl([{"question": "1+2=", "reward_model": {"ground_truth": "3"}}], tmp_path / "a.jsonl")
     b = write_records([_chat_row("3+4=", question="5+6=")], tmp_path / "b.parquet")
     ds = RLHFDataset([a, b], tokenizer, prompt_key="question")
-    assert [item["prompt_text"] for item in ds] == ["1+2=", "5+6="]
+    assert texts_of(ds) == ["1+2=", "5+6="]
     assert ds[1]["ground_truth"] == "1" and ds[1]["data_source"] == DATA_SOURCE
     ds = RLHFDataset(b, tokenizer)
     assert ds[0]["raw_prompt"] == [{"role": "user", "content": "3+4="}]
@@ -411,7 +420,7 @@ def test_a_chat_template_in_the_kwargs_serves_a_tokenizer_without_one(tmp_path, 
         RLHFDataset(path, tok)
     template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
     ds = RLHFDataset(path, tok, apply_chat_template_kwargs={"chat_template": template})
-    assert ds[0]["prompt_text"] == "<|user|>1+2=<|assistant|>"
+    assert text_of(ds, 0) == "<|user|>1+2=<|assistant|>"
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer_dir):
@@ -420,9 +429,9 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer_dir):
     tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
                          "{% if enable_thinking is defined and not enable_thinking %}0{% endif %}")
     path = write_jsonl([_chat_row("1+2=")], tmp_path / "d.jsonl")
-    assert RLHFDataset(path, tok)[0]["prompt_text"] == "<|user|>1+2=<|assistant|>"
+    assert text_of(RLHFDataset(path, tok), 0) == "<|user|>1+2=<|assistant|>"
     ds = RLHFDataset(path, tok, apply_chat_template_kwargs={"enable_thinking": False})
-    assert ds[0]["prompt_text"] == "<|user|>1+2=<|assistant|>0"
+    assert text_of(ds, 0) == "<|user|>1+2=<|assistant|>0"
     assert ds[0]["input_ids"] == [USER, DIGIT["1"], PLUS, DIGIT["2"], EQ, ASSISTANT, DIGIT["0"]]
 
 
@@ -438,9 +447,9 @@ def test_messages_with_typed_parts_and_tool_calls_go_to_the_template(tmp_path, t
             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "2"}}]}]
     path = write_jsonl([_chat_row("x", prompt=parts), _chat_row("x", prompt=tool)], tmp_path / "d.jsonl")
     ds = RLHFDataset(path, tok)
-    assert [item["prompt_text"] for item in ds] == ["1+2=", "12"]
+    assert texts_of(ds) == ["1+2=", "12"]
     assert ds[0]["raw_prompt"] == parts
-    assert RLHFDataset(path, tok, apply_chat_template=False)[0]["prompt_text"] == "1+2="
+    assert text_of(RLHFDataset(path, tok, apply_chat_template=False), 0) == "1+2="
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -490,13 +499,13 @@ def test_prompts_with_text_in_any_role_load(tmp_path, tokenizer_dir):
         [{"role": "human", "content": "3="}],
     ]
     path = write_jsonl([_chat_row("x", prompt=prompt) for prompt in prompts], tmp_path / "d.jsonl")
-    assert [item["prompt_text"] for item in RLHFDataset(path, tok)] == [
+    assert texts_of(RLHFDataset(path, tok)) == [
         "s:s;u:1+2=;", "u:;a:a;u:2=;", "u:1=;a:;t:;", "s:add 1+2;", "h:3=;"]
 
 
 def test_plain_text_prompts_that_look_like_json_stay_text(tmp_path, tokenizer):
     path = write_jsonl([_chat_row("x", prompt="[1+2]="), _chat_row("x", prompt="[]")], tmp_path / "d.jsonl")
-    assert [item["prompt_text"] for item in RLHFDataset(path, tokenizer)] == ["[1+2]=", "[]"]
+    assert texts_of(RLHFDataset(path, tokenizer)) == ["[1+2]=", "[]"]
 
 
 def test_max_samples_choose_rows_as_verl_does(tmp_path, tokenizer):
@@ -598,7 +607,7 @@ def test_chat_prompt_without_chat_template(tmp_path, tokenizer_dir):
         RLHFDataset(path, tok)
     # Without templating, the message contents are joined and tokenized as text.
     ds = RLHFDataset(path, tok, apply_chat_template=False)
-    assert ds[1]["prompt_text"] == "1+2=" and ds[1]["input_ids"] == [DIGIT["1"], PLUS, DIGIT["2"], EQ]
+    assert text_of(ds, 1) == "1+2=" and ds[1]["input_ids"] == [DIGIT["1"], PLUS, DIGIT["2"], EQ]
 
 
 def test_overlong_prompts_filtered_and_logged(tmp_path, tokenizer, caplog):
@@ -829,7 +838,7 @@ def test_gsm8k_multiturn_rows_feed_the_dataset_with_their_tools_kwargs(tmp_path,
     dst = str(tmp_path / "out.jsonl")
     assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst, multiturn="tool") == 2
     ds = RLHFDataset(dst, tok)
-    assert ds[0]["prompt_text"] == "<|assistant|><|user|><|assistant|>"
+    assert text_of(ds, 0) == "<|assistant|><|user|><|assistant|>"
     assert ds[1]["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1500"}}}
 
 
@@ -884,7 +893,7 @@ def test_a_tool_agent_row_s_prompt_shows_the_tools_of_its_tool_selection(tmp_pat
     for i, tools in enumerate([[clock, calc], [search], schemas, schemas]):
         assert ds[i]["input_ids"] == rendered(rows[i], tools), i
     assert ds[4]["input_ids"] == rendered(rows[4], None)
-    assert '"clock"' in ds[0]["prompt_text"] and '"search"' not in ds[0]["prompt_text"]
+    assert '"clock"' in text_of(ds, 0) and '"search"' not in text_of(ds, 0)
     assert [ds[i]["tool_selection"] for i in range(5)] == [["clock", "calc"], ["search"], None, None, None]
 
 
@@ -986,7 +995,7 @@ def test_gsm8k_converted_file_feeds_the_dataset(tmp_path, tokenizer):
     assert convert_file(write_records(GSM8K_SAMPLE, tmp_path / "in.jsonl"), dst) == 2
     ds = RLHFDataset(dst, tokenizer, max_prompt_length=1000)
     assert [item["ground_truth"] for item in ds] == ["7", "1500"]
-    assert ds[0]["prompt_text"].startswith("<|user|>Tom has 3") and ds[0]["data_source"] == "openai/gsm8k"
+    assert text_of(ds, 0).startswith("<|user|>Tom has 3") and ds[0]["data_source"] == "openai/gsm8k"
 
 
 @pytest.mark.parametrize("answer, ground_truth", [
