@@ -17,6 +17,7 @@ checkpointed and resumed exactly.
 from __future__ import annotations
 
 import array
+import bisect
 import codecs
 import hashlib
 import json
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 TOKENIZE_CHUNK = 2048  # prompts per batched tokenizer call while a dataset is built
+# rows of a parquet file decoded at a time: Arrow's allocator keeps the buffers it frees for reuse, so
+# a whole file decoded at once stayed in the process (100k GSM8K-shaped rows: ~300 MB a rank, all run)
+PARQUET_BATCH_ROWS = 1024
 # the rollout loops a row may name (`agent_name`, verl's): one generation, or `agent.loop`'s turns with tools
 SINGLE_TURN_AGENT, TOOL_AGENT = "single_turn_agent", "tool_agent"
 AGENT_NAMES = (SINGLE_TURN_AGENT, TOOL_AGENT)
@@ -96,18 +100,27 @@ def _checked_kind(path: str) -> str:
 
 def _parquet_records(path: str, only: list[int] | None = None) -> list[tuple[int, dict[str, Any]]]:
     """A parquet file's `(row_number, row)` pairs, or with `only` (0-based positions, ascending) those
-    rows alone: the others stay in Arrow's columns, never made Python objects."""
+    rows alone: the others stay in Arrow's columns, never made Python objects. Decoded
+    `PARQUET_BATCH_ROWS` rows at a time, and the memory Arrow freed meanwhile handed back after."""
     pq = _load_pyarrow_parquet()
     import pyarrow as pa
 
+    numbers, rows, start = [], [], 0
     try:
-        table = pq.read_table(path)
-        if only is not None:
-            table = table.take(pa.array(only, type=pa.int64()))
-        rows = table.to_pylist()
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            end = start + batch.num_rows
+            mine = range(start, end) if only is None else only[bisect.bisect_left(only, start):
+                                                                  bisect.bisect_left(only, end)]
+            if mine:
+                picked = batch if only is None else batch.take(pa.array([i - start for i in mine], type=pa.int64()))
+                rows += picked.to_pylist()
+                numbers += [i + 1 for i in mine]
+            start = end
     except (pa.ArrowException, OSError) as err:  # not parquet, truncated, or a damaged footer (OSError)
         raise DatasetError(f"{path}: not a readable parquet file: {err}") from err
-    return [(i + 1, row) for i, row in zip(range(len(rows)) if only is None else only, rows)]
+    finally:
+        pa.default_memory_pool().release_unused()
+    return list(zip(numbers, rows))
 
 
 def _parquet_num_rows(path: str) -> int:
