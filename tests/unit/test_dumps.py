@@ -116,3 +116,25 @@ def test_a_validation_dump_row_has_verls_keys_with_the_score_as_reward():
     assert [set(row) & verl for row in rows] == [verl] * 2
     assert [(row["score"], row["reward"], row["acc"], row["pred"]) for row in rows] == [(1.0, 1.0, 1.0, "72"),
                                                                                       (0.25, 0.25, 0.0, None)]
+
+
+def test_the_rollout_dump_decodes_each_prompt_once(tmp_path):
+    """A prompt's n rows share its ids: the dump decodes each group's prompt once (16,384 rows of 1,024
+    prompts took 1.7 s against 0.1 s), and every row's `input` is still its own prompt's text."""
+    decoded = []
+
+    class CountingTokenizer(DigitTokenizer):
+        def batch_decode(self, sequences, skip_special_tokens=True):
+            decoded.extend(map(list, sequences))
+            return super().batch_decode(sequences, skip_special_tokens)
+
+    n, prompts = 4, [[3, 1], [5], [9, 9, 9]]
+    full = RolloutBatch([p for p in prompts for _ in range(n)], [[1]] * 12, [g for g in range(3) for _ in range(n)],
+                        ["d"] * 12, ["g"] * 12, [{}] * 12, ["stop"] * 12, [[0.0]] * 12, 1, torch.device("cpu"))
+    ro, parts = full.take(list(range(12))), [list(range(12))]
+    ro.advantages, ro.token_level_rewards = torch.zeros(12, 1), torch.zeros(12, 1)
+    trainer = dump_trainer(tmp_path)
+    trainer.tokenizer = CountingTokenizer()
+    trainer._dump_rollouts(full, ro, parts, torch.zeros(12), {})
+    assert [row["input"] for row in read_dump(tmp_path / "1.jsonl")] == [str(p[0]) for p in prompts for _ in range(n)]
+    assert [p for p in decoded if p != [1]] == prompts  # (the 12 responses [1] aside)
