@@ -297,6 +297,7 @@ class PPOTrainer:
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0
         self._update_work = np.zeros(3)  # what the last actor update ran (`Role.count_work`)
         self._critic_work = np.zeros(3)  # and the last critic update
+        self._infer_work = np.zeros(3)  # and the last old-log-prob pass
         self.tracking = Tracking(t.logger, self.run_dir, t.project_name, t.experiment_name,
                                  dataclasses.asdict(cfg), self.total_steps, enabled=ctx.is_main)
         note = last_step_note(cfg, self.total_steps)  # listed steps after the last
@@ -848,6 +849,7 @@ class PPOTrainer:
         `rollout_corr/` metrics and verl's `training/rollout_probs_diff_*` (every rank's rows)."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
+        self._infer_work = np.zeros(3)
         reweighted = correction.rollout_is is not None or bool(correction.rejection)
         if correction.bypass_mode or reweighted or lp.calculate_log_probs:
             ro.rollout_log_probs = ro.padded(ro.engine_log_probs)
@@ -865,7 +867,9 @@ class PPOTrainer:
             # the recompute pass is skipped. actor/entropy and actor/ref_kl come from the update.
             return
         with self.timer("old_log_prob"):
-            old, ent, *sps = self.actor.log_probs(ro, with_entropy=True, with_sum_pi_squared=with_sps)
+            with self.actor.count_work() as work:
+                old, ent, *sps = self.actor.log_probs(ro, with_entropy=True, with_sum_pi_squared=with_sps)
+            self._infer_work = work
             ro.old_log_probs = old
             ro.sum_pi_squared = sps[0] if with_sps else None
             # verl's: aggregated over the batch with the actor's loss_agg_mode (and loss_scale_factor)
@@ -1082,12 +1086,14 @@ class PPOTrainer:
         dev = self.device
         lengths = ro.lengths()
         response_tokens = [len(r) for r in ro.responses]
-        # what the actor's and the critic's updates ran (a shared prompt once; every rank of a Ulysses
-        # group counts its group's micro-batches): the MFUs' FLOPs
+        # what the actor's and the critic's updates and the old-log-prob pass ran (a shared prompt once;
+        # every rank of a Ulysses group counts its group's micro-batches): the MFUs' FLOPs
         work = self._update_work / self.actor.sp_size
         critic_work = self._critic_work / (self.critic.sp_size if self.critic is not None else 1)
-        tokens, generated, run_tokens, run_heads, run_pairs, critic_tokens, _, critic_pairs = comm.all_reduce_values(
-            [float(sum(lengths)), float(sum(response_tokens)), *map(float, work), *map(float, critic_work)])
+        infer_work = self._infer_work / self.actor.sp_size
+        (tokens, generated, run_tokens, run_heads, run_pairs, critic_tokens, _, critic_pairs,
+         *infer) = comm.all_reduce_values([float(sum(lengths)), float(sum(response_tokens)), *map(float, work),
+                                           *map(float, critic_work), *map(float, infer_work)])
         step_s = metrics.get("timing_s/step", float("nan"))
         per_gpu_s = step_s * self.ctx.world_size if step_s > 0 else float("inf")
         # perf/throughput counts prompt + response tokens per sample (verl's and TRL's figure);
@@ -1125,6 +1131,12 @@ class PPOTrainer:
             flops = critic_update_flops(self.critic.model.args, critic_tokens, critic_pairs,
                                         lora=getattr(self.critic.model, "lora_config", None))
             out["perf/mfu/critic"] = flops / (upd * peak * self.ctx.world_size)
+        infer_s = metrics.get("timing_s/old_log_prob")
+        if peak and infer_s and infer[0]:
+            # verl's perf/mfu/actor_infer: the old-log-prob pass, forward only (verl divides its forward and
+            # backward estimate by 3), over its time
+            out["perf/mfu/actor_infer"] = (self.models.actor_args.flops(*infer, backward=False)
+                                           / (infer_s * peak * self.ctx.world_size))
         return out
 
     # ------------------------------------------------------------------ validation

@@ -86,7 +86,7 @@ def test_trainer_logs_the_critic_mfu(monkeypatch):
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0, world_size=1)
     trainer.critic = critic
     trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
-    trainer._update_work = np.zeros(3)
+    trainer._update_work, trainer._infer_work = np.zeros(3), np.zeros(3)
     ro = _rollouts()
     metrics = {}
     with FlopCounterMode(display=False) as counter:
@@ -109,3 +109,49 @@ def test_trainer_logs_the_critic_mfu(monkeypatch):
     # no critic: none
     trainer.critic, trainer._critic_work = None, np.zeros(3)
     assert "perf/mfu/critic" not in trainer._perf_metrics(ro, metrics)
+
+
+def test_trainer_logs_the_actor_infer_mfu(monkeypatch):
+    """verl's perf/mfu/actor_infer: `PPOTrainer._old_log_probs` counts what its forward-only pass runs (rows
+    of 5, 6, 5 and 4 tokens, their 10 response positions scored by the LM head) and `_perf_metrics` turns it
+    into forward FLOPs (2·N_body a token, 2·hidden·vocab a scored position, 4·layers·heads·head_dim a
+    causal pair; verl divides its forward-and-backward estimate by 3) over the pass's time, peak and ranks."""
+    import trainer.ppo_trainer as pt
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.roles import Actor
+    from trainer.tracking import Timer
+
+    cfg = load_config(PPOConfig, None, [  # two mini-batches: not on-policy, so the old log-probs are recomputed
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"])
+    args = ModelArgs(**ARGS)
+    policy = Transformer.build(args, seed=1)
+    actor = Actor(policy, torch.optim.SGD(policy.parameters(), lr=0.0), SimpleNamespace(step=lambda: None),
+                  temperature=1.0, packed=True, pad_token_id=0, device=torch.device("cpu"), world_size=1,
+                  response_length=4, batching=MicroBatching(2, False, 0))
+    trainer = object.__new__(pt.PPOTrainer)
+    trainer.cfg, trainer.device, trainer.global_step = cfg, torch.device("cpu"), 0
+    trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0, world_size=1)
+    trainer.actor, trainer.critic = actor, None
+    trainer.models = SimpleNamespace(actor_args=args, actor=policy)
+    trainer._update_work, trainer._critic_work = np.zeros(3), np.zeros(3)
+    ro = _rollouts()
+    metrics = {}
+    with FlopCounterMode(display=False) as counter:
+        trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)
+    tokens, positions, pairs = 5 + 6 + 5 + 4, 10, (25 + 36 + 25 + 16) / 2
+    assert list(trainer._infer_work) == [tokens, positions, pairs]
+    counts = counter.get_flop_counts()["Global"]
+    counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
+    head = 2 * 32 * 41  # the LM head on a scored position
+    assert counted == tokens * 2 * (N_BODY - 160) + positions * head  # (the norm weights run no matmul)
+
+    monkeypatch.setattr(pt, "_peak_flops", lambda device: 1e9)
+    metrics.update({"timing_s/step": 2.0, "timing_s/old_log_prob": 0.25})
+    out = trainer._perf_metrics(ro, metrics)
+    want = (tokens * 2 * N_BODY + positions * head + pairs * PER_PAIR / 3) / (0.25 * 1e9 * 1)
+    assert out["perf/mfu/actor_infer"] == pytest.approx(want, rel=1e-12)
+    # no old-log-prob pass (an on-policy update makes its own): none
+    trainer._infer_work = np.zeros(3)
+    assert "perf/mfu/actor_infer" not in trainer._perf_metrics(ro, {"timing_s/step": 2.0})
