@@ -696,6 +696,7 @@ class PPOTrainer:
             self._compute_advantages(full, ro, parts, metrics, baselines)
             if self.cfg.algorithm.use_pf_ppo:
                 full, ro, parts, scores, extras = self._pf_ppo_redraw(full, ro, parts, scores, extras, seed)
+            full.drop_tensors()  # each rank holds its rows' tensors: the whole batch's go before the updates
             self._check_abandon()
             t_update = time.perf_counter()
             self._update_critic(ro, metrics)

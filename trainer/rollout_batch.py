@@ -124,6 +124,13 @@ class RolloutBatch:
                                                                     dtype=np.float32, count=int(lengths.sum()))
         return out
 
+    def drop_tensors(self) -> None:
+        """Free every per-row tensor and the cached response mask, keeping the per-sequence lists: the
+        whole batch that every rank holds (the step's `full`) needs its `[N_total, R]` tensors only until
+        each rank has taken its rows; kept, they would sit on every device through the updates."""
+        for name in TOKEN_FIELDS + ("_response_mask",):
+            setattr(self, name, None)
+
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
 
