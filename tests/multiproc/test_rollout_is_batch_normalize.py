@@ -7,12 +7,21 @@ and in the trainer's decoupled pass."""
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 
 F64 = torch.float64
+
+
+def _no_work():
+    """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
+    return contextlib.nullcontext(np.zeros(3))
+
 
 
 def _batch():
@@ -128,7 +137,8 @@ def _decoupled_body(rank, world_size):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, torch.zeros_like(old)))
+    trainer.actor = SimpleNamespace(count_work=_no_work,
+                                    log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, torch.zeros_like(old)))
     metrics = {}
     trainer._old_log_probs(full, ro, parts, metrics)
     truncated = [[min(math.exp(x), 1.5) for x in d] for d in deltas]

@@ -1,10 +1,12 @@
 """Rollout correction: importance weights, rejection masks, their place in the policy losses,
 the config section, and the actor update in decoupled and bypass mode (hand-computed values)."""
 
+import contextlib
 import copy
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +27,12 @@ E = math.e
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=F64)
 ROLLOUT = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-2.0, -0.7, 0.0, 0.0]], dtype=F64)
 OLD = ROLLOUT + torch.tensor([[0.5, -1.0, 0.0, 7.0], [1.0, 0.2, 9.0, 9.0]], dtype=F64)  # junk at padding
+
+
+def _no_work():
+    """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
+    return contextlib.nullcontext(np.zeros(3))
+
 
 
 def _k(option, lower, upper):
@@ -588,7 +596,8 @@ def test_trainer_folds_rejection_into_the_advantages_and_data_metrics():
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, entropy))
+    trainer.actor = SimpleNamespace(count_work=_no_work,
+                                    log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, entropy))
     trainer.kl = None  # no KL in reward
     ro.token_level_scores = torch.zeros(4, 5)
     ro.token_level_scores[torch.arange(4), torch.tensor(lengths) - 1] = scores
@@ -654,7 +663,8 @@ def test_actor_entropy_is_aggregated_with_the_loss_agg_mode(mode, overrides, exp
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(log_probs=lambda ro, with_entropy, with_sum_pi_squared: (-entropy, entropy))
+    trainer.actor = SimpleNamespace(count_work=_no_work,
+                                    log_probs=lambda ro, with_entropy, with_sum_pi_squared: (-entropy, entropy))
     metrics = {}
     trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)
     assert metrics["actor/entropy"] == pytest.approx(expected(rows), rel=1e-6)
