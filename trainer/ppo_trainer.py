@@ -46,7 +46,7 @@ from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, 
                              rollout_probs_diff_metrics)
 from trainer.launch import DistContext, init_distributed
 from trainer.metrics import data_metrics, variance_proxy_metrics
-from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
+from trainer.rollout_batch import TOKEN_FIELDS, Ragged, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed
@@ -489,33 +489,27 @@ class PPOTrainer:
         outs = self.rollout.generate([it["input_ids"] for it in items], max_tokens=self.cfg.response_length,
                                      eos_ids=self.eos_ids, ignore_eos=self.cfg.actor_rollout_ref.rollout.ignore_eos,
                                      seed=seed, agent=agent, **sp)
-        n = sp["n"]
-        prompts, responses, uids, reasons, lps = [], [], [], [], []
-        for k, o in enumerate(outs):
-            i = k // n
-            prompts.append(list(items[i]["input_ids"]))
-            responses.append(list(o.token_ids))
-            uids.append(i)
-            reasons.append(o.finish_reason)
-            lps.append(list(o.logprobs))
-        width = max((len(r) for r in responses), default=1) or 1
+        # every row's prompt ids from `items` (the engine's samples do not carry them): sample k of prompt i is row i * n + k
+        uids = np.repeat(np.arange(len(items)), sp["n"]).tolist()
+        prompts = Ragged.of([it["input_ids"] for it in items], np.int32).take(uids)
+        width = int(outs.token_ids.lengths().max(initial=1)) or 1
         rep = lambda key: [items[u][key] for u in uids]  # noqa: E731
-        extra_infos, masks, turns = rep("extra_info"), None, None
+        extra_infos = rep("extra_info")
         if agent is not None:
+            turns = outs.turns
             # verl's reward managers see the turns in extra_info: num_turns, and the tools' rewards
-            extra_infos = [{**e, "num_turns": o.num_turns, "tool_rewards": o.tool_rewards,
-                            "turn_scores": o.turn_scores} for e, o in zip(extra_infos, outs)]
-            masks, turns = [o.mask for o in outs], [o.num_turns for o in outs]
+            extra_infos = [{**e, "num_turns": count, "tool_rewards": rewards, "turn_scores": scores}
+                           for e, count, rewards, scores in zip(extra_infos, turns["num_turns"], turns["tool_rewards"],
+                                                                turns["turn_scores"])]
             # verl's agent-loop timings: per sample, the seconds its turns spent in the engine and
             # waiting for its tools (and interaction), over every sample of the batch
-            for name, times in (("generate_sequences", [o.generate_s for o in outs]),
-                                ("tool_calls", [o.tool_s for o in outs])):
+            for name, times in (("generate_sequences", turns["generate_s"]), ("tool_calls", turns["tool_s"])):
                 if times:
                     for stat, value in (("min", min(times)), ("max", max(times)), ("mean", sum(times) / len(times))):
                         self.timer.set(f"agent_loop/{name}/{stat}", value)
-        return RolloutBatch(prompts, responses, uids, rep("data_source"), rep("ground_truth"), extra_infos,
-                            reasons, lps, width, self.device, raw_prompts=rep("raw_prompt"), turn_masks=masks,
-                            num_turns=turns)
+        return RolloutBatch(prompts, outs.token_ids, uids, rep("data_source"), rep("ground_truth"), extra_infos,
+                            outs.finish_reasons, outs.logprobs, width, self.device, raw_prompts=rep("raw_prompt"),
+                            turn_masks=outs.masks, num_turns=None if agent is None else outs.turns["num_turns"])
 
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as
@@ -605,7 +599,7 @@ class PPOTrainer:
         if use_rule:
             try:
                 scores, extras, others, own = self.reward_manager.score(
-                    ro.data_sources, texts, ro.ground_truths, ro.extra_infos, [len(r) for r in ro.responses],
+                    ro.data_sources, texts, ro.ground_truths, ro.extra_infos, ro.responses.lengths().tolist(),
                     ro.row_names)
             except RewardError as e:
                 err = str(e)
@@ -731,7 +725,7 @@ class PPOTrainer:
     def _place_scores(self, ro: RolloutBatch, scores: torch.Tensor) -> None:
         """`ro.token_level_scores`: each score `[N_local]` on its response's last token."""
         token_scores = torch.zeros(len(ro), ro.width, device=self.device)
-        last = torch.tensor([len(r) - 1 for r in ro.responses], device=self.device).clamp(min=0)
+        last = torch.from_numpy(ro.responses.lengths() - 1).to(self.device).clamp(min=0)
         token_scores[torch.arange(len(ro), device=self.device), last] = scores
         ro.token_level_scores = token_scores
 
@@ -1086,7 +1080,7 @@ class PPOTrainer:
     def _perf_metrics(self, ro: RolloutBatch, metrics: dict) -> dict:
         dev = self.device
         lengths = ro.lengths()
-        response_tokens = [len(r) for r in ro.responses]
+        response_tokens = ro.responses.lengths().tolist()
         # what the actor's and the critic's updates and the old-log-prob pass ran (a shared prompt once;
         # every rank of a Ulysses group counts its group's micro-batches): the MFUs' FLOPs
         work = self._update_work / self.actor.sp_size

@@ -20,6 +20,74 @@ from models.transfer import host_to_device
 from trainer.batching import PrefixGroups, prompt_groups
 from trainer.forward import index_on
 
+
+class Ragged:
+    """Rows of different lengths in one flat NumPy array (`flat`; row i is `flat[offsets[i]:offsets[i + 1]]`):
+    a batch's token ids, log-probs and turn masks, held compactly on the host (4 bytes a token id or
+    log-prob, where a list of Python ints cost 36 bytes a token above id 256 and of floats 32) and pickled
+    as raw buffers. A row reads as a list (`ragged[i]`, iteration); `take` and `concat` work on the arrays."""
+
+    __slots__ = ("flat", "offsets")
+    __hash__ = None
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat, self.offsets = flat, offsets
+
+    @classmethod
+    def of(cls, rows, dtype) -> Ragged:
+        """`rows` (a `Ragged`, kept as it is, or sequences of numbers) as a `Ragged` of `dtype`."""
+        if isinstance(rows, Ragged):
+            return rows
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+        return cls(flat, _offsets(lengths))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(range(len(self))[i])
+        i = range(len(self))[i]  # (a negative index counted from the end; out of range raises IndexError)
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def __iter__(self):
+        bounds = self.offsets.tolist()
+        return (self.flat[a:b].tolist() for a, b in zip(bounds, bounds[1:]))
+
+    def __eq__(self, other) -> bool:  # row by row, as lists (a test's expected rows)
+        return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+
+    def take(self, idx) -> Ragged:
+        """The rows `idx`, in that order."""
+        idx = np.asarray(idx, dtype=np.int64)
+        starts, lengths = self.offsets[idx], self.lengths()[idx]
+        offsets = _offsets(lengths)
+        positions = np.arange(int(offsets[-1])) + np.repeat(starts - offsets[:-1], lengths)
+        return Ragged(self.flat[positions], offsets)
+
+    @staticmethod
+    def concat(parts: list[Ragged]) -> Ragged:
+        if not parts:
+            return Ragged(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
+        return Ragged(np.concatenate([p.flat for p in parts]), _offsets(np.concatenate([p.lengths() for p in parts])))
+
+    def padded(self, width: int) -> np.ndarray:
+        """`[rows, width]` float32, each row's values first, zeros after."""
+        out = np.zeros((len(self), width), dtype=np.float32)
+        out[np.arange(width) < self.lengths()[:, None]] = self.flat
+        return out
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
 # The per-sequence lists, and the per-row tensors (per token `[N, R]`; gdpo's reward components `[N, K]`) in
 # the order the step fills them.
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
@@ -31,16 +99,20 @@ TOKEN_FIELDS = ("token_level_scores", "reward_components", "rollout_log_probs", 
                 "returns")
 
 
+# The token-level sequences a batch keeps as `Ragged` (a list of rows given is converted), and their dtypes.
+RAGGED_FIELDS = {"prompts": np.int32, "responses": np.int32, "engine_log_probs": np.float32, "turn_masks": np.int8}
+
+
 @dataclass
 class RolloutBatch:
-    prompts: list[list[int]]
-    responses: list[list[int]]
+    prompts: Ragged                   # each row's prompt ids (given as a list of rows: converted)
+    responses: Ragged
     uids: list[int]                   # index of the prompt in the step's batch (group id)
     data_sources: list[str | None]
     ground_truths: list[Any]          # as stored in the data (any JSON / Arrow value)
     extra_infos: list[dict]
     finish_reasons: list[str]
-    engine_log_probs: list[list[float]]  # the engine's log-prob of each sampled token
+    engine_log_probs: Ragged          # the engine's log-prob of each sampled token (float32, as sampled)
     width: int                        # global response width R
     device: torch.device
     # [N, R] per-token tensors (and gdpo's [N, K] components); None until the phase that computes them has run
@@ -67,13 +139,18 @@ class RolloutBatch:
     # multi-turn rollouts (`agent.loop`): per row, 1 on each response token the model generated and
     # 0 on those inserted between its turns (tool responses, the chat template's turn markers), and
     # the row's number of turns (verl's count); None in a single-turn batch
-    turn_masks: list[list[int]] | None = None
+    turn_masks: Ragged | None = None
     num_turns: list[int] | None = None
     # how a reward function's error names each row (`ppo_trainer.reward_row_names`: its place in the
     # batch it was generated in, its prompt's response and data row), the same whichever rank's share
     # holds it; None: by its place in the rows scored
     row_names: list[str] | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        for name, dtype in RAGGED_FIELDS.items():
+            if (rows := getattr(self, name)) is not None:
+                setattr(self, name, Ragged.of(rows, dtype))
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -92,9 +169,8 @@ class RolloutBatch:
         """`response_mask` as a NumPy float32 array, from the responses' lengths (and the turn masks):
         for host-side counting without reading the device back."""
         if self.turn_masks is not None:
-            return self._padded_host(self.turn_masks)
-        lengths = np.fromiter(map(len, self.responses), dtype=np.int64, count=len(self.responses))
-        return (np.arange(self.width) < lengths[:, None]).astype(np.float32)
+            return self.turn_masks.padded(self.width)
+        return (np.arange(self.width) < self.responses.lengths()[:, None]).astype(np.float32)
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -112,17 +188,10 @@ class RolloutBatch:
             return self.host_response_mask()
         return self.rollout_rs_mask.detach().float().cpu().numpy()
 
-    def padded(self, rows: list[list[float]]) -> torch.Tensor:
-        """Per-token host values, one list per sequence as long as its response (the engine's
-        log-probs), as `[N, R]` float32 on the device, zero after each response: one copy."""
-        return host_to_device([self._padded_host(rows)], self.device)[0]
-
-    def _padded_host(self, rows: list[list[float]]) -> np.ndarray:
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        out = np.zeros((len(rows), self.width), dtype=np.float32)
-        out[np.arange(self.width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(rows),
-                                                                    dtype=np.float32, count=int(lengths.sum()))
-        return out
+    def padded(self, rows) -> torch.Tensor:
+        """Per-token host values, one row per sequence as long as its response (the engine's
+        log-probs: a `Ragged` or lists), as `[N, R]` float32 on the device, zero after each response: one copy."""
+        return host_to_device([Ragged.of(rows, np.float32).padded(self.width)], self.device)[0]
 
     def drop_tensors(self) -> None:
         """Free every per-row tensor and the cached response mask, keeping the per-sequence lists: the
@@ -132,12 +201,12 @@ class RolloutBatch:
             setattr(self, name, None)
 
     def lengths(self) -> list[int]:
-        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+        return (self.prompts.lengths() + self.responses.lengths()).tolist()
 
     def prefix_groups(self) -> PrefixGroups:
         """The rows' prompt groups and lengths, for planning micro-batches under prefix sharing."""
-        return PrefixGroups(prompt_groups(self.prompts), [len(p) for p in self.prompts],
-                            [len(r) for r in self.responses])
+        return PrefixGroups(prompt_groups(self.prompts), self.prompts.lengths().tolist(),
+                            self.responses.lengths().tolist())
 
     def index(self, idx: list[int]) -> torch.Tensor:
         """`idx` as a device tensor; the copy does not wait for the device (an update loop that
@@ -148,12 +217,12 @@ class RolloutBatch:
         """The rows `idx`, in that order: of every per-sequence list, every tensor set and the
         reward's other extras."""
         rows = self.index(idx)
-        lists = {name: [getattr(self, name)[i] for i in idx] for name in SEQUENCE_FIELDS}
+        lists = {name: _take(getattr(self, name), idx) for name in SEQUENCE_FIELDS}
         tensors = {name: t[rows] for name in TOKEN_FIELDS + ("_response_mask",)
                    if (t := getattr(self, name)) is not None}
         others = (None if self.other_extras is None
                   else {k: [v[i] for i in idx] for k, v in self.other_extras.items()})
-        optional = {name: None if (xs := getattr(self, name)) is None else [xs[i] for i in idx]
+        optional = {name: None if (xs := getattr(self, name)) is None else _take(xs, idx)
                     for name in OPTIONAL_SEQUENCE_FIELDS}
         return RolloutBatch(**lists, width=self.width, device=self.device, other_extras=others, **optional, **tensors)
 
@@ -162,17 +231,17 @@ class RolloutBatch:
         """The rows of `batches` one after the other, as fresh rollouts (per-sequence lists only: no
         tensor is set yet), the group ids renumbered so that each batch's groups stay apart (a
         group is the rows of one prompt of one batch), and the response width the widest row's."""
-        lists = {name: [x for b in batches for x in getattr(b, name)] for name in SEQUENCE_FIELDS}
+        lists = {name: _joined([getattr(b, name) for b in batches]) for name in SEQUENCE_FIELDS}
         uids, offset = [], 0
         for b in batches:
             ids = {u: offset + k for k, u in enumerate(dict.fromkeys(b.uids))}
             uids += [ids[u] for u in b.uids]
             offset += len(ids)
         lists["uids"] = uids
-        width = max((len(r) for r in lists["responses"]), default=1) or 1
+        width = int(lists["responses"].lengths().max(initial=1)) or 1
         def joined(name):  # an optional per-row list: kept when every batch has it
             parts = [getattr(b, name) for b in batches]
-            return None if any(p is None for p in parts) else [x for p in parts for x in p]
+            return None if any(p is None for p in parts) else _joined(parts)
 
         return RolloutBatch(**lists, width=width, device=batches[0].device,
                             **{name: joined(name) for name in OPTIONAL_SEQUENCE_FIELDS})
@@ -185,3 +254,13 @@ class RolloutBatch:
         return RolloutBatch([list(t) for t in token_ids], [[] for _ in range(n)], list(range(n)), [None] * n,
                             [None] * n, [{} for _ in range(n)], [""] * n, [[] for _ in range(n)], width=1,
                             device=device)
+
+
+def _take(rows, idx: list[int]):
+    """The rows `idx` of a per-sequence field (a `Ragged` or a list)."""
+    return rows.take(idx) if isinstance(rows, Ragged) else [rows[i] for i in idx]
+
+
+def _joined(parts: list):
+    """Per-sequence fields' rows one batch after the other (`Ragged`s or lists)."""
+    return Ragged.concat(parts) if isinstance(parts[0], Ragged) else [x for p in parts for x in p]

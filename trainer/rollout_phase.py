@@ -1,7 +1,8 @@
 """The rollout phase: generation for ALL prompts of a step, shared with every rank.
 
 Each engine replica (rollout-DP group) generates its slice of the prompts; then every rank
-gets every output (prompt-major, `n` samples per prompt). With meshppo's engine the phase's
+gets every sample (`Samples`: prompt-major, `n` samples per prompt, the responses' ids and log-probs
+as flat int32 / float32 arrays, without the prompts every rank has). With meshppo's engine the phase's
 steps, and with them every memory move between training and generation, are in
 `EngineRollout.generate`:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch.distributed as dist
 
 from agent import InteractionError, ToolError
@@ -33,6 +35,7 @@ from rollout.engine import CacheTooSmallError
 from rollout.sequence import derive_seed
 from trainer.errors import UserError
 from trainer.roles import Actor
+from trainer.rollout_batch import Ragged
 from trainer.tracking import PeakMemory, Timer
 
 
@@ -51,8 +54,46 @@ class AgentRows:
     tool_selections: list[list[str] | None] | None = None
 
 
-def _all_gather_outputs(local: list | None, index: int, count: int, error: Exception | None = None) -> list:
-    """Every engine replica's outputs, in replica order (each replica's TP ranks agree). `error`: this replica's
+# A multi-turn sample's figures besides its tokens (`agent.loop.TurnOutput`), one value (or list) a sample.
+TURN_FIELDS = ("num_turns", "tool_rewards", "turn_scores", "generate_s", "tool_s")
+
+
+@dataclass
+class Samples:
+    """Generated samples, prompt-major (sample k of prompt i at `i * n + k`), as the rollout phase shares
+    them between ranks and hands them to the trainer: each response's ids and the engine's log-probs of
+    them (`Ragged`, int32 and float32: no per-token Python object is pickled, and no prompt, which every
+    rank has already), why each ended and, for a multi-turn rollout, each sample's turn mask and
+    `TURN_FIELDS` (None otherwise)."""
+
+    token_ids: Ragged
+    logprobs: Ragged
+    finish_reasons: list[str]
+    masks: Ragged | None = None
+    turns: dict[str, list] | None = None
+
+    def __len__(self) -> int:
+        return len(self.finish_reasons)
+
+    @classmethod
+    def of(cls, outs: list, multi_turn: bool) -> Samples:
+        """`outs`, the engine's `RequestOutput`s or the tool agent's `TurnOutput`s (`multi_turn`)."""
+        masks = Ragged.of([o.mask for o in outs], np.int8) if multi_turn else None
+        turns = {name: [getattr(o, name) for o in outs] for name in TURN_FIELDS} if multi_turn else None
+        return cls(Ragged.of([o.token_ids for o in outs], np.int32), Ragged.of([o.logprobs for o in outs], np.float32),
+                   [o.finish_reason for o in outs], masks, turns)
+
+    @staticmethod
+    def concat(parts: list[Samples]) -> Samples:
+        multi_turn = parts[0].masks is not None
+        return Samples(Ragged.concat([p.token_ids for p in parts]), Ragged.concat([p.logprobs for p in parts]),
+                       [r for p in parts for r in p.finish_reasons],
+                       Ragged.concat([p.masks for p in parts]) if multi_turn else None,
+                       {name: [v for p in parts for v in p.turns[name]] for name in TURN_FIELDS} if multi_turn else None)
+
+
+def _all_gather_outputs(local: Samples | None, index: int, count: int, error: Exception | None = None) -> Samples:
+    """Every engine replica's samples, in replica order (each replica's TP ranks agree). `error`: this replica's
     rollout failed (a tool's or an interaction's error, or its KV pool too small: on every rank of its TP group):
     every rank raises, the other replicas' ranks the same error, where they would have waited in their next
     collective."""
@@ -70,7 +111,7 @@ def _all_gather_outputs(local: list | None, index: int, count: int, error: Excep
     by_replica = {}
     for idx, outs, _ in gathered:
         by_replica.setdefault(idx, outs)
-    return [o for i in range(count) for o in by_replica[i]]
+    return Samples.concat([by_replica[i] for i in range(count)])
 
 
 class _Rollout:
@@ -83,8 +124,10 @@ class _Rollout:
         lo, hi = self.replica * n // self.replicas, (self.replica + 1) * n // self.replicas
         return lo, prompts[lo:hi]
 
-    def _share(self, outs: list | None, error: Exception | None = None) -> list:
-        return _all_gather_outputs(outs, self.replica, self.replicas, error)
+    def _share(self, outs: list | None, error: Exception | None = None, multi_turn: bool = False) -> Samples:
+        """Every replica's samples (`outs`: this replica's outputs, None after an `error`), compact (`Samples`)."""
+        local = None if outs is None else Samples.of(outs, multi_turn)
+        return _all_gather_outputs(local, self.replica, self.replicas, error)
 
 
 class EngineRollout(_Rollout):
@@ -97,7 +140,7 @@ class EngineRollout(_Rollout):
         self.free_cache, self.free_weights = free_cache, free_weights
 
     def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
-                 top_k, agent: AgentRows | None = None) -> list:
+                 top_k, agent: AgentRows | None = None) -> Samples:
         from rollout import SamplingParams
 
         with self.timer("reshard"):
@@ -148,7 +191,7 @@ class EngineRollout(_Rollout):
             self.engine.free_weights()
         self.peaks.split()
         self.actor.load()
-        return self._share(outs)
+        return self._share(outs, multi_turn=agent is not None)
 
     def _tp_broadcast(self, obj):
         """`obj` of the engine's first TP rank, on every rank of its TP group (the tools' responses)."""
@@ -164,7 +207,7 @@ class NoCacheRollout(_Rollout):
     """`rollout.name=hf`: the plain sampling loop on the FSDP actor itself (`trainer.hf_rollout`)."""
 
     def generate(self, prompts: list[list[int]], *, max_tokens, eos_ids, ignore_eos, seed, n, temperature, top_p,
-                 top_k, agent: AgentRows | None = None) -> list:
+                 top_k, agent: AgentRows | None = None) -> Samples:
         from trainer.hf_rollout import generate_no_cache
 
         if agent is not None:  # refused by the config's checks (`multi_turn.enable` needs the engine)
@@ -195,4 +238,4 @@ def build_rollout(cfg, models, actor: Actor, engine, rank: int, peaks: PeakMemor
                          peaks, timer, free_cache=r.free_cache_engine, free_weights=r.free_engine_weights)
 
 
-__all__ = ["AgentRows", "EngineRollout", "NoCacheRollout", "build_rollout"]
+__all__ = ["AgentRows", "EngineRollout", "NoCacheRollout", "Samples", "build_rollout"]

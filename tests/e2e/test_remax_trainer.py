@@ -35,7 +35,7 @@ def _remax_body(rank, world_size, assets, run_root):
         prompts = [full.prompts[first[u]] for u in sorted(first)]
         outs = trainer.rollout.generate(prompts, max_tokens=trainer.cfg.response_length, eos_ids=trainer.eos_ids,
                                         ignore_eos=False, seed=11, n=1, temperature=0.0, top_p=1.0, top_k=-1)
-        texts = decode_batch(trainer.tokenizer, [list(o.token_ids) for o in outs])
+        texts = decode_batch(trainer.tokenizer, outs.token_ids)
         greedy = [namespace["compute_score"](None, t, full.ground_truths[first[u]]) for u, t in zip(sorted(first), texts)]
         assert len(set(greedy)) > 1, greedy  # the prompts' baselines differ: the mapping to rows is exercised
         want = torch.tensor([greedy[u] for u in full.uids], dtype=baselines.dtype)

@@ -25,7 +25,7 @@ def _body(rank, world_size):
     sp = SequenceParallel(dist.new_group([0, 1]), 2, rank)
     pooled, mine = pool_rows(batch(rank), sp)
     assert mine == slice(2 * rank, 2 * rank + 2)
-    assert pooled.turn_masks == batch(0).turn_masks + batch(1).turn_masks
+    assert pooled.turn_masks == list(batch(0).turn_masks) + list(batch(1).turn_masks)
     assert pooled.num_turns == [4, 2, 5, 2] and pooled.raw_prompts == ["p0", "p0", "p1", "p1"]
     assert pooled.response_mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 1, 0], [1, 1, 0, 0, 0]]
 

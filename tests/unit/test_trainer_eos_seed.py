@@ -158,16 +158,16 @@ def test_an_unreadable_generation_config_is_a_user_error_naming_the_model(two_eo
 def test_trainer_generation_stops_at_the_second_eos(two_eos):
     ids = PPOTrainer._eos_ids(_trainer_for_eos(two_eos.dir))
     want = two_eos.free[:two_eos.j + 1]  # ends with the second EOS, which the response keeps (as the engine does)
-    out = _sample(_engine_rollout(two_eos.engine), [two_eos.prompt], seed=0, eos_ids=ids, temperature=0)[0]
-    assert out.token_ids == want and out.finish_reason == "stop" and len(out.logprobs) == len(want)
+    out = _sample(_engine_rollout(two_eos.engine), [two_eos.prompt], seed=0, eos_ids=ids, temperature=0)
+    assert out.token_ids == [want] and out.finish_reasons == ["stop"] and len(out.logprobs[0]) == len(want)
     # The HF rollout (rollout.name=hf) gets the same list and stops at the same token.
     hf = NoCacheRollout(_Actor(two_eos.model), 0, 1, PeakMemory(CPU))
-    out = _sample(hf, [two_eos.prompt], seed=0, eos_ids=ids, temperature=0)[0]
-    assert out.token_ids == want and out.finish_reason == "stop"
+    out = _sample(hf, [two_eos.prompt], seed=0, eos_ids=ids, temperature=0)
+    assert out.token_ids == [want] and out.finish_reasons == ["stop"]
     # The tokenizer's EOS alone (the old list) ran past it.
     out = _sample(_engine_rollout(two_eos.engine), [two_eos.prompt], seed=0, eos_ids=[TOKENIZER_EOS],
-                  temperature=0)[0]
-    assert out.token_ids == two_eos.free and out.finish_reason == "length"
+                  temperature=0)
+    assert out.token_ids == [two_eos.free] and out.finish_reasons == ["length"]
 
 
 def test_no_eos_anywhere_leaves_the_engine_its_model_default(tmp_path):
@@ -266,13 +266,13 @@ def test_replica_1_at_step_7_no_longer_replays_replica_0_at_step_8():
     pa, pb, px, py = prompts_of([6, 6, 5, 7], seed=9)
     s7, s8 = _step_seed(0, 7), _step_seed(0, 8)
     hot = dict(temperature=1e4, max_tokens=16)
-    a = _sample(_engine_rollout(engine, 1, 2), [px, pa], seed=s7, **hot)[0].token_ids  # replica 1's prompt 0
-    b = _sample(_engine_rollout(engine, 0, 2), [pb, py], seed=s8, **hot)[0].token_ids  # replica 0's prompt 0
+    a = _sample(_engine_rollout(engine, 1, 2), [px, pa], seed=s7, **hot).token_ids[0]  # replica 1's prompt 0
+    b = _sample(_engine_rollout(engine, 0, 2), [pb, py], seed=s8, **hot).token_ids[0]  # replica 0's prompt 0
     assert len(a) == len(b) == 16
     assert sum(x == y for x, y in zip(a, b)) <= 6  # was 16 / 16; independent streams agree on ~1 / 96
     # Replica 1's sample is the one a single replica draws for the same prompt of the batch.
     one = _sample(_engine_rollout(engine, 0, 1), [px, pa], seed=s7, **hot)
-    assert one[1].token_ids == a and one[1].prompt_index == 1
+    assert one.token_ids[1] == a  # (samples prompt-major: prompt 1's is the second)
 
 
 def test_a_multi_turn_replica_without_prompts_returns_nothing():
@@ -289,7 +289,7 @@ def test_a_multi_turn_replica_without_prompts_returns_nothing():
     rollout = _engine_rollout(make_engine(tiny_model(tiny_args("qwen2"))), replica=0, replicas=2)
     outs = rollout.generate(prompts_of([5]), max_tokens=8, eos_ids=[], ignore_eos=False, seed=0, n=2,
                             temperature=1.0, top_p=1.0, top_k=-1, agent=agent)
-    assert outs == []
+    assert len(outs) == 0 and len(outs.token_ids) == len(outs.masks) == 0
 
 
 def test_eos_ids_read_the_checkpoint_with_the_actors_override_config(two_eos, tmp_path):
