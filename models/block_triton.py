@@ -145,15 +145,16 @@ def rms_norm_bwd(x, weight, rstd, dout, with_dw: bool = True, programs: int = RM
     n = x.shape[-1]
     r = rstd.numel()
     dx = torch.empty_like(x)
-    grid = max(1, min(r, programs))
+    if not r:  # no rows, no program: dweight is an empty sum, zeros (as eager's)
+        return dx, (torch.zeros_like(weight) if with_dw else None)
+    grid = min(r, programs)
     rows_per_program = triton.cdiv(r, grid)
-    grid = triton.cdiv(r, rows_per_program) if r else 1
+    grid = triton.cdiv(r, rows_per_program)
     # one float32 row per program, each written whole by its program
     dw_part = torch.empty(grid if with_dw else 1, n, dtype=torch.float32, device=x.device)
-    if r:
-        block = triton.next_power_of_2(n)
-        _rms_norm_bwd_kernel[(grid,)](x, weight, rstd, dout, dx, dw_part, r, n, rows_per_program,
-                                      WITH_DW=with_dw, BLOCK=block, num_warps=_norm_warps(block))
+    block = triton.next_power_of_2(n)
+    _rms_norm_bwd_kernel[(grid,)](x, weight, rstd, dout, dx, dw_part, r, n, rows_per_program,
+                                  WITH_DW=with_dw, BLOCK=block, num_warps=_norm_warps(block))
     return dx, (dw_part.sum(0).to(weight.dtype) if with_dw else None)
 
 
