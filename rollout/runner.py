@@ -69,11 +69,6 @@ def prefill_bucket(tokens: int, cap: int) -> int:
     return min(b, cap)
 
 
-def triton_ops_usable(device: torch.device, head_dim: int) -> bool:
-    """The engine's Triton kernels need what every Triton kernel needs, and a power-of-two head_dim."""
-    return triton_usable(device) and head_dim & (head_dim - 1) == 0
-
-
 class StepOutput:
     """The sampled tokens of a launched step, readable once its event has completed."""
 
@@ -89,7 +84,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: EngineModel, config: EngineConfig, device: torch.device, max_model_len: int):
         self.model, self.config, self.device = model, config, device
-        self.use_triton = triton_ops_usable(device, model.head_dim)
+        self.use_triton = triton_usable(device)  # any head_dim: the kernels pad it (`head_lanes`)
         self.is_cuda = device.type == "cuda"
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs

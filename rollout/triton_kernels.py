@@ -32,6 +32,10 @@ launched with programmatic dependent launch (`_after_previous`; `MESHPPO_PDL=off
 off): a decode step at batch 1 is ~250 short kernels, and each one's start (for a GEMV, its
 first weight loads) then overlaps the previous one's end.
 
+The RoPE and attention kernels hold a head in `head_lanes(head_dim)` lanes, a power of two:
+another head_dim (80, 96, 100) runs in the padded tile with its extra lanes masked; at a power of
+two the masks fold away when the kernel compiles (the same machine code as without them).
+
 The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
 
@@ -235,11 +239,12 @@ def _silu_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, N, FP8_M
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt, cos_ptr, sin_ptr,
                        k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
-                       PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        HQ_P: tl.constexpr, HKV_P: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                        FP8_TINY: tl.constexpr, PDL: tl.constexpr):
     # KV_FP8: each head's rotated k (in the model dtype) and its v are written as e4m3 values and one
     # float32 scale (`rollout.ops.quantize_rows`) at `ks_ptr` / `vs_ptr [rows, HKV]`.
+    # Each half of a head is a tile of D_P / 2 lanes, the lanes past D / 2 masked (`head_lanes`).
     _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -247,29 +252,33 @@ def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt,
     page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
     row = page * PAGE + pos % PAGE
     HALF: tl.constexpr = D // 2
-    i = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
+    i = tl.arange(0, D_P // 2)
+    im = i < HALF
+    c = tl.load(cos_ptr + pos * HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
     base = qkv_ptr + t * stride_t
 
     h = tl.arange(0, HQ_P)[:, None]
-    hm = h < HQ
+    hm = (h < HQ) & im[None, :]
     p = base + h * D + i[None, :]
     o1, o2 = rotate_half(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s, c, s)
     tl.store(p, o1, mask=hm)
     tl.store(p + HALF, o2, mask=hm)
 
     h = tl.arange(0, HKV_P)[:, None]
-    hm = h < HKV
+    hm = (h < HKV) & im[None, :]
     p = base + HQ * D + h * D + i[None, :]
     o1, o2 = rotate_half(tl.load(p, mask=hm), tl.load(p + HALF, mask=hm), c, s, c, s)
     dst = row * (HKV * D) + h * D + i[None, :]
-    d = tl.arange(0, D)[None, :]
-    v = tl.load(base + (HQ + HKV) * D + h * D + d, mask=hm)
-    if KV_FP8:
+    d = tl.arange(0, D_P)[None, :]
+    vm = (h < HKV) & (d < D)
+    v = tl.load(base + (HQ + HKV) * D + h * D + d, mask=vm)
+    if KV_FP8:  # the row maxima over the head's lanes only (a masked load's lanes hold anything)
         o1, o2, v = o1.to(tl.float32), o2.to(tl.float32), v.to(tl.float32)
-        k_mul, k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(o1), 1), tl.max(tl.abs(o2), 1)), FP8_MAX, FP8_TINY)
-        v_mul, v_scale = _e4m3_scale(tl.max(tl.abs(v), 1), FP8_MAX, FP8_TINY)
+        k_amax = tl.maximum(tl.max(tl.where(im[None, :], tl.abs(o1), 0.0), 1),
+                            tl.max(tl.where(im[None, :], tl.abs(o2), 0.0), 1))
+        k_mul, k_scale = _e4m3_scale(k_amax, FP8_MAX, FP8_TINY)
+        v_mul, v_scale = _e4m3_scale(tl.max(tl.where(d < D, tl.abs(v), 0.0), 1), FP8_MAX, FP8_TINY)
         o1, o2, v = o1 * k_mul[:, None], o2 * k_mul[:, None], v * v_mul[:, None]
         hs = tl.arange(0, HKV_P)
         tl.store(ks_ptr + row * HKV + hs, k_scale, mask=hs < HKV)
@@ -277,7 +286,7 @@ def _rope_cache_kernel(qkv_ptr, stride_t, pos_ptr, tslot_ptr, bt_ptr, stride_bt,
     et = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + dst, o1.to(et), mask=hm)
     tl.store(k_cache_ptr + dst + HALF, o2.to(et), mask=hm)
-    tl.store(v_cache_ptr + row * (HKV * D) + h * D + d, v.to(et), mask=hm)
+    tl.store(v_cache_ptr + row * (HKV * D) + h * D + d, v.to(et), mask=vm)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -294,13 +303,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d, qk_scale,
               HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr):
-    """K and V tiles `[len(n), D]` of one KV head at positions `n` (masked by `nm`), read through the
-    sequence's block table, and what the scores and the probabilities are to be multiplied by: `qk_scale`
-    and 1, or (KV_FP8: e4m3 tiles) `qk_scale` times each key's scale and each value's scale `[len(n)]`."""
+    """K and V tiles `[len(n), len(d)]` of one KV head at positions `n` (masked by `nm`), read through the
+    sequence's block table (lanes `d` past the head's D values read as zeros), and what the scores and the
+    probabilities are to be multiplied by: `qk_scale` and 1, or (KV_FP8: e4m3 tiles) `qk_scale` times each
+    key's scale and each value's scale `[len(n)]`."""
     page = tl.load(bt_ptr + slot * stride_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
     r = page * PAGE + n % PAGE
     off = r[:, None] * (HKV * D) + kvh * D + d[None, :]
-    k, v = tl.load(k_ptr + off, mask=nm[:, None], other=0.0), tl.load(v_ptr + off, mask=nm[:, None], other=0.0)
+    m = nm[:, None] & (d[None, :] < D)
+    k, v = tl.load(k_ptr + off, mask=m, other=0.0), tl.load(v_ptr + off, mask=m, other=0.0)
     if KV_FP8:
         k_scale = tl.load(ks_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :] * qk_scale
         v_scale = tl.load(vs_ptr + r * HKV + kvh, mask=nm, other=0.0)[None, :]
@@ -323,13 +334,13 @@ def _online_softmax_step(qk, v, p_scale, m_i, l_i, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale,
-                 HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KV_FP8: tl.constexpr, IEEE: tl.constexpr):
-    """Queries `q [ROWS, D]` that see every key of positions `[start, end)` of KV head `kvh`: the
-    running row max (base 2), exp-sum and unnormalised output over them."""
+                 HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """Queries `q [ROWS, D_P]` (lanes `d`) that see every key of positions `[start, end)` of KV head
+    `kvh`: the running row max (base 2), exp-sum and unnormalised output over them."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
+    acc = tl.zeros([ROWS, D_P], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
@@ -356,10 +367,30 @@ def _qkv_load(row, col, mask, stride_s, b_ptr, PARTS: tl.constexpr, HAS_BIAS: tl
 
 
 @triton.jit
+def _rope_lanes(row, col0, mask, lane, pos, cos_ptr, sin_ptr, stride_s, b_ptr, HALF: tl.constexpr,
+                PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """RoPE of heads of one decode row of qkv (`_qkv_load`) whose columns start at `col0 [R, 1]`, in
+    their stored layout: lane j (masked by `mask`, zero there) with its partner j +- HALF, by
+    `rotate_half` with sin negated on the second half: the same products and roundings."""
+    first = lane < HALF
+    j = tl.where(first, lane, lane - HALF)  # the lane's frequency
+    jm = lane < 2 * HALF
+    c = tl.load(cos_ptr + pos * HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + j, mask=jm, other=0.0).to(tl.float32)
+    s = tl.where(first, s, -s)[None, :]
+    dt = cos_ptr.dtype.element_ty
+    x = _qkv_load(row, col0 + lane[None, :], mask, stride_s, b_ptr, PARTS, HAS_BIAS).to(dt)
+    partner = _qkv_load(row, col0 + tl.where(first, lane + HALF, j)[None, :], mask, stride_s, b_ptr, PARTS,
+                        HAS_BIAS).to(dt)
+    rotated, _ = rotate_half(x, partner, c, s, c, s)
+    return rotated
+
+
+@triton.jit
 def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                         bt_ptr, stride_bt, slots_ptr, ctx_ptr, out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale,
                         num_splits, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr,
                         IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -369,6 +400,7 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
     # the cache before it reads the split's keys (the write is then visible to the whole program).
     # Else `_rope_cache_kernel` has run: q is rotated in place in `qkv`, the cache written.
     # PARTS > 0 (ROPE only): qkv is the projection's split-K products, summed here with its bias.
+    # A head is a tile of D_P lanes, those past D masked (`head_lanes`).
     _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -381,31 +413,39 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
 
     g = tl.arange(0, BLOCK_G)
     gm = g < G
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_P)
+    dm = d < D
+    qm = gm[:, None] & dm[None, :]
     heads = kvh * G + g
     row = qkv_ptr + b * stride_qb
     if ROPE:
         HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)
+        i = tl.arange(0, D_P // 2)
+        im = i < HALF
         pos = (ctx - 1).to(tl.int64)
-        c = tl.load(cos_ptr + pos * HALF + i).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + pos * HALF + i).to(tl.float32)[None, :]
+        c = tl.load(cos_ptr + pos * HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
         dt = cos_ptr.dtype.element_ty  # the model dtype
-        qc = heads[:, None] * D + i[None, :]
-        q1, q2 = rotate_half(_qkv_load(row, qc, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
-                             _qkv_load(row, qc + HALF, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
-                             c, s, c, s)
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, D])
+        if D_P == D:  # the rotated halves side by side are the head as stored, the keys' layout
+            qc = heads[:, None] * D + i[None, :]
+            q1, q2 = rotate_half(_qkv_load(row, qc, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                                 _qkv_load(row, qc + HALF, gm[:, None], stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                                 c, s, c, s)
+            q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, D])
+        else:  # padded halves side by side would not be: rotate the head lane by lane instead
+            q = _rope_lanes(row, heads[:, None] * D, qm, d, pos, cos_ptr, sin_ptr, stride_qs, qkv_b_ptr, HALF, PARTS,
+                            HAS_BIAS)
         if (pos >= start) & (pos < end):
             kc = HQ * D + kvh * D + i[None, :]
-            k1, k2 = rotate_half(_qkv_load(row, kc, kc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
-                                 _qkv_load(row, kc + HALF, kc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+            km = im[None, :]
+            k1, k2 = rotate_half(_qkv_load(row, kc, km, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
+                                 _qkv_load(row, kc + HALF, km, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt),
                                  c, s, c, s)
             page = tl.load(bt_ptr + slot * stride_bt + pos // PAGE).to(tl.int64)
             r = page * PAGE + pos % PAGE
             dst = r * (HKV * D) + kvh * D
             vc = (HQ + HKV) * D + kvh * D + d
-            v = _qkv_load(row, vc, vc >= 0, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt)
+            v = _qkv_load(row, vc, dm, stride_qs, qkv_b_ptr, PARTS, HAS_BIAS).to(dt)
             if KV_FP8:  # e4m3 values and one scale per head (`rollout.ops.quantize_rows`)
                 k1, k2, v = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
                 k_mul, k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)),
@@ -415,70 +455,70 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
                 tl.store(ks_ptr + r * HKV + kvh + tl.zeros([1], tl.int64), k_scale)
                 tl.store(vs_ptr + r * HKV + kvh, v_scale)
             et = k_ptr.dtype.element_ty
-            tl.store(k_ptr + dst + i[None, :], k1.to(et))
-            tl.store(k_ptr + dst + HALF + i[None, :], k2.to(et))
-            tl.store(v_ptr + dst + d, v.to(et))
+            tl.store(k_ptr + dst + i[None, :], k1.to(et), mask=km)
+            tl.store(k_ptr + dst + HALF + i[None, :], k2.to(et), mask=km)
+            tl.store(v_ptr + dst + d, v.to(et), mask=dm)
             tl.debug_barrier()
     else:
-        q = tl.load(row + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+        q = tl.load(row + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
     m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d,
-                                 qk_scale, HKV, D, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
+                                 qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
     if not SPLIT:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=gm[:, None])
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
     else:
         nonempty = l_i > 0  # a split past the end of a short context saw no key
         safe_l = tl.where(nonempty, l_i, 1.0)
         lse = tl.where(nonempty, m_i + tl.log2(safe_l), float("-inf"))
         idx = (b * HQ + heads) * num_splits + sp
-        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], acc / safe_l[:, None], mask=gm[:, None])
+        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], acc / safe_l[:, None], mask=qm)
         tl.store(part_lse_ptr + idx, lse, mask=gm)
 
 
 @triton.jit
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_splits,
-                          HQ: tl.constexpr, D: tl.constexpr, S_P: tl.constexpr, PDL: tl.constexpr):
+                          HQ: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, PDL: tl.constexpr):
     _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_P)
     sm = s < num_splits
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_P)
+    dm = d < D
     idx = (b * HQ + h) * num_splits + s
     lse = tl.load(part_lse_ptr + idx, mask=sm, other=float("-inf"))
     w = tl.where(sm, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # split 0 is never empty: the max is finite
-    o = tl.load(part_o_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    o = tl.load(part_o_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * D + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
 def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx,
                     slot, kvh, qk_scale, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+                    D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                    IEEE: tl.constexpr):
     # A sequence with one query (a decoding row of a prefill step, or a one-token chunk): the G
     # query heads of KV head `kvh` are the rows of one tile, so its keys are read once, as in
     # `_decode_attn_kernel`. The query is the context's last position: every key is visible.
     g = tl.arange(0, BLOCK_G)
-    gm = g < G
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_P)
+    qm = (g < G)[:, None] & (d < D)[None, :]
     heads = kvh * G + g
     row = q0.to(tl.int64)
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
     _, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, 0, ctx, kvh, d, qk_scale,
-                               HKV, D, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
+                               HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gm[:, None])
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
 
 
 @triton.jit
 def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
                          cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
                          HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                         IEEE: tl.constexpr, PDL: tl.constexpr):
+                         D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     _after_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -492,18 +532,18 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
     if q_len == 1:  # the program of the first head of each KV head does them all
         if h % G == 0:
             _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
-                            q0, ctx, slot, kvh, qk_scale, HKV, G, BLOCK_G, D, PAGE, BLOCK_N, KV_FP8, IEEE)
+                            q0, ctx, slot, kvh, qk_scale, HKV, G, BLOCK_G, D, D_P, PAGE, BLOCK_N, KV_FP8, IEEE)
         return
 
     m = m0 + tl.arange(0, BLOCK_M)
-    mm = m < q_len
     qpos = ctx - q_len + m
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_P)
+    qm = (m < q_len)[:, None] & (d < D)[None, :]
     rows = (q0 + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * D + d[None, :], mask=mm[:, None], other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * D + d[None, :], mask=qm, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the tile's last query are masked anyway
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -514,8 +554,7 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
         qk = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mm[:, None])
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -688,6 +727,13 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def head_lanes(head_dim: int) -> int:
+    """The lanes of a head in the RoPE and attention kernels: a Triton tile's width is a power of two,
+    so another head_dim (80, 96, 100) is padded, the lanes past it masked (constexpr-equal to head_dim
+    otherwise: no mask is left)."""
+    return _pow2(head_dim)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
@@ -826,8 +872,8 @@ class TritonOps:
         if t:
             _rope_cache_kernel[(t,)](qkv, qkv.stride(0), positions, token_slots, block_tables, block_tables.stride(0),
                                      cos, sin, k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, cos.dtype),
-                                     PAGE=k_cache.shape[1], HQ=num_heads,
-                                     HKV=num_kv_heads, D=head_dim, HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
+                                     PAGE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+                                     D_P=head_lanes(head_dim), HQ_P=_pow2(num_heads), HKV_P=_pow2(num_kv_heads),
                                      KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
                                      num_warps=4 if num_heads * head_dim >= 2048 else 2, **_NO_FMA,
                                      **_launch(qkv))
@@ -840,6 +886,7 @@ class TritonOps:
         parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed in the kernel
         b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
+        d_p = head_lanes(d)
         g = hq // hkv
         splits = meta.num_splits
         out = torch.empty(b, hq * d, dtype=cos.dtype, device=qkv.device)  # the model dtype
@@ -855,7 +902,7 @@ class TritonOps:
             TritonOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables, hq, hkv, d,
                                      k_scale, v_scale)
         # keys a tile; with an e4m3 cache too (16, 64 and 128 were slower at 1.5b: BENCHMARKS.md, "Nineteenth pass")
-        block_n = 64 if d <= 64 else 32
+        block_n = 64 if d_p <= 64 else 32
         if splits > 1:
             part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qkv.device)
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=qkv.device)
@@ -865,13 +912,13 @@ class TritonOps:
             qkv, qkv.stride(-2), qkv.stride(0) if parts else 0, qkv_bias if qkv_bias is not None else qkv, cos, sin,
             k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, cos.dtype), block_tables, block_tables.stride(0), meta.slots,
             meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
-            HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
+            HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, D_P=d_p, PAGE=k_cache.shape[1], BLOCK_N=block_n,
             SPLIT=splits > 1, ROPE=rope, PARTS=parts, HAS_BIAS=parts > 0 and qkv_bias is not None,
             KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
             IEEE=cos.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}), **_launch(qkv))
         if splits > 1:
-            _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d,
-                                           S_P=_pow2(splits), num_warps=4 if d >= 128 else 2,
+            _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d, D_P=d_p,
+                                           S_P=_pow2(splits), num_warps=4 if d_p >= 128 else 2,
                                            **_launch(qkv))
         return out
 
@@ -885,12 +932,13 @@ class TritonOps:
         if num_tiles == 0:
             return out
         fp32 = q.dtype == torch.float32
-        block_n = 32 if fp32 and d > 64 else 64
+        d_p = head_lanes(d)
+        block_n = 32 if fp32 and d_p > 64 else 64
         _prefill_attn_kernel[(num_tiles, hq)](
             q, q.stride(0), k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, q.dtype), block_tables,
             block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
-            HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, PAGE=k_cache.shape[1],
+            HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, D_P=d_p, PAGE=k_cache.shape[1],
             BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, KV_FP8=k_scale is not None, IEEE=fp32, num_warps=4,
             **_launch(q))
         return out

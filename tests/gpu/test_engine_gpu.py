@@ -83,10 +83,11 @@ def test_pointwise_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128), (12, 4, 80), (8, 2, 96)])
 def test_decode_attention_kernel(dtype, hq, hkv, d):
     """RoPE and the K/V write of each sequence's new token, then attention, in one kernel: against
-    `rope_and_cache` in the same dtype and the reference attention in float32."""
+    `rope_and_cache` in the same dtype and the reference attention in float32. Head dims 80 and 96
+    run padded (`head_lanes`)."""
     from models import ModelArgs
     from models.transformer import rope_cos_sin, rope_inv_freq
 
@@ -112,7 +113,7 @@ def test_decode_attention_kernel(dtype, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (12, 4, 80), (8, 2, 96)])
 def test_prefill_attention_kernel(dtype, hq, hkv, d):
     T = _triton()
     torch.manual_seed(2)
@@ -258,7 +259,8 @@ def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):
     return tiny_model(args).to(DEV, dtype)
 
 
-@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
+                                     ("qwen3", {"head_dim": 24})])
 def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
     model = _gpu_model(kind, eos_token_id=None, **kw)
     prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
@@ -417,14 +419,16 @@ def _logprob_errors(outs, models):
     return [torch.cat(e).mean().item() for e in errs]
 
 
-@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80})])
 def test_engine_bf16_tracks_training_forward(kind, kw):
-    """bf16 engine log-probs are as close to the float32 truth as the bf16 training forward's."""
+    """bf16 engine log-probs (Triton kernels, CUDA graphs; a padded head_dim of 80 too) are as close to the
+    float32 truth as the bf16 training forward's."""
     model32 = _gpu_model(kind, **kw)
     model16 = _gpu_model(kind, dtype=torch.bfloat16, **kw)
     prompts = prompts_of([12, 30, 64, 7], seed=5)
     engine = make_engine(model32, device=DEV, dtype=torch.bfloat16, block_size=16, num_kv_blocks=64)
     outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=32, seed=1))
+    assert engine.runner.use_triton and engine.runner.graphs and engine.runner.prefill_graph_tokens
     engine_err, train_err = _logprob_errors(outs, [model32, model16])
     assert engine_err <= 1.5 * train_err + 1e-3, (engine_err, train_err)
 

@@ -174,7 +174,7 @@ def _kv_replicated_triton_body(rank, world):
     from rollout import EngineConfig, LLMEngine, SamplingParams
     from tests.unit.test_engine import make_engine, prompts_of, tiny_model
 
-    model = tiny_model(kv_args(1, head_dim=16))  # the Triton kernels take a power-of-two head_dim
+    model = tiny_model(kv_args(1, head_dim=16))  # 16 lanes: the kernels' head tile, unpadded
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     engine = LLMEngine(model.args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24,
                                                 max_num_batched_tokens=16), tp_mesh=mesh["tp"], device="cpu")

@@ -744,3 +744,16 @@ def test_a_memory_sized_pool_admits_a_full_length_sequence():
     engine.load_weights(model.named_parameters())
     out = engine.generate(prompts_of([1650]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert len(out[0].token_ids) == 50
+
+
+@pytest.mark.parametrize("head_dim", [24, 80, 96, 100, 128])
+def test_engine_takes_the_triton_ops_for_any_head_dim(monkeypatch, head_dim):
+    """Where Triton runs, the engine takes its kernels (and so CUDA graphs) whatever the head_dim: the
+    RoPE and attention kernels pad a head to a power of two of lanes. The kernels themselves at padded
+    head dims: tests/unit/test_triton_kernels.py."""
+    import rollout.runner
+
+    monkeypatch.setattr(rollout.runner, "triton_usable", lambda device: True)
+    args = tiny_args("llama", head_dim=head_dim)
+    engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=8), device="cpu")
+    assert engine.runner.model.head_dim == head_dim and engine.runner.use_triton

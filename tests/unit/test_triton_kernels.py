@@ -13,7 +13,8 @@ from tests import interpreter
 
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rms_norm_fp8", "silu_and_mul_fp8", "rope_and_cache", "decode_attention",
           "prefill_attention", "kv_cache_fp8", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
-          "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io", "qk_norm", "engine_qwen3"]
+          "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io", "qk_norm", "engine_qwen3",
+          "engine_padded_head"]
 
 
 def _checks() -> dict:
@@ -209,12 +210,13 @@ def _checks() -> dict:
         return k_cache, v_cache, bt, slots
 
     def rope_and_cache():
+        # head dims of a power of two, and 80 and 96 (padded to 128 lanes: `head_lanes`)
         from models import ModelArgs
         from models.transformer import rope_cos_sin, rope_inv_freq
 
         errs = []
-        for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 0.0)):
-            hq, hkv, d, t = 6, 2, 16, 7
+        for (dtype, tol), d in itertools.product(((torch.float32, 1e-6), (torch.float16, 0.0)), (16, 80, 96)):
+            hq, hkv, t = 6, 2, 7
             args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
             cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(64), dtype)
             cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
@@ -228,6 +230,7 @@ def _checks() -> dict:
             q_tri = TritonOps.rope_and_cache(qkv_tri, positions, token_slots, cos, sin, k_tri, v_tri, bt, hq, hkv, d)
             errs += [close(q_tri, q_ref, tol), close(k_tri, k_ref, tol), close(v_tri, v_ref, 0)]
             assert q_tri.data_ptr() == qkv_tri.data_ptr()  # q is rotated in place
+            assert torch.equal(qkv_tri[:, hq * d:], qkv[:, hq * d:])  # k and v as they were
         return max(errs)
 
     def decode_attention():
@@ -237,7 +240,9 @@ def _checks() -> dict:
         from models.transformer import rope_cos_sin, rope_inv_freq
 
         errs = []
-        for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32))), (torch.float16, 2e-3, ((4, 2, 16),))):
+        # head dims of a power of two, and padded ones (80, 96)
+        for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32), (6, 2, 80), (3, 1, 96))),
+                                   (torch.float16, 2e-3, ((4, 2, 16), (6, 2, 80)))):
             for hq, hkv, d in shapes:
                 args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
                 cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(64), dtype)
@@ -281,8 +286,8 @@ def _checks() -> dict:
 
     def prefill_attention():
         errs = []
-        for dtype, tol in ((torch.float32, 2e-5), (torch.float16, 2e-3)):
-            hq, hkv, d = 4, 2, 16
+        shapes = ((4, 2, 16), (6, 2, 80), (4, 1, 96))  # padded head dims too (`head_lanes`)
+        for (dtype, tol), (hq, hkv, d) in itertools.product(((torch.float32, 2e-5), (torch.float16, 2e-3)), shapes):
             # a fresh prompt over 2 tiles, decodes (one query: the heads of a KV head in one tile), one
             # over several key blocks, a chunk
             starts, q_lens = [0, 7, 3, 150], [PREFILL_TILE + 5, 1, 12, 1]
@@ -298,12 +303,15 @@ def _checks() -> dict:
         # The e4m3 KV cache (float32 engine): the RoPE / cache-write kernel and the fused decode write against
         # `quantize_rows` (scales to float32 noise, values within one e4m3 step, the interpreter's dropped carries
         # aside); decode (fused and split) and prefill attention against the reference over the cache the kernel
-        # wrote (every row times its scale)
+        # wrote (every row times its scale). Head dims 16 and 80 (padded lanes: no part of a row's scale).
+        return max(kv_cache_fp8_of(16), kv_cache_fp8_of(80))
+
+    def kv_cache_fp8_of(d):
         from models import ModelArgs
         from models.transformer import rope_cos_sin, rope_inv_freq
         from rollout.ops import quantize_rows
 
-        hq, hkv, d = 4, 2, 16
+        hq, hkv = 4, 2
         args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
         cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(256), torch.float32)
         cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
@@ -504,6 +512,38 @@ def _checks() -> dict:
         got = engine.generate(prompts, sp)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+
+    def engine_padded_head():
+        # head_dim 20 (GQA 2): heads padded to 32 lanes in the RoPE and attention kernels
+        # (`head_lanes`); the Triton path's tokens are the PyTorch path's, in prefill and decode steps, one
+        # split a sequence and several
+        from models import ModelArgs, Transformer
+        from rollout import EngineConfig, LLMEngine, SamplingParams
+        from rollout.triton_kernels import head_lanes
+
+        dims = (16, 20, 64, 80, 96, 100, 128, 256)
+        assert [head_lanes(d) for d in dims] == [16, 32, 64, 128, 128, 128, 128, 256]
+        errs = []
+        for head_dim in (20,):
+            args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                             max_position_embeddings=64)
+            model = Transformer.build(args, seed=0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(1 + 0.2 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
+            engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
+                                                  max_num_batched_tokens=8), device="cpu")
+            engine.load_weights(model.named_parameters())
+            prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+            sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
+            one = SamplingParams(temperature=0.9, max_tokens=4, seed=2)  # one sequence: several splits
+            ref = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
+            engine.runner.use_triton = True
+            got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
+            assert [o.token_ids for o in got] == [o.token_ids for o in ref], head_dim
+            errs += [abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)]
+        return max(errs)
 
     def engine_padded_prefill():
         # Prefill steps through the padded layout that CUDA graphs replay (here eagerly): padding
