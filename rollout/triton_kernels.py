@@ -32,9 +32,10 @@ launched with programmatic dependent launch (`_after_previous`; `MESHPPO_PDL=off
 off): a decode step at batch 1 is ~250 short kernels, and each one's start (for a GEMV, its
 first weight loads) then overlaps the previous one's end.
 
-The RoPE and attention kernels hold a head in `head_lanes(head_dim)` lanes, a power of two:
-another head_dim (80, 96, 100) runs in the padded tile with its extra lanes masked; at a power of
-two the masks fold away when the kernel compiles (the same machine code as without them).
+The RoPE and attention kernels hold a head in `head_lanes(head_dim)` lanes, a power of two of at
+least 16 (the least reduction of `tl.dot`): another head_dim (80, 96, 100; 8) runs in the padded
+tile with its extra lanes masked; at a power of two from 16 up the masks fold away when the kernel
+compiles (the same machine code as without them).
 
 The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
@@ -728,10 +729,10 @@ def _pow2(n: int) -> int:
 
 
 def head_lanes(head_dim: int) -> int:
-    """The lanes of a head in the RoPE and attention kernels: a Triton tile's width is a power of two,
-    so another head_dim (80, 96, 100) is padded, the lanes past it masked (constexpr-equal to head_dim
-    otherwise: no mask is left)."""
-    return _pow2(head_dim)
+    """The lanes of a head in the RoPE and attention kernels: a Triton tile's width is a power of two
+    and `tl.dot` reduces over at least 16, so a head_dim that is neither (80, 96, 100; 8) is padded,
+    the lanes past it masked (constexpr-equal to head_dim otherwise: no mask is left)."""
+    return max(16, _pow2(head_dim))
 
 
 @functools.lru_cache(maxsize=None)

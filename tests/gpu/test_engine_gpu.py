@@ -83,10 +83,10 @@ def test_pointwise_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128), (12, 4, 80), (8, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8)])
 def test_decode_attention_kernel(dtype, hq, hkv, d):
     """RoPE and the K/V write of each sequence's new token, then attention, in one kernel: against
-    `rope_and_cache` in the same dtype and the reference attention in float32. Head dims 80 and 96
+    `rope_and_cache` in the same dtype and the reference attention in float32. Head dims 80, 96 and 8
     run padded (`head_lanes`)."""
     from models import ModelArgs
     from models.transformer import rope_cos_sin, rope_inv_freq
@@ -113,7 +113,7 @@ def test_decode_attention_kernel(dtype, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (12, 4, 80), (8, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8)])
 def test_prefill_attention_kernel(dtype, hq, hkv, d):
     T = _triton()
     torch.manual_seed(2)

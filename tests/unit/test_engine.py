@@ -746,11 +746,11 @@ def test_a_memory_sized_pool_admits_a_full_length_sequence():
     assert len(out[0].token_ids) == 50
 
 
-@pytest.mark.parametrize("head_dim", [24, 80, 96, 100, 128])
+@pytest.mark.parametrize("head_dim", [4, 8, 24, 80, 96, 100, 128])
 def test_engine_takes_the_triton_ops_for_any_head_dim(monkeypatch, head_dim):
     """Where Triton runs, the engine takes its kernels (and so CUDA graphs) whatever the head_dim: the
-    RoPE and attention kernels pad a head to a power of two of lanes. The kernels themselves at padded
-    head dims: tests/unit/test_triton_kernels.py."""
+    RoPE and attention kernels pad a head to a power of two of at least 16 lanes (`tl.dot` reduces over
+    16 or more). The kernels themselves at padded head dims: tests/unit/test_triton_kernels.py."""
     import rollout.runner
 
     monkeypatch.setattr(rollout.runner, "triton_usable", lambda device: True)

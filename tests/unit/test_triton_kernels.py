@@ -210,12 +210,12 @@ def _checks() -> dict:
         return k_cache, v_cache, bt, slots
 
     def rope_and_cache():
-        # head dims of a power of two, and 80 and 96 (padded to 128 lanes: `head_lanes`)
+        # head dims of a power of two, and 80, 96 and 8 (padded to 128, 128 and 16 lanes: `head_lanes`)
         from models import ModelArgs
         from models.transformer import rope_cos_sin, rope_inv_freq
 
         errs = []
-        for (dtype, tol), d in itertools.product(((torch.float32, 1e-6), (torch.float16, 0.0)), (16, 80, 96)):
+        for (dtype, tol), d in itertools.product(((torch.float32, 1e-6), (torch.float16, 0.0)), (16, 80, 96, 8)):
             hq, hkv, t = 6, 2, 7
             args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
             cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(64), dtype)
@@ -240,8 +240,8 @@ def _checks() -> dict:
         from models.transformer import rope_cos_sin, rope_inv_freq
 
         errs = []
-        # head dims of a power of two, and padded ones (80, 96)
-        for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32), (6, 2, 80), (3, 1, 96))),
+        # head dims of a power of two, and padded ones (80, 96; 8: `tl.dot` reduces over 16 or more)
+        for dtype, tol, shapes in ((torch.float32, 2e-5, ((4, 2, 16), (14, 2, 32), (6, 2, 80), (3, 1, 96), (4, 2, 8))),
                                    (torch.float16, 2e-3, ((4, 2, 16), (6, 2, 80)))):
             for hq, hkv, d in shapes:
                 args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
@@ -286,7 +286,7 @@ def _checks() -> dict:
 
     def prefill_attention():
         errs = []
-        shapes = ((4, 2, 16), (6, 2, 80), (4, 1, 96))  # padded head dims too (`head_lanes`)
+        shapes = ((4, 2, 16), (6, 2, 80), (4, 1, 96), (4, 2, 8))  # padded head dims too (`head_lanes`)
         for (dtype, tol), (hq, hkv, d) in itertools.product(((torch.float32, 2e-5), (torch.float16, 2e-3)), shapes):
             # a fresh prompt over 2 tiles, decodes (one query: the heads of a KV head in one tile), one
             # over several key blocks, a chunk
@@ -514,17 +514,17 @@ def _checks() -> dict:
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
     def engine_padded_head():
-        # head_dim 20 (GQA 2): heads padded to 32 lanes in the RoPE and attention kernels
+        # head_dim 20 and 8 (GQA 2): heads padded to 32 and 16 lanes in the RoPE and attention kernels
         # (`head_lanes`); the Triton path's tokens are the PyTorch path's, in prefill and decode steps, one
         # split a sequence and several
         from models import ModelArgs, Transformer
         from rollout import EngineConfig, LLMEngine, SamplingParams
         from rollout.triton_kernels import head_lanes
 
-        dims = (16, 20, 64, 80, 96, 100, 128, 256)
-        assert [head_lanes(d) for d in dims] == [16, 32, 64, 128, 128, 128, 128, 256]
+        dims = (4, 8, 16, 20, 64, 80, 96, 100, 128, 256)
+        assert [head_lanes(d) for d in dims] == [16, 16, 16, 32, 64, 128, 128, 128, 128, 256]
         errs = []
-        for head_dim in (20,):
+        for head_dim in (20, 8):
             args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                              max_position_embeddings=64)
