@@ -449,8 +449,10 @@ class PPOTrainer:
 
     def _install_signal_handlers(self):
         def handler(signum, frame):
-            self._stop_signal = signum
-            self._stop_time = time.monotonic()
+            # The first signal starts the grace period: a later one (USR1, then the scheduler's TERM; the
+            # launcher forwarding a repeated signal) must not move the deadline past the scheduler's kill.
+            if self._stop_signal is None:
+                self._stop_signal, self._stop_time = signum, time.monotonic()
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, handler)
 
