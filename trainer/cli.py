@@ -47,7 +47,11 @@ def _run(args) -> int:
             preflight(cfg, world_size_from_env(), local_world_size_from_env())
     except ConfigError as e:
         error = str(e)
-    errors = agreed_config_errors(error)
+    try:
+        errors = agreed_config_errors(error)
+    except ConfigError as e:  # the ranks cannot meet to agree (MASTER_ADDR / MASTER_PORT): each says it
+        print(f"meshppo: config error: {e}", file=sys.stderr)
+        return 2
     if errors:
         if is_main:
             for line in config_error_lines(errors, world_size_from_env()):

@@ -576,12 +576,24 @@ def _attempt_store():
         if dist.is_initialized():  # a process group made outside `init_distributed` (tests, embedding code)
             base = dist.distributed_c10d._get_default_store()
         else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
+            check_rendezvous_env()
             base, _, _ = next(dist.rendezvous("env://", rank_from_env(), world_size_from_env()))
         _STORE.append(dist.PrefixStore(f"meshppo/attempt_{attempt}", base))
     return _STORE[0]
+
+
+def check_rendezvous_env() -> None:
+    """Several ranks meet at rank 0's MASTER_ADDR:MASTER_PORT, which torchrun sets: a ConfigError
+    naming them where they are missing (each rank left on its own would wait for the others until
+    torch's 30-minute timeout; a default port would be each rank's own)."""
+    from trainer.configlib import ConfigError
+
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world_size_from_env()} but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: the ranks meet at rank 0's "
+                          "MASTER_ADDR:MASTER_PORT, the same on every rank; launch with torchrun or python -m "
+                          "trainer.launch, which set them, or set them yourself")
 
 
 def agreed_config_errors(error: str | None) -> list[tuple[str, list[int]]]:
