@@ -436,6 +436,19 @@ def peer_grace_s() -> float:
     return value
 
 
+def shared_rdzv_id(nnodes: int) -> str:
+    """The default --rdzv-id of a launch on several nodes: each node's launcher must give the same, and
+    one made up per launcher would never meet the others' (torchrun's rendezvous then times out after
+    10 minutes without naming it). The SLURM job's id; a ConfigError outside SLURM."""
+    from trainer.configlib import ConfigError
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-id ID, the same on every node (the job's id): each node "
+                          "would otherwise make up its own, and the nodes would never meet")
+    return job
+
+
 def check_slurm_step(nnodes: int) -> None:
     """Under `srun` (a SLURM step): one launcher per node, on no more nodes than --nnodes. Each
     launcher starts all of its node's ranks, so more step nodes than --nnodes (single_node.sbatch
@@ -507,8 +520,9 @@ def main(argv=None) -> int:
     p.add_argument("--rdzv-endpoint", default=None,
                    help="HOST:PORT of the c10d rendezvous (several nodes); default: a free local port")
     p.add_argument("--rdzv-id", default=None,
-                   help="rendezvous id (several nodes: the job id, the same on every node); default: one of its own "
-                        "per launch (a restart keeps it: the checkpoints tell the launch's own by it)")
+                   help="rendezvous id (several nodes: the job id, the same on every node); default: one node: one of "
+                        "its own per launch, several nodes: SLURM_JOB_ID (outside SLURM give it); a restart keeps it: "
+                        "the checkpoints tell the launch's own by it")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all ranks after a crash this many times (they resume from the last checkpoint)")
     p.add_argument("--log-dir", default=None, help="rank and torchrun logs; default: <trainer.default_local_dir>/logs")
@@ -529,6 +543,8 @@ def main(argv=None) -> int:
         if args.nnodes > 1 and not args.rdzv_endpoint:
             raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address, the "
                               "same on every node): the default, a free local port, is reachable from this node only")
+        if args.nnodes > 1 and not args.rdzv_id:
+            args.rdzv_id = shared_rdzv_id(args.nnodes)
         check_slurm_step(args.nnodes)
         peer_grace_s()  # MESHPPO_PEER_GRACE_S is read when a rank fails: check it now
         args.config = config_file(args)  # the ranks get it as --config

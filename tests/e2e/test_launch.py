@@ -257,7 +257,7 @@ def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp
         port = s.getsockname()[1]
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--nproc-per-node", "1", *demo_args(tiny_assets, run, *COMMON, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")]
+           "--rdzv-id", "job1", "--nproc-per-node", "1", *demo_args(tiny_assets, run, *COMMON, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")]
     p = _Job(cmd, _env())
     time.sleep(8)  # torchrun is up and waiting for the second node
     assert p.poll() is None

@@ -3,6 +3,7 @@ shared rendezvous id, ranks without a rendezvous address, two runs in one run di
 preemption deadline moved by a repeated signal."""
 
 import os
+import shutil
 import signal
 from types import SimpleNamespace
 
@@ -13,6 +14,43 @@ from trainer.configlib import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_NNODES",
+              "SLURM_NTASKS")
+TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29500", "--config", DEMO,
+             "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for key in SLURM_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_several_nodes_without_a_rendezvous_id_outside_slurm_are_refused(no_slurm, capsys):
+    """Each node's launcher made up its own --rdzv-id, so the nodes never met (torchrun's rendezvous
+    timed out after 10 minutes without naming the flag)."""
+    assert launch.main([*TWO_NODES, "--print-config"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["meshppo: config error: --nnodes 2 needs --rdzv-id ID, the same on every node (the job's id): "
+                   "each node would otherwise make up its own, and the nodes would never meet"], err
+
+
+def test_several_nodes_under_slurm_meet_under_the_jobs_id(no_slurm, monkeypatch, tmp_path):
+    """Under SLURM every node's launcher sees the same SLURM_JOB_ID: torchrun gets it as --rdzv-id."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    commands = []
+    monkeypatch.setattr(launch._Launch, "run", lambda self: commands.append((self.command(), self.launch_dir)) or 0)
+    assert launch.main([*TWO_NODES, f"trainer.default_local_dir={tmp_path}/run"]) == 0
+    (command, launch_dir), = commands
+    shutil.rmtree(launch_dir)
+    assert "--rdzv-id=4242" in command and "--rdzv-endpoint=node0:29500" in command, command
+    # one node keeps an id of its own per launch (nothing to meet)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert launch.main(["--nproc-per-node", "1", "--config", DEMO, "trainer.n_gpus_per_node=1",
+                        f"trainer.default_local_dir={tmp_path}/run"]) == 0
+    (command, launch_dir), = commands[1:]
+    shutil.rmtree(launch_dir)
+    assert any(arg.startswith("--rdzv-id=meshppo-") for arg in command), command
 
 
 @pytest.fixture
