@@ -644,15 +644,17 @@ class CheckpointManager:
         for name in os.listdir(self.root):
             if re.fullmatch(r"global_step_\d+\.(tmp|old)", name):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        self._rotate(step)
+        self._rotate(step, self.keep)
 
     def _write(self, step: int, tmp: str) -> None:
         """`save`'s writing of every part of the checkpoint into `tmp`, the trainer state last."""
         rng = "extra" in self.contents("actor", "save_contents")
 
         def prepare():
+            self._make_room(step)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng") if rng else tmp, exist_ok=True)
+        # (agreed: no rank writes before rank 0 has made room)
         agreed_write("creating the directory", prepare if self.is_main else None)
         contents = {}
         for k, (name, (model, optimizer)) in enumerate(self.models.items()):
@@ -688,12 +690,19 @@ class CheckpointManager:
                 json.dump(state, f, indent=1)
                 _flushed(f)
 
-    def _rotate(self, step: int):
-        """Keep the newest `keep` complete checkpoints up to `step` (the one just written). Newer
-        ones, from a run resumed at an earlier step, are neither counted nor deleted."""
-        if self.keep is None or self.keep <= 0:
+    def _make_room(self, step: int) -> None:
+        """Before step `step` is written, with `keep` >= 2 (verl 0.9.1's order): only the newest `keep` - 1
+        earlier checkpoints stay, so a disk or quota that holds `keep` checkpoints holds the save too.
+        With `keep` = 1 the only one stays until the new one is in place (`_publish`)."""
+        if self.keep is not None and self.keep >= 2:
+            self._rotate(step - 1, self.keep - 1)
+
+    def _rotate(self, newest: int, keep: int | None):
+        """Keep the newest `keep` complete checkpoints up to step `newest` (after a save: the one just
+        written). Newer ones, from a run resumed at an earlier step, are neither counted nor deleted."""
+        if keep is None or keep <= 0:
             return
-        for old in [s for s in self.complete_steps() if s <= step][:-self.keep]:
+        for old in [s for s in self.complete_steps() if s <= newest][:-keep]:
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
     # --------------------------------------------------------------- load
