@@ -7,7 +7,8 @@
 # What the launcher adds to torchrun (trainer/launch.py): the config is checked in one process before
 # any rank starts; a config or input error is one line and exit code 2 or 1; SIGTERM, SIGUSR1 or
 # Ctrl-C make the ranks write a checkpoint and exit 0, reported in one line (Ctrl-C twice: stop at
-# once); only rank 0's output reaches the terminal, every rank's log is kept.
+# once); only rank 0's output reaches the terminal, every rank's log is kept; a run directory another
+# launch is running in is refused.
 #
 # Environment: NPROC (ranks; default trainer.n_gpus_per_node, which it must equal), LOG_DIR
 # (default <trainer.default_local_dir>/logs), MAX_RESTARTS (default 0; with >0 a crashed rank

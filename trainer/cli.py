@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 
@@ -26,14 +27,15 @@ def main(argv=None) -> int:
     from trainer import launch
 
     launch.attach()
-    return launch.finish(_run(args))
+    with contextlib.ExitStack() as held:  # rank 0's hold on the run directory, for the run
+        return launch.finish(_run(args, held))
 
 
-def _run(args) -> int:
+def _run(args, held: contextlib.ExitStack) -> int:
     from trainer.config import PPOConfig, config_notes, validate
     from trainer.configlib import ConfigError, load_config, to_commented_yaml
-    from trainer.launch import (agreed_config_errors, config_error_lines, config_file, local_world_size_from_env,
-                                rank_from_env, world_size_from_env)
+    from trainer.launch import (agreed_config_errors, config_error_lines, config_file, holding_run_dir,
+                                local_world_size_from_env, rank_from_env, world_size_from_env)
 
     # The ranks agree on their config errors (one rank's alone too) before any work; rank 0 says them.
     is_main, error = rank_from_env() == 0, None
@@ -45,6 +47,8 @@ def _run(args) -> int:
             from trainer.setup import preflight
 
             preflight(cfg, world_size_from_env(), local_world_size_from_env())
+            if is_main:  # another run in the directory: refused before this one touches it
+                held.enter_context(holding_run_dir(cfg.trainer.default_local_dir))
     except ConfigError as e:
         error = str(e)
     try:

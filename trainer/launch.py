@@ -15,6 +15,9 @@ against this launch and print it, starting nothing). Paths are relative to the w
   recorded code, adds the error lines of this node's other ranks that rank 0 did not print,
   and stops ranks still running `MESHPPO_PEER_GRACE_S` (30) seconds after such an exit (they
   would wait for the gone rank until `trainer.nccl_timeout`);
+* one launch per run directory: the run's rank 0 holds a lock on `<run dir>/.lock` while it runs
+  (the kernel releases it when the process ends, however it ends), and a second launch into the
+  directory is refused before any rank starts, naming the rank holding it;
 * signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 are the launcher's. It forwards SIGUSR1 as
   is and the others as SIGTERM to the ranks, which write a checkpoint and exit 0, and reports
   the preemption in one line. torchrun is started with them ignored: it would turn them into a
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import re
@@ -48,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from trainer.errors import say
 
 LAUNCH_DIR_ENV, LOG_DIR_ENV = "MESHPPO_LAUNCH_DIR", "MESHPPO_LOG_DIR"
 # What the trainer reacts to (checkpoint and exit 0), and what the launcher takes from torchrun.
@@ -177,6 +183,58 @@ def finish(code: int) -> int:
     sys.stderr.flush()
     _write(launch_dir, f"rank{rank_from_env()}.exit", str(code))
     return 0
+
+
+RUN_LOCK = ".lock"  # in the run directory: held by the run's rank 0 (`holding_run_dir`)
+
+
+def _locked_run_dir(run_dir: str, how: int):
+    """`run_dir`'s lock file, open and locked `how` (fcntl.LOCK_EX or LOCK_SH) without waiting; None
+    where the file system has no locks. A ConfigError naming the directory and the process holding it
+    where another launch's rank 0 does."""
+    from trainer.configlib import ConfigError
+
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, RUN_LOCK), "a+")  # (not truncated: the holder's name is in it)
+    try:
+        fcntl.flock(f, how | fcntl.LOCK_NB)
+        return f
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not written its name yet"
+        f.close()
+        raise ConfigError(f"trainer.default_local_dir={run_dir} is in use by another run ({holder}, which holds "
+                          f"{os.path.join(run_dir, RUN_LOCK)}): let it end or stop it, or give this run another "
+                          "trainer.default_local_dir (or trainer.experiment_name)") from None
+    except OSError:  # ENOLCK, EOPNOTSUPP: a file system mounted without locks
+        f.close()
+        return None
+
+
+@contextlib.contextmanager
+def holding_run_dir(run_dir: str):
+    """Rank 0's hold on `run_dir` for the run (the lock goes with the process however it ends, so a
+    torchrun restart or a requeued job takes it again); a ConfigError where another run holds it."""
+    f = _locked_run_dir(run_dir, fcntl.LOCK_EX)
+    if f is None:
+        say(f"meshppo: note: {os.path.join(run_dir, RUN_LOCK)} cannot be locked on this file system: a second "
+            "launch into this run directory would not be refused")
+        yield
+        return
+    with f:
+        f.truncate(0)
+        f.write(f"rank 0: pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+
+
+def check_run_dir_free(run_dir: str) -> None:
+    """The launcher's check, before any rank starts (and before its logs go into `run_dir`), that no run
+    holds `run_dir` (a ConfigError naming it and the holder). A shared lock taken and dropped at once:
+    the launchers of one multi-node launch, checking at the same moment, do not refuse each other."""
+    f = _locked_run_dir(run_dir, fcntl.LOCK_SH)
+    if f is not None:
+        f.close()
 
 
 # ---------------------------------------------------------------------- the launcher
@@ -552,6 +610,8 @@ def main(argv=None) -> int:
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc)
         check_output_dir("--log-dir (LOG_DIR)", args.log_dir)
+        if not args.print_config:
+            check_run_dir_free(cfg.trainer.default_local_dir)
     except ConfigError as e:
         print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2

@@ -270,3 +270,51 @@ def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp
     _no_launcher_noise(out)
     left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout.split()
     assert left == [], left  # torchrun and anything it started are gone
+
+def _pid_runs(pid: int, *words: str) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read().decode()
+    return all(word in cmdline for word in words)
+
+
+def test_a_second_launch_into_a_run_directory_in_use_is_refused(tiny_assets, tmp_path):
+    """A second launch into the directory of a running one (a sweep that leaves experiment_name as it
+    is, a double sbatch) deleted the first's checkpoint in progress and its metrics rows, and both
+    launchers showed each other's output. Now it is refused, naming the directory and the first run's
+    rank 0, before anything is written: by the launcher before any rank starts, and by plain
+    torchrun's ranks (every rank stops), and the first run goes on untouched."""
+    import re
+    import socket
+
+    from tests.e2e.conftest import torchrun
+
+    run = tmp_path / "run"
+    args = demo_args(tiny_assets, run, *COMMON, "trainer.total_training_steps=5000", "trainer.save_freq=1")
+    first = _single_node(args)
+    _wait_for_a_step(first, run)
+    logs = {f.name for f in (run / "logs").iterdir()}
+    where = re.escape(str(run))
+    holder = rf"rank 0: pid (\d+) on {re.escape(socket.gethostname())}, which holds {where}/\.lock"
+    refused = rf"trainer.default_local_dir={where} is in use by another run \({holder}\): let it end or stop it"
+
+    second = _single_node(args)
+    out = second.output(timeout=300)
+    assert second.returncode == 2, out
+    lines = _lines(out)
+    assert len(lines) == 1 and re.match(rf"meshppo: config error: {refused}", lines[0]), out
+    assert _pid_runs(int(re.search(holder, lines[0]).group(1)), "train_ppo.py", str(run))
+    assert {f.name for f in (run / "logs").iterdir()} == logs  # its logs never went there
+
+    r = torchrun(args, timeout=300)  # every rank of it stops; rank 0 says why
+    assert r.returncode != 0, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if line.startswith("meshppo: config error")]
+    assert len(said) == 1 and re.match(rf"meshppo: config error \(rank 0\): {refused}", said[0]), r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr and "rank      : 1 (local_rank: 1)" in r.stderr, r.stderr[-3000:]
+
+    first.send_signal(signal.SIGTERM)
+    out = first.output(timeout=600)
+    assert first.returncode == 0, out
+    assert "in use" not in out, out  # the other launches' lines did not reach its output
+    assert "in use" not in (run / "logs" / "rank0.log").read_text()
+    latest = int((run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, latest + 1))

@@ -5,6 +5,7 @@ preemption deadline moved by a repeated signal."""
 import os
 import shutil
 import signal
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,31 @@ def test_a_rank_without_a_rendezvous_address_is_a_config_error(no_store, capsys,
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("meshppo: config error: WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT are not set"), err
+
+
+def test_a_run_directory_is_held_by_one_run_at_a_time(tmp_path):
+    """Rank 0 holds the run directory while it runs: another run's rank 0, and the launcher's check
+    before any rank starts, are refused naming the directory and the holder; once it is released
+    (the process ends, the run returns) the next run takes it."""
+    run = str(tmp_path / "runs" / "a")
+    refused = (rf"^trainer.default_local_dir={run} is in use by another run \(rank 0: pid {os.getpid()} on "
+               rf"{socket.gethostname()}, which holds {run}/.lock\): let it end or stop it, or give this run another "
+               r"trainer.default_local_dir")
+    with launch.holding_run_dir(run):
+        with pytest.raises(ConfigError, match=refused):
+            launch.check_run_dir_free(run)
+        with pytest.raises(ConfigError, match=refused):
+            with launch.holding_run_dir(run):
+                pass
+    launch.check_run_dir_free(run)
+    with launch.holding_run_dir(run):
+        pass
+    # the launchers of one launch on several nodes check at the same moment: they do not refuse each other
+    held = launch._locked_run_dir(run, launch.fcntl.LOCK_SH)
+    try:
+        launch.check_run_dir_free(run)
+    finally:
+        held.close()
 
 
 def test_a_later_stop_signal_does_not_move_the_grace_deadline(monkeypatch):
