@@ -11,8 +11,9 @@
 # launch is running in is refused.
 #
 # Environment: NPROC (ranks; default trainer.n_gpus_per_node, which it must equal), LOG_DIR
-# (default <trainer.default_local_dir>/logs), MAX_RESTARTS (default 0; with >0 a crashed rank
-# restarts the job, which resumes from the last checkpoint through trainer.resume_mode=auto),
+# (default <trainer.default_local_dir>/logs), MAX_RESTARTS (default 0; with >0 a crashed rank, or a
+# collective that timed out or lost its peer, restarts the job, which resumes from the last checkpoint
+# through trainer.resume_mode=auto),
 # PYTHON (default python3). Run it from anywhere: relative paths (--config, trainer.default_local_dir,
 # data files, LOG_DIR) are relative to the working directory, as with python; the repository is put
 # on PYTHONPATH. `--print-config` checks the config against this launch and prints it, starting nothing.

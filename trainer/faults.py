@@ -9,7 +9,8 @@
                    only (torchrun's restarts see TORCHELASTIC_RESTART_COUNT > 0)
 * `sigterm@K:R`  — rank R sends itself SIGTERM at the start of step K (preemption)
 * `crash_in_save@K` — the process dies half-way through writing the checkpoint of step K
-* `hang@K:R`     — rank R stops for 120 s at the start of step K (the others' collectives time out)
+* `hang@K:R`     — rank R stops for 120 s at the start of step K (the others' collectives time out),
+                   on the first launch only
 
 Step 0 is the run's start, before its first collective (the agreed start of its logs).
 
@@ -45,11 +46,12 @@ def armed(name: str, step: int, rank: int) -> bool:
 
 
 def at_step_start(step: int, rank: int) -> None:
-    if armed("sigkill", step, rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if armed("sigkill", step, rank) and first_launch:
         os.kill(os.getpid(), signal.SIGKILL)
     if armed("sigterm", step, rank):
         os.kill(os.getpid(), signal.SIGTERM)
-    if armed("hang", step, rank):
+    if armed("hang", step, rank) and first_launch:
         time.sleep(120)
 
 

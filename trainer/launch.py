@@ -14,7 +14,10 @@ against this launch and print it, starting nothing). Paths are relative to the w
   (a restart cannot fix the input) nor prints its failure report; the launcher exits with the
   recorded code, adds the error lines of this node's other ranks that rank 0 did not print,
   and stops ranks still running `MESHPPO_PEER_GRACE_S` (30) seconds after such an exit (they
-  would wait for the gone rank until `trainer.nccl_timeout`);
+  would wait for the gone rank until `trainer.nccl_timeout`). A rank whose collective timed out
+  or lost its peer (a hung or crashed rank, a lost node) is not such an exit: it exits
+  `RESTART_EXIT`, and torchrun restarts the ranks (`--max-restarts`), which resume from the
+  newest checkpoint;
 * one launch per run directory: the run's rank 0 holds a lock on `<run dir>/.lock` while it runs
   (the kernel releases it when the process ends, however it ends), and a second launch into the
   directory is refused before any rank starts, naming the rank holding it;
@@ -175,14 +178,44 @@ def _hold_stop_signals() -> None:
 
 def finish(code: int) -> int:
     """The rank's exit code. Under the launcher a deliberate exit (0 finished or preempted,
-    1 input error, 2 config error, 3 stopped) is recorded for it, and the rank exits 0."""
+    1 input error, 2 config error, 3 stopped) is recorded for it, and the rank exits 0;
+    `RESTART_EXIT` is not recorded: the rank exits with it, so torchrun restarts the ranks."""
     launch_dir = os.environ.get(LAUNCH_DIR_ENV)
-    if not launch_dir:
+    if not launch_dir or code == RESTART_EXIT:
         return code
     sys.stdout.flush()
     sys.stderr.flush()
     _write(launch_dir, f"rank{rank_from_env()}.exit", str(code))
     return 0
+
+
+# A rank whose collective failed while no rank had stopped on an error of its own (a peer hung or crashed,
+# a node was lost): a restart can fix that, so the rank exits non-zero and torchrun restarts the ranks
+# (--max-restarts), which resume from the newest checkpoint.
+RESTART_EXIT = 4
+_STOPPED_ON_ERROR = "stopped_on_error"  # the key in the attempt's store: how many ranks did
+
+
+def stopping_on_error(code: int) -> int:
+    """`code` (1-3: this rank stops on an error of its own), once the ranks' store counts it: a peer
+    whose collective then fails (this rank leaves it) reads it there and stops without a restart
+    (`collective_failure_exit`), as a restart would meet the same error."""
+    if world_size_from_env() > 1:
+        with contextlib.suppress(dist.DistError):  # no store left to tell (rank 0 hosted it and is gone)
+            _attempt_store().add(_STOPPED_ON_ERROR, 1)
+    return code
+
+
+def collective_failure_exit() -> int:
+    """The exit code of a rank whose collective timed out or lost its peer: 1 (an error, no restart)
+    where another rank stopped on an error of its own (`stopping_on_error`), else `RESTART_EXIT`."""
+    if world_size_from_env() == 1:
+        return RESTART_EXIT
+    try:
+        stopped = _attempt_store().add(_STOPPED_ON_ERROR, 0) > 0  # (adding 0 reads it without waiting)
+    except dist.DistError:  # the store went with its host (rank 0, outside torchrun): nobody to ask
+        stopped = False
+    return 1 if stopped else RESTART_EXIT
 
 
 RUN_LOCK = ".lock"  # in the run directory: held by the run's rank 0 (`holding_run_dir`)

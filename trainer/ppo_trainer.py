@@ -44,7 +44,7 @@ from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
                              rollout_probs_diff_metrics)
-from trainer.launch import DistContext, init_distributed
+from trainer.launch import DistContext, collective_failure_exit, init_distributed, stopping_on_error
 from trainer.metrics import data_metrics, variance_proxy_metrics
 from trainer.rollout_batch import TOKEN_FIELDS, Ragged, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
@@ -1377,7 +1377,8 @@ def _collective_failure(e: RuntimeError) -> bool:
 
 def run(cfg: PPOConfig) -> int:
     """Entry point used by train_ppo.py. A config error: exit code 2, an input error: exit code 1,
-    each with a message from every rank that hit it."""
+    each with a message from every rank that hit it; a collective that timed out or lost its peer:
+    `launch.RESTART_EXIT` (torchrun restarts the ranks), unless a rank stopped on an error first."""
     from agent import InteractionError, ToolError
     from data import DatasetError
     from rewards import RewardError
@@ -1397,27 +1398,28 @@ def run(cfg: PPOConfig) -> int:
         # Found while the run starts (its data, checkpoint, tools): possibly by one rank alone, whose
         # peers are then in a collective that fails when it exits. Every rank says its own.
         say(f"meshppo: config error: {e}" if ctx.world_size == 1 else f"meshppo: config error (rank {ctx.rank}): {e}")
-        return 2
+        return stopping_on_error(2)
     except (UserError, DatasetError, RewardError, ToolError, InteractionError, OSError, CheckpointFileError) as e:
         # Every rank says what it hit: an error of one rank alone (a file of its own) would
         # otherwise show only as the other ranks' failed collective.
         say(f"meshppo: error (rank {ctx.rank}): {e}")
-        return 1
+        return stopping_on_error(1)
     except StopTraining as e:
         if ctx.is_main:
             print(f"meshppo: stopped: {e}", file=sys.stderr)
-        return 3
+        return stopping_on_error(3)
     except RuntimeError as e:
         if not _collective_failure(e):
             raise
-        # A collective timed out or lost a peer: say where, on every rank.
+        # A collective timed out or lost a peer: say where, on every rank. A restart can fix a hung or
+        # crashed peer (`collective_failure_exit`), not one that stopped on an error of its own.
         first = str(e).strip().splitlines()[0]
         phase = getattr(e, "meshppo_phase", None)
         where = (f"in phase '{phase}'" if phase else "during setup" if trainer is None
                  else f"outside the timed phases, at step {trainer.global_step}")
         say(f"meshppo: error (rank {ctx.rank}): a collective failed {where} "
             f"(trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): {first[:300]}")
-        return 1
+        return collective_failure_exit()
     finally:
         if ctx.owns_group and dist.is_initialized():
             if finished:

@@ -271,6 +271,24 @@ def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp
     left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout.split()
     assert left == [], left  # torchrun and anything it started are gone
 
+
+def test_a_hung_rank_is_restarted_and_the_run_resumes(tiny_assets, tmp_path):
+    """Rank 1 hangs at step 2 (on the first attempt only): rank 0's collective times out. That was
+    recorded as a user error (the rank exited 0, the launcher killed torchrun), so MAX_RESTARTS never
+    restarted the run; now torchrun restarts the ranks, which resume from the checkpoint of step 1."""
+    run = tmp_path / "run"
+    steps = [a for a in COMMON if not a.startswith("trainer.total_training_steps=")]
+    p = _single_node(demo_args(tiny_assets, run, *steps, "trainer.total_training_steps=4", "trainer.save_freq=1",
+                               "trainer.nccl_timeout=5"),
+                     MAX_RESTARTS="1", MESHPPO_FAULTS="hang@2:1", MESHPPO_PEER_GRACE_S="3")
+    out = p.output(timeout=600)
+    assert p.returncode == 0, out
+    assert "meshppo: error (rank 0): a collective failed in phase '" in out, out  # the first attempt's
+    assert f"run directory: {run} (resumed at step 1)" in out, out  # the restarted one's
+    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
+    _no_launcher_noise(out)
+
+
 def _pid_runs(pid: int, *words: str) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmdline = f.read().decode()
