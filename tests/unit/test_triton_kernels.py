@@ -490,14 +490,11 @@ def _checks() -> dict:
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
-    def engine_qwen3():
-        # a Qwen3 model (per-head q/k norms, head_dim 16 against hidden / heads 8): the Triton path's tokens
-        # are the PyTorch path's, in prefill and decode steps
-        from models import ModelArgs, Transformer
-        from rollout import EngineConfig, LLMEngine, SamplingParams
+    def tiny_engine(args):
+        """A float32 CPU engine with the weights of a random model of `args` (norm weights near 1)."""
+        from models import Transformer
+        from rollout import EngineConfig, LLMEngine
 
-        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, model_type="qwen3")
         model = Transformer.build(args, seed=0)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -505,6 +502,17 @@ def _checks() -> dict:
         engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
                                               max_num_batched_tokens=8), device="cpu")
         engine.load_weights(model.named_parameters())
+        return engine
+
+    def engine_qwen3():
+        # a Qwen3 model (per-head q/k norms, head_dim 16 against hidden / heads 8): the Triton path's tokens
+        # are the PyTorch path's, in prefill and decode steps
+        from models import ModelArgs
+        from rollout import SamplingParams
+
+        engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, model_type="qwen3"))
         prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
         sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
         ref = engine.generate(prompts, sp)
@@ -517,24 +525,17 @@ def _checks() -> dict:
         # head_dim 20 and 8 (GQA 2): heads padded to 32 and 16 lanes in the RoPE and attention kernels
         # (`head_lanes`); the Triton path's tokens are the PyTorch path's, in prefill and decode steps, one
         # split a sequence and several
-        from models import ModelArgs, Transformer
-        from rollout import EngineConfig, LLMEngine, SamplingParams
+        from models import ModelArgs
+        from rollout import SamplingParams
         from rollout.triton_kernels import head_lanes
 
         dims = (4, 8, 16, 20, 64, 80, 96, 100, 128, 256)
         assert [head_lanes(d) for d in dims] == [16, 16, 16, 32, 64, 128, 128, 128, 128, 256]
         errs = []
         for head_dim in (20, 8):
-            args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                             max_position_embeddings=64)
-            model = Transformer.build(args, seed=0)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.copy_(1 + 0.2 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
-            engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
-                                                  max_num_batched_tokens=8), device="cpu")
-            engine.load_weights(model.named_parameters())
+            engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                           max_position_embeddings=64))
             prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
             sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
             one = SamplingParams(temperature=0.9, max_tokens=4, seed=2)  # one sequence: several splits
