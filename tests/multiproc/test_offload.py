@@ -74,6 +74,7 @@ def _body(rank, world):
     # rollout.name=hf: the actor itself generates, so only its optimizer states wait in host memory meanwhile
     # (`param_offload` frees nothing there), and both are back, unchanged, when the phase ends.
     import trainer.hf_rollout as hf_rollout
+    from rollout.config import RequestOutput
     from trainer.roles import Role
     from trainer.rollout_phase import NoCacheRollout
     from trainer.tracking import PeakMemory
@@ -83,7 +84,7 @@ def _body(rank, world):
 
     def generate(model, prompts, **kw):
         during.append((len(offloaded_tensors(model)), len(offloaded_tensors(opt_off)) > 0))
-        return [f"out{rank}"]
+        return [RequestOutput(0, 0, [1, 2], [10 + rank], [-0.5], "length")]
 
     real, hf_rollout.generate_no_cache = hf_rollout.generate_no_cache, generate
     try:
@@ -92,7 +93,7 @@ def _body(rank, world):
             top_k=-1)
     finally:
         hf_rollout.generate_no_cache = real
-    assert during == [(0, True)] and outs == ["out0", "out1"]
+    assert during == [(0, True)] and list(outs.token_ids) == [[10], [11]]
     assert offloaded_tensors(off) == [] and offloaded_tensors(opt_off) == []
     for p, s in opt_off.state.items():
         for k, v in s.items():
