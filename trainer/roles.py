@@ -304,9 +304,14 @@ class Role:
     def count_work(self):
         """Yields the work this role's forwards run inside the block (tokens, scored positions,
         attention pairs of the whole micro-batches, not of this rank's shard), for MFU: what runs,
-        a shared prompt once."""
+        a shared prompt once. Once the block ends the role counts into a fresh array: the yielded
+        one keeps the block's work (a LoRA run's reference pass, the actor's own forwards with its
+        adapters off, is not its old-log-prob pass's)."""
         self.work = np.zeros(3)
-        yield self.work
+        try:
+            yield self.work
+        finally:
+            self.work = np.zeros(3)
 
 
 class TrainableRole(Role):

@@ -142,6 +142,9 @@ def test_trainer_logs_the_actor_infer_mfu(monkeypatch):
         trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)
     tokens, positions, pairs = 5 + 6 + 5 + 4, 10, (25 + 36 + 25 + 16) / 2
     assert list(trainer._infer_work) == [tokens, positions, pairs]
+    # the actor's next forwards (a LoRA run's reference pass, the adapters off) are not this pass's work
+    actor.log_probs(ro)
+    assert list(trainer._infer_work) == [tokens, positions, pairs]
     counts = counter.get_flop_counts()["Global"]
     counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
     head = 2 * 32 * 41  # the LM head on a scored position
