@@ -34,8 +34,8 @@ first weight loads) then overlaps the previous one's end.
 
 The RoPE and attention kernels hold a head in `head_lanes(head_dim)` lanes, a power of two of at
 least 16 (the least reduction of `tl.dot`): another head_dim (80, 96, 100; 8) runs in the padded
-tile with its extra lanes masked; at a power of two from 16 up the masks fold away when the kernel
-compiles (the same machine code as without them).
+tile with its extra lanes masked; at a power of two from 16 up the masks are always true (a few
+loads and stores become predicated; the same loads, vector widths and launches as without them).
 
 The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
@@ -731,7 +731,7 @@ def _pow2(n: int) -> int:
 def head_lanes(head_dim: int) -> int:
     """The lanes of a head in the RoPE and attention kernels: a Triton tile's width is a power of two
     and `tl.dot` reduces over at least 16, so a head_dim that is neither (80, 96, 100; 8) is padded,
-    the lanes past it masked (constexpr-equal to head_dim otherwise: no mask is left)."""
+    the lanes past it masked (equal to head_dim otherwise: the masks are then always true)."""
     return max(16, _pow2(head_dim))
 
 
