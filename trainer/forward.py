@@ -20,7 +20,6 @@ Padding positions hold 0.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 
 from models.attention import PrefixSharing
 from models.transfer import host_to_device
-from trainer.batching import prompt_groups
+from trainer.batching import Ragged, prompt_groups
 from sharding.ulysses import SequenceParallel, gather_rows, padded_length, per_shard_counts, shard_bounds
 
 
@@ -70,24 +69,24 @@ class MicroBatch:
                     cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, shared=self.shared)
 
 
-def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], device, packed: bool,
+def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | list[list[int]], device, packed: bool,
                       pad_token_id: int = 0, sp: SequenceParallel | None = None,
                       share_prefix: bool = False) -> MicroBatch:
     """Lay out `prompts[i] + responses[i]` for one forward pass (`sp`: this rank's shard of the packed
     row, for its Ulysses group; `share_prefix`: rows with the same prompt tokens share one copy of
     it, packed layout only, see `_packed_micro_batch`).
 
-    Everything is built on the host with NumPy (whole-array operations, one pass over the token
-    lists, no per-sequence loop) and moved in one copy from pinned memory that does not wait for
+    Everything is built on the host with NumPy (whole-array operations on the rows' flat arrays,
+    `Ragged`; lists of rows are converted first; no per-sequence loop) and moved in one copy from pinned memory that does not wait for
     the device: a blocking host-to-device copy synchronises the stream, which in an update loop
     would let the GPU drain before every micro-batch. No torch CPU op runs here: those that split
     work over torch's CPU threads (`repeat_interleave`, `cat`) waited up to 3 ms for them on the
     GPU machine's host in a profiled update, with the GPU idle."""
-    if not prompts:  # a rank with no work still runs one forward (FSDP collectives must match)
+    if not len(prompts):  # a rank with no work still runs one forward (FSDP collectives must match)
         prompts, responses = [[pad_token_id]], [[]]
+    prompts, responses = Ragged.of(prompts, np.int64), Ragged.of(responses, np.int64)
     n = len(prompts)
-    lp = np.fromiter(map(len, prompts), dtype=np.int64, count=n)
-    lr = np.fromiter(map(len, responses), dtype=np.int64, count=n)
+    lp, lr = prompts.lengths(), responses.lengths()
     # every response token j of sequence b: its row b and its column j
     rows = np.repeat(np.arange(n), lr)
     cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
@@ -100,10 +99,19 @@ def build_micro_batch(prompts: list[list[int]], responses: list[list[int]], devi
         raise ValueError("prefix sharing needs the packed layout (use_remove_padding=true)")
     lengths = lp + lr
     ends = np.cumsum(lengths)
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, responses))),
-                       dtype=np.int64, count=int(ends[-1]))
+    flat = _laid_out(prompts, responses, np.arange(n), np.ones(n, dtype=bool))
     within = np.arange(len(flat)) - np.repeat(ends - lengths, lengths)  # each token's index in its sequence
     return _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+
+
+def _laid_out(prompts: Ragged, responses: Ragged, order: np.ndarray, with_prompt: np.ndarray) -> np.ndarray:
+    """The tokens of `prompts[b]` (where `with_prompt[b]`) and then of `responses[b]`, for each row b
+    of `order`, one after the other (int64): taken from the rows' flat arrays, no per-row list."""
+    n = len(prompts)
+    both = Ragged.concat([prompts, responses])  # rows 0..n-1 the prompts, n..2n-1 the responses
+    pieces = np.stack([order, order + n], 1)
+    wanted = np.stack([with_prompt[order], np.ones(len(order), dtype=bool)], 1)
+    return both.take(pieces[wanted]).flat.astype(np.int64, copy=False)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -134,9 +142,7 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
     start = np.empty(n, dtype=np.int64)
     start[order] = np.cumsum(emitted[order]) - emitted[order]
     pstart = start[leaders]  # where the row's prompt lies
-    flat = np.fromiter(itertools.chain.from_iterable(
-        itertools.chain(prompts[b] if own[b] else (), responses[b]) for b in order.tolist()),
-        dtype=np.int64, count=int(emitted.sum()))
+    flat = _laid_out(prompts, responses, order, own)
     within = (np.arange(len(flat)) + np.repeat((lp - ep - start)[order], emitted[order]))  # positions
     # Segments, two candidates a row in emitted order: a row alone its whole sequence; a sharing row its
     # prompt if it lays it out, then its response, which reads the prompt first. Empty ones dropped.
@@ -154,7 +160,7 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
     max_seqlen = int(seg_len.max())
     # the position before each response token predicts it: the prompt's last for its first token
     src = np.where(cols == 0, (pstart + lp - 1)[rows], (start + ep)[rows] + cols - 1)
-    src_labels = np.fromiter(itertools.chain.from_iterable(responses), dtype=np.int64, count=len(rows))
+    src_labels = responses.flat.astype(np.int64, copy=False)
     last = np.where(lr > 0, start + emitted - 1, pstart + lp - 1)
     key_len = pre_len + seg_len
     work = (len(flat), len(src), float((seg_len * pre_len + seg_len * seg_len / 2).sum()))

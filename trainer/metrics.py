@@ -40,8 +40,8 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     in the same order); `scores` is `[N]`, one per response."""
     mask = ro.loss_mask.bool()  # as verl's batch response_mask: without rollout rejection's tokens
     # verl's: from the attention mask, all tokens (a multi-turn response's tool tokens too)
-    response_length = torch.tensor([float(len(r)) for r in ro.responses], dtype=torch.float64, device=mask.device)
-    prompt_length = torch.tensor([float(len(p)) for p in ro.prompts], dtype=torch.float64, device=mask.device)
+    response_length = torch.tensor(ro.responses.lengths(), dtype=torch.float64, device=mask.device)
+    prompt_length = torch.tensor(ro.prompts.lengths(), dtype=torch.float64, device=mask.device)
     kept = response_length > 0  # verl's non-aborted responses: an aborted request's is empty
     # each statistic with the index in `sums` of its count: the rows, the tokens, the non-aborted rows
     per_row = {"response_length": response_length, "prompt_length": prompt_length}

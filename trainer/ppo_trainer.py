@@ -46,7 +46,8 @@ from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, 
                              rollout_probs_diff_metrics)
 from trainer.launch import DistContext, collective_failure_exit, init_distributed, stopping_on_error
 from trainer.metrics import data_metrics, variance_proxy_metrics
-from trainer.rollout_batch import TOKEN_FIELDS, Ragged, RolloutBatch
+from trainer.batching import Ragged
+from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
 from rollout.sequence import derive_seed

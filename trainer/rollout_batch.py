@@ -9,7 +9,6 @@ are padded to the global response width `R` so they can be all-gathered for batc
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,75 +16,8 @@ import numpy as np
 import torch
 
 from models.transfer import host_to_device
-from trainer.batching import PrefixGroups, prompt_groups
+from trainer.batching import PrefixGroups, Ragged, prompt_groups
 from trainer.forward import index_on
-
-
-class Ragged:
-    """Rows of different lengths in one flat NumPy array (`flat`; row i is `flat[offsets[i]:offsets[i + 1]]`):
-    a batch's token ids, log-probs and turn masks, held compactly on the host (4 bytes a token id or
-    log-prob, where a list of Python ints cost 36 bytes a token above id 256 and of floats 32) and pickled
-    as raw buffers. A row reads as a list (`ragged[i]`, iteration); `take` and `concat` work on the arrays."""
-
-    __slots__ = ("flat", "offsets")
-    __hash__ = None
-
-    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
-        self.flat, self.offsets = flat, offsets
-
-    @classmethod
-    def of(cls, rows, dtype) -> Ragged:
-        """`rows` (a `Ragged`, kept as it is, or sequences of numbers) as a `Ragged` of `dtype`."""
-        if isinstance(rows, Ragged):
-            return rows
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
-        return cls(flat, _offsets(lengths))
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self.take(range(len(self))[i])
-        i = range(len(self))[i]  # (a negative index counted from the end; out of range raises IndexError)
-        return self.flat[self.offsets[i]:self.offsets[i + 1]].tolist()
-
-    def __iter__(self):
-        bounds = self.offsets.tolist()
-        return (self.flat[a:b].tolist() for a, b in zip(bounds, bounds[1:]))
-
-    def __eq__(self, other) -> bool:  # row by row, as lists (a test's expected rows)
-        return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
-
-    def take(self, idx) -> Ragged:
-        """The rows `idx`, in that order."""
-        idx = np.asarray(idx, dtype=np.int64)
-        starts, lengths = self.offsets[idx], self.lengths()[idx]
-        offsets = _offsets(lengths)
-        positions = np.arange(int(offsets[-1])) + np.repeat(starts - offsets[:-1], lengths)
-        return Ragged(self.flat[positions], offsets)
-
-    @staticmethod
-    def concat(parts: list[Ragged]) -> Ragged:
-        if not parts:
-            return Ragged(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
-        return Ragged(np.concatenate([p.flat for p in parts]), _offsets(np.concatenate([p.lengths() for p in parts])))
-
-    def padded(self, width: int) -> np.ndarray:
-        """`[rows, width]` float32, each row's values first, zeros after."""
-        out = np.zeros((len(self), width), dtype=np.float32)
-        out[np.arange(width) < self.lengths()[:, None]] = self.flat
-        return out
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
 
 
 # The per-sequence lists, and the per-row tensors (per token `[N, R]`; gdpo's reward components `[N, K]`) in

@@ -35,7 +35,7 @@ from rollout.engine import CacheTooSmallError
 from rollout.sequence import derive_seed
 from trainer.errors import UserError
 from trainer.roles import Actor
-from trainer.rollout_batch import Ragged
+from trainer.batching import Ragged
 from trainer.tracking import PeakMemory, Timer
 
 

@@ -484,3 +484,34 @@ def test_critic_vpred_mean_leaves_out_rejected_tokens():
     every = float((v * m).sum() / m.sum())
     assert abs(kept - every) > 100 * 1e-5 * abs(kept)  # the two means differ far beyond the tolerance
     assert out["critic/vpred_mean"] == pytest.approx(kept, rel=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_micro_batch_from_flat_rows_reads_no_row_as_a_list(monkeypatch, packed):
+    """`build_micro_batch` lays out a batch's `Ragged` rows from their flat arrays: the same tokens as
+    each row's prompt then response (packed: end to end; padded: the prompt left-padded), the response
+    tokens as labels, and no row turned into a Python list on the way (a per-row loop over 100k
+    tokens cost more than the layout itself)."""
+    from trainer.batching import Ragged
+    from trainer.forward import build_micro_batch
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 50, size=k).tolist() for k in (3, 1, 4)]
+    responses = [rng.integers(1, 50, size=k).tolist() for k in (2, 0, 3)]
+    flat_p, flat_r = Ragged.of(prompts, np.int32), Ragged.of(responses, np.int32)
+
+    def no_rows(*_):
+        raise AssertionError("a row read as a list")
+
+    monkeypatch.setattr(Ragged, "__iter__", no_rows)
+    monkeypatch.setattr(Ragged, "__getitem__", no_rows)
+    mb = build_micro_batch(flat_p, flat_r, torch.device("cpu"), packed, pad_token_id=0)
+    monkeypatch.undo()
+    if packed:
+        assert mb.input_ids[0].tolist() == [t for p, r in zip(prompts, responses) for t in p + r]
+    else:
+        width = max(len(p) for p in prompts) + max(len(r) for r in responses)
+        for row, (p, r) in zip(mb.input_ids.tolist(), zip(prompts, responses)):
+            assert row[max(len(q) for q in prompts) - len(p):][:len(p) + len(r)] == p + r and len(row) == width
+    assert mb.src_labels.tolist() == [t for r in responses for t in r]
+    assert mb.work[:2] == (sum(map(len, prompts)) + sum(map(len, responses)), sum(map(len, responses)))
