@@ -733,7 +733,8 @@ def test_config_file_and_launcher_errors_are_one_line(tmp_path, monkeypatch, cap
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
     monkeypatch.delenv(launch.PEER_GRACE_ENV, raising=False)
-    assert launch.main(["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "trainer.nnodes=2"] + common) == 0
+    assert launch.main(["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job1", "trainer.nnodes=2"]
+                       + common) == 0
 
 
 def test_the_launcher_reads_each_rank_logs_error_lines(tmp_path):
