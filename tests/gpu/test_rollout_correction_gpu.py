@@ -48,7 +48,11 @@ def test_bypass_mode_on_gpu(assets, tmp_path):
         for k in ("actor/entropy", "actor/ref_kl", "rollout/logprob_diff", "rollout_corr/kl",
                   "rollout_corr/rollout_rs_masked_fraction"):
             assert math.isfinite(row[k]), (k, row[k])
-        assert 0 < row["rollout/logprob_diff"] < 0.1  # bf16 engine vs bf16-matmul actor: a small, real gap
+        # bf16 engine vs bf16-matmul actor: a small gap, possibly none (on an H100 at 4bb1122, where the demo
+        # model's head_dim 24 first ran the engine's Triton kernels, 0.0: their float32 sums rounded to the
+        # actor's bf16 values; the eager reference attention before left a gap). That the metric measures
+        # a real gap is test_rollout_correction.py's (a known 0.01).
+        assert 0 <= row["rollout/logprob_diff"] < 0.1
         assert row["rollout_corr/rollout_rs_masked_fraction"] < 0.05
 
 
