@@ -49,9 +49,9 @@ def test_bypass_mode_on_gpu(assets, tmp_path):
                   "rollout_corr/rollout_rs_masked_fraction"):
             assert math.isfinite(row[k]), (k, row[k])
         # bf16 engine vs bf16-matmul actor: a small gap, possibly none (on an H100 at 4bb1122, where the demo
-        # model's head_dim 24 first ran the engine's Triton kernels, 0.0: their float32 sums rounded to the
-        # actor's bf16 values; the eager reference attention before left a gap). That the metric measures
-        # a real gap is test_rollout_correction.py's (a known 0.01).
+        # model's head_dim 24 first ran the engine's Triton kernels, 0.0, likely their float32 sums rounding
+        # to the actor's bf16 values, not confirmed there; the eager reference attention before left a gap).
+        # That the metric measures a real gap is test_rollout_correction.py's (a known 0.01).
         assert 0 <= row["rollout/logprob_diff"] < 0.1
         assert row["rollout_corr/rollout_rs_masked_fraction"] < 0.05
 
