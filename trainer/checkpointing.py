@@ -600,7 +600,15 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- save
     def save(self, step: int) -> str:
-        final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
+        """The checkpoint of `step`, written (`write`) and put in place (`publish`); its path."""
+        self.write(step)
+        return self.publish(step)
+
+    def write(self, step: int) -> None:
+        """Every rank's part of the checkpoint of `step`, into `global_step_K.tmp/`: not yet a
+        checkpoint a run resumes from (`publish` makes it one). The trainer logs the step's metrics
+        row in between, so that the steps of every checkpoint a run resumes from have their rows."""
+        tmp = self.step_dir(step) + ".tmp"
         try:
             agreed_write("writing", lambda: self._write(step, tmp))
         except WriteFailed as e:
@@ -609,10 +617,16 @@ class CheckpointManager:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise self._failure(f"writing the checkpoint of step {step} into {tmp}", e) from None
+
+    def publish(self, step: int) -> str:
+        """The checkpoint of `step` that `write` wrote becomes the newest (`_publish`); its path."""
+        final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
+        faults.crash("crash_before_publish", step, self.rank)
         try:
             agreed_write("publishing", functools.partial(self._publish, step, final, tmp) if self.is_main else None)
         except WriteFailed as e:
             raise self._failure(f"putting the checkpoint of step {step} in place ({final})", e) from None
+        faults.crash("crash_after_publish", step, self.rank)
         self.saved_step = step
         return final
 
@@ -672,7 +686,7 @@ class CheckpointManager:
                         save_peft_adapter, os.path.join(tmp, name, ADAPTER_DIR), adapters, lora, self.base_model)
                         if self.is_main else None)
             if k == 0:
-                faults.crash_in_save(step, self.rank)
+                faults.crash("crash_in_save", step, self.rank)
             if "hf_model" in items:
                 export_hf(model, model.args, self.tokenizer, os.path.join(tmp, name, "huggingface"), self.is_main,
                           base_model=self.base_model if name == "actor" else None)

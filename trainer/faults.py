@@ -9,6 +9,9 @@
                    only (torchrun's restarts see TORCHELASTIC_RESTART_COUNT > 0)
 * `sigterm@K:R`  — rank R sends itself SIGTERM at the start of step K (preemption)
 * `crash_in_save@K` — the process dies half-way through writing the checkpoint of step K
+* `crash_before_publish@K` — the process dies once the checkpoint of step K is written, before it
+                   is put in place (the `latest` pointer still names the one before)
+* `crash_after_publish@K` — the process dies right after the checkpoint of step K is put in place
 * `hang@K:R`     — rank R stops for 120 s at the start of step K (the others' collectives time out),
                    on the first launch only
 
@@ -63,6 +66,8 @@ def poison_grads(model, step: int, rank: int) -> None:
                 return
 
 
-def crash_in_save(step: int, rank: int) -> None:
-    if armed("crash_in_save", step, rank):
+def crash(name: str, step: int, rank: int) -> None:
+    """The process dies (exit code 17) where fault `name` (`crash_in_save`, `crash_before_publish`,
+    `crash_after_publish`) is armed for this step and rank."""
+    if armed(name, step, rank):
         os._exit(17)

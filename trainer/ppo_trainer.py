@@ -1210,12 +1210,30 @@ class PPOTrainer:
             return self.validate()
 
     # ------------------------------------------------------------------ loop
-    def _save_checkpoint(self, metrics: dict) -> None:
-        """The step's checkpoint, a phase of its own (verl's `timing_s/save_checkpoint`, in `metrics`;
-        a collective that fails in it is reported in it)."""
+    def _save_checkpoint(self, row: dict | None) -> None:
+        """The step's checkpoint, a phase of its own (a collective that fails in it is reported in
+        it), with `row` (the step's metrics; None: its row is already logged) logged once the
+        checkpoint is written and before it is put in place, with the writing's time (verl's
+        `timing_s/save_checkpoint`). A process killed before the checkpoint is in place resumes
+        from an earlier one, dropping the rows after it (`Tracking.begin`) and logging this step
+        again; killed after, it resumes with this step's row logged: each step's row once either way."""
         with self.timer("save_checkpoint"):
-            self.ckpt.save(self.global_step)
-        metrics.update(self.timer.pop())
+            self.ckpt.write(self.global_step)
+        timing = self.timer.pop()
+        try:
+            if row is not None:
+                self._log_row({**row, **timing})
+        except UserError:  # the logs' disk refused the row (full, a quota): the training is kept all the same
+            self._publish_checkpoint()
+            raise
+        self._publish_checkpoint()
+
+    def _publish_checkpoint(self) -> None:
+        """The step's written checkpoint put in place (`CheckpointManager.publish`), in the checkpoint's
+        phase; its time (a rename and the rotation) is in no row: the step's is already logged."""
+        with self.timer("save_checkpoint"):
+            self.ckpt.publish(self.global_step)
+        self.timer.pop()
 
     def _delete_earlier_exports(self) -> None:
         """`resume_mode=disable` starts the run directory over: the earlier run's final exports
@@ -1316,7 +1334,7 @@ class PPOTrainer:
                     rng.restore()
                     self.timer.pop()
                     if self.ckpt.saved_step != self.global_step:
-                        self._save_checkpoint({})  # (its phase named, as every step's checkpoint)
+                        self._save_checkpoint(None)  # (the step's row is logged already)
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
@@ -1342,16 +1360,18 @@ class PPOTrainer:
                 stop = self._agreed_stop_signal()
                 due = self.val_ds is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last)
                 if stop or last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                    self._save_checkpoint(metrics)
-                self._log_row(metrics)
+                    self._save_checkpoint(metrics)  # (the row logged before the checkpoint is in place)
+                else:
+                    self._log_row(metrics)
                 if due and (last or not stop):
                     validation = self._validate_apart()
                     validation.update({k: metrics[k] for k in ("training/global_step", "training/epoch")})
-                    if not stop and self._agreed_stop_signal():  # a signal during the validation
-                        stop = True
-                        if self.ckpt.saved_step != self.global_step:
-                            self._save_checkpoint(validation)
-                    self._log_row(validation)
+                    signalled = not stop and self._agreed_stop_signal()  # a signal during the validation
+                    stop = stop or signalled
+                    if signalled and self.ckpt.saved_step != self.global_step:
+                        self._save_checkpoint(validation)  # (its row logged before the checkpoint is in place)
+                    else:
+                        self._log_row(validation)
                 elif due:
                     self.log(f"stopping for a signal: step {self.global_step}'s validation skipped, the "
                              "checkpoint written first")

@@ -6,7 +6,8 @@ Only rank 0 logs. `metrics.jsonl` gets one JSON object per step (verl's metric n
 validated step a second one at the same step with its validation's metrics; it is appended to, so
 a resumed run continues the same file; when a run (re)starts at step S, lines of later steps
 (logged by an attempt that ended before its next checkpoint) are dropped, so that the file holds
-each step's rows once.
+each step's rows once. A saving step's row is written (synced to the disk) before its checkpoint
+is put in place, so every step up to the one a run resumes from has its row.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.checkpointing import _flushed
 from trainer.errors import UserError
 
 
@@ -317,11 +319,14 @@ class Tracking:
             path = self.run_dir / "metrics.jsonl"
             with _written(path), open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+                # on the disk before the trainer puts a checkpoint of the step in place: a run resumed
+                # from it (after a crash of the node, too) finds the step's row
+                _flushed(f)
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+            self._tb.flush()  # (the events in the file before the checkpoint is in place, as the row)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if "console" in self.loggers:

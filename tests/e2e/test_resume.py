@@ -449,3 +449,32 @@ def test_a_full_disk_under_the_metrics_keeps_the_checkpoint_and_says_one_line(ti
     assert code == 1 and "Traceback" not in err, err
     assert f"meshppo: error (rank 0): writing {run}/metrics.jsonl failed (No space left on device)" in err
     assert os.path.isfile(run / "checkpoints" / "global_step_1" / "trainer_state.json")
+
+
+@pytest.mark.parametrize("fault,resumed_at", [("crash_after_publish", 2), ("crash_before_publish", 1)])
+def test_a_kill_around_a_checkpoint_keeps_every_steps_row_once(tiny_assets, tmp_path, fault, resumed_at):
+    """The process dies right after step 2's checkpoint is put in place, or right before: the resumed
+    run's metrics.jsonl and TensorBoard hold steps 1 to 3 once each. The row was written after the
+    checkpoint was in place, so a kill in between lost step 2's row for good (the resumed run starts
+    at step 3)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(LENGTH_REWARD)
+    run = tmp_path / "run"
+    args = demo_args(tiny_assets, run, *BASE, f"custom_reward_function.path={reward}", "trainer.total_training_steps=3",
+                     "trainer.save_freq=1", "trainer.logger=[jsonl,tensorboard]")
+    env = {"TENSORBOARD_DIR": ""}  # (the run directory's tensorboard/)
+    r = torchrun(args, nproc=1, env_extra={**env, "MESHPPO_FAULTS": f"{fault}@2"})
+    assert r.returncode != 0
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(resumed_at)
+    r = torchrun(args, nproc=1, env_extra=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"(resumed at step {resumed_at})" in r.stderr
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["training/global_step"] for row in rows] == [1, 2, 3]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("training/global_step")] == [(1, 1.0), (2, 2.0), (3, 3.0)]

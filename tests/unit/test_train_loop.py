@@ -23,12 +23,14 @@ VAL = {"val/meshppo/demo_add/score": 0.5, "timing_s/testing": 0.1}
 class FakeTrainer:
     """What train() reads of a PPOTrainer; `resume_at` is the step a checkpoint resumes (None: a fresh run)."""
 
-    train, _validate_apart, _save_checkpoint = PPOTrainer.train, PPOTrainer._validate_apart, PPOTrainer._save_checkpoint
+    train, _validate_apart = PPOTrainer.train, PPOTrainer._validate_apart
+    _save_checkpoint, _publish_checkpoint = PPOTrainer._save_checkpoint, PPOTrainer._publish_checkpoint
     _agreed_log, _begin_logs, _log_row = PPOTrainer._agreed_log, PPOTrainer._begin_logs, PPOTrainer._log_row
 
     def __init__(self, cfg, resume_at=None, total_steps=2):
         self.cfg, self.total_steps, self.global_step = cfg, total_steps, 0
         self.logged, self.saved, self.lines, self.closed, self.manager_closed = [], [], [], False, False
+        self.events = []  # ("write" | "row" | "publish", step), in order
         self.val_ds = object() if cfg.data.val_files else None
 
         def maybe_resume(mode, path):
@@ -37,14 +39,19 @@ class FakeTrainer:
             self.global_step = resume_at
             return f"global_step_{resume_at}"
 
-        def save(step):
+        def publish(step):
+            self.events.append(("publish", step))
             self.saved.append(step)
             self.ckpt.saved_step = step
 
-        self.ckpt = NS(maybe_resume=maybe_resume, save=save, saved_step=None)
+        def log(metrics, step):
+            self.events.append(("row", step))
+            self.logged.append((step, dict(metrics)))
+
+        self.ckpt = NS(maybe_resume=maybe_resume, write=lambda step: self.events.append(("write", step)),
+                       publish=publish, saved_step=None)
         self.timer = Timer(torch.device("cpu"))
-        self.tracking = NS(begin=lambda *a: None, log=lambda m, step: self.logged.append((step, dict(m))),
-                           close=lambda: setattr(self, "closed", True))
+        self.tracking = NS(begin=lambda *a: None, log=log, close=lambda: setattr(self, "closed", True))
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
         self.profiler = StepProfiler(None, 0, "cpu", total_steps)  # nothing profiled
         self.loader = self.kl = NS(state_dict=lambda: {}, load_state_dict=lambda s: None, batch_epoch=0)
@@ -241,3 +248,14 @@ def test_without_a_validation_set_no_validation_row_is_logged():
     t = FakeTrainer(_cfg("trainer.test_freq=1"), total_steps=3)
     assert t.val_ds is None and t.train() == 0
     assert [step for step, _ in t.logged] == [1, 2, 3] and t.saved == [3]
+
+
+def test_a_saving_steps_row_is_logged_after_its_checkpoint_is_written_and_before_it_is_in_place():
+    """A process killed at any point then resumes with every step up to its checkpoint's logged: the row
+    comes after the checkpoint's files (a failed write logs no row of a step the run redoes) and before
+    the `latest` pointer names it (after it, a kill in between lost the row for good)."""
+    t = FakeTrainer(_cfg("trainer.save_freq=2"), total_steps=3)
+    assert t.train() == 0
+    assert t.events == [("row", 1), ("write", 2), ("row", 2), ("publish", 2), ("write", 3), ("row", 3),
+                        ("publish", 3)]
+    assert all("timing_s/save_checkpoint" in metrics for step, metrics in t.logged if step in (2, 3))
