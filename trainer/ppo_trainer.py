@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -1102,17 +1103,20 @@ class PPOTrainer:
         for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
             if (t := metrics.get(f"timing_s/{phase}")) is not None:
                 out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / max(generated if phase == "gen" else tokens, 1.0)
-        # memory peaks: the largest rank's (the one that runs out first)
+        # memory peaks: the largest rank's (the one that runs out first); verl's perf/cpu_memory_used_gb,
+        # the host's memory in use (psutil's `used`, the whole machine's), likewise the fullest node's
+        host_used = psutil.virtual_memory().used / 2**30
         if dev.type == "cuda":
             allocated, reserved = self.peaks.step_gb()
             update = metrics["perf/max_memory_allocated_update_gb"]
             (out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"],
-             out["perf/max_memory_allocated_update_gb"]) = comm.all_reduce_values([allocated, reserved, update], "max")
+             out["perf/max_memory_allocated_update_gb"], out["perf/cpu_memory_used_gb"]) = comm.all_reduce_values(
+                [allocated, reserved, update, host_used], "max")
         else:
             import resource
 
-            out["perf/max_memory_allocated_gb"] = comm.all_reduce_values(
-                [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], "max")[0]
+            out["perf/max_memory_allocated_gb"], out["perf/cpu_memory_used_gb"] = comm.all_reduce_values(
+                [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, host_used], "max")
         if self.actor.share_prefix and run_tokens:
             # the share of the update's tokens that sharing prompts did not run
             epochs = self.cfg.actor_rollout_ref.actor.ppo_epochs
