@@ -2,6 +2,8 @@
 run directory's record of the run (`config.yaml`, `run_info.json`, the start-up banner) and
 the per-step sample dumps (verl's `trainer.rollout_data_dir` / `validation_data_dir`).
 
+A resumed run logs to the wandb run of its first start (its id in the run directory's `wandb_run_id`).
+
 Only rank 0 logs. `metrics.jsonl` gets one JSON object per step (verl's metric names), and a
 validated step a second one at the same step with its validation's metrics; it is appended to, so
 a resumed run continues the same file; when a run (re)starts at step S, lines of later steps
@@ -210,6 +212,10 @@ def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     return path
 
 
+# The run directory's file naming its wandb run: a resumed run logs to the same wandb run.
+WANDB_RUN_ID = "wandb_run_id"
+
+
 def _tensorboard_writer(run_dir: Path, step: int):
     """TensorBoard's writer of a run starting at `step`, in verl's TENSORBOARD_DIR, else the run
     directory's. As `metrics.jsonl`, the events of steps after `step` (a killed attempt's) go, and on
@@ -263,6 +269,7 @@ class Tracking:
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
         self._wandb_init = dict(project=project, name=experiment, config=config, dir=str(self.run_dir))
+        self._val_only = bool(config.get("trainer", {}).get("val_only"))
         self._tb = self._wandb = self._bar = self._bar_total = None
         if not enabled:
             return
@@ -272,7 +279,8 @@ class Tracking:
 
     def begin(self, step: int, resolved_config: str, info: dict) -> None:
         """The run starts at `step` (0, or the resumed step): keep `metrics.jsonl` lines up to
-        it only (none on a fresh start), open TensorBoard's writer and the wandb run, save the
+        it only (none on a fresh start), open TensorBoard's writer and the wandb run (a resumed
+        run's earlier one, `_wandb_continued`; its id kept in `WANDB_RUN_ID`), save the
         resolved config (`config.yaml`, loadable with `--config`) and `run_info.json`, and print
         the banner. A failure is a UserError naming what failed."""
         if not self.enabled:
@@ -300,7 +308,10 @@ class Tracking:
             with _written(self.run_dir / name):
                 (self.run_dir / name).write_text(text + "\n")
         if "wandb" in self.loggers:
-            self._wandb = _wandb_run(self._wandb_init)
+            self._wandb = _wandb_run({**self._wandb_init, **self._wandb_continued(step)})
+            if not self._val_only:
+                with _written(self.run_dir / WANDB_RUN_ID):
+                    (self.run_dir / WANDB_RUN_ID).write_text(self._wandb.id + "\n")
         if self._bar_total is not None:
             try:
                 from tqdm import tqdm
@@ -310,6 +321,16 @@ class Tracking:
             except ImportError:
                 self._bar = None
         self.message(banner(info))
+
+    def _wandb_continued(self, step: int) -> dict:
+        """`wandb.init`'s arguments that continue this run's wandb run: a run resumed at `step` > 0 takes the
+        id its earlier start stored in the run directory (`WANDB_RUN_ID`), with resume="allow"; a fresh start
+        (or a run directory without the file) starts a new wandb run. So does a `trainer.val_only` run, leaving
+        the file as it is: its row is at a step the training's wandb run holds already, which wandb drops
+        (its steps only increase)."""
+        path = self.run_dir / WANDB_RUN_ID
+        run_id = path.read_text().strip() if step > 0 and path.is_file() and not self._val_only else ""
+        return {"id": run_id, "resume": "allow"} if run_id else {}
 
     def log(self, metrics: dict, step: int):
         if not self.enabled:

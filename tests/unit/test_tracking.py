@@ -256,6 +256,60 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     assert config["algorithm"] == {"adv_estimator": "grpo"}
 
 
+class FakeWandb:
+    """A `wandb` module that records each `init`'s arguments; its runs take the given id, else a new one."""
+
+    def __init__(self):
+        self.inits = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return SimpleNamespace(id=kwargs.get("id") or f"run{len(self.inits)}", log=lambda *a, **k: None,
+                               finish=lambda: None)
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Each start made a new wandb run, so a preempted job's curve was cut into one run per attempt (as
+    verl's is). The first start's run id is kept in the run directory and a resumed run continues that run
+    (resume="allow"); a fresh start in the same directory makes a new one."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "run"
+
+    def start(step, val_only=False):
+        t = Tracking(["wandb"], str(run), "proj", "exp", {"trainer": {"val_only": val_only}}, 10, enabled=True)
+        t.begin(step, "{}", _info(run, step))
+        t.close()
+        return fake.inits[-1]
+
+    first = start(0)
+    assert "id" not in first and "resume" not in first and first["project"] == "proj" and first["name"] == "exp"
+    assert (run / "wandb_run_id").read_text() == "run1\n"
+    assert start(2) == {**first, "id": "run1", "resume": "allow"}
+    assert start(4)["id"] == "run1"
+    # a validation of the checkpoint (its row at a step the run holds, which wandb would drop): a run of its own
+    assert "id" not in start(4, val_only=True) and (run / "wandb_run_id").read_text() == "run1\n"
+    fresh = start(0)  # resume_mode=disable, or no checkpoint yet: a run of its own
+    assert "id" not in fresh and (run / "wandb_run_id").read_text() == "run5\n"
+    assert start(1)["id"] == "run5"
+
+
+def test_an_offline_resumed_run_keeps_its_wandb_run_id(tmp_path, monkeypatch):
+    """The real wandb, offline (meshppo's default): it resumes no run offline, but the resumed start's
+    offline directory carries the first start's run id."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (0, 2):
+        t = Tracking(["wandb"], str(tmp_path), "proj", "exp", {}, 10, enabled=True)
+        t.begin(step, "{}", _info(tmp_path, step))
+        t.close()
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))  # one per start
+    assert sorted(os.path.basename(f) for f in files) == [f"run-{run_id}.wandb"] * 2, (run_id, files)
+
+
 @pytest.mark.skipif(not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)),
                     reason="needs /dev/full, the full-disk device (Linux)")
 def test_a_full_disk_under_the_metrics_or_a_dump_is_a_user_error_naming_the_file(tmp_path):
