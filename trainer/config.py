@@ -1524,9 +1524,9 @@ class TrainerConfig:
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
     device: str = opt("auto", "cuda, cpu, or auto (cuda when available)", choices=("auto", "cuda", "cpu"))
     balance_batch: bool = opt(True, "reorder sequences so ranks get balanced token counts")
-    critic_warmup: int = opt(0, "steps that train only the critic: the actor first updates at step "
-                                "critic_warmup + 1 (as verl's yaml says; verl's code, critic_warmup <= global_steps "
-                                "with steps from 1, skips one step fewer)", ge=0)
+    critic_warmup: int = opt(0, "K: steps 1 to K (exactly K steps) train only the critic, the actor first "
+                                "updates at step K + 1 (as verl's yaml says; verl 0.9.1's code, critic_warmup <= "
+                                "global_steps with steps from 1, skips K - 1 actor updates, none for K = 1)", ge=0)
     test_freq: int = opt(-1, "validate every this many steps (-1 or 0: never)", ge=-1)
     val_before_train: bool = opt(True, "validate once before the first step of a fresh run; skipped on a resume "
                                        "(verl validates on every start)")
