@@ -2021,100 +2021,171 @@ def _passes(stat: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
     return stat <= upper
 
 
-def _extremes(values: torch.Tensor, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Max and min of ``values`` where ``where`` holds (0 and 0 where it holds nowhere)."""
-    found = where.any()
-    peak = torch.where(where, values, -math.inf).amax()
-    floor = torch.where(where, values, math.inf).amin()
-    return torch.where(found, peak, 0.0), torch.where(found, floor, 0.0)
+Figure = Callable[[], torch.Tensor]  # a 0-dim figure, read once its `_Totals` are reduced
 
 
-def _token_spread(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's spread of a statistic over the valid tokens: ``sqrt(max(E[x^2] - E[x]^2, 0))``, the
-    population standard deviation, and 0 for fewer than two tokens."""
-    mean = masked_mean(values, mask)
-    variance = (masked_mean(values.square(), mask) - mean.square()).clamp_min(0.0)
-    return torch.where(mask.sum() > 1, variance.sqrt(), 0.0)
+def _masked_max(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Max of ``values`` where ``where`` holds; -inf where it holds nowhere (or there is nothing)."""
+    masked = torch.where(where, values, -math.inf)
+    return masked.amax() if masked.numel() else masked.new_full((), -math.inf)
 
 
-def _sequence_summary(values: torch.Tensor, rows: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+class _Totals:
+    """The masked sums and maxima a call's figures are made of, reduced over the ranks that hold the
+    batch's rows: all the sums in one collective, all the maxima in another (a minimum is the max of
+    the negated values), in float64. A figure is a function of the reduced totals (a ``Figure``, read
+    after ``reduce``), so a figure of every rank's rows is never made of the ranks' own figures: a std
+    comes from the sums of x and x^2, a max ignores a rank without a valid token."""
+
+    def __init__(self):
+        self._sums: list[torch.Tensor] = []
+        self._maxima: list[torch.Tensor] = []
+        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _slot(self, which: int, value: torch.Tensor) -> Figure:
+        store = (self._sums, self._maxima)[which]
+        store.append(value.to(torch.float64))
+        index = len(store) - 1
+        return lambda: self._reduced[which][index]
+
+    def sum(self, values: torch.Tensor, where: torch.Tensor) -> Figure:
+        return self._slot(0, masked_sum(values.to(torch.float64), where))
+
+    def count(self, where: torch.Tensor) -> Figure:
+        return self._slot(0, where.sum())
+
+    def max(self, values: torch.Tensor, where: torch.Tensor) -> Figure:
+        return self._slot(1, _masked_max(values.to(torch.float64), where))
+
+    def mean(self, values: torch.Tensor, where: torch.Tensor) -> Figure:
+        """The mean of ``values`` where ``where`` holds; 0 where it holds nowhere (``masked_mean``)."""
+        total, count = self.sum(values, where), self.count(where)
+        return lambda: total() / count().clamp_min(1)
+
+    def extremes(self, values: torch.Tensor, where: torch.Tensor) -> tuple[Figure, Figure]:
+        """Max and min of ``values`` where ``where`` holds (0 and 0 where it holds nowhere)."""
+        count, peak, negated_floor = self.count(where), self.max(values, where), self.max(-values, where)
+        return (lambda: torch.where(count() > 0, peak(), 0.0),
+                lambda: torch.where(count() > 0, -negated_floor(), 0.0))
+
+    def comoment(self, x: torch.Tensor, y: torch.Tensor, where: torch.Tensor) -> Figure:
+        """``sum (x - mean x)(y - mean y)`` where ``where`` holds, from the sums of x, y and x y."""
+        count, sum_x, sum_y, sum_xy = self.count(where), self.sum(x, where), self.sum(y, where), self.sum(x * y, where)
+        return lambda: sum_xy() - sum_x() * sum_y() / count().clamp_min(1)
+
+    def std(self, values: torch.Tensor, where: torch.Tensor, correction: int) -> Figure:
+        """The standard deviation of ``values`` where ``where`` holds, population (``correction`` 0) or
+        sample (1), and 0 for fewer than two of them."""
+        count, squares = self.count(where), self.comoment(values, values, where)
+        return lambda: torch.where(count() > 1, (squares().clamp_min(0.0) / (count() - correction).clamp_min(1)).sqrt(),
+                                   0.0)
+
+    def reduce(self, all_reduce: Callable[..., torch.Tensor] | None) -> None:
+        """Sum the sums and take the max of the maxima over the ranks (``all_reduce(t, op)``); with
+        None this call's rows are the whole batch."""
+        sums, maxima = torch.stack(self._sums), torch.stack(self._maxima)
+        if all_reduce is not None:
+            sums, maxima = all_reduce(sums, "sum"), all_reduce(maxima, "max")
+        self._reduced = sums, maxima
+
+
+def _read(figures: dict[str, Figure], totals: _Totals, all_reduce: Callable[..., torch.Tensor] | None
+          ) -> dict[str, torch.Tensor]:
+    """The figures' values once ``totals`` are reduced (``_Totals.reduce``)."""
+    totals.reduce(all_reduce)
+    return {name: figure() for name, figure in figures.items()}
+
+
+def _sequence_summary(values: torch.Tensor, rows: torch.Tensor, prefix: str, totals: _Totals) -> dict[str, Figure]:
     """``<prefix>_seq_{mean,std,max,min}`` of the per-sequence ``values`` over the non-empty rows;
     the std is the sample one (n - 1, as ``torch.std``), 0 for a single row."""
-    mean = masked_mean(values, rows)
-    count = rows.sum()
-    std = (masked_sum((values - mean).square(), rows) / (count - 1).clamp_min(1)).sqrt()
-    peak, floor = _extremes(values, rows)
-    return {f"{prefix}_seq_mean": mean, f"{prefix}_seq_std": torch.where(count > 1, std, 0.0),
+    peak, floor = totals.extremes(values, rows)
+    return {f"{prefix}_seq_mean": totals.mean(values, rows), f"{prefix}_seq_std": totals.std(values, rows, 1),
             f"{prefix}_seq_max": peak, f"{prefix}_seq_min": floor}
 
 
+def _minus_one(figure: Figure) -> Figure:
+    return lambda: figure() - 1.0
+
+
 def _off_policy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, delta: torch.Tensor,
-                        exact_delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+                        exact_delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+                        totals: _Totals) -> dict[str, Figure]:
     """The KL, chi-square and perplexity figures of ``compute_rollout_correction``."""
     dtype = delta.dtype
     old = masked_mean(old_log_prob.to(dtype), mask, axis=-1)
     rollout = masked_mean(rollout_log_prob.to(dtype), mask, axis=-1)
     gap = rollout - old  # log(training ppl / rollout ppl) of each sequence
-    gap_max, gap_min = _extremes(gap, rows)
+    gap_max, gap_min = totals.extremes(gap, rows)
     seq_delta = exact_delta.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # `_sequence_log_ratio`'s
     return {
-        "rollout_corr/kl": masked_mean(-exact_delta, mask),
-        "rollout_corr/k3_kl": masked_mean(torch.expm1(exact_delta) - exact_delta, mask),
-        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1.0,
-        "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_delta), rows) - 1.0,
-        "rollout_corr/training_ppl": masked_mean(torch.exp(-old), rows),
-        "rollout_corr/rollout_ppl": masked_mean(torch.exp(-rollout), rows),
-        "rollout_corr/training_log_ppl": masked_mean(-old, rows),
-        "rollout_corr/rollout_log_ppl": masked_mean(-rollout, rows),
-        "rollout_corr/log_ppl_diff": masked_mean(gap, rows),
-        "rollout_corr/log_ppl_abs_diff": masked_mean(gap.abs(), rows),
+        "rollout_corr/kl": totals.mean(-exact_delta, mask),
+        "rollout_corr/k3_kl": totals.mean(torch.expm1(exact_delta) - exact_delta, mask),
+        "rollout_corr/chi2_token": _minus_one(totals.mean(torch.exp(2 * delta), mask)),
+        "rollout_corr/chi2_seq": _minus_one(totals.mean(torch.exp(2 * seq_delta), rows)),
+        "rollout_corr/training_ppl": totals.mean(torch.exp(-old), rows),
+        "rollout_corr/rollout_ppl": totals.mean(torch.exp(-rollout), rows),
+        "rollout_corr/training_log_ppl": totals.mean(-old, rows),
+        "rollout_corr/rollout_log_ppl": totals.mean(-rollout, rows),
+        "rollout_corr/log_ppl_diff": totals.mean(gap, rows),
+        "rollout_corr/log_ppl_abs_diff": totals.mean(gap.abs(), rows),
         "rollout_corr/log_ppl_diff_max": gap_max,
         "rollout_corr/log_ppl_diff_min": gap_min,
-        "rollout_corr/ppl_ratio": masked_mean(torch.exp(gap), rows),
+        "rollout_corr/ppl_ratio": totals.mean(torch.exp(gap), rows),
     }
 
 
+def _effective_sample_size(weights: torch.Tensor, mask: torch.Tensor, totals: _Totals) -> Figure:
+    """``1 / mean_t (w / (mean_t w + 1e-8))^2``, written ``(mean_t w + 1e-8)^2 / mean_t w^2``; 0 where
+    every weight is 0."""
+    mean, mean_square = totals.mean(weights, mask), totals.mean(weights.square(), mask)
+
+    def read():
+        second_moment = mean_square() / (mean() + 1e-8).square()
+        return torch.where(second_moment > 0, 1.0 / second_moment, 0.0)
+    return read
+
+
 def _is_weight_metrics(weights: torch.Tensor, delta: torch.Tensor, seq_log_ratio: torch.Tensor, mask: torch.Tensor,
-                       rows: torch.Tensor, rollout_is: str, lower: float | None,
-                       upper: float) -> dict[str, torch.Tensor]:
+                       rows: torch.Tensor, rollout_is: str, lower: float | None, upper: float,
+                       totals: _Totals) -> dict[str, Figure]:
     """The ``rollout_is_*`` figures of ``compute_rollout_correction``, of the weights before
     batch normalisation."""
     low = lower if lower is not None else 1.0 / upper
     name = "rollout_corr/rollout_is"
     if rollout_is == "token":
         ratios = torch.where(mask, torch.exp(delta), 0.0)  # before truncation
-        high, below = _fraction(ratios > upper, mask, weights), _fraction(ratios < low, mask, weights)
-        peak, floor = _extremes(weights, mask)
+        high, below = totals.mean(ratios > upper, mask), totals.mean(ratios < low, mask)
+        peak, floor = totals.extremes(weights, mask)
     else:  # judged by the unclamped log of each sequence's ratio, as verl
         ratios = torch.where(mask, torch.exp(seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))[:, None], 0.0)
-        high = _fraction(seq_log_ratio > math.log(upper), rows, weights)
-        below = _fraction(seq_log_ratio < math.log(low), rows, weights)
-        top, bottom = _extremes(seq_log_ratio, rows)
-        peak, floor = torch.exp(top.clamp(max=LOG_RATIO_BOUND)), torch.exp(bottom)
-    # verl clamps the weights to [0, upper] for the std and the ESS: truncation left them there
-    second_moment = masked_mean((weights / (masked_mean(weights, mask) + 1e-8)).square(), mask)
+        high = totals.mean(seq_log_ratio > math.log(upper), rows)
+        below = totals.mean(seq_log_ratio < math.log(low), rows)
+        top, bottom = totals.extremes(seq_log_ratio, rows)
+        peak, floor = lambda: torch.exp(top().clamp(max=LOG_RATIO_BOUND)), lambda: torch.exp(bottom())
     per_sequence = masked_mean(weights, mask, axis=-1)
     ratio_means = masked_mean(ratios, mask, axis=-1)
     metrics = {
-        f"{name}_mean": masked_mean(weights, mask),
+        f"{name}_mean": totals.mean(weights, mask),
         f"{name}_ratio_fraction_high": high,
         f"{name}_ratio_fraction_low": below,
         f"{name}_max": peak,
         f"{name}_min": floor,
-        f"{name}_std": _token_spread(weights, mask),
-        f"{name}_eff_sample_size": torch.where(second_moment > 0, 1.0 / second_moment, 0.0),
-        **_sequence_summary(per_sequence, rows, name),
-        f"{name}_seq_max_deviation": _extremes((per_sequence - 1.0).abs(), rows)[0],
-        f"{name}_seq_fraction_high": _fraction(ratio_means > upper, rows, weights),
-        f"{name}_seq_fraction_low": _fraction(ratio_means < low, rows, weights),
+        # verl clamps the weights to [0, upper] for the std and the ESS: truncation left them there
+        f"{name}_std": totals.std(weights, mask, 0),
+        f"{name}_eff_sample_size": _effective_sample_size(weights, mask, totals),
+        **_sequence_summary(per_sequence, rows, name, totals),
+        f"{name}_seq_max_deviation": totals.extremes((per_sequence - 1.0).abs(), rows)[0],
+        f"{name}_seq_fraction_high": totals.mean(ratio_means > upper, rows),
+        f"{name}_seq_fraction_low": totals.mean(ratio_means < low, rows),
     }
     if lower is not None:  # IcePop: the share of tokens whose weight it zeroed
-        metrics[f"{name}_oob_ratio"] = _fraction((ratios < lower) | (ratios > upper), mask, weights)
+        metrics[f"{name}_oob_ratio"] = totals.mean((ratios < lower) | (ratios > upper), mask)
     return metrics
 
 
 def _rejection_metrics(criterion: RejectionCriterion, stat: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
-                       passed: torch.Tensor) -> dict[str, torch.Tensor]:
+                       passed: torch.Tensor, totals: _Totals) -> dict[str, Figure]:
     """The ``rollout_rs_<option>_*`` figures of ``compute_rollout_correction`` for one criterion, from
     its statistic ``stat`` (``_rejection_statistic``); ``passed`` is where it passes, ``[B, T]``."""
     option, lower, upper = criterion
@@ -2127,24 +2198,25 @@ def _rejection_metrics(criterion: RejectionCriterion, stat: torch.Tensor, mask: 
     per_token = stat.expand_as(mask)  # a sequence option's statistic on each of its tokens
     per_sequence = stat[:, 0] if option.startswith("seq_") else masked_mean(stat, mask, axis=-1)
     judged, where = (per_sequence, rows) if option.startswith("seq_") else (stat, mask)
-    peak, floor = _extremes(judged, where)
+    peak, floor = totals.extremes(judged, where)
     rejected = mask & ~passed
     name = f"rollout_corr/rollout_rs_{option}"
     metrics = {
-        f"{name}_mean": masked_mean(per_token, mask),
+        f"{name}_mean": totals.mean(per_token, mask),
         f"{name}_max": peak,
         f"{name}_min": floor,
-        f"{name}_fraction_high": _fraction(judged > high, where, stat),
-        f"{name}_fraction_low": stat.new_zeros(()) if low is None else _fraction(judged < low, where, stat),
-        f"{name}_std": _token_spread(per_token.clamp(0.0 if low is None else low, high), mask),
-        **_sequence_summary(per_sequence, rows, name),
-        f"{name}_seq_max_deviation": _extremes(per_sequence.abs(), rows)[0],
-        f"{name}_seq_fraction_high": _fraction(per_sequence > high, rows, stat),
+        f"{name}_fraction_high": totals.mean(judged > high, where),
+        f"{name}_fraction_low": (lambda: stat.new_zeros((), dtype=torch.float64)) if low is None
+        else totals.mean(judged < low, where),
+        f"{name}_std": totals.std(per_token.clamp(0.0 if low is None else low, high), mask, 0),
+        **_sequence_summary(per_sequence, rows, name, totals),
+        f"{name}_seq_max_deviation": totals.extremes(per_sequence.abs(), rows)[0],
+        f"{name}_seq_fraction_high": totals.mean(per_sequence > high, rows),
     }
     if low is not None:
-        metrics[f"{name}_seq_fraction_low"] = _fraction(per_sequence < low, rows, stat)
-    metrics[f"{name}_masked_fraction"] = _fraction(rejected, mask, stat)
-    metrics[f"{name}_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, stat)
+        metrics[f"{name}_seq_fraction_low"] = totals.mean(per_sequence < low, rows)
+    metrics[f"{name}_masked_fraction"] = totals.mean(rejected, mask)
+    metrics[f"{name}_seq_masked_fraction"] = totals.mean(rejected.any(dim=-1), rows)
     return metrics
 
 
@@ -2158,7 +2230,8 @@ def compute_rollout_correction(
     rollout_is_upper: float = 2.0,
     rejection: Sequence[RejectionCriterion] = (),
     batch_normalize: bool = False,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_reduce: Callable[..., torch.Tensor] | None = None,
+    global_metrics: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
     """The importance weights, the rejection mask, and verl's ``rollout_corr/`` metrics.
 
@@ -2217,8 +2290,11 @@ def compute_rollout_correction(
         rollout_rs_<option>_seq_masked_fraction share of sequences where it rejects a token
         rollout_rs_masked_fraction, rollout_rs_seq_masked_fraction   the same for all options together
 
-    In bypass mode the actor calls this per micro-batch and averages every figure, the maxima
-    and minima too, over the micro-batches and ranks, as verl 0.9.1 does (``Metric`` MEAN).
+    In decoupled mode the trainer calls this once per step on each rank's rows, with
+    ``global_metrics``: every figure is of the whole batch, made of the ranks' reduced sums, counts
+    and maxima (``_Totals``), in float64. In bypass mode the actor calls this per micro-batch and
+    averages every figure, the maxima and minima too, over the micro-batches and ranks, as verl 0.9.1
+    does (``Metric`` MEAN).
 
     Args:
         old_log_prob: ``[B, T]`` the policy the loss is relative to: the recomputed actor
@@ -2229,8 +2305,12 @@ def compute_rollout_correction(
         rollout_is_lower, rollout_is_upper: from ``parse_rollout_is_threshold``.
         rejection: from ``parse_rollout_rs``; empty for none.
         batch_normalize: divide the weights by their batch mean (``normalize_rollout_is_weights``).
-        all_reduce: for ``batch_normalize``, where this call sees one rank's rows of the batch:
-            sums a tensor over the ranks.
+        all_reduce: where this call sees one rank's rows of the batch, ``all_reduce(t, op)`` reduces a
+            tensor over the ranks (``op``: ``"sum"``, the default, or ``"max"``;
+            ``sharding.comm.all_reduce``); used for ``batch_normalize`` and, with ``global_metrics``, for
+            the metrics. None: this call's rows are the whole batch.
+        global_metrics: the metrics of every rank's rows (decoupled mode); else of this call's rows
+            (bypass mode, per micro-batch, where the ranks may run unequal numbers of them).
 
     Returns:
         ``(rollout_is_weights or None, rejection mask or None, metrics)``; the mask is 1 for kept
@@ -2240,33 +2320,34 @@ def compute_rollout_correction(
     exact_delta = _log_ratio(old_log_prob, rollout_log_prob, mask, clamp=False)
     delta = exact_delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # `_log_ratio`'s (0 outside the mask either way)
     rows = mask.any(dim=-1)
-    metrics = _off_policy_metrics(old_log_prob, rollout_log_prob, delta, exact_delta, mask, rows)
+    totals = _Totals()
+    figures = _off_policy_metrics(old_log_prob, rollout_log_prob, delta, exact_delta, mask, rows, totals)
     weights = keep = None
     if rollout_is is not None:
         weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, rollout_is,
                                              rollout_is_lower, rollout_is_upper)
-        metrics.update(_is_weight_metrics(weights, delta, exact_delta.sum(-1), mask, rows, rollout_is,
-                                          rollout_is_lower, rollout_is_upper))
+        figures.update(_is_weight_metrics(weights, delta, exact_delta.sum(-1), mask, rows, rollout_is,
+                                          rollout_is_lower, rollout_is_upper, totals))
         if batch_normalize:
-            weights, metrics["rollout_corr/rollout_is_batch_norm_factor"] = normalize_rollout_is_weights(
-                weights, mask, rollout_is, all_reduce)
+            weights, factor = normalize_rollout_is_weights(weights, mask, rollout_is, all_reduce)
+            figures["rollout_corr/rollout_is_batch_norm_factor"] = lambda: factor
     if rejection:
         keep = mask.clone()
         for criterion in rejection:
             stat = _rejection_statistic(delta, mask, criterion.option)
             passed = _passes(stat, criterion).expand_as(mask)
-            metrics.update(_rejection_metrics(criterion, stat, mask, rows, passed))
+            figures.update(_rejection_metrics(criterion, stat, mask, rows, passed, totals))
             keep &= passed
         rejected = mask & ~keep
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = _fraction(rejected, mask, delta)
-        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, delta)
+        figures["rollout_corr/rollout_rs_masked_fraction"] = totals.mean(rejected, mask)
+        figures["rollout_corr/rollout_rs_seq_masked_fraction"] = totals.mean(rejected.any(dim=-1), rows)
         keep = keep.to(delta.dtype)
-    return weights, keep, metrics
+    return weights, keep, _read(figures, totals, all_reduce if global_metrics else None)
 
 
 @torch.no_grad()
-def rollout_probs_diff_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                               response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def rollout_probs_diff_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                               all_reduce: Callable[..., torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """verl's rollout-vs-actor debug metrics (``verl.utils.debug.metrics.calculate_debug_metrics``),
     in probability space over ``response_mask``'s tokens: ``d = |exp(old) - exp(rollout)|``::
 
@@ -2276,33 +2357,32 @@ def rollout_probs_diff_metrics(old_log_prob: torch.Tensor, rollout_log_prob: tor
         training/rollout_probs_diff_std          the sample standard deviation of d (``torch.std``: n - 1)
         training/rollout_actor_probs_pearson_corr  Pearson's r of (exp(old), exp(rollout)) (``torch.corrcoef``)
 
-    In float64, two-pass (centred sums), with no host sync: detached 0-dim tensors. NaN where verl's
-    would be undefined (no token: verl's max raises; one token's std, a constant's correlation).
-    The trainer passes the whole batch (every rank's rows), so the figures are global."""
+    In float64, from the sums of d, d^2, the probabilities, their squares and products (``_Totals``),
+    with no host sync: detached 0-dim tensors. NaN where verl's would be undefined (no token: verl's
+    max raises; one token's std, a constant's correlation). The trainer passes each rank's rows
+    with ``all_reduce`` (as ``compute_rollout_correction``'s), so the figures are of the whole batch."""
     mask = response_mask.bool()
     dtype = torch.float64
     old = torch.where(mask, old_log_prob.to(dtype), 0.0).exp()
     rollout = torch.where(mask, rollout_log_prob.to(dtype), 0.0).exp()
     diff = (old - rollout).abs()
-    n = mask.sum().to(dtype)
+    totals = _Totals()
+    count, peak, total = totals.count(mask), totals.max(diff, mask), totals.sum(diff, mask)
+    spread = totals.std(diff, mask, 1)
+    covariance, old_variance, rollout_variance = (totals.comoment(a, b, mask)
+                                                  for a, b in ((old, rollout), (old, old), (rollout, rollout)))
 
-    def mean(x):
-        return torch.where(mask, x, 0.0).sum() / n
+    def correlation():  # torch.corrcoef clips r to [-1, 1] (rounding may put it just outside)
+        return (covariance() / (old_variance() * rollout_variance()).sqrt()).clamp(-1.0, 1.0)
 
-    def centred(x):
-        return torch.where(mask, x - mean(x), 0.0)
-
-    d, x, y = centred(diff), centred(old), centred(rollout)
-    peak = torch.where(mask, diff, -math.inf).amax() if mask.numel() else torch.tensor(-math.inf, dtype=dtype)
-    corr = (x * y).sum() / ((x * x).sum() * (y * y).sum()).sqrt()
-    return {
-        "training/rollout_probs_diff_valid": torch.ones((), dtype=dtype, device=diff.device),
-        "training/rollout_probs_diff_max": torch.where(n > 0, peak, math.nan),
-        "training/rollout_probs_diff_mean": mean(diff),
-        "training/rollout_probs_diff_std": torch.where(n > 1, (d * d).sum() / (n - 1), math.nan).sqrt(),
-        # torch.corrcoef clips r to [-1, 1] (rounding may put it just outside)
-        "training/rollout_actor_probs_pearson_corr": corr.clamp(-1.0, 1.0),
+    figures = {
+        "training/rollout_probs_diff_valid": lambda: torch.ones((), dtype=dtype, device=diff.device),
+        "training/rollout_probs_diff_max": lambda: torch.where(count() > 0, peak(), math.nan),
+        "training/rollout_probs_diff_mean": lambda: total() / count(),
+        "training/rollout_probs_diff_std": lambda: torch.where(count() > 1, spread(), math.nan),
+        "training/rollout_actor_probs_pearson_corr": correlation,
     }
+    return _read(figures, totals, all_reduce)
 
 
 class ValueLossOutput(NamedTuple):

@@ -842,10 +842,11 @@ class PPOTrainer:
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`old_log_probs`: the actor's recompute (with `actor/entropy`, and `sum_pi_squared` with
         `actor.calculate_sum_pi_squared`), the engine's own in bypass mode, or none where an
-        on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask over
-        the whole batch (`rollout_is_weights`, and `rollout_rs_mask` on `full` and this rank's rows:
-        what `loss_mask` leaves out of the advantages, losses and critic from here on), with its
-        `rollout_corr/` metrics and verl's `training/rollout_probs_diff_*` (every rank's rows)."""
+        on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask of
+        this rank's rows (`rollout_is_weights`, and `rollout_rs_mask`: what `loss_mask` leaves out of the
+        advantages, losses and critic from here on; on `full` too, every rank's masks gathered, for the
+        advantages over the whole batch), with its `rollout_corr/` metrics and verl's
+        `training/rollout_probs_diff_*`, of the whole batch by reductions over the ranks."""
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
         self._infer_work = np.zeros(3)
@@ -878,19 +879,19 @@ class PPOTrainer:
             if lp.calculate_log_probs:
                 metrics["rollout/logprob_diff"] = masked_mean_global((ro.rollout_log_probs - old).abs(), mask)
         if reweighted or lp.calculate_log_probs:
-            # pi_old / pi_rollout once per step, over the whole batch so the metrics are global
-            every_old, every_rollout = (self._gather_rows(t, parts, len(full)) for t in (old, ro.rollout_log_probs))
+            # pi_old / pi_rollout once per step, each rank on its rows; the metrics (and the batch
+            # normalisation) are of the whole batch, from the ranks' reduced sums and maxima
             weights, keep, corr = compute_rollout_correction(
-                every_old, every_rollout, full.response_mask, correction.rollout_is, *correction.is_bounds,
-                correction.rejection, correction.rollout_is_batch_normalize)
+                old, ro.rollout_log_probs, mask, correction.rollout_is, *correction.is_bounds, correction.rejection,
+                correction.rollout_is_batch_normalize, comm.all_reduce, global_metrics=True)
             # verl's training/rollout_probs_diff_* and rollout_actor_probs_pearson_corr (logged wherever
             # the batch has rollout log-probs and the old ones are recomputed), over every response token
-            corr.update(rollout_probs_diff_metrics(every_old, every_rollout, full.response_mask))
-            mine = torch.tensor(parts[self.ctx.rank], device=self.device)
-            if weights is not None:
-                ro.rollout_is_weights = weights[mine]
+            corr.update(rollout_probs_diff_metrics(old, ro.rollout_log_probs, mask, comm.all_reduce))
+            ro.rollout_is_weights = weights
             if keep is not None:
-                full.rollout_rs_mask, ro.rollout_rs_mask = keep, keep[mine]
+                ro.rollout_rs_mask = keep
+                # the advantages are over the whole batch's loss mask: the ranks' masks, a byte a token
+                full.rollout_rs_mask = self._gather_rows(keep.bool(), parts, len(full)).to(keep.dtype)
             metrics.update(zip(corr, torch.stack([v.double() for v in corr.values()]).tolist()))
 
     def _on_policy_update(self) -> bool:
