@@ -10,8 +10,8 @@ A row is one JSON object (a `.jsonl`/`.json` line or a `.parquet` row)::
 
 `RLHFDataset` validates and tokenizes every row once, at construction, so that a bad
 row fails before the first GPU minute is spent, with the file and row number in the
-message. `PromptDataLoader` yields lists of items in a seeded per-epoch order and can be
-checkpointed and resumed exactly.
+message; the trainer's ranks share the tokenizing (`across_ranks`). `PromptDataLoader` yields
+lists of items in a seeded per-epoch order and can be checkpointed and resumed exactly.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import os
 import re
 import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -409,6 +410,55 @@ def _truncate(ids: Sequence[int], limit: int, mode: str) -> Sequence[int]:
     return ids[:limit // 2] + ids[-(limit - limit // 2):]
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks of the default process group ((0, 1) without one)."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+class _Failure(NamedTuple):
+    """What stopped a rank's share of a dataset's build: at the row `position` (the number of rows after
+    the last one: the tokenizer), where `not_owner` says this rank does not render that row (its owner
+    checks more of it, so the owner's error comes first), and the error."""
+
+    position: int
+    not_owner: bool
+    error: Exception
+
+    def shared(self) -> tuple[int, bool, bool, str]:
+        """What the other ranks hear of it (it pickles): where, and whether a `DatasetError` says what."""
+        dataset_error = isinstance(self.error, DatasetError)
+        text = str(self.error) if dataset_error else f"{type(self.error).__name__}: {self.error}"
+        return self.position, self.not_owner, dataset_error, text
+
+
+def _ids_of_every_rank(mine, failure: _Failure | None, rank: int, world: int) -> list:
+    """Every rank's token ids (`mine`: this rank's rows' `Ragged`, None after a `failure`), in rank order,
+    in one all-gather of flat arrays, the trainer's way of sharing host objects (`Samples`). Where some rank
+    failed, every rank raises in it the error of the earliest row, as one process meets the rows: a
+    `DatasetError` with the same message on every rank, naming the file and row."""
+    if world == 1:
+        if failure is not None:
+            raise failure.error
+        return [mine]
+    every: list = [None] * world
+    dist.all_gather_object(every, (mine, None if failure is None else failure.shared()))
+    failed = [(shared, r) for r, (_, shared) in enumerate(every) if shared is not None]
+    if failed:
+        (_, _, dataset_error, text), first = min(failed)
+        if first == rank:
+            raise failure.error
+        raise DatasetError(text) if dataset_error else RuntimeError(f"(on rank {first}, building the dataset) {text}")
+    return [ids for ids, _ in every]
+
+
+def _row_ids(ids, i: int) -> array.array:
+    """Row `i` of `ids` (a `Ragged` of int32) as the int32 array an item keeps (4 bytes a token, where a list of
+    Python ints costs 36 above id 256)."""
+    return array.array("i", ids.flat[ids.offsets[i]:ids.offsets[i + 1]].tobytes())
+
+
 class RLHFDataset:
     """Prompts for RL, read from local files in verl's row format and tokenized once.
 
@@ -455,6 +505,10 @@ class RLHFDataset:
             in its order) when it names some, all of them otherwise.
         max_samples, shuffle, seed: keep only `max_samples` rows of all the files (-1 or 0:
             all) before anything else, chosen as verl's dataset chooses them (`select_rows`).
+        across_ranks: every rank of the default process group builds this dataset at once (the
+            trainer's ranks): each renders and tokenizes only its share of the prompts, rows
+            rank::world_size, and the ranks all-gather the ids. The items, the rows filtered and the
+            errors are the same as one process's. Without a process group: one process's build.
 
     Items (`dataset[i]`) are dicts with `input_ids` (of the prompt's text, which is not kept), `raw_prompt`,
     `data_source`, `ground_truth` (the stored value, unconverted; None only without
@@ -484,6 +538,7 @@ class RLHFDataset:
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
+        across_ranks: bool = False,
     ) -> None:
         if default_agent not in AGENT_NAMES:
             raise ValueError(f"default_agent must be one of {list(AGENT_NAMES)}, got {default_agent!r}")
@@ -510,6 +565,7 @@ class RLHFDataset:
         self.default_agent = default_agent
         self.tool_schemas = list(tool_schemas or [])
         self._schemas_by_name = {schema["function"]["name"]: schema for schema in self.tool_schemas}
+        self.across_ranks = across_ranks
         self.num_filtered = 0
         self._items: list[dict[str, Any]] = []
         self._load(chosen_records(self.files, max_samples, shuffle, seed))
@@ -589,82 +645,42 @@ class RLHFDataset:
         return counts
 
     def _load(self, records: list[tuple[str, dict[str, Any]]]) -> None:
-        """Validate and tokenize `(where, row)` records into items."""
-        from rewards.registry import builtin_ground_truth_problem  # the scorers' rule, where they give the rewards
+        """Validate and tokenize `(where, row)` records into items.
 
-        parsed = []
-        for where, row in records:
-            if not row:
-                raise DatasetError(f"{where}: empty row")
-            if self.prompt_key not in row or row[self.prompt_key] is None:
-                raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
-            prompt = row[self.prompt_key]
-            media = [k for k in self.media_keys if row.get(k) is not None and len(row[k])]
-            if media:
-                raise DatasetError(f"{where}: field '{media[0]}' holds media: {TEXT_ONLY}")
-            if self.chat_prompts_for is not None and not isinstance(prompt, list):
-                raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
-                                   f"{self.chat_prompts_for}")
-            agent = self._agent(row, where)
-            extra_info = row.get("extra_info")
-            if extra_info is None:
-                extra_info = {}
-            elif not isinstance(extra_info, dict):
-                raise DatasetError(
-                    f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
-                )
-            tool_selection = self._tool_selection(extra_info, agent, where)  # the tools its prompt shows
-            text, templated = self._prompt_text(prompt, where, agent, tool_selection)
-            data_source = row.get("data_source")
-            if data_source is not None and not isinstance(data_source, str):
-                raise DatasetError(
-                    f"{where}: field 'data_source' must be a string, got {type(data_source).__name__}"
-                )
-            if self.data_sources is not None and data_source not in self.data_sources:
-                raise DatasetError(f"{where}: no built-in reward for data_source {data_source!r} (built-in: "
-                                   f"{self.data_sources}); set custom_reward_function.path to a Python file "
-                                   "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)")
-            ground_truth = _ground_truth(row, where, self.require_ground_truth)
-            if self.data_sources is not None and ground_truth is not None:
-                problem = builtin_ground_truth_problem(data_source, ground_truth)
-                if problem:
-                    raise DatasetError(f"{where}: field 'reward_model.ground_truth' {problem}")
-            tools_kwargs = self._tools_kwargs(extra_info, where)
-            parsed.append((where, prompt, text, templated, data_source, ground_truth, extra_info, agent, tools_kwargs,
-                           tool_selection))
-
-        # Batched calls are much faster than a call per row with fast tokenizers; a chunk of rows at a
-        # time, as all of a large dataset's encodings alive at once held their memory after the build
-        # (100k prompts: 4.0 GB of RSS against 2.1 GB in chunks). Each prompt's ids are kept as one
-        # int32 array (4 bytes a token) instead of a list of Python ints (8 bytes a pointer plus
-        # 28 an int above 256).
-        ids_by_row: list[array.array | None] = [None] * len(parsed)
-        for templated in (True, False):
-            positions = [i for i, p in enumerate(parsed) if p[3] is templated]
-            for start in range(0, len(positions), TOKENIZE_CHUNK):
-                chunk = positions[start:start + TOKENIZE_CHUNK]
-                encoded = self.tokenizer([parsed[i][2] for i in chunk], add_special_tokens=not templated)["input_ids"]
-                for i, ids in zip(chunk, encoded):
-                    ids_by_row[i] = array.array("i", ids)
+        With `across_ranks`, rank r of the process group renders and tokenizes rows r::world_size alone (the
+        costly part of the build) and the ranks all-gather the ids; every rank checks every row's other fields
+        (cheap), and a failure on any rank is raised on every rank (`_ids_of_every_rank`), so the items and the
+        errors are those of one process."""
+        rank, world = _rank_and_world() if self.across_ranks else (0, 1)
+        fields, texts, mine, failure = [], [], None, None
+        try:
+            for position, (where, row) in enumerate(records):
+                fields.append(self._checked_row(where, row, texts if position % world == rank else None))
+            mine = self._tokenized(texts)
+        except Exception as err:  # (told to the other ranks, which would otherwise wait for this one's ids)
+            position = len(fields)  # the row that failed; len(records) after them all (the tokenizer)
+            failure = _Failure(position, rank != position % world, err)
+        ids = _ids_of_every_rank(mine, failure, rank, world)
 
         limit = self.max_prompt_length
-        for (where, prompt, text, _, data_source, ground_truth, extra_info, agent, tools_kwargs,
-             tool_selection), ids in zip(parsed, ids_by_row):
-            if not ids:
+        for position, (where, prompt, data_source, ground_truth, extra_info, agent, tools_kwargs,
+                       tool_selection) in enumerate(fields):
+            prompt_ids = _row_ids(ids[position % world], position // world)
+            if not prompt_ids:
                 raise DatasetError(f"{where}: field '{self.prompt_key}' tokenizes to no tokens (a tokenizer without a "
                                    "vocabulary for its text?)")
-            if len(ids) > limit:
+            if len(prompt_ids) > limit:
                 if self.filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
                 if self.truncation == "error":
                     raise DatasetError(
-                        f"{where}: prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
+                        f"{where}: prompt is {len(prompt_ids)} tokens, longer than max_prompt_length={limit}; "
                         "set filter_overlong_prompts=True or truncation='left'/'right'/'middle'"
                     )
-                ids = _truncate(ids, limit, self.truncation)
+                prompt_ids = _truncate(prompt_ids, limit, self.truncation)
             self._items.append({
-                "input_ids": ids,
+                "input_ids": prompt_ids,
                 "raw_prompt": prompt,
                 "data_source": data_source,
                 "ground_truth": ground_truth,
@@ -675,6 +691,70 @@ class RLHFDataset:
                 "index": len(self._items),
                 "where": where,  # FILE:ROW, for an error about the row found later
             })
+
+    def _checked_row(self, where: str, row: dict[str, Any], texts: list[tuple[str, bool]] | None) -> tuple:
+        """A row's fields as its item keeps them, each checked (a `DatasetError` naming `where` otherwise);
+        with `texts` (the row is this rank's to tokenize) its prompt is rendered too, checked in its place
+        among the others, and its text (`_prompt_text`) appended to `texts`."""
+        from rewards.registry import builtin_ground_truth_problem  # the scorers' rule, where they give the rewards
+
+        if not row:
+            raise DatasetError(f"{where}: empty row")
+        if self.prompt_key not in row or row[self.prompt_key] is None:
+            raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
+        prompt = row[self.prompt_key]
+        media = [k for k in self.media_keys if row.get(k) is not None and len(row[k])]
+        if media:
+            raise DatasetError(f"{where}: field '{media[0]}' holds media: {TEXT_ONLY}")
+        if self.chat_prompts_for is not None and not isinstance(prompt, list):
+            raise DatasetError(f"{where}: field '{self.prompt_key}' is text, not a list of chat messages: "
+                               f"{self.chat_prompts_for}")
+        agent = self._agent(row, where)
+        extra_info = row.get("extra_info")
+        if extra_info is None:
+            extra_info = {}
+        elif not isinstance(extra_info, dict):
+            raise DatasetError(
+                f"{where}: field 'extra_info' must be an object, got {type(extra_info).__name__}"
+            )
+        tool_selection = self._tool_selection(extra_info, agent, where)  # the tools its prompt shows
+        if texts is not None:
+            texts.append(self._prompt_text(prompt, where, agent, tool_selection))
+        data_source = row.get("data_source")
+        if data_source is not None and not isinstance(data_source, str):
+            raise DatasetError(
+                f"{where}: field 'data_source' must be a string, got {type(data_source).__name__}"
+            )
+        if self.data_sources is not None and data_source not in self.data_sources:
+            raise DatasetError(f"{where}: no built-in reward for data_source {data_source!r} (built-in: "
+                               f"{self.data_sources}); set custom_reward_function.path to a Python file "
+                               "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)")
+        ground_truth = _ground_truth(row, where, self.require_ground_truth)
+        if self.data_sources is not None and ground_truth is not None:
+            problem = builtin_ground_truth_problem(data_source, ground_truth)
+            if problem:
+                raise DatasetError(f"{where}: field 'reward_model.ground_truth' {problem}")
+        tools_kwargs = self._tools_kwargs(extra_info, where)
+        return where, prompt, data_source, ground_truth, extra_info, agent, tools_kwargs, tool_selection
+
+    def _tokenized(self, texts: list[tuple[str, bool]]):
+        """The ids of `texts` (`(text, templated)` pairs) in their order, as one `trainer.batching.Ragged` of
+        int32 (the flat arrays the ranks share rollouts in; 4 bytes a token).
+
+        Batched calls are much faster than a call per row with fast tokenizers; a chunk of rows at a
+        time, as all of a large dataset's encodings alive at once held their memory after the build
+        (100k prompts: 4.0 GB of RSS against 2.1 GB in chunks)."""
+        from trainer.batching import Ragged  # the rollouts' flat rows, which every rank's ids travel in
+
+        chunks, order = [], []
+        for templated in (True, False):  # (a templated text holds its special tokens already)
+            positions = [i for i, (_, t) in enumerate(texts) if t is templated]
+            for start in range(0, len(positions), TOKENIZE_CHUNK):
+                chunk = positions[start:start + TOKENIZE_CHUNK]
+                encoded = self.tokenizer([texts[i][0] for i in chunk], add_special_tokens=not templated)["input_ids"]
+                chunks.append(Ragged.of(encoded, np.int32))
+                order += chunk
+        return Ragged.concat(chunks).take(np.argsort(np.asarray(order, dtype=np.int64)))
 
     def _fingerprint(self) -> str:
         """A digest of what the items train on, in order: each prompt's ids, data source and ground truth

@@ -206,8 +206,8 @@ class DataConfig:
     dataloader_num_workers: int = opt(8, "accepted for verl compatibility", ge=0,
                                       no_effect="meshppo tokenizes the prompts once at load, there is no loader worker")
     filter_overlong_prompts_workers: int | None = opt(1, "accepted for verl compatibility (null too, as verl)", ge=1,
-                                                      no_effect="meshppo measures the prompts once at load, in one "
-                                                                "process")
+                                                      no_effect="meshppo measures the prompts once at load, each rank "
+                                                                "its share of them")
     trust_remote_code: bool = opt(False, "not supported (tokenizers load without remote code): must be false",
                                   unsupported=bool)
     return_full_prompt: bool = opt(False, "not supported: must be false", unsupported=bool)

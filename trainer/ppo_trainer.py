@@ -244,7 +244,8 @@ class PPOTrainer:
                      data_sources=BUILTIN_DATA_SOURCES if rule and not cfg.custom_reward_function.path else None,
                      chat_prompts_for=chat_prompts_for, media_keys=d.media_keys,
                      default_agent=cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
-                     tool_schemas=[t.tool_schema for t in tools], shuffle=d.shuffle, seed=seed)
+                     tool_schemas=[t.tool_schema for t in tools], shuffle=d.shuffle, seed=seed,
+                     across_ranks=True)  # each rank tokenizes its share of the prompts
         self.train_ds = RLHFDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds_kw)
         self.val_ds = (RLHFDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds_kw)
                        if d.val_files else None)

@@ -17,7 +17,8 @@ EXCEPTIONS = {
     ("data/demo.py", "main", "trainer.setup"),
     ("data/dataset.py", "_prompt_text", "agent.tools"),
     ("data/dataset.py", "_tool_selection", "agent.tools"),
-    ("data/dataset.py", "_load", "rewards.registry"),
+    ("data/dataset.py", "_checked_row", "rewards.registry"),
+    ("data/dataset.py", "_tokenized", "trainer.batching"),
     ("agent/loop.py", None, "trainer.errors"),
     ("agent/_load.py", None, "trainer.configlib"),
 }

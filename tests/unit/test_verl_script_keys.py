@@ -157,7 +157,7 @@ NO_EFFECT = {
     "trainer.use_legacy_worker_impl": (
         "disable", "meshppo has one implementation, whose losses are normalised as verl's engine workers do (README)"),
     "data.dataloader_num_workers": ("0", "meshppo tokenizes the prompts once at load, there is no loader worker"),
-    "data.filter_overlong_prompts_workers": ("4", "meshppo measures the prompts once at load, in one process"),
+    "data.filter_overlong_prompts_workers": ("4", "meshppo measures the prompts once at load, each rank its share of them"),
 }
 VERL_DEFAULTS = {"actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch",
                  "trainer.use_legacy_worker_impl": "auto", "data.dataloader_num_workers": "8",
