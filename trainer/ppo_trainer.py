@@ -125,11 +125,33 @@ def contiguous_parts(n: int, k: int) -> list[list[int]]:
     return [list(range(r * n // k, (r + 1) * n // k)) for r in range(k)]
 
 
-def seqlen_balance_metrics(lengths: list[int], parts: list[list[int]]) -> dict[str, float]:
-    """verl's `global_seqlen/*` figures of a balanced partition (its `log_seqlen_unbalance`): each rank's
-    tokens (`lengths`: each row's prompt + response, attention-mask tokens, which the partition balances)
-    before balancing, the batch cut into consecutive blocks in its order (`min`, `max`, `minmax_diff`),
-    and after it, `parts` (`balanced_min`, `balanced_max`); `mean`, the batch's tokens over the ranks."""
+def partition_rows(ro: RolloutBatch, ranks: int, group: int, balance: bool, keep_prompts: bool) -> list[list[int]]:
+    """Every rank's rows of `ro` (equally many each), for `ranks` ranks in data-parallel groups of `group`
+    consecutive ranks (a role's Ulysses groups, whose ranks pool their rows: `roles.pool_rows`). With
+    `balance` (`trainer.balance_batch`) the rows are balanced over the groups, as verl balances over its
+    data-parallel size: equally many rows a group, balanced token totals (`balanced_equal_partitions`),
+    and with `keep_prompts` (prefix sharing) each prompt's rows in one group where the prompt groups
+    allow it (`balanced_group_partitions`); without it, consecutive blocks. Each group's part is then cut
+    into its ranks' consecutive shares, so that the group pools its part back in its order, and the
+    ranks of any role's groups (consecutive ranks) pool consecutive rows of the balanced order, as
+    verl's workers of another data-parallel size take consecutive chunks of its reordered batch."""
+    from trainer.batching import balanced_equal_partitions, balanced_group_partitions
+
+    groups = ranks // group
+    parts = balanced_group_partitions(ro.prefix_groups(), groups) if balance and keep_prompts else None
+    if parts is None:
+        parts = balanced_equal_partitions(ro.lengths(), groups) if balance else contiguous_parts(len(ro), groups)
+    return [[part[i] for i in share] for part in parts for share in contiguous_parts(len(part), group)]
+
+
+def seqlen_balance_metrics(lengths: list[int], parts: list[list[int]], group: int = 1) -> dict[str, float]:
+    """verl's `global_seqlen/*` figures of a balanced partition (its `log_seqlen_unbalance`): each
+    data-parallel part's tokens (`lengths`: each row's prompt + response, attention-mask tokens, which the
+    partition balances) before balancing, the batch cut into consecutive blocks in its order (`min`,
+    `max`, `minmax_diff`), and after it (`balanced_min`, `balanced_max`); `mean`, the batch's tokens over
+    the parts. `parts`: every rank's rows, the parts of `group` consecutive ranks (a Ulysses group,
+    `partition_rows`) counting as one, as verl counts its data-parallel ranks."""
+    parts = [[i for part in parts[g:g + group] for i in part] for g in range(0, len(parts), group)]
     before = [sum(lengths[i] for i in block) for block in contiguous_parts(len(lengths), len(parts))]
     after = [sum(lengths[i] for i in part) for part in parts]
     return {"global_seqlen/min": float(min(before)), "global_seqlen/max": float(max(before)),
@@ -556,27 +578,17 @@ class PPOTrainer:
         others = {k: v[:n] for k, v in self._gather_other_extras(others, parts, padded).items()}
         return cols[:, 0].float(), {k: cols[:, 1 + j].tolist() for j, k in enumerate(names)}, others
 
-    def _partition(self, ro: RolloutBatch, keep_prompts: bool = False) -> tuple[RolloutBatch, list[list[int]]]:
-        """This rank's share of the rollouts (equal counts, balanced token totals) and every
-        rank's row indices: each rank computes the same partition, so none is communicated. With
-        `keep_prompts` (the rows the actor trains on under prefix sharing,
-        `actor.use_prefix_grouper`) balancing keeps each prompt's rows on one rank where the groups
-        allow it (`balanced_group_partitions`), so that they can share it."""
-        from trainer.batching import balanced_equal_partitions, balanced_group_partitions
-
-        w, r = self.ctx.world_size, self.ctx.rank
-        n = len(ro)
-        groups = None
-        if self.cfg.trainer.balance_batch and keep_prompts:
-            groups = balanced_group_partitions(ro.prefix_groups(), w)
-        if groups is not None:
-            parts = groups
-        elif self.cfg.trainer.balance_batch:
-            parts = balanced_equal_partitions(ro.lengths(), w)
-        else:
-            parts = contiguous_parts(n, w)
-        local = ro.take(parts[r])
-        return local, parts
+    def _partition(self, ro: RolloutBatch, train: bool = False) -> tuple[RolloutBatch, list[list[int]]]:
+        """This rank's share of the rollouts and every rank's row indices (`partition_rows`): each
+        rank computes the same partition, so none is communicated. `train` (the rows the step trains
+        on): balanced over the actor's data-parallel groups, its Ulysses groups (verl's dp size), and
+        under prefix sharing (`actor.use_prefix_grouper`) each prompt's rows kept in one group where
+        the prompt groups allow it, so that they can share it; else (rows that are only scored)
+        balanced over the ranks, each of which scores its own."""
+        group = self.actor.sp_size if train else 1
+        parts = partition_rows(ro, self.ctx.world_size, group, self.cfg.trainer.balance_batch,
+                               train and self.actor.share_prefix)
+        return ro.take(parts[self.ctx.rank]), parts
 
     def _gather_rows(self, t: torch.Tensor, parts: list[list[int]], n_total: int) -> torch.Tensor:
         """Rebuild the full `[N, ...]` tensor from every rank's rows (`parts[k]`: rank k's rows)."""
@@ -685,10 +697,10 @@ class PPOTrainer:
                     full = self._generate_all(items, validate=False, seed=seed)
                 full.row_names = reward_row_names(full, items, "the step's batch")
                 baselines = self._greedy_baselines(items, full)
-                ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
+                ro, parts = self._partition(full, train=True)
                 scores, extras = self._reward(ro)
             if self.cfg.trainer.balance_batch:  # the balance of the batch the step trains on (before a PF-PPO redraw)
-                metrics.update(seqlen_balance_metrics(full.lengths(), parts))
+                metrics.update(seqlen_balance_metrics(full.lengths(), parts, self.actor.sp_size))
             self._old_log_probs(full, ro, parts, metrics)
             self._ref_log_probs(ro, metrics)
             self._values(ro)
@@ -782,7 +794,7 @@ class PPOTrainer:
                                                   for k in names], dim=1) for _, c, n, _ in kept])
         others = {k: [v for _, c, _, o in kept for v in (o[k] if k in o else [None] * len(c))]
                   for k in sorted(set().union(*(o for *_, o in kept)))}
-        ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
+        ro, parts = self._partition(full, train=True)
         mine = parts[self.ctx.rank]
         local = cols[mine]
         scores = local[:, 0].to(device=self.device, dtype=torch.float32)
@@ -1079,7 +1091,7 @@ class PPOTrainer:
         drawn = compute_pf_ppo_indices(whole.token_level_scores.sum(-1), pf.reweight_method, pf.weight_pow,
                                        torch.Generator().manual_seed(seed)).tolist()
         full = whole.take(drawn)
-        ro, parts = self._partition(full, keep_prompts=self.actor.share_prefix)
+        ro, parts = self._partition(full, train=True)
         local = cols[whole.index(drawn)][full.index(parts[self.ctx.rank])]
         return (full, ro, parts, local[:, 0].float(), {k: local[:, 1 + j].tolist() for j, k in enumerate(names)})
 

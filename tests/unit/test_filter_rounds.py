@@ -25,7 +25,7 @@ def _trainer():
     trainer.cfg, trainer.device, trainer.global_step = cfg, torch.device("cpu"), 0
     trainer.ctx = SimpleNamespace(rank=0, world_size=1)
     trainer.timer = Timer(trainer.device)
-    trainer.actor = SimpleNamespace(share_prefix=False)
+    trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
     drawn = iter(range(1000))
     trainer.loader = SimpleNamespace(next_batch=lambda: [{"input_ids": [next(drawn) + 1] * 3} for _ in range(GEN)])
 

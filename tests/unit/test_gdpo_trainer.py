@@ -109,7 +109,7 @@ def test_the_filter_groups_rounds_carry_the_components():
                        "actor_rollout_ref.rollout.n=3")
     trainer.cfg.trainer.balance_batch = False
     trainer._generate_all = lambda items, validate, seed: _batch()
-    trainer.actor = SimpleNamespace(share_prefix=False)
+    trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
     metrics = {}
     full, ro, parts, _, _ = trainer._filtered_rollouts(ITEMS, seed=0, metrics=metrics)
     assert metrics["train/num_gen_batches"] == 1 and full.uids == UIDS
