@@ -14,7 +14,6 @@ critic's groups, of another size than the actor's, pool consecutive rows of the 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
@@ -22,30 +21,24 @@ from tests.dist_utils import run_distributed
 from tests.e2e.conftest import read_metrics
 from tests.gpu.multi_gpu_checks import PARITY_REWARD
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQLEN = [f"global_seqlen/{k}" for k in ("min", "max", "minmax_diff", "balanced_min", "balanced_max", "mean")]
 RTOL = 2e-4
 
 
 def _run(run_dir, world_size, assets, reward, sp, critic_sp, share):
-    from trainer.config import PPOConfig
-    from trainer.configlib import load_config
-    from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
+    from tests.e2e.conftest import demo_trainer
 
     A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-    cfg = load_config(PPOConfig, os.path.join(ROOT, "configs", "demo.yaml"), [
-        f"data.train_files=[{assets}/train.jsonl]", "data.val_files=[]",
-        f"actor_rollout_ref.model.path={assets}/sft_model", f"trainer.default_local_dir={run_dir}",
-        "trainer.logger=[jsonl]", "trainer.total_training_steps=1", "trainer.val_before_train=false",
-        "trainer.save_freq=0", "trainer.resume_mode=disable", "data.train_batch_size=6",
+    trainer = demo_trainer(
+        assets, run_dir, reward, "trainer.logger=[jsonl]", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.save_freq=0", "data.train_batch_size=6",
         "data.max_response_length=6", f"{R}.n=4", f"{A}.ppo_mini_batch_size=6", f"{A}.use_dynamic_bsz=true",
         f"{A}.ppo_max_token_len_per_gpu=4096", f"{R}.log_prob_use_dynamic_bsz=true",
         f"{R}.log_prob_max_token_len_per_gpu=4096", f"{A}.use_prefix_grouper={share}",
-        f"{A}.ulysses_sequence_parallel_size={sp}", f"custom_reward_function.path={reward}",
-        "algorithm.adv_estimator=gae", "critic.ppo_max_token_len_per_gpu=4096",
-        f"critic.ulysses_sequence_parallel_size={critic_sp}", f"trainer.n_gpus_per_node={world_size}"])
-    assert PPOTrainer(cfg, init_distributed("cpu")).train() == 0
+        f"{A}.ulysses_sequence_parallel_size={sp}", "algorithm.adv_estimator=gae",
+        "critic.ppo_max_token_len_per_gpu=4096", f"critic.ulysses_sequence_parallel_size={critic_sp}",
+        f"trainer.n_gpus_per_node={world_size}")
+    assert trainer.train() == 0
 
 
 def _four_ranks(rank, world_size, assets, run_root, reward):
