@@ -239,12 +239,25 @@ def main(argv=None) -> int:
     if min(prompt_len, response_len) < 1:
         p.error(f"--prompt-len {prompt_len} / --response-len {response_len}: both must be >= 1")
 
-    from trainer.config import PPOConfig
-    from trainer.configlib import load_config
     from trainer.launch import init_distributed
-    from trainer.ppo_trainer import PPOTrainer
 
     ctx = init_distributed("auto")
+    try:
+        return run_workloads(a, p, ctx, prompt_len, response_len)
+    finally:
+        # main() is also called in-process (the tests): the caller gets its process back without
+        # the group, after a refusal (p.error's SystemExit) or an error too
+        if ctx.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def run_workloads(a: argparse.Namespace, p: argparse.ArgumentParser, ctx, prompt_len: int, response_len: int) -> int:
+    """Every workload of `a` checked (its config, its --baseline record), then each run and, on rank 0,
+    its record written; `ctx`: the ranks' process group."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.ppo_trainer import PPOTrainer
+
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shape = SMOKE_SHAPE if a.smoke else {}

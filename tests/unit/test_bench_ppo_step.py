@@ -80,6 +80,7 @@ def test_the_baseline_is_the_one_gpu_record_of_the_whole_workload():
 
 def test_a_baseline_without_the_workload_is_refused_before_any_work(tmp_path, capsys):
     import pytest
+    import torch.distributed as dist
 
     from bench.ppo_step import main
 
@@ -94,3 +95,5 @@ def test_a_baseline_without_the_workload_is_refused_before_any_work(tmp_path, ca
     assert e.value.code == 2 and f"--baseline {baseline}: no record of qwen2.5-0.5b grpo" in err, err
     assert "differ in: response_len 8" in err
     assert list(work.iterdir()) == []  # no model, prompts or run written
+    # nor the process group it made left behind: a later test of this process that makes one would fail
+    assert not dist.is_initialized()
