@@ -1,6 +1,30 @@
-"""Fixtures shared by the multi-process and end-to-end tests."""
+"""Fixtures shared by the multi-process and end-to-end tests, and the guard every test runs under."""
+
+import sys
 
 import pytest
+
+
+def _default_group_exists() -> bool:
+    """Whether this process has a default process group (none can before torch.distributed is imported)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_group(request):
+    """Fails a test that leaves a default process group initialised: the whole suite runs in one
+    process, and a later test that makes its own group (or checks for none) would meet it. The
+    group is destroyed first, so the tests after it run as they would alone."""
+    existed = _default_group_exists()
+    yield
+    if not existed and _default_group_exists():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a default torch.distributed process group initialised: "
+                    "whatever inits one in this process (a test, or the product code it calls) must destroy it "
+                    "on every exit path, errors included", pytrace=False)
 
 
 @pytest.fixture(scope="session")
