@@ -433,24 +433,42 @@ class _Failure(NamedTuple):
         return self.position, self.not_owner, dataset_error, text
 
 
-def _ids_of_every_rank(mine, failure: _Failure | None, rank: int, world: int) -> list:
+def _records_digest(records: list[tuple[str, dict[str, Any]]]) -> tuple[int, str]:
+    """The number of `records` and a digest of their rows' fields, in order (not of the files' paths, which
+    may differ between ranks): what the ranks compare before each takes another's ids for its rows."""
+    digest = hashlib.blake2b(digest_size=16)
+    for _, row in records:
+        digest.update(repr(row).encode() + b"\0")
+    return len(records), digest.hexdigest()
+
+
+def _ids_of_every_rank(mine, failure: _Failure | None, rank: int, world: int, records: tuple[int, str],
+                       files: Sequence[str]) -> list:
     """Every rank's token ids (`mine`: this rank's rows' `Ragged`, None after a `failure`), in rank order,
-    in one all-gather of flat arrays, the trainer's way of sharing host objects (`Samples`). Where some rank
-    failed, every rank raises in it the error of the earliest row, as one process meets the rows: a
-    `DatasetError` with the same message on every rank, naming the file and row."""
+    in one all-gather of flat arrays, the trainer's way of sharing host objects (`Samples`). The ranks
+    must have read the same rows (`records`: `_records_digest`, compared first: a rank whose files hold
+    other rows, a node's own copy that differs, would take ids of rows it does not have); else every
+    rank raises the same `DatasetError` naming the files. Where some rank failed, every rank raises in
+    it the error of the earliest row, as one process meets the rows: a `DatasetError` with the same
+    message on every rank, naming the file and row."""
     if world == 1:
         if failure is not None:
             raise failure.error
         return [mine]
     every: list = [None] * world
-    dist.all_gather_object(every, (mine, None if failure is None else failure.shared()))
-    failed = [(shared, r) for r, (_, shared) in enumerate(every) if shared is not None]
+    dist.all_gather_object(every, (mine, None if failure is None else failure.shared(), records))
+    others = [r for r, (*_, theirs) in enumerate(every) if theirs != every[0][2]]
+    if others:
+        counts = "; ".join(f"rank {r}: {every[r][2][0]} rows" for r in [0, *others[:3]])
+        raise DatasetError(f"{', '.join(map(str, files))}: ranks {others} read other rows than rank 0 ({counts}): "
+                           "every rank must read the same data (the same files, the same content on every node)")
+    failed = [(shared, r) for r, (_, shared, _) in enumerate(every) if shared is not None]
     if failed:
         (_, _, dataset_error, text), first = min(failed)
         if first == rank:
             raise failure.error
         raise DatasetError(text) if dataset_error else RuntimeError(f"(on rank {first}, building the dataset) {text}")
-    return [ids for ids, _ in every]
+    return [ids for ids, *_ in every]
 
 
 def _row_ids(ids, i: int) -> array.array:
@@ -660,7 +678,8 @@ class RLHFDataset:
         except Exception as err:  # (told to the other ranks, which would otherwise wait for this one's ids)
             position = len(fields)  # the row that failed; len(records) after them all (the tokenizer)
             failure = _Failure(position, rank != position % world, err)
-        ids = _ids_of_every_rank(mine, failure, rank, world)
+        digest = _records_digest(records) if world > 1 else (len(records), "")
+        ids = _ids_of_every_rank(mine, failure, rank, world, digest, self.files)
 
         limit = self.max_prompt_length
         for position, (where, prompt, data_source, ground_truth, extra_info, agent, tools_kwargs,

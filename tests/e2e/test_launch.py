@@ -145,17 +145,19 @@ def test_an_input_error_of_one_rank_alone_reaches_the_launchers_output(tiny_asse
 
 
 def test_a_config_error_of_one_rank_alone_reaches_the_launchers_output(tiny_assets, tmp_path):
-    """Rank 1 alone finds a config error while the run starts (its node's training file is shorter than
-    a batch): rank 0 has only its failed collective to say, rank 1 said nothing (only rank 0 printed
-    config errors) and the launch exited 1. Now rank 1's line reaches the launcher's output, exit 2."""
-    rows = (tiny_assets / "train.jsonl").read_text().splitlines(keepends=True)
-    (tmp_path / "train0.jsonl").write_text("".join(rows))
-    (tmp_path / "train1.jsonl").write_text("".join(rows[:10]))
-    files = "data.train_files=[\"" + str(tmp_path) + "/train${oc.env:LOCAL_RANK,0}.jsonl\"]"
-    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, files), MESHPPO_PEER_GRACE_S="3")
+    """Rank 1 alone finds a config error while the run starts (its node's tool config file is broken), while
+    rank 0 waits in the dataset's build for it: rank 0 has only its failed collective to say, rank 1 said
+    nothing (only rank 0 printed config errors) and the launch exited 1. Now rank 1's line reaches the
+    launcher's output, exit 2."""
+    (tmp_path / "tools0.yaml").write_text("tools: []\n")
+    (tmp_path / "tools1.yaml").write_text("tools:\n  - class_name: tools.Calculator\n")
+    tools = "actor_rollout_ref.rollout.multi_turn.tool_config_path=\"" + str(tmp_path) + "/tools${oc.env:LOCAL_RANK,0}.yaml\""
+    p = _single_node(demo_args(tiny_assets, tmp_path / "run", *COMMON, "actor_rollout_ref.rollout.multi_turn.enable=true",
+                               tools), MESHPPO_PEER_GRACE_S="3")
     out = p.output(timeout=600)
     assert p.returncode == 2, out
-    assert "meshppo: config error (rank 1): data.train_batch_size (16) is larger than the training set (10 " in out, out
+    assert ("meshppo: config error (rank 1): actor_rollout_ref.rollout.multi_turn.tool_config_path: "
+            f"{tmp_path}/tools1.yaml: tools[0].config: must be a mapping") in out, out
     _no_launcher_noise(out)
 
 

@@ -155,3 +155,34 @@ def test_a_rank_whose_tokenizer_fails_stops_every_rank(tmp_path):
 
     build_demo_tokenizer(tmp_path / "tok")
     run_distributed(_failing_tokenizer_stops_every_rank, 3, str(tmp_path), str(tmp_path / "tok"), timeout=120)
+
+
+def _other_rows_stop_every_rank(rank, world, tmp, tokenizer_dir, change):
+    """Each rank reads its own copy of the files; rank 2's differs (`change`: a row's content, or one row
+    fewer): every rank refuses, naming the files and rank 2, instead of taking ids of rows it lacks."""
+    import os
+
+    import transformers
+
+    from data import DatasetError
+
+    rows = [_row(i) for i in range(ROWS)]
+    theirs = ROWS - 1 if change == "a row fewer" else ROWS
+    if rank == 2:
+        rows = rows[:-1] if change == "a row fewer" else [*rows[:50], {**rows[50], "prompt": "9+9="}, *rows[51:]]
+    own = f"{tmp}/rank{rank}"
+    os.makedirs(own)
+    files = _write(own, rows)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    with pytest.raises(DatasetError, match=r"rank\d/a.jsonl, .*b.jsonl: ranks \[2\] read other rows than rank 0 "
+                                           rf"\(rank 0: {ROWS} rows; rank 2: {theirs} rows\)"):
+        _build(files, tokenizer, across_ranks=True)
+    _everyone_comes_out(world)
+
+
+@pytest.mark.parametrize("change", ["a row fewer", "a row's prompt"])
+def test_ranks_that_read_other_rows_stop_naming_the_files(tmp_path, change):
+    from data.demo import build_demo_tokenizer
+
+    build_demo_tokenizer(tmp_path / "tok")
+    run_distributed(_other_rows_stop_every_rank, 3, str(tmp_path), str(tmp_path / "tok"), change, timeout=120)
