@@ -2069,7 +2069,9 @@ class _Totals:
                 lambda: torch.where(count() > 0, -negated_floor(), 0.0))
 
     def comoment(self, x: torch.Tensor, y: torch.Tensor, where: torch.Tensor) -> Figure:
-        """``sum (x - mean x)(y - mean y)`` where ``where`` holds, from the sums of x, y and x y."""
+        """``sum (x - mean x)(y - mean y)`` where ``where`` holds, from the sums of x, y and x y (the
+        product of the float64 values: a float32 product's rounding, times n, would be the spread)."""
+        x, y = x.to(torch.float64), y.to(torch.float64)
         count, sum_x, sum_y, sum_xy = self.count(where), self.sum(x, where), self.sum(y, where), self.sum(x * y, where)
         return lambda: sum_xy() - sum_x() * sum_y() / count().clamp_min(1)
 

@@ -297,3 +297,20 @@ def test_bypass_mode_averages_every_figure_over_the_micro_batches():
     for key in keys:
         want = sum(float(m[key]) for m in per_part) / len(per_part)
         assert out[key] == pytest.approx(want, rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_float32_log_probs_give_the_weights_exact_spread(level):
+    """The trainer's log-probs are float32: the spreads come from sums of float64 products of them, so weights
+    that are equal up to float32 rounding (a shift of 0.1 nats) and nearly equal ones get the two-pass float64
+    figures of the same weights (float32 squares' rounding, summed over 32k tokens, read as a 1e-4 spread)."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(64, 512, generator=g).float()
+    mask = torch.ones(64, 512, dtype=torch.bool)
+    for rollout in (old - 0.1, old - 0.1 + 1e-4 * torch.randn(64, 512, generator=g)):
+        weights, _, m = compute_rollout_correction(old, rollout, mask, level, None, 2.0)
+        w = weights.double()
+        per_sequence = w.mean(-1)
+        # (torch's float64 std is two-pass: the mean taken out before squaring)
+        assert m["rollout_corr/rollout_is_std"].item() == pytest.approx(w.std(correction=0).item(), abs=1e-6)
+        assert m["rollout_corr/rollout_is_seq_std"].item() == pytest.approx(per_sequence.std().item(), abs=1e-6)
