@@ -2383,6 +2383,35 @@ def _mini_batch_share(what: str, seqs: int, world_size: int, sp: int, change: st
     return seqs // dp, "rank" if sp == 1 else f"group of {sp} ranks (Ulysses)"
 
 
+def _refuse_rollbacks_without_a_checkpoint(cfg: PPOConfig) -> None:
+    """A ConfigError for a kl_guard action `rollback` that no checkpoint the run keeps can ever serve.
+
+    A rollback at step K needs a checkpoint of step K-1-L or an earlier one (`KLGuard.rollback_bound`:
+    the streak's first step minus 2), where L, the streak's shortest length, is 1 for explode_action (a
+    non-finite KL fires it at once) and `patience` for warn_action. The checkpoints kept at step K
+    are the newest `keep` of every `save_freq`-th step before K, the oldest of them no older than step
+    K - keep x save_freq: one qualifies at some step if and only if keep x save_freq > L."""
+    guard, t = cfg.algorithm.kl_guard, cfg.trainer
+    for name, shortest in (("warn_action", guard.patience), ("explode_action", 1)):
+        if getattr(guard, name) != "rollback":
+            continue
+        key = f"algorithm.kl_guard.{name}=rollback"
+        if t.save_freq <= 0:
+            raise ConfigError(f"{key} loads a checkpoint from before the KL streak began, but trainer.save_freq="
+                              f"{t.save_freq} writes one only at the last step: set trainer.save_freq > 0")
+        keep = t.max_actor_ckpt_to_keep
+        if keep is not None and keep * t.save_freq <= shortest:
+            streak = "a non-finite KL fires it at once" if name == "explode_action" else \
+                f"the streak is algorithm.kl_guard.patience={guard.patience} steps at least"
+            switch = " (trainer.remove_previous_ckpt_in_save=true)" if t.remove_previous_ckpt_in_save else ""
+            raise ConfigError(
+                f"{key} can never roll back: at step K it needs the checkpoint of step K-{shortest + 1} or an "
+                f"earlier one ({streak}; the weights of the streak's steps are judged too high), but "
+                f"trainer.max_actor_ckpt_to_keep={keep}{switch} with trainer.save_freq={t.save_freq} keeps none "
+                f"older than step K-{keep * t.save_freq}: raise trainer.max_actor_ckpt_to_keep or trainer.save_freq "
+                f"until max_actor_ckpt_to_keep x save_freq > {shortest}")
+
+
 def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """Cross-field checks against the launch the config describes (`described_launch`). Given the
     real launch's sizes, first checks that they are the described ones. Raises ConfigError saying
@@ -2628,6 +2657,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                     raise ConfigError(f"algorithm.kl_guard's rollback reloads the models and their optimizers of an "
                                       f"earlier checkpoint, but {' and '.join(f'{key}.checkpoint.{n}' for n in lists)} "
                                       f"lack {item!r}: add it, or choose another kl_guard action")
+        _refuse_rollbacks_without_a_checkpoint(cfg)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode == "disable":  # which deletes the run's checkpoints

@@ -1290,14 +1290,16 @@ class PPOTrainer:
                 if role is not None:
                     role.scale_lr(self.guard.next_lr)
         elif decision.action == "rollback":
-            self._rollback(decision.streak_start)
+            if not self._rollback(decision.streak_start):
+                metrics["kl_guard/action"] = "rollback_skipped"  # (the row says what was done: nothing)
         elif decision.action == "stop":
             raise StopTraining(f"KL guard stopped the run at step {self.global_step}: {decision.message}")
 
-    def _rollback(self, streak_start: int) -> None:
+    def _rollback(self, streak_start: int) -> bool:
         """The guard's `rollback` at this step, for a streak that began at `streak_start`: the models
         and optimizers of the newest checkpoint from before the weights the streak judged
-        (`KLGuard.rollback_target`); the KL coefficients, LR schedules and everything else carry on."""
+        (`KLGuard.rollback_target`); the KL coefficients, LR schedules and everything else carry on.
+        Whether it rolled back: False, with a log line, where no checkpoint qualifies."""
         step, guard = self.global_step, self.guard
         steps = self.ckpt.complete_steps()
         target = guard.rollback_target(steps, step, streak_start)
@@ -1307,12 +1309,13 @@ class PPOTrainer:
                      f"{streak_start}, so the rollback needs a checkpoint of step <= "
                      f"{guard.rollback_bound(step, streak_start)} (checkpoints: {steps or 'none'}"
                      f"{f', of abandoned branches: {abandoned}' if abandoned else ''}); continuing")
-            return
+            return False
         path = self.ckpt.rollback(target)
         guard.record_rollback(target, step)
         self.log(f"[kl_guard] step {step}: rolled back the models to {path} (step {target}; the KL streak began at "
                  f"step {streak_start}); continuing at step {step + 1} with new data, the KL coefficients and "
                  "learning rates as they are")
+        return True
 
     def train(self) -> int:
         t = self.cfg.trainer

@@ -103,6 +103,19 @@ def test_rollback_loads_a_checkpoint_from_before_the_kl_rose_and_never_an_abando
     assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 7))  # none deleted
 
 
+def test_rollback_without_a_checkpoint_says_so(tiny_assets, tmp_path, capsys, monkeypatch):
+    """A rollback that finds no checkpoint from before the KL rose does nothing, and its row says so
+    (`kl_guard/action`: rollback_skipped)."""
+    run = tmp_path / "r"
+    # step 2's KL judged step 1's weights: the rollback needs a checkpoint of step 0, and there is none
+    _scripted_kl(monkeypatch, {1: 0.0, 2: 0.03, 3: 0.0, 4: 0.0})
+    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1",
+                     "trainer.total_training_steps=4")
+    assert code == 0, err
+    assert [row.get("kl_guard/action") for row in read_metrics(run)] == [None, "rollback_skipped", None, None]
+    assert "step 2: no checkpoint to roll back to" in err and "rolled back" not in err
+
+
 def _scripted_kl(monkeypatch, script):
     """The guard sees `script[step]` as the step's KL (the run's own KL is the same every run only
     up to floating-point drift, and this picks which action fires at which step)."""

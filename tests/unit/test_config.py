@@ -683,7 +683,7 @@ def test_checkpoint_contents_are_verls_items():
     _cfg(f"{critic}.async_save=false")
     # a KL-guard rollback reloads the models and their optimizers: their checkpoints must hold them and a
     # resume load them (without the optimizer it went on with the abandoned branch's moments)
-    rollback = ["algorithm.kl_guard.explode_action=rollback"]
+    rollback = ["algorithm.kl_guard.explode_action=rollback", "trainer.save_freq=1"]
     validate(_cfg(*rollback))
     with pytest.raises(ConfigError, match=rf"rollback reloads the models and their optimizers of an earlier checkpoint, "
                                           rf"but {actor}.save_contents and {actor}.load_contents lack 'model'"):
@@ -694,6 +694,73 @@ def test_checkpoint_contents_are_verls_items():
         validate(_cfg(*rollback, f"{actor}.load_contents=[model,extra]"))
     validate(_cfg(*rollback, f"{critic}.load_contents=[extra]"))  # no critic in a GRPO run
     validate(_cfg(f"{actor}.save_contents=[hf_model]"))  # no rollback: an export-only checkpoint is fine
+
+
+def test_kl_guard_rollback_that_no_kept_checkpoint_can_serve_is_refused():
+    # A rollback at step K needs a checkpoint of step K-1-L at the newest (L: 1 for explode_action, which a
+    # non-finite KL fires at once; patience for warn_action), and the run keeps the newest
+    # max_actor_ckpt_to_keep of every save_freq-th step: one can serve iff keep x save_freq > L.
+    explode, warn = "algorithm.kl_guard.explode_action=rollback", "algorithm.kl_guard.warn_action=rollback"
+    with pytest.raises(ConfigError, match=r"^algorithm.kl_guard.explode_action=rollback loads a checkpoint from "
+                                          r"before the KL streak began, but trainer.save_freq=-1 writes one only at "
+                                          r"the last step: set trainer.save_freq > 0$"):
+        validate(_cfg(explode))  # the default save_freq
+    with pytest.raises(ConfigError, match=r"trainer.save_freq=0 writes one only"):
+        validate(_cfg(warn, "trainer.save_freq=0"))
+    never = r"^algorithm.kl_guard.{}=rollback can never roll back: at step K it needs the checkpoint of step K-{} "
+    with pytest.raises(ConfigError, match=never.format("explode_action", 2) + r".*trainer.max_actor_ckpt_to_keep=1 "
+                                          r"with trainer.save_freq=1 keeps none older than step K-1: .* "
+                                          r"max_actor_ckpt_to_keep x save_freq > 1$"):
+        validate(_cfg(explode, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1"))
+    with pytest.raises(ConfigError, match=r"max_actor_ckpt_to_keep=1 \(trainer.remove_previous_ckpt_in_save=true\)"):
+        validate(_cfg(explode, "trainer.save_freq=1", "trainer.remove_previous_ckpt_in_save=true"))
+    validate(_cfg(explode, "trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1"))  # 2 x 1 > 1
+    validate(_cfg(explode, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2"))  # 1 x 2 > 1
+    validate(_cfg(explode, "trainer.save_freq=1"))  # every checkpoint kept
+    # warn_action: the streak is `patience` steps at least
+    patience = "algorithm.kl_guard.patience=3"
+    with pytest.raises(ConfigError, match=never.format("warn_action", 4) + r"or an earlier one \(the streak is "
+                                          r"algorithm.kl_guard.patience=3 steps at least;.* keeps none older than "
+                                          r"step K-3: .* > 3$"):
+        validate(_cfg(warn, patience, "trainer.save_freq=3", "trainer.max_actor_ckpt_to_keep=1"))
+    with pytest.raises(ConfigError, match=never.format("warn_action", 4)):
+        validate(_cfg(warn, patience, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=3"))
+    validate(_cfg(warn, patience, "trainer.save_freq=4", "trainer.max_actor_ckpt_to_keep=1"))  # 4 > 3
+    validate(_cfg(warn, patience, "trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=2"))  # 4 > 3
+    # explode_action's shortest streak is one step, whatever the patience
+    validate(_cfg(explode, patience, "trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1"))
+    # a rollback that is not configured, or a guard that is off, asks for no checkpoint
+    validate(_cfg("algorithm.kl_guard.explode_action=stop"))
+    validate(_cfg(explode, "algorithm.kl_guard.enable=false"))
+
+
+def test_kl_guard_rollback_rule_matches_the_checkpoints_a_run_keeps():
+    """The refusal's rule, checked against a simulation of the saves, the rotation and the guard's
+    bound: whether any step of a long run finds a checkpoint a rollback may load."""
+    from kl import KLGuard, KLGuardConfig
+
+    def ever_served(save_freq, keep, shortest):
+        kept = []
+        for step in range(1, 60):
+            # the guard's check at `step`, for the latest streak start of `shortest` steps
+            guard = KLGuard(KLGuardConfig(explode_action="rollback"))
+            if guard.rollback_target(kept, step, step - shortest + 1) is not None:
+                return True
+            if step % save_freq == 0:
+                kept = (kept + [step])[-keep:]
+        return False
+
+    for save_freq in range(1, 6):
+        for keep in range(1, 6):
+            for patience in range(1, 6):
+                overrides = ["algorithm.kl_guard.warn_action=rollback", f"algorithm.kl_guard.patience={patience}",
+                             f"trainer.save_freq={save_freq}", f"trainer.max_actor_ckpt_to_keep={keep}"]
+                try:
+                    validate(_cfg(*overrides))
+                    accepted = True
+                except ConfigError:
+                    accepted = False
+                assert accepted == ever_served(save_freq, keep, patience), overrides
 
 
 def test_kl_guard_thresholds_above_the_clamped_kl_are_refused():
