@@ -8,7 +8,8 @@ consecutive steps, the configured action. It is pure bookkeeping: the trainer ap
 action (multiply the KL coefficient, lower the learning rate, reload a checkpoint from before
 the KL rose, stop), which keeps this module free of optimisers, models and ``torch.distributed``.
 For a rollback it picks the checkpoint (``rollback_target``) and keeps the record of the
-branches rollbacks abandoned, so that their checkpoints are never a later rollback's target.
+branches rollbacks abandoned, and of the checkpoints a resume found above the step it loaded, so
+that their checkpoints are never a later rollback's target.
 
 Both actions default to "warn": the guard monitors, and a verl config's fixed KL coefficient
 stays fixed; the reactions that change the run are opt-in.
@@ -152,6 +153,10 @@ class KLGuard:
         """``(target, step)`` of every rollback done: at ``step`` the models went back to the
         checkpoint of ``target``, so the checkpoints of the steps in between (exclusive) hold an
         abandoned branch's weights."""
+        self.stale_steps: list[int] = []
+        """Steps whose checkpoints hold the weights of a run this one does not continue: those a resume
+        found above the step it loaded (an earlier run's, left by a resume from an earlier checkpoint or
+        by the rotation), until this run writes its own of the step (``note_resume``, ``note_checkpoint``)."""
 
     def check(self, mean_kl: float, max_kl: float | None = None, step: int | None = None) -> GuardDecision:
         """Classify one step and return the action to take, if any.
@@ -230,8 +235,9 @@ class KLGuard:
         return bound
 
     def abandoned(self, checkpoint_step: int) -> bool:
-        """Whether the checkpoint of ``checkpoint_step`` holds weights that a rollback abandoned."""
-        return any(target < checkpoint_step < at for target, at in self.rollbacks)
+        """Whether the checkpoint of ``checkpoint_step`` holds weights that a rollback abandoned, or
+        another run's that a resume left (``stale_steps``)."""
+        return checkpoint_step in self.stale_steps or any(target < checkpoint_step < at for target, at in self.rollbacks)
 
     def rollback_target(self, checkpoint_steps: list[int], step: int, streak_start: int) -> int | None:
         """The checkpoint a rollback at ``step`` loads: the newest of ``checkpoint_steps`` (the
@@ -245,6 +251,16 @@ class KLGuard:
         step begins a new run of them (on the restored weights)."""
         self.rollbacks.append((int(target), int(step)))
         self.unhealthy_since = None
+
+    def note_resume(self, step: int, checkpoint_steps: list[int]) -> None:
+        """Note that the run resumed the checkpoint of ``step`` with the complete checkpoints of
+        ``checkpoint_steps`` present: those above ``step`` come from a run this one does not continue
+        (it goes on from ``step``), as do the earlier ``stale_steps`` the resumed state names."""
+        self.stale_steps = sorted(set(self.stale_steps).union(s for s in checkpoint_steps if s > step))
+
+    def note_checkpoint(self, step: int) -> None:
+        """Note that this run writes the checkpoint of ``step`` (over any other run's of the step)."""
+        self.stale_steps = [s for s in self.stale_steps if s != step]
 
     def next_kl_coef(self, kl_coef: float) -> float:
         """The coefficient after a ``raise_coef`` action: multiplied, capped at ``max_kl_coef``.
@@ -260,7 +276,8 @@ class KLGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"warn_steps": self.warn_steps, "explode_steps": self.explode_steps, "num_actions": self.num_actions,
-                "rollbacks": [list(r) for r in self.rollbacks], "unhealthy_since": self.unhealthy_since}
+                "rollbacks": [list(r) for r in self.rollbacks], "unhealthy_since": self.unhealthy_since,
+                "stale_steps": list(self.stale_steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.warn_steps = int(state["warn_steps"])
@@ -269,3 +286,5 @@ class KLGuard:
         # (a checkpoint written before rollbacks were recorded: none is known)
         self.rollbacks = [(int(target), int(at)) for target, at in state.get("rollbacks", [])]
         self.unhealthy_since = state.get("unhealthy_since")
+        # (a checkpoint written before stale steps were recorded: none is known)
+        self.stale_steps = [int(s) for s in state.get("stale_steps", [])]

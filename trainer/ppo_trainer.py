@@ -1235,6 +1235,7 @@ class PPOTrainer:
         `timing_s/save_checkpoint`). A process killed before the checkpoint is in place resumes
         from an earlier one, dropping the rows after it (`Tracking.begin`) and logging this step
         again; killed after, it resumes with this step's row logged: each step's row once either way."""
+        self.guard.note_checkpoint(self.global_step)  # (before the writing: the guard's state there knows it)
         with self.timer("save_checkpoint"):
             self.ckpt.write(self.global_step)
         timing = self.timer.pop()
@@ -1324,6 +1325,8 @@ class PPOTrainer:
             self._delete_earlier_exports()
         if resumed is not None:
             self.log(f"resumed from {resumed} at step {self.global_step}")
+            # checkpoints above it are another run's: never a rollback's target (until this run writes its own)
+            self.guard.note_resume(self.global_step, self.ckpt.complete_steps())
             if self.global_step >= self.total_steps and not t.val_only:
                 self.log(f"the run's {self.total_steps} steps (trainer.total_training_steps, or the data's batches x "
                          f"trainer.total_epochs) are done at step {self.global_step}: nothing to train; raise "

@@ -18,7 +18,7 @@ BASE = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.
 def _run(assets, run, capsys, *extra):
     # The untrained model never solves the task: reward the response length instead, so the
     # advantages (and the update) are not zero.
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)  # (a resumed run: the same directory)
     reward = run / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str))\n")
@@ -103,17 +103,34 @@ def test_rollback_loads_a_checkpoint_from_before_the_kl_rose_and_never_an_abando
     assert all((run / "checkpoints" / f"global_step_{step}").is_dir() for step in range(1, 7))  # none deleted
 
 
-def test_rollback_without_a_checkpoint_says_so(tiny_assets, tmp_path, capsys, monkeypatch):
+def test_rollback_without_a_checkpoint_says_so_and_never_loads_a_branch_a_resume_left(tiny_assets, tmp_path,
+                                                                                     capsys, monkeypatch):
     """A rollback that finds no checkpoint from before the KL rose does nothing, and its row says so
-    (`kl_guard/action`: rollback_skipped)."""
+    (`kl_guard/action`: rollback_skipped). A run resumed from an earlier checkpoint than the newest never
+    rolls back to a checkpoint the earlier run left above it, only to the resumed one, an earlier one, or
+    one it wrote since."""
+    import json
+
     run = tmp_path / "r"
     # step 2's KL judged step 1's weights: the rollback needs a checkpoint of step 0, and there is none
-    _scripted_kl(monkeypatch, {1: 0.0, 2: 0.03, 3: 0.0, 4: 0.0})
-    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1",
-                     "trainer.total_training_steps=4")
+    with monkeypatch.context() as patch:
+        _scripted_kl(patch, {1: 0.0, 2: 0.03, 3: 0.0, 4: 0.0})
+        code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=1",
+                         "trainer.total_training_steps=4")
     assert code == 0, err
     assert [row.get("kl_guard/action") for row in read_metrics(run)] == [None, "rollback_skipped", None, None]
     assert "step 2: no checkpoint to roll back to" in err and "rolled back" not in err
+    # Resumed from checkpoint 1, saving at steps 3 and 4: at step 4 (the KL rose there, judging step 3's
+    # weights) checkpoint 2 is the earlier run's, checkpoint 1 the newest of this run's before step 3.
+    _scripted_kl(monkeypatch, {2: 0.0, 3: 0.0, 4: 0.03})
+    code, err = _run(tiny_assets, run, capsys, "algorithm.kl_guard.warn_action=rollback", "trainer.save_freq=3",
+                     "trainer.total_training_steps=4", "trainer.resume_mode=resume_path",
+                     f"trainer.resume_from_path={run / 'checkpoints' / 'global_step_1'}")
+    assert code == 0, err
+    assert [row.get("kl_guard/action") for row in read_metrics(run)] == [None, None, None, "rollback"]
+    assert f"step 4: rolled back the models to {run / 'checkpoints' / 'global_step_1'} (step 1;" in err
+    state = json.loads((run / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())
+    assert state["kl_guard"]["stale_steps"] == [2]  # 3 and 4 rewritten by this run
 
 
 def _scripted_kl(monkeypatch, script):

@@ -262,7 +262,7 @@ def test_guard_max_kl_infinite_and_disabled():
         assert decision.action is None
     assert decision.status == "exploding"
     assert off.state_dict() == {"warn_steps": 0, "explode_steps": 0, "num_actions": 0, "rollbacks": [],
-                                "unhealthy_since": None}
+                                "unhealthy_since": None, "stale_steps": []}
 
 
 def test_guard_state_round_trip_and_reactions():
@@ -274,7 +274,7 @@ def test_guard_state_round_trip_and_reactions():
     resumed = KLGuard(cfg)
     resumed.load_state_dict(guard.state_dict())
     assert resumed.state_dict() == {"warn_steps": 2, "explode_steps": 2, "num_actions": 0, "rollbacks": [],
-                                    "unhealthy_since": None}  # (no step given)
+                                    "unhealthy_since": None, "stale_steps": []}  # (no step given)
     # Both continue identically: the third exploding step fires the exploding action.
     assert guard.check(0.08).action == resumed.check(0.08).action == "raise_coef"
 
@@ -334,3 +334,33 @@ def test_rollback_target_skips_the_judged_weights_and_abandoned_branches():
     older = {k: v for k, v in guard.state_dict().items() if k != "rollbacks"}
     resumed.load_state_dict(older)
     assert resumed.rollbacks == []
+
+
+def test_rollback_target_skips_the_checkpoints_a_resume_left_above_it():
+    """An earlier run saved every step 1..10; this one resumed checkpoint 3 (trainer.resume_mode=resume_path)
+    and saves every 5th step. The checkpoints above 3 hold that run's later weights, a branch the user
+    left: a rollback loads checkpoint 3 or an earlier one, or one this run wrote since."""
+    guard = KLGuard(KLGuardConfig(explode_action="rollback"))  # its state as checkpoint 3 had it
+    guard.note_resume(3, list(range(1, 11)))
+    assert guard.stale_steps == [4, 5, 6, 7, 8, 9, 10]
+    assert guard.rollback_target(list(range(1, 11)), 6, 6) == 3  # (the bound is 4: not the stale 4)
+    guard.note_checkpoint(5)  # written by this run at step 5, over the earlier run's
+    assert guard.stale_steps == [4, 6, 7, 8, 9, 10]
+    for step in (8, 9):  # bounds 6 and 7: the stale 6 and 7 are never picked, this run's 5 is
+        assert guard.rollback_target(list(range(1, 11)), step, step) == 5
+    assert guard.rollback_target([1, 2, 3, 4], 6, 6) == 3
+    # The record survives a resume from this run's checkpoint 5, which adds whatever lies above it then (a
+    # later checkpoint of this run's that a resume from 5 leaves, as the earlier run's): 4 stays stale.
+    resumed = KLGuard(KLGuardConfig(explode_action="rollback"))
+    resumed.load_state_dict(guard.state_dict())
+    resumed.note_resume(5, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert resumed.stale_steps == [4, 6, 7, 8, 9, 10]
+    assert resumed.rollback_target([1, 2, 3, 4, 5], 7, 7) == 5 and resumed.rollback_target([1, 4], 7, 7) == 1
+    # with a rollback's record too: both kinds of abandoned checkpoint are skipped
+    resumed.note_checkpoint(6)
+    resumed.record_rollback(3, 7)  # checkpoints 4..6 abandoned by the rollback
+    assert [s for s in range(1, 11) if resumed.abandoned(s)] == [4, 5, 6, 7, 8, 9, 10]
+    # a state written before the record existed: no stale checkpoint known
+    older = {k: v for k, v in guard.state_dict().items() if k != "stale_steps"}
+    resumed.load_state_dict(older)
+    assert resumed.stale_steps == []

@@ -6,6 +6,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+from kl import KLGuard
 from trainer import ppo_trainer
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, load_config
@@ -49,7 +50,8 @@ class FakeTrainer:
             self.logged.append((step, dict(metrics)))
 
         self.ckpt = NS(maybe_resume=maybe_resume, write=lambda step: self.events.append(("write", step)),
-                       publish=publish, saved_step=None)
+                       publish=publish, saved_step=None, complete_steps=lambda: [])
+        self.guard = KLGuard(cfg.algorithm.kl_guard)  # (its record of the checkpoints: a resume's, a save's)
         self.timer = Timer(torch.device("cpu"))
         self.tracking = NS(begin=lambda *a: None, log=log, close=lambda: setattr(self, "closed", True))
         self.reward_manager = NS(close=lambda: setattr(self, "manager_closed", True))  # train() closes it at the end
