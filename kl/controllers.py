@@ -89,8 +89,9 @@ class AdaptiveKLController:
         return {"type": "adaptive", "value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the coefficient. ``target`` and ``horizon`` keep their configured values so
-        that a resumed run may change them; only the learned coefficient is state."""
+        """Restore the learned coefficient, the only state: ``target`` and ``horizon`` are the
+        configured ones, which a resume cannot change (``algorithm.*`` are ``SAME_RUN_OPTIONS``:
+        a checkpoint written under other values is refused before this runs)."""
         self.value = _load_value(state)
 
 
