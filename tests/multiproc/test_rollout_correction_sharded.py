@@ -9,15 +9,14 @@ keep mask is all-gathered."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.unit.test_rollout_correction import no_work
 
 RTOL = ATOL = 1e-6  # sums in float64 in another order; the figures are O(0.01..10), the ranks' own ones far off
 
@@ -103,11 +102,6 @@ def test_each_ranks_rows_give_the_whole_batchs_figures(world_size):
     run_distributed(_function_body, world_size)
 
 
-def _no_work():
-    """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
-    return contextlib.nullcontext(np.zeros(3))
-
-
 TRAINER_CONFIG = ("token", "0.5_2.0", True, "token_k2,seq_sum_k1,seq_max_k3", "0.3,3.0,0.8")
 # the trainer's partition: equally many rows on each rank; an empty response (row 2) on rank 0
 TRAINER_PARTS = {2: [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]],
@@ -142,7 +136,7 @@ def _trainer_body(rank, world_size):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
-    trainer.actor = SimpleNamespace(count_work=_no_work, log_probs=lambda ro, with_entropy, with_sum_pi_squared: (
+    trainer.actor = SimpleNamespace(count_work=no_work, log_probs=lambda ro, with_entropy, with_sum_pi_squared: (
         mine, torch.zeros_like(mine)))
     gathered = []
     all_gather = comm.all_gather

@@ -7,21 +7,13 @@ and in the trainer's decoupled pass."""
 
 from __future__ import annotations
 
-import contextlib
-
-import numpy as np
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.unit.test_rollout_correction import no_work
 
 F64 = torch.float64
-
-
-def _no_work():
-    """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
-    return contextlib.nullcontext(np.zeros(3))
-
 
 
 def _batch():
@@ -137,7 +129,7 @@ def _decoupled_body(rank, world_size):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
-    trainer.actor = SimpleNamespace(count_work=_no_work,
+    trainer.actor = SimpleNamespace(count_work=no_work,
                                     log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, torch.zeros_like(old)))
     metrics = {}
     trainer._old_log_probs(full, ro, parts, metrics)

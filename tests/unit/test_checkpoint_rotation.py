@@ -20,7 +20,7 @@ class _DiskWatch:
         return {}
 
     def load_state_dict(self, state):
-        pass
+        """Nothing to restore: the watch only records what a save saw."""
 
 
 def _saves(root, keep, steps):

@@ -102,10 +102,11 @@ def test_a_run_directory_is_held_by_one_run_at_a_time(tmp_path):
             launch.check_run_dir_free(run)
         with pytest.raises(ConfigError, match=refused):
             with launch.holding_run_dir(run):
-                pass
+                pytest.fail(f"{run} was held by two runs at once")
     launch.check_run_dir_free(run)
     with launch.holding_run_dir(run):
-        pass
+        with pytest.raises(ConfigError, match=refused):  # held again
+            launch.check_run_dir_free(run)
     # the launchers of one launch on several nodes check at the same moment: they do not refuse each other
     held = launch._locked_run_dir(run, launch.fcntl.LOCK_SH)
     try:

@@ -29,7 +29,7 @@ ROLLOUT = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-2.0, -0.7, 0.0, 0.0]], dtype=
 OLD = ROLLOUT + torch.tensor([[0.5, -1.0, 0.0, 7.0], [1.0, 0.2, 9.0, 9.0]], dtype=F64)  # junk at padding
 
 
-def _no_work():
+def no_work():
     """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
     return contextlib.nullcontext(np.zeros(3))
 
@@ -596,7 +596,7 @@ def test_trainer_folds_rejection_into_the_advantages_and_data_metrics():
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(count_work=_no_work,
+    trainer.actor = SimpleNamespace(count_work=no_work,
                                     log_probs=lambda ro, with_entropy, with_sum_pi_squared: (old, entropy))
     trainer.kl = None  # no KL in reward
     ro.token_level_scores = torch.zeros(4, 5)
@@ -663,7 +663,7 @@ def test_actor_entropy_is_aggregated_with_the_loss_agg_mode(mode, overrides, exp
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=0)
-    trainer.actor = SimpleNamespace(count_work=_no_work,
+    trainer.actor = SimpleNamespace(count_work=no_work,
                                     log_probs=lambda ro, with_entropy, with_sum_pi_squared: (-entropy, entropy))
     metrics = {}
     trainer._old_log_probs(ro, ro, [[0, 1, 2, 3]], metrics)

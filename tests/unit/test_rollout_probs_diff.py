@@ -3,27 +3,20 @@
 sample standard deviation, Pearson's r; from the trainer's recompute pass over the whole batch,
 so on 2 gloo ranks they are the figures of the concatenated rows, not one rank's."""
 
-import contextlib
 import math
 import statistics
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from ppo.core_algos import rollout_probs_diff_metrics
 from tests.dist_utils import run_distributed
+from tests.unit.test_rollout_correction import no_work
 
 F64 = torch.float64
 KEYS = ("training/rollout_probs_diff_valid", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
         "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr")
-
-
-def _no_work():
-    """A stand-in actor's `count_work` (the old-log-prob pass counts its forwards' work for perf/mfu/actor_infer)."""
-    return contextlib.nullcontext(np.zeros(3))
-
 
 
 def _reference(old, rollout, mask) -> dict[str, float]:
@@ -113,7 +106,7 @@ def _trainer_pass(rank: int, world_size: int, parts: list[list[int]]):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx = Timer(trainer.device), SimpleNamespace(rank=rank)
-    trainer.actor = SimpleNamespace(count_work=_no_work,
+    trainer.actor = SimpleNamespace(count_work=no_work,
                                     log_probs=lambda ro, with_entropy, with_sum_pi_squared: (mine, torch.zeros_like(mine)))
     metrics = {}
     trainer._old_log_probs(full, ro, parts, metrics)
@@ -164,7 +157,7 @@ def test_not_logged_without_a_recompute_or_rollout_log_probs(bypass):
     trainer = object.__new__(PPOTrainer)
     trainer.cfg, trainer.device = cfg, torch.device("cpu")
     trainer.timer, trainer.ctx, trainer.global_step = Timer(trainer.device), SimpleNamespace(rank=0), 0
-    trainer.actor = SimpleNamespace(count_work=_no_work,
+    trainer.actor = SimpleNamespace(count_work=no_work,
                                     log_probs=lambda ro, with_entropy, with_sum_pi_squared: (torch.full((2, 2), -1.5), torch.zeros(2, 2)))
     metrics = {}
     trainer._old_log_probs(full, ro, [[0, 1]], metrics)
