@@ -468,10 +468,11 @@ def agreed_user_error(fn: Callable[[], object] | None, others_say: Callable[[int
         raise e.error if e.error is not None else UserError(others_say(e.rank)) from None
 
 
-def _flushed(f) -> None:
+def flush_to_disk(f) -> None:
     """`f`'s bytes on the disk, not only in the page cache: after a power loss or a node's crash a
     checkpoint's completion marker (the trainer state), its RNG files and the pointer to it hold
-    what was written (the shards are synced by DCP's writer)."""
+    what was written (the shards are synced by DCP's writer), as does a metrics row logged before
+    the checkpoint of its step is put in place (`tracking.Tracking.log`)."""
     f.flush()
     os.fsync(f.fileno())
 
@@ -650,7 +651,7 @@ class CheckpointManager:
         pointer_tmp = os.path.join(self.root, LATEST + ".tmp")
         with open(pointer_tmp, "w") as f:
             f.write(str(step))
-            _flushed(f)
+            flush_to_disk(f)
         os.replace(pointer_tmp, os.path.join(self.root, LATEST))
         _synced_dir(self.root)
         # Debris of saves killed before (any step's): a partial `.tmp`, and an `.old` that only a pointer
@@ -693,7 +694,7 @@ class CheckpointManager:
         if rng:
             with open(os.path.join(tmp, "rng", f"rank_{self.rank}.pt"), "wb") as f:
                 torch.save(_rng_state(), f)
-                _flushed(f)
+                flush_to_disk(f)
         if self.is_main:
             state = {"global_step": step, "world_size": self.world_size, "model": self.fingerprint,
                      "config": dataclasses.asdict(self.config), "contents": contents, "bases": self.bases}
@@ -702,7 +703,7 @@ class CheckpointManager:
             # The trainer state is written last: its presence marks a complete checkpoint.
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
-                _flushed(f)
+                flush_to_disk(f)
 
     def _make_room(self, step: int) -> None:
         """Before step `step` is written, with `keep` >= 2 (verl 0.9.1's order): only the newest `keep` - 1

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpointing import _flushed
+from trainer.checkpointing import flush_to_disk
 from trainer.errors import UserError
 
 
@@ -342,7 +342,7 @@ class Tracking:
                 f.write(json.dumps(row) + "\n")
                 # on the disk before the trainer puts a checkpoint of the step in place: a run resumed
                 # from it (after a crash of the node, too) finds the step's row
-                _flushed(f)
+                flush_to_disk(f)
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
