@@ -94,3 +94,19 @@ def test_clip_ratio_alone_sets_both_sides_of_the_clip():
                                         cliprange=actor.clip_ratio, cliprange_low=actor.clip_ratio_low,
                                         cliprange_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
     assert out.pg_loss.item() == pytest.approx(-1.25, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["gpg", "kl_cov", "dro", "clip_cov"])
+def test_the_statistics_a_loss_lacks_in_verl_are_zero(mode):
+    """verl's gpg returns no statistic, kl_cov and dro only ppo_kl, clip_cov no pg_clipfrac_lower; meshppo's
+    report 0 for the clip they lack, and gpg the mean of old - new log-prob (verl's reinforce's ppo_kl)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
+    logp = old + torch.tensor([[0.3, -0.1, 0.4]], dtype=F64)
+    out = get_policy_loss_fn(mode)(old_log_prob=old, log_prob=logp, advantages=torch.tensor([[1.0, -1.0, 2.0]], dtype=F64),
+                                   response_mask=torch.ones(1, 3, dtype=F64), cliprange=0.2,
+                                   loss_params=PolicyLossParams(dro_beta=0.5))
+    assert out.pg_clipfrac_lower.item() == 0.0
+    if mode != "clip_cov":
+        assert out.pg_clipfrac.item() == 0.0
+    if mode == "gpg":
+        assert out.ppo_kl.item() == pytest.approx(-(0.3 - 0.1 + 0.4) / 3, rel=1e-12)
