@@ -637,8 +637,9 @@ class PolicyLossConfig:
                                     "log-space-clipped token ratios times the sequence's mean advantage), dro (-A log pi "
                                     "plus dro_beta / 2 times the squared log-ratio), cispo (the "
                                     "clipped ratio, detached, weighs -A log pi). As in verl, sapo aggregates its term "
-                                    "seq-mean-token-mean and geo_mean by the mean over sequences, whatever "
-                                    "loss_agg_mode (which still aggregates the entropy and KL terms); gspo follows "
+                                    "seq-mean-token-mean, whatever loss_agg_mode; geo_mean takes the mean over the "
+                                    "mini-batch's non-empty responses (verl: a mean per micro-batch, see docs/VERL.md), "
+                                    "whatever loss_agg_mode (which still aggregates the entropy and KL terms); gspo follows "
                                     "loss_agg_mode (the GSPO paper's is seq-mean-token-mean). Not with "
                                     "algorithm.rollout_correction.bypass_mode, whose loss_type picks the loss",
                          choices=POLICY_LOSSES)
