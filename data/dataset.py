@@ -327,6 +327,23 @@ def _is_encoded_messages(text: str) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
+# `apply_chat_template`'s arguments that a prompt's rendering sets itself (the chat, the generation prompt, text
+# out, the tool config's schemas): chat template kwargs that set them again are refused, as verl 0.9.1's renderer
+# fails on them at its first rollout (a keyword given twice)
+RENDERING_ARGS = ("conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools")
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any], key: str) -> None:
+    """ValueError naming `key` (the option that holds `kwargs`) when the chat template's extra keyword arguments
+    set one of `RENDERING_ARGS`, which every prompt's rendering sets itself."""
+    clash = [name for name in RENDERING_ARGS if name in kwargs]
+    if clash:
+        raise ValueError(f"{key} sets {', '.join(clash)}: the rendering of a prompt sets "
+                         f"{'that' if len(clash) == 1 else 'those'} itself (the row's messages, the generation prompt, "
+                         "text out to tokenize, and a tool_agent row's tools from actor_rollout_ref.rollout.multi_turn."
+                         f"tool_config_path); remove {'it' if len(clash) == 1 else 'them'}")
+
+
 def render_prompt(tokenizer, prompt: Any, where: str, key: str = "prompt", apply_chat_template: bool = True,
                   no_template_option: str = "apply_chat_template=False",
                   chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
@@ -564,6 +581,7 @@ class RLHFDataset:
             raise ValueError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
+        check_chat_template_kwargs(apply_chat_template_kwargs or {}, "apply_chat_template_kwargs")
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = [os.fspath(f) for f in files]

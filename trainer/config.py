@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from agent.tool_parser import FORMATS, VERL_OTHER_FORMATS
 from agent.tools import TRUNCATE_SIDES
-from data.dataset import TRUNCATION_MODES
+from data.dataset import RENDERING_ARGS, TRUNCATION_MODES, check_chat_template_kwargs
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
@@ -220,7 +220,9 @@ class DataConfig:
     apply_chat_template: bool = opt(True, "apply the tokenizer's chat template to chat-message prompts")
     apply_chat_template_kwargs: dict = opt(default_factory=dict, help="extra keyword arguments of the chat template "
                                                                        "(training and validation prompts), e.g. "
-                                                                       "{enable_thinking: false}")
+                                                                       "{enable_thinking: false}; not "
+                                                                       f"{', '.join(RENDERING_ARGS)}, which the "
+                                                                       "rendering sets itself")
     use_shm: bool = opt(False, "verl: copy the data files to /dev/shm first",
                         no_effect="meshppo reads the prompt files once at start-up, where they are")
     return_raw_input_ids: bool = opt(False, "verl: also pass the prompts' token ids on, for a reward model of another "
@@ -2586,6 +2588,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
             raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
+    try:
+        check_chat_template_kwargs(cfg.data.apply_chat_template_kwargs, "data.apply_chat_template_kwargs")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.data.tool_config_path is not None and not _same_file(cfg.data.tool_config_path,
                                                                 rollout.multi_turn.tool_config_path):
         raise ConfigError(f"data.tool_config_path={cfg.data.tool_config_path!r} differs from actor_rollout_ref.rollout."

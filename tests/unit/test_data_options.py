@@ -1,0 +1,48 @@
+"""verl's `data.*` options as meshppo's dataset and config read them, where they differ from a plain pass-through."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from data import RLHFDataset, write_records
+from data.dataset import RENDERING_ARGS
+from data.demo import DATA_SOURCE, build_demo_tokenizer
+from trainer.config import PPOConfig, validate
+from trainer.configlib import ConfigError, load_config
+
+DEMO = "configs/demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    build_demo_tokenizer(out)
+    return transformers.AutoTokenizer.from_pretrained(out)
+
+
+def _one_row(tmp_path) -> str:
+    return write_records([{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": "1+1="}],
+                           "reward_model": {"ground_truth": "2"}}], tmp_path / "rows.jsonl")
+
+
+@pytest.mark.parametrize("name, value", [("tokenize", True), ("add_generation_prompt", False), ("tools", []),
+                                         ("continue_final_message", True), ("conversation", [])])
+def test_chat_template_kwargs_that_the_rendering_sets_are_refused_naming_the_option(tmp_path, tokenizer, name, value):
+    """`tokenize` and `add_generation_prompt` failed each row as a bad row (a keyword given twice), and `tools` was
+    rendered into single-turn prompts and replaced for tool_agent rows; verl 0.9.1's renderer fails on all three at
+    its first rollout. Refused before any row, naming the option: in the dataset, and in the config's check."""
+    assert name in RENDERING_ARGS
+    with pytest.raises(ValueError, match=rf"^apply_chat_template_kwargs sets {name}: the rendering of a prompt "):
+        RLHFDataset(_one_row(tmp_path), tokenizer, apply_chat_template_kwargs={"enable_thinking": False, name: value})
+    cfg = load_config(PPOConfig, DEMO, [f"data.apply_chat_template_kwargs={{{name}: {str(value).lower()}}}"])
+    with pytest.raises(ConfigError, match=rf"^data.apply_chat_template_kwargs sets {name}: "):
+        validate(cfg, 2, 2)
+
+
+def test_other_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
+    """Keywords the rendering does not set pass (a template given in them renders the prompt), in the config too."""
+    ds = RLHFDataset(_one_row(tmp_path), tokenizer, apply_chat_template_kwargs={
+        "chat_template": "{{ messages[0]['content'] }} 0", "return_dict": True})
+    assert tokenizer.decode(ds[0]["input_ids"]) == "1+1= 0"
+    validate(load_config(PPOConfig, DEMO, ["data.apply_chat_template_kwargs={enable_thinking: false}"]), 2, 2)
