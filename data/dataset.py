@@ -740,7 +740,9 @@ class RLHFDataset:
         if self.prompt_key not in row or row[self.prompt_key] is None:
             raise DatasetError(f"{where}: missing field '{self.prompt_key}'")
         prompt = row[self.prompt_key]
-        media = [k for k in self.media_keys if row.get(k) is not None and len(row[k])]
+        # as verl reads them (`row.get(key) or []`): empty or false is no media; a number or flag that is not is
+        # refused as media too, naming the row, not failing as an object without a length
+        media = [k for k in self.media_keys if row.get(k)]
         if media:
             raise DatasetError(f"{where}: field '{media[0]}' holds media: {TEXT_ONLY}")
         if self.chat_prompts_for is not None and not isinstance(prompt, list):

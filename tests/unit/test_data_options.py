@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from data import RLHFDataset, write_records
+from data import DatasetError, RLHFDataset, write_records
 from data.dataset import RENDERING_ARGS
 from data.demo import DATA_SOURCE, build_demo_tokenizer
 from trainer.config import PPOConfig, validate
@@ -46,3 +46,19 @@ def test_other_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
         "chat_template": "{{ messages[0]['content'] }} 0", "return_dict": True})
     assert tokenizer.decode(ds[0]["input_ids"]) == "1+1= 0"
     validate(load_config(PPOConfig, DEMO, ["data.apply_chat_template_kwargs={enable_thinking: false}"]), 2, 2)
+
+
+@pytest.mark.parametrize("value, media", [(0, False), (False, False), ("", False), ([], False), ({}, False),
+                                          (1, True), (True, True), (2.5, True), ("a.png", True), ([{"image": "a"}], True)])
+def test_a_media_field_of_any_value_is_read_as_verl_reads_it(tmp_path, tokenizer, value, media):
+    """A row's images / videos / audios field is media where verl's `row.get(key) or []` finds some: an empty or
+    false value (0, false, "", [], {}) is none and the row loads; any other value is refused naming the row and the
+    field. A number or a flag failed the build with a bare `TypeError: object of type 'int' has no len()`."""
+    row = {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": "1+1="}],
+           "reward_model": {"ground_truth": "2"}, "videos": value}
+    path = write_records([row], tmp_path / "rows.jsonl")
+    if media:
+        with pytest.raises(DatasetError, match=r"rows.jsonl:1: field 'videos' holds media: meshppo's models are text"):
+            RLHFDataset(path, tokenizer)
+    else:
+        assert RLHFDataset(path, tokenizer)[0]["raw_prompt"] == row["prompt"]
