@@ -297,8 +297,12 @@ def _validate_messages(messages: list, where: str, prompt_key: str) -> None:
         if not isinstance(content, (str, list, type(None))):
             raise DatasetError(f"{where}: field '{prompt_key}' message {j} 'content' must be a string, a list of "
                                f"typed parts or null, got {type(content).__name__}")
-        media = [part["type"] for part in (content if isinstance(content, list) else [])
-                 if part.get("type") in MEDIA_PART_TYPES]
+        parts = content if isinstance(content, list) else []
+        for i, part in enumerate(parts):
+            if part.get("type", "text") == "text" and "text" in part and not isinstance(part["text"], str):
+                raise DatasetError(f"{where}: field '{prompt_key}' message {j} part {i} of type 'text' has a 'text' "
+                                   f"that is not a string: {type(part['text']).__name__}")
+        media = [part["type"] for part in parts if part.get("type") in MEDIA_PART_TYPES]
         if media:
             raise DatasetError(f"{where}: field '{prompt_key}' message {j} has a part of type {media[0]!r}: "
                                f"{TEXT_ONLY}")

@@ -457,6 +457,11 @@ def test_messages_with_typed_parts_and_tool_calls_go_to_the_template(tmp_path, t
     ([{"role": "user", "content": ["1="]}], r"field 'prompt' message 0 'content' is a list whose items are not all objects"),
     ([{"role": "user", "content": 3}], r"field 'prompt' message 0 'content' must be a string, a list of typed parts or null, got int"),
     ([{"role": 1, "content": "1="}], r"field 'prompt' message 0 'role' must be a string, got int"),
+    # (a text part whose text is not a string failed the build with a bare TypeError from joining the texts)
+    ([{"role": "user", "content": "1="}, {"role": "user", "content": [{"type": "text", "text": 5}]}],
+     r"field 'prompt' message 1 part 0 of type 'text' has a 'text' that is not a string: int"),
+    ([{"role": "user", "content": [{"type": "text", "text": "1"}, {"text": None}]}],
+     r"field 'prompt' message 0 part 1 of type 'text' has a 'text' that is not a string: NoneType"),
     (json.dumps([{"role": "user", "content": "1+1="}]),
      r"field 'prompt' is a JSON-encoded message list stored as a string; store the list itself"),
 ])
