@@ -186,3 +186,44 @@ def test_ranks_that_read_other_rows_stop_naming_the_files(tmp_path, change):
 
     build_demo_tokenizer(tmp_path / "tok")
     run_distributed(_other_rows_stop_every_rank, 3, str(tmp_path), str(tmp_path / "tok"), change, timeout=120)
+
+
+# (rows, build options): fewer rows than ranks (ranks with no prompt to tokenize), one row, a parquet part with
+# a drawn subset, and a build whose every row is filtered (every rank raises the one process's error)
+SMALL_CASES = [(1, {}), (2, {}), (4, {}), (11, {"max_samples": 5, "shuffle": True, "seed": 3}),
+               (7, {"max_prompt_length": 1}), (5, {"max_prompt_length": 9, "filter_overlong_prompts": False,
+                                                   "truncation": "middle"})]
+
+
+def _small_builds_same_as_one_process(rank, world, tmp, tokenizer_dir):
+    import transformers
+
+    from data import RLHFDataset, write_records
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    for case, (rows, options) in enumerate(SMALL_CASES):
+        files = [f"{tmp}/{case}a.jsonl", f"{tmp}/{case}b.parquet"]
+        if rank == 0:  # text and chat prompts in the JSON lines, chat prompts alone in the parquet part
+            write_records([_row(i) for i in range(rows // 2)], files[0])
+            write_records([{**_row(i), "prompt": [{"role": "user", "content": f"{i}+{i}="}]}
+                           for i in range(rows // 2, rows)], files[1])
+        _everyone_comes_out(world)
+        built = []
+        for across_ranks in (False, True):
+            try:
+                ds = RLHFDataset(files, tokenizer, **{"max_prompt_length": LIMIT, "filter_overlong_prompts": True,
+                                                      **options, "across_ranks": across_ranks})
+                built.append((_items(ds), ds.num_filtered, ds.fingerprint))
+            except Exception as err:  # (the all-filtered case)
+                built.append((type(err).__name__, str(err)))
+        assert built[1] == built[0], (case, rows, options)
+        _everyone_comes_out(world)
+
+
+def test_small_datasets_build_the_same_across_ranks(tmp_path):
+    """Fewer rows than the 3 ranks, one row, a parquet part and a drawn subset, truncated prompts and a build
+    that filters every row: each rank's items (or error) are the single process's."""
+    from data.demo import build_demo_tokenizer
+
+    build_demo_tokenizer(tmp_path / "tok")
+    run_distributed(_small_builds_same_as_one_process, 3, str(tmp_path), str(tmp_path / "tok"), timeout=120)
