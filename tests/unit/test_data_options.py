@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import transformers
 
@@ -11,7 +13,7 @@ from data.demo import DATA_SOURCE, build_demo_tokenizer
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, load_config
 
-DEMO = "configs/demo.yaml"
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "demo.yaml")
 
 
 @pytest.fixture(scope="module")
