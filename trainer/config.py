@@ -201,7 +201,7 @@ class DataConfig:
     shuffle: bool = opt(True, "shuffle the training prompts every epoch")
     seed: int | None = opt(1, "seed of the prompt shuffle and of the max_samples choice; null: the seed an unseeded "
                               "torch.Generator has, as verl's sampler with seed null", ge=0)
-    validation_shuffle: bool = opt(False, "not supported: must be false (validation prompts go in file order)",
+    validation_shuffle: bool = opt(False, "not supported: must be false (validation prompts go in file order, or in the order val_max_samples drew them)",
                                    unsupported=bool)
     dataloader_num_workers: int = opt(8, "accepted for verl compatibility", ge=0,
                                       no_effect="meshppo tokenizes the prompts once at load, there is no loader worker")
