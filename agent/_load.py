@@ -1,6 +1,7 @@
 """What the tool and the interaction layers share: reading their verl config files (a YAML mapping
-with one list of entries), loading an entry's class by import path, and running a batch of
-coroutines in an event loop: a fresh one per batch, or a rollout's own (`EventLoop`).
+with one list of entries, its interpolations resolved as verl's OmegaConf resolves them), loading
+an entry's class by import path, and running a batch of coroutines in an event loop: a fresh one
+per batch, or a rollout's own (`EventLoop`).
 
 The errors name the file, the entry and the key, and are raised as the caller's error class
 (`ToolConfigError`, `InteractionConfigError`) so that each layer's users catch one type.
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from trainer.configlib import load_yaml_text
+from trainer.configlib import ConfigError, load_yaml_text, resolve_document
 
 
 def read_entries(path: str, section: str, what: str, config_key: str, error: type[Exception]) -> list:
@@ -42,7 +43,10 @@ def read_entries(path: str, section: str, what: str, config_key: str, error: typ
     entries = doc[section]
     if not isinstance(entries, list) or not entries:
         raise error(f"{path}: {section}: must be a non-empty list, got {entries!r}")
-    return entries
+    try:  # verl reads the file with OmegaConf and resolves it: `${oc.env:URL}` reaches the tool as the URL
+        return [resolve_document(entry, f"{section}[{i}]") for i, entry in enumerate(entries)]
+    except ConfigError as err:
+        raise error(f"{path}: {err}") from None
 
 
 def load_class(class_name: Any, key: str, base: type, verl_classes: dict[str, type], kind: str,

@@ -651,6 +651,15 @@ class _Interpolations:
         return True, tree
 
 
+def resolve_document(tree, name: str):
+    """`tree`, a value of a YAML file read on its own (an entry of verl's tool and interaction config
+    files, which verl reads with OmegaConf and resolves), with its interpolations resolved as a
+    config's are (`_Interpolations`), `tree` being the file's only value, called `name`:
+    `${oc.env:VAR,default}`, and `${.x}` / `${name.a.b}` / `${oc.select:...}` naming another of its
+    values (through mappings). A ConfigError names the value, under `name`, that cannot be resolved."""
+    return _Interpolations({name: tree}, {}).resolve_tree(tree, (name,))
+
+
 def _interpolated_keys(tree: dict, path: tuple = ()) -> list[tuple]:
     """The paths of `tree`'s values that hold an interpolation (a list: as a whole)."""
     keys = []

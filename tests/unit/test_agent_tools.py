@@ -290,6 +290,49 @@ def test_a_tool_or_interaction_config_not_in_utf8_names_the_file(tmp_path, secti
     assert isinstance(info.value.__cause__, UnicodeDecodeError)
 
 
+TOOL_CONFIG_WITH_INTERPOLATIONS = """tools:
+  - class_name: verl.tools.gsm8k_tool.Gsm8kTool
+    config:
+      type: native
+      url: ${oc.env:MESHPPO_TEST_TOOL_URL}
+      retries: ${oc.env:MESHPPO_TEST_UNSET_VARIABLE,null}
+      kind: ${.type}
+      named: tool ${tools[0].tool_schema.function.name}
+    tool_schema:
+      type: function
+      function:
+        name: calc_gsm8k_reward
+        description: scores at ${oc.env:MESHPPO_TEST_TOOL_URL}
+"""
+
+
+def test_tool_and_interaction_configs_resolve_their_interpolations_as_verl(tmp_path, monkeypatch):
+    """verl reads both files with OmegaConf and resolves them (`to_container(resolve=True)`): a tool
+    got the text `${oc.env:...}` itself. An interpolation that cannot be resolved names the file and
+    the entry's key."""
+    from agent.interactions import InteractionConfigError, load_interactions
+
+    monkeypatch.setenv("MESHPPO_TEST_TOOL_URL", "http://sandbox:8080")
+    monkeypatch.delenv("MESHPPO_TEST_UNSET_VARIABLE", raising=False)
+    (tool,) = load_tools(_write_config(tmp_path, TOOL_CONFIG_WITH_INTERPOLATIONS))
+    assert tool.config == {"type": "native", "url": "http://sandbox:8080", "retries": None, "kind": "native",
+                           "named": "tool calc_gsm8k_reward"}
+    assert tool.tool_schema["function"]["description"] == "scores at http://sandbox:8080"
+    interactions = load_interactions(_write_config(tmp_path, "interaction:\n  - name: ${oc.env:MESHPPO_TEST_TOOL_URL}\n"
+                                                             "    class_name: verl.interactions.base.BaseInteraction\n",
+                                                   "interactions.yaml"))
+    assert list(interactions) == ["http://sandbox:8080"]
+    monkeypatch.delenv("MESHPPO_TEST_TOOL_URL")
+    path = _write_config(tmp_path, TOOL_CONFIG_WITH_INTERPOLATIONS)
+    with pytest.raises(ToolConfigError, match=re.escape(path) + r": tools\[0\]\.config\.url: "
+                                              r"\$\{oc\.env:MESHPPO_TEST_TOOL_URL\} reads the environment variable "
+                                              "MESHPPO_TEST_TOOL_URL, which is not set"):
+        load_tools(path)
+    path = _write_config(tmp_path, "interaction:\n  - class_name: ${oc.env:MESHPPO_TEST_TOOL_URL}\n", "i.yaml")
+    with pytest.raises(InteractionConfigError, match=re.escape(path) + r": interaction\[0\]\.class_name: "):
+        load_interactions(path)
+
+
 def test_bad_tool_classes_name_the_file_entry_and_key(tmp_path, user_tools):
     for cls, message in [("Broken", r"tools\[0\]: meshppo_test_user_tools\.Broken\(config, tool_schema\) failed: "
                                     r"RuntimeError: boom"),
