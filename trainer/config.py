@@ -796,7 +796,8 @@ class SamplingOverrides:
                                  "rollouts, which read it, were retired)")
 
 
-_LEGACY_SGLANG = "verl reads it only in its legacy SGLang rollout; its tool agent loop, like meshppo's, does not"
+_UNREAD_IN_VERL = ("verl 0.9.1 reads it nowhere (only the request schema of its removed SGLang multi-turn rollout, "
+                   "unused, names it)")
 
 
 @dataclass
@@ -823,9 +824,12 @@ class MultiTurnConfig:
                                                      "cuts its start (keeps the end), right cuts its end (keeps "
                                                      "the start), middle keeps both ends", choices=TRUNCATE_SIDES)
     use_inference_chat_template: bool = opt(False, "verl: the chat template of inference between turns",
-                                            no_effect=_LEGACY_SGLANG)
+                                            no_effect=f"{_UNREAD_IN_VERL}; meshppo keeps each turn's tokens as the "
+                                                      "model generated them (what false meant there)")
     tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
-                                              no_effect=_LEGACY_SGLANG)
+                                              no_effect=f"{_UNREAD_IN_VERL}; meshppo checks nothing at the end of a "
+                                                        "rollout: the messages it inserts are rendered alone and "
+                                                        "appended after the model's last token (docs/VERL.md)")
     format: str = opt("hermes", "the tool-call format of the model's turns (verl 0.9.1's others, not supported: "
                                 f"{', '.join(VERL_OTHER_FORMATS)})", choices=FORMATS)
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",
