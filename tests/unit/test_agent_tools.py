@@ -333,6 +333,16 @@ def test_tool_and_interaction_configs_resolve_their_interpolations_as_verl(tmp_p
         load_interactions(path)
 
 
+def test_a_tool_schema_reaches_the_template_as_written(tmp_path):
+    """docs/VERL.md: the schema is kept whole (verl 0.9.1's pydantic classes drop `items`, `default`,
+    `additionalProperties`; they refuse a function without `description`, which loads here)."""
+    schema = {"type": "function", "function": {"name": "calc_gsm8k_reward", "parameters": {
+        "type": "object", "additionalProperties": False,
+        "properties": {"answer": {"type": "array", "items": {"type": "string"}, "default": []}}}}}
+    (tool,) = load_tools(_write_config(tmp_path, {"tools": [_entry(tool_schema=schema)]}))
+    assert tool.tool_schema == schema
+
+
 def test_bad_tool_classes_name_the_file_entry_and_key(tmp_path, user_tools):
     for cls, message in [("Broken", r"tools\[0\]: meshppo_test_user_tools\.Broken\(config, tool_schema\) failed: "
                                     r"RuntimeError: boom"),
