@@ -252,10 +252,13 @@ def real_value(value: Any) -> float | None:
 def row_extra_info(row: dict | None, num_turns: bool) -> dict:
     """A copy of a row's `extra_info` (the dataset's dict is every epoch's) with what verl's reward
     managers add: a fresh `rollout_reward_scores` (the rollout's own scores: none here) and, where
-    `num_turns` (naive's), the agent loop's turn count: the row's own when a multi-turn rollout
-    put it there (`agent.loop`), else 2, a single-turn generation's."""
+    `num_turns` (naive's), the agent loop's turn count, `tool_rewards` and `turn_scores`: the row's
+    own when a multi-turn rollout put them there (`agent.loop`), else 2, [] and [] (a single-turn
+    generation's, as verl 0.9.1's single-turn agent loop sets them and its naive manager passes them)."""
     row = row or {}
-    return {**row, **({"num_turns": row.get("num_turns", 2)} if num_turns else {}), "rollout_reward_scores": {}}
+    turns = {"num_turns": row.get("num_turns", 2), "tool_rewards": list(row.get("tool_rewards", [])),
+             "turn_scores": list(row.get("turn_scores", []))}
+    return {**row, **(turns if num_turns else {}), "rollout_reward_scores": {}}
 
 
 class ResultCollector:

@@ -76,7 +76,8 @@ def test_dapo_without_an_enabled_buffer_adds_nothing():
 
 def test_dapo_cuts_a_trailing_eos_string_and_gives_verls_extra_info():
     """verl's dapo manager cuts `tokenizer.eos_token` from the end of the decoded response (only
-    there), and adds `rollout_reward_scores` to extra_info but not naive's `num_turns`."""
+    there), and adds `rollout_reward_scores` to extra_info but not naive's `num_turns`, `tool_rewards` and
+    `turn_scores`."""
     seen = []
 
     def fn(data_source, solution_str, ground_truth, extra_info=None):
@@ -92,7 +93,8 @@ def test_dapo_cuts_a_trailing_eos_string_and_gives_verls_extra_info():
     assert row == {"index": 3}
     seen.clear()
     NaiveRewardManager(fn)(["d"], ["12</s>"], [""], [row], [1])
-    assert seen == [("12</s>", {"index": 3, "num_turns": 2, "rollout_reward_scores": {}})]
+    assert seen == [("12</s>", {"index": 3, "num_turns": 2, "tool_rewards": [], "turn_scores": [],
+                                "rollout_reward_scores": {}})]
 
 
 def test_dapo_reports_errors_as_naive_does():

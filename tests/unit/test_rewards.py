@@ -276,7 +276,8 @@ def test_reward_functions_are_called_by_keyword_as_verl_calls_them(custom_file):
 
 def test_score_responses_takes_tensors_and_gives_verls_extra_info():
     """A 0-d tensor is a score (verl assigns it to the reward slot); extra_info carries verl's num_turns (2 for
-    single-turn generation) and rollout_reward_scores ({}), on a copy of the row's dict."""
+    single-turn generation), tool_rewards and turn_scores ([], as verl 0.9.1's single-turn agent loop sets them)
+    and rollout_reward_scores ({}), on a copy of the row's dict."""
     import numpy as np
     import torch
 
@@ -292,9 +293,11 @@ def test_score_responses_takes_tensors_and_gives_verls_extra_info():
     scores, extras, _ = score_responses(fn, ["d"] * 3, ["x", "y", "w"], ["", "", ""], [row_info, None, row_info])
     assert scores == [0.5, 2.0, 1.0] and all(type(x) is float for x in scores) and list(extras) == ["z"]
     assert math.isnan(extras["z"][0]) and math.isnan(extras["z"][1]) and extras["z"][2] == 3.0
-    assert seen == [{"index": 4, "num_turns": 2, "rollout_reward_scores": {}},
-                    {"num_turns": 2, "rollout_reward_scores": {}},
-                    {"index": 4, "num_turns": 2, "rollout_reward_scores": {}}]
+    turn_fields = {"num_turns": 2, "tool_rewards": [], "turn_scores": [], "rollout_reward_scores": {}}
+    assert seen == [{"index": 4, **turn_fields}, turn_fields, {"index": 4, **turn_fields}]
+    # a multi-turn rollout's own counts and rewards are kept
+    score_responses(fn, ["d"], ["x"], [""], [{"num_turns": 4, "tool_rewards": [0.5], "turn_scores": [0.25]}])
+    assert seen[-1] == {"num_turns": 4, "tool_rewards": [0.5], "turn_scores": [0.25], "rollout_reward_scores": {}}
     assert row_info == {"index": 4}  # the dataset's dict is untouched
     with pytest.raises(RewardError, match=r"returned Tensor tensor\(\[1\., 2\.\]\) on sample 0"):
         score_responses(lambda **kw: torch.tensor([1.0, 2.0]), ["d"], ["x"], [""])
