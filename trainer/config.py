@@ -808,10 +808,10 @@ class MultiTurnConfig:
 
     enable: bool = opt(False, "multi-turn rollouts: the rows whose agent is tool_agent call the tools of "
                               "tool_config_path between turns (needs rollout.name=native)")
-    max_assistant_turns: int | None = opt(None, "most model turns per rollout (null: no limit)", ge=1)
+    max_assistant_turns: int | None = opt(None, "most model turns per rollout (null or 0: no limit, as in verl)", ge=0)
     max_user_turns: int | None = opt(None, "most user turns per rollout: each tool-response turn (a turn's calls "
                                            "answered together) and each interaction reply counts one; the model "
-                                           "turn after the last ends the rollout (null: no limit)", ge=1)
+                                           "turn after the last ends the rollout (null or 0: no limit, as in verl)", ge=0)
     tool_config_path: str | None = opt(None, "verl's tool config (YAML: tools with class_name, config, tool_schema; "
                                              "null: no tools)")
     interaction_config_path: str | None = opt(None, "verl's interaction config (YAML: interactions with name, "

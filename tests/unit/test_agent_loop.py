@@ -281,6 +281,26 @@ def test_budget_and_turn_limits(tok):
     outs = run(agent(tok, tool, max_user_turns=1), Script(tok, {(0, 0): [call("ab"), call("cd")]}), [[1]],
                [(0, 0)], ["tool_agent"])
     assert (outs[0].num_turns, tool.calls) == (4, 1) and outs[0].token_ids == t1 + answer + ids(tok, call("cd"))
+    # 0 is no limit, as in verl (its loop tests the limit for truth): both calls run, as with null
+    for limits in (dict(max_assistant_turns=0), dict(max_user_turns=0)):
+        tool = Lookup()
+        outs = run(agent(tok, tool, **limits), Script(tok, {(0, 0): [call("ab"), call("cd"), "done"]}), [[1]],
+                   [(0, 0)], ["tool_agent"])
+        assert (outs[0].num_turns, tool.calls) == (6, 2), limits
+
+
+def test_zero_turn_limits_are_verls_no_limit():
+    """verl's `multi_turn.max_assistant_turns` / `max_user_turns` of 0 mean no limit (its loop tests them for
+    truth); the config takes 0 and the trainer passes it on, where a negative count is refused."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
+
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(PPOConfig, None, [f"{mt}.max_assistant_turns=0", f"{mt}.max_user_turns=0"])
+    assert (cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns,
+            cfg.actor_rollout_ref.rollout.multi_turn.max_user_turns) == (0, 0)
+    with pytest.raises(ConfigError, match="max_user_turns"):
+        load_config(PPOConfig, None, [f"{mt}.max_user_turns=-1"])
 
 
 def test_parallel_calls_and_truncated_answers(tok):
