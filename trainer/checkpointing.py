@@ -438,9 +438,18 @@ class WriteFailed(UserError):
 def _first_failure(error: BaseException) -> BaseException:
     """The error that says why a write failed (`models.checkpoint.one_line` words it, e.g.
     `OSError: [Errno 28] No space left on device`): DCP's exception (raised on every rank) by the
-    first of its writers' failures, an OSError where there is one; any other error itself."""
+    first of its writers' failures, an OSError where there is one; any other error itself. An
+    OSError may be what another error was raised while handling: torch.save's zip writer turns
+    the file's failed write into `RuntimeError: ... unexpected pos`, the OSError its context."""
     errors = [err for err, _ in error.failures.values()] if isinstance(error, dcp.CheckpointException) else [error]
-    return next((err for err in errors if isinstance(err, OSError)), errors[0] if errors else error)
+    for err in errors:
+        seen = set()
+        while err is not None and id(err) not in seen:
+            if isinstance(err, OSError):
+                return err
+            seen.add(id(err))
+            err = err.__cause__ or err.__context__
+    return errors[0] if errors else error
 
 
 # what a write raises when the disk is full (or a quota, permissions, a vanished directory): the OS's

@@ -405,6 +405,32 @@ def test_a_failed_write_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monk
     assert manager.latest() == manager.step_dir(1)
 
 
+def test_a_disk_that_fills_while_the_shards_are_written_is_said_as_such(tmp_path):
+    """The shards are most of a checkpoint, so a disk fills most likely while DCP writes them. torch.save's
+    zip writer turns the file's failed write into `RuntimeError: [enforce fail at inline_container.cc:672] .
+    unexpected pos 704 vs 598`, the OSError only that error's context; the message gave the RuntimeError.
+    A file size limit makes the write fail for real (EFBIG: Python ignores SIGXFSZ), as a full disk does."""
+    resource = pytest.importorskip("resource")
+    model = torch.nn.Linear(200, 200)
+    counter = _Counter()
+    manager = CheckpointManager(str(tmp_path), states={"trainer": counter}, models={"actor": (model, None)},
+                                fingerprint={}, config=PPOConfig(), log=lambda s: None)
+    counter.step = 1
+    manager.save(1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 64 << 10  # below the shard's 160 kB
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    try:
+        counter.step = 2
+        with pytest.raises(UserError) as failed:
+            manager.save(2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert f"into {manager.step_dir(2)}.tmp failed (OSError: [Errno 27] File too large); the last complete " \
+           f"checkpoint is {manager.step_dir(1)}" in str(failed.value), str(failed.value)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+
+
 def test_a_missing_rank_rng_file_is_refused_and_the_markers_are_synced(tmp_path, monkeypatch):
     """A checkpoint whose rng/ directory lacks this rank's file (a copy cut short, a lost file) resumed
     with the RNG seeded afresh and nothing said; it is now refused naming the file. And the files that
