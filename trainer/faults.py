@@ -2,7 +2,8 @@
 
     MESHPPO_FAULTS="nan_grad@2,sigkill@3:1,sigterm@3,crash_in_save@4"
 
-`name@step[:rank]` (rank defaults to every rank):
+`name@step[:rank]` (rank defaults to every rank); a fault may be listed more than once (at other
+steps or ranks), and a name or an item meshppo does not know is refused naming it:
 
 * `nan_grad@K`   — the actor's gradients are NaN in step K (the optimizer step must be skipped)
 * `sigkill@K:R`  — rank R kills itself with SIGKILL at the start of step K, on the first launch
@@ -27,14 +28,20 @@ import signal
 import time
 
 
-def _parse(spec: str) -> dict[str, tuple[int, int | None]]:
-    faults = {}
+NAMES = ("nan_grad", "sigkill", "sigterm", "crash_in_save", "crash_before_publish", "crash_after_publish", "hang")
+
+
+def _parse(spec: str) -> dict[str, list[tuple[int, int | None]]]:
+    faults: dict[str, list[tuple[int, int | None]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, where = item.partition("@")
-        step, _, rank = where.partition(":")
-        if not name or not step.isdigit():
-            raise ValueError(f"MESHPPO_FAULTS item {item!r} must look like name@step[:rank]")
-        faults[name] = (int(step), int(rank) if rank else None)
+        step, colon, rank = where.partition(":")
+        if not name or not step.isdigit() or colon and not rank.isdigit():
+            raise ValueError(f"MESHPPO_FAULTS item {item!r} must look like name@step[:rank] (step and rank: "
+                             "non-negative integers)")
+        if name not in NAMES:
+            raise ValueError(f"MESHPPO_FAULTS item {item!r}: unknown fault {name!r}; known: {', '.join(NAMES)}")
+        faults.setdefault(name, []).append((int(step), int(rank) if rank else None))
     return faults
 
 
@@ -42,10 +49,7 @@ FAULTS = _parse(os.environ.get("MESHPPO_FAULTS", ""))
 
 
 def armed(name: str, step: int, rank: int) -> bool:
-    if name not in FAULTS:
-        return False
-    at, who = FAULTS[name]
-    return at == step and (who is None or who == rank)
+    return any(at == step and (who is None or who == rank) for at, who in FAULTS.get(name, ()))
 
 
 def at_step_start(step: int, rank: int) -> None:
