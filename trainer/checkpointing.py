@@ -382,6 +382,33 @@ def run_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
     return out
 
 
+def _newest_step_dir(folder: str) -> str | None:
+    """The newest `global_step_K` directory in `folder` (complete or not), None if none."""
+    steps = sorted((int(m.group(1)), name) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
+                   if (m := re.fullmatch(r"global_step_(\d+)", name)))
+    return os.path.join(folder, steps[-1][1]) if steps else None
+
+
+def _checkpoint_hint(path: str) -> str:
+    """What `path`, given as a checkpoint and not one, is instead, as the tail of the refusal: a run's
+    `checkpoints/` directory, a run directory (verl's `default_local_dir` holds its `global_step_K`
+    itself, meshppo's in `checkpoints/`), a model's part of a checkpoint, or a `global_step_K` named
+    in verl's layout; '' when it is none of them."""
+    path = os.path.normpath(path)
+    if (newest := _newest_step_dir(path)) is not None:
+        return f": it holds checkpoints; name one of them, e.g. {newest!r}"
+    if (newest := _newest_step_dir(os.path.join(path, "checkpoints"))) is not None:
+        return f": it is a run directory, whose checkpoints are in its checkpoints/; name one of them, e.g. {newest!r}"
+    parent, name = os.path.split(path)
+    if name in ROLE_KEYS and os.path.isfile(os.path.join(parent, STATE_FILE)):
+        return f": it is the {name}'s part of checkpoint {parent!r}; name the checkpoint"
+    moved = os.path.join(parent, "checkpoints", name)
+    if re.fullmatch(r"global_step_\d+", name) and os.path.isdir(moved):
+        return (f": meshppo keeps a run's checkpoints in its checkpoints/ directory (verl in the run directory "
+                f"itself): {moved!r}")
+    return ""
+
+
 def read_trainer_state(step_dir: str) -> dict:
     """The JSON trainer state of a checkpoint directory (never a pickle)."""
     path = os.path.join(step_dir, STATE_FILE)
@@ -390,10 +417,8 @@ def read_trainer_state(step_dir: str) -> dict:
             raise UserError(f"checkpoint {step_dir!r} stores its trainer state as a pickle (trainer_state.pt, "
                             "an older meshppo); pickles are not loaded because they can run code: start a fresh "
                             "run (trainer.resume_mode=disable or another trainer.default_local_dir)")
-        steps = sorted((int(m.group(1)), name) for name in (os.listdir(step_dir) if os.path.isdir(step_dir) else ())
-                       if (m := re.fullmatch(r"global_step_(\d+)", name)))
-        hint = f": it holds checkpoints; name one of them, e.g. {os.path.join(step_dir, steps[-1][1])!r}" if steps else ""
-        raise UserError(f"resume checkpoint {step_dir!r} does not exist or is incomplete (no {STATE_FILE}){hint}")
+        raise UserError(f"resume checkpoint {step_dir!r} does not exist or is incomplete (no {STATE_FILE})"
+                        f"{_checkpoint_hint(step_dir)}")
     try:
         with open(path) as f:
             state = json.load(f)
@@ -908,7 +933,8 @@ class CheckpointManager:
             return None
         if resume_mode == "resume_path":
             if not os.path.isdir(resume_from_path):
-                raise UserError(f"trainer.resume_from_path {resume_from_path!r} does not exist")
+                raise UserError(f"trainer.resume_from_path {resume_from_path!r} does not exist"
+                                f"{_checkpoint_hint(resume_from_path)}")
             path = resume_from_path
         else:
             path = self.latest()

@@ -223,6 +223,30 @@ def test_auto_resume_over_an_older_pickled_checkpoint_says_so(tmp_path):
     CheckpointManager(str(tmp_path / "empty")).maybe_resume("auto")  # nothing there: a fresh start
 
 
+def test_a_resume_path_that_names_no_checkpoint_says_which_one_it_meant(tmp_path):
+    """verl keeps global_step_K in its default_local_dir itself, meshppo in the run directory's checkpoints/: a
+    verl user's trainer.resume_from_path=RUN/global_step_K said only "does not exist", RUN itself "does not
+    exist or is incomplete", as did a step's actor/. Each now names the checkpoint it meant."""
+    run = tmp_path / "run"
+    manager, counter = _manager(run / "checkpoints")
+    counter.step = 4
+    manager.save(4)
+    step = re.escape(repr(manager.step_dir(4)))
+    resumed, _ = _manager(run / "checkpoints")
+    for given, says in ((run / "global_step_4", rf"does not exist: meshppo keeps a run's checkpoints in its "
+                                                rf"checkpoints/ directory \(verl in the run directory itself\): {step}$"),
+                        (run, rf"does not exist or is incomplete \(no trainer_state\.json\): it is a run directory, "
+                              rf"whose checkpoints are in its checkpoints/; name one of them, e\.g\. {step}$"),
+                        (run / "checkpoints" / "global_step_4" / "actor",
+                         rf"is incomplete \(no trainer_state\.json\): it is the actor's part of checkpoint {step}; "
+                         "name the checkpoint$")):
+        if given.name == "actor":
+            given.mkdir()
+        with pytest.raises(UserError, match=says):
+            resumed.maybe_resume("resume_path", str(given))
+    assert resumed.maybe_resume("resume_path", manager.step_dir(4)) == manager.step_dir(4)
+
+
 class _Counter:
     """A registered state: the step it was saved at."""
 
