@@ -676,6 +676,11 @@ class CheckpointManager:
         `latest` pointer moves to it, and the rotation runs."""
         # A step saved again (a stale branch's, after resuming from an earlier step) is moved
         # aside, not deleted, until the new one is in place: a kill in between leaves it.
+        # The names inside the step's directory on the disk before it is published (the files are: DCP's
+        # writer and `flush_to_disk`): its trainer state (the completion marker), the RNG files, and each
+        # model's directory, renamed from `<model>.tmp` once its shards were written.
+        for folder, _, _ in os.walk(tmp, topdown=False):
+            _synced_dir(folder)
         old = final + ".old"
         if os.path.isdir(final):  # else `old` may be the step's only complete copy: kept till below
             shutil.rmtree(old, ignore_errors=True)

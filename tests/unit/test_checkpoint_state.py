@@ -455,6 +455,31 @@ def test_a_disk_that_fills_while_the_shards_are_written_is_said_as_such(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
 
 
+def test_the_names_inside_a_checkpoint_are_synced_before_it_is_published(tmp_path, monkeypatch):
+    """A power loss after a save could keep global_step_K (the run directory was synced) with names inside it
+    that never reached the disk: the model's directory still `actor.tmp` (its rename from it), the trainer
+    state or an RNG file missing. The pointer named K, and the resume stopped on it. Every directory of the
+    step is now synced before the step is renamed into place."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to name the synced directories")
+    import trainer.checkpointing as checkpointing
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(checkpointing.os, "fsync",
+                        lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    counter = _Counter()
+    manager = CheckpointManager(str(tmp_path), states={"trainer": counter}, models={"actor": (torch.nn.Linear(4, 4),
+                                                                                            None)},
+                                fingerprint={}, config=PPOConfig(), log=lambda s: None)
+    counter.step = 1
+    manager.save(1)
+    tmp = manager.step_dir(1) + ".tmp"
+    publish = synced.index(str(tmp_path))  # the root, synced once the step is renamed into place
+    for folder in (tmp, os.path.join(tmp, "actor"), os.path.join(tmp, "rng")):
+        assert folder in synced[:publish], (folder, synced)
+
+
 def test_a_missing_rank_rng_file_is_refused_and_the_markers_are_synced(tmp_path, monkeypatch):
     """A checkpoint whose rng/ directory lacks this rank's file (a copy cut short, a lost file) resumed
     with the RNG seeded afresh and nothing said; it is now refused naming the file. And the files that
