@@ -757,6 +757,11 @@ class CheckpointManager:
         if keep is None or keep <= 0:
             return
         for old in [s for s in self.complete_steps() if s <= newest][:-keep]:
+            # its completion marker first: a process killed while the files go (a large checkpoint's take
+            # a while) leaves no checkpoint that a rollback, a fallback from the pointer or a launch's
+            # restart takes for complete
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.step_dir(old), STATE_FILE))
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
     # --------------------------------------------------------------- load

@@ -60,3 +60,31 @@ def test_checkpoints_of_later_steps_are_not_counted_nor_deleted_before_a_save(tm
     manager, seen = _saves(tmp_path, 2, [3])
     assert seen == [["global_step_2", "global_step_3.tmp", "global_step_5", "global_step_6"]]
     assert manager.complete_steps() == [2, 3, 5, 6]
+
+
+def test_a_checkpoint_half_deleted_by_the_rotation_is_not_complete(tmp_path, monkeypatch):
+    """A process killed while the rotation deletes an old checkpoint (its shards gone, its trainer state
+    not yet) left a directory that counted as complete: a KL-guard rollback, a resume falling back from
+    the pointer or a restarted launch could pick it and fail on its missing shards. Its trainer state
+    (the completion marker) now goes first."""
+    import shutil
+
+    import trainer.checkpointing as checkpointing
+
+    manager, _ = _saves(tmp_path, keep=None, steps=[1, 2])
+    (tmp_path / "global_step_1" / "shard.distcp").write_bytes(b"x")
+
+    class Killed(BaseException):
+        """The process dying half-way through the deletion."""
+
+    def killed_half_way(path, ignore_errors=False):
+        os.remove(os.path.join(path, "shard.distcp"))
+        raise Killed
+
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", killed_half_way)
+    try:
+        manager._rotate(2, 1)
+    except Killed:
+        pass
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", shutil.rmtree)
+    assert manager.complete_steps() == [2]
