@@ -17,8 +17,9 @@ any world size converts. The memory it needs is the model twice over in its para
 (the trained ones float32 by default: about 2 x 28 GB for a 7B model), a LoRA model's merged
 copy a third time. Nothing is written before every check has passed; OUTPUT is replaced only
 when it is empty, missing, or (with --overwrite) a model directory, and never when it holds the
-checkpoint or a model the run reads. A LoRA model whose base at its model path holds other files
-than the run read (the checkpoint records their fingerprint) is refused: its merge would be another model.
+checkpoint or a model the run reads. A model whose config.json, generation_config.json or tokenizer at
+its path is not what the run read (the checkpoint records their fingerprint), or a LoRA model whose base
+weights there are not, is refused: the export would be another model.
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def _step_and_role(path: str, role: str | None) -> tuple[str, str]:
             raise ExportError(f"{path!r} is not a meshppo checkpoint: give a run's checkpoints/ directory, a "
                               f"global_step_K directory in it (with {STATE_FILE}) or its actor/ or critic/")
     return path, role or "actor"
+
+
+def _without_weights(state: dict, keys) -> dict:
+    """`state` (a trainer state, or `{"bases": current_bases(...)}`) with the weights files left out of the
+    fingerprints of `keys`' directories: what an export that takes every weight from the checkpoint reads."""
+    bases = state.get("bases")
+    if not isinstance(bases, dict):
+        return state
+    kept = dict(bases)
+    for key in keys:
+        entry = bases.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("fingerprint"), dict):
+            kept[key] = {**entry, "fingerprint": {name: digest for name, digest in entry["fingerprint"].items()
+                                                  if not name.endswith(".safetensors")
+                                                  and name != "model.safetensors.index.json"}}
+    return {**state, "bases": kept}
 
 
 def _check_output(out: str, step_dir: str, cfg, overwrite: bool) -> str:
@@ -130,9 +147,15 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
         raise ExportError(f"checkpoint {step_dir!r}: its run's LoRA base weights were random "
                           "(actor_rollout_ref.model.load_format=dummy, drawn per rank), so the merged model cannot "
                           "be rebuilt")
-    if model_cfg.lora is not None:  # the adapters are merged into the base read from the model path again
-        base_key = "actor_rollout_ref.model.path" if role == "actor" else "critic.model.path"
-        same_bases(step_dir, state, current_bases(cfg, (base_key,)), lambda _: None, (base_key,))
+    # The export reads again what the run read from its directories: the model's config (its shapes, norm
+    # epsilon, RoPE), generation_config.json and the actor's tokenizer, and a LoRA model's base weights (the
+    # adapters are merged into them; a full fine-tune's checkpoint holds all its weights). Those files must be
+    # what the run read, as the checkpoint records them, or the export is another model.
+    keys = ("actor_rollout_ref.model.path" if role == "actor" else "critic.model.path", "data.tokenizer")
+    recorded, now = state, current_bases(cfg, keys)
+    if model_cfg.lora is None:
+        recorded, now = _without_weights(state, keys), _without_weights({"bases": now}, keys)["bases"]
+    same_bases(step_dir, recorded, now, lambda _: None, keys)
     weights = os.path.join(step_dir, role)
     check_checkpoint(weights)
     output = _check_output(output, step_dir, cfg, overwrite)

@@ -332,3 +332,33 @@ def test_export_tool_refuses_outputs_it_would_destroy(gae_run, tiny_assets, tmp_
     assert "already holds a model; pass --overwrite" in capsys.readouterr().err
     assert export_hf.main([str(step), str(out), "--overwrite"]) == 0
     _same_export(out, step / "actor" / "huggingface")
+
+
+def test_export_tool_refuses_a_base_config_other_than_the_runs(gae_run, tmp_path, capsys):
+    """A full fine-tune's export rebuilds the model from the config.json at its model path: changed since the
+    run read it (another epsilon, other RoPE, a directory replaced), the export wrote that config with the
+    trained weights, silently another model (rms_norm_eps 0.5 where the run trained with 1e-06). It is now
+    refused in one line, for the actor and the critic, before anything is written; changed weights at the path
+    do not matter (the checkpoint holds them all)."""
+    from tools import export_hf
+
+    step = tmp_path / "checkpoints" / "global_step_1"
+    shutil.copytree(gae_run / "checkpoints" / "global_step_1", step)
+    state_file = step / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("actor_rollout_ref.model.path", "critic.model.path"):
+        state["bases"][key]["fingerprint"]["model.safetensors"] = "0" * 32
+    state_file.write_text(json.dumps(state))
+    assert export_hf.main([str(step), str(tmp_path / "weights_changed")]) == 0
+    _same_export(tmp_path / "weights_changed", step / "actor" / "huggingface")
+    for key in ("actor_rollout_ref.model.path", "critic.model.path"):
+        state["bases"][key]["fingerprint"]["config.json"] = "0" * 32
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    for role in ("actor", "critic"):
+        assert export_hf.main([str(step), str(tmp_path / role), "--role", role]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: checkpoint {str(step)!r} was trained on other files than "
+                              f"{'actor_rollout_ref.model' if role == 'actor' else 'critic.model'}.path=") \
+            and "(config.json differ from what its run read in" in err and err.count("\n") == 1, err
+        assert not (tmp_path / role).exists()
