@@ -155,7 +155,8 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
     recorded, now = state, current_bases(cfg, keys)
     if model_cfg.lora is None:
         recorded, now = _without_weights(state, keys), _without_weights({"bases": now}, keys)["bases"]
-    same_bases(step_dir, recorded, now, lambda _: None, keys)
+    same_bases(step_dir, recorded, now, lambda _: None, keys,
+               otherwise=" (the export rebuilds the model from these files)")
     weights = os.path.join(step_dir, role)
     check_checkpoint(weights)
     output = _check_output(output, step_dir, cfg, overwrite)

@@ -282,7 +282,8 @@ def model_dir_fingerprint(path: str | None) -> dict[str, str] | None:
         return None
 
 
-def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], keys=MODEL_PATH_KEYS) -> set[str]:
+def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], keys=MODEL_PATH_KEYS,
+               otherwise: str = ", or start a new run in another trainer.default_local_dir") -> set[str]:
     """The options among `keys` (`MODEL_PATH_KEYS`) that name the same files in checkpoint `path`'s
     run (`state`) as now (`bases`, from `current_bases`), however spelled: what a directory holds
     decides (the fingerprint recorded with the checkpoint against the one taken at this start),
@@ -292,7 +293,8 @@ def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], 
     another setting, left to `run_differences`. A directory at another path whose fingerprint
     matches resumes, and `log` says it moved and how it was compared (a fingerprint samples the
     weights: files that differ only where it does not read would pass). A checkpoint written
-    before fingerprints were recorded compares resolved paths, and says so (`log`)."""
+    before fingerprints were recorded compares resolved paths, and says so (`log`). `otherwise`: the
+    refusal's tail after "put back the model the run started from" (a resume's: or a new run)."""
     recorded = state.get("bases")
     if not isinstance(recorded, dict):
         recorded = None
@@ -312,8 +314,7 @@ def same_bases(path: str, state: dict, bases: dict, log: Callable[[str], None], 
                     raise UserError(
                         f"checkpoint {path!r} was trained on other files than {key}={new_path!r} holds now "
                         f"({', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} differ from what its run "
-                        f"read in {old_path!r}): put back the model the run started from, or start a new run in "
-                        "another trainer.default_local_dir")
+                        f"read in {old_path!r}): put back the model the run started from{otherwise}")
                 if then == now:
                     same.add(key)
                     if not _same_path(old_path, new_path):

@@ -361,4 +361,6 @@ def test_export_tool_refuses_a_base_config_other_than_the_runs(gae_run, tmp_path
         assert err.startswith(f"error: checkpoint {str(step)!r} was trained on other files than "
                               f"{'actor_rollout_ref.model' if role == 'actor' else 'critic.model'}.path=") \
             and "(config.json differ from what its run read in" in err and err.count("\n") == 1, err
+        assert err.endswith("put back the model the run started from (the export rebuilds the model from these "
+                            "files)\n") and "default_local_dir" not in err, err
         assert not (tmp_path / role).exists()
