@@ -15,8 +15,8 @@ long as the rollout allows (an EOS sampled as the last allowed token counts),
 `response_length_non_aborted/clip_ratio` that share among the non-empty ones, and
 `prompt_length/clip_ratio` the share of prompts as long as `data.max_prompt_length`.
 `critic/vf_explained_var` is `1 - Var(returns - values) / (Var(returns) + 1e-5)` over the same
-tokens, with unbiased variances. Reward-function extras are averaged over the samples that
-returned them (`reward_extra/<key>/mean`).
+tokens, with unbiased variances (NaN over fewer than two tokens, as verl's). Reward-function extras
+are averaged over the samples that returned them (`reward_extra/<key>/mean`).
 
 Three collectives at most, whatever the number of metrics: the sums, the extremes, and (with a
 critic) the centred sums of squares. `variance_proxy_metrics` (verl's `variance_proxy/*`, with
@@ -92,8 +92,9 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
         mean_diff = mean_ret - m["critic/values/mean"]
         ss_ret, ss_diff = comm.all_reduce_values([float(((ret - mean_ret) ** 2).sum()),
                                                   float(((diff - mean_diff) ** 2).sum())])
-        dof = max(tokens - 1.0, 1.0)
-        m["critic/vf_explained_var"] = 1.0 - (ss_diff / dof) / (ss_ret / dof + 1e-5)
+        # fewer than two tokens have no unbiased variance: NaN, as verl's `torch.var` gives
+        m["critic/vf_explained_var"] = (1.0 - (ss_diff / (tokens - 1.0)) / (ss_ret / (tokens - 1.0) + 1e-5)
+                                        if tokens >= 2 else math.nan)
     return m
 
 
