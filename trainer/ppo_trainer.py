@@ -1113,10 +1113,11 @@ class PPOTrainer:
         # the generated tokens alone are what the rollout produced.
         out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s, "perf/throughput": tokens / per_gpu_s,
                "perf/response_throughput": generated / per_gpu_s}
-        # verl's per-token phase times: generation per generated token, the others per token
+        # verl's per-token phase times: generation per generated token, the others per token (0 without any)
         for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
             if (t := metrics.get(f"timing_s/{phase}")) is not None:
-                out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / max(generated if phase == "gen" else tokens, 1.0)
+                count = generated if phase == "gen" else tokens
+                out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / count if count > 0 else 0.0
         # memory peaks: the largest rank's (the one that runs out first); verl's perf/cpu_memory_used_gb,
         # the host's memory in use (psutil's `used`, the whole machine's), likewise the fullest node's
         host_used = psutil.virtual_memory().used / 2**30
