@@ -1,8 +1,9 @@
 """A step's data metrics, under verl's names and with verl's definitions (`compute_data_metrics`),
 over every rank's rows.
 
-Per response: `response_length` (every generated token), `prompt_length`, and in a multi-turn
-batch `num_turns` (verl's count: the assistant turns, the tool responses, plus one); per response
+Per response: `response_length` (every generated token), `prompt_length`, and `num_turns` (verl's
+count: the assistant turns, the tool responses, plus one; 2 for a single-turn generation, as verl
+0.9.1's agent loop counts it and logs it in every run); per response
 that is not empty (verl's non-aborted: an aborted request's response is empty): `critic/score`
 (the reward function's score), `critic/rewards` (the summed token-level rewards, after any
 KL-in-reward penalty) and `response_length_non_aborted`; `response/aborted_ratio` is the share of
@@ -34,6 +35,14 @@ from sharding import comm
 from trainer.rollout_batch import RolloutBatch
 
 
+SINGLE_TURN = 2  # verl's num_turns of a single-turn generation: the prompt and the answer
+
+
+def turn_counts(ro: RolloutBatch) -> list[int]:
+    """Each row's verl `num_turns`: a multi-turn rollout's own count, else `SINGLE_TURN`."""
+    return list(ro.num_turns) if ro.num_turns is not None else [SINGLE_TURN] * len(ro)
+
+
 def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[float]], *,
                  max_prompt_length: int, max_response_length: int) -> dict[str, float]:
     """The metrics above for this rank's rows `ro` (every rank calls it, with the same extra keys
@@ -45,8 +54,7 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     kept = response_length > 0  # verl's non-aborted responses: an aborted request's is empty
     # each statistic with the index in `sums` of its count: the rows, the tokens, the non-aborted rows
     per_row = {"response_length": response_length, "prompt_length": prompt_length}
-    if ro.num_turns is not None:  # a multi-turn batch (every rank's is one, or none is)
-        per_row["num_turns"] = torch.tensor(ro.num_turns, dtype=torch.float64, device=mask.device)
+    per_row["num_turns"] = torch.tensor(turn_counts(ro), dtype=torch.float64, device=mask.device)
     non_aborted = {"critic/score": scores.double().reshape(-1)[kept],
                    "critic/rewards": ro.token_level_rewards.double().sum(-1)[kept],
                    "response_length_non_aborted": response_length[kept]}

@@ -46,7 +46,7 @@ from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
                              rollout_probs_diff_metrics)
 from trainer.launch import DistContext, collective_failure_exit, init_distributed, stopping_on_error
-from trainer.metrics import data_metrics, variance_proxy_metrics
+from trainer.metrics import data_metrics, turn_counts, variance_proxy_metrics
 from trainer.batching import Ragged
 from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
@@ -1188,7 +1188,7 @@ class PPOTrainer:
                 sources += [str(src) for src in ro.data_sources]
                 uids += [s + u for u in ro.uids]  # the prompt's index in the validation set
                 scores_all += scores
-                turns += ro.num_turns or []
+                turns += turn_counts(ro)
                 for k in extras:
                     variables.setdefault(k, [math.nan] * done)
                 for k, v in variables.items():
@@ -1211,7 +1211,7 @@ class PPOTrainer:
             out = {f"val/{src}/score": sum(v) / len(v) for src, v in sums.items()}
             variables.pop("reward", None)
             out.update(validation_metrics(sources, uids, {"reward": scores_all, **variables}, preds))
-            if turns:  # a multi-turn rollout's counts over every sample, as verl logs them
+            if turns:  # the turns' counts over every sample (2 a single-turn one's), as verl 0.9.1 logs them
                 out.update({"val-aux/num_turns/min": min(turns), "val-aux/num_turns/max": max(turns),
                             "val-aux/num_turns/mean": sum(turns) / len(turns)})
         if dump_dir:  # (the same on every rank; the rows are rank 0's)
