@@ -689,8 +689,9 @@ class ActorConfig:
     clip_ratio_low: float | None = opt(None, "lower clip range; null: clip_ratio. 1 or more: no ratio is clipped "
                                              "from below (verl's CISPO script sets 10)", gt=0)
     clip_ratio_high: float | None = opt(None, "upper clip range (DAPO's clip-higher); null: clip_ratio", gt=0)
-    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla); "
-                                   "dppo_tv and dppo_kl: the bound of their truncated ratio", gt=1)
+    clip_ratio_c: float = opt(3.0, "dual-clip constant for negative advantages (policy_loss.loss_mode=vanilla, "
+                                   "and bypass mode's ppo_clip: > 1); dppo_tv and dppo_kl: the bound of their "
+                                   "truncated ratio (> 0, as in verl 1 or less too)", gt=0)
     tau_pos: float = opt(_LOSS_DEFAULTS.tau_pos, "sapo: gate temperature of tokens with a positive advantage", gt=0)
     tau_neg: float = opt(_LOSS_DEFAULTS.tau_neg, "sapo: gate temperature of the other tokens", gt=0)
     loss_agg_mode: str = opt("token-mean", "how token losses are aggregated: token-mean (every token weighs the "
@@ -2572,6 +2573,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           "validate the model of actor_rollout_ref.model.path in another trainer.default_local_dir, "
                           "or a checkpoint with resume_mode auto or resume_path")
     rc, loss_mode = cfg.algorithm.rollout_correction, actor.policy_loss.loss_mode
+    if loss_mode == "vanilla" and (not rc.bypass_mode or BYPASS_LOSS_TYPES[rc.loss_type] == "vanilla") \
+            and not actor.clip_ratio_c > 1:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={_shown(actor.clip_ratio_c)} with policy_loss."
+                          "loss_mode=vanilla: the dual clip's bound on a negative advantage's ratio must be > 1 "
+                          "(as verl asserts); 1 or less is a truncation bound only for loss_mode dppo_tv / dppo_kl")
     if rc.bypass_mode and loss_mode != "vanilla":
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} with "
                           "algorithm.rollout_correction.bypass_mode=true: bypass mode trains with its own loss, "

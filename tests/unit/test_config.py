@@ -63,7 +63,7 @@ def test_dotted_override_types():
     ("noequals", "must look like dotted.key=value"),
     ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr: -1e-06 is out of range; allowed: >= 0"),
     ("actor_rollout_ref.actor.clip_ratio=0", "actor_rollout_ref.actor.clip_ratio: 0.0 is out of range; allowed: (0, 1]"),
-    ("actor_rollout_ref.actor.clip_ratio_c=0.5", "clip_ratio_c: 0.5 is out of range; allowed: > 1"),
+    ("actor_rollout_ref.actor.clip_ratio_c=0", "clip_ratio_c: 0.0 is out of range; allowed: > 0"),
     ("algorithm.gamma=1.5", "algorithm.gamma: 1.5 is out of range; allowed: [0, 1]"),
     ("algorithm.lam=-0.1", "algorithm.lam: -0.1 is out of range; allowed: [0, 1]"),
     ("algorithm.kl_ctrl.kl_coef=-1", "algorithm.kl_ctrl.kl_coef: -1.0 is out of range; allowed: >= 0"),
@@ -103,8 +103,24 @@ def test_bad_overrides_name_the_problem(override, message):
     assert message in str(e.value)
 
 
+def test_clip_ratio_c_at_or_below_1_truncates_dppos_ratio():
+    """verl asserts clip_ratio_c > 1 in its dual-clip (vanilla) loss only: dppo_tv / dppo_kl take it as the bound of
+    their truncated ratio, 1 or less included; bypass mode's reinforce does not read it."""
+    for mode in ("dppo_tv", "dppo_kl"):
+        cfg = _cfg(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "actor_rollout_ref.actor.clip_ratio_c=0.8")
+        validate(cfg)
+        assert cfg.actor_rollout_ref.actor.clip_ratio_c == 0.8
+    validate(_cfg("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                  "actor_rollout_ref.actor.clip_ratio_c=1.0"))
+    with pytest.raises(ConfigError, match="clip_ratio_c=1.0 with policy_loss.loss_mode=vanilla"):
+        validate(_cfg("algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.actor.clip_ratio_c=1.0"))
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["data.train_batch_size=30"], "must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "actor_rollout_ref.actor.clip_ratio_c=0.5 with policy_loss.loss_mode="
+                                                   "vanilla: the dual clip's bound on a negative advantage's ratio must "
+                                                   "be > 1"),
     (["actor_rollout_ref.model.lora_adapter_path=/x"],
      "actor_rollout_ref.model.lora_adapter_path: lora_adapter_path '/x' has no adapter_config.json"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size=3 must divide the FSDP "
