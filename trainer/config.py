@@ -1764,12 +1764,17 @@ class PPOConfig:
 
 def _full_shard_sizes(cfg: PPOConfig) -> None:
     """Each model's `fsdp_size` above the ranks of the launch the config describes shards over them
-    all, as verl's device mesh reads it: -1 here, with its start-up note (`sharding.mesh.full_shard_note`)."""
+    all, as verl's device mesh reads it: -1 here, with its start-up note (`sharding.mesh.full_shard_note`).
+    The other models share the actor's mesh: beside an actor of shard groups smaller than the launch
+    (HYBRID_SHARD) their size stays as set, and `validate` refuses it as it refuses the world size."""
     world = described_launch(cfg)[0]
-    for key, fc in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config),
+    actor = cfg.actor_rollout_ref.actor.fsdp_config
+    for key, fc in (("actor_rollout_ref.actor", actor),
                     ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
                     ("critic.model", cfg.critic.model.fsdp_config),
                     ("reward_model.model", cfg.reward_model.model.fsdp_config)):
+        if fc is not actor and actor.fsdp_size not in (-1, world):
+            continue
         note = full_shard_note(f"{key}.fsdp_config.fsdp_size", fc.fsdp_size, world)
         if note:
             fc.fsdp_size, fc.full_shard_note = -1, note

@@ -1,0 +1,43 @@
+"""The roles' `fsdp_config` options as a verl config sets them: how each model's `fsdp_size` reads
+against the actor's training mesh, which every model shares."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from trainer.config import PPOConfig, config_notes, validate
+from trainer.configlib import ConfigError, load_config
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                    "demo.yaml")
+FOUR_RANKS = ["algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=4",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8"]
+
+
+def _cfg(*overrides):
+    return load_config(PPOConfig, DEMO, FOUR_RANKS + list(overrides))
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.ref.fsdp_config.fsdp_size", "critic.model.fsdp_config.fsdp_size"])
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_full_shard_size_beside_a_hybrid_shard_actor_is_refused_alike(key, size):
+    """verl reads an fsdp_size of at least the world size as FULL_SHARD, whether it equals the world
+    (4 of 4) or exceeds it (8); beside an actor sharding over groups of 2 (HYBRID_SHARD) meshppo cannot
+    give the model that layout, and refuses both sizes alike, naming the key and the actor's groups.
+    (8 was read as -1, the actor's groups of 2, with a start-up note saying it shards over all 4.)"""
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg("actor_rollout_ref.actor.fsdp_config.fsdp_size=2", f"{key}={size}"), 4, 4)
+    assert f"{key}={size}: every model shares the actor's training mesh, shard groups of 2 ranks" in str(e.value)
+    assert "use -1 or 2" in str(e.value)
+
+
+def test_a_size_above_the_world_beside_a_full_shard_actor_is_full_shard():
+    """Beside a FULL_SHARD actor, the critic's 8 on 4 ranks is FULL_SHARD over the 4, and the note says so."""
+    cfg = _cfg("critic.model.fsdp_config.fsdp_size=8")
+    validate(cfg, 4, 4)
+    assert cfg.critic.model.fsdp_config.fsdp_size == -1
+    assert [n for n in config_notes(cfg) if "fsdp_size" in n] == [
+        "critic.model.fsdp_config.fsdp_size=8 is more than the 4 ranks of this launch: the models shard over all 4 "
+        "(FULL_SHARD), as verl does for an fsdp_size of at least the world size"]
