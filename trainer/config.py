@@ -99,8 +99,10 @@ class FSDPOptions(FSDPConfig):
 
     fsdp_size: int = opt(-1, "-1, or the world size or more: FULL_SHARD over all ranks (verl's mesh reads any size of "
                              "at least the world's so; a larger one is said at start-up); N below the world size: "
-                             "HYBRID_SHARD, shard over groups of N ranks, replicate across (the actor's value builds "
-                             "the one training mesh; ref / critic / reward model: -1 or the same)")
+                             "HYBRID_SHARD, shard over groups of N ranks, replicate across. The actor's value builds "
+                             "the one training mesh every model shares: the reference's, critic's and reward model's "
+                             "must give the actor's shard groups or be -1, which means the actor's (verl's -1 shards "
+                             "that model over all ranks; said at start-up where the actor's is HYBRID_SHARD)")
     use_orig_params: bool = opt(False, "verl: FSDP1's use_orig_params", no_effect="it is an FSDP1 option; meshppo "
                                 "shards with FSDP2, whose parameters always are the original ones (as DTensors)")
     entropy_from_logits_with_chunking: bool = _entropy_chunking()
@@ -1780,6 +1782,27 @@ def _full_shard_sizes(cfg: PPOConfig) -> None:
             fc.fsdp_size, fc.full_shard_note = -1, note
 
 
+def _shared_mesh_notes(cfg: PPOConfig) -> list[str]:
+    """Beside an actor of shard groups smaller than the launch (HYBRID_SHARD), the other models the run
+    builds with `fsdp_size=-1` shard over the actor's groups (one training mesh), where verl's -1 shards
+    each over every rank: their memory per GPU is that of the actor's groups."""
+    world = described_launch(cfg)[0]
+    arr = cfg.actor_rollout_ref
+    size = arr.actor.fsdp_config.fsdp_size
+    if size in (-1, world):
+        return []
+    built = [("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
+             ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
+             ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable)]
+    keys = [f"{key}.fsdp_config.fsdp_size" for key, fc, used in built if used and fc.fsdp_size == -1]
+    if not keys:
+        return []
+    they = "they shard" if len(keys) > 1 else "it shards"
+    return [f"{', '.join(keys)}=-1: every model shares the actor's training mesh, so {they} over its shard groups "
+            f"of {size} ranks (HYBRID_SHARD, actor_rollout_ref.actor.fsdp_config.fsdp_size={size}), where verl's -1 "
+            f"shards a model over all {world} ranks (FULL_SHARD)"]
+
+
 def _null_verl_copies(cfg: PPOConfig) -> None:
     """The options that verl's generated config interpolates from another one and meshppo does not
     read, null where they are that one's (said at start-up only where set otherwise): the roles'
@@ -2116,6 +2139,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if not cfg.reward_model.enable and cfg.reward.reward_model.rollout.full_determinism:
         notes.append("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false "
                      "(it makes the reward model's scores deterministic)")
+    notes += _shared_mesh_notes(cfg)
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

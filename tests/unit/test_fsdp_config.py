@@ -41,3 +41,28 @@ def test_a_size_above_the_world_beside_a_full_shard_actor_is_full_shard():
     assert [n for n in config_notes(cfg) if "fsdp_size" in n] == [
         "critic.model.fsdp_config.fsdp_size=8 is more than the 4 ranks of this launch: the models shard over all 4 "
         "(FULL_SHARD), as verl does for an fsdp_size of at least the world size"]
+
+
+def test_the_models_minus_one_beside_a_hybrid_shard_actor_is_said_at_start_up():
+    """verl's -1 shards a model over every rank; meshppo's models share the actor's mesh, so beside an
+    actor of groups of 2 on 4 ranks the reference's and critic's -1 shard over groups of 2 (twice the
+    memory per GPU of verl's layout): one start-up line names the models that the run builds."""
+    cfg = _cfg("actor_rollout_ref.actor.fsdp_config.fsdp_size=2")
+    validate(cfg, 4, 4)
+    assert [n for n in config_notes(cfg) if "fsdp_size" in n] == [
+        "actor_rollout_ref.ref.fsdp_config.fsdp_size, critic.model.fsdp_config.fsdp_size=-1: every model shares the "
+        "actor's training mesh, so they shard over its shard groups of 2 ranks (HYBRID_SHARD, "
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=2), where verl's -1 shards a model over all 4 ranks (FULL_SHARD)"]
+    # the same groups set explicitly, a FULL_SHARD actor, or a critic the run does not build: nothing to say
+    same = ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "actor_rollout_ref.ref.fsdp_config.fsdp_size=2",
+            "critic.model.fsdp_config.fsdp_size=2"]
+    for overrides in (same, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=4"]):
+        cfg = _cfg(*overrides)
+        validate(cfg, 4, 4)
+        assert not [n for n in config_notes(cfg) if "fsdp_size" in n], overrides
+    cfg = _cfg("actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "algorithm.adv_estimator=grpo")
+    validate(cfg, 4, 4)
+    assert [n for n in config_notes(cfg) if "fsdp_size" in n] == [
+        "actor_rollout_ref.ref.fsdp_config.fsdp_size=-1: every model shares the actor's training mesh, so it shards "
+        "over its shard groups of 2 ranks (HYBRID_SHARD, actor_rollout_ref.actor.fsdp_config.fsdp_size=2), where "
+        "verl's -1 shards a model over all 4 ranks (FULL_SHARD)"]
