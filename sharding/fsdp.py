@@ -28,6 +28,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -61,7 +62,10 @@ def torch_dtype(name: str, key: str) -> torch.dtype:
 
 @dataclass
 class MixedPrecisionConfig:
-    """verl's `fsdp_config.mixed_precision`."""
+    """verl's `fsdp_config.mixed_precision`. verl's default is null, which its engine reads as these
+    defaults (bf16 compute, fp32 reduction and buffers): null is the section's defaults here too."""
+
+    NULL_IS_DEFAULT: ClassVar[bool] = True
 
     param_dtype: str = field(default="bf16", metadata={"help": "dtype parameters are all-gathered and computed in on GPUs (CPU runs compute in model_dtype)"})
     reduce_dtype: str = field(default="fp32", metadata={"help": "dtype gradients are reduce-scattered (averaged) in"})
@@ -104,6 +108,8 @@ class FSDPConfig:
                 "groups of one rank there are no units (sharding.replicate)"})
 
     def __post_init__(self):
+        if self.mixed_precision is None:
+            self.mixed_precision = MixedPrecisionConfig()
         if isinstance(self.mixed_precision, dict):
             known = {f.name for f in fields(MixedPrecisionConfig)}
             unknown = set(self.mixed_precision) - known

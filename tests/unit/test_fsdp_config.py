@@ -66,3 +66,18 @@ def test_the_models_minus_one_beside_a_hybrid_shard_actor_is_said_at_start_up():
         "actor_rollout_ref.ref.fsdp_config.fsdp_size=-1: every model shares the actor's training mesh, so it shards "
         "over its shard groups of 2 ranks (HYBRID_SHARD, actor_rollout_ref.actor.fsdp_config.fsdp_size=2), where "
         "verl's -1 shards a model over all 4 ranks (FULL_SHARD)"]
+
+
+def test_mixed_precision_null_is_verls_default():
+    """verl's FSDPEngineConfig.mixed_precision defaults to None, which its engine reads as bf16 compute and
+    fp32 reduction and buffers: null is the section's defaults here (it was refused as not a mapping);
+    `dtype` still sets the compute dtype where mixed_precision gives none."""
+    from sharding import FSDPConfig
+
+    key = "actor_rollout_ref.actor.fsdp_config"
+    fc = _cfg(f"{key}.mixed_precision=null", "actor_rollout_ref.ref.fsdp_config.mixed_precision=null",
+              "actor_rollout_ref.ref.fsdp_config.dtype=float32").actor_rollout_ref
+    mp = fc.actor.fsdp_config.mixed_precision
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == ("bf16", "fp32", "fp32")
+    assert fc.ref.fsdp_config.mixed_precision.param_dtype == "float32"
+    assert FSDPConfig(mixed_precision=None).mixed_precision == FSDPConfig().mixed_precision
