@@ -133,7 +133,7 @@ class FSDPConfig:
             raise ValueError(f"fsdp_config.wrap_policy keys {sorted(unknown)} are not supported; meshppo wraps "
                              f"transformer blocks and supports {list(_WRAP_POLICY_KEYS)}")
         mnp = self.wrap_policy.get("min_num_params", 0)
-        if not isinstance(mnp, int) or mnp < 0:
+        if isinstance(mnp, bool) or not isinstance(mnp, int) or mnp < 0:
             raise ValueError(f"fsdp_config.wrap_policy.min_num_params must be a non-negative integer, got {mnp!r}")
         classes = self.wrap_policy.get("transformer_layer_cls_to_wrap")
         if classes is not None:

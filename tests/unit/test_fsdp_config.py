@@ -81,3 +81,11 @@ def test_mixed_precision_null_is_verls_default():
     assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == ("bf16", "fp32", "fp32")
     assert fc.ref.fsdp_config.mixed_precision.param_dtype == "float32"
     assert FSDPConfig(mixed_precision=None).mixed_precision == FSDPConfig().mixed_precision
+
+
+@pytest.mark.parametrize("value", ["true", "1.5", "-1", "'100'"])
+def test_min_num_params_must_be_a_count(value):
+    """wrap_policy is a free mapping, so its count is checked by the section: a flag or a fraction is
+    refused naming the key (true was taken as the count 1)."""
+    with pytest.raises(ConfigError, match=r"fsdp_config.wrap_policy.min_num_params must be a non-negative integer"):
+        _cfg(f"actor_rollout_ref.actor.fsdp_config.wrap_policy={{min_num_params: {value}}}")
