@@ -164,11 +164,12 @@ class FSDPOptions(FSDPConfig):
 
 
 @dataclass
-class RefFSDPOptions(FSDPOptions):
-    """The reference's `fsdp_config`: verl marks its engine forward-only, as meshppo's is."""
+class FrozenFSDPOptions(FSDPOptions):
+    """A frozen model's `fsdp_config` (the reference's, the reward model's): verl marks the reference's
+    engine forward-only, as meshppo's frozen models are."""
 
-    forward_only: bool = opt(True, "verl: the engine runs forwards only; the reference always does: must be true",
-                             unsupported=lambda v: not v)
+    forward_only: bool = opt(True, "verl: the engine runs forwards only; a frozen model (the reference, the reward "
+                                   "model) always does: must be true", unsupported=lambda v: not v)
 
 
 _TEXT_ONLY_WHY = "meshppo's models are text-only: it reads no images or videos"
@@ -766,7 +767,7 @@ class ActorConfig:
 class RefConfig:
     strategy: str = opt("fsdp2", "backend of the reference model: fsdp or fsdp2 (both mean FSDP2 here)",
                         choices=("fsdp", "fsdp2"))
-    fsdp_config: RefFSDPOptions = section(RefFSDPOptions, "reference model FSDP2 settings")
+    fsdp_config: FrozenFSDPOptions = section(FrozenFSDPOptions, "reference model FSDP2 settings")
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling of the reference (global_profiler)")
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per reference forward on one GPU; null: "
                                                               "the rollout's log_prob_micro_batch_size_per_gpu", ge=1)
@@ -1272,7 +1273,7 @@ class RewardModelModelConfig:
                         no_effect="the weights are read once at start-up, memory-mapped where they are")
     use_remove_padding: bool = opt(True, "padding-free packed forwards (same scores either way)")
     use_fused_kernels: bool = opt(False, "verl: fused log-prob kernels", no_effect="a reward model has no LM head")
-    fsdp_config: FSDPOptions = section(FSDPOptions, "reward model FSDP2 settings")
+    fsdp_config: FrozenFSDPOptions = section(FrozenFSDPOptions, "reward model FSDP2 settings")
 
     def __post_init__(self):
         _check_override_config("reward_model.model", self.override_config)

@@ -89,3 +89,18 @@ def test_min_num_params_must_be_a_count(value):
     refused naming the key (true was taken as the count 1)."""
     with pytest.raises(ConfigError, match=r"fsdp_config.wrap_policy.min_num_params must be a non-negative integer"):
         _cfg(f"actor_rollout_ref.actor.fsdp_config.wrap_policy={{min_num_params: {value}}}")
+
+
+def test_the_frozen_models_run_forwards_only():
+    """The reference and the reward model are frozen forwards: forward_only=true is what they do (the
+    reward model's was refused, its help saying that the actor and the critic train); false is refused
+    for both, and true for the trained actor and critic."""
+    rm = ["reward_model.enable=true", "reward_model.model.path=/x"]
+    cfg = _cfg(*rm, "reward_model.model.fsdp_config.forward_only=true")
+    assert cfg.reward_model.model.fsdp_config.forward_only
+    for key, overrides in (("reward_model.model", rm), ("actor_rollout_ref.ref", [])):
+        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=False is not supported"):
+            _cfg(*overrides, f"{key}.fsdp_config.forward_only=false")
+    for key in ("actor_rollout_ref.actor", "critic.model"):
+        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=True is not supported"):
+            _cfg(f"{key}.fsdp_config.forward_only=true")
