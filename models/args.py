@@ -457,8 +457,9 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 
 def torch_dtypes() -> dict:
-    """Dtype names a config or command line may use -> torch dtypes (one map for the project)."""
+    """Dtype names a config or command line may use -> torch dtypes (one map for the project); verl's
+    numeric spellings too ("16", "32": its `PrecisionType`, a YAML 32 read as the text)."""
     import torch
 
     return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-            "float32": torch.float32, "fp32": torch.float32}
+            "16": torch.float16, "float32": torch.float32, "fp32": torch.float32, "32": torch.float32}

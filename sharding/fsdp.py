@@ -42,7 +42,7 @@ from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensor
 from sharding.ac import apply_ac
 from sharding.replicate import apply_replicated, replicated_params
 
-_FP16 = ("fp16", "float16", "half")
+_FP16 = ("fp16", "float16", "16", "half")
 _DTYPES = {k: v for k, v in torch_dtypes().items() if k not in _FP16}
 # meshppo's block and the Hugging Face classes a verl config names for the same layer.
 _BLOCK_CLASS_NAMES = ("TransformerBlock", "LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")

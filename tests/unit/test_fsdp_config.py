@@ -83,6 +83,24 @@ def test_mixed_precision_null_is_verls_default():
     assert FSDPConfig(mixed_precision=None).mixed_precision == FSDPConfig().mixed_precision
 
 
+def test_verls_numeric_dtype_spellings():
+    """verl's PrecisionType reads 32 / "32" as float32 and 16 as float16: the same here (32 was refused as a dtype
+    meshppo does not know), fp16 refused as its other spellings are, and a resume compares 32 and fp32 as one."""
+    import dataclasses
+
+    import torch
+
+    from trainer.checkpointing import run_differences
+
+    key = "actor_rollout_ref.actor.fsdp_config"
+    cfg = _cfg(f"{key}.model_dtype=32", f"{key}.mixed_precision.param_dtype='32'")
+    fc = cfg.actor_rollout_ref.actor.fsdp_config
+    assert (fc.model_torch_dtype, fc.param_torch_dtype) == (torch.float32, torch.float32)
+    with pytest.raises(ConfigError, match="fp16 needs loss scaling"):
+        _cfg(f"{key}.mixed_precision.param_dtype=16")
+    assert run_differences(dataclasses.asdict(_cfg(f"{key}.model_dtype=fp32")), dataclasses.asdict(cfg)) == []
+
+
 @pytest.mark.parametrize("value", ["true", "1.5", "-1", "'100'"])
 def test_min_num_params_must_be_a_count(value):
     """wrap_policy is a free mapping, so its count is checked by the section: a flag or a fraction is
