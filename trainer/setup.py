@@ -45,6 +45,10 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     check_engine_tensor_parallel(cfg)
     check_lora_adapter(cfg)
     t = cfg.trainer
+    if t.default_local_dir is not None and not t.default_local_dir.strip():
+        # (an unset shell variable: trainer.default_local_dir=$RUN) no directory to lock, log or write into
+        raise ConfigError(f"trainer.default_local_dir={t.default_local_dir!r} is empty: give the run directory, or "
+                          "null for runs/<trainer.project_name>/<trainer.experiment_name>")
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
     if "tensorboard" in t.logger:  # verl's variable: the event files' directory instead of the run directory's

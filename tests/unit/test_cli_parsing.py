@@ -308,3 +308,21 @@ def test_hydras_config_arguments_that_conflict(spelling, message, capsys):
     assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: {message}"]
     assert cli.main([*spelling, *VERL_BASE, "--print-config"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: {message}"]
+
+
+# 10. an empty run directory (an unset shell variable: trainer.default_local_dir=$RUN) is one config
+# error before any rank starts, from the launcher and from plain torchrun's ranks (it was a
+# FileNotFoundError traceback from the run-directory lock)
+@pytest.mark.parametrize("value", ["", "' '"])
+def test_an_empty_run_directory_is_a_config_error(tmp_path, value):
+    from trainer.setup import preflight
+
+    with pytest.raises(ConfigError, match=r"^trainer.default_local_dir='\s*' is empty: give the run directory, or "
+                                          r"null for runs/"):
+        preflight(_cfg(f"trainer.default_local_dir={value}"))
+    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", DEMO, f"trainer.default_local_dir={value}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "trainer.default_local_dir=" in r.stderr and "is empty" in r.stderr
+    assert os.listdir(tmp_path) == []
