@@ -28,10 +28,12 @@ TRAIN_NPROC = $(if $(filter command environment,$(origin NPROC)),trainer.n_gpus_
 train: install  ## train with the launcher: make train CONFIG=configs/demo.yaml ARGS="trainer.total_training_steps=5" [NPROC=n]
 	launch/run_single_node.sh --config $(CONFIG) $(TRAIN_NPROC) $(ARGS)
 
-demo: install  ## build the demo assets, then train on them: torchrun, 2 CPU ranks (NPROC=n: n ranks; SEED=k: another seed)
+# The demo trains through the launcher, as make train does: a config error in ARGS (or an NPROC the batch
+# does not split over) is one line before any rank starts, not torchrun's report of failed ranks.
+demo: install  ## build the demo assets, then train on them with the launcher: 2 CPU ranks (NPROC=n: n ranks; SEED=k: another seed)
 	@case " $(ARGS) " in *trainer.default_local_dir=*) echo "make demo: move the run with DEMO_RUN=DIR, not trainer.default_local_dir in ARGS (the plots read DEMO_RUN)" >&2; exit 2;; esac
 	$(PYTHON) -m tools.prepare_demo --out $(DEMO_DIR) --seed $(SEED)
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo.yaml \
+	PYTHON=$(PYTHON) launch/run_single_node.sh --config configs/demo.yaml \
 		trainer.n_gpus_per_node=$(NPROC) data.train_files=[$(DEMO_DIR)/train.jsonl] data.val_files=[$(DEMO_DIR)/val.jsonl] \
 		actor_rollout_ref.model.path=$(DEMO_DIR)/sft_model trainer.default_local_dir=$(DEMO_RUN) \
 		data.seed=$(SEED) trainer.seed=$(SEED) trainer.resume_mode=disable $(ARGS)
