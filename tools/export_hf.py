@@ -12,7 +12,8 @@ written with its adapters merged, and its adapters alone as a peft directory in
 `OUTPUT/lora_adapter`.
 
 The model is rebuilt from the run's config stored in the checkpoint (its model path, overrides,
-LoRA) in this one process on CPU and the sharded weights are loaded into it; a checkpoint of
+LoRA; a model or tokenizer path the run gave relative to its working directory is read where the
+run read it, from any working directory) in this one process on CPU and the sharded weights are loaded into it; a checkpoint of
 any world size converts. The memory it needs is the model twice over in its parameters' dtype
 (the trained ones float32 by default: about 2 x 28 GB for a 7B model), a LoRA model's merged
 copy a third time. Nothing is written before every check has passed; OUTPUT is replaced only
@@ -77,6 +78,29 @@ def _without_weights(state: dict, keys) -> dict:
     return {**state, "bases": kept}
 
 
+def _paths_as_read(state: dict) -> dict:
+    """The run's stored config with each model, adapter and tokenizer directory given relative to the
+    run's working directory replaced by the absolute path the checkpoint recorded for it (`bases`),
+    where that directory is still there: the export then reads what the run read from whatever
+    directory it is run in. A directory gone from there (moved) is read at the path as written."""
+    import copy
+
+    from trainer.checkpointing import MODEL_PATH_KEYS
+
+    config, recorded = copy.deepcopy(state.get("config", {})), state.get("bases")
+    for key in MODEL_PATH_KEYS if isinstance(recorded, dict) else ():
+        *parents, name = key.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        path = node.get(name) if isinstance(node, dict) else None
+        run_read = (recorded.get(key) or {}).get("path")
+        if (isinstance(path, str) and path and not os.path.isabs(path) and isinstance(run_read, str)
+                and os.path.isabs(run_read) and os.path.isdir(run_read)):
+            node[name] = run_read
+    return config
+
+
 def _check_output(out: str, step_dir: str, cfg, overwrite: bool) -> str:
     """OUTPUT as an absolute path, refused where replacing it would lose what is there: the
     checkpoint, a directory that the run (`cfg`) read its model, adapter or tokenizer from."""
@@ -135,7 +159,7 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
         raise ExportError(f"checkpoint {step_dir!r} holds no weights of the {role}: its run's {key} was "
                           f"{contents[role]}, without 'model'")
     try:
-        cfg = build_dataclass(PPOConfig, state.get("config", {}))
+        cfg = build_dataclass(PPOConfig, _paths_as_read(state))
     except ConfigError as e:
         raise ExportError(f"checkpoint {step_dir!r} stores a config this meshppo does not read ({e}); export it "
                           "with the meshppo version that wrote it") from None
