@@ -157,6 +157,8 @@ SFT_PROMPT_LIMIT = 32  # tokens: the longest prompt the demonstrator's training 
 
 def check_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse, with `p.error` (exit 2), options that would fail mid-build or give a broken model."""
+    if not a.out.strip():  # (an unset shell variable) no directory to build in
+        p.error(f"--out {a.out!r} is empty: give the assets directory, e.g. runs/demo_assets")
     if not 0.0 <= a.slip <= 1.0:
         p.error(f"--slip must be in [0, 1], got {a.slip}")
     for name in ("n_train", "n_val", "hidden", "layers", "heads", "kv_heads", "sft_batch"):

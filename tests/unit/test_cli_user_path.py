@@ -1,6 +1,7 @@
-"""The shipped configs run as they are written: loading one says nothing at start-up (no `meshppo:`
-note that an option of the file has no effect or is read otherwise than verl reads it), so a user
-of the recipe meets only the lines about their own overrides."""
+"""A new user's path: the shipped configs run as they are written (loading one says nothing at
+start-up: no `meshppo:` note that an option of the file has no effect or is read otherwise than verl
+reads it, so a user of the recipe meets only the lines about their own overrides), the README's make
+table says what the Makefile does, and the demo builder refuses an empty --out in one line."""
 
 import os
 
@@ -29,3 +30,17 @@ def test_the_readme_names_every_make_target_that_installs():
     with open(os.path.join(ROOT, "README.md")) as f:
         said = re.search(r"`make install` \(run by ([^)]*)\)", f.read()).group(1)
     assert sorted(re.findall(r"`([\w-]+)`", said)) == sorted(installs), (said, installs)
+
+
+def test_prepare_demo_refuses_an_empty_out(tmp_path):
+    """`python -m tools.prepare_demo --out ''` (an unset variable) is argparse's one-line error, exit 2;
+    it was a FileNotFoundError traceback from makedirs('') after the options were read."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", ""], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1].endswith("error: --out '' is empty: give the assets directory, e.g. "
+                                              "runs/demo_assets") and "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []
