@@ -2460,8 +2460,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if world_size is not None and world_size != described:
         raise ConfigError(f"this launch has {world_size} process{'es' if world_size != 1 else ''} but the config "
                           f"describes {shape} = {described}: "
-                          "launch that many (launch/run_single_node.sh starts n_gpus_per_node ranks) or change "
-                          "trainer.nnodes / trainer.n_gpus_per_node")
+                          + ("launch that many (launch/run_single_node.sh starts n_gpus_per_node ranks) or change "
+                             "trainer.nnodes / trainer.n_gpus_per_node" if t.nnodes == 1 else
+                             f"launch trainer.nnodes={t.nnodes} nodes of n_gpus_per_node ranks each "
+                             "(launch/slurm/multi_node.sbatch, or torchrun --nnodes on each node), or change "
+                             "trainer.nnodes / trainer.n_gpus_per_node"))
     if local_world_size is not None and local_world_size != per_node:
         raise ConfigError(f"this launch has {local_world_size} process{'es' if local_world_size != 1 else ''} per "
                           "node but the config describes "

@@ -338,6 +338,11 @@ def test_shipped_configs_validate_against_the_launch_they_describe(name):
 def test_the_launch_must_match_the_config():
     with pytest.raises(ConfigError, match="1 process per node but the config describes trainer.n_gpus_per_node = 2"):
         validate(_cfg("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "data.train_batch_size=32"), 4, 1)
+    # several nodes launched on one (the single-node launcher): the advice is the multi-node launch
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "data.train_batch_size=32"), 2, 2)
+    assert "launch trainer.nnodes=2 nodes of n_gpus_per_node ranks each (launch/slurm/multi_node.sbatch" in str(e.value)
+    assert "run_single_node" not in str(e.value)
 
 
 def test_offload_policy_supersedes_the_manual_offloads():
