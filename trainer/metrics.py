@@ -40,7 +40,7 @@ SINGLE_TURN = 2  # verl's num_turns of a single-turn generation: the prompt and 
 
 def turn_counts(ro: RolloutBatch) -> list[int]:
     """Each row's verl `num_turns`: a multi-turn rollout's own count, else `SINGLE_TURN`."""
-    return list(ro.num_turns) if ro.num_turns is not None else [SINGLE_TURN] * len(ro)
+    return list(ro.num_turns) if ro.num_turns is not None else [SINGLE_TURN] * len(ro.responses)
 
 
 def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[float]], *,
