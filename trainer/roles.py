@@ -205,27 +205,44 @@ def _grad_norm_and_step(model, optimizer, grad_clip: float, step: int = -1):
 
 
 class _Mean:
-    """Averages metrics over micro-/mini-batches. Values may be device tensors: they are only
-    read back in `result()` (one host sync), never inside the update loop."""
+    """Averages metrics over micro-/mini-batches and ranks. Values may be device tensors: they are
+    only read back in `result()` (one host sync), never inside the update loop.
 
-    def __init__(self):
-        self.values: dict[str, list] = {}
+    Each value is added to a group (`add(group, ...)`): a key's result is the mean over its
+    groups of each group's mean over every value that every rank added to it. One group per
+    mini-batch gives verl's `Metric` of aggregation MEAN (a mini-batch's micro-batches of every
+    rank, then the mean over the mini-batches), one group for the whole update verl's plain
+    floats (the mean over every micro-batch of every mini-batch and rank); the two differ where
+    mini-batches run different numbers of micro-batches (use_dynamic_bsz)."""
 
-    def add(self, **kv):
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.values: dict[str, dict[int, list]] = {}
+
+    def add(self, group: int, **kv):
         for k, v in kv.items():
-            self.values.setdefault(k, []).append(v.detach().float().reshape(()) if torch.is_tensor(v) else float(v))
+            value = v.detach().double().reshape(()) if torch.is_tensor(v) else float(v)
+            self.values.setdefault(k, {}).setdefault(group, []).append(value)
 
     def result(self) -> dict[str, float]:
-        """Means over the added values and over ranks (one collective for all of them: every rank
-        adds the same keys in the same order, as every rank runs the same micro-batches)."""
-        means = [torch.stack(vs).mean() if torch.is_tensor(vs[0]) else torch.tensor(sum(vs) / len(vs))
-                 for vs in self.values.values()]
-        dev = next((m.device for m in means if m.device.type != "cpu"), torch.device("cpu"))
-        local = torch.stack([m.to(dev) for m in means]).tolist() if means else []
-        if not local:
+        """The means (one collective for all of them: every rank adds the same keys, as every rank
+        runs the same micro-batches; a group may lack values on some ranks, as an empty micro-batch
+        adds none, and a group without values on any rank is left out of its key's mean)."""
+        cells = [self.values[k].get(g, []) for k in self.values for g in range(self.groups)]
+        if not cells:
             return {}
-        n = comm.world_size()
-        return {k: v / n for k, v in zip(self.values, comm.all_reduce_values(local))}
+        zero = torch.zeros((), dtype=torch.float64)
+        sums = [zero if not vs else torch.stack(vs).sum() if torch.is_tensor(vs[0]) else zero + sum(vs)
+                for vs in cells]
+        dev = next((m.device for m in sums if m.device.type != "cpu"), torch.device("cpu"))
+        local = torch.stack([m.to(dev) for m in sums]).tolist() + [float(len(vs)) for vs in cells]
+        reduced = comm.all_reduce_values(local)
+        out = {}
+        for i, k in enumerate(self.values):
+            cell = range(i * self.groups, (i + 1) * self.groups)
+            means = [reduced[c] / reduced[len(cells) + c] for c in cell if reduced[len(cells) + c]]
+            out[k] = sum(means) / len(means)
+        return out
 
 
 class LossTerms(NamedTuple):
@@ -332,7 +349,7 @@ class TrainableRole(Role):
                 forward: Callable[[RolloutBatch, int], tuple],
                 loss: Callable[[RolloutBatch, tuple, int, dict], LossTerms], sum_keys: tuple[str, ...],
                 step: int = -1, loss_scale_factor: float | None = None,
-                join: Callable[[], None] | None = None) -> dict:
+                join: Callable[[], None] | None = None, per_mini_batch: bool = False) -> dict:
         """The update skeleton: PPO epochs × mini-batches × micro-batches of `loss`.
 
         `forward(rows, k)` runs the model on micro-batch rows of mini-batch `k` (first output a
@@ -343,10 +360,14 @@ class TrainableRole(Role):
         indices go over without a sync (`RolloutBatch.index`, `models.transfer.host_to_device`), a
         non-finite gradient skips the step on a device flag (fused AdamW), and the metrics are
         read back once, at the end. Returns `<prefix>/...` metrics: the losses (`sum_keys`: each
-        mini-batch's global mean loss, averaged over the mini-batches and epochs, as verl's) and the
-        statistics (averaged over the micro- or mini-batches), each averaged over the ranks (a clip
-        fraction is every rank's, not rank 0's alone)."""
-        stats = _Mean()
+        mini-batch's global mean loss, averaged over the mini-batches and epochs, as verl's), the grad
+        norm (averaged over the mini-batches and epochs) and the statistics (`LossTerms.means`), every
+        rank's (a clip fraction is not rank 0's alone): with `per_mini_batch` each mini-batch's mean
+        over its micro-batches of every rank, averaged over the mini-batches and epochs (verl's actor:
+        its policy-loss metrics are `Metric`s of aggregation MEAN), else the mean over every micro-batch
+        of every mini-batch and rank (verl's critic: plain floats), `_Mean`."""
+        steps = cfg.ppo_epochs * num_mini_batches
+        stats = _Mean(steps)
         ro, _ = pool_rows(ro, self.sp)
         batching = sp_batching(MicroBatching(cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                              cfg.ppo_max_token_len_per_gpu), self.sp)
@@ -373,14 +394,14 @@ class TrainableRole(Role):
                         terms.loss.backward()
                     for key, v in terms.sums.items():
                         totals[key] = totals[key] + v
-                    stats.add(**terms.means)
+                    stats.add(k if per_mini_batch else 0, **terms.means)
             grad_norm, skipped = _grad_norm_and_step(self.model, self.optimizer, cfg.grad_clip, step)
-            stats.add(**{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
+            stats.add(k, **{f"{prefix}/grad_norm": grad_norm, f"{prefix}/nonfinite_skipped": skipped})
         # each mini-batch's global-mean loss, averaged over the mini-batches of every epoch
-        stats.add(**{key: total / (cfg.ppo_epochs * num_mini_batches) for key, total in totals.items()})
+        stats.add(0, **{key: total / steps for key, total in totals.items()})
         out = stats.result()
         # a count of the skipped optimizer steps, not their share (one flag was added per step)
-        out[f"{prefix}/nonfinite_skipped"] = out[f"{prefix}/nonfinite_skipped"] * cfg.ppo_epochs * num_mini_batches
+        out[f"{prefix}/nonfinite_skipped"] = out[f"{prefix}/nonfinite_skipped"] * steps
         out[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -519,7 +540,8 @@ class Actor(TrainableRole):
             comm.all_reduce(torch.zeros(2, dtype=torch.float64, device=self.device))
 
         out = self._update(ro, cfg, num_mini_batches, seed, "actor", forward, loss, sum_keys, step=step,
-                           loss_scale_factor=cfg.loss_scale_factor, join=join if normalize else None)
+                           loss_scale_factor=cfg.loss_scale_factor, join=join if normalize else None,
+                           per_mini_batch=True)
         if from_update:
             # every rank of a Ulysses group added its group's shares
             entropy, diff_sum, kl_sum, tokens = (x / self.sp_size for x in comm.all_reduce(first).tolist())
