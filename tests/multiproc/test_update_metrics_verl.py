@@ -112,3 +112,52 @@ def _body(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_update_statistics_aggregate_as_verl(world_size):
     run_distributed(_body, world_size)
+
+
+def _uneven_body(rank, world_size):
+    from models import ModelArgs, Transformer
+    from ppo.core_algos import get_policy_loss_fn
+    from sharding import FSDPConfig, ParallelDims, build_fsdp_model
+    from trainer.config import ActorConfig
+    from trainer.roles import Actor, MicroBatching, ReferencePolicy
+
+    cpu = torch.device("cpu")
+    args = ModelArgs(**UPDATE_MODEL)
+    g = torch.Generator().manual_seed(3 + rank)
+    rows = 4 if rank == 0 else 2  # rank 1 runs two empty micro-batches of the four
+    prompts = [torch.randint(2, args.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(rows)]
+    responses = [torch.randint(2, args.vocab_size, (6,), generator=g).tolist() for _ in range(rows)]
+    local = _rollouts(prompts, responses, 6, cpu)
+    mask = local.response_mask
+    reference = ReferencePolicy(Transformer.build(args, seed=0), packed=True, temperature=1.0, pad_token_id=0,
+                                device=cpu, batching=MicroBatching(None, False, 0))
+    logp = reference.log_probs(local)
+    local.old_log_probs = (logp + 0.6 * torch.randn(logp.shape, generator=g)) * mask
+    local.advantages = torch.randn(logp.shape, generator=g) * mask
+    meshes = ParallelDims(world_size, fsdp_size=-1).build_meshes("cpu")
+    model = build_fsdp_model(args, meshes.train, FSDPConfig(fsdp_size=-1, mixed_precision={"param_dtype": "fp32"}),
+                             device=cpu, seed=0)
+    actor = Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, packed=True, temperature=1.0,
+                  pad_token_id=0, device=cpu, world_size=world_size, response_length=6)
+    # two epochs of one mini-batch (not on-policy) at lr 0: both see the initial policy
+    cfg = ActorConfig(ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2, entropy_coeff=0.0,
+                      use_kl_loss=False, ppo_epochs=2, shuffle=False)
+    metrics = actor.update(local, cfg, 1, 0.0, seed=0, step=1)
+    clipfrac = [float(get_policy_loss_fn("vanilla")(
+        old_log_prob=local.old_log_probs[[i]], log_prob=logp[[i]], advantages=local.advantages[[i]],
+        response_mask=mask[[i]], cliprange=0.2, cliprange_low=None, cliprange_high=None,
+        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode="token-mean", rollout_is_weights=None).pg_clipfrac)
+        for i in range(rows)]
+    every = _gathered(clipfrac + [0.0] * (4 - rows))
+    values = every[0] + every[1][:2]  # the six micro-batches that ran
+    expected = sum(values) / 6
+    per_rank = (sum(every[0]) / 4 + sum(every[1][:2]) / 2) / 2  # each rank's mean, then the ranks'
+    assert abs(expected - per_rank) > 1e-2, (expected, per_rank)
+    assert abs(metrics["actor/pg_clipfrac"] - expected) < 1e-6, (metrics["actor/pg_clipfrac"], expected)
+
+
+def test_an_empty_micro_batch_adds_nothing_to_the_statistics():
+    """A rank holding fewer rows than another runs empty micro-batches (every rank runs as many): the
+    statistics are the mean over the micro-batches that ran, each counted once (verl's rule, whose ranks
+    never hold unequal rows), not the mean of each rank's own mean."""
+    run_distributed(_uneven_body, 2)
