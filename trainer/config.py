@@ -1041,8 +1041,10 @@ class RolloutConfig:
                              unsupported=bool)
     skip_dump_dir: str = opt("/tmp/rollout_dump", "verl: the rollouts' dump of skip_rollout",
                              no_effect=read_only_with("skip_rollout"))
-    repetition_penalty: float = opt(1.0, "not supported: must be 1.0 (verl: vLLM's and SGLang's repetition penalty "
-                                         "in the rollouts' sampling)", unsupported=other_than(1.0))
+    repetition_penalty: float = opt(1.0, "verl: a repetition penalty of the rollouts' sampling", gt=0,
+                                    no_effect="verl 0.9.1's agent loop asks its engines for 1.0 whatever it says (only "
+                                              "its standalone generation script reads it); meshppo's engine applies "
+                                              "no penalty either")
     enable_sleep_mode: bool = opt(True, "verl: the engine releases its memory between generations",
                                   no_effect="meshppo's engine does with free_cache_engine and free_engine_weights")
     sglang_engine_mode: str = opt("local", "verl: where the SGLang engine runs", no_effect="meshppo runs its own engine "

@@ -447,7 +447,8 @@ def test_verls_other_rollout_options_load_and_are_said_or_refused():
     """Fields of verl's RolloutConfig that its scripts set and meshppo did not know (an unknown-key
     error): verl's fully-async recipe's +enable_sleep_mode, its server yaml's server section, TensorRT-LLM
     as the rollout name. Each loads at verl's default without a note; set otherwise it is said to change
-    nothing, or refused where it would change the sampling (repetition_penalty)."""
+    nothing. repetition_penalty too: verl 0.9.1's agent loop asks its engines for 1.0 whatever the
+    option says, so a verl script that sets it samples without a penalty, as meshppo does."""
     cfg = _cfg(f"{R}.name=trtllm", f"+{R}.enable_sleep_mode=false", f"{R}.sglang_engine_mode=remote",
                f"{R}.limit_images=2", f"{R}.server={{timeout: 60}}", f"{R}.custom={{x: 1}}", f"{R}.layer_name_map={{a: b}}")
     validate(cfg)
@@ -458,8 +459,11 @@ def test_verls_other_rollout_options_load_and_are_said_or_refused():
                 "layer_name_map="):
         assert any(n.startswith(f"{R}.{key}") and "has no effect" in n for n in notes), (key, notes)
     assert not any("has no effect" in n for n in config_notes(_cfg(f"{R}.repetition_penalty=1.0", f"{R}.custom=null")))
-    with pytest.raises(ConfigError, match=rf"{R}.repetition_penalty=1.1 is not supported by meshppo"):
-        _cfg(f"{R}.repetition_penalty=1.1")
+    assert [n for n in config_notes(_cfg(f"{R}.repetition_penalty=1.1")) if "repetition_penalty" in n] == [
+        f"{R}.repetition_penalty=1.1 has no effect: verl 0.9.1's agent loop asks its engines for 1.0 whatever it says "
+        "(only its standalone generation script reads it); meshppo's engine applies no penalty either"]
+    with pytest.raises(ConfigError, match=rf"{R}.repetition_penalty: 0.0 is out of range; allowed: > 0"):
+        _cfg(f"{R}.repetition_penalty=0")
 
 
 def test_chunked_prefill_off_is_vllms_option_only():
