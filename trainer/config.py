@@ -953,7 +953,8 @@ class RolloutConfig:
     response_length: int | None = opt(None, "defaults to data.max_response_length", ge=1)
     dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
     gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
-    ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks)")
+    ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks), whatever the rollout.name (verl's "
+                                  "SGLang and TensorRT-LLM servers do not read it: a start-up note says so)")
     enforce_eager: bool = opt(False, "disable CUDA graphs (decode and prefill steps)")
     free_cache_engine: bool = opt(True, "release the engine's KV cache after generation, so the training phases get "
                                         "its memory (the next generation re-allocates it)")
@@ -2057,6 +2058,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"actor_rollout_ref.rollout.enable_chunked_prefill=false has no effect with rollout.name="
                      f"{rollout.name}: it is vLLM's option, which verl passes to vLLM only; meshppo's engine splits "
                      "long prefills")
+    if rollout.ignore_eos and rollout.name in NOT_VLLM_ENGINES:
+        notes.append(f"actor_rollout_ref.rollout.ignore_eos=true with rollout.name={rollout.name}: meshppo's engine "
+                     f"generates past EOS, as verl's vLLM server does; verl's {rollout.name} server does not pass the "
+                     "option on, and stops at EOS")
     if rollout.engine != "hf":
         for key, opts, default, validate in (("rollout.do_sample", rollout, True, False),
                                              ("rollout.val_kwargs.do_sample", rollout.val_kwargs, False, True)):

@@ -486,6 +486,19 @@ def test_chunked_prefill_off_is_vllms_option_only():
             validate(cfg)
 
 
+def test_ignore_eos_under_verls_sglang_and_trtllm_names_is_said():
+    """verl's vLLM server passes rollout.ignore_eos to its sampling; its SGLang and TensorRT-LLM
+    servers do not (they stop at EOS). meshppo's engine honours it under every name, and says so
+    at start-up where verl's engine of that name would not."""
+    for name in ("sglang", "trtllm"):
+        assert [n for n in config_notes(_cfg(f"{R}.name={name}", f"{R}.ignore_eos=true")) if "ignore_eos" in n] == [
+            f"{R}.ignore_eos=true with rollout.name={name}: meshppo's engine generates past EOS, as verl's vLLM "
+            f"server does; verl's {name} server does not pass the option on, and stops at EOS"]
+    for name in ("vllm", "native", "hf"):
+        assert not [n for n in config_notes(_cfg(f"{R}.name={name}", f"{R}.ignore_eos=true")) if "ignore_eos" in n]
+    assert not [n for n in config_notes(_cfg(f"{R}.name=sglang")) if "ignore_eos" in n]
+
+
 def test_verls_other_loggers_are_named_as_verls():
     """verl's trainer.logger takes mlflow, swanlab, clearml, trackio and file too: each was 'unknown'; now
     named as verl's and refused, and verl's file logger (a JSON line per step) pointed at jsonl."""
