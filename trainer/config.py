@@ -973,6 +973,15 @@ class RolloutConfig:
                                       "algorithm.rollout_correction). auto: the cache in dtype",
                               choices=KV_CACHE_DTYPES)
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
+    moe_tensor_parallel_size: int = opt(1, "not supported: must be 1" + MOE_WHY, ge=1, unsupported=other_than(1))
+    standalone_gpu_memory_utilization: float | None = opt(None, "verl: the gpu_memory_utilization of its fully-async "
+                                                                "trainer's rollout replicas on GPUs of their own",
+                                                          gt=0, le=1, no_effect="meshppo's engine runs on the training "
+                                                                                "GPUs: gpu_memory_utilization sizes it")
+    checkpoint_manager_class: str | None = opt(None, "not supported: must be null (verl: the import path of a user's "
+                                                     "own CheckpointEngineManager class, which moves the weights to "
+                                                     "the engine; meshppo's resharder does)",
+                                               unsupported=lambda v: v is not None)
     max_num_batched_tokens: int = opt(8192, "prompt-token budget of one engine prefill step (chunked prefill); "
                                             "decode steps run up to max_num_seqs sequences whatever it is (vLLM "
                                             "counts their tokens in it too)", ge=1)

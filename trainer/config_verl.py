@@ -81,6 +81,8 @@ class AgentLoopConfig:
     agent_loop_config_path: str | None = opt(None, "not supported: must be null (verl: agent loops of its own)",
                                              unsupported=lambda v: v is not None)
     custom_async_server: CustomAsyncServerConfig = section(CustomAsyncServerConfig, "verl's own rollout server")
+    agent_loop_manager_class: str | None = opt(None, "not supported: must be null (verl: the import path of a user's "
+                                                     "own AgentLoopManager class)", unsupported=lambda v: v is not None)
 
 
 @dataclass

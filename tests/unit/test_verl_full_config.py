@@ -486,6 +486,25 @@ def test_chunked_prefill_off_is_vllms_option_only():
             validate(cfg)
 
 
+def test_verls_rollout_fields_outside_its_yaml_load():
+    """Fields of verl 0.9.1's RolloutConfig (and AgentLoopConfig) that its rollout.yaml leaves out,
+    set with `+` by its fully-async recipe or a user's own classes: each loads at verl's default; a
+    standalone replica's memory share changes nothing here (a note); an MoE TP size and a user's
+    manager classes are refused naming the key (they were unknown keys, one 'meant'
+    gpu_memory_utilization)."""
+    cfg = _cfg(f"+{R}.standalone_gpu_memory_utilization=0.7", f"+{R}.moe_tensor_parallel_size=1",
+               f"+{R}.checkpoint_manager_class=null", f"+{R}.agent.agent_loop_manager_class=null")
+    validate(cfg)
+    assert _round_trips(cfg)
+    assert [n for n in config_notes(cfg) if "standalone" in n] == [
+        f"{R}.standalone_gpu_memory_utilization=0.7 has no effect: meshppo's engine runs on the training GPUs: "
+        "gpu_memory_utilization sizes it"]
+    for key, value in (("moe_tensor_parallel_size", "2"), ("checkpoint_manager_class", "'my.Manager'"),
+                       ("agent.agent_loop_manager_class", "'my.Manager'")):
+        with pytest.raises(ConfigError, match=rf"^{R}.{key}={value} is not supported by meshppo$"):
+            _cfg(f"+{R}.{key}={value.strip(chr(39))}")
+
+
 def test_ignore_eos_under_verls_sglang_and_trtllm_names_is_said():
     """verl's vLLM server passes rollout.ignore_eos to its sampling; its SGLang and TensorRT-LLM
     servers do not (they stop at EOS). meshppo's engine honours it under every name, and says so
