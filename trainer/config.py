@@ -1305,8 +1305,9 @@ class RewardModelConfig:
                                                      "verl 0.9.1 has no reward-model micro-batch option", ge=1)
     micro_batch_size: int | None = _global_micro_batch("micro_batch_size_per_gpu")
     max_length: int | None = opt(None, "with input_tokenizer set: the longest input the reward model reads; a "
-                                       "longer rendered chat is cut on the right, as verl's FSDP reward model does; "
-                                       "null: no limit. Without input_tokenizer the prompt and response length "
+                                       "longer rendered chat is cut on the right, as earlier verl's FSDP reward model cut it at a set "
+                                       "max_length; null: no limit (as verl 0.9.1's reward loop, which has no such "
+                                       "cut; earlier verl read null as the actor's prompt + response length). Without input_tokenizer the prompt and response length "
                                        "bound the input: must be null", ge=1)
     use_dynamic_bsz: bool = opt(False, "pack reward-model forwards by token count (always so without a "
                                        "micro_batch_size_per_gpu)")
