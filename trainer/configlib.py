@@ -253,7 +253,7 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         _check_range(coerced, f.metadata, full)
         unsupported = f.metadata.get("unsupported")
         if unsupported is not None and coerced is not None and unsupported(coerced):
-            raise ConfigError(f"{full}={coerced!r} is not supported by meshppo")
+            raise ConfigError(f"{full}={coerced!r} is not supported by meshppo{_refusal_reason(f.metadata)}")
         kwargs[f.name] = coerced
     try:
         return cls(**kwargs)
@@ -261,6 +261,15 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+
+
+def _refusal_reason(metadata) -> str:
+    """The tail of an unsupported value's refusal: what the option's help says it takes and why
+    (`"not supported: must be false (...)"` reads `: must be false (...)`), '' where it says no more."""
+    reason = (metadata.get("help") or "").strip()
+    if reason.startswith("not supported"):
+        reason = reason[len("not supported"):].lstrip(": ")
+    return "" if not reason else f" {reason}" if reason.startswith("(") else f": {reason}"
 
 
 class ConfigLoader(yaml.SafeLoader):

@@ -103,6 +103,22 @@ def test_bad_overrides_name_the_problem(override, message):
     assert message in str(e.value)
 
 
+def test_an_unsupported_value_is_refused_with_what_the_option_takes():
+    """The refusal carries the option's own account of what it takes and why (its help text), not only
+    'not supported'."""
+    for override, message in (
+            ("data.validation_shuffle=true", "data.validation_shuffle=True is not supported by meshppo: must be false "
+                                             "(validation prompts go in file order, or in the order val_max_samples "
+                                             "drew them)"),
+            ("data.trust_remote_code=true", "data.trust_remote_code=True is not supported by meshppo (tokenizers load "
+                                            "without remote code): must be false"),
+            ("actor_rollout_ref.model.external_lib=x",
+             "actor_rollout_ref.model.external_lib='x' is not supported by meshppo")):
+        with pytest.raises(ConfigError) as e:
+            _cfg(override)
+        assert str(e.value) == message
+
+
 def test_clip_ratio_c_at_or_below_1_truncates_dppos_ratio():
     """verl asserts clip_ratio_c > 1 in its dual-clip (vanilla) loss only: dppo_tv / dppo_kl take it as the bound of
     their truncated ratio, 1 or less included; bypass mode's reinforce does not read it."""

@@ -102,7 +102,7 @@ def test_what_meshppo_does_not_have_is_refused_naming_the_key(override):
     key = override.split("=", 1)[0]
     with pytest.raises(ConfigError) as e:
         _cfg(override)
-    assert str(e.value).startswith(f"{key}=") and str(e.value).endswith("is not supported by meshppo"), str(e.value)
+    assert str(e.value).startswith(f"{key}=") and " is not supported by meshppo" in str(e.value), str(e.value)
 
 
 NOT_SUPPORTED = "which meshppo does not support"

@@ -118,7 +118,7 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     key, value = override.split("=", 1)
     with pytest.raises(ConfigError) as e:
         _cfg(override)
-    assert str(e.value).startswith(f"{key}=") and str(e.value).endswith("is not supported by meshppo"), str(e.value)
+    assert str(e.value).startswith(f"{key}=") and " is not supported by meshppo" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("override, note", [
@@ -501,7 +501,7 @@ def test_verls_rollout_fields_outside_its_yaml_load():
         "gpu_memory_utilization sizes it"]
     for key, value in (("moe_tensor_parallel_size", "2"), ("checkpoint_manager_class", "'my.Manager'"),
                        ("agent.agent_loop_manager_class", "'my.Manager'")):
-        with pytest.raises(ConfigError, match=rf"^{R}.{key}={value} is not supported by meshppo$"):
+        with pytest.raises(ConfigError, match=rf"^{R}.{key}={value} is not supported by meshppo(:| \(|$)"):
             _cfg(f"+{R}.{key}={value.strip(chr(39))}")
 
 
