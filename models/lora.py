@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,8 +66,9 @@ class LoRAConfig:
     rank: int = field(metadata={"help": "adapter rank r (lora_rank); > 0"})
     alpha: float = field(default=16.0, metadata={"help": "lora_alpha: the adapter output is scaled by alpha / rank"})
     target_modules: str | list[str] = field(default="all-linear", metadata={
-        "help": "'all-linear' or a list of projection names among q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                "up_proj, down_proj"})
+        "help": "'all-linear', a list of projection names among q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                "up_proj, down_proj, or a regular expression peft matches (re.fullmatch) against whole module "
+                "names (model.layers.0.self_attn.q_proj): it must select the same projections in every layer"})
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -76,7 +78,12 @@ class LoRAConfig:
         tm = self.target_modules
         if isinstance(tm, str):
             if tm != "all-linear":
-                raise ValueError(f"target_modules={tm!r}: give 'all-linear' or a list of names among {list(ALL_LINEAR)}")
+                try:
+                    re.compile(tm)
+                except re.error as e:
+                    raise ValueError(f"target_modules={tm!r} is not a regular expression ({e}): give 'all-linear', "
+                                     f"a list of names among {list(ALL_LINEAR)} or a regular expression") from None
+                regex_targets(tm, _hf_module_names(1))  # what it selects, checked on one layer
             return
         if not isinstance(tm, (list, tuple)) or not tm:
             raise ValueError(f"target_modules must be 'all-linear' or a non-empty list, got {tm!r}")
@@ -90,12 +97,61 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         """The projection names, in model order."""
-        return ALL_LINEAR if self.target_modules == "all-linear" else tuple(
-            m for m in ALL_LINEAR if m in self.target_modules)
+        if self.target_modules == "all-linear":
+            return ALL_LINEAR
+        if isinstance(self.target_modules, str):
+            return regex_targets(self.target_modules, _hf_module_names(1))
+        return tuple(m for m in ALL_LINEAR if m in self.target_modules)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+_LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
+
+
+def _hf_module_names(num_layers: int, head: str = "lm_head") -> list[str]:
+    """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
+    `...ForCausalLM`, or `...ForTokenClassification` with head `score`)."""
+    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", head]
+    for i in range(num_layers):
+        b = f"model.layers.{i}"
+        names += [b, f"{b}.input_layernorm", f"{b}.post_attention_layernorm", f"{b}.self_attn", f"{b}.mlp",
+                  f"{b}.self_attn.q_norm", f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
+        names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR]
+    return names
+
+
+def regex_targets(pattern: str, names: list[str]) -> tuple[str, ...]:
+    """The projections a string `target_modules` selects, as peft reads a string: `re.fullmatch` against each
+    whole module name in `names`. ValueError naming target_modules when it selects a module other than a
+    decoder layer's projection, none at all, or not the same projections in every layer."""
+    per_layer: dict[int, set[str]] = {}
+    layers = set()
+    for name in names:
+        m = _LAYER_PROJ.fullmatch(name)
+        if m and m.group(2) in ALL_LINEAR:
+            layers.add(int(m.group(1)))
+        if not re.fullmatch(pattern, name):
+            continue
+        if not (m and m.group(2) in ALL_LINEAR):
+            raise ValueError(f"target_modules={pattern!r} matches the module {name} (peft matches a string target "
+                             f"against whole module names): meshppo's LoRA targets only the decoder layers' "
+                             f"projections {list(ALL_LINEAR)}")
+        per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
+    if not per_layer:
+        raise ValueError(f"target_modules={pattern!r} matches no module: peft matches a string target with "
+                         "re.fullmatch against whole module names such as model.layers.0.self_attn.q_proj "
+                         "(give a list for names such as q_proj)")
+    sets = {i: per_layer.get(i, set()) for i in sorted(layers)}
+    first = sets[min(sets)]
+    for i, got in sets.items():
+        if got != first:
+            raise ValueError(f"target_modules={pattern!r} selects {sorted(first)} in layer {min(sets)} but "
+                             f"{sorted(got)} in layer {i}: meshppo's adapters cover the same projections in every "
+                             "layer")
+    return tuple(p for p in ALL_LINEAR if p in first)
 
 
 class LoRALinear(nn.Linear):
@@ -125,6 +181,9 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
         raise RuntimeError("inject_lora was already applied to this model")
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
+    if isinstance(cfg.target_modules, str) and cfg.target_modules != "all-linear":  # a regex: on every layer
+        regex_targets(cfg.target_modules,
+                      _hf_module_names(len(model.layers), "score" if hasattr(model, "score") else "lm_head"))
     for name, module in _targets(model, cfg):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")

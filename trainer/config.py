@@ -540,8 +540,11 @@ class ModelConfig:
                             "reference is the actor with its adapters off (no second model)", ge=0)
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter output is scaled by lora_alpha / lora_rank",
                             gt=0)
-    target_modules: str | list[str] = opt("all-linear", "projections that get adapters: all-linear or a list among "
-                                                         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    target_modules: str | list[str] = opt("all-linear", "projections that get adapters: all-linear, a list among "
+                                                         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                                                         "or a regular expression matched as peft does (re.fullmatch "
+                                                         "on whole names: model.layers.0.self_attn.q_proj) that "
+                                                         "selects the same projections in every layer")
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
                                               "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha "
                                               "and target_modules, as in verl (lora_rank, lora_alpha and "
@@ -1143,9 +1146,11 @@ class CriticModelConfig:
                          ge=0)
     lora_alpha: float = opt(16.0, "critic LoRA scaling numerator: the adapter output is scaled by "
                                   "lora_alpha / lora_rank", gt=0)
-    target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters: all-linear or a list "
+    target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters: all-linear, a list "
                                                          "among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                                         "down_proj")
+                                                         "down_proj, or a regular expression matched as peft does "
+                                                         "(re.fullmatch on whole names) that selects the same "
+                                                         "projections in every layer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)
