@@ -1142,7 +1142,9 @@ class CriticModelConfig:
     enable_activation_offload: bool = opt(False, _ACTIVATION_OFFLOAD_HELP)
     use_remove_padding: bool = opt(True, "padding-free packed forwards")
     lora_rank: int = opt(0, "LoRA adapter rank on the critic; 0: the whole critic trains. With adapters only "
-                            "they and the value head train and are checkpointed (the base is re-read from path)",
+                            "they and the whole value head train and are checkpointed (the base is re-read from "
+                            "path); verl's peft critic freezes the value head's weight (all-linear: an adapter on "
+                            "it; a list of projections: not trained at all)",
                          ge=0)
     lora_alpha: float = opt(16.0, "critic LoRA scaling numerator: the adapter output is scaled by "
                                   "lora_alpha / lora_rank", gt=0)
