@@ -2205,6 +2205,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         if not on and unused:
             notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{switch} is {'null' if switch.endswith('rollout_is') else 'false'}")
+    if alg.use_pf_ppo and alg.pf_ppo.reweight_method != "pow" and _non_default(alg.pf_ppo, ("weight_pow",)):
+        notes.append(f"algorithm.pf_ppo.weight_pow={_shown(alg.pf_ppo.weight_pow)} has no effect: "
+                     f"algorithm.pf_ppo.reweight_method={alg.pf_ppo.reweight_method} (it is the pow method's power)")
     notes += _unused_section_notes(cfg)
     if alg.use_kl_in_reward and arr.actor.use_kl_loss:
         notes.append("algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true: the KL to the "
