@@ -2208,6 +2208,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if alg.use_pf_ppo and alg.pf_ppo.reweight_method != "pow" and _non_default(alg.pf_ppo, ("weight_pow",)):
         notes.append(f"algorithm.pf_ppo.weight_pow={_shown(alg.pf_ppo.weight_pow)} has no effect: "
                      f"algorithm.pf_ppo.reweight_method={alg.pf_ppo.reweight_method} (it is the pow method's power)")
+    if alg.filter_groups.enable and arr.rollout.n == 1:
+        notes.append("algorithm.filter_groups.enable=true has no effect with actor_rollout_ref.rollout.n=1: each "
+                     "prompt's group is its one response, and a group of one is always kept (as in verl)")
     notes += _unused_section_notes(cfg)
     if alg.use_kl_in_reward and arr.actor.use_kl_loss:
         notes.append("algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true: the KL to the "

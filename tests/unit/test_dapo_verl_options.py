@@ -18,3 +18,12 @@ def test_pf_ppo_weight_pow_outside_the_pow_method_is_noted():
             "pow method's power)"]
         assert _notes("weight_pow", *GAE, f"algorithm.pf_ppo.reweight_method={method}") == []
     assert _notes("weight_pow", *GAE, "algorithm.pf_ppo.weight_pow=3") == []  # pow reads it
+
+
+def test_dynamic_sampling_of_groups_of_one_is_noted():
+    fg = ("algorithm.filter_groups.enable=true", "algorithm.adv_estimator=gae")
+    assert _notes("filter_groups.enable", *fg, "actor_rollout_ref.rollout.n=1") == [
+        "algorithm.filter_groups.enable=true has no effect with actor_rollout_ref.rollout.n=1: each prompt's group is "
+        "its one response, and a group of one is always kept (as in verl)"]
+    assert _notes("filter_groups.enable", *fg, "actor_rollout_ref.rollout.n=2") == []
+    assert _notes("filter_groups.enable", "actor_rollout_ref.rollout.n=1") == []
