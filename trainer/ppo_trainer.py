@@ -767,14 +767,18 @@ class PPOTrainer:
         (verl's recipe: `batch[:train_batch_size * n]`). Fails after
         `max_num_gen_batches` rounds (if > 0) that kept too few. Returns what the unfiltered path has
         at this point: `(full, ro, parts, scores, extras)`, with the scores and extras of the kept
-        rows, not scored again. `train/num_gen_batches` counts the rounds."""
+        rows, not scored again. `train/num_gen_batches` counts the rounds; as verl 0.9.1's default trainer
+        logs them (where not 0), `training/filter_groups/evicted_samples` counts the prompts dropped for
+        a metric that did not vary and `training/filter_groups/discarded_surplus_samples` the varying
+        prompts beyond `train_batch_size`, over the step's rounds (prompts, for all the names say)."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         kept: list[tuple[RolloutBatch, torch.Tensor, list[str], dict]] = []  # each round's kept rows
-        prompts, rounds = 0, 0
+        prompts, rounds, dropped = 0, 0, np.zeros(2, dtype=np.int64)  # (evicted, surplus) prompts
         while True:
             rounds += 1
-            rows, groups = self._filter_round(items, seed if rounds == 1 else derive_seed(seed, rounds - 1), rounds,
+            rows, groups, counts = self._filter_round(items, seed if rounds == 1 else derive_seed(seed, rounds - 1), rounds,
                                               target - prompts)
+            dropped += counts
             kept.append(rows)
             prompts += groups
             if prompts >= target:
@@ -786,6 +790,9 @@ class PPOTrainer:
                                 "algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size, or check the data")
             items = self.loader.next_batch()
         metrics["train/num_gen_batches"] = float(rounds)
+        for name, count in zip(("evicted_samples", "discarded_surplus_samples"), dropped.tolist()):
+            if count:
+                metrics[f"training/filter_groups/{name}"] = float(count)
         full = RolloutBatch.concat([b for b, *_ in kept])
         # the extras of every round under one set of names (a round's samples may have given fewer keys)
         names = sorted(set().union(*(n for _, _, n, _ in kept)))
@@ -804,13 +811,14 @@ class PPOTrainer:
         self._place_components(ro, extras)
         return full, ro, parts, scores, extras
 
-    def _filter_round(self, items: list[dict], seed: int, round_: int, wanted: int) -> tuple[tuple, int]:
+    def _filter_round(self, items: list[dict], seed: int, round_: int, wanted: int) -> tuple[tuple, int, np.ndarray]:
         """One generation round of dynamic sampling (`_filtered_rollouts`): `items` generated with `seed`
         and scored on the ranks that own the rows; of the prompts whose responses' metric varies, the
         first `wanted`. Returns their rows alone (the rest of the round is dropped here, so no round's
         whole batch stays alive while later rounds run), as `(rollouts, columns, extra names, other
         extras)` (columns: every kept row's score and numeric extras, on the host; other extras only
-        for the dumps), and how many prompts they are."""
+        for the dumps), how many prompts they are, and how many it dropped: `[evicted, surplus]` (prompts
+        whose metric did not vary; varying ones beyond `wanted`)."""
         with self.timer("gen"):
             batch = self._generate_all(items, validate=False, seed=seed)
         batch.row_names = reward_row_names(batch, items, f"the step's generation round {round_}")
@@ -826,11 +834,14 @@ class PPOTrainer:
         groups: dict[int, list[int]] = {}
         for i, u in enumerate(batch.uids):
             groups.setdefault(u, []).append(i)
-        keep = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0][:wanted]
+        varying = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0]
+        keep = varying[:wanted]
+        counts = np.array([len(groups) - len(varying), len(varying) - len(keep)], dtype=np.int64)
         rows = [i for group in keep for i in group]
         # (the kept rows' columns: score, extras)
         kept_cols = torch.cat([cols[:, :1], cols[:, 2:]], dim=1)[rows]
-        return (batch.take(rows), kept_cols, list(extras), {k: [v[i] for i in rows] for k, v in others.items()}), len(keep)
+        return ((batch.take(rows), kept_cols, list(extras), {k: [v[i] for i in rows] for k, v in others.items()}),
+                len(keep), counts)
 
     def _filter_metric(self, cols: torch.Tensor, names: list[str], batch: RolloutBatch) -> np.ndarray:
         """`algorithm.filter_groups.metric` of every row: the score (`seq_reward`, `reward`, verl

@@ -1,0 +1,80 @@
+"""Dynamic sampling (`algorithm.filter_groups`) against verl's rule on hand-made rounds: which prompts
+the step keeps (verl's DAPO recipe: a prompt's group kept where its metric's population std is > 0 or it
+has one response; the kept rows of the rounds concatenated and cut to train_batch_size prompts), and the
+counts verl 0.9.1's default trainer logs: `training/filter_groups/evicted_samples` (prompts dropped for a
+metric that did not vary) and `training/filter_groups/discarded_surplus_samples` (varying prompts beyond
+the batch)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import trainer.ppo_trainer as pt
+from trainer.config import PPOConfig
+from trainer.configlib import load_config
+from trainer.rollout_batch import RolloutBatch
+from trainer.tracking import Timer
+
+N, TARGET = 3, 3  # samples a prompt, prompts a step
+# each round's prompts' scores (one row a prompt, one column a sample): rounds of 4 prompts
+ROUNDS = [
+    [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 0.25, 0.5]],  # 2 vary, 2 do not
+    [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [2.0, 0.0, 1.0], [-1.0, -1.0, -1.0]],  # 2 vary (1 needed), 2 do not
+]
+
+
+def _trainer():
+    cfg = load_config(PPOConfig, None, [
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+        f"data.train_batch_size={TARGET}", f"actor_rollout_ref.actor.ppo_mini_batch_size={TARGET}",
+        f"data.gen_batch_size={len(ROUNDS[0])}", f"actor_rollout_ref.rollout.n={N}"])
+    trainer = object.__new__(pt.PPOTrainer)
+    trainer.cfg, trainer.device, trainer.global_step = cfg, torch.device("cpu"), 0
+    trainer.ctx = SimpleNamespace(rank=0, world_size=1)
+    trainer.timer = Timer(trainer.device)
+    trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
+    drawn = iter(range(len(ROUNDS)))
+    # a prompt's tokens name its round and place: (round, prompt) -> [10 * round + prompt + 1]
+    trainer.loader = SimpleNamespace(next_batch=lambda: (r := next(drawn), [
+        {"input_ids": [10 * r + p + 1]} for p in range(len(ROUNDS[r]))])[1])
+
+    def generate_all(items, validate, seed):
+        responses = [[7] * (k + 1) for _ in items for k in range(N)]
+        return RolloutBatch([list(it["input_ids"]) for it in items for _ in range(N)], responses,
+                            [i for i in range(len(items)) for _ in range(N)], ["d"] * len(responses),
+                            [None] * len(responses), [{} for _ in responses], ["stop"] * len(responses),
+                            [[0.0] * len(r) for r in responses], N, trainer.device)
+
+    def score(ro, texts=None):
+        values = torch.tensor([ROUNDS[(p[0] - 1) // 10][(p[0] - 1) % 10][len(r) - 1]
+                               for p, r in zip(ro.prompts, ro.responses)])
+        return values, {}, {}, values
+
+    trainer._generate_all, trainer._score = generate_all, score
+    return trainer
+
+
+def _verl_kept():
+    """verl's recipe, independently: per round the rows of the prompts whose scores' np.std > 0 (or one
+    response), in row order; the rounds concatenated and cut to TARGET * N rows. (round, prompt) per row."""
+    batch = []
+    for r, prompts in enumerate(ROUNDS):
+        rows = [(r, p, s) for p, scores in enumerate(prompts) for s in scores]
+        kept = {p for p, scores in enumerate(prompts) if len(scores) == 1 or np.std(scores) > 0}
+        batch += [row for row in rows if row[1] in kept]
+        if len(batch) >= TARGET * N:
+            break
+    return batch[:TARGET * N]
+
+
+def test_the_kept_prompts_and_the_filter_counts_are_verls():
+    trainer = _trainer()
+    metrics = {}
+    full, _, _, scores, _ = trainer._filtered_rollouts(trainer.loader.next_batch(), 0, metrics)
+    want = _verl_kept()
+    assert [((p[0] - 1) // 10, (p[0] - 1) % 10) for p in full.prompts] == [(r, p) for r, p, _ in want]
+    assert scores.tolist() == [s for *_, s in want]
+    assert metrics == {"train/num_gen_batches": 2.0,
+                       "training/filter_groups/evicted_samples": 4.0,  # 2 a round
+                       "training/filter_groups/discarded_surplus_samples": 1.0}  # round 2's second varying prompt
