@@ -2545,6 +2545,12 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
                               "the KL penalty needs the reference pass over every generated round; filter on "
                               "seq_reward (the score) instead")
+        if n >= 2 and rollout.decoding_temperature() == 0:
+            raise ConfigError(f"algorithm.filter_groups.enable=true with {greedy}, which decodes greedily: the {n} "
+                              "responses to a prompt are identical, so no group's metric varies and every prompt is "
+                              "dropped: the generation rounds would never fill a step (and fail after "
+                              "algorithm.filter_groups.max_num_gen_batches rounds where it is > 0); sample "
+                              "(temperature > 0) or turn filter_groups off")
         if adv == "remax":
             raise ConfigError("algorithm.filter_groups with algorithm.adv_estimator=remax is not supported: filter "
                               "a group estimator's groups (grpo, rloo, ...)")
