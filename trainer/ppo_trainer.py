@@ -188,6 +188,13 @@ def decode_prompts(tokenizer, batch: RolloutBatch) -> list[str]:
     return [texts[u] for u in batch.uids]
 
 
+def group_varies(values: np.ndarray) -> bool:
+    """Whether dynamic sampling keeps a prompt's group of metric `values`: one response, or values not all
+    equal. verl's recipe tests `np.std(values) > 0`, which a group of equal values can pass by rounding
+    (`np.std([0.1] * 3)` is 1.4e-17): a group with nothing to learn from, kept."""
+    return len(values) == 1 or float(np.max(values)) > float(np.min(values))
+
+
 def _dump_row(batch: RolloutBatch, i: int, text_in: str, text_out: str, step: int, score: float, extras: dict,
               others: dict, **figures) -> dict:
     """Sample `i` of `batch` as a line of a rollout or validation dump (verl's `input`, `output`,
@@ -834,7 +841,7 @@ class PPOTrainer:
         groups: dict[int, list[int]] = {}
         for i, u in enumerate(batch.uids):
             groups.setdefault(u, []).append(i)
-        varying = [rows for rows in groups.values() if len(rows) == 1 or float(np.std(values[rows])) > 0]
+        varying = [rows for rows in groups.values() if group_varies(values[rows])]
         keep = varying[:wanted]
         counts = np.array([len(groups) - len(varying), len(varying) - len(keep)], dtype=np.int64)
         rows = [i for group in keep for i in group]

@@ -78,3 +78,12 @@ def test_the_kept_prompts_and_the_filter_counts_are_verls():
     assert metrics == {"train/num_gen_batches": 2.0,
                        "training/filter_groups/evicted_samples": 4.0,  # 2 a round
                        "training/filter_groups/discarded_surplus_samples": 1.0}  # round 2's second varying prompt
+
+
+def test_a_group_of_equal_values_is_dropped_whatever_their_std_rounds_to():
+    """verl's `np.std > 0` keeps a group of equal values whose std rounds above 0; meshppo compares the values."""
+    for value, n in ((0.1, 3), (0.7, 3), (0.7, 7)):
+        equal = np.full(n, value)
+        assert np.std(equal) > 0 and not pt.group_varies(equal)
+    assert pt.group_varies(np.array([0.1, 0.1, 0.1 + 1e-12])) and pt.group_varies(np.array([0.25]))
+    assert not pt.group_varies(np.array([1.0, 1.0]))
