@@ -32,27 +32,38 @@ def _gathered(values: list[float]) -> list[list[float]]:
     return [e.tolist() for e in every]
 
 
-def _body(rank, world_size):
-    from models import ModelArgs, Transformer
-    from ppo.core_algos import compute_value_loss, get_policy_loss_fn, masked_mean
-    from sharding import FSDPConfig, ParallelDims, build_fsdp_model
-    from trainer.config import ActorConfig, CriticConfig
-    from trainer.roles import Actor, Critic, MicroBatching, ReferencePolicy, plan_update
+def _off_policy_rows(args, lengths: list[int], g: torch.Generator):
+    """Rows of random prompts and responses of `lengths` tokens, with the initial model's log-probs `logp`:
+    old log-probs up to 0.6 nats off them and advantages of both signs, so every clip fraction moves from
+    row to row. Returns `(rows, logp, response mask)`."""
+    from models import Transformer
+    from trainer.roles import MicroBatching, ReferencePolicy
 
     cpu = torch.device("cpu")
-    args = ModelArgs(**UPDATE_MODEL)
-    g = torch.Generator().manual_seed(7 + rank)  # each rank its own rows
-    prompts = [torch.randint(2, args.vocab_size, (PROMPT,), generator=g).tolist() for _ in RESPONSE_LENGTHS]
-    responses = [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
-    width = max(RESPONSE_LENGTHS)
-    local = _rollouts(prompts, responses, width, cpu)
+    prompts = [torch.randint(2, args.vocab_size, (PROMPT,), generator=g).tolist() for _ in lengths]
+    responses = [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    local = _rollouts(prompts, responses, max(lengths), cpu)
     mask = local.response_mask
     reference = ReferencePolicy(Transformer.build(args, seed=0), packed=True, temperature=1.0, pad_token_id=0,
                                 device=cpu, batching=MicroBatching(None, False, 0))
     logp = reference.log_probs(local)
-    # old log-probs up to 0.6 nats off, advantages of both signs: every clip fraction moves from row to row
     local.old_log_probs = (logp + 0.6 * torch.randn(logp.shape, generator=g)) * mask
     local.advantages = torch.randn(logp.shape, generator=g) * mask
+    return local, logp, mask
+
+
+def _body(rank, world_size):
+    from models import ModelArgs
+    from ppo.core_algos import compute_value_loss, get_policy_loss_fn, masked_mean
+    from sharding import FSDPConfig, ParallelDims, build_fsdp_model
+    from trainer.config import ActorConfig, CriticConfig
+    from trainer.roles import Actor, Critic, MicroBatching, plan_update
+
+    cpu = torch.device("cpu")
+    args = ModelArgs(**UPDATE_MODEL)
+    g = torch.Generator().manual_seed(7 + rank)  # each rank its own rows
+    local, logp, mask = _off_policy_rows(args, RESPONSE_LENGTHS, g)
+    width = max(RESPONSE_LENGTHS)
     values = torch.randn(logp.shape, generator=g) * mask
     local.values, local.returns = values, (values + torch.randn(logp.shape, generator=g)) * mask
 
@@ -115,25 +126,17 @@ def test_update_statistics_aggregate_as_verl(world_size):
 
 
 def _uneven_body(rank, world_size):
-    from models import ModelArgs, Transformer
+    from models import ModelArgs
     from ppo.core_algos import get_policy_loss_fn
     from sharding import FSDPConfig, ParallelDims, build_fsdp_model
     from trainer.config import ActorConfig
-    from trainer.roles import Actor, MicroBatching, ReferencePolicy
+    from trainer.roles import Actor
 
     cpu = torch.device("cpu")
     args = ModelArgs(**UPDATE_MODEL)
     g = torch.Generator().manual_seed(3 + rank)
     rows = 4 if rank == 0 else 2  # rank 1 runs two empty micro-batches of the four
-    prompts = [torch.randint(2, args.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(rows)]
-    responses = [torch.randint(2, args.vocab_size, (6,), generator=g).tolist() for _ in range(rows)]
-    local = _rollouts(prompts, responses, 6, cpu)
-    mask = local.response_mask
-    reference = ReferencePolicy(Transformer.build(args, seed=0), packed=True, temperature=1.0, pad_token_id=0,
-                                device=cpu, batching=MicroBatching(None, False, 0))
-    logp = reference.log_probs(local)
-    local.old_log_probs = (logp + 0.6 * torch.randn(logp.shape, generator=g)) * mask
-    local.advantages = torch.randn(logp.shape, generator=g) * mask
+    local, logp, mask = _off_policy_rows(args, [6] * rows, g)
     meshes = ParallelDims(world_size, fsdp_size=-1).build_meshes("cpu")
     model = build_fsdp_model(args, meshes.train, FSDPConfig(fsdp_size=-1, mixed_precision={"param_dtype": "fp32"}),
                              device=cpu, seed=0)

@@ -5,16 +5,11 @@ counts verl 0.9.1's default trainer logs: `training/filter_groups/evicted_sample
 metric that did not vary) and `training/filter_groups/discarded_surplus_samples` (varying prompts beyond
 the batch)."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
 import trainer.ppo_trainer as pt
-from trainer.config import PPOConfig
-from trainer.configlib import load_config
-from trainer.rollout_batch import RolloutBatch
-from trainer.tracking import Timer
+from tests.unit.test_filter_rounds import filter_trainer
 
 N, TARGET = 3, 3  # samples a prompt, prompts a step
 # each round's prompts' scores (one row a prompt, one column a sample): rounds of 4 prompts
@@ -25,34 +20,16 @@ ROUNDS = [
 
 
 def _trainer():
-    cfg = load_config(PPOConfig, None, [
-        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-        f"data.train_batch_size={TARGET}", f"actor_rollout_ref.actor.ppo_mini_batch_size={TARGET}",
-        f"data.gen_batch_size={len(ROUNDS[0])}", f"actor_rollout_ref.rollout.n={N}"])
-    trainer = object.__new__(pt.PPOTrainer)
-    trainer.cfg, trainer.device, trainer.global_step = cfg, torch.device("cpu"), 0
-    trainer.ctx = SimpleNamespace(rank=0, world_size=1)
-    trainer.timer = Timer(trainer.device)
-    trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
     drawn = iter(range(len(ROUNDS)))
-    # a prompt's tokens name its round and place: (round, prompt) -> [10 * round + prompt + 1]
-    trainer.loader = SimpleNamespace(next_batch=lambda: (r := next(drawn), [
-        {"input_ids": [10 * r + p + 1]} for p in range(len(ROUNDS[r]))])[1])
-
-    def generate_all(items, validate, seed):
-        responses = [[7] * (k + 1) for _ in items for k in range(N)]
-        return RolloutBatch([list(it["input_ids"]) for it in items for _ in range(N)], responses,
-                            [i for i in range(len(items)) for _ in range(N)], ["d"] * len(responses),
-                            [None] * len(responses), [{} for _ in responses], ["stop"] * len(responses),
-                            [[0.0] * len(r) for r in responses], N, trainer.device)
 
     def score(ro, texts=None):
         values = torch.tensor([ROUNDS[(p[0] - 1) // 10][(p[0] - 1) % 10][len(r) - 1]
                                for p, r in zip(ro.prompts, ro.responses)])
         return values, {}, {}, values
 
-    trainer._generate_all, trainer._score = generate_all, score
-    return trainer
+    # a prompt's tokens name its round and place: (round, prompt) -> [10 * round + prompt + 1]
+    return filter_trainer(N, TARGET, len(ROUNDS[0]), lambda: (r := next(drawn), [
+        {"input_ids": [10 * r + p + 1]} for p in range(len(ROUNDS[r]))])[1], score)
 
 
 def _verl_kept():

@@ -16,33 +16,41 @@ from trainer.tracking import Timer
 N, TARGET, GEN = 4, 4, 8  # samples a prompt, prompts a step, prompts a round (one of them varies)
 
 
-def _trainer():
+def filter_trainer(n: int, target: int, gen: int, next_batch, score):
+    """A stand-in trainer for dynamic sampling (`metric=seq_reward`): `n` samples a prompt, `target` prompts a
+    step, rounds of `gen` prompts from `next_batch()`; sample k of a prompt has k + 1 response tokens, and
+    `score(ro, texts=None)` stands for the trainer's scoring. The tests of the filter share it."""
     cfg = load_config(PPOConfig, None, [
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-        f"data.train_batch_size={TARGET}", f"actor_rollout_ref.actor.ppo_mini_batch_size={TARGET}",
-        f"data.gen_batch_size={GEN}", f"actor_rollout_ref.rollout.n={N}"])
+        f"data.train_batch_size={target}", f"actor_rollout_ref.actor.ppo_mini_batch_size={target}",
+        f"data.gen_batch_size={gen}", f"actor_rollout_ref.rollout.n={n}"])
     trainer = object.__new__(pt.PPOTrainer)
     trainer.cfg, trainer.device, trainer.global_step = cfg, torch.device("cpu"), 0
     trainer.ctx = SimpleNamespace(rank=0, world_size=1)
     trainer.timer = Timer(trainer.device)
     trainer.actor = SimpleNamespace(sp_size=1, share_prefix=False)
-    drawn = iter(range(1000))
-    trainer.loader = SimpleNamespace(next_batch=lambda: [{"input_ids": [next(drawn) + 1] * 3} for _ in range(GEN)])
+    trainer.loader = SimpleNamespace(next_batch=next_batch)
 
     def generate_all(items, validate, seed):
-        # prompt i, sample k: k + 1 response tokens; only the round's first prompt has varying scores
-        responses = [[7] * (k + 1) for _ in items for k in range(N)]
-        return RolloutBatch([list(it["input_ids"]) for it in items for _ in range(N)], responses,
-                            [i for i in range(len(items)) for _ in range(N)], ["d"] * len(responses),
+        responses = [[7] * (k + 1) for _ in items for k in range(n)]
+        return RolloutBatch([list(it["input_ids"]) for it in items for _ in range(n)], responses,
+                            [i for i in range(len(items)) for _ in range(n)], ["d"] * len(responses),
                             [None] * len(responses), [{} for _ in responses], ["stop"] * len(responses),
-                            [[0.0] * len(r) for r in responses], N, trainer.device)
-
-    def score(ro, texts=None):
-        values = torch.tensor([float(len(r)) if u == 0 else 1.0 for u, r in zip(ro.uids, ro.responses)])
-        return values, {"acc": values.tolist()}, {}, values
+                            [[0.0] * len(r) for r in responses], n, trainer.device)
 
     trainer._generate_all, trainer._score = generate_all, score
     return trainer
+
+
+def _trainer():
+    drawn = iter(range(1000))
+
+    def score(ro, texts=None):
+        # only a round's first prompt has varying scores
+        values = torch.tensor([float(len(r)) if u == 0 else 1.0 for u, r in zip(ro.uids, ro.responses)])
+        return values, {"acc": values.tolist()}, {}, values
+
+    return filter_trainer(N, TARGET, GEN, lambda: [{"input_ids": [next(drawn) + 1] * 3} for _ in range(GEN)], score)
 
 
 def test_only_the_kept_rows_of_each_round_stay_alive(monkeypatch):
