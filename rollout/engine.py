@@ -266,8 +266,6 @@ class LLMEngine:
     def _validate(self, prompts: list[list[int]], params: SamplingParams, sample_keys, max_tokens) -> None:
         for i, p in enumerate(prompts):
             self._check_prompt(p, f"prompt {i}")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if sample_keys is not None:
             if params.n != 1:
                 raise ValueError(f"sample_keys continue one sample per prompt: n must be 1, got {params.n}")
@@ -369,7 +367,12 @@ class LLMEngine:
             sched.add(seq)
 
         for i, p in enumerate(prompts):
-            add(p, keys[i], limits[i], n, sample_keys is not None)
+            # A prompt's samples fork from one prefill and so are admitted together: more than max_num_seqs
+            # of them go in as several such groups (the prompt prefilled once a group), as vLLM runs them. The
+            # noise is keyed by each sample's index, so they are the samples one group would draw.
+            for first in range(0, n, c.max_num_seqs):
+                add(p, (keys[i][0], keys[i][1] + first), limits[i], min(c.max_num_seqs, n - first),
+                    sample_keys is not None)
         for prev in kept.values():  # kept, but not continued: done
             bm.free(prev)
         kept = {}  # with on_finish and keep_kv: this call's ended samples, for their continuations

@@ -988,7 +988,8 @@ class RolloutConfig:
     max_num_batched_tokens: int = opt(8192, "prompt-token budget of one engine prefill step (chunked prefill); "
                                             "decode steps run up to max_num_seqs sequences whatever it is (vLLM "
                                             "counts their tokens in it too)", ge=1)
-    max_num_seqs: int = opt(256, "sequences decoded at once", ge=1)
+    max_num_seqs: int = opt(256, "sequences decoded at once; a prompt's rollout.n samples above it run as further "
+                                  "groups of at most max_num_seqs, each prefilling the prompt again", ge=1)
     max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length", ge=2)
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
@@ -2627,12 +2628,6 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                               f"{rollout.max_num_batched_tokens} < max_model_len={rollout.max_model_len}: without "
                               "chunked prefill a whole prompt must fit in one step (as vLLM requires); raise "
                               "max_num_batched_tokens or enable chunked prefill")
-        val_n = rollout.val_kwargs.n if cfg.data.val_files else 0
-        for key, samples in (("rollout.n", n), ("rollout.val_kwargs.n", val_n)):
-            if samples > rollout.max_num_seqs:
-                raise ConfigError(f"actor_rollout_ref.{key}={samples} exceeds actor_rollout_ref.rollout.max_num_seqs="
-                                  f"{rollout.max_num_seqs}: the engine decodes a prompt's samples together; raise "
-                                  "max_num_seqs or lower n")
     if cfg.trainer.val_only and not cfg.data.val_files:
         raise ConfigError("trainer.val_only=true validates and exits, but data.val_files is empty: give the "
                           "validation files")

@@ -148,6 +148,24 @@ def test_samples_do_not_depend_on_batching_or_preemption():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
 
 
+def test_more_samples_than_max_num_seqs_are_the_samples_one_group_draws():
+    """n above max_num_seqs (vLLM runs it; the engine used to refuse it): a prompt's samples go in as groups
+    of at most max_num_seqs, each its own prefill, and they are the samples an engine with room for all of
+    them draws, in the same order (sample i's noise is keyed by i, whatever group runs it)."""
+    model = tiny_model(tiny_args("qwen2"))
+    prompts = prompts_of([7, 4, 12], seed=5)
+    params = SamplingParams(n=5, temperature=1.0, max_tokens=6, seed=9, ignore_eos=True)
+    roomy = make_engine(model, max_num_seqs=16).generate(prompts, params)
+    tight_engine = make_engine(model, max_num_seqs=2)
+    tight = tight_engine.generate(prompts, params)
+    assert tight_engine.last_stats["prefill_steps"] >= 9  # 3 prompts x 3 groups (2 + 2 + 1), two slots at a time
+    assert [(o.prompt_index, o.sample_index) for o in tight] == [(i, k) for i in range(3) for k in range(5)]
+    assert len({tuple(o.token_ids) for o in roomy}) == 15  # distinct samples: a group repeating another's fails
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=0)
+
+
 def test_continued_samples_draw_as_one_uninterrupted_call():
     """A multi-turn rollout continues each sample with `sample_keys`: cut after its first turn and
     continued with nothing appended, a sample is token for token the one uninterrupted call; with
