@@ -177,10 +177,11 @@ _TEXT_ONLY_WHY = "meshppo's models are text-only: it reads no images or videos"
 
 @dataclass
 class DataConfig:
-    tokenizer: str | None = opt(None, "tokenizer directory; default: actor_rollout_ref.model.path")
+    tokenizer: str | None = opt(None, "tokenizer directory; default: actor_rollout_ref.model.path", path=True)
     train_files: list[str] = opt(default_factory=list, help="training prompt files (.jsonl, .json: JSON lines or one "
-                                                             "array of rows, or .parquet; verl format)")
-    val_files: list[str] = opt(default_factory=list, help="validation prompt files (.jsonl, .json or .parquet)")
+                                                             "array of rows, or .parquet; verl format)", path=True)
+    val_files: list[str] = opt(default_factory=list, help="validation prompt files (.jsonl, .json or .parquet)",
+                               path=True)
     prompt_key: str = opt("prompt", "field holding the prompt (text or chat messages)")
     reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
                              choices=("data_source",))
@@ -243,7 +244,7 @@ class DataConfig:
                                              "null or actor_rollout_ref.rollout.multi_turn.tool_config_path",
                                        no_effect="meshppo renders the tool agent's prompts with the tools of "
                                                  "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the "
-                                                 "overlong-prompt filter counts them so")
+                                                 "overlong-prompt filter counts them so", path=True)
     audio_key: str = opt("audios", "the field of a row's audio: a row that has any is refused at load (meshppo's "
                                    "models are text-only)")
     function_tool_path: str | None = opt(None, "not supported: must be null (verl 0.9.1's copy of "
@@ -520,7 +521,7 @@ class TiledMLPConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = opt("", "Hugging Face model directory (config.json + safetensors)")
+    path: str = opt("", "Hugging Face model directory (config.json + safetensors)", path=True)
     load_format: str = opt("auto", "auto: read the safetensors; dummy: random weights drawn on each rank's shards "
                                    "(benchmarks: only config.json is read)", choices=("auto", "dummy"))
     override_config: dict = _override_config(
@@ -548,7 +549,7 @@ class ModelConfig:
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
                                               "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha "
                                               "and target_modules, as in verl (lora_rank, lora_alpha and "
-                                              "target_modules are then not read)")
+                                              "target_modules are then not read)", path=True)
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
@@ -556,7 +557,7 @@ class ModelConfig:
                                   no_effect=_FUSED_KERNELS_WHY)
     fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "verl's fused-kernel settings")
     tokenizer_path: str | None = opt(None, "verl's name of data.tokenizer (the tokenizer directory): setting both to "
-                                           "different directories is an error; null: data.tokenizer")
+                                           "different directories is an error; null: data.tokenizer", path=True)
     hf_config_path: str | None = _hf_config_path()
     exclude_modules: str | list[str] | None = _exclude_modules()
     use_liger: bool = _use_liger()
@@ -820,11 +821,11 @@ class MultiTurnConfig:
                                            "answered together) and each interaction reply counts one; the model "
                                            "turn after the last ends the rollout (null or 0: no limit, as in verl)", ge=0)
     tool_config_path: str | None = opt(None, "verl's tool config (YAML: tools with class_name, config, tool_schema; "
-                                             "null: no tools)")
+                                             "null: no tools)", path=True)
     interaction_config_path: str | None = opt(None, "verl's interaction config (YAML: interactions with name, "
                                                     "class_name, config): a simulated user that answers a turn "
                                                     "without tool calls; rows pick one with "
-                                                    "extra_info.interaction_kwargs.name")
+                                                    "extra_info.interaction_kwargs.name", path=True)
     max_parallel_calls: int = opt(1, "tool calls run per turn (the first ones of a turn)", ge=1)
     max_tool_response_length: int = opt(256, "a tool response's length limit in characters", ge=1)
     tool_response_truncate_side: str = opt("middle", "where a longer tool response is cut (as verl 0.9.1): left "
@@ -1134,8 +1135,10 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = opt(None, "critic checkpoint; default: the actor's model path (value head starts at zero)")
-    tokenizer_path: str | None = opt(None, "critic tokenizer; must be the actor's (checked), null: the actor's")
+    path: str | None = opt(None, "critic checkpoint; default: the actor's model path (value head starts at zero)",
+                           path=True)
+    tokenizer_path: str | None = opt(None, "critic tokenizer; must be the actor's (checked), null: the actor's",
+                                     path=True)
     override_config: dict = _override_config(
         "the critic is", "max_position_embeddings and bos/eos/pad_token_id only its exported config.json (checkpoint "
                          "hf_model), initializer_range only dummy weights")
@@ -1275,14 +1278,14 @@ ACTOR_MODEL_PATH = "${actor_rollout_ref.model.path}"
 class RewardModelModelConfig:
     path: str | None = opt(None, "reward model: a Hugging Face *ForSequenceClassification (num_labels 1) or meshppo "
                                  "value-model directory of a Llama / Qwen2 / Qwen3 model; its score at a sequence's last token "
-                                 "is the reward")
+                                 "is the reward", path=True)
     input_tokenizer: str | None = opt(ACTOR_MODEL_PATH,
                                       "the tokenizer the actor's responses are decoded with before the reward model "
                                       "reads them, as in verl: each prompt's chat messages plus the decoded response "
                                       "(EOS text removed) as the assistant turn, rendered with the reward model's own "
                                       "chat template and tokenizer (path's); the reward model may have its own "
                                       "vocabulary. null: the reward model reads the actor's token ids as they are "
-                                      "(it must share the actor's tokenizer)")
+                                      "(it must share the actor's tokenizer)", path=True)
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool | None = opt(False, "not supported (models are built by meshppo); null: false",
                                          unsupported=bool)
@@ -1393,7 +1396,7 @@ class CustomRewardConfig:
     path: str | None = opt(None, "Python file (path or file:///abs/x.py) or module (pkg://package.module) with a "
                                  "reward function, called by keyword as verl calls it: fn(data_source=, solution_str=, "
                                  "ground_truth=, extra_info=); null: reward.custom_reward_function.path (verl 0.9.1's "
-                                 "name)")
+                                 "name)", path=True)
     name: str | None = opt(None, "function name in that file or module; null: reward.custom_reward_function.name, "
                                  "else compute_score")
     reward_kwargs: dict | None = opt(None, "keyword arguments added to every call of the function; they win over the "
@@ -1570,13 +1573,13 @@ class TrainerConfig:
                              "only (verl saves no checkpoint then)", ge=-1)
     default_local_dir: str | None = opt(None, "run directory: checkpoints, metrics.jsonl, logs; null: "
                                               "runs/<project_name>/<experiment_name>, one per experiment (verl: "
-                                              "checkpoints/<project_name>/<experiment_name>)")
+                                              "checkpoints/<project_name>/<experiment_name>)", path=True)
     resume_mode: str = opt("auto", "auto (latest checkpoint if any), disable, or resume_path. disable starts the run "
                                    "directory over: it deletes default_local_dir/checkpoints and the earlier "
                                    "run's hf_actor/ and lora_adapter/ and empties metrics.jsonl (verl only ignores "
                                    "the old checkpoints)",
                            choices=("auto", "disable", "resume_path"))
-    resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path")
+    resume_from_path: str | None = opt(None, "checkpoint directory for resume_mode=resume_path", path=True)
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many checkpoints (null or 0: all, as in verl)",
                                              ge=0)
     max_critic_ckpt_to_keep: int | None = opt(None, "critic checkpoints to keep: meshppo saves the critic in the "
@@ -1590,9 +1593,9 @@ class TrainerConfig:
     log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
                                       "(sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
-                                       "score, reward, advantage, ...)")
+                                       "score, reward, advantage, ...)", path=True)
     validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "
-                                          "gts, score, ...)")
+                                          "gts, score, ...)", path=True)
     seed: int = opt(1, "global seed (model init, sampling)", ge=0)
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory (hf_actor/; a LoRA "
                                                 "actor with its adapters merged, and the adapters as a peft "

@@ -156,7 +156,7 @@ class RoleProfilerConfig:
     all_ranks: bool = opt(False, "profile every rank")
     ranks: list[int] = opt(default_factory=list, help="the ranks to profile (empty, without all_ranks: rank 0)",
                            ge=0)
-    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
+    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path", path=True)
     tool_config: ProfilerToolConfigs = section(ProfilerToolConfigs, "each tool's settings")
     relocate_results: bool | None = _relocate_results(role=True)
     finish_hook_cmd: str | None = _finish_hook_cmd()
@@ -175,7 +175,7 @@ class SharedProfilerConfig:
     all_ranks: bool | None = opt(None, "profile every rank; null: rollout: the actor's, reward_model: false")
     ranks: list[int] | None = opt(None, "the ranks to profile (empty, without all_ranks: rank 0); null: rollout: "
                                         "the actor's, reward_model: []", ge=0)
-    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path")
+    save_path: str | None = opt(None, "where the profiles go; null: global_profiler.save_path", path=True)
     tool_config: ProfilerToolConfigs | None = opt(None, "verl's copy of actor_rollout_ref.actor.profiler.tool_config "
                                                         "(which this role uses): null, or each option it sets the "
                                                         "same (verl 0.9.1's rollout sets its own token window, "
@@ -253,7 +253,8 @@ class GlobalProfilerConfig:
                                   ge=1)
     profile_continuous_steps: bool = opt(False, "consecutive listed steps share one trace / snapshot / capture "
                                                 "range (named after the first, step{A}-{B}) instead of one each")
-    save_path: str = opt("outputs/profile", "directory of the profiles (relative: to the working directory)")
+    save_path: str = opt("outputs/profile", "directory of the profiles (relative: to the working directory)",
+                          path=True)
     relocate_results: bool = _relocate_results(role=False)
     finish_hook_cmd: str | None = _finish_hook_cmd()
     finish_hook_all_ranks: bool = _finish_hook_all_ranks(role=False)

@@ -133,7 +133,7 @@ class PrometheusConfig:
                     no_effect=_PROMETHEUS_WHY)
     served_model_name: str | None = opt(None, "verl: the model's name in the metrics; null (or the model path, "
                                               "verl's default): actor_rollout_ref.model.path",
-                                        no_effect=_PROMETHEUS_WHY)
+                                        no_effect=_PROMETHEUS_WHY, path=True)
 
 
 @dataclass
@@ -316,7 +316,7 @@ class RewardModelRolloutConfig:
 class RewardFunctionConfig:
     """verl 0.9.1's `reward.custom_reward_function`: the newer names of `custom_reward_function`."""
 
-    path: str | None = opt(None, _NEW_NAME.format(old="custom_reward_function.path"))
+    path: str | None = opt(None, _NEW_NAME.format(old="custom_reward_function.path"), path=True)
     name: str | None = opt(None, _NEW_NAME.format(old="custom_reward_function.name") + " (verl's default: "
                                                                                         "compute_score)")
     reward_kwargs: dict | None = opt(None, _NEW_NAME.format(old="custom_reward_function.reward_kwargs"))
@@ -334,7 +334,7 @@ class RewardLoopModelConfig:
                                no_effect=read_only_with("enable_resource_pool"))
     nnodes: int = opt(0, "verl: nodes of the reward model's own pool", ge=0,
                       no_effect=read_only_with("enable_resource_pool"))
-    model_path: str | None = opt(None, _NEW_NAME.format(old="reward_model.model.path"))
+    model_path: str | None = opt(None, _NEW_NAME.format(old="reward_model.model.path"), path=True)
     rollout: RewardModelRolloutConfig = section(RewardModelRolloutConfig, "verl: the reward model's inference server")
 
 

@@ -4,7 +4,9 @@ Config sections are dataclasses whose fields carry a one-line help string (`opt(
 `load_config` merges a YAML file with command-line overrides and builds the dataclass tree,
 rejecting unknown keys (naming the closest valid one), values of the wrong type, values
 outside a field's `choices` or range (`ge`/`gt`/`le`/`lt`, for lists: of every item), and
-options that verl has but meshppo does not support.
+options that verl has but meshppo does not support. A path option's (`opt(path=True)`) leading
+`~` or `~user` is read as that home directory once, here (`expand_home`), so the resolved config,
+`--print-config` and the run's recorded config hold the expanded path.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import difflib
 import fnmatch
 import math
+import os
 import re
 import types
 import typing
@@ -29,16 +32,17 @@ class ConfigError(ValueError):
 
 
 def opt(default=MISSING, help: str = "", choices=None, default_factory=MISSING, unsupported=None,
-        ge=None, gt=None, le=None, lt=None, length=None, no_effect=None):
+        ge=None, gt=None, le=None, lt=None, length=None, no_effect=None, path=False):
     """A config field with a one-line `help`, optional allowed `choices`, `unsupported`: a
     predicate on the value that marks verl settings meshppo does not implement, `no_effect`: why
     a verl setting changes nothing in meshppo (accepted at any value, said at start-up when not
     at its default: `trainer.config.config_notes`), and the allowed range of a number (of each
     item of a list): `ge` (>=), `gt` (>), `le` (<=), `lt` (<), plus a list's `length`. `null`
-    is always allowed where the type allows it."""
+    is always allowed where the type allows it. `path`: the value (each item of a list) is a file
+    or directory meshppo reads or writes, whose leading `~` is the home directory (`expand_home`)."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     meta = {"help": help, "choices": tuple(choices) if choices else None, "unsupported": unsupported,
-            "bounds": bounds, "length": length, "no_effect": no_effect}
+            "bounds": bounds, "length": length, "no_effect": no_effect, "path": path}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -103,6 +107,25 @@ def _check_range(value, meta, key: str) -> None:
         if not all(_IN_RANGE[op](v, b) for op, b in bounds.items()):
             where = key if i is None else f"{key}[{i}]"
             raise ConfigError(f"{where}: {v!r} is out of range; allowed: {allowed_range(meta)}")
+
+
+def expand_home(value, key: str):
+    """A path option's value with a leading `~` (`~/data`, `~`) or `~user` read as that home
+    directory, as a shell reads a word's, which it does not for `key=~/x` (no variable name before
+    the `=`). Each item of a list; other text as it is: relative and absolute paths, URIs
+    (`hdfs://`, `file://`, `pkg://`), a `~` inside a path. Environment variables are the config's
+    interpolation's (`${oc.env:HOME}`), not expanded here. A ConfigError names `key` where there is
+    no such user or no home directory."""
+    if isinstance(value, list):
+        return [expand_home(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or not value.startswith("~"):
+        return value
+    user = value[1:].split("/", 1)[0]
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~") or not user and os.environ.get("HOME") == "":  # (expanduser: "/" for an empty HOME)
+        what = f"there is no user {user!r} on this machine" if user else "this user has no home directory (HOME)"
+        raise ConfigError(f"{key}={value!r}: ~ is read as the home directory, but {what}")
+    return expanded
 
 
 def _type_name(tp) -> str:
@@ -245,6 +268,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         if value == MISSING_MARK and f.metadata.get("no_effect") and _optional(hints[f.name]):
             value = None  # verl's "must be given" on an option meshppo never reads: not given
         coerced = _coerce(value, hints[f.name], full)
+        if f.metadata.get("path"):
+            coerced = expand_home(coerced, full)
         choices = f.metadata.get("choices")
         if choices and coerced not in choices:
             if f.name == "strategy" and coerced == "megatron":  # (verl's other training engine)
