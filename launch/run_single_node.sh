@@ -16,7 +16,8 @@
 # through trainer.resume_mode=auto),
 # PYTHON (default python3). Run it from anywhere: relative paths (--config, trainer.default_local_dir,
 # data files, LOG_DIR) are relative to the working directory, as with python; the repository is put
-# on PYTHONPATH. `--print-config` checks the config against this launch and prints it, starting nothing.
+# on PYTHONPATH. `--print-config` checks the config against this launch and prints it, starting nothing
+# (this machine's GPUs are checked only when launching).
 set -euo pipefail
 repo=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"

@@ -17,7 +17,9 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--print-config", action="store_true",
-                   help="validate against the launch the config describes, print the resolved config and exit")
+                   help="check the config against the launch it describes (trainer.nnodes x "
+                        "trainer.n_gpus_per_node; on any machine: this one's GPUs are checked at launch), print the "
+                        "resolved config and the start-up notes and exit")
     add_config_args(p)
     return p.parse_intermixed_args(argv)
 
@@ -32,20 +34,20 @@ def main(argv=None) -> int:
 
 
 def _run(args, held: contextlib.ExitStack) -> int:
-    from trainer.config import PPOConfig, config_notes, validate
-    from trainer.configlib import ConfigError, load_config, to_commented_yaml
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
     from trainer.launch import (agreed_config_errors, config_error_lines, config_file, holding_run_dir,
-                                local_world_size_from_env, rank_from_env, world_size_from_env)
+                                local_world_size_from_env, print_config, rank_from_env, say_start_up_notes,
+                                world_size_from_env)
+    from trainer.setup import preflight
 
     # The ranks agree on their config errors (one rank's alone too) before any work; rank 0 says them.
     is_main, error = rank_from_env() == 0, None
     try:
         cfg = load_config(PPOConfig, config_file(args), args.overrides)
-        if args.print_config:
-            validate(cfg)
+        if args.print_config:  # the launch the config describes, on whatever machine this is
+            preflight(cfg, devices=False)
         else:
-            from trainer.setup import preflight
-
             preflight(cfg, world_size_from_env(), local_world_size_from_env())
             if is_main:  # another run in the directory: refused before this one touches it
                 held.enter_context(holding_run_dir(cfg.trainer.default_local_dir))
@@ -61,15 +63,12 @@ def _run(args, held: contextlib.ExitStack) -> int:
             for line in config_error_lines(errors, world_size_from_env()):
                 print(line, file=sys.stderr)
         return 2
-    if args.print_config and is_main:
-        print(to_commented_yaml(cfg))
-    if is_main:
-        from trainer.setup import model_notes
-
-        for note in config_notes(cfg) + model_notes(cfg):
-            print(f"meshppo: {note}", file=sys.stderr)
     if args.print_config:
+        if is_main:
+            print_config(cfg)
         return 0
+    if is_main:
+        say_start_up_notes(cfg)
     from trainer.ppo_trainer import run
 
     return run(cfg)

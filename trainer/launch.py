@@ -3,7 +3,8 @@ process group.
 
 `python -m trainer.launch [--nnodes N ...] --config CONFIG [dotted.key=value ...]` is what
 `launch/run_single_node.sh` and the SLURM templates run (`--print-config`: check the config
-against this launch and print it, starting nothing). Paths are relative to the working directory. Over plain torchrun it adds:
+against this launch and print it with the start-up notes, starting nothing; this machine's GPUs
+are checked only by a launch). Paths are relative to the working directory. Over plain torchrun it adds:
 
 * a pre-flight in one process before any rank starts (`trainer.setup.preflight`: the config
   against the launch it describes and against this one, optional packages, GPUs; under `srun`,
@@ -618,12 +619,14 @@ def main(argv=None) -> int:
                    help="restart all ranks after a crash this many times (they resume from the last checkpoint)")
     p.add_argument("--log-dir", default=None, help="rank and torchrun logs; default: <trainer.default_local_dir>/logs")
     p.add_argument("--print-config", action="store_true",
-                   help="check the config against this launch, print the resolved config and exit (starts no rank)")
+                   help="check the config against this launch (--nnodes, --nproc-per-node; on any machine: this "
+                        "one's GPUs are checked at launch), print the resolved config and the start-up notes and "
+                        "exit (starts no rank)")
     add_config_args(p)
     args = p.parse_intermixed_args(argv)
 
-    from trainer.config import PPOConfig, config_notes
-    from trainer.configlib import ConfigError, load_config, to_commented_yaml
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
     from trainer.setup import check_output_dir, preflight
 
     try:
@@ -641,7 +644,7 @@ def main(argv=None) -> int:
         args.config = config_file(args)  # the ranks get it as --config
         cfg = load_config(PPOConfig, args.config, args.overrides)
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
-        preflight(cfg, args.nnodes * nproc, nproc)
+        preflight(cfg, args.nnodes * nproc, nproc, devices=not args.print_config)
         check_output_dir("--log-dir (LOG_DIR)", args.log_dir)
         if not args.print_config:
             check_run_dir_free(cfg.trainer.default_local_dir)
@@ -649,11 +652,29 @@ def main(argv=None) -> int:
         print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(to_commented_yaml(cfg))
-        for note in config_notes(cfg):
-            print(f"meshppo: {note}", file=sys.stderr)
+        print_config(cfg)
         return 0
     return _Launch(cfg, args, nproc).run()
+
+
+def say_start_up_notes(cfg) -> None:
+    """The start-up notes on stderr: what the config alone tells (`config_notes`: options without effect,
+    values that differ from verl's, ...) and what the actor's model directory does (`model_notes`). Rank 0
+    says them at the start of a run, and `--print-config` (`print_config`)."""
+    from trainer.config import config_notes
+    from trainer.setup import model_notes
+
+    for note in config_notes(cfg) + model_notes(cfg):
+        print(f"meshppo: {note}", file=sys.stderr)
+
+
+def print_config(cfg) -> None:
+    """`--print-config`'s output, train_ppo.py's and the launcher's: the resolved config on stdout, a
+    comment per option, then the start-up notes (`say_start_up_notes`)."""
+    from trainer.configlib import to_commented_yaml
+
+    print(to_commented_yaml(cfg))
+    say_start_up_notes(cfg)
 
 
 # ---------------------------------------------------------------------- the process group

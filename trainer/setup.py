@@ -36,10 +36,15 @@ from sharding.ulysses import (SequenceParallel, apply_sequence_parallel, build_s
 OPTIONAL_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
-def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
+def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None,
+              devices: bool = True) -> None:
     """Everything that can be checked before any work: the config against the launch it
     describes and, given, against the real one (`validate`); the packages the loggers need;
-    the devices. Raises ConfigError."""
+    the output directories; with `devices`, this machine's devices (CUDA present for
+    trainer.device=cuda, trainer.n_gpus_per_node GPUs visible, a SLURM allocation of no more
+    GPUs). `--print-config` checks without `devices`: a config is checked, for the launch it
+    describes or the launcher's, on any machine (a login node without GPUs, a workstation with
+    fewer), and the launch checks the devices where it runs. Raises ConfigError."""
     validate(cfg, world_size, local_world_size)
     check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
     check_engine_tensor_parallel(cfg)
@@ -61,6 +66,12 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"trainer.logger includes {name} but the {package} package is not installed: "
                               f"pip install {package}, or remove {name} from trainer.logger")
+    if devices:
+        _check_devices(cfg)
+
+
+def _check_devices(cfg: PPOConfig) -> None:
+    """This machine's devices against the config's node (`preflight`)."""
     device = cfg.trainer.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")

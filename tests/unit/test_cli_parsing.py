@@ -354,3 +354,80 @@ def test_an_empty_run_directory_is_a_config_error(tmp_path, value):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.splitlines()) == 1 and "trainer.default_local_dir=" in r.stderr and "is empty" in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+# --print-config: train_ppo.py's (the launch the config describes) and the launcher's (this launch) check
+# what a launch's pre-flight checks, except this machine's devices, and print the same notes
+@pytest.fixture
+def short_context_model(tmp_path):
+    """A model trained for 16 positions: the demo's engine context (16 + 6) is beyond it, a model note."""
+    from models import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=16, eos_token_id=2)
+    Transformer.build(args, seed=0).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def _print_config(entry, argv, capsys):
+    from trainer import cli, launch
+
+    code = (cli if entry == "train_ppo.py" else launch).main([*argv, "--print-config"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("entry", ["train_ppo.py", "launcher"])
+def test_print_config_says_the_config_and_model_notes(entry, short_context_model, capsys, tmp_path):
+    """The launcher's --print-config printed config_notes only: the model note (an engine context beyond the
+    model's positions) came from train_ppo.py's alone."""
+    code, out, err = _print_config(entry, ["--config", DEMO, f"actor_rollout_ref.model.path={short_context_model}",
+                                           f"trainer.default_local_dir={tmp_path / 'run'}",
+                                           "actor_rollout_ref.rollout.enable_prefix_caching=false"], capsys)
+    assert code == 0, err
+    assert f"path: {short_context_model}  #" in out and "adv_estimator: grpo" in out
+    notes = err.splitlines()
+    assert any(n.startswith("meshppo: actor_rollout_ref.rollout.max_model_len=22 ") and "(16, " in n for n in notes)
+    assert any(n.startswith("meshppo: actor_rollout_ref.rollout.enable_prefix_caching") for n in notes), notes
+    assert all(n.startswith("meshppo: ") for n in notes) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("entry", ["train_ppo.py", "launcher"])
+def test_print_config_refuses_what_a_launch_would(entry, capsys, tmp_path):
+    """train_ppo.py --print-config ran `validate` only: a samples directory under a file, which every launch
+    refuses at its pre-flight, printed the config and exited 0."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, out, err = _print_config(entry, ["--config", DEMO, f"trainer.default_local_dir={tmp_path / 'run'}",
+                                           f"trainer.rollout_data_dir={afile / 'samples'}"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"meshppo: config error: trainer.rollout_data_dir={afile / 'samples'} is under "
+                                f"{afile}, a file: the run writes a directory there"]
+
+
+GPU_CONFIG = os.path.join(ROOT, "configs", "gsm8k_qwen2.5_7b_fsdp.yaml")  # one node of 8 GPUs
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_print_config_checks_a_gpu_config_on_a_machine_with_fewer_gpus(gpus, monkeypatch, capsys, tmp_path):
+    """A login node (no GPUs) or a workstation (2) checks an 8-GPU config: this machine's devices are checked
+    by a launch only, which still refuses to start there."""
+    import torch
+
+    from trainer import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "16")  # (an allocation with more GPUs than the config's node uses)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    args = ["--config", GPU_CONFIG, "trainer.device=cuda", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    for entry in ("train_ppo.py", "launcher"):
+        code, out, err = _print_config(entry, args, capsys)
+        assert code == 0 and "n_gpus_per_node: 8  #" in out, (entry, err)
+    # launching there: refused before any rank starts, naming what this machine lacks
+    monkeypatch.setattr(launch, "_Launch", None)  # (never reached)
+    assert launch.main(args) == 2
+    message = ("trainer.device=cuda but CUDA is not available on this machine" if gpus == 0 else
+               "trainer.n_gpus_per_node=8 but this node has 2 visible GPUs (CUDA_VISIBLE_DEVICES)")
+    assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: {message}"]
