@@ -107,24 +107,27 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_file(args) -> str | None:
     """The config file `add_config_args`' arguments name: `--config`, or Hydra's `--config-name` in
-    `--config-path` (None: verl's defaults). A ConfigError where they contradict each other."""
-    from trainer.configlib import VERL_DEFAULTS, VERL_MEGATRON_CONFIG, ConfigError, megatron_refusal
+    `--config-path` (None: verl's defaults). A leading `~` in either is the home directory, as in a
+    path option (the shell leaves `--config=~/x.yaml` as it is). A ConfigError where they contradict
+    each other."""
+    from trainer.configlib import VERL_DEFAULTS, VERL_MEGATRON_CONFIG, ConfigError, expand_home, megatron_refusal
 
-    hydra = [(flag, value) for flag, value in (("--config-name", args.config_name), ("--config-path", args.config_path))
+    config, config_path = expand_home(args.config, "--config"), expand_home(args.config_path, "--config-path")
+    hydra = [(flag, value) for flag, value in (("--config-name", args.config_name), ("--config-path", config_path))
              if value is not None]
-    if args.config is not None and hydra:
+    if config is not None and hydra:
         flag, value = hydra[0]
-        raise ConfigError(f"--config {args.config} and {flag} {value} both name the config file: give one")
+        raise ConfigError(f"--config {config} and {flag} {value} both name the config file: give one")
     if args.config_name is None:
-        if args.config_path is not None:
-            raise ConfigError(f"--config-path {args.config_path} needs --config-name: the config file in it")
-        return args.config
+        if config_path is not None:
+            raise ConfigError(f"--config-path {config_path} needs --config-name: the config file in it")
+        return config
     name = args.config_name.removesuffix(".yaml")
     if name == VERL_MEGATRON_CONFIG:
         raise megatron_refusal(f"--config-name={args.config_name}")
     if name == VERL_DEFAULTS:  # verl's scripts name it with --config-path=config: verl's own directory
         return None
-    return os.path.join(args.config_path, f"{name}.yaml") if args.config_path else f"{name}.yaml"
+    return os.path.join(config_path, f"{name}.yaml") if config_path else f"{name}.yaml"
 
 
 # ---------------------------------------------------------------------- a rank's side
@@ -626,7 +629,7 @@ def main(argv=None) -> int:
     args = p.parse_intermixed_args(argv)
 
     from trainer.config import PPOConfig
-    from trainer.configlib import ConfigError, load_config
+    from trainer.configlib import ConfigError, expand_home, load_config
     from trainer.setup import check_output_dir, preflight
 
     try:
@@ -642,6 +645,7 @@ def main(argv=None) -> int:
         check_slurm_step(args.nnodes)
         peer_grace_s()  # MESHPPO_PEER_GRACE_S is read when a rank fails: check it now
         args.config = config_file(args)  # the ranks get it as --config
+        args.log_dir = expand_home(args.log_dir, "--log-dir")
         cfg = load_config(PPOConfig, args.config, args.overrides)
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc, devices=not args.print_config)

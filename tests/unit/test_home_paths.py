@@ -195,3 +195,26 @@ def test_a_loader_reads_files_through_tilde(home):
     assert len(ds) == 6
     fn = load_custom_reward_fn(cfg.custom_reward_function.path)
     assert fn(data_source="x", solution_str="1", ground_truth="1") == 0.25
+
+
+def test_the_command_lines_file_arguments_read_tilde(home, capsys):
+    """`--config=~/c.yaml`, `--config-path=~/cfgs` and the launcher's `--log-dir=~/logs`: the shell leaves a
+    `~` after `=` as it is, which was read as a directory named ~ in the working directory."""
+    import shutil
+
+    from trainer import cli, launch
+
+    shutil.copy(DEMO, os.path.join(home, "c.yaml"))
+    os.makedirs(os.path.join(home, "cfgs"))
+    shutil.copy(DEMO, os.path.join(home, "cfgs", "mine.yaml"))
+    run = f"trainer.default_local_dir={home}/run"
+    for argv in (["--config=~/c.yaml"], ["--config-path=~/cfgs", "--config-name=mine"]):
+        assert cli.main([*argv, run, "--print-config", "trainer.seed=7"]) == 0, capsys.readouterr().err
+        assert "  seed: 7  #" in capsys.readouterr().out
+        assert launch.main([*argv, run, "--print-config"]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+    with open(os.path.join(home, "afile"), "w"):
+        pass
+    assert launch.main(["--config=~/c.yaml", "--log-dir=~/afile/logs", run, "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: --log-dir (LOG_DIR)={home}/afile/logs "
+                                                    f"is under {home}/afile, a file: the run writes a directory there"]
