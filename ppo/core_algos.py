@@ -920,20 +920,35 @@ def compute_pf_ppo_indices(scores: torch.Tensor, reweight_method: str, weight_po
                            generator: torch.Generator | None = None) -> torch.Tensor:
     """PF-PPO's redraw of a batch (policy filtration, verl's `compute_pf_ppo_reweight_data`): `[N]`
     row indices drawn with replacement, row i with probability proportional to its weight from its
-    sequence score `scores[i]`: `pow` |s|^weight_pow; `max_min` 1 where s is the batch's highest or
-    lowest score, else 0; `max_random` 0.4 for the highest, 0.1 otherwise. Every weight gets 1e-8
-    (at least 1e-8), so a batch of zero weights draws uniformly. Drawn on the host, in float64, from
-    `generator` (the same indices on every rank given the same seed)."""
+    sequence score `scores[i]`: `pow` |s|^weight_pow (|0|^0 = 1); `max_min` 1 where s is the batch's
+    highest or lowest score, else 0; `max_random` 0.4 for the highest, 0.1 otherwise. Every weight gets
+    1e-8, so a batch of zero weights (all scores 0 under pow) draws uniformly, as verl's does. Drawn on
+    the host, in float64, from `generator` (the same indices on every rank given the same seed).
+
+    The pow weights are formed relative to the largest one, in log space: w_i / w_max =
+    exp(p (log|s_i| - log|s_max|)) and the 1e-8 as exp(log 1e-8 - p log|s_max|), so a power that
+    overflows |s|^p (2.5^1000) still draws, where verl's weights become inf and torch.multinomial
+    fails; the weights are the same up to a common factor, so the draw is verl's where verl's draws."""
     s = scores.detach().double().cpu()
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"PF-PPO needs finite sequence scores to weigh; got {s[~torch.isfinite(s)][:4].tolist()}")
     if reweight_method == "pow":
-        weights = s.abs().pow(weight_pow)
+        if not (math.isfinite(weight_pow) and weight_pow >= 0):
+            raise ValueError(f"algorithm.pf_ppo.weight_pow must be a finite number >= 0, got {weight_pow}")
+        log_abs = s.abs().log()  # -inf for a score of 0
+        top = float(log_abs.max())
+        # log(w_i / w_max) <= 0; 0 for the rows of the largest |s| (every row when all scores are 0, or p = 0)
+        rel = torch.where(log_abs == top, 0.0, weight_pow * (log_abs - top)) if weight_pow > 0 else torch.zeros_like(s)
+        log_max = weight_pow * top if weight_pow > 0 else 0.0  # log w_max (-inf: every score 0)
+        log_floor = math.log(1e-8) - log_max  # the 1e-8 relative to w_max: log(1e-8 / w_max)
+        # (w_i + 1e-8) / w_max, or / 1e-8 where that is larger (w_max < 1e-8; +inf: every weight 0, a uniform draw)
+        weights = rel.exp() + math.exp(log_floor) if log_floor < 0 else (rel - log_floor).exp() + 1.0
     elif reweight_method == "max_min":
-        weights = ((s == s.max()) | (s == s.min())).double()
+        weights = ((s == s.max()) | (s == s.min())).double() + 1e-8
     elif reweight_method == "max_random":
-        weights = torch.where(s == s.max(), 0.4, 0.1).double()
+        weights = torch.where(s == s.max(), 0.4, 0.1).double() + 1e-8
     else:
         raise ValueError(f"unknown PF-PPO reweight_method {reweight_method!r}; use pow, max_min or max_random")
-    weights = (weights + 1e-8).clamp(min=1e-8)
     return torch.multinomial(weights, len(s), replacement=True, generator=generator)
 
 

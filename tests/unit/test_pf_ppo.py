@@ -42,3 +42,25 @@ def test_max_min_keeps_only_the_extremes_and_a_draw_is_the_same_for_the_same_see
     assert float(((counts - 5000) ** 2 / 5000).sum()) < CHI2_3_1E6, counts
     with pytest.raises(ValueError, match="unknown PF-PPO reweight_method 'best'"):
         compute_pf_ppo_indices(scores, "best", 2.0)
+
+
+def test_a_power_that_overflows_the_weights_still_draws_by_them():
+    """A weight_pow whose |s|^p overflows float64 (verl's float32 |s|^p overflows far sooner; both
+    stopped in torch.multinomial on an inf weight): the scores e^(1 + k/1000) under p = 1000 weigh
+    e^1000 * (e^0, e^1, e^2), finite as a distribution, so the rows are drawn 1 : e : e^2 (chi-square
+    bound); scores 2.5 and 2.4 under p = 1000 weigh 1 : 0.96^1000 (2e-18), so only the first is drawn;
+    scores below 1 under p = 2000 weigh under 1e-8 each, so the 1e-8 floor makes the draw uniform."""
+    k = torch.arange(3, dtype=torch.float64)
+    scores = torch.exp(1 + k / 1000).float().repeat(10000)
+    idx = compute_pf_ppo_indices(scores, "pow", 1000.0, torch.Generator().manual_seed(0))
+    counts = torch.bincount(idx % 3, minlength=3).double()
+    expected = torch.exp(k) / torch.exp(k).sum() * len(idx)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 27.63, (counts, expected)  # chi2(2) at 1 - 1e-6
+
+    idx = compute_pf_ppo_indices(torch.tensor([2.5, 2.4, 0.0, -1.0]), "pow", 1000.0, torch.Generator().manual_seed(0))
+    assert idx.tolist() == [0, 0, 0, 0]
+
+    tiny = torch.tensor([0.5, 0.1, 0.0, -0.9]).repeat(5000)
+    idx = compute_pf_ppo_indices(tiny, "pow", 2000.0, torch.Generator().manual_seed(0))
+    counts = torch.bincount(idx % 4, minlength=4).double()
+    assert float(((counts - 5000) ** 2 / 5000).sum()) < CHI2_3_1E6, counts
