@@ -1489,7 +1489,9 @@ class PFPPOConfig:
                                       "the batch's highest and lowest scores, 0 for the others; max_random: 0.4 for "
                                       "the highest, 0.1 for the others (each + 1e-8)",
                                choices=("pow", "max_min", "max_random"))
-    weight_pow: float = opt(2.0, "the power of the pow method", ge=0)
+    weight_pow: float = opt(2.0, "the power of the pow method, >= 0 (verl also takes a negative power, under "
+                                 "which a score of 0 weighs |0|^p = inf and its step stops; meshppo refuses one)",
+                            ge=0)
 
 
 @dataclass
