@@ -854,7 +854,8 @@ ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_d
 SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
 NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
-VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")  # verl's other trainer.logger backends
+# verl 0.9.1's other trainer.logger backends (its Tracking.supported_backend)
+VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "rl_insight")
 
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
                          "enable_chunked_prefill", "block_size", "cudagraph_capture_sizes", "free_cache_engine",

@@ -519,9 +519,10 @@ def test_ignore_eos_under_verls_sglang_and_trtllm_names_is_said():
 
 
 def test_verls_other_loggers_are_named_as_verls():
-    """verl's trainer.logger takes mlflow, swanlab, clearml, trackio and file too: each was 'unknown'; now
-    named as verl's and refused, and verl's file logger (a JSON line per step) pointed at jsonl."""
-    for name in ("mlflow", "swanlab", "clearml", "trackio"):
+    """verl's trainer.logger takes mlflow, swanlab, vemlp_wandb, clearml, trackio, rl_insight and file too: each
+    was 'unknown' (rl_insight, verl 0.9.1's, until later); now named as verl's and refused, and verl's file logger
+    (a JSON line per step) pointed at jsonl."""
+    for name in ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "rl_insight"):
         with pytest.raises(ConfigError, match=rf"^trainer.logger: verl's {name} logger is not supported; use console, "
                                               "jsonl, tensorboard or wandb$"):
             validate(_cfg(f"trainer.logger=[console,{name}]"))
