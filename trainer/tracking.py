@@ -268,7 +268,7 @@ class Tracking:
         self.enabled = enabled
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
-        self._wandb_init = dict(project=project, name=experiment, config=config, dir=str(self.run_dir))
+        self._wandb_init = dict(project=project, name=experiment, config=config)
         self._val_only = bool(config.get("trainer", {}).get("val_only"))
         self._tb = self._wandb = self._bar = self._bar_total = None
         if not enabled:
@@ -308,7 +308,10 @@ class Tracking:
             with _written(self.run_dir / name):
                 (self.run_dir / name).write_text(text + "\n")
         if "wandb" in self.loggers:
-            self._wandb = _wandb_run({**self._wandb_init, **self._wandb_continued(step)})
+            # wandb's files under the run directory, unless WANDB_DIR (wandb's own variable, which verl's run
+            # honours) says where: wandb.init's dir would override it
+            where = {} if os.environ.get("WANDB_DIR") else {"dir": str(self.run_dir)}
+            self._wandb = _wandb_run({**self._wandb_init, **where, **self._wandb_continued(step)})
             if not self._val_only:
                 with _written(self.run_dir / WANDB_RUN_ID):
                     (self.run_dir / WANDB_RUN_ID).write_text(self._wandb.id + "\n")

@@ -328,3 +328,18 @@ def test_a_full_disk_under_the_metrics_or_a_dump_is_a_user_error_naming_the_file
     with pytest.raises(UserError, match=rf"^writing {dumps}/3.jsonl failed \(Is a directory\)$"):
         dump_generations(str(dumps), 3, [{"input": "a", "output": "b"}])
     assert not os.path.exists(dumps / "3.jsonl")
+
+
+def test_wandb_files_go_to_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
+    """wandb.init's dir overrides WANDB_DIR, so the run directory took a run's wandb files wherever
+    WANDB_DIR pointed (verl passes no dir: WANDB_DIR, else ./wandb). dir is now the run directory only
+    where WANDB_DIR is unset."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for wandb_dir, expected in ((str(tmp_path / "elsewhere"), None), ("", str(tmp_path / "run"))):
+        monkeypatch.setenv("WANDB_DIR", wandb_dir)
+        t = Tracking(["wandb"], str(tmp_path / "run"), "proj", "exp", {}, 10, enabled=True)
+        t.begin(0, "{}", _info(tmp_path / "run"))
+        t.close()
+        assert fake.inits[-1].get("dir") == expected, fake.inits[-1]
+
