@@ -2758,9 +2758,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             continue
         if name == "tracking":
             raise ConfigError("trainer.logger: tracking is verl's deprecated name of wandb: use wandb")
-        if name == "file":  # verl's FileLogger: a JSON line per step, as jsonl writes
-            raise ConfigError("trainer.logger: verl's file logger is meshppo's jsonl (metrics.jsonl in the run "
-                              "directory, one JSON line per step): use jsonl")
+        if name == "file":  # verl's FileLogger: a JSON line per step, elsewhere and laid out otherwise than jsonl's
+            raise ConfigError("trainer.logger: verl's file logger is not supported (its lines are {\"step\": s, "
+                              "\"data\": {metrics}}, in VERL_FILE_LOGGER_PATH, else VERL_FILE_LOGGER_ROOT/"
+                              "<project_name>/<experiment_name>.jsonl): use jsonl, whose lines are {\"step\": s, "
+                              "metrics...} in the run directory's metrics.jsonl")
         if name in VERL_ONLY_LOGGERS:
             raise ConfigError(f"trainer.logger: verl's {name} logger is not supported; use console, jsonl, tensorboard "
                               "or wandb")
