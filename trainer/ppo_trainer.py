@@ -891,11 +891,13 @@ class PPOTrainer:
             return
         with_sps = self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
         if (self._on_policy_update() and not reweighted and not lp.calculate_log_probs
-                and not self.cfg.algorithm.use_kl_in_reward and not with_sps):
+                and not self.cfg.algorithm.use_kl_in_reward and not with_sps and not self.cfg.algorithm.use_pf_ppo):
             # One optimizer step on this batch: its ratio's old log-probs are the update's own forward
             # (`Actor.update`), and nothing before it reads them (no KL in the reward, no rollout
             # correction or its diagnostics, no sum of squared probabilities for the advantages), so
-            # the recompute pass is skipped. actor/entropy and actor/ref_kl come from the update.
+            # the recompute pass is skipped. actor/entropy and actor/ref_kl come from the update. Not
+            # with PF-PPO: the update trains on the redrawn batch, and verl's actor/entropy is the
+            # pass's, of the batch before the redraw.
             return
         with self.timer("old_log_prob"):
             with self.actor.count_work() as work:

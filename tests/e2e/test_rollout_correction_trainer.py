@@ -186,3 +186,29 @@ def test_on_policy_step_skips_the_recompute_pass(tiny_assets, tmp_path):
     the pass's metrics (entropy, reference KL) come from the update."""
     (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
     run_distributed(_on_policy_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
+
+def _pf_ppo_body(rank, world_size, assets, run_root):
+    from trainer.launch import init_distributed
+    from trainer.ppo_trainer import PPOTrainer
+
+    ctx = init_distributed("cpu")
+    gae = ["actor_rollout_ref.rollout.calculate_log_probs=false", "algorithm.adv_estimator=gae",
+           "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=1"]
+    plain = PPOTrainer(_config(assets, run_root, "pf_off", *gae), ctx).step()
+    pf = PPOTrainer(_config(assets, run_root, "pf_on", *gae, "algorithm.use_pf_ppo=true"), ctx).step()
+    # the same generation (same seed, no update before it); the redraw changed the batch the update saw
+    assert "timing_s/old_log_prob" not in plain and "timing_s/old_log_prob" in pf
+    assert abs(plain["critic/score/mean"] - pf["critic/score/mean"]) > 1e-3, (plain, pf)
+    # the entropy of the batch before the redraw (the skipped run's update measured that batch): 6e-8
+    # apart, where the redrawn batch's (the update's forward) was 5e-4 apart (3.14089 against 3.13925)
+    assert abs(plain["actor/entropy"] - pf["actor/entropy"]) <= 1e-5 * plain["actor/entropy"], (plain, pf)
+
+
+def test_pf_ppo_on_policy_step_measures_the_batch_before_the_redraw(tiny_assets, tmp_path):
+    """PF-PPO with an on-policy update (one mini-batch, one epoch): the recompute pass is not skipped,
+    so actor/entropy (verl's, of its old-log-prob pass) is of the batch before the redraw, as verl logs
+    it (and actor/ref_kl too); skipped, they came from the update's forward over the redrawn batch."""
+    (tmp_path / "dense_reward.py").write_text(DENSE_REWARD)
+    run_distributed(_pf_ppo_body, 2, str(tiny_assets), str(tmp_path), timeout=600)
+
