@@ -66,9 +66,10 @@ class LoRAConfig:
     rank: int = field(metadata={"help": "adapter rank r (lora_rank); > 0"})
     alpha: float = field(default=16.0, metadata={"help": "lora_alpha: the adapter output is scaled by alpha / rank"})
     target_modules: str | list[str] = field(default="all-linear", metadata={
-        "help": "'all-linear', a list of projection names among q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                "up_proj, down_proj, or a regular expression peft matches (re.fullmatch) against whole module "
-                "names (model.layers.0.self_attn.q_proj): it must select the same projections in every layer"})
+        "help": "'all-linear', a list of peft's entries (an entry selects the module of that name or whose name ends "
+                "with '.' + it: q_proj, self_attn.q_proj), or a regular expression peft matches (re.fullmatch) "
+                "against whole module names (model.layers.0.self_attn.q_proj): it must select only the decoder "
+                "layers' projections, the same ones in every layer"})
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -82,26 +83,18 @@ class LoRAConfig:
                     re.compile(tm)
                 except re.error as e:
                     raise ValueError(f"target_modules={tm!r} is not a regular expression ({e}): give 'all-linear', "
-                                     f"a list of names among {list(ALL_LINEAR)} or a regular expression") from None
-                regex_targets(tm, _hf_module_names(1))  # what it selects, checked on one layer
-            return
-        if not isinstance(tm, (list, tuple)) or not tm:
-            raise ValueError(f"target_modules must be 'all-linear' or a non-empty list, got {tm!r}")
-        bad = [m for m in tm if m not in ALL_LINEAR]
-        if bad:
-            raise ValueError(f"target_modules has {bad}: meshppo's LoRA targets the projections {list(ALL_LINEAR)}")
-        if len(set(tm)) != len(tm):
-            raise ValueError(f"target_modules lists a projection twice: {list(tm)}")
-        self.target_modules = [m for m in ALL_LINEAR if m in tm]  # model order: configs compare by value
+                                     f"a list such as {list(ALL_LINEAR)} or a regular expression") from None
+        elif not isinstance(tm, (list, tuple)) or not tm or not all(isinstance(m, str) for m in tm):
+            raise ValueError(f"target_modules must be 'all-linear', a regular expression or a non-empty list of "
+                             f"strings, got {tm!r}")
+        else:
+            self.target_modules = list(tm)
+        self.targets  # what it selects, checked on a two-layer model's names (inject_lora checks the model's own)
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """The projection names, in model order."""
-        if self.target_modules == "all-linear":
-            return ALL_LINEAR
-        if isinstance(self.target_modules, str):
-            return regex_targets(self.target_modules, _hf_module_names(1))
-        return tuple(m for m in ALL_LINEAR if m in self.target_modules)
+        """The projection names, in model order (what peft selects on a two-layer model's names)."""
+        return peft_targets(self.target_modules, _hf_module_names(2, ("lm_head", "score")))
 
     @property
     def scaling(self) -> float:
@@ -111,10 +104,10 @@ class LoRAConfig:
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
-def _hf_module_names(num_layers: int, head: str = "lm_head") -> list[str]:
+def _hf_module_names(num_layers: int, heads: tuple[str, ...] = ("lm_head",)) -> list[str]:
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
-    `...ForCausalLM`, or `...ForTokenClassification` with head `score`)."""
-    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", head]
+    `...ForCausalLM` with head `lm_head`, or `...ForTokenClassification` with head `score`)."""
+    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     for i in range(num_layers):
         b = f"model.layers.{i}"
         names += [b, f"{b}.input_layernorm", f"{b}.post_attention_layernorm", f"{b}.self_attn", f"{b}.mlp",
@@ -123,34 +116,55 @@ def _hf_module_names(num_layers: int, head: str = "lm_head") -> list[str]:
     return names
 
 
-def regex_targets(pattern: str, names: list[str]) -> tuple[str, ...]:
-    """The projections a string `target_modules` selects, as peft reads a string: `re.fullmatch` against each
-    whole module name in `names`. ValueError naming target_modules when it selects a module other than a
-    decoder layer's projection, none at all, or not the same projections in every layer."""
+def peft_selects(spec: str | list[str], name: str) -> bool:
+    """Whether peft's `target_modules` value `spec` (not all-linear) selects the module `name` (a whole
+    name, model.layers.0.self_attn.q_proj): a string is `re.fullmatch`ed against it, a list entry selects
+    the module of that name or whose name ends with "." + the entry."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, name) is not None
+    return any(name == e or name.endswith("." + e) for e in spec)
+
+
+def _how(spec: str | list[str]) -> str:
+    if isinstance(spec, str):
+        return "peft matches a string with re.fullmatch against whole module names"
+    return "peft selects a module whose whole name is a list entry or ends with '.' + one"
+
+
+def peft_targets(target_modules: str | list[str], names: list[str]) -> tuple[str, ...]:
+    """The projections peft adapts under `target_modules` among the module names `names`
+    (`_hf_module_names`), in model order. ValueError naming target_modules when it selects a module
+    other than a decoder layer's projection, none at all, or not the same projections in every layer,
+    or when a list entry names no module (peft would pass over it: a typo)."""
+    if target_modules == "all-linear":  # peft: every nn.Linear but an LM head (a value head: VERL.md)
+        return ALL_LINEAR
+    shown = f"target_modules={target_modules!r}"
     per_layer: dict[int, set[str]] = {}
     layers = set()
     for name in names:
         m = _LAYER_PROJ.fullmatch(name)
         if m and m.group(2) in ALL_LINEAR:
             layers.add(int(m.group(1)))
-        if not re.fullmatch(pattern, name):
+        if not peft_selects(target_modules, name):
             continue
         if not (m and m.group(2) in ALL_LINEAR):
-            raise ValueError(f"target_modules={pattern!r} matches the module {name} (peft matches a string target "
-                             f"against whole module names): meshppo's LoRA targets only the decoder layers' "
-                             f"projections {list(ALL_LINEAR)}")
+            raise ValueError(f"{shown} matches the module {name} ({_how(target_modules)}): meshppo's LoRA targets "
+                             f"only the decoder layers' projections {list(ALL_LINEAR)}")
         per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
+    if not isinstance(target_modules, str):
+        unused = [e for e in target_modules if not any(peft_selects([e], n) for n in names)]
+        if unused:
+            raise ValueError(f"target_modules has {unused}, which names no module ({_how(target_modules)}): "
+                             f"meshppo's LoRA targets the projections {list(ALL_LINEAR)}")
     if not per_layer:
-        raise ValueError(f"target_modules={pattern!r} matches no module: peft matches a string target with "
-                         "re.fullmatch against whole module names such as model.layers.0.self_attn.q_proj "
+        raise ValueError(f"{shown} matches no module: {_how(target_modules)} "
                          "(give a list for names such as q_proj)")
     sets = {i: per_layer.get(i, set()) for i in sorted(layers)}
     first = sets[min(sets)]
     for i, got in sets.items():
         if got != first:
-            raise ValueError(f"target_modules={pattern!r} selects {sorted(first)} in layer {min(sets)} but "
-                             f"{sorted(got)} in layer {i}: meshppo's adapters cover the same projections in every "
-                             "layer")
+            raise ValueError(f"{shown} selects {sorted(first)} in layer {min(sets)} but {sorted(got)} in layer {i}: "
+                             "meshppo's adapters cover the same projections in every layer")
     return tuple(p for p in ALL_LINEAR if p in first)
 
 
@@ -181,10 +195,9 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
         raise RuntimeError("inject_lora was already applied to this model")
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
-    if isinstance(cfg.target_modules, str) and cfg.target_modules != "all-linear":  # a regex: on every layer
-        regex_targets(cfg.target_modules,
-                      _hf_module_names(len(model.layers), "score" if hasattr(model, "score") else "lm_head"))
-    for name, module in _targets(model, cfg):
+    head = "score" if hasattr(model, "score") else "lm_head"
+    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), (head,)))  # on every layer
+    for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
         w = module.weight
@@ -204,9 +217,9 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     return model
 
 
-def _targets(model: nn.Module, cfg: LoRAConfig):
+def _targets(model: nn.Module, targets: tuple[str, ...]):
     for i, block in enumerate(model.layers):
-        for proj in cfg.targets:
+        for proj in targets:
             parent = block.self_attn if proj in ATTN_PROJ else block.mlp
             yield f"layers.{i}.{'self_attn' if proj in ATTN_PROJ else 'mlp'}.{proj}", getattr(parent, proj)
 

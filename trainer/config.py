@@ -541,11 +541,12 @@ class ModelConfig:
                             "reference is the actor with its adapters off (no second model)", ge=0)
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter output is scaled by lora_alpha / lora_rank",
                             gt=0)
-    target_modules: str | list[str] = opt("all-linear", "projections that get adapters: all-linear, a list among "
-                                                         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-                                                         "or a regular expression matched as peft does (re.fullmatch "
-                                                         "on whole names: model.layers.0.self_attn.q_proj) that "
-                                                         "selects the same projections in every layer")
+    target_modules: str | list[str] = opt("all-linear", "projections that get adapters, as peft selects them: "
+                                                         "all-linear, a list (an entry selects the module of that name "
+                                                         "or whose name ends with '.' + it: q_proj, self_attn.q_proj) "
+                                                         "or a regular expression (re.fullmatch on whole names: "
+                                                         "model.layers.0.self_attn.q_proj); only the decoder layers' "
+                                                         "projections, the same ones in every layer")
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
                                               "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha "
                                               "and target_modules, as in verl (lora_rank, lora_alpha and "
@@ -1153,11 +1154,12 @@ class CriticModelConfig:
                          ge=0)
     lora_alpha: float = opt(16.0, "critic LoRA scaling numerator: the adapter output is scaled by "
                                   "lora_alpha / lora_rank", gt=0)
-    target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters: all-linear, a list "
-                                                         "among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                                         "down_proj, or a regular expression matched as peft does "
-                                                         "(re.fullmatch on whole names) that selects the same "
-                                                         "projections in every layer")
+    target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters, as peft selects "
+                                                         "them: all-linear, a list (an entry selects the module of that "
+                                                         "name or whose name ends with '.' + it: q_proj, "
+                                                         "self_attn.q_proj) or a regular expression (re.fullmatch on "
+                                                         "whole names); only the decoder layers' projections, the same "
+                                                         "ones in every layer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)

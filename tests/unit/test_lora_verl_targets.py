@@ -1,17 +1,29 @@
 """target_modules as verl passes it to peft: a regular-expression string selects what peft's
-`re.fullmatch` against whole module names selects, on a tiny Qwen2 model, in float64."""
+`re.fullmatch` against whole module names selects, a list entry the module of that name or whose name
+ends with "." + the entry (self_attn.q_proj), on a tiny Qwen2 model, in float64."""
+
+import dataclasses
+import json
 
 import pytest
 import torch
 
 from models import Transformer
-from models.lora import LoRAConfig, adapter_state_dict, inject_lora, save_peft_adapter
+from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
 from tests.unit.test_lora import ARGS, _base, _hf_qwen2, _ids
 
-peft = pytest.importorskip("peft")
+# (target_modules, the projections it selects in every layer: hand-listed, peft's checked below)
+SELECTIONS = [
+    (r".*\.(q_proj|v_proj)", ("q_proj", "v_proj")),
+    (r"model\.layers\.\d+\.mlp\..*_proj", ("gate_proj", "up_proj", "down_proj")),
+    (r".*layers.*(o|down)_proj", ("o_proj", "down_proj")),
+    (["self_attn.q_proj", "mlp.down_proj"], ("q_proj", "down_proj")),
+    (["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj", "o_proj"], ("v_proj", "o_proj")),
+    (["up_proj", "layers.1.mlp.up_proj", "self_attn.k_proj", "k_proj"], ("k_proj", "up_proj")),
+]
 
 
-def _peft_targets(hf, target_modules):
+def _peft_targets(peft, hf, target_modules):
     """{(layer, projection)} peft wraps under `target_modules`."""
     pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4,
                                                  target_modules=target_modules, bias="none"))
@@ -24,19 +36,35 @@ def _peft_targets(hf, target_modules):
     return out
 
 
-@pytest.mark.parametrize("regex", [r".*\.(q_proj|v_proj)", r"model\.layers\.\d+\.mlp\..*_proj",
-                                   r".*layers.*(o|down)_proj"])
-def test_regex_target_selects_what_peft_selects_and_gives_peft_logits(tmp_path, regex):
-    cfg = LoRAConfig(rank=4, alpha=8, target_modules=regex)
-    base = _base()
-    hf = _hf_qwen2(base, tmp_path).double()
-    theirs = _peft_targets(hf, regex)
-    assert {p for _, p in theirs} == set(cfg.targets) and {i for i, _ in theirs} == set(range(ARGS.num_hidden_layers))
-    model = inject_lora(_base().double(), cfg, torch.Generator().manual_seed(1))
+def _trained(model):
+    """`model`'s adapters with a non-zero B (a trained adapter)."""
     with torch.no_grad():
         for n, p in adapter_state_dict(model).items():
             if n.endswith("lora_B"):
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(n) % 1000))
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
+    return model
+
+
+@pytest.mark.parametrize("target_modules, expected", SELECTIONS)
+def test_target_modules_select_the_hand_listed_projections(target_modules, expected):
+    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules)
+    assert cfg.targets == expected
+    with torch.device("meta"):
+        model = inject_lora(Transformer(ARGS), cfg)
+    adapted = {n for n, p in model.named_parameters() if n.endswith(".lora_A")}
+    assert adapted == {f"layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}."
+                       f"{p}.lora_A" for i in range(ARGS.num_hidden_layers) for p in expected}
+
+
+@pytest.mark.parametrize("target_modules, expected", SELECTIONS)
+def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, target_modules, expected):
+    peft = pytest.importorskip("peft")
+    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules)
+    base = _base()
+    hf = _hf_qwen2(base, tmp_path).double()
+    theirs = _peft_targets(peft, hf, target_modules)
+    assert theirs == {(i, p) for i in range(ARGS.num_hidden_layers) for p in expected}
+    model = _trained(inject_lora(_base().double(), cfg, torch.Generator().manual_seed(1)))
     save_peft_adapter(tmp_path / "a", {k: v.detach() for k, v in adapter_state_dict(model).items()}, cfg)
     hf2 = _hf_qwen2(base, tmp_path / "x").double()
     pm = peft.PeftModel.from_pretrained(hf2, str(tmp_path / "a")).eval()
@@ -49,6 +77,33 @@ def test_regex_target_selects_what_peft_selects_and_gives_peft_logits(tmp_path, 
     assert (ours - off).abs().max() > 1e-2
 
 
+def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
+    """peft resolves all-linear to the whole names of the linear modules and writes them as
+    target_modules (model.layers.0.self_attn.q_proj: a model this small has too few to shorten): such an
+    adapter, verl's too, is read as peft reads it, and gives peft's logits."""
+    peft = pytest.importorskip("peft")
+    base = _base()
+    hf = _hf_qwen2(base, tmp_path).double()
+    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear",
+                                                 bias="none"))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
+    pm.save_pretrained(tmp_path / "a")
+    written = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.1.mlp.down_proj" in written  # whole names
+    model = inject_lora(_base().double(), LoRAConfig(rank=4, alpha=8, target_modules=written))
+    load_peft_adapter(model, tmp_path / "a")
+    ids = _ids(3)
+    with torch.no_grad():
+        ours, ref = model(ids), pm.eval()(input_ids=ids).logits
+        with pm.disable_adapter():
+            off = pm(input_ids=ids).logits
+    assert (ours - ref).abs().max() < 1e-5
+    assert (ours - off).abs().max() > 1e-2
+
+
 def test_regex_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"target_modules='q_proj' matches no module"):
         LoRAConfig(rank=4, target_modules="q_proj")  # peft: re.fullmatch on whole names, no module either
@@ -58,7 +113,32 @@ def test_regex_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
         LoRAConfig(rank=4, target_modules=r"lm_head|.*q_proj")
     with pytest.raises(ValueError, match=r"target_modules='\(' is not a regular expression"):
         LoRAConfig(rank=4, target_modules="(")
-    cfg = LoRAConfig(rank=4, target_modules=r"model\.layers\.0\..*q_proj")  # one layer only: seen on the model
     with pytest.raises(ValueError, match=r"selects \['q_proj'\] in layer 0 but \[\] in layer 1"):
+        LoRAConfig(rank=4, target_modules=r"model\.layers\.0\..*q_proj")
+    cfg = LoRAConfig(rank=4, target_modules=r"model\.layers\.[01]\..*q_proj")  # two layers: seen on the model
+    with pytest.raises(ValueError, match=r"selects \['q_proj'\] in layer 0 but \[\] in layer 2"):
         with torch.device("meta"):
-            inject_lora(Transformer(ARGS), cfg)
+            inject_lora(Transformer(dataclasses.replace(ARGS, num_hidden_layers=3)), cfg)
+
+
+def test_list_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"target_modules=\['lm_head', 'q_proj'\] matches the module lm_head"):
+        LoRAConfig(rank=4, target_modules=["lm_head", "q_proj"])
+    with pytest.raises(ValueError, match=r"target_modules=\['embed_tokens'\] matches the module model.embed_tokens"):
+        LoRAConfig(rank=4, target_modules=["embed_tokens"])
+    with pytest.raises(ValueError, match=r"matches the module model.layers.0.input_layernorm"):
+        LoRAConfig(rank=4, target_modules=["q_proj", "input_layernorm"])
+    with pytest.raises(ValueError, match=r"matches the module model.layers.0.self_attn "):
+        LoRAConfig(rank=4, target_modules=["self_attn"])  # peft too cannot wrap an attention block
+    with pytest.raises(ValueError, match=r"target_modules has \['attn.q_proj'\], which names no module"):
+        LoRAConfig(rank=4, target_modules=["attn.q_proj"])  # the end after a dot: self_attn.q_proj, not attn.q_proj
+    with pytest.raises(ValueError, match=r"selects \['q_proj'\] in layer 0 but \[\] in layer 1"):
+        LoRAConfig(rank=4, target_modules=["model.layers.0.self_attn.q_proj"])
+    with pytest.raises(ValueError, match=r"selects \['o_proj', 'up_proj'\] in layer 0 but \['o_proj'\] in layer 1"):
+        LoRAConfig(rank=4, target_modules=["o_proj", "layers.0.mlp.up_proj"])
+    cfg = LoRAConfig(rank=4, target_modules=["layers.0.mlp.up_proj", "layers.1.mlp.up_proj"])
+    with pytest.raises(ValueError, match=r"selects \['up_proj'\] in layer 0 but \[\] in layer 2"):
+        with torch.device("meta"):
+            inject_lora(Transformer(dataclasses.replace(ARGS, num_hidden_layers=3)), cfg)
+    with pytest.raises(ValueError, match=r"a non-empty list of strings, got \[3\]"):
+        LoRAConfig(rank=4, target_modules=[3])
