@@ -47,21 +47,21 @@ _PEFT_PREFIX = "base_model.model."
 # peft options meshppo's adapters do not have, at their off values (as save_peft_adapter writes them).
 _PEFT_UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
                      "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
-# adapter_config.json keys that leave a loaded adapter's function as r, lora_alpha and target_modules
-# make it: bookkeeping, and options read only while training (dropout) or initialising (the init
+# adapter_config.json keys that leave a loaded adapter's function as r, lora_alpha, target_modules and
+# exclude_modules make it: bookkeeping, and options read only while training (dropout) or initialising (the init
 # methods' configs: the weights are loaded) or for Megatron layers. Any other key, peft's newer
 # ones too (Activated LoRA's alora_invocation_tokens, DoRA, QA-LoRA, ...), must be off (null, false,
 # empty or "none"): an adapter that sets one is refused, not approximated.
 _PEFT_HARMLESS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                   "inference_mode", "r", "target_modules", "lora_alpha", "lora_dropout", "init_lora_weights",
                   "layers_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
-                  "lora_ga_config", "runtime_config", "ensure_weight_tying",
+                  "lora_ga_config", "runtime_config", "ensure_weight_tying", "exclude_modules",
                   "qalora_group_size"}  # read only with use_qalora, which must be off
 
 
 @dataclass
 class LoRAConfig:
-    """verl's `actor_rollout_ref.model.lora_rank` / `lora_alpha` / `target_modules`."""
+    """verl's `actor_rollout_ref.model.lora_rank` / `lora_alpha` / `target_modules` / `exclude_modules`."""
 
     rank: int = field(metadata={"help": "adapter rank r (lora_rank); > 0"})
     alpha: float = field(default=16.0, metadata={"help": "lora_alpha: the adapter output is scaled by alpha / rank"})
@@ -70,6 +70,10 @@ class LoRAConfig:
                 "with '.' + it: q_proj, self_attn.q_proj), or a regular expression peft matches (re.fullmatch) "
                 "against whole module names (model.layers.0.self_attn.q_proj): it must select only the decoder "
                 "layers' projections, the same ones in every layer"})
+    exclude_modules: str | list[str] | None = field(default=None, metadata={
+        "help": "modules target_modules selects that get no adapter, as peft reads them: a regular expression "
+                "(re.fullmatch on whole module names) or a list (an entry excludes the module of that name or whose "
+                "name ends with '.' + it); null (or empty): none"})
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -89,12 +93,25 @@ class LoRAConfig:
                              f"strings, got {tm!r}")
         else:
             self.target_modules = list(tm)
+        ex = self.exclude_modules
+        if not ex:  # peft: an empty value excludes nothing
+            self.exclude_modules = None
+        elif isinstance(ex, str):
+            try:
+                re.compile(ex)
+            except re.error as e:
+                raise ValueError(f"exclude_modules={ex!r} is not a regular expression ({e}): give null, a list such "
+                                 "as ['o_proj'] or a regular expression") from None
+        elif not isinstance(ex, (list, tuple)) or not all(isinstance(m, str) for m in ex):
+            raise ValueError(f"exclude_modules must be null, a regular expression or a list of strings, got {ex!r}")
+        else:
+            self.exclude_modules = list(ex)
         self.targets  # what it selects, checked on a two-layer model's names (inject_lora checks the model's own)
 
     @property
     def targets(self) -> tuple[str, ...]:
         """The projection names, in model order (what peft selects on a two-layer model's names)."""
-        return peft_targets(self.target_modules, _hf_module_names(2, ("lm_head", "score")))
+        return peft_targets(self.target_modules, _hf_module_names(2, ("lm_head", "score")), self.exclude_modules)
 
     @property
     def scaling(self) -> float:
@@ -117,9 +134,9 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = ("lm_head",)) -> 
 
 
 def peft_selects(spec: str | list[str], name: str) -> bool:
-    """Whether peft's `target_modules` value `spec` (not all-linear) selects the module `name` (a whole
-    name, model.layers.0.self_attn.q_proj): a string is `re.fullmatch`ed against it, a list entry selects
-    the module of that name or whose name ends with "." + the entry."""
+    """Whether peft's `target_modules` (not all-linear) or `exclude_modules` value `spec` selects the module
+    `name` (a whole name, model.layers.0.self_attn.q_proj): a string is `re.fullmatch`ed against it, a list
+    entry selects the module of that name or whose name ends with "." + the entry."""
     if isinstance(spec, str):
         return re.fullmatch(spec, name) is not None
     return any(name == e or name.endswith("." + e) for e in spec)
@@ -131,33 +148,46 @@ def _how(spec: str | list[str]) -> str:
     return "peft selects a module whose whole name is a list entry or ends with '.' + one"
 
 
-def peft_targets(target_modules: str | list[str], names: list[str]) -> tuple[str, ...]:
-    """The projections peft adapts under `target_modules` among the module names `names`
-    (`_hf_module_names`), in model order. ValueError naming target_modules when it selects a module
-    other than a decoder layer's projection, none at all, or not the same projections in every layer,
-    or when a list entry names no module (peft would pass over it: a typo)."""
-    if target_modules == "all-linear":  # peft: every nn.Linear but an LM head (a value head: VERL.md)
-        return ALL_LINEAR
-    shown = f"target_modules={target_modules!r}"
+def peft_targets(target_modules: str | list[str], names: list[str],
+                 exclude_modules: str | list[str] | None = None) -> tuple[str, ...]:
+    """The projections peft adapts under `target_modules` and `exclude_modules` among the module names
+    `names` (`_hf_module_names`), in model order: those target_modules selects (all-linear: every
+    projection; peft's also takes a value head, VERL.md) less those exclude_modules selects. ValueError
+    naming the keys when that selects a module other than a decoder layer's projection, none at all, or
+    not the same projections in every layer, or when a list entry (or exclude_modules' string) names no
+    module (peft would pass over it: a typo)."""
+    linear = target_modules == "all-linear"
+    shown = f"target_modules={target_modules!r}" + (f" with exclude_modules={exclude_modules!r}"
+                                                     if exclude_modules else "")
     per_layer: dict[int, set[str]] = {}
-    layers = set()
+    layers, excluded = set(), False
     for name in names:
         m = _LAYER_PROJ.fullmatch(name)
-        if m and m.group(2) in ALL_LINEAR:
+        proj = bool(m and m.group(2) in ALL_LINEAR)
+        if proj:
             layers.add(int(m.group(1)))
-        if not peft_selects(target_modules, name):
+        if not (proj if linear else peft_selects(target_modules, name)):
             continue
-        if not (m and m.group(2) in ALL_LINEAR):
+        if exclude_modules and peft_selects(exclude_modules, name):
+            excluded = True
+            continue
+        if not proj:
             raise ValueError(f"{shown} matches the module {name} ({_how(target_modules)}): meshppo's LoRA targets "
                              f"only the decoder layers' projections {list(ALL_LINEAR)}")
         per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
-    if not isinstance(target_modules, str):
-        unused = [e for e in target_modules if not any(peft_selects([e], n) for n in names)]
-        if unused:
-            raise ValueError(f"target_modules has {unused}, which names no module ({_how(target_modules)}): "
-                             f"meshppo's LoRA targets the projections {list(ALL_LINEAR)}")
+    for key, spec in (("target_modules", None if linear else target_modules), ("exclude_modules", exclude_modules)):
+        if isinstance(spec, list):
+            unused = [e for e in spec if not any(peft_selects([e], n) for n in names)]
+            if unused:
+                raise ValueError(f"{key} has {unused}, which names no module ({_how(spec)}): meshppo's LoRA targets "
+                                 f"the projections {list(ALL_LINEAR)}")
+        elif key == "exclude_modules" and spec and not any(peft_selects(spec, n) for n in names):
+            raise ValueError(f"exclude_modules={spec!r} matches no module: {_how(spec)}")
     if not per_layer:
-        raise ValueError(f"{shown} matches no module: {_how(target_modules)} "
+        if excluded:
+            raise ValueError(f"{shown} leaves no module: exclude_modules takes out every module target_modules "
+                             "selects (peft refuses it too)")
+        raise ValueError(f"target_modules={target_modules!r} matches no module: {_how(target_modules)} "
                          "(give a list for names such as q_proj)")
     sets = {i: per_layer.get(i, set()) for i in sorted(layers)}
     first = sets[min(sets)]
@@ -196,7 +226,8 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
     head = "score" if hasattr(model, "score") else "lm_head"
-    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), (head,)))  # on every layer
+    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), (head,)),
+                           cfg.exclude_modules)  # on every layer
     for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
@@ -339,7 +370,7 @@ def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
 
 
 def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]:
-    """A peft LoRA adapter directory's `LoRAConfig` (its r, lora_alpha and target_modules), and its
+    """A peft LoRA adapter directory's `LoRAConfig` (its r, lora_alpha, target_modules and exclude_modules), and its
     adapter_config.json as read. Options meshppo's adapters lack (DoRA, rsLoRA, per-layer ranks,
     Activated LoRA, ...) are refused: ValueError naming the file and the key."""
     cfg_file = Path(path) / ADAPTER_CONFIG
@@ -356,7 +387,8 @@ def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]
         if key not in _PEFT_HARMLESS and value not in (_PEFT_UNSUPPORTED.get(key), None, False, {}, [], "none"):
             raise ValueError(f"{cfg_file}: {key}={value!r} is not supported by meshppo's LoRA")
     try:
-        cfg = LoRAConfig(rank=raw.get("r"), alpha=raw.get("lora_alpha"), target_modules=raw.get("target_modules"))
+        cfg = LoRAConfig(rank=raw.get("r"), alpha=raw.get("lora_alpha"), target_modules=raw.get("target_modules"),
+                         exclude_modules=raw.get("exclude_modules"))
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {e}") from None
     return cfg, raw

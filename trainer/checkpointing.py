@@ -101,6 +101,7 @@ SAME_RUN_OPTIONS = (
     "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules",
     "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.model.override_config",
     "actor_rollout_ref.model.custom_chat_template",  # how every prompt (and inserted turn) reads

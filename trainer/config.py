@@ -441,8 +441,10 @@ def _hf_config_path():
 
 
 def _exclude_modules():
-    return opt(None, "not supported: must be null (peft's modules kept out of target_modules; list the projections "
-                     "in target_modules instead)", unsupported=lambda v: v is not None)
+    return opt(None, "modules of those target_modules selects that get no adapter, as peft reads it: a regular "
+                     "expression (re.fullmatch on whole names: model.layers.0.mlp.down_proj) or a list (an entry "
+                     "excludes the module of that name or whose name ends with '.' + it: down_proj, mlp.down_proj); "
+                     "what is left must be the same projections in every layer; null: none")
 
 
 def _use_liger():
@@ -548,9 +550,9 @@ class ModelConfig:
                                                          "model.layers.0.self_attn.q_proj); only the decoder layers' "
                                                          "projections, the same ones in every layer")
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
-                                              "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha "
-                                              "and target_modules, as in verl (lora_rank, lora_alpha and "
-                                              "target_modules are then not read)", path=True)
+                                              "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha, "
+                                              "target_modules and exclude_modules, as in verl (lora_rank, lora_alpha, "
+                                              "target_modules and exclude_modules are then not read)", path=True)
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     use_shm: bool = opt(False, "verl: copy the checkpoint to /dev/shm and load it from there", no_effect=_SHM_WHY)
     use_fused_kernels: bool = opt(False, "verl: the actor's and reference's log-probs and entropy by fused kernels "
@@ -598,10 +600,11 @@ def _adapter_notes(model) -> list[str]:
     key, notes = "actor_rollout_ref.model", []
     default = LoRAConfig(1)  # lora_rank's default is 0 (off); the others' are LoRAConfig's
     unused = [f"{name}={ours}" for name, ours, theirs, unset in (
-        ("lora_rank", model.lora_rank, lora.rank, 0), ("lora_alpha", model.lora_alpha, lora.alpha, default.alpha),
-        ("target_modules", list(LoRAConfig(1, target_modules=model.target_modules).targets), list(lora.targets),
-         list(default.targets)))
+        ("lora_rank", model.lora_rank, lora.rank, 0), ("lora_alpha", model.lora_alpha, lora.alpha, default.alpha))
         if ours not in (theirs, unset)]
+    configured = LoRAConfig(1, target_modules=model.target_modules, exclude_modules=model.exclude_modules)
+    if configured.targets != lora.targets:
+        unused += [f"{k}={v}" for k, v in _non_default(model, ("target_modules", "exclude_modules")).items()]
     if unused:
         notes.append(f"{key}.{', '.join(unused)} not used: the adapter at {key}.lora_adapter_path has r={lora.rank}, "
                      f"lora_alpha={lora.alpha:g} and target_modules={list(lora.targets)}, which LoRA takes (as in verl)")
@@ -613,12 +616,12 @@ def _adapter_notes(model) -> list[str]:
 
 
 def _lora_config(key: str, model) -> LoRAConfig | None:
-    """The `LoRAConfig` of a model section's `lora_rank`, `lora_alpha` and `target_modules` (None
+    """The `LoRAConfig` of a model section's `lora_rank`, `lora_alpha`, `target_modules` and `exclude_modules` (None
     when lora_rank is 0); a bad value is a `ConfigError` naming the section `key`."""
     if not model.lora_rank:
         return None
     try:
-        return LoRAConfig(model.lora_rank, model.lora_alpha, model.target_modules)
+        return LoRAConfig(model.lora_rank, model.lora_alpha, model.target_modules, model.exclude_modules)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
 
@@ -2243,7 +2246,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     models = [("actor_rollout_ref.model", arr.model, arr.model.lora_adapter_path is None)]
     models += [("critic.model", cfg.critic.model, cfg.uses_critic)]  # (else the critic's note says them)
     for key, model, read in models:
-        unused = _non_default(model, ("lora_alpha", "target_modules"))
+        unused = _non_default(model, ("lora_alpha", "target_modules", "exclude_modules"))
         if read and not model.lora_rank and unused:
             notes.append(f"{_listed({f'{key}.{k}': v for k, v in unused.items()})} has no effect: {key}.lora_rank=0 "
                          "(no LoRA adapters)")

@@ -286,6 +286,25 @@ def test_lora_options_build_the_actor_lora_config():
         _cfg("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj, qkv]")
 
 
+def test_exclude_modules_takes_projections_out_of_the_actor_and_critic_lora_as_in_peft():
+    """verl 0.9.1 passes model.exclude_modules (actor and critic) to peft's LoraConfig; it was refused.
+    Now peft's reading: a regex re.fullmatch'ed on whole names, a list entry the name or its end after a dot."""
+    A, C = "actor_rollout_ref.model", "critic.model"
+    cfg = _cfg(f"{A}.lora_rank=8", f"{A}.exclude_modules=[mlp.down_proj, o_proj]", f"{C}.lora_rank=4",
+               f"{C}.target_modules=[q_proj, v_proj, up_proj]", rf"{C}.exclude_modules=.*\.mlp\..*",
+               "algorithm.adv_estimator=gae")
+    validate(cfg)
+    assert cfg.actor_rollout_ref.model.lora.targets == ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert cfg.critic.model.lora.targets == ("q_proj", "v_proj")
+    with pytest.raises(ConfigError, match=rf"^{A}: exclude_modules has \['q_prj'\], which names no module"):
+        _cfg(f"{A}.lora_rank=8", f"{A}.exclude_modules=[q_prj]")
+    with pytest.raises(ConfigError, match=rf"^{C}: target_modules='all-linear' with exclude_modules="
+                                          r"\['layers.0.mlp.up_proj'\] selects"):
+        _cfg(f"{C}.lora_rank=8", f"{C}.exclude_modules=[layers.0.mlp.up_proj]", "algorithm.adv_estimator=gae")
+    assert [n for n in config_notes(_cfg(f"{A}.exclude_modules=[o_proj]")) if "exclude_modules" in n] == [
+        f"{A}.exclude_modules=['o_proj'] has no effect: {A}.lora_rank=0 (no LoRA adapters)"]
+
+
 def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_path):
     """verl turns LoRA on for a lora_adapter_path and takes r, lora_alpha and target_modules from the
     adapter (PeftModel.from_pretrained), whatever lora_rank says: its example that continues from an
@@ -311,6 +330,10 @@ def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_
 
     assert notes() == []  # verl's example: only the path
     assert notes(f"{key}.lora_rank=4", f"{key}.lora_alpha=8", f"{key}.target_modules=[v_proj,q_proj]") == []
+    assert notes(f"{key}.target_modules=[q_proj,v_proj,o_proj]", f"{key}.exclude_modules=[o_proj]") == []
+    assert notes(f"{key}.exclude_modules=[o_proj]") == [
+        f"{key}.exclude_modules=['o_proj'] not used: the adapter at {key}.lora_adapter_path has r=4, lora_alpha=8 and "
+        "target_modules=['q_proj', 'v_proj'], which LoRA takes (as in verl)"]
     assert notes(f"{key}.lora_rank=8", f"{key}.lora_alpha=32", f"{key}.target_modules=[q_proj]") == [
         f"{key}.lora_rank=8, lora_alpha=32.0, target_modules=['q_proj'] not used: the adapter at "
         f"{key}.lora_adapter_path has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes "

@@ -1,6 +1,7 @@
-"""target_modules as verl passes it to peft: a regular-expression string selects what peft's
-`re.fullmatch` against whole module names selects, a list entry the module of that name or whose name
-ends with "." + the entry (self_attn.q_proj), on a tiny Qwen2 model, in float64."""
+"""target_modules and exclude_modules as verl passes them to peft: a regular-expression string selects
+what peft's `re.fullmatch` against whole module names selects, a list entry the module of that name or
+whose name ends with "." + the entry (self_attn.q_proj); what exclude_modules selects so gets no
+adapter. On a tiny Qwen2 model, in float64."""
 
 import dataclasses
 import json
@@ -12,21 +13,36 @@ from models import Transformer
 from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
 from tests.unit.test_lora import ARGS, _base, _hf_qwen2, _ids
 
-# (target_modules, the projections it selects in every layer: hand-listed, peft's checked below)
+# (target_modules, exclude_modules, the projections they select in every layer: hand-listed, peft's checked below)
 SELECTIONS = [
-    (r".*\.(q_proj|v_proj)", ("q_proj", "v_proj")),
-    (r"model\.layers\.\d+\.mlp\..*_proj", ("gate_proj", "up_proj", "down_proj")),
-    (r".*layers.*(o|down)_proj", ("o_proj", "down_proj")),
-    (["self_attn.q_proj", "mlp.down_proj"], ("q_proj", "down_proj")),
-    (["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj", "o_proj"], ("v_proj", "o_proj")),
-    (["up_proj", "layers.1.mlp.up_proj", "self_attn.k_proj", "k_proj"], ("k_proj", "up_proj")),
+    (r".*\.(q_proj|v_proj)", None, ("q_proj", "v_proj")),
+    (r"model\.layers\.\d+\.mlp\..*_proj", None, ("gate_proj", "up_proj", "down_proj")),
+    (r".*layers.*(o|down)_proj", None, ("o_proj", "down_proj")),
+    (["self_attn.q_proj", "mlp.down_proj"], None, ("q_proj", "down_proj")),
+    (["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj", "o_proj"], None, ("v_proj", "o_proj")),
+    (["up_proj", "layers.1.mlp.up_proj", "self_attn.k_proj", "k_proj"], None, ("k_proj", "up_proj")),
+]
+EXCLUSIONS = [
+    ("all-linear", ["down_proj"], ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")),
+    ("all-linear", r".*\.mlp\..*", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    (["q_proj", "k_proj", "v_proj", "o_proj"], ["self_attn.k_proj"], ("q_proj", "v_proj", "o_proj")),
+    (r".*_proj", r"model\.layers\.\d+\.self_attn\.[qk]_proj", ("v_proj", "o_proj", "gate_proj", "up_proj",
+                                                                "down_proj")),
+    (["q_proj", "up_proj"], ["self_attn"], ("q_proj", "up_proj")),  # an attention block, not the projections in it
+    (["lm_head", "q_proj", "v_proj"], ["lm_head"], ("q_proj", "v_proj")),  # the LM head selected, then taken out
+    (["q_proj", "up_proj"], ["model.layers.0.mlp.up_proj", "layers.1.mlp.up_proj"], ("q_proj",)),
 ]
 
 
-def _peft_targets(peft, hf, target_modules):
-    """{(layer, projection)} peft wraps under `target_modules`."""
-    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4,
-                                                 target_modules=target_modules, bias="none"))
+def _peft_model(peft, hf, target_modules, exclude_modules=None, r=2, lora_alpha=4):
+    return peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=lora_alpha,
+                                                   target_modules=target_modules, exclude_modules=exclude_modules,
+                                                   bias="none"))
+
+
+def _peft_targets(peft, hf, target_modules, exclude_modules=None):
+    """{(layer, projection)} peft wraps under `target_modules` and `exclude_modules`."""
+    pm = _peft_model(peft, hf, target_modules, exclude_modules)
     out = set()
     for n, _ in pm.named_modules():
         if n.endswith(".lora_A"):
@@ -45,9 +61,9 @@ def _trained(model):
     return model
 
 
-@pytest.mark.parametrize("target_modules, expected", SELECTIONS)
-def test_target_modules_select_the_hand_listed_projections(target_modules, expected):
-    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules)
+@pytest.mark.parametrize("target_modules, exclude_modules, expected", SELECTIONS + EXCLUSIONS)
+def test_target_modules_select_the_hand_listed_projections(target_modules, exclude_modules, expected):
+    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules, exclude_modules=exclude_modules)
     assert cfg.targets == expected
     with torch.device("meta"):
         model = inject_lora(Transformer(ARGS), cfg)
@@ -56,13 +72,14 @@ def test_target_modules_select_the_hand_listed_projections(target_modules, expec
                        f"{p}.lora_A" for i in range(ARGS.num_hidden_layers) for p in expected}
 
 
-@pytest.mark.parametrize("target_modules, expected", SELECTIONS)
-def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, target_modules, expected):
+@pytest.mark.parametrize("target_modules, exclude_modules, expected", SELECTIONS + EXCLUSIONS)
+def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, target_modules, exclude_modules,
+                                                                      expected):
     peft = pytest.importorskip("peft")
-    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules)
+    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules, exclude_modules=exclude_modules)
     base = _base()
     hf = _hf_qwen2(base, tmp_path).double()
-    theirs = _peft_targets(peft, hf, target_modules)
+    theirs = _peft_targets(peft, hf, target_modules, exclude_modules)
     assert theirs == {(i, p) for i in range(ARGS.num_hidden_layers) for p in expected}
     model = _trained(inject_lora(_base().double(), cfg, torch.Generator().manual_seed(1)))
     save_peft_adapter(tmp_path / "a", {k: v.detach() for k, v in adapter_state_dict(model).items()}, cfg)
@@ -74,7 +91,7 @@ def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, 
         with pm.disable_adapter():
             off = pm(input_ids=ids).logits
     assert (ours - ref).abs().max() < 1e-5  # (transformers keeps its rotary tables in float32)
-    assert (ours - off).abs().max() > 1e-2
+    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
 
 
 def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
@@ -101,7 +118,7 @@ def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
         with pm.disable_adapter():
             off = pm(input_ids=ids).logits
     assert (ours - ref).abs().max() < 1e-5
-    assert (ours - off).abs().max() > 1e-2
+    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
 
 
 def test_regex_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
@@ -142,3 +159,52 @@ def test_list_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
             inject_lora(Transformer(dataclasses.replace(ARGS, num_hidden_layers=3)), cfg)
     with pytest.raises(ValueError, match=r"a non-empty list of strings, got \[3\]"):
         LoRAConfig(rank=4, target_modules=[3])
+
+
+@pytest.mark.parametrize("target_modules, exclude_modules, expected", EXCLUSIONS)
+def test_an_adapter_peft_built_with_exclude_modules_loads_with_peft_logits(tmp_path, target_modules, exclude_modules,
+                                                                           expected):
+    """peft's model under the same LoraConfig, trained (B non-zero) and saved with its exclude_modules in
+    adapter_config.json: meshppo's model with the same options takes its adapters and gives its logits."""
+    peft = pytest.importorskip("peft")
+    pm = _peft_model(peft, _hf_qwen2(_base(), tmp_path).double(), target_modules, exclude_modules, r=4, lora_alpha=8)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
+    pm.save_pretrained(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["exclude_modules"]
+    cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules, exclude_modules=exclude_modules)
+    model = inject_lora(_base().double(), cfg)
+    load_peft_adapter(model, tmp_path / "a")  # its config read as peft's: the same targets
+    ids = _ids(3)
+    with torch.no_grad():
+        ours, ref = model(ids), pm.eval()(input_ids=ids).logits
+        with pm.disable_adapter():
+            off = pm(input_ids=ids).logits
+    assert (ours - ref).abs().max() < 1e-5
+    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
+
+
+def test_exclude_modules_meshppo_cannot_follow_are_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"exclude_modules has \['down'\], which names no module"):
+        LoRAConfig(rank=4, exclude_modules=["down"])  # peft: no module excluded (a warning), all seven adapted
+    with pytest.raises(ValueError, match=r"exclude_modules='down_proj' matches no module"):
+        LoRAConfig(rank=4, exclude_modules="down_proj")  # a string is a regex on whole names
+    with pytest.raises(ValueError, match=r"exclude_modules='\[' is not a regular expression"):
+        LoRAConfig(rank=4, exclude_modules="[")
+    with pytest.raises(ValueError, match=r"a list of strings, got \{'a': 1\}"):
+        LoRAConfig(rank=4, exclude_modules={"a": 1})
+    with pytest.raises(ValueError, match=r"target_modules=\['q_proj'\] with exclude_modules='.\*' leaves no module"):
+        LoRAConfig(rank=4, target_modules=["q_proj"], exclude_modules=".*")  # peft: all were excluded
+    with pytest.raises(ValueError, match=r"target_modules='all-linear' with exclude_modules=\['layers.1.mlp.up_proj'\] "
+                                         r"selects \[.*'up_proj'.*\] in layer 0 but \['down_proj', 'gate_proj', "
+                                         r"'k_proj', 'o_proj', 'q_proj', 'v_proj'\] in layer 1"):
+        LoRAConfig(rank=4, exclude_modules=["layers.1.mlp.up_proj"])
+    cfg = LoRAConfig(rank=4, exclude_modules=r"model\.layers\.[01]\.mlp\.up_proj")  # two layers: seen on the model
+    with pytest.raises(ValueError, match=r"in layer 0 but \[.*'up_proj'.*\] in layer 2"):
+        with torch.device("meta"):
+            inject_lora(Transformer(dataclasses.replace(ARGS, num_hidden_layers=3)), cfg)
+    # a module no adapter goes to (the LM head, a value head) may be excluded: nothing changes
+    assert LoRAConfig(rank=4, exclude_modules=["lm_head", "score"]).targets == LoRAConfig(rank=4).targets
+    assert LoRAConfig(rank=4, exclude_modules=[]).exclude_modules is None  # peft: empty excludes nothing

@@ -83,7 +83,7 @@ def test_every_verl_091_option_path_is_a_meshppo_option():
     f"{R}.nnodes=1", f"{R}.moe_load_balance_metrics_interval=10", f"{R}.disaggregation.enabled=true",
     f"{R}.multi_turn.function_tool_path=tools.py", "data.function_tool_path=tools.py",
     f"{R}.checkpoint_engine.custom_backend_module=my.backend",
-    "critic.model.hf_config_path=/cfg", "critic.model.exclude_modules=[o_proj]", "critic.model.lora_adapter_path=/a",
+    "critic.model.hf_config_path=/cfg", "critic.model.lora_adapter_path=/a",
     "critic.model.mtp.enable=true",
     "distillation.enabled=true", "skip.rollout.enable=true", "skip.rollout_tq.enable=true",
     "skip.async_rollout.enable=true",
