@@ -66,10 +66,10 @@ class LoRAConfig:
     rank: int = field(metadata={"help": "adapter rank r (lora_rank); > 0"})
     alpha: float = field(default=16.0, metadata={"help": "lora_alpha: the adapter output is scaled by alpha / rank"})
     target_modules: str | list[str] = field(default="all-linear", metadata={
-        "help": "'all-linear', a list of peft's entries (an entry selects the module of that name or whose name ends "
-                "with '.' + it: q_proj, self_attn.q_proj), or a regular expression peft matches (re.fullmatch) "
-                "against whole module names (model.layers.0.self_attn.q_proj): it must select only the decoder "
-                "layers' projections, the same ones in every layer"})
+        "help": "'all-linear' (in any case, as peft reads it), a list of peft's entries (an entry selects the "
+                "module of that name or whose name ends with '.' + it: q_proj, self_attn.q_proj), or a regular "
+                "expression peft matches (re.fullmatch) against whole module names (model.layers.0.self_attn.q_proj): "
+                "it must select only the decoder layers' projections, the same ones in every layer"})
     exclude_modules: str | list[str] | None = field(default=None, metadata={
         "help": "modules target_modules selects that get no adapter, as peft reads them: a regular expression "
                 "(re.fullmatch on whole module names) or a list (an entry excludes the module of that name or whose "
@@ -81,6 +81,8 @@ class LoRAConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise ValueError(f"lora_alpha must be a positive number, got {self.alpha!r}")
         tm = self.target_modules
+        if isinstance(tm, str) and tm.lower() == "all-linear":  # peft reads all-linear in any case
+            self.target_modules = tm = "all-linear"
         if isinstance(tm, str):
             if tm != "all-linear":
                 try:

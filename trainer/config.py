@@ -544,11 +544,11 @@ class ModelConfig:
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter output is scaled by lora_alpha / lora_rank",
                             gt=0)
     target_modules: str | list[str] = opt("all-linear", "projections that get adapters, as peft selects them: "
-                                                         "all-linear, a list (an entry selects the module of that name "
-                                                         "or whose name ends with '.' + it: q_proj, self_attn.q_proj) "
-                                                         "or a regular expression (re.fullmatch on whole names: "
-                                                         "model.layers.0.self_attn.q_proj); only the decoder layers' "
-                                                         "projections, the same ones in every layer")
+                                                         "all-linear (any case), a list (an entry selects the module "
+                                                         "of that name or whose name ends with '.' + it: q_proj, "
+                                                         "self_attn.q_proj) or a regular expression (re.fullmatch on "
+                                                         "whole names: model.layers.0.self_attn.q_proj); only the "
+                                                         "decoder layers' projections, the same ones in every layer")
     lora_adapter_path: str | None = opt(None, "peft adapter directory to start from (adapter_config.json + "
                                               "adapter_model.safetensors): LoRA with the adapter's own r, lora_alpha, "
                                               "target_modules and exclude_modules, as in verl (lora_rank, lora_alpha, "
@@ -1158,11 +1158,11 @@ class CriticModelConfig:
     lora_alpha: float = opt(16.0, "critic LoRA scaling numerator: the adapter output is scaled by "
                                   "lora_alpha / lora_rank", gt=0)
     target_modules: str | list[str] = opt("all-linear", "critic projections that get adapters, as peft selects "
-                                                         "them: all-linear, a list (an entry selects the module of that "
-                                                         "name or whose name ends with '.' + it: q_proj, "
-                                                         "self_attn.q_proj) or a regular expression (re.fullmatch on "
-                                                         "whole names); only the decoder layers' projections, the same "
-                                                         "ones in every layer")
+                                                         "them: all-linear (any case), a list (an entry selects the "
+                                                         "module of that name or whose name ends with '.' + it: "
+                                                         "q_proj, self_attn.q_proj) or a regular expression "
+                                                         "(re.fullmatch on whole names); only the decoder layers' "
+                                                         "projections, the same ones in every layer")
     fsdp_config: FSDPOptions = section(FSDPOptions, "critic FSDP2 settings")
     external_lib: str | None = opt(None, "not supported", unsupported=lambda v: v is not None)
     trust_remote_code: bool = opt(False, "not supported (models are built by meshppo)", unsupported=bool)

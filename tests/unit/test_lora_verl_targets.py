@@ -21,6 +21,7 @@ SELECTIONS = [
     (["self_attn.q_proj", "mlp.down_proj"], None, ("q_proj", "down_proj")),
     (["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj", "o_proj"], None, ("v_proj", "o_proj")),
     (["up_proj", "layers.1.mlp.up_proj", "self_attn.k_proj", "k_proj"], None, ("k_proj", "up_proj")),
+    ("All-Linear", None, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),  # lower()
 ]
 EXCLUSIONS = [
     ("all-linear", ["down_proj"], ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")),
