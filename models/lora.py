@@ -113,19 +113,23 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         """The projection names, in model order (what peft selects on a two-layer model's names)."""
-        return peft_targets(self.target_modules, _hf_module_names(2, ("lm_head", "score")), self.exclude_modules)
+        return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD), self.exclude_modules)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
 
+# The modules beside the decoder a Hugging Face ...ForCausalLM has (lm_head), and a ...ForTokenClassification,
+# verl's critic (score, and the dropout before it).
+LM_HEAD = ("lm_head",)
+VALUE_HEAD = ("score", "dropout")
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
-def _hf_module_names(num_layers: int, heads: tuple[str, ...] = ("lm_head",)) -> list[str]:
+def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD) -> list[str]:
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
-    `...ForCausalLM` with head `lm_head`, or `...ForTokenClassification` with head `score`)."""
+    `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD)."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     for i in range(num_layers):
         b = f"model.layers.{i}"
@@ -227,8 +231,8 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
         raise RuntimeError("inject_lora was already applied to this model")
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
-    head = "score" if hasattr(model, "score") else "lm_head"
-    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), (head,)),
+    heads = VALUE_HEAD if hasattr(model, "score") else LM_HEAD
+    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), heads),
                            cfg.exclude_modules)  # on every layer
     for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:

@@ -209,3 +209,31 @@ def test_exclude_modules_meshppo_cannot_follow_are_refused_naming_the_key():
     # a module no adapter goes to (the LM head, a value head) may be excluded: nothing changes
     assert LoRAConfig(rank=4, exclude_modules=["lm_head", "score"]).targets == LoRAConfig(rank=4).targets
     assert LoRAConfig(rank=4, exclude_modules=[]).exclude_modules is None  # peft: empty excludes nothing
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
+def test_the_module_names_matched_are_every_one_peft_sees(model_type):
+    """What target_modules and exclude_modules are matched against holds every module name of the Hugging
+    Face model peft wraps: verl's actor (...ForCausalLM) and critic (...ForTokenClassification, whose value
+    head has a dropout before it)."""
+    import transformers
+
+    from models.lora import LM_HEAD, VALUE_HEAD, _hf_module_names
+
+    cfg = transformers.AutoConfig.for_model(model_type, vocab_size=50, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=8)
+    for cls, heads in ((transformers.AutoModelForCausalLM, LM_HEAD),
+                       (transformers.AutoModelForTokenClassification, VALUE_HEAD)):
+        with torch.device("meta"):
+            hf = cls.from_config(cfg)
+        assert {n for n, _ in hf.named_modules() if n} <= set(_hf_module_names(2, heads)), cls
+
+
+def test_a_critic_target_on_its_dropout_is_refused():
+    """peft cannot wrap the critic's dropout (a target that matches it fails there); meshppo passed it over."""
+    with pytest.raises(ValueError, match=r"matches the module dropout"):
+        LoRAConfig(rank=4, target_modules=r"dropout|.*\.q_proj")
+    with pytest.raises(ValueError, match=r"matches the module dropout"):
+        LoRAConfig(rank=4, target_modules=["q_proj", "dropout"])
+    assert LoRAConfig(rank=4, exclude_modules=["dropout"]).targets == LoRAConfig(rank=4).targets
