@@ -602,8 +602,12 @@ def _adapter_notes(model) -> list[str]:
     unused = [f"{name}={ours}" for name, ours, theirs, unset in (
         ("lora_rank", model.lora_rank, lora.rank, 0), ("lora_alpha", model.lora_alpha, lora.alpha, default.alpha))
         if ours not in (theirs, unset)]
-    configured = LoRAConfig(1, target_modules=model.target_modules, exclude_modules=model.exclude_modules)
-    if configured.targets != lora.targets:
+    try:
+        same = LoRAConfig(1, target_modules=model.target_modules, exclude_modules=model.exclude_modules).targets \
+            == lora.targets
+    except ValueError:  # a selection meshppo cannot take, not read: the adapter's is used
+        same = False
+    if not same:
         unused += [f"{k}={v}" for k, v in _non_default(model, ("target_modules", "exclude_modules")).items()]
     if unused:
         notes.append(f"{key}.{', '.join(unused)} not used: the adapter at {key}.lora_adapter_path has r={lora.rank}, "

@@ -334,6 +334,10 @@ def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_
     assert notes(f"{key}.exclude_modules=[o_proj]") == [
         f"{key}.exclude_modules=['o_proj'] not used: the adapter at {key}.lora_adapter_path has r=4, lora_alpha=8 and "
         "target_modules=['q_proj', 'v_proj'], which LoRA takes (as in verl)"]
+    # not read, so not refused (an error escaped the start-up notes, naming no key)
+    assert notes(f"{key}.target_modules=[lm_head]", f"{key}.exclude_modules=[qq]") == [
+        f"{key}.target_modules=['lm_head'], exclude_modules=['qq'] not used: the adapter at {key}.lora_adapter_path "
+        "has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes (as in verl)"]
     assert notes(f"{key}.lora_rank=8", f"{key}.lora_alpha=32", f"{key}.target_modules=[q_proj]") == [
         f"{key}.lora_rank=8, lora_alpha=32.0, target_modules=['q_proj'] not used: the adapter at "
         f"{key}.lora_adapter_path has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes "
