@@ -27,6 +27,20 @@ def no_leaked_process_group(request):
                     "on every exit path, errors included", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def cpu_suite_without_cuda(request, monkeypatch):
+    """The tests outside tests/gpu are the CPU suite, which CI runs on a machine without a GPU. The product takes
+    CUDA wherever it is available (trainer.device=auto, the rollout.generate CLI), so on a machine with a GPU
+    (`make test` there) they would run on it, in bf16, against CPU references: there they see no GPU either, in
+    this process (torch.cuda.is_available) and in the ranks and runs they start (CUDA_VISIBLE_DEVICES)."""
+    if request.path.parent.name == "gpu":
+        return
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """Demo assets with an untrained model (no warm-up): for runs that test plumbing, not learning.

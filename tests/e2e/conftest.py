@@ -31,7 +31,6 @@ def demo_assets(tmp_path_factory):
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dict | None = None,
              extra_torchrun: list[str] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(env_extra or {})
     from tests.dist_utils import free_port
 

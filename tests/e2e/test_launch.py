@@ -20,7 +20,6 @@ COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trai
 
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", **extra)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
 

@@ -553,14 +553,6 @@ def _save_checkpoint(model, path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
 
 
-@pytest.fixture
-def cli_on_cpu(monkeypatch):
-    """`rollout.generate` runs where CUDA is (bf16 there by default); these tests compare it with CPU engines and
-    size its CPU KV pool, so on a machine with a GPU they run it on the CPU too."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-@pytest.mark.usefixtures("cli_on_cpu")
 def test_cli_generate(tmp_path, capsys):
     from rollout.generate import main
 
@@ -621,7 +613,6 @@ def test_cli_generate(tmp_path, capsys):
     assert out.read_bytes() == before and not (tmp_path / ".out.jsonl.tmp").exists()
 
 
-@pytest.mark.usefixtures("cli_on_cpu")
 def test_cli_generate_chat_message_prompts(tmp_path, capsys):
     """A 'prompt' of chat messages is rendered by the tokenizer's chat template with the generation prompt and
     tokenized without added special tokens (as the trainer's datasets do); `--no-chat-template` joins the
@@ -663,7 +654,6 @@ def test_cli_generate_chat_message_prompts(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
-@pytest.mark.usefixtures("cli_on_cpu")
 def test_cli_generate_reads_the_trainers_prompt_files(tmp_path):
     """`--prompts` takes what `data.train_files` takes: JSON lines (with a byte-order mark, blank
     lines skipped), a .json array and .parquet, the same prompts from each; rows are numbered in
@@ -686,7 +676,6 @@ def test_cli_generate_reads_the_trainers_prompt_files(tmp_path):
         read_prompts(parquet, None, vocab_size=16, max_model_len=8)
 
 
-@pytest.mark.usefixtures("cli_on_cpu")
 def test_cli_generate_refuses_bad_input_before_any_work(tmp_path, capsys, monkeypatch):
     """One line naming the flag, file or line, exit 2, nothing written: an output that is the prompts
     file (it used to be replaced by the results) or a directory (found only after generating), a
