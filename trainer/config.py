@@ -1570,8 +1570,11 @@ class TrainerConfig:
     nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
     device: str = opt("auto", "cuda, cpu, or auto (cuda when available)", choices=("auto", "cuda", "cpu"))
-    balance_batch: bool = opt(True, "reorder sequences so the data-parallel ranks (the actor's Ulysses groups, "
-                                    "if any) get balanced token counts")
+    balance_batch: bool = opt(True, "split the step's sequences over the data-parallel ranks (the actor's Ulysses "
+                                    "groups, if any) as verl 0.9.1 does: equally many each, balanced by Karmarkar-Karp "
+                                    "on verl's work estimate 24576 s + s² (s: a sequence's tokens); each rank cuts its "
+                                    "mini-batches from its share, so this decides which sequences train together. "
+                                    "false: consecutive blocks")
     critic_warmup: int = opt(0, "K: steps 1 to K (exactly K steps) train only the critic, the actor first "
                                 "updates at step K + 1 (as verl's yaml says; verl 0.9.1's code, critic_warmup <= "
                                 "global_steps with steps from 1, skips K - 1 actor updates, none for K = 1)", ge=0)

@@ -128,19 +128,25 @@ def contiguous_parts(n: int, k: int) -> list[list[int]]:
 def partition_rows(ro: RolloutBatch, ranks: int, group: int, balance: bool, keep_prompts: bool) -> list[list[int]]:
     """Every rank's rows of `ro` (equally many each), for `ranks` ranks in data-parallel groups of `group`
     consecutive ranks (a role's Ulysses groups, whose ranks pool their rows: `roles.pool_rows`). With
-    `balance` (`trainer.balance_batch`) the rows are balanced over the groups, as verl balances over its
-    data-parallel size: equally many rows a group, balanced token totals (`balanced_equal_partitions`),
-    and with `keep_prompts` (prefix sharing) each prompt's rows in one group where the prompt groups
-    allow it (`balanced_group_partitions`); without it, consecutive blocks. Each group's part is then cut
-    into its ranks' consecutive shares, so that the group pools its part back in its order, and the
-    ranks of any role's groups (consecutive ranks) pool consecutive rows of the balanced order, as
-    verl's workers of another data-parallel size take consecutive chunks of its reordered batch."""
-    from trainer.batching import balanced_equal_partitions, balanced_group_partitions
+    `balance` (`trainer.balance_batch`) the rows are balanced over the groups as verl 0.9.1's trainer
+    balances over its data-parallel size: its work estimate of each row (`seqlen_workload`), equally many
+    rows a group by Karmarkar-Karp (`balanced_equal_partitions`), each part in the batch's order; the
+    partition decides the rows of each mini-batch (a group cuts them from its part). With `keep_prompts`
+    (prefix sharing) whole prompt groups where they divide evenly (`balanced_group_partitions`). Without
+    `balance`, consecutive blocks. Each group's part is then cut into its ranks' consecutive shares, so
+    that the group pools its part back in its order, and the ranks of any role's groups (consecutive
+    ranks) pool consecutive rows of the balanced order, as verl's workers of another data-parallel size
+    take consecutive chunks of its reordered batch."""
+    from trainer.batching import balanced_equal_partitions, balanced_group_partitions, seqlen_workload
 
     groups = ranks // group
-    parts = balanced_group_partitions(ro.prefix_groups(), groups) if balance and keep_prompts else None
-    if parts is None:
-        parts = balanced_equal_partitions(ro.lengths(), groups) if balance else contiguous_parts(len(ro), groups)
+    if not balance:
+        parts = contiguous_parts(len(ro), groups)
+    else:
+        work = seqlen_workload(ro.lengths())
+        parts = balanced_group_partitions(ro.uids, work, groups) if keep_prompts else None
+        if parts is None:
+            parts = balanced_equal_partitions(work, groups)
     return [[part[i] for i in share] for part in parts for share in contiguous_parts(len(part), group)]
 
 

@@ -1,7 +1,7 @@
 """verl's `global_seqlen/*` figures in a run's metrics: one step of the demo recipe on the tiny assets on
 2 gloo ranks logs them with `trainer.balance_batch` (the default) and not without it, as verl logs them
 only where it balances; the mean is the step's tokens (`perf/total_num_tokens`, counted apart) over the
-ranks. (No claim that the balanced spread is the smaller: the greedy partition can lose to the blocks.)"""
+ranks. (No claim that the balanced spread is the smaller: Karmarkar-Karp on the work estimate can lose to the blocks.)"""
 
 from __future__ import annotations
 

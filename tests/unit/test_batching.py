@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from trainer.batching import balanced_equal_partitions, token_budget_partitions
+from trainer.batching import balanced_equal_partitions, seqlen_workload, token_budget_partitions
 from trainer.config import PolicyLossConfig
 from trainer.forward import build_micro_batch, response_logprobs
 from trainer.rollout_batch import RolloutBatch
@@ -24,9 +24,30 @@ def test_balanced_equal_partitions_sizes_and_balance():
     assert sorted(i for p in parts for i in p) == list(range(64))
     assert all(len(p) == 16 for p in parts)
     loads = [sum(costs[i] for i in p) for p in parts]
-    assert max(loads) - min(loads) <= max(costs)  # LPT bound
+    assert max(loads) - min(loads) <= max(costs)
+    assert loads == sorted(loads, reverse=True)  # the heaviest part first, as verl's
     with pytest.raises(ValueError, match="equal parts"):
         balanced_equal_partitions(costs[:63], 4)
+
+
+def test_the_work_estimate_is_verls():
+    # verl 0.9.1's calculate_workload: 24576 s + s² for s tokens (prompt + response)
+    assert seqlen_workload([1, 10, 4096]) == [24577, 245_860, 117_440_512]
+
+
+def test_balanced_equal_partitions_is_karmarkar_karp_by_hand():
+    lengths = [9, 1, 4, 7, 5, 10]
+    # By increasing cost, runs of 2: {1 (row 1), 4 (row 2)}, {5 (4), 7 (3)}, {9 (0), 10 (5)}, spreads of
+    # 3, 2 and 1 tokens. The first two merge, heaviest with lightest: {4, 5} = 9 and {1, 7} = 8 (spread 1
+    # token, and 16 + 25 - 1 - 49 = -9 in s², under the third's 1 token + 100 - 81). Then the third: {10, 1,
+    # 7} = 18 and {9, 4, 5} = 18, the first heavier in s² (150 against 122): rank 0's.
+    assert balanced_equal_partitions(seqlen_workload(lengths), 2) == [[1, 3, 5], [0, 2, 4]]
+    # on the token counts alone the same merges; the tie 18 = 18 goes by the parts' first items, row 5's
+    # (10) before row 0's (9). (Largest first to the lighter part gave 10 + 5 + 4 = 19 and 9 + 7 + 1 = 17.)
+    assert balanced_equal_partitions(lengths, 2) == [[1, 3, 5], [0, 2, 4]]
+    # one run of 3 items: each its own part, heaviest first
+    assert balanced_equal_partitions([4, 9, 1], 3) == [[1], [0], [2]]
+    assert balanced_equal_partitions([], 2) == [[], []]
 
 
 def test_token_budget_partitions_respects_budget_and_min_parts():

@@ -9,7 +9,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from models.attention import attention_packed, block_causal_mask
-from trainer.batching import PrefixGroups, balanced_group_partitions, prompt_groups, shared_prefix_items
+from trainer.batching import balanced_group_partitions, prompt_groups, shared_prefix_items
 from trainer.config import PPOConfig, validate
 from trainer.configlib import ConfigError, load_config
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
@@ -167,15 +167,14 @@ def test_prompt_groups_and_items():
 
 
 def test_balanced_group_partitions_keep_groups_whole():
-    prompts = [[1] * 6] * 3 + [[2] * 2] * 3 + [[3] * 4] * 3 + [[4]] * 3
-    lengths = [5, 1, 1, 2, 2, 2, 9, 0, 3, 1, 1, 1]
-    groups = PrefixGroups(prompt_groups(prompts), [len(p) for p in prompts], lengths)
-    parts = balanced_group_partitions(groups, 2)
-    # group tokens with the prompt once: 13, 8, 16, 4; longest first: 16 | 13, then 8 to 13, 4 to 16
-    assert parts == [[6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5]]
-    assert balanced_group_partitions(groups, 3) is None  # 4 groups over 3 ranks
-    uneven = PrefixGroups(prompt_groups(prompts[:5]), [len(p) for p in prompts[:5]], lengths[:5])
-    assert balanced_group_partitions(uneven, 1) is None  # groups of 3 and 2
+    uids = [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    costs = [11, 7, 7, 4, 4, 4, 13, 4, 7, 2, 2, 2]
+    parts = balanced_group_partitions(uids, costs, 2)
+    # verl 0.9.1's group balance: a group's cost its rows' sum, 25, 12, 24, 6; by increasing cost the runs
+    # {6, 12} and {24, 25}: the heavier of each with the lighter of the other, 12 + 24 = 36 and 6 + 25 = 31
+    assert parts == [[3, 4, 5, 6, 7, 8], [0, 1, 2, 9, 10, 11]]
+    assert balanced_group_partitions(uids, costs, 3) is None  # 4 groups over 3 ranks
+    assert balanced_group_partitions(uids[:5], costs[:5], 1) is None  # groups of 3 and 2
 
 
 def test_config_needs_the_packed_layout():
