@@ -95,6 +95,26 @@ def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, 
     assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
 
 
+def _train_and_save(pm, path):
+    """peft's model `pm` as if trained (its B matrices drawn, non-zero), saved to `path` as peft saves it."""
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
+    pm.save_pretrained(path)
+
+
+def _assert_peft_logits(model, pm):
+    """meshppo's `model` gives peft's logits, which the adapters change (so the comparison sees them)."""
+    ids = _ids(3)
+    with torch.no_grad():
+        ours, ref = model(ids), pm.eval()(input_ids=ids).logits
+        with pm.disable_adapter():
+            off = pm(input_ids=ids).logits
+    assert (ours - ref).abs().max() < 1e-5
+    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
+
+
 def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
     """peft resolves all-linear to the whole names of the linear modules and writes them as
     target_modules (model.layers.0.self_attn.q_proj: a model this small has too few to shorten): such an
@@ -104,22 +124,12 @@ def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
     hf = _hf_qwen2(base, tmp_path).double()
     pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear",
                                                  bias="none"))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
-    pm.save_pretrained(tmp_path / "a")
+    _train_and_save(pm, tmp_path / "a")
     written = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
     assert "model.layers.1.mlp.down_proj" in written  # whole names
     model = inject_lora(_base().double(), LoRAConfig(rank=4, alpha=8, target_modules=written))
     load_peft_adapter(model, tmp_path / "a")
-    ids = _ids(3)
-    with torch.no_grad():
-        ours, ref = model(ids), pm.eval()(input_ids=ids).logits
-        with pm.disable_adapter():
-            off = pm(input_ids=ids).logits
-    assert (ours - ref).abs().max() < 1e-5
-    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
+    _assert_peft_logits(model, pm)
 
 
 def test_regex_targets_meshppo_cannot_adapt_are_refused_naming_the_key():
@@ -169,22 +179,12 @@ def test_an_adapter_peft_built_with_exclude_modules_loads_with_peft_logits(tmp_p
     adapter_config.json: meshppo's model with the same options takes its adapters and gives its logits."""
     peft = pytest.importorskip("peft")
     pm = _peft_model(peft, _hf_qwen2(_base(), tmp_path).double(), target_modules, exclude_modules, r=4, lora_alpha=8)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(sum(map(ord, n))))
-    pm.save_pretrained(tmp_path / "a")
+    _train_and_save(pm, tmp_path / "a")
     assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["exclude_modules"]
     cfg = LoRAConfig(rank=4, alpha=8, target_modules=target_modules, exclude_modules=exclude_modules)
     model = inject_lora(_base().double(), cfg)
     load_peft_adapter(model, tmp_path / "a")  # its config read as peft's: the same targets
-    ids = _ids(3)
-    with torch.no_grad():
-        ours, ref = model(ids), pm.eval()(input_ids=ids).logits
-        with pm.disable_adapter():
-            off = pm(input_ids=ids).logits
-    assert (ours - ref).abs().max() < 1e-5
-    assert (ours - off).abs().max() > 1e-3  # (a hundred times the tolerance above: the comparison sees the adapters)
+    _assert_peft_logits(model, pm)
 
 
 def test_exclude_modules_meshppo_cannot_follow_are_refused_naming_the_key():
