@@ -6,9 +6,12 @@ import pytest
 
 
 def _default_group_exists() -> bool:
-    """Whether this process has a default process group (none can before torch.distributed is imported)."""
+    """Whether this process has a default process group (none can before torch.distributed is imported). It asks
+    c10d's own `is_initialized`, not the `torch.distributed.is_initialized` that tests monkeypatch to stand in for
+    a group: pytest undoes a test's monkeypatch after this guard's teardown (`cpu_suite_without_cuda` requests
+    the monkeypatch fixture, which puts it before the guard), so the guard would see the stand-in."""
     dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
+    return dist is not None and dist.is_available() and dist.distributed_c10d.is_initialized()
 
 
 @pytest.fixture(autouse=True)
