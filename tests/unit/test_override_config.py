@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -230,7 +231,10 @@ def test_the_exported_config_carries_the_overridden_values(model_dir, tmp_path):
     with torch.device("meta"):
         shell = Transformer(args)
     out = tmp_path / "export"
-    shell.save_pretrained(out, state_dict=Transformer.from_pretrained(model_dir).state_dict())
+    state_dict = Transformer.from_pretrained(model_dir).state_dict()
+    with warnings.catch_warnings():  # the export sets no attribute transformers deprecates (v5: rope_scaling)
+        warnings.simplefilter("error", FutureWarning)
+        shell.save_pretrained(out, state_dict=state_dict)
     assert load_model_args(out) == args
     hf = AutoConfig.from_pretrained(out)
     assert (hf.max_position_embeddings, hf.rms_norm_eps, hf.eos_token_id) == (4096, 1e-5, [2, 7])
