@@ -104,6 +104,8 @@ def decode_batch(tokenizer, sequences: list[list[int]], skip_special_tokens: boo
     from transformers import PreTrainedTokenizerFast
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    if not sequences:  # transformers 5.0's batch_decode gives [''] for no sequences
+        return []
     cls = type(tokenizer)
     plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and cls._decode is PreTrainedTokenizerFast._decode
              and cls.decode is PreTrainedTokenizerBase.decode and cls.batch_decode is PreTrainedTokenizerBase.batch_decode)
