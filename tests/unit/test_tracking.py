@@ -237,13 +237,15 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
         t.log({"critic/score/mean": 0.5 * step, "actor/ref_kl": 0.01}, step=step)
     t.close()
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    # wandb's service process may still be flushing the file when finish() returns
+    # wandb's service process may still be flushing the file when finish() returns; wandb 0.17 writes the
+    # last step's history after the exit record (then the summary and a footer), later versions before it
     deadline = time.monotonic() + 60
-    while (records := _wandb_records(path))[-1:] == [] or records[-1].WhichOneof("record_type") != "exit":
-        assert time.monotonic() < deadline, "the offline run file never got its exit record"
+    while "exit" not in (kinds := [r.WhichOneof("record_type") for r in _wandb_records(path)]) or kinds.count(
+            "history") < 2:
+        assert time.monotonic() < deadline, "the offline run file never got its exit record and both steps' history"
         time.sleep(0.2)
     history, config = [], {}
-    for record in records:
+    for record in _wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
