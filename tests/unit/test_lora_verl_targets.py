@@ -117,12 +117,14 @@ def _assert_peft_logits(model, pm):
 
 def test_an_adapter_peft_wrote_with_whole_module_names_loads(tmp_path):
     """peft resolves all-linear to the whole names of the linear modules and writes them as
-    target_modules (model.layers.0.self_attn.q_proj: a model this small has too few to shorten): such an
-    adapter, verl's too, is read as peft reads it, and gives peft's logits."""
+    target_modules (model.layers.0.self_attn.q_proj: a model this small has too few to shorten; peft 0.14
+    wrote the short names, so the test names the modules itself): such an adapter, verl's too, is read as
+    peft reads it, and gives peft's logits."""
     peft = pytest.importorskip("peft")
     base = _base()
     hf = _hf_qwen2(base, tmp_path).double()
-    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear",
+    whole = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=whole,
                                                  bias="none"))
     _train_and_save(pm, tmp_path / "a")
     written = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
