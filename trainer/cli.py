@@ -27,6 +27,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from trainer import launch
+    from trainer.versions import check_versions
+
+    if code := check_versions():  # an older torch or transformers than requirements.txt's: one line each
+        return code
 
     launch.attach()
     with contextlib.ExitStack() as held:  # rank 0's hold on the run directory, for the run

@@ -627,6 +627,10 @@ def main(argv=None) -> int:
                         "exit (starts no rank)")
     add_config_args(p)
     args = p.parse_intermixed_args(argv)
+    from trainer.versions import check_versions
+
+    if code := check_versions():  # before any rank starts
+        return code
 
     from trainer.config import PPOConfig
     from trainer.configlib import ConfigError, expand_home, load_config
