@@ -258,8 +258,31 @@ def write_records(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> st
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    rows = list(rows)
+    inferred = pa.Table.from_pylist(rows).schema
+    schema = pa.schema([pa.field(f.name, _in_row_order(pa, f.type, [r.get(f.name) for r in rows]), f.nullable)
+                        for f in inferred])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return path
+
+
+def _in_row_order(pa, kind, values: list):
+    """`kind` (an inferred Arrow type of `values`) with each struct's fields in the order the dicts give their keys,
+    as datasets (verl's writer) and pyarrow from 24 on infer them; pyarrow before 24 sorts them by name."""
+    if pa.types.is_struct(kind):
+        names, dicts = {}, [v for v in values if isinstance(v, dict)]
+        for d in dicts:
+            names.update(dict.fromkeys(d))
+        fields = [kind.field(i) for i in range(kind.num_fields)]
+        by_name = {f.name: f for f in fields}
+        order = [n for n in names if n in by_name] + [f.name for f in fields if f.name not in names]
+        return pa.struct([pa.field(n, _in_row_order(pa, by_name[n].type, [d.get(n) for d in dicts]), by_name[n].nullable)
+                          for n in order])
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        items = [x for v in values if isinstance(v, (list, tuple)) for x in v]
+        inner = _in_row_order(pa, kind.value_type, items)
+        return pa.large_list(inner) if pa.types.is_large_list(kind) else pa.list_(inner)
+    return kind
 
 
 # What a text-only model cannot read: a row that holds it is refused, not trained on without it.
