@@ -249,13 +249,10 @@ class ModelArgs:
             kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         cfg = AutoConfig.for_model(self.model_type, **kwargs)
-        # transformers v5 reads rope_parameters (its rope_scaling a deprecated alias of it, whose setter warns),
-        # v4 reads rope_theta / rope_scaling.
-        if hasattr(cfg, "rope_parameters"):
-            cfg.rope_parameters = rope
+        # transformers (>= 5, requirements.txt) reads rope_parameters; its rope_scaling is a deprecated alias of
+        # it, whose setter warns.
+        cfg.rope_parameters = rope
         cfg.rope_theta = self.rope_theta
-        if not hasattr(cfg, "rope_parameters") and self.rope_scaling:
-            cfg.rope_scaling = dict(self.rope_scaling)
         if architecture:
             cfg.architectures = [architecture]
         dtype = dtype or self.hf_dtype
