@@ -213,8 +213,7 @@ def test_the_command_lines_file_arguments_read_tilde(home, capsys):
         assert "  seed: 7  #" in capsys.readouterr().out
         assert launch.main([*argv, run, "--print-config"]) == 0, capsys.readouterr().err
         capsys.readouterr()
-    with open(os.path.join(home, "afile"), "w"):
-        pass
+    open(os.path.join(home, "afile"), "w").close()  # a file where --log-dir wants a directory
     assert launch.main(["--config=~/c.yaml", "--log-dir=~/afile/logs", run, "--print-config"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"meshppo: config error: --log-dir (LOG_DIR)={home}/afile/logs "
                                                     f"is under {home}/afile, a file: the run writes a directory there"]
