@@ -253,7 +253,11 @@ def _check_out(out: Path, prompts: Path) -> Path:
 def main(argv=None) -> int:
     import torch.distributed as dist
 
+    from trainer.versions import check_versions
+
     args = parse_args(argv)
+    if code := check_versions():  # an older torch or transformers than requirements.txt's: one line each
+        return code
     owned = not dist.is_initialized()
     try:
         return run(args)

@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     from sharding.checkpoint import UnsafeCheckpointError
     from trainer.configlib import ConfigError
     from trainer.errors import UserError
+    from trainer.versions import check_versions
 
     parser = argparse.ArgumentParser(prog="python -m tools.export_hf", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="RUN/checkpoints, RUN/checkpoints/global_step_K or its actor/ or critic/")
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
                         help="which model (default: the one CHECKPOINT names, else the actor)")
     parser.add_argument("--overwrite", action="store_true", help="replace an OUTPUT that already holds a model")
     args = parser.parse_args(argv)
+    if code := check_versions():  # an older transformers would write another config.json
+        return code
     try:
         export_checkpoint(args.checkpoint, args.output, args.role, args.overwrite)
     except (ExportError, UserError, ConfigError, CheckpointFileError, UnsafeCheckpointError) as e:

@@ -2,6 +2,8 @@
 
 import pytest
 
+from rollout import generate
+from tools import export_hf
 from trainer import cli, launch, versions
 
 
@@ -37,3 +39,17 @@ def test_the_entry_points_refuse_an_older_torch_before_reading_the_config(main, 
     err = capsys.readouterr().err
     assert err.startswith("meshppo: environment error: torch 2.6.0 is installed, meshppo needs torch>=")
     assert "absent.yaml" not in err
+
+
+@pytest.mark.parametrize("main, argv", [
+    (generate.main, ["--model", "absent_model", "--prompts", "absent.jsonl", "--out", "out.jsonl", "--max-new-tokens", "4"]),
+    (export_hf.main, ["absent_checkpoint", "absent_output"]),
+])
+def test_the_other_commands_refuse_an_older_transformers_before_reading_their_files(main, argv, monkeypatch, capsys,
+                                                                                     tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(versions, "_installed", lambda name: "4.56.0" if name == "transformers" else None)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshppo: environment error: transformers 4.56.0 is installed, meshppo needs transformers>=")
+    assert "absent" not in err and list(tmp_path.iterdir()) == []
