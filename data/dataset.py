@@ -840,19 +840,31 @@ class RLHFDataset:
         return {**item, "input_ids": list(item["input_ids"])}
 
 
+# the shuffles a data loader state names: verl's with 1 or 2 draws an epoch, and the per-epoch seeds of
+# runs saved before it
+_ORDERS = ("draws per epoch: 1", "draws per epoch: 2", "seed + epoch")
+
+
 class PromptDataLoader:
     """Batches of dataset items in a seeded order, resumable to the exact next batch.
 
-    Epoch `e` visits the items in `torch.randperm(len(dataset))` drawn from a generator
-    seeded with `seed + e` (or in order when `shuffle=False`), so the order depends only
-    on `(seed, epoch)` and a resumed run needs nothing but `{"epoch", "position"}` (and the
-    dataset size it was saved over, `"size"`, to tell that the data is the same).
+    The items are shuffled in verl's order (in order when `shuffle=False`): verl's sampler
+    (torchdata's `RandomSampler`) permutes the items with `torch.randperm(len(dataset))` from one
+    generator seeded with `seed`, drawing at each epoch's start; its loader draws once an epoch
+    without worker processes and twice with them (its multi-process iterator starts the sampler
+    twice, and the second permutation is the epoch's). So with `draws_per_epoch` k, epoch `e` is the
+    `(e + 1) * k`-th permutation. The order depends only on `(seed, epoch)` (a resume replays the
+    draws), so a resumed run needs nothing but `{"epoch", "position"}` (and the dataset size it was
+    saved over, `"size"`, to tell that the data is the same); it keeps the order it was saved with
+    (`"order"`). A state saved without `"order"` is of a run whose epoch `e` was the permutation of a
+    generator seeded with `seed + e`: it resumes in that order.
 
     `next_batch()` returns the next batch and rolls over to the next epoch as needed
     (the trainer's loop); iterating over the loader yields the rest of the current epoch.
     """
 
-    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True) -> None:
+    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                 draws_per_epoch: int = 1) -> None:
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if batch_size > len(dataset):
@@ -869,6 +881,12 @@ class PromptDataLoader:
         self._position = 0
         self._order: list[int] | None = None
         self._order_epoch = -1
+        if draws_per_epoch not in (1, 2):
+            raise ValueError(f"draws_per_epoch must be 1 or 2, got {draws_per_epoch!r}")
+        self.draws_per_epoch = draws_per_epoch
+        self._per_epoch_seeds = False  # the order of runs saved before verl's (a state without "order")
+        self._generator: torch.Generator | None = None
+        self._draws = 0  # the permutations `_generator` drew
         self.batch_epoch = 0  # the epoch of the batch `next_batch` returned last (verl's training/epoch)
 
     @property
@@ -883,9 +901,16 @@ class PromptDataLoader:
     def _epoch_order(self) -> list[int]:
         if self._order_epoch != self._epoch:
             n = len(self.dataset)
-            if self.shuffle:
+            if self.shuffle and self._per_epoch_seeds:
                 generator = torch.Generator().manual_seed(self.seed + self._epoch)
                 self._order = torch.randperm(n, generator=generator).tolist()
+            elif self.shuffle:
+                draws = (self._epoch + 1) * self.draws_per_epoch
+                if self._generator is None or self._draws > draws:
+                    self._generator, self._draws = torch.Generator().manual_seed(self.seed), 0
+                while self._draws < draws:  # a resume replays the earlier epochs' draws
+                    self._order = torch.randperm(n, generator=self._generator).tolist()
+                    self._draws += 1
             else:
                 self._order = list(range(n))
             self._order_epoch = self._epoch
@@ -919,9 +944,10 @@ class PromptDataLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int | str]:
-        """`{"epoch", "position", "size"}`: where the next batch starts, in a dataset of `size` items; and
-        `"data"`, the dataset's `fingerprint` where it has one."""
-        state = {"epoch": self._epoch, "position": self._position, "size": len(self.dataset)}
+        """`{"epoch", "position", "size", "order"}`: where the next batch starts, in a dataset of `size`
+        items, shuffled as `order` says; and `"data"`, the dataset's `fingerprint` where it has one."""
+        state = {"epoch": self._epoch, "position": self._position, "size": len(self.dataset),
+                 "order": "seed + epoch" if self._per_epoch_seeds else f"draws per epoch: {self.draws_per_epoch}"}
         fingerprint = getattr(self.dataset, "fingerprint", None)
         return state if fingerprint is None else {**state, "data": fingerprint}
 
@@ -942,6 +968,8 @@ class PromptDataLoader:
                              "does not carry over; restore the files as they were, or start a fresh run "
                              "(trainer.resume_mode=disable or another trainer.default_local_dir) from its exported "
                              "model")
+        if state.get("order") not in (None, *_ORDERS):
+            raise ValueError(f"invalid data loader state {state}: order must be one of {', '.join(_ORDERS)}")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= n:
             raise ValueError(f"invalid data loader state {state}: epoch must be >= 0 and position within [0, {n}] "
@@ -951,3 +979,8 @@ class PromptDataLoader:
         """Resume so that `next_batch()` returns the batch an uninterrupted run would."""
         self.check_state_dict(state)
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        order = state.get("order", "seed + epoch")
+        self._per_epoch_seeds = order == "seed + epoch"
+        if not self._per_epoch_seeds:
+            self.draws_per_epoch = int(order.rsplit(" ", 1)[1])
+        self._order_epoch, self._draws, self._generator = -1, 0, None

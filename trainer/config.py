@@ -202,13 +202,17 @@ class DataConfig:
                                      "filtering", ge=-1)
     val_max_samples: int = opt(-1, "use this many validation rows (-1: all), chosen as train_max_samples chooses",
                                ge=-1)
-    shuffle: bool = opt(True, "shuffle the training prompts every epoch")
+    shuffle: bool = opt(True, "shuffle the training prompts every epoch, in the order verl's loader takes them "
+                              "(seed; dataloader_num_workers)")
     seed: int | None = opt(1, "seed of the prompt shuffle and of the max_samples choice; null: the seed an unseeded "
                               "torch.Generator has, as verl's sampler with seed null", ge=0)
     validation_shuffle: bool = opt(False, "not supported: must be false (validation prompts go in file order, or in the order val_max_samples drew them)",
                                    unsupported=bool)
-    dataloader_num_workers: int = opt(8, "accepted for verl compatibility", ge=0,
-                                      no_effect="meshppo tokenizes the prompts once at load, there is no loader worker")
+    dataloader_num_workers: int = opt(8, "verl: its prompt loader's worker processes. meshppo has none (it tokenizes "
+                                         "the prompts once at load) but shuffles as verl's loader then does: with "
+                                         "workers (above 0) verl's sampler draws two permutations an epoch and uses "
+                                         "the second, without them one; a resumed run keeps the order it was saved "
+                                         "with", ge=0)
     filter_overlong_prompts_workers: int | None = opt(1, "accepted for verl compatibility (null too, as verl)", ge=1,
                                                       no_effect="meshppo measures the prompts once at load, each rank "
                                                                 "its share of them")

@@ -290,7 +290,9 @@ class PPOTrainer:
                 raise ConfigError(f"data.{key} ({getattr(d, key)}) is larger than the training set "
                                   f"({len(self.train_ds)} prompts after filtering)")
         # rounds of gen_batch_size prompts (train_batch_size unless dynamic sampling asks for more)
-        self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed)
+        # verl's loader with worker processes draws its sampler's permutation twice an epoch (the second is used)
+        self.loader = PromptDataLoader(self.train_ds, d.gen_batch_size, shuffle=d.shuffle, seed=seed,
+                                       draws_per_epoch=2 if d.dataloader_num_workers > 0 else 1)
         # an epoch is the training set's train_batch_size batches, as verl 0.9.1 counts it, however many
         # prompts dynamic sampling's rounds draw (the loader goes on into the next epoch's if need be)
         self.total_steps = t.total_training_steps or len(self.train_ds) // d.train_batch_size * t.total_epochs

@@ -667,18 +667,38 @@ class _Range:
         return i
 
 
-def test_loader_epochs_are_seeded_permutations():
+@pytest.mark.parametrize("draws", [1, 2])
+def test_loader_epochs_are_verls_seeded_permutations(draws):
+    """verl's sampler (torchdata's RandomSampler over a generator seeded with data.seed) draws a
+    permutation from that one generator each time its loader starts an epoch's iterator: once without
+    worker processes, twice with them (the second kept). Epoch e is the generator's ((e + 1) * draws)-th
+    randperm. (Checked against torchdata 0.11's StatefulDataLoader with 0, 1, 2 and 4 workers.)"""
     import torch
 
-    loader = PromptDataLoader(_Range(10), batch_size=3, seed=5)
+    loader = PromptDataLoader(_Range(10), batch_size=3, seed=5, draws_per_epoch=draws)
     assert len(loader) == 3
-    epoch0 = list(loader)
-    assert loader.epoch == 1
-    epoch1 = list(loader)
-    expected0 = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
-    expected1 = torch.randperm(10, generator=torch.Generator().manual_seed(6)).tolist()
-    assert epoch0 == [expected0[0:3], expected0[3:6], expected0[6:9]]  # last item dropped
-    assert epoch1 == [expected1[0:3], expected1[3:6], expected1[6:9]]
+    epochs = [list(loader) for _ in range(3)]
+    assert loader.epoch == 3
+    generator = torch.Generator().manual_seed(5)
+    perms = [torch.randperm(10, generator=generator).tolist() for _ in range(6)]
+    for epoch, expected in zip(epochs, perms[draws - 1::draws]):
+        assert epoch == [expected[0:3], expected[3:6], expected[6:9]]  # last item dropped
+    assert epochs[1] != epochs[0] and epochs[2] != epochs[1]
+
+
+def test_loader_resume_keeps_the_order_it_was_saved_with():
+    uninterrupted = PromptDataLoader(_Range(10), batch_size=3, seed=2, draws_per_epoch=2)
+    reference = [uninterrupted.next_batch() for _ in range(8)]
+    first = PromptDataLoader(_Range(10), batch_size=3, seed=2, draws_per_epoch=2)
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["order"] == "draws per epoch: 2"
+    resumed = PromptDataLoader(_Range(10), batch_size=3, seed=2, draws_per_epoch=1)  # the option changed since
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch() for _ in range(4)] == reference[4:]
+    with pytest.raises(ValueError, match="draws_per_epoch must be 1 or 2"):
+        PromptDataLoader(_Range(10), batch_size=3, draws_per_epoch=0)
 
     ordered = PromptDataLoader(_Range(5), batch_size=2, shuffle=False, drop_last=False)
     assert len(ordered) == 3 and list(ordered) == [[0, 1], [2, 3], [4]]
@@ -694,11 +714,27 @@ def test_loader_resume_gives_the_next_batch():
         for _ in range(stop):
             first.next_batch()
         state = first.state_dict()
-        assert set(state) == {"epoch", "position", "size"}
+        assert set(state) == {"epoch", "position", "size", "order"}
         resumed = PromptDataLoader(_Range(10), batch_size=3, seed=1)
         resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
         assert [resumed.next_batch() for _ in range(8 - stop)] == reference[stop:]
-    assert first.state_dict() == {"epoch": 2, "position": 0, "size": 10}
+    assert first.state_dict() == {"epoch": 2, "position": 0, "size": 10, "order": "draws per epoch: 1"}
+
+
+def test_loader_state_without_order_resumes_in_its_runs_per_epoch_seeded_order():
+    """Checkpoints written before verl's order (no "order" in the state) resume in the order their
+    run had begun: epoch e the permutation of a generator seeded with seed + e, so a resumed epoch
+    neither repeats nor skips prompts; and they save that order on."""
+    import torch
+
+    loader = PromptDataLoader(_Range(10), batch_size=3, seed=5)
+    loader.load_state_dict({"epoch": 1, "position": 3, "size": 10})
+    old1 = torch.randperm(10, generator=torch.Generator().manual_seed(6)).tolist()
+    old2 = torch.randperm(10, generator=torch.Generator().manual_seed(7)).tolist()
+    assert [loader.next_batch() for _ in range(3)] == [old1[3:6], old1[6:9], old2[0:3]]
+    assert loader.state_dict() == {"epoch": 2, "position": 3, "size": 10, "order": "seed + epoch"}
+    with pytest.raises(ValueError, match="order must be"):
+        loader.load_state_dict({"epoch": 0, "position": 0, "size": 10, "order": "shuffled"})
 
 
 def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
@@ -711,7 +747,7 @@ def test_loader_resume_with_real_dataset(tmp_path, tokenizer):
     consumed = [batch for _, batch in zip(range(3), resumed)]  # __iter__ advances the state too
     assert len(consumed) == 3
     state = resumed.state_dict()
-    assert state == {"epoch": 0, "position": 12, "size": 20, "data": ds.fingerprint}
+    assert state == {"epoch": 0, "position": 12, "size": 20, "order": "draws per epoch: 1", "data": ds.fingerprint}
     again = PromptDataLoader(ds, batch_size=4, seed=3)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.next_batch() == fourth
@@ -758,9 +794,9 @@ def test_loader_state_of_another_dataset_size_is_refused():
         loader = PromptDataLoader(_Range(n), batch_size=2, seed=1)
         with pytest.raises(ValueError, match=f"its run trained on 10 prompts, and data.train_files .* now give {n}"):
             loader.load_state_dict(state)
-        assert loader.state_dict() == {"epoch": 0, "position": 0, "size": n}  # unchanged
+        assert loader.state_dict() == {"epoch": 0, "position": 0, "size": n, "order": "draws per epoch: 1"}  # unchanged
     old = PromptDataLoader(_Range(10), batch_size=2, seed=1)
-    old.load_state_dict({"epoch": 0, "position": 2})
+    old.load_state_dict({"epoch": 0, "position": 2})  # epoch 0 is the same permutation in both orders
     assert old.next_batch() == saved.next_batch()
 
 

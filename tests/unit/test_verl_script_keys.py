@@ -156,11 +156,10 @@ NO_EFFECT = {
     "actor_rollout_ref.rollout.layered_summon": ("true", "the resharder moves the weights bucket by bucket"),
     "trainer.use_legacy_worker_impl": (
         "disable", "meshppo has one implementation, whose losses are normalised as verl's engine workers do (README)"),
-    "data.dataloader_num_workers": ("0", "meshppo tokenizes the prompts once at load, there is no loader worker"),
     "data.filter_overlong_prompts_workers": ("4", "meshppo measures the prompts once at load, each rank its share of them"),
 }
 VERL_DEFAULTS = {"actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch",
-                 "trainer.use_legacy_worker_impl": "auto", "data.dataloader_num_workers": "8",
+                 "trainer.use_legacy_worker_impl": "auto",
                  "data.filter_overlong_prompts_workers": "1"}
 
 
