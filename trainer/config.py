@@ -866,7 +866,9 @@ ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_d
 SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
 NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
-# verl 0.9.1's other trainer.logger backends (its Tracking.supported_backend)
+# trainer.logger's sinks (trainer.tracking.Tracking), and verl 0.9.1's other backends (its Tracking.supported_backend)
+LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb")
+_LOGGERS_LISTED = ", ".join(LOGGERS[:-1]) + " or " + LOGGERS[-1]
 VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "rl_insight")
 
 ENGINE_TUNING_OPTIONS = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_num_batched_tokens", "max_num_seqs",
@@ -1555,11 +1557,16 @@ NCCL_TIMEOUT_S = 600
 
 @dataclass
 class TrainerConfig:
-    project_name: str = opt("meshppo", "project name (wandb; the other loggers write under the run directory)")
-    experiment_name: str = opt("run", "experiment name (wandb's run name; the other loggers write under the run "
-                                      "directory)")
+    project_name: str = opt("meshppo", "project name (wandb's project, the file logger's directory; with "
+                                       "default_local_dir null, the run directory's parent)")
+    experiment_name: str = opt("run", "experiment name (wandb's run name, the file logger's <experiment_name>.jsonl; "
+                                      "with default_local_dir null, the run directory's name)")
     logger: list[str] = opt(default_factory=lambda: ["console", "jsonl"],
-                            help="any of console, jsonl, tensorboard, wandb")
+                            help="any of console (progress bar), jsonl (the run directory's metrics.jsonl: "
+                                 "{\"step\": s, metrics...} lines), file (verl's: {\"step\": s, \"data\": {metrics}} "
+                                 "lines in $VERL_FILE_LOGGER_PATH, else $VERL_FILE_LOGGER_ROOT (default: the working "
+                                 "directory)/<project_name>/<experiment_name>.jsonl; lines of steps after a resumed "
+                                 "checkpoint dropped, emptied on a fresh start), tensorboard, wandb")
     total_epochs: int = opt(1, "passes over the training prompts", ge=1)
     use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility", choices=("auto", "enable", "disable"),
                                       no_effect="meshppo has one implementation, whose losses are normalised as "
@@ -2770,16 +2777,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     profile_plan(cfg)  # npu, or enabled roles that disagree: ConfigError
     check_profiler_ranks(cfg, world_size)
     for name in cfg.trainer.logger:
-        if name in ("console", "jsonl", "tensorboard", "wandb"):
+        if name in LOGGERS:
             continue
         if name == "tracking":
             raise ConfigError("trainer.logger: tracking is verl's deprecated name of wandb: use wandb")
-        if name == "file":  # verl's FileLogger: a JSON line per step, elsewhere and laid out otherwise than jsonl's
-            raise ConfigError("trainer.logger: verl's file logger is not supported (its lines are {\"step\": s, "
-                              "\"data\": {metrics}}, in VERL_FILE_LOGGER_PATH, else VERL_FILE_LOGGER_ROOT/"
-                              "<project_name>/<experiment_name>.jsonl): use jsonl, whose lines are {\"step\": s, "
-                              "metrics...} in the run directory's metrics.jsonl")
         if name in VERL_ONLY_LOGGERS:
-            raise ConfigError(f"trainer.logger: verl's {name} logger is not supported; use console, jsonl, tensorboard "
-                              "or wandb")
-        raise ConfigError(f"trainer.logger: unknown logger {name!r}; use console, jsonl, tensorboard or wandb")
+            raise ConfigError(f"trainer.logger: verl's {name} logger is not supported; use {_LOGGERS_LISTED}")
+        raise ConfigError(f"trainer.logger: unknown logger {name!r}; use {_LOGGERS_LISTED}")

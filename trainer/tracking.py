@@ -1,6 +1,6 @@
-"""Metric sinks: console progress bar, `metrics.jsonl`, TensorBoard, Weights & Biases; the
-run directory's record of the run (`config.yaml`, `run_info.json`, the start-up banner) and
-the per-step sample dumps (verl's `trainer.rollout_data_dir` / `validation_data_dir`).
+"""Metric sinks: console progress bar, `metrics.jsonl`, verl's file logger, TensorBoard, Weights &
+Biases; the run directory's record of the run (`config.yaml`, `run_info.json`, the start-up banner)
+and the per-step sample dumps (verl's `trainer.rollout_data_dir` / `validation_data_dir`).
 
 A resumed run logs to the wandb run of its first start (its id in the run directory's `wandb_run_id`).
 
@@ -9,7 +9,8 @@ validated step a second one at the same step with its validation's metrics; it i
 a resumed run continues the same file; when a run (re)starts at step S, lines of later steps
 (logged by an attempt that ended before its next checkpoint) are dropped, so that the file holds
 each step's rows once. A saving step's row is written (synced to the disk) before its checkpoint
-is put in place, so every step up to the one a run resumes from has its row.
+is put in place, so every step up to the one a run resumes from has its row. verl's file logger
+(`file_logger_path`: `{"step": s, "data": {metrics}}` lines) is kept the same way.
 """
 
 from __future__ import annotations
@@ -212,6 +213,51 @@ def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     return path
 
 
+def file_logger_path(project: str, experiment: str) -> tuple[Path, str]:
+    """Where verl's file logger (`trainer.logger=file`) writes, as an absolute path, and where that
+    comes from (for messages): `$VERL_FILE_LOGGER_PATH` when set, else `$VERL_FILE_LOGGER_ROOT`
+    (default ".") `/<project>/<experiment>.jsonl`, `~` expanded in either (verl expands it in the
+    root only); a relative path is from the working directory, as in verl. An empty variable is an
+    unset one."""
+    path = os.environ.get("VERL_FILE_LOGGER_PATH")
+    if path:
+        return Path(os.path.abspath(os.path.expanduser(path))), "VERL_FILE_LOGGER_PATH"
+    root = os.environ.get("VERL_FILE_LOGGER_ROOT")
+    where = os.path.join(os.path.expanduser(root or "."), project, f"{experiment}.jsonl")
+    source = ("VERL_FILE_LOGGER_ROOT/" if root else "") + "<project_name>/<experiment_name>.jsonl"
+    return Path(os.path.abspath(where)), source
+
+
+def _keep_rows_up_to(path: Path, step: int, what: str) -> None:
+    """Rewrite the JSON-lines log `path` (each line an object with its `step`) with the lines of
+    steps up to `step` only: a run resumed at `step` redoes the later ones, logged by an attempt
+    that ended before its next checkpoint; a fresh start (`step` 0) keeps none. A torn last line
+    (a killed attempt's) goes too. The file is replaced whole; a failure is a UserError naming `what`."""
+    with _written(what):
+        kept = []
+        if path.is_file():
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if step > 0 and isinstance(row, dict) and row.get("step", step + 1) <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _append_line(path: Path, line: str, what: str) -> None:
+    """Append `line` to `path`, on the disk before this returns: the trainer logs a step's row before
+    it puts the checkpoint of the step in place, so a run resumed from it (after a crash of the node,
+    too) finds the row. A failure is a UserError naming `what`."""
+    with _written(what), open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        flush_to_disk(f)
+
+
 # The run directory's file naming its wandb run: a resumed run logs to the same wandb run.
 WANDB_RUN_ID = "wandb_run_id"
 
@@ -270,9 +316,11 @@ class Tracking:
         self.run_dir = Path(run_dir)
         self._wandb_init = dict(project=project, name=experiment, config=config)
         self._val_only = bool(config.get("trainer", {}).get("val_only"))
-        self._tb = self._wandb = self._bar = self._bar_total = None
+        self._tb = self._wandb = self._bar = self._bar_total = self._file = None
         if not enabled:
             return
+        if "file" in loggers:  # read here, written from `begin` on
+            self._file = file_logger_path(project, experiment)
         # The console's progress bar is drawn from `begin` on: an error found while the run starts
         # (its checkpoint, its data) is then a line of its own, not one glued to the bar.
         self._bar_total = total_steps if "console" in loggers else None
@@ -289,19 +337,12 @@ class Tracking:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics = self.run_dir / "metrics.jsonl"
         if "jsonl" in self.loggers and metrics.is_file():
-            kept = []
-            with open(metrics) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue  # the torn last line of a killed attempt
-                    if step > 0 and isinstance(row, dict) and row.get("step", step + 1) <= step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-            tmp = metrics.with_name(metrics.name + ".tmp")
-            with _written(metrics):
-                tmp.write_text("".join(kept))
-                os.replace(tmp, metrics)
+            _keep_rows_up_to(metrics, step, str(metrics))
+        if self._file is not None:  # verl's file logger: its file is made (truncated, on a fresh start) here
+            with _written(self._file_what):
+                if not self._file[0].parent.exists():  # (a file there: the write says "Not a directory")
+                    self._file[0].parent.mkdir(parents=True, exist_ok=True)
+            _keep_rows_up_to(self._file[0], step, self._file_what)
         if "tensorboard" in self.loggers:
             self._tb = _tensorboard_writer(self.run_dir, step)
         for name, text in (("config.yaml", resolved_config), ("run_info.json", json.dumps(info, indent=1))):
@@ -324,6 +365,14 @@ class Tracking:
             except ImportError:
                 self._bar = None
         self.message(banner(info))
+        if self._file is not None:  # (verl prints "Creating file logger at <path>")
+            kept = f"resumed: the rows of steps up to {step} kept" if step else "a fresh start: emptied"
+            self.message(f"file logger: {self._file[0]} ({self._file[1]}; {kept})")
+
+    @property
+    def _file_what(self) -> str:
+        """The file logger's file as messages name it: its path and where that comes from."""
+        return f"{self._file[0]} (trainer.logger=file, {self._file[1]})"
 
     def _wandb_continued(self, step: int) -> dict:
         """`wandb.init`'s arguments that continue this run's wandb run: a run resumed at `step` > 0 takes the
@@ -338,14 +387,14 @@ class Tracking:
     def log(self, metrics: dict, step: int):
         if not self.enabled:
             return
-        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        values = {k: _jsonable(v) for k, v in metrics.items()}
+        row = {"step": step, **values}
         if "jsonl" in self.loggers:
             path = self.run_dir / "metrics.jsonl"
-            with _written(path), open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                # on the disk before the trainer puts a checkpoint of the step in place: a run resumed
-                # from it (after a crash of the node, too) finds the step's row
-                flush_to_disk(f)
+            _append_line(path, json.dumps(row), str(path))
+        if self._file is not None:  # verl's line: orjson's compact {"step":s,"data":{...}}, UTF-8 as it is
+            _append_line(self._file[0], json.dumps({"step": step, "data": values}, separators=(",", ":"),
+                                                   ensure_ascii=False), self._file_what)
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":

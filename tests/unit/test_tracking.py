@@ -345,3 +345,107 @@ def test_wandb_files_go_to_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
         t.close()
         assert fake.inits[-1].get("dir") == expected, fake.inits[-1]
 
+
+
+def _file_logger_env(monkeypatch, path=None, root=None):
+    for name, value in (("VERL_FILE_LOGGER_PATH", path), ("VERL_FILE_LOGGER_ROOT", root)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def test_file_logger_writes_verls_lines(tmp_path, monkeypatch, capsys):
+    """verl's file logger (trainer.logger=file): one line per logged step, {"step": s, "data": {metrics}}, as
+    verl 0.9.1's FileLogger writes it (orjson: compact, UTF-8 as it is, NaN as null; the expected lines are
+    what it writes for these rows), the values as metrics.jsonl's (an infinity as 1e+308, where orjson writes
+    null), in VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl; the start-up says where."""
+    _file_logger_env(monkeypatch, root=str(tmp_path / "logs"))
+    t = Tracking(["console", "jsonl", "file"], str(tmp_path / "run"), "proj", "exp", {}, 10, enabled=True)
+    path = tmp_path / "logs" / "proj" / "exp.jsonl"
+    assert not path.parent.exists()  # nothing is written before begin
+    t.begin(0, "{}", _info(tmp_path / "run"))
+    assert path.read_text() == ""
+    assert (f"file logger: {path} (VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl; a fresh start: "
+            "emptied)") in capsys.readouterr().err
+    t.log({"critic/score/mean": 0.5, "actor/ref_kl": torch.tensor(0.25), "perf/total_num_tokens": 1234,
+           "actor/pg_loss": float("nan"), "val/données/score": 1.0, "kl_guard/action": "warn"}, step=1)
+    t.log({"critic/score/mean": 0.75, "actor/grad_norm": float("inf")}, step=2)
+    t.close()
+    assert path.read_text(encoding="utf-8") == (
+        '{"step":1,"data":{"critic/score/mean":0.5,"actor/ref_kl":0.25,"perf/total_num_tokens":1234,'
+        '"actor/pg_loss":null,"val/données/score":1.0,"kl_guard/action":"warn"}}\n'
+        '{"step":2,"data":{"critic/score/mean":0.75,"actor/grad_norm":1e+308}}\n')
+    # the same rows as metrics.jsonl's, laid out as verl's
+    assert [{"step": r["step"], **r["data"]} for r in _lines(path)] == _lines(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_file_logger_path_from_the_environment(tmp_path, monkeypatch):
+    """As verl's: VERL_FILE_LOGGER_PATH over VERL_FILE_LOGGER_ROOT over the working directory, `~` expanded."""
+    from trainer.tracking import file_logger_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cases = [({}, tmp_path / "proj" / "exp.jsonl"),
+             ({"root": "roots/r"}, tmp_path / "roots" / "r" / "proj" / "exp.jsonl"),
+             ({"root": "~/logs"}, tmp_path / "home" / "logs" / "proj" / "exp.jsonl"),
+             ({"root": "roots/r", "path": "out/m.jsonl"}, tmp_path / "out" / "m.jsonl"),
+             ({"path": "~/m.jsonl"}, tmp_path / "home" / "m.jsonl"),
+             ({"root": "", "path": ""}, tmp_path / "proj" / "exp.jsonl")]  # empty: unset
+    for env, expected in cases:
+        _file_logger_env(monkeypatch, **env)
+        assert file_logger_path("proj", "exp")[0] == expected, env
+        t = Tracking(["file"], str(tmp_path / "run"), "proj", "exp", {}, 10, enabled=True)
+        t.begin(0, "{}", _info(tmp_path / "run"))
+        t.log({"x": 1.0}, step=1)
+        assert expected.read_text() == '{"step":1,"data":{"x":1.0}}\n', env
+
+
+def test_file_logger_keeps_the_rows_up_to_the_resumed_step(tmp_path, monkeypatch):
+    """verl opens the file "wb" at every start, so a resumed run lost every earlier row. As metrics.jsonl: a
+    run resumed at step 2 keeps the rows of steps 0-2 (the killed attempt's steps 3-4 and its torn line go), a
+    validation-only run at step 4 adds its row after the steps up to 4, and a fresh start empties the file."""
+    path = tmp_path / "f.jsonl"
+    _file_logger_env(monkeypatch, path=str(path))
+    path.write_text("".join(json.dumps({"step": s, "data": {"x": s}}) + "\n" for s in range(5))
+                    + '{"step": 5, "data": {"x"')
+
+    def start(step, steps=(), val_only=False):
+        t = Tracking(["file"], str(tmp_path / "run"), "p", "e", {"trainer": {"val_only": val_only}}, 10, True)
+        t.begin(step, "{}", _info(tmp_path / "run", step))
+        for s in steps:
+            t.log({"x": 10 * s}, step=s)
+        t.close()
+        return [(r["step"], r["data"]["x"]) for r in _lines(path)]
+
+    assert start(2, [3, 4]) == [(0, 0), (1, 1), (2, 2), (3, 30), (4, 40)]
+    assert start(4, [4], val_only=True) == [(0, 0), (1, 1), (2, 2), (3, 30), (4, 40), (4, 40)]
+    assert start(0, [0]) == [(0, 0)]
+
+
+def test_file_logger_on_other_ranks_writes_nothing(tmp_path, monkeypatch):
+    _file_logger_env(monkeypatch, root=str(tmp_path / "logs"))
+    t = Tracking(["console", "file"], str(tmp_path / "r1"), "p", "e", {}, 10, enabled=False)
+    t.begin(0, "{}", _info(tmp_path))
+    t.log(ROW, step=1)
+    t.close()
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "r1").exists()
+
+
+def test_file_logger_that_cannot_write_is_a_user_error_at_the_start(tmp_path, monkeypatch):
+    """An unwritable place (here under a file) stops the run at its start, naming the file and the variable."""
+    from trainer.errors import UserError
+
+    (tmp_path / "a_file").write_text("")
+    path = tmp_path / "a_file" / "m.jsonl"
+    _file_logger_env(monkeypatch, path=str(path))
+    t = Tracking(["file"], str(tmp_path / "run"), "p", "e", {}, 10, enabled=True)
+    with pytest.raises(UserError, match=rf"^writing {path} \(trainer.logger=file, VERL_FILE_LOGGER_PATH\) failed "
+                                        r"\(Not a directory\)$"):
+        t.begin(0, "{}", _info(tmp_path / "run"))
+    _file_logger_env(monkeypatch, root=str(tmp_path / "a_file"))
+    t = Tracking(["file"], str(tmp_path / "run"), "p", "e", {}, 10, enabled=True)
+    with pytest.raises(UserError, match=rf"^writing {tmp_path}/a_file/p/e.jsonl \(trainer.logger=file, "
+                                        r"VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl\) failed "
+                                        r"\(Not a directory\)$"):
+        t.begin(0, "{}", _info(tmp_path / "run"))

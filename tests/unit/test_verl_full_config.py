@@ -518,18 +518,14 @@ def test_ignore_eos_under_verls_sglang_and_trtllm_names_is_said():
 
 
 def test_verls_other_loggers_are_named_as_verls():
-    """verl's trainer.logger takes mlflow, swanlab, vemlp_wandb, clearml, trackio, rl_insight and file too: each
-    was 'unknown' (rl_insight, verl 0.9.1's, until later); now named as verl's and refused, and verl's file logger
-    (a JSON line per step, laid out and placed otherwise) pointed at jsonl with what differs."""
+    """verl's trainer.logger takes mlflow, swanlab, vemlp_wandb, clearml, trackio and rl_insight too: each was
+    'unknown' (rl_insight, verl 0.9.1's, until later); now named as verl's and refused. verl's file logger is
+    meshppo's too (test_tracking.py's file logger tests)."""
     for name in ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "rl_insight"):
         with pytest.raises(ConfigError, match=rf"^trainer.logger: verl's {name} logger is not supported; use console, "
-                                              "jsonl, tensorboard or wandb$"):
+                                              "jsonl, file, tensorboard or wandb$"):
             validate(_cfg(f"trainer.logger=[console,{name}]"))
-    # verl's file logger writes elsewhere, its metrics under "data": refused, not called jsonl's equal
-    with pytest.raises(ConfigError, match=r"^trainer.logger: verl's file logger is not supported \(its lines are "
-                                          r'\{"step": s, "data": \{metrics\}\}, in VERL_FILE_LOGGER_PATH, .*: use '
-                                          r'jsonl, whose lines are \{"step": s, metrics...\} in the run directory'):
-        validate(_cfg("trainer.logger=[file]"))
+    validate(_cfg("trainer.logger=[console,file]"))
     with pytest.raises(ConfigError, match=r"^trainer.logger: tracking is verl's deprecated name of wandb: use wandb$"):
         validate(_cfg("trainer.logger=[tracking]"))
     with pytest.raises(ConfigError, match=r"^trainer.logger: unknown logger 'nope'"):
