@@ -1567,6 +1567,10 @@ class TrainerConfig:
                                  "lines in $VERL_FILE_LOGGER_PATH, else $VERL_FILE_LOGGER_ROOT (default: the working "
                                  "directory)/<project_name>/<experiment_name>.jsonl; lines of steps after a resumed "
                                  "checkpoint dropped, emptied on a fresh start), tensorboard, wandb")
+    wandb_proxy: str | None = opt(None, "verl (read though not in its yaml: +trainer.wandb_proxy=URL): the proxy of "
+                                        "wandb's https requests, wandb.Settings(https_proxy=URL) (an http:// or "
+                                        "https:// URL); null or empty: wandb's own settings (HTTPS_PROXY). Read only "
+                                        "with wandb in trainer.logger")
     total_epochs: int = opt(1, "passes over the training prompts", ge=1)
     use_legacy_worker_impl: str = opt("auto", "accepted for verl compatibility", choices=("auto", "enable", "disable"),
                                       no_effect="meshppo has one implementation, whose losses are normalised as "
@@ -2096,6 +2100,9 @@ def full_determinism_sections(cfg: PPOConfig) -> dict:
 def _run_notes(cfg: PPOConfig) -> list[str]:
     """The notes that depend on several sections or on the machine."""
     notes = []
+    if cfg.trainer.wandb_proxy and "wandb" not in cfg.trainer.logger:
+        notes.append(f"trainer.wandb_proxy={cfg.trainer.wandb_proxy} has no effect: it is wandb's proxy, and "
+                     f"trainer.logger=[{', '.join(cfg.trainer.logger)}] has no wandb")
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
     if rollout.name in SERVER_ENGINES:

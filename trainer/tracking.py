@@ -276,14 +276,24 @@ def _tensorboard_writer(run_dir: Path, step: int):
         return SummaryWriter(log_dir=log_dir, purge_step=step + 1 if step else 0)
 
 
-def _wandb_run(init: dict):
-    """`wandb.init(**init)`; what it raises (no login, a refused project, a network or disk error:
-    wandb's own exception classes, which vary by version) is a UserError naming `trainer.logger`."""
+def _wandb_run(init: dict, proxy: str | None = None):
+    """`wandb.init(**init)`, through the https proxy `proxy` (`trainer.wandb_proxy`: verl's
+    `wandb.Settings(https_proxy=...)`) when given; what it raises (no login, a refused project, a
+    network or disk error: wandb's own exception classes, which vary by version) is a UserError naming
+    `trainer.logger`, and a proxy wandb refuses one naming `trainer.wandb_proxy`."""
     try:
         import wandb
     except ImportError:
         raise UserError("trainer.logger includes wandb but wandb is not installed: pip install wandb, or remove "
                         "it from trainer.logger") from None
+    if proxy:
+        try:
+            init = {**init, "settings": wandb.Settings(https_proxy=proxy)}
+        except Exception as e:  # wandb checks the URL (pydantic's ValidationError in recent versions)
+            errors = getattr(e, "errors", None)
+            why = errors()[0].get("msg", e) if callable(errors) else e
+            raise UserError(f"trainer.wandb_proxy={proxy!r}: wandb does not take it as its https proxy ({why}); give "
+                            "a URL such as http://proxy:3128") from None
     # Clusters without outbound network still get a run directory to `wandb sync` later.
     os.environ.setdefault("WANDB_MODE", "offline")
     try:
@@ -315,6 +325,7 @@ class Tracking:
         self.loggers = list(loggers)
         self.run_dir = Path(run_dir)
         self._wandb_init = dict(project=project, name=experiment, config=config)
+        self._wandb_proxy = config.get("trainer", {}).get("wandb_proxy")
         self._val_only = bool(config.get("trainer", {}).get("val_only"))
         self._tb = self._wandb = self._bar = self._bar_total = self._file = None
         if not enabled:
@@ -352,7 +363,7 @@ class Tracking:
             # wandb's files under the run directory, unless WANDB_DIR (wandb's own variable, which verl's run
             # honours) says where: wandb.init's dir would override it
             where = {} if os.environ.get("WANDB_DIR") else {"dir": str(self.run_dir)}
-            self._wandb = _wandb_run({**self._wandb_init, **where, **self._wandb_continued(step)})
+            self._wandb = _wandb_run({**self._wandb_init, **where, **self._wandb_continued(step)}, self._wandb_proxy)
             if not self._val_only:
                 with _written(self.run_dir / WANDB_RUN_ID):
                     (self.run_dir / WANDB_RUN_ID).write_text(self._wandb.id + "\n")

@@ -449,3 +449,47 @@ def test_file_logger_that_cannot_write_is_a_user_error_at_the_start(tmp_path, mo
                                         r"VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl\) failed "
                                         r"\(Not a directory\)$"):
         t.begin(0, "{}", _info(tmp_path / "run"))
+
+
+def test_wandb_proxy_is_wandbs_https_proxy(tmp_path, monkeypatch):
+    """verl's +trainer.wandb_proxy=URL: wandb.init gets wandb.Settings(https_proxy=URL); without it, no settings
+    (wandb's own, HTTPS_PROXY included). A URL wandb refuses is one line naming the option."""
+    wandb = pytest.importorskip("wandb")
+    from trainer.errors import UserError
+
+    inits = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw) or SimpleNamespace(id="r", finish=lambda: None))
+    for proxy in ("http://proxy:3128", None, ""):
+        t = Tracking(["wandb"], str(tmp_path / "run"), "proj", "exp", {"trainer": {"wandb_proxy": proxy}}, 10, True)
+        t.begin(0, "{}", _info(tmp_path / "run"))
+        t.close()
+        settings = inits[-1].get("settings")
+        assert (settings.https_proxy if settings is not None else None) == (proxy or None), inits[-1]
+    t = Tracking(["wandb"], str(tmp_path / "run"), "proj", "exp", {"trainer": {"wandb_proxy": "proxy:3128"}}, 10, True)
+    with pytest.raises(UserError, match=r"^trainer.wandb_proxy='proxy:3128': wandb does not take it as its https "
+                                        r"proxy \(.+\); give a URL such as http://proxy:3128$"):
+        t.begin(0, "{}", _info(tmp_path / "run"))
+
+
+def test_wandb_proxy_is_a_trainer_option_said_unused_without_wandb():
+    """+trainer.wandb_proxy (verl's Tracking reads it, its yaml lacks it) was an unknown key ('did you mean
+    trainer.val_only?'); now an option, passed to wandb, and said to change nothing when trainer.logger has no
+    wandb."""
+    from trainer.config import config_notes, validate
+    from trainer.configlib import load_config
+
+    demo = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
+
+    def notes(*overrides):
+        cfg = load_config(PPOConfig, demo, list(overrides))
+        validate(cfg)
+        return cfg, [n for n in config_notes(cfg) if "wandb_proxy" in n]
+
+    cfg, said = notes("+trainer.wandb_proxy=http://proxy:3128", "trainer.logger=[console,jsonl]")
+    assert cfg.trainer.wandb_proxy == "http://proxy:3128"
+    assert dataclasses.asdict(cfg)["trainer"]["wandb_proxy"] == "http://proxy:3128"  # what Tracking reads
+    assert said == ["trainer.wandb_proxy=http://proxy:3128 has no effect: it is wandb's proxy, and "
+                    "trainer.logger=[console, jsonl] has no wandb"]
+    assert notes("trainer.wandb_proxy=http://proxy:3128", "trainer.logger=[console,wandb]")[1] == []
+    assert notes("trainer.logger=[console,jsonl]")[1] == []
+    assert PPOConfig().trainer.wandb_proxy is None
