@@ -24,6 +24,7 @@ from trainer.configlib import ConfigError
 from trainer.errors import UserError
 from trainer.launch import DistContext
 from trainer.profiling import profile_plan, save_path_key
+from trainer.tracking import file_logger_path
 from sharding.compile import apply_compile
 from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
@@ -58,6 +59,12 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
         check_output_dir(f"trainer.{key}", getattr(t, key))
     if "tensorboard" in t.logger:  # verl's variable: the event files' directory instead of the run directory's
         check_output_dir("TENSORBOARD_DIR (environment, trainer.logger=tensorboard)", os.environ.get("TENSORBOARD_DIR"))
+    if "file" in t.logger:  # verl's file logger writes outside the run directory
+        path, source = file_logger_path(t.project_name, t.experiment_name)
+        if path.is_dir():
+            raise ConfigError(f"trainer.logger=file writes {path} ({source}), which is a directory: point "
+                              "VERL_FILE_LOGGER_PATH at a file")
+        check_output_dir(f"the file logger's directory ({source}, trainer.logger=file)", str(path.parent))
     profile_key = save_path_key(cfg)
     if profile_key is not None:  # the profiled step's trace would be lost at its export
         check_output_dir(profile_key, profile_plan(cfg).save_path)

@@ -96,3 +96,38 @@ def test_preflight_refuses_a_tensorboard_dir_under_a_file(tmp_path, monkeypatch)
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     preflight(cfg("trainer.logger=[console,tensorboard]"))
     assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+def test_preflight_refuses_a_file_logger_path_under_a_file_or_at_a_directory(tmp_path, monkeypatch):
+    """verl's file logger (trainer.logger=file) writes $VERL_FILE_LOGGER_PATH, else
+    $VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl: a path under a file, or a directory, is refused
+    before any work (it failed at the tracking's start, on rank 0, once the models were built). Read only
+    when the file logger logs."""
+    from trainer.config import PPOConfig
+    from trainer.configlib import load_config
+    from trainer.setup import preflight
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+
+    def cfg(*overrides):
+        return load_config(PPOConfig, "configs/demo.yaml", [f"trainer.default_local_dir={tmp_path}/run",
+                                                            "trainer.device=cpu", *overrides])
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "f" / "log.jsonl"))
+    with pytest.raises(ConfigError, match=r"^the file logger's directory \(VERL_FILE_LOGGER_PATH, trainer.logger=file\)"
+                                          r"=.*/f is a file"):
+        preflight(cfg("trainer.logger=[console,file]"))
+    preflight(cfg("trainer.logger=[console]"))
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "d"))
+    with pytest.raises(ConfigError, match=r"trainer.logger=file writes .*/d \(VERL_FILE_LOGGER_PATH\), which is a "
+                                          r"directory"):
+        preflight(cfg("trainer.logger=[console,file]"))
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH")
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match=r"^the file logger's directory \(VERL_FILE_LOGGER_ROOT/<project_name>/"
+                                          r"<experiment_name>.jsonl, trainer.logger=file\)=.*/f/meshppo is under"):
+        preflight(cfg("trainer.logger=[console,file]", "trainer.project_name=meshppo"))
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "logs"))
+    preflight(cfg("trainer.logger=[console,file]"))
+    assert sorted(os.listdir(tmp_path)) == ["d", "f"]  # nothing written
