@@ -2,16 +2,17 @@
 
 Every rank must run the same number of forward/backward passes (each FSDP forward is a
 collective), so the helpers here return partitions whose counts are agreed on across
-ranks by the caller; they balance the work (token counts, ~ attention and matmul cost)
-inside that constraint. `Ragged` holds a batch's token rows (ids, log-probs, masks) as one flat
-array with offsets.
+ranks (the caller's collectives); inside that constraint they balance verl 0.9.1's work
+estimate of the rows (`seqlen_workload`) by Karmarkar-Karp, as verl does over ranks
+(`balanced_equal_partitions`) and over micro-batches (`token_budget_partitions`). `Ragged`
+holds a batch's token rows (ids, log-probs, masks) as one flat array with offsets.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -28,22 +29,27 @@ class _Part:
     cost)` and its items as a tree of joins (`leaf index` or `(tree, tree)`, flattened once at the
     end: joining lists took quadratic time, 2 s for 8192 rows on one rank). Parts order by total,
     then count, then their items in the order they joined, which two parts of disjoint items
-    decide at the first item: no two parts tie, so the result does not depend on how a tie would
-    be broken."""
+    decide at the first item: no two parts with items tie, so the result does not depend on how
+    a tie would be broken. `_EMPTY` is the part without items (first `()`, tree None), which every
+    empty part is (only unequal sizes have them): joined to another part it gives that part."""
 
     __slots__ = ("total", "count", "first", "tree")
 
-    def __init__(self, total: int, count: int, first: tuple[int, int], tree):
+    def __init__(self, total: int, count: int, first: tuple, tree):
         self.total, self.count, self.first, self.tree = total, count, first, tree
 
     def key(self):
         return self.total, self.count, self.first
 
     def join(self, other: _Part) -> _Part:
+        if not other.count:
+            return self
+        if not self.count:
+            return other
         return _Part(self.total + other.total, self.count + other.count, self.first, (self.tree, other.tree))
 
     def indices(self) -> list[int]:
-        out, stack = [], [self.tree]
+        out, stack = [], [self.tree] if self.count else []
         while stack:
             t = stack.pop()
             if isinstance(t, tuple):
@@ -51,6 +57,9 @@ class _Part:
             else:
                 out.append(t)
         return out
+
+
+_EMPTY = _Part(0, 0, (), None)
 
 
 class _State:
@@ -73,17 +82,36 @@ class _State:
 def balanced_equal_partitions(costs: list[int], k: int) -> list[list[int]]:
     """Split indices into `k` parts of equal size (len(costs) % k == 0), balancing total cost, as
     verl 0.9.1 balances a batch over its data-parallel ranks: the Karmarkar-Karp differencing
-    method with equal sizes. The items, by increasing (cost, index), are cut into runs of `k`, each
-    run a state of `k` one-item parts; the two states of largest spread are merged, the heaviest
-    part of one with the lightest of the other and so on, until one state is left. Its parts come
-    heaviest first (the first goes to data-parallel rank 0, as in verl), each sorted by index."""
+    method with equal sizes (`_karmarkar_karp`: the items, by increasing (cost, index), cut into
+    runs of `k`, each run a state of `k` one-item parts). Its parts come heaviest first (the first
+    goes to data-parallel rank 0, as in verl), each sorted by index."""
     n = len(costs)
     if n % k:
         raise ValueError(f"{n} items cannot be split into {k} equal parts")
     if n == 0:
         return [[] for _ in range(k)]
     ranked = sorted((c, i) for i, c in enumerate(costs))
-    heap = [_State([_Part(c, 1, (i, c), i) for c, i in ranked[r:r + k]]) for r in range(0, n, k)]
+    return _karmarkar_karp([[_Part(c, 1, (i, c), i) for c, i in ranked[r:r + k]] for r in range(0, n, k)])
+
+
+def balanced_partitions(costs: list[int], k: int) -> list[list[int]]:
+    """Split indices into `k` parts of any sizes, balancing total cost, as verl 0.9.1's
+    `get_seqlen_balanced_partitions(..., equal_size=False)` (its dynamic micro-batches): the
+    Karmarkar-Karp differencing method (`_karmarkar_karp`) from one state per item, by increasing
+    (cost, index), of that item and `k - 1` empty parts. Parts heaviest first, each sorted by index.
+    `k` may exceed the item count (verl refuses that): every item is then a part of its own and the
+    other parts are empty."""
+    ranked = sorted((c, i) for i, c in enumerate(costs))
+    if not ranked:
+        return [[] for _ in range(k)]
+    return _karmarkar_karp([[_Part(c, 1, (i, c), i)] + [_EMPTY] * (k - 1) for c, i in ranked])
+
+
+def _karmarkar_karp(states: list[list[_Part]]) -> list[list[int]]:
+    """The differencing method over `states` (each `k` parts): the two states of largest spread are
+    merged, the heaviest part of one with the lightest of the other and so on, until one state is
+    left; its parts heaviest first, each sorted by index."""
+    heap = [_State(parts) for parts in states]
     heapq.heapify(heap)
     while len(heap) > 1:
         a, b = heapq.heappop(heap), heapq.heappop(heap)
@@ -146,52 +174,51 @@ def balanced_group_partitions(uids: list[int], costs: list[int], k: int) -> list
     return [sorted(i for g in part for i in rows[g]) for part in balanced_equal_partitions(group_costs, k)]
 
 
-def token_budget_partitions(costs: list[int], max_tokens: int, min_parts: int = 1) -> list[list[int]]:
-    """Group indices into as few parts as fit under `max_tokens` each (at least `min_parts`),
-    balancing the parts' costs without ever exceeding the budget.
+def token_budget_partitions(tokens: list[list[int]], work: list[list[int]], max_tokens: int,
+                            reduce: Callable[[list[float], str], list[float]] | None = None) -> list[list[list[int]]]:
+    """Each batch's micro-batches under a token budget, as verl 0.9.1's dynamic micro-batches
+    (`rearrange_micro_batches` as its FSDP engine calls it: the data-parallel group, the same count
+    on every rank, balanced order, items one a group): `tokens[b][j]` and `work[b][j]` are item
+    `j`'s tokens and work estimate (`seqlen_workload`) in batch `b`; a part lists item positions.
 
-    The budget is a memory promise: a part's total cost never exceeds `max_tokens`, except a
-    part made of a single item above the budget (it cannot be split). The number of parts is
-    what the caller all-reduces (max) across ranks before calling again with `min_parts` set,
-    so every rank runs the same number of micro-batches; the result always has exactly
-    `max(first-fit-decreasing count, min_parts)` parts (some may be empty).
-    """
-    if not costs:
-        return [[] for _ in range(min_parts)]
-    order = sorted(range(len(costs)), key=lambda i: -costs[i])
-    # First-fit decreasing gives the count, and a packing that keeps the budget.
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        for b, load in enumerate(loads):
-            if load + costs[i] <= max_tokens:
-                bins[b].append(i)
-                loads[b] += costs[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(costs[i])
-    k = max(len(bins), min_parts)
-    balanced = _balanced_under_budget(costs, order, max_tokens, k)
-    parts = balanced if balanced is not None else bins + [[] for _ in range(k - len(bins))]
-    return [sorted(p) for p in parts]
+    The count starts at min(items, ceil(tokens / max_tokens)), the largest over the ranks; the
+    items are balanced by work over that many parts (`balanced_partitions`), and while a part of
+    some rank holds more than `max_tokens` tokens the count grows by one and they are balanced
+    again. The parts are then ordered as verl's: by work (ties: the larger first position), heaviest
+    first, then every other one from the heaviest reversed, then the rest (the light ones at both
+    ends). `reduce(values, op)` all-reduces numbers over the ranks ("max", "min"; None: one rank),
+    one call a round for every batch still growing.
+
+    meshppo's additions, where verl stops: an item above the budget is a part of its own (the
+    budget holds for every other part), and a rank with fewer items than the count gets empty parts
+    (every rank runs as many forwards); a count is at least 1."""
+    counts = [min(len(t), -(-sum(t) // max_tokens)) for t in tokens]
+    if reduce is not None:
+        counts = [int(c) for c in reduce(counts, "max")]
+    counts = [max(c, 1) for c in counts]
+    parts: list[list[list[int]] | None] = [None] * len(tokens)
+    growing = list(range(len(tokens)))
+    while growing:
+        tries = {b: balanced_partitions(work[b], counts[b]) for b in growing}
+        fits = [float(all(len(p) <= 1 or sum(tokens[b][i] for i in p) <= max_tokens for p in tries[b]))
+                for b in growing]
+        if reduce is not None:
+            fits = reduce(fits, "min")
+        for b, fit in zip(growing, fits):
+            if fit:
+                parts[b] = tries[b]
+            else:
+                counts[b] += 1
+        growing = [b for b, fit in zip(growing, fits) if not fit]
+    return [_balanced_order(p, w) for p, w in zip(parts, work)]
 
 
-def _balanced_under_budget(costs: list[int], order: list[int], max_tokens: int, k: int) -> list[list[int]] | None:
-    """Longest-first: each item (in `order`, by decreasing cost) goes to the lightest of the `k`
-    parts that it fits in; an item above the budget takes an empty part. None when some item
-    fits nowhere (greedy can fail where first-fit decreasing succeeded)."""
-    parts: list[list[int]] = [[] for _ in range(k)]
-    loads = [0] * k
-    for i in order:
-        c = costs[i]
-        fits = [p for p in range(k) if (loads[p] + c <= max_tokens) or (c > max_tokens and not parts[p])]
-        if not fits:
-            return None
-        p = min(fits, key=lambda q: (loads[q], q))
-        parts[p].append(i)
-        loads[p] += c
-    return parts
+def _balanced_order(parts: list[list[int]], work: list[int]) -> list[list[int]]:
+    """verl's order of a batch's micro-batches: by total work, heaviest first (equal work: the larger
+    first item first, an empty part's 0), then the even places reversed and the odd ones after them,
+    so that the lightest stand at both ends."""
+    ranked = sorted(parts, key=lambda p: (sum(work[i] for i in p), p[0] if p else 0), reverse=True)
+    return ranked[::2][::-1] + ranked[1::2]
 
 
 class Ragged:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from kl import kl_penalty
 from models.lora import adapters_disabled, lora_modules
 from trainer import faults
-from trainer.batching import PrefixGroups, shared_prefix_items, token_budget_partitions
+from trainer.batching import PrefixGroups, seqlen_workload, shared_prefix_items, token_budget_partitions
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_mean, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
@@ -47,16 +47,20 @@ def plan_micro_batches(indices: list[int], lengths: list[int], micro_size: int |
     """Split `indices` (of this rank) into micro-batches; every rank gets the same count.
 
     Fixed size: `micro_size` sequences each (None: all in one); a rank holding fewer sequences than
-    another gets empty micro-batches up to the largest count. Dynamic: pack by token budget, then
-    agree on the largest count over ranks and rebalance into it; with `groups` (prefix sharing) the
-    rows of one prompt pack together, the prompt counted once (`shared_prefix_items`).
+    another gets empty micro-batches up to the largest count. Dynamic: verl 0.9.1's micro-batches
+    under the `max_tokens` budget (`token_budget_partitions`: its count agreed over the ranks, its
+    Karmarkar-Karp balance of the rows' work estimates, its order), each listing its rows in
+    `indices`' order; with `groups` (prefix sharing) the rows of one prompt pack together, the prompt
+    counted once in the tokens (`shared_prefix_items`), a group's work the sum of its rows' (as
+    verl's groups of rows).
     """
     return _plan([indices], lengths, micro_size, dynamic, max_tokens, groups)[0]
 
 
 def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, dynamic: bool,
           max_tokens: int, groups: PrefixGroups | None = None) -> list[list[list[int]]]:
-    """`plan_micro_batches` for several batches with one collective."""
+    """`plan_micro_batches` for several batches with one collective (dynamic: one a round of the
+    budget check)."""
     if not dynamic:
         out = []
         for indices in batches:
@@ -68,13 +72,12 @@ def _plan(batches: list[list[int]], lengths: list[int], micro_size: int | None, 
         return out
     if groups is None:
         items = [[[i] for i in indices] for indices in batches]
-        costs = [[lengths[i] for i in indices] for indices in batches]
+        tokens = [[lengths[i] for i in indices] for indices in batches]
     else:
-        items, costs = map(list, zip(*(shared_prefix_items(indices, *groups, max_tokens) for indices in batches)))
-    parts = [token_budget_partitions(c, max_tokens) for c in costs]
-    if comm.world_size() > 1:
-        counts = comm.all_reduce_values([len(p) for p in parts], "max")
-        parts = [token_budget_partitions(c, max_tokens, min_parts=int(n)) for c, n in zip(costs, counts)]
+        items, tokens = map(list, zip(*(shared_prefix_items(indices, *groups, max_tokens) for indices in batches)))
+    work = [[sum(seqlen_workload([lengths[i] for i in item])) for item in its] for its in items]
+    reduce = comm.all_reduce_values if comm.world_size() > 1 else None
+    parts = token_budget_partitions(tokens, work, max_tokens, reduce)
     return [[[i for j in p for i in its[j]] for p in ps] for its, ps in zip(items, parts)]
 
 
@@ -157,9 +160,10 @@ class MiniBatch:
 def plan_update(ro: RolloutBatch, epochs: int, num_mini_batches: int, shuffle: bool, seed: int,
                 micro_size: int | None, dynamic: bool, max_tokens: int, sp_size: int = 1,
                 share_prefix: bool = False) -> list[MiniBatch]:
-    """Every mini-batch of every epoch, planned before the first forward with two collectives
-    (the loss units and the micro-batch counts), so that the update loop itself never waits
-    for the host: a collective read back inside it would drain the GPU queue each mini-batch.
+    """Every mini-batch of every epoch, planned before the first forward with a few collectives
+    (the loss units, the micro-batch counts and, dynamic, a round of budget checks while a count
+    grows), so that the update loop itself never waits for the host: a collective read back inside
+    it would drain the GPU queue each mini-batch.
     `ro` holds the rows of `sp_size` ranks (`pool_rows`), each counted once in the loss units."""
     n = len(ro)
     mini = n // num_mini_batches
