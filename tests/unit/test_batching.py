@@ -596,3 +596,25 @@ def test_micro_batch_from_flat_rows_reads_no_row_as_a_list(monkeypatch, packed):
             assert row[max(len(q) for q in prompts) - len(p):][:len(p) + len(r)] == p + r and len(row) == width
     assert mb.src_labels.tolist() == [t for r in responses for t in r]
     assert mb.work[:2] == (sum(map(len, prompts)) + sum(map(len, responses)), sum(map(len, responses)))
+
+
+def test_verl_md_says_how_verls_critic_picks_its_micro_batches():
+    """verl 0.9.1's critic engine never gets critic.use_dynamic_bsz (its engine default, true, stays), the
+    micro-batch sizes or forward_max_token_len_per_gpu, and runs under ppo_infer_max_token_len_per_gpu, an
+    option meshppo refuses naming it; meshppo honours the five. VERL.md's micro-batch paragraph says so."""
+    import os
+
+    from trainer.config import PPOConfig
+    from trainer.configlib import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="critic.ppo_infer_max_token_len_per_gpu"):
+        load_config(PPOConfig, None, ["+critic.ppo_infer_max_token_len_per_gpu=1024"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "docs", "VERL.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    start = text.index("meshppo's critic takes its micro-batches")
+    paragraph = text[start:text.index("Where a figure under verl's name", start)]
+    for name in ("critic.use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+                 "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu",
+                 "critic.ppo_infer_max_token_len_per_gpu", "use_v1=true"):
+        assert f"`{name}`" in paragraph, name
