@@ -11,7 +11,8 @@ empty responses; per token of `loss_mask` (the response tokens, without those ro
 removed, as verl's `response_mask`): `critic/advantages`, `critic/returns` and, with a critic,
 `critic/values`. Each has
 `/mean`, `/max` and `/min`, NaN where there is none to count (every response empty, every token
-rejected), as in verl. As in verl, `response_length/clip_ratio` is the share of responses as
+rejected), as in verl. As in verl 0.9.1's legacy trainer (its default trainer compares with the
+batch's longest row: docs/VERL.md), `response_length/clip_ratio` is the share of responses as
 long as the rollout allows (an EOS sampled as the last allowed token counts),
 `response_length_non_aborted/clip_ratio` that share among the non-empty ones, and
 `prompt_length/clip_ratio` the share of prompts as long as `data.max_prompt_length`.
