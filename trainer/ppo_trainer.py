@@ -1146,8 +1146,8 @@ class PPOTrainer:
             if (t := metrics.get(f"timing_s/{phase}")) is not None:
                 count = generated if phase == "gen" else tokens
                 out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / count if count > 0 else 0.0
-        # memory peaks: the largest rank's (the one that runs out first); verl's perf/cpu_memory_used_gb,
-        # the host's memory in use (psutil's `used`, the whole machine's), likewise the fullest node's
+        # memory peaks: the largest rank's (the one that runs out first); perf/cpu_memory_used_gb is verl's
+        # figure (its actor/perf/cpu_memory_used_gb), the host's memory in use (psutil's `used`, the whole machine's), likewise the fullest node's
         host_used = psutil.virtual_memory().used / 2**30
         if dev.type == "cuda":
             allocated, reserved = self.peaks.step_gb()
