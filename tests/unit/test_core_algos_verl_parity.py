@@ -82,6 +82,19 @@ def test_clip_cov_kl_cov_and_geo_mean_clamp_the_log_ratio_at_20():
     assert _one_token("geo_mean", 15.0, -2.0)[0] == pytest.approx(2.0 * math.exp(15.0), rel=1e-12)
 
 
+def test_geo_mean_clamps_a_token_below_minus_20_inside_its_sequences_mean():
+    """geo_mean exponentiates the sequence's mean log-ratio: a token at -30 beside one at 0, advantage 1
+    (the pessimistic side keeps the -30), gives meshppo exp(mean(-20, 0)) = e^-10, where verl's
+    exp(mean(-30, 0)) = e^-15 is e^((30 - 20) / 2) times smaller, not a ratio under 2e-9 in both."""
+    old = torch.tensor([[-40.0, -1.0]], dtype=F64)
+    logp = old + torch.tensor([[-30.0, 0.0]], dtype=F64)
+    out = get_policy_loss_fn("geo_mean")(old_log_prob=old, log_prob=logp, advantages=torch.ones(1, 2, dtype=F64),
+                                         response_mask=torch.ones(1, 2, dtype=F64), cliprange=0.2)
+    assert out.pg_loss.item() == pytest.approx(-math.exp(-10.0), rel=1e-12)
+    verl = -math.exp((-30.0 + 0.0) / 2)
+    assert out.pg_loss.item() / verl == pytest.approx(math.exp((30.0 - LOG_RATIO_BOUND) / 2), rel=1e-12)
+
+
 def test_clip_ratio_alone_sets_both_sides_of_the_clip():
     """clip_ratio_low / clip_ratio_high default to null (clip_ratio); verl's yaml sets both to 0.2, so
     there `actor.clip_ratio=0.3` alone leaves the clip at 0.2. A ratio of 1.25 with advantage 1 is
