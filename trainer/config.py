@@ -270,14 +270,16 @@ def _global_micro_batch(per_gpu: str):
                      "becomes it divided by the data-parallel size (trainer.nnodes x trainer.n_gpus_per_node over the "
                      "Ulysses group size of the model that runs it: the actor's for the rollout's and reference's "
                      "log-probs; the reward model's: over all ranks), which must divide "
-                     f"it, as verl's workers divide it; not with {per_gpu}", ge=1)
+                     f"it, as earlier verl's workers divided it (verl 0.9.1's read only {per_gpu}: a global size "
+                     f"alone stops its start-up); not with {per_gpu}", ge=1)
 
 
 def _per_gpu_micro_batch(key: str, section, name: str, trainer, sp_key: str | None, sp: int) -> None:
     """Section `key`'s global micro-batch size `name` as its `{name}_per_gpu`: divided by the
     data-parallel size, the ranks the `trainer` section describes over the role's Ulysses group
-    size `sp` (option `sp_key`; a Ulysses group reads one micro-batch), as verl's workers divide
-    it; then null, so a resolved config resolves to itself. Setting both is an error, as in verl."""
+    size `sp` (option `sp_key`; a Ulysses group reads one micro-batch), as earlier verl's workers
+    divided it (verl 0.9.1's do not); then null, so a resolved config resolves to itself. Setting
+    both is an error, as in verl."""
     total, per_gpu = getattr(section, name), f"{name}_per_gpu"
     if total is None:
         return

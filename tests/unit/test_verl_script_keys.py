@@ -1,5 +1,5 @@
 """verl options its example scripts set: the deprecated global micro-batch sizes (divided by the
-data-parallel size, as verl's workers divide them), verl's name of the collective timeout, the options that
+data-parallel size, as verl's workers divided them before 0.9.1), verl's name of the collective timeout, the options that
 change nothing here (accepted, said at start-up when set), and the ones accepted at the only value
 meshppo has."""
 
