@@ -758,8 +758,9 @@ class ActorConfig:
                                           "it in each micro-batch, their attention reading its keys: the prompt's "
                                           "tokens run once instead of once per response, with the same log-probs "
                                           "and gradients; dynamic micro-batches keep a prompt's rows together. "
-                                          "Needs model.use_remove_padding=true (verl's needs it false: the same "
-                                          "sharing, in meshppo's packed layout)")
+                                          "Needs model.use_remove_padding=true (earlier verl's actor shared the "
+                                          "prompt with it false; verl 0.9.1's engine workers share none: there the "
+                                          "option only balances whole prompt groups in its legacy trainer)")
     calculate_sum_pi_squared: bool = opt(False, "the old-log-prob pass also computes each response token's sum of "
                                                 "squared probabilities (at the rollout temperature), chunk by chunk "
                                                 "in the LM head: the optimal-token-baseline estimators' input, and "
@@ -2042,8 +2043,8 @@ def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) 
     if arr.actor.use_prefix_grouper and not arr.model.use_remove_padding:
         raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true with "
                           "actor_rollout_ref.model.use_remove_padding=false: meshppo shares a prompt among its "
-                          "responses in the packed (padding-free) layout; set use_remove_padding=true (verl's "
-                          "prefix grouper needs it false, meshppo's true)")
+                          "responses in the packed (padding-free) layout; set use_remove_padding=true (earlier "
+                          "verl's prefix grouper needed it false, meshppo's needs it true)")
 
 
 def _validate_reward_model(rm: RewardModelConfig) -> None:
