@@ -398,20 +398,36 @@ def _token_ids(value, where: str, many: bool):
     return _number(value, where, integer=True, nonnegative=True)
 
 
+def flat_overrides(overrides: dict, key: str = "override_config") -> dict:
+    """verl 0.9.1's two forms of `model.override_config` as one mapping of the config's attributes: its
+    model config (`HFModelConfig`, every engine's) sets the attributes under `model_config` when there is
+    one (the nested form), else the top-level ones; it reads `attn_implementation` at the top level in
+    both. Raises ValueError naming the key for a `model_config` that is not a mapping, or one beside
+    other top-level keys, which verl would leave unread."""
+    if "model_config" not in overrides:
+        return overrides
+    nested, where = overrides["model_config"], f"{key}.model_config"
+    if not isinstance(nested, dict):
+        raise ValueError(f"{where}: expected a mapping of the model config's attributes, got {nested!r}")
+    unread = [name for name in overrides if name not in ("model_config", "attn_implementation")]
+    if unread:
+        raise ValueError(f"{key}.{unread[0]} beside {where}: verl reads only {where}'s keys then (and "
+                         f"attn_implementation beside it), so {unread} would be ignored; move them into {where}")
+    return {**{k: v for k, v in overrides.items() if k == "attn_implementation"}, **nested}
+
+
 def check_overrides(overrides: dict, key: str = "override_config") -> tuple[dict, dict]:
-    """verl's `model.override_config` (`key`: the option, for messages): `(the overrides that act,
-    as ModelArgs fields and values; the accepted ones that change nothing: name -> why)`. Raises
-    ValueError naming `key.<name>` for any other: a shape or architecture attribute, a dropout
-    other than 0, verl's Megatron form (`model_config: {...}`), an unknown name or a bad value."""
+    """verl's `model.override_config` (`key`: the option, for messages), either form (`flat_overrides`):
+    `(the overrides that act, as ModelArgs fields and values; the accepted ones that change nothing:
+    name -> why)`. Raises ValueError naming `key.<name>` for any other: a shape or architecture
+    attribute, a dropout other than 0, an unknown name or a bad value."""
     acting, inert = {}, {}
-    for name, value in overrides.items():
-        where = f"{key}.{name}"
+    nested = overrides.get("model_config") or {}
+    for name, value in flat_overrides(overrides, key).items():
+        where = f"{key}.model_config.{name}" if name in nested else f"{key}.{name}"
         if name in ARCHITECTURE_KEYS:
             raise ValueError(f"{where} cannot be overridden: it sets the architecture or the shapes of the "
                              "model's tensors, and the checkpoint's tensors are those of its own config.json")
-        if name == "model_config":
-            raise ValueError(f"{where}: the nested form is that of verl's Megatron workers; its FSDP workers, "
-                             f"which meshppo follows, set the attributes directly ({key}.max_position_embeddings=...)")
         if name in OVERRIDE_NO_EFFECT:
             inert[name] = OVERRIDE_NO_EFFECT[name]
         elif name in DROPOUT_KEYS:

@@ -19,7 +19,7 @@ from data.dataset import RENDERING_ARGS, TRUNCATION_MODES, check_chat_template_k
 from kl import VALID_KL_PENALTIES as KL_TYPES
 from kl.guards import KLGuardConfig
 from models import torch_dtypes
-from models.args import OUTPUT_KEYS, check_overrides
+from models.args import OUTPUT_KEYS, check_overrides, flat_overrides
 from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_shapes
 from trainer.configlib import ConfigError, build_dataclass, opt, option_key, other_than, section
 from trainer.config_profiler import (FINISH_HOOK_OPTIONS, GlobalProfilerConfig, RoleProfilerConfig,
@@ -471,7 +471,7 @@ def _override_config(built: str, others: str):
                     "rope_theta, rope_scaling (rope_type default, linear, llama3 or yarn with its parameters: replaces "
                     f"the checkpoint's, also a type meshppo refuses such as dynamic; null drops it) and rms_norm_eps change the outputs; {others}; attn_implementation, use_cache "
                     "and dropouts of 0 are accepted and change nothing; keys of the architecture or the tensors' "
-                    "shapes are refused")
+                    "shapes are refused. verl's nested form, model_config: {...}, gives the same keys")
 
 
 # verl's three model sections: each has its `override_config`.
@@ -507,10 +507,12 @@ def acting_overrides(key: str, overrides: dict) -> dict:
     return {k: v for k, v in acting.items() if k in OUTPUT_KEYS} if key == "reward_model.model" else acting
 
 
-def _check_override_config(key: str, overrides: dict) -> None:
-    """A model section's `override_config` checked (`models.args.check_overrides`), naming the key."""
+def _check_override_config(key: str, overrides: dict) -> dict:
+    """A model section's `override_config` checked (`models.args.check_overrides`), naming the key, and
+    in its flat form (verl's nested `model_config: {...}` as its keys: `models.args.flat_overrides`)."""
     try:
         check_overrides(overrides, f"{key}.override_config")
+        return flat_overrides(overrides, f"{key}.override_config")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -575,7 +577,7 @@ class ModelConfig:
     megatron_lora: MegatronLoRAConfig = section(MegatronLoRAConfig, "verl 0.9.1's Megatron LoRA", key="lora")
 
     def __post_init__(self):
-        _check_override_config("actor_rollout_ref.model", self.override_config)
+        self.override_config = _check_override_config("actor_rollout_ref.model", self.override_config)
         _lora_config("actor_rollout_ref.model", self)  # a bad target_modules / lora_alpha fails here, naming the key
 
     @property
@@ -1196,7 +1198,7 @@ class CriticModelConfig:
     megatron_lora: MegatronLoRAConfig = section(MegatronLoRAConfig, "verl 0.9.1's Megatron LoRA", key="lora")
 
     def __post_init__(self):
-        _check_override_config("critic.model", self.override_config)
+        self.override_config = _check_override_config("critic.model", self.override_config)
         if self.lora_rank:
             self.lora  # a bad target_modules / lora_alpha fails here, naming the key
 
@@ -1318,7 +1320,7 @@ class RewardModelModelConfig:
     fsdp_config: FrozenFSDPOptions = section(FrozenFSDPOptions, "reward model FSDP2 settings")
 
     def __post_init__(self):
-        _check_override_config("reward_model.model", self.override_config)
+        self.override_config = _check_override_config("reward_model.model", self.override_config)
 
 
 @dataclass

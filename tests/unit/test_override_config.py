@@ -1,7 +1,7 @@
 """verl's `model.override_config` for the actor, the critic and the reward model: the keys that act
 set the model's arguments (`models.args.apply_overrides`) and reach the exported config.json; keys
-of the architecture or the tensors' shapes, a dropout other than 0, verl's Megatron form and any
-other key are refused naming `<section>.override_config.<key>`; the accepted keys that change
+of the architecture or the tensors' shapes, a dropout other than 0 and any other key are refused
+naming `<section>.override_config.<key>`; verl 0.9.1's nested form (`model_config: {...}`) gives its keys; the accepted keys that change
 nothing are said at start-up; a resume compares the overrides that act. (That every model and the
 engine are built with theirs: tests/multiproc/test_override_config.py.)"""
 
@@ -84,9 +84,9 @@ K = "actor_rollout_ref.model.override_config"
     ("attention_dropout=-1", f"{K}.attention_dropout: expected a number >= 0, got -1"),
     ("output_hidden_states=true", f"{K}.output_hidden_states is not supported by meshppo: the keys it applies are "
                                   "max_position_embeddings, rope_theta, rope_scaling, rms_norm_eps"),
-    ("model_config.max_position_embeddings=32768", f"{K}.model_config: the nested form is that of verl's Megatron "
-                                                   "workers; its FSDP workers, which meshppo follows, set the "
-                                                   f"attributes directly ({K}.max_position_embeddings=...)"),
+    ("model_config=[1]", f"{K}.model_config: expected a mapping of the model config's attributes, got [1]"),
+    ("model_config={rope_theta: 0}", f"{K}.model_config.rope_theta: expected a number > 0, got 0"),
+    ("model_config={hidden_size: 8}", f"{K}.model_config.hidden_size cannot be overridden"),
     ("rope_scaling={type: dynamic, factor: 2.0}", f"{K}.rope_scaling: type 'dynamic' is not supported (its "
                                                   "frequencies change with each forward's sequence length, so a "
                                                   "token's log-prob would depend on its batch); meshppo's models "
@@ -116,6 +116,32 @@ def test_what_cannot_act_is_refused_naming_the_key(override, message):
         _cfg(f"{K}.{override}")
     assert str(e.value).startswith(f"{K}.{override.split('=')[0].split('.')[0]}") and message in str(e.value), \
         str(e.value)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_verls_nested_form_gives_its_keys(section, model_dir):
+    """verl 0.9.1's model config (HFModelConfig, its FSDP engine's too) sets the attributes under
+    override_config.model_config when there is one, reading attn_implementation beside it: the same
+    overrides as the flat form, which the resolved config holds."""
+    flat = _cfg(f"{section}.override_config={{attn_implementation: eager, max_position_embeddings: 4096, "
+                "rope_theta: 500000.0}")
+    nested = _cfg(f"{section}.override_config={{attn_implementation: eager, model_config: "
+                  "{max_position_embeddings: 4096, rope_theta: 500000.0}}")
+    assert _overrides(nested, section) == _overrides(flat, section) == {
+        "attn_implementation": "eager", "max_position_embeddings": 4096, "rope_theta": 500000.0}
+    assert config_notes(nested) == config_notes(flat)
+    assert load_model_args(model_dir, _overrides(nested, section)) == dataclasses.replace(
+        load_model_args(model_dir), max_position_embeddings=4096, rope_theta=500000.0)
+    assert dataclasses.asdict(build_dataclass(PPOConfig, dataclasses.asdict(nested))) == dataclasses.asdict(nested)
+
+
+def test_a_key_beside_the_nested_form_is_refused_naming_it():
+    """With model_config, verl 0.9.1 leaves the other top-level keys (but attn_implementation) unread."""
+    with pytest.raises(ConfigError) as e:
+        _cfg(f"{K}={{rope_theta: 500000.0, model_config: {{max_position_embeddings: 4096}}}}")
+    assert str(e.value) == (f"{K}.rope_theta beside {K}.model_config: verl reads only {K}.model_config's keys then "
+                            f"(and attn_implementation beside it), so ['rope_theta'] would be ignored; move them into "
+                            f"{K}.model_config")
 
 
 def test_what_changes_nothing_is_said_at_start_up():
