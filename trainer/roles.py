@@ -212,12 +212,14 @@ class _Mean:
     """Averages metrics over micro-/mini-batches and ranks. Values may be device tensors: they are
     only read back in `result()` (one host sync), never inside the update loop.
 
-    Each value is added to a group (`add(group, ...)`): a key's result is the mean over its
-    groups of each group's mean over every value that every rank added to it. One group per
-    mini-batch gives verl's `Metric` of aggregation MEAN (a mini-batch's micro-batches of every
-    rank, then the mean over the mini-batches), one group for the whole update verl's plain
-    floats (the mean over every micro-batch of every mini-batch and rank); the two differ where
-    mini-batches run different numbers of micro-batches (use_dynamic_bsz)."""
+    Each value is added to a group (`add(group, ...)`): a key's result combines, over its groups,
+    each group's mean over every value that every rank added to it, as verl 0.9.1's
+    `reduce_metrics` combines a role's mini-batches: the largest of them for a key whose name holds
+    "max", the smallest for one holding "min", else their mean. One group per mini-batch gives
+    verl's `Metric` of aggregation MEAN (a mini-batch's micro-batches of every rank, then the
+    mini-batches), one group for the whole update verl's plain floats (every micro-batch of every
+    mini-batch and rank); the two differ where mini-batches run different numbers of micro-batches
+    (use_dynamic_bsz)."""
 
     def __init__(self, groups: int):
         self.groups = groups
@@ -245,7 +247,7 @@ class _Mean:
         for i, k in enumerate(self.values):
             cell = range(i * self.groups, (i + 1) * self.groups)
             means = [reduced[c] / reduced[len(cells) + c] for c in cell if reduced[len(cells) + c]]
-            out[k] = sum(means) / len(means)
+            out[k] = max(means) if "max" in k else min(means) if "min" in k else sum(means) / len(means)
         return out
 
 
@@ -367,9 +369,10 @@ class TrainableRole(Role):
         mini-batch's global mean loss, averaged over the mini-batches and epochs, as verl's), the grad
         norm (averaged over the mini-batches and epochs) and the statistics (`LossTerms.means`), every
         rank's (a clip fraction is not rank 0's alone): with `per_mini_batch` each mini-batch's mean
-        over its micro-batches of every rank, averaged over the mini-batches and epochs (verl's actor:
-        its policy-loss metrics are `Metric`s of aggregation MEAN), else the mean over every micro-batch
-        of every mini-batch and rank (verl's critic: plain floats), `_Mean`."""
+        over its micro-batches of every rank, combined over the mini-batches and epochs (verl's actor:
+        its policy-loss metrics are `Metric`s of aggregation MEAN; a key holding "max" or "min" takes
+        the largest or smallest mini-batch figure, as verl's `reduce_metrics`), else the mean over every
+        micro-batch of every mini-batch and rank (verl's critic: plain floats), `_Mean`."""
         steps = cfg.ppo_epochs * num_mini_batches
         stats = _Mean(steps)
         ro, _ = pool_rows(ro, self.sp)

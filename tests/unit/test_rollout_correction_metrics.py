@@ -13,7 +13,7 @@ import torch
 from models import Transformer
 from ppo.core_algos import compute_rollout_correction, parse_rollout_is_threshold, parse_rollout_rs
 from tests.unit.test_rollout_correction import ARGS, _rc, _step, _worker
-from tests.unit.test_batching import _rollouts
+from tests.unit.test_batching import _actor_cfg, _rollouts
 
 F64 = torch.float64
 BOUND = 20.0  # verl's SAFETY_BOUND
@@ -314,3 +314,35 @@ def test_float32_log_probs_give_the_weights_exact_spread(level):
         # (torch's float64 std is two-pass: the mean taken out before squaring)
         assert m["rollout_corr/rollout_is_std"].item() == pytest.approx(w.std(correction=0).item(), abs=1e-6)
         assert m["rollout_corr/rollout_is_seq_std"].item() == pytest.approx(per_sequence.std().item(), abs=1e-6)
+
+
+def test_bypass_mode_combines_the_mini_batches_as_verls_reduce_metrics():
+    """Over mini-batches verl 0.9.1 reduces a role's figures by name (`verl.utils.metric.reduce_metrics`):
+    the largest mini-batch figure for a key holding "max", the smallest for one holding "min", else the
+    mean. Two mini-batches of two micro-batches each, the actor left unchanged (learning rate 0), so each
+    mini-batch's figures are the means of its micro-batches' own."""
+    model = Transformer.build(ARGS, seed=0)
+    worker = _worker(model)
+    worker.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    ro = _rollouts()
+    old, _ = worker.log_probs(ro)
+    g = torch.Generator().manual_seed(5)
+    rollout = old - torch.randn(ro.response_mask.shape, generator=g) * 0.3 * ro.response_mask
+    ro.old_log_probs = ro.rollout_log_probs = rollout
+    rc = _rc(bypass_mode=True, loss_type="reinforce", rollout_is="token", is_bounds=(None, 5.0),
+             rejection=parse_rollout_rs("token_k1", "1.3"))
+    out = worker.update(ro, _actor_cfg(entropy_coeff=0.0, use_kl_loss=False, ppo_micro_batch_size_per_gpu=2),
+                        num_mini_batches=2, kl_loss_coef=0.0, seed=0, rollout_correction=rc)
+    parts = [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]
+    per_mini_batch = [[compute_rollout_correction(old[p].double(), rollout[p].double(), ro.response_mask[p], "token",
+                                                  None, 5.0, rc.rejection)[2] for p in mb] for mb in parts]
+    keys = [k for k in per_mini_batch[0][0] if k.startswith("rollout_corr/")]
+    assert {"rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min", "rollout_corr/log_ppl_diff_max",
+            "rollout_corr/rollout_is_mean"} <= set(keys) <= set(out)
+    for key in keys:
+        figures = [sum(float(m[key]) for m in mb) / len(mb) for mb in per_mini_batch]
+        want = max(figures) if "max" in key else min(figures) if "min" in key else sum(figures) / 2
+        assert out[key] == pytest.approx(want, rel=1e-4, abs=1e-5), key
+    for key in ("rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min", "rollout_corr/log_ppl_diff_max"):
+        figures = [sum(float(m[key]) for m in mb) / 2 for mb in per_mini_batch]
+        assert abs(figures[0] - figures[1]) > 0.01, key  # the mini-batches differ: max, min and mean tell apart
