@@ -1625,8 +1625,10 @@ class TrainerConfig:
                                                     "reads it): true keeps only the newest checkpoint, setting "
                                                     "max_actor_ckpt_to_keep and, with a critic, "
                                                     "max_critic_ckpt_to_keep to 1 over any value they have")
-    log_val_generations: int = opt(0, "validation samples printed to the log, picked as verl picks its table's "
-                                      "(sorted by prompt, shuffled with seed 42)", ge=0)
+    log_val_generations: int = opt(0, "validation samples (prompt, response, score) printed to the log and, as "
+                                      "verl logs them, written as a val/generations table to wandb and a "
+                                      "val/generations text to TensorBoard where those loggers are on; picked as "
+                                      "verl picks its table's (sorted by prompt, shuffled with seed 42)", ge=0)
     rollout_data_dir: str | None = opt(None, "write each step's samples to DIR/{step}.jsonl (input, output, gts, "
                                        "score, reward, advantage, ...)", path=True)
     validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "

@@ -1231,8 +1231,11 @@ class PPOTrainer:
                                                    self.global_step, scores, extras, others)
                 if self.cfg.trainer.log_val_generations and self.ctx.is_main:
                     shown += zip(ro.prompts, texts, scores)
-            for prompt, text, score in val_samples_to_log(self.tokenizer, shown, self.cfg.trainer.log_val_generations):
+            picked = val_samples_to_log(self.tokenizer, shown, self.cfg.trainer.log_val_generations)
+            for prompt, text, score in picked:
                 self.log(f"[val] {prompt!r} -> {text!r} (score {score})")
+            if picked:  # to TensorBoard and wandb with the validation's row, as verl's table
+                self.tracking.queue_generations(picked)
             sums: dict[str, list[float]] = {}
             for src, sc in zip(sources, scores_all):
                 sums.setdefault(src, []).append(sc)

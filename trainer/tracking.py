@@ -213,6 +213,15 @@ def dump_generations(dump_dir: str, step: int, rows: list[dict]) -> str:
     return path
 
 
+def generations_text(samples: list[tuple[str, str, float]], step: int) -> str:
+    """A validation's samples as the Markdown of TensorBoard's text tab: each sample's prompt, response
+    and score."""
+    parts = [f"**Validation generations, step {step}**"]
+    for i, (prompt, response, score) in enumerate(samples, 1):
+        parts.append(f"### Sample {i}\n\n**Input:** {prompt}\n\n**Output:** {response}\n\n**Score:** {score}")
+    return "\n\n---\n\n".join(parts)
+
+
 def file_logger_path(project: str, experiment: str) -> tuple[Path, str]:
     """Where verl's file logger (`trainer.logger=file`) writes, as an absolute path, and where that
     comes from (for messages): `$VERL_FILE_LOGGER_PATH` when set, else `$VERL_FILE_LOGGER_ROOT`
@@ -328,6 +337,8 @@ class Tracking:
         self._wandb_proxy = config.get("trainer", {}).get("wandb_proxy")
         self._val_only = bool(config.get("trainer", {}).get("val_only"))
         self._tb = self._wandb = self._bar = self._bar_total = self._file = None
+        self._generations: list[tuple[str, str, float]] = []  # queued for the next row (`queue_generations`)
+        self._generation_rows: list[list] = []  # the wandb table's rows, one a validation (verl's)
         if not enabled:
             return
         if "file" in loggers:  # read here, written from `begin` on
@@ -406,13 +417,19 @@ class Tracking:
         if self._file is not None:  # verl's line: orjson's compact {"step":s,"data":{...}}, UTF-8 as it is
             _append_line(self._file[0], json.dumps({"step": step, "data": values}, separators=(",", ":"),
                                                    ensure_ascii=False), self._file_what)
+        generations, self._generations = self._generations, []
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, step)
+            if generations:
+                self._tb.add_text("val/generations", generations_text(generations, step), step)
             self._tb.flush()  # (the events in the file before the checkpoint is in place, as the row)
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+            logged = {k: v for k, v in row.items() if k != "step"}
+            if generations:
+                logged["val/generations"] = self._generations_table(generations, step)
+            self._wandb.log(logged, step=step)
         if "console" in self.loggers:
             keys = ("critic/score/mean", "actor/ref_kl", "perf/throughput")
             short = {"critic/score/mean": "reward", "actor/ref_kl": "kl", "perf/throughput": "tok/s"}
@@ -423,6 +440,23 @@ class Tracking:
                 self._bar.set_postfix({**shown, **val}, refresh=True)
             else:
                 print(f"step {step}: {shown} {val}", file=sys.stderr)
+
+    def queue_generations(self, samples: list[tuple[str, str, float]]) -> None:
+        """`trainer.log_val_generations`' samples of a validation, `(prompt, response, score)` each, to
+        be written with the next row (the validation's, whose writes the trainer agrees over the ranks):
+        to TensorBoard as a `val/generations` text, to wandb as verl's `val/generations` table (a
+        `step` column, then `input_i`, `output_i`, `score_i` for each sample; one row a validation,
+        the table of every validation so far logged each time)."""
+        if self.enabled:
+            self._generations = list(samples)
+
+    def _generations_table(self, samples: list[tuple[str, str, float]], step: int):
+        import wandb
+
+        columns = ["step"] + [f"{name}_{i}" for i in range(1, len(samples) + 1) for name in ("input", "output", "score")]
+        self._generation_rows.append([step] + [value for sample in samples for value in sample])
+        # a new table each time, holding the earlier rows: wandb shows a logged table as it was logged
+        return wandb.Table(columns=columns, data=[list(r) for r in self._generation_rows])
 
     def message(self, text: str):
         if not self.enabled:

@@ -431,7 +431,7 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
                            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
                            f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
-                           f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+                           f"trainer.rollout_data_dir={tmp_path / 'dump'}", "trainer.logger=[console,jsonl,tensorboard]"))
     assert r.returncode == 0, r.stderr[-4000:]
     # one mini-batch a step (on-policy): the update makes its own old log-probs, no recompute pass
     rows = read_metrics(run)
@@ -446,3 +446,10 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
         val_scores = [json.loads(line)["score"] for line in f]
     assert len(val_scores) == 6 and not set(val_scores) <= {0.0, 1.0}, val_scores
     assert (r.stdout + r.stderr).count("[val] ") == 5, r.stdout[-3000:]
+    # the same 5 as verl's val/generations: a TensorBoard text with the validation's row (step 0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (text,) = acc.Tensors("val/generations/text_summary")
+    assert text.step == 0 and text.tensor_proto.string_val[0].decode().count("**Input:** ") == 5

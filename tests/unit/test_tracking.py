@@ -493,3 +493,47 @@ def test_wandb_proxy_is_a_trainer_option_said_unused_without_wandb():
     assert notes("trainer.wandb_proxy=http://proxy:3128", "trainer.logger=[console,wandb]")[1] == []
     assert notes("trainer.logger=[console,jsonl]")[1] == []
     assert PPOConfig().trainer.wandb_proxy is None
+
+
+def test_validation_generations_go_to_tensorboard_and_wandb_with_the_validations_row(tmp_path, monkeypatch):
+    """trainer.log_val_generations' samples, queued by the validation, are written with the next row (the
+    validation's) as verl's: a `val/generations` text in TensorBoard and a `val/generations` wandb table,
+    columns step, input_i, output_i, score_i, one row a validation (each logged table holds the earlier
+    rows); a row without queued samples writes none, and the jsonl row is unchanged."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged, tables = [], []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+            tables.append(self)
+
+    fake = SimpleNamespace(Table=Table, init=lambda **kw: SimpleNamespace(
+        id="r", log=lambda values, step: logged.append((step, values)), finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    t = Tracking(["jsonl", "tensorboard", "wandb"], str(tmp_path), "p", "e", {}, 10, enabled=True)
+    t.begin(0, "{}", _info(tmp_path))
+    t.queue_generations([("1+2=", "3", 1.0), ("4+5=", "8", 0.0)])
+    t.log({"val/demo/score": 0.5}, step=0)
+    t.log({"critic/score/mean": 0.25}, step=1)
+    t.queue_generations([("1+2=", "4", 0.0), ("4+5=", "9", 1.0)])
+    t.log({"val/demo/score": 0.5}, step=2)
+    t.close()
+
+    assert [(s, sorted(v)) for s, v in logged] == [(0, ["val/demo/score", "val/generations"]),
+                                                   (1, ["critic/score/mean"]), (2, ["val/demo/score", "val/generations"])]
+    columns = ["step", "input_1", "output_1", "score_1", "input_2", "output_2", "score_2"]
+    assert logged[0][1]["val/generations"].columns == logged[2][1]["val/generations"].columns == columns
+    assert logged[0][1]["val/generations"].data == [[0, "1+2=", "3", 1.0, "4+5=", "8", 0.0]]
+    assert logged[2][1]["val/generations"].data == [[0, "1+2=", "3", 1.0, "4+5=", "8", 0.0],
+                                                    [2, "1+2=", "4", 0.0, "4+5=", "9", 1.0]]
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 0, "val/demo/score": 0.5}, {"step": 1, "critic/score/mean": 0.25}, {"step": 2, "val/demo/score": 0.5}]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("val/generations/text_summary")
+    assert [e.step for e in texts] == [0, 2]
+    second = texts[1].tensor_proto.string_val[0].decode()
+    assert "**Input:** 1+2=" in second and "**Output:** 4" in second and "**Score:** 1.0" in second
