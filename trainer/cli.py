@@ -41,8 +41,8 @@ def _run(args, held: contextlib.ExitStack) -> int:
     from trainer.config import PPOConfig
     from trainer.configlib import ConfigError, load_config
     from trainer.launch import (agreed_config_errors, config_error_lines, config_file, holding_run_dir,
-                                local_world_size_from_env, print_config, rank_from_env, say_start_up_notes,
-                                world_size_from_env)
+                                local_world_size_from_env, print_config, rank_from_env, run_dir_held_by_launcher,
+                                say_start_up_notes, world_size_from_env)
     from trainer.setup import preflight
 
     # The ranks agree on their config errors (one rank's alone too) before any work; rank 0 says them.
@@ -53,7 +53,9 @@ def _run(args, held: contextlib.ExitStack) -> int:
             preflight(cfg, devices=False)
         else:
             preflight(cfg, world_size_from_env(), local_world_size_from_env())
-            if is_main:  # another run in the directory: refused before this one touches it
+            # another run in the directory: refused before this one touches it (a one-node launch's
+            # launcher holds it for its ranks)
+            if is_main and not run_dir_held_by_launcher(cfg.trainer.default_local_dir):
                 held.enter_context(holding_run_dir(cfg.trainer.default_local_dir))
     except ConfigError as e:
         error = str(e)

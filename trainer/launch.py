@@ -19,9 +19,11 @@ are checked only by a launch). Paths are relative to the working directory. Over
   or lost its peer (a hung or crashed rank, a lost node) is not such an exit: it exits
   `RESTART_EXIT`, and torchrun restarts the ranks (`--max-restarts`), which resume from the
   newest checkpoint;
-* one launch per run directory: the run's rank 0 holds a lock on `<run dir>/.lock` while it runs
-  (the kernel releases it when the process ends, however it ends), and a second launch into the
-  directory is refused before any rank starts, naming the rank holding it;
+* one launch per run directory: a lock on `<run dir>/.lock`, held by the launcher of a one-node
+  launch from its check until its ranks are gone (restarts included; torchrun shares it, so it
+  outlives a killed launcher; its rank 0 takes it as held: `RUN_LOCK_ENV`), by rank 0 on several nodes or under plain torchrun (the kernel releases it when
+  the process ends, however it ends). A second launch into the directory is refused before any
+  rank starts, naming the process holding it;
 * signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 are the launcher's. It forwards SIGUSR1 as
   is and the others as SIGTERM to the ranks, which write a checkpoint and exit 0, and reports
   the preemption in one line. torchrun is started with them ignored: it would turn them into a
@@ -60,6 +62,8 @@ import torch.distributed as dist
 from trainer.errors import say
 
 LAUNCH_DIR_ENV, LOG_DIR_ENV = "MESHPPO_LAUNCH_DIR", "MESHPPO_LOG_DIR"
+# The run directory whose lock the launcher holds for its ranks (`holding_run_dir`, `run_dir_held_by_launcher`).
+RUN_LOCK_ENV = "MESHPPO_RUN_LOCK_HELD"
 # What the trainer reacts to (checkpoint and exit 0), and what the launcher takes from torchrun.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -249,20 +253,29 @@ def _locked_run_dir(run_dir: str, how: int):
 
 
 @contextlib.contextmanager
-def holding_run_dir(run_dir: str):
-    """Rank 0's hold on `run_dir` for the run (the lock goes with the process however it ends, so a
-    torchrun restart or a requeued job takes it again); a ConfigError where another run holds it."""
+def holding_run_dir(run_dir: str, holder: str = "rank 0"):
+    """The hold on `run_dir` for the run of `holder` (rank 0, or a one-node launch's launcher, whose
+    ranks start seconds later: held from its check on, a second launch in between is refused before
+    it touches the directory). The lock goes with the process however it ends, so a torchrun restart
+    or a requeued job takes it again; a ConfigError where another run holds it."""
     f = _locked_run_dir(run_dir, fcntl.LOCK_EX)
     if f is None:
         say(f"meshppo: note: {os.path.join(run_dir, RUN_LOCK)} cannot be locked on this file system: a second "
             "launch into this run directory would not be refused")
-        yield
+        yield None
         return
     with f:
         f.truncate(0)
-        f.write(f"rank 0: pid {os.getpid()} on {socket.gethostname()}\n")
+        f.write(f"{holder}: pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
-        yield
+        yield f
+
+
+def run_dir_held_by_launcher(run_dir: str) -> bool:
+    """Whether this rank's launcher holds `run_dir`'s lock (a one-node launch): rank 0 then takes no lock
+    of its own, which the launcher's would refuse."""
+    held = os.environ.get(RUN_LOCK_ENV)
+    return bool(held) and os.path.realpath(held) == os.path.realpath(run_dir)
 
 
 def check_run_dir_free(run_dir: str) -> None:
@@ -278,8 +291,11 @@ def check_run_dir_free(run_dir: str) -> None:
 class _Launch:
     """One torchrun on this node, its ranks' signals and output, and the report at the end."""
 
-    def __init__(self, cfg, args, nproc: int):
+    def __init__(self, cfg, args, nproc: int, run_dir_lock=None):
         self.cfg, self.args, self.nproc = cfg, args, nproc
+        # this launcher's hold on the run directory for its ranks (`holding_run_dir`'s file), which torchrun
+        # shares, so that it outlives a launcher killed without its ranks
+        self.run_dir_lock = run_dir_lock
         self.log_dir = os.path.abspath(args.log_dir or os.path.join(cfg.trainer.default_local_dir, "logs"))
         self.launch_dir = tempfile.mkdtemp(prefix="meshppo-launch-")
         self.torchrun_log = os.path.join(self.log_dir, f"torchrun-{socket.gethostname()}.log")
@@ -303,21 +319,30 @@ class _Launch:
                 f"--rdzv-id={a.rdzv_id or self.launch_id}", f"--max-restarts={a.max_restarts}", TRAIN_SCRIPT,
                 *(["--config", a.config] if a.config else []), *a.overrides]
 
-    def run(self) -> int:
-        os.makedirs(self.log_dir, exist_ok=True)
-        rank0_log = os.path.join(self.log_dir, "rank0.log")
-        self.offset = os.path.getsize(rank0_log) if os.path.exists(rank0_log) else 0
+    def environment(self) -> dict[str, str]:
+        """torchrun's and its ranks' environment."""
         env = dict(os.environ, **{LAUNCH_DIR_ENV: self.launch_dir, LOG_DIR_ENV: self.log_dir},
                    PYTHONUNBUFFERED="1",
                    # torchrun handles only SIGQUIT: the ignored signals below stay ignored in it.
                    PET_SIGNALS_TO_HANDLE="SIGQUIT")
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+        env.pop(RUN_LOCK_ENV, None)
+        if self.run_dir_lock is not None:
+            env[RUN_LOCK_ENV] = os.path.realpath(self.cfg.trainer.default_local_dir)
+        return env
+
+    def run(self) -> int:
+        os.makedirs(self.log_dir, exist_ok=True)
+        rank0_log = os.path.join(self.log_dir, "rank0.log")
+        self.offset = os.path.getsize(rank0_log) if os.path.exists(rank0_log) else 0
+        env = self.environment()
         with open(self.torchrun_log, "ab") as out:
             # Ignored dispositions are inherited through fork and exec, so torchrun starts with them.
             previous = {s: signal.signal(s, signal.SIG_IGN) for s in LAUNCHER_SIGNALS}
             try:
                 self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=env)
+                                             stdin=subprocess.DEVNULL, env=env,
+                                             pass_fds=(self.run_dir_lock.fileno(),) if self.run_dir_lock else ())
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
@@ -636,6 +661,7 @@ def main(argv=None) -> int:
     from trainer.configlib import ConfigError, expand_home, load_config
     from trainer.setup import check_output_dir, preflight
 
+    held, lock = contextlib.ExitStack(), None  # a one-node launch's hold on the run directory, until its ranks are gone
     try:
         for flag, value, least in (("--nproc-per-node", args.nproc_per_node, 1), ("--nnodes", args.nnodes, 1),
                                    ("--max-restarts", args.max_restarts, 0)):
@@ -654,15 +680,21 @@ def main(argv=None) -> int:
         nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.n_gpus_per_node
         preflight(cfg, args.nnodes * nproc, nproc, devices=not args.print_config)
         check_output_dir("--log-dir (LOG_DIR)", args.log_dir)
-        if not args.print_config:
+        if not args.print_config and args.nnodes == 1:
+            # held before the logs go there, until the ranks are gone: a check alone let a second launch in
+            # during the seconds before rank 0 took the lock (both then wrote into the directory)
+            lock = held.enter_context(holding_run_dir(cfg.trainer.default_local_dir, "the launcher"))
+        elif not args.print_config:  # the launchers of one launch check together; its rank 0 takes the lock
             check_run_dir_free(cfg.trainer.default_local_dir)
     except ConfigError as e:
+        held.close()
         print(f"meshppo: config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print_config(cfg)
         return 0
-    return _Launch(cfg, args, nproc).run()
+    with held:
+        return _Launch(cfg, args, nproc, run_dir_lock=lock).run()
 
 
 def say_start_up_notes(cfg) -> None:

@@ -301,7 +301,9 @@ def test_a_second_launch_into_a_run_directory_in_use_is_refused(tiny_assets, tmp
     is, a double sbatch) deleted the first's checkpoint in progress and its metrics rows, and both
     launchers showed each other's output. Now it is refused, naming the directory and the first run's
     rank 0, before anything is written: by the launcher before any rank starts, and by plain
-    torchrun's ranks (every rank stops), and the first run goes on untouched."""
+    torchrun's ranks (every rank stops), and the first run goes on untouched. The first launcher holds
+    the directory from its check on: a second launch while the first's ranks were still starting (a
+    sweep started at once) passed the launcher's check and ran too."""
     import re
     import socket
 
@@ -309,19 +311,28 @@ def test_a_second_launch_into_a_run_directory_in_use_is_refused(tiny_assets, tmp
 
     run = tmp_path / "run"
     args = demo_args(tiny_assets, run, *COMMON, "trainer.total_training_steps=5000", "trainer.save_freq=1")
+    where = re.escape(str(run))
+    holder = rf"the launcher: pid (\d+) on {re.escape(socket.gethostname())}, which holds {where}/\.lock"
+    refused = rf"trainer.default_local_dir={where} is in use by another run \({holder}\): let it end or stop it"
     first = _single_node(args)
+    t0 = time.time()
+    while not (run / "logs").is_dir():  # the first launcher has checked and is starting its ranks
+        assert first.poll() is None, first.output(60)
+        assert time.time() - t0 < 300
+        time.sleep(0.05)
+
+    def second_launch_refused():
+        second = _single_node(args)
+        out = second.output(timeout=300)
+        assert second.returncode == 2, out
+        lines = _lines(out)
+        assert len(lines) == 1 and re.match(rf"meshppo: config error: {refused}", lines[0]), out
+        assert _pid_runs(int(re.search(holder, lines[0]).group(1)), "trainer.launch", str(run))
+
+    second_launch_refused()  # while the first's ranks start
     _wait_for_a_step(first, run)
     logs = {f.name for f in (run / "logs").iterdir()}
-    where = re.escape(str(run))
-    holder = rf"rank 0: pid (\d+) on {re.escape(socket.gethostname())}, which holds {where}/\.lock"
-    refused = rf"trainer.default_local_dir={where} is in use by another run \({holder}\): let it end or stop it"
-
-    second = _single_node(args)
-    out = second.output(timeout=300)
-    assert second.returncode == 2, out
-    lines = _lines(out)
-    assert len(lines) == 1 and re.match(rf"meshppo: config error: {refused}", lines[0]), out
-    assert _pid_runs(int(re.search(holder, lines[0]).group(1)), "train_ppo.py", str(run))
+    second_launch_refused()  # while the first runs
     assert {f.name for f in (run / "logs").iterdir()} == logs  # its logs never went there
 
     r = torchrun(args, timeout=300)  # every rank of it stops; rank 0 says why

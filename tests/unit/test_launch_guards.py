@@ -115,6 +115,50 @@ def test_a_run_directory_is_held_by_one_run_at_a_time(tmp_path):
         held.close()
 
 
+def test_a_one_node_launch_holds_its_run_directory_until_its_ranks_are_gone(no_slurm, monkeypatch, tmp_path):
+    """The launcher only checked that no run held the directory, and its rank 0 locked it seconds later
+    (torch imported, the config read): a second launch in between (a sweep started at once) passed the
+    check, and both ran in the directory, each launcher showing the other's rank-0 log. Now a one-node
+    launcher holds the lock from its check until its ranks are gone, and hands it to them."""
+    run = str(tmp_path / "run")
+    refused = (rf"^trainer.default_local_dir={run} is in use by another run \(the launcher: pid {os.getpid()} on "
+               rf"{socket.gethostname()}, which holds {run}/.lock\)")
+    seen = []
+
+    def ranks(self):  # what the ranks' side sees while they run
+        shutil.rmtree(self.launch_dir)
+        with pytest.raises(ConfigError, match=refused):
+            launch.check_run_dir_free(run)  # a second launch's check
+        seen.append(self.environment()[launch.RUN_LOCK_ENV])
+        # the hold torchrun shares (pass_fds), so that it outlives a launcher killed without its ranks
+        assert self.run_dir_lock.name == os.path.join(run, ".lock")
+        return 0
+
+    monkeypatch.setattr(launch._Launch, "run", ranks)
+    assert launch.main(["--nproc-per-node", "1", "--config", DEMO, "trainer.n_gpus_per_node=1",
+                        f"trainer.default_local_dir={run}"]) == 0
+    assert seen == [os.path.realpath(run)]
+    launch.check_run_dir_free(run)  # released with the launch
+
+
+def test_rank_0_under_a_launcher_holding_its_run_directory_runs(monkeypatch, tmp_path, capsys):
+    """Rank 0 takes its launcher's hold as its own; a hold on another directory does not make it skip its
+    own lock, so another run's launcher still refuses it."""
+    import trainer.ppo_trainer
+
+    run = str(tmp_path / "run")
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", launch.LAUNCH_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(trainer.ppo_trainer, "run", lambda cfg: 0)
+    args = ["--config", DEMO, "trainer.n_gpus_per_node=1", f"trainer.default_local_dir={run}"]
+    with launch.holding_run_dir(run, "the launcher"):
+        monkeypatch.setenv(launch.RUN_LOCK_ENV, os.path.realpath(run))
+        assert cli.main(args) == 0, capsys.readouterr().err
+        monkeypatch.setenv(launch.RUN_LOCK_ENV, str(tmp_path / "other"))
+        assert cli.main(args) == 2
+        assert "is in use by another run (the launcher: pid" in capsys.readouterr().err
+
+
 def test_a_later_stop_signal_does_not_move_the_grace_deadline(monkeypatch):
     """USR1 a few minutes before the time limit, then the scheduler's TERM (or a repeated `scancel
     --signal`, which the launcher forwards again): the grace period runs from the first signal."""
