@@ -492,6 +492,27 @@ def paths_read_under(cfg, directory: str | os.PathLike) -> list[str]:
     return [p for p in paths_read(cfg) if os.path.commonpath([root, os.path.realpath(p)]) == root]
 
 
+# The run's final exports in its directory (trainer.export_hf_at_end): the actor, and a LoRA actor's adapters alone.
+HF_EXPORT, ADAPTER_EXPORT = "hf_actor", "lora_adapter"
+
+
+def check_final_exports(cfg) -> None:
+    """A ConfigError when the run's final export (`trainer.export_hf_at_end`) would replace a directory the run
+    reads its model, adapter or tokenizer from (a second stage trained from the first's `hf_actor/` in the same
+    run directory): its base would be gone at the end, and the run's checkpoints could no longer resume."""
+    if not cfg.trainer.export_hf_at_end:
+        return
+    for name in (HF_EXPORT, ADAPTER_EXPORT):
+        out = os.path.join(cfg.trainer.default_local_dir, name)
+        inside = paths_read_under(cfg, out)
+        if inside:
+            raise ConfigError(f"trainer.export_hf_at_end=true would replace {out} at the end of the run, and this run "
+                              f"reads {inside[0]!r} there (actor_rollout_ref.model.path, lora_adapter_path, "
+                              "data.tokenizer, critic.model.path or reward_model.model.path): copy it out of the run "
+                              "directory, train in another trainer.default_local_dir, or set "
+                              "trainer.export_hf_at_end=false")
+
+
 def model_sections(cfg) -> dict:
     """`MODEL_SECTIONS` of `cfg`, by key."""
     return {key: functools.reduce(getattr, key.split("."), cfg) for key in MODEL_SECTIONS}

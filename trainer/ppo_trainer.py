@@ -39,8 +39,8 @@ from kl import FixedKLController, KLCoefficients, KLGuard, get_kl_controller, kl
 from trainer import faults, gc_control
 from trainer.checkpointing import (CheckpointManager, RngSnapshot, agreed_user_error, agreed_write, export_hf,
                                   rng_set_aside)
-from trainer.config import (FILTER_GROUP_SEQUENCE_METRICS, OTB_ESTIMATORS, PPOConfig, full_determinism_sections,
-                            paths_read_under, validate)
+from trainer.config import (ADAPTER_EXPORT, FILTER_GROUP_SEQUENCE_METRICS, HF_EXPORT, OTB_ESTIMATORS, PPOConfig,
+                            full_determinism_sections, paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
@@ -62,8 +62,6 @@ from sharding import comm
 # Multi-turn rollouts at engine TP > 1: the engine steps between the tool agent's looks at samples
 # waiting for a tool that awaits I/O, when none began to wait (each look is one broadcast over the TP group).
 TP_POLL_STEPS = 8
-# The run's final exports in its directory (trainer.export_hf_at_end): the actor, and a LoRA actor's adapters alone.
-HF_EXPORT, ADAPTER_EXPORT = "hf_actor", "lora_adapter"
 
 
 class _AbandonStep(Exception):

@@ -19,7 +19,7 @@ from models import ModelArgs, load_model_args, torch_dtypes
 from models.checkpoint import CheckpointFileError
 from models.lora import trainable_parameters
 from models.tiled_mlp import apply_tiled_mlp
-from trainer.config import OptimConfig, PPOConfig, described_launch, validate
+from trainer.config import OptimConfig, PPOConfig, check_final_exports, described_launch, validate
 from trainer.configlib import ConfigError
 from trainer.errors import UserError
 from trainer.launch import DistContext
@@ -57,6 +57,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
                           "null for runs/<trainer.project_name>/<trainer.experiment_name>")
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))
+    check_final_exports(cfg)
     if "tensorboard" in t.logger:  # verl's variable: the event files' directory instead of the run directory's
         check_output_dir("TENSORBOARD_DIR (environment, trainer.logger=tensorboard)", os.environ.get("TENSORBOARD_DIR"))
     if "file" in t.logger:  # verl's file logger writes outside the run directory

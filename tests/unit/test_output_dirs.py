@@ -131,3 +131,32 @@ def test_preflight_refuses_a_file_logger_path_under_a_file_or_at_a_directory(tmp
     monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "logs"))
     preflight(cfg("trainer.logger=[console,file]"))
     assert sorted(os.listdir(tmp_path)) == ["d", "f"]  # nothing written
+
+
+def test_preflight_refuses_a_final_export_over_what_the_run_reads(tmp_path):
+    """A second stage trained from the first's hf_actor/ in the same run directory (resume_mode=disable keeps
+    it, this run reading it) wrote its own final export over it at the end: the first stage's model was gone,
+    and the run's checkpoints no longer resumed (their base's model.safetensors differed). Now refused at
+    start-up, naming the option; without the export, or reading from elsewhere, it runs."""
+    from trainer.config import PPOConfig, check_final_exports
+    from trainer.configlib import load_config
+    from trainer.setup import preflight
+
+    run = tmp_path / "run"
+
+    def cfg(*overrides):
+        return load_config(PPOConfig, "configs/demo.yaml", [f"trainer.default_local_dir={run}", "trainer.device=cpu",
+                                                            *overrides])
+
+    refused = (rf"^trainer.export_hf_at_end=true would replace {run}/(hf_actor|lora_adapter) at the end of the run, "
+               rf"and this run reads '{run}/\1(/tokenizer)?' there")
+    for read in (f"actor_rollout_ref.model.path={run}/hf_actor", f"data.tokenizer={run}/hf_actor/tokenizer"):
+        with pytest.raises(ConfigError, match=refused):
+            preflight(cfg(read))
+        preflight(cfg(read, "trainer.export_hf_at_end=false"))
+    preflight(cfg(f"actor_rollout_ref.model.path={tmp_path}/stage1/hf_actor"))
+    # the adapters alone (a LoRA run's lora_adapter/; preflight would read the adapter, which is not there)
+    adapter = f"actor_rollout_ref.model.lora_adapter_path={run}/lora_adapter"
+    with pytest.raises(ConfigError, match=refused):
+        check_final_exports(cfg(adapter))
+    check_final_exports(cfg(adapter, "trainer.export_hf_at_end=false"))
