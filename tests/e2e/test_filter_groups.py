@@ -65,7 +65,8 @@ def _body(rank, world_size, assets, run_root):
             want = namespace["compute_score"](None, r["output"], r["gts"])
             assert (r["score"], r["acc"], r["parity"]) == pytest.approx((want["score"], want["acc"], "odd")), r
     # every round drew its own gen_batch_size prompts from the loader: a later step starts past them all
-    fresh = PromptDataLoader(trainer.train_ds, GEN, shuffle=trainer.loader.shuffle, seed=trainer.loader.seed)
+    fresh = PromptDataLoader(trainer.train_ds, GEN, shuffle=trainer.loader.shuffle, seed=trainer.loader.seed,
+                             draws_per_epoch=trainer.loader.draws_per_epoch)
     for _ in range(rounds):
         fresh.next_batch()
     assert trainer.loader.state_dict() == fresh.state_dict()

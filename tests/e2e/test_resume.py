@@ -94,8 +94,8 @@ def test_a_changed_run_is_refused_and_total_steps_extends(tiny_assets, two_step_
     assert [(r["training/global_step"], r["training/epoch"]) for r in read_metrics(run)[1:]] == [(1, 0), (2, 0), (2, 0),
                                                                                                   (3, 0)]
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64, "data": DATA_DIGEST.fullmatch(
-        state["loader"]["data"]).group()}  # and the data's digest
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64, "order": "draws per epoch: 2",
+                               "data": DATA_DIGEST.fullmatch(state["loader"]["data"]).group()}  # and the data's digest
 
 
 def test_resume_mode_disable_starts_the_directory_over(tiny_assets, two_step_run, capsys):
@@ -292,8 +292,8 @@ def test_resume_on_another_world_size(tiny_assets, tmp_path, before, after, then
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert [row["actor/lr"] for row in rows] == pytest.approx([0.0, 0.25e-3, 0.5e-3], rel=1e-12)
     state = json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64, "data": DATA_DIGEST.fullmatch(
-        state["loader"]["data"]).group()} and state["world_size"] == after
+    assert state["loader"] == {"epoch": 0, "position": 3 * BATCH, "size": 64, "order": "draws per epoch: 2",
+                               "data": DATA_DIGEST.fullmatch(state["loader"]["data"]).group()} and state["world_size"] == after
 
 
 def test_validation_timings_are_named_as_validation(two_step_run):
