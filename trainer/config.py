@@ -428,7 +428,7 @@ def _check_checkpoint(key: str, c: CheckpointConfig) -> None:
                               "optimizer state with the weights it was computed for; Adam moments without them do "
                               "not resume anything)")
     if c.async_save:
-        raise ConfigError(f"{key}.checkpoint.async_save=True is not supported by meshppo: verl implements it for "
+        raise ConfigError(f"{key}.checkpoint.async_save=true is not supported by meshppo: verl implements it for "
                           "Megatron only, and meshppo writes each checkpoint before the run goes on (complete and "
                           "published when the step ends); set it to false")
 

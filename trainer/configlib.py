@@ -278,7 +278,7 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         _check_range(coerced, f.metadata, full)
         unsupported = f.metadata.get("unsupported")
         if unsupported is not None and coerced is not None and unsupported(coerced):
-            raise ConfigError(f"{full}={coerced!r} is not supported by meshppo{_refusal_reason(f.metadata)}")
+            raise ConfigError(f"{full}={shown(coerced)} is not supported by meshppo{_refusal_reason(f.metadata)}")
         kwargs[f.name] = coerced
     try:
         return cls(**kwargs)
@@ -286,6 +286,14 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+
+
+def shown(value) -> str:
+    """`value` as a config file spells it: true, false and null as YAML writes them (a message about
+    `key=true` says true, not Python's True), anything else as its repr."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def _refusal_reason(metadata) -> str:

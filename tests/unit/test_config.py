@@ -107,10 +107,10 @@ def test_an_unsupported_value_is_refused_with_what_the_option_takes():
     """The refusal carries the option's own account of what it takes and why (its help text), not only
     'not supported'."""
     for override, message in (
-            ("data.validation_shuffle=true", "data.validation_shuffle=True is not supported by meshppo: must be false "
+            ("data.validation_shuffle=true", "data.validation_shuffle=true is not supported by meshppo: must be false "
                                              "(validation prompts go in file order, or in the order val_max_samples "
                                              "drew them)"),
-            ("data.trust_remote_code=true", "data.trust_remote_code=True is not supported by meshppo (tokenizers load "
+            ("data.trust_remote_code=true", "data.trust_remote_code=true is not supported by meshppo (tokenizers load "
                                             "without remote code): must be false"),
             ("actor_rollout_ref.model.external_lib=x",
              "actor_rollout_ref.model.external_lib='x' is not supported by meshppo")):
@@ -730,7 +730,7 @@ def test_checkpoint_contents_are_verls_items():
         _cfg(f"{critic}.save_contents=[optimizer,extra]")
     with pytest.raises(ConfigError, match=rf"^{actor}.load_contents=\['optimizer'\]: 'optimizer' needs 'model'"):
         _cfg(f"{actor}.load_contents=[optimizer]")
-    with pytest.raises(ConfigError, match=rf"^{actor}.async_save=True is not supported by meshppo: verl implements "
+    with pytest.raises(ConfigError, match=rf"^{actor}.async_save=true is not supported by meshppo: verl implements "
                                           "it for Megatron only"):
         _cfg(f"{actor}.async_save=true")
     _cfg(f"{critic}.async_save=false")

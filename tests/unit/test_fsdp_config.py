@@ -117,8 +117,8 @@ def test_the_frozen_models_run_forwards_only():
     cfg = _cfg(*rm, "reward_model.model.fsdp_config.forward_only=true")
     assert cfg.reward_model.model.fsdp_config.forward_only
     for key, overrides in (("reward_model.model", rm), ("actor_rollout_ref.ref", [])):
-        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=False is not supported"):
+        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=false is not supported"):
             _cfg(*overrides, f"{key}.fsdp_config.forward_only=false")
     for key in ("actor_rollout_ref.actor", "critic.model"):
-        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=True is not supported"):
+        with pytest.raises(ConfigError, match=f"{key}.fsdp_config.forward_only=true is not supported"):
             _cfg(f"{key}.fsdp_config.forward_only=true")
