@@ -212,8 +212,9 @@ class TorchMemoryGlobalConfig:
     memory_snapshot_num_steps: int = opt(1, "1 only: a snapshot of each profiled step (or range of "
                                             "profile_continuous_steps); verl: of every this many profiled steps "
                                             "(the roles' default)", ge=1, unsupported=other_than(1))
-    context: str | None = opt("all", "_record_memory_history's context: which events carry a stack trace (state: "
-                                     "allocations, alloc: and frees, all: both, null: none)",
+    context: str | None = opt("all", "_record_memory_history's context: which stack traces are kept (state: those of "
+                                     "the memory still allocated; alloc: also those of the history's allocation "
+                                     "events; all: also those of its frees; null: none)",
                               choices=("state", "alloc", "all", None))
     stacks: str = opt("all", "_record_memory_history's stacks: python, or all (python and C++)",
                       choices=("python", "all"))
