@@ -997,7 +997,11 @@ class RolloutConfig:
                                           "filters or truncates the prompts; null: data.max_prompt_length", ge=1)
     response_length: int | None = opt(None, "defaults to data.max_response_length", ge=1)
     dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
-    gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory for the KV cache", gt=0, le=1)
+    gpu_memory_utilization: float = opt(0.5, "fraction of the GPU memory free when the KV cache is first allocated "
+                                             "(the engine's weights in place) that the cache and the engine's "
+                                             "activations take, the cache keeping that size for the run; vLLM's is "
+                                             "a fraction of the whole GPU, its weights included (docs/VERL.md)",
+                                        gt=0, le=1)
     ignore_eos: bool = opt(False, "keep generating after EOS (benchmarks), whatever the rollout.name (verl's "
                                   "SGLang and TensorRT-LLM servers do not read it: a start-up note says so)")
     enforce_eager: bool = opt(False, "disable CUDA graphs (decode and prefill steps)")
