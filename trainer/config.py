@@ -721,7 +721,9 @@ def _data_loader_seed():
 class ActorConfig:
     strategy: str = opt("fsdp2", "training backend: fsdp or fsdp2 (both mean FSDP2 here)", choices=("fsdp", "fsdp2"))
     ppo_mini_batch_size: int = opt(256, "prompts per optimizer step (global; multiplied by rollout.n)", ge=1)
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU", ge=1)
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "sequences per forward/backward on one GPU; null is "
+                                                         "refused unless use_dynamic_bsz=true (micro-batches by "
+                                                         "token budget) or ppo_micro_batch_size gives it", ge=1)
     ppo_micro_batch_size: int | None = _global_micro_batch("ppo_micro_batch_size_per_gpu")
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = opt(16384, "token budget of one micro-batch with use_dynamic_bsz (a sequence "
