@@ -1617,7 +1617,10 @@ class TrainerConfig:
     checkpoint_callback_class: str | None = opt(None, "not supported: must be null (verl: a user class, by import "
                                                       "path, called around checkpoint saves)",
                                                 unsupported=lambda v: v is not None)
-    total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs)", ge=1)
+    total_training_steps: int | None = opt(None, "stop after this many steps (overrides total_epochs: more steps "
+                                                 "than total_epochs give go on into further epochs; verl stops at "
+                                                 "whichever ends first); null: the training set's full "
+                                                 "train_batch_size batches (after filtering) x total_epochs", ge=1)
     nnodes: int = opt(1, "nodes (checked against the launch)", ge=1)
     n_gpus_per_node: int = opt(1, "processes per node (checked against the launch)", ge=1)
     device: str = opt("auto", "cuda, cpu, or auto (cuda when available)", choices=("auto", "cuda", "cpu"))
