@@ -1632,7 +1632,8 @@ class TrainerConfig:
     critic_warmup: int = opt(0, "K: steps 1 to K (exactly K steps) train only the critic, the actor first "
                                 "updates at step K + 1 (as verl's yaml says; verl 0.9.1's code, critic_warmup <= "
                                 "global_steps with steps from 1, skips K - 1 actor updates, none for K = 1)", ge=0)
-    test_freq: int = opt(-1, "validate every this many steps (-1 or 0: never)", ge=-1)
+    test_freq: int = opt(-1, "validate every this many steps and after the last step, as verl does (-1 or 0: "
+                             "never, val_before_train aside)", ge=-1)
     val_before_train: bool = opt(True, "validate once before the first step of a fresh run; skipped on a resume "
                                        "(verl validates on every start)")
     val_only: bool = opt(False, "validate once and exit without training (needs data.val_files): the model of "
