@@ -518,6 +518,13 @@ def model_sections(cfg) -> dict:
     return {key: functools.reduce(getattr, key.split("."), cfg) for key in MODEL_SECTIONS}
 
 
+def models_run(cfg) -> tuple[str, ...]:
+    """The keys of `MODEL_SECTIONS` whose model the run builds: the actor's, the critic's with a critic
+    (adv_estimator gae), the reward model's with reward_model.enable."""
+    return tuple(key for key, used in zip(MODEL_SECTIONS, (True, cfg.uses_critic, bool(cfg.reward_model.enable)))
+                 if used)
+
+
 _RM_UNREAD_WHY = "the reward model's scores do not read it, and it is neither exported nor drawn at random"
 
 
@@ -2228,6 +2235,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
     notes += _reward_manager_notes(cfg)
     for key, model in model_sections(cfg).items():
+        if key not in models_run(cfg):  # (_unused_section_notes names its overrides)
+            continue
         overrides = model.override_config
         inert, acting = check_overrides(overrides)[1], acting_overrides(key, overrides)
         for name in overrides:
@@ -2348,7 +2357,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
     for key, tiled in (("actor_rollout_ref.model", arr.model.tiled_mlp), ("critic.model", cfg.critic.model.tiled_mlp)):
-        if not tiled.enabled and tiled.num_shards != TiledMLPConfig.num_shards:  # (the critic's note leaves it)
+        # (without a critic, _unused_section_notes names its tiled_mlp)
+        if key in models_run(cfg) and not tiled.enabled and tiled.num_shards != TiledMLPConfig.num_shards:
             notes.append(f"{key}.tiled_mlp.num_shards={tiled.num_shards} has no effect: read only with "
                          f"{key}.tiled_mlp.enabled=true")
     return notes + _policy_loss_notes(cfg) + profiling_notes(cfg)
@@ -2364,18 +2374,16 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
     notes = []
     if not cfg.uses_critic:
         # enable agrees with the estimator, strategy's values both mean FSDP2, profiling_notes says
-        # profiler.enable; the model's tiled_mlp and override_config keep the notes they have (or none) under
-        # any estimator
-        unused = _user_options(cfg, "critic", {"enable", "strategy", "profiler.enable", "model.tiled_mlp",
-                                               "model.override_config"})
+        # profiler.enable (the model's override_config and tiled_mlp are named here, not in their own notes)
+        unused = _user_options(cfg, "critic", {"enable", "strategy", "profiler.enable"})
         if unused:
             notes.append(f"{_listed(unused)} has no effect: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                          "trains no critic")
     rm = cfg.reward_model
     if not rm.enable:
-        # reward_manager and reward_kwargs call the rule reward; override_config keeps the notes it has
+        # reward_manager and reward_kwargs call the rule reward (override_config is named here, not in its notes)
         unused = _user_options(cfg, "reward_model", {"enable", "reward_manager", "reward_kwargs", "strategy",
-                                                     "profiler.enable", "model.override_config"})
+                                                     "profiler.enable"})
         if unused:
             notes.append(f"{_listed(unused)} has no effect: reward_model.enable is false")
     mt, key = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"

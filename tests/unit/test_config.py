@@ -1076,6 +1076,23 @@ def test_reward_model_options_without_a_reward_model_are_noted():
                        "reward_model.micro_batch_size=4") == []
 
 
+def test_model_overrides_and_tiled_mlp_of_a_model_the_run_lacks_are_noted():
+    """critic.model's override_config and tiled_mlp without a critic, reward_model.model's override_config without
+    a reward model: noted with the section's other options, once; an override that acts (rope_theta) was said
+    nowhere. With the model, the overrides and the tiled MLP are read and get no such note."""
+    set_ = ("critic.model.override_config.rope_theta=5000.0", "critic.model.tiled_mlp.enabled=true",
+            "critic.model.tiled_mlp.num_shards=8", "critic.model.override_config.initializer_range=0.5")
+    assert [n for n in config_notes(_cfg(*set_)) if "critic.model" in n] == [
+        "critic.model.override_config={'rope_theta': 5000.0, 'initializer_range': 0.5}, critic.model.tiled_mlp.enabled=true, "
+        "critic.model.tiled_mlp.num_shards=8 has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    gae = ("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1")
+    assert _notes_with("trains no critic", *gae, *set_) == []
+    rm = "reward_model.model.override_config.rope_theta=5000.0"
+    assert [n for n in config_notes(_cfg(rm)) if "reward_model" in n] == [
+        "reward_model.model.override_config={'rope_theta': 5000.0} has no effect: reward_model.enable is false"]
+    assert _notes_with("enable is false", "reward_model.enable=true", "reward_model.model.path=/rm", rm) == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",

@@ -151,8 +151,8 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
      "is its own (models/), not the Hugging Face classes Liger patches, and has its own fused kernels"),
     ("actor_rollout_ref.model.tiled_mlp.num_shards=8", "actor_rollout_ref.model.tiled_mlp.num_shards=8 has no effect: "
      "read only with actor_rollout_ref.model.tiled_mlp.enabled=true"),
-    ("critic.model.tiled_mlp.num_shards=2", "critic.model.tiled_mlp.num_shards=2 has no effect: read only with "
-                                            "critic.model.tiled_mlp.enabled=true"),
+    ("critic.model.tiled_mlp.num_shards=2", "critic.model.tiled_mlp.num_shards=2 has no effect: "  # (the demo's: no
+                                            "algorithm.adv_estimator=grpo trains no critic"),       # critic)
     (f"{R}.enable_prefix_caching=false", f"{R}.enable_prefix_caching=false has no effect: meshppo's engine prefills "
      "each prompt once for its n samples, which share its KV blocks copy-on-write (rollout/block_manager.py); it "
      "keeps no cache across prompts (a multi-turn sample keeps its own K/V between its turns)"),
@@ -207,8 +207,10 @@ def test_fsdp_dtype_is_the_compute_dtype():
 
 def test_tiled_mlp_is_accepted_and_its_tiles_checked():
     """tiled_mlp is implemented (models/tiled_mlp.py): enabled loads without a note for the actor
-    (and reference) and the critic, its num_shards is read; a tile count below 1 is refused naming the key."""
-    cfg = _cfg("actor_rollout_ref.model.tiled_mlp={enabled: true, num_shards: 8}", "critic.model.tiled_mlp.enabled=true")
+    (and reference) and the critic (of a run that trains one), its num_shards is read; a tile count below 1 is refused
+    naming the key."""
+    cfg = _cfg("actor_rollout_ref.model.tiled_mlp={enabled: true, num_shards: 8}", "critic.model.tiled_mlp.enabled=true",
+               "algorithm.adv_estimator=gae")
     assert (cfg.actor_rollout_ref.model.tiled_mlp.enabled, cfg.actor_rollout_ref.model.tiled_mlp.num_shards) == (True, 8)
     assert (cfg.critic.model.tiled_mlp.enabled, cfg.critic.model.tiled_mlp.num_shards) == (True, 4)
     assert config_notes(cfg) == [] and _round_trips(cfg)
