@@ -947,29 +947,33 @@ def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
 
 
 def _inherited_base(cfg, name: str):
-    """Top-level section `name` of `cfg` as the config would resolve it had the user set none of its
-    options (its defaults and what it inherits from the other sections)."""
+    """Section `name` of `cfg` (a dotted key: critic, actor_rollout_ref.ref) as the config would resolve
+    it had the user set none of its options (its defaults and what it inherits from the other sections)."""
     base = copy.deepcopy(cfg)
-    setattr(base, name, type(getattr(cfg, name))())
+    *parents, leaf = name.split(".")
+    owner = functools.reduce(getattr, parents, base)
+    setattr(owner, leaf, type(getattr(owner, leaf))())
     base.resolve()
-    return getattr(base, name)
+    return getattr(owner, leaf)
 
 
 # Options of a role's section that the section itself fills from another of its options (null
-# inherits it, or verl's copy sets it): one the user did not set, when equal to its source.
-_DERIVED_OPTIONS = {"forward_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_gpu",
-                    "forward_max_token_len_per_gpu": "ppo_max_token_len_per_gpu",
-                    "checkpoint.load_contents": "checkpoint.save_contents",
-                    "ulysses_sequence_parallel_size": "model.fsdp_config.ulysses_sequence_parallel_size",
-                    "model.fsdp_config.mixed_precision.param_dtype": "model.fsdp_config.dtype"}
+# inherits it, or verl's copy sets it): one the user did not set, when equal to one of its sources.
+_DERIVED_OPTIONS = {"forward_micro_batch_size_per_gpu": ("ppo_micro_batch_size_per_gpu",),
+                    "forward_max_token_len_per_gpu": ("ppo_max_token_len_per_gpu",),
+                    "checkpoint.load_contents": ("checkpoint.save_contents",),
+                    "ulysses_sequence_parallel_size": ("model.fsdp_config.ulysses_sequence_parallel_size",
+                                                       "fsdp_config.ulysses_sequence_parallel_size"),
+                    "model.fsdp_config.mixed_precision.param_dtype": ("model.fsdp_config.dtype",),
+                    "fsdp_config.mixed_precision.param_dtype": ("fsdp_config.dtype",)}
 
 
 def _user_options(cfg, name: str, skip=()) -> dict:
-    """The options of top-level section `name` (a role's) that the user set, by their full keys:
+    """The options of section `name` (a role's, a dotted key) that the user set, by their full keys:
     not those at their defaults, nor those inherited from other options."""
-    opts = _set_options(getattr(cfg, name), _inherited_base(cfg, name), skip=skip)
-    opts = {k: v for k, v in opts.items() if not (k in _DERIVED_OPTIONS and _DERIVED_OPTIONS[k] in opts
-                                                  and opts[_DERIVED_OPTIONS[k]] == v)}
+    opts = _set_options(functools.reduce(getattr, name.split("."), cfg), _inherited_base(cfg, name), skip=skip)
+    opts = {k: v for k, v in opts.items()
+            if not any(source in opts and opts[source] == v for source in _DERIVED_OPTIONS.get(k, ()))}
     return {f"{name}.{k}": v for k, v in opts.items()}
 
 
@@ -2353,7 +2357,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     ref = list(_non_default(arr.ref, ("fsdp_config",)))
     if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
         ref.insert(0, "use_torch_compile")
-    if arr.model.lora is not None and ref:
+    if arr.model.lora is not None and ref and cfg.uses_ref:  # (without a reference, _unused_section_notes)
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
     for key, tiled in (("actor_rollout_ref.model", arr.model.tiled_mlp), ("critic.model", cfg.critic.model.tiled_mlp)):
@@ -2370,7 +2374,7 @@ GRPO_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 
 def _unused_section_notes(cfg: PPOConfig) -> list[str]:
     """The options the user set of a section its switch leaves unread: the critic's without a critic,
-    the reward model's without one, multi-turn's with it off."""
+    the reward model's without one, the reference's without one, multi-turn's with it off."""
     notes = []
     if not cfg.uses_critic:
         # enable agrees with the estimator, strategy's values both mean FSDP2, profiling_notes says
@@ -2386,6 +2390,12 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
                                                      "profiler.enable"})
         if unused:
             notes.append(f"{_listed(unused)} has no effect: reward_model.enable is false")
+    if not cfg.uses_ref:
+        # strategy's values both mean FSDP2, profiling_notes says profiler.enable
+        unused = _user_options(cfg, "actor_rollout_ref.ref", {"strategy", "profiler.enable"})
+        if unused:
+            notes.append(f"{_listed(unused)} has no effect: the run has no reference "
+                         "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
     mt, key = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
     if not mt.enable:
         # a data.tool_config_path, which must name the same file, says where the tools come from

@@ -1093,6 +1093,28 @@ def test_model_overrides_and_tiled_mlp_of_a_model_the_run_lacks_are_noted():
     assert _notes_with("enable is false", "reward_model.enable=true", "reward_model.model.path=/rm", rm) == []
 
 
+def test_reference_options_without_a_reference_are_noted():
+    """The reference's options the user set, when the run has no reference (no KL loss, no KL in the reward):
+    not those it inherits (the actor's and the rollout's sizes, verl's copies), nor with a reference."""
+    off = ("actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.kl_loss_coef=0.001")
+    why = ("has no effect: the run has no reference (actor_rollout_ref.actor.use_kl_loss=false, "
+           "algorithm.use_kl_in_reward=false)")
+    demo = "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"  # (the demo's)
+    set_ = ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.ref.use_torch_compile=true",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=true")
+    assert _notes_with("has no reference", *off, *set_) == [
+        f"actor_rollout_ref.ref.fsdp_config.param_offload=true, {demo}, "
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4, actor_rollout_ref.ref.use_torch_compile=true {why}"]
+    inherited = ("actor_rollout_ref.ref.rollout_n=8", "actor_rollout_ref.ref.strategy=fsdp",
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64", "actor_rollout_ref.ref.use_torch_compile=false",
+                 "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false")
+    assert _notes_with("has no reference", *off, *inherited) == _notes_with("has no reference", *off) == [f"{demo} {why}"]
+    assert [n for n in config_notes(load_config(PPOConfig, None, [])) if "has no reference" in n] == []
+    assert _notes_with("has no reference", *set_) == []  # the demo's KL loss: a reference
+    lora = _notes_with("actor_rollout_ref.ref", *off, "actor_rollout_ref.model.lora_rank=8", *set_)
+    assert len(lora) == 1 and "has no reference" in lora[0], lora  # not also LoRA's note
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
