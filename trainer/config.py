@@ -2338,6 +2338,14 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
         notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
                      "(verl refuses a run without validation data)")
+    if not cfg.data.val_files:  # the options only validation reads
+        unused = {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
+        unused |= {f"trainer.{k}": v for k, v in _non_default(cfg.trainer, ("log_val_generations",
+                                                                            "validation_data_dir")).items()}
+        unused |= {f"actor_rollout_ref.rollout.val_kwargs.{k}": v for k, v in _set_options(rollout.val_kwargs,
+                                                                             SamplingOverrides()).items()}
+        if unused:
+            notes.append(f"{_listed(unused)} has no effect: data.val_files is empty, so no validation runs")
     guard = alg.kl_guard
     if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
         notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "

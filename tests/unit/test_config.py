@@ -1115,6 +1115,25 @@ def test_reference_options_without_a_reference_are_noted():
     assert len(lora) == 1 and "has no reference" in lora[0], lora  # not also LoRA's note
 
 
+def test_validation_options_without_validation_files_are_noted():
+    """Without data.val_files no validation runs: the options only validation reads, set, are said at start-up
+    (trainer.test_freq has its own note); with validation files, or at their defaults, nothing is said."""
+    set_ = ("data.val_batch_size=4", "data.val_max_samples=3", "trainer.log_val_generations=2",
+            "trainer.validation_data_dir=/tmp/val", "actor_rollout_ref.rollout.val_kwargs.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7")
+    none = ("data.val_files=[]", "trainer.test_freq=-1", "trainer.log_val_generations=0")  # (the demo's: 5, 3)
+    assert _notes_with("so no validation", *none, *set_) == [
+        "data.val_batch_size=4, data.val_max_samples=3, trainer.log_val_generations=2, "
+        "trainer.validation_data_dir=/tmp/val, actor_rollout_ref.rollout.val_kwargs.temperature=0.7, "
+        "actor_rollout_ref.rollout.val_kwargs.n=4 has no effect: data.val_files is empty, so no validation runs"]
+    assert _notes_with("so no validation", *none, "trainer.val_before_train=false") == []
+    assert _notes_with("so no validation", *set_) == []  # the demo's validation files
+    assert [n for n in config_notes(load_config(PPOConfig, None, [])) if "validation" in n] == []
+    assert _notes_with("so no validation", *none, "trainer.test_freq=5") == [
+        "trainer.test_freq=5: data.val_files is empty, so no validation runs (verl refuses a run without validation "
+        "data)"]
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",

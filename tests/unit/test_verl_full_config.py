@@ -395,7 +395,7 @@ def test_options_of_a_switch_that_is_off_are_noted():
             "actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")  # the demo's coefficient too
     assert config_notes(_cfg("trainer.test_freq=5", "data.val_files=[]")) == [
         "trainer.test_freq=5: data.val_files is empty, so no validation runs (verl refuses a run without validation "
-        "data)"]
+        "data)", "trainer.log_val_generations=3 has no effect: data.val_files is empty, so no validation runs"]
     assert config_notes(_cfg("trainer.test_freq=5")) == [] and config_notes(_cfg()) == []
 
 
