@@ -2237,6 +2237,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.data.max_response_length != rollout.response_length:
         notes.append(f"data.max_response_length={cfg.data.max_response_length} is not used: "
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
+    fn = cfg.custom_reward_function
+    if fn.path is None and fn.name != "compute_score":  # (resolved: null is verl's default, compute_score)
+        notes.append(f"custom_reward_function.name={fn.name} has no effect: custom_reward_function.path is null (the "
+                     "built-in scorers score each row by its data_source)")
     notes += _reward_manager_notes(cfg)
     for key, model in model_sections(cfg).items():
         if key not in models_run(cfg):  # (_unused_section_notes names its overrides)

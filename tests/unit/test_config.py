@@ -1134,6 +1134,20 @@ def test_validation_options_without_validation_files_are_noted():
         "data)"]
 
 
+def test_a_reward_function_name_without_its_file_is_noted():
+    """custom_reward_function.name (or verl 0.9.1's reward.custom_reward_function.name) names a function of path's
+    file: without a path the built-in scorers score, and the name is said to have no effect."""
+    why = ("has no effect: custom_reward_function.path is null (the built-in scorers score each row by its "
+           "data_source)")
+    assert _notes_with("custom_reward_function", "custom_reward_function.name=my_score") == [
+        f"custom_reward_function.name=my_score {why}"]
+    assert _notes_with("custom_reward_function", "reward.custom_reward_function.name=my_score") == [
+        f"custom_reward_function.name=my_score {why}"]
+    assert _notes_with("custom_reward_function", "custom_reward_function.name=compute_score") == []
+    assert _notes_with("custom_reward_function", "custom_reward_function.path=x.py",
+                       "custom_reward_function.name=my_score") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
