@@ -2339,6 +2339,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
             notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{key}.lr_scheduler_type=constant (they shape the cosine schedule)")
+        if optim.lr_warmup_steps > 0 and optim.lr_warmup_steps_ratio and (key != "critic.optim" or cfg.uses_critic):
+            notes.append(f"{key}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio:g} has no effect: "
+                         f"{key}.lr_warmup_steps={optim.lr_warmup_steps} sets the warm-up (a count above 0 wins over "
+                         "the ratio, as in verl)")
     if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
         notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
                      "(verl refuses a run without validation data)")

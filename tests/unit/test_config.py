@@ -1148,6 +1148,23 @@ def test_a_reward_function_name_without_its_file_is_noted():
                        "custom_reward_function.name=my_score") == []
 
 
+def test_a_warm_up_ratio_under_a_warm_up_count_is_noted():
+    """optim.lr_warmup_steps > 0 sets the warm-up (as verl reads them): a lr_warmup_steps_ratio beside it is not
+    read, and is said so; -1 or 0 leaves the ratio to act. The critic's only with a critic."""
+    A = "actor_rollout_ref.actor.optim"
+    assert _notes_with("lr_warmup", f"{A}.lr_warmup_steps=5", f"{A}.lr_warmup_steps_ratio=0.1") == [
+        f"{A}.lr_warmup_steps_ratio=0.1 has no effect: {A}.lr_warmup_steps=5 sets the warm-up (a count above 0 "
+        "wins over the ratio, as in verl)"]
+    for steps in (-1, 0):
+        assert _notes_with("lr_warmup", f"{A}.lr_warmup_steps={steps}", f"{A}.lr_warmup_steps_ratio=0.1") == []
+    assert _notes_with("lr_warmup", f"{A}.lr_warmup_steps=5") == []
+    gae = ("algorithm.adv_estimator=gae", "critic.optim.lr_warmup_steps=3", "critic.optim.lr_warmup_steps_ratio=0.2")
+    assert _notes_with("critic.optim.lr_warmup", *gae) == [
+        "critic.optim.lr_warmup_steps_ratio=0.2 has no effect: critic.optim.lr_warmup_steps=3 sets the warm-up (a "
+        "count above 0 wins over the ratio, as in verl)"]
+    assert not [n for n in _notes_with("critic.optim", *gae[1:]) if "sets the warm-up" in n]  # no critic
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
