@@ -2185,6 +2185,15 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode} with top_k={rollout.top_k}, "
                      f"top_p={rollout.top_p:g}: meshppo's engine log-probs are those of the whole softmax(logits / "
                      "temperature); vLLM's are renormalised to the top-k / top-p tokens")
+    # top_k / top_p truncate a sampled distribution (the validation's: only where it runs, else its own note)
+    for validate, key in ((False, "actor_rollout_ref.rollout"), (True, "actor_rollout_ref.rollout.val_kwargs")):
+        opts = rollout.val_kwargs if validate else rollout
+        unused = {f"{key}.{k}": v for k, v, acts in (("top_k", opts.top_k, opts.top_k > 0),
+                                                     ("top_p", opts.top_p, opts.top_p < 1)) if acts}
+        if unused and rollout.decoding_temperature(validate) == 0 and (cfg.data.val_files or not validate):
+            why = (f"{key}.temperature=0" if opts.temperature == 0 else f"{key}.do_sample=false with rollout.name=hf")
+            notes.append(f"{_listed(unused)} has no effect: the {'validation' if validate else 'training'} rollouts "
+                         f"decode greedily ({why})")
     if rollout.mode == "async":
         notes.append("actor_rollout_ref.rollout.mode=async: meshppo's engine runs in-process on every rank; the "
                      "single-turn rollouts are the same as with sync (verl's agent-loop servers are not used)")

@@ -1165,6 +1165,22 @@ def test_a_warm_up_ratio_under_a_warm_up_count_is_noted():
     assert not [n for n in _notes_with("critic.optim", *gae[1:]) if "sets the warm-up" in n]  # no critic
 
 
+def test_top_k_and_top_p_of_greedy_decoding_are_noted():
+    """top_k / top_p truncate a sampled distribution: where the training or the validation rollouts decode
+    greedily (temperature 0; with rollout.name=hf also do_sample=false) they have no effect, said at start-up."""
+    R = "actor_rollout_ref.rollout"
+    assert _notes_with("greedily", f"{R}.temperature=0", f"{R}.top_k=5", f"{R}.top_p=0.9") == [
+        f"{R}.top_k=5, {R}.top_p=0.9 has no effect: the training rollouts decode greedily ({R}.temperature=0)"]
+    assert _notes_with("greedily", f"{R}.val_kwargs.top_p=0.5") == [  # the demo validates at temperature 0
+        f"{R}.val_kwargs.top_p=0.5 has no effect: the validation rollouts decode greedily ({R}.val_kwargs.temperature=0)"]
+    assert _notes_with("greedily", f"{R}.name=hf", f"{R}.val_kwargs.temperature=0.7", f"{R}.val_kwargs.top_k=3") == [
+        f"{R}.val_kwargs.top_k=3 has no effect: the validation rollouts decode greedily ({R}.val_kwargs.do_sample=false "
+        "with rollout.name=hf)"]
+    assert _notes_with("greedily", f"{R}.top_k=5", f"{R}.top_p=0.9", f"{R}.val_kwargs.temperature=0.7",
+                       f"{R}.val_kwargs.top_k=0", f"{R}.val_kwargs.top_p=0.5") == []
+    assert _notes_with("greedily", f"{R}.temperature=0", f"{R}.top_k=0", f"{R}.top_k=-1") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",

@@ -271,8 +271,9 @@ def test_truncated_sampling_notes_the_log_probs_differ_from_vllms():
     assert config_notes(_cfg(f"{R}.top_p=0.9", f"{R}.calculate_log_probs=true")) == [
         f"{R}.logprobs_mode=processed_logprobs with top_k=-1, top_p=0.9: meshppo's engine log-probs are those of the "
         "whole softmax(logits / temperature); vLLM's are renormalised to the top-k / top-p tokens"]
-    # greedy: nothing is truncated
-    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.temperature=0", f"{R}.calculate_log_probs=true")) == []
+    # greedy: nothing is truncated (top_k itself has no effect)
+    assert config_notes(_cfg(f"{R}.top_k=5", f"{R}.temperature=0", f"{R}.calculate_log_probs=true")) == [
+        f"{R}.top_k=5 has no effect: the training rollouts decode greedily ({R}.temperature=0)"]
 
 
 def test_do_sample_is_verls_hf_rollout_switch():
