@@ -2355,6 +2355,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
         notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
                      "(verl refuses a run without validation data)")
+    if not cfg.data.shuffle and cfg.data.seed != _default(DataConfig.__dataclass_fields__["seed"]):
+        notes.append(f"{_listed({'data.seed': cfg.data.seed})} has no effect: "
+                     "data.shuffle=false (the prompts go in file order; train_max_samples and val_max_samples take "
+                     "the first rows)")
     if not cfg.data.val_files:  # the options only validation reads
         unused = {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
         unused |= {f"trainer.{k}": v for k, v in _non_default(cfg.trainer, ("log_val_generations",

@@ -1181,6 +1181,19 @@ def test_top_k_and_top_p_of_greedy_decoding_are_noted():
     assert _notes_with("greedily", f"{R}.temperature=0", f"{R}.top_k=0", f"{R}.top_k=-1") == []
 
 
+def test_a_data_seed_without_shuffle_is_noted():
+    """data.seed orders the shuffle and draws the max_samples rows: with data.shuffle=false neither happens (the
+    first rows, in file order), and a seed other than the default is said to have no effect."""
+    assert _notes_with("data.seed", "data.shuffle=false", "data.seed=7", "data.train_max_samples=4") == [
+        "data.seed=7 has no effect: data.shuffle=false (the prompts go in file order; train_max_samples and "
+        "val_max_samples take the first rows)"]
+    assert _notes_with("data.seed", "data.shuffle=false", "data.seed=null") == [
+        "data.seed=null has no effect: data.shuffle=false (the prompts go in file order; train_max_samples and "
+        "val_max_samples take the first rows)"]
+    assert _notes_with("data.seed", "data.shuffle=false", "data.seed=1") == []
+    assert _notes_with("data.seed", "data.shuffle=true", "data.seed=7") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
