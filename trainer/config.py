@@ -2359,6 +2359,9 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"{_listed({'data.seed': cfg.data.seed})} has no effect: "
                      "data.shuffle=false (the prompts go in file order; train_max_samples and val_max_samples take "
                      "the first rows)")
+    if cfg.data.filter_overlong_prompts and cfg.data.truncation != "error":
+        notes.append(f"data.truncation={cfg.data.truncation} has no effect: data.filter_overlong_prompts=true drops the "
+                     "prompts longer than data.max_prompt_length (truncation cuts those not filtered)")
     if not cfg.data.val_files:  # the options only validation reads
         unused = {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
         unused |= {f"trainer.{k}": v for k, v in _non_default(cfg.trainer, ("log_val_generations",

@@ -1194,6 +1194,16 @@ def test_a_data_seed_without_shuffle_is_noted():
     assert _notes_with("data.seed", "data.shuffle=true", "data.seed=7") == []
 
 
+def test_a_truncation_under_the_overlong_filter_is_noted():
+    """data.filter_overlong_prompts=true drops every prompt over data.max_prompt_length, so data.truncation (what is
+    done with those not filtered) never acts: a value other than error is said to have no effect."""
+    assert _notes_with("data.truncation", "data.filter_overlong_prompts=true", "data.truncation=left") == [
+        "data.truncation=left has no effect: data.filter_overlong_prompts=true drops the prompts longer than "
+        "data.max_prompt_length (truncation cuts those not filtered)"]
+    assert _notes_with("data.truncation", "data.filter_overlong_prompts=true", "data.truncation=error") == []
+    assert _notes_with("data.truncation", "data.filter_overlong_prompts=false", "data.truncation=middle") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
