@@ -2352,6 +2352,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"{key}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio:g} has no effect: "
                          f"{key}.lr_warmup_steps={optim.lr_warmup_steps} sets the warm-up (a count above 0 wins over "
                          "the ratio, as in verl)")
+    notes += _token_budget_notes(cfg)
     if cfg.trainer.test_freq > 0 and not cfg.data.val_files:
         notes.append(f"trainer.test_freq={cfg.trainer.test_freq}: data.val_files is empty, so no validation runs "
                      "(verl refuses a run without validation data)")
@@ -2507,6 +2508,39 @@ def _raise_coef_notes(cfg: PPOConfig) -> list[str]:
                     for key, value in stuck)
     return [f"{' and '.join(actions)} can change no KL coefficient: {why} (raise_coef multiplies a coefficient up "
             "to max_kl_coef and never lowers it)"]
+
+
+def _token_budget_notes(cfg: PPOConfig) -> list[str]:
+    """The token budgets set where their pass batches by sequence counts, of the roles the run has (the
+    others' are named with their section's unread options). The actor's is also the log-prob passes' where
+    they inherit it: read if any of them packs by tokens."""
+    arr, critic, rm = cfg.actor_rollout_ref, cfg.critic, cfg.reward_model
+    actor = arr.actor
+    a, r, f = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    forwards = [(r, arr.rollout)] + ([(f, arr.ref)] if cfg.uses_ref else [])
+    unread = []  # (the switch that leaves them unread, {key: value})
+    if (actor.ppo_max_token_len_per_gpu != _default(ActorConfig.__dataclass_fields__["ppo_max_token_len_per_gpu"])
+            and not actor.use_dynamic_bsz and not any(role.log_prob_use_dynamic_bsz for _, role in forwards)):
+        unread.append((f"{a}.use_dynamic_bsz=false, and no log-prob pass packs by tokens",
+                       {f"{a}.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}))
+    for key, role in forwards:  # (null inherits the actor's: one of another value was set)
+        if role.log_prob_max_token_len_per_gpu != actor.ppo_max_token_len_per_gpu and not role.log_prob_use_dynamic_bsz:
+            unread.append((f"{key}.log_prob_use_dynamic_bsz=false",
+                           {f"{key}.log_prob_max_token_len_per_gpu": role.log_prob_max_token_len_per_gpu}))
+    if cfg.uses_critic and not critic.use_dynamic_bsz:
+        budgets = {k: v for k, v, own in (
+            ("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
+             critic.ppo_max_token_len_per_gpu != _default(CriticConfig.__dataclass_fields__["ppo_max_token_len_per_gpu"])),
+            ("critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+             critic.forward_max_token_len_per_gpu != critic.ppo_max_token_len_per_gpu)) if own}
+        if budgets:
+            unread.append(("critic.use_dynamic_bsz=false", budgets))
+    budget = rm.forward_max_token_len_per_gpu
+    if rm.enable and not rm.use_dynamic_bsz and budget != _default(
+            RewardModelConfig.__dataclass_fields__["forward_max_token_len_per_gpu"]):
+        unread.append(("reward_model.use_dynamic_bsz=false", {"reward_model.forward_max_token_len_per_gpu": budget}))
+    return [f"{_listed(budgets)} has no effect: {switch} (a token budget is read by dynamic micro-batches only)"
+            for switch, budgets in unread]
 
 
 def _reward_manager_notes(cfg: PPOConfig) -> list[str]:

@@ -1204,6 +1204,33 @@ def test_a_truncation_under_the_overlong_filter_is_noted():
     assert _notes_with("data.truncation", "data.filter_overlong_prompts=false", "data.truncation=middle") == []
 
 
+def test_token_budgets_without_dynamic_micro_batches_are_noted():
+    """A token budget is read only by dynamic micro-batches: one set where its pass batches by sequence counts is
+    said to have no effect, naming the switch; an inherited one, or one a dynamic pass reads, is not."""
+    A, R, F = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    why = "has no effect: {} (a token budget is read by dynamic micro-batches only)"
+    assert _notes_with("token budget", f"{A}.ppo_max_token_len_per_gpu=4096", f"{R}.log_prob_max_token_len_per_gpu=2048",
+                       f"{F}.log_prob_max_token_len_per_gpu=1024") == [
+        f"{A}.ppo_max_token_len_per_gpu=4096 " + why.format(f"{A}.use_dynamic_bsz=false, and no log-prob pass packs "
+                                                            "by tokens"),
+        f"{R}.log_prob_max_token_len_per_gpu=2048 " + why.format(f"{R}.log_prob_use_dynamic_bsz=false"),
+        f"{F}.log_prob_max_token_len_per_gpu=1024 " + why.format(f"{F}.log_prob_use_dynamic_bsz=false")]
+    # the old-log-prob pass packs by tokens and inherits the actor's budget: read
+    assert _notes_with("token budget", f"{A}.ppo_max_token_len_per_gpu=4096", f"{R}.log_prob_use_dynamic_bsz=true") == []
+    assert _notes_with("token budget", f"{A}.use_dynamic_bsz=true", f"{A}.ppo_micro_batch_size_per_gpu=null",
+                       f"{A}.ppo_max_token_len_per_gpu=4096", f"{R}.log_prob_max_token_len_per_gpu=2048") == []
+    gae = ("algorithm.adv_estimator=gae", "critic.ppo_max_token_len_per_gpu=8192", "critic.forward_max_token_len_per_gpu=4096")
+    assert _notes_with("token budget", *gae) == [
+        "critic.ppo_max_token_len_per_gpu=8192, critic.forward_max_token_len_per_gpu=4096 "
+        + why.format("critic.use_dynamic_bsz=false")]
+    assert _notes_with("token budget", *gae, "critic.use_dynamic_bsz=true") == []
+    rm = ("reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=4",
+          "reward_model.forward_max_token_len_per_gpu=1000")
+    assert _notes_with("token budget", *rm) == [
+        "reward_model.forward_max_token_len_per_gpu=1000 " + why.format("reward_model.use_dynamic_bsz=false")]
+    assert _notes_with("token budget", *rm[:2], rm[3]) == []  # no micro-batch size: packed by tokens
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
