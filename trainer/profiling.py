@@ -185,6 +185,9 @@ def profiling_notes(cfg) -> list[str]:
         notes.append(f"{', '.join(f'{k}.profiler.enable' for k in enabled)}: global_profiler.steps is "
                      f"{gp.steps!r}, nothing is profiled (as in verl: list the steps)")
     untooled = [(k, p) for k, p, _ in roles if p.enable and p.tool is None]
+    if gp.steps and tool is None and not untooled:
+        notes.append(f"global_profiler.steps={list(gp.steps)} has no effect: no profiler tool is set "
+                     "(global_profiler.tool) and no role's profiler.enable is true: nothing is profiled")
     if untooled and not enabled:
         notes.append(f"{', '.join(f'{k}.profiler.enable' for k, _ in untooled)}=true but no tool is set "
                      "(global_profiler.tool): nothing is profiled")

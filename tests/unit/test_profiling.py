@@ -75,6 +75,20 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
         "global_profiler.global_tool_config.nsys.worker_nsight_options={trace: cuda}")))
 
 
+def test_steps_without_a_tool_or_an_enabled_role_are_a_note():
+    """global_profiler.steps alone (no tool, no role enabled: verl's defaults) profiles nothing, as in verl:
+    said at start-up, as the other settings that profile nothing are."""
+    assert profile_plan(_cfg("global_profiler.steps=[1, 2]")) is None
+    assert [n for n in config_notes(_cfg("global_profiler.steps=[1, 2]")) if "profil" in n] == [
+        "global_profiler.steps=[1, 2] has no effect: no profiler tool is set (global_profiler.tool) and no role's "
+        "profiler.enable is true: nothing is profiled"]
+    assert [n for n in config_notes(_cfg("global_profiler.steps=[]")) if "profil" in n] == []
+    # a tool, or an enabled role, has its own note
+    for other in ("global_profiler.tool=torch", f"{ACTOR}.enable=true"):
+        notes = [n for n in config_notes(_cfg("global_profiler.steps=[1]", other)) if "profil" in n]
+        assert len(notes) == 1 and "global_profiler.steps=[1] has no effect" not in notes[0], notes
+
+
 def test_listed_steps_after_the_last_are_a_note():
     profiled = ("global_profiler.tool=torch", f"{ACTOR}.enable=true")
     cfg = _cfg(*profiled, "global_profiler.steps=[2, 5, 7]", "trainer.total_training_steps=2")
