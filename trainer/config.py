@@ -1499,7 +1499,8 @@ class RolloutCorrectionConfig:
                                        "k3: KL estimate); null: off. Rejected tokens leave the response mask of "
                                        "the advantages, every loss term and the critic, as verl's (bypass mode: "
                                        "of the policy-gradient term only)")
-    rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs, one shared or one per option "
+    rollout_rs_threshold: str | float | None = opt(None, "bounds of rollout_rs (required with it), one shared or one "
+                                                         "per option "
                                                          "(comma-separated): k1 'lower_upper' on the ratio "
                                                          "pi_old / pi_rollout itself (0.5_2.0, decimal points as "
                                                          "above) or C for [1/C, C]; k2 / k3 an upper bound. verl's "
