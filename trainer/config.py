@@ -1049,7 +1049,9 @@ class RolloutConfig:
                                             "counts their tokens in it too)", ge=1)
     max_num_seqs: int = opt(256, "sequences decoded at once; a prompt's rollout.n samples above it run as further "
                                   "groups of at most max_num_seqs, each prefilling the prompt again", ge=1)
-    max_model_len: int | None = opt(None, "context limit of the engine; default prompt + response length", ge=2)
+    max_model_len: int | None = opt(None, "context limit of the engine: at least data.max_prompt_length + "
+                                          "response_length (a shorter one is refused: it would cut the longest "
+                                          "prompts' responses short); null: prompt_length + response_length", ge=2)
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
     cudagraph_capture_sizes: list[int] | None = opt(
