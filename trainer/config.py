@@ -185,7 +185,9 @@ class DataConfig:
     prompt_key: str = opt("prompt", "field holding the prompt (text or chat messages)")
     reward_fn_key: str = opt("data_source", "field that selects the rule-based reward function (only data_source)",
                              choices=("data_source",))
-    max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are filtered or truncated", ge=1)
+    max_prompt_length: int = opt(512, "prompts longer than this (in tokens) are dropped (filter_overlong_prompts), "
+                                      "else cut or refused at load as truncation says (its default, error, refuses "
+                                      "them)", ge=1)
     max_response_length: int = opt(512, "maximum generated tokens per response: the default of "
                                         "actor_rollout_ref.rollout.response_length, which is what generation uses", ge=1)
     train_batch_size: int = opt(1024, "prompts per PPO step (all ranks together)", ge=1)
