@@ -87,7 +87,8 @@ _VERL_COMPUTE_DTYPE = "bfloat16"
 _SP_HELP = ("Ulysses sequence parallelism: this many consecutive ranks (inside a node) run each packed micro-batch "
             "together, each on its shard of the tokens, attention split by heads through all-to-alls; they pool their "
             "rows, so the role has world / size data-parallel groups, and a dynamic micro-batch's token budget is per "
-            "GPU (times size a group). Needs use_remove_padding; must divide the model's attention heads")
+            "GPU (times size a group). Needs use_remove_padding; must divide the model's attention heads, and its "
+            "key/value heads must be a multiple of it or divide it (repeated)")
 
 
 @dataclass
