@@ -2545,8 +2545,45 @@ def _token_budget_notes(cfg: PPOConfig) -> list[str]:
     if rm.enable and not rm.use_dynamic_bsz and budget != _default(
             RewardModelConfig.__dataclass_fields__["forward_max_token_len_per_gpu"]):
         unread.append(("reward_model.use_dynamic_bsz=false", {"reward_model.forward_max_token_len_per_gpu": budget}))
-    return [f"{_listed(budgets)} has no effect: {switch} (a token budget is read by dynamic micro-batches only)"
-            for switch, budgets in unread]
+    notes = [f"{_listed(budgets)} has no effect: {switch} (a token budget is read by dynamic micro-batches only)"
+             for switch, budgets in unread]
+    return notes + _micro_batch_size_notes(cfg, forwards)
+
+
+def _micro_batch_size_notes(cfg: PPOConfig, forwards: list) -> list[str]:
+    """The micro-batch sizes set where their pass packs by tokens (`_token_budget_notes`' mirror), of the
+    roles the run has. A size the next pass inherits (the actor's: the old-log-prob pass's and the
+    critic's; the old-log-prob pass's: the reference's) is read where that pass batches by sequences."""
+    arr, critic, rm = cfg.actor_rollout_ref, cfg.critic, cfg.reward_model
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    a = "actor_rollout_ref.actor"
+    by_count = [(role.log_prob_micro_batch_size_per_gpu, not role.log_prob_use_dynamic_bsz) for _, role in forwards]
+    if cfg.uses_critic:
+        by_count.append((critic.ppo_micro_batch_size_per_gpu, not critic.use_dynamic_bsz))
+    unread = []  # (the switch that leaves them unread, {key: value})
+    size = actor.ppo_micro_batch_size_per_gpu
+    if size is not None and actor.use_dynamic_bsz and not any(s == size and counts for s, counts in by_count):
+        unread.append((f"{a}.use_dynamic_bsz=true", {f"{a}.ppo_micro_batch_size_per_gpu": size}))
+    sources = {"actor_rollout_ref.rollout": size, "actor_rollout_ref.ref": rollout.log_prob_micro_batch_size_per_gpu}
+    for key, role in forwards:  # (null inherits the one before: one of another value was set)
+        own = role.log_prob_micro_batch_size_per_gpu
+        read_on = cfg.uses_ref and key.endswith("rollout") and ref.log_prob_micro_batch_size_per_gpu == own and \
+            not ref.log_prob_use_dynamic_bsz  # the reference inherits it
+        if own is not None and own != sources[key] and role.log_prob_use_dynamic_bsz and not read_on:
+            unread.append((f"{key}.log_prob_use_dynamic_bsz=true", {f"{key}.log_prob_micro_batch_size_per_gpu": own}))
+    if cfg.uses_critic and critic.use_dynamic_bsz:
+        sizes = {k: v for k, v, own in (
+            ("critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu,
+             critic.ppo_micro_batch_size_per_gpu not in (None, size)),
+            ("critic.forward_micro_batch_size_per_gpu", critic.forward_micro_batch_size_per_gpu,
+             critic.forward_micro_batch_size_per_gpu not in (None, critic.ppo_micro_batch_size_per_gpu))) if own}
+        if sizes:
+            unread.append(("critic.use_dynamic_bsz=true", sizes))
+    if rm.enable and rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is not None:
+        unread.append(("reward_model.use_dynamic_bsz=true",
+                       {"reward_model.micro_batch_size_per_gpu": rm.micro_batch_size_per_gpu}))
+    return [f"{_listed(sizes)} has no effect: {switch} (its micro-batches are packed by token budget)"
+            for switch, sizes in unread]
 
 
 def _reward_manager_notes(cfg: PPOConfig) -> list[str]:

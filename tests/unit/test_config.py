@@ -1231,6 +1231,38 @@ def test_token_budgets_without_dynamic_micro_batches_are_noted():
     assert _notes_with("token budget", *rm[:2], rm[3]) == []  # no micro-batch size: packed by tokens
 
 
+def test_micro_batch_sizes_of_dynamic_micro_batches_are_noted():
+    """A micro-batch size is not read where its pass packs by tokens: one set there is said to have no effect,
+    naming the switch; one a pass that batches by sequences inherits (the old-log-prob pass, the reference, the
+    critic) is read."""
+    A, R, F = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    why = "has no effect: {} (its micro-batches are packed by token budget)"
+    dyn = f"{A}.use_dynamic_bsz=true"  # (the log-prob passes inherit it; the demo's size: 64)
+    assert _notes_with("packed by token budget", dyn) == [
+        f"{A}.ppo_micro_batch_size_per_gpu=64 " + why.format(dyn)]
+    assert _notes_with("packed by token budget", dyn, f"{A}.ppo_micro_batch_size_per_gpu=null") == []
+    # the old-log-prob pass batches by sequences with the actor's size: read
+    assert _notes_with("packed by token budget", dyn, f"{R}.log_prob_use_dynamic_bsz=false") == []
+    assert _notes_with("packed by token budget", dyn, f"{A}.ppo_micro_batch_size_per_gpu=null",
+                       f"{R}.log_prob_micro_batch_size_per_gpu=8", f"{F}.log_prob_micro_batch_size_per_gpu=4") == [
+        f"{R}.log_prob_micro_batch_size_per_gpu=8 " + why.format(f"{R}.log_prob_use_dynamic_bsz=true"),
+        f"{F}.log_prob_micro_batch_size_per_gpu=4 " + why.format(f"{F}.log_prob_use_dynamic_bsz=true")]
+    # the reference batches by sequences with the rollout's size: read
+    assert _notes_with("packed by token budget", dyn, f"{A}.ppo_micro_batch_size_per_gpu=null",
+                       f"{R}.log_prob_micro_batch_size_per_gpu=8", f"{F}.log_prob_use_dynamic_bsz=false") == []
+    gae = ("algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_micro_batch_size_per_gpu=16",
+           "critic.forward_micro_batch_size_per_gpu=32")
+    assert _notes_with("packed by token budget", *gae) == [
+        "critic.ppo_micro_batch_size_per_gpu=16, critic.forward_micro_batch_size_per_gpu=32 "
+        + why.format("critic.use_dynamic_bsz=true")]
+    # the actor packs by tokens, the critic inherits its size and batches by sequences: read
+    assert _notes_with("packed by token budget", dyn, "algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=false") == []
+    rm = ("reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=4")
+    assert _notes_with("packed by token budget", *rm, "reward_model.use_dynamic_bsz=true") == [
+        "reward_model.micro_batch_size_per_gpu=4 " + why.format("reward_model.use_dynamic_bsz=true")]
+    assert _notes_with("packed by token budget", *rm) == [] and _notes_with("packed by token budget") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
