@@ -1917,6 +1917,29 @@ def _shared_mesh_notes(cfg: PPOConfig) -> list[str]:
             f"shards a model over all {world} ranks (FULL_SHARD)"]
 
 
+def _unit_option_notes(cfg: PPOConfig) -> list[str]:
+    """The fsdp_config options that shape FSDP2's units (forward_prefetch, wrap_policy) of the models the run
+    builds, where their shard groups are of one rank (one GPU, or the actor's fsdp_size=1: the one training
+    mesh): `sharding.fsdp` builds no units there (`sharding.replicate`), so nothing reads them."""
+    world = described_launch(cfg)[0]
+    arr = cfg.actor_rollout_ref
+    size = arr.actor.fsdp_config.fsdp_size
+    if (world if size == -1 else size) != 1:
+        return []
+    built = [("actor_rollout_ref.actor", arr.actor.fsdp_config, True),
+             ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
+             ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
+             ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable)]
+    unread = {f"{key}.fsdp_config.{k}": v for key, fc, used in built if used
+              for k, v in _non_default(fc, ("forward_prefetch", "wrap_policy")).items()}
+    if not unread:
+        return []
+    why = ("trainer.nnodes x trainer.n_gpus_per_node = 1 rank" if world == 1
+           else "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
+    return [f"{_listed(unread)} has no effect: the shard groups are of one rank ({why}): no FSDP units are built, "
+            "each rank holds every parameter whole"]
+
+
 def _null_verl_copies(cfg: PPOConfig) -> None:
     """The options that verl's generated config interpolates from another one and meshppo does not
     read, null where they are that one's (said at start-up only where set otherwise): the roles'
@@ -2275,7 +2298,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if not cfg.reward_model.enable and cfg.reward.reward_model.rollout.full_determinism:
         notes.append("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false "
                      "(it makes the reward model's scores deterministic)")
-    notes += _shared_mesh_notes(cfg)
+    notes += _shared_mesh_notes(cfg) + _unit_option_notes(cfg)
     frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
                                   ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
     if frozen:

@@ -1263,6 +1263,23 @@ def test_micro_batch_sizes_of_dynamic_micro_batches_are_noted():
     assert _notes_with("packed by token budget", *rm) == [] and _notes_with("packed by token budget") == []
 
 
+def test_fsdp_unit_options_of_one_rank_shard_groups_are_noted():
+    """Shard groups of one rank (one GPU, or fsdp_size=1) build no FSDP units (sharding.replicate): the models'
+    forward_prefetch and wrap_policy, set, are said to have no effect there, of the models the run builds."""
+    A = "actor_rollout_ref.actor.fsdp_config"
+    set_ = (f"{A}.forward_prefetch=true", f"{A}.wrap_policy.min_num_params=1000",
+            "actor_rollout_ref.ref.fsdp_config.forward_prefetch=true", "critic.model.fsdp_config.forward_prefetch=true")
+    why = "has no effect: the shard groups are of one rank ({}): no FSDP units are built, each rank holds every parameter whole"
+    assert _notes_with("no FSDP units", "trainer.n_gpus_per_node=1", *set_) == [  # (no critic in the demo)
+        f"{A}.forward_prefetch=true, {A}.wrap_policy={{'min_num_params': 1000}}, "
+        "actor_rollout_ref.ref.fsdp_config.forward_prefetch=true "
+        + why.format("trainer.nnodes x trainer.n_gpus_per_node = 1 rank")]
+    assert _notes_with("no FSDP units", f"{A}.fsdp_size=1", set_[0]) == [
+        f"{A}.forward_prefetch=true " + why.format(f"{A}.fsdp_size=1")]
+    assert _notes_with("no FSDP units", *set_) == []  # the demo's 2 ranks: FULL_SHARD over both
+    assert _notes_with("no FSDP units", "trainer.n_gpus_per_node=1") == []
+
+
 def test_multi_turn_options_with_multi_turn_off_are_noted():
     mt = "actor_rollout_ref.rollout.multi_turn"
     assert _notes_with("enable is false", f"{mt}.max_assistant_turns=3", f"{mt}.tool_config_path=t.yaml",
