@@ -1012,7 +1012,8 @@ class RolloutConfig:
                                           "(prompt_length + response_length); at least data.max_prompt_length, which "
                                           "filters or truncates the prompts; null: data.max_prompt_length", ge=1)
     response_length: int | None = opt(None, "defaults to data.max_response_length", ge=1)
-    dtype: str = opt("bfloat16", "engine weight dtype (CPU runs use float32)", choices=DTYPES)
+    dtype: str = opt("bfloat16", "the engine's dtype: its weights, activations and KV cache (kv_cache_dtype=auto); "
+                                 "CPU runs use float32", choices=DTYPES)
     gpu_memory_utilization: float = opt(0.5, "fraction of the GPU memory free when the KV cache is first allocated "
                                              "(the engine's weights in place) that the cache and the engine's "
                                              "activations take, the cache keeping that size for the run; vLLM's is "
