@@ -1056,7 +1056,11 @@ class RolloutConfig:
     max_model_len: int | None = opt(None, "context limit of the engine: at least data.max_prompt_length + "
                                           "response_length (a shorter one is refused: it would cut the longest "
                                           "prompts' responses short); null: prompt_length + response_length", ge=2)
-    enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
+    enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps (vLLM's option); false is "
+                                             "refused unless max_num_batched_tokens >= max_model_len (as vLLM "
+                                             "requires), and is not read "
+                                             "under rollout.name sglang or trtllm, whose servers always chunk (a "
+                                             "start-up note says so)")
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
     cudagraph_capture_sizes: list[int] | None = opt(
         None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling): a step "
