@@ -2397,14 +2397,18 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     if cfg.data.filter_overlong_prompts and cfg.data.truncation != "error":
         notes.append(f"data.truncation={cfg.data.truncation} has no effect: data.filter_overlong_prompts=true drops the "
                      "prompts longer than data.max_prompt_length (truncation cuts those not filtered)")
-    if not cfg.data.val_files:  # the options only validation reads
-        unused = {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
-        unused |= {f"trainer.{k}": v for k, v in _non_default(cfg.trainer, ("log_val_generations",
-                                                                            "validation_data_dir")).items()}
+    t = cfg.trainer
+    unscheduled = not (t.val_before_train or t.test_freq > 0 or t.val_only)
+    if not cfg.data.val_files or unscheduled:  # the options only validation reads
+        unused = {"data.val_files": cfg.data.val_files} if cfg.data.val_files else {}
+        unused |= {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
+        unused |= {f"trainer.{k}": v for k, v in _non_default(t, ("log_val_generations", "validation_data_dir")).items()}
         unused |= {f"actor_rollout_ref.rollout.val_kwargs.{k}": v for k, v in _set_options(rollout.val_kwargs,
                                                                              SamplingOverrides()).items()}
+        why = ("data.val_files is empty" if not cfg.data.val_files else
+               f"trainer.val_before_train=false and trainer.test_freq={t.test_freq}")
         if unused:
-            notes.append(f"{_listed(unused)} has no effect: data.val_files is empty, so no validation runs")
+            notes.append(f"{_listed(unused)} has no effect: {why}, so no validation runs")
     guard = alg.kl_guard
     if not cfg.uses_ref and _non_default(guard, [f.name for f in dataclasses.fields(guard)]):
         notes.append("algorithm.kl_guard watches the KL to the reference, and this run has none "

@@ -1117,7 +1117,9 @@ def test_reference_options_without_a_reference_are_noted():
 
 def test_validation_options_without_validation_files_are_noted():
     """Without data.val_files no validation runs: the options only validation reads, set, are said at start-up
-    (trainer.test_freq has its own note); with validation files, or at their defaults, nothing is said."""
+    (trainer.test_freq has its own note); with validation files, or at their defaults, nothing is said. With
+    validation files but none scheduled (val_before_train=false, test_freq <= 0, no val_only) they and the
+    files are unread too."""
     set_ = ("data.val_batch_size=4", "data.val_max_samples=3", "trainer.log_val_generations=2",
             "trainer.validation_data_dir=/tmp/val", "actor_rollout_ref.rollout.val_kwargs.n=4",
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.7")
@@ -1129,6 +1131,11 @@ def test_validation_options_without_validation_files_are_noted():
     assert _notes_with("so no validation", *none, "trainer.val_before_train=false") == []
     assert _notes_with("so no validation", *set_) == []  # the demo's validation files
     assert [n for n in config_notes(load_config(PPOConfig, None, [])) if "validation" in n] == []
+    # validation files, but no validation scheduled (nor val_only): they too are unread
+    assert _notes_with("so no validation", "trainer.val_before_train=false", "trainer.test_freq=-1") == [
+        "data.val_files=['runs/demo_assets/val.jsonl'], trainer.log_val_generations=3 has no effect: "
+        "trainer.val_before_train=false and trainer.test_freq=-1, so no validation runs"]
+    assert _notes_with("so no validation", "trainer.val_before_train=false") == []  # the demo's test_freq 5
     assert _notes_with("so no validation", *none, "trainer.test_freq=5") == [
         "trainer.test_freq=5: data.val_files is empty, so no validation runs (verl refuses a run without validation "
         "data)"]
