@@ -1690,7 +1690,9 @@ class TrainerConfig:
                                        "score, reward, advantage, ...)", path=True)
     validation_data_dir: str | None = opt(None, "write each validation's samples to DIR/{step}.jsonl (input, output, "
                                           "gts, score, ...)", path=True)
-    seed: int = opt(1, "global seed (model init, sampling)", ge=0)
+    seed: int = opt(1, "the run's seed: the rollouts' sampling (validation's too), the LoRA adapters' and dummy "
+                       "weights' initialisation, the updates' mini-batch shuffle (actor.shuffle) and clip_cov's draws, "
+                       "and Python's, NumPy's and torch's global generators (the prompt order is data.seed's)", ge=0)
     export_hf_at_end: bool = opt(True, "also write the final actor as a Hugging Face directory (hf_actor/; a LoRA "
                                                 "actor with its adapters merged, and the adapters as a peft "
                                                 "directory lora_adapter/)")
