@@ -49,6 +49,12 @@ _ENTROPY_CHECKPOINTING_WHY = ("meshppo's LM head keeps no logits for backward: i
                               "there, the entropy's included")
 
 
+# The estimators of kl.kl_penalty, for actor.kl_loss_type and algorithm.kl_penalty (d = log pi - log pi_ref per token).
+_KL_ESTIMATORS_HELP = ("kl / k1: d, abs: |d|, mse / k2: d^2 / 2, low_var_kl / k3: exp(-d) + d - 1 clamped to [-10, 10] "
+                       "(d = log pi - log pi_ref of the sampled token); a '+' suffix gives that value forward and k2's "
+                       "gradient backward. verl's full (not implemented there either) is refused")
+
+
 def _entropy_chunking():
     return opt(False, "verl: compute the entropy from the full logits in chunks (lower peak memory)",
                no_effect=_ENTROPY_CHUNKING_WHY)
@@ -771,7 +777,7 @@ class ActorConfig:
                                          "mini-batch's where that pass is skipped)")
     use_kl_loss: bool = opt(False, "add a KL(actor, ref) loss term (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", ge=0)
-    kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", choices=KL_TYPES)
+    kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss: " + _KL_ESTIMATORS_HELP, choices=KL_TYPES)
     ppo_epochs: int = opt(1, "passes over each batch of rollouts", ge=1)
     shuffle: bool = opt(False, "shuffle sequences before splitting mini-batches")
     use_torch_compile: bool = opt(False, "torch.compile each transformer block of the actor and of the critic (the "
@@ -1575,7 +1581,7 @@ class AlgorithmConfig:
     adv_estimator: str = opt("gae", "advantage estimator", choices=ADV_ESTIMATORS)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
     use_kl_in_reward: bool = opt(False, "subtract kl_coef * KL(actor, ref) from the token rewards")
-    kl_penalty: str = opt("kl", "KL estimator for KL-in-reward", choices=KL_TYPES)
+    kl_penalty: str = opt("kl", "KL estimator for KL-in-reward: " + _KL_ESTIMATORS_HELP, choices=KL_TYPES)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "KL-in-reward controller")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "KL to the reference watched every step (kl_guard/* metrics); "
                                                         "reactions beyond a warning are opt-in")
