@@ -123,8 +123,9 @@ class EngineConfig:
             self.cudagraph_capture_sizes = sizes
 
     def capture_sizes(self) -> list[int]:
-        """The graph ladder actually used: configured (or default) sizes up to the first one >= max_num_seqs."""
-        sizes = self.cudagraph_capture_sizes or default_cudagraph_capture_sizes(max(512, self.max_num_seqs))
+        """The graph ladder actually used: configured (or default) sizes up to the first one >= max_num_seqs
+        (the default ladder reaches it: past 512 it goes on to max_num_seqs rounded up to a multiple of 8)."""
+        sizes = self.cudagraph_capture_sizes or default_cudagraph_capture_sizes(max(512, -(-self.max_num_seqs // 8) * 8))
         out = []
         for s in sizes:
             out.append(s)

@@ -1072,8 +1072,7 @@ class RolloutConfig:
         None, "decode batch sizes captured as CUDA graphs (also the row buckets of graphed prefill sampling): a step "
               "runs as the graph of the smallest size that holds its sequences, padded, and eagerly above the "
               "largest; sizes past the first one at or above max_num_seqs are never used. null: 1, 2, 4, 8, then "
-              "multiples of 8: up to the first at or above max_num_seqs where that is at most 512, else up to "
-              "max_num_seqs", ge=1)
+              "multiples of 8 up to the first at or above max_num_seqs", ge=1)
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per old-log-prob forward on one GPU; null: "
                                                               "the actor's ppo_micro_batch_size_per_gpu", ge=1)
     log_prob_micro_batch_size: int | None = _global_micro_batch("log_prob_micro_batch_size_per_gpu")

@@ -775,3 +775,14 @@ def test_engine_takes_the_triton_ops_for_any_head_dim(monkeypatch, head_dim):
     args = tiny_args("llama", head_dim=head_dim)
     engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=8), device="cpu")
     assert engine.runner.model.head_dim == head_dim and engine.runner.use_triton
+
+
+@pytest.mark.parametrize("max_num_seqs, last", [(1, 1), (3, 4), (256, 256), (300, 304), (512, 512), (513, 520),
+                                                (1024, 1024), (1030, 1032)])
+def test_the_default_graph_ladder_holds_a_full_decode_step(max_num_seqs, last):
+    """The default capture sizes (1, 2, 4, 8, then multiples of 8) end at the first one holding
+    max_num_seqs sequences, so a full decode step runs as a graph: at 513 the ladder stopped at 512
+    and a 513-row step ran eagerly."""
+    sizes = EngineConfig(max_num_seqs=max_num_seqs).capture_sizes()
+    assert sizes[-1] == last and (len(sizes) == 1 or sizes[-2] < max_num_seqs)
+    assert sizes[:4] == [1, 2, 4, 8][:len(sizes[:4])] and all(s % 8 == 0 for s in sizes[4:])
