@@ -104,17 +104,17 @@ def critic_update_flops(args, tokens: float, attention_pairs: float, lora=None) 
             + 6 * args.hidden_size * tokens)
 
 
-def val_samples_to_log(tokenizer, samples: list[tuple], k: int) -> list[tuple[str, str, float]]:
+def val_samples_to_log(tokenizer, samples: list[tuple], k: int) -> list[tuple[str, str, str, float]]:
     """`trainer.log_val_generations`' `k` of the validation `samples` (prompt ids, response, score)
-    as (prompt, response, score), picked as verl picks its table's: sorted by the prompt decoded
-    without special tokens (verl's text: with them, a chat template's end token after one question
-    sorts it after a longer one it begins), shuffled by a generator seeded 42, the first `k`, so
-    they spread over the prompts and are the same at every validation. Shown with the special tokens."""
+    as (prompt, prompt with its special tokens, response, score), picked as verl picks its table's:
+    sorted by the prompt decoded without special tokens (verl's text), shuffled by a generator seeded
+    42, the first `k`, so they spread over the prompts and are the same at every validation. The
+    loggers get verl's text, the console the prompt with its special tokens (the chat template's)."""
     keyed = sorted(((tokenizer.decode(ids, skip_special_tokens=True), ids, response, score)
                     for ids, response, score in samples), key=lambda sample: sample[0])
     np.random.RandomState(42).shuffle(keyed)
-    return [(tokenizer.decode(ids, skip_special_tokens=False), response, score)
-            for _, ids, response, score in keyed[:k]]
+    return [(text, tokenizer.decode(ids, skip_special_tokens=False), response, score)
+            for text, ids, response, score in keyed[:k]]
 
 
 def contiguous_parts(n: int, k: int) -> list[list[int]]:
@@ -1230,10 +1230,10 @@ class PPOTrainer:
                 if self.cfg.trainer.log_val_generations and self.ctx.is_main:
                     shown += zip(ro.prompts, texts, scores)
             picked = val_samples_to_log(self.tokenizer, shown, self.cfg.trainer.log_val_generations)
-            for prompt, text, score in picked:
+            for _, prompt, text, score in picked:
                 self.log(f"[val] {prompt!r} -> {text!r} (score {score})")
-            if picked:  # to TensorBoard and wandb with the validation's row, as verl's table
-                self.tracking.queue_generations(picked)
+            if picked:  # to TensorBoard and wandb with the validation's row, as verl's table (its texts)
+                self.tracking.queue_generations([(prompt, text, score) for prompt, _, text, score in picked])
             sums: dict[str, list[float]] = {}
             for src, sc in zip(sources, scores_all):
                 sums.setdefault(src, []).append(sc)

@@ -134,10 +134,10 @@ def test_logged_validation_samples_spread_over_the_prompts():
     from trainer.ppo_trainer import val_samples_to_log
 
     samples = [([i], f"r{i}{j}", float(j)) for i in range(4) for j in range(4)]
-    shown = {(f"p{ids[0]}", response, score) for ids, response, score in samples}
+    shown = {(f"p{ids[0]}", f"p{ids[0]}", response, score) for ids, response, score in samples}
     picked = val_samples_to_log(PromptTokenizer(), samples, 3)
     assert len(picked) == 3 and set(picked) <= shown
-    assert len({prompt for prompt, _, _ in picked}) > 1, picked
+    assert len({prompt for prompt, _, _, _ in picked}) > 1, picked
     prompts_reversed = [x for i in reversed(range(4)) for x in samples[4 * i:4 * i + 4]]
     assert val_samples_to_log(PromptTokenizer(), prompts_reversed, 3) == picked
     assert set(val_samples_to_log(PromptTokenizer(), samples, 100)) == shown
@@ -158,8 +158,10 @@ def test_logged_validation_samples_are_sorted_on_the_prompt_without_special_toke
                for q in questions]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
     picked = val_samples_to_log(tok, [(p, f"r{i}", float(i)) for i, p in enumerate(prompts)], 2)
-    assert [response for _, response, _ in picked] == ["r1", "r3"]
-    assert picked[0][0].endswith("<|im_start|>user\nWhat is 2+2<|im_end|>\n<|im_start|>assistant\n"), picked
+    assert [response for _, _, response, _ in picked] == ["r1", "r3"]
+    # the loggers get verl's text (no special tokens), the console the prompt as the model read it
+    assert picked[0][1].endswith("<|im_start|>user\nWhat is 2+2<|im_end|>\n<|im_start|>assistant\n"), picked
+    assert picked[0][0] == tok.decode(prompts[1], skip_special_tokens=True) and "<|im_start|>" not in picked[0][0]
 
 
 def test_a_due_checkpoint_is_written_before_the_validation_and_survives_its_failure():
