@@ -12,7 +12,9 @@ from tests.e2e.conftest import ROOT, demo_args, read_metrics
 from trainer import cli
 
 STEPS = 40  # far more than run before the signal lands: the run is stopped, not finished
+# no validation (and no validation options: a start-up note would say they change nothing)
 COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+          "data.val_files=[]", "trainer.log_val_generations=0",
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
           "actor_rollout_ref.rollout.n=4"]
