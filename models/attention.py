@@ -6,8 +6,8 @@ Two layouts reach this function:
   (1 = real token). Runs SDPA with a causal + key-padding mask.
 * packed: `q [T, Hq, D]`, `k, v [T, Hkv, D]` with `cu_seqlens [N+1]` (int32, cumulative
   sequence starts). No attention crosses a sequence boundary. On CUDA this uses
-  flash-attn's varlen kernel when importable, else the FlashAttention kernels shipped with
-  PyTorch (`_FlashVarlen`); everywhere else SDPA with the block-diagonal causal mask
+  flash-attn's varlen kernel when importable (its deterministic backward in torch's
+  deterministic mode), else the FlashAttention kernels shipped with PyTorch (`_FlashVarlen`); everywhere else SDPA with the block-diagonal causal mask
   (`block_causal_mask`, the reference semantics), computed segment by segment padded to the
   longest whenever that scores fewer pairs than the whole row: 64 short sequences packed into
   one row then cost 64 small squares, not one large one (the demo's warm-up step: 2x faster).
@@ -119,7 +119,10 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         cu_k, max_k = shared.cu_seqlens_k, shared.max_seqlen_k
     if flash_varlen_usable(q):
         if _flash_varlen is not None:
-            return _flash_varlen(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale=scale, causal=True)
+            # flash-attn's backward accumulates dq with atomics unless asked not to: torch's deterministic
+            # mode (fsdp_config.full_determinism) reaches PyTorch's kernels (`_FlashVarlen`) by itself, not these
+            return _flash_varlen(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale=scale, causal=True,
+                                 deterministic=torch.are_deterministic_algorithms_enabled())
         return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_k, int(max_seqlen),
                                   int(max_k), float(scale))
     n_rep = q.shape[1] // k.shape[1]

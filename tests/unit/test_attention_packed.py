@@ -83,3 +83,31 @@ def test_one_long_segment_among_many_short_takes_the_mask():
     ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3), q, k, v, dout)
     for x, y in zip(ours, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_backward_follows_torchs_deterministic_mode(monkeypatch, deterministic):
+    """With flash-attn installed `attention_packed` calls its varlen kernel, whose backward is
+    deterministic only when asked (`deterministic=True`; torch's switch does not reach it):
+    fsdp_config.full_determinism (`torch.use_deterministic_algorithms`) must ask. The kernel is
+    stood in for by a recorder of its arguments (no GPU here)."""
+    import models.attention as attention
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "_flash_varlen", fake_varlen)
+    monkeypatch.setattr(attention, "flash_varlen_usable", lambda q: True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+        attention.attention_packed(q, k, v, torch.tensor([0, 2, 6], dtype=torch.int32), 4, 0.35)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(calls) == 1
+    assert calls[0].get("deterministic", False) is deterministic
+    assert calls[0]["causal"] is True and calls[0]["softmax_scale"] == 0.35
