@@ -3,7 +3,8 @@ over every rank's rows.
 
 Per response: `response_length` (every generated token), `prompt_length`, and `num_turns` (verl's
 count: the assistant turns, the tool responses, plus one; 2 for a single-turn generation, as verl
-0.9.1's agent loop counts it and logs it in every run); per response
+0.9.1's agent loop counts it and logs it in every run; its default trainer logs the same figures again
+as `training/num_turns/*`, and so does meshppo); per response
 that is not empty (verl's non-aborted: an aborted request's response is empty): `critic/score`
 (the reward function's score), `critic/rewards` (the summed token-level rewards, after any
 KL-in-reward penalty) and `response_length_non_aborted`; `response/aborted_ratio` is the share of
@@ -91,6 +92,8 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     m["prompt_length/clip_ratio"] = clipped_prompts / max(rows, 1.0)
     m["response_length_non_aborted/clip_ratio"] = clipped_kept / kept_rows if kept_rows else math.nan
     m["response/aborted_ratio"] = (rows - kept_rows) / max(rows, 1.0)
+    # verl 0.9.1's default trainer logs the turn counts under both names (`compute_data_metrics`'s and its own)
+    m.update({f"training/num_turns/{s}": m[f"num_turns/{s}"] for s in ("mean", "max", "min")})
     extra_sums = sums[6 + len(stats):]
     for j, key in enumerate(extras):
         m[f"reward_extra/{key}/mean"] = extra_sums[2 * j] / max(extra_sums[2 * j + 1], 1.0)

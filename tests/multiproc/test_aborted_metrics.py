@@ -18,7 +18,8 @@ VERL_KEYS = {f"{name}/{stat}" for name in ("critic/score", "critic/rewards", "cr
              for stat in ("mean", "max", "min")}
 VERL_KEYS |= {f"{name}/{stat}" for name in ("response_length", "response_length_non_aborted", "prompt_length")
               for stat in ("mean", "max", "min", "clip_ratio")}
-VERL_KEYS |= {"response/aborted_ratio"} | {f"num_turns/{stat}" for stat in ("mean", "max", "min")}
+VERL_KEYS |= {"response/aborted_ratio"} | {f"{pre}num_turns/{stat}" for pre in ("", "training/")
+                                            for stat in ("mean", "max", "min")}
 
 
 def _metrics(lengths: list[int], scores: list[float]) -> dict:

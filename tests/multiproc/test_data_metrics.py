@@ -65,7 +65,8 @@ def _verl_reference(world: int) -> dict:
     ref["response/aborted_ratio"] = np.mean(~kept)
     ref["prompt_length/clip_ratio"] = np.mean(prompt == MAX_PROMPT)
     # single-turn rows: verl 0.9.1's agent loop counts 2 turns each and logs them in every run
-    ref.update({"num_turns/mean": 2.0, "num_turns/max": 2.0, "num_turns/min": 2.0})
+    # verl 0.9.1's default trainer logs them again as training/num_turns/*
+    ref.update({f"{pre}num_turns/{s}": 2.0 for pre in ("", "training/") for s in ("mean", "max", "min")})
     ref["critic/vf_explained_var"] = 1 - np.var(sel["returns"] - sel["values"], ddof=1) / (
         np.var(sel["returns"], ddof=1) + 1e-5)
     return ref
@@ -86,6 +87,24 @@ def _body(rank, world):
     # hand values: full-length responses 1 of 3 (world 1), 3 of 7 (world 2); full prompts 0 of 3, 2 of 7
     clipped = (1 / 3, 0.0) if world == 1 else (3 / 7, 2 / 7)
     assert (m["response_length/clip_ratio"], m["prompt_length/clip_ratio"]) == pytest.approx(clipped)
+
+
+def _turns_body(rank, world):
+    from trainer.metrics import data_metrics
+
+    ro, scores = _batch(rank)
+    ro.num_turns = [2, 4, 6] if rank == 0 else [3, 8, 2, 2]
+    m = data_metrics(ro, scores, {}, max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE)
+    # hand values over both ranks' 7 rows: (12 + 15) / 7, 8, 2
+    for pre in ("", "training/"):
+        assert (m[f"{pre}num_turns/mean"], m[f"{pre}num_turns/max"], m[f"{pre}num_turns/min"]) == \
+            pytest.approx((27 / 7, 8.0, 2.0), rel=1e-12), pre
+
+
+def test_multi_turn_counts_under_both_of_verls_names():
+    """verl 0.9.1's default trainer logs the rows' turn counts as `num_turns/*` (compute_data_metrics)
+    and again as `training/num_turns/*` (its `_compute_metrics`): both names, the same figures."""
+    run_distributed(_turns_body, 2)
 
 
 def test_data_metrics_on_one_rank():
