@@ -304,8 +304,8 @@ def run_workloads(a: argparse.Namespace, p: argparse.ArgumentParser, ctx, prompt
             emit("ppo_step", record,
                  throughput_tok_s_per_gpu=med("perf/throughput"), timing_s=timing,
                  reshard_share=timing.get("timing_s/reshard", 0.0) / timing["timing_s/step"],
-                 # the trainer's peaks are GiB (bytes / 2**30, under verl's names `perf/*_gb`)
-                 peak_memory_gib=max(r.get("perf/max_memory_allocated_gb", 0.0) for r in measured),
+                 # the trainer's peaks are GiB (bytes / 2**30, under verl's names `*perf/*_gb`)
+                 peak_memory_gib=max(r.get("actor/perf/max_memory_allocated_gb", 0.0) for r in measured),
                  # the update phase's own peak (after generation: what the actor trains in)
                  peak_memory_update_gib=max(r.get("perf/max_memory_allocated_update_gb", 0.0) for r in measured),
                  mfu_actor=med("perf/mfu/actor") if "perf/mfu/actor" in measured[0] else None,

@@ -1144,19 +1144,21 @@ class PPOTrainer:
             if (t := metrics.get(f"timing_s/{phase}")) is not None:
                 count = generated if phase == "gen" else tokens
                 out[f"timing_per_token_ms/{phase}"] = 1000.0 * t / count if count > 0 else 0.0
-        # memory peaks: the largest rank's (the one that runs out first); perf/cpu_memory_used_gb is verl's
-        # figure (its actor/perf/cpu_memory_used_gb), the host's memory in use (psutil's `used`, the whole machine's), likewise the fullest node's
+        # memory peaks under verl 0.9.1's default trainer's names (its actor worker's figures, `actor/perf/*`;
+        # one process holds every role here, so no critic/perf/* copy): the largest rank's (the one that runs
+        # out first); actor/perf/cpu_memory_used_gb is the host's memory in use (psutil's `used`, the whole
+        # machine's), likewise the fullest node's
         host_used = psutil.virtual_memory().used / 2**30
         if dev.type == "cuda":
             allocated, reserved = self.peaks.step_gb()
             update = metrics["perf/max_memory_allocated_update_gb"]
-            (out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"],
-             out["perf/max_memory_allocated_update_gb"], out["perf/cpu_memory_used_gb"]) = comm.all_reduce_values(
+            (out["actor/perf/max_memory_allocated_gb"], out["actor/perf/max_memory_reserved_gb"],
+             out["perf/max_memory_allocated_update_gb"], out["actor/perf/cpu_memory_used_gb"]) = comm.all_reduce_values(
                 [allocated, reserved, update, host_used], "max")
         else:
             import resource
 
-            out["perf/max_memory_allocated_gb"], out["perf/cpu_memory_used_gb"] = comm.all_reduce_values(
+            out["actor/perf/max_memory_allocated_gb"], out["actor/perf/cpu_memory_used_gb"] = comm.all_reduce_values(
                 [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, host_used], "max")
         if self.actor.share_prefix and run_tokens:
             # the share of the update's tokens that sharing prompts did not run

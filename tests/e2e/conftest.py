@@ -96,7 +96,7 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 # metrics that measure the machine, not the run: two runs of the same steps differ in them
-MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
+MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
 
 
 def without_machine_metrics(row: dict) -> dict:

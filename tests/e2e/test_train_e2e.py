@@ -12,7 +12,7 @@ REQUIRED_ACTOR = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/e
                   "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                   "critic/returns/mean", "response_length/mean", "timing_s/gen", "timing_s/reshard",
                   "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-                  "timing_s/step", "perf/throughput", "perf/max_memory_allocated_gb"]
+                  "timing_s/step", "perf/throughput", "actor/perf/max_memory_allocated_gb"]
 REQUIRED_CRITIC = ["critic/values/mean", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var",
                    "timing_s/values", "timing_s/update_critic"]
 

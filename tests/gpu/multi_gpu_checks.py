@@ -167,7 +167,7 @@ def check_trainer(ctx, a):
                     assert row["actor/grad_norm"] > 0 and row["perf/throughput"] > 0, (name, i, row)
                     assert row.get("actor/nonfinite_skipped", 0.0) == 0.0, (name, i, row)
                     if cuda:  # the update phase's peak (a CUDA figure) is part of the step's
-                        assert 0 < row["perf/max_memory_allocated_update_gb"] <= row["perf/max_memory_allocated_gb"], row
+                        assert 0 < row["perf/max_memory_allocated_update_gb"] <= row["actor/perf/max_memory_allocated_gb"], row
                 summary[name] = {"throughput_tok_s_per_gpu": [round(r["perf/throughput"], 1) for r in rows],
                                  "actor_grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
                                  "step_s": [round(r["timing_s/step"], 2) for r in rows],

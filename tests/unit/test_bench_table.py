@@ -47,7 +47,7 @@ def _ppo_step_record(**figures):
 
 def test_peak_memory_is_labelled_in_the_unit_the_record_holds(tmp_path):
     """bench/train.py and bench/ppo_step.py measure GiB (bytes / 2**30, the trainer's verl-named
-    `perf/max_memory_allocated_gb` included): the table said GB. Records before the rename carry
+    `actor/perf/max_memory_allocated_gb` included): the table said GB. Records before the rename carry
     the same GiB under `peak_memory_gb`."""
     out = tmp_path / "out.jsonl"
     records = [_train_record(peak_memory_gib=50.3666), _train_record(peak_memory_gb=57.2025),
@@ -60,7 +60,7 @@ def test_peak_memory_is_labelled_in_the_unit_the_record_holds(tmp_path):
 
 def test_memory_fields_are_named_for_their_unit():
     """Every figure the benches record: a `*_gb` field is bytes / 1e9, a `*_gib` field bytes / 2**30
-    (the trainer's `perf/*_gb` peaks are GiB, verl's names)."""
+    (the trainer's `actor/perf/*_gb` peaks are GiB, verl's names)."""
     import ast
     import glob
 
