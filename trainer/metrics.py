@@ -110,7 +110,18 @@ def data_metrics(ro: RolloutBatch, scores: torch.Tensor, extras: dict[str, list[
     return m
 
 
-__all__ = ["data_metrics"]
+def trajectory_version_metrics() -> dict[str, float]:
+    """verl 0.9.1's default trainer's `training/off_policy/*`, logged at every step: per response, the
+    weight versions its generation ran across (`trajectory_spans`: 1 for one version) and how many
+    versions the trained policy is ahead of the newest (`trajectory_staleness`) and the oldest
+    (`trajectory_staleness_worst`) of them, each `/mean`, `/max`, `/min`. meshppo generates each
+    step's responses, every turn and generation round, with the weights the step starts from and
+    trains on them in that step, as verl's synchronous trainer does: one version, none behind."""
+    figures = {"trajectory_spans": 1.0, "trajectory_staleness": 0.0, "trajectory_staleness_worst": 0.0}
+    return {f"training/off_policy/{name}/{s}": v for name, v in figures.items() for s in ("mean", "max", "min")}
+
+
+__all__ = ["data_metrics", "trajectory_version_metrics"]
 
 
 def variance_proxy_metrics(ro: RolloutBatch, grad_norm: float | None) -> dict[str, float]:

@@ -46,7 +46,7 @@ from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
                              rollout_probs_diff_metrics)
 from trainer.launch import DistContext, collective_failure_exit, init_distributed, stopping_on_error
-from trainer.metrics import data_metrics, turn_counts, variance_proxy_metrics
+from trainer.metrics import data_metrics, trajectory_version_metrics, turn_counts, variance_proxy_metrics
 from trainer.batching import Ragged
 from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
@@ -1394,7 +1394,8 @@ class PPOTrainer:
                     self.log(f"preempted: step {self.global_step + 1} abandoned (no time to finish it within "
                              f"trainer.preemption_grace_s), checkpoint of step {self.global_step} written, exiting")
                     return 0
-                metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch})
+                metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.batch_epoch,
+                                **trajectory_version_metrics()})
                 try:
                     self._apply_guard(metrics)
                     skipped = metrics.get("actor/nonfinite_skipped", 0.0) + metrics.get("critic/nonfinite_skipped",

@@ -93,3 +93,14 @@ def test_every_step_logs_the_memory_peak_under_verls_name(warmup_run):
     assert before <= peaks[0] and peaks == sorted(peaks) and peaks[-1] <= after, (before, peaks, after)
     for row in rows:
         assert not [k for k in row if k.startswith(("perf/max_memory", "perf/cpu_memory", "critic/perf/"))], row
+
+
+def test_every_step_logs_verls_trajectory_versions(warmup_run):
+    """verl 0.9.1's default trainer's training/off_policy/* in every step's row: each response generated
+    with one weight version (spans 1), the one the step trains from (staleness 0, worst 0)."""
+    _, rows = warmup_run
+    want = {f"training/off_policy/{name}/{s}": v
+            for name, v in (("trajectory_spans", 1.0), ("trajectory_staleness", 0.0), ("trajectory_staleness_worst", 0.0))
+            for s in ("mean", "max", "min")}
+    for row in rows:
+        assert {k: row.get(k) for k in want} == want, row
