@@ -2191,6 +2191,13 @@ def full_determinism_sections(cfg: PPOConfig) -> dict:
     return sections
 
 
+def validation_runs(cfg: PPOConfig) -> bool:
+    """Whether the run validates: it has data.val_files and validation is scheduled (before training,
+    every trainer.test_freq steps, or trainer.val_only)."""
+    t = cfg.trainer
+    return bool(cfg.data.val_files) and (t.val_before_train or t.test_freq > 0 or t.val_only)
+
+
 def _run_notes(cfg: PPOConfig) -> list[str]:
     """The notes that depend on several sections or on the machine."""
     notes = []
@@ -2210,9 +2217,12 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"actor_rollout_ref.rollout.ignore_eos=true with rollout.name={rollout.name}: meshppo's engine "
                      f"generates past EOS, as verl's vLLM server does; verl's {rollout.name} server does not pass the "
                      "option on, and stops at EOS")
+    validates = validation_runs(cfg)  # (else the options only validation reads have their own note)
     if rollout.engine != "hf":
         for key, opts, default, validate in (("rollout.do_sample", rollout, True, False),
                                              ("rollout.val_kwargs.do_sample", rollout.val_kwargs, False, True)):
+            if validate and not validates:
+                continue
             t = rollout.decoding_temperature(validate)
             if opts.do_sample != default and opts.do_sample != (t > 0):  # it asks for what the temperature does not
                 what = f"samples at temperature {t:g}" if t > 0 else "decodes greedily (temperature 0)"
@@ -2226,12 +2236,12 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode} with top_k={rollout.top_k}, "
                      f"top_p={rollout.top_p:g}: meshppo's engine log-probs are those of the whole softmax(logits / "
                      "temperature); vLLM's are renormalised to the top-k / top-p tokens")
-    # top_k / top_p truncate a sampled distribution (the validation's: only where it runs, else its own note)
+    # top_k / top_p truncate a sampled distribution (the validation's: only where it runs)
     for validate, key in ((False, "actor_rollout_ref.rollout"), (True, "actor_rollout_ref.rollout.val_kwargs")):
         opts = rollout.val_kwargs if validate else rollout
         unused = {f"{key}.{k}": v for k, v, acts in (("top_k", opts.top_k, opts.top_k > 0),
                                                      ("top_p", opts.top_p, opts.top_p < 1)) if acts}
-        if unused and rollout.decoding_temperature(validate) == 0 and (cfg.data.val_files or not validate):
+        if unused and rollout.decoding_temperature(validate) == 0 and (validates or not validate):
             why = (f"{key}.temperature=0" if opts.temperature == 0 else f"{key}.do_sample=false with rollout.name=hf")
             notes.append(f"{_listed(unused)} has no effect: the {'validation' if validate else 'training'} rollouts "
                          f"decode greedily ({why})")
@@ -2405,8 +2415,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"data.truncation={cfg.data.truncation} has no effect: data.filter_overlong_prompts=true drops the "
                      "prompts longer than data.max_prompt_length (truncation cuts those not filtered)")
     t = cfg.trainer
-    unscheduled = not (t.val_before_train or t.test_freq > 0 or t.val_only)
-    if not cfg.data.val_files or unscheduled:  # the options only validation reads
+    if not validation_runs(cfg):  # the options only validation reads
         unused = {"data.val_files": cfg.data.val_files} if cfg.data.val_files else {}
         unused |= {f"data.{k}": v for k, v in _non_default(cfg.data, ("val_batch_size", "val_max_samples")).items()}
         unused |= {f"trainer.{k}": v for k, v in _non_default(t, ("log_val_generations", "validation_data_dir")).items()}

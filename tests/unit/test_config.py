@@ -1141,6 +1141,28 @@ def test_validation_options_without_validation_files_are_noted():
         "data)"]
 
 
+def test_validation_sampling_options_are_noted_once_where_no_validation_runs():
+    """Where no validation runs (no data.val_files, or none scheduled), val_kwargs' top_k and do_sample are named
+    once, in the note that no validation runs: not also as unread by a greedy validation rollout (which never
+    runs). Where validation runs, that greedy rollout's note names them."""
+    R = "actor_rollout_ref.rollout"
+    set_ = (f"{R}.val_kwargs.top_k=5", f"{R}.val_kwargs.do_sample=true")
+    unscheduled = load_config(PPOConfig, DEMO, ["trainer.val_before_train=false", "trainer.test_freq=-1", *set_])
+    assert config_notes(unscheduled) == [
+        f"data.val_files=['runs/demo_assets/val.jsonl'], trainer.log_val_generations=3, {R}.val_kwargs.top_k=5, "
+        f"{R}.val_kwargs.do_sample=true has no effect: trainer.val_before_train=false and trainer.test_freq=-1, so no "
+        "validation runs"]
+    no_files = load_config(PPOConfig, None, ["data.val_files=[]", *set_])
+    assert config_notes(no_files) == [
+        f"{R}.val_kwargs.top_k=5, {R}.val_kwargs.do_sample=true has no effect: data.val_files is empty, so no "
+        "validation runs"]
+    assert config_notes(_cfg(*set_)) == [  # the demo validates (greedily: val_kwargs.temperature=0)
+        f"{R}.val_kwargs.do_sample=true has no effect with rollout.name=native: as in verl, whose vLLM and SGLang "
+        "rollouts (its agent loop) do not read it (its hf rollout does), the validation rollout decodes greedily "
+        f"(temperature 0); {R}.val_kwargs.temperature decides",
+        f"{R}.val_kwargs.top_k=5 has no effect: the validation rollouts decode greedily ({R}.val_kwargs.temperature=0)"]
+
+
 def test_a_reward_function_name_without_its_file_is_noted():
     """custom_reward_function.name (or verl 0.9.1's reward.custom_reward_function.name) names a function of path's
     file: without a path the built-in scorers score, and the name is said to have no effect."""
