@@ -2321,8 +2321,11 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         notes.append("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false "
                      "(it makes the reward model's scores deterministic)")
     notes += _shared_mesh_notes(cfg) + _unit_option_notes(cfg)
-    frozen = [key for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config),
-                                  ("reward_model.model", cfg.reward_model.model.fsdp_config)) if fc.optimizer_offload]
+    # of the frozen models the run builds (the others' options are named with their section's, or with LoRA's)
+    frozen = [key for key, fc, built in (
+        ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
+        ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable))
+        if built and fc.optimizer_offload]
     if frozen:
         notes.append(f"{', '.join(f'{k}.fsdp_config.optimizer_offload' for k in frozen)}: a frozen model has no "
                      "optimizer states, there is nothing to offload")

@@ -594,15 +594,33 @@ def test_notes_for_settings_that_act_on_nothing():
     assert noted("data.max_response_length=64 is not used: actor_rollout_ref.rollout.response_length=16",
                  "data.max_response_length=64", "actor_rollout_ref.rollout.response_length=16")
     assert not noted("is not used", "data.max_response_length=64")
-    # optimizer offload of frozen models
+    # optimizer offload of frozen models (of those the run builds: `test_frozen_offload_of_unbuilt_models_is_noted_once`)
     assert noted("actor_rollout_ref.ref.fsdp_config.optimizer_offload, reward_model.model.fsdp_config.optimizer_offload: "
                  "a frozen model has no optimizer states", "actor_rollout_ref.ref.fsdp_config.optimizer_offload=true",
+                 "reward_model.enable=true", "reward_model.model.path=/rm",
                  "reward_model.model.fsdp_config.optimizer_offload=true")
     # the KL guard without a reference (the demo tunes the guard and uses the KL loss)
     assert noted("algorithm.kl_guard watches the KL to the reference, and this run has none",
                  "actor_rollout_ref.actor.use_kl_loss=false")
     assert not noted("kl_guard watches")
     assert not noted("kl_guard watches", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true")
+
+
+def test_frozen_offload_of_unbuilt_models_is_noted_once():
+    """optimizer_offload of a frozen model the run does not build (no reference, no reward model, the reference
+    under LoRA) is named once, with that section's unread options: not also as a frozen model's offload."""
+    ref, rm = "actor_rollout_ref.ref.fsdp_config", "reward_model.model.fsdp_config"
+    assert not load_config(PPOConfig, None, []).uses_ref  # verl's defaults: no KL, so no reference
+    assert config_notes(load_config(PPOConfig, None, [f"{ref}.optimizer_offload=true"])) == [
+        f"{ref}.optimizer_offload=true has no effect: the run has no reference (actor_rollout_ref.actor.use_kl_loss="
+        "false, algorithm.use_kl_in_reward=false)"]
+    assert config_notes(load_config(PPOConfig, None, [f"{rm}.optimizer_offload=true"])) == [
+        f"{rm}.optimizer_offload=true has no effect: reward_model.enable is false"]
+    assert config_notes(load_config(PPOConfig, None, ["actor_rollout_ref.model.lora_rank=8",
+                                                      "actor_rollout_ref.actor.use_kl_loss=true",
+                                                      f"{ref}.optimizer_offload=true"])) == [
+        "actor_rollout_ref.ref.fsdp_config unused: with LoRA the reference is the actor with its adapters off, not a "
+        "model of its own"]
 
 
 def test_verl_data_options_are_accepted():
