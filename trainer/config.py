@@ -2176,12 +2176,13 @@ def config_notes(cfg, prefix: str = "") -> list[str]:
 
 def full_determinism_sections(cfg: PPOConfig) -> dict:
     """The sections with a `full_determinism` switch that this run reads, by their key: the
-    `fsdp_config` of each role it builds, the rollout's and verl's reward-model server's (with a
-    reward model, as verl reads it). Any one true makes the process deterministic."""
+    `fsdp_config` of each role it builds (not the reference's under LoRA: the actor with its adapters
+    off is the reference), the rollout's and verl's reward-model server's (with a reward model, as verl
+    reads it). Any one true makes the process deterministic."""
     arr = cfg.actor_rollout_ref
     sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
                 "actor_rollout_ref.rollout": arr.rollout}
-    if cfg.uses_ref:
+    if cfg.uses_ref and arr.model.lora is None:
         sections["actor_rollout_ref.ref.fsdp_config"] = arr.ref.fsdp_config
     if cfg.uses_critic:
         sections["critic.model.fsdp_config"] = cfg.critic.model.fsdp_config

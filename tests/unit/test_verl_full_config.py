@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainer.config import PPOConfig, config_notes, validate
+from trainer.config import PPOConfig, config_notes, full_determinism_sections, validate
 from trainer.configlib import ConfigError, build_dataclass, load_config
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -229,6 +229,21 @@ def test_full_determinism_is_one_switch_for_the_process():
     assert config_notes(some) == [
         "critic.model.fsdp_config.full_determinism=true makes every role deterministic: the roles share their "
         "processes (also actor_rollout_ref.actor.fsdp_config, actor_rollout_ref.ref.fsdp_config)"]
+
+
+def test_the_references_full_determinism_under_lora_is_unread():
+    """Under LoRA the reference is the actor with its adapters off, not a model the run builds: its
+    fsdp_config (full_determinism too, as in verl, which builds no reference worker then) is unread, as the
+    note says, and does not turn the process deterministic; the actor's does, naming no reference."""
+    lora = ("actor_rollout_ref.model.lora_rank=8",)
+    ref_only = _cfg(*lora, "actor_rollout_ref.ref.fsdp_config.full_determinism=true")
+    assert not any(s.full_determinism for s in full_determinism_sections(ref_only).values())
+    assert config_notes(ref_only) == [
+        "actor_rollout_ref.ref.fsdp_config unused: with LoRA the reference is the actor with its adapters off, not a "
+        "model of its own"]
+    actor = _cfg(*lora, f"{A}.fsdp_config.full_determinism=true")
+    assert list(full_determinism_sections(actor)) == [f"{A}.fsdp_config", R]
+    assert [n for n in config_notes(actor) if "deterministic" in n] == []
 
 
 def test_model_tokenizer_path_is_data_tokenizer():
