@@ -446,14 +446,22 @@ def check_lora_adapter(cfg: PPOConfig) -> None:
 
 def model_notes(cfg: PPOConfig) -> list[str]:
     """Start-up lines that need the actor's model directory (`config_notes` reads the config alone):
-    an engine context beyond the positions the model was trained for."""
+    an engine context beyond the positions the model was trained for (rollout.name=hf, which has no
+    engine and reads no max_model_len: the longest prompt and response)."""
     arr = cfg.actor_rollout_ref
     args = _readable_model_args(arr.model.path, arr.model.override_config)
     notes = []
-    context = arr.rollout.max_model_len
+    r = arr.rollout
+    if r.engine == "native":
+        context = r.max_model_len
+        what = (f"actor_rollout_ref.rollout.max_model_len={context} (data.max_prompt_length + rollout.response_length "
+                "unless set)")
+    else:
+        context = cfg.data.max_prompt_length + r.response_length
+        what = (f"data.max_prompt_length + actor_rollout_ref.rollout.response_length = {context} (the longest "
+                f"sequence rollout.name={r.name} generates)")
     if args is not None and context > args.max_position_embeddings:
-        notes.append(f"actor_rollout_ref.rollout.max_model_len={context} (data.max_prompt_length + rollout."
-                     f"response_length unless set) is beyond the max_position_embeddings of the actor's model "
+        notes.append(f"{what} is beyond the max_position_embeddings of the actor's model "
                      f"({args.max_position_embeddings}, {arr.model.path}): its positions past that were never "
                      "trained (vLLM refuses such a context); shorten the prompts or responses, or set "
                      "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "

@@ -435,6 +435,14 @@ def test_a_context_beyond_the_models_positions_is_noted(tmp_path):
     assert model_notes(_cfg(path, "data.max_prompt_length=60", "data.max_response_length=10",
                             "actor_rollout_ref.model.override_config={max_position_embeddings: 128}")) == []
     assert model_notes(_cfg(f"actor_rollout_ref.model.path={tmp_path / 'none'}")) == []
+    # rollout.name=hf has no engine and reads no max_model_len (a config note says so): its longest sequence counts
+    hf = (path, f"{R}.name=hf", "data.max_prompt_length=54", "data.max_response_length=10")
+    assert model_notes(_cfg(*hf, f"{R}.max_model_len=100")) == []
+    assert model_notes(_cfg(*hf[:2], "data.max_prompt_length=60", "data.max_response_length=10")) == [
+        "data.max_prompt_length + actor_rollout_ref.rollout.response_length = 70 (the longest sequence rollout.name=hf "
+        f"generates) is beyond the max_position_embeddings of the actor's model (64, {model}): its positions past that "
+        "were never trained (vLLM refuses such a context); shorten the prompts or responses, or set "
+        "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled for more"]
 
 
 def test_more_options_of_a_switch_that_is_off_are_noted():
