@@ -2488,10 +2488,8 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"{_listed(unused)} has no effect: the run has no reference "
                          "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
     mt, key = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
-    if not mt.enable:
-        # a data.tool_config_path, which must name the same file, says where the tools come from
-        skip = {"enable", *(("tool_config_path",) if cfg.data.tool_config_path is not None else ())}
-        unused = _set_options(mt, MultiTurnConfig(), skip=skip)
+    if not mt.enable:  # (its tool_config_path too, with the data.tool_config_path that must name the same file)
+        unused = _set_options(mt, MultiTurnConfig(), skip={"enable"})
         if unused:
             notes.append(f"{_listed({f'{key}.{k}': v for k, v in unused.items()})} has no effect: {key}.enable is "
                          "false")

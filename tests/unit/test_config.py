@@ -1333,6 +1333,13 @@ def test_multi_turn_options_with_multi_turn_off_are_noted():
                        f"{mt}.format=hermes") == [
         f"{mt}.max_assistant_turns=3, {mt}.tool_config_path=t.yaml has no effect: {mt}.enable is false"]
     assert _notes_with("multi_turn", f"{mt}.enable=true", f"{mt}.max_assistant_turns=3") == []
+    # with verl's data.tool_config_path naming the same file: no tools are loaded with multi-turn off, so both are
+    # unread (the data's, said by its own note, as ever)
+    tools = os.path.join(ROOT, "configs", "tools", "gsm8k_tool.yaml")
+    assert config_notes(_cfg(f"{mt}.tool_config_path={tools}", f"data.tool_config_path={tools}")) == [
+        f"{mt}.tool_config_path={tools} has no effect: {mt}.enable is false",
+        f"data.tool_config_path={tools} has no effect: meshppo renders the tool agent's prompts with the tools of "
+        f"{mt}.tool_config_path, and the overlong-prompt filter counts them so"]
     assert _notes_with("multi_turn") == []
 
 

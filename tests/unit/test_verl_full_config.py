@@ -364,7 +364,7 @@ def test_the_rollout_and_reward_model_profilers_tool_config_is_verls_copy_of_the
 def test_data_tool_config_path_is_the_rollouts_or_refused():
     """verl's `data.tool_config_path` (the tools its overlong filter renders): meshppo renders the
     tool agent's prompts, filter included, with the rollout's tools, so it may only name the same file."""
-    cfg = _cfg("data.tool_config_path=t.yaml", f"{R}.multi_turn.tool_config_path=t.yaml")
+    cfg = _cfg("data.tool_config_path=t.yaml", f"{R}.multi_turn.tool_config_path=t.yaml", f"{R}.multi_turn.enable=true")
     assert config_notes(cfg) == [
         "data.tool_config_path=t.yaml has no effect: meshppo renders the tool agent's prompts with the tools of "
         "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the overlong-prompt filter counts them so"]
