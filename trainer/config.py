@@ -1779,12 +1779,12 @@ class PPOConfig:
             fc.__post_init__()  # the section's own rules and checks, on the merged values
             fc.superseded = [k for k in ("param_offload", "optimizer_offload") if k in superseded + fc.superseded]
             critic.fsdp = None
-        _full_shard_sizes(self)
         _alias("data.tokenizer", d, "tokenizer", ("actor_rollout_ref.model.tokenizer_path", arr.model, "tokenizer_path"))
         rm = self.reward_model
         if rm.model.input_tokenizer == ACTOR_MODEL_PATH:  # verl's interpolation, as a config file would resolve it
             rm.model.input_tokenizer = arr.model.path
         _resolve_reward_names(self)
+        _full_shard_sizes(self)  # (of the models built: reward_model.enable resolved)
         rm.manager_kwargs()  # reward_kwargs checked against the manager they go to
         for key, role in (("actor_rollout_ref.rollout", rollout), ("reward_model", rm)):
             if role.profiler.tool_config is not None:
@@ -1890,6 +1890,20 @@ class PPOConfig:
         return self.actor_rollout_ref.rollout.prompt_length
 
 
+def built_fsdp_sections(cfg: PPOConfig) -> dict:
+    """The `fsdp_config` of each model the run builds, by its section's key: the actor's; the
+    reference's with a reference (not under LoRA: the actor with its adapters off is the reference);
+    the critic's with a critic; the reward model's with reward_model.enable. The others' options are
+    read by nothing (a start-up note names those set)."""
+    arr = cfg.actor_rollout_ref
+    lora = arr.model.lora_adapter_path is not None or bool(arr.model.lora_rank)  # (`ActorModelConfig.lora`)
+    return {key: fc for key, fc, built in (
+        ("actor_rollout_ref.actor", arr.actor.fsdp_config, True),
+        ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and not lora),
+        ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
+        ("reward_model.model", cfg.reward_model.model.fsdp_config, bool(cfg.reward_model.enable))) if built}
+
+
 def _full_shard_sizes(cfg: PPOConfig) -> None:
     """Each model's `fsdp_size` above the ranks of the launch the config describes shards over them
     all, as verl's device mesh reads it: -1 here, with its start-up note (`sharding.mesh.full_shard_note`).
@@ -1897,10 +1911,7 @@ def _full_shard_sizes(cfg: PPOConfig) -> None:
     (HYBRID_SHARD) their size stays as set, and `validate` refuses it as it refuses the world size."""
     world = described_launch(cfg)[0]
     actor = cfg.actor_rollout_ref.actor.fsdp_config
-    for key, fc in (("actor_rollout_ref.actor", actor),
-                    ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
-                    ("critic.model", cfg.critic.model.fsdp_config),
-                    ("reward_model.model", cfg.reward_model.model.fsdp_config)):
+    for key, fc in built_fsdp_sections(cfg).items():  # (the others' sizes are unread: said as set)
         if fc is not actor and actor.fsdp_size not in (-1, world):
             continue
         note = full_shard_note(f"{key}.fsdp_config.fsdp_size", fc.fsdp_size, world)
@@ -1917,10 +1928,8 @@ def _shared_mesh_notes(cfg: PPOConfig) -> list[str]:
     size = arr.actor.fsdp_config.fsdp_size
     if size in (-1, world):
         return []
-    built = [("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
-             ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
-             ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable)]
-    keys = [f"{key}.fsdp_config.fsdp_size" for key, fc, used in built if used and fc.fsdp_size == -1]
+    keys = [f"{key}.fsdp_config.fsdp_size" for key, fc in built_fsdp_sections(cfg).items()
+            if key != "actor_rollout_ref.actor" and fc.fsdp_size == -1]
     if not keys:
         return []
     they = "they shard" if len(keys) > 1 else "it shards"
@@ -1938,11 +1947,7 @@ def _unit_option_notes(cfg: PPOConfig) -> list[str]:
     size = arr.actor.fsdp_config.fsdp_size
     if (world if size == -1 else size) != 1:
         return []
-    built = [("actor_rollout_ref.actor", arr.actor.fsdp_config, True),
-             ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
-             ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
-             ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable)]
-    unread = {f"{key}.fsdp_config.{k}": v for key, fc, used in built if used
+    unread = {f"{key}.fsdp_config.{k}": v for key, fc in built_fsdp_sections(cfg).items()
               for k, v in _non_default(fc, ("forward_prefetch", "wrap_policy")).items()}
     if not unread:
         return []
@@ -2151,26 +2156,32 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
                           "(input_tokenizer set)")
 
 
-def config_notes(cfg, prefix: str = "") -> list[str]:
-    """One line for each setting whose effect differs from how it reads (printed at start-up)."""
+def config_notes(cfg, prefix: str = "", unbuilt: tuple = ()) -> list[str]:
+    """One line for each setting whose effect differs from how it reads (printed at start-up).
+    `unbuilt`: the sections of the models the run does not build, whose options are named as unread
+    (`_unused_section_notes`), not by what they would do."""
     notes = []
     if not prefix:
         notes += _run_notes(cfg)
+        built = built_fsdp_sections(cfg)
+        unbuilt = tuple(f"{key}." for key in ("actor_rollout_ref.ref", "critic", "reward_model")
+                        if not any(k.startswith(key) for k in built))
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{prefix}{option_key(f)}"
         why = f.metadata.get("no_effect")
         if why and value != _default(f):
             notes.append(f"{key}={_shown(value)} has no effect: {why}")
+        acts = not f"{key}.".startswith(unbuilt)
         if isinstance(value, FSDPOptions) and value.full_shard_note:
             notes.append(value.full_shard_note)
-        if getattr(value, "grad_clip_note", None):  # the actor's and the critic's (`_resolve_grad_clip`)
+        if getattr(value, "grad_clip_note", None) and acts:  # the actor's and the critic's (`_resolve_grad_clip`)
             notes.append(value.grad_clip_note)
-        if isinstance(value, FSDPOptions) and value.superseded:
+        if isinstance(value, FSDPOptions) and value.superseded and acts:
             notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
                          "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "
                          "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
         if dataclasses.is_dataclass(value):
-            notes.extend(config_notes(value, f"{key}."))
+            notes.extend(config_notes(value, f"{key}.", unbuilt))
     return notes
 
 
@@ -2179,15 +2190,9 @@ def full_determinism_sections(cfg: PPOConfig) -> dict:
     `fsdp_config` of each role it builds (not the reference's under LoRA: the actor with its adapters
     off is the reference), the rollout's and verl's reward-model server's (with a reward model, as verl
     reads it). Any one true makes the process deterministic."""
-    arr = cfg.actor_rollout_ref
-    sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
-                "actor_rollout_ref.rollout": arr.rollout}
-    if cfg.uses_ref and arr.model.lora is None:
-        sections["actor_rollout_ref.ref.fsdp_config"] = arr.ref.fsdp_config
-    if cfg.uses_critic:
-        sections["critic.model.fsdp_config"] = cfg.critic.model.fsdp_config
+    sections = {f"{key}.fsdp_config": fc for key, fc in built_fsdp_sections(cfg).items()}
+    sections["actor_rollout_ref.rollout"] = cfg.actor_rollout_ref.rollout
     if cfg.reward_model.enable:
-        sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
         sections["reward.reward_model.rollout"] = cfg.reward.reward_model.rollout
     return sections
 
@@ -2323,10 +2328,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                      "(it makes the reward model's scores deterministic)")
     notes += _shared_mesh_notes(cfg) + _unit_option_notes(cfg)
     # of the frozen models the run builds (the others' options are named with their section's, or with LoRA's)
-    frozen = [key for key, fc, built in (
-        ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and arr.model.lora is None),
-        ("reward_model.model", cfg.reward_model.model.fsdp_config, cfg.reward_model.enable))
-        if built and fc.optimizer_offload]
+    frozen = [key for key, fc in built_fsdp_sections(cfg).items()
+              if key in ("actor_rollout_ref.ref", "reward_model.model") and fc.optimizer_offload]
     if frozen:
         notes.append(f"{', '.join(f'{k}.fsdp_config.optimizer_offload' for k in frozen)}: a frozen model has no "
                      "optimizer states, there is nothing to offload")
@@ -2831,8 +2834,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     def shards(size: int) -> int:  # -1: over all ranks
         return world_size if size == -1 else size
 
-    for key, fc in (("actor_rollout_ref.ref", arr.ref.fsdp_config), ("critic.model", cfg.critic.model.fsdp_config),
-                    ("reward_model.model", cfg.reward_model.model.fsdp_config)):
+    for key, fc in built_fsdp_sections(cfg).items():  # (the others' options are unread, each said at start-up)
         if fc.fsdp_size != -1 and shards(fc.fsdp_size) != shards(actor.fsdp_config.fsdp_size):
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={fc.fsdp_size}: every model shares the actor's training "
                               f"mesh, shard groups of {shards(actor.fsdp_config.fsdp_size)} ranks "

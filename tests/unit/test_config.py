@@ -401,6 +401,27 @@ def test_offload_policy_supersedes_the_manual_offloads():
     assert config_notes(_cfg(f"{key}.offload_policy=true")) == []
 
 
+def test_fsdp_options_of_models_the_run_does_not_build_are_unread():
+    """A model the run does not build (the critic without gae, the reward model without reward_model.enable, the
+    reference without KL or under LoRA) reads no fsdp_config: its offload_policy, an fsdp_size past the launch or
+    one that differs from the actor's mesh are named once as unread, not said to keep states on CPU or to shard
+    over every rank, and not refused as a mesh mismatch."""
+    c, r = "critic.model.fsdp_config", "reward_model.model.fsdp_config"
+    cfg = _cfg(f"{c}.offload_policy=true", f"{c}.param_offload=true", f"{c}.fsdp_size=8", f"{r}.offload_policy=true",
+               f"{r}.fsdp_size=1")
+    validate(cfg, 2, 2)
+    assert config_notes(cfg) == [
+        f"{c}.offload_policy=true, {c}.fsdp_size=8 has no effect: algorithm.adv_estimator=grpo trains no critic",
+        f"{r}.offload_policy=true, {r}.fsdp_size=1 has no effect: reward_model.enable is false"]
+    ref = "actor_rollout_ref.ref.fsdp_config"
+    lora = _cfg("actor_rollout_ref.model.lora_rank=8", f"{ref}.fsdp_size=1")
+    validate(lora, 2, 2)
+    assert config_notes(lora) == ["actor_rollout_ref.ref.fsdp_config unused: with LoRA the reference is the actor "
+                                  "with its adapters off, not a model of its own"]
+    with pytest.raises(ConfigError, match=r"critic.model.fsdp_config.fsdp_size=1: every model shares the actor's"):
+        validate(_cfg("algorithm.adv_estimator=gae", f"{c}.fsdp_size=1"), 2, 2)  # a critic the run builds
+
+
 @pytest.mark.parametrize("logger,package", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
 def test_preflight_names_a_missing_logger_package(monkeypatch, logger, package):
     import importlib.util
