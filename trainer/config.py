@@ -2390,7 +2390,11 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     notes += _gdpo_notes(alg)
     actor = arr.actor
     critic_own = cfg.uses_critic and cfg.critic.loss_scale_factor != actor.loss_scale_factor  # not the inherited
-    for key, role, read in (("actor_rollout_ref.actor", actor, True), ("critic", cfg.critic, critic_own)):
+    # the actor's is also the critic's where it inherits it: read where the critic's aggregation divides by it
+    critic_reads_actors = (cfg.uses_critic and not critic_own
+                           and cfg.critic.loss_agg_mode == "seq-mean-token-sum-norm")
+    for key, role, read in (("actor_rollout_ref.actor", actor, not critic_reads_actors),
+                            ("critic", cfg.critic, critic_own)):
         if read and role.loss_scale_factor is not None and role.loss_agg_mode != "seq-mean-token-sum-norm":
             notes.append(f"{key}.loss_scale_factor={role.loss_scale_factor} has no effect: {key}.loss_agg_mode="
                          f"{role.loss_agg_mode} (it is seq-mean-token-sum-norm's divisor)")

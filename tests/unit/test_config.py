@@ -1396,6 +1396,16 @@ def test_options_their_algorithm_does_not_read_are_noted():
         "divisor)"]
     assert _notes_with("loss_scale_factor", f"{A}.loss_scale_factor=512",
                        f"{A}.loss_agg_mode=seq-mean-token-sum-norm") == []
+    # a critic inherits the actor's factor (null): its seq-mean-token-sum-norm divides by it, whatever the actor's mode
+    gae = ("algorithm.adv_estimator=gae", f"{A}.loss_scale_factor=512")
+    assert config_notes(_cfg(*gae, "critic.loss_agg_mode=seq-mean-token-sum-norm")) == []
+    assert _cfg(*gae).critic.loss_scale_factor == 512
+    assert config_notes(_cfg(*gae)) == [  # both aggregate by token-mean: neither reads it
+        f"{A}.loss_scale_factor=512 has no effect: {A}.loss_agg_mode=token-mean (it is seq-mean-token-sum-norm's "
+        "divisor)"]
+    assert config_notes(_cfg(*gae, "critic.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_scale_factor=64")) \
+        == [f"{A}.loss_scale_factor=512 has no effect: {A}.loss_agg_mode=token-mean (it is seq-mean-token-sum-norm's "
+            "divisor)"]  # the critic's own
 
     M = "actor_rollout_ref.model"
     gae = ("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1")
