@@ -2532,8 +2532,11 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
         notes.append(f"actor_rollout_ref.actor.clip_ratio={_shown(actor.clip_ratio)} has no effect: clip_ratio_low and "
                      "clip_ratio_high are both set (clip_ratio is their default)")
     if mode in _SEQUENCE_LOSSES and actor.loss_agg_mode != "seq-mean-token-mean":
+        # (a critic that inherits the mode aggregates its value loss by it too; null inherits it)
+        critic = ", and the critic's value loss (critic.loss_agg_mode inherits it)" if (
+            cfg.uses_critic and cfg.critic.loss_agg_mode == actor.loss_agg_mode) else ""
         notes.append(f"{chosen} weighs every sequence the same (as verl): actor_rollout_ref.actor.loss_agg_mode="
-                     f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only")
+                     f"{actor.loss_agg_mode} aggregates the entropy and KL-loss terms only{critic}")
     return notes
 
 

@@ -609,6 +609,15 @@ def test_options_the_loss_does_not_read_are_noted():
         "actor_rollout_ref.actor.loss_agg_mode=token-mean aggregates the entropy and KL-loss terms only"]
     assert config_notes(_load("actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
                               "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")) == []
+    # a critic that inherits the mode aggregates its value loss by it (one with its own mode does not)
+    gae = ("actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "algorithm.adv_estimator=gae")
+    assert config_notes(_load(*gae)) == [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo weighs every sequence the same (as verl): "
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean aggregates the entropy and KL-loss terms only, and the "
+        "critic's value loss (critic.loss_agg_mode inherits it)"]
+    assert config_notes(_load(*gae, "critic.loss_agg_mode=seq-mean-token-mean")) == [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo weighs every sequence the same (as verl): "
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean aggregates the entropy and KL-loss terms only"]
     assert config_notes(_load("algorithm.rollout_correction.bypass_mode=true",
                               "algorithm.rollout_correction.loss_type=reinforce",
                               "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5")) == [
