@@ -183,7 +183,8 @@ def profiling_notes(cfg) -> list[str]:
                      "verl: set e.g. actor_rollout_ref.actor.profiler.enable=true)")
     elif enabled and not gp.steps:
         notes.append(f"{', '.join(f'{k}.profiler.enable' for k in enabled)}: global_profiler.steps is "
-                     f"{gp.steps!r}, nothing is profiled (as in verl: list the steps)")
+                     f"{'null' if gp.steps is None else list(gp.steps)}, nothing is profiled (as in verl: list the "
+                     "steps)")
     untooled = [(k, p) for k, p, _ in roles if p.enable and p.tool is None]
     if gp.steps and tool is None and not untooled:
         notes.append(f"global_profiler.steps={list(gp.steps)} has no effect: no profiler tool is set "
