@@ -933,8 +933,8 @@ def _non_default(obj, keys) -> dict:
 
 
 def _shown(value):
-    """A value as a config writes it: booleans lower-case."""
-    return str(value).lower() if isinstance(value, bool) else value
+    """A value as a config writes it: booleans lower-case, None as null."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
 
 
 def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
@@ -988,7 +988,7 @@ def _user_options(cfg, name: str, skip=()) -> dict:
 
 def _listed(options: dict) -> str:
     """`key=value, ...` as the notes list options."""
-    return ", ".join(f"{k}={'null' if v is None else _shown(v)}" for k, v in options.items())
+    return ", ".join(f"{k}={_shown(v)}" for k, v in options.items())
 
 
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)

@@ -129,6 +129,10 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
      "critic.model.fsdp_config.use_no_sync_for_gradient_accumulation=true has no effect: meshppo always reduces a "
      "mini-batch's gradients once, in its last micro-batch's backward"),
     (f"{R}.seed=3", f"{R}.seed=3 has no effect: meshppo's engine draws its samples from trainer.seed and the step"),
+    ("data.filter_overlong_prompts_workers=null", "data.filter_overlong_prompts_workers=null has no effect: meshppo "
+     "measures the prompts once at load, each rank its share of them"),  # null as a config writes it
+    ("algorithm.filter_groups.metric=null", "algorithm.filter_groups.metric=null has no effect: "
+     "algorithm.filter_groups.enable is false"),
     ("trainer.use_v1=false", "trainer.use_v1=false has no effect: meshppo has one trainer"),
     ("data.mm_processor_kwargs={max_pixels: 10}", "data.mm_processor_kwargs={'max_pixels': 10} has no effect: "
      "meshppo's models are text-only: it reads no images or videos"),
