@@ -460,10 +460,14 @@ def model_notes(cfg: PPOConfig) -> list[str]:
         context = cfg.data.max_prompt_length + r.response_length
         what = (f"data.max_prompt_length + actor_rollout_ref.rollout.response_length = {context} (the longest "
                 f"sequence rollout.name={r.name} generates)")
+    longest = cfg.data.max_prompt_length + r.response_length
+    # a max_model_len set past the longest sequence: only the engine's context reaches past the positions
+    fix = ("lower actor_rollout_ref.rollout.max_model_len (the longest prompt and response take "
+           f"{longest})" if context > longest else "shorten the prompts or responses")
     if args is not None and context > args.max_position_embeddings:
         notes.append(f"{what} is beyond the max_position_embeddings of the actor's model "
                      f"({args.max_position_embeddings}, {arr.model.path}): its positions past that were never "
-                     "trained (vLLM refuses such a context); shorten the prompts or responses, or set "
+                     f"trained (vLLM refuses such a context); {fix}, or set "
                      "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "
                      "for more")
     return notes

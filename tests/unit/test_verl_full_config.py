@@ -439,6 +439,13 @@ def test_a_context_beyond_the_models_positions_is_noted(tmp_path):
     assert model_notes(_cfg(path, "data.max_prompt_length=60", "data.max_response_length=10",
                             "actor_rollout_ref.model.override_config={max_position_embeddings: 128}")) == []
     assert model_notes(_cfg(f"actor_rollout_ref.model.path={tmp_path / 'none'}")) == []
+    # a max_model_len set past the longest prompt and response: lowering it is the remedy, not shorter prompts
+    assert model_notes(_cfg(path, "data.max_prompt_length=54", "data.max_response_length=10", f"{R}.max_model_len=80")) \
+        == ["actor_rollout_ref.rollout.max_model_len=80 (data.max_prompt_length + rollout.response_length unless set) is "
+            f"beyond the max_position_embeddings of the actor's model (64, {model}): its positions past that were never "
+            "trained (vLLM refuses such a context); lower actor_rollout_ref.rollout.max_model_len (the longest prompt "
+            "and response take 64), or set actor_rollout_ref.model.override_config.max_position_embeddings where its "
+            "RoPE is scaled for more"]
     # rollout.name=hf has no engine and reads no max_model_len (a config note says so): its longest sequence counts
     hf = (path, f"{R}.name=hf", "data.max_prompt_length=54", "data.max_response_length=10")
     assert model_notes(_cfg(*hf, f"{R}.max_model_len=100")) == []
