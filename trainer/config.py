@@ -21,7 +21,7 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.args import OUTPUT_KEYS, check_overrides, flat_overrides
 from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_shapes
-from trainer.configlib import ConfigError, build_dataclass, opt, option_key, other_than, section
+from trainer.configlib import ConfigError, build_dataclass, opt, option_key, other_than, section, shown
 from trainer.config_profiler import (FINISH_HOOK_OPTIONS, GlobalProfilerConfig, RoleProfilerConfig,
                                     SharedProfilerConfig)
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, DisaggregationConfig,
@@ -138,8 +138,9 @@ class FSDPOptions(FSDPConfig):
                                         "hardware then give bitwise the same run. The roles share their processes, "
                                         "so any role's true makes the whole run deterministic. Costs speed in the "
                                         "attention's backward")
-    seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="meshppo draws every random number from "
-                                                                         "trainer.seed, with or without "
+    seed: int = opt(42, "verl: the seed full_determinism sets", no_effect="meshppo's draws follow trainer.seed (the "
+                                                                         "prompt order and the max_samples choice "
+                                                                         "data.seed), with or without "
                                                                          "full_determinism")
     entropy_from_logits_chunk_size: int = _entropy_chunk_size()
     use_no_sync_for_gradient_accumulation: bool = opt(
@@ -932,11 +933,6 @@ def _non_default(obj, keys) -> dict:
     return out
 
 
-def _shown(value):
-    """A value as a config writes it: booleans lower-case, None as null."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-
-
 def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
     """The leaf options of section `obj` whose values differ from those of `base` (the same section
     as the config would have it without the user's values: defaults, and what `resolve` inherits),
@@ -988,7 +984,7 @@ def _user_options(cfg, name: str, skip=()) -> dict:
 
 def _listed(options: dict) -> str:
     """`key=value, ...` as the notes list options."""
-    return ", ".join(f"{k}={_shown(v)}" for k, v in options.items())
+    return ", ".join(f"{k}={shown(v)}" for k, v in options.items())
 
 
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
@@ -1823,7 +1819,7 @@ class PPOConfig:
                                              ("reward_model", self.reward_model, "micro_batch_size", (None, 1))):
             _per_gpu_micro_batch(key, obj, name, self.trainer, sp_key, sp)
         if critic.enable is not None and critic.enable != self.uses_critic:
-            raise ConfigError(f"critic.enable={_shown(critic.enable)} with algorithm.adv_estimator="
+            raise ConfigError(f"critic.enable={shown(critic.enable)} with algorithm.adv_estimator="
                               f"{self.algorithm.adv_estimator}: meshppo trains a critic exactly when adv_estimator is "
                               "gae; leave critic.enable null")
         if rollout.prometheus.served_model_name == arr.model.path:
@@ -1999,7 +1995,7 @@ def _copy_of(key: str, obj, name: str, source: str, value) -> None:
     """verl's copy `key` of option `source` (of value `value`): null or equal, then `value`."""
     mine = getattr(obj, name)
     if mine is not None and mine != value:
-        raise ConfigError(f"{key}={_shown(mine)} differs from {source}={_shown(value)}: it is verl's copy of that "
+        raise ConfigError(f"{key}={shown(mine)} differs from {source}={shown(value)}: it is verl's copy of that "
                           "option; leave it null or set it the same")
     setattr(obj, name, value)
 
@@ -2023,7 +2019,7 @@ def _copy_of_section(key: str, copy_, source_key: str, source) -> None:
     for rel, mine, default, owner, name in _leaves(copy_, source):
         theirs = getattr(owner, name)
         if mine != default and mine != theirs:
-            raise ConfigError(f"{key}.{rel}={_shown(mine)} differs from {source_key}.{rel}={_shown(theirs)}: it is "
+            raise ConfigError(f"{key}.{rel}={shown(mine)} differs from {source_key}.{rel}={shown(theirs)}: it is "
                               "verl's copy of that option; leave it out or set it the same")
 
 
@@ -2036,7 +2032,7 @@ def _merge_section(key: str, newer, older_key: str, older) -> None:
         if value == default or value == current:
             continue
         if current != _default(type(owner).__dataclass_fields__[name]):
-            raise ConfigError(f"{key}.{rel}={_shown(value)} and {older_key}.{rel}={_shown(current)}: both name the "
+            raise ConfigError(f"{key}.{rel}={shown(value)} and {older_key}.{rel}={shown(current)}: both name the "
                               "same setting; set one of them, or both the same")
         setattr(owner, name, value)
 
@@ -2065,7 +2061,7 @@ def _alias(key: str, obj, name: str, *others, default=None) -> None:
     given = {k: v for k, v in names.items() if v is not None}
     values = list(given.values())
     if any(v != values[0] for v in values):
-        raise ConfigError(f"{' and '.join(f'{k}={_shown(v)}' for k, v in given.items())}: "
+        raise ConfigError(f"{' and '.join(f'{k}={shown(v)}' for k, v in given.items())}: "
                           f"{'both name' if len(given) == 2 else 'each names'} the same setting; set one of them, or "
                           f"{'both' if len(given) == 2 else 'all'} the same")
     setattr(obj, name, values[0] if values else copy.deepcopy(default))
@@ -2170,7 +2166,7 @@ def config_notes(cfg, prefix: str = "", unbuilt: tuple = ()) -> list[str]:
         value, key = getattr(cfg, f.name), f"{prefix}{option_key(f)}"
         why = f.metadata.get("no_effect")
         if why and value != _default(f):
-            notes.append(f"{key}={_shown(value)} has no effect: {why}")
+            notes.append(f"{key}={shown(value)} has no effect: {why}")
         acts = not f"{key}.".startswith(unbuilt)
         if isinstance(value, FSDPOptions) and value.full_shard_note:
             notes.append(value.full_shard_note)
@@ -2232,7 +2228,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
             t = rollout.decoding_temperature(validate)
             if opts.do_sample != default and opts.do_sample != (t > 0):  # it asks for what the temperature does not
                 what = f"samples at temperature {t:g}" if t > 0 else "decodes greedily (temperature 0)"
-                notes.append(f"actor_rollout_ref.{key}={_shown(opts.do_sample)} has no effect with rollout.name="
+                notes.append(f"actor_rollout_ref.{key}={shown(opts.do_sample)} has no effect with rollout.name="
                              f"{rollout.name}: as in verl, whose vLLM and SGLang rollouts (its agent loop) do not read "
                              f"it (its hf rollout does), the {'validation' if validate else 'training'} rollout {what}; "
                              f"actor_rollout_ref.{key.replace('do_sample', 'temperature')} decides")
@@ -2315,7 +2311,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         inert, acting = check_overrides(overrides)[1], acting_overrides(key, overrides)
         for name in overrides:
             if name not in acting:
-                notes.append(f"{key}.override_config.{name}={_shown(overrides[name])} has no effect: "
+                notes.append(f"{key}.override_config.{name}={shown(overrides[name])} has no effect: "
                              f"{inert.get(name, _RM_UNREAD_WHY)}")
     sections = full_determinism_sections(cfg)
     on = [k for k, fc in sections.items() if fc.full_determinism]
@@ -2343,18 +2339,18 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                   _non_default(alg.kl_ctrl, [f.name for f in dataclasses.fields(alg.kl_ctrl)]).items()}
         unused.update({f"algorithm.{k}": v for k, v in _non_default(alg, ("kl_penalty",)).items()})
         if unused:
-            notes.append(f"{', '.join(f'{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+            notes.append(f"{', '.join(f'{k}={shown(v)}' for k, v in unused.items())} has no effect: "
                          "algorithm.use_kl_in_reward=false (it sets the KL penalty in the reward)")
     if not arr.actor.use_kl_loss:
         unused = _non_default(arr.actor, ("kl_loss_coef", "kl_loss_type"))
         if unused:
-            notes.append(f"{', '.join(f'actor_rollout_ref.actor.{k}={_shown(v)}' for k, v in unused.items())} has no "
+            notes.append(f"{', '.join(f'actor_rollout_ref.actor.{k}={shown(v)}' for k, v in unused.items())} has no "
                          "effect: actor_rollout_ref.actor.use_kl_loss=false (it sets the KL loss)")
     adv = alg.adv_estimator
     discount = {k: v for k, v in _non_default(alg, ("gamma", "lam")).items()
                 if not (adv == "gae" or (k == "gamma" and adv == "reinforce_plus_plus"))}
     if discount:
-        notes.append(f"{', '.join(f'algorithm.{k}={_shown(v)}' for k, v in discount.items())} has no effect with "
+        notes.append(f"{', '.join(f'algorithm.{k}={shown(v)}' for k, v in discount.items())} has no effect with "
                      f"algorithm.adv_estimator={adv} (gamma discounts gae's and reinforce_plus_plus's returns, lam is "
                      "gae's)")
     switched = (("algorithm.filter_groups.enable", alg.filter_groups.enable, "algorithm.filter_groups",
@@ -2366,10 +2362,10 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     for switch, on, key, section_, names in switched:
         unused = _non_default(section_, names)
         if not on and unused:
-            notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+            notes.append(f"{', '.join(f'{key}.{k}={shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{switch} is {'null' if switch.endswith('rollout_is') else 'false'}")
     if alg.use_pf_ppo and alg.pf_ppo.reweight_method != "pow" and _non_default(alg.pf_ppo, ("weight_pow",)):
-        notes.append(f"algorithm.pf_ppo.weight_pow={_shown(alg.pf_ppo.weight_pow)} has no effect: "
+        notes.append(f"algorithm.pf_ppo.weight_pow={shown(alg.pf_ppo.weight_pow)} has no effect: "
                      f"algorithm.pf_ppo.reweight_method={alg.pf_ppo.reweight_method} (it is the pow method's power)")
     if alg.filter_groups.enable and arr.rollout.n == 1:
         notes.append("algorithm.filter_groups.enable=true has no effect with actor_rollout_ref.rollout.n=1: each "
@@ -2408,7 +2404,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     for key, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
         unused = _non_default(optim, ("min_lr_ratio", "num_cycles", "zero_indexed_step"))
         if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
-            notes.append(f"{', '.join(f'{key}.{k}={_shown(v)}' for k, v in unused.items())} has no effect: "
+            notes.append(f"{', '.join(f'{key}.{k}={shown(v)}' for k, v in unused.items())} has no effect: "
                          f"{key}.lr_scheduler_type=constant (they shape the cosine schedule)")
         if optim.lr_warmup_steps > 0 and optim.lr_warmup_steps_ratio and (key != "critic.optim" or cfg.uses_critic):
             notes.append(f"{key}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio:g} has no effect: "
@@ -2529,7 +2525,7 @@ def _policy_loss_notes(cfg: PPOConfig) -> list[str]:
     notes = [f"{', '.join(unread)} not read by {chosen}"] if unread else []
     if ("clip_ratio" in _LOSS_OPTIONS[mode] and None not in (actor.clip_ratio_low, actor.clip_ratio_high)
             and _non_default(actor, ["clip_ratio"])):
-        notes.append(f"actor_rollout_ref.actor.clip_ratio={_shown(actor.clip_ratio)} has no effect: clip_ratio_low and "
+        notes.append(f"actor_rollout_ref.actor.clip_ratio={shown(actor.clip_ratio)} has no effect: clip_ratio_low and "
                      "clip_ratio_high are both set (clip_ratio is their default)")
     if mode in _SEQUENCE_LOSSES and actor.loss_agg_mode != "seq-mean-token-mean":
         # (a critic that inherits the mode aggregates its value loss by it too; null inherits it)
@@ -2568,8 +2564,8 @@ def _raise_coef_notes(cfg: PPOConfig) -> list[str]:
              if value == 0 or (value >= guard.max_kl_coef and not moves)]
     if not actions or not coefs or len(stuck) < len(coefs):
         return []
-    cap = f"algorithm.kl_guard.max_kl_coef={_shown(guard.max_kl_coef)}"
-    why = ", ".join(f"{key}={_shown(value)} "
+    cap = f"algorithm.kl_guard.max_kl_coef={shown(guard.max_kl_coef)}"
+    why = ", ".join(f"{key}={shown(value)} "
                     + ("stays 0 when multiplied" if value == 0 else f"is already at {cap} or above")
                     for key, value in stuck)
     return [f"{' and '.join(actions)} can change no KL coefficient: {why} (raise_coef multiplies a coefficient up "
@@ -2903,7 +2899,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     rc, loss_mode = cfg.algorithm.rollout_correction, actor.policy_loss.loss_mode
     if loss_mode == "vanilla" and (not rc.bypass_mode or BYPASS_LOSS_TYPES[rc.loss_type] == "vanilla") \
             and not actor.clip_ratio_c > 1:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={_shown(actor.clip_ratio_c)} with policy_loss."
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={shown(actor.clip_ratio_c)} with policy_loss."
                           "loss_mode=vanilla: the dual clip's bound on a negative advantage's ratio must be > 1 "
                           "(as verl asserts); 1 or less is a truncation bound only for loss_mode dppo_tv / dppo_kl")
     if rc.bypass_mode and loss_mode != "vanilla":
@@ -2924,7 +2920,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           f"horizon above {bs * n // 5}")
     if rollout.engine != "native":
         for key, value in _non_default(rollout, ENGINE_ONLY_OPTIONS).items():
-            raise ConfigError(f"actor_rollout_ref.rollout.{key}={_shown(value)} needs rollout.name=native: "
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={shown(value)} needs rollout.name=native: "
                               f"rollout.name={rollout.name} generates with the training model, there is no engine")
     try:
         check_chat_template_kwargs(cfg.data.apply_chat_template_kwargs, "data.apply_chat_template_kwargs")

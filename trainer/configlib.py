@@ -289,11 +289,11 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
 
 
 def shown(value) -> str:
-    """`value` as a config file spells it: true, false and null as YAML writes them (a message about
-    `key=true` says true, not Python's True), anything else as its repr."""
+    """`value` as a dotted override writes it (`key=value` in a message): true, false and null as YAML
+    writes them (not Python's True, None), anything else as its text."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    return repr(value)
+    return str(value)
 
 
 def _refusal_reason(metadata) -> str:

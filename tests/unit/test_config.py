@@ -113,7 +113,7 @@ def test_an_unsupported_value_is_refused_with_what_the_option_takes():
             ("data.trust_remote_code=true", "data.trust_remote_code=true is not supported by meshppo (tokenizers load "
                                             "without remote code): must be false"),
             ("actor_rollout_ref.model.external_lib=x",
-             "actor_rollout_ref.model.external_lib='x' is not supported by meshppo")):
+             "actor_rollout_ref.model.external_lib=x is not supported by meshppo")):
         with pytest.raises(ConfigError) as e:
             _cfg(override)
         assert str(e.value) == message
