@@ -529,10 +529,10 @@ def model_sections(cfg) -> dict:
 
 
 def models_run(cfg) -> tuple[str, ...]:
-    """The keys of `MODEL_SECTIONS` whose model the run builds: the actor's, the critic's with a critic
-    (adv_estimator gae), the reward model's with reward_model.enable."""
-    return tuple(key for key, used in zip(MODEL_SECTIONS, (True, cfg.uses_critic, bool(cfg.reward_model.enable)))
-                 if used)
+    """The keys of `MODEL_SECTIONS` whose model the run builds (`built_fsdp_sections`): the actor's, the
+    critic's with a critic (adv_estimator gae), the reward model's with reward_model.enable."""
+    built = built_fsdp_sections(cfg)
+    return tuple(key for key in MODEL_SECTIONS if key == "actor_rollout_ref.model" or key in built)
 
 
 _RM_UNREAD_WHY = "the reward model's scores do not read it, and it is neither exported nor drawn at random"
@@ -617,6 +617,11 @@ class ModelConfig:
     def __post_init__(self):
         self.override_config = _check_override_config("actor_rollout_ref.model", self.override_config)
         _lora_config("actor_rollout_ref.model", self)  # a bad target_modules / lora_alpha fails here, naming the key
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the actor trains LoRA adapters (`lora` is not None), without reading an adapter's file."""
+        return self.lora_adapter_path is not None or bool(self.lora_rank)
 
     @property
     def lora(self) -> LoRAConfig | None:
@@ -1892,10 +1897,9 @@ def built_fsdp_sections(cfg: PPOConfig) -> dict:
     the critic's with a critic; the reward model's with reward_model.enable. The others' options are
     read by nothing (a start-up note names those set)."""
     arr = cfg.actor_rollout_ref
-    lora = arr.model.lora_adapter_path is not None or bool(arr.model.lora_rank)  # (`ActorModelConfig.lora`)
     return {key: fc for key, fc, built in (
         ("actor_rollout_ref.actor", arr.actor.fsdp_config, True),
-        ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and not lora),
+        ("actor_rollout_ref.ref", arr.ref.fsdp_config, cfg.uses_ref and not arr.model.adapted),
         ("critic.model", cfg.critic.model.fsdp_config, cfg.uses_critic),
         ("reward_model.model", cfg.reward_model.model.fsdp_config, bool(cfg.reward_model.enable))) if built}
 
@@ -2451,7 +2455,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     ref = list(_non_default(arr.ref, ("fsdp_config",)))
     if arr.ref.use_torch_compile != arr.actor.use_torch_compile:  # null inherits the actor's
         ref.insert(0, "use_torch_compile")
-    if arr.model.lora is not None and ref and cfg.uses_ref:  # (without a reference, _unused_section_notes)
+    if arr.model.adapted and ref and cfg.uses_ref:  # (without a reference, _unused_section_notes)
         notes.append(f"{', '.join(f'actor_rollout_ref.ref.{k}' for k in ref)} unused: with LoRA the reference is the "
                      "actor with its adapters off, not a model of its own")
     for key, tiled in (("actor_rollout_ref.model", arr.model.tiled_mlp), ("critic.model", cfg.critic.model.tiled_mlp)):
