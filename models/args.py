@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Llama / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters for the Llama / Mistral / Qwen2 / Qwen3 decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -13,7 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
+# takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
+# has no biases) and with its sliding window. Qwen2's head_dim is written only where it is not hidden / heads.
+HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim", "sliding_window"),
+                  "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
+# Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
+_NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
+                "mistral": "transformers' Mistral has no biases: it would load the exported model without them"}
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -55,7 +63,9 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)  # kept for a faithful save
+    # config.json's keys kept for a faithful save that the model's outputs do not depend on: its dtype, Mistral's
+    # sliding_window (`sliding_window`)
+    extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -69,9 +79,10 @@ class ModelArgs:
                     f"{self.num_attention_heads}; give head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.model_type == "qwen3" and (self.attention_bias or self.mlp_bias):
-            raise ValueError("qwen3 with attention_bias or mlp_bias is not supported (transformers' Qwen3 then has "
-                             "an o_proj bias too, which meshppo's attention lacks)")
+        if self.model_type in _NO_BIAS_WHY and (self.attention_bias or self.mlp_bias):
+            raise ValueError(f"{self.model_type} with attention_bias or mlp_bias is not supported "
+                             f"({_NO_BIAS_WHY[self.model_type]})")
+        _refuse_sliding_window(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -89,6 +100,13 @@ class ModelArgs:
     def qk_norm(self) -> bool:
         """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's."""
         return self.model_type == "qwen3"
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Mistral's window, config.json's `sliding_window` as read: null, or one no position reaches past
+        (at least max_position_embeddings; `_refuse_sliding_window`). meshppo's attention reads the whole
+        context."""
+        return self.extra_hf.get("sliding_window")
 
     @property
     def rope_type(self) -> str:
@@ -204,7 +222,8 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
-            extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")},
+            extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
+                      or k == "sliding_window" and k in HF_CONFIG_KEYS[model_type]},
         )
         return cls(**(fields | overrides))
 
@@ -241,11 +260,8 @@ class ModelArgs:
             pad_token_id=self.pad_token_id,
             hidden_act="silu",
         )
-        if self.model_type == "llama":
-            kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
-        elif self.model_type == "qwen3":
-            kwargs.update(head_dim=self.head_dim, attention_bias=self.attention_bias)
-        elif self.head_dim != self.hidden_size // self.num_attention_heads:
+        kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
+        if self.model_type == "qwen2" and self.head_dim != self.hidden_size // self.num_attention_heads:
             kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         cfg = AutoConfig.for_model(self.model_type, **kwargs)
@@ -278,6 +294,25 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
                          f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}; "
                          "elsewhere (rollout.generate, from_pretrained) edit config.json")
     return None if kind == "default" else rope_scaling
+
+
+def _refuse_sliding_window(args: ModelArgs) -> None:
+    """ValueError when Mistral's `sliding_window` (transformers' Mistral windows every layer with it) is
+    below `max_position_embeddings`: meshppo's attention reads the whole context, so positions past the
+    window would get other logits. A window at or past it reaches every position the model is meant for,
+    and null is plain full attention (Mistral v0.2 / v0.3, Nemo)."""
+    window = args.sliding_window
+    if window is None:
+        return
+    if "sliding_window" not in HF_CONFIG_KEYS[args.model_type]:
+        raise ValueError(f"sliding_window={window} is read for model_type mistral only, not {args.model_type!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config.json's sliding_window={window!r} is not a positive integer or null")
+    if window < args.max_position_embeddings:
+        raise ValueError(f"config.json's sliding_window={window} is below max_position_embeddings="
+                         f"{args.max_position_embeddings}: every layer of transformers' Mistral attends through "
+                         f"a window of {window} positions, and meshppo's attention reads the whole context, so "
+                         "only sliding_window null or at least max_position_embeddings is supported")
 
 
 def _refuse_windowed_layers(cfg: dict) -> None:

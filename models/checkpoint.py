@@ -46,7 +46,7 @@ def meshppo_key_to_hf(key: str) -> str:
 def hf_architecture(model_type: str, head: str = "lm") -> str:
     """The transformers class a directory of `model_type` is written as: a causal LM (`head="lm"`) or, for a
     value model, a token classifier."""
-    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
     return f"{family}ForCausalLM" if head == "lm" else f"{family}ForTokenClassification"
 
 

@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""A decoder-only transformer for the Llama, Mistral, Qwen2 and Qwen3 families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
