@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,18 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
-# has no biases) and with its sliding window. Qwen2's head_dim is written only where it is not hidden / heads.
-HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim", "sliding_window"),
+# has no biases). Qwen2's head_dim is written only where it is not hidden / heads.
+HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
                   "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
+# The keys of each type's sliding-window attention, kept as read in `ModelArgs.extra_hf` (never in a checkpoint's
+# fingerprint: meshppo's attention reads the whole context, and a run whose sequences reach past the window is
+# refused before it starts: `ModelArgs.window_exceeded`) and written back on export. transformers' Mistral
+# windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
+# sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`.
+WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",),
+               "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+               "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them"}
@@ -63,8 +73,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # config.json's keys kept for a faithful save that the model's outputs do not depend on: its dtype, Mistral's
-    # sliding_window (`sliding_window`)
+    # config.json's keys kept for a faithful save that meshppo's outputs do not depend on: its dtype, the
+    # sliding window's keys (`WINDOW_KEYS`: `attention_window`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -82,7 +92,7 @@ class ModelArgs:
         if self.model_type in _NO_BIAS_WHY and (self.attention_bias or self.mlp_bias):
             raise ValueError(f"{self.model_type} with attention_bias or mlp_bias is not supported "
                              f"({_NO_BIAS_WHY[self.model_type]})")
-        _refuse_sliding_window(self)
+        _check_window_keys(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -103,10 +113,57 @@ class ModelArgs:
 
     @property
     def sliding_window(self) -> int | None:
-        """Mistral's window, config.json's `sliding_window` as read: null, or one no position reaches past
-        (at least max_position_embeddings; `_refuse_sliding_window`). meshppo's attention reads the whole
-        context."""
+        """config.json's `sliding_window` as read (None where it has none; Qwen's is null unless
+        `use_sliding_window`, as transformers reads it). Whether a layer attends through it:
+        `attention_window`."""
         return self.extra_hf.get("sliding_window")
+
+    @property
+    def windowed_layers(self) -> list[int]:
+        """The layers transformers' model of this config attends through `sliding_window`: every
+        one of a Mistral with a window; a Qwen's `layer_types` sliding_attention ones (without
+        layer_types, config.json before transformers v5, those from `max_window_layers` on), none
+        without `use_sliding_window` (transformers then reads the window as null)."""
+        if self.sliding_window is None or not WINDOW_KEYS[self.model_type]:
+            return []
+        if self.model_type == "mistral":
+            return list(range(self.num_hidden_layers))
+        if not self.extra_hf.get("use_sliding_window"):
+            return []
+        kinds = self.extra_hf.get("layer_types")
+        if kinds is None:
+            start = self.extra_hf.get("max_window_layers", 28)  # (transformers' default)
+            return list(range(start, self.num_hidden_layers))
+        return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+
+    @property
+    def attention_window(self) -> int | None:
+        """The smallest window any layer attends through (each query the last `attention_window`
+        positions, itself included, as transformers masks it); None: every layer reads the whole
+        context, as meshppo's attention does. A sequence of at most that many tokens gets the same
+        logits either way."""
+        return self.sliding_window if self.windowed_layers else None
+
+    def window_keys(self) -> str:
+        """config.json's keys that set `attention_window`, with their values, for messages."""
+        if self.model_type == "mistral":
+            return f"sliding_window={self.sliding_window} (every layer of transformers' Mistral attends through it)"
+        keys = ", ".join(f"{k}={json.dumps(self.extra_hf[k])}" for k in ("use_sliding_window", "max_window_layers")
+                         if k in self.extra_hf)
+        return (f"sliding_window={self.sliding_window} with {keys} (layers {self.windowed_layers} of "
+                f"{self.num_hidden_layers} of transformers' {self.model_type.capitalize()} attend through it)")
+
+    def window_exceeded(self, longest: int) -> str | None:
+        """None where sequences of up to `longest` tokens get the logits of transformers' model
+        (no layer is windowed, or `longest` is within the window); else the words saying which of
+        config.json's keys window it and why that is refused, for an error that names the model
+        and what sets `longest` (a number, or `math.inf`: nothing bounds it)."""
+        window = self.attention_window
+        if window is None or longest <= window:
+            return None
+        return (f"config.json's {self.window_keys()}: each position attends to the last {window} only, and "
+                f"meshppo's attention reads the whole context, so positions past {window} would get other "
+                "log-probs than the model's")
 
     @property
     def rope_type(self) -> str:
@@ -188,7 +245,7 @@ class ModelArgs:
         `overrides` (fields and values, as `check_overrides` returns those that act) replace the
         config's before anything is checked, as verl sets them on the Hugging Face config before it
         builds the model: an override's `rope_scaling` replaces a type of config.json meshppo refuses
-        (a mapping whole: `models.checkpoint.load_model_args`)."""
+        (a mapping whole: `models.checkpoint.load_model_args`); its `sliding_window` goes to `extra_hf`."""
         overrides = overrides or {}
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         model_type = cfg.get("model_type")
@@ -200,8 +257,11 @@ class ModelArgs:
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        _refuse_windowed_layers(cfg)
         known = {f.name for f in dataclasses.fields(cls)}
+        fields_overridden, window_overridden = _split_overrides(overrides)
+        if window_overridden and not WINDOW_KEYS[model_type]:
+            raise ValueError(f"override_config.sliding_window={json.dumps(window_overridden['sliding_window'])}: "
+                             f"model_type {model_type} has no sliding window (transformers' {model_type} reads none)")
         fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -223,9 +283,9 @@ class ModelArgs:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
-                      or k == "sliding_window" and k in HF_CONFIG_KEYS[model_type]},
+                      or k in WINDOW_KEYS[model_type]} | window_overridden,
         )
-        return cls(**(fields | overrides))
+        return cls(**(fields | fields_overridden))
 
     @property
     def hf_dtype(self) -> str | None:
@@ -261,6 +321,9 @@ class ModelArgs:
             hidden_act="silu",
         )
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
+        kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] if key in self.extra_hf})
+        if self.model_type == "mistral":  # (MistralConfig's default is a window of 4096)
+            kwargs.update(sliding_window=self.sliding_window)
         if self.model_type == "qwen2" and self.head_dim != self.hidden_size // self.num_attention_heads:
             kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
@@ -296,52 +359,42 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     return None if kind == "default" else rope_scaling
 
 
-def _refuse_sliding_window(args: ModelArgs) -> None:
-    """ValueError when Mistral's `sliding_window` (transformers' Mistral windows every layer with it) is
-    below `max_position_embeddings`: meshppo's attention reads the whole context, so positions past the
-    window would get other logits. A window at or past it reaches every position the model is meant for,
-    and null is plain full attention (Mistral v0.2 / v0.3, Nemo)."""
-    window = args.sliding_window
-    if window is None:
-        return
-    if "sliding_window" not in HF_CONFIG_KEYS[args.model_type]:
-        raise ValueError(f"sliding_window={window} is read for model_type mistral only, not {args.model_type!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"config.json's sliding_window={window!r} is not a positive integer or null")
-    if window < args.max_position_embeddings:
-        raise ValueError(f"config.json's sliding_window={window} is below max_position_embeddings="
-                         f"{args.max_position_embeddings}: every layer of transformers' Mistral attends through "
-                         f"a window of {window} positions, and meshppo's attention reads the whole context, so "
-                         "only sliding_window null or at least max_position_embeddings is supported")
-
-
-def _refuse_windowed_layers(cfg: dict) -> None:
-    """ValueError when some layer of a Qwen config attends through a sliding window (meshppo's attention
-    reads the whole context: its logits would differ past the window). The layers are transformers':
-    config.json's `layer_types` (v5 writes them), else those from `max_window_layers` on when
-    `use_sliding_window` is set (so a window starting at or past the last layer windows none)."""
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        sliding = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
-        start = cfg.get("max_window_layers", 0) if sliding else cfg["num_hidden_layers"]
-        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(cfg["num_hidden_layers"])]
-    windowed = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if windowed:
-        raise ValueError(f"config.json's layers {windowed} are {sorted({layer_types[i] for i in windowed})} "
-                         f"(use_sliding_window={cfg.get('use_sliding_window')}, sliding_window="
-                         f"{cfg.get('sliding_window')}, max_window_layers={cfg.get('max_window_layers')}): meshppo's "
-                         "attention reads the whole context, so only full_attention layers are supported")
+def _check_window_keys(args: ModelArgs) -> None:
+    """ValueError for sliding-window keys (`WINDOW_KEYS`) that transformers' class of the type has not, or
+    reads otherwise: a window that is not a positive integer or null, layer types other than full_attention
+    and sliding_attention or not one per layer."""
+    extra = args.extra_hf
+    foreign = [k for k in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+               if k in extra and k not in WINDOW_KEYS[args.model_type]]
+    if foreign:
+        raise ValueError(f"{foreign[0]} is not read for model_type {args.model_type!r} (transformers' "
+                         f"{args.model_type} has no sliding window): only mistral, qwen2 and qwen3 have one")
+    window = extra.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"sliding_window={window!r} is not a positive integer or null")
+    kinds = extra.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != args.num_hidden_layers
+                              or any(kind not in _LAYER_TYPES for kind in kinds)):
+        raise ValueError(f"config.json's layer_types={kinds!r}: meshppo supports {list(_LAYER_TYPES)}, one per "
+                         f"layer ({args.num_hidden_layers})")
+    start = extra.get("max_window_layers")
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        raise ValueError(f"config.json's max_window_layers={start!r} is not an integer >= 0")
 
 
 # ---------------------------------------------------------------- verl's model.override_config
 # Hugging Face config attributes that verl sets on the checkpoint's config before it builds the
 # model. Those meshppo's models read and the checkpoint's tensors do not depend on act (they are
-# `ModelArgs` fields, so they also reach the exported config.json):
+# `ModelArgs` fields, or `extra_hf` keys, so they also reach the exported config.json):
 OVERRIDE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "initializer_range",
-                 "bos_token_id", "eos_token_id", "pad_token_id")
+                 "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window")
 # Of those, the model's outputs read these; the others reach its exported config.json only (and
-# initializer_range its weights drawn at random: load_format=dummy).
-OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+# initializer_range its weights drawn at random: load_format=dummy). sliding_window (null or a window) sets
+# the window of the layers transformers windows (`ModelArgs.windowed_layers`): meshppo computes those
+# outputs where the run's sequences fit in it and refuses the run where they do not (null: none is windowed).
+OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window")
+# The overrides kept in `ModelArgs.extra_hf` (they are not fields: `WINDOW_KEYS`).
+_EXTRA_OVERRIDES = ("sliding_window",)
 # Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
@@ -473,6 +526,8 @@ def check_overrides(overrides: dict, key: str = "override_config") -> tuple[dict
             acting[name] = _rope_scaling(value, where)
         elif name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             acting[name] = _token_ids(value, where, many=name == "eos_token_id")
+        elif name == "sliding_window":
+            acting[name] = None if value is None else _number(value, where, integer=True)
         elif name == "max_position_embeddings":
             acting[name] = _number(value, where, integer=True)
         elif name in OVERRIDE_KEYS:
@@ -489,7 +544,16 @@ def apply_overrides(args: ModelArgs, overrides: dict | None, key: str = "overrid
     model (actor, reference, critic, reward model) and the engine get theirs. A `rope_scaling`
     replaces the checkpoint's whole; `rope_theta` alone keeps its scaling."""
     acting, _ = check_overrides(overrides or {}, key)
-    return dataclasses.replace(args, **acting) if acting else args
+    if not acting:
+        return args
+    fields, extra = _split_overrides(acting)
+    return dataclasses.replace(args, **fields, extra_hf=args.extra_hf | extra)
+
+
+def _split_overrides(acting: dict) -> tuple[dict, dict]:
+    """Acting overrides (`check_overrides`) as (`ModelArgs` fields, `extra_hf` keys)."""
+    return ({k: v for k, v in acting.items() if k not in _EXTRA_OVERRIDES},
+            {k: v for k, v in acting.items() if k in _EXTRA_OVERRIDES})
 
 
 # Dense bf16 peak per GPU (datasheets: half the "with sparsity" figure), the denominator of MFU. Matched

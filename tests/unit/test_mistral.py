@@ -1,6 +1,6 @@
 """Mistral checkpoints (`model_type: mistral`, `MistralForCausalLM`) against transformers' implementation on tiny
-random weights, in float64 on CPU: meshppo's model, its engine, the trainer's loading path, the export, and the
-refusal of a sliding window meshppo's attention cannot honour."""
+random weights, in float64 on CPU: meshppo's model, its engine, the trainer's loading path, the export, and its
+sliding window (read, and bounding the run's lengths)."""
 
 import json
 
@@ -57,7 +57,7 @@ def test_logits_equal_transformers_mistral(tmp_path, shape):
     hf, path = _saved(tmp_path, **shape)
     ours = Transformer.from_pretrained(path, dtype=torch.float64)
     assert ours.args.model_type == "mistral" and ours.args.head_dim == shape.get("head_dim", 16)
-    assert ours.args.rope_theta == 1_000_000.0 and ours.args.sliding_window is None
+    assert ours.args.rope_theta == 1_000_000.0 and ours.args.attention_window is None
     assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
     ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -131,29 +131,26 @@ def test_a_saved_mistral_directory_loads_through_the_trainers_model_path(tmp_pat
     run_distributed(_load_through_the_trainer, 1, str(path))
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused_naming_the_key(tmp_path):
+def test_a_sliding_window_shorter_than_the_context_loads_and_bounds_the_run(tmp_path):
     """Mistral-7B-v0.1's sliding_window 4096 under max_position_embeddings 32768: transformers windows every
-    layer, meshppo's attention cannot, so the checkpoint is refused naming config.json, the key and its value.
-    A window at or past max_position_embeddings windows no position the model is meant for, and null none."""
-    from models.checkpoint import CheckpointFileError
-
+    layer, meshppo's attention reads the whole context, which is the same for sequences within the window. The
+    checkpoint loads (it was refused at load); a run is refused only where its sequences reach past the window
+    (`ModelArgs.window_exceeded`, the trainer's pre-flight and rollout.generate: tests/unit/test_attention_window.py).
+    A window at or past max_position_embeddings, or null, bounds nothing the model is meant for."""
     _, path = _saved(tmp_path, sliding_window=64, max_position_embeddings=256)
-    with pytest.raises(CheckpointFileError) as e:
-        Transformer.from_pretrained(path)
-    message = str(e.value)
-    assert message.startswith(f"{str(path / 'config.json')!r}: ValueError: config.json's sliding_window=64 is below "
-                              "max_position_embeddings=256: "), message
-    assert "meshppo's attention reads the whole context" in message
+    args = Transformer.from_pretrained(path).args
+    assert args.sliding_window == args.attention_window == 64
+    assert args.window_exceeded(64) is None
+    assert args.window_exceeded(65).startswith("config.json's sliding_window=64 (every layer of transformers' "
+                                               "Mistral attends through it): ")
     cfg = dict(model_type="mistral", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=256)).sliding_window == 256
+    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=256)).window_exceeded(256) is None
     assert ModelArgs.from_hf_config(dict(cfg, sliding_window=4096)).sliding_window == 4096
-    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=None)).sliding_window is None
-    with pytest.raises(ValueError, match="sliding_window=255 is below max_position_embeddings=256"):
-        ModelArgs.from_hf_config(dict(cfg, sliding_window=255))
-    # an override that raises max_position_embeddings past the window is refused too
-    with pytest.raises(ValueError, match="sliding_window=256 is below max_position_embeddings=512"):
-        ModelArgs.from_hf_config(dict(cfg, sliding_window=256), {"max_position_embeddings": 512})
+    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=None)).attention_window is None
+    for bad in (0, -1, "64", True):
+        with pytest.raises(ValueError, match="is not a positive integer or null"):
+            ModelArgs.from_hf_config(dict(cfg, sliding_window=bad))
 
 
 def test_a_window_reaching_every_position_gives_transformers_logits(tmp_path):

@@ -229,20 +229,20 @@ def test_qwen3_round_trips_through_transformers(tmp_path):
 
 
 def test_qwen3_variants_meshppo_lacks_are_refused(tmp_path):
-    """A Qwen3 checkpoint with sliding-window layers is refused naming them (meshppo attends to the whole
-    context: its logits would differ past the window), and one with attention biases (transformers puts
-    one on o_proj too, which meshppo's attention lacks)."""
+    """A Qwen3 checkpoint with sliding-window layers loads with its window read (a run whose sequences reach
+    past it is refused: tests/unit/test_attention_window.py), layers of another type are refused naming
+    layer_types, and one with attention biases (transformers puts one on o_proj too, which meshppo's attention
+    lacks) is refused."""
     cfg = transformers.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
                                    sliding_window=8, max_window_layers=1)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelArgs.from_hf_config(cfg)
-    cfg.use_sliding_window = False
-    cfg.layer_types = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="sliding_attention"):
+    args = ModelArgs.from_hf_config(cfg)
+    assert args.windowed_layers == [1] and args.attention_window == 8 and args.window_exceeded(9)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="layer_types"):
         ModelArgs.from_hf_config(cfg)
     cfg.layer_types = ["full_attention"] * 2
-    assert ModelArgs.from_hf_config(cfg).qk_norm
+    assert ModelArgs.from_hf_config(cfg).qk_norm and ModelArgs.from_hf_config(cfg).attention_window is None
     cfg.attention_bias = True
     with pytest.raises(ValueError, match="attention_bias"):
         ModelArgs.from_hf_config(cfg)
@@ -260,17 +260,17 @@ def test_qwen2_sliding_window_that_windows_no_layer_loads(tmp_path, max_window_l
         assert (ours(ids) - hf(input_ids=ids).logits).abs().max().item() <= TOL
 
 
-def test_qwen2_sliding_window_refused_where_a_layer_is_windowed():
+def test_qwen2_sliding_window_read_where_a_layer_is_windowed():
     """Without layer_types (transformers v4's config.json) the windowed layers are those from
-    max_window_layers on, as transformers reads them; the refusal names them and the keys."""
+    max_window_layers on, as transformers reads them; a run past the window is told them and the keys."""
     cfg = dict(model_type="qwen2", vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8)
-    with pytest.raises(ValueError) as e:
-        ModelArgs.from_hf_config(dict(cfg, max_window_layers=1))
-    assert str(e.value).startswith("config.json's layers [1, 2] are ['sliding_attention'] (use_sliding_window=True, "
-                                   "sliding_window=8, max_window_layers=1)"), str(e.value)
-    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=3)).num_hidden_layers == 3
-    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=1, sliding_window=None)).num_hidden_layers == 3
+    args = ModelArgs.from_hf_config(dict(cfg, max_window_layers=1))
+    assert args.window_exceeded(9).startswith("config.json's sliding_window=8 with use_sliding_window=true, "
+                                              "max_window_layers=1 (layers [1, 2] of 3 of transformers' Qwen2 "
+                                              "attend through it)"), args.window_exceeded(9)
+    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=3)).attention_window is None
+    assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=1, sliding_window=None)).attention_window is None
 
 
 def test_llama_attention_bias_is_refused_naming_config_json(tmp_path):
