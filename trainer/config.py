@@ -21,7 +21,8 @@ from kl.guards import KLGuardConfig
 from models import torch_dtypes
 from models.args import OUTPUT_KEYS, check_overrides, flat_overrides
 from models.lora import LoRAConfig, read_peft_adapter_config, read_peft_adapter_shapes
-from trainer.configlib import ConfigError, build_dataclass, opt, option_key, other_than, section, shown
+from trainer.configlib import (ConfigError, build_dataclass, given_option, opt, option_key, other_than, section,
+                               shown)
 from trainer.config_profiler import (FINISH_HOOK_OPTIONS, GlobalProfilerConfig, RoleProfilerConfig,
                                     SharedProfilerConfig)
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, DisaggregationConfig,
@@ -987,9 +988,72 @@ def _user_options(cfg, name: str, skip=()) -> dict:
     return {f"{name}.{k}": v for k, v in opts.items()}
 
 
-def _listed(options: dict) -> str:
-    """`key=value, ...` as the notes list options."""
-    return ", ".join(f"{k}={shown(v)}" for k, v in options.items())
+def _listed(options: dict, cfg=None) -> str:
+    """`key=value, ...` as the notes list options; given the config `cfg`, each by the names the user
+    set it under (`as_set`)."""
+    return ", ".join(f"{k}={shown(v)}" if cfg is None else as_set(cfg, k, v) for k, v in options.items())
+
+
+# verl's other names of an option, which the config resolves to the first (`_alias`, `_resolve_grad_clip`,
+# trainer.nccl_timeout's, `OptimConfig`'s warmup_style; critic.fsdp's options: `_spellings`), in the
+# order verl reads them.
+_SPELLINGS = {
+    "trainer.nccl_timeout": ("trainer.nccl_timeout", "actor_rollout_ref.nccl_timeout"),
+    "data.tokenizer": ("data.tokenizer", "actor_rollout_ref.model.tokenizer_path"),
+    **{f"custom_reward_function.{k}": (f"custom_reward_function.{k}", f"reward.custom_reward_function.{k}")
+       for k in ("path", "name", "reward_kwargs")},
+    "reward_model.reward_manager": ("reward_model.reward_manager", "reward_manager.name", "reward.reward_manager.name"),
+    "reward_model.enable": ("reward_model.enable", "reward.reward_model.enable"),
+    "reward_model.model.path": ("reward_model.model.path", "reward.reward_model.model_path"),
+    "reward_model.reward_kwargs": ("reward_model.reward_kwargs", "reward.reward_kwargs"),
+    **{f"{role}.grad_clip": (f"{role}.optim.grad_clip", f"{role}.optim.clip_grad", f"{role}.grad_clip")
+       for role in ("actor_rollout_ref.actor", "critic")},
+    **{f"{role}.optim.lr_scheduler_type": (f"{role}.optim.warmup_style", f"{role}.optim.lr_scheduler_type")
+       for role in ("actor_rollout_ref.actor", "critic")}}
+
+
+def _spellings(key: str) -> tuple:
+    """The names a config may set option `key` (dotted) by, `key` among them."""
+    if key.startswith("critic.model.fsdp_config."):  # verl 0.9.1's critic.fsdp, merged into it
+        return key, "critic.fsdp." + key.removeprefix("critic.model.fsdp_config.")
+    for name, names in _SPELLINGS.items():
+        if key == name or key.startswith(name + "."):  # (a key inside a mapping option: reward_kwargs.max_resp_len)
+            return tuple(n + key[len(name):] for n in names)
+    return (key,)
+
+
+def as_set(cfg, key: str, value) -> str:
+    """`key=value` as a note or an error names option `key` of the config `cfg`, whose value is `value`:
+    by the name the user's config file or command line set it under (verl's other names of it:
+    `_spellings`), each with the value written there where several were set; `key` where none was
+    (a config not loaded by `load_config` records none: `configlib.given_option`)."""
+    given = [(name, v) for name in _spellings(key) for found, v in [given_option(cfg, name)] if found]
+    if not given:
+        return f"{key}={shown(value)}"
+    if len(given) == 1:
+        return f"{given[0][0]}={shown(value)}"
+    return ", ".join(f"{name}={shown(v)}" for name, v in given)
+
+
+def given_name(cfg, key: str) -> str:
+    """The name the user's config file or command line set option `key` of the config `cfg` under
+    (`as_set`; the first verl reads where several were set), `key` where none was."""
+    return next((name for name in _spellings(key) if given_option(cfg, name)[0]), key)
+
+
+def _short_name(cfg, section_key: str, name: str, beside: str) -> str:
+    """Option `name` of section `section_key` as a note names it after option `beside` of that section:
+    by its name where the user set both under the same section's name (or neither), else by its full
+    key as set (`given_name`: verl's other name of the section)."""
+    given = given_name(cfg, f"{section_key}.{name}")
+    return name if given.rsplit(".", 1)[0] == given_name(cfg, f"{section_key}.{beside}").rsplit(".", 1)[0] else given
+
+
+def said_key(cfg, key: str) -> str:
+    """Option `key` of the config `cfg` as a note names it without its value: the names the user set it
+    under (`as_set`), joined by "and"; `key` where none was."""
+    given = [name for name in _spellings(key) if given_option(cfg, name)[0]]
+    return " and ".join(given) if given else key
 
 
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
@@ -1333,7 +1397,8 @@ class DAPORewardKwargs:
     overlong_buffer_cfg: OverlongBufferConfig | None = opt(None, "DAPO's overlong penalty; null: none")
 
     def __post_init__(self):
-        b, key = self.overlong_buffer_cfg, f"{REWARD_KWARGS_KEY}.overlong_buffer_cfg"
+        kw = given_name(self, REWARD_KWARGS_KEY)
+        b, key = self.overlong_buffer_cfg, f"{kw}.overlong_buffer_cfg"
         if b is None:
             return
         missing = [k for k in ("enable", "len", *(("penalty_factor", "log") if b.enable else ())) if getattr(b, k) is None]
@@ -1341,10 +1406,10 @@ class DAPORewardKwargs:
             raise ConfigError(f"{key} needs {' and '.join(missing)}: verl's dapo manager reads "
                               f"{'them' if len(missing) > 1 else 'it'}{' when enable=true' if b.enable else ''}")
         if self.max_resp_len is None:
-            raise ConfigError(f"{key} is set but {REWARD_KWARGS_KEY}.max_resp_len is not (verl's dapo manager asserts "
+            raise ConfigError(f"{key} is set but {kw}.max_resp_len is not (verl's dapo manager asserts "
                               "it): give the response length the buffer ends at, usually data.max_response_length")
         if b.len > self.max_resp_len:
-            raise ConfigError(f"{key}.len={b.len} is larger than {REWARD_KWARGS_KEY}.max_resp_len={self.max_resp_len} "
+            raise ConfigError(f"{key}.len={b.len} is larger than {kw}.max_resp_len={self.max_resp_len} "
                               "(verl's dapo manager asserts max_resp_len >= len): the buffer would start before the "
                               "response does")
 
@@ -1450,18 +1515,18 @@ class RewardModelConfig:
     def manager_kwargs(self) -> dict:
         """`reward_kwargs` as the manager takes them (`rewards.load_reward_manager`): dapo's typed,
         batch's as given. Raises ConfigError for a key the manager does not take."""
-        kwargs, manager = self.reward_kwargs or {}, self.reward_manager
+        kwargs, manager, key = self.reward_kwargs or {}, self.reward_manager, given_name(self, REWARD_KWARGS_KEY)
         if manager == "dapo":
-            dapo = build_dataclass(DAPORewardKwargs, kwargs, REWARD_KWARGS_KEY)
+            dapo = build_dataclass(DAPORewardKwargs, kwargs, key)
             return {f.name: getattr(dapo, f.name) for f in dataclasses.fields(dapo)}
         if manager == "batch":
             taken = sorted(set(kwargs) & set(BATCH_FN_ARGS))
             if taken:
-                raise ConfigError(f"{REWARD_KWARGS_KEY} sets {', '.join(taken)}: the batch manager passes "
+                raise ConfigError(f"{key} sets {', '.join(taken)}: the batch manager passes "
                                   f"{', '.join(BATCH_FN_ARGS)} itself")
             return dict(kwargs)
         if kwargs:
-            raise ConfigError(f"{REWARD_KWARGS_KEY} is set ({', '.join(sorted(kwargs))}) but reward_manager={manager} "
+            raise ConfigError(f"{key} is set ({', '.join(sorted(kwargs))}) but reward_manager={manager} "
                               "takes none (verl's would fail on them); they are dapo's (max_resp_len, "
                               "overlong_buffer_cfg) or batch's (keywords for the function)")
         return {}
@@ -1914,7 +1979,7 @@ def _full_shard_sizes(cfg: PPOConfig) -> None:
     for key, fc in built_fsdp_sections(cfg).items():  # (the others' sizes are unread: said as set)
         if fc is not actor and actor.fsdp_size not in (-1, world):
             continue
-        note = full_shard_note(f"{key}.fsdp_config.fsdp_size", fc.fsdp_size, world)
+        note = full_shard_note(given_name(cfg, f"{key}.fsdp_config.fsdp_size"), fc.fsdp_size, world)
         if note:
             fc.fsdp_size, fc.full_shard_note = -1, note
 
@@ -1928,7 +1993,7 @@ def _shared_mesh_notes(cfg: PPOConfig) -> list[str]:
     size = arr.actor.fsdp_config.fsdp_size
     if size in (-1, world):
         return []
-    keys = [f"{key}.fsdp_config.fsdp_size" for key, fc in built_fsdp_sections(cfg).items()
+    keys = [given_name(cfg, f"{key}.fsdp_config.fsdp_size") for key, fc in built_fsdp_sections(cfg).items()
             if key != "actor_rollout_ref.actor" and fc.fsdp_size == -1]
     if not keys:
         return []
@@ -1953,7 +2018,7 @@ def _unit_option_notes(cfg: PPOConfig) -> list[str]:
         return []
     why = ("trainer.nnodes x trainer.n_gpus_per_node = 1 rank" if world == 1
            else "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
-    return [f"{_listed(unread)} has no effect: the shard groups are of one rank ({why}): no FSDP units are built, "
+    return [f"{_listed(unread, cfg)} has no effect: the shard groups are of one rank ({why}): no FSDP units are built, "
             "each rank holds every parameter whole"]
 
 
@@ -2143,12 +2208,13 @@ def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) 
                           "verl's prefix grouper needed it false, meshppo's needs it true)")
 
 
-def _validate_reward_model(rm: RewardModelConfig) -> None:
+def _validate_reward_model(cfg: PPOConfig) -> None:
+    rm = cfg.reward_model
     if not rm.enable:
         return
     if not rm.model.path:
-        raise ConfigError("reward_model.enable=true needs reward_model.model.path (verl 0.9.1's name: "
-                          "reward.reward_model.model_path)")
+        raise ConfigError(f"{as_set(cfg, 'reward_model.enable', True)} needs reward_model.model.path (verl 0.9.1's "
+                          "name: reward.reward_model.model_path)")
     if rm.max_length is not None and rm.model.input_tokenizer is None:
         raise ConfigError(f"reward_model.max_length={rm.max_length} with reward_model.model.input_tokenizer=null: the "
                           "reward model reads the actor's prompt and response tokens as they are, which the prompt "
@@ -2156,11 +2222,12 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
                           "(input_tokenizer set)")
 
 
-def config_notes(cfg, prefix: str = "", unbuilt: tuple = ()) -> list[str]:
+def config_notes(cfg, prefix: str = "", unbuilt: tuple = (), top=None) -> list[str]:
     """One line for each setting whose effect differs from how it reads (printed at start-up).
     `unbuilt`: the sections of the models the run does not build, whose options are named as unread
-    (`_unused_section_notes`), not by what they would do."""
-    notes = []
+    (`_unused_section_notes`), not by what they would do; `top`: the whole config, `cfg` its section
+    at `prefix` (the options are named as the user set them: `as_set`)."""
+    notes, top = [], cfg if top is None else top
     if not prefix:
         notes += _run_notes(cfg)
         built = built_fsdp_sections(cfg)
@@ -2170,18 +2237,19 @@ def config_notes(cfg, prefix: str = "", unbuilt: tuple = ()) -> list[str]:
         value, key = getattr(cfg, f.name), f"{prefix}{option_key(f)}"
         why = f.metadata.get("no_effect")
         if why and value != _default(f):
-            notes.append(f"{key}={shown(value)} has no effect: {why}")
+            notes.append(f"{as_set(top, key, value)} has no effect: {why}")
         acts = not f"{key}.".startswith(unbuilt)
         if isinstance(value, FSDPOptions) and value.full_shard_note:
             notes.append(value.full_shard_note)
         if getattr(value, "grad_clip_note", None) and acts:  # the actor's and the critic's (`_resolve_grad_clip`)
             notes.append(value.grad_clip_note)
         if isinstance(value, FSDPOptions) and value.superseded and acts:
-            notes.append(f"{key}.offload_policy=true supersedes {' and '.join(k + '=true' for k in value.superseded)} "
+            notes.append(f"{as_set(top, f'{key}.offload_policy', True)} supersedes "
+                         f"{' and '.join(_short_name(top, key, k, 'offload_policy') + '=true' for k in value.superseded)} "
                          "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "
                          "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
         if dataclasses.is_dataclass(value):
-            notes.extend(config_notes(value, f"{key}.", unbuilt))
+            notes.extend(config_notes(value, f"{key}.", unbuilt, top))
     return notes
 
 
@@ -2305,7 +2373,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
                      f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the responses' length")
     fn = cfg.custom_reward_function
     if fn.path is None and fn.name != "compute_score":  # (resolved: null is verl's default, compute_score)
-        notes.append(f"custom_reward_function.name={fn.name} has no effect: custom_reward_function.path is null (the "
+        notes.append(f"{as_set(cfg, 'custom_reward_function.name', fn.name)} has no effect: "
+                     f"{said_key(cfg, 'custom_reward_function.path')} is null (the "
                      "built-in scorers score each row by its data_source)")
     notes += _reward_manager_notes(cfg)
     for key, model in model_sections(cfg).items():
@@ -2409,7 +2478,7 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
         unused = _non_default(optim, ("min_lr_ratio", "num_cycles", "zero_indexed_step"))
         if optim.lr_scheduler_type == "constant" and unused and (key != "critic.optim" or cfg.uses_critic):
             notes.append(f"{', '.join(f'{key}.{k}={shown(v)}' for k, v in unused.items())} has no effect: "
-                         f"{key}.lr_scheduler_type=constant (they shape the cosine schedule)")
+                         f"{as_set(cfg, f'{key}.lr_scheduler_type', 'constant')} (they shape the cosine schedule)")
         if optim.lr_warmup_steps > 0 and optim.lr_warmup_steps_ratio and (key != "critic.optim" or cfg.uses_critic):
             notes.append(f"{key}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio:g} has no effect: "
                          f"{key}.lr_warmup_steps={optim.lr_warmup_steps} sets the warm-up (a count above 0 wins over "
@@ -2479,7 +2548,7 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
         # profiler.enable (the model's override_config and tiled_mlp are named here, not in their own notes)
         unused = _user_options(cfg, "critic", {"enable", "strategy", "profiler.enable"})
         if unused:
-            notes.append(f"{_listed(unused)} has no effect: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+            notes.append(f"{_listed(unused, cfg)} has no effect: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                          "trains no critic")
     rm = cfg.reward_model
     if not rm.enable:
@@ -2487,12 +2556,12 @@ def _unused_section_notes(cfg: PPOConfig) -> list[str]:
         unused = _user_options(cfg, "reward_model", {"enable", "reward_manager", "reward_kwargs", "strategy",
                                                      "profiler.enable"})
         if unused:
-            notes.append(f"{_listed(unused)} has no effect: reward_model.enable is false")
+            notes.append(f"{_listed(unused, cfg)} has no effect: {said_key(cfg, 'reward_model.enable')} is false")
     if not cfg.uses_ref:
         # strategy's values both mean FSDP2, profiling_notes says profiler.enable
         unused = _user_options(cfg, "actor_rollout_ref.ref", {"strategy", "profiler.enable"})
         if unused:
-            notes.append(f"{_listed(unused)} has no effect: the run has no reference "
+            notes.append(f"{_listed(unused, cfg)} has no effect: the run has no reference "
                          "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
     mt, key = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
     if not mt.enable:  # (its tool_config_path too, with the data.tool_config_path that must name the same file)
@@ -2651,18 +2720,18 @@ def _reward_manager_notes(cfg: PPOConfig) -> list[str]:
     function the reward model replaces (verl 0.9.1 scores with the function then)."""
     rm, fn = cfg.reward_model, cfg.custom_reward_function
     if rm.enable and rm.combine == "replace" and fn.path is not None:
-        return [f"custom_reward_function.path={fn.path} is not used: the reward model replaces the rule reward "
+        return [f"{as_set(cfg, 'custom_reward_function.path', fn.path)} is not used: the reward model replaces the rule reward "
                 "(reward_model.combine=replace, as verl's legacy reward-model worker does); verl 0.9.1's reward loop "
                 "scores with the function alone when both are set, letting it call the reward model's inference "
                 "server, which meshppo does not run; reward_model.combine=add adds the model's score to the "
                 "function's"]
     if rm.enable and rm.combine == "replace" and rm.reward_manager != "naive":
-        return [f"reward_model.reward_manager={rm.reward_manager} is not used: the reward model replaces the rule "
+        return [f"{as_set(cfg, 'reward_model.reward_manager', rm.reward_manager)} is not used: the reward model replaces the rule "
                 "reward (reward_model.combine=replace; in verl the manager passes the model's scores on)"]
     if rm.reward_manager != "dapo":
         return []
     kw = rm.manager_kwargs()
-    max_len, b, key = kw["max_resp_len"], kw["overlong_buffer_cfg"], REWARD_KWARGS_KEY
+    max_len, b, key = kw["max_resp_len"], kw["overlong_buffer_cfg"], given_name(cfg, REWARD_KWARGS_KEY)
     if b is None and max_len is not None:
         return [f"{key}.max_resp_len has no effect without {key}.overlong_buffer_cfg"]
     limit = cfg.response_length
@@ -2783,7 +2852,8 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
     if adv in GROUP_ESTIMATORS and adv not in SINGLETON_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={adv} needs groups: set actor_rollout_ref.rollout.n >= 2")
     if adv == "gdpo" and cfg.reward_model.enable and cfg.reward_model.combine == "replace":
-        raise ConfigError("algorithm.adv_estimator=gdpo with reward_model.enable=true and reward_model.combine=replace: "
+        raise ConfigError(f"algorithm.adv_estimator=gdpo with {as_set(cfg, 'reward_model.enable', True)} and "
+                          "reward_model.combine=replace: "
                           "the reward model's score replaces the reward function's, so no function runs and there are "
                           "no components under algorithm.gdpo_reward_keys; set reward_model.combine=add (the function "
                           "runs and gives them) or use another estimator")
@@ -2843,7 +2913,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
 
     for key, fc in built_fsdp_sections(cfg).items():  # (the others' options are unread, each said at start-up)
         if fc.fsdp_size != -1 and shards(fc.fsdp_size) != shards(actor.fsdp_config.fsdp_size):
-            raise ConfigError(f"{key}.fsdp_config.fsdp_size={fc.fsdp_size}: every model shares the actor's training "
+            raise ConfigError(f"{as_set(cfg, f'{key}.fsdp_config.fsdp_size', fc.fsdp_size)}: every model shares the actor's training "
                               f"mesh, shard groups of {shards(actor.fsdp_config.fsdp_size)} ranks "
                               f"(actor_rollout_ref.actor.fsdp_config.fsdp_size={actor.fsdp_config.fsdp_size}); use "
                               f"-1 or {shards(actor.fsdp_config.fsdp_size)}")
@@ -2982,10 +3052,11 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError("custom_reward_function.reward_kwargs is set but custom_reward_function.path is not: the "
                           "built-in scorers take no extra arguments")
     if cfg.reward_model.reward_manager == "batch" and not crf.path:
-        raise ConfigError("reward_model.reward_manager=batch calls custom_reward_function once per batch, with lists "
+        raise ConfigError(f"{as_set(cfg, 'reward_model.reward_manager', 'batch')} calls custom_reward_function once "
+                          "per batch, with lists "
                           "(as verl's batch manager does; the built-in scorers take one response): set "
                           "custom_reward_function.path")
-    _validate_reward_model(cfg.reward_model)
+    _validate_reward_model(cfg)
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         raise ConfigError(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: "
                           "verl redraws the batch for gae only (with another estimator it does nothing); use gae")

@@ -11,6 +11,7 @@ options that verl has but meshppo does not support. A path option's (`opt(path=T
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -767,10 +768,32 @@ def resolve_interpolations(cls, data: dict) -> dict:
 
 
 def load_config(cls, path=None, overrides: list[str] = ()):
+    """The config `cls` from the file at `path` and the dotted `overrides`, which records the options
+    they set under the keys they were written as (`given_options`)."""
     data = _verl_composition(read_yaml(path, cls), f"config file {str(path)!r}") if path else {}
     for arg in overrides:
         merge_override(data, *parse_override(arg, cls))
-    return build_dataclass(cls, resolve_interpolations(cls, data))
+    data = resolve_interpolations(cls, data)
+    loading = _LOADING.set(data)  # (for the errors of the build itself: `given_option`)
+    try:
+        cfg = build_dataclass(cls, data)
+    finally:
+        _LOADING.reset(loading)
+    cfg.given_options = copy.deepcopy(data)
+    return cfg
+
+
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("loading", default=None)  # what load_config builds now
+
+
+def given_option(cfg, key: str) -> tuple[bool, Any]:
+    """(whether the config file or the overrides `cfg` was loaded from set the dotted `key`, the value
+    written there), as `load_config` recorded them: by the key as written, before a config moves a
+    value to another of its names (verl's aliases). null is not set; a config built otherwise
+    records nothing. While `load_config` builds the config, its sections (`cfg` any) read what it builds."""
+    given = getattr(cfg, "given_options", None)
+    found, value = _Interpolations._lookup(_LOADING.get() or {} if given is None else given, key.split("."))
+    return found and value is not None, value
 
 
 def to_dict(cfg) -> dict:

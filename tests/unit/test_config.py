@@ -1210,7 +1210,7 @@ def test_a_reward_function_name_without_its_file_is_noted():
     assert _notes_with("custom_reward_function", "custom_reward_function.name=my_score") == [
         f"custom_reward_function.name=my_score {why}"]
     assert _notes_with("custom_reward_function", "reward.custom_reward_function.name=my_score") == [
-        f"custom_reward_function.name=my_score {why}"]
+        f"reward.custom_reward_function.name=my_score {why}"]  # named as the user set it
     assert _notes_with("custom_reward_function", "custom_reward_function.name=compute_score") == []
     assert _notes_with("custom_reward_function", "custom_reward_function.path=x.py",
                        "custom_reward_function.name=my_score") == []

@@ -189,7 +189,9 @@ def test_critic_fsdp_is_verls_newer_name_of_the_critics_fsdp_config():
     assert dataclasses.asdict(newer) == dataclasses.asdict(older) and newer.critic.fsdp is None
     fc = newer.critic.model.fsdp_config
     assert (fc.param_offload, fc.fsdp_size, newer.critic.ulysses_sequence_parallel_size) == (True, -1, 2)
-    assert config_notes(newer) == config_notes(older)  # (fsdp_size 8 over the demo's 2 ranks: the same note)
+    # (fsdp_size 8 over the demo's 2 ranks: the same note, naming the key as set)
+    assert config_notes(newer) == [n.replace("critic.model.fsdp_config.", "critic.fsdp.") for n in config_notes(older)]
+    assert any(n.startswith("critic.fsdp.fsdp_size=8 ") for n in config_notes(newer))
     both = _cfg("critic.fsdp.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true")
     assert both.critic.model.fsdp_config.param_offload and both.critic.model.fsdp_config.optimizer_offload
     with pytest.raises(ConfigError, match=r"^critic.fsdp.model_dtype=bf16 and critic.model.fsdp_config.model_dtype=float32: "
@@ -204,7 +206,14 @@ def test_critic_fsdp_is_verls_newer_name_of_the_critics_fsdp_config():
                "critic.model.fsdp_config.param_offload=true")
     assert dataclasses.asdict(split) == dataclasses.asdict(one)
     assert split.critic.model.fsdp_config.superseded == one.critic.model.fsdp_config.superseded == ["param_offload"]
-    assert config_notes(split) == config_notes(one)
+    assert config_notes(split) == [  # (each named as set)
+        "critic.fsdp.offload_policy=true supersedes critic.model.fsdp_config.param_offload=true (as in verl): "
+        "parameters, gradients and optimizer states stay on CPU for the whole run (FSDP2 CPUOffloadPolicy) and are "
+        "not moved between phases"]
+    assert config_notes(one) == [config_notes(split)[0].replace("critic.fsdp.offload_policy=true supersedes "
+                                                                "critic.model.fsdp_config.param_offload",
+                                                                "critic.model.fsdp_config.offload_policy=true "
+                                                                "supersedes param_offload")]
 
 
 def test_rollout_full_determinism_is_the_process_switch():

@@ -277,3 +277,43 @@ def test_remove_previous_ckpt_in_save_keeps_one_checkpoint_as_in_verl(tmp_path):
         "trainer.max_critic_ckpt_to_keep=3 has no effect: algorithm.adv_estimator=grpo trains no critic"]
     # verl's default, false, changes nothing
     assert dataclasses.asdict(_cfg("+trainer.remove_previous_ckpt_in_save=false")) == dataclasses.asdict(_cfg())
+
+
+def test_notes_and_errors_name_an_option_as_the_user_set_it():
+    """verl's other names of an option (the optimizer's clip_grad / grad_clip, warmup_style, critic.fsdp, the
+    reward section's) resolve to one key; a note or an error names the key the config or command line set
+    (each with its value where several were set), not the one the value ends at."""
+    unbuilt = config_notes(_cfg("critic.optim.clip_grad=0.5", "critic.optim.grad_clip=0.4", "critic.fsdp.fsdp_size=8",
+                                "critic.optim.warmup_style=cosine"))
+    assert unbuilt == ["critic.optim.warmup_style=cosine, critic.fsdp.fsdp_size=8, critic.optim.grad_clip=0.4, "
+                       "critic.optim.clip_grad=0.5 has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    assert config_notes(_cfg("critic.grad_clip=0.4")) == [
+        "critic.grad_clip=0.4 has no effect: algorithm.adv_estimator=grpo trains no critic"]
+    critic = config_notes(_cfg("algorithm.adv_estimator=gae", "critic.fsdp.offload_policy=true",
+                               "critic.fsdp.optimizer_offload=true", "critic.model.fsdp_config.param_offload=true",
+                               "critic.fsdp.fsdp_size=64"))
+    assert critic == [
+        "critic.fsdp.fsdp_size=64 is more than the 2 ranks of this launch: the models shard over all 2 (FULL_SHARD), "
+        "as verl does for an fsdp_size of at least the world size",
+        "critic.fsdp.offload_policy=true supersedes critic.model.fsdp_config.param_offload=true and "
+        "optimizer_offload=true (as in verl): parameters, gradients and optimizer states stay on CPU for the whole run (FSDP2 CPUOffloadPolicy) and "
+        "are not moved between phases"]
+    assert config_notes(_cfg("reward.reward_manager.name=dapo", "reward.reward_kwargs={max_resp_len: 10}")) == [
+        "reward.reward_kwargs.max_resp_len has no effect without reward.reward_kwargs.overlong_buffer_cfg"]
+    assert config_notes(_cfg("reward.reward_model.model_path=/rm")) == [
+        "reward.reward_model.model_path=/rm has no effect: reward_model.enable is false"]
+    assert config_notes(_cfg("reward.reward_model.enable=false", "reward_model.model.path=/rm")) == [
+        "reward_model.model.path=/rm has no effect: reward.reward_model.enable is false"]
+    with pytest.raises(ConfigError, match=r"^reward.reward_kwargs is set \(max_resp_len\) but reward_manager=naive"):
+        _cfg("reward.reward_kwargs={max_resp_len: 10}")
+    with pytest.raises(ConfigError, match=r"^reward.reward_kwargs.overlong_buffer_cfg needs len"):
+        _cfg("reward.reward_manager.name=dapo", "reward.reward_kwargs={max_resp_len: 10, overlong_buffer_cfg: "
+                                                "{enable: false}}")
+    with pytest.raises(ConfigError, match=r"^reward.reward_manager.name=batch calls custom_reward_function"):
+        validate(_cfg("reward.reward_manager.name=batch"), 2, 2)
+    with pytest.raises(ConfigError, match=r"^reward.reward_model.enable=true needs reward_model.model.path"):
+        validate(_cfg("reward.reward_model.enable=true"), 2, 2)
+    # both names set (the same value): both named
+    assert config_notes(_cfg("critic.optim.clip_grad=0.4", "critic.grad_clip=0.4")) == [
+        "critic.optim.clip_grad=0.4, critic.grad_clip=0.4 has no effect: algorithm.adv_estimator=grpo trains no "
+        "critic"]
