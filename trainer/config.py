@@ -943,8 +943,9 @@ def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
     """The leaf options of section `obj` whose values differ from those of `base` (the same section
     as the config would have it without the user's values: defaults, and what `resolve` inherits),
     by dotted key under `prefix`. Options with a `no_effect` (said on their own) or an `unsupported`
-    (refused unless neutral) mark, and the relative keys (options or sections) in `skip`, are left out."""
-    out = {}
+    (refused unless neutral) mark, and the relative keys (options or sections) in `skip`, are left out.
+    An fsdp_config's offloads that its offload_policy turned off (`FSDPOptions.superseded`) are as set: true."""
+    out, superseded = {}, getattr(obj, "superseded", ())
     for f in dataclasses.fields(obj):
         rel = f"{prefix}.{f.name}" if prefix else f.name
         if rel in skip or f.metadata.get("no_effect") or f.metadata.get("unsupported"):
@@ -952,6 +953,8 @@ def _set_options(obj, base, prefix: str = "", skip=()) -> dict:
         value, theirs = getattr(obj, f.name), getattr(base, f.name)
         if dataclasses.is_dataclass(value) and type(value) is type(theirs):
             out.update(_set_options(value, theirs, rel, skip))
+        elif f.name in superseded:
+            out[rel] = True
         elif value != theirs:
             out[rel] = value
     return out

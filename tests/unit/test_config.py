@@ -410,9 +410,16 @@ def test_fsdp_options_of_models_the_run_does_not_build_are_unread():
     cfg = _cfg(f"{c}.offload_policy=true", f"{c}.param_offload=true", f"{c}.fsdp_size=8", f"{r}.offload_policy=true",
                f"{r}.fsdp_size=1")
     validate(cfg, 2, 2)
-    assert config_notes(cfg) == [
-        f"{c}.offload_policy=true, {c}.fsdp_size=8 has no effect: algorithm.adv_estimator=grpo trains no critic",
+    assert config_notes(cfg) == [  # (param_offload too, which offload_policy would supersede: said once)
+        f"{c}.param_offload=true, {c}.offload_policy=true, {c}.fsdp_size=8 has no effect: algorithm.adv_estimator=grpo "
+        "trains no critic",
         f"{r}.offload_policy=true, {r}.fsdp_size=1 has no effect: reward_model.enable is false"]
+    ref = "actor_rollout_ref.ref.fsdp_config"
+    assert config_notes(load_config(PPOConfig, None, [f"{ref}.offload_policy=true", f"{ref}.param_offload=true",
+                                                      f"{r}.offload_policy=true", f"{r}.optimizer_offload=true"])) == [
+        f"{r}.optimizer_offload=true, {r}.offload_policy=true has no effect: reward_model.enable is false",
+        f"{ref}.param_offload=true, {ref}.offload_policy=true has no effect: the run has no reference "
+        "(actor_rollout_ref.actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)"]
     ref = "actor_rollout_ref.ref.fsdp_config"
     lora = _cfg("actor_rollout_ref.model.lora_rank=8", f"{ref}.fsdp_size=1")
     validate(lora, 2, 2)
