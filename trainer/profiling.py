@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.configlib import ConfigError
+from trainer.configlib import ConfigError, given_option
 
 SHARED_TOOL_CONFIG = "actor_rollout_ref.actor.profiler.tool_config"
 
@@ -51,6 +51,47 @@ def _roles(cfg) -> list[tuple[str, object, object]]:
     if cfg.reward_model.enable:
         roles.append(("reward_model", cfg.reward_model.profiler, actor_tc))
     return roles
+
+
+# Where a role's profiler option comes from when the user leaves it null (`PPOConfig.resolve`): the key it
+# inherits, by the option's key relative to the role's `profiler` (the rollout's selection is the actor's).
+_GLOBAL_SOURCES = {"tool": "global_profiler.tool", "save_path": "global_profiler.save_path",
+                   "tool_config.nsys.discrete": "global_profiler.global_tool_config.nsys.discrete",
+                   "tool_config.torch_memory.trace_alloc_max_entries":
+                       "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries",
+                   "tool_config.torch_memory.stack_depth": "global_profiler.global_tool_config.torch_memory.stack_depth"}
+
+
+def _source(role_key: str, rel: str) -> str | None:
+    """The key option `rel` of role `role_key`'s profiler inherits where null, None where it inherits none."""
+    if role_key == "actor_rollout_ref.rollout" and rel in ("enable", "all_ranks", "ranks"):
+        return f"actor_rollout_ref.actor.profiler.{rel}"
+    return _GLOBAL_SOURCES.get(rel)
+
+
+def _lookup(cfg, key: str):
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def setting_key(cfg, role_key: str, rel: str) -> str:
+    """The key that gives option `rel` of role `role_key`'s profiler (`rel` under its profiler; the
+    rollout's and the reward model's tool_config: the actor's) its value: the role's own where its
+    value differs from the one it would inherit, or where the user's config or command line set it and
+    not the key it inherits from (`configlib.given_option`; verl's generated config writes the role's
+    as an interpolation of the global one: both set); else that key (global_profiler's; the rollout's
+    selection: the actor's)."""
+    own = (f"{SHARED_TOOL_CONFIG}{rel[len('tool_config'):]}"
+           if rel.startswith("tool_config.") and role_key in ("actor_rollout_ref.rollout", "reward_model")
+           else f"{role_key}.profiler.{rel}")
+    source = _source(role_key, rel)
+    if source is None:
+        return own
+    if _lookup(cfg, own) != _lookup(cfg, source):
+        return own
+    return own if given_option(cfg, own)[0] and not given_option(cfg, source)[0] else source
 
 
 def _agreed(values: dict[str, object], what: str):
@@ -96,22 +137,25 @@ def profile_plan(cfg) -> ProfilePlan | None:
     enabled = [(key, prof, tc) for key, prof, tc in _roles(cfg) if prof.enable and prof.tool is not None]
     if not enabled or not gp.steps:
         return None
-    tool = _agreed({f"{k}.profiler.tool": p.tool for k, p, _ in enabled}, "tool")
-    save_path = _agreed({f"{k}.profiler.save_path": p.save_path for k, p, _ in enabled}, "save_path")
+    tool = _agreed({setting_key(cfg, k, "tool"): p.tool for k, p, _ in enabled}, "tool")
+    save_path = _agreed({setting_key(cfg, k, "save_path"): p.save_path for k, p, _ in enabled}, "save_path")
     ranks = frozenset(r for _, p, _ in enabled for r in (p.ranks or ([] if p.all_ranks else [0])))
     common = dict(tool=tool, steps=frozenset(gp.steps), continuous=gp.profile_continuous_steps,
                   all_ranks=any(p.all_ranks for _, p, _ in enabled), ranks=ranks, save_path=save_path)
-    tcs = {_tool_config_key(k): tc for k, _, tc in enabled}
+    tcs = {_tool_config_key(k): (k, tc) for k, _, tc in enabled}
     if tool == "torch":
-        discrete = _agreed({f"{k}.torch.discrete": tc.torch.discrete for k, tc in tcs.items()}, "torch discrete mode")
-        return ProfilePlan(**common, discrete=discrete,
-                           contents=frozenset(c for tc in tcs.values() for c in (tc.torch.contents or ["cpu", "cuda"])))
+        discrete = _agreed({f"{k}.torch.discrete": tc.torch.discrete for k, (_, tc) in tcs.items()},
+                           "torch discrete mode")
+        return ProfilePlan(**common, discrete=discrete, contents=frozenset(
+            c for _, tc in tcs.values() for c in (tc.torch.contents or ["cpu", "cuda"])))
     if tool == "nsys":
-        discrete = _agreed({f"{k}.nsys.discrete": tc.nsys.discrete for k, tc in tcs.items()}, "nsys discrete mode")
+        discrete = _agreed({setting_key(cfg, role, "tool_config.nsys.discrete"): tc.nsys.discrete
+                            for role, tc in tcs.values()}, "nsys discrete mode")
         return ProfilePlan(**common, discrete=discrete)
     mem = gp.global_tool_config.torch_memory
-    max_entries = _agreed({f"{k}.torch_memory.trace_alloc_max_entries": tc.torch_memory.trace_alloc_max_entries
-                           for k, tc in tcs.items()}, "torch_memory trace_alloc_max_entries")
+    max_entries = _agreed({setting_key(cfg, role, "tool_config.torch_memory.trace_alloc_max_entries"):
+                           tc.torch_memory.trace_alloc_max_entries for role, tc in tcs.values()},
+                          "torch_memory trace_alloc_max_entries")
     return ProfilePlan(**common, max_entries=max_entries, context=mem.context, stacks=mem.stacks,
                        kw_args=tuple(sorted(mem.kw_args.items())))
 
@@ -167,6 +211,11 @@ def _tool_config_key(role_key: str) -> str:
         f"{role_key}.profiler.tool_config"
 
 
+def _keys_set(cfg, role_keys: list[str], rel: str) -> str:
+    """The keys that set option `rel` of the profilers of roles `role_keys` (`setting_key`), each once."""
+    return ", ".join(dict.fromkeys(setting_key(cfg, k, rel) for k in role_keys))
+
+
 def profiling_notes(cfg) -> list[str]:
     """Start-up notes: profiler settings that profile nothing or have no effect."""
     gp, notes = cfg.global_profiler, []
@@ -182,15 +231,18 @@ def profiling_notes(cfg) -> list[str]:
         notes.append(f"global_profiler.tool={tool}: no role's profiler.enable is true, nothing is profiled (as in "
                      "verl: set e.g. actor_rollout_ref.actor.profiler.enable=true)")
     elif enabled and not gp.steps:
-        notes.append(f"{', '.join(f'{k}.profiler.enable' for k in enabled)}: global_profiler.steps is "
+        notes.append(f"{_keys_set(cfg, enabled, 'enable')}: global_profiler.steps is "
                      f"{'null' if gp.steps is None else list(gp.steps)}, nothing is profiled (as in verl: list the "
                      "steps)")
     untooled = [(k, p) for k, p, _ in roles if p.enable and p.tool is None]
     if gp.steps and tool is None and not untooled:
-        notes.append(f"global_profiler.steps={list(gp.steps)} has no effect: no profiler tool is set "
-                     "(global_profiler.tool) and no role's profiler.enable is true: nothing is profiled")
+        tooled = {setting_key(cfg, k, "tool"): p.tool for k, p, _ in roles if p.tool is not None}
+        why = (f"no role's profiler.enable is true ({', '.join(f'{k}={v}' for k, v in tooled.items())} names a tool "
+               "for a role not enabled)" if tooled else
+               "no profiler tool is set (global_profiler.tool) and no role's profiler.enable is true")
+        notes.append(f"global_profiler.steps={list(gp.steps)} has no effect: {why}: nothing is profiled")
     if untooled and not enabled:
-        notes.append(f"{', '.join(f'{k}.profiler.enable' for k, _ in untooled)}=true but no tool is set "
+        notes.append(f"{_keys_set(cfg, [k for k, _ in untooled], 'enable')}=true but no tool is set "
                      "(global_profiler.tool): nothing is profiled")
     plan = profile_plan(cfg)
     for key, prof in untooled if plan is not None and not plan.all_ranks else []:
@@ -198,7 +250,7 @@ def profiling_notes(cfg) -> list[str]:
         extra = sorted(set(prof.ranks or [0]) - plan.ranks)
         missing = "every rank" if prof.all_ranks else ", ".join(map(str, extra))
         if missing:
-            notes.append(f"{key}.profiler.enable=true but no tool is set ({key}.profiler.tool, "
+            notes.append(f"{setting_key(cfg, key, 'enable')}=true but no tool is set ({key}.profiler.tool, "
                          f"global_profiler.tool): its ranks are not profiled ({missing}; the profiled ranks are "
                          f"{', '.join(map(str, sorted(plan.ranks)))})")
     present = {k for k, _, _ in roles}
@@ -210,20 +262,30 @@ def profiling_notes(cfg) -> list[str]:
     note = unreached_steps_note(plan, total, ", trainer.total_training_steps") if total else None
     if note:
         notes.append(note)
+    profiled = {_tool_config_key(k): (k, tc) for k, p, tc in roles if p.enable and p.tool is not None}
     if plan is not None and plan.tool == "torch":
-        unread = sorted(plan.contents & {"profile-by-stage", "merge-profiles"})
-        if unread:
-            notes.append(f"torch profiler contents {', '.join(unread)} have no effect: they are verl's sglang "
-                         "server's, meshppo generates in-process")
+        for key, (_, tc) in profiled.items():
+            unread = [c for c in tc.torch.contents if c in ("profile-by-stage", "merge-profiles")]
+            if unread:
+                one = len(unread) == 1
+                notes.append(f"{key}.torch.contents {', '.join(unread)} ha{'s' if one else 've'} no effect: "
+                             f"{'it is' if one else 'they are'} verl's sglang server's, meshppo generates in-process")
     if plan is not None and plan.discrete and plan.continuous:
-        notes.append(f"global_profiler.profile_continuous_steps=true has no effect with {plan.tool} discrete=true: "
+        keys = ([f"{key}.torch.discrete" for key in profiled] if plan.tool == "torch" else
+                list(dict.fromkeys(setting_key(cfg, k, "tool_config.nsys.discrete") for k, _ in profiled.values())))
+        notes.append(f"global_profiler.profile_continuous_steps=true has no effect with {', '.join(keys)}=true: "
                      "each phase has its own " + ("trace" if plan.tool == "torch" else "capture range"))
-    if plan is not None and plan.tool == "torch_memory":
-        depths = {gp.global_tool_config.torch_memory.stack_depth}
-        depths |= {tc.torch_memory.stack_depth for k, p, tc in roles if p.enable}
-        if depths != {32}:
-            notes.append("torch_memory stack_depth has no effect: torch's _record_memory_history takes no stack "
-                         "depth (it keeps whole stacks; verl passes it only where torch takes it)")
+    depths = {"global_profiler.global_tool_config.torch_memory.stack_depth":
+              gp.global_tool_config.torch_memory.stack_depth}
+    depths = {k: v for k, v in depths.items() if v != 32}  # (verl's default)
+    for role, _, tc in roles:  # a role's own, not the global one it inherits
+        key = setting_key(cfg, role, "tool_config.torch_memory.stack_depth")
+        if not key.startswith("global_profiler."):
+            depths[key] = tc.torch_memory.stack_depth
+    if depths:
+        notes.append(f"{', '.join(f'{k}={v}' for k, v in depths.items())} has no effect: torch's "
+                     "_record_memory_history takes no stack depth (it keeps whole stacks; verl passes it only where "
+                     "torch takes it)")
     npu = [f"{k}.profiler.tool_config.npu" for k, p in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.profiler),
                                                        ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.profiler),
                                                        ("critic", cfg.critic.profiler))

@@ -64,9 +64,8 @@ def test_nothing_without_steps_or_enabled_roles_is_a_note():
     for steps in ("null", "[]"):  # said as a config writes them (not Python's None)
         cfg = _cfg("global_profiler.tool=torch", f"global_profiler.steps={steps}", f"{ACTOR}.enable=true")
         assert profile_plan(cfg) is None
-        assert config_notes(cfg) == [
-            f"{ACTOR}.enable, actor_rollout_ref.rollout.profiler.enable: global_profiler.steps is {steps}, nothing is "
-            "profiled (as in verl: list the steps)"]
+        assert config_notes(cfg) == [  # (the rollout's enable, the actor's copy: not named)
+            f"{ACTOR}.enable: global_profiler.steps is {steps}, nothing is profiled (as in verl: list the steps)"]
     notes = config_notes(_cfg("global_profiler.tool=torch", "global_profiler.steps=[1]", f"{ACTOR}.enable=true",
                               "critic.profiler.enable=true"))
     assert "critic.profiler.enable=true has no effect: the run has no critic" in notes
@@ -91,6 +90,43 @@ def test_steps_without_a_tool_or_an_enabled_role_are_a_note():
         assert len(notes) == 1 and "global_profiler.steps=[1] has no effect" not in notes[0], notes
 
 
+def test_profiler_notes_name_the_key_set_and_what_it_does():
+    """A profiler note names the key the config or command line set: a role's own option, or the global_profiler
+    one the role inherits (not the role's copy of it), and says what is unread: stack_depth at any tool, verl's
+    sglang contents, the discrete switch that makes profile_continuous_steps unread, a tool named for a role not
+    enabled."""
+    tm, mem = "global_profiler.global_tool_config.torch_memory", f"{ACTOR}.tool_config.torch_memory"
+    why = ("has no effect: torch's _record_memory_history takes no stack depth (it keeps whole stacks; verl passes "
+           "it only where torch takes it)")
+    on = ("global_profiler.steps=[1, 2]", f"{ACTOR}.enable=true")
+    assert config_notes(_cfg(*on, "global_profiler.tool=torch_memory", f"{tm}.stack_depth=16")) == [
+        f"{tm}.stack_depth=16 {why}"]  # (the roles inherit it: not named)
+    assert config_notes(_cfg(*on, "global_profiler.tool=torch_memory", f"{mem}.stack_depth=16")) == [
+        f"{mem}.stack_depth=16 {why}"]
+    assert config_notes(_cfg(*on, "global_profiler.tool=torch", f"{tm}.stack_depth=16", f"{mem}.stack_depth=8")) == [
+        f"{tm}.stack_depth=16, {mem}.stack_depth=8 {why}"]  # (unread with any tool)
+    assert config_notes(_cfg(*on, "global_profiler.tool=torch", f"{ACTOR}.tool_config.torch.contents=[cpu,merge-profiles]")) == [
+        f"{ACTOR}.tool_config.torch.contents merge-profiles has no effect: it is verl's sglang server's, meshppo "
+        "generates in-process"]
+    continuous = "global_profiler.profile_continuous_steps=true has no effect with"
+    assert config_notes(_cfg(*on, "global_profiler.tool=torch", f"{ACTOR}.tool_config.torch.discrete=true",
+                             "global_profiler.profile_continuous_steps=true")) == [
+        f"{continuous} {ACTOR}.tool_config.torch.discrete=true: each phase has its own trace"]
+    assert config_notes(_cfg(*on, "global_profiler.tool=nsys", "global_profiler.global_tool_config.nsys.discrete=true",
+                             "global_profiler.profile_continuous_steps=true")) == [
+        f"{continuous} global_profiler.global_tool_config.nsys.discrete=true: each phase has its own capture range"]
+    assert config_notes(_cfg(*on, "global_profiler.tool=nsys", f"{ACTOR}.tool_config.nsys.discrete=true",
+                             "global_profiler.profile_continuous_steps=true")) == [
+        f"{continuous} {ACTOR}.tool_config.nsys.discrete=true: each phase has its own capture range"]
+    assert config_notes(_cfg("global_profiler.steps=[1]", f"{ACTOR}.tool=torch")) == [
+        f"global_profiler.steps=[1] has no effect: no role's profiler.enable is true ({ACTOR}.tool=torch names a tool "
+        "for a role not enabled): nothing is profiled"]
+    # an error between roles names the key each value comes from: the global tool, the reference's own
+    with pytest.raises(ConfigError, match=r"^global_profiler.tool='torch', actor_rollout_ref.ref.profiler.tool='nsys': "):
+        profile_plan(_cfg(*on, "global_profiler.tool=torch", "actor_rollout_ref.ref.profiler.enable=true",
+                          "actor_rollout_ref.ref.profiler.tool=nsys"))
+
+
 def test_listed_steps_after_the_last_are_a_note():
     profiled = ("global_profiler.tool=torch", f"{ACTOR}.enable=true")
     cfg = _cfg(*profiled, "global_profiler.steps=[2, 5, 7]", "trainer.total_training_steps=2")
@@ -111,8 +147,10 @@ def test_listed_steps_after_the_last_are_a_note():
 def test_an_enabled_role_without_a_tool_is_a_note():
     cfg = _cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true")
     assert profile_plan(cfg) is None
-    assert ("actor_rollout_ref.actor.profiler.enable, actor_rollout_ref.rollout.profiler.enable=true but no tool is "
-            "set (global_profiler.tool): nothing is profiled") in config_notes(cfg)
+    assert config_notes(cfg) == ["actor_rollout_ref.actor.profiler.enable=true but no tool is set "
+                                 "(global_profiler.tool): nothing is profiled"]
+    assert config_notes(_cfg("global_profiler.steps=[2]", "actor_rollout_ref.rollout.profiler.enable=true")) == [
+        "actor_rollout_ref.rollout.profiler.enable=true but no tool is set (global_profiler.tool): nothing is profiled"]
     # with a role that has a tool, the whole step is profiled on its ranks: a role without one only
     # misses the ranks it would add
     cfg = _cfg("global_profiler.steps=[2]", f"{ACTOR}.enable=true", f"{ACTOR}.tool=torch")
