@@ -2396,7 +2396,8 @@ def _run_notes(cfg: PPOConfig) -> list[str]:
     on = [k for k, fc in sections.items() if fc.full_determinism]
     off = [k for k, fc in sections.items() if k.endswith(".fsdp_config") and not fc.full_determinism]
     if on and off:  # (the servers' switches, verl's rollout's and reward model's, are named only where set)
-        notes.append(f"{', '.join(f'{k}.full_determinism' for k in on)}=true makes every role deterministic: the "
+        notes.append(f"{', '.join(given_name(cfg, f'{k}.full_determinism') for k in on)}=true makes every role "
+                     "deterministic: the "
                      f"roles share their processes (also {', '.join(off)})")
     if not cfg.reward_model.enable and cfg.reward.reward_model.rollout.full_determinism:
         notes.append("reward.reward_model.rollout.full_determinism=true has no effect: reward_model.enable is false "

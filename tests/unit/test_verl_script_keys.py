@@ -317,3 +317,6 @@ def test_notes_and_errors_name_an_option_as_the_user_set_it():
     assert config_notes(_cfg("critic.optim.clip_grad=0.4", "critic.grad_clip=0.4")) == [
         "critic.optim.clip_grad=0.4, critic.grad_clip=0.4 has no effect: algorithm.adv_estimator=grpo trains no "
         "critic"]
+    assert config_notes(_cfg("algorithm.adv_estimator=gae", "critic.fsdp.full_determinism=true")) == [
+        "critic.fsdp.full_determinism=true makes every role deterministic: the roles share their processes (also "
+        "actor_rollout_ref.actor.fsdp_config, actor_rollout_ref.ref.fsdp_config)"]
