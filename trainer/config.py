@@ -1015,7 +1015,12 @@ _SPELLINGS = {
     **{f"{role}.grad_clip": (f"{role}.optim.grad_clip", f"{role}.optim.clip_grad", f"{role}.grad_clip")
        for role in ("actor_rollout_ref.actor", "critic")},
     **{f"{role}.optim.lr_scheduler_type": (f"{role}.optim.warmup_style", f"{role}.optim.lr_scheduler_type")
-       for role in ("actor_rollout_ref.actor", "critic")}}
+       for role in ("actor_rollout_ref.actor", "critic")},
+    # verl's deprecated global micro-batch sizes (`_per_gpu_micro_batch`: the per-GPU one is it over the ranks)
+    **{f"{role}.{name}_per_gpu": (f"{role}.{name}_per_gpu", f"{role}.{name}") for role, name in (
+        ("actor_rollout_ref.actor", "ppo_micro_batch_size"), ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
+        ("actor_rollout_ref.ref", "log_prob_micro_batch_size"), ("critic", "ppo_micro_batch_size"),
+        ("critic", "forward_micro_batch_size"), ("reward_model", "micro_batch_size"))}}
 
 
 def _spellings(key: str) -> tuple:
@@ -1030,15 +1035,14 @@ def _spellings(key: str) -> tuple:
 
 def as_set(cfg, key: str, value) -> str:
     """`key=value` as a note or an error names option `key` of the config `cfg`, whose value is `value`:
-    by the name the user's config file or command line set it under (verl's other names of it:
-    `_spellings`), each with the value written there where several were set; `key` where none was
-    (a config not loaded by `load_config` records none: `configlib.given_option`)."""
+    by the names the user's config file or command line set it under (verl's other names of it:
+    `_spellings`), another name with the value written there (a global micro-batch size is not the
+    per-GPU one); `key=value` where none was (a config not loaded by `load_config` records none:
+    `configlib.given_option`)."""
     given = [(name, v) for name in _spellings(key) for found, v in [given_option(cfg, name)] if found]
     if not given:
         return f"{key}={shown(value)}"
-    if len(given) == 1:
-        return f"{given[0][0]}={shown(value)}"
-    return ", ".join(f"{name}={shown(v)}" for name, v in given)
+    return ", ".join(f"{name}={shown(value if name == key else v)}" for name, v in given)
 
 
 def given_name(cfg, key: str) -> str:
@@ -1053,6 +1057,13 @@ def _short_name(cfg, section_key: str, name: str, beside: str) -> str:
     key as set (`given_name`: verl's other name of the section)."""
     given = given_name(cfg, f"{section_key}.{name}")
     return name if given.rsplit(".", 1)[0] == given_name(cfg, f"{section_key}.{beside}").rsplit(".", 1)[0] else given
+
+
+def _per_gpu_size(cfg, key: str, size: int) -> str:
+    """Per-GPU micro-batch size option `key`, of value `size`, as an error names it: `key (size)`, or the
+    global size the user set (`as_set`) with the per-GPU size it gives."""
+    name = given_name(cfg, key)
+    return f"{key} ({size})" if name == key else f"{as_set(cfg, key, size)} ({size} per GPU)"
 
 
 def said_key(cfg, key: str) -> str:
@@ -2718,7 +2729,7 @@ def _micro_batch_size_notes(cfg: PPOConfig, forwards: list) -> list[str]:
     if rm.enable and rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is not None:
         unread.append(("reward_model.use_dynamic_bsz=true",
                        {"reward_model.micro_batch_size_per_gpu": rm.micro_batch_size_per_gpu}))
-    return [f"{_listed(sizes)} has no effect: {switch} (its micro-batches are packed by token budget)"
+    return [f"{_listed(sizes, cfg)} has no effect: {switch} (its micro-batches are packed by token budget)"
             for switch, sizes in unread]
 
 
@@ -2935,7 +2946,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
             raise ConfigError("set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu or use_dynamic_bsz=true")
         if per_group % micro:
             raise ConfigError(f"sequences per {who} per mini-batch ({per_group}) must be a multiple of "
-                              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})")
+                              f"{_per_gpu_size(cfg, 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu', micro)}")
     # the log-prob forwards, as the actor's update (and verl): a size, or dynamic batching; else a
     # rank's whole share would be one micro-batch (null sizes inherit the actor's, null with its
     # use_dynamic_bsz=true; the reward model's: _validate_reward_model)
@@ -3031,7 +3042,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                 raise ConfigError("set critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true")
             if per_group % cmicro:
                 raise ConfigError(f"critic sequences per {who} per mini-batch ({per_group}) must be a multiple of "
-                                  f"critic.ppo_micro_batch_size_per_gpu ({cmicro})")
+                                  f"{_per_gpu_size(cfg, 'critic.ppo_micro_batch_size_per_gpu', cmicro)}")
         keep, actor_keep = cfg.trainer.max_critic_ckpt_to_keep, cfg.trainer.max_actor_ckpt_to_keep
         if keep is not None and keep != actor_keep:
             raise ConfigError(f"trainer.max_critic_ckpt_to_keep={keep} differs from trainer.max_actor_ckpt_to_keep="

@@ -1127,7 +1127,7 @@ def test_reward_model_options_without_a_reward_model_are_noted():
     assert _notes_with("reward_model.enable is false", "reward_model.model.path=/rm", "reward_model.micro_batch_size=4",
                        "reward_model.model.input_tokenizer=null", "reward_model.combine=add") == [
         "reward_model.model.path=/rm, reward_model.model.input_tokenizer=null, "
-        "reward_model.micro_batch_size_per_gpu=2, reward_model.combine=add has no effect: reward_model.enable is false"]
+        "reward_model.micro_batch_size=4, reward_model.combine=add has no effect: reward_model.enable is false"]  # as set
     assert _notes_with("reward_model", "reward_model.reward_manager=batch", "custom_reward_function.path=x.py",
                        "reward_model.reward_kwargs.scale=2", "global_profiler.tool=torch",
                        "global_profiler.save_path=/p", "reward_model.strategy=fsdp2",

@@ -320,3 +320,23 @@ def test_notes_and_errors_name_an_option_as_the_user_set_it():
     assert config_notes(_cfg("algorithm.adv_estimator=gae", "critic.fsdp.full_determinism=true")) == [
         "critic.fsdp.full_determinism=true makes every role deterministic: the roles share their processes (also "
         "actor_rollout_ref.actor.fsdp_config, actor_rollout_ref.ref.fsdp_config)"]
+
+
+def test_a_global_micro_batch_size_is_named_as_set():
+    """verl's deprecated global micro-batch sizes become the per-GPU ones (over the demo's 2 ranks); a note or an
+    error names the global key with the value written, not the per-GPU key the user did not set."""
+    assert config_notes(_cfg("critic.ppo_micro_batch_size=16", "critic.forward_micro_batch_size=8")) == [
+        "critic.ppo_micro_batch_size=16, critic.forward_micro_batch_size=8 has no effect: algorithm.adv_estimator=grpo "
+        "trains no critic"]
+    a = "actor_rollout_ref.actor"
+    assert config_notes(_cfg(f"{a}.use_dynamic_bsz=true", f"{a}.ppo_micro_batch_size_per_gpu=null",
+                             f"{a}.ppo_micro_batch_size=16")) == [
+        f"{a}.ppo_micro_batch_size=16 has no effect: {a}.use_dynamic_bsz=true (its micro-batches are packed by token "
+        "budget)"]
+    with pytest.raises(ConfigError, match=rf"^sequences per rank per mini-batch \(64\) must be a multiple of "
+                                          rf"{a}.ppo_micro_batch_size=6 \(3 per GPU\)$"):
+        validate(_cfg(f"{a}.ppo_micro_batch_size_per_gpu=null", f"{a}.ppo_micro_batch_size=6"))
+    with pytest.raises(ConfigError, match=r"must be a multiple of critic.ppo_micro_batch_size=6 \(3 per GPU\)$"):
+        validate(_cfg("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=6"))
+    with pytest.raises(ConfigError, match=rf"must be a multiple of {a}.ppo_micro_batch_size_per_gpu \(3\)$"):
+        validate(_cfg(f"{a}.ppo_micro_batch_size_per_gpu=3"))
