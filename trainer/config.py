@@ -1017,6 +1017,13 @@ _SPELLINGS = {
     **{f"{role}.optim.lr_scheduler_type": (f"{role}.optim.warmup_style", f"{role}.optim.lr_scheduler_type")
        for role in ("actor_rollout_ref.actor", "critic")},
     # verl's deprecated global micro-batch sizes (`_per_gpu_micro_batch`: the per-GPU one is it over the ranks)
+    # verl's copy of a role's Ulysses size in its fsdp_config (`_sp_copy`; 1 there leaves the role's: not set)
+    **{f"{role}.ulysses_sequence_parallel_size": (f"{role}.ulysses_sequence_parallel_size",
+                                                  *(f"{fsdp}.ulysses_sequence_parallel_size" for fsdp in sections))
+       for role, sections in (("actor_rollout_ref.actor", ["actor_rollout_ref.actor.fsdp_config"]),
+                              ("actor_rollout_ref.ref", ["actor_rollout_ref.ref.fsdp_config"]),
+                              ("critic", ["critic.model.fsdp_config", "critic.fsdp"]),
+                              ("reward_model", ["reward_model.model.fsdp_config"]))},
     **{f"{role}.{name}_per_gpu": (f"{role}.{name}_per_gpu", f"{role}.{name}") for role, name in (
         ("actor_rollout_ref.actor", "ppo_micro_batch_size"), ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
         ("actor_rollout_ref.ref", "log_prob_micro_batch_size"), ("critic", "ppo_micro_batch_size"),
@@ -1033,13 +1040,24 @@ def _spellings(key: str) -> tuple:
     return (key,)
 
 
+def _given_spellings(cfg, key: str) -> list[tuple[str, object]]:
+    """(name, value written) of each name of option `key` (`_spellings`) that the user's config file or
+    command line set (`configlib.given_option`), in verl's order; an fsdp_config's Ulysses size of 1,
+    which leaves the role's own (`_sp_copy`), is not counted as setting it."""
+    def leaves_it(name, value):
+        return name != key and name.endswith(".ulysses_sequence_parallel_size") and value == 1
+
+    return [(name, v) for name in _spellings(key) for found, v in [given_option(cfg, name)]
+            if found and not leaves_it(name, v)]
+
+
 def as_set(cfg, key: str, value) -> str:
     """`key=value` as a note or an error names option `key` of the config `cfg`, whose value is `value`:
     by the names the user's config file or command line set it under (verl's other names of it:
     `_spellings`), another name with the value written there (a global micro-batch size is not the
     per-GPU one); `key=value` where none was (a config not loaded by `load_config` records none:
     `configlib.given_option`)."""
-    given = [(name, v) for name in _spellings(key) for found, v in [given_option(cfg, name)] if found]
+    given = _given_spellings(cfg, key)
     if not given:
         return f"{key}={shown(value)}"
     return ", ".join(f"{name}={shown(value if name == key else v)}" for name, v in given)
@@ -1048,7 +1066,7 @@ def as_set(cfg, key: str, value) -> str:
 def given_name(cfg, key: str) -> str:
     """The name the user's config file or command line set option `key` of the config `cfg` under
     (`as_set`; the first verl reads where several were set), `key` where none was."""
-    return next((name for name in _spellings(key) if given_option(cfg, name)[0]), key)
+    return next((name for name, _ in _given_spellings(cfg, key)), key)
 
 
 def _short_name(cfg, section_key: str, name: str, beside: str) -> str:
@@ -1069,8 +1087,7 @@ def _per_gpu_size(cfg, key: str, size: int) -> str:
 def said_key(cfg, key: str) -> str:
     """Option `key` of the config `cfg` as a note names it without its value: the names the user set it
     under (`as_set`), joined by "and"; `key` where none was."""
-    given = [name for name in _spellings(key) if given_option(cfg, name)[0]]
-    return " and ".join(given) if given else key
+    return " and ".join(name for name, _ in _given_spellings(cfg, key)) or key
 
 
 # verl's rollout.logprobs_mode values (vLLM's): log-probs or logits, before (raw) or after (processed)
@@ -2132,7 +2149,7 @@ def _sp_copy(key: str, role, fsdp) -> None:
         return
     fsdp_key = "critic.model" if key == "critic" else "reward_model.model" if key == "reward_model" else key
     if mine not in (None, 1, copy):
-        raise ConfigError(f"{fsdp_key}.fsdp_config.ulysses_sequence_parallel_size={copy} differs from "
+        raise ConfigError(f"{given_name(role, f'{fsdp_key}.fsdp_config.ulysses_sequence_parallel_size')}={copy} differs from "
                           f"{key}.ulysses_sequence_parallel_size={mine}: both set the role's Ulysses group size; set "
                           "one of them, or both the same")
     role.ulysses_sequence_parallel_size = copy
@@ -2212,11 +2229,12 @@ def _validate_sequence_parallel(cfg: PPOConfig, world_size: int, per_node: int) 
                       cfg.reward_model.model.use_remove_padding))
     for key, size, model_key, packed in roles:
         try:
-            check_sequence_parallel(f"{key}.ulysses_sequence_parallel_size", size, world_size, per_node)
+            check_sequence_parallel(given_name(cfg, f"{key}.ulysses_sequence_parallel_size"), size, world_size, per_node)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if size > 1 and not packed:
-            raise ConfigError(f"{key}.ulysses_sequence_parallel_size={size} with {model_key}.use_remove_padding=false: "
+            raise ConfigError(f"{as_set(cfg, f'{key}.ulysses_sequence_parallel_size', size)} with "
+                              f"{model_key}.use_remove_padding=false: "
                               "sequence parallelism shards the packed (padding-free) layout; set it to true")
     if arr.actor.use_prefix_grouper and not arr.model.use_remove_padding:
         raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true with "

@@ -340,3 +340,19 @@ def test_a_global_micro_batch_size_is_named_as_set():
         validate(_cfg("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=6"))
     with pytest.raises(ConfigError, match=rf"must be a multiple of {a}.ppo_micro_batch_size_per_gpu \(3\)$"):
         validate(_cfg(f"{a}.ppo_micro_batch_size_per_gpu=3"))
+
+
+def test_a_ulysses_size_set_in_fsdp_config_is_named_there():
+    """verl's copy of a role's Ulysses size in its fsdp_config (critic.fsdp's too) sets the role's: an error names
+    the key the user set, and a copy of 1 (which leaves the role's) is not named."""
+    a = "actor_rollout_ref.actor"
+    with pytest.raises(ConfigError, match=rf"^{a}.fsdp_config.ulysses_sequence_parallel_size=2 with "
+                                          r"actor_rollout_ref.model.use_remove_padding=false: "):
+        validate(_cfg(f"{a}.fsdp_config.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"))
+    with pytest.raises(ConfigError, match=r"^critic.fsdp.ulysses_sequence_parallel_size=3 does not divide the 2 ranks"):
+        validate(_cfg("algorithm.adv_estimator=gae", "critic.fsdp.ulysses_sequence_parallel_size=3"))
+    with pytest.raises(ConfigError, match=rf"^{a}.ulysses_sequence_parallel_size=3 does not divide the 2 ranks"):
+        validate(_cfg(f"{a}.ulysses_sequence_parallel_size=3", f"{a}.fsdp_config.ulysses_sequence_parallel_size=1"))
+    with pytest.raises(ConfigError, match=r"^critic.fsdp.ulysses_sequence_parallel_size=2 differs from "
+                                          r"critic.ulysses_sequence_parallel_size=4: "):
+        _cfg("critic.fsdp.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=4")
