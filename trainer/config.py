@@ -2279,10 +2279,11 @@ def config_notes(cfg, prefix: str = "", unbuilt: tuple = (), top=None) -> list[s
         if getattr(value, "grad_clip_note", None) and acts:  # the actor's and the critic's (`_resolve_grad_clip`)
             notes.append(value.grad_clip_note)
         if isinstance(value, FSDPOptions) and value.superseded and acts:
+            frozen = key.startswith(("actor_rollout_ref.ref.", "reward_model."))  # (no gradients, no optimizer)
             notes.append(f"{as_set(top, f'{key}.offload_policy', True)} supersedes "
                          f"{' and '.join(_short_name(top, key, k, 'offload_policy') + '=true' for k in value.superseded)} "
-                         "(as in verl): parameters, gradients and optimizer states stay on CPU for the whole run "
-                         "(FSDP2 CPUOffloadPolicy) and are not moved between phases")
+                         f"(as in verl): {'its parameters stay' if frozen else 'parameters, gradients and optimizer states stay'} "
+                         "on CPU for the whole run (FSDP2 CPUOffloadPolicy) and are not moved between phases")
         if dataclasses.is_dataclass(value):
             notes.extend(config_notes(value, f"{key}.", unbuilt, top))
     return notes

@@ -399,6 +399,10 @@ def test_offload_policy_supersedes_the_manual_offloads():
         "gradients and optimizer states stay on CPU for the whole run (FSDP2 CPUOffloadPolicy) and are not moved "
         "between phases"]
     assert config_notes(_cfg(f"{key}.offload_policy=true")) == []
+    ref = "actor_rollout_ref.ref.fsdp_config"  # a frozen model (the demo's KL reference): parameters only
+    assert config_notes(_cfg(f"{ref}.offload_policy=true", f"{ref}.param_offload=true")) == [
+        f"{ref}.offload_policy=true supersedes param_offload=true (as in verl): its parameters stay on CPU for the whole "
+        "run (FSDP2 CPUOffloadPolicy) and are not moved between phases"]
 
 
 def test_fsdp_options_of_models_the_run_does_not_build_are_unread():
