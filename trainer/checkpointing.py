@@ -807,7 +807,7 @@ class CheckpointManager:
                     raise UserError(f"checkpoint {path!r} has no {name} {item!r} (it holds {saved[name]}, the "
                                     f"save_contents of the run that wrote it): drop {item!r} from "
                                     f"{key}.load_contents to start it fresh, or resume another checkpoint")
-                if item not in wanted:
+                if item not in wanted and not keep_progress:  # (a rollback loads model and optimizer, never extra)
                     rng = ", RNG as seeded" if (name, item) == ("actor", "extra") else ""
                     fresh.append(f"{name} {item} ({FRESH[item]}{rng})")
         loaded = [name for name in self.states

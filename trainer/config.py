@@ -413,9 +413,8 @@ class CheckpointConfig:
         None, "what a resume loads of this model (trainer.resume_mode auto or resume_path; under any mode, also "
               "disable, a restart of the launch resuming its own newest checkpoint); the rest starts fresh: without "
               "model the weights of the model path, without optimizer an empty optimizer state, without extra a new "
-              "LR schedule (and RNG). A KL-guard rollback (algorithm.kl_guard) loads the model and optimizer listed "
-              "here and leaves one not listed as it is (a model without model is not rolled back), never extra: "
-              "the LR schedules and RNG carry on. hf_model loads nothing (as in verl). An item the checkpoint lacks "
+              "LR schedule (and RNG). A KL-guard rollback (algorithm.kl_guard) loads model and optimizer, which "
+              "it needs listed here (and in save_contents), never extra: the LR schedules and RNG carry on. hf_model loads nothing (as in verl). An item the checkpoint lacks "
               "is an error. null: save_contents (verl's ${.save_contents})")
     strict: bool = opt(True, "verl: strict checks of its Megatron checkpoints' Hugging Face export",
                        no_effect="verl reads it in its Megatron checkpoint manager only; its FSDP workers, as meshppo, "

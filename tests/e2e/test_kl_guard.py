@@ -177,3 +177,21 @@ def test_rollback_keeps_the_lowered_learning_rate_and_the_schedule_position(tiny
     state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
     assert state["actor_sched"]["last_epoch"] == 5
     assert state["actor_sched"]["base_lrs"] == pytest.approx([5e-3])
+
+
+
+def test_a_rollback_does_not_say_that_extra_starts_fresh(tiny_assets, tmp_path, capsys, monkeypatch):
+    """A rollback loads the model and optimizer and never extra (the LR schedule and RNG carry on):
+    with extra left out of load_contents it said 'starting fresh: actor extra (LR schedule from its
+    start, ...)', a resume's words, though the schedule went on (its position: the run's steps)."""
+    import json
+
+    _scripted_kl(monkeypatch, KL_SCRIPT)
+    run = tmp_path / "e"
+    code, err = _run(tiny_assets, run, capsys, *ROLLBACK_AT_4, "algorithm.kl_guard.warn_action=warn",
+                     "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer]")
+    assert code == 0, err
+    assert [row.get("kl_guard/action") for row in read_metrics(run)] == [None, None, "warn", "rollback", None]
+    assert "rolled back the models to" in err and "starting fresh" not in err
+    state = json.loads((run / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
+    assert state["actor_sched"]["last_epoch"] == 5

@@ -760,16 +760,16 @@ def test_refused_settings_that_would_waste_or_break_a_run():
 
 def test_load_contents_help_says_what_reads_it_besides_a_resume():
     """checkpoint.load_contents is read by every load of a checkpoint (CheckpointManager.load): a resume, a
-    restart of the launch under any resume_mode (disable too), and a KL-guard rollback, which loads only the
-    model and optimizer listed (keep_progress) and leaves the others as they are: the help says each, so
+    restart of the launch under any resume_mode (disable too), and a KL-guard rollback, which loads the model
+    and optimizer (keep_progress; refused unless both are listed) and never extra: the help says each, so
     that load_contents with resume_mode=disable is not read as unused."""
     from trainer.config import CheckpointConfig
     from trainer.configlib import describe
 
     text = describe(CheckpointConfig.__dataclass_fields__["load_contents"].metadata)
     for said in ("a restart of the launch resuming its own newest checkpoint", "also disable",
-                 "A KL-guard rollback (algorithm.kl_guard) loads the model and optimizer listed here and leaves one "
-                 "not listed as it is", "never extra: the LR schedules and RNG carry on"):
+                 "A KL-guard rollback (algorithm.kl_guard) loads model and optimizer, which it needs listed here",
+                 "never extra: the LR schedules and RNG carry on"):
         assert said in text, said
 
 
