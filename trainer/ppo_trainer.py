@@ -40,7 +40,7 @@ from trainer import faults, gc_control
 from trainer.checkpointing import (CheckpointManager, RngSnapshot, agreed_user_error, agreed_write, export_hf,
                                   rng_set_aside)
 from trainer.config import (ADAPTER_EXPORT, FILTER_GROUP_SEQUENCE_METRICS, HF_EXPORT, OTB_ESTIMATORS, PPOConfig,
-                            full_determinism_sections, paths_read_under, validate)
+                            as_set, full_determinism_sections, paths_read_under, validate)
 from trainer.configlib import ConfigError, to_commented_yaml
 from trainer.errors import StopTraining, UserError, say
 from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, get_adv_estimator_fn, masked_mean,
@@ -1496,7 +1496,7 @@ def run(cfg: PPOConfig) -> int:
         where = (f"in phase '{phase}'" if phase else "during setup" if trainer is None
                  else f"outside the timed phases, at step {trainer.global_step}")
         say(f"meshppo: error (rank {ctx.rank}): a collective failed {where} "
-            f"(trainer.nccl_timeout={cfg.trainer.nccl_timeout} s): {first[:300]}")
+            f"({as_set(cfg, 'trainer.nccl_timeout', cfg.trainer.nccl_timeout)} s): {first[:300]}")
         return collective_failure_exit()
     finally:
         if ctx.owns_group and dist.is_initialized():
