@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Llama / Mistral / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters for the Llama / Mistral / Phi-3 / Qwen2 / Qwen3 decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -14,24 +14,41 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+# The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
+HF_FAMILY = {"llama": "Llama", "mistral": "Mistral", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
-# has no biases). Qwen2's head_dim is written only where it is not hidden / heads.
-HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
+# has no biases). A type without head_dim here (Qwen2, Phi3: their configs have no such field, their attention
+# reads the attribute where it is set) gets it written only where it is not hidden / heads.
+HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",), "phi3": (),
                   "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
+# config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
+# written back on export (the class's default would replace them): Phi3's original_max_position_embeddings
+# (read by transformers' longrope only, which meshppo refuses, and by its generation's cache reset at that
+# length, which changes no logit under plain RoPE).
+KEPT_KEYS = {"phi3": ("original_max_position_embeddings",)}
+# transformers' checkpoints of a type that fuse meshppo's projections into one tensor: its module (under each
+# layer) -> meshppo's modules, whose output rows it stacks in this order (Phi3's qkv_proj [q; k; v], as its
+# attention slices them, and gate_up_proj [gate; up], as its MLP's `chunk(2)` splits them). Loading splits
+# them (`models.checkpoint.iter_hf_tensors`), the export fuses them (`models.checkpoint.save_pretrained`).
+FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
 # The keys of each type's sliding-window attention, kept as read in `ModelArgs.extra_hf` (never in a checkpoint's
 # fingerprint: meshppo's attention reads the whole context, and a run whose sequences reach past the window is
 # refused before it starts: `ModelArgs.window_exceeded`) and written back on export. transformers' Mistral
 # windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
-# sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`.
-WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",),
+# sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
+# its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096). A type whose only key
+# is sliding_window windows every layer.
+WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
-                "mistral": "transformers' Mistral has no biases: it would load the exported model without them"}
+                "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
+                "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -40,6 +57,10 @@ ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
                      "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast",
                                             "beta_slow", "mscale", "mscale_all_dim", "truncate"))}
 SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALING_KEYS)
+# The types whose transformers config reads fewer rope types than meshppo implements, with why: Phi3's
+# validates default and longrope only (its config turns yarn into longrope), which meshppo lacks.
+_TYPE_ROPE_TYPES = {"phi3": (("default",), "transformers' Phi3 reads only default and longrope, and meshppo implements "
+                                           "no longrope")}
 # Why a rope type transformers has is refused (where there is more to say than that meshppo lacks it).
 _ROPE_REFUSED_WHY = {"dynamic": "its frequencies change with each forward's sequence length, so a token's log-prob "
                                 "would depend on its batch"}
@@ -100,6 +121,10 @@ class ModelArgs:
             )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling {rope_type_refusal(self.rope_type)}; {_ROPE_TYPES_NOTE}")
+        kinds, why = _TYPE_ROPE_TYPES.get(self.model_type, (SUPPORTED_ROPE_TYPES, ""))
+        if self.rope_type not in kinds:
+            raise ValueError(f"rope_scaling of type {self.rope_type!r} is not supported for model_type "
+                             f"{self.model_type}: {why} (rope_scaling null is plain RoPE)")
         missing = [k for k in ROPE_SCALING_KEYS[self.rope_type][0] if k not in self.rope_scaling]
         if missing:
             raise ValueError(f"rope_scaling of type {self.rope_type!r} lacks {missing}")
@@ -121,12 +146,12 @@ class ModelArgs:
     @property
     def windowed_layers(self) -> list[int]:
         """The layers transformers' model of this config attends through `sliding_window`: every
-        one of a Mistral with a window; a Qwen's `layer_types` sliding_attention ones (without
+        one of a Mistral or Phi3 with a window; a Qwen's `layer_types` sliding_attention ones (without
         layer_types, config.json before transformers v5, those from `max_window_layers` on), none
         without `use_sliding_window` (transformers then reads the window as null)."""
         if self.sliding_window is None or not WINDOW_KEYS[self.model_type]:
             return []
-        if self.model_type == "mistral":
+        if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # Mistral's, Phi3's: every layer
             return list(range(self.num_hidden_layers))
         if not self.extra_hf.get("use_sliding_window"):
             return []
@@ -146,12 +171,13 @@ class ModelArgs:
 
     def window_keys(self) -> str:
         """config.json's keys that set `attention_window`, with their values, for messages."""
-        if self.model_type == "mistral":
-            return f"sliding_window={self.sliding_window} (every layer of transformers' Mistral attends through it)"
+        family = HF_FAMILY[self.model_type]
+        if WINDOW_KEYS[self.model_type] == ("sliding_window",):
+            return f"sliding_window={self.sliding_window} (every layer of transformers' {family} attends through it)"
         keys = ", ".join(f"{k}={json.dumps(self.extra_hf[k])}" for k in ("use_sliding_window", "max_window_layers")
                          if k in self.extra_hf)
         return (f"sliding_window={self.sliding_window} with {keys} (layers {self.windowed_layers} of "
-                f"{self.num_hidden_layers} of transformers' {self.model_type.capitalize()} attend through it)")
+                f"{self.num_hidden_layers} of transformers' {family} attend through it)")
 
     def window_exceeded(self, longest: int) -> str | None:
         """None where sequences of up to `longest` tokens get the logits of transformers' model
@@ -255,6 +281,8 @@ class ModelArgs:
             )
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
+        if model_type == "phi3" or rope_scaling is not None:
+            _refuse_partial_rotary(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -283,7 +311,7 @@ class ModelArgs:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
-                      or k in WINDOW_KEYS[model_type]} | window_overridden,
+                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | window_overridden,
         )
         return cls(**(fields | fields_overridden))
 
@@ -321,15 +349,19 @@ class ModelArgs:
             hidden_act="silu",
         )
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
-        kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] if key in self.extra_hf})
-        if self.model_type == "mistral":  # (MistralConfig's default is a window of 4096)
+        kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
+            self.model_type, ()) if key in self.extra_hf})
+        if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # null too (MistralConfig's default: 4096)
             kwargs.update(sliding_window=self.sliding_window)
-        if self.model_type == "qwen2" and self.head_dim != self.hidden_size // self.num_attention_heads:
-            kwargs.update(head_dim=self.head_dim)  # Qwen2's attention reads it (`getattr(config, "head_dim", ...)`)
+        if "head_dim" not in HF_CONFIG_KEYS[self.model_type] and \
+                self.head_dim != self.hidden_size // self.num_attention_heads:
+            kwargs.update(head_dim=self.head_dim)  # their attention reads it (`getattr(config, "head_dim", ...)`)
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         cfg = AutoConfig.for_model(self.model_type, **kwargs)
         # transformers (>= 5, requirements.txt) reads rope_parameters; its rope_scaling is a deprecated alias of
         # it, whose setter warns.
+        if "partial_rotary_factor" in (cfg.rope_parameters or {}):  # (Phi3Config's, which its validation reads)
+            rope["partial_rotary_factor"] = 1.0  # the whole head: the only share meshppo's RoPE rotates
         cfg.rope_parameters = rope
         cfg.rope_theta = self.rope_theta
         if architecture:
@@ -359,6 +391,19 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     return None if kind == "default" else rope_scaling
 
 
+def _refuse_partial_rotary(cfg: dict) -> None:
+    """ValueError for config.json's `partial_rotary_factor` other than 1 (Phi-4-mini's 0.75; in rope_parameters,
+    or at the top level of an older config.json), for a model whose transformers RoPE reads it (Phi3's always,
+    every type's scaled ones; Llama's, Mistral's and Qwen's plain RoPE does not): its RoPE then rotates only
+    that share of each head's dimensions, and meshppo's RoPE rotates the whole head."""
+    for where, params in (("rope_parameters.", cfg.get("rope_parameters") or {}), ("", cfg)):
+        factor = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
+        if factor != 1.0:
+            raise ValueError(f"config.json's {where}partial_rotary_factor={factor!r} is not supported: "
+                             f"transformers' RoPE then rotates only that share of each head's dimensions, and "
+                             f"meshppo's rotates the whole head (only 1.0 is supported)")
+
+
 def _check_window_keys(args: ModelArgs) -> None:
     """ValueError for sliding-window keys (`WINDOW_KEYS`) that transformers' class of the type has not, or
     reads otherwise: a window that is not a positive integer or null, layer types other than full_attention
@@ -368,7 +413,8 @@ def _check_window_keys(args: ModelArgs) -> None:
                if k in extra and k not in WINDOW_KEYS[args.model_type]]
     if foreign:
         raise ValueError(f"{foreign[0]} is not read for model_type {args.model_type!r} (transformers' "
-                         f"{args.model_type} has no sliding window): only mistral, qwen2 and qwen3 have one")
+                         f"{args.model_type} has no sliding window): only "
+                         f"{', '.join(t for t in SUPPORTED_MODEL_TYPES if WINDOW_KEYS[t])} have one")
     window = extra.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ValueError(f"sliding_window={window!r} is not a positive integer or null")
@@ -405,7 +451,7 @@ _ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or 
 OVERRIDE_NO_EFFECT = {"attn_implementation": _ATTN_WHY, "_attn_implementation": _ATTN_WHY,
                       "use_cache": "meshppo's training forwards keep no KV cache (its engine has its own)"}
 # meshppo's models have no dropout: these are accepted at 0 only (verl's critic sets them to 0 itself).
-DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "classifier_dropout")
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop")
 _NO_DROPOUT_WHY = "meshppo's models have no dropout"
 
 

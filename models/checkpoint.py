@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.args import ModelArgs, check_overrides
+from models.args import FUSED_PROJECTIONS, HF_FAMILY, ModelArgs, check_overrides
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -46,8 +46,66 @@ def meshppo_key_to_hf(key: str) -> str:
 def hf_architecture(model_type: str, head: str = "lm") -> str:
     """The transformers class a directory of `model_type` is written as: a causal LM (`head="lm"`) or, for a
     value model, a token classifier."""
-    family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    family = HF_FAMILY[model_type]
     return f"{family}ForCausalLM" if head == "lm" else f"{family}ForTokenClassification"
+
+
+def _fused_parts(args: ModelArgs) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The projections `args`' transformers checkpoints fuse (`FUSED_PROJECTIONS`): fused module -> meshppo's
+    modules with their output rows, in the fused tensor's order."""
+    shapes = args._projection_shapes()
+    return {fused: tuple((part, shapes[part.rsplit(".", 1)[1]][1]) for part in parts)
+            for fused, parts in FUSED_PROJECTIONS.get(args.model_type, {}).items()}
+
+
+def _fused_match(name: str, modules) -> tuple[str, str, str] | None:
+    """`(layer prefix, module, tensor suffix)` of `name` (`layers.3.self_attn.qkv_proj.weight`) where its
+    module is one of `modules`; else None."""
+    if not name.startswith("layers."):
+        return None
+    for module in modules:
+        head, sep, tail = name.partition(f".{module}.")
+        if sep and head.count(".") == 1:
+            return head, module, tail
+    return None
+
+
+def split_fused(name: str, tensor: torch.Tensor, args: ModelArgs, path=None):
+    """Yield the meshppo `(name, tensor)` pairs of one checkpoint tensor (meshppo-named): a fused projection of
+    `args`' type (Phi3's qkv_proj, gate_up_proj) as its parts' row blocks, in transformers' order; any other as
+    it is. A fused tensor whose rows are not its parts' raises `CheckpointFileError` naming `path`."""
+    parts = _fused_parts(args)
+    match = _fused_match(name, parts)
+    if match is None:
+        yield name, tensor
+        return
+    head, module, tail = match
+    rows = [n for _, n in parts[module]]
+    if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
+        raise CheckpointFileError(f"{name!r} in {str(path)!r} has shape {tuple(tensor.shape)}, expected {sum(rows)} "
+                                  f"rows ({' + '.join(f'{p} {n}' for p, n in parts[module])}){_MISMATCH}")
+    for (part, _), piece in zip(parts[module], tensor.split(rows)):
+        yield f"{head}.{part}.{tail}", piece
+
+
+def fuse_parts(state_dict: dict, args: ModelArgs) -> dict:
+    """`state_dict` (meshppo names) with the projections `args`' transformers checkpoints fuse concatenated
+    under the fused module's name (rows in transformers' order): `split_fused`'s inverse, for the export."""
+    parts = _fused_parts(args)
+    if not parts:
+        return state_dict
+    firsts = {ps[0][0]: fused for fused, ps in parts.items()}
+    out = {}
+    for name, tensor in state_dict.items():
+        match = _fused_match(name, firsts)
+        if match is None:
+            if _fused_match(name, [p for ps in parts.values() for p, _ in ps[1:]]) is None:
+                out[name] = tensor
+            continue
+        head, first, tail = match
+        fused = firsts[first]
+        out[f"{head}.{fused}.{tail}"] = torch.cat([state_dict[f"{head}.{p}.{tail}"] for p, _ in parts[fused]])
+    return out
 
 
 class CheckpointFileError(ValueError):
@@ -161,9 +219,12 @@ def safetensors_files(path) -> list[Path]:
 _NOT_SAFETENSORS = "is not a readable safetensors file"
 
 
-def iter_hf_tensors(path):
-    """Yield `(meshppo_name, tensor)` from a checkpoint directory, one tensor at a time."""
+def iter_hf_tensors(path, args: ModelArgs | None = None):
+    """Yield `(meshppo_name, tensor)` from a checkpoint directory of the model `args` describes (default: its
+    config.json's), one tensor at a time; a projection its checkpoints fuse as its parts (`split_fused`)."""
     from safetensors import safe_open
+
+    args = args if args is not None else load_model_args(path)
 
     for file in safetensors_files(path):
         with reading(file, what=_NOT_SAFETENSORS):
@@ -174,12 +235,13 @@ def iter_hf_tensors(path):
                 if name is not None:
                     with reading(file, what=_NOT_SAFETENSORS):
                         tensor = f.get_tensor(key)
-                    yield name, tensor
+                    yield from split_fused(name, tensor, args, path)
 
 
 def checkpoint_tensor_names(path) -> set[str]:
     """The meshppo names of the tensors in a checkpoint directory (read from the safetensors
-    headers: no tensor is loaded)."""
+    headers: no tensor is loaded); a projection the checkpoint fuses (Phi3's qkv_proj) under its
+    fused name."""
     from safetensors import safe_open
 
     names = set()
@@ -224,7 +286,7 @@ def checkpoint_tensors(model, path):
     params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}
     args = model.args
     seen = set()
-    for name, tensor in iter_hf_tensors(path):
+    for name, tensor in iter_hf_tensors(path, args):
         if name not in params:
             if name == "lm_head.weight" and (model.head == "value" or args.tie_word_embeddings):
                 continue
@@ -265,7 +327,7 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     args: ModelArgs = model.args
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
-    sd = state_dict if state_dict is not None else model.state_dict()
+    sd = fuse_parts(state_dict if state_dict is not None else model.state_dict(), args)
     tensors = {meshppo_key_to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}

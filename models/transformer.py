@@ -1,10 +1,12 @@
-"""A decoder-only transformer for the Llama, Mistral, Qwen2 and Qwen3 families.
+"""A decoder-only transformer for the Llama, Mistral, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
 without the leading `model.` (`layers.0.self_attn.q_proj.weight`), which keeps checkpoint
-conversion a prefix change. q/k/v and gate/up stay separate parameters on purpose: each
-FSDP chunk range of one of them is then exactly one TP shard (docs/ARCHITECTURE.md).
+conversion a prefix change (and a split of rows where a checkpoint fuses projections: Phi3's
+qkv_proj and gate_up_proj, `models.checkpoint.split_fused`). q/k/v and gate/up stay separate
+parameters on purpose: each FSDP chunk range of one of them is then exactly one TP shard
+(docs/ARCHITECTURE.md).
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """

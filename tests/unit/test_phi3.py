@@ -1,0 +1,292 @@
+"""Phi-3 / Phi-4 checkpoints (`model_type: phi3`, `Phi3ForCausalLM`) against transformers' implementation on tiny
+random weights, in float64 on CPU: meshppo's model, its engine, the trainer's loading path (the checkpoint's fused
+qkv_proj / gate_up_proj split into meshppo's projections), the export (fused back), the refused RoPE variants and
+the sliding window (Phi-3-mini-4k's 2047 of 4096) bounding the run's lengths."""
+
+import json
+
+import pytest
+import torch
+
+from models import ModelArgs, Transformer, cu_seqlens_from_lengths
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+# float64: rounding is ~1e-15 of the logits (~1); a wrong architecture (a row order, a window, a head size) is off
+# by > 1e-3
+TOL = 1e-9
+# GQA (4 query heads on 2 KV heads) with an explicit head_dim (24 against hidden / heads 16); and plain multi-head
+# attention with head_dim from hidden / heads (Phi-3-mini's 32 heads on 32).
+SHAPES = [dict(num_key_value_heads=2, head_dim=24), dict(num_key_value_heads=4)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _phi3(dtype=torch.float64, **overrides):
+    """transformers' Phi3ForCausalLM, random weights large enough that the logits are decisive."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=128,
+              sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    kw.update(overrides)
+    cfg = transformers.Phi3Config(**kw)
+    cfg._attn_implementation = "sdpa"  # eager attention takes its softmax in float32
+    model = transformers.Phi3ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.15 * torch.randn(p.shape, generator=g))
+    return model.to(dtype)
+
+
+def _saved(tmp_path, **overrides):
+    hf = _phi3(**overrides)
+    hf.save_pretrained(tmp_path / "phi3")
+    return hf, tmp_path / "phi3"
+
+
+def _split(hf_state: dict, cfg) -> dict:
+    """transformers' Phi3 state dict by meshppo's names, split as Phi3Attention.forward slices qkv_proj's output
+    ([q; k; v]) and Phi3MLP.forward chunks gate_up_proj's ([gate; up])."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for k, v in hf_state.items():
+        k = k.removeprefix("model.")
+        if k.endswith("qkv_proj.weight"):
+            base = k.removesuffix("qkv_proj.weight")
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = \
+                v[:q], v[q:q + kv], v[q + kv:]
+        elif k.endswith("gate_up_proj.weight"):
+            base = k.removesuffix("gate_up_proj.weight")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = v.chunk(2, dim=0)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_equal_transformers_phi3(tmp_path, shape):
+    """Padded batches (left padding, positions from the mask) and packed sequences: meshppo's logits are
+    Phi3ForCausalLM's; its parameter count (the FLOP formula's) is transformers'."""
+    hf, path = _saved(tmp_path, **shape)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    assert ours.args.model_type == "phi3" and ours.args.head_dim == shape.get("head_dim", 16)
+    assert ours.args.attention_window is None
+    assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[1, :15] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, position_ids=pos, attention_mask=mask)
+        real = mask.bool()
+        assert ref[real].abs().max() > 1  # decisive logits: the tolerance is far below their differences
+        assert (got[real] - ref[real]).abs().max().item() <= TOL
+        lengths = [5, 17, 1, 30]
+        seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+        cu = cu_seqlens_from_lengths(lengths)
+        packed = ours(torch.cat(seqs)[None], cu_seqlens=cu)[0]
+        for i, s in enumerate(seqs):
+            assert (packed[cu[i]:cu[i + 1]] - hf(input_ids=s[None]).logits[0]).abs().max().item() <= TOL
+
+
+def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path):
+    """The engine on a Phi3 checkpoint (its own loading path: `LLMEngine.from_pretrained`; GQA, explicit head_dim;
+    chunked prefill and preemption forced): greedy tokens are those of a no-cache loop over the training model, its
+    log-probs the training forward's (to float32, which the engine returns them in); transformers' logits pick the
+    same tokens."""
+    from rollout import SamplingParams
+    from rollout.engine import LLMEngine
+    from tests.unit.test_engine import check_against_training_forward, greedy_reference, make_engine
+
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    model = Transformer.from_pretrained(path, dtype=torch.float64).eval()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (1, 7, 13, 29, 4)]
+    engine = make_engine(model, dtype=torch.float64, num_kv_blocks=16, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert engine.last_stats["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(model, prompt, 10)
+        check_against_training_forward(model, out, params, atol=1e-5)  # the engine returns float32 log-probs
+        with torch.no_grad():
+            hf_logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+        assert hf_logits.argmax(-1).tolist() == out.token_ids
+    loaded = LLMEngine.from_pretrained(path, engine.config, device="cpu")
+    assert [o.token_ids for o in loaded.generate(prompts, params)] == [o.token_ids for o in outs]
+
+
+def _load_through_the_trainer(rank, world, path):
+    from trainer.setup import build_trained_model
+    from sharding import ParallelDims
+    from tests.unit.test_bad_model_files import _cfg
+
+    cfg = _cfg(f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
+    mesh = ParallelDims(world).build_meshes("cpu").train
+    model = build_trained_model(cfg, "actor", mesh, torch.device("cpu"))
+    assert model.args.model_type == "phi3" and model.args.head_dim == 24
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Phi3ForCausalLM"
+    expected = _split(hf.state_dict(), hf.config)
+    got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert got.keys() == expected.keys()
+    for k in got:  # every tensor as saved, bit for bit
+        assert torch.equal(got[k], expected[k]), k
+
+
+def test_a_saved_phi3_directory_loads_through_the_trainers_model_path(tmp_path):
+    """config.json + model.safetensors as transformers' save_pretrained writes them (float32, fused qkv_proj and
+    gate_up_proj), read by the trainer's actor builder (FSDP, one gloo rank): each projection holds its rows of
+    the fused tensor, bit for bit."""
+    from tests.dist_utils import run_distributed
+
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    assert json.loads((path / "config.json").read_text())["model_type"] == "phi3"
+    run_distributed(_load_through_the_trainer, 1, str(path))
+
+
+def test_a_fused_tensor_of_other_rows_is_refused_naming_it(tmp_path):
+    """A qkv_proj whose rows are not q + k + v of config.json (another model's weights) names the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import CheckpointFileError
+
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.self_attn.qkv_proj.weight"] = tensors["model.layers.1.self_attn.qkv_proj.weight"][:-1]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointFileError, match=r"'layers.1.self_attn.qkv_proj.weight' .* has shape \(191, 64\), "
+                                                  r"expected 192 rows \(self_attn.q_proj 96 \+ self_attn.k_proj 48 "
+                                                  r"\+ self_attn.v_proj 48\)"):
+        Transformer.from_pretrained(path)
+
+
+def test_export_round_trips_through_transformers_phi3(tmp_path):
+    """The trained-policy export (`trainer.checkpointing.export_hf`, which `tools.export_hf` runs) writes a
+    directory transformers loads as Phi3ForCausalLM: qkv_proj and gate_up_proj fused back in transformers' row
+    order (bit for bit the weights read), original_max_position_embeddings as read (Phi3Config's default is
+    4096), with meshppo's logits; a Phi3 value model exports as Phi3ForTokenClassification."""
+    from models.checkpoint import load_model_args
+    from trainer.checkpointing import export_hf
+
+    hf, base = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    ours = Transformer.from_pretrained(base)
+
+    class _Tokenizer:
+        def save_pretrained(self, path):
+            pass
+
+    out = tmp_path / "hf_actor"
+    export_hf(ours, load_model_args(base), _Tokenizer(), str(out), True, base_model=str(base))
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "phi3" and written["architectures"] == ["Phi3ForCausalLM"]
+    assert written["head_dim"] == 24 and written["original_max_position_embeddings"] == 128
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again).__name__ == "Phi3ForCausalLM"
+    assert again.state_dict().keys() == hf.state_dict().keys()
+    for k, v in hf.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (again.double()(input_ids=ids).logits - ours.double()(ids)).abs().max().item() <= TOL
+
+    critic = Transformer.from_pretrained(base, head="value")
+    with torch.no_grad():
+        critic.score.weight.normal_(0, 0.5)
+    critic.save_pretrained(tmp_path / "v")
+    scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v").eval()
+    assert type(scorer).__name__ == "Phi3ForTokenClassification"
+    with torch.no_grad():
+        assert (scorer.double()(input_ids=ids).logits[..., 0] - critic.double()(ids)).abs().max().item() <= TOL
+
+
+def _config(**kw):
+    return dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256) | kw
+
+
+def test_partial_rotary_factor_is_refused_naming_the_key(tmp_path):
+    """Phi-4-mini's partial_rotary_factor 0.75: transformers rotates 3/4 of each head, meshppo's RoPE the whole
+    head (the logits differ), so a saved config.json naming it is refused; 1.0 loads."""
+    hf = _phi3(partial_rotary_factor=0.75)
+    hf.save_pretrained(tmp_path / "p")
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.75 is not supported: .* meshppo's rotates the "
+                                         r"whole head"):
+        Transformer.from_pretrained(tmp_path / "p")
+    with pytest.raises(ValueError, match=r"config.json's partial_rotary_factor=0.5 is not supported"):
+        ModelArgs.from_hf_config(_config(partial_rotary_factor=0.5))
+    assert ModelArgs.from_hf_config(_config(partial_rotary_factor=1.0)).model_type == "phi3"
+
+
+def test_longrope_and_rope_types_transformers_phi3_lacks_are_refused(tmp_path):
+    """Phi-3-mini-128k's rope_scaling longrope is refused naming the key; an override_config.rope_scaling that
+    meshppo implements but transformers' Phi3 does not read (linear, llama3, yarn) too: the exported model would
+    not load."""
+    from models.checkpoint import load_model_args
+
+    cfg = transformers.Phi3Config(**{k: v for k, v in _config().items() if k != "model_type"},
+                                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                                  original_max_position_embeddings=128)
+    cfg.save_pretrained(tmp_path / "long")
+    with pytest.raises(ValueError, match=r"rope_scaling type 'longrope' is not supported"):
+        load_model_args(tmp_path / "long")
+    _, path = _saved(tmp_path)
+    with pytest.raises(ValueError, match=r"rope_scaling of type 'linear' is not supported for model_type phi3: "
+                                         r"transformers' Phi3 reads only default and longrope"):
+        load_model_args(path, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert load_model_args(path, {"rope_scaling": None}).rope_scaling is None
+
+
+def test_biases_and_dropouts(tmp_path):
+    """transformers' Phi3 has no biases (refused, as for Mistral); its dropouts (resid_pdrop, embd_pdrop,
+    attention_dropout) are off in RL as every type's: config.json's are not read, an override_config sets them
+    to 0 only."""
+    from models.args import check_overrides
+
+    with pytest.raises(ValueError, match="phi3 with attention_bias or mlp_bias is not supported"):
+        ModelArgs(model_type="phi3", attention_bias=True)
+    _, inert = check_overrides({"resid_pdrop": 0, "embd_pdrop": 0.0, "attention_dropout": 0})
+    assert set(inert) == {"resid_pdrop", "embd_pdrop", "attention_dropout"}
+    with pytest.raises(ValueError, match=r"override_config.resid_pdrop=0.1 is not supported by meshppo"):
+        check_overrides({"resid_pdrop": 0.1})
+
+
+def test_a_phi3_mini_4k_window_bounds_the_run(tmp_path):
+    """Phi-3-mini-4k-instruct's sliding_window 2047 of max_position_embeddings 4096, scaled down (63 of 256):
+    every layer of transformers' Phi3 attends through it, so meshppo's logits are its within the window and the
+    trainer's pre-flight accepts a run whose prompt + response fit (16 + 47 = 63) and refuses one past it
+    (16 + 48), naming the key."""
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    hf, path = _saved(tmp_path, sliding_window=63)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    assert ours.args.attention_window == 63 and ours.args.windowed_layers == [0, 1]
+    with torch.no_grad():
+        for n, close in ((63, True), (80, False)):
+            ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
+            diff = (ours(ids) - hf(input_ids=ids).logits).abs().max().item()
+            assert diff <= TOL if close else diff > 1e-3, (n, diff)
+    preflight(_cfg(path, 16, 47), devices=False)
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg(path, 16, 48), devices=False)
+    assert ("config.json's sliding_window=63 (every layer of transformers' Phi3 attends through it)"
+            in str(e.value)), str(e.value)
+    ours.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 63
+
