@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.args import FUSED_PROJECTIONS, HF_FAMILY
 from models.checkpoint import meshppo_key_to_hf
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -234,6 +235,7 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     heads = VALUE_HEAD if hasattr(model, "score") else LM_HEAD
     targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), heads),
                            cfg.exclude_modules)  # on every layer
+    _refuse_fused_targets(getattr(model, "args", None), targets)
     for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
@@ -252,6 +254,25 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
             for name, t in lora_init_tensors(model, generator):
                 params[name].copy_(t)
     return model
+
+
+def _refuse_fused_targets(args, targets: tuple[str, ...]) -> None:
+    """ValueError naming target_modules where it selects a projection that `args`' transformers model fuses with
+    others (`FUSED_PROJECTIONS`: Phi3's q / k / v in qkv_proj, gate / up in gate_up_proj). peft puts one adapter
+    of rank r on the fused projection, meshppo's model keeps the projections apart: its adapters would train
+    another low-rank update than verl's, and their peft adapter would name modules the Hugging Face model lacks."""
+    model_type = getattr(args, "model_type", None)
+    fused = {part.rsplit(".", 1)[1]: module for module, parts in FUSED_PROJECTIONS.get(model_type, {}).items()
+             for part in parts}
+    hit = [t for t in targets if t in fused]
+    if hit:
+        unfused = [p for p in ALL_LINEAR if p not in fused]
+        raise ValueError(f"target_modules selects {hit} of a {args.model_type} model: transformers' "
+                         f"{HF_FAMILY[args.model_type]} fuses them ({', '.join(sorted(set(fused[t] for t in hit)))}), "
+                         "where peft trains one adapter of rank lora_rank on the fused projection and meshppo's "
+                         "adapters are per projection, so they would train another update than verl's and their "
+                         f"peft adapter would not load; target the unfused projections only (target_modules: "
+                         f"{unfused})")
 
 
 def _targets(model: nn.Module, targets: tuple[str, ...]):

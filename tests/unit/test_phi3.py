@@ -290,3 +290,32 @@ def test_a_phi3_mini_4k_window_bounds_the_run(tmp_path):
     ours.save_pretrained(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 63
 
+
+def test_lora_on_a_fused_projection_is_refused_and_on_the_others_loads_in_peft(tmp_path):
+    """peft's adapters on Phi3ForCausalLM sit on the fused qkv_proj / gate_up_proj (one rank-r update of the fused
+    rows); meshppo's model keeps q / k / v and gate / up apart, so target_modules selecting them (all-linear too)
+    is refused naming the key. Adapters on o_proj and down_proj, which transformers' Phi3 has as meshppo has them,
+    save as a peft adapter that peft applies to Phi3ForCausalLM with meshppo's logits."""
+    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, save_peft_adapter
+
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    for targets in ("all-linear", ["q_proj"], ["up_proj", "o_proj"]):
+        ours = Transformer.from_pretrained(path, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"target_modules selects \[.*\] of a phi3 model: transformers' Phi3 "
+                                             r"fuses them .*target_modules: \['o_proj', 'down_proj'\]"):
+            inject_lora(ours, LoRAConfig(4, 8.0, targets))
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    cfg = LoRAConfig(4, 8.0, ["o_proj", "down_proj"])
+    inject_lora(ours, cfg, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg)
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits
+        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
+        assert (ref - base).abs().max() > 1e-2  # the adapters act
+        assert (ours(ids) - ref).abs().max().item() <= TOL
