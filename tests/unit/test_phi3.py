@@ -147,15 +147,18 @@ def _load_through_the_trainer(rank, world, path):
         assert torch.equal(got[k], expected[k]), k
 
 
-def test_a_saved_phi3_directory_loads_through_the_trainers_model_path(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_saved_phi3_directory_loads_through_the_trainers_model_path(tmp_path, world):
     """config.json + model.safetensors as transformers' save_pretrained writes them (float32, fused qkv_proj and
-    gate_up_proj), read by the trainer's actor builder (FSDP, one gloo rank): each projection holds its rows of
-    the fused tensor, bit for bit."""
+    gate_up_proj), read by the trainer's actor builder (FSDP on one gloo rank, and sharded over two): each
+    projection holds its rows of the fused tensor, bit for bit. verl's wrap policy may name Phi3DecoderLayer."""
+    from sharding import FSDPConfig
     from tests.dist_utils import run_distributed
 
+    assert FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["Phi3DecoderLayer"]})
     _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
     assert json.loads((path / "config.json").read_text())["model_type"] == "phi3"
-    run_distributed(_load_through_the_trainer, 1, str(path))
+    run_distributed(_load_through_the_trainer, world, str(path))
 
 
 def test_a_fused_tensor_of_other_rows_is_refused_naming_it(tmp_path):
