@@ -384,10 +384,12 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         # verl sets the override on the Hugging Face config before it is read: it replaces a refused type
+        scaled = [k for k in _TYPE_ROPE_TYPES.get(cfg.get("model_type"), (SUPPORTED_ROPE_TYPES,))[0] if k != "default"]
         raise ValueError(f"config.json's rope_scaling {rope_type_refusal(kind)}: in the trainer replace it with "
                          "actor_rollout_ref.model.override_config.rope_scaling (another model: its "
-                         f"model.override_config.rope_scaling), null for plain RoPE or one of {SUPPORTED_ROPE_TYPES}; "
-                         "elsewhere (rollout.generate, from_pretrained) edit config.json")
+                         "model.override_config.rope_scaling), null for plain RoPE"
+                         f"{f' or one of {tuple(scaled)}' if scaled else ''}; elsewhere (rollout.generate, "
+                         "from_pretrained) edit config.json")
     return None if kind == "default" else rope_scaling
 
 

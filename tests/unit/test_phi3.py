@@ -245,8 +245,11 @@ def test_longrope_and_rope_types_transformers_phi3_lacks_are_refused(tmp_path):
                                                    "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
                                   original_max_position_embeddings=128)
     cfg.save_pretrained(tmp_path / "long")
-    with pytest.raises(ValueError, match=r"rope_scaling type 'longrope' is not supported"):
+    with pytest.raises(ValueError) as e:
         load_model_args(tmp_path / "long")
+    assert "config.json's rope_scaling type 'longrope' is not supported: " in str(e.value)
+    # the replacement it suggests is one transformers' Phi3 reads: plain RoPE only
+    assert "override_config.rope_scaling), null for plain RoPE; elsewhere" in str(e.value), str(e.value)
     _, path = _saved(tmp_path)
     with pytest.raises(ValueError, match=r"rope_scaling of type 'linear' is not supported for model_type phi3: "
                                          r"transformers' Phi3 reads only default and longrope"):
