@@ -235,7 +235,7 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     heads = VALUE_HEAD if hasattr(model, "score") else LM_HEAD
     targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), heads),
                            cfg.exclude_modules)  # on every layer
-    _refuse_fused_targets(getattr(model, "args", None), targets)
+    refuse_fused_targets(getattr(model, "args", None), targets)
     for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
@@ -256,7 +256,7 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     return model
 
 
-def _refuse_fused_targets(args, targets: tuple[str, ...]) -> None:
+def refuse_fused_targets(args, targets: tuple[str, ...]) -> None:
     """ValueError naming target_modules where it selects a projection that `args`' transformers model fuses with
     others (`FUSED_PROJECTIONS`: Phi3's q / k / v in qkv_proj, gate / up in gate_up_proj). peft puts one adapter
     of rank r on the fused projection, meshppo's model keeps the projections apart: its adapters would train

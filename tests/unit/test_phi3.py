@@ -325,3 +325,21 @@ def test_lora_on_a_fused_projection_is_refused_and_on_the_others_loads_in_peft(t
         ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
         assert (ref - base).abs().max() > 1e-2  # the adapters act
         assert (ours(ids) - ref).abs().max().item() <= TOL
+
+
+def test_lora_on_a_fused_projection_is_refused_at_pre_flight(tmp_path):
+    """The same refusal before any rank builds a model: the trainer's pre-flight reads the actor's (and a
+    critic's) model type and its target_modules, the default all-linear among them, and names the key."""
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    _, path = _saved(tmp_path, **SHAPES[0])
+    lora = ("actor_rollout_ref.model.lora_rank=8",)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model: target_modules selects .* of a phi3 model.*"
+                                          r"\(its target_modules, the model in "):
+        preflight(_cfg(path, 16, 32, *lora), devices=False)
+    with pytest.raises(ConfigError, match=r"^critic\.model: target_modules selects \['gate_proj'\]"):
+        preflight(_cfg(path, 16, 32, "algorithm.adv_estimator=gae", f"critic.model.path={path}",
+                       "critic.model.lora_rank=4", "critic.model.target_modules=[gate_proj,down_proj]"), devices=False)
+    preflight(_cfg(path, 16, 32, *lora, "actor_rollout_ref.model.target_modules=[o_proj,down_proj]"), devices=False)
