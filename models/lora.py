@@ -128,16 +128,25 @@ VALUE_HEAD = ("score", "dropout")
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
-def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD) -> list[str]:
+def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_type: str | None = None) -> list[str]:
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
-    `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD)."""
+    `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD); with a
+    `model_type` whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj,
+    gate_up_proj), those fused modules too, which peft selects there."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
+    fused = tuple(FUSED_PROJECTIONS.get(model_type, {}))
     for i in range(num_layers):
         b = f"model.layers.{i}"
         names += [b, f"{b}.input_layernorm", f"{b}.post_attention_layernorm", f"{b}.self_attn", f"{b}.mlp",
                   f"{b}.self_attn.q_norm", f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
         names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR]
+        names += [f"{b}.{module}" for module in fused]
     return names
+
+
+# The projections some type's transformers model fuses (`FUSED_PROJECTIONS`: qkv_proj, gate_up_proj), by their
+# module names, which `peft_targets` selects as peft does and `refuse_fused_targets` refuses.
+_FUSED_MODULES = tuple(dict.fromkeys(m.rsplit(".", 1)[1] for fused in FUSED_PROJECTIONS.values() for m in fused))
 
 
 def peft_selects(spec: str | list[str], name: str) -> bool:
@@ -170,7 +179,7 @@ def peft_targets(target_modules: str | list[str], names: list[str],
     layers, excluded = set(), False
     for name in names:
         m = _LAYER_PROJ.fullmatch(name)
-        proj = bool(m and m.group(2) in ALL_LINEAR)
+        proj = bool(m and m.group(2) in ALL_LINEAR + _FUSED_MODULES)
         if proj:
             layers.add(int(m.group(1)))
         if not (proj if linear else peft_selects(target_modules, name)):
@@ -202,7 +211,7 @@ def peft_targets(target_modules: str | list[str], names: list[str],
         if got != first:
             raise ValueError(f"{shown} selects {sorted(first)} in layer {min(sets)} but {sorted(got)} in layer {i}: "
                              "meshppo's adapters cover the same projections in every layer")
-    return tuple(p for p in ALL_LINEAR if p in first)
+    return tuple(p for p in ALL_LINEAR + _FUSED_MODULES if p in first)
 
 
 class LoRALinear(nn.Linear):
@@ -233,9 +242,7 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
     heads = VALUE_HEAD if hasattr(model, "score") else LM_HEAD
-    targets = peft_targets(cfg.target_modules, _hf_module_names(len(model.layers), heads),
-                           cfg.exclude_modules)  # on every layer
-    refuse_fused_targets(getattr(model, "args", None), targets)
+    targets = model_targets(cfg, getattr(model, "args", None), len(model.layers), heads)  # on every layer
     for name, module in _targets(model, targets):
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
@@ -256,14 +263,28 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
     return model
 
 
+def model_targets(cfg: LoRAConfig, args, num_layers: int | None = None,
+                  heads: tuple[str, ...] = LM_HEAD) -> tuple[str, ...]:
+    """The projections `cfg`'s target_modules and exclude_modules select on the model `args` describes (of
+    `num_layers` blocks, default its own; a value model: `heads` VALUE_HEAD), as peft selects them on its
+    transformers model, whose fused projections (Phi3's qkv_proj, gate_up_proj) a regular expression or a list
+    entry may name: `peft_targets` on that model's module names, then `refuse_fused_targets`."""
+    model_type = getattr(args, "model_type", None)
+    layers = num_layers if num_layers is not None else args.num_hidden_layers
+    targets = peft_targets(cfg.target_modules, _hf_module_names(layers, heads, model_type), cfg.exclude_modules)
+    refuse_fused_targets(args, targets)
+    return targets
+
+
 def refuse_fused_targets(args, targets: tuple[str, ...]) -> None:
     """ValueError naming target_modules where it selects a projection that `args`' transformers model fuses with
-    others (`FUSED_PROJECTIONS`: Phi3's q / k / v in qkv_proj, gate / up in gate_up_proj). peft puts one adapter
-    of rank r on the fused projection, meshppo's model keeps the projections apart: its adapters would train
-    another low-rank update than verl's, and their peft adapter would name modules the Hugging Face model lacks."""
+    others (`FUSED_PROJECTIONS`: Phi3's q / k / v in qkv_proj, gate / up in gate_up_proj), or the fused module
+    itself. peft puts one adapter of rank r on the fused projection, meshppo's model keeps the projections apart:
+    its adapters would train another low-rank update than verl's, and their peft adapter would name modules the
+    Hugging Face model lacks."""
     model_type = getattr(args, "model_type", None)
     fused = {part.rsplit(".", 1)[1]: module for module, parts in FUSED_PROJECTIONS.get(model_type, {}).items()
-             for part in parts}
+             for part in parts} | {module.rsplit(".", 1)[1]: module for module in FUSED_PROJECTIONS.get(model_type, {})}
     hit = [t for t in targets if t in fused]
     if hit:
         unfused = [p for p in ALL_LINEAR if p not in fused]

@@ -428,11 +428,11 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 def check_lora_adapter(cfg: PPOConfig) -> None:
     """The LoRA adapters against the models they go on, before any model is built: the projections
-    they select, of the actor and the critic (`models.lora.refuse_fused_targets`: Phi-3's fused q / k / v
-    and gate / up), and the actor's peft adapter (`lora_adapter_path`, its config and header already
+    they select on the actor's and the critic's model (`models.lora.model_targets`: Phi-3's fused q / k / v
+    and gate / up are refused), and the actor's peft adapter (`lora_adapter_path`, its config and header already
     read by `validate`): every tensor the shape the model's adapter has. Its safetensors header alone
     is read: the tensors are read once, where the actor is built."""
-    from models.lora import read_peft_adapter_shapes, refuse_fused_targets
+    from models.lora import LM_HEAD, VALUE_HEAD, model_targets, read_peft_adapter_shapes
 
     arr = cfg.actor_rollout_ref
     models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", cfg.critic.model)] if cfg.uses_critic else [])
@@ -442,7 +442,7 @@ def check_lora_adapter(cfg: PPOConfig) -> None:
         if args is None:
             continue
         try:
-            refuse_fused_targets(args, lora.targets)
+            model_targets(lora, args, heads=VALUE_HEAD if key == "critic.model" else LM_HEAD)
         except ValueError as e:
             given = "the adapter at lora_adapter_path's" if getattr(model, "lora_adapter_path", None) else "its"
             raise ConfigError(f"{key}: {e} ({given} target_modules, the model in {model.path})") from None

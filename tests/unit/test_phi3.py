@@ -343,3 +343,33 @@ def test_lora_on_a_fused_projection_is_refused_at_pre_flight(tmp_path):
         preflight(_cfg(path, 16, 32, "algorithm.adv_estimator=gae", f"critic.model.path={path}",
                        "critic.model.lora_rank=4", "critic.model.target_modules=[gate_proj,down_proj]"), devices=False)
     preflight(_cfg(path, 16, 32, *lora, "actor_rollout_ref.model.target_modules=[o_proj,down_proj]"), devices=False)
+
+
+def test_lora_naming_a_fused_module_is_refused_not_narrowed(tmp_path):
+    """target_modules as a regular expression may name transformers' fused modules (qkv_proj, gate_up_proj), which
+    peft selects on Phi3ForCausalLM (an adapter of rank r on each fused projection); meshppo's model has no module of
+    that name, so the expression selected only its other projections (o_proj, down_proj) and trained another set of
+    adapters than verl's without a word. It is refused as a fused target, at model build and at the pre-flight."""
+    from models.lora import LoRAConfig, inject_lora
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    _, path = _saved(tmp_path, **SHAPES[0])
+    regex = r".*\.(qkv_proj|o_proj|gate_up_proj|down_proj)"
+    for targets in (regex, r".*\.(qkv_proj|o_proj)"):
+        with pytest.raises(ValueError, match=r"target_modules selects \['qkv_proj'.*\] of a phi3 model: transformers' "
+                                             r"Phi3 fuses them \(.*self_attn\.qkv_proj"):
+            inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), LoRAConfig(4, 8.0, targets))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model: target_modules selects \['qkv_proj', "
+                                          r"'gate_up_proj'\] of a phi3 model"):
+        preflight(_cfg(path, 16, 32, "actor_rollout_ref.model.lora_rank=8",
+                       f"actor_rollout_ref.model.target_modules='{regex}'"), devices=False)
+    with pytest.raises(ConfigError, match=r"^critic\.model: target_modules selects \['gate_up_proj'\]"):
+        preflight(_cfg(path, 16, 32, "algorithm.adv_estimator=gae", f"critic.model.path={path}",
+                       "critic.model.lora_rank=4", r"critic.model.target_modules='.*\.(gate_up_proj|down_proj)'"),
+                  devices=False)
+    # the unfused ones alone, by an expression too, stay as they were
+    model = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64),
+                        LoRAConfig(4, 8.0, r".*\.(o_proj|down_proj)"))
+    assert model.lora_config.targets == ("o_proj", "down_proj")
