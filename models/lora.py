@@ -196,7 +196,7 @@ def peft_targets(target_modules: str | list[str], names: list[str],
             unused = [e for e in spec if not any(peft_selects([e], n) for n in names)]
             if unused:
                 raise ValueError(f"{key} has {unused}, which names no module ({_how(spec)}): meshppo's LoRA targets "
-                                 f"the projections {list(ALL_LINEAR)}")
+                                 f"the projections {list(ALL_LINEAR)}{_fused_note(unused)}")
         elif key == "exclude_modules" and spec and not any(peft_selects(spec, n) for n in names):
             raise ValueError(f"exclude_modules={spec!r} matches no module: {_how(spec)}")
     if not per_layer:
@@ -212,6 +212,20 @@ def peft_targets(target_modules: str | list[str], names: list[str],
             raise ValueError(f"{shown} selects {sorted(first)} in layer {min(sets)} but {sorted(got)} in layer {i}: "
                              "meshppo's adapters cover the same projections in every layer")
     return tuple(p for p in ALL_LINEAR + _FUSED_MODULES if p in first)
+
+
+def _fused_note(entries: list[str]) -> str:
+    """For the entries of a list that name a module some type's transformers model fuses (`FUSED_PROJECTIONS`:
+    Phi3's qkv_proj, gate_up_proj), which meshppo's model lacks: why none is adapted, and what can be."""
+    fused = {module.rsplit(".", 1)[1]: (model_type, [p.rsplit(".", 1)[1] for p in parts])
+             for model_type, modules in FUSED_PROJECTIONS.items() for module, parts in modules.items()}
+    hit = [e for e in entries if e in fused]
+    if not hit:
+        return ""
+    parts = {p for _, ps in fused.values() for p in ps}
+    said = "; ".join(f"{e} is transformers' {HF_FAMILY[fused[e][0]]} {' / '.join(fused[e][1])} fused" for e in hit)
+    return (f" ({said}: peft trains one adapter of rank lora_rank on a fused projection, meshppo's adapters are one "
+            f"per projection, so none goes on it; on such a model target the others, {[p for p in ALL_LINEAR if p not in parts]})")
 
 
 class LoRALinear(nn.Linear):

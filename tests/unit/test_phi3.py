@@ -373,3 +373,20 @@ def test_lora_naming_a_fused_module_is_refused_not_narrowed(tmp_path):
     model = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64),
                         LoRAConfig(4, 8.0, r".*\.(o_proj|down_proj)"))
     assert model.lora_config.targets == ("o_proj", "down_proj")
+
+
+def test_a_list_naming_a_fused_module_says_why_and_what_to_target():
+    """peft users of Phi-3 write its module names (target_modules [qkv_proj, o_proj, gate_up_proj, down_proj], or
+    exclude_modules [qkv_proj, gate_up_proj] beside all-linear): the error names the fused projections and the ones
+    to target, where it only listed meshppo's q_proj ... up_proj, which a Phi3 then refuses."""
+    from models.lora import LoRAConfig
+
+    with pytest.raises(ValueError, match=r"target_modules has \['qkv_proj', 'gate_up_proj'\], which names no module .*"
+                                         r"\(qkv_proj is transformers' Phi3 q_proj / k_proj / v_proj fused; gate_up_proj "
+                                         r"is transformers' Phi3 gate_proj / up_proj fused: .*target the others, "
+                                         r"\['o_proj', 'down_proj'\]\)$"):
+        LoRAConfig(4, 8.0, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"exclude_modules has \['qkv_proj'\].*qkv_proj is transformers' Phi3"):
+        LoRAConfig(4, 8.0, "all-linear", exclude_modules=["qkv_proj"])
+    with pytest.raises(ValueError, match=r"names no module .*'up_proj', 'down_proj'\]$"):  # a typo: as it was
+        LoRAConfig(4, 8.0, ["o_proj", "qkvproj"])
