@@ -388,8 +388,9 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
         raise ValueError(f"config.json's rope_scaling {rope_type_refusal(kind)}: in the trainer replace it with "
                          "actor_rollout_ref.model.override_config.rope_scaling (another model: its "
                          "model.override_config.rope_scaling), null for plain RoPE"
-                         f"{f' or one of {tuple(scaled)}' if scaled else ''}; elsewhere (rollout.generate, "
-                         "from_pretrained) edit config.json")
+                         f"{f' or one of {tuple(scaled)}' if scaled else ''} (a replacement is not the checkpoint's "
+                         "scaling: its log-probs differ from transformers' wherever the two rotate otherwise, for "
+                         "longrope at every length); elsewhere (rollout.generate, from_pretrained) edit config.json")
     return None if kind == "default" else rope_scaling
 
 

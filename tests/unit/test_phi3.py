@@ -249,7 +249,9 @@ def test_longrope_and_rope_types_transformers_phi3_lacks_are_refused(tmp_path):
         load_model_args(tmp_path / "long")
     assert "config.json's rope_scaling type 'longrope' is not supported: " in str(e.value)
     # the replacement it suggests is one transformers' Phi3 reads: plain RoPE only
-    assert "override_config.rope_scaling), null for plain RoPE; elsewhere" in str(e.value), str(e.value)
+    assert ("override_config.rope_scaling), null for plain RoPE (a replacement is not the checkpoint's scaling: its "
+            "log-probs differ from transformers' wherever the two rotate otherwise, for longrope at every length); "
+            "elsewhere") in str(e.value), str(e.value)
     _, path = _saved(tmp_path)
     with pytest.raises(ValueError, match=r"rope_scaling of type 'linear' is not supported for model_type phi3: "
                                          r"transformers' Phi3 reads only default and longrope"):
