@@ -11,52 +11,33 @@ import torch
 
 from models import ModelArgs, Transformer
 from models.args import apply_overrides
+from tests.unit.hf_family import TOL, hf_causal_lm, one_thread
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 WINDOW = 64
-# float64: rounding is ~1e-15 of the logits (~1); the window changes the logits past it by > 1e-2
-TOL = 1e-9
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _randomized(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.15 * torch.randn(p.shape, generator=g))
-    return model.double().eval()
+_one_thread = one_thread
 
 
 def _mistral(tmp_path, window=WINDOW):
     """A saved MistralForCausalLM whose every layer attends through `window` (Mistral-7B-v0.1's 4096 of 32768)."""
-    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                     sliding_window=window, rope_parameters={"rope_type": "default",
-                                                                              "rope_theta": 10000.0})
-    cfg._attn_implementation = "sdpa"
-    hf = _randomized(transformers.MistralForCausalLM(cfg))
+    hf = hf_causal_lm(transformers.MistralConfig, transformers.MistralForCausalLM, vocab_size=VOCAB, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, sliding_window=window,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf.save_pretrained(tmp_path / "mistral")
     return hf, tmp_path / "mistral"
 
 
 def _qwen2(tmp_path, window=32, max_window_layers=1):
     """A saved Qwen2ForCausalLM whose layers from `max_window_layers` on attend through `window`."""
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   use_sliding_window=True, sliding_window=window,
-                                   max_window_layers=max_window_layers, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    hf = _randomized(transformers.Qwen2ForCausalLM(cfg))
+    hf = hf_causal_lm(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, vocab_size=VOCAB, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, use_sliding_window=True, sliding_window=window,
+                      max_window_layers=max_window_layers, tie_word_embeddings=False)
     hf.save_pretrained(tmp_path / "qwen2")
     return hf, tmp_path / "qwen2"
 

@@ -17,17 +17,10 @@ from rollout import Continuation, EngineConfig, LLMEngine, ParamSlot, RequestOut
 from rollout.model import check_tp_divisibility
 from rollout.sampler import combine_partials, race_group, sample_partials_ref, truncation_threshold
 from rollout.sequence import sequence_key
+from tests.unit.hf_family import one_thread
 
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: intra-op threads only add synchronisation (and stall badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = one_thread  # tiny ops: intra-op threads only add synchronisation (and stall on a busy machine)
 
 
 def tiny_args(kind: str, **kw) -> ModelArgs:

@@ -8,25 +8,17 @@ import json
 import pytest
 import torch
 
-from models import ModelArgs, Transformer, cu_seqlens_from_lengths
+from models import ModelArgs, Transformer
+from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
+                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit)
 
 transformers = pytest.importorskip("transformers")
 
+_one_thread = one_thread
 VOCAB = 97
-# float64: rounding is ~1e-15 of the logits (~1); a wrong architecture (a row order, a window, a head size) is off
-# by > 1e-3
-TOL = 1e-9
 # GQA (4 query heads on 2 KV heads) with an explicit head_dim (24 against hidden / heads 16); and plain multi-head
 # attention with head_dim from hidden / heads (Phi-3-mini's 32 heads on 32).
 SHAPES = [dict(num_key_value_heads=2, head_dim=24), dict(num_key_value_heads=4)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _phi3(dtype=torch.float64, **overrides):
@@ -35,16 +27,7 @@ def _phi3(dtype=torch.float64, **overrides):
               num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=128,
               sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    kw.update(overrides)
-    cfg = transformers.Phi3Config(**kw)
-    cfg._attn_implementation = "sdpa"  # eager attention takes its softmax in float32
-    model = transformers.Phi3ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.15 * torch.randn(p.shape, generator=g))
-    return model.to(dtype)
+    return hf_causal_lm(transformers.Phi3Config, transformers.Phi3ForCausalLM, dtype, **(kw | overrides))
 
 
 def _saved(tmp_path, **overrides):
@@ -82,23 +65,7 @@ def test_logits_equal_transformers_phi3(tmp_path, shape):
     assert ours.args.model_type == "phi3" and ours.args.head_dim == shape.get("head_dim", 16)
     assert ours.args.attention_window is None
     assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
-    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, :7] = 0
-    mask[1, :15] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        got = ours(ids, position_ids=pos, attention_mask=mask)
-        real = mask.bool()
-        assert ref[real].abs().max() > 1  # decisive logits: the tolerance is far below their differences
-        assert (got[real] - ref[real]).abs().max().item() <= TOL
-        lengths = [5, 17, 1, 30]
-        seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
-        cu = cu_seqlens_from_lengths(lengths)
-        packed = ours(torch.cat(seqs)[None], cu_seqlens=cu)[0]
-        for i, s in enumerate(seqs):
-            assert (packed[cu[i]:cu[i + 1]] - hf(input_ids=s[None]).logits[0]).abs().max().item() <= TOL
+    check_padded_and_packed_logits(hf, ours, VOCAB)
 
 
 def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path):
@@ -106,45 +73,12 @@ def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path):
     chunked prefill and preemption forced): greedy tokens are those of a no-cache loop over the training model, its
     log-probs the training forward's (to float32, which the engine returns them in); transformers' logits pick the
     same tokens."""
-    from rollout import SamplingParams
     from rollout.engine import LLMEngine
-    from tests.unit.test_engine import check_against_training_forward, greedy_reference, make_engine
 
     hf, path = _saved(tmp_path, **SHAPES[0])
-    model = Transformer.from_pretrained(path, dtype=torch.float64).eval()
-    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (1, 7, 13, 29, 4)]
-    engine = make_engine(model, dtype=torch.float64, num_kv_blocks=16, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    outs = engine.generate(prompts, params)
-    assert engine.last_stats["preemptions"] > 0
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == greedy_reference(model, prompt, 10)
-        check_against_training_forward(model, out, params, atol=1e-5)  # the engine returns float32 log-probs
-        with torch.no_grad():
-            hf_logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-        assert hf_logits.argmax(-1).tolist() == out.token_ids
+    engine, prompts, params, outs = check_engine_greedy(hf, path, VOCAB)
     loaded = LLMEngine.from_pretrained(path, engine.config, device="cpu")
     assert [o.token_ids for o in loaded.generate(prompts, params)] == [o.token_ids for o in outs]
-
-
-def _load_through_the_trainer(rank, world, path):
-    from trainer.setup import build_trained_model
-    from sharding import ParallelDims
-    from tests.unit.test_bad_model_files import _cfg
-
-    cfg = _cfg(f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
-    mesh = ParallelDims(world).build_meshes("cpu").train
-    model = build_trained_model(cfg, "actor", mesh, torch.device("cpu"))
-    assert model.args.model_type == "phi3" and model.args.head_dim == 24
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Phi3ForCausalLM"
-    expected = _split(hf.state_dict(), hf.config)
-    got = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    assert got.keys() == expected.keys()
-    for k in got:  # every tensor as saved, bit for bit
-        assert torch.equal(got[k], expected[k]), k
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -158,7 +92,7 @@ def test_a_saved_phi3_directory_loads_through_the_trainers_model_path(tmp_path, 
     assert FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["Phi3DecoderLayer"]})
     _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
     assert json.loads((path / "config.json").read_text())["model_type"] == "phi3"
-    run_distributed(_load_through_the_trainer, world, str(path))
+    run_distributed(trainer_loads_bit_for_bit, world, str(path), "phi3", 24, _split)
 
 
 def test_a_fused_tensor_of_other_rows_is_refused_naming_it(tmp_path):
@@ -182,38 +116,13 @@ def test_export_round_trips_through_transformers_phi3(tmp_path):
     directory transformers loads as Phi3ForCausalLM: qkv_proj and gate_up_proj fused back in transformers' row
     order (bit for bit the weights read), original_max_position_embeddings as read (Phi3Config's default is
     4096), with meshppo's logits; a Phi3 value model exports as Phi3ForTokenClassification."""
-    from models.checkpoint import load_model_args
-    from trainer.checkpointing import export_hf
-
     hf, base = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
-    ours = Transformer.from_pretrained(base)
-
-    class _Tokenizer:
-        def save_pretrained(self, path):
-            pass
-
-    out = tmp_path / "hf_actor"
-    export_hf(ours, load_model_args(base), _Tokenizer(), str(out), True, base_model=str(base))
-    written = json.loads((out / "config.json").read_text())
-    assert written["model_type"] == "phi3" and written["architectures"] == ["Phi3ForCausalLM"]
+    written, again = check_export_round_trip(tmp_path, base, "Phi3", VOCAB)
+    assert written["model_type"] == "phi3"
     assert written["head_dim"] == 24 and written["original_max_position_embeddings"] == 128
-    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(again).__name__ == "Phi3ForCausalLM"
     assert again.state_dict().keys() == hf.state_dict().keys()
     for k, v in hf.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
-    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (again.double()(input_ids=ids).logits - ours.double()(ids)).abs().max().item() <= TOL
-
-    critic = Transformer.from_pretrained(base, head="value")
-    with torch.no_grad():
-        critic.score.weight.normal_(0, 0.5)
-    critic.save_pretrained(tmp_path / "v")
-    scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v").eval()
-    assert type(scorer).__name__ == "Phi3ForTokenClassification"
-    with torch.no_grad():
-        assert (scorer.double()(input_ids=ids).logits[..., 0] - critic.double()(ids)).abs().max().item() <= TOL
 
 
 def _config(**kw):

@@ -1,0 +1,151 @@
+"""What the tests of a model family's checkpoints (test_mistral.py, test_phi3.py, test_attention_window.py) hold
+against transformers' implementation, in float64 on CPU: a transformers model with decisive random weights, its
+logits over padded and packed batches, the engine's greedy tokens, the trainer's loading path and the export."""
+
+import json
+
+import pytest
+import torch
+
+from models import Transformer, cu_seqlens_from_lengths
+
+# float64: rounding is ~1e-15 of the logits (~1); a wrong architecture (a window, a head size, a bias, a row order)
+# is off by > 1e-3
+TOL = 1e-9
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops: intra-op threads only add synchronisation (a test module takes it as `_one_thread = one_thread`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def randomized(model, dtype=torch.float64):
+    """`model` (transformers') in eval mode and `dtype`, with random weights large enough that its logits are
+    decisive (norm weights near 1)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.15 * torch.randn(p.shape, generator=g))
+    return model.eval().to(dtype)
+
+
+def hf_causal_lm(config_cls, model_cls, dtype=torch.float64, **config):
+    """transformers' `model_cls` of `config_cls(**config)`, randomized, with sdpa attention (its eager attention takes
+    the softmax in float32)."""
+    cfg = config_cls(**config)
+    cfg._attn_implementation = "sdpa"
+    return randomized(model_cls(cfg), dtype)
+
+
+def check_padded_and_packed_logits(hf, ours, vocab: int) -> None:
+    """meshppo's logits are `hf`'s on a left-padded batch (positions from the mask) and on packed sequences."""
+    ids = torch.randint(0, vocab, (3, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[1, :15] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, position_ids=pos, attention_mask=mask)
+        real = mask.bool()
+        assert ref[real].abs().max() > 1  # decisive logits: the tolerance is far below their differences
+        assert (got[real] - ref[real]).abs().max().item() <= TOL
+        lengths = [5, 17, 1, 30]
+        seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+        cu = cu_seqlens_from_lengths(lengths)
+        packed = ours(torch.cat(seqs)[None], cu_seqlens=cu)[0]
+        for i, s in enumerate(seqs):
+            assert (packed[cu[i]:cu[i + 1]] - hf(input_ids=s[None]).logits[0]).abs().max().item() <= TOL
+
+
+def check_engine_greedy(hf, path, vocab: int):
+    """The engine on the checkpoint at `path` (chunked prefill and preemption forced): greedy tokens are those of a
+    no-cache loop over the training model, its log-probs the training forward's (to float32, which the engine
+    returns them in), and `hf`'s logits pick the same tokens. Returns (engine, prompts, params, outputs)."""
+    from rollout import SamplingParams
+    from tests.unit.test_engine import check_against_training_forward, greedy_reference, make_engine
+
+    model = Transformer.from_pretrained(path, dtype=torch.float64).eval()
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (1, 7, 13, 29, 4)]
+    engine = make_engine(model, dtype=torch.float64, num_kv_blocks=16, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert engine.last_stats["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(model, prompt, 10)
+        check_against_training_forward(model, out, params, atol=1e-5)  # the engine returns float32 log-probs
+        with torch.no_grad():
+            hf_logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+        assert hf_logits.argmax(-1).tolist() == out.token_ids
+    return engine, prompts, params, outs
+
+
+def trainer_loads_bit_for_bit(rank, world, path, model_type, head_dim, by_meshppo_names):
+    """(a `run_distributed` body) The trainer's actor builder (FSDP over `world` gloo ranks) reads the checkpoint at
+    `path` as transformers' AutoModelForCausalLM does: each tensor bit for bit, `by_meshppo_names(state_dict,
+    config)` of transformers' state dict giving the tensors meshppo's names should hold."""
+    import transformers
+
+    from sharding import ParallelDims
+    from tests.unit.test_bad_model_files import _cfg
+    from trainer.setup import build_trained_model
+
+    cfg = _cfg(f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32")
+    mesh = ParallelDims(world).build_meshes("cpu").train
+    model = build_trained_model(cfg, "actor", mesh, torch.device("cpu"))
+    assert model.args.model_type == model_type and model.args.head_dim == head_dim
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = by_meshppo_names(hf.state_dict(), hf.config)
+    got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert got.keys() == expected.keys()
+    for k in got:  # every tensor as saved, bit for bit
+        assert torch.equal(got[k], expected[k]), k
+
+
+def unprefixed(state_dict, config):
+    """transformers' state dict of a family whose modules meshppo names alike, by meshppo's names."""
+    return {k.removeprefix("model."): v for k, v in state_dict.items()}
+
+
+def check_export_round_trip(tmp_path, base, family: str, vocab: int) -> dict:
+    """The trained-policy export (`trainer.checkpointing.export_hf`, which `tools.export_hf` runs) of the checkpoint
+    at `base` writes a directory transformers loads as `<family>ForCausalLM` with meshppo's logits, and a value
+    model of it exports as `<family>ForTokenClassification` with its scores. Returns the written config.json and
+    the reloaded causal LM."""
+    import transformers
+
+    from models.checkpoint import load_model_args
+    from trainer.checkpointing import export_hf
+
+    ours = Transformer.from_pretrained(base)
+
+    class _Tokenizer:
+        def save_pretrained(self, path):
+            pass
+
+    out = tmp_path / "hf_actor"
+    export_hf(ours, load_model_args(base), _Tokenizer(), str(out), True, base_model=str(base))
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [f"{family}ForCausalLM"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again).__name__ == f"{family}ForCausalLM"
+    ids = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (again.double()(input_ids=ids).logits - ours.double()(ids)).abs().max().item() <= TOL
+
+    critic = Transformer.from_pretrained(base, head="value")
+    with torch.no_grad():
+        critic.score.weight.normal_(0, 0.5)
+    critic.save_pretrained(tmp_path / "v")
+    scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v").eval()
+    assert type(scorer).__name__ == f"{family}ForTokenClassification"
+    with torch.no_grad():
+        assert (scorer.double()(input_ids=ids).logits[..., 0] - critic.double()(ids)).abs().max().item() <= TOL
+    return written, again
