@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import fnmatch
 import math
+import numbers
 import os
 import re
 import types
@@ -290,11 +291,13 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
 
 
 def shown(value) -> str:
-    """`value` as a dotted override writes it (`key=value` in a message): true, false and null as YAML
-    writes them (not Python's True, None), anything else as its text."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    return str(value)
+    """`value` as a dotted override writes it (`key=value` in a message), which `parse_override` reads
+    back as `value`: true, false and null as YAML writes them (not Python's True, None), lists and
+    mappings in YAML's flow style (`[model, extra]`, `{gpu_memory_utilization: 0.3, x: null}`), and
+    text quoted only where YAML would read it otherwise (`'1'`, `'true'`, `'a, b'` in a list)."""
+    text = yaml.dump(value, Dumper=_ShownDumper, default_flow_style=True, width=math.inf, allow_unicode=True,
+                     sort_keys=False)
+    return text.removesuffix("\n").removesuffix("\n...").removesuffix("\n")
 
 
 def _refusal_reason(metadata) -> str:
@@ -327,6 +330,47 @@ class ConfigDumper(yaml.SafeDumper):
 
 for _yaml_class in (ConfigLoader, ConfigDumper):
     _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+class _ShownDumper(ConfigDumper):
+    """`shown`'s writer: `ConfigDumper` on one line, a float as Python spells it (`1e-05`, not
+    `1.0e-05`; `.inf` and `.nan` as YAML's), numpy's and torch's numbers as Python's, a str
+    subclass (a str Enum) as its text, a tuple or a set as a list, a config section as the mapping
+    of its options, text with a line break or another character that is not printable
+    double-quoted with escapes, any other object as its text, and no anchors for an object met
+    twice."""
+
+    def ignore_aliases(self, data):
+        return True
+
+    def represent_str(self, data):
+        style = '"' if any(not c.isprintable() for c in data) else None
+        return self.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    def represent_float(self, data):
+        if not math.isfinite(data):
+            return super().represent_float(data)
+        return self.represent_scalar("tag:yaml.org,2002:float", repr(float(data)))
+
+    def represent_other(self, data):
+        if is_dataclass(data) and not isinstance(data, type):  # a section: its options by their keys
+            return self.represent_dict({option_key(f): getattr(data, f.name) for f in fields(data)})
+        if isinstance(data, (set, frozenset)):
+            return self.represent_list(sorted(data, key=repr))
+        if isinstance(data, str):
+            return self.represent_str(str.__str__(data))
+        if isinstance(data, numbers.Integral):
+            return self.represent_int(int(data))
+        if isinstance(data, numbers.Real):
+            return self.represent_float(float(data))
+        return self.represent_str(str(data))
+
+
+_ShownDumper.add_representer(str, _ShownDumper.represent_str)
+_ShownDumper.add_representer(set, _ShownDumper.represent_other)
+_ShownDumper.add_representer(float, _ShownDumper.represent_float)
+_ShownDumper.add_representer(tuple, _ShownDumper.represent_list)
+_ShownDumper.add_multi_representer(object, _ShownDumper.represent_other)
 
 
 def load_yaml_text(text: str):

@@ -2,13 +2,15 @@
 
 import dataclasses
 import os
+from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
 from trainer.config import PPOConfig, config_notes, validate
-from trainer.configlib import ConfigError, build_dataclass, iter_options, load_config, parse_override, to_commented_yaml
+from trainer.configlib import (ConfigError, build_dataclass, iter_options, load_config, parse_override, shown,
+                               to_commented_yaml)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
@@ -302,7 +304,7 @@ def test_exclude_modules_takes_projections_out_of_the_actor_and_critic_lora_as_i
                                           r"\['layers.0.mlp.up_proj'\] selects"):
         _cfg(f"{C}.lora_rank=8", f"{C}.exclude_modules=[layers.0.mlp.up_proj]", "algorithm.adv_estimator=gae")
     assert [n for n in config_notes(_cfg(f"{A}.exclude_modules=[o_proj]")) if "exclude_modules" in n] == [
-        f"{A}.exclude_modules=['o_proj'] has no effect: {A}.lora_rank=0 (no LoRA adapters)"]
+        f"{A}.exclude_modules=[o_proj] has no effect: {A}.lora_rank=0 (no LoRA adapters)"]
 
 
 def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_path):
@@ -464,6 +466,39 @@ def test_commented_yaml_round_trips():
 def test_parse_override_yaml_values():
     assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
     assert parse_override("a=null") == (["a"], None)
+
+
+_SHOWN_TEXTS = ["vllm", "", "1", "1.5", "1e-3", "true", "on", "null", "~", "2025-01-01", "a, b", "x: y", "a:b", "[x]",
+                "{x}", "#c", "a#b", " lead", "trail ", "- x", "*a", "&a", "!t", "'", '"', "it's", "a=b", "line\nbreak",
+                "tab\t", "é"]
+
+
+@pytest.mark.parametrize("value", [
+    None, True, False, 0, -3, 2**70, 0.3, 1e-05, -2.5e+20, 100.0, float("inf"), float("-inf"), [], {},
+    *_SHOWN_TEXTS, [*_SHOWN_TEXTS], {t or "k": t for t in _SHOWN_TEXTS},
+    ["model", "extra"], {"gpu_memory_utilization": 0.3, "x": None, "on": [1e-5, True, None, "1", {"a, b": ["x: y"]}]},
+    {1: "one", "nested": {"deeper": [[], {}, [["true", 2]]]}},
+])
+def test_a_value_as_a_message_spells_it_reads_back_as_an_override(value):
+    """`shown(value)`, a message's `key=value`, pasted back as an override gives the same value."""
+    assert parse_override(f"k={shown(value)}") == (["k"], value)
+
+
+def test_a_value_as_a_message_spells_it():
+    """Lists and mappings as a dotted override writes them (YAML's flow style), not Python's repr."""
+    assert shown(["model", "extra"]) == "[model, extra]"
+    assert shown({"gpu_memory_utilization": 0.3, "x": None, "on": True}) == "{gpu_memory_utilization: 0.3, x: null, 'on': true}"
+    assert shown({"a": [{"b": "null"}, 1e-05, "1", "a, b", "x: y", " s"]}) == "{a: [{b: 'null'}, 1e-05, '1', 'a, b', 'x: y', ' s']}"
+    assert shown(("q_proj", "v_proj")) == "[q_proj, v_proj]"
+    assert (shown(None), shown(False), shown(2), shown(1e-05), shown(float("inf"))) == ("null", "false", "2", "1e-05", ".inf")
+    assert (shown("vllm"), shown("a, b"), shown("1"), shown("true"), shown("")) == ("vllm", "a, b", "'1'", "'true'", "''")
+    assert shown("a\nb") == '"a\\nb"' and shown(Path("/x/y")) == "/x/y"
+    same = [1]
+    assert shown([same, same]) == "[[1], [1]]"  # no YAML anchor for an object met twice
+    import numpy as np
+    assert shown({"lr": np.float64(0.25), "n": np.int64(3)}) == "{lr: 0.25, n: 3}"  # numbers, not quoted text
+    assert shown({"b", "a"}) == "[a, b]"  # not YAML's !!set {a: null, b: null}
+    assert shown(PPOConfig().algorithm.kl_ctrl) == "{type: fixed, kl_coef: 0.001, horizon: 10000, target_kl: 0.1}"
 
 
 def _cli(*args, cwd=ROOT):
@@ -716,8 +751,8 @@ def test_verls_reward_model_section_loads_and_its_serving_options_are_said():
     notes = [n for n in config_notes(cfg) if n.startswith("reward_model.")]
     assert notes == ["reward_model.num_workers=8 has no effect: meshppo scores on every training rank, without "
                      "reward-loop workers",
-                     "reward_model.rollout={'name': 'vllm', 'gpu_memory_utilization': 0.8, "
-                     "'tensor_model_parallel_size': 1} has no effect: meshppo runs the reward model as an FSDP2 "
+                     "reward_model.rollout={name: vllm, gpu_memory_utilization: 0.8, "
+                     "tensor_model_parallel_size: 1} has no effect: meshppo runs the reward model as an FSDP2 "
                      "forward on the training ranks"], notes
     assert not [n for n in config_notes(_cfg(*rm)) if n.startswith("reward_model.")]
     with pytest.raises(ConfigError, match=r"reward_model.max_length=512 with reward_model.model.input_tokenizer=null"):
@@ -1115,7 +1150,7 @@ def test_critic_options_without_a_critic_are_noted():
                        "critic.checkpoint.save_contents=[model]",
                        "critic.model.fsdp_config.ulysses_sequence_parallel_size=2") == [
         "critic.model.fsdp_config.ulysses_sequence_parallel_size=2, critic.ppo_micro_batch_size_per_gpu=2, "
-        "critic.checkpoint.save_contents=['model'] has no effect: algorithm.adv_estimator=grpo trains no critic"]
+        "critic.checkpoint.save_contents=[model] has no effect: algorithm.adv_estimator=grpo trains no critic"]
     inherited = ("critic.rollout_n=8", "critic.strategy=fsdp", "critic.model.path=runs/demo_assets/sft_model",
                  "critic.ppo_mini_batch_size=16", "critic.loss_agg_mode=token-mean", "critic.use_dynamic_bsz=false",
                  "critic.shuffle=false", "critic.ppo_epochs=1", "critic.ppo_micro_batch_size_per_gpu=64",
@@ -1148,13 +1183,13 @@ def test_model_overrides_and_tiled_mlp_of_a_model_the_run_lacks_are_noted():
     set_ = ("critic.model.override_config.rope_theta=5000.0", "critic.model.tiled_mlp.enabled=true",
             "critic.model.tiled_mlp.num_shards=8", "critic.model.override_config.initializer_range=0.5")
     assert [n for n in config_notes(_cfg(*set_)) if "critic.model" in n] == [
-        "critic.model.override_config={'rope_theta': 5000.0, 'initializer_range': 0.5}, critic.model.tiled_mlp.enabled=true, "
+        "critic.model.override_config={rope_theta: 5000.0, initializer_range: 0.5}, critic.model.tiled_mlp.enabled=true, "
         "critic.model.tiled_mlp.num_shards=8 has no effect: algorithm.adv_estimator=grpo trains no critic"]
     gae = ("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1")
     assert _notes_with("trains no critic", *gae, *set_) == []
     rm = "reward_model.model.override_config.rope_theta=5000.0"
     assert [n for n in config_notes(_cfg(rm)) if "reward_model" in n] == [
-        "reward_model.model.override_config={'rope_theta': 5000.0} has no effect: reward_model.enable is false"]
+        "reward_model.model.override_config={rope_theta: 5000.0} has no effect: reward_model.enable is false"]
     assert _notes_with("enable is false", "reward_model.enable=true", "reward_model.model.path=/rm", rm) == []
 
 
@@ -1198,7 +1233,7 @@ def test_validation_options_without_validation_files_are_noted():
     assert [n for n in config_notes(load_config(PPOConfig, None, [])) if "validation" in n] == []
     # validation files, but no validation scheduled (nor val_only): they too are unread
     assert _notes_with("so no validation", "trainer.val_before_train=false", "trainer.test_freq=-1") == [
-        "data.val_files=['runs/demo_assets/val.jsonl'], trainer.log_val_generations=3 has no effect: "
+        "data.val_files=[runs/demo_assets/val.jsonl], trainer.log_val_generations=3 has no effect: "
         "trainer.val_before_train=false and trainer.test_freq=-1, so no validation runs"]
     assert _notes_with("so no validation", "trainer.val_before_train=false") == []  # the demo's test_freq 5
     assert _notes_with("so no validation", *none, "trainer.test_freq=5") == [
@@ -1214,7 +1249,7 @@ def test_validation_sampling_options_are_noted_once_where_no_validation_runs():
     set_ = (f"{R}.val_kwargs.top_k=5", f"{R}.val_kwargs.do_sample=true")
     unscheduled = load_config(PPOConfig, DEMO, ["trainer.val_before_train=false", "trainer.test_freq=-1", *set_])
     assert config_notes(unscheduled) == [
-        f"data.val_files=['runs/demo_assets/val.jsonl'], trainer.log_val_generations=3, {R}.val_kwargs.top_k=5, "
+        f"data.val_files=[runs/demo_assets/val.jsonl], trainer.log_val_generations=3, {R}.val_kwargs.top_k=5, "
         f"{R}.val_kwargs.do_sample=true has no effect: trainer.val_before_train=false and trainer.test_freq=-1, so no "
         "validation runs"]
     no_files = load_config(PPOConfig, None, ["data.val_files=[]", *set_])
@@ -1365,7 +1400,7 @@ def test_fsdp_unit_options_of_one_rank_shard_groups_are_noted():
             "actor_rollout_ref.ref.fsdp_config.forward_prefetch=true", "critic.model.fsdp_config.forward_prefetch=true")
     why = "has no effect: the shard groups are of one rank ({}): no FSDP units are built, each rank holds every parameter whole"
     assert _notes_with("no FSDP units", "trainer.n_gpus_per_node=1", *set_) == [  # (no critic in the demo)
-        f"{A}.forward_prefetch=true, {A}.wrap_policy={{'min_num_params': 1000}}, "
+        f"{A}.forward_prefetch=true, {A}.wrap_policy={{min_num_params: 1000}}, "
         "actor_rollout_ref.ref.fsdp_config.forward_prefetch=true "
         + why.format("trainer.nnodes x trainer.n_gpus_per_node = 1 rank")]
     assert _notes_with("no FSDP units", f"{A}.fsdp_size=1", set_[0]) == [
@@ -1437,7 +1472,7 @@ def test_options_their_algorithm_does_not_read_are_noted():
     gae = ("algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1")
     assert _notes_with("lora_rank=0", f"{M}.lora_alpha=32", f"{M}.target_modules=[q_proj]", *gae,
                        "critic.model.lora_alpha=8") == [
-        f"{M}.lora_alpha=32.0, {M}.target_modules=['q_proj'] has no effect: {M}.lora_rank=0 (no LoRA adapters)",
+        f"{M}.lora_alpha=32.0, {M}.target_modules=[q_proj] has no effect: {M}.lora_rank=0 (no LoRA adapters)",
         "critic.model.lora_alpha=8.0 has no effect: critic.model.lora_rank=0 (no LoRA adapters)"]
     assert _notes_with("lora_alpha", f"{M}.lora_alpha=32", f"{M}.lora_rank=8", *gae, "critic.model.lora_alpha=8",
                        "critic.model.lora_rank=4") == []
@@ -1521,7 +1556,7 @@ def test_gdpo_settings():
         validate(_cfg("algorithm.adv_estimator=gdpo", keys, *reward_model))
     validate(_cfg("algorithm.adv_estimator=gdpo", keys, *reward_model, "reward_model.combine=add"))
     assert [n for n in config_notes(_cfg(keys)) if "gdpo" in n] == [
-        "algorithm.gdpo_reward_keys=['format_reward', 'accuracy_reward'] has no effect: algorithm.adv_estimator=grpo "
+        "algorithm.gdpo_reward_keys=[format_reward, accuracy_reward] has no effect: algorithm.adv_estimator=grpo "
         "(they are gdpo's)"]
     assert [n for n in config_notes(_cfg("algorithm.adv_estimator=gdpo", keys, "algorithm.use_kl_in_reward=true",
                                          "algorithm.norm_adv_by_std_in_grpo=false")) if "gdpo" in n] == [

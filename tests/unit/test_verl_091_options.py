@@ -114,7 +114,7 @@ NOT_SUPPORTED = "which meshppo does not support"
     (f"{A}.fsdp_config.qat.mode=w4a4", f"{A}.fsdp_config.qat.mode=w4a4 has no effect: read only with qat.enable, "
      f"{NOT_SUPPORTED}"),
     (f"{A}.fsdp_config.turbo_config={{distributed: {{tensor_parallel_size: 2}}}}",
-     f"{A}.fsdp_config.turbo_config={{'distributed': {{'tensor_parallel_size': 2}}}} has no effect: read only with "
+     f"{A}.fsdp_config.turbo_config={{distributed: {{tensor_parallel_size: 2}}}} has no effect: read only with "
      f"strategy=fsdp_turbo, {NOT_SUPPORTED}"),
     ("actor_rollout_ref.model.lora.merge=true", "actor_rollout_ref.model.lora.merge=true has no effect: meshppo's "
      "engine always gets the merged weights of a LoRA actor"),
@@ -155,7 +155,7 @@ NOT_SUPPORTED = "which meshppo does not support"
     (f"{A}.profiler.tool_config.torch.schedule.wait=1", f"{A}.profiler.tool_config.torch.schedule.wait=1 has no "
      f"effect: read only with schedule.active > 0, {NOT_SUPPORTED}"),
     ("global_profiler.global_tool_config.precision_debugger.stages=[actor_update]",
-     "global_profiler.global_tool_config.precision_debugger.stages=['actor_update'] has no effect: read only with "
+     "global_profiler.global_tool_config.precision_debugger.stages=[actor_update] has no effect: read only with "
      f"precision_debugger.config_path, {NOT_SUPPORTED}"),
 ])
 def test_what_changes_nothing_is_said_at_start_up(override, note):

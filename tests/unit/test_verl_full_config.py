@@ -134,7 +134,7 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     ("algorithm.filter_groups.metric=null", "algorithm.filter_groups.metric=null has no effect: "
      "algorithm.filter_groups.enable is false"),
     ("trainer.use_v1=false", "trainer.use_v1=false has no effect: meshppo has one trainer"),
-    ("data.mm_processor_kwargs={max_pixels: 10}", "data.mm_processor_kwargs={'max_pixels': 10} has no effect: "
+    ("data.mm_processor_kwargs={max_pixels: 10}", "data.mm_processor_kwargs={max_pixels: 10} has no effect: "
      "meshppo's models are text-only: it reads no images or videos"),
     (f"{A}.optim.zero_indexed_step=false", f"{A}.optim.zero_indexed_step=false has no effect: "
      f"{A}.optim.lr_scheduler_type=constant (they shape the cosine schedule)"),
@@ -162,7 +162,7 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
      "each prompt once for its n samples, which share its KV blocks copy-on-write (rollout/block_manager.py); it "
      "keeps no cache across prompts (a multi-turn sample keeps its own K/V between its turns)"),
     (f"{R}.engine_kwargs.vllm={{swap_space: 4}}",  # a dotted key into a dict field replaces the dict
-     f"{R}.engine_kwargs={{'vllm': {{'swap_space': 4}}}} has no effect: meshppo generates with its own engine, which "
+     f"{R}.engine_kwargs={{vllm: {{swap_space: 4}}}} has no effect: meshppo generates with its own engine, which "
      "takes none of them"),
     (f"{R}.multi_stage_wake_up=true", f"{R}.multi_stage_wake_up=true has no effect: meshppo's engine always does: the "
      "weights come back at the reshard, the KV cache when generation starts, after the actor's training states are "
@@ -184,7 +184,7 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     ("trainer.esi_redundant_time=600", "trainer.esi_redundant_time=600 has no effect: meshppo reads no instance "
                                        "expiry: it saves on SIGTERM or SIGUSR1 (preemption_grace_s)"),
     ("ray_kwargs.ray_init.num_cpus=8",
-     "ray_kwargs={'ray_init': {'num_cpus': 8}} has no effect: meshppo runs without Ray (torchrun launches it)"),
+     "ray_kwargs={ray_init: {num_cpus: 8}} has no effect: meshppo runs without Ray (torchrun launches it)"),
     ("transfer_queue.enable=true", "transfer_queue.enable=true has no effect: meshppo passes a step's batch between "
                                    "its phases in-process"),
 ])
@@ -359,7 +359,7 @@ def test_the_rollout_and_reward_model_profilers_tool_config_is_verls_copy_of_the
     assert cfg.actor_rollout_ref.rollout.profiler.tool_config == cfg.actor_rollout_ref.actor.profiler.tool_config
     assert _round_trips(cfg)
     # option by option (verl 0.9.1's rollout copies some of the actor's, each an interpolation)
-    with pytest.raises(ConfigError, match=rf"^{R}.profiler.tool_config.torch.contents=\['cpu'\] differs from "
+    with pytest.raises(ConfigError, match=rf"^{R}.profiler.tool_config.torch.contents=\[cpu\] differs from "
                                           rf"{A}.profiler.tool_config.torch.contents=\[\]: it is verl's copy"):
         _cfg(f"{R}.profiler.tool_config={{torch: {{contents: [cpu]}}}}")
     assert _cfg(f"{R}.profiler.tool_config={{npu: {{level: level0}}}}").actor_rollout_ref.rollout.profiler.tool_config \

@@ -172,7 +172,7 @@ def test_the_older_server_keys_are_checked_as_the_newer():
     cfg = _cfg(*RM_ON, "+reward_model.rollout.name=vllm", "+reward_model.rollout.full_determinism=true")
     assert cfg.reward_model.rollout == {"name": "vllm", "full_determinism": True} and _round_trips(cfg)
     assert not any(s.full_determinism for s in full_determinism_sections(cfg).values())
-    assert "reward_model.rollout={'name': 'vllm', 'full_determinism': True} has no effect: meshppo runs the reward " \
+    assert "reward_model.rollout={name: vllm, full_determinism: true} has no effect: meshppo runs the reward " \
            "model as an FSDP2 forward on the training ranks" in config_notes(cfg)
     with pytest.raises(ConfigError, match=r"^unknown config key 'reward_model.rollout.nam'; did you mean "
                                           "'reward_model.rollout.name'"):
