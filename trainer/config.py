@@ -437,7 +437,7 @@ def _check_checkpoint(key: str, c: CheckpointConfig) -> None:
             raise ConfigError(f"{key}.checkpoint.{name}: unknown item {unknown[0]!r}; allowed: "
                               f"{', '.join(CHECKPOINT_CONTENTS)}")
         if "optimizer" in items and "model" not in items:
-            raise ConfigError(f"{key}.checkpoint.{name}={items}: 'optimizer' needs 'model' (meshppo keeps the "
+            raise ConfigError(f"{key}.checkpoint.{name}={shown(items)}: 'optimizer' needs 'model' (meshppo keeps the "
                               "optimizer state with the weights it was computed for; Adam moments without them do "
                               "not resume anything)")
     if c.async_save:
@@ -653,7 +653,7 @@ def _adapter_notes(model) -> list[str]:
     lora, raw = adapter_lora(model.lora_adapter_path)
     key, notes = "actor_rollout_ref.model", []
     default = LoRAConfig(1)  # lora_rank's default is 0 (off); the others' are LoRAConfig's
-    unused = [f"{name}={ours}" for name, ours, theirs, unset in (
+    unused = [f"{name}={shown(ours)}" for name, ours, theirs, unset in (
         ("lora_rank", model.lora_rank, lora.rank, 0), ("lora_alpha", model.lora_alpha, lora.alpha, default.alpha))
         if ours not in (theirs, unset)]
     try:
@@ -662,10 +662,10 @@ def _adapter_notes(model) -> list[str]:
     except ValueError:  # a selection meshppo cannot take, not read: the adapter's is used
         same = False
     if not same:
-        unused += [f"{k}={v}" for k, v in _non_default(model, ("target_modules", "exclude_modules")).items()]
+        unused += [f"{k}={shown(v)}" for k, v in _non_default(model, ("target_modules", "exclude_modules")).items()]
     if unused:
         notes.append(f"{key}.{', '.join(unused)} not used: the adapter at {key}.lora_adapter_path has r={lora.rank}, "
-                     f"lora_alpha={lora.alpha:g} and target_modules={list(lora.targets)}, which LoRA takes (as in verl)")
+                     f"lora_alpha={lora.alpha:g} and target_modules={shown(lora.targets)}, which LoRA takes (as in verl)")
     dropout = raw.get("lora_dropout") or 0.0
     if dropout:
         notes.append(f"the adapter at {key}.lora_adapter_path was trained with lora_dropout={dropout:g}: meshppo's "
@@ -1631,7 +1631,7 @@ class RolloutCorrectionConfig:
     def __post_init__(self):
         self.is_bounds = parse_rollout_is_threshold(self.rollout_is_threshold)
         if self.rollout_rs is None and self.rollout_rs_threshold is not None:
-            raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold!r} needs rollout_rs")
+            raise ValueError(f"rollout_rs_threshold={shown(self.rollout_rs_threshold)} needs rollout_rs")
         self.rejection = () if self.rollout_rs is None else parse_rollout_rs(self.rollout_rs,
                                                                              self.rollout_rs_threshold)
         if self.loss_type != "ppo_clip" and not self.bypass_mode:
@@ -3038,9 +3038,10 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
         raise ConfigError(str(err)) from None
     if cfg.data.tool_config_path is not None and not _same_file(cfg.data.tool_config_path,
                                                                 rollout.multi_turn.tool_config_path):
-        raise ConfigError(f"data.tool_config_path={cfg.data.tool_config_path!r} differs from actor_rollout_ref.rollout."
-                          f"multi_turn.tool_config_path={rollout.multi_turn.tool_config_path!r}: meshppo renders (and "
-                          "filters) the tool agent's prompts with the rollout's tools; set it null or to the same file")
+        raise ConfigError(f"data.tool_config_path={shown(cfg.data.tool_config_path)} differs from actor_rollout_ref."
+                          f"rollout.multi_turn.tool_config_path={shown(rollout.multi_turn.tool_config_path)}: meshppo "
+                          "renders (and filters) the tool agent's prompts with the rollout's tools; set it null or to "
+                          "the same file")
     if rollout.multi_turn.enable and rollout.engine != "native":
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.name=native: the turns "
                           f"continue each sample in meshppo's engine, and rollout.name={rollout.name} has none")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.configlib import ConfigError, given_option
+from trainer.configlib import ConfigError, given_option, shown
 
 SHARED_TOOL_CONFIG = "actor_rollout_ref.actor.profiler.tool_config"
 
@@ -98,7 +98,7 @@ def _agreed(values: dict[str, object], what: str):
     """The one value the enabled roles give `what` (keyed by the option that sets it)."""
     distinct = {repr(v) for v in values.values()}
     if len(distinct) > 1:
-        listed = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        listed = ", ".join(f"{k}={shown(v)}" for k, v in values.items())
         raise ConfigError(f"{listed}: meshppo profiles every role in one process per rank, so the enabled roles "
                           f"need one {what}")
     return next(iter(values.values()))
@@ -189,7 +189,7 @@ def check_profiler_ranks(cfg, world_size: int) -> None:
         missing = sorted(r for r in prof.ranks or [] if r >= world_size)
         if prof.enable and missing and not prof.all_ranks:
             t = cfg.trainer
-            raise ConfigError(f"{key}.profiler.ranks={list(prof.ranks)}: rank{'s' if len(missing) > 1 else ''} "
+            raise ConfigError(f"{key}.profiler.ranks={shown(prof.ranks)}: rank{'s' if len(missing) > 1 else ''} "
                               f"{', '.join(map(str, missing))} do{'' if len(missing) > 1 else 'es'} not exist, the "
                               f"launch has {world_size} (trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x "
                               f"{t.n_gpus_per_node}): list ranks 0 to {world_size - 1}")
@@ -232,15 +232,15 @@ def profiling_notes(cfg) -> list[str]:
                      "verl: set e.g. actor_rollout_ref.actor.profiler.enable=true)")
     elif enabled and not gp.steps:
         notes.append(f"{_keys_set(cfg, enabled, 'enable')}: global_profiler.steps is "
-                     f"{'null' if gp.steps is None else list(gp.steps)}, nothing is profiled (as in verl: list the "
+                     f"{shown(gp.steps)}, nothing is profiled (as in verl: list the "
                      "steps)")
     untooled = [(k, p) for k, p, _ in roles if p.enable and p.tool is None]
     if gp.steps and tool is None and not untooled:
         tooled = {setting_key(cfg, k, "tool"): p.tool for k, p, _ in roles if p.tool is not None}
-        why = (f"no role's profiler.enable is true ({', '.join(f'{k}={v}' for k, v in tooled.items())} names a tool "
+        why = (f"no role's profiler.enable is true ({', '.join(f'{k}={shown(v)}' for k, v in tooled.items())} names a tool "
                "for a role not enabled)" if tooled else
                "no profiler tool is set (global_profiler.tool) and no role's profiler.enable is true")
-        notes.append(f"global_profiler.steps={list(gp.steps)} has no effect: {why}: nothing is profiled")
+        notes.append(f"global_profiler.steps={shown(gp.steps)} has no effect: {why}: nothing is profiled")
     if untooled and not enabled:
         notes.append(f"{_keys_set(cfg, [k for k, _ in untooled], 'enable')}=true but no tool is set "
                      "(global_profiler.tool): nothing is profiled")
@@ -283,7 +283,7 @@ def profiling_notes(cfg) -> list[str]:
         if not key.startswith("global_profiler."):
             depths[key] = tc.torch_memory.stack_depth
     if depths:
-        notes.append(f"{', '.join(f'{k}={v}' for k, v in depths.items())} has no effect: torch's "
+        notes.append(f"{', '.join(f'{k}={shown(v)}' for k, v in depths.items())} has no effect: torch's "
                      "_record_memory_history takes no stack depth (it keeps whole stacks; verl passes it only where "
                      "torch takes it)")
     npu = [f"{k}.profiler.tool_config.npu" for k, p in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.profiler),
@@ -312,7 +312,7 @@ class StepProfiler:
                               "(trainer.device); use tool=torch")
         if (plan is not None and plan.tool == "torch" and device.type != "cuda" and "cuda" in plan.contents
                 and "cpu" not in plan.contents):
-            raise ConfigError(f"the torch profiler's contents {sorted(plan.contents)} ask for CUDA activity only, and "
+            raise ConfigError(f"the torch profiler's contents {shown(sorted(plan.contents))} ask for CUDA activity only, and "
                               f"this run is on {device.type}: add cpu, or leave contents empty")
         self.plan = plan if plan is not None and plan.profiles(rank) else None
         self.rank, self.device, self.last_step, self.log = rank, device, last_step, log

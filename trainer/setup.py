@@ -20,7 +20,7 @@ from models.checkpoint import CheckpointFileError
 from models.lora import trainable_parameters
 from models.tiled_mlp import apply_tiled_mlp
 from trainer.config import OptimConfig, PPOConfig, check_final_exports, described_launch, validate
-from trainer.configlib import ConfigError
+from trainer.configlib import ConfigError, shown
 from trainer.errors import UserError
 from trainer.launch import DistContext
 from trainer.profiling import profile_plan, save_path_key
@@ -54,7 +54,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     t = cfg.trainer
     if t.default_local_dir is not None and not t.default_local_dir.strip():
         # (an unset shell variable: trainer.default_local_dir=$RUN) no directory to lock, log or write into
-        raise ConfigError(f"trainer.default_local_dir={t.default_local_dir!r} is empty: give the run directory, or "
+        raise ConfigError(f"trainer.default_local_dir={shown(t.default_local_dir)} is empty: give the run directory, or "
                           "null for runs/<trainer.project_name>/<trainer.experiment_name>")
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):
         check_output_dir(f"trainer.{key}", getattr(t, key))

@@ -334,15 +334,15 @@ def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_
     assert notes(f"{key}.lora_rank=4", f"{key}.lora_alpha=8", f"{key}.target_modules=[v_proj,q_proj]") == []
     assert notes(f"{key}.target_modules=[q_proj,v_proj,o_proj]", f"{key}.exclude_modules=[o_proj]") == []
     assert notes(f"{key}.exclude_modules=[o_proj]") == [
-        f"{key}.exclude_modules=['o_proj'] not used: the adapter at {key}.lora_adapter_path has r=4, lora_alpha=8 and "
-        "target_modules=['q_proj', 'v_proj'], which LoRA takes (as in verl)"]
+        f"{key}.exclude_modules=[o_proj] not used: the adapter at {key}.lora_adapter_path has r=4, lora_alpha=8 and "
+        "target_modules=[q_proj, v_proj], which LoRA takes (as in verl)"]
     # not read, so not refused (an error escaped the start-up notes, naming no key)
     assert notes(f"{key}.target_modules=[lm_head]", f"{key}.exclude_modules=[qq]") == [
-        f"{key}.target_modules=['lm_head'], exclude_modules=['qq'] not used: the adapter at {key}.lora_adapter_path "
-        "has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes (as in verl)"]
+        f"{key}.target_modules=[lm_head], exclude_modules=[qq] not used: the adapter at {key}.lora_adapter_path "
+        "has r=4, lora_alpha=8 and target_modules=[q_proj, v_proj], which LoRA takes (as in verl)"]
     assert notes(f"{key}.lora_rank=8", f"{key}.lora_alpha=32", f"{key}.target_modules=[q_proj]") == [
-        f"{key}.lora_rank=8, lora_alpha=32.0, target_modules=['q_proj'] not used: the adapter at "
-        f"{key}.lora_adapter_path has r=4, lora_alpha=8 and target_modules=['q_proj', 'v_proj'], which LoRA takes "
+        f"{key}.lora_rank=8, lora_alpha=32.0, target_modules=[q_proj] not used: the adapter at "
+        f"{key}.lora_adapter_path has r=4, lora_alpha=8 and target_modules=[q_proj, v_proj], which LoRA takes "
         "(as in verl)"]
     raw = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**raw, "lora_dropout": 0.05}))
@@ -499,6 +499,13 @@ def test_a_value_as_a_message_spells_it():
     assert shown({"lr": np.float64(0.25), "n": np.int64(3)}) == "{lr: 0.25, n: 3}"  # numbers, not quoted text
     assert shown({"b", "a"}) == "[a, b]"  # not YAML's !!set {a: null, b: null}
     assert shown(PPOConfig().algorithm.kl_ctrl) == "{type: fixed, kl_coef: 0.001, horizon: 10000, target_kl: 0.1}"
+
+
+def test_a_text_threshold_is_spelled_as_its_override():
+    """A refused value of a `str | float` option reads as the override that sets it (no Python quotes)."""
+    with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction: rollout_rs_threshold=0.5_2.0 needs "
+                                          r"rollout_rs$"):
+        _cfg("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0")
 
 
 def _cli(*args, cwd=ROOT):
@@ -825,10 +832,10 @@ def test_checkpoint_contents_are_verls_items():
         _cfg(f"{actor}.save_contents=[model,weights]")
     with pytest.raises(ConfigError, match=rf"^{critic}.load_contents: unknown item 'hf'; allowed: model, "):
         _cfg(f"{critic}.load_contents=[hf]")
-    with pytest.raises(ConfigError, match=rf"^{critic}.save_contents=\['optimizer', 'extra'\]: 'optimizer' needs "
+    with pytest.raises(ConfigError, match=rf"^{critic}.save_contents=\[optimizer, extra\]: 'optimizer' needs "
                                           "'model'"):
         _cfg(f"{critic}.save_contents=[optimizer,extra]")
-    with pytest.raises(ConfigError, match=rf"^{actor}.load_contents=\['optimizer'\]: 'optimizer' needs 'model'"):
+    with pytest.raises(ConfigError, match=rf"^{actor}.load_contents=\[optimizer\]: 'optimizer' needs 'model'"):
         _cfg(f"{actor}.load_contents=[optimizer]")
     with pytest.raises(ConfigError, match=rf"^{actor}.async_save=true is not supported by meshppo: verl implements "
                                           "it for Megatron only"):

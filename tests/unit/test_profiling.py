@@ -122,7 +122,7 @@ def test_profiler_notes_name_the_key_set_and_what_it_does():
         f"global_profiler.steps=[1] has no effect: no role's profiler.enable is true ({ACTOR}.tool=torch names a tool "
         "for a role not enabled): nothing is profiled"]
     # an error between roles names the key each value comes from: the global tool, the reference's own
-    with pytest.raises(ConfigError, match=r"^global_profiler.tool='torch', actor_rollout_ref.ref.profiler.tool='nsys': "):
+    with pytest.raises(ConfigError, match=r"^global_profiler.tool=torch, actor_rollout_ref.ref.profiler.tool=nsys: "):
         profile_plan(_cfg(*on, "global_profiler.tool=torch", "actor_rollout_ref.ref.profiler.enable=true",
                           "actor_rollout_ref.ref.profiler.tool=nsys"))
 
@@ -169,7 +169,9 @@ def test_an_enabled_role_without_a_tool_is_a_note():
     (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
       "actor_rollout_ref.ref.profiler.save_path=/elsewhere"], "need one save_path"),
     (["global_profiler.tool=torch", f"{ACTOR}.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
-      "actor_rollout_ref.ref.profiler.tool_config.torch.discrete=true"], "need one torch discrete mode"),
+      "actor_rollout_ref.ref.profiler.tool_config.torch.discrete=true"],
+     rf"^{ACTOR}.tool_config.torch.discrete=false, actor_rollout_ref.ref.profiler.tool_config.torch.discrete=true: "
+     "meshppo profiles every role in one process per rank, so the enabled roles need one torch discrete mode$"),
     (["global_profiler.tool=torch", f"{ACTOR}.tool_config.torch.contents=[gpu]"], "not among"),
     (["global_profiler.tool=perf"], "not one of"),
     (["global_profiler.global_tool_config.torch_memory.kw_args={max_entries: 5}"], "passes them itself"),
@@ -206,7 +208,7 @@ def test_profiler_ranks_beyond_the_launch_are_refused():
 def test_cuda_tools_refuse_a_cpu_run(tool):
     with pytest.raises(ConfigError, match=f"global_profiler.tool={tool} needs CUDA"):
         StepProfiler(_plan(f"global_profiler.tool={tool}", f"{ACTOR}.enable=true"), 0, CPU, 3)
-    with pytest.raises(ConfigError, match="CUDA activity only"):
+    with pytest.raises(ConfigError, match=r"^the torch profiler's contents \[cuda\] ask for CUDA activity only"):
         StepProfiler(_plan("global_profiler.tool=torch", f"{ACTOR}.enable=true",
                            f"{ACTOR}.tool_config.torch.contents=[cuda]"), 0, CPU, 3)
 

@@ -373,8 +373,8 @@ def test_data_tool_config_path_is_the_rollouts_or_refused():
     assert config_notes(cfg) == [
         "data.tool_config_path=t.yaml has no effect: meshppo renders the tool agent's prompts with the tools of "
         "actor_rollout_ref.rollout.multi_turn.tool_config_path, and the overlong-prompt filter counts them so"]
-    with pytest.raises(ConfigError, match="data.tool_config_path='t.yaml' differs from actor_rollout_ref.rollout."
-                                          "multi_turn.tool_config_path=None"):
+    with pytest.raises(ConfigError, match="data.tool_config_path=t.yaml differs from actor_rollout_ref.rollout."
+                                          "multi_turn.tool_config_path=null: "):
         validate(_cfg("data.tool_config_path=t.yaml"), 2)
 
 
@@ -393,9 +393,9 @@ def test_data_tool_config_path_may_spell_the_rollouts_file_another_way(tmp_path,
             if data == "link.yaml" and not exists:
                 continue
             validate(_cfg(f"data.tool_config_path={data}", f"{R}.multi_turn.tool_config_path={rollout}"), 2)
-        with pytest.raises(ConfigError, match="data.tool_config_path='configs/tools/y.yaml' differs from "
-                                              "actor_rollout_ref.rollout.multi_turn.tool_config_path='configs/tools/"
-                                              "x.yaml'"):
+        with pytest.raises(ConfigError, match="data.tool_config_path=configs/tools/y.yaml differs from "
+                                              "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/"
+                                              "x.yaml: "):
             validate(_cfg("data.tool_config_path=configs/tools/y.yaml",
                           f"{R}.multi_turn.tool_config_path=configs/tools/x.yaml"), 2)
 
