@@ -219,15 +219,16 @@ class ModelArgs:
         `attention_pairs` is `Σ L²/2` for causal sequences of lengths `L`, `Σ context` in decode.
 
         `lora` (a `LoRAConfig`: frozen base, trained adapters) changes the backward: the base's and
-        the head's weight gradients do not run (`4·` instead of `6·`), each adapted projection
-        `in -> out` adds `6·r·(in + out)` per token, and layer 0 computes no input gradient
-        upstream of its first adapter (`_lora_layer0_skipped`)."""
+        the head's weight gradients do not run (`4·` instead of `6·`), each adapter `in -> out` adds
+        `6·r·(in + out)` per token (one on a fused projection, a Phi3's qkv_proj, as peft computes it:
+        `_lora_shapes`), and layer 0 computes no input gradient upstream of its first adapter
+        (`_lora_layer0_skipped`)."""
         k = 6 if backward else 2
         body = self.num_params(include_embedding=False)
         attn = 2 * k * self.num_hidden_layers * self.num_attention_heads * self.head_dim
         if not (backward and lora is not None):
             return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
-        adapters = self.num_hidden_layers * sum(6 * lora.rank * sum(self._projection_shapes()[m]) for m in lora.targets)
+        adapters = self.num_hidden_layers * sum(6 * lora.rank * (i + o) for i, o in self._lora_shapes(lora).values())
         skipped_per_token, skipped_per_pair = self._lora_layer0_skipped(lora)
         head = 4 * self.hidden_size * self.vocab_size
         return ((4 * body + adapters - skipped_per_token) * tokens + head * head_positions
@@ -240,6 +241,16 @@ class ModelArgs:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
                 "up_proj": (h, i), "down_proj": (i, h)}
 
+    def _lora_shapes(self, lora) -> dict[str, tuple[int, int]]:
+        """Each adapter's `(in, out)` features by the module peft adapts on this type's transformers model
+        (`models.lora.model_targets`): a fused one (a Phi3's qkv_proj, its parts sharing one A) outputs its
+        parts' rows."""
+        from models.lora import LM_HEAD, VALUE_HEAD, fused_parts, model_targets
+
+        shapes, fused = self._projection_shapes(), fused_parts(self.model_type)
+        return {t: (shapes[fused.get(t, (t,))[0]][0], sum(shapes[p][1] for p in fused.get(t, (t,))))
+                for t in model_targets(lora, self, heads=LM_HEAD + VALUE_HEAD)}
+
     def _lora_layer0_skipped(self, lora) -> tuple[int, int]:
         """The backward FLOPs (per token, per attended pair) that layer 0 of a LoRA model does not
         run. Its input, the frozen embedding's output, needs no gradient, so autograd computes a
@@ -247,11 +258,16 @@ class ModelArgs:
         gradient; without a q / k / v adapter, neither do attention (its `8·heads·head_dim` a pair)
         and o_proj; without an attention adapter, neither do gate / up; and with none of those,
         neither does down_proj. An input gradient costs `2·in·out` for the base, `2·r·in` for an
-        adapter."""
-        shapes, targets, r = self._projection_shapes(), set(lora.targets), lora.rank
+        adapter (once for a fused projection's shared A)."""
+        from models.lora import fused_parts
+
+        shapes, adapters, r = self._projection_shapes(), self._lora_shapes(lora), lora.rank
+        parts = {t: fused_parts(self.model_type).get(t, (t,)) for t in adapters}
+        targets = {p for ps in parts.values() for p in ps}
 
         def input_grads(*names):
-            return sum(2 * shapes[m][0] * shapes[m][1] + (2 * r * shapes[m][0] if m in targets else 0) for m in names)
+            return (sum(2 * shapes[m][0] * shapes[m][1] for m in names)
+                    + sum(2 * r * adapters[t][0] for t, ps in parts.items() if set(ps) <= set(names)))
 
         qkv = ("q_proj", "k_proj", "v_proj")
         per_token, per_pair = input_grads(*qkv), 0

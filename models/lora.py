@@ -14,6 +14,11 @@ frozen; only the adapters (and a value head, which must learn) train.
 The reference policy is the same model with the adapters off (`adapters_disabled`): the
 forward then runs exactly the base computation, no second copy of the weights.
 
+On a type whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj, gate_up_proj),
+targets are peft's names on that model and a fused module gets peft's one adapter: its parts (q / k / v,
+gate / up) share one `lora_A` parameter (the same `nn.Parameter`, listed once, under the first part's name:
+`shared_a_name`) and each has its rows of B; the peft files hold the fused module's A and stacked B.
+
 Files: `save_peft_adapter` writes what `peft.PeftModel.from_pretrained` reads
 (`adapter_config.json` + `adapter_model.safetensors`, keys
 `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`); `read_peft_adapter` reads
@@ -113,8 +118,20 @@ class LoRAConfig:
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """The projection names, in model order (what peft selects on a two-layer model's names)."""
-        return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD), self.exclude_modules)
+        """The module names, in model order, that peft selects on a two-layer model's names: those of a model
+        with separate projections (q_proj .. down_proj), else of a type whose transformers model fuses some
+        (`FUSED_PROJECTIONS`: Phi3's qkv_proj, o_proj, gate_up_proj, down_proj). `model_targets` gives what a
+        given model's type selects."""
+        try:
+            return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD), self.exclude_modules)
+        except ValueError as generic:
+            for model_type in FUSED_PROJECTIONS:
+                try:
+                    return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD, model_type),
+                                        self.exclude_modules, model_type)
+                except ValueError:
+                    pass
+            raise generic from None
 
     @property
     def scaling(self) -> float:
@@ -132,20 +149,21 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
     `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD); with a
     `model_type` whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj,
-    gate_up_proj), those fused modules too, which peft selects there."""
+    gate_up_proj), its fused modules in place of their parts, as peft sees that model."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
-    fused = tuple(FUSED_PROJECTIONS.get(model_type, {}))
+    fused = FUSED_PROJECTIONS.get(model_type, {})
+    parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
     for i in range(num_layers):
         b = f"model.layers.{i}"
         names += [b, f"{b}.input_layernorm", f"{b}.post_attention_layernorm", f"{b}.self_attn", f"{b}.mlp",
                   f"{b}.self_attn.q_norm", f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
-        names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR]
+        names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR if p not in parts]
         names += [f"{b}.{module}" for module in fused]
     return names
 
 
 # The projections some type's transformers model fuses (`FUSED_PROJECTIONS`: qkv_proj, gate_up_proj), by their
-# module names, which `peft_targets` selects as peft does and `refuse_fused_targets` refuses.
+# module names, which `peft_targets` selects as peft does (one adapter each: `fused_parts`).
 _FUSED_MODULES = tuple(dict.fromkeys(m.rsplit(".", 1)[1] for fused in FUSED_PROJECTIONS.values() for m in fused))
 
 
@@ -165,13 +183,13 @@ def _how(spec: str | list[str]) -> str:
 
 
 def peft_targets(target_modules: str | list[str], names: list[str],
-                 exclude_modules: str | list[str] | None = None) -> tuple[str, ...]:
+                 exclude_modules: str | list[str] | None = None, model_type: str | None = None) -> tuple[str, ...]:
     """The projections peft adapts under `target_modules` and `exclude_modules` among the module names
     `names` (`_hf_module_names`), in model order: those target_modules selects (all-linear: every
     projection; peft's also takes a value head, VERL.md) less those exclude_modules selects. ValueError
     naming the keys when that selects a module other than a decoder layer's projection, none at all, or
     not the same projections in every layer, or when a list entry (or exclude_modules' string) names no
-    module (peft would pass over it: a typo)."""
+    module (peft would pass over it: a typo). `model_type`, whose model the names are, words the errors."""
     linear = target_modules == "all-linear"
     shown = f"target_modules={target_modules!r}" + (f" with exclude_modules={exclude_modules!r}"
                                                      if exclude_modules else "")
@@ -189,14 +207,14 @@ def peft_targets(target_modules: str | list[str], names: list[str],
             continue
         if not proj:
             raise ValueError(f"{shown} matches the module {name} ({_how(target_modules)}): meshppo's LoRA targets "
-                             f"only the decoder layers' projections {list(ALL_LINEAR)}")
+                             f"only the decoder layers' projections {_projections(model_type)}")
         per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
     for key, spec in (("target_modules", None if linear else target_modules), ("exclude_modules", exclude_modules)):
         if isinstance(spec, list):
             unused = [e for e in spec if not any(peft_selects([e], n) for n in names)]
             if unused:
                 raise ValueError(f"{key} has {unused}, which names no module ({_how(spec)}): meshppo's LoRA targets "
-                                 f"the projections {list(ALL_LINEAR)}{_fused_note(unused)}")
+                                 f"the projections {_projections(model_type)}{_fused_note(unused, model_type)}")
         elif key == "exclude_modules" and spec and not any(peft_selects(spec, n) for n in names):
             raise ValueError(f"exclude_modules={spec!r} matches no module: {_how(spec)}")
     if not per_layer:
@@ -204,7 +222,8 @@ def peft_targets(target_modules: str | list[str], names: list[str],
             raise ValueError(f"{shown} leaves no module: exclude_modules takes out every module target_modules "
                              "selects (peft refuses it too)")
         raise ValueError(f"target_modules={target_modules!r} matches no module: {_how(target_modules)} "
-                         "(give a list for names such as q_proj)")
+                         f"(give a list for names such as {_projections(model_type)[0]})"
+                         f"{_fused_note([], model_type)}")
     sets = {i: per_layer.get(i, set()) for i in sorted(layers)}
     first = sets[min(sets)]
     for i, got in sets.items():
@@ -214,18 +233,44 @@ def peft_targets(target_modules: str | list[str], names: list[str],
     return tuple(p for p in ALL_LINEAR + _FUSED_MODULES if p in first)
 
 
-def _fused_note(entries: list[str]) -> str:
-    """For the entries of a list that name a module some type's transformers model fuses (`FUSED_PROJECTIONS`:
-    Phi3's qkv_proj, gate_up_proj), which meshppo's model lacks: why none is adapted, and what can be."""
-    fused = {module.rsplit(".", 1)[1]: (model_type, [p.rsplit(".", 1)[1] for p in parts])
-             for model_type, modules in FUSED_PROJECTIONS.items() for module, parts in modules.items()}
-    hit = [e for e in entries if e in fused]
+def _projections(model_type: str | None) -> list[str]:
+    """The projections peft can target on `model_type`'s transformers model (Phi3: qkv_proj, o_proj, gate_up_proj,
+    down_proj), in model order."""
+    fused = fused_parts(model_type)
+    parts = {p for ps in fused.values() for p in ps}
+    out = []
+    for p in ALL_LINEAR:
+        out += [f for f, ps in fused.items() if ps[0] == p] if p in parts else [p]
+    return out
+
+
+def fused_parts(model_type: str | None) -> dict[str, tuple[str, ...]]:
+    """`{fused module: its parts}` of `model_type`'s transformers model (`FUSED_PROJECTIONS`, by projection name:
+    Phi3's qkv_proj: (q_proj, k_proj, v_proj), gate_up_proj: (gate_proj, up_proj)); {} for a type without."""
+    return {m.rsplit(".", 1)[1]: tuple(p.rsplit(".", 1)[1] for p in parts)
+            for m, parts in FUSED_PROJECTIONS.get(model_type, {}).items()}
+
+
+def _fused_note(entries: list[str], model_type: str | None) -> str:
+    """Where target_modules / exclude_modules name what `model_type`'s transformers model lacks: a fused module on
+    a model without it, or (on a model that fuses them, Phi3) a part of a fused module, which peft cannot adapt
+    alone. Empty when neither applies."""
+    here = fused_parts(model_type)
+    if here:
+        hit = {e: f for e in entries for f, ps in here.items() if e in ps}
+        if not hit and entries:
+            return ""
+        said = ", ".join(f + " = " + " / ".join(ps) for f, ps in here.items())
+        return (f" (transformers' {HF_FAMILY[model_type]} fuses {said}: peft adapts a fused module whole, one adapter "
+                "of rank lora_rank, and cannot select a part of it)")
+    elsewhere = {module.rsplit(".", 1)[1]: model_type for model_type, modules in FUSED_PROJECTIONS.items()
+                 for module in modules}
+    hit = [e for e in entries if e in elsewhere]
     if not hit:
         return ""
-    parts = {p for _, ps in fused.values() for p in ps}
-    said = "; ".join(f"{e} is transformers' {HF_FAMILY[fused[e][0]]} {' / '.join(fused[e][1])} fused" for e in hit)
-    return (f" ({said}: peft trains one adapter of rank lora_rank on a fused projection, meshppo's adapters are one "
-            f"per projection, so none goes on it; on such a model target the others, {[p for p in ALL_LINEAR if p not in parts]})")
+    return " (" + "; ".join(f"{e} is transformers' {HF_FAMILY[elsewhere[e]]} "
+                            f"{' / '.join(fused_parts(elsewhere[e])[e])} fused, a module of {elsewhere[e]} models only"
+                            for e in hit) + ")"
 
 
 class LoRALinear(nn.Linear):
@@ -257,15 +302,23 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
         raise RuntimeError("inject_lora must run before the model is sharded (apply_fsdp)")
     heads = VALUE_HEAD if hasattr(model, "score") else LM_HEAD
     targets = model_targets(cfg, getattr(model, "args", None), len(model.layers), heads)  # on every layer
-    for name, module in _targets(model, targets):
-        if type(module) is not nn.Linear:
-            raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
-        w = module.weight
-        module.__class__ = LoRALinear
-        module.lora_A = nn.Parameter(torch.empty(cfg.rank, w.shape[1], device=w.device, dtype=w.dtype))
-        module.lora_B = nn.Parameter(torch.empty(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
-        module.scaling = cfg.scaling
-        module.lora_enabled = True
+    fused = fused_parts(getattr(getattr(model, "args", None), "model_type", None))
+    for i, block in enumerate(model.layers):
+        for target in targets:
+            shared = None  # the parts of a fused module share its one A (peft's A of the fused projection)
+            for proj in fused.get(target, (target,)):
+                name = f"layers.{i}.{'self_attn' if proj in ATTN_PROJ else 'mlp'}.{proj}"
+                module = getattr(block.self_attn if proj in ATTN_PROJ else block.mlp, proj)
+                if type(module) is not nn.Linear:
+                    raise TypeError(f"{name} is a {type(module).__name__}, LoRA needs an nn.Linear")
+                w = module.weight
+                module.__class__ = LoRALinear
+                if shared is None:
+                    shared = nn.Parameter(torch.empty(cfg.rank, w.shape[1], device=w.device, dtype=w.dtype))
+                module.lora_A = shared
+                module.lora_B = nn.Parameter(torch.empty(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
+                module.scaling = cfg.scaling
+                module.lora_enabled = True
     model.lora_config = cfg
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora_name(name) or name.startswith("score."))
@@ -279,42 +332,28 @@ def inject_lora(model: nn.Module, cfg: LoRAConfig, generator: torch.Generator | 
 
 def model_targets(cfg: LoRAConfig, args, num_layers: int | None = None,
                   heads: tuple[str, ...] = LM_HEAD) -> tuple[str, ...]:
-    """The projections `cfg`'s target_modules and exclude_modules select on the model `args` describes (of
+    """The modules `cfg`'s target_modules and exclude_modules select on the model `args` describes (of
     `num_layers` blocks, default its own; a value model: `heads` VALUE_HEAD), as peft selects them on its
-    transformers model, whose fused projections (Phi3's qkv_proj, gate_up_proj) a regular expression or a list
-    entry may name: `peft_targets` on that model's module names, then `refuse_fused_targets`."""
+    transformers model, by its names: a Phi3's fused qkv_proj / gate_up_proj (`fused_parts`: one adapter
+    each, its parts sharing one A), where a part alone (q_proj) names no module and is refused."""
     model_type = getattr(args, "model_type", None)
     layers = num_layers if num_layers is not None else args.num_hidden_layers
-    targets = peft_targets(cfg.target_modules, _hf_module_names(layers, heads, model_type), cfg.exclude_modules)
-    refuse_fused_targets(args, targets)
-    return targets
+    return peft_targets(cfg.target_modules, _hf_module_names(layers, heads, model_type), cfg.exclude_modules,
+                        model_type)
 
 
-def refuse_fused_targets(args, targets: tuple[str, ...]) -> None:
-    """ValueError naming target_modules where it selects a projection that `args`' transformers model fuses with
-    others (`FUSED_PROJECTIONS`: Phi3's q / k / v in qkv_proj, gate / up in gate_up_proj), or the fused module
-    itself. peft puts one adapter of rank r on the fused projection, meshppo's model keeps the projections apart:
-    its adapters would train another low-rank update than verl's, and their peft adapter would name modules the
-    Hugging Face model lacks."""
-    model_type = getattr(args, "model_type", None)
-    fused = {part.rsplit(".", 1)[1]: module for module, parts in FUSED_PROJECTIONS.get(model_type, {}).items()
-             for part in parts} | {module.rsplit(".", 1)[1]: module for module in FUSED_PROJECTIONS.get(model_type, {})}
-    hit = [t for t in targets if t in fused]
-    if hit:
-        unfused = [p for p in ALL_LINEAR if p not in fused]
-        raise ValueError(f"target_modules selects {hit} of a {args.model_type} model: transformers' "
-                         f"{HF_FAMILY[args.model_type]} fuses them ({', '.join(sorted(set(fused[t] for t in hit)))}), "
-                         "where peft trains one adapter of rank lora_rank on the fused projection and meshppo's "
-                         "adapters are per projection, so they would train another update than verl's and their "
-                         f"peft adapter would not load; target the unfused projections only (target_modules: "
-                         f"{unfused})")
-
-
-def _targets(model: nn.Module, targets: tuple[str, ...]):
-    for i, block in enumerate(model.layers):
-        for proj in targets:
-            parent = block.self_attn if proj in ATTN_PROJ else block.mlp
-            yield f"layers.{i}.{'self_attn' if proj in ATTN_PROJ else 'mlp'}.{proj}", getattr(parent, proj)
+def shared_a_name(name: str) -> str:
+    """The name under which the `lora_A` of the adapter `name` (layers.0.self_attn.k_proj.lora_A) is a model's
+    parameter (`named_parameters`, state dicts, peft files): the first part's, q_proj / gate_proj, for a
+    part that a model type fuses (`FUSED_PROJECTIONS`) and shares its A, else `name` itself; a model whose
+    k_proj has its own A (llama) lists it under its own name."""
+    mod, leaf = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+    for modules in FUSED_PROJECTIONS.values():
+        for parts in modules.values():
+            leaves = [p.rsplit(".", 1)[1] for p in parts]
+            if leaf in leaves:
+                return f"{mod}.{leaves[0]}.lora_A"
+    return name
 
 
 def is_lora_name(name: str) -> bool:
@@ -327,14 +366,16 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def lora_init_tensors(model: nn.Module, generator: torch.Generator | None = None):
-    """Yield `(name, full initial tensor)` on CPU for every adapter: A Kaiming-uniform as peft
+    """Yield `(name, full initial tensor)` on CPU for every adapter parameter: A Kaiming-uniform as peft
     (`a=√5`), B zero. Drawn from its own generator, so the base weights of a seeded build are
     those of the same build without LoRA."""
-    for name, m in lora_modules(model).items():
-        a = torch.empty(m.lora_A.shape)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        yield f"{name}.lora_A", a
-        yield f"{name}.lora_B", torch.zeros(m.lora_B.shape)
+    for name, p in model.named_parameters():  # a fused module's shared A once, as peft initialises it
+        if name.endswith(".lora_A"):
+            a = torch.empty(p.shape)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            yield name, a
+        elif name.endswith(".lora_B"):
+            yield name, torch.zeros(p.shape)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -388,10 +429,11 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> di
     into their weights (`merge_weight`), for `Transformer.save_pretrained`."""
     out = {k: v for k, v in state_dict.items() if not is_lora_name(k)}
     for k in state_dict:
-        if k.endswith(".lora_A"):
-            mod = k[:-len(".lora_A")]
-            out[mod + ".weight"] = merge_weight(state_dict[mod + ".weight"], state_dict[k],
-                                                state_dict[mod + ".lora_B"], scaling)
+        if k.endswith(".lora_B"):
+            mod = k[:-len(".lora_B")]
+            a = state_dict.get(mod + ".lora_A")
+            a = state_dict[shared_a_name(mod + ".lora_A")] if a is None else a
+            out[mod + ".weight"] = merge_weight(state_dict[mod + ".weight"], a, state_dict[k], scaling)
     return out
 
 
@@ -410,13 +452,15 @@ def _meshppo_key(key: str) -> str | None:
 def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor], cfg: LoRAConfig,
                       base_model_name_or_path: str | None = None) -> None:
     """Write `adapters` (full tensors by meshppo name, e.g. `adapter_state_dict(model)`) as a peft
-    adapter directory. The weights go under a temporary name first, so an interrupted save
+    adapter directory. The parts of a fused projection that share one A (a Phi3's q / k / v, gate / up:
+    `inject_lora`) are written as peft's one adapter on the fused module (`_fuse_adapters`), and target_modules
+    names the modules written. The weights go under a temporary name first, so an interrupted save
     never leaves a half-written file under the final name."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {_peft_key(k): v.detach().contiguous().cpu() for k, v in adapters.items() if is_lora_name(k)}
+    tensors = {_peft_key(k): v.detach().contiguous().cpu() for k, v in _fuse_adapters(adapters).items()}
     if not tensors:
         raise ValueError("save_peft_adapter: no adapter tensors given")
     tmp = path / (ADAPTER_WEIGHTS + ".tmp")
@@ -424,11 +468,62 @@ def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
     os.replace(tmp, path / ADAPTER_WEIGHTS)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "target_modules": list(cfg.targets), "lora_dropout": 0.0, "init_lora_weights": True,
+        "target_modules": _written_targets(cfg.targets, tensors), "lora_dropout": 0.0, "init_lora_weights": True,
         "base_model_name_or_path": base_model_name_or_path, "inference_mode": True, **_PEFT_UNSUPPORTED,
     }
     with open(path / ADAPTER_CONFIG, "w") as f:
         json.dump(config, f, indent=2)
+
+
+def _fuse_adapters(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """meshppo's adapter tensors (by name) with the parts of each fused projection (`FUSED_PROJECTIONS`) that share
+    one A as peft's adapter on the fused module: its A (the shared one, under the first part's name:
+    `shared_a_name`) and B the parts' B stacked by rows in transformers' order. A part is shared when its own
+    lora_A is not listed (`named_parameters` lists a shared parameter once) or is the first part's."""
+    out = {k: v for k, v in adapters.items() if is_lora_name(k)}
+    for modules in FUSED_PROJECTIONS.values():
+        for fused, parts in modules.items():
+            for key in [k for k in out if k.endswith(f".{parts[0]}.lora_B")]:
+                head = key[:-len(f"{parts[0]}.lora_B")]  # "layers.0."
+                firsts_a = out.get(f"{head}{parts[0]}.lora_A")
+                own = [out.get(f"{head}{p}.lora_A") for p in parts[1:]]
+                if firsts_a is None or not all(f"{head}{p}.lora_B" in out for p in parts) or not all(
+                        a is None or a is firsts_a or torch.equal(a, firsts_a) for a in own):
+                    continue
+                out[f"{head}{fused}.lora_B"] = torch.cat([out.pop(f"{head}{p}.lora_B") for p in parts])
+                out[f"{head}{fused}.lora_A"] = out.pop(f"{head}{parts[0]}.lora_A")
+                for p in parts[1:]:
+                    out.pop(f"{head}{p}.lora_A", None)
+    return out
+
+
+def _written_targets(targets: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """adapter_config.json's target_modules: `targets` (`LoRAConfig.targets`) with the parts of a fused module
+    `tensors` (the peft keys written) hold in its place, as peft names the modules of that model."""
+    leaves = {k.rsplit(".", 3)[1] for k in tensors}
+    out = []
+    for t in targets:
+        fused = [m for modules in FUSED_PROJECTIONS.values() for m, parts in modules.items()
+                 if m.rsplit(".", 1)[1] in leaves and any(p.rsplit(".", 1)[1] == t for p in parts)]
+        out += [m.rsplit(".", 1)[1] for m in fused] or [t]
+    return list(dict.fromkeys(out))
+
+
+def _split_adapter(tensors: dict, args, source) -> dict:
+    """A peft adapter's tensors (meshppo names, as the file has them) on the model `args` describes: an
+    adapter on a projection its type fuses (a Phi3's qkv_proj) becomes its parts' adapters, A under the first
+    part's name (the parts share it: `shared_a_name`), B split by rows (`models.checkpoint.split_fused`)."""
+    from models.checkpoint import _fused_match, _fused_parts, split_fused
+
+    firsts = {m: ps[0][0] for m, ps in _fused_parts(args).items()}
+    out = {}
+    for name, t in tensors.items():
+        match = _fused_match(name, firsts)
+        if match is not None and match[2] == "lora_A":
+            out[f"{match[0]}.{firsts[match[1]]}.lora_A"] = t
+        else:
+            out.update(split_fused(name, t, args, source))
+    return out
 
 
 def read_peft_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, dict]:
@@ -499,13 +594,16 @@ def read_peft_adapter_shapes(path: str | os.PathLike,
 
         with torch.device("meta"):
             model = inject_lora(Transformer(model_args), cfg)
-        check_adapter(model, cfg, shapes, str(weights))
+            split = _split_adapter({n: torch.empty(s) for n, s in shapes.items()}, model_args, weights)
+        check_adapter(model, cfg, {n: tuple(t.shape) for n, t in split.items()}, str(weights))
     return cfg, shapes
 
 
-def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+def read_peft_adapter(path: str | os.PathLike, model_args=None) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
     """Read a peft LoRA adapter directory → (its `LoRAConfig`, full tensors by meshppo name): where
-    the model is built (`sharding.build_fsdp_model`, `load_peft_adapter`). The config, the file and
+    the model is built (`sharding.build_fsdp_model`, `load_peft_adapter`). Given the model's `ModelArgs`
+    `model_args`, an adapter on a projection its type fuses (a Phi3's qkv_proj) comes as its parts'
+    (`_split_adapter`: one shared A, B split by rows); without, as the file names it. The config, the file and
     the tensors' names are read and refused as by `read_peft_adapter_shapes`, which checks an
     adapter before the run without reading its tensors."""
     from models.checkpoint import _NOT_SAFETENSORS, reading
@@ -513,13 +611,20 @@ def read_peft_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, to
     cfg, weights, f, keys = _open_adapter_weights(path)
     with f, reading(weights, what=_NOT_SAFETENSORS):
         tensors = {name: f.get_tensor(key) for name, key in keys.items()}
+    if model_args is not None:
+        tensors = _split_adapter(tensors, model_args, weights)
     return cfg, tensors
 
 
-def check_adapter_config(mine: LoRAConfig, cfg: LoRAConfig, source: str) -> None:
-    """Raise ValueError naming `source` unless the adapter's `cfg` has the rank, alpha and targets of `mine`."""
+def check_adapter_config(mine: LoRAConfig, cfg: LoRAConfig, source: str, args=None) -> None:
+    """Raise ValueError naming `source` unless the adapter's `cfg` has the rank, alpha and targets of `mine` (on
+    the model `args` describes: `model_targets`, a Phi3's fused modules; without, `LoRAConfig.targets`)."""
+    try:
+        targets = (cfg.targets, mine.targets) if args is None else (model_targets(cfg, args), model_targets(mine, args))
+    except ValueError as e:
+        raise ValueError(f"adapter {source!r}: {e}") from None
     for what, theirs, ours in (("r (lora_rank)", cfg.rank, mine.rank), ("lora_alpha", cfg.alpha, mine.alpha),
-                               ("target_modules", cfg.targets, mine.targets)):
+                               ("target_modules", *targets)):
         if theirs != ours:
             raise ValueError(f"adapter {source!r} has {what}={theirs!r}, the configuration says {ours!r}")
 
@@ -532,7 +637,7 @@ def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Te
     mine: LoRAConfig | None = getattr(model, "lora_config", None)
     if mine is None:
         raise ValueError(f"adapter {source!r}: the model has no LoRA adapters (inject_lora first)")
-    check_adapter_config(mine, cfg, source)
+    check_adapter_config(mine, cfg, source, getattr(model, "args", None))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_name(n)}
     if set(tensors) != set(shapes):
         extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
@@ -547,7 +652,7 @@ def check_adapter(model: nn.Module, cfg: LoRAConfig, tensors: dict[str, torch.Te
 def load_peft_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy a peft adapter into an (unsharded) LoRA model; `sharding.build_fsdp_model(...,
     lora=cfg, lora_adapter_path=path)` does it for a sharded one."""
-    cfg, tensors = read_peft_adapter(path)
+    cfg, tensors = read_peft_adapter(path, model.args)
     check_adapter(model, cfg, tensors, str(path))
     params = dict(model.named_parameters())
     for n, t in tensors.items():

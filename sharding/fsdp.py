@@ -329,7 +329,7 @@ def build_fsdp_model(source: ModelArgs | str | os.PathLike, mesh, cfg: FSDPConfi
     device = torch.device(device)
     adapter = None
     if lora_adapter_path is not None:
-        adapter = read_peft_adapter(lora_adapter_path)
+        adapter = read_peft_adapter(lora_adapter_path, args)
         lora = adapter[0] if lora is None else lora  # the adapter's own r, alpha and targets, as peft's loading
     with torch.device("meta"):
         model = Transformer(args, head=head)

@@ -428,8 +428,8 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 def check_lora_adapter(cfg: PPOConfig) -> None:
     """The LoRA adapters against the models they go on, before any model is built: the projections
-    they select on the actor's and the critic's model (`models.lora.model_targets`: Phi-3's fused q / k / v
-    and gate / up are refused), and the actor's peft adapter (`lora_adapter_path`, its config and header already
+    they select on the actor's and the critic's model (`models.lora.model_targets`: on a Phi-3 its fused qkv_proj
+    and gate_up_proj, a part of one alone refused), and the actor's peft adapter (`lora_adapter_path`, its config and header already
     read by `validate`): every tensor the shape the model's adapter has. Its safetensors header alone
     is read: the tensors are read once, where the actor is built."""
     from models.lora import LM_HEAD, VALUE_HEAD, model_targets, read_peft_adapter_shapes

@@ -208,27 +208,100 @@ def test_a_phi3_mini_4k_window_bounds_the_run(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 63
 
 
-def test_lora_on_a_fused_projection_is_refused_and_on_the_others_loads_in_peft(tmp_path):
-    """peft's adapters on Phi3ForCausalLM sit on the fused qkv_proj / gate_up_proj (one rank-r update of the fused
-    rows); meshppo's model keeps q / k / v and gate / up apart, so target_modules selecting them (all-linear too)
-    is refused naming the key. Adapters on o_proj and down_proj, which transformers' Phi3 has as meshppo has them,
-    save as a peft adapter that peft applies to Phi3ForCausalLM with meshppo's logits."""
-    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, save_peft_adapter
+def _peft_phi3(hf, target_modules="all-linear", r=4, alpha=8.0):
+    """peft's LoRA on transformers' Phi3 (its fused qkv_proj / gate_up_proj adapted whole), every A and B random and
+    decisive (peft's B starts at zero)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.eval()
+
+
+def _by_meshppo_name(tensors: dict, cfg) -> dict:
+    """A peft model's adapter tensors (by its parameter names) as meshppo's parameters, written out by hand: a fused
+    module's A on its first part (q_proj, gate_proj), its B cut by rows as Phi3Attention slices [q; k; v] and
+    Phi3MLP chunks [gate; up]."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    cuts = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+            "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))}
+    out = {}
+    for name, p in tensors.items():
+        mod, which = name.removeprefix("base_model.model.model.").removesuffix(".default.weight").rsplit(".", 1)
+        head, leaf = mod.rsplit(".", 1)
+        if leaf not in cuts:
+            out[f"{mod}.{which}"] = p
+        elif which == "lora_A":
+            out[f"{head}.{cuts[leaf][0][0]}.lora_A"] = p
+        else:
+            for (part, _), piece in zip(cuts[leaf], p.split([n for _, n in cuts[leaf]])):
+                out[f"{head}.{part}.lora_B"] = piece
+    return out
+
+
+def hf_base_logits(peft_model, ids):
+    with peft_model.disable_adapter():
+        return peft_model(input_ids=ids).logits
+
+
+def test_lora_all_linear_is_peft_on_the_fused_projections(tmp_path):
+    """peft's default all-linear on Phi3ForCausalLM puts one rank-r adapter on the fused qkv_proj and gate_up_proj:
+    meshppo's q / k / v (gate / up) share that adapter's A and split its B by rows. With the same adapter weights
+    (peft's saved adapter, loaded through lora_adapter_path's reader) the logits are peft's, and after one backward
+    of the same loss every adapter gradient is peft's (the shared A's the sum over its parts, as the fused one's);
+    the optimizer gets one A per fused module."""
+    from models.lora import LoRAConfig, inject_lora, load_peft_adapter, trainable_parameters
 
     hf, path = _saved(tmp_path, **SHAPES[0])
-    for targets in ("all-linear", ["q_proj"], ["up_proj", "o_proj"]):
-        ours = Transformer.from_pretrained(path, dtype=torch.float64)
-        with pytest.raises(ValueError, match=r"target_modules selects \[.*\] of a phi3 model: transformers' Phi3 "
-                                             r"fuses them .*target_modules: \['o_proj', 'down_proj'\]"):
-            inject_lora(ours, LoRAConfig(4, 8.0, targets))
-    ours = Transformer.from_pretrained(path, dtype=torch.float64)
-    cfg = LoRAConfig(4, 8.0, ["o_proj", "down_proj"])
-    inject_lora(ours, cfg, torch.Generator().manual_seed(0))
+    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), LoRAConfig(4, 8.0))
+    attn = ours.layers[1].self_attn
+    assert attn.q_proj.lora_A is attn.k_proj.lora_A is attn.v_proj.lora_A
+    assert ours.layers[0].mlp.gate_proj.lora_A is ours.layers[0].mlp.up_proj.lora_A
+    # per layer: A and B of qkv_proj, o_proj, gate_up_proj, down_proj as peft has them (2 x 4), B split (+2 +1)
+    assert len(trainable_parameters(ours)) == 2 * (8 + 3)
+    assert sum(p.numel() for p in trainable_parameters(ours)) == \
+        sum(p.numel() for n, p in _peft_phi3(_phi3(**SHAPES[0])).named_parameters() if "lora_" in n)
+    theirs = _peft_phi3(hf)
+    theirs.save_pretrained(tmp_path / "peft")
+    load_peft_adapter(ours, tmp_path / "peft")
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
+    weights = torch.randn(2, 30, VOCAB, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ref = theirs(input_ids=ids).logits
+    got = ours(ids)
+    with torch.no_grad():
+        assert (ref - hf_base_logits(theirs, ids)).abs().max() > 1e-1  # the adapters act
+    assert (got - ref).abs().max().item() <= TOL
+    (ref * weights).sum().backward()
+    (got * weights).sum().backward()
+    lora = {n: p for n, p in theirs.named_parameters() if "lora_" in n}
+    assert all(p.grad is not None for p in lora.values())
+    expected = _by_meshppo_name({n: p.grad for n, p in lora.items()}, ours.args)
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert set(mine) == set(expected) and len(mine) == 2 * (8 + 3)
+    assert min(g.abs().max() for g in expected.values()) > 1e-3  # every gradient is decisive
+    for name, grad in expected.items():
+        assert (mine[name] - grad).abs().max().item() <= TOL, name
+
+
+def test_lora_on_phi3_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
+    """save_peft_adapter writes a Phi3's shared A and its parts' B stacked as peft's adapter on the fused qkv_proj /
+    gate_up_proj (target_modules naming the fused modules): PeftModel.from_pretrained on Phi3ForCausalLM gives
+    meshppo's logits, and the directory reads back (lora_adapter_path) into the same adapters."""
+    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
+
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    cfg = LoRAConfig(4, 8.0)
+    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0, 0.3)
     save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(written) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     peft = pytest.importorskip("peft")
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -236,68 +309,121 @@ def test_lora_on_a_fused_projection_is_refused_and_on_the_others_loads_in_peft(t
         ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
         assert (ref - base).abs().max() > 1e-2  # the adapters act
         assert (ours(ids) - ref).abs().max().item() <= TOL
+    again = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg)
+    load_peft_adapter(again, tmp_path / "adapter")
+    assert again.layers[0].self_attn.k_proj.lora_A is again.layers[0].self_attn.q_proj.lora_A
+    for name, p in adapter_state_dict(ours).items():
+        assert torch.equal(adapter_state_dict(again)[name], p), name
 
 
-def test_lora_on_a_fused_projection_is_refused_at_pre_flight(tmp_path):
-    """The same refusal before any rank builds a model: the trainer's pre-flight reads the actor's (and a
-    critic's) model type and its target_modules, the default all-linear among them, and names the key."""
-    from tests.unit.test_attention_window import _cfg
-    from trainer.configlib import ConfigError
-    from trainer.setup import preflight
+def test_lora_on_phi3_merges_into_the_export_as_peft_merges(tmp_path):
+    """The merged export (each part's weight plus scaling · B_part @ A, fused back on save) is the checkpoint peft's
+    merge_and_unload gives: transformers loads it with the LoRA model's logits."""
+    from models.lora import LoRAConfig, inject_lora, load_peft_adapter, merged_state_dict
 
-    _, path = _saved(tmp_path, **SHAPES[0])
-    lora = ("actor_rollout_ref.model.lora_rank=8",)
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model: target_modules selects .* of a phi3 model.*"
-                                          r"\(its target_modules, the model in "):
-        preflight(_cfg(path, 16, 32, *lora), devices=False)
-    with pytest.raises(ConfigError, match=r"^critic\.model: target_modules selects \['gate_proj'\]"):
-        preflight(_cfg(path, 16, 32, "algorithm.adv_estimator=gae", f"critic.model.path={path}",
-                       "critic.model.lora_rank=4", "critic.model.target_modules=[gate_proj,down_proj]"), devices=False)
-    preflight(_cfg(path, 16, 32, *lora, "actor_rollout_ref.model.target_modules=[o_proj,down_proj]"), devices=False)
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    theirs = _peft_phi3(hf)
+    theirs.save_pretrained(tmp_path / "peft")
+    cfg = LoRAConfig(4, 8.0)
+    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg)
+    load_peft_adapter(ours, tmp_path / "peft")
+    plain = Transformer.from_pretrained(path, dtype=torch.float64)
+    plain.load_state_dict(merged_state_dict({k: v.detach() for k, v in ours.state_dict().items()}, cfg.scaling))
+    plain.save_pretrained(tmp_path / "merged")
+    merged = transformers.Phi3ForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64).eval()
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = theirs(input_ids=ids).logits
+        # the merge's maths is float32 (merge_weight): ~1e-7 of the weights, ~1e-5 of the logits; an adapter
+        # merged into the wrong rows, or without its share of A, moves them by > 1e-2
+        assert (merged(input_ids=ids).logits - ref).abs().max().item() <= 1e-4
+        assert (merged(input_ids=ids).logits - hf_base_logits(theirs, ids)).abs().max().item() > 1e-1
+        unloaded = theirs.merge_and_unload().state_dict()
+        for name, t in merged.state_dict().items():
+            assert (t - unloaded[name]).abs().max().item() <= 1e-6, name
 
 
-def test_lora_naming_a_fused_module_is_refused_not_narrowed(tmp_path):
-    """target_modules as a regular expression may name transformers' fused modules (qkv_proj, gate_up_proj), which
-    peft selects on Phi3ForCausalLM (an adapter of rank r on each fused projection); meshppo's model has no module of
-    that name, so the expression selected only its other projections (o_proj, down_proj) and trained another set of
-    adapters than verl's without a word. It is refused as a fused target, at model build and at the pre-flight."""
+def test_lora_on_part_of_a_fused_projection_is_refused(tmp_path):
+    """peft cannot adapt a part of a fused projection (Phi3ForCausalLM has no q_proj): target_modules naming one
+    (q_proj alone, or up_proj beside o_proj, as a list or an expression) names no module of a phi3 model and is
+    refused, at model build and at the trainer's pre-flight, which takes all-linear (the default) and the fused
+    modules."""
     from models.lora import LoRAConfig, inject_lora
     from tests.unit.test_attention_window import _cfg
     from trainer.configlib import ConfigError
     from trainer.setup import preflight
 
     _, path = _saved(tmp_path, **SHAPES[0])
-    regex = r".*\.(qkv_proj|o_proj|gate_up_proj|down_proj)"
-    for targets in (regex, r".*\.(qkv_proj|o_proj)"):
-        with pytest.raises(ValueError, match=r"target_modules selects \['qkv_proj'.*\] of a phi3 model: transformers' "
-                                             r"Phi3 fuses them \(.*self_attn\.qkv_proj"):
-            inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), LoRAConfig(4, 8.0, targets))
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model: target_modules selects \['qkv_proj', "
-                                          r"'gate_up_proj'\] of a phi3 model"):
-        preflight(_cfg(path, 16, 32, "actor_rollout_ref.model.lora_rank=8",
-                       f"actor_rollout_ref.model.target_modules='{regex}'"), devices=False)
-    with pytest.raises(ConfigError, match=r"^critic\.model: target_modules selects \['gate_up_proj'\]"):
+    for targets in (["q_proj"], ["up_proj", "o_proj"], r".*\.q_proj"):
+        ours = Transformer.from_pretrained(path, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"(names|matches) no module.*\(transformers' Phi3 fuses qkv_proj = "
+                                             r"q_proj / k_proj / v_proj, gate_up_proj = gate_proj / up_proj: peft "
+                                             r"adapts a fused module whole"):
+            inject_lora(ours, LoRAConfig(4, 8.0, targets))
+    lora = ("actor_rollout_ref.model.lora_rank=8",)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model: target_modules has \['q_proj'\], which names "
+                                          r"no module .*\(its target_modules, the model in "):
+        preflight(_cfg(path, 16, 32, *lora, "actor_rollout_ref.model.target_modules=[q_proj]"), devices=False)
+    with pytest.raises(ConfigError, match=r"^critic\.model: target_modules has \['gate_proj'\]"):
         preflight(_cfg(path, 16, 32, "algorithm.adv_estimator=gae", f"critic.model.path={path}",
-                       "critic.model.lora_rank=4", r"critic.model.target_modules='.*\.(gate_up_proj|down_proj)'"),
-                  devices=False)
-    # the unfused ones alone, by an expression too, stay as they were
+                       "critic.model.lora_rank=4", "critic.model.target_modules=[gate_proj,down_proj]"), devices=False)
+    preflight(_cfg(path, 16, 32, *lora), devices=False)
+    preflight(_cfg(path, 16, 32, *lora, r"actor_rollout_ref.model.target_modules='.*\.(qkv_proj|down_proj)'"),
+              devices=False)
     model = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64),
-                        LoRAConfig(4, 8.0, r".*\.(o_proj|down_proj)"))
-    assert model.lora_config.targets == ("o_proj", "down_proj")
+                        LoRAConfig(4, 8.0, ["qkv_proj", "down_proj"]))
+    assert {n.split(".", 3)[3] for n, p in model.named_parameters() if p.requires_grad} == {
+        "q_proj.lora_A", "q_proj.lora_B", "k_proj.lora_B", "v_proj.lora_B", "down_proj.lora_A", "down_proj.lora_B"}
 
 
-def test_a_list_naming_a_fused_module_says_why_and_what_to_target():
-    """peft users of Phi-3 write its module names (target_modules [qkv_proj, o_proj, gate_up_proj, down_proj], or
-    exclude_modules [qkv_proj, gate_up_proj] beside all-linear): the error names the fused projections and the ones
-    to target, where it only listed meshppo's q_proj ... up_proj, which a Phi3 then refuses."""
+def test_a_list_naming_a_fused_module_on_another_model_says_whose_it_is():
+    """qkv_proj / gate_up_proj are transformers' Phi3 modules: a list naming one with a module no model type has is
+    refused saying so (a typo stays as it was)."""
     from models.lora import LoRAConfig
 
-    with pytest.raises(ValueError, match=r"target_modules has \['qkv_proj', 'gate_up_proj'\], which names no module .*"
-                                         r"\(qkv_proj is transformers' Phi3 q_proj / k_proj / v_proj fused; gate_up_proj "
-                                         r"is transformers' Phi3 gate_proj / up_proj fused: .*target the others, "
-                                         r"\['o_proj', 'down_proj'\]\)$"):
-        LoRAConfig(4, 8.0, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    with pytest.raises(ValueError, match=r"exclude_modules has \['qkv_proj'\].*qkv_proj is transformers' Phi3"):
-        LoRAConfig(4, 8.0, "all-linear", exclude_modules=["qkv_proj"])
+    assert LoRAConfig(4, 8.0, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]).targets == \
+        ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")
+    with pytest.raises(ValueError, match=r"target_modules has \['qkv_proj', 'qproj'\], which names no module .*"
+                                         r"\(qkv_proj is transformers' Phi3 q_proj / k_proj / v_proj fused, a module "
+                                         r"of phi3 models only\)$"):
+        LoRAConfig(4, 8.0, ["qkv_proj", "qproj"])
     with pytest.raises(ValueError, match=r"names no module .*'up_proj', 'down_proj'\]$"):  # a typo: as it was
         LoRAConfig(4, 8.0, ["o_proj", "qkvproj"])
+
+
+def test_lora_flops_count_one_adapter_per_fused_projection():
+    """The MFU's LoRA FLOPs on a Phi3 count peft's adapters: one on qkv_proj (in -> q + 2 kv rows) and one on
+    gate_up_proj, their A once. PyTorch's counter on meshppo's forward + backward sees that plus what meshppo's
+    separate projections run again with the shared A (x·Aᵀ, A's gradient and the input's through A: 2·r·in each,
+    a token and extra part; layer 0's q / k / v compute no input gradient)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.lora import LoRAConfig, inject_lora
+
+    args = ModelArgs(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, model_type="phi3",
+                     tie_word_embeddings=False)
+    model = Transformer.build(args, seed=0)
+    r, h = 8, 256
+    lora = LoRAConfig(rank=r)
+    inject_lora(model, lora, generator=torch.Generator().manual_seed(0))
+    batch, seq, response = 3, 40, 24
+    ids = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    index = torch.cat([torch.arange(row * seq + seq - response, (row + 1) * seq) for row in range(batch)])
+    with FlopCounterMode(display=False) as counter:
+        logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
+        logp.sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0) - 2 * h * 1000 * batch * response
+    tokens = batch * seq
+    # extra parts: k, v and up per layer; layer 0's k / v skip the input gradient
+    again = tokens * (2 * (6 * r * h) + 6 * r * h + (2 * (4 * r * h) + 6 * r * h))
+    predicted = args.flops(tokens, batch * response, 0, backward=True, lora=lora)
+    assert abs(predicted + again - counted) / counted < 5e-3, (predicted, again, counted)
+    # by hand, against the same shapes with an A on every projection (a llama): per layer and token, the A of k, v
+    # and up (6·r·h each) less, but layer 0's q / k / v compute no input gradient (2·r·h each) there either
+    import dataclasses
+
+    separate = dataclasses.replace(args, model_type="llama")
+    assert separate.flops(1, 0, 0, backward=True, lora=lora) - args.flops(1, 0, 0, backward=True, lora=lora) == \
+        2 * 3 * 6 * r * h - 2 * 2 * r * h
