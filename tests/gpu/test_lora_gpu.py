@@ -3,6 +3,8 @@ with adapters on, and the resharder leaves the base (the reference) untouched. S
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,8 +22,12 @@ DEV = torch.device("cuda", 0)
 LORA = LoRAConfig(rank=16, alpha=32)
 
 
-def test_bf16_engine_with_merged_adapters_tracks_the_adapted_training_forward(meshes):
-    actor = build_fsdp_model(SMALL, meshes.train, FSDPConfig(), lora=LORA, device=DEV)  # bf16 compute and base
+@pytest.mark.parametrize("args", [SMALL, dataclasses.replace(SMALL, model_type="phi3", attention_bias=False)],
+                         ids=["qwen2", "phi3"])
+def test_bf16_engine_with_merged_adapters_tracks_the_adapted_training_forward(meshes, args):
+    """(phi3: q / k / v and gate / up share one A each, peft's adapter of the fused projection; the resharder
+    merges B_part @ A into each part)"""
+    actor = build_fsdp_model(args, meshes.train, FSDPConfig(), lora=LORA, device=DEV)  # bf16 compute and base
     g = torch.Generator().manual_seed(4)
     tensors = [(n, 0.05 * torch.randn(t.shape, generator=g) if n.endswith((".lora_A", ".lora_B")) else t)
                for n, t in _peaky_weights(actor, seed=3)]
@@ -30,13 +36,16 @@ def test_bf16_engine_with_merged_adapters_tracks_the_adapted_training_forward(me
     before = {n: p.to_local().clone() for n, p in actor.named_parameters()}
 
     # The float32 truth: the same (bf16-stored) base and fp32 adapters, unmerged, in float32.
-    ref32 = inject_lora(Transformer(SMALL), LORA).to(DEV)
-    ref32.load_state_dict({n: p.full_tensor().float() for n, p in actor.named_parameters()})
+    ref32 = inject_lora(Transformer(args), LORA).to(DEV)
+    missing, unexpected = ref32.load_state_dict({n: p.full_tensor().float() for n, p in actor.named_parameters()},
+                                                strict=False)
+    assert not unexpected and all(n.endswith(("k_proj.lora_A", "v_proj.lora_A", "up_proj.lora_A")) for n in missing)
+    assert bool(missing) == (args.model_type == "phi3")  # (a shared A is listed once, under q's / gate's name)
 
-    engine = LLMEngine(SMALL, EngineConfig(dtype=torch.bfloat16, block_size=16, num_kv_blocks=64, max_num_seqs=16,
+    engine = LLMEngine(args, EngineConfig(dtype=torch.bfloat16, block_size=16, num_kv_blocks=64, max_num_seqs=16,
                                            max_model_len=256), tp_mesh=meshes.tp, device=DEV)
     stats = Resharder(actor, meshes, engine).reshard()
-    assert stats.num_merged == SMALL.num_hidden_layers * 7 and stats.num_wide == 0
+    assert stats.num_merged == args.num_hidden_layers * 7 and stats.num_wide == 0
     for n, p in actor.named_parameters():
         assert torch.equal(p.to_local(), before[n]), n  # the reference's weights are not written
 
