@@ -122,16 +122,14 @@ class LoRAConfig:
         with separate projections (q_proj .. down_proj), else of a type whose transformers model fuses some
         (`FUSED_PROJECTIONS`: Phi3's qkv_proj, o_proj, gate_up_proj, down_proj). `model_targets` gives what a
         given model's type selects."""
-        try:
-            return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD), self.exclude_modules)
-        except ValueError as generic:
-            for model_type in FUSED_PROJECTIONS:
-                try:
-                    return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD, model_type),
-                                        self.exclude_modules, model_type)
-                except ValueError:
-                    pass
-            raise generic from None
+        refusals = []  # each family's names in turn; none selecting: the separate projections' refusal
+        for model_type in (None, *FUSED_PROJECTIONS):
+            try:
+                return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD, model_type),
+                                    self.exclude_modules, model_type)
+            except ValueError as e:
+                refusals.append(e)
+        raise refusals[0]
 
     @property
     def scaling(self) -> float:
@@ -450,17 +448,17 @@ def _meshppo_key(key: str) -> str | None:
 
 
 def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor], cfg: LoRAConfig,
-                      base_model_name_or_path: str | None = None) -> None:
-    """Write `adapters` (full tensors by meshppo name, e.g. `adapter_state_dict(model)`) as a peft
-    adapter directory. The parts of a fused projection that share one A (a Phi3's q / k / v, gate / up:
-    `inject_lora`) are written as peft's one adapter on the fused module (`_fuse_adapters`), and target_modules
-    names the modules written. The weights go under a temporary name first, so an interrupted save
-    never leaves a half-written file under the final name."""
+                      base_model_name_or_path: str | None = None, *, model_type: str) -> None:
+    """Write `adapters` (full tensors by meshppo name, e.g. `adapter_state_dict(model)`) of a `model_type`
+    model as a peft adapter directory. On a type whose checkpoints fuse projections (a Phi3's q / k / v,
+    gate / up, whose adapters share one A: `inject_lora`) each fused module's parts are written as peft's
+    one adapter on it (`_fuse_adapters`), and target_modules names the fused modules. The weights go under
+    a temporary name first, so an interrupted save never leaves a half-written file under the final name."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {_peft_key(k): v.detach().contiguous().cpu() for k, v in _fuse_adapters(adapters).items()}
+    tensors = {_peft_key(k): v.detach().contiguous().cpu() for k, v in _fuse_adapters(adapters, model_type).items()}
     if not tensors:
         raise ValueError("save_peft_adapter: no adapter tensors given")
     tmp = path / (ADAPTER_WEIGHTS + ".tmp")
@@ -468,45 +466,38 @@ def save_peft_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
     os.replace(tmp, path / ADAPTER_WEIGHTS)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "target_modules": _written_targets(cfg.targets, tensors), "lora_dropout": 0.0, "init_lora_weights": True,
+        "target_modules": _written_targets(cfg.targets, model_type), "lora_dropout": 0.0, "init_lora_weights": True,
         "base_model_name_or_path": base_model_name_or_path, "inference_mode": True, **_PEFT_UNSUPPORTED,
     }
     with open(path / ADAPTER_CONFIG, "w") as f:
         json.dump(config, f, indent=2)
 
 
-def _fuse_adapters(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """meshppo's adapter tensors (by name) with the parts of each fused projection (`FUSED_PROJECTIONS`) that share
-    one A as peft's adapter on the fused module: its A (the shared one, under the first part's name:
-    `shared_a_name`) and B the parts' B stacked by rows in transformers' order. A part is shared when its own
-    lora_A is not listed (`named_parameters` lists a shared parameter once) or is the first part's."""
+def _fuse_adapters(adapters: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """meshppo's adapter tensors (by name) of a `model_type` model with the parts of each projection its
+    checkpoints fuse (`fused_parts`: a Phi3's qkv_proj, gate_up_proj) as peft's one adapter on the fused
+    module: the parts' shared A (under the first part's name, `shared_a_name`; a full state dict may list
+    it under every part's) and their B stacked by rows in transformers' order."""
     out = {k: v for k, v in adapters.items() if is_lora_name(k)}
-    for modules in FUSED_PROJECTIONS.values():
-        for fused, parts in modules.items():
-            for key in [k for k in out if k.endswith(f".{parts[0]}.lora_B")]:
-                head = key[:-len(f"{parts[0]}.lora_B")]  # "layers.0."
-                firsts_a = out.get(f"{head}{parts[0]}.lora_A")
-                own = [out.get(f"{head}{p}.lora_A") for p in parts[1:]]
-                if firsts_a is None or not all(f"{head}{p}.lora_B" in out for p in parts) or not all(
-                        a is None or a is firsts_a or torch.equal(a, firsts_a) for a in own):
-                    continue
-                out[f"{head}{fused}.lora_B"] = torch.cat([out.pop(f"{head}{p}.lora_B") for p in parts])
-                out[f"{head}{fused}.lora_A"] = out.pop(f"{head}{parts[0]}.lora_A")
-                for p in parts[1:]:
-                    out.pop(f"{head}{p}.lora_A", None)
+    for fused, parts in fused_parts(model_type).items():
+        for key in [k for k in out if k.endswith(f".{parts[0]}.lora_B")]:
+            head = key[:-len(f"{parts[0]}.lora_B")]  # "layers.0.self_attn."
+            missing = [f"{head}{p}.lora_B" for p in parts if f"{head}{p}.lora_B" not in out]
+            if missing:
+                raise ValueError(f"save_peft_adapter: {missing} missing: peft's adapter on {head}{fused} needs "
+                                 f"every part's ({', '.join(parts)})")
+            out[f"{head}{fused}.lora_B"] = torch.cat([out.pop(f"{head}{p}.lora_B") for p in parts])
+            out[f"{head}{fused}.lora_A"] = out.pop(f"{head}{parts[0]}.lora_A")
+            for p in parts[1:]:
+                out.pop(f"{head}{p}.lora_A", None)
     return out
 
 
-def _written_targets(targets: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[str]:
-    """adapter_config.json's target_modules: `targets` (`LoRAConfig.targets`) with the parts of a fused module
-    `tensors` (the peft keys written) hold in its place, as peft names the modules of that model."""
-    leaves = {k.rsplit(".", 3)[1] for k in tensors}
-    out = []
-    for t in targets:
-        fused = [m for modules in FUSED_PROJECTIONS.values() for m, parts in modules.items()
-                 if m.rsplit(".", 1)[1] in leaves and any(p.rsplit(".", 1)[1] == t for p in parts)]
-        out += [m.rsplit(".", 1)[1] for m in fused] or [t]
-    return list(dict.fromkeys(out))
+def _written_targets(targets: tuple[str, ...], model_type: str) -> list[str]:
+    """adapter_config.json's target_modules: `targets` (`LoRAConfig.targets`) with each part of a module a
+    `model_type` checkpoint fuses replaced by the fused module, as peft names the modules of that model."""
+    fused_of = {p: fused for fused, parts in fused_parts(model_type).items() for p in parts}
+    return list(dict.fromkeys(fused_of.get(t, t) for t in targets))
 
 
 def _split_adapter(tensors: dict, args, source) -> dict:

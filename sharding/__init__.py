@@ -31,7 +31,7 @@ A LoRA actor (`models.lora`) changes four calls and drops the reference model:
     ref log-probs: with torch.no_grad(), adapters_disabled(actor): actor(...)
     save_checkpoint / load_checkpoint as above: they hold the trainable parameters only
     Resharder(actor, meshes, engine) as above: adapted slots get base + scaling·B@A
-    export: sd = gather_full_state_dict(actor, trainable_only=True); rank 0: save_peft_adapter(path, sd, cfg, base)
+    export: sd = gather_full_state_dict(actor, trainable_only=True); rank 0: save_peft_adapter(path, sd, cfg, base, model_type=...)
             merged: sd = gather_full_state_dict(actor); rank 0:
                     actor.save_pretrained(path, state_dict=merged_state_dict(sd, cfg.scaling))
 """

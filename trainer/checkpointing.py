@@ -725,7 +725,8 @@ class CheckpointManager:
                     # a next stage's lora_adapter_path
                     adapters = gather_full_state_dict(model, trainable_only=True)
                     agreed_write("writing the LoRA adapter", functools.partial(
-                        save_peft_adapter, os.path.join(tmp, name, ADAPTER_DIR), adapters, lora, self.base_model)
+                        save_peft_adapter, os.path.join(tmp, name, ADAPTER_DIR), adapters, lora, self.base_model,
+                        model_type=model.args.model_type)
                         if self.is_main else None)
             if k == 0:
                 faults.crash("crash_in_save", step, self.rank)
@@ -1010,7 +1011,8 @@ def export_hf(model, model_args, tokenizer, out_dir: str, is_main: bool, adapter
                 shutil.copyfile(generation, os.path.join(tmp, "generation_config.json"))
         _replace_dir(out_dir, write)
         if adapters is not None and adapter_dir is not None:  # after the model: it may live inside out_dir
-            _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model))
+            _replace_dir(adapter_dir, lambda tmp: save_peft_adapter(tmp, adapters, lora, base_model,
+                                                                    model_type=model_args.model_type))
     agreed_write(f"writing the Hugging Face model to {out_dir}", write_all if is_main else None)
 
 

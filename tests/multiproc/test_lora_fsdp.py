@@ -117,7 +117,8 @@ def _body(rank, world, tmp):
     full = gather_full_state_dict(actor, trainable_only=True)
     if rank == 0:
         assert set(full) == set(adapters)
-        save_peft_adapter(tmp / "adapter", full, LORA, base_model_name_or_path="tiny")
+        save_peft_adapter(tmp / "adapter", full, LORA, base_model_name_or_path="tiny",
+                          model_type=ARGS.model_type)
     dist.barrier()
     loaded = build_fsdp_model(ARGS, meshes.train, FP32, lora=LORA, lora_adapter_path=tmp / "adapter", seed=0)
     _, on_disk = read_peft_adapter(tmp / "adapter")

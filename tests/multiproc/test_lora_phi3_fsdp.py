@@ -94,7 +94,7 @@ def _body(rank, world, tmp):
     # the peft export gathered from the shards, and lora_adapter_path
     full = gather_full_state_dict(actor, trainable_only=True)
     if rank == 0:
-        save_peft_adapter(tmp / "adapter", full, LORA)
+        save_peft_adapter(tmp / "adapter", full, LORA, model_type="phi3")
         _, on_disk = read_peft_adapter(tmp / "adapter")
         assert {k.rsplit(".", 2)[1] for k in on_disk} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     dist.barrier()

@@ -321,7 +321,7 @@ def test_lora_adapter_path_gives_lora_its_rank_alpha_and_targets_as_in_verl(tmp_
 
     adapter = tmp_path / "adapter"
     save_peft_adapter(adapter, {"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 8)},
-                      LoRAConfig(4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+                      LoRAConfig(4, alpha=8.0, target_modules=["q_proj", "v_proj"]), model_type="qwen2")
     key = "actor_rollout_ref.model"
 
     def notes(*overrides):

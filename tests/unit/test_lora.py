@@ -162,7 +162,7 @@ def test_peft_loads_the_export_and_gives_our_logits(tmp_path):
     cfg = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     base, model = _adapted(cfg)
     save_peft_adapter(tmp_path / "adapter", {k: v.detach() for k, v in adapter_state_dict(model).items()}, cfg,
-                      base_model_name_or_path="tiny-qwen2")
+                      base_model_name_or_path="tiny-qwen2", model_type=model.args.model_type)
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert written["peft_type"] == "LORA" and written["task_type"] == "CAUSAL_LM" and written["r"] == 8
     assert written["base_model_name_or_path"] == "tiny-qwen2" and written["bias"] == "none"
@@ -184,7 +184,7 @@ def test_export_round_trips_and_bad_adapters_are_refused(tmp_path):
     cfg = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "gate_proj"])
     _, model = _adapted(cfg)
     sd = {k: v.detach().clone() for k, v in adapter_state_dict(model).items()}
-    save_peft_adapter(tmp_path / "a", sd, cfg)
+    save_peft_adapter(tmp_path / "a", sd, cfg, model_type=ARGS.model_type)
     other = inject_lora(_base(), cfg, torch.Generator().manual_seed(9))
     load_peft_adapter(other, tmp_path / "a")
     for k, v in adapter_state_dict(other).items():
@@ -210,7 +210,7 @@ def test_export_round_trips_and_bad_adapters_are_refused(tmp_path):
     # a shape that does not fit the model (an adapter for a wider model)
     sd2 = dict(sd)
     sd2["layers.0.self_attn.q_proj.lora_A"] = torch.zeros(4, ARGS.hidden_size + 1)
-    save_peft_adapter(tmp_path / "b", sd2, cfg)
+    save_peft_adapter(tmp_path / "b", sd2, cfg, model_type=ARGS.model_type)
     with pytest.raises(ValueError, match=r"layers.0.self_attn.q_proj.lora_A has shape \(4, 65\)"):
         load_peft_adapter(other, tmp_path / "b")
 

@@ -83,7 +83,8 @@ def test_target_modules_select_what_peft_selects_and_give_peft_logits(tmp_path, 
     theirs = _peft_targets(peft, hf, target_modules, exclude_modules)
     assert theirs == {(i, p) for i in range(ARGS.num_hidden_layers) for p in expected}
     model = _trained(inject_lora(_base().double(), cfg, torch.Generator().manual_seed(1)))
-    save_peft_adapter(tmp_path / "a", {k: v.detach() for k, v in adapter_state_dict(model).items()}, cfg)
+    save_peft_adapter(tmp_path / "a", {k: v.detach() for k, v in adapter_state_dict(model).items()}, cfg,
+                      model_type=model.args.model_type)
     hf2 = _hf_qwen2(base, tmp_path / "x").double()
     pm = peft.PeftModel.from_pretrained(hf2, str(tmp_path / "a")).eval()
     ids = _ids(3)

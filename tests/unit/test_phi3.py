@@ -299,7 +299,7 @@ def test_lora_on_phi3_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
         for name, p in ours.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0, 0.3)
-    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg)
+    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type="phi3")
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
     assert sorted(written) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     peft = pytest.importorskip("peft")
