@@ -3,6 +3,7 @@ against transformers' implementation, in float64 on CPU: a transformers model wi
 logits over padded and packed batches, the engine's greedy tokens, the trainer's loading path and the export."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -125,13 +126,11 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int) -> dict:
     from trainer.checkpointing import export_hf
 
     ours = Transformer.from_pretrained(base)
-
-    class _Tokenizer:
-        def save_pretrained(self, path):
-            pass
-
+    saved = []  # where the export had the tokenizer write itself (its files are the tokenizer's business)
     out = tmp_path / "hf_actor"
-    export_hf(ours, load_model_args(base), _Tokenizer(), str(out), True, base_model=str(base))
+    export_hf(ours, load_model_args(base), types.SimpleNamespace(save_pretrained=saved.append), str(out), True,
+              base_model=str(base))
+    assert len(saved) == 1 and saved[0] != str(base)  # into the export (its staging directory), not the base
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [f"{family}ForCausalLM"]
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
