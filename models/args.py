@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Llama / Mistral / Phi-3 / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters for the Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -14,15 +14,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"llama": "Llama", "mistral": "Mistral", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+HF_FAMILY = {"llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3", "qwen2": "Qwen2",
+             "qwen3": "Qwen3"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
-# has no biases). A type without head_dim here (Qwen2, Phi3: their configs have no such field, their attention
-# reads the attribute where it is set) gets it written only where it is not hidden / heads.
-HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",), "phi3": (),
-                  "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
+# has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
+# attention reads the attribute where it is set) gets it written only where it is not hidden / heads.
+HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
+                  "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
 # config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
 # written back on export (the class's default would replace them): Phi3's original_max_position_embeddings
 # (read by transformers' longrope only, which meshppo refuses, and by its generation's cache reset at that
@@ -41,14 +42,16 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096). A type whose only key
 # is sliding_window windows every layer.
-WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",), "phi3": ("sliding_window",),
+WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
-                "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
+                "phi3": "transformers' Phi3 has no biases: it would load the exported model without them",
+                "olmo2": "transformers' Olmo2 then biases o_proj too, which meshppo's attention lacks, and its MLP has "
+                         "no biases"}
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -137,6 +140,18 @@ class ModelArgs:
         return self.model_type == "qwen3"
 
     @property
+    def post_norm(self) -> bool:
+        """Whether the block norms each branch's output before the residual add and has no input norm: OLMo-2's
+        `x + post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`."""
+        return self.model_type == "olmo2"
+
+    @property
+    def full_qk_norm(self) -> bool:
+        """Whether the query and key projections are RMS-normalised over their whole width (weights
+        `[heads * head_dim]` and `[kv_heads * head_dim]`) before the head split and RoPE: OLMo-2's."""
+        return self.model_type == "olmo2"
+
+    @property
     def sliding_window(self) -> int | None:
         """config.json's `sliding_window` as read (None where it has none; Qwen's is null unless
         `use_sliding_window`, as transformers reads it). Whether a layer attends through it:
@@ -203,7 +218,7 @@ class ModelArgs:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        block = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        block = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0) + (q + kv if self.full_qk_norm else 0)
         n = self.num_hidden_layers * block + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

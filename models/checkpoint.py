@@ -43,11 +43,31 @@ def meshppo_key_to_hf(key: str) -> str:
     return key if key.startswith(_TOP_LEVEL) else "model." + key
 
 
+# The types whose transformers family has no ...ForTokenClassification: a value model of one has no transformers
+# class that reads it back (OLMo-2's Olmo2ForSequenceClassification scores each sequence's last token only).
+NO_TOKEN_CLASSIFIER = ("olmo2",)
+
+
 def hf_architecture(model_type: str, head: str = "lm") -> str:
     """The transformers class a directory of `model_type` is written as: a causal LM (`head="lm"`) or, for a
-    value model, a token classifier."""
+    value model, a token classifier; ValueError for a value model of a type whose family has none
+    (`NO_TOKEN_CLASSIFIER`)."""
     family = HF_FAMILY[model_type]
-    return f"{family}ForCausalLM" if head == "lm" else f"{family}ForTokenClassification"
+    if head == "lm":
+        return f"{family}ForCausalLM"
+    if model_type in NO_TOKEN_CLASSIFIER:
+        raise ValueError(value_export_refusal(model_type))
+    return f"{family}ForTokenClassification"
+
+
+def value_export_refusal(model_type: str) -> str:
+    """Why a value model (critic) of `model_type` (`NO_TOKEN_CLASSIFIER`) is not written as a Hugging Face
+    directory."""
+    family = HF_FAMILY[model_type]
+    return (f"an {model_type} value model cannot be written as a Hugging Face directory: transformers has no "
+            f"{family}ForTokenClassification (its {family}ForSequenceClassification scores the last token of a "
+            "sequence, not every token), so no transformers class would read its per-token values back; meshppo's "
+            "own checkpoint (save_contents 'model') keeps it")
 
 
 def _fused_parts(args: ModelArgs) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -322,16 +342,17 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     """
     from safetensors.torch import save_file
 
+    args: ModelArgs = model.args
+    architecture = hf_architecture(args.model_type, model.head)  # (a value model some type cannot be: refused first)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    args: ModelArgs = model.args
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
     sd = fuse_parts(state_dict if state_dict is not None else model.state_dict(), args)
     tensors = {meshppo_key_to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}
-    hf_config = args.to_hf_config(architecture=hf_architecture(args.model_type, model.head),
+    hf_config = args.to_hf_config(architecture=architecture,
                                   dtype=str(written.pop()).removeprefix("torch.") if len(written) == 1 else None)
     if model.head == "value":
         hf_config.num_labels = 1

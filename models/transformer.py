@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the Llama, Mistral, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
+"""A decoder-only transformer for the Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -152,10 +152,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        self.qk_norm = args.qk_norm
-        if self.qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE
-            self.q_norm = RMSNorm(d, args.rms_norm_eps)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.qk_norm, self.full_qk_norm = args.qk_norm, args.full_qk_norm
+        if self.qk_norm or self.full_qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE;
+            # OLMo-2: the whole query and key projections, before the head split
+            self.q_norm = RMSNorm(self.n_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
         self.scale = d ** -0.5
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
@@ -164,8 +165,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 shared: PrefixSharing | None = None):
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(*shape, self.n_heads, self.head_dim)
+        k = k.view(*shape, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -209,15 +213,28 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm (`x + attn(input_layernorm(x))`, then `h + mlp(post_attention_layernorm(h))`), or, where
+    `ModelArgs.post_norm` (OLMo-2), post-norm on each branch without an input norm (`x +
+    post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`), as transformers names
+    the norms of each."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_norm = args.post_norm
+        if not self.post_norm:
+            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        if self.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 shared: PrefixSharing | None = None):
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention_mask, cu_seqlens, max_seqlen,
+                                                                 shared))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -14,7 +14,12 @@ its identity and follows the new memory. Inside it:
 * row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
   all-reduce on the TP group (the only collectives of a layer);
 * replicated: the norms (Qwen3's per-head q/k norms too) and `down_proj`'s bias (added once, after
-  the all-reduce).
+  the all-reduce). OLMo-2's q/k norms span the whole q and k projections: every rank holds them whole
+  and norms its own heads' columns with their part of the weight, by the root mean square of the
+  whole projection (each rank's sums of squares, all-reduced: `_full_qk_norm`).
+
+OLMo-2's blocks are post-norm (`ModelArgs.post_norm`): no input norm, each branch's output normed and
+added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is.
 
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
@@ -65,17 +70,19 @@ class ParamSlot:
 
 @dataclass
 class LayerWeights:
-    in_norm: torch.Tensor  # [H]
+    in_norm: torch.Tensor | None  # [H]; None: a post-norm block (OLMo-2), which has none
     qkv_w: torch.Tensor  # [(Hq/t + 2 kv) D, H], kv = this rank's KV heads (Hkv/t, or 1 replicated)
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor  # [H, Hq D / t]
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]: post_attention_layernorm (before the MLP; OLMo-2: after the attention)
     gate_up_w: torch.Tensor  # [2 I / t, H]
     gate_up_b: torch.Tensor | None
     down_w: torch.Tensor  # [H, I / t]
     down_b: torch.Tensor | None  # [H], replicated
-    q_norm: torch.Tensor | None = None  # [D], replicated: Qwen3's per-head query norm
-    k_norm: torch.Tensor | None = None  # [D], its key norm
+    q_norm: torch.Tensor | None = None  # [D], replicated: Qwen3's per-head query norm (OLMo-2: this rank's
+    # heads' part [Hq D / t] of the whole-projection norm)
+    k_norm: torch.Tensor | None = None  # [D], its key norm (OLMo-2: this rank's KV heads' part [kv D])
+    post_ff_norm: torch.Tensor | None = None  # [H]: OLMo-2's post_feedforward_layernorm (after the MLP)
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -196,6 +203,10 @@ class EngineModel:
             self.fp8_one = torch.ones((), device=device)
         elif quantization is not None:
             raise ValueError(f"quantization must be None or 'fp8' (EngineConfig.quantization), got {quantization!r}")
+        if quantization == "fp8" and args.post_norm:
+            raise ValueError(f"quantization='fp8' (rollout's quantization) is not supported for model_type "
+                             f"{args.model_type}: fp8 rollout folds each block's input norm into its projections, "
+                             "and its post-norm blocks have none")
         self.allocate()
 
     # ------------------------------------------------------------------ layout
@@ -215,13 +226,17 @@ class EngineModel:
             plan["lm_head.weight"] = ("lm_head", 0, vocab_rows)
         for i in range(a.num_hidden_layers):
             p, b = f"layers.{i}.", f"layers.{i}."
-            buffers[b + "in_norm"] = (h,)
+            if not a.post_norm:
+                buffers[b + "in_norm"] = (h,)
+                plan[p + "input_layernorm.weight"] = (b + "in_norm", 0, None)
+            else:
+                buffers[b + "post_ff_norm"] = (h,)
+                plan[p + "post_feedforward_layernorm.weight"] = (b + "post_ff_norm", 0, None)
             buffers[b + "post_norm"] = (h,)
             buffers[b + "qkv_w"] = (q + 2 * kv, h)
             buffers[b + "o_w"] = (h, q)
             buffers[b + "gate_up_w"] = (2 * inter, h)
             buffers[b + "down_w"] = (h, inter)
-            plan[p + "input_layernorm.weight"] = (b + "in_norm", 0, None)
             plan[p + "post_attention_layernorm.weight"] = (b + "post_norm", 0, None)
             plan[p + "self_attn.o_proj.weight"] = (b + "o_w", 0, None)
             plan[p + "mlp.down_proj.weight"] = (b + "down_w", 0, None)
@@ -232,9 +247,10 @@ class EngineModel:
                 plan[p + f"self_attn.v_proj.{kind}"] = (buf, q + kv, kv)
             if a.attention_bias:
                 buffers[b + "qkv_b"] = (q + 2 * kv,)
-            if a.qk_norm:
-                for part in ("q_norm", "k_norm"):
-                    buffers[b + part] = (d,)
+            if a.qk_norm or a.full_qk_norm:
+                widths = (a.num_attention_heads * d, a.num_key_value_heads * d) if a.full_qk_norm else (d, d)
+                for part, width in zip(("q_norm", "k_norm"), widths):
+                    buffers[b + part] = (width,)
                     plan[p + f"self_attn.{part}.weight"] = (b + part, 0, None)
             for kind in ("weight",) + (("bias",) if a.mlp_bias else ()):
                 buf = b + ("gate_up_w" if kind == "weight" else "gate_up_b")
@@ -310,12 +326,24 @@ class EngineModel:
         self.norm_w = B["norm"]
         self.head_w = B["embed"] if self.args.tie_word_embeddings else B["lm_head"]
         self.layers = [
-            LayerWeights(B[f"layers.{i}.in_norm"], B[f"layers.{i}.qkv_w"], B.get(f"layers.{i}.qkv_b"),
+            LayerWeights(B.get(f"layers.{i}.in_norm"), B[f"layers.{i}.qkv_w"], B.get(f"layers.{i}.qkv_b"),
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"),
-                         B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm"))
+                         *self._qk_norms(B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm")),
+                         B.get(f"layers.{i}.post_ff_norm"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
+
+    def _qk_norms(self, q_norm, k_norm):
+        """A layer's q/k norm weights as its forward reads them: Qwen3's per-head ones whole, OLMo-2's
+        whole-projection ones as the views of this rank's heads' columns (its KV heads' as `kv_heads_of_rank`)."""
+        if q_norm is None or not self.args.full_qk_norm:
+            return q_norm, k_norm
+        d, t = self.head_dim, self.tp.size
+        first_kv = kv_heads_of_rank(self.args, self.tp.rank, t)[0]
+        q = self.num_heads * d
+        return (q_norm[self.tp.rank * q:(self.tp.rank + 1) * q],
+                k_norm[first_kv * d:(first_kv + self.num_kv_heads) * d])
 
     def release(self) -> None:
         """Give the weights' memory back (the views stay, over zero bytes, until `restore()`)."""
@@ -415,8 +443,10 @@ class EngineModel:
         adds none)."""
         w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
-        if fp8 or self.args.qk_norm:
+        if fp8 or self.args.qk_norm or self.args.full_qk_norm:
             qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype), or the q/k norms read the sums
+        if self.args.post_norm:
+            return qkv, 1, 1  # each branch's norm reads its projection, not a residual sum
         if self.tp.size > 1:
             return qkv, 1, 1
         down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None and not fp8 else 1
@@ -439,7 +469,9 @@ class EngineModel:
         for i, w in enumerate(self.layers):
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            if self.fp8_layers:  # e4m3 qkv from the e4m3 norm (its weight is folded into qkv)
+            if w.in_norm is None:  # a post-norm block: the residual stream is the projection's input
+                qkv = ops.linear(x, w.qkv_w, w.qkv_b)
+            elif self.fp8_layers:  # e4m3 qkv from the e4m3 norm (its weight is folded into qkv)
                 q8 = self.fp8_layers[i]
                 h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, x_scale, out_dtype=FP8)
                 qkv = ops.scaled_linear(h, q8.qkv, self.fp8_act_scale, q8.scales[0], w.qkv_b, self.dtype)
@@ -447,7 +479,9 @@ class EngineModel:
                 h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
                 qkv = (ops.linear(h, w.qkv_w, w.qkv_b) if qkv_splits == 1
                        else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
-            if w.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised before RoPE
+            if w.q_norm is not None and self.args.full_qk_norm:  # OLMo-2: the whole q and k projections
+                qkv = self._full_qk_norm(qkv, w, ops, eps)
+            elif w.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised before RoPE
                 qkv = ops.qk_norm(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, eps)
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
@@ -457,6 +491,11 @@ class EngineModel:
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale)
+            if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
+                x = ops.post_norm_add(self._row_parallel(o, w.o_w, None, ops, 1), w.post_norm, eps, x)
+                y = self._row_parallel(ops.gated_linear(x, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, 1)
+                x = ops.post_norm_add(y, w.post_ff_norm, eps, x)
+                continue
             x = self._row_parallel(o, w.o_w, None, ops, o_splits)
             if self.fp8_layers:
                 h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, out_dtype=FP8)
@@ -468,6 +507,18 @@ class EngineModel:
                                        down_splits)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale)
         return h
+
+    def _full_qk_norm(self, qkv: torch.Tensor, w: LayerWeights, ops, eps: float) -> torch.Tensor:
+        """OLMo-2's q and k of `qkv` RMS-normalised over the whole projections, in place: the root mean square
+        of each from the sums of squares of every rank's columns (one all-reduce of `[T, 2]` at TP > 1). Where
+        ranks hold copies of one KV head, each head is counted as often as every other, so the mean over all
+        ranks' columns is still the projection's."""
+        q_width, k_width = w.q_norm.shape[0], w.k_norm.shape[0]
+        sums = ops.qk_square_sums(qkv, q_width, k_width)
+        if self.tp.size > 1:
+            sums = self.tp.all_reduce(sums)
+        t = self.tp.size
+        return ops.full_qk_norm(qkv, w.q_norm, w.k_norm, sums, (q_width * t, k_width * t), eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype; the columns from

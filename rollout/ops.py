@@ -144,6 +144,35 @@ class TorchOps:
         return qkv
 
     @staticmethod
+    def post_norm_add(x, weight, eps: float, residual):
+        """`residual + norm(x)` `[T, H]`: a post-norm block's branch output `x` normed (`rms_norm`) and added to the
+        residual stream, rounded as the training model's `x + RMSNorm(branch)` (OLMo-2's); the Triton op writes the
+        sum into `residual` in place."""
+        return residual + TorchOps.rms_norm(x, weight, eps)[0]
+
+    @staticmethod
+    def qk_square_sums(qkv, q_width: int, k_width: int):
+        """`[T, 2]` float32: each row's sum of squares of q (`qkv`'s first `q_width` columns) and of k (the next
+        `k_width`), the float32 values as `models.transformer.RMSNorm` squares them; a TP rank's columns only."""
+        x = qkv[:, :q_width + k_width].float().pow(2)
+        return torch.stack([x[:, :q_width].sum(-1), x[:, q_width:].sum(-1)], dim=-1)
+
+    @staticmethod
+    def full_qk_norm(qkv, q_weight, k_weight, sums, widths: tuple[int, int], eps: float):
+        """OLMo-2's q / k norms over the whole projections, in place: q (`qkv`'s first `len(q_weight)` columns) and k
+        (the next `len(k_weight)`) normed as `models.transformer.RMSNorm` norms a row of `widths` (q's, k's: the whole
+        projection's) columns whose sums of squares are `sums [T, 2]` (`qk_square_sums`, all-reduced over TP ranks),
+        each column times its weight; v unchanged."""
+        start = 0
+        for j, weight in enumerate((q_weight, k_weight)):
+            part = qkv[:, start:start + weight.shape[0]]
+            rstd = torch.rsqrt(sums[:, j:j + 1] / widths[j] + eps)
+            y = (part.float() * rstd).to(qkv.dtype)
+            part.copy_((weight.float() * y.float()).to(qkv.dtype))
+            start += weight.shape[0]
+        return qkv
+
+    @staticmethod
     def silu_and_mul(gate_up):
         """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)

@@ -136,6 +136,7 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
     import torch
     import torch.distributed as dist
 
+    from models.checkpoint import NO_TOKEN_CLASSIFIER, value_export_refusal
     from sharding.checkpoint import check_checkpoint, load_checkpoint
     from sharding.mesh import ParallelDims
     from trainer.checkpointing import (LEGACY_CONTENTS, ROLE_KEYS, current_bases, export_hf, read_trainer_state,
@@ -193,6 +194,8 @@ def export_checkpoint(checkpoint: str, output: str, role: str | None = None, ove
                               "(run it with python, not torchrun)")
         mesh = ParallelDims(world_size=1).build_meshes("cpu").train
         model = build_trained_model(cfg, role, mesh, torch.device("cpu"), initial_adapters=False)
+        if model.head == "value" and model.args.model_type in NO_TOKEN_CLASSIFIER:
+            raise ExportError(f"checkpoint {step_dir!r}: {value_export_refusal(model.args.model_type)}")
         load_checkpoint(weights, model)
         # a LoRA actor's adapters also alone, as the trainer's final export has them (a critic's, with
         # its value head, are no causal-LM adapter: merged only)

@@ -50,6 +50,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
     check_engine_tensor_parallel(cfg)
     check_lora_adapter(cfg)
+    check_value_model_export(cfg)
     check_attention_windows(cfg)
     t = cfg.trainer
     if t.default_local_dir is not None and not t.default_local_dir.strip():
@@ -528,6 +529,21 @@ def check_attention_windows(cfg: PPOConfig) -> None:
                               f"({what}); {fix} to at most {args.attention_window} tokens, or set "
                               f"{key}.override_config.sliding_window=null to have every layer attend to the whole "
                               "context, as meshppo computes it (or to a window at least that long)")
+
+
+def check_value_model_export(cfg: PPOConfig) -> None:
+    """ConfigError, before any work, where the critic's checkpoints would write it as a Hugging Face directory
+    (critic.checkpoint.save_contents with hf_model) and its type's transformers family has no token classifier
+    to read a value model back (`models.checkpoint.NO_TOKEN_CLASSIFIER`: OLMo-2)."""
+    from models.checkpoint import NO_TOKEN_CLASSIFIER, value_export_refusal
+
+    if not cfg.uses_critic or "hf_model" not in cfg.critic.checkpoint.save_contents:
+        return
+    args = _readable_model_args(cfg.critic.model.path, cfg.critic.model.override_config)
+    if args is not None and args.model_type in NO_TOKEN_CLASSIFIER:
+        raise ConfigError(f"critic.checkpoint.save_contents={shown(cfg.critic.checkpoint.save_contents)} has "
+                          f"hf_model: {value_export_refusal(args.model_type)} (the model in {cfg.critic.model.path}); "
+                          "drop hf_model from it")
 
 
 def _readable_model_args(path: str, overrides: dict | None = None) -> ModelArgs | None:

@@ -115,11 +115,12 @@ def unprefixed(state_dict, config):
     return {k.removeprefix("model."): v for k, v in state_dict.items()}
 
 
-def check_export_round_trip(tmp_path, base, family: str, vocab: int) -> dict:
+def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_classifier: bool = True) -> dict:
     """The trained-policy export (`trainer.checkpointing.export_hf`, which `tools.export_hf` runs) of the checkpoint
     at `base` writes a directory transformers loads as `<family>ForCausalLM` with meshppo's logits, and a value
-    model of it exports as `<family>ForTokenClassification` with its scores. Returns the written config.json and
-    the reloaded causal LM."""
+    model of it exports as `<family>ForTokenClassification` with its scores (without `token_classifier`: a family
+    transformers has none of, whose value model's export is refused, writing nothing). Returns the written
+    config.json and the reloaded causal LM."""
     import transformers
 
     from models.checkpoint import load_model_args
@@ -142,6 +143,11 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int) -> dict:
     critic = Transformer.from_pretrained(base, head="value")
     with torch.no_grad():
         critic.score.weight.normal_(0, 0.5)
+    if not token_classifier:
+        with pytest.raises(ValueError, match=f"transformers has no {family}ForTokenClassification"):
+            critic.save_pretrained(tmp_path / "v")
+        assert not (tmp_path / "v").exists()
+        return written, again
     critic.save_pretrained(tmp_path / "v")
     scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v").eval()
     assert type(scorer).__name__ == f"{family}ForTokenClassification"

@@ -1,0 +1,118 @@
+"""OLMo-2 checkpoints (`model_type: olmo2`, `Olmo2ForCausalLM`) against transformers' implementation on tiny random
+weights, in float64 on CPU: meshppo's model (post-norm blocks, q / k norms over the whole projections), its engine,
+the trainer's loading path, the export, and what has no transformers class (a value model's export) or no meshppo
+counterpart (an attention bias, which biases o_proj too)."""
+
+import json
+
+import pytest
+import torch
+
+from models import Transformer
+from tests.unit.hf_family import (check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
+                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
+
+transformers = pytest.importorskip("transformers")
+
+_one_thread = one_thread
+VOCAB = 97
+# Explicit head_dim (24 against hidden / heads 16) with GQA (4 query heads on 2 KV heads), untied; and head_dim from
+# hidden / heads with one KV head, tied embeddings (OLMo-2-0425-1B ties them).
+SHAPES = [dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+          dict(num_key_value_heads=1, tie_word_embeddings=True)]
+
+
+def _olmo2(dtype=torch.float64, **overrides):
+    """transformers' Olmo2ForCausalLM, random weights large enough that the logits are decisive."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, pad_token_id=1, bos_token_id=None,
+              eos_token_id=2)
+    return hf_causal_lm(transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dtype, **(kw | overrides))
+
+
+def _saved(tmp_path, **overrides):
+    hf = _olmo2(**overrides)
+    hf.save_pretrained(tmp_path / "olmo2")
+    return hf, tmp_path / "olmo2"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_equal_transformers_olmo2(tmp_path, shape):
+    """Padded batches (left padding, positions from the mask) and packed sequences: meshppo's logits are
+    Olmo2ForCausalLM's (post-norm blocks without an input norm, q / k normed over the whole projections);
+    its parameter count (the FLOP formula's) is transformers'."""
+    hf, path = _saved(tmp_path, **shape)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    assert ours.args.model_type == "olmo2" and ours.args.head_dim == shape.get("head_dim", 16)
+    assert ours.args.post_norm and ours.args.full_qk_norm and not ours.args.qk_norm
+    assert ours.args.tie_word_embeddings == shape["tie_word_embeddings"]
+    assert ours.layers[0].self_attn.q_norm.weight.shape == (4 * ours.args.head_dim,)
+    assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
+    check_padded_and_packed_logits(hf, ours, VOCAB)
+
+
+def test_rope_scaling_is_read_as_transformers_reads_it(tmp_path):
+    """An OLMo-2 with llama3 RoPE scaling (the shared rope code): transformers' logits at positions past the
+    original context."""
+    rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    hf, path = _saved(tmp_path, rope_parameters=rope)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    assert ours.args.rope_type == "llama3"
+    check_padded_and_packed_logits(hf, ours, VOCAB)
+
+
+def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path):
+    """The engine on an OLMo-2 checkpoint (GQA, explicit head_dim; chunked prefill and preemption forced):
+    greedy tokens are those of a no-cache loop over the training model, its log-probs the training forward's,
+    and transformers' logits pick the same tokens."""
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    check_engine_greedy(hf, path, VOCAB)
+
+
+def test_a_saved_olmo2_directory_loads_through_the_trainers_model_path(tmp_path):
+    """config.json + model.safetensors as transformers' save_pretrained writes them (float32), read by
+    the trainer's actor builder (FSDP, one gloo rank): every weight lands where transformers put it."""
+    from tests.dist_utils import run_distributed
+
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    assert json.loads((path / "config.json").read_text())["model_type"] == "olmo2"
+    run_distributed(trainer_loads_bit_for_bit, 1, str(path), "olmo2", 24, unprefixed)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_export_round_trips_through_transformers_olmo2(tmp_path, shape):
+    """The trained-policy export writes a directory transformers loads as Olmo2ForCausalLM with meshppo's
+    logits (head_dim written where it is not hidden / heads: Olmo2Config has no such field, its attention reads
+    it); a value model's export is refused, transformers having no Olmo2ForTokenClassification."""
+    _, base = _saved(tmp_path, dtype=torch.float32, **shape)
+    written, again = check_export_round_trip(tmp_path, base, "Olmo2", VOCAB, token_classifier=False)
+    assert written["model_type"] == "olmo2" and written["tie_word_embeddings"] == shape["tie_word_embeddings"]
+    assert written.get("head_dim") == shape.get("head_dim") and written["attention_bias"] is False
+
+
+def test_biases_are_refused_for_olmo2(tmp_path):
+    """transformers' Olmo2 biases o_proj too where attention_bias is set, which meshppo's attention lacks: its
+    config.json is refused at load, naming why."""
+    _, path = _saved(tmp_path, attention_bias=True)
+    with pytest.raises(ValueError, match="olmo2 with attention_bias or mlp_bias is not supported .*o_proj"):
+        Transformer.from_pretrained(path)
+
+
+def test_a_critic_written_as_a_hugging_face_directory_is_refused_at_the_pre_flight(tmp_path):
+    """An OLMo-2 critic trains and its meshppo checkpoint keeps it; critic.checkpoint.save_contents with hf_model
+    (a Hugging Face directory of the value model, which no transformers class reads back) is refused before the
+    run, naming the key."""
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    critic = ("algorithm.adv_estimator=gae", f"critic.model.path={path}")
+    preflight(_cfg(path, 16, 32, *critic), devices=False)
+    with pytest.raises(ConfigError, match=r"^critic\.checkpoint\.save_contents=\[model, optimizer, extra, hf_model\] "
+                                          r"has hf_model: an olmo2 value model cannot be written .*no "
+                                          r"Olmo2ForTokenClassification"):
+        preflight(_cfg(path, 16, 32, *critic, "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"),
+                  devices=False)
