@@ -6,7 +6,10 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 
 * `linear`, `gated_linear`: one row (a decode step of one sequence) times a weight `[N, K]`;
   more rows go to cuBLAS (`F.linear`).
-* `rms_norm`: residual add + RMSNorm in one pass.
+* `rms_norm`: residual add + RMSNorm in one pass; `post_norm_add`: a post-norm block's (OLMo-2's)
+  RMSNorm of a branch's output added to the residual stream, in one pass.
+* `qk_square_sums`, `full_qk_norm`: OLMo-2's q / k norms over the whole projections (the sums of
+  squares of a rank's columns, which TP all-reduces between the two, then the norm by them).
 * `silu_and_mul`: the gated MLP activation.
 * `rope_and_cache`: RoPE on q (in place) and k, and the K/V write into the paged cache
   (prefill steps); with an e4m3 cache (`EngineConfig.kv_cache_dtype = "fp8"`) each row of K
@@ -177,6 +180,62 @@ def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, HEADS, D, eps, HEAD
     y = (xf * rstd[:, None]).to(x.dtype)
     w = tl.where(h < HQ, tl.load(q_w_ptr + d, mask=d < D, other=0.0), tl.load(k_w_ptr + d, mask=d < D, other=0.0))
     tl.store(ptr, (y.to(tl.float32) * w.to(tl.float32)).to(qkv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _post_norm_add_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # row t: res = res + norm(x) * w, the norm rounded to res's dtype as `rms_norm`'s output, then the add rounded
+    # like torch's (`TorchOps.post_norm_add`); in place into res
+    _after_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    y, _ = rms_norm_row(x, N, eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    normed = (y.to(tl.float32) * w.to(tl.float32)).to(r.dtype)
+    tl.store(res_ptr + row * stride_r + offs, (normed.to(tl.float32) + r.to(tl.float32)).to(r.dtype), mask=mask)
+
+
+@triton.jit
+def _qk_square_sums_kernel(qkv_ptr, out_ptr, stride_t, QW, KW, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # token t: the float32 sums of squares of its q columns [0, QW) and k columns [QW, QW + KW) into out [T, 2]
+    _after_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * stride_t
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, QW, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        x = tl.load(row + offs, mask=offs < QW, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(out_ptr + t * 2, tl.sum(acc, axis=0))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, KW, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        x = tl.load(row + QW + offs, mask=offs < KW, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(out_ptr + t * 2 + 1, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _norm_by_sums_kernel(x_ptr, w_ptr, sums_ptr, stride_t, WIDTH, J, TOTAL, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    # token t: its WIDTH columns at x normed in place by the root mean square sqrt(sums[t, J] / TOTAL + eps) (TOTAL,
+    # a float: the whole projection's columns, over every TP rank), rounded to x's dtype, times w, rounded again
+    # (`TorchOps.full_qk_norm`)
+    _after_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    ms = tl.math.div_rn(tl.load(sums_ptr + t * 2 + J), TOTAL)
+    rstd = 1.0 / tl.sqrt(ms + eps)
+    row = x_ptr + t * stride_t
+    for c in range(0, WIDTH, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        mask = offs < WIDTH
+        x = tl.load(row + offs, mask=mask, other=0.0)
+        y = (x.to(tl.float32) * rstd).to(x.dtype)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(row + offs, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
 
 @triton.jit
@@ -767,6 +826,11 @@ def _launch(t: torch.Tensor) -> dict:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
+# The columns of a row OLMo-2's q / k norm kernels read at a time (a loop over the projection's width, up to 5,120
+# for OLMo-2-32B's q at TP 1).
+QK_SUMS_BLOCK = 1024
+
+
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] == 1 and x.shape[-1] == weight.shape[1] and x.is_contiguous() and weight.stride(1) == 1
 
@@ -837,6 +901,34 @@ class TritonOps:
             _qk_norm_kernel[(t,)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, heads, head_dim, eps,
                                   HEADS_P=_pow2(heads), BLOCK=_pow2(head_dim), num_warps=4 if block <= 4096 else 8,
                                   **_launch(qkv))
+        return qkv
+
+    @staticmethod
+    def post_norm_add(x, weight, eps: float, residual):
+        t, n = x.shape
+        if t:
+            block = _pow2(n)
+            _post_norm_add_kernel[(t,)](x, residual, weight, x.stride(0), residual.stride(0), n, eps, BLOCK=block,
+                                        num_warps=4 if block <= 1024 else 8, **_launch(x))
+        return residual  # the sum is written into `residual` in place
+
+    @staticmethod
+    def qk_square_sums(qkv, q_width: int, k_width: int):
+        t = qkv.shape[0]
+        out = torch.empty(t, 2, dtype=torch.float32, device=qkv.device)
+        if t:
+            _qk_square_sums_kernel[(t,)](qkv, out, qkv.stride(0), q_width, k_width, BLOCK=QK_SUMS_BLOCK, num_warps=4,
+                                         **_launch(qkv))
+        return out
+
+    @staticmethod
+    def full_qk_norm(qkv, q_weight, k_weight, sums, widths: tuple[int, int], eps: float):
+        t, start = qkv.shape[0], 0
+        for j, weight in enumerate((q_weight, k_weight)):
+            if t:
+                _norm_by_sums_kernel[(t,)](qkv[:, start:], weight, sums, qkv.stride(0), weight.shape[0], j,
+                                           float(widths[j]), eps, BLOCK=QK_SUMS_BLOCK, num_warps=4, **_launch(qkv))
+            start += weight.shape[0]
         return qkv
 
     @staticmethod

@@ -2,6 +2,7 @@
 whole q and k projections, whose columns TP splits over the ranks, so each rank norms its heads by the sums of
 squares of every rank's (an all-reduce), its KV heads' copy too where the ranks replicate one KV head."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -60,3 +61,16 @@ def _body(rank, world_size):
 def test_olmo2_tp2_equals_tp1():
     run_distributed(_body, 2)
 
+
+def _triton_body(rank, world_size):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    check_olmo2_tp2_equals_tp1(rank, triton=True)
+
+
+def test_olmo2_tp2_triton_kernels_equal_tp1_torch_ops():
+    """The Triton kernels at TP 2 (the sums of squares, the norm by them, the post-norm residual add) against the
+    PyTorch ops at TP 1."""
+    pytest.importorskip("triton")
+    run_distributed(_triton_body, 2)
