@@ -10,7 +10,7 @@ import torch
 
 from models import Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
+                                  hf_causal_lm, one_thread, randomized, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,3 +148,20 @@ def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_pat
     load_peft_adapter(again, tmp_path / "adapter")
     for name, p in adapter_state_dict(ours).items():
         assert torch.equal(adapter_state_dict(again)[name], p), name
+
+
+def test_an_olmo2_sequence_classifier_loads_as_a_reward_model(tmp_path):
+    """An Olmo2ForSequenceClassification directory (num_labels 1, the form of OLMo-2's reward models) loads as
+    meshppo's value model: its score at a sequence's last token is transformers' logit."""
+    cfg = transformers.Olmo2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=1,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
+    cfg._attn_implementation = "sdpa"
+    hf = randomized(transformers.Olmo2ForSequenceClassification(cfg))
+    hf.save_pretrained(tmp_path / "rm")
+    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
+    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[:, 0]
+        assert ref.abs().max() > 1e-1
+        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
