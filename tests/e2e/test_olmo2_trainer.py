@@ -1,6 +1,7 @@
 """An OLMo-2 in the trainer (CPU, one process, fp32, the demo's model built as olmo2): a LoRA actor (verl's
 default target_modules, all-linear) and an OLMo-2 critic (GAE) train two steps; the run's peft adapter loads into
-Olmo2ForCausalLM with the trained model's logits, and its merged export is that model."""
+Olmo2ForCausalLM with the trained model's logits, and its merged export is that model; the critic's checkpoint
+is refused by the export tool (transformers has no Olmo2ForTokenClassification)."""
 
 import json
 
@@ -19,7 +20,7 @@ def olmo2_assets(tmp_path_factory):
                              "--model-type", "olmo2")
 
 
-def test_lora_actor_and_critic_on_olmo2_train_and_export(olmo2_assets, tmp_path):
+def test_lora_actor_and_critic_on_olmo2_train_and_export(olmo2_assets, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from models import Transformer
@@ -37,7 +38,7 @@ def test_lora_actor_and_critic_on_olmo2_train_and_export(olmo2_assets, tmp_path)
                               "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                               "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-                              "actor_rollout_ref.actor.optim.lr=1e-2"))
+                              "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.save_freq=2"))
     assert code == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert sum("critic/vf_loss" in row for row in rows) == 2
@@ -57,3 +58,10 @@ def test_lora_actor_and_critic_on_olmo2_train_and_export(olmo2_assets, tmp_path)
             assert (ref - theirs(input_ids=ids).logits).abs().max() > 1e-2  # the adapters act
         assert (ours(ids) - ref).abs().max().item() <= 1e-9
         assert (merged(input_ids=ids).logits - ref).abs().max().item() <= 1e-5  # the float32 merge
+    # the critic's checkpoint has no Hugging Face export: no transformers class reads an OLMo-2 value model back
+    from tools.export_hf import main as export_main
+
+    capsys.readouterr()
+    assert export_main([str(run / "checkpoints"), str(tmp_path / "critic_hf"), "--role", "critic"]) == 1
+    assert "transformers has no Olmo2ForTokenClassification" in capsys.readouterr().err
+    assert not (tmp_path / "critic_hf").exists()
