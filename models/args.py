@@ -49,9 +49,10 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
-                "phi3": "transformers' Phi3 has no biases: it would load the exported model without them",
-                "olmo2": "transformers' Olmo2 then biases o_proj too, which meshppo's attention lacks, and its MLP has "
-                         "no biases"}
+                "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
+# The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
+# OLMo-2's. Their MLP has no biases: mlp_bias is refused, as transformers would load the export without them.
+O_PROJ_BIAS_TYPES = ("olmo2",)
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -116,6 +117,10 @@ class ModelArgs:
         if self.model_type in _NO_BIAS_WHY and (self.attention_bias or self.mlp_bias):
             raise ValueError(f"{self.model_type} with attention_bias or mlp_bias is not supported "
                              f"({_NO_BIAS_WHY[self.model_type]})")
+        if self.model_type in O_PROJ_BIAS_TYPES and self.mlp_bias:
+            raise ValueError(f"{self.model_type} with mlp_bias is not supported (transformers' "
+                             f"{HF_FAMILY[self.model_type]} has no MLP biases: it would load the exported model "
+                             "without them)")
         _check_window_keys(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -138,6 +143,12 @@ class ModelArgs:
     def qk_norm(self) -> bool:
         """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's."""
         return self.model_type == "qwen3"
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: with attention_bias, on a type whose transformers attention biases it too
+        (`O_PROJ_BIAS_TYPES`: OLMo-2; Qwen2's and Llama's meshppo biases q, k and v only)."""
+        return self.attention_bias and self.model_type in O_PROJ_BIAS_TYPES
 
     @property
     def post_norm(self) -> bool:
@@ -216,7 +227,8 @@ class ModelArgs:
         `[vocab, hidden]` matrix when tied, two when untied."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + \
+            (h if self.o_proj_bias else 0)
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         block = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0) + (q + kv if self.full_qk_norm else 0)
         n = self.num_hidden_layers * block + h

@@ -151,7 +151,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=args.attention_bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=args.o_proj_bias)  # (OLMo-2's with attention_bias)
         self.qk_norm, self.full_qk_norm = args.qk_norm, args.full_qk_norm
         if self.qk_norm or self.full_qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE;
             # OLMo-2: the whole query and key projections, before the head split

@@ -83,6 +83,7 @@ class LayerWeights:
     # heads' part [Hq D / t] of the whole-projection norm)
     k_norm: torch.Tensor | None = None  # [D], its key norm (OLMo-2: this rank's KV heads' part [kv D])
     post_ff_norm: torch.Tensor | None = None  # [H]: OLMo-2's post_feedforward_layernorm (after the MLP)
+    o_b: torch.Tensor | None = None  # [H], replicated: o_proj's bias (OLMo-2's with attention_bias), added once
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -247,6 +248,9 @@ class EngineModel:
                 plan[p + f"self_attn.v_proj.{kind}"] = (buf, q + kv, kv)
             if a.attention_bias:
                 buffers[b + "qkv_b"] = (q + 2 * kv,)
+            if a.o_proj_bias:
+                buffers[b + "o_b"] = (h,)
+                plan[p + "self_attn.o_proj.bias"] = (b + "o_b", 0, None)
             if a.qk_norm or a.full_qk_norm:
                 widths = (a.num_attention_heads * d, a.num_key_value_heads * d) if a.full_qk_norm else (d, d)
                 for part, width in zip(("q_norm", "k_norm"), widths):
@@ -330,7 +334,7 @@ class EngineModel:
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"),
                          *self._qk_norms(B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm")),
-                         B.get(f"layers.{i}.post_ff_norm"))
+                         B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
 
@@ -492,7 +496,7 @@ class EngineModel:
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale)
             if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
-                x = ops.post_norm_add(self._row_parallel(o, w.o_w, None, ops, 1), w.post_norm, eps, x)
+                x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x)
                 y = self._row_parallel(ops.gated_linear(x, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, 1)
                 x = ops.post_norm_add(y, w.post_ff_norm, eps, x)
                 continue

@@ -17,11 +17,12 @@ def check_olmo2_tp2_equals_tp1(rank: int, triton: bool = False):
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     outputs = []
-    # 2 KV heads (one a rank) with tied embeddings; 1 KV head (each rank a copy) with an explicit head_dim, untied
+    # 2 KV heads (one a rank) with tied embeddings and attention_bias (o_proj's bias added once, after the
+    # all-reduce); 1 KV head (each rank a copy) with an explicit head_dim, untied
     for kv, head_dim, tied in ((2, None, True), (1, 24, False)):
         args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=128,
-                         model_type="olmo2", tie_word_embeddings=tied)
+                         model_type="olmo2", tie_word_embeddings=tied, attention_bias=tied)
         model = Transformer.build(args, seed=0)
         with torch.no_grad():
             g = torch.Generator().manual_seed(1)

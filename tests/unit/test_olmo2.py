@@ -1,14 +1,14 @@
 """OLMo-2 checkpoints (`model_type: olmo2`, `Olmo2ForCausalLM`) against transformers' implementation on tiny random
 weights, in float64 on CPU: meshppo's model (post-norm blocks, q / k norms over the whole projections), its engine,
 the trainer's loading path, the export, and what has no transformers class (a value model's export) or no meshppo
-counterpart (an attention bias, which biases o_proj too)."""
+counterpart."""
 
 import json
 
 import pytest
 import torch
 
-from models import Transformer
+from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
                                   hf_causal_lm, one_thread, randomized, trainer_loads_bit_for_bit, unprefixed)
 
@@ -17,9 +17,11 @@ transformers = pytest.importorskip("transformers")
 _one_thread = one_thread
 VOCAB = 97
 # Explicit head_dim (24 against hidden / heads 16) with GQA (4 query heads on 2 KV heads), untied; and head_dim from
-# hidden / heads with one KV head, tied embeddings (OLMo-2-0425-1B ties them).
+# hidden / heads with one KV head, tied embeddings (OLMo-2-0425-1B ties them); and attention_bias (q, k, v and, in
+# transformers' Olmo2, o_proj biased).
 SHAPES = [dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
-          dict(num_key_value_heads=1, tie_word_embeddings=True)]
+          dict(num_key_value_heads=1, tie_word_embeddings=True),
+          dict(num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False)]
 
 
 def _olmo2(dtype=torch.float64, **overrides):
@@ -46,6 +48,7 @@ def test_logits_equal_transformers_olmo2(tmp_path, shape):
     ours = Transformer.from_pretrained(path, dtype=torch.float64)
     assert ours.args.model_type == "olmo2" and ours.args.head_dim == shape.get("head_dim", 16)
     assert ours.args.post_norm and ours.args.full_qk_norm and not ours.args.qk_norm
+    assert ours.args.o_proj_bias == shape.get("attention_bias", False)
     assert ours.args.tie_word_embeddings == shape["tie_word_embeddings"]
     assert ours.layers[0].self_attn.q_norm.weight.shape == (4 * ours.args.head_dim,)
     assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
@@ -63,11 +66,12 @@ def test_rope_scaling_is_read_as_transformers_reads_it(tmp_path):
     check_padded_and_packed_logits(hf, ours, VOCAB)
 
 
-def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path):
-    """The engine on an OLMo-2 checkpoint (GQA, explicit head_dim; chunked prefill and preemption forced):
-    greedy tokens are those of a no-cache loop over the training model, its log-probs the training forward's,
-    and transformers' logits pick the same tokens."""
-    hf, path = _saved(tmp_path, **SHAPES[0])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]])
+def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path, shape):
+    """The engine on an OLMo-2 checkpoint (GQA, explicit head_dim; with attention_bias; chunked prefill and
+    preemption forced): greedy tokens are those of a no-cache loop over the training model, its log-probs the
+    training forward's, and transformers' logits pick the same tokens."""
+    hf, path = _saved(tmp_path, **shape)
     check_engine_greedy(hf, path, VOCAB)
 
 
@@ -89,15 +93,16 @@ def test_export_round_trips_through_transformers_olmo2(tmp_path, shape):
     _, base = _saved(tmp_path, dtype=torch.float32, **shape)
     written, again = check_export_round_trip(tmp_path, base, "Olmo2", VOCAB, token_classifier=False)
     assert written["model_type"] == "olmo2" and written["tie_word_embeddings"] == shape["tie_word_embeddings"]
-    assert written.get("head_dim") == shape.get("head_dim") and written["attention_bias"] is False
+    assert written.get("head_dim") == shape.get("head_dim")
+    assert written["attention_bias"] == shape.get("attention_bias", False)
+    if written["attention_bias"]:
+        assert again.model.layers[0].self_attn.o_proj.bias.abs().max() > 0
 
 
-def test_biases_are_refused_for_olmo2(tmp_path):
-    """transformers' Olmo2 biases o_proj too where attention_bias is set, which meshppo's attention lacks: its
-    config.json is refused at load, naming why."""
-    _, path = _saved(tmp_path, attention_bias=True)
-    with pytest.raises(ValueError, match="olmo2 with attention_bias or mlp_bias is not supported .*o_proj"):
-        Transformer.from_pretrained(path)
+def test_an_mlp_bias_is_refused_for_olmo2():
+    """transformers' Olmo2 has no MLP biases (its config no mlp_bias): a model with them would export as another."""
+    with pytest.raises(ValueError, match="olmo2 with mlp_bias is not supported"):
+        ModelArgs(model_type="olmo2", mlp_bias=True)
 
 
 def test_a_critic_written_as_a_hugging_face_directory_is_refused_at_the_pre_flight(tmp_path):
