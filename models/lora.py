@@ -140,6 +140,9 @@ class LoRAConfig:
 # verl's critic (score, and the dropout before it).
 LM_HEAD = ("lm_head",)
 VALUE_HEAD = ("score", "dropout")
+# The norms of a decoder layer of a type's transformers model whose are not Llama's input_layernorm and
+# post_attention_layernorm, as peft sees its modules: OLMo-2's post-norm blocks have no input norm.
+_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
@@ -153,8 +156,9 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
     for i in range(num_layers):
         b = f"model.layers.{i}"
-        names += [b, f"{b}.input_layernorm", f"{b}.post_attention_layernorm", f"{b}.self_attn", f"{b}.mlp",
-                  f"{b}.self_attn.q_norm", f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
+        norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
+        names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.mlp", f"{b}.self_attn.q_norm",
+                  f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
         names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR if p not in parts]
         names += [f"{b}.{module}" for module in fused]
     return names

@@ -170,3 +170,18 @@ def test_an_olmo2_sequence_classifier_loads_as_a_reward_model(tmp_path):
         ref = hf(input_ids=ids).logits[:, 0]
         assert ref.abs().max() > 1e-1
         assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+
+
+def test_lora_selections_are_made_on_olmo2s_module_names():
+    """peft selects on Olmo2ForCausalLM's module names, whose layers have no input_layernorm: exclude_modules
+    naming it names no module of an OLMo-2 and is refused (peft would pass over it), as on any type an entry
+    naming no module is; it was taken as a Llama's norm and passed over."""
+    from models.lora import LoRAConfig, model_targets
+
+    args = ModelArgs(model_type="olmo2", num_hidden_layers=2)
+    assert model_targets(LoRAConfig(4, 8.0), args) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj")
+    cfg = LoRAConfig(4, 8.0, exclude_modules=["input_layernorm"])
+    assert model_targets(cfg, ModelArgs(model_type="llama", num_hidden_layers=2))  # a Llama's norm: nothing taken out
+    with pytest.raises(ValueError, match=r"exclude_modules has \['input_layernorm'\], which names no module"):
+        model_targets(cfg, args)
