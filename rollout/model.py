@@ -142,6 +142,13 @@ def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
                          f"in shards of {width} ids the last rank would hold none")
 
 
+def check_quantization(args: ModelArgs, quantization: str | None) -> None:
+    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2)."""
+    if quantization == "fp8" and args.post_norm:
+        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
+                         "norm into its projections, and this model's post-norm blocks have none")
+
+
 VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                   "self_attn.v_proj.bias")
@@ -204,10 +211,7 @@ class EngineModel:
             self.fp8_one = torch.ones((), device=device)
         elif quantization is not None:
             raise ValueError(f"quantization must be None or 'fp8' (EngineConfig.quantization), got {quantization!r}")
-        if quantization == "fp8" and args.post_norm:
-            raise ValueError(f"quantization='fp8' (rollout's quantization) is not supported for model_type "
-                             f"{args.model_type}: fp8 rollout folds each block's input norm into its projections, "
-                             "and its post-norm blocks have none")
+        check_quantization(args, quantization)
         self.allocate()
 
     # ------------------------------------------------------------------ layout

@@ -49,6 +49,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     validate(cfg, world_size, local_world_size)
     check_sequence_parallel_models(cfg, *described_launch(cfg))  # validate: the real launch is the described one
     check_engine_tensor_parallel(cfg)
+    check_engine_quantization(cfg)
     check_lora_adapter(cfg)
     check_value_model_export(cfg)
     check_attention_windows(cfg)
@@ -424,6 +425,23 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
         check_tp_divisibility(args, tp)
     except ValueError as e:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {e} (the model in "
+                          f"{arr.model.path})") from None
+
+
+def check_engine_quantization(cfg: PPOConfig) -> None:
+    """The engine's quantization against the actor's model (`rollout.model.check_quantization`: fp8 on an
+    OLMo-2), before any model is built."""
+    from rollout.model import check_quantization
+
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.engine != "native" or arr.rollout.quantization is None:
+        return
+    args = _readable_model_args(arr.model.path, arr.model.override_config)
+    try:
+        if args is not None:
+            check_quantization(args, arr.rollout.quantization)
+    except ValueError as e:
+        raise ConfigError(f"actor_rollout_ref.rollout.quantization={arr.rollout.quantization}: {e} (the model in "
                           f"{arr.model.path})") from None
 
 

@@ -185,3 +185,22 @@ def test_lora_selections_are_made_on_olmo2s_module_names():
     assert model_targets(cfg, ModelArgs(model_type="llama", num_hidden_layers=2))  # a Llama's norm: nothing taken out
     with pytest.raises(ValueError, match=r"exclude_modules has \['input_layernorm'\], which names no module"):
         model_targets(cfg, args)
+
+
+def test_fp8_rollout_is_refused_for_olmo2(tmp_path):
+    """fp8 rollout folds each block's input norm into its projections, and an OLMo-2's post-norm blocks have none:
+    actor_rollout_ref.rollout.quantization=fp8 is refused at the trainer's pre-flight naming the key, and the
+    engine refuses it too."""
+    from rollout.model import EngineModel
+    from rollout.parallel import TPGroup
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.quantization=fp8: fp8 rollout is not "
+                                          r"supported for model_type olmo2"):
+        preflight(_cfg(path, 16, 32, "actor_rollout_ref.rollout.quantization=fp8"), devices=False)
+    with pytest.raises(ValueError, match="fp8 rollout is not supported for model_type olmo2"):
+        EngineModel(Transformer.from_pretrained(path).args, TPGroup(), torch.float32, torch.device("cpu"), 64,
+                    quantization="fp8")
