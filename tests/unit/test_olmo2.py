@@ -75,14 +75,19 @@ def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path, shape):
     check_engine_greedy(hf, path, VOCAB)
 
 
-def test_a_saved_olmo2_directory_loads_through_the_trainers_model_path(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_saved_olmo2_directory_loads_through_the_trainers_model_path(tmp_path, world):
     """config.json + model.safetensors as transformers' save_pretrained writes them (float32), read by
-    the trainer's actor builder (FSDP, one gloo rank): every weight lands where transformers put it."""
+    the trainer's actor builder (FSDP on one gloo rank, and sharded over two: the whole-projection q / k norms and
+    o_proj's bias too): every weight lands where transformers put it. verl's wrap policy may name
+    Olmo2DecoderLayer."""
+    from sharding import FSDPConfig
     from tests.dist_utils import run_distributed
 
-    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
+    assert FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["Olmo2DecoderLayer"]})
+    _, path = _saved(tmp_path, dtype=torch.float32, head_dim=24, **SHAPES[2])
     assert json.loads((path / "config.json").read_text())["model_type"] == "olmo2"
-    run_distributed(trainer_loads_bit_for_bit, 1, str(path), "olmo2", 24, unprefixed)
+    run_distributed(trainer_loads_bit_for_bit, world, str(path), "olmo2", 24, unprefixed)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
