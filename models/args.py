@@ -188,11 +188,17 @@ class ModelArgs:
         return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
 
     @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window: `sliding_window` for the `windowed_layers` (each query attends to the
+        last that many positions, itself included, as transformers masks it), None (the whole context)
+        for the others."""
+        windowed = set(self.windowed_layers)
+        return [self.sliding_window if i in windowed else None for i in range(self.num_hidden_layers)]
+
+    @property
     def attention_window(self) -> int | None:
-        """The smallest window any layer attends through (each query the last `attention_window`
-        positions, itself included, as transformers masks it); None: every layer reads the whole
-        context, as meshppo's attention does. A sequence of at most that many tokens gets the same
-        logits either way."""
+        """The smallest window any layer attends through; None: every layer reads the whole context. A
+        sequence of at most that many tokens gets the same logits as without the window."""
         return self.sliding_window if self.windowed_layers else None
 
     def window_keys(self) -> str:

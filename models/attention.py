@@ -18,6 +18,11 @@ Two layouts reach this function:
   queries are the last tokens of its keys (causal, aligned at the end, as FlashAttention
   aligns queries shorter than their keys), so each response token attends to the whole
   prompt and to the response up to itself, exactly as in the prompt + response sequence.
+
+Every path takes a sliding `window` (None or 0: the whole context): a query at position p sees the keys at
+positions p - window + 1 .. p, itself included, as transformers' sliding-window mask (`kv > q - window`) and
+FlashAttention's `window_size = (window - 1, 0)` read it. Positions are those of the whole sequence: with a
+shared prefix a response's window reaches back into its prompt.
 """
 
 from __future__ import annotations
@@ -56,11 +61,13 @@ class _FlashVarlen(torch.autograd.Function):
     causal attention then aligns the queries with the last keys."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale):
+    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale, window=None):
+        left = window - 1 if window else None  # (window - 1, 0): the last `window` keys, as transformers' flash
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, 0.0, True, False, scale=scale)
+            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, 0.0, True, False, scale=scale,
+            window_size_left=left, window_size_right=None if left is None else 0)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, rng_state, unused)
-        ctx.max_seqlen, ctx.max_seqlen_k, ctx.scale = max_seqlen, max_seqlen_k, scale
+        ctx.max_seqlen, ctx.max_seqlen_k, ctx.scale, ctx.left = max_seqlen, max_seqlen_k, scale, left
         return out
 
     @staticmethod
@@ -68,8 +75,9 @@ class _FlashVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu, cu_k, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out, lse, cu, cu_k, ctx.max_seqlen, ctx.max_seqlen_k, 0.0, True,
-            rng_state, unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+            rng_state, unused, scale=ctx.scale, window_size_left=ctx.left,
+            window_size_right=None if ctx.left is None else 0)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def flash_varlen_usable(q: torch.Tensor) -> bool:
@@ -81,38 +89,48 @@ def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim_axis)
 
 
-def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]."""
+def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]; `window`: each query sees its last `window` columns
+    (a row's tokens are contiguous, padding at either end, so columns are positions)."""
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
-    if attention_mask is None:
+    s = q.shape[2]
+    if attention_mask is None and not (window and window < s):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        s = q.shape[2]
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        mask = causal[None] & attention_mask.bool()[:, None, :]
+        i = torch.arange(s, device=q.device)
+        causal = _within(i[:, None] - i[None, :], window)
+        mask = causal[None] if attention_mask is None else causal[None] & attention_mask.bool()[:, None, :]
         # A padding query would attend to nothing (NaN softmax); let it see itself instead.
         mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)[None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
     return out.transpose(1, 2)
 
 
+def _within(distance: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether a key `distance` positions before its query (negative: after it) is attended: causal, and
+    (`window`) at most window - 1 back."""
+    seen = distance >= 0
+    return seen & (distance < window) if window else seen
+
+
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, cu_seqlens_k: torch.Tensor | None = None,
-                      total_k: int | None = None) -> torch.Tensor:
+                      total_k: int | None = None, window: int | None = None) -> torch.Tensor:
     """[T, Tk] boolean mask: causal inside each packed segment, nothing across them. With
     `cu_seqlens_k` (keys laid out apart from the queries) a query sees the keys of its segment up
     to its own distance from the segment's end (queries aligned with the last keys); without, the
-    keys are the queries' own positions ([T, T])."""
+    keys are the queries' own positions ([T, T]). `window`: only the last `window` of them."""
     seg_q, back_q = _back(cu_seqlens, total)
     seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _back(cu_seqlens_k, total_k)
-    return (seg_q[:, None] == seg_k[None, :]) & (back_k[None, :] >= back_q[:, None])
+    return (seg_q[:, None] == seg_k[None, :]) & _within(back_k[None, :] - back_q[:, None], window)
 
 
 def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
-                     shared: PrefixSharing | None = None) -> torch.Tensor:
-    """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]; `shared`: the segments' keys
-    (module docstring)."""
+                     shared: PrefixSharing | None = None, window: int | None = None) -> torch.Tensor:
+    """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]; `shared`: the segments' keys,
+    `window`: the sliding window (module docstring)."""
     cu_k, max_k = cu_seqlens, max_seqlen
     if shared is not None:
         k, v = k[shared.kv_index], v[shared.kv_index]
@@ -122,18 +140,19 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
             # flash-attn's backward accumulates dq with atomics unless asked not to: torch's deterministic
             # mode (fsdp_config.full_determinism) reaches PyTorch's kernels (`_FlashVarlen`) by itself, not these
             return _flash_varlen(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale=scale, causal=True,
+                                 window_size=(window - 1, 0) if window else (-1, -1),
                                  deterministic=torch.are_deterministic_algorithms_enabled())
         return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_k, int(max_seqlen),
-                                  int(max_k), float(scale))
+                                  int(max_k), float(scale), int(window) if window else None)
     n_rep = q.shape[1] // k.shape[1]
     if not torch.compiler.is_compiling():
         segments = _segment_layouts(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0])
         if segments is not None:
-            return _attention_by_segment(q, k, v, *segments, n_rep, scale)
+            return _attention_by_segment(q, k, v, *segments, n_rep, scale, window)
     if shared is None:
-        mask = block_causal_mask(cu_seqlens.long(), q.shape[0])
+        mask = block_causal_mask(cu_seqlens.long(), q.shape[0], window=window)
     else:
-        mask = block_causal_mask(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0])
+        mask = block_causal_mask(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0], window)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
     kt, vt = _expand_kv(kt, n_rep, 1), _expand_kv(vt, n_rep, 1)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[None, None], scale=scale)
@@ -165,7 +184,8 @@ def _segment_layouts(cu_q: torch.Tensor, total_q: int, cu_k: torch.Tensor, total
     return q_layout, k_layout, longest_q, longest_k
 
 
-def _attention_by_segment(q, k, v, q_layout, k_layout, longest_q: int, longest_k: int, n_rep: int, scale: float):
+def _attention_by_segment(q, k, v, q_layout, k_layout, longest_q: int, longest_k: int, n_rep: int, scale: float,
+                          window: int | None = None):
     """`attention_packed`'s reference semantics (`block_causal_mask`) computed per segment: the
     segments' queries and keys padded to `[N+1, longest, H, D]`, one masked SDPA over them, the
     queries' outputs gathered back. A padding query sees its segment's first key (its output is
@@ -181,8 +201,9 @@ def _attention_by_segment(q, k, v, q_layout, k_layout, longest_q: int, longest_k
     i = torch.arange(longest_q, device=q.device)[None, :, None]
     j = torch.arange(longest_k, device=q.device)[None, None, :]
     # Aligned at the end, as block_causal_mask: query i of a segment sees key j when both are in
-    # it and j is no further from the keys' end than i is from the queries' end.
-    mask = (j < len_k[:, None, None]) & (j - len_k[:, None, None] <= i - len_q[:, None, None])
+    # it and j is no further from the keys' end than i is from the queries' end (and, with a
+    # window, less than `window` further back than i).
+    mask = (j < len_k[:, None, None]) & _within((i - len_q[:, None, None]) - (j - len_k[:, None, None]), window)
     mask = mask | ((i >= len_q[:, None, None]) & (j == 0))
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
     return out.transpose(1, 2)[seg_q, off_q]

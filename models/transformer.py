@@ -161,6 +161,8 @@ class Attention(nn.Module):
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None
+        # this layer's sliding window (`ModelArgs.layer_windows`, set by `Transformer`); None: the whole context
+        self.window: int | None = None
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 shared: PrefixSharing | None = None):
@@ -176,11 +178,11 @@ class Attention(nn.Module):
         q, k = apply_rope_qk(q, k, cos, sin)
         if cu_seqlens is not None and self.sequence_parallel is not None:
             out = self.sequence_parallel.attention(attention_packed, q, k, v, cu_seqlens, max_seqlen, self.scale,
-                                                   shared)
+                                                   shared, self.window)
         elif cu_seqlens is not None:
-            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale, shared)
+            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale, shared, self.window)
         else:
-            out = attention_padded(q, k, v, attention_mask, self.scale)
+            out = attention_padded(q, k, v, attention_mask, self.scale, self.window)
         return self.o_proj(out.reshape(*shape, -1))
 
 
@@ -292,6 +294,8 @@ class Transformer(nn.Module):
         self.args, self.head = args, head
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        for layer, window in zip(self.layers, args.layer_windows):
+            layer.self_attn.window = window
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if head == "value":
             self.score = nn.Linear(args.hidden_size, 1, bias=True)

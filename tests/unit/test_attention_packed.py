@@ -8,9 +8,10 @@ import torch
 from models.attention import _segment_layouts, attention_packed
 
 
-def _by_loop(q, k, v, cu, cu_k, scale):
+def _by_loop(q, k, v, cu, cu_k, scale, window=None):
     """Each segment's causal attention on its own, queries aligned with its last keys; the
-    positions past `cu[-1]` (and past `cu_k[-1]`) form one more segment."""
+    positions past `cu[-1]` (and past `cu_k[-1]`) form one more segment. `window`: a query sees
+    the keys fewer than `window` positions back."""
     tq, tk = q.shape[0], k.shape[0]
     bounds_q = cu.tolist() + ([tq] if tq > cu[-1] else [])
     bounds_k = cu_k.tolist() + ([tk] if tk > cu_k[-1] else [])
@@ -23,6 +24,8 @@ def _by_loop(q, k, v, cu, cu_k, scale):
         scores = qs @ ks.transpose(1, 2) * scale
         i, j = torch.arange(b - a)[:, None], torch.arange(d - c)[None, :]
         scores = scores.masked_fill(j > i + (d - c) - (b - a), float("-inf"))
+        if window:
+            scores = scores.masked_fill(j <= i + (d - c) - (b - a) - window, float("-inf"))
         out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1)
     return out
 
@@ -41,8 +44,11 @@ CASES = {  # name: (query lengths, trailing query padding, key lengths or None f
 }
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("case", CASES)
-def test_segments_padded_equal_a_loop_over_segments(case):
+def test_segments_padded_equal_a_loop_over_segments(case, window):
+    """Values and gradients, with and without a sliding window of 3 (shorter than most segments; with a shared
+    prefix a query's window reaches back into the keys before its own)."""
     lengths, trailing, key_lengths = CASES[case]
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -57,30 +63,32 @@ def test_segments_padded_equal_a_loop_over_segments(case):
     k, v = (torch.randn(tk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
     dout = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
     if key_lengths is None:
-        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3), q, k, v, dout)
+        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, window=window),
+                                 q, k, v, dout)
     else:
         # keys apart from the queries: what `PrefixSharing` hands over, here with the identity gather
         from models.attention import PrefixSharing
 
         shared = PrefixSharing(torch.arange(tk), cu_k, max(key_lengths))
-        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, shared),
+        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, shared, window),
                                  q, k, v, dout)
-    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu_k, 0.3), q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu_k, 0.3, window), q, k, v, dout)
     for name, x, y in zip(("out", "dq", "dk", "dv"), ours, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=name)
 
 
-def test_one_long_segment_among_many_short_takes_the_mask():
+@pytest.mark.parametrize("window", [None, 5])
+def test_one_long_segment_among_many_short_takes_the_mask(window):
     """Padding 40 one-token segments to a 40-token one would cost 41 x 40 x 40 scores against the
-    whole row's 80 x 80: the block-diagonal mask runs, with the same result."""
+    whole row's 80 x 80: the block-diagonal mask runs, with the same result (with a window of 5 too)."""
     lengths = [40] + [1] * 40
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     assert _segment_layouts(cu.long(), 80, cu.long(), 80) is None
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(80, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
     dout = torch.randn(80, 2, 8, generator=g, dtype=torch.float64)
-    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, 40, 0.3), q, k, v, dout)
-    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3), q, k, v, dout)
+    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, 40, 0.3, window=window), q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3, window), q, k, v, dout)
     for x, y in zip(ours, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
 
@@ -111,3 +119,18 @@ def test_flash_attn_backward_follows_torchs_deterministic_mode(monkeypatch, dete
     assert len(calls) == 1
     assert calls[0].get("deterministic", False) is deterministic
     assert calls[0]["causal"] is True and calls[0]["softmax_scale"] == 0.35
+
+
+@pytest.mark.parametrize("window, size", [(None, (-1, -1)), (5, (4, 0)), (1, (0, 0))])
+def test_flash_attn_varlen_gets_the_window_as_transformers_passes_it(monkeypatch, window, size):
+    """flash-attn's varlen kernel takes a sliding window as `window_size = (window - 1, 0)`: a query sees itself
+    and the window - 1 keys before it (transformers' flash path passes the same left size); (-1, -1) is none.
+    The kernel is stood in for by a recorder of its arguments (no GPU here)."""
+    import models.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "_flash_varlen", lambda *a, **kwargs: calls.append(kwargs) or torch.zeros_like(a[0]))
+    monkeypatch.setattr(attention, "flash_varlen_usable", lambda q: True)
+    q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    attention.attention_packed(q, k, v, torch.tensor([0, 2, 6], dtype=torch.int32), 4, 0.35, window=window)
+    assert calls[0]["window_size"] == size
