@@ -13,6 +13,11 @@ cache.
   `cu_q[n] .. cu_q[n+1]` at positions `context_lens[n] - q_len .. context_lens[n] - 1`,
   causal over its whole context (prefix included).
 
+A layer with a sliding `window` (an int; None or 0: the whole context) attends from a query at
+position p to the keys at p - window + 1 .. p only (transformers' mask; `models.attention`). The
+cache keeps every block of a sequence, those before its window included: nothing is evicted, so
+a windowed model's cache needs as many blocks as a full one's.
+
 The reference functions run on any device and are what the Triton kernels are tested
 against. Padding positions of the gathered context are zeroed before the product: stale or
 never-written cache rows may hold anything, NaN included, and `0 * NaN` would leak.
@@ -93,20 +98,24 @@ def _sdpa(q, k, v, mask, scale):
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
-    """q `[B, Hq, D]` -> `[B, Hq * D]` (an e4m3 cache: attention in float32, rounded to q's dtype)."""
+                         scale: float, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
+    """q `[B, Hq, D]` -> `[B, Hq * D]` (an e4m3 cache: attention in float32, rounded to q's dtype); `window`:
+    the last `window` positions of each context only."""
     b, hq, d = q.shape
     length = meta.max_context_len
     k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots, length, k_scale, v_scale)
-    valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
+    j = torch.arange(length, device=q.device)[None, :]
+    valid = j < meta.context_lens[:, None]  # [B, L]
+    if window:
+        valid &= j >= meta.context_lens[:, None] - window
     out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, valid[:, None, :], scale)
     return out.reshape(b, hq * d).to(q.dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                          scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+                          scale: float, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
     """q `[T, Hq, D]` (packed chunks) -> `[T, Hq * D]`, causal over each sequence's cached context (an e4m3
-    cache: in float32, rounded to q's dtype)."""
+    cache: in float32, rounded to q's dtype); `window`: each query the last `window` positions up to its own."""
     t, hq, d = q.shape
     out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
     cu, ctx = meta.host_cu_q, meta.host_context_lens
@@ -115,7 +124,10 @@ def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta:
         m = q1 - q0
         k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots[n:n + 1], length, k_scale, v_scale)
         qpos = torch.arange(length - m, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [M, L]
+        j = torch.arange(length, device=q.device)[None, :]
+        mask = j <= qpos[:, None]  # [M, L]
+        if window:
+            mask &= j > qpos[:, None] - window
         o = _sdpa(q[q0:q1].transpose(0, 1)[None].to(k.dtype), k, v, mask[None], scale)  # [1, Hq, M, D]
         out[q0:q1] = o[0].transpose(0, 1).reshape(m, hq * d)
     return out

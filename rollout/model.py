@@ -196,6 +196,7 @@ class EngineModel:
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
         self.scale = self.head_dim ** -0.5
+        self.windows = args.layer_windows  # each layer's sliding window (None: the whole context)
         self._plan_layout()
         # RoPE tables [max_model_len, D/2] in the model dtype, computed as the training model
         # computes them (float32 angles, then cast), on the engine's device.
@@ -494,11 +495,12 @@ class EngineModel:
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
                                          self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b,
-                                         k_scale, v_scale)
+                                         k_scale, v_scale, window=self.windows[i])
             else:
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
-                o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale)
+                o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale,
+                                          window=self.windows[i])
             if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
                 x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x)
                 y = self._row_parallel(ops.gated_linear(x, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, 1)

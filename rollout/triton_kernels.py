@@ -385,10 +385,12 @@ def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh,
 def _online_softmax_step(qk, v, p_scale, m_i, l_i, acc, IEEE: tl.constexpr):
     """Fold one tile of base-2 scores `qk [R, N]` (masked entries -inf) and its values `v [N, D]`
     (in the query's dtype) into the running row max, exp-sum and unnormalised output; the
-    probabilities are multiplied by `p_scale` (the values' e4m3 scales, or 1) before the product."""
+    probabilities are multiplied by `p_scale` (the values' e4m3 scales, or 1) before the product. A row
+    that has seen no key yet (a sliding window's first tile may mask all of it) stays at -inf, 0, 0."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (-inf) - (-inf) would be NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot((p * p_scale).to(v.dtype), v, IEEE)
 
 
@@ -410,6 +412,12 @@ def _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start
         qk = tl.where(nm[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _window_start(qpos, window):
+    """The first position a query at `qpos` sees through a sliding `window` (0: the whole context)."""
+    return tl.where(window > 0, tl.maximum(qpos - window + 1, 0), 0)
 
 
 @triton.jit
@@ -449,7 +457,7 @@ def _rope_lanes(row, col0, mask, lane, pos, cos_ptr, sin_ptr, stride_s, b_ptr, H
 @triton.jit
 def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                         bt_ptr, stride_bt, slots_ptr, ctx_ptr, out_ptr, stride_ob, part_o_ptr, part_lse_ptr, qk_scale,
-                        num_splits, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                        num_splits, window, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr,
@@ -460,15 +468,17 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
     # the cache before it reads the split's keys (the write is then visible to the whole program).
     # Else `_rope_cache_kernel` has run: q is rotated in place in `qkv`, the cache written.
     # PARTS > 0 (ROPE only): qkv is the projection's split-K products, summed here with its bias.
-    # A head is a tile of D_P lanes, those past D masked (`head_lanes`).
+    # A head is a tile of D_P lanes, those past D masked (`head_lanes`). The splits share the keys
+    # the query sees: its sliding window's (`window` > 0) or the whole context.
     _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * per_split
+    lo = _window_start(ctx - 1, window)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + sp * per_split
     end = tl.minimum(start + per_split, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -555,27 +565,28 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_spli
 
 @triton.jit
 def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx,
-                    slot, kvh, qk_scale, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    slot, kvh, qk_scale, window, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
                     IEEE: tl.constexpr):
     # A sequence with one query (a decoding row of a prefill step, or a one-token chunk): the G
     # query heads of KV head `kvh` are the rows of one tile, so its keys are read once, as in
-    # `_decode_attn_kernel`. The query is the context's last position: every key is visible.
+    # `_decode_attn_kernel`. The query is the context's last position: every key is visible (every
+    # key of its sliding window, `window` > 0).
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D_P)
     qm = (g < G)[:, None] & (d < D)[None, :]
     heads = kvh * G + g
     row = q0.to(tl.int64)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
-    _, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, 0, ctx, kvh, d, qk_scale,
-                               HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
+    _, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, _window_start(ctx - 1, window),
+                               ctx, kvh, d, qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
 
 
 @triton.jit
 def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
-                         cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale,
+                         cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale, window,
                          HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                          D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -592,7 +603,7 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
     if q_len == 1:  # the program of the first head of each KV head does them all
         if h % G == 0:
             _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
-                            q0, ctx, slot, kvh, qk_scale, HKV, G, BLOCK_G, D, D_P, PAGE, BLOCK_N, KV_FP8, IEEE)
+                            q0, ctx, slot, kvh, qk_scale, window, HKV, G, BLOCK_G, D, D_P, PAGE, BLOCK_N, KV_FP8, IEEE)
         return
 
     m = m0 + tl.arange(0, BLOCK_M)
@@ -605,15 +616,18 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the tile's last query are masked anyway
-    for n0 in range(0, hi, BLOCK_N):
+    lo = _window_start(ctx - q_len + m0, window)  # nor before the first query's window (0: the whole context)
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
         k, v, k_scale, v_scale = _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
                                            qk_scale, HKV, D, PAGE, KV_FP8)
         qk = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale
-        qk = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), qk, float("-inf"))
+        seen = nm[None, :] & (n[None, :] <= qpos[:, None]) & ((window <= 0) | (n[None, :] > qpos[:, None] - window))
+        qk = tl.where(seen, qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
-    out = acc / l_i[:, None]
+    # (a padding row's window may lie past the keys read: it saw none, and is not stored)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
 
 
@@ -975,7 +989,7 @@ class TritonOps:
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
                          scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None,
-                         k_scale=None, v_scale=None):
+                         k_scale=None, v_scale=None, window: int | None = None):
         parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed in the kernel
         b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
@@ -1004,7 +1018,7 @@ class TritonOps:
         _decode_attn_kernel[(b, hkv, splits)](
             qkv, qkv.stride(-2), qkv.stride(0) if parts else 0, qkv_bias if qkv_bias is not None else qkv, cos, sin,
             k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, cos.dtype), block_tables, block_tables.stride(0), meta.slots,
-            meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits,
+            meta.context_lens, out, out.stride(0), part_o, part_lse, scale * 1.4426950408889634, splits, window or 0,
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, D_P=d_p, PAGE=k_cache.shape[1], BLOCK_N=block_n,
             SPLIT=splits > 1, ROPE=rope, PARTS=parts, HAS_BIAS=parts > 0 and qkv_bias is not None,
             KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
@@ -1017,7 +1031,7 @@ class TritonOps:
 
     @staticmethod
     def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float,
-                          k_scale=None, v_scale=None):
+                          k_scale=None, v_scale=None, window: int | None = None):
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
@@ -1031,7 +1045,7 @@ class TritonOps:
             q, q.stride(0), k_cache, v_cache, *_kv_scales(k_scale, v_scale, k_cache, q.dtype), block_tables,
             block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
-            HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, D_P=d_p, PAGE=k_cache.shape[1],
+            window or 0, HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, D_P=d_p, PAGE=k_cache.shape[1],
             BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, KV_FP8=k_scale is not None, IEEE=fp32, num_warps=4,
             **_launch(q))
         return out

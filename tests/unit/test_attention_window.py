@@ -11,7 +11,7 @@ import torch
 
 from models import ModelArgs, Transformer, cu_seqlens_from_lengths
 from models.args import apply_overrides
-from tests.unit.hf_family import TOL, check_padded_and_packed_logits, hf_causal_lm, one_thread
+from tests.unit.hf_family import TOL, check_engine_greedy, check_padded_and_packed_logits, hf_causal_lm, one_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,6 +196,59 @@ def test_packed_gradients_equal_the_padded_layout_with_windows(tmp_path):
         assert (out - ref).abs().max().item() <= TOL
         for n, gref in ref_grads.items():
             assert (gr[n] - gref).abs().max().item() <= 1e-9 * max(1.0, gref.abs().max().item()), n
+
+
+@pytest.mark.parametrize("make", [_mistral, _qwen2_layer_types], ids=["mistral", "qwen2"])
+def test_engine_greedy_past_the_window(tmp_path, make):
+    """The engine (PyTorch path, float64; chunked prefill of 16 tokens a step and preemption) with windows of 8 under
+    prompts of up to 29 tokens and 10 new ones: its greedy tokens are a no-cache loop's over the training model,
+    its log-probs the training forward's, and transformers' windowed logits pick the same tokens. The same engine
+    reading the whole context gives other log-probs."""
+    from rollout import SamplingParams
+
+    hf, path = make(tmp_path, window=8)
+    engine, prompts, params, outs = check_engine_greedy(hf, path, VOCAB)
+    assert 8 in engine.model.windows
+    engine.model.windows = [None] * len(engine.model.windows)
+    full = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=0))
+    windowed = Transformer.from_pretrained(path, dtype=torch.float64).eval()
+    worst = 0.0
+    for out in full:  # the engine's log-probs against the windowed training forward's
+        p = len(out.prompt_token_ids)
+        with torch.no_grad():
+            logits = windowed(torch.tensor([out.prompt_token_ids + out.token_ids]))[0, p - 1:-1]
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        worst = max(worst, (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max().item())
+    assert worst > 1e-3
+
+
+def test_kept_kv_turns_continue_past_the_window(tmp_path):
+    """Multi-turn with kept K/V (`generate(keep_kv=True)`): turn 2 prefills only its appended tokens over the kept
+    cache, past a window of 8 (turn 2 starts at 14 tokens or more); its tokens and log-probs are a recompute's, and every
+    log-prob is the windowed training forward's (transformers' logits: the tests above)."""
+    import dataclasses
+
+    from rollout import SamplingParams
+    from tests.unit.test_engine import check_against_training_forward, make_engine
+
+    _, path = _mistral(tmp_path, window=8)
+    model = Transformer.from_pretrained(path, dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (6, 11)]
+    turn = SamplingParams(n=1, temperature=1.0, max_tokens=99, seed=4, ignore_eos=True)
+    keys = [(i, k) for i in range(2) for k in range(2)]
+    results = []
+    for keep in (False, True):
+        engine = make_engine(model, dtype=torch.float64, max_num_batched_tokens=16)
+        first = engine.generate(prompts, dataclasses.replace(turn, n=2), max_tokens=[5, 7], keep_kv=keep)
+        second_in = [prompts[i] + o.token_ids + [7, 8, 9] for (i, _), o in zip(keys, first)]
+        second = engine.generate(second_in, turn, sample_keys=keys, max_tokens=[9] * 4)
+        assert (engine.last_stats["reused_kv_tokens"] > 0) == keep
+        results.append(first + second)
+    for a, b in zip(*results):
+        assert a.token_ids == b.token_ids
+        check_against_training_forward(model, b, turn, atol=1e-5)
+    assert min(len(o.prompt_token_ids) for o in results[1][4:]) > 8  # turn 2 starts past the window
 
 
 def _cfg(path, prompt, response, *extra):

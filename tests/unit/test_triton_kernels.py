@@ -14,7 +14,7 @@ from tests import interpreter
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rms_norm_fp8", "silu_and_mul_fp8", "rope_and_cache", "decode_attention",
           "prefill_attention", "kv_cache_fp8", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
           "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io", "qk_norm", "engine_qwen3",
-          "engine_padded_head"]
+          "engine_padded_head", "decode_attention_window", "prefill_attention_window", "engine_window"]
 
 
 def _checks() -> dict:
@@ -473,6 +473,77 @@ def _checks() -> dict:
                 if "norm" not in name:
                     p.normal_(0, 0.3)
         return args, model
+
+    def decode_attention_window():
+        # a sliding window (keys ctx - window .. ctx - 1 only), one split a sequence (RoPE fused) and several
+        # (splits over the window's keys, some empty for short contexts), against the reference path's window;
+        # the window hides keys of the longer contexts (its reference differs from the full one)
+        from models import ModelArgs
+        from models.transformer import rope_cos_sin, rope_inv_freq
+
+        errs = []
+        for (hq, hkv, d), window in itertools.product(((4, 2, 16), (6, 2, 80)), (1, 5, 16, 33)):
+            args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv)
+            cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(128), torch.float32)
+            cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+            lengths = [1, 9, 33, 70]
+            k_cache, v_cache, bt, slots = paged_setup(torch.float32, hkv, d, lengths)
+            qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d)
+            for splits in (1, 3):
+                meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=torch.tensor(lengths, dtype=torch.int32),
+                                         max_context_len=max(lengths), num_splits=splits)
+                k_ref, v_ref, k_tri, v_tri = (c.clone() for c in (k_cache, v_cache, k_cache, v_cache))
+                pos = meta.context_lens - 1
+                q = TorchOps.rope_and_cache(qkv, pos, slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+                ref = decode_attention_ref(q, k_ref, v_ref, bt, meta, d ** -0.5, window=window)
+                full = decode_attention_ref(q, k_ref, v_ref, bt, meta, d ** -0.5)
+                assert (ref[3] - full[3]).abs().max() > 1e-3 and torch.equal(ref[0], full[0])
+                out = TritonOps.decode_attention(qkv.clone(), pos, cos, sin, k_tri, v_tri, bt, meta, d ** -0.5, hq, hkv,
+                                                 d, window=window)
+                errs += [close(out, ref, 2e-5), close(k_tri, k_ref, 1e-6), close(v_tri, v_ref, 0)]
+        return max(errs)
+
+    def prefill_attention_window():
+        # a sliding window over prefill tiles: a fresh prompt over 2 tiles, one-query rows, a chunk after a
+        # cached prefix; windows of 1, 5 (a tile's later rows see nothing of its first key blocks: they must stay
+        # empty, not NaN) and 40; against the reference path's window, which differs from the full attention
+        from rollout.attention import prefill_attention_ref
+
+        errs = []
+        for (hq, hkv, d), window in itertools.product(((4, 2, 16), (6, 2, 80)), (1, 5, 40)):
+            starts, q_lens = [0, 7, 3, 150, 30], [PREFILL_TILE + 5, 1, 12, 1, 40]
+            ctx = [s + n for s, n in zip(starts, q_lens)]
+            k_cache, v_cache, bt, slots = paged_setup(torch.float32, hkv, d, ctx, num_blocks=110)
+            meta = AttentionMetadata.prefill(slots, q_lens, ctx)
+            q = torch.randn(sum(q_lens), hq, d)
+            ref = prefill_attention_ref(q, k_cache, v_cache, bt, meta, d ** -0.5, window=window)
+            full = prefill_attention_ref(q, k_cache, v_cache, bt, meta, d ** -0.5)
+            assert (ref - full).abs().max() > 1e-3
+            got = TritonOps.prefill_attention(q, k_cache, v_cache, bt, meta, d ** -0.5, window=window)
+            assert not got.isnan().any()
+            errs.append(close(got, ref, 2e-5))
+        return max(errs)
+
+    def engine_window():
+        # a Mistral whose every layer attends through a window of 6, generating past it (prompts of 3 and 10,
+        # 12 new tokens; chunked prefill of 8 tokens a step): the Triton path's tokens are the PyTorch path's
+        from models import ModelArgs
+        from rollout import SamplingParams
+
+        engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       model_type="mistral", extra_hf={"sliding_window": 6}))
+        assert engine.model.windows == [6, 6]
+        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+        sp = SamplingParams(temperature=0.9, n=2, max_tokens=12, seed=1)
+        ref = engine.generate(prompts, sp)
+        engine.runner.use_triton = True
+        got = engine.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        engine.model.windows = [None, None]  # the whole context: other log-probs past the window
+        full = engine.generate(prompts, sp)
+        assert max(abs(a - b) for x, y in zip(full, ref) for a, b in zip(x.logprobs, y.logprobs)) > 1e-3
+        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
 
     def engine_end_to_end():
         from rollout import EngineConfig, LLMEngine, SamplingParams
