@@ -36,8 +36,8 @@ KEPT_KEYS = {"phi3": ("original_max_position_embeddings",)}
 FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
 # The keys of each type's sliding-window attention, kept as read in `ModelArgs.extra_hf` (never in a checkpoint's
-# fingerprint: meshppo's attention reads the whole context, and a run whose sequences reach past the window is
-# refused before it starts: `ModelArgs.window_exceeded`) and written back on export. transformers' Mistral
+# fingerprint: the window changes no weight) and written back on export; each windowed layer attends to the last
+# `sliding_window` positions (`ModelArgs.layer_windows`, `models.attention`, `rollout.attention`). transformers' Mistral
 # windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096). A type whose only key
@@ -98,8 +98,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # config.json's keys kept for a faithful save that meshppo's outputs do not depend on: its dtype, the
-    # sliding window's keys (`WINDOW_KEYS`: `attention_window`)
+    # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
+    # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -200,28 +200,6 @@ class ModelArgs:
         """The smallest window any layer attends through; None: every layer reads the whole context. A
         sequence of at most that many tokens gets the same logits as without the window."""
         return self.sliding_window if self.windowed_layers else None
-
-    def window_keys(self) -> str:
-        """config.json's keys that set `attention_window`, with their values, for messages."""
-        family = HF_FAMILY[self.model_type]
-        if WINDOW_KEYS[self.model_type] == ("sliding_window",):
-            return f"sliding_window={self.sliding_window} (every layer of transformers' {family} attends through it)"
-        keys = ", ".join(f"{k}={json.dumps(self.extra_hf[k])}" for k in ("use_sliding_window", "max_window_layers")
-                         if k in self.extra_hf)
-        return (f"sliding_window={self.sliding_window} with {keys} (layers {self.windowed_layers} of "
-                f"{self.num_hidden_layers} of transformers' {family} attend through it)")
-
-    def window_exceeded(self, longest: int) -> str | None:
-        """None where sequences of up to `longest` tokens get the logits of transformers' model
-        (no layer is windowed, or `longest` is within the window); else the words saying which of
-        config.json's keys window it and why that is refused, for an error that names the model
-        and what sets `longest` (a number, or `math.inf`: nothing bounds it)."""
-        window = self.attention_window
-        if window is None or longest <= window:
-            return None
-        return (f"config.json's {self.window_keys()}: each position attends to the last {window} only, and "
-                f"meshppo's attention reads the whole context, so positions past {window} would get other "
-                "log-probs than the model's")
 
     @property
     def rope_type(self) -> str:
@@ -488,8 +466,7 @@ OVERRIDE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rms_n
                  "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window")
 # Of those, the model's outputs read these; the others reach its exported config.json only (and
 # initializer_range its weights drawn at random: load_format=dummy). sliding_window (null or a window) sets
-# the window of the layers transformers windows (`ModelArgs.windowed_layers`): meshppo computes those
-# outputs where the run's sequences fit in it and refuses the run where they do not (null: none is windowed).
+# the window of the layers transformers windows (`ModelArgs.windowed_layers`; null: none is windowed).
 OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window")
 # The overrides kept in `ModelArgs.extra_hf` (they are not fields: `WINDOW_KEYS`).
 _EXTRA_OVERRIDES = ("sliding_window",)

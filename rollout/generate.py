@@ -191,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or longest
     tokenizer = load_tokenizer(model_dir)
     prompts = read_prompts(Path(args.prompts), tokenizer, model_args.vocab_size, max_model_len, args.chat_template)
-    _check_window(args, model_args, prompts, max_model_len)
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -228,23 +227,6 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--out {str(out)!r}: writing the results failed ({e.strerror or e}); "
                            f"{'the earlier file is unchanged' if out.exists() else 'nothing was written'}") from None
     return 0
-
-
-def _check_window(args: argparse.Namespace, model_args, prompts: list[list[int]], max_model_len: int) -> None:
-    """CLIError, before any work, where the model attends through a sliding window that a sequence can reach
-    past (`ModelArgs.window_exceeded`): the longest prompt + --max-new-tokens, or the context where the engine
-    stops them (--max-model-len, by default max_position_embeddings)."""
-    prompt = max((len(p) for p in prompts), default=0)
-    longest = min(prompt + args.max_new_tokens, max_model_len)
-    why = model_args.window_exceeded(longest)
-    if why is None:
-        return
-    window = model_args.attention_window
-    raise CLIError(f"--model {args.model!r}: {why}, and the sequences reach {longest} tokens (the longest prompt, "
-                   f"{prompt} tokens, + --max-new-tokens {args.max_new_tokens}, within --max-model-len "
-                   f"{max_model_len}); lower --max-new-tokens or --max-model-len, or shorten the prompts, to at most "
-                   f"{window} tokens, or edit config.json's sliding_window (null: every layer attends to the whole "
-                   "context, as meshppo computes it)")
 
 
 def _check_out(out: Path, prompts: Path) -> Path:

@@ -52,7 +52,6 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     check_engine_quantization(cfg)
     check_lora_adapter(cfg)
     check_value_model_export(cfg)
-    check_attention_windows(cfg)
     t = cfg.trainer
     if t.default_local_dir is not None and not t.default_local_dir.strip():
         # (an unset shell variable: trainer.default_local_dir=$RUN) no directory to lock, log or write into
@@ -504,49 +503,6 @@ def model_notes(cfg: PPOConfig) -> list[str]:
                      "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "
                      "for more")
     return notes
-
-
-def check_attention_windows(cfg: PPOConfig) -> None:
-    """ConfigError, before any work, where a model the run builds (the actor, whose arguments the
-    reference and the engine share; the critic; the reward model) attends through a sliding window
-    (`ModelArgs.window_exceeded`: config.json's sliding_window, with any override_config) that the
-    run's sequences can reach past: meshppo's attention reads the whole context, which gives the
-    model's logits only within the window. The longest sequence is data.max_prompt_length +
-    rollout.response_length: prompts are cut or filtered to the one, and every rollout (the engine's
-    and hf's, single- or multi-turn: a tool answer that does not fit ends the rollout) to the other;
-    rollout.max_model_len is the engine's capacity, not a length any sequence reaches past them. A
-    reward model with input_tokenizer set reads each chat rendered anew, which reward_model.max_length
-    bounds (null: nothing does)."""
-    arr, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
-    longest = cfg.data.max_prompt_length + r.response_length
-    lengths = (f"data.max_prompt_length + actor_rollout_ref.rollout.response_length = {cfg.data.max_prompt_length} "
-               f"+ {r.response_length}")
-    shorten = "lower data.max_prompt_length + actor_rollout_ref.rollout.response_length"
-    models = [("actor_rollout_ref.model", "the actor's model, also the reference's and the rollout's", arr.model,
-               longest, lengths, shorten)]
-    if cfg.uses_critic:
-        models.append(("critic.model", "the critic", cfg.critic.model, longest, lengths, shorten))
-    rm = cfg.reward_model
-    if rm.enable and rm.model.input_tokenizer is None:  # it reads the actor's token ids
-        models.append(("reward_model.model", "the reward model", rm.model, longest, lengths, shorten))
-    elif rm.enable:
-        why = "it reads each chat rendered with its own tokenizer: reward_model.model.input_tokenizer is set"
-        if rm.max_length is None:
-            models.append(("reward_model.model", "the reward model", rm.model, math.inf,
-                           f"reward_model.max_length=null: {why}, and no limit", "set reward_model.max_length (a "
-                           "longer chat is cut on the right)"))
-        else:
-            models.append(("reward_model.model", "the reward model", rm.model, rm.max_length,
-                           f"reward_model.max_length = {rm.max_length}: {why}", "lower reward_model.max_length"))
-    for key, whose, model, length, what, fix in models:
-        args = _readable_model_args(model.path, model.override_config)
-        why = None if args is None else args.window_exceeded(length)
-        if why is not None:
-            reach = "have no length limit" if length == math.inf else f"reach {length} tokens"
-            raise ConfigError(f"{key}.path {model.path!r} ({whose}): {why}, and the run's sequences {reach} "
-                              f"({what}); {fix} to at most {args.attention_window} tokens, or set "
-                              f"{key}.override_config.sliding_window=null to have every layer attend to the whole "
-                              "context, as meshppo computes it (or to a window at least that long)")
 
 
 def check_value_model_export(cfg: PPOConfig) -> None:

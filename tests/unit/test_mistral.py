@@ -1,6 +1,6 @@
 """Mistral checkpoints (`model_type: mistral`, `MistralForCausalLM`) against transformers' implementation on tiny
 random weights, in float64 on CPU: meshppo's model, its engine, the trainer's loading path, the export, and its
-sliding window (read, and bounding the run's lengths)."""
+sliding window (every layer attends through it)."""
 
 import json
 
@@ -65,21 +65,16 @@ def test_a_saved_mistral_directory_loads_through_the_trainers_model_path(tmp_pat
     run_distributed(trainer_loads_bit_for_bit, 1, str(path), "mistral", 24, unprefixed)
 
 
-def test_a_sliding_window_shorter_than_the_context_loads_and_bounds_the_run(tmp_path):
+def test_a_sliding_window_shorter_than_the_context_loads_and_windows_every_layer(tmp_path):
     """Mistral-7B-v0.1's sliding_window 4096 under max_position_embeddings 32768: transformers windows every
-    layer, meshppo's attention reads the whole context, which is the same for sequences within the window. The
-    checkpoint loads (it was refused at load); a run is refused only where its sequences reach past the window
-    (`ModelArgs.window_exceeded`, the trainer's pre-flight and rollout.generate: tests/unit/test_attention_window.py).
-    A window at or past max_position_embeddings, or null, bounds nothing the model is meant for."""
+    layer, and so does meshppo (logits past the window and runs past it: tests/unit/test_attention_window.py).
+    A window of any positive size, or null, loads; another value is refused."""
     _, path = _saved(tmp_path, sliding_window=64, max_position_embeddings=256)
     args = Transformer.from_pretrained(path).args
-    assert args.sliding_window == args.attention_window == 64
-    assert args.window_exceeded(64) is None
-    assert args.window_exceeded(65).startswith("config.json's sliding_window=64 (every layer of transformers' "
-                                               "Mistral attends through it): ")
+    assert args.sliding_window == args.attention_window == 64 and args.layer_windows == [64, 64]
     cfg = dict(model_type="mistral", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=256)).window_exceeded(256) is None
+    assert ModelArgs.from_hf_config(dict(cfg, sliding_window=256)).layer_windows == [256, 256]
     assert ModelArgs.from_hf_config(dict(cfg, sliding_window=4096)).sliding_window == 4096
     assert ModelArgs.from_hf_config(dict(cfg, sliding_window=None)).attention_window is None
     for bad in (0, -1, "64", True):

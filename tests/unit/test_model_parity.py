@@ -229,15 +229,15 @@ def test_qwen3_round_trips_through_transformers(tmp_path):
 
 
 def test_qwen3_variants_meshppo_lacks_are_refused(tmp_path):
-    """A Qwen3 checkpoint with sliding-window layers loads with its window read (a run whose sequences reach
-    past it is refused: tests/unit/test_attention_window.py), layers of another type are refused naming
+    """A Qwen3 checkpoint with sliding-window layers loads with its window on those layers
+    (tests/unit/test_attention_window.py: logits past the window), layers of another type are refused naming
     layer_types, and one with attention biases (transformers puts one on o_proj too, which meshppo's attention
     lacks) is refused."""
     cfg = transformers.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
                                    sliding_window=8, max_window_layers=1)
     args = ModelArgs.from_hf_config(cfg)
-    assert args.windowed_layers == [1] and args.attention_window == 8 and args.window_exceeded(9)
+    assert args.windowed_layers == [1] and args.attention_window == 8 and args.layer_windows == [None, 8]
     cfg.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match="layer_types"):
         ModelArgs.from_hf_config(cfg)
@@ -262,13 +262,11 @@ def test_qwen2_sliding_window_that_windows_no_layer_loads(tmp_path, max_window_l
 
 def test_qwen2_sliding_window_read_where_a_layer_is_windowed():
     """Without layer_types (transformers v4's config.json) the windowed layers are those from
-    max_window_layers on, as transformers reads them; a run past the window is told them and the keys."""
+    max_window_layers on, as transformers reads them."""
     cfg = dict(model_type="qwen2", vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8)
     args = ModelArgs.from_hf_config(dict(cfg, max_window_layers=1))
-    assert args.window_exceeded(9).startswith("config.json's sliding_window=8 with use_sliding_window=true, "
-                                              "max_window_layers=1 (layers [1, 2] of 3 of transformers' Qwen2 "
-                                              "attend through it)"), args.window_exceeded(9)
+    assert args.windowed_layers == [1, 2] and args.layer_windows == [None, 8, 8]
     assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=3)).attention_window is None
     assert ModelArgs.from_hf_config(dict(cfg, max_window_layers=1, sliding_window=None)).attention_window is None
 
