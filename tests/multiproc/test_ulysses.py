@@ -11,7 +11,10 @@ equal the unsharded gradient. Models with 2 K/V heads (split over the ranks) and
 to 2) both run. With prefix sharing the sharded micro-batch lays out each repeated prompt once
 (its responses reading its keys across the shards) and must still give the plain unsharded
 layout's outputs; its gradients then round differently in the float32 norms (a shared prompt's
-gradient is summed before their backward), within 1e-5 of the largest.
+gradient is summed before their backward), within 1e-5 of the largest. With a sliding window of 3 on layer 0
+(Qwen2's layer_types) the attention after the all-to-all windows each whole sequence as the unsharded model does
+(a response's window reaching into its shared prompt too); the same check dropping the window on the split model
+fails.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ def _batch(share: bool):
     return prompts, responses
 
 
-def _body(rank, world_size, kv_heads, share):
+WINDOWED = {"use_sliding_window": True, "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]}
+
+
+def _body(rank, world_size, kv_heads, share, window=False):
     from models import ModelArgs, Transformer
     from sharding.ulysses import apply_sequence_parallel, build_sequence_parallel
     from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
 
     torch.manual_seed(0)
-    args = ModelArgs(**MODEL, num_key_value_heads=kv_heads)
+    args = ModelArgs(**MODEL, num_key_value_heads=kv_heads, extra_hf=dict(WINDOWED) if window else {})
     prompts, responses = _batch(share)
     width = max(map(len, responses))
     cpu = torch.device("cpu")
@@ -51,6 +57,7 @@ def _body(rank, world_size, kv_heads, share):
         whole = Transformer.build(args, head=head, dtype=torch.float64, seed=1)
         split = Transformer.build(args, head=head, dtype=torch.float64, seed=1)
         apply_sequence_parallel(split, sp)
+        assert [layer.self_attn.window for layer in split.layers] == ([3, None] if window else [None, None])
         mb_whole = build_micro_batch(prompts, responses, cpu, packed=True)
         mb_split = build_micro_batch(prompts, responses, cpu, packed=True, sp=sp, share_prefix=share)
         assert mb_split.work[0] % 2, "the micro-batch should need a padding token"
@@ -79,6 +86,7 @@ def _body(rank, world_size, kv_heads, share):
             torch.testing.assert_close(summed / 2, p.grad, rtol=1e-10, atol=tol, msg=f"{head} {name}")
 
 
-@pytest.mark.parametrize("kv_heads, share", [(2, False), (1, False), (2, True), (1, True)])
-def test_ulysses_matches_unsharded_model(kv_heads, share):
-    run_distributed(_body, 2, kv_heads, share)
+@pytest.mark.parametrize("kv_heads, share, window", [(2, False, False), (1, False, False), (2, True, False),
+                                                     (1, True, False), (2, False, True), (1, True, True)])
+def test_ulysses_matches_unsharded_model(kv_heads, share, window):
+    run_distributed(_body, 2, kv_heads, share, window)
