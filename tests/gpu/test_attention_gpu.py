@@ -118,3 +118,68 @@ def test_shared_prefix_keys_match_the_reference(hq, hkv):
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
         err = (a.float().cpu() - b).abs().max().item()
         assert err < 0.05 * max(1.0, b.abs().max().item()), f"{name}: max |diff| {err}"
+
+
+def _windowed_reference(q, k, v, cu, scale, window, cu_k=None):
+    """float32, K/V heads repeated, SDPA with the block-diagonal causal mask cut to the last `window` keys."""
+    rep = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))
+    kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+    if cu_k is None:
+        mask = block_causal_mask(cu.long(), q.shape[0], window=window)
+    else:
+        mask = block_causal_mask(cu.long(), q.shape[0], cu_k.long(), k.shape[0], window)
+    out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[None, None], scale=scale)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [1, 17, 64, 150])
+@pytest.mark.parametrize("via", ["aten", "attention_packed"])
+def test_flash_varlen_with_a_window_matches_the_float32_reference(window, via):
+    """A sliding window (`window_size_left = window - 1`, right 0) through PyTorch's FlashAttention kernels
+    (`_FlashVarlen`, forward and backward) and through `attention_packed` (flash-attn's kernel where installed):
+    outputs and gradients against the float32 masked SDPA reference, within bf16 error; the full-context
+    reference is further off than that (the window is applied)."""
+    from models.attention import _FlashVarlen
+
+    q, k, v, cu, max_len, scale = _inputs(12, 2, seed=5)
+    dout = torch.randn_like(q)
+    if via == "aten":
+        fn = lambda a, b, c: _FlashVarlen.apply(a, b, c, cu, cu, max_len, max_len, scale, window)  # noqa: E731
+    else:
+        fn = lambda a, b, c: attention_packed(a, b, c, cu, max_len, scale, window=window)  # noqa: E731
+    got = _grads(fn, q, k, v, dout)
+    ref = _grads(lambda a, b, c: _windowed_reference(a, b, c, cu, scale, window), q.float(), k.float(), v.float(),
+                 dout.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (a.float() - b).abs().max().item()
+        assert err < 0.05 * max(1.0, b.abs().max().item()), f"{name}: max |diff| {err}"
+    full = _sdpa_reference(q.float(), k.float(), v.float(), cu, scale)
+    assert (full - ref[0]).abs().max().item() > 0.2
+
+
+@pytest.mark.parametrize("window", [5, 60])
+def test_shared_prefix_keys_with_a_window_match_the_reference(window):
+    """Prefix sharing with a window: a response's window reaches back into its prompt's keys (FlashAttention's
+    window aligned bottom-right with the queries), against the float32 mask reference on the same layout."""
+    from trainer.forward import build_micro_batch
+
+    g = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(1, 100, (n,), generator=g).tolist()  # noqa: E731
+    p1, p2 = tok(90), tok(37)
+    prompts, responses = [p1, p1, p2, p1, p2], [tok(40), tok(130), tok(1), tok(64), tok(77)]
+    mb = build_micro_batch(prompts, responses, DEV, packed=True, share_prefix=True)
+    t, d = mb.input_ids.shape[1], 64
+    gd = torch.Generator(device=DEV).manual_seed(6)
+    q, k, v = (torch.randn(t, h, d, device=DEV, dtype=torch.bfloat16, generator=gd) for h in (12, 2, 2))
+    dout = torch.randn_like(q)
+    scale = d ** -0.5
+    got = _grads(lambda a, b, c: attention_packed(a, b, c, mb.cu_seqlens, mb.max_seqlen, scale, mb.shared, window),
+                 q, k, v, dout)
+    idx = mb.shared.kv_index
+    ref = _grads(lambda a, b, c: _windowed_reference(a, b[idx], c[idx], mb.cu_seqlens, scale, window,
+                                                     mb.shared.cu_seqlens_k), q.float(), k.float(), v.float(),
+                 dout.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (a.float() - b).abs().max().item()
+        assert err < 0.05 * max(1.0, b.abs().max().item()), f"{name}: max |diff| {err}"

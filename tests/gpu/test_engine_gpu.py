@@ -650,3 +650,74 @@ def test_captured_decode_steps_copy_nothing_between_them():
     assert graph.runner.graphs and graph.last_stats["decode_steps"] == 8
     assert after == before, (before, after)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 16, 100, 4096])
+def test_decode_attention_kernel_with_a_window(dtype, window):
+    """The decode kernel with a sliding window (keys ctx - window .. ctx - 1; one split a sequence with RoPE fused,
+    and 4 or 16 splits over the window's keys) against the reference path's window in float32; 4096 reaches past
+    every context (the full attention)."""
+    from models import ModelArgs
+    from models.transformer import rope_cos_sin, rope_inv_freq
+
+    T = _triton()
+    torch.manual_seed(3)
+    hq, hkv, d = 12, 2, 128
+    lengths = [1, 15, 16, 17, 129, 384, 2000, 57]
+    k, v, bt, slots = _paged(dtype, hkv, d, lengths)
+    args = ModelArgs(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, rope_theta=1e6)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device=DEV), torch.arange(2048, device=DEV), dtype)
+    cos, sin = cos[:, :d // 2].contiguous(), sin[:, :d // 2].contiguous()
+    qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, device=DEV).to(dtype)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    for splits in (1, 4, 16):
+        meta = AttentionMetadata(is_decode=True, slots=slots, context_lens=ctx, max_context_len=max(lengths),
+                                 num_splits=splits)
+        k_ref, v_ref, k_tri, v_tri = k.clone(), v.clone(), k.clone(), v.clone()
+        q = TorchOps.rope_and_cache(qkv, ctx - 1, slots, cos, sin, k_ref, v_ref, bt, hq, hkv, d)
+        ref = decode_attention_ref(q.float(), k_ref.float(), v_ref.float(), bt, meta, d ** -0.5, window=window)
+        out = T.decode_attention(qkv.clone(), ctx - 1, cos, sin, k_tri, v_tri, bt, meta, d ** -0.5, hq, hkv, d,
+                                 window=window)
+        assert out.dtype == dtype and _rel(out, ref) < TOL[dtype], splits
+        assert _rel(k_tri, k_ref) < 1e-5 and torch.equal(v_tri, v_ref), splits
+        if window < 2000:
+            full = decode_attention_ref(q.float(), k_ref.float(), v_ref.float(), bt, meta, d ** -0.5)
+            assert _rel(full, ref) > 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 40, 300])
+def test_prefill_attention_kernel_with_a_window(dtype, window):
+    """The prefill kernel with a sliding window (tiles whose later rows see none of the first key blocks; a chunk
+    after a cached prefix; one-query rows) against the reference path's window in float32."""
+    T = _triton()
+    torch.manual_seed(4)
+    hq, hkv, d = 12, 2, 128
+    starts, q_lens = [0, 0, 100, 31, 500], [128, 1, 37, 2 * PREFILL_TILE + 3, 1]
+    ctx = [s + n for s, n in zip(starts, q_lens)]
+    k, v, bt, slots = _paged(dtype, hkv, d, ctx)
+    meta = AttentionMetadata.prefill(slots, q_lens, ctx)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV).to(dtype)
+    ref = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5, window=window)
+    got = T.prefill_attention(q, k, v, bt, meta, d ** -0.5, window=window)
+    assert not got.isnan().any() and _rel(got, ref) < TOL[dtype]
+    full = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
+    assert _rel(full, ref) > 10 * TOL[dtype]
+
+
+def test_engine_greedy_with_graphs_past_the_window():
+    """A Qwen2 whose layer 0 attends through a window of 24 (layer 1 full), generating 40 tokens after prompts of
+    up to 70 (Triton kernels, CUDA graphs, chunked prefill, preemption): greedy tokens are a no-cache loop's over the
+    windowed training model, log-probs its forward's."""
+    model = _gpu_model("qwen2", eos_token_id=None, extra_hf={"use_sliding_window": True, "sliding_window": 24,
+                                                             "layer_types": ["sliding_attention", "full_attention"]})
+    assert model.args.layer_windows == [24, None]
+    prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
+    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=14, max_num_batched_tokens=48)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    assert engine.runner.use_triton and engine.runner.graphs, "expected the Triton + CUDA-graph decode path"
+    assert engine.last_stats["preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == greedy_reference(model, p, 40)
+        check_against_training_forward(model, o, SamplingParams(temperature=0), atol=1e-4)
