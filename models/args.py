@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters for the Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -14,15 +14,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3", "qwen2": "Qwen2",
+HF_FAMILY = {"granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3", "qwen2": "Qwen2",
              "qwen3": "Qwen3"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
-# attention reads the attribute where it is set) gets it written only where it is not hidden / heads.
-HF_CONFIG_KEYS = {"llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
+# attention reads the attribute where it is set) gets it written only where it is not hidden / heads. Granite is
+# Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`).
+HF_CONFIG_KEYS = {"granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
+                              "attention_multiplier", "logits_scaling"),
+                  "llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
                   "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
 # config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
 # written back on export (the class's default would replace them): Phi3's original_max_position_embeddings
@@ -42,7 +45,7 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096). A type whose only key
 # is sliding_window windows every layer.
-WINDOW_KEYS = {"llama": (), "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
+WINDOW_KEYS = {"granite": (), "llama": (), "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -51,8 +54,16 @@ _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
-# OLMo-2's. Their MLP has no biases: mlp_bias is refused, as transformers would load the export without them.
-O_PROJ_BIAS_TYPES = ("olmo2",)
+# OLMo-2's and Granite's. OLMo-2's MLP has no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers
+# would load the export without them; Granite's MLP has Llama's mlp_bias.
+O_PROJ_BIAS_TYPES = ("granite", "olmo2")
+NO_MLP_BIAS_TYPES = ("olmo2",)
+# Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
+# embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
+# attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
+# logits_scaling. Every other type has them at their neutral values (`ModelArgs.embedding_scale`,
+# `attention_scale`; the trainer's LM head and the engine's sampler take logits_scaling into the temperature).
+GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -98,6 +109,11 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Granite's scalars (`GRANITE_SCALARS`); attention_multiplier None: head_dim ** -0.5 (`attention_scale`)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
     # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -117,11 +133,12 @@ class ModelArgs:
         if self.model_type in _NO_BIAS_WHY and (self.attention_bias or self.mlp_bias):
             raise ValueError(f"{self.model_type} with attention_bias or mlp_bias is not supported "
                              f"({_NO_BIAS_WHY[self.model_type]})")
-        if self.model_type in O_PROJ_BIAS_TYPES and self.mlp_bias:
+        if self.model_type in NO_MLP_BIAS_TYPES and self.mlp_bias:
             raise ValueError(f"{self.model_type} with mlp_bias is not supported (transformers' "
                              f"{HF_FAMILY[self.model_type]} has no MLP biases: it would load the exported model "
                              "without them)")
         _check_window_keys(self)
+        _check_granite_scalars(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -145,9 +162,20 @@ class ModelArgs:
         return self.model_type == "qwen3"
 
     @property
+    def embedding_scale(self) -> float:
+        """What the embeddings are multiplied by before the first block (Granite's embedding_multiplier; 1
+        elsewhere)."""
+        return self.embedding_multiplier
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention's softmax scale: Granite's attention_multiplier, else `head_dim ** -0.5`."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    @property
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias: with attention_bias, on a type whose transformers attention biases it too
-        (`O_PROJ_BIAS_TYPES`: OLMo-2; Qwen2's and Llama's meshppo biases q, k and v only)."""
+        (`O_PROJ_BIAS_TYPES`: OLMo-2, Granite; Qwen2's and Llama's meshppo biases q, k and v only)."""
         return self.attention_bias and self.model_type in O_PROJ_BIAS_TYPES
 
     @property
@@ -337,6 +365,7 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type == "granite" else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
                       or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | window_overridden,
         )
@@ -432,6 +461,22 @@ def _refuse_partial_rotary(cfg: dict) -> None:
             raise ValueError(f"config.json's {where}partial_rotary_factor={factor!r} is not supported: "
                              f"transformers' RoPE then rotates only that share of each head's dimensions, and "
                              f"meshppo's rotates the whole head (only 1.0 is supported)")
+
+
+def _check_granite_scalars(args: ModelArgs) -> None:
+    """ValueError for Granite's scalars (`GRANITE_SCALARS`) that are not finite numbers > 0 (naming config.json's
+    key), or set away from their neutral values on another type, whose transformers class reads none of them. A
+    Granite without attention_multiplier gets GraniteConfig's default, 1."""
+    if args.model_type != "granite":
+        set_ = [k for k in GRANITE_SCALARS if getattr(args, k) != (None if k == "attention_multiplier" else 1.0)]
+        if set_:
+            raise ValueError(f"{set_[0]} is read for model_type granite only (transformers' {args.model_type} "
+                             "has no such scalar)")
+        return
+    if args.attention_multiplier is None:
+        args.attention_multiplier = 1.0
+    for key in GRANITE_SCALARS:
+        setattr(args, key, _number(getattr(args, key), f"config.json's {key}"))
 
 
 def _check_window_keys(args: ModelArgs) -> None:

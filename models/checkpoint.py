@@ -44,8 +44,9 @@ def meshppo_key_to_hf(key: str) -> str:
 
 
 # The types whose transformers family has no ...ForTokenClassification: a value model of one has no transformers
-# class that reads it back (OLMo-2's Olmo2ForSequenceClassification scores each sequence's last token only).
-NO_TOKEN_CLASSIFIER = ("olmo2",)
+# class that reads it back (OLMo-2's Olmo2ForSequenceClassification scores each sequence's last token only; Granite
+# has no classifier at all).
+NO_TOKEN_CLASSIFIER = ("granite", "olmo2")
 
 
 def hf_architecture(model_type: str, head: str = "lm") -> str:
@@ -64,10 +65,15 @@ def value_export_refusal(model_type: str) -> str:
     """Why a value model (critic) of `model_type` (`NO_TOKEN_CLASSIFIER`) is not written as a Hugging Face
     directory."""
     family = HF_FAMILY[model_type]
-    return (f"an {model_type} value model cannot be written as a Hugging Face directory: transformers has no "
-            f"{family}ForTokenClassification (its {family}ForSequenceClassification scores the last token of a "
-            "sequence, not every token), so no transformers class would read its per-token values back; meshppo's "
-            "own checkpoint (save_contents 'model') keeps it")
+    import transformers
+
+    sequence = f"{family}ForSequenceClassification"
+    why = (f" (its {sequence} scores the last token of a sequence, not every token)" if hasattr(transformers, sequence)
+           else "")
+    article = "an" if model_type[0] in "aeiou" else "a"
+    return (f"{article} {model_type} value model cannot be written as a Hugging Face directory: transformers has no "
+            f"{family}ForTokenClassification{why}, so no transformers class would read its per-token values back; "
+            "meshppo's own checkpoint (save_contents 'model') keeps it")
 
 
 def _fused_parts(args: ModelArgs) -> dict[str, tuple[tuple[str, int], ...]]:

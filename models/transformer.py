@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
+"""A decoder-only transformer for the Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -157,7 +157,7 @@ class Attention(nn.Module):
             # OLMo-2: the whole query and key projections, before the head split
             self.q_norm = RMSNorm(self.n_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
-        self.scale = d ** -0.5
+        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: its attention_multiplier)
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None
@@ -218,11 +218,13 @@ class TransformerBlock(nn.Module):
     """Pre-norm (`x + attn(input_layernorm(x))`, then `h + mlp(post_attention_layernorm(h))`), or, where
     `ModelArgs.post_norm` (OLMo-2), post-norm on each branch without an input norm (`x +
     post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`), as transformers names
-    the norms of each."""
+    the norms of each. Granite's branch outputs are multiplied by its residual_multiplier before each add.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.post_norm = args.post_norm
+        self.residual_scale = args.residual_multiplier
         if not self.post_norm:
             self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
@@ -237,8 +239,13 @@ class TransformerBlock(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention_mask, cu_seqlens, max_seqlen,
                                                                  shared))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._scaled(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen,
+                                            shared))
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def _scaled(self, branch):
+        """A branch's output times the residual scale (Granite's residual_multiplier; no op at 1)."""
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
 
 def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor, device=None) -> torch.Tensor:
@@ -277,7 +284,8 @@ class Transformer(nn.Module):
               input (default: restart at 0 in each sequence); `shared` (`PrefixSharing`) when
               some segments attend to a prefix laid out elsewhere in the row (responses after
               one copy of their prompt: `trainer.forward`, which then gives the positions)
-    Returns logits `[..., V]` (lm) or values `[...]` (value). With `labels` (same shape as
+    Returns logits `[..., V]` (lm; Granite's divided by its logits_scaling, which the log-probs' temperature is
+    multiplied by) or values `[...]` (value). With `labels` (same shape as
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
     unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
@@ -381,6 +389,8 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
+        if self.args.embedding_scale != 1.0:  # Granite's embedding_multiplier
+            x = x * self.args.embedding_scale
         cos, sin = rope_cos_sin(RopeFrequencies(self.inv_freq, self.rope_attention_factor), position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
@@ -406,9 +416,14 @@ class Transformer(nn.Module):
             # head (its own unit) sees 2-D rows (a linear over 3-D input returns a view), and the
             # sum over the size-1 dim gives the model's output as a new tensor, not a view.
             return self.score(h.flatten(0, -2)).view(*h.shape[:-1], 1).sum(-1)
+        if labels is None:
+            logits = F.linear(h, self.embed_tokens.weight) if self.args.tie_word_embeddings else self.lm_head(h)
+            return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
+        # Granite's logits are divided by logits_scaling: the log-probs' temperature times it (T = 0, greedy's
+        # tokens scored at T = 1, as chunked_token_logprobs reads it)
+        if self.args.logits_scaling != 1.0 and temperature >= 0:
+            temperature = (temperature or 1.0) * self.args.logits_scaling
         if not self.args.tie_word_embeddings:
             return self.lm_head(h, labels, temperature, with_entropy, chunk_size, with_sum_pi_squared)
-        if labels is None:
-            return F.linear(h, self.embed_tokens.weight)
         return chunked_token_logprobs(h, self.embed_tokens.weight, labels, temperature, chunk_size, with_entropy,
                                       with_sum_pi_squared)

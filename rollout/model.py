@@ -21,6 +21,11 @@ its identity and follows the new memory. Inside it:
 OLMo-2's blocks are post-norm (`ModelArgs.post_norm`): no input norm, each branch's output normed and
 added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is.
 
+Granite's scalars are arguments of the steps that exist anyway: the attention's scale (`ModelArgs.attention_scale`),
+the residual_multiplier a scale of each branch output that `ops.rms_norm` adds to the residual stream, the
+logits_scaling the sampler's temperature (`rollout.sampler.Sampler`); its embedding_multiplier multiplies the
+embedding lookup's rows.
+
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
 the shard dimension, `tp_shard_range` which rows or columns of it a rank holds, and construction
@@ -195,7 +200,7 @@ class EngineModel:
         # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
-        self.scale = self.head_dim ** -0.5
+        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: its attention_multiplier)
         self.windows = args.layer_windows  # each layer's sliding window (None: the whole context)
         self._plan_layout()
         # RoPE tables [max_model_len, D/2] in the model dtype, computed as the training model
@@ -416,13 +421,17 @@ class EngineModel:
 
     # ------------------------------------------------------------------ forward
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel embedding: each rank looks up its rows, zeros the rest, all-reduce."""
+        """Vocab-parallel embedding: each rank looks up its rows, zeros the rest, all-reduce; times Granite's
+        embedding_multiplier (`ModelArgs.embedding_scale`), rounded as the training model rounds it."""
+        scale = self.args.embedding_scale
         if self.tp.size == 1:
-            return F.embedding(ids, self.embed_w)
+            x = F.embedding(ids, self.embed_w)
+            return x if scale == 1.0 else x * scale
         local = ids.long() - self.vocab_start
         mine = (local >= 0) & (local < self.vocab_local)
         x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
-        return self.tp.all_reduce(x)
+        x = self.tp.all_reduce(x)
+        return x if scale == 1.0 else x * scale
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops, splits: int) -> torch.Tensor:
         """`o_proj` / `down_proj`: `[T, H]`, or (TP 1, `splits` > 1) their split-K products `[S, T, H]`
@@ -448,8 +457,8 @@ class EngineModel:
         """Split-K products of (qkv, o_proj, down_proj) in a step of `rows` rows, the same in every layer
         (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
         split a sequence) and without per-head q/k norms (they read the summed rows); o_proj's and
-        down_proj's at TP 1 (elsewhere they are all-reduced), down_proj's without a bias (the RMSNorm
-        adds none)."""
+        down_proj's at TP 1 (elsewhere they are all-reduced), without a bias (the RMSNorm adds none:
+        down_proj's, a Granite's o_proj with attention_bias)."""
         w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
         if fp8 or self.args.qk_norm or self.args.full_qk_norm:
@@ -459,7 +468,8 @@ class EngineModel:
         if self.tp.size > 1:
             return qkv, 1, 1
         down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None and not fp8 else 1
-        return qkv, split_k_splits(rows, h, w.o_w.shape[1], dtype), down
+        o = split_k_splits(rows, h, w.o_w.shape[1], dtype) if w.o_b is None else 1
+        return qkv, o, down
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
                 ops, kv_scales=None) -> torch.Tensor:
@@ -472,6 +482,7 @@ class EngineModel:
         if self.fp8_layers and self.fp8_stale:
             raise RuntimeError("the weights changed since quantize_fp8(): the e4m3 projections are stale")
         eps = self.args.rms_norm_eps
+        branch = self.args.residual_multiplier  # each branch output's scale before its residual add (Granite's)
         x = self.embed(input_ids)
         qkv_splits, o_splits, down_splits = self._splits(x.shape[0], meta)
         residual = x_scale = None
@@ -482,10 +493,11 @@ class EngineModel:
                 qkv = ops.linear(x, w.qkv_w, w.qkv_b)
             elif self.fp8_layers:  # e4m3 qkv from the e4m3 norm (its weight is folded into qkv)
                 q8 = self.fp8_layers[i]
-                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, x_scale, out_dtype=FP8)
+                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, x_scale, out_dtype=FP8,
+                                           scale=1.0 if residual is None else branch)
                 qkv = ops.scaled_linear(h, q8.qkv, self.fp8_act_scale, q8.scales[0], w.qkv_b, self.dtype)
             else:
-                h, residual = ops.rms_norm(x, w.in_norm, eps, residual)
+                h, residual = ops.rms_norm(x, w.in_norm, eps, residual, scale=1.0 if residual is None else branch)
                 qkv = (ops.linear(h, w.qkv_w, w.qkv_b) if qkv_splits == 1
                        else split_k_products(h, w.qkv_w, qkv_splits))  # summed, with the bias, in the attention
             if w.q_norm is not None and self.args.full_qk_norm:  # OLMo-2: the whole q and k projections
@@ -506,16 +518,16 @@ class EngineModel:
                 y = self._row_parallel(ops.gated_linear(x, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, 1)
                 x = ops.post_norm_add(y, w.post_ff_norm, eps, x)
                 continue
-            x = self._row_parallel(o, w.o_w, None, ops, o_splits)
+            x = self._row_parallel(o, w.o_w, w.o_b, ops, o_splits)
             if self.fp8_layers:
-                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, out_dtype=FP8)
+                h, residual = ops.rms_norm(x, self.fp8_in_scale, eps, residual, out_dtype=FP8, scale=branch)
                 h = ops.scaled_linear(h, q8.gate_up, self.fp8_act_scale, q8.scales[1], w.gate_up_b, self.dtype)
                 x, x_scale = self._down_fp8(h, w, q8, ops)
             else:
-                h, residual = ops.rms_norm(x, w.post_norm, eps, residual)
+                h, residual = ops.rms_norm(x, w.post_norm, eps, residual, scale=branch)
                 x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops,
                                        down_splits)
-        h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale)
+        h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale, scale=1.0 if residual is None else branch)
         return h
 
     def _full_qk_norm(self, qkv: torch.Tensor, w: LayerWeights, ops, eps: float) -> torch.Tensor:

@@ -113,7 +113,7 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0):
         """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`.
 
         `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_k_products`),
@@ -121,12 +121,19 @@ class TorchOps:
         `x_scale [T]` (float32, with a residual): `x` is an fp8 projection's output whose row t is still
         to be multiplied by `x_scale[t]` (`silu_and_mul_fp8`), in float32, then rounded to the residual's
         dtype. `out_dtype` (default: the residual's) is the normed output's: the product of the rounded
-        norm and `weight` (float32 `weight`: the fp8 path's constant scale) is rounded once to it.
+        norm and `weight` (float32 `weight`: the fp8 path's constant scale) is rounded once to it. `scale` (with a
+        residual): `x`, a block branch's output, is multiplied by it and rounded before the add (Granite's
+        residual_multiplier), as the training model's `x + branch * scale`.
         """
-        if x.dim() == 3 or x_scale is not None:
+        if x.dim() == 3 or x_scale is not None or scale != 1.0:
             if residual is None:
                 raise ValueError("rms_norm of split-K products or scaled rows needs the residual (its dtype is the sum's)")
-            x = sum_split_k(x, residual.dtype) if x.dim() == 3 else (x.float() * x_scale[:, None]).to(residual.dtype)
+            if x.dim() == 3:
+                x = sum_split_k(x, residual.dtype)
+            elif x_scale is not None:
+                x = (x.float() * x_scale[:, None]).to(residual.dtype)
+            if scale != 1.0:
+                x = x * scale
         if residual is not None:
             x = x + residual
         xf = x.float()

@@ -100,7 +100,7 @@ class ModelRunner:
         self.block_tables = torch.zeros(self.max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.last_tokens = torch.zeros(self.max_num_seqs + 1, dtype=torch.int64, device=device)
-        self.sampler = Sampler(model.tp, model.args.vocab_size, device)
+        self.sampler = Sampler(model.tp, model.args.vocab_size, device, model.args.logits_scaling)
         self.dec_in = torch.zeros(3, self.max_rows, dtype=torch.int32, device=device)
         self.dec_tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         self.dec_logprobs = torch.zeros(self.max_rows, dtype=torch.float32, device=device)

@@ -180,13 +180,14 @@ class Sampler:
     ids alone, and its padding is below every threshold: a padded id is never drawn and holds no mass.
     The race groups divide both the shard and the vocabulary, so that they never hold padding.
 
-    `inv_temp` and `noise_scale` are 0-d device tensors (1/T and 1, or 1 and 0 for greedy)
+    `inv_temp` and `noise_scale` are 0-d device tensors (1/T and 1, or 1 and 0 for greedy; `inv_temp` also divided
+    by `logits_scaling`, Granite's, which divides its logits before the temperature)
     so that a captured CUDA graph serves every temperature; greedy selects the noise-free
     score on the device (`torch.where`), so no host branch is baked into a graph.
     """
 
-    def __init__(self, tp: TPGroup, vocab_size: int, device):
-        self.tp = tp
+    def __init__(self, tp: TPGroup, vocab_size: int, device, logits_scaling: float = 1.0):
+        self.tp, self.logits_scaling = tp, logits_scaling
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(vocab_size, tp.rank, tp.size)
         self.group = race_group(math.gcd(self.vocab_local, vocab_size))
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
@@ -195,7 +196,7 @@ class Sampler:
 
     def set_params(self, temperature: float, top_k: int, top_p: float) -> None:
         greedy = temperature == 0.0
-        self.inv_temp.fill_(1.0 if greedy else 1.0 / temperature)
+        self.inv_temp.fill_((1.0 if greedy else 1.0 / temperature) / self.logits_scaling)
         self.noise_scale.fill_(0.0 if greedy else 1.0)
         self.top_k, self.top_p = (-1, 1.0) if greedy else (top_k, top_p)
 

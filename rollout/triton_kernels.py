@@ -135,13 +135,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x, stride_r, stride_o, N, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x, stride_r, stride_o, N, eps, scale,
                      PARTS: tl.constexpr, HAS_RES: tl.constexpr, X_SCALE: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     # PARTS > 0: x is a projection's PARTS float32 split-K products (stride_s apart), summed in
     # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does. X_SCALE: x is an
     # fp8 projection's rows, times their scales `xs [T]` in float32, rounded to the residual's dtype.
-    # The output is rounded to out's dtype (the model's, or e4m3 on the fp8 path).
+    # With a residual, x (a block branch's output) is times `scale` (Granite's residual_multiplier; 1 elsewhere, exact)
+    # and rounded before the add. The output is rounded to out's dtype (the model's, or e4m3 on the fp8 path).
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -155,6 +156,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
             x = x.to(r.dtype)
         if X_SCALE:
             x = (x.to(tl.float32) * tl.load(xs_ptr + row)).to(r.dtype)
+        x = (x.to(tl.float32) * scale).to(r.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
     y, _ = rms_norm_row(x, N, eps)
@@ -890,9 +892,9 @@ class TritonOps:
         return _gemv(x, weight, bias, gated=True)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0):
         parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed here
-        if (parts or x_scale is not None) and residual is None:
+        if (parts or x_scale is not None or scale != 1.0) and residual is None:
             raise ValueError("rms_norm of split-K products or scaled rows needs the residual (its dtype is the sum's)")
         t, n = x.shape[-2:]
         block = _pow2(n)
@@ -902,7 +904,7 @@ class TritonOps:
             return out, res
         _rms_norm_kernel[(t,)](x, res, weight, out, x_scale if x_scale is not None else weight,
                                x.stride(0) if parts else 0, x.stride(-2), res.stride(0), out.stride(0), n, eps,
-                               PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None, BLOCK=block,
+                               float(scale), PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None, BLOCK=block,
                                num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
 
