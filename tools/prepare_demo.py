@@ -48,12 +48,15 @@ STAMP = "prepare_demo.json"
 def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, eos: int, pad: int,
                     init_std: float, model_type: str = "qwen2"):
     # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks. Qwen2 has
-    # q/k/v biases; Qwen3 per-head q/k norms instead; Llama neither.
+    # q/k/v biases; Qwen3 per-head q/k norms instead; Llama neither. A Granite gets granite-3.x's scalars
+    # (granite-3.1-2b's: embeddings times 12, branches times 0.22, attention scale 1 / head_dim, logits / 8).
+    granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden,
+                   logits_scaling=8.0) if model_type == "granite" else {}
     return ModelArgs(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=hidden, intermediate_size=hidden * 2,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=64, model_type=model_type, attention_bias=model_type == "qwen2",
                      tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1,
-                     initializer_range=init_std)
+                     initializer_range=init_std, **granite)
 
 
 @torch.no_grad()
