@@ -230,6 +230,15 @@ class ModelArgs:
         return self.sliding_window if self.windowed_layers else None
 
     @property
+    def fingerprint(self) -> dict:
+        """What a training checkpoint records of the model (`trainer.checkpointing.CheckpointManager`; resuming
+        compares it): every field but `extra_hf` (the window and the dtype change no weight), and Granite's scalars
+        only on a Granite (elsewhere they hold their neutral values, and checkpoints written before they existed
+        record none: those resume)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if self.model_type == "granite" or k not in GRANITE_SCALARS} | {"extra_hf": None}
+
+    @property
     def rope_type(self) -> str:
         rs = self.rope_scaling or {}
         return rs.get("rope_type", rs.get("type", "default"))

@@ -329,7 +329,7 @@ class PPOTrainer:
         self.ckpt = CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"), states=states, models=models,
             extras={"actor_sched": "actor", "critic_sched": "critic"},
-            fingerprint=dataclasses.asdict(m.actor_args) | {"extra_hf": None}, config=cfg,
+            fingerprint=m.actor_args.fingerprint, config=cfg,
             tokenizer=self.tokenizer, base_model=cfg.actor_rollout_ref.model.path, rank=ctx.rank,
             world_size=ctx.world_size, keep=t.max_actor_ckpt_to_keep, log=self.log)
         self._stop_signal, self._stop_time, self._last_update_s = None, 0.0, 0.0

@@ -224,3 +224,19 @@ def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_pat
     load_peft_adapter(again, tmp_path / "adapter")
     for name, p in adapter_state_dict(ours).items():
         assert torch.equal(adapter_state_dict(again)[name], p), name
+
+
+def test_checkpoints_of_other_types_keep_their_fingerprint():
+    """A training checkpoint records the model's fingerprint and resuming compares it whole: another type's is the
+    one meshppo recorded before Granite's scalars existed (so its checkpoints resume), a Granite's holds the scalars
+    (so a checkpoint does not resume on other ones)."""
+    qwen2 = ModelArgs(vocab_size=128, hidden_size=32, num_hidden_layers=1, model_type="qwen2", attention_bias=True)
+    assert qwen2.fingerprint == {  # as a checkpoint written before Granite recorded it
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": True, "mlp_bias": False,
+        "tie_word_embeddings": False, "model_type": "qwen2", "initializer_range": 0.02, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None, "extra_hf": None}
+    granite = ModelArgs(vocab_size=128, hidden_size=32, num_hidden_layers=1, model_type="granite", **SCALARS)
+    assert {k: granite.fingerprint[k] for k in SCALARS} == SCALARS
+    assert granite.fingerprint != dataclasses.replace(granite, logits_scaling=8.0).fingerprint
