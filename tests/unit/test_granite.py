@@ -240,3 +240,20 @@ def test_checkpoints_of_other_types_keep_their_fingerprint():
     granite = ModelArgs(vocab_size=128, hidden_size=32, num_hidden_layers=1, model_type="granite", **SCALARS)
     assert {k: granite.fingerprint[k] for k in SCALARS} == SCALARS
     assert granite.fingerprint != dataclasses.replace(granite, logits_scaling=8.0).fingerprint
+
+
+def test_fp8_rollout_runs_granite():
+    """fp8 rollout on a Granite (o_proj's and the MLP's biases, the four scalars): the engine's log-probs are those of
+    the training model computing what fp8 should (each norm folded into the e4m3 projections after it, the inputs
+    rounded to e4m3), as test_fp8_rollout holds the other types to; the residual scale applies to fp8 down_proj's
+    scaled rows too."""
+    from rollout import SamplingParams
+    from tests.unit.test_engine import make_engine, prompts_of, tiny_args, tiny_model
+    from tests.unit.test_fp8_rollout import _fake_quant_reference, _logprob_errors
+
+    model = tiny_model(tiny_args("llama", model_type="granite", attention_bias=True, **SCALARS))
+    engine = make_engine(model, quantization="fp8")
+    outs = engine.generate(prompts_of([3 + i % 12 for i in range(16)]),
+                           SamplingParams(temperature=1.0, max_tokens=4, seed=3, ignore_eos=True))
+    assert _logprob_errors(_fake_quant_reference(model), outs).median().item() < 1e-4
+    assert _logprob_errors(model, outs).mean().item() > 0.01  # the quantization is real
