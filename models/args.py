@@ -16,8 +16,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3", "qwen2": "Qwen2",
-             "qwen3": "Qwen3"}
+HF_FAMILY = {"granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3",
+             "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their

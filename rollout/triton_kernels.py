@@ -904,8 +904,8 @@ class TritonOps:
             return out, res
         _rms_norm_kernel[(t,)](x, res, weight, out, x_scale if x_scale is not None else weight,
                                x.stride(0) if parts else 0, x.stride(-2), res.stride(0), out.stride(0), n, eps,
-                               float(scale), PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None, BLOCK=block,
-                               num_warps=4 if block <= 1024 else 8, **_launch(res))
+                               float(scale), PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None,
+                               BLOCK=block, num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
 
     @staticmethod

@@ -57,6 +57,6 @@ def test_lora_actor_and_critic_on_granite_train_and_export(granite_assets, tmp_p
     with torch.no_grad():
         ref = theirs(input_ids=ids).logits
         with theirs.disable_adapter():
-            assert (ref - theirs(input_ids=ids).logits).abs().max() > 1e-4  # the adapters act (logits / 8 of a 0.02 init)
+            assert (ref - theirs(input_ids=ids).logits).abs().max() > 1e-4  # the adapters act (logits / 8, a 0.02 init)
         assert (ours(ids) - ref).abs().max().item() <= 1e-9
         assert (merged(input_ids=ids).logits - ref).abs().max().item() <= 1e-5  # the float32 merge
