@@ -703,7 +703,11 @@ def test_prefill_attention_kernel_with_a_window(dtype, window):
     got = T.prefill_attention(q, k, v, bt, meta, d ** -0.5, window=window)
     assert not got.isnan().any() and _rel(got, ref) < TOL[dtype]
     full = TorchOps.prefill_attention(q.float(), k.float(), v.float(), bt, meta, d ** -0.5)
-    assert _rel(full, ref) > 10 * TOL[dtype]
+    # the window matters on the rows it cuts (a query at position `window` or later): compared over the whole
+    # output, one such row of 295 moves the norm by less than bf16's tolerance (window 300)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)]).to(DEV)
+    cut = positions >= window
+    assert cut.any() and _rel(full[cut], ref[cut]) > 10 * TOL[dtype]
 
 
 def test_engine_greedy_with_graphs_past_the_window():
