@@ -8,14 +8,17 @@ meshes -> actor -> reference (none for a LoRA actor) -> critic -> reward model -
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import math
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
+from models.args import DROPOUT_KEYS
 from models.checkpoint import CheckpointFileError
 from models.lora import trainable_parameters
 from models.tiled_mlp import apply_tiled_mlp
@@ -502,7 +505,26 @@ def model_notes(cfg: PPOConfig) -> list[str]:
                      f"trained (vLLM refuses such a context); {fix}, or set "
                      "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "
                      "for more")
-    return notes
+    return notes + _unapplied_dropout_notes(arr.model.path, arr.model.override_config)
+
+
+def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
+    """A line for each dropout probability above 0 in the actor's config.json that its override_config leaves
+    (`models.args.DROPOUT_KEYS`): meshppo's models have no dropout, where verl's Hugging Face actor drops in its
+    updates (its reference, critic and reward model run without). An unreadable directory says nothing here: the
+    ranks name it when they load the model."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    given = overrides or {}
+    return [f"actor_rollout_ref.model.path {path!r}: config.json's {key}={config[key]} is not applied: meshppo's "
+            "models have no dropout, where verl's actor drops in its updates; "
+            f"actor_rollout_ref.model.override_config.{key}=0 trains the same in both and leaves this note out"
+            for key in DROPOUT_KEYS if key not in given and isinstance(config.get(key), (int, float))
+            and not isinstance(config[key], bool) and config[key] > 0]
 
 
 def check_value_model_export(cfg: PPOConfig) -> None:

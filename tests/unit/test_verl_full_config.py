@@ -457,6 +457,33 @@ def test_a_context_beyond_the_models_positions_is_noted(tmp_path):
         "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled for more"]
 
 
+def test_a_dropout_the_models_do_not_apply_is_noted(tmp_path):
+    """config.json's dropout probabilities above 0 (a Granite's attention_dropout) are said at start-up, as meshppo's
+    models have none where verl's actor drops in its updates; override_config's 0 for a key, a 0 in the file or an
+    unreadable directory says nothing."""
+    import json
+
+    from models import ModelArgs
+    from trainer.setup import model_notes
+
+    model = tmp_path / "m"
+    ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1).to_hf_config().save_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1, "hidden_dropout": 0.0,
+                                                   "embd_pdrop": 0.05}))
+    path = f"actor_rollout_ref.model.path={model}"
+    note = ("actor_rollout_ref.model.path {!r}: config.json's {}={} is not applied: meshppo's models have no dropout, "
+            "where verl's actor drops in its updates; actor_rollout_ref.model.override_config.{}=0 trains the same in "
+            "both and leaves this note out")
+    assert model_notes(_cfg(path)) == [note.format(str(model), "attention_dropout", 0.1, "attention_dropout"),
+                                       note.format(str(model), "embd_pdrop", 0.05, "embd_pdrop")]
+    assert model_notes(_cfg(path, "actor_rollout_ref.model.override_config={attention_dropout: 0}")) == [
+        note.format(str(model), "embd_pdrop", 0.05, "embd_pdrop")]
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.0}))
+    assert model_notes(_cfg(path)) == []
+
+
 def test_more_options_of_a_switch_that_is_off_are_noted():
     """gamma and lam where the estimator does not discount, group filtering, PF-PPO and truncated
     importance weights switched off, the cosine's shape under a constant schedule: one line each."""
