@@ -1,4 +1,5 @@
-"""Model hyper-parameters for the Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder
+family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -14,16 +15,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2", "phi3": "Phi3",
-             "qwen2": "Qwen2", "qwen3": "Qwen3"}
+HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2",
+             "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
 # attention reads the attribute where it is set) gets it written only where it is not hidden / heads. Granite is
 # Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`).
-HF_CONFIG_KEYS = {"granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
+HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
+                  "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
                   "llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
                   "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
@@ -43,9 +45,11 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # `sliding_window` positions (`ModelArgs.layer_windows`, `models.attention`, `rollout.attention`). transformers' Mistral
 # windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
-# its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096). A type whose only key
+# its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
+# `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`). A type whose only key
 # is sliding_window windows every layer.
-WINDOW_KEYS = {"granite": (), "llama": (), "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
+WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (), "mistral": ("sliding_window",),
+               "olmo2": (), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -54,16 +58,33 @@ _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
-# OLMo-2's and Granite's. OLMo-2's MLP has no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers
-# would load the export without them; Granite's MLP has Llama's mlp_bias.
-O_PROJ_BIAS_TYPES = ("granite", "olmo2")
-NO_MLP_BIAS_TYPES = ("olmo2",)
+# OLMo-2's, Gemma 3's and Granite's. OLMo-2's and Gemma 3's MLPs have no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is
+# refused, as transformers would load the export without them; Granite's MLP has Llama's mlp_bias.
+O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "olmo2")
+NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2")
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
 # logits_scaling. Every other type has them at their neutral values (`ModelArgs.embedding_scale`,
-# `attention_scale`; the trainer's LM head and the engine's sampler take logits_scaling into the temperature).
+# `attention_scale`, which serve Gemma 3's embedding and attention scales too; the trainer's LM head and the
+# engine's sampler take logits_scaling into the temperature).
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+# Gemma 3 (`gemma3_text`, transformers' Gemma3ForCausalLM): the keys of its config that meshppo reads beyond the
+# shared ones, kept in `ModelArgs.extra_hf` and written back on export: query_pre_attn_scalar (the attention scales
+# by its inverse square root, not head_dim's) and rope_local_base_freq (the RoPE base of its sliding_attention
+# layers, transformers' rope_parameters["sliding_attention"]; rope_theta and rope_scaling are its
+# full_attention layers'). Its config's layer_types default: every sixth layer full_attention.
+GEMMA3_KEYS = ("query_pre_attn_scalar", "rope_local_base_freq")
+GEMMA3_PATTERN = 6
+GEMMA3_WINDOW = 4096  # its config's sliding_window where config.json has none (Gemma3TextConfig's default)
+# Gemma 3 config keys meshppo refuses at any value but these (key -> accepted, why).
+_GEMMA3_REFUSED = {
+    "final_logit_softcapping": (None, "meshppo's LM head (its fused log-prob kernels and the engine's sampler) "
+                                      "computes no tanh soft cap of the logits"),
+    "attn_logit_softcapping": (None, "meshppo's attention kernels (FlashAttention, SDPA, the engine's) have no "
+                                     "soft cap of the attention scores"),
+    "use_bidirectional_attention": (False, "meshppo's models are causal language models"),
+}
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -139,6 +160,8 @@ class ModelArgs:
                              "without them)")
         _check_window_keys(self)
         _check_granite_scalars(self)
+        if self.model_type == "gemma3_text":
+            _check_gemma3(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -158,24 +181,78 @@ class ModelArgs:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's."""
-        return self.model_type == "qwen3"
+        """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's and
+        Gemma 3's."""
+        return self.model_type in ("qwen3", "gemma3_text")
+
+    @property
+    def unit_offset_norm(self) -> bool:
+        """Whether every RMSNorm scales by `1 + weight` (computed in float32 and rounded once, as transformers'
+        Gemma3RMSNorm), its checkpoint storing the 0-centred `weight`: Gemma 3's."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def sandwich_norm(self) -> bool:
+        """Whether the block norms each branch's input and output (Gemma 3's four norms): `x +
+        post_attention_layernorm(attn(input_layernorm(x)))`, then `h +
+        post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def mlp_activation(self) -> str:
+        """The gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh-approximated GELU,
+        Gemma 3's `gelu_pytorch_tanh`)."""
+        return "gelu_tanh" if self.model_type == "gemma3_text" else "silu"
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """config.json's layer_types (Gemma 3's default when it has none: every `GEMMA3_PATTERN`th layer
+        full_attention); None for a type that reads none."""
+        kinds = self.extra_hf.get("layer_types")
+        if kinds is None and self.model_type == "gemma3_text":
+            return ["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+                    for i in range(self.num_hidden_layers)]
+        return kinds
+
+    @property
+    def local_rope_layers(self) -> list[int]:
+        """The layers that rotate by the local RoPE (`local_rope_args`): Gemma 3's sliding_attention layers (by
+        `layer_types`, whether or not a window is set); none of another type's."""
+        if self.model_type != "gemma3_text":
+            return []
+        return [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
+
+    def local_rope_args(self) -> "ModelArgs":
+        """These arguments with the RoPE of the `local_rope_layers`: Gemma 3's rope_local_base_freq, unscaled
+        (transformers' rope_parameters["sliding_attention"])."""
+        return dataclasses.replace(self, rope_theta=float(self.extra_hf.get("rope_local_base_freq", 10_000.0)),
+                                   rope_scaling=None)
 
     @property
     def embedding_scale(self) -> float:
-        """What the embeddings are multiplied by before the first block (Granite's embedding_multiplier; 1
-        elsewhere)."""
-        return self.embedding_multiplier
+        """What the embeddings are multiplied by before the first block: Granite's embedding_multiplier, Gemma 3's
+        sqrt(hidden_size); 1 elsewhere (`models.transformer.scale_embeddings` applies it)."""
+        return self.hidden_size ** 0.5 if self.model_type == "gemma3_text" else self.embedding_multiplier
+
+    @property
+    def embedding_scale_rounded(self) -> bool:
+        """Whether `embedding_scale` is rounded to the embeddings' dtype before it multiplies them: Gemma 3's,
+        which transformers keeps as a buffer in the model dtype (sqrt(1152) is 34.0 in bf16); Granite's
+        embedding_multiplier is a Python float there, which the product takes unrounded."""
+        return self.model_type == "gemma3_text"
 
     @property
     def attention_scale(self) -> float:
-        """The attention's softmax scale: Granite's attention_multiplier, else `head_dim ** -0.5`."""
+        """The attention's softmax scale: Granite's attention_multiplier, Gemma 3's query_pre_attn_scalar^-0.5,
+        else `head_dim ** -0.5`."""
+        if self.model_type == "gemma3_text":
+            return float(self.extra_hf.get("query_pre_attn_scalar", 256)) ** -0.5
         return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @property
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias: with attention_bias, on a type whose transformers attention biases it too
-        (`O_PROJ_BIAS_TYPES`: OLMo-2, Granite; Qwen2's and Llama's meshppo biases q, k and v only)."""
+        (`O_PROJ_BIAS_TYPES`: OLMo-2, Gemma 3, Granite; Qwen2's and Llama's meshppo biases q, k and v only)."""
         return self.attention_bias and self.model_type in O_PROJ_BIAS_TYPES
 
     @property
@@ -195,6 +272,8 @@ class ModelArgs:
         """config.json's `sliding_window` as read (None where it has none; Qwen's is null unless
         `use_sliding_window`, as transformers reads it). Whether a layer attends through it:
         `attention_window`."""
+        if self.model_type == "gemma3_text":
+            return self.extra_hf.get("sliding_window", GEMMA3_WINDOW)
         return self.extra_hf.get("sliding_window")
 
     @property
@@ -207,6 +286,8 @@ class ModelArgs:
             return []
         if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # Mistral's, Phi3's: every layer
             return list(range(self.num_hidden_layers))
+        if self.model_type == "gemma3_text":  # its layer_types' sliding_attention layers, always
+            return self.local_rope_layers
         if not self.extra_hf.get("use_sliding_window"):
             return []
         kinds = self.extra_hf.get("layer_types")
@@ -251,7 +332,8 @@ class ModelArgs:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + \
             (h if self.o_proj_bias else 0)
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        block = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0) + (q + kv if self.full_qk_norm else 0)
+        block = attn + mlp + (4 if self.sandwich_norm else 2) * h + (2 * d if self.qk_norm else 0) + \
+            (q + kv if self.full_qk_norm else 0)
         n = self.num_hidden_layers * block + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -343,11 +425,18 @@ class ModelArgs:
             raise ValueError(
                 f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}"
             )
+        gemma3 = {}
+        if model_type == "gemma3_text":  # its RoPE by layer type; the full_attention layers' is ModelArgs' own
+            cfg, gemma3 = _gemma3_config(cfg)
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if model_type == "phi3" or rope_scaling is not None:
             _refuse_partial_rotary(cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
+        if model_type == "gemma3_text":
+            if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+                raise ValueError(f"config.json's hidden_activation={cfg.get('hidden_activation')!r} is not supported "
+                                 "for gemma3_text (only gelu_pytorch_tanh, Gemma 3's)")
+        elif cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         known = {f.name for f in dataclasses.fields(cls)}
         fields_overridden, window_overridden = _split_overrides(overrides)
@@ -376,7 +465,7 @@ class ModelArgs:
             pad_token_id=cfg.get("pad_token_id"),
             **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type == "granite" else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
-                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | window_overridden,
+                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | window_overridden,
         )
         return cls(**(fields | fields_overridden))
 
@@ -397,6 +486,7 @@ class ModelArgs:
         transformers reads and writes (`dtype` in v5, `torch_dtype` before)."""
         from transformers import AutoConfig
 
+        gemma3 = self.model_type == "gemma3_text"
         kwargs: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -411,12 +501,15 @@ class ModelArgs:
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            hidden_act="silu",
         )
+        kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
         kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
             self.model_type, ()) if key in self.extra_hf})
-        if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # null too (MistralConfig's default: 4096)
+        if gemma3:  # (rope_local_base_freq goes into rope_parameters below)
+            kwargs.update({k: v for k, v in self.extra_hf.items() if k in GEMMA3_KEYS[:1] + tuple(_GEMMA3_REFUSED)},
+                          layer_types=self.layer_types)
+        if WINDOW_KEYS[self.model_type][:1] == ("sliding_window",):  # null too (MistralConfig's default: 4096)
             kwargs.update(sliding_window=self.sliding_window)
         if "head_dim" not in HF_CONFIG_KEYS[self.model_type] and \
                 self.head_dim != self.hidden_size // self.num_attention_heads:
@@ -427,8 +520,12 @@ class ModelArgs:
         # it, whose setter warns.
         if "partial_rotary_factor" in (cfg.rope_parameters or {}):  # (Phi3Config's, which its validation reads)
             rope["partial_rotary_factor"] = 1.0  # the whole head: the only share meshppo's RoPE rotates
-        cfg.rope_parameters = rope
-        cfg.rope_theta = self.rope_theta
+        if gemma3:  # by layer type (the local layers' unscaled: `local_rope_args`)
+            cfg.rope_parameters = {"full_attention": rope, "sliding_attention": {
+                "rope_type": "default", "rope_theta": self.local_rope_args().rope_theta}}
+        else:
+            cfg.rope_parameters = rope
+            cfg.rope_theta = self.rope_theta
         if architecture:
             cfg.architectures = [architecture]
         dtype = dtype or self.hf_dtype
@@ -437,6 +534,45 @@ class ModelArgs:
             setattr(cfg, "dtype" if isinstance(getattr(type(cfg), "torch_dtype", None), property) else "torch_dtype",
                     dtype)
         return cfg
+
+
+def _gemma3_config(cfg: dict) -> tuple[dict, dict]:
+    """A Gemma 3 config.json (`cfg`, as transformers' Gemma3TextConfig writes it: rope_parameters by layer type;
+    or an older one's rope_theta, rope_scaling and rope_local_base_freq) as (`cfg` with the full_attention layers'
+    RoPE as every other type's, the `extra_hf` keys of `GEMMA3_KEYS` and `_GEMMA3_REFUSED` that it sets).
+    ValueError for a sliding_attention RoPE other than plain RoPE (Gemma 3's is)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:  # an older config.json: its top-level keys
+        full = dict(cfg.get("rope_scaling") or {}) | {"rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", local.get("type", "default")) != "default" or set(local) - {"rope_type", "type",
+                                                                                         "rope_theta"}:
+        raise ValueError(f"config.json's rope_parameters.sliding_attention={local!r} is not supported: meshppo "
+                         "rotates gemma3_text's sliding_attention layers by plain RoPE (rope_type default)")
+    full.setdefault("rope_theta", 1_000_000.0)
+    cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta")} | {"rope_parameters": full}
+    extra = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+             "rope_local_base_freq": float(local.get("rope_theta", 10_000.0))}
+    return cfg, extra | {k: cfg[k] for k in _GEMMA3_REFUSED if k in cfg}
+
+
+def _check_gemma3(args: ModelArgs) -> None:
+    """ValueError naming the key for a Gemma 3 config that meshppo's models would compute otherwise than
+    transformers' Gemma3ForCausalLM (`_GEMMA3_REFUSED`), or a query_pre_attn_scalar / rope_local_base_freq that
+    is not a positive number."""
+    for key, (accepted, why) in _GEMMA3_REFUSED.items():
+        if args.extra_hf.get(key, accepted) != accepted:
+            raise ValueError(f"config.json's {key}={args.extra_hf[key]!r} is not supported for gemma3_text ({why}); "
+                             f"only {json.dumps(accepted)} is")
+    for key in GEMMA3_KEYS:
+        if key in args.extra_hf:
+            _number(args.extra_hf[key], f"config.json's {key}")
+    if args.sliding_window is None and "sliding_attention" in args.layer_types:
+        raise ValueError("config.json's sliding_window=null is not supported for gemma3_text with sliding_attention "
+                         "layers (transformers' Gemma3 windows them by it and cannot run them without one): give a "
+                         f"window (its default: {GEMMA3_WINDOW}), or layer_types of full_attention only")
 
 
 def _hf_rope_scaling(cfg: dict) -> dict | None:

@@ -159,6 +159,27 @@ def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor):
     return torch.ops.aten.silu_backward(dh * up, gate), dh * s, s * up
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximated GELU (Gemma 3's gate activation, transformers' gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def glu_values(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """`act(gate) * up` outside autograd (`swiglu_values`; `act` "gelu_tanh": Gemma 3's GeGLU, eager)."""
+    if act == "silu":
+        return swiglu_values(gate, up)
+    return gelu_tanh(gate) * up
+
+
+def glu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str = "silu"):
+    """(dgate, dup, act(gate) * up) for the gradient `dh` of the product, outside autograd (`swiglu_grads`;
+    `act` "gelu_tanh": autograd's roundings of the eager GeGLU)."""
+    if act == "silu":
+        return swiglu_grads(gate, up, dh)
+    s = gelu_tanh(gate)
+    return torch.ops.aten.gelu_backward(dh * up, gate, approximate="tanh"), dh * s, s * up
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`models.transformer.apply_rope` on q `[..., Hq, D]` and k `[..., Hkv, D]` in one launch;
     cos/sin `[..., D]` (one dtype with q and k) broadcast over heads, no gradient."""

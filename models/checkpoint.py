@@ -44,9 +44,9 @@ def meshppo_key_to_hf(key: str) -> str:
 
 
 # The types whose transformers family has no ...ForTokenClassification: a value model of one has no transformers
-# class that reads it back (OLMo-2's Olmo2ForSequenceClassification scores each sequence's last token only; Granite
-# has no classifier at all).
-NO_TOKEN_CLASSIFIER = ("granite", "olmo2")
+# class that reads it back (OLMo-2's Olmo2ForSequenceClassification and Gemma 3's Gemma3TextForSequenceClassification
+# score each sequence's last token only; Granite has no classifier at all).
+NO_TOKEN_CLASSIFIER = ("gemma3_text", "granite", "olmo2")
 
 
 def hf_architecture(model_type: str, head: str = "lm") -> str:

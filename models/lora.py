@@ -122,8 +122,9 @@ class LoRAConfig:
         with separate projections (q_proj .. down_proj), else of a type whose transformers model fuses some
         (`FUSED_PROJECTIONS`: Phi3's qkv_proj, o_proj, gate_up_proj, down_proj). `model_targets` gives what a
         given model's type selects."""
-        refusals = []  # each family's names in turn; none selecting: the separate projections' refusal
-        for model_type in (None, *FUSED_PROJECTIONS):
+        refusals = []  # each family's names in turn (its fused projections, its norms); none selecting: the
+        # separate projections' refusal
+        for model_type in (None, *FUSED_PROJECTIONS, *_LAYER_NORMS):
             try:
                 return peft_targets(self.target_modules, _hf_module_names(2, LM_HEAD + VALUE_HEAD, model_type),
                                     self.exclude_modules, model_type)
@@ -141,8 +142,11 @@ class LoRAConfig:
 LM_HEAD = ("lm_head",)
 VALUE_HEAD = ("score", "dropout")
 # The norms of a decoder layer of a type's transformers model whose are not Llama's input_layernorm and
-# post_attention_layernorm, as peft sees its modules: OLMo-2's post-norm blocks have no input norm.
-_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+# post_attention_layernorm, as peft sees its modules: OLMo-2's post-norm blocks have no input norm, Gemma 3's
+# have four.
+_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                "post_feedforward_layernorm")}
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 

@@ -64,7 +64,8 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, num_shards: int) -> torch.Tensor:
     where a projection is LoRA-wrapped."""
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     if all(type(p) is nn.Linear for p in (gate, up, down)):
-        return _TiledMLP.apply(x, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias, num_shards)
+        return _TiledMLP.apply(x, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias, num_shards,
+                               mlp.act)
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled()
     tiles = [checkpoint(mlp.swiglu_mlp, x2[a:b], use_reentrant=False) if grad else mlp.swiglu_mlp(x2[a:b])
@@ -82,18 +83,18 @@ def _accumulator(w: torch.Tensor, needed: bool) -> torch.Tensor | None:
 
 
 class _TiledMLP(torch.autograd.Function):
-    """`down(silu(gate(x)) * up(x))` over token tiles, saving x and the weights only."""
+    """`down(act(gate(x)) * up(x))` (`act`: `MLP.act`) over token tiles, saving x and the weights only."""
 
     @staticmethod
-    def forward(ctx, x, wg, bg, wu, bu, wd, bd, num_shards):
+    def forward(ctx, x, wg, bg, wu, bu, wd, bd, num_shards, act):
         x2 = x.reshape(-1, x.shape[-1])
         out = x.new_empty(*x.shape[:-1], wd.shape[0])  # fresh, not a view (block_ops: FSDP2's output hooks)
         out2 = out.view(-1, wd.shape[0])
         for a, b in tile_bounds(x2.shape[0], num_shards):
             xt = x2[a:b]
-            out2[a:b] = F.linear(block_ops.swiglu_values(F.linear(xt, wg, bg), F.linear(xt, wu, bu)), wd, bd)
+            out2[a:b] = F.linear(block_ops.glu_values(F.linear(xt, wg, bg), F.linear(xt, wu, bu), act), wd, bd)
         ctx.save_for_backward(x, wg, bg, wu, bu, wd)
-        ctx.num_shards = num_shards
+        ctx.num_shards, ctx.act = num_shards, act
         return out
 
     @staticmethod
@@ -110,7 +111,7 @@ class _TiledMLP(torch.autograd.Function):
         for a, b in tile_bounds(x2.shape[0], ctx.num_shards):
             xt, dyt = x2[a:b], dy2[a:b]
             gate, up = F.linear(xt, wg, bg), F.linear(xt, wu, bu)
-            dg, du, h = block_ops.swiglu_grads(gate, up, dyt @ wd)
+            dg, du, h = block_ops.glu_grads(gate, up, dyt @ wd, ctx.act)
             del gate, up
             if dwd is not None:
                 dwd += dyt.t() @ h
@@ -125,4 +126,4 @@ class _TiledMLP(torch.autograd.Function):
                     acc += g.sum(0, dtype=acc.dtype)
         grads = [g if g is None else g.to(w.dtype) for g, w in ((dwg, wg), (dbg, bg), (dwu, wu), (dbu, bu),
                                                                (dwd, wd))]
-        return dx, *grads, dbd, None
+        return dx, *grads, dbd, None, None

@@ -1,4 +1,5 @@
-"""A decoder-only transformer for the Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3 families.
+"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3
+families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -28,15 +29,24 @@ from models.tiled_mlp import tiled_mlp
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm over the last dim. `unit_offset` (Gemma 3's, `ModelArgs.unit_offset_norm`): the weight is stored
+    0-centred and the norm scales by `1 + weight`, in float32, rounded once to the input's dtype (transformers'
+    Gemma3RMSNorm); else the normalised row is rounded first, then times the weight (Llama's)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def reset_parameters(self):
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+                    * (1.0 + self.weight.float())).to(x.dtype)
         if block_ops.use_fused_ops(x, self.weight):
             return block_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as Hugging Face does: this
@@ -153,11 +163,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=args.o_proj_bias)  # (OLMo-2's with attention_bias)
         self.qk_norm, self.full_qk_norm = args.qk_norm, args.full_qk_norm
-        if self.qk_norm or self.full_qk_norm:  # Qwen3: each head's query and key RMS-normalised before RoPE;
-            # OLMo-2: the whole query and key projections, before the head split
-            self.q_norm = RMSNorm(self.n_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
-            self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps)
-        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: its attention_multiplier)
+        if self.qk_norm or self.full_qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normalised before
+            # RoPE; OLMo-2: the whole query and key projections, before the head split
+            offset = args.unit_offset_norm
+            self.q_norm = RMSNorm(self.n_heads * d if self.full_qk_norm else d, args.rms_norm_eps, offset)
+            self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps, offset)
+        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None
@@ -196,6 +207,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, m, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, m, bias=args.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=args.mlp_bias)
+        self.act = args.mlp_activation  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma 3's)
 
     def forward(self, x):
         if self.num_shards is not None:
@@ -206,6 +218,8 @@ class MLP(nn.Module):
         """The untiled MLP (the tiled one's LoRA path runs it on each tile)."""
         gate, up = self.gate_proj(x), self.up_proj(x)
         down = self.down_proj
+        if self.act != "silu":
+            return down(block_ops.gelu_tanh(gate) * up)
         if not block_ops.use_fused_ops(gate, up, same_dtype=True):
             return down(F.silu(gate) * up)
         if type(down) is nn.Linear and block_ops.use_fused_ops(gate, down.weight, same_dtype=True):
@@ -217,24 +231,33 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm (`x + attn(input_layernorm(x))`, then `h + mlp(post_attention_layernorm(h))`), or, where
     `ModelArgs.post_norm` (OLMo-2), post-norm on each branch without an input norm (`x +
-    post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`), as transformers names
-    the norms of each. Granite's branch outputs are multiplied by its residual_multiplier before each add.
+    post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`), or, where
+    `ModelArgs.sandwich_norm` (Gemma 3), both (`x + post_attention_layernorm(attn(input_layernorm(x)))`, then
+    `h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`), as transformers names the norms of each.
+    Granite's branch outputs are multiplied by its residual_multiplier before each add.
     """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.post_norm = args.post_norm
+        self.post_norm, self.sandwich_norm = args.post_norm, args.sandwich_norm
         self.residual_scale = args.residual_multiplier
+        h, eps, offset = args.hidden_size, args.rms_norm_eps, args.unit_offset_norm
         if not self.post_norm:
-            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.input_layernorm = RMSNorm(h, eps, offset)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        if self.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
         self.mlp = MLP(args)
-        if self.post_norm:
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if self.post_norm or self.sandwich_norm:
+            self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 shared: PrefixSharing | None = None):
+        if self.sandwich_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask,
+                                                                 cu_seqlens, max_seqlen, shared))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention_mask, cu_seqlens, max_seqlen,
                                                                  shared))
@@ -246,6 +269,19 @@ class TransformerBlock(nn.Module):
     def _scaled(self, branch):
         """A branch's output times the residual scale (Granite's residual_multiplier; no op at 1)."""
         return branch if self.residual_scale == 1.0 else branch * self.residual_scale
+
+
+def scale_embeddings(x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The embeddings `x` times `ModelArgs.embedding_scale` (Granite's embedding_multiplier, Gemma 3's
+    sqrt(hidden_size); no op at 1), rounded as each transformers class rounds it: Gemma 3's scale is rounded to
+    `x`'s dtype first (`ModelArgs.embedding_scale_rounded`), Granite's is a Python float, which the product takes
+    unrounded. The training model's and the engine's embedding."""
+    scale = args.embedding_scale
+    if scale == 1.0:
+        return x
+    if args.embedding_scale_rounded:
+        return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+    return x * scale
 
 
 def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor, device=None) -> torch.Tensor:
@@ -304,13 +340,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
         for layer, window in zip(self.layers, args.layer_windows):
             layer.self_attn.window = window
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.local_rope_layers = frozenset(args.local_rope_layers)  # (Gemma 3's sliding_attention layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)
         if head == "value":
             self.score = nn.Linear(args.hidden_size, 1, bias=True)
         elif not args.tie_word_embeddings:
             self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
         inv_freq, self.rope_attention_factor = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if self.local_rope_layers:
+            inv_freq, self.local_rope_attention_factor = rope_inv_freq(args.local_rope_args())
+            self.register_buffer("local_inv_freq", inv_freq, persistent=False)
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -336,8 +376,8 @@ class Transformer(nn.Module):
                     yield prefix + "bias", torch.zeros(m.bias.shape)
             elif isinstance(m, nn.Embedding):
                 yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=generator)
-            elif isinstance(m, RMSNorm):
-                yield prefix + "weight", torch.ones(m.weight.shape)
+            elif isinstance(m, RMSNorm):  # the identity: ones, or zeros scaling by 1 + weight
+                yield prefix + "weight", (torch.zeros if m.unit_offset else torch.ones)(m.weight.shape)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -350,7 +390,10 @@ class Transformer(nn.Module):
 
     def reset_buffers(self):
         """Recompute non-persistent buffers (they are garbage after `to_empty`)."""
-        self.inv_freq, self.rope_attention_factor = rope_inv_freq(self.args, device=self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        self.inv_freq, self.rope_attention_factor = rope_inv_freq(self.args, device=device)
+        if self.local_rope_layers:
+            self.local_inv_freq, self.local_rope_attention_factor = rope_inv_freq(self.args.local_rope_args(), device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -389,11 +432,13 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
-        if self.args.embedding_scale != 1.0:  # Granite's embedding_multiplier
-            x = x * self.args.embedding_scale
+        x = scale_embeddings(x, self.args)
         cos, sin = rope_cos_sin(RopeFrequencies(self.inv_freq, self.rope_attention_factor), position_ids, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask, cu_seqlens, max_seqlen, shared)
+        local = (rope_cos_sin(RopeFrequencies(self.local_inv_freq, self.local_rope_attention_factor), position_ids,
+                              x.dtype) if self.local_rope_layers else None)
+        for i, layer in enumerate(self.layers):
+            rope = local if i in self.local_rope_layers else (cos, sin)
+            x = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared)
         x = self.norm(x)
         if packed and squeeze:
             x = x.unsqueeze(0)

@@ -19,7 +19,10 @@ its identity and follows the new memory. Inside it:
   whole projection (each rank's sums of squares, all-reduced: `_full_qk_norm`).
 
 OLMo-2's blocks are post-norm (`ModelArgs.post_norm`): no input norm, each branch's output normed and
-added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is.
+added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is. Gemma 3's
+(`ModelArgs.sandwich_norm`) norm each branch's input and output: the input norm and `pre_ff_norm` read the
+residual stream, the output norms are added to it as OLMo-2's are; every norm of a Gemma 3 scales by `1 + weight`
+(`unit_offset`), its embedding by sqrt(hidden), and its sliding_attention layers rotate by their own RoPE tables.
 
 Granite's scalars are arguments of the steps that exist anyway: the attention's scale (`ModelArgs.attention_scale`),
 the residual_multiplier a scale of each branch output that `ops.rms_norm` adds to the residual stream, the
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 
 from models.args import ModelArgs
 from models.parallel_plan import tp_shard_dim
-from models.transformer import Transformer, rope_cos_sin, rope_inv_freq
+from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
 from rollout.attention import AttentionMetadata
 from rollout.ops import FP8, FP8_MAX, quantize_fp8, split_k_products
 from rollout.parallel import TPGroup, vocab_shard
@@ -89,6 +92,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [D], its key norm (OLMo-2: this rank's KV heads' part [kv D])
     post_ff_norm: torch.Tensor | None = None  # [H]: OLMo-2's post_feedforward_layernorm (after the MLP)
     o_b: torch.Tensor | None = None  # [H], replicated: o_proj's bias (OLMo-2's with attention_bias), added once
+    pre_ff_norm: torch.Tensor | None = None  # [H]: Gemma 3's pre_feedforward_layernorm (before the MLP)
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -148,10 +152,15 @@ def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
 
 
 def check_quantization(args: ModelArgs, quantization: str | None) -> None:
-    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2)."""
+    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2) or one whose
+    norms scale by 1 + weight (Gemma 3)."""
     if quantization == "fp8" and args.post_norm:
         raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
                          "norm into its projections, and this model's post-norm blocks have none")
+    if quantization == "fp8" and args.sandwich_norm:
+        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
+                         "norm's weight into its projections, and this model's norms scale by 1 + weight and norm "
+                         "each branch's output too")
 
 
 VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
@@ -200,15 +209,24 @@ class EngineModel:
         # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
-        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: its attention_multiplier)
+        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
         self.windows = args.layer_windows  # each layer's sliding window (None: the whole context)
+        self.offset = args.unit_offset_norm  # every norm scales by 1 + weight (Gemma 3)
+        self.act = args.mlp_activation
         self._plan_layout()
         # RoPE tables [max_model_len, D/2] in the model dtype, computed as the training model
         # computes them (float32 angles, then cast), on the engine's device.
+        # Gemma 3's sliding_attention layers rotate by their own (`ModelArgs.local_rope_layers`): `layer_rope`.
         pos = torch.arange(max_model_len, device=device)
         cos, sin = rope_cos_sin(rope_inv_freq(args, device=device), pos, dtype)
         self.cos = cos[:, :self.head_dim // 2].contiguous()
         self.sin = sin[:, :self.head_dim // 2].contiguous()
+        self.layer_rope = [(self.cos, self.sin)] * args.num_hidden_layers
+        if args.local_rope_layers:
+            cos, sin = rope_cos_sin(rope_inv_freq(args.local_rope_args(), device=device), pos, dtype)
+            local = (cos[:, :self.head_dim // 2].contiguous(), sin[:, :self.head_dim // 2].contiguous())
+            for i in args.local_rope_layers:
+                self.layer_rope[i] = local
         if quantization == "fp8":
             # The normed activations |x / rms(x)| <= sqrt(H): one fixed scale maps them into e4m3's range
             # (the norm's weight is folded into the next projection), so no pass over them measures it.
@@ -240,9 +258,12 @@ class EngineModel:
             if not a.post_norm:
                 buffers[b + "in_norm"] = (h,)
                 plan[p + "input_layernorm.weight"] = (b + "in_norm", 0, None)
-            else:
+            if a.post_norm or a.sandwich_norm:
                 buffers[b + "post_ff_norm"] = (h,)
                 plan[p + "post_feedforward_layernorm.weight"] = (b + "post_ff_norm", 0, None)
+            if a.sandwich_norm:
+                buffers[b + "pre_ff_norm"] = (h,)
+                plan[p + "pre_feedforward_layernorm.weight"] = (b + "pre_ff_norm", 0, None)
             buffers[b + "post_norm"] = (h,)
             buffers[b + "qkv_w"] = (q + 2 * kv, h)
             buffers[b + "o_w"] = (h, q)
@@ -344,7 +365,7 @@ class EngineModel:
                          B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
                          B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"),
                          *self._qk_norms(B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm")),
-                         B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"))
+                         B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"), B.get(f"layers.{i}.pre_ff_norm"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
 
@@ -421,17 +442,17 @@ class EngineModel:
 
     # ------------------------------------------------------------------ forward
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel embedding: each rank looks up its rows, zeros the rest, all-reduce; times Granite's
-        embedding_multiplier (`ModelArgs.embedding_scale`), rounded as the training model rounds it."""
-        scale = self.args.embedding_scale
+        """Vocab-parallel embedding: each rank looks up its rows, zeros the rest, all-reduce; times
+        `ModelArgs.embedding_scale` (Granite's embedding_multiplier, Gemma 3's sqrt(hidden)), rounded as the
+        training model rounds it (`models.transformer.scale_embeddings`)."""
         if self.tp.size == 1:
             x = F.embedding(ids, self.embed_w)
-            return x if scale == 1.0 else x * scale
-        local = ids.long() - self.vocab_start
-        mine = (local >= 0) & (local < self.vocab_local)
-        x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
-        x = self.tp.all_reduce(x)
-        return x if scale == 1.0 else x * scale
+        else:
+            local = ids.long() - self.vocab_start
+            mine = (local >= 0) & (local < self.vocab_local)
+            x = F.embedding(torch.where(mine, local, 0), self.embed_w) * mine[:, None].to(self.dtype)
+            x = self.tp.all_reduce(x)
+        return scale_embeddings(x, self.args)
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops, splits: int) -> torch.Tensor:
         """`o_proj` / `down_proj`: `[T, H]`, or (TP 1, `splits` > 1) their split-K products `[S, T, H]`
@@ -463,7 +484,7 @@ class EngineModel:
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
         if fp8 or self.args.qk_norm or self.args.full_qk_norm:
             qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype), or the q/k norms read the sums
-        if self.args.post_norm:
+        if self.args.post_norm or self.args.sandwich_norm:
             return qkv, 1, 1  # each branch's norm reads its projection, not a residual sum
         if self.tp.size > 1:
             return qkv, 1, 1
@@ -482,6 +503,9 @@ class EngineModel:
         if self.fp8_layers and self.fp8_stale:
             raise RuntimeError("the weights changed since quantize_fp8(): the e4m3 projections are stale")
         eps = self.args.rms_norm_eps
+        if self.args.sandwich_norm:
+            return self._sandwich_forward(input_ids, positions, token_slots, meta, kv_cache, block_tables, ops,
+                                          kv_scales)
         branch = self.args.residual_multiplier  # each branch output's scale before its residual add (Granite's)
         x = self.embed(input_ids)
         qkv_splits, o_splits, down_splits = self._splits(x.shape[0], meta)
@@ -528,6 +552,45 @@ class EngineModel:
                 x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops,
                                        down_splits)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale, scale=1.0 if residual is None else branch)
+        return h
+
+    def _attention(self, i: int, qkv, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables, ops,
+                   kv_scales, qkv_b=None):
+        """Layer `i`'s attention of its projections `qkv` (q / k normed): RoPE by the layer's tables, the K/V
+        write, attention through its window; `[T, Hq/t D]`."""
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+        cos, sin = self.layer_rope[i]
+        if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
+            return ops.decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta, self.scale,
+                                        self.num_heads, self.num_kv_heads, self.head_dim, qkv_b, k_scale, v_scale,
+                                        window=self.windows[i])
+        q = ops.rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
+                               self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
+        return ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale,
+                                     window=self.windows[i])
+
+    def _sandwich_forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
+                          ops, kv_scales) -> torch.Tensor:
+        """`forward` of a Gemma 3 (`ModelArgs.sandwich_norm`): each branch's input normed from the residual stream
+        and its output normed and added to it (`ops.post_norm_add`); every norm by 1 + weight."""
+        if ops.name != "torch":
+            raise NotImplementedError(f"the engine's Triton kernels do not run model_type {self.args.model_type} (its "
+                                      "norms by 1 + weight, GeGLU MLP): only its PyTorch path does")
+        eps = self.args.rms_norm_eps
+        x = self.embed(input_ids)
+        for i, w in enumerate(self.layers):
+            h, _ = ops.rms_norm(x, w.in_norm, eps, unit_offset=True)
+            qkv = ops.linear(h, w.qkv_w, w.qkv_b)
+            qkv = ops.qk_norm(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, eps,
+                              unit_offset=True)
+            o = self._attention(i, qkv, positions, token_slots, meta, kv_cache, block_tables, ops, kv_scales)
+            x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x, unit_offset=True)
+            h, _ = ops.rms_norm(x, w.pre_ff_norm, eps, unit_offset=True)
+            y = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b, act=self.act), w.down_w, w.down_b,
+                                   ops, 1)
+            x = ops.post_norm_add(y, w.post_ff_norm, eps, x, unit_offset=True)
+        h, _ = ops.rms_norm(x, self.norm_w, eps, unit_offset=True)
         return h
 
     def _full_qk_norm(self, qkv: torch.Tensor, w: LayerWeights, ops, eps: float) -> torch.Tensor:

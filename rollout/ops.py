@@ -113,7 +113,8 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0,
+                 unit_offset: bool = False):
         """(norm(x + residual) [T, H], x + residual); the norm of `models.transformer.RMSNorm`.
 
         `x` is `[T, H]`, or a projection's split-K products `[S, T, H]` (float32, `split_k_products`),
@@ -123,7 +124,8 @@ class TorchOps:
         dtype. `out_dtype` (default: the residual's) is the normed output's: the product of the rounded
         norm and `weight` (float32 `weight`: the fp8 path's constant scale) is rounded once to it. `scale` (with a
         residual): `x`, a block branch's output, is multiplied by it and rounded before the add (Granite's
-        residual_multiplier), as the training model's `x + branch * scale`.
+        residual_multiplier), as the training model's `x + branch * scale`. `unit_offset` (Gemma 3's norms): the
+        float32 normalised row times `1 + weight`, rounded once.
         """
         if x.dim() == 3 or x_scale is not None or scale != 1.0:
             if residual is None:
@@ -137,25 +139,31 @@ class TorchOps:
         if residual is not None:
             x = x + residual
         xf = x.float()
+        if unit_offset:
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(
+                out_dtype or x.dtype), x
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return (weight.float() * y.float()).to(out_dtype or x.dtype), x
 
     @staticmethod
-    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                unit_offset: bool = False):
         """`qkv [T, (Hq + 2 Hkv) D]` with each head of q normed by `q_weight [D]` and each of k by `k_weight`
-        (Qwen3's `q_norm` / `k_norm`: `models.transformer.RMSNorm` over a head), v unchanged; in place."""
+        (Qwen3's and Gemma 3's `q_norm` / `k_norm`: `models.transformer.RMSNorm` over a head; `unit_offset`:
+        Gemma 3's, by 1 + weight), v unchanged; in place."""
         t, d = qkv.shape[0], head_dim
         for start, heads, weight in ((0, num_heads, q_weight), (num_heads * d, num_kv_heads, k_weight)):
             part = qkv[:, start:start + heads * d]
-            part.copy_(TorchOps.rms_norm(part.reshape(t * heads, d), weight, eps)[0].view(t, heads * d))
+            normed = TorchOps.rms_norm(part.reshape(t * heads, d), weight, eps, unit_offset=unit_offset)[0]
+            part.copy_(normed.view(t, heads * d))
         return qkv
 
     @staticmethod
-    def post_norm_add(x, weight, eps: float, residual):
-        """`residual + norm(x)` `[T, H]`: a post-norm block's branch output `x` normed (`rms_norm`) and added to the
-        residual stream, rounded as the training model's `x + RMSNorm(branch)` (OLMo-2's); the Triton op writes the
-        sum into `residual` in place."""
-        return residual + TorchOps.rms_norm(x, weight, eps)[0]
+    def post_norm_add(x, weight, eps: float, residual, unit_offset: bool = False):
+        """`residual + norm(x)` `[T, H]`: a post-norm block's branch output `x` normed (`rms_norm`, `unit_offset`:
+        Gemma 3's) and added to the residual stream, rounded as the training model's `x + RMSNorm(branch)` (OLMo-2's,
+        Gemma 3's); the Triton op writes the sum into `residual` in place."""
+        return residual + TorchOps.rms_norm(x, weight, eps, unit_offset=unit_offset)[0]
 
     @staticmethod
     def qk_square_sums(qkv, q_width: int, k_width: int):
@@ -180,15 +188,16 @@ class TorchOps:
         return qkv
 
     @staticmethod
-    def silu_and_mul(gate_up):
-        """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    def silu_and_mul(gate_up, act: str = "silu"):
+        """[T, 2I] (gate | up) -> silu(gate) * up [T, I] (`act` "gelu_tanh": Gemma 3's tanh-approximated GELU of
+        the gate)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
     @staticmethod
-    def gated_linear(x, weight, bias=None):
-        """The SwiGLU MLP's input half: `silu_and_mul(linear(x, weight, bias))`, weight `[2I, K]` = [gate | up]."""
-        return TorchOps.silu_and_mul(F.linear(x, weight, bias))
+    def gated_linear(x, weight, bias=None, act: str = "silu"):
+        """The gated MLP's input half: `silu_and_mul(linear(x, weight, bias), act)`, weight `[2I, K]` = [gate | up]."""
+        return TorchOps.silu_and_mul(F.linear(x, weight, bias), act)
 
     @staticmethod
     def silu_and_mul_fp8(gate_up):

@@ -45,8 +45,9 @@ from sharding.replicate import apply_replicated, replicated_params
 _FP16 = ("fp16", "float16", "16", "half")
 _DTYPES = {k: v for k, v in torch_dtypes().items() if k not in _FP16}
 # meshppo's block and the Hugging Face classes a verl config names for the same layer.
-_BLOCK_CLASS_NAMES = ("TransformerBlock", "GraniteDecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer",
-                      "Olmo2DecoderLayer", "Phi3DecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+_BLOCK_CLASS_NAMES = ("TransformerBlock", "Gemma3DecoderLayer", "GraniteDecoderLayer", "LlamaDecoderLayer",
+                      "MistralDecoderLayer", "Olmo2DecoderLayer", "Phi3DecoderLayer", "Qwen2DecoderLayer",
+                      "Qwen3DecoderLayer")
 _WRAP_POLICY_KEYS = ("min_num_params", "transformer_layer_cls_to_wrap")
 
 

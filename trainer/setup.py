@@ -432,7 +432,7 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 def check_engine_quantization(cfg: PPOConfig) -> None:
     """The engine's quantization against the actor's model (`rollout.model.check_quantization`: fp8 on an
-    OLMo-2), before any model is built."""
+    OLMo-2 or a Gemma 3), before any model is built."""
     from rollout.model import check_quantization
 
     arr = cfg.actor_rollout_ref
@@ -530,7 +530,7 @@ def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
 def check_value_model_export(cfg: PPOConfig) -> None:
     """ConfigError, before any work, where the critic's checkpoints would write it as a Hugging Face directory
     (critic.checkpoint.save_contents with hf_model) and its type's transformers family has no token classifier
-    to read a value model back (`models.checkpoint.NO_TOKEN_CLASSIFIER`: OLMo-2)."""
+    to read a value model back (`models.checkpoint.NO_TOKEN_CLASSIFIER`: OLMo-2, Gemma 3)."""
     from models.checkpoint import NO_TOKEN_CLASSIFIER, value_export_refusal
 
     if not cfg.uses_critic or "hf_model" not in cfg.critic.checkpoint.save_contents:

@@ -9,7 +9,9 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 
 
-def check_olmo2_tp2_equals_tp1(rank: int, triton: bool = False):
+def check_olmo2_tp2_equals_tp1(rank: int, triton: bool = False, model_type: str = "olmo2", extra_hf=None):
+    """(also another type's: `model_type`, with config.json's keys `extra_hf`: tests/multiproc/
+    test_gemma3_engine_tp.py)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import ModelArgs, Transformer
@@ -22,7 +24,8 @@ def check_olmo2_tp2_equals_tp1(rank: int, triton: bool = False):
     for kv, head_dim, tied in ((2, None, True), (1, 24, False)):
         args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=128,
-                         model_type="olmo2", tie_word_embeddings=tied, attention_bias=tied)
+                         model_type=model_type, tie_word_embeddings=tied, attention_bias=tied,
+                         extra_hf=extra_hf or {})
         model = Transformer.build(args, seed=0)
         with torch.no_grad():
             g = torch.Generator().manual_seed(1)

@@ -1,0 +1,19 @@
+"""Gemma 3 in the engine at TP 2 over two gloo processes equals TP 1 (float32, CPU): its vocab-parallel embedding
+scaled after the all-reduce, its replicated norms by 1 + weight (four a block and the per-head q / k norms), its
+GeGLU MLP split by columns, o_proj's bias added once, each layer its RoPE and window (one sliding layer with a
+window of 4 and its own RoPE base, one full)."""
+
+from tests.dist_utils import run_distributed
+from tests.multiproc.test_olmo2_engine_tp import check_olmo2_tp2_equals_tp1
+
+GEMMA3 = dict(model_type="gemma3_text", extra_hf={"sliding_window": 4, "query_pre_attn_scalar": 12,
+                                                  "layer_types": ["sliding_attention", "full_attention"],
+                                                  "rope_local_base_freq": 100.0})
+
+
+def _body(rank, world_size):
+    check_olmo2_tp2_equals_tp1(rank, **GEMMA3)
+
+
+def test_gemma3_tp2_equals_tp1():
+    run_distributed(_body, 2)

@@ -1,0 +1,226 @@
+"""Gemma 3 text checkpoints (`model_type: gemma3_text`, `Gemma3ForCausalLM`) against transformers' implementation on
+tiny random weights, in float64 on CPU: meshppo's model (norms by 1 + weight, four of them a block, per-head q / k
+norms, a GeGLU MLP, the embedding scaled by sqrt(hidden), query_pre_attn_scalar's attention scale, sliding and full
+layers each with its RoPE), its engine, the trainer's loading path, the export, LoRA, and what meshppo refuses."""
+
+import json
+
+import pytest
+import torch
+
+from models import ModelArgs, Transformer
+from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
+                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
+
+transformers = pytest.importorskip("transformers")
+
+_one_thread = one_thread
+VOCAB = 97
+# Layer types of the three layers: a window (6) far shorter than the test sequences (40) on the sliding ones, whose
+# RoPE base (10,000) is not the full layer's (1e6, linear-scaled by 4 as gemma-3-4b's by 8).
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+# Explicit head_dim (24 against hidden / heads 16) with GQA and tied embeddings (Gemma 3's); one KV head, untied,
+# attention_bias (transformers' Gemma3 then biases o_proj too), the default layer pattern (5 sliding, 1 full).
+SHAPES = [dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+          dict(num_key_value_heads=1, head_dim=16, tie_word_embeddings=False, attention_bias=True, layer_types=None,
+               num_hidden_layers=6)]
+
+
+def _gemma3(dtype=torch.float64, **overrides):
+    """transformers' Gemma3ForCausalLM, random weights large enough that the logits are decisive."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, max_position_embeddings=256, query_pre_attn_scalar=20,
+              sliding_window=6, layer_types=LAYERS, rope_parameters=ROPE, rms_norm_eps=1e-6, pad_token_id=0,
+              eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
+    return hf_causal_lm(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dtype, **(kw | overrides))
+
+
+def _saved(tmp_path, **overrides):
+    hf = _gemma3(**overrides)
+    hf.save_pretrained(tmp_path / "gemma3")
+    return hf, tmp_path / "gemma3"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_equal_transformers_gemma3(tmp_path, shape):
+    """Padded batches (left padding, positions from the mask) and packed sequences longer than the window: meshppo's
+    logits are Gemma3ForCausalLM's; its parameter count (the FLOP formula's) is transformers'."""
+    hf, path = _saved(tmp_path, **shape)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    a = ours.args
+    assert a.model_type == "gemma3_text" and a.head_dim == shape["head_dim"]
+    assert a.sandwich_norm and a.unit_offset_norm and a.qk_norm and not a.full_qk_norm and not a.post_norm
+    assert a.attention_scale == 20 ** -0.5 and a.embedding_scale == 8.0 and a.mlp_activation == "gelu_tanh"
+    assert a.layer_types == hf.config.layer_types and a.local_rope_layers == [
+        i for i, k in enumerate(hf.config.layer_types) if k == "sliding_attention"]
+    assert a.layer_windows == [6 if k == "sliding_attention" else None for k in hf.config.layer_types]
+    assert (a.rope_theta, a.rope_scaling, a.local_rope_args().rope_theta) == (1e6, {"rope_type": "linear",
+                                                                                    "factor": 4.0}, 1e4)
+    assert a.o_proj_bias == shape.get("attention_bias", False)
+    assert ours.layers[0].self_attn.q_norm.weight.shape == (a.head_dim,)
+    assert a.num_params() == sum(p.numel() for p in hf.parameters())  # the MFU's FLOP count
+    check_padded_and_packed_logits(hf, ours, VOCAB)
+
+
+def test_each_part_of_the_gemma3_architecture_shows_in_the_logits(tmp_path):
+    """Each difference from a Llama moves the logits far above the tolerance: without it the test above fails."""
+    import dataclasses
+
+    hf, path = _saved(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    base = Transformer.from_pretrained(path, dtype=torch.float64)
+    changes = {"window": dict(extra_hf=base.args.extra_hf | {"sliding_window": 1000}),
+               "local rope": dict(extra_hf=base.args.extra_hf | {"rope_local_base_freq": 1e6}),
+               "scale": dict(extra_hf=base.args.extra_hf | {"query_pre_attn_scalar": 24})}
+    for what, change in changes.items():
+        other = Transformer(dataclasses.replace(base.args, **change)).double()
+        other.load_state_dict(base.state_dict())
+        other.reset_buffers()
+        with torch.no_grad():
+            assert (other(ids) - ref).abs().max() > 1e-3, what
+
+
+def test_default_layer_types_and_an_older_config_json_are_read_as_transformers_reads_them():
+    """A config.json before transformers v5 (rope_theta, rope_local_base_freq and rope_scaling at the top level, no
+    layer_types: every sixth layer full) is read as Gemma3TextConfig reads it; a ModelArgs written back is that
+    config."""
+    old = dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_theta=1e6,
+               rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=512,
+               query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh")
+    raw = ModelArgs.from_hf_config(old)
+    via_hf = ModelArgs.from_hf_config(transformers.Gemma3TextConfig(**{k: v for k, v in old.items()
+                                                                       if k != "model_type"}))
+    for a in (raw, via_hf):
+        assert a.layer_types == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]
+        assert a.windowed_layers == [0, 1, 2, 3, 4, 6] and a.sliding_window == 512
+        assert (a.rope_theta, a.rope_type, a.local_rope_args().rope_theta) == (1e6, "linear", 1e4)
+        back = a.to_hf_config()
+        assert type(back).__name__ == "Gemma3TextConfig" and back.layer_types == a.layer_types
+        assert back.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+        assert back.rope_parameters["full_attention"]["factor"] == 8.0 and back.query_pre_attn_scalar == 16
+        assert back.hidden_activation == "gelu_pytorch_tanh" and back.sliding_window == 512
+
+
+@pytest.mark.parametrize("key,value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                                       ("use_bidirectional_attention", True)])
+def test_what_meshppo_does_not_compute_is_refused_naming_the_key(tmp_path, key, value):
+    """A logit soft cap (final or attention) or bidirectional attention would give other logits than transformers':
+    refused at load, naming config.json's key."""
+    from models.checkpoint import load_model_args
+
+    _, path = _saved(tmp_path, **{key: value})
+    with pytest.raises(ValueError, match=f"config.json's {key}={value!r} is not supported for gemma3_text"):
+        load_model_args(path)
+
+
+def test_a_null_window_with_sliding_layers_is_refused_and_none_is_gemma3s_default():
+    """transformers' Gemma3 cannot run a sliding_attention layer without a window (its cache fails): refused, naming
+    the key; a config without one (a ModelArgs built here) windows by Gemma3TextConfig's default, 4096, and writes it."""
+    with pytest.raises(ValueError, match="config.json's sliding_window=null is not supported for gemma3_text"):
+        ModelArgs(model_type="gemma3_text", extra_hf={"sliding_window": None})
+    assert ModelArgs(model_type="gemma3_text", extra_hf={"sliding_window": None,
+                                                         "layer_types": ["full_attention"] * 2}).attention_window is None
+    args = ModelArgs(model_type="gemma3_text", num_hidden_layers=7)
+    assert args.layer_windows == [4096] * 5 + [None, 4096] and args.to_hf_config().sliding_window == 4096
+
+
+def test_another_activation_is_refused():
+    with pytest.raises(ValueError, match="hidden_activation='gelu' is not supported for gemma3_text"):
+        ModelArgs.from_hf_config(transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                               hidden_activation="gelu"))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path, shape):
+    """The engine on a Gemma 3 checkpoint (chunked prefill and preemption forced; prompts and outputs past the
+    window): greedy tokens are those of a no-cache loop over the training model, its log-probs the training
+    forward's, and transformers' logits pick the same tokens."""
+    hf, path = _saved(tmp_path, **shape)
+    check_engine_greedy(hf, path, VOCAB)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_saved_gemma3_directory_loads_through_the_trainers_model_path(tmp_path, world):
+    """config.json + model.safetensors as transformers' save_pretrained writes them (float32), read by the trainer's
+    actor builder (FSDP on one gloo rank, and sharded over two): every weight (the 0-centred norms as stored) lands
+    where transformers put it. verl's wrap policy may name Gemma3DecoderLayer."""
+    from sharding import FSDPConfig
+    from tests.dist_utils import run_distributed
+
+    assert FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["Gemma3DecoderLayer"]})
+    _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[1])
+    assert json.loads((path / "config.json").read_text())["model_type"] == "gemma3_text"
+    run_distributed(trainer_loads_bit_for_bit, world, str(path), "gemma3_text", 16, unprefixed)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_export_round_trips_through_transformers_gemma3(tmp_path, shape):
+    """The trained-policy export writes a directory transformers loads as Gemma3ForCausalLM with meshppo's logits
+    (its layer types, window, both RoPE bases and query_pre_attn_scalar); a value model's export is refused,
+    transformers having no Gemma3 token classifier."""
+    _, base = _saved(tmp_path, dtype=torch.float32, **shape)
+    written, again = check_export_round_trip(tmp_path, base, "Gemma3", VOCAB, token_classifier=False)
+    assert written["model_type"] == "gemma3_text" and written["tie_word_embeddings"] == shape["tie_word_embeddings"]
+    assert written["query_pre_attn_scalar"] == 20 and written["sliding_window"] == 6
+    assert written["layer_types"] == again.config.layer_types and "hidden_act" not in written
+    assert written["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4
+
+
+def test_fp8_rollout_is_refused_for_gemma3(tmp_path):
+    """fp8 rollout folds each block's input norm weight into its projections: a norm by 1 + weight, and one on each
+    branch's output, is not that; the engine refuses it."""
+    from rollout.model import EngineModel
+    from rollout.parallel import TPGroup
+
+    with pytest.raises(ValueError, match="fp8 rollout is not supported for model_type gemma3_text"):
+        EngineModel(ModelArgs(model_type="gemma3_text"), TPGroup(), torch.float32, torch.device("cpu"), 64,
+                    quantization="fp8")
+
+
+def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
+    """all-linear (verl's default) on a Gemma 3 adapts q_proj .. down_proj (not its norms); save_peft_adapter writes
+    peft's adapter, which PeftModel.from_pretrained on Gemma3ForCausalLM reads with meshppo's logits; exclude_modules
+    may name its pre_feedforward_layernorm (a module of Gemma3ForCausalLM)."""
+    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, model_targets, save_peft_adapter
+
+    hf, path = _saved(tmp_path)
+    cfg = LoRAConfig(4, 8.0)
+    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
+    assert {n.split(".", 2)[2] for n, p in ours.named_parameters() if p.requires_grad} == {
+        f"{m}.{ab}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for ab in ("lora_A", "lora_B")}
+    assert model_targets(LoRAConfig(4, 8.0, exclude_modules=["pre_feedforward_layernorm"]), ours.args)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type="gemma3_text")
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits
+        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
+        assert (ref - base).abs().max() > 1e-2  # the adapters act
+        assert (ours(ids) - ref).abs().max().item() <= TOL
+
+
+def test_a_gemma3_sequence_classifier_loads_as_a_reward_model(tmp_path):
+    """A Gemma3TextForSequenceClassification directory (num_labels 1, a reward model's form) loads as meshppo's value
+    model: its score at a sequence's last token is transformers' logit."""
+    cfg = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_labels=1,
+                                        pad_token_id=0, sliding_window=6, layer_types=LAYERS, rope_parameters=ROPE,
+                                        query_pre_attn_scalar=20)
+    hf = hf_causal_lm(lambda **kw: cfg, transformers.Gemma3TextForSequenceClassification)
+    hf.save_pretrained(tmp_path / "rm")
+    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
+    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[:, 0]
+        assert ref.abs().max() > 1e-1
+        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
