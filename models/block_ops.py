@@ -65,49 +65,52 @@ def _kernels():
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, unit_offset):
         x = x.contiguous()
-        out, rstd = _kernels().rms_norm_fwd(x, weight.contiguous(), eps)
+        out, rstd = _kernels().rms_norm_fwd(x, weight.contiguous(), eps, unit_offset)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.unit_offset = unit_offset
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _kernels().rms_norm_bwd(x, weight.contiguous(), rstd, dout.contiguous(),
-                                         with_dw=ctx.needs_input_grad[1])
-        return dx, dw, None
+                                         with_dw=ctx.needs_input_grad[1], unit_offset=ctx.unit_offset)
+        return dx, dw, None, None
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, act):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up)
-        return _kernels().swiglu_fwd(gate, up)
+        ctx.act = act
+        return _kernels().swiglu_fwd(gate, up, act)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        return _kernels().swiglu_bwd(gate, up, dout.contiguous())
+        return *_kernels().swiglu_bwd(gate, up, dout.contiguous(), act=ctx.act), None
 
 
 class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
+    def forward(ctx, gate, up, weight, bias, act):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(_kernels().swiglu_fwd(gate, up), weight, bias)
+        ctx.act = act
+        return F.linear(_kernels().swiglu_fwd(gate, up, act), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dh = (dy2 @ weight).view(gate.shape)
-        dg, du, h = _kernels().swiglu_bwd(gate, up, dh, with_out=True)
+        dg, du, h = _kernels().swiglu_bwd(gate, up, dh, with_out=True, act=ctx.act)
         dw = dy2.t() @ h.view(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
         db = dy2.sum(0) if ctx.needs_input_grad[3] else None  # False for a None bias
-        return dg, du, dw, db
+        return dg, du, dw, db, None
 
 
 class _RoPE(torch.autograd.Function):
@@ -125,59 +128,46 @@ class _RoPE(torch.autograd.Function):
         return *_kernels().rope(dq.contiguous(), dk.contiguous(), cos, sin, backward=True), None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`models.transformer.RMSNorm`'s formula over the last dim of `x [..., N]`, fused."""
-    return _RMSNorm.apply(x, weight, float(eps))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """`models.transformer.RMSNorm`'s formula over the last dim of `x [..., N]` (with its `unit_offset`), fused."""
+    return _RMSNorm.apply(x, weight, float(eps), unit_offset)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up` (same shape and dtype), fused."""
-    return _SwiGLU.apply(gate, up)
+def activation(gate: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The gate's eager activation: `F.silu`, or for "gelu_tanh" the tanh-approximated GELU (Gemma 3's GeGLU,
+    transformers' gelu_pytorch_tanh)."""
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """`activation(gate, act) * up` (same shape and dtype), fused."""
+    return _SwiGLU.apply(gate, up, act)
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(F.silu(gate) * up, weight, bias)`, fused SwiGLU, without keeping the product for
-    backward (module docstring)."""
-    return _SwiGLUDown.apply(gate, up, weight, bias)
+                bias: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """`F.linear(activation(gate, act) * up, weight, bias)`, fused SwiGLU (GeGLU), without keeping the product
+    for backward (module docstring)."""
+    return _SwiGLUDown.apply(gate, up, weight, bias, act)
 
 
-def swiglu_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up` outside autograd (a Function's own forward or backward, as the tiled
+def swiglu_values(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """`activation(gate, act) * up` outside autograd (a Function's own forward or backward, as the tiled
     MLP's): the fused kernel where `use_fused_ops` takes it, else the eager formula."""
     if use_fused_ops(gate, up, same_dtype=True):
-        return _kernels().swiglu_fwd(gate.contiguous(), up.contiguous())
-    return F.silu(gate) * up
+        return _kernels().swiglu_fwd(gate.contiguous(), up.contiguous(), act)
+    return activation(gate, act) * up
 
 
-def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor):
-    """(dgate, dup, silu(gate) * up) for the gradient `dh` of the product, outside autograd: the
+def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str = "silu"):
+    """(dgate, dup, activation(gate, act) * up) for the gradient `dh` of the product, outside autograd: the
     fused kernel where `use_fused_ops` takes it, else autograd's roundings of the eager formula."""
     if use_fused_ops(gate, up, dh, same_dtype=True):
-        return _kernels().swiglu_bwd(gate.contiguous(), up.contiguous(), dh.contiguous(), with_out=True)
-    s = F.silu(gate)
-    return torch.ops.aten.silu_backward(dh * up, gate), dh * s, s * up
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """The tanh-approximated GELU (Gemma 3's gate activation, transformers' gelu_pytorch_tanh)."""
-    return F.gelu(x, approximate="tanh")
-
-
-def glu_values(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """`act(gate) * up` outside autograd (`swiglu_values`; `act` "gelu_tanh": Gemma 3's GeGLU, eager)."""
-    if act == "silu":
-        return swiglu_values(gate, up)
-    return gelu_tanh(gate) * up
-
-
-def glu_grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str = "silu"):
-    """(dgate, dup, act(gate) * up) for the gradient `dh` of the product, outside autograd (`swiglu_grads`;
-    `act` "gelu_tanh": autograd's roundings of the eager GeGLU)."""
-    if act == "silu":
-        return swiglu_grads(gate, up, dh)
-    s = gelu_tanh(gate)
-    return torch.ops.aten.gelu_backward(dh * up, gate, approximate="tanh"), dh * s, s * up
+        return _kernels().swiglu_bwd(gate.contiguous(), up.contiguous(), dh.contiguous(), with_out=True, act=act)
+    s = activation(gate, act)
+    dgate = (torch.ops.aten.silu_backward(dh * up, gate) if act == "silu"
+             else torch.ops.aten.gelu_backward(dh * up, gate, approximate="tanh"))
+    return dgate, dh * s, s * up
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

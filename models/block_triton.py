@@ -7,10 +7,12 @@ autograd Functions):
 
 * `rms_norm_fwd` / `rms_norm_bwd`: one program per row forward, saving the row's rstd; the
   backward gives dx per row and dweight as per-program float32 partial sums over runs of
-  rows, which torch adds up (deterministic: no atomics).
+  rows, which torch adds up (deterministic: no atomics). `OFFSET` (Gemma 3's norm): times
+  `1 + weight`, in float32, rounded once.
 * `swiglu_fwd` / `swiglu_bwd`: `silu(gate) * up` and its two gradients, flat over elements;
   the backward recomputes silu from the saved gate and up, and can write the forward's output
-  again on the way (for a down projection that did not keep it).
+  again on the way (for a down projection that did not keep it). `GELU` (Gemma 3's GeGLU): the
+  tanh-approximated GELU of the gate instead of silu.
 * `rope`: rotate-half RoPE of q and k in one launch, one program per token; the backward is
   the same kernel rotating by -sin.
 
@@ -65,6 +67,32 @@ def silu_mul(g, u):
     return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
 
 
+# The tanh-approximated GELU, `0.5 g (1 + tanh(k (g + c g^3)))` with k = sqrt(2 / pi), c = 0.044715, written as
+# `g * sigmoid(2 k (g + c g^3))` (the same function: 1 + tanh(z) = 2 sigmoid(2 z)); 1.5957691216057308 is 2 k.
+
+
+@triton.jit
+def _gelu_tanh(gf):
+    return gf / (1.0 + tl.exp(-1.5957691216057308 * (gf + 0.044715 * gf * gf * gf)))
+
+
+@triton.jit
+def _gelu_tanh_grad(gf):
+    """d gelu_tanh / dg at float32 `gf`: sig + g sig (1 - sig) 2 k (1 + 3 c g^2), sig the sigmoid above."""
+    sig = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (gf + 0.044715 * gf * gf * gf)))
+    return sig + gf * sig * (1.0 - sig) * 1.5957691216057308 * (1.0 + 0.134145 * gf * gf)
+
+
+@triton.jit
+def act_mul(g, u, GELU: tl.constexpr):
+    """`act(g) * u` as torch rounds it (act in float32, rounded to u's dtype, times u): `silu_mul`, or with
+    `GELU` the tanh-approximated GELU (`F.gelu(g, approximate="tanh")`, Gemma 3's GeGLU)."""
+    if GELU:
+        s = _gelu_tanh(g.to(tl.float32)).to(u.dtype)
+        return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    return silu_mul(g, u)
+
+
 @triton.jit
 def rotate_half(x1, x2, c1, s1, c2, s2):
     """`x * cos + cat([-x2, x1]) * sin` on the halves (x1, x2) of the head dim, with the
@@ -82,13 +110,27 @@ def rotate_half(x1, x2, c1, s1, c2, s2):
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
+def unit_offset_norm_row(x, w, N, eps):
+    """(x normalised in float32 times `1 + w`, the row's rstd) for one row `x [BLOCK]` (lanes past `N` zeros)
+    and float32 `w`: Gemma 3's norm (transformers' Gemma3RMSNorm), not rounded before the weight."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    return xf * rstd * (1.0 + w), rstd
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    y, rstd = rms_norm_row(tl.load(x_ptr + row * N + cols, mask=mask, other=0.0), N, eps)
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    if OFFSET:
+        out, rstd = unit_offset_norm_row(x, w, N, eps)
+    else:
+        y, rstd = rms_norm_row(x, N, eps)
+        out = w * y.to(tl.float32)
+    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -96,11 +138,13 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.cons
 # would compile another variant in the middle of a run; they are only loop bounds.
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dout_ptr, dx_ptr, dw_part_ptr, n_rows, N, rows_per_program,
-                         WITH_DW: tl.constexpr, BLOCK: tl.constexpr):
+                         WITH_DW: tl.constexpr, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:  # out = (1 + w) * n, n unrounded
+        w = tl.where(mask, 1.0 + w, 0.0)
     dw = tl.zeros([BLOCK], tl.float32)
     start = pid.to(tl.int64) * rows_per_program  # int64 row offsets: rows * N may pass 2**31
     for r in range(start, tl.minimum(start + rows_per_program, n_rows)):
@@ -114,7 +158,9 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dout_ptr, dx_ptr, dw_part_ptr, 
         g = dy * w
         dx = rstd * (g - n * (tl.sum(g * n, axis=0) / N))
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if WITH_DW:
+        if WITH_DW and OFFSET:
+            dw += dy * n  # the unrounded normalised row the forward multiplied
+        elif WITH_DW:
             dw += dy * n.to(x.dtype).to(tl.float32)  # the rounded y the forward multiplied
     if WITH_DW:
         tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
@@ -124,24 +170,28 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 8
 
 
-def rms_norm_fwd(x, weight, eps: float):
+def rms_norm_fwd(x, weight, eps: float, unit_offset: bool = False):
     """RMSNorm of the rows of `x [..., N]` (contiguous; rows = every leading dim) times
     `weight [N]`: (out, x's shape in the promoted dtype of x and weight as `weight * y` gives
-    it; rstd `[rows]` float32)."""
+    it; rstd `[rows]` float32). `unit_offset` (Gemma 3's): times `1 + weight` in float32, rounded
+    once to x's dtype."""
     n = x.shape[-1]
     r = x.numel() // n if n else 0
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     rstd = torch.empty(r, dtype=torch.float32, device=x.device)
     if r:
         block = triton.next_power_of_2(n)
-        _rms_norm_fwd_kernel[(r,)](x, weight, out, rstd, n, float(eps), BLOCK=block, num_warps=_norm_warps(block))
+        _rms_norm_fwd_kernel[(r,)](x, weight, out, rstd, n, float(eps), BLOCK=block, OFFSET=unit_offset,
+                                   num_warps=_norm_warps(block))
     return out, rstd
 
 
-def rms_norm_bwd(x, weight, rstd, dout, with_dw: bool = True, programs: int = RMS_BWD_PROGRAMS):
-    """Gradients of `rms_norm_fwd` for the output gradient `dout` (x's shape, contiguous): (dx
-    in x's dtype, dweight `[N]` in weight's dtype, summed over rows in float32, or None unless
-    `with_dw`). `programs` caps the launch, each program taking a run of rows."""
+def rms_norm_bwd(x, weight, rstd, dout, with_dw: bool = True, programs: int = RMS_BWD_PROGRAMS,
+                 unit_offset: bool = False):
+    """Gradients of `rms_norm_fwd` (with its `unit_offset`) for the output gradient `dout` (x's shape,
+    contiguous): (dx in x's dtype, dweight `[N]` in weight's dtype, summed over rows in float32, or None
+    unless `with_dw`). `programs` caps the launch, each program taking a run of rows."""
     n = x.shape[-1]
     r = rstd.numel()
     dx = torch.empty_like(x)
@@ -154,7 +204,7 @@ def rms_norm_bwd(x, weight, rstd, dout, with_dw: bool = True, programs: int = RM
     dw_part = torch.empty(grid if with_dw else 1, n, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n)
     _rms_norm_bwd_kernel[(grid,)](x, weight, rstd, dout, dx, dw_part, r, n, rows_per_program,
-                                  WITH_DW=with_dw, BLOCK=block, num_warps=_norm_warps(block))
+                                  WITH_DW=with_dw, BLOCK=block, OFFSET=unit_offset, num_warps=_norm_warps(block))
     return dx, (dw_part.sum(0).to(weight.dtype) if with_dw else None)
 
 
@@ -162,50 +212,57 @@ def rms_norm_bwd(x, weight, rstd, dout, with_dw: bool = True, programs: int = RM
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, numel, BLOCK: tl.constexpr, GELU: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, silu_mul(g, u), mask=mask)
+    tl.store(out_ptr + offs, act_mul(g, u, GELU), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, out_ptr, numel, BLOCK: tl.constexpr,
-                       WITH_OUT: tl.constexpr):
+                       WITH_OUT: tl.constexpr, GELU: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0)
     dy = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    s = _silu(g).to(u.dtype)  # the rounded silu the forward multiplied
-    # d silu / dg = sig * (1 + g * (1 - sig))
-    tl.store(dg_ptr + offs, (dy * u.to(tl.float32) * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty),
-             mask=mask)
+    if GELU:
+        s = _gelu_tanh(g).to(u.dtype)  # the rounded GELU the forward multiplied
+        ds = _gelu_tanh_grad(g)
+    else:
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        s = _silu(g).to(u.dtype)  # the rounded silu the forward multiplied
+        ds = sig * (1.0 + g * (1.0 - sig))  # d silu / dg
+    tl.store(dg_ptr + offs, (dy * u.to(tl.float32) * ds).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, (dy * s.to(tl.float32)).to(du_ptr.dtype.element_ty), mask=mask)
     if WITH_OUT:  # the forward's output again, rounded as `silu_mul` rounds it: the same bits
         tl.store(out_ptr + offs, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
 
-def swiglu_fwd(gate, up):
-    """`silu(gate) * up` of two contiguous tensors of one shape and dtype."""
+def swiglu_fwd(gate, up, act: str = "silu"):
+    """`silu(gate) * up` of two contiguous tensors of one shape and dtype (`act` "gelu_tanh": the
+    tanh-approximated GELU of the gate, Gemma 3's GeGLU)."""
     out = torch.empty_like(up)
     n = up.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, out, n, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        _swiglu_fwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, out, n, BLOCK=SWIGLU_BLOCK,
+                                                            GELU=act == "gelu_tanh", num_warps=4)
     return out
 
 
-def swiglu_bwd(gate, up, dout, with_out: bool = False):
-    """(dgate, dup) of `swiglu_fwd` for the output gradient `dout` (contiguous, same shape); with
-    `with_out`, (dgate, dup, out): `swiglu_fwd(gate, up)` too, bit for bit, from the same reads."""
+def swiglu_bwd(gate, up, dout, with_out: bool = False, act: str = "silu"):
+    """(dgate, dup) of `swiglu_fwd` (with its `act`) for the output gradient `dout` (contiguous, same
+    shape); with `with_out`, (dgate, dup, out): `swiglu_fwd(gate, up, act)` too, bit for bit, from the
+    same reads."""
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     out = torch.empty_like(up) if with_out else None
     n = up.numel()
     if n:
         _swiglu_bwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, dout, dg, du, out if with_out else du, n,
-                                                            BLOCK=SWIGLU_BLOCK, WITH_OUT=with_out, num_warps=4)
+                                                            BLOCK=SWIGLU_BLOCK, WITH_OUT=with_out,
+                                                            GELU=act == "gelu_tanh", num_warps=4)
     return (dg, du, out) if with_out else (dg, du)
 
 

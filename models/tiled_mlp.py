@@ -92,7 +92,7 @@ class _TiledMLP(torch.autograd.Function):
         out2 = out.view(-1, wd.shape[0])
         for a, b in tile_bounds(x2.shape[0], num_shards):
             xt = x2[a:b]
-            out2[a:b] = F.linear(block_ops.glu_values(F.linear(xt, wg, bg), F.linear(xt, wu, bu), act), wd, bd)
+            out2[a:b] = F.linear(block_ops.swiglu_values(F.linear(xt, wg, bg), F.linear(xt, wu, bu), act), wd, bd)
         ctx.save_for_backward(x, wg, bg, wu, bu, wd)
         ctx.num_shards, ctx.act = num_shards, act
         return out
@@ -111,7 +111,7 @@ class _TiledMLP(torch.autograd.Function):
         for a, b in tile_bounds(x2.shape[0], ctx.num_shards):
             xt, dyt = x2[a:b], dy2[a:b]
             gate, up = F.linear(xt, wg, bg), F.linear(xt, wu, bu)
-            dg, du, h = block_ops.glu_grads(gate, up, dyt @ wd, ctx.act)
+            dg, du, h = block_ops.swiglu_grads(gate, up, dyt @ wd, ctx.act)
             del gate, up
             if dwd is not None:
                 dwd += dyt.t() @ h

@@ -43,12 +43,12 @@ class RMSNorm(nn.Module):
         (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if block_ops.use_fused_ops(x, self.weight):
+            return block_ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         if self.unit_offset:
             xf = x.float()
             return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
                     * (1.0 + self.weight.float())).to(x.dtype)
-        if block_ops.use_fused_ops(x, self.weight):
-            return block_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as Hugging Face does: this
         # ordering is what makes bf16 logits agree with checkpoints trained there.
         dtype = x.dtype
@@ -218,14 +218,12 @@ class MLP(nn.Module):
         """The untiled MLP (the tiled one's LoRA path runs it on each tile)."""
         gate, up = self.gate_proj(x), self.up_proj(x)
         down = self.down_proj
-        if self.act != "silu":
-            return down(block_ops.gelu_tanh(gate) * up)
         if not block_ops.use_fused_ops(gate, up, same_dtype=True):
-            return down(F.silu(gate) * up)
+            return down(block_ops.activation(gate, self.act) * up)
         if type(down) is nn.Linear and block_ops.use_fused_ops(gate, down.weight, same_dtype=True):
             # a plain projection: its input, the largest activation, is not kept for backward
-            return block_ops.swiglu_down(gate, up, down.weight, down.bias)
-        return down(block_ops.swiglu(gate, up))
+            return block_ops.swiglu_down(gate, up, down.weight, down.bias, self.act)
+        return down(block_ops.swiglu(gate, up, self.act))
 
 
 class TransformerBlock(nn.Module):

@@ -53,18 +53,30 @@ def test_rms_norm_float32_weight_bf16_input():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(27_001, 1152), (27_001 * 4, 256)])
+def test_rms_norm_unit_offset(dtype, rows, width):
+    """Gemma 3's norm by 1 + weight (0-centred weights) at gemma-3-1b's hidden size and its per-head q / k norm
+    (head_dim 256, four heads a token)."""
+    x = (2 * torch.randn(rows, width, device=DEV)).to(dtype)
+    w = (0.3 * torch.randn(width, device=DEV)).to(dtype)
+    compare_op(rms_norm_ops(1e-6, unit_offset=True), [x, w], [True, True], ["out", "dx", "dw"], BF16_FACTOR)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("intermediate", [2048, 4864])
-def test_swiglu(dtype, intermediate):
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_swiglu(dtype, intermediate, act):
     gate = (3 * torch.randn(T, intermediate, device=DEV)).to(dtype)
     up = torch.randn(T, intermediate, device=DEV).to(dtype)
-    compare_op(swiglu_ops(), [gate, up], [True, True], ["out", "dgate", "dup"], BF16_FACTOR)
+    compare_op(swiglu_ops(act), [gate, up], [True, True], ["out", "dgate", "dup"], BF16_FACTOR)
 
 
-def test_swiglu_down():
-    """bf16 at qwen2.5-0.5b's MLP (4864 -> 896); float32 sums of 4864 products would sit too close
-    to `FP32_TOL` (the interpreter checks float32 at small sizes)."""
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_swiglu_down(act):
+    """bf16 at qwen2.5-0.5b's MLP (4864 -> 896), and its GeGLU (Gemma 3's); float32 sums of 4864 products would
+    sit too close to `FP32_TOL` (the interpreter checks float32 at small sizes)."""
     args = swiglu_down_inputs((T,), 4864, 896, torch.bfloat16, bias=False, device=DEV)
-    compare_op(swiglu_down_ops(), args, [True] * 3, ["out", "dgate", "dup", "dweight"], BF16_FACTOR)
+    compare_op(swiglu_down_ops(act), args, [True] * 3, ["out", "dgate", "dup", "dweight"], BF16_FACTOR)
 
 
 def test_swiglu_down_does_not_keep_the_product():

@@ -32,8 +32,8 @@ from tests import interpreter
 ENV = "MESHPPO_FUSED_OPS"
 FP32_TOL = 8 * torch.finfo(torch.float32).eps
 BF16_FACTOR = 1.5
-CHECKS = ["rms_norm", "rms_norm_weight_promotion", "swiglu", "swiglu_down", "swiglu_down_keeps_less", "rope_packed",
-          "rope_padded", "transformer"]
+CHECKS = ["rms_norm", "rms_norm_weight_promotion", "rms_norm_unit_offset", "swiglu", "swiglu_down", "geglu",
+          "geglu_down", "swiglu_down_keeps_less", "rope_packed", "rope_padded", "transformer", "transformer_gemma3"]
 
 
 # ---------------------------------------------------------------------------- shared with the GPU test
@@ -95,40 +95,53 @@ def compare_op(ops, args, needs_grad, names, bf16_factor: float, seed: int = 0) 
     return errs
 
 
-def rms_norm_ops(eps: float):
-    """(reference, eager, fused) RMSNorm of (x, weight). The module's eager formula normalises
-    in float32 whatever the input (`x.float()`): the float64 reference writes it out in float64."""
+def rms_norm_ops(eps: float, unit_offset: bool = False):
+    """(reference, eager, fused) RMSNorm of (x, weight) (`unit_offset`: Gemma 3's, times 1 + weight). The
+    module's eager formula normalises in float32 whatever the input (`x.float()`): the float64 reference writes it
+    out in float64."""
     from models import block_ops
     from models.transformer import RMSNorm
 
     def reference(x, w):
-        return (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),)
+        return ((1 + w if unit_offset else w) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),)
 
     def eager(x, w):
-        return (torch.func.functional_call(RMSNorm(w.shape[0], eps), {"weight": w}, (x,)),)
+        return (torch.func.functional_call(RMSNorm(w.shape[0], eps, unit_offset), {"weight": w}, (x,)),)
 
-    return reference, eager, lambda x, w: (block_ops.rms_norm(x, w, eps),)
+    return reference, eager, lambda x, w: (block_ops.rms_norm(x, w, eps, unit_offset),)
 
 
-def swiglu_ops():
-    """(reference, eager, fused) `silu(gate) * up`: the eager formula is its own float64 reference."""
+def _gelu_tanh64(g):
+    """The tanh-approximated GELU written out (float64 reference of F.gelu(approximate="tanh"))."""
+    return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)))
+
+
+def swiglu_ops(act: str = "silu"):
+    """(reference, eager, fused) `act(gate) * up` (silu; "gelu_tanh": Gemma 3's GeGLU, whose reference is the
+    formula written out): the eager formula is its own float64 reference."""
     from models import block_ops
 
     def eager(gate, up):
-        return (F.silu(gate) * up,)
+        return (block_ops.activation(gate, act) * up,)
 
-    return eager, eager, lambda gate, up: (block_ops.swiglu(gate, up),)
+    def reference(gate, up):
+        return ((_gelu_tanh64(gate) if act == "gelu_tanh" else F.silu(gate)) * up,)
+
+    return reference, eager, lambda gate, up: (block_ops.swiglu(gate, up, act),)
 
 
-def swiglu_down_ops():
-    """(reference, eager, fused) `F.linear(silu(gate) * up, weight[, bias])`: the eager formula is
-    its own float64 reference."""
+def swiglu_down_ops(act: str = "silu"):
+    """(reference, eager, fused) `F.linear(act(gate) * up, weight[, bias])`: the eager formula is
+    its own float64 reference (GeGLU's written out)."""
     from models import block_ops
 
     def eager(gate, up, weight, *bias):
-        return (F.linear(F.silu(gate) * up, weight, *bias),)
+        return (F.linear(block_ops.activation(gate, act) * up, weight, *bias),)
 
-    return eager, eager, lambda gate, up, weight, *bias: (block_ops.swiglu_down(gate, up, weight, *bias),)
+    def reference(gate, up, weight, *bias):
+        return (F.linear((_gelu_tanh64(gate) if act == "gelu_tanh" else F.silu(gate)) * up, weight, *bias),)
+
+    return reference, eager, lambda gate, up, weight, *bias: (block_ops.swiglu_down(gate, up, weight, *bias, act=act),)
 
 
 def swiglu_down_inputs(lead: tuple, m: int, n: int, dtype, bias: bool, device="cpu"):
@@ -220,9 +233,21 @@ def _checks(bf16: bool = True) -> dict:
         assert fused(x, w)[0].dtype == torch.float32
         return compare_op(ops, [x, w], [True, True], ["out", "dx", "dw"], BF16_FACTOR)
 
-    def swiglu():
+    def rms_norm_unit_offset():
+        # Gemma 3's norm: times 1 + weight in float32, rounded once; weights near 0 as its checkpoints store them
         errs = {}
-        ops = swiglu_ops()
+        ops = rms_norm_ops(1e-6, unit_offset=True)
+        for dtype in dtypes:
+            for shape in ((7, 96), (2, 5, 96), (13, 40), (4, 3, 256)):  # (256: Gemma 3's per-head q / k norm)
+                x = (2 * torch.randn(shape)).to(dtype)
+                w = (0.3 * torch.randn(shape[-1])).to(dtype)
+                errs[f"{dtype} {shape}"] = compare_op(ops, [x, w], [True, True], ["out", "dx", "dw"], BF16_FACTOR)
+                assert ops[2](x, w)[0].dtype == x.dtype
+        return errs
+
+    def swiglu(act="silu"):
+        errs = {}
+        ops = swiglu_ops(act)
         for dtype in dtypes:
             for shape in ((7, 80), (3, 5, 37)):
                 gate, up = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
@@ -230,9 +255,15 @@ def _checks(bf16: bool = True) -> dict:
                                                       ["out", "dgate", "dup"], BF16_FACTOR)
         return errs
 
-    def swiglu_down():
+    def geglu():
+        return swiglu("gelu_tanh")
+
+    def geglu_down():
+        return swiglu_down("gelu_tanh")
+
+    def swiglu_down(act="silu"):
         errs = {}
-        ops = swiglu_down_ops()
+        ops = swiglu_down_ops(act)
         for dtype in dtypes:
             for lead, m, n, bias in (((7,), 80, 40, False), ((3, 5), 37, 24, True)):
                 args = swiglu_down_inputs(lead, m, n, dtype, bias)
@@ -295,7 +326,7 @@ def _checks(bf16: bool = True) -> dict:
                                                              ["q", "k", "dq", "dk"], BF16_FACTOR)
         return errs
 
-    def transformer():
+    def transformer(args=None, expected_calls=None):
         """A tiny model, fused ops forced on vs off, float32: padded logits and packed log-probs,
         each with every parameter's gradient. Tolerance 1e-5 (normwise, ~80 float32 ulps): the
         per-op few-ulp differences, carried through two layers, the attention and the LM head."""
@@ -313,8 +344,8 @@ def _checks(bf16: bool = True) -> dict:
         originals = {name: getattr(block_triton, name) for name in kernels}
         for name in kernels:
             setattr(block_triton, name, counted(name))
-        args = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, attention_bias=True)
+        args = args or ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                 num_attention_heads=3, num_key_value_heads=1, attention_bias=True)
         model = Transformer.build(args, seed=0)
         with torch.no_grad():
             for name, p in model.named_parameters():  # weights of std 0.1, norms and biases not 1 and 0
@@ -351,12 +382,21 @@ def _checks(bf16: bool = True) -> dict:
             for name, fn in originals.items():
                 setattr(block_triton, name, fn)
         # per forward: 2 norms per layer + the final one, one SwiGLU and one RoPE per layer
-        assert calls == {"rms_norm_fwd": 10, "rms_norm_bwd": 10, "swiglu_fwd": 4, "swiglu_bwd": 4,
-                         "rope": 8}, calls
+        assert calls == (expected_calls or {"rms_norm_fwd": 10, "rms_norm_bwd": 10, "swiglu_fwd": 4,
+                                            "swiglu_bwd": 4, "rope": 8}), calls
         errs = {name: rel_err(got[name], ref[name]) for name in ref}
         worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
         assert worst[0][1] <= 1e-5, worst
         return max(errs.values())
+
+    def transformer_gemma3():
+        """`transformer` on a Gemma 3 (norms by 1 + weight, GeGLU, one sliding layer with its RoPE and window of 3):
+        per forward 6 norms a layer (four, q and k) + the final one."""
+        args = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=16, model_type="gemma3_text",
+                         extra_hf={"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]})
+        return transformer(args, {"rms_norm_fwd": 26, "rms_norm_bwd": 26, "swiglu_fwd": 4, "swiglu_bwd": 4,
+                                  "rope": 8})
 
     scope = locals()
     return {name: scope[name] for name in CHECKS}
@@ -501,11 +541,11 @@ def test_mlp_fuses_the_down_projection_only_when_it_is_a_plain_linear(monkeypatc
     monkeypatch.setenv(ENV, "triton")
     calls = []
 
-    def swiglu_down(gate, up, weight, bias=None):
+    def swiglu_down(gate, up, weight, bias=None, act="silu"):
         calls.append("swiglu_down")
         return F.linear(F.silu(gate) * up, weight, bias)
 
-    def swiglu(gate, up):
+    def swiglu(gate, up, act="silu"):
         calls.append("swiglu")
         return F.silu(gate) * up
 
