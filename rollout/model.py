@@ -574,9 +574,6 @@ class EngineModel:
                           ops, kv_scales) -> torch.Tensor:
         """`forward` of a Gemma 3 (`ModelArgs.sandwich_norm`): each branch's input normed from the residual stream
         and its output normed and added to it (`ops.post_norm_add`); every norm by 1 + weight."""
-        if ops.name != "torch":
-            raise NotImplementedError(f"the engine's Triton kernels do not run model_type {self.args.model_type} (its "
-                                      "norms by 1 + weight, GeGLU MLP): only its PyTorch path does")
         eps = self.args.rms_norm_eps
         x = self.embed(input_ids)
         for i, w in enumerate(self.layers):

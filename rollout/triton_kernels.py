@@ -6,8 +6,10 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 
 * `linear`, `gated_linear`: one row (a decode step of one sequence) times a weight `[N, K]`;
   more rows go to cuBLAS (`F.linear`).
-* `rms_norm`: residual add + RMSNorm in one pass; `post_norm_add`: a post-norm block's (OLMo-2's)
-  RMSNorm of a branch's output added to the residual stream, in one pass.
+* `rms_norm`: residual add + RMSNorm in one pass; `post_norm_add`: a post-norm block's (OLMo-2's,
+  Gemma 3's) RMSNorm of a branch's output added to the residual stream, in one pass. Gemma 3's
+  norms by 1 + weight (`OFFSET`, here and in `qk_norm`) and its GeGLU (`GELU`, in `silu_and_mul`
+  and the gated GEMV) are constexpr variants of the same kernels.
 * `qk_square_sums`, `full_qk_norm`: OLMo-2's q / k norms over the whole projections (the sums of
   squares of a rank's columns, which TP all-reduces between the two, then the norm by them).
 * `silu_and_mul`: the gated MLP activation.
@@ -66,7 +68,7 @@ try:  # grid dependency control: programmatic dependent launch (Hopper and later
 except ImportError:  # pragma: no cover - depends on the triton version
     gdc_launch_dependents = gdc_wait = None
 
-from models.block_triton import rms_norm_row, rotate_half, silu_mul
+from models.block_triton import act_mul, rms_norm_row, rotate_half, silu_mul, unit_offset_norm_row
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.config import KV_FP8_DTYPES
 from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
@@ -91,7 +93,7 @@ def _after_previous(PDL: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GELU: tl.constexpr):
     # BLOCK_N weight rows per program, each a dot product over K in float32: the rows are read
     # once (evict-first: nothing reuses them), the products accumulated per lane and reduced
     # once at the end. GATED: the weight is [gate | up] (2N rows) and the program's rows pair
@@ -126,7 +128,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
     if GATED:
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + out, silu_mul(gate, up), mask=out < N)
+        tl.store(y_ptr + out, act_mul(gate, up, GELU), mask=out < N)
     else:
         tl.store(y_ptr + feat, y, mask=fmask)
 
@@ -137,7 +139,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x, stride_r, stride_o, N, eps, scale,
                      PARTS: tl.constexpr, HAS_RES: tl.constexpr, X_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, OFFSET: tl.constexpr):
     # PARTS > 0: x is a projection's PARTS float32 split-K products (stride_s apart), summed in
     # order and rounded to the residual's dtype, as `rollout.ops.sum_split_k` does. X_SCALE: x is an
     # fp8 projection's rows, times their scales `xs [T]` in float32, rounded to the residual's dtype.
@@ -159,15 +161,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
         x = (x.to(tl.float32) * scale).to(r.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
-    y, _ = rms_norm_row(x, N, eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if OFFSET:  # Gemma 3's: times 1 + w in float32, rounded once
+        out, _ = unit_offset_norm_row(x, w.to(tl.float32), N, eps)
+    else:
+        y, _ = rms_norm_row(x, N, eps)
+        out = y.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, HEADS, D, eps, HEADS_P: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, OFFSET: tl.constexpr):
     # program t: every head of token t's q (h < HQ) and k (the next HEADS - HQ), each normed over its D
     # values in place, as `rms_norm_row` norms a row (`TorchOps.qk_norm`); one program a token, not a head
     _after_previous(PDL)
@@ -179,13 +184,17 @@ def _qk_norm_kernel(qkv_ptr, q_w_ptr, k_w_ptr, stride_t, HQ, HEADS, D, eps, HEAD
     x = tl.load(ptr, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    y = (xf * rstd[:, None]).to(x.dtype)
     w = tl.where(h < HQ, tl.load(q_w_ptr + d, mask=d < D, other=0.0), tl.load(k_w_ptr + d, mask=d < D, other=0.0))
-    tl.store(ptr, (y.to(tl.float32) * w.to(tl.float32)).to(qkv_ptr.dtype.element_ty), mask=mask)
+    if OFFSET:  # Gemma 3's: times 1 + w in float32, rounded once
+        out = xf * rstd[:, None] * (1.0 + w.to(tl.float32))
+    else:
+        out = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(ptr, out.to(qkv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _post_norm_add_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _post_norm_add_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                          OFFSET: tl.constexpr):
     # row t: res = res + norm(x) * w, the norm rounded to res's dtype as `rms_norm`'s output, then the add rounded
     # like torch's (`TorchOps.post_norm_add`); in place into res
     _after_previous(PDL)
@@ -194,9 +203,13 @@ def _post_norm_add_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, N, eps, BLO
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-    y, _ = rms_norm_row(x, N, eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    normed = (y.to(tl.float32) * w.to(tl.float32)).to(r.dtype)
+    if OFFSET:  # Gemma 3's: times 1 + w in float32, rounded once
+        normed, _ = unit_offset_norm_row(x, w.to(tl.float32), N, eps)
+    else:
+        y, _ = rms_norm_row(x, N, eps)
+        normed = y.to(tl.float32) * w.to(tl.float32)
+    normed = normed.to(r.dtype)
     tl.store(res_ptr + row * stride_r + offs, (normed.to(tl.float32) + r.to(tl.float32)).to(r.dtype), mask=mask)
 
 
@@ -241,14 +254,15 @@ def _norm_by_sums_kernel(x_ptr, w_ptr, sums_ptr, stride_t, WIDTH, J, TOTAL, eps,
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     GELU: tl.constexpr):
     _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
     g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + col, silu_mul(g, u), mask=mask)
+    tl.store(out_ptr + row * stride_o + col, act_mul(g, u, GELU), mask=mask)
 
 
 @triton.jit
@@ -851,7 +865,7 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] == 1 and x.shape[-1] == weight.shape[1] and x.is_contiguous() and weight.stride(1) == 1
 
 
-def _gemv(x, weight, bias, gated: bool):
+def _gemv(x, weight, bias, gated: bool, act: str = "silu"):
     n, k = weight.shape
     if gated:
         n //= 2
@@ -859,7 +873,8 @@ def _gemv(x, weight, bias, gated: bool):
     features = GEMV_BLOCK_N // 2 if gated else GEMV_BLOCK_N  # per program: a gated one reads 2 rows a feature
     _gemv_kernel[(triton.cdiv(n, features),)](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
                                             HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=GEMV_BLOCK_N,
-                                            BLOCK_K=GEMV_BLOCK_K, num_warps=GEMV_WARPS, **_launch(x))
+                                            BLOCK_K=GEMV_BLOCK_K, GELU=act == "gelu_tanh", num_warps=GEMV_WARPS,
+                                            **_launch(x))
     return y
 
 
@@ -886,13 +901,14 @@ class TritonOps:
         return _gemv(x, weight, bias, gated=False)
 
     @staticmethod
-    def gated_linear(x, weight, bias=None):
+    def gated_linear(x, weight, bias=None, act: str = "silu"):
         if not _gemv_fits(x, weight):
-            return TritonOps.silu_and_mul(F.linear(x, weight, bias))
-        return _gemv(x, weight, bias, gated=True)
+            return TritonOps.silu_and_mul(F.linear(x, weight, bias), act)
+        return _gemv(x, weight, bias, gated=True, act=act)
 
     @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0):
+    def rms_norm(x, weight, eps: float, residual=None, x_scale=None, out_dtype=None, scale: float = 1.0,
+                 unit_offset: bool = False):
         parts = x.shape[0] if x.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed here
         if (parts or x_scale is not None or scale != 1.0) and residual is None:
             raise ValueError("rms_norm of split-K products or scaled rows needs the residual (its dtype is the sum's)")
@@ -905,27 +921,28 @@ class TritonOps:
         _rms_norm_kernel[(t,)](x, res, weight, out, x_scale if x_scale is not None else weight,
                                x.stride(0) if parts else 0, x.stride(-2), res.stride(0), out.stride(0), n, eps,
                                float(scale), PARTS=parts, HAS_RES=residual is not None, X_SCALE=x_scale is not None,
-                               BLOCK=block, num_warps=4 if block <= 1024 else 8, **_launch(res))
+                               BLOCK=block, OFFSET=unit_offset, num_warps=4 if block <= 1024 else 8, **_launch(res))
         return out, res  # the residual sum is written into `residual` in place
 
     @staticmethod
-    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                unit_offset: bool = False):
         t = qkv.shape[0]
         if t:
             heads = num_heads + num_kv_heads
             block = _pow2(heads) * _pow2(head_dim)
             _qk_norm_kernel[(t,)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, heads, head_dim, eps,
-                                  HEADS_P=_pow2(heads), BLOCK=_pow2(head_dim), num_warps=4 if block <= 4096 else 8,
-                                  **_launch(qkv))
+                                  HEADS_P=_pow2(heads), BLOCK=_pow2(head_dim), OFFSET=unit_offset,
+                                  num_warps=4 if block <= 4096 else 8, **_launch(qkv))
         return qkv
 
     @staticmethod
-    def post_norm_add(x, weight, eps: float, residual):
+    def post_norm_add(x, weight, eps: float, residual, unit_offset: bool = False):
         t, n = x.shape
         if t:
             block = _pow2(n)
             _post_norm_add_kernel[(t,)](x, residual, weight, x.stride(0), residual.stride(0), n, eps, BLOCK=block,
-                                        num_warps=4 if block <= 1024 else 8, **_launch(x))
+                                        OFFSET=unit_offset, num_warps=4 if block <= 1024 else 8, **_launch(x))
         return residual  # the sum is written into `residual` in place
 
     @staticmethod
@@ -948,14 +965,15 @@ class TritonOps:
         return qkv
 
     @staticmethod
-    def silu_and_mul(gate_up):
+    def silu_and_mul(gate_up, act: str = "silu"):
         t, n2 = gate_up.shape
         n = n2 // 2
         out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
         if t:
             block = min(1024, _pow2(n))
             _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                         BLOCK=block, num_warps=4, **_launch(gate_up))
+                                                         BLOCK=block, GELU=act == "gelu_tanh", num_warps=4,
+                                                         **_launch(gate_up))
         return out
 
     @staticmethod

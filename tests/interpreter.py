@@ -12,7 +12,7 @@ rejects (the return types of two branches of a `constexpr` if disagree, say) pas
 interpreter check and fails on the GPU. So the child also records each distinct launch (kernel,
 argument types, `constexpr` values, options), and a second child, without the interpreter,
 compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed), with
-programmatic dependent launch on as on Hopper.
+programmatic dependent launch on as on Hopper, and checks that its shared memory fits a Hopper block.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def tests(test_file: str, checks: list[str]):
 
 
 _LAUNCHES = "__launches__"
+# The most shared memory one block may use on sm_90 (an H100's or H200's 227 KiB): a compiled kernel needing more
+# fails only at its launch on the GPU.
+HOPPER_SHARED_BYTES = 227 * 1024
 _UNUSABLE = "__unusable__"
 
 
@@ -190,9 +193,13 @@ def compile_main() -> None:
         src = ASTSource(fn=kernel, signature=e["signature"],
                         constexprs={(names.index(k),): v for k, v in e["constexprs"].items()})
         try:
-            triton.compile(src, target=target, options=e["options"])
+            shared = triton.compile(src, target=target, options=e["options"]).metadata.shared
         except Exception as exc:  # reported to the parent test
             failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: {type(exc).__name__}: {exc}"[:4000])
+            continue
+        if shared > HOPPER_SHARED_BYTES:  # the launch would fail on the GPU (out of resources)
+            failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: needs {shared} bytes of shared memory, "
+                            f"more than a block may have on an H100 ({HOPPER_SHARED_BYTES})")
     print(_MARKER + json.dumps(failures), flush=True)
 
 

@@ -83,11 +83,39 @@ def test_pointwise_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8)])
+def test_gemma3_pointwise_kernels(dtype):
+    """Gemma 3's variants at gemma-3-1b's sizes (hidden 1152, 4 query heads and 1 KV head of 256, intermediate 6912):
+    the norms by 1 + weight (with and without the residual, the post-norm add, the per-head q / k norm) and GeGLU
+    (the activation kernel and the one-row gated GEMV)."""
+    T = _triton()
+    torch.manual_seed(3)
+    x, res = torch.randn(37, 1152, device=DEV).to(dtype), torch.randn(37, 1152, device=DEV).to(dtype)
+    w = (0.3 * torch.randn(1152, device=DEV)).to(dtype)
+    for residual in (None, res):
+        ref_out, ref_res = TorchOps.rms_norm(x, w, 1e-6, None if residual is None else residual.clone(),
+                                             unit_offset=True)
+        out, new_res = T.rms_norm(x, w, 1e-6, None if residual is None else residual.clone(), unit_offset=True)
+        assert torch.equal(new_res, ref_res) and _rel(out, ref_out) < TOL[dtype] / 10
+    ref = TorchOps.post_norm_add(x, w, 1e-6, res.clone(), unit_offset=True)
+    assert _rel(T.post_norm_add(x, w, 1e-6, res.clone(), unit_offset=True), ref) < TOL[dtype] / 10
+    qkv = torch.randn(37, 6 * 256, device=DEV).to(dtype)
+    qn, kn = (0.3 * torch.randn(256, device=DEV)).to(dtype), (0.3 * torch.randn(256, device=DEV)).to(dtype)
+    ref = TorchOps.qk_norm(qkv.clone(), qn, kn, 4, 1, 256, 1e-6, unit_offset=True)
+    assert _rel(T.qk_norm(qkv.clone(), qn, kn, 4, 1, 256, 1e-6, unit_offset=True), ref) < TOL[dtype] / 10
+    gu = torch.randn(37, 2 * 6912, device=DEV).to(dtype)
+    assert _rel(T.silu_and_mul(gu, "gelu_tanh"), TorchOps.silu_and_mul(gu, "gelu_tanh")) < TOL[dtype] / 10
+    x1, wg = torch.randn(1, 1152, device=DEV).to(dtype), (torch.randn(2 * 6912, 1152, device=DEV) / 34).to(dtype)
+    ref = TorchOps.gated_linear(x1.float(), wg.float(), act="gelu_tanh")
+    assert _rel(T.gated_linear(x1, wg, act="gelu_tanh"), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (28, 4, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8),
+                                     (4, 1, 256)])
 def test_decode_attention_kernel(dtype, hq, hkv, d):
     """RoPE and the K/V write of each sequence's new token, then attention, in one kernel: against
     `rope_and_cache` in the same dtype and the reference attention in float32. Head dims 80, 96 and 8
-    run padded (`head_lanes`)."""
+    run padded (`head_lanes`); 256 is Gemma 3's (gemma-3-1b: 4 query heads, 1 KV head)."""
     from models import ModelArgs
     from models.transformer import rope_cos_sin, rope_inv_freq
 
@@ -113,7 +141,7 @@ def test_decode_attention_kernel(dtype, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (12, 4, 80), (8, 2, 96), (4, 2, 8), (4, 1, 256)])
 def test_prefill_attention_kernel(dtype, hq, hkv, d):
     T = _triton()
     torch.manual_seed(2)
@@ -260,7 +288,7 @@ def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):
 
 
 @pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
-                                     ("qwen3", {"head_dim": 24})])
+                                     ("qwen3", {"head_dim": 24}), ("gemma3_text", {"head_dim": 256})])
 def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
     model = _gpu_model(kind, eos_token_id=None, **kw)
     prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
@@ -419,7 +447,8 @@ def _logprob_errors(outs, models):
     return [torch.cat(e).mean().item() for e in errs]
 
 
-@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80})])
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
+                                     ("gemma3_text", {"head_dim": 256})])
 def test_engine_bf16_tracks_training_forward(kind, kw):
     """bf16 engine log-probs (Triton kernels, CUDA graphs; a padded head_dim of 80 too) are as close to the
     float32 truth as the bf16 training forward's."""

@@ -3,6 +3,8 @@ scaled after the all-reduce, its replicated norms by 1 + weight (four a block an
 GeGLU MLP split by columns, o_proj's bias added once, each layer its RoPE and window (one sliding layer with a
 window of 4 and its own RoPE base, one full)."""
 
+import pytest
+
 from tests.dist_utils import run_distributed
 from tests.multiproc.test_olmo2_engine_tp import check_olmo2_tp2_equals_tp1
 
@@ -17,3 +19,17 @@ def _body(rank, world_size):
 
 def test_gemma3_tp2_equals_tp1():
     run_distributed(_body, 2)
+
+
+def _triton_body(rank, world_size):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    check_olmo2_tp2_equals_tp1(rank, triton=True, **GEMMA3)
+
+
+def test_gemma3_tp2_triton_kernels_equal_tp1_torch_ops():
+    """The Triton kernels at TP 2 (norms by 1 + weight, GeGLU, each layer's RoPE table and window) against the PyTorch
+    ops at TP 1."""
+    pytest.importorskip("triton")
+    run_distributed(_triton_body, 2)

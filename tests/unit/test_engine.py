@@ -30,6 +30,10 @@ def tiny_args(kind: str, **kw) -> ModelArgs:
         common.update(model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
     elif kind == "qwen3":  # per-head q/k norms; heads wider than hidden / heads, as Qwen3's are
         common.update(model_type="qwen3", head_dim=24, tie_word_embeddings=True)
+    elif kind == "gemma3_text":  # norms by 1 + weight, GeGLU, a sliding layer (window 8, its own RoPE) and a full one
+        common.update(model_type="gemma3_text", head_dim=24, tie_word_embeddings=True,
+                      extra_hf={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                "query_pre_attn_scalar": 24})
     else:
         common.update(model_type="llama", mlp_bias=True, tie_word_embeddings=False, eos_token_id=3)
     common.update(kw)
