@@ -421,10 +421,7 @@ class ModelArgs:
         overrides = overrides or {}
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}"
-            )
+        check_hf_model_type(model_type)
         gemma3 = {}
         if model_type == "gemma3_text":  # its RoPE by layer type; the full_attention layers' is ModelArgs' own
             cfg, gemma3 = _gemma3_config(cfg)
@@ -534,6 +531,25 @@ class ModelArgs:
             setattr(cfg, "dtype" if isinstance(getattr(type(cfg), "torch_dtype", None), property) else "torch_dtype",
                     dtype)
         return cfg
+
+
+# The Hugging Face model types meshppo refuses with a way to a type it reads: Gemma 3's image-text checkpoints
+# (Gemma3ForConditionalGeneration: gemma-3-4b and up), whose language model is a gemma3_text one.
+_TYPE_INSTEAD = {"gemma3": (
+    "a Gemma3ForConditionalGeneration (image-text: gemma-3-4b and up) checkpoint, which meshppo does not read; its "
+    "language model is a Gemma3ForCausalLM (model_type gemma3_text), which it does: write that out with transformers "
+    "(m = Gemma3ForConditionalGeneration.from_pretrained(path); lm = Gemma3ForCausalLM(m.config.text_config); "
+    "lm.model.load_state_dict(m.model.language_model.state_dict()); lm.save_pretrained(out), and the tokenizer with "
+    "it) and give that directory (its logits are the checkpoint's on text)")}
+
+
+def check_hf_model_type(model_type) -> None:
+    """ValueError for a config.json's `model_type` meshppo does not build, saying what to do where there is a way
+    (`_TYPE_INSTEAD`)."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    instead = f": {_TYPE_INSTEAD[model_type]}" if model_type in _TYPE_INSTEAD else ""
+    raise ValueError(f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}{instead}")
 
 
 def _gemma3_config(cfg: dict) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.args import FUSED_PROJECTIONS, HF_FAMILY, ModelArgs, check_overrides
+from models.args import FUSED_PROJECTIONS, HF_FAMILY, ModelArgs, check_hf_model_type, check_overrides
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -194,6 +194,10 @@ def load_model_args(path, overrides: dict | None = None) -> ModelArgs:
     config_file = path / "config.json"
     with reading(config_file):
         hf_config = AutoConfig.from_pretrained(str(path))
+        try:  # before its sizes (another type's may be elsewhere); whole (a way to a type meshppo reads)
+            check_hf_model_type(getattr(hf_config, "model_type", None))
+        except ValueError as e:
+            raise CheckpointFileError(f"{str(config_file)!r}: {e}") from None
         _check_sizes(hf_config, config_file)
         args = ModelArgs.from_hf_config(hf_config, acting)
         if args.model_type == "llama" and args.attention_bias and "layers.0.self_attn.o_proj.bias" in \

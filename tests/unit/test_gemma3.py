@@ -224,3 +224,32 @@ def test_a_gemma3_sequence_classifier_loads_as_a_reward_model(tmp_path):
         ref = hf(input_ids=ids).logits[:, 0]
         assert ref.abs().max() > 1e-1
         assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+
+
+def test_an_image_text_checkpoint_is_refused_saying_how_to_write_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (gemma-3-4b and up; config.json's text_config) is refused naming its
+    model_type, not as a config without sizes; the recipe the message gives writes its language model as a
+    Gemma3ForCausalLM that meshppo loads, with the image-text model's logits on text."""
+    from models.checkpoint import CheckpointFileError, load_model_args
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, sliding_window=6, layer_types=LAYERS, rope_parameters=ROPE,
+                query_pre_attn_scalar=20)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    cfg.text_config._attn_implementation = "sdpa"
+    transformers.Gemma3ForConditionalGeneration(cfg).save_pretrained(tmp_path / "mm")
+    with pytest.raises(CheckpointFileError, match="model_type 'gemma3'.*Gemma3ForConditionalGeneration.*"
+                                                  r"lm\.save_pretrained\(out\)"):
+        load_model_args(tmp_path / "mm")
+    m = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float64).eval()
+    lm = transformers.Gemma3ForCausalLM(m.config.text_config)
+    lm.model.load_state_dict(m.model.language_model.state_dict())
+    lm.save_pretrained(tmp_path / "lm")
+    ours = Transformer.from_pretrained(tmp_path / "lm", dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = m(input_ids=ids).logits
+        assert ref.abs().max() > 1e-2
+        assert (ours(ids) - ref).abs().max().item() <= TOL
