@@ -253,3 +253,20 @@ def test_an_image_text_checkpoint_is_refused_saying_how_to_write_its_language_mo
         ref = m(input_ids=ids).logits
         assert ref.abs().max() > 1e-2
         assert (ours(ids) - ref).abs().max().item() <= TOL
+
+
+def test_bf16_logits_round_as_transformers_bf16_ones(tmp_path):
+    """In bf16 meshppo's logits are transformers' bf16 ones (on CPU, the same roundings: bit for bit here): the
+    embedding scale sqrt(72) rounded to bf16 (8.5) as transformers rounds it, each norm by 1 + weight in float32
+    rounded once. The bound, a tenth of transformers' own bf16 error against float64, fails an unrounded scale
+    (0.064 on average, beyond that error, 0.058)."""
+    _, path = _saved(tmp_path, dtype=torch.float32, hidden_size=72)
+    hf64, hf16 = (transformers.Gemma3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+                  for dtype in (torch.float64, torch.bfloat16))
+    ours = Transformer.from_pretrained(path, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        truth, theirs, got = hf64(input_ids=ids).logits, hf16(input_ids=ids).logits.double(), ours(ids).double()
+    bf16_error = (theirs - truth).abs().mean().item()
+    assert bf16_error > 1e-2
+    assert (got - theirs).abs().mean().item() <= 0.1 * bf16_error
