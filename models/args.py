@@ -586,9 +586,10 @@ def _check_gemma3(args: ModelArgs) -> None:
         if key in args.extra_hf:
             _number(args.extra_hf[key], f"config.json's {key}")
     if args.sliding_window is None and "sliding_attention" in args.layer_types:
-        raise ValueError("config.json's sliding_window=null is not supported for gemma3_text with sliding_attention "
-                         "layers (transformers' Gemma3 windows them by it and cannot run them without one): give a "
-                         f"window (its default: {GEMMA3_WINDOW}), or layer_types of full_attention only")
+        raise ValueError("sliding_window=null (config.json's, or a model.override_config's) is not supported for "
+                         "gemma3_text with sliding_attention layers (transformers' Gemma3 windows them by it and cannot "
+                         f"run them without one): give a window (its default: {GEMMA3_WINDOW}), or layer_types of "
+                         "full_attention only")
 
 
 def _hf_rope_scaling(cfg: dict) -> dict | None:

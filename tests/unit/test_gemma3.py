@@ -121,7 +121,8 @@ def test_what_meshppo_does_not_compute_is_refused_naming_the_key(tmp_path, key, 
 def test_a_null_window_with_sliding_layers_is_refused_and_none_is_gemma3s_default():
     """transformers' Gemma3 cannot run a sliding_attention layer without a window (its cache fails): refused, naming
     the key; a config without one (a ModelArgs built here) windows by Gemma3TextConfig's default, 4096, and writes it."""
-    with pytest.raises(ValueError, match="config.json's sliding_window=null is not supported for gemma3_text"):
+    with pytest.raises(ValueError, match=r"sliding_window=null \(config.json's, or a model.override_config's\) is not "
+                                         "supported for gemma3_text"):
         ModelArgs(model_type="gemma3_text", extra_hf={"sliding_window": None})
     assert ModelArgs(model_type="gemma3_text", extra_hf={"sliding_window": None,
                                                          "layer_types": ["full_attention"] * 2}).attention_window is None
@@ -270,3 +271,17 @@ def test_bf16_logits_round_as_transformers_bf16_ones(tmp_path):
     bf16_error = (theirs - truth).abs().mean().item()
     assert bf16_error > 1e-2
     assert (got - theirs).abs().mean().item() <= 0.1 * bf16_error
+
+
+def test_override_config_sets_the_full_attention_layers_rope_and_the_sliding_layers_window(tmp_path):
+    """verl's model.override_config on a Gemma 3: rope_theta is its full_attention layers' (rope_parameters'
+    full_attention), the sliding_attention layers keep rope_local_base_freq; sliding_window sets their window, null
+    is refused naming the override."""
+    from models.checkpoint import CheckpointFileError, load_model_args
+
+    _, path = _saved(tmp_path, dtype=torch.float32)
+    args = load_model_args(path, {"rope_theta": 5e5, "sliding_window": 9})
+    assert (args.rope_theta, args.local_rope_args().rope_theta, args.layer_windows) == (5e5, 1e4, [9, None, 9])
+    assert args.to_hf_config().rope_parameters["full_attention"]["rope_theta"] == 5e5
+    with pytest.raises(CheckpointFileError, match="model.override_config's"):
+        load_model_args(path, {"sliding_window": None})
