@@ -48,8 +48,8 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
 # `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`). A type whose only key
 # is sliding_window windows every layer.
-WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (), "mistral": ("sliding_window",),
-               "olmo2": (), "phi3": ("sliding_window",),
+WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (),
+               "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")

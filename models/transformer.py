@@ -168,7 +168,8 @@ class Attention(nn.Module):
             offset = args.unit_offset_norm
             self.q_norm = RMSNorm(self.n_heads * d if self.full_qk_norm else d, args.rms_norm_eps, offset)
             self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps, offset)
-        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
+        # head_dim ** -0.5 (Granite: its attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
+        self.scale = args.attention_scale
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None

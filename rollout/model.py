@@ -209,7 +209,8 @@ class EngineModel:
         # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
-        self.scale = args.attention_scale  # head_dim ** -0.5 (Granite: attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
+        # head_dim ** -0.5 (Granite: its attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
+        self.scale = args.attention_scale
         self.windows = args.layer_windows  # each layer's sliding window (None: the whole context)
         self.offset = args.unit_offset_norm  # every norm scales by 1 + weight (Gemma 3)
         self.act = args.mlp_activation

@@ -530,7 +530,7 @@ def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
 def check_value_model_export(cfg: PPOConfig) -> None:
     """ConfigError, before any work, where the critic's checkpoints would write it as a Hugging Face directory
     (critic.checkpoint.save_contents with hf_model) and its type's transformers family has no token classifier
-    to read a value model back (`models.checkpoint.NO_TOKEN_CLASSIFIER`: OLMo-2, Gemma 3)."""
+    to read a value model back (`models.checkpoint.NO_TOKEN_CLASSIFIER`: OLMo-2, Gemma 3, Granite)."""
     from models.checkpoint import NO_TOKEN_CLASSIFIER, value_export_refusal
 
     if not cfg.uses_critic or "hf_model" not in cfg.critic.checkpoint.save_contents:
