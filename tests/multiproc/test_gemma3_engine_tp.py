@@ -6,15 +6,18 @@ window of 4 and its own RoPE base, one full)."""
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.multiproc.test_olmo2_engine_tp import check_olmo2_tp2_equals_tp1
+from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
+from tests.multiproc.test_olmo2_engine_tp import VARIANTS as OLMO2_VARIANTS
 
 GEMMA3 = dict(model_type="gemma3_text", extra_hf={"sliding_window": 4, "query_pre_attn_scalar": 12,
                                                   "layer_types": ["sliding_attention", "full_attention"],
                                                   "rope_local_base_freq": 100.0})
+# OLMo-2's two shapes (KV heads one a rank and copied, tied and untied, with and without attention_bias) as Gemma 3s
+VARIANTS = [{**variant, **GEMMA3} for variant in OLMO2_VARIANTS]
 
 
 def _body(rank, world_size):
-    check_olmo2_tp2_equals_tp1(rank, **GEMMA3)
+    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5)
 
 
 def test_gemma3_tp2_equals_tp1():
@@ -25,7 +28,7 @@ def _triton_body(rank, world_size):
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
-    check_olmo2_tp2_equals_tp1(rank, triton=True, **GEMMA3)
+    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5, triton=True)
 
 
 def test_gemma3_tp2_triton_kernels_equal_tp1_torch_ops():

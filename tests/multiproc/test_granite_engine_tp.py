@@ -4,61 +4,20 @@ with attention_bias, added once before it), its attention_multiplier and its log
 sampler."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
 
 
-def check_granite_tp2_equals_tp1(rank: int, triton: bool = False):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from models import ModelArgs, Transformer
-    from rollout import EngineConfig, LLMEngine, SamplingParams
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    outputs = []
-    # 2 KV heads (one a rank) with tied embeddings and attention_bias / mlp_bias; 1 KV head (each rank a copy), untied
-    for kv, tied in ((2, True), (1, False)):
-        args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=128,
-                         model_type="granite", tie_word_embeddings=tied, attention_bias=tied, mlp_bias=tied,
-                         embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09,
-                         logits_scaling=2.5)
-        model = Transformer.build(args, seed=0)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(1)
-            for name, p in model.named_parameters():
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
-                        else 0.15 * torch.randn(p.shape, generator=g))
-        config = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
-        tp2 = LLMEngine(args, config, tp_mesh=mesh["tp"], device="cpu")
-        tp2.load_weights(model.named_parameters())
-        tp1 = LLMEngine(args, config, device="cpu")
-        tp1.load_weights(model.named_parameters())
-        if triton:
-            tp2.runner.use_triton = True
-        g = torch.Generator().manual_seed(2)
-        prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
-        new = 3 if triton else 10
-        cases = [(SamplingParams(temperature=0, max_tokens=new), prompts),
-                 (SamplingParams(n=2, temperature=0.9, top_p=0.9, max_tokens=new, seed=5), prompts),
-                 (SamplingParams(temperature=0.9, max_tokens=new, seed=8), prompts[1:2])]  # decode steps of one row
-        for sp, batch in cases[::2] if triton else cases:  # (the interpreter: about a second a step)
-            a, b = tp1.generate(batch, sp), tp2.generate(batch, sp)
-            assert [o.token_ids for o in a] == [o.token_ids for o in b], (kv, sp)
-            # float32: the all-reduces add in another order (~1e-7); a scalar applied per rank before an all-reduce
-            # that sums it, or a bias scaled twice, moves the log-probs by > 1e-2
-            diff = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
-            assert diff < (1e-4 if triton else 1e-5), (kv, sp, diff)
-            outputs.append([o.token_ids for o in b])
-    gathered = [None, None]
-    dist.all_gather_object(gathered, outputs)
-    assert gathered[0] == gathered[1]
+# 2 KV heads (one a rank) with tied embeddings and attention_bias / mlp_bias; 1 KV head (each rank a copy), untied.
+# A scalar applied per rank before an all-reduce that sums it, or a bias scaled twice, moves the log-probs by > 1e-2
+VARIANTS = [dict(num_key_value_heads=kv, model_type="granite", tie_word_embeddings=tied, attention_bias=tied,
+                 mlp_bias=tied, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09,
+                 logits_scaling=2.5) for kv, tied in ((2, True), (1, False))]
 
 
 def _body(rank, world_size):
-    check_granite_tp2_equals_tp1(rank)
+    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.3)
 
 
 def test_granite_tp2_equals_tp1():
@@ -69,7 +28,7 @@ def _triton_body(rank, world_size):
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
-    check_granite_tp2_equals_tp1(rank, triton=True)
+    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.3, triton=True)
 
 
 def test_granite_tp2_triton_kernels_equal_tp1_torch_ops():
