@@ -154,3 +154,38 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_class
     with torch.no_grad():
         assert (scorer.double()(input_ids=ids).logits[..., 0] - critic.double()(ids)).abs().max().item() <= TOL
     return written, again
+
+
+def check_peft_adapter_round_trip(tmp_path, hf, path, model_type: str, vocab: int, target_modules: list[str],
+                                  adapted: tuple[str, ...] | None = None):
+    """LoRA all-linear (rank 4, alpha 8, each B drawn from N(0, 0.3)) on the checkpoint at `path`: save_peft_adapter
+    writes peft's adapter naming `target_modules`, which PeftModel.from_pretrained on `hf` (transformers' model of
+    that checkpoint) reads with meshppo's logits (within TOL, the adapters moving them by > 1e-2), and which reads back
+    (lora_adapter_path) into the same adapters. `adapted`: the modules of a layer (self_attn.q_proj, ...) whose
+    lora_A / lora_B are the trainable parameters. Returns the model the adapter was read back into."""
+    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
+
+    cfg = LoRAConfig(4, 8.0)
+    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
+    if adapted is not None:
+        assert {n.split(".", 2)[2] for n, p in ours.named_parameters() if p.requires_grad} == {
+            f"{m}.{ab}" for m in adapted for ab in ("lora_A", "lora_B")}
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type=model_type)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(written) == sorted(target_modules)
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, vocab, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits
+        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
+        assert (ref - base).abs().max() > 1e-2  # the adapters act
+        assert (ours(ids) - ref).abs().max().item() <= TOL
+    again = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg)
+    load_peft_adapter(again, tmp_path / "adapter")
+    for name, p in adapter_state_dict(ours).items():
+        assert torch.equal(adapter_state_dict(again)[name], p), name
+    return again

@@ -12,7 +12,8 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
+                                  check_peft_adapter_round_trip, hf_causal_lm, one_thread,
+                                  trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -198,32 +199,11 @@ def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_pat
     """all-linear (verl's default) on a Granite adapts q_proj .. down_proj; save_peft_adapter writes peft's adapter,
     which PeftModel.from_pretrained on GraniteForCausalLM reads with meshppo's logits (the scalars on the adapted
     model too), and which reads back (lora_adapter_path) into the same adapters."""
-    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
-
     hf, path = _saved(tmp_path, **SHAPES[2])
-    cfg = LoRAConfig(4, 8.0)
-    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
-    assert {n.split(".", 2)[2] for n, p in ours.named_parameters() if p.requires_grad} == {
-        f"{m}.{ab}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for ab in ("lora_A", "lora_B")}
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(0, 0.3)
-    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type="granite")
-    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert sorted(written) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    peft = pytest.importorskip("peft")
-    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        base = hf(input_ids=ids).logits
-        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
-        assert (ref - base).abs().max() > 1e-2  # the adapters act
-        assert (ours(ids) - ref).abs().max().item() <= TOL
-    again = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg)
-    load_peft_adapter(again, tmp_path / "adapter")
-    for name, p in adapter_state_dict(ours).items():
-        assert torch.equal(adapter_state_dict(again)[name], p), name
+    check_peft_adapter_round_trip(tmp_path, hf, path, "granite", VOCAB,
+                                  ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+                                  adapted=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
 
 
 def test_checkpoints_of_other_types_keep_their_fingerprint():

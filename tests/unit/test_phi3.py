@@ -10,7 +10,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit)
+                                  check_peft_adapter_round_trip, hf_causal_lm, one_thread, trainer_loads_bit_for_bit)
 
 transformers = pytest.importorskip("transformers")
 
@@ -287,30 +287,10 @@ def test_lora_on_phi3_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
     """save_peft_adapter writes a Phi3's shared A and its parts' B stacked as peft's adapter on the fused qkv_proj /
     gate_up_proj (target_modules naming the fused modules): PeftModel.from_pretrained on Phi3ForCausalLM gives
     meshppo's logits, and the directory reads back (lora_adapter_path) into the same adapters."""
-    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
-
     hf, path = _saved(tmp_path, **SHAPES[0])
-    cfg = LoRAConfig(4, 8.0)
-    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(0, 0.3)
-    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type="phi3")
-    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert sorted(written) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    peft = pytest.importorskip("peft")
-    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        base = hf(input_ids=ids).logits
-        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
-        assert (ref - base).abs().max() > 1e-2  # the adapters act
-        assert (ours(ids) - ref).abs().max().item() <= TOL
-    again = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg)
-    load_peft_adapter(again, tmp_path / "adapter")
+    again = check_peft_adapter_round_trip(tmp_path, hf, path, "phi3", VOCAB,
+                                          ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"])
     assert again.layers[0].self_attn.k_proj.lora_A is again.layers[0].self_attn.q_proj.lora_A
-    for name, p in adapter_state_dict(ours).items():
-        assert torch.equal(adapter_state_dict(again)[name], p), name
 
 
 def test_lora_on_phi3_merges_into_the_export_as_peft_merges(tmp_path):
