@@ -203,6 +203,14 @@ def compile_main() -> None:
     print(_MARKER + json.dumps(failures), flush=True)
 
 
+def close(a, b, tol: float) -> float:
+    """In a check: the largest absolute difference of tensors `a` and `b` (in float32), asserted to be at most
+    `tol`; returns it."""
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= tol, f"max error {err} > {tol}"
+    return err
+
+
 def main(checks: dict) -> None:
     """In the child: run each named check (returns its max error), recording the kernel launches, and print
     the report."""
