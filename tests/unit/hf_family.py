@@ -189,3 +189,19 @@ def check_peft_adapter_round_trip(tmp_path, hf, path, model_type: str, vocab: in
     for name, p in adapter_state_dict(ours).items():
         assert torch.equal(adapter_state_dict(again)[name], p), name
     return again
+
+
+def check_hf_critic_refused_at_preflight(path, refusal: str):
+    """A critic of the checkpoint at `path` (GAE) passes the pre-flight; with critic.checkpoint.save_contents naming
+    hf_model it is refused, naming the key, with a message that `refusal` (a regular expression) matches after
+    "has hf_model: "."""
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    critic = ("algorithm.adv_estimator=gae", f"critic.model.path={path}")
+    preflight(_cfg(path, 16, 32, *critic), devices=False)
+    with pytest.raises(ConfigError, match=r"^critic\.checkpoint\.save_contents=\[model, optimizer, extra, hf_model\] "
+                                          r"has hf_model: " + refusal):
+        preflight(_cfg(path, 16, 32, *critic, "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"),
+                  devices=False)

@@ -10,8 +10,8 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip, hf_causal_lm, one_thread, randomized,
-                                  trainer_loads_bit_for_bit, unprefixed)
+                                  check_hf_critic_refused_at_preflight, check_peft_adapter_round_trip, hf_causal_lm,
+                                  one_thread, randomized, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,18 +115,9 @@ def test_a_critic_written_as_a_hugging_face_directory_is_refused_at_the_pre_flig
     """An OLMo-2 critic trains and its meshppo checkpoint keeps it; critic.checkpoint.save_contents with hf_model
     (a Hugging Face directory of the value model, which no transformers class reads back) is refused before the
     run, naming the key."""
-    from tests.unit.test_attention_window import _cfg
-    from trainer.configlib import ConfigError
-    from trainer.setup import preflight
-
     _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
-    critic = ("algorithm.adv_estimator=gae", f"critic.model.path={path}")
-    preflight(_cfg(path, 16, 32, *critic), devices=False)
-    with pytest.raises(ConfigError, match=r"^critic\.checkpoint\.save_contents=\[model, optimizer, extra, hf_model\] "
-                                          r"has hf_model: an olmo2 value model cannot be written .*no "
-                                          r"Olmo2ForTokenClassification"):
-        preflight(_cfg(path, 16, 32, *critic, "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"),
-                  devices=False)
+    check_hf_critic_refused_at_preflight(path, r"an olmo2 value model cannot be written .*no "
+                                               r"Olmo2ForTokenClassification")
 
 
 def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
