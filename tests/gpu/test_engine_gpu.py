@@ -287,10 +287,10 @@ def _gpu_model(kind="qwen2", dtype=torch.float32, **kw):
     return tiny_model(args).to(DEV, dtype)
 
 
-@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
-                                     ("qwen3", {"head_dim": 24}), ("gemma3_text", {"head_dim": 256})])
-def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
-    model = _gpu_model(kind, eos_token_id=None, **kw)
+def _check_graphed_greedy_against_loop(model):
+    """The engine (Triton kernels, CUDA graphs, chunked prefill, preemption in a pool of 14 blocks of 16) generates
+    40 greedy tokens after 8 prompts of 1 to 70 tokens: the tokens of a no-cache loop over `model`, the log-probs its
+    forward's (within 1e-4)."""
     prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
     engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=14, max_num_batched_tokens=48)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
@@ -299,6 +299,13 @@ def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
     for p, o in zip(prompts, outs):
         assert o.token_ids == greedy_reference(model, p, 40)
         check_against_training_forward(model, o, SamplingParams(temperature=0), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
+                                     ("qwen3", {"head_dim": 24}), ("gemma3_text", {"head_dim": 256})])
+def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
+    model = _gpu_model(kind, eos_token_id=None, **kw)
+    _check_graphed_greedy_against_loop(model)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0.9, max_tokens=24, seed=2),
@@ -746,11 +753,4 @@ def test_engine_greedy_with_graphs_past_the_window():
     model = _gpu_model("qwen2", eos_token_id=None, extra_hf={"use_sliding_window": True, "sliding_window": 24,
                                                              "layer_types": ["sliding_attention", "full_attention"]})
     assert model.args.layer_windows == [24, None]
-    prompts = prompts_of([1, 7, 33, 70, 4, 22, 16, 50], seed=3)
-    engine = make_engine(model, device=DEV, block_size=16, num_kv_blocks=14, max_num_batched_tokens=48)
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
-    assert engine.runner.use_triton and engine.runner.graphs, "expected the Triton + CUDA-graph decode path"
-    assert engine.last_stats["preemptions"] > 0
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == greedy_reference(model, p, 40)
-        check_against_training_forward(model, o, SamplingParams(temperature=0), atol=1e-4)
+    _check_graphed_greedy_against_loop(model)
