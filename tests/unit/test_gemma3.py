@@ -10,6 +10,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
+                                  check_peft_adapter_round_trip,
                                   hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
@@ -185,29 +186,18 @@ def test_fp8_rollout_is_refused_for_gemma3(tmp_path):
 
 def test_lora_all_linear_saves_as_peft_and_peft_loads_it_with_our_logits(tmp_path):
     """all-linear (verl's default) on a Gemma 3 adapts q_proj .. down_proj (not its norms); save_peft_adapter writes
-    peft's adapter, which PeftModel.from_pretrained on Gemma3ForCausalLM reads with meshppo's logits; exclude_modules
-    may name its pre_feedforward_layernorm (a module of Gemma3ForCausalLM)."""
-    from models.lora import LoRAConfig, adapter_state_dict, inject_lora, model_targets, save_peft_adapter
+    peft's adapter, which PeftModel.from_pretrained on Gemma3ForCausalLM reads with meshppo's logits, and which reads
+    back into the same adapters; exclude_modules may name its pre_feedforward_layernorm (a module of
+    Gemma3ForCausalLM)."""
+    from models.lora import LoRAConfig, model_targets
 
     hf, path = _saved(tmp_path)
-    cfg = LoRAConfig(4, 8.0)
-    ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
-    assert {n.split(".", 2)[2] for n, p in ours.named_parameters() if p.requires_grad} == {
-        f"{m}.{ab}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for ab in ("lora_A", "lora_B")}
+    ours = check_peft_adapter_round_trip(
+        tmp_path, hf, path, "gemma3_text", VOCAB, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                    "v_proj"],
+        adapted=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"))
     assert model_targets(LoRAConfig(4, 8.0, exclude_modules=["pre_feedforward_layernorm"]), ours.args)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(0, 0.3)
-    save_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours), cfg, model_type="gemma3_text")
-    peft = pytest.importorskip("peft")
-    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        base = hf(input_ids=ids).logits
-        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids).logits
-        assert (ref - base).abs().max() > 1e-2  # the adapters act
-        assert (ours(ids) - ref).abs().max().item() <= TOL
 
 
 def test_a_gemma3_sequence_classifier_loads_as_a_reward_model(tmp_path):
