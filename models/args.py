@@ -315,9 +315,13 @@ class ModelArgs:
         """What a training checkpoint records of the model (`trainer.checkpointing.CheckpointManager`; resuming
         compares it): every field but `extra_hf` (the window and the dtype change no weight), and Granite's scalars
         only on a Granite (elsewhere they hold their neutral values, and checkpoints written before they existed
-        record none: those resume)."""
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if self.model_type == "granite" or k not in GRANITE_SCALARS} | {"extra_hf": None}
+        record none: those resume). A Gemma 3's attention scale and local RoPE base (`GEMMA3_KEYS`, kept in
+        `extra_hf`) are recorded too: they change its logits as rope_theta does."""
+        recorded = {k: v for k, v in dataclasses.asdict(self).items()
+                    if self.model_type == "granite" or k not in GRANITE_SCALARS} | {"extra_hf": None}
+        if self.model_type == "gemma3_text":
+            recorded |= {key: self.extra_hf.get(key) for key in GEMMA3_KEYS}
+        return recorded
 
     @property
     def rope_type(self) -> str:

@@ -107,6 +107,24 @@ def test_default_layer_types_and_an_older_config_json_are_read_as_transformers_r
         assert back.hidden_activation == "gelu_pytorch_tanh" and back.sliding_window == 512
 
 
+def test_a_checkpoint_records_the_attention_scale_and_the_local_rope_base():
+    """A training checkpoint's fingerprint (what a resume compares) holds a Gemma 3's query_pre_attn_scalar and
+    rope_local_base_freq, read from extra_hf: each changes the logits, as rope_theta does; the window does not enter
+    it (as for every type)."""
+    kw = dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh")
+    base = ModelArgs.from_hf_config(dict(kw, query_pre_attn_scalar=16, rope_local_base_freq=1e4))
+    assert {k: base.fingerprint[k] for k in ("query_pre_attn_scalar", "rope_local_base_freq")} == {
+        "query_pre_attn_scalar": 16, "rope_local_base_freq": 1e4}
+    for key, value in (("query_pre_attn_scalar", 20), ("rope_local_base_freq", 1e3)):
+        other = ModelArgs.from_hf_config(dict(kw, **{"query_pre_attn_scalar": 16, "rope_local_base_freq": 1e4,
+                                                     key: value}))
+        assert other.fingerprint != base.fingerprint, key
+    assert ModelArgs.from_hf_config(dict(kw, sliding_window=4, query_pre_attn_scalar=16,
+                                         rope_local_base_freq=1e4)).fingerprint == base.fingerprint
+
+
 @pytest.mark.parametrize("key,value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
                                        ("use_bidirectional_attention", True)])
 def test_what_meshppo_does_not_compute_is_refused_naming_the_key(tmp_path, key, value):
