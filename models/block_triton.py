@@ -119,17 +119,26 @@ def unit_offset_norm_row(x, w, N, eps):
 
 
 @triton.jit
+def weighted_norm_row(x, w, N, eps, OFFSET: tl.constexpr):
+    """(x RMS-normalised times its float32 weight `w`, in float32, the row's rstd) for one row `x [BLOCK]` (lanes past
+    `N` zeros): Hugging Face's norm (`rms_norm_row`, rounded to x's dtype, then times w) or, `OFFSET`, Gemma 3's
+    (`unit_offset_norm_row`: times 1 + w, not rounded before it)."""
+    if OFFSET:
+        out, rstd = unit_offset_norm_row(x, w, N, eps)
+    else:
+        y, rstd = rms_norm_row(x, N, eps)
+        out = y.to(tl.float32) * w
+    return out, rstd
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        out, rstd = unit_offset_norm_row(x, w, N, eps)
-    else:
-        y, rstd = rms_norm_row(x, N, eps)
-        out = w * y.to(tl.float32)
+    out, rstd = weighted_norm_row(x, w, N, eps, OFFSET)
     tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 

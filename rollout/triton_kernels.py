@@ -42,7 +42,7 @@ least 16 (the least reduction of `tl.dot`): another head_dim (80, 96, 100; 8) ru
 tile with its extra lanes masked; at a power of two from 16 up the masks are always true (a few
 loads and stores become predicated; the same loads, vector widths and launches as without them).
 
-The RMSNorm, SwiGLU and RoPE arithmetic (`rms_norm_row`, `silu_mul`, `rotate_half`) is
+The RMSNorm, SwiGLU and RoPE arithmetic (`weighted_norm_row`, `act_mul`, `rotate_half`) is
 `models/block_triton.py`'s, which the training model's fused ops use too.
 
 float32 inputs use IEEE dot products (`input_precision="ieee"`): TF32 would cost the
@@ -68,7 +68,7 @@ try:  # grid dependency control: programmatic dependent launch (Hopper and later
 except ImportError:  # pragma: no cover - depends on the triton version
     gdc_launch_dependents = gdc_wait = None
 
-from models.block_triton import act_mul, rms_norm_row, rotate_half, silu_mul, unit_offset_norm_row
+from models.block_triton import act_mul, rotate_half, silu_mul, weighted_norm_row
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.config import KV_FP8_DTYPES
 from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
@@ -162,11 +162,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xs_ptr, stride_s, stride_x,
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the residual add rounds like torch's
         tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    if OFFSET:  # Gemma 3's: times 1 + w in float32, rounded once
-        out, _ = unit_offset_norm_row(x, w.to(tl.float32), N, eps)
-    else:
-        y, _ = rms_norm_row(x, N, eps)
-        out = y.to(tl.float32) * w.to(tl.float32)
+    out, _ = weighted_norm_row(x, w.to(tl.float32), N, eps, OFFSET)  # (Gemma 3's: times 1 + w, rounded once)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -204,11 +200,7 @@ def _post_norm_add_kernel(x_ptr, res_ptr, w_ptr, stride_x, stride_r, N, eps, BLO
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    if OFFSET:  # Gemma 3's: times 1 + w in float32, rounded once
-        normed, _ = unit_offset_norm_row(x, w.to(tl.float32), N, eps)
-    else:
-        y, _ = rms_norm_row(x, N, eps)
-        normed = y.to(tl.float32) * w.to(tl.float32)
+    normed, _ = weighted_norm_row(x, w.to(tl.float32), N, eps, OFFSET)  # (Gemma 3's: times 1 + w, rounded once)
     normed = normed.to(r.dtype)
     tl.store(res_ptr + row * stride_r + offs, (normed.to(tl.float32) + r.to(tl.float32)).to(r.dtype), mask=mask)
 
