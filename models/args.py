@@ -1,5 +1,5 @@
-"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 decoder
-family.
+"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 /
+Qwen3-MoE decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -15,25 +15,39 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
 HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2",
-             "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+             "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
 # attention reads the attribute where it is set) gets it written only where it is not hidden / heads. Granite is
-# Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`).
+# Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`). Qwen3-MoE is
+# Qwen3's with its mixture-of-experts keys (`MOE_KEYS`).
 HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
                   "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
                   "llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
-                  "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias")}
+                  "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias"),
+                  "qwen3_moe": ("head_dim", "attention_bias", "num_experts", "num_experts_per_tok",
+                                "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+# The mixture-of-experts types (transformers' Qwen3MoeForCausalLM) and their `ModelArgs` fields, config.json's keys
+# of the same names (transformers' Qwen3MoeConfig writes num_experts as `num_local_experts`, its attribute_map's
+# name; the hub's config.json has num_experts: both are read). Layer i is a sparse block (`ModelArgs.moe_layers`:
+# a router and `num_experts` SwiGLU experts of `moe_intermediate_size`, each token through its top
+# `num_experts_per_tok`) where i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the others
+# are dense MLPs of `intermediate_size`. Every other type holds them at their defaults (no experts).
+MOE_TYPES = ("qwen3_moe",)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers")
 # config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
 # written back on export (the class's default would replace them): Phi3's original_max_position_embeddings
 # (read by transformers' longrope only, which meshppo refuses, and by its generation's cache reset at that
-# length, which changes no logit under plain RoPE).
-KEPT_KEYS = {"phi3": ("original_max_position_embeddings",)}
+# length, which changes no logit under plain RoPE); Qwen3-MoE's output_router_logits and router_aux_loss_coef
+# (transformers' load-balancing loss, which it adds to its own language-model loss only: verl's actor and
+# meshppo's read the logits, never that loss).
+KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": ("output_router_logits", "router_aux_loss_coef")}
 # transformers' checkpoints of a type that fuse meshppo's projections into one tensor: its module (under each
 # layer) -> meshppo's modules, whose output rows it stacks in this order (Phi3's qkv_proj [q; k; v], as its
 # attention slices them, and gate_up_proj [gate; up], as its MLP's `chunk(2)` splits them). Loading splits
@@ -46,15 +60,18 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
-# `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`). A type whose only key
-# is sliding_window windows every layer.
+# `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`); its Qwen3Moe every layer
+# by `sliding_window`, only with `use_sliding_window` (its config reads neither max_window_layers nor layer_types).
+# A type whose only key is sliding_window windows every layer.
 WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (),
                "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
-               "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+               "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+               "qwen3_moe": ("use_sliding_window", "sliding_window")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why a type whose transformers class has no such biases refuses attention_bias / mlp_bias.
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
+                "qwen3_moe": "transformers' Qwen3Moe then has an o_proj bias too and its MLPs have none",
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
@@ -135,6 +152,13 @@ class ModelArgs:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # mixture of experts (`MOE_KEYS`; Qwen3-MoE's): 0 experts on every other type
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
     # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -160,6 +184,7 @@ class ModelArgs:
                              "without them)")
         _check_window_keys(self)
         _check_granite_scalars(self)
+        _check_moe(self)
         if self.model_type == "gemma3_text":
             _check_gemma3(self)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -181,9 +206,19 @@ class ModelArgs:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's and
-        Gemma 3's."""
-        return self.model_type in ("qwen3", "gemma3_text")
+        """Whether each head's query and key are RMS-normalised (weights `[head_dim]`) before RoPE: Qwen3's (and
+        Qwen3-MoE's) and Gemma 3's."""
+        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts (`models.transformer.MoE`), by transformers' rule: not in
+        `mlp_only_layers`, and `(i + 1) % decoder_sparse_step == 0` where there are experts; none of a dense
+        type's."""
+        if self.num_experts <= 0:
+            return []
+        return [i for i in range(self.num_hidden_layers)
+                if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0]
 
     @property
     def unit_offset_norm(self) -> bool:
@@ -279,7 +314,7 @@ class ModelArgs:
     @property
     def windowed_layers(self) -> list[int]:
         """The layers transformers' model of this config attends through `sliding_window`: every
-        one of a Mistral or Phi3 with a window; a Qwen's `layer_types` sliding_attention ones (without
+        one of a Mistral or Phi3 with a window, and of a Qwen3-MoE with `use_sliding_window`; a Qwen2's or Qwen3's `layer_types` sliding_attention ones (without
         layer_types, config.json before transformers v5, those from `max_window_layers` on), none
         without `use_sliding_window` (transformers then reads the window as null)."""
         if self.sliding_window is None or not WINDOW_KEYS[self.model_type]:
@@ -290,6 +325,8 @@ class ModelArgs:
             return self.local_rope_layers
         if not self.extra_hf.get("use_sliding_window"):
             return []
+        if "layer_types" not in WINDOW_KEYS[self.model_type]:  # Qwen3-MoE's: every layer
+            return list(range(self.num_hidden_layers))
         kinds = self.extra_hf.get("layer_types")
         if kinds is None:
             start = self.extra_hf.get("max_window_layers", 28)  # (transformers' default)
@@ -315,10 +352,15 @@ class ModelArgs:
         """What a training checkpoint records of the model (`trainer.checkpointing.CheckpointManager`; resuming
         compares it): every field but `extra_hf` (the window and the dtype change no weight), and Granite's scalars
         only on a Granite (elsewhere they hold their neutral values, and checkpoints written before they existed
-        record none: those resume). A Gemma 3's attention scale and local RoPE base (`GEMMA3_KEYS`, kept in
-        `extra_hf`) are recorded too: they change its logits as rope_theta does."""
+        record none: those resume); likewise the mixture-of-experts fields (`MOE_KEYS`) only on a mixture-of-experts
+        type (`mlp_only_layers` as a list, as the checkpoint's JSON reads it back). A Gemma 3's attention scale and
+        local RoPE base (`GEMMA3_KEYS`, kept in `extra_hf`) are recorded too: they change its logits as rope_theta
+        does."""
         recorded = {k: v for k, v in dataclasses.asdict(self).items()
-                    if self.model_type == "granite" or k not in GRANITE_SCALARS} | {"extra_hf": None}
+                    if (self.model_type == "granite" or k not in GRANITE_SCALARS)
+                    and (self.model_type in MOE_TYPES or k not in MOE_KEYS)} | {"extra_hf": None}
+        if self.model_type in MOE_TYPES:
+            recorded["mlp_only_layers"] = list(self.mlp_only_layers)
         if self.model_type == "gemma3_text":
             recorded |= {key: self.extra_hf.get(key) for key in GEMMA3_KEYS}
         return recorded
@@ -465,6 +507,7 @@ class ModelArgs:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type == "granite" else {}),
+            **(_hf_moe_fields(cfg) if model_type in MOE_TYPES else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
                       or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | window_overridden,
         )
@@ -505,6 +548,8 @@ class ModelArgs:
         )
         kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
+        if self.model_type in MOE_TYPES:  # (a JSON list, as Qwen3MoeConfig declares it)
+            kwargs.update(mlp_only_layers=list(self.mlp_only_layers))
         kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
             self.model_type, ()) if key in self.extra_hf})
         if gemma3:  # (rope_local_base_freq goes into rope_parameters below)
@@ -645,6 +690,48 @@ def _check_granite_scalars(args: ModelArgs) -> None:
         setattr(args, key, _number(getattr(args, key), f"config.json's {key}"))
 
 
+def _hf_moe_fields(cfg: dict) -> dict:
+    """A mixture-of-experts config.json's `MOE_KEYS` as `ModelArgs` fields, with Qwen3MoeConfig's defaults for those
+    it lacks; num_experts under either of its names (transformers writes `num_local_experts`). A key that is no
+    number or list is left to `_check_moe`, which names it."""
+    defaults = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                "decoder_sparse_step": 1, "mlp_only_layers": None}
+    fields = {k: cfg.get(k, default) for k, default in defaults.items()}
+    if cfg.get("num_local_experts") is not None:
+        fields["num_experts"] = cfg["num_local_experts"]
+    layers = fields["mlp_only_layers"]
+    fields["mlp_only_layers"] = () if layers is None else tuple(layers) if isinstance(layers, list) else layers
+    return fields
+
+
+def _check_moe(args: ModelArgs) -> None:
+    """ValueError naming the key for mixture-of-experts fields (`MOE_KEYS`) set on a dense type, or on a
+    mixture-of-experts type: experts, top-k and expert size not positive integers, a top-k above the experts, a
+    decoder_sparse_step below 1, mlp_only_layers not distinct layer indices in range; hidden_act other than silu is
+    refused by `ModelArgs.from_hf_config`."""
+    if args.model_type not in MOE_TYPES:
+        set_ = [f.name for f in dataclasses.fields(args) if f.name in MOE_KEYS and getattr(args, f.name) != f.default]
+        if set_:
+            raise ValueError(f"{set_[0]} is read for model_type {' / '.join(MOE_TYPES)} only (transformers' "
+                             f"{args.model_type} has no experts)")
+        return
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        setattr(args, key, _number(getattr(args, key), f"config.json's {key}", integer=True))
+    if args.num_experts_per_tok > args.num_experts:
+        raise ValueError(f"config.json's num_experts_per_tok={args.num_experts_per_tok} exceeds num_experts="
+                         f"{args.num_experts}: each token goes through that many distinct experts")
+    if not isinstance(args.norm_topk_prob, bool):
+        raise ValueError(f"config.json's norm_topk_prob={args.norm_topk_prob!r} is not true or false")
+    layers = args.mlp_only_layers
+    if isinstance(layers, list):
+        layers = args.mlp_only_layers = tuple(layers)
+    if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or not
+                                            0 <= i < args.num_hidden_layers for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise ValueError(f"config.json's mlp_only_layers={list(layers) if isinstance(layers, tuple) else layers!r}: "
+                         f"expected distinct layer indices in [0, {args.num_hidden_layers})")
+
+
 def _check_window_keys(args: ModelArgs) -> None:
     """ValueError for sliding-window keys (`WINDOW_KEYS`) that transformers' class of the type has not, or
     reads otherwise: a window that is not a positive integer or null, layer types other than full_attention
@@ -684,7 +771,7 @@ _EXTRA_OVERRIDES = ("sliding_window",)
 # Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
-                     "model_type", "architectures", "hidden_act", "num_labels")
+                     "model_type", "architectures", "hidden_act", "num_labels", *MOE_KEYS, "num_local_experts")
 # Those of the Hugging Face model classes that meshppo's own models do not have change nothing:
 _ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or SDPA kernels), not a Hugging Face "
              "implementation")

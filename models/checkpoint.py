@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -134,6 +135,64 @@ def fuse_parts(state_dict: dict, args: ModelArgs) -> dict:
     return out
 
 
+# A mixture-of-experts layer's tensor of one expert as transformers' checkpoints store it (the hub's Qwen3-MoE
+# files, and what transformers 5's save_pretrained writes): `layers.3.mlp.experts.17.gate_proj.weight`.
+_EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# meshppo's stacked tensors (transformers 5's in-memory names) -> the per-expert projections they stack, each
+# expert's rows in this order (gate_up_proj: gate, then up, as transformers' `chunk(2)` splits them)
+_EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class ExpertStacker:
+    """Stacks a checkpoint's per-expert tensors (`_EXPERT_TENSOR`) into meshppo's `[E, ...]` parameters as they are
+    read: `add` returns each stacked tensor once all its experts' pieces have come (one layer's experts held at a
+    time where the files keep a layer together), `finish` raises for what never completed. A piece of another
+    shape than `args` gives, or of an expert index >= num_experts, raises `CheckpointFileError` naming `path`."""
+
+    def __init__(self, args: ModelArgs, path=None):
+        self.args, self.path, self.pending = args, path, {}
+        i, h = args.moe_intermediate_size, args.hidden_size
+        self.shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        prefix, expert, proj = _EXPERT_TENSOR.match(name).groups()
+        expert, n = int(expert), self.args.num_experts
+        if expert >= n or tuple(tensor.shape) != self.shapes[proj]:
+            why = (f"an expert index beyond num_experts={n}" if expert >= n
+                   else f"shape {tuple(tensor.shape)}, expected {self.shapes[proj]}")
+            raise CheckpointFileError(f"{name!r} in {str(self.path)!r} has {why}{_MISMATCH}")
+        stack = next(s for s, projs in _EXPERT_STACKS.items() if proj in projs)
+        pieces = self.pending.setdefault(f"{prefix}.{stack}", {})
+        pieces[(expert, proj)] = tensor
+        if len(pieces) < n * len(_EXPERT_STACKS[stack]):
+            return []
+        del self.pending[f"{prefix}.{stack}"]
+        return [(f"{prefix}.{stack}", torch.stack([torch.cat([pieces[(e, p)] for p in _EXPERT_STACKS[stack]])
+                                                   for e in range(n)]))]
+
+    def finish(self) -> None:
+        if self.pending:
+            name, pieces = next(iter(self.pending.items()))
+            raise CheckpointFileError(f"checkpoint {str(self.path)!r} has {len(pieces)} of the {self.args.num_experts} "
+                                      f"experts' tensors of {name!r}{_MISMATCH}")
+
+
+def unstack_experts(state_dict: dict) -> dict:
+    """`state_dict` (meshppo names) with each stacked expert tensor (`_EXPERT_STACKS`) written as transformers'
+    checkpoints store it, one tensor per expert and projection: `ExpertStacker`'s inverse, for the export."""
+    out = {}
+    for name, tensor in state_dict.items():
+        prefix, _, stack = name.rpartition(".")
+        if not (prefix.endswith(".mlp.experts") and stack in _EXPERT_STACKS):
+            out[name] = tensor
+            continue
+        projs = _EXPERT_STACKS[stack]
+        for e, rows in enumerate(tensor):
+            # (copies: safetensors refuses to write tensors that share memory)
+            out.update({f"{prefix}.{e}.{p}.weight": piece.clone() for p, piece in zip(projs, rows.chunk(len(projs)))})
+    return out
+
+
 class CheckpointFileError(ValueError):
     """A file of a model or checkpoint directory that cannot be used (malformed, truncated, unsupported):
     the message names the file."""
@@ -251,10 +310,13 @@ _NOT_SAFETENSORS = "is not a readable safetensors file"
 
 def iter_hf_tensors(path, args: ModelArgs | None = None):
     """Yield `(meshppo_name, tensor)` from a checkpoint directory of the model `args` describes (default: its
-    config.json's), one tensor at a time; a projection its checkpoints fuse as its parts (`split_fused`)."""
+    config.json's), one tensor at a time; a projection its checkpoints fuse as its parts (`split_fused`), a
+    mixture-of-experts layer's per-expert tensors stacked (`ExpertStacker`) once the layer's experts are read (its
+    stacked tensors, as transformers 5 names them in memory, as they are)."""
     from safetensors import safe_open
 
     args = args if args is not None else load_model_args(path)
+    experts = ExpertStacker(args, path)
 
     for file in safetensors_files(path):
         with reading(file, what=_NOT_SAFETENSORS):
@@ -265,13 +327,17 @@ def iter_hf_tensors(path, args: ModelArgs | None = None):
                 if name is not None:
                     with reading(file, what=_NOT_SAFETENSORS):
                         tensor = f.get_tensor(key)
-                    yield from split_fused(name, tensor, args, path)
+                    if _EXPERT_TENSOR.match(name):
+                        yield from experts.add(name, tensor)
+                    else:
+                        yield from split_fused(name, tensor, args, path)
+    experts.finish()
 
 
 def checkpoint_tensor_names(path) -> set[str]:
     """The meshppo names of the tensors in a checkpoint directory (read from the safetensors
     headers: no tensor is loaded); a projection the checkpoint fuses (Phi3's qkv_proj) under its
-    fused name."""
+    fused name, an expert's tensor under its own (`layers.0.mlp.experts.5.up_proj.weight`)."""
     from safetensors import safe_open
 
     names = set()
@@ -346,7 +412,9 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     `state_dict` defaults to the model's own; pass a gathered full state dict for a sharded
     model. Its floating-point tensors are written in `dtype`, by default the dtype of the
     checkpoint the model was read from (`ModelArgs.hf_dtype`: a bf16 base is saved bf16, as
-    verl's model_merger saves it), else as they are; config.json names the dtype written. Files
+    verl's model_merger saves it), else as they are; config.json names the dtype written. A projection
+    transformers' checkpoints fuse is written fused (`fuse_parts`), a mixture-of-experts layer's experts one
+    tensor per expert and projection (`unstack_experts`), as transformers 5's save_pretrained writes them. Files
     are written under a temporary name and renamed, so an interrupted save never leaves a
     half-written weight file under the final name.
     """
@@ -358,7 +426,7 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     path.mkdir(parents=True, exist_ok=True)
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
-    sd = fuse_parts(state_dict if state_dict is not None else model.state_dict(), args)
+    sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args))
     tensors = {meshppo_key_to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}

@@ -1,5 +1,5 @@
-"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2 and Qwen3
-families.
+"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2, Qwen3
+and Qwen3-MoE families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -7,7 +7,10 @@ without the leading `model.` (`layers.0.self_attn.q_proj.weight`), which keeps c
 conversion a prefix change (and a split of rows where a checkpoint fuses projections: Phi3's
 qkv_proj and gate_up_proj, `models.checkpoint.split_fused`). q/k/v and gate/up stay separate
 parameters on purpose: each FSDP chunk range of one of them is then exactly one TP shard
-(docs/ARCHITECTURE.md).
+(docs/ARCHITECTURE.md). A mixture-of-experts layer (`MoE`, Qwen3-MoE's `ModelArgs.moe_layers`) holds its
+experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj [E, 2I, H]` and
+`mlp.experts.down_proj [E, H, I]`, with its router `mlp.gate.weight [E, H]` (`models/moe.py` computes them;
+checkpoints store one tensor per expert and projection, `models.checkpoint`).
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """
@@ -21,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import block_ops
+from models import block_ops, moe
 from models.args import ModelArgs
 from models.attention import PrefixSharing, attention_packed, attention_padded
 from models.lm_head import chunked_token_logprobs
@@ -227,16 +230,57 @@ class MLP(nn.Module):
         return down(block_ops.swiglu(gate, up, self.act))
 
 
+class Router(nn.Module):
+    """A mixture-of-experts layer's router (transformers' Qwen3MoeTopKRouter, `mlp.gate`): `weight [E, H]`, the
+    logits' projection. Not an `nn.Linear`, as transformers' is not: peft's all-linear leaves it alone."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts layer's experts (transformers' Qwen3MoeExperts, `mlp.experts`), stacked:
+    `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and `down_proj [E, H, I]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class MoE(nn.Module):
+    """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock): each token through
+    its top `num_experts_per_tok` experts by the router, their outputs weighted by the router's probabilities
+    (`models.moe.route`, `models.moe.experts_forward`)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Router(args)
+        self.experts = Experts(args)
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.act = args.mlp_activation
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        weights, experts = moe.route(rows, self.gate.weight, self.top_k, self.norm_topk_prob)
+        out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
+                                  self.act)
+        return out.view(x.shape)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm (`x + attn(input_layernorm(x))`, then `h + mlp(post_attention_layernorm(h))`), or, where
     `ModelArgs.post_norm` (OLMo-2), post-norm on each branch without an input norm (`x +
     post_attention_layernorm(attn(x))`, then `h + post_feedforward_layernorm(mlp(h))`), or, where
     `ModelArgs.sandwich_norm` (Gemma 3), both (`x + post_attention_layernorm(attn(input_layernorm(x)))`, then
     `h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`), as transformers names the norms of each.
-    Granite's branch outputs are multiplied by its residual_multiplier before each add.
+    Granite's branch outputs are multiplied by its residual_multiplier before each add. `sparse`: the MLP is a
+    mixture of experts (`MoE`; the layer is one of `ModelArgs.moe_layers`).
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, sparse: bool = False):
         super().__init__()
         self.post_norm, self.sandwich_norm = args.post_norm, args.sandwich_norm
         self.residual_scale = args.residual_multiplier
@@ -247,7 +291,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, offset)
         if self.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
-        self.mlp = MLP(args)
+        self.mlp = MoE(args) if sparse else MLP(args)
         if self.post_norm or self.sandwich_norm:
             self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
 
@@ -336,7 +380,8 @@ class Transformer(nn.Module):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.args, self.head = args, head
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        sparse = set(args.moe_layers)
+        self.layers = nn.ModuleList(TransformerBlock(args, i in sparse) for i in range(args.num_hidden_layers))
         for layer, window in zip(self.layers, args.layer_windows):
             layer.self_attn.window = window
         self.local_rope_layers = frozenset(args.local_rope_layers)  # (Gemma 3's sliding_attention layers)
@@ -363,7 +408,8 @@ class Transformer(nn.Module):
 
     def init_tensors(self, generator: torch.Generator | None = None):
         """Yield `(name, full initial tensor)` on CPU, drawn in module order from `generator`:
-        normal(0, initializer_range) for linear and embedding weights, zero biases, unit norms.
+        normal(0, initializer_range) for linear and embedding weights, routers and experts (as transformers'
+        Qwen3Moe draws them), zero biases, unit norms.
         The one definition of the initialisation: sharded builds (`sharding/`) draw the same
         numbers without ever materialising the model on one device."""
         std = self.args.initializer_range
@@ -373,8 +419,9 @@ class Transformer(nn.Module):
                 yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=generator)
                 if m.bias is not None:
                     yield prefix + "bias", torch.zeros(m.bias.shape)
-            elif isinstance(m, nn.Embedding):
-                yield prefix + "weight", nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=generator)
+            elif isinstance(m, (nn.Embedding, Router, Experts)):
+                for name, p in m.named_parameters(recurse=False):
+                    yield prefix + name, nn.init.normal_(torch.empty(p.shape), 0.0, std, generator=generator)
             elif isinstance(m, RMSNorm):  # the identity: ones, or zeros scaling by 1 + weight
                 yield prefix + "weight", (torch.zeros if m.unit_offset else torch.ones)(m.weight.shape)
 

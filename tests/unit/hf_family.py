@@ -115,12 +115,14 @@ def unprefixed(state_dict, config):
     return {k.removeprefix("model."): v for k, v in state_dict.items()}
 
 
-def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_classifier: bool = True) -> dict:
+def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_classifier: bool = True,
+                            hf_kwargs: dict | None = None) -> dict:
     """The trained-policy export (`trainer.checkpointing.export_hf`, which `tools.export_hf` runs) of the checkpoint
     at `base` writes a directory transformers loads as `<family>ForCausalLM` with meshppo's logits, and a value
     model of it exports as `<family>ForTokenClassification` with its scores (without `token_classifier`: a family
-    transformers has none of, whose value model's export is refused, writing nothing). Returns the written
-    config.json and the reloaded causal LM."""
+    transformers has none of, whose value model's export is refused, writing nothing). `hf_kwargs`: what
+    transformers' from_pretrained takes beside the path (Qwen3-MoE's eager experts, which run in float64). Returns
+    the written config.json and the reloaded causal LM."""
     import transformers
 
     from models.checkpoint import load_model_args
@@ -134,7 +136,8 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_class
     assert len(saved) == 1 and saved[0] != str(base)  # into the export (its staging directory), not the base
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [f"{family}ForCausalLM"]
-    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_kwargs = hf_kwargs or {}
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, **hf_kwargs).eval()
     assert type(again).__name__ == f"{family}ForCausalLM"
     ids = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -149,7 +152,7 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_class
         assert not (tmp_path / "v").exists()
         return written, again
     critic.save_pretrained(tmp_path / "v")
-    scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v").eval()
+    scorer = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "v", **hf_kwargs).eval()
     assert type(scorer).__name__ == f"{family}ForTokenClassification"
     with torch.no_grad():
         assert (scorer.double()(input_ids=ids).logits[..., 0] - critic.double()(ids)).abs().max().item() <= TOL

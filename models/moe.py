@@ -1,0 +1,79 @@
+"""Mixture-of-experts MLP (Qwen3-MoE's sparse block), as transformers 5 computes it: the one implementation that the
+training model (`models.transformer.MoE`) and the engine share.
+
+`route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
+`k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
+Qwen3MoeTopKRouter). `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
+expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
+`chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
+expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
+(token, slot) order and summed over the slots: a fixed order of additions (no atomics), as transformers'
+grouped_mm path sums them.
+
+Two paths compute the same products: on CUDA in bfloat16 (with hidden and expert sizes multiples of 8, the
+kernel's 16-byte strides) `torch.nn.functional.grouped_mm` over all experts at once, with the groups' ends
+counted on the device (a scatter-add and a cumsum: no host sync, no data-dependent shape, so the engine can
+capture it in a CUDA graph); elsewhere (CPU, float32 / float16 / float64 on CUDA) a loop over the experts that
+have tokens, which reads the group sizes on the host. Both are differentiable (the trainer's backward).
+
+Shapes: `T` tokens, `H` hidden, `E` experts, `I` expert intermediate size, `k` experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.block_ops import activation
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """`(weights [T, k] in x's dtype, experts [T, k] int64)` of tokens `x [T, H]` under router `weight [E, H]`:
+    the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in descending order, divided by
+    their sum where `norm_topk_prob`."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), experts
+
+
+def use_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether `experts_forward` takes the grouped-GEMM path: CUDA bfloat16 (the dtype torch's grouped GEMM
+    kernel takes there) with the hidden and expert sizes multiples of 8 (its rows' 16-byte alignment)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and gate_up.shape[1] % 16 == 0)
+
+
+def _gated(h: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(gate) * up` of a gate_up projection's output `[.., 2I]` (gate columns first)."""
+    gate, up = h.chunk(2, dim=-1)
+    return activation(gate, act) * up
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, act: str = "silu", grouped: bool | None = None) -> torch.Tensor:
+    """`[T, H]`: `Σ_k weights[t, k] · down[e](act(gate[e] x_t) · up[e] x_t)` for `e = experts[t, k]` (module
+    docstring), in `x`'s dtype. `grouped`: force the grouped-GEMM path (True) or the loop (False); None:
+    `use_grouped_mm`."""
+    num_tokens, top_k = experts.shape
+    num_experts = gate_up.shape[0]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+    rows = x[order // top_k]
+    if grouped if grouped is not None else use_grouped_mm(x, gate_up):
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = _gated(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends), act)
+        out = F.grouped_mm(h, down.transpose(1, 2), offs=ends)
+    else:
+        sizes = torch.bincount(flat, minlength=num_experts).tolist()
+        pieces = [F.linear(_gated(F.linear(group, gate_up[e]), act), down[e])
+                  for e, group in enumerate(rows.split(sizes)) if sizes[e]]
+        out = torch.cat(pieces) if pieces else rows.new_zeros(0, down.shape[1])
+    out = out * weights.reshape(-1)[order, None]
+    # back to (token, slot) order: `order` is a permutation, so the gather's backward adds no two rows
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return out[inverse].view(num_tokens, top_k, -1).sum(dim=1)
