@@ -370,17 +370,22 @@ class ModelArgs:
         rs = self.rope_scaling or {}
         return rs.get("rope_type", rs.get("type", "default"))
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Parameter count. `include_embedding` adds the input embedding and the LM head: one
-        `[vocab, hidden]` matrix when tied, two when untied."""
+        `[vocab, hidden]` matrix when tied, two when untied. `active`: the parameters one token's forward
+        multiplies by, a mixture-of-experts layer's router and `num_experts_per_tok` of its experts (not all
+        `num_experts`: `flops` counts the work that runs); the same as the total on a dense model."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + \
             (h if self.o_proj_bias else 0)
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        block = attn + mlp + (4 if self.sandwich_norm else 2) * h + (2 * d if self.qk_norm else 0) + \
+        experts = self.num_experts_per_tok if active else self.num_experts
+        sparse = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size  # router, experts
+        rest = attn + (4 if self.sandwich_norm else 2) * h + (2 * d if self.qk_norm else 0) + \
             (q + kv if self.full_qk_norm else 0)
-        n = self.num_hidden_layers * block + h
+        n_sparse = len(self.moe_layers)
+        n = (self.num_hidden_layers - n_sparse) * (rest + mlp) + n_sparse * (rest + sparse) + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
@@ -389,7 +394,8 @@ class ModelArgs:
               lora=None) -> float:
         """The floating-point operations that run, for MFU (the one formula the trainer and the
         benchmarks use): `2·N_body` per token for the blocks' matmuls (forward; `6·N_body` with
-        the backward), `2·hidden·vocab` (`6·`) per position the LM head is evaluated on — the
+        the backward; a mixture-of-experts layer's N counts its router and the `num_experts_per_tok`
+        experts a token runs through, not the others: `num_params(active=True)`), `2·hidden·vocab` (`6·`) per position the LM head is evaluated on — the
         trainer evaluates it on response positions only, the input embedding is a lookup and
         costs none — and `4·layers·heads·head_dim` (`12·`) per (query, key) pair attended:
         `attention_pairs` is `Σ L²/2` for causal sequences of lengths `L`, `Σ context` in decode.
@@ -400,7 +406,7 @@ class ModelArgs:
         `_lora_shapes`), and layer 0 computes no input gradient upstream of its first adapter
         (`_lora_layer0_skipped`)."""
         k = 6 if backward else 2
-        body = self.num_params(include_embedding=False)
+        body = self.num_params(include_embedding=False, active=True)
         attn = 2 * k * self.num_hidden_layers * self.num_attention_heads * self.head_dim
         if not (backward and lora is not None):
             return k * body * tokens + k * self.hidden_size * self.vocab_size * head_positions + attn * attention_pairs
@@ -410,12 +416,17 @@ class ModelArgs:
         return ((4 * body + adapters - skipped_per_token) * tokens + head * head_positions
                 + (attn - skipped_per_pair) * attention_pairs)
 
-    def _projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """Each block projection's `(in, out)` features."""
+    def _projection_shapes(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        """Each block projection's `(in, out)` features; where `layer` is one of `moe_layers`, its MLP's as one
+        token runs them: the router (`gate`, hidden -> experts) and gate / up / down over the
+        `num_experts_per_tok` experts it goes through."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-                "up_proj": (h, i), "down_proj": (i, h)}
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if layer in self.moe_layers:
+            i = self.num_experts_per_tok * self.moe_intermediate_size
+            shapes["gate"] = (h, self.num_experts)
+        return shapes | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def _lora_shapes(self, lora) -> dict[str, tuple[int, int]]:
         """Each adapter's `(in, out)` features by the module peft adapts on this type's transformers model
@@ -433,11 +444,12 @@ class ModelArgs:
         tensor's gradient only downstream of the first adapter: q / k / v never compute their input
         gradient; without a q / k / v adapter, neither do attention (its `8·heads·head_dim` a pair)
         and o_proj; without an attention adapter, neither do gate / up; and with none of those,
-        neither does down_proj. An input gradient costs `2·in·out` for the base, `2·r·in` for an
-        adapter (once for a fused projection's shared A)."""
+        neither does down_proj (a sparse layer 0: its router and the experts a token runs, `_projection_shapes`).
+        An input gradient costs `2·in·out` for the base, `2·r·in` for an adapter (once for a fused projection's
+        shared A)."""
         from models.lora import fused_parts
 
-        shapes, adapters, r = self._projection_shapes(), self._lora_shapes(lora), lora.rank
+        shapes, adapters, r = self._projection_shapes(layer=0), self._lora_shapes(lora), lora.rank
         parts = {t: fused_parts(self.model_type).get(t, (t,)) for t in adapters}
         targets = {p for ps in parts.values() for p in ps}
 
@@ -450,8 +462,8 @@ class ModelArgs:
         if targets.isdisjoint(qkv):
             per_token += input_grads("o_proj")
             per_pair = 8 * self.num_attention_heads * self.head_dim
-        if targets.isdisjoint((*qkv, "o_proj")):
-            per_token += input_grads("gate_proj", "up_proj")
+        if targets.isdisjoint((*qkv, "o_proj")):  # (a sparse layer's router reads the MLP's input too)
+            per_token += input_grads("gate_proj", "up_proj", *(("gate",) if "gate" in shapes else ()))
             if targets.isdisjoint(("gate_proj", "up_proj")):
                 per_token += input_grads("down_proj")
         return per_token, per_pair
@@ -775,8 +787,12 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 # Those of the Hugging Face model classes that meshppo's own models do not have change nothing:
 _ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or SDPA kernels), not a Hugging Face "
              "implementation")
+_ROUTER_LOSS_WHY = ("transformers adds the router's load-balancing loss only to the loss it computes from labels, "
+                    "which verl's actor does not ask for: verl and meshppo train a mixture of experts on the PPO loss "
+                    "alone")
 OVERRIDE_NO_EFFECT = {"attn_implementation": _ATTN_WHY, "_attn_implementation": _ATTN_WHY,
-                      "use_cache": "meshppo's training forwards keep no KV cache (its engine has its own)"}
+                      "use_cache": "meshppo's training forwards keep no KV cache (its engine has its own)",
+                      "output_router_logits": _ROUTER_LOSS_WHY, "router_aux_loss_coef": _ROUTER_LOSS_WHY}
 # meshppo's models have no dropout: these are accepted at 0 only (verl's critic sets them to 0 itself).
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop")
 _NO_DROPOUT_WHY = "meshppo's models have no dropout"

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.args import FUSED_PROJECTIONS, HF_FAMILY
+from models.args import FUSED_PROJECTIONS, HF_FAMILY, MOE_TYPES
 from models.checkpoint import meshppo_key_to_hf
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -150,11 +150,15 @@ _LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernor
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
-def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_type: str | None = None) -> list[str]:
+def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_type: str | None = None,
+                     sparse_layers=()) -> list[str]:
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
     `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD); with a
     `model_type` whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj,
-    gate_up_proj), its fused modules in place of their parts, as peft sees that model."""
+    gate_up_proj), its fused modules in place of their parts, as peft sees that model. The MLP of a layer in
+    `sparse_layers` (`ModelArgs.moe_layers`) is transformers' Qwen3MoeSparseMoeBlock: its router `mlp.gate` and
+    its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes over them), in place of gate_proj,
+    up_proj and down_proj."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     fused = FUSED_PROJECTIONS.get(model_type, {})
     parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
@@ -162,8 +166,13 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
         b = f"model.layers.{i}"
         norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
         names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.mlp", f"{b}.self_attn.q_norm",
-                  f"{b}.self_attn.k_norm", f"{b}.mlp.act_fn"]
-        names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR if p not in parts]
+                  f"{b}.self_attn.k_norm"]
+        # (a sparse layer: its experts' stacked parameters, and the per-expert names peft maps onto them)
+        names += ([f"{b}.mlp.gate", f"{b}.mlp.experts", f"{b}.mlp.experts.act_fn",
+                   *(f"{b}.mlp.experts.{p}" for p in ("gate_up_proj", *MLP_PROJ))] if i in sparse_layers
+                  else [f"{b}.mlp.act_fn"])
+        names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR
+                  if p not in parts and not (p in MLP_PROJ and i in sparse_layers)]
         names += [f"{b}.{module}" for module in fused]
     return names
 
@@ -341,11 +350,19 @@ def model_targets(cfg: LoRAConfig, args, num_layers: int | None = None,
     """The modules `cfg`'s target_modules and exclude_modules select on the model `args` describes (of
     `num_layers` blocks, default its own; a value model: `heads` VALUE_HEAD), as peft selects them on its
     transformers model, by its names: a Phi3's fused qkv_proj / gate_up_proj (`fused_parts`: one adapter
-    each, its parts sharing one A), where a part alone (q_proj) names no module and is refused."""
+    each, its parts sharing one A), where a part alone (q_proj) names no module and is refused; a Qwen3-MoE's
+    sparse layers without MLP projections (their experts are no nn.Linear: all-linear adapts the attention's
+    projections there, and a selection that differs between its sparse and dense layers is refused)."""
     model_type = getattr(args, "model_type", None)
+    if model_type in MOE_TYPES and cfg.target_modules == "all-linear":
+        raise ValueError(f"target_modules='all-linear' on a {model_type} model is not supported (lora_rank > 0): peft "
+                         "with transformers 5 then adapts each layer's router (mlp.gate) and stacked experts "
+                         "(mlp.experts' gate_up_proj and down_proj, its target_parameters) beside the attention, and "
+                         "meshppo's LoRA adapts linear projections only; give target_modules the attention's "
+                         "projections, [q_proj, k_proj, v_proj, o_proj] or some of them")
     layers = num_layers if num_layers is not None else args.num_hidden_layers
-    return peft_targets(cfg.target_modules, _hf_module_names(layers, heads, model_type), cfg.exclude_modules,
-                        model_type)
+    names = _hf_module_names(layers, heads, model_type, getattr(args, "moe_layers", ()))
+    return peft_targets(cfg.target_modules, names, cfg.exclude_modules, model_type)
 
 
 def shared_a_name(name: str) -> str:

@@ -41,13 +41,24 @@ from models import block_ops
 def apply_tiled_mlp(model: nn.Module, num_shards: int | None) -> nn.Module:
     """Compute the MLP of every block of `model.layers` in `num_shards` token tiles (None: the
     untiled path). Only an attribute of each MLP changes: parameters, names and FSDP units stay.
-    Set it before `sharding.compile.apply_compile`, whose graphs guard on it. Returns `model`."""
+    Set it before `sharding.compile.apply_compile`, whose graphs guard on it. Returns `model`.
+    A mixture-of-experts model (`ModelArgs.moe_layers`) is refused: its sparse layers run each expert on its own
+    tokens, which the tiles of one SwiGLU MLP do not describe."""
+    if num_shards is not None and getattr(getattr(model, "args", None), "moe_layers", None):
+        raise ValueError(tiled_moe_refusal(model.args.model_type))
     if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)
                                    or num_shards < 1):
         raise ValueError(f"tiled MLP num_shards must be a positive integer, got {num_shards!r}")
     for block in model.layers:
         block.mlp.num_shards = num_shards
     return model
+
+
+def tiled_moe_refusal(model_type: str) -> str:
+    """Why the tiled MLP is refused on a mixture-of-experts model."""
+    return (f"the tiled MLP is not supported for model_type {model_type} (a mixture of experts): each token runs "
+            "through its own few experts, whose [tokens, intermediate] tensors are already one expert's share of "
+            "the tokens")
 
 
 def tile_bounds(n: int, num_shards: int) -> list[tuple[int, int]]:

@@ -152,8 +152,11 @@ def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
 
 
 def check_quantization(args: ModelArgs, quantization: str | None) -> None:
-    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2) or one whose
-    norms scale by 1 + weight (Gemma 3)."""
+    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2), one whose
+    norms scale by 1 + weight (Gemma 3) or a mixture of experts (Qwen3-MoE)."""
+    if quantization == "fp8" and args.moe_layers:
+        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: its quantization covers "
+                         "linear projections, and this model's experts are stacked [experts, out, in] tensors")
     if quantization == "fp8" and args.post_norm:
         raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
                          "norm into its projections, and this model's post-norm blocks have none")

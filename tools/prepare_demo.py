@@ -52,11 +52,15 @@ def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_he
     # (granite-3.1-2b's: embeddings times 12, branches times 0.22, attention scale 1 / head_dim, logits / 8).
     granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden,
                    logits_scaling=8.0) if model_type == "granite" else {}
+    # A Qwen3-MoE: 4 experts of a quarter of the dense MLP's width, each token through 2 (sparse every layer, as
+    # Qwen3-30B-A3B's: its top 8 of 128 renormalised).
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, norm_topk_prob=True
+               ) if model_type == "qwen3_moe" else {}
     return ModelArgs(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=hidden, intermediate_size=hidden * 2,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=64, model_type=model_type, attention_bias=model_type == "qwen2",
                      tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1,
-                     initializer_range=init_std, **granite)
+                     initializer_range=init_std, **granite, **moe)
 
 
 @torch.no_grad()

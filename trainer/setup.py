@@ -55,6 +55,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     check_engine_quantization(cfg)
     check_lora_adapter(cfg)
     check_value_model_export(cfg)
+    check_tiled_mlp(cfg)
     t = cfg.trainer
     if t.default_local_dir is not None and not t.default_local_dir.strip():
         # (an unset shell variable: trainer.default_local_dir=$RUN) no directory to lock, log or write into
@@ -505,7 +506,8 @@ def model_notes(cfg: PPOConfig) -> list[str]:
                      f"trained (vLLM refuses such a context); {fix}, or set "
                      "actor_rollout_ref.model.override_config.max_position_embeddings where its RoPE is scaled "
                      "for more")
-    return notes + _unapplied_dropout_notes(arr.model.path, arr.model.override_config)
+    return (notes + _unapplied_dropout_notes(arr.model.path, arr.model.override_config)
+            + _router_loss_notes(arr.model.path, arr.model.override_config))
 
 
 def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
@@ -525,6 +527,41 @@ def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
             f"actor_rollout_ref.model.override_config.{key}=0 trains the same in both and leaves this note out"
             for key in DROPOUT_KEYS if key not in given and isinstance(config.get(key), (int, float))
             and not isinstance(config[key], bool) and config[key] > 0]
+
+
+def check_tiled_mlp(cfg: PPOConfig) -> None:
+    """ConfigError, before any work, for a tiled MLP (`tiled_mlp.enabled`) on a mixture-of-experts model
+    (`models.tiled_mlp.tiled_moe_refusal`), naming the key."""
+    from models.tiled_mlp import tiled_moe_refusal
+
+    arr = cfg.actor_rollout_ref
+    for key, model in [("actor_rollout_ref.model", arr.model)] + ([("critic.model", cfg.critic.model)]
+                                                                   if cfg.uses_critic else []):
+        args = _readable_model_args(model.path, model.override_config) if model.tiled_mlp.enabled else None
+        if args is not None and args.moe_layers:
+            raise ConfigError(f"{key}.tiled_mlp.enabled=true: {tiled_moe_refusal(args.model_type)} (the model in "
+                              f"{model.path})")
+
+
+def _router_loss_notes(path: str, overrides: dict | None) -> list[str]:
+    """A line where the actor's config.json sets output_router_logits (a mixture of experts): transformers then adds router_aux_loss_coef times its load-balancing loss to the loss it computes
+    from labels, which verl's actor never asks for (it reads the logits and computes its own loss), and meshppo,
+    like verl, trains without it. An unreadable directory says nothing here."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    from models.args import flat_overrides
+
+    # (an override of it is named among the overrides that change nothing)
+    if "output_router_logits" in flat_overrides(overrides or {}) or config.get("output_router_logits") is not True:
+        return []
+    return [f"actor_rollout_ref.model.path {path!r}: output_router_logits=true adds no load-balancing loss: "
+            f"transformers adds router_aux_loss_coef={config.get('router_aux_loss_coef', 0.001)} times it only to the "
+            "loss it computes from labels, which verl's actor does not ask for; meshppo, like verl, trains on the "
+            "PPO loss alone"]
 
 
 def check_value_model_export(cfg: PPOConfig) -> None:

@@ -160,15 +160,16 @@ def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_class
 
 
 def check_peft_adapter_round_trip(tmp_path, hf, path, model_type: str, vocab: int, target_modules: list[str],
-                                  adapted: tuple[str, ...] | None = None):
-    """LoRA all-linear (rank 4, alpha 8, each B drawn from N(0, 0.3)) on the checkpoint at `path`: save_peft_adapter
+                                  adapted: tuple[str, ...] | None = None, selected: str | list[str] = "all-linear"):
+    """LoRA of `selected` (target_modules; rank 4, alpha 8, each B drawn from N(0, 0.3)) on the checkpoint at `path`:
+    save_peft_adapter
     writes peft's adapter naming `target_modules`, which PeftModel.from_pretrained on `hf` (transformers' model of
     that checkpoint) reads with meshppo's logits (within TOL, the adapters moving them by > 1e-2), and which reads back
     (lora_adapter_path) into the same adapters. `adapted`: the modules of a layer (self_attn.q_proj, ...) whose
     lora_A / lora_B are the trainable parameters. Returns the model the adapter was read back into."""
     from models.lora import LoRAConfig, adapter_state_dict, inject_lora, load_peft_adapter, save_peft_adapter
 
-    cfg = LoRAConfig(4, 8.0)
+    cfg = LoRAConfig(4, 8.0, target_modules=selected)
     ours = inject_lora(Transformer.from_pretrained(path, dtype=torch.float64), cfg, torch.Generator().manual_seed(0))
     if adapted is not None:
         assert {n.split(".", 2)[2] for n, p in ours.named_parameters() if p.requires_grad} == {

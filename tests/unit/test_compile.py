@@ -19,11 +19,17 @@ def _loss_and_grads(model, ids, labels, cu, index):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing, offload", [(False, False), (True, False), (True, True)])
-def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload):
+# a mixture of experts (Qwen3-MoE's sparse layer 0, dense layer 1): its routing and expert loop in the compiled block
+MOE_ARGS = dataclasses.replace(ARGS, model_type="qwen3_moe", attention_bias=False, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=16, mlp_only_layers=(1,))
+
+
+@pytest.mark.parametrize("checkpointing, offload, args", [(False, False, ARGS), (True, False, ARGS),
+                                                          (True, True, ARGS), (True, False, MOE_ARGS)])
+def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload, args):
     torch.manual_seed(0)
-    eager = Transformer.build(ARGS, seed=0)
-    compiled = Transformer.build(ARGS, seed=0)
+    eager = Transformer.build(args, seed=0)
+    compiled = Transformer.build(args, seed=0)
     names = [n for n, _ in compiled.named_parameters()]
     # torchtitan's order: AC, then compile (which traces the offloader's hooks' context too)
     apply_ac(compiled, enable_gradient_checkpointing=checkpointing, enable_activation_offload=offload)
@@ -33,7 +39,7 @@ def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload):
     apply_compile(compiled, backend="aot_eager")
     assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints and the resharder key on these
     for lengths in ([5, 9, 3], [7, 11]):  # a second shape: dynamic, no stale graph
-        ids = torch.randint(0, ARGS.vocab_size, (1, sum(lengths)))
+        ids = torch.randint(0, args.vocab_size, (1, sum(lengths)))
         labels = torch.roll(ids, -1, dims=1)
         cu = cu_seqlens_from_lengths(lengths)
         index = torch.arange(2, sum(lengths), 2)

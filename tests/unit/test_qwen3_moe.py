@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from models import ModelArgs, Transformer
 from models.moe import experts_forward, route
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_padded_and_packed_logits, one_thread, randomized,
+from tests.unit.hf_family import (TOL, check_export_round_trip, check_padded_and_packed_logits,
+                                  check_peft_adapter_round_trip, one_thread, randomized,
                                   trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
@@ -197,14 +198,15 @@ def test_export_round_trips_through_transformers_qwen3_moe(tmp_path, shape):
             assert set(f.keys()) == set(g.keys())
 
 
-def test_a_saved_qwen3_moe_directory_loads_through_the_trainers_model_path(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_saved_qwen3_moe_directory_loads_through_the_trainers_model_path(tmp_path, world):
     """config.json + model.safetensors as transformers' save_pretrained writes them (float32, per-expert tensors),
-    read by the trainer's actor builder (FSDP on one gloo rank): every weight lands where transformers holds it in
-    memory (its stacked experts), bit for bit."""
+    read by the trainer's actor builder (FSDP on one gloo rank, and over two: the stacked experts sharded along their
+    expert dim): every weight lands where transformers holds it in memory (its stacked experts), bit for bit."""
     from tests.dist_utils import run_distributed
 
     _, path = _saved(tmp_path, dtype=torch.float32, **SHAPES[0])
-    run_distributed(trainer_loads_bit_for_bit, 1, str(path), "qwen3_moe", 16, unprefixed)
+    run_distributed(trainer_loads_bit_for_bit, world, str(path), "qwen3_moe", 16, unprefixed)
 
 
 # ---------------------------------------------------------------- the arguments
@@ -250,3 +252,114 @@ def test_an_activation_other_than_silu_is_refused():
     cfg = _qwen3_moe().config.to_dict() | {"hidden_act": "gelu"}
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelArgs.from_hf_config(cfg)
+
+
+# ---------------------------------------------------------------- what runs with it
+def test_parameter_count_and_flops_count_the_experts_a_token_runs():
+    """num_params is transformers' parameter count (every expert); flops counts the router and the top-k experts a
+    token runs through (PyTorch's FLOP counter on a forward, and on a forward and backward, full and with LoRA on
+    the attention), not all experts; by hand: a sparse layer's per-token N is H·E + k·3·H·I."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.lora import LoRAConfig, inject_lora
+
+    hf = _qwen3_moe(**SHAPES[0])
+    args = ModelArgs.from_hf_config(hf.config)
+    assert args.num_params() == sum(p.numel() for p in hf.parameters())
+    assert args.num_params() - args.num_params(active=True) == 2 * (4 - 2) * 3 * 32 * 16  # two sparse layers
+    dense = ModelArgs.from_hf_config(hf.config.to_dict() | {"mlp_only_layers": [0, 1, 2]})
+    assert args.num_params(active=True) - dense.num_params() == 2 * (32 * 4 + 2 * 3 * 32 * 16 - 3 * 32 * 48)
+    batch, seq, response = 3, 40, 24
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
+    for lora in (None, LoRAConfig(8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])):
+        for backward in (False, True) if lora is None else (True,):  # (a LoRA forward: the base's formula)
+            model = Transformer.build(args, seed=0)
+            if lora is not None:
+                inject_lora(model, lora, generator=torch.Generator().manual_seed(0))
+            with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
+                logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
+                if backward:
+                    logp.sum().backward()
+            counts = counter.get_flop_counts()["Global"]
+            counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
+            if backward:  # the head's backward recomputes its logits: recomputation, not counted
+                counted -= 2 * 32 * VOCAB * batch * response
+            # the norm weights are in N but run no matmul (1 % at this width)
+            norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+            counted += (2 if not backward else 6 if lora is None else 4) * norms * batch * seq
+            predicted = args.flops(batch * seq, batch * response, 0, backward=backward, lora=lora)
+            assert abs(predicted - counted) / counted < 1e-9, (lora, backward, predicted, counted)
+
+
+def test_lora_on_the_attention_saves_as_peft_and_all_linear_is_refused(tmp_path):
+    """LoRA on the attention's projections (every layer's, sparse or dense): peft reads meshppo's adapter onto
+    Qwen3MoeForCausalLM with meshppo's logits, and it reads back. all-linear (peft then adapts the routers and the
+    stacked experts as parameters, which meshppo's LoRA does not) is refused, as is a list naming an MLP projection
+    (peft maps gate_proj / up_proj / down_proj onto the experts' parameters)."""
+    from models.lora import LoRAConfig, model_targets
+
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    hf, path = _saved(tmp_path, **SHAPES[0])
+    check_peft_adapter_round_trip(tmp_path, hf, path, "qwen3_moe", VOCAB, attention,
+                                  adapted=tuple(f"self_attn.{p}" for p in attention), selected=attention)
+    args = ModelArgs.from_hf_config(hf.config)
+    with pytest.raises(ValueError, match=r"target_modules='all-linear' on a qwen3_moe model is not supported .*"
+                                         r"\[q_proj, k_proj, v_proj, o_proj\]"):
+        model_targets(LoRAConfig(4), args)
+    with pytest.raises(ValueError, match=r"matches the module model\.layers\.0\.mlp\.experts\.gate_proj"):
+        model_targets(LoRAConfig(4, target_modules=attention + ["gate_proj"]), args)
+    with pytest.raises(ValueError, match=r"target_modules has \['gate'\], which names no module"):  # (the router)
+        model_targets(LoRAConfig(4, target_modules=["q_proj", "gate"]), args)
+
+
+def test_a_qwen3_moe_sequence_classifier_loads_as_a_reward_model(tmp_path):
+    """A Qwen3MoeForSequenceClassification directory (num_labels 1) loads as meshppo's value model: its score at a
+    sequence's last token is transformers' logit."""
+    hf = _qwen3_moe(cls=transformers.Qwen3MoeForSequenceClassification, num_labels=1, **SHAPES[0])
+    hf.save_pretrained(tmp_path / "rm")
+    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
+    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[:, 0]
+        assert ref.abs().max() > 1e-1
+        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+
+
+def test_the_tiled_mlp_and_fp8_rollout_are_refused_and_router_logits_noted(tmp_path):
+    """tiled_mlp.enabled (whose tiles are one SwiGLU MLP's) and rollout.quantization=fp8 (which quantizes linear
+    projections) are refused at the trainer's pre-flight naming the key, and apply_tiled_mlp refuses the model;
+    config.json's output_router_logits=true gets a start-up note (no load-balancing loss is added, as in verl), and an
+    override of it is accepted as changing nothing."""
+    from models.args import check_overrides
+    from models.tiled_mlp import apply_tiled_mlp
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import model_notes, preflight
+
+    _, path = _saved(tmp_path, dtype=torch.float32, output_router_logits=True, **SHAPES[0])
+    preflight(_cfg(path, 16, 32), devices=False)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.tiled_mlp\.enabled=true: the tiled MLP is not "
+                                          r"supported for model_type qwen3_moe"):
+        preflight(_cfg(path, 16, 32, "actor_rollout_ref.model.tiled_mlp.enabled=true"), devices=False)
+    with pytest.raises(ValueError, match="the tiled MLP is not supported for model_type qwen3_moe"):
+        apply_tiled_mlp(Transformer.from_pretrained(path), 2)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.quantization=fp8: fp8 rollout is not "
+                                          r"supported for model_type qwen3_moe"):
+        preflight(_cfg(path, 16, 32, "actor_rollout_ref.rollout.quantization=fp8"), devices=False)
+    notes = [n for n in model_notes(_cfg(path, 16, 32)) if "output_router_logits" in n]
+    assert len(notes) == 1 and "router_aux_loss_coef=0.001" in notes[0]
+    overridden = _cfg(path, 16, 32, "+actor_rollout_ref.model.override_config.output_router_logits=false")
+    assert not [n for n in model_notes(overridden) if "output_router_logits" in n]
+    assert "output_router_logits" in check_overrides({"output_router_logits": False})[1]
+
+
+def test_the_demo_model_is_a_mixture_of_experts():
+    """tools/prepare_demo's --model-type qwen3_moe: 4 experts, top 2, renormalised, every layer sparse."""
+    from tools.prepare_demo import demo_model_args
+
+    args = demo_model_args(40, 96, 3, 4, 2, eos=2, pad=0, init_std=0.1, model_type="qwen3_moe")
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (4, 2, 48)
+    assert args.moe_layers == [0, 1, 2] and args.norm_topk_prob
+    model = Transformer.build(args, seed=0)
+    assert model(torch.arange(10)[None]).shape == (1, 10, args.vocab_size)
