@@ -27,6 +27,11 @@ import torch.nn.functional as F
 from models.block_ops import activation
 
 
+# torch.nn.functional.grouped_mm where torch has it; the same operator under its older private name where it does
+# not (an older torch)
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """`(weights [T, k] in x's dtype, experts [T, k] int64)` of tokens `x [T, H]` under router `weight [E, H]`:
     the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in descending order, divided by
@@ -66,8 +71,8 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = _gated(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends), act)
-        out = F.grouped_mm(h, down.transpose(1, 2), offs=ends)
+        h = _gated(_grouped_mm(rows, gate_up.transpose(1, 2), offs=ends), act)
+        out = _grouped_mm(h, down.transpose(1, 2), offs=ends)
     else:
         sizes = torch.bincount(flat, minlength=num_experts).tolist()
         pieces = [F.linear(_gated(F.linear(group, gate_up[e]), act), down[e])
