@@ -49,6 +49,10 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
                             **_QWEN3),
     "qwen3-1.7b": ModelArgs(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, tie_word_embeddings=True,
                             **_QWEN3),
+    # Qwen3-30B-A3B: 48 mixture-of-experts layers of 128 experts (768 wide), 8 a token; 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": ModelArgs(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, tie_word_embeddings=False,
+                               **(_QWEN3 | dict(model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4)),
+                               num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
