@@ -3,7 +3,7 @@
 from models.args import PEAK_BF16_FLOPS, ModelArgs, peak_bf16_flops, torch_dtypes
 from models.checkpoint import iter_hf_tensors, load_model_args
 from models.lora import LoRAConfig
-from models.parallel_plan import tp_shard_dim
+from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, cu_seqlens_from_lengths, position_ids_from_lengths
 
 __all__ = [
@@ -17,5 +17,7 @@ __all__ = [
     "iter_hf_tensors",
     "load_model_args",
     "position_ids_from_lengths",
+    "tp_narrow",
     "tp_shard_dim",
+    "tp_shard_parts",
 ]

@@ -194,7 +194,7 @@ class LLMEngine:
         and the prefill graphs' private pool of the same size (next to the allocator's cache)."""
         m, c = self.model, self.config
         elem = torch.empty((), dtype=m.dtype).element_size()
-        per_token = (4 * m.hidden + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 3 * m.inter) * elem
+        per_token = (4 * m.hidden + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.mlp_activation_width) * elem
         rows = max(c.max_num_seqs, max(self.runner.capture_sizes, default=1))
         logits = rows * m.args.vocab_size * (elem + 4 + 8)  # logits, float32 scaled copy, sort indices
         tokens = c.max_num_batched_tokens + self.runner.prefill_graph_tokens

@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from models.args import ModelArgs
-from models.parallel_plan import tp_shard_dim
+from models.moe import experts_forward, route, use_grouped_mm
+from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
 from rollout.attention import AttentionMetadata
 from rollout.ops import FP8, FP8_MAX, quantize_fp8, split_k_products
@@ -62,18 +63,20 @@ class ParamSlot:
     """A view into the engine's weights holding this rank's TP shard of one training parameter.
 
     `shard_dim` is `tp_shard_dim(name)`: the view is rows/columns `[start, start + n)` of the full
-    parameter along it (`tp_shard_range`), or the whole parameter when it is None.
+    parameter along it (`tp_shard_range`), or the whole parameter when it is None; of each of its `parts`
+    (`tp_shard_parts`: a MoE layer's fused expert gate/up rows), the view then holding `parts * n`.
     """
 
     view: torch.Tensor
     shard_dim: int | None
-    start: int = 0  # the first row / column of the full parameter, along shard_dim, that the view holds
+    start: int = 0  # the first row / column of the full parameter (of each part), along shard_dim, the view holds
+    parts: int = 1
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of the full parameter `full` that this slot holds."""
+        """The part of the full parameter `full` that this slot holds (`models.parallel_plan.tp_narrow`)."""
         if self.shard_dim is None:
             return full
-        return full.narrow(self.shard_dim, self.start, self.view.shape[self.shard_dim])
+        return tp_narrow(full, self.shard_dim, self.parts, self.start, self.view.shape[self.shard_dim] // self.parts)
 
 
 @dataclass
@@ -83,9 +86,9 @@ class LayerWeights:
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor  # [H, Hq D / t]
     post_norm: torch.Tensor  # [H]: post_attention_layernorm (before the MLP; OLMo-2: after the attention)
-    gate_up_w: torch.Tensor  # [2 I / t, H]
+    gate_up_w: torch.Tensor | None  # [2 I / t, H]; None on a MoE layer (its experts are below)
     gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor  # [H, I / t]
+    down_w: torch.Tensor | None  # [H, I / t]
     down_b: torch.Tensor | None  # [H], replicated
     q_norm: torch.Tensor | None = None  # [D], replicated: Qwen3's per-head query norm (OLMo-2: this rank's
     # heads' part [Hq D / t] of the whole-projection norm)
@@ -93,6 +96,9 @@ class LayerWeights:
     post_ff_norm: torch.Tensor | None = None  # [H]: OLMo-2's post_feedforward_layernorm (after the MLP)
     o_b: torch.Tensor | None = None  # [H], replicated: o_proj's bias (OLMo-2's with attention_bias), added once
     pre_ff_norm: torch.Tensor | None = None  # [H]: Gemma 3's pre_feedforward_layernorm (before the MLP)
+    router: torch.Tensor | None = None  # [E, H], replicated: a MoE layer's router (`mlp.gate.weight`)
+    experts_gate_up: torch.Tensor | None = None  # [E, 2 Im / t, H]: each expert's gate rows, then its up rows
+    experts_down: torch.Tensor | None = None  # [E, H, Im / t]  (Im = moe_intermediate_size)
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -137,8 +143,14 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
-    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too)."""
-    for what, value in (("num_attention_heads", args.num_attention_heads), ("intermediate_size", args.intermediate_size)):
+    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too): the dense MLPs' and the
+    experts' intermediate sizes are split evenly (a model whose every layer is a MoE block has no dense MLP)."""
+    sizes = [("num_attention_heads", args.num_attention_heads)]
+    if len(args.moe_layers) < args.num_hidden_layers:
+        sizes.append(("intermediate_size", args.intermediate_size))
+    if args.moe_layers:
+        sizes.append(("moe_intermediate_size", args.moe_intermediate_size))
+    for what, value in sizes:
         if value % tp:
             raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
     kv = args.num_key_value_heads
@@ -182,7 +194,9 @@ def kv_heads_of_rank(args: ModelArgs, rank: int, tp: int) -> tuple[int, int]:
 
 def tp_shard_range(args: ModelArgs, name: str, full_len: int, rank: int, tp: int) -> tuple[int, int] | None:
     """`(start, length)`: the rows / columns `[start, start + length)` along `tp_shard_dim(name)` of the parameter
-    `name` (`full_len` of them) that TP rank `rank` of `tp` holds; None for a parameter every rank holds whole."""
+    `name` (`full_len` of them), of each of its `tp_shard_parts(name)` parts (a MoE layer's expert gate/up rows:
+    the same range of its gate and its up rows), that TP rank `rank` of `tp` holds (`models.parallel_plan.tp_narrow`
+    takes them); None for a parameter every rank holds whole."""
     if tp_shard_dim(name) is None:
         return None
     if name.endswith(KV_PROJECTIONS):
@@ -191,7 +205,7 @@ def tp_shard_range(args: ModelArgs, name: str, full_len: int, rank: int, tp: int
     if name in VOCAB_PARALLEL:  # the real rows of a shard padded past the vocabulary
         start, _, real = vocab_shard(full_len, rank, tp)
         return start, real
-    n = full_len // tp
+    n = full_len // tp_shard_parts(name) // tp
     return rank * n, n
 
 
@@ -209,6 +223,7 @@ class EngineModel:
         self.num_heads = args.num_attention_heads // t
         self.num_kv_heads = kv_heads_of_rank(args, tp.rank, t)[1]
         self.inter = args.intermediate_size // t
+        self.moe_inter = args.moe_intermediate_size // t  # each expert's intermediate rows on this rank
         # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
@@ -257,6 +272,7 @@ class EngineModel:
             "embed_tokens.weight": ("embed", 0, vocab_rows), "norm.weight": ("norm", 0, None)}
         if not a.tie_word_embeddings:
             plan["lm_head.weight"] = ("lm_head", 0, vocab_rows)
+        moe_layers = set(a.moe_layers)
         for i in range(a.num_hidden_layers):
             p, b = f"layers.{i}.", f"layers.{i}."
             if not a.post_norm:
@@ -271,11 +287,8 @@ class EngineModel:
             buffers[b + "post_norm"] = (h,)
             buffers[b + "qkv_w"] = (q + 2 * kv, h)
             buffers[b + "o_w"] = (h, q)
-            buffers[b + "gate_up_w"] = (2 * inter, h)
-            buffers[b + "down_w"] = (h, inter)
             plan[p + "post_attention_layernorm.weight"] = (b + "post_norm", 0, None)
             plan[p + "self_attn.o_proj.weight"] = (b + "o_w", 0, None)
-            plan[p + "mlp.down_proj.weight"] = (b + "down_w", 0, None)
             for kind in ("weight",) + (("bias",) if a.attention_bias else ()):
                 buf = b + ("qkv_w" if kind == "weight" else "qkv_b")
                 plan[p + f"self_attn.q_proj.{kind}"] = (buf, 0, q)
@@ -291,6 +304,18 @@ class EngineModel:
                 for part, width in zip(("q_norm", "k_norm"), widths):
                     buffers[b + part] = (width,)
                     plan[p + f"self_attn.{part}.weight"] = (b + part, 0, None)
+            if i in moe_layers:  # the router whole, this rank's rows (gate's, then up's) and columns of every expert
+                e, mi = a.num_experts, self.moe_inter
+                buffers[b + "router"] = (e, h)
+                buffers[b + "experts_gate_up"] = (e, 2 * mi, h)
+                buffers[b + "experts_down"] = (e, h, mi)
+                plan[p + "mlp.gate.weight"] = (b + "router", 0, None)
+                plan[p + "mlp.experts.gate_up_proj"] = (b + "experts_gate_up", 0, None)
+                plan[p + "mlp.experts.down_proj"] = (b + "experts_down", 0, None)
+                continue
+            buffers[b + "gate_up_w"] = (2 * inter, h)
+            buffers[b + "down_w"] = (h, inter)
+            plan[p + "mlp.down_proj.weight"] = (b + "down_w", 0, None)
             for kind in ("weight",) + (("bias",) if a.mlp_bias else ()):
                 buf = b + ("gate_up_w" if kind == "weight" else "gate_up_b")
                 plan[p + f"mlp.gate_proj.{kind}"] = (buf, 0, inter)
@@ -315,7 +340,7 @@ class EngineModel:
             dim = tp_shard_dim(name)
             shard = tp_shard_range(a, name, full[dim], self.tp.rank, t) if dim is not None else (0, None)
             self._starts[name] = shard[0]
-            expect = tuple(shard[1] if i == dim else s for i, s in enumerate(full))
+            expect = tuple(tp_shard_parts(name) * shard[1] if i == dim else s for i, s in enumerate(full))
             if tuple(local) != expect:
                 raise AssertionError(f"{name}: engine shard {tuple(local)} != {expect} (tp_shard_dim={dim})")
             if dim == 1 and rows is not None:
@@ -359,17 +384,19 @@ class EngineModel:
         self._slots = {}
         for name, (buf, row0, rows) in self._plan.items():
             view = self.buffers[buf] if rows is None else self.buffers[buf][row0:row0 + rows]
-            self._slots[name] = ParamSlot(view, tp_shard_dim(name), self._starts[name])
+            self._slots[name] = ParamSlot(view, tp_shard_dim(name), self._starts[name], tp_shard_parts(name))
         B = self.buffers
         self.embed_w = B["embed"]
         self.norm_w = B["norm"]
         self.head_w = B["embed"] if self.args.tie_word_embeddings else B["lm_head"]
         self.layers = [
             LayerWeights(B.get(f"layers.{i}.in_norm"), B[f"layers.{i}.qkv_w"], B.get(f"layers.{i}.qkv_b"),
-                         B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B[f"layers.{i}.gate_up_w"],
-                         B.get(f"layers.{i}.gate_up_b"), B[f"layers.{i}.down_w"], B.get(f"layers.{i}.down_b"),
+                         B[f"layers.{i}.o_w"], B[f"layers.{i}.post_norm"], B.get(f"layers.{i}.gate_up_w"),
+                         B.get(f"layers.{i}.gate_up_b"), B.get(f"layers.{i}.down_w"), B.get(f"layers.{i}.down_b"),
                          *self._qk_norms(B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm")),
-                         B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"), B.get(f"layers.{i}.pre_ff_norm"))
+                         B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"), B.get(f"layers.{i}.pre_ff_norm"),
+                         B.get(f"layers.{i}.router"), B.get(f"layers.{i}.experts_gate_up"),
+                         B.get(f"layers.{i}.experts_down"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
 
@@ -425,6 +452,24 @@ class EngineModel:
         self.fp8_stale = False
 
     @property
+    def mlp_activation_width(self) -> int:
+        """Elements of a token's MLP branch alive at once on this rank (the engine's activation reserve): a dense
+        layer's gate, up and their product (`3 I/t`); a MoE layer's, for each of its top-k experts, those, the copy of
+        its input row and its weighted output that `models.moe.experts_forward` sorts by expert (`k (3 Im/t + 2 H)`)."""
+        a = self.args
+        dense = 3 * self.inter if len(a.moe_layers) < a.num_hidden_layers else 0
+        moe = a.num_experts_per_tok * (3 * self.moe_inter + 2 * self.hidden) if a.moe_layers else 0
+        return max(dense, moe)
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a forward reads nothing back to the host, so that a CUDA graph can capture it: not where a MoE
+        layer's experts loop over the experts that have tokens, which the host counts (`models.moe`: on CUDA they
+        take the grouped GEMM, which counts on the device, in bf16 with aligned sizes only, `use_grouped_mm`)."""
+        w = next((layer for layer in self.layers if layer.router is not None), None)
+        return w is None or use_grouped_mm(w.experts_gate_up.new_empty(0, self.hidden), w.experts_gate_up)
+
+    @property
     def allocated(self) -> bool:
         return self.storage.untyped_storage().nbytes() > 0
 
@@ -466,6 +511,17 @@ class EngineModel:
         y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b
 
+    def _feed_forward(self, h: torch.Tensor, w: LayerWeights, ops, splits: int) -> torch.Tensor:
+        """A layer's MLP branch of its normed input `h [T, H]`, all-reduced: the gated MLP (`down_proj` as its split-K
+        products when `splits` > 1, `_row_parallel`) or, on a MoE layer, its experts as the training model runs them
+        (`models.moe`: the replicated router picks each token's experts, each rank computes them over its rows of every
+        expert's intermediate size, and their weighted sum is all-reduced once, as `down_proj`'s output is)."""
+        if w.router is None:
+            return self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b, act=self.act), w.down_w, w.down_b,
+                                      ops, splits)
+        weights, experts = route(h, w.router, self.args.num_experts_per_tok, self.args.norm_topk_prob)
+        return self.tp.all_reduce(experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act))
+
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp8 `down_proj` of the gate/up output `h`: (x, x_scale) for the next `rms_norm` - at TP 1 without a bias
         the product rows in the model dtype and their scales (applied there), else the projection itself."""
@@ -483,8 +539,10 @@ class EngineModel:
         (`split_k_splits`): qkv's only in a decode step whose attention kernel reads each row once (one
         split a sequence) and without per-head q/k norms (they read the summed rows); o_proj's and
         down_proj's at TP 1 (elsewhere they are all-reduced), without a bias (the RMSNorm adds none:
-        down_proj's, a Granite's o_proj with attention_bias)."""
+        down_proj's, a Granite's o_proj with attention_bias). down_proj's is that of the dense layers; a MoE layer's
+        experts ignore it (`_feed_forward`)."""
         w, dtype, h, fp8 = self.layers[0], self.dtype, self.hidden, bool(self.fp8_layers)
+        dense = next((layer for layer in self.layers if layer.down_w is not None), None)
         qkv = split_k_splits(rows, w.qkv_w.shape[0], h, dtype) if meta.is_decode and meta.num_splits == 1 else 1
         if fp8 or self.args.qk_norm or self.args.full_qk_norm:
             qkv = 1  # e4m3 GEMMs (only o_proj stays in the model dtype), or the q/k norms read the sums
@@ -492,7 +550,8 @@ class EngineModel:
             return qkv, 1, 1  # each branch's norm reads its projection, not a residual sum
         if self.tp.size > 1:
             return qkv, 1, 1
-        down = split_k_splits(rows, h, w.down_w.shape[1], dtype) if w.down_b is None and not fp8 else 1
+        down = (split_k_splits(rows, h, dense.down_w.shape[1], dtype)
+                if dense is not None and dense.down_b is None and not fp8 else 1)
         o = split_k_splits(rows, h, w.o_w.shape[1], dtype) if w.o_b is None else 1
         return qkv, o, down
 
@@ -543,8 +602,7 @@ class EngineModel:
                                           window=self.windows[i])
             if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
                 x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x)
-                y = self._row_parallel(ops.gated_linear(x, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops, 1)
-                x = ops.post_norm_add(y, w.post_ff_norm, eps, x)
+                x = ops.post_norm_add(self._feed_forward(x, w, ops, 1), w.post_ff_norm, eps, x)
                 continue
             x = self._row_parallel(o, w.o_w, w.o_b, ops, o_splits)
             if self.fp8_layers:
@@ -553,8 +611,7 @@ class EngineModel:
                 x, x_scale = self._down_fp8(h, w, q8, ops)
             else:
                 h, residual = ops.rms_norm(x, w.post_norm, eps, residual, scale=branch)
-                x = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b), w.down_w, w.down_b, ops,
-                                       down_splits)
+                x = self._feed_forward(h, w, ops, down_splits)
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale, scale=1.0 if residual is None else branch)
         return h
 
@@ -588,9 +645,7 @@ class EngineModel:
             o = self._attention(i, qkv, positions, token_slots, meta, kv_cache, block_tables, ops, kv_scales)
             x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x, unit_offset=True)
             h, _ = ops.rms_norm(x, w.pre_ff_norm, eps, unit_offset=True)
-            y = self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b, act=self.act), w.down_w, w.down_b,
-                                   ops, 1)
-            x = ops.post_norm_add(y, w.post_ff_norm, eps, x, unit_offset=True)
+            x = ops.post_norm_add(self._feed_forward(h, w, ops, 1), w.post_ff_norm, eps, x, unit_offset=True)
         h, _ = ops.rms_norm(x, self.norm_w, eps, unit_offset=True)
         return h
 

@@ -37,6 +37,7 @@ launches of host time, 10-14 ms on the H200 host, however few tokens it has.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -57,6 +58,8 @@ from rollout.sequence import ScheduledBatch
 # typically one prompt riding with the decoding rows (128 + 255 = 383 tokens): 128-token steps pad
 # it to 384, where 512-token steps padded it to 512 (BENCHMARKS.md, "Seventeenth pass").
 PREFILL_BUCKET_STEP = 128
+
+log = logging.getLogger(__name__)
 
 
 def prefill_bucket(tokens: int, cap: int) -> int:
@@ -92,8 +95,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         # Graphs need the Triton decode attention: the reference path sizes its context gather
-        # from a host value, which a graph would freeze at its capture-time value.
+        # from a host value, which a graph would freeze at its capture-time value; and a forward
+        # that reads nothing back to the host (`EngineModel.graph_capturable`: a MoE model's
+        # experts in bf16).
         graphs = self.is_cuda and self.use_triton and not config.enforce_eager
+        if graphs and not model.graph_capturable:
+            log.warning("engine: no CUDA graphs - this %s model's experts loop over the experts on the host in %s "
+                        "(models.moe's grouped GEMM, which a graph can capture, takes bf16 with hidden and expert "
+                        "sizes multiples of 8); every step runs eagerly", model.args.model_type,
+                        str(model.dtype).removeprefix("torch."))
+            graphs = False
         self.capture_sizes = config.capture_sizes() if graphs else []
         self.max_rows = max([config.max_num_seqs] + self.capture_sizes)
 

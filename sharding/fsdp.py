@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim
+from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim, tp_shard_parts
 from models.args import apply_overrides
 from models.checkpoint import checkpoint_tensors
 from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensors, read_peft_adapter
@@ -163,10 +163,13 @@ def fsdp_shard_dim(name: str, shape: torch.Size | tuple[int, ...], shard_size: i
 
     FSDP2 requires even sharding on dimensions other than 0; a row-parallel weight whose input
     dimension is not divisible by the shard-group size falls back to dim 0 (the resharder then
-    gathers it whole for that parameter, and counts it).
+    gathers it whole for that parameter, and counts it). So does a parameter whose TP dimension
+    fuses several parts (`tp_shard_parts`: a MoE layer's experts' gate/up rows): a TP shard takes
+    rows of each part, which no run of consecutive chunks of any dimension holds, and dim 0 (the
+    experts) costs FSDP's own gathers no copy.
     """
     d = tp_shard_dim(name)
-    if d is None or d >= len(shape):
+    if d is None or d >= len(shape) or tp_shard_parts(name) > 1:
         return 0
     if d != 0 and shape[d] % shard_size:
         return 0

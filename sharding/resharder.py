@@ -15,10 +15,18 @@ Each parameter takes one of four routes, fixed once in a plan:
   copy of one head (`rollout.model.tp_shard_range`): that head is FSDP chunks `[h·r·m, (h+1)·r·m)`
   (`r = t/Hkv`), held by a block of `r·m` consecutive ranks of the shard group, and an all-gather
   inside that block (`ParallelMeshes.block_group`) gives each of them exactly its copy;
-* `full`: parameters the engine replicates (norms, row-parallel biases: tiny), K/V heads
-  replicated over the whole shard group, and parameters whose chunks do not line up with TP
-  shards (a dimension not divisible by `S`, a vocabulary padded to a multiple of `t`; counted
-  in `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
+* `full`: parameters the engine replicates (norms, row-parallel biases, a MoE layer's router:
+  tiny), K/V heads replicated over the whole shard group, and parameters whose chunks do not
+  line up with TP shards (a dimension not divisible by `S`, a vocabulary padded to a multiple of
+  `t`, a MoE layer's `experts.gate_up_proj`; counted in `ReshardStats.num_fallback`) are
+  gathered whole over the shard group and sliced.
+
+A MoE layer's experts (`models.parallel_plan`): `experts.down_proj` `[E, H, I]` is row-parallel
+on dim 2 and FSDP shards it there too (where `S` divides `I`), so it takes `local` / `micro` as
+a dense `down_proj` does. `experts.gate_up_proj` `[E, 2I, H]` fuses each expert's gate and up
+rows, and a TP shard holds the same rows of both (`tp_shard_parts`); no run of consecutive FSDP
+chunks holds that, so FSDP shards it by expert (dim 0) and it takes `full` (a counted fallback;
+at `t = 1` that is exactly the whole parameter the rank needs).
 
 Replicated parameters of the whole model go in one gather (first); the others are bucketed by
 consecutive layers, about `BUCKET_BYTES` per rank per bucket. A bucket is packed by one
@@ -58,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from models import tp_shard_dim
+from models import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.lora import is_lora_name, lora_modules, merge_weight
 from rollout.model import tp_shard_range
 from sharding.fsdp import reshard_all
@@ -113,6 +121,7 @@ class _Item:
     fallback: bool
     chunk_shape: tuple[int, ...]  # per-rank piece as packed (padded to FSDP's padded chunk for "full")
     shard: tuple[int, int] | None  # the rows / columns [start, start + length) along tp_dim the engine slot holds
+    parts: int = 1  # tp_dim fuses this many parts, of each of which the slot holds `shard` (`tp_shard_parts`)
     offset: int = 0  # into the bucket's per-rank send buffer
     # Gathered rows land in the engine view by one `split_with_sizes_copy` over the bucket: the
     # item is split along dim 0 with no padding, no TP slicing, and a contiguous engine view, so
@@ -128,7 +137,9 @@ class _Item:
         (default: the TP dimension)."""
         if self.shard is None:
             return full
-        return full.narrow(self.tp_dim if dim is None else dim, *self.shard)
+        if dim is None:
+            return tp_narrow(full, self.tp_dim, self.parts, *self.shard)
+        return full.narrow(dim, *self.shard)
 
 
 # The routes that gather, in send-buffer order; each gathers over its own group (`Resharder._groups`).
@@ -261,18 +272,22 @@ class Resharder:
             if slot.shard_dim != tp_dim:
                 raise ValueError(f"{name!r}: the engine shards dim {slot.shard_dim}, models.parallel_plan says {tp_dim}")
             shard = None if tp_dim is None else tp_shard_range(self.model.args, name, p.shape[tp_dim], self.tp_rank, t)
+            parts = tp_shard_parts(name)
             expect = list(p.shape)
             if shard is not None:
-                expect[tp_dim] = shard[1]
-            if list(slot.view.shape) != expect or (shard is not None and getattr(slot, "start", 0) != shard[0]):
-                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)}, its TP shard is "
-                                 f"{tuple(expect)} from {0 if shard is None else shard[0]} along dim {tp_dim}")
+                expect[tp_dim] = parts * shard[1]
+            if (list(slot.view.shape) != expect or getattr(slot, "parts", 1) != parts
+                    or (shard is not None and getattr(slot, "start", 0) != shard[0])):
+                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)} in {getattr(slot, 'parts', 1)} "
+                                 f"part(s), its TP shard is {tuple(expect)} from {0 if shard is None else shard[0]} of "
+                                 f"each of {parts} along dim {tp_dim}")
             fsdp_dim = p.placements[-1].dim
             n = p.numel()
             self.param_bytes += n * self.esize
             self.slot_bytes += slot.view.numel() * self.esize
             bound += slot.view.numel() - n / S  # what the slot holds beyond this rank's own chunk
-            size = self._gather_size(p, fsdp_dim, tp_dim, shard)
+            # a shard of several parts is rows of each: no run of consecutive chunks holds it (`fsdp_shard_dim`)
+            size = self._gather_size(p, fsdp_dim, tp_dim, shard) if parts == 1 else None
             chunk = list(p.shape)
             if S == 1:
                 route = "local"  # one rank holds everything (then t == 1): a cast-copy
@@ -287,7 +302,7 @@ class Resharder:
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
             fallback = tp_dim is not None and size is None
             self.num_fallback += fallback
-            item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk), shard)
+            item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk), shard, parts)
             # the gathered rows are the slot itself: the route's group holds exactly its chunks, or it is whole
             item.split = (route != "local" and fsdp_dim == 0 and p.shape[0] % S == 0 and slot.view.is_contiguous()
                           and (size is not None or tp_dim is None))
