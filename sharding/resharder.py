@@ -300,7 +300,7 @@ class Resharder:
                 # FSDP pads uneven dim-0 chunks to the size of chunk 0; the gather moves padded chunks.
                 route = "full"
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
-            fallback = tp_dim is not None and size is None
+            fallback = S > 1 and tp_dim is not None and size is None  # (one rank gathers nothing)
             self.num_fallback += fallback
             item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk), shard, parts)
             # the gathered rows are the slot itself: the route's group holds exactly its chunks, or it is whole

@@ -1,0 +1,105 @@
+"""The resharder fills a Qwen3-MoE engine's TP slots from FSDP shards (gloo, CPU): one rank at TP 1, and two ranks
+(FULL_SHARD) at TP 1 and TP 2.
+
+Every slot equals its shard of the full weights bitwise after the bf16 cast, on the zero-redundancy path (one bucket,
+and one a layer) and the naive one, the expert shards cut by hand (rank j: gate rows and up rows [j I/t, (j+1) I/t)
+of every expert, down columns the same). FSDP shards `experts.down_proj` on its TP dimension (2), so it moves with
+zero redundancy; `experts.gate_up_proj` by expert (dim 0), gathered whole and counted as a fallback, which moves
+exactly the bytes it must at TP 1 and its whole parameter's other half at TP 2. The float32 engine's greedy tokens
+from the resharded weights are the full model's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+from models import ModelArgs, Transformer, tp_shard_dim
+from rollout import SamplingParams
+from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors
+from tests.dist_utils import run_distributed
+from tests.multiproc.test_resharder import NEW_TOKENS, PROMPTS, _engine, _expected_slice, _greedy, _peaky_weights
+
+# layers 0 and 2 sparse (4 experts of 32, top-2), layer 1 dense
+ARGS = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, model_type="qwen3_moe",
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,),
+                 norm_topk_prob=True)
+
+
+def _expected(name: str, full: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:
+    """This TP rank's shard of the full parameter `name`, the experts' cut by hand."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(t, dim=1)[tp_rank], up.chunk(t, dim=1)[tp_rank]], dim=1)
+    if name.endswith("mlp.experts.down_proj"):
+        return full.chunk(t, dim=2)[tp_rank]
+    return _expected_slice(full, tp_shard_dim(name), tp_rank, t)
+
+
+def _check(rank: int, world: int, tp: int) -> None:
+    dims = ParallelDims(world, tp=tp)
+    meshes = dims.build_meshes("cpu")
+    model = build_fsdp_model(ARGS, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}))
+    load_full_tensors(model, _peaky_weights(model, seed=3))
+    S, t, tp_rank = dims.dp_shard, dims.tp, dims.tp_rank(rank)
+    params = dict(model.named_parameters())
+    if S > 1:  # down_proj on its TP dimension, gate_up_proj and the router by expert
+        assert params["layers.0.mlp.experts.down_proj"].placements[-1] == Shard(2)
+        assert params["layers.0.mlp.experts.gate_up_proj"].placements[-1] == Shard(0)
+        assert params["layers.0.mlp.gate.weight"].placements[-1] == Shard(0)
+    # one training step: the engine must get the live shards
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.randint(0, ARGS.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    F.cross_entropy(model(ids[:, :-1]).reshape(-1, ARGS.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    opt.step()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    engine = _engine(ARGS, torch.bfloat16, meshes)
+    resharder = Resharder(model, meshes, engine)
+    per_layer = Resharder(model, meshes, engine, bucket_bytes=0)
+    for path, run in (("zero_redundancy", resharder.reshard), ("per_layer", per_layer.reshard),
+                      ("naive", resharder.reshard_naive)):
+        for slot in engine.param_slots().values():
+            slot.view.fill_(float("nan"))  # anything not written fails the bitwise comparison
+        stats = run()
+        for name, slot in engine.param_slots().items():
+            assert torch.equal(slot.view, _expected(name, full[name].to(torch.bfloat16), tp_rank, t)), (path, name)
+        if path == "zero_redundancy":
+            fast = stats
+    gate_ups = [n for n in full if n.endswith("mlp.experts.gate_up_proj")]
+    assert len(gate_ups) == 2
+    assert fast.num_fallback == (len(gate_ups) if S > 1 else 0)
+    # what moves beyond the zero-redundancy bound: each gate_up_proj gathered whole ((S-1)/S of it received) where
+    # the bound needs only its TP shard's rows beyond this rank's chunk (1/t - 1/S of it): nothing at TP 1
+    n = full[gate_ups[0]].numel()
+    extra = len(gate_ups) * ((S - 1) * n // S - (n // t - n // S)) * 2
+    assert fast.bytes_received == fast.bytes_bound + extra, (fast, extra)
+    assert extra == (0 if t == 1 else len(gate_ups) * n)  # TP 2 of 2 ranks: half of each, 2 bytes an element
+    assert fast.bytes_received <= stats.bytes_received  # the naive path moves the whole model
+
+    engine32 = _engine(ARGS, torch.float32, meshes)
+    Resharder(model, meshes, engine32).reshard()
+    ref = Transformer(ARGS)
+    ref.load_state_dict(full)
+    outs = engine32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    want = [_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == want, (world, tp)
+    assert len({tok for w in want for tok in w}) > 3  # the comparison is not between constant outputs
+
+
+def _one_rank(rank, world):
+    _check(rank, world, 1)
+
+
+def _two_ranks(rank, world):
+    for tp in (1, 2):
+        _check(rank, world, tp)
+
+
+def test_reshard_moe_one_rank_tp1():
+    run_distributed(_one_rank, 1)
+
+
+def test_reshard_moe_two_ranks_tp1_tp2():
+    run_distributed(_two_ranks, 2)
