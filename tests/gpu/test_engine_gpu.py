@@ -455,10 +455,12 @@ def _logprob_errors(outs, models):
 
 
 @pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
-                                     ("gemma3_text", {"head_dim": 256})])
+                                     ("gemma3_text", {"head_dim": 256}),
+                                     ("qwen3_moe", {"head_dim": 128, "num_experts": 8, "moe_intermediate_size": 128})])
 def test_engine_bf16_tracks_training_forward(kind, kw):
-    """bf16 engine log-probs (Triton kernels, CUDA graphs; a padded head_dim of 80 too) are as close to the
-    float32 truth as the bf16 training forward's."""
+    """bf16 engine log-probs (Triton kernels, CUDA graphs; a padded head_dim of 80 too; a Qwen3-MoE's experts through
+    models.moe's grouped GEMM, as the trainer runs them) are as close to the float32 truth as the bf16 training
+    forward's."""
     model32 = _gpu_model(kind, **kw)
     model16 = _gpu_model(kind, dtype=torch.bfloat16, **kw)
     prompts = prompts_of([12, 30, 64, 7], seed=5)

@@ -34,6 +34,9 @@ def tiny_args(kind: str, **kw) -> ModelArgs:
         common.update(model_type="gemma3_text", head_dim=24, tie_word_embeddings=True,
                       extra_hf={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                 "query_pre_attn_scalar": 24})
+    elif kind == "qwen3_moe":  # a sparse layer (4 experts of 32, each token through 2, renormalised) and a dense one
+        common.update(model_type="qwen3_moe", head_dim=24, tie_word_embeddings=False, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,), norm_topk_prob=True)
     else:
         common.update(model_type="llama", mlp_bias=True, tie_word_embeddings=False, eos_token_id=3)
     common.update(kw)
@@ -97,7 +100,7 @@ def check_against_training_forward(model, out: RequestOutput, params: SamplingPa
     assert torch.equal(combine_partials(parts)[0], tokens)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_greedy_equals_no_cache_loop_with_chunking_and_preemption(kind):
     model = tiny_model(tiny_args(kind, eos_token_id=None))
     prompts = prompts_of([1, 7, 13, 29, 4, 22, 16])
