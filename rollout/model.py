@@ -13,9 +13,9 @@ its identity and follows the new memory. Inside it:
   where t does not divide V, the last rank's rows end in padding, `rollout.parallel.vocab_shard`);
 * row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
   all-reduce on the TP group (the only collectives of a layer);
-* replicated: the norms (Qwen3's per-head q/k norms too) and `down_proj`'s bias (added once, after
-  the all-reduce). OLMo-2's q/k norms span the whole q and k projections: every rank holds them whole
-  and norms its own heads' columns with their part of the weight, by the root mean square of the
+* replicated: the norms (Qwen3's per-head q/k norms too), a MoE layer's router, and `down_proj`'s
+  bias (added once, after the all-reduce). OLMo-2's q/k norms span the whole q and k projections: every rank
+  holds them whole and norms its own heads' columns with their part of the weight, by the root mean square of the
   whole projection (each rank's sums of squares, all-reduced: `_full_qk_norm`).
 
 OLMo-2's blocks are post-norm (`ModelArgs.post_norm`): no input norm, each branch's output normed and
@@ -29,10 +29,17 @@ the residual_multiplier a scale of each branch output that `ops.rms_norm` adds t
 logits_scaling the sampler's temperature (`rollout.sampler.Sampler`); its embedding_multiplier multiplies the
 embedding lookup's rows.
 
+A mixture-of-experts layer (Qwen3-MoE, `ModelArgs.moe_layers`) holds, in place of the MLP's projections, its router
+whole (`[E, H]`, replicated) and this rank's slice of every expert's intermediate size: `experts_gate_up`
+`[E, 2 Im/t, H]` (of each expert, gate rows `[j Im/t, (j+1) Im/t)` then the same up rows: the trainer's fused
+`experts.gate_up_proj [E, 2 Im, H]` has two parts along dim 1, `models.parallel_plan.tp_shard_parts`) and
+`experts_down [E, H, Im/t]` (those columns). Its forward is `models.moe`'s, the trainer's own (`_feed_forward`), and
+its weighted sum of the experts is all-reduced once, as `down_proj`'s output is.
+
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
-the shard dimension, `tp_shard_range` which rows or columns of it a rank holds, and construction
-checks that the fused layout agrees with both.
+the shard dimension (`tp_shard_parts` how many parts it fuses), `tp_shard_range` which rows or columns of it (of
+each part) a rank holds, and construction checks that the fused layout agrees with both.
 
 A TP size larger than the model's KV heads (a multiple of their count, as vLLM runs them:
 Qwen2.5-1.5B's 2 KV heads at TP 4) replicates them: each rank holds its `Hq/t` query heads and a

@@ -278,9 +278,9 @@ class Resharder:
                 expect[tp_dim] = parts * shard[1]
             if (list(slot.view.shape) != expect or getattr(slot, "parts", 1) != parts
                     or (shard is not None and getattr(slot, "start", 0) != shard[0])):
-                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)} in {getattr(slot, 'parts', 1)} "
-                                 f"part(s), its TP shard is {tuple(expect)} from {0 if shard is None else shard[0]} of "
-                                 f"each of {parts} along dim {tp_dim}")
+                raise ValueError(f"{name!r}: engine view has shape {tuple(slot.view.shape)} in "
+                                 f"{getattr(slot, 'parts', 1)} part(s), its TP shard is {tuple(expect)} from "
+                                 f"{0 if shard is None else shard[0]} of each of {parts} along dim {tp_dim}")
             fsdp_dim = p.placements[-1].dim
             n = p.numel()
             self.param_bytes += n * self.esize
