@@ -17,8 +17,9 @@
   on CUDA the symmetric-memory all-reduce of the TP group against NCCL's, bitwise, eagerly and
   in a CUDA graph.
 * `reshard`: the resharder's slots against the full weights cast to bf16, bitwise, on both
-  paths, for FULL_SHARD TP 1 / TP 2 and HYBRID_SHARD 2 x 1; and a LoRA actor's adapters merged
-  into the slots (tests/multiproc/test_resharder_lora.py's check) at TP 1 and TP 2.
+  paths, for FULL_SHARD TP 1 / TP 2 and HYBRID_SHARD 2 x 1; a LoRA actor's adapters merged
+  into the slots (tests/multiproc/test_resharder_lora.py's check) at TP 1 and TP 2; and a
+  Qwen3-MoE's experts (tests/multiproc/test_resharder_moe.py's check) at TP 1 and TP 2.
 
 Rank 0 prints one JSON line of measured figures per check and `CHECK ok` at the end; a failed
 assertion exits non-zero (torchrun then stops the other ranks). `--device cpu` runs the same
@@ -415,6 +416,7 @@ LORA_RESHARD_LAYOUTS = [(-1, 1, "even"), (-1, 2, "even"), (-1, 1, "uneven")]  # 
 def check_reshard(ctx, a):
     from tests.multiproc.test_resharder import MODELS, _check
     from tests.multiproc.test_resharder_lora import _check as _check_lora
+    from tests.multiproc.test_resharder_moe import check_moe
 
     for fsdp_size, tp in RESHARD_LAYOUTS:
         for kind in MODELS:
@@ -424,7 +426,12 @@ def check_reshard(ctx, a):
     for fsdp_size, tp, kind in LORA_RESHARD_LAYOUTS:
         _check_lora(ctx.rank, ctx.world_size, fsdp_size, tp, kind, ctx.device)
         _free_device_memory(ctx.device)
-    _emit(ctx, "reshard", layouts=RESHARD_LAYOUTS, models=list(MODELS), lora_layouts=LORA_RESHARD_LAYOUTS)
+    # a mixture of experts: down_proj on its TP dimension, gate_up_proj gathered whole
+    for tp in (1, 2):
+        check_moe(ctx.rank, ctx.world_size, tp, ctx.device)
+        _free_device_memory(ctx.device)
+    _emit(ctx, "reshard", layouts=RESHARD_LAYOUTS, models=list(MODELS), lora_layouts=LORA_RESHARD_LAYOUTS,
+          moe_tp=[1, 2])
 
 
 CHECKS = {"trainer": check_trainer, "same_update": check_same_update, "engine_tp": check_engine_tp,

@@ -37,10 +37,13 @@ def _expected(name: str, full: torch.Tensor, tp_rank: int, t: int) -> torch.Tens
     return _expected_slice(full, tp_shard_dim(name), tp_rank, t)
 
 
-def _check(rank: int, world: int, tp: int) -> None:
+def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
+    """One configuration (FULL_SHARD over `world` ranks, TP `tp`) on `device` (the GPU check,
+    tests/gpu/multi_gpu_checks.py, runs it over NCCL)."""
+    device = torch.device(device)
     dims = ParallelDims(world, tp=tp)
-    meshes = dims.build_meshes("cpu")
-    model = build_fsdp_model(ARGS, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}))
+    meshes = dims.build_meshes(device.type)
+    model = build_fsdp_model(ARGS, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=device)
     load_full_tensors(model, _peaky_weights(model, seed=3))
     S, t, tp_rank = dims.dp_shard, dims.tp, dims.tp_rank(rank)
     params = dict(model.named_parameters())
@@ -50,12 +53,12 @@ def _check(rank: int, world: int, tp: int) -> None:
         assert params["layers.0.mlp.gate.weight"].placements[-1] == Shard(0)
     # one training step: the engine must get the live shards
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ids = torch.randint(0, ARGS.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, ARGS.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank)).to(device)
     F.cross_entropy(model(ids[:, :-1]).reshape(-1, ARGS.vocab_size), ids[:, 1:].reshape(-1)).backward()
     opt.step()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
 
-    engine = _engine(ARGS, torch.bfloat16, meshes)
+    engine = _engine(ARGS, torch.bfloat16, meshes, device)
     resharder = Resharder(model, meshes, engine)
     per_layer = Resharder(model, meshes, engine, bucket_bytes=0)
     for path, run in (("zero_redundancy", resharder.reshard), ("per_layer", per_layer.reshard),
@@ -78,7 +81,7 @@ def _check(rank: int, world: int, tp: int) -> None:
     assert extra == (0 if t == 1 else len(gate_ups) * n)  # TP 2 of 2 ranks: half of each, 2 bytes an element
     assert fast.bytes_received <= stats.bytes_received  # the naive path moves the whole model
 
-    engine32 = _engine(ARGS, torch.float32, meshes)
+    engine32 = _engine(ARGS, torch.float32, meshes, device)
     Resharder(model, meshes, engine32).reshard()
     ref = Transformer(ARGS)
     ref.load_state_dict(full)
@@ -89,12 +92,12 @@ def _check(rank: int, world: int, tp: int) -> None:
 
 
 def _one_rank(rank, world):
-    _check(rank, world, 1)
+    check_moe(rank, world, 1)
 
 
 def _two_ranks(rank, world):
     for tp in (1, 2):
-        _check(rank, world, tp)
+        check_moe(rank, world, tp)
 
 
 def test_reshard_moe_one_rank_tp1():

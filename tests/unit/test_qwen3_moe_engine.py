@@ -109,6 +109,27 @@ def test_a_tp_size_that_does_not_divide_moe_intermediate_size_is_refused():
         check_tp_divisibility(_moe_args(intermediate_size=34), 4)
 
 
+def test_the_pre_flight_refuses_an_engine_tp_that_does_not_divide_the_experts(tmp_path):
+    """Before any rank starts: an engine TP size that does not divide a Qwen3-MoE checkpoint's moe_intermediate_size
+    names the option, the field and the model; one that divides it passes."""
+    import json
+
+    from tests.unit.test_ulysses_config import _cfg
+    from trainer import setup
+    from trainer.configlib import ConfigError
+
+    _, path = _saved(tmp_path, dtype=torch.float32, moe_intermediate_size=15, **SHAPES[0])
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    two = ("trainer.n_gpus_per_node=2", "trainer.device=cpu", f"actor_rollout_ref.model.path={path}")
+    setup.preflight(_cfg(*two, f"{tp}=1"))
+    with pytest.raises(ConfigError, match=rf"^{tp}=2: tensor parallelism 2 needs moe_intermediate_size \(15\) "
+                                          rf"divisible by 2 \(the model in {path}\)$"):
+        setup.preflight(_cfg(*two, f"{tp}=2"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 16}))
+    setup.preflight(_cfg(*two, f"{tp}=2"))
+
+
 def test_an_fp8_engine_of_a_moe_model_is_refused():
     """fp8 rollout (e4m3 projections) has no form for the experts' stacked weights: the engine refuses it itself (the
     trainer's pre-flight names actor_rollout_ref.rollout.quantization, tests/unit/test_qwen3_moe.py); a dense Qwen3
