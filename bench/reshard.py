@@ -182,7 +182,8 @@ def main():
                            bytes_received_per_rank=int(max_over_ranks(stats.bytes_received, device)),
                            zero_redundancy_bound=stats.bytes_bound,
                            naive_bytes=int(stats.param_bytes * (1 - 1 / dims.dp_shard)),
-                           fallback_params=stats.num_fallback, collectives=stats.num_collectives,
+                           fallback_params=stats.num_fallback, all_to_all_params=stats.num_all_to_all,
+                           collectives=stats.num_collectives,
                            ms=round(ms, 3), ms_per_gb=round(ms / gb, 3),
                            received_gb_per_s=round(stats.bytes_received / seconds / 1e9, 1), peak_extra_bytes=int(max_over_ranks(peak, device)),
                            bucket_buffer_bytes=stats.buffer_bytes)

@@ -15,18 +15,24 @@ Each parameter takes one of four routes, fixed once in a plan:
   copy of one head (`rollout.model.tp_shard_range`): that head is FSDP chunks `[h·r·m, (h+1)·r·m)`
   (`r = t/Hkv`), held by a block of `r·m` consecutive ranks of the shard group, and an all-gather
   inside that block (`ParallelMeshes.block_group`) gives each of them exactly its copy;
+* `a2a`: at `t > 1`, a parameter FSDP shards evenly on dim 0 whose TP shard lies along another
+  dimension that its chunks do not line up with (a MoE layer's `experts.gate_up_proj`; a
+  row-parallel weight whose input dimension `S` does not divide): each rank sends every rank of
+  the shard group that rank's TP rows or columns of its own chunk, one all-to-all into the engine
+  slot (the pieces arrive in chunk order, which is the slot's row order): `(1 − 1/S)` of the slot
+  received, where `full` would receive `(1 − 1/S)` of the whole parameter;
 * `full`: parameters the engine replicates (norms, row-parallel biases, a MoE layer's router:
-  tiny), K/V heads replicated over the whole shard group, and parameters whose chunks do not
-  line up with TP shards (a dimension not divisible by `S`, a vocabulary padded to a multiple of
-  `t`, a MoE layer's `experts.gate_up_proj`; counted in `ReshardStats.num_fallback`) are
-  gathered whole over the shard group and sliced.
+  tiny), K/V heads replicated over the whole shard group, and the other parameters whose chunks
+  do not line up with TP shards (a dimension not divisible by `S`, a vocabulary padded to a
+  multiple of `t`, a MoE layer's `experts.gate_up_proj` at `t = 1`; counted in
+  `ReshardStats.num_fallback`) are gathered whole over the shard group and sliced.
 
 A MoE layer's experts (`models.parallel_plan`): `experts.down_proj` `[E, H, I]` is row-parallel
 on dim 2 and FSDP shards it there too (where `S` divides `I`), so it takes `local` / `micro` as
 a dense `down_proj` does. `experts.gate_up_proj` `[E, 2I, H]` fuses each expert's gate and up
 rows, and a TP shard holds the same rows of both (`tp_shard_parts`); no run of consecutive FSDP
-chunks holds that, so FSDP shards it by expert (dim 0) and it takes `full` (a counted fallback;
-at `t = 1` that is exactly the whole parameter the rank needs).
+chunks holds that, so FSDP shards it by expert (dim 0) and it takes `a2a` (`full` at `t = 1`,
+where the whole parameter is what the rank needs, or where `S` does not divide the experts).
 
 Replicated parameters of the whole model go in one gather (first); the others are bucketed by
 consecutive layers, about `BUCKET_BYTES` per rank per bucket. A bucket is packed by one
@@ -100,6 +106,7 @@ class ReshardStats:
     slot_bytes: int = 0  # bytes written into this rank's engine slots (≈ P/t)
     num_params: int = 0
     num_fallback: int = 0  # TP-sharded params gathered whole because their chunks do not align
+    num_all_to_all: int = 0  # TP-sharded params whose chunks do not align, moved by one all-to-all each
     num_collectives: int = 0
     buffer_bytes: int = 0  # bucket buffers allocated for this call (the peak extra memory)
     seconds: float = 0.0  # host time of the call (the GPU may still be copying; synchronise to time it)
@@ -117,7 +124,7 @@ class _Item:
     param: DTensor
     tp_dim: int | None
     fsdp_dim: int
-    route: str  # "local" | one of GATHER_ROUTES
+    route: str  # "local" | "a2a" | one of GATHER_ROUTES
     fallback: bool
     chunk_shape: tuple[int, ...]  # per-rank piece as packed (padded to FSDP's padded chunk for "full")
     shard: tuple[int, int] | None  # the rows / columns [start, start + length) along tp_dim the engine slot holds
@@ -260,6 +267,7 @@ class Resharder:
         layers: dict[str, _Bucket] = {}
         replicated = _Bucket("replicated")  # norms and row-parallel biases of every layer: one gather
         self.local: list[_Item] = []
+        self.a2a: list[_Item] = []
         self.lora: list[_LoRAItem] = []
         self.param_bytes = self.slot_bytes = self.num_fallback = 0
         kv_sizes = set()
@@ -296,11 +304,15 @@ class Resharder:
                 chunk[fsdp_dim] //= S
                 if route == "kv":
                     kv_sizes.add(size)
+            elif (t > 1 and fsdp_dim == 0 and tp_dim not in (None, 0) and p.shape[0] % S == 0
+                  and slot.view.is_contiguous()):
+                route = "a2a"  # each rank's TP rows / columns of every chunk, straight into the slot
+                chunk[0] //= S
             else:
                 # FSDP pads uneven dim-0 chunks to the size of chunk 0; the gather moves padded chunks.
                 route = "full"
                 chunk[fsdp_dim] = -(-chunk[fsdp_dim] // S)
-            fallback = S > 1 and tp_dim is not None and size is None  # (one rank gathers nothing)
+            fallback = route == "full" and tp_dim is not None and size is None  # gathered whole: not aligned
             self.num_fallback += fallback
             item = _Item(name, p, tp_dim, fsdp_dim, route, fallback, tuple(chunk), shard, parts)
             # the gathered rows are the slot itself: the route's group holds exactly its chunks, or it is whole
@@ -320,8 +332,8 @@ class Resharder:
                                          f"(offload) cannot be merged into a {self.dtype} engine across ranks; "
                                          "keep the frozen base in the engine dtype (model_dtype) or on the device")
                     continue  # gathered whole in its own dtype at merge time, not in a bucket
-            if route == "local":
-                self.local.append(item)
+            if route in ("local", "a2a"):
+                (self.local if route == "local" else self.a2a).append(item)
                 continue
             if route == "full" and tp_dim is None:
                 replicated.routes["full"].append(item)
@@ -339,6 +351,7 @@ class Resharder:
             self._lay_out(b)
         self.buckets = buckets
         self._needs_comm = bool(buckets)
+        self.num_all_to_all = len(self.a2a)
         self.bound_bytes = int(round(bound * self.esize))
         self.num_params = len(params)
         self._lora_layers: dict[str, list[_LoRAItem]] = {}
@@ -414,11 +427,30 @@ class Resharder:
                 self._gather(b, bufs[0], stats, views)
                 self._copy_out(b, bufs[0], views)
         del bufs
+        for it in self.a2a:
+            self._all_to_all(it, views[it.name], stats)
         self._merge_lora(stats, views)
         del views
         self.total_bytes_received += stats.bytes_received
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _all_to_all(self, it: _Item, view: torch.Tensor, stats: ReshardStats) -> None:
+        """Route `a2a`: this rank's chunk (dim-0 rows `[r E/S, (r+1) E/S)`) cut, for every rank `d` of the shard group,
+        to the rows / columns of TP shard `d // m` (the one `d` holds, `ParallelDims.tp_rank`), in the engine dtype,
+        and exchanged in one all-to-all whose output is the slot itself: the piece from rank `r` is the slot's rows
+        of chunk `r`."""
+        S, t, m = self.dims.dp_shard, self.dims.tp, self.dims.micro_dp
+        local = it.param.to_local()
+        piece = list(it.chunk_shape)
+        piece[it.tp_dim] = view.shape[it.tp_dim]
+        send = torch.empty(t, m, *piece, dtype=self.dtype, device=self.device)
+        for j in range(t):  # every rank of micro-DP group j gets TP shard j's rows / columns
+            shard = tp_shard_range(self.model.args, it.name, it.param.shape[it.tp_dim], j, t)
+            send[j].copy_(tp_narrow(local, it.tp_dim, it.parts, *shard).expand(m, *piece))
+        dist.all_to_all_single(view.view(-1), send.view(-1), group=self._shard_group)
+        stats.bytes_received += (S - 1) * math.prod(piece) * self.esize
+        stats.num_collectives += 1
 
     def _copy_local(self, views) -> None:
         _copy_many([views[it.name] for it in self.local], [it.param.to_local() for it in self.local],
@@ -568,7 +600,7 @@ class Resharder:
         S = self.dims.dp_shard
         lora = {li.item.name: li for li in self.lora}
         wide = [li.item for li in self.lora if li.wide and li.item.route != "local"]
-        for it in self.local + [it for b in self.buckets for it in b.items] + wide:
+        for it in self.local + self.a2a + [it for b in self.buckets for it in b.items] + wide:
             li = lora.get(it.name)
             # Cast before gathering so the baseline moves the same dtype as the fast path (an
             # adapted weight is merged from the base itself, then cast).
@@ -591,7 +623,8 @@ class Resharder:
 
     def _new_stats(self, naive: bool) -> ReshardStats:
         return ReshardStats(bytes_bound=self.bound_bytes, param_bytes=self.param_bytes, slot_bytes=self.slot_bytes,
-                            num_params=self.num_params, num_fallback=self.num_fallback, naive=naive)
+                            num_params=self.num_params, num_fallback=self.num_fallback,
+                            num_all_to_all=self.num_all_to_all, naive=naive)
 
 
 def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach_max_numel: int | None) -> None:

@@ -110,8 +110,11 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
         assert fast.bytes_received <= P / t * (1 - t / S) + 0.05 * P / t, (kind, fsdp_size, tp, fast)
     else:
         # Chunks that do not line up with TP shards are gathered whole, and counted: the
-        # embedding, the LM head and, per layer, the gate/up/down weights and gate/up biases.
-        assert fast.num_fallback == 2 + 5 * args.num_hidden_layers
+        # embedding, the LM head and, per layer, the gate/up weights and biases and, at TP 1, the
+        # down weight; at TP 2 FSDP's dim-0 chunks of the down weight (its columns split over TP)
+        # go by one all-to-all each.
+        assert fast.num_fallback == 2 + (4 if t > 1 else 5) * args.num_hidden_layers
+        assert fast.num_all_to_all == (args.num_hidden_layers if t > 1 else 0)
     assert stats.bytes_received >= P * (1 - 1 / S)  # the naive path moves the whole model
     assert fast.bytes_received <= stats.bytes_received
     if t > 1 and kind != "uneven":

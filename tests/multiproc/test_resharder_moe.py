@@ -4,9 +4,9 @@
 Every slot equals its shard of the full weights bitwise after the bf16 cast, on the zero-redundancy path (one bucket,
 and one a layer) and the naive one, the expert shards cut by hand (rank j: gate rows and up rows [j I/t, (j+1) I/t)
 of every expert, down columns the same). FSDP shards `experts.down_proj` on its TP dimension (2), so it moves with
-zero redundancy; `experts.gate_up_proj` by expert (dim 0), gathered whole and counted as a fallback, which moves
-exactly the bytes it must at TP 1 and its whole parameter's other half at TP 2. The float32 engine's greedy tokens
-from the resharded weights are the full model's."""
+zero redundancy; `experts.gate_up_proj` by expert (dim 0): at TP 1 gathered whole, a counted fallback that moves
+exactly the bytes it must, at TP 2 by one all-to-all (each rank sends the other its TP rows of its experts). The
+float32 engine's greedy tokens from the resharded weights are the full model's."""
 
 from __future__ import annotations
 
@@ -72,13 +72,16 @@ def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
             fast = stats
     gate_ups = [n for n in full if n.endswith("mlp.experts.gate_up_proj")]
     assert len(gate_ups) == 2
-    assert fast.num_fallback == (len(gate_ups) if S > 1 else 0)
-    # what moves beyond the zero-redundancy bound: each gate_up_proj gathered whole ((S-1)/S of it received) where
-    # the bound needs only its TP shard's rows beyond this rank's chunk (1/t - 1/S of it): nothing at TP 1
+    # gate_up_proj: at TP 1 gathered whole over the shard group (a counted fallback: (S-1)/S of it received, which
+    # is what the rank needs); at TP > 1 by one all-to-all each ((S-1)/S of the rank's TP shard received, where the
+    # zero-redundancy bound is the TP shard's rows beyond this rank's chunk: 1/t - 1/S of the parameter)
+    assert fast.num_fallback == (len(gate_ups) if S > 1 and t == 1 else 0)
+    assert fast.num_all_to_all == (len(gate_ups) if t > 1 else 0)
     n = full[gate_ups[0]].numel()
-    extra = len(gate_ups) * ((S - 1) * n // S - (n // t - n // S)) * 2
+    received = (S - 1) * n // S // t
+    extra = len(gate_ups) * (received - (n // t - n // S)) * 2
     assert fast.bytes_received == fast.bytes_bound + extra, (fast, extra)
-    assert extra == (0 if t == 1 else len(gate_ups) * n)  # TP 2 of 2 ranks: half of each, 2 bytes an element
+    assert extra == (0 if t == 1 else len(gate_ups) * n // 2)  # TP 2 of 2 ranks: a quarter of each, 2 bytes each
     assert fast.bytes_received <= stats.bytes_received  # the naive path moves the whole model
 
     engine32 = _engine(ARGS, torch.float32, meshes, device)
