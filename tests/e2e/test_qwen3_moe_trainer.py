@@ -48,7 +48,7 @@ def _check_rows(rows):
 
 def test_a_qwen3_moe_trains_on_two_ranks_with_a_tp2_engine(moe_assets, tmp_path):
     """torchrun over two gloo ranks (FULL_SHARD), the engine at TP 2: each rank holds half of every expert's
-    intermediate size, its gate_up_proj gathered whole by the resharder, its down_proj from the micro-DP group."""
+    intermediate size, its gate_up_proj from the resharder's all-to-all, its down_proj from the micro-DP group."""
     (tmp_path / "reward.py").write_text(LENGTH_REWARD)
     run = tmp_path / "run"
     r = torchrun(demo_args(moe_assets, run, "trainer.total_training_steps=2", "trainer.val_before_train=false",

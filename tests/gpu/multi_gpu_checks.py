@@ -426,7 +426,7 @@ def check_reshard(ctx, a):
     for fsdp_size, tp, kind in LORA_RESHARD_LAYOUTS:
         _check_lora(ctx.rank, ctx.world_size, fsdp_size, tp, kind, ctx.device)
         _free_device_memory(ctx.device)
-    # a mixture of experts: down_proj on its TP dimension, gate_up_proj gathered whole
+    # a mixture of experts: down_proj on its TP dimension, gate_up_proj whole (TP 1) or by all-to-all (TP 2)
     for tp in (1, 2):
         check_moe(ctx.rank, ctx.world_size, tp, ctx.device)
         _free_device_memory(ctx.device)
