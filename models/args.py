@@ -1,5 +1,5 @@
-"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / Qwen3 /
-Qwen3-MoE decoder family.
+"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 /
+Qwen2 / Qwen3 / Qwen3-MoE decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -15,30 +15,41 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2",
+                         "qwen3", "qwen3_moe")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2",
-             "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral",
+             "olmo2": "Olmo2", "olmoe": "Olmoe", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3",
+             "qwen3_moe": "Qwen3Moe"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
 # attention reads the attribute where it is set) gets it written only where it is not hidden / heads. Granite is
 # Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`). Qwen3-MoE is
-# Qwen3's with its mixture-of-experts keys (`MOE_KEYS`).
+# Qwen3's with its mixture-of-experts keys (`MOE_KEYS`); Mixtral is Mistral's with its experts (MixtralConfig takes
+# num_experts as its attribute_map's name of num_local_experts, the key it writes), OLMoE OLMo-2's.
 HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
                   "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
                   "llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
-                  "olmo2": ("attention_bias",), "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias"),
+                  "mixtral": ("head_dim", "num_experts", "num_experts_per_tok"),
+                  "olmo2": ("attention_bias",), "olmoe": ("attention_bias", "num_experts", "num_experts_per_tok",
+                                                          "norm_topk_prob"),
+                  "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias"),
                   "qwen3_moe": ("head_dim", "attention_bias", "num_experts", "num_experts_per_tok",
                                 "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
-# The mixture-of-experts types (transformers' Qwen3MoeForCausalLM) and their `ModelArgs` fields, config.json's keys
-# of the same names (transformers' Qwen3MoeConfig writes num_experts as `num_local_experts`, its attribute_map's
-# name; the hub's config.json has num_experts: both are read). Layer i is a sparse block (`ModelArgs.moe_layers`:
-# a router and `num_experts` SwiGLU experts of `moe_intermediate_size`, each token through its top
-# `num_experts_per_tok`) where i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the others
-# are dense MLPs of `intermediate_size`. Every other type holds them at their defaults (no experts).
-MOE_TYPES = ("qwen3_moe",)
+# The mixture-of-experts types (transformers' MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM) and their
+# `ModelArgs` fields, config.json's keys of the same names (num_experts under either of its names: transformers'
+# Qwen3MoeConfig and MixtralConfig write `num_local_experts`, OlmoeConfig and the hub's Qwen3-MoE `num_experts`).
+# Layer i is a sparse block (`ModelArgs.moe_layers`: a router and `num_experts` SwiGLU experts of
+# `moe_intermediate_size`, each token through its top `num_experts_per_tok`) where i is not in `mlp_only_layers` and
+# (i + 1) % `decoder_sparse_step` == 0; the others are dense MLPs of `intermediate_size`. Every other type holds them
+# at their defaults (no experts). Mixtral and OLMoE (`EVERY_LAYER_SPARSE`) have no dense layers and no
+# moe_intermediate_size: their experts are `intermediate_size` wide, read into moe_intermediate_size (equal to it),
+# and their configs have no decoder_sparse_step or mlp_only_layers (1 and none); Mixtral's router always renormalises
+# its top-k weights (norm_topk_prob true) and keeps them in float32 (`ModelArgs.router_weights_float32`).
+MOE_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+EVERY_LAYER_SPARSE = ("mixtral", "olmoe")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers")
 # config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
@@ -46,8 +57,11 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm
 # (read by transformers' longrope only, which meshppo refuses, and by its generation's cache reset at that
 # length, which changes no logit under plain RoPE); Qwen3-MoE's output_router_logits and router_aux_loss_coef
 # (transformers' load-balancing loss, which it adds to its own language-model loss only: verl's actor and
-# meshppo's read the logits, never that loss).
-KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": ("output_router_logits", "router_aux_loss_coef")}
+# meshppo's read the logits, never that loss), Mixtral's and OLMoE's too; Mixtral's router_jitter_noise (0 only) and
+# OLMoE's clip_qkv (null only: `_TYPE_REFUSED`).
+_ROUTER_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
+KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": _ROUTER_LOSS_KEYS,
+             "mixtral": (*_ROUTER_LOSS_KEYS, "router_jitter_noise"), "olmoe": (*_ROUTER_LOSS_KEYS, "clip_qkv")}
 # transformers' checkpoints of a type that fuse meshppo's projections into one tensor: its module (under each
 # layer) -> meshppo's modules, whose output rows it stacks in this order (Phi3's qkv_proj [q; k; v], as its
 # attention slices them, and gate_up_proj [gate; up], as its MLP's `chunk(2)` splits them). Loading splits
@@ -61,10 +75,11 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
 # `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`); its Qwen3Moe every layer
-# by `sliding_window`, only with `use_sliding_window` (its config reads neither max_window_layers nor layer_types).
-# A type whose only key is sliding_window windows every layer.
+# by `sliding_window`, only with `use_sliding_window` (its config reads neither max_window_layers nor layer_types);
+# its Mixtral every layer by `sliding_window`, as Mistral. A type whose only key is sliding_window windows every layer.
 WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (),
-               "mistral": ("sliding_window",), "olmo2": (), "phi3": ("sliding_window",),
+               "mistral": ("sliding_window",), "mixtral": ("sliding_window",), "olmo2": (), "olmoe": (),
+               "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3_moe": ("use_sliding_window", "sliding_window")}
@@ -73,12 +88,14 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which meshppo's attention lacks",
                 "qwen3_moe": "transformers' Qwen3Moe then has an o_proj bias too and its MLPs have none",
                 "mistral": "transformers' Mistral has no biases: it would load the exported model without them",
+                "mixtral": "transformers' Mixtral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
-# OLMo-2's, Gemma 3's and Granite's. OLMo-2's and Gemma 3's MLPs have no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is
-# refused, as transformers would load the export without them; Granite's MLP has Llama's mlp_bias.
-O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "olmo2")
-NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2")
+# OLMo-2's, OLMoE's, Gemma 3's and Granite's. OLMo-2's, OLMoE's and Gemma 3's MLPs have no biases
+# (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers would load the export without them; Granite's MLP has
+# Llama's mlp_bias.
+O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "olmo2", "olmoe")
+NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2", "olmoe")
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
@@ -102,6 +119,21 @@ _GEMMA3_REFUSED = {
                                      "soft cap of the attention scores"),
     "use_bidirectional_attention": (False, "meshppo's models are causal language models"),
 }
+# Config keys of a type that meshppo accepts at one value only (key -> accepted, why), kept in `extra_hf`
+# (`KEPT_KEYS`) and refused naming the key otherwise (`_check_type_refused`). Mixtral's router_jitter_noise, which an
+# override sets to 0 (`check_overrides`, the message says how).
+_JITTER_WHY = ("transformers' Mixtral multiplies each sparse layer's input by uniform noise in [1 - r, 1 + r] in "
+               "training mode, which verl's actor computes its log-probs in, so they would be random; meshppo's "
+               "router reads its input as it is")
+_TYPE_REFUSED = {
+    "mixtral": {"router_jitter_noise": (0, _JITTER_WHY)},
+    "olmoe": {"clip_qkv": (None, "transformers' Olmoe then clamps the query, key and value projections to "
+                                 "[-clip_qkv, clip_qkv], which meshppo's attention and its engine do not")},
+}
+# How an override replaces a refused value (`_TYPE_REFUSED`'s keys that `check_overrides` applies).
+_REFUSED_FIX = {"router_jitter_noise": "set actor_rollout_ref.model.override_config.router_jitter_noise=0 in the "
+                                       "trainer (another model: its model.override_config.router_jitter_noise=0); "
+                                       "elsewhere edit config.json"}
 # The `rope_scaling` keys each supported type reads (`models.transformer.rope_inv_freq`): required, optional.
 # YaRN's original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
 ROPE_SCALING_KEYS = {"default": ((), ()), "linear": (("factor",), ()),
@@ -185,6 +217,7 @@ class ModelArgs:
         _check_window_keys(self)
         _check_granite_scalars(self)
         _check_moe(self)
+        _check_type_refused(self)
         if self.model_type == "gemma3_text":
             _check_gemma3(self)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -299,8 +332,17 @@ class ModelArgs:
     @property
     def full_qk_norm(self) -> bool:
         """Whether the query and key projections are RMS-normalised over their whole width (weights
-        `[heads * head_dim]` and `[kv_heads * head_dim]`) before the head split and RoPE: OLMo-2's."""
-        return self.model_type == "olmo2"
+        `[heads * head_dim]` and `[kv_heads * head_dim]`) before the head split and RoPE: OLMo-2's and OLMoE's (its
+        blocks pre-norm: `post_norm` is OLMo-2's only)."""
+        return self.model_type in ("olmo2", "olmoe")
+
+    @property
+    def router_weights_float32(self) -> bool:
+        """Whether a sparse layer's top-k routing weights stay in float32 (`models.moe.route`), each expert's output
+        times its weight taken in float32 and the sum rounded once to the model's dtype: Mixtral's
+        (MixtralTopKRouter does not cast them back); Qwen3-MoE's and OLMoE's routers cast them to the logits'
+        dtype. The same numbers in float32 and float64."""
+        return self.model_type == "mixtral"
 
     @property
     def sliding_window(self) -> int | None:
@@ -494,10 +536,11 @@ class ModelArgs:
         elif cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         known = {f.name for f in dataclasses.fields(cls)}
-        fields_overridden, window_overridden = _split_overrides(overrides)
-        if window_overridden and not WINDOW_KEYS[model_type]:
-            raise ValueError(f"override_config.sliding_window={json.dumps(window_overridden['sliding_window'])}: "
-                             f"model_type {model_type} has no sliding window (transformers' {model_type} reads none)")
+        fields_overridden, extra_overridden = _split_overrides(overrides)
+        for key, value in extra_overridden.items():
+            if key not in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ()):
+                raise ValueError(f"override_config.{key}={json.dumps(value)}: model_type {model_type} has no "
+                                 f"{key.replace('_', ' ')} (transformers' {model_type} reads none)")
         fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -521,7 +564,7 @@ class ModelArgs:
             **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type == "granite" else {}),
             **(_hf_moe_fields(cfg) if model_type in MOE_TYPES else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
-                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | window_overridden,
+                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | extra_overridden,
         )
         return cls(**(fields | fields_overridden))
 
@@ -560,7 +603,7 @@ class ModelArgs:
         )
         kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
-        if self.model_type in MOE_TYPES:  # (a JSON list, as Qwen3MoeConfig declares it)
+        if "mlp_only_layers" in HF_CONFIG_KEYS[self.model_type]:  # (a JSON list, as Qwen3MoeConfig declares it)
             kwargs.update(mlp_only_layers=list(self.mlp_only_layers))
         kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
             self.model_type, ()) if key in self.extra_hf})
@@ -702,16 +745,32 @@ def _check_granite_scalars(args: ModelArgs) -> None:
         setattr(args, key, _number(getattr(args, key), f"config.json's {key}"))
 
 
+# Each mixture-of-experts type's config defaults for the `MOE_KEYS` its config.json may lack (its transformers
+# config class's); Mixtral's and OLMoE's configs have only the first two (and OLMoE's norm_topk_prob): their others
+# are fixed (`EVERY_LAYER_SPARSE`, Mixtral's renormalisation).
+_MOE_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": None},
+    "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+}
+
+
 def _hf_moe_fields(cfg: dict) -> dict:
-    """A mixture-of-experts config.json's `MOE_KEYS` as `ModelArgs` fields, with Qwen3MoeConfig's defaults for those
-    it lacks; num_experts under either of its names (transformers writes `num_local_experts`). A key that is no
-    number or list is left to `_check_moe`, which names it."""
-    defaults = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                "decoder_sparse_step": 1, "mlp_only_layers": None}
-    fields = {k: cfg.get(k, default) for k, default in defaults.items()}
+    """A mixture-of-experts config.json's `MOE_KEYS` as `ModelArgs` fields, with its type's config defaults for those
+    it lacks (`_MOE_DEFAULTS`); num_experts under either of its names (`num_local_experts`, which transformers'
+    Qwen3MoeConfig and MixtralConfig write). Mixtral's and OLMoE's experts are `intermediate_size` wide, every layer
+    sparse; Mixtral's top-k weights always renormalised. A key that is no number or list is left to `_check_moe`,
+    which names it."""
+    model_type = cfg["model_type"]
+    fields = {k: cfg.get(k, default) for k, default in _MOE_DEFAULTS[model_type].items()}
+    if model_type in EVERY_LAYER_SPARSE:
+        fields["moe_intermediate_size"] = cfg["intermediate_size"]
+    if model_type == "mixtral":
+        fields["norm_topk_prob"] = True
     if cfg.get("num_local_experts") is not None:
         fields["num_experts"] = cfg["num_local_experts"]
-    layers = fields["mlp_only_layers"]
+    layers = fields.get("mlp_only_layers")
     fields["mlp_only_layers"] = () if layers is None else tuple(layers) if isinstance(layers, list) else layers
     return fields
 
@@ -719,8 +778,10 @@ def _hf_moe_fields(cfg: dict) -> dict:
 def _check_moe(args: ModelArgs) -> None:
     """ValueError naming the key for mixture-of-experts fields (`MOE_KEYS`) set on a dense type, or on a
     mixture-of-experts type: experts, top-k and expert size not positive integers, a top-k above the experts, a
-    decoder_sparse_step below 1, mlp_only_layers not distinct layer indices in range; hidden_act other than silu is
-    refused by `ModelArgs.from_hf_config`."""
+    decoder_sparse_step below 1, mlp_only_layers not distinct layer indices in range; on Mixtral and OLMoE
+    (`EVERY_LAYER_SPARSE`) experts of another width than intermediate_size, a dense layer, and Mixtral's top-k
+    weights not renormalised (their transformers classes have none of these); OLMoE's head_dim other than hidden /
+    heads (its q_norm is hidden_size wide). hidden_act other than silu is refused by `ModelArgs.from_hf_config`."""
     if args.model_type not in MOE_TYPES:
         set_ = [f.name for f in dataclasses.fields(args) if f.name in MOE_KEYS and getattr(args, f.name) != f.default]
         if set_:
@@ -742,6 +803,31 @@ def _check_moe(args: ModelArgs) -> None:
             or len(set(layers)) != len(layers):
         raise ValueError(f"config.json's mlp_only_layers={list(layers) if isinstance(layers, tuple) else layers!r}: "
                          f"expected distinct layer indices in [0, {args.num_hidden_layers})")
+    if args.model_type in EVERY_LAYER_SPARSE:
+        family = HF_FAMILY[args.model_type]
+        fixed = {"moe_intermediate_size": args.intermediate_size, "decoder_sparse_step": 1, "mlp_only_layers": (),
+                 **({"norm_topk_prob": True} if args.model_type == "mixtral" else {})}
+        for key, value in fixed.items():
+            if getattr(args, key) != value:
+                raise ValueError(f"{args.model_type} with {key}={getattr(args, key)!r} is not supported: transformers' "
+                                 f"{family} has {key} {json.dumps(list(value) if key == 'mlp_only_layers' else value)} "
+                                 "(every layer sparse, its experts intermediate_size wide"
+                                 f"{', their top-k weights renormalised' if args.model_type == 'mixtral' else ''})")
+    if args.model_type == "olmoe" and args.head_dim * args.num_attention_heads != args.hidden_size:
+        raise ValueError(f"olmoe with head_dim={args.head_dim} is not supported: transformers' Olmoe norms the query "
+                         f"over hidden_size ({args.hidden_size}), so its heads must fill it (head_dim "
+                         f"{args.hidden_size} / {args.num_attention_heads})")
+
+
+def _check_type_refused(args: ModelArgs) -> None:
+    """ValueError naming the key for a config key of `args`' type set away from the one value meshppo accepts
+    (`_TYPE_REFUSED`), with the override that replaces it where one does (`_REFUSED_FIX`)."""
+    for key, (accepted, why) in _TYPE_REFUSED.get(args.model_type, {}).items():
+        value = args.extra_hf.get(key, accepted)
+        if value != accepted or isinstance(value, bool):
+            fix = f": {_REFUSED_FIX[key]}" if key in _REFUSED_FIX else ""
+            raise ValueError(f"config.json's {key}={value!r} is not supported for {args.model_type} ({why}); only "
+                             f"{json.dumps(accepted)} is{fix}")
 
 
 def _check_window_keys(args: ModelArgs) -> None:
@@ -771,15 +857,17 @@ def _check_window_keys(args: ModelArgs) -> None:
 # ---------------------------------------------------------------- verl's model.override_config
 # Hugging Face config attributes that verl sets on the checkpoint's config before it builds the
 # model. Those meshppo's models read and the checkpoint's tensors do not depend on act (they are
-# `ModelArgs` fields, or `extra_hf` keys, so they also reach the exported config.json):
+# `ModelArgs` fields, or `extra_hf` keys, so they also reach the exported config.json); and Mixtral's
+# router_jitter_noise, accepted at 0 only (what meshppo computes: `_TYPE_REFUSED`), which replaces a config.json's
+# noise that transformers would apply:
 OVERRIDE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "initializer_range",
-                 "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window")
+                 "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "router_jitter_noise")
 # Of those, the model's outputs read these; the others reach its exported config.json only (and
 # initializer_range its weights drawn at random: load_format=dummy). sliding_window (null or a window) sets
 # the window of the layers transformers windows (`ModelArgs.windowed_layers`; null: none is windowed).
-OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window")
-# The overrides kept in `ModelArgs.extra_hf` (they are not fields: `WINDOW_KEYS`).
-_EXTRA_OVERRIDES = ("sliding_window",)
+OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window", "router_jitter_noise")
+# The overrides kept in `ModelArgs.extra_hf` (they are not fields: `WINDOW_KEYS`, `KEPT_KEYS`).
+_EXTRA_OVERRIDES = ("sliding_window", "router_jitter_noise")
 # Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
@@ -917,6 +1005,10 @@ def check_overrides(overrides: dict, key: str = "override_config") -> tuple[dict
             acting[name] = _token_ids(value, where, many=name == "eos_token_id")
         elif name == "sliding_window":
             acting[name] = None if value is None else _number(value, where, integer=True)
+        elif name == "router_jitter_noise":
+            if _number(value, where, nonnegative=True) != 0:
+                raise ValueError(f"{where}={value!r} is not supported by meshppo ({_JITTER_WHY}): only 0 is")
+            acting[name] = 0.0
         elif name == "max_position_embeddings":
             acting[name] = _number(value, where, integer=True)
         elif name in OVERRIDE_KEYS:

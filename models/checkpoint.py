@@ -46,8 +46,8 @@ def meshppo_key_to_hf(key: str) -> str:
 
 # The types whose transformers family has no ...ForTokenClassification: a value model of one has no transformers
 # class that reads it back (OLMo-2's Olmo2ForSequenceClassification and Gemma 3's Gemma3TextForSequenceClassification
-# score each sequence's last token only; Granite has no classifier at all).
-NO_TOKEN_CLASSIFIER = ("gemma3_text", "granite", "olmo2")
+# score each sequence's last token only; Granite and OLMoE have no classifier at all).
+NO_TOKEN_CLASSIFIER = ("gemma3_text", "granite", "olmo2", "olmoe")
 
 
 def hf_architecture(model_type: str, head: str = "lm") -> str:
@@ -141,6 +141,43 @@ _EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 # meshppo's stacked tensors (transformers 5's in-memory names) -> the per-expert projections they stack, each
 # expert's rows in this order (gate_up_proj: gate, then up, as transformers' `chunk(2)` splits them)
 _EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# The types whose checkpoints name a mixture-of-experts layer's modules otherwise than transformers 5 (and meshppo) in
+# memory: its module in place of `mlp`, and each expert projection's name (transformers' conversion_mapping renames
+# them as it loads and back as save_pretrained writes). Mixtral's: `layers.3.block_sparse_moe.gate.weight`,
+# `layers.3.block_sparse_moe.experts.5.w1.weight` (gate_proj; w3 up_proj, w2 down_proj).
+CHECKPOINT_MOE_NAMES = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def moe_name_from_checkpoint(name: str, model_type: str) -> str:
+    """meshppo's name of a checkpoint tensor (`model.`-less) of a `CHECKPOINT_MOE_NAMES` type: a Mixtral's
+    `layers.3.block_sparse_moe.experts.5.w1.weight` is `layers.3.mlp.experts.5.gate_proj.weight`; any other name as
+    it is."""
+    if model_type not in CHECKPOINT_MOE_NAMES:
+        return name
+    module, projs = CHECKPOINT_MOE_NAMES[model_type]
+    head, sep, tail = name.partition(f".{module}.")
+    if not (sep and head.startswith("layers.") and head.count(".") == 1):
+        return name
+    expert = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", tail)
+    mine = {v: k for k, v in projs.items()}
+    if expert and expert.group(2) in mine:
+        tail = f"experts.{expert.group(1)}.{mine[expert.group(2)]}.weight"
+    return f"{head}.mlp.{tail}"
+
+
+def moe_name_to_checkpoint(name: str, model_type: str) -> str:
+    """`moe_name_from_checkpoint`'s inverse, for the export (a sparse layer's `mlp.` names only: a type of
+    `CHECKPOINT_MOE_NAMES` has no dense layers)."""
+    if model_type not in CHECKPOINT_MOE_NAMES:
+        return name
+    module, projs = CHECKPOINT_MOE_NAMES[model_type]
+    head, sep, tail = name.partition(".mlp.")
+    if not (sep and head.startswith("layers.") and head.count(".") == 1):
+        return name
+    expert = _EXPERT_TENSOR.match(name)
+    if expert:
+        tail = f"experts.{expert.group(2)}.{projs[expert.group(3)]}.weight"
+    return f"{head}.{module}.{tail}"
 
 
 class ExpertStacker:
@@ -312,7 +349,8 @@ def iter_hf_tensors(path, args: ModelArgs | None = None):
     """Yield `(meshppo_name, tensor)` from a checkpoint directory of the model `args` describes (default: its
     config.json's), one tensor at a time; a projection its checkpoints fuse as its parts (`split_fused`), a
     mixture-of-experts layer's per-expert tensors stacked (`ExpertStacker`) once the layer's experts are read (its
-    stacked tensors, as transformers 5 names them in memory, as they are)."""
+    stacked tensors, as transformers 5 names them in memory, as they are), under meshppo's names where its type's
+    checkpoints name them otherwise (`moe_name_from_checkpoint`: Mixtral's)."""
     from safetensors import safe_open
 
     args = args if args is not None else load_model_args(path)
@@ -325,6 +363,7 @@ def iter_hf_tensors(path, args: ModelArgs | None = None):
             for key in f.keys():
                 name = hf_key_to_meshppo(key)
                 if name is not None:
+                    name = moe_name_from_checkpoint(name, args.model_type)
                     with reading(file, what=_NOT_SAFETENSORS):
                         tensor = f.get_tensor(key)
                     if _EXPERT_TENSOR.match(name):
@@ -414,7 +453,8 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     checkpoint the model was read from (`ModelArgs.hf_dtype`: a bf16 base is saved bf16, as
     verl's model_merger saves it), else as they are; config.json names the dtype written. A projection
     transformers' checkpoints fuse is written fused (`fuse_parts`), a mixture-of-experts layer's experts one
-    tensor per expert and projection (`unstack_experts`), as transformers 5's save_pretrained writes them. Files
+    tensor per expert and projection (`unstack_experts`; Mixtral's under its checkpoints' names,
+    `moe_name_to_checkpoint`), as transformers 5's save_pretrained writes them. Files
     are written under a temporary name and renamed, so an interrupted save never leaves a
     half-written weight file under the final name.
     """
@@ -427,7 +467,7 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
     sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args))
-    tensors = {meshppo_key_to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+    tensors = {meshppo_key_to_hf(moe_name_to_checkpoint(k, args.model_type)): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}
     hf_config = args.to_hf_config(architecture=architecture,

@@ -1,9 +1,10 @@
-"""Mixture-of-experts MLP (Qwen3-MoE's sparse block), as transformers 5 computes it: the one implementation that the
-training model (`models.transformer.MoE`) and the engine share.
+"""Mixture-of-experts MLP (Mixtral's, OLMoE's and Qwen3-MoE's sparse block), as transformers 5 computes it: the one
+implementation that the training model (`models.transformer.MoE`) and the engine share.
 
 `route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
 `k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
-Qwen3MoeTopKRouter). `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
+Qwen3MoeTopKRouter, OlmoeTopKRouter) or kept in float32 (`float32_weights`: MixtralTopKRouter, whose expert outputs
+are then weighted in float32 and their sum rounded once). `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
 expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
 `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
 expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
@@ -32,16 +33,16 @@ from models.block_ops import activation
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """`(weights [T, k] in x's dtype, experts [T, k] int64)` of tokens `x [T, H]` under router `weight [E, H]`:
-    the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in descending order, divided by
-    their sum where `norm_topk_prob`."""
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False):
+    """`(weights [T, k] in x's dtype, or float32 where `float32_weights`, experts [T, k] int64)` of tokens `x [T, H]`
+    under router `weight [E, H]`: the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in
+    descending order, divided by their sum where `norm_topk_prob`."""
     logits = F.linear(x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), experts
+    return (top if float32_weights else top.to(logits.dtype)), experts
 
 
 def use_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
@@ -60,7 +61,8 @@ def _gated(h: torch.Tensor, act: str) -> torch.Tensor:
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: str = "silu", grouped: bool | None = None) -> torch.Tensor:
     """`[T, H]`: `Σ_k weights[t, k] · down[e](act(gate[e] x_t) · up[e] x_t)` for `e = experts[t, k]` (module
-    docstring), in `x`'s dtype. `grouped`: force the grouped-GEMM path (True) or the loop (False); None:
+    docstring), in `x`'s dtype: each product by its weight in the weights' dtype (float32 ones: Mixtral's), the
+    sum over the slots rounded once to `x`'s. `grouped`: force the grouped-GEMM path (True) or the loop (False); None:
     `use_grouped_mm`."""
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
@@ -81,4 +83,4 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     out = out * weights.reshape(-1)[order, None]
     # back to (token, slot) order: `order` is a permutation, so the gather's backward adds no two rows
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return out[inverse].view(num_tokens, top_k, -1).sum(dim=1)
+    return out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

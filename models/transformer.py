@@ -1,5 +1,5 @@
-"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, OLMo-2, Phi-3 (Phi-4), Qwen2, Qwen3
-and Qwen3-MoE families.
+"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, Mixtral, OLMo-2, OLMoE, Phi-3 (Phi-4),
+Qwen2, Qwen3 and Qwen3-MoE families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -7,10 +7,10 @@ without the leading `model.` (`layers.0.self_attn.q_proj.weight`), which keeps c
 conversion a prefix change (and a split of rows where a checkpoint fuses projections: Phi3's
 qkv_proj and gate_up_proj, `models.checkpoint.split_fused`). q/k/v and gate/up stay separate
 parameters on purpose: each FSDP chunk range of one of them is then exactly one TP shard
-(docs/ARCHITECTURE.md). A mixture-of-experts layer (`MoE`, Qwen3-MoE's `ModelArgs.moe_layers`) holds its
-experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj [E, 2I, H]` and
+(docs/ARCHITECTURE.md). A mixture-of-experts layer (`MoE`, `ModelArgs.moe_layers`: Mixtral's, OLMoE's,
+Qwen3-MoE's) holds its experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj [E, 2I, H]` and
 `mlp.experts.down_proj [E, H, I]`, with its router `mlp.gate.weight [E, H]` (`models/moe.py` computes them;
-checkpoints store one tensor per expert and projection, `models.checkpoint`).
+checkpoints store one tensor per expert and projection, Mixtral's under its own names: `models.checkpoint`).
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """
@@ -231,7 +231,8 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """A mixture-of-experts layer's router (transformers' Qwen3MoeTopKRouter, `mlp.gate`): `weight [E, H]`, the
+    """A mixture-of-experts layer's router (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter / OlmoeTopKRouter,
+    `mlp.gate`; a Mixtral checkpoint's `block_sparse_moe.gate`): `weight [E, H]`, the
     logits' projection. Not an `nn.Linear`, as transformers' is not: peft's all-linear leaves it alone."""
 
     def __init__(self, args: ModelArgs):
@@ -240,7 +241,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """A mixture-of-experts layer's experts (transformers' Qwen3MoeExperts, `mlp.experts`), stacked:
+    """A mixture-of-experts layer's experts (transformers' Qwen3MoeExperts / MixtralExperts / OlmoeExperts,
+    `mlp.experts`), stacked:
     `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and `down_proj [E, H, I]`."""
 
     def __init__(self, args: ModelArgs):
@@ -251,20 +253,22 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock): each token through
-    its top `num_experts_per_tok` experts by the router, their outputs weighted by the router's probabilities
-    (`models.moe.route`, `models.moe.experts_forward`)."""
+    """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
+    OlmoeSparseMoeBlock): each token through its top `num_experts_per_tok` experts by the router, their outputs
+    weighted by the router's probabilities (`models.moe.route`, in float32 where
+    `ModelArgs.router_weights_float32`; `models.moe.experts_forward`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = Router(args)
         self.experts = Experts(args)
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.float32_weights = args.router_weights_float32
         self.act = args.mlp_activation
 
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])
-        weights, experts = moe.route(rows, self.gate.weight, self.top_k, self.norm_topk_prob)
+        weights, experts = moe.route(rows, self.gate.weight, self.top_k, self.norm_topk_prob, self.float32_weights)
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                   self.act)
         return out.view(x.shape)
