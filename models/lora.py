@@ -156,9 +156,9 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD); with a
     `model_type` whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj,
     gate_up_proj), its fused modules in place of their parts, as peft sees that model. The MLP of a layer in
-    `sparse_layers` (`ModelArgs.moe_layers`) is transformers' Qwen3MoeSparseMoeBlock: its router `mlp.gate` and
-    its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes over them), in place of gate_proj,
-    up_proj and down_proj."""
+    `sparse_layers` (`ModelArgs.moe_layers`) is transformers' sparse block (Qwen3-MoE's, Mixtral's, OLMoE's): its
+    router `mlp.gate` and its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes over them), in
+    place of gate_proj, up_proj and down_proj."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     fused = FUSED_PROJECTIONS.get(model_type, {})
     parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
@@ -350,8 +350,8 @@ def model_targets(cfg: LoRAConfig, args, num_layers: int | None = None,
     """The modules `cfg`'s target_modules and exclude_modules select on the model `args` describes (of
     `num_layers` blocks, default its own; a value model: `heads` VALUE_HEAD), as peft selects them on its
     transformers model, by its names: a Phi3's fused qkv_proj / gate_up_proj (`fused_parts`: one adapter
-    each, its parts sharing one A), where a part alone (q_proj) names no module and is refused; a Qwen3-MoE's
-    sparse layers without MLP projections (their experts are no nn.Linear: all-linear adapts the attention's
+    each, its parts sharing one A), where a part alone (q_proj) names no module and is refused; a mixture of
+    experts' sparse layers without MLP projections (their experts are no nn.Linear: all-linear adapts the attention's
     projections there, and a selection that differs between its sparse and dense layers is refused)."""
     model_type = getattr(args, "model_type", None)
     if model_type in MOE_TYPES and cfg.target_modules == "all-linear":

@@ -483,7 +483,10 @@ def _override_config(built: str, others: str):
                help=f"verl's Hugging Face config overrides, set on the checkpoint's config before {built} built: "
                     "rope_theta, rope_scaling (rope_type default, linear, llama3 or yarn with its parameters: replaces "
                     f"the checkpoint's, also a type meshppo refuses such as dynamic; null drops it; a Gemma 3's "
-                    "full_attention layers') and rms_norm_eps change the outputs; sliding_window (null: none) sets the window of the layers config.json windows (each of their positions attends to the last that many, itself included, in training and rollout); {others}; attn_implementation, use_cache "
+                    "full_attention layers') and rms_norm_eps change the outputs; sliding_window (null: none) sets "
+                    "the window of the layers config.json windows (each of their positions attends to the last that "
+                    "many, itself included, in training and rollout); a Mixtral's router_jitter_noise, 0 only, "
+                    f"replaces config.json's (which is refused above 0); {others}; attn_implementation, use_cache "
                     "and dropouts of 0 are accepted and change nothing; keys of the architecture or the tensors' "
                     "shapes are refused. verl's nested form, model_config: {...}, gives the same keys")
 
