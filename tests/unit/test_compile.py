@@ -22,10 +22,16 @@ def _loss_and_grads(model, ids, labels, cu, index):
 # a mixture of experts (Qwen3-MoE's sparse layer 0, dense layer 1): its routing and expert loop in the compiled block
 MOE_ARGS = dataclasses.replace(ARGS, model_type="qwen3_moe", attention_bias=False, num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=16, mlp_only_layers=(1,))
+# OLMoE's (every layer sparse, experts of intermediate_size, q / k normed over the whole projections, biases) and
+# Mixtral's (its routing weights kept in float32: `ModelArgs.router_weights_float32`)
+OLMOE_ARGS = dataclasses.replace(MOE_ARGS, model_type="olmoe", attention_bias=True, intermediate_size=16,
+                                 mlp_only_layers=())
+MIXTRAL_ARGS = dataclasses.replace(OLMOE_ARGS, model_type="mixtral", attention_bias=False, norm_topk_prob=True)
 
 
 @pytest.mark.parametrize("checkpointing, offload, args", [(False, False, ARGS), (True, False, ARGS),
-                                                          (True, True, ARGS), (True, False, MOE_ARGS)])
+                                                          (True, True, ARGS), (True, False, MOE_ARGS),
+                                                          (False, False, OLMOE_ARGS), (True, False, MIXTRAL_ARGS)])
 def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload, args):
     torch.manual_seed(0)
     eager = Transformer.build(args, seed=0)
