@@ -45,6 +45,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: boo
     return (top if float32_weights else top.to(logits.dtype)), experts
 
 
+def route_model(x: torch.Tensor, weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` as the model of `args` (a `ModelArgs`) routes: its `num_experts_per_tok`, `norm_topk_prob` and
+    `router_weights_float32`. The one call of the training model's block and the engine's layer, so the two route
+    and round alike."""
+    return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32)
+
+
 def use_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     """Whether `experts_forward` takes the grouped-GEMM path: CUDA bfloat16 (the dtype torch's grouped GEMM
     kernel takes there) with the hidden and expert sizes multiples of 8 (its rows' 16-byte alignment)."""

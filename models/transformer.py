@@ -255,20 +255,18 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
     OlmoeSparseMoeBlock): each token through its top `num_experts_per_tok` experts by the router, their outputs
-    weighted by the router's probabilities (`models.moe.route`, in float32 where
+    weighted by the router's probabilities (`models.moe.route_model`, in float32 where
     `ModelArgs.router_weights_float32`; `models.moe.experts_forward`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = Router(args)
         self.experts = Experts(args)
-        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
-        self.float32_weights = args.router_weights_float32
-        self.act = args.mlp_activation
+        self.args, self.act = args, args.mlp_activation
 
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])
-        weights, experts = moe.route(rows, self.gate.weight, self.top_k, self.norm_topk_prob, self.float32_weights)
+        weights, experts = moe.route_model(rows, self.gate.weight, self.args)
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                   self.act)
         return out.view(x.shape)

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from models.args import ModelArgs
-from models.moe import experts_forward, route, use_grouped_mm
+from models.moe import experts_forward, route_model, use_grouped_mm
 from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
 from rollout.attention import AttentionMetadata
@@ -526,7 +526,7 @@ class EngineModel:
         if w.router is None:
             return self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b, act=self.act), w.down_w, w.down_b,
                                       ops, splits)
-        weights, experts = route(h, w.router, self.args.num_experts_per_tok, self.args.norm_topk_prob)
+        weights, experts = route_model(h, w.router, self.args)
         return self.tp.all_reduce(experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act))
 
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
