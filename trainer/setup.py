@@ -510,17 +510,22 @@ def model_notes(cfg: PPOConfig) -> list[str]:
             + _router_loss_notes(arr.model.path, arr.model.override_config))
 
 
+def _config_json(path: str) -> dict:
+    """The model directory's config.json as a mapping, or an empty one where it cannot be read as one (the start-up
+    notes say nothing of such a directory: the ranks name it when they load the model)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
     """A line for each dropout probability above 0 in the actor's config.json that its override_config leaves
     (`models.args.DROPOUT_KEYS`): meshppo's models have no dropout, where verl's Hugging Face actor drops in its
     updates (its reference, critic and reward model run without). An unreadable directory says nothing here: the
     ranks name it when they load the model."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(config, dict):
-        return []
+    config = _config_json(path)
     given = overrides or {}
     return [f"actor_rollout_ref.model.path {path!r}: config.json's {key}={config[key]} is not applied: meshppo's "
             "models have no dropout, where verl's actor drops in its updates; "
@@ -547,12 +552,7 @@ def _router_loss_notes(path: str, overrides: dict | None) -> list[str]:
     """A line where the actor's config.json sets output_router_logits (a mixture of experts): transformers then adds router_aux_loss_coef times its load-balancing loss to the loss it computes
     from labels, which verl's actor never asks for (it reads the logits and computes its own loss), and meshppo,
     like verl, trains without it. An unreadable directory says nothing here."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(config, dict):
-        return []
+    config = _config_json(path)
     from models.args import flat_overrides
 
     # (an override of it is named among the overrides that change nothing)
