@@ -324,8 +324,8 @@ def scale_embeddings(x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     scale = args.embedding_scale
     if scale == 1.0:
         return x
-    if args.embedding_scale_rounded:
-        return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+    if args.embedding_scale_rounded:  # (rounded on the host: a device tensor would be a copy inside a CUDA graph)
+        scale = torch.tensor(scale, dtype=x.dtype).item()
     return x * scale
 
 
