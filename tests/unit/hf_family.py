@@ -67,7 +67,9 @@ def check_padded_and_packed_logits(hf, ours, vocab: int) -> None:
 def check_engine_greedy(hf, path, vocab: int):
     """The engine on the checkpoint at `path` (chunked prefill and preemption forced): greedy tokens are those of a
     no-cache loop over the training model, its log-probs the training forward's (to float32, which the engine
-    returns them in), and `hf`'s logits pick the same tokens. Returns (engine, prompts, params, outputs)."""
+    returns them in), and `hf`'s logits pick the same tokens, each token's log-prob log_softmax of them (float64,
+    returned in float32: within 1e-6, a greedy token's log-prob lying in [-log(vocab), 0]). Returns (engine,
+    prompts, params, outputs)."""
     from rollout import SamplingParams
     from tests.unit.test_engine import check_against_training_forward, greedy_reference, make_engine
 
@@ -84,6 +86,9 @@ def check_engine_greedy(hf, path, vocab: int):
         with torch.no_grad():
             hf_logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
         assert hf_logits.argmax(-1).tolist() == out.token_ids
+        ref = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        worst = (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max().item()
+        assert worst <= 1e-6, worst
     return engine, prompts, params, outs
 
 
@@ -193,6 +198,19 @@ def check_peft_adapter_round_trip(tmp_path, hf, path, model_type: str, vocab: in
     for name, p in adapter_state_dict(ours).items():
         assert torch.equal(adapter_state_dict(again)[name], p), name
     return again
+
+
+def check_reward_model_score(tmp_path, hf, vocab: int) -> None:
+    """`hf` (transformers' <Family>ForSequenceClassification with num_labels 1, a reward model's form), saved, loads
+    as meshppo's value model: its score at a sequence's last token is `hf`'s logit (float64, within TOL; the logits
+    beyond 1e-1)."""
+    hf.save_pretrained(tmp_path / "rm")
+    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
+    ids = torch.randint(2, vocab, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[:, 0]
+        assert ref.abs().max() > 1e-1
+        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
 
 
 def check_hf_critic_refused_at_preflight(path, refusal: str):

@@ -10,7 +10,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip,
+                                  check_peft_adapter_round_trip, check_reward_model_score,
                                   hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
@@ -226,13 +226,7 @@ def test_a_gemma3_sequence_classifier_loads_as_a_reward_model(tmp_path):
                                         pad_token_id=0, sliding_window=6, layer_types=LAYERS, rope_parameters=ROPE,
                                         query_pre_attn_scalar=20)
     hf = hf_causal_lm(lambda **kw: cfg, transformers.Gemma3TextForSequenceClassification)
-    hf.save_pretrained(tmp_path / "rm")
-    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
-    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits[:, 0]
-        assert ref.abs().max() > 1e-1
-        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+    check_reward_model_score(tmp_path, hf, VOCAB)
 
 
 def test_an_image_text_checkpoint_is_refused_saying_how_to_write_its_language_model(tmp_path):

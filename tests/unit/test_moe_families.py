@@ -12,7 +12,7 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_export_round_trip, check_hf_critic_refused_at_preflight,
-                                  check_padded_and_packed_logits, check_peft_adapter_round_trip, one_thread,
+                                  check_padded_and_packed_logits, check_peft_adapter_round_trip, check_reward_model_score, one_thread,
                                   randomized, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
@@ -349,13 +349,7 @@ def test_a_mixtral_sequence_classifier_loads_as_a_reward_model(tmp_path):
     """A MixtralForSequenceClassification directory (num_labels 1) loads as meshppo's value model: its score at a
     sequence's last token is transformers' logit."""
     hf = _hf("mixtral", cls="ForSequenceClassification", num_labels=1)
-    hf.save_pretrained(tmp_path / "rm")
-    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
-    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits[:, 0]
-        assert ref.abs().max() > 1e-1
-        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+    check_reward_model_score(tmp_path, hf, VOCAB)
 
 
 def test_an_olmoe_critic_is_not_exported_as_a_hugging_face_directory(tmp_path):

@@ -25,13 +25,6 @@ def test_engine_greedy_tokens_and_log_probs_are_transformers(tmp_path, model_typ
     hf, path = _saved(tmp_path, model_type, **shape)
     engine, prompts, params, outs = check_engine_greedy(hf, path, VOCAB)
     assert engine.model.args.model_type == model_type and engine.model.args.moe_layers == [0, 1, 2]
-    worst = 0.0
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-        worst = max(worst, (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max().item())
-    assert worst <= 1e-6, worst
     # the engine's own reader of the directory (rollout.engine: models.checkpoint.iter_hf_tensors) gives the same
     # tokens as the training model's weights loaded into it
     again = LLMEngine.from_pretrained(str(path), EngineConfig(dtype=torch.float64, block_size=4, num_kv_blocks=64),

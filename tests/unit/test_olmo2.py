@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_hf_critic_refused_at_preflight, check_peft_adapter_round_trip, hf_causal_lm,
-                                  one_thread, randomized, trainer_loads_bit_for_bit, unprefixed)
+from tests.unit.hf_family import (check_engine_greedy, check_export_round_trip, check_hf_critic_refused_at_preflight,
+                                  check_padded_and_packed_logits, check_peft_adapter_round_trip, check_reward_model_score,
+                                  hf_causal_lm, one_thread, randomized, trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,13 +139,7 @@ def test_an_olmo2_sequence_classifier_loads_as_a_reward_model(tmp_path):
                                    rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
     cfg._attn_implementation = "sdpa"
     hf = randomized(transformers.Olmo2ForSequenceClassification(cfg))
-    hf.save_pretrained(tmp_path / "rm")
-    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
-    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits[:, 0]
-        assert ref.abs().max() > 1e-1
-        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+    check_reward_model_score(tmp_path, hf, VOCAB)
 
 
 def test_lora_selections_are_made_on_olmo2s_module_names():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from models import ModelArgs, Transformer
 from models.moe import experts_forward, route
 from tests.unit.hf_family import (TOL, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip, one_thread, randomized,
+                                  check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
                                   trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
@@ -317,13 +317,7 @@ def test_a_qwen3_moe_sequence_classifier_loads_as_a_reward_model(tmp_path):
     """A Qwen3MoeForSequenceClassification directory (num_labels 1) loads as meshppo's value model: its score at a
     sequence's last token is transformers' logit."""
     hf = _qwen3_moe(cls=transformers.Qwen3MoeForSequenceClassification, num_labels=1, **SHAPES[0])
-    hf.save_pretrained(tmp_path / "rm")
-    ours = Transformer.from_pretrained(tmp_path / "rm", dtype=torch.float64, head="value")
-    ids = torch.randint(2, VOCAB, (3, 25), generator=torch.Generator().manual_seed(6))  # no pad id: the last token
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits[:, 0]
-        assert ref.abs().max() > 1e-1
-        assert (ours(ids)[:, -1] - ref).abs().max().item() <= TOL
+    check_reward_model_score(tmp_path, hf, VOCAB)
 
 
 def test_the_tiled_mlp_and_fp8_rollout_are_refused_and_router_logits_noted(tmp_path):
