@@ -92,6 +92,37 @@ def check_engine_greedy(hf, path, vocab: int):
     return engine, prompts, params, outs
 
 
+def check_flops_match_the_flop_counter(args, lora=None) -> None:
+    """`args.flops` (3 rows of 40 tokens, the head on each row's last 24) is what PyTorch's FLOP counter counts in
+    meshppo's model of `args` (relative 1e-9), on a forward and on a forward and backward; with `lora` (injected) on
+    the forward and backward only (a LoRA forward is the base's formula). Accounted by hand beside the matmuls: the
+    head's backward recomputes its logits (recomputation, not counted) and the norm weights are in N but run no
+    matmul."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.lora import inject_lora
+
+    batch, seq, response = 3, 40, 24
+    ids = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
+    for backward in (False, True) if lora is None else (True,):
+        model = Transformer.build(args, seed=0)
+        if lora is not None:
+            inject_lora(model, lora, generator=torch.Generator().manual_seed(0))
+        with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
+            logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
+            if backward:
+                logp.sum().backward()
+        counts = counter.get_flop_counts()["Global"]
+        counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
+        if backward:
+            counted -= 2 * args.hidden_size * args.vocab_size * batch * response
+        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        counted += (2 if not backward else 6 if lora is None else 4) * norms * batch * seq
+        predicted = args.flops(batch * seq, batch * response, 0, backward=backward, lora=lora)
+        assert abs(predicted - counted) / counted < 1e-9, (lora, backward, predicted, counted)
+
+
 def trainer_loads_bit_for_bit(rank, world, path, model_type, head_dim, by_meshppo_names):
     """(a `run_distributed` body) The trainer's actor builder (FSDP over `world` gloo ranks) reads the checkpoint at
     `path` as transformers' AutoModelForCausalLM does: each tensor bit for bit, `by_meshppo_names(state_dict,

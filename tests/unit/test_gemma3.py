@@ -10,8 +10,8 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_engine_greedy, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip, check_reward_model_score,
-                                  hf_causal_lm, one_thread, trainer_loads_bit_for_bit, unprefixed)
+                                  check_peft_adapter_round_trip, check_reward_model_score, hf_causal_lm, one_thread,
+                                  trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 

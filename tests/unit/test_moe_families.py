@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_hf_critic_refused_at_preflight,
-                                  check_padded_and_packed_logits, check_peft_adapter_round_trip, check_reward_model_score, one_thread,
-                                  randomized, trainer_loads_bit_for_bit, unprefixed)
+from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
+                                  check_hf_critic_refused_at_preflight, check_padded_and_packed_logits,
+                                  check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
+                                  trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -304,27 +305,9 @@ def test_flops_count_the_experts_a_token_runs(model_type):
     """num_params counts every expert; flops the router and the top-k experts a token runs through, as PyTorch's FLOP
     counter counts a forward and a forward and backward; by hand: a layer's per-token N is H·E + k·3·H·I beside the
     attention."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     args = ModelArgs.from_hf_config(_hf(model_type).config)
     assert args.num_params() - args.num_params(active=True) == 3 * (4 - 2) * 3 * 32 * 16
-    batch, seq, response = 3, 40, 24
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
-    index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
-    for backward in (False, True):
-        model = Transformer.build(args, seed=0)
-        with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
-            logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
-            if backward:
-                logp.sum().backward()
-        counts = counter.get_flop_counts()["Global"]
-        counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
-        if backward:  # the head's backward recomputes its logits: recomputation, not counted
-            counted -= 2 * 32 * VOCAB * batch * response
-        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)  # in N, no matmul
-        counted += (6 if backward else 2) * norms * batch * seq
-        predicted = args.flops(batch * seq, batch * response, 0, backward=backward)
-        assert abs(predicted - counted) / counted < 1e-9, (backward, predicted, counted)
+    check_flops_match_the_flop_counter(args)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from models import ModelArgs, Transformer
 from models.moe import experts_forward, route
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
-                                  trainer_loads_bit_for_bit, unprefixed)
+from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
+                                  check_padded_and_packed_logits, check_peft_adapter_round_trip,
+                                  check_reward_model_score, one_thread, randomized, trainer_loads_bit_for_bit,
+                                  unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -259,9 +260,7 @@ def test_parameter_count_and_flops_count_the_experts_a_token_runs():
     """num_params is transformers' parameter count (every expert); flops counts the router and the top-k experts a
     token runs through (PyTorch's FLOP counter on a forward, and on a forward and backward, full and with LoRA on
     the attention), not all experts; by hand: a sparse layer's per-token N is H·E + k·3·H·I."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from models.lora import LoRAConfig, inject_lora
+    from models.lora import LoRAConfig
 
     hf = _qwen3_moe(**SHAPES[0])
     args = ModelArgs.from_hf_config(hf.config)
@@ -269,27 +268,8 @@ def test_parameter_count_and_flops_count_the_experts_a_token_runs():
     assert args.num_params() - args.num_params(active=True) == 2 * (4 - 2) * 3 * 32 * 16  # two sparse layers
     dense = ModelArgs.from_hf_config(hf.config.to_dict() | {"mlp_only_layers": [0, 1, 2]})
     assert args.num_params(active=True) - dense.num_params() == 2 * (32 * 4 + 2 * 3 * 32 * 16 - 3 * 32 * 48)
-    batch, seq, response = 3, 40, 24
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
-    index = torch.cat([torch.arange(r * seq + seq - response, (r + 1) * seq) for r in range(batch)])
     for lora in (None, LoRAConfig(8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])):
-        for backward in (False, True) if lora is None else (True,):  # (a LoRA forward: the base's formula)
-            model = Transformer.build(args, seed=0)
-            if lora is not None:
-                inject_lora(model, lora, generator=torch.Generator().manual_seed(0))
-            with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
-                logp, _ = model(ids, labels=ids.reshape(-1)[index], label_index=index)
-                if backward:
-                    logp.sum().backward()
-            counts = counter.get_flop_counts()["Global"]
-            counted = counts[torch.ops.aten.mm] + counts.get(torch.ops.aten.addmm, 0)
-            if backward:  # the head's backward recomputes its logits: recomputation, not counted
-                counted -= 2 * 32 * VOCAB * batch * response
-            # the norm weights are in N but run no matmul (1 % at this width)
-            norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
-            counted += (2 if not backward else 6 if lora is None else 4) * norms * batch * seq
-            predicted = args.flops(batch * seq, batch * response, 0, backward=backward, lora=lora)
-            assert abs(predicted - counted) / counted < 1e-9, (lora, backward, predicted, counted)
+        check_flops_match_the_flop_counter(args, lora)
 
 
 def test_lora_on_the_attention_saves_as_peft_and_all_linear_is_refused(tmp_path):
