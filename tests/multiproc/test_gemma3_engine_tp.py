@@ -3,10 +3,7 @@ scaled after the all-reduce, its replicated norms by 1 + weight (four a block an
 GeGLU MLP split by columns, o_proj's bias added once, each layer its RoPE and window (one sliding layer with a
 window of 4 and its own RoPE base, one full)."""
 
-import pytest
-
-from tests.dist_utils import run_distributed
-from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
+from tests.multiproc.engine_tp_family import run_family_tp2_equals_tp1
 from tests.multiproc.test_olmo2_engine_tp import VARIANTS as OLMO2_VARIANTS
 
 GEMMA3 = dict(model_type="gemma3_text", extra_hf={"sliding_window": 4, "query_pre_attn_scalar": 12,
@@ -16,23 +13,11 @@ GEMMA3 = dict(model_type="gemma3_text", extra_hf={"sliding_window": 4, "query_pr
 VARIANTS = [{**variant, **GEMMA3} for variant in OLMO2_VARIANTS]
 
 
-def _body(rank, world_size):
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5)
-
-
 def test_gemma3_tp2_equals_tp1():
-    run_distributed(_body, 2)
-
-
-def _triton_body(rank, world_size):
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5, triton=True)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.5)
 
 
 def test_gemma3_tp2_triton_kernels_equal_tp1_torch_ops():
     """The Triton kernels at TP 2 (norms by 1 + weight, GeGLU, each layer's RoPE table and window) against the PyTorch
     ops at TP 1."""
-    pytest.importorskip("triton")
-    run_distributed(_triton_body, 2)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.5, triton=True)

@@ -3,10 +3,7 @@ the vocab-parallel embedding's all-reduce, its residual_multiplier on each all-r
 with attention_bias, added once before it), its attention_multiplier and its logits_scaling over the vocab-parallel
 sampler."""
 
-import pytest
-
-from tests.dist_utils import run_distributed
-from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
+from tests.multiproc.engine_tp_family import run_family_tp2_equals_tp1
 
 
 # 2 KV heads (one a rank) with tied embeddings and attention_bias / mlp_bias; 1 KV head (each rank a copy), untied.
@@ -16,23 +13,11 @@ VARIANTS = [dict(num_key_value_heads=kv, model_type="granite", tie_word_embeddin
                  logits_scaling=2.5) for kv, tied in ((2, True), (1, False))]
 
 
-def _body(rank, world_size):
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.3)
-
-
 def test_granite_tp2_equals_tp1():
-    run_distributed(_body, 2)
-
-
-def _triton_body(rank, world_size):
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.3, triton=True)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.3)
 
 
 def test_granite_tp2_triton_kernels_equal_tp1_torch_ops():
     """The Triton kernels at TP 2 (the residual add scaled by residual_multiplier, the sampler with logits_scaling)
     against the PyTorch ops at TP 1."""
-    pytest.importorskip("triton")
-    run_distributed(_triton_body, 2)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.3, triton=True)

@@ -3,17 +3,12 @@ router replicated, each rank's rows of every expert's gate and up projections an
 projection, one all-reduce), Mixtral's top-2 weights renormalised in float32 over GQA, OLMoE's q / k norms over the
 whole projections (their sums of squares all-reduced across the ranks) with attention biases."""
 
-from tests.dist_utils import run_distributed
-from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
+from tests.multiproc.engine_tp_family import run_family_tp2_equals_tp1
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)  # (the helper's intermediate_size)
 VARIANTS = [dict(MOE, model_type="mixtral", num_key_value_heads=2, norm_topk_prob=True),
             dict(MOE, model_type="olmoe", num_key_value_heads=2, attention_bias=True, norm_topk_prob=False)]
 
 
-def _body(rank, world_size):
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.1)
-
-
 def test_mixtral_and_olmoe_tp2_equal_tp1():
-    run_distributed(_body, 2)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.1)

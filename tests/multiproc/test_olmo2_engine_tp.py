@@ -2,10 +2,7 @@
 whole q and k projections, whose columns TP splits over the ranks, so each rank norms its heads by the sums of
 squares of every rank's (an all-reduce), its KV heads' copy too where the ranks replicate one KV head."""
 
-import pytest
-
-from tests.dist_utils import run_distributed
-from tests.multiproc.engine_tp_family import check_family_tp2_equals_tp1
+from tests.multiproc.engine_tp_family import run_family_tp2_equals_tp1
 
 
 # 2 KV heads (one a rank) with tied embeddings and attention_bias (o_proj's bias added once, after the all-reduce);
@@ -16,23 +13,11 @@ VARIANTS = [dict(num_key_value_heads=kv, head_dim=head_dim, model_type="olmo2", 
                  attention_bias=tied) for kv, head_dim, tied in ((2, None, True), (1, 24, False))]
 
 
-def _body(rank, world_size):
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5)
-
-
 def test_olmo2_tp2_equals_tp1():
-    run_distributed(_body, 2)
-
-
-def _triton_body(rank, world_size):
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
-    check_family_tp2_equals_tp1(VARIANTS, norm_std=0.5, triton=True)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.5)
 
 
 def test_olmo2_tp2_triton_kernels_equal_tp1_torch_ops():
     """The Triton kernels at TP 2 (the sums of squares, the norm by them, the post-norm residual add) against the
     PyTorch ops at TP 1."""
-    pytest.importorskip("triton")
-    run_distributed(_triton_body, 2)
+    run_family_tp2_equals_tp1(VARIANTS, norm_std=0.5, triton=True)
