@@ -65,6 +65,36 @@ def _expected_slice(full, shard_dim, tp_rank, tp):
     return full.chunk(tp, dim=shard_dim)[tp_rank]
 
 
+def reshard_every_path(resharder, per_layer, engine, expected, context=()):
+    """Each path into `engine`: the zero-redundancy one with `resharder`'s buckets and with `per_layer`'s, and the
+    naive one, every slot filled with NaN before it runs. After each, every slot equals `expected(name, slot)`
+    bitwise (`context` names the configuration in a failure). Returns the zero-redundancy path's stats and the naive
+    path's."""
+    stats = {}
+    for path, run in (("zero_redundancy", resharder.reshard), ("per_layer", per_layer.reshard),
+                      ("naive", resharder.reshard_naive)):
+        for slot in engine.param_slots().values():
+            slot.view.fill_(float("nan"))  # anything not written fails the bitwise comparison
+        stats[path] = run()
+        for name, slot in engine.param_slots().items():
+            assert torch.equal(slot.view, expected(name, slot)), (path, name, *context)
+    return stats["zero_redundancy"], stats["naive"]
+
+
+def check_resharded_greedy(model, meshes, args, full, device, context=()):
+    """A float32 engine (the reference's numerics) filled by the resharder from `model`'s FSDP shards generates the
+    greedy tokens of the unsharded model holding `full`, and they are not constant (`context` names the
+    configuration in a failure)."""
+    engine32 = _engine(args, torch.float32, meshes, device)
+    Resharder(model, meshes, engine32).reshard()
+    ref = Transformer(args)
+    ref.load_state_dict(full)
+    outs = engine32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    want = [_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == want, context
+    assert len({tok for w in want for tok in w}) > 3  # the comparison is not between constant outputs
+
+
 def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
     """One configuration on `device` (the GPU check, tests/gpu/multi_gpu_checks.py, runs it over NCCL)."""
     device = torch.device(device)
@@ -92,16 +122,10 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
     if dims.micro_dp > 1:
         assert len(per_layer.buckets) > len(resharder.buckets)
         assert any(b.direct for b in per_layer.buckets) == (args.vocab_size % S == 0)  # the embedding
-    for path in ("zero_redundancy", "per_layer", "naive"):
-        for slot in engine.param_slots().values():
-            slot.view.fill_(float("nan"))  # anything not written fails the bitwise comparison
-        stats = {"zero_redundancy": resharder.reshard, "per_layer": per_layer.reshard,
-                 "naive": resharder.reshard_naive}[path]()
-        for name, slot in engine.param_slots().items():
-            want = _expected_slice(full[name].to(torch.bfloat16), slot.shard_dim, tp_rank, t)
-            assert torch.equal(slot.view, want), (path, name, fsdp_size, tp)
-        if path == "zero_redundancy":
-            fast = stats
+    def expected(name, slot):
+        return _expected_slice(full[name].to(torch.bfloat16), slot.shard_dim, tp_rank, t)
+
+    fast, stats = reshard_every_path(resharder, per_layer, engine, expected, (fsdp_size, tp))
     P = fast.param_bytes
     assert P == sum(v.numel() for v in full.values()) * 2
     if args.vocab_size % S == 0 and args.intermediate_size % S == 0:  # every TP-sharded dimension splits over S
@@ -124,15 +148,7 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
     for n, p in model.named_parameters():
         assert torch.equal(p.to_local(), local_before[n]), n  # training shards untouched
 
-    # Generation from the resharded weights (float32 engine: same numerics as the reference).
-    engine32 = _engine(args, torch.float32, meshes, device)
-    Resharder(model, meshes, engine32).reshard()
-    ref = Transformer(args)
-    ref.load_state_dict(full)
-    outs = engine32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    want = [_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
-    assert [o.token_ids for o in outs] == want, (kind, fsdp_size, tp)
-    assert len({tok for w in want for tok in w}) > 3  # the comparison is not between constant outputs
+    check_resharded_greedy(model, meshes, args, full, device, (kind, fsdp_size, tp))
 
     # The engine releases and re-allocates its weights between phases: the same resharder
     # fills the new buffer (it fetches the slots at every call and keeps none).
@@ -140,8 +156,7 @@ def _check(rank, world, fsdp_size, tp, kind, device="cpu"):
     engine.init_weights_storage()
     resharder.reshard()
     for name, slot in engine.param_slots().items():
-        want = _expected_slice(full[name].to(torch.bfloat16), slot.shard_dim, tp_rank, t)
-        assert torch.equal(slot.view, want), ("after re-allocation", name)
+        assert torch.equal(slot.view, expected(name, slot)), ("after re-allocation", name)
 
 
 def _body(rank, world):

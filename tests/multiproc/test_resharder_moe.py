@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-from models import ModelArgs, Transformer, tp_shard_dim
-from rollout import SamplingParams
+from models import ModelArgs, tp_shard_dim
 from sharding import FSDPConfig, ParallelDims, Resharder, build_fsdp_model, load_full_tensors
 from tests.dist_utils import run_distributed
-from tests.multiproc.test_resharder import NEW_TOKENS, PROMPTS, _engine, _expected_slice, _greedy, _peaky_weights
+from tests.multiproc.test_resharder import (_engine, _expected_slice, _peaky_weights, check_resharded_greedy,
+                                            reshard_every_path)
 
 # layers 0 and 2 sparse (4 experts of 32, top-2), layer 1 dense
 ARGS = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -61,15 +61,9 @@ def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
     engine = _engine(ARGS, torch.bfloat16, meshes, device)
     resharder = Resharder(model, meshes, engine)
     per_layer = Resharder(model, meshes, engine, bucket_bytes=0)
-    for path, run in (("zero_redundancy", resharder.reshard), ("per_layer", per_layer.reshard),
-                      ("naive", resharder.reshard_naive)):
-        for slot in engine.param_slots().values():
-            slot.view.fill_(float("nan"))  # anything not written fails the bitwise comparison
-        stats = run()
-        for name, slot in engine.param_slots().items():
-            assert torch.equal(slot.view, _expected(name, full[name].to(torch.bfloat16), tp_rank, t)), (path, name)
-        if path == "zero_redundancy":
-            fast = stats
+    fast, stats = reshard_every_path(resharder, per_layer, engine,
+                                     lambda name, slot: _expected(name, full[name].to(torch.bfloat16), tp_rank, t),
+                                     (world, tp))
     gate_ups = [n for n in full if n.endswith("mlp.experts.gate_up_proj")]
     assert len(gate_ups) == 2
     # gate_up_proj: at TP 1 gathered whole over the shard group (a counted fallback: (S-1)/S of it received, which
@@ -83,15 +77,7 @@ def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
     assert fast.bytes_received == fast.bytes_bound + extra, (fast, extra)
     assert extra == (0 if t == 1 else len(gate_ups) * n // 2)  # TP 2 of 2 ranks: a quarter of each, 2 bytes each
     assert fast.bytes_received <= stats.bytes_received  # the naive path moves the whole model
-
-    engine32 = _engine(ARGS, torch.float32, meshes, device)
-    Resharder(model, meshes, engine32).reshard()
-    ref = Transformer(ARGS)
-    ref.load_state_dict(full)
-    outs = engine32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    want = [_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
-    assert [o.token_ids for o in outs] == want, (world, tp)
-    assert len({tok for w in want for tok in w}) > 3  # the comparison is not between constant outputs
+    check_resharded_greedy(model, meshes, ARGS, full, device, (world, tp))
 
 
 def _one_rank(rank, world):
