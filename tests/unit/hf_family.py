@@ -151,6 +151,21 @@ def unprefixed(state_dict, config):
     return {k.removeprefix("model."): v for k, v in state_dict.items()}
 
 
+def check_in_memory_names_load(tmp_path, hf, path, ours) -> None:
+    """A safetensors file of `hf`'s state dict (transformers 5's in-memory names: a mixture of experts' stacked
+    `mlp.experts.gate_up_proj` / `down_proj`) beside the config.json at `path` loads as the checkpoint at `path` did
+    into `ours`: each tensor bit for bit."""
+    from safetensors.torch import save_file
+
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((path / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(stacked / "model.safetensors"))
+    again = Transformer.from_pretrained(stacked, dtype=torch.float64)
+    for name, p in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[name], p), name
+
+
 def check_export_round_trip(tmp_path, base, family: str, vocab: int, token_classifier: bool = True,
                             hf_kwargs: dict | None = None) -> dict:
     """The trained-policy export (`trainer.checkpointing.export_hf`, which `tools.export_hf` runs) of the checkpoint

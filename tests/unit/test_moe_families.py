@@ -12,9 +12,10 @@ import torch
 
 from models import ModelArgs, Transformer
 from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
-                                  check_hf_critic_refused_at_preflight, check_padded_and_packed_logits,
-                                  check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
-                                  trainer_loads_bit_for_bit, unprefixed)
+                                  check_hf_critic_refused_at_preflight, check_in_memory_names_load,
+                                  check_padded_and_packed_logits, check_peft_adapter_round_trip,
+                                  check_reward_model_score, one_thread, randomized, trainer_loads_bit_for_bit,
+                                  unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,13 +154,7 @@ def test_mixtral_checkpoint_names_load_and_export_as_transformers_writes_them(tm
         assert torch.equal(f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w3.weight"),
                            tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"])
 
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    (stacked / "config.json").write_text((path / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(stacked / "model.safetensors"))
-    again = Transformer.from_pretrained(stacked, dtype=torch.float64)
-    for name, p in ours.state_dict().items():
-        assert torch.equal(again.state_dict()[name], p), name
+    check_in_memory_names_load(tmp_path, hf, path, ours)
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from models import ModelArgs, Transformer
 from models.moe import experts_forward, route
 from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
-                                  check_padded_and_packed_logits, check_peft_adapter_round_trip,
-                                  check_reward_model_score, one_thread, randomized, trainer_loads_bit_for_bit,
-                                  unprefixed)
+                                  check_in_memory_names_load, check_padded_and_packed_logits,
+                                  check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
+                                  trainer_loads_bit_for_bit, unprefixed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,13 +155,7 @@ def test_stacked_expert_tensors_load_too(tmp_path):
 
     hf, path = _saved(tmp_path, **SHAPES[0])
     per_expert = Transformer.from_pretrained(path, dtype=torch.float64)
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    (stacked / "config.json").write_text((path / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(stacked / "model.safetensors"))
-    again = Transformer.from_pretrained(stacked, dtype=torch.float64)
-    for name, p in per_expert.state_dict().items():
-        assert torch.equal(again.state_dict()[name], p), name
+    check_in_memory_names_load(tmp_path, hf, path, per_expert)
     assert torch.equal(per_expert.layers[0].mlp.experts.gate_up_proj[3],
                        torch.cat([hf.model.layers[0].mlp.experts.gate_up_proj[3, :16],
                                   hf.model.layers[0].mlp.experts.gate_up_proj[3, 16:]]))
