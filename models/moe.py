@@ -33,23 +33,37 @@ from models.block_ops import activation
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False):
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False,
+          replay: torch.Tensor | None = None):
     """`(weights [T, k] in x's dtype, or float32 where `float32_weights`, experts [T, k] int64)` of tokens `x [T, H]`
     under router `weight [E, H]`: the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in
-    descending order, divided by their sum where `norm_topk_prob`."""
+    descending order, divided by their sum where `norm_topk_prob`.
+
+    `replay [T, k]` (any integer dtype; routing replay, R3: the experts the rollout engine routed each token to)
+    replaces the top-k selection alone: the experts are `replay`, their weights the same softmax's probabilities
+    at those ids, renormalised and rounded as above, so the router still gets its gradient through them. Replaying
+    the natural top-k computes exactly what routing does."""
     logits = F.linear(x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, experts = torch.topk(probs, top_k, dim=-1)
+    if replay is None:
+        top, experts = torch.topk(probs, top_k, dim=-1)
+    else:
+        if replay.shape != (*probs.shape[:-1], top_k):
+            raise ValueError(f"replayed experts of shape {tuple(replay.shape)} for {probs.shape[0]} tokens routed to "
+                             f"{top_k} experts each")
+        experts = replay.long()
+        top = probs.gather(-1, experts)
     if norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return (top if float32_weights else top.to(logits.dtype)), experts
 
 
-def route_model(x: torch.Tensor, weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+def route_model(x: torch.Tensor, weight: torch.Tensor, args,
+                replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` as the model of `args` (a `ModelArgs`) routes: its `num_experts_per_tok`, `norm_topk_prob` and
-    `router_weights_float32`. The one call of the training model's block and the engine's layer, so the two route
-    and round alike."""
-    return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32)
+    `router_weights_float32`; `replay`: the experts to use instead of the top-k (`route`). The one call of the
+    training model's block and the engine's layer, so the two route and round alike."""
+    return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32, replay)
 
 
 def use_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

@@ -264,9 +264,10 @@ class MoE(nn.Module):
         self.experts = Experts(args)
         self.args, self.act = args, args.mlp_activation
 
-    def forward(self, x):
+    def forward(self, x, replay: torch.Tensor | None = None):
+        """`replay [rows of x, k]`: each token's experts instead of the router's top-k (`models.moe.route`)."""
         rows = x.reshape(-1, x.shape[-1])
-        weights, experts = moe.route_model(rows, self.gate.weight, self.args)
+        weights, experts = moe.route_model(rows, self.gate.weight, self.args, replay)
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                   self.act)
         return out.view(x.shape)
@@ -298,18 +299,23 @@ class TransformerBlock(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
-                shared: PrefixSharing | None = None):
+                shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None):
+        """`routed_experts [tokens, k]` (a sparse layer's, in `x`'s row order): the experts its MoE replays."""
         if self.sandwich_norm:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask,
                                                                  cu_seqlens, max_seqlen, shared))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), routed_experts))
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention_mask, cu_seqlens, max_seqlen,
                                                                  shared))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
+            return x + self.post_feedforward_layernorm(self._mlp(x, routed_experts))
         x = x + self._scaled(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen,
                                             shared))
-        return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+        return x + self._scaled(self._mlp(self.post_attention_layernorm(x), routed_experts))
+
+    def _mlp(self, x, routed_experts):
+        """The MLP branch; a MoE replays `routed_experts` where given."""
+        return self.mlp(x) if routed_experts is None else self.mlp(x, routed_experts)
 
     def _scaled(self, branch):
         """A branch's output times the residual scale (Granite's residual_multiplier; no op at 1)."""
@@ -370,7 +376,9 @@ class Transformer(nn.Module):
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
     unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
-    (forward-only). `label_index` (flat positions, int64, repeats allowed) restricts that to the
+    (forward-only). `routed_experts [*input_ids.shape, len(ModelArgs.moe_layers), num_experts_per_tok]` (integer):
+    each token's experts in each sparse layer, which its MoE replays instead of routing (R3, `models.moe.route`).
+    `label_index` (flat positions, int64, repeats allowed) restricts that to the
     given positions, and `labels` then holds one token per entry of `label_index` (a position
     shared by several sequences predicts a different token for each): the outputs are
     `[len(label_index)]`.
@@ -460,8 +468,9 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------- forward
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
-                      shared: PrefixSharing | None = None):
-        """Final-normed hidden states `[..., H]` (see the class docstring for layouts)."""
+                      shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None):
+        """Final-normed hidden states `[..., H]` (see the class docstring for layouts and `routed_experts`)."""
+        replay = self._replay_of_layers(input_ids, routed_experts)
         packed = cu_seqlens is not None
         if packed:
             squeeze = input_ids.dim() == 2
@@ -486,16 +495,30 @@ class Transformer(nn.Module):
                               x.dtype) if self.local_rope_layers else None)
         for i, layer in enumerate(self.layers):
             rope = local if i in self.local_rope_layers else (cos, sin)
-            x = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared)
+            x = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared, replay.get(i))
         x = self.norm(x)
         if packed and squeeze:
             x = x.unsqueeze(0)
         return x
 
+    def _replay_of_layers(self, input_ids, routed_experts) -> dict[int, torch.Tensor]:
+        """Layer index -> its `[tokens, k]` slice of `routed_experts [*input_ids.shape, len(moe_layers), k]`
+        (empty without one)."""
+        if routed_experts is None:
+            return {}
+        layers, k = len(self.args.moe_layers), self.args.num_experts_per_tok
+        if not layers or tuple(routed_experts.shape) != (*input_ids.shape, layers, k):
+            raise ValueError(f"routed_experts of shape {tuple(routed_experts.shape)} for input_ids of shape "
+                             f"{tuple(input_ids.shape)}: expected [*input_ids.shape, {layers} sparse layers, {k}]")
+        flat = routed_experts.reshape(-1, layers, k)
+        return {layer: flat[:, j] for j, layer in enumerate(self.args.moe_layers)}
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048,
-                label_index=None, with_sum_pi_squared: bool = False, shared: PrefixSharing | None = None):
-        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, shared)
+                label_index=None, with_sum_pi_squared: bool = False, shared: PrefixSharing | None = None,
+                routed_experts: torch.Tensor | None = None):
+        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, shared,
+                               routed_experts)
         if labels is not None and label_index is not None:
             # Only these (flat) positions are scored: the LM head, the model's widest matmul,
             # then skips prompt tokens and padding.

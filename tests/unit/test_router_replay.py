@@ -1,0 +1,130 @@
+"""Routing replay (R3): `models.moe.route(..., replay=)` and the training model's `routed_experts`, on CPU in float64.
+Replaying the router's own top-k computes exactly what routing computes; replaying other experts weights them by
+the softmax probabilities at those ids (renormalised where norm_topk_prob, float32 where the family keeps them so)
+and the router gets the gradient of those probabilities."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import ModelArgs, Transformer, cu_seqlens_from_lengths
+from models.moe import experts_forward, route, route_model
+from tests.unit.hf_family import one_thread
+
+_one_thread = one_thread
+
+
+def moe_args(**kw) -> ModelArgs:
+    """A 3-layer Qwen3-MoE: layers 0 and 2 sparse (6 experts of 16, top-2), layer 1 dense."""
+    return ModelArgs(**{**dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                               model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                               mlp_only_layers=(1,), norm_topk_prob=True), **kw})
+
+
+def own_routing(model: Transformer, input_ids: torch.Tensor, **forward_kw) -> torch.Tensor:
+    """`[*input_ids.shape, sparse layers, k]`: the experts each sparse layer's router picks in a forward of
+    `input_ids`, read by hooks on the MoE modules (the replay-free path)."""
+    picked = []
+
+    def hook(module, inputs, _):
+        x = inputs[0]
+        picked.append(route_model(x.reshape(-1, x.shape[-1]), module.gate.weight, module.args)[1])
+
+    handles = [layer.mlp.register_forward_hook(hook) for i, layer in enumerate(model.layers)
+               if i in model.args.moe_layers]
+    try:
+        with torch.no_grad():
+            model(input_ids, **forward_kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(picked, 1).view(*input_ids.shape, len(picked), -1)
+
+
+@pytest.mark.parametrize("norm, f32", [(False, False), (True, False), (True, True)])
+def test_replaying_the_natural_top_k_is_routing(norm, f32):
+    """route(replay=its own top-k) returns the same weights and experts bit for bit (float64; with and without
+    renormalisation, float32 weights as Mixtral keeps them)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(11, 32, generator=g, dtype=torch.float64), torch.randn(6, 32, generator=g, dtype=torch.float64)
+    weights, experts = route(x, w, 2, norm, f32)
+    again, replayed = route(x, w, 2, norm, f32, replay=experts.to(torch.uint8))
+    assert torch.equal(replayed, experts) and torch.equal(again, weights) and again.dtype == weights.dtype
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_replayed_experts_get_the_softmax_weights_and_the_router_its_gradient(norm):
+    """Replayed ids that are not the top-k (the 3rd and 5th most likely expert, then two tokens' reversed order):
+    their weights are the float32 softmax at those ids (renormalised where asked), and the router's gradient of
+    Σ c[t, j] w[t, j] is the hand-derived one: without renormalisation, dL/dW_e = Σ_t Σ_j c_tj p_tj (δ(e, e_tj) -
+    p_te) x_t; with it, by the chain rule through w = p / Σp. The softmax is taken in float32 (as every family
+    takes it): the weights are those float32 values exactly, the gradient within float32's rounding (1e-5 of
+    the largest, where a wrong formula is off by their size)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 32, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 32, generator=g, dtype=torch.float64).requires_grad_()
+    c = 10 * torch.randn(7, 2, generator=g, dtype=torch.float64)
+    probs = torch.softmax(x @ w.detach().T, -1, dtype=torch.float32)
+    order = probs.argsort(-1, descending=True)
+    replay = order[:, [2, 4]].to(torch.int16)
+    replay[:2] = replay[:2].flip(-1)
+    weights, experts = route(x, w, 2, norm, replay=replay)
+    p = probs.gather(1, replay.long())
+    assert torch.equal(experts, replay.long())
+    want = p / p.sum(-1, keepdim=True) if norm else p
+    assert torch.equal(weights, want.double())
+    p, want, probs = p.double(), want.double(), probs.double()
+    (weights * c).sum().backward()
+    # dL/dp_tj: c_tj, or through the renormalisation (c_tj - Σ_i c_ti w_ti) / Σ_i p_ti
+    dp = (c - (c * want).sum(-1, keepdim=True)) / p.sum(-1, keepdim=True) if norm else c
+    onehot = F.one_hot(replay.long(), 6).double()  # [T, k, E]
+    dz = (dp[..., None] * p[..., None] * (onehot - probs[:, None, :])).sum(1)  # dL/dlogits [T, E]
+    hand = dz.T @ x
+    assert hand.abs().max() > 0.5
+    assert (w.grad - hand).abs().max().item() <= 1e-5 * hand.abs().max().item()
+
+
+def test_a_replay_of_the_wrong_shape_is_refused():
+    x, w = torch.randn(5, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"replayed experts of shape \(5, 3\) for 5 tokens routed to 2"):
+        route(x, w, 2, True, replay=torch.zeros(5, 3, dtype=torch.long))
+    model = Transformer.build(moe_args(), seed=0).double()
+    with pytest.raises(ValueError, match=r"expected \[\*input_ids.shape, 2 sparse layers, 2\]"):
+        model(torch.zeros(1, 4, dtype=torch.long), routed_experts=torch.zeros(1, 4, 1, 2, dtype=torch.long))
+
+
+def test_the_models_forward_replays_each_sparse_layers_experts():
+    """Padded and packed layouts: replaying the model's own routing gives its logits bit for bit, and replaying
+    other experts in one sparse layer changes the logits from that layer on - equal to a forward whose router of
+    layer: that layer's output is its experts at those ids weighted by the renormalised softmax there."""
+    args = moe_args()
+    model = Transformer.build(args, seed=0).double()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    mine = own_routing(model, ids)
+    assert mine.shape == (2, 9, 2, 2)
+    with torch.no_grad():
+        base = model(ids)
+        assert torch.equal(model(ids, routed_experts=mine.to(torch.uint8)), base)
+        lengths = [9, 5]
+        packed = torch.cat([ids[0], ids[1, :5]])
+        cu = cu_seqlens_from_lengths(lengths)
+        own_packed = own_routing(model, packed, cu_seqlens=cu)
+        assert torch.equal(own_packed, torch.cat([mine[0], own_routing(model, ids[1:, :5])[0]]))
+        assert torch.equal(model(packed, cu_seqlens=cu, routed_experts=own_packed), model(packed, cu_seqlens=cu))
+
+        other = mine.clone()
+        other[..., 1, :] = (mine[..., 1, :] + 1) % 6  # layer 2's experts moved
+        seen = []
+        hook = model.layers[2].mlp.register_forward_hook(lambda m, inputs, out: seen.append((inputs[0], out)))
+        diverted = model(ids, routed_experts=other)
+        hook.remove()
+    assert (diverted - base).abs().max() > 1e-3
+    # layer 2's output: the experts `other` names, weighted by the renormalised float32 softmax at those ids
+    x, out = seen[0]
+    rows, chosen = x.reshape(-1, 32), other[..., 1, :].reshape(-1, 2)
+    p = torch.softmax(rows @ model.layers[2].mlp.gate.weight.T, -1, dtype=torch.float32).gather(1, chosen)
+    moe = model.layers[2].mlp
+    want = experts_forward(rows, (p / p.sum(-1, keepdim=True)).double(), chosen, moe.experts.gate_up_proj,
+                           moe.experts.down_proj)
+    assert torch.equal(out.reshape(-1, 32), want)
