@@ -83,6 +83,11 @@ class EngineConfig:
     attention kernels: 2 D / (D + 4) times the tokens in a pool of the same bytes (it did not shorten
     an H200's decode step: the attention kernel is held by too few warps a SM there, not by bandwidth). Less exact (each value within 2^-4
     of itself, relative). `auto`: the cache in `dtype`."""
+    return_routed_experts: bool = False
+    """mixture-of-experts models: record each token's experts in every sparse layer as the engine computes it (prompt
+    tokens in prefill, responses in decode; into a device buffer laid out as the KV pool's pages, inside the CUDA
+    graphs) and return them with each output (`RequestOutput.routed_experts`), for the trainer's routing replay (R3).
+    Off: nothing is recorded and nothing is allocated."""
     tp_all_reduce: str = "auto"
     """TP > 1: the all-reduce of the layers' outputs. `symm_mem`: through a symmetric-memory
     buffer (CUDA, NVLink peers; no NCCL launch), `nccl`, or `auto` (the first where it can be
@@ -193,7 +198,11 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
-    """One sample: `token_ids` / `logprobs` of the response (same length), and why it ended."""
+    """One sample: `token_ids` / `logprobs` of the response (same length), and why it ended. With
+    `EngineConfig.return_routed_experts`, `routed_experts [len(prompt_token_ids) + len(token_ids) - 1,
+    len(ModelArgs.moe_layers), num_experts_per_tok]` (uint8, or int16 past 256 experts; on the CPU): the experts each
+    token the engine ran (every one but the last, which was sampled and never fed back) was routed to in each sparse
+    layer, in the router's descending order."""
 
     prompt_index: int
     sample_index: int
@@ -201,6 +210,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token, included in token_ids) | "length"
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

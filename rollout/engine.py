@@ -339,7 +339,9 @@ class LLMEngine:
         self.drop_kept()
         if bm is None:
             bm = BlockManager(self.runner.num_blocks, c.block_size, int(WATERMARK_FRACTION * self.runner.num_blocks))
-        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill, keep_kv=keep_kv)
+        record = self.runner.record_routing
+        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill, keep_kv=keep_kv,
+                          record_routing=record)
         stops = params.stop_set(self.args.eos_token_id)
         n = params.n
         keys = sample_keys or [(prompt_index_offset + i, 0) for i in range(len(prompts))]
@@ -400,6 +402,8 @@ class LLMEngine:
             launched = None
             if sched.has_unfinished():
                 batch = sched.schedule()
+                if record:  # read before this step, which may reuse their blocks
+                    self._take_routing(sched.preempted_routing)
                 steps["prefill" if batch.is_prefill else "decode"] += 1
                 if batch.num_decode_rows:
                     decode_sizes.append(batch.num_decode_rows)
@@ -407,14 +411,16 @@ class LLMEngine:
                 launched = self.runner.execute(batch)
             if pending is not None:
                 done = self._process(sched, pending, samples, ended=on_finish is not None)
-                if on_finish is not None:
-                    outs = [_output(s) for s in done]
-                    for s in done:
-                        live.discard((s.prompt_index, s.sample_index))
-                        if keep_kv:
-                            kept[s.prompt_index, s.sample_index] = s
-                    ended += outs
-                    join(on_finish(outs, False))
+            if record:  # read after the step that ran their last token, before the next may reuse their blocks
+                self._take_routing(sched.released_routing)
+            if pending is not None and on_finish is not None:
+                outs = [_output(s) for s in done]
+                for s in done:
+                    live.discard((s.prompt_index, s.sample_index))
+                    if keep_kv:
+                        kept[s.prompt_index, s.sample_index] = s
+                ended += outs
+                join(on_finish(outs, False))
             pending = launched
             if pending is None and not sched.has_unfinished():
                 more = on_finish([], True) if on_finish is not None else []
@@ -442,6 +448,13 @@ class LLMEngine:
             self.free_cache()
         return outputs
 
+    def _take_routing(self, dropped: list) -> None:
+        """Copy the recorded experts of the sequences in `dropped` (the scheduler's `(sequence, blocks, tokens)`
+        of those that gave their blocks back) out of the pool, in stream order; empties the list."""
+        for seq, blocks, num_tokens in dropped:
+            seq.routed_experts = self.runner.routed_experts_of(blocks, num_tokens)
+        dropped.clear()
+
     @staticmethod
     def _process(sched: Scheduler, step, samples: dict, ended: bool = False) -> list[Sequence]:
         """Record a launched step's results; with `ended`, the sequences that ended in it."""
@@ -457,6 +470,8 @@ class LLMEngine:
 
 
 def _output(s: Sequence) -> RequestOutput:
+    # (a sample that stopped after a later step had already run it recorded a token past its end: cut)
+    routed = None if s.routed_experts is None else s.routed_experts[:len(s.token_ids) - 1].cpu()
     return RequestOutput(prompt_index=s.prompt_index, sample_index=s.sample_index,
                          prompt_token_ids=s.token_ids[:s.num_prompt_tokens], token_ids=s.output_token_ids,
-                         logprobs=s.logprobs, finish_reason=s.finish_reason)
+                         logprobs=s.logprobs, finish_reason=s.finish_reason, routed_experts=routed)

@@ -518,15 +518,25 @@ class EngineModel:
         y = self.tp.all_reduce(ops.linear(x, w))
         return y if b is None else y + b
 
-    def _feed_forward(self, h: torch.Tensor, w: LayerWeights, ops, splits: int) -> torch.Tensor:
+    def routing_dtype(self) -> torch.dtype:
+        """The integer dtype that holds an expert id (`EngineConfig.return_routed_experts`): uint8 up to 256
+        experts, else int16."""
+        return torch.uint8 if self.args.num_experts <= 256 else torch.int16
+
+    def _feed_forward(self, h: torch.Tensor, w: LayerWeights, ops, splits: int,
+                      record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """A layer's MLP branch of its normed input `h [T, H]`, all-reduced: the gated MLP (`down_proj` as its split-K
         products when `splits` > 1, `_row_parallel`) or, on a MoE layer, its experts as the training model runs them
         (`models.moe`: the replicated router picks each token's experts, each rank computes them over its rows of every
-        expert's intermediate size, and their weighted sum is all-reduced once, as `down_proj`'s output is)."""
+        expert's intermediate size, and their weighted sum is all-reduced once, as `down_proj`'s output is).
+        `record = (buffer [rows, k], rows of h [T])`: a MoE layer writes its tokens' experts there (a scatter on the
+        device: no host read, the same in a CUDA graph)."""
         if w.router is None:
             return self._row_parallel(ops.gated_linear(h, w.gate_up_w, w.gate_up_b, act=self.act), w.down_w, w.down_b,
                                       ops, splits)
         weights, experts = route_model(h, w.router, self.args)
+        if record is not None:
+            record[0][record[1]] = experts.to(record[0].dtype)
         return self.tp.all_reduce(experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act))
 
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -563,12 +573,14 @@ class EngineModel:
         return qkv, o, down
 
     def forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
-                ops, kv_scales=None) -> torch.Tensor:
+                ops, kv_scales=None, routed_experts=None) -> torch.Tensor:
         """Tokens `[T]` at `positions [T]` of the sequences in rows `token_slots [T]` -> final-normed hidden `[T, H]`
         (in a decode step, one token a sequence: `meta.context_lens - 1` and `meta.slots`).
 
         Writes the tokens' K/V into `kv_cache [L, 2, blocks, block_size, Hkv/t, D]`: in the model dtype, or
-        (`kv_scales [L, 2, blocks, block_size, Hkv/t]` given) as e4m3 values with those float32 scales.
+        (`kv_scales [L, 2, blocks, block_size, Hkv/t]` given) as e4m3 values with those float32 scales; and with
+        `routed_experts [blocks * block_size, len(moe_layers), k]` (laid out as the pool's token places), each
+        sparse layer's experts of each token at its place (`_routing_records`).
         """
         if self.fp8_layers and self.fp8_stale:
             raise RuntimeError("the weights changed since quantize_fp8(): the e4m3 projections are stale")
@@ -577,6 +589,7 @@ class EngineModel:
             return self._sandwich_forward(input_ids, positions, token_slots, meta, kv_cache, block_tables, ops,
                                           kv_scales)
         branch = self.args.residual_multiplier  # each branch output's scale before its residual add (Granite's)
+        records = self._routing_records(positions, token_slots, block_tables, kv_cache, routed_experts)
         x = self.embed(input_ids)
         qkv_splits, o_splits, down_splits = self._splits(x.shape[0], meta)
         residual = x_scale = None
@@ -609,7 +622,7 @@ class EngineModel:
                                           window=self.windows[i])
             if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
                 x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x)
-                x = ops.post_norm_add(self._feed_forward(x, w, ops, 1), w.post_ff_norm, eps, x)
+                x = ops.post_norm_add(self._feed_forward(x, w, ops, 1, records.get(i)), w.post_ff_norm, eps, x)
                 continue
             x = self._row_parallel(o, w.o_w, w.o_b, ops, o_splits)
             if self.fp8_layers:
@@ -618,9 +631,21 @@ class EngineModel:
                 x, x_scale = self._down_fp8(h, w, q8, ops)
             else:
                 h, residual = ops.rms_norm(x, w.post_norm, eps, residual, scale=branch)
-                x = self._feed_forward(h, w, ops, down_splits)
+                x = self._feed_forward(h, w, ops, down_splits, records.get(i))
         h, _ = ops.rms_norm(x, self.norm_w, eps, residual, x_scale, scale=1.0 if residual is None else branch)
         return h
+
+    def _routing_records(self, positions, token_slots, block_tables, kv_cache, routed_experts) -> dict:
+        """Sparse layer index -> `(its [places, k] slice of routed_experts, each token's place)`, where a token's
+        place is where its K/V goes (block `block_tables[slot, position // block_size]`, offset `position %
+        block_size`): a shared prompt's experts are recorded once in its shared blocks, a copied block carries
+        them, and padding rows (the dummy slot) write the scratch block. Empty without `routed_experts`."""
+        if routed_experts is None:
+            return {}
+        bs = kv_cache.shape[3]
+        pos = positions.long()
+        places = block_tables[token_slots.long(), pos // bs].long() * bs + pos % bs
+        return {layer: (routed_experts[:, j], places) for j, layer in enumerate(self.args.moe_layers)}
 
     def _attention(self, i: int, qkv, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables, ops,
                    kv_scales, qkv_b=None):

@@ -127,6 +127,10 @@ class ModelRunner:
         self._parity = torch.zeros(1, dtype=torch.int32, device=device)
 
         self.kv_cache: torch.Tensor | None = None
+        # (EngineConfig.return_routed_experts, a MoE model) `[(num_blocks + 1) * block_size, sparse layers, k]`:
+        # each token's experts at its place in the pool (`EngineModel._routing_records`)
+        self.record_routing = config.return_routed_experts and bool(model.args.moe_layers)
+        self.routed_experts: torch.Tensor | None = None
         self.kv_fp8 = config.kv_cache_dtype == "fp8"
         self.kv_scales: torch.Tensor | None = None  # e4m3 cache: one float32 scale per token and KV head
         self.num_blocks = 0
@@ -161,7 +165,15 @@ class ModelRunner:
         m = self.model
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         per_head = m.head_dim * elem + (4 if self.kv_fp8 else 0)
-        return m.args.num_hidden_layers * 2 * self.block_size * m.num_kv_heads * per_head
+        kv = m.args.num_hidden_layers * 2 * self.block_size * m.num_kv_heads * per_head
+        return kv + self.block_size * self._routing_bytes_per_token()
+
+    def _routing_bytes_per_token(self) -> int:
+        """Bytes of one token's recorded experts (0 when not recording)."""
+        if not self.record_routing:
+            return 0
+        args = self.model.args
+        return len(args.moe_layers) * args.num_experts_per_tok * self.model.routing_dtype().itemsize
 
     def allocate_cache(self, num_blocks: int) -> None:
         """The pool `[layers, 2, num_blocks + 1, block_size, Hkv/t, D]` (block `num_blocks` is the scratch block),
@@ -170,11 +182,15 @@ class ModelRunner:
         shape = (m.args.num_hidden_layers, 2, num_blocks + 1, self.block_size, m.num_kv_heads)
         self.kv_cache = torch.empty(*shape, m.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = torch.empty(shape, dtype=torch.float32, device=self.device) if self.kv_fp8 else None
+        if self.record_routing:
+            args = m.args
+            self.routed_experts = torch.zeros((num_blocks + 1) * self.block_size, len(args.moe_layers),
+                                              args.num_experts_per_tok, dtype=m.routing_dtype(), device=self.device)
         self.num_blocks = num_blocks
         self.block_tables[self.dummy_slot].fill_(num_blocks)
 
     def free_cache(self) -> None:
-        self.kv_cache = self.kv_scales = None
+        self.kv_cache = self.kv_scales = self.routed_experts = None
         self.num_blocks = 0
 
     def drop_graphs(self) -> None:
@@ -197,7 +213,8 @@ class ModelRunner:
         """Drop graphs captured over other weight / KV-pool memory than the current one."""
         m = self.model
         key = (m.storage.data_ptr(), m.fp8_storage.data_ptr() if m.fp8_layers else 0, self.kv_cache.data_ptr(),
-               self.kv_scales.data_ptr() if self.kv_fp8 else 0, self.num_blocks)
+               self.kv_scales.data_ptr() if self.kv_fp8 else 0, self.num_blocks,
+               self.routed_experts.data_ptr() if self.record_routing else 0)
         if key != self._graph_key:
             self.drop_graphs()
             self._graph_pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
@@ -265,6 +282,17 @@ class ModelRunner:
             self.kv_cache[:, :, c[:, 1]] = self.kv_cache[:, :, c[:, 0]]
             if self.kv_scales is not None:
                 self.kv_scales[:, :, c[:, 1]] = self.kv_scales[:, :, c[:, 0]]
+            if self.routed_experts is not None:  # a copied block carries its tokens' experts
+                pages = self.routed_experts.view(self.num_blocks + 1, self.block_size, *self.routed_experts.shape[1:])
+                pages[c[:, 1]] = pages[c[:, 0]]
+
+    def routed_experts_of(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """`[num_tokens, sparse layers, k]` on the device: the experts recorded for the first `num_tokens` tokens of a
+        sequence in `blocks` (its block table), copied out in stream order, so a later step may reuse the blocks."""
+        pages = self.routed_experts.view(self.num_blocks + 1, self.block_size, *self.routed_experts.shape[1:])
+        index, = host_to_device([np.asarray(blocks[:cdiv(num_tokens, self.block_size)], dtype=np.int64)],
+                                self.device)
+        return pages[index].flatten(0, 1)[:num_tokens]
 
     # ------------------------------------------------------------------ decode
     def _graph_size(self, rows: int) -> int | None:
@@ -311,7 +339,7 @@ class ModelRunner:
                                  max_context_len=max_context_len, num_splits=self._decode_splits(rows))
         slots_l = slots.long()
         h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops,
-                      kv_scales=self.kv_scales)
+                      kv_scales=self.kv_scales, routed_experts=self.routed_experts)
         logits = m.logits(h)
         tokens, _ = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
                                  self._sample_splits(rows), out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]))
@@ -410,7 +438,7 @@ class ModelRunner:
                                  tile_start=d["tstart"], host_cu_q=a["cu"].tolist(), host_context_lens=a["ctx"].tolist())
         ids = self._known_ids(d["ids"], d["tslots"]) if batch.num_decode_rows else d["ids"]
         h = self.model.forward(ids, d["pos"], d["tslots"], meta, self.kv_cache, self.block_tables, self.ops,
-                               kv_scales=self.kv_scales)
+                               kv_scales=self.kv_scales, routed_experts=self.routed_experts)
         if not batch.sample_seqs:
             return self.dec_tokens, self.dec_logprobs  # nothing sampled (only partial chunks)
         return self._sample_prefill(h[d["src"].long()], d)
@@ -501,7 +529,8 @@ class ModelRunner:
                                  tile_start=v["tstart"][:tiles])
         ids = self._known_ids(v["ids"][:tokens], v["tslots"][:tokens])
         h = self.model.forward(ids, v["pos"][:tokens], v["tslots"][:tokens], meta, self.kv_cache,
-                               self.block_tables, self.ops, kv_scales=self.kv_scales)
+                               self.block_tables, self.ops, kv_scales=self.kv_scales,
+                               routed_experts=self.routed_experts)
         self._pre_h[:tokens].copy_(h)
 
     def _graphed(self, key: tuple, body) -> None:

@@ -36,8 +36,14 @@ from rollout.sequence import PLACEHOLDER, ScheduledBatch, Sequence, SeqStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, keep_kv: bool = False):
+                 enable_chunked_prefill: bool = True, keep_kv: bool = False, record_routing: bool = False):
         self.block_manager = block_manager
+        # (record_routing) (sequence, its blocks, tokens recorded in them) of the sequences that gave their blocks
+        # back: preempted ones in the step being scheduled (their experts read before it runs, which may reuse the
+        # blocks), released ones (read after the step that computed their last token)
+        self.record_routing = record_routing
+        self.preempted_routing: list[tuple[Sequence, list[int], int]] = []
+        self.released_routing: list[tuple[Sequence, list[int], int]] = []
         # finished sequences keep their blocks for the engine to continue them (`kept`, oldest first),
         # until blocks are short: then the oldest give theirs back (`_reclaim`) before anyone is preempted
         self.keep_kv = keep_kv
@@ -268,6 +274,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV; it is recomputed from its tokens when readmitted."""
+        if self.record_routing:
+            self.preempted_routing.append((seq, list(seq.block_table), seq.num_computed_tokens))
         self.block_manager.free(seq)
         self.free_slots.append(seq.slot)
         seq.slot = -1
@@ -288,6 +296,8 @@ class Scheduler:
                 self.num_prefilling -= 1
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if self.record_routing and seq.block_table:  # every token but the last (sampled, not fed) was run
+            self.released_routing.append((seq, list(seq.block_table), len(seq.token_ids) - 1))
         if self.keep_kv and seq.block_table:
             self.kept.append(seq)
         else:

@@ -73,6 +73,9 @@ class Sequence:
     reserved_slots: list[int] = field(default_factory=list)  # slots kept for the siblings to fork
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # set when the last token's value is known: "stop" | "length"
+    # (EngineConfig.return_routed_experts) the device copy of its tokens' recorded experts, taken when it gave its
+    # blocks back (`ModelRunner.routed_experts_of`)
+    routed_experts: object = None
 
     def __post_init__(self):
         self.key = sequence_key(self.seed, self.prompt_index, self.sample_index)

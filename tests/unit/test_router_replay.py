@@ -128,3 +128,50 @@ def test_the_models_forward_replays_each_sparse_layers_experts():
     want = experts_forward(rows, (p / p.sum(-1, keepdim=True)).double(), chosen, moe.experts.gate_up_proj,
                            moe.experts.down_proj)
     assert torch.equal(out.reshape(-1, 32), want)
+
+
+# ---------------------------------------------------------------- the engine's record
+def _engine_case(**cfg):
+    from tests.unit.test_engine import make_engine, prompts_of
+
+    model = Transformer.build(moe_args(), seed=0).double()
+    engine = make_engine(model, dtype=torch.float64, return_routed_experts=True, **cfg)
+    return model, engine, prompts_of([3, 13, 21, 6])
+
+
+@pytest.mark.parametrize("cfg", [dict(max_num_batched_tokens=8),  # chunked prefill, decoding rows riding along
+                                 dict(num_kv_blocks=24, max_num_seqs=8)])  # preemption and recompute
+def test_the_engines_recorded_experts_are_the_training_models_routing(cfg):
+    """Every sample's `routed_experts` (3 samples a prompt: each shared prompt prefilled once, its experts recorded
+    once in its shared blocks) equals the training model's own routing of prompt + response in one forward, at
+    every position but the last (sampled, never fed), in both sparse layers (float64). The prompts are
+    longer than a prefill chunk (first case) or the pool forces preemptions (second)."""
+    from rollout import SamplingParams
+
+    model, engine, prompts = _engine_case(**cfg)
+    outs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True))
+    if "num_kv_blocks" in cfg:
+        assert engine.last_stats["preemptions"] > 0
+    else:
+        assert engine.last_stats["prefill_steps"] > len(prompts)  # chunked
+    assert len(outs) == 12
+    for out in outs:
+        tokens = out.prompt_token_ids + out.token_ids
+        want = own_routing(model, torch.tensor([tokens]))[0, :-1]
+        got = out.routed_experts
+        assert got.dtype == torch.uint8 and got.shape == (len(tokens) - 1, 2, 2)
+        assert torch.equal(got.long(), want), (out.prompt_index, out.sample_index)
+    assert len({tuple(o.token_ids) for o in outs}) > 4  # the samples differ: their responses' experts too
+
+
+def test_the_engine_records_nothing_unless_asked():
+    from rollout import SamplingParams
+    from tests.unit.test_engine import make_engine
+
+    model = Transformer.build(moe_args(), seed=0).double()
+    engine = make_engine(model, dtype=torch.float64)
+    out, = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out.routed_experts is None and not engine.runner.record_routing
+    before = engine.runner.kv_bytes_per_block()
+    engine = make_engine(model, dtype=torch.float64, return_routed_experts=True)
+    assert engine.runner.kv_bytes_per_block() == before + 4 * 2 * 2  # block_size 4: 2 layers x top-2 bytes a token
