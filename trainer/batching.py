@@ -250,6 +250,13 @@ class Ragged:
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
         return cls(flat, _offsets(lengths))
 
+    @classmethod
+    def of_arrays(cls, rows: list[np.ndarray]) -> Ragged:
+        """Rows of per-token arrays (`[len, ...]`, one dtype and trailing shape: a batch's routed experts) as a
+        `Ragged` whose `flat` is `[tokens, ...]`."""
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        return cls(np.concatenate(rows), _offsets(lengths))
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -27,9 +27,10 @@ from trainer.config_profiler import (FINISH_HOOK_OPTIONS, GlobalProfilerConfig, 
                                     SharedProfilerConfig)
 from trainer.config_verl import (AgentLoopConfig, CheckpointEngineConfig, DataClassConfig, DisaggregationConfig,
                                  DistillationConfig, MegatronLoRAConfig, MtpConfig, PrometheusConfig, QATConfig,
-                                 RewardConfig, RewardManagerConfig, RewardModelRolloutConfig, RouterReplayConfig,
+                                 RewardConfig, RewardManagerConfig, RewardModelRolloutConfig, RefRouterReplayConfig,
+                                 RouterReplayConfig,
                                  SamplerClassConfig, SandboxFusionConfig, SkipConfig, TraceConfig, TrainerV1Config,
-                                 TransferQueueConfig, MOE_WHY, TEACHER_ROLLOUT_COPIES, read_only_with)
+                                 TransferQueueConfig, TEACHER_ROLLOUT_COPIES, read_only_with)
 from trainer.profiling import check_profiler_ranks, profile_plan, profiling_notes
 from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_IS_LEVELS,
                             parse_rollout_is_threshold, parse_rollout_rs)
@@ -858,7 +859,7 @@ class RefConfig:
     entropy_from_logits_chunk_size: int = _entropy_chunk_size()
     pad_to_length: bool = _pad_to_length()
     rollout_n: int | None = opt(None, "verl's copy of rollout.n: must equal it; null: rollout.n", ge=1)
-    router_replay: RouterReplayConfig = section(RouterReplayConfig, "verl's mixture-of-experts routing replay")
+    router_replay: RefRouterReplayConfig = section(RefRouterReplayConfig, "verl's mixture-of-experts routing replay")
 
 
 @dataclass
@@ -919,7 +920,7 @@ class MultiTurnConfig:
 # Options of meshppo's engine that the plain loop (rollout.name=hf) has no use for. Those that would
 # change the work or the numbers are refused there at any value but their default; the engine's
 # tuning knobs are only noted (a config tuned for the engine can switch to hf for a comparison).
-ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype")
+ENGINE_ONLY_OPTIONS = ("tensor_model_parallel_size", "quantization", "kv_cache_dtype", "enable_rollout_routing_replay")
 SERVER_ENGINES = ("vllm", "sglang", "trtllm")
 """verl's `rollout.name` values that meshppo answers with its own engine."""
 NOT_VLLM_ENGINES = ("sglang", "trtllm")  # verl's engines that read none of vLLM's own options
@@ -1147,7 +1148,9 @@ class RolloutConfig:
                                       "algorithm.rollout_correction). auto: the cache in dtype",
                               choices=KV_CACHE_DTYPES)
     tensor_model_parallel_size: int = opt(1, "TP degree of the generation engine", ge=1)
-    moe_tensor_parallel_size: int = opt(1, "not supported: must be 1" + MOE_WHY, ge=1, unsupported=other_than(1))
+    moe_tensor_parallel_size: int = opt(1, "not supported: must be 1 (verl: the experts' own TP degree; meshppo's engine "
+                                           "splits every expert along its intermediate size over "
+                                           "tensor_model_parallel_size)", ge=1, unsupported=other_than(1))
     standalone_gpu_memory_utilization: float | None = opt(None, "verl: the gpu_memory_utilization of its fully-async "
                                                                 "trainer's rollout replicas on GPUs of their own",
                                                           gt=0, le=1, no_effect="meshppo's engine runs on the training "
@@ -1227,7 +1230,11 @@ class RolloutConfig:
                                  unsupported=other_than("fcfs"))
     over_sample_rate: float = opt(0.0, "not supported: must be 0 (verl: abort the last over_sample_rate of a "
                                        "step's requests)", ge=0, le=1, unsupported=bool)
-    enable_rollout_routing_replay: bool = opt(False, "not supported: must be false" + MOE_WHY, unsupported=bool)
+    enable_rollout_routing_replay: bool = opt(False, "the engine records each token's experts in every sparse layer "
+                                                     "(prompt and response) and the batch carries them: what "
+                                                     "actor.router_replay.mode=R3 replays (alone, as in verl, they "
+                                                     "are recorded and not used); a mixture-of-experts model and "
+                                                     "rollout.name=native only")
     quantization_config_file: str | None = opt(None, "not supported: must be null (meshppo's quantization is fp8 "
                                                      "with scales computed at every reshard)",
                                                unsupported=lambda v: v is not None)
@@ -1264,7 +1271,9 @@ class RolloutConfig:
                                         "does")
     router_config_path: str | None = opt(None, "verl: the rollout servers' router config",
                                          no_effect="meshppo's engine runs in-process, behind no router")
-    moe_load_balance_metrics_interval: int = opt(0, "not supported: must be 0" + MOE_WHY, ge=0, unsupported=bool)
+    moe_load_balance_metrics_interval: int = opt(0, "not supported: must be 0 (verl: log the engine's expert load "
+                                                    "balance every so many steps; meshppo's engine logs none)",
+                                                 ge=0, unsupported=bool)
     qat: QATConfig | None = opt(None, "verl's copy of actor_rollout_ref.actor.fsdp_config.qat (its engine's "
                                       "quantization): null or not enabled")
     disaggregation: DisaggregationConfig = section(DisaggregationConfig, "verl 0.9.1's prefill / decode split")
@@ -2856,6 +2865,21 @@ def _refuse_rollbacks_without_a_checkpoint(cfg: PPOConfig) -> None:
                 f"until max_actor_ckpt_to_keep x save_freq > {shortest}")
 
 
+def _check_routing_replay(cfg: PPOConfig) -> None:
+    """Routing replay's keys together (R3: `actor.router_replay.mode`): the replayed experts come from the engine's
+    record, which multi-turn rollouts do not assemble (tool responses join their samples between turns). Whether the
+    model has experts is checked where its config is read (`setup.check_routing_replay`)."""
+    arr = cfg.actor_rollout_ref
+    if arr.actor.router_replay.mode != "R3":
+        return
+    if not arr.rollout.enable_rollout_routing_replay:
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode=R3 needs actor_rollout_ref.rollout."
+                          "enable_rollout_routing_replay=true: R3 replays the experts the rollout engine records")
+    if arr.rollout.multi_turn.enable:
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode=R3 with actor_rollout_ref.rollout.multi_turn."
+                          "enable=true is not supported: a multi-turn sample's routing is not assembled over its turns")
+
+
 def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """Cross-field checks against the launch the config describes (`described_launch`). Given the
     real launch's sizes, first checks that they are the described ones. Raises ConfigError saying
@@ -3047,6 +3071,7 @@ def validate(cfg: PPOConfig, world_size: int | None = None, local_world_size: in
                           f"rollout.multi_turn.tool_config_path={shown(rollout.multi_turn.tool_config_path)}: meshppo "
                           "renders (and filters) the tool agent's prompts with the rollout's tools; set it null or to "
                           "the same file")
+    _check_routing_replay(cfg)
     if rollout.multi_turn.enable and rollout.engine != "native":
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.name=native: the turns "
                           f"continue each sample in meshppo's engine, and rollout.name={rollout.name} has none")

@@ -24,9 +24,6 @@ def read_only_with(switch: str, why: str = ""):
     return f"read only with {switch}, which meshppo does not support{why}"
 
 
-MOE_WHY = " (meshppo has no mixture-of-experts models)"
-
-
 _MTP_WHY = read_only_with("mtp.enable")
 
 
@@ -50,13 +47,37 @@ class MtpConfig:
     num_speculative_tokens: int = opt(1, "verl: tokens drafted per step", no_effect=_MTP_WHY)
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R3")
+_R2_WHY = ("R2 (the update replaying the old-log-prob pass's own routing) is not implemented: R3 replays the rollout "
+           "engine's routing in both")
+
+
 @dataclass
 class RouterReplayConfig:
-    """verl's `router_replay`: record or replay a mixture-of-experts model's routing."""
+    """verl's `router_replay` of the actor: replay a mixture-of-experts model's routing in its forwards."""
 
-    mode: str = opt("disabled", "not supported: must be disabled" + MOE_WHY, unsupported=other_than("disabled"))
-    record_file: str | None = opt(None, "not supported: must be null" + MOE_WHY, unsupported=lambda v: v is not None)
-    replay_file: str | None = opt(None, "not supported: must be null" + MOE_WHY, unsupported=lambda v: v is not None)
+    mode: str = opt("disabled", "R3: the actor's old-log-prob pass and its update replay the experts the rollout engine "
+                                "routed each token to (their weights the router's softmax at those experts, so it "
+                                "still learns); needs rollout.enable_rollout_routing_replay=true and a "
+                                "mixture-of-experts model. disabled: the routers route. " + _R2_WHY,
+                    choices=("disabled", "R2", "R3"), unsupported=lambda v: v == "R2")
+    record_file: str | None = opt(None, "not supported: must be null (verl: dump the recorded routing to a file)",
+                                  unsupported=lambda v: v is not None)
+    replay_file: str | None = opt(None, "not supported: must be null (verl: replay routing loaded from a file)",
+                                  unsupported=lambda v: v is not None)
+
+
+@dataclass
+class RefRouterReplayConfig:
+    """verl's `router_replay` of the reference: meshppo's reference routes itself, as verl's R3 leaves it."""
+
+    mode: str = opt("disabled", "not supported: must be disabled (meshppo's reference routes with its own routers; "
+                                "routing replay is the actor's, actor.router_replay.mode)",
+                    unsupported=other_than("disabled"))
+    record_file: str | None = opt(None, "not supported: must be null (verl: dump the recorded routing to a file)",
+                                  unsupported=lambda v: v is not None)
+    replay_file: str | None = opt(None, "not supported: must be null (verl: replay routing loaded from a file)",
+                                  unsupported=lambda v: v is not None)
 
 
 _SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its rollouts, multi-turn ones too, run in-process"

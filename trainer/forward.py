@@ -55,6 +55,9 @@ class MicroBatch:
     last_rows: torch.Tensor | None = None
     # the work of the whole micro-batch (every shard): tokens run, scored positions, attention pairs
     work: tuple[int, int, float] = (0, 0, 0.0)
+    # routing replay (R3): the experts of each token of `input_ids` (this rank's shard) in each sparse layer,
+    # `[*input_ids.shape, sparse layers, k]` (0 on padding); None: the routers route
+    routed_experts: torch.Tensor | None = None
 
     def gather(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """Every rank's values at its scored (`last`: last) positions, in position order; `x` itself
@@ -65,16 +68,19 @@ class MicroBatch:
 
     def model_kwargs(self) -> dict:
         """The layout arguments of `Transformer.forward` for this micro-batch."""
-        return dict(position_ids=self.position_ids, attention_mask=self.attention_mask,
-                    cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, shared=self.shared)
+        kwargs = dict(position_ids=self.position_ids, attention_mask=self.attention_mask,
+                      cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, shared=self.shared)
+        return kwargs if self.routed_experts is None else kwargs | {"routed_experts": self.routed_experts}
 
 
 def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | list[list[int]], device, packed: bool,
                       pad_token_id: int = 0, sp: SequenceParallel | None = None,
-                      share_prefix: bool = False) -> MicroBatch:
+                      share_prefix: bool = False, routed_experts: Ragged | None = None) -> MicroBatch:
     """Lay out `prompts[i] + responses[i]` for one forward pass (`sp`: this rank's shard of the packed
     row, for its Ulysses group; `share_prefix`: rows with the same prompt tokens share one copy of
-    it, packed layout only, see `_packed_micro_batch`).
+    it, packed layout only, see `_packed_micro_batch`). `routed_experts` (routing replay: row i holds, for
+    each token of `prompts[i] + responses[i]`, its experts `[sparse layers, k]`) is laid out as the tokens are,
+    into `MicroBatch.routed_experts`.
 
     Everything is built on the host with NumPy (whole-array operations on the rows' flat arrays,
     `Ragged`; lists of rows are converted first; no per-sequence loop) and moved in one copy from pinned memory that does not wait for
@@ -84,15 +90,26 @@ def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | lis
     GPU machine's host in a profiled update, with the GPU idle."""
     if not len(prompts):  # a rank with no work still runs one forward (FSDP collectives must match)
         prompts, responses = [[pad_token_id]], [[]]
+        if routed_experts is not None:
+            routed_experts = Ragged(np.zeros((1, *routed_experts.flat.shape[1:]), routed_experts.flat.dtype),
+                                    np.array([0, 1]))
     prompts, responses = Ragged.of(prompts, np.int64), Ragged.of(responses, np.int64)
     n = len(prompts)
     lp, lr = prompts.lengths(), responses.lengths()
+    if routed_experts is not None and not np.array_equal(routed_experts.lengths(), lp + lr):
+        raise ValueError(f"routed experts for sequences of {routed_experts.lengths().tolist()} tokens, laid out "
+                         f"with {(lp + lr).tolist()}")
     # every response token j of sequence b: its row b and its column j
     rows = np.repeat(np.arange(n), lr)
     cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
     if packed:
         leaders = prompt_groups(prompts) if share_prefix else np.arange(n)
-        return _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device, pad_token_id, sp)
+        mb, token_rows, within, lo, hi = _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
+                                                             pad_token_id, sp)
+        if routed_experts is not None:
+            routed = _routed_of_tokens(routed_experts, token_rows, within, max(hi, len(token_rows)))[lo:hi]
+            mb.routed_experts, = host_to_device([routed[None]], device)
+        return mb
     if sp is not None:
         raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
     if share_prefix:
@@ -101,7 +118,22 @@ def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | lis
     ends = np.cumsum(lengths)
     flat = _laid_out(prompts, responses, np.arange(n), np.ones(n, dtype=bool))
     within = np.arange(len(flat)) - np.repeat(ends - lengths, lengths)  # each token's index in its sequence
-    return _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+    mb = _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+    if routed_experts is not None:
+        seq = np.repeat(np.arange(n), lengths)
+        routed = np.zeros((n, mb.input_ids.shape[1], *routed_experts.flat.shape[1:]), routed_experts.flat.dtype)
+        routed[seq, within + np.repeat(int(lp.max()) - lp, lengths)] = routed_experts.flat[
+            routed_experts.offsets[seq] + within]
+        mb.routed_experts, = host_to_device([routed], device)
+    return mb
+
+
+def _routed_of_tokens(routed_experts: Ragged, token_rows: np.ndarray, within: np.ndarray, total: int) -> np.ndarray:
+    """`[total, sparse layers, k]`: the experts of each laid-out token (row `token_rows[i]`, index `within[i]` in
+    its sequence), zeros for the padding after them."""
+    out = np.zeros((total, *routed_experts.flat.shape[1:]), routed_experts.flat.dtype)
+    out[:len(token_rows)] = routed_experts.flat[routed_experts.offsets[token_rows] + within[:len(token_rows)]]
+    return out
 
 
 def _laid_out(prompts: Ragged, responses: Ragged, order: np.ndarray, with_prompt: np.ndarray) -> np.ndarray:
@@ -132,7 +164,10 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
 
     With `sp` the row is padded to a multiple of the group size (the padding is a sequence of its
     own, so no real token attends to it) and this rank keeps its shard of the tokens, labels and
-    positions; the scored and last positions go in position order (`MicroBatch.gather`)."""
+    positions; the scored and last positions go in position order (`MicroBatch.gather`).
+
+    Returns the micro-batch, each laid-out token's row and index in its sequence (before any padding), and this
+    rank's bounds `[lo, hi)` of the row (for `build_micro_batch`'s routed experts)."""
     n = len(lp)
     own = leaders == np.arange(n)
     sharing = np.bincount(leaders, minlength=n)[leaders] > 1  # rows of a group of two or more
@@ -203,8 +238,9 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
         kv_t, cu_k_t, last_rows_t = index[5:]
         index = index[:5]
         layout = PrefixSharing(kv_t, cu_k_t.int(), int(key_len.max()))
-    return MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, n, sp, src_counts, last_counts,
-                      layout, last_rows_t if shared else None, work)
+    mb = MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, n, sp, src_counts, last_counts,
+                    layout, last_rows_t if shared else None, work)
+    return mb, np.repeat(order, emitted[order]), within, lo, hi
 
 
 def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:

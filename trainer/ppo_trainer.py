@@ -354,6 +354,7 @@ class PPOTrainer:
         trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
         lp = arr.rollout
         self.actor = Actor(m.actor, m.actor_optim, m.actor_sched, **policy, **trainable,
+                           replay_routing=arr.actor.router_replay.mode == "R3",
                            fsdp_cfg=arr.actor.fsdp_config, sp=m.actor_sp,
                            batching=MicroBatching(lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                   lp.log_prob_max_token_len_per_gpu))
@@ -549,7 +550,8 @@ class PPOTrainer:
                         self.timer.set(f"agent_loop/{name}/{stat}", value)
         return RolloutBatch(prompts, outs.token_ids, uids, rep("data_source"), rep("ground_truth"), extra_infos,
                             outs.finish_reasons, outs.logprobs, width, self.device, raw_prompts=rep("raw_prompt"),
-                            turn_masks=outs.masks, num_turns=None if agent is None else outs.turns["num_turns"])
+                            turn_masks=outs.masks, num_turns=None if agent is None else outs.turns["num_turns"],
+                            routed_experts=outs.routed_experts)
 
     def _greedy_baselines(self, items: list[dict], full: RolloutBatch) -> torch.Tensor | None:
         """`remax`'s baselines, as verl makes them: one greedy response per prompt (timed as

@@ -33,7 +33,7 @@ from trainer.batching import PrefixGroups, seqlen_workload, shared_prefix_items,
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_mean, masked_sum)
 from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
-from trainer.rollout_batch import OPTIONAL_SEQUENCE_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch
+from trainer.rollout_batch import OPTIONAL_SEQUENCE_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch, join_rows
 from sharding import comm
 from sharding.ulysses import SequenceParallel, gather_rows
 from sharding.fsdp import (FSDPConfig, keep_compute_copies, load_states, no_gradient_sync, offload_states,
@@ -102,7 +102,7 @@ def pool_rows(ro: RolloutBatch, sp: SequenceParallel | None) -> tuple[RolloutBat
     dist.all_gather_object(every, {name: getattr(ro, name) for name in names}, group=sp.group)
     counts = [len(e["prompts"]) for e in every]
     tensors = {name: gather_rows(t, sp, counts) for name in TOKEN_FIELDS if (t := getattr(ro, name)) is not None}
-    lists = {name: [x for e in every for x in e[name]] for name in names}
+    lists = {name: join_rows([e[name] for e in every]) for name in names}
     start = sum(counts[:sp.rank])
     return RolloutBatch(**lists, width=ro.width, device=ro.device, **tensors), slice(start, start + len(ro))
 
@@ -316,9 +316,13 @@ class Role:
         finally:
             offload_states(self.model, optimizer, self.fsdp_cfg)
 
-    def _micro_batch(self, sub: RolloutBatch):
+    def _micro_batch(self, sub: RolloutBatch, replay: bool = False):
+        """`sub` laid out for a forward; `replay`: with its routed experts (routing replay), which it must have."""
+        if replay and sub.routed_experts is None:
+            raise ValueError("routing replay (actor.router_replay.mode=R3) without the rollout's routed experts: "
+                             "actor_rollout_ref.rollout.enable_rollout_routing_replay must be on")
         mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad, self.sp,
-                               self.share_prefix)
+                               self.share_prefix, sub.routed_experts if replay else None)
         if sub.prompts:  # an empty micro-batch's placeholder row is not work
             self.work += mb.work
         return mb
@@ -425,13 +429,18 @@ class Reference(Protocol):
 class Actor(TrainableRole):
     """The policy being trained: old log-probs and entropy before the update, and the update."""
 
-    def __init__(self, model, optimizer, scheduler, *, temperature: float, **kw):
+    def __init__(self, model, optimizer, scheduler, *, temperature: float, replay_routing: bool = False, **kw):
         super().__init__(model, optimizer, scheduler, **kw)
         self.temperature = temperature
+        # R3 (actor.router_replay.mode): the old-log-prob pass and the update replay the rollout's routed experts
+        self.replay_routing = replay_routing
 
-    def _forward(self, sub: RolloutBatch, with_entropy: bool, with_sum_pi_squared: bool = False):
-        return response_logprobs(self.model, self._micro_batch(sub), sub.width, self.temperature, with_entropy,
-                                 with_sum_pi_squared)
+    def _forward(self, sub: RolloutBatch, with_entropy: bool, with_sum_pi_squared: bool = False,
+                 replay: bool | None = None):
+        """`replay`: whether the MoE layers replay the rollout's experts (None: `replay_routing`; the adapters-off
+        reference does not)."""
+        mb = self._micro_batch(sub, self.replay_routing if replay is None else replay)
+        return response_logprobs(self.model, mb, sub.width, self.temperature, with_entropy, with_sum_pi_squared)
 
     def log_probs(self, ro: RolloutBatch, with_entropy: bool = False, with_sum_pi_squared: bool = False):
         """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor,
@@ -602,7 +611,8 @@ class AdaptersOffReference:
 
     def log_probs(self, ro: RolloutBatch) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(self.actor.model):
-            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False),
+            logp, _ = forward_micro_batches(ro, self.batching, lambda sub: self.actor._forward(sub, with_entropy=False,
+                                                                                          replay=False),
                                             self.actor.model, self.actor.sp, self.actor.share_prefix)
         return logp
 

@@ -25,7 +25,7 @@ from trainer.forward import index_on
 SEQUENCE_FIELDS = ("prompts", "responses", "uids", "data_sources", "ground_truths", "extra_infos", "finish_reasons",
                    "engine_log_probs")
 # Per-sequence lists that only some batches have (None otherwise): kept by `take`, `concat` and pooling.
-OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns", "row_names")
+OPTIONAL_SEQUENCE_FIELDS = ("raw_prompts", "turn_masks", "num_turns", "row_names", "routed_experts")
 TOKEN_FIELDS = ("token_level_scores", "reward_components", "rollout_log_probs", "old_log_probs", "sum_pi_squared",
                 "rollout_is_weights", "rollout_rs_mask", "ref_log_probs", "values", "token_level_rewards", "advantages",
                 "returns")
@@ -77,6 +77,10 @@ class RolloutBatch:
     # batch it was generated in, its prompt's response and data row), the same whichever rank's share
     # holds it; None: by its place in the rows scored
     row_names: list[str] | None = None
+    # routing replay (R3, `actor.router_replay.mode`): per row, the experts the engine routed each token of
+    # prompt + response to in each sparse layer, a `Ragged` of `[tokens, sparse layers, k]` rows (uint8 or int16;
+    # the last token's, never run, 0), which the actor's forwards replay; None without it
+    routed_experts: Ragged | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -163,7 +167,7 @@ class RolloutBatch:
         """The rows of `batches` one after the other, as fresh rollouts (per-sequence lists only: no
         tensor is set yet), the group ids renumbered so that each batch's groups stay apart (a
         group is the rows of one prompt of one batch), and the response width the widest row's."""
-        lists = {name: _joined([getattr(b, name) for b in batches]) for name in SEQUENCE_FIELDS}
+        lists = {name: join_rows([getattr(b, name) for b in batches]) for name in SEQUENCE_FIELDS}
         uids, offset = [], 0
         for b in batches:
             ids = {u: offset + k for k, u in enumerate(dict.fromkeys(b.uids))}
@@ -173,7 +177,7 @@ class RolloutBatch:
         width = int(lists["responses"].lengths().max(initial=1)) or 1
         def joined(name):  # an optional per-row list: kept when every batch has it
             parts = [getattr(b, name) for b in batches]
-            return None if any(p is None for p in parts) else _joined(parts)
+            return None if any(p is None for p in parts) else join_rows(parts)
 
         return RolloutBatch(**lists, width=width, device=batches[0].device,
                             **{name: joined(name) for name in OPTIONAL_SEQUENCE_FIELDS})
@@ -193,6 +197,6 @@ def _take(rows, idx: list[int]):
     return rows.take(idx) if isinstance(rows, Ragged) else [rows[i] for i in idx]
 
 
-def _joined(parts: list):
+def join_rows(parts: list):
     """Per-sequence fields' rows one batch after the other (`Ragged`s or lists)."""
     return Ragged.concat(parts) if isinstance(parts[0], Ragged) else [x for p in parts for x in p]

@@ -64,13 +64,16 @@ class Samples:
     them between ranks and hands them to the trainer: each response's ids and the engine's log-probs of
     them (`Ragged`, int32 and float32: no per-token Python object is pickled, and no prompt, which every
     rank has already), why each ended and, for a multi-turn rollout, each sample's turn mask and
-    `TURN_FIELDS` (None otherwise)."""
+    `TURN_FIELDS` (None otherwise). `routed_experts` (the engine's `return_routed_experts`, for routing replay):
+    per sample, the experts of each token of prompt + response in each sparse layer (`[tokens, sparse layers, k]`
+    rows; the last token's, which the engine never ran, 0); None otherwise."""
 
     token_ids: Ragged
     logprobs: Ragged
     finish_reasons: list[str]
     masks: Ragged | None = None
     turns: dict[str, list] | None = None
+    routed_experts: Ragged | None = None
 
     def __len__(self) -> int:
         return len(self.finish_reasons)
@@ -80,8 +83,11 @@ class Samples:
         """`outs`, the engine's `RequestOutput`s or the tool agent's `TurnOutput`s (`multi_turn`)."""
         masks = Ragged.of([o.mask for o in outs], np.int8) if multi_turn else None
         turns = {name: [getattr(o, name) for o in outs] for name in TURN_FIELDS} if multi_turn else None
+        routed = [getattr(o, "routed_experts", None) for o in outs]
+        routed = (Ragged.of_arrays([np.concatenate([r.numpy(), np.zeros_like(r[:1].numpy())]) for r in routed])
+                  if routed and routed[0] is not None else None)
         return cls(Ragged.of([o.token_ids for o in outs], np.int32), Ragged.of([o.logprobs for o in outs], np.float32),
-                   [o.finish_reason for o in outs], masks, turns)
+                   [o.finish_reason for o in outs], masks, turns, routed)
 
     @staticmethod
     def concat(parts: list[Samples]) -> Samples:
@@ -89,7 +95,9 @@ class Samples:
         return Samples(Ragged.concat([p.token_ids for p in parts]), Ragged.concat([p.logprobs for p in parts]),
                        [r for p in parts for r in p.finish_reasons],
                        Ragged.concat([p.masks for p in parts]) if multi_turn else None,
-                       {name: [v for p in parts for v in p.turns[name]] for name in TURN_FIELDS} if multi_turn else None)
+                       {name: [v for p in parts for v in p.turns[name]] for name in TURN_FIELDS} if multi_turn else None,
+                       None if any(p.routed_experts is None for p in parts)
+                       else Ragged.concat([p.routed_experts for p in parts]))
 
 
 def _all_gather_outputs(local: Samples | None, index: int, count: int, error: Exception | None = None) -> Samples:

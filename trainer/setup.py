@@ -56,6 +56,7 @@ def preflight(cfg: PPOConfig, world_size: int | None = None, local_world_size: i
     check_lora_adapter(cfg)
     check_value_model_export(cfg)
     check_tiled_mlp(cfg)
+    check_routing_replay(cfg)
     t = cfg.trainer
     if t.default_local_dir is not None and not t.default_local_dir.strip():
         # (an unset shell variable: trainer.default_local_dir=$RUN) no directory to lock, log or write into
@@ -548,6 +549,19 @@ def check_tiled_mlp(cfg: PPOConfig) -> None:
                               f"{model.path})")
 
 
+def check_routing_replay(cfg: PPOConfig) -> None:
+    """ConfigError, before any work, for routing replay's record (`rollout.enable_rollout_routing_replay`, and with
+    it `actor.router_replay.mode=R3`) on a model without experts, naming the key."""
+    r = cfg.actor_rollout_ref.rollout
+    if not r.enable_rollout_routing_replay:
+        return
+    model = cfg.actor_rollout_ref.model
+    args = _readable_model_args(model.path, model.override_config)
+    if args is not None and not args.moe_layers:
+        raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true needs a mixture-of-experts "
+                          f"model: the {args.model_type} in {model.path} has no experts to route")
+
+
 def _router_loss_notes(path: str, overrides: dict | None) -> list[str]:
     """A line where the actor's config.json sets output_router_logits (a mixture of experts): transformers then adds router_aux_loss_coef times its load-balancing loss to the loss it computes
     from labels, which verl's actor never asks for (it reads the logits and computes its own loss), and meshppo,
@@ -617,6 +631,6 @@ def build_engine(cfg: PPOConfig, ctx: DistContext, models: Models):
                       enable_chunked_prefill=r.chunked_prefill, max_model_len=r.max_model_len,
                       enforce_eager=r.enforce_eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
                       free_cache_engine=r.free_cache_engine, quantization=r.quantization,
-                      kv_cache_dtype=r.kv_cache_dtype)
+                      kv_cache_dtype=r.kv_cache_dtype, return_routed_experts=r.enable_rollout_routing_replay)
     tp_mesh = models.meshes.tp if models.dims.tp > 1 else None
     return LLMEngine(models.actor_args, ec, tp_mesh=tp_mesh, device=ctx.device)
