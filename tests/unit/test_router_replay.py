@@ -3,6 +3,7 @@ Replaying the router's own top-k computes exactly what routing computes; replayi
 the softmax probabilities at those ids (renormalised where norm_topk_prob, float32 where the family keeps them so)
 and the router gets the gradient of those probabilities."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +176,98 @@ def test_the_engine_records_nothing_unless_asked():
     before = engine.runner.kv_bytes_per_block()
     engine = make_engine(model, dtype=torch.float64, return_routed_experts=True)
     assert engine.runner.kv_bytes_per_block() == before + 4 * 2 * 2  # block_size 4: 2 layers x top-2 bytes a token
+
+
+# ---------------------------------------------------------------- the trainer's forwards
+def _perturbed_pair():
+    """(A, B): top-1 routing with norm_topk_prob (every token's one weight is p / p = 1, whatever the router), and B
+    is A with both sparse layers' routers' rows rolled by one: B routes each token elsewhere, but B replaying A's
+    experts computes exactly A's forward (any misplaced id runs another expert)."""
+    args = moe_args(num_experts_per_tok=1)
+    a, b = Transformer.build(args, seed=0).double(), Transformer.build(args, seed=0).double()
+    with torch.no_grad():
+        for layer in args.moe_layers:
+            b.layers[layer].mlp.gate.weight.copy_(a.layers[layer].mlp.gate.weight.roll(1, 0))
+    return a, b
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared_prefix"])
+def test_replayed_engine_routing_reaches_the_right_tokens_of_every_micro_batch(layout):
+    """The engine (model A, float64, chunked prefill, 3 samples a prompt) records its routing; the batch carries it
+    (`Samples` -> `RolloutBatch.routed_experts`), split into micro-batches of other rows (`take`) and laid out
+    packed, padded or prefix-shared. Model B (A with its routers' rows rolled, `_perturbed_pair`) replaying it
+    computes A's log-probs of the responses (float64, 1e-12; the engine's own float32 log-probs within 1e-6),
+    where B routing itself is off by more than 1e-2: each token got its own experts."""
+    from rollout import SamplingParams
+    from tests.unit.test_engine import make_engine, prompts_of
+    from trainer.forward import build_micro_batch, response_logprobs
+    from trainer.rollout_batch import RolloutBatch
+    from trainer.rollout_phase import Samples
+
+    a, b = _perturbed_pair()
+    engine = make_engine(a, dtype=torch.float64, return_routed_experts=True, max_num_batched_tokens=16)
+    prompts = prompts_of([5, 19, 9])
+    outs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3, ignore_eos=True))
+    samples = Samples.of(outs, multi_turn=False)
+    uids = [i for i in range(3) for _ in range(3)]
+    n = len(outs)
+    width = int(samples.token_ids.lengths().max())
+    ro = RolloutBatch([prompts[u] for u in uids], samples.token_ids, uids, [None] * n, [None] * n, [{}] * n,
+                      samples.finish_reasons, samples.logprobs, width, torch.device("cpu"),
+                      routed_experts=samples.routed_experts)
+    assert torch.equal(torch.as_tensor(ro.routed_experts.lengths()), torch.as_tensor(ro.lengths()))
+    packed, share = layout != "padded", layout == "shared_prefix"
+    results = {}
+    for name, model, replay in (("a", a, False), ("b_replay", b, True), ("b_own", b, False)):
+        rows = torch.zeros(n, width, dtype=torch.float64)
+        for part in ([0, 1, 2, 3, 4], [5, 6, 7, 8]):  # two micro-batches, each prompt's samples together
+            sub = ro.take(part)
+            mb = build_micro_batch(sub.prompts, sub.responses, "cpu", packed, 0, None, share,
+                                   sub.routed_experts if replay else None)
+            if replay:
+                assert mb.routed_experts.shape == (*mb.input_ids.shape, 2, 1)
+            with torch.no_grad():  # the float64 logits (the LM head's chunked log-probs are float32)
+                logits = model(mb.input_ids, **mb.model_kwargs()).reshape(-1, 96)[mb.src_index]
+                logp = torch.log_softmax(logits, -1).gather(1, mb.src_labels[:, None])[:, 0]
+                assert torch.allclose(response_logprobs(model, mb, width, 1.0, False)[0][mb.dst_row, mb.dst_col],
+                                      logp.float(), atol=1e-5, rtol=0)
+            rows[part] = torch.zeros(len(part), width, dtype=torch.float64).index_put((mb.dst_row, mb.dst_col), logp)
+        results[name] = rows
+    mask = torch.as_tensor(ro.host_response_mask()).bool()
+    assert (results["b_replay"] - results["a"])[mask].abs().max().item() <= 1e-12
+    assert (results["b_own"] - results["a"])[mask].abs().max().item() > 1e-2
+    engine_lp = torch.as_tensor(ro.engine_log_probs.padded(width), dtype=torch.float64)
+    assert (results["b_replay"] - engine_lp)[mask].abs().max().item() <= 1e-6
+
+
+def test_replay_without_the_record_is_refused_and_a_wrong_length_named():
+    from trainer.batching import Ragged
+    from trainer.forward import build_micro_batch
+
+    routed = Ragged.of_arrays([torch.zeros(4, 2, 2, dtype=torch.uint8).numpy()])
+    with pytest.raises(ValueError, match=r"routed experts for sequences of \[4\] tokens, laid out with \[5\]"):
+        build_micro_batch([[1, 2, 3]], [[4, 5]], "cpu", True, routed_experts=routed)
+
+
+def test_each_ulysses_rank_gets_the_routed_experts_of_its_shard():
+    """Ulysses (5 ranks, packed, shared prefix): each rank's `routed_experts` is its token range of the whole row's,
+    the padding's 0, and the whole row's are each token's own (a row's ids are its tokens' values here)."""
+    from sharding.ulysses import SequenceParallel
+    from trainer.batching import Ragged
+    from trainer.forward import build_micro_batch
+
+    prompts, responses = [[1, 2, 3], [1, 2, 3], [7, 8]], [[4, 5], [6], [9, 10, 11, 12]]
+    # each token's "experts": its token id in layer 0, 100 + id in layer 1
+    routed = Ragged.of_arrays([np.stack([np.array(p + r), 100 + np.array(p + r)], 1)[:, :, None].astype(np.uint8)
+                               for p, r in zip(prompts, responses)])
+    whole = build_micro_batch(prompts, responses, "cpu", True, 0, None, True, routed)
+    ids = whole.input_ids
+    assert torch.equal(whole.routed_experts[..., 0, 0].long(), ids)
+    assert torch.equal(whole.routed_experts[..., 1, 0].long(), ids + 100)
+    shards = [build_micro_batch(prompts, responses, "cpu", True, 0, SequenceParallel(None, 5, r), True, routed)
+              for r in range(5)]
+    joined = torch.cat([s.routed_experts for s in shards], 1)
+    assert joined.shape[1] == 15 and ids.shape[1] == 12  # 12 tokens (the prompt [1, 2, 3] once), padded to 15
+    assert torch.equal(joined[:, :12], whole.routed_experts) and not joined[:, 12:].any()
+    for s in shards:
+        assert torch.equal(s.routed_experts[..., 0, 0].long()[s.input_ids != 0], s.input_ids[s.input_ids != 0])
