@@ -64,3 +64,21 @@ def test_a_qwen3_moe_trains_on_two_ranks_with_a_tp2_engine(qwen3_moe_assets, tmp
     intermediate size, its gate_up_proj from the resharder's all-to-all, its down_proj from the micro-DP group."""
     check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM",
                            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", launcher=True)
+
+
+R3 = ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.actor.router_replay.mode=R3")
+
+
+def test_a_qwen3_moe_trains_two_steps_replaying_the_engines_routing(qwen3_moe_assets, tmp_path):
+    """R3: the engine records every token's experts, the actor's old-log-prob pass and update replay them (dynamic
+    batching on: the rows re-packed by token count)."""
+    check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM", "trainer.n_gpus_per_node=1",
+                           "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200", *R3)
+
+
+def test_a_qwen3_moe_replays_the_engines_routing_on_two_ranks_with_a_tp2_engine(qwen3_moe_assets, tmp_path):
+    """R3 over two gloo ranks with a TP 2 engine: every TP rank routes alike (the router is whole on each), and each
+    rank's rows carry their recorded experts into its forwards."""
+    check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM",
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *R3, launcher=True)

@@ -271,3 +271,42 @@ def test_each_ulysses_rank_gets_the_routed_experts_of_its_shard():
     assert torch.equal(joined[:, :12], whole.routed_experts) and not joined[:, 12:].any()
     for s in shards:
         assert torch.equal(s.routed_experts[..., 0, 0].long()[s.input_ids != 0], s.input_ids[s.input_ids != 0])
+
+
+# ---------------------------------------------------------------- config
+def test_routing_replay_config_errors_name_the_keys(tmp_path):
+    """R3 without the engine's record, R3 with multi-turn rollouts, the record with rollout.name=hf and the record on a
+    dense model are refused before any work, naming the keys; R2 and the record / replay files are refused as
+    unsupported; R3 with the record on a Qwen3-MoE passes the pre-flight, and so does the record alone (verl's: recorded,
+    not replayed)."""
+    from tests.unit.test_attention_window import _cfg
+    from trainer.configlib import ConfigError
+    from trainer.setup import preflight
+
+    moe = tmp_path / "moe"
+    Transformer.build(moe_args(), seed=0).save_pretrained(moe)
+    dense = tmp_path / "dense"
+    Transformer.build(ModelArgs(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+                      seed=0).save_pretrained(dense)
+    record = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    r3 = "actor_rollout_ref.actor.router_replay.mode=R3"
+    cfg = _cfg(moe, 16, 32, record, r3)
+    preflight(cfg, devices=False)
+    preflight(_cfg(moe, 16, 32, record), devices=False)  # the record alone (verl's): recorded, not replayed
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.router_replay\.mode=R3 needs actor_rollout_ref"
+                                          r"\.rollout\.enable_rollout_routing_replay=true"):
+        preflight(_cfg(moe, 16, 32, r3), devices=False)
+    with pytest.raises(ConfigError, match=r"router_replay\.mode=R3 with actor_rollout_ref\.rollout\.multi_turn\.enable="
+                                          r"true is not supported"):
+        preflight(_cfg(moe, 16, 32, record, r3, "actor_rollout_ref.rollout.multi_turn.enable=true"), devices=False)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.enable_rollout_routing_replay=true needs "
+                                          r"rollout\.name=native"):
+        preflight(_cfg(moe, 16, 32, record, "actor_rollout_ref.rollout.name=hf"), devices=False)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.enable_rollout_routing_replay=true needs a "
+                                          r"mixture-of-experts model: the llama in .*dense has no experts"):
+        preflight(_cfg(dense, 16, 32, record), devices=False)
+    for key in ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.ref.router_replay.mode=R3",
+                "actor_rollout_ref.actor.router_replay.record_file=r.pt"):
+        with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')} is not supported by meshppo"):
+            _cfg(moe, 16, 32, record, key)
