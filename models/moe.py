@@ -4,7 +4,8 @@ implementation that the training model (`models.transformer.MoE`) and the engine
 `route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
 `k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
 Qwen3MoeTopKRouter, OlmoeTopKRouter) or kept in float32 (`float32_weights`: MixtralTopKRouter, whose expert outputs
-are then weighted in float32 and their sum rounded once). `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
+are then weighted in float32 and their sum rounded once); with `replay` (routing replay, R3) the given experts
+replace the top-k and are weighted by the same softmax at their ids. `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
 expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
 `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
 expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in

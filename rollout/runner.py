@@ -11,6 +11,9 @@ Device-side state that outlives a step, indexed by a sequence's `slot`:
   overlap its bookkeeping of step t with the GPU running step t+1. A prefill step's
   decoding rows (the scheduler's module docstring) read theirs from here too.
 
+With `EngineConfig.return_routed_experts` (a mixture-of-experts model), `routed_experts` holds every
+token's experts in each sparse layer at its place in the KV pool (rollout/README.md, "Routing record").
+
 Slot `max_num_seqs` is a dummy that pads a decode batch up to its CUDA-graph size; its
 pages all point at a scratch block (the last one of the pool), so padding rows write and
 read only there.
