@@ -131,12 +131,25 @@ def test_offloaded_critic_resume_on_gpu(tmp_path):
     assert sum("actor/pg_loss" in row for row in resumed) == 2
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "granite", "mistral", "olmo2", "phi3"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "granite", "mistral", "mixtral", "olmo2", "olmoe", "phi3",
+                                        "qwen3_moe"])
 def test_other_model_types_train_on_gpu(tmp_path, model_type):
     """A model type besides the demo's Qwen2 trains through the whole GPU path: the Triton engine with CUDA
     graphs in bf16, the reshard, the bf16 update (the CPU tests hold its logits to transformers' in float64)."""
     rows, steps = _run(tmp_path, "grpo", model=("--model-type", model_type), steps=2)
     assert json.load(open(tmp_path / "assets" / "sft_model" / "config.json"))["model_type"] == model_type
+    for row in steps:
+        for k in ("actor/pg_loss", "actor/grad_norm", "timing_s/gen"):
+            assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (k, row.get(k))
+        assert row["actor/grad_norm"] > 0
+
+
+def test_a_mixture_of_experts_trains_on_gpu_with_rollout_routing_replay(tmp_path):
+    """R3 on the GPU: the graphed bf16 engine records each token's experts, the actor's old-log-prob pass and update
+    replay them (prepare_demo's Qwen3-MoE: 4 experts, top 2)."""
+    _, steps = _run(tmp_path, "grpo", "actor_rollout_ref.actor.router_replay.mode=R3",
+                    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                    model=("--model-type", "qwen3_moe"), steps=2)
     for row in steps:
         for k in ("actor/pg_loss", "actor/grad_norm", "timing_s/gen"):
             assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (k, row.get(k))
