@@ -52,6 +52,12 @@ _R2_WHY = ("R2 (the update replaying the old-log-prob pass's own routing) is not
            "engine's routing in both")
 
 
+def _routing_file(what: str):
+    """One of verl's `router_replay` files (its record / replay of routing through a file), which meshppo does not
+    read or write: null only."""
+    return opt(None, f"not supported: must be null (verl: {what})", unsupported=lambda v: v is not None)
+
+
 @dataclass
 class RouterReplayConfig:
     """verl's `router_replay` of the actor: replay a mixture-of-experts model's routing in its forwards."""
@@ -61,10 +67,8 @@ class RouterReplayConfig:
                                 "still learns); needs rollout.enable_rollout_routing_replay=true and a "
                                 "mixture-of-experts model. disabled: the routers route. " + _R2_WHY,
                     choices=("disabled", "R2", "R3"), unsupported=lambda v: v == "R2")
-    record_file: str | None = opt(None, "not supported: must be null (verl: dump the recorded routing to a file)",
-                                  unsupported=lambda v: v is not None)
-    replay_file: str | None = opt(None, "not supported: must be null (verl: replay routing loaded from a file)",
-                                  unsupported=lambda v: v is not None)
+    record_file: str | None = _routing_file("dump the recorded routing to a file")
+    replay_file: str | None = _routing_file("replay routing loaded from a file")
 
 
 @dataclass
@@ -74,10 +78,8 @@ class RefRouterReplayConfig:
     mode: str = opt("disabled", "not supported: must be disabled (meshppo's reference routes with its own routers; "
                                 "routing replay is the actor's, actor.router_replay.mode)",
                     unsupported=other_than("disabled"))
-    record_file: str | None = opt(None, "not supported: must be null (verl: dump the recorded routing to a file)",
-                                  unsupported=lambda v: v is not None)
-    replay_file: str | None = opt(None, "not supported: must be null (verl: replay routing loaded from a file)",
-                                  unsupported=lambda v: v is not None)
+    record_file: str | None = _routing_file("dump the recorded routing to a file")
+    replay_file: str | None = _routing_file("replay routing loaded from a file")
 
 
 _SERVERS_WHY = "meshppo runs no agent-loop servers or workers: its rollouts, multi-turn ones too, run in-process"
