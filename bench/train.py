@@ -16,6 +16,9 @@ lever at a time: `compile` (torch.compile of each block), `keep_gathered` (no re
 (`models/tiled_mlp.py`, verl's `model.tiled_mlp`; 0: untiled): peak memory against step time. A
 tiled record's workload carries `tiled_mlp`.
 `--profile` adds, per measurement, the device time by kernel class from `torch.profiler`.
+`--layers N` builds each model with its first N decoder layers (a shape too large for one GPU's optimizer
+states, as qwen3-30b-a3b's 48 mixture-of-experts layers: every layer is alike, so tokens/s scales by the layer
+count and the MFU holds); the records' workload carries `layers`.
 """
 
 from __future__ import annotations
@@ -104,14 +107,16 @@ VARIANTS = ("base", "compile", "ac", "offload", "ac_offload", "keep_gathered", "
 
 
 def bench_one(name, variant, tokens, seq_len, repeats, ctx, telemetry: GpuTelemetry, profile=False,
-              tiled_mlp: int = 0):
-    args = model_args(name)
+              tiled_mlp: int = 0, layers: int | None = None):
+    args = model_args(name) if layers is None else model_args(name, num_hidden_layers=layers)
     n_seqs = tokens // seq_len
     ro = make_rollouts(args, n_seqs, seq_len, ctx.device)
     lengths = ro.lengths()
     workload = {"model": name, "variant": variant, "tokens": sum(lengths), "seq_len": seq_len}
     if tiled_mlp:
         workload["tiled_mlp"] = tiled_mlp
+    if layers is not None:
+        workload["layers"] = layers
 
     if variant == "lm_head":
         # The LM head alone (log-probs of every position), forward and forward + backward.
@@ -204,7 +209,8 @@ def measurement_argvs(a: argparse.Namespace) -> list[list[str]]:
     from an empty allocator. (A model built earlier in the process used to keep its fp32 masters
     allocated, 5.8 GiB at 1.5b, and every later variant's peak counted them; `sharding.replicate` no
     longer leaks them.) The `lm_head` variant has no MLP: it runs once, untiled."""
-    rest = [f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
+    rest = ([f"--tokens={a.tokens}", f"--seq-len={a.seq_len}", f"--repeats={a.repeats}"] + ["--profile"] * a.profile
+            + [f"--layers={a.layers}"] * (a.layers is not None))
     return [[f"--models={m}", f"--variants={v}", *[f"--tiled-mlp={t}"] * bool(t), *rest]
             for m in a.models.split(",") for v in a.variants.split(",")
             for t in (a.tiled_mlp if v != "lm_head" else (0,))]
@@ -231,7 +237,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="add a torch.profiler kernel breakdown per measurement")
     p.add_argument("--tiled-mlp", type=tile_counts, default=[0],
                    help="comma list of MLP token-tile counts to measure each variant with (0: untiled)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="build each model with its first N decoder layers (default: all)")
     a = p.parse_args(argv)
+    if a.layers is not None and a.layers < 1:
+        p.error(f"--layers: give at least 1, got {a.layers}")
     if unknown := [v for v in a.variants.split(",") if v not in VARIANTS]:
         p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
@@ -241,7 +251,8 @@ def main(argv=None) -> int:
         return max(subprocess.call([sys.executable, os.path.abspath(__file__), *argv]) for argv in argvs)
     ctx = init_distributed("cuda")
     with GpuTelemetry(torch.cuda.current_device()) as telemetry:  # one model, one variant
-        bench_one(a.models, a.variants, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile, a.tiled_mlp[0])
+        bench_one(a.models, a.variants, a.tokens, a.seq_len, a.repeats, ctx, telemetry, a.profile, a.tiled_mlp[0],
+                  a.layers)
     return 0
 
 

@@ -3,6 +3,7 @@ figures rest on them), and the benchmarks' refusals of options they would misrep
 
 import argparse
 
+import pytest
 import torch
 
 from bench.rollout import engine_config, eos_ids, step_bytes, step_seconds, step_trend
@@ -151,12 +152,19 @@ def test_train_bench_measures_each_model_and_variant_in_a_fresh_process():
     from bench.train import measurement_argvs
 
     a = Namespace(models="m05,m15", variants="base,ac_offload", tokens=8192, seq_len=256, repeats=3, profile=True,
-                  tiled_mlp=[0])
+                  tiled_mlp=[0], layers=None)
     rest = ["--tokens=8192", "--seq-len=256", "--repeats=3", "--profile"]
     assert measurement_argvs(a) == [[f"--models={m}", f"--variants={v}", *rest]
                                     for m in ("m05", "m15") for v in ("base", "ac_offload")]
     a.models, a.variants, a.profile = "m05", "ac", False
     assert measurement_argvs(a) == [["--models=m05", "--variants=ac", *rest[:3]]]
+    a.layers = 4  # a truncated shape: every child builds the same first 4 layers
+    assert measurement_argvs(a) == [["--models=m05", "--variants=ac", *rest[:3], "--layers=4"]]
+    from bench.train import main
+
+    with pytest.raises(SystemExit) as e:  # refused before any GPU is looked for
+        main(["--layers", "0"])
+    assert e.value.code == 2
 
 
 def test_every_engine_is_measured_in_a_fresh_process():

@@ -239,7 +239,7 @@ def test_train_bench_measures_each_tile_count_in_a_process_of_its_own():
     from bench.train import main, measurement_argvs, tile_counts
 
     a = Namespace(models="m05", variants="base,lm_head", tokens=8192, seq_len=256, repeats=3, profile=False,
-                  tiled_mlp=tile_counts("0,8,8"))
+                  tiled_mlp=tile_counts("0,8,8"), layers=None)
     rest = ["--tokens=8192", "--seq-len=256", "--repeats=3"]
     assert measurement_argvs(a) == [
         ["--models=m05", "--variants=base", *rest], ["--models=m05", "--variants=base", "--tiled-mlp=8", *rest],
