@@ -10,7 +10,9 @@ expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I
 `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
 expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
 (token, slot) order and summed over the slots: a fixed order of additions (no atomics), as transformers'
-grouped_mm path sums them.
+grouped_mm path sums them. Both reorderings are permutations, so their backward passes are gathers by the inverse
+permutation (`_Permuted`), not the generic index backward (an accumulating `index_put_`, which sorts its indices
+on CUDA: 12.6 ms of a 210 ms four-layer qwen3-30b-a3b update on an H100, against about 2 ms as gathers).
 
 Two paths compute the same products: on CUDA in bfloat16 (with hidden and expert sizes multiples of 8, the
 kernel's 16-byte strides) `torch.nn.functional.grouped_mm` over all experts at once, with the groups' ends
@@ -80,6 +82,27 @@ def _gated(h: torch.Tensor, act: str) -> torch.Tensor:
     return activation(gate, act) * up
 
 
+class _Permuted(torch.autograd.Function):
+    """`x[index // copies]`, where `index` is a permutation of `range(len(x) * copies)` and `inverse` its inverse:
+    each row of `x` taken `copies` times, the copies in the order `index` gives. The backward gathers the gradient
+    back by `inverse` and sums each row's `copies` (adjacent after the gather) in one reduction: no atomics, no
+    sort, a fixed order of additions."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return x[index // copies if copies > 1 else index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inverse, = ctx.saved_tensors
+        grad = grad[inverse]
+        if ctx.copies > 1:
+            grad = grad.view(-1, ctx.copies, *grad.shape[1:]).sum(dim=1)
+        return grad, None, None, None
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: str = "silu", grouped: bool | None = None) -> torch.Tensor:
     """`[T, H]`: `Σ_k weights[t, k] · down[e](act(gate[e] x_t) · up[e] x_t)` for `e = experts[t, k]` (module
@@ -90,7 +113,8 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     num_experts = gate_up.shape[0]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-    rows = x[order // top_k]
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = _Permuted.apply(x, order, inverse, top_k)
     if grouped if grouped is not None else use_grouped_mm(x, gate_up):
         counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -103,6 +127,5 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
                   for e, group in enumerate(rows.split(sizes)) if sizes[e]]
         out = torch.cat(pieces) if pieces else rows.new_zeros(0, down.shape[1])
     out = out * weights.reshape(-1)[order, None]
-    # back to (token, slot) order: `order` is a permutation, so the gather's backward adds no two rows
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    # back to (token, slot) order
+    return _Permuted.apply(out, inverse, order, 1).view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

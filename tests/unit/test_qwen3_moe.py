@@ -88,6 +88,17 @@ def test_route_and_experts_forward_are_the_per_token_formula(norm):
     assert (got - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_experts_forward_gradients_pass_gradcheck(top_k):
+    """The backward of experts_forward (its reorderings by expert and back, which gather the gradient by the inverse
+    permutation and sum each token's copies) against central differences in float64: the gradients of the tokens,
+    the routing weights and both expert tensors; one expert picked by no token."""
+    x, weight, gate_up, down = _experts(torch.float64, tokens=7, experts=4, hidden=8, inter=4)
+    weights, experts = route(x, weight, top_k, True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    assert torch.autograd.gradcheck(lambda a, w, gu, d: experts_forward(a, w, experts, gu, d), leaves)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 def test_the_grouped_gemm_path_is_the_loop_path(dtype, tol):
     """The grouped-GEMM path (CUDA bf16's; torch's CPU kernel takes float32 and bf16) gives the loop path's outputs
