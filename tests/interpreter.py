@@ -3,9 +3,14 @@ every kernel launch they made for a Hopper GPU.
 
 The variable must be set before triton is imported and changes every later `@triton.jit` in
 the process, so a test file runs itself as a script in a child (`report(__file__)`), the
-child runs its checks (`main(checks)`) and prints a JSON report, and the tests read it
-(`tests(__file__, CHECKS)`: one test per check, one child run per file): nothing leaks into the
-pytest process.
+child runs its checks (`main(_checks(), CHECKS)`, `_checks` returning the locals that define them) and
+prints a JSON report, and the tests read it (`tests(__file__, CHECKS)`: one test per check, one child run
+per file): nothing leaks into the pytest process.
+
+The checks share what they run: `close` (two tensors within a tolerance), and for an engine
+`random_model`, `cpu_engine` and `engine_matches_torch` (its Triton path's tokens and log-probs
+against its PyTorch path's, over `PROMPTS` and `sampled()` unless given other runs, e.g. `greedy()`;
+`same_tokens` compares two outputs).
 
 The interpreter runs a kernel's Python, not Triton's compiler: a kernel that the compiler
 rejects (the return types of two branches of a `constexpr` if disagree, say) passes every
@@ -211,9 +216,81 @@ def close(a, b, tol: float) -> float:
     return err
 
 
-def main(checks: dict) -> None:
-    """In the child: run each named check (returns its max error), recording the kernel launches, and print
-    the report."""
+def random_model(args, norm_mean: float = 1.0, norm_std: float = 0.2):
+    """In a check: meshppo's model of `args` (ModelArgs) with random weights from torch's global generator, large
+    enough that every token choice matters: norm weights `norm_mean` + `norm_std` · N(0, 1) (Gemma 3's norms scale by
+    1 + weight: mean 0), the others 0.3 · N(0, 1)."""
+    import torch
+
+    from models import Transformer
+
+    model = Transformer.build(args, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(norm_mean + norm_std * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
+    return model
+
+
+def cpu_engine(args, model, dtype=None):
+    """In a check: a CPU engine of `args` (blocks of 4 tokens, 16 of them, 8 tokens a step: prompts are chunked and
+    sequences span blocks) holding `model`'s weights, in `dtype` (float32 unless given)."""
+    import torch
+
+    from rollout import EngineConfig, LLMEngine
+
+    engine = LLMEngine(args, EngineConfig(dtype=dtype or torch.float32, block_size=4, num_kv_blocks=16,
+                                          max_num_batched_tokens=8), device="cpu")
+    engine.load_weights(model.named_parameters())
+    return engine
+
+
+# Two prompts, of 3 tokens and of 10 (longer than a step's 8: a chunked prefill)
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+def sampled(max_tokens: int = 4, **kw):
+    """Sampling parameters drawing two samples a prompt at temperature 0.9 (seed 1): prefill, then decode steps of
+    several rows."""
+    from rollout import SamplingParams
+
+    return SamplingParams(**{**dict(temperature=0.9, n=2, max_tokens=max_tokens, seed=1), **kw})
+
+
+def greedy(max_tokens: int = 4):
+    """Greedy sampling parameters (temperature 0): one sample a prompt, its log-probs at temperature 1."""
+    from rollout import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def logprob_gap(got: list, ref: list) -> float:
+    """The largest difference of the log-probs of the outputs `got` and `ref` (lists of RequestOutput, paired)."""
+    return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+
+
+def same_tokens(got: list, ref: list) -> float:
+    """In a check: the outputs `got` have the tokens of `ref`; the largest difference of their log-probs."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    return logprob_gap(got, ref)
+
+
+def engine_matches_torch(engine, runs: list | None = None, tol: float = 1e-4) -> float:
+    """In a check: `engine`'s Triton path (`runner.use_triton`) against its PyTorch path over `runs`, a list of
+    (prompts, sampling params) generated in turn (default: PROMPTS sampled()): the same tokens, the log-probs within
+    `tol`; returns their largest difference. The engine is left on the Triton path."""
+    runs = runs or [(PROMPTS, sampled())]
+    outs = []
+    for use_triton in (False, True):
+        engine.runner.use_triton = use_triton
+        outs.append([o for prompts, sp in runs for o in engine.generate(prompts, sp)])
+    err = same_tokens(outs[1], outs[0])
+    assert err <= tol, f"log-probs differ by {err} > {tol}"
+    return err
+
+
+def main(checks: dict, names: list[str]) -> None:
+    """In the child: run each check of `names` (returns its max error) from `checks` (a test file's `_checks()`:
+    the locals that define them), recording the kernel launches, and print the report."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     problem = _interpreter_problem()
     if problem is not None:
@@ -221,7 +298,8 @@ def main(checks: dict) -> None:
         return
     out, launches = {}, {}
     _record_launches(launches)
-    for name, check in checks.items():
+    for name in names:
+        check = checks[name]
         t0 = time.perf_counter()
         try:
             out[name] = {"ok": True, "err": check(), "s": time.perf_counter() - t0}

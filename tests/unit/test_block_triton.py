@@ -398,8 +398,7 @@ def _checks(bf16: bool = True) -> dict:
         return transformer(args, {"rms_norm_fwd": 26, "rms_norm_bwd": 26, "swiglu_fwd": 4, "swiglu_bwd": 4,
                                   "rope": 8})
 
-    scope = locals()
-    return {name: scope[name] for name in CHECKS}
+    return locals()
 
 
 interpreter_report, test_fused_op_matches_float64_under_interpreter, test_fused_op_kernels_compile_for_hopper = \
@@ -527,7 +526,7 @@ def _round_bf16_like_the_gpu() -> bool:
 
 
 if __name__ == "__main__":
-    interpreter.main(_checks(bf16=_round_bf16_like_the_gpu()))
+    interpreter.main(_checks(bf16=_round_bf16_like_the_gpu()), CHECKS)
 
 
 def test_mlp_fuses_the_down_projection_only_when_it_is_a_plain_linear(monkeypatch):

@@ -20,10 +20,7 @@ def _checks() -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    def close(a, b, tol):
-        err = (a.float() - b.float()).abs().max().item()
-        assert err <= tol, f"max error {err} > {tol}"
-        return err
+    close = interpreter.close
 
     def unit_offset_norms():
         # each against TorchOps with unit_offset, and far from the norm by the weight alone; hidden 96 (not a power
@@ -68,30 +65,16 @@ def _checks() -> dict:
 
     def engine(head_dim: int, layers: list[str], window: int, dtype=torch.float32):
         # a Gemma 3 model: the Triton path's tokens are the PyTorch path's, in prefill and decode steps
-        from models import ModelArgs, Transformer
-        from rollout import EngineConfig, LLMEngine, SamplingParams
+        from models import ModelArgs
 
         args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers),
                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64,
                          model_type="gemma3_text", extra_hf={"sliding_window": window, "layer_types": layers,
                                                              "query_pre_attn_scalar": 12})
-        model = Transformer.build(args, seed=0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(0.3 * torch.randn(p.shape))
-        engine = LLMEngine(args, EngineConfig(dtype=dtype, block_size=4, num_kv_blocks=16,
-                                              max_num_batched_tokens=8), device="cpu")
-        engine.load_weights(model.named_parameters())
-        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-        sp = (SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1) if dtype == torch.float32
-              else SamplingParams(temperature=0, max_tokens=4))
-        ref = engine.generate(prompts, sp)
-        engine.runner.use_triton = True
-        got = engine.generate(prompts, sp)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-        err = max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
-        assert err <= (1e-4 if dtype == torch.float32 else 1e-2), err
-        return err
+        engine = interpreter.cpu_engine(args, interpreter.random_model(args, norm_mean=0.0, norm_std=0.3), dtype)
+        if dtype == torch.float32:
+            return interpreter.engine_matches_torch(engine)
+        return interpreter.engine_matches_torch(engine, [(interpreter.PROMPTS, interpreter.greedy())], tol=1e-2)
 
     def engine_gemma3():
         return engine(16, ["sliding_attention", "full_attention"], 3)
@@ -105,8 +88,7 @@ def _checks() -> dict:
         # log-probs within fp16's rounding
         return engine(256, ["sliding_attention", "full_attention"], 5, torch.float16)
 
-    scope = locals()
-    return {name: scope[name] for name in CHECKS}
+    return locals()
 
 
 interpreter_report, test_gemma3_kernel_matches_torch_under_interpreter, test_gemma3_kernels_compile_for_hopper = \
@@ -114,4 +96,4 @@ interpreter_report, test_gemma3_kernel_matches_torch_under_interpreter, test_gem
 
 
 if __name__ == "__main__":
-    interpreter.main(_checks())
+    interpreter.main(_checks(), CHECKS)

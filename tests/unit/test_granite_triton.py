@@ -22,17 +22,13 @@ def _checks() -> dict:
     close = interpreter.close
 
     def granite(attention_bias):
-        from models import ModelArgs, Transformer
+        from models import ModelArgs
 
         args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, model_type="granite",
                          attention_bias=attention_bias, mlp_bias=attention_bias, embedding_multiplier=3.0,
                          residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
-        model = Transformer.build(args, seed=0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1 + 0.3 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
-        return args, model
+        return args, interpreter.random_model(args, norm_std=0.3)
 
     def rms_norm_scale():
         # a branch output times 0.4 before the residual add: plain rows, split-K products (float32, summed first),
@@ -55,25 +51,9 @@ def _checks() -> dict:
     def engine_granite():
         # a Granite model (the four scalars; with attention_bias and mlp_bias, o_proj's bias): the Triton path's
         # tokens and log-probs are the PyTorch path's, in prefill and decode steps, sampled and greedy
-        from rollout import EngineConfig, LLMEngine, SamplingParams
-
-        errs = []
-        for bias in (False, True):
-            args, model = granite(bias)
-            engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
-                                                  max_num_batched_tokens=8), device="cpu")
-            engine.load_weights(model.named_parameters())
-            prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-            for sp in (SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1),
-                       SamplingParams(temperature=0, max_tokens=4)):
-                engine.runner.use_triton = False
-                ref = engine.generate(prompts, sp)
-                engine.runner.use_triton = True
-                got = engine.generate(prompts, sp)
-                assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-                errs.append(max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)))
-        assert max(errs) <= 1e-4, errs
-        return max(errs)
+        runs = [(interpreter.PROMPTS, interpreter.sampled()), (interpreter.PROMPTS, interpreter.greedy())]
+        return max(interpreter.engine_matches_torch(interpreter.cpu_engine(*granite(bias)), runs)
+                   for bias in (False, True))
 
     def lm_head_granite():
         # the trainer's log-probs and entropy through the Triton LM head (forced, float32) at a temperature and at
@@ -109,8 +89,7 @@ def _checks() -> dict:
             del os.environ["MESHPPO_LM_HEAD"]
         return max(errs)
 
-    scope = locals()
-    return {name: scope[name] for name in CHECKS}
+    return locals()
 
 
 interpreter_report, test_granite_kernel_matches_torch_under_interpreter, test_granite_kernels_compile_for_hopper = \
@@ -118,4 +97,4 @@ interpreter_report, test_granite_kernel_matches_torch_under_interpreter, test_gr
 
 
 if __name__ == "__main__":
-    interpreter.main(_checks())
+    interpreter.main(_checks(), CHECKS)

@@ -523,95 +523,57 @@ def _checks() -> dict:
 
     def engine_window():
         # a Mistral whose every layer attends through a window of 6, generating past it (prompts of 3 and 10,
-        # 12 new tokens; chunked prefill of 8 tokens a step): the Triton path's tokens are the PyTorch path's
+        # 12 new tokens; chunked prefill of 8 tokens a step): the Triton path's tokens are the PyTorch path's, its
+        # log-probs within 1e-4 of the PyTorch path's, which differ by more than 1e-3 from the whole context's
         from models import ModelArgs
-        from rollout import SamplingParams
 
-        engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       model_type="mistral", extra_hf={"sliding_window": 6}))
+        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, model_type="mistral",
+                         extra_hf={"sliding_window": 6})
+        engine = interpreter.cpu_engine(args, interpreter.random_model(args))
         assert engine.model.windows == [6, 6]
-        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-        sp = SamplingParams(temperature=0.9, n=2, max_tokens=12, seed=1)
-        ref = engine.generate(prompts, sp)
-        engine.runner.use_triton = True
-        got = engine.generate(prompts, sp)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        sp = interpreter.sampled(max_tokens=12)
+        windowed = engine.generate(interpreter.PROMPTS, sp)
         engine.model.windows = [None, None]  # the whole context: other log-probs past the window
-        full = engine.generate(prompts, sp)
-        assert max(abs(a - b) for x, y in zip(full, ref) for a, b in zip(x.logprobs, y.logprobs)) > 1e-3
-        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+        full = engine.generate(interpreter.PROMPTS, sp)
+        assert interpreter.logprob_gap(full, windowed) > 1e-3
+        engine.model.windows = [6, 6]
+        return interpreter.engine_matches_torch(engine, [(interpreter.PROMPTS, sp)])
+
+    # the two prompts sampled twice each, then one sequence alone (decode steps of one row; several splits)
+    def two_runs(max_tokens):
+        return [(interpreter.PROMPTS, interpreter.sampled(max_tokens)),
+                (interpreter.PROMPTS[:1], interpreter.sampled(n=1, seed=2))]
 
     def engine_end_to_end():
-        from rollout import EngineConfig, LLMEngine, SamplingParams
-
-        args, model = tiny_model()
-        engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
-                                              max_num_batched_tokens=8), device="cpu")
-        engine.load_weights(model.named_parameters())
-        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-        sp = SamplingParams(temperature=0.9, n=2, max_tokens=3, seed=1)
-        one = SamplingParams(temperature=0.9, max_tokens=4, seed=2)  # one sequence: decode steps of one row
-        ref = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
-        engine.runner.use_triton = True
-        got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
-
-    def tiny_engine(args):
-        """A float32 CPU engine with the weights of a random model of `args` (norm weights near 1)."""
-        from models import Transformer
-        from rollout import EngineConfig, LLMEngine
-
-        model = Transformer.build(args, seed=0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1 + 0.2 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
-        engine = LLMEngine(args, EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=16,
-                                              max_num_batched_tokens=8), device="cpu")
-        engine.load_weights(model.named_parameters())
-        return engine
+        return interpreter.engine_matches_torch(interpreter.cpu_engine(*tiny_model()), two_runs(3))
 
     def engine_qwen3():
         # a Qwen3 model (per-head q/k norms, head_dim 16 against hidden / heads 8): the Triton path's tokens
         # are the PyTorch path's, in prefill and decode steps
         from models import ModelArgs
-        from rollout import SamplingParams
 
-        engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       max_position_embeddings=64, model_type="qwen3"))
-        prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-        sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
-        ref = engine.generate(prompts, sp)
-        engine.runner.use_triton = True
-        got = engine.generate(prompts, sp)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-        return max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+        args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         model_type="qwen3")
+        return interpreter.engine_matches_torch(interpreter.cpu_engine(args, interpreter.random_model(args)))
 
     def engine_padded_head():
         # head_dim 20 and 8 (GQA 2): heads padded to 32 and 16 lanes in the RoPE and attention kernels
         # (`head_lanes`); the Triton path's tokens are the PyTorch path's, in prefill and decode steps, one
         # split a sequence and several
         from models import ModelArgs
-        from rollout import SamplingParams
         from rollout.triton_kernels import head_lanes
 
         dims = (4, 8, 16, 20, 64, 80, 96, 100, 128, 256)
         assert [head_lanes(d) for d in dims] == [16, 16, 16, 32, 64, 128, 128, 128, 128, 256]
         errs = []
         for head_dim in (20, 8):
-            engine = tiny_engine(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                                           max_position_embeddings=64))
-            prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
-            sp = SamplingParams(temperature=0.9, n=2, max_tokens=4, seed=1)
-            one = SamplingParams(temperature=0.9, max_tokens=4, seed=2)  # one sequence: several splits
-            ref = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
-            engine.runner.use_triton = True
-            got = engine.generate(prompts, sp) + engine.generate(prompts[:1], one)
-            assert [o.token_ids for o in got] == [o.token_ids for o in ref], head_dim
-            errs += [abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)]
+            args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                             max_position_embeddings=64)
+            engine = interpreter.cpu_engine(args, interpreter.random_model(args))
+            errs.append(interpreter.engine_matches_torch(engine, two_runs(4)))
         return max(errs)
 
     def engine_padded_prefill():
@@ -647,8 +609,7 @@ def _checks() -> dict:
         assert engine.runner._pre_dev is not None
         engine.free_graphs()  # the padded prefill's buffers and use counts go with the graphs
         assert engine.runner._pre_dev is None and engine.runner._pre_h is None and not engine.runner._prefill_uses
-        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
-        return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
+        return interpreter.same_tokens(outs[1], outs[0])
 
     def engine_graphed_io():
         # The captured decode step's I/O through the pinned halves, with a graph stood in for by its
@@ -686,11 +647,9 @@ def _checks() -> dict:
         assert len(replays) == engine.last_stats["decode_steps"] > 4
         assert len({k[0] for k in engine.runner.graphs}) >= 2, engine.runner.graphs.keys()
         assert len({len(o.token_ids) for o in outs[1]}) >= 3
-        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
-        return max(abs(a - b) for x, y in zip(*outs) for a, b in zip(x.logprobs, y.logprobs))
+        return interpreter.same_tokens(outs[1], outs[0])
 
-    scope = locals()
-    return {name: scope[name] for name in CHECKS}
+    return locals()
 
 
 interpreter_report, test_triton_kernel_matches_torch_under_interpreter, test_engine_kernels_compile_for_hopper = \
@@ -698,4 +657,4 @@ interpreter_report, test_triton_kernel_matches_torch_under_interpreter, test_eng
 
 
 if __name__ == "__main__":
-    interpreter.main(_checks())
+    interpreter.main(_checks(), CHECKS)
