@@ -4,8 +4,9 @@ implementation that the training model (`models.transformer.MoE`) and the engine
 `route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
 `k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
 Qwen3MoeTopKRouter, OlmoeTopKRouter) or kept in float32 (`float32_weights`: MixtralTopKRouter, whose expert outputs
-are then weighted in float32 and their sum rounded once); with `replay` (routing replay, R3) the given experts
-replace the top-k and are weighted by the same softmax at their ids. `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
+are then weighted in float32 and their sum rounded once); with `replay` (routing replay, R2 / R3) the given experts
+replace the top-k and are weighted by the same softmax at their ids. A record of expert ids (the engine's, R3; the
+old-log-prob pass's, R2) is kept in `routing_dtype`. `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
 expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
 `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
 expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
@@ -42,7 +43,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: boo
     under router `weight [E, H]`: the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in
     descending order, divided by their sum where `norm_topk_prob`.
 
-    `replay [T, k]` (any integer dtype; routing replay, R3: the experts the rollout engine routed each token to)
+    `replay [T, k]` (any integer dtype; routing replay: the experts the rollout engine routed each token to, R3, or
+    those the old-log-prob pass's routers chose, R2)
     replaces the top-k selection alone: the experts are `replay`, their weights the same softmax's probabilities
     at those ids, renormalised and rounded as above, so the router still gets its gradient through them. Replaying
     the natural top-k computes exactly what routing does."""
@@ -59,6 +61,11 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: boo
     if norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return (top if float32_weights else top.to(logits.dtype)), experts
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The integer dtype of a record of expert ids (routing replay): uint8 up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 def route_model(x: torch.Tensor, weight: torch.Tensor, args,

@@ -264,13 +264,15 @@ class MoE(nn.Module):
         self.experts = Experts(args)
         self.args, self.act = args, args.mlp_activation
 
-    def forward(self, x, replay: torch.Tensor | None = None):
-        """`replay [rows of x, k]`: each token's experts instead of the router's top-k (`models.moe.route`)."""
+    def forward(self, x, replay: torch.Tensor | None = None, record: bool = False):
+        """`replay [rows of x, k]`: each token's experts instead of the router's top-k (`models.moe.route`).
+        `record`: returns `(output, experts [rows of x, k])`, the experts each token ran through (routing replay
+        R2's record: the routing itself, not a second one)."""
         rows = x.reshape(-1, x.shape[-1])
         weights, experts = moe.route_model(rows, self.gate.weight, self.args, replay)
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                                  self.act)
-        return out.view(x.shape)
+                                  self.act).view(x.shape)
+        return (out, experts) if record else out
 
 
 class TransformerBlock(nn.Module):
@@ -299,23 +301,34 @@ class TransformerBlock(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None,
-                shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None):
-        """`routed_experts [tokens, k]` (a sparse layer's, in `x`'s row order): the experts its MoE replays."""
+                shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None,
+                record_routing: bool = False):
+        """`routed_experts [tokens, k]` (a sparse layer's, in `x`'s row order): the experts its MoE replays.
+        `record_routing` (a sparse layer): returns `(x, experts [tokens, k])`, the experts its MoE ran each token
+        through."""
         if self.sandwich_norm:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask,
                                                                  cu_seqlens, max_seqlen, shared))
-            return x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), routed_experts))
-        if self.post_norm:
+            branch, experts = self._mlp(self.pre_feedforward_layernorm(x), routed_experts, record_routing)
+            x = x + self.post_feedforward_layernorm(branch)
+        elif self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention_mask, cu_seqlens, max_seqlen,
                                                                  shared))
-            return x + self.post_feedforward_layernorm(self._mlp(x, routed_experts))
-        x = x + self._scaled(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen,
-                                            shared))
-        return x + self._scaled(self._mlp(self.post_attention_layernorm(x), routed_experts))
+            branch, experts = self._mlp(x, routed_experts, record_routing)
+            x = x + self.post_feedforward_layernorm(branch)
+        else:
+            x = x + self._scaled(self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens,
+                                                max_seqlen, shared))
+            branch, experts = self._mlp(self.post_attention_layernorm(x), routed_experts, record_routing)
+            x = x + self._scaled(branch)
+        return (x, experts) if record_routing else x
 
-    def _mlp(self, x, routed_experts):
-        """The MLP branch; a MoE replays `routed_experts` where given."""
-        return self.mlp(x) if routed_experts is None else self.mlp(x, routed_experts)
+    def _mlp(self, x, routed_experts, record: bool):
+        """The MLP branch and, where `record`, the experts its MoE ran each token through (else None); a MoE
+        replays `routed_experts` where given."""
+        if record:
+            return self.mlp(x, routed_experts, record=True)
+        return (self.mlp(x) if routed_experts is None else self.mlp(x, routed_experts)), None
 
     def _scaled(self, branch):
         """A branch's output times the residual scale (Granite's residual_multiplier; no op at 1)."""
@@ -377,7 +390,10 @@ class Transformer(nn.Module):
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
     unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
     (forward-only). `routed_experts [*input_ids.shape, len(ModelArgs.moe_layers), num_experts_per_tok]` (integer):
-    each token's experts in each sparse layer, which its MoE replays instead of routing (R3, `models.moe.route`).
+    each token's experts in each sparse layer, which its MoE replays instead of routing (routing replay,
+    `models.moe.route`). `record_routing`: the output becomes `(output, record)`, `record` the experts each token
+    ran through in each sparse layer, shaped as `routed_experts` (`models.moe.routing_dtype`): what its routers
+    chose (routing replay R2 records the old-log-prob pass's), or the replayed ones.
     `label_index` (flat positions, int64, repeats allowed) restricts that to the
     given positions, and `labels` then holds one token per entry of `label_index` (a position
     shared by several sequences predicts a different token for each): the outputs are
@@ -468,9 +484,14 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------- forward
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
-                      shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None):
-        """Final-normed hidden states `[..., H]` (see the class docstring for layouts and `routed_experts`)."""
+                      shared: PrefixSharing | None = None, routed_experts: torch.Tensor | None = None,
+                      record_routing: bool = False):
+        """Final-normed hidden states `[..., H]`, and with `record_routing` the record of the experts each token ran
+        through (`(hidden states, record)`; see the class docstring for layouts, `routed_experts` and the record)."""
         replay = self._replay_of_layers(input_ids, routed_experts)
+        if record_routing and not self.args.moe_layers:
+            raise ValueError(f"record_routing on a {self.args.model_type} without sparse layers: no experts to record")
+        shape, record = input_ids.shape, []
         packed = cu_seqlens is not None
         if packed:
             squeeze = input_ids.dim() == 2
@@ -493,13 +514,18 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(RopeFrequencies(self.inv_freq, self.rope_attention_factor), position_ids, x.dtype)
         local = (rope_cos_sin(RopeFrequencies(self.local_inv_freq, self.local_rope_attention_factor), position_ids,
                               x.dtype) if self.local_rope_layers else None)
+        sparse = frozenset(self.args.moe_layers) if record_routing else frozenset()
         for i, layer in enumerate(self.layers):
             rope = local if i in self.local_rope_layers else (cos, sin)
-            x = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared, replay.get(i))
+            if i in sparse:
+                x, experts = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared, replay.get(i), True)
+                record.append(experts.to(moe.routing_dtype(self.args.num_experts)))
+            else:
+                x = layer(x, *rope, attention_mask, cu_seqlens, max_seqlen, shared, replay.get(i))
         x = self.norm(x)
         if packed and squeeze:
             x = x.unsqueeze(0)
-        return x
+        return (x, torch.stack(record, 1).view(*shape, len(record), -1)) if record_routing else x
 
     def _replay_of_layers(self, input_ids, routed_experts) -> dict[int, torch.Tensor]:
         """Layer index -> its `[tokens, k]` slice of `routed_experts [*input_ids.shape, len(moe_layers), k]`
@@ -516,9 +542,17 @@ class Transformer(nn.Module):
     def forward(self, input_ids, position_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
                 labels=None, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 2048,
                 label_index=None, with_sum_pi_squared: bool = False, shared: PrefixSharing | None = None,
-                routed_experts: torch.Tensor | None = None):
-        h = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, shared,
-                               routed_experts)
+                routed_experts: torch.Tensor | None = None, record_routing: bool = False):
+        out = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, shared,
+                                 routed_experts, record_routing)
+        if not record_routing:
+            return self._head(out, labels, temperature, with_entropy, chunk_size, label_index, with_sum_pi_squared)
+        h, record = out
+        return self._head(h, labels, temperature, with_entropy, chunk_size, label_index, with_sum_pi_squared), record
+
+    def _head(self, h, labels, temperature: float, with_entropy: bool, chunk_size: int, label_index,
+              with_sum_pi_squared: bool):
+        """`forward`'s outputs of the final hidden states `h` (logits, values, or log-probs and the rest)."""
         if labels is not None and label_index is not None:
             # Only these (flat) positions are scored: the LM head, the model's widest matmul,
             # then skips prompt tokens and padding.

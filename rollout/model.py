@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from models.args import ModelArgs
-from models.moe import experts_forward, route_model, use_grouped_mm
+from models.moe import experts_forward, route_model, routing_dtype, use_grouped_mm
 from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
 from rollout.attention import AttentionMetadata
@@ -520,8 +520,8 @@ class EngineModel:
 
     def routing_dtype(self) -> torch.dtype:
         """The integer dtype that holds an expert id (`EngineConfig.return_routed_experts`): uint8 up to 256
-        experts, else int16."""
-        return torch.uint8 if self.args.num_experts <= 256 else torch.int16
+        experts, else int16 (`models.moe.routing_dtype`, the trainer's record's)."""
+        return routing_dtype(self.args.num_experts)
 
     def _feed_forward(self, h: torch.Tensor, w: LayerWeights, ops, splits: int,
                       record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -2866,10 +2866,16 @@ def _refuse_rollbacks_without_a_checkpoint(cfg: PPOConfig) -> None:
 
 
 def _check_routing_replay(cfg: PPOConfig) -> None:
-    """Routing replay's keys together (R3: `actor.router_replay.mode`): the replayed experts come from the engine's
-    record, which multi-turn rollouts do not assemble (tool responses join their samples between turns). Whether the
-    model has experts is checked where its config is read (`setup.check_routing_replay`)."""
+    """Routing replay's keys together (`actor.router_replay.mode`): R3's replayed experts come from the engine's
+    record, which multi-turn rollouts do not assemble (tool responses join their samples between turns); R2's from
+    the actor's old-log-prob pass, which bypass mode skips. Whether the model has experts is checked where its config
+    is read (`setup.check_routing_replay`)."""
     arr = cfg.actor_rollout_ref
+    if arr.actor.router_replay.mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode=R2 with algorithm.rollout_correction.bypass_mode="
+                          "true: R2 replays the routing the actor's old-log-prob pass records, and bypass mode runs "
+                          "no such pass (the engine's log-probs are the old ones); use R3 (the engine's routing), or "
+                          "bypass_mode=false")
     if arr.actor.router_replay.mode != "R3":
         return
     if not arr.rollout.enable_rollout_routing_replay:

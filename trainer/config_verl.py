@@ -47,9 +47,7 @@ class MtpConfig:
     num_speculative_tokens: int = opt(1, "verl: tokens drafted per step", no_effect=_MTP_WHY)
 
 
-ROUTER_REPLAY_MODES = ("disabled", "R3")
-_R2_WHY = ("R2 (the update replaying the old-log-prob pass's own routing) is not implemented: R3 replays the rollout "
-           "engine's routing in both")
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 
 
 def _routing_file(what: str):
@@ -65,8 +63,14 @@ class RouterReplayConfig:
     mode: str = opt("disabled", "R3: the actor's old-log-prob pass and its update replay the experts the rollout engine "
                                 "routed each token to (their weights the router's softmax at those experts, so it "
                                 "still learns); needs rollout.enable_rollout_routing_replay=true and a "
-                                "mixture-of-experts model. disabled: the routers route. " + _R2_WHY,
-                    choices=("disabled", "R2", "R3"), unsupported=lambda v: v == "R2")
+                                "mixture-of-experts model. R2: the old-log-prob pass records the experts its routers "
+                                "choose for every token and every mini-batch and epoch of the update replays them "
+                                "(pi_old's routing; the rollout's record, if on, is not used); needs a "
+                                "mixture-of-experts model and the pass (not algorithm.rollout_correction.bypass_mode; "
+                                "an on-policy update that skips the pass routes itself: its one optimizer step's "
+                                "forwards all run pi_old). disabled: the routers route. The reference and the critic "
+                                "route themselves",
+                    choices=ROUTER_REPLAY_MODES)
     record_file: str | None = _routing_file("dump the recorded routing to a file")
     replay_file: str | None = _routing_file("replay routing loaded from a file")
 

@@ -12,6 +12,12 @@ multiple of the group size and each rank of the group runs the model on its cont
 it: the positions it scores are those of its shard, and the outputs are gathered over the group
 (in position order: the order of the unsharded micro-batch) before they are placed.
 
+Routing replay (mixture-of-experts models) goes both ways through these layouts: each row's experts per token
+(`RolloutBatch.routed_experts`, a `Ragged` of `[tokens, sparse layers, k]` rows) are laid out with its tokens for the
+model to replay (`build_micro_batch`), and the record of a forward's own routing (R2's old-log-prob pass) comes back
+to the rows (`RoutingRecord`): both through `MicroBatch.token_places`, where each row's tokens sit in the laid-out
+micro-batch.
+
 Either way the output is `[B, R]` (R = the batch's response width) holding, for response
 token j of sequence b, the quantity computed at the position that predicts it (log-prob of
 the token, entropy of that position's distribution, or the value of the state before it).
@@ -27,6 +33,7 @@ import torch
 
 from models.attention import PrefixSharing
 from models.transfer import host_to_device
+from sharding import comm
 from trainer.batching import Ragged, prompt_groups
 from sharding.ulysses import SequenceParallel, gather_rows, padded_length, per_shard_counts, shard_bounds
 
@@ -55,9 +62,14 @@ class MicroBatch:
     last_rows: torch.Tensor | None = None
     # the work of the whole micro-batch (every shard): tokens run, scored positions, attention pairs
     work: tuple[int, int, float] = (0, 0, 0.0)
-    # routing replay (R3): the experts of each token of `input_ids` (this rank's shard) in each sparse layer,
+    # routing replay: the experts of each token of `input_ids` (this rank's shard) in each sparse layer,
     # `[*input_ids.shape, sparse layers, k]` (0 on padding); None: the routers route
     routed_experts: torch.Tensor | None = None
+    # each row's tokens (prompt + response), their flat places in the whole micro-batch's tokens (every shard's, the
+    # padded layout's `B x S`): a shared prompt's places its first row's, where it is laid out (host, int64)
+    token_places: Ragged | None = None
+    # routing replay R2's record: the forward returns the experts its routers chose (`RoutingRecord`)
+    record_routing: bool = False
 
     def gather(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """Every rank's values at its scored (`last`: last) positions, in position order; `x` itself
@@ -70,17 +82,21 @@ class MicroBatch:
         """The layout arguments of `Transformer.forward` for this micro-batch."""
         kwargs = dict(position_ids=self.position_ids, attention_mask=self.attention_mask,
                       cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, shared=self.shared)
-        return kwargs if self.routed_experts is None else kwargs | {"routed_experts": self.routed_experts}
+        if self.routed_experts is not None:
+            kwargs["routed_experts"] = self.routed_experts
+        return kwargs | {"record_routing": True} if self.record_routing else kwargs
 
 
 def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | list[list[int]], device, packed: bool,
                       pad_token_id: int = 0, sp: SequenceParallel | None = None,
-                      share_prefix: bool = False, routed_experts: Ragged | None = None) -> MicroBatch:
+                      share_prefix: bool = False, routed_experts: Ragged | None = None,
+                      record_routing: bool = False) -> MicroBatch:
     """Lay out `prompts[i] + responses[i]` for one forward pass (`sp`: this rank's shard of the packed
     row, for its Ulysses group; `share_prefix`: rows with the same prompt tokens share one copy of
     it, packed layout only, see `_packed_micro_batch`). `routed_experts` (routing replay: row i holds, for
     each token of `prompts[i] + responses[i]`, its experts `[sparse layers, k]`) is laid out as the tokens are,
-    into `MicroBatch.routed_experts`.
+    into `MicroBatch.routed_experts` (a shared prompt's from its first row). `record_routing`: the forward
+    records its own routing (`MicroBatch.record_routing`, `RoutingRecord`).
 
     Everything is built on the host with NumPy (whole-array operations on the rows' flat arrays,
     `Ragged`; lists of rows are converted first; no per-sequence loop) and moved in one copy from pinned memory that does not wait for
@@ -102,38 +118,34 @@ def build_micro_batch(prompts: Ragged | list[list[int]], responses: Ragged | lis
     # every response token j of sequence b: its row b and its column j
     rows = np.repeat(np.arange(n), lr)
     cols = np.arange(int(lr.sum())) - np.repeat(np.cumsum(lr) - lr, lr)
-    if packed:
-        leaders = prompt_groups(prompts) if share_prefix else np.arange(n)
-        mb, token_rows, within, lo, hi = _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
-                                                             pad_token_id, sp)
-        if routed_experts is not None:
-            routed = _routed_of_tokens(routed_experts, token_rows, within, max(hi, len(token_rows)))[lo:hi]
-            mb.routed_experts, = host_to_device([routed[None]], device)
-        return mb
-    if sp is not None:
-        raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
-    if share_prefix:
-        raise ValueError("prefix sharing needs the packed layout (use_remove_padding=true)")
     lengths = lp + lr
     ends = np.cumsum(lengths)
-    flat = _laid_out(prompts, responses, np.arange(n), np.ones(n, dtype=bool))
-    within = np.arange(len(flat)) - np.repeat(ends - lengths, lengths)  # each token's index in its sequence
-    mb = _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id)
+    # every token of every row, rows in order: its row and its index in its sequence
+    seq = np.repeat(np.arange(n), lengths)
+    within = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)
+    if packed:
+        leaders = prompt_groups(prompts) if share_prefix else np.arange(n)
+        mb, places, (lo, hi) = _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, seq, within,
+                                                   device, pad_token_id, sp)
+        laid = (leaders == np.arange(n))[seq] | (within >= lp[seq])  # a shared prompt's tokens: its first row's
+        shape = (1, hi - lo)
+    else:
+        if sp is not None:
+            raise ValueError("sequence parallelism needs the packed layout (use_remove_padding=true)")
+        if share_prefix:
+            raise ValueError("prefix sharing needs the packed layout (use_remove_padding=true)")
+        flat = _laid_out(prompts, responses, np.arange(n), np.ones(n, dtype=bool))
+        mb, places = _padded_micro_batch(flat, seq, within, lp, lr, rows, cols, device, pad_token_id)
+        laid, shape = slice(None), tuple(mb.input_ids.shape)
+        lo, hi = 0, mb.input_ids.numel()
+    mb.token_places, mb.record_routing = Ragged(places, np.concatenate([[0], ends])), record_routing
     if routed_experts is not None:
-        seq = np.repeat(np.arange(n), lengths)
-        routed = np.zeros((n, mb.input_ids.shape[1], *routed_experts.flat.shape[1:]), routed_experts.flat.dtype)
-        routed[seq, within + np.repeat(int(lp.max()) - lp, lengths)] = routed_experts.flat[
-            routed_experts.offsets[seq] + within]
-        mb.routed_experts, = host_to_device([routed], device)
+        # each laid-out token's experts, zeros on the padding; this rank's shard
+        routed = np.zeros((max(hi, int(places.max(initial=-1)) + 1), *routed_experts.flat.shape[1:]),
+                          routed_experts.flat.dtype)
+        routed[places[laid]] = routed_experts.flat[laid]
+        mb.routed_experts, = host_to_device([routed[lo:hi].reshape(*shape, *routed.shape[1:])], device)
     return mb
-
-
-def _routed_of_tokens(routed_experts: Ragged, token_rows: np.ndarray, within: np.ndarray, total: int) -> np.ndarray:
-    """`[total, sparse layers, k]`: the experts of each laid-out token (row `token_rows[i]`, index `within[i]` in
-    its sequence), zeros for the padding after them."""
-    out = np.zeros((total, *routed_experts.flat.shape[1:]), routed_experts.flat.dtype)
-    out[:len(token_rows)] = routed_experts.flat[routed_experts.offsets[token_rows] + within[:len(token_rows)]]
-    return out
 
 
 def _laid_out(prompts: Ragged, responses: Ragged, order: np.ndarray, with_prompt: np.ndarray) -> np.ndarray:
@@ -151,8 +163,8 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
 
 
-def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device, pad_token_id: int,
-                        sp: SequenceParallel | None) -> MicroBatch:
+def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, seq, index, device, pad_token_id: int,
+                        sp: SequenceParallel | None) -> tuple[MicroBatch, np.ndarray, tuple[int, int]]:
     """All sequences end to end in one row, with `cu_seqlens`; positions restart at 0.
 
     Prefix sharing (`leaders[b]`: the first row with row b's prompt; each row its own without it):
@@ -166,8 +178,9 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
     own, so no real token attends to it) and this rank keeps its shard of the tokens, labels and
     positions; the scored and last positions go in position order (`MicroBatch.gather`).
 
-    Returns the micro-batch, each laid-out token's row and index in its sequence (before any padding), and this
-    rank's bounds `[lo, hi)` of the row (for `build_micro_batch`'s routed experts)."""
+    Returns the micro-batch, the places in the row of every token of every row (`seq`: its row, `index`: its index
+    in its sequence; a shared prompt's tokens where its first row lays them out) and this rank's bounds `[lo, hi)`
+    of the row (for `build_micro_batch`'s `MicroBatch.token_places` and routed experts)."""
     n = len(lp)
     own = leaders == np.arange(n)
     sharing = np.bincount(leaders, minlength=n)[leaders] > 1  # rows of a group of two or more
@@ -177,6 +190,7 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
     start = np.empty(n, dtype=np.int64)
     start[order] = np.cumsum(emitted[order]) - emitted[order]
     pstart = start[leaders]  # where the row's prompt lies
+    places = np.where(index < lp[seq], pstart[seq], (start + ep - lp)[seq]) + index
     flat = _laid_out(prompts, responses, order, own)
     within = (np.arange(len(flat)) + np.repeat((lp - ep - start)[order], emitted[order]))  # positions
     # Segments, two candidates a row in emitted order: a row alone its whole sequence; a sharing row its
@@ -240,18 +254,19 @@ def _packed_micro_batch(prompts, responses, leaders, lp, lr, rows, cols, device,
         layout = PrefixSharing(kv_t, cu_k_t.int(), int(key_len.max()))
     mb = MicroBatch(ids, labels_t, pos, None, cu_t.int(), max_seqlen, *index, n, sp, src_counts, last_counts,
                     layout, last_rows_t if shared else None, work)
-    return mb, np.repeat(order, emitted[order]), within, lo, hi
+    return mb, places, (lo, hi)
 
 
-def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_token_id: int) -> MicroBatch:
+def _padded_micro_batch(flat, seq, within, lp, lr, rows, cols, device,
+                        pad_token_id: int) -> tuple[MicroBatch, np.ndarray]:
     """Prompts left-padded to the longest prompt and responses right-padded, so that every
-    response starts at the same column `max_p`."""
+    response starts at the same column `max_p`. `flat`: the rows' tokens in order, `seq` and `within` each
+    one's row and index in its sequence. Returns the micro-batch and each token's flat place in `[B, S]`."""
     n = len(lp)
     max_p, max_r = int(lp.max()), int(lr.max())
     width = max_p + max_r
     lengths = lp + lr
-    seq = np.repeat(np.arange(n), lengths)  # each token's row
-    column = within + np.repeat(max_p - lp, lengths)
+    column = within + (max_p - lp)[seq]
     ids = np.full((n, width), pad_token_id, dtype=np.int64)
     mask = np.zeros((n, width), dtype=np.int64)
     ids[seq, column] = flat
@@ -263,7 +278,53 @@ def _padded_micro_batch(flat, within, lp, lr, ends, rows, cols, device, pad_toke
     work = (int(lengths.sum()), len(src), float((lengths * lengths / 2).sum()))
     ids_t, labels_t, pos_t, mask_t, *index = host_to_device(
         [ids, labels, pos, mask, src, labels.reshape(-1)[src], rows, cols, last], device)
-    return MicroBatch(ids_t, labels_t, pos_t, mask_t, None, None, *index, n, work=work)
+    return MicroBatch(ids_t, labels_t, pos_t, mask_t, None, None, *index, n, work=work), seq * width + column
+
+
+class RoutingRecord:
+    """One micro-batch's record of its forward's own routing (routing replay R2's old-log-prob pass) on its way to
+    the host: the experts each laid-out token ran through in each sparse layer, the whole micro-batch's (a Ulysses
+    group's shards gathered, in rank order: the row's order), copied from the device into pinned host memory without
+    waiting (an event marks the copy's end: the pass's loop does not wait for the device), and where each row's tokens
+    sit in it (`MicroBatch.token_places`). `rows()` waits for the copy and gives each row's experts as
+    `build_micro_batch` lays them out again: the inverse of its layouts (padded, packed, prefix-shared: every row
+    sharing a prompt gets the record of its one copy; Ulysses shards)."""
+
+    def __init__(self, mb: MicroBatch, record: torch.Tensor):
+        flat = record.reshape(-1, *record.shape[-2:])  # [places of this rank's shard, sparse layers, k]
+        if mb.sp is not None:
+            flat = torch.cat(comm.all_gather(flat, mb.sp.group))
+        self.places, self.done = mb.token_places, None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = flat
+
+    def rows(self) -> Ragged:
+        """Each row's experts, a `Ragged` of `[tokens of prompt + response, sparse layers, k]` rows."""
+        if self.done is not None:
+            self.done.synchronize()
+        return Ragged(self.host.numpy()[self.places.flat], self.places.offsets)
+
+    @staticmethod
+    def join(parts: list[tuple[list[int], RoutingRecord]], n: int) -> Ragged:
+        """The experts of rows `0 .. n - 1` from the micro-batches' records (`parts`: each one's rows, as indices
+        of the `n`, and its record; every row in one micro-batch; a micro-batch without rows, whose record is its
+        placeholder row's, adds none)."""
+        return rows_in_order([record.rows()[:len(rows)] for rows, record in parts], [rows for rows, _ in parts], n)
+
+
+def rows_in_order(pieces: list[Ragged], parts: list[list[int]], n: int) -> Ragged:
+    """Rows `0 .. n - 1` from `pieces` (piece k holds the rows `parts[k]`, in that order; each row in one piece)."""
+    order = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in parts])
+    if not np.array_equal(np.sort(order), np.arange(n)):
+        raise ValueError(f"rows {np.sort(order).tolist()} given: each of the {n} rows exactly once")
+    back = np.empty(n, dtype=np.int64)
+    back[order] = np.arange(n)
+    return Ragged.concat(pieces).take(back)
 
 
 def index_on(idx: list[int], device) -> torch.Tensor:
@@ -284,11 +345,17 @@ def response_logprobs(model, mb: MicroBatch, width: int, temperature: float, wit
                       with_sum_pi_squared: bool = False):
     """(log-probs `[B, R]`, entropy `[B, R]` or None) of the response tokens (only those
     positions go through the LM head); with `with_sum_pi_squared` a third, each token's sum of
-    squared probabilities `[B, R]` (forward-only)."""
-    logp, ent, *sps = model(mb.input_ids, labels=mb.src_labels, temperature=temperature, with_entropy=with_entropy,
-                            label_index=mb.src_index, with_sum_pi_squared=with_sum_pi_squared, **mb.model_kwargs())
+    squared probabilities `[B, R]` (forward-only); with `mb.record_routing` a last, the forward's
+    `RoutingRecord`."""
+    outs = model(mb.input_ids, labels=mb.src_labels, temperature=temperature, with_entropy=with_entropy,
+                 label_index=mb.src_index, with_sum_pi_squared=with_sum_pi_squared, **mb.model_kwargs())
+    if mb.record_routing:
+        outs, record = outs
+    logp, ent, *sps = outs
     out = _place(mb, mb.gather(logp), width), (_place(mb, mb.gather(ent), width) if with_entropy else None)
-    return out + (_place(mb, mb.gather(sps[0]), width),) if with_sum_pi_squared else out
+    if with_sum_pi_squared:
+        out += (_place(mb, mb.gather(sps[0]), width),)
+    return out + (RoutingRecord(mb, record),) if mb.record_routing else out
 
 
 def response_values(model, mb: MicroBatch, width: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ from ppo.core_algos import (compute_pf_ppo_indices, compute_rollout_correction, 
 from trainer.launch import DistContext, collective_failure_exit, init_distributed, stopping_on_error
 from trainer.metrics import data_metrics, trajectory_version_metrics, turn_counts, variance_proxy_metrics
 from trainer.batching import Ragged
+from trainer.forward import rows_in_order
 from trainer.rollout_batch import TOKEN_FIELDS, RolloutBatch
 from trainer.roles import (Actor, AdaptersOffReference, Critic, MicroBatching, Reference, ReferencePolicy,
                            RewardModel, agg_loss_global, masked_mean_global)
@@ -354,7 +355,7 @@ class PPOTrainer:
         trainable = dict(world_size=self.ctx.world_size, response_length=cfg.response_length)
         lp = arr.rollout
         self.actor = Actor(m.actor, m.actor_optim, m.actor_sched, **policy, **trainable,
-                           replay_routing=arr.actor.router_replay.mode == "R3",
+                           router_replay=arr.actor.router_replay.mode,
                            fsdp_cfg=arr.actor.fsdp_config, sp=m.actor_sp,
                            batching=MicroBatching(lp.log_prob_micro_batch_size_per_gpu, lp.log_prob_use_dynamic_bsz,
                                                   lp.log_prob_max_token_len_per_gpu))
@@ -1113,6 +1114,12 @@ class PPOTrainer:
             if (t := getattr(ro, name)) is not None:
                 setattr(whole, name, gather(t))
         whole.other_extras = self._gather_other_extras(ro.other_extras or {}, parts, n)
+        if self.actor.router_replay == "R2":  # the old-log-prob pass's record is of each rank's rows
+            every = [ro.routed_experts]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, ro.routed_experts)
+            whole.routed_experts = rows_in_order(every, parts, n)
         names = list(extras)
         cols = gather(torch.stack([scores.double()] + [torch.tensor(extras[k], dtype=torch.float64, device=self.device)
                                                        for k in names], dim=1))

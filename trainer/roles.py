@@ -32,7 +32,7 @@ from trainer import faults
 from trainer.batching import PrefixGroups, seqlen_workload, shared_prefix_items, token_budget_partitions
 from ppo.core_algos import (BYPASS_LOSS_TYPES, PolicyLossParams, agg_loss, compute_rollout_correction,
                             compute_value_loss, count_loss_units, get_policy_loss_fn, masked_mean, masked_sum)
-from trainer.forward import build_micro_batch, last_token_scores, response_logprobs, response_values
+from trainer.forward import RoutingRecord, build_micro_batch, last_token_scores, response_logprobs, response_values
 from trainer.rollout_batch import OPTIONAL_SEQUENCE_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, RolloutBatch, join_rows
 from sharding import comm
 from sharding.ulysses import SequenceParallel, gather_rows
@@ -120,7 +120,9 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
                           share_prefix: bool = False) -> list[torch.Tensor | None]:
     """The one micro-batch loop of the forward-only passes: plan the micro-batches (every rank
     the same count), run `forward(rows) -> (tensor [B, ...] or None, ...)` (a forward of `model`)
-    on each, scatter each output into `[N, ...]` (float32 zeros where no row wrote). A
+    on each, scatter each output into `[N, ...]` (float32 zeros where no row wrote); an output that
+    is a `RoutingRecord` (routing replay R2) is joined into the `N` rows' `Ragged` once the loop is
+    done (its copies to the host waited for then, not inside the loop). A
     micro-batch without rows still runs its forward, so that FSDP's collectives stay in step
     over ranks. The micro-batches share one cast of the masters (`keep_compute_copies`). With
     `sp` the group's rows are pooled first and this rank's rows of the outputs returned.
@@ -134,14 +136,16 @@ def forward_micro_batches(ro: RolloutBatch, batching: MicroBatching, forward: Ca
         for part in plan_micro_batches(list(range(len(ro))), ro.lengths(), *batching, groups=groups):
             results = forward(ro.take(part))
             if outs is None:
-                outs = [None if r is None else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device)
-                        for r in results]
-            if part:
-                rows = ro.index(part)
-                for out, r in zip(outs, results):
-                    if r is not None:
-                        out[rows] = r
-        return [None if o is None else o[mine] for o in outs]
+                outs = [None if r is None else [] if isinstance(r, RoutingRecord)
+                        else torch.zeros((len(ro),) + tuple(r.shape[1:]), device=ro.device) for r in results]
+            rows = ro.index(part) if part else None
+            for out, r in zip(outs, results):
+                if isinstance(r, RoutingRecord):  # (an empty micro-batch's too: no rows, but its record's shape)
+                    out.append((part, r))
+                elif r is not None and part:
+                    out[rows] = r
+        return [None if o is None else RoutingRecord.join(o, len(ro))[mine] if isinstance(o, list) else o[mine]
+                for o in outs]
 
 
 @dataclass
@@ -316,13 +320,15 @@ class Role:
         finally:
             offload_states(self.model, optimizer, self.fsdp_cfg)
 
-    def _micro_batch(self, sub: RolloutBatch, replay: bool = False):
-        """`sub` laid out for a forward; `replay`: with its routed experts (routing replay), which it must have."""
+    def _micro_batch(self, sub: RolloutBatch, replay: bool = False, record: bool = False):
+        """`sub` laid out for a forward; `replay`: with its routed experts (routing replay), which it must have;
+        `record`: the forward records its routing (`trainer.forward.RoutingRecord`)."""
         if replay and sub.routed_experts is None:
-            raise ValueError("routing replay (actor.router_replay.mode=R3) without the rollout's routed experts: "
-                             "actor_rollout_ref.rollout.enable_rollout_routing_replay must be on")
+            raise ValueError("routing replay without the rows' routed experts: actor.router_replay.mode=R3 replays "
+                             "the rollout's (actor_rollout_ref.rollout.enable_rollout_routing_replay must be on), R2 "
+                             "the old-log-prob pass's record (Actor.log_probs)")
         mb = build_micro_batch(sub.prompts, sub.responses, self.device, self.packed, self.pad, self.sp,
-                               self.share_prefix, sub.routed_experts if replay else None)
+                               self.share_prefix, sub.routed_experts if replay else None, record)
         if sub.prompts:  # an empty micro-batch's placeholder row is not work
             self.work += mb.work
         return mb
@@ -429,26 +435,34 @@ class Reference(Protocol):
 class Actor(TrainableRole):
     """The policy being trained: old log-probs and entropy before the update, and the update."""
 
-    def __init__(self, model, optimizer, scheduler, *, temperature: float, replay_routing: bool = False, **kw):
+    def __init__(self, model, optimizer, scheduler, *, temperature: float, router_replay: str = "disabled", **kw):
         super().__init__(model, optimizer, scheduler, **kw)
         self.temperature = temperature
-        # R3 (actor.router_replay.mode): the old-log-prob pass and the update replay the rollout's routed experts
-        self.replay_routing = replay_routing
+        # actor.router_replay.mode (verl's): R3, the old-log-prob pass and the update replay the rollout's routed
+        # experts; R2, the pass records its own routing (verl's RECORD) and the update replays it (REPLAY_FORWARD)
+        self.router_replay = router_replay
 
     def _forward(self, sub: RolloutBatch, with_entropy: bool, with_sum_pi_squared: bool = False,
-                 replay: bool | None = None):
-        """`replay`: whether the MoE layers replay the rollout's experts (None: `replay_routing`; the adapters-off
-        reference does not)."""
-        mb = self._micro_batch(sub, self.replay_routing if replay is None else replay)
+                 replay: bool = False, record: bool = False):
+        """`replay`: the MoE layers replay the rows' `routed_experts`; `record`: the outputs end with the forward's
+        `RoutingRecord`."""
+        mb = self._micro_batch(sub, replay, record)
         return response_logprobs(self.model, mb, sub.width, self.temperature, with_entropy, with_sum_pi_squared)
 
     def log_probs(self, ro: RolloutBatch, with_entropy: bool = False, with_sum_pi_squared: bool = False):
         """(log-probs `[N, R]`, entropy `[N, R]` or None) of this rank's responses under the actor,
         and with `with_sum_pi_squared` a third, each token's sum of squared probabilities `[N, R]`
-        (`actor.calculate_sum_pi_squared`)."""
-        return tuple(forward_micro_batches(ro, self.batching,
-                                           lambda sub: self._forward(sub, with_entropy, with_sum_pi_squared),
-                                           self.model, self.sp, self.share_prefix))
+        (`actor.calculate_sum_pi_squared`): the old-log-prob pass. Under R3 it replays the rollout's
+        `ro.routed_experts`; under R2 its routers route and it records their choice, every token's experts
+        in each sparse layer, into `ro.routed_experts` (in place of any rollout record: R2 replays the
+        actor's own routing), which the update then replays."""
+        record = self.router_replay == "R2"
+        outs = forward_micro_batches(ro, self.batching, lambda sub: self._forward(
+            sub, with_entropy, with_sum_pi_squared, replay=self.router_replay == "R3", record=record),
+                                     self.model, self.sp, self.share_prefix)
+        if record:
+            *outs, ro.routed_experts = outs
+        return tuple(outs)
 
     def update(self, ro: RolloutBatch, cfg, num_mini_batches: int, kl_loss_coef: float, seed: int, step: int = -1,
                rollout_correction=None) -> dict:
@@ -506,8 +520,12 @@ class Actor(TrainableRole):
         sum_keys = (("actor/loss", "actor/pg_loss") + (("actor/kl_loss",) if cfg.use_kl_loss else ())
                     + (("actor/entropy_loss",) if report_entropy else ()))
 
+        # routing replay: R3 the rollout's experts; R2 the old-log-prob pass's record, or, where an on-policy
+        # update skipped the pass, none: its one optimizer step's forwards all run under pi_old, routing as it does
+        replay = self.router_replay == "R3" or (self.router_replay == "R2" and ro.old_log_probs is not None)
+
         def forward(sub, k):
-            return self._forward(sub, report_entropy or (from_update and k == 0))
+            return self._forward(sub, report_entropy or (from_update and k == 0), replay=replay)
 
         def loss(sub, outputs, k, agg_kw):
             nonlocal first

@@ -550,16 +550,19 @@ def check_tiled_mlp(cfg: PPOConfig) -> None:
 
 
 def check_routing_replay(cfg: PPOConfig) -> None:
-    """ConfigError, before any work, for routing replay's record (`rollout.enable_rollout_routing_replay`, and with
-    it `actor.router_replay.mode=R3`) on a model without experts, naming the key."""
-    r = cfg.actor_rollout_ref.rollout
-    if not r.enable_rollout_routing_replay:
+    """ConfigError, before any work, for routing replay on a model without experts, naming the key: the engine's
+    record (`rollout.enable_rollout_routing_replay`, and with it `actor.router_replay.mode=R3`) or R2's
+    (`actor.router_replay.mode=R2`, the old-log-prob pass's)."""
+    arr = cfg.actor_rollout_ref
+    keys = [key for key, on in (("actor_rollout_ref.actor.router_replay.mode=R2", arr.actor.router_replay.mode == "R2"),
+                                ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                                 arr.rollout.enable_rollout_routing_replay)) if on]
+    if not keys:
         return
-    model = cfg.actor_rollout_ref.model
-    args = _readable_model_args(model.path, model.override_config)
+    args = _readable_model_args(arr.model.path, arr.model.override_config)
     if args is not None and not args.moe_layers:
-        raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true needs a mixture-of-experts "
-                          f"model: the {args.model_type} in {model.path} has no experts to route")
+        raise ConfigError(f"{keys[0]} needs a mixture-of-experts model: the {args.model_type} in {arr.model.path} has "
+                          f"no experts to route")
 
 
 def _router_loss_notes(path: str, overrides: dict | None) -> list[str]:

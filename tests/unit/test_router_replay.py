@@ -273,12 +273,158 @@ def test_each_ulysses_rank_gets_the_routed_experts_of_its_shard():
         assert torch.equal(s.routed_experts[..., 0, 0].long()[s.input_ids != 0], s.input_ids[s.input_ids != 0])
 
 
+# ---------------------------------------------------------------- R2: the old-log-prob pass's own routing
+LAYOUTS = ["packed", "padded", "shared_prefix"]
+
+
+def r2_rollouts(seed: int = 0):
+    """9 rows: 3 prompts (4, 11 and 7 tokens) with 3 responses each (1 to 8 tokens), advantages set."""
+    from trainer.rollout_batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (4, 11, 7)]
+    uids = [u for u in range(3) for _ in range(3)]
+    responses = [torch.randint(1, 96, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in uids]
+    n, width = len(uids), max(map(len, responses))
+    ro = RolloutBatch([prompts[u] for u in uids], responses, uids, [None] * n, [None] * n, [{}] * n, ["stop"] * n,
+                      [[0.0] * len(r) for r in responses], width, torch.device("cpu"))
+    ro.advantages = torch.randn(n, width, generator=g) * ro.response_mask
+    return ro
+
+
+def r2_actor(model, layout: str, micro: int = 4, sp=None):
+    """An R2 actor of `model` in `layout` (old-log-prob micro-batches of `micro` rows; `sp`: its Ulysses group), whose
+    optimizer steps change nothing (SGD at learning rate 0): what its forwards route is the test's subject."""
+    from trainer.roles import Actor, MicroBatching
+
+    return Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, packed=layout != "padded",
+                 share_prefix=layout == "shared_prefix", temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                 world_size=1, response_length=8, batching=MicroBatching(micro, False, 0), sp=sp, router_replay="R2")
+
+
+def check_record_is_each_rows_routing(model, ro) -> None:
+    """`ro.routed_experts` (the R2 pass's record) is, row by row, the experts the model's routers pick for every
+    token of prompt + response in a forward of that row alone (uint8, float64 model)."""
+    record = ro.routed_experts
+    assert record.flat.dtype == np.uint8 and np.array_equal(record.lengths(), ro.lengths())
+    for i, (prompt, response) in enumerate(zip(ro.prompts, ro.responses)):
+        want = own_routing(model, torch.tensor([prompt + response]))[0]
+        got = torch.from_numpy(record.flat[record.offsets[i]:record.offsets[i + 1]]).long()
+        assert torch.equal(got, want), i
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_r2_record_is_each_tokens_routing_and_replays_as_routing(layout):
+    """The R2 old-log-prob pass (Actor.log_probs, micro-batches of 4 rows, the shared prompts laid out once per
+    micro-batch under prefix sharing) records into `ro.routed_experts` every token's experts in both sparse layers:
+    each row's are its own routing (a forward of the row alone; the shared prompt's record reaches every row of its
+    group), and laid out again in other micro-batches (5 and 4 rows) a forward replaying them computes the logits of
+    the forward that routes at every token, bit for bit (float64)."""
+    from trainer.forward import build_micro_batch
+
+    model = Transformer.build(moe_args(), seed=0).double()
+    ro = r2_rollouts()
+    assert ro.routed_experts is None
+    actor = r2_actor(model, layout)
+    with torch.no_grad():
+        old, ent = actor.log_probs(ro, with_entropy=True)
+    assert old.shape == ent.shape == (9, ro.width) and ro.routed_experts is not None
+    check_record_is_each_rows_routing(model, ro)
+    packed, share = layout != "padded", layout == "shared_prefix"
+    for part in ([0, 1, 2, 3, 4], [5, 6, 7, 8]):
+        sub = ro.take(part)
+        mine = build_micro_batch(sub.prompts, sub.responses, "cpu", packed, 0, None, share)
+        replayed = build_micro_batch(sub.prompts, sub.responses, "cpu", packed, 0, None, share, sub.routed_experts)
+        real = (mine.attention_mask if mine.attention_mask is not None else torch.ones_like(mine.input_ids)).bool()
+        with torch.no_grad():  # (a padding token, which no real one attends to, replays expert 0)
+            assert torch.equal(model(replayed.input_ids, **replayed.model_kwargs())[real],
+                               model(mine.input_ids, **mine.model_kwargs())[real])
+
+
+def _no_step(model, optimizer, grad_clip, step=-1):
+    """The update's optimizer step for a float64 model whose step changes nothing (learning rate 0): the gradients
+    dropped (the grad-norm clip takes float32 gradients only)."""
+    optimizer.zero_grad(set_to_none=True)
+    return torch.zeros(()), torch.zeros(())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_r2_update_replays_pi_olds_experts_after_the_routers_change(layout, monkeypatch):
+    """R2 in an update after the routers changed: the pass records A's routing (`_perturbed_pair`'s top-1 model A),
+    then the actor's routers become B's (rolled: each token routes elsewhere). Every forward of the update (2 epochs x
+    3 mini-batches x 2 micro-batches; the optimizer's steps change nothing) replays A's experts: its log-probs are A's,
+    routing itself, of the same rows in the same layout (float64 model, 1e-12), where B routing itself is off by more
+    than 1e-2. An on-policy update (one mini-batch, one epoch) that skipped the pass (old_log_probs None) routes
+    itself: its one step's forwards run pi_old's own routing, which is B's here."""
+    from tests.unit.test_batching import _actor_cfg
+    from trainer.forward import build_micro_batch, response_logprobs
+
+    a, b = _perturbed_pair()
+    reference_a = Transformer.build(a.args, seed=0).double()  # A, as it was
+    actor = r2_actor(a, layout)
+    ro = r2_rollouts()
+    with torch.no_grad():
+        ro.old_log_probs, _ = actor.log_probs(ro)
+        for layer in a.args.moe_layers:
+            a.layers[layer].mlp.gate.weight.copy_(b.layers[layer].mlp.gate.weight)
+    seen = []
+    forward = actor._forward
+
+    def spy(sub, *args, **kw):
+        out = forward(sub, *args, **kw)
+        seen.append((sub, out[0].detach()))
+        return out
+
+    actor._forward = spy
+    monkeypatch.setattr("trainer.roles._grad_norm_and_step", _no_step)
+    cfg = _actor_cfg(ppo_epochs=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.0, use_kl_loss=False)
+    packed, share = layout != "padded", layout == "shared_prefix"
+
+    def gaps(model):
+        """The largest |log-prob - `model`'s own| over the update's forwards."""
+        worst = 0.0
+        for sub, logp in seen:
+            mb = build_micro_batch(sub.prompts, sub.responses, "cpu", packed, 0, None, share)
+            with torch.no_grad():
+                want = response_logprobs(model, mb, sub.width, 1.0, False)[0]
+            worst = max(worst, (logp - want)[sub.response_mask.bool()].abs().max().item())
+        return worst
+
+    actor.update(ro, cfg, num_mini_batches=3, kl_loss_coef=0.0, seed=0)
+    assert len(seen) == 2 * 3 * 2
+    assert gaps(reference_a) <= 1e-12 and gaps(b) > 1e-2
+    seen.clear()
+    ro.old_log_probs = None
+    actor.update(ro, _actor_cfg(ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.0, use_kl_loss=False),
+                 num_mini_batches=1, kl_loss_coef=0.0, seed=0)
+    assert len(seen) == 3 and gaps(b) <= 1e-12 and gaps(reference_a) > 1e-2
+
+
+def test_a_forward_records_the_experts_it_replays_and_a_dense_model_has_none():
+    """record_routing returns the experts each token ran through: its routers' choice, or the replayed ones, in
+    models.moe.routing_dtype (uint8 here); a model without sparse layers refuses to record."""
+    model = Transformer.build(moe_args(), seed=0).double()
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits, record = model(ids, record_routing=True)
+        assert torch.equal(logits, model(ids)) and record.dtype == torch.uint8
+        assert torch.equal(record.long(), own_routing(model, ids))
+        other = (record + 1) % 6
+        _, replayed = model(ids, routed_experts=other, record_routing=True)
+    assert torch.equal(replayed, other)
+    dense = Transformer.build(moe_args(mlp_only_layers=(0, 1, 2)), seed=0)
+    with pytest.raises(ValueError, match="record_routing on a qwen3_moe without sparse layers"):
+        dense(ids, record_routing=True)
+
+
 # ---------------------------------------------------------------- config
 def test_routing_replay_config_errors_name_the_keys(tmp_path):
-    """R3 without the engine's record, R3 with multi-turn rollouts, the record with rollout.name=hf and the record on a
-    dense model are refused before any work, naming the keys; R2 and the record / replay files are refused as
-    unsupported; R3 with the record on a Qwen3-MoE passes the pre-flight, and so does the record alone (verl's: recorded,
-    not replayed)."""
+    """R3 without the engine's record, R3 with multi-turn rollouts, the record with rollout.name=hf, the record or R2 on
+    a dense model and R2 with rollout correction's bypass mode (no old-log-prob pass to record) are refused before any
+    work, naming the keys; the record / replay files and the reference's replay are refused as unsupported; R3 with
+    the record on a Qwen3-MoE passes the pre-flight, and so do the record alone (verl's: recorded, not replayed) and R2
+    with or without it (R2 does not use it), with multi-turn rollouts and with the HF rollout."""
     from tests.unit.test_attention_window import _cfg
     from trainer.configlib import ConfigError
     from trainer.setup import preflight
@@ -306,7 +452,18 @@ def test_routing_replay_config_errors_name_the_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.enable_rollout_routing_replay=true needs a "
                                           r"mixture-of-experts model: the llama in .*dense has no experts"):
         preflight(_cfg(dense, 16, 32, record), devices=False)
-    for key in ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.ref.router_replay.mode=R3",
-                "actor_rollout_ref.actor.router_replay.record_file=r.pt"):
+    r2 = "actor_rollout_ref.actor.router_replay.mode=R2"
+    for extra in ((), (record,), ("actor_rollout_ref.rollout.multi_turn.enable=true",),
+                  ("actor_rollout_ref.rollout.name=hf",)):
+        preflight(_cfg(moe, 16, 32, r2, *extra), devices=False)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.router_replay\.mode=R2 with algorithm\."
+                                          r"rollout_correction\.bypass_mode=true: R2 replays the routing the actor's "
+                                          r"old-log-prob pass records"):
+        preflight(_cfg(moe, 16, 32, r2, "algorithm.rollout_correction.bypass_mode=true"), devices=False)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.router_replay\.mode=R2 needs a "
+                                          r"mixture-of-experts model: the llama in .*dense has no experts"):
+        preflight(_cfg(dense, 16, 32, r2), devices=False)
+    for key in ("actor_rollout_ref.ref.router_replay.mode=R3", "actor_rollout_ref.actor.router_replay.record_file=r.pt",
+                "actor_rollout_ref.actor.router_replay.replay_file=r.pt"):
         with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')} is not supported by meshppo"):
             _cfg(moe, 16, 32, record, key)

@@ -99,7 +99,7 @@ def test_zero_indexed_step_false_is_refused_with_the_cosine_schedule():
     f"{A}.optim.optimizer=SGD", "critic.optim.optimizer_impl=bitsandbytes.optim",
     f"{A}.optim.override_optimizer_config={{foreach: false}}",
     f"{A}.fsdp_config.forward_only=true", "actor_rollout_ref.ref.fsdp_config.forward_only=false",
-    f"{A}.router_replay.mode=R2", "actor_rollout_ref.ref.router_replay.mode=R3",
+    "actor_rollout_ref.ref.router_replay.mode=R3",
     f"{A}.router_replay.replay_file=r.pt", "actor_rollout_ref.ref.router_replay.record_file=r.pt",
     "actor_rollout_ref.model.hf_config_path=/cfg",
     "actor_rollout_ref.model.mtp.enable=true", f"{R}.mtp.enable_rollout=true",
