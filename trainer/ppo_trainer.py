@@ -881,7 +881,8 @@ class PPOTrainer:
 
     def _old_log_probs(self, full: RolloutBatch, ro: RolloutBatch, parts: list[list[int]], metrics: dict) -> None:
         """`old_log_probs`: the actor's recompute (with `actor/entropy`, and `sum_pi_squared` with
-        `actor.calculate_sum_pi_squared`), the engine's own in bypass mode, or none where an
+        `actor.calculate_sum_pi_squared`; under routing replay R2 its record of each token's experts,
+        `routed_experts`), the engine's own in bypass mode, or none where an
         on-policy update makes its own; and rollout correction's pi_old / pi_rollout weights and rejection mask of
         this rank's rows (`rollout_is_weights`, and `rollout_rs_mask`: what `loss_mask` leaves out of the
         advantages, losses and critic from here on; on `full` too, every rank's masks gathered, for the
@@ -890,6 +891,10 @@ class PPOTrainer:
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
         self._infer_work = np.zeros(3)
+        if self.actor.router_replay == "R2":
+            # R2 replays the routing the pass records (`Actor.log_probs` fills `ro.routed_experts`; PF-PPO's redraw
+            # gathers it): the engine's record, where it was taken, is not used
+            full.routed_experts = ro.routed_experts = None
         reweighted = correction.rollout_is is not None or bool(correction.rejection)
         if correction.bypass_mode or reweighted or lp.calculate_log_probs:
             ro.rollout_log_probs = ro.padded(ro.engine_log_probs)

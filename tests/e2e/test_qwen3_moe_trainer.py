@@ -82,3 +82,22 @@ def test_a_qwen3_moe_replays_the_engines_routing_on_two_ranks_with_a_tp2_engine(
     rank's rows carry their recorded experts into its forwards."""
     check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM",
                            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *R3, launcher=True)
+
+
+R2 = "actor_rollout_ref.actor.router_replay.mode=R2"
+
+
+def test_a_qwen3_moe_trains_two_steps_replaying_its_old_log_prob_pass_routing(qwen3_moe_assets, tmp_path):
+    """R2: the actor's old-log-prob pass records each token's experts and the update's two mini-batches replay them
+    (the second after an optimizer step), with shared prompts laid out once and dynamic batching."""
+    check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM", "trainer.n_gpus_per_node=1", R2,
+                           "actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200")
+
+
+def test_a_qwen3_moe_replays_its_old_log_prob_pass_routing_on_two_ranks_with_pf_ppo(qwen3_moe_assets, tmp_path):
+    """R2 over two gloo ranks with PF-PPO (GAE, a Qwen3-MoE critic routing itself): the redraw gathers every rank's
+    rows' records before it partitions the redrawn batch (the engine's record on too, which R2 does not use)."""
+    check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM", R2, "algorithm.use_pf_ppo=true",
+                           "algorithm.adv_estimator=gae",
+                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", launcher=True)
