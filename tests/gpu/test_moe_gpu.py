@@ -5,6 +5,7 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,43 @@ def test_the_sparse_block_is_transformers_in_bf16(family):
     assert use_grouped_mm(x[0], ours.experts.gate_up_proj)
     err, err_other = (got - ref).abs().mean().item(), (other - ref[0]).abs().mean().item()
     assert err_other > 0 and err <= err_other / 10, (err, err_other)
+
+
+def test_the_r2_record_comes_back_from_the_gpu_without_a_sync_and_replays_as_routing():
+    """Routing replay R2 on the GPU in bf16 (a tiny Qwen3-MoE on the grouped path, 9 rows sharing 3 prompts, packed,
+    one micro-batch): the old-log-prob pass's record (Actor.log_probs) is, token by token, what the routers choose in
+    that micro-batch (the same forward with hooks); taking a forward's record to the host (trainer.forward.
+    RoutingRecord: a copy into pinned memory and an event) syncs nothing (torch.cuda's sync debug mode "error"); and
+    the micro-batch replaying the record computes the routing forward's log-probs bit for bit (the same kernels on
+    the same inputs and experts)."""
+    from models import Transformer
+    from tests.unit.test_router_replay import moe_args, own_routing, r2_actor, r2_rollouts
+    from trainer.forward import RoutingRecord, build_micro_batch, response_logprobs
+
+    model = Transformer.build(moe_args(), device=DEV, dtype=torch.bfloat16, seed=0)
+    assert use_grouped_mm(torch.zeros(1, 32, device=DEV, dtype=torch.bfloat16), model.layers[0].mlp.experts.gate_up_proj)
+    ro = r2_rollouts(device=DEV)
+    with torch.no_grad():
+        r2_actor(model, "shared_prefix", micro=9, device=DEV).log_probs(ro)
+        mb = build_micro_batch(ro.prompts, ro.responses, DEV, True, 0, None, True)
+        laid = own_routing(model, mb.input_ids, **mb.model_kwargs()).reshape(-1, 2, 2).cpu()
+    record = ro.routed_experts
+    assert record.flat.dtype == np.uint8
+    assert torch.equal(torch.from_numpy(record.flat).long(), laid[torch.from_numpy(mb.token_places.flat)])
+    mb = build_micro_batch(ro.prompts, ro.responses, DEV, True, 0, None, True, record_routing=True)
+    with torch.no_grad():
+        _, on_device = model(mb.input_ids, **mb.model_kwargs())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = RoutingRecord(mb, on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pending.host.is_pinned()
+    assert torch.equal(torch.from_numpy(pending.rows().flat), torch.from_numpy(record.flat))
+    replayed = build_micro_batch(ro.prompts, ro.responses, DEV, True, 0, None, True, record)
+    plain = build_micro_batch(ro.prompts, ro.responses, DEV, True, 0, None, True)
+    with torch.no_grad():
+        want, _ = response_logprobs(model, plain, ro.width, 1.0, False)
+        got, _ = response_logprobs(model, replayed, ro.width, 1.0, False)
+    assert torch.equal(got, want) and want.abs().max() > 0.1

@@ -154,3 +154,15 @@ def test_a_mixture_of_experts_trains_on_gpu_with_rollout_routing_replay(tmp_path
         for k in ("actor/pg_loss", "actor/grad_norm", "timing_s/gen"):
             assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (k, row.get(k))
         assert row["actor/grad_norm"] > 0
+
+
+def test_a_mixture_of_experts_trains_on_gpu_replaying_its_old_log_prob_pass_routing(tmp_path):
+    """R2 on the GPU: the bf16 actor's old-log-prob pass records each token's experts (copied to pinned host memory
+    behind the pass's kernels) and the update's mini-batches replay them (prepare_demo's Qwen3-MoE: 4 experts, top 2;
+    the demo's two mini-batches, so the second replays pi_old's routing after an optimizer step)."""
+    _, steps = _run(tmp_path, "grpo", "actor_rollout_ref.actor.router_replay.mode=R2",
+                    model=("--model-type", "qwen3_moe"), steps=2)
+    for row in steps:
+        for k in ("actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/old_log_prob"):
+            assert isinstance(row.get(k), (int, float)) and math.isfinite(row[k]), (k, row.get(k))
+        assert row["actor/grad_norm"] > 0

@@ -277,7 +277,7 @@ def test_each_ulysses_rank_gets_the_routed_experts_of_its_shard():
 LAYOUTS = ["packed", "padded", "shared_prefix"]
 
 
-def r2_rollouts(seed: int = 0):
+def r2_rollouts(seed: int = 0, device="cpu"):
     """9 rows: 3 prompts (4, 11 and 7 tokens) with 3 responses each (1 to 8 tokens), advantages set."""
     from trainer.rollout_batch import RolloutBatch
 
@@ -288,18 +288,18 @@ def r2_rollouts(seed: int = 0):
                  for _ in uids]
     n, width = len(uids), max(map(len, responses))
     ro = RolloutBatch([prompts[u] for u in uids], responses, uids, [None] * n, [None] * n, [{}] * n, ["stop"] * n,
-                      [[0.0] * len(r) for r in responses], width, torch.device("cpu"))
-    ro.advantages = torch.randn(n, width, generator=g) * ro.response_mask
+                      [[0.0] * len(r) for r in responses], width, torch.device(device))
+    ro.advantages = torch.randn(n, width, generator=g).to(device) * ro.response_mask
     return ro
 
 
-def r2_actor(model, layout: str, micro: int = 4, sp=None):
+def r2_actor(model, layout: str, micro: int = 4, sp=None, device="cpu"):
     """An R2 actor of `model` in `layout` (old-log-prob micro-batches of `micro` rows; `sp`: its Ulysses group), whose
     optimizer steps change nothing (SGD at learning rate 0): what its forwards route is the test's subject."""
     from trainer.roles import Actor, MicroBatching
 
     return Actor(model, torch.optim.SGD(model.parameters(), lr=0.0), None, packed=layout != "padded",
-                 share_prefix=layout == "shared_prefix", temperature=1.0, pad_token_id=0, device=torch.device("cpu"),
+                 share_prefix=layout == "shared_prefix", temperature=1.0, pad_token_id=0, device=torch.device(device),
                  world_size=1, response_length=8, batching=MicroBatching(micro, False, 0), sp=sp, router_replay="R2")
 
 
