@@ -77,9 +77,10 @@ class RolloutBatch:
     # batch it was generated in, its prompt's response and data row), the same whichever rank's share
     # holds it; None: by its place in the rows scored
     row_names: list[str] | None = None
-    # routing replay (R3, `actor.router_replay.mode`): per row, the experts the engine routed each token of
-    # prompt + response to in each sparse layer, a `Ragged` of `[tokens, sparse layers, k]` rows (uint8 or int16;
-    # the last token's, never run, 0), which the actor's forwards replay; None without it
+    # routing replay (`actor.router_replay.mode`): per row, the experts each token of prompt + response ran through in
+    # each sparse layer, a `Ragged` of `[tokens, sparse layers, k]` rows (uint8 or int16): R3 the engine's (the last
+    # token's, never run, 0), which the actor's forwards replay; R2 the old-log-prob pass's, which the update replays;
+    # None without one
     routed_experts: Ragged | None = None
     _response_mask: torch.Tensor | None = field(default=None, repr=False)
 
