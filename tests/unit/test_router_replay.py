@@ -418,6 +418,25 @@ def test_a_forward_records_the_experts_it_replays_and_a_dense_model_has_none():
         dense(ids, record_routing=True)
 
 
+def test_compiled_blocks_record_and_replay_as_eager_ones():
+    """actor.use_torch_compile: blocks compiled in place (`sharding.compile.apply_compile`, aot_eager) return the
+    record as eager blocks do (a second packed shape: no stale graph), and replaying it gives eager's logits."""
+    from sharding.compile import apply_compile
+
+    eager = Transformer.build(moe_args(), seed=0).double()
+    compiled = Transformer.build(moe_args(), seed=0).double()
+    apply_compile(compiled, backend="aot_eager")
+    g = torch.Generator().manual_seed(6)
+    for lengths in ([5, 9, 3], [7, 11]):
+        ids = torch.randint(0, 96, (1, sum(lengths)), generator=g)
+        cu = cu_seqlens_from_lengths(lengths)
+        with torch.no_grad():
+            want, record = eager(ids, cu_seqlens=cu, record_routing=True)
+            got, again = compiled(ids, cu_seqlens=cu, record_routing=True)
+            assert torch.equal(again, record) and torch.allclose(got, want, atol=1e-12, rtol=0)
+            assert torch.allclose(compiled(ids, cu_seqlens=cu, routed_experts=record), want, atol=1e-12, rtol=0)
+
+
 # ---------------------------------------------------------------- config
 def test_routing_replay_config_errors_name_the_keys(tmp_path):
     """R3 without the engine's record, R3 with multi-turn rollouts, the record with rollout.name=hf, the record or R2 on
