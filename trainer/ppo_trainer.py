@@ -891,7 +891,7 @@ class PPOTrainer:
         lp, correction = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.rollout_correction
         mask = ro.response_mask
         self._infer_work = np.zeros(3)
-        if self.actor.router_replay == "R2":
+        if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2":
             # R2 replays the routing the pass records (`Actor.log_probs` fills `ro.routed_experts`; PF-PPO's redraw
             # gathers it): the engine's record, where it was taken, is not used
             full.routed_experts = ro.routed_experts = None
@@ -1119,7 +1119,7 @@ class PPOTrainer:
             if (t := getattr(ro, name)) is not None:
                 setattr(whole, name, gather(t))
         whole.other_extras = self._gather_other_extras(ro.other_extras or {}, parts, n)
-        if self.actor.router_replay == "R2":  # the old-log-prob pass's record is of each rank's rows
+        if self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2":  # the pass's record: each rank's rows
             every = [ro.routed_experts]
             if dist.is_initialized() and dist.get_world_size() > 1:
                 every = [None] * dist.get_world_size()
