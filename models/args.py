@@ -1,5 +1,5 @@
 """Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 /
-Qwen2 / Qwen3 / Qwen3-MoE decoder family.
+Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -16,18 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2",
-                         "qwen3", "qwen3_moe")
+                         "qwen2_moe", "qwen3", "qwen3_moe")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
 HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral",
-             "olmo2": "Olmo2", "olmoe": "Olmoe", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3",
-             "qwen3_moe": "Qwen3Moe"}
+             "olmo2": "Olmo2", "olmoe": "Olmoe", "phi3": "Phi3", "qwen2": "Qwen2", "qwen2_moe": "Qwen2Moe",
+             "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
 # takes and `ModelArgs.to_hf_config` writes: Mistral is Llama without the bias flags (transformers' Mistral
 # has no biases). A type without head_dim here (Qwen2, Phi3, OLMo-2: their configs have no such field, their
 # attention reads the attribute where it is set) gets it written only where it is not hidden / heads. Granite is
 # Llama's without head_dim (its config has none) and with its four scalars (`GRANITE_SCALARS`). Qwen3-MoE is
 # Qwen3's with its mixture-of-experts keys (`MOE_KEYS`); Mixtral is Mistral's with its experts (MixtralConfig takes
-# num_experts as its attribute_map's name of num_local_experts, the key it writes), OLMoE OLMo-2's.
+# num_experts as its attribute_map's name of num_local_experts, the key it writes), OLMoE OLMo-2's. Qwen2-MoE is
+# Qwen2's (no head_dim key; its q/k/v biases under `qkv_bias`, `ATTENTION_BIAS_KEY`) with Qwen3-MoE's expert keys and
+# its shared expert's width (`SHARED_EXPERT_TYPES`).
 HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
                   "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
@@ -36,11 +38,14 @@ HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
                   "olmo2": ("attention_bias",), "olmoe": ("attention_bias", "num_experts", "num_experts_per_tok",
                                                           "norm_topk_prob"),
                   "phi3": (), "qwen2": (), "qwen3": ("head_dim", "attention_bias"),
+                  "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"),
                   "qwen3_moe": ("head_dim", "attention_bias", "num_experts", "num_experts_per_tok",
                                 "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
-# The mixture-of-experts types (transformers' MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM) and their
-# `ModelArgs` fields, config.json's keys of the same names (num_experts under either of its names: transformers'
-# Qwen3MoeConfig and MixtralConfig write `num_local_experts`, OlmoeConfig and the hub's Qwen3-MoE `num_experts`).
+# The mixture-of-experts types (transformers' MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
+# Qwen3MoeForCausalLM) and their `ModelArgs` fields, config.json's keys of the same names (num_experts under either of
+# its names: transformers' Qwen3MoeConfig and MixtralConfig write `num_local_experts`; OlmoeConfig, Qwen2MoeConfig and
+# the hub's Qwen3-MoE `num_experts`).
 # Layer i is a sparse block (`ModelArgs.moe_layers`: a router and `num_experts` SwiGLU experts of
 # `moe_intermediate_size`, each token through its top `num_experts_per_tok`) where i is not in `mlp_only_layers` and
 # (i + 1) % `decoder_sparse_step` == 0; the others are dense MLPs of `intermediate_size`. Every other type holds them
@@ -48,10 +53,20 @@ HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
 # moe_intermediate_size: their experts are `intermediate_size` wide, read into moe_intermediate_size (equal to it),
 # and their configs have no decoder_sparse_step or mlp_only_layers (1 and none); Mixtral's router always renormalises
 # its top-k weights (norm_topk_prob true) and keeps them in float32 (`ModelArgs.router_weights_float32`).
-MOE_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 EVERY_LAYER_SPARSE = ("mixtral", "olmoe")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers")
+# The types whose sparse block adds a shared expert to the routed ones (transformers' Qwen2MoeSparseMoeBlock: DeepSeek-
+# MoE's shared expert, as Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B have it): every token through one more SwiGLU MLP,
+# `mlp.shared_expert` of `shared_expert_intermediate_size` (its `SHARED_EXPERT_KEYS`, a `ModelArgs` field of the same
+# name, 0 on every other type), its output times `sigmoid(mlp.shared_expert_gate(x))` (a `[1, H]` projection, no
+# bias) and added to the routed experts' sum. Not routed: routing replay records and replays the routed experts alone.
+SHARED_EXPERT_TYPES = ("qwen2_moe",)
+SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size",)
+# The config key of a type's q/k/v biases where it is not `attention_bias`, and its default there: Qwen2MoeConfig's
+# `qkv_bias` (true by default; its o_proj has no bias).
+ATTENTION_BIAS_KEY = {"qwen2_moe": ("qkv_bias", True)}
 # config.json's keys of a type that meshppo's outputs do not read, kept as read in `ModelArgs.extra_hf` and
 # written back on export (the class's default would replace them): Phi3's original_max_position_embeddings
 # (read by transformers' longrope only, which meshppo refuses, and by its generation's cache reset at that
@@ -60,7 +75,7 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm
 # meshppo's read the logits, never that loss), Mixtral's and OLMoE's too; Mixtral's router_jitter_noise (0 only) and
 # OLMoE's clip_qkv (null only: `_TYPE_REFUSED`).
 _ROUTER_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
-KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": _ROUTER_LOSS_KEYS,
+KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": _ROUTER_LOSS_KEYS, "qwen2_moe": _ROUTER_LOSS_KEYS,
              "mixtral": (*_ROUTER_LOSS_KEYS, "router_jitter_noise"), "olmoe": (*_ROUTER_LOSS_KEYS, "clip_qkv")}
 # transformers' checkpoints of a type that fuse meshppo's projections into one tensor: its module (under each
 # layer) -> meshppo's modules, whose output rows it stacks in this order (Phi3's qkv_proj [q; k; v], as its
@@ -76,11 +91,15 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
 # `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`); its Qwen3Moe every layer
 # by `sliding_window`, only with `use_sliding_window` (its config reads neither max_window_layers nor layer_types);
-# its Mixtral every layer by `sliding_window`, as Mistral. A type whose only key is sliding_window windows every layer.
+# its Mixtral every layer by `sliding_window`, as Mistral; its Qwen2Moe as its Qwen2, but without layer_types every
+# other layer from the first (0, 2, ...) below `max_window_layers` (Qwen2MoeConfig's default layer_types), and its
+# config writes sliding_window 0 where use_sliding_window is false (read as null). A type whose only key is
+# sliding_window windows every layer.
 WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (),
                "mistral": ("sliding_window",), "mixtral": ("sliding_window",), "olmo2": (), "olmoe": (),
                "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+               "qwen2_moe": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                "qwen3_moe": ("use_sliding_window", "sliding_window")}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -91,11 +110,11 @@ _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which
                 "mixtral": "transformers' Mixtral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
-# OLMo-2's, OLMoE's, Gemma 3's and Granite's. OLMo-2's, OLMoE's and Gemma 3's MLPs have no biases
+# OLMo-2's, OLMoE's, Gemma 3's and Granite's. OLMo-2's, OLMoE's, Qwen2-MoE's and Gemma 3's MLPs have no biases
 # (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers would load the export without them; Granite's MLP has
 # Llama's mlp_bias.
 O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "olmo2", "olmoe")
-NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2", "olmoe")
+NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2", "olmoe", "qwen2_moe")
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
@@ -191,6 +210,8 @@ class ModelArgs:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # the shared expert's width (`SHARED_EXPERT_TYPES`: Qwen2-MoE's); 0 on every other type
+    shared_expert_intermediate_size: int = 0
     # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
     # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -356,9 +377,10 @@ class ModelArgs:
     @property
     def windowed_layers(self) -> list[int]:
         """The layers transformers' model of this config attends through `sliding_window`: every
-        one of a Mistral or Phi3 with a window, and of a Qwen3-MoE with `use_sliding_window`; a Qwen2's or Qwen3's `layer_types` sliding_attention ones (without
-        layer_types, config.json before transformers v5, those from `max_window_layers` on), none
-        without `use_sliding_window` (transformers then reads the window as null)."""
+        one of a Mistral or Phi3 with a window, and of a Qwen3-MoE with `use_sliding_window`; a Qwen2's, Qwen2-MoE's or
+        Qwen3's `layer_types` sliding_attention ones (without layer_types, config.json before transformers v5, those
+        from `max_window_layers` on; a Qwen2-MoE's every other one from the first below it, as Qwen2MoeConfig's
+        default layer_types), none without `use_sliding_window` (transformers then reads the window as null)."""
         if self.sliding_window is None or not WINDOW_KEYS[self.model_type]:
             return []
         if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # Mistral's, Phi3's: every layer
@@ -372,6 +394,8 @@ class ModelArgs:
         kinds = self.extra_hf.get("layer_types")
         if kinds is None:
             start = self.extra_hf.get("max_window_layers", 28)  # (transformers' default)
+            if self.model_type == "qwen2_moe":
+                return list(range(0, min(start, self.num_hidden_layers), 2))
             return list(range(start, self.num_hidden_layers))
         return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
 
@@ -395,12 +419,14 @@ class ModelArgs:
         compares it): every field but `extra_hf` (the window and the dtype change no weight), and Granite's scalars
         only on a Granite (elsewhere they hold their neutral values, and checkpoints written before they existed
         record none: those resume); likewise the mixture-of-experts fields (`MOE_KEYS`) only on a mixture-of-experts
-        type (`mlp_only_layers` as a list, as the checkpoint's JSON reads it back). A Gemma 3's attention scale and
+        type (`mlp_only_layers` as a list, as the checkpoint's JSON reads it back), the shared expert's width
+        (`SHARED_EXPERT_KEYS`) only on a type with one. A Gemma 3's attention scale and
         local RoPE base (`GEMMA3_KEYS`, kept in `extra_hf`) are recorded too: they change its logits as rope_theta
         does."""
         recorded = {k: v for k, v in dataclasses.asdict(self).items()
                     if (self.model_type == "granite" or k not in GRANITE_SCALARS)
-                    and (self.model_type in MOE_TYPES or k not in MOE_KEYS)} | {"extra_hf": None}
+                    and (self.model_type in MOE_TYPES or k not in MOE_KEYS)
+                    and (self.model_type in SHARED_EXPERT_TYPES or k not in SHARED_EXPERT_KEYS)} | {"extra_hf": None}
         if self.model_type in MOE_TYPES:
             recorded["mlp_only_layers"] = list(self.mlp_only_layers)
         if self.model_type == "gemma3_text":
@@ -415,8 +441,9 @@ class ModelArgs:
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Parameter count. `include_embedding` adds the input embedding and the LM head: one
         `[vocab, hidden]` matrix when tied, two when untied. `active`: the parameters one token's forward
-        multiplies by, a mixture-of-experts layer's router and `num_experts_per_tok` of its experts (not all
-        `num_experts`: `flops` counts the work that runs); the same as the total on a dense model."""
+        multiplies by, a mixture-of-experts layer's router, `num_experts_per_tok` of its experts (not all
+        `num_experts`: `flops` counts the work that runs) and its shared expert and that expert's gate (Qwen2-MoE's,
+        which every token runs); the same as the total on a dense model."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + \
@@ -424,6 +451,8 @@ class ModelArgs:
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         experts = self.num_experts_per_tok if active else self.num_experts
         sparse = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size  # router, experts
+        if self.shared_expert_intermediate_size:  # the shared expert, its gate
+            sparse += 3 * h * self.shared_expert_intermediate_size + h
         rest = attn + (4 if self.sandwich_norm else 2) * h + (2 * d if self.qk_norm else 0) + \
             (q + kv if self.full_qk_norm else 0)
         n_sparse = len(self.moe_layers)
@@ -461,13 +490,16 @@ class ModelArgs:
     def _projection_shapes(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
         """Each block projection's `(in, out)` features; where `layer` is one of `moe_layers`, its MLP's as one
         token runs them: the router (`gate`, hidden -> experts) and gate / up / down over the
-        `num_experts_per_tok` experts it goes through."""
+        `num_experts_per_tok` experts it goes through and the shared expert (Qwen2-MoE's, with its gate,
+        `shared_expert_gate`: hidden -> 1)."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if layer in self.moe_layers:
-            i = self.num_experts_per_tok * self.moe_intermediate_size
+            i = self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
             shapes["gate"] = (h, self.num_experts)
+            if self.shared_expert_intermediate_size:
+                shapes["shared_expert_gate"] = (h, 1)
         return shapes | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def _lora_shapes(self, lora) -> dict[str, tuple[int, int]]:
@@ -486,7 +518,8 @@ class ModelArgs:
         tensor's gradient only downstream of the first adapter: q / k / v never compute their input
         gradient; without a q / k / v adapter, neither do attention (its `8·heads·head_dim` a pair)
         and o_proj; without an attention adapter, neither do gate / up; and with none of those,
-        neither does down_proj (a sparse layer 0: its router and the experts a token runs, `_projection_shapes`).
+        neither does down_proj (a sparse layer 0: its router, the experts a token runs and a shared expert with its
+        gate, `_projection_shapes`).
         An input gradient costs `2·in·out` for the base, `2·r·in` for an adapter (once for a fused projection's
         shared A)."""
         from models.lora import fused_parts
@@ -504,8 +537,9 @@ class ModelArgs:
         if targets.isdisjoint(qkv):
             per_token += input_grads("o_proj")
             per_pair = 8 * self.num_attention_heads * self.head_dim
-        if targets.isdisjoint((*qkv, "o_proj")):  # (a sparse layer's router reads the MLP's input too)
-            per_token += input_grads("gate_proj", "up_proj", *(("gate",) if "gate" in shapes else ()))
+        if targets.isdisjoint((*qkv, "o_proj")):  # (a sparse layer's router and shared expert gate read it too)
+            per_token += input_grads("gate_proj", "up_proj",
+                                     *(g for g in ("gate", "shared_expert_gate") if g in shapes))
             if targets.isdisjoint(("gate_proj", "up_proj")):
                 per_token += input_grads("down_proj")
         return per_token, per_pair
@@ -525,6 +559,9 @@ class ModelArgs:
         gemma3 = {}
         if model_type == "gemma3_text":  # its RoPE by layer type; the full_attention layers' is ModelArgs' own
             cfg, gemma3 = _gemma3_config(cfg)
+        if model_type == "qwen2_moe" and cfg.get("sliding_window") == 0 and not cfg.get("use_sliding_window"):
+            cfg = cfg | {"sliding_window": None}  # (Qwen2MoeConfig writes 0 for no window: WINDOW_KEYS)
+        bias_key, bias_default = ATTENTION_BIAS_KEY.get(model_type, ("attention_bias", False))
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if model_type == "phi3" or rope_scaling is not None:
@@ -553,7 +590,7 @@ class ModelArgs:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            attention_bias=True if model_type == "qwen2" else bool(cfg.get(bias_key, bias_default)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             model_type=model_type,
@@ -603,6 +640,8 @@ class ModelArgs:
         )
         kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
         kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
+        if self.model_type in ATTENTION_BIAS_KEY:
+            kwargs[ATTENTION_BIAS_KEY[self.model_type][0]] = self.attention_bias
         if "mlp_only_layers" in HF_CONFIG_KEYS[self.model_type]:  # (a JSON list, as Qwen3MoeConfig declares it)
             kwargs.update(mlp_only_layers=list(self.mlp_only_layers))
         kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
@@ -745,20 +784,22 @@ def _check_granite_scalars(args: ModelArgs) -> None:
         setattr(args, key, _number(getattr(args, key), f"config.json's {key}"))
 
 
-# Each mixture-of-experts type's config defaults for the `MOE_KEYS` its config.json may lack (its transformers
-# config class's); Mixtral's and OLMoE's configs have only the first two (and OLMoE's norm_topk_prob): their others
-# are fixed (`EVERY_LAYER_SPARSE`, Mixtral's renormalisation).
+# Each mixture-of-experts type's config defaults for the `MOE_KEYS` (and `SHARED_EXPERT_KEYS`) its config.json may
+# lack (its transformers config class's); Mixtral's and OLMoE's configs have only the first two (and OLMoE's
+# norm_topk_prob): their others are fixed (`EVERY_LAYER_SPARSE`, Mixtral's renormalisation).
 _MOE_DEFAULTS = {
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": None},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": None, "shared_expert_intermediate_size": 5632},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
 }
 
 
 def _hf_moe_fields(cfg: dict) -> dict:
-    """A mixture-of-experts config.json's `MOE_KEYS` as `ModelArgs` fields, with its type's config defaults for those
-    it lacks (`_MOE_DEFAULTS`); num_experts under either of its names (`num_local_experts`, which transformers'
+    """A mixture-of-experts config.json's `MOE_KEYS` (and a Qwen2-MoE's `SHARED_EXPERT_KEYS`) as `ModelArgs` fields,
+    with its type's config defaults for those it lacks (`_MOE_DEFAULTS`); num_experts under either of its names (`num_local_experts`, which transformers'
     Qwen3MoeConfig and MixtralConfig write). Mixtral's and OLMoE's experts are `intermediate_size` wide, every layer
     sparse; Mixtral's top-k weights always renormalised. A key that is no number or list is left to `_check_moe`,
     which names it."""
@@ -781,7 +822,15 @@ def _check_moe(args: ModelArgs) -> None:
     decoder_sparse_step below 1, mlp_only_layers not distinct layer indices in range; on Mixtral and OLMoE
     (`EVERY_LAYER_SPARSE`) experts of another width than intermediate_size, a dense layer, and Mixtral's top-k
     weights not renormalised (their transformers classes have none of these); OLMoE's head_dim other than hidden /
-    heads (its q_norm is hidden_size wide). hidden_act other than silu is refused by `ModelArgs.from_hf_config`."""
+    heads (its q_norm is hidden_size wide). The shared expert's width (`SHARED_EXPERT_KEYS`) set on a type without one,
+    or not a positive integer on a type with one. hidden_act other than silu is refused by
+    `ModelArgs.from_hf_config`."""
+    for key in SHARED_EXPERT_KEYS:
+        if args.model_type in SHARED_EXPERT_TYPES:
+            setattr(args, key, _number(getattr(args, key), f"config.json's {key}", integer=True))
+        elif getattr(args, key):
+            raise ValueError(f"{key} is read for model_type {' / '.join(SHARED_EXPERT_TYPES)} only (transformers' "
+                             f"{args.model_type} has no shared expert)")
     if args.model_type not in MOE_TYPES:
         set_ = [f.name for f in dataclasses.fields(args) if f.name in MOE_KEYS and getattr(args, f.name) != f.default]
         if set_:
@@ -871,7 +920,8 @@ _EXTRA_OVERRIDES = ("sliding_window", "router_jitter_noise")
 # Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
-                     "model_type", "architectures", "hidden_act", "num_labels", *MOE_KEYS, "num_local_experts")
+                     "model_type", "architectures", "hidden_act", "num_labels", *MOE_KEYS, "num_local_experts",
+                     *SHARED_EXPERT_KEYS, "qkv_bias")
 # Those of the Hugging Face model classes that meshppo's own models do not have change nothing:
 _ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or SDPA kernels), not a Hugging Face "
              "implementation")

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.args import FUSED_PROJECTIONS, HF_FAMILY, MOE_TYPES
+from models.args import FUSED_PROJECTIONS, HF_FAMILY, MOE_TYPES, SHARED_EXPERT_TYPES
 from models.checkpoint import meshppo_key_to_hf
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -156,9 +156,11 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     `...ForCausalLM` with `heads` LM_HEAD, or `...ForTokenClassification` with VALUE_HEAD); with a
     `model_type` whose transformers model fuses projections (`FUSED_PROJECTIONS`: Phi3's qkv_proj,
     gate_up_proj), its fused modules in place of their parts, as peft sees that model. The MLP of a layer in
-    `sparse_layers` (`ModelArgs.moe_layers`) is transformers' sparse block (Qwen3-MoE's, Mixtral's, OLMoE's): its
-    router `mlp.gate` and its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes over them), in
-    place of gate_proj, up_proj and down_proj."""
+    `sparse_layers` (`ModelArgs.moe_layers`) is transformers' sparse block (Qwen3-MoE's, Mixtral's, OLMoE's,
+    Qwen2-MoE's): its router `mlp.gate` and its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes
+    over them), in place of gate_proj, up_proj and down_proj; a Qwen2-MoE's (`SHARED_EXPERT_TYPES`) also its shared
+    expert's projections `mlp.shared_expert.gate_proj` .. and their gate `mlp.shared_expert_gate`, which meshppo's
+    LoRA does not target (a list naming gate_proj selects them, and is refused)."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     fused = FUSED_PROJECTIONS.get(model_type, {})
     parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
@@ -171,6 +173,9 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
         names += ([f"{b}.mlp.gate", f"{b}.mlp.experts", f"{b}.mlp.experts.act_fn",
                    *(f"{b}.mlp.experts.{p}" for p in ("gate_up_proj", *MLP_PROJ))] if i in sparse_layers
                   else [f"{b}.mlp.act_fn"])
+        if i in sparse_layers and model_type in SHARED_EXPERT_TYPES:
+            names += [f"{b}.mlp.shared_expert", *(f"{b}.mlp.shared_expert.{p}" for p in (*MLP_PROJ, "act_fn")),
+                      f"{b}.mlp.shared_expert_gate"]
         names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR
                   if p not in parts and not (p in MLP_PROJ and i in sparse_layers)]
         names += [f"{b}.{module}" for module in fused]

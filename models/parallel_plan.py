@@ -4,15 +4,16 @@ The single source of truth for the TP layout, shared by the engine (`rollout/`, 
 weights on load) and the resharder (`sharding/`, which makes FSDP shard the same dimension so
 that a rank's FSDP chunk lies inside the TP shard it needs, docs/ARCHITECTURE.md).
 
-* column-parallel (dim 0): q/k/v projections (weights and biases), gate/up projections,
-  embedding rows and the LM head (vocab-parallel)
-* row-parallel (dim 1): o_proj and down_proj weights; their outputs are all-reduced
+* column-parallel (dim 0): q/k/v projections (weights and biases), gate/up projections (a Qwen2-MoE sparse layer's
+  shared expert's too: `mlp.shared_expert.gate_proj`), embedding rows and the LM head (vocab-parallel)
+* row-parallel (dim 1): o_proj and down_proj weights (the shared expert's too); their outputs are all-reduced (a
+  sparse layer's shared expert's with its routed experts', in one all-reduce)
 * a mixture-of-experts layer's experts (Qwen3-MoE), sharded along their intermediate size, every
   expert alike: `mlp.experts.gate_up_proj` `[E, 2I, H]` on dim 1 in two parts (each expert's gate
   rows, then its up rows: a rank holds the same rows `[j I/t, (j+1) I/t)` of both, `tp_shard_parts`),
   `mlp.experts.down_proj` `[E, H, I]` on dim 2 (row-parallel: the layer's output is all-reduced once)
-* replicated (None): norms, the value head, a MoE layer's router (`mlp.gate.weight`), and biases of
-  row-parallel layers (added once, after the all-reduce)
+* replicated (None): norms, the value head, a MoE layer's router (`mlp.gate.weight`) and shared expert's gate
+  (`mlp.shared_expert_gate.weight`, `[1, H]`), and biases of row-parallel layers (added once, after the all-reduce)
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ _COL_SUFFIXES = (
     "self_attn.v_proj.weight", "self_attn.v_proj.bias",
     "mlp.gate_proj.weight", "mlp.gate_proj.bias",
     "mlp.up_proj.weight", "mlp.up_proj.bias",
+    "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
 )
-_ROW_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_ROW_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_expert.down_proj.weight")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 # an expert parameter's shard dimension (its intermediate size) and how many equal parts that dimension fuses
 _EXPERTS = {"mlp.experts.gate_up_proj": (1, 2), "mlp.experts.down_proj": (2, 1)}

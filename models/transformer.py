@@ -1,5 +1,5 @@
 """A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, Mixtral, OLMo-2, OLMoE, Phi-3 (Phi-4),
-Qwen2, Qwen3 and Qwen3-MoE families.
+Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -8,9 +8,11 @@ conversion a prefix change (and a split of rows where a checkpoint fuses project
 qkv_proj and gate_up_proj, `models.checkpoint.split_fused`). q/k/v and gate/up stay separate
 parameters on purpose: each FSDP chunk range of one of them is then exactly one TP shard
 (docs/ARCHITECTURE.md). A mixture-of-experts layer (`MoE`, `ModelArgs.moe_layers`: Mixtral's, OLMoE's,
-Qwen3-MoE's) holds its experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj [E, 2I, H]` and
-`mlp.experts.down_proj [E, H, I]`, with its router `mlp.gate.weight [E, H]` (`models/moe.py` computes them;
-checkpoints store one tensor per expert and projection, Mixtral's under its own names: `models.checkpoint`).
+Qwen2-MoE's, Qwen3-MoE's) holds its experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj
+[E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, with its router `mlp.gate.weight [E, H]` (`models/moe.py` computes
+them; checkpoints store one tensor per expert and projection, Mixtral's under its own names: `models.checkpoint`);
+a Qwen2-MoE's also its shared expert, an `MLP` at `mlp.shared_expert`, and that expert's gate
+`mlp.shared_expert_gate.weight [1, H]`, under transformers' names.
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """
@@ -202,12 +204,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The gated MLP (SwiGLU; Gemma 3's GeGLU) of `intermediate_size` (default: `args.intermediate_size`, a dense
+    layer's; a Qwen2-MoE sparse layer's shared expert is one of `shared_expert_intermediate_size`)."""
+
     #: token tiles of the tiled MLP (`models.tiled_mlp`, verl's `model.tiled_mlp`); None: untiled
     num_shards: int | None = None
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        h, m = args.hidden_size, args.intermediate_size
+        h, m = args.hidden_size, intermediate_size or args.intermediate_size
         self.gate_proj = nn.Linear(h, m, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, m, bias=args.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=args.mlp_bias)
@@ -254,14 +259,19 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
-    OlmoeSparseMoeBlock): each token through its top `num_experts_per_tok` experts by the router, their outputs
-    weighted by the router's probabilities (`models.moe.route_model`, in float32 where
-    `ModelArgs.router_weights_float32`; `models.moe.experts_forward`)."""
+    OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): each token through its top `num_experts_per_tok` experts by the
+    router, their outputs weighted by the router's probabilities (`models.moe.route_model`, in float32 where
+    `ModelArgs.router_weights_float32`; `models.moe.experts_forward`). A Qwen2-MoE's (`SHARED_EXPERT_TYPES`) adds its
+    shared expert, which every token runs through, unrouted: `routed + sigmoid(shared_expert_gate(x)) *
+    shared_expert(x)`, in transformers' order of operations."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = Router(args)
         self.experts = Experts(args)
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         self.args, self.act = args, args.mlp_activation
 
     def forward(self, x, replay: torch.Tensor | None = None, record: bool = False):
@@ -271,7 +281,10 @@ class MoE(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         weights, experts = moe.route_model(rows, self.gate.weight, self.args, replay)
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                                  self.act).view(x.shape)
+                                  self.act)
+        if self.args.shared_expert_intermediate_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        out = out.view(x.shape)
         return (out, experts) if record else out
 
 

@@ -35,7 +35,7 @@ import torch
 from data.dataset import RLHFDataset, read_records, render_prompt
 from data.demo import build_demo_tokenizer, forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
-from models.args import EVERY_LAYER_SPARSE, MOE_TYPES, SUPPORTED_MODEL_TYPES
+from models.args import EVERY_LAYER_SPARSE, MOE_TYPES, SHARED_EXPERT_TYPES, SUPPORTED_MODEL_TYPES
 from trainer.forward import build_micro_batch, response_logprobs
 
 DEFAULTS = dict(model_type="qwen2", n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4,
@@ -54,13 +54,18 @@ def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_he
                    logits_scaling=8.0) if model_type == "granite" else {}
     # A mixture of experts: 4 experts of a quarter of the dense MLP's width, each token through 2, every layer sparse
     # (a Qwen3-MoE as Qwen3-30B-A3B's: its top 8 of 128 renormalised; a Mixtral's top 2 of 8, always renormalised; an
-    # OLMoE's top 8 of 64, not renormalised). Mixtral's and OLMoE's experts are intermediate_size wide.
+    # OLMoE's top 8 of 64, not renormalised; a Qwen2-MoE's, as Qwen1.5-MoE-A2.7B's top 4 of 60, not renormalised, with
+    # a shared expert twice a routed one's width, and Qwen2's q/k/v biases). Mixtral's and OLMoE's experts are
+    # intermediate_size wide.
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-               norm_topk_prob=model_type != "olmoe") if model_type in MOE_TYPES else {}
+               norm_topk_prob=model_type not in ("olmoe", "qwen2_moe")) if model_type in MOE_TYPES else {}
+    if model_type in SHARED_EXPERT_TYPES:
+        moe["shared_expert_intermediate_size"] = hidden
     dense = hidden // 2 if model_type in EVERY_LAYER_SPARSE else hidden * 2
     return ModelArgs(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=hidden, intermediate_size=dense,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                     max_position_embeddings=64, model_type=model_type, attention_bias=model_type == "qwen2",
+                     max_position_embeddings=64, model_type=model_type,
+                     attention_bias=model_type in ("qwen2", "qwen2_moe"),
                      tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=1,
                      initializer_range=init_std, **granite, **moe)
 

@@ -239,7 +239,7 @@ _BASE = dict(num_hidden_layers=3, hidden_size=32, intermediate_size=16, num_expe
      r"mixtral with attention_bias or mlp_bias is not supported \(transformers' Mixtral has no biases"),
     (dict(model_type="mixtral", norm_topk_prob=True, num_experts_per_tok=5), r"num_experts_per_tok=5 exceeds"),
     (dict(model_type="mistral", num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0),
-     r"num_experts_per_tok is read for model_type mixtral / olmoe / qwen3_moe only"),
+     r"num_experts_per_tok is read for model_type mixtral / olmoe / qwen2_moe / qwen3_moe only"),
 ])
 def test_bad_arguments_are_refused_naming_the_key(fields, match):
     with pytest.raises(ValueError, match=match):
