@@ -13,8 +13,8 @@ its identity and follows the new memory. Inside it:
   where t does not divide V, the last rank's rows end in padding, `rollout.parallel.vocab_shard`);
 * row-parallel (input columns sharded): `o_proj` and `down_proj`, followed by one
   all-reduce on the TP group (the only collectives of a layer);
-* replicated: the norms (Qwen3's per-head q/k norms too), a MoE layer's router, and `down_proj`'s
-  bias (added once, after the all-reduce). OLMo-2's q/k norms span the whole q and k projections: every rank
+* replicated: the norms (Qwen3's per-head q/k norms too), a MoE layer's router (and a Qwen2-MoE's shared expert's
+  gate), and `down_proj`'s bias (added once, after the all-reduce). OLMo-2's q/k norms span the whole q and k projections: every rank
   holds them whole and norms its own heads' columns with their part of the weight, by the root mean square of the
   whole projection (each rank's sums of squares, all-reduced: `_full_qk_norm`).
 
@@ -29,12 +29,16 @@ the residual_multiplier a scale of each branch output that `ops.rms_norm` adds t
 logits_scaling the sampler's temperature (`rollout.sampler.Sampler`); its embedding_multiplier multiplies the
 embedding lookup's rows.
 
-A mixture-of-experts layer (Qwen3-MoE, `ModelArgs.moe_layers`) holds, in place of the MLP's projections, its router
+A mixture-of-experts layer (`ModelArgs.moe_layers`) holds, in place of the MLP's projections, its router
 whole (`[E, H]`, replicated) and this rank's slice of every expert's intermediate size: `experts_gate_up`
 `[E, 2 Im/t, H]` (of each expert, gate rows `[j Im/t, (j+1) Im/t)` then the same up rows: the trainer's fused
 `experts.gate_up_proj [E, 2 Im, H]` has two parts along dim 1, `models.parallel_plan.tp_shard_parts`) and
 `experts_down [E, H, Im/t]` (those columns). Its forward is `models.moe`'s, the trainer's own (`_feed_forward`), and
-its weighted sum of the experts is all-reduced once, as `down_proj`'s output is.
+its weighted sum of the experts is all-reduced once, as `down_proj`'s output is. A Qwen2-MoE's sparse layer
+(`ModelArgs.shared_expert_intermediate_size`) also holds its shared expert as a dense layer holds its MLP, this rank's
+`shared_gate_up [2 Is/t, H]` rows and `shared_down [H, Is/t]` columns, and the expert's gate `shared_gate [1, H]`
+whole: each rank adds `sigmoid(h · gate)` times its part of the shared expert's output to its part of the routed sum,
+and the one all-reduce sums both.
 
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
@@ -106,6 +110,9 @@ class LayerWeights:
     router: torch.Tensor | None = None  # [E, H], replicated: a MoE layer's router (`mlp.gate.weight`)
     experts_gate_up: torch.Tensor | None = None  # [E, 2 Im / t, H]: each expert's gate rows, then its up rows
     experts_down: torch.Tensor | None = None  # [E, H, Im / t]  (Im = moe_intermediate_size)
+    shared_gate_up: torch.Tensor | None = None  # [2 Is / t, H]: a Qwen2-MoE's shared expert [gate | up] rows
+    shared_down: torch.Tensor | None = None  # [H, Is / t]  (Is = shared_expert_intermediate_size)
+    shared_gate: torch.Tensor | None = None  # [1, H], replicated: the shared expert's gate
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -151,12 +158,15 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
     """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too): the dense MLPs' and the
-    experts' intermediate sizes are split evenly (a model whose every layer is a MoE block has no dense MLP)."""
+    experts' intermediate sizes are split evenly (a model whose every layer is a MoE block has no dense MLP), and a
+    Qwen2-MoE's shared expert's."""
     sizes = [("num_attention_heads", args.num_attention_heads)]
     if len(args.moe_layers) < args.num_hidden_layers:
         sizes.append(("intermediate_size", args.intermediate_size))
     if args.moe_layers:
         sizes.append(("moe_intermediate_size", args.moe_intermediate_size))
+    if args.moe_layers and args.shared_expert_intermediate_size:
+        sizes.append(("shared_expert_intermediate_size", args.shared_expert_intermediate_size))
     for what, value in sizes:
         if value % tp:
             raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
@@ -231,6 +241,7 @@ class EngineModel:
         self.num_kv_heads = kv_heads_of_rank(args, tp.rank, t)[1]
         self.inter = args.intermediate_size // t
         self.moe_inter = args.moe_intermediate_size // t  # each expert's intermediate rows on this rank
+        self.shared_inter = args.shared_expert_intermediate_size // t  # the shared expert's (Qwen2-MoE's)
         # this rank's vocabulary shard: `vocab_local` rows of the embedding and the LM head, of which the ids
         # `vocab_start + vocab_real` and up are padding (the last rank where t does not divide the vocabulary)
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(args.vocab_size, tp.rank, t)
@@ -319,6 +330,15 @@ class EngineModel:
                 plan[p + "mlp.gate.weight"] = (b + "router", 0, None)
                 plan[p + "mlp.experts.gate_up_proj"] = (b + "experts_gate_up", 0, None)
                 plan[p + "mlp.experts.down_proj"] = (b + "experts_down", 0, None)
+                if self.shared_inter:  # the shared expert as a dense MLP is held, its gate whole
+                    si = self.shared_inter
+                    buffers[b + "shared_gate_up"] = (2 * si, h)
+                    buffers[b + "shared_down"] = (h, si)
+                    buffers[b + "shared_gate"] = (1, h)
+                    plan[p + "mlp.shared_expert.gate_proj.weight"] = (b + "shared_gate_up", 0, si)
+                    plan[p + "mlp.shared_expert.up_proj.weight"] = (b + "shared_gate_up", si, si)
+                    plan[p + "mlp.shared_expert.down_proj.weight"] = (b + "shared_down", 0, None)
+                    plan[p + "mlp.shared_expert_gate.weight"] = (b + "shared_gate", 0, None)
                 continue
             buffers[b + "gate_up_w"] = (2 * inter, h)
             buffers[b + "down_w"] = (h, inter)
@@ -403,7 +423,8 @@ class EngineModel:
                          *self._qk_norms(B.get(f"layers.{i}.q_norm"), B.get(f"layers.{i}.k_norm")),
                          B.get(f"layers.{i}.post_ff_norm"), B.get(f"layers.{i}.o_b"), B.get(f"layers.{i}.pre_ff_norm"),
                          B.get(f"layers.{i}.router"), B.get(f"layers.{i}.experts_gate_up"),
-                         B.get(f"layers.{i}.experts_down"))
+                         B.get(f"layers.{i}.experts_down"), B.get(f"layers.{i}.shared_gate_up"),
+                         B.get(f"layers.{i}.shared_down"), B.get(f"layers.{i}.shared_gate"))
             for i in range(self.args.num_hidden_layers)]
         self.fp8_stale = True
 
@@ -462,10 +483,12 @@ class EngineModel:
     def mlp_activation_width(self) -> int:
         """Elements of a token's MLP branch alive at once on this rank (the engine's activation reserve): a dense
         layer's gate, up and their product (`3 I/t`); a MoE layer's, for each of its top-k experts, those, the copy of
-        its input row and its weighted output that `models.moe.experts_forward` sorts by expert (`k (3 Im/t + 2 H)`)."""
+        its input row and its weighted output that `models.moe.experts_forward` sorts by expert (`k (3 Im/t + 2 H)`),
+        and a shared expert's gate, up, product, output and gated output (`3 Is/t + 2 H`)."""
         a = self.args
         dense = 3 * self.inter if len(a.moe_layers) < a.num_hidden_layers else 0
-        moe = a.num_experts_per_tok * (3 * self.moe_inter + 2 * self.hidden) if a.moe_layers else 0
+        shared = 3 * self.shared_inter + 2 * self.hidden if self.shared_inter else 0
+        moe = a.num_experts_per_tok * (3 * self.moe_inter + 2 * self.hidden) + shared if a.moe_layers else 0
         return max(dense, moe)
 
     @property
@@ -528,7 +551,9 @@ class EngineModel:
         """A layer's MLP branch of its normed input `h [T, H]`, all-reduced: the gated MLP (`down_proj` as its split-K
         products when `splits` > 1, `_row_parallel`) or, on a MoE layer, its experts as the training model runs them
         (`models.moe`: the replicated router picks each token's experts, each rank computes them over its rows of every
-        expert's intermediate size, and their weighted sum is all-reduced once, as `down_proj`'s output is).
+        expert's intermediate size, and their weighted sum is all-reduced once, as `down_proj`'s output is; a shared
+        expert's part of this rank, times its replicated gate's sigmoid, is added before that all-reduce, in
+        transformers' order: `routed + sigmoid(gate) * shared`).
         `record = (buffer [rows, k], rows of h [T])`: a MoE layer writes its tokens' experts there (a scatter on the
         device: no host read, the same in a CUDA graph)."""
         if w.router is None:
@@ -537,7 +562,11 @@ class EngineModel:
         weights, experts = route_model(h, w.router, self.args)
         if record is not None:
             record[0][record[1]] = experts.to(record[0].dtype)
-        return self.tp.all_reduce(experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act))
+        out = experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act)
+        if w.shared_gate is not None:
+            shared = ops.linear(ops.gated_linear(h, w.shared_gate_up, act=self.act), w.shared_down)
+            out = out + torch.sigmoid(F.linear(h, w.shared_gate)) * shared
+        return self.tp.all_reduce(out)
 
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp8 `down_proj` of the gate/up output `h`: (x, x_scale) for the next `rms_norm` - at TP 1 without a bias

@@ -132,15 +132,18 @@ def test_an_fp8_engine_of_a_moe_model_is_refused():
     check_quantization(ModelArgs(model_type="qwen3", head_dim=16), "fp8")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_the_engines_sparse_branch_is_the_training_blocks_in_bf16(model_type):
     """In bf16 the engine's MoE branch (`EngineModel._feed_forward` at TP 1) computes the training model's block bit
     for bit, routing weights rounded as the family rounds them (Mixtral's kept in float32,
-    `ModelArgs.router_weights_float32`): the two route through one call, `models.moe.route_model`. With the weights
-    rounded to bf16 on one side only, the outputs differ."""
+    `ModelArgs.router_weights_float32`): the two route through one call, `models.moe.route_model`; a Qwen2-MoE's
+    shared expert and its gate added as the training block adds them. With the weights rounded to bf16 on one side
+    only, the outputs differ."""
     from models.moe import experts_forward, route
+    from rollout.ops import TorchOps
 
-    extra = dict(intermediate_size=32, mlp_only_layers=()) if model_type != "qwen3_moe" else {}
+    extra = dict(intermediate_size=32, mlp_only_layers=()) if model_type in ("mixtral", "olmoe") else {}
+    extra |= dict(shared_expert_intermediate_size=48) if model_type == "qwen2_moe" else {}
     args = _moe_args(model_type=model_type, norm_topk_prob=model_type != "olmoe", **extra)
     model = Transformer.build(args, seed=0).bfloat16()
     with torch.no_grad():
@@ -154,10 +157,12 @@ def test_the_engines_sparse_branch_is_the_training_blocks_in_bf16(model_type):
         for name, slot in engine.param_slots().items():
             slot.view.copy_(slot.shard_of(params[name].detach()))
         h = torch.randn(37, 64, generator=g).bfloat16()
-        got = engine._feed_forward(h, engine.layers[0], None, 1)
+        got = engine._feed_forward(h, engine.layers[0], TorchOps, 1)
         want = model.layers[0].mlp(h)
         block = model.layers[0].mlp
         weights, chosen = route(h, block.gate.weight, 2, args.norm_topk_prob, not args.router_weights_float32)
         other = experts_forward(h, weights, chosen, block.experts.gate_up_proj, block.experts.down_proj)
+        if model_type == "qwen2_moe":
+            other = other + torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
     assert torch.equal(got, want)
     assert not torch.equal(other, want)

@@ -1,13 +1,14 @@
 """A Qwen3-MoE engine's Triton path against its PyTorch path (the attention, norm and sampling kernels around the
 experts, which both paths run through models.moe), on CPU under Triton's interpreter (`tests/interpreter.py`: the
 checks run in a child process, and every launch they made is compiled for sm_90): a sparse and a dense layer with a
-sliding window, and a model whose every layer is sparse."""
+sliding window, and a model whose every layer is sparse; a Qwen2-MoE's sparse layer, whose shared expert runs through
+the Triton path's gated and plain projections, beside a dense one."""
 
 from __future__ import annotations
 
 from tests import interpreter
 
-CHECKS = ["engine_qwen3_moe_mixed", "engine_qwen3_moe_all_sparse"]
+CHECKS = ["engine_qwen3_moe_mixed", "engine_qwen3_moe_all_sparse", "engine_qwen2_moe_shared_expert"]
 
 
 def _checks() -> dict:
@@ -34,6 +35,10 @@ def _checks() -> dict:
 
     def engine_qwen3_moe_all_sparse():
         return engine(norm_topk_prob=True)
+
+    def engine_qwen2_moe_shared_expert():
+        return engine(model_type="qwen2_moe", head_dim=None, attention_bias=True, shared_expert_intermediate_size=32,
+                      mlp_only_layers=(1,))
 
     return locals()
 
