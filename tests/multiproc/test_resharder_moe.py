@@ -6,7 +6,9 @@ and one a layer) and the naive one, the expert shards cut by hand (rank j: gate 
 of every expert, down columns the same). FSDP shards `experts.down_proj` on its TP dimension (2), so it moves with
 zero redundancy; `experts.gate_up_proj` by expert (dim 0): at TP 1 gathered whole, a counted fallback that moves
 exactly the bytes it must, at TP 2 by one all-to-all (each rank sends the other its TP rows of its experts). The
-float32 engine's greedy tokens from the resharded weights are the full model's."""
+float32 engine's greedy tokens from the resharded weights are the full model's. A Qwen2-MoE's shared expert travels
+as a dense MLP does (its gate and up rows, its down columns, zero redundancy) and its `[1, H]` gate whole, as the
+router does."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ ARGS = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidde
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, model_type="qwen3_moe",
                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,),
                  norm_topk_prob=True)
+# the same layers of a Qwen2-MoE: q/k/v biases, a shared expert of 64 beside each sparse layer's routed experts
+QWEN2_MOE = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, model_type="qwen2_moe", attention_bias=True,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,),
+                      shared_expert_intermediate_size=64)
 
 
 def _expected(name: str, full: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:
@@ -37,13 +44,13 @@ def _expected(name: str, full: torch.Tensor, tp_rank: int, t: int) -> torch.Tens
     return _expected_slice(full, tp_shard_dim(name), tp_rank, t)
 
 
-def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
-    """One configuration (FULL_SHARD over `world` ranks, TP `tp`) on `device` (the GPU check,
+def check_moe(rank: int, world: int, tp: int, device="cpu", args: ModelArgs = ARGS) -> None:
+    """One configuration (FULL_SHARD over `world` ranks, TP `tp`) of the model `args` on `device` (the GPU check,
     tests/gpu/multi_gpu_checks.py, runs it over NCCL)."""
     device = torch.device(device)
     dims = ParallelDims(world, tp=tp)
     meshes = dims.build_meshes(device.type)
-    model = build_fsdp_model(ARGS, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=device)
+    model = build_fsdp_model(args, meshes.train, FSDPConfig(mixed_precision={"param_dtype": "fp32"}), device=device)
     load_full_tensors(model, _peaky_weights(model, seed=3))
     S, t, tp_rank = dims.dp_shard, dims.tp, dims.tp_rank(rank)
     params = dict(model.named_parameters())
@@ -53,12 +60,12 @@ def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
         assert params["layers.0.mlp.gate.weight"].placements[-1] == Shard(0)
     # one training step: the engine must get the live shards
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ids = torch.randint(0, ARGS.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank)).to(device)
-    F.cross_entropy(model(ids[:, :-1]).reshape(-1, ARGS.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    ids = torch.randint(0, args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank)).to(device)
+    F.cross_entropy(model(ids[:, :-1]).reshape(-1, args.vocab_size), ids[:, 1:].reshape(-1)).backward()
     opt.step()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
 
-    engine = _engine(ARGS, torch.bfloat16, meshes, device)
+    engine = _engine(args, torch.bfloat16, meshes, device)
     resharder = Resharder(model, meshes, engine)
     per_layer = Resharder(model, meshes, engine, bucket_bytes=0)
     fast, stats = reshard_every_path(resharder, per_layer, engine,
@@ -74,19 +81,23 @@ def check_moe(rank: int, world: int, tp: int, device="cpu") -> None:
     n = full[gate_ups[0]].numel()
     received = (S - 1) * n // S // t
     extra = len(gate_ups) * (received - (n // t - n // S)) * 2
-    assert fast.bytes_received == fast.bytes_bound + extra, (fast, extra)
+    # a shared expert's gate [1, H] (replicated) is one row, which FSDP's dim-0 chunks pad to one row a rank: each rank
+    # receives the S - 1 others' padded chunks, a whole row each, where the bound counts (S-1)/S of the row
+    uneven = sum((S - 1) * (full[name].numel() - full[name].numel() // S) * 2
+                 for name in full if name.endswith("mlp.shared_expert_gate.weight"))
+    assert fast.bytes_received == fast.bytes_bound + extra + uneven, (fast, extra, uneven)
     assert extra == (0 if t == 1 else len(gate_ups) * n // 2)  # TP 2 of 2 ranks: a quarter of each, 2 bytes each
     assert fast.bytes_received <= stats.bytes_received  # the naive path moves the whole model
-    check_resharded_greedy(model, meshes, ARGS, full, device, (world, tp))
+    check_resharded_greedy(model, meshes, args, full, device, (world, tp))
 
 
 def _one_rank(rank, world):
     check_moe(rank, world, 1)
 
 
-def _two_ranks(rank, world):
+def _two_ranks(rank, world, args=ARGS):
     for tp in (1, 2):
-        check_moe(rank, world, tp)
+        check_moe(rank, world, tp, args=args)
 
 
 def test_reshard_moe_one_rank_tp1():
@@ -95,3 +106,7 @@ def test_reshard_moe_one_rank_tp1():
 
 def test_reshard_moe_two_ranks_tp1_tp2():
     run_distributed(_two_ranks, 2)
+
+
+def test_reshard_a_shared_expert_two_ranks_tp1_tp2():
+    run_distributed(_two_ranks, 2, QWEN2_MOE)
