@@ -168,3 +168,57 @@ def test_the_r2_record_comes_back_from_the_gpu_without_a_sync_and_replays_as_rou
         want, _ = response_logprobs(model, plain, ro.width, 1.0, False)
         got, _ = response_logprobs(model, replayed, ro.width, 1.0, False)
     assert torch.equal(got, want) and want.abs().max() > 0.1
+
+
+def test_a_qwen2_moe_sparse_block_with_its_shared_expert_is_transformers_in_bf16():
+    """meshppo's sparse block of a Qwen2-MoE (the grouped path, plus the shared expert of 4 I, Qwen1.5-MoE-A2.7B's
+    ratio, times the sigmoid of its gate) against transformers' Qwen2MoeSparseMoeBlock with its default grouped_mm
+    experts, bf16 on the GPU, 2048 tokens, top-k weights not renormalised (the family's default): the mean difference is
+    far below what leaving out the shared expert's gate makes (the shared expert added ungated), and the engine's sparse
+    branch (`EngineModel._feed_forward`, TP 1, the PyTorch ops) computes the same block. A tolerance on the mean, as the
+    kernels may order a group's rows differently and the training MLP may take fused SwiGLU kernels."""
+    import types
+
+    transformers = pytest.importorskip("transformers")
+    from models import ModelArgs
+    from models.transformer import MoE
+    from rollout.model import EngineModel
+    from rollout.ops import TorchOps
+
+    shared = 4 * I
+    cfg = transformers.Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=shared,
+                                      num_experts=E, num_experts_per_tok=K, num_attention_heads=8, norm_topk_prob=False)
+    cfg._experts_implementation = "grouped_mm"
+    block = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(cfg)
+    router, gate_up, down = _weights()
+    g = torch.Generator(device=DEV).manual_seed(2)
+    with torch.no_grad():
+        block.gate.weight.copy_(router)
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
+        for p in (*block.shared_expert.parameters(), block.shared_expert_gate.weight):
+            p.copy_(torch.randn(p.shape, generator=g, device=DEV) * p.shape[1] ** -0.5)
+    block = block.to(DEV, torch.bfloat16).eval()
+    args = ModelArgs(model_type="qwen2_moe", hidden_size=H, intermediate_size=shared, num_attention_heads=8,
+                     num_hidden_layers=1, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
+                     shared_expert_intermediate_size=shared, attention_bias=True)
+    ours = MoE(args).to(DEV, torch.bfloat16)
+    ours.load_state_dict(block.state_dict())
+    tp = types.SimpleNamespace(rank=0, size=1, all_reduce=lambda t: t)  # TP 1: the all-reduce is the identity
+    engine = EngineModel(args, tp, torch.bfloat16, DEV, 64)
+    state = {f"layers.0.mlp.{k}": v for k, v in ours.state_dict().items()}
+    x = _inputs(2048)[0].bfloat16()[None]
+    with torch.no_grad():
+        for name, slot in engine.param_slots().items():
+            if name in state:
+                slot.view.copy_(slot.shard_of(state[name]))
+        ref = block(x).double()
+        got = ours(x).double()
+        served = engine._feed_forward(x[0], engine.layers[0], TorchOps, 1).double()
+        weights, chosen = route(x[0], ours.gate.weight, K, False)
+        routed = experts_forward(x[0], weights, chosen, ours.experts.gate_up_proj, ours.experts.down_proj)
+        ungated = (routed + ours.shared_expert(x[0])).double()
+    assert use_grouped_mm(x[0], ours.experts.gate_up_proj)
+    err, err_served = (got - ref).abs().mean().item(), (served - ref[0]).abs().mean().item()
+    err_other = (ungated - ref[0]).abs().mean().item()
+    assert err_other > 0 and err <= err_other / 10 and err_served <= err_other / 10, (err, err_served, err_other)

@@ -27,11 +27,15 @@ MOE_ARGS = dataclasses.replace(ARGS, model_type="qwen3_moe", attention_bias=Fals
 OLMOE_ARGS = dataclasses.replace(MOE_ARGS, model_type="olmoe", attention_bias=True, intermediate_size=16,
                                  mlp_only_layers=())
 MIXTRAL_ARGS = dataclasses.replace(OLMOE_ARGS, model_type="mixtral", attention_bias=False, norm_topk_prob=True)
+# Qwen2-MoE's (its sparse layer's shared expert and that expert's sigmoid gate, under activation checkpointing)
+QWEN2_MOE_ARGS = dataclasses.replace(MOE_ARGS, model_type="qwen2_moe", attention_bias=True,
+                                     shared_expert_intermediate_size=24)
 
 
 @pytest.mark.parametrize("checkpointing, offload, args", [(False, False, ARGS), (True, False, ARGS),
                                                           (True, True, ARGS), (True, False, MOE_ARGS),
-                                                          (False, False, OLMOE_ARGS), (True, False, MIXTRAL_ARGS)])
+                                                          (False, False, OLMOE_ARGS), (True, False, MIXTRAL_ARGS),
+                                                          (True, False, QWEN2_MOE_ARGS)])
 def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload, args):
     torch.manual_seed(0)
     eager = Transformer.build(args, seed=0)

@@ -15,8 +15,14 @@ from tests.unit.hf_family import one_thread
 _one_thread = one_thread
 
 
+# The same layers as a Qwen2-MoE: q/k/v biases and a shared expert of 24 beside each sparse layer's routed experts,
+# which every token runs through unrouted (its records and replays cover the routed experts alone)
+QWEN2_MOE = dict(model_type="qwen2_moe", head_dim=None, attention_bias=True, shared_expert_intermediate_size=24)
+
+
 def moe_args(**kw) -> ModelArgs:
-    """A 3-layer Qwen3-MoE: layers 0 and 2 sparse (6 experts of 16, top-2), layer 1 dense."""
+    """A 3-layer Qwen3-MoE: layers 0 and 2 sparse (6 experts of 16, top-2), layer 1 dense (`QWEN2_MOE`: a
+    Qwen2-MoE's)."""
     return ModelArgs(**{**dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                                model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -314,16 +320,17 @@ def check_record_is_each_rows_routing(model, ro) -> None:
         assert torch.equal(got, want), i
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_r2_record_is_each_tokens_routing_and_replays_as_routing(layout):
+@pytest.mark.parametrize("layout, family", [(layout, {}) for layout in LAYOUTS] + [("shared_prefix", QWEN2_MOE)])
+def test_the_r2_record_is_each_tokens_routing_and_replays_as_routing(layout, family):
     """The R2 old-log-prob pass (Actor.log_probs, micro-batches of 4 rows, the shared prompts laid out once per
     micro-batch under prefix sharing) records into `ro.routed_experts` every token's experts in both sparse layers:
     each row's are its own routing (a forward of the row alone; the shared prompt's record reaches every row of its
     group), and laid out again in other micro-batches (5 and 4 rows) a forward replaying them computes the logits of
-    the forward that routes at every token, bit for bit (float64)."""
+    the forward that routes at every token, bit for bit (float64); a Qwen2-MoE's shared expert, which no record holds,
+    computed alike on both."""
     from trainer.forward import build_micro_batch
 
-    model = Transformer.build(moe_args(), seed=0).double()
+    model = Transformer.build(moe_args(**family), seed=0).double()
     ro = r2_rollouts()
     assert ro.routed_experts is None
     actor = r2_actor(model, layout)
@@ -401,30 +408,34 @@ def test_the_r2_update_replays_pi_olds_experts_after_the_routers_change(layout, 
     assert len(seen) == 3 and gaps(b) <= 1e-12 and gaps(reference_a) > 1e-2
 
 
-def test_a_forward_records_the_experts_it_replays_and_a_dense_model_has_none():
+@pytest.mark.parametrize("family", [{}, QWEN2_MOE])
+def test_a_forward_records_the_experts_it_replays_and_a_dense_model_has_none(family):
     """record_routing returns the experts each token ran through: its routers' choice, or the replayed ones, in
-    models.moe.routing_dtype (uint8 here); a model without sparse layers refuses to record."""
-    model = Transformer.build(moe_args(), seed=0).double()
+    models.moe.routing_dtype (uint8 here), k of them a sparse layer (a Qwen2-MoE's shared expert is not routed and not
+    recorded); a model without sparse layers refuses to record."""
+    model = Transformer.build(moe_args(**family), seed=0).double()
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         logits, record = model(ids, record_routing=True)
-        assert torch.equal(logits, model(ids)) and record.dtype == torch.uint8
+        assert torch.equal(logits, model(ids)) and record.dtype == torch.uint8 and record.shape == (2, 7, 2, 2)
         assert torch.equal(record.long(), own_routing(model, ids))
         other = (record + 1) % 6
         _, replayed = model(ids, routed_experts=other, record_routing=True)
     assert torch.equal(replayed, other)
-    dense = Transformer.build(moe_args(mlp_only_layers=(0, 1, 2)), seed=0)
-    with pytest.raises(ValueError, match="record_routing on a qwen3_moe without sparse layers"):
+    dense = Transformer.build(moe_args(**family, mlp_only_layers=(0, 1, 2)), seed=0)
+    with pytest.raises(ValueError, match=f"record_routing on a {dense.args.model_type} without sparse layers"):
         dense(ids, record_routing=True)
 
 
-def test_compiled_blocks_record_and_replay_as_eager_ones():
+@pytest.mark.parametrize("family", [{}, QWEN2_MOE])
+def test_compiled_blocks_record_and_replay_as_eager_ones(family):
     """actor.use_torch_compile: blocks compiled in place (`sharding.compile.apply_compile`, aot_eager) return the
-    record as eager blocks do (a second packed shape: no stale graph), and replaying it gives eager's logits."""
+    record as eager blocks do (a second packed shape: no stale graph), and replaying it gives eager's logits (a
+    Qwen2-MoE's shared expert in the compiled block too)."""
     from sharding.compile import apply_compile
 
-    eager = Transformer.build(moe_args(), seed=0).double()
-    compiled = Transformer.build(moe_args(), seed=0).double()
+    eager = Transformer.build(moe_args(**family), seed=0).double()
+    compiled = Transformer.build(moe_args(**family), seed=0).double()
     apply_compile(compiled, backend="aot_eager")
     g = torch.Generator().manual_seed(6)
     for lengths in ([5, 9, 3], [7, 11]):
