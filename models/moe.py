@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Mixtral's, OLMoE's and Qwen3-MoE's sparse block), as transformers 5 computes it: the one
-implementation that the training model (`models.transformer.MoE`) and the engine share.
+"""Mixture-of-experts MLP (Mixtral's, OLMoE's, Qwen2-MoE's and Qwen3-MoE's sparse block), as transformers 5 computes
+it: the one implementation that the training model (`models.transformer.MoE`) and the engine share. (A Qwen2-MoE's
+shared expert is no routed expert: each adds it beside these, as a dense MLP.)
 
 `route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
 `k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
