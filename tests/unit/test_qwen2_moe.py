@@ -187,8 +187,8 @@ def test_the_arguments_round_trip():
     """ModelArgs of a Qwen2-MoE config write it back (qkv_bias under its own name, no attention_bias; the shared
     expert's width) and read back the same; the fingerprint records the shared expert's width on a Qwen2-MoE only;
     config.json's sliding_window 0 (what Qwen2MoeConfig writes without use_sliding_window) is no window; a config.json
-    without layer_types (written before transformers v5: Qwen1.5-MoE-A2.7B's) windows Qwen2MoeConfig's default layers,
-    every other one from the first below max_window_layers."""
+    without layer_types and qkv_bias (written before transformers v5: Qwen1.5-MoE-A2.7B's) has q/k/v biases and windows
+    Qwen2MoeConfig's default layers, every other one from the first below max_window_layers."""
     for shape in SHAPES:
         args = ModelArgs.from_hf_config(_qwen2_moe(**shape).config)
         cfg = args.to_hf_config()
@@ -203,8 +203,9 @@ def test_the_arguments_round_trip():
     plain = _qwen2_moe().config.to_dict()
     assert plain["sliding_window"] == 0 and ModelArgs.from_hf_config(plain).sliding_window is None
     hub = plain | dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=16, max_window_layers=5)
-    del hub["layer_types"]
+    del hub["layer_types"], hub["qkv_bias"]  # (the hub's config.json has neither: its q/k/v biases by default)
     args = ModelArgs.from_hf_config(hub)
+    assert args.attention_bias
     assert args.windowed_layers == [0, 2, 4] == [i for i, kind in enumerate(
         transformers.Qwen2MoeConfig(**{k: v for k, v in hub.items() if k != "model_type"}).layer_types)
         if kind == "sliding_attention"]
