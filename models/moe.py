@@ -14,7 +14,7 @@ expert ids), each expert's group goes through one GEMM per projection, the weigh
 (token, slot) order and summed over the slots: a fixed order of additions (no atomics), as transformers'
 grouped_mm path sums them. Both reorderings are permutations, so their backward passes are gathers by the inverse
 permutation (`_Permuted`), not the generic index backward (an accumulating `index_put_`, which sorts its indices
-on CUDA: 12.6 ms of a 210 ms four-layer qwen3-30b-a3b update on an H100, against about 2 ms as gathers).
+on CUDA): a four-layer qwen3-30b-a3b update on an H100 took 206.4 ms against 209.0 with plain indexing.
 
 Two paths compute the same products: on CUDA in bfloat16 (with hidden and expert sizes multiples of 8, the
 kernel's 16-byte strides) `torch.nn.functional.grouped_mm` over all experts at once, with the groups' ends
