@@ -1,5 +1,5 @@
-"""Model hyper-parameters for the Gemma 3 (text) / Granite / Llama / Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 /
-Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE decoder family.
+"""Model hyper-parameters for the Gemma 3 (text) / Granite / Granite-MoE (and its shared-expert variant) / Llama /
+Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
 the benchmarks share. It converts from and to a Hugging Face config, so a checkpoint written
@@ -15,10 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2",
-                         "qwen2_moe", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "granitemoe", "granitemoeshared", "llama", "mistral", "mixtral",
+                         "olmo2", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral",
+HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "granitemoe": "GraniteMoe",
+             "granitemoeshared": "GraniteMoeShared", "llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral",
              "olmo2": "Olmo2", "olmoe": "Olmoe", "phi3": "Phi3", "qwen2": "Qwen2", "qwen2_moe": "Qwen2Moe",
              "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 # The config keys beyond the shared ones (sizes, norm, RoPE, token ids) that each type's transformers config
@@ -29,10 +30,14 @@ HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "llama": "Llama", "m
 # Qwen3's with its mixture-of-experts keys (`MOE_KEYS`); Mixtral is Mistral's with its experts (MixtralConfig takes
 # num_experts as its attribute_map's name of num_local_experts, the key it writes), OLMoE OLMo-2's. Qwen2-MoE is
 # Qwen2's (no head_dim key; its q/k/v biases under `qkv_bias`, `ATTENTION_BIAS_KEY`) with Qwen3-MoE's expert keys and
-# its shared expert's width (`SHARED_EXPERT_TYPES`).
+# its shared expert's width (`SHARED_EXPERT_TYPES`). Granite-MoE is Granite's without mlp_bias (its MLPs have none)
+# and with Mixtral's expert keys; Granite-MoE-Shared adds its shared expert's width (`shared_intermediate_size`).
+_GRANITE_MOE_KEYS = ("attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                     "logits_scaling", "num_local_experts", "num_experts_per_tok")
 HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
                   "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
+                  "granitemoe": _GRANITE_MOE_KEYS, "granitemoeshared": (*_GRANITE_MOE_KEYS, "shared_intermediate_size"),
                   "llama": ("head_dim", "attention_bias", "mlp_bias"), "mistral": ("head_dim",),
                   "mixtral": ("head_dim", "num_experts", "num_experts_per_tok"),
                   "olmo2": ("attention_bias",), "olmoe": ("attention_bias", "num_experts", "num_experts_per_tok",
@@ -45,16 +50,20 @@ HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
 # The mixture-of-experts types (transformers' MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
 # Qwen3MoeForCausalLM) and their `ModelArgs` fields, config.json's keys of the same names (num_experts under either of
 # its names: transformers' Qwen3MoeConfig and MixtralConfig write `num_local_experts`; OlmoeConfig, Qwen2MoeConfig and
-# the hub's Qwen3-MoE `num_experts`).
+# the hub's Qwen3-MoE `num_experts`; GraniteMoeConfig `num_local_experts`).
 # Layer i is a sparse block (`ModelArgs.moe_layers`: a router and `num_experts` SwiGLU experts of
 # `moe_intermediate_size`, each token through its top `num_experts_per_tok`) where i is not in `mlp_only_layers` and
 # (i + 1) % `decoder_sparse_step` == 0; the others are dense MLPs of `intermediate_size`. Every other type holds them
 # at their defaults (no experts). Mixtral and OLMoE (`EVERY_LAYER_SPARSE`) have no dense layers and no
 # moe_intermediate_size: their experts are `intermediate_size` wide, read into moe_intermediate_size (equal to it),
 # and their configs have no decoder_sparse_step or mlp_only_layers (1 and none); Mixtral's router always renormalises
-# its top-k weights (norm_topk_prob true) and keeps them in float32 (`ModelArgs.router_weights_float32`).
-MOE_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
-EVERY_LAYER_SPARSE = ("mixtral", "olmoe")
+# its top-k weights (norm_topk_prob true) and keeps them in float32 (`ModelArgs.router_weights_float32`). Granite-MoE
+# (and Granite-MoE-Shared) is every layer sparse too, its router's softmax taken over the top-k logits
+# (`ModelArgs.router_softmax_topk`: renormalised, norm_topk_prob true).
+MOE_TYPES = ("granitemoe", "granitemoeshared", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+EVERY_LAYER_SPARSE = ("granitemoe", "granitemoeshared", "mixtral", "olmoe")
+# The types that read Granite's scalars (`GRANITE_SCALARS`): transformers' Granite, GraniteMoe and GraniteMoeShared.
+GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers")
 # The types whose sparse block adds a shared expert to the routed ones (transformers' Qwen2MoeSparseMoeBlock: DeepSeek-
@@ -62,8 +71,16 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm
 # `mlp.shared_expert` of `shared_expert_intermediate_size` (its `SHARED_EXPERT_KEYS`, a `ModelArgs` field of the same
 # name, 0 on every other type), its output times `sigmoid(mlp.shared_expert_gate(x))` (a `[1, H]` projection, no
 # bias) and added to the routed experts' sum. Not routed: routing replay records and replays the routed experts alone.
-SHARED_EXPERT_TYPES = ("qwen2_moe",)
+# Granite-MoE-Shared's (transformers' GraniteMoeSharedMLP, at `shared_mlp` beside the sparse block: its fused
+# `input_linear [2 S, H]`, gate rows first, and `output_linear [H, S]`) has no gate: its output is added as it is
+# (`ModelArgs.shared_expert_gated`), and its config's `shared_intermediate_size` may be 0 (no shared expert).
+SHARED_EXPERT_TYPES = ("granitemoeshared", "qwen2_moe")
 SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size",)
+# config.json's name of the shared expert's width where it is not the `ModelArgs` field's (`SHARED_EXPERT_KEYS`).
+SHARED_EXPERT_CONFIG_KEY = {"granitemoeshared": "shared_intermediate_size"}
+# The `ModelArgs` field of each `HF_CONFIG_KEYS` key named otherwise (GraniteMoeConfig has no attribute_map: it takes
+# the experts' count as num_local_experts only, its shared expert's width as shared_intermediate_size).
+_HF_KEY_FIELD = {"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size"}
 # The config key of a type's q/k/v biases where it is not `attention_bias`, and its default there: Qwen2MoeConfig's
 # `qkv_bias` (true by default; its o_proj has no bias).
 ATTENTION_BIAS_KEY = {"qwen2_moe": ("qkv_bias", True)}
@@ -76,6 +93,7 @@ ATTENTION_BIAS_KEY = {"qwen2_moe": ("qkv_bias", True)}
 # OLMoE's clip_qkv (null only: `_TYPE_REFUSED`).
 _ROUTER_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
 KEPT_KEYS = {"phi3": ("original_max_position_embeddings",), "qwen3_moe": _ROUTER_LOSS_KEYS, "qwen2_moe": _ROUTER_LOSS_KEYS,
+             "granitemoe": _ROUTER_LOSS_KEYS, "granitemoeshared": _ROUTER_LOSS_KEYS,
              "mixtral": (*_ROUTER_LOSS_KEYS, "router_jitter_noise"), "olmoe": (*_ROUTER_LOSS_KEYS, "clip_qkv")}
 # transformers' checkpoints of a type that fuse meshppo's projections into one tensor: its module (under each
 # layer) -> meshppo's modules, whose output rows it stacks in this order (Phi3's qkv_proj [q; k; v], as its
@@ -95,7 +113,8 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # other layer from the first (0, 2, ...) below `max_window_layers` (Qwen2MoeConfig's default layer_types), and its
 # config writes sliding_window 0 where use_sliding_window is false (read as null). A type whose only key is
 # sliding_window windows every layer.
-WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "llama": (),
+WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "granitemoe": (),
+               "granitemoeshared": (), "llama": (),
                "mistral": ("sliding_window",), "mixtral": ("sliding_window",), "olmo2": (), "olmoe": (),
                "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
@@ -110,15 +129,15 @@ _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which
                 "mixtral": "transformers' Mixtral has no biases: it would load the exported model without them",
                 "phi3": "transformers' Phi3 has no biases: it would load the exported model without them"}
 # The types whose transformers attention biases o_proj too where attention_bias is set (`ModelArgs.o_proj_bias`):
-# OLMo-2's, OLMoE's, Gemma 3's and Granite's. OLMo-2's, OLMoE's, Qwen2-MoE's and Gemma 3's MLPs have no biases
-# (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers would load the export without them; Granite's MLP has
-# Llama's mlp_bias.
-O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "olmo2", "olmoe")
-NO_MLP_BIAS_TYPES = ("gemma3_text", "olmo2", "olmoe", "qwen2_moe")
+# OLMo-2's, OLMoE's, Gemma 3's and Granite's (Granite-MoE's too). OLMo-2's, OLMoE's, Qwen2-MoE's, Granite-MoE's and
+# Gemma 3's MLPs have no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers would load the export
+# without them; Granite's MLP has Llama's mlp_bias.
+O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "granitemoe", "granitemoeshared", "olmo2", "olmoe")
+NO_MLP_BIAS_TYPES = ("gemma3_text", "granitemoe", "granitemoeshared", "olmo2", "olmoe", "qwen2_moe")
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
-# logits_scaling. Every other type has them at their neutral values (`ModelArgs.embedding_scale`,
+# logits_scaling; Granite-MoE's (`GRANITE_TYPES`) alike. Every other type has them at their neutral values (`ModelArgs.embedding_scale`,
 # `attention_scale`, which serve Gemma 3's embedding and attention scales too; the trainer's LM head and the
 # engine's sampler take logits_scaling into the temperature).
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -210,7 +229,7 @@ class ModelArgs:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # the shared expert's width (`SHARED_EXPERT_TYPES`: Qwen2-MoE's); 0 on every other type
+    # the shared expert's width (`SHARED_EXPERT_TYPES`: Qwen2-MoE's, Granite-MoE-Shared's); 0 on every other type
     shared_expert_intermediate_size: int = 0
     # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
     # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
@@ -366,6 +385,19 @@ class ModelArgs:
         return self.model_type == "mixtral"
 
     @property
+    def router_softmax_topk(self) -> bool:
+        """Whether a sparse layer's router takes its softmax over the top-k logits (in float32) rather than the top-k
+        of the softmax over every expert (`models.moe.route`): Granite-MoE's (GraniteMoeTopKRouter). The two are the
+        same renormalised weights in exact arithmetic, rounded otherwise."""
+        return self.model_type in ("granitemoe", "granitemoeshared")
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether a shared expert's output is scaled by `sigmoid(mlp.shared_expert_gate(x))` before it joins the
+        routed sum: Qwen2-MoE's; Granite-MoE-Shared's is added as it is (`SHARED_EXPERT_TYPES`)."""
+        return self.model_type == "qwen2_moe"
+
+    @property
     def sliding_window(self) -> int | None:
         """config.json's `sliding_window` as read (None where it has none; Qwen's is null unless
         `use_sliding_window`, as transformers reads it). Whether a layer attends through it:
@@ -424,7 +456,7 @@ class ModelArgs:
         local RoPE base (`GEMMA3_KEYS`, kept in `extra_hf`) are recorded too: they change its logits as rope_theta
         does."""
         recorded = {k: v for k, v in dataclasses.asdict(self).items()
-                    if (self.model_type == "granite" or k not in GRANITE_SCALARS)
+                    if (self.model_type in GRANITE_TYPES or k not in GRANITE_SCALARS)
                     and (self.model_type in MOE_TYPES or k not in MOE_KEYS)
                     and (self.model_type in SHARED_EXPERT_TYPES or k not in SHARED_EXPERT_KEYS)} | {"extra_hf": None}
         if self.model_type in MOE_TYPES:
@@ -451,8 +483,8 @@ class ModelArgs:
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         experts = self.num_experts_per_tok if active else self.num_experts
         sparse = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size  # router, experts
-        if self.shared_expert_intermediate_size:  # the shared expert, its gate
-            sparse += 3 * h * self.shared_expert_intermediate_size + h
+        if self.shared_expert_intermediate_size:  # the shared expert, its gate (Qwen2-MoE's)
+            sparse += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gated else 0)
         rest = attn + (4 if self.sandwich_norm else 2) * h + (2 * d if self.qk_norm else 0) + \
             (q + kv if self.full_qk_norm else 0)
         n_sparse = len(self.moe_layers)
@@ -498,7 +530,7 @@ class ModelArgs:
         if layer in self.moe_layers:
             i = self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
             shapes["gate"] = (h, self.num_experts)
-            if self.shared_expert_intermediate_size:
+            if self.shared_expert_intermediate_size and self.shared_expert_gated:
                 shapes["shared_expert_gate"] = (h, 1)
         return shapes | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -598,7 +630,7 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
-            **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type == "granite" else {}),
+            **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type in GRANITE_TYPES else {}),
             **(_hf_moe_fields(cfg) if model_type in MOE_TYPES else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
                       or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | extra_overridden,
@@ -639,7 +671,7 @@ class ModelArgs:
             pad_token_id=self.pad_token_id,
         )
         kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
-        kwargs.update({key: getattr(self, key) for key in HF_CONFIG_KEYS[self.model_type]})
+        kwargs.update({key: getattr(self, _HF_KEY_FIELD.get(key, key)) for key in HF_CONFIG_KEYS[self.model_type]})
         if self.model_type in ATTENTION_BIAS_KEY:
             kwargs[ATTENTION_BIAS_KEY[self.model_type][0]] = self.attention_bias
         if "mlp_only_layers" in HF_CONFIG_KEYS[self.model_type]:  # (a JSON list, as Qwen3MoeConfig declares it)
@@ -772,10 +804,10 @@ def _check_granite_scalars(args: ModelArgs) -> None:
     """ValueError for Granite's scalars (`GRANITE_SCALARS`) that are not finite numbers > 0 (naming config.json's
     key), or set away from their neutral values on another type, whose transformers class reads none of them. A
     Granite without attention_multiplier gets GraniteConfig's default, 1."""
-    if args.model_type != "granite":
+    if args.model_type not in GRANITE_TYPES:
         set_ = [k for k in GRANITE_SCALARS if getattr(args, k) != (None if k == "attention_multiplier" else 1.0)]
         if set_:
-            raise ValueError(f"{set_[0]} is read for model_type granite only (transformers' {args.model_type} "
+            raise ValueError(f"{set_[0]} is read for model_type {' / '.join(GRANITE_TYPES)} only (transformers' {args.model_type} "
                              "has no such scalar)")
         return
     if args.attention_multiplier is None:
@@ -793,21 +825,32 @@ _MOE_DEFAULTS = {
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": None, "shared_expert_intermediate_size": 5632},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
+    "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 0},
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
 }
+
+
+# The types whose router always renormalises its top-k weights (their configs have no norm_topk_prob): Mixtral's, and
+# Granite-MoE's (a softmax over the top-k logits: `ModelArgs.router_softmax_topk`).
+_ALWAYS_RENORMALISED = ("granitemoe", "granitemoeshared", "mixtral")
 
 
 def _hf_moe_fields(cfg: dict) -> dict:
     """A mixture-of-experts config.json's `MOE_KEYS` (and a Qwen2-MoE's `SHARED_EXPERT_KEYS`) as `ModelArgs` fields,
     with its type's config defaults for those it lacks (`_MOE_DEFAULTS`); num_experts under either of its names (`num_local_experts`, which transformers'
     Qwen3MoeConfig and MixtralConfig write). Mixtral's and OLMoE's experts are `intermediate_size` wide, every layer
-    sparse; Mixtral's top-k weights always renormalised. A key that is no number or list is left to `_check_moe`,
+    sparse; Mixtral's and Granite-MoE's top-k weights always renormalised; Granite-MoE-Shared's shared expert's width
+    under its config's name (`SHARED_EXPERT_CONFIG_KEY`). A key that is no number or list is left to `_check_moe`,
     which names it."""
     model_type = cfg["model_type"]
     fields = {k: cfg.get(k, default) for k, default in _MOE_DEFAULTS[model_type].items()}
+    if model_type in SHARED_EXPERT_CONFIG_KEY:
+        fields["shared_expert_intermediate_size"] = cfg.get(SHARED_EXPERT_CONFIG_KEY[model_type],
+                                                            fields["shared_expert_intermediate_size"])
     if model_type in EVERY_LAYER_SPARSE:
         fields["moe_intermediate_size"] = cfg["intermediate_size"]
-    if model_type == "mixtral":
+    if model_type in _ALWAYS_RENORMALISED:
         fields["norm_topk_prob"] = True
     if cfg.get("num_local_experts") is not None:
         fields["num_experts"] = cfg["num_local_experts"]
@@ -826,8 +869,10 @@ def _check_moe(args: ModelArgs) -> None:
     or not a positive integer on a type with one. hidden_act other than silu is refused by
     `ModelArgs.from_hf_config`."""
     for key in SHARED_EXPERT_KEYS:
-        if args.model_type in SHARED_EXPERT_TYPES:
-            setattr(args, key, _number(getattr(args, key), f"config.json's {key}", integer=True))
+        if args.model_type in SHARED_EXPERT_TYPES:  # (Granite-MoE-Shared's may be 0: no shared expert)
+            where = f"config.json's {SHARED_EXPERT_CONFIG_KEY.get(args.model_type, key)}"
+            setattr(args, key, _number(getattr(args, key), where, integer=True,
+                                       nonnegative=args.model_type in SHARED_EXPERT_CONFIG_KEY))
         elif getattr(args, key):
             raise ValueError(f"{key} is read for model_type {' / '.join(SHARED_EXPERT_TYPES)} only (transformers' "
                              f"{args.model_type} has no shared expert)")
@@ -855,13 +900,13 @@ def _check_moe(args: ModelArgs) -> None:
     if args.model_type in EVERY_LAYER_SPARSE:
         family = HF_FAMILY[args.model_type]
         fixed = {"moe_intermediate_size": args.intermediate_size, "decoder_sparse_step": 1, "mlp_only_layers": (),
-                 **({"norm_topk_prob": True} if args.model_type == "mixtral" else {})}
+                 **({"norm_topk_prob": True} if args.model_type in _ALWAYS_RENORMALISED else {})}
         for key, value in fixed.items():
             if getattr(args, key) != value:
                 raise ValueError(f"{args.model_type} with {key}={getattr(args, key)!r} is not supported: transformers' "
                                  f"{family} has {key} {json.dumps(list(value) if key == 'mlp_only_layers' else value)} "
                                  "(every layer sparse, its experts intermediate_size wide"
-                                 f"{', their top-k weights renormalised' if args.model_type == 'mixtral' else ''})")
+                                 f"{', their top-k weights renormalised' if args.model_type in _ALWAYS_RENORMALISED else ''})")
     if args.model_type == "olmoe" and args.head_dim * args.num_attention_heads != args.hidden_size:
         raise ValueError(f"olmoe with head_dim={args.head_dim} is not supported: transformers' Olmoe norms the query "
                          f"over hidden_size ({args.hidden_size}), so its heads must fill it (head_dim "
@@ -921,7 +966,7 @@ _EXTRA_OVERRIDES = ("sliding_window", "router_jitter_noise")
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings",
                      "model_type", "architectures", "hidden_act", "num_labels", *MOE_KEYS, "num_local_experts",
-                     *SHARED_EXPERT_KEYS, "qkv_bias")
+                     *SHARED_EXPERT_KEYS, *SHARED_EXPERT_CONFIG_KEY.values(), "qkv_bias")
 # Those of the Hugging Face model classes that meshppo's own models do not have change nothing:
 _ATTN_WHY = ("meshppo's attention is its own (variable-length FlashAttention or SDPA kernels), not a Hugging Face "
              "implementation")

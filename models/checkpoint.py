@@ -46,8 +46,8 @@ def meshppo_key_to_hf(key: str) -> str:
 
 # The types whose transformers family has no ...ForTokenClassification: a value model of one has no transformers
 # class that reads it back (OLMo-2's Olmo2ForSequenceClassification and Gemma 3's Gemma3TextForSequenceClassification
-# score each sequence's last token only; Granite and OLMoE have no classifier at all).
-NO_TOKEN_CLASSIFIER = ("gemma3_text", "granite", "olmo2", "olmoe")
+# score each sequence's last token only; Granite, Granite-MoE and OLMoE have no classifier at all).
+NO_TOKEN_CLASSIFIER = ("gemma3_text", "granite", "granitemoe", "granitemoeshared", "olmo2", "olmoe")
 
 
 def hf_architecture(model_type: str, head: str = "lm") -> str:
@@ -77,12 +77,21 @@ def value_export_refusal(model_type: str) -> str:
             "meshppo's own checkpoint (save_contents 'model') keeps it")
 
 
+# The projections a type's checkpoints fuse that its transformers model holds fused too but peft does not see as
+# meshppo's modules' (`FUSED_PROJECTIONS` is also LoRA's): Granite-MoE-Shared's shared expert's `input_linear`
+# `[2 S, H]` (gate rows, then up rows: its `chunk(2)`), named here as `moe_name_from_checkpoint` renames it.
+CHECKPOINT_FUSED = {"granitemoeshared": {"mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj",
+                                                                             "mlp.shared_expert.up_proj")}}
+
+
 def _fused_parts(args: ModelArgs) -> dict[str, tuple[tuple[str, int], ...]]:
-    """The projections `args`' transformers checkpoints fuse (`FUSED_PROJECTIONS`): fused module -> meshppo's
-    modules with their output rows, in the fused tensor's order."""
+    """The projections `args`' transformers checkpoints fuse (`FUSED_PROJECTIONS`, `CHECKPOINT_FUSED`): fused module
+    -> meshppo's modules with their output rows, in the fused tensor's order (a shared expert's of its width)."""
     shapes = args._projection_shapes()
-    return {fused: tuple((part, shapes[part.rsplit(".", 1)[1]][1]) for part in parts)
-            for fused, parts in FUSED_PROJECTIONS.get(args.model_type, {}).items()}
+    fused = FUSED_PROJECTIONS.get(args.model_type, {}) | CHECKPOINT_FUSED.get(args.model_type, {})
+    return {module: tuple((part, args.shared_expert_intermediate_size if part.startswith("mlp.shared_expert.")
+                           else shapes[part.rsplit(".", 1)[1]][1]) for part in parts)
+            for module, parts in fused.items()}
 
 
 def _fused_match(name: str, modules) -> tuple[str, str, str] | None:
@@ -146,12 +155,37 @@ _EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_
 # them as it loads and back as save_pretrained writes). Mixtral's: `layers.3.block_sparse_moe.gate.weight`,
 # `layers.3.block_sparse_moe.experts.5.w1.weight` (gate_proj; w3 up_proj, w2 down_proj).
 CHECKPOINT_MOE_NAMES = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+# The types whose checkpoints name a layer's mixture-of-experts tensors otherwise, tensor by tensor (under the layer:
+# meshppo's name -> the checkpoint's): Granite-MoE's stacked experts (`block_sparse_moe.input_linear.weight [E, 2I,
+# H]`, gate rows first, and `output_linear.weight [E, H, I]`, as transformers' ParallelExperts stores them) and router
+# (`block_sparse_moe.router.layer.weight [E, H]`), as the hub's files and transformers' save_pretrained write them
+# (its conversion_mapping renames them to its in-memory names, `block_sparse_moe.experts.gate_up_proj` ..., which
+# load too); Granite-MoE-Shared's also its shared expert, `shared_mlp.input_linear.weight [2 S, H]` (fused:
+# `CHECKPOINT_FUSED`) and `shared_mlp.output_linear.weight [H, S]`.
+_GRANITE_MOE_TENSORS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+                        "mlp.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+                        "mlp.experts.down_proj": "block_sparse_moe.output_linear.weight",
+                        "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
+                        "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"}
+_GRANITE_MOE_IN_MEMORY = {"mlp.gate.weight": "block_sparse_moe.router.weight",
+                          "mlp.experts.gate_up_proj": "block_sparse_moe.experts.gate_up_proj",
+                          "mlp.experts.down_proj": "block_sparse_moe.experts.down_proj"}
+CHECKPOINT_MOE_TENSORS = {"granitemoe": _GRANITE_MOE_TENSORS, "granitemoeshared": _GRANITE_MOE_TENSORS}
+_LAYER_TENSOR = re.compile(r"^(layers\.\d+)\.(.+)$")
 
 
 def moe_name_from_checkpoint(name: str, model_type: str) -> str:
     """meshppo's name of a checkpoint tensor (`model.`-less) of a `CHECKPOINT_MOE_NAMES` type: a Mixtral's
-    `layers.3.block_sparse_moe.experts.5.w1.weight` is `layers.3.mlp.experts.5.gate_proj.weight`; any other name as
-    it is."""
+    `layers.3.block_sparse_moe.experts.5.w1.weight` is `layers.3.mlp.experts.5.gate_proj.weight`; of a
+    `CHECKPOINT_MOE_TENSORS` type: a Granite-MoE's `layers.3.block_sparse_moe.input_linear.weight` (or transformers'
+    in-memory `block_sparse_moe.experts.gate_up_proj`) is `layers.3.mlp.experts.gate_up_proj`; any other name as it
+    is."""
+    if model_type in CHECKPOINT_MOE_TENSORS:
+        layer = _LAYER_TENSOR.match(name)
+        if layer is None:
+            return name
+        mine = {v: k for names in (CHECKPOINT_MOE_TENSORS[model_type], _GRANITE_MOE_IN_MEMORY) for k, v in names.items()}
+        return f"{layer.group(1)}.{mine[layer.group(2)]}" if layer.group(2) in mine else name
     if model_type not in CHECKPOINT_MOE_NAMES:
         return name
     module, projs = CHECKPOINT_MOE_NAMES[model_type]
@@ -167,7 +201,12 @@ def moe_name_from_checkpoint(name: str, model_type: str) -> str:
 
 def moe_name_to_checkpoint(name: str, model_type: str) -> str:
     """`moe_name_from_checkpoint`'s inverse, for the export (a sparse layer's `mlp.` names only: a type of
-    `CHECKPOINT_MOE_NAMES` has no dense layers)."""
+    `CHECKPOINT_MOE_NAMES` or `CHECKPOINT_MOE_TENSORS` has no dense layers); the checkpoint's names, not transformers'
+    in-memory ones."""
+    if model_type in CHECKPOINT_MOE_TENSORS:
+        layer = _LAYER_TENSOR.match(name)
+        theirs = CHECKPOINT_MOE_TENSORS[model_type]
+        return f"{layer.group(1)}.{theirs[layer.group(2)]}" if layer and layer.group(2) in theirs else name
     if model_type not in CHECKPOINT_MOE_NAMES:
         return name
     module, projs = CHECKPOINT_MOE_NAMES[model_type]
@@ -214,9 +253,12 @@ class ExpertStacker:
                                       f"experts' tensors of {name!r}{_MISMATCH}")
 
 
-def unstack_experts(state_dict: dict) -> dict:
+def unstack_experts(state_dict: dict, model_type: str) -> dict:
     """`state_dict` (meshppo names) with each stacked expert tensor (`_EXPERT_STACKS`) written as transformers'
-    checkpoints store it, one tensor per expert and projection: `ExpertStacker`'s inverse, for the export."""
+    checkpoints of `model_type` store it, one tensor per expert and projection: `ExpertStacker`'s inverse, for the
+    export; as it is for a type whose checkpoints keep them stacked (`CHECKPOINT_MOE_TENSORS`: Granite-MoE's)."""
+    if model_type in CHECKPOINT_MOE_TENSORS:
+        return state_dict
     out = {}
     for name, tensor in state_dict.items():
         prefix, _, stack = name.rpartition(".")
@@ -453,8 +495,8 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     checkpoint the model was read from (`ModelArgs.hf_dtype`: a bf16 base is saved bf16, as
     verl's model_merger saves it), else as they are; config.json names the dtype written. A projection
     transformers' checkpoints fuse is written fused (`fuse_parts`), a mixture-of-experts layer's experts one
-    tensor per expert and projection (`unstack_experts`; Mixtral's under its checkpoints' names,
-    `moe_name_to_checkpoint`), as transformers 5's save_pretrained writes them. Files
+    tensor per expert and projection (`unstack_experts`; Mixtral's under its checkpoints' names, Granite-MoE's stacked
+    under its own, `moe_name_to_checkpoint`), as transformers 5's save_pretrained writes them. Files
     are written under a temporary name and renamed, so an interrupted save never leaves a
     half-written weight file under the final name.
     """
@@ -466,7 +508,7 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     path.mkdir(parents=True, exist_ok=True)
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
-    sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args))
+    sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args), args.model_type)
     tensors = {meshppo_key_to_hf(moe_name_to_checkpoint(k, args.model_type)): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}

@@ -160,20 +160,29 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     Qwen2-MoE's): its router `mlp.gate` and its stacked experts `mlp.experts`, neither an nn.Linear (all-linear passes
     over them), in place of gate_proj, up_proj and down_proj; a Qwen2-MoE's (`SHARED_EXPERT_TYPES`) also its shared
     expert's projections `mlp.shared_expert.gate_proj` .. and their gate `mlp.shared_expert_gate`, which meshppo's
-    LoRA does not target (a list naming gate_proj selects them, and is refused)."""
+    LoRA does not target (a list naming gate_proj selects them, and is refused). A Granite-MoE's sparse block is
+    `block_sparse_moe` in place of `mlp` (its router `block_sparse_moe.router`, its experts
+    `block_sparse_moe.experts`), a Granite-MoE-Shared's shared expert the layer's `shared_mlp` with its fused
+    `input_linear` and `output_linear` (nn.Linear modules that meshppo's LoRA does not target: a list naming them is
+    refused)."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", *heads]
     fused = FUSED_PROJECTIONS.get(model_type, {})
     parts = {p.rsplit(".", 1)[1] for ps in fused.values() for p in ps}
     for i in range(num_layers):
         b = f"model.layers.{i}"
         norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
-        names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.mlp", f"{b}.self_attn.q_norm",
+        granite = model_type in ("granitemoe", "granitemoeshared")
+        mlp, router = ("block_sparse_moe", "router") if granite else ("mlp", "gate")
+        names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.{mlp}", f"{b}.self_attn.q_norm",
                   f"{b}.self_attn.k_norm"]
         # (a sparse layer: its experts' stacked parameters, and the per-expert names peft maps onto them)
-        names += ([f"{b}.mlp.gate", f"{b}.mlp.experts", f"{b}.mlp.experts.act_fn",
-                   *(f"{b}.mlp.experts.{p}" for p in ("gate_up_proj", *MLP_PROJ))] if i in sparse_layers
+        names += ([f"{b}.{mlp}.{router}", f"{b}.{mlp}.experts", f"{b}.{mlp}.experts.act_fn",
+                   *(f"{b}.{mlp}.experts.{p}" for p in ("gate_up_proj", *MLP_PROJ))] if i in sparse_layers
                   else [f"{b}.mlp.act_fn"])
-        if i in sparse_layers and model_type in SHARED_EXPERT_TYPES:
+        if granite and model_type in SHARED_EXPERT_TYPES:
+            names += [f"{b}.shared_mlp", *(f"{b}.shared_mlp.{p}" for p in ("input_linear", "output_linear",
+                                                                           "activation"))]
+        if i in sparse_layers and model_type in SHARED_EXPERT_TYPES and not granite:
             names += [f"{b}.mlp.shared_expert", *(f"{b}.mlp.shared_expert.{p}" for p in (*MLP_PROJ, "act_fn")),
                       f"{b}.mlp.shared_expert_gate"]
         names += [f"{b}.{'self_attn' if p in ATTN_PROJ else 'mlp'}.{p}" for p in ALL_LINEAR

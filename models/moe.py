@@ -1,12 +1,14 @@
-"""Mixture-of-experts MLP (Mixtral's, OLMoE's, Qwen2-MoE's and Qwen3-MoE's sparse block), as transformers 5 computes
-it: the one implementation that the training model (`models.transformer.MoE`) and the engine share. (A Qwen2-MoE's
-shared expert is no routed expert: each adds it beside these, as a dense MLP.)
+"""Mixture-of-experts MLP (Granite-MoE's, Mixtral's, OLMoE's, Qwen2-MoE's and Qwen3-MoE's sparse block), as
+transformers 5 computes it: the one implementation that the training model (`models.transformer.MoE`) and the engine
+share. (A Qwen2-MoE's or Granite-MoE-Shared's shared expert is no routed expert: each adds it beside these, as a dense
+MLP.)
 
 `route` picks each token's experts: router logits `x Wᵀ` (`weight [E, H]`), their softmax in float32, the top
 `k`, optionally renormalised to sum to 1 (`norm_topk_prob`), cast to the logits' dtype (transformers'
 Qwen3MoeTopKRouter, OlmoeTopKRouter) or kept in float32 (`float32_weights`: MixtralTopKRouter, whose expert outputs
-are then weighted in float32 and their sum rounded once); with `replay` (routing replay, R2 / R3) the given experts
-replace the top-k and are weighted by the same softmax at their ids. A record of expert ids (the engine's, R3; the
+are then weighted in float32 and their sum rounded once); or (`softmax_topk`: GraniteMoeTopKRouter) the top `k` of
+the logits in float32 and the softmax over those `k`, cast to the input's dtype. With `replay` (routing replay, R2 /
+R3) the given experts replace the top-k and are weighted by the same softmax at their ids. A record of expert ids (the engine's, R3; the
 old-log-prob pass's, R2) is kept in `routing_dtype`. `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
 expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
 `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
@@ -39,10 +41,12 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False,
-          replay: torch.Tensor | None = None):
+          replay: torch.Tensor | None = None, softmax_topk: bool = False):
     """`(weights [T, k] in x's dtype, or float32 where `float32_weights`, experts [T, k] int64)` of tokens `x [T, H]`
     under router `weight [E, H]`: the top `top_k` of the softmax (taken in float32) of `F.linear(x, weight)`, in
-    descending order, divided by their sum where `norm_topk_prob`.
+    descending order, divided by their sum where `norm_topk_prob`. `softmax_topk` (Granite-MoE's router): the top
+    `top_k` of the logits (cast to float32) and the softmax over those alone, the same weights rounded otherwise
+    (`norm_topk_prob` then changes nothing: they sum to 1).
 
     `replay [T, k]` (any integer dtype; routing replay: the experts the rollout engine routed each token to, R3, or
     those the old-log-prob pass's routers chose, R2)
@@ -50,7 +54,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: boo
     at those ids, renormalised and rounded as above, so the router still gets its gradient through them. Replaying
     the natural top-k computes exactly what routing does."""
     logits = F.linear(x, weight)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    # the scores the top-k is taken of (and replay gathers): the float32 softmax, or Granite-MoE's float32 logits
+    probs = logits.float() if softmax_topk else torch.softmax(logits, dim=-1, dtype=torch.float32)
     if replay is None:
         top, experts = torch.topk(probs, top_k, dim=-1)
     else:
@@ -59,7 +64,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: boo
                              f"{top_k} experts each")
         experts = replay.long()
         top = probs.gather(-1, experts)
-    if norm_topk_prob:
+    if softmax_topk:
+        top = torch.softmax(top, dim=-1)
+    elif norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return (top if float32_weights else top.to(logits.dtype)), experts
 
@@ -71,10 +78,11 @@ def routing_dtype(num_experts: int) -> torch.dtype:
 
 def route_model(x: torch.Tensor, weight: torch.Tensor, args,
                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` as the model of `args` (a `ModelArgs`) routes: its `num_experts_per_tok`, `norm_topk_prob` and
-    `router_weights_float32`; `replay`: the experts to use instead of the top-k (`route`). The one call of the
+    """`route` as the model of `args` (a `ModelArgs`) routes: its `num_experts_per_tok`, `norm_topk_prob`,
+    `router_weights_float32` and `router_softmax_topk`; `replay`: the experts to use instead of the top-k (`route`). The one call of the
     training model's block and the engine's layer, so the two route and round alike."""
-    return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32, replay)
+    return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32, replay,
+                 args.router_softmax_topk)
 
 
 def use_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""A decoder-only transformer for the Gemma 3 (text), Granite, Llama, Mistral, Mixtral, OLMo-2, OLMoE, Phi-3 (Phi-4),
-Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE families.
+"""A decoder-only transformer for the Gemma 3 (text), Granite, Granite-MoE (and -Shared), Llama, Mistral, Mixtral,
+OLMo-2, OLMoE, Phi-3 (Phi-4), Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face
@@ -10,9 +10,10 @@ parameters on purpose: each FSDP chunk range of one of them is then exactly one 
 (docs/ARCHITECTURE.md). A mixture-of-experts layer (`MoE`, `ModelArgs.moe_layers`: Mixtral's, OLMoE's,
 Qwen2-MoE's, Qwen3-MoE's) holds its experts as transformers 5 does in memory, stacked: `mlp.experts.gate_up_proj
 [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, with its router `mlp.gate.weight [E, H]` (`models/moe.py` computes
-them; checkpoints store one tensor per expert and projection, Mixtral's under its own names: `models.checkpoint`);
-a Qwen2-MoE's also its shared expert, an `MLP` at `mlp.shared_expert`, and that expert's gate
-`mlp.shared_expert_gate.weight [1, H]`, under transformers' names.
+them; checkpoints store one tensor per expert and projection, Mixtral's under its own names, Granite-MoE's stacked
+under its own: `models.checkpoint`); a Qwen2-MoE's also its shared expert, an `MLP` at `mlp.shared_expert`, and that
+expert's gate `mlp.shared_expert_gate.weight [1, H]`, under transformers' names (a Granite-MoE-Shared's the same
+`MLP`, ungated: its checkpoints' `shared_mlp`).
 
 Shapes: `B` batch, `S` sequence, `T` packed tokens, `H` hidden, `V` vocab.
 """
@@ -236,8 +237,9 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """A mixture-of-experts layer's router (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter / OlmoeTopKRouter,
-    `mlp.gate`; a Mixtral checkpoint's `block_sparse_moe.gate`): `weight [E, H]`, the
+    """A mixture-of-experts layer's router (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter / OlmoeTopKRouter /
+    GraniteMoeTopKRouter, `mlp.gate`; a Mixtral checkpoint's `block_sparse_moe.gate`, a Granite-MoE's
+    `block_sparse_moe.router.layer`): `weight [E, H]`, the
     logits' projection. Not an `nn.Linear`, as transformers' is not: peft's all-linear leaves it alone."""
 
     def __init__(self, args: ModelArgs):
@@ -259,11 +261,12 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
-    OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): each token through its top `num_experts_per_tok` experts by the
+    OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, GraniteMoeMoE): each token through its top `num_experts_per_tok` experts by the
     router, their outputs weighted by the router's probabilities (`models.moe.route_model`, in float32 where
     `ModelArgs.router_weights_float32`; `models.moe.experts_forward`). A Qwen2-MoE's (`SHARED_EXPERT_TYPES`) adds its
     shared expert, which every token runs through, unrouted: `routed + sigmoid(shared_expert_gate(x)) *
-    shared_expert(x)`, in transformers' order of operations."""
+    shared_expert(x)`, in transformers' order of operations; a Granite-MoE-Shared's (its layer's `shared_mlp` in
+    transformers) has no gate (`ModelArgs.shared_expert_gated`): `routed + shared_expert(x)`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -271,7 +274,8 @@ class MoE(nn.Module):
         self.experts = Experts(args)
         if args.shared_expert_intermediate_size:
             self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+            if args.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         self.args, self.act = args, args.mlp_activation
 
     def forward(self, x, replay: torch.Tensor | None = None, record: bool = False):
@@ -283,7 +287,9 @@ class MoE(nn.Module):
         out = moe.experts_forward(rows, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                   self.act)
         if self.args.shared_expert_intermediate_size:
-            out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+            shared = self.shared_expert(rows)
+            out = out + (torch.sigmoid(self.shared_expert_gate(rows)) * shared if self.args.shared_expert_gated
+                         else shared)
         out = out.view(x.shape)
         return (out, experts) if record else out
 

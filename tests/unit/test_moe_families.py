@@ -1,4 +1,5 @@
-"""Mixtral (`model_type: mixtral`, `MixtralForCausalLM`) and OLMoE (`model_type: olmoe`, `OlmoeForCausalLM`) checkpoints
+"""Mixtral (`model_type: mixtral`, `MixtralForCausalLM`), OLMoE (`model_type: olmoe`, `OlmoeForCausalLM`) and
+Granite-MoE (`granitemoe`, `GraniteMoeForCausalLM`; `granitemoeshared`, `GraniteMoeSharedForCausalLM`) checkpoints
 against transformers' implementation on tiny random weights, in float64 on CPU, on the mixture-of-experts machinery
 Qwen3-MoE brought (`models/moe.py`, the `MoE` block, the per-expert checkpoint tensors): meshppo's logits and
 gradients, the checkpoints' names (Mixtral's `block_sparse_moe` and w1 / w3 / w2), the export, the trainer's loading
@@ -26,13 +27,23 @@ EAGER = {"experts_implementation": "eager"}
 # Each family's transformers classes, its config's name for the experts' count, and its shapes under test: Mixtral
 # with GQA, an explicit head_dim and a sliding window over every layer, and without a window; OLMoE with GQA,
 # attention biases (q, k, v and o_proj) and its top-k weights renormalised, and as OLMoE-1B-7B (one KV head per query
-# head, not renormalised).
+# head, not renormalised); Granite-MoE with GQA, attention biases (o_proj's too) and its four scalars, and without;
+# Granite-MoE-Shared with its shared expert (24 wide), and with shared_intermediate_size 0 (none, as its config's
+# default).
+_GRANITE_SCALARS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                        logits_scaling=3.0)
 FAMILIES = {
     "mixtral": ("Mixtral", "num_local_experts", [dict(num_key_value_heads=2, head_dim=16, sliding_window=8),
                                                  dict(num_key_value_heads=4)]),
     "olmoe": ("Olmoe", "num_experts", [dict(num_key_value_heads=2, attention_bias=True, norm_topk_prob=True),
                                        dict(num_key_value_heads=4, norm_topk_prob=False)]),
+    "granitemoe": ("GraniteMoe", "num_local_experts", [dict(num_key_value_heads=2, attention_bias=True,
+                                                            **_GRANITE_SCALARS), dict(num_key_value_heads=4)]),
+    "granitemoeshared": ("GraniteMoeShared", "num_local_experts", [
+        dict(num_key_value_heads=2, shared_intermediate_size=24, **_GRANITE_SCALARS),
+        dict(num_key_value_heads=4, attention_bias=True, shared_intermediate_size=0)]),
 }
+GRANITE = ("granitemoe", "granitemoeshared")
 CASES = [(t, s) for t, (_, _, shapes) in FAMILIES.items() for s in shapes]
 
 
@@ -61,14 +72,20 @@ def test_logits_equal_transformers(tmp_path, model_type, shape):
     """Padded batches (left padding, positions from the mask) and packed sequences: meshppo's logits are
     MixtralForCausalLM's (Mistral's attention, its window over every layer; every layer sparse, the top-2 weights
     renormalised) and OlmoeForCausalLM's (pre-norm blocks, q / k normed over the whole projections as OLMo-2's,
-    renormalised or not), every layer a mixture of experts of intermediate_size; the parameter count is
-    transformers'."""
+    renormalised or not) and GraniteMoeForCausalLM / GraniteMoeSharedForCausalLM (Granite's scalars; the softmax over
+    the top-2 logits, `router_softmax_topk`; the shared expert added ungated), every layer a mixture of experts of
+    intermediate_size; the parameter count is transformers'."""
     hf, path = _saved(tmp_path, model_type, **shape)
     ours = Transformer.from_pretrained(path, dtype=torch.float64)
     args = ours.args
     assert args.model_type == model_type and args.moe_layers == [0, 1, 2]
     assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (4, 2, 16)
-    assert args.norm_topk_prob == (model_type == "mixtral" or shape["norm_topk_prob"])
+    assert args.norm_topk_prob == (model_type in ("mixtral", *GRANITE) or shape["norm_topk_prob"])
+    assert args.router_softmax_topk == (model_type in GRANITE) and not args.shared_expert_gated
+    assert args.shared_expert_intermediate_size == shape.get("shared_intermediate_size", 0)
+    assert (args.embedding_scale, args.residual_multiplier, args.attention_scale, args.logits_scaling) == (
+        (2.0, 0.5, 0.2, 3.0) if "logits_scaling" in shape else (1.0, 1.0, 1.0 if model_type in GRANITE else
+                                                                args.head_dim ** -0.5, 1.0))
     assert args.full_qk_norm == (model_type == "olmoe") and not args.post_norm and not args.qk_norm
     assert args.o_proj_bias == shape.get("attention_bias", False)
     assert args.layer_windows == [shape.get("sliding_window")] * 3
@@ -76,10 +93,20 @@ def test_logits_equal_transformers(tmp_path, model_type, shape):
     check_padded_and_packed_logits(hf, ours, VOCAB)
 
 
+def _hf_name(model_type: str, name: str) -> str:
+    """transformers' in-memory name of meshppo's parameter `name` (Granite-MoE's sparse block is `block_sparse_moe`,
+    its router `router`)."""
+    if model_type in GRANITE:
+        name = name.replace(".mlp.gate.", ".block_sparse_moe.router.").replace(".mlp.experts.",
+                                                                             ".block_sparse_moe.experts.")
+    return f"model.{name}"
+
+
 @pytest.mark.parametrize("model_type, shape", CASES[::2])
 def test_gradients_equal_transformers(tmp_path, model_type, shape):
     """The gradients of the router, the stacked experts, the attention (OLMoE's q_norm) and the embedding are
-    transformers' (float64)."""
+    transformers' (float64); a Granite-MoE-Shared's shared expert's gate and up rows and down projection its
+    `shared_mlp`'s."""
     hf, path = _saved(tmp_path, model_type, **shape)
     ours = Transformer.from_pretrained(path, dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -91,9 +118,17 @@ def test_gradients_equal_transformers(tmp_path, model_type, shape):
              "layers.1.self_attn.q_proj.weight", "embed_tokens.weight"]
     names += ["layers.1.self_attn.q_norm.weight", "layers.0.self_attn.o_proj.bias"] if model_type == "olmoe" else []
     for name in names:
-        ref = theirs[f"model.{name}"].grad
+        ref = theirs[_hf_name(model_type, name)].grad
         assert ref.abs().max() > 1e-3, name
         assert (mine[name].grad - ref).abs().max().item() <= TOL * max(1.0, ref.abs().max().item()), name
+    if model_type == "granitemoeshared":
+        shared = ours.layers[1].mlp.shared_expert
+        pairs = [(torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad]),
+                  theirs["model.layers.1.shared_mlp.input_linear.weight"].grad),
+                 (shared.down_proj.weight.grad, theirs["model.layers.1.shared_mlp.output_linear.weight"].grad)]
+        for got, ref in pairs:
+            assert ref.abs().max() > 1e-3
+            assert (got - ref).abs().max().item() <= TOL * max(1.0, ref.abs().max().item())
 
 
 def test_mixtral_routing_weights_stay_float32_as_transformers_keeps_them():
