@@ -38,7 +38,9 @@ its weighted sum of the experts is all-reduced once, as `down_proj`'s output is.
 (`ModelArgs.shared_expert_intermediate_size`) also holds its shared expert as a dense layer holds its MLP, this rank's
 `shared_gate_up [2 Is/t, H]` rows and `shared_down [H, Is/t]` columns, and the expert's gate `shared_gate [1, H]`
 whole: each rank adds `sigmoid(h · gate)` times its part of the shared expert's output to its part of the routed sum,
-and the one all-reduce sums both.
+and the one all-reduce sums both. A Granite-MoE-Shared's is the same without the gate (`ModelArgs.shared_expert_gated`):
+its part of the shared expert's output is added as it is. A Granite-MoE's router is `models.moe`'s too (its softmax
+over the top-k logits).
 
 `param_slots()` exposes, for every parameter of the training model (its names), the view of
 this buffer that holds this rank's shard of it; `models.parallel_plan.tp_shard_dim` decides
@@ -112,7 +114,7 @@ class LayerWeights:
     experts_down: torch.Tensor | None = None  # [E, H, Im / t]  (Im = moe_intermediate_size)
     shared_gate_up: torch.Tensor | None = None  # [2 Is / t, H]: a Qwen2-MoE's shared expert [gate | up] rows
     shared_down: torch.Tensor | None = None  # [H, Is / t]  (Is = shared_expert_intermediate_size)
-    shared_gate: torch.Tensor | None = None  # [1, H], replicated: the shared expert's gate
+    shared_gate: torch.Tensor | None = None  # [1, H], replicated: the shared expert's gate (Qwen2-MoE's; None: ungated)
 
 
 FP8_PROJECTIONS = ("qkv_w", "gate_up_w", "down_w")  # the projections fp8 rollout runs in e4m3
@@ -330,15 +332,16 @@ class EngineModel:
                 plan[p + "mlp.gate.weight"] = (b + "router", 0, None)
                 plan[p + "mlp.experts.gate_up_proj"] = (b + "experts_gate_up", 0, None)
                 plan[p + "mlp.experts.down_proj"] = (b + "experts_down", 0, None)
-                if self.shared_inter:  # the shared expert as a dense MLP is held, its gate whole
+                if self.shared_inter:  # the shared expert as a dense MLP is held, its gate (Qwen2-MoE's) whole
                     si = self.shared_inter
                     buffers[b + "shared_gate_up"] = (2 * si, h)
                     buffers[b + "shared_down"] = (h, si)
-                    buffers[b + "shared_gate"] = (1, h)
                     plan[p + "mlp.shared_expert.gate_proj.weight"] = (b + "shared_gate_up", 0, si)
                     plan[p + "mlp.shared_expert.up_proj.weight"] = (b + "shared_gate_up", si, si)
                     plan[p + "mlp.shared_expert.down_proj.weight"] = (b + "shared_down", 0, None)
-                    plan[p + "mlp.shared_expert_gate.weight"] = (b + "shared_gate", 0, None)
+                    if self.args.shared_expert_gated:
+                        buffers[b + "shared_gate"] = (1, h)
+                        plan[p + "mlp.shared_expert_gate.weight"] = (b + "shared_gate", 0, None)
                 continue
             buffers[b + "gate_up_w"] = (2 * inter, h)
             buffers[b + "down_w"] = (h, inter)
@@ -563,9 +566,9 @@ class EngineModel:
         if record is not None:
             record[0][record[1]] = experts.to(record[0].dtype)
         out = experts_forward(h, weights, experts, w.experts_gate_up, w.experts_down, self.act)
-        if w.shared_gate is not None:
+        if w.shared_gate_up is not None:
             shared = ops.linear(ops.gated_linear(h, w.shared_gate_up, act=self.act), w.shared_down)
-            out = out + torch.sigmoid(F.linear(h, w.shared_gate)) * shared
+            out = out + (torch.sigmoid(F.linear(h, w.shared_gate)) * shared if w.shared_gate is not None else shared)
         return self.tp.all_reduce(out)
 
     def _down_fp8(self, h: torch.Tensor, w: LayerWeights, q: Fp8Layer, ops) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -35,7 +35,7 @@ import torch
 from data.dataset import RLHFDataset, read_records, render_prompt
 from data.demo import build_demo_tokenizer, forgotten_carry, operands, prepare_demo
 from models import ModelArgs, Transformer
-from models.args import EVERY_LAYER_SPARSE, MOE_TYPES, SHARED_EXPERT_TYPES, SUPPORTED_MODEL_TYPES
+from models.args import EVERY_LAYER_SPARSE, GRANITE_TYPES, MOE_TYPES, SHARED_EXPERT_TYPES, SUPPORTED_MODEL_TYPES
 from trainer.forward import build_micro_batch, response_logprobs
 
 DEFAULTS = dict(model_type="qwen2", n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4,
@@ -49,14 +49,16 @@ def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_he
                     init_std: float, model_type: str = "qwen2"):
     # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks. Qwen2 has
     # q/k/v biases; Qwen3 per-head q/k norms instead; Llama neither. A Granite gets granite-3.x's scalars
-    # (granite-3.1-2b's: embeddings times 12, branches times 0.22, attention scale 1 / head_dim, logits / 8).
+    # (granite-3.1-2b's: embeddings times 12, branches times 0.22, attention scale 1 / head_dim, logits / 8), a
+    # Granite-MoE (and -Shared) too.
     granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden,
-                   logits_scaling=8.0) if model_type == "granite" else {}
+                   logits_scaling=8.0) if model_type in GRANITE_TYPES else {}
     # A mixture of experts: 4 experts of a quarter of the dense MLP's width, each token through 2, every layer sparse
     # (a Qwen3-MoE as Qwen3-30B-A3B's: its top 8 of 128 renormalised; a Mixtral's top 2 of 8, always renormalised; an
     # OLMoE's top 8 of 64, not renormalised; a Qwen2-MoE's, as Qwen1.5-MoE-A2.7B's top 4 of 60, not renormalised, with
-    # a shared expert twice a routed one's width, and Qwen2's q/k/v biases). Mixtral's and OLMoE's experts are
-    # intermediate_size wide.
+    # a shared expert twice a routed one's width, and Qwen2's q/k/v biases; a Granite-MoE's, as granite-3.1-1b-a400m's
+    # top 8 of 32, its softmax over the top-k logits, renormalised; a Granite-MoE-Shared's with its ungated shared
+    # expert twice a routed one's width). Mixtral's, OLMoE's and Granite-MoE's experts are intermediate_size wide.
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
                norm_topk_prob=model_type not in ("olmoe", "qwen2_moe")) if model_type in MOE_TYPES else {}
     if model_type in SHARED_EXPERT_TYPES:

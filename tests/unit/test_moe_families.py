@@ -205,17 +205,21 @@ def test_mixtral_checkpoint_names_load_and_export_as_transformers_writes_them(tm
 def test_export_round_trips_through_transformers(tmp_path, model_type):
     """The trained-policy export writes what transformers' save_pretrained writes (the same tensor names, the MoE and
     router keys) and transformers loads it with meshppo's logits; a Mixtral value model exports as
-    MixtralForTokenClassification with its scores, an OLMoE's is refused (transformers has no Olmoe classifier)."""
+    MixtralForTokenClassification with its scores, an OLMoE's and a Granite-MoE's are refused (transformers has no
+    Olmoe or GraniteMoe classifier)."""
     from safetensors import safe_open
 
     family, experts_key, shapes = FAMILIES[model_type]
     _, base = _saved(tmp_path, model_type, dtype=torch.float32, **shapes[0])
     written, _ = check_export_round_trip(tmp_path, base, family, VOCAB, token_classifier=model_type == "mixtral",
                                          hf_kwargs=EAGER)
+    assert "norm_topk_prob" not in written if model_type in GRANITE else True
     saved = json.loads((base / "config.json").read_text())
     keys = [experts_key, "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef", "output_router_logits"]
-    keys += ["sliding_window", "router_jitter_noise", "head_dim"] if model_type == "mixtral" else [
-        "norm_topk_prob", "clip_qkv", "attention_bias"]
+    keys += {"mixtral": ["sliding_window", "router_jitter_noise", "head_dim"],
+             "olmoe": ["norm_topk_prob", "clip_qkv", "attention_bias"]}.get(model_type, [
+                 "attention_bias", *_GRANITE_SCALARS, *(["shared_intermediate_size"] if model_type == "granitemoeshared"
+                                                        else [])])
     for key in keys:
         assert written[key] == saved[key], key
     with safe_open(str(tmp_path / "hf_actor" / "model.safetensors"), "pt") as f:
@@ -233,7 +237,24 @@ def test_a_saved_directory_loads_through_the_trainers_model_path(tmp_path, model
 
     _, path = _saved(tmp_path, model_type, dtype=torch.float32, **FAMILIES[model_type][2][0])
     head_dim = 16 if model_type == "mixtral" else 8
-    run_distributed(trainer_loads_bit_for_bit, world, str(path), model_type, head_dim, unprefixed)
+    run_distributed(trainer_loads_bit_for_bit, world, str(path), model_type, head_dim,
+                    granite_moe_names if model_type in GRANITE else unprefixed)
+
+
+def granite_moe_names(state_dict, config):
+    """transformers' state dict of a Granite-MoE(-Shared) by meshppo's names: its router and experts under `mlp`, its
+    shared expert's fused `shared_mlp.input_linear` as the gate rows then the up rows of `mlp.shared_expert`."""
+    out = {}
+    for k, v in state_dict.items():
+        k = k.removeprefix("model.").replace(".block_sparse_moe.router.", ".mlp.gate.").replace(
+            ".block_sparse_moe.experts.", ".mlp.experts.")
+        if ".shared_mlp.input_linear." in k:
+            gate, up = v.chunk(2)
+            out[k.replace(".shared_mlp.input_linear.", ".mlp.shared_expert.gate_proj.")] = gate
+            out[k.replace(".shared_mlp.input_linear.", ".mlp.shared_expert.up_proj.")] = up
+        else:
+            out[k.replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj.")] = v
+    return out
 
 
 # ---------------------------------------------------------------- the arguments
@@ -273,8 +294,17 @@ _BASE = dict(num_hidden_layers=3, hidden_size=32, intermediate_size=16, num_expe
     (dict(model_type="mixtral", norm_topk_prob=True, attention_bias=True),
      r"mixtral with attention_bias or mlp_bias is not supported \(transformers' Mixtral has no biases"),
     (dict(model_type="mixtral", norm_topk_prob=True, num_experts_per_tok=5), r"num_experts_per_tok=5 exceeds"),
+    (dict(model_type="granitemoe", norm_topk_prob=False), r"granitemoe with norm_topk_prob=False is not supported: "
+                                                          r"transformers' GraniteMoe has norm_topk_prob true"),
+    (dict(model_type="granitemoe", norm_topk_prob=True, mlp_bias=True),
+     r"granitemoe with mlp_bias is not supported \(transformers' GraniteMoe has no MLP biases"),
+    (dict(model_type="granitemoe", norm_topk_prob=True, shared_expert_intermediate_size=8),
+     r"shared_expert_intermediate_size is read for model_type granitemoeshared / qwen2_moe only"),
+    (dict(model_type="granitemoeshared", norm_topk_prob=True, shared_expert_intermediate_size=-8),
+     r"config\.json's shared_intermediate_size: expected an integer >= 0, got -8"),
     (dict(model_type="mistral", num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0),
-     r"num_experts_per_tok is read for model_type mixtral / olmoe / qwen2_moe / qwen3_moe only"),
+     r"num_experts_per_tok is read for model_type granitemoe / granitemoeshared / mixtral / olmoe / qwen2_moe / "
+     r"qwen3_moe only"),
 ])
 def test_bad_arguments_are_refused_naming_the_key(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -289,6 +319,8 @@ def test_bad_arguments_are_refused_naming_the_key(fields, match):
     ("olmoe", "clip_qkv", 8.0, r"config\.json's clip_qkv=8\.0 is not supported for olmoe \(transformers' Olmoe then "
                                r"clamps the query, key and value projections .*; only null is$"),
     ("mixtral", "hidden_act", "gelu", r"hidden_act 'gelu' is not supported"),
+    ("granitemoe", "hidden_act", "gelu", r"hidden_act 'gelu' is not supported"),
+    ("granitemoeshared", "logits_scaling", 0.0, r"config\.json's logits_scaling: expected a number > 0, got 0\.0"),
 ])
 def test_config_keys_meshppo_does_not_compute_are_refused(model_type, key, value, match):
     """Mixtral's router_jitter_noise > 0 (random log-probs in transformers' training mode, which verl's actor runs
@@ -354,8 +386,17 @@ def test_lora_on_the_attention_saves_as_peft_and_all_linear_is_refused(tmp_path,
     args = ModelArgs.from_hf_config(hf.config)
     with pytest.raises(ValueError, match=rf"target_modules='all-linear' on a {model_type} model is not supported"):
         model_targets(LoRAConfig(4), args)
-    with pytest.raises(ValueError, match=r"matches the module model\.layers\.0\.mlp\.experts\.down_proj"):
+    block = "block_sparse_moe" if model_type in GRANITE else "mlp"
+    with pytest.raises(ValueError, match=rf"matches the module model\.layers\.0\.{block}\.experts\.down_proj"):
         model_targets(LoRAConfig(4, target_modules=attention + ["down_proj"]), args)
+    if model_type == "granitemoeshared":  # its shared expert's nn.Linear modules, which peft would adapt
+        from models.lora import _hf_module_names, peft_targets
+
+        with pytest.raises(ValueError, match=r"target_modules has \['input_linear'\], which names no module"):
+            LoRAConfig(4, target_modules=attention + ["input_linear"])  # (a config's own check, on no model)
+        names = _hf_module_names(3, model_type=model_type, sparse_layers=[0, 1, 2])
+        with pytest.raises(ValueError, match=r"matches the module model\.layers\.0\.shared_mlp\.input_linear"):
+            peft_targets(attention + ["input_linear"], names, model_type=model_type)
 
 
 def test_a_mixtral_sequence_classifier_loads_as_a_reward_model(tmp_path):
@@ -365,12 +406,14 @@ def test_a_mixtral_sequence_classifier_loads_as_a_reward_model(tmp_path):
     check_reward_model_score(tmp_path, hf, VOCAB)
 
 
-def test_an_olmoe_critic_is_not_exported_as_a_hugging_face_directory(tmp_path):
-    """transformers has no Olmoe classifier: a critic of an OLMoE passes the pre-flight, and is refused naming the
-    key where its checkpoints would write it as a Hugging Face directory."""
-    _, path = _saved(tmp_path, "olmoe", dtype=torch.float32)
-    check_hf_critic_refused_at_preflight(path, r"an olmoe value model cannot be written as a Hugging Face directory: "
-                                               r"transformers has no OlmoeForTokenClassification, so")
+@pytest.mark.parametrize("model_type", ["olmoe", *GRANITE])
+def test_an_olmoe_or_granite_moe_critic_is_not_exported_as_a_hugging_face_directory(tmp_path, model_type):
+    """transformers has no Olmoe or GraniteMoe classifier: a critic of one passes the pre-flight, and is refused naming
+    the key where its checkpoints would write it as a Hugging Face directory."""
+    _, path = _saved(tmp_path, model_type, dtype=torch.float32)
+    family = FAMILIES[model_type][0]
+    check_hf_critic_refused_at_preflight(path, rf"an? {model_type} value model cannot be written as a Hugging Face "
+                                               rf"directory: transformers has no {family}ForTokenClassification, so")
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -400,7 +443,9 @@ def test_the_demo_model_is_a_mixture_of_experts(model_type):
     args = demo_model_args(40, 96, 3, 4, 2, eos=2, pad=0, init_std=0.1, model_type=model_type)
     assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, args.intermediate_size) == (
         4, 2, 48, 48)
-    assert args.moe_layers == [0, 1, 2] and args.norm_topk_prob == (model_type == "mixtral")
+    assert args.moe_layers == [0, 1, 2] and args.norm_topk_prob == (model_type in ("mixtral", *GRANITE))
+    assert args.shared_expert_intermediate_size == (96 if model_type == "granitemoeshared" else 0)
+    assert args.logits_scaling == (8.0 if model_type in GRANITE else 1.0)
     assert type(args.to_hf_config()).__name__ == f"{FAMILIES[model_type][0]}Config"
     model = Transformer.build(args, seed=0)
     assert model(torch.arange(10)[None]).shape == (1, 10, args.vocab_size)

@@ -1,7 +1,10 @@
-"""Mixtral and OLMoE (`model_type` mixtral, olmoe) in the engine, on CPU: greedy tokens and log-probs against
-transformers' MixtralForCausalLM / OlmoeForCausalLM (float64; Mixtral with a sliding window shorter than the longer
-prompts and without one, OLMoE with attention biases and renormalised top-k weights and as OLMoE-1B-7B), the
-checkpoint read through the engine's own loader (Mixtral's block_sparse_moe / w1 w3 w2 names)."""
+"""Mixtral, OLMoE and Granite-MoE (`model_type` mixtral, olmoe, granitemoe, granitemoeshared) in the engine, on CPU:
+greedy tokens and log-probs against transformers' MixtralForCausalLM / OlmoeForCausalLM / GraniteMoeForCausalLM /
+GraniteMoeSharedForCausalLM (float64; Mixtral with a sliding window shorter than the longer prompts and without one,
+OLMoE with attention biases and renormalised top-k weights and as OLMoE-1B-7B, Granite-MoE with its scalars and
+without, Granite-MoE-Shared with its ungated shared expert and without one), the checkpoint read through the engine's
+own loader (Mixtral's block_sparse_moe / w1 w3 w2 names, Granite-MoE's input_linear / output_linear / router.layer and
+shared_mlp)."""
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ _one_thread = one_thread
 
 @pytest.mark.parametrize("model_type, shape", CASES)
 def test_engine_greedy_tokens_and_log_probs_are_transformers(tmp_path, model_type, shape):
-    """The engine on a Mixtral or OLMoE checkpoint (chunked prefill and preemption forced): greedy tokens are those
+    """The engine on a Mixtral, OLMoE or Granite-MoE(-Shared) checkpoint (chunked prefill and preemption forced): greedy tokens are those
     of a no-cache loop over the training model and of transformers' logits, and each token's log-prob is log_softmax
     of transformers' logits (float64, returned in float32: within 1e-6)."""
     from rollout import LLMEngine
