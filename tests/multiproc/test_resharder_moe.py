@@ -8,10 +8,11 @@ zero redundancy; `experts.gate_up_proj` by expert (dim 0): at TP 1 gathered whol
 exactly the bytes it must, at TP 2 by one all-to-all (each rank sends the other its TP rows of its experts). The
 float32 engine's greedy tokens from the resharded weights are the full model's. A Qwen2-MoE's shared expert travels
 as a dense MLP does (its gate and up rows, its down columns, zero redundancy) and its `[1, H]` gate whole, as the
-router does."""
+router does; a Granite-MoE-Shared's (every layer sparse, Granite's scalars) the same without the gate."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
@@ -32,6 +33,13 @@ QWEN2_MOE = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_
                       num_key_value_heads=2, max_position_embeddings=64, model_type="qwen2_moe", attention_bias=True,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,),
                       shared_expert_intermediate_size=64)
+# a Granite-MoE-Shared: every layer sparse (experts intermediate_size wide), its ungated shared expert of 64, its scalars
+GRANITE_MOE_SHARED = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               model_type="granitemoeshared", num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, norm_topk_prob=True, shared_expert_intermediate_size=64,
+                               embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                               logits_scaling=2.0)
 
 
 def _expected(name: str, full: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:
@@ -72,7 +80,7 @@ def check_moe(rank: int, world: int, tp: int, device="cpu", args: ModelArgs = AR
                                      lambda name, slot: _expected(name, full[name].to(torch.bfloat16), tp_rank, t),
                                      (world, tp))
     gate_ups = [n for n in full if n.endswith("mlp.experts.gate_up_proj")]
-    assert len(gate_ups) == 2
+    assert len(gate_ups) == len(args.moe_layers)
     # gate_up_proj: at TP 1 gathered whole over the shard group (a counted fallback: (S-1)/S of it received, which
     # is what the rank needs); at TP > 1 by one all-to-all each ((S-1)/S of the rank's TP shard received, where the
     # zero-redundancy bound is the TP shard's rows beyond this rank's chunk: 1/t - 1/S of the parameter)
@@ -108,5 +116,6 @@ def test_reshard_moe_two_ranks_tp1_tp2():
     run_distributed(_two_ranks, 2)
 
 
-def test_reshard_a_shared_expert_two_ranks_tp1_tp2():
-    run_distributed(_two_ranks, 2, QWEN2_MOE)
+@pytest.mark.parametrize("args", [QWEN2_MOE, GRANITE_MOE_SHARED], ids=["qwen2_moe", "granitemoeshared"])
+def test_reshard_a_shared_expert_two_ranks_tp1_tp2(args):
+    run_distributed(_two_ranks, 2, args)
