@@ -30,12 +30,19 @@ MIXTRAL_ARGS = dataclasses.replace(OLMOE_ARGS, model_type="mixtral", attention_b
 # Qwen2-MoE's (its sparse layer's shared expert and that expert's sigmoid gate, under activation checkpointing)
 QWEN2_MOE_ARGS = dataclasses.replace(MOE_ARGS, model_type="qwen2_moe", attention_bias=True,
                                      shared_expert_intermediate_size=24)
+# Granite-MoE-Shared's (every layer sparse, its router's softmax over the top-k logits, its ungated shared expert,
+# Granite's scalars)
+GRANITE_MOE_ARGS = dataclasses.replace(OLMOE_ARGS, model_type="granitemoeshared", attention_bias=False,
+                                       norm_topk_prob=True, shared_expert_intermediate_size=24,
+                                       embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                       logits_scaling=2.0)
 
 
 @pytest.mark.parametrize("checkpointing, offload, args", [(False, False, ARGS), (True, False, ARGS),
                                                           (True, True, ARGS), (True, False, MOE_ARGS),
                                                           (False, False, OLMOE_ARGS), (True, False, MIXTRAL_ARGS),
-                                                          (True, False, QWEN2_MOE_ARGS)])
+                                                          (True, False, QWEN2_MOE_ARGS),
+                                                          (True, False, GRANITE_MOE_ARGS)])
 def test_compiled_blocks_match_eager_values_and_grads(checkpointing, offload, args):
     torch.manual_seed(0)
     eager = Transformer.build(args, seed=0)

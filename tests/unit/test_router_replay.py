@@ -18,6 +18,11 @@ _one_thread = one_thread
 # The same layers as a Qwen2-MoE: q/k/v biases and a shared expert of 24 beside each sparse layer's routed experts,
 # which every token runs through unrouted (its records and replays cover the routed experts alone)
 QWEN2_MOE = dict(model_type="qwen2_moe", head_dim=None, attention_bias=True, shared_expert_intermediate_size=24)
+# A Granite-MoE-Shared: every layer sparse (experts intermediate_size wide), its router's softmax over the top-k logits,
+# its ungated shared expert of 24 (unrouted, unrecorded) and Granite's scalars
+GRANITE_MOE_SHARED = dict(model_type="granitemoeshared", head_dim=None, intermediate_size=16, mlp_only_layers=(),
+                          shared_expert_intermediate_size=24, embedding_multiplier=2.0, residual_multiplier=0.5,
+                          attention_multiplier=0.3, logits_scaling=2.0)
 
 
 def moe_args(**kw) -> ModelArgs:
@@ -49,14 +54,16 @@ def own_routing(model: Transformer, input_ids: torch.Tensor, **forward_kw) -> to
     return torch.stack(picked, 1).view(*input_ids.shape, len(picked), -1)
 
 
-@pytest.mark.parametrize("norm, f32", [(False, False), (True, False), (True, True)])
-def test_replaying_the_natural_top_k_is_routing(norm, f32):
+@pytest.mark.parametrize("norm, f32, topk", [(False, False, False), (True, False, False), (True, True, False),
+                                             (True, False, True)])
+def test_replaying_the_natural_top_k_is_routing(norm, f32, topk):
     """route(replay=its own top-k) returns the same weights and experts bit for bit (float64; with and without
-    renormalisation, float32 weights as Mixtral keeps them)."""
+    renormalisation, float32 weights as Mixtral keeps them, the softmax over the top-k logits as Granite-MoE takes
+    it)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(11, 32, generator=g, dtype=torch.float64), torch.randn(6, 32, generator=g, dtype=torch.float64)
-    weights, experts = route(x, w, 2, norm, f32)
-    again, replayed = route(x, w, 2, norm, f32, replay=experts.to(torch.uint8))
+    weights, experts = route(x, w, 2, norm, f32, softmax_topk=topk)
+    again, replayed = route(x, w, 2, norm, f32, replay=experts.to(torch.uint8), softmax_topk=topk)
     assert torch.equal(replayed, experts) and torch.equal(again, weights) and again.dtype == weights.dtype
 
 
@@ -90,6 +97,26 @@ def test_replayed_experts_get_the_softmax_weights_and_the_router_its_gradient(no
     hand = dz.T @ x
     assert hand.abs().max() > 0.5
     assert (w.grad - hand).abs().max().item() <= 1e-5 * hand.abs().max().item()
+
+
+def test_a_granite_moe_router_takes_the_softmax_over_the_chosen_logits():
+    """Granite-MoE's routing (`softmax_topk`, GraniteMoeTopKRouter): the top-k of the logits cast to float32 and the
+    softmax over those k alone, cast back (float64 here); replayed ids (the 3rd and 5th largest logits, reversed on two
+    tokens) get the softmax over their own float32 logits, in their order; the router gets its gradient through
+    them."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 32, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 32, generator=g, dtype=torch.float64).requires_grad_()
+    logits = (x @ w.detach().T).float()
+    top, ids = logits.topk(2, dim=-1)
+    weights, experts = route(x, w, 2, True, softmax_topk=True)
+    assert torch.equal(experts, ids) and torch.equal(weights, torch.softmax(top, -1).double())
+    replay = logits.argsort(-1, descending=True)[:, [2, 4]]
+    replay[:2] = replay[:2].flip(-1)
+    weights, experts = route(x, w, 2, True, replay=replay.to(torch.uint8), softmax_topk=True)
+    assert torch.equal(experts, replay) and torch.equal(weights, torch.softmax(logits.gather(1, replay), -1).double())
+    weights[:, 0].sum().backward()
+    assert w.grad.abs().max() > 1e-2
 
 
 def test_a_replay_of_the_wrong_shape_is_refused():
@@ -320,14 +347,15 @@ def check_record_is_each_rows_routing(model, ro) -> None:
         assert torch.equal(got, want), i
 
 
-@pytest.mark.parametrize("layout, family", [(layout, {}) for layout in LAYOUTS] + [("shared_prefix", QWEN2_MOE)])
+@pytest.mark.parametrize("layout, family", [(layout, {}) for layout in LAYOUTS] + [("shared_prefix", QWEN2_MOE),
+                                                                                  ("shared_prefix", GRANITE_MOE_SHARED)])
 def test_the_r2_record_is_each_tokens_routing_and_replays_as_routing(layout, family):
     """The R2 old-log-prob pass (Actor.log_probs, micro-batches of 4 rows, the shared prompts laid out once per
     micro-batch under prefix sharing) records into `ro.routed_experts` every token's experts in both sparse layers:
     each row's are its own routing (a forward of the row alone; the shared prompt's record reaches every row of its
     group), and laid out again in other micro-batches (5 and 4 rows) a forward replaying them computes the logits of
     the forward that routes at every token, bit for bit (float64); a Qwen2-MoE's shared expert, which no record holds,
-    computed alike on both."""
+    computed alike on both (a Granite-MoE-Shared's, every layer sparse, too)."""
     from trainer.forward import build_micro_batch
 
     model = Transformer.build(moe_args(**family), seed=0).double()
@@ -427,7 +455,7 @@ def test_a_forward_records_the_experts_it_replays_and_a_dense_model_has_none(fam
         dense(ids, record_routing=True)
 
 
-@pytest.mark.parametrize("family", [{}, QWEN2_MOE])
+@pytest.mark.parametrize("family", [{}, QWEN2_MOE, GRANITE_MOE_SHARED])
 def test_compiled_blocks_record_and_replay_as_eager_ones(family):
     """actor.use_torch_compile: blocks compiled in place (`sharding.compile.apply_compile`, aot_eager) return the
     record as eager blocks do (a second packed shape: no stale graph), and replaying it gives eager's logits (a
