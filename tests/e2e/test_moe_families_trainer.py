@@ -1,8 +1,10 @@
-"""A Mixtral, an OLMoE, a Qwen2-MoE and a Granite-MoE (and -Shared) in the trainer (CPU, fp32, weights at std 0.3 for decisive logits and routing):
-the demo's model built as each (4 experts, each token through 2, every layer sparse; Mixtral's and OLMoE's experts of
-intermediate_size, the Qwen2-MoE's beside its shared expert) trains two steps in one process; the engine's rollout
-log-probs are the trainer's (the weights reach the engine through the resharder; Mixtral's checkpoint, written by
-prepare_demo under its block_sparse_moe / w1 w3 w2 names, read by both), its losses finite."""
+"""A Mixtral, an OLMoE, a Qwen2-MoE, a Granite-MoE and a Granite-MoE-Shared in the trainer (CPU, fp32, weights at std
+0.3 for decisive logits and routing): the demo's model built as each (4 experts, each token through 2, every layer
+sparse; Mixtral's, OLMoE's and Granite-MoE's experts of intermediate_size, the Qwen2-MoE's beside its shared expert,
+the Granite-MoE-Shared's beside its ungated one) trains two steps in one process; the engine's rollout log-probs are
+the trainer's (the weights reach the engine through the resharder; Mixtral's checkpoint, written by prepare_demo under
+its block_sparse_moe / w1 w3 w2 names, Granite-MoE's under its input_linear / output_linear / router.layer and
+shared_mlp names, read by both), its losses finite."""
 
 import pytest
 
