@@ -2,13 +2,15 @@
 experts, which both paths run through models.moe), on CPU under Triton's interpreter (`tests/interpreter.py`: the
 checks run in a child process, and every launch they made is compiled for sm_90): a sparse and a dense layer with a
 sliding window, and a model whose every layer is sparse; a Qwen2-MoE's sparse layer, whose shared expert runs through
-the Triton path's gated and plain projections, beside a dense one."""
+the Triton path's gated and plain projections, beside a dense one; a Granite-MoE-Shared's (every layer sparse, its
+router's softmax over the top-k logits, its ungated shared expert, Granite's scalars)."""
 
 from __future__ import annotations
 
 from tests import interpreter
 
-CHECKS = ["engine_qwen3_moe_mixed", "engine_qwen3_moe_all_sparse", "engine_qwen2_moe_shared_expert"]
+CHECKS = ["engine_qwen3_moe_mixed", "engine_qwen3_moe_all_sparse", "engine_qwen2_moe_shared_expert",
+          "engine_granite_moe_shared_expert"]
 
 
 def _checks() -> dict:
@@ -39,6 +41,11 @@ def _checks() -> dict:
     def engine_qwen2_moe_shared_expert():
         return engine(model_type="qwen2_moe", head_dim=None, attention_bias=True, shared_expert_intermediate_size=32,
                       mlp_only_layers=(1,))
+
+    def engine_granite_moe_shared_expert():
+        return engine(model_type="granitemoeshared", head_dim=None, intermediate_size=16, norm_topk_prob=True,
+                      shared_expert_intermediate_size=32, embedding_multiplier=2.0, residual_multiplier=0.5,
+                      attention_multiplier=0.25, logits_scaling=2.0)
 
     return locals()
 
