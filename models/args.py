@@ -137,9 +137,9 @@ NO_MLP_BIAS_TYPES = ("gemma3_text", "granitemoe", "granitemoeshared", "olmo2", "
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
-# logits_scaling; Granite-MoE's (`GRANITE_TYPES`) alike. Every other type has them at their neutral values (`ModelArgs.embedding_scale`,
-# `attention_scale`, which serve Gemma 3's embedding and attention scales too; the trainer's LM head and the
-# engine's sampler take logits_scaling into the temperature).
+# logits_scaling; Granite-MoE's (`GRANITE_TYPES`) alike. Every other type has them at their neutral values
+# (`ModelArgs.embedding_scale`, `attention_scale`, which serve Gemma 3's embedding and attention scales too; the
+# trainer's LM head and the engine's sampler take logits_scaling into the temperature).
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # Gemma 3 (`gemma3_text`, transformers' Gemma3ForCausalLM): the keys of its config that meshppo reads beyond the
 # shared ones, kept in `ModelArgs.extra_hf` and written back on export: query_pre_attn_scalar (the attention scales
@@ -807,7 +807,8 @@ def _check_granite_scalars(args: ModelArgs) -> None:
     if args.model_type not in GRANITE_TYPES:
         set_ = [k for k in GRANITE_SCALARS if getattr(args, k) != (None if k == "attention_multiplier" else 1.0)]
         if set_:
-            raise ValueError(f"{set_[0]} is read for model_type {' / '.join(GRANITE_TYPES)} only (transformers' {args.model_type} "
+            raise ValueError(f"{set_[0]} is read for model_type {' / '.join(GRANITE_TYPES)} only (transformers' "
+                             f"{args.model_type} "
                              "has no such scalar)")
         return
     if args.attention_multiplier is None:
@@ -906,7 +907,7 @@ def _check_moe(args: ModelArgs) -> None:
                 raise ValueError(f"{args.model_type} with {key}={getattr(args, key)!r} is not supported: transformers' "
                                  f"{family} has {key} {json.dumps(list(value) if key == 'mlp_only_layers' else value)} "
                                  "(every layer sparse, its experts intermediate_size wide"
-                                 f"{', their top-k weights renormalised' if args.model_type in _ALWAYS_RENORMALISED else ''})")
+                                 f"{', their top-k weights renormalised' if fixed.get('norm_topk_prob') else ''})")
     if args.model_type == "olmoe" and args.head_dim * args.num_attention_heads != args.hidden_size:
         raise ValueError(f"olmoe with head_dim={args.head_dim} is not supported: transformers' Olmoe norms the query "
                          f"over hidden_size ({args.hidden_size}), so its heads must fill it (head_dim "

@@ -184,7 +184,8 @@ def moe_name_from_checkpoint(name: str, model_type: str) -> str:
         layer = _LAYER_TENSOR.match(name)
         if layer is None:
             return name
-        mine = {v: k for names in (CHECKPOINT_MOE_TENSORS[model_type], _GRANITE_MOE_IN_MEMORY) for k, v in names.items()}
+        mine = {v: k for names in (CHECKPOINT_MOE_TENSORS[model_type], _GRANITE_MOE_IN_MEMORY)
+                for k, v in names.items()}
         return f"{layer.group(1)}.{mine[layer.group(2)]}" if layer.group(2) in mine else name
     if model_type not in CHECKPOINT_MOE_NAMES:
         return name
@@ -508,7 +509,8 @@ def save_pretrained(model, path, state_dict=None, max_shard_size: int = 5 * 2**3
     path.mkdir(parents=True, exist_ok=True)
     if dtype is None and args.hf_dtype is not None:
         dtype = getattr(torch, args.hf_dtype)
-    sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args), args.model_type)
+    sd = unstack_experts(fuse_parts(state_dict if state_dict is not None else model.state_dict(), args),
+                         args.model_type)
     tensors = {meshppo_key_to_hf(moe_name_to_checkpoint(k, args.model_type)): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                .detach().contiguous().cpu() for k, v in sd.items()}
     written = {v.dtype for v in tensors.values() if v.is_floating_point()}

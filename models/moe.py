@@ -8,10 +8,10 @@ MLP.)
 Qwen3MoeTopKRouter, OlmoeTopKRouter) or kept in float32 (`float32_weights`: MixtralTopKRouter, whose expert outputs
 are then weighted in float32 and their sum rounded once); or (`softmax_topk`: GraniteMoeTopKRouter) the top `k` of
 the logits in float32 and the softmax over those `k`, cast to the input's dtype. With `replay` (routing replay, R2 /
-R3) the given experts replace the top-k and are weighted by the same softmax at their ids. A record of expert ids (the engine's, R3; the
-old-log-prob pass's, R2) is kept in `routing_dtype`. `experts_forward` runs them: `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each
-expert's weights stacked as transformers 5 holds them in memory, `gate_up [E, 2I, H]` (gate rows first: its
-`chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
+R3) the given experts replace the top-k and are weighted by the same softmax at their ids. A record of expert ids
+(the engine's, R3; the old-log-prob pass's, R2) is kept in `routing_dtype`. `experts_forward` runs them:
+`Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each expert's weights stacked as transformers 5 holds them in
+memory, `gate_up [E, 2I, H]` (gate rows first: its `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
 expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
 (token, slot) order and summed over the slots: a fixed order of additions (no atomics), as transformers'
 grouped_mm path sums them. Both reorderings are permutations, so their backward passes are gathers by the inverse
@@ -79,8 +79,8 @@ def routing_dtype(num_experts: int) -> torch.dtype:
 def route_model(x: torch.Tensor, weight: torch.Tensor, args,
                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` as the model of `args` (a `ModelArgs`) routes: its `num_experts_per_tok`, `norm_topk_prob`,
-    `router_weights_float32` and `router_softmax_topk`; `replay`: the experts to use instead of the top-k (`route`). The one call of the
-    training model's block and the engine's layer, so the two route and round alike."""
+    `router_weights_float32` and `router_softmax_topk`; `replay`: the experts to use instead of the top-k (`route`).
+    The one call of the training model's block and the engine's layer, so the two route and round alike."""
     return route(x, weight, args.num_experts_per_tok, args.norm_topk_prob, args.router_weights_float32, replay,
                  args.router_softmax_topk)
 

@@ -261,7 +261,8 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """The sparse MLP of a `ModelArgs.moe_layers` layer (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
-    OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, GraniteMoeMoE): each token through its top `num_experts_per_tok` experts by the
+    OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, GraniteMoeMoE): each token through its top `num_experts_per_tok`
+    experts by the
     router, their outputs weighted by the router's probabilities (`models.moe.route_model`, in float32 where
     `ModelArgs.router_weights_float32`; `models.moe.experts_forward`). A Qwen2-MoE's (`SHARED_EXPERT_TYPES`) adds its
     shared expert, which every token runs through, unrouted: `routed + sigmoid(shared_expert_gate(x)) *

@@ -263,7 +263,8 @@ def test_a_granite_moe_shared_block_is_transformers_in_bf16():
     gate, up = mlp.input_linear.weight.chunk(2)
     ours.load_state_dict({"gate.weight": block.router.weight, "experts.gate_up_proj": block.experts.gate_up_proj,
                           "experts.down_proj": block.experts.down_proj, "shared_expert.gate_proj.weight": gate,
-                          "shared_expert.up_proj.weight": up, "shared_expert.down_proj.weight": mlp.output_linear.weight})
+                          "shared_expert.up_proj.weight": up,
+                          "shared_expert.down_proj.weight": mlp.output_linear.weight})
     tp = types.SimpleNamespace(rank=0, size=1, all_reduce=lambda t: t)  # TP 1: the all-reduce is the identity
     engine = EngineModel(args, tp, torch.bfloat16, DEV, 64)
     state = {f"layers.0.mlp.{k}": v for k, v in ours.state_dict().items()}

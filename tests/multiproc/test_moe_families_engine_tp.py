@@ -1,10 +1,11 @@
-"""Mixtral, OLMoE, Qwen2-MoE and Granite-MoE(-Shared) in the engine at TP 2 over two gloo processes equal TP 1 (float32, CPU): every layer
+"""Mixtral, OLMoE, Qwen2-MoE and Granite-MoE(-Shared) in the engine at TP 2 over two gloo processes equal TP 1
+(float32, CPU): every layer
 sparse (the router replicated, each rank's rows of every expert's gate and up projections and its columns of every down
 projection, one all-reduce), Mixtral's top-2 weights renormalised in float32 over GQA, OLMoE's q / k norms over the
 whole projections (their sums of squares all-reduced across the ranks) with attention biases; a Qwen2-MoE's sparse
 layer beside a dense one, its shared expert sharded as a dense MLP (its gate replicated) and summed with the routed
-experts in the layer's one all-reduce; a Granite-MoE's router (the softmax over the top-2 logits) with Granite's scalars,
-and a Granite-MoE-Shared's ungated shared expert sharded the same way."""
+experts in the layer's one all-reduce; a Granite-MoE's router (the softmax over the top-2 logits) with Granite's
+scalars, and a Granite-MoE-Shared's ungated shared expert sharded the same way."""
 
 from tests.multiproc.engine_tp_family import run_family_tp2_equals_tp1
 

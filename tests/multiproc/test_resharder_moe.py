@@ -33,7 +33,8 @@ QWEN2_MOE = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_
                       num_key_value_heads=2, max_position_embeddings=64, model_type="qwen2_moe", attention_bias=True,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,),
                       shared_expert_intermediate_size=64)
-# a Granite-MoE-Shared: every layer sparse (experts intermediate_size wide), its ungated shared expert of 64, its scalars
+# a Granite-MoE-Shared: every layer sparse (experts intermediate_size wide), its ungated shared expert of 64, its
+# scalars
 GRANITE_MOE_SHARED = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                model_type="granitemoeshared", num_experts=4, num_experts_per_tok=2,

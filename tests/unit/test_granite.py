@@ -171,7 +171,8 @@ def test_granite_scalars_are_checked():
         ModelArgs(model_type="granite", logits_scaling=0)
     with pytest.raises(ValueError, match="config.json's residual_multiplier: expected a number > 0"):
         ModelArgs(model_type="granite", residual_multiplier=float("nan"))
-    with pytest.raises(ValueError, match="embedding_multiplier is read for model_type granite / granitemoe / granitemoeshared only"):
+    with pytest.raises(ValueError, match="embedding_multiplier is read for model_type granite / granitemoe / "
+                                         "granitemoeshared only"):
         ModelArgs(model_type="llama", embedding_multiplier=12.0)
     assert ModelArgs(model_type="granite").attention_scale == 1.0
     assert ModelArgs(model_type="llama", head_dim=16).attention_scale == 0.25

@@ -19,9 +19,9 @@ _one_thread = one_thread
 
 @pytest.mark.parametrize("model_type, shape", CASES)
 def test_engine_greedy_tokens_and_log_probs_are_transformers(tmp_path, model_type, shape):
-    """The engine on a Mixtral, OLMoE or Granite-MoE(-Shared) checkpoint (chunked prefill and preemption forced): greedy tokens are those
-    of a no-cache loop over the training model and of transformers' logits, and each token's log-prob is log_softmax
-    of transformers' logits (float64, returned in float32: within 1e-6)."""
+    """The engine on a Mixtral, OLMoE or Granite-MoE(-Shared) checkpoint (chunked prefill and preemption forced): greedy
+    tokens are those of a no-cache loop over the training model and of transformers' logits, and each token's log-prob
+    is log_softmax of transformers' logits (float64, returned in float32: within 1e-6)."""
     from rollout import LLMEngine
     from rollout.engine import EngineConfig
 

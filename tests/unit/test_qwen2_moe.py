@@ -219,7 +219,8 @@ _BASE = dict(model_type="qwen2_moe", num_hidden_layers=3, hidden_size=32, interm
 @pytest.mark.parametrize("fields, match", [
     (dict(shared_expert_intermediate_size=0), r"config\.json's shared_expert_intermediate_size: expected an integer > "
                                               r"0, got 0"),
-    (dict(model_type="qwen3_moe"), r"shared_expert_intermediate_size is read for model_type granitemoeshared / qwen2_moe only "
+    (dict(model_type="qwen3_moe"), r"shared_expert_intermediate_size is read for model_type granitemoeshared / "
+                                   r"qwen2_moe only "
                                    r"\(transformers' qwen3_moe has no shared expert\)"),
     (dict(mlp_bias=True), r"qwen2_moe with mlp_bias is not supported \(transformers' Qwen2Moe has no MLP biases"),
     (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 exceeds num_experts=4"),

@@ -245,8 +245,8 @@ def test_the_arguments_round_trip_and_dense_fingerprints_are_unchanged():
     (dict(mlp_only_layers=(3,)), r"mlp_only_layers=\[3\]: expected distinct layer indices in \[0, 3\)"),
     (dict(mlp_only_layers=(1, 1)), r"mlp_only_layers=\[1, 1\]"),
     (dict(attention_bias=True), r"qwen3_moe with attention_bias or mlp_bias is not supported"),
-    (dict(model_type="qwen3"), r"num_experts is read for model_type granitemoe / granitemoeshared / mixtral / olmoe / qwen2_moe / "
-                                   r"qwen3_moe only"),
+    (dict(model_type="qwen3"), r"num_experts is read for model_type granitemoe / granitemoeshared / mixtral / olmoe / "
+                               r"qwen2_moe / qwen3_moe only"),
 ])
 def test_bad_moe_arguments_are_refused_naming_the_key(fields, match):
     base = dict(model_type="qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,

@@ -347,8 +347,8 @@ def check_record_is_each_rows_routing(model, ro) -> None:
         assert torch.equal(got, want), i
 
 
-@pytest.mark.parametrize("layout, family", [(layout, {}) for layout in LAYOUTS] + [("shared_prefix", QWEN2_MOE),
-                                                                                  ("shared_prefix", GRANITE_MOE_SHARED)])
+@pytest.mark.parametrize("layout, family", [(layout, {}) for layout in LAYOUTS] + [
+    ("shared_prefix", QWEN2_MOE), ("shared_prefix", GRANITE_MOE_SHARED)])
 def test_the_r2_record_is_each_tokens_routing_and_replays_as_routing(layout, family):
     """The R2 old-log-prob pass (Actor.log_probs, micro-batches of 4 rows, the shared prompts laid out once per
     micro-batch under prefix sharing) records into `ro.routed_experts` every token's experts in both sparse layers:
