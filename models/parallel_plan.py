@@ -4,8 +4,9 @@ The single source of truth for the TP layout, shared by the engine (`rollout/`, 
 weights on load) and the resharder (`sharding/`, which makes FSDP shard the same dimension so
 that a rank's FSDP chunk lies inside the TP shard it needs, docs/ARCHITECTURE.md).
 
-* column-parallel (dim 0): q/k/v projections (weights and biases), gate/up projections (a Qwen2-MoE sparse layer's
-  shared expert's too: `mlp.shared_expert.gate_proj`), embedding rows and the LM head (vocab-parallel)
+* column-parallel (dim 0): q/k/v projections (weights and biases), gate/up projections (a Qwen2-MoE or
+  Granite-MoE-Shared sparse layer's shared expert's too: `mlp.shared_expert.gate_proj`), embedding rows and the LM
+  head (vocab-parallel)
 * row-parallel (dim 1): o_proj and down_proj weights (the shared expert's too); their outputs are all-reduced (a
   sparse layer's shared expert's with its routed experts', in one all-reduce)
 * a mixture-of-experts layer's experts (Qwen3-MoE), sharded along their intermediate size, every
