@@ -201,6 +201,52 @@ def test_mixtral_checkpoint_names_load_and_export_as_transformers_writes_them(tm
         Transformer.from_pretrained(broken)
 
 
+def test_granite_moe_checkpoint_names_load_and_export_as_transformers_writes_them(tmp_path):
+    """A Granite-MoE-Shared checkpoint keeps its experts stacked under its own names, as the hub's files and
+    transformers' save_pretrained write them: `block_sparse_moe.input_linear` (each expert's gate rows, then its up
+    rows), `output_linear` and `router.layer`, and its shared expert's fused `shared_mlp.input_linear` (gate rows, then
+    up) and `output_linear`. meshppo reads them onto its stacked experts, router and shared expert and its export writes
+    the same names, tensor for tensor; transformers 5's in-memory names (`block_sparse_moe.experts.gate_up_proj`,
+    `router.weight`) load too; a shared_mlp.input_linear of another width is refused naming the file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import CheckpointFileError
+
+    hf, path = _saved(tmp_path, "granitemoeshared", **FAMILIES["granitemoeshared"][2][0])
+    tensors = load_file(str(path / "model.safetensors"))
+    assert {"model.layers.1.block_sparse_moe.input_linear.weight",
+            "model.layers.1.block_sparse_moe.router.layer.weight",
+            "model.layers.1.shared_mlp.input_linear.weight"} <= set(tensors)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    mlp = ours.layers[1].mlp
+    assert torch.equal(mlp.experts.gate_up_proj, tensors["model.layers.1.block_sparse_moe.input_linear.weight"])
+    assert torch.equal(mlp.experts.down_proj, tensors["model.layers.1.block_sparse_moe.output_linear.weight"])
+    assert torch.equal(mlp.gate.weight, tensors["model.layers.1.block_sparse_moe.router.layer.weight"])
+    fused = tensors["model.layers.1.shared_mlp.input_linear.weight"]
+    assert torch.equal(mlp.shared_expert.gate_proj.weight, fused[:24])
+    assert torch.equal(mlp.shared_expert.up_proj.weight, fused[24:])
+    assert torch.equal(mlp.shared_expert.down_proj.weight, tensors["model.layers.1.shared_mlp.output_linear.weight"])
+    assert not hasattr(mlp, "shared_expert_gate")
+
+    ours.save_pretrained(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(tensors)
+        for key in tensors:
+            assert torch.equal(f.get_tensor(key), tensors[key]), key
+
+    check_in_memory_names_load(tmp_path, hf, path, ours)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors | {"model.layers.2.shared_mlp.input_linear.weight": fused[:40].clone()},
+              str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointFileError, match=r"'layers\.2\.mlp\.shared_expert\.gate_up_proj\.weight' in .* has "
+                                                  r"shape \(40, 32\), expected 48 rows"):
+        Transformer.from_pretrained(broken)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_export_round_trips_through_transformers(tmp_path, model_type):
     """The trained-policy export writes what transformers' save_pretrained writes (the same tensor names, the MoE and
