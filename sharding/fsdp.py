@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from models import ModelArgs, Transformer, load_model_args, torch_dtypes, tp_shard_dim, tp_shard_parts
-from models.args import apply_overrides
+from models.args import HF_FAMILY, apply_overrides
 from models.checkpoint import checkpoint_tensors
 from models.lora import LoRAConfig, check_adapter, inject_lora, lora_init_tensors, read_peft_adapter
 from sharding.ac import apply_ac
@@ -45,9 +45,9 @@ from sharding.replicate import apply_replicated, replicated_params
 _FP16 = ("fp16", "float16", "16", "half")
 _DTYPES = {k: v for k, v in torch_dtypes().items() if k not in _FP16}
 # meshppo's block and the Hugging Face classes a verl config names for the same layer.
-_BLOCK_CLASS_NAMES = ("TransformerBlock", "Gemma3DecoderLayer", "GraniteDecoderLayer", "LlamaDecoderLayer",
-                      "MistralDecoderLayer", "Olmo2DecoderLayer", "Phi3DecoderLayer", "Qwen2DecoderLayer",
-                      "Qwen3DecoderLayer")
+# meshppo's block and transformers' decoder-layer class of every family it builds (`models.args.HF_FAMILY`:
+# Qwen3MoeDecoderLayer, MixtralDecoderLayer, ...), the names a verl config's transformer_layer_cls_to_wrap gives
+_BLOCK_CLASS_NAMES = ("TransformerBlock", *sorted({f"{family}DecoderLayer" for family in HF_FAMILY.values()}))
 _WRAP_POLICY_KEYS = ("min_num_params", "transformer_layer_cls_to_wrap")
 
 

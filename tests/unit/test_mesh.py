@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from models.args import HF_FAMILY
 from sharding import FSDPConfig, ParallelDims, fsdp_shard_dim
 from sharding.mesh import FSDP_SIZE_KEY, TP_KEY, full_shard_note
 
@@ -107,6 +108,18 @@ def test_fsdp_config_validation():
     ]:
         with pytest.raises(ValueError, match=match):
             FSDPConfig(**kwargs)
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_FAMILY))
+def test_wrap_policy_takes_the_decoder_layer_class_transformers_gives_each_family(model_type):
+    """A verl config names the Hugging Face model's decoder-layer class in transformer_layer_cls_to_wrap (its
+    `_no_split_modules`): for every family meshppo builds, the class transformers' causal-LM model of that type
+    declares is accepted (the mixture-of-experts families' included)."""
+    import transformers
+
+    model_class = getattr(transformers, f"{HF_FAMILY[model_type]}ForCausalLM")
+    layer_classes = model_class._no_split_modules
+    assert layer_classes and FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": list(layer_classes)})
 
 
 def test_fsdp_shard_dim_follows_tp_plan():
