@@ -416,7 +416,7 @@ LORA_RESHARD_LAYOUTS = [(-1, 1, "even"), (-1, 2, "even"), (-1, 1, "uneven")]  # 
 def check_reshard(ctx, a):
     from tests.multiproc.test_resharder import MODELS, _check
     from tests.multiproc.test_resharder_lora import _check as _check_lora
-    from tests.multiproc.test_resharder_moe import ARGS as QWEN3_MOE, QWEN2_MOE, check_moe
+    from tests.multiproc.test_resharder_moe import ARGS as QWEN3_MOE, GRANITE_MOE_SHARED, QWEN2_MOE, check_moe
 
     for fsdp_size, tp in RESHARD_LAYOUTS:
         for kind in MODELS:
@@ -427,13 +427,13 @@ def check_reshard(ctx, a):
         _check_lora(ctx.rank, ctx.world_size, fsdp_size, tp, kind, ctx.device)
         _free_device_memory(ctx.device)
     # mixtures of experts: down_proj on its TP dimension, gate_up_proj whole (TP 1) or by all-to-all (TP 2); a
-    # Qwen2-MoE's shared expert as a dense MLP, its [1, H] gate whole
-    for args in (QWEN3_MOE, QWEN2_MOE):
+    # Qwen2-MoE's shared expert as a dense MLP, its [1, H] gate whole; a Granite-MoE-Shared's, ungated
+    for args in (QWEN3_MOE, QWEN2_MOE, GRANITE_MOE_SHARED):
         for tp in (1, 2):
             check_moe(ctx.rank, ctx.world_size, tp, ctx.device, args=args)
             _free_device_memory(ctx.device)
     _emit(ctx, "reshard", layouts=RESHARD_LAYOUTS, models=list(MODELS), lora_layouts=LORA_RESHARD_LAYOUTS,
-          moe_tp=[1, 2], moe_models=["qwen3_moe", "qwen2_moe"])
+          moe_tp=[1, 2], moe_models=["qwen3_moe", "qwen2_moe", "granitemoeshared"])
 
 
 CHECKS = {"trainer": check_trainer, "same_update": check_same_update, "engine_tp": check_engine_tp,
