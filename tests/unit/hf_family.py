@@ -13,6 +13,9 @@ from models import Transformer, cu_seqlens_from_lengths
 # float64: rounding is ~1e-15 of the logits (~1); a wrong architecture (a window, a head size, a bias, a row order)
 # is off by > 1e-3
 TOL = 1e-9
+# the experts implementation of transformers' mixture-of-experts references: its default (grouped_mm) takes no float64
+# on CPU; its eager loop is the reference
+EAGER = {"experts_implementation": "eager"}
 
 
 @pytest.fixture(autouse=True, scope="module")

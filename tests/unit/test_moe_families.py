@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
+from tests.unit.hf_family import (EAGER, TOL, check_export_round_trip, check_flops_match_the_flop_counter,
                                   check_hf_critic_refused_at_preflight, check_in_memory_names_load,
                                   check_padded_and_packed_logits, check_peft_adapter_round_trip,
                                   check_reward_model_score, one_thread, randomized, trainer_loads_bit_for_bit,
@@ -22,8 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 _one_thread = one_thread
 VOCAB = 97
-# transformers' default experts (grouped_mm) take no float64 on CPU; its eager loop is the reference
-EAGER = {"experts_implementation": "eager"}
 # Each family's transformers classes, its config's name for the experts' count, and its shapes under test: Mixtral
 # with GQA, an explicit head_dim and a sliding window over every layer, and without a window; OLMoE with GQA,
 # attention biases (q, k, v and o_proj) and its top-k weights renormalised, and as OLMoE-1B-7B (one KV head per query

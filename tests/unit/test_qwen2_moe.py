@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
+from tests.unit.hf_family import (EAGER, TOL, check_export_round_trip, check_flops_match_the_flop_counter,
                                   check_in_memory_names_load, check_padded_and_packed_logits,
                                   check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
                                   trainer_loads_bit_for_bit, unprefixed)
@@ -20,8 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 _one_thread = one_thread
 VOCAB = 97
-# transformers' default experts (grouped_mm) take no float64 on CPU; its eager loop is the reference
-EAGER = {"experts_implementation": "eager"}
 # Three layers: sparse, dense (mlp_only_layers), sparse, the top-2 weights not renormalised (the family's default) and
 # q/k/v biases; one sparse layer of every second (decoder_sparse_step), renormalised, without biases (qkv_bias false);
 # a window over layers 0 and 2 (use_sliding_window: Qwen2MoeConfig's every other layer below max_window_layers) with

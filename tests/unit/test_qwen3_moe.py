@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from models import ModelArgs, Transformer
 from models.moe import experts_forward, route
-from tests.unit.hf_family import (TOL, check_export_round_trip, check_flops_match_the_flop_counter,
+from tests.unit.hf_family import (EAGER, TOL, check_export_round_trip, check_flops_match_the_flop_counter,
                                   check_in_memory_names_load, check_padded_and_packed_logits,
                                   check_peft_adapter_round_trip, check_reward_model_score, one_thread, randomized,
                                   trainer_loads_bit_for_bit, unprefixed)
@@ -20,8 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 _one_thread = one_thread
 VOCAB = 97
-# transformers' default experts (grouped_mm) take no float64 on CPU; its eager loop is the reference
-EAGER = {"experts_implementation": "eager"}
 # Three layers: sparse, dense (mlp_only_layers), sparse; one sparse layer of every second (decoder_sparse_step), the
 # top-2 weights renormalised; GQA with an explicit head_dim; a sliding window over every layer (use_sliding_window).
 SHAPES = [dict(mlp_only_layers=[1], norm_topk_prob=False),
