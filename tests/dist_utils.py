@@ -33,11 +33,16 @@ def free_port() -> int:
 
 
 # What every rank imports anyway, imported once in the fork server: a rank then starts in well
-# under a second instead of importing torch anew (about 3 s of a 2-core machine's time a rank).
-# Nothing that reads the environment at import time beyond torch itself (triton reads
-# TRITON_INTERPRET when imported: the ranks import it, after `_worker` set their environment).
+# under a second instead of importing these anew (torch about 3 s of a 2-core machine's time a rank;
+# torch._dynamo, which meshppo's models import through `torch.compiler.disable`, and transformers
+# about 1.5 s each). Nothing that reads the environment at import time beyond torch itself, and
+# nothing of meshppo's: triton reads TRITON_INTERPRET when a kernel is decorated (`@triton.jit`, at
+# the import of meshppo's kernel modules), so the ranks import those after `_worker` set their
+# environment. torch._dynamo imports triton itself, whose own `@triton.jit` helpers are then compiled
+# ones: a rank that runs kernels under the interpreter (TRITON_INTERPRET=1) needs a process that has
+# not imported triton yet, `run_distributed(..., triton_interpret=True)`.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint"]
+           "torch.distributed.checkpoint", "torch._dynamo", "transformers"]
 
 
 def _adopt(parent: int, cwd: str, environ: dict) -> None:
@@ -57,7 +62,7 @@ def _adopt(parent: int, cwd: str, environ: dict) -> None:
         os.close(new)
 
 
-def _worker(rank, world_size, port, fn, args, errors, parent):
+def _worker(rank, world_size, port, fn, args, errors, parent, preloaded):
     _adopt(*parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,7 +77,11 @@ def _worker(rank, world_size, port, fn, args, errors, parent):
         # abort the process ("terminate called without an active exception") after a pass.
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        tb = traceback.format_exc()
+        if preloaded and os.environ.get("TRITON_INTERPRET") == "1":
+            tb += ("\n(TRITON_INTERPRET=1 was set in a rank forked with triton already imported, where it does not "
+                   "take: pass triton_interpret=True to run_distributed)")
+        errors.put((rank, tb))
         raise
     finally:
         if dist.is_initialized():
@@ -85,14 +94,21 @@ def _worker(rank, world_size, port, fn, args, errors, parent):
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise the first failure."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, triton_interpret: bool = False):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise the first failure.
+    `triton_interpret`: the ranks run Triton kernels under the interpreter (TRITON_INTERPRET=1 in their
+    environment), each started afresh (spawned, importing torch itself: a few seconds) since the fork
+    server's ranks have triton imported already (PRELOAD)."""
+    if triton_interpret:
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
     errors = ctx.SimpleQueue()
     port = free_port()
-    parent = (os.getpid(), os.getcwd(), dict(os.environ))
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, parent))
+    environ = dict(os.environ, TRITON_INTERPRET="1") if triton_interpret else dict(os.environ)
+    parent = (os.getpid(), os.getcwd(), environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, parent, not triton_interpret))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -2,8 +2,6 @@
 check that test_granite_engine_tp.py, test_olmo2_engine_tp.py, test_gemma3_engine_tp.py, test_qwen3_moe_engine_tp.py
 and test_moe_families_engine_tp.py run with their families' model arguments (`run_family_tp2_equals_tp1`)."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,12 +14,10 @@ def run_family_tp2_equals_tp1(variants: list[dict], norm_std: float, triton: boo
     where triton is not installed, the ranks running its kernels under the interpreter (TRITON_INTERPRET=1)."""
     if triton:
         pytest.importorskip("triton")
-    run_distributed(_tp2_body, 2, variants, norm_std, triton)
+    run_distributed(_tp2_body, 2, variants, norm_std, triton, triton_interpret=triton)
 
 
 def _tp2_body(rank, world_size, variants, norm_std, triton):
-    if triton:
-        os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     check_family_tp2_equals_tp1(variants, norm_std, triton)
 
 

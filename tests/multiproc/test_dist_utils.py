@@ -50,3 +50,36 @@ def test_ranks_get_the_tests_environment_directory_and_output(tmp_path, monkeypa
         err = capfd.readouterr().err
         for rank in (0, 1):
             assert f"rank {rank} in {tmp_path} with MESHPPO_TEST_MARK={mark}" in err, err
+
+
+def _what_is_imported(rank, world_size, interpreting):
+    import os
+    import sys
+
+    # the fork server's ranks start with PRELOAD imported; an interpreting rank without triton, which then
+    # decorates its kernels as the interpreter's
+    assert all(m in sys.modules for m in ("torch._dynamo", "transformers")) != interpreting
+    assert ("triton" in sys.modules) != interpreting
+    assert os.environ.get("TRITON_INTERPRET") == ("1" if interpreting else None)
+    if interpreting:
+        import triton
+
+        @triton.jit
+        def kernel(x):
+            pass
+
+        from triton.runtime.interpreter import InterpretedFunction
+
+        assert isinstance(kernel, InterpretedFunction), type(kernel)
+
+
+def test_ranks_start_with_the_preload_or_afresh_to_interpret_triton(monkeypatch):
+    """The fork server's ranks have PRELOAD imported (torch._dynamo, and with it triton, and transformers:
+    seconds a rank); `triton_interpret=True` ranks start without triton, TRITON_INTERPRET=1 set, so
+    that `@triton.jit` gives the interpreter's kernels."""
+    import pytest
+
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    run_distributed(_what_is_imported, 2, False)
+    run_distributed(_what_is_imported, 2, True, triton_interpret=True)

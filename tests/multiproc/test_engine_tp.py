@@ -92,9 +92,6 @@ def test_tp2_equals_tp1():
 
 
 def _tp_triton_body(rank, world_size):
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     check_tp2_equals_tp1(rank, torch.device("cpu"), 1e-4, tp2_triton=True)
 
 
@@ -102,7 +99,7 @@ def test_tp2_triton_kernels_equal_tp1_torch_ops():
     """The engine's Triton kernels at TP 2 (vocabulary-sharded sampling partials, row-parallel
     GEMVs and the gated GEMV at one row, all-reduces between them) against the PyTorch ops at TP 1."""
     pytest.importorskip("triton")
-    run_distributed(_tp_triton_body, 2)
+    run_distributed(_tp_triton_body, 2, triton_interpret=True)
 
 
 def _tp_split_k_body(rank, world_size):

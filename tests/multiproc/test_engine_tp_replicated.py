@@ -166,9 +166,6 @@ def test_resharder_fills_replicated_kv_heads_with_two_ranks_a_tp_shard():
 
 
 def _kv_replicated_triton_body(rank, world):
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     from torch.distributed.device_mesh import init_device_mesh
 
     from rollout import EngineConfig, LLMEngine, SamplingParams
@@ -194,4 +191,4 @@ def test_tp2_with_one_kv_head_triton_kernels_equal_tp1():
     import pytest
 
     pytest.importorskip("triton")
-    run_distributed(_kv_replicated_triton_body, 2)
+    run_distributed(_kv_replicated_triton_body, 2, triton_interpret=True)
