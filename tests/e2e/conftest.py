@@ -42,6 +42,24 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 900, env_extra: dic
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _train_body(rank, world_size, args):
+    from trainer import cli
+
+    code = cli.main(args)
+    assert code == 0, f"rank {rank}: train_ppo.py {' '.join(args)} returned {code}"
+
+
+def train_in_ranks(args: list[str], nproc: int = 2, timeout: float = 900) -> None:
+    """`train_ppo.py ARGS` on `nproc` gloo ranks, each rank's `trainer.cli.main(ARGS)` as torchrun's would run it,
+    in processes forked from the tests' fork server (`tests.dist_utils.run_distributed`: torch, torch._dynamo and
+    transformers already imported) instead of a torchrun launch (a second or two against about 10 s of imports on
+    2 cores): for the tests whose subject is what the run does, not the launch, its processes or signals. Every rank
+    must return 0; their output goes to the test's captured stdout and stderr (`capfd`)."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_train_body, nproc, args, timeout=timeout)
+
+
 def demo_args(assets, run_dir, *overrides) -> list[str]:
     return ["--config", os.path.join(ROOT, "configs", "demo.yaml"),
             f"data.train_files=[{assets}/train.jsonl]", f"data.val_files=[{assets}/val.jsonl]",

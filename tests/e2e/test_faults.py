@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics, torchrun
+from tests.e2e.conftest import assert_same_metrics, demo_args, read_metrics, torchrun, train_in_ranks
 
 COMMON = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -36,9 +36,9 @@ def common(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_assets, tmp_path_factory, common):
+    """The run without a fault, which the faulted launches must reproduce (in forked ranks: it is no launch's test)."""
     run = tmp_path_factory.mktemp("faults") / "straight"
-    r = torchrun(demo_args(tiny_assets, run, *common))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(tiny_assets, run, *common))
     return read_metrics(run)
 
 

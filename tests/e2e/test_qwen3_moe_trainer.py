@@ -1,6 +1,6 @@
 """A Qwen3-MoE in the trainer (CPU, fp32, weights at std 0.3 for decisive logits and routing): the demo's model built
-as qwen3_moe (4 experts, each token through 2, every layer sparse) trains two steps, in one process and through the
-launcher on two gloo ranks with a TP 2 engine; the engine's rollout log-probs are the trainer's (both run the experts
+as qwen3_moe (4 experts, each token through 2, every layer sparse) trains two steps, in one process and on two
+gloo ranks with a TP 2 engine; the engine's rollout log-probs are the trainer's (both run the experts
 through models.moe; the weights reach the engine through the resharder, the experts split over the TP ranks), its
 losses finite. `moe_assets` and `check_trains_two_steps` serve test_moe_families_trainer.py's Mixtral and OLMoE."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.e2e.conftest import build_demo_assets, demo_args, read_metrics, torchrun
+from tests.e2e.conftest import build_demo_assets, demo_args, read_metrics, train_in_ranks
 from tests.e2e.test_resume import LENGTH_REWARD
 from trainer import cli
 
@@ -21,10 +21,10 @@ def moe_assets(out, model_type: str):
                              "--layers", "2", "--hidden", "32", "--model-type", model_type)
 
 
-def check_trains_two_steps(assets, tmp_path, architecture: str, *overrides: str, launcher: bool = False):
+def check_trains_two_steps(assets, tmp_path, architecture: str, *overrides: str, two_ranks: bool = False):
     """The model of `assets` (config.json's architectures `architecture`, top-2 routing) trains two steps of the
     demo recipe (the length reward, batch 8, 4 responses a prompt, mini-batches and micro-batches of 4, no
-    validation; then `overrides`) in this process, or through the launcher on two gloo ranks (`launcher`): the
+    validation; then `overrides`) in this process, or on two gloo ranks (`two_ranks`, `train_in_ranks`): the
     engine's rollout log-probs are the trainer's (fp32: rounding apart) and the losses finite."""
     config = json.loads((assets / "sft_model" / "config.json").read_text())
     assert config["architectures"] == [architecture] and config["num_experts_per_tok"] == 2
@@ -36,9 +36,8 @@ def check_trains_two_steps(assets, tmp_path, architecture: str, *overrides: str,
                      "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                      "actor_rollout_ref.rollout.calculate_log_probs=true", *overrides)
-    if launcher:
-        r = torchrun(args)
-        assert r.returncode == 0, r.stderr[-4000:]
+    if two_ranks:
+        train_in_ranks(args)
     else:
         assert cli.main(args) == 0
     rows = read_metrics(run)
@@ -60,10 +59,10 @@ def test_a_qwen3_moe_trains_two_steps_with_the_engines_log_probs_the_trainers(qw
 
 
 def test_a_qwen3_moe_trains_on_two_ranks_with_a_tp2_engine(qwen3_moe_assets, tmp_path):
-    """torchrun over two gloo ranks (FULL_SHARD), the engine at TP 2: each rank holds half of every expert's
+    """Two gloo ranks (FULL_SHARD), the engine at TP 2: each rank holds half of every expert's
     intermediate size, its gate_up_proj from the resharder's all-to-all, its down_proj from the micro-DP group."""
     check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM",
-                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2", launcher=True)
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2", two_ranks=True)
 
 
 R3 = ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.actor.router_replay.mode=R3")
@@ -81,7 +80,7 @@ def test_a_qwen3_moe_replays_the_engines_routing_on_two_ranks_with_a_tp2_engine(
     """R3 over two gloo ranks with a TP 2 engine: every TP rank routes alike (the router is whole on each), and each
     rank's rows carry their recorded experts into its forwards."""
     check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM",
-                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *R3, launcher=True)
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *R3, two_ranks=True)
 
 
 R2 = "actor_rollout_ref.actor.router_replay.mode=R2"
@@ -100,4 +99,4 @@ def test_a_qwen3_moe_replays_its_old_log_prob_pass_routing_on_two_ranks_with_pf_
     rows' records before it partitions the redrawn batch (the engine's record on too, which R2 does not use)."""
     check_trains_two_steps(qwen3_moe_assets, tmp_path, "Qwen3MoeForCausalLM", R2, "algorithm.use_pf_ppo=true",
                            "algorithm.adv_estimator=gae",
-                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", launcher=True)
+                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", two_ranks=True)

@@ -1,4 +1,6 @@
-"""End-to-end: torchrun --nproc_per_node=2 train_ppo.py on the demo task (CPU, gloo)."""
+"""End-to-end: train_ppo.py on 2 CPU ranks (gloo) on the demo task. The tests whose subject is the launch (a rank's
+error stopping every rank, a resume by a second launch) launch it with torchrun; the others run the same program
+(`trainer.cli.main`) in 2 ranks forked from the tests' fork server (`train_in_ranks`), without torchrun's imports."""
 
 import math
 import os
@@ -6,7 +8,8 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import assert_same_metrics, build_demo_assets, demo_args, read_metrics, torchrun
+from tests.e2e.conftest import (assert_same_metrics, build_demo_assets, demo_args, read_metrics, torchrun,
+                                train_in_ranks)
 
 REQUIRED_ACTOR = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                   "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
@@ -38,11 +41,10 @@ def _check_finite(rows, keys):
 ])
 def test_demo_runs_and_metrics_are_finite(demo_assets, tmp_path, name, overrides, extra_keys):
     run = tmp_path / name
-    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", "data.train_batch_size=16",
-                           "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                           *overrides))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                             "trainer.val_before_train=false", "data.train_batch_size=16",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                             *overrides))
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2]
     _check_finite(rows, REQUIRED_ACTOR + extra_keys + ["perf/time_per_step", "timing_per_token_ms/gen",
@@ -70,14 +72,13 @@ def test_pf_ppo_redraws_the_batch_by_score(demo_assets, tmp_path):
     import json
 
     run = tmp_path / "run"
-    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", "data.train_batch_size=16",
-                           "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=gae",
-                           "actor_rollout_ref.rollout.n=1", "critic.ppo_micro_batch_size_per_gpu=4",
-                           "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=pow",
-                           f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                             "trainer.val_before_train=false", "data.train_batch_size=16",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=gae",
+                             "actor_rollout_ref.rollout.n=1", "critic.ppo_micro_batch_size_per_gpu=4",
+                             "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=pow",
+                             f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
     rows = read_metrics(run)
     _check_finite(rows, REQUIRED_ACTOR + REQUIRED_CRITIC)
     for step, row in zip((1, 2), rows):
@@ -106,8 +107,7 @@ def test_demo_learns(demo_assets, tmp_path, overrides):
     0.289, 0.238 and 0.273 at step 10; the threshold is about half the smallest of these. With
     README's LoRA overrides seed 0 gained 0.258, then 0.250 at step 10 of the 40-step run."""
     run = tmp_path / "learn"
-    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=10", "trainer.test_freq=5", *overrides))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, run, "trainer.total_training_steps=10", "trainer.test_freq=5", *overrides))
     rows = read_metrics(run)
     val = _val_scores(rows)
     assert len(val) == 3, rows
@@ -133,15 +133,15 @@ def test_demo_learns_on_every_seed(tmp_path, seed):
 
 
 def test_resume_reproduces_uninterrupted_run(demo_assets, tmp_path):
+    """A run stopped at step 2 and resumed by a second torchrun launch logs the steps of the run that never stopped
+    (both that one and the first half run in forked ranks: the launch under test is the resuming one)."""
     common = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
               "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "trainer.export_hf_at_end=false"]
     straight = tmp_path / "straight"
-    r = torchrun(demo_args(demo_assets, straight, *common))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, straight, *common))
     split = tmp_path / "split"
-    r = torchrun(demo_args(demo_assets, split, *common, "trainer.total_training_steps=2"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, split, *common, "trainer.total_training_steps=2"))
     # the second half: resume_mode=auto finds global_step_2, and total_training_steps=4 continues
     r = torchrun(demo_args(demo_assets, split, *common))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -180,11 +180,10 @@ def test_policy_gradient_raises_a_dense_reward_from_an_untrained_model(request, 
     extra = ["critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=64"] if estimator == "gae" else []
     if model == "qwen3":
         extra.append("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    r = torchrun(demo_args(assets, run, "trainer.total_training_steps=10", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
-                           f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.optim.lr=3e-3",
-                           "actor_rollout_ref.actor.kl_loss_coef=0.001", *extra))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(assets, run, "trainer.total_training_steps=10", "trainer.test_freq=-1",
+                             "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+                             f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.optim.lr=3e-3",
+                             "actor_rollout_ref.actor.kl_loss_coef=0.001", *extra))
     score = [row["critic/score/mean"] for row in read_metrics(run)]
     assert sum(score[-3:]) / 3 >= sum(score[:3]) / 3 + 0.15, f"training reward {score}"
     if model == "qwen3":
@@ -280,16 +279,15 @@ def test_dumps_carry_every_extra_the_reward_function_returned(tiny_assets, tmp_p
     namespace = {}
     exec(EXTRAS_REWARD, namespace)
     run = tmp_path / "run"
-    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
-                           "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
-                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
-                           f"trainer.rollout_data_dir={tmp_path / 'dump'}",
-                           f"trainer.validation_data_dir={tmp_path / 'val'}",
-                           # sampled validation: the untrained model's greedy responses are all empty
-                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                             "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
+                             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                             f"trainer.rollout_data_dir={tmp_path / 'dump'}",
+                             f"trainer.validation_data_dir={tmp_path / 'val'}",
+                             # sampled validation: the untrained model's greedy responses are all empty
+                             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
     for path, count in ((tmp_path / "dump" / "1.jsonl", 8 * 8), (tmp_path / "val" / "0.jsonl", 16)):
         with open(path) as f:
             dumped = [json.loads(line) for line in f]
@@ -323,17 +321,16 @@ def test_dapo_overlong_penalty_through_the_trainer(tiny_assets, tmp_path):
     reward.write_text(DAPO_REWARD)
     run = tmp_path / "run"
     buffer = "+reward_model.reward_kwargs.overlong_buffer_cfg"
-    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
-                           "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
-                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
-                           "reward_model.reward_manager=dapo", f"{buffer}.enable=True", f"{buffer}.len=6",
-                           f"{buffer}.penalty_factor=0.5", f"{buffer}.log=True", "+reward_model.reward_kwargs.max_resp_len=6",
-                           f"trainer.rollout_data_dir={tmp_path / 'dump'}",
-                           f"trainer.validation_data_dir={tmp_path / 'val'}",
-                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                             "trainer.val_before_train=true", f"custom_reward_function.path={reward}",
+                             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                             "reward_model.reward_manager=dapo", f"{buffer}.enable=True", f"{buffer}.len=6",
+                             f"{buffer}.penalty_factor=0.5", f"{buffer}.log=True", "+reward_model.reward_kwargs.max_resp_len=6",
+                             f"trainer.rollout_data_dir={tmp_path / 'dump'}",
+                             f"trainer.validation_data_dir={tmp_path / 'val'}",
+                             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
     dumps = {}
     for name, path, count in (("train", tmp_path / "dump" / "1.jsonl", 8 * 8), ("val", tmp_path / "val" / "0.jsonl", 16)):
         with open(path) as f:
@@ -371,7 +368,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_path):
+def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_path, capfd):
     """reward_manager=prime on 2 ranks: the function runs in worker processes (not in the ranks), a
     call that raises scores 0 and is reported, the others score as the function does, and no
     worker outlives the run."""
@@ -382,12 +379,12 @@ def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_p
     reward = tmp_path / "reward.py"
     reward.write_text(PRIME_REWARD)
     run = tmp_path / "run"
-    r = torchrun(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
-                           "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
-                           "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
-                           "reward_model.reward_manager=prime", f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(tiny_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                             "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+                             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.export_hf_at_end=false",
+                             "reward_model.reward_manager=prime", f"trainer.rollout_data_dir={tmp_path / 'dump'}"))
+    stderr = capfd.readouterr().err
     with open(tmp_path / "dump" / "1.jsonl") as f:
         dumped = [json.loads(line) for line in f]
     assert len(dumped) == 8 * 8
@@ -396,16 +393,16 @@ def test_prime_scores_in_worker_processes_through_the_trainer(tiny_assets, tmp_p
         assert row["score"] == pytest.approx(0.0 if n == 3 else n / 10), row
     failed = sum(len(row["output"]) == 3 for row in dumped)
     # each rank's warning: "reward_manager=prime: K of N calls failed ... ValueError: three characters"
-    warnings = re.findall(r"reward_manager=prime: (\d+) of \d+ calls failed[^\n]*", r.stderr)
-    assert sum(map(int, warnings)) == failed, r.stderr[-3000:]
-    assert all("ValueError: three characters" in line for line in r.stderr.splitlines()
-               if "reward_manager=prime:" in line), r.stderr[-3000:]
+    warnings = re.findall(r"reward_manager=prime: (\d+) of \d+ calls failed[^\n]*", stderr)
+    assert sum(map(int, warnings)) == failed, stderr[-3000:]
+    assert all("ValueError: three characters" in line for line in stderr.splitlines()
+               if "reward_manager=prime:" in line), stderr[-3000:]
     callers = [p.name.split("_")[2:] for p in tmp_path.glob("called_in_*")]
     assert callers and all(pooled == "True" for _, pooled in callers), callers
     assert not [pid for pid, _ in callers if process_running(int(pid))], callers
 
 
-def test_reward_model_scores_the_responses(demo_assets, tmp_path):
+def test_reward_model_scores_the_responses(demo_assets, tmp_path, capfd):
     """`reward_model.enable` through the whole trainer (2 ranks), as verl runs it by default: a
     Hugging Face LlamaForSequenceClassification with its own vocabulary and chat template (the
     actor is the demo's Qwen2 with the demo tokenizer) replaces the rule reward. Each dumped score
@@ -425,14 +422,13 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     with open(demo_assets / "val.jsonl") as f:
         val.write_text("".join(f.readlines()[:6]))
     run = tmp_path / "run"
-    r = torchrun(demo_args(demo_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
-                           f"data.val_files=[{val}]", "trainer.val_before_train=true", "data.val_batch_size=2", "trainer.log_val_generations=5",
-                           f"trainer.validation_data_dir={tmp_path / 'val'}", "data.train_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
-                           f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
-                           f"trainer.rollout_data_dir={tmp_path / 'dump'}", "trainer.logger=[console,jsonl,tensorboard]"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(demo_assets, run, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                             f"data.val_files=[{val}]", "trainer.val_before_train=true", "data.val_batch_size=2", "trainer.log_val_generations=5",
+                             f"trainer.validation_data_dir={tmp_path / 'val'}", "data.train_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
+                             f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=8",
+                             f"trainer.rollout_data_dir={tmp_path / 'dump'}", "trainer.logger=[console,jsonl,tensorboard]"))
     # one mini-batch a step (on-policy): the update makes its own old log-probs, no recompute pass
     rows = read_metrics(run)
     _check_finite(rows, [k for k in REQUIRED_ACTOR if k != "timing_s/old_log_prob"] + ["actor/kl_loss", "timing_s/ref"])
@@ -445,7 +441,8 @@ def test_reward_model_scores_the_responses(demo_assets, tmp_path):
     with open(tmp_path / "val" / "0.jsonl") as f:
         val_scores = [json.loads(line)["score"] for line in f]
     assert len(val_scores) == 6 and not set(val_scores) <= {0.0, 1.0}, val_scores
-    assert (r.stdout + r.stderr).count("[val] ") == 5, r.stdout[-3000:]
+    out = capfd.readouterr()
+    assert (out.out + out.err).count("[val] ") == 5, out.out[-3000:]
     # the same 5 as verl's val/generations: a TensorBoard text with the validation's row (step 0)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

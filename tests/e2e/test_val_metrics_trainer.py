@@ -3,7 +3,7 @@
 import json
 import math
 
-from tests.e2e.conftest import demo_args, read_metrics, torchrun
+from tests.e2e.conftest import demo_args, read_metrics, train_in_ranks
 from trainer.val_metrics import validation_metrics
 
 VAL_REWARD = '''
@@ -27,12 +27,11 @@ def test_validation_logs_verls_metrics_of_the_dumped_samples(tiny_assets, tmp_pa
     reward = tmp_path / "reward.py"
     reward.write_text(VAL_REWARD)
     run = tmp_path / "run"
-    r = torchrun(demo_args(tiny_assets, run, "trainer.val_only=true", f"custom_reward_function.path={reward}",
-                           f"trainer.validation_data_dir={tmp_path / 'val'}", "data.val_batch_size=6",
-                           "actor_rollout_ref.rollout.val_kwargs.n=4",
-                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
-    assert r.returncode == 0, r.stderr[-4000:]
+    train_in_ranks(demo_args(tiny_assets, run, "trainer.val_only=true", f"custom_reward_function.path={reward}",
+                             f"trainer.validation_data_dir={tmp_path / 'val'}", "data.val_batch_size=6",
+                             "actor_rollout_ref.rollout.val_kwargs.n=4",
+                             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
     (logged,) = read_metrics(run)
     with open(tmp_path / "val" / "0.jsonl") as f:
         rows = [json.loads(line) for line in f]
