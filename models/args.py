@@ -62,8 +62,11 @@ HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
 # (`ModelArgs.router_softmax_topk`: renormalised, norm_topk_prob true).
 MOE_TYPES = ("granitemoe", "granitemoeshared", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 EVERY_LAYER_SPARSE = ("granitemoe", "granitemoeshared", "mixtral", "olmoe")
+# Granite's mixture-of-experts types (transformers' GraniteMoe, GraniteMoeShared): their router's softmax over the top-k
+# logits (`ModelArgs.router_softmax_topk`), their checkpoints' own names (`block_sparse_moe`, `shared_mlp`)
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")
 # The types that read Granite's scalars (`GRANITE_SCALARS`): transformers' Granite, GraniteMoe and GraniteMoeShared.
-GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared")
+GRANITE_TYPES = ("granite", *GRANITE_MOE_TYPES)
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers")
 # The types whose sparse block adds a shared expert to the routed ones (transformers' Qwen2MoeSparseMoeBlock: DeepSeek-
@@ -389,7 +392,7 @@ class ModelArgs:
         """Whether a sparse layer's router takes its softmax over the top-k logits (in float32) rather than the top-k
         of the softmax over every expert (`models.moe.route`): Granite-MoE's (GraniteMoeTopKRouter). The two are the
         same renormalised weights in exact arithmetic, rounded otherwise."""
-        return self.model_type in ("granitemoe", "granitemoeshared")
+        return self.model_type in GRANITE_MOE_TYPES
 
     @property
     def shared_expert_gated(self) -> bool:

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.args import FUSED_PROJECTIONS, HF_FAMILY, MOE_TYPES, SHARED_EXPERT_TYPES
+from models.args import FUSED_PROJECTIONS, GRANITE_MOE_TYPES, HF_FAMILY, MOE_TYPES, SHARED_EXPERT_TYPES
 from models.checkpoint import meshppo_key_to_hf
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -171,7 +171,7 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     for i in range(num_layers):
         b = f"model.layers.{i}"
         norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
-        granite = model_type in ("granitemoe", "granitemoeshared")
+        granite = model_type in GRANITE_MOE_TYPES
         mlp, router = ("block_sparse_moe", "router") if granite else ("mlp", "gate")
         names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.{mlp}", f"{b}.self_attn.q_norm",
                   f"{b}.self_attn.k_norm"]
