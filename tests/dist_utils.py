@@ -19,7 +19,9 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -112,23 +114,49 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, triton_i
              for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+    failures = _collect(procs, errors, timeout)
     # Every rank's exit: a rank killed by a signal (exit code -N) shows here even when only its
     # peer's failed collective ("Connection reset by peer") reached the queue.
     codes = ", ".join(f"rank {i}: {_exit_name(p.exitcode)}" for i, p in enumerate(procs))
     if failures:
-        rank, tb = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} failed ({codes}):\n{tb}")
+        rank, tb = failures[0]
+        raise AssertionError(f"rank {rank} failed first ({codes}):\n{tb}")
     if any(p.exitcode != 0 for p in procs):
         raise AssertionError(f"processes exited abnormally ({codes})")
+
+
+# How long the other ranks get, once one has failed, to stop by themselves (a peer of a failed rank
+# usually fails at its next collective, as the failed rank's sockets close) before they are killed.
+FAILURE_GRACE_S = 20.0
+
+
+def _collect(procs, errors, timeout: float) -> list[tuple[int, str]]:
+    """Wait for the ranks, reading their tracebacks from `errors` as they come: a traceback larger than
+    the pipe's buffer (64 KiB) blocks its rank in `put` until it is read, so reading only after the
+    ranks ended would wait out the timeout and then block on the half-read message. Ranks still running
+    `timeout` seconds after the start, or `FAILURE_GRACE_S` after the first failure, are killed (a timeout used
+    to be `timeout` a rank, waited for one after the other).
+    The failures in the order they arrived: the first is the likeliest cause."""
+    failures = []
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        while not errors.empty():
+            failures.append(errors.get())
+        if not alive:
+            break
+        if failures:
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        if time.monotonic() >= deadline:
+            for p in alive:
+                p.kill()
+            for p in alive:
+                p.join()
+            break  # not read again: a rank killed inside `put` left half a message
+        wait([p.sentinel for p in alive], timeout=0.05)
+    for p in procs:
+        p.join()
+    return failures
 
 
 def _exit_name(code: int | None) -> str:

@@ -83,3 +83,22 @@ def test_ranks_start_with_the_preload_or_afresh_to_interpret_triton(monkeypatch)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     run_distributed(_what_is_imported, 2, False)
     run_distributed(_what_is_imported, 2, True, triton_interpret=True)
+
+
+def _fails_at_length(rank, world_size, length):
+    if rank == 1:
+        raise ValueError("x" * length + " <end of the long message>")
+    dist.all_reduce(torch.ones(1))  # rank 0: its peer fails before this collective
+
+
+def test_a_traceback_larger_than_a_pipe_arrives_whole():
+    """A rank's traceback of 200 KB (more than a pipe holds: the rank blocks in its `put` until the test
+    process reads) is read while the ranks run and reported whole, its rank named first: reading it only
+    after joining the ranks waited out the timeout, then blocked on the half-read message."""
+    import pytest
+
+    with pytest.raises(AssertionError) as err:
+        run_distributed(_fails_at_length, 2, 200_000, timeout=120)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed first"), message[:300]
+    assert "x" * 200_000 + " <end of the long message>" in message
