@@ -150,6 +150,12 @@ _LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernor
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 
+def _sparse_block_names(model_type: str | None) -> tuple[str, str]:
+    """A sparse layer's block and router module names in transformers' model of `model_type`: Granite-MoE's
+    `block_sparse_moe` / `router`, every other mixture of experts' `mlp` / `gate`."""
+    return ("block_sparse_moe", "router") if model_type in GRANITE_MOE_TYPES else ("mlp", "gate")
+
+
 def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_type: str | None = None,
                      sparse_layers=()) -> list[str]:
     """The Hugging Face module names of a meshppo model with `num_layers` blocks (as peft sees them under a
@@ -171,8 +177,8 @@ def _hf_module_names(num_layers: int, heads: tuple[str, ...] = LM_HEAD, model_ty
     for i in range(num_layers):
         b = f"model.layers.{i}"
         norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
+        mlp, router = _sparse_block_names(model_type)
         granite = model_type in GRANITE_MOE_TYPES
-        mlp, router = ("block_sparse_moe", "router") if granite else ("mlp", "gate")
         names += [b, *(f"{b}.{n}" for n in norms), f"{b}.self_attn", f"{b}.{mlp}", f"{b}.self_attn.q_norm",
                   f"{b}.self_attn.k_norm"]
         # (a sparse layer: its experts' stacked parameters, and the per-expert names peft maps onto them)
@@ -369,9 +375,10 @@ def model_targets(cfg: LoRAConfig, args, num_layers: int | None = None,
     projections there, and a selection that differs between its sparse and dense layers is refused)."""
     model_type = getattr(args, "model_type", None)
     if model_type in MOE_TYPES and cfg.target_modules == "all-linear":
+        block, router = _sparse_block_names(model_type)
         raise ValueError(f"target_modules='all-linear' on a {model_type} model is not supported (lora_rank > 0): peft "
-                         "with transformers 5 then adapts each layer's router (mlp.gate) and stacked experts "
-                         "(mlp.experts' gate_up_proj and down_proj, its target_parameters) beside the attention, and "
+                         f"with transformers 5 then adapts each layer's router ({block}.{router}) and stacked experts "
+                         f"({block}.experts' gate_up_proj and down_proj, its target_parameters) beside the attention, and "
                          "meshppo's LoRA adapts linear projections only; give target_modules the attention's "
                          "projections, [q_proj, k_proj, v_proj, o_proj] or some of them")
     layers = num_layers if num_layers is not None else args.num_hidden_layers

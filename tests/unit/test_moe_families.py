@@ -8,6 +8,8 @@ path, what runs with them (FLOPs, LoRA, critics, reward models, refusals) and th
 import contextlib
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -428,8 +430,13 @@ def test_lora_on_the_attention_saves_as_peft_and_all_linear_is_refused(tmp_path,
     check_peft_adapter_round_trip(tmp_path, hf, path, model_type, VOCAB, attention,
                                   adapted=tuple(f"self_attn.{p}" for p in attention), selected=attention)
     args = ModelArgs.from_hf_config(hf.config)
-    with pytest.raises(ValueError, match=rf"target_modules='all-linear' on a {model_type} model is not supported"):
+    with pytest.raises(ValueError, match=rf"target_modules='all-linear' on a {model_type} model is not supported") as err:
         model_targets(LoRAConfig(4), args)
+    # the router and experts it names are modules of transformers' model
+    router, = re.findall(r"adapts each layer's router \((\S+)\)", str(err.value))
+    experts, = re.findall(r"stacked experts \((\S+)' gate_up_proj", str(err.value))
+    modules = dict(hf.named_modules())
+    assert f"model.layers.0.{router}" in modules and f"model.layers.0.{experts}" in modules, (router, experts)
     block = "block_sparse_moe" if model_type in GRANITE else "mlp"
     with pytest.raises(ValueError, match=rf"matches the module model\.layers\.0\.{block}\.experts\.down_proj"):
         model_targets(LoRAConfig(4, target_modules=attention + ["down_proj"]), args)
