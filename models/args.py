@@ -1,4 +1,4 @@
-"""Model hyper-parameters for the Gemma 3 (text) / Granite / Granite-MoE (and its shared-expert variant) / Llama /
+"""Model hyper-parameters for the Gemma 2 / Gemma 3 (text) / Granite / Granite-MoE (and its shared-expert variant) / Llama /
 Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE decoder family.
 
 `ModelArgs` is the one description of a model shape that the training model, the engine and
@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "granite", "granitemoe", "granitemoeshared", "llama", "mistral", "mixtral",
-                         "olmo2", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared", "llama", "mistral",
+                         "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 # The family name of each type's transformers classes (`Phi3ForCausalLM`), for exports and messages.
-HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "granitemoe": "GraniteMoe",
+HF_FAMILY = {"gemma2": "Gemma2", "gemma3_text": "Gemma3", "granite": "Granite", "granitemoe": "GraniteMoe",
              "granitemoeshared": "GraniteMoeShared", "llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral",
              "olmo2": "Olmo2", "olmoe": "Olmoe", "phi3": "Phi3", "qwen2": "Qwen2", "qwen2_moe": "Qwen2Moe",
              "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
@@ -34,7 +34,7 @@ HF_FAMILY = {"gemma3_text": "Gemma3", "granite": "Granite", "granitemoe": "Grani
 # and with Mixtral's expert keys; Granite-MoE-Shared adds its shared expert's width (`shared_intermediate_size`).
 _GRANITE_MOE_KEYS = ("attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
                      "logits_scaling", "num_local_experts", "num_experts_per_tok")
-HF_CONFIG_KEYS = {"gemma3_text": ("head_dim", "attention_bias"),
+HF_CONFIG_KEYS = {"gemma2": ("head_dim", "attention_bias"), "gemma3_text": ("head_dim", "attention_bias"),
                   "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                               "attention_multiplier", "logits_scaling"),
                   "granitemoe": _GRANITE_MOE_KEYS, "granitemoeshared": (*_GRANITE_MOE_KEYS, "shared_intermediate_size"),
@@ -110,14 +110,15 @@ FUSED_PROJECTIONS = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_a
 # windows every layer by `sliding_window` (null: none); its Qwen2 / Qwen3 the layers `layer_types` names
 # sliding_attention (without it: those from `max_window_layers` on), and only with `use_sliding_window`;
 # its Phi3 every layer by `sliding_window`, as Mistral (Phi-3-mini-4k's 2047 of 4096); its Gemma3 the layers
-# `layer_types` names sliding_attention (by default five of every six: `GEMMA3_PATTERN`); its Qwen3Moe every layer
+# `layer_types` names sliding_attention (by default five of every six: `GEMMA_PATTERN`; its Gemma2 every other
+# one from the first); its Qwen3Moe every layer
 # by `sliding_window`, only with `use_sliding_window` (its config reads neither max_window_layers nor layer_types);
 # its Mixtral every layer by `sliding_window`, as Mistral; its Qwen2Moe as its Qwen2, but without layer_types every
 # other layer from the first (0, 2, ...) below `max_window_layers` (Qwen2MoeConfig's default layer_types), and its
 # config writes sliding_window 0 where use_sliding_window is false (read as null). A type whose only key is
 # sliding_window windows every layer.
-WINDOW_KEYS = {"gemma3_text": ("sliding_window", "layer_types"), "granite": (), "granitemoe": (),
-               "granitemoeshared": (), "llama": (),
+WINDOW_KEYS = {"gemma2": ("sliding_window", "layer_types"), "gemma3_text": ("sliding_window", "layer_types"),
+               "granite": (), "granitemoe": (), "granitemoeshared": (), "llama": (),
                "mistral": ("sliding_window",), "mixtral": ("sliding_window",), "olmo2": (), "olmoe": (),
                "phi3": ("sliding_window",),
                "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
@@ -135,8 +136,8 @@ _NO_BIAS_WHY = {"qwen3": "transformers' Qwen3 then has an o_proj bias too, which
 # OLMo-2's, OLMoE's, Gemma 3's and Granite's (Granite-MoE's too). OLMo-2's, OLMoE's, Qwen2-MoE's, Granite-MoE's and
 # Gemma 3's MLPs have no biases (`NO_MLP_BIAS_TYPES`): mlp_bias is refused, as transformers would load the export
 # without them; Granite's MLP has Llama's mlp_bias.
-O_PROJ_BIAS_TYPES = ("gemma3_text", "granite", "granitemoe", "granitemoeshared", "olmo2", "olmoe")
-NO_MLP_BIAS_TYPES = ("gemma3_text", "granitemoe", "granitemoeshared", "olmo2", "olmoe", "qwen2_moe")
+O_PROJ_BIAS_TYPES = ("gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared", "olmo2", "olmoe")
+NO_MLP_BIAS_TYPES = ("gemma2", "gemma3_text", "granitemoe", "granitemoeshared", "olmo2", "olmoe", "qwen2_moe")
 # Granite's scalars (transformers' GraniteConfig keys, each 1 by default there): the embeddings times
 # embedding_multiplier, each block branch's output times residual_multiplier before its residual add, the
 # attention's softmax scale attention_multiplier (in place of head_dim ** -0.5), the logits divided by
@@ -144,21 +145,35 @@ NO_MLP_BIAS_TYPES = ("gemma3_text", "granitemoe", "granitemoeshared", "olmo2", "
 # (`ModelArgs.embedding_scale`, `attention_scale`, which serve Gemma 3's embedding and attention scales too; the
 # trainer's LM head and the engine's sampler take logits_scaling into the temperature).
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-# Gemma 3 (`gemma3_text`, transformers' Gemma3ForCausalLM): the keys of its config that meshppo reads beyond the
-# shared ones, kept in `ModelArgs.extra_hf` and written back on export: query_pre_attn_scalar (the attention scales
-# by its inverse square root, not head_dim's) and rope_local_base_freq (the RoPE base of its sliding_attention
-# layers, transformers' rope_parameters["sliding_attention"]; rope_theta and rope_scaling are its
-# full_attention layers'). Its config's layer_types default: every sixth layer full_attention.
-GEMMA3_KEYS = ("query_pre_attn_scalar", "rope_local_base_freq")
-GEMMA3_PATTERN = 6
-GEMMA3_WINDOW = 4096  # its config's sliding_window where config.json has none (Gemma3TextConfig's default)
-# Gemma 3 config keys meshppo refuses at any value but these (key -> accepted, why).
-_GEMMA3_REFUSED = {
-    "final_logit_softcapping": (None, "meshppo's LM head (its fused log-prob kernels and the engine's sampler) "
-                                      "computes no tanh soft cap of the logits"),
-    "attn_logit_softcapping": (None, "meshppo's attention kernels (FlashAttention, SDPA, the engine's) have no "
-                                     "soft cap of the attention scores"),
-    "use_bidirectional_attention": (False, "meshppo's models are causal language models"),
+# Gemma 2 (`gemma2`, transformers' Gemma2ForCausalLM) and Gemma 3 (`gemma3_text`, Gemma3ForCausalLM) share one
+# architecture (`GEMMA_TYPES`): every norm by 1 + weight, four a block, a GeGLU MLP, the embeddings times sqrt(hidden)
+# rounded to their dtype, the attention scale query_pre_attn_scalar^-0.5 and `layer_types`' sliding_attention layers
+# windowed by sliding_window (4096 where config.json has none: `GEMMA_WINDOW`). Gemma 3 adds per-head q / k norms and
+# its sliding layers' own RoPE base; Gemma 2 has neither (one RoPE for every layer) and soft-caps its attention scores
+# and logits (`SOFTCAP_KEYS`). The keys of their configs that meshppo reads beyond the shared ones, kept in
+# `ModelArgs.extra_hf` and written back on export (`GEMMA_KEYS`): query_pre_attn_scalar (the attention scales by its
+# inverse square root, not head_dim's) and Gemma 3's rope_local_base_freq (the RoPE base of its sliding_attention
+# layers, transformers' rope_parameters["sliding_attention"]; rope_theta and rope_scaling are its full_attention
+# layers'). Their configs' layer_types default: every `GEMMA_PATTERN`th layer full_attention (Gemma 2's odd ones,
+# Gemma 3's every sixth), the others sliding_attention.
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+GEMMA_KEYS = {"gemma2": ("query_pre_attn_scalar",), "gemma3_text": ("query_pre_attn_scalar", "rope_local_base_freq")}
+GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+GEMMA_WINDOW = 4096  # their configs' sliding_window where config.json has none (Gemma2Config's, Gemma3TextConfig's)
+# The logit soft caps, `ModelArgs` fields of config.json's key names (transformers' Gemma2Config / Gemma3TextConfig
+# keys; null: none): the attention scores become cap·tanh(scores / cap) after the scale, before the mask and softmax
+# (`models.attention`, `rollout.attention`, the engine's Triton kernels), the logits cap·tanh(logits / cap) before
+# any temperature (`models.lm_head`, the engine's logits). Where config.json has no such key, its config class's
+# default (`_SOFTCAP_DEFAULTS`: Gemma2Config's 50 and 30, Gemma3TextConfig's none). Every other type has none, and a
+# Gemma 3 no attention cap (`_SOFTCAP_REFUSED`).
+SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+_SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}
+_SOFTCAP_REFUSED = {("gemma3_text", "attn_logit_softcapping"): (
+    "transformers' Gemma3Attention keeps it but never passes it to its attention, which caps nothing: verl's actor "
+    "would compute other log-probs than meshppo's capped scores")}
+# Gemma config keys meshppo refuses at any value but these (key -> accepted values, why).
+_GEMMA_REFUSED = {
+    "use_bidirectional_attention": ((None, False), "meshppo's models are causal language models"),
 }
 # Config keys of a type that meshppo accepts at one value only (key -> accepted, why), kept in `extra_hf`
 # (`KEPT_KEYS`) and refused naming the key otherwise (`_check_type_refused`). Mixtral's router_jitter_noise, which an
@@ -234,6 +249,9 @@ class ModelArgs:
     mlp_only_layers: tuple[int, ...] = ()
     # the shared expert's width (`SHARED_EXPERT_TYPES`: Qwen2-MoE's, Granite-MoE-Shared's); 0 on every other type
     shared_expert_intermediate_size: int = 0
+    # the logit soft caps (`SOFTCAP_KEYS`: Gemma 2's, a Gemma 3's); None: none
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # config.json's keys kept as read for a faithful save: its dtype (no output depends on it), the sliding
     # window's keys (`WINDOW_KEYS`: each layer's window, `layer_windows`)
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -261,8 +279,9 @@ class ModelArgs:
         _check_granite_scalars(self)
         _check_moe(self)
         _check_type_refused(self)
-        if self.model_type == "gemma3_text":
-            _check_gemma3(self)
+        _check_softcaps(self)
+        if self.model_type in GEMMA_TYPES:
+            _check_gemma(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -299,36 +318,36 @@ class ModelArgs:
     @property
     def unit_offset_norm(self) -> bool:
         """Whether every RMSNorm scales by `1 + weight` (computed in float32 and rounded once, as transformers'
-        Gemma3RMSNorm), its checkpoint storing the 0-centred `weight`: Gemma 3's."""
-        return self.model_type == "gemma3_text"
+        Gemma2RMSNorm / Gemma3RMSNorm), its checkpoint storing the 0-centred `weight`: Gemma 2's and Gemma 3's."""
+        return self.model_type in GEMMA_TYPES
 
     @property
     def sandwich_norm(self) -> bool:
-        """Whether the block norms each branch's input and output (Gemma 3's four norms): `x +
+        """Whether the block norms each branch's input and output (Gemma 2's and Gemma 3's four norms): `x +
         post_attention_layernorm(attn(input_layernorm(x)))`, then `h +
         post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`."""
-        return self.model_type == "gemma3_text"
+        return self.model_type in GEMMA_TYPES
 
     @property
     def mlp_activation(self) -> str:
         """The gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh-approximated GELU,
-        Gemma 3's `gelu_pytorch_tanh`)."""
-        return "gelu_tanh" if self.model_type == "gemma3_text" else "silu"
+        Gemma 2's and Gemma 3's `gelu_pytorch_tanh`)."""
+        return "gelu_tanh" if self.model_type in GEMMA_TYPES else "silu"
 
     @property
     def layer_types(self) -> list[str] | None:
-        """config.json's layer_types (Gemma 3's default when it has none: every `GEMMA3_PATTERN`th layer
+        """config.json's layer_types (a Gemma's default when it has none: every `GEMMA_PATTERN`th layer
         full_attention); None for a type that reads none."""
         kinds = self.extra_hf.get("layer_types")
-        if kinds is None and self.model_type == "gemma3_text":
-            return ["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+        if kinds is None and self.model_type in GEMMA_TYPES:
+            return ["full_attention" if (i + 1) % GEMMA_PATTERN[self.model_type] == 0 else "sliding_attention"
                     for i in range(self.num_hidden_layers)]
         return kinds
 
     @property
     def local_rope_layers(self) -> list[int]:
         """The layers that rotate by the local RoPE (`local_rope_args`): Gemma 3's sliding_attention layers (by
-        `layer_types`, whether or not a window is set); none of another type's."""
+        `layer_types`, whether or not a window is set); none of another type's (Gemma 2's layers share one RoPE)."""
         if self.model_type != "gemma3_text":
             return []
         return [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
@@ -341,22 +360,22 @@ class ModelArgs:
 
     @property
     def embedding_scale(self) -> float:
-        """What the embeddings are multiplied by before the first block: Granite's embedding_multiplier, Gemma 3's
+        """What the embeddings are multiplied by before the first block: Granite's embedding_multiplier, a Gemma's
         sqrt(hidden_size); 1 elsewhere (`models.transformer.scale_embeddings` applies it)."""
-        return self.hidden_size ** 0.5 if self.model_type == "gemma3_text" else self.embedding_multiplier
+        return self.hidden_size ** 0.5 if self.model_type in GEMMA_TYPES else self.embedding_multiplier
 
     @property
     def embedding_scale_rounded(self) -> bool:
-        """Whether `embedding_scale` is rounded to the embeddings' dtype before it multiplies them: Gemma 3's,
+        """Whether `embedding_scale` is rounded to the embeddings' dtype before it multiplies them: a Gemma's,
         which transformers keeps as a buffer in the model dtype (sqrt(1152) is 34.0 in bf16); Granite's
         embedding_multiplier is a Python float there, which the product takes unrounded."""
-        return self.model_type == "gemma3_text"
+        return self.model_type in GEMMA_TYPES
 
     @property
     def attention_scale(self) -> float:
-        """The attention's softmax scale: Granite's attention_multiplier, Gemma 3's query_pre_attn_scalar^-0.5,
+        """The attention's softmax scale: Granite's attention_multiplier, a Gemma's query_pre_attn_scalar^-0.5,
         else `head_dim ** -0.5`."""
-        if self.model_type == "gemma3_text":
+        if self.model_type in GEMMA_TYPES:
             return float(self.extra_hf.get("query_pre_attn_scalar", 256)) ** -0.5
         return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
 
@@ -405,8 +424,8 @@ class ModelArgs:
         """config.json's `sliding_window` as read (None where it has none; Qwen's is null unless
         `use_sliding_window`, as transformers reads it). Whether a layer attends through it:
         `attention_window`."""
-        if self.model_type == "gemma3_text":
-            return self.extra_hf.get("sliding_window", GEMMA3_WINDOW)
+        if self.model_type in GEMMA_TYPES:
+            return self.extra_hf.get("sliding_window", GEMMA_WINDOW)
         return self.extra_hf.get("sliding_window")
 
     @property
@@ -420,8 +439,8 @@ class ModelArgs:
             return []
         if WINDOW_KEYS[self.model_type] == ("sliding_window",):  # Mistral's, Phi3's: every layer
             return list(range(self.num_hidden_layers))
-        if self.model_type == "gemma3_text":  # its layer_types' sliding_attention layers, always
-            return self.local_rope_layers
+        if self.model_type in GEMMA_TYPES:  # its layer_types' sliding_attention layers, always
+            return [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
         if not self.extra_hf.get("use_sliding_window"):
             return []
         if "layer_types" not in WINDOW_KEYS[self.model_type]:  # Qwen3-MoE's: every layer
@@ -455,17 +474,19 @@ class ModelArgs:
         only on a Granite (elsewhere they hold their neutral values, and checkpoints written before they existed
         record none: those resume); likewise the mixture-of-experts fields (`MOE_KEYS`) only on a mixture-of-experts
         type (`mlp_only_layers` as a list, as the checkpoint's JSON reads it back), the shared expert's width
-        (`SHARED_EXPERT_KEYS`) only on a type with one. A Gemma 3's attention scale and
-        local RoPE base (`GEMMA3_KEYS`, kept in `extra_hf`) are recorded too: they change its logits as rope_theta
-        does."""
+        (`SHARED_EXPERT_KEYS`) only on a type with one; the logit soft caps (`SOFTCAP_KEYS`) only where set
+        (checkpoints written before they existed, all uncapped, record none: those resume). A Gemma's attention
+        scale and Gemma 3's local RoPE base (`GEMMA_KEYS`, kept in `extra_hf`) are recorded too: they change its
+        logits as rope_theta does."""
         recorded = {k: v for k, v in dataclasses.asdict(self).items()
                     if (self.model_type in GRANITE_TYPES or k not in GRANITE_SCALARS)
                     and (self.model_type in MOE_TYPES or k not in MOE_KEYS)
-                    and (self.model_type in SHARED_EXPERT_TYPES or k not in SHARED_EXPERT_KEYS)} | {"extra_hf": None}
+                    and (self.model_type in SHARED_EXPERT_TYPES or k not in SHARED_EXPERT_KEYS)
+                    and (k not in SOFTCAP_KEYS or v is not None)} | {"extra_hf": None}
         if self.model_type in MOE_TYPES:
             recorded["mlp_only_layers"] = list(self.mlp_only_layers)
-        if self.model_type == "gemma3_text":
-            recorded |= {key: self.extra_hf.get(key) for key in GEMMA3_KEYS}
+        if self.model_type in GEMMA_TYPES:
+            recorded |= {key: self.extra_hf.get(key) for key in GEMMA_KEYS[self.model_type]}
         return recorded
 
     @property
@@ -591,9 +612,9 @@ class ModelArgs:
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         model_type = cfg.get("model_type")
         check_hf_model_type(model_type)
-        gemma3 = {}
-        if model_type == "gemma3_text":  # its RoPE by layer type; the full_attention layers' is ModelArgs' own
-            cfg, gemma3 = _gemma3_config(cfg)
+        gemma = {}
+        if model_type in GEMMA_TYPES:  # Gemma 3's RoPE by layer type; the full_attention layers' is ModelArgs' own
+            cfg, gemma = _gemma_config(cfg)
         if model_type == "qwen2_moe" and cfg.get("sliding_window") == 0 and not cfg.get("use_sliding_window"):
             cfg = cfg | {"sliding_window": None}  # (Qwen2MoeConfig writes 0 for no window: WINDOW_KEYS)
         bias_key, bias_default = ATTENTION_BIAS_KEY.get(model_type, ("attention_bias", False))
@@ -601,10 +622,10 @@ class ModelArgs:
         rope_scaling = overrides["rope_scaling"] if "rope_scaling" in overrides else _hf_rope_scaling(cfg)
         if model_type == "phi3" or rope_scaling is not None:
             _refuse_partial_rotary(cfg)
-        if model_type == "gemma3_text":
+        if model_type in GEMMA_TYPES:  # (its hidden_act, which some Gemma 2 config.json files hold too, is not read)
             if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
                 raise ValueError(f"config.json's hidden_activation={cfg.get('hidden_activation')!r} is not supported "
-                                 "for gemma3_text (only gelu_pytorch_tanh, Gemma 3's)")
+                                 f"for {model_type} (only gelu_pytorch_tanh, {HF_FAMILY[model_type]}'s)")
         elif cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -635,8 +656,10 @@ class ModelArgs:
             pad_token_id=cfg.get("pad_token_id"),
             **({k: cfg.get(k, 1.0) for k in GRANITE_SCALARS} if model_type in GRANITE_TYPES else {}),
             **(_hf_moe_fields(cfg) if model_type in MOE_TYPES else {}),
+            **({key: cfg.get(key, default) for key, default in zip(SOFTCAP_KEYS, _SOFTCAP_DEFAULTS[model_type])}
+               if model_type in _SOFTCAP_DEFAULTS else {}),
             extra_hf={k: v for k, v in cfg.items() if k not in known and k in ("torch_dtype", "dtype")
-                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma3 | extra_overridden,
+                      or k in WINDOW_KEYS[model_type] + KEPT_KEYS.get(model_type, ())} | gemma | extra_overridden,
         )
         return cls(**(fields | fields_overridden))
 
@@ -657,7 +680,7 @@ class ModelArgs:
         transformers reads and writes (`dtype` in v5, `torch_dtype` before)."""
         from transformers import AutoConfig
 
-        gemma3 = self.model_type == "gemma3_text"
+        gemma = self.model_type in GEMMA_TYPES
         kwargs: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -673,7 +696,7 @@ class ModelArgs:
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
         )
-        kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma3 else {"hidden_act": "silu"})
+        kwargs.update({"hidden_activation": "gelu_pytorch_tanh"} if gemma else {"hidden_act": "silu"})
         kwargs.update({key: getattr(self, _HF_KEY_FIELD.get(key, key)) for key in HF_CONFIG_KEYS[self.model_type]})
         if self.model_type in ATTENTION_BIAS_KEY:
             kwargs[ATTENTION_BIAS_KEY[self.model_type][0]] = self.attention_bias
@@ -681,9 +704,9 @@ class ModelArgs:
             kwargs.update(mlp_only_layers=list(self.mlp_only_layers))
         kwargs.update({key: self.extra_hf[key] for key in WINDOW_KEYS[self.model_type] + KEPT_KEYS.get(
             self.model_type, ()) if key in self.extra_hf})
-        if gemma3:  # (rope_local_base_freq goes into rope_parameters below)
-            kwargs.update({k: v for k, v in self.extra_hf.items() if k in GEMMA3_KEYS[:1] + tuple(_GEMMA3_REFUSED)},
-                          layer_types=self.layer_types)
+        if gemma:  # (Gemma 3's rope_local_base_freq goes into rope_parameters below)
+            kwargs.update({k: v for k, v in self.extra_hf.items() if k in ("query_pre_attn_scalar", *_GEMMA_REFUSED)},
+                          layer_types=self.layer_types, **{key: getattr(self, key) for key in SOFTCAP_KEYS})
         if WINDOW_KEYS[self.model_type][:1] == ("sliding_window",):  # null too (MistralConfig's default: 4096)
             kwargs.update(sliding_window=self.sliding_window)
         if "head_dim" not in HF_CONFIG_KEYS[self.model_type] and \
@@ -695,7 +718,7 @@ class ModelArgs:
         # it, whose setter warns.
         if "partial_rotary_factor" in (cfg.rope_parameters or {}):  # (Phi3Config's, which its validation reads)
             rope["partial_rotary_factor"] = 1.0  # the whole head: the only share meshppo's RoPE rotates
-        if gemma3:  # by layer type (the local layers' unscaled: `local_rope_args`)
+        if self.model_type == "gemma3_text":  # by layer type (the local layers' unscaled: `local_rope_args`)
             cfg.rope_parameters = {"full_attention": rope, "sliding_attention": {
                 "rope_type": "default", "rope_theta": self.local_rope_args().rope_theta}}
         else:
@@ -730,11 +753,16 @@ def check_hf_model_type(model_type) -> None:
     raise ValueError(f"config.json has model_type {model_type!r}; meshppo supports {SUPPORTED_MODEL_TYPES}{instead}")
 
 
-def _gemma3_config(cfg: dict) -> tuple[dict, dict]:
-    """A Gemma 3 config.json (`cfg`, as transformers' Gemma3TextConfig writes it: rope_parameters by layer type;
-    or an older one's rope_theta, rope_scaling and rope_local_base_freq) as (`cfg` with the full_attention layers'
-    RoPE as every other type's, the `extra_hf` keys of `GEMMA3_KEYS` and `_GEMMA3_REFUSED` that it sets).
-    ValueError for a sliding_attention RoPE other than plain RoPE (Gemma 3's is)."""
+def _gemma_config(cfg: dict) -> tuple[dict, dict]:
+    """A Gemma config.json (`cfg`) as (`cfg` with the full_attention layers' RoPE as every other type's, the
+    `extra_hf` keys of `GEMMA_KEYS` and `_GEMMA_REFUSED` that it sets). Gemma 2's RoPE is every other type's (one for
+    every layer); Gemma 3's is by layer type, as transformers' Gemma3TextConfig writes it (rope_parameters by layer
+    type; or an older one's rope_theta, rope_scaling and rope_local_base_freq). ValueError for a Gemma 3
+    sliding_attention RoPE other than plain RoPE (Gemma 3's is)."""
+    extra = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256)}
+    refused = {k: cfg[k] for k in _GEMMA_REFUSED if k in cfg}
+    if cfg.get("model_type") == "gemma2":
+        return cfg, extra | refused
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
@@ -747,27 +775,42 @@ def _gemma3_config(cfg: dict) -> tuple[dict, dict]:
                          "rotates gemma3_text's sliding_attention layers by plain RoPE (rope_type default)")
     full.setdefault("rope_theta", 1_000_000.0)
     cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta")} | {"rope_parameters": full}
-    extra = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
-             "rope_local_base_freq": float(local.get("rope_theta", 10_000.0))}
-    return cfg, extra | {k: cfg[k] for k in _GEMMA3_REFUSED if k in cfg}
+    return cfg, extra | {"rope_local_base_freq": float(local.get("rope_theta", 10_000.0))} | refused
 
 
-def _check_gemma3(args: ModelArgs) -> None:
-    """ValueError naming the key for a Gemma 3 config that meshppo's models would compute otherwise than
-    transformers' Gemma3ForCausalLM (`_GEMMA3_REFUSED`), or a query_pre_attn_scalar / rope_local_base_freq that
-    is not a positive number."""
-    for key, (accepted, why) in _GEMMA3_REFUSED.items():
-        if args.extra_hf.get(key, accepted) != accepted:
-            raise ValueError(f"config.json's {key}={args.extra_hf[key]!r} is not supported for gemma3_text ({why}); "
-                             f"only {json.dumps(accepted)} is")
-    for key in GEMMA3_KEYS:
+def _check_gemma(args: ModelArgs) -> None:
+    """ValueError naming the key for a Gemma config that meshppo's models would compute otherwise than
+    transformers' Gemma2ForCausalLM / Gemma3ForCausalLM (`_GEMMA_REFUSED`), or a query_pre_attn_scalar /
+    rope_local_base_freq that is not a positive number."""
+    for key, (accepted, why) in _GEMMA_REFUSED.items():
+        if args.extra_hf.get(key) not in accepted:
+            raise ValueError(f"config.json's {key}={args.extra_hf[key]!r} is not supported for {args.model_type} "
+                             f"({why}); only {' or '.join(json.dumps(a) for a in accepted)} is")
+    for key in GEMMA_KEYS[args.model_type]:
         if key in args.extra_hf:
             _number(args.extra_hf[key], f"config.json's {key}")
     if args.sliding_window is None and "sliding_attention" in args.layer_types:
-        raise ValueError("sliding_window=null (config.json's, or a model.override_config's) is not supported for "
-                         "gemma3_text with sliding_attention layers (transformers' Gemma3 windows them by it and cannot "
-                         f"run them without one): give a window (its default: {GEMMA3_WINDOW}), or layer_types of "
-                         "full_attention only")
+        raise ValueError(f"sliding_window=null (config.json's, or a model.override_config's) is not supported for "
+                         f"{args.model_type} with sliding_attention layers (transformers' {HF_FAMILY[args.model_type]} "
+                         "windows them by it and cannot run them without one): give a window (its default: "
+                         f"{GEMMA_WINDOW}), or layer_types of full_attention only")
+
+
+def _check_softcaps(args: ModelArgs) -> None:
+    """ValueError naming the key for a logit soft cap (`SOFTCAP_KEYS`) that is not null or a positive number, or set
+    on a type whose transformers model computes none; a cap given as an int or a numeric string is read as a
+    float."""
+    for key in SOFTCAP_KEYS:
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if args.model_type not in _SOFTCAP_DEFAULTS:
+            raise ValueError(f"{key}={value!r} is not supported for {args.model_type} (transformers' "
+                             f"{HF_FAMILY[args.model_type]} soft-caps nothing; only Gemma 2 and Gemma 3 read it)")
+        if (args.model_type, key) in _SOFTCAP_REFUSED:
+            raise ValueError(f"config.json's {key}={value!r} is not supported for {args.model_type} "
+                             f"({_SOFTCAP_REFUSED[args.model_type, key]}); only null is")
+        setattr(args, key, float(_number(value, f"config.json's {key} (null: none)")))
 
 
 def _hf_rope_scaling(cfg: dict) -> dict | None:

@@ -23,6 +23,13 @@ Every path takes a sliding `window` (None or 0: the whole context): a query at p
 positions p - window + 1 .. p, itself included, as transformers' sliding-window mask (`kv > q - window`) and
 FlashAttention's `window_size = (window - 1, 0)` read it. Positions are those of the whole sequence: with a
 shared prefix a response's window reaches back into its prompt.
+
+Every path takes a `softcap` (None: none; Gemma 2's attn_logit_softcapping): the scaled scores become
+cap·tanh(scores / cap) before the mask and the softmax (`soft_cap`), as transformers' eager attention caps them.
+Neither SDPA nor FlashAttention can: a capped model's scores are explicit on CPU (SDPA's math, written out:
+`sdpa`, in the segment-by-segment and whole-row layouts alike) and on CUDA go through
+`torch.nn.attention.flex_attention` (compiled), its `score_mod` the cap and its block mask the packed documents'
+causal (and window) mask or the padded batch's (`_flex_attention`). An uncapped model's paths are unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:  # optional: never required
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -80,6 +88,78 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap·tanh(x / cap)` in `x`'s dtype, rounded as transformers' Gemma2 rounds it (divide, tanh, multiply: its
+    attention scores' and its logits' soft cap); `x` itself where `cap` is None (or 0)."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def sdpa(q, k, v, attn_mask=None, scale: float | None = None, softcap: float | None = None, is_causal: bool = False):
+    """`F.scaled_dot_product_attention` of q [..., Hq, S, D] and k / v with as many heads (`attn_mask` boolean,
+    True = attend); with `softcap` its math written out (SDPA cannot cap the scores): the scaled scores capped
+    (`soft_cap`), masked, softmax (in float32 for 16-bit inputs, as transformers' eager attention takes it) times v."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    scores = soft_cap((q @ k.transpose(-1, -2)) * scale, softcap)
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    half = scores.dtype in (torch.float16, torch.bfloat16)
+    return torch.softmax(scores, -1, dtype=torch.float32 if half else None).to(v.dtype) @ v
+
+
+# flex_attention compiled once (its Triton kernels; the eager function is a reference loop that materialises every
+# score); called uncompiled on CPU, where tests hold it to `sdpa`
+_compiled_flex_attention = None
+
+
+def _flex_attention(q, k, v, mask_mod, scale: float, softcap: float):
+    """flex_attention of q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (GQA) under `mask_mod(b, h, q_idx, kv_idx)`'s
+    block mask, each scaled score capped (`soft_cap`, its `score_mod`): the CUDA path of a capped model's attention,
+    where SDPA and FlashAttention cannot cap. Compiled on CUDA, eager elsewhere."""
+    global _compiled_flex_attention
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    (b, _, sq, _), sk = q.shape, k.shape[2]
+    block_mask = create_block_mask(mask_mod, b, None, sq, sk, device=q.device)
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+        fn = _compiled_flex_attention
+    return fn(q, k, v, score_mod=cap, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_packed(q, k, v, cu_seqlens: torch.Tensor, scale: float, softcap: float, cu_seqlens_k=None,
+                window: int | None = None) -> torch.Tensor:
+    """`attention_packed`'s reference semantics (`block_causal_mask`: keys `k [Tk, Hkv, D]` by `cu_seqlens_k`, the
+    queries' own positions without) through `_flex_attention`, q [T, Hq, D] -> [T, Hq, D]."""
+    seg_q, back_q = _back(cu_seqlens.long(), q.shape[0])
+    seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _back(cu_seqlens_k.long(), k.shape[0])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (seg_q[q_idx] == seg_k[kv_idx]) & _within(back_k[kv_idx] - back_q[q_idx], window)
+
+    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
+    return _flex_attention(qt, kt, vt, mask_mod, scale, softcap)[0].transpose(0, 1)
+
+
+def flex_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float, softcap: float,
+                window: int | None = None) -> torch.Tensor:
+    """`attention_padded`'s semantics (a padding query sees itself) through `_flex_attention`, q [B, S, Hq, D] ->
+    [B, S, Hq, D]."""
+    real = None if attention_mask is None else attention_mask.bool()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = _within(q_idx - kv_idx, window)
+        return seen if real is None else (seen & real[b, kv_idx]) | (q_idx == kv_idx)
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return _flex_attention(qt, kt, vt, mask_mod, scale, softcap).transpose(1, 2)
+
+
 def flash_varlen_usable(q: torch.Tensor) -> bool:
     """Whether `attention_packed` takes a FlashAttention kernel for `q`: CUDA, fp16/bf16."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
@@ -90,22 +170,25 @@ def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
 
 
 def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]; `window`: each query sees its last `window` columns
-    (a row's tokens are contiguous, padding at either end, so columns are positions)."""
+    (a row's tokens are contiguous, padding at either end, so columns are positions); `softcap`: the scores'
+    soft cap (module docstring)."""
+    if softcap and q.is_cuda:
+        return flex_padded(q, k, v, attention_mask, scale, softcap, window)
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
     s = q.shape[2]
     if attention_mask is None and not (window and window < s):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = sdpa(q, k, v, is_causal=True, scale=scale, softcap=softcap)
     else:
         i = torch.arange(s, device=q.device)
         causal = _within(i[:, None] - i[None, :], window)
         mask = causal[None] if attention_mask is None else causal[None] & attention_mask.bool()[:, None, :]
         # A padding query would attend to nothing (NaN softmax); let it see itself instead.
         mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)[None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+        out = sdpa(q, k, v, attn_mask=mask[:, None], scale=scale, softcap=softcap)
     return out.transpose(1, 2)
 
 
@@ -128,13 +211,16 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int, cu_seqlens_k: torch.
 
 
 def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
-                     shared: PrefixSharing | None = None, window: int | None = None) -> torch.Tensor:
+                     shared: PrefixSharing | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens [N+1] int32 -> [T,Hq,D]; `shared`: the segments' keys,
-    `window`: the sliding window (module docstring)."""
+    `window`: the sliding window, `softcap`: the scores' soft cap (module docstring)."""
     cu_k, max_k = cu_seqlens, max_seqlen
     if shared is not None:
         k, v = k[shared.kv_index], v[shared.kv_index]
         cu_k, max_k = shared.cu_seqlens_k, shared.max_seqlen_k
+    if softcap and q.is_cuda:
+        return flex_packed(q, k, v, cu_seqlens, scale, softcap, None if shared is None else cu_k, window)
     if flash_varlen_usable(q):
         if _flash_varlen is not None:
             # flash-attn's backward accumulates dq with atomics unless asked not to: torch's deterministic
@@ -148,14 +234,14 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if not torch.compiler.is_compiling():
         segments = _segment_layouts(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0])
         if segments is not None:
-            return _attention_by_segment(q, k, v, *segments, n_rep, scale, window)
+            return _attention_by_segment(q, k, v, *segments, n_rep, scale, window, softcap)
     if shared is None:
         mask = block_causal_mask(cu_seqlens.long(), q.shape[0], window=window)
     else:
         mask = block_causal_mask(cu_seqlens.long(), q.shape[0], cu_k.long(), k.shape[0], window)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
     kt, vt = _expand_kv(kt, n_rep, 1), _expand_kv(vt, n_rep, 1)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[None, None], scale=scale)
+    out = sdpa(qt, kt, vt, attn_mask=mask[None, None], scale=scale, softcap=softcap)
     return out[0].transpose(0, 1)
 
 
@@ -185,7 +271,7 @@ def _segment_layouts(cu_q: torch.Tensor, total_q: int, cu_k: torch.Tensor, total
 
 
 def _attention_by_segment(q, k, v, q_layout, k_layout, longest_q: int, longest_k: int, n_rep: int, scale: float,
-                          window: int | None = None):
+                          window: int | None = None, softcap: float | None = None):
     """`attention_packed`'s reference semantics (`block_causal_mask`) computed per segment: the
     segments' queries and keys padded to `[N+1, longest, H, D]`, one masked SDPA over them, the
     queries' outputs gathered back. A padding query sees its segment's first key (its output is
@@ -205,5 +291,5 @@ def _attention_by_segment(q, k, v, q_layout, k_layout, longest_q: int, longest_k
     # window, less than `window` further back than i).
     mask = (j < len_k[:, None, None]) & _within((i - len_q[:, None, None]) - (j - len_k[:, None, None]), window)
     mask = mask | ((i >= len_q[:, None, None]) & (j == 0))
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    out = sdpa(qp, kp, vp, attn_mask=mask[:, None], scale=scale, softcap=softcap)
     return out.transpose(1, 2)[seg_q, off_q]

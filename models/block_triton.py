@@ -23,7 +23,8 @@ GPU's exp); RoPE, which has neither, gives them bit for bit. The backwards keep 
 their outputs, where autograd rounds each intermediate gradient to the input dtype.
 
 The jit helpers `rms_norm_row`, `silu_mul` and `rotate_half` are also the arithmetic of the
-engine's forward kernels (`rollout/triton_kernels.py`): one definition of each rounding.
+engine's forward kernels (`rollout/triton_kernels.py`): one definition of each rounding; `soft_cap` (Gemma 2's
+tanh soft cap of scores and logits) is the engine's attention kernels' and the LM head's (`models/lm_head_triton.py`).
 
 Imported only where Triton runs (`models.block_ops`'s Triton path, the engine's kernels), so
 triton stays optional.
@@ -81,6 +82,21 @@ def _gelu_tanh_grad(gf):
     """d gelu_tanh / dg at float32 `gf`: sig + g sig (1 - sig) 2 k (1 + 3 c g^2), sig the sigmoid above."""
     sig = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (gf + 0.044715 * gf * gf * gf)))
     return sig + gf * sig * (1.0 - sig) * 1.5957691216057308 * (1.0 + 0.134145 * gf * gf)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of float32 `x` as `1 - 2 / (exp(2x) + 1)` (the interpreter has no libdevice): exact limits at +-inf
+    (exp overflowing to inf gives 1, underflowing to 0 gives -1), within a few float32 ulps of 1 elsewhere."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def soft_cap(x, CAP: tl.constexpr):
+    """`CAP·tanh(x / CAP)` of float32 `x` (`models.attention.soft_cap`); `x` itself where CAP is 0 (none)."""
+    if CAP:
+        return tanh(x / CAP) * CAP
+    return x
 
 
 @triton.jit

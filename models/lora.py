@@ -142,11 +142,12 @@ class LoRAConfig:
 LM_HEAD = ("lm_head",)
 VALUE_HEAD = ("score", "dropout")
 # The norms of a decoder layer of a type's transformers model whose are not Llama's input_layernorm and
-# post_attention_layernorm, as peft sees its modules: OLMo-2's post-norm blocks have no input norm, Gemma 3's
-# have four.
-_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-                "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                "post_feedforward_layernorm")}
+# post_attention_layernorm, as peft sees its modules: OLMo-2's post-norm blocks have no input norm, Gemma 2's and
+# Gemma 3's have four.
+_SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm")
+_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"), "gemma2": _SANDWICH_NORMS,
+                "gemma3_text": _SANDWICH_NORMS}
 _LAYER_PROJ = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from models import block_ops, moe
 from models.args import ModelArgs
-from models.attention import PrefixSharing, attention_packed, attention_padded
+from models.attention import PrefixSharing, attention_packed, attention_padded, soft_cap
 from models.lm_head import chunked_token_logprobs
 from models.tiled_mlp import tiled_mlp
 
@@ -176,6 +176,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.n_kv_heads * d if self.full_qk_norm else d, args.rms_norm_eps, offset)
         # head_dim ** -0.5 (Granite: its attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
         self.scale = args.attention_scale
+        self.softcap = args.attn_logit_softcapping  # the scores' soft cap (Gemma 2's); None: none
         # Ulysses: packed input is this rank's token shard; attention runs split by heads over
         # the group (`sharding.ulysses.apply_sequence_parallel`)
         self.sequence_parallel = None
@@ -196,11 +197,11 @@ class Attention(nn.Module):
         q, k = apply_rope_qk(q, k, cos, sin)
         if cu_seqlens is not None and self.sequence_parallel is not None:
             out = self.sequence_parallel.attention(attention_packed, q, k, v, cu_seqlens, max_seqlen, self.scale,
-                                                   shared, self.window)
+                                                   shared, self.window, self.softcap)
         elif cu_seqlens is not None:
-            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale, shared, self.window)
+            out = attention_packed(q, k, v, cu_seqlens, max_seqlen, self.scale, shared, self.window, self.softcap)
         else:
-            out = attention_padded(q, k, v, attention_mask, self.scale, self.window)
+            out = attention_padded(q, k, v, attention_mask, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(*shape, -1))
 
 
@@ -387,11 +388,11 @@ class LMHead(nn.Linear):
     all-gather hooks in charge of the weight."""
 
     def forward(self, h, labels=None, temperature: float = 1.0, with_entropy: bool = False,
-                chunk_size: int = 2048, with_sum_pi_squared: bool = False):
+                chunk_size: int = 2048, with_sum_pi_squared: bool = False, softcap: float | None = None):
         if labels is None:
             return super().forward(h)
         return chunked_token_logprobs(h, self.weight, labels, temperature, chunk_size, with_entropy,
-                                      with_sum_pi_squared)
+                                      with_sum_pi_squared, softcap)
 
 
 class Transformer(nn.Module):
@@ -405,7 +406,8 @@ class Transformer(nn.Module):
               some segments attend to a prefix laid out elsewhere in the row (responses after
               one copy of their prompt: `trainer.forward`, which then gives the positions)
     Returns logits `[..., V]` (lm; Granite's divided by its logits_scaling, which the log-probs' temperature is
-    multiplied by) or values `[...]` (value). With `labels` (same shape as
+    multiplied by; a Gemma 2's soft-capped by its final_logit_softcapping, as are the logits the log-probs are
+    taken of, before their temperature) or values `[...]` (value). With `labels` (same shape as
     the input: the token each position should predict) an LM returns `(logprobs, entropy)`
     per position instead, computed chunk by chunk (`models/lm_head.py`); `entropy` is None
     unless `with_entropy`; `with_sum_pi_squared` adds a third output, sum_v p_v^2 per position
@@ -586,14 +588,16 @@ class Transformer(nn.Module):
             # head (its own unit) sees 2-D rows (a linear over 3-D input returns a view), and the
             # sum over the size-1 dim gives the model's output as a new tensor, not a view.
             return self.score(h.flatten(0, -2)).view(*h.shape[:-1], 1).sum(-1)
+        cap = self.args.final_logit_softcapping
         if labels is None:
             logits = F.linear(h, self.embed_tokens.weight) if self.args.tie_word_embeddings else self.lm_head(h)
+            logits = soft_cap(logits, cap)
             return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
         # Granite's logits are divided by logits_scaling: the log-probs' temperature times it (T = 0, greedy's
         # tokens scored at T = 1, as chunked_token_logprobs reads it)
         if self.args.logits_scaling != 1.0 and temperature >= 0:
             temperature = (temperature or 1.0) * self.args.logits_scaling
         if not self.args.tie_word_embeddings:
-            return self.lm_head(h, labels, temperature, with_entropy, chunk_size, with_sum_pi_squared)
+            return self.lm_head(h, labels, temperature, with_entropy, chunk_size, with_sum_pi_squared, cap)
         return chunked_token_logprobs(h, self.embed_tokens.weight, labels, temperature, chunk_size, with_entropy,
-                                      with_sum_pi_squared)
+                                      with_sum_pi_squared, cap)

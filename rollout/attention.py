@@ -14,7 +14,9 @@ cache.
   causal over its whole context (prefix included).
 
 A layer with a sliding `window` (an int; None or 0: the whole context) attends from a query at
-position p to the keys at p - window + 1 .. p only (transformers' mask; `models.attention`). The
+position p to the keys at p - window + 1 .. p only (transformers' mask; `models.attention`). A `softcap`
+(Gemma 2's attn_logit_softcapping; None: none) caps the scaled scores, cap·tanh(scores / cap), before the mask and
+the softmax (`models.attention.sdpa`). The
 cache keeps every block of a sequence, those before its window included: nothing is evicted, so
 a windowed model's cache needs as many blocks as a full one's.
 
@@ -28,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from models.attention import sdpa
 
 # Query rows per prefill tile of the Triton kernel; the runner cuts each chunk into such tiles.
 PREFILL_TILE = 64
@@ -89,18 +92,19 @@ def _gather_context(k_cache, v_cache, block_tables, slots, length: int, k_scale=
     return (k.float() * k_scale.reshape(-1, hkv)[rows][..., None], v.float() * v_scale.reshape(-1, hkv)[rows][..., None])
 
 
-def _sdpa(q, k, v, mask, scale):
+def _sdpa(q, k, v, mask, scale, softcap=None):
     """q [N, Hq, M, D], k/v [N, L, Hkv, D], mask [N, M, L] (True = attend) -> [N, Hq, M, D]."""
     n_rep = q.shape[1] // k.shape[2]
     k = k.masked_fill(~mask.any(1)[..., None, None], 0).transpose(1, 2).repeat_interleave(n_rep, dim=1)
     v = v.masked_fill(~mask.any(1)[..., None, None], 0).transpose(1, 2).repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    return sdpa(q, k, v, attn_mask=mask[:, None], scale=scale, softcap=softcap)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                         scale: float, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
+                         scale: float, k_scale=None, v_scale=None, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """q `[B, Hq, D]` -> `[B, Hq * D]` (an e4m3 cache: attention in float32, rounded to q's dtype); `window`:
-    the last `window` positions of each context only."""
+    the last `window` positions of each context only; `softcap`: the scores' soft cap."""
     b, hq, d = q.shape
     length = meta.max_context_len
     k, v = _gather_context(k_cache, v_cache, block_tables, meta.slots, length, k_scale, v_scale)
@@ -108,14 +112,16 @@ def decode_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: 
     valid = j < meta.context_lens[:, None]  # [B, L]
     if window:
         valid &= j >= meta.context_lens[:, None] - window
-    out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, valid[:, None, :], scale)
+    out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, valid[:, None, :], scale, softcap)
     return out.reshape(b, hq * d).to(q.dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta: AttentionMetadata,
-                          scale: float, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
+                          scale: float, k_scale=None, v_scale=None, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """q `[T, Hq, D]` (packed chunks) -> `[T, Hq * D]`, causal over each sequence's cached context (an e4m3
-    cache: in float32, rounded to q's dtype); `window`: each query the last `window` positions up to its own."""
+    cache: in float32, rounded to q's dtype); `window`: each query the last `window` positions up to its own;
+    `softcap`: the scores' soft cap."""
     t, hq, d = q.shape
     out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
     cu, ctx = meta.host_cu_q, meta.host_context_lens
@@ -128,6 +134,6 @@ def prefill_attention_ref(q: torch.Tensor, k_cache, v_cache, block_tables, meta:
         mask = j <= qpos[:, None]  # [M, L]
         if window:
             mask &= j > qpos[:, None] - window
-        o = _sdpa(q[q0:q1].transpose(0, 1)[None].to(k.dtype), k, v, mask[None], scale)  # [1, Hq, M, D]
+        o = _sdpa(q[q0:q1].transpose(0, 1)[None].to(k.dtype), k, v, mask[None], scale, softcap)  # [1, Hq, M, D]
         out[q0:q1] = o[0].transpose(0, 1).reshape(m, hq * d)
     return out

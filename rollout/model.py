@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from models.args import ModelArgs
+from models.attention import soft_cap
 from models.moe import experts_forward, route_model, routing_dtype, use_grouped_mm
 from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
@@ -250,6 +251,7 @@ class EngineModel:
         # head_dim ** -0.5 (Granite: its attention_multiplier; Gemma 3: query_pre_attn_scalar^-0.5)
         self.scale = args.attention_scale
         self.windows = args.layer_windows  # each layer's sliding window (None: the whole context)
+        self.softcap = args.attn_logit_softcapping  # the attention scores' soft cap (Gemma 2's; None: none)
         self.offset = args.unit_offset_norm  # every norm scales by 1 + weight (Gemma 3)
         self.act = args.mlp_activation
         self._plan_layout()
@@ -646,12 +648,12 @@ class EngineModel:
             if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
                 o = ops.decode_attention(qkv, positions, self.cos, self.sin, k_cache, v_cache, block_tables, meta,
                                          self.scale, self.num_heads, self.num_kv_heads, self.head_dim, w.qkv_b,
-                                         k_scale, v_scale, window=self.windows[i])
+                                         k_scale, v_scale, window=self.windows[i], softcap=self.softcap)
             else:
                 q = ops.rope_and_cache(qkv, positions, token_slots, self.cos, self.sin, k_cache, v_cache,
                                        block_tables, self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
                 o = ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale,
-                                          window=self.windows[i])
+                                          window=self.windows[i], softcap=self.softcap)
             if w.in_norm is None:  # post-norm: x + norm(attention), then that + norm(MLP)
                 x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x)
                 x = ops.post_norm_add(self._feed_forward(x, w, ops, 1, records.get(i)), w.post_ff_norm, eps, x)
@@ -689,23 +691,25 @@ class EngineModel:
         if meta.is_decode:  # RoPE and the K/V write are part of the attention (one token a sequence)
             return ops.decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta, self.scale,
                                         self.num_heads, self.num_kv_heads, self.head_dim, qkv_b, k_scale, v_scale,
-                                        window=self.windows[i])
+                                        window=self.windows[i], softcap=self.softcap)
         q = ops.rope_and_cache(qkv, positions, token_slots, cos, sin, k_cache, v_cache, block_tables,
                                self.num_heads, self.num_kv_heads, self.head_dim, k_scale, v_scale)
         return ops.prefill_attention(q, k_cache, v_cache, block_tables, meta, self.scale, k_scale, v_scale,
-                                     window=self.windows[i])
+                                     window=self.windows[i], softcap=self.softcap)
 
     def _sandwich_forward(self, input_ids, positions, token_slots, meta: AttentionMetadata, kv_cache, block_tables,
                           ops, kv_scales) -> torch.Tensor:
-        """`forward` of a Gemma 3 (`ModelArgs.sandwich_norm`): each branch's input normed from the residual stream
-        and its output normed and added to it (`ops.post_norm_add`); every norm by 1 + weight."""
+        """`forward` of a Gemma (`ModelArgs.sandwich_norm`): each branch's input normed from the residual stream
+        and its output normed and added to it (`ops.post_norm_add`); every norm by 1 + weight (Gemma 3's per-head
+        q / k norms too; Gemma 2 has none)."""
         eps = self.args.rms_norm_eps
         x = self.embed(input_ids)
         for i, w in enumerate(self.layers):
             h, _ = ops.rms_norm(x, w.in_norm, eps, unit_offset=True)
             qkv = ops.linear(h, w.qkv_w, w.qkv_b)
-            qkv = ops.qk_norm(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, eps,
-                              unit_offset=True)
+            if w.q_norm is not None:
+                qkv = ops.qk_norm(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, eps,
+                                  unit_offset=True)
             o = self._attention(i, qkv, positions, token_slots, meta, kv_cache, block_tables, ops, kv_scales)
             x = ops.post_norm_add(self._row_parallel(o, w.o_w, w.o_b, ops, 1), w.post_norm, eps, x, unit_offset=True)
             h, _ = ops.rms_norm(x, w.pre_ff_norm, eps, unit_offset=True)
@@ -726,6 +730,8 @@ class EngineModel:
         return ops.full_qk_norm(qkv, w.q_norm, w.k_norm, sums, (q_width * t, k_width * t), eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype; the columns from
+        """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype, soft-capped by
+        final_logit_softcapping (Gemma 2's, rounded as transformers' model rounds it: `models.attention.soft_cap`),
+        so the sampler and the returned log-probs read them capped, before the temperature; the columns from
         `vocab_real` on are padding, never written by a weight load, which the sampler leaves out."""
-        return F.linear(h, self.head_w)
+        return soft_cap(F.linear(h, self.head_w), self.args.final_logit_softcapping)

@@ -237,25 +237,27 @@ class TorchOps:
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
                          scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None,
-                         k_scale=None, v_scale=None, window: int | None = None):
+                         k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
         """A decode step's attention from its projections `qkv [B, (Hq + 2 Hkv) D]`: RoPE and the K/V write of
         each sequence's new token (at `positions` = `context_lens - 1`, `rope_and_cache`), then attention.
 
         `qkv` may be the projection's split-K products `[S, B, (Hq + 2 Hkv) D]` (float32, `split_k_products`),
         summed with `qkv_bias` and rounded to the model dtype (`cos`'s) first (`sum_split_k`).
-        `k_scale`, `v_scale`: an e4m3 cache's scales (`rope_and_cache`); `window`: the layer's sliding window
-        (`rollout.attention`).
+        `k_scale`, `v_scale`: an e4m3 cache's scales (`rope_and_cache`); `window`: the layer's sliding window,
+        `softcap` its scores' soft cap (`rollout.attention`).
         """
         if qkv.dim() == 3:
             qkv = sum_split_k(qkv, cos.dtype, qkv_bias)
         q = TorchOps.rope_and_cache(qkv, positions, meta.slots, cos, sin, k_cache, v_cache, block_tables,
                                     num_heads, num_kv_heads, head_dim, k_scale, v_scale)
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale, window)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale, window,
+                                    softcap)
 
     @staticmethod
     def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float,
-                          k_scale=None, v_scale=None, window: int | None = None):
-        return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale, window)
+                          k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
+        return prefill_attention_ref(q, k_cache, v_cache, block_tables, meta, scale, k_scale, v_scale, window,
+                                     softcap)
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,

@@ -23,7 +23,9 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
   its group with one `tl.dot`, so each K/V row is read once; a second kernel merges splits by
   log-sum-exp.
 * `prefill_attention`: flash attention of packed query chunks over their paged context
-  (prefix included), causal.
+  (prefix included), causal. Both attentions soft-cap the scaled scores where `SOFTCAP` (a constexpr, Gemma 2's
+  attn_logit_softcapping; 0, the uncapped kernels, compiled as before) is set: cap·tanh(s / cap) before the mask
+  (`_capped`; the logits' cap is the engine model's, before the sampler: `rollout.model.EngineModel.logits`).
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
   noise and the greedy rule of `rollout.sampler`); `combine_partials` merges the chunks.
 * `step_inputs`, `step_outputs`: a captured decode step's inputs read from, and its results
@@ -68,7 +70,7 @@ try:  # grid dependency control: programmatic dependent launch (Hopper and later
 except ImportError:  # pragma: no cover - depends on the triton version
     gdc_launch_dependents = gdc_wait = None
 
-from models.block_triton import act_mul, rotate_half, silu_mul, weighted_norm_row
+from models.block_triton import act_mul, rotate_half, silu_mul, soft_cap, weighted_norm_row
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.config import KV_FP8_DTYPES
 from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
@@ -390,6 +392,15 @@ def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh,
 
 
 @triton.jit
+def _capped(qk, SOFTCAP: tl.constexpr):
+    """Base-2 scores `qk` (the scaled scores s times log2 e) of s soft-capped, cap·tanh(s / cap) times log2 e
+    (`models.attention.soft_cap`); `qk` itself where SOFTCAP is 0."""
+    if SOFTCAP:
+        return soft_cap(qk * 0.6931471805599453, SOFTCAP) * 1.4426950408889634
+    return qk
+
+
+@triton.jit
 def _online_softmax_step(qk, v, p_scale, m_i, l_i, acc, IEEE: tl.constexpr):
     """Fold one tile of base-2 scores `qk [R, N]` (masked entries -inf) and its values `v [N, D]`
     (in the query's dtype) into the running row max, exp-sum and unnormalised output; the
@@ -405,9 +416,10 @@ def _online_softmax_step(qk, v, p_scale, m_i, l_i, acc, IEEE: tl.constexpr):
 @triton.jit
 def _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d, qk_scale,
                  HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Queries `q [ROWS, D_P]` (lanes `d`) that see every key of positions `[start, end)` of KV head
-    `kvh`: the running row max (base 2), exp-sum and unnormalised output over them."""
+    `kvh`: the running row max (base 2), exp-sum and unnormalised output over them (the scores soft-capped by
+    SOFTCAP, 0: none)."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_P], tl.float32)
@@ -416,7 +428,7 @@ def _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start
         nm = n < end
         k, v, k_scale, v_scale = _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
                                            qk_scale, HKV, D, PAGE, KV_FP8)
-        qk = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale  # log2 units
+        qk = _capped(_dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale, SOFTCAP)  # log2 units
         qk = tl.where(nm[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
@@ -469,7 +481,7 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
                         D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_TINY: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr):
+                        IEEE: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr):
     # ROPE: the step's token sits at position ctx - 1 of its sequence: every program rotates the
     # query heads of its KV head (`rotate_half`, as `_rope_cache_kernel` does), and the program
     # whose split holds that position rotates the token's key and writes it and the value into
@@ -540,7 +552,7 @@ def _decode_attn_kernel(qkv_ptr, stride_qb, stride_qs, qkv_b_ptr, cos_ptr, sin_p
     else:
         q = tl.load(row + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
     m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, start, end, kvh, d,
-                                 qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
+                                 qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE, SOFTCAP)
     if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
@@ -575,7 +587,7 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, num_spli
 def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot, q0, ctx,
                     slot, kvh, qk_scale, window, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     # A sequence with one query (a decoding row of a prefill step, or a one-token chunk): the G
     # query heads of KV head `kvh` are the rows of one tile, so its keys are read once, as in
     # `_decode_attn_kernel`. The query is the context's last position: every key is visible (every
@@ -587,7 +599,7 @@ def _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stri
     row = q0.to(tl.int64)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
     _, l_i, acc = _attend_span(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, _window_start(ctx - 1, window),
-                               ctx, kvh, d, qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE)
+                               ctx, kvh, d, qk_scale, HKV, D, D_P, PAGE, BLOCK_G, BLOCK_N, KV_FP8, IEEE, SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qm)
 
@@ -597,7 +609,7 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
                          cu_q_ptr, ctx_ptr, slots_ptr, tile_seq_ptr, tile_start_ptr, qk_scale, window,
                          HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                          D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr):
     _after_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -611,7 +623,8 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
     if q_len == 1:  # the program of the first head of each KV head does them all
         if h % G == 0:
             _one_query_attn(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, out_ptr, stride_ot,
-                            q0, ctx, slot, kvh, qk_scale, window, HKV, G, BLOCK_G, D, D_P, PAGE, BLOCK_N, KV_FP8, IEEE)
+                            q0, ctx, slot, kvh, qk_scale, window, HKV, G, BLOCK_G, D, D_P, PAGE, BLOCK_N, KV_FP8, IEEE,
+                            SOFTCAP)
         return
 
     m = m0 + tl.arange(0, BLOCK_M)
@@ -630,7 +643,7 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
         nm = n < hi
         k, v, k_scale, v_scale = _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh, d,
                                            qk_scale, HKV, D, PAGE, KV_FP8)
-        qk = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale
+        qk = _capped(_dot(q, tl.trans(k.to(q.dtype)), IEEE) * k_scale, SOFTCAP)
         seen = nm[None, :] & (n[None, :] <= qpos[:, None]) & ((window <= 0) | (n[None, :] > qpos[:, None] - window))
         qk = tl.where(seen, qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), v_scale, m_i, l_i, acc, IEEE)
@@ -1001,7 +1014,7 @@ class TritonOps:
     @staticmethod
     def decode_attention(qkv, positions, cos, sin, k_cache, v_cache, block_tables, meta: AttentionMetadata,
                          scale: float, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias=None,
-                         k_scale=None, v_scale=None, window: int | None = None):
+                         k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
         parts = qkv.shape[0] if qkv.dim() == 3 else 0  # split-K products (`rollout.ops.split_k_products`), summed in the kernel
         b = qkv.shape[-2]
         hq, hkv, d = num_heads, num_kv_heads, head_dim
@@ -1034,7 +1047,8 @@ class TritonOps:
             HQ=hq, HKV=hkv, G=g, BLOCK_G=max(16, _pow2(g)), D=d, D_P=d_p, PAGE=k_cache.shape[1], BLOCK_N=block_n,
             SPLIT=splits > 1, ROPE=rope, PARTS=parts, HAS_BIAS=parts > 0 and qkv_bias is not None,
             KV_FP8=k_scale is not None, FP8_MAX=FP8_MAX, FP8_TINY=FP8_TINY,
-            IEEE=cos.dtype == torch.float32, num_warps=4, **(_NO_FMA if rope else {}), **_launch(qkv))
+            IEEE=cos.dtype == torch.float32, SOFTCAP=float(softcap or 0.0), num_warps=4, **(_NO_FMA if rope else {}),
+            **_launch(qkv))
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), splits, HQ=hq, D=d, D_P=d_p,
                                            S_P=_pow2(splits), num_warps=4 if d_p >= 128 else 2,
@@ -1043,7 +1057,7 @@ class TritonOps:
 
     @staticmethod
     def prefill_attention(q, k_cache, v_cache, block_tables, meta: AttentionMetadata, scale: float,
-                          k_scale=None, v_scale=None, window: int | None = None):
+                          k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
@@ -1058,8 +1072,8 @@ class TritonOps:
             block_tables.stride(0), out, out.stride(0),
             meta.cu_q, meta.context_lens, meta.slots, meta.tile_seq, meta.tile_start, scale * 1.4426950408889634,
             window or 0, HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), D=d, D_P=d_p, PAGE=k_cache.shape[1],
-            BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, KV_FP8=k_scale is not None, IEEE=fp32, num_warps=4,
-            **_launch(q))
+            BLOCK_M=PREFILL_TILE, BLOCK_N=block_n, KV_FP8=k_scale is not None, IEEE=fp32,
+            SOFTCAP=float(softcap or 0.0), num_warps=4, **_launch(q))
         return out
 
     @staticmethod

@@ -4,6 +4,7 @@ logits over padded and packed batches, the engine's greedy tokens, the trainer's
 
 import json
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -38,11 +39,37 @@ def randomized(model, dtype=torch.float64):
     return model.eval().to(dtype)
 
 
-def hf_causal_lm(config_cls, model_cls, dtype=torch.float64, **config):
+# transformers' attention that soft-caps its scores (Gemma 2's; its sdpa ignores attn_logit_softcapping) with its
+# softmax in the scores' dtype (`eager_float64`): the `attn_implementation` of a capped reference.
+EAGER_FLOAT64 = "eager_float64"
+
+
+def _eager_float64(module, query, key, value, attention_mask, **kwargs):
+    """transformers' eager attention (Gemma2's `eager_attention_forward`: scores scaled, soft-capped, masked,
+    softmax, times v; Gemma3's is the same) with its softmax taken in the scores' dtype, where transformers' takes it
+    in float32: 1e-7 off a float64 model, far above TOL."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    softmax = torch.nn.functional.softmax
+    with mock.patch.object(torch.nn.functional, "softmax", lambda x, dim, dtype=None: softmax(x, dim)):
+        return modeling_gemma2.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_eager_float64():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(EAGER_FLOAT64, _eager_float64)
+    AttentionMaskInterface.register(EAGER_FLOAT64, eager_mask)
+
+
+def hf_causal_lm(config_cls, model_cls, dtype=torch.float64, attn_implementation: str = "sdpa", **config):
     """transformers' `model_cls` of `config_cls(**config)`, randomized, with sdpa attention (its eager attention takes
-    the softmax in float32)."""
+    the softmax in float32), or `EAGER_FLOAT64` (a soft-capped model's)."""
+    if attn_implementation == EAGER_FLOAT64:
+        _register_eager_float64()
     cfg = config_cls(**config)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn_implementation
     return randomized(model_cls(cfg), dtype)
 
 

@@ -125,11 +125,10 @@ def test_a_checkpoint_records_the_attention_scale_and_the_local_rope_base():
                                          rope_local_base_freq=1e4)).fingerprint == base.fingerprint
 
 
-@pytest.mark.parametrize("key,value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
-                                       ("use_bidirectional_attention", True)])
+@pytest.mark.parametrize("key,value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
 def test_what_meshppo_does_not_compute_is_refused_naming_the_key(tmp_path, key, value):
-    """A logit soft cap (final or attention) or bidirectional attention would give other logits than transformers':
-    refused at load, naming config.json's key."""
+    """An attention soft cap (which transformers' Gemma3 never applies: test_gemma2.py) or bidirectional attention
+    would give other logits than transformers': refused at load, naming config.json's key."""
     from models.checkpoint import load_model_args
 
     _, path = _saved(tmp_path, **{key: value})
