@@ -94,7 +94,7 @@ def tanh(x):
 @triton.jit
 def soft_cap(x, CAP: tl.constexpr):
     """`CAP·tanh(x / CAP)` of float32 `x` (`models.attention.soft_cap`); `x` itself where CAP is 0 (none)."""
-    if CAP:
+    if CAP > 0:
         return tanh(x / CAP) * CAP
     return x
 

@@ -81,7 +81,7 @@ def _logit_grad_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr
     if WITH_ENTROPY:
         dx -= tl.load(g_ent_ptr + row) * p * (x - lse + tl.load(ent_ptr + row))
     dx *= inv_temp
-    if SOFTCAP:
+    if SOFTCAP > 0:
         t = tanh(zf / SOFTCAP)
         dx *= 1.0 - t * t
     tl.store(ptrs, dx.to(z.dtype), mask=mask)

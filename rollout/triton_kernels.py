@@ -395,7 +395,7 @@ def _paged_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot, stride_bt, n, nm, kvh,
 def _capped(qk, SOFTCAP: tl.constexpr):
     """Base-2 scores `qk` (the scaled scores s times log2 e) of s soft-capped, cap·tanh(s / cap) times log2 e
     (`models.attention.soft_cap`); `qk` itself where SOFTCAP is 0."""
-    if SOFTCAP:
+    if SOFTCAP > 0:
         return soft_cap(qk * 0.6931471805599453, SOFTCAP) * 1.4426950408889634
     return qk
 

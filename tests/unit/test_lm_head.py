@@ -9,16 +9,21 @@ from models.lm_head import chunked_token_logprobs
 F32_REL = 5e-5
 
 
-def _reference(h, w, labels, t):
-    z = (h.double() @ w.double().t()) / t
+def _reference(h, w, labels, t, softcap=None):
+    z = h.double() @ w.double().t()
+    z = (z if softcap is None else torch.tanh(z / softcap) * softcap) / t
     logp_all = torch.log_softmax(z, -1)
     logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
 
 
-@pytest.mark.parametrize("temperature,chunk", [(1.0, 3), (0.7, 64), (1.3, 5)])
-def test_values_and_gradients_match_float64(temperature, chunk):
+@pytest.mark.parametrize("temperature,chunk,softcap", [(1.0, 3, None), (0.7, 64, None), (1.3, 5, None),
+                                                       (0.7, 5, 2.0), (1.0, 64, 1.5)])
+def test_values_and_gradients_match_float64(temperature, chunk, softcap):
+    """Log-probs, entropies and their gradients of the PyTorch path against float64 full logits; with a soft cap
+    (Gemma 2's final_logit_softcapping, capped before the temperature) well inside the logits' range (here up to
+    ~20), which the uncapped values are far from."""
     torch.manual_seed(0)
     n, hdim, vocab = 13, 16, 37
     h = torch.randn(n, hdim, dtype=torch.float64, requires_grad=True)
@@ -26,12 +31,14 @@ def test_values_and_gradients_match_float64(temperature, chunk):
     labels = torch.randint(0, vocab, (n,))
     g1, g2 = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
 
-    logp, ent = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=True)
+    logp, ent = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=True, softcap=softcap)
     ((logp * g1).sum() + (ent * g2).sum()).backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
 
-    rl, re = _reference(h, w, labels, temperature)
+    rl, re = _reference(h, w, labels, temperature, softcap)
+    if softcap is not None:
+        assert (_reference(h, w, labels, temperature)[0] - rl).abs().max() > 1
     ((rl * g1).sum() + (re * g2).sum()).backward()
     for name, got, want in (("logp", logp.double(), rl), ("entropy", ent.double(), re), ("grad h", gh, h.grad),
                             ("grad w", gw, w.grad)):

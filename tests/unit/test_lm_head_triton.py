@@ -17,10 +17,11 @@ from models.lm_head import _use_triton
 from tests import interpreter
 
 CHECKS = ["logit_stats", "logit_grad", "end_to_end", "sum_pi_squared"]
-# (rows, vocabulary, tile, temperature, with entropy): tiles smaller than the vocabulary, which
-# is never a multiple of them
-CASES = [(1, 50, 16, 1.0, True), (1, 50, 16, 0.7, False), (7, 1000, 128, 0.7, False), (7, 1000, 128, 1.0, True),
-         (33, 4099, 512, 1.3, True), (33, 4099, 512, 1.0, False)]
+# (rows, vocabulary, tile, temperature, with entropy, soft cap): tiles smaller than the vocabulary, which
+# is never a multiple of them; caps (Gemma 2's final_logit_softcapping) well inside the logits' range (3 N(0, 1))
+CASES = [(1, 50, 16, 1.0, True, None), (1, 50, 16, 0.7, False, None), (7, 1000, 128, 0.7, False, None),
+         (7, 1000, 128, 1.0, True, None), (33, 4099, 512, 1.3, True, None), (33, 4099, 512, 1.0, False, None),
+         (7, 1000, 128, 0.7, True, 2.0), (33, 4099, 512, 1.0, False, 1.5)]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error, relative to max(1, max |reference|)
 PAD = 3  # columns past V in each logits row, NaN: a kernel that reads or writes them fails
 
@@ -48,10 +49,15 @@ def _checks() -> dict:
         labels[0], labels[-1] = v - 1, 0
         return buf, buf[:, :v], labels
 
-    def float64_stats(logits, labels, inv_temp):
-        log_p = torch.log_softmax(logits.double() * inv_temp, -1)
-        return (torch.logsumexp(logits.double() * inv_temp, -1), log_p.gather(-1, labels[:, None]).squeeze(-1),
-                -(log_p.exp() * log_p).sum(-1))
+    def capped64(logits, cap):
+        """The logits in float64, soft-capped (cap·tanh(logits / cap)) where `cap` is set."""
+        x = logits.double()
+        return x if cap is None else torch.tanh(x / cap) * cap
+
+    def float64_stats(logits, labels, inv_temp, cap=None):
+        x = capped64(logits, cap) * inv_temp
+        log_p = torch.log_softmax(x, -1)
+        return torch.logsumexp(x, -1), log_p.gather(-1, labels[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
     def cases():
         for dtype in TOL:
@@ -60,36 +66,39 @@ def _checks() -> dict:
 
     def logit_stats():
         errs = []
-        for dtype, c, v, block, temperature, with_entropy in cases():
+        for dtype, c, v, block, temperature, with_entropy, cap in cases():
             _, z, labels = padded_logits(c, v, dtype)
             got = [torch.full((c,), float("nan")) for _ in range(3 if with_entropy else 2)]
-            lm_head_triton.logit_stats(z, labels, 1 / temperature, *got, block_v=block)
+            lm_head_triton.logit_stats(z, labels, 1 / temperature, *got, *[None] * (3 - len(got)), softcap=cap,
+                                       block_v=block)
             ref = [torch.empty(c) for _ in got]
-            torch_logit_stats(z, labels, 1 / temperature, *ref)
-            exact = float64_stats(z, labels, 1 / temperature)
+            torch_logit_stats(z, labels, 1 / temperature, *ref, softcap=cap)
+            exact = float64_stats(z, labels, 1 / temperature, cap)
             for g, r, e in zip(got, ref, exact):
                 errs += [close(g, r, 1e-5), close(g, e, 1e-5)]  # fp32 arithmetic on exact inputs either way
+            if cap is not None:  # the cap acts: the uncapped statistics are far from these
+                assert (float64_stats(z, labels, 1 / temperature)[1] - exact[1]).abs().max() > 0.1
         return max(errs)
 
     def logit_grad():
         errs = []
-        for dtype, c, v, block, temperature, with_entropy in cases():
+        for dtype, c, v, block, temperature, with_entropy, cap in cases():
             buf, z, labels = padded_logits(c, v, dtype)
             lse, logp, ent = torch.empty(c), torch.empty(c), torch.empty(c)
-            torch_logit_stats(z, labels, 1 / temperature, lse, logp, ent)
+            torch_logit_stats(z, labels, 1 / temperature, lse, logp, ent, softcap=cap)
             g_logp, g_ent = torch.randn(c), (torch.randn(c) if with_entropy else None)
-            ent_args = (ent, g_ent) if with_entropy else ()
-            ref = torch_logit_grad(z.clone(), labels, 1 / temperature, lse, g_logp, *ent_args)
+            ent_args = (ent, g_ent) if with_entropy else (None, None)
+            ref = torch_logit_grad(z.clone(), labels, 1 / temperature, lse, g_logp, *ent_args, softcap=cap)
 
-            x = (z.double() / temperature).requires_grad_()
-            log_p = torch.log_softmax(x, -1)
+            z64 = z.double().requires_grad_()  # d/dz through the cap and the temperature, by autograd
+            log_p = torch.log_softmax(capped64(z64, cap) / temperature, -1)
             loss = (log_p.gather(-1, labels[:, None]).squeeze(-1) * g_logp).sum()
             if with_entropy:
                 loss = loss - ((log_p.exp() * log_p).sum(-1) * g_ent).sum()
-            exact, = torch.autograd.grad(loss, x)
-            exact = exact / temperature
+            exact, = torch.autograd.grad(loss, z64)
 
-            got = lm_head_triton.logit_grad_(z, labels, 1 / temperature, lse, g_logp, *ent_args, block_v=block)
+            got = lm_head_triton.logit_grad_(z, labels, 1 / temperature, lse, g_logp, *ent_args, softcap=cap,
+                                             block_v=block)
             assert got.data_ptr() == buf.data_ptr(), "the gradient is written over the logits"
             assert torch.isnan(buf[:, v:]).all(), "wrote past the vocabulary"
             errs += [close(got, ref, TOL[dtype]), close(got, exact, TOL[dtype])]
@@ -99,7 +108,7 @@ def _checks() -> dict:
         """sum p^2 next to the other statistics (with and without entropy), and alone through
         `chunked_token_logprobs`, against float64; the other outputs as without it."""
         errs = []
-        for dtype, c, v, block, temperature, with_entropy in cases():
+        for dtype, c, v, block, temperature, with_entropy, _ in cases():
             _, z, labels = padded_logits(c, v, dtype)
             got = [torch.full((c,), float("nan")) for _ in range(4)]
             lm_head_triton.logit_stats(z, labels, 1 / temperature, *got[:2], got[2] if with_entropy else None, got[3],
@@ -137,15 +146,18 @@ def _checks() -> dict:
         os.environ["MESHPPO_LM_HEAD"] = "triton"
         errs = []
         # vocabulary 4099: one full default tile (4096) and a 3-column tail
-        for temperature, chunk, n, with_entropy in ((1.0, 5, 13, True), (0.7, 64, 9, True), (1.3, 4, 6, False)):
+        # (the last with a soft cap of 1.5, well inside the logits' range)
+        for temperature, chunk, n, with_entropy, cap in ((1.0, 5, 13, True, None), (0.7, 64, 9, True, None),
+                                                         (1.3, 4, 6, False, None), (0.7, 5, 11, True, 1.5)):
             hdim, vocab = 16, 4099
             h = (0.5 * torch.randn(n, hdim)).requires_grad_()
             w = (0.5 * torch.randn(vocab, hdim)).requires_grad_()
             labels = torch.randint(0, vocab, (n,))
             g1, g2 = torch.randn(n), torch.randn(n)
             rh, rw = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-            logp, ent = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy)
-            ref_logp, ref_ent = _reference(rh, rw, labels, temperature)
+            logp, ent = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy,
+                                               softcap=cap)
+            ref_logp, ref_ent = _reference(rh, rw, labels, temperature, cap)
             for lp, en in ((logp, ent), (ref_logp, ref_ent)):
                 ((lp * g1).sum() + ((en * g2).sum() if with_entropy else 0)).backward()
             errs += [close(logp, ref_logp, 1e-4), close(h.grad, rh.grad, 1e-4), close(w.grad, rw.grad, 1e-4)]
@@ -153,10 +165,11 @@ def _checks() -> dict:
                 errs.append(close(ent, ref_ent, 1e-4))
             # only log p in the loss: its grad arrives expanded (stride 0), the entropy's as zeros
             h.grad = w.grad = None
-            logp, _ = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy)
+            logp, _ = chunked_token_logprobs(h, w, labels, temperature, chunk, with_entropy=with_entropy,
+                                             softcap=cap)
             logp.sum().backward()
             rh.grad = rw.grad = None
-            _reference(rh, rw, labels, temperature)[0].sum().backward()
+            _reference(rh, rw, labels, temperature, cap)[0].sum().backward()
             errs += [close(h.grad, rh.grad, 1e-4), close(w.grad, rw.grad, 1e-4)]
         assert calls["stats"] and calls["grad"], f"the Triton path did not run: {calls}"
         return max(errs)
