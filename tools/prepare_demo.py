@@ -50,9 +50,10 @@ def demo_model_args(vocab_size: int, hidden: int, layers: int, heads: int, kv_he
     # Vocab rounded up to a multiple of 8 so the engine can shard it over up to 8 TP ranks. Qwen2 has
     # q/k/v biases; Qwen3 per-head q/k norms instead; Llama neither. A Granite gets granite-3.x's scalars
     # (granite-3.1-2b's: embeddings times 12, branches times 0.22, attention scale 1 / head_dim, logits / 8), a
-    # Granite-MoE (and -Shared) too.
+    # Granite-MoE (and -Shared) too. A Gemma 2 gets gemma-2's soft caps (attention 50, logits 30).
     granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden,
                    logits_scaling=8.0) if model_type in GRANITE_TYPES else {}
+    granite |= dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0) if model_type == "gemma2" else {}
     # A mixture of experts: 4 experts of a quarter of the dense MLP's width, each token through 2, every layer sparse
     # (a Qwen3-MoE as Qwen3-30B-A3B's: its top 8 of 128 renormalised; a Mixtral's top 2 of 8, always renormalised; an
     # OLMoE's top 8 of 64, not renormalised; a Qwen2-MoE's, as Qwen1.5-MoE-A2.7B's top 4 of 60, not renormalised, with

@@ -43,11 +43,13 @@ def train_lora_actor(assets, tmp_path, *overrides: str, gae_critic: bool = False
     return run
 
 
-def check_lora_exports(base, run, target_modules: list[str], adapters_act: float, architecture: str | None = None):
+def check_lora_exports(base, run, target_modules: list[str], adapters_act: float, architecture: str | None = None,
+                       hf_kwargs: dict | None = None):
     """The run's peft adapter names `target_modules`, loads (load_peft_adapter) into meshppo's model of `base` with
     trained adapters, and PeftModel.from_pretrained on transformers' model of `base` reads it with that model's logits
     (float64, within 1e-9; the adapters move them by > `adapters_act`); the merged export hf_actor (of class
-    `architecture` where given) is that model within 1e-5 (its float32 merge)."""
+    `architecture` where given) is that model within 1e-5 (its float32 merge). `hf_kwargs`: what transformers'
+    from_pretrained takes beside the path (a soft-capped model's attention: `hf_family.EAGER_FLOAT64`)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from models import Transformer
@@ -58,9 +60,11 @@ def check_lora_exports(base, run, target_modules: list[str], adapters_act: float
     ours = inject_lora(Transformer.from_pretrained(base, dtype=torch.float64), LoRAConfig(8, 16.0))
     load_peft_adapter(ours, run / "lora_adapter")
     assert ours.layers[0].self_attn.q_proj.lora_B.abs().max() > 0  # trained
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64).eval()
+    hf_kwargs = hf_kwargs or {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, **hf_kwargs).eval()
     theirs = peft.PeftModel.from_pretrained(hf, run / "lora_adapter").eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(run / "hf_actor", dtype=torch.float64).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(run / "hf_actor", dtype=torch.float64,
+                                                               **hf_kwargs).eval()
     if architecture is not None:
         assert type(merged).__name__ == architecture
     ids = torch.randint(0, hf.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))

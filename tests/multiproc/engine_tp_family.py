@@ -1,6 +1,6 @@
 """A model family's engine at TP 2 over the two gloo ranks of the default group equals TP 1 (float32, CPU): the
-check that test_granite_engine_tp.py, test_olmo2_engine_tp.py, test_gemma3_engine_tp.py, test_qwen3_moe_engine_tp.py
-and test_moe_families_engine_tp.py run with their families' model arguments (`run_family_tp2_equals_tp1`)."""
+check that test_granite_engine_tp.py, test_olmo2_engine_tp.py, test_gemma2_engine_tp.py, test_gemma3_engine_tp.py,
+test_qwen3_moe_engine_tp.py and test_moe_families_engine_tp.py run with their families' model arguments (`run_family_tp2_equals_tp1`)."""
 
 import pytest
 import torch

@@ -1,17 +1,21 @@
 """`attention_packed` off the FlashAttention path (CPU, float32/64): segment by segment, padded to
 the longest, or the block-diagonal mask over the whole row when that costs fewer scores. Both
-against a loop over the segments written here (float64, values and gradients)."""
+against a loop over the segments written here (float64, values and gradients), with and without a soft cap of the
+scores (Gemma 2's attn_logit_softcapping; 1.0 here, well inside the scores' range); and the soft-capped models' CUDA
+path, flex_attention with its block masks, run eagerly on CPU (forward only: flex_attention has no CPU backward; its
+gradients are checked on the GPU, tests/gpu/test_attention_gpu.py) against the same loop and the padded layout's
+explicit path."""
 
 import pytest
 import torch
 
-from models.attention import _segment_layouts, attention_packed
+from models.attention import _segment_layouts, attention_packed, attention_padded, flex_packed, flex_padded
 
 
-def _by_loop(q, k, v, cu, cu_k, scale, window=None):
+def _by_loop(q, k, v, cu, cu_k, scale, window=None, softcap=None):
     """Each segment's causal attention on its own, queries aligned with its last keys; the
     positions past `cu[-1]` (and past `cu_k[-1]`) form one more segment. `window`: a query sees
-    the keys fewer than `window` positions back."""
+    the keys fewer than `window` positions back; `softcap`: the scaled scores capped, cap·tanh(s / cap)."""
     tq, tk = q.shape[0], k.shape[0]
     bounds_q = cu.tolist() + ([tq] if tq > cu[-1] else [])
     bounds_k = cu_k.tolist() + ([tk] if tk > cu_k[-1] else [])
@@ -22,6 +26,8 @@ def _by_loop(q, k, v, cu, cu_k, scale, window=None):
         qs = q[a:b].transpose(0, 1)
         ks, vs = (t[c:d].repeat_interleave(rep, dim=1).transpose(0, 1) for t in (k, v))
         scores = qs @ ks.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         i, j = torch.arange(b - a)[:, None], torch.arange(d - c)[None, :]
         scores = scores.masked_fill(j > i + (d - c) - (b - a), float("-inf"))
         if window:
@@ -44,11 +50,11 @@ CASES = {  # name: (query lengths, trailing query padding, key lengths or None f
 }
 
 
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("case", CASES)
-def test_segments_padded_equal_a_loop_over_segments(case, window):
-    """Values and gradients, with and without a sliding window of 3 (shorter than most segments; with a shared
-    prefix a query's window reaches back into the keys before its own)."""
+def _case(case):
+    """(q, k, v, dout, cu, cu_k, shared) of a CASES entry, float64: 4 query heads, 2 KV heads of 8; `shared` the
+    keys apart from the queries (`PrefixSharing`, the identity gather) or None."""
+    from models.attention import PrefixSharing
+
     lengths, trailing, key_lengths = CASES[case]
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -59,36 +65,72 @@ def test_segments_padded_equal_a_loop_over_segments(case, window):
         cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32)
         tk = int(cu_k[-1])
     assert _segment_layouts(cu.long(), tq, cu_k.long(), tk) is not None  # the padded path runs
-    q = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
+    q = 3 * torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)  # scores of several units: a cap of 1 acts
     k, v = (torch.randn(tk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
     dout = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
-    if key_lengths is None:
-        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, window=window),
-                                 q, k, v, dout)
-    else:
-        # keys apart from the queries: what `PrefixSharing` hands over, here with the identity gather
-        from models.attention import PrefixSharing
+    shared = None if key_lengths is None else PrefixSharing(torch.arange(tk), cu_k, max(key_lengths))
+    return q, k, v, dout, cu, cu_k, shared
 
-        shared = PrefixSharing(torch.arange(tk), cu_k, max(key_lengths))
-        ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max(lengths), 0.3, shared, window),
-                                 q, k, v, dout)
-    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu_k, 0.3, window), q, k, v, dout)
+
+@pytest.mark.parametrize("softcap", [None, 1.0])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_segments_padded_equal_a_loop_over_segments(case, window, softcap):
+    """Values and gradients, with and without a sliding window of 3 (shorter than most segments; with a shared
+    prefix a query's window reaches back into the keys before its own), with and without a soft cap."""
+    q, k, v, dout, cu, cu_k, shared = _case(case)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, max_len, 0.3, shared, window, softcap),
+                             q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu_k, 0.3, window, softcap), q, k, v, dout)
     for name, x, y in zip(("out", "dq", "dk", "dv"), ours, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=name)
+    if softcap:  # the cap acts
+        assert (ref[0] - _by_loop(q, k, v, cu, cu_k, 0.3, window)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_flex_attention_equals_the_loop(case, window):
+    """The soft-capped CUDA path (`flex_packed`: flex_attention, its block mask from the packed segments' causal and
+    window mask, the cap its score_mod), run eagerly on CPU in float64: the loop's values."""
+    q, k, v, _, cu, cu_k, shared = _case(case)
+    with torch.no_grad():
+        got = flex_packed(q, k, v, cu, 0.3, 1.0, None if shared is None else cu_k, window)
+        torch.testing.assert_close(got, _by_loop(q, k, v, cu, cu_k, 0.3, window, 1.0), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_flex_attention_padded_equals_the_explicit_path(window):
+    """`flex_padded` (the capped padded layout's CUDA path), eagerly on CPU in float64: `attention_padded`'s explicit
+    capped scores at every real query (left and right padding)."""
+    g = torch.Generator().manual_seed(5)
+    q = 3 * torch.randn(3, 12, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 12, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :5], mask[1, 9:] = 0, 0
+    real = mask.bool()
+    with torch.no_grad():
+        got, ref = flex_padded(q, k, v, mask, 0.3, 1.0, window), attention_padded(q, k, v, mask, 0.3, window, 1.0)
+        torch.testing.assert_close(got[real], ref[real], rtol=0, atol=1e-12)
+        assert (ref - attention_padded(q, k, v, mask, 0.3, window))[real].abs().max() > 1e-2  # the cap acts
+
+
+@pytest.mark.parametrize("softcap", [None, 1.0])
 @pytest.mark.parametrize("window", [None, 5])
-def test_one_long_segment_among_many_short_takes_the_mask(window):
+def test_one_long_segment_among_many_short_takes_the_mask(window, softcap):
     """Padding 40 one-token segments to a 40-token one would cost 41 x 40 x 40 scores against the
-    whole row's 80 x 80: the block-diagonal mask runs, with the same result (with a window of 5 too)."""
+    whole row's 80 x 80: the block-diagonal mask runs, with the same result (with a window of 5 too; with a soft
+    cap, its explicit scores)."""
     lengths = [40] + [1] * 40
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     assert _segment_layouts(cu.long(), 80, cu.long(), 80) is None
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(80, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
     dout = torch.randn(80, 2, 8, generator=g, dtype=torch.float64)
-    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, 40, 0.3, window=window), q, k, v, dout)
-    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3, window), q, k, v, dout)
+    ours = _values_and_grads(lambda a, b, c: attention_packed(a, b, c, cu, 40, 0.3, window=window, softcap=softcap),
+                             3 * q, k, v, dout)
+    ref = _values_and_grads(lambda a, b, c: _by_loop(a, b, c, cu, cu, 0.3, window, softcap), 3 * q, k, v, dout)
     for x, y in zip(ours, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
 
