@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Gemma 3 text / Granite / Llama / Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 / Qwen2 /
+"""The decoder-only transformer (Gemma 2 / Gemma 3 text / Granite / Llama / Mistral / Mixtral / OLMo-2 / OLMoE / Phi-3 / Qwen2 /
 Qwen2-MoE / Qwen3 / Qwen3-MoE), its HF checkpoint I/O, its TP layout and LoRA adapters."""
 
 from models.args import PEAK_BF16_FLOPS, ModelArgs, peak_bf16_flops, torch_dtypes

@@ -1,5 +1,5 @@
-"""A decoder-only transformer for the Gemma 3 (text), Granite, Granite-MoE (and -Shared), Llama, Mistral, Mixtral,
-OLMo-2, OLMoE, Phi-3 (Phi-4), Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE families.
+"""A decoder-only transformer for the Gemma 2, Gemma 3 (text), Granite, Granite-MoE (and -Shared), Llama, Mistral,
+Mixtral, OLMo-2, OLMoE, Phi-3 (Phi-4), Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE families.
 
 A plain `nn.Module`: parallelism (FSDP2, TP for the engine, activation checkpointing) is
 applied from outside by `sharding/` and `rollout/`. Parameter names follow Hugging Face

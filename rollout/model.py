@@ -19,10 +19,12 @@ its identity and follows the new memory. Inside it:
   whole projection (each rank's sums of squares, all-reduced: `_full_qk_norm`).
 
 OLMo-2's blocks are post-norm (`ModelArgs.post_norm`): no input norm, each branch's output normed and
-added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is. Gemma 3's
+added to the residual stream (`ops.post_norm_add`), which the next projection reads as it is. Gemma 2's and Gemma 3's
 (`ModelArgs.sandwich_norm`) norm each branch's input and output: the input norm and `pre_ff_norm` read the
-residual stream, the output norms are added to it as OLMo-2's are; every norm of a Gemma 3 scales by `1 + weight`
-(`unit_offset`), its embedding by sqrt(hidden), and its sliding_attention layers rotate by their own RoPE tables.
+residual stream, the output norms are added to it as OLMo-2's are; every norm of a Gemma scales by `1 + weight`
+(`unit_offset`), its embedding by sqrt(hidden), and a Gemma 3's sliding_attention layers rotate by their own RoPE
+tables. Gemma 2's soft caps are arguments of steps that exist anyway: the attention's (`softcap`, in the reference
+paths and the Triton kernels) and the logits' (`EngineModel.logits`, before the sampler's temperature).
 
 Granite's scalars are arguments of the steps that exist anyway: the attention's scale (`ModelArgs.attention_scale`),
 the residual_multiplier a scale of each branch output that `ops.rms_norm` adds to the residual stream, the

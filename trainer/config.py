@@ -1467,8 +1467,8 @@ ACTOR_MODEL_PATH = "${actor_rollout_ref.model.path}"
 @dataclass
 class RewardModelModelConfig:
     path: str | None = opt(None, "reward model: a Hugging Face *ForSequenceClassification (num_labels 1) or meshppo "
-                                 "value-model directory of a Gemma 3 / Llama / Mistral / OLMo-2 / Phi-3 / Qwen2 / "
-                                 "Qwen3 model; "
+                                 "value-model directory of a Gemma 2 / Gemma 3 / Llama / Mistral / OLMo-2 / Phi-3 / "
+                                 "Qwen2 / Qwen3 model; "
                                  "its score at a sequence's last token is the reward", path=True)
     input_tokenizer: str | None = opt(ACTOR_MODEL_PATH,
                                       "the tokenizer the actor's responses are decoded with before the reward model "

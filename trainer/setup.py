@@ -434,7 +434,7 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 def check_engine_quantization(cfg: PPOConfig) -> None:
     """The engine's quantization against the actor's model (`rollout.model.check_quantization`: fp8 on an
-    OLMo-2 or a Gemma 3), before any model is built."""
+    OLMo-2 or a Gemma), before any model is built."""
     from rollout.model import check_quantization
 
     arr = cfg.actor_rollout_ref
