@@ -302,7 +302,8 @@ def _check_graphed_greedy_against_loop(model):
 
 
 @pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
-                                     ("qwen3", {"head_dim": 24}), ("gemma3_text", {"head_dim": 256})])
+                                     ("qwen3", {"head_dim": 24}), ("gemma3_text", {"head_dim": 256}),
+                                     ("gemma2", {"head_dim": 256})])
 def test_engine_greedy_with_graphs_matches_no_cache_loop(kind, kw):
     model = _gpu_model(kind, eos_token_id=None, **kw)
     _check_graphed_greedy_against_loop(model)
@@ -455,7 +456,7 @@ def _logprob_errors(outs, models):
 
 
 @pytest.mark.parametrize("kind,kw", [("qwen2", {}), ("qwen3", {"head_dim": 128}), ("llama", {"head_dim": 80}),
-                                     ("gemma3_text", {"head_dim": 256}),
+                                     ("gemma3_text", {"head_dim": 256}), ("gemma2", {"head_dim": 256}),
                                      ("qwen3_moe", {"head_dim": 128, "num_experts": 8, "moe_intermediate_size": 128})])
 def test_engine_bf16_tracks_training_forward(kind, kw):
     """bf16 engine log-probs (Triton kernels, CUDA graphs; a padded head_dim of 80 too; a Qwen3-MoE's experts through

@@ -131,8 +131,8 @@ def test_offloaded_critic_resume_on_gpu(tmp_path):
     assert sum("actor/pg_loss" in row for row in resumed) == 2
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "granite", "mistral", "mixtral", "olmo2", "olmoe", "phi3",
-                                        "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "granite", "mistral", "mixtral", "olmo2", "olmoe",
+                                        "phi3", "qwen3_moe"])
 def test_other_model_types_train_on_gpu(tmp_path, model_type):
     """A model type besides the demo's Qwen2 trains through the whole GPU path: the Triton engine with CUDA
     graphs in bf16, the reshard, the bf16 update (the CPU tests hold its logits to transformers' in float64)."""

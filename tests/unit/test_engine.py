@@ -34,6 +34,11 @@ def tiny_args(kind: str, **kw) -> ModelArgs:
         common.update(model_type="gemma3_text", head_dim=24, tie_word_embeddings=True,
                       extra_hf={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                 "query_pre_attn_scalar": 24})
+    elif kind == "gemma2":  # Gemma 3's blocks without q / k norms, one RoPE, soft caps small enough to bite
+        common.update(model_type="gemma2", head_dim=24, tie_word_embeddings=True, attn_logit_softcapping=2.0,
+                      final_logit_softcapping=3.0,
+                      extra_hf={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                "query_pre_attn_scalar": 24})
     elif kind == "qwen3_moe":  # a sparse layer (4 experts of 32, each token through 2, renormalised) and a dense one
         common.update(model_type="qwen3_moe", head_dim=24, tie_word_embeddings=False, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,), norm_topk_prob=True)

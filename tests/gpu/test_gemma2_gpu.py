@@ -1,0 +1,123 @@
+"""Gemma 2's soft caps on a CUDA GPU: the capped attention's CUDA path (`torch.nn.attention.flex_attention`,
+compiled, its block masks and score_mod: `models.attention.flex_packed` / `flex_padded`) against the explicit
+capped scores (`models.attention.sdpa`) in float32 (values and gradients, tight) and bf16 (within bf16 error), and a
+tiny Gemma 2's logits and gradients against transformers' Gemma2ForCausalLM (its eager attention, which caps) in
+float32 and bf16. Skipped without CUDA. (The engine's capped kernels with CUDA graphs: test_engine_gpu.py's gemma2
+cases; a Gemma 2 demo's GRPO run: test_trainer_gpu.py.)"""
+
+import pytest
+import torch
+
+from models.attention import attention_packed, attention_padded, block_causal_mask, sdpa
+from models.transformer import cu_seqlens_from_lengths
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+LENGTHS = [57, 1, 130, 64, 33, 200, 7]  # packed sequences of uneven lengths, one of a single token
+CAP = 5.0  # scores of q, k ~ 3 N(0, 1) at head_dim 64 and scale 1/8 reach ~10: the cap acts
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _explicit_packed(q, k, v, cu, window):
+    """The reference semantics in float32: one masked, capped score matrix over the whole row."""
+    mask = block_causal_mask(cu.long(), q.shape[0], window=window)
+    qt, kt, vt = (t.float().transpose(0, 1)[None] for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    return sdpa(qt, kt, vt, attn_mask=mask[None, None], scale=0.125, softcap=CAP)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_flex_attention_packed_matches_the_explicit_capped_scores(dtype, tol, window):
+    """attention_packed with a soft cap on CUDA (flex_attention) against the float32 explicit path: values and
+    gradients (GQA 12 / 2, head_dim 64; with and without a window), relative to each tensor's largest value."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    t = sum(LENGTHS)
+    q = 3 * torch.randn(t, 12, 64, device=DEV, generator=g)
+    k = 3 * torch.randn(t, 2, 64, device=DEV, generator=g)
+    v = torch.randn(t, 2, 64, device=DEV, generator=g)
+    dout = torch.randn(t, 12, 64, device=DEV, generator=g)
+    cu = cu_seqlens_from_lengths(LENGTHS, device=DEV)
+    got = _grads(lambda a, b, c: attention_packed(a, b, c, cu, max(LENGTHS), 0.125, window=window, softcap=CAP),
+                 q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype))
+    ref = _grads(lambda a, b, c: _explicit_packed(a, b, c, cu, window), q, k, v, dout)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = ((x.float() - y).abs().max() / y.abs().max()).item()
+        assert err <= tol, (name, err)
+    uncapped = _grads(lambda a, b, c: attention_packed(a, b, c, cu, max(LENGTHS), 0.125, window=window), q, k, v,
+                      dout)
+    assert (uncapped[0] - ref[0]).abs().max() > 1e-2  # the cap acts
+
+
+def test_flex_attention_padded_matches_the_explicit_capped_scores():
+    """attention_padded with a soft cap on CUDA (flex_attention, the padded batch's mask) against its explicit
+    float32 scores computed on the CPU, at the real queries (left and right padding, a window of 9)."""
+    g = torch.Generator().manual_seed(1)
+    q = 3 * torch.randn(3, 70, 8, 64, generator=g)
+    k = 3 * torch.randn(3, 70, 4, 64, generator=g)
+    v = torch.randn(3, 70, 4, 64, generator=g)
+    mask = torch.ones(3, 70, dtype=torch.long)
+    mask[0, :20], mask[1, 50:] = 0, 0
+    dout = torch.randn(3, 70, 8, 64, generator=g) * mask[..., None, None]
+    got = _grads(lambda a, b, c: attention_padded(a, b, c, mask.to(DEV), 0.125, 9, CAP),
+                 q.to(DEV), k.to(DEV), v.to(DEV), dout.to(DEV))
+    ref = _grads(lambda a, b, c: attention_padded(a, b, c, mask, 0.125, 9, CAP), q, k, v, dout)
+    real = mask.bool()
+    assert ((got[0].cpu()[real] - ref[0][real]).abs().max() / ref[0][real].abs().max()).item() <= 1e-4
+    for name, x, y in zip(("dq", "dk", "dv"), got[1:], ref[1:]):
+        assert ((x.cpu() - y).abs().max() / y.abs().max()).item() <= 1e-4, name
+
+
+def _gemma2(dtype):
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.hf_family import randomized
+
+    cfg = transformers.Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                    query_pre_attn_scalar=256, sliding_window=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0, pad_token_id=0)
+    cfg._attn_implementation = "eager"  # transformers' attention that caps (its sdpa drops the cap)
+    return randomized(transformers.Gemma2ForCausalLM(cfg), dtype).to(DEV)
+
+
+def test_gemma2_logits_and_gradients_match_transformers_on_gpu(tmp_path):
+    """A tiny Gemma 2 (head_dim 256, a window of 24, caps 2 and 3) in float32 on the GPU, packed (flex_attention):
+    transformers' float32 logits and parameter gradients within float32 error; in bf16 (a bf16 model's packed
+    forward), logits as close to the float32 ones as transformers' bf16 logits are (within 1.2 times their mean
+    error: flex_attention rounds otherwise than transformers' eager attention)."""
+    from models import Transformer
+
+    hf = _gemma2(torch.float32)
+    hf.save_pretrained(tmp_path / "g2")
+    ours = Transformer.from_pretrained(tmp_path / "g2", dtype=torch.float32, device=DEV)
+    lengths = [40, 75, 9]
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, 512, (n,), generator=g).to(DEV) for n in lengths]
+    weights = [torch.randn(n, 512, generator=g).to(DEV) for n in lengths]
+    cu = cu_seqlens_from_lengths(lengths, device=DEV)
+    ref_logits = [hf(input_ids=s[None]).logits[0] for s in seqs]
+    sum((r * w).sum() for r, w in zip(ref_logits, weights)).backward()
+    got = ours(torch.cat(seqs)[None], cu_seqlens=cu)[0]
+    (got * torch.cat(weights)).sum().backward()
+    ref = torch.cat(ref_logits).detach()
+    assert ((got.detach() - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    theirs = {k.removeprefix("model."): p.grad for k, p in hf.named_parameters()}
+    for name, p in ours.named_parameters():
+        assert ((p.grad - theirs[name]).abs().max() / theirs[name].abs().max()).item() <= 1e-3, name
+
+    hf16 = _gemma2(torch.bfloat16)  # the same weights (`randomized`'s seed), rounded to bf16
+    ours16 = Transformer.from_pretrained(tmp_path / "g2", dtype=torch.bfloat16, device=DEV)
+    with torch.no_grad():
+        theirs16 = torch.cat([hf16(input_ids=s[None]).logits[0] for s in seqs]).float()
+        got16 = ours16(torch.cat(seqs)[None], cu_seqlens=cu)[0].float()
+    bf16_error = (theirs16 - ref).abs().mean().item()
+    assert bf16_error > 1e-3
+    assert (got16 - ref).abs().mean().item() <= 1.2 * bf16_error
