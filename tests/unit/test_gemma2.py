@@ -236,6 +236,24 @@ def test_engine_greedy_tokens_and_log_probs_are_the_models(tmp_path, shape):
     check_engine_greedy(hf, path, VOCAB)
 
 
+def test_engine_sampled_log_probs_are_transformers_capped_logits_over_the_temperature(tmp_path):
+    """At temperature 0.7 the engine's sampled tokens' log-probs are log_softmax(transformers' logits / 0.7): the
+    logits capped first, then divided by the temperature, as verl divides the capped logits of its actor."""
+    from rollout import SamplingParams
+    from tests.unit.test_engine import make_engine
+
+    hf, path = _saved(tmp_path)
+    engine = make_engine(Transformer.from_pretrained(path, dtype=torch.float64).eval(), dtype=torch.float64)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 11)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.7, n=2, max_tokens=12, seed=3, ignore_eos=True))
+    for out in outs:
+        prompt = prompts[out.prompt_index]
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max().item() <= 1e-6
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_saved_gemma2_directory_loads_through_the_trainers_model_path(tmp_path, world):
     """config.json + model.safetensors as transformers' save_pretrained writes them (float32), read by the trainer's
