@@ -26,10 +26,11 @@ shared prefix a response's window reaches back into its prompt.
 
 Every path takes a `softcap` (None: none; Gemma 2's attn_logit_softcapping): the scaled scores become
 cap·tanh(scores / cap) before the mask and the softmax (`soft_cap`), as transformers' eager attention caps them.
-Neither SDPA nor FlashAttention can: a capped model's scores are explicit on CPU (SDPA's math, written out:
-`sdpa`, in the segment-by-segment and whole-row layouts alike) and on CUDA go through
-`torch.nn.attention.flex_attention` (compiled), its `score_mod` the cap and its block mask the packed documents'
-causal (and window) mask or the padded batch's (`_flex_attention`). An uncapped model's paths are unchanged.
+Neither SDPA nor FlashAttention can, so a capped model's scores are explicit on every device (`sdpa`: SDPA's math
+written out, the softmax in float32 for 16-bit inputs), segment by segment as above, or over the whole row's mask
+under `torch.compile`. They take memory by the squared lengths, as transformers' eager attention does: a layer's
+[N + 1, heads, longest, longest] scores and probabilities kept for the backward (gradient checkpointing keeps one
+layer's). An uncapped model's paths are unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:  # optional: never required
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -108,58 +108,6 @@ def sdpa(q, k, v, attn_mask=None, scale: float | None = None, softcap: float | N
     return torch.softmax(scores, -1, dtype=torch.float32 if half else None).to(v.dtype) @ v
 
 
-# flex_attention compiled once (its Triton kernels; the eager function is a reference loop that materialises every
-# score); called uncompiled on CPU, where tests hold it to `sdpa`
-_compiled_flex_attention = None
-
-
-def _flex_attention(q, k, v, mask_mod, scale: float, softcap: float):
-    """flex_attention of q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (GQA) under `mask_mod(b, h, q_idx, kv_idx)`'s
-    block mask, each scaled score capped (`soft_cap`, its `score_mod`): the CUDA path of a capped model's attention,
-    where SDPA and FlashAttention cannot cap. Compiled on CUDA, eager elsewhere."""
-    global _compiled_flex_attention
-
-    def cap(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score / softcap) * softcap
-
-    (b, _, sq, _), sk = q.shape, k.shape[2]
-    block_mask = create_block_mask(mask_mod, b, None, sq, sk, device=q.device)
-    fn = flex_attention
-    if q.is_cuda:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
-        fn = _compiled_flex_attention
-    return fn(q, k, v, score_mod=cap, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def flex_packed(q, k, v, cu_seqlens: torch.Tensor, scale: float, softcap: float, cu_seqlens_k=None,
-                window: int | None = None) -> torch.Tensor:
-    """`attention_packed`'s reference semantics (`block_causal_mask`: keys `k [Tk, Hkv, D]` by `cu_seqlens_k`, the
-    queries' own positions without) through `_flex_attention`, q [T, Hq, D] -> [T, Hq, D]."""
-    seg_q, back_q = _back(cu_seqlens.long(), q.shape[0])
-    seg_k, back_k = (seg_q, back_q) if cu_seqlens_k is None else _back(cu_seqlens_k.long(), k.shape[0])
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (seg_q[q_idx] == seg_k[kv_idx]) & _within(back_k[kv_idx] - back_q[q_idx], window)
-
-    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
-    return _flex_attention(qt, kt, vt, mask_mod, scale, softcap)[0].transpose(0, 1)
-
-
-def flex_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float, softcap: float,
-                window: int | None = None) -> torch.Tensor:
-    """`attention_padded`'s semantics (a padding query sees itself) through `_flex_attention`, q [B, S, Hq, D] ->
-    [B, S, Hq, D]."""
-    real = None if attention_mask is None else attention_mask.bool()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        seen = _within(q_idx - kv_idx, window)
-        return seen if real is None else (seen & real[b, kv_idx]) | (q_idx == kv_idx)
-
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    return _flex_attention(qt, kt, vt, mask_mod, scale, softcap).transpose(1, 2)
-
-
 def flash_varlen_usable(q: torch.Tensor) -> bool:
     """Whether `attention_packed` takes a FlashAttention kernel for `q`: CUDA, fp16/bf16."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
@@ -174,8 +122,6 @@ def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float,
     """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]; `window`: each query sees its last `window` columns
     (a row's tokens are contiguous, padding at either end, so columns are positions); `softcap`: the scores'
     soft cap (module docstring)."""
-    if softcap and q.is_cuda:
-        return flex_padded(q, k, v, attention_mask, scale, softcap, window)
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
@@ -219,9 +165,7 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if shared is not None:
         k, v = k[shared.kv_index], v[shared.kv_index]
         cu_k, max_k = shared.cu_seqlens_k, shared.max_seqlen_k
-    if softcap and q.is_cuda:
-        return flex_packed(q, k, v, cu_seqlens, scale, softcap, None if shared is None else cu_k, window)
-    if flash_varlen_usable(q):
+    if flash_varlen_usable(q) and not softcap:
         if _flash_varlen is not None:
             # flash-attn's backward accumulates dq with atomics unless asked not to: torch's deterministic
             # mode (fsdp_config.full_determinism) reaches PyTorch's kernels (`_FlashVarlen`) by itself, not these

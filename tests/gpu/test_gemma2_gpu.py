@@ -1,6 +1,6 @@
-"""Gemma 2's soft caps on a CUDA GPU: the capped attention's CUDA path (`torch.nn.attention.flex_attention`,
-compiled, its block masks and score_mod: `models.attention.flex_packed` / `flex_padded`) against the explicit
-capped scores (`models.attention.sdpa`) in float32 (values and gradients, tight) and bf16 (within bf16 error), and a
+"""Gemma 2's soft caps on a CUDA GPU: the capped attention on CUDA (explicit scores segment by segment, where SDPA and
+FlashAttention cannot cap) against the whole row's explicit capped scores (`models.attention.sdpa`) in float32
+(values and gradients, tight) and bf16 (within bf16 error), and against the CPU's, and a
 tiny Gemma 2's logits and gradients against transformers' Gemma2ForCausalLM (its eager attention, which caps) in
 float32 and bf16. Skipped without CUDA. (The engine's capped kernels with CUDA graphs: test_engine_gpu.py's gemma2
 cases; a Gemma 2 demo's GRPO run: test_trainer_gpu.py.)"""
@@ -36,8 +36,8 @@ def _explicit_packed(q, k, v, cu, window):
 
 @pytest.mark.parametrize("window", [None, 17])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_flex_attention_packed_matches_the_explicit_capped_scores(dtype, tol, window):
-    """attention_packed with a soft cap on CUDA (flex_attention) against the float32 explicit path: values and
+def test_capped_attention_packed_on_cuda_matches_the_whole_rows_scores(dtype, tol, window):
+    """attention_packed with a soft cap on CUDA (segment by segment) against the float32 whole-row scores: values and
     gradients (GQA 12 / 2, head_dim 64; with and without a window), relative to each tensor's largest value."""
     g = torch.Generator(device=DEV).manual_seed(0)
     t = sum(LENGTHS)
@@ -57,8 +57,8 @@ def test_flex_attention_packed_matches_the_explicit_capped_scores(dtype, tol, wi
     assert (uncapped[0] - ref[0]).abs().max() > 1e-2  # the cap acts
 
 
-def test_flex_attention_padded_matches_the_explicit_capped_scores():
-    """attention_padded with a soft cap on CUDA (flex_attention, the padded batch's mask) against its explicit
+def test_capped_attention_padded_on_cuda_matches_the_cpus():
+    """attention_padded with a soft cap on CUDA against its explicit
     float32 scores computed on the CPU, at the real queries (left and right padding, a window of 9)."""
     g = torch.Generator().manual_seed(1)
     q = 3 * torch.randn(3, 70, 8, 64, generator=g)
@@ -89,10 +89,10 @@ def _gemma2(dtype):
 
 
 def test_gemma2_logits_and_gradients_match_transformers_on_gpu(tmp_path):
-    """A tiny Gemma 2 (head_dim 256, a window of 24, caps 2 and 3) in float32 on the GPU, packed (flex_attention):
+    """A tiny Gemma 2 (head_dim 256, a window of 24, caps 2 and 3) in float32 on the GPU, packed (explicit scores):
     transformers' float32 logits and parameter gradients within float32 error; in bf16 (a bf16 model's packed
     forward), logits as close to the float32 ones as transformers' bf16 logits are (within 1.2 times their mean
-    error: flex_attention rounds otherwise than transformers' eager attention)."""
+    error: the packed segments' products may round otherwise than transformers' per-sequence ones)."""
     from models import Transformer
 
     hf = _gemma2(torch.float32)

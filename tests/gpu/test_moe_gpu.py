@@ -5,6 +5,8 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -228,10 +230,11 @@ def test_a_granite_moe_shared_block_is_transformers_in_bf16():
     """meshppo's sparse block of a Granite-MoE-Shared (its router's softmax over the top-k float32 logits, the grouped
     path, plus its ungated shared expert of 2 I) against transformers' GraniteMoeSharedMoE with its default grouped_mm
     experts plus its layer's GraniteMoeSharedMLP (`shared_mlp`, its fused input_linear split into meshppo's gate and up
-    rows), bf16 on the GPU, 2048 tokens: the mean difference is far below what routing by the top-k of the full softmax,
-    renormalised and rounded the other families' way, makes; the engine's sparse branch (`EngineModel._feed_forward`,
-    TP 1, the PyTorch ops) computes the same block. A tolerance on the mean, as the kernels may order a group's rows
-    differently."""
+    rows), bf16 on the GPU, 2048 tokens: the mean difference is a tenth or less of transformers' own bf16 error against
+    the block in float64 (meshppo's, on the CPU: equal to transformers' to 1e-9 in tests/unit/test_moe_families.py);
+    the engine's sparse branch (`EngineModel._feed_forward`, TP 1, the PyTorch ops) computes the same block. A
+    tolerance on the mean, as the kernels may order a group's rows differently. (A yardstick of routing by the full
+    softmax's top-k, renormalised, came out bit-equal on an H100: not a yardstick.)"""
     import types
 
     transformers = pytest.importorskip("transformers")
@@ -276,10 +279,8 @@ def test_a_granite_moe_shared_block_is_transformers_in_bf16():
         ref = (block(x) + mlp(x)).double()
         got = ours(x).double()
         served = engine._feed_forward(x[0], engine.layers[0], TorchOps, 1).double()
-        weights, chosen = route(x[0], ours.gate.weight, K, True)  # the full softmax's top-k, renormalised
-        routed = experts_forward(x[0], weights, chosen, ours.experts.gate_up_proj, ours.experts.down_proj)
-        other = (routed + ours.shared_expert(x[0])).double()
+        exact = copy.deepcopy(ours).cpu().double()(x.cpu().double())
     assert use_grouped_mm(x[0], ours.experts.gate_up_proj)
     err, err_served = (got - ref).abs().mean().item(), (served - ref[0]).abs().mean().item()
-    err_other = (other - ref[0]).abs().mean().item()
-    assert err_other > 0 and err <= err_other / 10 and err_served <= err_other / 10, (err, err_served, err_other)
+    bf16_err = (ref.cpu() - exact).abs().mean().item()
+    assert bf16_err > 0 and err <= bf16_err / 10 and err_served <= bf16_err / 10, (err, err_served, bf16_err)

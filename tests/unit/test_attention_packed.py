@@ -1,15 +1,13 @@
 """`attention_packed` off the FlashAttention path (CPU, float32/64): segment by segment, padded to
 the longest, or the block-diagonal mask over the whole row when that costs fewer scores. Both
 against a loop over the segments written here (float64, values and gradients), with and without a soft cap of the
-scores (Gemma 2's attn_logit_softcapping; 1.0 here, well inside the scores' range); and the soft-capped models' CUDA
-path, flex_attention with its block masks, run eagerly on CPU (forward only: flex_attention has no CPU backward; its
-gradients are checked on the GPU, tests/gpu/test_attention_gpu.py) against the same loop and the padded layout's
-explicit path."""
+scores (Gemma 2's attn_logit_softcapping; 1.0 here, well inside the scores' range), which takes these explicit paths
+on every device (on the GPU: tests/gpu/test_gemma2_gpu.py)."""
 
 import pytest
 import torch
 
-from models.attention import _segment_layouts, attention_packed, attention_padded, flex_packed, flex_padded
+from models.attention import _segment_layouts, attention_packed
 
 
 def _by_loop(q, k, v, cu, cu_k, scale, window=None, softcap=None):
@@ -87,33 +85,6 @@ def test_segments_padded_equal_a_loop_over_segments(case, window, softcap):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=name)
     if softcap:  # the cap acts
         assert (ref[0] - _by_loop(q, k, v, cu, cu_k, 0.3, window)).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("case", CASES)
-def test_flex_attention_equals_the_loop(case, window):
-    """The soft-capped CUDA path (`flex_packed`: flex_attention, its block mask from the packed segments' causal and
-    window mask, the cap its score_mod), run eagerly on CPU in float64: the loop's values."""
-    q, k, v, _, cu, cu_k, shared = _case(case)
-    with torch.no_grad():
-        got = flex_packed(q, k, v, cu, 0.3, 1.0, None if shared is None else cu_k, window)
-        torch.testing.assert_close(got, _by_loop(q, k, v, cu, cu_k, 0.3, window, 1.0), rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("window", [None, 4])
-def test_flex_attention_padded_equals_the_explicit_path(window):
-    """`flex_padded` (the capped padded layout's CUDA path), eagerly on CPU in float64: `attention_padded`'s explicit
-    capped scores at every real query (left and right padding)."""
-    g = torch.Generator().manual_seed(5)
-    q = 3 * torch.randn(3, 12, 4, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(3, 12, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = torch.ones(3, 12, dtype=torch.long)
-    mask[0, :5], mask[1, 9:] = 0, 0
-    real = mask.bool()
-    with torch.no_grad():
-        got, ref = flex_padded(q, k, v, mask, 0.3, 1.0, window), attention_padded(q, k, v, mask, 0.3, window, 1.0)
-        torch.testing.assert_close(got[real], ref[real], rtol=0, atol=1e-12)
-        assert (ref - attention_padded(q, k, v, mask, 0.3, window))[real].abs().max() > 1e-2  # the cap acts
 
 
 @pytest.mark.parametrize("softcap", [None, 1.0])
