@@ -69,6 +69,10 @@ def _worker(rank, world_size, port, fn, args, errors, parent, preloaded):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if not preloaded and os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.interpreter import patch_language_once_a_launch
+
+        patch_language_once_a_launch()
     # A rank that dies in native code (a signal, an abort) leaves no traceback in the queue; its
     # Python stacks then go to stderr, which the test captures.
     faulthandler.enable(all_threads=True)
@@ -100,7 +104,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, triton_i
     """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise the first failure.
     `triton_interpret`: the ranks run Triton kernels under the interpreter (TRITON_INTERPRET=1 in their
     environment), each started afresh (spawned, importing torch itself: a few seconds) since the fork
-    server's ranks have triton imported already (PRELOAD)."""
+    server's ranks have triton imported already (PRELOAD); they import triton with the interpreter set,
+    and have it patch `triton.language` once a launch (tests/interpreter.py: patch_language_once_a_launch)."""
     if triton_interpret:
         ctx = mp.get_context("spawn")
     else:

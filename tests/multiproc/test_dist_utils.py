@@ -56,13 +56,16 @@ def _what_is_imported(rank, world_size, interpreting):
     import os
     import sys
 
-    # the fork server's ranks start with PRELOAD imported; an interpreting rank without triton, which then
-    # decorates its kernels as the interpreter's
+    # the fork server's ranks start with PRELOAD imported; an interpreting rank without it, importing triton
+    # with TRITON_INTERPRET=1 set (to have the interpreter patch triton.language once a launch), and then
+    # decorating its kernels as the interpreter's
     assert all(m in sys.modules for m in ("torch._dynamo", "transformers")) != interpreting
-    assert ("triton" in sys.modules) != interpreting
     assert os.environ.get("TRITON_INTERPRET") == ("1" if interpreting else None)
     if interpreting:
         import triton
+        from triton.runtime import interpreter
+
+        assert interpreter._patch_lang.__module__ == "tests.interpreter"
 
         @triton.jit
         def kernel(x):
@@ -75,8 +78,8 @@ def _what_is_imported(rank, world_size, interpreting):
 
 def test_ranks_start_with_the_preload_or_afresh_to_interpret_triton(monkeypatch):
     """The fork server's ranks have PRELOAD imported (torch._dynamo, and with it triton, and transformers:
-    seconds a rank); `triton_interpret=True` ranks start without triton, TRITON_INTERPRET=1 set, so
-    that `@triton.jit` gives the interpreter's kernels."""
+    seconds a rank); `triton_interpret=True` ranks start without them, TRITON_INTERPRET=1 set, so
+    that `@triton.jit` gives the interpreter's kernels, patched to patch triton.language once a launch."""
     import pytest
 
     pytest.importorskip("triton")

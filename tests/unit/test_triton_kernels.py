@@ -14,7 +14,8 @@ from tests import interpreter
 CHECKS = ["linear", "gated_linear", "rms_norm", "silu_and_mul", "rms_norm_fp8", "silu_and_mul_fp8", "rope_and_cache", "decode_attention",
           "prefill_attention", "kv_cache_fp8", "sample_partials", "combine_partials", "pdl_switch", "sample_extremes",
           "engine_end_to_end", "engine_padded_prefill", "step_io", "engine_graphed_io", "qk_norm", "engine_qwen3",
-          "engine_padded_head", "decode_attention_window", "prefill_attention_window", "engine_window"]
+          "engine_padded_head", "decode_attention_window", "prefill_attention_window", "engine_window",
+          "interpreter_patches_once_a_launch"]
 
 
 def _checks() -> dict:
@@ -457,6 +458,38 @@ def _checks() -> dict:
             check_extremes(TritonOps, num_splits=splits)
             check_group_extremes(TritonOps, num_splits=splits)
         return 0.0
+
+    def interpreter_patches_once_a_launch():
+        # tests/interpreter.py's patch_language_once_a_launch: a launch of three programs calling tl.sum (a
+        # `@triton.jit` function calling others) four times each patches triton.language once, and
+        # triton.language.core (which tl.sum sees) once, not at every call; its results are bit for bit those
+        # of the interpreter's own patching
+        import triton
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+
+        @triton.jit
+        def kernel(x_ptr, out_ptr, N: tl.constexpr):
+            row = tl.program_id(0)
+            x = tl.load(x_ptr + row * N + tl.arange(0, N))
+            total = 0.0
+            for i in range(4):
+                total += tl.sum(x * (i + 1.0), axis=0)
+            tl.store(out_ptr + row, total)
+
+        x, once, calls = torch.randn(3, 16), ti._patch_lang, []
+        outs = [torch.zeros(3) for _ in range(2)]
+        ti._patch_lang = lambda fn: calls.append(fn.__name__) or once.__wrapped__(fn)
+        try:
+            interpreter.patch_language_once_a_launch()  # over the counting patch
+            kernel[(3,)](x, outs[0], N=16)
+            assert calls == ["kernel", "sum"], calls
+            ti._patch_lang = once.__wrapped__  # the interpreter's own: at every call
+            kernel[(3,)](x, outs[1], N=16)
+        finally:
+            ti._patch_lang = once
+        assert torch.equal(outs[0], outs[1])
+        return close(outs[0], (x.double() * 10).sum(1), 1e-5)
 
     def tiny_model():
         """A one-layer model whose weights are large enough to make every token choice matter."""
