@@ -556,8 +556,9 @@ def _checks() -> dict:
 
     def engine_window():
         # a Mistral whose every layer attends through a window of 6, generating past it (prompts of 3 and 10,
-        # 12 new tokens; chunked prefill of 8 tokens a step): the Triton path's tokens are the PyTorch path's, its
-        # log-probs within 1e-4 of the PyTorch path's, which differ by more than 1e-3 from the whole context's
+        # 6 new tokens: the first prompt's decode steps pass the window too; chunked prefill of 8 tokens a step): the
+        # Triton path's tokens are the PyTorch path's, its log-probs within 1e-4 of the PyTorch path's, which differ
+        # by more than 1e-3 from the whole context's
         from models import ModelArgs
 
         args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -565,7 +566,7 @@ def _checks() -> dict:
                          extra_hf={"sliding_window": 6})
         engine = interpreter.cpu_engine(args, interpreter.random_model(args))
         assert engine.model.windows == [6, 6]
-        sp = interpreter.sampled(max_tokens=12)
+        sp = interpreter.sampled(max_tokens=6)
         windowed = engine.generate(interpreter.PROMPTS, sp)
         engine.model.windows = [None, None]  # the whole context: other log-probs past the window
         full = engine.generate(interpreter.PROMPTS, sp)
