@@ -175,19 +175,22 @@ def _record_launches(launches: dict) -> None:
     InterpretedFunction.run = recording
 
 
-def patch_language_once_a_launch() -> None:
+def patch_language_once_a_launch() -> bool:
     """Make Triton's interpreter patch each `triton.language` module once a kernel launch, not again at every
     call of a `@triton.jit` function inside it (`tl.sum`, `tl.max`, meshppo's helpers). The interpreter swaps
     a module's builtins for numpy-backed ones when a launch starts (`_patch_lang`, undone when it ends) and
     again, scanning the whole module, at each such call: about 2 ms a call, a third of an engine check's
     time. A call's swaps are never undone, so repeating them within a launch changes nothing; a call that
     sees a module not yet patched in this launch (triton's own helpers see `triton.language.core`) is
-    patched as before."""
+    patched as before. Whether it did: a Triton whose interpreter has not these internals (`_patch_lang`, a
+    `_LangPatchScope` that `restore`s) is left as it is, its kernels as slow and as right as before."""
     import inspect
 
     import triton.language as tl
     from triton.runtime import interpreter as ti
 
+    if not callable(getattr(ti, "_patch_lang", None)) or not hasattr(getattr(ti, "_LangPatchScope", None), "restore"):
+        return False
     patch, launch = ti._patch_lang, []  # while a launch runs: the ids of the modules patched in it
 
     def langs(fn):
@@ -213,6 +216,7 @@ def patch_language_once_a_launch() -> None:
 
     patch_lang.__wrapped__ = patch
     ti._patch_lang = patch_lang
+    return True
 
 
 def compile_report(launches: list[dict]) -> list[str]:
