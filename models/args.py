@@ -805,11 +805,12 @@ def _check_softcaps(args: ModelArgs) -> None:
         if value is None:
             continue
         if args.model_type not in _SOFTCAP_DEFAULTS:
-            raise ValueError(f"{key}={value!r} is not supported for {args.model_type} (transformers' "
-                             f"{HF_FAMILY[args.model_type]} soft-caps nothing; only Gemma 2 and Gemma 3 read it)")
+            raise ValueError(f"{key}={value!r} (config.json's, or a model.override_config's) is not supported for "
+                             f"{args.model_type} (transformers' {HF_FAMILY[args.model_type]} soft-caps nothing; only "
+                             "Gemma 2 and Gemma 3 read it)")
         if (args.model_type, key) in _SOFTCAP_REFUSED:
-            raise ValueError(f"config.json's {key}={value!r} is not supported for {args.model_type} "
-                             f"({_SOFTCAP_REFUSED[args.model_type, key]}); only null is")
+            raise ValueError(f"{key}={value!r} (config.json's, or a model.override_config's) is not supported for "
+                             f"{args.model_type} ({_SOFTCAP_REFUSED[args.model_type, key]}); only null is")
         setattr(args, key, float(_number(value, f"config.json's {key} (null: none)")))
 
 
@@ -1002,11 +1003,15 @@ def _check_window_keys(args: ModelArgs) -> None:
 # router_jitter_noise, accepted at 0 only (what meshppo computes: `_TYPE_REFUSED`), which replaces a config.json's
 # noise that transformers would apply:
 OVERRIDE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "initializer_range",
-                 "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "router_jitter_noise")
+                 "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "router_jitter_noise",
+                 *SOFTCAP_KEYS)
 # Of those, the model's outputs read these; the others reach its exported config.json only (and
 # initializer_range its weights drawn at random: load_format=dummy). sliding_window (null or a window) sets
-# the window of the layers transformers windows (`ModelArgs.windowed_layers`; null: none is windowed).
-OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window", "router_jitter_noise")
+# the window of the layers transformers windows (`ModelArgs.windowed_layers`; null: none is windowed). A logit soft
+# cap (`SOFTCAP_KEYS`: null, none, or a positive cap) replaces config.json's, on the types that read one
+# (`_check_softcaps`); a reward model's score reads the attention's, not the LM head's.
+OUTPUT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window", "router_jitter_noise",
+               "attn_logit_softcapping")
 # The overrides kept in `ModelArgs.extra_hf` (they are not fields: `WINDOW_KEYS`, `KEPT_KEYS`).
 _EXTRA_OVERRIDES = ("sliding_window", "router_jitter_noise")
 # Those the tensors' shapes or the architecture hang on cannot change: the checkpoint is built for its own.
@@ -1147,6 +1152,8 @@ def check_overrides(overrides: dict, key: str = "override_config") -> tuple[dict
             acting[name] = _token_ids(value, where, many=name == "eos_token_id")
         elif name == "sliding_window":
             acting[name] = None if value is None else _number(value, where, integer=True)
+        elif name in SOFTCAP_KEYS:
+            acting[name] = None if value is None else _number(value, f"{where} (null: none)")
         elif name == "router_jitter_noise":
             if _number(value, where, nonnegative=True) != 0:
                 raise ValueError(f"{where}={value!r} is not supported by meshppo ({_JITTER_WHY}): only 0 is")

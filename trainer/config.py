@@ -487,7 +487,9 @@ def _override_config(built: str, others: str):
                     "full_attention layers') and rms_norm_eps change the outputs; sliding_window (null: none) sets "
                     "the window of the layers config.json windows (each of their positions attends to the last that "
                     "many, itself included, in training and rollout); a Mixtral's router_jitter_noise, 0 only, "
-                    f"replaces config.json's (which is refused above 0); {others}; attn_implementation, use_cache "
+                    "replaces config.json's (which is refused above 0); a Gemma's attn_logit_softcapping / "
+                    "final_logit_softcapping (null: none) replace config.json's caps of the attention scores / "
+                    f"logits; {others}; attn_implementation, use_cache "
                     "and dropouts of 0 are accepted and change nothing; keys of the architecture or the tensors' "
                     "shapes are refused. verl's nested form, model_config: {...}, gives the same keys")
 

@@ -215,8 +215,40 @@ def test_bad_values_are_refused_naming_the_key(key, value, match):
 
 def test_a_cap_on_another_type_is_refused():
     """A type whose transformers model caps nothing refuses a cap (set on ModelArgs, or by an override) naming it."""
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported for llama"):
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30.0 \(config.json.s, or a model.override_config.s\) "
+                                         "is not supported for llama"):
         ModelArgs(model_type="llama", final_logit_softcapping=30.0)
+
+
+def test_override_config_sets_or_removes_a_cap(tmp_path):
+    """verl's `model.override_config` sets a cap on the Hugging Face config before the model is built: meshppo's logits
+    with `attn_logit_softcapping: null` and `final_logit_softcapping: 4` are Gemma2ForCausalLM's with its config so
+    set (and differ from the checkpoint's caps'); a cap that is not null or positive, and a cap on a type that reads
+    none, are refused naming the key."""
+    from models.args import apply_overrides, check_overrides
+
+    hf, path = _saved(tmp_path)
+    ours = Transformer.from_pretrained(path, dtype=torch.float64)
+    overrides = {"attn_logit_softcapping": None, "final_logit_softcapping": 4}
+    args = apply_overrides(ours.args, overrides)
+    assert (args.attn_logit_softcapping, args.final_logit_softcapping) == (None, 4.0)
+    overridden = Transformer(args).double()
+    overridden.load_state_dict(ours.state_dict())
+    overridden.reset_buffers()
+    hf.config.attn_logit_softcapping, hf.config.final_logit_softcapping = None, 4.0
+    for layer in hf.model.layers:  # its attention reads the config's cap when it is built
+        layer.self_attn.attn_logit_softcapping = None
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+        assert (overridden(ids) - theirs).abs().max() <= 1e-9
+        assert (ours(ids) - theirs).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"override_config.final_logit_softcapping \(null: none\): expected a number > "
+                                         "0, got 0"):
+        check_overrides({"final_logit_softcapping": 0})
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(config.json's, or a model.override_config's\) "
+                                         "is not supported for llama"):
+        apply_overrides(ModelArgs(model_type="llama"), {"attn_logit_softcapping": 50})
 
 
 def test_a_null_window_with_sliding_layers_is_refused_and_none_is_gemma2s_default():
@@ -337,6 +369,7 @@ def test_gemma3_with_a_final_cap_equals_transformers_and_an_attention_cap_is_ref
         assert (other(ids) - hf(input_ids=ids).logits).abs().max() > 1e-3
     hf.config.attn_logit_softcapping = 50.0
     hf.config.save_pretrained(tmp_path / "g3")
-    with pytest.raises(ValueError, match="config.json's attn_logit_softcapping=50.0 is not supported for gemma3_text "
-                                         "\\(transformers' Gemma3Attention keeps it but never passes it"):
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 \\(config.json's, or a model.override_config's\\) "
+                                         "is not supported for gemma3_text \\(transformers' Gemma3Attention keeps it but "
+                                         "never passes it"):
         load_model_args(tmp_path / "g3")

@@ -132,7 +132,8 @@ def test_what_meshppo_does_not_compute_is_refused_naming_the_key(tmp_path, key, 
     from models.checkpoint import load_model_args
 
     _, path = _saved(tmp_path, **{key: value})
-    with pytest.raises(ValueError, match=f"config.json's {key}={value!r} is not supported for gemma3_text"):
+    where = " \\(config.json's, or a model.override_config's\\)" if key == "attn_logit_softcapping" else ""
+    with pytest.raises(ValueError, match=f"{key}={value!r}{where} is not supported for gemma3_text"):
         load_model_args(path)
 
 
