@@ -26,11 +26,17 @@ shared prefix a response's window reaches back into its prompt.
 
 Every path takes a `softcap` (None: none; Gemma 2's attn_logit_softcapping): the scaled scores become
 cap·tanh(scores / cap) before the mask and the softmax (`soft_cap`), as transformers' eager attention caps them.
-Neither SDPA nor FlashAttention can, so a capped model's scores are explicit on every device (`sdpa`: SDPA's math
-written out, the softmax in float32 for 16-bit inputs), segment by segment as above, or over the whole row's mask
-under `torch.compile`. They take memory by the squared lengths, as transformers' eager attention does: a layer's
-[N + 1, heads, longest, longest] scores and probabilities kept for the backward (gradient checkpointing keeps one
-layer's). An uncapped model's paths are unchanged.
+Neither SDPA nor FlashAttention can. A capped packed batch on CUDA takes `models/attention_triton.py`'s
+FlashAttention-2-style Triton kernels (online softmax, the cap and its derivative inside; a deterministic backward;
+custom ops that `torch.compile` traces), which keep only q, k, v, the output and the rows' log-sum-exp: memory linear
+in the tokens, as an uncapped model's FlashAttention. `MESHPPO_CAPPED_ATTENTION` chooses (`capped_triton`): `auto`
+(default: CUDA with triton installed, head dims up to 256), `torch`, or `triton` (CPU tensors too, under
+`TRITON_INTERPRET=1` in the tests). Elsewhere, and for the padded layout (`attention_padded`, use_remove_padding
+false), a capped model's scores are explicit (`sdpa`: SDPA's math written out, the softmax in float32 for 16-bit
+inputs), segment by segment as above, or over the whole row's mask under `torch.compile`; they take memory by the
+squared lengths, as transformers' eager attention does: a layer's [N + 1, heads, longest, longest] scores and
+probabilities kept for the backward (gradient checkpointing keeps one layer's). An uncapped model's paths are
+unchanged.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ try:  # optional: never required
     from flash_attn import flash_attn_varlen_func as _flash_varlen
 except Exception:  # pragma: no cover - depends on the machine
     _flash_varlen = None
+
+from models.triton_support import path_choice, triton_usable
+
+_CAPPED_ENV = "MESHPPO_CAPPED_ATTENTION"
+CAPPED_TRITON_MAX_HEAD_DIM = 256  # models/attention_triton.py's MAX_HEAD_DIM (that module imports triton)
 
 
 class PrefixSharing(NamedTuple):
@@ -113,6 +124,16 @@ def flash_varlen_usable(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def capped_triton(q: torch.Tensor) -> bool:
+    """Whether a capped `attention_packed` of `q` takes the Triton kernels (module docstring):
+    `MESHPPO_CAPPED_ATTENTION` `auto` (default) where `triton_usable` for a head dim up to 256, `torch` never,
+    `triton` always (a head dim or dtype the kernels cannot take is then an error naming them)."""
+    choice = path_choice(_CAPPED_ENV)
+    if choice == "auto":
+        return triton_usable(q.device) and q.shape[-1] <= CAPPED_TRITON_MAX_HEAD_DIM
+    return choice == "triton"
+
+
 def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim_axis)
 
@@ -165,6 +186,10 @@ def attention_packed(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if shared is not None:
         k, v = k[shared.kv_index], v[shared.kv_index]
         cu_k, max_k = shared.cu_seqlens_k, shared.max_seqlen_k
+    if softcap and capped_triton(q):
+        from models.attention_triton import capped_attention
+
+        return capped_attention(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, scale, window, softcap)
     if flash_varlen_usable(q) and not softcap:
         if _flash_varlen is not None:
             # flash-attn's backward accumulates dq with atomics unless asked not to: torch's deterministic
