@@ -6,9 +6,10 @@ Float32 inputs (the interpreter mishandles bf16; bf16 at Gemma 2's size: tests/g
 relative to each reference tensor's largest value, within 1e-4 (float32 rounding gives ~1e-6). The reference is
 `attention_packed` on float64 with `MESHPPO_CAPPED_ATTENTION=torch` (explicit scores; SDPA when uncapped). The cap is
 small (2) against scores of several units, so that it acts: each capped case also holds the uncapped reference far
-from the capped one. Segments of 1 token and of lengths that are not multiples of the blocks (32 at head dims 16 and
+from the capped one. Segments of 1 token and of lengths that are not multiples of the blocks (32 at head dims 24 and
 64 in float32: `attention_triton.blocks`), trailing padding past `cu_seqlens[-1]` (Ulysses pads the row so), GQA
-4:2 and 4:1, windows of 2, 5 and 7 tokens and none, keys longer than their queries (a shared prefix)."""
+4:2 and 4:1, windows of 2, 5 and 7 tokens and none, keys longer than their queries (a shared prefix), a head dim
+that is no power of two (24: the kernels mask the padded lanes)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ ENV = "MESHPPO_CAPPED_ATTENTION"
 
 
 def _gemma2_args():
-    """A tiny Gemma 2 (head_dim 16, GQA 4:2, a window of 5 on layer 0, attention cap 2)."""
+    """A tiny Gemma 2 (head_dim 24, GQA 4:2, a window of 5 on layer 0, attention cap 2)."""
     from models import ModelArgs
 
     return ModelArgs.from_hf_config(dict(
         model_type="gemma2", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24, sliding_window=5,
         attn_logit_softcapping=CAP, final_logit_softcapping=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=128))
 
@@ -93,12 +94,12 @@ def _checks() -> dict:
     attention_triton.capped_attention = counted
 
     def kernels_match_float64():
-        """Segments of 33, 1, 45 and 5 tokens and 3 of trailing padding at head dim 16 (GQA 4:2), capped and not,
+        """Segments of 33, 1, 45 and 5 tokens and 3 of trailing padding at head dim 24 (GQA 4:2), capped and not,
         with windows none, 2 and 5; 40 and 3 tokens at head dim 64 (GQA 4:1) with a window of 7."""
         errs = []
         lengths = [33, 1, 45, 5]
         cu = cu_seqlens_from_lengths(lengths)
-        q, k, v, dout = inputs(sum(lengths) + 3, sum(lengths) + 3, 4, 2, 16)
+        q, k, v, dout = inputs(sum(lengths) + 3, sum(lengths) + 3, 4, 2, 24)
         for cap, window in ((CAP, None), (CAP, 5), (CAP, 2), (None, None), (None, 5)):
             errs.append(compare(q, k, v, dout, cu, max(lengths), None, window, cap))
         cu = cu_seqlens_from_lengths([40, 3])
@@ -109,14 +110,14 @@ def _checks() -> dict:
     def shared_prefix():
         """Keys longer than their queries (`PrefixSharing`, the queries the last of their segment's keys): query
         segments of 2, 3, 1 and 35 tokens over keys of 2, 9, 40 and 35 (a prompt of 6 and of 39 before responses),
-        head dim 16, GQA 4:2, windows none and 5 (reaching back into the prompt), gathered from a row of 50 keys."""
+        head dim 24, GQA 4:2, windows none and 5 (reaching back into the prompt), gathered from a row of 50 keys."""
         calls.clear()
         lengths, key_lengths = [2, 3, 1, 35], [2, 9, 40, 35]
         cu = cu_seqlens_from_lengths(lengths)
         g = torch.Generator().manual_seed(1)
         kv_index = torch.randint(0, 50, (sum(key_lengths),), generator=g)
         shared = PrefixSharing(kv_index, cu_seqlens_from_lengths(key_lengths), max(key_lengths))
-        q, k, v, dout = inputs(sum(lengths), 50, 4, 2, 16)
+        q, k, v, dout = inputs(sum(lengths), 50, 4, 2, 24)
         errs = [compare(q, k, v, dout, cu, max(lengths), shared, window, CAP) for window in (None, 5)]
         assert len(calls) == 2
         return max(errs)
