@@ -63,6 +63,30 @@ def _visible(rows, cols, offset, window):
 
 
 @triton.jit
+def _tile(ptr, t, stride_t, head, stride_h, rd, mask):
+    """Rows `t` (int64 token indices) of head `head`, lanes `rd`, of a [tokens, heads, D] tensor; 0 where masked."""
+    return tl.load(ptr + t[:, None] * stride_t + head * stride_h + rd[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _key_range(m0, BLOCK_M: tl.constexpr, offset, k_len, window):
+    """The keys that queries m0 .. m0 + BLOCK_M - 1 see, [lo, hi): up to the last query's position, from the first
+    query's window on."""
+    hi = tl.minimum(k_len, m0 + BLOCK_M + offset)
+    lo = tl.where(window > 0, tl.maximum(0, m0 + offset - window + 1), 0)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(n0, BLOCK_N: tl.constexpr, offset, q_len, window):
+    """The queries that see any of keys n0 .. n0 + BLOCK_N - 1, [lo, hi): from the one at the first key's position,
+    up to the last whose window reaches the last key."""
+    lo = tl.maximum(0, n0 - offset)
+    hi = tl.where(window > 0, tl.minimum(q_len, n0 + BLOCK_N - 1 - offset + window), q_len)
+    return lo, hi
+
+
+@triton.jit
 def _scores(a, b, scale, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """The capped, scaled scores `a @ b.T` in float32 (cap·tanh(s / cap) with a cap)."""
     return soft_cap(tl.dot(a, tl.trans(b), input_precision=PRECISION) * scale, SOFTCAP)
@@ -93,20 +117,18 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, N, T, T
         rows = m0 + rm
         row_ok = rows < q_len
         tq = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + tq[:, None] * stride_qt + h * stride_qh + rd[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _tile(q_ptr, tq, stride_qt, h, stride_qh, rd, row_ok[:, None] & d_ok[None, :])
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = tl.minimum(k_len, m0 + BLOCK_M + offset)  # the block's last query sees keys up to its position
-        lo = tl.where(window > 0, tl.maximum(0, m0 + offset - window + 1), 0)  # its first query's window
+        lo, hi = _key_range(m0, BLOCK_M, offset, k_len, window)
         for n0 in range(lo, hi, BLOCK_N):
             cols = n0 + rn
             col_ok = cols < k_len
             tk = (k_start + cols).to(tl.int64)
             kv_mask = col_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + tk[:, None] * stride_kt + kh * stride_kh + rd[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + tk[:, None] * stride_vt + kh * stride_vh + rd[None, :], mask=kv_mask, other=0.0)
+            k = _tile(k_ptr, tk, stride_kt, kh, stride_kh, rd, kv_mask)
+            v = _tile(v_ptr, tk, stride_vt, kh, stride_vh, rd, kv_mask)
             s = _scores(q, k, scale, SOFTCAP, PRECISION)
             s = tl.where(_visible(rows[:, None], cols[None, :], offset, window) & col_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -129,9 +151,9 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, T, stride_ot, stride_oh, stride_dt, 
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     mask = (rows < T)[:, None] & (rd < D)[None, :]
-    t = rows.to(tl.int64)[:, None]
-    o = tl.load(o_ptr + t * stride_ot + h * stride_oh + rd[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + t * stride_dt + h * stride_dh + rd[None, :], mask=mask, other=0.0).to(tl.float32)
+    t = rows.to(tl.int64)
+    o = _tile(o_ptr, t, stride_ot, h, stride_oh, rd, mask).to(tl.float32)
+    do = _tile(do_ptr, t, stride_dt, h, stride_dh, rd, mask).to(tl.float32)
     tl.store(delta_ptr + h * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
 
 
@@ -155,13 +177,11 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         col_ok = cols < k_len
         tk = (k_start + cols).to(tl.int64)
         kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + tk[:, None] * stride_kt + kh * stride_kh + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + tk[:, None] * stride_vt + kh * stride_vh + rd[None, :], mask=kv_mask, other=0.0)
+        k = _tile(k_ptr, tk, stride_kt, kh, stride_kh, rd, kv_mask)
+        v = _tile(v_ptr, tk, stride_vt, kh, stride_vh, rd, kv_mask)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        lo = tl.maximum(0, n0 - offset)  # the first query that sees the block's first key
-        # past the last query whose window reaches the block's last key
-        hi = tl.where(window > 0, tl.minimum(q_len, n0 + BLOCK_N - 1 - offset + window), q_len)
+        lo, hi = _query_range(n0, BLOCK_N, offset, q_len, window)
         for g in range(group):
             h = kh * group + g
             for m0 in range(lo, hi, BLOCK_M):
@@ -169,9 +189,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
                 row_ok = rows < q_len
                 tq = (q_start + rows).to(tl.int64)
                 q_mask = row_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_ptr + tq[:, None] * stride_qt + h * stride_qh + rd[None, :], mask=q_mask, other=0.0)
-                do = tl.load(do_ptr + tq[:, None] * stride_dot + h * stride_doh + rd[None, :], mask=q_mask,
-                             other=0.0)
+                q = _tile(q_ptr, tq, stride_qt, h, stride_qh, rd, q_mask)
+                do = _tile(do_ptr, tq, stride_dot, h, stride_doh, rd, q_mask)
                 lse = tl.load(lse_ptr + h * T + tq, mask=row_ok, other=0.0)
                 delta = tl.load(delta_ptr + h * T + tq, mask=row_ok, other=0.0)
                 c = _scores(k, q, scale, SOFTCAP, PRECISION)  # [BLOCK_N, BLOCK_M]: the scores transposed
@@ -206,20 +225,19 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr
         row_ok = rows < q_len
         tq = (q_start + rows).to(tl.int64)
         q_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + tq[:, None] * stride_qt + h * stride_qh + rd[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + tq[:, None] * stride_dot + h * stride_doh + rd[None, :], mask=q_mask, other=0.0)
+        q = _tile(q_ptr, tq, stride_qt, h, stride_qh, rd, q_mask)
+        do = _tile(do_ptr, tq, stride_dot, h, stride_doh, rd, q_mask)
         lse = tl.load(lse_ptr + h * T + tq, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + h * T + tq, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = tl.minimum(k_len, m0 + BLOCK_M + offset)
-        lo = tl.where(window > 0, tl.maximum(0, m0 + offset - window + 1), 0)
+        lo, hi = _key_range(m0, BLOCK_M, offset, k_len, window)
         for n0 in range(lo, hi, BLOCK_N):
             cols = n0 + rn
             col_ok = cols < k_len
             tk = (k_start + cols).to(tl.int64)
             kv_mask = col_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + tk[:, None] * stride_kt + kh * stride_kh + rd[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + tk[:, None] * stride_vt + kh * stride_vh + rd[None, :], mask=kv_mask, other=0.0)
+            k = _tile(k_ptr, tk, stride_kt, kh, stride_kh, rd, kv_mask)
+            v = _tile(v_ptr, tk, stride_vt, kh, stride_vh, rd, kv_mask)
             c = _scores(q, k, scale, SOFTCAP, PRECISION)
             seen = _visible(rows[:, None], cols[None, :], offset, window) & row_ok[:, None] & col_ok[None, :]
             p = tl.where(seen, tl.exp(c - lse[:, None]), 0.0)
@@ -233,7 +251,8 @@ def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU for `head_dim` and `dtype`. The backward's key program
     holds dk and dv, `[BLOCK_N, head_dim]` float32 each, in registers besides k and v: at head_dim 256 (Gemma 2)
     blocks of 32 keep them within a Hopper SM's registers with 8 warps; float32 inputs take half the rows (twice the
-    bytes a row). tests/unit/test_attention_triton.py compiles each for sm_90 and checks its shared memory."""
+    bytes a row). tests/unit/test_attention_triton.py compiles the head dim 256 bf16 launches for sm_90 and checks their
+    shared memory (register spills show only on a GPU: bench/attention.py times them)."""
     if head_dim <= 64:
         bm, bn, warps = 64, 64, 4
     elif head_dim <= 128:
