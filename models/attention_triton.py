@@ -247,26 +247,29 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr
         tl.store(dq_ptr + tq[:, None] * (n_heads * D) + h * D + rd[None, :], (dq * scale).to(q.dtype), mask=q_mask)
 
 
-def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU for `head_dim` and `dtype`. The backward's key program
-    holds dk and dv, `[BLOCK_N, head_dim]` float32 each, in registers besides k and v: at head_dim 256 (Gemma 2)
-    blocks of 32 keep them within a Hopper SM's registers with 8 warps; float32 inputs take half the rows (twice the
-    bytes a row). tests/unit/test_attention_triton.py compiles the head dim 256 bf16 launches for sm_90 and checks their
-    shared memory (register spills show only on a GPU: bench/attention.py times them)."""
+def blocks(head_dim: int, dtype: torch.dtype, backward: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU for `head_dim` and `dtype`, of the forward or of the
+    backward's kernels. The backward's key program holds dk and dv, `[BLOCK_N, head_dim]` float32 each, in registers
+    besides k and v: at head_dim 256 (Gemma 2) key blocks of 32. Measured at Gemma-2-2b's shape (bf16, 8 query and 4
+    K/V heads, one 8,192-token sequence, one H100; BENCHMARKS.md "Fifty-third pass"): the forward's 64 x 32 with 4
+    warps took 1.64 ms where 32 x 32 with 8 took 4.80, the backward's 128 x 32 with 8 warps 4.97 ms where 32 x 32
+    took 11.51 (the best of 14 tilings each; 64 x 64 with 3 stages exceeds the shared memory). Head dims up to 128
+    are not measured. float32 inputs take half the rows (twice the bytes a row). tests/unit/test_attention_triton.py
+    compiles the head dim 256 bf16 launches of both for sm_90 and checks their shared memory."""
     if head_dim <= 64:
         bm, bn, warps = 64, 64, 4
-    elif head_dim <= 128:
+    elif head_dim <= 128 or not backward:
         bm, bn, warps = 64, 32, 4
     else:
-        bm, bn, warps = 32, 32, 8
+        bm, bn, warps = 128, 32, 8
     if dtype == torch.float32:
         bm, bn = bm // 2, bn // 2
     return bm, bn, warps, 2
 
 
-def _launch_options(q: torch.Tensor, block_m: int, block_n: int) -> dict:
+def _launch_options(q: torch.Tensor, block_m: int, block_n: int, backward: bool = False) -> dict:
     d = q.shape[-1]
-    bm, bn, warps, stages = blocks(d, q.dtype)
+    bm, bn, warps, stages = blocks(d, q.dtype, backward)
     return dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m or bm, BLOCK_N=block_n or bn,
                 num_warps=warps, num_stages=stages)
 
@@ -334,7 +337,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if not t:
         return dq, dk.zero_(), dv.zero_()
-    opts = _launch_options(q, block_m, block_n)
+    opts = _launch_options(q, block_m, block_n, backward=True)
     delta = torch.empty(hq, t, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(t, opts["BLOCK_M"]), hq)](
         out, dout, delta, t, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), D=opts["D"],

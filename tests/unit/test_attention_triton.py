@@ -195,18 +195,18 @@ def test_gpu_blocks_compile_for_hopper():
     pytest.importorskip("triton")
     from models import attention_triton as at
 
-    bm, bn, warps, stages = at.blocks(256, torch.bfloat16)
     x, f, i = torch.empty(1, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.int32)
-    constants = dict(D=256, BLOCK_D=256, BLOCK_M=bm, BLOCK_N=bn, SOFTCAP=50.0, PRECISION="tf32")
-    options = dict(num_warps=warps, num_stages=stages)
     launches = []
-    for kernel, tensors in ((at._fwd_kernel, [x, x, x, x, f, i, i]), (at._dkdv_kernel, [x, x, x, x, f, f, x, x, i, i]),
-                            (at._dq_kernel, [x, x, x, x, f, f, x, i, i])):
+    for kernel, tensors, backward in ((at._fwd_kernel, [x, x, x, x, f, i, i], False),
+                                      (at._dkdv_kernel, [x, x, x, x, f, f, x, x, i, i], True),
+                                      (at._dq_kernel, [x, x, x, x, f, f, x, i, i], True)):
+        bm, bn, warps, stages = at.blocks(256, torch.bfloat16, backward)
+        constants = dict(D=256, BLOCK_D=256, BLOCK_M=bm, BLOCK_N=bn, SOFTCAP=50.0, PRECISION="tf32")
         runtime = [n for n in kernel.arg_names if n not in constants]
         args = tensors + [0.5 if n == "scale" else 1 for n in runtime[len(tensors):]]
         names = runtime + list(constants)
         launches.append(interpreter._launch_entry(kernel.fn, names, args + list(constants.values()),
-                                                  {**constants, **options}))
+                                                  {**constants, "num_warps": warps, "num_stages": stages}))
     assert not interpreter.compile_report(launches)
 
 
