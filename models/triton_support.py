@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
 
 
-@functools.lru_cache(maxsize=None)
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once, at import (a path search: triton itself is not imported): `torch.compile` traces `triton_usable` in
+# the compiled blocks (the capped attention's dispatch, `models.attention.capped_triton`), and a lookup there is a
+# function dynamo will not trace, a graph break
+TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 
 
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, when triton is importable (CPU runs them only under
     `TRITON_INTERPRET=1`, which callers ask for explicitly)."""
-    return device.type == "cuda" and triton_importable()
+    return device.type == "cuda" and TRITON_IMPORTABLE
 
 
 def path_choice(variable: str) -> str:

@@ -227,6 +227,34 @@ def test_path_choice(monkeypatch):
         capped_triton(cpu)
 
 
+def test_the_auto_choice_traces_without_a_graph_break(monkeypatch):
+    """`capped_triton` under `torch.compile` with `auto` (the default) and a CUDA tensor's device, as the compiled
+    blocks of a capped model trace it on the GPU: it looks nothing up (torch 2.11's dynamo refuses to trace
+    `importlib.util.find_spec`: a graph break in every block, seen on an H100), and `fullgraph` traces it. The device
+    is only named: nothing runs on it."""
+    import importlib.util
+
+    from models.attention import capped_triton
+    from models.triton_support import TRITON_IMPORTABLE
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a module lookup in traced code")
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", no_lookup)
+
+    class OnCuda:  # what capped_triton reads of a tensor: its device and head dim
+        device = torch.device("cuda")
+        shape = (1, 2, 16)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def takes(x):
+        return x + 1 if capped_triton(OnCuda) else x - 1
+
+    torch._dynamo.reset()
+    assert takes(torch.zeros(2)).tolist() == ([1.0, 1.0] if TRITON_IMPORTABLE else [-1.0, -1.0])
+
+
 def test_forced_kernels_refuse_what_they_cannot_take(monkeypatch):
     """A head dim over 256 or float64 under the forced path: a ValueError naming what, before any kernel runs."""
     pytest.importorskip("triton")
