@@ -29,14 +29,14 @@ cap·tanh(scores / cap) before the mask and the softmax (`soft_cap`), as transfo
 Neither SDPA nor FlashAttention can. A capped packed batch on CUDA takes `models/attention_triton.py`'s
 FlashAttention-2-style Triton kernels (online softmax, the cap and its derivative inside; a deterministic backward;
 custom ops that `torch.compile` traces), which keep only q, k, v, the output and the rows' log-sum-exp: memory linear
-in the tokens, as an uncapped model's FlashAttention. `MESHPPO_CAPPED_ATTENTION` chooses (`capped_triton`): `auto`
-(default: CUDA with triton installed, head dims up to 256), `torch`, or `triton` (CPU tensors too, under
-`TRITON_INTERPRET=1` in the tests). Elsewhere, and for the padded layout (`attention_padded`, use_remove_padding
-false), a capped model's scores are explicit (`sdpa`: SDPA's math written out, the softmax in float32 for 16-bit
-inputs), segment by segment as above, or over the whole row's mask under `torch.compile`; they take memory by the
-squared lengths, as transformers' eager attention does: a layer's [N + 1, heads, longest, longest] scores and
-probabilities kept for the backward (gradient checkpointing keeps one layer's). An uncapped model's paths are
-unchanged.
+in the tokens, as an uncapped model's FlashAttention. So does a capped padded batch (`attention_padded`,
+use_remove_padding false), its rows read as one packed row (`_padded_as_packed`). `MESHPPO_CAPPED_ATTENTION` chooses
+(`capped_triton`): `auto` (default: CUDA with triton installed, head dims up to 256), `torch`, or `triton` (CPU
+tensors too, under `TRITON_INTERPRET=1` in the tests). Elsewhere a capped model's scores are explicit (`sdpa`: SDPA's
+math written out, the softmax in float32 for 16-bit inputs), segment by segment as above, or over the whole row's
+mask under `torch.compile`; they take memory by the squared lengths, as transformers' eager attention does: a
+layer's [N + 1, heads, longest, longest] scores and probabilities kept for the backward (gradient checkpointing
+keeps one layer's). An uncapped model's paths are unchanged.
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float,
     """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]; `window`: each query sees its last `window` columns
     (a row's tokens are contiguous, padding at either end, so columns are positions); `softcap`: the scores'
     soft cap (module docstring)."""
+    if softcap and capped_triton(q):
+        return _padded_as_packed(q, k, v, attention_mask, scale, window, softcap)
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
@@ -157,6 +159,29 @@ def attention_padded(q, k, v, attention_mask: torch.Tensor | None, scale: float,
         mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)[None]
         out = sdpa(q, k, v, attn_mask=mask[:, None], scale=scale, softcap=softcap)
     return out.transpose(1, 2)
+
+
+def _padded_as_packed(q, k, v, attention_mask: torch.Tensor | None, scale: float, window: int | None,
+                      softcap: float) -> torch.Tensor:
+    """`attention_padded` through the capped Triton kernels: the [B, S] rows read as one packed row of B·S tokens
+    whose segments are each row's left padding, its tokens and its right padding (lengths 0 allowed; computed on the
+    device, no host sync). A row's tokens see exactly what they see in the padded masks (their own columns,
+    causal, windowed); a padding query sees the padding before it in its run where the masks let it see only itself:
+    its output differs, and nothing reads it (no real query sees a padding key; the losses mask padding out)."""
+    from models.attention_triton import capped_attention
+
+    b, s = q.shape[:2]
+    if attention_mask is None:
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=q.device)
+    else:
+        real = attention_mask.bool()
+        left = (real.cumsum(1) == 0).sum(1)
+        count = real.sum(1)
+        lengths = torch.stack([left, count, s - left - count], 1).flatten()
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    out = capped_attention(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
+                           v.reshape(b * s, *v.shape[2:]), cu, cu, s, s, scale, window, softcap)
+    return out.view(q.shape)
 
 
 def _within(distance: torch.Tensor, window: int | None) -> torch.Tensor:

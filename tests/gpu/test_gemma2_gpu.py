@@ -64,8 +64,8 @@ def test_capped_attention_packed_on_cuda_matches_the_whole_rows_scores(dtype, to
 
 
 def test_capped_attention_padded_on_cuda_matches_the_cpus():
-    """attention_padded with a soft cap on CUDA against its explicit
-    float32 scores computed on the CPU, at the real queries (left and right padding, a window of 9)."""
+    """attention_padded with a soft cap on CUDA (the Triton kernels, the rows read as one packed row) against its
+    explicit float32 scores computed on the CPU, at the real queries (left and right padding, a window of 9)."""
     g = torch.Generator().manual_seed(1)
     q = 3 * torch.randn(3, 70, 8, 64, generator=g)
     k = 3 * torch.randn(3, 70, 4, 64, generator=g)

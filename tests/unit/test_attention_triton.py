@@ -20,7 +20,8 @@ import torch
 
 from tests import interpreter
 
-CHECKS = ["kernels_match_float64", "shared_prefix", "model_takes_the_kernels", "compiled_block_traces_the_ops"]
+CHECKS = ["kernels_match_float64", "shared_prefix", "padded_rows", "model_takes_the_kernels",
+          "compiled_block_traces_the_ops"]
 CAP = 2.0
 TOL = 1e-4
 ENV = "MESHPPO_CAPPED_ATTENTION"
@@ -39,7 +40,7 @@ def _gemma2_args():
 
 def _checks() -> dict:
     from models import Transformer, attention_triton, cu_seqlens_from_lengths
-    from models.attention import PrefixSharing, attention_packed
+    from models.attention import PrefixSharing, attention_packed, attention_padded
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -123,6 +124,40 @@ def _checks() -> dict:
         q, k, v, dout = inputs(sum(lengths), 50, 4, 2, 24)
         errs = [compare(q, k, v, dout, cu, max(lengths), shared, window, CAP) for window in (None, 5)]
         assert len(calls) == 2
+        return max(errs)
+
+    def padded_rows():
+        """The padded layout (`attention_padded`, use_remove_padding false) through the kernels: rows of 12 columns
+        with padding on the left (3), on the right (4), none, and a row of padding only; windows none and 3. Each
+        row's tokens' outputs and every gradient (the loss reading the tokens' outputs only, as the losses mask
+        padding) are the explicit path's in float64; without a mask (one whole row a sequence), the outputs too."""
+        calls.clear()
+        mask = torch.ones(4, 12, dtype=torch.long)
+        mask[0, :3] = 0
+        mask[1, 8:] = 0
+        mask[3] = 0
+        real = mask.bool()[:, :, None, None]
+        errs = []
+        for attention_mask in (mask, None):
+            q, k, v, dout = (t.view(4, 12, *t.shape[1:]) for t in inputs(48, 48, 4, 2, 24))
+            if attention_mask is not None:
+                dout = dout * real
+
+            def take(out):
+                return out * real if attention_mask is not None else out
+
+            for window in (None, 3):
+                os.environ[ENV] = "triton"
+                got = values_and_grads(lambda a, b, c: attention_padded(a, b, c, attention_mask, 0.3, window, CAP),
+                                       q, k, v, dout)
+                os.environ[ENV] = "torch"
+                ref = values_and_grads(lambda a, b, c: attention_padded(a, b, c, attention_mask, 0.3, window, CAP),
+                                       *(t.double() for t in (q, k, v, dout)))
+                for name, x, y in zip(("out", "dq", "dk", "dv"), got, ref):
+                    x, y = (take(x), take(y)) if name == "out" else (x, y)
+                    errs.append(rel_err(x, y))
+                    assert errs[-1] <= TOL, f"{name}: error {errs[-1]} > {TOL} (window {window}, mask {mask})"
+        assert len(calls) == 4, f"the kernels ran {len(calls)} times, not 4"
         return max(errs)
 
     def model_outputs(model, ids, cu, weights):
