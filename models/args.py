@@ -208,6 +208,14 @@ _ROPE_REFUSED_WHY = {"dynamic": "its frequencies change with each forward's sequ
 _ROPE_TYPES_NOTE = f"meshppo's models implement {SUPPORTED_ROPE_TYPES}"
 
 
+def tiled_moe_refusal(model_type: str) -> str:
+    """Why the tiled MLP (`models.tiled_mlp`) is refused on a mixture-of-experts model (its check and the
+    trainer's pre-flight)."""
+    return (f"the tiled MLP is not supported for model_type {model_type} (a mixture of experts): each token runs "
+            "through its own few experts, whose [tokens, intermediate] tensors are already one expert's share of "
+            "the tokens")
+
+
 def rope_type_refusal(kind) -> str:
     """`type KIND is not supported (why)`: the words every refusal of a rope type starts with."""
     why = f" ({_ROPE_REFUSED_WHY[kind]})" if isinstance(kind, str) and kind in _ROPE_REFUSED_WHY else ""

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from models import block_ops
+from models.args import tiled_moe_refusal
 
 
 def apply_tiled_mlp(model: nn.Module, num_shards: int | None) -> nn.Module:
@@ -52,13 +53,6 @@ def apply_tiled_mlp(model: nn.Module, num_shards: int | None) -> nn.Module:
     for block in model.layers:
         block.mlp.num_shards = num_shards
     return model
-
-
-def tiled_moe_refusal(model_type: str) -> str:
-    """Why the tiled MLP is refused on a mixture-of-experts model."""
-    return (f"the tiled MLP is not supported for model_type {model_type} (a mixture of experts): each token runs "
-            "through its own few experts, whose [tokens, intermediate] tensors are already one expert's share of "
-            "the tokens")
 
 
 def tile_bounds(n: int, num_shards: int) -> list[tuple[int, int]]:

@@ -6,8 +6,22 @@ See `rollout/engine.py` for the loop, `rollout/config.py` for the options and fo
 returned log-probabilities are.
 """
 
-from rollout.config import Continuation, EngineConfig, RequestOutput, SamplingParams
-from rollout.engine import LLMEngine
-from rollout.model import ParamSlot
+import importlib
+
+_EXPORTS = {
+    "rollout.config": ("Continuation", "EngineConfig", "RequestOutput", "SamplingParams"),
+    "rollout.engine": ("LLMEngine",),
+    "rollout.model": ("ParamSlot",),
+}
 
 __all__ = ["Continuation", "EngineConfig", "LLMEngine", "ParamSlot", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """PEP 562: a name of `__all__` is imported from its module on first use, so that importing one
+    light module of `rollout` (or `rollout` itself) does not load the heavy ones."""
+    for module, names in _EXPORTS.items():
+        if name in names:
+            value = globals()[name] = getattr(importlib.import_module(module), name)
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,8 +26,8 @@ import torch
 
 from models.args import ModelArgs
 from rollout.block_manager import BlockManager, cdiv
-from rollout.config import Continuation, EngineConfig, RequestOutput, SamplingParams
-from rollout.model import EngineModel, ParamSlot, check_tp_divisibility
+from rollout.config import Continuation, EngineConfig, RequestOutput, SamplingParams, check_tp_divisibility
+from rollout.model import EngineModel, ParamSlot
 from rollout.parallel import TPGroup
 from rollout.runner import ModelRunner
 from rollout.scheduler import Scheduler

@@ -69,6 +69,7 @@ from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
 from rollout.attention import AttentionMetadata
 from rollout.ops import FP8, FP8_MAX, quantize_fp8, split_k_products
+from rollout.config import check_quantization, check_tp_divisibility
 from rollout.parallel import TPGroup, vocab_shard
 
 _ALIGN = 128  # elements; keeps every weight 256-byte aligned in bf16 for vectorised loads
@@ -159,45 +160,6 @@ def split_k_splits(rows: int, n: int, k: int, dtype: torch.dtype) -> int:
     if dtype not in (torch.bfloat16, torch.float16) or not 2 <= rows <= SPLIT_K_MAX_ROWS or k % 16:
         return 1
     return 2 if rows * n <= SPLIT_K_MAX_OUTPUT * min(2.0, k / n) else 1
-
-
-def check_tp_divisibility(args: ModelArgs, tp: int) -> None:
-    """Refuse the TP sizes the engine cannot split `args` over (the ones vLLM refuses too): the dense MLPs' and the
-    experts' intermediate sizes are split evenly (a model whose every layer is a MoE block has no dense MLP), and a
-    Qwen2-MoE's shared expert's."""
-    sizes = [("num_attention_heads", args.num_attention_heads)]
-    if len(args.moe_layers) < args.num_hidden_layers:
-        sizes.append(("intermediate_size", args.intermediate_size))
-    if args.moe_layers:
-        sizes.append(("moe_intermediate_size", args.moe_intermediate_size))
-    if args.moe_layers and args.shared_expert_intermediate_size:
-        sizes.append(("shared_expert_intermediate_size", args.shared_expert_intermediate_size))
-    for what, value in sizes:
-        if value % tp:
-            raise ValueError(f"tensor parallelism {tp} needs {what} ({value}) divisible by {tp}")
-    kv = args.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise ValueError(f"tensor parallelism {tp} needs num_key_value_heads ({kv}) divisible by {tp}, or {tp} "
-                         f"divisible by it (each rank then holds a copy of one KV head)")
-    width = vocab_shard(args.vocab_size, 0, tp)[1]
-    if vocab_shard(args.vocab_size, tp - 1, tp)[2] == 0:
-        raise ValueError(f"tensor parallelism {tp} needs vocab_size ({args.vocab_size}) above {(tp - 1) * width}: "
-                         f"in shards of {width} ids the last rank would hold none")
-
-
-def check_quantization(args: ModelArgs, quantization: str | None) -> None:
-    """Refuse a quantization the engine cannot run `args` with: fp8 on a post-norm model (OLMo-2), one whose
-    norms scale by 1 + weight (Gemma 3) or a mixture of experts (Qwen3-MoE)."""
-    if quantization == "fp8" and args.moe_layers:
-        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: its quantization covers "
-                         "linear projections, and this model's experts are stacked [experts, out, in] tensors")
-    if quantization == "fp8" and args.post_norm:
-        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
-                         "norm into its projections, and this model's post-norm blocks have none")
-    if quantization == "fp8" and args.sandwich_norm:
-        raise ValueError(f"fp8 rollout is not supported for model_type {args.model_type}: it folds each block's input "
-                         "norm's weight into its projections, and this model's norms scale by 1 + weight and norm "
-                         "each branch's output too")
 
 
 VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")

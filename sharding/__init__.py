@@ -36,29 +36,21 @@ A LoRA actor (`models.lora`) changes four calls and drops the reference model:
                     actor.save_pretrained(path, state_dict=merged_state_dict(sd, cfg.scaling))
 """
 
-from sharding.ac import apply_ac
-from sharding.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
-from sharding.fsdp import (
-    FSDPConfig,
-    MixedPrecisionConfig,
-    apply_fsdp,
-    build_fsdp_model,
-    fsdp_shard_dim,
-    keep_compute_copies,
-    load_fsdp_model_to_device,
-    load_fsdp_optimizer,
-    load_full_tensors,
-    load_states,
-    no_gradient_sync,
-    offload_fsdp_model_to_cpu,
-    offload_fsdp_optimizer,
-    offload_states,
-    offloaded_tensors,
-    release_gradients,
-    reshard_all,
-)
-from sharding.mesh import ParallelDims, ParallelMeshes
-from sharding.resharder import Resharder, ReshardStats
+import importlib
+
+_EXPORTS = {
+    "sharding.ac": ("apply_ac",),
+    "sharding.checkpoint": ("gather_full_state_dict", "load_checkpoint", "save_checkpoint"),
+    "sharding.fsdp_config": ("FSDPConfig", "MixedPrecisionConfig"),
+    "sharding.fsdp": (
+        "apply_fsdp", "build_fsdp_model", "fsdp_shard_dim",
+        "keep_compute_copies", "load_fsdp_model_to_device", "load_fsdp_optimizer", "load_full_tensors", "load_states",
+        "no_gradient_sync", "offload_fsdp_model_to_cpu", "offload_fsdp_optimizer", "offload_states",
+        "offloaded_tensors", "release_gradients", "reshard_all",
+    ),
+    "sharding.mesh": ("ParallelDims", "ParallelMeshes"),
+    "sharding.resharder": ("Resharder", "ReshardStats"),
+}
 
 __all__ = [
     "FSDPConfig",
@@ -87,3 +79,13 @@ __all__ = [
     "reshard_all",
     "save_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    """PEP 562: a name of `__all__` is imported from its module on first use, so that importing one
+    light module of `sharding` (or `sharding` itself) does not load the heavy ones."""
+    for module, names in _EXPORTS.items():
+        if name in names:
+            value = globals()[name] = getattr(importlib.import_module(module), name)
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

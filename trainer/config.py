@@ -36,7 +36,7 @@ from ppo.core_algos import (ADV_ESTIMATORS, BYPASS_LOSS_TYPES, PolicyLossParams,
                             parse_rollout_is_threshold, parse_rollout_rs)
 from rewards.managers import BATCH_FN_ARGS, REWARD_MANAGERS
 from rollout.config import KV_CACHE_DTYPES, MIN_TEMPERATURE, QUANTIZATIONS, TEMPERATURE_BOUND
-from sharding.fsdp import FSDPConfig, MixedPrecisionConfig, torch_dtype
+from sharding.fsdp_config import FSDPConfig, MixedPrecisionConfig, torch_dtype
 from sharding.mesh import ParallelDims, full_shard_note
 from sharding.ulysses import check_sequence_parallel
 

@@ -1,7 +1,8 @@
 """Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine.
 
 `preflight` runs first, in every process before any work (and in the launcher before it
-starts the ranks). Then, in the same order on every rank (each step may be a collective):
+starts the ranks); it and this module load no model, FSDP or optimizer implementation (the functions
+that build import them), so that a config error is said without their imports. Then, in the same order on every rank (each step may be a collective):
 meshes -> actor -> reference (none for a LoRA actor) -> critic -> reward model -> engine -> resharder.
 """
 
@@ -18,20 +19,18 @@ from pathlib import Path
 import torch
 
 from models import ModelArgs, load_model_args, torch_dtypes
-from models.args import DROPOUT_KEYS
+from models.args import DROPOUT_KEYS, tiled_moe_refusal
 from models.checkpoint import CheckpointFileError
 from models.lora import trainable_parameters
-from models.tiled_mlp import apply_tiled_mlp
 from trainer.config import OptimConfig, PPOConfig, check_final_exports, described_launch, validate
 from trainer.configlib import ConfigError, shown
 from trainer.errors import UserError
 from trainer.launch import DistContext
 from trainer.profiling import profile_plan, save_path_key
 from trainer.tracking import file_logger_path
+from rollout.config import check_quantization, check_tp_divisibility
 from sharding.compile import apply_compile
-from sharding.fsdp import build_fsdp_model
 from sharding.mesh import ParallelDims, ParallelMeshes
-from sharding.optim import ShardAdamW
 from sharding.ulysses import (SequenceParallel, apply_sequence_parallel, build_sequence_parallel,
                               check_sequence_parallel)
 
@@ -152,6 +151,8 @@ def make_optimizer(model: torch.nn.Module, oc: OptimConfig, total_steps: int, de
     from 0 followed by a constant or cosine schedule: verl's options and schedules, step for step.
     Past the schedule's length (optim.total_training_steps below the run's) the cosine holds its
     final value."""
+    from sharding.optim import ShardAdamW
+
     params = trainable_parameters(model)
     # On the GPU the fused kernel (one pass over each parameter's fp32 state) is ~3x faster
     # than foreach (BENCHMARKS.md); parameters kept on CPU (offload_policy) use foreach.
@@ -313,6 +314,8 @@ def build_models(cfg: PPOConfig, ctx: DistContext, total_steps: int, tokenizer) 
     """The step's models on their meshes; `tokenizer` is the actor's (the reward model must share it).
     Each model's `override_config` applies to its arguments; the actor's also to the reference's and
     the engine's (`Models.actor_args`), as in verl."""
+    from sharding.fsdp import build_fsdp_model
+
     arr = cfg.actor_rollout_ref
     path, overrides = arr.model.path, arr.model.override_config
     actor_args = load_model_args(path, overrides)
@@ -355,6 +358,8 @@ def build_trained_model(cfg: PPOConfig, role: str, mesh, device: torch.device, *
     `torch.compile`: its model path, overrides, head, LoRA, tiled MLP and memory options.
     `initial_adapters=False`: a LoRA actor's adapters start from peft's initialisation, not from
     `actor_rollout_ref.model.lora_adapter_path` (a checkpoint about to load its own)."""
+    from sharding.fsdp import build_fsdp_model
+
     arr = cfg.actor_rollout_ref
     dummy = arr.model.load_format == "dummy"
     if role == "actor":
@@ -378,6 +383,8 @@ def _tiled_mlp(model, tiled) -> None:
     """A model's `tiled_mlp` section on its MLPs (an attribute each: FSDP's units and hooks stay;
     before `apply_compile`, whose graphs guard on it)."""
     if tiled.enabled:
+        from models.tiled_mlp import apply_tiled_mlp
+
         apply_tiled_mlp(model, tiled.num_shards)
 
 
@@ -414,10 +421,8 @@ def check_sequence_parallel_models(cfg: PPOConfig, world_size: int, local_world_
 
 def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
     """The engine's TP size against the actor's model (its query heads, vocabulary and MLP are split over
-    the TP ranks, its KV heads split or replicated: `rollout.model.check_tp_divisibility`), before any
+    the TP ranks, its KV heads split or replicated: `rollout.config.check_tp_divisibility`), before any
     model is built."""
-    from rollout.model import check_tp_divisibility
-
     arr = cfg.actor_rollout_ref
     tp = arr.rollout.tensor_model_parallel_size
     if arr.rollout.engine != "native" or tp == 1:
@@ -433,10 +438,8 @@ def check_engine_tensor_parallel(cfg: PPOConfig) -> None:
 
 
 def check_engine_quantization(cfg: PPOConfig) -> None:
-    """The engine's quantization against the actor's model (`rollout.model.check_quantization`: fp8 on an
+    """The engine's quantization against the actor's model (`rollout.config.check_quantization`: fp8 on an
     OLMo-2 or a Gemma), before any model is built."""
-    from rollout.model import check_quantization
-
     arr = cfg.actor_rollout_ref
     if arr.rollout.engine != "native" or arr.rollout.quantization is None:
         return
@@ -537,9 +540,7 @@ def _unapplied_dropout_notes(path: str, overrides: dict | None) -> list[str]:
 
 def check_tiled_mlp(cfg: PPOConfig) -> None:
     """ConfigError, before any work, for a tiled MLP (`tiled_mlp.enabled`) on a mixture-of-experts model
-    (`models.tiled_mlp.tiled_moe_refusal`), naming the key."""
-    from models.tiled_mlp import tiled_moe_refusal
-
+    (`models.args.tiled_moe_refusal`), naming the key."""
     arr = cfg.actor_rollout_ref
     for key, model in [("actor_rollout_ref.model", arr.model)] + ([("critic.model", cfg.critic.model)]
                                                                    if cfg.uses_critic else []):

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpointing import flush_to_disk
 from trainer.errors import UserError
 
 
@@ -262,6 +261,8 @@ def _append_line(path: Path, line: str, what: str) -> None:
     """Append `line` to `path`, on the disk before this returns: the trainer logs a step's row before
     it puts the checkpoint of the step in place, so a run resumed from it (after a crash of the node,
     too) finds the row. A failure is a UserError naming `what`."""
+    from trainer.checkpointing import flush_to_disk  # (DCP, FSDP: not for preflight's file_logger_path)
+
     with _written(what), open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
         flush_to_disk(f)

@@ -14,7 +14,7 @@ import torch
 
 from models import ModelArgs, Transformer, tp_shard_dim
 from rollout import Continuation, EngineConfig, LLMEngine, ParamSlot, RequestOutput, SamplingParams
-from rollout.model import check_tp_divisibility
+from rollout.config import check_tp_divisibility
 from rollout.sampler import combine_partials, race_group, sample_partials_ref, truncation_threshold
 from rollout.sequence import sequence_key
 from tests.unit.hf_family import one_thread

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from models import ModelArgs, Transformer
-from rollout.model import EngineModel, check_quantization, check_tp_divisibility
+from rollout.config import check_quantization, check_tp_divisibility
+from rollout.model import EngineModel
 from rollout.parallel import TPGroup
 from tests.unit.hf_family import check_engine_greedy, one_thread
 from tests.unit.test_qwen3_moe import SHAPES, VOCAB, _saved
