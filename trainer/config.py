@@ -3,6 +3,10 @@
 Every field has a one-line help string (shown by `train_ppo.py --print-config` and in
 `docs/CONFIG.md`). Options that verl has and meshppo does not implement are accepted only
 at their neutral value; anything else fails with "not supported" instead of being ignored.
+
+It imports light modules only (the options' names and checks; torch for dtypes): no model, FSDP,
+engine or kernel implementation, so that a config error is said before any of them loads
+(docs/ARCHITECTURE.md, import directions).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ are checked only by a launch). Paths are relative to the working directory. Over
 * a pre-flight in one process before any rank starts (`trainer.setup.preflight`: the config
   against the launch it describes and against this one, optional packages, GPUs; under `srun`,
   one launcher per node of the step, `check_slurm_step`): a config error is one line and exit
-  code 2;
+  code 2. The check imports torch and the config's modules only (no model, FSDP, engine or
+  kernel: docs/ARCHITECTURE.md, import directions), so the line comes before those load;
 * exit codes: a rank that stops on a user error (1 input, 2 config, 3 stopped by a guard)
   records the code in the launch directory and exits 0, so torchrun neither restarts the job
   (a restart cannot fix the input) nor prints its failure report; the launcher exits with the
