@@ -34,9 +34,8 @@ import torch
 
 from data.dataset import RLHFDataset, read_records, render_prompt
 from data.demo import build_demo_tokenizer, forgotten_carry, operands, prepare_demo
-from models import ModelArgs, Transformer
+from models import ModelArgs
 from models.args import EVERY_LAYER_SPARSE, GRANITE_TYPES, MOE_TYPES, SHARED_EXPERT_TYPES, SUPPORTED_MODEL_TYPES
-from trainer.forward import build_micro_batch, response_logprobs
 
 DEFAULTS = dict(model_type="qwen2", n_train=8192, n_val=256, max_value=99, hidden=96, layers=3, heads=4,
                 kv_heads=2, init_std=0.1, slip=0.7, sft_max_steps=1000, sft_batch=64, lr=3e-3, seed=0)
@@ -78,6 +77,8 @@ def greedy_accuracy(model, prompts: list[list[int]], answers: list[list[int]], b
     """Share of prompts whose answer (+ EOS) greedy decoding reproduces exactly: with teacher
     forcing, every answer token must be the argmax after the correct prefix (then greedy
     decoding emits exactly that prefix and stops at EOS) — the demo's exact-match reward."""
+    from trainer.forward import build_micro_batch
+
     exact = 0
     for s in range(0, len(prompts), batch):
         mb = build_micro_batch(prompts[s:s + batch], answers[s:s + batch], "cpu", packed=True)
@@ -99,6 +100,8 @@ def supervised_warmup(model, tokenizer, train_file: str, val_file: str, slip: fl
     soon after this tiny model's sudden transition into adding (300 to 400 steps on seeds 0-2),
     but the probability it gives the right answer to a carry problem, which is what PPO needs
     to sample, keeps rising towards 1 - slip for a few hundred steps more."""
+    from trainer.forward import build_micro_batch, response_logprobs
+
     ds = RLHFDataset([train_file], tokenizer, max_prompt_length=SFT_PROMPT_LIMIT)
     encode = lambda n: tokenizer(str(n), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # noqa: E731
     pairs = [operands(rec) for _, rec in read_records(train_file)]
@@ -237,6 +240,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     paths = prepare_demo(a.out, n_train=a.n_train, n_val=a.n_val, seed=a.seed, max_value=a.max_value)
+    from models import Transformer  # (the model's implementation: imported once OUT needs building)
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths.tokenizer_dir)

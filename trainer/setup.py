@@ -1,8 +1,9 @@
 """Building what the trainer runs on: meshes, FSDP2 models, optimizers, the engine.
 
 `preflight` runs first, in every process before any work (and in the launcher before it
-starts the ranks); it and this module load no model, FSDP or optimizer implementation (the functions
-that build import them), so that a config error is said without their imports. Then, in the same order on every rank (each step may be a collective):
+starts the ranks); importing this module loads no model, FSDP or optimizer implementation (the
+functions that build import them), so that a config error is said without them. Then, in the same
+order on every rank (each step may be a collective):
 meshes -> actor -> reference (none for a LoRA actor) -> critic -> reward model -> engine -> resharder.
 """
 
