@@ -5,19 +5,34 @@ Estimators and policy losses are registries with one keyword signature per kind
 ``trainer`` package (docs/ARCHITECTURE.md); nothing here imports ``torch.distributed``.
 """
 
-import importlib
-
-_EXPORTS = {
-    "ppo.core_algos": (
-        "ADV_ESTIMATOR_INPUTS", "ADV_ESTIMATORS", "BYPASS_LOSS_TYPES", "LOSS_AGG_MODES", "POLICY_LOSS_INPUTS",
-        "POLICY_LOSSES", "PolicyLossOutput", "PolicyLossParams", "ValueLossOutput", "agg_loss",
-        "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
-        "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-        "compute_rloo_outcome_advantage", "compute_value_loss", "count_loss_units", "get_adv_estimator_fn",
-        "get_policy_loss_fn", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "register_adv_est",
-        "register_policy_loss",
-    ),
-}
+from ppo.core_algos import (
+    ADV_ESTIMATOR_INPUTS,
+    ADV_ESTIMATORS,
+    BYPASS_LOSS_TYPES,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_INPUTS,
+    POLICY_LOSSES,
+    PolicyLossOutput,
+    PolicyLossParams,
+    ValueLossOutput,
+    agg_loss,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_policy_loss,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_value_loss,
+    count_loss_units,
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    register_adv_est,
+    register_policy_loss,
+)
 
 __all__ = [
     "masked_sum",
@@ -47,13 +62,3 @@ __all__ = [
     "ValueLossOutput",
     "compute_value_loss",
 ]
-
-
-def __getattr__(name: str):
-    """PEP 562: a name of `__all__` is imported from its module on first use, so that importing one
-    light module of `ppo` (or `ppo` itself) does not load the heavy ones."""
-    for module, names in _EXPORTS.items():
-        if name in names:
-            value = globals()[name] = getattr(importlib.import_module(module), name)
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

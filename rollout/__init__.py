@@ -6,7 +6,7 @@ See `rollout/engine.py` for the loop, `rollout/config.py` for the options and fo
 returned log-probabilities are.
 """
 
-import importlib
+from models.lazy import lazy_exports
 
 _EXPORTS = {
     "rollout.config": ("Continuation", "EngineConfig", "RequestOutput", "SamplingParams"),
@@ -14,14 +14,4 @@ _EXPORTS = {
     "rollout.model": ("ParamSlot",),
 }
 
-__all__ = ["Continuation", "EngineConfig", "LLMEngine", "ParamSlot", "RequestOutput", "SamplingParams"]
-
-
-def __getattr__(name: str):
-    """PEP 562: a name of `__all__` is imported from its module on first use, so that importing one
-    light module of `rollout` (or `rollout` itself) does not load the heavy ones."""
-    for module, names in _EXPORTS.items():
-        if name in names:
-            value = globals()[name] = getattr(importlib.import_module(module), name)
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -36,7 +36,7 @@ A LoRA actor (`models.lora`) changes four calls and drops the reference model:
                     actor.save_pretrained(path, state_dict=merged_state_dict(sd, cfg.scaling))
 """
 
-import importlib
+from models.lazy import lazy_exports
 
 _EXPORTS = {
     "sharding.ac": ("apply_ac",),
@@ -52,40 +52,4 @@ _EXPORTS = {
     "sharding.resharder": ("Resharder", "ReshardStats"),
 }
 
-__all__ = [
-    "FSDPConfig",
-    "MixedPrecisionConfig",
-    "ParallelDims",
-    "ParallelMeshes",
-    "ReshardStats",
-    "Resharder",
-    "apply_ac",
-    "apply_fsdp",
-    "build_fsdp_model",
-    "fsdp_shard_dim",
-    "gather_full_state_dict",
-    "keep_compute_copies",
-    "load_checkpoint",
-    "load_fsdp_model_to_device",
-    "load_fsdp_optimizer",
-    "load_full_tensors",
-    "load_states",
-    "no_gradient_sync",
-    "offload_fsdp_model_to_cpu",
-    "offload_fsdp_optimizer",
-    "offload_states",
-    "offloaded_tensors",
-    "release_gradients",
-    "reshard_all",
-    "save_checkpoint",
-]
-
-
-def __getattr__(name: str):
-    """PEP 562: a name of `__all__` is imported from its module on first use, so that importing one
-    light module of `sharding` (or `sharding` itself) does not load the heavy ones."""
-    for module, names in _EXPORTS.items():
-        if name in names:
-            value = globals()[name] = getattr(importlib.import_module(module), name)
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
