@@ -87,6 +87,21 @@ def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [p.to(t.device) for p in parts]
 
 
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """The ranks' `t`, in rank order, written into `out` (`[n * t.numel()]`-shaped, preallocated), with no copy: both
+    must already be on the group's device (the resharder's buckets). torch 2.13 renamed all_gather_into_tensor to
+    all_gather_single (the old name warns); the GPU image runs 2.11. Looked up at each call, as every collective here
+    is, so a wrapper installed after import (tests/multiproc/test_collective_devices.py) sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
+
+
+def all_to_all_into(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """`t`'s equal chunks to the ranks in order, the chunks they send written into `out` (preallocated, `t`'s size),
+    with no copy: both must already be on the group's device (the resharder's buffers)."""
+    dist.all_to_all_single(out, t, group=group)
+
+
 def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
     """`t [n, ...]` (n = the group's size): chunk `k` goes to rank `k`; returns `[n, ...]` whose
     chunk `k` came from rank `k`, on `t`'s device."""
@@ -99,7 +114,7 @@ def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
     return out.to(t.device)
 
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
+__all__ = ["all_gather", "all_gather_into", "all_reduce", "all_to_all_into", "all_to_all", "all_reduce_async", "all_reduce_sum", "all_reduce_values", "group_device", "rank", "world_size"]
 
 
 class RankFailed(Exception):

@@ -75,10 +75,8 @@ from torch.distributed.tensor import DTensor, Shard
 from models import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.lora import is_lora_name, lora_modules, merge_weight
 from rollout.model import tp_shard_range
+from sharding.comm import all_gather_into, all_to_all_into
 from sharding.fsdp import reshard_all
-
-# torch 2.13 renamed all_gather_into_tensor (the old name warns); the GPU image runs 2.11.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Tensors at least this large get their own copy kernel; smaller ones go through one
 # multi-tensor `_foreach_copy_` call, which saves a launch per norm / bias / small projection
@@ -448,7 +446,7 @@ class Resharder:
         for j in range(t):  # every rank of micro-DP group j gets TP shard j's rows / columns
             shard = tp_shard_range(self.model.args, it.name, it.param.shape[it.tp_dim], j, t)
             send[j].copy_(tp_narrow(local, it.tp_dim, it.parts, *shard).expand(m, *piece))
-        dist.all_to_all_single(view.view(-1), send.view(-1), group=self._shard_group)
+        all_to_all_into(view.view(-1), send.view(-1), group=self._shard_group)
         stats.bytes_received += (S - 1) * math.prod(piece) * self.esize
         stats.num_collectives += 1
 
@@ -510,7 +508,7 @@ class Resharder:
             local = p.to_local()
             send[off:off + local.numel()].copy_(local.reshape(-1))
         out = torch.empty(S, send.numel(), dtype=dtype, device=device)
-        _all_gather(out.view(-1), send, group=self._shard_group)
+        all_gather_into(out.view(-1), send, group=self._shard_group)
         stats.adapter_bytes_received += (S - 1) * send.numel() * send.element_size()
         stats.num_collectives += 1
         return {id(p): out[:, off:off + size].reshape(S * r, p.shape[1])[:p.shape[0]]
@@ -563,7 +561,7 @@ class Resharder:
         for sec in b.sections:
             G, group = self._groups[sec.route]
             out = (views[sec.items[0].name] if b.direct else self._rows(buf, sec)).view(-1)
-            _all_gather(out, send[sec.start:sec.start + sec.numel], group=group)
+            all_gather_into(out, send[sec.start:sec.start + sec.numel], group=group)
             stats.bytes_received += (G - 1) * sec.numel * self.esize
             stats.num_collectives += 1
 
