@@ -55,7 +55,7 @@ def one_pass(fn, q, k, v, dout) -> torch.Tensor:
 
 
 def measure(fn, q, k, v, dout, repeats: int, cuda: bool) -> tuple[float, float | None, torch.Tensor]:
-    """(median seconds of `repeats` passes after a warm-up, peak GiB above the inputs of one pass or None, output)."""
+    """(median seconds of `repeats` passes after a warm-up, peak bytes above the inputs of one pass or None, output)."""
     out = one_pass(fn, q, k, v, dout)
     peak = None
     if cuda:
@@ -64,7 +64,7 @@ def measure(fn, q, k, v, dout, repeats: int, cuda: bool) -> tuple[float, float |
         torch.cuda.reset_peak_memory_stats()
         one_pass(fn, q, k, v, dout)
         torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+        peak = torch.cuda.max_memory_allocated() - base
     walls = []
     for _ in range(repeats):
         if cuda:
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
             if path == "explicit":
                 ref = out.float()
             diff = None if ref is None or path != "triton" else (out.float() - ref).abs().max().item()
-            emit("attention", workload, **record, oom=False, seconds=seconds, peak_memory_gib=peak,
+            emit("attention", workload, **record, oom=False, seconds=seconds, peak_memory_gib=None if peak is None else peak / 2 ** 30,
                  max_abs_diff_vs_explicit=diff)
             del out
             if cuda:
