@@ -166,15 +166,18 @@ def _checks() -> dict:
         (logits * weights).sum().backward()
         return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
+    def gemma2_batch():
+        """The tiny Gemma 2, a packed row of sequences of 9, 1 and 23 tokens, and random weights of its logits."""
+        lengths = [9, 1, 23]
+        weights = torch.randn(sum(lengths), 61)
+        return (Transformer.build(_gemma2_args(), seed=0), torch.randint(0, 61, (1, sum(lengths))),
+                cu_seqlens_from_lengths(lengths), weights)
+
     def model_takes_the_kernels():
         """A tiny Gemma 2's float32 logits and parameter gradients, packed, under `MESHPPO_CAPPED_ATTENTION=triton`
         equal the explicit path's (`torch`), and the kernels ran once a layer."""
         calls.clear()
-        model = Transformer.build(_gemma2_args(), seed=0)
-        lengths = [9, 1, 23]
-        ids = torch.randint(0, 61, (1, sum(lengths)))
-        cu = cu_seqlens_from_lengths(lengths)
-        weights = torch.randn(sum(lengths), 61)
+        model, ids, cu, weights = gemma2_batch()
         os.environ[ENV] = "torch"
         ref, ref_grads = model_outputs(model, ids, cu, weights)
         os.environ[ENV] = "triton"
@@ -188,11 +191,7 @@ def _checks() -> dict:
         """Each block compiled (`torch.compile`, dynamic shapes, as `sharding.compile.apply_compile`; fullgraph: no
         graph break) with the kernels' custom ops in its graph, forward and backward; its logits and gradients are
         the eager kernels'."""
-        model = Transformer.build(_gemma2_args(), seed=0)
-        lengths = [9, 1, 23]
-        ids = torch.randint(0, 61, (1, sum(lengths)))
-        cu = cu_seqlens_from_lengths(lengths)
-        weights = torch.randn(sum(lengths), 61)
+        model, ids, cu, weights = gemma2_batch()
         os.environ[ENV] = "triton"
         ref, ref_grads = model_outputs(model, ids, cu, weights)
         graphs = []
@@ -267,8 +266,9 @@ def test_the_auto_choice_traces_without_a_graph_break(monkeypatch):
     blocks of a capped model trace it on the GPU: it looks nothing up (torch 2.11's dynamo refuses to trace
     `importlib.util.find_spec`: a graph break in every block, seen on an H100), and `fullgraph` traces it. The device
     is only named: nothing runs on it."""
-    import importlib.util
+    from types import SimpleNamespace
 
+    from models import triton_support
     from models.attention import capped_triton
     from models.triton_support import TRITON_IMPORTABLE
 
@@ -276,7 +276,8 @@ def test_the_auto_choice_traces_without_a_graph_break(monkeypatch):
         raise AssertionError("a module lookup in traced code")
 
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(importlib.util, "find_spec", no_lookup)
+    # meshppo's lookups only (torch's own tracing machinery may look modules up, depending on what is imported)
+    monkeypatch.setattr(triton_support, "importlib", SimpleNamespace(util=SimpleNamespace(find_spec=no_lookup)))
 
     class OnCuda:  # what capped_triton reads of a tensor: its device and head dim
         device = torch.device("cuda")
