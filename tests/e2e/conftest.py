@@ -10,11 +10,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _prepare_demo_body(rank, world_size, argv):
+    from tools.prepare_demo import main
+
+    assert main(argv) == 0, f"python -m tools.prepare_demo {' '.join(argv)} failed"
+
+
 def build_demo_assets(out, *args: str):
-    """`python -m tools.prepare_demo --out OUT ARGS...`; returns OUT."""
-    r = subprocess.run([sys.executable, "-m", "tools.prepare_demo", "--out", str(out), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
+    """`python -m tools.prepare_demo --out OUT ARGS...`; returns OUT. Its `main` runs in a process forked from the
+    tests' fork server (`tests.dist_utils.run_distributed`, one rank: torch and transformers already imported)
+    instead of a fresh interpreter (about 5 s of imports on 2 cores, for a build of a second or two at the tiny
+    sizes): the same files, as `main` sets its own thread count and seeds; its output goes to the test's captured
+    stdout."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_prepare_demo_body, 1, ["--out", str(out), *args], timeout=900)
     return out
 
 

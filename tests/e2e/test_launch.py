@@ -250,6 +250,14 @@ def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_p
     assert calls.read_text().splitlines() == ["requeue 4242"]  # finished: not requeued again
 
 
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:`port`."""
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp_path):
     """torchrun waits in a rendezvous no second node joins (no rank starts); SIGTERM used to be forwarded to
     ranks that did not exist, and torchrun (which ignores it) waited out its 10-minute rendezvous timeout."""
@@ -262,7 +270,11 @@ def test_a_stop_signal_before_any_rank_started_stops_the_launch(tiny_assets, tmp
     cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "job1", "--nproc-per-node", "1", *demo_args(tiny_assets, run, *COMMON, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")]
     p = _Job(cmd, _env())
-    time.sleep(8)  # torchrun is up and waiting for the second node
+    t0 = time.time()
+    while not _listening(port):  # torchrun is up, its rendezvous store serving, waiting for the second node
+        assert p.poll() is None, p.output(60)
+        assert time.time() - t0 < 300
+        time.sleep(0.2)
     assert p.poll() is None
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
