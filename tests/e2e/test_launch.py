@@ -18,6 +18,15 @@ COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trai
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
           "actor_rollout_ref.rollout.n=4"]
+# The SLURM test's run, whose requeued job finishes it: still several times the steps run before the
+# signal lands (3 of 0.2-0.4 s each on a busy 2-core machine), without 40 steps to finish.
+REQUEUED_STEPS = 16
+
+
+def _common(steps: int) -> list[str]:
+    """COMMON with `steps` training steps."""
+    return [a for a in COMMON if not a.startswith("trainer.total_training_steps=")] + \
+        [f"trainer.total_training_steps={steps}"]
 
 
 def _env(**extra):
@@ -189,9 +198,9 @@ def _wait_for_a_step(p, run, timeout=600):
         time.sleep(0.2)
 
 
-def _checkpointed_step(out: str, run) -> int:
+def _checkpointed_step(out: str, run, steps: int = STEPS) -> int:
     latest = (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip()
-    assert 0 < int(latest) < STEPS, latest
+    assert 0 < int(latest) < steps, latest
     assert [row["step"] for row in read_metrics(run)] == list(range(1, int(latest) + 1))
     return int(latest)
 
@@ -225,7 +234,8 @@ def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_p
     run = tmp_path / "run"
     env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="1",
                SLURM_JOB_NODELIST="localhost", PYTHON=sys.executable)
-    cmd = ["bash", os.path.join(ROOT, "launch", "slurm", "single_node.sbatch"), *demo_args(tiny_assets, run, *COMMON)]
+    cmd = ["bash", os.path.join(ROOT, "launch", "slurm", "single_node.sbatch"),
+           *demo_args(tiny_assets, run, *_common(REQUEUED_STEPS))]
     # the "--config CONFIG" of demo_args: the template takes the config as its first argument
     cmd.remove("--config")
 
@@ -237,7 +247,7 @@ def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_p
     p.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 does before the time limit
     out = p.output(timeout=600)
     assert p.returncode == 0, out
-    step = _checkpointed_step(out, run)
+    step = _checkpointed_step(out, run, REQUEUED_STEPS)
     assert f"meshppo: preempted by SIGUSR1, checkpoint at {run}/checkpoints/global_step_{step}" in out, out
     _no_launcher_noise(out)
     assert calls.read_text().splitlines() == ["requeue 4242"]
@@ -246,7 +256,7 @@ def test_slurm_template_usr1_checkpoints_requeues_and_resumes(tiny_assets, tmp_p
     out = p.output(timeout=900)
     assert p.returncode == 0, out
     assert f"resumed from {run}/checkpoints/global_step_{step}" in out, out
-    assert [row["step"] for row in read_metrics(run)] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, REQUEUED_STEPS + 1))
     assert calls.read_text().splitlines() == ["requeue 4242"]  # finished: not requeued again
 
 
@@ -292,8 +302,7 @@ def test_a_hung_rank_is_restarted_and_the_run_resumes(tiny_assets, tmp_path):
     recorded as a user error (the rank exited 0, the launcher killed torchrun), so MAX_RESTARTS never
     restarted the run; now torchrun restarts the ranks, which resume from the checkpoint of step 1."""
     run = tmp_path / "run"
-    steps = [a for a in COMMON if not a.startswith("trainer.total_training_steps=")]
-    p = _single_node(demo_args(tiny_assets, run, *steps, "trainer.total_training_steps=4", "trainer.save_freq=1",
+    p = _single_node(demo_args(tiny_assets, run, *_common(4), "trainer.save_freq=1",
                                "trainer.nccl_timeout=5"),
                      MAX_RESTARTS="1", MESHPPO_FAULTS="hang@2:1", MESHPPO_PEER_GRACE_S="3")
     out = p.output(timeout=600)
