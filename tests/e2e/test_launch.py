@@ -18,9 +18,10 @@ COMMON = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trai
           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.export_hf_at_end=false",
           "actor_rollout_ref.rollout.n=4"]
-# The SLURM test's run, whose requeued job finishes it: still several times the steps run before the
-# signal lands (3 of 0.2-0.4 s each on a busy 2-core machine), without 40 steps to finish.
-REQUEUED_STEPS = 16
+# The SLURM test's run, whose requeued job finishes it: several times the steps run before the signal lands
+# (3 of 0.2-0.4 s each on a busy 2-core machine; a fast machine's steps are shorter, the signal's path through
+# bash and torchrun is not), without 40 steps to finish.
+REQUEUED_STEPS = 24
 
 
 def _common(steps: int) -> list[str]:
