@@ -77,15 +77,21 @@ def test_trainer_layouts_on_two_gpus(tmp_path):
     launch("trainer", 2, "--work-dir", str(tmp_path), timeout=900)
 
 
-def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str, sp: int = 1, ranks: int = 2) -> dict:
-    """The same global batch trained on 1 and on `ranks` ranks (`fsdp_size` -1: FULL_SHARD, 1: data
-    parallelism; `sp`: Ulysses groups of that many ranks): the parameters after the update agree
-    (`compare_updates`)."""
-    files = {n: tmp_path / f"update_{n}.pt" for n in (1, ranks)}
-    for n, path in files.items():
-        launch("same_update", n, "--out", str(path), "--fsdp-size", str(fsdp_size), "--sp", str(sp if n > 1 else 1),
-               device=device)
-    return compare_updates(*(torch.load(files[n]) for n in (1, ranks)))
+def same_update_run(out, ranks: int, fsdp_size: int, device: str, sp: int = 1) -> dict:
+    """`same_update` on `ranks` ranks (`fsdp_size` -1: FULL_SHARD, 1: data parallelism; `sp`: Ulysses groups of
+    that many ranks): the parameters before and after the update and the metrics, as rank 0 saved them to `out`."""
+    launch("same_update", ranks, "--out", str(out), "--fsdp-size", str(fsdp_size), "--sp", str(sp), device=device)
+    return torch.load(out)
+
+
+def same_update_on_one_and_two_ranks(tmp_path, fsdp_size: int, device: str, sp: int = 1, ranks: int = 2,
+                                     one: dict | None = None) -> dict:
+    """The same global batch trained on 1 and on `ranks` ranks (`same_update_run`'s arguments): the parameters
+    after the update agree (`compare_updates`). `one`: the 1-rank run of this `fsdp_size` made already (it takes
+    no Ulysses group: the cases of one `fsdp_size` share it), else run here."""
+    if one is None:
+        one = same_update_run(tmp_path / "update_1.pt", 1, fsdp_size, device)
+    return compare_updates(one, same_update_run(tmp_path / f"update_{ranks}.pt", ranks, fsdp_size, device, sp))
 
 
 @pytest.mark.parametrize("fsdp_size", [-1, 1])
