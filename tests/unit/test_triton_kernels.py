@@ -599,7 +599,8 @@ def _checks() -> dict:
     def engine_padded_head():
         # head_dim 20 and 8 (GQA 2): heads padded to 32 and 16 lanes in the RoPE and attention kernels
         # (`head_lanes`); the Triton path's tokens are the PyTorch path's, in prefill and decode steps, one
-        # split a sequence and several
+        # split a sequence and several (head_dim 8's several: `engine_end_to_end`'s one row, at the same head dim,
+        # not run again here)
         from models import ModelArgs
         from rollout.triton_kernels import head_lanes
 
@@ -611,7 +612,7 @@ def _checks() -> dict:
                              num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                              max_position_embeddings=64)
             engine = interpreter.cpu_engine(args, interpreter.random_model(args))
-            errs.append(interpreter.engine_matches_torch(engine, two_runs(4)))
+            errs.append(interpreter.engine_matches_torch(engine, two_runs(4)[:1] if head_dim == 8 else two_runs(4)))
         return max(errs)
 
     def engine_padded_prefill():
