@@ -33,6 +33,7 @@ from agent.tools import (
     tool_message_ids,
     tool_turn,
     truncate_tool_text,
+    turn_end_ids,
     validate_tool_schema,
 )
 
@@ -68,5 +69,6 @@ __all__ = [
     "tool_message_ids",
     "tool_turn",
     "truncate_tool_text",
+    "turn_end_ids",
     "validate_tool_schema",
 ]

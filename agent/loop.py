@@ -16,18 +16,22 @@ full while other samples still generate, wait for tools, or have ended:
     -> the tools or the interaction run as tasks of the rollout's event loop, while the engine
        goes on with the other samples
     -> their answers (tool messages, the interaction's user message), rendered by the chat
-       template, are appended to the sample, which continues from its kept K/V with what is left
-       of its budget; one whose messages do not fit in its budget stops without them (verl's
-       rule), as does one whose interaction ends the rollout (verl appends that last reply, masked
-       out; here the response ends on the model's turn, but the reply counts as a user turn in
-       `num_turns`, as in verl)
+       template, are appended to the sample (after what the template writes after the model's
+       end-of-turn token when the turn ended on it: Qwen's `\\n` after `<|im_end|>`), which
+       continues from its kept K/V with what is left of its budget; one whose messages do not
+       fit in its budget stops without them (verl's rule), as does one whose interaction ends
+       the rollout (verl appends that last reply, masked out; here the response ends on the
+       model's turn, but the reply counts as a user turn in `num_turns`, as in verl)
 
 A sample's response is every token after its prompt: the model's turns (mask 1) and the tokens
-inserted between them (mask 0, log-prob 0), never longer than the response length. The engine
-continues each sample under its own noise key, at the token's position in the sample, so a
-sample that calls no tool is token for token the single-turn rollout, and when its next turn
-joins the call does not change what it samples (up to the rounding of GEMMs of another batch
-size). `num_turns` is verl's count (assistant turns + tool responses + interaction replies + 1);
+inserted between them (mask 0, log-prob 0), never longer than the response length. The inserted
+tokens are what the chat template writes between the turns, as the model reads them at
+inference: the rest of the template's turn end after the model's end-of-turn token
+(`agent.tools.turn_end_ids`), then the messages rendered alone minus the template's chat prefix
+(`message_ids`). The engine continues each sample under its own noise key, at the token's
+position in the sample, so a sample that calls no tool is token for token the single-turn
+rollout, and when its next turn joins the call does not change what it samples (up to the
+rounding of GEMMs of another batch size). `num_turns` is verl's count (assistant turns + tool responses + interaction replies + 1);
 `tool_rewards` the rewards the tools returned and `turn_scores` the interactions' reach the reward
 function in `extra_info`, as verl passes them. Each tool-agent sample starts its interaction
 instance (`interaction_kwargs`' `name`) before its first turn, under the sample's own request id,
@@ -59,7 +63,7 @@ from agent.interactions import (BaseInteraction, InteractionError, finalize_inte
                                 start_interactions)
 from agent.tool_parser import parse_tool_calls
 from agent.tools import (BaseTool, ToolError, check_message_template, check_parallel_calls, check_truncation,
-                         message_ids, select_tools, system_prompt_ids, tool_turn)
+                         message_ids, select_tools, system_prompt_ids, tool_turn, turn_end_ids)
 from data.dataset import TOOL_AGENT
 from models.tokenizer import decode_batch
 from rollout.config import Continuation
@@ -120,7 +124,8 @@ class ToolAgent:
     used to render the inserted messages; the limits are `rollout.multi_turn`'s (None: no limit on
     that count); `poll_every`: the engine steps between looks at waiting samples when none began
     to wait (each look is a broadcast at TP > 1). A chat template that cannot render a `tool`
-    message (with tools) or a `user` one (with interactions) with its text is a ChatTemplateError."""
+    message (with tools) or a `user` one (with interactions) with its text, or an assistant message
+    (the model's turn they follow), is a ChatTemplateError."""
 
     def __init__(self, tokenizer, tools: list[BaseTool], *, response_length: int, max_assistant_turns: int | None,
                  max_user_turns: int | None, max_parallel_calls: int, max_tool_response_length: int,
@@ -140,8 +145,10 @@ class ToolAgent:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.poll_every = poll_every
         self._system_prompt: list[int] | None = None
-        # the messages the loop will insert, rendered now: a template that cannot render them (or
-        # drops them) is a ChatTemplateError here, not at the model's first tool call mid-training
+        self._turn_end: list[int] | None = None
+        # the messages the loop will insert, and the model's turn they follow, rendered now: a
+        # template that cannot render them (or drops them) is a ChatTemplateError here, not at the
+        # model's first tool call mid-training
         for role, needed in (("tool", self.tools), ("user", self.interactions)):
             if needed:
                 check_message_template(tokenizer, role, **self.chat_template_kwargs)
@@ -249,11 +256,13 @@ class ToolAgent:
         return self._append(s, [{"role": "user", "content": text}])
 
     def _append(self, s: _Sample, messages: list[dict]) -> bool:
-        """Append inserted messages (tool answers, a user reply) to the sample, masked out; False (the
-        sample ends without them) when they do not fit in its response budget."""
+        """Append inserted messages (tool answers, a user reply) to the sample, masked out, after the
+        rest of the chat template's turn end (`_turn_end_rest`); False (the sample ends without them)
+        when they do not fit in its response budget."""
         if self._system_prompt is None:
             self._system_prompt = system_prompt_ids(self.tokenizer, **self.chat_template_kwargs)
-        ids = message_ids(self.tokenizer, messages, self._system_prompt, **self.chat_template_kwargs)
+        ids = self._turn_end_rest(s.tokens) + message_ids(self.tokenizer, messages, self._system_prompt,
+                                                           **self.chat_template_kwargs)
         if len(s.tokens) + len(ids) >= self.response_length:
             s.finish_reason = "length"
             return False
@@ -264,6 +273,21 @@ class ToolAgent:
         s.logprobs += [0.0] * len(ids)
         s.mask += [0] * len(ids)
         return True
+
+    def _turn_end_rest(self, response: list[int]) -> list[int]:
+        """What the chat template writes after the model's end-of-turn token and the model does not
+        generate (Qwen: the `\\n` after `<|im_end|>`; Llama 3: nothing): when `response` (whose last
+        tokens are the model's turn) ends with the first k >= 1 tokens of the template's turn end
+        (`turn_end_ids`), the rest of it, for the longest such k. A turn that ended otherwise (on
+        another stop token such as Qwen's `<|endoftext|>`) gets nothing, as in verl, which inserts
+        its `\\n` only after `<|im_end|>`."""
+        if self._turn_end is None:
+            self._turn_end = turn_end_ids(self.tokenizer, **self.chat_template_kwargs)
+        end = self._turn_end
+        for k in range(min(len(end), len(response)), 0, -1):
+            if response[-k:] == end[:k]:
+                return end[k:]
+        return []
 
 
 class _Turns:

@@ -14,7 +14,8 @@ verl's `_call_tool`: a call the model got wrong or a tool that raises becomes an
 reward 0.0 that the model sees and learns from, in verl 0.9.1's words (`unknown_tool_text`,
 `bad_arguments_text`, `tool_failed_text`).
 The answers go back to the model as `tool` messages through the chat template,
-`tool_message_ids`.
+`tool_message_ids`, after what the template writes after the model's end-of-turn token
+(`turn_end_ids`: Qwen's `\\n` after `<|im_end|>`).
 
 The turn loop runs a rollout's tool turns in one event loop (`agent._load.EventLoop`), so a tool
 may keep objects bound to it (an `asyncio.Lock`) for the rollout, not from one rollout to the next.
@@ -443,16 +444,22 @@ def _template_name(tokenizer, chat_template_kwargs: dict) -> str:
     return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
 
 
-def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict) -> list[int]:
-    """`messages` rendered by the chat template and tokenized as the rendering is (its special tokens
-    are in the text: no more are added), which is what `apply_chat_template(tokenize=True)` gives."""
+def _chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict) -> str:
+    """`messages` rendered by the chat template as text; a template that raises on them is a
+    ValueError naming the template and the messages' roles."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              **chat_template_kwargs)
     except Exception as err:
         roles = sorted({m["role"] for m in messages})
         raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)} cannot render {roles} messages: "
                          f"{type(err).__name__}: {err}") from err
+
+
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict) -> list[int]:
+    """`messages` rendered by the chat template and tokenized as the rendering is (its special tokens
+    are in the text: no more are added), which is what `apply_chat_template(tokenize=True)` gives."""
+    text = _chat_text(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -489,7 +496,8 @@ def message_ids(tokenizer, messages: list[dict], system_prompt: list[int], **cha
 
 class ChatTemplateError(ValueError):
     """A chat template that cannot render the messages the turn loop inserts (`role`: "tool" for the
-    tools' answers, "user" for an interaction's replies), or that renders them without their text."""
+    tools' answers, "user" for an interaction's replies), or that renders them without their text,
+    or the model's turn they follow (an `assistant` message: `turn_end_ids`)."""
 
     def __init__(self, message: str, role: str):
         super().__init__(message)
@@ -499,10 +507,37 @@ class ChatTemplateError(ValueError):
 TEMPLATE_SAMPLE = "meshppo sample message 42"
 
 
+def turn_end_ids(tokenizer, **chat_template_kwargs) -> list[int]:
+    """The tokens the chat template writes after an assistant message's text, which close the model's
+    turn in the chat it renders: Qwen's `<|im_end|>\\n`, Gemma's `<end_of_turn>\\n`, Phi-3's
+    `<|end|>\\n`, Llama 3's `<|eot_id|>` alone. The model generates the first of them (its end-of-turn
+    token) and stops there; the turn loop inserts the rest before the messages it appends, so that what
+    comes between two turns is what the template writes there, as the model reads it at inference
+    (verl 0.9.1 inserts Qwen's `\\n` for its Qwen model types only; here it comes from the template,
+    for any model).
+
+    Found as verl finds the system prompt, by rendering: a user message and an assistant message
+    whose text is `TEMPLATE_SAMPLE`, without the generation prompt, and the text after the sample,
+    tokenized as the other renderings are. Only what follows the sample is read, so a template that
+    renders the last assistant message with more before its text (Qwen3's empty `<think>` block) gives
+    the same tail. A template that raises on the chat, or renders the sample other than exactly once
+    (drops the assistant's text, or repeats it), is a ValueError naming the template."""
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": TEMPLATE_SAMPLE}]
+    text = _chat_text(tokenizer, messages, False, chat_template_kwargs)
+    found = text.count(TEMPLATE_SAMPLE)
+    if found != 1:
+        how = "without its text" if found == 0 else f"with its text {found} times"
+        raise ValueError(f"{_template_name(tokenizer, chat_template_kwargs)} renders an 'assistant' message {how} "
+                         f"(a user message and an 'assistant' message {TEMPLATE_SAMPLE!r} render as {text!r}), so "
+                         "what it writes after the model's turn cannot be found")
+    return list(tokenizer.encode(text[text.index(TEMPLATE_SAMPLE) + len(TEMPLATE_SAMPLE):], add_special_tokens=False))
+
+
 def check_message_template(tokenizer, role: str, **chat_template_kwargs) -> None:
     """A ChatTemplateError unless the chat template renders a `role` message as the turn loop appends
-    one (`system_prompt_ids`, `message_ids`) with the message's text in it: a template that raises on
-    the role, or drops a role it does not know (the model would never see the tools' answers), is
+    one (`system_prompt_ids`, `message_ids`) with the message's text in it, after a model's turn whose
+    end it renders (`turn_end_ids`): a template that raises on the role, or drops a role it does not
+    know (the model would never see the tools' answers), or cannot render an assistant message, is
     found before any model work, not at the model's first tool call."""
     try:
         system = system_prompt_ids(tokenizer, **chat_template_kwargs)
@@ -513,6 +548,10 @@ def check_message_template(tokenizer, role: str, **chat_template_kwargs) -> None
     if "".join(TEMPLATE_SAMPLE.split()) not in "".join(text.split()):
         raise ChatTemplateError(f"{_template_name(tokenizer, chat_template_kwargs)} renders a {role!r} message "
                                 f"without its text (a {role!r} message {TEMPLATE_SAMPLE!r} renders as {text!r})", role)
+    try:
+        turn_end_ids(tokenizer, **chat_template_kwargs)
+    except ValueError as err:
+        raise ChatTemplateError(str(err), role) from err
 
 
 def tool_message_ids(tokenizer, texts: list[str], system_prompt: list[int], **chat_template_kwargs) -> list[int]:

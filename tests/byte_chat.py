@@ -1,6 +1,8 @@
 """A byte-level tokenizer with a Qwen-style chat template that renders tools and tool messages:
 any text (JSON tool calls included) tokenizes, one token per byte, and the template puts a
-default system prompt before a chat that has none, as Qwen's does. For the multi-turn tests."""
+default system prompt before a chat that has none and closes each message with `<|im_end|>\\n`,
+as Qwen's does (so the turn loop inserts that `\\n` after a turn the model ended on `<|im_end|>`).
+For the multi-turn tests."""
 
 from __future__ import annotations
 

@@ -168,7 +168,8 @@ def _body(rank, world_size, root, device="cpu", *overrides):
             assert mask[i, :len(response)].tolist() == [1.0] * len(response)
             continue
         answer = tok.decode(response[len(call_ids):], skip_special_tokens=False)
-        head = f"<|im_start|>user\n<tool_response>\nsecret {secret} for k from rank 0\n</tool_response><|im_end|>\n" \
+        # the call ended on <|im_end|>: the `\n` the template writes after it, then the tool message
+        head = f"\n<|im_start|>user\n<tool_response>\nsecret {secret} for k from rank 0\n</tool_response><|im_end|>\n" \
                "<|im_start|>assistant\n"
         assert response[:len(call_ids)] == call_ids and answer.startswith(head), (rank, answer)
         inserted = len(tok(head, add_special_tokens=False)["input_ids"])
@@ -290,6 +291,7 @@ def _interaction_body(rank, world_size, root):
     from agent.tools import message_ids, system_prompt_ids
 
     system = system_prompt_ids(tok)
+    newline = tok("\n", add_special_tokens=False)["input_ids"]  # the template's, after each turn's <|im_end|>
     expected_score = 0.0
     for i, response in enumerate(full.responses):
         info = full.extra_infos[i]
@@ -299,8 +301,8 @@ def _interaction_body(rank, world_size, root):
             expected_score += 2
             continue
         patience = info["interaction_kwargs"]["patience"]
-        answer = message_ids(tok, [{"role": "tool", "content": f"secret {secret} for k from rank 0"}], system)
-        again = message_ids(tok, [{"role": "user", "content": "again, from rank 0"}], system)
+        answer = newline + message_ids(tok, [{"role": "tool", "content": f"secret {secret} for k from rank 0"}], system)
+        again = newline + message_ids(tok, [{"role": "user", "content": "again, from rank 0"}], system)
         assert response == call_ids + answer + (ok_ids + again) * patience + ok_ids, (rank, secret)
         mask = full.response_mask[i, :len(response)].tolist()
         assert mask == [1.0] * len(call_ids) + [0.0] * len(answer) + ([1.0] * len(ok_ids) + [0.0] * len(again)) \

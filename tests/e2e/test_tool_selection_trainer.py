@@ -53,7 +53,8 @@ def _check_answers(tok, batch, call_ids, replicas):
             text = f"secret {secret} for k from rank {batch.uids[i] * replicas // prompts}"
         else:
             text = f"Unknown function 'lookup'. Available tools: {selection}"
-        head = f"<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        # the call ended on <|im_end|>: the `\n` the template writes after it, then the tool message
+        head = f"\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         answer = tok.decode(response[len(call_ids):], skip_special_tokens=False)
         assert response[:len(call_ids)] == call_ids and answer.startswith(head), (i, selection, answer)
 

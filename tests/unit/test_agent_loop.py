@@ -15,8 +15,8 @@ import pytest
 from agent.loop import ToolAgent, _first_rank
 from agent.interactions import BaseInteraction, InteractionError
 from agent.tools import (BaseTool, ChatTemplateError, ToolError, ToolResponse, message_ids, system_prompt_ids,
-                         tool_message_ids)
-from tests.byte_chat import CHAT_TEMPLATE, IM_END, build_byte_tokenizer
+                         tool_message_ids, turn_end_ids)
+from tests.byte_chat import CHAT_TEMPLATE, ENDOFTEXT, IM_END, build_byte_tokenizer
 
 SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "look a key up",
                                            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}
@@ -55,19 +55,20 @@ def call(key: str, name: str = "lookup") -> str:
 
 class Script:
     """The model behind one engine call (`LLMEngine.generate(on_finish=...)`, simulated): per sample
-    key, its turns as texts, each ended by <|im_end|> and cut at the turn's budget as the engine
-    cuts it (finish reason `length`). A turn takes one step per token; the turns that end at a
-    step reach `on_finish` together, and the continuations it returns start at the next step;
-    with nothing running, `on_finish` is called idle until it returns none. `requests` records
-    every request as (context, key, budget, the step it started)."""
+    key, its turns as texts, each ended by <|im_end|> (or the stop token `eos` gives the key) and cut
+    at the turn's budget as the engine cuts it (finish reason `length`). A turn takes one step per
+    token; the turns that end at a step reach `on_finish` together, and the continuations it returns
+    start at the next step; with nothing running, `on_finish` is called idle until it returns none.
+    `requests` records every request as (context, key, budget, the step it started)."""
 
-    def __init__(self, tok, turns: dict[tuple[int, int], list[str]]):
+    def __init__(self, tok, turns: dict[tuple[int, int], list[str]], eos: dict[tuple[int, int], int] | None = None):
         self.tok, self.turns, self.requests = tok, {k: list(v) for k, v in turns.items()}, []
         self.eos = tok.convert_tokens_to_ids(IM_END)
+        self.eos_of = dict(eos or {})
         self.on_idle = lambda: None  # called each time the call has nothing left to run
 
     def reply(self, key, context, limit) -> Out:
-        ids = self.tok(self.turns[key].pop(0), add_special_tokens=False)["input_ids"] + [self.eos]
+        ids = self.tok(self.turns[key].pop(0), add_special_tokens=False)["input_ids"] + [self.eos_of.get(key, self.eos)]
         cut = ids[:limit]
         return Out(key[0], key[1], list(context), cut, [-0.5] * len(cut), "stop" if len(cut) == len(ids) else "length")
 
@@ -77,6 +78,8 @@ class Script:
             running, step = [], 0
 
             def start(context, key, budget):
+                # the loop never continues a sample with no budget left (its turn would end at no step)
+                assert budget >= 1, (key, budget)
                 self.requests.append((list(context), key, budget, step))
                 out = self.reply(key, context, budget)
                 running.append((step + len(out.token_ids), out))
@@ -116,6 +119,12 @@ def ids(tok, text, end=True):
     return tok(text, add_special_tokens=False)["input_ids"] + ([tok.convert_tokens_to_ids(IM_END)] if end else [])
 
 
+def nl(tok):
+    """The `\\n` the byte template writes after `<|im_end|>`, which the loop inserts (masked out) after a
+    turn that ended on it, before the messages it appends."""
+    return ids(tok, "\n", end=False)
+
+
 def test_turns_masks_counts_and_the_engine_calls(tok):
     tool = Lookup()
     a = agent(tok, tool)
@@ -124,9 +133,10 @@ def test_turns_masks_counts_and_the_engine_calls(tok):
     script = Script(tok, {(7, 0): [call("ab"), "#### 5"], (7, 1): [call("xyz")], (8, 0): ["plain"]})
     outs = run(a, script, prompts, keys, ["tool_agent", "single_turn_agent", "tool_agent"])
     system = system_prompt_ids(tok)
-    t1, answer, t2 = ids(tok, call("ab")), tool_message_ids(tok, ["value of ab"], system), ids(tok, "#### 5")
-    assert tok.decode(answer) == "<|im_start|>user\n<tool_response>\nvalue of ab\n</tool_response><|im_end|>\n" \
-                                 "<|im_start|>assistant\n"
+    t1, message, t2 = ids(tok, call("ab")), tool_message_ids(tok, ["value of ab"], system), ids(tok, "#### 5")
+    assert tok.decode(message) == "<|im_start|>user\n<tool_response>\nvalue of ab\n</tool_response><|im_end|>\n" \
+                                  "<|im_start|>assistant\n"
+    answer = nl(tok) + message  # the first turn ended on <|im_end|>: the template's \n after it comes first
     first = outs[0]
     assert first.token_ids == t1 + answer + t2
     assert first.mask == [1] * len(t1) + [0] * len(answer) + [1] * len(t2)
@@ -171,7 +181,8 @@ def test_a_row_s_tool_selection_narrows_the_tools_it_may_call(tok):
     system = system_prompt_ids(tok)
     answers = ["Unknown function 'lookup'. Available tools: ['clock']", "tick ab", "value of ab"]
     for out, key, answer in zip(outs, keys, answers):
-        assert out.token_ids == ids(tok, calls[key]) + tool_message_ids(tok, [answer], system) + ids(tok, "done"), key
+        assert out.token_ids == ids(tok, calls[key]) + nl(tok) + tool_message_ids(tok, [answer], system) + \
+            ids(tok, "done"), key
     assert [o.tool_rewards for o in outs] == [[0.0], [1.0], [0.2]]
     assert (lookup.calls, clock.calls) == (1, 1)
     # a selection naming a tool the loop does not have is refused before anything runs
@@ -259,8 +270,9 @@ def test_each_sample_times_its_turns_and_its_tools(tok):
 
 def test_budget_and_turn_limits(tok):
     t1 = ids(tok, call("ab"))
-    answer = tool_message_ids(tok, ["value of ab"], system_prompt_ids(tok))
-    # the answer does not fit: the sample ends before it ("length"), the tool's reward still counts
+    answer = nl(tok) + tool_message_ids(tok, ["value of ab"], system_prompt_ids(tok))
+    # the answer (after the template's \n, which counts as the answer does) does not fit: the sample ends
+    # before it ("length"), the tool's reward still counts
     tool = Lookup()
     outs = run(agent(tok, tool, response_length=len(t1) + len(answer)), Script(tok, {(0, 0): [call("ab")]}),
                [[1]], [(0, 0)], ["tool_agent"])
@@ -309,7 +321,7 @@ def test_parallel_calls_and_truncated_answers(tok):
     # limit 10: the first answer fits exactly, the second keeps its first 10 characters ("right" cuts the end)
     outs = run(agent(tok, tool, max_parallel_calls=2, max_tool_response_length=10, tool_response_truncate_side="right"),
                Script(tok, {(0, 0): [two + call("k"), "done"]}), [[1]], [(0, 0)], ["tool_agent"])
-    answer = tool_message_ids(tok, ["value of a", "value of b...(truncated)"], system_prompt_ids(tok))
+    answer = nl(tok) + tool_message_ids(tok, ["value of a", "value of b...(truncated)"], system_prompt_ids(tok))
     assert tool.calls == 2 and outs[0].tool_rewards == [0.1, 0.9]
     assert outs[0].token_ids == ids(tok, two + call("k")) + answer + ids(tok, "done")  # the third call not run
 
@@ -373,8 +385,8 @@ def test_interactions_reply_between_turns(tok):
     outs = run(a, script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent", "single_turn_agent"],
                messages=[prompt, prompt], interaction_kwargs=[kwargs, None])
     system = system_prompt_ids(tok)
-    reply = message_ids(tok, [{"role": "user", "content": "try again"}], system)
-    answer = tool_message_ids(tok, ["value of ab"], system)
+    reply = nl(tok) + message_ids(tok, [{"role": "user", "content": "try again"}], system)
+    answer = nl(tok) + tool_message_ids(tok, ["value of ab"], system)
     t1, t2, t3 = ids(tok, "3"), ids(tok, call("ab")), ids(tok, "#### 4")
     o = outs[0]
     assert o.token_ids == t1 + reply + t2 + answer + t3
@@ -396,7 +408,7 @@ def test_an_interaction_reply_that_does_not_fit_still_counts_as_a_user_turn(tok)
     appended, and num_turns counts it (it was one lower than verl's)."""
     prompt = [{"role": "user", "content": "2+2?"}]
     t1 = ids(tok, "3")
-    reply = message_ids(tok, [{"role": "user", "content": "try again"}], system_prompt_ids(tok))
+    reply = nl(tok) + message_ids(tok, [{"role": "user", "content": "try again"}], system_prompt_ids(tok))
     teacher = Teacher()
     a = agent(tok, Lookup(), interactions={"teacher": teacher}, response_length=len(t1) + len(reply))
     (o,) = run(a, Script(tok, {(0, 0): ["3", "4"]}), [[1]], [(0, 0)], ["tool_agent"], messages=[prompt],
@@ -490,6 +502,111 @@ def test_a_template_that_cannot_render_the_inserted_messages_is_refused_when_bui
     bad.chat_template, bad.name_or_path = DROPS_TOOL, "/models/drops-tool"
     with pytest.raises(ChatTemplateError, match=r"^the chat template of '/models/drops-tool' renders a 'tool' message"):
         agent(bad, Lookup())
+
+
+# Llama 3's shape in the byte tokenizer's tokens: a BOS before the chat (<|endoftext|>), each message
+# `<|im_start|>role\n\n` + its trimmed text + `<|im_end|>`, and nothing after the end token
+LLAMA_STYLE = ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n\n{{ m['content'] | trim }}<|im_end|>"
+               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}")
+# Qwen3's shape of the last assistant message: an empty think block before its text
+THINKS = CHAT_TEMPLATE.replace("{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}",
+                               "{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                               "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+                               "{{ m['content'] }}")
+ASSISTANT_TEXT = "\n{{ m['content'] }}<|im_end|>"
+DROPS_ASSISTANT = CHAT_TEMPLATE.replace(ASSISTANT_TEXT, "\n{{ '' if m['role'] == 'assistant' else m['content'] }}"
+                                                        "<|im_end|>")
+REPEATS_ASSISTANT = CHAT_TEMPLATE.replace(ASSISTANT_TEXT, "\n{{ m['content'] }}{{ m['content'] if m['role'] == "
+                                                          "'assistant' else '' }}<|im_end|>")
+
+
+def test_the_turn_end_is_what_the_template_writes_after_an_assistant_message(tok):
+    """`turn_end_ids`: the byte template (Qwen's) closes an assistant message with `<|im_end|>\\n`, so
+    after the model's `<|im_end|>` the loop inserts the `\\n`; with a think block before the last
+    message's text (Qwen3) the same; Llama 3's writes nothing after its end token, so nothing is
+    inserted. A template that drops or repeats the assistant's text is refused when the loop is
+    built, naming the template and the role of the messages it would insert."""
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    # (the templates below edit the byte template's user/assistant branch, each once)
+    assert CHAT_TEMPLATE.count(ASSISTANT_TEXT) == 1 and "<think>" in THINKS and "<think>" not in CHAT_TEMPLATE
+    assert turn_end_ids(tok) == [im_end, ord("\n")]  # the byte tokenizer's ids are the bytes
+    assert turn_end_ids(tok, chat_template=THINKS) == [im_end, ord("\n")]
+    assert turn_end_ids(tok, chat_template=LLAMA_STYLE) == [im_end]
+    qwen, llama = (agent(tok, Lookup(), chat_template_kwargs=kw) for kw in ({}, {"chat_template": LLAMA_STYLE}))
+    assert [qwen._turn_end_rest(ids(tok, t)) for t in ("4", "")] == [[ord("\n")]] * 2
+    assert qwen._turn_end_rest(ids(tok, "4", end=False)) == []
+    assert qwen._turn_end_rest(ids(tok, "4", end=False) + [tok.convert_tokens_to_ids(ENDOFTEXT)]) == []
+    assert qwen._turn_end_rest(ids(tok, "4") + [ord("\n")]) == []  # the whole turn end is there already
+    assert llama._turn_end_rest(ids(tok, "4")) == []
+    for template, how in ((DROPS_ASSISTANT, "without its text"), (REPEATS_ASSISTANT, "with its text 2 times")):
+        refused = (r"^the custom chat template \(chat_template\) renders an 'assistant' message " + how +
+                   r" \(a user message and an 'assistant' message 'meshppo sample message 42' render as .*\), so what "
+                   r"it writes after the model's turn cannot be found$")
+        with pytest.raises(ChatTemplateError, match=refused) as err:
+            agent(tok, Lookup(), chat_template_kwargs={"chat_template": template})
+        assert err.value.role == "tool"
+    with pytest.raises(ChatTemplateError, match=r"renders an 'assistant' message without its text") as err:
+        ToolAgent(tok, [], **{**AGENT_ARGS, "chat_template_kwargs": {"chat_template": DROPS_ASSISTANT},
+                              "interactions": {"teacher": Teacher()}})
+    assert err.value.role == "user"
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, LLAMA_STYLE], ids=["qwen_style", "llama_style"])
+def test_a_multi_turn_context_is_the_templates_rendering_of_the_conversation(tok, template):
+    """The prompt and the response before the last turn are, token for token, the chat template's own
+    rendering of the conversation (with the tools' schemas and the generation prompt), what the model
+    reads at inference: with the byte template (Qwen's) the `\\n` after each `<|im_end|>` that ended
+    a turn is in the response, masked out with the messages after it; with a Llama-3-style template
+    nothing is added after the end token. A tool call, the interaction's reply, a second call."""
+    kw = {"chat_template": template}
+    teacher = Teacher()
+    a = agent(tok, Lookup(), interactions={"teacher": teacher}, chat_template_kwargs=kw)
+    question = [{"role": "user", "content": "2+2?"}]
+
+    def render(messages):
+        return tok(tok.apply_chat_template(messages, tools=[SCHEMA], add_generation_prompt=True, tokenize=False, **kw),
+                   add_special_tokens=False)["input_ids"]
+
+    prompt = render(question)
+    turns = [call("ab"), "3", call("cd"), "#### 4"]
+    (o,) = run(a, Script(tok, {(0, 0): list(turns)}), [prompt], [(0, 0)], ["tool_agent"], messages=[question],
+               interaction_kwargs=[{"name": "teacher"}])
+    assert (o.finish_reason, o.turn_scores, o.tool_rewards) == ("stop", [0.0, 1.0], [0.2, 0.2])
+    conversation = question + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "value of ab"},
+                               {"role": "assistant", "content": turns[1]}, {"role": "user", "content": "try again"},
+                               {"role": "assistant", "content": turns[2]}, {"role": "tool", "content": "value of cd"}]
+    assert prompt + o.token_ids == render(conversation) + ids(tok, turns[3])
+    # the mask: 1 on the model's turns (each ended by its <|im_end|>), 0 (log-prob 0) on what is between them
+    runs = []  # (mask, tokens) of each run of one mask value
+    for t, m, lp in zip(o.token_ids, o.mask, o.logprobs, strict=True):
+        assert lp == (-0.5 if m else 0.0)
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(t)
+        else:
+            runs.append((m, [t]))
+    assert [r for m, r in runs if m] == [ids(tok, t) for t in turns] and [m for m, _ in runs] == [1, 0] * 3 + [1]
+    if template == CHAT_TEMPLATE:
+        tool, user = ("\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                      "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+    else:
+        tool, user = ("<|im_start|>tool\n\n{}<|im_end|><|im_start|>assistant\n\n",
+                      "<|im_start|>user\n\n{}<|im_end|><|im_start|>assistant\n\n")
+    assert [tok.decode(r, skip_special_tokens=False) for m, r in runs if not m] == [
+        tool.format("value of ab"), user.format("try again"), tool.format("value of cd")]
+
+
+def test_a_turn_that_ended_on_another_stop_token_gets_no_newline(tok):
+    """verl's rule: the template's `\\n` is inserted only when the model's turn ended on the template's
+    end-of-turn token (`<|im_end|>`); a turn that stopped on `<|endoftext|>` (also a stop token of
+    Qwen's) is followed by the tool's answer directly. The other sample, same calls, gets the `\\n`."""
+    endoftext = tok.convert_tokens_to_ids(ENDOFTEXT)
+    script = Script(tok, {(0, 0): [call("ab"), "done"], (1, 0): [call("ab"), "done"]}, eos={(1, 0): endoftext})
+    outs = run(agent(tok, Lookup()), script, [[1], [2]], [(0, 0), (1, 0)], ["tool_agent"] * 2)
+    message = tool_message_ids(tok, ["value of ab"], system_prompt_ids(tok))
+    t1 = ids(tok, call("ab"), end=False)
+    assert outs[0].token_ids == t1 + [tok.convert_tokens_to_ids(IM_END)] + nl(tok) + message + ids(tok, "done")
+    assert outs[1].token_ids == t1 + [endoftext] + message + ids(tok, "done", end=False) + [endoftext]
+    assert outs[1].mask == [1] * (len(t1) + 1) + [0] * len(message) + [1] * (len("done") + 1)
 
 
 def test_an_error_on_the_first_tp_rank_reaches_every_rank(tok):
