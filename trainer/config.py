@@ -913,7 +913,9 @@ class MultiTurnConfig:
     tokenization_sanity_check_mode: str = opt("strict", "verl: the check of the turns' tokenization",
                                               no_effect=f"{_UNREAD_IN_VERL}; meshppo checks nothing at the end of a "
                                                         "rollout: the messages it inserts are rendered alone and "
-                                                        "appended after the model's last token (docs/VERL.md)")
+                                                        "appended after the model's turn, and after what the chat "
+                                                        "template writes after that turn's end-of-turn token "
+                                                        "(docs/VERL.md)")
     format: str = opt("hermes", "the tool-call format of the model's turns (verl 0.9.1's others, not supported: "
                                 f"{', '.join(VERL_OTHER_FORMATS)})", choices=FORMATS)
     num_repeat_rollouts: int | None = opt(None, "verl: rollouts repeated per interaction",

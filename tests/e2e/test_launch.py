@@ -334,7 +334,7 @@ def test_a_second_launch_into_a_run_directory_in_use_is_refused(tiny_assets, tmp
     from tests.e2e.conftest import torchrun
 
     run = tmp_path / "run"
-    args = demo_args(tiny_assets, run, *COMMON, "trainer.total_training_steps=5000", "trainer.save_freq=1")
+    args = demo_args(tiny_assets, run, *_common(5000), "trainer.save_freq=1")
     where = re.escape(str(run))
     holder = rf"the launcher: pid (\d+) on {re.escape(socket.gethostname())}, which holds {where}/\.lock"
     refused = rf"trainer.default_local_dir={where} is in use by another run \({holder}\): let it end or stop it"
