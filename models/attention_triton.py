@@ -250,15 +250,19 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr
 def blocks(head_dim: int, dtype: torch.dtype, backward: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU for `head_dim` and `dtype`, of the forward or of the
     backward's kernels. The backward's key program holds dk and dv, `[BLOCK_N, head_dim]` float32 each, in registers
-    besides k and v: at head_dim 256 (Gemma 2) key blocks of 32. Measured at Gemma-2-2b's shape (bf16, 8 query and 4
-    K/V heads, one 8,192-token sequence, one H100; BENCHMARKS.md "Fifty-third pass"): the forward's 64 x 32 with 4
-    warps took 1.64 ms where 32 x 32 with 8 took 4.80, the backward's 128 x 32 with 8 warps 4.97 ms where 32 x 32
-    took 11.51 (the best of 14 tilings each; 64 x 64 with 3 stages exceeds the shared memory). Head dims up to 128
-    are not measured. float32 inputs take half the rows (twice the bytes a row). tests/unit/test_attention_triton.py
-    compiles the head dim 256 bf16 launches of both for sm_90 and checks their shared memory."""
-    if head_dim <= 64:
+    besides k and v: at head_dim 256 (Gemma 2's 2b and 9b) key blocks of 32. Measured on one H100 in bf16
+    (BENCHMARKS.md "Fifty-third pass" and "Fifty-fourth pass"), the best of each sweep: at Gemma-2-2b's shape (8 query
+    and 4 K/V heads, head_dim 256, one 8,192-token sequence) the forward's 64 x 32 with 4 warps took 1.64 ms where
+    32 x 32 with 8 took 4.80, the backward's 128 x 32 with 8 warps 4.97 ms where 32 x 32 took 11.51 (14 tilings
+    each; 64 x 64 with 3 stages exceeds the shared memory); at Gemma-2-27b's (32 query and 16 K/V heads, head_dim
+    128; one 8,192-token sequence with a 4,096 window, and four of 2,048) 64 x 64 with 4 warps took 2.72 / 1.13 ms
+    forward where 64 x 32 took 3.12 / 1.36, and 7.29 / 2.79 ms backward where 64 x 32 took 8.14 / 3.05 (9 tilings
+    each; 8 warps lost at every tiling). float32 inputs take half the rows (twice the bytes a row).
+    tests/unit/test_attention_triton.py compiles the bf16 launches of both at head dims 128 and 256 for sm_90 and
+    checks their shared memory."""
+    if head_dim <= 128:
         bm, bn, warps = 64, 64, 4
-    elif head_dim <= 128 or not backward:
+    elif not backward:
         bm, bn, warps = 64, 32, 4
     else:
         bm, bn, warps = 128, 32, 8

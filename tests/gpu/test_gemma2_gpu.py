@@ -132,28 +132,34 @@ def test_gemma2_logits_and_gradients_match_transformers_on_gpu(tmp_path):
 # Gemma-2-2b's attention: 8 query heads, 4 K/V heads of 256, scale 256^-0.5, cap 50; its sliding layers' window 4096
 G2_HEADS, G2_KV_HEADS, G2_DIM, G2_CAP = 8, 4, 256, 50.0
 G2_LENGTHS = [1500, 1, 977, 1200, 418]  # 4096 tokens; none a multiple of the kernels' blocks
+# (query heads, K/V heads, head dim, scale) of Gemma-2-2b and of Gemma-2-27b (query_pre_attn_scalar 144), whose head
+# dim of 128 takes other blocks (`attention_triton.blocks`)
+G2_SHAPES = {"2b": (G2_HEADS, G2_KV_HEADS, G2_DIM, G2_DIM ** -0.5), "27b": (32, 16, 128, 144 ** -0.5)}
 
 
-def _gemma2_inputs(lengths, dtype=torch.bfloat16, seed=3):
-    """q, k ~ 4 N(0, 1) (scores of std 16 at scale 1/16: the cap of 50 bends their tails), v, dout ~ N(0, 1)."""
+def _gemma2_inputs(lengths, dtype=torch.bfloat16, seed=3, shape="2b"):
+    """q, k ~ 4 N(0, 1) (scores of std 16 at scale 1/16: the cap of 50 bends their tails; 15 at 27b's), v, dout ~
+    N(0, 1), of `G2_SHAPES[shape]`."""
+    heads, kv_heads, dim, _ = G2_SHAPES[shape]
     g = torch.Generator(device=DEV).manual_seed(seed)
     t = sum(lengths)
-    q = 4 * torch.randn(t, G2_HEADS, G2_DIM, device=DEV, generator=g)
-    k = 4 * torch.randn(t, G2_KV_HEADS, G2_DIM, device=DEV, generator=g)
-    v = torch.randn(t, G2_KV_HEADS, G2_DIM, device=DEV, generator=g)
-    dout = torch.randn(t, G2_HEADS, G2_DIM, device=DEV, generator=g)
+    q = 4 * torch.randn(t, heads, dim, device=DEV, generator=g)
+    k = 4 * torch.randn(t, kv_heads, dim, device=DEV, generator=g)
+    v = torch.randn(t, kv_heads, dim, device=DEV, generator=g)
+    dout = torch.randn(t, heads, dim, device=DEV, generator=g)
     return [x.to(dtype) for x in (q, k, v, dout)]
 
 
+@pytest.mark.parametrize("shape", ["2b", "27b"])
 @pytest.mark.parametrize("window", [4096, 64])
-def test_triton_capped_attention_in_bf16_at_gemma2_size(window, monkeypatch):
-    """The Triton kernels in bf16 at Gemma-2-2b's attention shape (4096 packed tokens in segments of 1 to 1500, windows
-    of 4096 and 64) against float64 (the explicit path): output and gradients within twice the explicit bf16 path's
-    own error against float64, relative to each tensor's largest value (plus 1e-3 where that error is tiny); the cap
-    acts (the uncapped float64 output is far off)."""
+def test_triton_capped_attention_in_bf16_at_gemma2_size(window, shape, monkeypatch):
+    """The Triton kernels in bf16 at Gemma-2-2b's and Gemma-2-27b's attention shapes (4096 packed tokens in segments
+    of 1 to 1500, windows of 4096 and 64) against float64 (the explicit path): output and gradients within twice the
+    explicit bf16 path's own error against float64, relative to each tensor's largest value (plus 1e-3 where that
+    error is tiny); the cap acts (the uncapped float64 output is far off)."""
     cu = cu_seqlens_from_lengths(G2_LENGTHS, device=DEV)
-    q, k, v, dout = _gemma2_inputs(G2_LENGTHS)
-    scale = G2_DIM ** -0.5
+    q, k, v, dout = _gemma2_inputs(G2_LENGTHS, shape=shape)
+    scale = G2_SHAPES[shape][3]
 
     def run(path, dtype, cap=G2_CAP):
         monkeypatch.setenv("MESHPPO_CAPPED_ATTENTION", path)

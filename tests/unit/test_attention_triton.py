@@ -223,9 +223,11 @@ interpreter_report, test_capped_attention_under_interpreter, test_capped_attenti
     interpreter.tests(__file__, CHECKS)
 
 
-def test_gpu_blocks_compile_for_hopper():
-    """The kernels at Gemma 2's head dim (256) in bf16 with the GPU's blocks (`attention_triton.blocks`, which the
-    interpreter checks do not launch) compile for sm_90 and fit a Hopper block's shared memory."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gpu_blocks_compile_for_hopper(head_dim):
+    """The kernels at Gemma 2's head dims (256 for 2b and 9b, 128 for 27b) in bf16 with the GPU's blocks
+    (`attention_triton.blocks`, which the interpreter checks do not launch) compile for sm_90 and fit a Hopper
+    block's shared memory."""
     pytest.importorskip("triton")
     from models import attention_triton as at
 
@@ -234,8 +236,8 @@ def test_gpu_blocks_compile_for_hopper():
     for kernel, tensors, backward in ((at._fwd_kernel, [x, x, x, x, f, i, i], False),
                                       (at._dkdv_kernel, [x, x, x, x, f, f, x, x, i, i], True),
                                       (at._dq_kernel, [x, x, x, x, f, f, x, i, i], True)):
-        bm, bn, warps, stages = at.blocks(256, torch.bfloat16, backward)
-        constants = dict(D=256, BLOCK_D=256, BLOCK_M=bm, BLOCK_N=bn, SOFTCAP=50.0, PRECISION="tf32")
+        bm, bn, warps, stages = at.blocks(head_dim, torch.bfloat16, backward)
+        constants = dict(D=head_dim, BLOCK_D=head_dim, BLOCK_M=bm, BLOCK_N=bn, SOFTCAP=50.0, PRECISION="tf32")
         runtime = [n for n in kernel.arg_names if n not in constants]
         args = tensors + [0.5 if n == "scale" else 1 for n in runtime[len(tensors):]]
         names = runtime + list(constants)
