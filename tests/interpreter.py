@@ -16,7 +16,7 @@ The interpreter runs a kernel's Python, not Triton's compiler: a kernel that the
 rejects (the return types of two branches of a `constexpr` if disagree, say) passes every
 interpreter check and fails on the GPU. So the child also records each distinct launch (kernel,
 argument types, `constexpr` values, options), and a second child, without the interpreter,
-compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed), with
+compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed; one worker a core), with
 programmatic dependent launch on as on Hopper, and checks that its shared memory fits a Hopper block.
 
 The child (and every rank of `run_distributed(..., triton_interpret=True)`) has the interpreter patch
@@ -220,7 +220,8 @@ def patch_language_once_a_launch() -> bool:
 
 
 def compile_report(launches: list[dict]) -> list[str]:
-    """Compile `launches` for sm_90 in a child without the interpreter; the failures, one message each."""
+    """Compile `launches` for sm_90 in a child without the interpreter; the failures, one message each, in the
+    launches' order."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", "from tests.interpreter import compile_main; compile_main()"],
@@ -230,30 +231,45 @@ def compile_report(launches: list[dict]) -> list[str]:
     return json.loads(lines[-1][len(_MARKER):])
 
 
-def compile_main() -> None:
-    """In the compile child: each launch from stdin through `triton.compile` for sm_90; print the failures."""
+def _compile_one(e: dict) -> str | None:
+    """`triton.compile` of launch `e` for sm_90: None, or why it would fail on an H100."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    kernel = getattr(importlib.import_module(e["module"]), e["name"])
+    names = list(e["signature"])
+    src = ASTSource(fn=kernel, signature=e["signature"],
+                    constexprs={(names.index(k),): v for k, v in e["constexprs"].items()})
+    try:
+        shared = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=e["options"]).metadata.shared
+    except Exception as exc:  # reported to the parent test
+        return f"{e['module']}.{e['name']} {e['constexprs']}: {type(exc).__name__}: {exc}"[:4000]
+    if shared > HOPPER_SHARED_BYTES:  # the launch would fail on the GPU (out of resources)
+        return (f"{e['module']}.{e['name']} {e['constexprs']}: needs {shared} bytes of shared memory, more than a "
+                f"block may have on an H100 ({HOPPER_SHARED_BYTES})")
+    return None
+
+
+def compile_main() -> None:
+    """In the compile child: each launch from stdin through `_compile_one`, on every core (a compile takes a
+    fraction of a second to half a minute of one core: a float32 prefill attention at head dim 256 the most, so
+    each worker takes the next launch when it is done with one); print the failures."""
+    import importlib
+    import multiprocessing
+
+    importlib.import_module("triton")  # once, before the workers fork
     assert os.environ.get("TRITON_INTERPRET") != "1"
-    target, failures = GPUTarget("cuda", 90, 32), []
-    for e in json.loads(sys.stdin.read()):
-        kernel = getattr(importlib.import_module(e["module"]), e["name"])
-        names = list(e["signature"])
-        src = ASTSource(fn=kernel, signature=e["signature"],
-                        constexprs={(names.index(k),): v for k, v in e["constexprs"].items()})
-        try:
-            shared = triton.compile(src, target=target, options=e["options"]).metadata.shared
-        except Exception as exc:  # reported to the parent test
-            failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: {type(exc).__name__}: {exc}"[:4000])
-            continue
-        if shared > HOPPER_SHARED_BYTES:  # the launch would fail on the GPU (out of resources)
-            failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: needs {shared} bytes of shared memory, "
-                            f"more than a block may have on an H100 ({HOPPER_SHARED_BYTES})")
-    print(_MARKER + json.dumps(failures), flush=True)
+    launches = json.loads(sys.stdin.read())
+    workers = min(len(os.sched_getaffinity(0)), len(launches))
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = list(pool.imap(_compile_one, launches, chunksize=1))
+    else:
+        results = [_compile_one(e) for e in launches]
+    print(_MARKER + json.dumps([r for r in results if r is not None]), flush=True)
 
 
 def close(a, b, tol: float) -> float:
