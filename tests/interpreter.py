@@ -1,11 +1,12 @@
-"""Run Triton kernel checks on CPU under `TRITON_INTERPRET=1`, in a child process, and compile
+"""Run Triton kernel checks on CPU under `TRITON_INTERPRET=1`, in child processes, and compile
 every kernel launch they made for a Hopper GPU.
 
 The variable must be set before triton is imported and changes every later `@triton.jit` in
-the process, so a test file runs itself as a script in a child (`report(__file__)`), the
-child runs its checks (`main(_checks(), CHECKS)`, `_checks` returning the locals that define them) and
-prints a JSON report, and the tests read it (`tests(__file__, CHECKS)`: one test per check, one child run
-per file): nothing leaks into the pytest process.
+the process, so a test file runs itself as a script in children (`report(__file__, CHECKS)`: one a
+core, each running its share of the checks), each child runs its checks (`main(_checks(), CHECKS)`,
+`_checks` returning the locals that define them) and prints a JSON report, and the tests read the
+merged report (`tests(__file__, CHECKS)`: one test per check, one run of the children per file):
+nothing leaks into the pytest process.
 
 The checks share what they run: `close` (two tensors within a tolerance), and for an engine
 `random_model`, `cpu_engine` and `engine_matches_torch` (its Triton path's tokens and log-probs
@@ -30,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,16 +40,55 @@ ROOT = Path(__file__).resolve().parents[1]
 _MARKER = "TRITON_REPORT "
 
 
-def report(test_file: str) -> dict:
-    """Run `test_file` as a script under the interpreter; its report: {check: {"ok", "err" | "error", "s"}}."""
+def report(test_file: str, checks: list[str]) -> dict:
+    """Run `test_file` as a script under the interpreter in one child per core, each taking the next of its
+    `checks` not yet taken until none is left (they are independent; a child runs one at a time, on one thread);
+    the merged report: {check: {"ok", "err" | "error", "s"}}, and every distinct launch any of them made."""
     import pytest
 
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, test_file], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(_MARKER)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len(_MARKER):])
+    n = max(1, min(len(os.sched_getaffinity(0)), len(checks)))
+    if n > 1:
+        env["OMP_NUM_THREADS"] = "1"  # n children of n threads each would share n cores
+    out, launches = {}, {}
+    with tempfile.NamedTemporaryFile("w+") as taken:  # how many checks the children have taken
+        taken.write("0")
+        taken.flush()
+        env[_TAKEN] = taken.name
+        children = [subprocess.Popen([sys.executable, test_file], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT) for _ in range(n)]
+        for child in children:
+            stdout, stderr = child.communicate(timeout=600)
+            lines = [x for x in stdout.splitlines() if x.startswith(_MARKER)]
+            assert child.returncode == 0 and lines, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            part = json.loads(lines[-1][len(_MARKER):])
+            for entry in part.pop(_LAUNCHES, []):
+                launches.setdefault(json.dumps(entry, sort_keys=True), entry)
+            out.update(part)
+    if _UNUSABLE not in out:
+        out[_LAUNCHES] = list(launches.values())
+    return out
+
+
+def _take(names: list[str]):
+    """In a child: the checks of `names` it runs, one at a time, each the next one no child has taken (all of them
+    outside `report`)."""
+    path = os.environ.get(_TAKEN)
+    if path is None:
+        yield from names
+        return
+    import fcntl
+
+    while True:
+        with open(path, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            i = int(f.read())
+            f.seek(0)
+            f.write(str(i + 1))
+        if i >= len(names):
+            return
+        yield names[i]
 
 
 def tests(test_file: str, checks: list[str]):
@@ -59,7 +100,7 @@ def tests(test_file: str, checks: list[str]):
 
     @pytest.fixture(scope="module")
     def interpreter_report():
-        return report(test_file)
+        return report(test_file, checks)
 
     @pytest.mark.parametrize("check", checks)
     def test_check(interpreter_report, check):
@@ -78,6 +119,7 @@ def tests(test_file: str, checks: list[str]):
 
 
 _LAUNCHES = "__launches__"
+_TAKEN = "MESHPPO_INTERPRETER_TAKEN"  # in a child: the file counting the checks taken
 # The most shared memory one block may use on sm_90 (an H100's or H200's 227 KiB): a compiled kernel needing more
 # fails only at its launch on the GPU.
 HOPPER_SHARED_BYTES = 227 * 1024
@@ -363,7 +405,7 @@ def main(checks: dict, names: list[str]) -> None:
     out, launches = {}, {}
     patch_language_once_a_launch()
     _record_launches(launches)
-    for name in names:
+    for name in _take(names):
         check = checks[name]
         t0 = time.perf_counter()
         try:
