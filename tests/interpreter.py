@@ -3,7 +3,7 @@ every kernel launch they made for a Hopper GPU.
 
 The variable must be set before triton is imported and changes every later `@triton.jit` in
 the process, so a test file runs itself as a script in children (`report(__file__, CHECKS)`: one a
-core, each running its share of the checks), each child runs its checks (`main(_checks(), CHECKS)`,
+core, up to 4, each running its share of the checks), each child runs its checks (`main(_checks(), CHECKS)`,
 `_checks` returning the locals that define them) and prints a JSON report, and the tests read the
 merged report (`tests(__file__, CHECKS)`: one test per check, one run of the children per file):
 nothing leaks into the pytest process.
@@ -17,7 +17,7 @@ The interpreter runs a kernel's Python, not Triton's compiler: a kernel that the
 rejects (the return types of two branches of a `constexpr` if disagree, say) passes every
 interpreter check and fails on the GPU. So the child also records each distinct launch (kernel,
 argument types, `constexpr` values, options), and a second child, without the interpreter,
-compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed; one worker a core), with
+compiles each one for sm_90 (`triton.compile`, front end to ptxas; no GPU needed; one worker a core, up to 8), with
 programmatic dependent launch on as on Hopper, and checks that its shared memory fits a Hopper block.
 
 The child (and every rank of `run_distributed(..., triton_interpret=True)`) has the interpreter patch
@@ -41,14 +41,15 @@ _MARKER = "TRITON_REPORT "
 
 
 def report(test_file: str, checks: list[str]) -> dict:
-    """Run `test_file` as a script under the interpreter in one child per core, each taking the next of its
+    """Run `test_file` as a script under the interpreter in one child per core (up to 4), each taking the next of its
     `checks` not yet taken until none is left (they are independent; a child runs one at a time, on one thread);
     the merged report: {check: {"ok", "err" | "error", "s"}}, and every distinct launch any of them made."""
     import pytest
 
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    n = max(1, min(len(os.sched_getaffinity(0)), len(checks)))
+    # (at most 4: each child holds its own torch and models; a file's longest check is a fifth of its checks' time)
+    n = max(1, min(len(os.sched_getaffinity(0)), len(checks), 4))
     if n > 1:
         env["OMP_NUM_THREADS"] = "1"  # n children of n threads each would share n cores
     out, launches = {}, {}
@@ -296,7 +297,7 @@ def _compile_one(e: dict) -> str | None:
 
 
 def compile_main() -> None:
-    """In the compile child: each launch from stdin through `_compile_one`, on every core (a compile takes a
+    """In the compile child: each launch from stdin through `_compile_one`, on every core (up to 8; a compile takes a
     fraction of a second to half a minute of one core: a float32 prefill attention at head dim 256 the most, so
     each worker takes the next launch when it is done with one); print the failures."""
     import importlib
@@ -305,7 +306,7 @@ def compile_main() -> None:
     importlib.import_module("triton")  # once, before the workers fork
     assert os.environ.get("TRITON_INTERPRET") != "1"
     launches = json.loads(sys.stdin.read())
-    workers = min(len(os.sched_getaffinity(0)), len(launches))
+    workers = min(len(os.sched_getaffinity(0)), len(launches), 8)  # (forked: they share the imported modules)
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             results = list(pool.imap(_compile_one, launches, chunksize=1))

@@ -173,7 +173,8 @@ def test_what_meshppo_does_not_implement_is_refused_naming_the_key(override):
     (f"{R}.multi_turn.tokenization_sanity_check_mode=disable", f"{R}.multi_turn.tokenization_sanity_check_mode=disable "
      "has no effect: verl 0.9.1 reads it nowhere (only the request schema of its removed SGLang multi-turn rollout, "
      "unused, names it); meshppo checks nothing at the end of a rollout: the messages it inserts are rendered alone "
-     "and appended after the model's last token (docs/VERL.md)"),
+     "and appended after the model's turn, and after what the chat template writes after that turn's end-of-turn "
+     "token (docs/VERL.md)"),
     (f"{R}.agent.num_workers=2", f"{R}.agent.num_workers=2 has no effect: meshppo runs no agent-loop servers or "
                                  "workers: its rollouts, multi-turn ones too, run in-process"),
     (f"{R}.prometheus.served_model_name=policy", f"{R}.prometheus.served_model_name=policy has no effect: read only "
