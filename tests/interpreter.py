@@ -65,11 +65,16 @@ def report(test_file: str, checks: list[str]) -> dict:
             assert child.returncode == 0 and lines, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
             part = json.loads(lines[-1][len(_MARKER):])
             for entry in part.pop(_LAUNCHES, []):
-                launches.setdefault(json.dumps(entry, sort_keys=True), entry)
+                _add_launch(launches, entry)
             out.update(part)
     if _UNUSABLE not in out:
         out[_LAUNCHES] = list(launches.values())
     return out
+
+
+def _add_launch(launches: dict, entry: dict) -> None:
+    """Record `entry` in `launches` unless an equal launch is there (key: its JSON)."""
+    launches.setdefault(json.dumps(entry, sort_keys=True), entry)
 
 
 def _take(names: list[str]):
@@ -212,7 +217,7 @@ def _record_launches(launches: dict) -> None:
     def recording(self, *args, grid, warmup, **kwargs):
         entry = _launch_entry(self.fn, self.arg_names, args, kwargs)
         if entry is not None:
-            launches.setdefault(json.dumps(entry, sort_keys=True), entry)
+            _add_launch(launches, entry)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
