@@ -12,7 +12,8 @@ R3) the given experts replace the top-k and are weighted by the same softmax at 
 (the engine's, R3; the old-log-prob pass's, R2) is kept in `routing_dtype`. `experts_forward` runs them:
 `Σ_k w[t, k] · down_e(act(gate_e x) · up_e x)` with each expert's weights stacked as transformers 5 holds them in
 memory, `gate_up [E, 2I, H]` (gate rows first: its `chunk(2)`) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert (a stable sort of the flattened
-expert ids), each expert's group goes through one GEMM per projection, the weighted rows are put back in
+expert ids, `sort_by_expert`: on CUDA a counting-sort kernel up to `SORT_KERNEL_MAX_PAIRS` pairs, `models/moe_triton.py`),
+each expert's group goes through one GEMM per projection, the weighted rows are put back in
 (token, slot) order and summed over the slots: a fixed order of additions (no atomics), as transformers'
 grouped_mm path sums them. Both reorderings are permutations, so their backward passes are gathers by the inverse
 permutation (`_Permuted`), not the generic index backward (an accumulating `index_put_`, which sorts its indices
@@ -20,8 +21,8 @@ on CUDA): a four-layer qwen3-30b-a3b update on an H100 took 206.4 ms against 209
 
 Two paths compute the same products: on CUDA in bfloat16 (with hidden and expert sizes multiples of 8, the
 kernel's 16-byte strides) `torch.nn.functional.grouped_mm` over all experts at once, with the groups' ends
-counted on the device (a scatter-add and a cumsum: no host sync, no data-dependent shape, so the engine can
-capture it in a CUDA graph); elsewhere (CPU, float32 / float16 / float64 on CUDA) a loop over the experts that
+counted on the device by the sort (no host sync, no data-dependent shape, so the engine can capture it in a CUDA
+graph); elsewhere (CPU, float32 / float16 / float64 on CUDA) a loop over the experts that
 have tokens, which reads the group sizes on the host. Both are differentiable (the trainer's backward).
 
 Shapes: `T` tokens, `H` hidden, `E` experts, `I` expert intermediate size, `k` experts per token.
@@ -33,11 +34,16 @@ import torch
 import torch.nn.functional as F
 
 from models.block_ops import activation
+from models.triton_support import path_choice, triton_usable
 
 
 # torch.nn.functional.grouped_mm where torch has it; the same operator under its older private name where it does
 # not (an older torch)
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+# `sort_by_expert` takes the Triton kernel on CUDA up to this many (token, slot) pairs: its work grows as
+# experts × pairs, torch's sort as the pairs
+SORT_KERNEL_MAX_PAIRS = 16384
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False,
@@ -119,6 +125,24 @@ class _Permuted(torch.autograd.Function):
         return grad, None, None, None
 
 
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(order [N] int64, inverse [N] int64, ends [num_experts] int32)` of the flattened expert ids `ids [N]`
+    (int64, each in `[0, num_experts)`): the stable sort's permutation (`torch.argsort(ids, stable=True)`: the
+    pairs grouped by expert, each group in pair order), its inverse and each group's end (the cumulative counts),
+    all on the device without a host sync. `models/moe_triton.py`'s one kernel (a counting sort, the same
+    permutation) where `MESHPPO_MOE_SORT` is `auto` (default) on CUDA up to `SORT_KERNEL_MAX_PAIRS` pairs, or
+    `triton` (any device and size; CPU under `TRITON_INTERPRET=1`); else torch's sort, a scatter and a cumsum."""
+    choice = path_choice("MESHPPO_MOE_SORT")
+    if choice == "triton" or (choice == "auto" and triton_usable(ids.device) and ids.numel() <= SORT_KERNEL_MAX_PAIRS):
+        from models.moe_triton import sort_by_expert as kernel
+        return kernel(ids, num_experts)
+    order = torch.argsort(ids, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids, dtype=torch.int32))
+    return order, inverse, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: str = "silu", grouped: bool | None = None) -> torch.Tensor:
     """`[T, H]`: `Σ_k weights[t, k] · down[e](act(gate[e] x_t) · up[e] x_t)` for `e = experts[t, k]` (module
@@ -128,17 +152,13 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    order, inverse, ends = sort_by_expert(flat, num_experts)  # (token, slot) pairs grouped by expert, tokens in order
     rows = _Permuted.apply(x, order, inverse, top_k)
     if grouped if grouped is not None else use_grouped_mm(x, gate_up):
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int32))
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)
         h = _gated(_grouped_mm(rows, gate_up.transpose(1, 2), offs=ends), act)
         out = _grouped_mm(h, down.transpose(1, 2), offs=ends)
     else:
-        sizes = torch.bincount(flat, minlength=num_experts).tolist()
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         pieces = [F.linear(_gated(F.linear(group, gate_up[e]), act), down[e])
                   for e, group in enumerate(rows.split(sizes)) if sizes[e]]
         out = torch.cat(pieces) if pieces else rows.new_zeros(0, down.shape[1])
