@@ -24,7 +24,8 @@ added to the residual stream (`ops.post_norm_add`), which the next projection re
 residual stream, the output norms are added to it as OLMo-2's are; every norm of a Gemma scales by `1 + weight`
 (`unit_offset`), its embedding by sqrt(hidden), and a Gemma 3's sliding_attention layers rotate by their own RoPE
 tables. Gemma 2's soft caps are arguments of steps that exist anyway: the attention's (`softcap`, in the reference
-paths and the Triton kernels) and the logits' (`EngineModel.logits`, before the sampler's temperature).
+paths and the Triton kernels) and the logits' (the sampler's, `rollout.sampler.Sampler`, before its temperature:
+`EngineModel.logits` returns them uncapped).
 
 Granite's scalars are arguments of the steps that exist anyway: the attention's scale (`ModelArgs.attention_scale`),
 the residual_multiplier a scale of each branch output that `ops.rms_norm` adds to the residual stream, the
@@ -63,7 +64,6 @@ import torch
 import torch.nn.functional as F
 
 from models.args import ModelArgs
-from models.attention import soft_cap
 from models.moe import experts_forward, route_model, routing_dtype, use_grouped_mm
 from models.parallel_plan import tp_narrow, tp_shard_dim, tp_shard_parts
 from models.transformer import Transformer, rope_cos_sin, rope_inv_freq, scale_embeddings
@@ -694,8 +694,9 @@ class EngineModel:
         return ops.full_qk_norm(qkv, w.q_norm, w.k_norm, sums, (q_width * t, k_width * t), eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype, soft-capped by
-        final_logit_softcapping (Gemma 2's, rounded as transformers' model rounds it: `models.attention.soft_cap`),
-        so the sampler and the returned log-probs read them capped, before the temperature; the columns from
-        `vocab_real` on are padding, never written by a weight load, which the sampler leaves out."""
-        return soft_cap(F.linear(h, self.head_w), self.args.final_logit_softcapping)
+        """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype, not soft-capped: the
+        sampler caps them by final_logit_softcapping (Gemma 2's) where it reads them (`rollout.sampler.Sampler`,
+        which the runner builds with the cap), so the three elementwise passes of the cap over `[R, V]` cost no
+        memory traffic of their own; the columns from `vocab_real` on are padding, never written by a weight load,
+        which the sampler leaves out."""
+        return F.linear(h, self.head_w)

@@ -261,8 +261,8 @@ class TorchOps:
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,
-                        group: int = 1):
-        return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start, group)
+                        group: int = 1, softcap: float | None = None):
+        return sample_partials_ref(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start, group, softcap)
 
     @staticmethod
     def combine_partials(parts, out=None):

@@ -114,7 +114,8 @@ class ModelRunner:
         self.block_tables = torch.zeros(self.max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.last_tokens = torch.zeros(self.max_num_seqs + 1, dtype=torch.int64, device=device)
-        self.sampler = Sampler(model.tp, model.args.vocab_size, device, model.args.logits_scaling)
+        self.sampler = Sampler(model.tp, model.args.vocab_size, device, model.args.logits_scaling,
+                               model.args.final_logit_softcapping)
         self.dec_in = torch.zeros(3, self.max_rows, dtype=torch.int32, device=device)
         self.dec_tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         self.dec_logprobs = torch.zeros(self.max_rows, dtype=torch.float32, device=device)
@@ -343,9 +344,8 @@ class ModelRunner:
         slots_l = slots.long()
         h = m.forward(self.last_tokens[slots_l], positions, slots, meta, self.kv_cache, self.block_tables, ops,
                       kv_scales=self.kv_scales, routed_experts=self.routed_experts)
-        logits = m.logits(h)
-        tokens, _ = self.sampler(logits, keys, context_lens, ops, self.sampler.threshold(logits),
-                                 self._sample_splits(rows), out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]))
+        tokens, _ = self.sampler.sample(m.logits(h), keys, context_lens, ops, self._sample_splits(rows),
+                                        out=(self.dec_tokens[:rows], self.dec_logprobs[:rows]))
         self.last_tokens[slots_l] = tokens
 
     def _capture(self, key: tuple) -> None:
@@ -453,10 +453,9 @@ class ModelRunner:
 
     def _sample_prefill(self, h, d: dict, out=None):
         """Sample rows `h [R, H]` (LM head, sampler; into `out` when given) and set their slots' `last_tokens`."""
-        logits = self.model.logits(h)
-        r = logits.shape[0]
-        tokens, logprobs = self.sampler(logits, d["keys"][:r], d["spos"][:r], self.ops, self.sampler.threshold(logits),
-                                        self._sample_splits(r), out=out)
+        r = h.shape[0]
+        tokens, logprobs = self.sampler.sample(self.model.logits(h), d["keys"][:r], d["spos"][:r], self.ops,
+                                               self._sample_splits(r), out=out)
         self.last_tokens[d["rslots"][:r].long()] = tokens
         return tokens, logprobs
 

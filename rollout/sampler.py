@@ -29,6 +29,14 @@ top-k / top-p become one threshold per row on `s` (the k-th largest value; the s
 value inside the nucleus); tokens below it have no mass in the race (a group without such
 tokens cannot win). Ties at the threshold are all kept. The log-probability returned is
 always that of the untruncated `softmax(s)` (see `rollout.config`).
+
+A soft-capped model's (Gemma 2's final_logit_softcapping) `s` is `cap·tanh(logit / cap) / T`, the cap rounded in
+the logits' dtype as `models.attention.soft_cap` rounds it: the engine's LM head returns the logits uncapped, and the
+race caps each logit where it reads it (`sample_partials_ref`; the Triton kernel's `SOFTCAP`), so the cap costs no
+pass over `[R, V]` of its own. With top-k / top-p the threshold and the race must compare the very same values (a
+capped value one ulp off the threshold's would drop a token from the set, the only token of a set of one), so
+`Sampler.sample` caps the logits once in PyTorch, takes the threshold on them and races them uncapped; the
+threshold's own sort over the vocabulary costs more than that pass.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import math
 
 import torch
 
+from models.attention import soft_cap
 from models.scan import cumsum
 from rollout.parallel import TPGroup, vocab_shard
 
@@ -108,13 +117,15 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, group_ids: torch.T
 
 def sample_partials_ref(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                         inv_temp: torch.Tensor, noise_scale: torch.Tensor, thresh: torch.Tensor | None,
-                        vocab_start: int, group: int = 1) -> torch.Tensor:
+                        vocab_start: int, group: int = 1, softcap: float | None = None) -> torch.Tensor:
     """Partials `[R, 1, 5]` of local logits `[R, Vl]` raced in groups of `group` ids (reference; the
-    Triton kernel splits Vl). `vocab_start` and Vl are multiples of `group`.
+    Triton kernel splits Vl). `vocab_start` and Vl are multiples of `group`. `softcap`: the logits'
+    soft cap (`models.attention.soft_cap`, in their dtype; None: none), taken before the temperature;
+    `thresh` is on the capped `s`.
 
     `noise_scale` 0 (greedy) races each group's largest `s` itself: no noise term, not one times zero.
     """
-    s = logits.float() * inv_temp
+    s = soft_cap(logits, softcap).float() * inv_temp
     r, v = s.shape
     sg = s.view(r, v // group, group)
     mg = sg.max(-1).values  # [R, groups]
@@ -184,10 +195,14 @@ class Sampler:
     by `logits_scaling`, Granite's, which divides its logits before the temperature)
     so that a captured CUDA graph serves every temperature; greedy selects the noise-free
     score on the device (`torch.where`), so no host branch is baked into a graph.
+
+    `softcap` (Gemma 2's final_logit_softcapping; None: none) caps the logits it is given (uncapped, as
+    `EngineModel.logits` returns them) before the temperature, for the race, the threshold and the log-probs alike.
     """
 
-    def __init__(self, tp: TPGroup, vocab_size: int, device, logits_scaling: float = 1.0):
-        self.tp, self.logits_scaling = tp, logits_scaling
+    def __init__(self, tp: TPGroup, vocab_size: int, device, logits_scaling: float = 1.0,
+                 softcap: float | None = None):
+        self.tp, self.logits_scaling, self.softcap = tp, logits_scaling, softcap
         self.vocab_start, self.vocab_local, self.vocab_real = vocab_shard(vocab_size, tp.rank, tp.size)
         self.group = race_group(math.gcd(self.vocab_local, vocab_size))
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
@@ -214,10 +229,15 @@ class Sampler:
         return (self.top_k, self.top_p) if self.truncates else None
 
     def threshold(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The top-k / top-p threshold `[R]`, identical on every rank; None without truncation."""
+        """The top-k / top-p threshold `[R]` on the capped, scaled scores `s` of uncapped `logits`, identical on
+        every rank; None without truncation."""
         if not self.truncates:
             return None
-        s = logits.float() * self.inv_temp
+        return self._threshold(soft_cap(logits, self.softcap))
+
+    def _threshold(self, capped: torch.Tensor) -> torch.Tensor:
+        """`threshold` of logits `capped` already."""
+        s = capped.float() * self.inv_temp
         if self.vocab_real < self.vocab_local:  # a padded shard (`s` is a new tensor: the logits stay)
             s[:, self.vocab_real:] = float("-inf")
         if self.tp.size > 1:
@@ -229,12 +249,27 @@ class Sampler:
                 s = self.tp.all_gather(s).permute(1, 0, 2).reshape(s.shape[0], -1)  # full vocabulary
         return truncation_threshold(s, self.top_k, self.top_p)
 
+    def sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ops, num_splits: int = 1,
+               out=None):
+        """`self(logits, ..., self.threshold(logits), ...)` with the cap taken once: in the race where nothing
+        truncates, else in PyTorch before the threshold, whose values the race then reads (the module docstring)."""
+        if not self.truncates:
+            return self._race(logits, keys, positions, ops, None, self.softcap, num_splits, out)
+        capped = soft_cap(logits, self.softcap)
+        return self._race(capped, keys, positions, ops, self._threshold(capped), None, num_splits, out)
+
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ops,
                  thresh: torch.Tensor | None = None, num_splits: int = 1, out=None):
-        """logits `[R, Vl]`, keys `[R]` int32, positions `[R]` (index of the token being sampled)
-        -> tokens `[R]` int64 and log-probs `[R]` float32 (written into `out`, a pair, when given)."""
+        """logits `[R, Vl]` (uncapped), keys `[R]` int32, positions `[R]` (index of the token being sampled),
+        `thresh` a threshold on the capped `s` (`threshold(logits)`) or None -> tokens `[R]` int64 and log-probs
+        `[R]` float32 (written into `out`, a pair, when given)."""
+        if thresh is not None and self.softcap:  # the race compares the values the threshold was taken on
+            return self._race(soft_cap(logits, self.softcap), keys, positions, ops, thresh, None, num_splits, out)
+        return self._race(logits, keys, positions, ops, thresh, self.softcap, num_splits, out)
+
+    def _race(self, logits, keys, positions, ops, thresh, softcap, num_splits, out):
         parts = ops.sample_partials(logits[:, :self.vocab_real], keys, positions, self.inv_temp, self.noise_scale, thresh,
-                                    self.vocab_start, num_splits, self.group)
+                                    self.vocab_start, num_splits, self.group, softcap)
         if self.tp.size > 1:
             parts = self.tp.all_gather(parts)  # [tp, R, S, 5]
             parts = parts.permute(1, 0, 2, 3).reshape(parts.shape[1], -1, NUM_PARTIAL_FIELDS)

@@ -25,9 +25,11 @@ no host synchronisation, so that a decode step can be captured in a CUDA graph:
 * `prefill_attention`: flash attention of packed query chunks over their paged context
   (prefix included), causal. Both attentions soft-cap the scaled scores where `SOFTCAP` (a constexpr, Gemma 2's
   attn_logit_softcapping; 0, the uncapped kernels, compiled as before) is set: cap·tanh(s / cap) before the mask
-  (`_capped`; the logits' cap is the engine model's, before the sampler: `rollout.model.EngineModel.logits`).
+  (`_capped`; the logits' cap is the sampler's, below).
 * `sample_partials`: the exponential race and log-normaliser over vocabulary chunks (the
-  noise and the greedy rule of `rollout.sampler`); `combine_partials` merges the chunks.
+  noise and the greedy rule of `rollout.sampler`), soft-capping each logit it reads where `SOFTCAP`
+  (Gemma 2's final_logit_softcapping; 0, the uncapped kernel, compiled as before) is set
+  (`_capped_logits`); `combine_partials` merges the chunks.
 * `step_inputs`, `step_outputs`: a captured decode step's inputs read from, and its results
   written to, pinned host memory, the half that a parity on the device names: no copy
   between two replays.
@@ -70,7 +72,7 @@ try:  # grid dependency control: programmatic dependent launch (Hopper and later
 except ImportError:  # pragma: no cover - depends on the triton version
     gdc_launch_dependents = gdc_wait = None
 
-from models.block_triton import act_mul, rotate_half, silu_mul, soft_cap, weighted_norm_row
+from models.block_triton import act_mul, rotate_half, silu_mul, soft_cap, tanh, weighted_norm_row
 from rollout.attention import PREFILL_TILE, AttentionMetadata
 from rollout.config import KV_FP8_DTYPES
 from rollout.ops import FP8, FP8_MAX, FP8_TINY, scaled_linear
@@ -656,6 +658,19 @@ def _prefill_attn_kernel(q_ptr, stride_qt, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
 
 
 @triton.jit
+def _capped_logits(x, SOFTCAP: tl.constexpr):
+    """float32 of logits `x` (loaded in their dtype) soft-capped as `models.attention.soft_cap` rounds it in that
+    dtype: x / cap, its tanh (`models.block_triton.tanh`) and that times cap, each rounded to the dtype; float32 `x`
+    itself where SOFTCAP is 0. A value may differ from PyTorch's by one ulp of the dtype where the approximate tanh
+    (or the GPU's division, or CUDA PyTorch's x times 1/cap) falls on the other side of a rounding boundary."""
+    xf = x.to(tl.float32)
+    if SOFTCAP > 0:
+        q = (xf / SOFTCAP).to(x.dtype).to(tl.float32)
+        xf = (tanh(q).to(x.dtype).to(tl.float32) * SOFTCAP).to(x.dtype).to(tl.float32)
+    return xf
+
+
+@triton.jit
 def _mix32(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -667,10 +682,10 @@ def _mix32(x):
 @triton.jit
 def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_ptr, noise_ptr, parts_ptr,
                    V_LOCAL, VOCAB_START, PER_SPLIT, num_splits, HAS_THRESH: tl.constexpr, FAST_LOG: tl.constexpr,
-                   BLOCK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr):
     # `rollout.sampler.sample_partials_ref` over one vocabulary split of one row: the race in
     # groups of GROUP ids, one lane per group of a block, each lane keeping its best group's
-    # score and token and its share of the log-normaliser.
+    # score and token and its share of the log-normaliser; with SOFTCAP, of the capped logits.
     _after_previous(PDL)
     NG: tl.constexpr = BLOCK // GROUP
     r = tl.program_id(0).to(tl.int64)
@@ -695,7 +710,10 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
     row = logits_ptr + r * stride_l
     for v0 in range(start, end, BLOCK):
         idx = v0 + tl.arange(0, BLOCK)
-        x = tl.load(row + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        x = tl.load(row + idx, mask=idx < end, other=float("-inf"))
+        if SOFTCAP > 0:  # past the split's end stays -inf (the cap of -inf is -cap)
+            x = tl.where(idx < end, _capped_logits(x, SOFTCAP), float("-inf"))
+        x = x.to(tl.float32) * inv_t
         xg = tl.reshape(x, [NG, GROUP])
         mg = tl.max(xg, 1)
         mg_safe = tl.where(mg == float("-inf"), 0.0, mg)  # a group past the split's end
@@ -734,7 +752,7 @@ def _sample_kernel(logits_ptr, stride_l, keys_ptr, pos_ptr, thresh_ptr, inv_t_pt
         lane_idx = tl.where(better, v0 + tl.arange(0, NG) * GROUP + within, lane_idx)
     best = tl.max(lane_best, 0)
     win = tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0)
-    s_win = tl.load(row + win).to(tl.float32) * inv_t
+    s_win = _capped_logits(tl.load(row + win), SOFTCAP) * inv_t
     mmax = tl.max(lane_m, 0)
     msafe = tl.where(mmax == float("-inf"), 0.0, mmax)
     z = tl.sum(lane_z * tl.exp(lane_m - msafe), 0)
@@ -1102,7 +1120,7 @@ class TritonOps:
 
     @staticmethod
     def sample_partials(logits, keys, positions, inv_temp, noise_scale, thresh, vocab_start: int, num_splits: int,
-                        group: int = 1):
+                        group: int = 1, softcap: float | None = None):
         r, v = logits.shape
         block = max(1024 if v >= 1024 else _pow2(v), group)
         per_split = triton.cdiv(triton.cdiv(v, num_splits), block) * block
@@ -1113,5 +1131,5 @@ class TritonOps:
                 thresh.contiguous() if thresh is not None else inv_temp,
                 inv_temp, noise_scale, parts, v, vocab_start, per_split, num_splits,
                 HAS_THRESH=thresh is not None, FAST_LOG=logits.is_cuda and libdevice is not None, BLOCK=block,
-                GROUP=group, num_warps=4, **_NO_FMA, **_launch(logits))
+                GROUP=group, SOFTCAP=float(softcap or 0.0), num_warps=4, **_NO_FMA, **_launch(logits))
         return parts
