@@ -27,6 +27,7 @@ The child (and every rank of `run_distributed(..., triton_interpret=True)`) has 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -318,6 +319,32 @@ def compile_main() -> None:
     else:
         results = [_compile_one(e) for e in launches]
     print(_MARKER + json.dumps([r for r in results if r is not None]), flush=True)
+
+
+@contextlib.contextmanager
+def bf16_rounds_to_nearest_even():
+    """In a check, while inside: the interpreter's float32 -> bfloat16 conversions (`x.to(tl.bfloat16)`) round to
+    nearest even, as the GPU's (`cvt.rn.bf16.f32`) and PyTorch's do; triton 3.9's interpreter truncates them
+    (`InterpreterBuilder.cast_impl`), one ulp off about half the time, so a kernel that rounds like torch (the
+    sampler's soft cap) could not be told from one that rounds otherwise."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    cast = ti.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16).view(torch.int16)
+            return ti.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    ti.InterpreterBuilder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        ti.InterpreterBuilder.cast_impl = cast
 
 
 def close(a, b, tol: float) -> float:
