@@ -140,6 +140,25 @@ def test_sampling_is_the_race_over_training_logits(params):
     assert outs[0].token_ids != outs[1].token_ids
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(n=2, temperature=0.8, max_tokens=12, seed=5),
+    SamplingParams(n=2, temperature=1.3, top_k=7, top_p=0.8, max_tokens=12, seed=11),
+])
+def test_a_capped_models_tokens_are_the_race_over_its_capped_training_logits(params):
+    """A Gemma 2 (final cap 3, which bites on these logits), whose engine LM head returns the logits uncapped and
+    whose sampler caps them (in the race; with top-k / top-p before the threshold): greedy, sampled and truncated
+    tokens are the race over the training forward's capped logits, the log-probs their log_softmax (chunked prefill
+    and preemption on the way)."""
+    model = tiny_model(tiny_args("gemma2"))
+    prompts = prompts_of([5, 17, 2, 9], seed=1)
+    engine = make_engine(model, num_kv_blocks=16, max_num_batched_tokens=12)
+    outs = engine.generate(prompts, params)
+    assert engine.last_stats["preemptions"] > 0 and engine.runner.sampler.softcap == 3.0
+    for o in outs:
+        check_against_training_forward(model, o, params)
+
+
 def test_samples_do_not_depend_on_batching_or_preemption():
     model = tiny_model(tiny_args("llama"))
     prompts = prompts_of([6, 11, 3, 19, 8], seed=2)

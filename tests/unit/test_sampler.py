@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.attention import soft_cap
 from rollout.ops import TorchOps
 from rollout.parallel import TPGroup
 from rollout.sampler import (RACE_GROUP, Sampler, combine_partials, group_uniforms, gumbel_noise, mix32_t,
@@ -200,17 +201,21 @@ def key_rows(key: int, n: int, device="cpu") -> torch.Tensor:
     return torch.full((n,), key - (1 << 32) if key >= 1 << 31 else key, dtype=torch.int32, device=device)
 
 
-def expected_probs(temperature: float, top_k: int, top_p: float, logits: torch.Tensor = LOGITS) -> torch.Tensor:
-    """float64 softmax(logits / T) restricted to the top-k / top-p set (brute-force threshold)."""
-    s = logits.double() / temperature
+def expected_probs(temperature: float, top_k: int, top_p: float, logits: torch.Tensor = LOGITS,
+                   softcap: float | None = None) -> torch.Tensor:
+    """float64 softmax(logits / T) (of the logits soft-capped by `softcap`) restricted to the top-k / top-p set
+    (brute-force threshold)."""
+    s = soft_cap(logits, softcap).double() / temperature
     return torch.softmax(s.masked_fill(s < _brute_threshold(s, top_k, top_p), float("-inf")), -1)
 
 
 def draw_tokens(temperature: float, top_k: int, top_p: float, n: int = N_DRAWS, tp: TPGroup | None = None,
-                ops=TorchOps, device="cpu", num_splits: int = 1, logits: torch.Tensor = LOGITS):
-    """Tokens and log-probs `[n]` drawn by `Sampler` from `logits`, over this rank's vocabulary shard."""
+                ops=TorchOps, device="cpu", num_splits: int = 1, logits: torch.Tensor = LOGITS,
+                softcap: float | None = None):
+    """Tokens and log-probs `[n]` drawn by `Sampler` (soft-capping the logits by `softcap`) from `logits`, over this
+    rank's vocabulary shard."""
     tp = tp or TPGroup(None)
-    sampler = Sampler(tp, len(logits), device)
+    sampler = Sampler(tp, len(logits), device, softcap=softcap)
     assert sampler.group == (16 if len(logits) == 32 else 1)
     sampler.set_params(temperature, top_k, top_p)
     shard = logits.to(device).chunk(tp.size)[tp.rank].expand(n, -1)
@@ -354,6 +359,61 @@ def test_chi_square_check_rejects_biased_samplers(logits, case):
     # A sampler ignoring the temperature, top-k and top-p: the draws of the first case.
     if case != (1.0, -1, 1.0):
         assert chi_square_pvalue(_draws((1.0, -1, 1.0), len(logits))[0], probs) < P_REJECT
+
+
+# A soft cap that flattens LOGITS (0 to -7.15) to 0 to -2.95 (Gemma 2's is 30, on logits of tens). Each top-p is at
+# least 4e-3 away from every cumulative mass of the capped softmax.
+CAP = 3.0
+CAPPED_CASES = [(1.0, -1, 1.0), (0.7, 10, 1.0), (1.0, -1, 0.9), (0.7, 9, 0.95)]
+
+
+@pytest.mark.parametrize("case", CAPPED_CASES)
+def test_capped_draws_fit_the_softmax_of_the_capped_logits(case):
+    """A sampler built with a soft cap and given the uncapped logits (as `EngineModel.logits` returns them) draws
+    from softmax(cap·tanh(logits / cap) / T), truncated on those capped scores, and returns its log-probs; the draws
+    reject the uncapped softmax."""
+    temperature = case[0]
+    tokens, logprobs = draw_tokens(*case, softcap=CAP)
+    assert chi_square_pvalue(tokens, expected_probs(*case, softcap=CAP)) > P_REJECT
+    assert chi_square_pvalue(tokens, expected_probs(*case)) < P_REJECT
+    assert torch.allclose(logprobs, torch.log_softmax(soft_cap(LOGITS, CAP) / temperature, -1)[tokens], atol=1e-6)
+
+
+@pytest.mark.parametrize("cap", [30.0, 5.0])
+def test_a_capped_sampler_races_the_capped_logits(cap):
+    """bf16 logits of a few caps, the cap in the sampler: through `sample` (the runner's call: the cap inside the
+    race, or with top-k / top-p once before the threshold) and through a call with `threshold`, the tokens and
+    log-probs of an uncapped sampler given `soft_cap(logits)` on the same keys, for greedy, sampling, top-k and top-p.
+    Greedy is the argmax of the capped logits: row 0's 8 and 12 caps both cap to the cap, and the first id wins where
+    the uncapped argmax is the second. The threshold is top-k / top-p on the capped scores: top-1 keeps both."""
+    torch.manual_seed(5)
+    r, v = 6, 96
+    raw = torch.randn(r, v) * cap
+    raw[0, 4], raw[0, 50] = 8 * cap, 12 * cap
+    x = raw.bfloat16()
+    capped = soft_cap(x, cap)
+    keys = torch.tensor([sequence_key(3, i, 0) for i in range(r)], dtype=torch.int64)
+    pos = torch.arange(r) + 4
+    sampler, plain = Sampler(TPGroup(None), v, "cpu", softcap=cap), Sampler(TPGroup(None), v, "cpu")
+    for temperature, top_k, top_p in ((0.0, -1, 1.0), (0.8, -1, 1.0), (0.8, 1, 1.0), (0.8, 9, 1.0), (1.2, -1, 0.7)):
+        sampler.set_params(temperature, top_k, top_p)
+        plain.set_params(temperature, top_k, top_p)
+        s = capped.float() * sampler.inv_temp
+        th = sampler.threshold(x)
+        if sampler.truncates:
+            assert torch.equal(th, truncation_threshold(s, top_k, top_p))
+            if top_k == 1:
+                assert (s[0] >= th[0]).nonzero().flatten().tolist() == [4, 50]
+        else:
+            assert th is None
+        want = plain(capped, keys, pos, TorchOps, plain.threshold(capped))
+        for got in (sampler.sample(x, keys, pos, TorchOps), sampler(x, keys, pos, TorchOps, th)):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temperature, top_k, top_p)
+        assert torch.allclose(want[1], torch.log_softmax(s, -1).gather(1, want[0][:, None]).squeeze(1), atol=1e-6)
+        if temperature == 0:
+            assert torch.equal(want[0], s.argmax(-1)) and want[0][0] == 4 and x[0].argmax() == 50
+        uncapped = plain(x, keys, pos, TorchOps, plain.threshold(x))
+        assert (uncapped[1] - want[1]).abs().max() > 0.1
 
 
 class NoHostSync(TorchDispatchMode):
