@@ -35,8 +35,8 @@ the logits' dtype as `models.attention.soft_cap` rounds it: the engine's LM head
 race caps each logit where it reads it (`sample_partials_ref`; the Triton kernel's `SOFTCAP`), so the cap costs no
 pass over `[R, V]` of its own. With top-k / top-p the threshold and the race must compare the very same values (a
 capped value one ulp off the threshold's would drop a token from the set, the only token of a set of one), so
-`Sampler.sample` caps the logits once in PyTorch, takes the threshold on them and races them uncapped; the
-threshold's own sort over the vocabulary costs more than that pass.
+`Sampler.sample` caps the logits once in PyTorch, takes the threshold on them and races them uncapped (the
+threshold's own top-k or sort over the vocabulary costs more than that pass).
 """
 
 from __future__ import annotations

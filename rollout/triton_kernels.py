@@ -662,7 +662,8 @@ def _capped_logits(x, SOFTCAP: tl.constexpr):
     """float32 of logits `x` (loaded in their dtype) soft-capped as `models.attention.soft_cap` rounds it in that
     dtype: x / cap, its tanh (`models.block_triton.tanh`) and that times cap, each rounded to the dtype; float32 `x`
     itself where SOFTCAP is 0. A value may differ from PyTorch's by one ulp of the dtype where the approximate tanh
-    (or the GPU's division, or CUDA PyTorch's x times 1/cap) falls on the other side of a rounding boundary."""
+    (or the GPU's approximate division and exp, or CUDA PyTorch's x times 1/cap) falls on the other side of a rounding
+    boundary, and below ~1e-3 in magnitude by the tanh's absolute error (~4e-6), larger than their ulp there."""
     xf = x.to(tl.float32)
     if SOFTCAP > 0:
         q = (xf / SOFTCAP).to(x.dtype).to(tl.float32)

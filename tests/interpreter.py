@@ -11,7 +11,8 @@ nothing leaks into the pytest process.
 The checks share what they run: `close` (two tensors within a tolerance), and for an engine
 `random_model`, `cpu_engine` and `engine_matches_torch` (its Triton path's tokens and log-probs
 against its PyTorch path's, over `PROMPTS` and `sampled()` unless given other runs, e.g. `greedy()`;
-`same_tokens` compares two outputs).
+`same_tokens` compares two outputs), and `bf16_rounds_to_nearest_even` (the interpreter's float32 -> bf16
+conversions rounded as the GPU's, which triton 3.9's interpreter truncates).
 
 The interpreter runs a kernel's Python, not Triton's compiler: a kernel that the compiler
 rejects (the return types of two branches of a `constexpr` if disagree, say) passes every
