@@ -696,7 +696,7 @@ class EngineModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, `[R, vocab_local]` in the model dtype, not soft-capped: the
         sampler caps them by final_logit_softcapping (Gemma 2's) where it reads them (`rollout.sampler.Sampler`,
-        which the runner builds with the cap), so the three elementwise passes of the cap over `[R, V]` cost no
-        memory traffic of their own; the columns from `vocab_real` on are padding, never written by a weight load,
-        which the sampler leaves out."""
+        which the runner builds with the cap), so that without top-k / top-p the cap's three elementwise passes over
+        `[R, V]` cost no memory traffic of their own; the columns from `vocab_real` on are padding, never written by
+        a weight load, which the sampler leaves out."""
         return F.linear(h, self.head_w)
