@@ -53,6 +53,14 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
     "qwen3-30b-a3b": ModelArgs(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, tie_word_embeddings=False,
                                **(_QWEN3 | dict(model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4)),
                                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # Gemma-2-2b: 26 layers, every other one windowed (4,096), head dim 256, its scores capped at 50 and its logits
+    # (a 256,000-token vocabulary) at 30; 2.6B parameters, 0.59B of them the tied embedding
+    "gemma2-2b": ModelArgs.from_hf_config(dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, max_position_embeddings=8192,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)),
 }
 
 
