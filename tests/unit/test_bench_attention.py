@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.unit.bench_cli import smoke_refusal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench", "attention.py")
 
@@ -39,16 +41,10 @@ def test_smoke_run_writes_a_record_per_path():
 def test_bad_options_are_refused(monkeypatch, capsys, args, message):
     from bench.attention import main
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert message in smoke_refusal(monkeypatch, capsys, main, args)
 
 
 def test_smoke_needs_the_interpreter(monkeypatch, capsys):
     from bench.attention import main
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SystemExit) as e:
-        main(["--smoke"])
-    assert e.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert "TRITON_INTERPRET=1" in smoke_refusal(monkeypatch, capsys, main, ["--smoke"], interpreter=False)

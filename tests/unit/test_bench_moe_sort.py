@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.unit.bench_cli import smoke_refusal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench", "moe_sort.py")
 
@@ -35,16 +37,10 @@ def test_smoke_run_writes_a_record_per_path_and_size():
 def test_bad_options_are_refused(monkeypatch, capsys, args, message):
     from bench.moe_sort import main
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert message in smoke_refusal(monkeypatch, capsys, main, args)
 
 
 def test_smoke_needs_the_interpreter(monkeypatch, capsys):
     from bench.moe_sort import main
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SystemExit) as e:
-        main(["--smoke"])
-    assert e.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert "TRITON_INTERPRET=1" in smoke_refusal(monkeypatch, capsys, main, ["--smoke"], interpreter=False)
