@@ -305,6 +305,10 @@ def test_the_sort_kernel_is_torchs_stable_sort_on_the_gpu(pairs, experts):
 def test_the_layer_is_bitwise_the_same_with_either_sort(monkeypatch):
     """The grouped bf16 layer, forward and backward, with the Triton sort (the default on CUDA at 2,048 pairs) and
     with torch's: bit for bit, as the permutation is the same."""
+    from models import moe_triton
+
+    kernel, calls = moe_triton.sort_by_expert, []
+    monkeypatch.setattr(moe_triton, "sort_by_expert", lambda *args: calls.append(args[0].numel()) or kernel(*args))
     router, gate_up, down = (t.bfloat16() for t in _weights())
     x, dy = (t.bfloat16() for t in _inputs(512, seed=5))
     results = []
@@ -315,5 +319,6 @@ def test_the_layer_is_bitwise_the_same_with_either_sort(monkeypatch):
         out = experts_forward(leaves[0], weights, experts, leaves[2], leaves[3])
         out.backward(dy)
         results.append([out.detach()] + [t.grad for t in leaves])
+    assert calls == [512 * K]  # the default took the kernel, the forced torch path did not
     for a, b in zip(*results):
         assert torch.equal(a, b)

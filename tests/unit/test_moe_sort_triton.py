@@ -60,13 +60,23 @@ def _checks() -> dict:
         experts = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
         experts[:5] = torch.tensor([0, num_experts - 1])  # both ends; expert 3 may be empty
         weights = torch.rand(tokens, top_k, dtype=torch.float64)
-        results = []
-        for path in ("torch", "triton"):
-            os.environ["MESHPPO_MOE_SORT"] = path
-            leaves = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
-            out = experts_forward(leaves[0], leaves[1], experts, leaves[2], leaves[3])
-            out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
-            results.append([out.detach()] + [t.grad for t in leaves])
+        results, kernel, calls = [], moe_triton.sort_by_expert, []
+
+        def counted(*args):
+            calls.append(args[0].numel())
+            return kernel(*args)
+
+        moe_triton.sort_by_expert = counted  # (`models.moe.sort_by_expert` looks it up at each call)
+        try:
+            for path in ("torch", "triton"):
+                os.environ["MESHPPO_MOE_SORT"] = path
+                leaves = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+                out = experts_forward(leaves[0], leaves[1], experts, leaves[2], leaves[3])
+                out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+                results.append([out.detach()] + [t.grad for t in leaves])
+        finally:
+            moe_triton.sort_by_expert = kernel
+        assert calls == [tokens * top_k], f"the kernel ran for {calls} pairs: once, on the Triton path, expected"
         for name, a, b in zip(("out", "dx", "dweights", "dgate_up", "ddown"), *results):
             assert torch.equal(a, b), f"{name} differs between the torch and the Triton sort"
         return 0.0
