@@ -41,9 +41,11 @@ from models.triton_support import path_choice, triton_usable
 # not (an older torch)
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
-# `sort_by_expert` takes the Triton kernel on CUDA up to this many (token, slot) pairs: its work grows as
-# experts × pairs, torch's sort as the pairs
-SORT_KERNEL_MAX_PAIRS = 16384
+# `sort_by_expert` takes the Triton kernel on CUDA up to this many (token, slot) pairs: each of its programs (one
+# an expert, side by side) reads every pair twice, so its time grows with the pairs faster than torch's sort does.
+# On an H100 at 128 experts (bench/moe_sort.py, BENCHMARKS "Twenty-eighth session"), µs a sort, kernel / torch:
+# 2,048 pairs 3.4 / 45.8, 16,384 17.3 / 94.3, 32,768 35.5 / 86.9, 131,072 156.8 / 120.2
+SORT_KERNEL_MAX_PAIRS = 32768
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_weights: bool = False,

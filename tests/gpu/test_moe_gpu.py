@@ -286,11 +286,11 @@ def test_a_granite_moe_shared_block_is_transformers_in_bf16():
     assert bf16_err > 0 and err <= bf16_err / 10 and err_served <= bf16_err / 10, (err, err_served, bf16_err)
 
 
-@pytest.mark.parametrize("pairs,experts", [(2048, 128), (16384, 128), (131072, 128), (3000, 8), (1, 4)])
+@pytest.mark.parametrize("pairs,experts", [(2048, 128), (32768, 128), (131072, 128), (3000, 8), (1, 4)])
 def test_the_sort_kernel_is_torchs_stable_sort_on_the_gpu(pairs, experts):
     """`models/moe_triton.py`'s counting sort gives torch's stable argsort, its inverse and the cumulative counts
-    exactly, at a decode step's 2,048 pairs, the kernel's size limit, a training micro-batch's 131,072 (beyond the
-    limit, forced) and edge sizes; skewed ids leave experts empty."""
+    exactly, at a decode step's 2,048 pairs, the kernel's size limit (32,768), a training micro-batch's 131,072
+    (beyond the limit, forced) and edge sizes; skewed ids leave experts empty."""
     from models.moe_triton import sort_by_expert as kernel
 
     g = torch.Generator(device=DEV).manual_seed(pairs)

@@ -32,6 +32,12 @@ from tests import interpreter
 ENV = "MESHPPO_FUSED_OPS"
 FP32_TOL = 8 * torch.finfo(torch.float32).eps
 BF16_FACTOR = 1.5
+# GeGLU's backward (gelu_tanh's derivative, `1 - tanh²` cancelling for large |gate|) puts the fused and eager
+# gradients further apart: over 16 input seeds the fused `dgate` came within 12.7 float32 ulps of the largest value
+# (FP32_TOL's 8 failed 3 of the first 12; CI failed so once) and within 1.54 × eager's bf16 error: these bounds leave
+# 2.5 and 1.6 times that
+GELU_FP32_TOL = 32 * torch.finfo(torch.float32).eps
+GELU_BF16_FACTOR = 2.5
 CHECKS = ["rms_norm", "rms_norm_weight_promotion", "rms_norm_unit_offset", "swiglu", "swiglu_down", "geglu",
           "geglu_down", "swiglu_down_keeps_less", "rope_packed", "rope_padded", "transformer", "transformer_gemma3"]
 
@@ -68,7 +74,7 @@ def _values_and_grads(fn, args, needs_grad, grad_outs):
     return [o.detach() for o in outs] + [a.grad for a, n in zip(args, needs_grad) if n]
 
 
-def compare_op(ops, args, needs_grad, names, bf16_factor: float, seed: int = 0) -> dict:
+def compare_op(ops, args, needs_grad, names, bf16_factor: float, seed: int = 0, fp32_tol: float = FP32_TOL) -> dict:
     """`ops` = (reference, eager, fused): run `reference` on `args` in float64, `eager` and
     `fused` on `args`; assert equal output dtypes and the tolerance on every output and input
     gradient (for a low-precision forward, also an error no smaller than eager's over the
@@ -87,12 +93,17 @@ def compare_op(ops, args, needs_grad, names, bf16_factor: float, seed: int = 0) 
         assert f.dtype == e.dtype, f"{name}: fused dtype {f.dtype}, eager {e.dtype}"
         errs[name] = (rel_err(f, r), rel_err(e, r))
         ef, ee = errs[name]
-        bound = bf16_factor * ee if low_precision else FP32_TOL
+        bound = bf16_factor * ee if low_precision else fp32_tol
         assert ef <= bound, f"{name}: fused error {ef:.3g} > {bound:.3g} (eager {ee:.3g})"
         if low_precision and i < len(grad_outs):
             # a forward rounds where eager rounds: not more precise either
             assert ef >= ee / bf16_factor, f"{name}: fused error {ef:.3g} << eager {ee:.3g}: a rounding skipped"
     return errs
+
+
+def _tolerances(act: str) -> tuple[float, int, float]:
+    """`compare_op`'s (bf16_factor, seed, fp32_tol) for a gated MLP of activation `act`."""
+    return (GELU_BF16_FACTOR, 0, GELU_FP32_TOL) if act == "gelu_tanh" else (BF16_FACTOR, 0, FP32_TOL)
 
 
 def rms_norm_ops(eps: float, unit_offset: bool = False):
@@ -251,8 +262,8 @@ def _checks(bf16: bool = True) -> dict:
         for dtype in dtypes:
             for shape in ((7, 80), (3, 5, 37)):
                 gate, up = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
-                errs[f"{dtype} {shape}"] = compare_op(ops, [gate, up], [True, True],
-                                                      ["out", "dgate", "dup"], BF16_FACTOR)
+                errs[f"{dtype} {shape}"] = compare_op(ops, [gate, up], [True, True], ["out", "dgate", "dup"],
+                                                      *_tolerances(act))
         return errs
 
     def geglu():
@@ -268,7 +279,7 @@ def _checks(bf16: bool = True) -> dict:
             for lead, m, n, bias in (((7,), 80, 40, False), ((3, 5), 37, 24, True)):
                 args = swiglu_down_inputs(lead, m, n, dtype, bias)
                 names = ["out", "dgate", "dup", "dweight"] + (["dbias"] if bias else [])
-                errs[f"{dtype} {lead} {m}->{n}"] = compare_op(ops, args, [True] * len(args), names, BF16_FACTOR)
+                errs[f"{dtype} {lead} {m}->{n}"] = compare_op(ops, args, [True] * len(args), names, *_tolerances(act))
         return errs
 
     def swiglu_down_keeps_less():
