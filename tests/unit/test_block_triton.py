@@ -101,9 +101,10 @@ def compare_op(ops, args, needs_grad, names, bf16_factor: float, seed: int = 0, 
     return errs
 
 
-def _tolerances(act: str) -> tuple[float, int, float]:
-    """`compare_op`'s (bf16_factor, seed, fp32_tol) for a gated MLP of activation `act`."""
-    return (GELU_BF16_FACTOR, 0, GELU_FP32_TOL) if act == "gelu_tanh" else (BF16_FACTOR, 0, FP32_TOL)
+def _tolerances(act: str) -> dict:
+    """`compare_op`'s bounds (`bf16_factor`, `fp32_tol`) for a gated MLP of activation `act`."""
+    gelu = act == "gelu_tanh"
+    return {"bf16_factor": GELU_BF16_FACTOR if gelu else BF16_FACTOR, "fp32_tol": GELU_FP32_TOL if gelu else FP32_TOL}
 
 
 def rms_norm_ops(eps: float, unit_offset: bool = False):
@@ -263,7 +264,7 @@ def _checks(bf16: bool = True) -> dict:
             for shape in ((7, 80), (3, 5, 37)):
                 gate, up = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
                 errs[f"{dtype} {shape}"] = compare_op(ops, [gate, up], [True, True], ["out", "dgate", "dup"],
-                                                      *_tolerances(act))
+                                                      **_tolerances(act))
         return errs
 
     def geglu():
@@ -279,7 +280,7 @@ def _checks(bf16: bool = True) -> dict:
             for lead, m, n, bias in (((7,), 80, 40, False), ((3, 5), 37, 24, True)):
                 args = swiglu_down_inputs(lead, m, n, dtype, bias)
                 names = ["out", "dgate", "dup", "dweight"] + (["dbias"] if bias else [])
-                errs[f"{dtype} {lead} {m}->{n}"] = compare_op(ops, args, [True] * len(args), names, *_tolerances(act))
+                errs[f"{dtype} {lead} {m}->{n}"] = compare_op(ops, args, [True] * len(args), names, **_tolerances(act))
         return errs
 
     def swiglu_down_keeps_less():
